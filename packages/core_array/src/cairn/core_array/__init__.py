@@ -1,0 +1,61 @@
+"""cairn.core_array: the thin protocol the Cairn libraries share.
+
+Paths in the ``a/0/b`` convention, array specs, the dtype table, quantized arrays,
+logical-axis sharding rules and the duck-typed protocols. Needs NumPy and ml_dtypes; JAX
+is optional and never imported by this package unless a JAX feature is asked for.
+"""
+
+from cairn.core_array._dtypes import (
+    DTYPE_TABLE,
+    DTypeInfo,
+    as_numpy_dtype,
+    bit_width,
+    canonical_dtype,
+    dtype_info,
+)
+from cairn.core_array._paths import (
+    SEPARATOR,
+    PathError,
+    flatten_with_paths,
+    map_with_path,
+    match_paths,
+    path_matches,
+    tree_paths,
+    unflatten,
+)
+from cairn.core_array._protocols import Checkpointable, GradientTransformationLike
+from cairn.core_array._qarray import QArray, QuantLayout, pack_bits, unpack_bits
+from cairn.core_array._sharding import LogicalAxisRules, logical_to_partition_spec, named_sharding
+from cairn.core_array._specs import ArraySpec, spec_of, specs_from_json, specs_to_json
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SEPARATOR",
+    "PathError",
+    "flatten_with_paths",
+    "unflatten",
+    "tree_paths",
+    "map_with_path",
+    "match_paths",
+    "path_matches",
+    "ArraySpec",
+    "spec_of",
+    "specs_to_json",
+    "specs_from_json",
+    "DTypeInfo",
+    "DTYPE_TABLE",
+    "dtype_info",
+    "canonical_dtype",
+    "as_numpy_dtype",
+    "bit_width",
+    "QuantLayout",
+    "QArray",
+    "pack_bits",
+    "unpack_bits",
+    "LogicalAxisRules",
+    "logical_to_partition_spec",
+    "named_sharding",
+    "Checkpointable",
+    "GradientTransformationLike",
+]

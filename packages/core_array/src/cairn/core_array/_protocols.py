@@ -1,0 +1,29 @@
+"""Duck-typed protocols the sibling packages meet through (no imports between them)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Checkpointable", "GradientTransformationLike"]
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An object whose state is a small JSON-able dict (a data iterator, a counter).
+
+    ``set_state(get_state())`` on a fresh object makes it continue exactly where the
+    original was.
+    """
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class GradientTransformationLike(Protocol):
+    """Optax-style ``init`` / ``update`` pair (cairn.optim, Optax itself, ...)."""
+
+    def init(self, params: Any) -> Any: ...
+
+    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]: ...

@@ -1,0 +1,264 @@
+"""``QArray``: quantized values with their scale, zero point and scale layout.
+
+``cairn.quant`` makes them and ``cairn.kernels`` consumes them; neither imports the other.
+
+Sub-byte packing is decided here, once: values of a ``bits``-wide type (int4, uint4,
+int2, uint2, float4_e2m1fn) are packed ``8 // bits`` to a byte along the *last* axis,
+element ``k`` of each group in bits ``[k*bits, (k+1)*bits)`` (the first element in the
+low bits); the last axis is padded with zero bits to a whole number of bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype, dtype_info
+from cairn.core_array._jax_compat import jax_tree_util, on_jax_import
+
+__all__ = ["QuantLayout", "QArray", "pack_bits", "unpack_bits"]
+
+_KINDS = ("per_tensor", "per_channel", "per_tile")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLayout:
+    """How ``scale`` (and ``zero_point``) cover the values.
+
+    - ``per_tensor``: one scale; ``scale.shape`` is ``()`` or all ones.
+    - ``per_channel``: one scale per index of ``axes``; ``scale`` keeps every dim, with
+      size 1 on the other axes (``keepdims`` form, so it broadcasts).
+    - ``per_tile``: ``axes == (axis,)`` is cut into tiles of ``tile_size``; along it
+      ``scale`` has ``shape[axis] // tile_size`` entries, on other axes 1 or the full size.
+    """
+
+    kind: str = "per_tensor"
+    axes: tuple[int, ...] = ()
+    tile_size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"QuantLayout kind {self.kind!r} unknown; expected one of {_KINDS}")
+        object.__setattr__(self, "axes", tuple(int(a) for a in self.axes))
+        if self.kind == "per_tensor" and (self.axes or self.tile_size is not None):
+            raise ValueError("QuantLayout per_tensor takes no axes and no tile_size")
+        if self.kind == "per_channel" and (not self.axes or self.tile_size is not None):
+            raise ValueError("QuantLayout per_channel needs axes and no tile_size")
+        if self.kind == "per_tile":
+            if len(self.axes) != 1 or self.tile_size is None or self.tile_size <= 0:
+                raise ValueError("QuantLayout per_tile needs exactly one axis and a positive tile_size")
+
+    @classmethod
+    def per_tensor(cls) -> QuantLayout:
+        return cls("per_tensor")
+
+    @classmethod
+    def per_channel(cls, *axes: int) -> QuantLayout:
+        return cls("per_channel", tuple(axes))
+
+    @classmethod
+    def per_tile(cls, axis: int, tile_size: int) -> QuantLayout:
+        return cls("per_tile", (axis,), tile_size)
+
+    def expected_scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The full (non-broadcast) scale shape for values of ``shape``."""
+        nd = len(shape)
+        axes = tuple(a % nd for a in self.axes) if nd else ()
+        if self.kind == "per_tensor":
+            return (1,) * nd
+        if self.kind == "per_channel":
+            return tuple(d if i in axes else 1 for i, d in enumerate(shape))
+        (ax,) = axes
+        if shape[ax] % self.tile_size:
+            raise ValueError(f"axis {ax} of size {shape[ax]} is not a multiple of tile_size {self.tile_size}")
+        return tuple(d // self.tile_size if i == ax else d for i, d in enumerate(shape))
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "axes": list(self.axes), "tile_size": self.tile_size}
+
+    @classmethod
+    def from_json(cls, d: dict) -> QuantLayout:
+        return cls(d["kind"], tuple(d.get("axes", ())), d.get("tile_size"))
+
+
+def _xp(x: Any):
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np
+    import jax.numpy as jnp
+
+    return jnp
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QArray:
+    """Quantized ``qvalue`` with ``scale`` (and optional ``zero_point``).
+
+    ``dequantize()`` computes ``(qvalue - zero_point) * scale`` in float32 and casts to
+    ``dtype`` (the original dtype). ``qvalue`` holds the quantized type ``qtype``
+    unpacked (one element per value; ml_dtypes for sub-byte types); use
+    :func:`pack_bits` for storage. A JAX pytree (children: qvalue, scale, zero_point)
+    once JAX is imported.
+
+    >>> q = QArray(np.array([[2, -4]], np.int8), np.array([[0.5, 0.25]], np.float32),
+    ...            qtype="int8", layout=QuantLayout.per_channel(1))
+    >>> q.dequantize()
+    array([[ 1., -1.]], dtype=float32)
+    """
+
+    qvalue: Any
+    scale: Any
+    zero_point: Any = None
+    qtype: str = "int8"
+    layout: QuantLayout = dataclasses.field(default_factory=QuantLayout)
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "qtype", canonical_dtype(self.qtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if not isinstance(self.layout, QuantLayout):
+            raise TypeError(f"QArray layout must be a QuantLayout, got {type(self.layout).__name__}")
+        jax_tree_util()  # registers QArray as a pytree if JAX is in use
+        shape = getattr(self.qvalue, "shape", None)
+        sshape = getattr(self.scale, "shape", None)
+        if shape is None or sshape is None:
+            return
+        shape, sshape = tuple(shape), tuple(sshape)
+        expected = self.layout.expected_scale_shape(shape)
+        ok = sshape == () or (
+            len(sshape) == len(shape) and all(s == e or s == 1 for s, e in zip(sshape, expected))
+        )
+        if self.layout.kind == "per_tile" and sshape != ():
+            ax = self.layout.axes[0] % len(shape)
+            ok = ok and sshape[ax] == expected[ax]
+        if not ok:
+            raise ValueError(
+                f"QArray scale shape {sshape} does not fit values of shape {shape} with layout "
+                f"{self.layout}; expected {expected} (1 allowed on broadcast axes)"
+            )
+        if self.zero_point is not None:
+            zshape = tuple(getattr(self.zero_point, "shape", ()))
+            if zshape not in ((), sshape):
+                raise ValueError(f"QArray zero_point shape {zshape} must be () or the scale shape {sshape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.qvalue.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _expand(self, s: Any, xp) -> Any:
+        if self.layout.kind == "per_tile" and getattr(s, "ndim", 0):
+            ax = self.layout.axes[0] % self.ndim
+            s = xp.repeat(s, self.layout.tile_size, axis=ax)
+        return s
+
+    def dequantize(self) -> Any:
+        xp = _xp(self.qvalue)
+        v = self.qvalue.astype(xp.float32)
+        if self.zero_point is not None:
+            v = v - self._expand(xp.asarray(self.zero_point).astype(xp.float32), xp)
+        v = v * self._expand(xp.asarray(self.scale).astype(xp.float32), xp)
+        return v.astype(as_numpy_dtype(self.dtype))
+
+    def metadata(self) -> dict:
+        """JSON-able description (everything but the arrays)."""
+        return {
+            "qtype": self.qtype,
+            "dtype": self.dtype,
+            "layout": self.layout.to_json(),
+            "has_zero_point": self.zero_point is not None,
+        }
+
+
+def _register_qarray() -> None:
+    import jax.tree_util as tu
+
+    def flatten_with_keys(q: QArray):
+        children = (
+            (tu.GetAttrKey("qvalue"), q.qvalue),
+            (tu.GetAttrKey("scale"), q.scale),
+            (tu.GetAttrKey("zero_point"), q.zero_point),
+        )
+        return children, (q.qtype, q.layout, q.dtype)
+
+    def unflatten(aux, children):
+        q = object.__new__(QArray)
+        for name, v in zip(("qvalue", "scale", "zero_point"), children):
+            object.__setattr__(q, name, v)
+        for name, v in zip(("qtype", "layout", "dtype"), aux):
+            object.__setattr__(q, name, v)
+        return q
+
+    tu.register_pytree_with_keys(QArray, flatten_with_keys, unflatten)
+
+
+on_jax_import(_register_qarray)
+
+
+def _bits_of(dtype: Any, bits: int | None) -> int:
+    if bits is not None:
+        return int(bits)
+    return dtype_info(dtype).bits
+
+
+def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
+    """Pack a sub-byte array along its last axis into ``uint8``.
+
+    ``x`` is an ml_dtypes sub-byte array (int4, uint4, int2, uint2, float4_e2m1fn) or an
+    integer array with values representable in ``bits`` bits. The last axis shrinks to
+    ``ceil(n * bits / 8)``.
+
+    >>> import ml_dtypes
+    >>> pack_bits(np.array([1, -1, 7], ml_dtypes.int4))
+    array([241,   7], dtype=uint8)
+    """
+    x = np.asarray(x)
+    b = _bits_of(x.dtype, bits) if bits is None else int(bits)
+    if b not in (1, 2, 4):
+        raise ValueError(f"pack_bits packs 1-, 2- or 4-bit values, got bits={b} for dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("pack_bits needs at least one axis")
+    per = 8 // b
+    mask = (1 << b) - 1
+    if x.dtype.itemsize == 1:
+        raw = x.view(np.uint8) & mask
+    else:
+        raw = (x.astype(np.int64) & mask).astype(np.uint8)
+    n = x.shape[-1]
+    pad = (-n) % per
+    if pad:
+        raw = np.concatenate([raw, np.zeros(x.shape[:-1] + (pad,), np.uint8)], axis=-1)
+    raw = raw.reshape(x.shape[:-1] + (-1, per))
+    shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
+    return np.bitwise_or.reduce(raw << shifts, axis=-1).astype(np.uint8)
+
+
+def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``length`` values of ``dtype`` along the last axis.
+
+    >>> import ml_dtypes
+    >>> unpack_bits(np.array([241, 7], np.uint8), "int4", 3)
+    array([1, -1, 7], dtype=int4)
+    """
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise ValueError(f"unpack_bits expects uint8 input, got {packed.dtype}")
+    info = dtype_info(dtype)
+    b = info.bits
+    if b not in (1, 2, 4):
+        raise ValueError(f"unpack_bits: {info.name} is not a 1-, 2- or 4-bit type")
+    per = 8 // b
+    if length > packed.shape[-1] * per or length < 0:
+        raise ValueError(f"unpack_bits: {length} values do not fit {packed.shape[-1]} bytes of {b}-bit values")
+    shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
+    raw = (packed[..., None] >> shifts) & ((1 << b) - 1)
+    raw = raw.reshape(packed.shape[:-1] + (-1,))[..., :length].astype(np.uint8)
+    if info.kind == "int":
+        # sign-extend into the byte so that the ml_dtypes view reads the right value
+        sign = (raw >> (b - 1)) & 1
+        raw = raw | (sign * np.uint8((0xFF << b) & 0xFF)).astype(np.uint8)
+    return np.ascontiguousarray(raw).view(info.dtype)
