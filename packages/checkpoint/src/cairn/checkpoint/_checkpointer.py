@@ -1,0 +1,223 @@
+"""One pytree in one directory: ``save``, ``restore``, ``metadata`` and ``AsyncCheckpointer``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import _fs, _multihost, _restore, _tree
+from ._errors import CheckpointError
+from ._restore import LeafMetadata
+
+
+class _Background:
+    """Runs one save tail at a time; its error is re-raised by the next ``wait``."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._what = ""
+
+    def start(self, fn: Callable[[], None], what: str) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                self._error = err
+
+        self._what = what
+        self._thread = threading.Thread(target=run, name=f"cairn-checkpoint {what}", daemon=False)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"background save of {self._what} failed: {err}") from err
+
+
+def _prepare_tmp(final: str, force: bool) -> str:
+    """Create a fresh temporary directory next to ``final`` (primary), then sync processes."""
+    if os.path.exists(final) and not force:
+        raise FileExistsError(f"checkpoint {final} already exists (pass force=True to replace it)")
+    tmp = final + _fs.TMP_SUFFIX
+    if _multihost.is_primary():
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
+        os.makedirs(tmp)
+    _multihost.barrier(f"prepare {final}")
+    return tmp
+
+
+def _commit(tmp: str, final: str, force: bool) -> None:
+    _multihost.barrier(f"written {final}")
+    if _multihost.is_primary():
+        if force and os.path.exists(final):
+            _fs.remove_tree(final)
+        _fs.commit(tmp, final, {"time": time.time(), "format": _tree.FORMAT})
+    _multihost.barrier(f"committed {final}")
+
+
+def save(
+    directory: str | os.PathLike,
+    tree: Any,
+    *,
+    force: bool = False,
+    compression: str | None = None,
+) -> None:
+    """Save a pytree to ``directory`` and return once it is durably committed.
+
+    Leaves may be ``jax.Array`` (sharded or not; every process writes the shards it owns),
+    NumPy arrays and scalars, and Python ``bool``/``int``/``float``/``complex``/``str``.
+    Keys on disk are the :mod:`cairn.core_array` path strings (``"layers/0/w"``).
+
+    The data goes to ``<directory>.cairn-tmp``; after every file and directory is fsync'd a
+    ``COMMIT`` marker is written and the directory renamed, so ``directory`` either holds a
+    complete checkpoint or does not exist. ``compression`` is ``None`` (default) or
+    ``"zstd"`` / ``"zstd:<level>"``.
+
+    >>> import tempfile, numpy as np
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> save(d, {"w": np.arange(3.0), "step": 7, "name": "run-1"})
+    >>> restore(d)
+    {'name': 'run-1', 'step': 7, 'w': array([0., 1., 2.])}
+    """
+    final = os.path.abspath(os.fspath(directory))
+    snap = _tree.snapshot(tree, copy_host=False, compression=compression)
+    tmp = _prepare_tmp(final, force)
+    _tree.write(snap, tmp, compression=compression)
+    _commit(tmp, final, force)
+
+
+def restore(
+    directory: str | os.PathLike,
+    target: Any = None,
+    *,
+    paths: str | Sequence[str] | None = None,
+    partial: bool = False,
+    cast: bool = False,
+    mesh: Any = None,
+) -> Any:
+    """Read a checkpoint written by :func:`save`.
+
+    Without ``target`` every leaf comes back as saved (``jax.Array`` on the first local
+    device, NumPy arrays, Python scalars) in nested dicts keyed by path component.
+
+    With ``target`` (a pytree whose leaves are ``jax.Array``, ``jax.ShapeDtypeStruct``,
+    :class:`~cairn.core_array.ArraySpec`, a ``jax.sharding.Sharding``, NumPy arrays or
+    scalars) the result has the target's structure, and each array gets the target's
+    sharding (another mesh or device count than at save time is fine: each process reads
+    only the regions its devices need) and dtype (a dtype change needs ``cast=True``).
+    ``ArraySpec`` leaves with a ``sharding`` use ``mesh``. Every mismatch (missing, extra or
+    differently shaped paths) is listed in one :class:`TargetMismatchError`; ``partial=True``
+    skips checkpoint paths that the target lacks.
+
+    ``paths`` (a regex or list of regexes, full match on the path string) restores only the
+    matching paths; with a target, non-matching target leaves are returned unchanged.
+    """
+    _require_committed(os.fspath(directory))
+    return _restore.restore_dir(
+        directory, target, paths=paths, partial=partial, cast=cast, mesh=mesh
+    )
+
+
+def metadata(directory: str | os.PathLike) -> dict[str, LeafMetadata]:
+    """Every saved path with its kind, shape, dtype and sharding, without reading array data.
+
+    >>> import tempfile, numpy as np
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> save(d, {"w": np.zeros((2, 3), np.float32)})
+    >>> m = metadata(d)["w"]
+    >>> m.shape, m.dtype, m.kind
+    ((2, 3), 'float32', 'numpy')
+    """
+    directory = os.fspath(directory)
+    _require_committed(directory)
+    return _restore.metadata_of(directory)
+
+
+def _require_committed(directory: str) -> None:
+    """A checkpoint is readable if it, or the manager step holding it, has a COMMIT marker."""
+    if not os.path.isdir(directory):
+        if os.path.isdir(directory + _fs.TMP_SUFFIX):
+            raise CheckpointError(f"checkpoint {directory} is incomplete: its save never committed")
+        raise FileNotFoundError(f"no checkpoint at {directory}")
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not (_fs.is_committed(directory) or _fs.is_committed(parent)):
+        raise CheckpointError(
+            f"{directory} is not a committed checkpoint (no {_fs.COMMIT_MARKER} marker)"
+        )
+
+
+class AsyncCheckpointer:
+    """Saves in the background: :meth:`save` returns once device data is on the host.
+
+    Writing, metadata and the atomic commit run in a background thread. A second
+    :meth:`save` first waits for the previous one; an error raised in the background is
+    re-raised (as :class:`CheckpointError`) by the next call to any method. NumPy leaves are
+    copied at ``save`` time so the caller may change them; ``jax.Array`` leaves are
+    immutable and, on CPU, referenced without a copy.
+
+    >>> import tempfile, numpy as np
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> ckptr = AsyncCheckpointer()
+    >>> ckptr.save(d, {"w": np.ones(4)})
+    >>> ckptr.wait_until_finished()
+    >>> restore(d)["w"].sum()
+    np.float64(4.0)
+    """
+
+    def __init__(self, *, compression: str | None = None) -> None:
+        self._compression = compression
+        self._bg = _Background()
+
+    def save(self, directory: str | os.PathLike, tree: Any, *, force: bool = False) -> None:
+        self._bg.wait()
+        final = os.path.abspath(os.fspath(directory))
+        snap = _tree.snapshot(tree, copy_host=True, compression=self._compression)
+        tmp = _prepare_tmp(final, force)
+        compression = self._compression
+
+        def tail() -> None:
+            _tree.write(snap, tmp, compression=compression)
+            _commit(tmp, final, force)
+
+        self._bg.start(tail, final)
+
+    def restore(self, directory: str | os.PathLike, target: Any = None, **kwargs: Any) -> Any:
+        self._bg.wait()
+        return restore(directory, target, **kwargs)
+
+    def metadata(self, directory: str | os.PathLike) -> dict[str, LeafMetadata]:
+        self._bg.wait()
+        return metadata(directory)
+
+    def wait_until_finished(self) -> None:
+        """Block until the pending save is committed; re-raise its error if it failed."""
+        self._bg.wait()
+
+    def check_for_errors(self) -> None:
+        """Re-raise a finished background save's error without waiting for a running one."""
+        if not self._bg.busy():
+            self._bg.wait()
+
+    def close(self) -> None:
+        self._bg.wait()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,348 @@
+"""Restore: compare the target with the checkpoint, then read only the needed regions."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from cairn.core_array import ArraySpec, as_numpy_dtype, flatten_with_paths, path_matches, unflatten
+
+from . import _fs, _storage, _tree
+from ._errors import CheckpointError, TargetMismatchError
+
+
+@dataclass(frozen=True)
+class LeafMetadata:
+    """What a checkpoint holds at one path, read from its JSON metadata (no array data).
+
+    ``kind`` is ``"jax"``, ``"numpy"``, ``"numpy_scalar"`` or ``"scalar"`` (Python
+    bool/int/float/complex/str, whose ``value`` is stored inline). ``sharding`` is the
+    partition spec at save time and ``mesh`` its mesh axis sizes (``None`` if unsharded).
+    """
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: tuple | None = None
+    mesh: dict | None = None
+    chunk_shape: tuple[int, ...] | None = None
+    value: Any = None
+
+    @property
+    def spec(self) -> ArraySpec:
+        return ArraySpec(self.shape, self.dtype, sharding=self.sharding)
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes if self.kind != "scalar" else 0
+
+
+def _leaf_metadata(path: str, e: dict) -> LeafMetadata:
+    if e["kind"] == "scalar":
+        value = _tree.decode_scalar(e)
+        dtype = {"bool": "bool", "int": "int64", "float": "float64", "complex": "complex128"}.get(
+            e["type"], "str"
+        )
+        return LeafMetadata(path, "scalar", (), dtype, value=value)
+    spec = ArraySpec.from_json(e["spec"])
+    sh = e.get("sharding") or {}
+    return LeafMetadata(
+        path,
+        e["kind"],
+        spec.shape,
+        spec.dtype,
+        sharding=spec.sharding,
+        mesh=sh.get("mesh"),
+        chunk_shape=tuple(e["chunk_shape"]),
+    )
+
+
+def load_metadata(directory: str) -> dict:
+    directory = os.fspath(directory)
+    path = os.path.join(directory, _tree.METADATA_FILE)
+    if not os.path.isfile(path):
+        if os.path.isdir(directory + _fs.TMP_SUFFIX):
+            raise CheckpointError(f"checkpoint {directory} is incomplete (its save never committed)")
+        raise FileNotFoundError(f"no checkpoint at {directory}: {_tree.METADATA_FILE} not found")
+    meta = _fs.read_json(path)
+    if meta.get("format") != _tree.FORMAT:
+        raise CheckpointError(f"{path} is not a cairn.checkpoint metadata file")
+    if meta.get("version", 0) > _tree.FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {meta['version']}; this cairn.checkpoint reads up to "
+            f"{_tree.FORMAT_VERSION}"
+        )
+    return meta
+
+
+def metadata_of(directory: str) -> dict[str, LeafMetadata]:
+    meta = load_metadata(directory)
+    return {p: _leaf_metadata(p, e) for p, e in meta["leaves"].items()}
+
+
+def _is_target_leaf(x: Any) -> bool:
+    return isinstance(x, (ArraySpec, jax.ShapeDtypeStruct, jax.sharding.Sharding, LeafMetadata))
+
+
+@dataclass
+class _Want:
+    kind: str  # "jax" | "numpy" | "numpy_scalar" | "scalar" | "keep"
+    dtype: np.dtype | None = None
+    sharding: Any = None
+    keep: Any = None
+
+
+def _want_from_target(t: Any, entry: dict, mesh: Any) -> tuple[_Want, tuple | None, Any]:
+    """(what to build, expected shape or None, expected dtype or None) for a target leaf."""
+    if isinstance(t, jax.Array):
+        return _Want("jax", np.dtype(t.dtype), t.sharding), tuple(t.shape), np.dtype(t.dtype)
+    if isinstance(t, jax.ShapeDtypeStruct):
+        return _Want("jax", np.dtype(t.dtype), t.sharding), tuple(t.shape), np.dtype(t.dtype)
+    if isinstance(t, ArraySpec):
+        sharding = None
+        if mesh is not None:
+            sharding = jax.sharding.NamedSharding(mesh, t.partition_spec())
+        kind = "jax" if sharding is not None else "numpy"
+        return _Want(kind, t.numpy_dtype, sharding), t.shape, t.numpy_dtype
+    if isinstance(t, LeafMetadata):
+        return _want_from_target(t.spec, entry, mesh)
+    if isinstance(t, jax.sharding.Sharding):
+        return _Want("jax", None, t), None, None
+    if isinstance(t, np.ndarray):
+        return _Want("numpy", t.dtype), tuple(t.shape), t.dtype
+    if isinstance(t, np.generic):
+        return _Want("numpy_scalar", t.dtype), (), t.dtype
+    if isinstance(t, (bool, int, float, complex, str)):
+        if entry["kind"] == "scalar":
+            return _Want("scalar"), None, None
+        return _Want("numpy_scalar" if entry["kind"] != "jax" else "jax"), (), None
+    raise TypeError(
+        f"unsupported restore target leaf of type {type(t).__qualname__}: expected a jax.Array, "
+        "jax.ShapeDtypeStruct, ArraySpec, Sharding, numpy array or Python scalar"
+    )
+
+
+def _compile_patterns(paths: str | Sequence[str] | None) -> list[re.Pattern] | None:
+    if paths is None:
+        return None
+    if isinstance(paths, (str, re.Pattern)):
+        paths = [paths]
+    return [re.compile(p) if isinstance(p, str) else p for p in paths]
+
+
+def _selected(patterns, path: str) -> bool:
+    return patterns is None or any(path_matches(p, path) for p in patterns)
+
+
+def _describe(entry: dict) -> str:
+    if entry["kind"] == "scalar":
+        return f"{entry['type']} scalar"
+    return f"shape {tuple(entry['spec']['shape'])} {entry['spec']['dtype']}"
+
+
+def plan(
+    meta: dict,
+    target: Any,
+    *,
+    paths: str | Sequence[str] | None,
+    partial: bool,
+    cast: bool,
+    mesh: Any,
+    where: str,
+) -> tuple[dict[str, tuple[dict, _Want]], Any]:
+    """Decide what to read for each path; raise one error listing every mismatch."""
+    saved: dict[str, dict] = meta["leaves"]
+    patterns = _compile_patterns(paths)
+    todo: dict[str, tuple[dict, _Want]] = {}
+    if target is None:
+        for p, e in saved.items():
+            if _selected(patterns, p):
+                todo[p] = (e, _Want(e["kind"], None, None))
+        if patterns is not None and not todo:
+            raise TargetMismatchError(f"no path of checkpoint {where} matches {paths!r}")
+        return todo, None
+    tflat = flatten_with_paths(target, is_leaf=_is_target_leaf)
+    problems: list[str] = []
+    for p, t in tflat.items():
+        if not _selected(patterns, p):
+            todo[p] = ({}, _Want("keep", keep=t))
+            continue
+        if p not in saved:
+            problems.append(f"missing in checkpoint: {p!r} (the target has {_target_desc(t)})")
+            continue
+        e = saved[p]
+        try:
+            want, shape, dtype = _want_from_target(t, e, mesh)
+        except TypeError as err:
+            problems.append(f"{p!r}: {err}")
+            continue
+        if e["kind"] != "scalar":
+            sshape = tuple(e["spec"]["shape"])
+            sdtype = as_numpy_dtype(e["spec"]["dtype"])
+            if shape is not None and shape != sshape:
+                problems.append(f"shape differs at {p!r}: checkpoint {sshape}, target {shape}")
+            if dtype is not None and dtype != sdtype and not cast:
+                problems.append(
+                    f"dtype differs at {p!r}: checkpoint {sdtype.name}, target {dtype.name} "
+                    "(pass cast=True to convert)"
+                )
+        elif want.kind != "scalar":
+            problems.append(f"kind differs at {p!r}: checkpoint has a {_describe(e)}, target {_target_desc(t)}")
+        todo[p] = (e, want)
+    if not partial:
+        for p, e in saved.items():
+            if p not in tflat and _selected(patterns, p):
+                problems.append(
+                    f"not in target: {p!r} ({_describe(e)}; pass partial=True to skip it)"
+                )
+    if problems:
+        raise TargetMismatchError(
+            f"restore target does not match checkpoint {where}: {len(problems)} difference(s):\n  - "
+            + "\n  - ".join(problems)
+        )
+    return todo, target
+
+
+def _target_desc(t: Any) -> str:
+    if hasattr(t, "shape") and hasattr(t, "dtype"):
+        return f"shape {tuple(t.shape)} {np.dtype(t.dtype).name}"
+    return type(t).__qualname__
+
+
+def _regions_all(directory: str, meta: dict) -> list[dict[str, list]]:
+    out = []
+    for i in range(meta["process_count"]):
+        f = os.path.join(directory, _tree.regions_file(i))
+        if not os.path.isfile(f):
+            raise CheckpointError(f"checkpoint {directory} lacks {_tree.regions_file(i)} (process {i}'s part)")
+        out.append(_fs.read_json(f))
+    return out
+
+
+def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dict[str, Any]:
+    """Read every planned leaf; all reads run concurrently inside TensorStore."""
+    directory = os.fspath(directory)
+    regions = _regions_all(directory, meta)
+    stores: dict[tuple[int, str], Any] = {}
+    jobs = []  # (path, finalize) ; futures collected separately
+    results: dict[str, Any] = {}
+
+    def sources(path: str, needed: list[list[list[int]]]):
+        out = []
+        for i, reg in enumerate(regions):
+            for saved in reg.get(path, ()):
+                if any(_storage.intersect(n, saved) is not None or not n for n in needed):
+                    key = (i, path)
+                    if key not in stores:
+                        stores[key] = _storage.open_for_read(_storage.db_dir(directory, i), path)
+                    out.append((key, saved))
+        return out
+
+    # Plan buffers and the regions they need.
+    for path, (e, want) in todo.items():
+        if want.kind == "keep":
+            results[path] = want.keep
+            continue
+        if e["kind"] == "scalar":
+            results[path] = _tree.decode_scalar(e)
+            continue
+        spec = ArraySpec.from_json(e["spec"])
+        shape = spec.shape
+        saved_dtype = spec.numpy_dtype
+        out_dtype = want.dtype if want.dtype is not None else saved_dtype
+        kind = want.kind if want.kind != "scalar" else e["kind"]
+        sharding = want.sharding
+        if kind == "jax" and sharding is not None:
+            idx = sharding.addressable_devices_indices_map(shape)
+            by_region: dict[tuple, list] = {}
+            for dev, index in idx.items():
+                reg = _tree.norm_index(index, shape)
+                by_region.setdefault(tuple(map(tuple, reg)), []).append(dev)
+            bufs = [
+                ([list(r) for r in reg], devs, _storage.aligned_empty([b - a for a, b in reg], saved_dtype))
+                for reg, devs in by_region.items()
+            ]
+        else:
+            full = [[0, d] for d in shape]
+            bufs = [(full, None, _storage.aligned_empty(shape, saved_dtype))]
+        srcs = sources(path, [b[0] for b in bufs])
+        jobs.append((path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs))
+
+    opened = {}
+    for key, fut in stores.items():
+        try:
+            opened[key] = fut.result()
+        except Exception as err:  # noqa: BLE001
+            raise _storage.translate_error(err, key[1]) from err
+
+    futures = []
+    for path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs in jobs:
+        sd = e["storage_dtype"]
+        for reg, _devs, buf in bufs:
+            if buf.size == 0:
+                continue
+            out = _storage.to_storage(buf, sd)
+            src = [(opened[k], saved) for k, saved in srcs]
+            futures.extend((path, f) for f in _storage.read_into(out, reg, src, path))
+    for path, fut in futures:
+        try:
+            fut.result()
+        except Exception as err:  # noqa: BLE001
+            raise _storage.translate_error(err, path) from err
+
+    for path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs in jobs:
+        if out_dtype != saved_dtype:
+            bufs = [(r, d, _cast_aligned(b, out_dtype)) for r, d, b in bufs]
+        if kind == "jax":
+            if sharding is None:
+                results[path] = jax.device_put(bufs[0][2], jax.local_devices()[0])
+            else:
+                arrays = []
+                order = {}
+                for _reg, devs, buf in bufs:
+                    for dev in devs:
+                        order[dev] = jax.device_put(buf, dev)
+                for dev in sharding.addressable_devices_indices_map(shape):
+                    arrays.append(order[dev])
+                results[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        elif kind == "numpy_scalar":
+            results[path] = bufs[0][2][()]
+        else:
+            results[path] = bufs[0][2]
+    return results
+
+
+def _cast_aligned(buf: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    out = _storage.aligned_empty(buf.shape, dtype)
+    out[...] = buf
+    return out
+
+
+def build(results: dict[str, Any], target: Any) -> Any:
+    if target is None:
+        return unflatten(results)
+    return unflatten(results, like=target, is_leaf=_is_target_leaf)
+
+
+def restore_dir(
+    directory: str,
+    target: Any = None,
+    *,
+    paths=None,
+    partial: bool = False,
+    cast: bool = False,
+    mesh: Any = None,
+) -> Any:
+    directory = os.fspath(directory)
+    meta = load_metadata(directory)
+    todo, tgt = plan(meta, target, paths=paths, partial=partial, cast=cast, mesh=mesh, where=directory)
+    results = read(directory, meta, todo)
+    return build(results, tgt)
+
