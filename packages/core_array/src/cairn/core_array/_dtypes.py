@@ -134,8 +134,13 @@ def dtype_info(x: Any) -> DTypeInfo:
             return _BY_DTYPE[dt]
         raise ValueError(f"unknown dtype name {x!r}; expected one of {', '.join(DTYPE_TABLE)}")
     try:
-        dt = np.dtype(getattr(x, "dtype", x)) if not isinstance(x, np.dtype) else x
-    except TypeError:
+        if isinstance(x, np.dtype):
+            dt = x
+        elif isinstance(x, type) or not hasattr(x, "dtype"):
+            dt = np.dtype(x)
+        else:
+            dt = np.dtype(x.dtype)
+    except (TypeError, ValueError):
         raise ValueError(f"cannot interpret {x!r} (type {type(x).__name__}) as a dtype") from None
     info = _BY_DTYPE.get(dt)
     if info is None:

@@ -108,10 +108,11 @@ def _children(x: Any, prefix: str) -> tuple[list[tuple[str, Any]], Callable[[lis
         comps = [_render_key(k, prefix) for k in keys]
         return list(zip(comps, (x[k] for k in keys))), functools.partial(_rebuild_dict, x, keys)
     if _is_namedtuple(x):
-        fields = type(x)._fields
-        return [(f, getattr(x, f)) for f in fields], lambda vals, _t=type(x): _t(*vals)
+        nt = type(x)
+        return [(f, getattr(x, f)) for f in nt._fields], lambda vals: nt(*vals)
     if type(x) in (list, tuple):
-        return [(str(i), v) for i, v in enumerate(x)], lambda vals, _t=type(x): _t(vals)
+        seq = type(x)
+        return [(str(i), v) for i, v in enumerate(x)], lambda vals: seq(vals)
     tu = jax_tree_util()
     if tu is not None:
         leaves, treedef = tu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)

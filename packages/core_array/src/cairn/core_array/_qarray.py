@@ -232,7 +232,7 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
     pad = (-n) % per
     if pad:
         raw = np.concatenate([raw, np.zeros(x.shape[:-1] + (pad,), np.uint8)], axis=-1)
-    raw = raw.reshape(x.shape[:-1] + (-1, per))
+    raw = raw.reshape(x.shape[:-1] + ((n + pad) // per, per))
     shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
     return np.bitwise_or.reduce(raw << shifts, axis=-1).astype(np.uint8)
 
@@ -256,7 +256,7 @@ def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
         raise ValueError(f"unpack_bits: {length} values do not fit {packed.shape[-1]} bytes of {b}-bit values")
     shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
     raw = (packed[..., None] >> shifts) & ((1 << b) - 1)
-    raw = raw.reshape(packed.shape[:-1] + (-1,))[..., :length].astype(np.uint8)
+    raw = raw.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))[..., :length].astype(np.uint8)
     if info.kind == "int":
         # sign-extend into the byte so that the ml_dtypes view reads the right value
         sign = (raw >> (b - 1)) & 1

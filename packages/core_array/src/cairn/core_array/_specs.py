@@ -50,7 +50,7 @@ class ArraySpec:
     def __post_init__(self):
         try:
             shape = tuple(int(d) for d in self.shape)
-        except TypeError:
+        except (TypeError, ValueError):
             raise ValueError(f"ArraySpec shape must be a sequence of ints, got {self.shape!r}") from None
         if any(d < 0 for d in shape):
             raise ValueError(f"ArraySpec shape must be non-negative, got {shape}")

@@ -1,0 +1,138 @@
+"""The one entry point: tests, lint, docs, build, bench, demo.
+
+Every session installs what it needs, so a fresh machine with Python 3.11 and pip needs
+only `python3 -m pip install nox` first.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pathlib
+import sys
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+PYTHON = "3.11"
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+# Only Python 3.11 exists on our machines; never fail on a missing interpreter we never asked for.
+nox.options.error_on_missing_interpreters = False
+
+
+def _editable_all(session: nox.Session, extras: str = "test") -> None:
+    """Install every package editable with its extras, in dependency order (core first)."""
+    order = ["core_array"] + [p for p in PACKAGES if p != "core_array"]
+    args = []
+    for pkg in order:
+        pyproject = (ROOT / "packages" / pkg / "pyproject.toml").read_text()
+        wanted = [e for e in extras.split(",") if f"\n{e} = [" in pyproject or f"\n{e}=[" in pyproject]
+        spec = f"packages/{pkg}" + (f"[{','.join(wanted)}]" if wanted else "")
+        args += ["-e", spec]
+    session.install(*args)
+
+
+def _xdist_workers() -> str:
+    return os.environ.get("CAIRN_TEST_WORKERS", "auto")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The default suite: every package and tests/integration, one venv, pytest-xdist.
+
+    Slow cases (`@pytest.mark.slow`) run in `tests_slow`. pytest's exit code 5 (no tests
+    collected) fails the session like any other failure.
+    """
+    _editable_all(session, "test,parquet,arrayrecord,safetensors")
+    session.install("pytest", "pytest-xdist", "hypothesis")
+    session.run(
+        "python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup",
+        "-m", "not slow", "-p", "no:cacheprovider", "--durations=15",
+        "tests", *session.posargs,
+    )
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "--doctest-modules",
+        *sorted(glob.glob("packages/*/src/cairn")),
+    )
+
+
+@nox.session(python=PYTHON)
+def tests_slow(session: nox.Session) -> None:
+    """Only the cases marked slow (long sweeps, many-trial crash tests, multi-process runs)."""
+    _editable_all(session, "test,parquet,arrayrecord,safetensors")
+    session.install("pytest", "pytest-xdist", "hypothesis")
+    session.run("python", "-m", "pytest", "-n", _xdist_workers(), "-m", "slow", "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", PACKAGES)
+def tests_package(session: nox.Session, package: str) -> None:
+    """One package alone: installs only it and its declared dependencies, runs its tests.
+
+    Proves each distribution stands on its own (cairn.data runs here without JAX).
+    """
+    session.install("-e", "packages/core_array")
+    if package != "core_array":
+        session.install("-e", f"packages/{package}[test]")
+    else:
+        session.install("-e", "packages/core_array[test]")
+    session.install("pytest", "pytest-xdist", "hypothesis")
+    session.run("python", "tools/check_installed.py", package)
+    session.run(
+        "python", "-m", "pytest", "-n", _xdist_workers(), "-m", "not slow", "-p", "no:cacheprovider",
+        f"tests/{package}", *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff, plus the dependency-direction contract (no package imports a sibling)."""
+    session.install("ruff")
+    session.run("ruff", "check", "packages", "tests", "benchmarks", "examples", "tools", "noxfile.py")
+    session.run("python", "tools/depcheck.py", "packages")
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """A wheel per package into dist/, each installed alone into a fresh venv and imported."""
+    session.install("build", "pip")
+    dist = ROOT / "dist"
+    dist.mkdir(exist_ok=True)
+    for old in dist.glob("*.whl"):
+        old.unlink()
+    for pkg in PACKAGES:
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), f"packages/{pkg}")
+    tmp = pathlib.Path(session.create_tmp())
+    core_wheel = next(dist.glob("cairn_core_array-*.whl"))
+    for pkg in PACKAGES:
+        wheel = next(dist.glob(f"cairn_{pkg}-*.whl"))
+        venv = tmp / f"venv-{pkg}"
+        session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        wheels = [str(core_wheel)] + ([] if pkg == "core_array" else [str(wheel)])
+        session.run(py, "-m", "pip", "install", "-q", "--find-links", str(dist), *wheels, external=True)
+        session.run(py, str(ROOT / "tools" / "check_installed.py"), pkg, "--wheel", external=True)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Builds the docs site into docs/_build and runs every ```python example in docs/."""
+    _editable_all(session, "test,parquet,arrayrecord,safetensors")
+    session.install("mkdocs>=1.6")
+    session.run("python", "tools/run_doc_examples.py", "docs", *[f"packages/{p}/README.md" for p in PACKAGES])
+    session.run("mkdocs", "build", "--quiet", "--site-dir", "docs/_build")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Runs every script in benchmarks/ against the peer libraries (`-- --full` for full sizes)."""
+    _editable_all(session, "test,bench,parquet,arrayrecord,safetensors")
+    full = "--full" in session.posargs
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        if script.name.startswith("_"):
+            continue
+        session.run("python", str(script), *([] if full else ["--quick"]))

@@ -1,0 +1,44 @@
+"""Import one installed Cairn package and check it stands alone.
+
+    python tools/check_installed.py <package> [--wheel]
+
+Fails when the import fails, when a sibling cairn package other than core_array is
+importable in this environment (the package must not need it), or, for core_array and
+data, when JAX is installed or gets imported (they must work without it). With
+``--wheel``, also checks the module comes from site-packages, not the source tree.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+JAX_FREE = {"core_array", "data"}
+
+
+def main() -> int:
+    pkg = sys.argv[1]
+    mod = importlib.import_module(f"cairn.{pkg}")
+    problems = []
+    if not getattr(mod, "__all__", None):
+        problems.append(f"cairn.{pkg} has no __all__")
+    for name in getattr(mod, "__all__", []):
+        if not hasattr(mod, name):
+            problems.append(f"cairn.{pkg}.__all__ names {name!r}, which does not exist")
+    if "--wheel" in sys.argv and "site-packages" not in (mod.__file__ or ""):
+        problems.append(f"cairn.{pkg} imported from {mod.__file__}, not from the installed wheel")
+    if pkg in JAX_FREE:
+        if "--wheel" in sys.argv and importlib.util.find_spec("jax") is not None:
+            problems.append(f"JAX is installed alongside cairn-{pkg}, which must not need it")
+        if "jax" in sys.modules:
+            problems.append(f"importing cairn.{pkg} imported jax")
+    if problems:
+        print("\n".join(problems))
+        return 1
+    print(f"cairn.{pkg} {getattr(mod, '__version__', '?')} imports alone: ok ({len(mod.__all__)} public names)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
