@@ -2,15 +2,21 @@
 
 from ._checkpointer import AsyncCheckpointer, metadata, restore, save
 from ._errors import CheckpointError, ChecksumError, TargetMismatchError
+from ._manager import CheckpointManager, CheckpointManagerOptions
 from ._restore import LeafMetadata
+from ._safetensors import load_safetensors, save_safetensors
 
 __all__ = [
     "AsyncCheckpointer",
     "CheckpointError",
+    "CheckpointManager",
+    "CheckpointManagerOptions",
     "ChecksumError",
     "LeafMetadata",
     "TargetMismatchError",
+    "load_safetensors",
     "metadata",
     "restore",
     "save",
+    "save_safetensors",
 ]
