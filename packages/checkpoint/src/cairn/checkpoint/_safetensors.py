@@ -44,6 +44,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, metadata: dict[str, str
 
     flat = flatten_with_paths(tree)
     tensors = {}
+    keep_alive: list[np.ndarray] = []  # serialize_file reads raw pointers into these
     for name, leaf in flat.items():
         if isinstance(leaf, jax.Array):
             if not leaf.is_fully_addressable:
@@ -62,11 +63,11 @@ def save_safetensors(path: str | os.PathLike, tree: Any, metadata: dict[str, str
                 f"leaf {name!r}: dtype {dname} has no safetensors equivalent "
                 f"(supported: {', '.join(sorted(_TO_ST))})"
             )
-        tensors[name or "_"] = {
-            "dtype": _TO_ST[dname],
-            "shape": list(arr.shape),
-            "data": np.ascontiguousarray(arr).tobytes(),
-        }
+        arr = np.ascontiguousarray(arr)
+        keep_alive.append(arr)
+        tensors[name or "_"] = safetensors.TensorSpec(
+            dtype=dname, shape=list(arr.shape), data_ptr=arr.ctypes.data, data_len=arr.nbytes
+        )
     if metadata is not None:
         bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
@@ -80,6 +81,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, metadata: dict[str, str
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    del keep_alive
 
 
 def _read_header(path: str) -> tuple[dict, int]:
