@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from typing import Any
@@ -111,7 +110,6 @@ def load_safetensors(path: str | os.PathLike, target: Any = None) -> Any:
     arrays: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         for name, info in header.items():
             tag = info["dtype"]
             if tag not in _FROM_ST:
@@ -121,10 +119,11 @@ def load_safetensors(path: str | os.PathLike, target: Any = None) -> Any:
             count = int(np.prod(info["shape"], dtype=np.int64))
             if stop - start != count * dtype.itemsize or offset + stop > size:
                 raise CheckpointError(f"{path}: tensor {name!r} has inconsistent data offsets")
-            buf = np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=offset + start) if count else np.zeros(0, np.uint8)
-            arrays[name] = buf.view(dtype).reshape(info["shape"]).copy()
-        if mm is not None:
-            mm.close()
+            arr = np.empty(info["shape"], dtype)
+            f.seek(offset + start)
+            if f.readinto(memoryview(arr.reshape(-1).view(np.uint8))) != stop - start:
+                raise CheckpointError(f"{path}: tensor {name!r} is truncated")
+            arrays[name] = arr
     if target is None:
         return unflatten(arrays)
     tflat = flatten_with_paths(target, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
