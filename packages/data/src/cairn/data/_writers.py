@@ -35,6 +35,8 @@ _MAGIC = b"CDX1"
 _ALIGN = 16
 _KIND_ARRAY, _KIND_SCALAR, _KIND_BYTES, _KIND_STR = b"a", b"g", b"b", b"s"
 _KIND_INT, _KIND_FLOAT, _KIND_BOOL, _KIND_NONE = b"i", b"f", b"?", b"n"
+_KIND_EMPTY = b"d"  # an empty (nested) dict
+_EMPTY = object()
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -73,9 +75,10 @@ def _flatten_example(example: Mapping[str, Any], prefix: str, out: list) -> None
             )
         path = prefix + key
         if isinstance(value, Mapping):
-            if not value:
-                raise ValueError(f"encode_example: empty dict at {path!r} cannot be stored")
-            _flatten_example(value, path + "/", out)
+            if value:
+                _flatten_example(value, path + "/", out)
+            else:
+                out.append((path, _EMPTY))
         else:
             out.append((path, value))
 
@@ -110,7 +113,9 @@ def encode_example(example: Mapping[str, Any]) -> bytes:
         if len(key) > 0xFFFF:
             raise ValueError(f"encode_example: key {path[:40]!r}... is longer than 65535 bytes")
         buf += struct.pack("<H", len(key)) + key
-        if value is None:
+        if value is _EMPTY:
+            buf += _KIND_EMPTY
+        elif value is None:
             buf += _KIND_NONE
         elif isinstance(value, bool):
             buf += _KIND_BOOL + (b"\x01" if value else b"\x00")
@@ -135,7 +140,8 @@ def encode_example(example: Mapping[str, Any]) -> bytes:
                 name = _dtype_name(arr.dtype).encode("ascii")
             except TypeError as e:
                 raise TypeError(f"encode_example: field {path!r}: {e}") from None
-            arr = np.ascontiguousarray(arr)
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")  # (ascontiguousarray would turn 0-d into 1-d)
             buf += kind + struct.pack("<B", len(name)) + name
             buf += struct.pack("<B", arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape)
             buf += struct.pack("<Q", arr.nbytes)
@@ -184,8 +190,10 @@ def decode_example(data: bytes | bytearray | memoryview, *, copy: bool = False) 
         pos += klen
         kind = bytes(mv[pos : pos + 1])
         pos += 1
-        if kind == _KIND_NONE:
-            value: Any = None
+        if kind == _KIND_EMPTY:
+            value: Any = {}
+        elif kind == _KIND_NONE:
+            value = None
         elif kind == _KIND_BOOL:
             need(pos, 1, f"field {path!r}")
             value = mv[pos] != 0
