@@ -73,11 +73,14 @@ def test_paths_globs_instructions_and_templates(tmp_path):
         "train-001-of-003.array_record",
         "train-002-of-003.array_record",
     ]
-    assert ArrayRecordDataSource(str(tmp_path / "train-*.array_record")).__getitems__(
-        range(30)
-    ) == recs
+    assert (
+        ArrayRecordDataSource(str(tmp_path / "train-*.array_record")).__getitems__(range(30))
+        == recs
+    )
     # "file[start:end]" slices and FileInstruction-like objects
-    src = ArrayRecordDataSource([f"{paths[0]}[2:5]", SimpleNamespace(filename=paths[2], skip=1, take=3)])
+    src = ArrayRecordDataSource(
+        [f"{paths[0]}[2:5]", SimpleNamespace(filename=paths[2], skip=1, take=3)]
+    )
     assert len(src) == 6
     assert src.__getitems__(range(6)) == recs[2:5] + recs[21:24]
     with pytest.raises(IndexError, match=r"\[0:99\].*has 10 records"):
@@ -148,7 +151,9 @@ def test_flipped_bytes_raise_naming_file_and_record(tmp_path):
 
     src = ArrayRecordDataSource(path)
     assert src[16] == recs[16] and src[18] == recs[18]
-    with pytest.raises(CorruptRecordError, match=r"corrupt record 17 in ArrayRecord file .*data-00000") as ei:
+    with pytest.raises(
+        CorruptRecordError, match=r"corrupt record 17 in ArrayRecord file .*data-00000"
+    ) as ei:
         src.__getitems__([3, 17, 40])
     assert ei.value.path == path and ei.value.index == 17
     with pytest.raises(CorruptRecordError, match="record 17"):

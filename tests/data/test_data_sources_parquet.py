@@ -132,7 +132,10 @@ def test_columns_selection_and_errors(tmp_path):
     assert src.columns == ["s", "id"]
     assert src[7] == {"s": _rows(12)[7]["s"], "id": 7}
     assert list(src.read_batch([1])) == ["s", "id"]
-    with pytest.raises(ValueError, match=r"column 'nope' not found in Parquet file .*data-00000.*available columns: id, f, s"):
+    with pytest.raises(
+        ValueError,
+        match=r"column 'nope' not found in Parquet file .*data-00000.*available columns: id, f, s",
+    ):
         ParquetDataSource(tmp_path, columns=["id", "nope"])
     with pytest.raises(TypeError, match="list of names"):
         ParquetDataSource(tmp_path, columns="id")
@@ -159,7 +162,9 @@ def test_writer_errors_name_record_and_column(tmp_path):
     with pytest.raises(ValueError, match=r"record 2 has different columns.*missing \['b'\]"):
         write_parquet([{"a": 1, "b": 2}, {"a": 1, "b": 2}, {"a": 3}], tmp_path / "k")
     with pytest.raises(ValueError, match=r"column 'a' \(records 2\.\.3\)"):
-        write_parquet([{"a": 1}, {"a": 2}, {"a": "x"}, {"a": "y"}], tmp_path / "t", row_group_size=2)
+        write_parquet(
+            [{"a": 1}, {"a": 2}, {"a": "x"}, {"a": "y"}], tmp_path / "t", row_group_size=2
+        )
     with pytest.raises(TypeError, match="record 0 is list"):
         write_parquet([[1, 2]], tmp_path / "l")
     with pytest.raises(ValueError, match="share one shape"):
@@ -206,7 +211,10 @@ def test_flipped_bytes_raise_naming_file_and_row_group(tmp_path):
     rows, path = _corrupt_one_row_group(tmp_path)
     src = ParquetDataSource(path)
     assert src[3]["blob"] == rows[3]["blob"] and src[25]["blob"] == rows[25]["blob"]
-    with pytest.raises(CorruptRecordError, match=r"data-00000-of-00001.parquet', row group 1 \(source rows 10\.\.19\)") as ei:
+    with pytest.raises(
+        CorruptRecordError,
+        match=r"data-00000-of-00001.parquet', row group 1 \(source rows 10\.\.19\)",
+    ) as ei:
         src.__getitems__([0, 14])
     assert ei.value.path == path and ei.value.index == 10
 

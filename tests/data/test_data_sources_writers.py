@@ -31,7 +31,9 @@ _leaf = st.one_of(
         lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, max_side=4))
     ),
 )
-_key = st.text(st.characters(blacklist_characters="/", blacklist_categories=("Cs",)), min_size=1, max_size=6)
+_key = st.text(
+    st.characters(blacklist_characters="/", blacklist_categories=("Cs",)), min_size=1, max_size=6
+)
 _example = st.recursive(
     st.dictionaries(_key, _leaf, max_size=4),
     lambda inner: st.dictionaries(_key, inner | _leaf, min_size=1, max_size=3),

@@ -55,9 +55,7 @@ def _open_reader(path: str, options: str) -> Any:
     try:
         reader = mod.ArrayRecordReader(path, options, file_reader_buffer_size=32768)
     except Exception as e:  # noqa: BLE001 - re-raised with the path
-        raise CorruptRecordError(
-            f"cannot open ArrayRecord file {path!r}: {e}", path=path
-        ) from e
+        raise CorruptRecordError(f"cannot open ArrayRecord file {path!r}: {e}", path=path) from e
     if not reader.ok():
         try:
             reader.close()

@@ -46,9 +46,7 @@ def _normalize_index(i: Any, length: int, owner: str) -> int:
     try:
         j = operator.index(i)
     except TypeError:
-        raise TypeError(
-            f"{owner} indices must be integers, got {type(i).__name__} {i!r}"
-        ) from None
+        raise TypeError(f"{owner} indices must be integers, got {type(i).__name__} {i!r}") from None
     k = j + length if j < 0 else j
     if not 0 <= k < length:
         raise IndexError(
@@ -141,9 +139,7 @@ def _expand_paths(
             found = sorted(
                 os.path.join(p, f)
                 for f in os.listdir(p)
-                if not f.startswith(".")
-                and marker in f
-                and os.path.isfile(os.path.join(p, f))
+                if not f.startswith(".") and marker in f and os.path.isfile(os.path.join(p, f))
             )
             if not found:
                 raise FileNotFoundError(

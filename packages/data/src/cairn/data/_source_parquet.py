@@ -117,8 +117,11 @@ def _decode_column(pa: Any, arr: Any) -> _Column:
             return _Column("np", _readonly(filled.to_numpy(zero_copy_only=False)), mask=mask)
         except (pa.ArrowException, TypeError, ValueError):
             pass
-    elif types.is_string(t) or types.is_large_string(t) or types.is_binary(t) or (
-        types.is_large_binary(t)
+    elif (
+        types.is_string(t)
+        or types.is_large_string(t)
+        or types.is_binary(t)
+        or (types.is_large_binary(t))
     ):
         return _Column("obj", _readonly(arr.to_numpy(zero_copy_only=False)))
     return _Column("obj", _readonly(_object_array(arr.to_pylist())))
@@ -199,9 +202,7 @@ class ParquetDataSource:
     ):
         pa, pq = _pyarrow()
         if not isinstance(cache_row_groups, int) or cache_row_groups < 0:
-            raise ValueError(
-                f"cache_row_groups must be an int >= 0, got {cache_row_groups!r}"
-            )
+            raise ValueError(f"cache_row_groups must be an int >= 0, got {cache_row_groups!r}")
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of names, got the string {columns!r}")
         files = _expand_paths(paths, marker=".parquet", kind="ParquetDataSource")
@@ -277,8 +278,15 @@ class ParquetDataSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_local", "_lock", "_cache", "_bad_groups", "_pid", "row_groups_decoded",
-                  "cache_hits"):
+        for k in (
+            "_local",
+            "_lock",
+            "_cache",
+            "_bad_groups",
+            "_pid",
+            "row_groups_decoded",
+            "cache_hits",
+        ):
             state.pop(k, None)
         return state
 
@@ -295,9 +303,7 @@ class ParquetDataSource:
         pf = handles.get(f)
         if pf is None:
             _, pq = _pyarrow()
-            pf = pq.ParquetFile(
-                self._paths[f], page_checksum_verification=self.verify_checksums
-            )
+            pf = pq.ParquetFile(self._paths[f], page_checksum_verification=self.verify_checksums)
             handles[f] = pf
         return pf
 

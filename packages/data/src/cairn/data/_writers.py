@@ -235,8 +235,9 @@ def decode_example(data: bytes | bytearray | memoryview, *, copy: bool = False) 
                     f"decode_example: field {path!r}: {nbytes} bytes do not match shape "
                     f"{shape} of {dtype}"
                 )
-            arr = np.frombuffer(mv, dtype=dtype, count=nbytes // max(dtype.itemsize, 1),
-                                offset=pos).reshape(shape)
+            arr = np.frombuffer(
+                mv, dtype=dtype, count=nbytes // max(dtype.itemsize, 1), offset=pos
+            ).reshape(shape)
             pos += nbytes
             if copy:
                 arr = arr.copy()
@@ -620,9 +621,7 @@ def _pyarrow() -> tuple[Any, Any]:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "Parquet support needs pyarrow: pip install 'cairn-data[parquet]'"
-        ) from e
+        raise ImportError("Parquet support needs pyarrow: pip install 'cairn-data[parquet]'") from e
     return pa, pq
 
 
@@ -644,9 +643,7 @@ def _column_to_arrow(pa: Any, name: str, values: list[Any], typ: Any, first: int
             stacked = np.ascontiguousarray(np.stack([np.asarray(v) for v in values]))
             arr = pa.FixedShapeTensorArray.from_numpy_ndarray(stacked)
             return arr if typ is None or arr.type == typ else arr.cast(typ)
-        is_list_type = typ is not None and (
-            pa.types.is_list(typ) or pa.types.is_large_list(typ)
-        )
+        is_list_type = typ is not None and (pa.types.is_list(typ) or pa.types.is_large_list(typ))
         if is_list_type or (typ is None and isinstance(sample, np.ndarray) and sample.ndim == 1):
             mask = np.array([v is None for v in values])
             parts = [np.asarray(v).reshape(-1) if v is not None else None for v in values]
@@ -654,9 +651,7 @@ def _column_to_arrow(pa: Any, name: str, values: list[Any], typ: Any, first: int
             offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
             nonempty = [p for p in parts if p is not None]
             if typ is not None:
-                flat = pa.array(
-                    np.concatenate(nonempty) if nonempty else [], type=typ.value_type
-                )
+                flat = pa.array(np.concatenate(nonempty) if nonempty else [], type=typ.value_type)
             else:
                 flat = pa.array(np.concatenate(nonempty) if nonempty else np.zeros(0, sample.dtype))
             arr = pa.ListArray.from_arrays(
@@ -712,9 +707,13 @@ class ParquetWriter(_ShardedFileWriter):
     ):
         self._pa, self._pq = _pyarrow()
         if not isinstance(row_group_size, int) or row_group_size < 1:
-            raise ValueError(f"ParquetWriter: row_group_size must be a positive int, got {row_group_size!r}")
+            raise ValueError(
+                f"ParquetWriter: row_group_size must be a positive int, got {row_group_size!r}"
+            )
         if schema is not None and not isinstance(schema, self._pa.Schema):
-            raise TypeError(f"ParquetWriter: schema must be a pyarrow.Schema, got {type(schema).__name__}")
+            raise TypeError(
+                f"ParquetWriter: schema must be a pyarrow.Schema, got {type(schema).__name__}"
+            )
         self._row_group_size = row_group_size
         self._schema = schema
         self._compression = compression
