@@ -1,0 +1,758 @@
+"""``IterDataset``: sequential, checkpointable pipelines and their iterators.
+
+An ``IterDataset`` usually starts from ``MapDataset.to_iter_dataset()``. Per-element steps
+(``map``, ``random_map``, ``filter``) applied directly on top of that root are folded back
+into the ``MapDataset``, so they stay pure functions of the element index and run in
+worker processes; steps that carry state across elements (``batch``, packing, ``prefetch``,
+``interleave``) run on iterators.
+
+Iterator state is small and JSON-able. The root's state is ``{"next_index": i}``, the
+index in the ``MapDataset`` of the next element; a step adds what it needs (a counter, a
+packing offset). Because worker processes compute deterministic slices of that one global
+order and the main process re-orders them, the state and the output do not depend on the
+number of workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.data._map_dataset import MapDataset, _as_callable, _check_seed, _fn_name, _rng_for
+from cairn.data._tree import StructureChecker, stack_records
+
+__all__ = [
+    "DatasetIterator",
+    "IterDataset",
+    "MapRootIterDataset",
+    "ReadOptions",
+    "InterleaveIterDataset",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How a ``MapDataset`` is read when iterated.
+
+    Attributes:
+      num_threads: background threads reading chunks ahead (0 = read in the calling
+        thread). Chunks are whole batches of records, so one or two threads are enough to
+        overlap file I/O with the consumer.
+      prefetch_buffer_size: chunks kept in flight per thread when ``num_threads > 0``.
+      chunk_records: about how many records one chunk (one batched source read) covers.
+    """
+
+    num_threads: int = 0
+    prefetch_buffer_size: int = 2
+    chunk_records: int = 1024
+
+    def __post_init__(self):
+        for name in ("num_threads", "prefetch_buffer_size", "chunk_records"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_threads" else 1):
+                raise ValueError(f"ReadOptions.{name} must be an int >= {0 if name == 'num_threads' else 1}, got {v!r}")
+
+
+def chunk_elements(ds: MapDataset, read_options: ReadOptions) -> int:
+    """Elements per full chunk: about ``chunk_records`` records."""
+    return max(1, read_options.chunk_records // max(1, ds._records_per_element()))
+
+
+def chunk_plan(start: int, length: int, cap: int) -> Iterator[tuple[int, int]]:
+    """Chunk bounds from ``start``: sizes 1, 2, 4, ... up to ``cap`` (fast first element)."""
+    pos, size = start, 1
+    while pos < length:
+        stop = min(length, pos + size)
+        yield pos, stop
+        pos = stop
+        size = min(cap, size * 2)
+
+
+# ====================================================================== statistics
+
+
+class _Stats:
+    __slots__ = ("name", "count", "time", "created", "fill_sum", "fill_n", "capacity")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.count = 0
+        self.time = 0.0
+        self.created = time.perf_counter()
+        self.fill_sum = 0.0
+        self.fill_n = 0
+        self.capacity = 0
+
+
+class DatasetIterator:
+    """Base of every iterator: ``next``, ``get_state``/``set_state``, ``summary``, ``close``."""
+
+    _checker: StructureChecker | None = None
+
+    def __init__(self, parents: Sequence[DatasetIterator], name: str, debug: bool = False):
+        self._parents = tuple(parents)
+        self._stats = _Stats(name)
+        if debug:
+            self._checker = StructureChecker(name)
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            x = self._next()
+        finally:
+            self._stats.time += time.perf_counter() - t0
+        self._stats.count += 1
+        if self._checker is not None:
+            self._checker.check(x)
+        return x
+
+    def _next(self) -> Any:
+        raise NotImplementedError
+
+    def get_state(self) -> dict:
+        """A small JSON-able dict; ``set_state`` of it resumes exactly here."""
+        raise NotImplementedError
+
+    def set_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads / worker processes (idempotent; also done at exit)."""
+        for p in self._parents:
+            p.close()
+
+    def __enter__(self) -> DatasetIterator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _summary_rows(self, depth: int, rows: list) -> float:
+        """Append rows for this stage and its inputs; return this stage's inclusive time."""
+        own_row = len(rows)
+        rows.append(None)
+        child = 0.0
+        for p in self._parents:
+            child += p._summary_rows(depth + 1, rows)
+        s = self._stats
+        wall = max(1e-9, time.perf_counter() - s.created)
+        fill = f"{s.fill_sum / s.fill_n / s.capacity:.0%}" if s.fill_n and s.capacity else "-"
+        rows[own_row] = (
+            "  " * depth + s.name,
+            s.count,
+            s.time,
+            max(0.0, s.time - child) if not self._parents_run_elsewhere() else s.time,
+            s.time / wall,
+            fill,
+        )
+        return s.time
+
+    def _parents_run_elsewhere(self) -> bool:
+        return False
+
+    def summary(self) -> str:
+        """A table of the stages: records out, time inside ``next`` (total and own), the
+        share of wall time spent waiting for the stage, and buffer fill."""
+        rows: list = []
+        self._summary_rows(0, rows)
+        head = ("stage", "out", "total_s", "self_s", "wait_share", "buffer_fill")
+        table = [head] + [(r[0], str(r[1]), f"{r[2]:.4f}", f"{r[3]:.4f}", f"{r[4]:.1%}", r[5]) for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        lines = []
+        for j, row in enumerate(table):
+            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+            if j == 0:
+                lines.append("-" * len(lines[0]))
+        lines.extend(self._summary_extra())
+        return "\n".join(lines)
+
+    def _summary_extra(self) -> list[str]:
+        out = []
+        for p in self._parents:
+            out.extend(p._summary_extra())
+        return out
+
+
+def _check_state(state: Any, keys: Sequence[str], who: str) -> dict:
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ValueError(f"{who}.set_state: expected a dict with keys {list(keys)}, got {state!r}")
+    return state
+
+
+# ====================================================================== datasets
+
+
+class IterDataset:
+    """A sequential dataset; ``iter(ds)`` gives a checkpointable :class:`DatasetIterator`."""
+
+    _parents: tuple[IterDataset, ...] = ()
+
+    def __iter__(self) -> DatasetIterator:
+        return self._make_iter(None)
+
+    def _make_iter(self, root_factory: Callable | None) -> DatasetIterator:
+        raise NotImplementedError
+
+    @property
+    def _debug(self) -> bool:
+        return any(p._debug for p in self._parents)
+
+    def _stage_name(self) -> str:
+        return type(self).__name__
+
+    # ---------------------------------------------------------------- steps
+    def map(self, fn: Callable[[Any], Any]) -> IterDataset:
+        """Apply ``fn`` to every element."""
+        return _MapIterDataset(self, _as_callable(fn, "map"))
+
+    def random_map(self, fn: Callable[[Any, np.random.Generator], Any], seed: int = 0) -> IterDataset:
+        """Apply ``fn(element, rng)``; ``rng`` is keyed by (seed, element number)."""
+        return _RandomMapIterDataset(self, _as_callable(fn, "random_map", "random_map"), _check_seed(seed, "random_map()"))
+
+    def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
+        """Keep the elements where ``predicate`` is true."""
+        return _FilterIterDataset(self, _as_callable(predicate, "filter", "filter"))
+
+    def batch(self, batch_size: int, drop_remainder: bool = False, batch_fn: Callable | None = None) -> IterDataset:
+        """Group ``batch_size`` consecutive elements (stacked leaf by leaf by default)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
+        return _BatchIterDataset(self, int(batch_size), bool(drop_remainder), batch_fn or stack_records)
+
+    def prefetch(self, buffer_size: int = 2) -> IterDataset:
+        """Compute up to ``buffer_size`` elements ahead in a background thread."""
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(f"prefetch(): buffer_size must be a positive int, got {buffer_size!r}")
+        return _PrefetchIterDataset(self, buffer_size)
+
+    def mp_prefetch(self, options: Any = None, worker_init_fn: Callable[[int, int], None] | None = None) -> IterDataset:
+        """Compute the ``MapDataset`` part of the pipeline in worker processes.
+
+        ``options`` is a :class:`MultiprocessingOptions` or an int (``num_workers``).
+        Workers compute deterministic chunks of the global element order; the main
+        process puts them back in order, so the output and the iterator state are the
+        same for every worker count, including 0.
+        """
+        from cairn.data._multiprocessing import MPPrefetchIterDataset, MultiprocessingOptions
+
+        if options is None:
+            options = MultiprocessingOptions(num_workers=2)
+        elif isinstance(options, int) and not isinstance(options, bool):
+            options = MultiprocessingOptions(num_workers=options)
+        if not isinstance(options, MultiprocessingOptions):
+            raise TypeError(f"mp_prefetch(): options must be MultiprocessingOptions or an int, got {options!r}")
+        if options.num_workers == 0:
+            return self
+        return MPPrefetchIterDataset(self, options, worker_init_fn)
+
+    @staticmethod
+    def interleave(datasets: Sequence[IterDataset], cycle_length: int | None = None) -> IterDataset:
+        """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset)."""
+        return InterleaveIterDataset(datasets, cycle_length)
+
+    def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(self, *args, **kwargs)
+
+    # ---------------------------------------------------------------- rendering
+    def _graph_lines(self, indent: str) -> list[str]:
+        lines = [f"{indent}{self._stage_name()}"]
+        if len(self._parents) == 1:
+            lines += self._parents[0]._graph_lines(indent)
+        else:
+            for k, p in enumerate(self._parents):
+                lines.append(f"{indent}  <input {k}>")
+                lines += p._graph_lines(indent + "    ")
+        return lines
+
+    def graph(self) -> str:
+        """A text rendering of the pipeline, output stage first, one stage per line."""
+        return "\n".join(self._graph_lines(""))
+
+    def __repr__(self) -> str:
+        return self.graph()
+
+
+class MapRootIterDataset(IterDataset):
+    """``MapDataset.to_iter_dataset()``: iterates the elements in index order, skipping ``None``."""
+
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
+        if not isinstance(read_options, ReadOptions):
+            raise TypeError(f"read_options must be a ReadOptions, got {type(read_options).__name__}")
+        self._ds = ds
+        self._read_options = read_options
+        self._debug_flag = debug
+
+    @property
+    def _debug(self) -> bool:
+        return self._debug_flag
+
+    def _make_iter(self, root_factory: Callable | None) -> DatasetIterator:
+        if root_factory is not None:
+            return root_factory(self)
+        return MapRootIterator(self._ds, self._read_options, self._debug_flag)
+
+    # Per-element steps fold into the MapDataset: they stay functions of the index.
+    def map(self, fn: Callable[[Any], Any]) -> IterDataset:
+        return MapRootIterDataset(self._ds.map(fn), self._read_options, self._debug_flag)
+
+    def random_map(self, fn: Callable, seed: int = 0) -> IterDataset:
+        return MapRootIterDataset(self._ds.random_map(fn, seed=seed), self._read_options, self._debug_flag)
+
+    def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
+        return MapRootIterDataset(self._ds.filter(predicate), self._read_options, self._debug_flag)
+
+    def _graph_lines(self, indent: str) -> list[str]:
+        return [f"{indent}to_iter_dataset({self._read_options})"] + self._ds._graph_lines(indent)
+
+
+class _UnaryIterDataset(IterDataset):
+    def __init__(self, parent: IterDataset):
+        if not isinstance(parent, IterDataset):
+            raise TypeError(f"expected an IterDataset, got {type(parent).__name__}")
+        self._parent = parent
+        self._parents = (parent,)
+
+
+class _MapIterDataset(_UnaryIterDataset):
+    def __init__(self, parent, fn):
+        super().__init__(parent)
+        self._fn = fn
+
+    def _stage_name(self):
+        return f"map({_fn_name(self._fn)})"
+
+    def _make_iter(self, rf):
+        return _MapIterator(self._parent._make_iter(rf), self._fn, self._stage_name(), self._debug)
+
+
+class _RandomMapIterDataset(_UnaryIterDataset):
+    def __init__(self, parent, fn, seed):
+        super().__init__(parent)
+        self._fn = fn
+        self._seed = seed
+
+    def _stage_name(self):
+        return f"random_map({_fn_name(self._fn)}, seed={self._seed})"
+
+    def _make_iter(self, rf):
+        return _RandomMapIterator(self._parent._make_iter(rf), self._fn, self._seed, self._stage_name(), self._debug)
+
+
+class _FilterIterDataset(_UnaryIterDataset):
+    def __init__(self, parent, pred):
+        super().__init__(parent)
+        self._pred = pred
+
+    def _stage_name(self):
+        return f"filter({_fn_name(self._pred)})"
+
+    def _make_iter(self, rf):
+        return _FilterIterator(self._parent._make_iter(rf), self._pred, self._stage_name(), self._debug)
+
+
+class _BatchIterDataset(_UnaryIterDataset):
+    def __init__(self, parent, bs, drop, fn):
+        super().__init__(parent)
+        self._bs, self._drop, self._fn = bs, drop, fn
+
+    def _stage_name(self):
+        return f"batch({self._bs}{', drop_remainder=True' if self._drop else ''})"
+
+    def _make_iter(self, rf):
+        return _BatchIterator(self._parent._make_iter(rf), self._bs, self._drop, self._fn, self._stage_name(), self._debug)
+
+
+class _PrefetchIterDataset(_UnaryIterDataset):
+    def __init__(self, parent, buffer_size):
+        super().__init__(parent)
+        self._size = buffer_size
+
+    def _stage_name(self):
+        return f"prefetch({self._size})"
+
+    def _make_iter(self, rf):
+        return ThreadPrefetchIterator(self._parent._make_iter(rf), self._size, self._stage_name(), self._debug)
+
+
+# ====================================================================== iterators
+
+
+class MapRootIterator(DatasetIterator):
+    """Iterates a ``MapDataset`` chunk by chunk (one batched read per chunk)."""
+
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
+        super().__init__((), f"MapDataset[{ds._stage_name()} ...]" if ds._parents else f"MapDataset[{ds._stage_name()}]", debug)
+        self._ds = ds
+        self._len = len(ds)
+        self._opts = read_options
+        self._cap = chunk_elements(ds, read_options)
+        self._pool = None
+        self._stats.name = "to_iter_dataset <- " + " <- ".join(_chain_names(ds))
+        self._reset(0)
+
+    def _reset(self, start: int) -> None:
+        self._next_index = start
+        self._buf: list = []
+        self._buf_start = start
+        self._buf_pos = 0
+        self._plan = chunk_plan(start, self._len, self._cap)
+        if self._pool is not None:
+            for f in self._inflight:
+                f.cancel()
+        self._inflight: collections.deque = collections.deque()
+
+    def _read(self, a: int, b: int) -> list:
+        return self._ds._getitems(np.arange(a, b, dtype=np.int64), 0)
+
+    def _fetch(self) -> bool:
+        if self._opts.num_threads == 0:
+            nxt = next(self._plan, None)
+            if nxt is None:
+                return False
+            self._buf_start = nxt[0]
+            self._buf = self._read(*nxt)
+            self._buf_pos = 0
+            return True
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self._opts.num_threads, thread_name_prefix="cairn-data-read")
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        want = self._opts.num_threads * self._opts.prefetch_buffer_size
+        while len(self._inflight) < want:
+            nxt = next(self._plan, None)
+            if nxt is None:
+                break
+            self._inflight.append((nxt[0], self._pool.submit(self._read, *nxt)))
+        self._stats.capacity = want
+        self._stats.fill_sum += sum(f.done() for _, f in self._inflight)
+        self._stats.fill_n += 1
+        if not self._inflight:
+            return False
+        start, fut = self._inflight.popleft()
+        self._buf = fut.result()
+        self._buf_start = start
+        self._buf_pos = 0
+        return True
+
+    def _next(self) -> Any:
+        while True:
+            buf = self._buf
+            while self._buf_pos < len(buf):
+                v = buf[self._buf_pos]
+                self._buf_pos += 1
+                if v is not None:
+                    self._next_index = self._buf_start + self._buf_pos
+                    return v
+            if not self._fetch():
+                raise StopIteration
+
+    def get_state(self) -> dict:
+        return {"next_index": self._next_index}
+
+    def set_state(self, state: dict) -> None:
+        i = _check_state(state, ("next_index",), "MapDataset iterator")["next_index"]
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
+            raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
+        self._reset(i)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _chain_names(ds: MapDataset) -> list[str]:
+    names = [ds._stage_name()]
+    while len(ds._parents) == 1:
+        ds = ds._parents[0]
+        names.append(ds._stage_name())
+    return names
+
+
+class _MapIterator(DatasetIterator):
+    def __init__(self, parent, fn, name, debug):
+        super().__init__((parent,), name, debug)
+        self._p, self._fn = parent, fn
+
+    def _next(self):
+        return self._fn(next(self._p))
+
+    def get_state(self):
+        return self._p.get_state()
+
+    def set_state(self, state):
+        self._p.set_state(state)
+
+
+class _RandomMapIterator(DatasetIterator):
+    def __init__(self, parent, fn, seed, name, debug):
+        super().__init__((parent,), name, debug)
+        self._p, self._fn, self._seed = parent, fn, seed
+        self._count = 0
+
+    def _next(self):
+        x = next(self._p)
+        rng = _rng_for(self._seed, 0, self._count)
+        self._count += 1
+        return self._fn(x, rng)
+
+    def get_state(self):
+        return {"parent": self._p.get_state(), "count": self._count}
+
+    def set_state(self, state):
+        _check_state(state, ("parent", "count"), "random_map iterator")
+        self._p.set_state(state["parent"])
+        self._count = int(state["count"])
+
+
+class _FilterIterator(DatasetIterator):
+    def __init__(self, parent, pred, name, debug):
+        super().__init__((parent,), name, debug)
+        self._p, self._pred = parent, pred
+
+    def _next(self):
+        while True:
+            x = next(self._p)
+            if self._pred(x):
+                return x
+
+    def get_state(self):
+        return self._p.get_state()
+
+    def set_state(self, state):
+        self._p.set_state(state)
+
+
+class _BatchIterator(DatasetIterator):
+    def __init__(self, parent, bs, drop, fn, name, debug):
+        super().__init__((parent,), name, debug)
+        self._p, self._bs, self._drop, self._fn = parent, bs, drop, fn
+
+    def _next(self):
+        items = []
+        p = self._p
+        try:
+            for _ in range(self._bs):
+                items.append(next(p))
+        except StopIteration:
+            if not items or self._drop:
+                raise
+        return self._fn(items)
+
+    def get_state(self):
+        return self._p.get_state()
+
+    def set_state(self, state):
+        self._p.set_state(state)
+
+
+_END = object()
+
+
+class ThreadPrefetchIterator(DatasetIterator):
+    """Runs the parent iterator in a background thread, ``buffer_size`` elements ahead."""
+
+    def __init__(self, parent: DatasetIterator, buffer_size: int, name: str = "prefetch", debug: bool = False):
+        super().__init__((parent,), name, debug)
+        self._p = parent
+        self._size = buffer_size
+        self._stats.capacity = buffer_size
+        self._state = parent.get_state()
+        self._thread: threading.Thread | None = None
+        self._done = False
+
+    def _start(self) -> None:
+        self._q: queue.Queue = queue.Queue(self._size)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(self._q, self._stop), daemon=True, name="cairn-data-prefetch")
+        self._thread.start()
+
+    def _work(self, q: queue.Queue, stop: threading.Event) -> None:
+        p = self._p
+        while not stop.is_set():
+            try:
+                x = next(p)
+                item = (x, p.get_state(), None)
+            except StopIteration:
+                item = (_END, p.get_state(), None)
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                item = (_END, None, e)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] is _END:
+                return
+
+    def _next(self):
+        if self._done:
+            raise StopIteration
+        if self._thread is None:
+            self._start()
+        self._stats.fill_sum += self._q.qsize()
+        self._stats.fill_n += 1
+        x, state, err = self._q.get()
+        if err is not None:
+            self._halt()
+            self._done = True
+            raise err
+        if x is _END:
+            self._state = state
+            self._done = True
+            self._thread = None
+            raise StopIteration
+        self._state = state
+        return x
+
+    def get_state(self):
+        return self._state
+
+    def _halt(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            try:
+                while True:
+                    self._q.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join()
+            self._thread = None
+
+    def set_state(self, state):
+        self._halt()
+        self._p.set_state(state)
+        self._state = self._p.get_state()
+        self._done = False
+
+    def close(self) -> None:
+        self._halt()
+        super().close()
+
+
+# ====================================================================== interleave
+
+
+class InterleaveIterDataset(IterDataset):
+    """Round-robin over ``cycle_length`` input datasets at a time.
+
+    Slot ``s`` of the cycle yields one element in turn; when its dataset is exhausted the
+    next unopened dataset takes the slot. The order is deterministic, and the state is
+    the index of the next dataset to open plus the open datasets' states.
+
+    >>> a = MapDataset.range(0, 3).to_iter_dataset()
+    >>> b = MapDataset.range(10, 12).to_iter_dataset()
+    >>> list(InterleaveIterDataset([a, b], cycle_length=2))
+    [0, 10, 1, 11, 2]
+    """
+
+    def __init__(self, datasets: Sequence[IterDataset], cycle_length: int | None = None):
+        datasets = list(datasets)
+        for k, d in enumerate(datasets):
+            if isinstance(d, MapDataset):
+                datasets[k] = d.to_iter_dataset()
+            elif not isinstance(d, IterDataset):
+                raise TypeError(f"interleave(): input {k} is a {type(d).__name__}, expected an IterDataset")
+        if cycle_length is None:
+            cycle_length = max(1, len(datasets))
+        if isinstance(cycle_length, bool) or not isinstance(cycle_length, int) or cycle_length < 1:
+            raise ValueError(f"interleave(): cycle_length must be a positive int, got {cycle_length!r}")
+        self._datasets = datasets
+        self._parents = tuple(datasets)
+        self._cycle = cycle_length
+
+    def _stage_name(self):
+        return f"interleave(cycle_length={self._cycle})"
+
+    def _make_iter(self, rf):
+        return _InterleaveIterator(self._datasets, self._cycle, self._stage_name(), self._debug)
+
+
+class _InterleaveIterator(DatasetIterator):
+    def __init__(self, datasets, cycle, name, debug):
+        super().__init__((), name, debug)
+        self._datasets = datasets
+        self._cycle = cycle
+        self._reset({"next_to_open": 0, "slot": 0, "open": []})
+
+    def _reset(self, state):
+        for it in getattr(self, "_open_iters", []):
+            if it is not None:
+                it[1].close()
+        self._next_to_open = int(state["next_to_open"])
+        self._slot = int(state["slot"])
+        self._open_iters: list = []
+        for entry in state["open"]:
+            if entry is None:
+                self._open_iters.append(None)
+                continue
+            k, st = entry
+            it = iter(self._datasets[k])
+            it.set_state(st)
+            self._open_iters.append([k, it])
+        while len(self._open_iters) < self._cycle:
+            self._open_iters.append(self._open_next())
+
+    def _open_next(self):
+        if self._next_to_open >= len(self._datasets):
+            return None
+        k = self._next_to_open
+        self._next_to_open += 1
+        return [k, iter(self._datasets[k])]
+
+    def _next(self):
+        while any(e is not None for e in self._open_iters):
+            s = self._slot
+            entry = self._open_iters[s]
+            if entry is None:
+                self._slot = (s + 1) % self._cycle
+                continue
+            try:
+                x = next(entry[1])
+            except StopIteration:
+                entry[1].close()
+                self._open_iters[s] = self._open_next()
+                if self._open_iters[s] is None:
+                    self._slot = (s + 1) % self._cycle
+                continue
+            self._slot = (s + 1) % self._cycle
+            return x
+        raise StopIteration
+
+    def get_state(self):
+        return {
+            "next_to_open": self._next_to_open,
+            "slot": self._slot,
+            "open": [None if e is None else [e[0], e[1].get_state()] for e in self._open_iters],
+        }
+
+    def set_state(self, state):
+        _check_state(state, ("next_to_open", "slot", "open"), "interleave iterator")
+        self._reset(state)
+
+    def close(self):
+        for e in self._open_iters:
+            if e is not None:
+                e[1].close()
+
+    def _summary_rows(self, depth, rows):
+        t = super()._summary_rows(depth, rows)
+        return t
+
+
+def _is_infinite(n: int) -> bool:
+    return n >= sys.maxsize

@@ -1,0 +1,505 @@
+"""``mp_prefetch``: compute a pipeline's ``MapDataset`` part in worker processes.
+
+Design. The ``MapDataset`` under ``to_iter_dataset()`` is split into chunks by one plan
+(:func:`chunk_plan`: sizes 1, 2, 4, ... up to a cap, from the start index). Chunk ``k`` goes
+to worker ``k % num_workers``; every worker walks the same plan and computes only its own
+chunks, at most ``per_worker_buffer_size`` ahead of the consumer. The main process takes
+chunks in order ``k = 0, 1, 2, ...`` from the worker that owns each, so the element order,
+and the iterator state (``{"next_index": i}``), are those of a single process, for every
+worker count.
+
+Transport. Results are pickled with protocol 5: NumPy arrays travel out of band through a
+per-worker shared-memory block (one slot per buffered chunk), the small pickle through a
+pipe; the main process copies a chunk out of its slot in one ``memcpy`` and frees the slot.
+The shared-memory blocks are unlinked as soon as each worker has attached (with ``fork``,
+at once), so nothing can leak even if a process is killed. A worker's exception reaches
+the caller as the original exception, with the worker's traceback attached as its cause;
+a worker that dies (for example ``SIGKILL``) makes ``next`` raise ``WorkerDiedError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+from cairn.data._iter_dataset import (
+    DatasetIterator,
+    IterDataset,
+    MapRootIterDataset,
+    ReadOptions,
+    _check_state,
+    chunk_elements,
+    chunk_plan,
+)
+from cairn.data._map_dataset import MapDataset
+
+__all__ = ["MultiprocessingOptions", "MPPrefetchIterDataset", "WorkerDiedError", "RemoteTraceback"]
+
+_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiprocessingOptions:
+    """Worker processes for ``mp_prefetch``.
+
+    Attributes:
+      num_workers: worker processes (0 = no workers; ``mp_prefetch`` is then a no-op).
+      per_worker_buffer_size: chunks each worker may compute ahead of the consumer.
+      start_method: ``"fork"`` (default where available: starts in milliseconds, and the
+        pipeline need not be picklable) or ``"spawn"`` / ``"forkserver"`` (the pipeline
+        and its functions must then be picklable).
+      slot_bytes: shared-memory bytes per buffered chunk; a larger chunk goes through the
+        pipe instead (slower, still correct). Memory is only used as it is written.
+    """
+
+    num_workers: int = 0
+    per_worker_buffer_size: int = 2
+    start_method: str | None = None
+    slot_bytes: int = 64 << 20
+
+    def __post_init__(self):
+        for name, lo in (("num_workers", 0), ("per_worker_buffer_size", 1), ("slot_bytes", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"MultiprocessingOptions.{name} must be an int >= {lo}, got {v!r}")
+        if self.start_method not in (None, "fork", "spawn", "forkserver"):
+            raise ValueError(
+                f"MultiprocessingOptions.start_method must be 'fork', 'spawn', 'forkserver' or None, got {self.start_method!r}"
+            )
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited unexpectedly (killed, crashed, out of memory)."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; set as ``__cause__`` of re-raised errors."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class MPPrefetchIterDataset(IterDataset):
+    def __init__(self, parent: IterDataset, options: MultiprocessingOptions, worker_init_fn: Callable | None):
+        self._parent = parent
+        self._parents = (parent,)
+        self._options = options
+        self._init_fn = worker_init_fn
+        node = parent
+        while not isinstance(node, MapRootIterDataset):
+            if len(node._parents) != 1:
+                raise ValueError(
+                    f"mp_prefetch() needs a pipeline that starts with MapDataset.to_iter_dataset(); "
+                    f"found {node._stage_name()!r}, which has {len(node._parents)} inputs. Put mp_prefetch "
+                    "on each input instead."
+                )
+            node = node._parents[0]
+
+    def _stage_name(self) -> str:
+        return f"mp_prefetch(num_workers={self._options.num_workers})"
+
+    def _make_iter(self, rf):
+        opts, init = self._options, self._init_fn
+
+        def factory(root: MapRootIterDataset) -> DatasetIterator:
+            return MPRootIterator(root._ds, root._read_options, opts, init, root._debug)
+
+        return self._parent._make_iter(factory)
+
+
+# ====================================================================== worker side
+
+
+def _close_quietly(conns):
+    for c in conns:
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+def _worker_main(w, n, ds, cap, length, conn, shm_ref, slot_bytes, slots, init_fn, close_conns):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _close_quietly(close_conns)
+    parent_pid = os.getppid()
+    if isinstance(shm_ref, str):
+        shm = shared_memory.SharedMemory(name=shm_ref)
+    else:
+        shm = shm_ref
+    buf = shm.buf
+    try:
+        if init_fn is not None:
+            init_fn(w, n)
+        conn.send(("ready", w))
+    except BaseException as e:  # report init failures like chunk failures
+        _send_error(conn, -1, -1, e)
+        return
+    free = list(range(slots))
+    inline_out = 0  # chunks sent through the pipe and not yet acknowledged
+    gen = None
+    plan = None
+    k = 0
+    while True:
+        # Handle control messages; block only when there is nothing to compute.
+        can_work = plan is not None and len(free) > inline_out
+        if not conn.poll(0 if can_work else 1.0):
+            if not can_work:
+                if os.getppid() != parent_pid:
+                    return
+                continue
+        else:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            kind = msg[0]
+            if kind == "free":
+                if msg[1] >= 0:
+                    free.append(msg[1])
+                else:
+                    inline_out -= 1
+            elif kind == "start":
+                gen, start = msg[1], msg[2]
+                plan = chunk_plan(start, length, cap)
+                k = 0
+            elif kind == "stop":
+                return
+            continue
+        # Compute my next chunk of generation `gen`.
+        bounds = None
+        while True:
+            b = next(plan, None)
+            if b is None:
+                break
+            if k % n == w:
+                bounds = b
+                k += 1
+                break
+            k += 1
+        if bounds is None:
+            try:
+                conn.send(("end", gen, k))
+            except (BrokenPipeError, OSError):
+                return
+            plan = None
+            continue
+        chunk_k = k - 1
+        t0 = time.perf_counter()
+        try:
+            values = ds._getitems(np.arange(bounds[0], bounds[1], dtype=np.int64), 0)
+            pbufs: list = []
+            data = pickle.dumps(values, protocol=5, buffer_callback=pbufs.append)
+        except BaseException as e:
+            _send_error(conn, gen, chunk_k, e)
+            plan = None
+            continue
+        raws = [b.raw() for b in pbufs]
+        sizes = [r.nbytes for r in raws]
+        total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
+        dt = time.perf_counter() - t0
+        try:
+            if free and total <= slot_bytes:
+                slot = free.pop()
+                off = slot * slot_bytes
+                for r in raws:
+                    buf[off : off + r.nbytes] = r
+                    off += -(-r.nbytes // _ALIGN) * _ALIGN
+                conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt))
+            else:
+                inline_out += 1
+                conn.send(("chunk", gen, chunk_k, -1, pickle.dumps(values, protocol=4), None, dt))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _send_error(conn, gen, k, e):
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        payload = pickle.dumps(e)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    try:
+        conn.send(("error", gen, k, payload, tb, f"{type(e).__name__}: {e}"))
+    except (BrokenPipeError, OSError):
+        pass
+
+
+# ====================================================================== main side
+
+
+class _Workers:
+    """The processes, pipes and shared memory of one iterator; closed by a finalizer."""
+
+    def __init__(self):
+        self.procs: list = []
+        self.conns: list = []
+        self.shms: list = []
+        self.unlinked: list[bool] = []
+        self.closed = False
+
+    def unlink(self, w: int) -> None:
+        if not self.unlinked[w]:
+            self.unlinked[w] = True
+            try:
+                self.shms[w].unlink()
+            except FileNotFoundError:
+                pass
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for c in self.conns:
+            try:
+                c.send(("stop",))
+            except Exception:
+                pass
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        _close_quietly(self.conns)
+        for w, s in enumerate(self.shms):
+            self.unlink(w)
+            try:
+                s.close()
+            except Exception:
+                pass
+
+
+_SIGNAL_NAMES = {-s.value: s.name for s in signal.Signals}
+
+
+class MPRootIterator(DatasetIterator):
+    """Same elements and state as ``MapRootIterator``, computed by worker processes."""
+
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, options: MultiprocessingOptions, init_fn, debug=False):
+        super().__init__((), f"mp_prefetch({options.num_workers} workers) <- MapDataset[{ds._stage_name()}]", debug)
+        self._ds = ds
+        self._len = len(ds)
+        self._opts = options
+        self._init_fn = init_fn
+        self._cap = chunk_elements(ds, read_options)
+        self._n = options.num_workers
+        self._w: _Workers | None = None
+        self._gen = 0
+        self._broken: BaseException | None = None
+        self._worker_time = [0.0] * self._n
+        self._worker_chunks = [0] * self._n
+        self._stats.capacity = self._n * options.per_worker_buffer_size
+        self._reset(0)
+
+    # ------------------------------------------------------------ control
+    def _reset(self, start: int) -> None:
+        self._next_index = start
+        self._start = start
+        self._buf: list = []
+        self._buf_start = start
+        self._buf_pos = 0
+        self._plan = chunk_plan(start, self._len, self._cap)
+        self._k = 0
+        self._ended = False
+        self._gen += 1
+        if self._w is not None:
+            for c in self._w.conns:
+                c.send(("start", self._gen, start))
+
+    def _launch(self) -> None:
+        opts = self._opts
+        method = opts.start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        ctx = mp.get_context(method)
+        ws = _Workers()
+        self._finalizer = weakref.finalize(self, ws.shutdown)
+        self._w = ws
+        slots = opts.per_worker_buffer_size
+        parent_ends = []
+        for w in range(self._n):
+            mine, theirs = ctx.Pipe(duplex=True)
+            shm = shared_memory.SharedMemory(create=True, size=slots * opts.slot_bytes)
+            ws.shms.append(shm)
+            ws.unlinked.append(False)
+            parent_ends.append(mine)
+            shm_ref = shm if method == "fork" else shm.name
+            close = list(parent_ends) if method == "fork" else []
+            p = ctx.Process(
+                target=_worker_main,
+                args=(w, self._n, self._ds, self._cap, self._len, theirs, shm_ref, opts.slot_bytes, slots, self._init_fn, close),
+                daemon=True,
+                name=f"cairn-data-worker-{w}",
+            )
+            p.start()
+            theirs.close()
+            ws.procs.append(p)
+            ws.conns.append(mine)
+            if method == "fork":
+                ws.unlink(w)  # the child already maps it
+            mine.send(("start", self._gen, self._start))
+
+    def _fail(self, err: BaseException) -> BaseException:
+        self._broken = err
+        if self._w is not None:
+            self._w.shutdown()
+        return err
+
+    def _died(self, w: int) -> WorkerDiedError:
+        p = self._w.procs[w]
+        p.join(0.5)
+        code = p.exitcode
+        how = f"was killed by {_SIGNAL_NAMES.get(code, f'signal {-code}')}" if code is not None and code < 0 else f"exited with code {code}"
+        return WorkerDiedError(
+            f"cairn.data worker {w} of {self._n} (pid {p.pid}) {how} while computing the pipeline "
+            f"{self._ds._stage_name()!r}; the iterator cannot continue. Restore a new iterator from "
+            "the last get_state() to resume."
+        )
+
+    def _recv(self, w: int):
+        ws = self._w
+        conn = ws.conns[w]
+        sentinels = {p.sentinel: i for i, p in enumerate(ws.procs)}
+        while True:
+            if conn.poll():
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):
+                    raise self._fail(self._died(w)) from None
+            ready = mpc.wait([conn, *sentinels], timeout=5.0)
+            for r in ready:
+                if r in sentinels:
+                    i = sentinels[r]
+                    if i == w and conn.poll():
+                        continue
+                    raise self._fail(self._died(i))
+
+    def _fetch(self) -> bool:
+        if self._ended:
+            return False
+        if self._broken is not None:
+            raise RuntimeError("this iterator stopped after an earlier error in a worker") from self._broken
+        if self._w is None:
+            self._launch()
+        bounds = next(self._plan, None)
+        k = self._k
+        w = k % self._n
+        while True:
+            msg = self._recv(w)
+            kind = msg[0]
+            if kind == "ready":
+                self._w.unlink(msg[1])
+                continue
+            if kind == "error":
+                _, gen, ek, payload, tb, text = msg
+                if gen != self._gen and gen != -1:
+                    continue
+                exc = None
+                if payload is not None:
+                    try:
+                        exc = pickle.loads(payload)
+                    except Exception:
+                        exc = None
+                if exc is None:
+                    exc = RuntimeError(f"error in cairn.data worker {w}: {text}")
+                exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback from cairn.data worker {w} (chunk {ek}):\n{tb}"""')
+                raise self._fail(exc)
+            gen = msg[1]
+            if kind == "chunk":
+                _, gen, ck, slot, data, sizes, dt = msg
+                if gen != self._gen:
+                    self._w.conns[w].send(("free", slot))
+                    continue
+                values = self._decode(w, slot, data, sizes)
+                self._worker_time[w] += dt
+                self._worker_chunks[w] += 1
+                assert ck == k and bounds is not None, (ck, k, bounds)
+                self._k += 1
+                self._buf = values
+                self._buf_start = bounds[0]
+                self._buf_pos = 0
+                return True
+            if kind == "end":
+                if gen != self._gen:
+                    continue
+                self._ended = True
+                return False
+
+    def _decode(self, w: int, slot: int, data: bytes, sizes) -> list:
+        conn = self._w.conns[w]
+        if slot < 0:
+            values = pickle.loads(data)
+            conn.send(("free", -1))
+            return values
+        off = slot * self._opts.slot_bytes
+        total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
+        block = bytearray(self._w.shms[w].buf[off : off + total])
+        conn.send(("free", slot))
+        view = memoryview(block)
+        bufs = []
+        pos = 0
+        for s in sizes:
+            bufs.append(view[pos : pos + s])
+            pos += -(-s // _ALIGN) * _ALIGN
+        return pickle.loads(data, buffers=bufs)
+
+    # ------------------------------------------------------------ iterator protocol
+    def _next(self) -> Any:
+        while True:
+            buf = self._buf
+            while self._buf_pos < len(buf):
+                v = buf[self._buf_pos]
+                self._buf_pos += 1
+                if v is not None:
+                    self._next_index = self._buf_start + self._buf_pos
+                    return v
+            if not self._fetch():
+                raise StopIteration
+
+    def get_state(self) -> dict:
+        return {"next_index": self._next_index}
+
+    def set_state(self, state: dict) -> None:
+        i = _check_state(state, ("next_index",), "mp_prefetch iterator")["next_index"]
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
+            raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
+        if self._broken is not None:
+            raise RuntimeError("this iterator stopped after an error in a worker; create a new one") from self._broken
+        self._reset(i)
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.shutdown()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers (empty before the first ``next``)."""
+        return [p.pid for p in self._w.procs] if self._w is not None else []
+
+    def _summary_extra(self) -> list[str]:
+        lines = []
+        for w in range(self._n):
+            lines.append(
+                f"  worker {w}: {self._worker_chunks[w]} chunks, {self._worker_time[w]:.4f} s computing"
+            )
+        return lines
+
