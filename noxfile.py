@@ -52,7 +52,7 @@ def tests(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup",
         "-m", "not slow", "-p", "no:cacheprovider", "--durations=15",
-        "tests", *session.posargs,
+        *(session.posargs or ["tests"]),
     )
     session.run(
         "python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "--doctest-modules",
@@ -65,7 +65,7 @@ def tests_slow(session: nox.Session) -> None:
     """Only the cases marked slow (long sweeps, many-trial crash tests, multi-process runs)."""
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
     session.install("pytest", "pytest-xdist", "hypothesis")
-    session.run("python", "-m", "pytest", "-n", _xdist_workers(), "-m", "slow", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", _xdist_workers(), "-m", "slow", *(session.posargs or ["tests"]))
 
 
 @nox.session(python=PYTHON)
