@@ -1,0 +1,148 @@
+"""CheckpointManager: steps, retention, best step, Checkpointable items, tiers, async errors."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cairn.checkpoint as cc
+
+
+class Counter:
+    """A data-iterator-like Checkpointable."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def get_state(self) -> dict:
+        return {"position": self.position, "seed": 7}
+
+    def set_state(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def test_save_restore_items_in_one_step(tmp_path):
+    opts = cc.CheckpointManagerOptions(enable_async=True, step_prefix="ckpt")
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3)}
+    opt_state = [{"mu": np.ones(3), "count": 4}]
+    with cc.CheckpointManager(tmp_path, opts) as mngr:
+        assert mngr.save(10, {"params": params, "opt": opt_state, "data": Counter(42)}, metrics={"loss": 0.5})
+        mngr.wait_until_finished()
+        assert sorted(os.listdir(tmp_path)) == ["ckpt_10"]
+        assert mngr.all_steps() == [10] and mngr.latest_step() == 10
+        it = Counter()
+        got = mngr.restore(items={"params": params, "opt": opt_state, "data": it})
+        assert got["data"] is it and it.position == 42
+        np.testing.assert_array_equal(np.asarray(got["params"]["w"]), np.asarray(params["w"]))
+        assert got["opt"][0]["count"] == 4
+        assert mngr.metrics(10) == {"loss": 0.5}
+        raw = mngr.restore(10, ["data"])
+        assert raw == {"data": {"position": 42, "seed": 7}}
+        with pytest.raises(KeyError, match=r"no item\(s\) \['nope'\]"):
+            mngr.restore(10, ["nope"])
+        meta = mngr.item_metadata()
+        assert meta["data"] == "state" and meta["params"]["w"].shape == (2, 3)
+
+
+def test_should_save_interval_and_max_to_keep_keep_period(tmp_path):
+    opts = cc.CheckpointManagerOptions(save_interval_steps=2, max_to_keep=2, keep_period=4, enable_async=False)
+    mngr = cc.CheckpointManager(tmp_path, opts)
+    saved = [s for s in range(11) if mngr.save(s, {"x": {"v": np.full(2, s)}})]
+    assert saved == [0, 2, 4, 6, 8, 10]
+    # newest two (8, 10) plus multiples of keep_period (0, 4, 8)
+    assert mngr.all_steps() == [0, 4, 8, 10]
+    assert not mngr.should_save(10) and not mngr.should_save(9) and mngr.should_save(12)
+    assert mngr.restore(4)["x"]["v"].tolist() == [4, 4]
+    mngr.delete(4)
+    assert mngr.all_steps() == [0, 8, 10]
+    with pytest.raises(FileNotFoundError, match="step 4 is not a committed checkpoint"):
+        mngr.restore(4)
+
+
+@pytest.mark.parametrize("mode,expected_best,kept", [("min", 3, [2, 3, 5]), ("max", 0, [0, 1, 5])])
+def test_best_fn_retention(tmp_path, mode, expected_best, kept):
+    losses = {0: 0.9, 1: 0.8, 2: 0.3, 3: 0.1, 4: 0.5, 5: 0.6}
+    opts = cc.CheckpointManagerOptions(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode=mode)
+    mngr = cc.CheckpointManager(tmp_path, opts)
+    for s, loss in losses.items():
+        mngr.save(s, {"x": {"v": np.full(1, s)}}, metrics={"loss": loss})
+    mngr.wait_until_finished()
+    assert mngr.best_step() == expected_best
+    assert mngr.all_steps() == kept  # the two best plus the newest
+
+
+def test_two_tiers_restore_newest_complete(tmp_path):
+    opts = cc.CheckpointManagerOptions(
+        save_interval_steps=10, local_directory=str(tmp_path / "local"), local_save_interval_steps=2,
+        local_max_to_keep=1, enable_async=False,
+    )
+    mngr = cc.CheckpointManager(tmp_path / "persist", opts)
+    for s in range(0, 15):
+        mngr.save(s, {"x": {"v": np.full(1, s)}})
+    assert sorted(os.listdir(tmp_path / "persist")) == ["0", "10"]
+    assert sorted(os.listdir(tmp_path / "local")) == ["14"]
+    assert mngr.all_steps() == [0, 10, 14]
+    assert mngr.restore()["x"]["v"].tolist() == [14]
+    # losing the local tier (another machine): the persistent tier still restores
+    fresh = cc.CheckpointManager(tmp_path / "persist", cc.CheckpointManagerOptions(save_interval_steps=10))
+    assert fresh.latest_step() == 10 and fresh.restore()["x"]["v"].tolist() == [10]
+
+
+def test_incomplete_steps_are_invisible_and_cleaned(tmp_path):
+    mngr = cc.CheckpointManager(tmp_path, cc.CheckpointManagerOptions(enable_async=False))
+    mngr.save(1, {"x": {"v": np.ones(2)}})
+    (tmp_path / "2.cairn-tmp" / "x").mkdir(parents=True)
+    (tmp_path / "3").mkdir()  # no COMMIT marker
+    assert mngr.all_steps() == [1]
+    cc.CheckpointManager(tmp_path)
+    assert not (tmp_path / "2.cairn-tmp").exists()
+    assert mngr.all_steps() == [1]
+
+
+def test_async_error_is_raised_on_next_call(tmp_path, monkeypatch):
+    from cairn.checkpoint import _tree
+
+    mngr = cc.CheckpointManager(tmp_path)
+    calls = {"n": 0}
+    orig = _tree.write
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_tree, "write", failing)
+    assert mngr.save(1, {"x": {"v": np.ones(2)}})
+    with pytest.raises(cc.CheckpointError, match="step 1.*No space left on device"):
+        mngr.save(2, {"x": {"v": np.ones(2)}})
+    monkeypatch.setattr(_tree, "write", orig)
+    assert mngr.all_steps() == []
+    assert mngr.save(2, {"x": {"v": np.ones(2)}})
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2] and calls["n"] == 1
+
+
+def test_option_and_item_validation(tmp_path):
+    with pytest.raises(ValueError, match="best_mode"):
+        cc.CheckpointManagerOptions(best_mode="up")
+    with pytest.raises(ValueError, match="save_interval_steps"):
+        cc.CheckpointManagerOptions(save_interval_steps=0)
+    with pytest.raises(ValueError, match="local_save_interval_steps"):
+        cc.CheckpointManagerOptions(local_directory=str(tmp_path))
+    mngr = cc.CheckpointManager(tmp_path, cc.CheckpointManagerOptions(enable_async=False))
+    with pytest.raises(ValueError, match="item name '../x'"):
+        mngr.save(0, {"../x": {"v": 1}})
+
+    class Bad:
+        def get_state(self):
+            return {"f": object()}
+
+        def set_state(self, s):
+            pass
+
+    with pytest.raises(TypeError, match="item 'it': get_state"):
+        mngr.save(0, {"it": Bad()})
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        mngr.restore()
