@@ -234,3 +234,17 @@ def test_group_size_warning(tmp_path):
     with pytest.warns(RuntimeWarning, match="group_size:4"):
         src = ArrayRecordDataSource(p)
     assert src[9] == b"a"
+
+
+def test_read_threads_give_the_same_records(tmp_path):
+    recs = _records(300, seed=8)
+    write_array_record(recs, tmp_path, num_shards=4)
+    src = ArrayRecordDataSource(tmp_path, read_threads=3)
+    perm = np.random.default_rng(1).permutation(300)
+    assert src.__getitems__(perm) == [recs[i] for i in perm]
+    back = pickle.loads(pickle.dumps(src))  # the pool is not pickled
+    assert back.__getitems__(perm[:50]) == [recs[i] for i in perm[:50]]
+    src.close()
+    assert src[5] == recs[5]  # reopens lazily
+    with pytest.raises(ValueError, match="read_threads"):
+        ArrayRecordDataSource(tmp_path, read_threads=-1)

@@ -80,6 +80,9 @@ class ArrayRecordDataSource:
         Records are numbered across the files in the order given.
       reader_options: extra array_record reader options (``"key:value,..."``), appended
         to ``readahead_buffer_size:0,max_parallelism:0`` (the random-access settings).
+      read_threads: if > 1, a batch's reads are spread over this many threads (the
+        array_record reads release the GIL); 0 (default) reads in the calling thread,
+        the right choice when worker processes already use every core.
       skip_bad_records: if False (default) a corrupt record raises
         :class:`CorruptRecordError` naming the file and the record's index in it. If
         True, a corrupt record is returned as ``None`` (the datasets treat ``None`` as
@@ -110,10 +113,14 @@ class ArrayRecordDataSource:
         *,
         reader_options: str | None = None,
         skip_bad_records: bool = False,
+        read_threads: int = 0,
     ):
         files = _expand_paths(paths, marker=".array_record", kind="ArrayRecordDataSource")
         self._options = _READER_OPTIONS + (f",{reader_options}" if reader_options else "")
         self.skip_bad_records = bool(skip_bad_records)
+        if not isinstance(read_threads, int) or read_threads < 0:
+            raise ValueError(f"read_threads must be an int >= 0, got {read_threads!r}")
+        self.read_threads = read_threads
         self.bad_records = 0
         self.bad_files: list[str] = []
         self._paths: list[str] = []
@@ -153,10 +160,11 @@ class ArrayRecordDataSource:
         self._readers: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._pool: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_readers", "_lock", "_pid"):
+        for k in ("_readers", "_lock", "_pid", "_pool"):
             state.pop(k, None)
         return state
 
@@ -194,6 +202,9 @@ class ArrayRecordDataSource:
             for r in self._readers.values():
                 r.close()
             self._readers.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     # ------------------------------------------------------------------ reading
     def _read_run(self, shard: int, lo: int, hi: int, first_global: int) -> list[Any]:
@@ -220,6 +231,25 @@ class ArrayRecordDataSource:
                 out.append(None)
         return out
 
+    def _read_runs(self, runs: list[tuple[int, int, int, int]]) -> list[Any]:
+        out: list[Any] = []
+        for shard, lo, hi, first in runs:
+            out.extend(self._read_run(shard, lo, hi, first))
+        return out
+
+    def _executor(self) -> Any:
+        if self._pid != os.getpid():
+            self._init_runtime()
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pool = ThreadPoolExecutor(
+                        self.read_threads, thread_name_prefix="cairn-arrayrecord"
+                    )
+        return self._pool
+
     def __len__(self) -> int:
         return self._len
 
@@ -239,10 +269,17 @@ class ArrayRecordDataSource:
         breaks = np.flatnonzero((np.diff(shard) != 0) | (np.diff(local) != 1)) + 1
         bounds = [0, *breaks.tolist(), uniq.size]
         shard_l, local_l, uniq_l = shard.tolist(), local.tolist(), uniq.tolist()
-        got: list[Any] = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            lo = local_l[a]
-            got.extend(self._read_run(shard_l[a], lo, lo + (b - a), uniq_l[a]))
+        runs = [
+            (shard_l[a], local_l[a], local_l[a] + (b - a), uniq_l[a])
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        nt = self.read_threads
+        if nt > 1 and len(runs) >= 4 * nt:
+            step = -(-len(runs) // nt)
+            parts = [runs[k : k + step] for k in range(0, len(runs), step)]
+            got = [x for part in self._executor().map(self._read_runs, parts) for x in part]
+        else:
+            got = self._read_runs(runs)
         if uniq.size == idx.size and bool((np.diff(idx) > 0).all()):
             return got  # already sorted and distinct
         return [got[j] for j in inverse.reshape(-1).tolist()]
