@@ -1,0 +1,227 @@
+"""Filters select variables by type and path.
+
+A filter is anything :func:`to_predicate` accepts:
+
+* a :class:`~cairn.nn.Variable` subclass (``nn.Param``): variables of that type;
+* a string: a regular expression that must match the whole path (``"layers/\\d+/kernel"``);
+* ``...`` or ``True``: everything; ``False`` or ``None``: nothing;
+* a filter object (:class:`OfType`, :class:`PathContains`, :class:`PathRegex`,
+  :class:`Any`, :class:`All`, :class:`Not`, :class:`Everything`, :class:`Nothing`);
+* a list or tuple of filters: any of them;
+* a callable ``(path: tuple, variable) -> bool``.
+
+Paths given to predicates are tuples of keys (strings for attributes and dict keys,
+ints for list indices); string forms join them with ``/``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import re
+from collections.abc import Callable
+from typing import Any as _AnyT
+
+from cairn.nn._variables import Variable
+
+Predicate = Callable[[tuple, Variable], bool]
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(str(k) for k in path)
+
+
+class Filter:
+    """Base class of filter objects: callables ``(path, variable) -> bool``."""
+
+    def __call__(self, path: tuple, variable: Variable) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+
+class OfType(Filter):
+    """Variables that are instances of ``type``."""
+
+    def __init__(self, type: type):  # noqa: A002 - NNX's argument name
+        if not (isinstance(type, builtins.type) and issubclass(type, Variable)):
+            raise TypeError(f"OfType expects a Variable subclass, got {type!r}")
+        self.type = type
+
+    def __call__(self, path, variable):
+        return isinstance(variable, self.type)
+
+    def __repr__(self):
+        return f"OfType({self.type.__name__})"
+
+    def __eq__(self, other):
+        return isinstance(other, OfType) and other.type is self.type
+
+    def __hash__(self):
+        return hash(("OfType", self.type))
+
+
+class PathContains(Filter):
+    """Variables whose path contains ``key`` as one of its components."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self, path, variable):
+        return self.key in path or str(self.key) in (str(k) for k in path)
+
+    def __repr__(self):
+        return f"PathContains({self.key!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, PathContains) and other.key == self.key
+
+    def __hash__(self):
+        return hash(("PathContains", self.key))
+
+
+class PathRegex(Filter):
+    """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``)."""
+
+    def __init__(self, pattern: str):
+        try:
+            self.regex = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"invalid path regex filter {pattern!r}: {e}") from None
+        self.pattern = pattern
+
+    def __call__(self, path, variable):
+        return self.regex.fullmatch(path_str(path)) is not None
+
+    def __repr__(self):
+        return f"PathRegex({self.pattern!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, PathRegex) and other.pattern == self.pattern
+
+    def __hash__(self):
+        return hash(("PathRegex", self.pattern))
+
+
+class Any(Filter):
+    """Variables matched by at least one of ``filters``."""
+
+    def __init__(self, *filters):
+        self.filters = filters
+        self.preds = tuple(to_predicate(f) for f in filters)
+
+    def __call__(self, path, variable):
+        return any(p(path, variable) for p in self.preds)
+
+    def __repr__(self):
+        return f"Any{self.filters!r}"
+
+    def __eq__(self, other):
+        return isinstance(other, Any) and other.filters == self.filters
+
+    def __hash__(self):
+        return hash(("Any", self.filters))
+
+
+class All(Filter):
+    """Variables matched by every one of ``filters``."""
+
+    def __init__(self, *filters):
+        self.filters = filters
+        self.preds = tuple(to_predicate(f) for f in filters)
+
+    def __call__(self, path, variable):
+        return all(p(path, variable) for p in self.preds)
+
+    def __repr__(self):
+        return f"All{self.filters!r}"
+
+    def __eq__(self, other):
+        return isinstance(other, All) and other.filters == self.filters
+
+    def __hash__(self):
+        return hash(("All", self.filters))
+
+
+class Not(Filter):
+    """Variables not matched by ``filter``."""
+
+    def __init__(self, filter):  # noqa: A002
+        self.filter = filter
+        self.pred = to_predicate(filter)
+
+    def __call__(self, path, variable):
+        return not self.pred(path, variable)
+
+    def __repr__(self):
+        return f"Not({self.filter!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, Not) and other.filter == self.filter
+
+    def __hash__(self):
+        return hash(("Not", self.filter))
+
+
+class Everything(Filter):
+    """Every variable."""
+
+    def __call__(self, path, variable):
+        return True
+
+    def __repr__(self):
+        return "Everything()"
+
+    def __eq__(self, other):
+        return isinstance(other, Everything)
+
+    def __hash__(self):
+        return hash("Everything")
+
+
+class Nothing(Filter):
+    """No variable."""
+
+    def __call__(self, path, variable):
+        return False
+
+    def __repr__(self):
+        return "Nothing()"
+
+    def __eq__(self, other):
+        return isinstance(other, Nothing)
+
+    def __hash__(self):
+        return hash("Nothing")
+
+
+_EVERYTHING = Everything()
+_NOTHING = Nothing()
+
+
+def to_predicate(f: _AnyT) -> Predicate:
+    """Turn any accepted filter into a predicate ``(path_tuple, variable) -> bool``.
+
+    Raises ``TypeError`` naming the filter when it is not one of the accepted forms."""
+    if isinstance(f, Filter):
+        return f
+    if f is Ellipsis or f is True:
+        return _EVERYTHING
+    if f is None or f is False:
+        return _NOTHING
+    if isinstance(f, type):
+        if issubclass(f, Variable):
+            return OfType(f)
+        raise TypeError(
+            f"unknown filter {f!r}: a type used as a filter must be a Variable subclass "
+            f"(e.g. nn.Param)"
+        )
+    if isinstance(f, str):
+        return PathRegex(f)
+    if isinstance(f, list | tuple):
+        return Any(*f)
+    if callable(f):
+        return f
+    raise TypeError(
+        f"unknown filter {f!r} of type {type(f).__name__}: expected a Variable type, a "
+        f"path regex string, ..., True/False/None, a list of filters, a filter object "
+        f"(OfType, PathContains, Any, All, Not, Everything, Nothing) or a callable "
+        f"(path, variable) -> bool"
+    )

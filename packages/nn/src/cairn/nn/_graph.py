@@ -1,0 +1,485 @@
+"""Structure of a module tree: GraphDef, cached flattening, split / merge and friends.
+
+Walking a module tree (``_walk``) gives its :class:`GraphDef` (classes, static
+attributes, variable types and metadata: everything but the values) and the list of its
+Variables in order. The result is cached on the root module and reused while no
+structural change happened anywhere (a global counter, bumped by every module attribute
+assignment, container mutation and variable metadata change; setting a variable's
+``value`` is not structural). That cache is what makes ``split``, ``state`` and the
+transforms cost no per-node Python work on repeated calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from cairn.nn._filters import path_str, to_predicate
+from cairn.nn._module import Module, _is_node, _Static
+from cairn.nn._state import State
+from cairn.nn._variables import EPOCH, Variable, _HashableMeta
+
+# entry tags inside a node definition
+_STATIC, _VAR, _MOD, _TREE = 0, 1, 2, 3
+
+
+class SharedReferenceError(ValueError):
+    """The same module or variable is reachable from two paths of one tree."""
+
+
+def _key_of(entry) -> Any:
+    if isinstance(entry, SequenceKey):
+        return entry.idx
+    if isinstance(entry, DictKey):
+        return entry.key
+    if isinstance(entry, GetAttrKey):
+        return entry.name
+    if isinstance(entry, FlattenedIndexKey):
+        return entry.key
+    return str(entry)
+
+
+class GraphDef:
+    """The static structure of a module tree: everything except the variables' values.
+
+    Hashable and comparable, so it can key compilation caches. ``paths`` lists the path
+    tuple of each variable, in the order of the flat variable list."""
+
+    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs")
+
+    def __init__(self, node: tuple, paths: tuple):
+        self.node = node
+        self.paths = paths
+        self._hash = None
+        self._index = None
+        self._pstrs = None
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.paths)
+
+    @property
+    def path_strings(self) -> tuple[str, ...]:
+        if self._pstrs is None:
+            self._pstrs = tuple(path_str(p) for p in self.paths)
+        return self._pstrs
+
+    @property
+    def path_index(self) -> dict[tuple, int]:
+        if self._index is None:
+            self._index = {p: i for i, p in enumerate(self.paths)}
+        return self._index
+
+    @property
+    def type(self) -> type:
+        return self.node[0]
+
+    def __hash__(self):
+        if self._hash is None:
+            self._hash = hash(self.node)
+        return self._hash
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if not isinstance(other, GraphDef):
+            return NotImplemented
+        return hash(self) == hash(other) and self.node == other.node
+
+    def __repr__(self):
+        return f"GraphDef({self.node[0].__name__}, num_variables={len(self.paths)})"
+
+    # rebuilding --------------------------------------------------------------------------
+    def build_from_variables(self, variables) -> Module:
+        """A new module tree of this structure holding ``variables`` (reused, not copied)."""
+        it = iter(variables)
+        root = _build(self.node, it, None)
+        object.__setattr__(
+            root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables))
+        )
+        return root
+
+    def build_from_values(self, values) -> Module:
+        """A new module tree of this structure with new variables holding ``values``."""
+        out: list = []
+        root = _build(self.node, iter(values), out)
+        object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
+        return root
+
+
+class _Flat:
+    __slots__ = ("epoch", "graphdef", "variables")
+
+    def __init__(self, epoch, graphdef, variables):
+        self.epoch = epoch
+        self.graphdef = graphdef
+        self.variables = variables
+
+
+def _new_var(tmpl, value):
+    vcls, meta = tmpl
+    var = object.__new__(vcls)
+    object.__setattr__(var, "_meta", dict(meta.meta))
+    object.__setattr__(var, "raw_value", value)
+    return var
+
+
+def _build(node, it, out):
+    cls, entries = node
+    items = []
+    for k, tag, payload in entries:
+        if tag == _VAR:
+            if out is None:
+                items.append((k, next(it)))
+            else:
+                v = _new_var(payload, next(it))
+                out.append(v)
+                items.append((k, v))
+        elif tag == _MOD:
+            items.append((k, _build(payload, it, out)))
+        elif tag == _STATIC:
+            items.append((k, payload.value))
+        else:
+            treedef, leafdefs = payload
+            leaves = []
+            for ltag, lp in leafdefs:
+                if ltag == _VAR:
+                    if out is None:
+                        leaves.append(next(it))
+                    else:
+                        v = _new_var(lp, next(it))
+                        out.append(v)
+                        leaves.append(v)
+                else:
+                    leaves.append(_build(lp, it, out))
+            items.append((k, treedef.unflatten(leaves)))
+    return cls._graph_new(items)
+
+
+def _walk(root: Module) -> _Flat:
+    variables: list[Variable] = []
+    paths: list[tuple] = []
+    seen: dict[int, tuple] = {}
+
+    def shared(obj, first, second):
+        kind = type(obj).__name__
+        return SharedReferenceError(
+            f"shared reference: the same {kind} object is reachable at "
+            f"{path_str(first) or '<root>'!r} and {path_str(second) or '<root>'!r}; a "
+            f"cairn.nn module tree has no shared references (tie weights explicitly, "
+            f"e.g. Embed.attend, or use nn.clone to make an independent copy)"
+        )
+
+    def add_var(v, p):
+        prev = seen.get(id(v))
+        if prev is not None:
+            raise shared(v, prev, p)
+        seen[id(v)] = p
+        variables.append(v)
+        paths.append(p)
+        return (type(v), _HashableMeta(dict(v._meta)))
+
+    def visit(node, path):
+        prev = seen.get(id(node))
+        if prev is not None:
+            raise shared(node, prev, path)
+        seen[id(node)] = path
+        entries = []
+        for k, v in node._graph_items():
+            p = (*path, k)
+            if isinstance(v, Variable):
+                entries.append((k, _VAR, add_var(v, p)))
+            elif isinstance(v, Module):
+                entries.append((k, _MOD, visit(v, p)))
+            elif isinstance(v, tuple) and _tuple_has_nodes(v):
+                flat, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=_is_node)
+                leafdefs = []
+                for kp, x in flat:
+                    sp = (*p, *(_key_of(e) for e in kp))
+                    if isinstance(x, Variable):
+                        leafdefs.append((_VAR, add_var(x, sp)))
+                    elif isinstance(x, Module):
+                        leafdefs.append((_MOD, visit(x, sp)))
+                    else:
+                        raise TypeError(
+                            f"{path_str(sp)!r}: a tuple holding modules or variables must "
+                            f"hold only those (and None); found {type(x).__name__}"
+                        )
+                entries.append((k, _TREE, (treedef, tuple(leafdefs))))
+            else:
+                entries.append((k, _STATIC, _Static(v)))
+        return (type(node), tuple(entries))
+
+    node = visit(root, ())
+    return _Flat(EPOCH[0], GraphDef(node, tuple(paths)), variables)
+
+
+def _tuple_has_nodes(v: tuple) -> bool:
+    for x in jax.tree_util.tree_leaves(v, is_leaf=_is_node):
+        if isinstance(x, Variable | Module):
+            return True
+    return False
+
+
+def flat(node: Module) -> _Flat:
+    """The (cached) GraphDef and variable list of ``node``."""
+    c = node.__dict__.get("_cairn_cache")
+    if c is not None and c.epoch == EPOCH[0]:
+        return c
+    if not isinstance(node, Module):
+        raise TypeError(f"expected a cairn.nn Module, got {type(node).__name__}")
+    c = _walk(node)
+    object.__setattr__(node, "_cairn_cache", c)
+    return c
+
+
+# ----------------------------------------------------------------------------------
+# public functional API
+
+
+def _check_module(node, fn):
+    if not isinstance(node, Module):
+        raise TypeError(f"nn.{fn}: expected a cairn.nn Module, got {type(node).__name__}")
+
+
+def graphdef(node: Module) -> GraphDef:
+    """The :class:`GraphDef` (static structure) of ``node``."""
+    _check_module(node, "graphdef")
+    return flat(node).graphdef
+
+
+def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
+    preds = [to_predicate(f) for f in filters]
+    outs: list[dict] = [{} for _ in preds]
+    for p, v in zip(c.graphdef.paths, c.variables):
+        for o, pred in zip(outs, preds):
+            if pred(p, v):
+                o[p] = v
+                break
+        else:
+            if exhaustive:
+                raise ValueError(
+                    f"nn.{fn}: variable at {path_str(p)!r} ({type(v).__name__}) matched none "
+                    f"of the filters {filters!r}; add `...` as the last filter"
+                )
+    return [State.from_flat(o) for o in outs]
+
+
+def split(node: Module, *filters: Any) -> tuple:
+    """Split ``node`` into its :class:`GraphDef` and one :class:`State` per filter
+    (one State with everything when no filter is given). The States hold the module's
+    own Variable objects (not copies). Every variable must match a filter; the first
+    match wins; use ``...`` last to collect the rest.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> class M(nn.Module):
+    ...     def __init__(self):
+    ...         self.w = nn.Param(jnp.ones(2))
+    ...         self.s = nn.BatchStat(jnp.zeros(2))
+    >>> gd, params, rest = nn.split(M(), nn.Param, ...)
+    >>> params.flat_paths(), rest.flat_paths()
+    (['w'], ['s'])
+    >>> m2 = nn.merge(gd, params, rest)
+    """
+    _check_module(node, "split")
+    c = flat(node)
+    if not filters:
+        return c.graphdef, State._from_cache(c.graphdef, c.graphdef.paths, c.variables)
+    return (c.graphdef, *_partition(c, filters, "split", True))
+
+
+def state(node: Module, *filters: Any):
+    """The variables of ``node`` as a :class:`State` (one per filter: a tuple when more
+    than one filter is given). Unlike :func:`split`, variables matching no filter are
+    left out."""
+    _check_module(node, "state")
+    c = flat(node)
+    if not filters:
+        return State._from_cache(c.graphdef, c.graphdef.paths, c.variables)
+    states = _partition(c, filters, "state", False)
+    return states[0] if len(states) == 1 else tuple(states)
+
+
+def variables(node: Module, *filters: Any):
+    """Alias of :func:`state` (NNX name)."""
+    return state(node, *filters)
+
+
+def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Module:
+    """Rebuild a module tree from its :class:`GraphDef` and States. The States' Variable
+    objects are used as they are (``copy=True`` copies them). Raises ``ValueError``
+    naming any path the states lack or have in excess."""
+    if not isinstance(graphdef, GraphDef):
+        raise TypeError(f"nn.merge: expected a GraphDef first, got {type(graphdef).__name__}")
+    vs = None
+    if len(states) == 1 and isinstance(states[0], State):
+        h = states[0]._hint
+        if h is not None and (h[0] is graphdef or h[0] == graphdef):
+            vs = h[1]
+    if vs is None:
+        combined: dict = {}
+        for s in states:
+            if not isinstance(s, State):
+                s = State(s)
+            combined.update(s._flat)
+        try:
+            vs = [combined[p] for p in graphdef.paths]
+        except KeyError:
+            missing = [path_str(p) for p in graphdef.paths if p not in combined]
+            raise ValueError(f"nn.merge: the states have no variable at {missing}") from None
+        if len(combined) != len(vs):
+            idx = graphdef.path_index
+            extra = [path_str(p) for p in combined if p not in idx]
+            raise ValueError(f"nn.merge: the states have variables not in the graph: {extra}")
+    if copy:
+        vs = [v.copy() for v in vs]
+    return graphdef.build_from_variables(vs)
+
+
+def update(node: Module, *states: Any) -> None:
+    """Set the values (and metadata) of ``node``'s variables from ``states`` (States or
+    nested mappings of Variables), matching by path. Raises ``ValueError`` naming a path
+    that ``node`` does not have."""
+    _check_module(node, "update")
+    c = flat(node)
+    idx = c.graphdef.path_index
+    for s in states:
+        fl = s._flat if isinstance(s, State) else State(s)._flat
+        for p, v in fl.items():
+            i = idx.get(p)
+            if i is None:
+                raise ValueError(
+                    f"nn.update: {type(node).__name__} has no variable at {path_str(p)!r}"
+                )
+            target = c.variables[i]
+            if target is v:
+                continue
+            if isinstance(v, Variable):
+                object.__setattr__(target, "raw_value", v.raw_value)
+                if v._meta != target._meta:
+                    object.__setattr__(target, "_meta", dict(v._meta))
+                    EPOCH[0] += 1
+            else:
+                object.__setattr__(target, "raw_value", v)
+
+
+def clone(node: Module) -> Module:
+    """An independent copy of ``node`` (new module and Variable objects; array values
+    are immutable and shared)."""
+    _check_module(node, "clone")
+    c = flat(node)
+    return c.graphdef.build_from_values([v.raw_value for v in c.variables])
+
+
+def _get_child(node, key):
+    if isinstance(node, Module):
+        for k, v in node._graph_items():
+            if k == key:
+                return v
+    elif isinstance(node, Mapping):
+        return node[key]
+    elif isinstance(node, tuple | list):
+        return node[key]
+    return getattr(node, key)
+
+
+def pop(node: Module, *filters: Any):
+    """Remove the variables matching ``filters`` from ``node`` and return them as a
+    :class:`State` (one per filter; a tuple for several). Variables inside tuples
+    cannot be popped (tuples are immutable)."""
+    _check_module(node, "pop")
+    if not filters:
+        raise TypeError("nn.pop needs at least one filter")
+    c = flat(node)
+    states = _partition(c, filters, "pop", False)
+    for s in states:
+        for p in s._flat:
+            owner = node
+            for k in p[:-1]:
+                owner = _get_child(owner, k)
+            if not isinstance(owner, Module):
+                raise TypeError(
+                    f"nn.pop: cannot remove {path_str(p)!r}: its parent is a "
+                    f"{type(owner).__name__}, not a module"
+                )
+            owner._graph_del(p[-1])
+    return states[0] if len(states) == 1 else tuple(states)
+
+
+def iter_modules(node: Module) -> Iterator[tuple[str, Module]]:
+    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first."""
+
+    def rec(m, path):
+        yield path_str(path), m
+        for k, v in m._graph_items():
+            if isinstance(v, Module):
+                yield from rec(v, (*path, k))
+            elif isinstance(v, tuple) and _tuple_has_nodes(v):
+                for kp, x in jax.tree_util.tree_flatten_with_path(v, is_leaf=_is_node)[0]:
+                    if isinstance(x, Module):
+                        yield from rec(x, (*path, k, *(_key_of(e) for e in kp)))
+
+    return rec(node, ())
+
+
+def sync(target: Module, source: Module) -> None:
+    """Make ``target`` equal to ``source`` in place, reusing ``target``'s objects where
+    the types agree (so references held by the caller stay valid)."""
+    if type(target) is not type(source):
+        raise TypeError(
+            f"cannot update a {type(target).__name__} in place from a {type(source).__name__}"
+        )
+    t_items = dict(target._graph_items())
+    s_items = source._graph_items()
+    s_keys = set()
+    for k, sv in s_items:
+        s_keys.add(k)
+        tv = t_items.get(k, _MISSING)
+        if isinstance(sv, Variable) and type(tv) is type(sv):
+            object.__setattr__(tv, "raw_value", sv.raw_value)
+            if tv._meta != sv._meta:
+                object.__setattr__(tv, "_meta", dict(sv._meta))
+                EPOCH[0] += 1
+        elif isinstance(sv, Module) and type(tv) is type(sv):
+            sync(tv, sv)
+        elif isinstance(sv, tuple) and isinstance(tv, tuple) and _tuple_has_nodes(sv):
+            s_leaves, s_def = jax.tree_util.tree_flatten(sv, is_leaf=_is_node)
+            t_leaves, t_def = jax.tree_util.tree_flatten(tv, is_leaf=_is_node)
+            if s_def == t_def and all(type(a) is type(b) for a, b in zip(s_leaves, t_leaves)):
+                for a, b in zip(t_leaves, s_leaves):
+                    if isinstance(a, Variable):
+                        object.__setattr__(a, "raw_value", b.raw_value)
+                        if a._meta != b._meta:
+                            object.__setattr__(a, "_meta", dict(b._meta))
+                            EPOCH[0] += 1
+                    else:
+                        sync(a, b)
+            else:
+                target._graph_set(k, sv)
+        elif tv is _MISSING or not (tv is sv or _same_static(tv, sv)):
+            if isinstance(target, List) and tv is _MISSING:
+                target._cairn_items.append(sv)
+                EPOCH[0] += 1
+            else:
+                target._graph_set(k, sv)
+    for k in reversed(list(t_items)):
+        if k not in s_keys:
+            target._graph_del(k)
+
+
+def _same_static(a, b) -> bool:
+    if isinstance(a, Variable | Module) or isinstance(b, Variable | Module):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+_MISSING = object()
+
+from cairn.nn._module import List  # noqa: E402  (after definitions; no cycle at import)

@@ -1,0 +1,513 @@
+"""Module: a Python object that is also a JAX pytree.
+
+A module's attributes fall in three kinds:
+
+* **Variables** (``self.kernel = nn.Param(x)``): state, the pytree's leaves;
+* **child modules** (and ``nn.List`` / ``nn.Dict`` containers, and tuples of modules or
+  variables): pytree children;
+* everything else (ints, strings, dtypes, functions, tuples of ints...): static
+  configuration, kept in the pytree's aux data. Static values should be treated as
+  immutable: change them by assigning the attribute again.
+
+Plain arrays are not allowed as attributes: wrap them in a Variable so that they are
+tracked as state (``self.table = nn.Variable(x)``). A plain ``list`` or ``dict`` that
+holds modules or variables is converted to :class:`List` / :class:`Dict` on assignment.
+A module tree has no shared references: the same module or variable reachable from two
+paths is an error (tie weights explicitly instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+from cairn.nn._variables import (
+    EPOCH,
+    Intermediate,
+    Perturbation,
+    Variable,
+    _HashableMeta,
+    static_eq,
+    static_hash,
+)
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_INTERNAL = "_cairn_"
+
+
+class _Static:
+    """Wraps a static attribute value for pytree aux data: hashable even when the value
+    is not (hash by type / structure), compared with ``==``."""
+
+    __slots__ = ("value", "_h")
+
+    def __init__(self, value):
+        self.value = value
+        self._h = None
+
+    def __hash__(self):
+        if self._h is None:
+            self._h = static_hash(self.value)
+        return self._h
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and (
+            type(self.value) is type(other.value) and static_eq(self.value, other.value)
+        )
+
+    def __repr__(self):
+        return f"_Static({self.value!r})"
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, Variable | Module)
+
+
+def _contains_nodes(value) -> bool:
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_node)
+    return any(isinstance(leaf, Variable | Module) for leaf in leaves)
+
+
+def _contains_arrays(value) -> bool:
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_node)
+    return any(isinstance(leaf, _ARRAY_TYPES) for leaf in leaves)
+
+
+# ----------------------------------------------------------------------------------
+# pytree registration (per node: variables are flattened inline so that a variable's
+# value has the variable's path)
+
+
+def _module_flatten_with_keys(m: Module):
+    children = []
+    aux = []
+    key_cls = m._graph_key
+    for k, v in m._graph_items():
+        if isinstance(v, Variable):
+            children.append((key_cls(k), v.raw_value))
+            aux.append((k, 1, (type(v), _HashableMeta(dict(v._meta)))))
+        elif isinstance(v, Module):
+            children.append((key_cls(k), v))
+            aux.append((k, 2, None))
+        elif isinstance(v, tuple) and _contains_nodes(v):
+            leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=_is_node)
+            tmpl = tuple(
+                (type(x), _HashableMeta(dict(x._meta))) if isinstance(x, Variable) else None
+                for x in leaves
+            )
+            inner = treedef.unflatten(
+                [x.raw_value if isinstance(x, Variable) else x for x in leaves]
+            )
+            children.append((key_cls(k), inner))
+            aux.append((k, 3, (treedef, tmpl)))
+        else:
+            aux.append((k, 0, _Static(v)))
+    return children, (type(m), tuple(aux))
+
+
+def _module_flatten(m: Module):
+    children, aux = _module_flatten_with_keys(m)
+    return [c for _, c in children], aux
+
+
+def _module_unflatten(aux, children):
+    cls, entries = aux
+    it = iter(children)
+    items = []
+    for k, tag, payload in entries:
+        if tag == 0:
+            items.append((k, payload.value))
+        elif tag == 1:
+            vcls, meta = payload
+            var = object.__new__(vcls)
+            object.__setattr__(var, "_meta", dict(meta.meta))
+            object.__setattr__(var, "raw_value", next(it))
+            items.append((k, var))
+        elif tag == 2:
+            items.append((k, next(it)))
+        else:
+            treedef, tmpl = payload
+            sub = next(it)
+            parts = treedef.flatten_up_to(sub)
+            rebuilt = []
+            for t, x in zip(tmpl, parts):
+                if t is None:
+                    rebuilt.append(x)
+                else:
+                    var = object.__new__(t[0])
+                    object.__setattr__(var, "_meta", dict(t[1].meta))
+                    object.__setattr__(var, "raw_value", x)
+                    rebuilt.append(var)
+            items.append((k, treedef.unflatten(rebuilt)))
+    return cls._graph_new(items)
+
+
+def _register_module_class(cls) -> None:
+    jax.tree_util.register_pytree_with_keys(
+        cls, _module_flatten_with_keys, _module_unflatten, flatten_func=_module_flatten
+    )
+
+
+
+
+class Module:
+    """Base class of all modules (NNX-style: build eagerly, call eagerly, transform).
+
+    Subclasses define ``__init__`` (create Variables and child modules; no
+    ``super().__init__()`` needed) and ``__call__``.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> class Scale(nn.Module):
+    ...     def __init__(self, n):
+    ...         self.w = nn.Param(jnp.ones(n))
+    ...         self.n = n
+    ...     def __call__(self, x):
+    ...         return x * self.w
+    >>> m = Scale(3)
+    >>> m(jnp.arange(3.0)).tolist()
+    [0.0, 1.0, 2.0]
+    >>> sorted(nn.state(m).flat_paths())
+    ['w']
+    """
+
+    # the pytree key type used for this class's children
+    _graph_key = GetAttrKey
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _register_module_class(cls)
+
+    # -- attribute handling ------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith(_INTERNAL):
+            object.__setattr__(self, name, value)
+            return
+        value = _check_attribute(self, name, value)
+        object.__setattr__(self, name, value)
+        EPOCH[0] += 1
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        EPOCH[0] += 1
+
+    # -- graph protocol (overridden by containers) ------------------------------------
+    def _graph_items(self):
+        """(key, value) pairs of this node, in order (internal attributes skipped)."""
+        return [(k, v) for k, v in self.__dict__.items() if not k.startswith(_INTERNAL)]
+
+    @classmethod
+    def _graph_new(cls, items) -> Module:
+        obj = object.__new__(cls)
+        obj.__dict__.update(items)
+        return obj
+
+    def _graph_set(self, key, value) -> None:
+        """Set one child without conversion checks (used when syncing after transforms)."""
+        object.__setattr__(self, key, value)
+        EPOCH[0] += 1
+
+    def _graph_del(self, key) -> None:
+        object.__delattr__(self, key)
+        EPOCH[0] += 1
+
+    # -- NNX-style helpers ----------------------------------------------------------------
+    def iter_modules(self) -> Iterator[tuple[str, Module]]:
+        """Yield ``(path, module)`` for this module and every submodule, depth first, in
+        attribute order. Paths use the ``a/b/0`` convention; the root's path is ``""``."""
+        from cairn.nn._graph import iter_modules
+
+        return iter_modules(self)
+
+    def iter_children(self) -> Iterator[tuple[Any, Module]]:
+        """Yield ``(key, module)`` for the direct child modules."""
+        for k, v in self._graph_items():
+            if isinstance(v, Module):
+                yield k, v
+
+    def set_attributes(
+        self, *filters: Any, raise_if_not_found: bool = True, **attributes: Any
+    ) -> None:
+        """Set ``attributes`` on every module in the tree (this one included) that
+        already has them (and matches one of ``filters``, module types or predicates
+        ``(path, module) -> bool``, if given). Raises ``AttributeError`` naming the
+        missing attributes if ``raise_if_not_found`` and no module had one of them."""
+        found = set()
+        for path, mod in self.iter_modules():
+            if filters and not any(
+                (isinstance(f, type) and isinstance(mod, f))
+                or (not isinstance(f, type) and callable(f) and f(path, mod))
+                for f in filters
+            ):
+                continue
+            for name, value in attributes.items():
+                if name in mod.__dict__:
+                    setattr(mod, name, value)
+                    found.add(name)
+        missing = set(attributes) - found
+        if raise_if_not_found and missing:
+            raise AttributeError(
+                f"set_attributes: no module in {type(self).__name__} has attribute(s) "
+                f"{sorted(missing)}"
+            )
+
+    def train(self, **attributes: Any) -> Module:
+        """Training mode: ``deterministic=False`` and ``use_running_average=False`` on
+        every submodule that has them (plus any extra ``attributes``). Returns self."""
+        self.set_attributes(
+            deterministic=False,
+            use_running_average=False,
+            **attributes,
+            raise_if_not_found=False,
+        )
+        return self
+
+    def eval(self, **attributes: Any) -> Module:
+        """Evaluation mode: ``deterministic=True`` and ``use_running_average=True`` on
+        every submodule that has them (plus any extra ``attributes``). Returns self."""
+        self.set_attributes(
+            deterministic=True,
+            use_running_average=True,
+            **attributes,
+            raise_if_not_found=False,
+        )
+        return self
+
+    def sow(
+        self,
+        variable_type: type[Variable] | str,
+        name: str,
+        value: Any,
+        reduce_fn: Callable[[Any, Any], Any] = lambda xs, x: (*xs, x),
+        init_fn: Callable[[], Any] = tuple,
+    ) -> None:
+        """Record ``value`` in the variable ``name`` of type ``variable_type`` (default
+        :class:`Intermediate` when given a string), appending to a tuple by default."""
+        if isinstance(variable_type, str):
+            variable_type = Intermediate
+        existing = self.__dict__.get(name)
+        if existing is None:
+            setattr(self, name, variable_type(reduce_fn(init_fn(), value)))
+        elif isinstance(existing, variable_type):
+            existing.value = reduce_fn(existing.value, value)
+        else:
+            raise TypeError(
+                f"sow: attribute {name!r} of {type(self).__name__} is a "
+                f"{type(existing).__name__}, expected a {variable_type.__name__}"
+            )
+
+    def perturb(self, name: str, value: Any, variable_type: type[Variable] = Perturbation):
+        """Add a zero :class:`Perturbation` named ``name`` to ``value`` (created on the
+        first call), so that the gradient with respect to it is the gradient with respect
+        to this intermediate value."""
+        import jax.numpy as jnp
+
+        existing = self.__dict__.get(name)
+        if existing is None:
+            setattr(self, name, variable_type(jnp.zeros_like(value)))
+            existing = self.__dict__[name]
+        return value + existing.value
+
+    def __repr__(self) -> str:
+        from cairn.nn._summary import module_repr
+
+        return module_repr(self)
+
+    def __copy__(self):
+        from cairn.nn._graph import clone
+
+        return clone(self)
+
+    def __deepcopy__(self, memo):
+        from cairn.nn._graph import clone
+
+        return clone(self)
+
+
+def _check_attribute(module: Module, name: str, value: Any) -> Any:
+    """Validate / convert a value assigned to a module attribute."""
+    if isinstance(value, _ARRAY_TYPES):
+        current = module.__dict__.get(name)
+        if isinstance(current, Variable):
+            raise TypeError(
+                f"{type(module).__name__}.{name} holds a {type(current).__name__}; "
+                f"assign the array to {type(module).__name__}.{name}.value (or "
+                f"`[...] = `), or wrap it in a Variable: got a plain "
+                f"{type(value).__name__} of shape {np.shape(value)}"
+            )
+        raise TypeError(
+            f"{type(module).__name__}.{name}: plain arrays are not allowed as module "
+            f"attributes (got {type(value).__name__} of shape {np.shape(value)}); wrap it "
+            f"in a Variable (nn.Param, nn.BatchStat, nn.Cache or nn.Variable) so that it "
+            f"is tracked as state"
+        )
+    if type(value) is list and _contains_nodes(value):
+        return List(value)
+    if type(value) is dict and _contains_nodes(value):
+        return Dict(value)
+    if isinstance(value, tuple | list | dict) and _contains_arrays(value):
+        raise TypeError(
+            f"{type(module).__name__}.{name}: the {type(value).__name__} assigned "
+            f"contains plain arrays; wrap each in a Variable (nn.Param, nn.Variable, ...)"
+        )
+    return value
+
+
+# ----------------------------------------------------------------------------------
+# containers
+
+
+class List(Module):
+    """A list of modules / variables / static values that is a module (paths
+    ``name/0/...``). Supports the usual list operations."""
+
+    _graph_key = SequenceKey
+
+    def __init__(self, items=()):
+        object.__setattr__(self, "_cairn_items", [])
+        for item in items:
+            self.append(item)
+
+    def _graph_items(self):
+        return list(enumerate(self._cairn_items))
+
+    @classmethod
+    def _graph_new(cls, items):
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_cairn_items", [v for _, v in items])
+        return obj
+
+    def _graph_set(self, key, value):
+        self._cairn_items[key] = value
+        EPOCH[0] += 1
+
+    def _graph_del(self, key):
+        del self._cairn_items[key]
+        EPOCH[0] += 1
+
+    def _check(self, value, key):
+        return _check_attribute(self, str(key), value)
+
+    def append(self, value) -> None:
+        self._cairn_items.append(self._check(value, len(self._cairn_items)))
+        EPOCH[0] += 1
+
+    def extend(self, values) -> None:
+        for v in values:
+            self.append(v)
+
+    def insert(self, index: int, value) -> None:
+        self._cairn_items.insert(index, self._check(value, index))
+        EPOCH[0] += 1
+
+    def pop(self, index: int = -1):
+        v = self._cairn_items.pop(index)
+        EPOCH[0] += 1
+        return v
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return List(self._cairn_items[idx])
+        return self._cairn_items[idx]
+
+    def __setitem__(self, idx, value):
+        self._cairn_items[idx] = self._check(value, idx)
+        EPOCH[0] += 1
+
+    def __delitem__(self, idx):
+        del self._cairn_items[idx]
+        EPOCH[0] += 1
+
+    def __len__(self):
+        return len(self._cairn_items)
+
+    def __iter__(self):
+        return iter(self._cairn_items)
+
+    def __contains__(self, x):
+        return any(x is y for y in self._cairn_items)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("nn.List is not callable; use nn.Sequential to chain modules")
+
+
+class Dict(Module, Mapping):
+    """A string-keyed mapping of modules / variables / static values that is a module
+    (paths ``name/key/...``)."""
+
+    _graph_key = DictKey
+
+    def __init__(self, items=(), **kwargs):
+        object.__setattr__(self, "_cairn_items", {})
+        for k, v in dict(items, **kwargs).items():
+            self[k] = v
+
+    def _graph_items(self):
+        return list(self._cairn_items.items())
+
+    @classmethod
+    def _graph_new(cls, items):
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_cairn_items", dict(items))
+        return obj
+
+    def _graph_set(self, key, value):
+        self._cairn_items[key] = value
+        EPOCH[0] += 1
+
+    def _graph_del(self, key):
+        del self._cairn_items[key]
+        EPOCH[0] += 1
+
+    def __getitem__(self, key):
+        return self._cairn_items[key]
+
+    def __setitem__(self, key, value):
+        if not isinstance(key, str) or "/" in key:
+            raise TypeError(f"nn.Dict keys must be strings without '/', got {key!r}")
+        self._cairn_items[key] = _check_attribute(self, key, value)
+        EPOCH[0] += 1
+
+    def __delitem__(self, key):
+        del self._cairn_items[key]
+        EPOCH[0] += 1
+
+    def __getattr__(self, name):
+        items = self.__dict__.get("_cairn_items")
+        if items is not None and name in items:
+            return items[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or key {name!r}")
+
+    def __iter__(self):
+        return iter(self._cairn_items)
+
+    def __len__(self):
+        return len(self._cairn_items)
+
+    # Mapping defines __eq__; keep identity semantics for modules
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+class Sequential(Module):
+    """Chain of callables: the first gets all call arguments, each next one gets the
+    previous output. Layers are stored in ``self.layers`` (paths ``layers/0/...``)."""
+
+    def __init__(self, *layers: Callable):
+        self.layers = List(layers)
+
+    def __call__(self, *args, **kwargs):
+        if not len(self.layers):
+            raise ValueError("Sequential with no layers called")
+        out = self.layers[0](*args, **kwargs)
+        for layer in self.layers._cairn_items[1:]:
+            out = layer(out)
+        return out
+
+
+
+_register_module_class(Module)  # subclasses register themselves in __init_subclass__

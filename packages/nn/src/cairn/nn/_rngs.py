@@ -1,0 +1,149 @@
+"""Named random-number streams.
+
+Each stream holds a key (:class:`RngKey`) and a counter (:class:`RngCount`); calling the
+stream returns ``fold_in(key, count)`` and increments the counter. Both are Variables,
+so the counter is state: it advances inside ``nn.jit`` / ``nn.scan`` / ... and the new
+value flows back to the caller's object, and the same program with the same seeds gives
+the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn.nn._module import Module
+from cairn.nn._variables import RngCount, RngKey
+
+
+def _as_key(seed: Any):
+    if isinstance(seed, RngStream):
+        return seed()
+    if isinstance(seed, int | np.integer):
+        return jax.random.key(int(seed))
+    arr = seed
+    if hasattr(arr, "dtype") and jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
+        return arr
+    arr = jnp.asarray(arr)
+    if arr.dtype == jnp.uint32 and arr.shape[-1:] == (2,):
+        return jax.random.wrap_key_data(arr)
+    if jnp.issubdtype(arr.dtype, jnp.integer) and arr.ndim == 0:
+        return jax.random.key(arr)
+    raise TypeError(
+        f"an Rngs stream needs an int seed or a PRNG key, got {type(seed).__name__} "
+        f"with shape {getattr(seed, 'shape', None)}"
+    )
+
+
+def _fold_in(key, count):
+    if key.ndim == 0:
+        return jax.random.fold_in(key, count)
+    return jax.vmap(_fold_in)(key, count)
+
+
+class RngStream(Module):
+    """One named stream: ``stream()`` returns a fresh key and advances the counter."""
+
+    def __init__(self, key: Any, *, tag: str):
+        key = _as_key(key)
+        self.tag = tag
+        self.key = RngKey(key, tag=tag)
+        self.count = RngCount(jnp.zeros(key.shape, jnp.uint32), tag=tag)
+
+    def __call__(self):
+        key = self.key.raw_value
+        count = self.count.raw_value
+        self.count.raw_value = count + jnp.uint32(1)
+        return _fold_in(key, count)
+
+    def fork(self, *, split: int | tuple[int, ...] | None = None) -> RngStream:
+        """An independent stream derived from this one (advances this one's counter).
+        With ``split=n`` the new stream holds ``n`` keys (shape ``(n,)``), for use as a
+        batched argument of ``nn.vmap`` / ``nn.scan``."""
+        key = self()
+        if split is not None:
+            if key.ndim != 0:
+                raise ValueError(f"cannot split the already split stream {self.tag!r}")
+            key = jax.random.split(key, split)
+        return RngStream(key, tag=self.tag)
+
+
+class Rngs(Module):
+    """A set of named random streams.
+
+    ``Rngs(0)`` makes a ``default`` stream; ``Rngs(0, dropout=1)`` or
+    ``Rngs(params=0, dropout=1)`` name them. ``rngs.params()`` / ``rngs["params"]()``
+    draw a key from a stream; a stream that does not exist falls back to ``default``
+    when there is one, and otherwise raises ``AttributeError`` naming the stream.
+
+    >>> from cairn import nn
+    >>> rngs = nn.Rngs(0, dropout=1)
+    >>> k1, k2 = rngs.params(), rngs.params()   # 'params' falls back to 'default'
+    >>> bool((jax.random.key_data(k1) != jax.random.key_data(k2)).any())
+    True
+    >>> int(rngs.default.count.value)
+    2
+    """
+
+    def __init__(self, default: Any = None, /, **streams: Any):
+        if default is not None:
+            streams = {"default": default, **streams}
+        for name, seed in streams.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"Rngs stream names must be identifiers, got {name!r}")
+            setattr(self, name, seed if isinstance(seed, RngStream) else RngStream(seed, tag=name))
+
+    def streams(self) -> dict[str, RngStream]:
+        return {k: v for k, v in self._graph_items() if isinstance(v, RngStream)}
+
+    def __getattr__(self, name: str) -> RngStream:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        d = self.__dict__
+        if "default" in d:
+            return d["default"]
+        names = [k for k, v in d.items() if isinstance(v, RngStream)]
+        raise AttributeError(
+            f"Rngs has no stream {name!r} and no 'default' stream (streams: {names}); "
+            f"create it with nn.Rngs(..., {name}=seed)"
+        )
+
+    def __getitem__(self, name: str) -> RngStream:
+        v = self.__dict__.get(name)
+        if isinstance(v, RngStream):
+            return v
+        return getattr(self, name)
+
+    def __contains__(self, name: str) -> bool:
+        return isinstance(self.__dict__.get(name), RngStream)
+
+    def __call__(self):
+        return self.default()
+
+    def fork(self, *, split: int | tuple[int, ...] | None = None) -> Rngs:
+        """New independent Rngs with the same stream names (see :meth:`RngStream.fork`)."""
+        out = Rngs()
+        for name, stream in self.streams().items():
+            setattr(out, name, stream.fork(split=split))
+        return out
+
+    def split(self, n: int | tuple[int, ...]) -> Rngs:
+        """``fork(split=n)``: Rngs whose streams hold ``n`` keys each, to pass as a
+        batched (``in_axes=0``) argument of ``nn.vmap``."""
+        return self.fork(split=n)
+
+    # jax.random-style samplers drawing from the default stream
+    def normal(self, shape=(), dtype=jnp.float32, stream: str = "default"):
+        return jax.random.normal(self[stream](), shape, dtype)
+
+    def uniform(self, shape=(), dtype=jnp.float32, minval=0.0, maxval=1.0, stream="default"):
+        return jax.random.uniform(self[stream](), shape, dtype, minval, maxval)
+
+    def bernoulli(self, p=0.5, shape=None, stream: str = "default"):
+        return jax.random.bernoulli(self[stream](), p, shape)
+
+    def categorical(self, logits, axis: int = -1, shape=None, stream: str = "default"):
+        return jax.random.categorical(self[stream](), logits, axis, shape)

@@ -1,0 +1,299 @@
+"""State: the variables of a module tree, keyed by path.
+
+A :class:`State` is a nested mapping (``state["layers"][0]["kernel"]``, also
+``state.layers[0].kernel``) whose leaves are :class:`~cairn.nn.Variable` objects. It is
+stored flat (path tuple -> Variable) so that ``split`` / ``merge`` cost no per-node work.
+
+As a pytree, a State flattens each variable **inline**: the variable's value is the leaf
+and its path is the variable's path, with no ``value`` component. So
+``cairn.core_array.flatten_with_paths(nn.state(model))`` gives keys such as
+``"layers/0/kernel"``, the same strings checkpoint keys, optimizer masks and
+quantization rules use. ``jax.tree.map(f, state)`` returns a State of new variables
+(same types and metadata) holding ``f(value)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey
+
+from cairn.nn._filters import path_str, to_predicate
+from cairn.nn._variables import Variable, _HashableMeta
+
+
+class State(MutableMapping):
+    """A mapping from path to :class:`~cairn.nn.Variable`, nested by path component.
+
+    Build one from a nested mapping of Variables (``State({"w": nn.Param(x)})``) or get
+    it from :func:`~cairn.nn.state` / :func:`~cairn.nn.split`.
+    """
+
+    __slots__ = ("_flat", "_hint")
+
+    def __init__(self, mapping: Mapping | None = None):
+        self._flat: dict[tuple, Variable] = {}
+        self._hint = None
+        if mapping is not None:
+            if isinstance(mapping, State):
+                self._flat = dict(mapping._flat)
+            else:
+                _flatten_mapping(mapping, (), self._flat)
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[tuple, Variable] | Any) -> State:
+        """A State from ``{path_tuple: Variable}`` (or an iterable of pairs)."""
+        s = object.__new__(cls)
+        s._flat = dict(flat)
+        s._hint = None
+        return s
+
+    @classmethod
+    def _from_cache(cls, graphdef, paths, variables) -> State:
+        s = object.__new__(cls)
+        s._flat = dict(zip(paths, variables))
+        s._hint = (graphdef, variables)
+        return s
+
+    # -- flat views ---------------------------------------------------------------------
+    def flat_state(self) -> dict[tuple, Variable]:
+        """``{path_tuple: Variable}`` (a new dict)."""
+        return dict(self._flat)
+
+    def flat_paths(self) -> list[str]:
+        """The ``/``-joined paths of every variable, in order."""
+        return [path_str(p) for p in self._flat]
+
+    def flat_items(self) -> list[tuple[str, Variable]]:
+        return [(path_str(p), v) for p, v in self._flat.items()]
+
+    # -- mapping protocol ---------------------------------------------------------------
+    def _sub(self, key) -> State | Variable:
+        v = self._flat.get((key,))
+        if v is not None:
+            return v
+        sub = {p[1:]: v for p, v in self._flat.items() if p[0] == key and len(p) > 1}
+        if not sub:
+            raise KeyError(key)
+        return State.from_flat(sub)
+
+    def __getitem__(self, key):
+        return self._sub(key)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in State.__slots__:
+            raise AttributeError(name)
+        try:
+            return self._sub(name)
+        except KeyError:
+            raise AttributeError(
+                f"State has no key {name!r} (top-level keys: {list(self)})"
+            ) from None
+
+    def __setitem__(self, key, value):
+        self._hint = None
+        for p in [p for p in self._flat if p[0] == key]:
+            del self._flat[p]
+        if isinstance(value, Variable):
+            self._flat[(key,)] = value
+        elif isinstance(value, Mapping):
+            sub = value._flat if isinstance(value, State) else _flatten_mapping(value, (), {})
+            for p, v in sub.items():
+                self._flat[(key, *p)] = v
+        else:
+            raise TypeError(
+                f"State values must be Variables or mappings of Variables; got "
+                f"{type(value).__name__} for key {key!r}"
+            )
+
+    def __delitem__(self, key):
+        ps = [p for p in self._flat if p[0] == key]
+        if not ps:
+            raise KeyError(key)
+        self._hint = None
+        for p in ps:
+            del self._flat[p]
+
+    def __iter__(self) -> Iterator:
+        seen = {}
+        for p in self._flat:
+            seen.setdefault(p[0], None)
+        return iter(seen)
+
+    def __len__(self) -> int:
+        return len({p[0] for p in self._flat})
+
+    def __contains__(self, key) -> bool:
+        return any(p[0] == key for p in self._flat)
+
+    def __eq__(self, other):
+        if not isinstance(other, State):
+            return NotImplemented
+        return self._flat == other._flat
+
+    __hash__ = None
+
+    # -- functional helpers -------------------------------------------------------------
+    def filter(self, *filters) -> State | tuple[State, ...]:
+        """The variables matching each filter (a State, or a tuple for several)."""
+        preds = [to_predicate(f) for f in filters]
+        outs = [{} for _ in preds]
+        for p, v in self._flat.items():
+            for o, pred in zip(outs, preds):
+                if pred(p, v):
+                    o[p] = v
+                    break
+        states = tuple(State.from_flat(o) for o in outs)
+        return states[0] if len(states) == 1 else states
+
+    def split(self, *filters) -> State | tuple[State, ...]:
+        """Partition by ``filters`` (each variable goes to the first that matches; every
+        variable must match one, so end with ``...`` to collect the rest)."""
+        preds = [to_predicate(f) for f in filters]
+        outs = [{} for _ in preds]
+        for p, v in self._flat.items():
+            for o, pred in zip(outs, preds):
+                if pred(p, v):
+                    o[p] = v
+                    break
+            else:
+                raise ValueError(
+                    f"State.split: variable at {path_str(p)!r} ({type(v).__name__}) "
+                    f"matched none of the filters {filters!r}; add `...` as the last filter"
+                )
+        states = tuple(State.from_flat(o) for o in outs)
+        return states[0] if len(states) == 1 else states
+
+    @staticmethod
+    def merge(*states: State) -> State:
+        """One State holding the variables of all ``states`` (later ones win)."""
+        flat = {}
+        for s in states:
+            flat.update(s._flat)
+        return State.from_flat(flat)
+
+    def to_pure_dict(self) -> dict:
+        return to_pure_dict(self)
+
+    def replace_by_pure_dict(self, pure: Mapping) -> None:
+        replace_by_pure_dict(self, pure)
+
+    def __repr__(self) -> str:
+        from cairn.nn._summary import state_repr
+
+        return state_repr(self)
+
+
+def _flatten_mapping(mapping: Mapping, prefix: tuple, out: dict) -> dict:
+    for k, v in mapping.items():
+        if isinstance(v, Variable):
+            out[(*prefix, k)] = v
+        elif isinstance(v, State):
+            for p, x in v._flat.items():
+                out[(*prefix, k, *p)] = x
+        elif isinstance(v, Mapping):
+            _flatten_mapping(v, (*prefix, k), out)
+        else:
+            raise TypeError(
+                f"State leaves must be Variables; got {type(v).__name__} at "
+                f"{path_str((*prefix, k))!r} (use nn.Variable(...) or replace_by_pure_dict)"
+            )
+    return out
+
+
+def to_pure_dict(state: State | Mapping) -> dict:
+    """Nested plain dicts of the variables' values (list indices stay ints)."""
+    flat = state._flat if isinstance(state, State) else _flatten_mapping(state, (), {})
+    out: dict = {}
+    for p, v in flat.items():
+        d = out
+        for k in p[:-1]:
+            d = d.setdefault(k, {})
+        d[p[-1]] = v.raw_value
+    return out
+
+
+def replace_by_pure_dict(state: State, pure: Mapping) -> None:
+    """Set every variable of ``state`` (in place) to the value at its path in the nested
+    mapping ``pure`` (as made by :func:`to_pure_dict`; string forms of integer keys are
+    accepted). Raises ``KeyError`` naming a path that ``pure`` lacks."""
+    for p, v in state._flat.items():
+        d = pure
+        for i, k in enumerate(p):
+            if isinstance(d, Mapping) and k in d:
+                d = d[k]
+            elif isinstance(d, Mapping) and str(k) in d:
+                d = d[str(k)]
+            else:
+                raise KeyError(
+                    f"replace_by_pure_dict: no value for {path_str(p)!r} (missing key "
+                    f"{k!r} at {path_str(p[:i]) or '<root>'!r})"
+                )
+        if isinstance(d, Mapping):
+            raise TypeError(
+                f"replace_by_pure_dict: expected an array at {path_str(p)!r}, got a mapping"
+            )
+        v.value = d
+
+
+# -- pytree registration: variables inline ---------------------------------------------
+
+
+def _state_children(s: State):
+    groups: dict = {}
+    for p, v in s._flat.items():
+        head = p[0]
+        if len(p) == 1:
+            groups[head] = v
+        else:
+            g = groups.get(head)
+            if g is None or isinstance(g, Variable):
+                g = groups[head] = {}
+            g[p[1:]] = v
+    keys = []
+    children = []
+    tmpl = []
+    for k, g in groups.items():
+        keys.append(k)
+        if isinstance(g, Variable):
+            children.append(g.raw_value)
+            tmpl.append((type(g), _HashableMeta(dict(g._meta))))
+        else:
+            children.append(State.from_flat(g))
+            tmpl.append(None)
+    return keys, children, tuple(tmpl)
+
+
+def _state_flatten_with_keys(s: State):
+    keys, children, tmpl = _state_children(s)
+    return [(DictKey(k), c) for k, c in zip(keys, children)], (tuple(keys), tmpl)
+
+
+def _state_flatten(s: State):
+    keys, children, tmpl = _state_children(s)
+    return children, (tuple(keys), tmpl)
+
+
+def _state_unflatten(aux, children):
+    keys, tmpl = aux
+    flat = {}
+    for k, t, c in zip(keys, tmpl, children):
+        if t is None:
+            if isinstance(c, State):
+                for p, v in c._flat.items():
+                    flat[(k, *p)] = v
+            else:  # jax may rebuild with placeholder leaves
+                flat[(k,)] = c
+        else:
+            var = object.__new__(t[0])
+            object.__setattr__(var, "_meta", dict(t[1].meta))
+            object.__setattr__(var, "raw_value", c)
+            flat[(k,)] = var
+    return State.from_flat(flat)
+
+
+jax.tree_util.register_pytree_with_keys(
+    State, _state_flatten_with_keys, _state_unflatten, flatten_func=_state_flatten
+)
