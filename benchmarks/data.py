@@ -1,0 +1,244 @@
+"""cairn.data against Grain: same files, same pipeline, one process.
+
+Pipeline: global shuffle -> decode 1 KiB record (np.frombuffer float32) and x * 2 + 1 ->
+batch 64, over N records (100k by default, 20k with --quick). Steady-state records/s
+are measured over a fixed number of batches after the first batch. Also measured: time
+to the first batch with 2 workers, get_state, and set_state + next batch.
+
+Prints a table, then ONE JSON line with the ratios (cairn / grain; > 1 means cairn is
+faster). Run: python benchmarks/data.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+RECORD_BYTES = 1024
+BATCH = 64
+
+
+def decode(record: bytes) -> np.ndarray:
+    return np.frombuffer(record, np.float32) * 2 + 1
+
+
+def decode_row(row: dict) -> np.ndarray:
+    return np.frombuffer(row["data"], np.float32) * 2 + 1
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def steady_rate(it, batches: int) -> tuple[float, float]:
+    """(seconds to first batch, records/s over the next `batches` batches)."""
+    t0 = time.perf_counter()
+    first = next(it)
+    t_first = time.perf_counter() - t0
+    n = 0
+    t1 = time.perf_counter()
+    for _ in range(batches):
+        try:
+            b = next(it)
+        except StopIteration:
+            break
+        n += len(b)
+    dt = time.perf_counter() - t1
+    assert first.shape[1] == RECORD_BYTES // 4
+    return t_first, n / max(dt, 1e-9)
+
+
+def close(it) -> None:
+    c = getattr(it, "close", None)
+    if c is not None:
+        c()
+
+
+def plain_loop(records: list, batches: int) -> float:
+    perm = np.random.default_rng(0).permutation(len(records))
+    t0 = time.perf_counter()
+    n = 0
+    for b in range(batches):
+        idx = perm[b * BATCH : (b + 1) * BATCH]
+        batch = np.stack([decode(records[i]) for i in idx.tolist()])
+        n += len(batch)
+    return n / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------- pipelines
+
+
+def cairn_iter(source, fn, workers: int):
+    import cairn.data as cd
+
+    ds = cd.MapDataset.source(source).shuffle(seed=0).map(fn).batch(BATCH)
+    it_ds = ds.to_iter_dataset()
+    if workers:
+        it_ds = it_ds.mp_prefetch(cd.MultiprocessingOptions(num_workers=workers))
+    return iter(it_ds)
+
+
+def grain_iter(source, fn, workers: int, threads: int | None = 0):
+    import grain
+
+    ds = grain.MapDataset.source(source).shuffle(seed=0).map(fn).batch(BATCH)
+    opts = grain.ReadOptions(num_threads=threads) if threads is not None else None
+    it_ds = ds.to_iter_dataset(opts) if opts is not None else ds.to_iter_dataset()
+    if workers:
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iter(it_ds)
+
+
+def measure(make, batches: int, repeats: int) -> tuple[float, float]:
+    firsts, rates = [], []
+    for _ in range(repeats):
+        it = make()
+        try:
+            f, r = steady_rate(it, batches)
+        finally:
+            close(it)
+        firsts.append(f)
+        rates.append(r)
+    return statistics.median(firsts), statistics.median(rates)
+
+
+def state_times(make, steps: int = 200) -> tuple[float, float, int]:
+    """(get_state seconds, set_state + next seconds, state size in bytes), medians."""
+    it = make()
+    try:
+        for _ in range(5):
+            next(it)
+        gets = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            st = it.get_state()
+            gets.append(time.perf_counter() - t0)
+        size = len(json.dumps(st))
+        sets = []
+        for k in range(5):
+            target = json.loads(json.dumps(st))
+            next(it)
+            t0 = time.perf_counter()
+            it.set_state(target)
+            next(it)
+            sets.append(time.perf_counter() - t0)
+        return statistics.median(gets), statistics.median(sets), size
+    finally:
+        close(it)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
+    ap.add_argument("--records", type=int, default=None)
+    args = ap.parse_args()
+    n = args.records or (20_000 if args.quick else 100_000)
+    batches = 150 if args.quick else 400
+    grain_batches = 20 if args.quick else 60
+    repeats = 1 if args.quick else 3
+
+    try:  # Grain's worker processes read absl flags; parse them so mp_prefetch works.
+        from absl import flags
+
+        flags.FLAGS(sys.argv[:1], known_only=True)
+    except Exception:
+        pass
+
+    import cairn.data as cd
+    import grain
+
+    rng = np.random.default_rng(0)
+    blob = rng.standard_normal(n * RECORD_BYTES // 4).astype(np.float32).tobytes()
+    records = [blob[i * RECORD_BYTES : (i + 1) * RECORD_BYTES] for i in range(n)]
+
+    tmp = tempfile.mkdtemp(prefix="cairn_bench_data_")
+    rows: list[tuple[str, float, float]] = []
+    ratios: dict[str, float] = {}
+    try:
+        ar_paths = cd.write_array_record(records, os.path.join(tmp, "ar"), num_shards=1)
+        pq_dir = os.path.join(tmp, "pq")
+        cd.write_parquet(({"data": r} for r in records), pq_dir, row_group_size=1024)
+
+        def add(name, cairn_rate, grain_rate):
+            rows.append((name, cairn_rate, grain_rate))
+
+        # 1. in memory
+        loop = plain_loop(records, batches)
+        _, c_mem = measure(lambda: cairn_iter(records, decode, 0), batches, repeats)
+        _, g_mem = measure(lambda: grain_iter(records, decode, 0), grain_batches, repeats)
+        add("in memory, 0 workers", c_mem, g_mem)
+        rows.append(("plain Python loop (in memory)", loop, float("nan")))
+        ratios["memory_vs_grain"] = c_mem / g_mem
+        ratios["memory_vs_plain_loop"] = c_mem / loop
+
+        # 2. ArrayRecord (one 100k-record file)
+        c_ar_src = cd.ArrayRecordDataSource(ar_paths)
+        g_ar_src = grain.sources.ArrayRecordDataSource(ar_paths)
+        # Grain is compared in its faster configuration: num_threads=0 or its default (16).
+        for w in (0, 2):
+            first_c, c = measure(lambda w=w: cairn_iter(c_ar_src, decode, w), batches, repeats)
+            first_g, g0 = measure(lambda w=w: grain_iter(g_ar_src, decode, w), grain_batches, repeats)
+            _, g16 = measure(lambda w=w: grain_iter(g_ar_src, decode, w, threads=None), grain_batches, repeats)
+            g = max(g0, g16)
+            add(f"ArrayRecord, {w} workers (grain threads={'0' if g0 >= g16 else '16'})", c, g)
+            ratios[f"arrayrecord_{w}w"] = c / g
+            if w == 2:
+                ratios["first_batch_2w_cairn_s"] = first_c
+                ratios["first_batch_2w_grain_s"] = first_g
+
+        # 3. Parquet: cairn reads rows at random; Grain loads the table into memory first.
+        import pyarrow.parquet as pq
+
+        c_pq_src = cd.ParquetDataSource(pq_dir)
+        t0 = time.perf_counter()
+        g_rows = pq.read_table(pq_dir).to_pylist()
+        g_load = time.perf_counter() - t0
+        for w in (0, 2):
+            _, c = measure(lambda w=w: cairn_iter(c_pq_src, decode_row, w), batches, repeats)
+            _, g = measure(lambda w=w: grain_iter(g_rows, decode_row, w), grain_batches, repeats)
+            add(f"Parquet, {w} workers", c, g)
+            ratios[f"parquet_{w}w"] = c / g
+
+        # 4. state
+        get_c, set_c, size_c = state_times(lambda: cairn_iter(c_ar_src, decode, 0))
+        get_c2, set_c2, _ = state_times(lambda: cairn_iter(c_ar_src, decode, 2))
+        get_g, set_g, size_g = state_times(lambda: grain_iter(g_ar_src, decode, 0))
+        ratios.update(
+            get_state_cairn_us=get_c * 1e6,
+            get_state_grain_us=get_g * 1e6,
+            set_state_next_cairn_ms=set_c * 1e3,
+            set_state_next_cairn_2w_ms=set_c2 * 1e3,
+            set_state_next_grain_ms=set_g * 1e3,
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"{n} records x {RECORD_BYTES} B, shuffle -> decode/x*2+1 -> batch {BATCH}; records/s (median of {repeats})")
+    print(f"{'pipeline':44s} {'cairn':>12s} {'grain':>12s} {'ratio':>8s}")
+    for name, c, g in rows:
+        ratio = c / g if c == c and g == g else float("nan")
+        print(f"{name:44s} {c:12,.0f} {g:12,.0f} {ratio:8.2f}".replace("nan", "  -"))
+    print(f"Grain Parquet -> memory load: {g_load:.2f} s (not counted)")
+    print(f"first batch, 2 workers: cairn {ratios['first_batch_2w_cairn_s']:.3f} s, grain {ratios['first_batch_2w_grain_s']:.3f} s")
+    print(
+        f"get_state: cairn {ratios['get_state_cairn_us']:.2f} us ({size_c} B), grain {ratios['get_state_grain_us']:.2f} us ({size_g} B)"
+    )
+    print(
+        f"set_state + next: cairn {ratios['set_state_next_cairn_ms']:.2f} ms (0 workers), "
+        f"{ratios['set_state_next_cairn_2w_ms']:.2f} ms (2 workers); grain {ratios['set_state_next_grain_ms']:.2f} ms"
+    )
+    print(json.dumps({"bench": "data", "records": n, **{k: round(v, 4) for k, v in ratios.items()}}))
+
+
+if __name__ == "__main__":
+    main()
