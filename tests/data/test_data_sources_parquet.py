@@ -123,7 +123,29 @@ def test_batch_decodes_each_row_group_once_even_with_small_cache(tmp_path):
     idx = [0, 39, 1, 38, 20, 21, 2, 37]  # row groups 0, 9, 5
     assert [r["x"] for r in src.__getitems__(idx)] == idx
     assert src.row_groups_decoded == 3
-    assert src.cache_info() == {"size": 1, "max_size": 1, "decoded": 3, "hits": 0}
+    info = src.cache_info()
+    assert (info["size"], info["max_size"], info["decoded"], info["hits"]) == (1, 1, 3, 0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    groups_fit=st.integers(0, 4),
+    accesses=st.lists(st.lists(st.integers(0, 49), min_size=1, max_size=12), max_size=15),
+)
+def test_byte_bound_acts_as_lru_of_that_many_groups(groups_fit, accesses):
+    with tempfile.TemporaryDirectory() as d:
+        write_parquet([{"x": i} for i in range(50)], d, row_group_size=5)
+        probe = ParquetDataSource(d)
+        probe[0]
+        per = probe.cache_info()["bytes"]  # Arrow size of one decoded group (5 int64 + bitmap)
+        assert 40 <= per <= 48
+        src = ParquetDataSource(d, cache_bytes=per * groups_fit + per - 1)
+        for batch in accesses:
+            assert [r["x"] for r in src.__getitems__(batch)] == batch
+            info = src.cache_info()
+            assert info["bytes"] <= info["max_bytes"] and info["bytes"] == per * info["size"]
+        groups = [sorted({i // 5 for i in b}) for b in accesses]
+        assert src.row_groups_decoded == _reference_lru(groups, groups_fit)
 
 
 def test_columns_selection_and_errors(tmp_path):
@@ -149,6 +171,8 @@ def test_columns_selection_and_errors(tmp_path):
         src.read_batch([-13])
     with pytest.raises(ValueError, match="cache_row_groups"):
         ParquetDataSource(tmp_path, cache_row_groups=-1)
+    with pytest.raises(ValueError, match="cache_bytes"):
+        ParquetDataSource(tmp_path, cache_bytes=-1)
 
 
 def test_schema_mismatch_between_files(tmp_path):

@@ -133,10 +133,10 @@ def _is_plain_type(pa: Any, vt: Any) -> bool:
 
 
 class _RowGroup:
-    __slots__ = ("names", "columns", "num_rows")
+    __slots__ = ("names", "columns", "num_rows", "nbytes")
 
-    def __init__(self, names: list[str], columns: list[_Column], num_rows: int):
-        self.names, self.columns, self.num_rows = names, columns, num_rows
+    def __init__(self, names: list[str], columns: list[_Column], num_rows: int, nbytes: int):
+        self.names, self.columns, self.num_rows, self.nbytes = names, columns, num_rows, nbytes
 
     def row(self, i: int) -> dict[str, Any]:
         return {n: c.row(i) for n, c in zip(self.names, self.columns)}
@@ -150,10 +150,13 @@ class ParquetDataSource:
         a glob pattern, or a list of these. Rows are numbered across files in order.
       columns: the columns to read (default: all). A name that is not in a file raises
         ``ValueError`` naming the column, the file and the available columns.
-      cache_row_groups: how many decoded row groups to keep (LRU, per process; default
-        32; 0 keeps none between calls). Random access over data larger than the cache
-        decodes about one row group per record, so write small row groups (see
-        :func:`write_parquet`) or size the cache to hold the data.
+      cache_row_groups: at most this many decoded row groups stay cached (LRU, per
+        process); ``None`` (default) = no count limit; 0 keeps none between calls.
+      cache_bytes: and at most this many bytes of them (Arrow size of the decoded row
+        groups; default 512 MiB; ``None`` = no byte limit). A row group larger than
+        the limit is used for its batch and not kept. Random access over more data than
+        the cache holds decodes about one row group per record, so write small row
+        groups (see :func:`write_parquet`) or size the cache to hold the data.
       skip_bad_records: if False (default) a corrupt row group raises
         :class:`CorruptRecordError` naming the file and the row. If True its rows come
         back as ``None`` (filtered out by the datasets) and are counted in
@@ -196,19 +199,27 @@ class ParquetDataSource:
         paths: Any,
         *,
         columns: Sequence[str] | None = None,
-        cache_row_groups: int = 32,
+        cache_row_groups: int | None = None,
+        cache_bytes: int | None = 512 * 2**20,
         skip_bad_records: bool = False,
         verify_checksums: bool = True,
     ):
         pa, pq = _pyarrow()
-        if not isinstance(cache_row_groups, int) or cache_row_groups < 0:
-            raise ValueError(f"cache_row_groups must be an int >= 0, got {cache_row_groups!r}")
+        if cache_row_groups is not None and (
+            not isinstance(cache_row_groups, int) or cache_row_groups < 0
+        ):
+            raise ValueError(
+                f"cache_row_groups must be None or an int >= 0, got {cache_row_groups!r}"
+            )
+        if cache_bytes is not None and (not isinstance(cache_bytes, int) or cache_bytes < 0):
+            raise ValueError(f"cache_bytes must be None or an int >= 0, got {cache_bytes!r}")
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of names, got the string {columns!r}")
         files = _expand_paths(paths, marker=".parquet", kind="ParquetDataSource")
         self.skip_bad_records = bool(skip_bad_records)
         self.verify_checksums = bool(verify_checksums)
         self.cache_row_groups = cache_row_groups
+        self.cache_bytes = cache_bytes
         self.bad_records = 0
         self.bad_files: list[str] = []
         self._paths: list[str] = []
@@ -271,6 +282,7 @@ class ParquetDataSource:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
+        self._cached_bytes = 0
         self._bad_groups: dict[int, str] = {}
         self._pid = os.getpid()
         self.row_groups_decoded = 0
@@ -282,6 +294,7 @@ class ParquetDataSource:
             "_local",
             "_lock",
             "_cache",
+            "_cached_bytes",
             "_bad_groups",
             "_pid",
             "row_groups_decoded",
@@ -312,7 +325,7 @@ class ParquetDataSource:
         f, k = int(self._rg_file[g]), int(self._rg_index[g])
         table = self._file(f).read_row_group(k, columns=self._columns, use_threads=False)
         cols = [_decode_column(pa, table.column(c).combine_chunks()) for c in self._columns]
-        return _RowGroup(list(self._columns), cols, table.num_rows)
+        return _RowGroup(list(self._columns), cols, table.num_rows, int(table.nbytes))
 
     def _row_group(self, g: int) -> _RowGroup | None:
         """Decoded row group ``g`` (from the cache or freshly decoded); None if corrupt."""
@@ -340,11 +353,15 @@ class ParquetDataSource:
             return None
         with self._lock:
             self.row_groups_decoded += 1
-            if self.cache_row_groups > 0:
+            if self.cache_row_groups != 0 and g not in self._cache:
                 self._cache[g] = rg
-                self._cache.move_to_end(g)
-                while len(self._cache) > self.cache_row_groups:
-                    self._cache.popitem(last=False)
+                self._cached_bytes += rg.nbytes
+                while self._cache and (
+                    (self.cache_row_groups is not None and len(self._cache) > self.cache_row_groups)
+                    or (self.cache_bytes is not None and self._cached_bytes > self.cache_bytes)
+                ):
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= old.nbytes
         return rg
 
     def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -457,11 +474,17 @@ class ParquetDataSource:
         return len(self._rg_file)
 
     def cache_info(self) -> dict[str, int]:
-        """``{"size", "max_size", "decoded", "hits"}`` for this process."""
+        """``{"size", "max_size", "bytes", "max_bytes", "decoded", "hits"}`` (this process).
+
+        ``size``/``bytes``: row groups cached and their Arrow size; ``decoded``: row groups
+        decoded so far; ``hits``: row-group lookups served from the cache.
+        """
         with self._lock:
             return {
                 "size": len(self._cache),
                 "max_size": self.cache_row_groups,
+                "bytes": self._cached_bytes,
+                "max_bytes": self.cache_bytes,
                 "decoded": self.row_groups_decoded,
                 "hits": self.cache_hits,
             }
