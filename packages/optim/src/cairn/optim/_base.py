@@ -1,0 +1,409 @@
+"""Core protocol: GradientTransformation, chain, apply_updates and friends.
+
+A transformation is a pair of pure functions ``init(params) -> state`` and
+``update(updates, state, params=None, **extra_args) -> (updates, state)``, held
+in a NamedTuple exactly as in Optax, so Optax transformations and ours compose.
+
+Element-wise transformations of this package are *packed-aware*: their
+``update`` callable carries a ``packed`` entry point that works on
+:class:`~cairn.optim._packing.Packed` flat buffers. :func:`chain` packs the
+incoming pytree once, runs consecutive packed-aware members on the flat buffers,
+and unpacks once at the end (or before a member that works per leaf).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from cairn.core_array import tree_paths
+
+from cairn.optim import _packing as pk
+from cairn.optim._packing import Packed
+
+__all__ = [
+    "GradientTransformation",
+    "GradientTransformationExtraArgs",
+    "EmptyState",
+    "identity",
+    "set_to_zero",
+    "stateless",
+    "stateless_with_tree_map",
+    "apply_updates",
+    "incremental_update",
+    "periodic_update",
+    "global_norm",
+    "chain",
+    "named_chain",
+]
+
+ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions ``(init, update)`` (same shape as Optax's)."""
+
+    init: Callable
+    update: Callable
+
+
+GradientTransformationExtraArgs = GradientTransformation
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+def init_empty_state(params) -> EmptyState:
+    del params
+    return EmptyState()
+
+
+# --------------------------------------------------------------------------- packed machinery
+
+
+class PackedUpdate:
+    """The ``update`` of a packed-aware transformation.
+
+    ``fn(updates: Packed, state, params: Packed | None, **extra) -> (Packed, state)``.
+    Calling it with ordinary pytrees packs, runs ``fn`` and unpacks.
+    """
+
+    __slots__ = ("fn", "needs_params", "__name__")
+
+    def __init__(self, fn, needs_params: bool = False, name: str = "update"):
+        self.fn = fn
+        self.needs_params = needs_params
+        self.__name__ = name
+
+
+    def packed(self, updates: Packed, state, params: Packed | None = None, **extra):
+        return self.fn(updates, state, params, **extra)
+
+    def __call__(self, updates, state, params=None, **extra):
+        if isinstance(updates, Packed):
+            pp = None
+            if params is not None and self.needs_params:
+                pp = pk.pack(params, updates.layout, what="params")
+            return self.fn(updates, state, pp, **extra)
+        layout = pk.find_layout(state) or pk.layout_of(updates, use_sharding=False)
+        u = pk.pack(updates, layout)
+        pp = None
+        if params is not None and self.needs_params:
+            pp = pk.pack(params, layout, what="params")
+        elif self.needs_params and params is None:
+            raise ValueError("this transformation needs `params` in update(updates, state, params)")
+        out, new_state = self.fn(u, state, pp, **extra)
+        return pk.unpack(out, pk.find_offsets(new_state, layout)), new_state
+
+
+def packed_transformation(init_fn, update_fn, *, needs_params: bool = False, name="update"):
+    """Build a packed-aware transformation.
+
+    ``init_fn(layout, params) -> state``; ``update_fn(u: Packed, state, p: Packed|None, **extra)``.
+    """
+
+    def init(params):
+        return init_fn(pk.layout_of(params), params)
+
+    return GradientTransformation(init, PackedUpdate(update_fn, needs_params, name))
+
+
+def is_packed_aware(tx) -> bool:
+    return isinstance(getattr(tx, "update", None), PackedUpdate)
+
+
+def _accepts_extra(tx) -> bool:
+    upd = tx.update
+    if isinstance(upd, PackedUpdate) or getattr(upd, "_cairn_extra", False):
+        return True
+    return type(tx).__name__ == "GradientTransformationExtraArgs"
+
+
+def call_update(tx, updates, state, params, extra):
+    """Call ``tx.update`` passing extra args only when it accepts them."""
+    if extra and _accepts_extra(tx):
+        return tx.update(updates, state, params, **extra)
+    return tx.update(updates, state, params)
+
+
+def mark_extra(fn):
+    fn._cairn_extra = True
+    return fn
+
+
+# --------------------------------------------------------------------------- scalars and schedules
+
+
+def check_scalar(name: str, value, *, minimum: float | None = 0.0, allow_none=False):
+    """Validate a float hyperparameter (or leave a schedule alone)."""
+    if value is None:
+        if allow_none:
+            return value
+        raise ValueError(f"{name} must be a number or a schedule, got None")
+    if callable(value):
+        return value
+    if isinstance(value, jax.core.Tracer):
+        return value
+    try:
+        v = float(np.asarray(value))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number or a schedule (step -> value), "
+                        f"got {type(value).__name__}") from None
+    if math.isnan(v):
+        raise ValueError(f"{name} is NaN; expected a finite number")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return value
+
+
+def eval_schedule(name: str, value, count):
+    """Evaluate a float-or-schedule at ``count`` as a float32 scalar; NaN is an error when concrete."""
+    if callable(value):
+        out = jnp.asarray(value(count), dtype=jnp.float32)
+        if not isinstance(out, jax.core.Tracer):
+            v = float(out)
+            if math.isnan(v):
+                raise ValueError(f"the {name} schedule returned NaN at step {int(count)}")
+        return out
+    return jnp.asarray(value, dtype=jnp.float32)
+
+
+def schedule_hint(value) -> str:
+    return "schedule" if callable(value) else "constant"
+
+
+# --------------------------------------------------------------------------- simple transforms
+
+
+def identity() -> GradientTransformation:
+    """Leave updates unchanged: :math:`u \\leftarrow u`."""
+
+    def update(u, state, p=None, **extra):
+        return u, state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="identity")
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace updates by zeros (frozen parameters): :math:`u \\leftarrow 0`."""
+
+    def update(u, state, p=None, **extra):
+        return u.map(jnp.zeros_like), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="set_to_zero")
+
+
+def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:
+    """Wrap ``f(updates, params) -> updates`` as a stateless transformation."""
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        return f(updates, params), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformation:
+    """Wrap a per-leaf ``f(update, param) -> update`` as a stateless transformation."""
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            return jax.tree.map(lambda u: f(u, None), updates), state
+        return jax.tree.map(f, updates, params), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+# --------------------------------------------------------------------------- tree helpers
+
+
+def _check_same_structure(a, b, what_a: str, what_b: str):
+    ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
+    if ta != tb:
+        pa, pb = set(tree_paths(a)), set(tree_paths(b))
+        raise ValueError(f"{what_b} tree does not match {what_a}: paths only in {what_a} "
+                         f"{sorted(pa - pb)[:5]}, paths only in {what_b} {sorted(pb - pa)[:5]}")
+
+
+def apply_updates(params, updates):
+    """Return ``params + updates`` leaf-wise, keeping each param's dtype.
+
+    :math:`\\theta \\leftarrow \\theta + u`. Works on pytrees and on
+    :class:`Packed` buffers (one add per buffer).
+
+    >>> import jax.numpy as jnp
+    >>> apply_updates({"w": jnp.ones(2)}, {"w": jnp.full(2, -0.5)})["w"].tolist()
+    [0.5, 0.5]
+    """
+    if isinstance(params, Packed) or isinstance(updates, Packed):
+        if not isinstance(params, Packed):
+            updates = pk.unpack(updates)
+        else:
+            updates = pk.pack(updates, params.layout, what="updates", cast=True)
+            return Packed(params.layout, [(p + u).astype(p.dtype) for p, u in
+                                          zip(params.buffers, updates.buffers)], params.offsets)
+    _check_same_structure(params, updates, "params", "updates")
+    return jax.tree.map(
+        lambda p, u: None if p is None else jnp.asarray(p + u).astype(jnp.asarray(p).dtype),
+        params, updates, is_leaf=lambda x: x is None)
+
+
+def incremental_update(new_tensors, old_tensors, step_size):
+    """Polyak averaging: :math:`\\text{old} \\leftarrow s\\,\\text{new} + (1-s)\\,\\text{old}`."""
+    _check_same_structure(old_tensors, new_tensors, "old_tensors", "new_tensors")
+    return jax.tree.map(lambda n, o: step_size * n + (1.0 - step_size) * o,
+                        new_tensors, old_tensors)
+
+
+def periodic_update(new_tensors, old_tensors, steps, update_period):
+    """Return ``new_tensors`` when ``steps % update_period == 0`` else ``old_tensors``."""
+    _check_same_structure(old_tensors, new_tensors, "old_tensors", "new_tensors")
+    return jax.lax.cond(jnp.mod(steps, update_period) == 0,
+                        lambda _: new_tensors, lambda _: old_tensors, None)
+
+
+def global_norm(updates):
+    """:math:`\\sqrt{\\sum_i \\|u_i\\|_2^2}` over all leaves (one reduction per packed buffer)."""
+    if isinstance(updates, Packed):
+        bufs = updates.buffers
+    else:
+        bufs = jax.tree_util.tree_leaves(updates)
+    if not bufs:
+        return jnp.zeros((), jnp.float32)
+    total = sum(jnp.sum(jnp.real(jnp.conj(b) * b).astype(jnp.float32)) for b in bufs)
+    return jnp.sqrt(total)
+
+
+# --------------------------------------------------------------------------- chain
+
+
+def run_chain(txs, updates, state, params, extra, *, want_packed: bool):
+    """Run ``txs`` in order, staying packed across consecutive packed-aware members."""
+    state_layout = pk.find_layout(state)
+    cur = updates
+    params_packed: dict[Any, Packed] = {}
+    params_tree = [None]
+
+    def packed_params(layout):
+        if params is None:
+            return None
+        if layout not in params_packed:
+            params_packed[layout] = pk.pack(params, layout, what="params")
+        return params_packed[layout]
+
+    def tree_params():
+        if params is None or not isinstance(params, Packed):
+            return params
+        if params_tree[0] is None:
+            params_tree[0] = pk.unpack(params)
+        return params_tree[0]
+
+    new_states = []
+    last_layout = updates.layout if isinstance(updates, Packed) else None
+    for tx, s in zip(txs, state):
+        if is_packed_aware(tx):
+            if not isinstance(cur, Packed):
+                layout = state_layout or pk.find_layout(s) or pk.layout_of(cur, use_sharding=False)
+                cur = pk.pack(cur, layout)
+            last_layout = cur.layout
+            pp = packed_params(cur.layout) if tx.update.needs_params else None
+            if tx.update.needs_params and pp is None:
+                raise ValueError("a transformation in this chain needs `params` in update()")
+            cur, s = tx.update.packed(cur, s, pp, **extra)
+        else:
+            if isinstance(cur, Packed):
+                cur = pk.unpack(cur, pk.find_offsets(state, cur.layout))
+            cur, s = call_update(tx, cur, s, tree_params(), extra)
+        new_states.append(s)
+    new_state = tuple(new_states)
+    if want_packed:
+        if not isinstance(cur, Packed):
+            cur = pk.pack(cur, last_layout or pk.layout_of(cur))
+        return cur, new_state
+    if isinstance(cur, Packed):
+        offs = pk.find_offsets(new_state, cur.layout)
+        cur = pk.unpack(cur, offs)
+    return cur, new_state
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` one after another; the state is a tuple of their states.
+
+    Consecutive packed-aware members share one pack and one unpack.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn.optim import scale
+    >>> tx = chain(scale(2.0), scale(-0.5))
+    >>> u, _ = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+    >>> u["w"].tolist()
+    [-1.0, -1.0]
+    """
+    txs = tuple(transforms)
+    for i, t in enumerate(txs):
+        if not (hasattr(t, "init") and hasattr(t, "update")):
+            raise TypeError(f"chain member {i} is not a GradientTransformation: {type(t).__name__}")
+
+    def init(params):
+        return tuple(t.init(params) for t in txs)
+
+    def update_packed(u, state, p=None, **extra):
+        return run_chain(txs, u, state, p, extra, want_packed=True)
+
+    packed = PackedUpdate(update_packed, needs_params=False, name="chain")
+
+    class _ChainUpdate(PackedUpdate):
+        __slots__ = ()
+
+        def __call__(self, updates, state, params=None, **extra):
+            if not isinstance(state, tuple) or len(state) != len(txs):
+                raise ValueError(f"chain of {len(txs)} transformations got a state of "
+                                 f"type {type(state).__name__}; pass the state from init()")
+            return run_chain(txs, updates, state, params, extra,
+                             want_packed=isinstance(updates, Packed))
+
+        def packed(self, updates, state, params=None, **extra):
+            return run_chain(txs, updates, state, params, extra, want_packed=True)
+
+    upd = _ChainUpdate(packed.fn, False, "chain")
+    # chain members receive packed params lazily; a packed caller passes them as given
+    return GradientTransformation(init, upd)
+
+
+class NamedChainState(dict):
+    """Dict state of :func:`named_chain`."""
+
+
+def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like :func:`chain` but the state is a dict keyed by the given names."""
+    names = [n for n, _ in transforms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain names must be unique, got {names}")
+    inner = chain(*[t for _, t in transforms])
+
+    def init(params):
+        return dict(zip(names, inner.init(params)))
+
+    def _tuple(state):
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise ValueError(f"named_chain state is missing entries {missing}")
+        return tuple(state[n] for n in names)
+
+    class _NamedUpdate(PackedUpdate):
+        __slots__ = ()
+
+        def __call__(self, updates, state, params=None, **extra):
+            u, s = inner.update(updates, _tuple(state), params, **extra)
+            return u, dict(zip(names, s))
+
+        def packed(self, updates, state, params=None, **extra):
+            u, s = inner.update.packed(updates, _tuple(state), params, **extra)
+            return u, dict(zip(names, s))
+
+    return GradientTransformation(init, _NamedUpdate(lambda *a, **k: None, False, "named_chain"))

@@ -1,0 +1,319 @@
+"""Packed flat buffers: the representation element-wise transforms compute on.
+
+A pytree of arrays is described by a static :class:`Layout` (tree structure,
+per-leaf paths, shapes and dtypes, and how leaves are grouped). Leaves are
+grouped by dtype (and by sharding when the arrays carry a non-trivial one); each
+group is stored as one flat 1-D buffer. :class:`Packed` is a JAX pytree whose
+children are those buffers and whose static data is the layout, so it can be
+jitted, donated, checkpointed and vmapped like any other state.
+
+Packing costs one concatenate per group; unpacking costs one slice and reshape
+per leaf. When ``offsets`` (one int32 scalar per leaf, held in optimizer state)
+are available, unpacking uses ``dynamic_slice`` at those runtime offsets, which
+makes the per-leaf kernels identical for leaves of identical shape so XLA
+compiles each distinct shape once instead of once per leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from cairn.core_array import tree_paths
+
+__all__ = ["Layout", "Packed", "layout_of", "pack", "unpack", "is_packed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One flat buffer: leaves of one dtype (and sharding)."""
+
+    name: str
+    dtype: str
+    sharding: Any
+    leaves: tuple[int, ...]  # leaf indices in flatten order
+    offsets: tuple[int, ...]  # start of each leaf inside the buffer
+    sizes: tuple[int, ...]
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static description of how a pytree maps onto flat buffers (hashable)."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    groups: tuple[Group, ...]
+    leaf_group: tuple[tuple[int, int], ...]  # leaf index -> (group index, position)
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.paths)
+
+    def describe_mismatch(self, other: Layout) -> str:
+        """Human-readable difference between two layouts (names the paths)."""
+        mine, theirs = set(self.paths), set(other.paths)
+        if mine != theirs:
+            missing = sorted(mine - theirs)[:5]
+            extra = sorted(theirs - mine)[:5]
+            return f"missing paths {missing}, unexpected paths {extra}"
+        for p, s1, d1, s2, d2 in zip(self.paths, self.shapes, self.dtypes, other.shapes,
+                                      other.dtypes):
+            if s1 != s2 or d1 != d2:
+                return f"at path {p!r}: expected {d1}{list(s1)}, got {d2}{list(s2)}"
+        return "same leaves but different grouping (sharding)"
+
+
+def _sharding_key(x) -> Any:
+    """A hashable key of a concrete array's sharding, or None when trivial."""
+    sh = getattr(x, "sharding", None)
+    if sh is None or isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        if len(sh.device_set) <= 1 or sh.is_fully_replicated:
+            return None
+    except Exception:  # noqa: BLE001 - exotic shardings: group them apart by repr
+        return repr(sh)
+    spec = getattr(sh, "spec", None)
+    mesh = getattr(sh, "mesh", None)
+    if spec is not None and mesh is not None:
+        return (tuple(mesh.shape.items()), str(spec))
+    return repr(sh)
+
+
+def _canon(dtype) -> str:
+    return np.dtype(dtype).name if not hasattr(dtype, "name") else str(jnp.dtype(dtype).name)
+
+
+def layout_of(tree, *, use_sharding: bool = True) -> Layout:
+    """Compute the :class:`Layout` of a pytree of arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths = tuple(tree_paths(tree))
+    shapes, dtypes, keys = [], [], []
+    for path, x in zip(paths, leaves):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            x = jnp.asarray(x)
+        shapes.append(tuple(int(d) for d in x.shape))
+        dtypes.append(_canon(x.dtype))
+        keys.append((dtypes[-1], _sharding_key(x) if use_sharding else None))
+    order: dict[Any, list[int]] = {}
+    for i, k in enumerate(keys):
+        order.setdefault(k, []).append(i)
+    groups = []
+    leaf_group = [None] * len(leaves)
+    name_counts: dict[str, int] = {}
+    for gi, (k, idxs) in enumerate(order.items()):
+        sizes = tuple(int(np.prod(shapes[i], dtype=np.int64)) for i in idxs)
+        offs = tuple(int(o) for o in np.concatenate([[0], np.cumsum(sizes)[:-1]])) if idxs else ()
+        n = name_counts.get(k[0], 0)
+        name_counts[k[0]] = n + 1
+        name = k[0] if n == 0 else f"{k[0]}_{n}"
+        groups.append(Group(name, k[0], k[1], tuple(idxs), offs, sizes, int(sum(sizes))))
+        for pos, i in enumerate(idxs):
+            leaf_group[i] = (gi, pos)
+    return Layout(treedef, paths, tuple(shapes), tuple(dtypes), tuple(groups), tuple(leaf_group))
+
+
+class Packed:
+    """Flat buffers (one per group of a :class:`Layout`) standing for a pytree.
+
+    ``offsets`` is an optional tuple of int32 scalars (one per leaf) giving each
+    leaf's start in its buffer at run time; see the module docstring.
+    """
+
+    __slots__ = ("layout", "buffers", "offsets")
+
+    def __init__(self, layout: Layout, buffers, offsets=None):
+        self.layout = layout
+        self.buffers = tuple(buffers)
+        self.offsets = None if offsets is None else tuple(offsets)
+
+    def unpack(self, offsets=None):
+        """The ordinary pytree view of these buffers."""
+        return unpack(self, offsets)
+
+    def map(self, fn, *others: Packed) -> Packed:
+        """Apply ``fn`` buffer-wise (``fn(buf, *other_bufs)``)."""
+        return Packed(self.layout, [fn(*bs) for bs in zip(self.buffers, *(o.buffers for o in others))])
+
+    def astype(self, dtype) -> Packed:
+        if dtype is None:
+            return self
+        return Packed(self.layout, [b.astype(dtype) for b in self.buffers], self.offsets)
+
+    def with_offsets(self, offsets) -> Packed:
+        return Packed(self.layout, self.buffers, offsets)
+
+    def drop_offsets(self) -> Packed:
+        return Packed(self.layout, self.buffers) if self.offsets is not None else self
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{g.name}[{g.total}]" for g in self.layout.groups)
+        return f"Packed({self.layout.num_leaves} leaves: {groups})"
+
+    def __getitem__(self, path: str):
+        """The leaf at ``path`` (core_array path convention)."""
+        try:
+            i = self.layout.paths.index(path)
+        except ValueError:
+            raise KeyError(f"no leaf at path {path!r}; paths start with "
+                           f"{list(self.layout.paths[:5])}") from None
+        gi, pos = self.layout.leaf_group[i]
+        g = self.layout.groups[gi]
+        o, n = g.offsets[pos], g.sizes[pos]
+        return self.buffers[gi][o:o + n].reshape(self.layout.shapes[i])
+
+
+def _flatten_with_keys(p: Packed):
+    keys = [jax.tree_util.DictKey(g.name) for g in p.layout.groups]
+    children = list(zip(keys, p.buffers))
+    if p.offsets is not None:
+        children += [(jax.tree_util.DictKey(f"offset_{i}"), o) for i, o in enumerate(p.offsets)]
+    return children, (p.layout, p.offsets is not None)
+
+
+def _flatten(p: Packed):
+    children = list(p.buffers) + (list(p.offsets) if p.offsets is not None else [])
+    return children, (p.layout, p.offsets is not None)
+
+
+def _unflatten(aux, children):
+    layout, has_off = aux
+    n = len(layout.groups)
+    children = list(children)
+    return Packed(layout, children[:n], children[n:] if has_off else None)
+
+
+jax.tree_util.register_pytree_with_keys(Packed, _flatten_with_keys, _unflatten, _flatten)
+
+
+def is_packed(x) -> bool:
+    return isinstance(x, Packed)
+
+
+def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> Packed:
+    """Pack ``tree`` into the buffers of ``layout`` (one concatenate per group).
+
+    Raises ``ValueError`` naming the path when the tree does not match the layout
+    and ``TypeError`` naming the path when a leaf has the wrong dtype.
+    """
+    if isinstance(tree, Packed):
+        if tree.layout != layout:
+            raise ValueError(f"{what} layout does not match the optimizer state: "
+                             f"{layout.describe_mismatch(tree.layout)}")
+        return tree
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef != layout.treedef:
+        try:
+            got = tuple(tree_paths(tree))
+        except Exception:  # noqa: BLE001
+            got = ()
+        missing = [p for p in layout.paths if p not in set(got)][:5]
+        extra = [p for p in got if p not in set(layout.paths)][:5]
+        raise ValueError(
+            f"{what} tree structure does not match the params the optimizer was "
+            f"initialised with: missing paths {missing}, unexpected paths {extra} "
+            f"(expected {treedef_str(layout)})")
+    bufs = []
+    for g in layout.groups:
+        parts = []
+        for i in g.leaves:
+            x = leaves[i]
+            if not hasattr(x, "dtype"):
+                x = jnp.asarray(x)
+            if tuple(x.shape) != layout.shapes[i]:
+                raise ValueError(f"{what} at path {layout.paths[i]!r} has shape {tuple(x.shape)}, "
+                                 f"expected {layout.shapes[i]}")
+            if _canon(x.dtype) != g.dtype:
+                if cast:
+                    x = x.astype(g.dtype)
+                else:
+                    raise TypeError(f"{what} at path {layout.paths[i]!r} has dtype "
+                                    f"{_canon(x.dtype)}, expected {g.dtype} (the dtype of the "
+                                    f"params the optimizer was initialised with)")
+            parts.append(jnp.ravel(x))
+        if not parts:
+            bufs.append(jnp.zeros((0,), g.dtype))
+        elif len(parts) == 1:
+            bufs.append(parts[0])
+        else:
+            bufs.append(jnp.concatenate(parts))
+    return Packed(layout, bufs)
+
+
+def treedef_str(layout: Layout) -> str:
+    ps = list(layout.paths[:6])
+    more = "" if len(layout.paths) <= 6 else f" ... ({len(layout.paths)} leaves)"
+    return f"paths {ps}{more}"
+
+
+def unpack(p: Packed, offsets=None):
+    """Rebuild the pytree from packed buffers (one slice + reshape per leaf)."""
+    layout = p.layout
+    if offsets is None:
+        offsets = p.offsets
+    leaves = [None] * layout.num_leaves
+    for gi, g in enumerate(layout.groups):
+        buf = p.buffers[gi]
+        if len(g.leaves) == 1:
+            i = g.leaves[0]
+            leaves[i] = buf.reshape(layout.shapes[i])
+            continue
+        for pos, i in enumerate(g.leaves):
+            n = g.sizes[pos]
+            if offsets is not None:
+                piece = jax.lax.dynamic_slice(buf, (offsets[i],), (n,))
+            else:
+                o = g.offsets[pos]
+                piece = buf[o:o + n]
+            leaves[i] = piece.reshape(layout.shapes[i])
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def make_offsets(layout: Layout):
+    """Concrete int32 scalars giving each leaf's start offset inside its group buffer."""
+    out = [None] * layout.num_leaves
+    for g in layout.groups:
+        for pos, i in enumerate(g.leaves):
+            out[i] = jnp.asarray(g.offsets[pos], dtype=jnp.int32)
+    return tuple(out)
+
+
+def zeros(layout: Layout, dtype=None, fill=0.0) -> Packed:
+    """Packed buffers of ``fill`` for ``layout`` (buffer dtype = ``dtype`` or the group's)."""
+    return Packed(layout, [jnp.full((g.total,), fill, dtype or g.dtype) for g in layout.groups])
+
+
+def find_offsets(state, layout: Layout):
+    """The runtime offsets stored in ``state`` for ``layout``, or None."""
+    for x in jax.tree_util.tree_leaves(state, is_leaf=lambda t: isinstance(t, Packed)):
+        if isinstance(x, Packed) and x.offsets is not None and x.layout == layout:
+            return x.offsets
+    return None
+
+
+def find_layout(state):
+    """The layout of the first packed buffer found in ``state``, or None."""
+    for x in jax.tree_util.tree_leaves(state, is_leaf=lambda t: isinstance(t, Packed)):
+        if isinstance(x, Packed):
+            return x.layout
+    return None
+
+
+def segment_ids(layout: Layout, gi: int):
+    """Per-element leaf position within group ``gi`` (int32 vector)."""
+    g = layout.groups[gi]
+    return jnp.asarray(np.repeat(np.arange(len(g.leaves), dtype=np.int32), g.sizes))
+
+
+def per_leaf_to_elements(layout: Layout, gi: int, values):
+    """Broadcast one value per leaf of group ``gi`` to that leaf's elements."""
+    g = layout.groups[gi]
+    if len(g.leaves) == 1:
+        return jnp.broadcast_to(values[0], (g.total,))
+    return jnp.repeat(values, np.asarray(g.sizes), total_repeat_length=g.total)

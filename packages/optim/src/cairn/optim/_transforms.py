@@ -1,0 +1,817 @@
+"""Element-wise transformations, computed on packed flat buffers.
+
+Every transformation here has the update equation of its Optax namesake (see
+docs/optim.md). Moments live in the state as :class:`Packed` buffers, one per
+dtype group, so a step costs a handful of fused kernels whatever the number of
+leaves. ``mu_dtype`` / ``nu_dtype`` select the storage dtype of the moments.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn.optim import _packing as pk
+from cairn.optim._base import (
+    EmptyState,
+    check_scalar,
+    eval_schedule,
+    packed_transformation,
+)
+from cairn.optim._packing import Packed
+from cairn.optim._rules import resolve_per_leaf
+
+__all__ = [
+    "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam",
+    "scale_by_amsgrad", "scale_by_adamax", "scale_by_rms", "scale_by_stddev",
+    "scale_by_belief", "scale_by_radam", "scale_by_yogi", "scale_by_lion", "scale_by_sign",
+    "scale_by_rss", "scale_by_adadelta", "scale_by_rprop", "add_decayed_weights", "add_noise",
+    "trace", "ema", "clip", "clip_by_global_norm", "zero_nans",
+]
+
+_I32_MAX = np.iinfo(np.int32).max
+
+
+def safe_increment(count):
+    return jnp.where(count < _I32_MAX, count + 1, _I32_MAX).astype(jnp.int32)
+
+
+def _dt(dtype):
+    return None if dtype is None else jnp.dtype(dtype)
+
+
+def _state_zeros(layout, dtype=None, fill=0.0, offsets=False) -> Packed:
+    p = pk.zeros(layout, _dt(dtype), fill)
+    return p.with_offsets(pk.make_offsets(layout)) if offsets else p
+
+
+def _like(old: Packed, bufs) -> Packed:
+    return Packed(old.layout, bufs, old.offsets)
+
+
+def _check(u: Packed, s: Packed, name: str):
+    if u.layout != s.layout:
+        raise ValueError(f"{name}: updates do not match the state built by init(): "
+                         f"{s.layout.describe_mismatch(u.layout)}")
+
+
+def _bc(decay, count, dtype):
+    """Bias correction denominator 1 - decay**count, in ``dtype``."""
+    return (1 - decay ** count).astype(dtype)
+
+
+def _abs_sq(x):
+    return jnp.real(jnp.conj(x) * x) if jnp.iscomplexobj(x) else x * x
+
+
+def _store(x, dtype_like):
+    return x.astype(dtype_like.dtype)
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+class ScaleState(NamedTuple):
+    """State of :func:`scale` (empty)."""
+
+
+def scale(step_size) -> Any:
+    """:math:`u \\leftarrow \\alpha\\,u`.
+
+    >>> import jax.numpy as jnp
+    >>> tx = scale(-0.1)
+    >>> tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))[0]["w"].tolist()
+    [-0.10000000149011612, -0.10000000149011612]
+    """
+
+    def update(u, state, p=None, **extra):
+        return u.map(lambda g: (g * step_size).astype(g.dtype)), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="scale")
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """``count`` of steps and the ``learning_rate`` used at the last step (traced)."""
+
+    count: jax.Array
+    learning_rate: jax.Array
+
+
+def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True):
+    """:math:`u \\leftarrow -\\eta_t\\,u` (or :math:`+\\eta_t u` when ``flip_sign=False``).
+
+    ``learning_rate`` is a float or a schedule ``step -> value``. The value lives in
+    the state (``state.learning_rate``), so it is a traced value: changing it with
+    :func:`set_hyperparams` does not recompile, and :func:`get_hyperparams` reads it.
+    """
+    check_scalar("learning_rate", learning_rate)
+    sign = -1.0 if flip_sign else 1.0
+
+    def init(layout, params):
+        lr = eval_schedule("learning_rate", learning_rate, jnp.zeros([], jnp.int32))
+        return ScaleByLearningRateState(jnp.zeros([], jnp.int32), lr)
+
+    def update(u, state, p=None, **extra):
+        if callable(learning_rate):
+            lr = eval_schedule("learning_rate", learning_rate, state.count)
+        else:
+            lr = state.learning_rate
+        out = u.map(lambda g: g * (sign * lr).astype(g.dtype))
+        return out, ScaleByLearningRateState(safe_increment(state.count), lr)
+
+    return packed_transformation(init, update, name="scale_by_learning_rate")
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: jax.Array
+
+
+def scale_by_schedule(step_size_fn):
+    """:math:`u \\leftarrow s(t)\\,u` with ``s`` a schedule evaluated at the step count."""
+    if not callable(step_size_fn):
+        raise TypeError(f"step_size_fn must be callable (step -> value), got "
+                        f"{type(step_size_fn).__name__}")
+
+    def init(layout, params):
+        eval_schedule("step_size_fn", step_size_fn, jnp.zeros([], jnp.int32))
+        return ScaleByScheduleState(jnp.zeros([], jnp.int32))
+
+    def update(u, state, p=None, **extra):
+        s = eval_schedule("step_size_fn", step_size_fn, state.count)
+        return (u.map(lambda g: g * s.astype(g.dtype)),
+                ScaleByScheduleState(safe_increment(state.count)))
+
+    return packed_transformation(init, update, name="scale_by_schedule")
+
+
+# --------------------------------------------------------------------------- adam family
+
+
+class ScaleByAdamState(NamedTuple):
+    count: jax.Array
+    mu: Packed
+    nu: Packed
+
+
+def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
+                  nesterov: bool = False, nu_dtype=None):
+    """Adam scaling.
+
+    .. math::
+        m_t = \\beta_1 m_{t-1} + (1-\\beta_1) g_t,\\quad
+        v_t = \\beta_2 v_{t-1} + (1-\\beta_2) g_t^2,\\quad
+        u_t = \\hat m_t / (\\sqrt{\\hat v_t + \\epsilon_{root}} + \\epsilon)
+
+    with :math:`\\hat m_t = m_t/(1-\\beta_1^t)`, :math:`\\hat v_t = v_t/(1-\\beta_2^t)`;
+    with ``nesterov`` :math:`\\hat m_t = \\beta_1 m_t/(1-\\beta_1^{t+1}) + (1-\\beta_1) g_t/(1-\\beta_1^t)`.
+    """
+
+    def init(layout, params):
+        return ScaleByAdamState(jnp.zeros([], jnp.int32),
+                                _state_zeros(layout, mu_dtype, offsets=True),
+                                _state_zeros(layout, nu_dtype))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_adam")
+        count = safe_increment(state.count)
+        outs, mus, nus = [], [], []
+        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+            m = (1 - b1) * g + b1 * m0
+            v = (1 - b2) * _abs_sq(g) + b2 * v0
+            if nesterov:
+                m_hat = (b1 * m / _bc(b1, safe_increment(count), m.dtype)
+                         + (1 - b1) * g / _bc(b1, count, g.dtype))
+            else:
+                m_hat = m / _bc(b1, count, m.dtype)
+            v_hat = v / _bc(b2, count, v.dtype)
+            outs.append((m_hat / (jnp.sqrt(v_hat + eps_root) + eps)).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(v, v0))
+        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
+                                                        _like(state.nu, nus))
+
+    return packed_transformation(init, update, name="scale_by_adam")
+
+
+class ScaleByAmsgradState(NamedTuple):
+    count: jax.Array
+    mu: Packed
+    nu: Packed
+    nu_max: Packed
+
+
+def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
+                     bias_correction_mu: bool = True, bias_correction_nu: bool = True, *,
+                     nu_dtype=None):
+    """AMSGrad: Adam with :math:`\\hat v_t = \\max(\\hat v_{t-1}^{max}, \\hat v_t)` in the denominator."""
+
+    def init(layout, params):
+        return ScaleByAmsgradState(jnp.zeros([], jnp.int32),
+                                   _state_zeros(layout, mu_dtype, offsets=True),
+                                   _state_zeros(layout, nu_dtype), _state_zeros(layout, nu_dtype))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_amsgrad")
+        count = safe_increment(state.count)
+        outs, mus, nus, mx = [], [], [], []
+        for g, m0, v0, x0 in zip(u.buffers, state.mu.buffers, state.nu.buffers,
+                                 state.nu_max.buffers):
+            m = (1 - b1) * g + b1 * m0
+            v = (1 - b2) * _abs_sq(g) + b2 * v0
+            m_hat = m / _bc(b1, count, m.dtype) if bias_correction_mu else m
+            v_eff = v / _bc(b2, count, v.dtype) if bias_correction_nu else v
+            vmax = jnp.maximum(x0, v_eff)
+            outs.append((m_hat / (jnp.sqrt(vmax + eps_root) + eps)).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(v, v0))
+            mx.append(_store(vmax, x0))
+        return Packed(u.layout, outs), ScaleByAmsgradState(
+            count, _like(state.mu, mus), _like(state.nu, nus), _like(state.nu_max, mx))
+
+    return packed_transformation(init, update, name="scale_by_amsgrad")
+
+
+def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None):
+    """AdaMax: :math:`m_t` as Adam, :math:`v_t = \\max(|g_t| + \\epsilon, \\beta_2 v_{t-1})`,
+    :math:`u_t = \\hat m_t / v_t`."""
+
+    def init(layout, params):
+        return ScaleByAdamState(jnp.zeros([], jnp.int32),
+                                _state_zeros(layout, mu_dtype, offsets=True),
+                                _state_zeros(layout, nu_dtype))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_adamax")
+        count = safe_increment(state.count)
+        outs, mus, nus = [], [], []
+        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+            m = (1 - b1) * g + b1 * m0
+            v = jnp.maximum(jnp.abs(g) + eps, b2 * v0)
+            outs.append((m / _bc(b1, count, m.dtype) / v).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(v, v0))
+        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
+                                                        _like(state.nu, nus))
+
+    return packed_transformation(init, update, name="scale_by_adamax")
+
+
+def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bool = False,
+                    mu_dtype=None, nu_dtype=None):
+    """AdaBelief: :math:`s_t = \\beta_2 s_{t-1} + (1-\\beta_2)(g_t - m_t)^2 + \\epsilon_{root}`,
+    :math:`u_t = \\hat m_t / (\\sqrt{\\hat s_t} + \\epsilon)`."""
+
+    def init(layout, params):
+        return ScaleByAdamState(jnp.zeros([], jnp.int32),
+                                _state_zeros(layout, mu_dtype, offsets=True),
+                                _state_zeros(layout, nu_dtype))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_belief")
+        count = safe_increment(state.count)
+        outs, mus, nus = [], [], []
+        for g, m0, s0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+            m = (1 - b1) * g + b1 * m0
+            s = (1 - b2) * _abs_sq(g - m) + b2 * s0 + eps_root
+            if nesterov:
+                m_hat = (b1 * m / _bc(b1, safe_increment(count), m.dtype)
+                         + (1 - b1) * g / _bc(b1, count, g.dtype))
+            else:
+                m_hat = m / _bc(b1, count, m.dtype)
+            s_hat = s / _bc(b2, count, s.dtype)
+            outs.append((m_hat / (jnp.sqrt(s_hat) + eps)).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(s, s0))
+        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
+                                                        _like(state.nu, nus))
+
+    return packed_transformation(init, update, name="scale_by_belief")
+
+
+def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
+                   nesterov: bool = False, mu_dtype=None, nu_dtype=None):
+    """Rectified Adam: with :math:`\\rho_\\infty = 2/(1-\\beta_2) - 1` and
+    :math:`\\rho_t = \\rho_\\infty - 2t\\beta_2^t/(1-\\beta_2^t)`, the update is
+    :math:`r_t \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)` when
+    :math:`\\rho_t \\ge` ``threshold`` else :math:`\\hat m_t`, where
+    :math:`r_t = \\sqrt{(\\rho_t-4)(\\rho_t-2)\\rho_\\infty/((\\rho_\\infty-4)(\\rho_\\infty-2)\\rho_t)}`."""
+    ro_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def init(layout, params):
+        return ScaleByAdamState(jnp.zeros([], jnp.int32),
+                                _state_zeros(layout, mu_dtype, offsets=True),
+                                _state_zeros(layout, nu_dtype))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_radam")
+        count = safe_increment(state.count)
+        b2t = b2 ** count
+        ro = ro_inf - 2 * count * b2t / (1 - b2t)
+        r = jnp.sqrt((ro - 4.0) * (ro - 2.0) * ro_inf / ((ro_inf - 4.0) * (ro_inf - 2.0) * ro))
+        outs, mus, nus = [], [], []
+        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+            m = (1 - b1) * g + b1 * m0
+            v = (1 - b2) * _abs_sq(g) + b2 * v0
+            if nesterov:
+                m_hat = (b1 * m / _bc(b1, safe_increment(count), m.dtype)
+                         + (1 - b1) * g / _bc(b1, count, g.dtype))
+            else:
+                m_hat = m / _bc(b1, count, m.dtype)
+            v_hat = v / _bc(b2, count, v.dtype)
+            rect = r.astype(m_hat.dtype) * m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+            outs.append(jnp.where(ro >= threshold, rect, m_hat).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(v, v0))
+        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
+                                                        _like(state.nu, nus))
+
+    return packed_transformation(init, update, name="scale_by_radam")
+
+
+def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_value=1e-6, *,
+                  mu_dtype=None, nu_dtype=None):
+    """Yogi: :math:`v_t = v_{t-1} - (1-\\beta_2)\\,\\mathrm{sign}(v_{t-1} - g_t^2)\\,g_t^2`,
+    :math:`u_t = \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)`; both moments start at
+    ``initial_accumulator_value``."""
+
+    def init(layout, params):
+        return ScaleByAdamState(
+            jnp.zeros([], jnp.int32),
+            _state_zeros(layout, mu_dtype, initial_accumulator_value, offsets=True),
+            _state_zeros(layout, nu_dtype, initial_accumulator_value))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_yogi")
+        count = safe_increment(state.count)
+        outs, mus, nus = [], [], []
+        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+            m = (1 - b1) * g + b1 * m0
+            g2 = _abs_sq(g)
+            v = v0 - (1 - b2) * jnp.sign(v0 - g2) * g2
+            m_hat = m / _bc(b1, count, m.dtype)
+            v_hat = v / _bc(b2, count, v.dtype)
+            outs.append((m_hat / (jnp.sqrt(v_hat + eps_root) + eps)).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(v, v0))
+        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
+                                                        _like(state.nu, nus))
+
+    return packed_transformation(init, update, name="scale_by_yogi")
+
+
+class ScaleByLionState(NamedTuple):
+    count: jax.Array
+    mu: Packed
+
+
+def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None):
+    """Lion: :math:`u_t = \\mathrm{sign}((1-\\beta_1) g_t + \\beta_1 m_{t-1})`,
+    :math:`m_t = \\beta_2 m_{t-1} + (1-\\beta_2) g_t`."""
+
+    def init(layout, params):
+        return ScaleByLionState(jnp.zeros([], jnp.int32),
+                                _state_zeros(layout, mu_dtype, offsets=True))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_lion")
+        outs, mus = [], []
+        for g, m0 in zip(u.buffers, state.mu.buffers):
+            outs.append(jnp.sign((1.0 - b1) * g + b1 * m0).astype(g.dtype))
+            mus.append(_store((1 - b2) * g + b2 * m0, m0))
+        return Packed(u.layout, outs), ScaleByLionState(safe_increment(state.count),
+                                                        _like(state.mu, mus))
+
+    return packed_transformation(init, update, name="scale_by_lion")
+
+
+def scale_by_sign():
+    """:math:`u \\leftarrow \\mathrm{sign}(u)`."""
+
+    def update(u, state, p=None, **extra):
+        return u.map(jnp.sign), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="scale_by_sign")
+
+
+# --------------------------------------------------------------------------- rms family
+
+
+class ScaleByRmsState(NamedTuple):
+    nu: Packed
+
+
+class ScaleByRmsWithCountState(NamedTuple):
+    count: jax.Array
+    nu: Packed
+
+
+def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = True,
+                 bias_correction: bool = False, *, nu_dtype=None):
+    """RMSProp scaling: :math:`v_t = \\rho v_{t-1} + (1-\\rho) g_t^2`,
+    :math:`u_t = g_t/\\sqrt{v_t+\\epsilon}` (or :math:`g_t/(\\sqrt{v_t}+\\epsilon)` when
+    ``eps_in_sqrt=False``), :math:`v_t` bias-corrected when ``bias_correction``."""
+
+    def init(layout, params):
+        nu = _state_zeros(layout, nu_dtype, initial_scale, offsets=True)
+        if bias_correction:
+            return ScaleByRmsWithCountState(jnp.zeros([], jnp.int32), nu)
+        return ScaleByRmsState(nu)
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.nu, "scale_by_rms")
+        count = safe_increment(state.count) if bias_correction else None
+        outs, nus = [], []
+        for g, v0 in zip(u.buffers, state.nu.buffers):
+            v = (1 - decay) * _abs_sq(g) + decay * v0
+            v_hat = v / _bc(decay, count, v.dtype) if bias_correction else v
+            sc = jax.lax.rsqrt(v_hat + eps) if eps_in_sqrt else 1 / (jnp.sqrt(v_hat) + eps)
+            outs.append((sc * g).astype(g.dtype))
+            nus.append(_store(v, v0))
+        nu = _like(state.nu, nus)
+        new = ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu)
+        return Packed(u.layout, outs), new
+
+    return packed_transformation(init, update, name="scale_by_rms")
+
+
+class ScaleByRStdDevState(NamedTuple):
+    mu: Packed
+    nu: Packed
+
+
+class ScaleByRStdDevWithCountState(NamedTuple):
+    count: jax.Array
+    mu: Packed
+    nu: Packed
+
+
+def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = True,
+                    bias_correction: bool = False, *, mu_dtype=None, nu_dtype=None):
+    """Centred RMSProp: :math:`u_t = g_t/\\sqrt{v_t - m_t^2 + \\epsilon}` with EMAs
+    :math:`m_t` of :math:`g` and :math:`v_t` of :math:`g^2` (decay :math:`\\rho`)."""
+
+    def init(layout, params):
+        mu = _state_zeros(layout, mu_dtype, offsets=True)
+        nu = _state_zeros(layout, nu_dtype, initial_scale)
+        if bias_correction:
+            return ScaleByRStdDevWithCountState(jnp.zeros([], jnp.int32), mu, nu)
+        return ScaleByRStdDevState(mu, nu)
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, "scale_by_stddev")
+        count = safe_increment(state.count) if bias_correction else None
+        outs, mus, nus = [], [], []
+        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+            m = (1 - decay) * g + decay * m0
+            v = (1 - decay) * _abs_sq(g) + decay * v0
+            if bias_correction:
+                mh, vh = m / _bc(decay, count, m.dtype), v / _bc(decay, count, v.dtype)
+            else:
+                mh, vh = m, v
+            if eps_in_sqrt:
+                sc = jax.lax.rsqrt(vh - _abs_sq(mh) + eps)
+            else:
+                sc = 1 / (jnp.sqrt(vh - _abs_sq(mh)) + eps)
+            outs.append((sc * g).astype(g.dtype))
+            mus.append(_store(m, m0))
+            nus.append(_store(v, v0))
+        mu, nu = _like(state.mu, mus), _like(state.nu, nus)
+        new = (ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction
+               else ScaleByRStdDevState(mu, nu))
+        return Packed(u.layout, outs), new
+
+    return packed_transformation(init, update, name="scale_by_stddev")
+
+
+class ScaleByRssState(NamedTuple):
+    sum_of_squares: Packed
+
+
+def scale_by_rss(initial_accumulator_value=0.1, eps=1e-7):
+    """Adagrad scaling: :math:`s_t = s_{t-1} + g_t^2`, :math:`u_t = g_t/\\sqrt{s_t+\\epsilon}`
+    (0 where :math:`s_t = 0`)."""
+
+    def init(layout, params):
+        return ScaleByRssState(_state_zeros(layout, None, initial_accumulator_value, offsets=True))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.sum_of_squares, "scale_by_rss")
+        outs, ss = [], []
+        for g, s0 in zip(u.buffers, state.sum_of_squares.buffers):
+            s = _abs_sq(g) + s0
+            inv = jnp.where(s > 0, jax.lax.rsqrt(s + eps), 0.0)
+            outs.append((inv * g).astype(g.dtype))
+            ss.append(_store(s, s0))
+        return Packed(u.layout, outs), ScaleByRssState(_like(state.sum_of_squares, ss))
+
+    return packed_transformation(init, update, name="scale_by_rss")
+
+
+class ScaleByAdaDeltaState(NamedTuple):
+    e_g: Packed
+    e_x: Packed
+
+
+def scale_by_adadelta(rho=0.9, eps=1e-6):
+    """AdaDelta: :math:`E[g^2]_t = \\rho E[g^2]_{t-1} + (1-\\rho) g_t^2`,
+    :math:`u_t = \\sqrt{E[x^2]_{t-1}+\\epsilon}/\\sqrt{E[g^2]_t+\\epsilon}\\,g_t`,
+    :math:`E[x^2]_t = \\rho E[x^2]_{t-1} + (1-\\rho) u_t^2`."""
+
+    def init(layout, params):
+        return ScaleByAdaDeltaState(_state_zeros(layout, offsets=True), _state_zeros(layout))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.e_g, "scale_by_adadelta")
+        outs, egs, exs = [], [], []
+        for g, eg0, ex0 in zip(u.buffers, state.e_g.buffers, state.e_x.buffers):
+            eg = (1 - rho) * _abs_sq(g) + rho * eg0
+            out = jnp.sqrt(ex0 + eps) / jnp.sqrt(eg + eps) * g
+            ex = (1 - rho) * _abs_sq(out) + rho * ex0
+            outs.append(out.astype(g.dtype))
+            egs.append(_store(eg, eg0))
+            exs.append(_store(ex, ex0))
+        return Packed(u.layout, outs), ScaleByAdaDeltaState(_like(state.e_g, egs),
+                                                            _like(state.e_x, exs))
+
+    return packed_transformation(init, update, name="scale_by_adadelta")
+
+
+class ScaleByRpropState(NamedTuple):
+    step_sizes: Packed
+    prev_updates: Packed
+
+
+def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6,
+                   max_step_size=50.0):
+    """Rprop: per-element step sizes grow by ``eta_plus`` when the gradient keeps its sign,
+    shrink by ``eta_minus`` when it flips (clipped to [min, max]); the update is
+    :math:`\\mathrm{step}\\cdot\\mathrm{sign}(g)`, and 0 right after a sign flip."""
+    check_scalar("learning_rate", learning_rate)
+
+    def init(layout, params):
+        return ScaleByRpropState(_state_zeros(layout, None, learning_rate, offsets=True),
+                                 _state_zeros(layout))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.step_sizes, "scale_by_rprop")
+        outs, steps, prevs = [], [], []
+        for g, st0, pv0 in zip(u.buffers, state.step_sizes.buffers, state.prev_updates.buffers):
+            s = g * pv0
+            st = jnp.where(s == 0, st0, jnp.clip(st0 * jnp.where(s > 0, eta_plus, eta_minus),
+                                                 min_step_size, max_step_size))
+            pv = jnp.where(s < 0, jnp.zeros_like(g), st * jnp.sign(g))
+            outs.append(jnp.where(s < 0, jnp.zeros_like(pv0), pv0).astype(g.dtype))
+            steps.append(_store(st, st0))
+            prevs.append(_store(pv, pv0))
+        return Packed(u.layout, outs), ScaleByRpropState(_like(state.step_sizes, steps),
+                                                         _like(state.prev_updates, prevs))
+
+    return packed_transformation(init, update, name="scale_by_rprop")
+
+
+# --------------------------------------------------------------------------- additive terms
+
+
+class AddDecayedWeightsState(NamedTuple):
+    """``count`` of steps and the ``weight_decay`` used at the last step (traced)."""
+
+    count: jax.Array
+    weight_decay: jax.Array
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_mask(mask_key, layout):
+    mask = mask_key[0]
+    like = jax.tree_util.tree_unflatten(
+        layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)])
+    return tuple(resolve_per_leaf(mask, like, what="mask", mask_mode=True))
+
+
+class _HashableRef:
+    """Identity-hashed wrapper so unhashable masks (dicts) can key the cache."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _HashableRef) and other.obj is self.obj
+
+    def __getitem__(self, i):
+        return self.obj
+
+
+def leaf_mask(mask, layout) -> tuple[bool, ...]:
+    """One bool per leaf of ``layout`` for a mask (pytree, callable or path rules)."""
+    return _leaf_mask(_HashableRef(mask), layout)
+
+
+def element_mask(layout, gi: int, bools: tuple[bool, ...]):
+    """Per-element mask of group ``gi``: None (all True), False (none) or a bool vector."""
+    g = layout.groups[gi]
+    vals = [bools[i] for i in g.leaves]
+    if all(vals):
+        return None
+    if not any(vals):
+        return False
+    runs, start = [], None
+    for pos, v in enumerate(vals):
+        if v and start is None:
+            start = g.offsets[pos]
+        if not v and start is not None:
+            runs.append((start, g.offsets[pos]))
+            start = None
+    if start is not None:
+        runs.append((start, g.total))
+    iota = jax.lax.iota(jnp.int32, g.total)
+    if len(runs) <= 16:
+        m = jnp.zeros((g.total,), bool)
+        for s, e in runs:
+            m = m | ((iota >= s) & (iota < e))
+        return m
+    ends = jnp.asarray(np.cumsum(g.sizes), jnp.int32)
+    idx = jnp.searchsorted(ends, iota, side="right", method="scan")
+    return jnp.asarray(vals)[idx]
+
+
+def add_decayed_weights(weight_decay=0.0, mask=None):
+    """:math:`u \\leftarrow u + \\lambda_t\\,\\theta` on the leaves selected by ``mask``.
+
+    ``mask`` is a pytree of bools (or a prefix), a callable ``params -> mask``, or
+    path-regex rules (a regex string, or ``{pattern: bool}``; first match wins).
+    The decay lives in the state (``state.weight_decay``): changing it does not recompile.
+    """
+    check_scalar("weight_decay", weight_decay, minimum=None)
+
+    def init(layout, params):
+        if mask is not None:
+            leaf_mask(mask, layout)  # validate early (errors name the path)
+        wd = eval_schedule("weight_decay", weight_decay, jnp.zeros([], jnp.int32))
+        return AddDecayedWeightsState(jnp.zeros([], jnp.int32), wd)
+
+    def update(u, state, p=None, **extra):
+        if p is None:
+            raise ValueError("add_decayed_weights needs `params` in update(updates, state, params)")
+        if callable(weight_decay):
+            wd = eval_schedule("weight_decay", weight_decay, state.count)
+        else:
+            wd = state.weight_decay
+        bools = leaf_mask(mask, u.layout) if mask is not None else None
+        outs = []
+        for gi, (g, w) in enumerate(zip(u.buffers, p.buffers)):
+            em = None if bools is None else element_mask(u.layout, gi, bools)
+            if em is False:
+                outs.append(g)
+                continue
+            term = wd.astype(g.dtype) * w
+            if em is not None:
+                term = jnp.where(em, term, jnp.zeros_like(term))
+            outs.append((g + term).astype(g.dtype))
+        return Packed(u.layout, outs), AddDecayedWeightsState(safe_increment(state.count), wd)
+
+    return packed_transformation(init, update, needs_params=True, name="add_decayed_weights")
+
+
+class AddNoiseState(NamedTuple):
+    count: jax.Array
+    rng_key: jax.Array
+
+
+def add_noise(eta, gamma, key=None, *, seed: int | None = None):
+    """:math:`u \\leftarrow u + \\mathcal N(0, \\eta/(1+t)^{\\gamma})` (one draw per element).
+
+    The noise is drawn once per packed buffer, so the random numbers differ from
+    Optax's (which draws per leaf); the distribution is the same.
+    """
+    if key is None and seed is None:
+        raise ValueError("add_noise needs a `key` (jax.random key or int) or a `seed`")
+    if key is None:
+        key = seed
+    if isinstance(key, int):
+        key = jax.random.PRNGKey(key)
+
+    def init(layout, params):
+        return AddNoiseState(jnp.zeros([], jnp.int32), jnp.asarray(key))
+
+    def update(u, state, p=None, **extra):
+        count = safe_increment(state.count)
+        std = jnp.sqrt(eta / count.astype(jnp.float32) ** gamma)
+        keys = jax.random.split(state.rng_key, len(u.buffers) + 1)
+        outs = [(g + std.astype(g.dtype) * jax.random.normal(k, g.shape, g.dtype)).astype(g.dtype)
+                for g, k in zip(u.buffers, keys[1:])]
+        return Packed(u.layout, outs), AddNoiseState(count, keys[0])
+
+    return packed_transformation(init, update, name="add_noise")
+
+
+# --------------------------------------------------------------------------- momentum
+
+
+class TraceState(NamedTuple):
+    trace: Packed
+
+
+def trace(decay, nesterov: bool = False, accumulator_dtype=None):
+    """Momentum: :math:`f_t = g_t + \\mu f_{t-1}`, :math:`u_t = f_t`
+    (Nesterov: :math:`u_t = g_t + \\mu f_t`)."""
+
+    def init(layout, params):
+        return TraceState(_state_zeros(layout, accumulator_dtype, offsets=True))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.trace, "trace")
+        outs, ts = [], []
+        for g, t0 in zip(u.buffers, state.trace.buffers):
+            f = g + decay * t0
+            out = g + decay * f if nesterov else f
+            outs.append(out.astype(g.dtype))
+            ts.append(_store(f, t0))
+        return Packed(u.layout, outs), TraceState(_like(state.trace, ts))
+
+    return packed_transformation(init, update, name="trace")
+
+
+class EmaState(NamedTuple):
+    count: jax.Array
+    ema: Packed
+
+
+def ema(decay, debias: bool = True, accumulator_dtype=None):
+    """:math:`e_t = \\delta e_{t-1} + (1-\\delta) g_t`, :math:`u_t = e_t/(1-\\delta^t)` when
+    ``debias`` else :math:`e_t`."""
+
+    def init(layout, params):
+        return EmaState(jnp.zeros([], jnp.int32),
+                        _state_zeros(layout, accumulator_dtype, offsets=True))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.ema, "ema")
+        count = safe_increment(state.count)
+        outs, es = [], []
+        for g, e0 in zip(u.buffers, state.ema.buffers):
+            e = (1 - decay) * g + decay * e0
+            out = e / _bc(decay, count, e.dtype) if debias else e
+            outs.append(out.astype(g.dtype))
+            es.append(_store(e, e0))
+        return Packed(u.layout, outs), EmaState(count, _like(state.ema, es))
+
+    return packed_transformation(init, update, name="ema")
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+def clip(max_delta):
+    """:math:`u \\leftarrow \\mathrm{clip}(u, -\\delta, \\delta)`."""
+    check_scalar("max_delta", max_delta)
+
+    def update(u, state, p=None, **extra):
+        return u.map(lambda g: jnp.clip(g, -max_delta, max_delta).astype(g.dtype)), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="clip")
+
+
+def clip_by_global_norm(max_norm):
+    """:math:`u \\leftarrow u \\cdot \\min(1, c/\\|u\\|_2)` with :math:`\\|u\\|_2` the norm over
+    all leaves (one reduction per packed buffer)."""
+    check_scalar("max_norm", max_norm)
+
+    def update(u, state, p=None, **extra):
+        sq = [jnp.sum(_abs_sq(g).astype(jnp.float32)) for g in u.buffers]
+        g_norm = jnp.sqrt(sum(sq)) if sq else jnp.zeros([], jnp.float32)
+        trigger = g_norm < max_norm
+
+        def f(g):
+            return jnp.where(trigger, g, (g / g_norm.astype(g.dtype)) * max_norm).astype(g.dtype)
+
+        return u.map(f), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update,
+                                 name="clip_by_global_norm")
+
+
+class ZeroNansState(NamedTuple):
+    """``found_nan``: one flag per packed buffer (dtype group), keyed by group name."""
+
+    found_nan: dict
+
+
+def zero_nans():
+    """Replace NaNs in the updates by 0; the state records whether a buffer had one."""
+
+    def init(layout, params):
+        return ZeroNansState({g.name: jnp.array(False) for g in layout.groups})
+
+    def update(u, state, p=None, **extra):
+        found = {g.name: jnp.any(jnp.isnan(b)) for g, b in zip(u.layout.groups, u.buffers)}
+        return u.map(lambda g: jnp.where(jnp.isnan(g), jnp.zeros_like(g), g)), ZeroNansState(found)
+
+    return packed_transformation(init, update, name="zero_nans")
