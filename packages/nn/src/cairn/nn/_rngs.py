@@ -79,6 +79,7 @@ class Rngs(Module):
     draw a key from a stream; a stream that does not exist falls back to ``default``
     when there is one, and otherwise raises ``AttributeError`` naming the stream.
 
+    >>> import jax
     >>> from cairn import nn
     >>> rngs = nn.Rngs(0, dropout=1)
     >>> k1, k2 = rngs.params(), rngs.params()   # 'params' falls back to 'default'

@@ -1,0 +1,86 @@
+"""Optimizer: holds an Optax-style gradient transformation's state for one model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cairn.nn._filters import path_str
+from cairn.nn._graph import state as _state
+from cairn.nn._module import Module
+from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
+from cairn.nn._variables import OptState, Param, Variable
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, Variable)
+
+
+class Optimizer(Module):
+    """The state of a gradient transformation ``tx`` for ``model``'s variables matching
+    ``wrt`` (default :class:`Param`).
+
+    ``tx`` is any object with Optax-style ``init(params)`` and
+    ``update(updates, state, params=None, **extra)`` (Optax itself, cairn.optim, your
+    own); it is duck-typed. The transformation sees the parameters as nested dicts keyed
+    by path components (``{"layers": {0: {"kernel": ...}}}``), so path-based masks and
+    labels work. ``update(model, grads)`` applies one step in place::
+
+        opt = nn.Optimizer(model, optax.adamw(1e-3), wrt=nn.Param)
+        grads = nn.grad(loss_fn)(model, x, y)
+        opt.update(model, grads)
+
+    Each leaf of the transformation's state is an :class:`OptState` variable, so
+    ``nn.state(opt)`` has paths such as ``opt_state/0/mu/layers/0/kernel``; ``step``
+    counts the updates.
+    """
+
+    def __init__(self, model: Module, tx: Any, *, wrt: Any = Param):
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(
+                f"Optimizer: tx must have Optax-style init and update methods, got "
+                f"{type(tx).__name__}"
+            )
+        if not isinstance(model, Module):
+            raise TypeError(f"Optimizer: expected a Module, got {type(model).__name__}")
+        self.tx = tx
+        self.wrt = wrt
+        self.step = OptState(jnp.zeros((), jnp.uint32))
+        params = to_pure_dict(_state(model, wrt))
+        self.opt_state = _wrap(tx.init(params))
+
+    def update(self, model: Module, grads: Any, /, **kwargs: Any) -> None:
+        """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
+        ``params += updates`` (cast back to each parameter's dtype), in place."""
+        params_state = _state(model, self.wrt)
+        params = to_pure_dict(params_state)
+        if isinstance(grads, State):
+            if grads._flat.keys() != params_state._flat.keys():
+                missing = [path_str(p) for p in params_state._flat if p not in grads._flat]
+                extra = [path_str(p) for p in grads._flat if p not in params_state._flat]
+                raise ValueError(
+                    f"Optimizer.update: the gradients do not match the parameters selected "
+                    f"by wrt={self.wrt!r}: missing {missing}, unexpected {extra}"
+                )
+            grads = to_pure_dict(grads)
+        opt_vars = jax.tree_util.tree_leaves(self.opt_state, is_leaf=_is_var)
+        opt_vals = jax.tree_util.tree_map(lambda v: v.raw_value, self.opt_state, is_leaf=_is_var)
+        updates, new_state = self.tx.update(grads, opt_vals, params, **kwargs)
+        new_params = jax.tree_util.tree_map(
+            lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates
+        )
+        replace_by_pure_dict(params_state, new_params)
+        new_leaves = jax.tree_util.tree_leaves(new_state)
+        if len(new_leaves) != len(opt_vars):
+            raise ValueError(
+                "Optimizer.update: tx.update returned a state with a different structure"
+            )
+        for v, x in zip(opt_vars, new_leaves):
+            v.raw_value = x
+        self.step.raw_value = self.step.raw_value + jnp.uint32(1)
+
+
+def _wrap(opt_state):
+    return jax.tree_util.tree_map(lambda x: OptState(jnp.asarray(x)), opt_state)

@@ -1,0 +1,220 @@
+"""Sharding by logical axis names.
+
+A parameter declares the logical names of its axes in its metadata
+(``sharding_names=("embed", "mlp")``, usually through :func:`with_partitioning`).
+Under :func:`sharding_rules` (a mesh plus ``LogicalAxisRules`` from
+``cairn.core_array``) every variable created with such names is placed in its
+``NamedSharding``: inside ``nn.jit`` / ``jax.jit`` as a sharding constraint, so the
+compiled initializer writes each shard directly (see :func:`sharded_init`); eagerly with
+``jax.device_put``; and as ``ShapeDtypeStruct(..., sharding=...)`` in
+:func:`abstract_model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from cairn.nn._variables import Variable, with_metadata
+
+_CTX: list[tuple[Any, Any]] = []  # stack of (mesh, rules)
+
+
+@contextlib.contextmanager
+def sharding_rules(rules: Any, mesh: Any = None) -> Iterator[None]:
+    """Context in which variables with ``sharding_names`` metadata are created in
+    their ``NamedSharding`` on ``mesh`` (rules: a ``LogicalAxisRules`` or a sequence of
+    ``(logical_name, mesh_axes)`` pairs)."""
+    from cairn.core_array import LogicalAxisRules
+
+    if not isinstance(rules, LogicalAxisRules):
+        rules = LogicalAxisRules(rules)
+    _CTX.append((mesh, rules))
+    try:
+        yield
+    finally:
+        _CTX.pop()
+
+
+def current_rules() -> tuple[Any, Any] | None:
+    """The innermost ``(mesh, rules)`` of :func:`sharding_rules`, or None."""
+    return _CTX[-1] if _CTX else None
+
+
+def with_partitioning(
+    initializer: Callable, sharding_names: Sequence[str | None], mesh: Any = None, **metadata
+) -> Callable:
+    """Wrap ``initializer`` so the Variable built from its result carries
+    ``sharding_names`` (one logical axis name, or None, per array dim).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from cairn import nn
+    >>> init = nn.with_partitioning(lambda key, shape: jnp.zeros(shape), ("embed", "mlp"))
+    >>> nn.Param(init(jax.random.key(0), (2, 3))).sharding_names
+    ('embed', 'mlp')
+    """
+    md = {"sharding_names": tuple(sharding_names), **metadata}
+    if mesh is not None:
+        md["mesh"] = mesh
+    return with_metadata(initializer, **md)
+
+
+def _names_of(metadata: dict) -> tuple | None:
+    names = metadata.get("sharding_names", metadata.get("sharding"))
+    if names is None:
+        return None
+    if isinstance(names, PartitionSpec):
+        return None
+    return tuple(names)
+
+
+def _sharding_for(names, ndim: int, mesh, rules) -> NamedSharding:
+    from cairn.core_array import named_sharding
+
+    if len(names) != ndim:
+        raise ValueError(
+            f"sharding_names {names} has {len(names)} entries for an array of rank {ndim}"
+        )
+    return named_sharding(mesh, names, rules)
+
+
+def _maybe_shard_on_create(value: Any, metadata: dict) -> Any:
+    ctx = current_rules()
+    mesh = metadata.get("mesh")
+    if ctx is None and mesh is None:
+        return value
+    names = _names_of(metadata)
+    if names is None:
+        return value
+    ctx_mesh, rules = ctx if ctx is not None else (None, None)
+    mesh = mesh if mesh is not None else ctx_mesh
+    if mesh is None:
+        return value
+    if rules is None:
+        from cairn.core_array import LogicalAxisRules
+
+        rules = LogicalAxisRules([(n, n) for n in names if n is not None])
+    ndim = len(getattr(value, "shape", ()))
+    sharding = _sharding_for(names, ndim, mesh, rules)
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    if isinstance(value, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    return value
+
+
+def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
+    """The same tree (a Module's :func:`~cairn.nn.state`, a State, or a Variable) with
+    each variable's value replaced by its ``PartitionSpec`` (``PartitionSpec()`` when it
+    has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`."""
+    from cairn.core_array import logical_to_partition_spec
+
+    from cairn.nn._graph import state as _state
+    from cairn.nn._module import Module
+
+    if isinstance(tree, Module):
+        tree = _state(tree)
+    if rules is None and current_rules() is not None:
+        mesh = mesh if mesh is not None else current_rules()[0]
+        rules = current_rules()[1]
+
+    def spec(v):
+        if not isinstance(v, Variable):
+            return v
+        names = _names_of(v._meta)
+        if names is None or rules is None:
+            return v.replace(PartitionSpec())
+        return v.replace(logical_to_partition_spec(names, rules, mesh))
+
+    return jax.tree_util.tree_map(spec, tree, is_leaf=lambda x: isinstance(x, Variable)) if not isinstance(tree, Variable) else spec(tree)
+
+
+def get_named_sharding(tree: Any, mesh: Any, rules: Any = None):
+    """Like :func:`get_partition_spec` but with ``NamedSharding(mesh, spec)`` values."""
+    specs = get_partition_spec(tree, rules, mesh)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def abstract_model(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs):
+    """Build ``fn(*args, **kwargs)`` abstractly (``jax.eval_shape``: no memory, no
+    compute). Every variable's value is a ``jax.ShapeDtypeStruct``; with a mesh (given
+    or from :func:`sharding_rules`) it carries the variable's ``NamedSharding`` (logical
+    names through ``rules``; replicated without names). The standard target for
+    restoring a checkpoint."""
+    from cairn.nn._graph import flat
+    from cairn.nn._module import Module
+    from cairn.nn._transforms import eval_shape
+
+    ctx = current_rules()
+    if mesh is None and ctx is not None:
+        mesh = ctx[0]
+    if rules is None and ctx is not None:
+        rules = ctx[1]
+    out = eval_shape(fn, *args, **kwargs)
+    if mesh is None:
+        return out
+    if rules is None:
+        from cairn.core_array import LogicalAxisRules
+
+        rules = LogicalAxisRules([])
+    mods = [out] if isinstance(out, Module) else [
+        x for x in jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Module))
+        if isinstance(x, Module)
+    ]
+    for m in mods:
+        for v in flat(m).variables:
+            val = v.raw_value
+            if not isinstance(val, jax.ShapeDtypeStruct):
+                continue
+            names = _names_of(v._meta)
+            if names is None:
+                sh = NamedSharding(mesh, PartitionSpec())
+            else:
+                sh = _sharding_for(names, len(val.shape), mesh, rules)
+            v.raw_value = jax.ShapeDtypeStruct(val.shape, val.dtype, sharding=sh)
+    return out
+
+
+def sharded_init(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs):
+    """Create ``fn(*args, **kwargs)`` (typically a model constructor) inside one
+    compiled function whose outputs are each variable's ``NamedSharding``: every
+    parameter is written shard by shard, never as a full copy on one device. Variables
+    without ``sharding_names`` are replicated."""
+    from cairn.nn._graph import flat
+    from cairn.nn._transforms import jit
+
+    ctx = current_rules()
+    if mesh is None and ctx is not None:
+        mesh = ctx[0]
+    if rules is None and ctx is not None:
+        rules = ctx[1]
+    if mesh is None:
+        raise ValueError("sharded_init needs a mesh (argument or nn.sharding_rules context)")
+    if rules is None:
+        from cairn.core_array import LogicalAxisRules
+
+        rules = LogicalAxisRules([])
+
+    def create(*a, **kw):
+        model = fn(*a, **kw)
+        for v in flat(model).variables:
+            names = _names_of(v._meta)
+            val = v.raw_value
+            if not hasattr(val, "shape"):
+                continue
+            sh = (
+                NamedSharding(mesh, PartitionSpec())
+                if names is None
+                else _sharding_for(names, len(val.shape), mesh, rules)
+            )
+            v.raw_value = jax.lax.with_sharding_constraint(val, sh)
+        return model
+
+    with sharding_rules(rules, mesh):
+        return jit(create)(*args, **kwargs)
