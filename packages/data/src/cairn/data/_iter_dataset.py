@@ -67,6 +67,22 @@ def chunk_elements(ds: MapDataset, read_options: ReadOptions) -> int:
     return max(1, read_options.chunk_records // max(1, ds._records_per_element()))
 
 
+def read_chunk(ds: MapDataset, a: int, b: int) -> tuple[list, BaseException | None]:
+    """Elements ``a..b-1`` in one batched read. If that fails, the elements are re-read
+    one at a time, so the caller gets every element before the failing one, then the
+    error (and the iterator state at the error points at the failing element)."""
+    try:
+        return ds._getitems(np.arange(a, b, dtype=np.int64), 0), None
+    except Exception:
+        out: list = []
+        for i in range(a, b):
+            try:
+                out.extend(ds._getitems(np.array([i], np.int64), 0))
+            except Exception as e:
+                return out, e
+        raise  # the batched read failed but every single read worked: report the batched error
+
+
 def chunk_plan(start: int, length: int, cap: int) -> Iterator[tuple[int, int]]:
     """Chunk bounds from ``start``: sizes 1, 2, 4, ... up to ``cap`` (fast first element)."""
     pos, size = start, 1
@@ -412,9 +428,10 @@ class MapRootIterator(DatasetIterator):
             for f in self._inflight:
                 f.cancel()
         self._inflight: collections.deque = collections.deque()
+        self._error: BaseException | None = None
 
-    def _read(self, a: int, b: int) -> list:
-        return self._ds._getitems(np.arange(a, b, dtype=np.int64), 0)
+    def _read(self, a: int, b: int) -> tuple[list, BaseException | None]:
+        return read_chunk(self._ds, a, b)
 
     def _fetch(self) -> bool:
         if self._opts.num_threads == 0:
@@ -422,7 +439,7 @@ class MapRootIterator(DatasetIterator):
             if nxt is None:
                 return False
             self._buf_start = nxt[0]
-            self._buf = self._read(*nxt)
+            self._buf, self._error = self._read(*nxt)
             self._buf_pos = 0
             return True
         if self._pool is None:
@@ -442,7 +459,7 @@ class MapRootIterator(DatasetIterator):
         if not self._inflight:
             return False
         start, fut = self._inflight.popleft()
-        self._buf = fut.result()
+        self._buf, self._error = fut.result()
         self._buf_start = start
         self._buf_pos = 0
         return True
@@ -456,6 +473,19 @@ class MapRootIterator(DatasetIterator):
                 if v is not None:
                     self._next_index = self._buf_start + self._buf_pos
                     return v
+            if self._error is not None:
+                err, self._error = self._error, None
+                self._buf_start += len(buf)
+                self._next_index = self._buf_start
+                self._buf, self._buf_pos = [], 0
+                # The state points at the failing element: next() (or a restore) retries it;
+                # set_state({"next_index": i + 1}) skips it.
+                self._plan = chunk_plan(self._buf_start, self._len, self._cap)
+                if self._pool is not None:
+                    for _, f in self._inflight:
+                        f.cancel()
+                    self._inflight.clear()
+                raise err
             if not self._fetch():
                 raise StopIteration
 

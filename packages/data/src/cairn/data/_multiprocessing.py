@@ -42,6 +42,7 @@ from cairn.data._iter_dataset import (
     _check_state,
     chunk_elements,
     chunk_plan,
+    read_chunk,
 )
 from cairn.data._map_dataset import MapDataset
 
@@ -202,11 +203,13 @@ def _worker_main(w, n, ds, cap, length, conn, shm_ref, slot_bytes, slots, init_f
         chunk_k = k - 1
         t0 = time.perf_counter()
         try:
-            values = ds._getitems(np.arange(bounds[0], bounds[1], dtype=np.int64), 0)
+            values, err = read_chunk(ds, bounds[0], bounds[1])
             pbufs: list = []
             data = pickle.dumps(values, protocol=5, buffer_callback=pbufs.append)
         except BaseException as e:
-            _send_error(conn, gen, chunk_k, e)
+            values, err, data = None, e, None
+        if data is None:
+            _send_error(conn, gen, chunk_k, err)
             plan = None
             continue
         raws = [b.raw() for b in pbufs]
@@ -220,12 +223,15 @@ def _worker_main(w, n, ds, cap, length, conn, shm_ref, slot_bytes, slots, init_f
                 for r in raws:
                     buf[off : off + r.nbytes] = r
                     off += -(-r.nbytes // _ALIGN) * _ALIGN
-                conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt))
+                conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt, err is not None))
             else:
                 inline_out += 1
-                conn.send(("chunk", gen, chunk_k, -1, pickle.dumps(values, protocol=4), None, dt))
+                conn.send(("chunk", gen, chunk_k, -1, pickle.dumps(values, protocol=4), None, dt, err is not None))
         except (BrokenPipeError, OSError):
             return
+        if err is not None:
+            _send_error(conn, gen, chunk_k, err)
+            plan = None
 
 
 def _send_error(conn, gen, k, e):
@@ -322,6 +328,7 @@ class MPRootIterator(DatasetIterator):
         self._plan = chunk_plan(start, self._len, self._cap)
         self._k = 0
         self._ended = False
+        self._error_from: int | None = None
         self._gen += 1
         if self._w is not None:
             for c in self._w.conns:
@@ -397,12 +404,19 @@ class MPRootIterator(DatasetIterator):
         if self._ended:
             return False
         if self._broken is not None:
-            raise RuntimeError("this iterator stopped after an earlier error in a worker") from self._broken
+            raise RuntimeError(
+                "this iterator stopped after an earlier error in a worker; call "
+                "set_state(get_state()) to retry from the failing element"
+            ) from self._broken
         if self._w is None:
             self._launch()
-        bounds = next(self._plan, None)
-        k = self._k
-        w = k % self._n
+        if self._error_from is not None:
+            w, bounds, k = self._error_from, None, self._k - 1
+            self._error_from = None
+        else:
+            bounds = next(self._plan, None)
+            k = self._k
+            w = k % self._n
         while True:
             msg = self._recv(w)
             kind = msg[0]
@@ -422,13 +436,17 @@ class MPRootIterator(DatasetIterator):
                 if exc is None:
                     exc = RuntimeError(f"error in cairn.data worker {w}: {text}")
                 exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback from cairn.data worker {w} (chunk {ek}):\n{tb}"""')
+                if bounds is None:  # the error follows a partial chunk: it is at the next element
+                    self._next_index = self._buf_start + len(self._buf)
                 raise self._fail(exc)
             gen = msg[1]
             if kind == "chunk":
-                _, gen, ck, slot, data, sizes, dt = msg
+                _, gen, ck, slot, data, sizes, dt, err_follows = msg
                 if gen != self._gen:
                     self._w.conns[w].send(("free", slot))
                     continue
+                if err_follows:
+                    self._error_from = w
                 values = self._decode(w, slot, data, sizes)
                 self._worker_time[w] += dt
                 self._worker_chunks[w] += 1
@@ -482,8 +500,9 @@ class MPRootIterator(DatasetIterator):
         i = _check_state(state, ("next_index",), "mp_prefetch iterator")["next_index"]
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
             raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
-        if self._broken is not None:
-            raise RuntimeError("this iterator stopped after an error in a worker; create a new one") from self._broken
+        if self._broken is not None:  # start fresh workers at the restored position
+            self._broken = None
+            self._w = None
         self._reset(i)
 
     def close(self) -> None:

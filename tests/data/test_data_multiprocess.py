@@ -1,0 +1,144 @@
+"""Worker processes: errors, killed workers, shared memory, shutdown, start methods."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from cairn.data import MapDataset, MultiprocessingOptions, ReadOptions, WorkerDiedError
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _shm_names():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return set()
+
+
+def explode_on_13(x):
+    if x == 13:
+        raise KeyError(f"user function failed on record {x}")
+    return x
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_exception_reaches_caller_with_traceback(workers):
+    ds = MapDataset.range(40).map(explode_on_13).to_iter_dataset().mp_prefetch(workers)
+    it = iter(ds)
+    got = []
+    with pytest.raises(KeyError, match="user function failed on record 13") as info:
+        for x in it:
+            got.append(x)
+    # Every element before the failing one arrives; the state points at the failing one.
+    assert got == list(range(13))
+    assert it.get_state() == {"next_index": 13}
+    if workers:
+        cause = info.value.__cause__
+        assert cause is not None and "explode_on_13" in str(cause) and "Traceback" in str(cause)
+        with pytest.raises(RuntimeError, match="earlier error in a worker"):
+            next(it)
+    else:
+        assert "explode_on_13" in "".join(__import__("traceback").format_tb(info.value.__traceback__))
+    # Skipping the bad element resumes the stream (fresh workers are started).
+    it.set_state({"next_index": 14})
+    assert list(it) == list(range(14, 40))
+    it.close()
+
+
+class Unpicklable(Exception):
+    def __init__(self, a, b):
+        super().__init__(a)
+        self.lock = __import__("threading").Lock()
+
+
+def raise_unpicklable(x):
+    raise Unpicklable("no pickle for me", 2)
+
+
+def test_unpicklable_worker_exception_becomes_runtime_error():
+    it = iter(MapDataset.range(5).map(raise_unpicklable).to_iter_dataset().mp_prefetch(1))
+    with pytest.raises(RuntimeError, match="Unpicklable: no pickle for me") as info:
+        next(it)
+    assert "raise_unpicklable" in str(info.value.__cause__)
+    it.close()
+
+
+def slow(x):
+    time.sleep(0.01)
+    return x
+
+
+def test_sigkilled_worker_raises_instead_of_hanging():
+    it = iter(MapDataset.range(10_000).map(slow).to_iter_dataset(ReadOptions(chunk_records=8)).mp_prefetch(2))
+    next(it)
+    os.kill(it.worker_pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker 1 of 2 .* killed by SIGKILL"):
+        for _ in range(10_000):
+            next(it)
+    assert time.monotonic() - t0 < 8
+    it.close()
+
+
+def test_no_leaked_shared_memory_and_clean_shutdown():
+    before = _shm_names()
+    ds = MapDataset.range(500).map(lambda x: np.full(100, x)).batch(10).to_iter_dataset().mp_prefetch(2)
+    it = iter(ds)
+    next(it)
+    pids = it.worker_pids
+    assert _shm_names() == before  # unlinked as soon as the workers had them
+    it.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # Consuming to the end, and dropping an iterator without close(), also clean up.
+    assert len(list(ds)) == 50
+    it = iter(ds)
+    next(it)
+    pids = it.worker_pids
+    del it
+    import gc
+
+    gc.collect()
+    time.sleep(0.2)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _shm_names() == before
+
+
+def test_large_chunks_fall_back_to_the_pipe_and_zero_copy_arrays_are_writable():
+    opts = MultiprocessingOptions(num_workers=2, slot_bytes=1024)
+    ds = MapDataset.range(64).map(lambda x: np.full(512, x, np.float64)).batch(4).to_iter_dataset()
+    ref = [b for b in ds]
+    got = list(ds.mp_prefetch(opts))
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got)) and len(got) == len(ref)
+    small = list(MapDataset.range(64).map(lambda x: np.full(3, x)).batch(4).to_iter_dataset().mp_prefetch(2))
+    small[0][0, 0] = 99  # arrays coming out of shared memory are ordinary writable arrays
+
+
+def record_init(worker_index, worker_count):
+    os.environ["CAIRN_TEST_WORKER"] = f"{worker_index}/{worker_count}"
+
+
+def worker_tag(x):
+    return os.environ.get("CAIRN_TEST_WORKER", "main")
+
+
+def test_worker_init_fn_and_spawn_start_method():
+    ds = MapDataset.range(12).map(worker_tag).to_iter_dataset(ReadOptions(chunk_records=2))
+    tags = list(ds.mp_prefetch(MultiprocessingOptions(num_workers=2, start_method="spawn"), worker_init_fn=record_init))
+    assert set(tags) == {"0/2", "1/2"}
+
+
+def test_options_validation():
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
+        MultiprocessingOptions(num_workers=-1)
+    with pytest.raises(ValueError, match="start_method"):
+        MultiprocessingOptions(num_workers=1, start_method="thread")
+    ds = MapDataset.range(3).to_iter_dataset()
+    assert ds.mp_prefetch(0) is ds
