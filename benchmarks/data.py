@@ -122,7 +122,7 @@ def state_times(make, steps: int = 200) -> tuple[float, float, int]:
             gets.append(time.perf_counter() - t0)
         size = len(json.dumps(st))
         sets = []
-        for k in range(5):
+        for _ in range(5):
             target = json.loads(json.dumps(st))
             next(it)
             t0 = time.perf_counter()
@@ -154,8 +154,9 @@ def main() -> None:
     except Exception:
         pass
 
-    import cairn.data as cd
     import grain
+
+    import cairn.data as cd
 
     rng = np.random.default_rng(0)
     blob = rng.standard_normal(n * RECORD_BYTES // 4).astype(np.float32).tobytes()

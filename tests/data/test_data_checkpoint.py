@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from cairn.core_array import Checkpointable  # noqa: F401  (protocol checked below)
 from cairn.data import (
     DataLoader,
     FirstFitPackIterDataset,
@@ -15,7 +16,6 @@ from cairn.data import (
     ReadOptions,
     assert_equal_output_after_checkpoint,
 )
-from cairn.core_array import Checkpointable  # noqa: F401  (protocol checked below)
 
 
 def _record(i):

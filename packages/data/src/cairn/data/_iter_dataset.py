@@ -684,6 +684,7 @@ class InterleaveIterDataset(IterDataset):
     next unopened dataset takes the slot. The order is deterministic, and the state is
     the index of the next dataset to open plus the open datasets' states.
 
+    >>> from cairn.data import InterleaveIterDataset, MapDataset
     >>> a = MapDataset.range(0, 3).to_iter_dataset()
     >>> b = MapDataset.range(10, 12).to_iter_dataset()
     >>> list(InterleaveIterDataset([a, b], cycle_length=2))

@@ -27,12 +27,11 @@ import pickle
 import signal
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
-
-import numpy as np
 
 from cairn.data._iter_dataset import (
     DatasetIterator,
@@ -357,7 +356,11 @@ class MPRootIterator(DatasetIterator):
                 daemon=True,
                 name=f"cairn-data-worker-{w}",
             )
-            p.start()
+            with warnings.catch_warnings():
+                # JAX warns on every fork; workers never call JAX unless a map function
+                # does, and then start_method="spawn" is required (see the docs).
+                warnings.filterwarnings("ignore", message=".*os.fork\\(\\) was called", category=RuntimeWarning)
+                p.start()
             theirs.close()
             ws.procs.append(p)
             ws.conns.append(mine)
