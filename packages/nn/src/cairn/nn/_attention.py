@@ -1,0 +1,528 @@
+"""Dot-product attention, masks and ``MultiHeadAttention`` (grouped-query, KV cache).
+
+Layout: queries ``(*batch, q_len, num_heads, head_dim)``, keys and values
+``(*batch, kv_len, num_kv_heads, head_dim)`` with ``num_heads % num_kv_heads == 0``
+(grouped-query attention: query head ``h`` reads kv head ``h // (num_heads //
+num_kv_heads)``). Masks are boolean, True = attend, broadcastable to
+``(*batch, num_heads, q_len, kv_len)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cairn.nn import initializers as _init
+from cairn.nn._module import Module
+from cairn.nn._rngs import Rngs
+from cairn.nn._variables import Cache, Intermediate
+from cairn.nn._dropout import _own_stream, draw_key
+from cairn.nn._linear import (
+    DType,
+    Initializer,
+    LinearGeneral,
+    check_input,
+    default_bias_init,
+    default_kernel_init,
+    promote_dtype,
+)
+from cairn.nn._normalization import LayerNorm
+from cairn.nn._rope import apply_rotary_embedding
+
+__all__ = [
+    "MultiHeadAttention",
+    "combine_masks",
+    "dot_product_attention",
+    "dot_product_attention_weights",
+    "make_attention_mask",
+    "make_causal_mask",
+]
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def make_attention_mask(
+    query_input: jax.Array,
+    key_input: jax.Array,
+    pairwise_fn: Callable[[jax.Array, jax.Array], jax.Array] = jnp.multiply,
+    extra_batch_dims: int = 0,
+    dtype: DType = jnp.float32,
+) -> jax.Array:
+    """``mask[..., 1, q, k] = pairwise_fn(query_input[..., q], key_input[..., k])``.
+
+    The usual padding mask is ``make_attention_mask(q_ids > 0, k_ids > 0)``.
+    """
+    m = pairwise_fn(
+        jnp.expand_dims(query_input, axis=-1), jnp.expand_dims(key_input, axis=-2)
+    )
+    m = jnp.expand_dims(m, axis=-3)
+    m = m.reshape((1,) * extra_batch_dims + m.shape)
+    return m.astype(dtype)
+
+
+def make_causal_mask(x: jax.Array, extra_batch_dims: int = 0, dtype: DType = jnp.float32) -> jax.Array:
+    """Causal mask ``(*batch, 1, len, len)`` for ``x`` of shape ``(*batch, len)``."""
+    idx = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+    return make_attention_mask(idx, idx, jnp.greater_equal, extra_batch_dims, dtype)
+
+
+def combine_masks(*masks: jax.Array | None, dtype: DType = jnp.float32) -> jax.Array | None:
+    """Logical AND of the non-``None`` masks (all of equal rank), or ``None``."""
+    ms = [m for m in masks if m is not None]
+    if not ms:
+        return None
+    if len({m.ndim for m in ms}) != 1:
+        raise ValueError(f"combine_masks: masks must have equal rank, got shapes {[m.shape for m in ms]}")
+    out = ms[0].astype(bool)
+    for m in ms[1:]:
+        out = jnp.logical_and(out, m.astype(bool))
+    return out.astype(dtype)
+
+
+# --------------------------------------------------------------------------- functions
+
+
+def _check_qkv(query, key, value=None):
+    if query.ndim < 3 or key.ndim != query.ndim:
+        raise ValueError(
+            "attention expects query (*batch, q_len, heads, head_dim) and key/value of the same "
+            f"rank; got query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
+    if query.shape[:-3] != key.shape[:-3]:
+        raise ValueError(
+            f"attention: batch dims differ, query {tuple(query.shape)} vs key {tuple(key.shape)}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"attention: head_dim differs, query {tuple(query.shape)} vs key {tuple(key.shape)}"
+        )
+    h, hk = query.shape[-2], key.shape[-2]
+    if h % hk:
+        raise ValueError(
+            f"attention: num_heads {h} must be a multiple of num_kv_heads {hk} (query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)})"
+        )
+    if value is not None and (
+        value.shape[:-1] != key.shape[:-1]
+    ):
+        raise ValueError(
+            f"attention: key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
+            "except in the last axis"
+        )
+
+
+def dot_product_attention_weights(
+    query: jax.Array,
+    key: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: DType | None = None,
+    precision: Any = None,
+    module: Module | None = None,
+    promote_dtype: Callable[..., Any] = promote_dtype,
+    is_causal: bool = False,
+) -> jax.Array:
+    """``softmax(q k^T / sqrt(d) + bias, masked)`` of shape ``(*batch, heads, q_len, kv_len)``.
+
+    The softmax runs in float32 (at least); fully masked rows give zero weights rather
+    than NaN. ``is_causal`` adds ``k <= q`` (top-left aligned). Dropout (when
+    ``dropout_rate > 0`` and not ``deterministic``) zeroes weights and rescales the rest.
+    With ``module`` given, the weights are recorded with ``module.sow(Intermediate,
+    'attention_weights', w)``.
+    """
+    _check_qkv(query, key)
+    query, key = promote_dtype((query, key), dtype=dtype)
+    dt = query.dtype
+    *batch, q_len, h, d = query.shape
+    kv_len, hk = key.shape[-3], key.shape[-2]
+    g = h // hk
+    q = query.reshape(*batch, q_len, hk, g, d) / jnp.sqrt(jnp.asarray(d, dt))
+    logits = jnp.einsum("...qkgd,...lkd->...kgql", q, key, precision=precision)
+    logits = logits.reshape(*batch, h, q_len, kv_len).astype(jnp.promote_types(jnp.float32, dt))
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
+    valid = None
+    if mask is not None:
+        valid = jnp.broadcast_to(mask.astype(bool), logits.shape)
+    if is_causal:
+        causal = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
+        valid = causal if valid is None else jnp.logical_and(valid, causal)
+    if valid is not None:
+        big_neg = jnp.finfo(logits.dtype).min
+        logits = jnp.where(valid, logits, big_neg)
+    w = jax.nn.softmax(logits, axis=-1)
+    if valid is not None:
+        w = jnp.where(valid, w, 0.0)
+    if module is not None:
+        module.sow(Intermediate, "attention_weights", w)
+    if dropout_rate > 0.0 and not deterministic:
+        if dropout_rng is None:
+            raise ValueError("dot_product_attention: dropout_rate > 0 needs a dropout_rng key")
+        keep = 1.0 - dropout_rate
+        if broadcast_dropout:
+            dshape = tuple(1 for _ in batch) + w.shape[-3:]
+        else:
+            dshape = w.shape
+        km = jax.random.bernoulli(dropout_rng, keep, dshape)
+        w = jnp.where(km, w / keep, 0.0)
+    return w.astype(dt)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: DType | None = None,
+    precision: Any = None,
+    module: Module | None = None,
+    promote_dtype: Callable[..., Any] = promote_dtype,
+    is_causal: bool = False,
+) -> jax.Array:
+    """``softmax(q k^T / sqrt(d) + bias, mask) v``, output ``(*batch, q_len, heads, head_dim_v)``.
+
+    Grouped-query attention is native: ``key``/``value`` may have fewer heads than
+    ``query`` (a divisor); nothing is materialised per query head.
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((2, 5, 4, 8)); kv = jnp.ones((2, 7, 2, 8))
+    >>> dot_product_attention(q, kv, kv).shape
+    (2, 5, 4, 8)
+    """
+    _check_qkv(query, key, value)
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    w = dot_product_attention_weights(
+        query, key, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
+        dtype, precision, module, promote_dtype, is_causal,
+    )
+    *batch, h, q_len, kv_len = w.shape
+    hk = key.shape[-2]
+    w = w.reshape(*batch, hk, h // hk, q_len, kv_len)
+    out = jnp.einsum("...kgql,...lkd->...qkgd", w, value, precision=precision)
+    return out.reshape(*batch, q_len, h, value.shape[-1])
+
+
+@functools.lru_cache(maxsize=128)
+def _accepted_kwargs(fn) -> frozenset[str] | None:
+    """Keyword names ``fn`` accepts, or None when it takes ``**kwargs`` (accepts all)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return frozenset(sig.parameters)
+
+
+# --------------------------------------------------------------------------- module
+
+
+class MultiHeadAttention(Module):
+    """Multi-head (and grouped-query) dot-product attention with projections.
+
+    ``q = x_q W_q``, ``k = x_k W_k``, ``v = x_v W_v`` (``LinearGeneral`` to ``(heads,
+    head_dim)``; keys/values have ``num_kv_heads`` heads), optional RoPE and q/k
+    LayerNorm, ``o = attention_fn(q, k, v, mask=..., ...)``, output ``o W_out``.
+
+    Args:
+      num_heads: query heads. ``num_kv_heads`` (alias ``num_key_value_heads``) must divide
+        it; default ``num_heads`` (plain multi-head attention); 1 is multi-query.
+      in_features: size of the query input's last axis; ``in_kv_features`` for keys and
+        values (default ``in_features``).
+      qkv_features: total projected size, ``num_heads * head_dim`` (default
+        ``in_features``); out_features: output size (default ``in_features``).
+      attention_fn: ``fn(query, key, value, *, mask, is_causal, dropout_rng, dropout_rate,
+        broadcast_dropout, deterministic, dtype, precision, module)`` returning
+        ``(*batch, q_len, num_heads, head_dim)``. Keyword arguments the function does not
+        declare are not passed, so a kernel library's plain ``fn(q, k, v, *, mask=None,
+        is_causal=False)`` plugs in directly. Keys/values arrive with ``num_kv_heads``.
+      decode: use and update the KV cache created by :meth:`init_cache`.
+      use_rope: rotate queries and keys with RoPE (``rope_base``) at their positions;
+        during decode the positions continue from the cache index.
+      normalize_qk: LayerNorm (no bias) on each query and key head (ViT-22B).
+      dropout_rate, broadcast_dropout, deterministic: attention-weight dropout; keys come
+        from the ``dropout`` stream.
+
+    Decoding: ``init_cache((batch, max_length, in_features))`` allocates ``cached_key``,
+    ``cached_value`` ``(batch, max_length, num_kv_heads, head_dim)`` and ``cache_index``.
+    Each ``decode=True`` call appends its ``L`` new keys/values (``L`` may be more than one,
+    e.g. a prompt) at ``cache_index`` and lets query ``i`` attend to cached positions
+    ``<= cache_index + i``; the result equals the full causal forward.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> mha = nn.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nn.Rngs(0))
+    >>> mha(jnp.ones((2, 5, 16)), is_causal=True).shape
+    (2, 5, 16)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
+        *,
+        num_key_value_heads: int | None = None,
+        dtype: DType | None = None,
+        param_dtype: DType = jnp.float32,
+        broadcast_dropout: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        out_kernel_init: Initializer | None = None,
+        bias_init: Initializer = default_bias_init,
+        out_bias_init: Initializer | None = None,
+        use_bias: bool = True,
+        attention_fn: Callable[..., jax.Array] = dot_product_attention,
+        decode: bool | None = None,
+        normalize_qk: bool = False,
+        use_rope: bool = False,
+        rope_base: float = 10000.0,
+        rngs: Rngs,
+        keep_rngs: bool = True,
+        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
+        out_kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
+        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
+        out_bias_metadata: Mapping[str, Any] = {},  # noqa: B006
+    ):
+        if num_kv_heads is not None and num_key_value_heads is not None and (
+            num_kv_heads != num_key_value_heads
+        ):
+            raise ValueError(
+                f"MultiHeadAttention: num_kv_heads={num_kv_heads} and num_key_value_heads="
+                f"{num_key_value_heads} disagree"
+            )
+        kvh = num_kv_heads if num_kv_heads is not None else num_key_value_heads
+        kvh = num_heads if kvh is None else kvh
+        qkv_features = in_features if qkv_features is None else qkv_features
+        if qkv_features % num_heads:
+            raise ValueError(
+                f"MultiHeadAttention: qkv_features {qkv_features} must be divisible by num_heads "
+                f"{num_heads}"
+            )
+        if num_heads % kvh:
+            raise ValueError(
+                f"MultiHeadAttention: num_heads {num_heads} must be divisible by num_kv_heads {kvh}"
+            )
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(kvh)
+        self.in_features = int(in_features)
+        self.in_kv_features = int(in_kv_features if in_kv_features is not None else in_features)
+        self.qkv_features = int(qkv_features)
+        self.out_features = int(out_features if out_features is not None else in_features)
+        self.head_dim = self.qkv_features // self.num_heads
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.broadcast_dropout = bool(broadcast_dropout)
+        self.dropout_rate = float(dropout_rate)
+        self.deterministic = deterministic
+        self.precision = precision
+        self.use_bias = bool(use_bias)
+        self.attention_fn = attention_fn
+        self.decode = decode
+        self.normalize_qk = bool(normalize_qk)
+        self.use_rope = bool(use_rope)
+        self.rope_base = float(rope_base)
+        if self.use_rope and self.head_dim % 2:
+            raise ValueError(f"MultiHeadAttention: use_rope needs an even head_dim, got {self.head_dim}")
+
+        def proj(in_f, heads):
+            return LinearGeneral(
+                in_f, (heads, self.head_dim), use_bias=use_bias, dtype=dtype,
+                param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
+                precision=precision, rngs=rngs, kernel_metadata=kernel_metadata,
+                bias_metadata=bias_metadata,
+            )
+
+        self.query = proj(self.in_features, self.num_heads)
+        self.key = proj(self.in_kv_features, self.num_kv_heads)
+        self.value = proj(self.in_kv_features, self.num_kv_heads)
+        if self.normalize_qk:
+            self.query_ln = LayerNorm(
+                self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+            self.key_ln = LayerNorm(
+                self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+        else:
+            self.query_ln = None
+            self.key_ln = None
+        self.out = LinearGeneral(
+            (self.num_heads, self.head_dim), self.out_features, axis=(-2, -1), use_bias=use_bias,
+            dtype=dtype, param_dtype=param_dtype, kernel_init=out_kernel_init or kernel_init,
+            bias_init=out_bias_init or bias_init, precision=precision, rngs=rngs,
+            kernel_metadata=out_kernel_metadata, bias_metadata=out_bias_metadata,
+        )
+        self.rngs = (
+            _own_stream(rngs, "dropout", "MultiHeadAttention")
+            if keep_rngs and self.dropout_rate > 0
+            else None
+        )
+        self.cached_key = None
+        self.cached_value = None
+        self.cache_index = None
+
+    # -- cache -----------------------------------------------------------------------
+    def init_cache(self, input_shape: tuple[int, ...], dtype: DType = jnp.float32) -> None:
+        """Allocates an empty KV cache for inputs of shape ``(*batch, max_length, features)``."""
+        input_shape = tuple(int(s) for s in input_shape)
+        if len(input_shape) < 2:
+            raise ValueError(
+                f"MultiHeadAttention.init_cache expects (*batch, max_length, features), got "
+                f"{input_shape}"
+            )
+        shape = input_shape[:-1] + (self.num_kv_heads, self.head_dim)
+        self.cached_key = Cache(jnp.zeros(shape, dtype))
+        self.cached_value = Cache(jnp.zeros(shape, dtype))
+        self.cache_index = Cache(jnp.array(0, dtype=jnp.int32))
+
+    # -- call ------------------------------------------------------------------------
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        rngs: Rngs | jax.Array | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
+        is_causal: bool = False,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        name = "MultiHeadAttention"
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError(f"{name}: inputs_k cannot be None when inputs_v is given")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        xq = check_input(name, inputs_q, min_ndim=2)
+        xk = check_input(name, inputs_k, min_ndim=2)
+        xv = check_input(name, inputs_v, min_ndim=2)
+        if xq.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{name} expected last axis {self.in_features}, got {xq.shape[-1]} in query "
+                f"input of shape {tuple(xq.shape)}"
+            )
+        for nm, x in (("key", xk), ("value", xv)):
+            if x.shape[-1] != self.in_kv_features:
+                raise ValueError(
+                    f"{name} expected last axis {self.in_kv_features}, got {x.shape[-1]} in {nm} "
+                    f"input of shape {tuple(x.shape)}"
+                )
+        q = self.query(xq)
+        k = self.key(xk)
+        v = self.value(xv)
+        if self.normalize_qk:
+            q = self.query_ln(q)
+            k = self.key_ln(k)
+
+        decode = self.decode if decode is None else decode
+        q_len = q.shape[-3]
+        if decode:
+            if self.cache_index is None:
+                raise ValueError(f"{name}: decode=True but the cache is empty; call init_cache first")
+            ck = self.cached_key[...]
+            *cbatch, max_len, _, _ = ck.shape
+            if tuple(k.shape[:-3]) != tuple(cbatch) or k.shape[-3] != q_len:
+                raise ValueError(
+                    f"{name}: decode input of key shape {tuple(k.shape)} does not fit the cache "
+                    f"{tuple(ck.shape)} (batch dims must match; self-attention only)"
+                )
+            idx = self.cache_index[...]
+            if not isinstance(idx, jax.core.Tracer) and int(idx) + q_len > max_len:
+                raise ValueError(
+                    f"{name}: cache overflow, index {int(idx)} + {q_len} new tokens > max_length "
+                    f"{max_len}"
+                )
+            qpos = idx + jnp.arange(q_len, dtype=jnp.int32)
+            if self.use_rope:
+                pos = qpos if positions is None else positions
+                q = apply_rotary_embedding(q, pos, base=self.rope_base)
+                k = apply_rotary_embedding(k, pos, base=self.rope_base)
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero,) * len(cbatch) + (idx, zero, zero)
+            k = lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
+            v = lax.dynamic_update_slice(self.cached_value[...], v.astype(ck.dtype), start)
+            self.cached_key[...] = k
+            self.cached_value[...] = v
+            self.cache_index[...] = idx + q_len
+            dmask = jnp.arange(max_len, dtype=jnp.int32)[None, :] <= qpos[:, None]  # (q, max_len)
+            dmask = jnp.broadcast_to(dmask, tuple(cbatch) + (1, q_len, max_len))
+            mask = dmask if mask is None else jnp.logical_and(mask.astype(bool), dmask)
+            is_causal = False  # folded into the decode mask
+        elif self.use_rope:
+            q = apply_rotary_embedding(q, positions, base=self.rope_base)
+            k = apply_rotary_embedding(
+                k, positions if k.shape[-3] == q_len else None, base=self.rope_base
+            )
+
+        det = self.deterministic if deterministic is None else deterministic
+        dropout_rng = None
+        if self.dropout_rate > 0.0:
+            if det is None:
+                raise ValueError(
+                    f"{name}: dropout_rate > 0 but deterministic is None; pass it or call "
+                    "model.train() / model.eval()"
+                )
+            if not det:
+                dropout_rng = draw_key(rngs, self.rngs, "dropout", name)
+        else:
+            det = True
+
+        kwargs = dict(
+            mask=mask,
+            is_causal=is_causal,
+            dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout,
+            deterministic=det,
+            dtype=self.dtype,
+            precision=self.precision,
+            module=self if sow_weights else None,
+        )
+        accepted = _accepted_kwargs(self.attention_fn)
+        if accepted is not None:
+            dropped = [
+                kname for kname, val in kwargs.items()
+                if kname not in accepted and _matters(kname, val)
+            ]
+            if dropped:
+                raise TypeError(
+                    f"{name}: attention_fn {getattr(self.attention_fn, '__name__', self.attention_fn)!r}"
+                    f" does not accept {dropped}, which this call needs"
+                )
+            kwargs = {kname: val for kname, val in kwargs.items() if kname in accepted}
+        x = self.attention_fn(q, k, v, **kwargs)
+        return self.out(x)
+
+
+def _matters(name: str, value: Any) -> bool:
+    """Whether dropping keyword ``name`` would change the result."""
+    if name in ("mask", "dropout_rng", "module"):
+        return value is not None
+    if name == "is_causal":
+        return bool(value)
+    return False

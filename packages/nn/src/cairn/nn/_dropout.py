@@ -1,0 +1,107 @@
+"""``Dropout``: zero each element with probability ``rate``, scale the rest by 1/(1-rate)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cairn.nn._module import Module
+from cairn.nn._rngs import RngStream, Rngs
+
+__all__ = ["Dropout"]
+
+
+class Dropout(Module):
+    """Inverted dropout (Srivastava et al. 2014).
+
+    Training: ``y = x * m / (1 - rate)`` with ``m ~ Bernoulli(1 - rate)`` drawn from the
+    ``rng_collection`` stream (``'dropout'``); ``broadcast_dims`` share one mask along those
+    axes. ``deterministic=True`` (set by ``model.eval()``) returns ``x`` unchanged.
+    The key comes from ``rngs`` passed to the call, else from the stream given to the
+    constructor.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> drop = nn.Dropout(0.5, rngs=nn.Rngs(dropout=0))
+    >>> y = drop(jnp.ones((1000,)))
+    >>> sorted(set(y.tolist()))
+    [0.0, 2.0]
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        *,
+        broadcast_dims: Sequence[int] = (),
+        deterministic: bool | None = False,
+        rng_collection: str = "dropout",
+        rngs: Rngs | RngStream | None = None,
+    ):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"Dropout rate must be in [0, 1], got {rate}")
+        self.rate = float(rate)
+        self.broadcast_dims = tuple(int(d) for d in broadcast_dims)
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
+        self.rngs = _own_stream(rngs, rng_collection, "Dropout")
+
+    def __call__(
+        self,
+        inputs: jax.Array,
+        *,
+        deterministic: bool | None = None,
+        rngs: Rngs | RngStream | jax.Array | None = None,
+    ) -> jax.Array:
+        det = self.deterministic if deterministic is None else deterministic
+        if det is None:
+            raise ValueError(
+                "Dropout: deterministic is None; pass it to __call__ or the constructor, or "
+                "call model.train() / model.eval()"
+            )
+        if det or self.rate == 0.0:
+            return inputs
+        if self.rate == 1.0:
+            return jnp.zeros_like(inputs)
+        key = draw_key(rngs, self.rngs, self.rng_collection, "Dropout")
+        keep = 1.0 - self.rate
+        shape = list(inputs.shape)
+        for d in self.broadcast_dims:
+            if not -inputs.ndim <= d < inputs.ndim:
+                raise ValueError(
+                    f"Dropout broadcast_dims {self.broadcast_dims} out of range for input of shape "
+                    f"{tuple(inputs.shape)}"
+                )
+            shape[d] = 1
+        mask = jax.random.bernoulli(key, keep, tuple(shape))
+        mask = jnp.broadcast_to(mask, inputs.shape)
+        return lax.select(mask, inputs / jnp.asarray(keep, inputs.dtype), jnp.zeros_like(inputs))
+
+
+def _own_stream(rngs, name: str, layer: str):
+    """The stream a layer keeps: a fork of ``rngs[name]`` (or of a given stream)."""
+    if rngs is None:
+        return None
+    if isinstance(rngs, Rngs):
+        return rngs[name].fork()
+    if isinstance(rngs, RngStream):
+        return rngs.fork()
+    raise TypeError(f"{layer}: rngs must be an Rngs, an RngStream or None, got {type(rngs).__name__}")
+
+
+def draw_key(rngs, own, name: str, layer: str) -> jax.Array:
+    """A fresh key from the call's ``rngs`` (Rngs, stream or key) or the layer's own stream."""
+    if rngs is not None:
+        if isinstance(rngs, Rngs):
+            return rngs[name]()
+        if isinstance(rngs, RngStream):
+            return rngs()
+        return rngs  # a raw key
+    if own is None:
+        raise ValueError(
+            f"{layer} needs a random key: pass rngs=nn.Rngs({name}=...) to the constructor or "
+            f"rngs=... to the call"
+        )
+    return own()

@@ -1,0 +1,90 @@
+"""Token embeddings: ``Embed`` with ``attend`` for a tied output projection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn.nn import initializers as _init
+from cairn.nn._module import Module
+from cairn.nn._rngs import Rngs
+from cairn.nn._linear import DType, Initializer, check_axis, check_input, make_param, promote_dtype
+
+__all__ = ["Embed"]
+
+default_embed_init = _init.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+
+
+class Embed(Module):
+    """A lookup table ``embedding[num_embeddings, features]``.
+
+    ``embed(ids)`` returns ``embedding[ids]`` with shape ``ids.shape + (features,)``;
+    ``embed.attend(h)`` returns ``h @ embedding.T`` (logits over the vocabulary), which
+    ties the input and output embeddings explicitly. Out-of-range ids raise an
+    ``IndexError`` when the ids are concrete (eager call); under ``jit`` they yield NaN
+    rows (``jnp.take(..., mode='fill')``).
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> emb = nn.Embed(10, 4, rngs=nn.Rngs(0))
+    >>> h = emb(jnp.array([[1, 2, 3]]))
+    >>> h.shape, emb.attend(h).shape
+    ((1, 3, 4), (1, 3, 10))
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        dtype: DType | None = None,
+        param_dtype: DType = jnp.float32,
+        embedding_init: Initializer = default_embed_init,
+        promote_dtype: Callable[..., Any] = promote_dtype,
+        rngs: Rngs,
+        embedding_metadata: Mapping[str, Any] = {},  # noqa: B006
+    ):
+        if num_embeddings < 1 or features < 1:
+            raise ValueError(
+                f"Embed needs positive num_embeddings/features, got {num_embeddings}, {features}"
+            )
+        self.num_embeddings = int(num_embeddings)
+        self.features = int(features)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.embedding_init = embedding_init
+        self.promote_dtype = promote_dtype
+        self.embedding = make_param(
+            embedding_init, rngs.params(), (self.num_embeddings, self.features), param_dtype,
+            embedding_metadata,
+        )
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not hasattr(inputs, "dtype"):
+            inputs = jnp.asarray(inputs)
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise TypeError(
+                f"Embed expected integer ids, got dtype {inputs.dtype} in input of shape "
+                f"{tuple(inputs.shape)}"
+            )
+        if not isinstance(inputs, jax.core.Tracer) and inputs.size:
+            arr = np.asarray(inputs)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(
+                    f"Embed ids must be in [0, {self.num_embeddings}), got values in [{lo}, {hi}] "
+                    f"in input of shape {tuple(inputs.shape)}"
+                )
+        (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+        return jnp.take(embedding, inputs, axis=0, mode="fill", fill_value=jnp.nan)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """Logits ``query @ embedding.T`` of shape ``query.shape[:-1] + (num_embeddings,)``."""
+        q = check_input(type(self).__name__ + ".attend", query)
+        check_axis(type(self).__name__ + ".attend", q, -1, self.features)
+        q, embedding = self.promote_dtype((q, self.embedding[...]), dtype=self.dtype)
+        return jnp.einsum("...f,vf->...v", q, embedding)

@@ -1,0 +1,377 @@
+"""Dense layers: ``Linear``, ``LinearGeneral``, ``Einsum``; dtype helpers shared by layers."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cairn.nn import initializers as _init
+from cairn.nn._module import Module
+from cairn.nn._rngs import Rngs
+from cairn.nn._variables import Param
+
+__all__ = ["Einsum", "Linear", "LinearGeneral", "canonicalize_dtype", "promote_dtype"]
+
+DType = Any
+Initializer = Callable[..., jax.Array]
+
+default_kernel_init = _init.lecun_normal()
+default_bias_init = _init.zeros
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def canonicalize_dtype(*args, dtype: DType | None = None, inexact: bool = True) -> DType:
+    """The dtype computations run in: ``dtype`` if given, else the promotion of ``args``.
+
+    ``None`` arguments are ignored. With ``inexact=True`` an integer result is promoted to
+    float32 (so integer inputs to a float layer compute in float).
+    """
+    if dtype is None:
+        arrays = [a for a in args if a is not None]
+        dtype = jnp.result_type(*arrays) if arrays else jnp.float32
+        if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(jnp.float32, dtype)
+    if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(f"computation dtype must be floating or complex, got {jnp.dtype(dtype)}")
+    return dtype
+
+
+def promote_dtype(args: Sequence[Any], /, *, dtype: DType | None = None, inexact: bool = True):
+    """Casts every non-``None`` array of ``args`` to one common dtype (see above)."""
+    dt = canonicalize_dtype(*args, dtype=dtype, inexact=inexact)
+    return type(args)(None if a is None else jnp.asarray(a, dt) for a in args)
+
+
+def check_input(layer: Module | str, x: Any, *, min_ndim: int = 1) -> jax.Array:
+    """Validates a layer input: an array of a numeric dtype with at least ``min_ndim`` axes."""
+    name = layer if isinstance(layer, str) else type(layer).__name__
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    dt = jnp.dtype(x.dtype)
+    if not (jnp.issubdtype(dt, jnp.number)):
+        raise TypeError(
+            f"{name} expected a numeric (float or int) input, got dtype {dt} in input of shape "
+            f"{tuple(x.shape)}"
+        )
+    if x.ndim < min_ndim:
+        raise ValueError(
+            f"{name} expected an input with at least {min_ndim} axes, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_axis(layer: Module | str, x: jax.Array, axis: int, expected: int, what="last axis"):
+    name = layer if isinstance(layer, str) else type(layer).__name__
+    if x.shape[axis] != expected:
+        raise ValueError(
+            f"{name} expected {what} {expected}, got {x.shape[axis]} in input of shape "
+            f"{tuple(x.shape)}"
+        )
+
+
+def to_tuple(x: int | Sequence[int], name: str = "value") -> tuple[int, ...]:
+    if isinstance(x, int):
+        return (x,)
+    try:
+        return tuple(int(v) for v in x)
+    except TypeError as e:
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {x!r}") from e
+
+
+def make_param(init: Initializer, key, shape, dtype, metadata: Mapping[str, Any]) -> Param:
+    return Param(init(key, shape, dtype), **dict(metadata))
+
+
+# --------------------------------------------------------------------------- Linear
+
+
+class Linear(Module):
+    """``y = x @ kernel + bias`` over the last axis.
+
+    Args:
+      in_features: size of the input's last axis.
+      out_features: size of the output's last axis.
+      use_bias: add a learned bias (zeros by default).
+      dtype: computation dtype (default: promotion of input and parameters).
+      param_dtype: dtype the parameters are stored in (float32).
+      precision: ``jax.lax.Precision`` for the matmul.
+      kernel_init, bias_init: initializers; the kernel has shape ``(in, out)``.
+      preferred_element_type: accumulation dtype passed to ``lax.dot_general``.
+      rngs: ``Rngs`` with a ``params`` stream.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> layer = nn.Linear(3, 4, rngs=nn.Rngs(0))
+    >>> layer(jnp.ones((2, 3))).shape
+    (2, 4)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: DType | None = None,
+        param_dtype: DType = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        dot_general: Callable[..., jax.Array] = lax.dot_general,
+        promote_dtype: Callable[..., Any] = promote_dtype,
+        preferred_element_type: DType | None = None,
+        rngs: Rngs,
+        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006 - read only
+        bias_metadata: Mapping[str, Any] = {},  # noqa: B006 - read only
+    ):
+        if in_features < 1 or out_features < 1:
+            raise ValueError(
+                f"Linear needs positive in_features/out_features, got {in_features}, {out_features}"
+            )
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.use_bias = bool(use_bias)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.kernel_init = kernel_init
+        self.bias_init = bias_init
+        self.dot_general = dot_general
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.kernel = make_param(
+            kernel_init, rngs.params(), (self.in_features, self.out_features), param_dtype,
+            kernel_metadata,
+        )
+        self.bias = (
+            make_param(bias_init, rngs.params(), (self.out_features,), param_dtype, bias_metadata)
+            if use_bias
+            else None
+        )
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        x = check_input(self, inputs)
+        check_axis(self, x, -1, self.in_features)
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        y = self.dot_general(
+            x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+        )
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+# --------------------------------------------------------------------------- LinearGeneral
+
+
+class LinearGeneral(Module):
+    """A dense layer contracting any set of input axes against a multi-axis kernel.
+
+    The kernel has shape ``(*batch_sizes, *in_features, *out_features)``. Input axes
+    ``axis`` (whose sizes must equal ``in_features``) are contracted, the leading
+    ``batch_axis`` axes are batch dims shared with the kernel, and the output is
+    ``(*batch, *free input axes, *out_features)``.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> qkv = nn.LinearGeneral(8, (2, 4), rngs=nn.Rngs(0))  # 8 -> 2 heads x 4
+    >>> qkv(jnp.ones((3, 5, 8))).shape
+    (3, 5, 2, 4)
+    """
+
+    def __init__(
+        self,
+        in_features: int | Sequence[int],
+        out_features: int | Sequence[int],
+        *,
+        axis: int | Sequence[int] = -1,
+        batch_axis: Mapping[int, int] = {},  # noqa: B006 - read only
+        use_bias: bool = True,
+        dtype: DType | None = None,
+        param_dtype: DType = jnp.float32,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        precision: Any = None,
+        promote_dtype: Callable[..., Any] = promote_dtype,
+        dot_general: Callable[..., jax.Array] | None = None,
+        preferred_element_type: DType | None = None,
+        rngs: Rngs,
+        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
+        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
+    ):
+        self.in_features = to_tuple(in_features, "in_features")
+        self.out_features = to_tuple(out_features, "out_features")
+        self.axis = to_tuple(axis, "axis")
+        if len(self.axis) != len(self.in_features):
+            raise ValueError(
+                f"LinearGeneral: axis {self.axis} and in_features {self.in_features} must have "
+                "the same length"
+            )
+        batch_axis = dict(batch_axis)
+        self.batch_axis = tuple(sorted((int(k), int(v)) for k, v in batch_axis.items()))
+        bdims = tuple(k for k, _ in self.batch_axis)
+        if bdims != tuple(range(len(bdims))):
+            raise ValueError(
+                f"LinearGeneral: batch_axis dims {bdims} must be the leading dims 0..n-1"
+            )
+        self.use_bias = bool(use_bias)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.kernel_init = kernel_init
+        self.bias_init = bias_init
+        self.promote_dtype = promote_dtype
+        self.dot_general = dot_general if dot_general is not None else lax.dot_general
+        self.preferred_element_type = preferred_element_type
+        batch_shape = tuple(v for _, v in self.batch_axis)
+        n_in, n_b = len(self.in_features), len(batch_shape)
+        kshape = batch_shape + self.in_features + self.out_features
+        # fans: treat the in dims as fan_in and the out dims as fan_out
+        flat = (math.prod(batch_shape), math.prod(self.in_features), math.prod(self.out_features))
+
+        def kinit(key, shape, dtype):
+            w = kernel_init(key, flat if n_b else flat[1:], dtype)
+            return jnp.reshape(w, shape)
+
+        del n_in
+        self.kernel = make_param(kinit, rngs.params(), kshape, param_dtype, kernel_metadata)
+        if use_bias:
+            bshape = batch_shape + self.out_features
+
+            def binit(key, shape, dtype):
+                b = bias_init(key, (flat[0], flat[2]) if n_b else (flat[2],), dtype)
+                return jnp.reshape(b, shape)
+
+            self.bias = make_param(binit, rngs.params(), bshape, param_dtype, bias_metadata)
+        else:
+            self.bias = None
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        x = check_input(self, inputs)
+        nd = x.ndim
+        axes = tuple(a % nd if -nd <= a < nd else None for a in self.axis)
+        if None in axes:
+            raise ValueError(
+                f"LinearGeneral axis {self.axis} out of range for input of shape {tuple(x.shape)}"
+            )
+        for a, f in zip(axes, self.in_features):
+            check_axis(self, x, a, f, what=f"axis {a} of size")
+        nb = len(self.batch_axis)
+        for b, size in self.batch_axis:
+            check_axis(self, x, b, size, what=f"batch axis {b} of size")
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        k_in = tuple(range(nb, nb + len(axes)))
+        k_b = tuple(range(nb))
+        y = self.dot_general(
+            x, kernel, ((axes, k_in), (tuple(range(nb)), k_b)), precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+        )
+        if bias is not None:
+            # bias (*batch, *out) broadcasts over the free input axes in the middle
+            n_free = y.ndim - nb - len(self.out_features)
+            bshape = bias.shape[:nb] + (1,) * n_free + bias.shape[nb:]
+            y = y + jnp.reshape(bias, bshape).astype(y.dtype)
+        return y
+
+
+# --------------------------------------------------------------------------- Einsum
+
+_EINSUM_RE = re.compile(r"^\s*([a-zA-Z.]*)\s*,\s*([a-zA-Z]*)\s*->\s*([a-zA-Z.]*)\s*$")
+
+
+class Einsum(Module):
+    """``y = einsum(einsum_str, x, kernel) + bias`` with a learned kernel.
+
+    ``einsum_str`` names the input first and the kernel second, e.g. ``'btd,dnh->btnh'``.
+    ``bias_shape`` (optional) must broadcast against the trailing output axes.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> layer = nn.Einsum('btd,dnh->btnh', (8, 2, 4), (2, 4), rngs=nn.Rngs(0))
+    >>> layer(jnp.ones((3, 5, 8))).shape
+    (3, 5, 2, 4)
+    """
+
+    def __init__(
+        self,
+        einsum_str: str,
+        kernel_shape: Sequence[int],
+        bias_shape: Sequence[int] | None = None,
+        *,
+        dtype: DType | None = None,
+        param_dtype: DType = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        promote_dtype: Callable[..., Any] = promote_dtype,
+        einsum_op: Callable[..., jax.Array] = jnp.einsum,
+        preferred_element_type: DType | None = None,
+        rngs: Rngs,
+        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
+        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
+    ):
+        m = _EINSUM_RE.match(einsum_str.replace(" ", ""))
+        if m is None:
+            raise ValueError(
+                f"Einsum: einsum_str must look like 'inputs,kernel->output' with two operands, "
+                f"got {einsum_str!r}"
+            )
+        self.kernel_shape = to_tuple(kernel_shape, "kernel_shape")
+        if len(m.group(2)) != len(self.kernel_shape):
+            raise ValueError(
+                f"Einsum: kernel subscripts {m.group(2)!r} have {len(m.group(2))} axes but "
+                f"kernel_shape is {self.kernel_shape}"
+            )
+        self.einsum_str = einsum_str.replace(" ", "")
+        self._in_spec = m.group(1)
+        self.bias_shape = None if bias_shape is None else to_tuple(bias_shape, "bias_shape")
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.kernel_init = kernel_init
+        self.bias_init = bias_init
+        self.promote_dtype = promote_dtype
+        self.einsum_op = einsum_op
+        self.preferred_element_type = preferred_element_type
+        self.kernel = make_param(
+            kernel_init, rngs.params(), self.kernel_shape, param_dtype, kernel_metadata
+        )
+        self.bias = (
+            make_param(bias_init, rngs.params(), self.bias_shape, param_dtype, bias_metadata)
+            if self.bias_shape is not None
+            else None
+        )
+
+    def __call__(self, inputs: jax.Array, einsum_str: str | None = None) -> jax.Array:
+        x = check_input(self, inputs)
+        spec = self._in_spec if einsum_str is None else einsum_str.split(",")[0].strip()
+        if "..." not in spec and x.ndim != len(spec):
+            raise ValueError(
+                f"Einsum expected an input with {len(spec)} axes for subscripts {spec!r}, got "
+                f"shape {tuple(x.shape)}"
+            )
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        kw = {}
+        if self.preferred_element_type is not None:
+            kw["preferred_element_type"] = self.preferred_element_type
+        y = self.einsum_op(
+            einsum_str or self.einsum_str, x, kernel, precision=self.precision, **kw
+        )
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
+        return y

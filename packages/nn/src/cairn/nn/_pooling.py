@@ -1,0 +1,113 @@
+"""Pooling over spatial windows: ``pool``, ``avg_pool``, ``max_pool``, ``min_pool``.
+
+Inputs are channels-last, ``(*batch, *spatial, features)`` with ``len(spatial) ==
+len(window_shape)``; an input with no batch axis (``ndim == len(window_shape) + 1``) is
+accepted too. ``padding`` is ``'VALID'``, ``'SAME'`` or a sequence of ``(low, high)``
+pairs, one per spatial axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["avg_pool", "max_pool", "min_pool", "pool"]
+
+Padding = str | Sequence[tuple[int, int]]
+
+
+def _check(name: str, inputs, window_shape, strides, padding):
+    window_shape = tuple(int(w) for w in window_shape)
+    nsp = len(window_shape)
+    if any(w < 1 for w in window_shape):
+        raise ValueError(f"{name}: window_shape must be positive, got {window_shape}")
+    strides = (1,) * nsp if strides is None else tuple(int(s) for s in strides)
+    if len(strides) != nsp:
+        raise ValueError(
+            f"{name}: strides {strides} must have one entry per window dim {window_shape}"
+        )
+    if inputs.ndim < nsp + 1:
+        raise ValueError(
+            f"{name}: input of shape {inputs.shape} needs at least {nsp + 1} dims "
+            f"(spatial {nsp} + features) for window_shape {window_shape}"
+        )
+    if not isinstance(padding, str):
+        padding = tuple((int(lo), int(hi)) for lo, hi in padding)
+        if len(padding) != nsp:
+            raise ValueError(
+                f"{name}: padding {padding} must have one (low, high) pair per spatial dim "
+                f"({nsp})"
+            )
+    elif padding.upper() not in ("SAME", "VALID"):
+        raise ValueError(f"{name}: padding must be 'SAME', 'VALID' or pairs, got {padding!r}")
+    else:
+        padding = padding.upper()
+    return window_shape, strides, padding
+
+
+def pool(
+    inputs: jax.Array,
+    init: Any,
+    reduce_fn: Callable[[Any, Any], Any],
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None,
+    padding: Padding,
+) -> jax.Array:
+    """Reduces each window with ``reduce_fn`` starting from ``init`` (``lax.reduce_window``).
+
+    Batch axes (all leading axes before the spatial ones) and the feature axis get a
+    window and stride of 1.
+    """
+    window_shape, strides, padding = _check("pool", inputs, window_shape, strides, padding)
+    nsp = len(window_shape)
+    nbatch = inputs.ndim - nsp - 1
+    dims = (1,) * nbatch + window_shape + (1,)
+    strd = (1,) * nbatch + strides + (1,)
+    if not isinstance(padding, str):
+        padding = ((0, 0),) * nbatch + padding + ((0, 0),)
+    return lax.reduce_window(inputs, init, reduce_fn, dims, strd, padding)
+
+
+def max_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> jax.Array:
+    """Maximum over each window; padded positions count as ``-inf``.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+    >>> max_pool(x, (2, 2), (2, 2))[0, :, :, 0].tolist()
+    [[5.0, 7.0], [13.0, 15.0]]
+    """
+    init = -jnp.inf if jnp.issubdtype(inputs.dtype, jnp.floating) else jnp.iinfo(inputs.dtype).min
+    return pool(inputs, jnp.asarray(init, inputs.dtype), lax.max, window_shape, strides, padding)
+
+
+def min_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> jax.Array:
+    """Minimum over each window; padded positions count as ``+inf``."""
+    init = jnp.inf if jnp.issubdtype(inputs.dtype, jnp.floating) else jnp.iinfo(inputs.dtype).max
+    return pool(inputs, jnp.asarray(init, inputs.dtype), lax.min, window_shape, strides, padding)
+
+
+def avg_pool(
+    inputs, window_shape, strides=None, padding: Padding = "VALID", count_include_pad: bool = True
+) -> jax.Array:
+    """Mean over each window.
+
+    With ``count_include_pad=True`` the divisor is always ``prod(window_shape)``; with
+    ``False`` it is the number of real (unpadded) elements in the window.
+    """
+    window_shape = tuple(int(w) for w in window_shape)
+    summed = pool(inputs, jnp.asarray(0, inputs.dtype), lax.add, window_shape, strides, padding)
+    if count_include_pad:
+        return summed / np.prod(window_shape).astype(np.float32).item()
+    ones_shape = (1,) * (inputs.ndim - len(window_shape) - 1) + inputs.shape[
+        inputs.ndim - len(window_shape) - 1 : -1
+    ] + (1,)
+    counts = pool(
+        jnp.ones(ones_shape, inputs.dtype), jnp.asarray(0, inputs.dtype), lax.add,
+        window_shape, strides, padding,
+    )
+    return summed / counts

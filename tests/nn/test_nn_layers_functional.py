@@ -1,0 +1,273 @@
+"""Initializers, pooling, activations and rotary embeddings against float64 NumPy.
+
+Tolerances: float32 results within rtol=atol=1e-5 of the float64 reference; bfloat16
+results within rtol=atol=2e-2 (8 mantissa bits) of the reference computed from the same
+bfloat16-rounded inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cairn import nn
+from cairn.nn import initializers as init
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+# --------------------------------------------------------------------------- initializers
+
+
+@pytest.mark.parametrize(
+    "fn, var",
+    [
+        (init.lecun_normal(), lambda fi, fo: 1 / fi),
+        (init.lecun_uniform(), lambda fi, fo: 1 / fi),
+        (init.glorot_normal(), lambda fi, fo: 2 / (fi + fo)),
+        (init.xavier_uniform(), lambda fi, fo: 2 / (fi + fo)),
+        (init.he_normal(), lambda fi, fo: 2 / fi),
+        (init.kaiming_uniform(), lambda fi, fo: 2 / fi),
+        (init.variance_scaling(3.0, "fan_out", "normal"), lambda fi, fo: 3 / fo),
+    ],
+)
+def test_variance_scaling_family_has_the_stated_variance(fn, var):
+    # conv kernel (3, 3, 40, 60): receptive field 9, fan_in 360, fan_out 540
+    w = np.asarray(fn(jax.random.key(0), (3, 3, 40, 60)), np.float64)
+    expected = var(360.0, 540.0)
+    assert abs(w.mean()) < 0.05 * math.sqrt(expected)
+    # 32,400 samples: the sample variance is within ~2% (4 sigma) of the true one
+    assert w.var() == pytest.approx(expected, rel=0.04)
+
+
+def test_uniform_variance_scaling_bounds():
+    w = np.asarray(init.lecun_uniform()(jax.random.key(1), (50, 20)))
+    lim = math.sqrt(3.0 / 50)
+    assert w.min() >= -lim and w.max() <= lim
+    tn = np.asarray(init.lecun_normal()(jax.random.key(1), (200, 20)))
+    # truncated at two (rescaled) standard deviations
+    assert np.abs(tn).max() <= 2 * math.sqrt(1 / 200) / 0.87962566 + 1e-6
+
+
+def test_simple_initializers():
+    key = jax.random.key(0)
+    assert np.all(np.asarray(init.zeros(key, (2, 3))) == 0)
+    assert np.all(np.asarray(init.ones(key, (2,), jnp.bfloat16)) == 1)
+    assert init.ones(key, (2,), jnp.bfloat16).dtype == jnp.bfloat16
+    assert np.all(np.asarray(init.constant(7.5)(key, (4,))) == 7.5)
+    n = np.asarray(init.normal(0.5)(key, (20000,)), np.float64)
+    assert n.std() == pytest.approx(0.5, rel=0.03)
+    u = np.asarray(init.uniform(2.0)(key, (20000,)), np.float64)
+    assert 0 <= u.min() and u.max() < 2.0 and u.mean() == pytest.approx(1.0, rel=0.03)
+    t = np.asarray(init.truncated_normal(1.0)(key, (20000,)))
+    assert np.abs(t).max() <= 2.0
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (3, 5, 8), (2, 2, 3, 12)])
+def test_orthogonal_columns_or_rows_are_orthonormal(shape):
+    w = np.asarray(init.orthogonal(scale=2.0)(jax.random.key(3), shape), np.float64)
+    m = w.reshape(-1, shape[-1])
+    if m.shape[0] >= m.shape[1]:
+        np.testing.assert_allclose(m.T @ m, 4.0 * np.eye(m.shape[1]), atol=1e-5)
+    else:
+        np.testing.assert_allclose(m @ m.T, 4.0 * np.eye(m.shape[0]), atol=1e-5)
+
+
+def test_delta_orthogonal_is_a_centred_orthogonal_tap():
+    w = np.asarray(init.delta_orthogonal()(jax.random.key(0), (3, 3, 4, 6)), np.float64)
+    centre = w[1, 1]
+    np.testing.assert_allclose(centre @ centre.T, np.eye(4), atol=1e-5)
+    w[1, 1] = 0
+    assert np.all(w == 0)
+    with pytest.raises(ValueError, match="in_features <= out_features"):
+        init.delta_orthogonal()(jax.random.key(0), (3, 3, 6, 4))
+    with pytest.raises(ValueError, match="3-, 4- or 5-D"):
+        init.delta_orthogonal()(jax.random.key(0), (6, 4))
+
+
+def test_initializer_errors():
+    with pytest.raises(ValueError, match="mode"):
+        init.variance_scaling(1.0, "fan_whatever", "normal")
+    with pytest.raises(ValueError, match="distribution"):
+        init.variance_scaling(1.0, "fan_in", "cauchy")
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        init.orthogonal()(jax.random.key(0), (5,))
+
+
+# --------------------------------------------------------------------------- pooling
+
+
+def np_pool(x, window, strides, padding, op, count_include_pad=True):
+    """Explicit loops over output positions (channels-last, leading batch axes)."""
+    x = f64(x)
+    nsp = len(window)
+    sp = x.shape[-nsp - 1 : -1]
+    strides = strides or (1,) * nsp
+    if padding == "VALID":
+        pads = [(0, 0)] * nsp
+    elif padding == "SAME":
+        pads = []
+        for n, w, s in zip(sp, window, strides):
+            out = -(-n // s)
+            total = max((out - 1) * s + w - n, 0)
+            pads.append((total // 2, total - total // 2))
+    else:
+        pads = list(padding)
+    outs = [(n + lo + hi - w) // s + 1 for n, w, s, (lo, hi) in zip(sp, window, strides, pads)]
+    res = np.zeros(x.shape[: -nsp - 1] + tuple(outs) + x.shape[-1:])
+    for o in itertools.product(*[range(v) for v in outs]):
+        vals, count = [], 0
+        for k in itertools.product(*[range(w) for w in window]):
+            idx = [oi * s + ki - lo for oi, s, ki, (lo, _) in zip(o, strides, k, pads)]
+            if all(0 <= i < n for i, n in zip(idx, sp)):
+                vals.append(x[(Ellipsis, *idx, slice(None))])
+                count += 1
+        stack = np.stack(vals)
+        if op == "max":
+            r = stack.max(0)
+        elif op == "min":
+            r = stack.min(0)
+        else:
+            r = stack.sum(0) / (math.prod(window) if count_include_pad else count)
+        res[(Ellipsis, *o, slice(None))] = r
+    return res
+
+
+POOL_CASES = [
+    ((2, 7, 3), (3,), (2,), "VALID"),
+    ((2, 7, 3), (3,), (2,), "SAME"),
+    ((2, 6, 5, 2), (2, 3), (1, 2), "SAME"),
+    ((1, 6, 5, 2), (3, 2), (2, 1), ((1, 1), (0, 1))),
+    ((2, 2, 4, 4, 4, 1), (2, 2, 2), (2, 2, 2), "VALID"),  # two batch axes, 3-D
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, window, strides, padding", POOL_CASES)
+def test_pools_match_numpy_loops(shape, window, strides, padding, dtype):
+    x = jax.random.normal(jax.random.key(0), shape).astype(dtype)
+    np.testing.assert_allclose(
+        f64(nn.max_pool(x, window, strides, padding)), np_pool(x, window, strides, padding, "max"),
+        **TOL[dtype],
+    )
+    np.testing.assert_allclose(
+        f64(nn.min_pool(x, window, strides, padding)), np_pool(x, window, strides, padding, "min"),
+        **TOL[dtype],
+    )
+    for cip in (True, False):
+        np.testing.assert_allclose(
+            f64(nn.avg_pool(x, window, strides, padding, count_include_pad=cip)),
+            np_pool(x, window, strides, padding, "avg", cip),
+            **TOL[dtype],
+        )
+
+
+def test_pool_generic_reduce_and_errors():
+    x = jnp.arange(12.0).reshape(1, 6, 2)
+    out = nn.pool(x, 0.0, jax.lax.add, (2,), (2,), "VALID")
+    np.testing.assert_allclose(out[0, :, 0], [2.0, 10.0, 18.0])
+    with pytest.raises(ValueError, match="strides"):
+        nn.max_pool(x, (2,), (1, 1))
+    with pytest.raises(ValueError, match="padding"):
+        nn.max_pool(x, (2,), padding="FULL")
+    with pytest.raises(ValueError, match="at least 3 dims"):
+        nn.max_pool(jnp.ones((4, 4)), (2, 2))
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def test_activations_are_the_jax_functions_and_behave():
+    x = jnp.linspace(-3, 3, 13)
+    xn = f64(x)
+    np.testing.assert_allclose(f64(nn.relu(x)), np.maximum(xn, 0), atol=1e-6)
+    np.testing.assert_allclose(f64(nn.sigmoid(x)), 1 / (1 + np.exp(-xn)), atol=1e-6)
+    np.testing.assert_allclose(f64(nn.silu(x)), xn / (1 + np.exp(-xn)), atol=1e-6)
+    np.testing.assert_allclose(f64(nn.swish(x)), f64(nn.silu(x)))
+    np.testing.assert_allclose(f64(nn.tanh(x)), np.tanh(xn), atol=1e-6)
+    np.testing.assert_allclose(f64(nn.softplus(x)), np.log1p(np.exp(xn)), atol=1e-6)
+    np.testing.assert_allclose(f64(nn.elu(x)), np.where(xn > 0, xn, np.expm1(xn)), atol=1e-6)
+    np.testing.assert_allclose(f64(nn.leaky_relu(x, 0.1)), np.where(xn > 0, xn, 0.1 * xn), atol=1e-6)
+    from scipy.special import erf
+
+    np.testing.assert_allclose(
+        f64(nn.gelu(x, approximate=False)), 0.5 * xn * (1 + erf(xn / np.sqrt(2))), atol=1e-6
+    )
+    sm = np.exp(xn - xn.max()) / np.exp(xn - xn.max()).sum()
+    np.testing.assert_allclose(f64(nn.softmax(x)), sm, atol=1e-6)
+    np.testing.assert_allclose(f64(nn.log_softmax(x)), np.log(sm), atol=1e-5)
+    a, b = np.split(f64(jnp.arange(8.0)), 2)
+    np.testing.assert_allclose(f64(nn.glu(jnp.arange(8.0))), a / (1 + np.exp(-b)), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(nn.one_hot(jnp.array([0, 2]), 3)), [[1, 0, 0], [0, 0, 1]])
+    s = f64(nn.standardize(x))
+    assert abs(s.mean()) < 1e-6 and s.std() == pytest.approx(1.0, rel=1e-4)
+    assert nn.relu is jax.nn.relu and nn.gelu is jax.nn.gelu
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def np_rope(x, pos, base=10000.0, rotary_dim=None, interleaved=False):
+    x = f64(x)
+    d = x.shape[-1]
+    rd = rotary_dim or d
+    out = x.copy()
+    for i in range(rd // 2):
+        theta = base ** (-2.0 * i / rd)
+        ang = np.asarray(pos, np.float64)[..., :, None] * theta  # (..., L, 1) over heads
+        c, s = np.cos(ang), np.sin(ang)
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + rd // 2)
+        out[..., a] = x[..., a] * c - x[..., b] * s
+        out[..., b] = x[..., b] * c + x[..., a] * s
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+def test_rope_matches_numpy(dtype, interleaved, rotary_dim):
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, 8)).astype(dtype)
+    pos = jnp.array([[0, 1, 2, 3, 4], [7, 9, 11, 13, 15]])
+    got = nn.apply_rotary_embedding(x, pos, rotary_dim=rotary_dim, interleaved=interleaved)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(
+        f64(got), np_rope(x, pos, rotary_dim=rotary_dim, interleaved=interleaved), **TOL[dtype]
+    )
+    mod = nn.RotaryEmbedding(8, rotary_dim=rotary_dim, interleaved=interleaved)
+    np.testing.assert_allclose(f64(mod(x, pos)), f64(got))
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(0, 500))
+def test_rope_scores_depend_only_on_relative_position(m, n, shift):
+    kq, kk = jax.random.split(jax.random.key(m * 1000 + n))
+    q = jax.random.normal(kq, (1, 1, 1, 16))
+    k = jax.random.normal(kk, (1, 1, 1, 16))
+
+    def score(pq, pk):
+        rq = nn.apply_rotary_embedding(q, jnp.array([pq]))
+        rk = nn.apply_rotary_embedding(k, jnp.array([pk]))
+        return float(jnp.sum(rq * rk))
+
+    assert score(m, n) == pytest.approx(score(m + shift, n + shift), abs=2e-3)
+
+
+def test_rope_errors():
+    with pytest.raises(ValueError, match="rotary_dim"):
+        nn.apply_rotary_embedding(jnp.ones((1, 2, 1, 6)), rotary_dim=3)
+    with pytest.raises(ValueError, match="positions"):
+        nn.apply_rotary_embedding(jnp.ones((1, 2, 1, 6)), jnp.arange(3))
+    with pytest.raises(ValueError, match="expected last axis 8"):
+        nn.RotaryEmbedding(8)(jnp.ones((1, 2, 1, 6)))
