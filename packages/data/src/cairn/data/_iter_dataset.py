@@ -129,9 +129,9 @@ class DatasetIterator:
             x = self._next()
         finally:
             self._stats.time += time.perf_counter() - t0
-        self._stats.count += 1
         if self._checker is not None:
             self._checker.check(x)
+        self._stats.count += 1
         return x
 
     def _next(self) -> Any:
