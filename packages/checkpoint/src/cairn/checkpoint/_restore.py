@@ -16,6 +16,9 @@ from cairn.core_array import ArraySpec, as_numpy_dtype, flatten_with_paths, path
 from . import _fs, _storage, _tree
 from ._errors import CheckpointError, TargetMismatchError
 
+#: Upper bound on bytes of reads outstanding at once (one larger buffer may exceed it).
+READ_WINDOW_BYTES = 48 * 1024 * 1024
+
 
 @dataclass(frozen=True)
 class LeafMetadata:
@@ -275,6 +278,7 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
         srcs = sources(path, [b[0] for b in bufs])
         jobs.append((path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs))
 
+    _prefetch(directory, regions, jobs)
     opened = {}
     for key, fut in stores.items():
         try:
@@ -282,22 +286,35 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
         except Exception as err:  # noqa: BLE001
             raise _storage.translate_error(err, key[1]) from err
 
-    futures = []
-    for path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs in jobs:
-        sd = e["storage_dtype"]
+    # Reads are issued in order with at most READ_WINDOW_BYTES outstanding: TensorStore
+    # holds each chunk's file bytes until decoded into its buffer, so an unbounded burst would
+    # cost memory proportional to the whole checkpoint.
+    pending: list[tuple[str, Any, int]] = []
+    in_flight = 0
+
+    def drain(limit: int) -> None:
+        nonlocal in_flight
+        while pending and in_flight > limit:
+            path, fut, nbytes = pending.pop(0)
+            try:
+                fut.result()
+            except Exception as err:  # noqa: BLE001
+                raise _storage.translate_error(err, path) from err
+            in_flight -= nbytes
+
+    for job in jobs:
+        path, sd, bufs, srcs = job[0], job[1]["storage_dtype"], job[7], job[8]
+        src = [(opened[k], saved) for k, saved in srcs]
         for reg, _devs, buf in bufs:
             if buf.size == 0:
                 continue
-            out = _storage.to_storage(buf, sd)
-            src = [(opened[k], saved) for k, saved in srcs]
-            futures.extend((path, f) for f in _storage.read_into(out, reg, src, path))
-    for path, fut in futures:
-        try:
-            fut.result()
-        except Exception as err:  # noqa: BLE001
-            raise _storage.translate_error(err, path) from err
+            for fut in _storage.read_into(_storage.to_storage(buf, sd), reg, src, path):
+                drain(max(0, READ_WINDOW_BYTES - buf.nbytes))
+                pending.append((path, fut, buf.nbytes))
+                in_flight += buf.nbytes
+    drain(0)
 
-    for path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs in jobs:
+    for path, _e, kind, shape, saved_dtype, out_dtype, sharding, bufs, _srcs in jobs:
         if out_dtype != saved_dtype:
             bufs = [(r, d, _cast_aligned(b, out_dtype)) for r, d, b in bufs]
         if kind == "jax":
@@ -317,6 +334,33 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
         else:
             results[path] = bufs[0][2]
     return results
+
+
+def _prefetch(directory: str, regions: list[dict], jobs: list) -> None:
+    """Ask the kernel to read ahead a process database's files when we need most of it.
+
+    TensorStore issues one positioned read per chunk; a WILLNEED hint lets the disk stream
+    the files at full speed meanwhile. Skipped for small partial restores.
+    """
+    needed = sum(b[2].nbytes for job in jobs for b in job[7])
+    for i, reg in enumerate(regions):
+        saved = 0
+        for _path, rs in reg.items():
+            saved += sum(_storage.volume(r) for r in rs)
+        if saved == 0 or needed < saved // 4:
+            continue
+        data = os.path.join(_storage.db_dir(directory, i), "d")
+        if not os.path.isdir(data):
+            continue
+        for name in os.listdir(data):
+            try:
+                fd = os.open(os.path.join(data, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
 
 def _cast_aligned(buf: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._errors import ChecksumError, CheckpointError
+from ._errors import CheckpointError, ChecksumError
 
 #: Chunks are at most this many bytes: big enough for disk-speed I/O with little per-chunk
 #: overhead, small enough that a reader needing part of an array does not read much more.

@@ -162,7 +162,7 @@ def write(snap: Snapshot, directory: str, *, compression: str | None, extra: dic
     for path, region, host in snap.writes:
         by_path.setdefault(path, []).append((region, host))
     opened = {}
-    for path, items in by_path.items():
+    for path in by_path:
         e = snap.leaves[path]
         shape = e["spec"]["shape"]
         opened[path] = _storage.open_for_write(
