@@ -1,5 +1,72 @@
 """cairn.optim: chainable gradient transformations, schedules and losses."""
 
+from cairn.optim import _tree as tree
+from cairn.optim._alias import (
+    adabelief,
+    adadelta,
+    adafactor,
+    adagrad,
+    adam,
+    adamax,
+    adamaxw,
+    adamw,
+    amsgrad,
+    fromage,
+    lamb,
+    lars,
+    lion,
+    nadam,
+    nadamw,
+    noisy_sgd,
+    novograd,
+    radam,
+    rmsprop,
+    rprop,
+    sgd,
+    sign_sgd,
+    signum,
+    sm3,
+    yogi,
+)
+from cairn.optim._base import (
+    EmptyState,
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    apply_updates,
+    chain,
+    global_norm,
+    identity,
+    incremental_update,
+    named_chain,
+    periodic_update,
+    set_to_zero,
+    stateless,
+    stateless_with_tree_map,
+)
+from cairn.optim._combine import (
+    InjectHyperparamsState,
+    MaskedState,
+    PartitionState,
+    flatten,
+    freeze,
+    get_hyperparams,
+    inject_hyperparams,
+    masked,
+    multi_transform,
+    partition,
+    set_hyperparams,
+)
+from cairn.optim._leafwise import (
+    adaptive_grad_clip,
+    centralize,
+    clip_by_block_rms,
+    scale_by_factored_rms,
+    scale_by_novograd,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+    scale_by_sm3,
+    scale_by_trust_ratio,
+)
 from cairn.optim._losses import (
     convex_kl_divergence,
     cosine_distance,
@@ -21,6 +88,14 @@ from cairn.optim._losses import (
     squared_error,
     triplet_margin_loss,
 )
+from cairn.optim._muon import muon, orthogonalize_via_newton_schulz, scale_by_muon
+from cairn.optim._packing import Packed, layout_of, pack, unpack
+from cairn.optim._schedule_free import (
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 from cairn.optim._schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -37,8 +112,73 @@ from cairn.optim._schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from cairn.optim._shampoo import matrix_inverse_root, scale_by_shampoo, shampoo
+from cairn.optim._transforms import (
+    AddDecayedWeightsState,
+    ScaleByAdamState,
+    ScaleByLearningRateState,
+    add_decayed_weights,
+    add_noise,
+    clip,
+    clip_by_global_norm,
+    ema,
+    scale,
+    scale_by_adadelta,
+    scale_by_adam,
+    scale_by_adamax,
+    scale_by_amsgrad,
+    scale_by_belief,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_radam,
+    scale_by_rms,
+    scale_by_rprop,
+    scale_by_rss,
+    scale_by_schedule,
+    scale_by_sign,
+    scale_by_stddev,
+    scale_by_yogi,
+    trace,
+    zero_nans,
+)
+from cairn.optim._wrappers import (
+    ApplyIfFiniteState,
+    LookaheadParams,
+    LookaheadState,
+    MultiSteps,
+    MultiStepsState,
+    apply_every,
+    apply_if_finite,
+    lookahead,
+    skip_not_finite,
+)
 
 __all__ = [
+    # core
+    "GradientTransformation", "GradientTransformationExtraArgs", "EmptyState", "chain",
+    "named_chain", "partition", "multi_transform", "masked", "freeze", "identity",
+    "set_to_zero", "stateless", "stateless_with_tree_map", "apply_updates",
+    "incremental_update", "periodic_update", "global_norm", "tree", "flatten",
+    "inject_hyperparams", "get_hyperparams", "set_hyperparams", "InjectHyperparamsState",
+    "PartitionState", "MaskedState", "Packed", "pack", "unpack", "layout_of",
+    # transforms
+    "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam", "scale_by_amsgrad",
+    "scale_by_adamax", "scale_by_rms", "scale_by_stddev", "scale_by_belief", "scale_by_radam",
+    "scale_by_yogi", "scale_by_lion", "scale_by_factored_rms", "scale_by_trust_ratio",
+    "scale_by_sign", "scale_by_novograd", "scale_by_sm3", "scale_by_rss", "scale_by_adadelta",
+    "scale_by_rprop", "scale_by_param_block_rms", "scale_by_param_block_norm",
+    "scale_by_muon", "scale_by_shampoo", "add_decayed_weights", "add_noise", "trace", "ema",
+    "clip", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "centralize",
+    "zero_nans", "apply_if_finite", "skip_not_finite", "apply_every", "MultiSteps",
+    "MultiStepsState", "lookahead", "LookaheadParams", "LookaheadState", "ApplyIfFiniteState",
+    "ScaleByAdamState", "ScaleByLearningRateState", "AddDecayedWeightsState",
+    "orthogonalize_via_newton_schulz", "matrix_inverse_root",
+    # optimizers
+    "sgd", "adam", "adamw", "nadam", "nadamw", "adamax", "adamaxw", "amsgrad", "adagrad",
+    "adadelta", "adafactor", "adabelief", "lamb", "lars", "lion", "novograd", "radam",
+    "rmsprop", "rprop", "sm3", "yogi", "fromage", "noisy_sgd", "sign_sgd", "signum", "muon",
+    "shampoo", "schedule_free", "schedule_free_adamw", "schedule_free_sgd",
+    "schedule_free_eval_params",
     # schedules
     "constant_schedule",
     "linear_schedule",

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from cairn.core_array import tree_paths
 
+from cairn.core_array import tree_paths
 from cairn.optim import _packing as pk
 from cairn.optim._packing import Packed
 
@@ -189,13 +189,25 @@ def identity() -> GradientTransformation:
     return packed_transformation(lambda layout, params: EmptyState(), update, name="identity")
 
 
+class _ZeroUpdate(PackedUpdate):
+    """Update of :func:`set_to_zero`; partition/freeze recognise it and skip all work."""
+
+    __slots__ = ()
+    _cairn_zero = True
+
+    def __call__(self, updates, state, params=None, **extra):
+        if isinstance(updates, Packed):
+            return updates.map(jnp.zeros_like), state
+        return jax.tree.map(jnp.zeros_like, updates), state
+
+
 def set_to_zero() -> GradientTransformation:
     """Replace updates by zeros (frozen parameters): :math:`u \\leftarrow 0`."""
 
     def update(u, state, p=None, **extra):
         return u.map(jnp.zeros_like), state
 
-    return packed_transformation(lambda layout, params: EmptyState(), update, name="set_to_zero")
+    return GradientTransformation(init_empty_state, _ZeroUpdate(update, False, "set_to_zero"))
 
 
 def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:

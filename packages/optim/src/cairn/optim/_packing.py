@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from cairn.core_array import tree_paths
 
 __all__ = ["Layout", "Packed", "layout_of", "pack", "unpack", "is_packed"]
@@ -95,7 +96,7 @@ def layout_of(tree, *, use_sharding: bool = True) -> Layout:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     paths = tuple(tree_paths(tree))
     shapes, dtypes, keys = [], [], []
-    for path, x in zip(paths, leaves):
+    for x in leaves:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             x = jnp.asarray(x)
         shapes.append(tuple(int(d) for d in x.shape))

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+
 from cairn.core_array import path_matches, tree_paths
 
 __all__ = ["resolve_per_leaf", "is_rules"]

@@ -157,6 +157,17 @@ def _float_count(count: jax.Array) -> jax.Array:
     return count * 1.0
 
 
+def _exact_ends(elapsed, steps, init_value, end_value, value):
+    """``init_value`` before and ``end_value`` after the transition, exactly.
+
+    Inside it, ``end + (init - end) * r`` loses the low bits of the smaller
+    endpoint when they differ in magnitude; the endpoints themselves are
+    returned untouched (a select, not a Python branch).
+    """
+    value = jnp.where(elapsed <= 0, init_value, value)
+    return jnp.where(elapsed >= steps, end_value, value)
+
+
 # --------------------------------------------------------------------------- #
 # Schedules.
 # --------------------------------------------------------------------------- #
@@ -233,8 +244,12 @@ def polynomial_schedule(
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
         t = _float_count(_count(count))
         elapsed = jnp.clip(t - transition_begin, 0, transition_steps)
-        remaining = 1.0 - elapsed / transition_steps
-        return (init_value - end_value) * remaining**power + end_value
+        # (T - elapsed) / T rather than 1 - elapsed / T: XLA turns the division
+        # into a multiplication by 1/T, and the latter form then misses 0 at
+        # the end of the transition (which matters for power < 1).
+        remaining = (transition_steps - elapsed) / transition_steps
+        value = (init_value - end_value) * remaining**power + end_value
+        return _exact_ends(elapsed, transition_steps, init_value, end_value, value)
 
     return schedule
 
@@ -268,8 +283,10 @@ def linear_schedule(
 
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
         t = _float_count(_count(count))
-        frac = jnp.clip(t - transition_begin, 0, transition_steps) / transition_steps
-        return init_value + (end_value - init_value) * frac
+        elapsed = jnp.clip(t - transition_begin, 0, transition_steps)
+        remaining = (transition_steps - elapsed) / transition_steps
+        value = end_value + (init_value - end_value) * remaining
+        return _exact_ends(elapsed, transition_steps, init_value, end_value, value)
 
     return schedule
 

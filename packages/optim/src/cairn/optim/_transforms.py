@@ -40,6 +40,10 @@ def safe_increment(count):
     return jnp.where(count < _I32_MAX, count + 1, _I32_MAX).astype(jnp.int32)
 
 
+def _is_python_number(x) -> bool:
+    return isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
+
+
 def _dt(dtype):
     return None if dtype is None else jnp.dtype(dtype)
 
@@ -118,8 +122,10 @@ def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True):
     def update(u, state, p=None, **extra):
         if callable(learning_rate):
             lr = eval_schedule("learning_rate", learning_rate, state.count)
-        else:
+        elif _is_python_number(learning_rate):
             lr = state.learning_rate
+        else:  # a traced value (e.g. from inject_hyperparams) wins over the stored one
+            lr = jnp.asarray(learning_rate, jnp.float32)
         out = u.map(lambda g: g * (sign * lr).astype(g.dtype))
         return out, ScaleByLearningRateState(safe_increment(state.count), lr)
 
@@ -662,8 +668,10 @@ def add_decayed_weights(weight_decay=0.0, mask=None):
             raise ValueError("add_decayed_weights needs `params` in update(updates, state, params)")
         if callable(weight_decay):
             wd = eval_schedule("weight_decay", weight_decay, state.count)
-        else:
+        elif _is_python_number(weight_decay):
             wd = state.weight_decay
+        else:
+            wd = jnp.asarray(weight_decay, jnp.float32)
         bools = leaf_mask(mask, u.layout) if mask is not None else None
         outs = []
         for gi, (g, w) in enumerate(zip(u.buffers, p.buffers)):

@@ -1,0 +1,114 @@
+"""Muon: momentum orthogonalised by Newton–Schulz iterations, with an Adam fallback."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cairn.optim import _transforms as tr
+from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
+from cairn.optim._combine import partition
+
+__all__ = ["muon", "scale_by_muon", "orthogonalize_via_newton_schulz", "MuonState"]
+
+_DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize_via_newton_schulz(x, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5,
+                                    eps=1e-8):
+    """Approximate :math:`UV^T` of a matrix :math:`G = USV^T`.
+
+    :math:`X_0 = G/(\\|G\\|_F+\\epsilon)`, then ``ns_steps`` times
+    :math:`X \\leftarrow aX + (bA + cA^2)X` with :math:`A = XX^T` (on the wide orientation).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"Newton-Schulz orthogonalisation needs a matrix, got shape {x.shape}")
+    a, b, c = ns_coeffs
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / (jnp.linalg.norm(x) + eps)
+    for _ in range(int(ns_steps)):
+        A = x @ x.T
+        B = b * A + c * (A @ A)
+        x = a * x + B @ x
+    return x.T if transposed else x
+
+
+class MuonState(NamedTuple):
+    count: jax.Array
+    mu: object
+
+
+def scale_by_muon(ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, eps=1e-8,
+                  mu_dtype=None, *, nesterov: bool = True):
+    """Muon direction for matrices: :math:`m_t = \\beta m_{t-1} + (1-\\beta)g_t`, (Nesterov)
+    bias-corrected :math:`\\hat m_t`, :math:`u = \\mathrm{NS}(\\hat m_t)\\sqrt{\\max(1, n_{out}/n_{in})}`
+    for a ``(n_in, n_out)`` matrix."""
+
+    def init(params):
+        return MuonState(jnp.zeros([], jnp.int32),
+                         jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params))
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        count = tr.safe_increment(state.count)
+        mu = jax.tree.map(lambda g, m: (1 - beta) * g + beta * m, updates, state.mu)
+        if nesterov:
+            mu_hat = jax.tree.map(
+                lambda m, g: beta * m / (1 - beta ** tr.safe_increment(count))
+                + (1 - beta) * g / (1 - beta ** count), mu, updates)
+        else:
+            mu_hat = jax.tree.map(lambda m: m / (1 - beta ** count), mu)
+
+        def per(m, g):
+            o = orthogonalize_via_newton_schulz(m, ns_coeffs, ns_steps, eps)
+            fan_in, fan_out = m.shape
+            return (o * jnp.sqrt(jnp.maximum(1.0, fan_out / fan_in))).astype(g.dtype)
+
+        out = jax.tree.map(per, mu_hat, updates)
+        mu = jax.tree.map(lambda m, m0: m.astype(m0.dtype), mu, state.mu)
+        return out, MuonState(count, mu)
+
+    return GradientTransformation(init, update)
+
+
+def muon(learning_rate, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, eps=1e-8,
+         weight_decay=0.0, weight_decay_mask=None, mu_dtype=None, *, nesterov: bool = True,
+         adam_b1=0.9, adam_b2=0.999, adam_eps_root=0.0, adam_weight_decay=0.0,
+         adam_learning_rate=None, nu_dtype=None):
+    """Muon for 2-D parameters, AdamW for the rest (chosen by ``ndim == 2``).
+
+    Matrices: :math:`u = -\\eta(\\mathrm{muon}(g) + \\lambda\\theta)`; others:
+    :math:`u = -\\eta_{adam}(\\mathrm{adam}(g) + \\lambda_{adam}\\theta)`.
+    """
+    check_scalar("learning_rate", learning_rate)
+    adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
+
+    def labels(params):
+        return jax.tree.map(lambda p: "muon" if jnp.ndim(p) == 2 else "adam", params)
+
+    muon_tx = chain(scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov),
+                    tr.add_decayed_weights(weight_decay, weight_decay_mask),
+                    tr.scale_by_learning_rate(learning_rate))
+    adam_tx = chain(tr.scale_by_adam(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype,
+                                     nu_dtype=nu_dtype),
+                    tr.add_decayed_weights(adam_weight_decay),
+                    tr.scale_by_learning_rate(adam_lr))
+    inner = partition({"muon": muon_tx, "adam": adam_tx}, labels)
+
+    def init(params):
+        labs = jax.tree_util.tree_leaves(labels(params))
+        used = {k: tx for k, tx in (("muon", muon_tx), ("adam", adam_tx)) if k in labs}
+        return partition(used, labels).init(params)
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        labs = jax.tree_util.tree_leaves(labels(updates))
+        used = {k: tx for k, tx in (("muon", muon_tx), ("adam", adam_tx)) if k in labs}
+        return partition(used, labels).update(updates, state, params, **extra)
+
+    del inner
+    return GradientTransformation(init, update)

@@ -1,0 +1,104 @@
+"""Schedule-free optimisation (Defazio et al. 2024)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cairn.optim import _transforms as tr
+from cairn.optim._alias import sgd
+from cairn.optim._base import GradientTransformation, call_update, chain, check_scalar, mark_extra
+
+__all__ = ["schedule_free", "schedule_free_adamw", "schedule_free_sgd",
+           "schedule_free_eval_params", "ScheduleFreeState"]
+
+
+class ScheduleFreeState(NamedTuple):
+    b1: jax.Array
+    weight_sum: jax.Array
+    step_count: jax.Array
+    max_lr: jax.Array
+    base_optimizer_state: Any
+    z: Any
+
+
+def _warmup(learning_rate, warmup_steps):
+    if warmup_steps is None:
+        return learning_rate
+
+    def sched(step):
+        frac = jnp.clip(jnp.asarray(step, jnp.float32) / warmup_steps, 0.0, 1.0)
+        return frac * learning_rate
+
+    return sched
+
+
+def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
+                  weight_lr_power=2.0, state_dtype=None):
+    """Wrap ``base_optimizer`` (which moves :math:`z`) in the schedule-free averaging.
+
+    :math:`z_{t+1} = z_t + \\mathrm{base}(g_t)`, :math:`c_{t+1} = \\gamma_{max}^p/\\sum_{i\\le t+1}
+    \\gamma_{max,i}^p`, :math:`x_{t+1} = (1-c_{t+1})x_t + c_{t+1}z_{t+1}` and the returned params
+    are :math:`y_{t+1} = \\beta_1 x_{t+1} + (1-\\beta_1) z_{t+1}` (as an update ``y_{t+1}-y_t``).
+    """
+
+    def init(params):
+        leaves = jax.tree_util.tree_leaves(params)
+        pdt = min((x.dtype for x in leaves), key=lambda d: jnp.dtype(d).itemsize,
+                  default=jnp.float32)
+        z = jax.tree.map(lambda t: jnp.array(t, dtype=state_dtype or t.dtype, copy=True), params)
+        return ScheduleFreeState(jnp.asarray(b1, pdt), jnp.zeros([], pdt),
+                                 jnp.ones([], jnp.int32), jnp.zeros([], pdt),
+                                 base_optimizer.init(params), z)
+
+    @mark_extra
+    def update(grads, state, params=None, **extra):
+        if params is None:
+            raise ValueError("schedule_free needs `params` in update(updates, state, params)")
+        lr = learning_rate
+        if callable(learning_rate):
+            lr = jnp.asarray(learning_rate(state.step_count), state.max_lr.dtype)
+        max_lr = jnp.maximum(state.max_lr, lr)
+        weight = max_lr ** weight_lr_power
+        total = state.weight_sum + weight
+        ck = jnp.where(jnp.isnan(weight) | jnp.isnan(total), jnp.full(weight.shape, jnp.nan),
+                       jnp.nan_to_num(weight / total, nan=0.0, posinf=jnp.inf))
+        base_u, base_s = call_update(base_optimizer, grads, state.base_optimizer_state, params,
+                                     extra)
+        z = jax.tree.map(lambda zi, ui: (zi + ui).astype(zi.dtype), state.z, base_u)
+        prev_x = jax.tree.map(lambda yi, zi: (yi - (1.0 - b1) * zi) / b1, params, state.z)
+        x = jax.tree.map(lambda xi, zi: (1.0 - ck) * xi + ck * zi, prev_x, z)
+        new_p = jax.tree.map(lambda xi, zi: b1 * xi + (1.0 - b1) * zi, x, z)
+        upd = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_p, params)
+        return upd, ScheduleFreeState(state.b1, total, tr.safe_increment(state.step_count),
+                                      max_lr, base_s, z)
+
+    return GradientTransformation(init, update)
+
+
+def schedule_free_eval_params(state: ScheduleFreeState, params):
+    """The averaged iterate :math:`x = (y - (1-\\beta_1) z)/\\beta_1` to evaluate with."""
+    return jax.tree.map(lambda yi, zi: (yi - (1.0 - state.b1) * zi) / state.b1, params, state.z)
+
+
+def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay=None,
+                      weight_lr_power=2.0, state_dtype=None):
+    """Schedule-free SGD (base: SGD with optional decay), optional linear warmup."""
+    check_scalar("learning_rate", learning_rate)
+    lr = _warmup(learning_rate, warmup_steps)
+    base = sgd(lr)
+    if weight_decay is not None:
+        base = chain(tr.add_decayed_weights(weight_decay), base)
+    return schedule_free(base, lr, b1, weight_lr_power, state_dtype)
+
+
+def schedule_free_adamw(learning_rate=0.0025, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
+                        weight_decay=0.0, weight_lr_power=2.0, state_dtype=None):
+    """Schedule-free AdamW (base: bias-corrected RMS scaling, decay, learning rate)."""
+    check_scalar("learning_rate", learning_rate)
+    lr = _warmup(learning_rate, warmup_steps)
+    base = chain(tr.scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
+                 tr.add_decayed_weights(weight_decay), tr.scale_by_learning_rate(lr))
+    return schedule_free(base, lr, b1, weight_lr_power, state_dtype)

@@ -1,0 +1,150 @@
+"""Blocked Shampoo with RMSProp grafting (Gupta et al. 2018; Anil et al. 2020)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cairn.optim import _transforms as tr
+from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
+
+__all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
+
+
+def matrix_inverse_root(a, p: int = 4, eps=1e-6):
+    """:math:`(A + \\epsilon\\,\\lambda_{max} I)^{-1/p}` of a symmetric PSD matrix (batched),
+    computed in float32 by an eigendecomposition; eigenvalues are floored at the ridge."""
+    a = a.astype(jnp.float32)
+    a = 0.5 * (a + jnp.swapaxes(a, -1, -2))
+    w, v = jnp.linalg.eigh(a)
+    lam_max = jnp.maximum(jnp.max(w, axis=-1, keepdims=True), 1e-30)
+    ridge = eps * lam_max
+    w = jnp.maximum(w, 0.0) + ridge
+    return (v * w[..., None, :] ** (-1.0 / p)) @ jnp.swapaxes(v, -1, -2)
+
+
+def _as_matrix(shape):
+    if len(shape) < 2:
+        return None
+    return (math.prod(shape[:-1]), shape[-1])
+
+
+def _blocks(m, n, bs):
+    bm, bn = min(bs, m), min(bs, n)
+    return bm, bn, -(-m // bm), -(-n // bn)
+
+
+def _to_blocks(g2, bm, bn, a, c):
+    m, n = g2.shape
+    g2 = jnp.pad(g2, ((0, a * bm - m), (0, c * bn - n)))
+    return g2.reshape(a, bm, c, bn).transpose(0, 2, 1, 3).reshape(a * c, bm, bn)
+
+
+def _from_blocks(b, m, n, bm, bn, a, c):
+    return b.reshape(a, c, bm, bn).transpose(0, 2, 1, 3).reshape(a * bm, c * bn)[:m, :n]
+
+
+class ShampooState(NamedTuple):
+    count: jax.Array
+    stats_l: object
+    stats_r: object
+    precond_l: object
+    precond_r: object
+    graft_nu: object
+
+
+def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_every: int = 10,
+                     graft_eps=1e-8):
+    """Blocked Shampoo direction with RMSProp grafting.
+
+    A leaf is viewed as a matrix :math:`G` (``prod(shape[:-1]) x shape[-1]``) cut into blocks of at
+    most ``block_size``. Per block: :math:`L_t = \\beta_2 L_{t-1} + (1-\\beta_2) GG^T`,
+    :math:`R_t = \\beta_2 R_{t-1} + (1-\\beta_2) G^TG`; every ``precondition_every`` steps
+    :math:`P_L = (L+\\epsilon\\lambda_{max}I)^{-1/4}`, :math:`P_R` likewise; direction
+    :math:`D = P_L G P_R`. Grafting: :math:`v_t = \\beta_2 v_{t-1} + (1-\\beta_2)g^2`,
+    :math:`r = g/(\\sqrt{v_t}+\\epsilon_g)` and the update is :math:`D\\,\\|r\\|_F/\\|D\\|_F`
+    (vectors and scalars use :math:`r` directly).
+    """
+    if precondition_every < 1:
+        raise ValueError(f"precondition_every must be >= 1, got {precondition_every}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+    def init(params):
+        def per(p):
+            mat = _as_matrix(p.shape)
+            if mat is None:
+                z = jnp.zeros((0,), jnp.float32)
+                return z, z, z, z
+            bm, bn, a, c = _blocks(*mat, block_size)
+            eye_l = jnp.broadcast_to(jnp.eye(bm, dtype=jnp.float32), (a * c, bm, bm))
+            eye_r = jnp.broadcast_to(jnp.eye(bn, dtype=jnp.float32), (a * c, bn, bn))
+            return (jnp.zeros((a * c, bm, bm), jnp.float32), jnp.zeros((a * c, bn, bn), jnp.float32),
+                    eye_l, eye_r)
+
+        leaves, td = jax.tree_util.tree_flatten(params)
+        parts = [per(p) for p in leaves]
+        un = lambda i: jax.tree_util.tree_unflatten(td, [q[i] for q in parts])  # noqa: E731
+        return ShampooState(jnp.zeros([], jnp.int32), un(0), un(1), un(2), un(3),
+                            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        count = tr.safe_increment(state.count)
+        refresh = (state.count % precondition_every) == 0
+        gl, td = jax.tree_util.tree_flatten(updates)
+        f = td.flatten_up_to
+        outs, sl, sr, pl, pr, gn = [], [], [], [], [], []
+        for g, L0, R0, PL0, PR0, v0 in zip(gl, f(state.stats_l), f(state.stats_r),
+                                           f(state.precond_l), f(state.precond_r),
+                                           f(state.graft_nu)):
+            g32 = g.astype(jnp.float32)
+            v = b2 * v0 + (1 - b2) * g32 * g32
+            graft = g32 / (jnp.sqrt(v) + graft_eps)
+            gn.append(v)
+            mat = _as_matrix(g.shape)
+            if mat is None:
+                outs.append(graft.astype(g.dtype))
+                sl.append(L0)
+                sr.append(R0)
+                pl.append(PL0)
+                pr.append(PR0)
+                continue
+            m, n = mat
+            bm, bn, a, c = _blocks(m, n, block_size)
+            blk = _to_blocks(g32.reshape(m, n), bm, bn, a, c)
+            L = b2 * L0 + (1 - b2) * blk @ jnp.swapaxes(blk, -1, -2)
+            R = b2 * R0 + (1 - b2) * jnp.swapaxes(blk, -1, -2) @ blk
+            PL = jax.lax.cond(refresh, lambda a_, b_: matrix_inverse_root(a_, 4, eps),
+                              lambda a_, b_: b_, L, PL0)
+            PR = jax.lax.cond(refresh, lambda a_, b_: matrix_inverse_root(a_, 4, eps),
+                              lambda a_, b_: b_, R, PR0)
+            d = _from_blocks(PL @ blk @ PR, m, n, bm, bn, a, c).reshape(g.shape)
+            d_norm = jnp.linalg.norm(d)
+            scale = jnp.where(d_norm > 0, jnp.linalg.norm(graft) / jnp.where(d_norm > 0, d_norm, 1),
+                              0.0)
+            outs.append((d * scale).astype(g.dtype))
+            sl.append(L)
+            sr.append(R)
+            pl.append(PL)
+            pr.append(PR)
+        un = lambda xs: jax.tree_util.tree_unflatten(td, xs)  # noqa: E731
+        return un(outs), ShampooState(count, un(sl), un(sr), un(pl), un(pr), un(gn))
+
+    return GradientTransformation(init, update)
+
+
+def shampoo(learning_rate, b1=0.9, b2=0.999, eps=1e-6, block_size: int = 128,
+            precondition_every: int = 10, weight_decay=0.0, graft_eps=1e-8):
+    """Shampoo: :func:`scale_by_shampoo`, then momentum :math:`m_t = \\beta_1 m_{t-1} + (1-\\beta_1)
+    u_t` (if ``b1 > 0``), decoupled decay :math:`+\\lambda\\theta`, times :math:`-\\eta`."""
+    check_scalar("learning_rate", learning_rate)
+    txs = [scale_by_shampoo(b2, eps, block_size, precondition_every, graft_eps)]
+    if b1:
+        txs.append(tr.ema(b1, debias=False))
+    txs.append(tr.add_decayed_weights(weight_decay))
+    txs.append(tr.scale_by_learning_rate(learning_rate))
+    return chain(*txs)

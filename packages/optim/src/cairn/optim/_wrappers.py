@@ -1,0 +1,253 @@
+"""Wrappers: skipping non-finite steps, gradient accumulation, lookahead."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cairn.optim import _packing as pk
+from cairn.optim._base import (
+    GradientTransformation,
+    call_update,
+    is_packed_aware,
+    mark_extra,
+    packed_transformation,
+)
+from cairn.optim._packing import Packed
+from cairn.optim._transforms import safe_increment
+
+__all__ = [
+    "apply_if_finite", "ApplyIfFiniteState", "skip_not_finite", "apply_every", "ApplyEvery",
+    "MultiSteps", "MultiStepsState", "lookahead", "LookaheadParams", "LookaheadState",
+]
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [x for x in jax.tree_util.tree_leaves(tree)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+class ApplyIfFiniteState(NamedTuple):
+    notfinite_count: jax.Array
+    last_finite: jax.Array
+    total_notfinite: jax.Array
+    inner_state: Any
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int):
+    """Skip steps whose updates contain NaN/Inf (zero updates, inner state kept) unless more
+    than ``max_consecutive_errors`` happened in a row."""
+
+    def init(params):
+        return ApplyIfFiniteState(jnp.zeros([], jnp.int32), jnp.array(True, jnp.bool_),
+                                  jnp.zeros([], jnp.int32), inner.init(params))
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        isfinite = _all_finite(updates)
+        nf = jnp.where(isfinite, jnp.zeros([], jnp.int32), state.notfinite_count + 1)
+
+        def do(_):
+            return call_update(inner, updates, state.inner_state, params, extra)
+
+        def reject(_):
+            return jax.tree.map(jnp.zeros_like, updates), state.inner_state
+
+        new_u, new_s = jax.lax.cond(isfinite | (nf > max_consecutive_errors), do, reject, None)
+        return new_u, ApplyIfFiniteState(
+            nf, isfinite, jnp.where(isfinite, state.total_notfinite, state.total_notfinite + 1),
+            new_s)
+
+    return GradientTransformation(init, update)
+
+
+def skip_not_finite(updates, gradient_step, params):
+    """``should_skip_update_fn`` for :class:`MultiSteps`: skip when updates are not finite."""
+    del gradient_step, params
+    finite = _all_finite(updates)
+    num_not_finite = sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(updates))
+    return ~finite, dict(should_skip=~finite, num_not_finite=jnp.asarray(num_not_finite))
+
+
+class ApplyEvery(NamedTuple):
+    count: jax.Array
+    grad_acc: Packed
+
+
+def apply_every(k: int = 1):
+    """Accumulate updates and emit their sum every ``k`` steps (zeros in between)."""
+
+    def init(layout, params):
+        return ApplyEvery(jnp.zeros([], jnp.int32),
+                          pk.zeros(layout).with_offsets(pk.make_offsets(layout)))
+
+    def update(u, state, p=None, **extra):
+        c = state.count % k
+        acc = c != 0
+        ga = [(acc * a + g).astype(a.dtype) for g, a in zip(u.buffers, state.grad_acc.buffers)]
+        emit = c == (k - 1)
+        out = [(emit * a).astype(g.dtype) for g, a in zip(u.buffers, ga)]
+        return Packed(u.layout, out), ApplyEvery(safe_increment(state.count) % k,
+                                                 Packed(u.layout, ga, state.grad_acc.offsets))
+
+    return packed_transformation(init, update, name="apply_every")
+
+
+class MultiStepsState(NamedTuple):
+    """``mini_step`` within the current accumulation, ``gradient_step`` (inner steps taken),
+    the inner state, the single packed accumulator ``acc_grads`` and the skip state."""
+
+    mini_step: jax.Array
+    gradient_step: jax.Array
+    inner_opt_state: Any
+    acc_grads: Packed
+    skip_state: Any = ()
+
+
+class MultiSteps:
+    """Gradient accumulation: run ``opt`` once every ``k`` mini-steps on the mean (or sum) of
+    the gradients, emitting zero updates in between.
+
+    One packed accumulator (one buffer per dtype group) is the only extra memory; the
+    inner update runs under ``lax.cond`` only on the k-th mini-step.
+    """
+
+    def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
+                 use_grad_mean: bool = True, should_skip_update_fn: Callable | None = None,
+                 accumulator_dtype=None):
+        if not callable(every_k_schedule):
+            k = int(every_k_schedule)
+            if k < 1:
+                raise ValueError(f"every_k_schedule must be >= 1, got {every_k_schedule}")
+            self._k = lambda step: k
+        else:
+            self._k = every_k_schedule
+        self._opt = opt
+        self._mean = use_grad_mean
+        self._skip = should_skip_update_fn
+        self._acc_dtype = accumulator_dtype
+
+    @property
+    def inner_opt(self):
+        return self._opt
+
+    def init(self, params) -> MultiStepsState:
+        layout = pk.layout_of(params)
+        acc = pk.zeros(layout, None if self._acc_dtype is None else jnp.dtype(self._acc_dtype))
+        skip_state = ()
+        if self._skip is not None:
+            skip_state = jax.tree.map(jnp.zeros_like,
+                                      self._skip(jax.tree.map(jnp.zeros_like, params),
+                                                 jnp.zeros([], jnp.int32), params)[1])
+        return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+                               self._opt.init(params), acc.with_offsets(pk.make_offsets(layout)),
+                               skip_state)
+
+    def update(self, updates, state: MultiStepsState, params=None, **extra):
+        layout = state.acc_grads.layout
+        was_packed = isinstance(updates, Packed)
+        g = pk.pack(updates, layout)
+        k = jnp.asarray(self._k(state.gradient_step), jnp.int32)
+        skip = jnp.array(False)
+        skip_state = state.skip_state
+        if self._skip is not None:
+            skip, skip_state = self._skip(updates, state.gradient_step, params)
+        n = state.mini_step
+        if self._mean:
+            acc = [(a + (x.astype(a.dtype) - a) / (n + 1).astype(a.dtype)).astype(a.dtype)
+                   for a, x in zip(state.acc_grads.buffers, g.buffers)]
+        else:
+            acc = [(a + x.astype(a.dtype)).astype(a.dtype)
+                   for a, x in zip(state.acc_grads.buffers, g.buffers)]
+        final = (n + 1 >= k) & ~skip
+
+        def emit(_):
+            inner_in = Packed(layout, [a.astype(x.dtype) for a, x in zip(acc, g.buffers)])
+            if is_packed_aware(self._opt):
+                pp = _maybe_pack(params, layout) if self._opt.update.needs_params else None
+                u, s = self._opt.update.packed(inner_in, state.inner_opt_state, pp, **extra)
+                u = pk.pack(u, layout) if not isinstance(u, Packed) else u
+            else:
+                u, s = call_update(self._opt, pk.unpack(inner_in), state.inner_opt_state,
+                                   params, extra)
+                u = pk.pack(u, layout, cast=True)
+            zero_acc = [jnp.zeros_like(a) for a in acc]
+            return (u.buffers, s, zero_acc, jnp.zeros([], jnp.int32),
+                    safe_increment(state.gradient_step))
+
+        def hold(_):
+            zeros = [jnp.zeros_like(x) for x in g.buffers]
+            new_n = jnp.where(skip, n, n + 1).astype(jnp.int32)
+            kept = [jnp.where(skip, a0, a) for a0, a in zip(state.acc_grads.buffers, acc)]
+            return zeros, state.inner_opt_state, kept, new_n, state.gradient_step
+
+        out_bufs, inner_s, acc_bufs, mini, gstep = jax.lax.cond(final, emit, hold, None)
+        out = Packed(layout, out_bufs)
+        new_state = MultiStepsState(mini, gstep, inner_s,
+                                    Packed(layout, acc_bufs, state.acc_grads.offsets), skip_state)
+        if was_packed:
+            return out, new_state
+        return pk.unpack(out, state.acc_grads.offsets), new_state
+
+    def has_updated(self, state: MultiStepsState) -> jax.Array:
+        """Whether the last call emitted a real update."""
+        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+
+    def gradient_transformation(self) -> GradientTransformation:
+        return GradientTransformation(self.init, mark_extra(lambda u, s, p=None, **e:
+                                                            self.update(u, s, p, **e)))
+
+
+def _maybe_pack(params, layout):
+    if params is None:
+        return None
+    return pk.pack(params, layout, what="params")
+
+
+class LookaheadParams(NamedTuple):
+    fast: Any
+    slow: Any
+
+    @classmethod
+    def init_synced(cls, params) -> LookaheadParams:
+        return cls(fast=params, slow=params)
+
+
+class LookaheadState(NamedTuple):
+    fast_state: Any
+    steps_since_sync: jax.Array
+
+
+def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_step_size: float,
+              reset_state: bool = False):
+    """Lookahead (Zhang et al. 2019) on :class:`LookaheadParams`: every ``sync_period`` steps
+    the slow weights move :math:`\\phi \\leftarrow \\phi + \\alpha(\\theta - \\phi)` and the
+    fast weights are reset to them."""
+    if sync_period < 1:
+        raise ValueError(f"sync_period must be >= 1, got {sync_period}")
+
+    def init(params):
+        fast = getattr(params, "fast", params)
+        return LookaheadState(fast_optimizer.init(fast), jnp.zeros([], jnp.int32))
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        if not isinstance(params, LookaheadParams):
+            raise TypeError("lookahead.update needs params=LookaheadParams(fast=..., slow=...)")
+        u, fast_state = call_update(fast_optimizer, updates, state.fast_state, params.fast, extra)
+        sync = (state.steps_since_sync == sync_period - 1)
+        diff = jax.tree.map(lambda f, x, s: f + x - s, params.fast, u, params.slow)
+        slow_u = jax.tree.map(lambda d: slow_step_size * sync * d, diff)
+        fast_u = jax.tree.map(lambda x, d: x - sync * (1 - slow_step_size) * d, u, diff)
+        if reset_state:
+            fresh = fast_optimizer.init(params.fast)
+            fast_state = jax.tree.map(lambda c, i: jnp.where(sync, i, c), fast_state, fresh)
+        return LookaheadParams(fast_u, slow_u), LookaheadState(
+            fast_state, (state.steps_since_sync + 1) % sync_period)
+
+    return GradientTransformation(init, update)
