@@ -201,3 +201,21 @@ def test_debug_mode_names_first_mismatch():
     next(it)
     with pytest.raises(StructureMismatchError, match="differs from the first element"):
         next(it)
+
+
+def test_sources_returning_none_for_bad_records_are_filtered():
+    class Flaky:
+        skip_bad_records = True
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return None if i in (3, 7) else i
+
+        def __getitems__(self, idx):
+            return [self[int(i)] for i in idx]
+
+    ds = MapDataset.source(Flaky()).map(lambda x: x * 10)
+    assert list(ds) == [x * 10 for x in range(10) if x not in (3, 7)]
+    assert [b.tolist() for b in ds.batch(4)] == [[0, 10, 20], [40, 50, 60], [80, 90]]

@@ -323,6 +323,8 @@ class _SourceMapDataset(MapDataset):
     def __init__(self, source: Any):
         self._source = source
         self._n = len(source)
+        # Sources that skip corrupt records return None for them (read as filtered out).
+        self._may_filter = bool(getattr(source, "skip_bad_records", False))
         if isinstance(source, np.ndarray):
             self._read = self._read_array
         elif hasattr(source, "__getitems__"):
