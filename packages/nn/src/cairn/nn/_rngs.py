@@ -27,10 +27,15 @@ def _as_key(seed: Any):
     arr = seed
     if hasattr(arr, "dtype") and jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
         return arr
-    arr = jnp.asarray(arr)
-    if arr.dtype == jnp.uint32 and arr.shape[-1:] == (2,):
+    try:
+        arr = jnp.asarray(arr)
+    except TypeError:
+        arr = None
+    if arr is None:
+        pass
+    elif arr.dtype == jnp.uint32 and arr.shape[-1:] == (2,):
         return jax.random.wrap_key_data(arr)
-    if jnp.issubdtype(arr.dtype, jnp.integer) and arr.ndim == 0:
+    elif jnp.issubdtype(arr.dtype, jnp.integer) and arr.ndim == 0:
         return jax.random.key(arr)
     raise TypeError(
         f"an Rngs stream needs an int seed or a PRNG key, got {type(seed).__name__} "

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from cairn.nn._graph import GraphDef, SharedReferenceError, _walk, flat, sync
-from cairn.nn._module import Module, _is_node, _Static
+from cairn.nn._module import Module, _is_node
 from cairn.nn._state import State
 from cairn.nn._variables import EPOCH, Param, Variable, _HashableMeta
 
@@ -273,7 +273,7 @@ class JitWrapped:
         mod_ids = []
         for i, a in enumerate(args):
             if i in static:
-                keyparts.append(_Static(a))
+                keyparts.append((type(a), a))
                 continue
             if i in donate:
                 leaves, targets = don, tdon
@@ -493,7 +493,7 @@ class JitWrapped:
         keyparts, don, keep, plans = [], [], [], {}
         for i, a in enumerate(args):
             if i in self._static:
-                keyparts.append(_Static(a))
+                keyparts.append((type(a), a))
                 continue
             leaves = don if i in self._donate else keep
             if isinstance(a, Module):
@@ -1055,16 +1055,27 @@ def _branches_call(branches, index_or_pred, operands, use_switch: bool):
         return pure
 
     pures = [make(fn, b) for fn, b in zip(branches, boxes)]
-    if use_switch:
-        out, new_dyn = jax.lax.switch(index_or_pred, pures, plan.dyn)
-    else:
-        out, new_dyn = jax.lax.cond(index_or_pred, pures[0], pures[1], plan.dyn)
-    descs = [b.value for b in boxes if b.value is not None]
-    for d in descs[1:]:
-        if list(d) != list(descs[0]):
-            raise ValueError(
-                "nn.cond/switch: the branches leave modules with different structures"
-            )
+
+    def check():
+        descs = [b.value for b in boxes if b.value is not None]
+        for i, d in enumerate(descs[1:], 1):
+            if list(d) != list(descs[0]):
+                raise ValueError(
+                    f"nn.cond/switch: branch {i} leaves its module arguments with a "
+                    f"different structure than branch 0 (added or removed variables or "
+                    f"changed static attributes); every branch must keep the same structure"
+                )
+        return descs
+
+    try:
+        if use_switch:
+            out, new_dyn = jax.lax.switch(index_or_pred, pures, plan.dyn)
+        else:
+            out, new_dyn = jax.lax.cond(index_or_pred, pures[0], pures[1], plan.dyn)
+    except TypeError as e:
+        check()
+        raise e
+    descs = check()
     plan.write_back(_fill_dyn(plan, new_dyn), descs[0])
     return out
 

@@ -1,0 +1,322 @@
+"""Lifted transforms: values against the functional form, state written back."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cairn import nn
+
+
+class Lin(nn.Module):
+    def __init__(self, din, dout, rngs):
+        self.kernel = nn.Param(jax.random.normal(rngs.params(), (din, dout)) / np.sqrt(din))
+        self.bias = nn.Param(jax.random.normal(rngs.params(), (dout,)) * 0.1)
+
+    def __call__(self, x):
+        return x @ self.kernel + self.bias
+
+
+class Counted(nn.Module):
+    """A layer that counts its calls (state that changes inside transforms)."""
+
+    def __init__(self, d, rngs):
+        self.lin = Lin(d, d, rngs)
+        self.calls = nn.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.calls.value = self.calls.value + 1
+        return jnp.tanh(self.lin(x))
+
+
+class Noisy(nn.Module):
+    def __init__(self, rngs):
+        self.rngs = rngs.fork()
+
+    def __call__(self, x):
+        return x + jax.random.normal(self.rngs.default(), x.shape)
+
+
+def _fn(params, x):
+    return jnp.tanh(x @ params["lin"]["kernel"] + params["lin"]["bias"])
+
+
+def test_jit_writes_back_and_matches_functional():
+    m = Counted(3, nn.Rngs(0))
+    x = jnp.ones((2, 3))
+    f = nn.jit(lambda m, x: m(x))
+    y1 = f(m, x)
+    y2 = f(m, x)
+    np.testing.assert_allclose(y1, _fn(nn.to_pure_dict(nn.state(m, nn.Param)), x), rtol=1e-6)
+    np.testing.assert_allclose(y1, y2)
+    assert int(m.calls.value) == 2
+    assert len(f._cache) == 1  # no retrace for the same structure
+
+
+def test_jit_params_unchanged_not_rewritten_and_structure_change_retraces():
+    m = Counted(2, nn.Rngs(0))
+    k = m.lin.kernel.value
+    f = nn.jit(lambda m: m(jnp.ones((1, 2))))
+    f(m)
+    assert m.lin.kernel.value is k  # unchanged variables are not replaced
+    m.lin.extra = nn.Param(jnp.ones(()))
+    f(m)
+    assert len(f._cache) == 2
+
+
+def test_jit_structure_change_inside_flows_back():
+    class Lazy(nn.Module):
+        def __init__(self):
+            self.w = nn.Param(jnp.ones(2))
+
+        def __call__(self, x):
+            if not hasattr(self, "seen"):
+                self.seen = nn.Cache(jnp.zeros(2))
+            self.seen.value = self.seen.value + x
+            self.sow(nn.Intermediate, "act", x * self.w)
+            return (x * self.w).sum()
+
+    m = Lazy()
+    f = nn.jit(lambda m, x: m(x))
+    f(m, jnp.array([1.0, 2.0]))
+    assert isinstance(m.seen, nn.Cache)
+    np.testing.assert_allclose(m.seen.value, [1.0, 2.0])
+    np.testing.assert_allclose(m.act.value[0], [1.0, 2.0])
+    f(m, jnp.array([1.0, 2.0]))
+    np.testing.assert_allclose(m.seen.value, [2.0, 4.0])
+    # act was sown again into the existing tuple
+    assert len(m.act.value) == 2
+
+
+def test_jit_static_kwargs_donation_and_decorator():
+    m = Counted(2, nn.Rngs(0))
+
+    @nn.jit(static_argnames="scale", donate_argnums=0)
+    def f(m, x, scale=1.0):
+        return m(x) * scale
+
+    x = jnp.ones((1, 2))
+    old = m.lin.kernel.value
+    a = f(m, x, scale=2.0)
+    b = f(m, x, 3.0)
+    np.testing.assert_allclose(a / 2.0, b / 3.0, rtol=1e-6)
+    assert int(m.calls.value) == 2
+    assert old.is_deleted()  # donated buffers were consumed and replaced
+    assert not m.lin.kernel.value.is_deleted()
+    with pytest.raises(TypeError, match="hashable"):
+        nn.jit(lambda m, s: m(x), static_argnums=1)(m, [1])
+
+
+def test_jit_modules_inside_containers_and_shared_args():
+    m1, m2 = Counted(2, nn.Rngs(0)), Counted(2, nn.Rngs(1))
+    f = nn.jit(lambda ms, x: ms["a"](x) + ms["b"](x))
+    f({"a": m1, "b": m2}, jnp.ones((1, 2)))
+    assert int(m1.calls.value) == 1 and int(m2.calls.value) == 1
+    with pytest.raises(nn.SharedReferenceError):
+        nn.jit(lambda a, b: a(jnp.ones((1, 2))))(m1, m1)
+
+
+def test_jit_creates_module_and_advances_rngs():
+    rngs = nn.Rngs(0)
+    make = nn.jit(lambda r: Lin(2, 3, r))
+    a = make(rngs)
+    b = make(rngs)
+    assert isinstance(a, Lin) and a.kernel.shape == (2, 3)
+    assert int(rngs.params.count.value) == 4
+    assert not np.allclose(a.kernel.value, b.kernel.value)
+    eager = Lin(2, 3, nn.Rngs(0))
+    np.testing.assert_allclose(a.kernel.value, eager.kernel.value, rtol=1e-6)
+
+
+def test_jit_lower_compiles():
+    m = Counted(2, nn.Rngs(0))
+    f = nn.jit(lambda m, x: m(x))
+    compiled = f.lower(m, jnp.ones((1, 2))).compile()
+    assert compiled is not None
+
+
+def test_grad_equals_jax_grad_of_functional_form():
+    m = Counted(3, nn.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    g = nn.grad(loss)(m, x)
+    params = nn.to_pure_dict(nn.state(m, nn.Param))
+    ref = jax.grad(lambda p: jnp.sum(_fn(p, x) ** 2))(params)
+    assert isinstance(g, nn.State) and g.flat_paths() == ["lin/kernel", "lin/bias"]
+    assert isinstance(g["lin"]["kernel"], nn.Param)
+    np.testing.assert_allclose(g["lin"]["kernel"].value, ref["lin"]["kernel"], rtol=1e-5)
+    np.testing.assert_allclose(g["lin"]["bias"].value, ref["lin"]["bias"], rtol=1e-5)
+    assert int(m.calls.value) == 1  # non-differentiated state written back
+    (val, aux), g2 = nn.value_and_grad(lambda m, x: (loss(m, x), 7), has_aux=True)(m, x)
+    np.testing.assert_allclose(val, jnp.sum(_fn(params, x) ** 2), rtol=1e-5)
+    assert aux == 7
+    # several argnums, arrays included
+    gm, gx = nn.grad(loss, argnums=(0, 1))(m, x)
+    ref_x = jax.grad(lambda x: jnp.sum(_fn(params, x) ** 2))(x)
+    np.testing.assert_allclose(gx, ref_x, rtol=1e-5)
+    # wrt a filter
+    gk = nn.grad(loss, wrt=r".*kernel")(m, x)
+    assert gk.flat_paths() == ["lin/kernel"]
+    # inside jit
+    gj = nn.jit(nn.grad(loss))(m, x)
+    np.testing.assert_allclose(gj["lin"]["kernel"].value, ref["lin"]["kernel"], rtol=1e-5)
+
+
+def test_vmap_independent_rng_and_stacked_creation():
+    rngs = nn.Rngs(0)
+    noisy = Noisy(rngs)
+    x = jnp.zeros((4, 3))
+    # split streams: one key per batch element
+    noisy.rngs = noisy.rngs.split(4)
+    out = nn.vmap(lambda m, x: m(x), in_axes=(0, 0))(noisy, x)
+    assert out.shape == (4, 3)
+    rows = np.asarray(out)
+    assert all(not np.allclose(rows[i], rows[j]) for i in range(4) for j in range(i))
+    np.testing.assert_array_equal(noisy.rngs.default.count.value, np.ones(4))
+    # broadcast module, batched input
+    lin = Lin(3, 2, nn.Rngs(1))
+    y = nn.vmap(lambda m, x: m(x), in_axes=(None, 0))(lin, jnp.ones((5, 3)))
+    np.testing.assert_allclose(y, jnp.ones((5, 3)) @ lin.kernel.value + lin.bias.value, rtol=1e-6)
+    # stacked creation from split keys
+    stacked = nn.vmap(lambda r: Lin(3, 3, r))(nn.Rngs(0).split(5))
+    assert stacked.kernel.shape == (5, 3, 3)
+
+
+def test_scan_over_stacked_layers_equals_unrolled_loop():
+    n = 4
+    stacked = nn.vmap(lambda r: Counted(3, r))(nn.Rngs(0).split(n))
+    x = jax.random.normal(jax.random.key(2), (2, 3))
+
+    def body(h, layer):
+        return layer(h), h.sum()
+
+    out, ys = nn.scan(body)(x, stacked)
+    h = x
+    sums = []
+    for i in range(n):
+        params = jax.tree.map(lambda a: a[i], nn.to_pure_dict(nn.state(stacked, nn.Param)))
+        sums.append(h.sum())
+        h = _fn(params, h)
+    np.testing.assert_allclose(out, h, rtol=1e-5)
+    np.testing.assert_allclose(ys, np.array(sums), rtol=1e-5)
+    np.testing.assert_array_equal(stacked.calls.value, np.ones(n))  # per-layer state restacked
+    # a module in the carry is threaded through
+    c = Counted(3, nn.Rngs(5))
+    (c2, h2), _ = nn.scan(lambda carry, _: ((carry[0], carry[0](carry[1])), None), length=3)((c, x), None)
+    assert c2 is c and int(c.calls.value) == 3
+    # inside jit as well
+    out_j, _ = nn.jit(lambda x, s: nn.scan(body)(x, s))(x, stacked)
+    np.testing.assert_allclose(out_j, out, rtol=1e-5)
+
+
+def test_remat_same_values_and_grads():
+    m = Counted(3, nn.Rngs(0))
+    x = jnp.ones((2, 3))
+
+    def loss(m, x):
+        return jnp.sum(m(m(x)) ** 2)
+
+    g1 = nn.grad(loss)(m, x)
+    g2 = nn.grad(lambda m, x: nn.remat(loss)(m, x))(m, x)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(nn.remat(loss)(m, x), loss(m, x), rtol=1e-6)
+    assert int(m.calls.value) == 8
+
+
+def test_cond_switch_fori_while():
+    m = Counted(2, nn.Rngs(0))
+    x = jnp.ones((1, 2))
+    y = nn.cond(True, lambda m, x: m(x), lambda m, x: x, m, x)
+    np.testing.assert_allclose(y, jnp.tanh(m.lin(x)), rtol=1e-6)
+    assert int(m.calls.value) == 1
+    nn.cond(jnp.array(False), lambda m, x: m(x), lambda m, x: x, m, x)
+    assert int(m.calls.value) == 1
+    nn.switch(1, [lambda m, x: x, lambda m, x: m(x), lambda m, x: m(m(x))], m, x)
+    assert int(m.calls.value) == 2
+    with pytest.raises(ValueError, match="branch 1 leaves its module arguments with a different structure"):
+        def add_var(m, x):
+            m.extra = nn.Cache(jnp.zeros(()))
+            return x
+        nn.cond(True, add_var, lambda m, x: x, m, x)
+
+    def body(i, carry):
+        mod, h = carry
+        return mod, mod(h)
+
+    m2 = Counted(2, nn.Rngs(0))
+    mod, h = nn.fori_loop(0, 3, body, (m2, x))
+    assert mod is m2 and int(m2.calls.value) == 3
+    ref = x
+    for _ in range(3):
+        ref = jnp.tanh(m2.lin(ref))
+    np.testing.assert_allclose(h, ref, rtol=1e-6)
+    m3 = Counted(2, nn.Rngs(0))
+    out = nn.while_loop(lambda c: c[0].calls.value < 5, lambda c: (c[0], c[0](c[1])), (m3, x))
+    assert int(m3.calls.value) == 5 and out[0] is m3
+
+
+def test_eval_shape_does_not_touch_inputs():
+    rngs = nn.Rngs(0)
+    abstract = nn.eval_shape(lambda r: Lin(4, 5, r), rngs)
+    assert isinstance(abstract.kernel.value, jax.ShapeDtypeStruct)
+    assert abstract.kernel.shape == (4, 5)
+    assert int(rngs.params.count.value) == 0
+
+
+def test_shard_map_single_device_mesh():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    from jax.sharding import PartitionSpec as P
+
+    m = Counted(2, nn.Rngs(0))
+    x = jnp.ones((4, 2))
+    sm = nn.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))
+    y = nn.jit(sm)(m, x)
+    np.testing.assert_allclose(y, jnp.tanh(m.lin(x)), rtol=1e-6)
+    assert int(m.calls.value) == 1
+
+
+def test_optimizer_step_in_jit_matches_raw_optax():
+    optax = pytest.importorskip("optax")
+    m = Counted(3, nn.Rngs(0))
+    tx = optax.adamw(1e-2)
+    opt = nn.Optimizer(m, tx, wrt=nn.Param)
+    x = jax.random.normal(jax.random.key(3), (8, 3))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    @nn.jit(donate_argnums=(0, 1))
+    def step(m, opt, x):
+        l, g = nn.value_and_grad(loss)(m, x)
+        opt.update(m, g)
+        return l
+
+    params = nn.to_pure_dict(nn.state(m, nn.Param))
+    ostate = tx.init(params)
+    for _ in range(3):
+        l_ref, g = jax.value_and_grad(lambda p: jnp.mean(_fn(p, x) ** 2))(params)
+        upd, ostate = tx.update(g, ostate, params)
+        params = optax.apply_updates(params, upd)
+        l = step(m, opt, x)
+        np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    got = nn.to_pure_dict(nn.state(m, nn.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert int(opt.step.value) == 3 and int(m.calls.value) == 3
+    paths = nn.state(opt).flat_paths()
+    assert "opt_state/0/mu/lin/kernel" in paths and "step" in paths
+
+
+def test_optimizer_errors():
+    optax = pytest.importorskip("optax")
+    m = Counted(2, nn.Rngs(0))
+    with pytest.raises(TypeError, match="Optax-style init and update"):
+        nn.Optimizer(m, object())
+    opt = nn.Optimizer(m, optax.sgd(0.1))
+    bad = nn.State({"lin": {"kernel": nn.Param(jnp.zeros((2, 2)))}})
+    with pytest.raises(ValueError, match=r"missing \['lin/bias'\]"):
+        opt.update(m, bad)
