@@ -132,13 +132,28 @@ def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
             return v.replace(PartitionSpec())
         return v.replace(logical_to_partition_spec(names, rules, mesh))
 
-    return jax.tree_util.tree_map(spec, tree, is_leaf=lambda x: isinstance(x, Variable)) if not isinstance(tree, Variable) else spec(tree)
+    return _map_variables(spec, tree)
+
+
+def _map_variables(fn, tree):
+    from cairn.nn._state import State
+
+    if isinstance(tree, Variable):
+        return fn(tree)
+    if isinstance(tree, State):
+        return State.from_flat({p: fn(v) for p, v in tree._flat.items()})
+    return jax.tree_util.tree_map(
+        lambda x: fn(x) if isinstance(x, Variable) else _map_variables(fn, x)
+        if isinstance(x, State) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Variable | State),
+    )
 
 
 def get_named_sharding(tree: Any, mesh: Any, rules: Any = None):
     """Like :func:`get_partition_spec` but with ``NamedSharding(mesh, spec)`` values."""
     specs = get_partition_spec(tree, rules, mesh)
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return _map_variables(lambda v: v.replace(NamedSharding(mesh, v.raw_value)), specs)
 
 
 def abstract_model(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs):

@@ -1,0 +1,93 @@
+"""Sharding by logical names, on 8 fake CPU devices (in a subprocess, because the device
+count must be set before JAX starts)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from cairn import nn
+    from cairn.core_array import LogicalAxisRules, flatten_with_paths
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    rules = LogicalAxisRules([("embed", "data"), ("mlp", "model")])
+
+    def init(key, shape):
+        return jax.random.normal(key, shape)
+
+    class Lin(nn.Module):
+        def __init__(self, rngs):
+            self.kernel = nn.Param(nn.with_partitioning(init, ("embed", "mlp"))(rngs.params(), (8, 16)))
+            self.bias = nn.Param(nn.with_partitioning(lambda k, s: jnp.zeros(s), ("mlp",))(rngs.params(), (16,)))
+            self.scale = nn.Param(jnp.ones((16,)))
+
+        def __call__(self, x):
+            return x @ self.kernel + self.bias * self.scale
+
+    expected = {
+        "kernel": P("data", "model"),
+        "bias": P("model"),
+        "scale": P(),
+    }
+
+    def check(model, what):
+        for path, v in flatten_with_paths(nn.state(model)).items():
+            sh = v.sharding
+            assert isinstance(sh, NamedSharding), (what, path, sh)
+            assert sh.spec == expected[path] or (expected[path] == P() and all(s is None for s in sh.spec)), (what, path, sh.spec)
+            if path == "kernel":
+                # each device holds only its shard
+                assert v.addressable_shards[0].data.shape == (4, 4), (what, v.addressable_shards[0].data.shape)
+
+    # 1. compiled creation: every parameter written directly in its sharding
+    model = nn.sharded_init(Lin, nn.Rngs(0), mesh=mesh, rules=rules)
+    check(model, "sharded_init")
+    eager_ref = Lin(nn.Rngs(0))
+    np.testing.assert_allclose(np.asarray(model.kernel.value), np.asarray(eager_ref.kernel.value), rtol=1e-6)
+
+    # 2. creation inside nn.jit under the context
+    with nn.sharding_rules(rules, mesh):
+        m2 = nn.jit(Lin)(nn.Rngs(0))
+        m3 = Lin(nn.Rngs(0))   # eager: device_put into the sharding
+    for path in ("kernel", "bias"):
+        assert flatten_with_paths(nn.state(m2))[path].sharding.spec == expected[path]
+        assert flatten_with_paths(nn.state(m3))[path].sharding.spec == expected[path]
+
+    # 3. abstract model for checkpoint restore
+    abstract = nn.abstract_model(Lin, nn.Rngs(0), mesh=mesh, rules=rules)
+    a = abstract.kernel.value
+    assert isinstance(a, jax.ShapeDtypeStruct) and a.shape == (8, 16)
+    assert a.sharding.spec == P("data", "model")
+    assert abstract.scale.value.sharding.spec == P()
+
+    # 4. partition specs of the state
+    specs = nn.get_partition_spec(nn.state(model), rules, mesh)
+    assert specs["kernel"].value == P("data", "model") and specs["scale"].value == P()
+    shard = nn.get_named_sharding(model, mesh, rules)
+    assert shard["bias"].value == NamedSharding(mesh, P("model"))
+
+    # 5. a jitted update keeps the shardings
+    step = nn.jit(lambda m: setattr(m.kernel, "value", m.kernel.value * 2))
+    step(model)
+    check(model, "after step")
+    print("OK")
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_sharding_on_eight_fake_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
