@@ -142,3 +142,16 @@ def test_options_validation():
         MultiprocessingOptions(num_workers=1, start_method="thread")
     ds = MapDataset.range(3).to_iter_dataset()
     assert ds.mp_prefetch(0) is ds
+
+
+def failing_init(worker_index, worker_count):
+    if worker_index == 1:
+        raise OSError("cannot open the dataset on this worker")
+
+
+def test_worker_init_error_is_reported():
+    it = iter(MapDataset.range(100).to_iter_dataset(ReadOptions(chunk_records=2)).mp_prefetch(2, worker_init_fn=failing_init))
+    with pytest.raises(OSError, match="cannot open the dataset") as info:
+        list(it)
+    assert "worker_init_fn" in str(info.value.__cause__)
+    it.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -169,14 +168,11 @@ class DatasetIterator:
             "  " * depth + s.name,
             s.count,
             s.time,
-            max(0.0, s.time - child) if not self._parents_run_elsewhere() else s.time,
+            max(0.0, s.time - child),
             s.time / wall,
             fill,
         )
         return s.time
-
-    def _parents_run_elsewhere(self) -> bool:
-        return False
 
     def summary(self) -> str:
         """A table of the stages: records out, time inside ``next`` (total and own), the
@@ -779,11 +775,3 @@ class _InterleaveIterator(DatasetIterator):
         for e in self._open_iters:
             if e is not None:
                 e[1].close()
-
-    def _summary_rows(self, depth, rows):
-        t = super()._summary_rows(depth, rows)
-        return t
-
-
-def _is_infinite(n: int) -> bool:
-    return n >= sys.maxsize

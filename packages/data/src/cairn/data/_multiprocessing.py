@@ -385,6 +385,20 @@ class MPRootIterator(DatasetIterator):
             "the last get_state() to resume."
         )
 
+    def _worker_error(self, w: int, msg) -> BaseException:
+        _, gen, ek, payload, tb, text = msg
+        exc = None
+        if payload is not None:
+            try:
+                exc = pickle.loads(payload)
+            except Exception:
+                exc = None
+        if exc is None:
+            exc = RuntimeError(f"error in cairn.data worker {w}: {text}")
+        where = "in worker_init_fn" if ek == -1 else f"chunk {ek}"
+        exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback from cairn.data worker {w} ({where}):\n{tb}"""')
+        return exc
+
     def _recv(self, w: int):
         ws = self._w
         conn = ws.conns[w]
@@ -401,6 +415,14 @@ class MPRootIterator(DatasetIterator):
                     i = sentinels[r]
                     if i == w and conn.poll():
                         continue
+                    other = ws.conns[i]
+                    try:  # a worker that reported an error before exiting: raise that error
+                        while other.poll():
+                            m = other.recv()
+                            if m[0] == "error":
+                                raise self._fail(self._worker_error(i, m))
+                    except (EOFError, OSError):
+                        pass
                     raise self._fail(self._died(i))
 
     def _fetch(self) -> bool:
@@ -427,21 +449,11 @@ class MPRootIterator(DatasetIterator):
                 self._w.unlink(msg[1])
                 continue
             if kind == "error":
-                _, gen, ek, payload, tb, text = msg
-                if gen != self._gen and gen != -1:
+                if msg[1] != self._gen and msg[1] != -1:
                     continue
-                exc = None
-                if payload is not None:
-                    try:
-                        exc = pickle.loads(payload)
-                    except Exception:
-                        exc = None
-                if exc is None:
-                    exc = RuntimeError(f"error in cairn.data worker {w}: {text}")
-                exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback from cairn.data worker {w} (chunk {ek}):\n{tb}"""')
                 if bounds is None:  # the error follows a partial chunk: it is at the next element
                     self._next_index = self._buf_start + len(self._buf)
-                raise self._fail(exc)
+                raise self._fail(self._worker_error(w, msg))
             gen = msg[1]
             if kind == "chunk":
                 _, gen, ck, slot, data, sizes, dt, err_follows = msg
