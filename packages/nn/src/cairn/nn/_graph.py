@@ -48,7 +48,7 @@ class GraphDef:
     Hashable and comparable, so it can key compilation caches. ``paths`` lists the path
     tuple of each variable, in the order of the flat variable list."""
 
-    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs")
+    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen")
 
     def __init__(self, node: tuple, paths: tuple):
         self.node = node
@@ -56,6 +56,8 @@ class GraphDef:
         self._hash = None
         self._index = None
         self._pstrs = None
+        self._uses = 0
+        self._codegen = None
 
     @property
     def num_variables(self) -> int:
@@ -95,8 +97,15 @@ class GraphDef:
     # rebuilding --------------------------------------------------------------------------
     def build_from_variables(self, variables) -> Module:
         """A new module tree of this structure holding ``variables`` (reused, not copied)."""
-        it = iter(variables)
-        root = _build(self.node, it, None)
+        if self._codegen is not None:
+            root = self._codegen(variables)
+        else:
+            self._uses += 1
+            if self._uses >= 2:  # used again: compile a straight-line builder
+                self._codegen = _codegen_builder(self.node)
+                root = self._codegen(variables)
+            else:
+                root = _build(self.node, iter(variables), None)
         object.__setattr__(
             root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables))
         )
@@ -157,6 +166,64 @@ def _build(node, it, out):
                     leaves.append(_build(lp, it, out))
             items.append((k, treedef.unflatten(leaves)))
     return cls._graph_new(items)
+
+
+def _codegen_builder(node):
+    """Compile a function that rebuilds the module tree of ``node`` from a list of
+    Variables in one straight-line body (no per-node interpretation)."""
+    consts: list = []
+    lines: list[str] = []
+    counter = [0, 0]  # module names, variable index
+
+    def const(x) -> str:
+        consts.append(x)
+        return f"K[{len(consts) - 1}]"
+
+    def emit(nd) -> str:
+        cls, entries = nd
+        name = f"m{counter[0]}"
+        counter[0] += 1
+        parts = []
+        for k, tag, payload in entries:
+            if tag == _VAR:
+                expr = f"v[{counter[1]}]"
+                counter[1] += 1
+            elif tag == _MOD:
+                expr = emit(payload)
+            elif tag == _STATIC:
+                expr = f"{const(payload)}.value"
+            else:
+                treedef, leafdefs = payload
+                subs = []
+                for ltag, lp in leafdefs:
+                    if ltag == _VAR:
+                        subs.append(f"v[{counter[1]}]")
+                        counter[1] += 1
+                    else:
+                        subs.append(emit(lp))
+                expr = f"{const(treedef)}.unflatten([{', '.join(subs)}])"
+            parts.append((k, expr))
+        c = const(cls)
+        gn = getattr(cls._graph_new, "__func__", None)
+        if gn is Module._graph_new.__func__:
+            body = ", ".join(f"{k!r}: {e}" for k, e in parts)
+            lines.append(f"    {name} = new({c}); {name}.__dict__.update({{{body}}})")
+        elif gn is List._graph_new.__func__:
+            body = ", ".join(e for _, e in parts)
+            lines.append(f"    {name} = new({c}); setattr_({name}, '_cairn_items', [{body}])")
+        elif gn is Dict._graph_new.__func__:
+            body = ", ".join(f"{k!r}: {e}" for k, e in parts)
+            lines.append(f"    {name} = new({c}); setattr_({name}, '_cairn_items', {{{body}}})")
+        else:
+            body = ", ".join(f"({k!r}, {e})" for k, e in parts)
+            lines.append(f"    {name} = {c}._graph_new([{body}])")
+        return name
+
+    root = emit(node)
+    src = "def build(v):\n" + "\n".join(lines) + f"\n    return {root}\n"
+    ns = {"K": consts, "new": object.__new__, "setattr_": object.__setattr__}
+    exec(compile(src, "<cairn.nn graph builder>", "exec"), ns)
+    return ns["build"]
 
 
 def _walk(root: Module) -> _Flat:
@@ -482,4 +549,4 @@ def _same_static(a, b) -> bool:
 
 _MISSING = object()
 
-from cairn.nn._module import List  # noqa: E402  (after definitions; no cycle at import)
+from cairn.nn._module import Dict, List  # noqa: E402  (after definitions; no cycle at import)

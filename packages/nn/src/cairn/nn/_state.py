@@ -31,31 +31,39 @@ class State(MutableMapping):
     it from :func:`~cairn.nn.state` / :func:`~cairn.nn.split`.
     """
 
-    __slots__ = ("_flat", "_hint")
+    __slots__ = ("_flat_d", "_hint")
 
     def __init__(self, mapping: Mapping | None = None):
-        self._flat: dict[tuple, Variable] = {}
+        self._flat_d: dict[tuple, Variable] = {}
         self._hint = None
         if mapping is not None:
             if isinstance(mapping, State):
-                self._flat = dict(mapping._flat)
+                self._flat_d = dict(mapping._flat)
             else:
-                _flatten_mapping(mapping, (), self._flat)
+                _flatten_mapping(mapping, (), self._flat_d)
 
     @classmethod
     def from_flat(cls, flat: Mapping[tuple, Variable] | Any) -> State:
         """A State from ``{path_tuple: Variable}`` (or an iterable of pairs)."""
         s = object.__new__(cls)
-        s._flat = dict(flat)
+        s._flat_d = dict(flat)
         s._hint = None
         return s
 
     @classmethod
     def _from_cache(cls, graphdef, paths, variables) -> State:
         s = object.__new__(cls)
-        s._flat = dict(zip(paths, variables))
+        s._flat_d = None  # built on first use
         s._hint = (graphdef, variables)
         return s
+
+    @property
+    def _flat(self) -> dict[tuple, Variable]:
+        d = self._flat_d
+        if d is None:
+            gd, variables = self._hint
+            d = self._flat_d = dict(zip(gd.paths, variables))
+        return d
 
     # -- flat views ---------------------------------------------------------------------
     def flat_state(self) -> dict[tuple, Variable]:
@@ -83,7 +91,7 @@ class State(MutableMapping):
         return self._sub(key)
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in State.__slots__:
+        if name.startswith("__") or name in State.__slots__ or name == "_flat":
             raise AttributeError(name)
         try:
             return self._sub(name)
@@ -93,6 +101,7 @@ class State(MutableMapping):
             ) from None
 
     def __setitem__(self, key, value):
+        _ = self._flat
         self._hint = None
         for p in [p for p in self._flat if p[0] == key]:
             del self._flat[p]
@@ -112,6 +121,7 @@ class State(MutableMapping):
         ps = [p for p in self._flat if p[0] == key]
         if not ps:
             raise KeyError(key)
+        _ = self._flat
         self._hint = None
         for p in ps:
             del self._flat[p]

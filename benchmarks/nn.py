@@ -1,0 +1,283 @@
+"""cairn.nn against Flax NNX and raw jax.jit, in one process.
+
+Work: a 32-layer, width-16 MLP (ReLU) trained with AdamW (optax as the transformation
+for everyone), batch 8: compute is tiny, so the per-call Python overhead dominates.
+
+Variants (microseconds per call, min over repeats of the mean of N calls):
+  raw        jax.jit of the pure function on a params dict (the floor)
+  cairn      cairn.nn.jit with the model and the Optimizer passed in, updated in place
+  nnx        flax.nnx.jit default (graph mode)
+  nnx_tree   flax.nnx.jit(graph=False)
+  nnx_cached flax.nnx.cached_partial
+  nnx_jpart  flax.nnx.jit_partial(graph=False)
+for a train step and for an eval step (changes nothing). Also split + merge of a
+1,000-module model, and first-call (trace + compile) time.
+
+Prints a table, then ONE JSON line of ratios. ``--quick`` runs small repeat counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from cairn import nn  # noqa: E402
+
+DEPTH, WIDTH, BATCH = 32, 16, 8
+
+
+def bench(fn, calls: int, repeats: int) -> float:
+    """Min over ``repeats`` of the mean seconds per call over ``calls`` calls."""
+    out = fn()
+    jax.block_until_ready(out)
+    for _ in range(min(calls, 10)):
+        out = fn()
+    jax.block_until_ready(out)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
+
+
+def first_call(fn) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------- cairn model
+class CLinear(nn.Module):
+    def __init__(self, din, dout, rngs):
+        self.kernel = nn.Param(
+            jax.nn.initializers.lecun_normal()(rngs.params(), (din, dout), jnp.float32)
+        )
+        self.bias = nn.Param(jnp.zeros((dout,), jnp.float32))
+
+    def __call__(self, x):
+        return x @ self.kernel + self.bias
+
+
+class CMLP(nn.Module):
+    def __init__(self, depth, width, rngs):
+        self.layers = nn.List([CLinear(width, width, rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return x
+
+
+def c_loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def c_train_step(model, opt, x, y):
+    loss, grads = nn.value_and_grad(c_loss)(model, x, y)
+    opt.update(model, grads)
+    return loss
+
+
+# ---------------------------------------------------------------------- raw jax
+def raw_forward(params, x):
+    for layer in params["layers"].values():
+        x = jax.nn.relu(x @ layer["kernel"] + layer["bias"])
+    return x
+
+
+def raw_loss(params, x, y):
+    return jnp.mean((raw_forward(params, x) - y) ** 2)
+
+
+def make_raw_step(tx):
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(raw_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+# ---------------------------------------------------------------------- flax nnx
+def nnx_parts():
+    from flax import nnx
+
+    class NMLP(nnx.Module):
+        def __init__(self, depth, width, rngs):
+            self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    def loss(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    def train_step(model, opt, x, y):
+        l, grads = nnx.value_and_grad(loss)(model, x, y)
+        opt.update(model, grads)
+        return l
+
+    return nnx, NMLP, loss, train_step
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small repeat counts (< 60 s)")
+    ap.add_argument("--no-flax", action="store_true", help="skip the Flax NNX variants")
+    args = ap.parse_args(argv)
+    calls, repeats = (30, 3) if args.quick else (100, 9)
+    sm_repeats = 5 if args.quick else 20
+
+    x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+    y = jax.random.normal(jax.random.key(2), (BATCH, WIDTH))
+    tx = optax.adamw(1e-3)
+    rows: list[tuple[str, float, float, float]] = []  # name, train us, eval us, first s
+
+    # raw --------------------------------------------------------------------------
+    model = CMLP(DEPTH, WIDTH, nn.Rngs(0))
+    params = nn.to_pure_dict(nn.state(model, nn.Param))
+    raw_state = {"p": params, "s": tx.init(params)}
+    raw_step = jax.jit(make_raw_step(tx))
+    raw_eval = jax.jit(raw_loss)
+
+    def raw_train():
+        raw_state["p"], raw_state["s"], loss = raw_step(raw_state["p"], raw_state["s"], x, y)
+        return loss
+
+    raw_first = first_call(raw_train)
+    rows.append(
+        (
+            "raw jax.jit",
+            bench(raw_train, calls, repeats) * 1e6,
+            bench(lambda: raw_eval(raw_state["p"], x, y), calls, repeats) * 1e6,
+            raw_first,
+        )
+    )
+
+    # cairn ------------------------------------------------------------------------
+    model = CMLP(DEPTH, WIDTH, nn.Rngs(0))
+    opt = nn.Optimizer(model, tx, wrt=nn.Param)
+    c_step = nn.jit(c_train_step)
+    c_eval = nn.jit(c_loss)
+    c_first = first_call(lambda: c_step(model, opt, x, y))
+    rows.append(
+        (
+            "cairn nn.jit",
+            bench(lambda: c_step(model, opt, x, y), calls, repeats) * 1e6,
+            bench(lambda: c_eval(model, x, y), calls, repeats) * 1e6,
+            c_first,
+        )
+    )
+
+    # cairn split + merge of 1,000 modules
+    big = nn.List([CLinear(2, 2, nn.Rngs(i)) for i in range(1000)])
+
+    def c_split_merge():
+        gd, st = nn.split(big)
+        return nn.merge(gd, st)
+
+    c_sm = bench(c_split_merge, 10, sm_repeats)
+    c_split = bench(lambda: nn.split(big), 10, sm_repeats)
+
+    nnx_rows = {}
+    nnx_sm = None
+    if not args.no_flax:
+        try:
+            nnx, NMLP, n_loss, n_train = nnx_parts()
+        except ImportError:  # pragma: no cover - flax not installed
+            nnx = None
+        if nnx is not None:
+            variants = [("nnx.jit (graph, default)", {}), ("nnx.jit(graph=False)", {"graph": False})]
+            for name, kw in variants:
+                m = NMLP(DEPTH, WIDTH, nnx.Rngs(0))
+                o = nnx.Optimizer(m, tx, wrt=nnx.Param)
+                step = nnx.jit(n_train, **kw)
+                ev = nnx.jit(n_loss, **kw)
+                first = first_call(lambda step=step, m=m, o=o: step(m, o, x, y))
+                tr = bench(lambda step=step, m=m, o=o: step(m, o, x, y), calls, repeats) * 1e6
+                evt = bench(lambda ev=ev, m=m: ev(m, x, y), calls, repeats) * 1e6
+                nnx_rows[name] = (tr, evt)
+                rows.append((name, tr, evt, first))
+            if hasattr(nnx, "cached_partial"):
+                m = NMLP(DEPTH, WIDTH, nnx.Rngs(0))
+                o = nnx.Optimizer(m, tx, wrt=nnx.Param)
+                cached = nnx.cached_partial(nnx.jit(n_train), m, o)
+                cached_ev = nnx.cached_partial(nnx.jit(n_loss), m)
+                first = first_call(lambda: cached(x, y))
+                tr = bench(lambda: cached(x, y), calls, repeats) * 1e6
+                evt = bench(lambda: cached_ev(x, y), calls, repeats) * 1e6
+                nnx_rows["cached_partial"] = (tr, evt)
+                rows.append(("nnx.cached_partial", tr, evt, first))
+            if hasattr(nnx, "jit_partial"):
+                m = NMLP(DEPTH, WIDTH, nnx.Rngs(0))
+                o = nnx.Optimizer(m, tx, wrt=nnx.Param)
+                jp = nnx.jit_partial(n_train, m, o, graph=False)
+                jp_ev = nnx.jit_partial(n_loss, m, graph=False)
+                first = first_call(lambda: jp(x, y))
+                tr = bench(lambda: jp(x, y), calls, repeats) * 1e6
+                evt = bench(lambda: jp_ev(x, y), calls, repeats) * 1e6
+                nnx_rows["jit_partial"] = (tr, evt)
+                rows.append(("nnx.jit_partial(graph=False)", tr, evt, first))
+            nbig = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(1000)])
+
+            def n_split_merge():
+                gd, st = nnx.split(nbig)
+                return nnx.merge(gd, st)
+
+            nnx_sm = bench(n_split_merge, 2 if args.quick else 5, 2 if args.quick else 5)
+
+    # report ------------------------------------------------------------------------
+    print(f"MLP {DEPTH}x{WIDTH} + AdamW, batch {BATCH}; us per call (min of {repeats} x {calls})")
+    print(f"{'variant':32s} {'train step':>12s} {'eval step':>12s} {'first call s':>13s}")
+    for name, tr, ev, first in rows:
+        print(f"{name:32s} {tr:12.1f} {ev:12.1f} {first:13.3f}")
+    print(
+        f"split+merge, 1,000 modules: cairn {c_sm * 1e3:.3f} ms (split alone {c_split * 1e3:.3f} ms)"
+        + (f", nnx {nnx_sm * 1e3:.3f} ms" if nnx_sm is not None else "")
+    )
+    raw_tr, raw_ev = rows[0][1], rows[0][2]
+    c_tr, c_ev = rows[1][1], rows[1][2]
+    result = {
+        "bench": "nn",
+        "quick": bool(args.quick),
+        "cairn_vs_raw_train": round(c_tr / raw_tr, 3),
+        "cairn_vs_raw_eval": round(c_ev / raw_ev, 3),
+        "split_merge_1000_ms": round(c_sm * 1e3, 3),
+        "first_call_cairn_s": round(c_first, 3),
+        "first_call_raw_s": round(raw_first, 3),
+    }
+    if "nnx.jit (graph, default)" in nnx_rows:
+        d_tr, d_ev = nnx_rows["nnx.jit (graph, default)"]
+        result["nnx_default_over_cairn_train"] = round(d_tr / c_tr, 2)
+        result["nnx_default_over_cairn_eval"] = round(d_ev / c_ev, 2)
+        t_tr, _ = nnx_rows["nnx.jit(graph=False)"]
+        result["nnx_tree_over_cairn_train"] = round(t_tr / c_tr, 2)
+        if "cached_partial" in nnx_rows:
+            result["nnx_cached_over_cairn_train"] = round(nnx_rows["cached_partial"][0] / c_tr, 2)
+        if "jit_partial" in nnx_rows:
+            result["nnx_jit_partial_over_cairn_train"] = round(nnx_rows["jit_partial"][0] / c_tr, 2)
+        nnx_first = [r[3] for r in rows if r[0].startswith("nnx.jit (graph")][0]
+        result["first_call_nnx_s"] = round(nnx_first, 3)
+    if nnx_sm is not None:
+        result["nnx_over_cairn_split_merge"] = round(nnx_sm / c_sm, 1)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
