@@ -134,15 +134,127 @@ def _close_quietly(conns):
             pass
 
 
+class _Stop(Exception):
+    pass
+
+
+class _Worker:
+    """The loop of one worker process: compute own chunks, obey control messages."""
+
+    def __init__(self, w, n, ds, cap, length, conn, buf, slot_bytes, slots):
+        self.w, self.n, self.ds, self.cap, self.length = w, n, ds, cap, length
+        self.conn, self.buf, self.slot_bytes = conn, buf, slot_bytes
+        self.free = list(range(slots))
+        self.inline_out = 0  # chunks sent through the pipe and not yet acknowledged
+        self.gen = None
+        self.plan = None
+        self.k = 0
+        self.restarted = False
+        # Between sub-chunks of about this many records the worker checks for a new
+        # start position, so set_state() never waits for a whole stale chunk.
+        self.sub = max(1, 256 // max(1, ds._records_per_element()))
+
+    def handle(self, msg) -> None:
+        kind = msg[0]
+        if kind == "free":
+            if msg[1] >= 0:
+                self.free.append(msg[1])
+            else:
+                self.inline_out -= 1
+        elif kind == "start":
+            self.gen = msg[1]
+            self.plan = chunk_plan(msg[2], self.length, self.cap)
+            self.k = 0
+            self.restarted = True
+        elif kind == "stop":
+            raise _Stop
+
+    def poll_messages(self, timeout: float | None) -> bool:
+        """Handle waiting messages (blocking up to ``timeout`` for the first)."""
+        got = False
+        while self.conn.poll(timeout):
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                raise _Stop from None
+            self.handle(msg)
+            got, timeout = True, 0
+        return got
+
+    def next_bounds(self):
+        while True:
+            b = next(self.plan, None)
+            if b is None:
+                return None
+            mine = self.k % self.n == self.w
+            self.k += 1
+            if mine:
+                return b
+
+    def run(self, parent_pid: int) -> None:
+        while True:
+            can_work = self.plan is not None and len(self.free) > self.inline_out
+            if not can_work:
+                if not self.poll_messages(1.0) and os.getppid() != parent_pid:
+                    return
+                continue
+            self.poll_messages(0)
+            if not (self.plan is not None and len(self.free) > self.inline_out):
+                continue
+            bounds = self.next_bounds()
+            if bounds is None:
+                self.conn.send(("end", self.gen, self.k))
+                self.plan = None
+                continue
+            self.compute(self.k - 1, bounds)
+
+    def compute(self, chunk_k: int, bounds) -> None:
+        gen = self.gen
+        t0 = time.perf_counter()
+        values: list = []
+        err = None
+        self.restarted = False
+        try:
+            for a in range(bounds[0], bounds[1], self.sub):
+                vals, err = read_chunk(self.ds, a, min(a + self.sub, bounds[1]))
+                values.extend(vals)
+                if err is not None:
+                    break
+                self.poll_messages(0)
+                if self.restarted:  # set_state moved the iterator: drop this stale chunk
+                    return
+            pbufs: list = []
+            data = pickle.dumps(values, protocol=5, buffer_callback=pbufs.append)
+        except _Stop:
+            raise
+        except BaseException as e:
+            _send_error(self.conn, gen, chunk_k, e)
+            self.plan = None
+            return
+        raws = [b.raw() for b in pbufs]
+        sizes = [r.nbytes for r in raws]
+        total = sum(-(-x // _ALIGN) * _ALIGN for x in sizes)
+        dt = time.perf_counter() - t0
+        if self.free and total <= self.slot_bytes:
+            slot = self.free.pop()
+            off = slot * self.slot_bytes
+            for r in raws:
+                self.buf[off : off + r.nbytes] = r
+                off += -(-r.nbytes // _ALIGN) * _ALIGN
+            self.conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt, err is not None))
+        else:
+            self.inline_out += 1
+            self.conn.send(("chunk", gen, chunk_k, -1, pickle.dumps(values, protocol=4), None, dt, err is not None))
+        if err is not None:
+            _send_error(self.conn, gen, chunk_k, err)
+            self.plan = None
+
+
 def _worker_main(w, n, ds, cap, length, conn, shm_ref, slot_bytes, slots, init_fn, close_conns):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _close_quietly(close_conns)
     parent_pid = os.getppid()
-    if isinstance(shm_ref, str):
-        shm = shared_memory.SharedMemory(name=shm_ref)
-    else:
-        shm = shm_ref
-    buf = shm.buf
+    shm = shared_memory.SharedMemory(name=shm_ref) if isinstance(shm_ref, str) else shm_ref
     try:
         if init_fn is not None:
             init_fn(w, n)
@@ -150,87 +262,11 @@ def _worker_main(w, n, ds, cap, length, conn, shm_ref, slot_bytes, slots, init_f
     except BaseException as e:  # report init failures like chunk failures
         _send_error(conn, -1, -1, e)
         return
-    free = list(range(slots))
-    inline_out = 0  # chunks sent through the pipe and not yet acknowledged
-    gen = None
-    plan = None
-    k = 0
-    while True:
-        # Handle control messages; block only when there is nothing to compute.
-        can_work = plan is not None and len(free) > inline_out
-        if not conn.poll(0 if can_work else 1.0):
-            if not can_work:
-                if os.getppid() != parent_pid:
-                    return
-                continue
-        else:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                return
-            kind = msg[0]
-            if kind == "free":
-                if msg[1] >= 0:
-                    free.append(msg[1])
-                else:
-                    inline_out -= 1
-            elif kind == "start":
-                gen, start = msg[1], msg[2]
-                plan = chunk_plan(start, length, cap)
-                k = 0
-            elif kind == "stop":
-                return
-            continue
-        # Compute my next chunk of generation `gen`.
-        bounds = None
-        while True:
-            b = next(plan, None)
-            if b is None:
-                break
-            if k % n == w:
-                bounds = b
-                k += 1
-                break
-            k += 1
-        if bounds is None:
-            try:
-                conn.send(("end", gen, k))
-            except (BrokenPipeError, OSError):
-                return
-            plan = None
-            continue
-        chunk_k = k - 1
-        t0 = time.perf_counter()
-        try:
-            values, err = read_chunk(ds, bounds[0], bounds[1])
-            pbufs: list = []
-            data = pickle.dumps(values, protocol=5, buffer_callback=pbufs.append)
-        except BaseException as e:
-            values, err, data = None, e, None
-        if data is None:
-            _send_error(conn, gen, chunk_k, err)
-            plan = None
-            continue
-        raws = [b.raw() for b in pbufs]
-        sizes = [r.nbytes for r in raws]
-        total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
-        dt = time.perf_counter() - t0
-        try:
-            if free and total <= slot_bytes:
-                slot = free.pop()
-                off = slot * slot_bytes
-                for r in raws:
-                    buf[off : off + r.nbytes] = r
-                    off += -(-r.nbytes // _ALIGN) * _ALIGN
-                conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt, err is not None))
-            else:
-                inline_out += 1
-                conn.send(("chunk", gen, chunk_k, -1, pickle.dumps(values, protocol=4), None, dt, err is not None))
-        except (BrokenPipeError, OSError):
-            return
-        if err is not None:
-            _send_error(conn, gen, chunk_k, err)
-            plan = None
+    worker = _Worker(w, n, ds, cap, length, conn, shm.buf, slot_bytes, slots)
+    try:
+        worker.run(parent_pid)
+    except (_Stop, BrokenPipeError, EOFError, OSError):
+        return
 
 
 def _send_error(conn, gen, k, e):
