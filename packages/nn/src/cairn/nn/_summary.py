@@ -44,21 +44,32 @@ def module_repr(m, indent: int = 0, depth: int = 0) -> str:
     name = type(m).__name__
     if depth > _MAX_DEPTH:
         return f"{name}(...)"
-    lines = []
+    state_lines, config_lines = [], []
     for k, v in m._graph_items():
         key = f"{k}: " if isinstance(m, List) else f"{k}="
         if isinstance(v, Module):
-            lines.append(f"{pad}{key}{module_repr(v, indent + 1, depth + 1)},")
+            state_lines.append(f"{pad}{key}{module_repr(v, indent + 1, depth + 1)},")
         elif isinstance(v, Variable):
-            lines.append(f"{pad}{key}{v!r},")
+            state_lines.append(f"{pad}{key}{v!r},")
         else:
-            r = repr(v)
+            r = _static_repr(v)
             if len(r) > 80:
                 r = r[:77] + "..."
-            lines.append(f"{pad}{key}{r},")
+            config_lines.append(f"{pad}{key}{r},")
+    lines = state_lines + config_lines
     if not lines:
         return f"{name}()"
     return f"{name}(\n" + "\n".join(lines) + "\n" + "  " * indent + ")"
+
+
+def _static_repr(v) -> str:
+    if isinstance(v, type):
+        return v.__name__
+    if callable(v) and hasattr(v, "__qualname__"):
+        mod = getattr(v, "__module__", "") or ""
+        name = v.__qualname__.replace(".<locals>", "")
+        return f"{mod.split('.')[0]}.{name}" if mod.startswith(("jax", "numpy")) else name
+    return repr(v)
 
 
 def state_repr(s) -> str:
