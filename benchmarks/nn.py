@@ -28,7 +28,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from cairn import nn  # noqa: E402
@@ -128,9 +127,9 @@ def nnx_parts():
         return jnp.mean((model(x) - y) ** 2)
 
     def train_step(model, opt, x, y):
-        l, grads = nnx.value_and_grad(loss)(model, x, y)
+        value, grads = nnx.value_and_grad(loss)(model, x, y)
         opt.update(model, grads)
-        return l
+        return value
 
     return nnx, NMLP, loss, train_step
 

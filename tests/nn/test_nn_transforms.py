@@ -197,7 +197,7 @@ def test_scan_over_stacked_layers_equals_unrolled_loop():
     h = x
     sums = []
     for i in range(n):
-        params = jax.tree.map(lambda a: a[i], nn.to_pure_dict(nn.state(stacked, nn.Param)))
+        params = jax.tree.map(lambda a, i=i: a[i], nn.to_pure_dict(nn.state(stacked, nn.Param)))
         sums.append(h.sum())
         h = _fn(params, h)
     np.testing.assert_allclose(out, h, rtol=1e-5)
@@ -291,9 +291,9 @@ def test_optimizer_step_in_jit_matches_raw_optax():
 
     @nn.jit(donate_argnums=(0, 1))
     def step(m, opt, x):
-        l, g = nn.value_and_grad(loss)(m, x)
+        value, g = nn.value_and_grad(loss)(m, x)
         opt.update(m, g)
-        return l
+        return value
 
     params = nn.to_pure_dict(nn.state(m, nn.Param))
     ostate = tx.init(params)
@@ -301,8 +301,8 @@ def test_optimizer_step_in_jit_matches_raw_optax():
         l_ref, g = jax.value_and_grad(lambda p: jnp.mean(_fn(p, x) ** 2))(params)
         upd, ostate = tx.update(g, ostate, params)
         params = optax.apply_updates(params, upd)
-        l = step(m, opt, x)
-        np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+        value = step(m, opt, x)
+        np.testing.assert_allclose(value, l_ref, rtol=1e-5)
     got = nn.to_pure_dict(nn.state(m, nn.Param))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -36,7 +36,6 @@ from cairn.nn._metrics import MultiMetric
 from cairn.nn._module import Dict, List, Module, Sequential
 from cairn.nn._optimizer import Optimizer
 from cairn.nn._rngs import Rngs, RngStream
-from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._sharding import (
     abstract_model,
     current_rules,
@@ -46,6 +45,7 @@ from cairn.nn._sharding import (
     sharding_rules,
     with_partitioning,
 )
+from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._summary import tabulate
 from cairn.nn._transforms import (
     JitWrapped,
@@ -149,4 +149,78 @@ __all__ = [
 ]
 
 # --- layers (nn-layers helper) ---
+from cairn.nn import initializers as initializers  # noqa: E402
+from cairn.nn._activations import (  # noqa: E402
+    celu,
+    elu,
+    gelu,
+    glu,
+    hard_sigmoid,
+    hard_silu,
+    hard_swish,
+    hard_tanh,
+    identity,
+    leaky_relu,
+    log_sigmoid,
+    log_softmax,
+    logsumexp,
+    mish,
+    one_hot,
+    relu,
+    relu6,
+    selu,
+    sigmoid,
+    silu,
+    soft_sign,
+    softmax,
+    softplus,
+    standardize,
+    swish,
+    tanh,
+)
+from cairn.nn._attention import (  # noqa: E402
+    MultiHeadAttention,
+    combine_masks,
+    dot_product_attention,
+    dot_product_attention_weights,
+    make_attention_mask,
+    make_causal_mask,
+)
+from cairn.nn._conv import Conv, ConvTranspose  # noqa: E402
+from cairn.nn._dropout import Dropout  # noqa: E402
+from cairn.nn._embed import Embed  # noqa: E402
+from cairn.nn._linear import Einsum, Linear, LinearGeneral  # noqa: E402
+from cairn.nn._lora import LoRA, LoRALinear, LoRAParam  # noqa: E402
+from cairn.nn._normalization import (  # noqa: E402
+    BatchNorm,
+    GroupNorm,
+    InstanceNorm,
+    LayerNorm,
+    RMSNorm,
+)
+from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool  # noqa: E402
+from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell  # noqa: E402
+from cairn.nn._rope import (  # noqa: E402
+    RotaryEmbedding,
+    apply_rotary_embedding,
+    rotary_frequencies,
+)
+
+__all__ += [
+    "initializers",
+    # activations
+    "celu", "elu", "gelu", "glu", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh",
+    "identity", "leaky_relu", "log_sigmoid", "log_softmax", "logsumexp", "mish", "one_hot",
+    "relu", "relu6", "selu", "sigmoid", "silu", "soft_sign", "softmax", "softplus",
+    "standardize", "swish", "tanh",
+    # layers
+    "BatchNorm", "Conv", "ConvTranspose", "Dropout", "Einsum", "Embed", "GRUCell",
+    "GroupNorm", "InstanceNorm", "LSTMCell", "LayerNorm", "Linear", "LinearGeneral", "LoRA",
+    "LoRALinear", "LoRAParam", "MultiHeadAttention", "RMSNorm", "RNN", "RNNCellBase",
+    "RotaryEmbedding", "SimpleCell",
+    # functions
+    "apply_rotary_embedding", "avg_pool", "combine_masks", "dot_product_attention",
+    "dot_product_attention_weights", "make_attention_mask", "make_causal_mask", "max_pool",
+    "min_pool", "pool", "rotary_frequencies",
+]
 # --- end layers ---

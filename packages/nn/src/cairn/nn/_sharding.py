@@ -114,7 +114,6 @@ def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
     each variable's value replaced by its ``PartitionSpec`` (``PartitionSpec()`` when it
     has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`."""
     from cairn.core_array import logical_to_partition_spec
-
     from cairn.nn._graph import state as _state
     from cairn.nn._module import Module
 
