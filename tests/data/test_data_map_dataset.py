@@ -219,3 +219,24 @@ def test_sources_returning_none_for_bad_records_are_filtered():
     ds = MapDataset.source(Flaky()).map(lambda x: x * 10)
     assert list(ds) == [x * 10 for x in range(10) if x not in (3, 7)]
     assert [b.tolist() for b in ds.batch(4)] == [[0, 10, 20], [40, 50, 60], [80, 90]]
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 300), g=st.sampled_from([4, 6, 12]), data=st.data())
+def test_shard_global_batches_agree_across_host_counts(n, g, data):
+    base = MapDataset.range(n).shuffle(seed=3)
+    ref = [b.tolist() for b in base.batch(g, drop_remainder=True)]
+    for hosts in [h for h in (1, 2, 3, 4, 6) if g % h == 0]:
+        per_host = [[b.tolist() for b in base.shard_global_batches(g, h, hosts)] for h in range(hosts)]
+        assert all(len(p) == len(ref) for p in per_host)
+        for step, global_batch in enumerate(ref):
+            assert sum((p[step] for p in per_host), []) == global_batch
+    # A state saved on 2 hosts resumes on 3 hosts at the same global batch.
+    if len(ref) > 1 and g % 3 == 0 and g % 2 == 0:
+        it2 = iter(base.shard_global_batches(g, 0, 2).to_iter_dataset())
+        next(it2)
+        it3 = iter(base.shard_global_batches(g, 1, 3).to_iter_dataset())
+        it3.set_state(it2.get_state())
+        assert next(it3).tolist() == ref[1][g // 3 : 2 * g // 3]
+    with pytest.raises(ValueError, match="not divisible by shard_count"):
+        base.shard_global_batches(g, 0, 5)

@@ -260,6 +260,34 @@ class MapDataset:
             raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
         return _BatchMapDataset(self, int(batch_size), bool(drop_remainder), batch_fn)
 
+    def shard_global_batches(
+        self, global_batch_size: int, shard_index: int, shard_count: int, batch_fn: Callable | None = None
+    ) -> MapDataset:
+        """This process's rows of each global batch: element ``i`` holds the records
+        ``i * G + shard_index * G / shard_count ...`` of the parent (``G`` the global batch).
+
+        Every process sees global batch ``i`` at step ``i``, so iterator states agree across
+        processes and a run can resume on a different number of hosts (any count that
+        divides ``G``) and train on the same global batches. A last partial global batch
+        is dropped.
+
+        >>> ds = MapDataset.range(8)
+        >>> [b.tolist() for b in ds.shard_global_batches(4, 1, 2)]
+        [[2, 3], [6, 7]]
+        """
+        g, i, c = (operator.index(v) for v in (global_batch_size, shard_index, shard_count))
+        if g < 1 or c < 1 or not 0 <= i < c:
+            raise ValueError(
+                f"shard_global_batches(): need global_batch_size >= 1, shard_count >= 1 and 0 <= "
+                f"shard_index < shard_count, got {g}, {i}, {c}"
+            )
+        if g % c:
+            raise ValueError(
+                f"shard_global_batches(): global_batch_size {g} is not divisible by shard_count {c}"
+            )
+        per = g // c
+        return _BlockSliceMapDataset(self, g, i * per, per).batch(per, drop_remainder=True, batch_fn=batch_fn)
+
     def repeat(self, num_epochs: int | None = None, reseed_each_epoch: bool = True) -> MapDataset:
         """Repeat ``num_epochs`` times (forever if ``None``), reshuffling every epoch.
 
@@ -442,6 +470,24 @@ class _SliceMapDataset(_Unary):
     def _stage_name(self) -> str:
         r = self._range
         return f"slice({r.start}:{r.stop}:{r.step})"
+
+
+class _BlockSliceMapDataset(_Unary):
+    """Records ``[start, start + size)`` of every block of ``block`` parent records."""
+
+    def __init__(self, parent: MapDataset, block: int, start: int, size: int):
+        super().__init__(parent)
+        self._block, self._start, self._size = block, start, size
+
+    def __len__(self) -> int:
+        return len(self._parent) // self._block * self._size
+
+    def _getitems(self, indices: np.ndarray, epoch: int) -> list:
+        q, r = np.divmod(indices, self._size)
+        return self._parent._getitems(q * self._block + self._start + r, epoch)
+
+    def _stage_name(self) -> str:
+        return f"block_slice(block={self._block}, rows={self._start}:{self._start + self._size})"
 
 
 class _MapMapDataset(_Unary):
