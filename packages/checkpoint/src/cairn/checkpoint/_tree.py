@@ -118,7 +118,7 @@ def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot
                 if shard.replica_id != 0:
                     continue
                 data = shard.data
-                if data.devices().pop().platform != "cpu":
+                if shard.device.platform != "cpu":
                     data.copy_to_host_async()
                 on_device.append((path, norm_index(shard.index, shape), data))
         elif isinstance(leaf, (np.ndarray, np.generic)):
