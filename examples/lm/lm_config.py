@@ -1,0 +1,293 @@
+"""Configuration of the reference LM recipe: one TOML file, overridable from the command line.
+
+Every key is declared in a dataclass below; an unknown key, a value of the wrong type, an
+impossible mesh, a batch the data axis cannot divide or a data path that does not exist
+stops the run *before* training with a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import pathlib
+import tomllib
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, naming the offending key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/lm"
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # "synthetic", "parquet" or "arrayrecord"
+    paths: tuple[str, ...] = ()  # user files or globs, for source = "parquet" / "arrayrecord"
+    text_column: str = "text"  # Parquet column with the text of each example
+    eval_paths: tuple[str, ...] = ()  # held-out user files (optional)
+    train_format: str = "arrayrecord"  # which of the synthetic shards to train from
+    num_train: int = 50_000
+    num_eval: int = 500
+    max_digits: int = 3
+    num_shards: int = 4
+    seq_len: int = 64
+    batch_size: int = 32
+    num_workers: int = 2
+    shuffle_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    mlp_dim: int = 384
+    tie_embeddings: bool = True
+    rope_base: float = 10_000.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    end_lr_ratio: float = 0.05
+    weight_decay: float = 0.05
+    b1: float = 0.9
+    b2: float = 0.98
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1200
+    log_every: int = 50
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 300
+    max_to_keep: int = 2
+    enable_async: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1: every device not used by the other axes
+    model: int = 1
+    rules: tuple[tuple[str, Any], ...] = (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("heads", "model"),
+        ("kv_heads", "model"),
+        ("mlp", "model"),
+        ("embed", None),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {key!r}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r}: expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
+        args = typing.get_args(annotation)
+        if args and args[-1] is Ellipsis and args[0] is str:
+            bad = [v for v in value if not isinstance(v, str)]
+            if bad:
+                raise ConfigError(f"config key {key!r}: expected a list of strings, got {bad!r}")
+            return tuple(value)
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def _build(cls: type, table: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix + unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+            + f"; known keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in table:
+            continue
+        value = table[f.name]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {key!r}: expected a table, got {value!r}")
+            kwargs[f.name] = _build(hints[f.name], value, key + ".")
+        else:
+            kwargs[f.name] = _coerce(key, value, hints[f.name])
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # bare words are strings: --set data.source=parquet
+
+
+def apply_overrides(table: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` overrides (TOML values; bare words are strings)."""
+    table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in table.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = table
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {p!r} is not a table")
+        node[parts[-1]] = _parse_value(text.strip())
+    return table
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read the TOML file (or the defaults), apply overrides, check every key and value."""
+    table: dict = {}
+    if path is not None:
+        p = pathlib.Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            table = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    table = apply_overrides(table, list(overrides))
+    cfg = _build(Config, table, "")
+    validate_static(cfg)
+    return cfg
+
+
+def validate_static(cfg: Config) -> None:
+    """Checks that need no devices: values in range, sources that exist."""
+    d, m = cfg.data, cfg.model
+    if d.source not in ("synthetic", "parquet", "arrayrecord"):
+        raise ConfigError(f"config key 'data.source': expected 'synthetic', 'parquet' or 'arrayrecord', got {d.source!r}")
+    if d.train_format not in ("parquet", "arrayrecord"):
+        raise ConfigError(f"config key 'data.train_format': expected 'parquet' or 'arrayrecord', got {d.train_format!r}")
+    if d.source != "synthetic":
+        if not d.paths:
+            raise ConfigError(f"config key 'data.paths': data.source = {d.source!r} needs at least one file or glob")
+        for pattern in d.paths + d.eval_paths:
+            if not glob.glob(pattern):
+                key = "data.paths" if pattern in d.paths else "data.eval_paths"
+                raise ConfigError(f"config key {key!r}: {pattern!r} does not exist (no file matches)")
+    positive = {
+        "data.seq_len": d.seq_len, "data.batch_size": d.batch_size, "data.num_train": d.num_train,
+        "data.num_eval": d.num_eval, "data.max_digits": d.max_digits, "data.num_shards": d.num_shards,
+        "model.d_model": m.d_model, "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
+        "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim, "train.steps": cfg.train.steps,
+        "train.log_every": cfg.train.log_every, "checkpoint.every": cfg.checkpoint.every,
+        "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key {key!r}: must be positive, got {value}")
+    if d.num_workers < 0:
+        raise ConfigError(f"config key 'data.num_workers': must be >= 0, got {d.num_workers}")
+    if m.d_model % m.num_heads:
+        raise ConfigError(f"config key 'model.num_heads': {m.num_heads} does not divide model.d_model = {m.d_model}")
+    if (m.d_model // m.num_heads) % 2:
+        raise ConfigError("config key 'model.d_model': the head size d_model / num_heads must be even for rotary embeddings")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"config key 'model.num_kv_heads': {m.num_kv_heads} does not divide model.num_heads = {m.num_heads}")
+    if d.source == "synthetic" and 3 * d.max_digits + 5 > d.seq_len:
+        raise ConfigError(f"config key 'data.seq_len': {d.seq_len} cannot hold one {d.max_digits}-digit problem")
+    if not 0 <= cfg.optim.warmup_steps <= cfg.train.steps:
+        raise ConfigError(f"config key 'optim.warmup_steps': must be within [0, train.steps = {cfg.train.steps}]")
+    if cfg.optim.learning_rate <= 0:
+        raise ConfigError(f"config key 'optim.learning_rate': must be positive, got {cfg.optim.learning_rate}")
+    for dtype_key in ("dtype", "param_dtype"):
+        if getattr(m, dtype_key) not in ("float32", "bfloat16"):
+            raise ConfigError(f"config key 'model.{dtype_key}': expected 'float32' or 'bfloat16'")
+    for i, rule in enumerate(cfg.mesh.rules):
+        if len(rule) != 2 or not isinstance(rule[0], str) or not (rule[1] is None or rule[1] in ("data", "model")):
+            raise ConfigError(f"config key 'mesh.rules' entry {i}: {list(rule)!r} must be [logical_axis, 'data' | 'model' | null]")
+
+
+def mesh_shape(cfg: Config, device_count: int) -> tuple[int, int]:
+    """The (data, model) mesh shape for ``device_count`` devices, or a ConfigError."""
+    model = cfg.mesh.model
+    if model <= 0:
+        raise ConfigError(f"config key 'mesh.model': must be positive, got {model}")
+    data = cfg.mesh.data
+    if data == -1:
+        if device_count % model:
+            raise ConfigError(f"config key 'mesh.model': {model} does not divide the {device_count} available devices")
+        data = device_count // model
+    if data <= 0 or data * model != device_count:
+        raise ConfigError(
+            f"config key 'mesh.data': a mesh of data={data} x model={model} = {data * model} devices "
+            f"is impossible with {device_count} devices"
+        )
+    if cfg.data.batch_size % data:
+        raise ConfigError(
+            f"config key 'data.batch_size': {cfg.data.batch_size} is not divisible by the data axis of size {data}"
+        )
+    m = cfg.model
+    for key, size in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads), ("model.mlp_dim", m.mlp_dim)):
+        if size % model:
+            raise ConfigError(f"config key {key!r}: {size} is not divisible by the model axis of size {model}")
+    return data, model
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def flops_per_token(cfg: Config, vocab_size: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
+    m, s = cfg.model, cfg.data.seq_len
+    hd = m.d_model // m.num_heads
+    attn_proj = 2 * m.d_model * (m.num_heads * hd) * 2 + 2 * m.d_model * (m.num_kv_heads * hd) * 2
+    attn_scores = 2 * 2 * s * m.num_heads * hd  # QK^T and AV, per query token
+    mlp = 3 * 2 * m.d_model * m.mlp_dim
+    head = 2 * m.d_model * vocab_size
+    return 3.0 * (m.num_layers * (attn_proj + attn_scores + mlp) + head)
+
+
+__all__ = ["Config", "ConfigError", "load_config", "mesh_shape", "apply_overrides", "to_dict", "flops_per_token"]

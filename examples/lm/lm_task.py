@@ -1,0 +1,100 @@
+"""The embedded default task: multi-digit addition written as text, and its tokenizer.
+
+A problem reads ``"372+59=134"``: the operands most-significant digit first, the sum
+written *least*-significant digit first (372 + 59 = 431), so that a left-to-right model
+can produce each digit with the carry it just computed; this is the usual way small
+transformers are taught addition. Every problem has one exact answer, so held-out
+exact-match accuracy is a real score. Chance is 10^-(digits of the answer).
+
+Tokens are bytes shifted by 3 (0 = padding, 1 = beginning, 2 = end of text), so user
+text in any language tokenizes the same way; the vocabulary is padded to 320 entries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB_SIZE = 320  # 256 byte values + 3 special tokens, padded to a multiple of 64
+EQUALS = ord("=") + 3
+
+
+def _operands(rng: np.random.Generator, n: int, max_digits: int) -> tuple[np.ndarray, np.ndarray]:
+    # digits drawn uniformly per operand so that short and long numbers are equally common
+    digits_a = rng.integers(1, max_digits + 1, n)
+    digits_b = rng.integers(1, max_digits + 1, n)
+    a = rng.integers(0, 10**digits_a)
+    b = rng.integers(0, 10**digits_b)
+    return a, b
+
+
+def is_held_out(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray | bool:
+    """A fixed ~1/16 of all problems is never trained on: the held-out evaluation set."""
+    h = (np.asarray(a, np.uint64) * np.uint64(0x9E3779B1) + np.asarray(b, np.uint64) * np.uint64(0x85EBCA77))
+    return ((h >> np.uint64(7)) & np.uint64(15)) == 0
+
+
+def problem_text(a: int, b: int) -> str:
+    return f"{a}+{b}={str(a + b)[::-1]}"
+
+
+def make_problems(num: int, max_digits: int, seed: int, held_out: bool) -> list[str]:
+    """``num`` distinct-by-construction problems from the train or the held-out split."""
+    rng = np.random.default_rng([seed, 1 if held_out else 0])
+    out: list[str] = []
+    while len(out) < num:
+        a, b = _operands(rng, 2 * (num - len(out)) + 64, max_digits)
+        keep = is_held_out(a, b) == held_out
+        out.extend(problem_text(int(x), int(y)) for x, y in zip(a[keep], b[keep]))
+    return out[:num]
+
+
+def encode(text: str | bytes) -> np.ndarray:
+    """Byte tokens of ``text`` (no special tokens)."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return np.frombuffer(data, np.uint8).astype(np.int32) + 3
+
+
+def decode(tokens: np.ndarray) -> str:
+    t = np.asarray(tokens)
+    t = t[t >= 3] - 3
+    return bytes(t.astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+def example_from_text(text: str | bytes, seq_len: int, answer_only: bool) -> dict[str, np.ndarray]:
+    """One training example: ``inputs`` = BOS + text, ``targets`` = text + EOS, ``weights``.
+
+    With ``answer_only`` (the addition task) only the tokens after ``=`` and the end token
+    carry loss: the operands are random, so predicting them teaches nothing. Text longer
+    than ``seq_len`` is cut.
+    """
+    toks = encode(text)[: seq_len - 1]
+    inputs = np.concatenate([[BOS], toks]).astype(np.int32)
+    targets = np.concatenate([toks, [EOS]]).astype(np.int32)
+    if answer_only:
+        eq = np.flatnonzero(toks == EQUALS)
+        start = int(eq[0]) + 1 if eq.size else 0
+        weights = (np.arange(targets.size) >= start).astype(np.float32)
+    else:
+        weights = np.ones(targets.size, np.float32)
+    return {"inputs": inputs, "targets": targets, "weights": weights}
+
+
+def eval_batch(texts: list[str], seq_len: int) -> dict[str, np.ndarray]:
+    """Unpacked, right-padded evaluation rows with answer-only weights."""
+    n = len(texts)
+    out = {
+        "inputs": np.zeros((n, seq_len), np.int32),
+        "targets": np.zeros((n, seq_len), np.int32),
+        "weights": np.zeros((n, seq_len), np.float32),
+        "segment_ids": np.zeros((n, seq_len), np.int32),
+        "positions": np.zeros((n, seq_len), np.int32),
+    }
+    for i, t in enumerate(texts):
+        ex = example_from_text(t, seq_len, answer_only=True)
+        L = ex["inputs"].size
+        for k in ("inputs", "targets", "weights"):
+            out[k][i, :L] = ex[k]
+        out["segment_ids"][i, :L] = 1
+        out["positions"][i, :L] = np.arange(L)
+    return out

@@ -1,0 +1,242 @@
+"""The training loop: cairn.data -> cairn.nn model -> cairn.optim AdamW -> cairn.checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lm_config
+import lm_data
+import lm_model
+import lm_report
+import lm_task
+from cairn import checkpoint as ckpt
+from cairn import nn, optim
+from cairn.core_array import LogicalAxisRules
+
+BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: lm_config.Config
+    mesh: jax.sharding.Mesh
+    rules: LogicalAxisRules
+    batch_sharding: jax.sharding.NamedSharding
+    run_dir: pathlib.Path
+
+
+def make_setup(cfg: lm_config.Config) -> Setup:
+    """Mesh and shardings; raises ConfigError for an impossible mesh or batch."""
+    n = jax.device_count()
+    data, model = lm_config.mesh_shape(cfg, n)
+    if cfg.data.batch_size % jax.process_count():
+        raise lm_config.ConfigError(
+            f"config key 'data.batch_size': {cfg.data.batch_size} is not divisible by {jax.process_count()} processes"
+        )
+    devices = np.asarray(jax.devices()).reshape(data, model)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    rules = LogicalAxisRules([tuple(r) for r in cfg.mesh.rules])
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    return Setup(cfg, mesh, rules, batch_sharding, pathlib.Path(cfg.run.dir))
+
+
+def create_model(setup: Setup) -> lm_model.TransformerLM:
+    """Build the model with every parameter created directly in its NamedSharding."""
+    cfg = setup.cfg
+    return nn.sharded_init(
+        lambda: lm_model.TransformerLM(cfg, lm_task.VOCAB_SIZE, rngs=nn.Rngs(params=cfg.run.seed)),
+        mesh=setup.mesh,
+        rules=setup.rules,
+    )
+
+
+def make_optimizer(cfg: lm_config.Config):
+    o = cfg.optim
+    schedule = optim.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.learning_rate,
+        warmup_steps=o.warmup_steps,
+        decay_steps=cfg.train.steps,
+        end_value=o.learning_rate * o.end_lr_ratio,
+    )
+    # weight decay on matrices only (kernels and the embedding), as is usual for transformers
+    tx = optim.chain(
+        optim.clip_by_global_norm(o.clip_norm),
+        optim.scale_by_adam(b1=o.b1, b2=o.b2),
+        optim.add_decayed_weights(o.weight_decay, mask=".*(kernel|embedding)"),
+        optim.scale_by_learning_rate(schedule),
+    )
+    return tx, schedule
+
+
+def _train_step(model, optimizer, batch):
+    (loss, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "token_accuracy": aux["token_accuracy"]}
+
+
+train_step = nn.jit(_train_step, donate_argnums=(0, 1))
+
+
+@nn.jit
+def eval_step(model, batch):
+    _, aux = lm_model.loss_and_metrics(model, batch)
+    return aux
+
+
+def to_global(setup: Setup, local_batch: dict) -> dict:
+    """Per-process numpy batch -> global jax.Arrays sharded over the data axis."""
+    return {
+        k: jax.make_array_from_process_local_data(setup.batch_sharding, np.asarray(local_batch[k]))
+        for k in BATCH_KEYS
+    }
+
+
+def evaluate(setup: Setup, model, texts: list[str]) -> float:
+    """Exact match on held-out problems: every answer token right under teacher forcing,
+    which is the same as greedy decoding producing the whole answer."""
+    if not texts:
+        return float("nan")
+    bs = setup.cfg.data.batch_size
+    correct = 0
+    for start in range(0, len(texts), bs):
+        chunk = texts[start : start + bs]
+        pad = bs - len(chunk)
+        batch = lm_task.eval_batch(chunk + [chunk[-1]] * pad, setup.cfg.data.seq_len)
+        if jax.process_count() > 1:
+            batch = {k: v[jax.process_index() :: jax.process_count()] for k, v in batch.items()}
+        row_exact = np.asarray(jax.experimental.multihost_utils.process_allgather(
+            eval_step(model, to_global(setup, batch))["row_exact"], tiled=True
+        ) if jax.process_count() > 1 else eval_step(model, to_global(setup, batch))["row_exact"])
+        if jax.process_count() > 1:
+            row_exact = row_exact.reshape(jax.process_count(), -1).T.reshape(-1)
+        correct += int(row_exact[: len(chunk)].sum())
+    return correct / len(texts)
+
+
+def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
+    """Run the recipe; returns the report dict (also written to the run directory)."""
+    t_start = time.perf_counter()
+    setup = make_setup(cfg)
+    run_dir = setup.run_dir
+    shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
+    src, fmt, eval_texts = lm_data.open_source(cfg, shards)
+    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
+    data_iter = iter(pipeline)
+
+    model = create_model(setup)
+    tx, schedule = make_optimizer(cfg)
+    optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
+
+    manager = ckpt.CheckpointManager(
+        run_dir / "checkpoints",
+        ckpt.CheckpointManagerOptions(
+            save_interval_steps=cfg.checkpoint.every,
+            max_to_keep=cfg.checkpoint.max_to_keep,
+            enable_async=cfg.checkpoint.enable_async,
+        ),
+    )
+    start_step = 0
+    resumed_from = None
+    if resume and manager.latest_step() is not None:
+        step = manager.latest_step()
+        restored = manager.restore(
+            step,
+            {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter},
+        )
+        nn.update(model, restored["model"])
+        nn.update(optimizer, restored["optimizer"])
+        start_step = resumed_from = step
+
+    peak = lm_report.measure_peak_flops()
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_step = lm_config.flops_per_token(cfg, lm_task.VOCAB_SIZE) * tokens_per_step
+    progress = lm_report.Progress(cfg.train.steps, start_step, cfg.train.log_every,
+                                  enabled=cfg.train.progress and not quiet and jax.process_index() == 0)
+    curve: list[tuple[int, float]] = []
+    data_blocked = ckpt_blocked = 0.0
+    compile_s = 0.0
+    saved = 0
+    timed_tokens, timed_s = 0, 0.0
+    last_loss = float("nan")
+    step = start_step
+    pending = None
+    while step < cfg.train.steps:
+        t0 = time.perf_counter()
+        local = next(data_iter)
+        data_blocked += time.perf_counter() - t0
+        batch = to_global(setup, local)
+        t1 = time.perf_counter()
+        metrics = train_step(model, optimizer, batch)
+        step += 1
+        if pending is not None:
+            # read the previous step's loss now: the device ran ahead while we fetched data
+            curve.append((step - 1, float(pending["loss"])))
+        pending = metrics
+        if step == start_step + 1:
+            jax.block_until_ready(metrics)
+            compile_s = time.perf_counter() - t1
+        else:
+            timed_tokens += tokens_per_step
+            timed_s += time.perf_counter() - t0
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            last_loss = float(metrics["loss"])
+            tps = timed_tokens / timed_s if timed_s else 0.0
+            progress.update(step, last_loss, tps, float(schedule(step)))
+        if manager.should_save(step) or step == cfg.train.steps:
+            t2 = time.perf_counter()
+            manager.save(step, {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter},
+                         metrics={"loss": float(metrics["loss"])}, force=step == cfg.train.steps)
+            ckpt_blocked += time.perf_counter() - t2
+            saved += 1
+        if stop_after is not None and step >= stop_after:
+            break
+    if pending is not None:
+        curve.append((step, float(pending["loss"])))
+        last_loss = float(pending["loss"])
+    t3 = time.perf_counter()
+    manager.wait_until_finished()
+    ckpt_blocked += time.perf_counter() - t3
+    progress.close()
+    if hasattr(data_iter, "close"):
+        data_iter.close()
+
+    acc = evaluate(setup, model, eval_texts)
+    tps = timed_tokens / timed_s if timed_s else 0.0
+    answer_digits = cfg.data.max_digits + 1
+    report = {
+        "steps": step,
+        "resumed_from": resumed_from,
+        "final_loss": last_loss,
+        "heldout_exact_match": acc,
+        "heldout_examples": len(eval_texts),
+        "chance_exact_match": 10.0 ** -answer_digits,
+        "tokens_per_s": tps,
+        "peak_flops": peak,
+        "mfu": (tps * flops_per_step / tokens_per_step) / peak if peak else 0.0,
+        "checkpoint_blocked_s": ckpt_blocked,
+        "checkpoints_saved": saved,
+        "data_blocked_s": data_blocked,
+        "compile_s": compile_s,
+        "wall_s": time.perf_counter() - t_start,
+        "mesh": dict(setup.mesh.shape),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "run_dir": str(run_dir),
+        "config": lm_config.to_dict(cfg),
+        "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(nn.state(model, nn.Param)))),
+    }
+    manager.close()
+    if jax.process_index() == 0:
+        lm_report.write_report(run_dir, report, curve)
+    return report
+
+
+__all__ = ["train", "make_setup", "create_model", "make_optimizer", "jnp"]
