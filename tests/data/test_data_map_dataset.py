@@ -133,6 +133,8 @@ def test_shard_errors():
         MapDataset.range(3).shard(0, 0)
     with pytest.raises(ValueError, match="index must be in \\[0, 2\\)"):
         MapDataset.range(3).shard(2, 2)
+    # More shards than records: the last shards are empty (documented, no error).
+    assert [list(MapDataset.range(2).shard(i, 5)) for i in range(5)] == [[0], [1], [], [], []]
 
 
 def test_repeat_and_lengths():
