@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from cairn import nn
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     batches=st.lists(
         st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=1, max_size=20),

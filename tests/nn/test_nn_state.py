@@ -167,7 +167,7 @@ def test_structure_change_invalidates_cache():
     assert nn.graphdef(m).node != gd2.node
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     widths=st.lists(st.integers(1, 4), min_size=2, max_size=5),
     seed=st.integers(0, 2**16),
@@ -191,7 +191,7 @@ def test_property_split_merge_and_pure_dict_roundtrip(widths, seed):
         np.testing.assert_array_equal(x, y)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(widths=st.lists(st.integers(1, 5), min_size=2, max_size=4))
 def test_property_eval_shape_shapes(widths):
     abstract = nn.eval_shape(lambda: Block(tuple(widths), nn.Rngs(0)))
