@@ -194,12 +194,20 @@ def main() -> None:
                 fg.append(res[0][0])
                 best.append(label_gs[k])
             med = statistics.median
-            return {"c": med(cs), "g": med(gs), "ratio": med(rs), "first_c": med(fc), "first_g": med(fg),
-                    "best": max(set(best), key=best.count)}
+            return {
+                "c": med(cs),
+                "g": med(gs),
+                "ratio": med(rs),
+                "first_c": med(fc),
+                "first_g": med(fg),
+                "best": max(set(best), key=best.count),
+            }
 
         # 1. in memory (Grain's docs recommend num_threads=0 here)
         loop = statistics.median(plain_loop(records, batches) for _ in range(repeats))
-        r = compare(lambda: cairn_iter(records, decode, 0), [lambda: grain_iter(records, decode, 0)])
+        r = compare(
+            lambda: cairn_iter(records, decode, 0), [lambda: grain_iter(records, decode, 0)]
+        )
         add("in memory, 0 workers (grain threads=0)", r)
         rows.append(("plain Python loop (in memory)", loop, float("nan"), float("nan")))
         ratios["memory_vs_grain"] = r["ratio"]
@@ -211,7 +219,10 @@ def main() -> None:
         for w in (0, 2):
             r = compare(
                 lambda w=w: cairn_iter(c_ar_src, decode, w),
-                [lambda w=w: grain_iter(g_ar_src, decode, w), lambda w=w: grain_iter(g_ar_src, decode, w, threads=None)],
+                [
+                    lambda w=w: grain_iter(g_ar_src, decode, w),
+                    lambda w=w: grain_iter(g_ar_src, decode, w, threads=None),
+                ],
             )
             add(f"ArrayRecord, {w} workers (grain {r['best']})", r)
             ratios[f"arrayrecord_{w}w"] = r["ratio"]
@@ -226,7 +237,10 @@ def main() -> None:
         g10_src = grain.sources.ArrayRecordDataSource(ar10_paths)
         r = compare(
             lambda: cairn_iter(c10_src, decode, 0),
-            [lambda: grain_iter(g10_src, decode, 0), lambda: grain_iter(g10_src, decode, 0, threads=None)],
+            [
+                lambda: grain_iter(g10_src, decode, 0),
+                lambda: grain_iter(g10_src, decode, 0, threads=None),
+            ],
         )
         add(f"ArrayRecord, 10 shards, 0 workers (grain {r['best']})", r)
         ratios["arrayrecord_1_vs_10_shards_cairn"] = ar0["c"] / r["c"]
@@ -241,7 +255,10 @@ def main() -> None:
         g_rows = pq.read_table(pq_dir).to_pylist()
         g_load = time.perf_counter() - t0
         for w in (0, 2):
-            r = compare(lambda w=w: cairn_iter(c_pq_src, decode_row, w), [lambda w=w: grain_iter(g_rows, decode_row, w)])
+            r = compare(
+                lambda w=w: cairn_iter(c_pq_src, decode_row, w),
+                [lambda w=w: grain_iter(g_rows, decode_row, w)],
+            )
             add(f"Parquet, {w} workers (grain threads=0)", r)
             ratios[f"parquet_{w}w"] = r["ratio"]
 
@@ -259,12 +276,16 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"{n} records x {RECORD_BYTES} B, shuffle -> decode/x*2+1 -> batch {BATCH}; records/s; ratio = median of {repeats} interleaved pairs")
+    print(
+        f"{n} records x {RECORD_BYTES} B, shuffle -> decode/x*2+1 -> batch {BATCH}; records/s; ratio = median of {repeats} interleaved pairs"
+    )
     print(f"{'pipeline':52s} {'cairn':>10s} {'grain':>10s} {'ratio':>8s}")
     for name, c, g, ratio in rows:
         print(f"{name:52s} {c:10,.0f} {g:10,.0f} {ratio:8.2f}".replace("nan", "  -"))
     print(f"Grain Parquet -> memory load: {g_load:.2f} s (not counted)")
-    print(f"first batch, 2 workers: cairn {ratios['first_batch_2w_cairn_s']:.3f} s, grain {ratios['first_batch_2w_grain_s']:.3f} s")
+    print(
+        f"first batch, 2 workers: cairn {ratios['first_batch_2w_cairn_s']:.3f} s, grain {ratios['first_batch_2w_grain_s']:.3f} s"
+    )
     print(
         f"get_state: cairn {ratios['get_state_cairn_us']:.2f} us ({size_c} B), grain {ratios['get_state_grain_us']:.2f} us ({size_g} B)"
     )
@@ -272,7 +293,15 @@ def main() -> None:
         f"set_state + next: cairn {ratios['set_state_next_cairn_ms']:.2f} ms (0 workers), "
         f"{ratios['set_state_next_cairn_2w_ms']:.2f} ms (2 workers); grain {ratios['set_state_next_grain_ms']:.2f} ms"
     )
-    print(json.dumps({"bench": "data", "records": n, **{k: round(v, 4) for k, v in ratios.items() if not k.startswith("_")}}))
+    print(
+        json.dumps(
+            {
+                "bench": "data",
+                "records": n,
+                **{k: round(v, 4) for k, v in ratios.items() if not k.startswith("_")},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

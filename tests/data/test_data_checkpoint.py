@@ -39,7 +39,9 @@ def _pipelines():
         "repeat": MapDataset.range(7).shuffle(seed=3).repeat(3),
         "mix": MapDataset.mix([MapDataset.range(0, 20), MapDataset.range(100, 130)], [1, 2]),
         "concatenate": MapDataset.concatenate([MapDataset.range(5), base.map(lambda r: r["id"])]),
-        "filter_then_batch": base.filter(lambda r: r["id"] % 4 != 1).map(lambda r: r["id"]).batch(4),
+        "filter_then_batch": base.filter(lambda r: r["id"] % 4 != 1)
+        .map(lambda r: r["id"])
+        .batch(4),
     }
 
 
@@ -59,18 +61,27 @@ def _iter_pipelines():
         "iter_map_filter": base.to_iter_dataset().map(lambda x: x * 3).filter(lambda x: x % 2 == 0),
         "iter_batch": base.to_iter_dataset().filter(lambda x: x % 5 != 0).batch(4),
         "iter_batch_then_map": base.to_iter_dataset().batch(3).map(lambda b: b.sum()),
-        "iter_random_map_after_batch": base.to_iter_dataset().batch(3).random_map(lambda b, rng: b + rng.integers(9), seed=3),
+        "iter_random_map_after_batch": base.to_iter_dataset()
+        .batch(3)
+        .random_map(lambda b, rng: b + rng.integers(9), seed=3),
         "prefetch": base.to_iter_dataset().batch(4).prefetch(3),
         "threads": base.to_iter_dataset(ReadOptions(num_threads=2, chunk_records=3)).batch(2),
         "interleave": InterleaveIterDataset(
-            [MapDataset.range(k * 100, k * 100 + 3 + k).to_iter_dataset() for k in range(5)], cycle_length=2
+            [MapDataset.range(k * 100, k * 100 + 3 + k).to_iter_dataset() for k in range(5)],
+            cycle_length=2,
         ),
-        "pack": FirstFitPackIterDataset(seqs.to_iter_dataset(), length_struct=8, num_packing_bins=3),
+        "pack": FirstFitPackIterDataset(
+            seqs.to_iter_dataset(), length_struct=8, num_packing_bins=3
+        ),
         "pack_dict": FirstFitPackIterDataset(
-            seqs.map(lambda a: {"t": a, "m": a % 2}).to_iter_dataset(), length_struct={"t": 6, "m": 6}, num_packing_bins=2
+            seqs.map(lambda a: {"t": a, "m": a % 2}).to_iter_dataset(),
+            length_struct={"t": 6, "m": 6},
+            num_packing_bins=2,
         ),
         "dataloader": DataLoader(
-            data_source=list(range(50)), sampler=IndexSampler(50, shuffle=True, seed=1, num_epochs=2), operations=[]
+            data_source=list(range(50)),
+            sampler=IndexSampler(50, shuffle=True, seed=1, num_epochs=2),
+            operations=[],
         ).dataset,
     }
 
@@ -99,7 +110,13 @@ def test_workers_and_worker_count_changes():
 
 @pytest.mark.multiprocess
 def test_output_identical_for_any_worker_count():
-    ds = MapDataset.range(300).shuffle(seed=1).map(lambda x: np.array([x, x * x])).batch(7).to_iter_dataset()
+    ds = (
+        MapDataset.range(300)
+        .shuffle(seed=1)
+        .map(lambda x: np.array([x, x * x]))
+        .batch(7)
+        .to_iter_dataset()
+    )
     ref = [b.tolist() for b in ds]
     for w in (1, 2, 3):
         it = iter(ds.mp_prefetch(w))
@@ -144,5 +161,7 @@ def test_iter_datasets_2_workers(name):
 
 def test_mp_prefetch_needs_a_map_root():
     ds = InterleaveIterDataset([MapDataset.range(3).to_iter_dataset()] * 2)
-    with pytest.raises(ValueError, match="needs a pipeline that starts with MapDataset.to_iter_dataset"):
+    with pytest.raises(
+        ValueError, match="needs a pipeline that starts with MapDataset.to_iter_dataset"
+    ):
         ds.mp_prefetch(2)

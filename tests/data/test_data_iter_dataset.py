@@ -29,7 +29,12 @@ from cairn.data import (
 
 def test_iter_steps_match_reference():
     ds = MapDataset.range(30).to_iter_dataset()
-    out = list(ds.map(lambda x: x + 1).filter(lambda x: x % 4 != 0).batch(4, drop_remainder=True).map(lambda b: b.tolist()))
+    out = list(
+        ds.map(lambda x: x + 1)
+        .filter(lambda x: x % 4 != 0)
+        .batch(4, drop_remainder=True)
+        .map(lambda b: b.tolist())
+    )
     ref = [x + 1 for x in range(30) if (x + 1) % 4 != 0]
     assert out == [ref[i : i + 4] for i in range(0, len(ref) - 3, 4)]
     assert [b.tolist() for b in ds.batch(8)][-1] == list(range(24, 30))
@@ -53,7 +58,9 @@ def test_prefetch_propagates_errors_and_restores():
             raise ZeroDivisionError("bad record 5")
         return x
 
-    it = iter(MapDataset.range(10).to_iter_dataset().batch(1).map(lambda b: bad(int(b[0]))).prefetch(2))
+    it = iter(
+        MapDataset.range(10).to_iter_dataset().batch(1).map(lambda b: bad(int(b[0]))).prefetch(2)
+    )
     assert [next(it) for _ in range(5)] == list(range(5))
     with pytest.raises(ZeroDivisionError, match="bad record 5"):
         next(it)
@@ -115,7 +122,9 @@ def _pack_reference(seqs, length, bins):
 )
 def test_first_fit_pack_matches_reference(lens, length, bins):
     seqs = [np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lens)]
-    ds = FirstFitPackIterDataset(MapDataset.source(seqs).to_iter_dataset(), length_struct=length, num_packing_bins=bins)
+    ds = FirstFitPackIterDataset(
+        MapDataset.source(seqs).to_iter_dataset(), length_struct=length, num_packing_bins=bins
+    )
     got = [(a.tolist(), b.tolist(), c.tolist()) for a, b, c in ds]
     assert got == _pack_reference(seqs, length, bins)
     for a, b, c in ds:
@@ -124,29 +133,72 @@ def test_first_fit_pack_matches_reference(lens, length, bins):
 
 def test_pack_dict_features_and_errors():
     seqs = [{"tokens": np.arange(n), "mask": np.ones(n, bool)} for n in (3, 4, 2)]
-    rows = list(FirstFitPackIterDataset(MapDataset.source(seqs).to_iter_dataset(), length_struct={"tokens": 5, "mask": 5}, num_packing_bins=2))
-    assert sorted(rows[0]) == ["mask", "mask_positions", "mask_segment_ids", "tokens", "tokens_positions", "tokens_segment_ids"]
-    assert rows[0]["tokens"].tolist() == [0, 1, 2, 0, 1] and rows[0]["tokens_segment_ids"].tolist() == [1, 1, 1, 2, 2]
-    assert rows[1]["tokens"].tolist() == [0, 1, 2, 3, 0] and rows[1]["mask"].tolist() == [True] * 4 + [False]
-    bad = FirstFitPackIterDataset(MapDataset.source([{"x": np.arange(2)}]).to_iter_dataset(), length_struct={"y": 3}, num_packing_bins=1)
-    with pytest.raises(ValueError, match="element 0 has keys \\['x'\\], but length_struct has \\['y'\\]"):
+    rows = list(
+        FirstFitPackIterDataset(
+            MapDataset.source(seqs).to_iter_dataset(),
+            length_struct={"tokens": 5, "mask": 5},
+            num_packing_bins=2,
+        )
+    )
+    assert sorted(rows[0]) == [
+        "mask",
+        "mask_positions",
+        "mask_segment_ids",
+        "tokens",
+        "tokens_positions",
+        "tokens_segment_ids",
+    ]
+    assert rows[0]["tokens"].tolist() == [0, 1, 2, 0, 1] and rows[0][
+        "tokens_segment_ids"
+    ].tolist() == [1, 1, 1, 2, 2]
+    assert rows[1]["tokens"].tolist() == [0, 1, 2, 3, 0] and rows[1]["mask"].tolist() == [
+        True
+    ] * 4 + [False]
+    bad = FirstFitPackIterDataset(
+        MapDataset.source([{"x": np.arange(2)}]).to_iter_dataset(),
+        length_struct={"y": 3},
+        num_packing_bins=1,
+    )
+    with pytest.raises(
+        ValueError, match="element 0 has keys \\['x'\\], but length_struct has \\['y'\\]"
+    ):
         list(bad)
     with pytest.raises(ValueError, match="num_packing_bins must be a positive int"):
-        FirstFitPackIterDataset(MapDataset.range(2).to_iter_dataset(), length_struct=3, num_packing_bins=0)
+        FirstFitPackIterDataset(
+            MapDataset.range(2).to_iter_dataset(), length_struct=3, num_packing_bins=0
+        )
 
 
 def test_summary_and_graph():
-    ds = MapDataset.range(100).shuffle(seed=0).map(lambda x: x).to_iter_dataset().batch(10).prefetch(2)
+    ds = (
+        MapDataset.range(100)
+        .shuffle(seed=0)
+        .map(lambda x: x)
+        .to_iter_dataset()
+        .batch(10)
+        .prefetch(2)
+    )
     it = iter(ds)
     list(it)
     text = it.summary()
     lines = text.splitlines()
-    assert lines[0].split()[:6] == ["stage", "out", "total_s", "self_s", "wait_share", "buffer_fill"]
+    assert lines[0].split()[:6] == [
+        "stage",
+        "out",
+        "total_s",
+        "self_s",
+        "wait_share",
+        "buffer_fill",
+    ]
     assert lines[2].split()[0] == "prefetch(2)" and lines[2].split()[1] == "10"
     assert "batch(10)" in text and "shuffle(seed=0)" in text
     assert "100" in lines[4]
     g = ds.graph().splitlines()
-    assert g[:3] == ["prefetch(2)", "batch(10)", "to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=2, chunk_records=1024))"]
+    assert g[:3] == [
+        "prefetch(2)",
+        "batch(10)",
+        "to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=2, chunk_records=1024))",
+    ]
     it.close()
 
 
@@ -169,10 +221,18 @@ def test_data_loader_matches_dataset_pipeline():
     src = list(range(40))
     loader = DataLoader(
         data_source=src,
-        sampler=IndexSampler(40, shard_options=ShardOptions(1, 2), shuffle=True, seed=3, num_epochs=2),
+        sampler=IndexSampler(
+            40, shard_options=ShardOptions(1, 2), shuffle=True, seed=3, num_epochs=2
+        ),
         operations=[Double(), Odd(), Noise(), Batch(3)],
     )
-    ref = MapDataset.source(src)[20:40].shuffle(seed=3).repeat(2).map(lambda x: x * 2).filter(lambda x: x % 4 == 2)
+    ref = (
+        MapDataset.source(src)[20:40]
+        .shuffle(seed=3)
+        .repeat(2)
+        .map(lambda x: x * 2)
+        .filter(lambda x: x % 4 == 2)
+    )
     flat = [x + 1 for x in ref.to_iter_dataset()]
     got = [b.tolist() for b in loader]
     assert got == [flat[i : i + 3] for i in range(0, len(flat), 3)]

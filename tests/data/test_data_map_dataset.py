@@ -78,7 +78,9 @@ def test_batch_structures():
     np.testing.assert_array_equal(b["a"], np.repeat(np.arange(5)[:, None], 3, 1))
     assert b["b"][0].tolist() == list(range(5)) and b["b"][1].dtype == np.float64
     assert b["s"].dtype == object and b["s"].tolist() == [f"x{i}" for i in range(5)]
-    with pytest.raises(ValueError, match="record 1 has shape \\(4,\\) but record 0 has shape \\(3,\\)"):
+    with pytest.raises(
+        ValueError, match="record 1 has shape \\(4,\\) but record 0 has shape \\(3,\\)"
+    ):
         stack_records([{"a": np.zeros(3)}, {"a": np.zeros(4)}])
     with pytest.raises(ValueError, match="record 1 differs from record 0"):
         stack_records([{"a": 1}, {"b": 1}])
@@ -109,7 +111,12 @@ def test_batch_after_filter_drops_none_inside_batches():
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(0, 60), start=st.integers(-70, 70), stop=st.integers(-70, 70), step=st.integers(-5, 5).filter(bool))
+@given(
+    n=st.integers(0, 60),
+    start=st.integers(-70, 70),
+    stop=st.integers(-70, 70),
+    step=st.integers(-5, 5).filter(bool),
+)
 def test_slice_matches_python(n, start, stop, step):
     assert list(MapDataset.range(n)[start:stop:step]) == list(range(n))[start:stop:step]
 
@@ -161,7 +168,9 @@ def test_repeat_and_lengths():
 def test_concatenate_and_mix():
     a, b = MapDataset.range(0, 5), MapDataset.range(100, 103)
     assert list(MapDataset.concatenate([a, b])) == [0, 1, 2, 3, 4, 100, 101, 102]
-    m = MapDataset.mix([MapDataset.range(0, 10_000), MapDataset.range(10**6, 10**6 + 10_000)], [0.7, 0.3])
+    m = MapDataset.mix(
+        [MapDataset.range(0, 10_000), MapDataset.range(10**6, 10**6 + 10_000)], [0.7, 0.3]
+    )
     xs = np.array(list(m))
     first = xs < 10**6
     # Each input in order, in the proportions asked for, ending before an input runs out.
@@ -186,7 +195,11 @@ def test_empty_source():
 
 
 def test_graph_rendering():
-    g = MapDataset.concatenate([MapDataset.range(3), MapDataset.range(2).shuffle(seed=1)]).batch(2).graph()
+    g = (
+        MapDataset.concatenate([MapDataset.range(3), MapDataset.range(2).shuffle(seed=1)])
+        .batch(2)
+        .graph()
+    )
     lines = g.splitlines()
     assert lines[0].startswith("batch(2)")
     assert "concatenate(2 datasets)" in lines[1] and "<input 1>" in g and "shuffle(seed=1)" in g
@@ -197,7 +210,9 @@ def test_debug_mode_names_first_mismatch():
     it = iter(MapDataset.source(recs).to_iter_dataset(debug=True))
     for _ in range(5):
         next(it)
-    with pytest.raises(StructureMismatchError, match="element 5 .* path 'x'.*dtype float64.*got .*int32"):
+    with pytest.raises(
+        StructureMismatchError, match="element 5 .* path 'x'.*dtype float64.*got .*int32"
+    ):
         next(it)
     it = iter(MapDataset.source([{"a": 1}, {"a": 1, "b": 2}]).to_iter_dataset(debug=True).batch(1))
     next(it)
@@ -229,7 +244,9 @@ def test_shard_global_batches_agree_across_host_counts(n, g, data):
     base = MapDataset.range(n).shuffle(seed=3)
     ref = [b.tolist() for b in base.batch(g, drop_remainder=True)]
     for hosts in [h for h in (1, 2, 3, 4, 6) if g % h == 0]:
-        per_host = [[b.tolist() for b in base.shard_global_batches(g, h, hosts)] for h in range(hosts)]
+        per_host = [
+            [b.tolist() for b in base.shard_global_batches(g, h, hosts)] for h in range(hosts)
+        ]
         assert all(len(p) == len(ref) for p in per_host)
         for step, global_batch in enumerate(ref):
             assert sum((p[step] for p in per_host), []) == global_batch

@@ -42,7 +42,9 @@ def test_worker_exception_reaches_caller_with_traceback(workers):
         with pytest.raises(RuntimeError, match="earlier error in a worker"):
             next(it)
     else:
-        assert "explode_on_13" in "".join(__import__("traceback").format_tb(info.value.__traceback__))
+        assert "explode_on_13" in "".join(
+            __import__("traceback").format_tb(info.value.__traceback__)
+        )
     # Skipping the bad element resumes the stream (fresh workers are started).
     it.set_state({"next_index": 14})
     assert list(it) == list(range(14, 40))
@@ -73,7 +75,12 @@ def slow(x):
 
 
 def test_sigkilled_worker_raises_instead_of_hanging():
-    it = iter(MapDataset.range(10_000).map(slow).to_iter_dataset(ReadOptions(chunk_records=8)).mp_prefetch(2))
+    it = iter(
+        MapDataset.range(10_000)
+        .map(slow)
+        .to_iter_dataset(ReadOptions(chunk_records=8))
+        .mp_prefetch(2)
+    )
     next(it)
     os.kill(it.worker_pids[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -86,7 +93,13 @@ def test_sigkilled_worker_raises_instead_of_hanging():
 
 def test_no_leaked_shared_memory_and_clean_shutdown():
     before = _shm_names()
-    ds = MapDataset.range(500).map(lambda x: np.full(100, x)).batch(10).to_iter_dataset().mp_prefetch(2)
+    ds = (
+        MapDataset.range(500)
+        .map(lambda x: np.full(100, x))
+        .batch(10)
+        .to_iter_dataset()
+        .mp_prefetch(2)
+    )
     it = iter(ds)
     next(it)
     pids = it.worker_pids
@@ -117,7 +130,9 @@ def test_large_chunks_fall_back_to_the_pipe_and_zero_copy_arrays_are_writable():
     ref = [b for b in ds]
     got = list(ds.mp_prefetch(opts))
     assert all(np.array_equal(a, b) for a, b in zip(ref, got)) and len(got) == len(ref)
-    small = list(MapDataset.range(64).map(lambda x: np.full(3, x)).batch(4).to_iter_dataset().mp_prefetch(2))
+    small = list(
+        MapDataset.range(64).map(lambda x: np.full(3, x)).batch(4).to_iter_dataset().mp_prefetch(2)
+    )
     small[0][0, 0] = 99  # arrays coming out of shared memory are ordinary writable arrays
 
 
@@ -131,7 +146,11 @@ def worker_tag(x):
 
 def test_worker_init_fn_and_spawn_start_method():
     ds = MapDataset.range(12).map(worker_tag).to_iter_dataset(ReadOptions(chunk_records=2))
-    tags = list(ds.mp_prefetch(MultiprocessingOptions(num_workers=2, start_method="spawn"), worker_init_fn=record_init))
+    tags = list(
+        ds.mp_prefetch(
+            MultiprocessingOptions(num_workers=2, start_method="spawn"), worker_init_fn=record_init
+        )
+    )
     assert set(tags) == {"0/2", "1/2"}
 
 
@@ -150,7 +169,11 @@ def failing_init(worker_index, worker_count):
 
 
 def test_worker_init_error_is_reported():
-    it = iter(MapDataset.range(100).to_iter_dataset(ReadOptions(chunk_records=2)).mp_prefetch(2, worker_init_fn=failing_init))
+    it = iter(
+        MapDataset.range(100)
+        .to_iter_dataset(ReadOptions(chunk_records=2))
+        .mp_prefetch(2, worker_init_fn=failing_init)
+    )
     with pytest.raises(OSError, match="cannot open the dataset") as info:
         list(it)
     assert "worker_init_fn" in str(info.value.__cause__)

@@ -14,7 +14,11 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("files")
     records = [np.full(16, i, np.int32).tobytes() for i in range(300)]
     ar = cd.write_array_record(records, str(d / "ar"), num_shards=3)
-    cd.write_parquet(({"id": i, "v": np.full(4, i, np.float32)} for i in range(300)), str(d / "pq"), row_group_size=32)
+    cd.write_parquet(
+        ({"id": i, "v": np.full(4, i, np.float32)} for i in range(300)),
+        str(d / "pq"),
+        row_group_size=32,
+    )
     return records, ar, str(d / "pq")
 
 
@@ -29,7 +33,10 @@ def _row(r):
 @pytest.mark.multiprocess
 def test_arrayrecord_pipeline_matches_memory_and_resumes(files):
     records, ar, _ = files
-    make = lambda src: cd.MapDataset.source(src).shuffle(seed=5).map(_decode).batch(16).to_iter_dataset()  # noqa: E731
+
+    def make(src):
+        return cd.MapDataset.source(src).shuffle(seed=5).map(_decode).batch(16).to_iter_dataset()
+
     ref = [b for b in make(records)]
     src = cd.ArrayRecordDataSource(ar)
     for w in (0, 2):
@@ -44,9 +51,18 @@ def test_arrayrecord_pipeline_matches_memory_and_resumes(files):
 def test_parquet_pipeline_matches_reference_and_resumes(files):
     _, _, pq = files
     src = cd.ParquetDataSource(pq, columns=["id", "v"])
-    ds = cd.MapDataset.source(src).shuffle(seed=1).map(_row).batch(10, drop_remainder=True).to_iter_dataset()
+    ds = (
+        cd.MapDataset.source(src)
+        .shuffle(seed=1)
+        .map(_row)
+        .batch(10, drop_remainder=True)
+        .to_iter_dataset()
+    )
     perm = [cd.MapDataset.range(300).shuffle(seed=1)[i] for i in range(300)]
-    ref = [np.stack([np.full(4, 3 * i, np.float32) for i in perm[k : k + 10]]) for k in range(0, 300, 10)]
+    ref = [
+        np.stack([np.full(4, 3 * i, np.float32) for i in perm[k : k + 10]])
+        for k in range(0, 300, 10)
+    ]
     with iter(ds.mp_prefetch(2)) as it:
         got = list(it)
     assert len(got) == 30 and all(np.array_equal(a, b) for a, b in zip(got, ref))

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from cairn.data import MapDataset
 from cairn.data._permutation import permute
 
-sizes = st.one_of(st.integers(0, 300), st.integers(300, 70_000), st.sampled_from([2**16, 2**16 + 1, 2**20 - 1]))
+sizes = st.one_of(
+    st.integers(0, 300), st.integers(300, 70_000), st.sampled_from([2**16, 2**16 + 1, 2**20 - 1])
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -59,8 +61,12 @@ def test_shuffle_dataset_epochs_and_negative_seed():
         assert sorted(e) == list(range(100))
     assert epochs[0] != epochs[1] != epochs[2]
     # Negative seeds are documented as seed mod 2**64.
-    assert list(MapDataset.range(100).shuffle(seed=-5)) == list(MapDataset.range(100).shuffle(seed=2**64 - 5))
-    assert list(MapDataset.range(100).shuffle(seed=-5)) != list(MapDataset.range(100).shuffle(seed=5))
+    assert list(MapDataset.range(100).shuffle(seed=-5)) == list(
+        MapDataset.range(100).shuffle(seed=2**64 - 5)
+    )
+    assert list(MapDataset.range(100).shuffle(seed=-5)) != list(
+        MapDataset.range(100).shuffle(seed=5)
+    )
 
 
 def test_shuffle_random_access_matches_iteration():
@@ -80,4 +86,6 @@ def test_seed_errors():
         MapDataset.range(3).shuffle()
     with pytest.raises(TypeError, match="seed must be an int"):
         MapDataset.range(3).shuffle(seed=1.5)
-    assert list(MapDataset.range(10).seed(3).shuffle()) == list(MapDataset.range(10).shuffle(seed=3))
+    assert list(MapDataset.range(10).seed(3).shuffle()) == list(
+        MapDataset.range(10).shuffle(seed=3)
+    )

@@ -14,7 +14,14 @@ from cairn.data._map_dataset import MapDataset
 from cairn.data._multiprocessing import MultiprocessingOptions
 from cairn.data._sharding import NoSharding, ShardOptions
 
-__all__ = ["DataLoader", "IndexSampler", "MapTransform", "RandomMapTransform", "FilterTransform", "Batch"]
+__all__ = [
+    "DataLoader",
+    "IndexSampler",
+    "MapTransform",
+    "RandomMapTransform",
+    "FilterTransform",
+    "Batch",
+]
 
 
 class MapTransform(abc.ABC):
@@ -62,12 +69,22 @@ class IndexSampler:
     seed: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.num_records, bool) or not isinstance(self.num_records, int) or self.num_records < 0:
-            raise ValueError(f"IndexSampler.num_records must be an int >= 0, got {self.num_records!r}")
+        if (
+            isinstance(self.num_records, bool)
+            or not isinstance(self.num_records, int)
+            or self.num_records < 0
+        ):
+            raise ValueError(
+                f"IndexSampler.num_records must be an int >= 0, got {self.num_records!r}"
+            )
         if self.shuffle and self.seed is None:
             raise ValueError("IndexSampler(shuffle=True) needs a seed")
-        if self.num_epochs is not None and (not isinstance(self.num_epochs, int) or self.num_epochs < 0):
-            raise ValueError(f"IndexSampler.num_epochs must be an int >= 0 or None, got {self.num_epochs!r}")
+        if self.num_epochs is not None and (
+            not isinstance(self.num_epochs, int) or self.num_epochs < 0
+        ):
+            raise ValueError(
+                f"IndexSampler.num_epochs must be an int >= 0 or None, got {self.num_epochs!r}"
+            )
 
 
 class DataLoader:
@@ -99,13 +116,17 @@ class DataLoader:
         if data_source is None or sampler is None:
             raise TypeError("DataLoader needs data_source= and sampler=")
         if not isinstance(sampler, IndexSampler):
-            raise TypeError(f"DataLoader: sampler must be an IndexSampler, got {type(sampler).__name__}")
+            raise TypeError(
+                f"DataLoader: sampler must be an IndexSampler, got {type(sampler).__name__}"
+            )
         if len(data_source) != sampler.num_records:
             raise ValueError(
                 f"DataLoader: the sampler expects {sampler.num_records} records but the source has {len(data_source)}"
             )
         shard = shard_options if shard_options is not None else sampler.shard_options
-        ds = MapDataset.source(data_source).shard(shard.shard_index, shard.shard_count, shard.drop_remainder)
+        ds = MapDataset.source(data_source).shard(
+            shard.shard_index, shard.shard_count, shard.drop_remainder
+        )
         if sampler.shuffle:
             ds = ds.shuffle(seed=sampler.seed)
         if sampler.num_epochs != 1:
@@ -134,7 +155,9 @@ class DataLoader:
         if isinstance(pipeline, MapDataset):
             pipeline = pipeline.to_iter_dataset(read_options, debug=debug)
         if worker_count:
-            pipeline = pipeline.mp_prefetch(MultiprocessingOptions(worker_count, worker_buffer_size))
+            pipeline = pipeline.mp_prefetch(
+                MultiprocessingOptions(worker_count, worker_buffer_size)
+            )
         self._dataset = pipeline
 
     @property

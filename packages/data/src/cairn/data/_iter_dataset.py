@@ -57,8 +57,14 @@ class ReadOptions:
     def __post_init__(self):
         for name in ("num_threads", "prefetch_buffer_size", "chunk_records"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_threads" else 1):
-                raise ValueError(f"ReadOptions.{name} must be an int >= {0 if name == 'num_threads' else 1}, got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or v < (0 if name == "num_threads" else 1)
+            ):
+                raise ValueError(
+                    f"ReadOptions.{name} must be an int >= {0 if name == 'num_threads' else 1}, got {v!r}"
+                )
 
 
 def chunk_elements(ds: MapDataset, read_options: ReadOptions) -> int:
@@ -180,11 +186,18 @@ class DatasetIterator:
         rows: list = []
         self._summary_rows(0, rows)
         head = ("stage", "out", "total_s", "self_s", "wait_share", "buffer_fill")
-        table = [head] + [(r[0], str(r[1]), f"{r[2]:.4f}", f"{r[3]:.4f}", f"{r[4]:.1%}", r[5]) for r in rows]
+        table = [head] + [
+            (r[0], str(r[1]), f"{r[2]:.4f}", f"{r[3]:.4f}", f"{r[4]:.1%}", r[5]) for r in rows
+        ]
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         lines = []
         for j, row in enumerate(table):
-            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+            lines.append(
+                "  ".join(
+                    c.ljust(w) if i == 0 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(row, widths))
+                )
+            )
             if j == 0:
                 lines.append("-" * len(lines[0]))
         lines.extend(self._summary_extra())
@@ -229,19 +242,31 @@ class IterDataset:
         """Apply ``fn`` to every element."""
         return _MapIterDataset(self, _as_callable(fn, "map"))
 
-    def random_map(self, fn: Callable[[Any, np.random.Generator], Any], seed: int = 0) -> IterDataset:
+    def random_map(
+        self, fn: Callable[[Any, np.random.Generator], Any], seed: int = 0
+    ) -> IterDataset:
         """Apply ``fn(element, rng)``; ``rng`` is keyed by (seed, element number)."""
-        return _RandomMapIterDataset(self, _as_callable(fn, "random_map", "random_map"), _check_seed(seed, "random_map()"))
+        return _RandomMapIterDataset(
+            self, _as_callable(fn, "random_map", "random_map"), _check_seed(seed, "random_map()")
+        )
 
     def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
         """Keep the elements where ``predicate`` is true."""
         return _FilterIterDataset(self, _as_callable(predicate, "filter", "filter"))
 
-    def batch(self, batch_size: int, drop_remainder: bool = False, batch_fn: Callable | None = None) -> IterDataset:
+    def batch(
+        self, batch_size: int, drop_remainder: bool = False, batch_fn: Callable | None = None
+    ) -> IterDataset:
         """Group ``batch_size`` consecutive elements (stacked leaf by leaf by default)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | np.integer)
+            or batch_size < 1
+        ):
             raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
-        return _BatchIterDataset(self, int(batch_size), bool(drop_remainder), batch_fn or stack_records)
+        return _BatchIterDataset(
+            self, int(batch_size), bool(drop_remainder), batch_fn or stack_records
+        )
 
     def prefetch(self, buffer_size: int = 2) -> IterDataset:
         """Compute up to ``buffer_size`` elements ahead in a background thread."""
@@ -249,7 +274,9 @@ class IterDataset:
             raise ValueError(f"prefetch(): buffer_size must be a positive int, got {buffer_size!r}")
         return _PrefetchIterDataset(self, buffer_size)
 
-    def mp_prefetch(self, options: Any = None, worker_init_fn: Callable[[int, int], None] | None = None) -> IterDataset:
+    def mp_prefetch(
+        self, options: Any = None, worker_init_fn: Callable[[int, int], None] | None = None
+    ) -> IterDataset:
         """Compute the ``MapDataset`` part of the pipeline in worker processes.
 
         ``options`` is a :class:`MultiprocessingOptions` or an int (``num_workers``).
@@ -264,7 +291,9 @@ class IterDataset:
         elif isinstance(options, int) and not isinstance(options, bool):
             options = MultiprocessingOptions(num_workers=options)
         if not isinstance(options, MultiprocessingOptions):
-            raise TypeError(f"mp_prefetch(): options must be MultiprocessingOptions or an int, got {options!r}")
+            raise TypeError(
+                f"mp_prefetch(): options must be MultiprocessingOptions or an int, got {options!r}"
+            )
         if options.num_workers == 0:
             return self
         return MPPrefetchIterDataset(self, options, worker_init_fn)
@@ -301,7 +330,9 @@ class MapRootIterDataset(IterDataset):
 
     def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
         if not isinstance(read_options, ReadOptions):
-            raise TypeError(f"read_options must be a ReadOptions, got {type(read_options).__name__}")
+            raise TypeError(
+                f"read_options must be a ReadOptions, got {type(read_options).__name__}"
+            )
         self._ds = ds
         self._read_options = read_options
         self._debug_flag = debug
@@ -320,7 +351,9 @@ class MapRootIterDataset(IterDataset):
         return MapRootIterDataset(self._ds.map(fn), self._read_options, self._debug_flag)
 
     def random_map(self, fn: Callable, seed: int = 0) -> IterDataset:
-        return MapRootIterDataset(self._ds.random_map(fn, seed=seed), self._read_options, self._debug_flag)
+        return MapRootIterDataset(
+            self._ds.random_map(fn, seed=seed), self._read_options, self._debug_flag
+        )
 
     def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
         return MapRootIterDataset(self._ds.filter(predicate), self._read_options, self._debug_flag)
@@ -359,7 +392,9 @@ class _RandomMapIterDataset(_UnaryIterDataset):
         return f"random_map({_fn_name(self._fn)}, seed={self._seed})"
 
     def _make_iter(self, rf):
-        return _RandomMapIterator(self._parent._make_iter(rf), self._fn, self._seed, self._stage_name(), self._debug)
+        return _RandomMapIterator(
+            self._parent._make_iter(rf), self._fn, self._seed, self._stage_name(), self._debug
+        )
 
 
 class _FilterIterDataset(_UnaryIterDataset):
@@ -371,7 +406,9 @@ class _FilterIterDataset(_UnaryIterDataset):
         return f"filter({_fn_name(self._pred)})"
 
     def _make_iter(self, rf):
-        return _FilterIterator(self._parent._make_iter(rf), self._pred, self._stage_name(), self._debug)
+        return _FilterIterator(
+            self._parent._make_iter(rf), self._pred, self._stage_name(), self._debug
+        )
 
 
 class _BatchIterDataset(_UnaryIterDataset):
@@ -383,7 +420,14 @@ class _BatchIterDataset(_UnaryIterDataset):
         return f"batch({self._bs}{', drop_remainder=True' if self._drop else ''})"
 
     def _make_iter(self, rf):
-        return _BatchIterator(self._parent._make_iter(rf), self._bs, self._drop, self._fn, self._stage_name(), self._debug)
+        return _BatchIterator(
+            self._parent._make_iter(rf),
+            self._bs,
+            self._drop,
+            self._fn,
+            self._stage_name(),
+            self._debug,
+        )
 
 
 class _PrefetchIterDataset(_UnaryIterDataset):
@@ -395,7 +439,9 @@ class _PrefetchIterDataset(_UnaryIterDataset):
         return f"prefetch({self._size})"
 
     def _make_iter(self, rf):
-        return ThreadPrefetchIterator(self._parent._make_iter(rf), self._size, self._stage_name(), self._debug)
+        return ThreadPrefetchIterator(
+            self._parent._make_iter(rf), self._size, self._stage_name(), self._debug
+        )
 
 
 # ====================================================================== iterators
@@ -405,7 +451,13 @@ class MapRootIterator(DatasetIterator):
     """Iterates a ``MapDataset`` chunk by chunk (one batched read per chunk)."""
 
     def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
-        super().__init__((), f"MapDataset[{ds._stage_name()} ...]" if ds._parents else f"MapDataset[{ds._stage_name()}]", debug)
+        super().__init__(
+            (),
+            f"MapDataset[{ds._stage_name()} ...]"
+            if ds._parents
+            else f"MapDataset[{ds._stage_name()}]",
+            debug,
+        )
         self._ds = ds
         self._len = len(ds)
         self._opts = read_options
@@ -441,7 +493,9 @@ class MapRootIterator(DatasetIterator):
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(self._opts.num_threads, thread_name_prefix="cairn-data-read")
+            self._pool = ThreadPoolExecutor(
+                self._opts.num_threads, thread_name_prefix="cairn-data-read"
+            )
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         want = self._opts.num_threads * self._opts.prefetch_buffer_size
         while len(self._inflight) < want:
@@ -591,7 +645,9 @@ _END = object()
 class ThreadPrefetchIterator(DatasetIterator):
     """Runs the parent iterator in a background thread, ``buffer_size`` elements ahead."""
 
-    def __init__(self, parent: DatasetIterator, buffer_size: int, name: str = "prefetch", debug: bool = False):
+    def __init__(
+        self, parent: DatasetIterator, buffer_size: int, name: str = "prefetch", debug: bool = False
+    ):
         super().__init__((parent,), name, debug)
         self._p = parent
         self._size = buffer_size
@@ -603,7 +659,9 @@ class ThreadPrefetchIterator(DatasetIterator):
     def _start(self) -> None:
         self._q: queue.Queue = queue.Queue(self._size)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(self._q, self._stop), daemon=True, name="cairn-data-prefetch")
+        self._thread = threading.Thread(
+            target=self._work, args=(self._q, self._stop), daemon=True, name="cairn-data-prefetch"
+        )
         self._thread.start()
 
     def _work(self, q: queue.Queue, stop: threading.Event) -> None:
@@ -693,11 +751,15 @@ class InterleaveIterDataset(IterDataset):
             if isinstance(d, MapDataset):
                 datasets[k] = d.to_iter_dataset()
             elif not isinstance(d, IterDataset):
-                raise TypeError(f"interleave(): input {k} is a {type(d).__name__}, expected an IterDataset")
+                raise TypeError(
+                    f"interleave(): input {k} is a {type(d).__name__}, expected an IterDataset"
+                )
         if cycle_length is None:
             cycle_length = max(1, len(datasets))
         if isinstance(cycle_length, bool) or not isinstance(cycle_length, int) or cycle_length < 1:
-            raise ValueError(f"interleave(): cycle_length must be a positive int, got {cycle_length!r}")
+            raise ValueError(
+                f"interleave(): cycle_length must be a positive int, got {cycle_length!r}"
+            )
         self._datasets = datasets
         self._parents = tuple(datasets)
         self._cycle = cycle_length

@@ -136,7 +136,9 @@ class MapDataset:
             return self.slice(index)
         n = len(self)
         if isinstance(index, bool) or not isinstance(index, int | np.integer):
-            raise TypeError(f"{self._stage_name()} indices must be integers or slices, got {type(index).__name__}")
+            raise TypeError(
+                f"{self._stage_name()} indices must be integers or slices, got {type(index).__name__}"
+            )
         i = int(index)
         j = i + n if i < 0 else i
         if not 0 <= j < n:
@@ -225,14 +227,20 @@ class MapDataset:
         """Apply ``fn`` to every element."""
         return _MapMapDataset(self, _as_callable(fn, "map"))
 
-    def random_map(self, fn: Callable[[Any, np.random.Generator], Any], seed: int | None = None) -> MapDataset:
+    def random_map(
+        self, fn: Callable[[Any, np.random.Generator], Any], seed: int | None = None
+    ) -> MapDataset:
         """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by (seed, epoch, index).
 
         >>> ds = MapDataset.range(3).random_map(lambda x, rng: x + rng.integers(100), seed=0)
         >>> list(ds) == list(ds)
         True
         """
-        return _RandomMapMapDataset(self, _as_callable(fn, "random_map", "random_map"), self._resolve_seed(seed, "random_map()"))
+        return _RandomMapMapDataset(
+            self,
+            _as_callable(fn, "random_map", "random_map"),
+            self._resolve_seed(seed, "random_map()"),
+        )
 
     def map_with_index(self, fn: Callable[[int, Any], Any]) -> MapDataset:
         """Apply ``fn(index, element)``."""
@@ -256,12 +264,20 @@ class MapDataset:
         >>> MapDataset.range(5).batch(2)[2].tolist()
         [4]
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | np.integer)
+            or batch_size < 1
+        ):
             raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
         return _BatchMapDataset(self, int(batch_size), bool(drop_remainder), batch_fn)
 
     def shard_global_batches(
-        self, global_batch_size: int, shard_index: int, shard_count: int, batch_fn: Callable | None = None
+        self,
+        global_batch_size: int,
+        shard_index: int,
+        shard_count: int,
+        batch_fn: Callable | None = None,
     ) -> MapDataset:
         """This process's rows of each global batch: element ``i`` holds the records
         ``i * G + shard_index * G / shard_count ...`` of the parent (``G`` the global batch).
@@ -286,7 +302,9 @@ class MapDataset:
                 f"shard_global_batches(): global_batch_size {g} is not divisible by shard_count {c}"
             )
         per = g // c
-        return _BlockSliceMapDataset(self, g, i * per, per).batch(per, drop_remainder=True, batch_fn=batch_fn)
+        return _BlockSliceMapDataset(self, g, i * per, per).batch(
+            per, drop_remainder=True, batch_fn=batch_fn
+        )
 
     def repeat(self, num_epochs: int | None = None, reseed_each_epoch: bool = True) -> MapDataset:
         """Repeat ``num_epochs`` times (forever if ``None``), reshuffling every epoch.
@@ -300,7 +318,9 @@ class MapDataset:
                 raise ValueError(f"repeat(): num_epochs must be >= 0 or None, got {num_epochs}")
         return _RepeatMapDataset(self, num_epochs, reseed_each_epoch)
 
-    def to_iter_dataset(self, read_options: ReadOptions | None = None, *, debug: bool = False) -> IterDataset:
+    def to_iter_dataset(
+        self, read_options: ReadOptions | None = None, *, debug: bool = False
+    ) -> IterDataset:
         """An iterable, checkpointable view of this dataset (``None`` elements skipped).
 
         ``debug=True`` checks every element's structure against the first one and names
@@ -655,7 +675,9 @@ class _ConcatenateMapDataset(MapDataset):
             raise ValueError("concatenate() needs at least one dataset")
         for k, d in enumerate(datasets):
             if not isinstance(d, MapDataset):
-                raise TypeError(f"concatenate(): input {k} is a {type(d).__name__}, expected a MapDataset")
+                raise TypeError(
+                    f"concatenate(): input {k} is a {type(d).__name__}, expected a MapDataset"
+                )
         self._parents = tuple(datasets)
         self._may_filter = any(d._may_filter for d in datasets)
         self._offsets = np.cumsum([0] + [len(d) for d in datasets])
@@ -692,7 +714,9 @@ class _MixMapDataset(MapDataset):
         if w.shape != (len(datasets),):
             raise ValueError(f"mix(): got {len(datasets)} datasets but {w.size} weights")
         if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"mix(): weights must be finite, >= 0 and not all 0, got {list(weights)}")
+            raise ValueError(
+                f"mix(): weights must be finite, >= 0 and not all 0, got {list(weights)}"
+            )
         self._parents = tuple(datasets)
         self._may_filter = any(d._may_filter for d in datasets)
         self._weights = w / w.sum()
@@ -751,4 +775,3 @@ def _largest_remainder(w: np.ndarray, total: int) -> np.ndarray:
         base[k] = 1
         base[int(np.argmax(base))] -= 1
     return base
-

@@ -96,7 +96,9 @@ class RemoteTraceback(Exception):
 
 
 class MPPrefetchIterDataset(IterDataset):
-    def __init__(self, parent: IterDataset, options: MultiprocessingOptions, worker_init_fn: Callable | None):
+    def __init__(
+        self, parent: IterDataset, options: MultiprocessingOptions, worker_init_fn: Callable | None
+    ):
         self._parent = parent
         self._parents = (parent,)
         self._options = options
@@ -244,7 +246,18 @@ class _Worker:
             self.conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt, err is not None))
         else:
             self.inline_out += 1
-            self.conn.send(("chunk", gen, chunk_k, -1, pickle.dumps(values, protocol=4), None, dt, err is not None))
+            self.conn.send(
+                (
+                    "chunk",
+                    gen,
+                    chunk_k,
+                    -1,
+                    pickle.dumps(values, protocol=4),
+                    None,
+                    dt,
+                    err is not None,
+                )
+            )
         if err is not None:
             _send_error(self.conn, gen, chunk_k, err)
             self.plan = None
@@ -337,8 +350,19 @@ _SIGNAL_NAMES = {-s.value: s.name for s in signal.Signals}
 class MPRootIterator(DatasetIterator):
     """Same elements and state as ``MapRootIterator``, computed by worker processes."""
 
-    def __init__(self, ds: MapDataset, read_options: ReadOptions, options: MultiprocessingOptions, init_fn, debug=False):
-        super().__init__((), f"mp_prefetch({options.num_workers} workers) <- MapDataset[{ds._stage_name()}]", debug)
+    def __init__(
+        self,
+        ds: MapDataset,
+        read_options: ReadOptions,
+        options: MultiprocessingOptions,
+        init_fn,
+        debug=False,
+    ):
+        super().__init__(
+            (),
+            f"mp_prefetch({options.num_workers} workers) <- MapDataset[{ds._stage_name()}]",
+            debug,
+        )
         self._ds = ds
         self._len = len(ds)
         self._opts = options
@@ -388,14 +412,28 @@ class MPRootIterator(DatasetIterator):
             close = list(parent_ends) if method == "fork" else []
             p = ctx.Process(
                 target=_worker_main,
-                args=(w, self._n, self._ds, self._cap, self._len, theirs, shm_ref, opts.slot_bytes, slots, self._init_fn, close),
+                args=(
+                    w,
+                    self._n,
+                    self._ds,
+                    self._cap,
+                    self._len,
+                    theirs,
+                    shm_ref,
+                    opts.slot_bytes,
+                    slots,
+                    self._init_fn,
+                    close,
+                ),
                 daemon=True,
                 name=f"cairn-data-worker-{w}",
             )
             with warnings.catch_warnings():
                 # JAX warns on every fork; workers never call JAX unless a map function
                 # does, and then start_method="spawn" is required (see the docs).
-                warnings.filterwarnings("ignore", message=".*os.fork\\(\\) was called", category=RuntimeWarning)
+                warnings.filterwarnings(
+                    "ignore", message=".*os.fork\\(\\) was called", category=RuntimeWarning
+                )
                 p.start()
             theirs.close()
             ws.procs.append(p)
@@ -414,7 +452,11 @@ class MPRootIterator(DatasetIterator):
         p = self._w.procs[w]
         p.join(0.5)
         code = p.exitcode
-        how = f"was killed by {_SIGNAL_NAMES.get(code, f'signal {-code}')}" if code is not None and code < 0 else f"exited with code {code}"
+        how = (
+            f"was killed by {_SIGNAL_NAMES.get(code, f'signal {-code}')}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
         return WorkerDiedError(
             f"cairn.data worker {w} of {self._n} (pid {p.pid}) {how} while computing the pipeline "
             f"{self._ds._stage_name()!r}; the iterator cannot continue. Restore a new iterator from "
@@ -432,7 +474,9 @@ class MPRootIterator(DatasetIterator):
         if exc is None:
             exc = RuntimeError(f"error in cairn.data worker {w}: {text}")
         where = "in worker_init_fn" if ek == -1 else f"chunk {ek}"
-        exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback from cairn.data worker {w} ({where}):\n{tb}"""')
+        exc.__cause__ = RemoteTraceback(
+            f'\n"""\nTraceback from cairn.data worker {w} ({where}):\n{tb}"""'
+        )
         return exc
 
     def _recv(self, w: int):
@@ -572,4 +616,3 @@ class MPRootIterator(DatasetIterator):
                 f"  worker {w}: {self._worker_chunks[w]} chunks, {self._worker_time[w]:.4f} s computing"
             )
         return lines
-

@@ -43,15 +43,33 @@ class FirstFitPackIterDataset(IterDataset):
 
     def __init__(self, parent: IterDataset, *, length_struct: Any, num_packing_bins: int):
         if not isinstance(parent, IterDataset):
-            raise TypeError(f"FirstFitPackIterDataset needs an IterDataset input, got {type(parent).__name__}")
-        if isinstance(num_packing_bins, bool) or not isinstance(num_packing_bins, int) or num_packing_bins < 1:
+            raise TypeError(
+                f"FirstFitPackIterDataset needs an IterDataset input, got {type(parent).__name__}"
+            )
+        if (
+            isinstance(num_packing_bins, bool)
+            or not isinstance(num_packing_bins, int)
+            or num_packing_bins < 1
+        ):
             raise ValueError(f"num_packing_bins must be a positive int, got {num_packing_bins!r}")
         if isinstance(length_struct, Mapping):
-            bad = {k: v for k, v in length_struct.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+            bad = {
+                k: v
+                for k, v in length_struct.items()
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1
+            }
             if bad or not length_struct:
-                raise ValueError(f"length_struct must map feature names to positive ints, got {dict(length_struct)!r}")
-        elif isinstance(length_struct, bool) or not isinstance(length_struct, int) or length_struct < 1:
-            raise ValueError(f"length_struct must be a positive int or a dict of them, got {length_struct!r}")
+                raise ValueError(
+                    f"length_struct must map feature names to positive ints, got {dict(length_struct)!r}"
+                )
+        elif (
+            isinstance(length_struct, bool)
+            or not isinstance(length_struct, int)
+            or length_struct < 1
+        ):
+            raise ValueError(
+                f"length_struct must be a positive int or a dict of them, got {length_struct!r}"
+            )
         self._parent = parent
         self._parents = (parent,)
         self._lengths = dict(length_struct) if isinstance(length_struct, Mapping) else length_struct
@@ -61,7 +79,9 @@ class FirstFitPackIterDataset(IterDataset):
         return f"first_fit_pack(length_struct={self._lengths}, num_packing_bins={self._bins})"
 
     def _make_iter(self, rf):
-        return _PackIterator(self._parent._make_iter(rf), self._lengths, self._bins, self._stage_name(), self._debug)
+        return _PackIterator(
+            self._parent._make_iter(rf), self._lengths, self._bins, self._stage_name(), self._debug
+        )
 
 
 class _PackIterator(DatasetIterator):
@@ -87,7 +107,9 @@ class _PackIterator(DatasetIterator):
     def _as_features(self, x: Any) -> dict:
         if self._dict:
             if not isinstance(x, Mapping):
-                raise TypeError(f"FirstFitPack: element {self._count} is a {type(x).__name__}, expected a dict")
+                raise TypeError(
+                    f"FirstFitPack: element {self._count} is a {type(x).__name__}, expected a dict"
+                )
             if set(x) != set(self._lengths):
                 raise ValueError(
                     f"FirstFitPack: element {self._count} has keys {sorted(x)}, but length_struct has "
@@ -100,7 +122,9 @@ class _PackIterator(DatasetIterator):
         for k, v in items:
             a = np.asarray(v)
             if a.ndim == 0:
-                raise ValueError(f"FirstFitPack: feature {k or '<root>'!r} of element {self._count} is a scalar; expected a sequence")
+                raise ValueError(
+                    f"FirstFitPack: feature {k or '<root>'!r} of element {self._count} is a scalar; expected a sequence"
+                )
             out[k] = a[: self._lengths[k]]
         return out
 
@@ -125,7 +149,9 @@ class _PackIterator(DatasetIterator):
                 parts = [m[k] for m in members]
                 vals = np.concatenate(parts)
                 pad = [(0, length - len(vals))] + [(0, 0)] * (vals.ndim - 1)
-                seg = np.concatenate([np.full(len(p), s + 1, np.int32) for s, p in enumerate(parts)])
+                seg = np.concatenate(
+                    [np.full(len(p), s + 1, np.int32) for s, p in enumerate(parts)]
+                )
                 pos = np.concatenate([np.arange(len(p), dtype=np.int32) for p in parts])
                 tail = length - len(vals)
                 row[k] = np.pad(vals, pad)

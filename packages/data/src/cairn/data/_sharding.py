@@ -45,7 +45,11 @@ def ShardByJaxProcess(drop_remainder: bool = False) -> ShardOptions:  # noqa: N8
     try:
         import jax
     except ImportError as e:  # pragma: no cover - exercised only without JAX
-        raise ImportError("ShardByJaxProcess needs JAX; install jax or use ShardOptions(...)") from e
+        raise ImportError(
+            "ShardByJaxProcess needs JAX; install jax or use ShardOptions(...)"
+        ) from e
     return ShardOptions(
-        shard_index=jax.process_index(), shard_count=jax.process_count(), drop_remainder=drop_remainder
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+        drop_remainder=drop_remainder,
     )

@@ -21,7 +21,9 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def assert_equal_output_after_checkpoint(ds: Any, restore_ds: Any = None, max_steps: int | None = None) -> None:
+def assert_equal_output_after_checkpoint(
+    ds: Any, restore_ds: Any = None, max_steps: int | None = None
+) -> None:
     """Check that restoring from the state after every step replays the same stream.
 
     Iterates ``ds`` once, recording ``get_state()`` before each element (after a JSON

@@ -79,7 +79,9 @@ def stack_records(records: Sequence[Any], path: str = "") -> Any:
         for i, r in enumerate(records):
             if type(r) is not type(first) or len(r) != n:
                 _raise_mismatch(records, i, path)
-        cols = [stack_records([r[j] for r in records], _join(path, _field(first, j))) for j in range(n)]
+        cols = [
+            stack_records([r[j] for r in records], _join(path, _field(first, j))) for j in range(n)
+        ]
         if _is_namedtuple(first):
             return type(first)(*cols)
         return type(first)(cols)
@@ -94,7 +96,11 @@ def _raise_mismatch(records: list, i: int, path: str) -> None:
     msg = first_mismatch(records[0], records[i])
     raise ValueError(
         f"cannot batch records: record {i} differs from record 0"
-        + (f" at path {_join(path, msg[0]) if msg[0] else (path or '<root>')!r}: {msg[1]}" if msg else "")
+        + (
+            f" at path {_join(path, msg[0]) if msg[0] else (path or '<root>')!r}: {msg[1]}"
+            if msg
+            else ""
+        )
     )
 
 
@@ -144,9 +150,7 @@ def _describe(sig: tuple) -> str:
     return f"a {sig[0]}"
 
 
-def first_mismatch(
-    reference: Any, other: Any, check_shapes: bool = True
-) -> tuple[str, str] | None:
+def first_mismatch(reference: Any, other: Any, check_shapes: bool = True) -> tuple[str, str] | None:
     """Return ``(path, explanation)`` of the first structural difference, or ``None``.
 
     >>> import numpy as np
@@ -168,7 +172,10 @@ def _compare(ref: dict, got: dict, check_shapes: bool) -> tuple[str, str] | None
         if not same and not check_shapes and sig[0] == "ndarray" and other[0] == "ndarray":
             same = sig[1] == other[1] and len(sig[2]) == len(other[2])
         if not same:
-            return clean, f"expected {_describe(sig)} (as in the first record), got {_describe(other)}"
+            return (
+                clean,
+                f"expected {_describe(sig)} (as in the first record), got {_describe(other)}",
+            )
     for path in got:
         if path not in ref:
             clean = path.removesuffix("{}").removesuffix("[]")
