@@ -367,7 +367,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def update_packed(u, state, p=None, **extra):
         return run_chain(txs, u, state, p, extra, want_packed=True)
 
-    packed = PackedUpdate(update_packed, needs_params=False, name="chain")
+    packed = PackedUpdate(update_packed, needs_params=True, name="chain")
 
     class _ChainUpdate(PackedUpdate):
         __slots__ = ()
@@ -382,7 +382,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         def packed(self, updates, state, params=None, **extra):
             return run_chain(txs, updates, state, params, extra, want_packed=True)
 
-    upd = _ChainUpdate(packed.fn, False, "chain")
+    needs = any(t.update.needs_params if is_packed_aware(t) else True for t in txs)
+    upd = _ChainUpdate(packed.fn, needs, "chain")
     # chain members receive packed params lazily; a packed caller passes them as given
     return GradientTransformation(init, upd)
 
@@ -418,4 +419,5 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             u, s = inner.update.packed(updates, _tuple(state), params, **extra)
             return u, dict(zip(names, s))
 
-    return GradientTransformation(init, _NamedUpdate(lambda *a, **k: None, False, "named_chain"))
+    return GradientTransformation(init, _NamedUpdate(lambda *a, **k: None,
+                                                     inner.update.needs_params, "named_chain"))

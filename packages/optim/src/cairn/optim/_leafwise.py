@@ -233,10 +233,11 @@ def scale_by_param_block_rms(min_scale=1e-3):
     @mark_extra
     def update(updates, state, params=None, **extra):
         _need_params(params, "scale_by_param_block_rms")
-        return jax.tree.map(
-            lambda u, p: (u * _safe_norm(p, min_scale * np.sqrt(max(p.size, 1)))
-                          / np.sqrt(max(p.size, 1))).astype(u.dtype) if p.size else u,
-            updates, params), state
+        def f(u, p):
+            rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(p) * p)))
+            return (u * jnp.maximum(rms, min_scale)).astype(u.dtype)
+
+        return jax.tree.map(f, updates, params), state
 
     return GradientTransformation(init_empty_state, update)
 

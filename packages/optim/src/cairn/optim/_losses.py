@@ -115,19 +115,30 @@ def _canonical_axes(fn: str, axis: Axis, ndim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _expand_where(fn: str, where: Any, ndim: int, axes: tuple[int, ...]) -> jax.Array | None:
-    """A mask of rank ``ndim``: either given so, or missing exactly ``axes``."""
+def _expand_where(
+    fn: str, where: Any, shape: tuple[int, ...], axes: tuple[int, ...]
+) -> jax.Array | None:
+    """A mask of the inputs' rank: either given so, or missing exactly ``axes``."""
     if where is None:
         return None
+    ndim = len(shape)
     where = jnp.asarray(where, dtype=bool)
-    if where.ndim == ndim:
-        return where
-    if where.ndim == ndim - len(axes):
-        return jnp.expand_dims(where, axes)
-    raise ValueError(
-        f"{fn}: `where` must have rank {ndim} (like the inputs) or "
-        f"{ndim - len(axes)} (the batch shape), got shape {where.shape}"
-    )
+    if where.ndim != ndim and where.ndim == ndim - len(axes):
+        where = jnp.expand_dims(where, axes)
+    if where.ndim != ndim or not _broadcastable(where.shape, shape):
+        raise ValueError(
+            f"{fn}: `where` must be broadcastable to the inputs' shape {shape} or to "
+            f"their batch shape (without axis {axes}), got shape {where.shape}"
+        )
+    return where
+
+
+def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    try:
+        np.broadcast_shapes(a, b)
+    except ValueError:
+        return False
+    return True
 
 
 def _log_softmax(x: jax.Array, axes: tuple[int, ...], where: jax.Array | None) -> jax.Array:
@@ -482,7 +493,7 @@ def softmax_cross_entropy(
     y = jnp.asarray(labels)
     _broadcast(fn, ("logits", x), ("labels", y))
     axes = _canonical_axes(fn, axis, x.ndim)
-    mask = _expand_where(fn, where, x.ndim, axes)
+    mask = _expand_where(fn, where, _broadcast(fn, ("logits", x), ("labels", y)), axes)
     xw = _wide(x)
     logp = _log_softmax(xw, axes, mask)
     out = -jnp.sum(y.astype(xw.dtype) * logp, axis=axes, where=mask)
@@ -632,7 +643,7 @@ def poly_loss_cross_entropy(
     y = _float(fn, "labels", labels)
     _broadcast(fn, ("logits", x), ("labels", y))
     axes = _canonical_axes(fn, axis, x.ndim)
-    mask = _expand_where(fn, where, x.ndim, axes)
+    mask = _expand_where(fn, where, _broadcast(fn, ("logits", x), ("labels", y)), axes)
     xw = _wide(x)
     yw = y.astype(xw.dtype)
     logp = _log_softmax(xw, axes, mask)
@@ -770,6 +781,9 @@ def ctc_loss_with_forward_probs(
       label_paddings: ``[B, N]``, 1.0 for padded labels, else 0.0.
       blank_id: id of the blank class.
       log_epsilon: the stand-in for :math:`\log 0`.
+
+    The recursion runs in float32 at least: bfloat16/float16 logits give
+    float32 results (as in Optax), float64 logits float64.
 
     Returns:
       ``(loss [B], logalpha_blank [T, B, N+1], logalpha_nonblank [T, B, N])``:

@@ -79,7 +79,8 @@ def muon(learning_rate, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.
          weight_decay=0.0, weight_decay_mask=None, mu_dtype=None, *, nesterov: bool = True,
          adam_b1=0.9, adam_b2=0.999, adam_eps_root=0.0, adam_weight_decay=0.0,
          adam_learning_rate=None, nu_dtype=None):
-    """Muon for 2-D parameters, AdamW for the rest (chosen by ``ndim == 2``).
+    """Muon for 2-D parameters, AdamW for the rest (chosen by ``ndim == 2``;
+    the AdamW part uses the same ``nesterov`` flag).
 
     Matrices: :math:`u = -\\eta(\\mathrm{muon}(g) + \\lambda\\theta)`; others:
     :math:`u = -\\eta_{adam}(\\mathrm{adam}(g) + \\lambda_{adam}\\theta)`.
@@ -94,7 +95,7 @@ def muon(learning_rate, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.
                     tr.add_decayed_weights(weight_decay, weight_decay_mask),
                     tr.scale_by_learning_rate(learning_rate))
     adam_tx = chain(tr.scale_by_adam(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype,
-                                     nu_dtype=nu_dtype),
+                                     nesterov=nesterov, nu_dtype=nu_dtype),
                     tr.add_decayed_weights(adam_weight_decay),
                     tr.scale_by_learning_rate(adam_lr))
     inner = partition({"muon": muon_tx, "adam": adam_tx}, labels)

@@ -92,7 +92,9 @@ def _canon(dtype) -> str:
 
 
 def layout_of(tree, *, use_sharding: bool = True) -> Layout:
-    """Compute the :class:`Layout` of a pytree of arrays."""
+    """Compute the :class:`Layout` of a pytree of arrays (a :class:`Packed` gives its own)."""
+    if isinstance(tree, Packed):
+        return tree.layout
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     paths = tuple(tree_paths(tree))
     shapes, dtypes, keys = [], [], []
@@ -244,6 +246,10 @@ def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> 
             bufs.append(parts[0])
         else:
             bufs.append(jnp.concatenate(parts))
+    if len(leaves) > 1:
+        # Materialise the buffers: without the barrier XLA fuses the many-operand
+        # concatenate into every consumer (slow to compile and to run).
+        bufs = list(jax.lax.optimization_barrier(tuple(bufs)))
     return Packed(layout, bufs)
 
 
@@ -259,6 +265,9 @@ def unpack(p: Packed, offsets=None):
     if offsets is None:
         offsets = p.offsets
     leaves = [None] * layout.num_leaves
+    if layout.num_leaves > 1:
+        # Materialise once so each per-leaf slice reads a buffer, not a fused computation.
+        p = Packed(layout, jax.lax.optimization_barrier(tuple(p.buffers)), p.offsets)
     for gi, g in enumerate(layout.groups):
         buf = p.buffers[gi]
         if len(g.leaves) == 1:

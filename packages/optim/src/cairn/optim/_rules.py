@@ -79,7 +79,7 @@ def _broadcast_prefix(prefix, full, *, what: str) -> list[Any]:
     """Expand a pytree prefix (e.g. a mask) to one value per leaf of ``full``."""
     try:
         nested = jax.tree_util.tree_map(
-            lambda m, sub: [m] * len(jax.tree_util.tree_leaves(sub)), prefix, full,
+            lambda m, sub: _Rep([m] * len(jax.tree_util.tree_leaves(sub))), prefix, full,
             is_leaf=lambda x: x is None)
     except (ValueError, TypeError) as e:
         pp = set(tree_paths(prefix, is_leaf=lambda x: x is None)) if prefix is not None else set()
@@ -88,8 +88,17 @@ def _broadcast_prefix(prefix, full, *, what: str) -> list[Any]:
         raise ValueError(f"{what} tree does not match the params tree (it must have the same "
                          f"structure or be a prefix of it); params paths not covered: {bad}. "
                          f"({e})") from None
-    return [x for lst in jax.tree_util.tree_leaves(nested, is_leaf=lambda x: isinstance(x, list))
-            for x in lst]
+    return [x for rep in jax.tree_util.tree_leaves(nested, is_leaf=lambda x: isinstance(x, _Rep))
+            for x in rep.items]
+
+
+class _Rep:
+    """Opaque holder (a pytree leaf) for the values a prefix entry expands to."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = items
 
 
 def resolve_per_leaf(spec, params, *, what: str, mask_mode: bool) -> list[Any]:

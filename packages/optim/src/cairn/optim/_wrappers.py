@@ -177,7 +177,7 @@ class MultiSteps:
                                    params, extra)
                 u = pk.pack(u, layout, cast=True)
             zero_acc = [jnp.zeros_like(a) for a in acc]
-            return (u.buffers, s, zero_acc, jnp.zeros([], jnp.int32),
+            return (list(u.buffers), s, zero_acc, jnp.zeros([], jnp.int32),
                     safe_increment(state.gradient_step))
 
         def hold(_):
