@@ -20,6 +20,7 @@ a worker that dies (for example ``SIGKILL``) makes ``next`` raise ``WorkerDiedEr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -402,45 +403,53 @@ class MPRootIterator(DatasetIterator):
         self._w = ws
         slots = opts.per_worker_buffer_size
         parent_ends = []
-        for w in range(self._n):
-            mine, theirs = ctx.Pipe(duplex=True)
-            shm = shared_memory.SharedMemory(create=True, size=slots * opts.slot_bytes)
-            ws.shms.append(shm)
-            ws.unlinked.append(False)
-            parent_ends.append(mine)
-            shm_ref = shm if method == "fork" else shm.name
-            close = list(parent_ends) if method == "fork" else []
-            p = ctx.Process(
-                target=_worker_main,
-                args=(
-                    w,
-                    self._n,
-                    self._ds,
-                    self._cap,
-                    self._len,
-                    theirs,
-                    shm_ref,
-                    opts.slot_bytes,
-                    slots,
-                    self._init_fn,
-                    close,
-                ),
-                daemon=True,
-                name=f"cairn-data-worker-{w}",
-            )
-            with warnings.catch_warnings():
-                # JAX warns on every fork; workers never call JAX unless a map function
-                # does, and then start_method="spawn" is required (see the docs).
-                warnings.filterwarnings(
-                    "ignore", message=".*os.fork\\(\\) was called", category=RuntimeWarning
+        if method == "fork":
+            # Keep the workers' garbage collector off the parent's objects: otherwise a
+            # full collection in a worker writes to (and so copies) every page of them.
+            gc.freeze()
+        try:
+            for w in range(self._n):
+                mine, theirs = ctx.Pipe(duplex=True)
+                shm = shared_memory.SharedMemory(create=True, size=slots * opts.slot_bytes)
+                ws.shms.append(shm)
+                ws.unlinked.append(False)
+                parent_ends.append(mine)
+                shm_ref = shm if method == "fork" else shm.name
+                close = list(parent_ends) if method == "fork" else []
+                p = ctx.Process(
+                    target=_worker_main,
+                    args=(
+                        w,
+                        self._n,
+                        self._ds,
+                        self._cap,
+                        self._len,
+                        theirs,
+                        shm_ref,
+                        opts.slot_bytes,
+                        slots,
+                        self._init_fn,
+                        close,
+                    ),
+                    daemon=True,
+                    name=f"cairn-data-worker-{w}",
                 )
-                p.start()
-            theirs.close()
-            ws.procs.append(p)
-            ws.conns.append(mine)
+                with warnings.catch_warnings():
+                    # JAX warns on every fork; workers never call JAX unless a map function
+                    # does, and then start_method="spawn" is required (see the docs).
+                    warnings.filterwarnings(
+                        "ignore", message=".*os.fork\\(\\) was called", category=RuntimeWarning
+                    )
+                    p.start()
+                theirs.close()
+                ws.procs.append(p)
+                ws.conns.append(mine)
+                if method == "fork":
+                    ws.unlink(w)  # the child already maps it
+                mine.send(("start", self._gen, self._start))
+        finally:
             if method == "fork":
-                ws.unlink(w)  # the child already maps it
-            mine.send(("start", self._gen, self._start))
+                gc.unfreeze()
 
     def _fail(self, err: BaseException) -> BaseException:
         self._broken = err
