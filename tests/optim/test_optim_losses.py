@@ -171,11 +171,16 @@ def check_dtypes(fn, ref, *arrays, float_args=None, out_dtype=None, **kw):
             else:
                 args.append(a)
                 ref_args.append(a)
-        got = fn(*args, **kw)
+        # Under jit: one compile per dtype (eager dispatch would compile every
+        # primitive separately, which dominates the suite's time).
+        got = jax.jit(lambda *a: fn(*a, **kw))(*args)
         assert got.dtype == (out_dtype or dtype), (got.dtype, dtype)
         np.testing.assert_allclose(np.asarray(got, np.float64), ref(*ref_args), **tol)
-        jitted = jax.jit(lambda *a: fn(*a, **kw))(*args)
-        np.testing.assert_allclose(np.asarray(jitted, np.float64), ref(*ref_args), **tol)
+
+
+def jgrad(f):
+    """jax.grad under jit (one compile instead of one per primitive)."""
+    return jax.jit(jax.grad(f))
 
 
 # --------------------------------------------------------------------------- #
@@ -191,9 +196,9 @@ def test_squared_and_l2_values_and_grads():
     check_dtypes(optim.l2_loss, lambda a, b: 0.5 * (a - b) ** 2, x, t)
     check_dtypes(optim.squared_error, lambda a: a**2, x)
     with jax.enable_x64(True):
-        g = jax.grad(lambda p: optim.squared_error(p, t).sum())(x)
+        g = jgrad(lambda p: optim.squared_error(p, t).sum())(x)
         np.testing.assert_allclose(g, 2 * (x - t), **F64)
-        g = jax.grad(lambda p: optim.l2_loss(p, t).sum())(x)
+        g = jgrad(lambda p: optim.l2_loss(p, t).sum())(x)
         np.testing.assert_allclose(g, x - t, **F64)
 
 
@@ -203,7 +208,7 @@ def test_huber_values_and_grads(delta):
     x[0, 0, :2] = t[0, 0, :2] + np.array([delta, -delta])  # exactly at the kink
     check_dtypes(lambda a, b: optim.huber_loss(a, b, delta=delta), lambda a, b: np_huber(a - b, delta), x, t)
     with jax.enable_x64(True):
-        g = jax.grad(lambda p: optim.huber_loss(p, t, delta=delta).sum())(x)
+        g = jgrad(lambda p: optim.huber_loss(p, t, delta=delta).sum())(x)
         np.testing.assert_allclose(g, np.clip(x - t, -delta, delta), **F64)
 
 
@@ -214,14 +219,14 @@ def test_log_cosh_values_grads_and_extremes():
     with jax.enable_x64(True):
         v = optim.log_cosh(x)
         np.testing.assert_allclose(v, np_logcosh(x), rtol=1e-13, atol=1e-300)
-        g = jax.grad(lambda p: optim.log_cosh(p).sum())(x)
+        g = jgrad(lambda p: optim.log_cosh(p).sum())(x)
         np.testing.assert_allclose(g, np.tanh(x), **F64)
     # no overflow where cosh itself overflows, and tiny errors keep precision
     big = optim.log_cosh(jnp.array([1e4, -1e4], jnp.float32))
     np.testing.assert_allclose(big, 1e4 - np.log(2), rtol=1e-6)
     tiny = optim.log_cosh(jnp.array(1e-3, jnp.float32))
     np.testing.assert_allclose(float(tiny), np_logcosh(1e-3), rtol=1e-5)
-    gbig = jax.grad(lambda p: optim.log_cosh(p).sum())(jnp.array([1e4, -1e4, 0.0]))
+    gbig = jgrad(lambda p: optim.log_cosh(p).sum())(jnp.array([1e4, -1e4, 0.0]))
     np.testing.assert_array_equal(gbig, [1.0, -1.0, 0.0])
 
 
@@ -236,7 +241,7 @@ def test_cosine_similarity_and_distance(axis):
     )
     if axis == -1:
         with jax.enable_x64(True):
-            g = jax.grad(lambda p: optim.cosine_similarity(p, b).sum())(a)
+            g = jgrad(lambda p: optim.cosine_similarity(p, b).sum())(a)
             na = np.linalg.norm(a, axis=-1, keepdims=True)
             nb = np.linalg.norm(b, axis=-1, keepdims=True)
             cos = np_cosine(a, b)[..., None]
@@ -249,7 +254,7 @@ def test_cosine_epsilon_and_where():
     eps = 1e-3
     got = optim.cosine_similarity(jnp.asarray(a), jnp.asarray(b), epsilon=eps)
     np.testing.assert_allclose(got, np_cosine(a, b, eps), **F32)
-    g = jax.grad(lambda p: optim.cosine_similarity(p, b, epsilon=eps).sum())(jnp.asarray(a, jnp.float32))
+    g = jgrad(lambda p: optim.cosine_similarity(p, b, epsilon=eps).sum())(jnp.asarray(a, jnp.float32))
     assert np.all(np.isfinite(g))
     mask = rng(2).random((4, 6)) > 0.4
     got = optim.cosine_similarity(jnp.asarray(a), jnp.asarray(b), epsilon=eps, where=mask)
@@ -268,12 +273,12 @@ def test_sigmoid_bce_values_grads_and_extremes():
     for y in (y_hard, y_soft):
         check_dtypes(optim.sigmoid_binary_cross_entropy, np_bce, x, y)
         with jax.enable_x64(True):
-            g = jax.grad(lambda z, y=y: optim.sigmoid_binary_cross_entropy(z, y).sum())(x)
+            g = jgrad(lambda z, y=y: optim.sigmoid_binary_cross_entropy(z, y).sum())(x)
             np.testing.assert_allclose(g, sp.expit(x) - y, **F64)
     big = jnp.array([100.0, -100.0, 100.0, -100.0], jnp.float32)
     lab = jnp.array([1.0, 0.0, 0.0, 1.0])
     np.testing.assert_allclose(optim.sigmoid_binary_cross_entropy(big, lab), [0, 0, 100, 100], atol=1e-6)
-    g = jax.grad(lambda z: optim.sigmoid_binary_cross_entropy(z, lab).sum())(big)
+    g = jgrad(lambda z: optim.sigmoid_binary_cross_entropy(z, lab).sum())(big)
     np.testing.assert_allclose(g, [0.0, 0.0, 1.0, -1.0], atol=1e-6)
     # broadcasting one label vector over a batch
     np.testing.assert_allclose(
@@ -292,13 +297,13 @@ def test_sigmoid_focal_loss(alpha, gamma):
         )
         with jax.enable_x64(True):
             xs, ys = x[0, :2], y[0, :2]
-            g = jax.grad(lambda z: optim.sigmoid_focal_loss(z, ys, alpha=alpha, gamma=gamma).sum())(xs)
+            g = jgrad(lambda z: optim.sigmoid_focal_loss(z, ys, alpha=alpha, gamma=gamma).sum())(xs)
             fd = central_diff(lambda z: np_focal(z, ys, alpha, gamma).sum(), xs)
             np.testing.assert_allclose(g, fd, **FD)
     # confident, correct predictions: loss and gradient finite and ~0
     big = jnp.array([30.0, -30.0], jnp.float32)
     lab = jnp.array([1.0, 0.0])
-    g = jax.grad(lambda z: optim.sigmoid_focal_loss(z, lab, alpha=alpha, gamma=gamma).sum())(big)
+    g = jgrad(lambda z: optim.sigmoid_focal_loss(z, lab, alpha=alpha, gamma=gamma).sum())(big)
     assert np.all(np.isfinite(g)) and np.all(np.abs(g) < 1e-10)
 
 
@@ -307,7 +312,7 @@ def test_hinge_loss():
     y = np.sign(rng(1).normal(size=SHAPE))
     check_dtypes(optim.hinge_loss, lambda a, b: np.maximum(0, 1 - a * b), s, y)
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.hinge_loss(z, y).sum())(s)
+        g = jgrad(lambda z: optim.hinge_loss(z, y).sum())(s)
         np.testing.assert_allclose(g, np.where(1 - s * y > 0, -y, 0.0), **F64)
 
 
@@ -321,7 +326,7 @@ def test_softmax_cross_entropy(axis):
         lambda a, b: -(b * np_log_softmax(a, axis)).sum(axis), x, y,
     )
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.softmax_cross_entropy(z, y, axis=axis).sum())(x)
+        g = jgrad(lambda z: optim.softmax_cross_entropy(z, y, axis=axis).sum())(x)
         np.testing.assert_allclose(g, np_softmax(x, axis) * y.sum(axis, keepdims=True) - y, **F64)
 
 
@@ -337,7 +342,7 @@ def test_softmax_cross_entropy_where_and_stability():
         m = mask[i]
         ref.append(0.0 if not m.any() else -(y[i][m] * np_log_softmax(x[i][m])).sum())
     np.testing.assert_allclose(got, ref, **F32)
-    g = jax.grad(lambda z: optim.softmax_cross_entropy(z, y, where=mask).sum())(jnp.asarray(x, jnp.float32))
+    g = jgrad(lambda z: optim.softmax_cross_entropy(z, y, where=mask).sum())(jnp.asarray(x, jnp.float32))
     assert np.all(np.isfinite(g)) and np.all(g[3] == 0) and np.all(g[~mask] == 0)
     # batch-shaped `where` drops whole rows
     rows = np.array([True, False, True, True])
@@ -367,7 +372,7 @@ def test_integer_labels_cross_entropy(axis):
         float_args=(0,),
     )
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.softmax_cross_entropy_with_integer_labels(z, labels, axis=axis).sum())(x)
+        g = jgrad(lambda z: optim.softmax_cross_entropy_with_integer_labels(z, labels, axis=axis).sum())(x)
         onehot = np.moveaxis(np.eye(k)[labels], -1, axis)
         np.testing.assert_allclose(g, np_softmax(x, axis) - onehot, **F64)
 
@@ -392,7 +397,7 @@ def test_integer_labels_tuple_axis_and_where():
     got = optim.softmax_cross_entropy_with_integer_labels(jnp.asarray(x2, jnp.float32), lab2, where=mask)
     ref = [sp.logsumexp(x2[i][mask[i]]) - x2[i, lab2[i]] if mask[i].any() else 0.0 for i in range(5)]
     np.testing.assert_allclose(got, ref, **F32)
-    g = jax.grad(
+    g = jgrad(
         lambda z: optim.softmax_cross_entropy_with_integer_labels(z, lab2, where=mask).sum()
     )(jnp.asarray(x2, jnp.float32))
     assert np.all(np.isfinite(g)) and np.all(g[4] == 0) and np.all(g[~mask] == 0)
@@ -423,7 +428,7 @@ def test_safe_softmax_cross_entropy_with_neg_inf_logits():
     check_dtypes(optim.safe_softmax_cross_entropy, ref, x, y)
     assert np.all(np.isnan(np.asarray(optim.softmax_cross_entropy(jnp.asarray(x), jnp.asarray(y)))[[0, 2]]))
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.safe_softmax_cross_entropy(z, y).sum())(x)
+        g = jgrad(lambda z: optim.safe_softmax_cross_entropy(z, y).sum())(x)
         np.testing.assert_allclose(g, np_softmax(x) - y, **F64)
 
 
@@ -439,7 +444,7 @@ def test_poly_loss(epsilon):
     check_dtypes(lambda a, b: optim.poly_loss_cross_entropy(a, b, epsilon=epsilon), ref, x, y)
     with jax.enable_x64(True):
         xs, ys = x[0], y[0]
-        g = jax.grad(lambda z: optim.poly_loss_cross_entropy(z, ys, epsilon=epsilon).sum())(xs)
+        g = jgrad(lambda z: optim.poly_loss_cross_entropy(z, ys, epsilon=epsilon).sum())(xs)
         np.testing.assert_allclose(g, central_diff(lambda z: ref(z, ys).sum(), xs), **FD)
     mask = rng(2).random(SHAPE) > 0.3
     got = optim.poly_loss_cross_entropy(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), epsilon=epsilon, where=mask)
@@ -462,11 +467,11 @@ def test_kl_divergences():
         optim.convex_kl_divergence, lambda a, b: np_kl(a, b) + (np.exp(a) - b).sum(-1), lp, t * 1.3
     )
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.kl_divergence(z, t).sum())(lp)
+        g = jgrad(lambda z: optim.kl_divergence(z, t).sum())(lp)
         np.testing.assert_allclose(g, -t, **F64)
-        g = jax.grad(lambda z: optim.convex_kl_divergence(z, t).sum())(lp)
+        g = jgrad(lambda z: optim.convex_kl_divergence(z, t).sum())(lp)
         np.testing.assert_allclose(g, -t + np.exp(lp), **F64)
-        gt = jax.grad(lambda q: optim.kl_divergence(lp, q).sum())(t)
+        gt = jgrad(lambda q: optim.kl_divergence(lp, q).sum())(t)
         assert np.all(np.isfinite(gt))
         np.testing.assert_allclose(gt[t > 0], (np.log(t) + 1 - lp)[t > 0], **F64)
     mask = rng(2).random(SHAPE) > 0.5
@@ -505,7 +510,7 @@ def test_triplet_margin_loss(q):
 
     check_dtypes(lambda *z: optim.triplet_margin_loss(*z, norm_degree=q), ref, a, p, n)
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.triplet_margin_loss(z, p, n, norm_degree=q).sum())(a)
+        g = jgrad(lambda z: optim.triplet_margin_loss(z, p, n, norm_degree=q).sum())(a)
         assert np.all(np.isfinite(g))
         keep = np.ones_like(a, bool)
         keep[0] = q > 1  # |x|^1 is not differentiable at 0: skip that row for q = 1
@@ -543,12 +548,12 @@ def test_ranking_softmax_loss(reduce_fn):
     np.testing.assert_allclose(got, reduce(per_list(s, y), np.ones(4, bool)), **F32)
     got = optim.ranking_softmax_loss(jnp.asarray(s, jnp.float32), y, where=mask, weights=w, reduce_fn=reduce_fn)
     np.testing.assert_allclose(got, reduce(per_list(s, y, w, mask), mask.any(-1)), **F32)
-    g = jax.grad(
+    g = jgrad(
         lambda z: jnp.sum(optim.ranking_softmax_loss(z, y, where=mask, weights=w, reduce_fn=reduce_fn))
     )(jnp.asarray(s, jnp.float32))
     assert np.all(np.isfinite(g)) and np.all(g[~mask] == 0)
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: jnp.sum(optim.ranking_softmax_loss(z, y, where=mask, weights=w, reduce_fn=reduce_fn)))(s)
+        g = jgrad(lambda z: jnp.sum(optim.ranking_softmax_loss(z, y, where=mask, weights=w, reduce_fn=reduce_fn)))(s)
         fd = central_diff(lambda z: np.sum(reduce(per_list(z, y, w, mask), mask.any(-1))), s)
         np.testing.assert_allclose(g, fd, **FD)
     allmasked = optim.ranking_softmax_loss(jnp.asarray(s), y, where=np.zeros((4, 6), bool))
@@ -622,7 +627,7 @@ def test_ctc_gradients_match_finite_differences():
     lpad = lpad[:2, :6]
     lpad[1, 4:] = 1
     with jax.enable_x64(True):
-        g = jax.grad(lambda z: optim.ctc_loss(z, lpad, labels, ypad).sum())(logits)
+        g = jgrad(lambda z: optim.ctc_loss(z, lpad, labels, ypad).sum())(logits)
         fd = central_diff(lambda z: np_ctc(z, lpad, labels, ypad).sum(), logits)
         np.testing.assert_allclose(g, fd, **FD)
         assert np.all(g[1, 4:] == 0)  # padded frames get no gradient
@@ -651,68 +656,89 @@ def test_ctc_jit_and_vmap_consistency():
 # Properties over shapes.
 # --------------------------------------------------------------------------- #
 
-batch_shapes = st.lists(st.integers(1, 3), min_size=0, max_size=3).map(tuple)
+# A few fixed shapes, so jit caches are reused across examples (each new shape
+# is a new compile); the values vary freely.
+batch_shapes = st.sampled_from([(), (3,), (2, 3), (2, 1, 3)])
+
+
+@jax.jit
+def _class_losses(x, labels, onehot):
+    return (
+        optim.softmax_cross_entropy_with_integer_labels(x, labels),
+        optim.softmax_cross_entropy(x, onehot),
+        optim.safe_softmax_cross_entropy(x, onehot),
+        optim.poly_loss_cross_entropy(x, onehot, epsilon=0.0),
+    )
 
 
 @HSET
-@given(batch=batch_shapes, k=st.integers(2, 5), seed=st.integers(0, 2**16))
+@given(batch=batch_shapes, k=st.sampled_from([2, 5]), seed=st.integers(0, 2**16))
 def test_classification_losses_any_batch_shape(batch, k, seed):
     r = rng(seed)
     x = r.normal(size=batch + (k,)) * 3
     labels = r.integers(0, k, batch)
     onehot = np.eye(k)[labels]
-    a = optim.softmax_cross_entropy_with_integer_labels(jnp.asarray(x, jnp.float32), labels)
-    b = optim.softmax_cross_entropy(jnp.asarray(x, jnp.float32), onehot)
-    c = optim.safe_softmax_cross_entropy(jnp.asarray(x, jnp.float32), onehot)
-    d = optim.poly_loss_cross_entropy(jnp.asarray(x, jnp.float32), onehot, epsilon=0.0)
+    out = _class_losses(jnp.asarray(x, jnp.float32), jnp.asarray(labels), jnp.asarray(onehot, jnp.float32))
     want = sp.logsumexp(x, -1) - np.take_along_axis(x, labels[..., None], -1)[..., 0]
-    for v in (a, b, c, d):
+    for v in out:
         assert v.shape == batch
         np.testing.assert_allclose(v, want, **F32)
+        assert np.all(np.asarray(v) >= -1e-6)
     # flattening the batch changes nothing
-    flat = optim.softmax_cross_entropy_with_integer_labels(jnp.asarray(x.reshape(-1, k), jnp.float32), labels.reshape(-1))
-    np.testing.assert_allclose(np.asarray(flat).reshape(batch), a, rtol=1e-6)
-    assert np.all(np.asarray(a) >= -1e-6)
+    flat = _class_losses(
+        jnp.asarray(x.reshape(-1, k), jnp.float32), jnp.asarray(labels.reshape(-1)),
+        jnp.asarray(onehot.reshape(-1, k), jnp.float32),
+    )[0]
+    np.testing.assert_allclose(np.asarray(flat).reshape(batch), out[0], rtol=1e-6)
+
+
+@jax.jit
+def _elementwise_losses(x, t, y):
+    return (
+        optim.l2_loss(x, t), optim.huber_loss(x, t), optim.log_cosh(x, t),
+        optim.sigmoid_binary_cross_entropy(x, y), optim.sigmoid_focal_loss(x, y),
+        optim.hinge_loss(x, 2 * y - 1),
+    )
 
 
 @HSET
-@given(shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple), seed=st.integers(0, 2**16))
+@given(shape=batch_shapes, seed=st.integers(0, 2**16))
 def test_elementwise_losses_any_shape(shape, seed):
     r = rng(seed)
     x, t = r.normal(size=shape) * 3, r.normal(size=shape)
     y = (r.random(shape) > 0.5).astype(float)
-    xj, tj = jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32)
-    cases = [
-        (optim.l2_loss(xj, tj), 0.5 * (x - t) ** 2),
-        (optim.huber_loss(xj, tj), np_huber(x - t, 1.0)),
-        (optim.log_cosh(xj, tj), np_logcosh(x - t)),
-        (optim.sigmoid_binary_cross_entropy(xj, y), np_bce(x, y)),
-        (optim.sigmoid_focal_loss(xj, y), np_focal(x, y, None, 2.0)),
-        (optim.hinge_loss(xj, 2 * y - 1), np.maximum(0, 1 - x * (2 * y - 1))),
-    ]
-    for got, want in cases:
-        assert got.shape == shape
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, **F32)
-        assert np.all(np.asarray(got) >= 0)
-    # Huber sits between zero and l2, and equals l2 inside the threshold.
-    h, l2 = np.asarray(cases[1][0]), np.asarray(cases[0][0])
+    got = _elementwise_losses(jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(y, jnp.float32))
+    want = (
+        0.5 * (x - t) ** 2, np_huber(x - t, 1.0), np_logcosh(x - t), np_bce(x, y),
+        np_focal(x, y, None, 2.0), np.maximum(0, 1 - x * (2 * y - 1)),
+    )
+    for g, w in zip(got, want):
+        assert g.shape == shape
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, **F32)
+        assert np.all(np.asarray(g) >= 0)
+    # Huber lies below the l2 loss and equals it inside the threshold.
+    h, l2 = np.asarray(got[1]), np.asarray(got[0])
     assert np.all(h <= l2 + 1e-6)
+    inside = np.abs(x - t) <= 1.0
+    np.testing.assert_allclose(h[inside], l2[inside], rtol=1e-6)
+
+
+_ctc_jit = jax.jit(optim.ctc_loss)
 
 
 @HSET
-@given(
-    b=st.integers(1, 3), t=st.integers(1, 7), k=st.integers(2, 4), n=st.integers(1, 3),
-    seed=st.integers(0, 2**16),
-)
-def test_ctc_random_problems(b, t, k, n, seed):
+@given(seed=st.integers(0, 2**16))
+def test_ctc_random_problems(seed):
+    # Fixed array shapes (one compile); random label/frame lengths via the paddings.
+    b, t, k, n = 4, 7, 4, 3
     r = rng(seed)
-    logits = r.normal(size=(b, t, k))
+    logits = r.normal(size=(b, t, k)) * 2
     labels = r.integers(1, k, (b, n))
     lens = r.integers(0, n + 1, b)
     ypad = (np.arange(n)[None] >= lens[:, None]).astype(float)
     flens = r.integers(1, t + 1, b)
     lpad = (np.arange(t)[None] >= flens[:, None]).astype(float)
-    got = np.asarray(optim.ctc_loss(jnp.asarray(logits, jnp.float32), lpad, labels, ypad))
+    got = np.asarray(_ctc_jit(jnp.asarray(logits, jnp.float32), lpad, labels, ypad))
     want = np_ctc(logits, lpad, labels, ypad)
     ok = np.isfinite(want)
     np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-5)

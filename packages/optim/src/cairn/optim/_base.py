@@ -73,7 +73,7 @@ class PackedUpdate:
     Calling it with ordinary pytrees packs, runs ``fn`` and unpacks.
     """
 
-    __slots__ = ("fn", "needs_params", "__name__")
+    __slots__ = ("fn", "needs_params", "__name__", "__weakref__")
 
     def __init__(self, fn, needs_params: bool = False, name: str = "update"):
         self.fn = fn

@@ -45,9 +45,9 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
     """
 
     def init(params):
-        leaves = jax.tree_util.tree_leaves(params)
-        pdt = min((x.dtype for x in leaves), key=lambda d: jnp.dtype(d).itemsize,
-                  default=jnp.float32)
+        # The averaging scalars stay float32 even for bf16 params: c_t multiplies O(1)
+        # iterates, so bf16 rounding of the weight sum would swamp the O(lr) update.
+        pdt = jnp.float32
         z = jax.tree.map(lambda t: jnp.array(t, dtype=state_dtype or t.dtype, copy=True), params)
         return ScheduleFreeState(jnp.asarray(b1, pdt), jnp.zeros([], pdt),
                                  jnp.ones([], jnp.int32), jnp.zeros([], pdt),
