@@ -189,7 +189,10 @@ class _Worker:
             b = next(self.plan, None)
             if b is None:
                 return None
-            mine = self.k % self.n == self.w
+            # Chunk 0 of every start position is computed by the main process itself
+            # (fast first element after a start or set_state); chunk k >= 1 is worker
+            # (k - 1) % n's.
+            mine = self.k >= 1 and (self.k - 1) % self.n == self.w
             self.k += 1
             if mine:
                 return b
@@ -375,6 +378,8 @@ class MPRootIterator(DatasetIterator):
         self._broken: BaseException | None = None
         self._worker_time = [0.0] * self._n
         self._worker_chunks = [0] * self._n
+        self._main_time = 0.0
+        self._main_chunks = 0
         self._stats.capacity = self._n * options.per_worker_buffer_size
         self._reset(0)
 
@@ -389,6 +394,7 @@ class MPRootIterator(DatasetIterator):
         self._k = 0
         self._ended = False
         self._error_from: int | None = None
+        self._local_error: BaseException | None = None
         self._gen += 1
         if self._w is not None:
             for c in self._w.conns:
@@ -530,7 +536,17 @@ class MPRootIterator(DatasetIterator):
         else:
             bounds = next(self._plan, None)
             k = self._k
-            w = k % self._n
+            if k == 0 and bounds is not None:
+                # The first chunk (one element) of a start position is computed here while
+                # the workers start on the following chunks.
+                self._k = 1
+                t0 = time.perf_counter()
+                self._buf, self._local_error = read_chunk(self._ds, *bounds)
+                self._main_time += time.perf_counter() - t0
+                self._main_chunks += 1
+                self._buf_start, self._buf_pos = bounds[0], 0
+                return True
+            w = (k - 1) % self._n
         while True:
             msg = self._recv(w)
             kind = msg[0]
@@ -594,6 +610,10 @@ class MPRootIterator(DatasetIterator):
                 if v is not None:
                     self._next_index = self._buf_start + self._buf_pos
                     return v
+            if self._local_error is not None:
+                err, self._local_error = self._local_error, None
+                self._next_index = self._buf_start + len(buf)
+                raise self._fail(err)
             if not self._fetch():
                 raise StopIteration
 
@@ -619,7 +639,9 @@ class MPRootIterator(DatasetIterator):
         return [p.pid for p in self._w.procs] if self._w is not None else []
 
     def _summary_extra(self) -> list[str]:
-        lines = []
+        lines = [
+            f"  main process: {self._main_chunks} first chunks, {self._main_time:.4f} s computing"
+        ]
         for w in range(self._n):
             lines.append(
                 f"  worker {w}: {self._worker_chunks[w]} chunks, {self._worker_time[w]:.4f} s computing"
