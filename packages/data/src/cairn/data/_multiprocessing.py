@@ -1,10 +1,12 @@
 """``mp_prefetch``: compute a pipeline's ``MapDataset`` part in worker processes.
 
 Design. The ``MapDataset`` under ``to_iter_dataset()`` is split into chunks by one plan
-(:func:`chunk_plan`: sizes 1, 2, 4, ... up to a cap, from the start index). Chunk ``k`` goes
-to worker ``k % num_workers``; every worker walks the same plan and computes only its own
-chunks, at most ``per_worker_buffer_size`` ahead of the consumer. The main process takes
-chunks in order ``k = 0, 1, 2, ...`` from the worker that owns each, so the element order,
+(:func:`chunk_plan`: sizes 1, 2, 4, ... up to a cap, from the start index). The main
+process computes chunk 0 itself; chunk ``k >= 1`` goes to worker ``(k - 1) % num_workers``.
+Every worker walks the same plan and computes only its own chunks, at most
+``per_worker_buffer_size`` ahead of the consumer, checking for a new start position
+between sub-chunks. The main process takes
+chunks in order ``k = 0, 1, 2, ...`` from whoever owns each, so the element order,
 and the iterator state (``{"next_index": i}``), are those of a single process, for every
 worker count.
 
