@@ -128,6 +128,18 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: the reference LM recipe (examples/lm) with its default config.
+
+    Extra arguments go to the script, e.g. `nox -s demo -- --set train.steps=200` or
+    `nox -s demo -- --resume`.
+    """
+    _editable_all(session, "parquet,arrayrecord")
+    session.install("matplotlib")
+    session.run("python", "examples/lm/train.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Runs every script in benchmarks/ against the peer libraries (`-- --full` for full sizes)."""
     _editable_all(session, "test,bench,parquet,arrayrecord,safetensors")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import math
 import pathlib
 import tomllib
 import typing

@@ -8,9 +8,9 @@ import hashlib
 import json
 import pathlib
 
+import lm_task
 import numpy as np
 
-import lm_task
 from cairn import data as cdata
 
 

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import lm_config
 import lm_data
 import lm_model
 import lm_report
 import lm_task
+import numpy as np
+
 from cairn import checkpoint as ckpt
 from cairn import nn, optim
-from cairn.core_array import LogicalAxisRules
+from cairn.core_array import LogicalAxisRules, flatten_with_paths
 
 BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
@@ -86,9 +87,10 @@ train_step = nn.jit(_train_step, donate_argnums=(0, 1))
 
 
 @nn.jit
-def eval_step(model, batch):
+def eval_step(model, batch, valid):
+    """How many valid rows are exactly right (a replicated scalar every process can read)."""
     _, aux = lm_model.loss_and_metrics(model, batch)
-    return aux
+    return jnp.sum(aux["row_exact"] & valid)
 
 
 def to_global(setup: Setup, local_batch: dict) -> dict:
@@ -99,26 +101,44 @@ def to_global(setup: Setup, local_batch: dict) -> dict:
     }
 
 
+def _local_rows(x: np.ndarray) -> np.ndarray:
+    """This process's contiguous block of a global batch's rows."""
+    n = x.shape[0] // jax.process_count()
+    return x[jax.process_index() * n : (jax.process_index() + 1) * n]
+
+
 def evaluate(setup: Setup, model, texts: list[str]) -> float:
     """Exact match on held-out problems: every answer token right under teacher forcing,
     which is the same as greedy decoding producing the whole answer."""
     if not texts:
         return float("nan")
     bs = setup.cfg.data.batch_size
+    valid_sharding = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec("data"))
     correct = 0
     for start in range(0, len(texts), bs):
         chunk = texts[start : start + bs]
-        pad = bs - len(chunk)
-        batch = lm_task.eval_batch(chunk + [chunk[-1]] * pad, setup.cfg.data.seq_len)
-        if jax.process_count() > 1:
-            batch = {k: v[jax.process_index() :: jax.process_count()] for k, v in batch.items()}
-        row_exact = np.asarray(jax.experimental.multihost_utils.process_allgather(
-            eval_step(model, to_global(setup, batch))["row_exact"], tiled=True
-        ) if jax.process_count() > 1 else eval_step(model, to_global(setup, batch))["row_exact"])
-        if jax.process_count() > 1:
-            row_exact = row_exact.reshape(jax.process_count(), -1).T.reshape(-1)
-        correct += int(row_exact[: len(chunk)].sum())
+        batch = lm_task.eval_batch(chunk + [chunk[-1]] * (bs - len(chunk)), setup.cfg.data.seq_len)
+        valid = jax.make_array_from_process_local_data(valid_sharding, _local_rows(np.arange(bs) < len(chunk)))
+        local = {k: _local_rows(v) for k, v in batch.items()}
+        correct += int(eval_step(model, to_global(setup, local), valid))
     return correct / len(texts)
+
+
+def param_partition_specs(model) -> dict[str, str]:
+    """``{path: partition spec}`` of every parameter, to check the sharding rules took effect."""
+    return {p: str(tuple(x.sharding.spec)) for p, x in flatten_with_paths(nn.state(model, nn.Param)).items()}
+
+
+def _items(model, optimizer, data_iter) -> dict:
+    """What one checkpoint step holds: model, optimizer state and the data iterator's position."""
+    return {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter}
+
+
+def _digest(batch: dict) -> str:
+    h = hashlib.sha1()
+    for k in ("inputs", "targets", "weights", "segment_ids"):
+        h.update(np.ascontiguousarray(batch[k]).tobytes())
+    return h.hexdigest()[:16]
 
 
 def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
@@ -147,10 +167,7 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     resumed_from = None
     if resume and manager.latest_step() is not None:
         step = manager.latest_step()
-        restored = manager.restore(
-            step,
-            {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter},
-        )
+        restored = manager.restore(step, _items(model, optimizer, data_iter))
         nn.update(model, restored["model"])
         nn.update(optimizer, restored["optimizer"])
         start_step = resumed_from = step
@@ -168,10 +185,12 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     last_loss = float("nan")
     step = start_step
     pending = None
+    digests: dict[int, str] = {}
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         local = next(data_iter)
         data_blocked += time.perf_counter() - t0
+        digests[step + 1] = _digest(local)
         batch = to_global(setup, local)
         t1 = time.perf_counter()
         metrics = train_step(model, optimizer, batch)
@@ -192,8 +211,7 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
             progress.update(step, last_loss, tps, float(schedule(step)))
         if manager.should_save(step) or step == cfg.train.steps:
             t2 = time.perf_counter()
-            manager.save(step, {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter},
-                         metrics={"loss": float(metrics["loss"])}, force=step == cfg.train.steps)
+            manager.save(step, _items(model, optimizer, data_iter), force=step == cfg.train.steps)
             ckpt_blocked += time.perf_counter() - t2
             saved += 1
         if stop_after is not None and step >= stop_after:
@@ -208,7 +226,8 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     if hasattr(data_iter, "close"):
         data_iter.close()
 
-    acc = evaluate(setup, model, eval_texts)
+    stopped_early = step < cfg.train.steps
+    acc = float("nan") if stopped_early else evaluate(setup, model, eval_texts)
     tps = timed_tokens / timed_s if timed_s else 0.0
     answer_digits = cfg.data.max_digits + 1
     report = {
@@ -232,6 +251,10 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
         "run_dir": str(run_dir),
         "config": lm_config.to_dict(cfg),
         "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(nn.state(model, nn.Param)))),
+        "param_partition_specs": param_partition_specs(model),
+        "curve": curve,
+        "data_digests": digests,
+        "stopped_early": stopped_early,
     }
     manager.close()
     if jax.process_index() == 0:
@@ -239,4 +262,3 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     return report
 
 
-__all__ = ["train", "make_setup", "create_model", "make_optimizer", "jnp"]
