@@ -156,7 +156,8 @@ class Packed:
         return Packed(self.layout, self.buffers) if self.offsets is not None else self
 
     def __repr__(self) -> str:
-        groups = ", ".join(f"{g.name}[{g.total}]" for g in self.layout.groups)
+        groups = ", ".join(f"{g.name}: {getattr(b, 'dtype', '?')}[{g.total}]"
+                           for g, b in zip(self.layout.groups, self.buffers))
         return f"Packed({self.layout.num_leaves} leaves: {groups})"
 
     def __getitem__(self, path: str):

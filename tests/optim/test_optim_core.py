@@ -1,0 +1,436 @@
+"""Core behaviour: packing, chain, groups by path rules, traced hyperparameters, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cairn import optim
+from cairn.optim import _packing as pk
+
+
+def _params():
+    f = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731  (strong float32)
+    return {"embed": {"table": f(np.arange(12.0).reshape(4, 3) / 10)},
+            "layers": [{"kernel": f(np.ones((3, 2))), "bias": f(np.zeros((2,)))},
+                       {"kernel": f(-np.ones((2, 2))), "bias": f(np.full((2,), 0.5))}]}
+
+
+def _grads(seed=0):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), _params())
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def test_pack_unpack_round_trip_groups_by_dtype():
+    tree = {"a": jnp.ones((2, 3)), "b": jnp.arange(4, dtype=jnp.bfloat16), "c": jnp.zeros((5,))}
+    layout = optim.layout_of(tree)
+    assert [g.dtype for g in layout.groups] == ["float32", "bfloat16"]
+    p = optim.pack(tree, layout)
+    assert [b.shape for b in p.buffers] == [(11,), (4,)]
+    back = optim.unpack(p)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+        assert back[k].dtype == tree[k].dtype
+    # dynamic-offset unpacking gives the same leaves
+    back2 = pk.unpack(p, pk.make_offsets(layout))
+    np.testing.assert_array_equal(np.asarray(back2["c"]), np.zeros(5))
+    np.testing.assert_array_equal(np.asarray(p["a"]), np.ones((2, 3)))
+
+
+def test_state_moments_are_packed_buffers_with_paths():
+    tx = optim.adamw(1e-3)
+    state = tx.init(_params())
+    mu = state[0].mu
+    assert isinstance(mu, optim.Packed) and len(mu.buffers) == 1
+    assert mu.buffers[0].shape == (12 + 6 + 2 + 4 + 2,)
+    np.testing.assert_array_equal(np.asarray(mu["layers/0/kernel"]), np.zeros((3, 2)))
+
+
+def test_chain_packs_once_and_matches_unpacked_composition():
+    params, grads = _params(), _grads()
+    a, b, c = optim.clip_by_global_norm(0.5), optim.scale_by_adam(), optim.scale(-0.1)
+    tx = optim.chain(a, b, c)
+    u_chain, _ = tx.update(grads, tx.init(params), params)
+    # the same transforms applied one by one on ordinary pytrees
+    u = grads
+    for t in (a, b, c):
+        u, _ = t.update(u, t.init(params), params)
+    for x, y in zip(jax.tree.leaves(u_chain), jax.tree.leaves(u)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    # the jaxpr of the chain has exactly one concatenate for the grads (one dtype group)
+    jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(grads, tx.init(params))
+    assert str(jaxpr).count("concatenate") == 1
+
+
+def test_packed_params_mode_matches_pytree_mode():
+    params, grads = _params(), _grads()
+    tx = optim.adamw(0.1, weight_decay=0.1)
+    layout = optim.layout_of(params)
+    pp, gp = optim.pack(params, layout), optim.pack(grads, layout)
+    s1, s2 = tx.init(params), tx.init(pp)
+    for _ in range(3):
+        u1, s1 = tx.update(grads, s1, params)
+        params = optim.apply_updates(params, u1)
+        u2, s2 = tx.update(gp, s2, pp)
+        pp = optim.apply_updates(pp, u2)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(optim.unpack(pp))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+
+
+def test_global_norm_is_one_reduction_value():
+    g = _grads()
+    ref = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(g)))
+    np.testing.assert_allclose(float(optim.global_norm(g)), ref, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- hyperparameters
+
+
+def test_learning_rate_in_state_changes_without_recompiling():
+    params, grads = _params(), _grads()
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=1e-3))
+    traces = []
+
+    def step(p, s, g):
+        traces.append(1)
+        u, s = tx.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    state = tx.init(params)
+    hp = optim.get_hyperparams(state)
+    assert float(hp["learning_rate"]) == pytest.approx(1e-2)
+    assert float(hp["weight_decay"]) == pytest.approx(1e-3)
+    p1, s1 = step(params, state, grads)
+    s1 = optim.set_hyperparams(s1, learning_rate=0.0, weight_decay=0.0)
+    p2, s2 = step(p1, s1, grads)
+    assert len(traces) == 1, "changing hyperparameters retraced the step"
+    # with lr = 0 the params do not move
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert float(optim.get_hyperparams(s2)["learning_rate"]) == 0.0
+
+
+def test_schedule_value_is_readable_from_state():
+    tx = optim.sgd(lambda step: 0.1 / (1.0 + step))
+    s = tx.init(_params())
+    for _ in range(3):
+        _, s = tx.update(_grads(), s, _params())
+    # value used at the last (third, step index 2) update
+    assert float(optim.get_hyperparams(s)["learning_rate"]) == pytest.approx(0.1 / 3)
+
+
+def test_inject_hyperparams_exposes_every_numeric_argument():
+    tx = optim.inject_hyperparams(optim.adam)(learning_rate=0.1, b1=0.8)
+    s = tx.init(_params())
+    hp = optim.get_hyperparams(s)
+    assert float(hp["b1"]) == pytest.approx(0.8)
+    s = optim.set_hyperparams(s, b1=0.5)
+    assert float(optim.get_hyperparams(s)["b1"]) == pytest.approx(0.5)
+
+
+def test_set_hyperparams_unknown_name_raises():
+    s = optim.adam(0.1).init(_params())
+    with pytest.raises(KeyError, match="no hyperparameter 'momentum'.*learning_rate"):
+        optim.set_hyperparams(s, momentum=0.9)
+
+
+def test_partition_groups_have_path_qualified_hyperparams():
+    tx = optim.partition({"a": optim.sgd(0.1), "b": optim.sgd(0.2)},
+                         {"embed/.*": "a", ".*": "b"})
+    hp = optim.get_hyperparams(tx.init(_params()))
+    assert set(hp) == {"inner_states/a/1/learning_rate", "inner_states/b/1/learning_rate"}
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "nadam", "nadamw", "amsgrad", "adamax",
+                                  "adamaxw", "adabelief", "radam", "yogi", "lamb"])
+def test_mu_and_nu_dtype_on_adam_family(name):
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    tx = getattr(optim, name)(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+    state = tx.init(params)
+    packs = [x for x in jax.tree.leaves(state, is_leaf=lambda t: isinstance(t, optim.Packed))
+             if isinstance(x, optim.Packed)]
+    assert packs and all(b.dtype == jnp.float32 for p in packs for b in p.buffers)
+    u, state2 = jax.jit(tx.update)(_grads_bf16(), state, params)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
+    assert [a.dtype for a in jax.tree.leaves(state2)] == [a.dtype for a in jax.tree.leaves(state)]
+
+
+def _grads_bf16():
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), _grads())
+
+
+def test_lion_mu_dtype():
+    s = optim.lion(1e-3, mu_dtype=jnp.bfloat16).init(_params())
+    assert s[0].mu.buffers[0].dtype == jnp.bfloat16
+
+
+# --------------------------------------------------------------------------- groups by path
+
+
+def test_partition_with_path_rules_first_match_wins_and_frozen_has_no_state():
+    params, grads = _params(), _grads()
+    tx = optim.partition({"frozen": optim.set_to_zero(), "adamw": optim.adamw(0.1)},
+                         {"embed/.*": "frozen", ".*": "adamw"})
+    state = tx.init(params)
+    assert state.inner_states["frozen"] == optim.EmptyState()
+    mu = state.inner_states["adamw"][0].mu
+    assert "embed/table" not in mu.layout.paths and len(mu.layout.paths) == 4
+    u, _ = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_array_equal(np.asarray(u["embed"]["table"]), np.zeros((4, 3)))
+    ref, _ = optim.adamw(0.1).update({"layers": grads["layers"]},
+                                     optim.adamw(0.1).init({"layers": params["layers"]}),
+                                     {"layers": params["layers"]})
+    np.testing.assert_allclose(np.asarray(u["layers"][1]["kernel"]),
+                               np.asarray(ref["layers"][1]["kernel"]), rtol=1e-6)
+
+
+def test_frozen_group_costs_no_compute():
+    params, grads = _params(), _grads()
+    tx = optim.partition({"frozen": optim.set_to_zero(), "sgd": optim.sgd(0.1)},
+                         {"embed/.*": "frozen", ".*": "sgd"})
+    closed = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(grads, tx.init(params))
+    jaxpr = closed.jaxpr
+    embed_grad = jaxpr.invars[0]  # flatten order: embed/table first
+    assert embed_grad.aval.shape == (4, 3)
+    used = {id(v) for e in jaxpr.eqns for v in e.invars}
+    assert id(embed_grad) not in used, "the frozen group's gradient was read"
+
+
+def test_partition_rule_matching_nothing_names_the_rule():
+    tx = optim.partition({"a": optim.sgd(0.1), "b": optim.sgd(0.2)},
+                         {"decoder/.*": "a", ".*": "b"})
+    with pytest.raises(ValueError, match=r"rule 'decoder/\.\*' matches no parameter"):
+        tx.init(_params())
+
+
+def test_partition_parameter_matched_by_no_rule_names_the_path():
+    tx = optim.partition({"a": optim.sgd(0.1)}, {"embed/.*": "a"})
+    with pytest.raises(ValueError, match="path 'layers/0/bias' matches none of the rules"):
+        tx.init(_params())
+
+
+def test_partition_shadowed_rule_is_an_error():
+    tx = optim.partition({"a": optim.sgd(0.1), "b": optim.sgd(0.2)},
+                         [(".*", "a"), ("embed/.*", "b")])
+    with pytest.raises(ValueError, match="only matches parameters already claimed"):
+        tx.init(_params())
+
+
+def test_partition_unknown_label_and_unused_transform():
+    with pytest.raises(ValueError, match="label 'c' which is not a key"):
+        optim.partition({"a": optim.sgd(0.1)}, {".*": "c"}).init(_params())
+    with pytest.raises(ValueError, match=r"labels \['b'\] are used by no parameter"):
+        optim.partition({"a": optim.sgd(0.1), "b": optim.sgd(0.1)}, {".*": "a"}).init(_params())
+
+
+def test_partition_accepts_label_tree_like_optax():
+    labels = {"embed": "x", "layers": "y"}
+    tx = optim.multi_transform({"x": optim.sgd(0.0), "y": optim.sgd(1.0)}, labels)
+    u, _ = tx.update(_grads(), tx.init(_params()), _params())
+    np.testing.assert_array_equal(np.asarray(u["embed"]["table"]), np.zeros((4, 3)))
+    np.testing.assert_allclose(np.asarray(u["layers"][0]["bias"]),
+                               -np.asarray(_grads()["layers"][0]["bias"]), rtol=1e-6)
+
+
+def test_masked_with_regex_and_freeze():
+    g = _grads()
+    tx = optim.masked(optim.scale(2.0), ".*/kernel")
+    u, _ = tx.update(g, tx.init(_params()))
+    np.testing.assert_allclose(np.asarray(u["layers"][0]["kernel"]),
+                               2 * np.asarray(g["layers"][0]["kernel"]))
+    np.testing.assert_array_equal(np.asarray(u["layers"][0]["bias"]),
+                                  np.asarray(g["layers"][0]["bias"]))
+    f = optim.freeze({"embed/.*": True, ".*": False})
+    u, _ = f.update(g, f.init(_params()))
+    np.testing.assert_array_equal(np.asarray(u["embed"]["table"]), np.zeros((4, 3)))
+
+
+def test_add_decayed_weights_mask_on_packed_buffer():
+    params = _params()
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+    tx = optim.add_decayed_weights(0.5, mask)
+    u, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(u["layers"][0]["kernel"]), 0.5 * np.ones((3, 2)))
+    np.testing.assert_array_equal(np.asarray(u["layers"][1]["bias"]), np.zeros(2))
+
+
+def test_mask_with_many_runs_uses_searchsorted_path():
+    params = {f"p{i:02d}": jnp.ones((3,)) for i in range(40)}
+    mask = {f"p{i:02d}": i % 2 == 0 for i in range(40)}
+    tx = optim.add_decayed_weights(1.0, mask)
+    u, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    for i in range(40):
+        np.testing.assert_array_equal(np.asarray(u[f"p{i:02d}"]), np.full(3, float(i % 2 == 0)))
+
+
+# --------------------------------------------------------------------------- MultiSteps
+
+
+def test_multisteps_single_packed_accumulator_and_mean():
+    params = _params()
+    ms = optim.MultiSteps(optim.sgd(1.0), every_k_schedule=3)
+    state = ms.init(params)
+    accs = [x for x in jax.tree.leaves(state, is_leaf=lambda t: isinstance(t, optim.Packed))
+            if isinstance(x, optim.Packed)]
+    assert len(accs) == 1 and len(accs[0].buffers) == 1
+    gs = [_grads(i) for i in range(3)]
+    step = jax.jit(ms.update)
+    for i, g in enumerate(gs):
+        u, state = step(g, state, params)
+        if i < 2:
+            assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(u))
+            assert not bool(ms.has_updated(state))
+    mean = jax.tree.map(lambda *x: sum(x) / 3, *gs)
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(mean)):
+        np.testing.assert_allclose(np.asarray(a), -np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert bool(ms.has_updated(state))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_mismatched_update_tree_names_paths():
+    tx = optim.adam(0.1)
+    state = tx.init(_params())
+    bad = _grads()
+    del bad["embed"]
+    with pytest.raises(ValueError, match=r"missing paths \['embed/table'\]"):
+        tx.update(bad, state)
+
+
+def test_wrong_update_dtype_names_the_path():
+    tx = optim.adam(0.1)
+    state = tx.init(_params())
+    bad = _grads()
+    bad["layers"][1]["bias"] = bad["layers"][1]["bias"].astype(jnp.bfloat16)
+    with pytest.raises(TypeError, match="'layers/1/bias' has dtype bfloat16, expected float32"):
+        tx.update(bad, state)
+
+
+def test_wrong_update_shape_names_the_path():
+    tx = optim.sgd(0.1, momentum=0.9)
+    state = tx.init(_params())
+    bad = _grads()
+    bad["embed"]["table"] = jnp.zeros((3, 4))
+    with pytest.raises(ValueError, match=r"'embed/table' has shape \(3, 4\), expected \(4, 3\)"):
+        tx.update(bad, state)
+
+
+def test_mismatched_params_tree_names_paths():
+    tx = optim.adamw(0.1)
+    state = tx.init(_params())
+    p = _params()
+    p["extra"] = jnp.zeros(2)
+    with pytest.raises(ValueError, match=r"params tree structure.*unexpected paths \['extra'\]"):
+        tx.update(_grads(), state, p)
+
+
+def test_apply_updates_mismatch_names_paths():
+    u = _grads()
+    del u["layers"]
+    with pytest.raises(ValueError, match="paths only in params.*layers/0/bias"):
+        optim.apply_updates(_params(), u)
+
+
+@pytest.mark.parametrize("factory", [optim.sgd, optim.adam, optim.adamw, optim.lion,
+                                     optim.rmsprop, optim.muon, optim.shampoo])
+def test_negative_learning_rate_rejected(factory):
+    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+        factory(-1e-3)
+
+
+def test_nan_learning_rate_and_nan_schedule_rejected():
+    with pytest.raises(ValueError, match="learning_rate is NaN"):
+        optim.adam(float("nan"))
+    tx = optim.adam(lambda step: jnp.where(step >= 2, jnp.nan, 0.1))
+    state = tx.init(_params())
+    for _ in range(2):
+        _, state = tx.update(_grads(), state)
+    with pytest.raises(ValueError, match="learning_rate schedule returned NaN at step 2"):
+        tx.update(_grads(), state)
+    with pytest.raises(ValueError, match="schedule returned NaN at step 0"):
+        optim.sgd(lambda s: jnp.nan).init(_params())
+
+
+def test_bad_learning_rate_type():
+    with pytest.raises(TypeError, match="learning_rate must be a number or a schedule"):
+        optim.adam("fast")
+
+
+def test_chain_rejects_non_transformations_and_bad_state():
+    with pytest.raises(TypeError, match="chain member 1 is not a GradientTransformation"):
+        optim.chain(optim.sgd(0.1), 3)
+    tx = optim.chain(optim.sgd(0.1), optim.scale(1.0))
+    with pytest.raises(ValueError, match="chain of 2 transformations got a state"):
+        tx.update(_grads(), {"not": "a state"})
+
+
+def test_missing_params_for_weight_decay():
+    tx = optim.adamw(0.1)
+    with pytest.raises(ValueError, match="needs `params`"):
+        tx.update(_grads(), tx.init(_params()))
+
+
+# --------------------------------------------------------------------------- misc API
+
+
+def test_apply_if_finite_skips_nan_steps():
+    tx = optim.apply_if_finite(optim.sgd(1.0), max_consecutive_errors=2)
+    s = tx.init(_params())
+    g = jax.tree.map(lambda x: x.at[...].set(jnp.nan), _grads())
+    u, s = tx.update(g, s)
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(u))
+    assert int(s.notfinite_count) == 1 and not bool(s.last_finite)
+
+
+def test_named_chain_and_tree_module():
+    tx = optim.named_chain(("clip", optim.clip(0.1)), ("sgd", optim.sgd(1.0)))
+    s = tx.init(_params())
+    assert set(s) == {"clip", "sgd"}
+    u, _ = tx.update(_grads(), s)
+    assert float(optim.tree.max(optim.tree.real(u))) <= 0.1 + 1e-7
+    a = _grads()
+    np.testing.assert_allclose(float(optim.tree.vdot(a, a)), float(optim.tree.norm(a)) ** 2,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="different structure"):
+        optim.tree.add(a, {"x": 1})
+
+
+def test_incremental_and_periodic_update():
+    new, old = {"a": jnp.ones(2)}, {"a": jnp.zeros(2)}
+    np.testing.assert_allclose(np.asarray(optim.incremental_update(new, old, 0.25)["a"]),
+                               [0.25, 0.25])
+    assert float(optim.periodic_update(new, old, 4, 2)["a"][0]) == 1.0
+    assert float(optim.periodic_update(new, old, 3, 2)["a"][0]) == 0.0
+
+
+def test_lookahead_syncs_slow_weights():
+    params = optim.LookaheadParams.init_synced({"w": jnp.ones(2)})
+    tx = optim.lookahead(optim.sgd(1.0), sync_period=2, slow_step_size=0.5)
+    s = tx.init(params)
+    g = {"w": jnp.ones(2)}
+    for _ in range(2):
+        u, s = tx.update(g, s, params)
+        params = optim.apply_updates(params, u)
+    # fast went 1 -> 0 -> -1, slow moves half way to -1 and fast is reset to it
+    np.testing.assert_allclose(np.asarray(params.slow["w"]), [0.0, 0.0])
+    np.testing.assert_allclose(np.asarray(params.fast["w"]), [0.0, 0.0])
+
+
+def test_schedule_free_eval_params_recovers_x():
+    tx = optim.schedule_free_sgd(0.1)
+    p = {"w": jnp.ones(3)}
+    s = tx.init(p)
+    u, s = tx.update({"w": jnp.ones(3)}, s, p)
+    p = optim.apply_updates(p, u)
+    x = optim.schedule_free_eval_params(s, p)
+    np.testing.assert_allclose(np.asarray(x["w"]), np.full(3, 0.9), rtol=1e-6)
