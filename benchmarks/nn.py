@@ -52,6 +52,37 @@ def bench(fn, calls: int, repeats: int) -> float:
     return best
 
 
+def bench_many(fns: dict, calls: int, repeats: int) -> dict:
+    """Like :func:`bench` for several variants, interleaved round-robin so that a load
+    change on a shared machine hits every variant alike."""
+    for fn in fns.values():
+        out = fn()
+        for _ in range(min(calls, 10)):
+            out = fn()
+        jax.block_until_ready(out)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                out = fn()
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - t) / calls)
+    return best
+
+
+def bench_py(fn, calls: int, repeats: int) -> float:
+    """Timing of pure-Python work (no device values to wait for)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
+
+
 def first_call(fn) -> float:
     t = time.perf_counter()
     jax.block_until_ready(fn())
@@ -145,7 +176,10 @@ def main(argv=None) -> dict:
     x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
     y = jax.random.normal(jax.random.key(2), (BATCH, WIDTH))
     tx = optax.adamw(1e-3)
-    rows: list[tuple[str, float, float, float]] = []  # name, train us, eval us, first s
+
+    train: dict = {}
+    evals: dict = {}
+    firsts: dict = {}
 
     # raw --------------------------------------------------------------------------
     model = CMLP(DEPTH, WIDTH, nn.Rngs(0))
@@ -158,30 +192,18 @@ def main(argv=None) -> dict:
         raw_state["p"], raw_state["s"], loss = raw_step(raw_state["p"], raw_state["s"], x, y)
         return loss
 
-    raw_first = first_call(raw_train)
-    rows.append(
-        (
-            "raw jax.jit",
-            bench(raw_train, calls, repeats) * 1e6,
-            bench(lambda: raw_eval(raw_state["p"], x, y), calls, repeats) * 1e6,
-            raw_first,
-        )
-    )
+    firsts["raw jax.jit"] = first_call(raw_train)
+    train["raw jax.jit"] = raw_train
+    evals["raw jax.jit"] = lambda: raw_eval(raw_state["p"], x, y)
 
     # cairn ------------------------------------------------------------------------
     model = CMLP(DEPTH, WIDTH, nn.Rngs(0))
     opt = nn.Optimizer(model, tx, wrt=nn.Param)
     c_step = nn.jit(c_train_step)
     c_eval = nn.jit(c_loss)
-    c_first = first_call(lambda: c_step(model, opt, x, y))
-    rows.append(
-        (
-            "cairn nn.jit",
-            bench(lambda: c_step(model, opt, x, y), calls, repeats) * 1e6,
-            bench(lambda: c_eval(model, x, y), calls, repeats) * 1e6,
-            c_first,
-        )
-    )
+    firsts["cairn nn.jit"] = first_call(lambda: c_step(model, opt, x, y))
+    train["cairn nn.jit"] = lambda: c_step(model, opt, x, y)
+    evals["cairn nn.jit"] = lambda: c_eval(model, x, y)
 
     # cairn split + merge of 1,000 modules
     big = nn.List([CLinear(2, 2, nn.Rngs(i)) for i in range(1000)])
@@ -190,10 +212,9 @@ def main(argv=None) -> dict:
         gd, st = nn.split(big)
         return nn.merge(gd, st)
 
-    c_sm = bench(c_split_merge, 10, sm_repeats)
-    c_split = bench(lambda: nn.split(big), 10, sm_repeats)
+    c_sm = bench_py(c_split_merge, 10, sm_repeats)
+    c_split = bench_py(lambda: nn.split(big), 10, sm_repeats)
 
-    nnx_rows = {}
     nnx_sm = None
     if not args.no_flax:
         try:
@@ -207,38 +228,45 @@ def main(argv=None) -> dict:
                 o = nnx.Optimizer(m, tx, wrt=nnx.Param)
                 step = nnx.jit(n_train, **kw)
                 ev = nnx.jit(n_loss, **kw)
-                first = first_call(lambda step=step, m=m, o=o: step(m, o, x, y))
-                tr = bench(lambda step=step, m=m, o=o: step(m, o, x, y), calls, repeats) * 1e6
-                evt = bench(lambda ev=ev, m=m: ev(m, x, y), calls, repeats) * 1e6
-                nnx_rows[name] = (tr, evt)
-                rows.append((name, tr, evt, first))
+                firsts[name] = first_call(lambda step=step, m=m, o=o: step(m, o, x, y))
+                train[name] = lambda step=step, m=m, o=o: step(m, o, x, y)
+                evals[name] = lambda ev=ev, m=m: ev(m, x, y)
             if hasattr(nnx, "cached_partial"):
                 m = NMLP(DEPTH, WIDTH, nnx.Rngs(0))
                 o = nnx.Optimizer(m, tx, wrt=nnx.Param)
                 cached = nnx.cached_partial(nnx.jit(n_train), m, o)
                 cached_ev = nnx.cached_partial(nnx.jit(n_loss), m)
-                first = first_call(lambda: cached(x, y))
-                tr = bench(lambda: cached(x, y), calls, repeats) * 1e6
-                evt = bench(lambda: cached_ev(x, y), calls, repeats) * 1e6
-                nnx_rows["cached_partial"] = (tr, evt)
-                rows.append(("nnx.cached_partial", tr, evt, first))
+                firsts["nnx.cached_partial"] = first_call(lambda: cached(x, y))
+                train["nnx.cached_partial"] = lambda: cached(x, y)
+                evals["nnx.cached_partial"] = lambda: cached_ev(x, y)
             if hasattr(nnx, "jit_partial"):
                 m = NMLP(DEPTH, WIDTH, nnx.Rngs(0))
                 o = nnx.Optimizer(m, tx, wrt=nnx.Param)
                 jp = nnx.jit_partial(n_train, m, o, graph=False)
                 jp_ev = nnx.jit_partial(n_loss, m, graph=False)
-                first = first_call(lambda: jp(x, y))
-                tr = bench(lambda: jp(x, y), calls, repeats) * 1e6
-                evt = bench(lambda: jp_ev(x, y), calls, repeats) * 1e6
-                nnx_rows["jit_partial"] = (tr, evt)
-                rows.append(("nnx.jit_partial(graph=False)", tr, evt, first))
+                name = "nnx.jit_partial(graph=False)"
+                firsts[name] = first_call(lambda: jp(x, y))
+                train[name] = lambda: jp(x, y)
+                evals[name] = lambda: jp_ev(x, y)
             nbig = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(1000)])
 
             def n_split_merge():
                 gd, st = nnx.split(nbig)
                 return nnx.merge(gd, st)
 
-            nnx_sm = bench(n_split_merge, 2 if args.quick else 5, 2 if args.quick else 5)
+            nnx_sm = bench_py(n_split_merge, 2 if args.quick else 5, 2 if args.quick else 5)
+
+    t_train = bench_many(train, calls, repeats)
+    t_eval = bench_many(evals, calls, repeats)
+    rows = [(n, t_train[n] * 1e6, t_eval[n] * 1e6, firsts[n]) for n in train]
+    nnx_rows = {
+        {"nnx.cached_partial": "cached_partial", "nnx.jit_partial(graph=False)": "jit_partial"}.get(
+            n, n
+        ): (t_train[n] * 1e6, t_eval[n] * 1e6)
+        for n in train
+        if n.startswith("nnx")
+    }
+    c_first, raw_first = firsts["cairn nn.jit"], firsts["raw jax.jit"]
 
     # report ------------------------------------------------------------------------
     print(f"MLP {DEPTH}x{WIDTH} + AdamW, batch {BATCH}; us per call (min of {repeats} x {calls})")
