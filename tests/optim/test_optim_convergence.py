@@ -31,28 +31,28 @@ OPTS = {
     "nadamw": (lambda lr: optim.nadamw(lr, weight_decay=0.0), 0.05, 0.01),
     "adamax": (lambda lr: optim.adamax(lr), 0.05, 0.01),
     "adamaxw": (lambda lr: optim.adamaxw(lr, weight_decay=0.0), 0.05, 0.01),
-    "amsgrad": (lambda lr: optim.amsgrad(lr), 0.05, 0.01),
-    "adagrad": (lambda lr: optim.adagrad(lr), 0.5, 0.1),
-    "adadelta": (lambda lr: optim.adadelta(lr), 20.0, 10.0),
+    "amsgrad": (lambda lr: optim.amsgrad(lr), 0.05, 0.3),
+    "adagrad": (lambda lr: optim.adagrad(lr), 0.5, 0.3),
+    "adadelta": (lambda lr: optim.adadelta(lr), 20.0, 0.1),
     "adafactor": (lambda lr: optim.adafactor(lr, multiply_by_parameter_scale=False), 0.05, 0.01),
     "adabelief": (lambda lr: optim.adabelief(lr), 0.05, 0.01),
-    "lamb": (lambda lr: optim.lamb(lr), 0.02, 0.005),
+    "lamb": (lambda lr: optim.lamb(lr), 0.02, 0.01),
     "lars": (lambda lr: optim.lars(lr, trust_coefficient=1.0), 0.05, 0.005),
     "lion": (lambda lr: optim.lion(lr, weight_decay=0.0), 0.01, 0.003),
     "novograd": (lambda lr: optim.novograd(lr), 0.05, 0.01),
-    "radam": (lambda lr: optim.radam(lr), 0.05, 0.01),
+    "radam": (lambda lr: optim.radam(lr), 0.05, 0.003),
     "rmsprop": (lambda lr: optim.rmsprop(lr), 0.01, 0.003),
     "rprop": (lambda lr: optim.rprop(lr), 0.01, 0.001),
-    "sm3": (lambda lr: optim.sm3(lr), 0.5, 0.1),
-    "yogi": (lambda lr: optim.yogi(lr), 0.05, 0.01),
-    "fromage": (lambda lr: optim.fromage(lr), 0.05, 0.005),
+    "sm3": (lambda lr: optim.sm3(lr), 0.5, 1.0),
+    "yogi": (lambda lr: optim.yogi(lr), 0.05, 0.1),
+    "fromage": (lambda lr: optim.fromage(lr), 0.05, 0.01),
     "noisy_sgd": (lambda lr: optim.noisy_sgd(lr, eta=1e-4, seed=0), 0.1, 1e-3),
-    "sign_sgd": (lambda lr: optim.sign_sgd(lr), 0.01, 0.003),
+    "sign_sgd": (lambda lr: optim.sign_sgd(lr), 0.01, 3e-4),
     "signum": (lambda lr: optim.signum(lr), 0.01, 0.003),
     "muon": (lambda lr: optim.muon(lr), 0.05, 0.01),
     "shampoo": (lambda lr: optim.shampoo(lr, precondition_every=5), 0.05, 0.01),
     "schedule_free_adamw": (lambda lr: optim.schedule_free_adamw(lr), 0.05, 0.01),
-    "schedule_free_sgd": (lambda lr: optim.schedule_free_sgd(lr), 0.1, 1e-3),
+    "schedule_free_sgd": (lambda lr: optim.schedule_free_sgd(lr), 0.1, 0.003),
 }
 SCHEDULE_FREE = {"schedule_free_adamw", "schedule_free_sgd"}
 NO_SCHEDULE = SCHEDULE_FREE | {"rprop"}  # these take a constant step size
@@ -96,18 +96,18 @@ def test_minimises_quadratic(name):
 ROSEN_DEFAULT = ["adam", "sgd_momentum", "lion", "muon", "shampoo", "schedule_free_adamw"]
 
 
-def _rosen_case(name):
+def _rosen_case(name, steps):
     params = {"xy": jnp.array([-1.0, 1.5])}
-    p = _minimise(name, _rosenbrock, params, OPTS[name][2], 8000)
+    p = _minimise(name, _rosenbrock, params, OPTS[name][2], steps)
     np.testing.assert_allclose(np.asarray(p["xy"]), [1.0, 1.0], atol=5e-2, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ROSEN_DEFAULT)
 def test_minimises_rosenbrock(name):
-    _rosen_case(name)
+    _rosen_case(name, 8000)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(OPTS) - set(ROSEN_DEFAULT)))
 def test_minimises_rosenbrock_all(name):
-    _rosen_case(name)
+    _rosen_case(name, 20000)

@@ -19,6 +19,7 @@ inspected; an out-of-range label then gives a NaN loss).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -549,7 +550,9 @@ def softmax_cross_entropy_with_integer_labels(
         )
     num_classes = int(np.prod([x.shape[i] for i in class_axes]))
     if not isinstance(lab, jax.core.Tracer) and lab.size:
-        lo, hi = int(jnp.min(lab)), int(jnp.max(lab))
+        # NumPy, not jnp: under an outer jit even a constant would be staged.
+        concrete = np.asarray(lab)
+        lo, hi = int(concrete.min()), int(concrete.max())
         if lo < 0 or hi >= num_classes:
             bad = lo if lo < 0 else hi
             raise ValueError(
@@ -837,6 +840,14 @@ def ctc_loss_with_forward_probs(
                 f"{fn}: unpadded `labels` must not be the blank id {blank_id}"
             )
 
+    return _ctc_forward(x, lpad, lab, ypad, blank_id, log_epsilon)
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _ctc_forward(x, lpad, lab, ypad, blank_id, log_epsilon):
+    """The checked-argument core of the CTC forward pass, compiled once per
+    shape (an eager call would otherwise dispatch and compile op by op)."""
+    batch, frames, _ = x.shape
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     logprobs = _log_softmax(x.astype(dtype), (2,), None)  # [B, T, K]
     n = lab.shape[1]
