@@ -320,3 +320,27 @@ def test_optimizer_errors():
     bad = nn.State({"lin": {"kernel": nn.Param(jnp.zeros((2, 2)))}})
     with pytest.raises(ValueError, match=r"missing \['lin/bias'\]"):
         opt.update(m, bad)
+
+
+def test_errors_inside_transforms_name_the_module_path():
+    class Net(nn.Module):
+        def __init__(self, rngs):
+            self.layers = [Counted(3, rngs), Counted(3, rngs)]
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    net = Net(nn.Rngs(0))
+    bad = jnp.ones((2, 5))  # wrong feature count
+    vmap = lambda f: nn.vmap(f, in_axes=(None, 0))  # noqa: E731
+    for transform, arg in ((nn.jit, bad), (nn.grad, bad), (nn.remat, bad), (vmap, bad[None])):
+        f = transform(lambda m, x: m(x).sum())
+        with pytest.raises(TypeError) as info:
+            f(net, arg)
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "Lin at path 'layers/0/lin' of argument 0" in notes, (transform, notes)
+
+    with pytest.raises(ValueError, match=r"'layers/0/calls' .* has rank 0"):
+        nn.vmap(lambda m, x: m(x), in_axes=(0, 0))(net, bad[None])

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.nn._graph import GraphDef, SharedReferenceError, _walk, flat, sync
+from cairn.nn._graph import GraphDef, SharedReferenceError, _walk, flat, iter_modules, sync
 from cairn.nn._module import Module, _is_node
 from cairn.nn._state import State
 from cairn.nn._variables import EPOCH, Param, Variable, _HashableMeta
@@ -153,6 +153,40 @@ def _write_module(obj, old_gd, old_vars, new_gd, values) -> None:
             _set_raw(v, x)
     else:
         sync(obj, new_gd.build_from_values(values))
+
+
+def _annotate(exc: BaseException, roots) -> None:
+    """Add a note naming the innermost module (by path) whose method raised ``exc``.
+    ``roots``: iterable of (argument label, object possibly containing modules)."""
+    try:
+        ids: dict[int, tuple] = {}
+        for label, tree in roots:
+            for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_node):
+                if isinstance(leaf, Module):
+                    for path, m in iter_modules(leaf):
+                        ids[id(m)] = (label, path, type(m).__name__)
+        found = None
+        tb = exc.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            if obj is not None and id(obj) in ids:
+                found = ids[id(obj)]
+            tb = tb.tb_next
+        if found is not None:
+            label, path, cls = found
+            where = f"path {path!r}" if path else "the root"
+            exc.add_note(f"(raised in {cls} at {where} of argument {label})")
+    except Exception:  # noqa: BLE001 - never mask the original error
+        pass
+
+
+def _call_annotated(fun, args, kwargs):
+    try:
+        return fun(*args, **kwargs)
+    except Exception as e:
+        roots = [(str(i), a) for i, a in enumerate(args)] + [(repr(k), v) for k, v in kwargs.items()]
+        _annotate(e, roots)
+        raise
 
 
 # ----------------------------------------------------------------------------------
@@ -438,7 +472,7 @@ class JitWrapped:
                 kw, rebuilt = kwplan.rebuild(dyn)
                 records.append(("kw", rebuilt, dyn, offs[False], False, kwplan))
                 offs[False] += start
-            out = fun(*call_args, **kw)
+            out = _call_annotated(fun, call_args, kw)
             ud, uk = {}, {}
             changed_graphs, changed_vals = [], []
             for where, obj, vals, off, donated, desc in records:
@@ -722,7 +756,7 @@ def value_and_grad(
                     dyn[li] = vals
             tree, rebuilt = plan.rebuild(dyn)
             a, kw = tree
-            out = f(*a, **kw)
+            out = _call_annotated(f, a, kw)
             new_dyn, new_descs = plan.collect(rebuilt)
             box.value = new_descs
             if has_aux:
@@ -808,7 +842,7 @@ def _run_pure(f, plan: _Plan, box: _Box):
     def pure(dyn):
         tree, rebuilt = plan.rebuild(dyn)
         a, kw = tree
-        out = f(*a, **kw)
+        out = _call_annotated(f, a, kw)
         new_dyn, new_descs = plan.collect(rebuilt)
         box.value = new_descs
         return out, new_dyn
@@ -895,6 +929,7 @@ def vmap(
         plan = _Plan((args, kwargs))
         axes = _prefix_axes(args, kwargs, plan, in_axes)
         leaf_axes = _leaf_axes_tree(plan, axes)
+        _check_mapped_ranks(plan, axes)
         box = _Box()
         pure = _run_pure(f, plan, box)
         state_out_axes = leaf_axes
@@ -910,6 +945,24 @@ def vmap(
         return out
 
     return wrapper
+
+
+def _check_mapped_ranks(plan: _Plan, axes) -> None:
+    """A clear error naming the variable when a mapped module has a variable whose rank
+    is too small for its axis."""
+    from cairn.nn._filters import path_str
+
+    for kind, desc, d, ax in zip(plan.kinds, plan.descs, plan.dyn, axes):
+        if kind != _M or not isinstance(ax, int):
+            continue
+        for p, v in zip(desc.paths, d):
+            nd = len(getattr(v, "shape", ()))
+            if not (-nd <= ax < nd):
+                raise ValueError(
+                    f"nn.vmap: variable {path_str(p)!r} of {desc.type.__name__} has rank "
+                    f"{nd} and cannot be mapped along axis {ax}; pass in_axes=None for this "
+                    f"module (broadcast) or give every variable a batch axis"
+                )
 
 
 def _check_same(old_descs, new_descs, what: str):
@@ -993,7 +1046,7 @@ def scan(
         def body(c_dyn, x_dyn):
             c = carry.rebuild(c_dyn)
             x, x_rebuilt = xplan.rebuild(x_dyn)
-            new_c, y = f(c, x)
+            new_c, y = _call_annotated(f, (c, x), {})
             new_c_dyn = carry.extract(new_c, "nn.scan")
             x_new_dyn, x_descs = xplan.collect(x_rebuilt)
             box.value = x_descs
@@ -1047,7 +1100,7 @@ def _branches_call(branches, index_or_pred, operands, use_switch: bool):
         def pure(dyn):
             tree, rebuilt = plan.rebuild(dyn)
             a, _ = tree
-            out = fn(*a)
+            out = _call_annotated(fn, a, {})
             new_dyn, new_descs = plan.collect(rebuilt)
             box.value = new_descs
             return out, new_dyn
