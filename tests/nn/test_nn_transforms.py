@@ -340,7 +340,20 @@ def test_errors_inside_transforms_name_the_module_path():
         with pytest.raises(TypeError) as info:
             f(net, arg)
         notes = " ".join(getattr(info.value, "__notes__", []))
-        assert "Lin at path 'layers/0/lin' of argument 0" in notes, (transform, notes)
+        assert "(raised in Lin at path 'layers/0/lin' of " in notes, (transform, notes)
 
     with pytest.raises(ValueError, match=r"'layers/0/calls' .* has rank 0"):
         nn.vmap(lambda m, x: m(x), in_axes=(0, 0))(net, bad[None])
+
+
+def test_eager_errors_name_the_module_path():
+    class Net(nn.Module):
+        def __init__(self, rngs):
+            self.blocks = nn.Dict(first=Counted(3, rngs))
+
+        def __call__(self, x):
+            return self.blocks["first"](x)
+
+    with pytest.raises(TypeError) as info:
+        Net(nn.Rngs(0))(jnp.ones((2, 4)))
+    assert "(raised in Lin at path 'blocks/first/lin' of Net)" in info.value.__notes__

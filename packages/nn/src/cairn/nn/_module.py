@@ -18,6 +18,7 @@ paths is an error (tie weights explicitly instead).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -181,6 +182,9 @@ class Module:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _register_module_class(cls)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not getattr(call, "_cairn_wrapped", False):
+            cls.__call__ = _wrap_call(call)
 
     # -- attribute handling ------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -326,6 +330,61 @@ class Module:
         from cairn.nn._graph import clone
 
         return clone(self)
+
+
+_CALL_DEPTH = [0]
+
+
+def _wrap_call(fn):
+    """Wrap a module class's ``__call__`` so that an exception escaping the outermost
+    module call gets a note naming the submodule (by path) that raised it."""
+
+    @functools.wraps(fn)
+    def __call__(self, *args, **kwargs):
+        if _CALL_DEPTH[0]:
+            return fn(self, *args, **kwargs)
+        _CALL_DEPTH[0] = 1
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as e:
+            annotate_exception(e, [(None, self)])
+            raise
+        finally:
+            _CALL_DEPTH[0] = 0
+
+    __call__._cairn_wrapped = True
+    return __call__
+
+
+def annotate_exception(exc: BaseException, roots) -> None:
+    """Add a note to ``exc`` naming the innermost module (by path) whose method raised
+    it. ``roots``: iterable of ``(label, tree)``; label None means "the called module"."""
+    try:
+        if any(n.startswith("(raised in ") for n in getattr(exc, "__notes__", ())):
+            return
+        from cairn.nn._graph import iter_modules
+
+        ids: dict[int, tuple] = {}
+        for label, tree in roots:
+            for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_node):
+                if isinstance(leaf, Module):
+                    for path, m in iter_modules(leaf):
+                        ids[id(m)] = (label, path, type(m).__name__, type(leaf).__name__)
+        found = None
+        tb = exc.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            if obj is not None and id(obj) in ids:
+                found = ids[id(obj)]
+            tb = tb.tb_next
+        if found is None:
+            return
+        label, path, cls, root_cls = found
+        where = f"path {path!r}" if path else "the root"
+        of = f"argument {label}" if label is not None else root_cls
+        exc.add_note(f"(raised in {cls} at {where} of {of})")
+    except Exception:  # noqa: BLE001 - never mask the original error
+        pass
 
 
 def _check_attribute(module: Module, name: str, value: Any) -> Any:

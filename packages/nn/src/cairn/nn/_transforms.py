@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.nn._graph import GraphDef, SharedReferenceError, _walk, flat, iter_modules, sync
-from cairn.nn._module import Module, _is_node
+from cairn.nn._graph import GraphDef, SharedReferenceError, _walk, flat, sync
+from cairn.nn._module import Module, _is_node, annotate_exception
 from cairn.nn._state import State
 from cairn.nn._variables import EPOCH, Param, Variable, _HashableMeta
 
@@ -155,29 +155,7 @@ def _write_module(obj, old_gd, old_vars, new_gd, values) -> None:
         sync(obj, new_gd.build_from_values(values))
 
 
-def _annotate(exc: BaseException, roots) -> None:
-    """Add a note naming the innermost module (by path) whose method raised ``exc``.
-    ``roots``: iterable of (argument label, object possibly containing modules)."""
-    try:
-        ids: dict[int, tuple] = {}
-        for label, tree in roots:
-            for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_node):
-                if isinstance(leaf, Module):
-                    for path, m in iter_modules(leaf):
-                        ids[id(m)] = (label, path, type(m).__name__)
-        found = None
-        tb = exc.__traceback__
-        while tb is not None:
-            obj = tb.tb_frame.f_locals.get("self")
-            if obj is not None and id(obj) in ids:
-                found = ids[id(obj)]
-            tb = tb.tb_next
-        if found is not None:
-            label, path, cls = found
-            where = f"path {path!r}" if path else "the root"
-            exc.add_note(f"(raised in {cls} at {where} of argument {label})")
-    except Exception:  # noqa: BLE001 - never mask the original error
-        pass
+_annotate = annotate_exception
 
 
 def _call_annotated(fun, args, kwargs):
