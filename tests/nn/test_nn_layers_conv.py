@@ -27,7 +27,8 @@ def f64(x):
 
 
 def randn(shape, dtype=jnp.float32, seed=0):
-    return jax.random.normal(jax.random.key(seed), shape).astype(dtype)
+    # NumPy draws: no per-shape XLA compile of the random generator
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def np_conv(x, w, b, strides, padding, lhs_dil, rhs_dil, groups):
@@ -75,22 +76,26 @@ def np_conv(x, w, b, strides, padding, lhs_dil, rhs_dil, groups):
     return y
 
 
+F32, BF16, SLOW = jnp.float32, jnp.bfloat16, pytest.mark.slow
 CONV_CASES = [
-    # (spatial, kernel, strides, padding, input_dilation, kernel_dilation, groups)
-    ((9,), (3,), (1,), "SAME", (1,), (1,), 1),
-    ((9,), (4,), (2,), "VALID", (1,), (1,), 1),
-    ((9,), (3,), (1,), "CAUSAL", (1,), (2,), 1),
-    ((8,), (3,), (2,), "CIRCULAR", (1,), (1,), 2),
-    ((7, 6), (3, 2), (2, 1), "SAME", (1, 1), (1, 2), 1),
-    ((6, 6), (3, 3), (1, 1), ((1, 2), (0, 1)), (1, 1), (1, 1), 2),
-    ((5, 5), (2, 2), (1, 1), "VALID", (2, 1), (1, 1), 1),
-    ((6, 5), (3, 3), (1, 2), "CIRCULAR", (1, 1), (1, 1), 1),
-    ((4, 5, 4), (2, 3, 2), (1, 2, 1), "SAME", (1, 1, 1), (1, 1, 1), 1),
+    # (spatial, kernel, strides, padding, input_dilation, kernel_dilation, groups, dtype)
+    pytest.param((9,), (3,), (1,), "SAME", (1,), (1,), 1, F32),
+    pytest.param((9,), (3,), (1,), "CAUSAL", (1,), (2,), 1, F32),
+    pytest.param((8,), (3,), (2,), "CIRCULAR", (1,), (1,), 2, BF16),
+    pytest.param((6, 6), (3, 3), (1, 1), ((1, 2), (0, 1)), (1, 1), (1, 1), 2, F32),
+    pytest.param((5, 5), (2, 2), (1, 1), "VALID", (2, 1), (1, 1), 1, F32),
+    pytest.param((9,), (4,), (2,), "VALID", (1,), (1,), 1, F32, marks=SLOW),
+    pytest.param((9,), (3,), (1,), "SAME", (1,), (1,), 1, BF16, marks=SLOW),
+    pytest.param((8,), (3,), (2,), "CIRCULAR", (1,), (1,), 2, F32, marks=SLOW),
+    pytest.param((7, 6), (3, 2), (2, 1), "SAME", (1, 1), (1, 2), 1, F32, marks=SLOW),
+    pytest.param((7, 6), (3, 2), (2, 1), "SAME", (1, 1), (1, 2), 1, BF16, marks=SLOW),
+    pytest.param((6, 5), (3, 3), (1, 2), "CIRCULAR", (1, 1), (1, 1), 1, F32, marks=SLOW),
+    pytest.param((4, 5, 4), (2, 3, 2), (1, 2, 1), "SAME", (1, 1, 1), (1, 1, 1), 1, F32, marks=SLOW),
+    pytest.param((4, 5, 4), (2, 3, 2), (1, 2, 1), "SAME", (1, 1, 1), (1, 1, 1), 1, BF16, marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("spatial, ks, strides, padding, ldil, rdil, groups", CONV_CASES)
+@pytest.mark.parametrize("spatial, ks, strides, padding, ldil, rdil, groups, dtype", CONV_CASES)
 def test_conv_matches_numpy(spatial, ks, strides, padding, ldil, rdil, groups, dtype):
     cin, cout = 4, 6
     conv = nn.Conv(
@@ -141,9 +146,9 @@ def test_conv_grad_equals_numpy_formula():
     np.testing.assert_allclose(f64(g.bias[...]), (2 * y).sum((0, 1)), rtol=1e-4, atol=1e-4)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
-    n=st.integers(3, 9), k=st.integers(1, 3), s=st.integers(1, 3),
+    n=st.sampled_from([3, 8]), k=st.integers(1, 3), s=st.integers(1, 3),
     padding=st.sampled_from(["SAME", "VALID", "CIRCULAR"]),
 )
 def test_conv_output_length_property(n, k, s, padding):
@@ -228,18 +233,19 @@ def np_conv_transpose(x, w, b, strides, padding, rhs_dil, transpose_kernel):
 
 
 TCASES = [
-    ((5,), (3,), (2,), "SAME", (1,), False),
-    ((5,), (3,), (2,), "VALID", (1,), False),
-    ((4,), (4,), (3,), "VALID", (1,), True),
-    ((4,), (3,), (2,), "CIRCULAR", (1,), False),
-    ((4,), (3,), (2,), "CIRCULAR", (1,), True),
-    ((4, 3), (3, 2), (2, 1), "SAME", (1, 2), False),
-    ((3, 4), (2, 3), (2, 2), "VALID", (1, 1), True),
+    pytest.param((5,), (3,), (2,), "SAME", (1,), False, F32),
+    pytest.param((4,), (3,), (2,), "CIRCULAR", (1,), False, F32),
+    pytest.param((4,), (4,), (3,), "VALID", (1,), True, BF16),
+    pytest.param((4, 3), (3, 2), (2, 1), "SAME", (1, 2), False, F32),
+    pytest.param((5,), (3,), (2,), "VALID", (1,), False, F32, marks=SLOW),
+    pytest.param((4,), (3,), (2,), "CIRCULAR", (1,), True, F32, marks=SLOW),
+    pytest.param((4,), (3,), (2,), "CIRCULAR", (1,), True, BF16, marks=SLOW),
+    pytest.param((3, 4), (2, 3), (2, 2), "VALID", (1, 1), True, F32, marks=SLOW),
+    pytest.param((4, 3), (3, 2), (2, 1), "SAME", (1, 2), False, BF16, marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("spatial, ks, strides, padding, rdil, tk", TCASES)
+@pytest.mark.parametrize("spatial, ks, strides, padding, rdil, tk, dtype", TCASES)
 def test_conv_transpose_matches_numpy(spatial, ks, strides, padding, rdil, tk, dtype):
     ct = nn.ConvTranspose(
         3, 2, ks, strides, padding=padding, kernel_dilation=rdil, transpose_kernel=tk,

@@ -25,7 +25,8 @@ def f64(x):
 
 
 def randn(shape, dtype=jnp.float32, seed=0):
-    return jax.random.normal(jax.random.key(seed), shape).astype(dtype)
+    # NumPy draws: no per-shape XLA compile of the random generator
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 # --------------------------------------------------------------------------- Linear
@@ -81,11 +82,11 @@ def test_linear_grad_equals_numpy_formula():
     np.testing.assert_allclose(f64(g.bias[...]), f64(gb), rtol=1e-6)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
-    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
-    fin=st.integers(1, 7),
-    fout=st.integers(1, 7),
+    batch=st.lists(st.sampled_from([1, 3]), min_size=0, max_size=2),
+    fin=st.sampled_from([1, 5]),
+    fout=st.sampled_from([2, 5]),
 )
 def test_linear_shapes_property(batch, fin, fout):
     layer = nn.Linear(fin, fout, rngs=nn.Rngs(0))
@@ -121,7 +122,7 @@ def test_linear_metadata_and_jit():
 # --------------------------------------------------------------------------- LinearGeneral
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_linear_general_multi_axis(dtype):
     layer = nn.LinearGeneral(
         (3, 4), (2, 5), axis=(-2, -1), param_dtype=dtype,
@@ -161,7 +162,7 @@ def test_linear_general_errors():
 # --------------------------------------------------------------------------- Einsum
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_einsum_matches_numpy(dtype):
     layer = nn.Einsum(
         "btd,dnh->btnh", (8, 2, 4), (2, 4), param_dtype=dtype,
@@ -185,7 +186,7 @@ def test_einsum_errors():
 # --------------------------------------------------------------------------- Embed
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_embed_lookup_and_attend(dtype):
     emb = nn.Embed(11, 6, param_dtype=dtype, rngs=nn.Rngs(0))
     ids = jnp.array([[0, 3, 10], [5, 5, 1]])
@@ -233,7 +234,7 @@ def test_lora_matches_numpy_and_starts_as_identity_on_base():
     np.testing.assert_allclose(f64(scaled(x)), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_lora_linear_matches_numpy(dtype):
     layer = nn.LoRALinear(5, 3, lora_rank=2, param_dtype=dtype, lora_param_dtype=dtype, rngs=nn.Rngs(0))
     assert isinstance(layer.lora.lora_a, nn.LoRAParam) and isinstance(layer.lora.lora_a, nn.Param)

@@ -25,7 +25,8 @@ def f64(x):
 
 
 def randn(shape, dtype=jnp.float32, seed=0, scale=1.0, shift=0.0):
-    return (jax.random.normal(jax.random.key(seed), shape) * scale + shift).astype(dtype)
+    x = np.random.default_rng(seed).standard_normal(shape) * scale + shift
+    return jnp.asarray(x, dtype)
 
 
 def np_norm(x, axes, eps, scale=None, bias=None, center=True):
@@ -69,7 +70,7 @@ def test_layer_norm_multi_axis_and_no_affine():
     np.testing.assert_allclose(f64(ln(x)), np_norm(x, (1, 2), 1e-6), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_rms_norm(dtype):
     rms = nn.RMSNorm(5, epsilon=1e-5, param_dtype=dtype, rngs=nn.Rngs(0))
     rand_affine(rms, dtype)
@@ -79,7 +80,7 @@ def test_rms_norm(dtype):
     np.testing.assert_allclose(f64(rms(x)), ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_group_norm(dtype):
     gn = nn.GroupNorm(6, num_groups=3, param_dtype=dtype, rngs=nn.Rngs(0))
     rand_affine(gn, dtype)
@@ -91,7 +92,7 @@ def test_group_norm(dtype):
     assert by_size.num_groups == 3
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_instance_norm(dtype):
     inorm = nn.InstanceNorm(3, param_dtype=dtype, rngs=nn.Rngs(0))
     rand_affine(inorm, dtype)
@@ -119,18 +120,17 @@ def test_norm_grad_matches_finite_differences():
     np.testing.assert_allclose(g, ref, rtol=1e-3, atol=1e-4)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
-    b=st.integers(1, 3), f=st.integers(2, 6), shift=st.floats(-20, 20),
+    b=st.sampled_from([1, 3]), f=st.sampled_from([2, 6]), shift=st.floats(-20, 20),
     scale=st.floats(0.5, 10),
 )
 def test_layer_norm_is_shift_and_scale_invariant(b, f, shift, scale):
     # exact only without epsilon: use a negligible one
     ln = nn.LayerNorm(f, epsilon=1e-12, rngs=nn.Rngs(0))
     x = randn((b, f), seed=b * 10 + f)
-    np.testing.assert_allclose(
-        f64(ln(x * scale + shift)), f64(ln(x)), rtol=2e-3, atol=2e-3
-    )
+    run = jax.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(f64(run(ln, x * scale + shift)), f64(run(ln, x)), rtol=2e-3, atol=2e-3)
 
 
 def test_norm_errors():

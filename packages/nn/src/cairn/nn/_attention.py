@@ -18,10 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cairn.nn import initializers as _init
-from cairn.nn._module import Module
-from cairn.nn._rngs import Rngs
-from cairn.nn._variables import Cache, Intermediate
 from cairn.nn._dropout import _own_stream, draw_key
 from cairn.nn._linear import (
     DType,
@@ -32,8 +28,11 @@ from cairn.nn._linear import (
     default_kernel_init,
     promote_dtype,
 )
+from cairn.nn._module import Module
 from cairn.nn._normalization import LayerNorm
+from cairn.nn._rngs import Rngs
 from cairn.nn._rope import apply_rotary_embedding
+from cairn.nn._variables import Cache, Intermediate
 
 __all__ = [
     "MultiHeadAttention",

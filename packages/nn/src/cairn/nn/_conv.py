@@ -10,8 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cairn.nn._module import Module
-from cairn.nn._rngs import Rngs
 from cairn.nn._linear import (
     DType,
     Initializer,
@@ -22,6 +20,8 @@ from cairn.nn._linear import (
     make_param,
     promote_dtype,
 )
+from cairn.nn._module import Module
+from cairn.nn._rngs import Rngs
 
 __all__ = ["Conv", "ConvTranspose", "canonicalize_padding"]
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cairn.nn._module import Module
-from cairn.nn._rngs import RngStream, Rngs
+from cairn.nn._rngs import Rngs, RngStream
 
 __all__ = ["Dropout"]
 

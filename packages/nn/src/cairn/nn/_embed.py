@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.nn import initializers as _init
+from cairn.nn._linear import DType, Initializer, check_axis, check_input, make_param, promote_dtype
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
-from cairn.nn._linear import DType, Initializer, check_axis, check_input, make_param, promote_dtype
 
 __all__ = ["Embed"]
 

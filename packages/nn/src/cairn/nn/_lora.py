@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from cairn.nn import initializers as _init
+from cairn.nn._linear import DType, Initializer, Linear, check_axis, check_input, promote_dtype
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
 from cairn.nn._variables import Param
-from cairn.nn._linear import DType, Initializer, Linear, check_axis, check_input, promote_dtype
 
 __all__ = ["LoRA", "LoRALinear", "LoRAParam"]
 

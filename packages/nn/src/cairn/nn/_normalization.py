@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from cairn.nn import initializers as _init
+from cairn.nn._linear import DType, Initializer, canonicalize_dtype, check_input, make_param
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
 from cairn.nn._variables import BatchStat
-from cairn.nn._linear import DType, Initializer, canonicalize_dtype, check_input, make_param
 
 __all__ = ["BatchNorm", "GroupNorm", "InstanceNorm", "LayerNorm", "RMSNorm"]
 

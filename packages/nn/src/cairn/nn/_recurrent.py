@@ -15,12 +15,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from cairn.nn import initializers as _init
+from cairn.nn._linear import DType, Initializer, check_axis, check_input, promote_dtype
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
 from cairn.nn._variables import Param
-from cairn.nn._linear import DType, Initializer, check_axis, check_input, promote_dtype
 
 __all__ = ["GRUCell", "LSTMCell", "RNN", "RNNCellBase", "SimpleCell"]
+
+_default_kernel_init = _init.lecun_normal()
+_default_recurrent_init = _init.orthogonal()
 
 
 def _block_orthogonal(init: Initializer, n_blocks: int) -> Initializer:
@@ -120,8 +123,8 @@ class LSTMCell(_GatedCell):
         *,
         gate_fn: Callable[..., Any] = jax.nn.sigmoid,
         activation_fn: Callable[..., Any] = jnp.tanh,
-        kernel_init: Initializer = _init.lecun_normal(),
-        recurrent_kernel_init: Initializer = _init.orthogonal(),
+        kernel_init: Initializer = _default_kernel_init,
+        recurrent_kernel_init: Initializer = _default_recurrent_init,
         bias_init: Initializer = _init.zeros,
         dtype: DType | None = None,
         param_dtype: DType = jnp.float32,
@@ -182,8 +185,8 @@ class GRUCell(_GatedCell):
         *,
         gate_fn: Callable[..., Any] = jax.nn.sigmoid,
         activation_fn: Callable[..., Any] = jnp.tanh,
-        kernel_init: Initializer = _init.lecun_normal(),
-        recurrent_kernel_init: Initializer = _init.orthogonal(),
+        kernel_init: Initializer = _default_kernel_init,
+        recurrent_kernel_init: Initializer = _default_recurrent_init,
         bias_init: Initializer = _init.zeros,
         dtype: DType | None = None,
         param_dtype: DType = jnp.float32,
@@ -235,8 +238,8 @@ class SimpleCell(RNNCellBase):
         hidden_features: int,
         *,
         activation_fn: Callable[..., Any] = jnp.tanh,
-        kernel_init: Initializer = _init.lecun_normal(),
-        recurrent_kernel_init: Initializer = _init.orthogonal(),
+        kernel_init: Initializer = _default_kernel_init,
+        recurrent_kernel_init: Initializer = _default_recurrent_init,
         bias_init: Initializer = _init.zeros,
         dtype: DType | None = None,
         param_dtype: DType = jnp.float32,

@@ -1,0 +1,197 @@
+"""LSTMCell, GRUCell, SimpleCell and RNN against the published equations in float64 NumPy.
+
+Tolerances: float32 within rtol=atol=1e-4 of the float64 reference (errors compound over
+the time steps); bfloat16 within rtol=atol=5e-2 of the reference computed from the same
+bfloat16-rounded parameters and inputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cairn import nn
+
+TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def randn(shape, dtype=jnp.float32, seed=0):
+    # NumPy draws: no per-shape XLA compile of the random generator
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def sig(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def np_lstm_step(cell, c, h, x):
+    w, u, b = f64(cell.kernel[...]), f64(cell.recurrent_kernel[...]), f64(cell.bias[...])
+    H = cell.hidden_features
+    z = x @ w + h @ u + b
+    i, f, g, o = (z[..., k * H : (k + 1) * H] for k in range(4))
+    c2 = sig(f) * c + sig(i) * np.tanh(g)
+    return c2, sig(o) * np.tanh(c2)
+
+
+def np_gru_step(cell, h, x):
+    w, u, b = f64(cell.kernel[...]), f64(cell.recurrent_kernel[...]), f64(cell.bias[...])
+    bh = f64(cell.recurrent_bias[...])
+    H = cell.hidden_features
+    W = [w[:, k * H : (k + 1) * H] for k in range(3)]
+    U = [u[:, k * H : (k + 1) * H] for k in range(3)]
+    B = [b[k * H : (k + 1) * H] for k in range(3)]
+    r = sig(x @ W[0] + B[0] + h @ U[0])
+    z = sig(x @ W[1] + B[1] + h @ U[1])
+    n = np.tanh(x @ W[2] + B[2] + r * (h @ U[2] + bh))
+    return (1 - z) * n + z * h
+
+
+def _randomize(cell, dtype):
+    for i, name in enumerate(("bias", "recurrent_bias")):
+        if hasattr(cell, name):
+            v = getattr(cell, name)
+            v[...] = randn(v.shape, dtype, 10 + i) * 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lstm_cell_step(dtype):
+    cell = nn.LSTMCell(3, 4, param_dtype=dtype, rngs=nn.Rngs(0))
+    _randomize(cell, dtype)
+    c, h = randn((2, 4), dtype, 1), randn((2, 4), dtype, 2)
+    x = randn((2, 3), dtype, 3)
+    (c2, h2), y = cell((c, h), x)
+    rc, rh = np_lstm_step(cell, f64(c), f64(h), f64(x))
+    np.testing.assert_allclose(f64(c2), rc, **TOL[dtype])
+    np.testing.assert_allclose(f64(h2), rh, **TOL[dtype])
+    np.testing.assert_array_equal(f64(y), f64(h2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
+def test_gru_cell_step(dtype):
+    cell = nn.GRUCell(3, 4, param_dtype=dtype, rngs=nn.Rngs(0))
+    _randomize(cell, dtype)
+    h, x = randn((2, 4), dtype, 1), randn((2, 3), dtype, 2)
+    h2, y = cell(h, x)
+    np.testing.assert_allclose(f64(h2), np_gru_step(cell, f64(h), f64(x)), **TOL[dtype])
+
+
+def test_simple_cell_and_carry_init():
+    cell = nn.SimpleCell(3, 2, rngs=nn.Rngs(0))
+    h, x = randn((5, 2)), randn((5, 3), seed=1)
+    h2, _ = cell(h, x)
+    ref = np.tanh(f64(x) @ f64(cell.kernel[...]) + f64(h) @ f64(cell.recurrent_kernel[...]) + f64(cell.bias[...]))
+    np.testing.assert_allclose(f64(h2), ref, rtol=1e-5, atol=1e-5)
+    lstm = nn.LSTMCell(3, 2, rngs=nn.Rngs(0))
+    c0, h0 = lstm.initialize_carry((5, 3))
+    assert c0.shape == h0.shape == (5, 2) and not np.any(f64(c0))
+    # recurrent kernel: each (H, H) gate block is orthogonal
+    u = f64(lstm.recurrent_kernel[...])
+    for k in range(4):
+        blk = u[:, 2 * k : 2 * k + 2]
+        np.testing.assert_allclose(blk.T @ blk, np.eye(2), atol=1e-5)
+
+
+def np_run(cell, x, lengths=None, reverse=False, lstm=True):
+    """Batch-major (B, T, F) reference loop, per example."""
+    x = f64(x)
+    B, T, _ = x.shape
+    H = cell.hidden_features
+    ys = np.zeros((B, T, H))
+    carries = []
+    for bi in range(B):
+        L = T if lengths is None else int(lengths[bi])
+        order = list(range(L))[::-1] if reverse else list(range(L))
+        c, h = np.zeros(H), np.zeros(H)
+        for step, t in enumerate(order):
+            if lstm:
+                c, h = np_lstm_step(cell, c, h, x[bi, t])
+            else:
+                h = np_gru_step(cell, h, x[bi, t])
+            ys[bi, step] = h
+        carries.append((c, h))
+    return ys, carries
+
+
+def test_rnn_scan_matches_loop():
+    cell = nn.LSTMCell(3, 4, rngs=nn.Rngs(0))
+    _randomize(cell, jnp.float32)
+    rnn = nn.RNN(cell, return_carry=True)
+    x = randn((2, 6, 3))
+    (c, h), ys = jax.jit(lambda m, x: m(x))(rnn, x)
+    ref, carries = np_run(cell, x)
+    np.testing.assert_allclose(f64(ys), ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f64(h), np.stack([ch[1] for ch in carries]), rtol=1e-4, atol=1e-4)
+    # time-major input gives the same outputs, time-major
+    tm = jax.jit(lambda m, x: m(x))(nn.RNN(cell, time_major=True), jnp.swapaxes(x, 0, 1))
+    np.testing.assert_allclose(f64(tm), np.swapaxes(ref, 0, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_rnn_seq_lengths_reverse_keep_order():
+    cell = nn.GRUCell(3, 4, rngs=nn.Rngs(1))
+    _randomize(cell, jnp.float32)
+    x = randn((3, 5, 3))
+    lengths = np.array([5, 2, 3])
+    rnn = nn.RNN(cell, return_carry=True)
+    run = jax.jit(lambda m, x, n: m(x, seq_lengths=n))
+    h, ys = run(rnn, x, jnp.asarray(lengths))
+    ref, carries = np_run(cell, x, lengths, lstm=False)
+    np.testing.assert_allclose(f64(ys), ref, rtol=1e-4, atol=1e-4)  # padded steps are zero
+    np.testing.assert_allclose(f64(h), np.stack([ch[1] for ch in carries]), rtol=1e-4, atol=1e-4)
+    # reverse: each sequence read backwards within its length
+    run_rev = jax.jit(lambda m, x, n, keep: m(x, seq_lengths=n, reverse=True, keep_order=keep), static_argnums=3)
+    h, ys = run_rev(rnn, x, jnp.asarray(lengths), False)
+    ref, carries = np_run(cell, x, lengths, reverse=True, lstm=False)
+    np.testing.assert_allclose(f64(ys), ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f64(h), np.stack([ch[1] for ch in carries]), rtol=1e-4, atol=1e-4)
+    ys_kept = f64(run_rev(rnn, x, jnp.asarray(lengths), True)[1])
+    for bi, L in enumerate(lengths):
+        np.testing.assert_allclose(ys_kept[bi, :L], ref[bi, :L][::-1], rtol=1e-4, atol=1e-4)
+
+
+def test_rnn_grad_matches_finite_differences():
+    cell = nn.GRUCell(2, 3, rngs=nn.Rngs(0))
+    rnn = nn.RNN(cell)
+    x = randn((1, 4, 2))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    g = jax.jit(jax.grad(loss, argnums=1))(rnn, x)
+    eps = 1e-3
+    xn = np.asarray(x, np.float64)
+    fd = np.zeros_like(xn)
+    for idx in np.ndindex(xn.shape):
+        xp, xm = xn.copy(), xn.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        fd[idx] = (np_run(cell, xp, lstm=False)[0] ** 2).sum() - (np_run(cell, xm, lstm=False)[0] ** 2).sum()
+    np.testing.assert_allclose(f64(g), fd / (2 * eps), rtol=1e-3, atol=1e-4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(b=st.sampled_from([1, 3]), t=st.sampled_from([1, 5]), f=st.sampled_from([2, 3]),
+       hsz=st.sampled_from([3, 4]))
+def test_rnn_shapes_property(b, t, f, hsz):
+    rnn = nn.RNN(nn.LSTMCell(f, hsz, rngs=nn.Rngs(0)))
+    assert jax.eval_shape(lambda m, x: m(x), rnn, jnp.ones((b, t, f))).shape == (b, t, hsz)
+    assert rnn(jnp.ones((1, 1, f))).shape == (1, 1, hsz)
+
+
+def test_recurrent_errors():
+    cell = nn.LSTMCell(3, 4, rngs=nn.Rngs(0))
+    carry = cell.initialize_carry((2, 3))
+    with pytest.raises(ValueError, match=r"LSTMCell expected last axis 3, got 5"):
+        cell(carry, jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match="seq_lengths"):
+        nn.RNN(cell)(jnp.ones((2, 4, 3)), seq_lengths=jnp.array([1, 2, 3]))
+    with pytest.raises(TypeError, match="cell must be"):
+        nn.RNN(lambda c, x: (c, x))
