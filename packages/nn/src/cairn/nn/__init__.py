@@ -151,6 +151,7 @@ __all__ = [
 # --- layers (nn-layers helper) ---
 from cairn.nn import initializers as initializers  # noqa: E402
 from cairn.nn._activations import (  # noqa: E402
+    PReLU,
     celu,
     elu,
     gelu,
@@ -214,7 +215,7 @@ __all__ += [
     "relu", "relu6", "selu", "sigmoid", "silu", "soft_sign", "softmax", "softplus",
     "standardize", "swish", "tanh",
     # layers
-    "BatchNorm", "Conv", "ConvTranspose", "Dropout", "Einsum", "Embed", "GRUCell",
+    "BatchNorm", "Conv", "ConvTranspose", "PReLU", "Dropout", "Einsum", "Embed", "GRUCell",
     "GroupNorm", "InstanceNorm", "LSTMCell", "LayerNorm", "Linear", "LinearGeneral", "LoRA",
     "LoRALinear", "LoRAParam", "MultiHeadAttention", "RMSNorm", "RNN", "RNNCellBase",
     "RotaryEmbedding", "SimpleCell",
