@@ -108,7 +108,11 @@ def packed_transformation(init_fn, update_fn, *, needs_params: bool = False, nam
     """
 
     def init(params):
-        return init_fn(pk.layout_of(params), params)
+        state = init_fn(pk.layout_of(params), params)
+        if isinstance(params, Packed):
+            # packed-params mode never unpacks: the per-leaf runtime offsets are not needed
+            state = pk.strip_offsets(state)
+        return state
 
     return GradientTransformation(init, PackedUpdate(update_fn, needs_params, name))
 

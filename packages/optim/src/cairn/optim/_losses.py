@@ -549,9 +549,10 @@ def softmax_cross_entropy_with_integer_labels(
             f"i.e. {batch_shape}, got {lab.shape}"
         )
     num_classes = int(np.prod([x.shape[i] for i in class_axes]))
-    if not isinstance(lab, jax.core.Tracer) and lab.size:
-        # NumPy, not jnp: under an outer jit even a constant would be staged.
-        concrete = np.asarray(lab)
+    if not isinstance(labels, jax.core.Tracer) and lab.size:
+        # From the caller's object, in NumPy: under an outer jit even jnp.asarray
+        # of a constant is staged (a tracer) and could not be inspected.
+        concrete = np.asarray(labels)
         lo, hi = int(concrete.min()), int(concrete.max())
         if lo < 0 or hi >= num_classes:
             bad = lo if lo < 0 else hi
@@ -827,9 +828,9 @@ def ctc_loss_with_forward_probs(
         raise ValueError(f"{fn}: `blank_id` must be in [0, {num_classes}), got {blank_id}")
     if frames == 0:
         raise ValueError(f"{fn}: `logits` has no time frames (T = 0)")
-    if not isinstance(lab, jax.core.Tracer) and not isinstance(ypad, jax.core.Tracer):
-        real = np.asarray(ypad) == 0
-        lv = np.asarray(lab)[real]
+    if not isinstance(labels, jax.core.Tracer) and not isinstance(label_paddings, jax.core.Tracer):
+        real = np.asarray(label_paddings) == 0
+        lv = np.asarray(labels)[real]
         if lv.size and (lv.min() < 0 or lv.max() >= num_classes):
             bad = lv.min() if lv.min() < 0 else lv.max()
             raise ValueError(

@@ -328,3 +328,10 @@ def per_leaf_to_elements(layout: Layout, gi: int, values):
     if len(g.leaves) == 1:
         return jnp.broadcast_to(values[0], (g.total,))
     return jnp.repeat(values, np.asarray(g.sizes), total_repeat_length=g.total)
+
+
+def strip_offsets(state):
+    """``state`` with the runtime offsets removed from every :class:`Packed` in it."""
+    return jax.tree_util.tree_map(
+        lambda x: x.drop_offsets() if isinstance(x, Packed) else x, state,
+        is_leaf=lambda x: isinstance(x, Packed))

@@ -139,13 +139,15 @@ class MultiSteps:
     def init(self, params) -> MultiStepsState:
         layout = pk.layout_of(params)
         acc = pk.zeros(layout, None if self._acc_dtype is None else jnp.dtype(self._acc_dtype))
+        if not isinstance(params, Packed):
+            acc = acc.with_offsets(pk.make_offsets(layout))
         skip_state = ()
         if self._skip is not None:
             skip_state = jax.tree.map(jnp.zeros_like,
                                       self._skip(jax.tree.map(jnp.zeros_like, params),
                                                  jnp.zeros([], jnp.int32), params)[1])
         return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                               self._opt.init(params), acc.with_offsets(pk.make_offsets(layout)),
+                               self._opt.init(params), acc,
                                skip_state)
 
     def update(self, updates, state: MultiStepsState, params=None, **extra):
