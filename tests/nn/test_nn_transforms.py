@@ -357,3 +357,17 @@ def test_eager_errors_name_the_module_path():
     with pytest.raises(TypeError) as info:
         Net(nn.Rngs(0))(jnp.ones((2, 4)))
     assert "(raised in Lin at path 'blocks/first/lin' of Net)" in info.value.__notes__
+
+
+def test_vmap_state_axes():
+    # batched parameters, broadcast counter
+    stacked = nn.vmap(lambda r: Counted(3, r))(nn.Rngs(0).split(4))
+    stacked.calls.value = jnp.zeros((), jnp.int32)
+    x = jnp.ones((4, 2, 3))
+    axes = nn.StateAxes({nn.Param: 0, ...: None})
+    y = nn.vmap(lambda m, x: jnp.tanh(m.lin(x)), in_axes=(axes, 0))(stacked, x)
+    for i in range(4):
+        ref = jnp.tanh(x[i] @ stacked.lin.kernel.value[i] + stacked.lin.bias.value[i])
+        np.testing.assert_allclose(y[i], ref, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"'calls' \(BatchStat\) matches none"):
+        nn.vmap(lambda m, x: m(x), in_axes=(nn.StateAxes({nn.Param: 0}), 0))(stacked, x)

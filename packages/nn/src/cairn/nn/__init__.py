@@ -49,6 +49,7 @@ from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._summary import tabulate
 from cairn.nn._transforms import (
     JitWrapped,
+    StateAxes,
     checkpoint,
     cond,
     eval_shape,
@@ -132,6 +133,7 @@ __all__ = [
     "SharedReferenceError",
     "split",
     "State",
+    "StateAxes",
     "state",
     "switch",
     "tabulate",

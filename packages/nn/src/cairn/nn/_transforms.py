@@ -841,6 +841,8 @@ def _prefix_axes(args, kwargs, plan: _Plan, in_axes) -> list:
         if isinstance(a, Module | Variable):
             axes.append(ax)
             continue
+        if isinstance(ax, StateAxes):
+            raise TypeError(f"StateAxes can only be given for a module argument, not {type(a).__name__}")
         # expand a prefix tree over the argument's leaves (modules/variables are leaves)
         sub = jax.tree_util.tree_flatten(a, is_leaf=_is_node)[1]
         if ax is None or isinstance(ax, int):
@@ -864,11 +866,46 @@ def _broadcast_prefix(prefix, tree):
     )
 
 
+class StateAxes:
+    """Per-variable axes for one module argument of :func:`vmap` / :func:`shard_map`:
+    a mapping ``{filter: axis}`` (first matching filter wins; every variable must match
+    one), e.g. ``nn.StateAxes({nn.Param: 0, ...: None})``."""
+
+    def __init__(self, mapping):
+        from cairn.nn._filters import to_predicate
+
+        self.items = tuple(mapping.items())
+        self.preds = tuple(to_predicate(f) for f, _ in self.items)
+
+    def axes_for(self, graphdef, variables) -> list:
+        from cairn.nn._filters import path_str
+
+        out = []
+        for p, v in zip(graphdef.paths, variables):
+            for pred, (_, ax) in zip(self.preds, self.items):
+                if pred(p, v):
+                    out.append(ax)
+                    break
+            else:
+                raise ValueError(
+                    f"StateAxes: variable {path_str(p)!r} ({type(v).__name__}) matches none "
+                    f"of the filters {[f for f, _ in self.items]!r}; add `...` last"
+                )
+        return out
+
+    def __repr__(self):
+        return f"StateAxes({dict(self.items)!r})"
+
+
 def _leaf_axes_tree(plan: _Plan, axes):
     """Axes for the plan's dyn list (a module leaf gets its axis for every value)."""
-    return [
-        [ax] * len(d) if k == _M else ax for k, d, ax in zip(plan.kinds, plan.dyn, axes)
-    ]
+    out = []
+    for k, d, ax, desc, vl in zip(plan.kinds, plan.dyn, axes, plan.descs, plan.varlists):
+        if k == _M:
+            out.append(ax.axes_for(desc, vl) if isinstance(ax, StateAxes) else [ax] * len(d))
+        else:
+            out.append(ax)
+    return out
 
 
 def vmap(
@@ -930,10 +967,13 @@ def _check_mapped_ranks(plan: _Plan, axes) -> None:
     is too small for its axis."""
     from cairn.nn._filters import path_str
 
-    for kind, desc, d, ax in zip(plan.kinds, plan.descs, plan.dyn, axes):
-        if kind != _M or not isinstance(ax, int):
+    for kind, desc, d, ax0, vl in zip(plan.kinds, plan.descs, plan.dyn, axes, plan.varlists):
+        if kind != _M:
             continue
-        for p, v in zip(desc.paths, d):
+        per_var = ax0.axes_for(desc, vl) if isinstance(ax0, StateAxes) else [ax0] * len(d)
+        for p, v, ax in zip(desc.paths, d, per_var):
+            if not isinstance(ax, int):
+                continue
             nd = len(getattr(v, "shape", ()))
             if not (-nd <= ax < nd):
                 raise ValueError(
@@ -1216,6 +1256,7 @@ def _is_prefix_leaf(x):
 
 __all__ = [
     "JitWrapped",
+    "StateAxes",
     "checkpoint",
     "cond",
     "eval_shape",
