@@ -371,3 +371,22 @@ def test_vmap_state_axes():
         np.testing.assert_allclose(y[i], ref, rtol=1e-6)
     with pytest.raises(ValueError, match=r"'calls' \(BatchStat\) matches none"):
         nn.vmap(lambda m, x: m(x), in_axes=(nn.StateAxes({nn.Param: 0}), 0))(stacked, x)
+
+
+def test_jit_structure_change_for_nested_and_keyword_modules():
+    class Grow(nn.Module):
+        def __init__(self):
+            self.w = nn.Param(jnp.ones(2))
+
+        def __call__(self):
+            self.sow(nn.Intermediate, "seen", self.w.value * 2)
+            return self.w.value.sum()
+
+    a, b = Grow(), Grow()
+    f = nn.jit(lambda d, *, other: d["m"]() + other())
+    np.testing.assert_allclose(f({"m": a}, other=b), 4.0)
+    for m in (a, b):
+        assert isinstance(m.seen, nn.Intermediate)
+        np.testing.assert_allclose(m.seen.value[0], [2.0, 2.0])
+    f({"m": a}, other=b)
+    assert len(a.seen.value) == 2 and len(b.seen.value) == 2
