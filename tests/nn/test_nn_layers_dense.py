@@ -270,3 +270,16 @@ def test_lora_errors():
         nn.LoRA(3, 0, 2, rngs=nn.Rngs(0))
     with pytest.raises(ValueError, match="LoRA expected last axis 3"):
         nn.LoRA(3, 1, 2, rngs=nn.Rngs(0))(jnp.ones((1, 4)))
+
+
+def test_with_partitioning_metadata_reaches_every_layer_kernel():
+    init = nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
+    mha = nn.MultiHeadAttention(2, 8, kernel_init=init, rngs=nn.Rngs(0))
+    assert mha.query.kernel.sharding_names == ("embed", "heads", "kv")
+    assert mha.query.kernel.shape == (8, 2, 4)
+    lin = nn.Linear(3, 4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("a", "b")),
+                    rngs=nn.Rngs(0))
+    assert lin.kernel.sharding_names == ("a", "b")
+    cell = nn.LSTMCell(3, 2, recurrent_kernel_init=nn.with_partitioning(nn.initializers.orthogonal(), (None, "h")),
+                       rngs=nn.Rngs(0))
+    assert cell.recurrent_kernel.sharding_names == (None, "h") and cell.recurrent_kernel.shape == (2, 8)

@@ -14,7 +14,7 @@ from jax import lax
 from cairn.nn import initializers as _init
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
-from cairn.nn._variables import Param
+from cairn.nn._variables import Param, VariableMetadata
 
 __all__ = ["Einsum", "Linear", "LinearGeneral", "canonicalize_dtype", "promote_dtype"]
 
@@ -84,6 +84,14 @@ def to_tuple(x: int | Sequence[int], name: str = "value") -> tuple[int, ...]:
         return tuple(int(v) for v in x)
     except TypeError as e:
         raise TypeError(f"{name} must be an int or a sequence of ints, got {x!r}") from e
+
+
+def map_init_value(out: Any, fn: Callable[[Any], Any]) -> Any:
+    """Applies ``fn`` to an initializer's result, keeping any metadata box around it
+    (initializers wrapped by ``nn.with_partitioning`` return ``VariableMetadata``)."""
+    if isinstance(out, VariableMetadata):
+        return VariableMetadata(fn(out.value), out.metadata)
+    return fn(out)
 
 
 def make_param(init: Initializer, key, shape, dtype, metadata: Mapping[str, Any]) -> Param:
@@ -242,7 +250,7 @@ class LinearGeneral(Module):
 
         def kinit(key, shape, dtype):
             w = kernel_init(key, flat if n_b else flat[1:], dtype)
-            return jnp.reshape(w, shape)
+            return map_init_value(w, lambda v: jnp.reshape(v, shape))
 
         del n_in
         self.kernel = make_param(kinit, rngs.params(), kshape, param_dtype, kernel_metadata)
@@ -251,7 +259,7 @@ class LinearGeneral(Module):
 
             def binit(key, shape, dtype):
                 b = bias_init(key, (flat[0], flat[2]) if n_b else (flat[2],), dtype)
-                return jnp.reshape(b, shape)
+                return map_init_value(b, lambda v: jnp.reshape(v, shape))
 
             self.bias = make_param(binit, rngs.params(), bshape, param_dtype, bias_metadata)
         else:

@@ -15,10 +15,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from cairn.nn import initializers as _init
-from cairn.nn._linear import DType, Initializer, check_axis, check_input, promote_dtype
+from cairn.nn._linear import (
+    DType,
+    Initializer,
+    check_axis,
+    check_input,
+    map_init_value,
+    promote_dtype,
+)
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
-from cairn.nn._variables import Param
+from cairn.nn._variables import Param, VariableMetadata
 
 __all__ = ["GRUCell", "LSTMCell", "RNN", "RNNCellBase", "SimpleCell"]
 
@@ -32,7 +39,9 @@ def _block_orthogonal(init: Initializer, n_blocks: int) -> Initializer:
     def f(key, shape, dtype):
         h = shape[0]
         keys = jax.random.split(key, n_blocks)
-        return jnp.concatenate([init(k, (h, shape[1] // n_blocks), dtype) for k in keys], axis=1)
+        blocks = [init(k, (h, shape[1] // n_blocks), dtype) for k in keys]
+        values = [b.value if isinstance(b, VariableMetadata) else b for b in blocks]
+        return map_init_value(blocks[0], lambda _: jnp.concatenate(values, axis=1))
 
     return f
 

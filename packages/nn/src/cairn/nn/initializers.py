@@ -111,16 +111,28 @@ def _sample(key, shape, dtype, dist: str, scale=1.0, shift=0.0, lower=-2.0, uppe
     return _finish(flat, jnp.float32(scale), jnp.float32(shift), shape=shape, dtype=jnp.dtype(dtype))
 
 
+_HOST_FILL_MAX = 1 << 16
+
+
+def _fill(shape, value, dtype) -> jax.Array:
+    # small constant arrays are built on the host and transferred: no per-shape XLA
+    # compile of a broadcast (which dominates eager construction of biases and scales)
+    shape = _shape(shape)
+    if math.prod(shape) <= _HOST_FILL_MAX:
+        return jnp.asarray(np.full(shape, value, dtype=jnp.dtype(dtype)))
+    return jnp.full(shape, value, dtype)
+
+
 def zeros(key: jax.Array, shape: Sequence[int], dtype: DType = jnp.float32) -> jax.Array:
     """All zeros (``key`` is ignored)."""
     del key
-    return jnp.zeros(_shape(shape), dtype)
+    return _fill(shape, 0, dtype)
 
 
 def ones(key: jax.Array, shape: Sequence[int], dtype: DType = jnp.float32) -> jax.Array:
     """All ones (``key`` is ignored)."""
     del key
-    return jnp.ones(_shape(shape), dtype)
+    return _fill(shape, 1, dtype)
 
 
 def zeros_init() -> Initializer:
@@ -138,7 +150,7 @@ def constant(value: Any, dtype: DType = jnp.float32) -> Initializer:
 
     def init(key, shape, dtype=dtype):
         del key
-        return jnp.full(_shape(shape), value, dtype)
+        return _fill(shape, value, dtype)
 
     return init
 
