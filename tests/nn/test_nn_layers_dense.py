@@ -80,6 +80,10 @@ def test_linear_grad_equals_numpy_formula():
     g = jax.grad(mloss)(layer)
     np.testing.assert_allclose(f64(g.kernel[...]), f64(gw), rtol=1e-6)
     np.testing.assert_allclose(f64(g.bias[...]), f64(gb), rtol=1e-6)
+    # and through nn.grad (a State of Param gradients)
+    ng = nn.to_pure_dict(nn.grad(mloss)(layer))
+    np.testing.assert_allclose(f64(ng["kernel"]), f64(gw), rtol=1e-6)
+    np.testing.assert_allclose(f64(ng["bias"]), f64(gb), rtol=1e-6)
 
 
 @settings(max_examples=8, deadline=None)
