@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -52,23 +53,30 @@ def bench(fn, calls: int, repeats: int) -> float:
     return best
 
 
-def bench_many(fns: dict, calls: int, repeats: int) -> dict:
-    """Like :func:`bench` for several variants, interleaved round-robin so that a load
-    change on a shared machine hits every variant alike."""
+def bench_many(fns: dict, calls: int, rounds: int) -> dict:
+    """Seconds per call of several variants, interleaved round-robin (``rounds`` rounds
+    of ``calls`` calls each) so that load changes on a shared machine hit every variant
+    alike. Returns ``{name: [seconds per call in each round]}``."""
     for fn in fns.values():
         out = fn()
         for _ in range(min(calls, 10)):
             out = fn()
         jax.block_until_ready(out)
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
         for name, fn in fns.items():
             t = time.perf_counter()
             for _ in range(calls):
                 out = fn()
             jax.block_until_ready(out)
-            best[name] = min(best[name], (time.perf_counter() - t) / calls)
-    return best
+            times[name].append((time.perf_counter() - t) / calls)
+    return times
+
+
+def paired_ratio(times: dict, a: str, b: str) -> float:
+    """Median over rounds of time(a) / time(b): robust to load that changes between
+    rounds."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def bench_py(fn, calls: int, repeats: int) -> float:
@@ -171,6 +179,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-flax", action="store_true", help="skip the Flax NNX variants")
     args = ap.parse_args(argv)
     calls, repeats = (30, 3) if args.quick else (100, 9)
+    rounds, rcalls = (15, 10) if args.quick else (40, 25)
     sm_repeats = 5 if args.quick else 20
 
     x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
@@ -204,6 +213,18 @@ def main(argv=None) -> dict:
     firsts["cairn nn.jit"] = first_call(lambda: c_step(model, opt, x, y))
     train["cairn nn.jit"] = lambda: c_step(model, opt, x, y)
     evals["cairn nn.jit"] = lambda: c_eval(model, x, y)
+
+    # the Python work of one nn.jit call alone: the compiled call replaced by a stub that
+    # returns every variable as changed (the worst case for the write-back)
+    c_step(model, opt, x, y)
+    entry = next(iter(c_step._cache.values()))
+    real_jitted = entry.jitted
+    all_vals = [v.raw_value for v in nn.state(model).flat_state().values()]
+    all_vals += [v.raw_value for v in nn.state(opt).flat_state().values()]
+    stub_out = (all_vals[0], {}, dict(enumerate(all_vals)), None)
+    entry.jitted = lambda don, keep: stub_out
+    c_wrapper = bench_py(lambda: c_step(model, opt, x, y), 200, repeats)
+    entry.jitted = real_jitted
 
     # cairn split + merge of 1,000 modules
     big = nn.List([CLinear(2, 2, nn.Rngs(i)) for i in range(1000)])
@@ -256,50 +277,50 @@ def main(argv=None) -> dict:
 
             nnx_sm = bench_py(n_split_merge, 2 if args.quick else 5, 2 if args.quick else 5)
 
-    t_train = bench_many(train, calls, repeats)
-    t_eval = bench_many(evals, calls, repeats)
-    rows = [(n, t_train[n] * 1e6, t_eval[n] * 1e6, firsts[n]) for n in train]
-    nnx_rows = {
-        {"nnx.cached_partial": "cached_partial", "nnx.jit_partial(graph=False)": "jit_partial"}.get(
-            n, n
-        ): (t_train[n] * 1e6, t_eval[n] * 1e6)
-        for n in train
-        if n.startswith("nnx")
-    }
+    t_train = bench_many(train, rcalls, rounds)
+    t_eval = bench_many(evals, rcalls, rounds)
+    rows = [(n, min(t_train[n]) * 1e6, min(t_eval[n]) * 1e6, firsts[n]) for n in train]
     c_first, raw_first = firsts["cairn nn.jit"], firsts["raw jax.jit"]
 
     # report ------------------------------------------------------------------------
-    print(f"MLP {DEPTH}x{WIDTH} + AdamW, batch {BATCH}; us per call (min of {repeats} x {calls})")
+    print(
+        f"MLP {DEPTH}x{WIDTH} + AdamW, batch {BATCH}; us per call, min over {rounds} "
+        f"interleaved rounds of {rcalls} calls; ratios are medians of per-round ratios"
+    )
     print(f"{'variant':32s} {'train step':>12s} {'eval step':>12s} {'first call s':>13s}")
     for name, tr, ev, first in rows:
         print(f"{name:32s} {tr:12.1f} {ev:12.1f} {first:13.3f}")
     print(
+        f"cairn nn.jit Python work per call ({len(all_vals)} variables written back): "
+        f"{c_wrapper * 1e6:.1f} us"
+    )
+    print(
         f"split+merge, 1,000 modules: cairn {c_sm * 1e3:.3f} ms (split alone {c_split * 1e3:.3f} ms)"
         + (f", nnx {nnx_sm * 1e3:.3f} ms" if nnx_sm is not None else "")
     )
-    raw_tr, raw_ev = rows[0][1], rows[0][2]
-    c_tr, c_ev = rows[1][1], rows[1][2]
+    c, r = "cairn nn.jit", "raw jax.jit"
     result = {
         "bench": "nn",
         "quick": bool(args.quick),
-        "cairn_vs_raw_train": round(c_tr / raw_tr, 3),
-        "cairn_vs_raw_eval": round(c_ev / raw_ev, 3),
+        "cairn_vs_raw_train": round(paired_ratio(t_train, c, r), 3),
+        "cairn_vs_raw_eval": round(paired_ratio(t_eval, c, r), 3),
+        "cairn_wrapper_us": round(c_wrapper * 1e6, 1),
         "split_merge_1000_ms": round(c_sm * 1e3, 3),
         "first_call_cairn_s": round(c_first, 3),
         "first_call_raw_s": round(raw_first, 3),
     }
-    if "nnx.jit (graph, default)" in nnx_rows:
-        d_tr, d_ev = nnx_rows["nnx.jit (graph, default)"]
-        result["nnx_default_over_cairn_train"] = round(d_tr / c_tr, 2)
-        result["nnx_default_over_cairn_eval"] = round(d_ev / c_ev, 2)
-        t_tr, _ = nnx_rows["nnx.jit(graph=False)"]
-        result["nnx_tree_over_cairn_train"] = round(t_tr / c_tr, 2)
-        if "cached_partial" in nnx_rows:
-            result["nnx_cached_over_cairn_train"] = round(nnx_rows["cached_partial"][0] / c_tr, 2)
-        if "jit_partial" in nnx_rows:
-            result["nnx_jit_partial_over_cairn_train"] = round(nnx_rows["jit_partial"][0] / c_tr, 2)
-        nnx_first = [r[3] for r in rows if r[0].startswith("nnx.jit (graph")][0]
-        result["first_call_nnx_s"] = round(nnx_first, 3)
+    keys = {
+        "nnx.jit (graph, default)": "nnx_default",
+        "nnx.jit(graph=False)": "nnx_tree",
+        "nnx.cached_partial": "nnx_cached",
+        "nnx.jit_partial(graph=False)": "nnx_jit_partial",
+    }
+    for name, key in keys.items():
+        if name in t_train:
+            result[f"{key}_over_cairn_train"] = round(paired_ratio(t_train, name, c), 2)
+            result[f"{key}_over_cairn_eval"] = round(paired_ratio(t_eval, name, c), 2)
+    if "nnx.jit (graph, default)" in firsts:
+        result["first_call_nnx_s"] = round(firsts["nnx.jit (graph, default)"], 3)
     if nnx_sm is not None:
         result["nnx_over_cairn_split_merge"] = round(nnx_sm / c_sm, 1)
     print(json.dumps(result))
