@@ -90,7 +90,7 @@ class PackedUpdate:
             if params is not None and self.needs_params:
                 pp = pk.pack(params, updates.layout, what="params")
             return self.fn(updates, state, pp, **extra)
-        layout = pk.find_layout(state) or pk.layout_of(updates, use_sharding=False)
+        layout = pk.find_layout(state) or pk.layout_of(updates, use_sharding=False, per_leaf=True)
         u = pk.pack(updates, layout)
         pp = None
         if params is not None and self.needs_params:
@@ -325,7 +325,8 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool):
     for tx, s in zip(txs, state):
         if is_packed_aware(tx):
             if not isinstance(cur, Packed):
-                layout = state_layout or pk.find_layout(s) or pk.layout_of(cur, use_sharding=False)
+                layout = state_layout or pk.find_layout(s) or pk.layout_of(
+                    cur, use_sharding=False, per_leaf=True)
                 cur = pk.pack(cur, layout)
             last_layout = cur.layout
             pp = packed_params(cur.layout) if tx.update.needs_params else None

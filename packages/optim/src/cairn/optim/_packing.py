@@ -91,8 +91,13 @@ def _canon(dtype) -> str:
     return np.dtype(dtype).name if not hasattr(dtype, "name") else str(jnp.dtype(dtype).name)
 
 
-def layout_of(tree, *, use_sharding: bool = True) -> Layout:
-    """Compute the :class:`Layout` of a pytree of arrays (a :class:`Packed` gives its own)."""
+def layout_of(tree, *, use_sharding: bool = True, per_leaf: bool = False) -> Layout:
+    """Compute the :class:`Layout` of a pytree of arrays (a :class:`Packed` gives its own).
+
+    ``per_leaf=True`` gives every leaf its own buffer (packing is then a reshape); stateless
+    chains use it, since there is no packed state to line up with and per-leaf element-wise
+    work fuses into the caller's ``apply_updates``.
+    """
     if isinstance(tree, Packed):
         return tree.layout
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -103,7 +108,8 @@ def layout_of(tree, *, use_sharding: bool = True) -> Layout:
             x = jnp.asarray(x)
         shapes.append(tuple(int(d) for d in x.shape))
         dtypes.append(_canon(x.dtype))
-        keys.append((dtypes[-1], _sharding_key(x) if use_sharding else None))
+        keys.append((dtypes[-1], _sharding_key(x) if use_sharding else None,
+                     len(keys) if per_leaf else None))
     order: dict[Any, list[int]] = {}
     for i, k in enumerate(keys):
         order.setdefault(k, []).append(i)
@@ -247,7 +253,7 @@ def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> 
             bufs.append(parts[0])
         else:
             bufs.append(jnp.concatenate(parts))
-    if len(leaves) > 1:
+    if any(len(g.leaves) > 1 for g in layout.groups):
         # Materialise the buffers: without the barrier XLA fuses the many-operand
         # concatenate into every consumer (slow to compile and to run).
         bufs = list(jax.lax.optimization_barrier(tuple(bufs)))
@@ -266,7 +272,7 @@ def unpack(p: Packed, offsets=None):
     if offsets is None:
         offsets = p.offsets
     leaves = [None] * layout.num_leaves
-    if layout.num_leaves > 1:
+    if any(len(g.leaves) > 1 for g in layout.groups):
         # Materialise once so each per-leaf slice reads a buffer, not a fused computation.
         p = Packed(layout, jax.lax.optimization_barrier(tuple(p.buffers)), p.offsets)
     for gi, g in enumerate(layout.groups):
