@@ -157,7 +157,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     assert alias.num_kv_heads == 3
 
 
-@pytest.mark.parametrize("use_rope", [False, True])
+@pytest.mark.parametrize("use_rope", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_kv_cache_decode_equals_full_causal_forward(use_rope):
     mha = nn.MultiHeadAttention(4, 16, num_kv_heads=2, use_rope=use_rope, rngs=nn.Rngs(0))
     x = randn((2, 7, 16))
