@@ -173,6 +173,13 @@ def test_kv_cache_decode_equals_full_causal_forward(use_rope):
     assert int(mha.cache_index[...]) == 7
     with pytest.raises(ValueError, match="cache overflow"):
         mha(x[:, :2], decode=True)
+    # is_causal=True during decode is harmless (Flax NNX issue #5591: there it attends
+    # only to key 0); the decode mask already encodes causality
+    mha.init_cache((2, 8, 16))
+    np.testing.assert_allclose(f64(mha(x[:, :3], decode=True, is_causal=True)), full[:, :3],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f64(mha(x[:, 3:4], decode=True, is_causal=True)), full[:, 3:4],
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_decode_without_cache_and_bad_cache_shape():
