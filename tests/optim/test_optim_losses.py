@@ -32,6 +32,7 @@ if ctc_loss_with_forward_probs is None:
     from cairn.optim._losses import ctc_loss_with_forward_probs
 
 HSET = settings(max_examples=15, deadline=None)
+SLOW = pytest.mark.slow  # extra parameter points; the default suite keeps one or two
 F32 = dict(rtol=2e-5, atol=2e-6)
 F64 = dict(rtol=1e-10, atol=1e-12)
 FD = dict(rtol=1e-6, atol=1e-8)
@@ -220,7 +221,7 @@ def test_squared_and_l2_values_and_grads():
         np.testing.assert_allclose(g, x - t, **F64)
 
 
-@pytest.mark.parametrize("delta", [0.5, 1.0, 2.5])
+@pytest.mark.parametrize("delta", [0.5, pytest.param(1.0, marks=SLOW), 2.5])
 def test_huber_values_and_grads(delta):
     x, t = rng().normal(size=SHAPE) * 3, rng(1).normal(size=SHAPE)
     x[0, 0, :2] = t[0, 0, :2] + np.array([delta, -delta])  # exactly at the kink
@@ -305,7 +306,10 @@ def test_sigmoid_bce_values_grads_and_extremes():
     )
 
 
-@pytest.mark.parametrize("alpha,gamma", [(None, 2.0), (0.25, 2.0), (0.75, 0.5), (None, 0.0)])
+@pytest.mark.parametrize(
+    "alpha,gamma",
+    [(0.25, 2.0), (0.75, 0.5), pytest.param(None, 2.0, marks=SLOW), pytest.param(None, 0.0, marks=SLOW)],
+)
 def test_sigmoid_focal_loss(alpha, gamma):
     x = rng().normal(size=SHAPE) * 3
     for y in ((rng(1).random(SHAPE) > 0.5).astype(float), rng(2).random(SHAPE)):
@@ -450,7 +454,7 @@ def test_safe_softmax_cross_entropy_with_neg_inf_logits():
         np.testing.assert_allclose(g, np_softmax(x) - y, **F64)
 
 
-@pytest.mark.parametrize("epsilon", [2.0, -1.0, 0.0])
+@pytest.mark.parametrize("epsilon", [2.0, pytest.param(-1.0, marks=SLOW), pytest.param(0.0, marks=SLOW)])
 def test_poly_loss(epsilon):
     x = rng().normal(size=SHAPE) * 2
     y = rng(1).random(SHAPE)
