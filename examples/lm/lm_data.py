@@ -97,7 +97,8 @@ class ToExample:
 
 
 def build_pipeline(cfg, src, fmt: str, process_index: int = 0, process_count: int = 1):
-    """source -> shard by process -> shuffle (reshuffled each epoch) -> tokenize -> pack -> batch -> workers."""
+    """source -> shard by process -> shuffle (reshuffled each epoch) -> tokenize (in worker
+    processes) -> pack -> batch (in a prefetch thread)."""
     d = cfg.data
     if d.batch_size % process_count:
         raise ValueError(f"data.batch_size {d.batch_size} is not divisible by {process_count} processes")
@@ -115,7 +116,8 @@ def build_pipeline(cfg, src, fmt: str, process_index: int = 0, process_count: in
     it = it.batch(d.batch_size // process_count, drop_remainder=True)
     if d.num_workers > 0:
         it = it.mp_prefetch(cdata.MultiprocessingOptions(num_workers=d.num_workers))
-    return it
+    # pack and batch in a background thread, so the next batch is ready when the step ends
+    return it.prefetch(2)
 
 
 def _rename_packed(row: dict) -> dict:

@@ -70,9 +70,7 @@ def make_optimizer(cfg: lm_config.Config):
     # weight decay on matrices only (kernels and the embedding), as is usual for transformers
     tx = optim.chain(
         optim.clip_by_global_norm(o.clip_norm),
-        optim.scale_by_adam(b1=o.b1, b2=o.b2),
-        optim.add_decayed_weights(o.weight_decay, mask=".*(kernel|embedding)"),
-        optim.scale_by_learning_rate(schedule),
+        optim.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=".*(kernel|embedding)"),
     )
     return tx, schedule
 
