@@ -75,7 +75,7 @@ def test_interrupt_and_resume_is_bit_identical(tmp_path, workers):
     _assert_trees_equal(a["model"], b["model"], "parameters")
     _assert_trees_equal(a["optimizer"], b["optimizer"], "optimizer state")
     assert a["data"] == b["data"], "data iterator state"
-    assert [l for _, l in full["curve"] if _ > 3] == [l for _, l in second["curve"]]
+    assert [v for s, v in full["curve"] if s > 3] == [v for _, v in second["curve"]]
     assert full["heldout_exact_match"] == second["heldout_exact_match"]
 
 
@@ -87,7 +87,7 @@ def test_report_files_and_learning(tmp_path):
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     for key in ("final_loss", "heldout_exact_match", "tokens_per_s", "mfu", "checkpoint_blocked_s", "data_blocked_s"):
         assert key in metrics, key
-    losses = [l for _, l in r["curve"]]
+    losses = [v for _, v in r["curve"]]
     assert len(losses) == 30 and np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < np.mean(losses[:5]), "the loss did not go down"
     assert 0.0 < r["mfu"] < 1.0 and r["peak_flops"] > 0
@@ -118,8 +118,8 @@ def test_eight_device_run_matches_one_device_and_is_sharded(tmp_path):
     one = _run_sharded(tmp_path / "one", 1, [])
     eight = _run_sharded(tmp_path / "eight", 8, ["mesh.data=4", "mesh.model=2"])
     assert eight["devices"] == 8 and eight["mesh"] == {"data": 4, "model": 2}
-    l1 = np.array([l for _, l in one["curve"]])
-    l8 = np.array([l for _, l in eight["curve"]])
+    l1 = np.array([v for _, v in one["curve"]])
+    l8 = np.array([v for _, v in eight["curve"]])
     # float32, same data and initialisation; only the reduction order differs across devices
     np.testing.assert_allclose(l8, l1, rtol=2e-4, atol=2e-5)
 
