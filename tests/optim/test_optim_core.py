@@ -434,3 +434,36 @@ def test_schedule_free_eval_params_recovers_x():
     p = optim.apply_updates(p, u)
     x = optim.schedule_free_eval_params(s, p)
     np.testing.assert_allclose(np.asarray(x["w"]), np.full(3, 0.9), rtol=1e-6)
+
+
+def test_packed_params_training_loop_with_grad_of_packed():
+    params = _params()
+    layout = optim.layout_of(params)
+    pp = optim.pack(params, layout)
+
+    def loss(p):
+        t = p.unpack()
+        return sum(jnp.sum((x - 0.25) ** 2) for x in jax.tree.leaves(t))
+
+    tx = optim.adamw(0.05)
+    state = tx.init(pp)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(loss)(p)
+        assert isinstance(g, optim.Packed) and g.layout == layout
+        u, s = tx.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    l0 = float(loss(pp))
+    for _ in range(30):
+        pp, state = step(pp, state)
+    assert float(loss(pp)) < 0.2 * l0
+    # same trajectory as the pytree path
+    tx2 = optim.adamw(0.05)
+    s2, p2 = tx2.init(params), params
+    for _ in range(30):
+        u, s2 = tx2.update(jax.grad(lambda t: loss(optim.pack(t, layout)))(p2), s2, p2)
+        p2 = optim.apply_updates(p2, u)
+    for a, b in zip(jax.tree.leaves(pp.unpack()), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
