@@ -46,6 +46,7 @@ def test_optimizer_matches_optax(name):
     _compare(getattr(optim, name)(lr), getattr(optax, name)(lr))
 
 
+@pytest.mark.slow
 def test_contrib_and_wrappers_match_optax():
     from optax import contrib
 
