@@ -16,6 +16,8 @@ import nox
 ROOT = pathlib.Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
 PYTHON = "3.11"
+# what tests/integration and examples/ need beyond the packages' own test extras
+INTEGRATION_DEPS = ("matplotlib",)
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = True
@@ -48,7 +50,7 @@ def tests(session: nox.Session) -> None:
     collected) fails the session like any other failure.
     """
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
-    session.install("pytest", "pytest-xdist", "hypothesis")
+    session.install("pytest", "pytest-xdist", "hypothesis", *INTEGRATION_DEPS)
     session.run(
         "python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup",
         "-m", "not slow", "-p", "no:cacheprovider", "--durations=15",
@@ -64,7 +66,7 @@ def tests(session: nox.Session) -> None:
 def tests_slow(session: nox.Session) -> None:
     """Only the cases marked slow (long sweeps, many-trial crash tests, multi-process runs)."""
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
-    session.install("pytest", "pytest-xdist", "hypothesis")
+    session.install("pytest", "pytest-xdist", "hypothesis", *INTEGRATION_DEPS)
     session.run("python", "-m", "pytest", "-n", _xdist_workers(), "-m", "slow", *(session.posargs or ["tests"]))
 
 
@@ -135,7 +137,7 @@ def demo(session: nox.Session) -> None:
     `nox -s demo -- --resume`.
     """
     _editable_all(session, "parquet,arrayrecord")
-    session.install("matplotlib")
+    session.install(*INTEGRATION_DEPS)
     session.run("python", "examples/lm/train.py", *session.posargs)
 
 

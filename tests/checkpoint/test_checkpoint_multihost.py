@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
-import portpicker
+import socket
 import pytest
 
 import cairn.checkpoint as cc
@@ -17,7 +17,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ckpt_multiho
 
 @pytest.mark.multiprocess
 def test_two_processes_write_own_shards_and_reshard(tmp_path):
-    port = portpicker.pick_unused_port()
+    with socket.socket() as sock:  # an unused port, chosen by the kernel
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     d = str(tmp_path / "ckpts")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = [
