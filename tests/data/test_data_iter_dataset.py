@@ -131,6 +131,80 @@ def test_first_fit_pack_matches_reference(lens, length, bins):
         assert a.shape == b.shape == c.shape == (length,) and b.dtype == np.int32
 
 
+def _pack_dict_reference(elems, lengths, bins):
+    """Independent first-fit packing of dict elements (every feature must fit)."""
+    keys = list(lengths)
+    rows, open_rows = [], []
+    for e in elems:
+        e = {k: np.asarray(e[k])[: lengths[k]] for k in keys}
+        if all(len(e[k]) == 0 for k in keys):
+            continue
+        for r in open_rows:
+            if all(sum(len(m[k]) for m in r) + len(e[k]) <= lengths[k] for k in keys):
+                r.append(e)
+                break
+        else:
+            if len(open_rows) < bins:
+                open_rows.append([e])
+            else:
+                rows += open_rows
+                open_rows = [[e]]
+    rows += open_rows
+    out = []
+    for r in rows:
+        row = {}
+        for k in keys:
+            vals = np.concatenate([m[k] for m in r])
+            tok = np.zeros((lengths[k], *vals.shape[1:]), vals.dtype)
+            tok[: len(vals)] = vals
+            seg = np.zeros(lengths[k], np.int32)
+            pos = np.zeros(lengths[k], np.int32)
+            at = 0
+            for s, m in enumerate(r):
+                seg[at : at + len(m[k])] = s + 1
+                pos[at : at + len(m[k])] = np.arange(len(m[k]))
+                at += len(m[k])
+            row[k], row[f"{k}_segment_ids"], row[f"{k}_positions"] = tok, seg, pos
+        out.append(row)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 6)), max_size=30),
+    bins=st.integers(1, 4),
+    mixed=st.booleans(),
+)
+def test_first_fit_pack_dict_matches_reference(lens, bins, mixed):
+    """Two features of different row lengths, one of them 2-D; with ``mixed`` the token
+    dtype differs between elements (each row then keeps its own concatenation dtype)."""
+    rng = np.random.default_rng(len(lens))
+    elems = []
+    for i, (a, b) in enumerate(lens):
+        dt = (np.int64 if i % 3 == 0 else np.int32) if mixed else np.int32
+        elems.append(
+            {
+                "tok": rng.integers(1, 99, a).astype(dt),
+                "emb": rng.standard_normal((b, 2)).astype(np.float32),
+            }
+        )
+    lengths = {"tok": 8, "emb": 5}
+    got = list(
+        FirstFitPackIterDataset(
+            MapDataset.source(elems).to_iter_dataset(),
+            length_struct=lengths,
+            num_packing_bins=bins,
+        )
+    )
+    want = _pack_dict_reference(elems, lengths, bins)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w)
+        for k in w:
+            assert g[k].dtype == w[k].dtype and g[k].shape == w[k].shape, k
+            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
 def test_pack_dict_features_and_errors():
     seqs = [{"tokens": np.arange(n), "mask": np.ones(n, bool)} for n in (3, 4, 2)]
     rows = list(

@@ -90,13 +90,17 @@ class _PackIterator(DatasetIterator):
         self._p = parent
         self._dict = isinstance(lengths, dict)
         self._lengths = lengths if self._dict else {"": lengths}
+        self._keys = list(self._lengths)
+        self._caps = [self._lengths[k] for k in self._keys]
         self._num_bins = num_bins
         self._count = 0
         self._reset()
 
     def _reset(self) -> None:
-        self._bins: list[list[dict]] = []  # each bin: list of {key: array}
-        self._fill: list[dict[str, int]] = []
+        # Open rows: per row, its members (each a list of feature arrays in key order) and
+        # its fill per feature.
+        self._bins: list[list[list[np.ndarray]]] = []
+        self._fill: list[list[int]] = []
         self._window_start = None
         self._pending: collections.deque = collections.deque()
         self._pending_start = None
@@ -104,64 +108,106 @@ class _PackIterator(DatasetIterator):
         self._skip = 0
         self._exhausted = False
 
-    def _as_features(self, x: Any) -> dict:
+    def _as_features(self, x: Any) -> list[np.ndarray]:
+        """The element's features in key order, each cut to its row length."""
         if self._dict:
             if not isinstance(x, Mapping):
                 raise TypeError(
                     f"FirstFitPack: element {self._count} is a {type(x).__name__}, expected a dict"
                 )
-            if set(x) != set(self._lengths):
+            if len(x) != len(self._keys) or any(k not in x for k in self._keys):
                 raise ValueError(
                     f"FirstFitPack: element {self._count} has keys {sorted(x)}, but length_struct has "
                     f"{sorted(self._lengths)}"
                 )
-            items = x.items()
+            values = [x[k] for k in self._keys]
         else:
-            items = (("", x),)
-        out = {}
-        for k, v in items:
-            a = np.asarray(v)
+            values = [x]
+        out = []
+        for k, v, cap in zip(self._keys, values, self._caps):
+            a = v if isinstance(v, np.ndarray) else np.asarray(v)
             if a.ndim == 0:
                 raise ValueError(
                     f"FirstFitPack: feature {k or '<root>'!r} of element {self._count} is a scalar; expected a sequence"
                 )
-            out[k] = a[: self._lengths[k]]
+            out.append(a if a.shape[0] <= cap else a[:cap])
         return out
 
-    def _place(self, feats: dict) -> bool:
+    def _place(self, feats: list[np.ndarray]) -> bool:
+        lens = [a.shape[0] for a in feats]
+        caps = self._caps
         for b, fill in enumerate(self._fill):
-            if all(fill[k] + len(v) <= self._lengths[k] for k, v in feats.items()):
+            for f, n, c in zip(fill, lens, caps):
+                if f + n > c:
+                    break
+            else:
                 self._bins[b].append(feats)
-                for k, v in feats.items():
-                    fill[k] += len(v)
+                self._fill[b] = [f + n for f, n in zip(fill, lens)]
                 return True
         if len(self._bins) < self._num_bins:
             self._bins.append([feats])
-            self._fill.append({k: len(v) for k, v in feats.items()})
+            self._fill.append(lens)
             return True
         return False
 
     def _flush(self) -> list:
-        rows = []
-        for members in self._bins:
-            row: dict = {}
-            for k, length in self._lengths.items():
-                parts = [m[k] for m in members]
-                vals = np.concatenate(parts)
-                pad = [(0, length - len(vals))] + [(0, 0)] * (vals.ndim - 1)
-                seg = np.concatenate(
-                    [np.full(len(p), s + 1, np.int32) for s, p in enumerate(parts)]
-                )
-                pos = np.concatenate([np.arange(len(p), dtype=np.int32) for p in parts])
-                tail = length - len(vals)
-                row[k] = np.pad(vals, pad)
-                row[f"{k}_segment_ids"] = np.pad(seg, (0, tail))
-                row[f"{k}_positions"] = np.pad(pos, (0, tail))
-            if self._dict:
-                rows.append(row)
-            else:
-                rows.append((row[""], row["_segment_ids"], row["_positions"]))
+        """Emit the open rows: one (num_rows, length) array per output, rows are views.
+
+        Every member's tokens go to ``out[row, offset:offset + n]`` by one fancy-index
+        assignment per feature; segment ids and positions come from ``np.repeat`` over
+        the member lengths, so the cost does not grow with Python work per token.
+        """
+        bins = self._bins
+        nb = len(bins)
+        members = [m for members in bins for m in members]
+        per_bin = np.fromiter((len(m) for m in bins), np.int64, nb)
+        row_of = np.repeat(np.arange(nb), per_bin)
+        first = np.cumsum(per_bin) - per_bin  # index of each row's first member
+        seg_num = (np.arange(len(members)) - np.repeat(first, per_bin) + 1).astype(np.int32)
+        outs: list[dict[str, np.ndarray]] = [{} for _ in range(nb)]
+        for j, (k, length) in enumerate(zip(self._keys, self._caps)):
+            parts = [m[j] for m in members]
+            lens = np.fromiter((p.shape[0] for p in parts), np.int64, len(parts))
+            tokens = self._tokens(parts, bins, j, nb, length)
+            cum = np.cumsum(lens) - lens  # start of each member in the flat token list
+            start_in_row = cum - np.repeat(cum[first], per_bin)
+            total = int(lens.sum())
+            rows = np.repeat(row_of, lens)
+            pos = np.arange(total, dtype=np.int64) - np.repeat(cum, lens)
+            cols = np.repeat(start_in_row, lens) + pos
+            seg = np.zeros((nb, length), np.int32)
+            seg[rows, cols] = np.repeat(seg_num, lens)
+            positions = np.zeros((nb, length), np.int32)
+            positions[rows, cols] = pos
+            if tokens is None:  # one dtype and trailing shape: one array for all rows
+                flat = np.concatenate(parts)
+                vals = np.zeros((nb, length, *flat.shape[1:]), flat.dtype)
+                vals[rows, cols] = flat
+                tokens = list(vals)
+            for b in range(nb):
+                o = outs[b]
+                o[k] = tokens[b]
+                o[f"{k}_segment_ids"] = seg[b]
+                o[f"{k}_positions"] = positions[b]
         self._bins, self._fill = [], []
+        if self._dict:
+            return outs
+        return [(o[""], o["_segment_ids"], o["_positions"]) for o in outs]
+
+    @staticmethod
+    def _tokens(parts, bins, j, nb, length):
+        """Rows of feature ``j`` when members differ in dtype or trailing shape (each row
+        then has the dtype NumPy's concatenation of its own members gives); else None."""
+        p0 = parts[0]
+        dt, tail = p0.dtype, p0.shape[1:]
+        if all(p.dtype == dt and p.shape[1:] == tail for p in parts):
+            return None
+        rows = []
+        for members in bins:
+            vals = np.concatenate([m[j] for m in members])
+            row = np.zeros((length, *vals.shape[1:]), vals.dtype)
+            row[: vals.shape[0]] = vals
+            rows.append(row)
         return rows
 
     def _next(self):
@@ -186,7 +232,7 @@ class _PackIterator(DatasetIterator):
                 continue
             feats = self._as_features(x)
             self._count += 1
-            if all(len(v) == 0 for v in feats.values()):
+            if not any(a.shape[0] for a in feats):
                 continue
             if not self._bins:
                 self._window_start = before
@@ -221,7 +267,7 @@ class _PackIterator(DatasetIterator):
                         self._pending.extend(self._flush())
                     break
                 feats = self._as_features(x)
-                if all(len(v) == 0 for v in feats.values()):
+                if not any(a.shape[0] for a in feats):
                     continue
                 if not self._bins:
                     self._window_start = before
