@@ -287,3 +287,61 @@ def test_parquet_writer_class_and_foreign_files(tmp_path):
     src = ParquetDataSource(tmp_path / "plain.parquet")
     assert src[8]["y"] == 8
     np.testing.assert_array_equal(src[8]["z"], [1, 2])
+
+
+def test_string_and_binary_columns_with_nulls_match_pyarrow(tmp_path):
+    """Text and bytes columns (plain and large offsets, nulls, non-ASCII) against
+    pyarrow's own to_pylist, row-wise and column-wise."""
+    rng = np.random.default_rng(3)
+    n = 57
+    words = [None if i % 7 == 3 else "é" * (i % 4) + f"w{i}" + "€" * (i % 3) for i in range(n)]
+    blobs = [None if i % 5 == 1 else rng.bytes(int(rng.integers(0, 20))) for i in range(n)]
+    table = pa.table(
+        {
+            "s": pa.array(words, pa.string()),
+            "ls": pa.array(words, pa.large_string()),
+            "b": pa.array(blobs, pa.binary()),
+            "lb": pa.array(blobs, pa.large_binary()),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=10)
+    want = table.to_pylist()
+    src = ParquetDataSource(tmp_path)
+    idx = rng.permutation(n).tolist()
+    for got, i in zip(src.__getitems__(idx), idx):
+        assert got == want[i], i
+        assert all(type(got[k]) is (str if "s" in k else bytes) or got[k] is None for k in got)
+    batch = src.read_batch(idx)
+    for k in ("s", "ls", "b", "lb"):
+        assert batch[k].dtype == object
+        assert batch[k].tolist() == [want[i][k] for i in idx]
+
+
+def _child_reads(src, q):
+    rows = src.__getitems__(list(range(len(src))))
+    q.put((src.cache_info()["decoded"], [r["id"] for r in rows], rows[5]["s"], rows[5]["b"]))
+
+
+@pytest.mark.multiprocess
+def test_forked_process_keeps_the_parents_cached_row_groups(tmp_path):
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("needs fork")
+    rows = _rows(30)
+    write_parquet(rows, tmp_path, row_group_size=4)
+    src = ParquetDataSource(tmp_path)
+    src.__getitems__(list(range(30)))  # decode and cache all 8 row groups
+    assert src.cache_info()["decoded"] == 8
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_reads, args=(src, q))
+    p.start()
+    decoded, ids, s5, b5 = q.get(timeout=60)
+    p.join(30)
+    assert decoded == 0  # every row came from the inherited cache
+    assert ids == list(range(30)) and s5 == rows[5]["s"] and b5 == rows[5]["b"]
+    # A fresh (unpickled, spawn-style) copy starts empty and decodes what it reads.
+    back = pickle.loads(pickle.dumps(src))
+    back.__getitems__([0, 29])
+    assert back.cache_info()["decoded"] == 2

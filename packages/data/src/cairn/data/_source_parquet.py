@@ -8,6 +8,7 @@ decoded row groups (as NumPy columns). A batch decodes each row group it needs o
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 import warnings
@@ -56,24 +57,36 @@ class _Column:
 
     kind "np": ``values[i]`` is the row (NumPy scalar or fixed-shape array);
     kind "list": row ``i`` is ``values[offsets[i]:offsets[i+1]]`` (1-D array);
-    kind "obj": ``values`` is an object array of Python values (str, bytes, nested).
+    kind "bytes" / "str": ``values`` is the column's whole data buffer (one ``bytes``)
+    and row ``i`` is ``values[offsets[i]:offsets[i+1]]`` (decoded for "str"): the cache
+    holds one buffer instead of one Python object per row, so a row group decodes fast
+    and forked workers read the parent's cached buffers without copying their pages;
+    kind "obj": ``values`` is an object array of Python values (nested types).
     ``mask`` (optional) marks null rows, returned as ``None``.
     """
 
     __slots__ = ("kind", "values", "offsets", "mask")
 
-    def __init__(self, kind: str, values: np.ndarray, offsets=None, mask=None):
+    def __init__(self, kind: str, values: Any, offsets=None, mask=None):
         self.kind, self.values, self.offsets, self.mask = kind, values, offsets, mask
 
     def row(self, i: int) -> Any:
         if self.mask is not None and self.mask[i]:
             return None
-        if self.kind == "list":
+        kind = self.kind
+        if kind == "bytes":
+            return self.values[self.offsets[i] : self.offsets[i + 1]]
+        if kind == "str":
+            return self.values[self.offsets[i] : self.offsets[i + 1]].decode()
+        if kind == "list":
             return self.values[self.offsets[i] : self.offsets[i + 1]]
         return self.values[i]
 
     def take(self, idx: np.ndarray) -> list[Any] | np.ndarray:
-        """Rows ``idx`` as an array (kinds np/obj) or a list of 1-D arrays (kind list)."""
+        """Rows ``idx`` as an array (kinds np/obj/bytes/str) or a list of 1-D arrays
+        (kind list)."""
+        if self.kind in ("bytes", "str"):
+            return _object_array([self.row(i) for i in idx.tolist()])
         if self.kind == "list":
             o = self.offsets
             m = self.mask
@@ -123,7 +136,13 @@ def _decode_column(pa: Any, arr: Any) -> _Column:
         or types.is_binary(t)
         or (types.is_large_binary(t))
     ):
-        return _Column("obj", _readonly(arr.to_numpy(zero_copy_only=False)))
+        _, obuf, data = arr.buffers()
+        mask = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+        large = types.is_large_string(t) or types.is_large_binary(t)
+        o = np.frombuffer(obuf, np.int64 if large else np.int32)[arr.offset : arr.offset + n + 1]
+        offsets = array.array("q", o.astype(np.int64).tobytes())
+        kind = "str" if (types.is_string(t) or types.is_large_string(t)) else "bytes"
+        return _Column(kind, data.to_pybytes() if data is not None else b"", offsets, mask)
     return _Column("obj", _readonly(_object_array(arr.to_pylist())))
 
 
@@ -181,7 +200,8 @@ class ParquetDataSource:
     :meth:`read_batch` returns the same rows column-wise as NumPy arrays.
 
     The source pickles cheaply (paths, row counts); files are reopened lazily in each
-    process (one handle per thread) and the cache starts empty.
+    process (one handle per thread) and the cache starts empty; a worker process started
+    with ``fork`` keeps the row groups the parent had cached (read from shared pages).
 
     >>> import tempfile
     >>> from cairn.data import write_parquet
@@ -307,9 +327,18 @@ class ParquetDataSource:
         self.__dict__.update(state)
         self._init_runtime()
 
+    def _after_fork(self) -> None:
+        """In a forked child: new lock and file handles (never share the parent's), but
+        keep the decoded row groups: they are immutable, and reading them costs nothing."""
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self.row_groups_decoded = 0
+        self.cache_hits = 0
+
     def _file(self, f: int) -> Any:
         if self._pid != os.getpid():
-            self._init_runtime()
+            self._after_fork()
         handles = getattr(self._local, "handles", None)
         if handles is None:
             handles = self._local.handles = {}
@@ -329,6 +358,8 @@ class ParquetDataSource:
 
     def _row_group(self, g: int) -> _RowGroup | None:
         """Decoded row group ``g`` (from the cache or freshly decoded); None if corrupt."""
+        if self._pid != os.getpid():
+            self._after_fork()
         with self._lock:
             rg = self._cache.get(g)
             if rg is not None:
