@@ -58,7 +58,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = 3e-3
-    warmup_steps: int = 100
+    warmup_steps: int = 80
     end_lr_ratio: float = 0.05
     weight_decay: float = 0.05
     b1: float = 0.9
@@ -68,14 +68,14 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1200
+    steps: int = 800
     log_every: int = 50
     progress: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 300
+    every: int = 200
     max_to_keep: int = 2
     enable_async: bool = True
 

@@ -89,7 +89,7 @@ class TransformerLM(nn.Module):
         dt, pdt = _DTYPES[m.dtype], _DTYPES[m.param_dtype]
         self.tie_embeddings = m.tie_embeddings
         self.embed = nn.Embed(vocab_size, m.d_model, dtype=dt, param_dtype=pdt,
-                              embedding_init=nn.with_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+                              embedding_init=nn.with_partitioning(nn.initializers.normal(m.d_model**-0.5), ("vocab", "embed")),
                               rngs=rngs)
         self.blocks = nn.List([Block(cfg, rngs=rngs) for _ in range(m.num_layers)])
         self.final_norm = nn.RMSNorm(m.d_model, param_dtype=pdt, rngs=rngs)
