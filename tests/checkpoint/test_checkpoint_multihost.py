@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
 import numpy as np
-import socket
 import pytest
 
 import cairn.checkpoint as cc
