@@ -42,6 +42,57 @@ def test_pack_unpack_round_trip_groups_by_dtype():
     np.testing.assert_array_equal(np.asarray(p["a"]), np.ones((2, 3)))
 
 
+def test_runtime_offset_table_is_small_and_unpacks_every_leaf():
+    # many same-shape leaves plus odd sizes and a second dtype: the table holds a few
+    # digit scalars (not one per leaf), and runtime unpacking equals static slicing
+    rng = np.random.default_rng(3)
+    tree = {f"w{i:03d}": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32) for i in range(300)}
+    tree["odd"] = jnp.asarray(rng.normal(size=(5,)), jnp.float32)
+    tree["half"] = [jnp.asarray(rng.normal(size=(4,)), jnp.bfloat16),
+                    jnp.asarray(rng.normal(size=(2, 2)), jnp.bfloat16)]
+    layout = optim.layout_of(tree)
+    offsets = pk.make_offsets(layout)
+    # offsets below 8**5 (6,305 floats): at most 1 + 7 * 5 entries, not 300
+    assert len(offsets) == pk.offset_table_size(layout) <= 1 + 7 * 5
+    p = optim.pack(tree, layout)
+    back = jax.jit(lambda p, o: pk.unpack(p, o))(p, offsets)
+    want = pk.unpack(p)
+    for a, b, c in zip(jax.tree.leaves(back), jax.tree.leaves(want), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    # every leaf's start is recovered exactly from the table
+    values, picks = pk._offset_plan(layout)
+    for (gi, pos), row in picks.items():
+        assert sum(values[j] for j in row) == layout.groups[gi].offsets[pos]
+
+
+def test_runtime_offset_table_of_other_layout_is_rejected():
+    a = {f"w{i}": jnp.ones((3,)) for i in range(20)}
+    b = {f"w{i}": jnp.ones((3,)) for i in range(400)}
+    la, lb = optim.layout_of(a), optim.layout_of(b)
+    assert pk.offset_table_size(la) != pk.offset_table_size(lb)
+    with pytest.raises(ValueError, match="runtime offsets table has"):
+        pk.unpack(optim.pack(a, la), pk.make_offsets(lb))
+
+
+def test_pytree_step_state_has_few_runtime_offset_scalars():
+    # 500 same-shape leaves: the AdamW state carries count + mu + nu + a small table
+    params = {f"w{i:03d}": jnp.zeros((4,)) for i in range(500)}
+    state = optim.adamw(1e-3).init(params)
+    assert len(jax.tree.leaves(state)) < 60
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = optim.adamw(1e-3).update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    new_p, _ = step(params, state, grads)
+    # first Adam step moves every parameter by -lr * sign(g) (up to eps)
+    for v in jax.tree.leaves(new_p):
+        np.testing.assert_allclose(np.asarray(v), -1e-3, rtol=1e-4)
+
+
 def test_state_moments_are_packed_buffers_with_paths():
     tx = optim.adamw(1e-3)
     state = tx.init(_params())
