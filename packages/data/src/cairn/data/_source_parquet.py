@@ -335,6 +335,8 @@ class ParquetDataSource:
         self._pid = os.getpid()
         self.row_groups_decoded = 0
         self.cache_hits = 0
+        # Another parent thread may have been between its two cache updates at the fork.
+        self._cached_bytes = sum(rg.nbytes for rg in self._cache.values())
 
     def _file(self, f: int) -> Any:
         if self._pid != os.getpid():
