@@ -122,11 +122,11 @@ def build(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Builds the docs site into docs/_build and runs every ```python example in docs/."""
+    """Builds the docs site into build/docs and runs every ```python example in docs/."""
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
     session.install("mkdocs>=1.6")
     session.run("python", "tools/run_doc_examples.py", "docs", *[f"packages/{p}/README.md" for p in PACKAGES])
-    session.run("mkdocs", "build", "--quiet", "--site-dir", "docs/_build")
+    session.run("mkdocs", "build", "--quiet", "--site-dir", "build/docs")
 
 
 @nox.session(python=PYTHON)
