@@ -8,7 +8,11 @@ and state donated. Reports the compile time (lower + compile) and the step time
 interleaved so machine load affects both alike), a table, then one JSON line.
 
 Also measures our "packed params" mode (params held as ``optim.Packed``), where
-no per-leaf work is left in the optimizer step.
+no per-leaf work is left in the optimizer step, and the *per-leaf floor*: a plain
+jitted ``p + c * g`` over the same L leaves (params donated). Any optimizer that
+takes and returns ordinary pytrees of L arrays pays at least this (one kernel per
+output leaf, one runtime buffer per input and output leaf); ``*_vs_floor_many``
+in the JSON line is our step time divided by it.
 
 Usage: python benchmarks/optim.py [--quick]
 """
@@ -66,6 +70,25 @@ def compile_step(lib, tx, params, grads):
     return run, compile_s
 
 
+def compile_floor(params, grads):
+    """The per-leaf floor: params + 1e-3 * grads, leaf by leaf, params donated."""
+    f = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a + 1e-3 * b, p, g), donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = f.lower(params, grads).compile()
+    compile_s = time.perf_counter() - t0
+    carry = [compiled(jax.tree.map(jnp.copy, params), grads)]
+    jax.block_until_ready(carry[0])
+
+    def run(calls):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            carry[0] = compiled(carry[0], grads)
+        jax.block_until_ready(carry[0])
+        return (time.perf_counter() - t0) / calls
+
+    return run, compile_s
+
+
 def measure_pair(runs, repeats: int, calls: int):
     """Interleave the timing loops of several steps (so machine load hits all alike);
     return the min over repeats of each step's mean time, in ms."""
@@ -93,11 +116,13 @@ def main():
             grads = make_tree(nl, sz, 1)
             ours, ours_c = compile_step(optim, build(optim, case), params, grads)
             ref, ref_c = compile_step(optax, build(optax, case), params, grads)
-            ours_ms, ref_ms = measure_pair([ours, ref], repeats, calls)
+            floor, floor_c = compile_floor(params, grads)
+            ours_ms, ref_ms, floor_ms = measure_pair([ours, ref, floor], repeats, calls)
             key = f"{case}/{'1' if nl == 1 else 'many'}"
             results[key] = dict(ours_ms=ours_ms, ours_compile_s=ours_c, optax_ms=ref_ms,
-                                optax_compile_s=ref_c)
+                                optax_compile_s=ref_c, floor_ms=floor_ms, floor_compile_s=floor_c)
             rows.append((case, label, ours_ms, ref_ms, ours_c, ref_c))
+            rows.append((case, label + ", floor p+c*g", floor_ms, ref_ms, floor_c, ref_c))
         # packed-params mode: the user keeps params and grads as flat buffers
         params = make_tree(leaves, n, 0)
         layout = optim.layout_of(params)
@@ -121,11 +146,14 @@ def main():
         out[f"{case}_many_vs_one_leaf"] = round(many["ours_ms"] / one["ours_ms"], 3)
         out[f"{case}_speedup_vs_optax_many"] = round(many["optax_ms"] / many["ours_ms"], 3)
         out[f"{case}_speedup_vs_optax_one"] = round(one["optax_ms"] / one["ours_ms"], 3)
+        out[f"{case}_vs_floor_many"] = round(many["ours_ms"] / many["floor_ms"], 3)
         out[f"{case}_compile_s_many"] = round(many["ours_compile_s"], 3)
         out[f"{case}_optax_compile_s_many"] = round(many["optax_compile_s"], 3)
         out[f"{case}_packed_many_vs_one_leaf"] = round(packed["ours_ms"] / one["ours_ms"], 3)
         out[f"{case}_packed_speedup_vs_optax_many"] = round(many["optax_ms"] / packed["ours_ms"], 3)
         out[f"{case}_packed_compile_s"] = round(packed["ours_compile_s"], 3)
+    out["floor_ms_many"] = round(results["adamw/many"]["floor_ms"], 3)
+    out["floor_compile_s_many"] = round(results["adamw/many"]["floor_compile_s"], 3)
     print(json.dumps(out))
 
 

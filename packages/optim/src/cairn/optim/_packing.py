@@ -16,11 +16,11 @@ instead of once per leaf.
 The runtime offsets are not one scalar per leaf: every jitted call pays a fixed
 cost per input and output buffer (about 1 us each on CPU), and 1,000 leaves
 would add 2,000 buffers to every step. Instead ``offsets`` is a small table of
-int32 scalars holding ``v * 8**d`` (digit ``v`` at base-8 position ``d``, plus a
-zero); a leaf's offset is the sum of ``D`` table entries, one per base-8 digit of
-its static offset, so every leaf's kernel has the same code (``D`` scalar adds
-and a dynamic slice) while the table has at most ``1 + 7 * D`` entries (``D`` = 7
-for offsets below 2**21).
+int32 scalars holding ``v * 8**d`` (digit ``v`` at base-8 position ``d``); a
+leaf's offset is the sum of ``D`` table entries, one per base-8 digit of its
+static offset, so every leaf's kernel has the same code (``D`` scalar adds and a
+dynamic slice) while the table has at most ``8 * D`` entries (``D`` = 7 for
+offsets below 2**21).
 """
 
 from __future__ import annotations
@@ -328,16 +328,16 @@ def _offset_plan(layout: Layout):
     ndigits = 1
     while b ** ndigits <= biggest:
         ndigits += 1
-    values = [0]
-    index: dict[tuple[int, int], int] = {}
+    # one zero per digit position: a leaf's D summands are then always D distinct
+    # buffers, so every leaf's kernel has the same parameter list (a repeated zero
+    # buffer would give XLA a different fused computation to compile)
+    values = [0] * ndigits
+    index: dict[tuple[int, int], int] = {(d, 0): d for d in range(ndigits)}
     picks = {}
     for key, o in starts.items():
         row = []
         for d in range(ndigits):
             v = (o // b ** d) % b
-            if v == 0:
-                row.append(0)
-                continue
             if (d, v) not in index:
                 index[(d, v)] = len(values)
                 values.append(v * b ** d)
