@@ -350,7 +350,7 @@ def _runtime_offset(plan, offsets, gi: int, pos: int):
     row = plan[1][(gi, pos)]
     start = offsets[row[0]]
     for j in row[1:]:
-        start = start + offsets[j]
+        start = jax.lax.add(start, offsets[j])  # lax, not jnp: no per-add dispatch in the trace
     return start
 
 
