@@ -27,9 +27,7 @@ from hypothesis import strategies as st
 from cairn import optim
 
 # Public once cairn.optim re-exports it; the private module is its home either way.
-ctc_loss_with_forward_probs = getattr(optim, "ctc_loss_with_forward_probs", None)
-if ctc_loss_with_forward_probs is None:
-    from cairn.optim._losses import ctc_loss_with_forward_probs
+ctc_loss_with_forward_probs = optim.ctc_loss_with_forward_probs
 
 HSET = settings(max_examples=15, deadline=None)
 SLOW = pytest.mark.slow  # extra parameter points; the default suite keeps one or two
