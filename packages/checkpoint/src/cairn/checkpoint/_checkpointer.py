@@ -7,7 +7,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 from . import _fs, _multihost, _restore, _tree
 from ._errors import CheckpointError
@@ -161,7 +161,31 @@ def _require_committed(directory: str) -> None:
         )
 
 
-class AsyncCheckpointer:
+class _BackgroundSaver:
+    """Lifecycle shared by the savers that commit in a ``_Background`` held as ``self._bg``."""
+
+    _bg: _Background
+
+    def wait_until_finished(self) -> None:
+        """Block until the pending save is committed; re-raise its error if it failed."""
+        self._bg.wait()
+
+    def check_for_errors(self) -> None:
+        """Re-raise a finished background save's error without waiting for a running one."""
+        if not self._bg.busy():
+            self._bg.wait()
+
+    def close(self) -> None:
+        self._bg.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncCheckpointer(_BackgroundSaver):
     """Saves in the background: :meth:`save` returns once device data is on the host.
 
     Writing, metadata and the atomic commit run in a background thread. A second
@@ -203,21 +227,3 @@ class AsyncCheckpointer:
     def metadata(self, directory: str | os.PathLike) -> dict[str, LeafMetadata]:
         self._bg.wait()
         return metadata(directory)
-
-    def wait_until_finished(self) -> None:
-        """Block until the pending save is committed; re-raise its error if it failed."""
-        self._bg.wait()
-
-    def check_for_errors(self) -> None:
-        """Re-raise a finished background save's error without waiting for a running one."""
-        if not self._bg.busy():
-            self._bg.wait()
-
-    def close(self) -> None:
-        self._bg.wait()
-
-    def __enter__(self) -> AsyncCheckpointer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

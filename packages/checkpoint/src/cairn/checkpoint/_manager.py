@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _fs, _multihost, _restore, _tree
-from ._checkpointer import _Background, _commit
+from ._checkpointer import _Background, _BackgroundSaver, _commit
 from ._errors import CheckpointError
 from ._restore import LeafMetadata
 
@@ -89,7 +89,7 @@ class _Tier:
     use_best: bool
 
 
-class CheckpointManager:
+class CheckpointManager(_BackgroundSaver):
     """Saves numbered steps of several items under ``directory``; one step = one atomic commit.
 
     ``items`` passed to :meth:`save` is a dict of named pytrees (arrays, scalars, strings)
@@ -420,21 +420,3 @@ class CheckpointManager:
                     raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
                 out[name] = _restore.restore_dir(sub, target, partial=partial, cast=cast, mesh=mesh)
         return out
-
-    # ----------------------------------------------------------------- lifecycle
-    def wait_until_finished(self) -> None:
-        """Block until a pending save is committed; raise its error if it failed."""
-        self._bg.wait()
-
-    def check_for_errors(self) -> None:
-        if not self._bg.busy():
-            self._bg.wait()
-
-    def close(self) -> None:
-        self._bg.wait()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
