@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from cairn.data._map_dataset import MapDataset, _as_callable, _check_seed, _fn_name, _rng_for
+from cairn.data._map_dataset import (
+    MapDataset,
+    _as_callable,
+    _check_seed,
+    _fn_name,
+    _Pipeline,
+    _rng_for,
+)
 from cairn.data._tree import StructureChecker, stack_records
 
 __all__ = [
@@ -219,7 +226,7 @@ def _check_state(state: Any, keys: Sequence[str], who: str) -> dict:
 # ====================================================================== datasets
 
 
-class IterDataset:
+class IterDataset(_Pipeline):
     """A sequential dataset; ``iter(ds)`` gives a checkpointable :class:`DatasetIterator`."""
 
     _parents: tuple[IterDataset, ...] = ()
@@ -302,24 +309,6 @@ class IterDataset:
     def interleave(datasets: Sequence[IterDataset], cycle_length: int | None = None) -> IterDataset:
         """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset)."""
         return InterleaveIterDataset(datasets, cycle_length)
-
-    def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(self, *args, **kwargs)
-
-    # ---------------------------------------------------------------- rendering
-    def _graph_lines(self, indent: str) -> list[str]:
-        lines = [f"{indent}{self._stage_name()}"]
-        if len(self._parents) == 1:
-            lines += self._parents[0]._graph_lines(indent)
-        else:
-            for k, p in enumerate(self._parents):
-                lines.append(f"{indent}  <input {k}>")
-                lines += p._graph_lines(indent + "    ")
-        return lines
-
-    def graph(self) -> str:
-        """A text rendering of the pipeline, output stage first, one stage per line."""
-        return "\n".join(self._graph_lines(""))
 
     def __repr__(self) -> str:
         return self.graph()

@@ -49,7 +49,34 @@ def _rng_for(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=mix_seed(seed, epoch, index)))
 
 
-class MapDataset:
+class _Pipeline:
+    """What ``MapDataset`` and ``IterDataset`` share: ``pipe`` and the text rendering."""
+
+    _parents: tuple  # the input stages; subclasses set them
+
+    def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(self, *args, **kwargs)``: lets custom steps chain fluently."""
+        return fn(self, *args, **kwargs)
+
+    def _graph_head(self) -> str:
+        return self._stage_name()
+
+    def _graph_lines(self, indent: str) -> list[str]:
+        lines = [f"{indent}{self._graph_head()}"]
+        if len(self._parents) == 1:
+            lines += self._parents[0]._graph_lines(indent)
+        else:
+            for k, p in enumerate(self._parents):
+                lines.append(f"{indent}  <input {k}>")
+                lines += p._graph_lines(indent + "    ")
+        return lines
+
+    def graph(self) -> str:
+        """A text rendering of the pipeline, output stage first, one stage per line."""
+        return "\n".join(self._graph_lines(""))
+
+
+class MapDataset(_Pipeline):
     """A lazy dataset with random access: ``len(ds)``, ``ds[i]``, ``ds[a:b]``.
 
     Build one with :meth:`source` or :meth:`range` and chain transformations; nothing is
@@ -330,24 +357,9 @@ class MapDataset:
 
         return MapRootIterDataset(self, read_options or ReadOptions(), debug=debug)
 
-    def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(self, *args, **kwargs)``: lets custom steps chain fluently."""
-        return fn(self, *args, **kwargs)
-
     # ---------------------------------------------------------------- rendering
-    def _graph_lines(self, indent: str) -> list[str]:
-        lines = [f"{indent}{self._stage_name()}  [len={_fmt_len(self)}]"]
-        if len(self._parents) == 1:
-            lines += self._parents[0]._graph_lines(indent)
-        else:
-            for k, p in enumerate(self._parents):
-                lines.append(f"{indent}  <input {k}>")
-                lines += p._graph_lines(indent + "    ")
-        return lines
-
-    def graph(self) -> str:
-        """A text rendering of the pipeline, output stage first, one stage per line."""
-        return "\n".join(self._graph_lines(""))
+    def _graph_head(self) -> str:
+        return f"{self._stage_name()}  [len={_fmt_len(self)}]"
 
 
 def _fmt_len(ds: MapDataset) -> str:
@@ -448,11 +460,13 @@ class _Unary(MapDataset):
         return len(self._parent)
 
 
-class _SeedMapDataset(_Unary):
+class _SeededUnary(_Unary):
     def __init__(self, parent: MapDataset, seed: int):
         super().__init__(parent)
         self._seed = seed
 
+
+class _SeedMapDataset(_SeededUnary):
     def _default_seed(self) -> int | None:
         return self._seed
 
@@ -463,11 +477,7 @@ class _SeedMapDataset(_Unary):
         return f"seed({self._seed})"
 
 
-class _ShuffleMapDataset(_Unary):
-    def __init__(self, parent: MapDataset, seed: int):
-        super().__init__(parent)
-        self._seed = seed
-
+class _ShuffleMapDataset(_SeededUnary):
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
         return self._parent._getitems(permute(indices, len(self._parent), self._seed, epoch), epoch)
 
@@ -510,10 +520,21 @@ class _BlockSliceMapDataset(_Unary):
         return f"block_slice(block={self._block}, rows={self._start}:{self._start + self._size})"
 
 
-class _MapMapDataset(_Unary):
+class _FnUnary(_Unary):
+    """A step that calls a user function; its stage is named ``<_verb>(<function name>)``."""
+
+    _verb = ""
+
     def __init__(self, parent: MapDataset, fn: Callable):
         super().__init__(parent)
         self._fn = fn
+
+    def _stage_name(self) -> str:
+        return f"{self._verb}({_fn_name(self._fn)})"
+
+
+class _MapMapDataset(_FnUnary):
+    _verb = "map"
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
         values = self._parent._getitems(indices, epoch)
@@ -522,28 +543,19 @@ class _MapMapDataset(_Unary):
             return [None if v is None else fn(v) for v in values]
         return list(map(fn, values))
 
-    def _stage_name(self) -> str:
-        return f"map({_fn_name(self._fn)})"
 
-
-class _MapWithIndexMapDataset(_Unary):
-    def __init__(self, parent: MapDataset, fn: Callable):
-        super().__init__(parent)
-        self._fn = fn
+class _MapWithIndexMapDataset(_FnUnary):
+    _verb = "map_with_index"
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
         values = self._parent._getitems(indices, epoch)
         fn = self._fn
         return [None if v is None else fn(i, v) for i, v in zip(indices.tolist(), values)]
 
-    def _stage_name(self) -> str:
-        return f"map_with_index({_fn_name(self._fn)})"
 
-
-class _RandomMapMapDataset(_Unary):
+class _RandomMapMapDataset(_FnUnary):
     def __init__(self, parent: MapDataset, fn: Callable, seed: int):
-        super().__init__(parent)
-        self._fn = fn
+        super().__init__(parent, fn)
         self._seed = seed
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
@@ -558,19 +570,17 @@ class _RandomMapMapDataset(_Unary):
         return f"random_map({_fn_name(self._fn)}, seed={self._seed})"
 
 
-class _FilterMapDataset(_Unary):
+class _FilterMapDataset(_FnUnary):
+    _verb = "filter"
+
     def __init__(self, parent: MapDataset, predicate: Callable):
-        super().__init__(parent)
-        self._pred = predicate
+        super().__init__(parent, predicate)
         self._may_filter = True
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
         values = self._parent._getitems(indices, epoch)
-        pred = self._pred
+        pred = self._fn
         return [v if v is not None and pred(v) else None for v in values]
-
-    def _stage_name(self) -> str:
-        return f"filter({_fn_name(self._pred)})"
 
 
 class _BatchMapDataset(_Unary):
@@ -646,13 +656,13 @@ class _RepeatMapDataset(_Unary):
         base = epoch * (self._epochs if self._epochs is not None else 1 << 32)
         if first == last and (local_epoch == first).all():
             return self._parent._getitems(local, base + first if self._reseed else epoch)
-        out: list = [None] * len(indices)
+        parts = []
         for e in np.unique(local_epoch).tolist():
             pos = np.flatnonzero(local_epoch == e)
-            vals = self._parent._getitems(local[pos], base + e if self._reseed else epoch)
-            for p, v in zip(pos.tolist(), vals):
-                out[p] = v
-        return out
+            parts.append(
+                (pos, self._parent._getitems(local[pos], base + e if self._reseed else epoch))
+            )
+        return _gather(parts, len(indices))
 
     def _stage_name(self) -> str:
         return f"repeat({self._epochs if self._epochs is not None else 'None'})"
@@ -662,6 +672,7 @@ class _RepeatMapDataset(_Unary):
 
 
 def _gather(parts: list[tuple[np.ndarray, list]], total: int) -> list:
+    """Scatter ``(positions, values)`` parts back into one list of ``total`` values."""
     out: list = [None] * total
     for pos, vals in parts:
         for p, v in zip(pos.tolist(), vals):
@@ -669,17 +680,34 @@ def _gather(parts: list[tuple[np.ndarray, list]], total: int) -> list:
     return out
 
 
-class _ConcatenateMapDataset(MapDataset):
-    def __init__(self, datasets: list[MapDataset]):
+class _ManyParents(MapDataset):
+    """A step over several ``MapDataset`` inputs; ``what`` names it in error messages."""
+
+    def __init__(self, datasets: list[MapDataset], what: str):
         if not datasets:
-            raise ValueError("concatenate() needs at least one dataset")
+            raise ValueError(f"{what}() needs at least one dataset")
         for k, d in enumerate(datasets):
             if not isinstance(d, MapDataset):
                 raise TypeError(
-                    f"concatenate(): input {k} is a {type(d).__name__}, expected a MapDataset"
+                    f"{what}(): input {k} is a {type(d).__name__}, expected a MapDataset"
                 )
         self._parents = tuple(datasets)
         self._may_filter = any(d._may_filter for d in datasets)
+
+    def _route(self, which: np.ndarray, local: np.ndarray, epoch: int) -> list:
+        """Element ``j`` is element ``local[j]`` of input ``which[j]``: one read per input."""
+        parts = []
+        for k in np.unique(which).tolist():
+            pos = np.flatnonzero(which == k)
+            parts.append((pos, self._parents[k]._getitems(local[pos], epoch)))
+        if len(parts) == 1:
+            return parts[0][1]
+        return _gather(parts, len(which))
+
+
+class _ConcatenateMapDataset(_ManyParents):
+    def __init__(self, datasets: list[MapDataset]):
+        super().__init__(datasets, "concatenate")
         self._offsets = np.cumsum([0] + [len(d) for d in datasets])
 
     def __len__(self) -> int:
@@ -687,27 +715,17 @@ class _ConcatenateMapDataset(MapDataset):
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
         which = np.searchsorted(self._offsets, indices, side="right") - 1
-        parts = []
-        for k in np.unique(which).tolist():
-            pos = np.flatnonzero(which == k)
-            parts.append((pos, self._parents[k]._getitems(indices[pos] - self._offsets[k], epoch)))
-        if len(parts) == 1:
-            return parts[0][1]
-        return _gather(parts, len(indices))
+        return self._route(which, indices - self._offsets[which], epoch)
 
     def _stage_name(self) -> str:
         return f"concatenate({len(self._parents)} datasets)"
 
 
-class _MixMapDataset(MapDataset):
+class _MixMapDataset(_ManyParents):
     PERIOD = 1000
 
     def __init__(self, datasets: list[MapDataset], weights: Sequence[float] | None):
-        if not datasets:
-            raise ValueError("mix() needs at least one dataset")
-        for k, d in enumerate(datasets):
-            if not isinstance(d, MapDataset):
-                raise TypeError(f"mix(): input {k} is a {type(d).__name__}, expected a MapDataset")
+        super().__init__(datasets, "mix")
         if weights is None:
             weights = [1.0] * len(datasets)
         w = np.asarray(weights, dtype=np.float64)
@@ -717,8 +735,6 @@ class _MixMapDataset(MapDataset):
             raise ValueError(
                 f"mix(): weights must be finite, >= 0 and not all 0, got {list(weights)}"
             )
-        self._parents = tuple(datasets)
-        self._may_filter = any(d._may_filter for d in datasets)
         self._weights = w / w.sum()
         counts = _largest_remainder(self._weights, self.PERIOD)
         self._counts = counts
@@ -753,11 +769,7 @@ class _MixMapDataset(MapDataset):
         period, off = np.divmod(indices, self.PERIOD)
         which = self._pattern_k[off]
         local = period * self._counts[which] + self._pattern_j[off]
-        parts = []
-        for k in np.unique(which).tolist():
-            pos = np.flatnonzero(which == k)
-            parts.append((pos, self._parents[k]._getitems(local[pos], epoch)))
-        return _gather(parts, len(indices))
+        return self._route(which, local, epoch)
 
     def _stage_name(self) -> str:
         return "mix(weights=[" + ", ".join(f"{x:.3g}" for x in self._weights) + "])"
