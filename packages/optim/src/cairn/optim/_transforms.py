@@ -76,6 +76,29 @@ def _store(x, dtype_like):
     return x.astype(dtype_like.dtype)
 
 
+def _step_buffers(u: Packed, states: tuple[Packed, ...], step):
+    """Run ``step(g, *olds) -> (out, *news)`` on every packed buffer.
+
+    ``out`` is cast to the update's dtype and each new state buffer to its old
+    buffer's dtype. Returns ``(updates, new_states)`` as :class:`Packed`.
+    """
+    outs, news = [], [[] for _ in states]
+    for g, *olds in zip(u.buffers, *(s.buffers for s in states)):
+        out, *vals = step(g, *olds)
+        outs.append(out.astype(g.dtype))
+        for new, val, old in zip(news, vals, olds):
+            new.append(_store(val, old))
+    return Packed(u.layout, outs), tuple(_like(s, bufs) for s, bufs in zip(states, news))
+
+
+def _mu_hat(b1, m, g, count, nesterov):
+    """Bias-corrected first moment (Nesterov's look-ahead form when ``nesterov``)."""
+    if nesterov:
+        return (b1 * m / _bc(b1, safe_increment(count), m.dtype)
+                + (1 - b1) * g / _bc(b1, count, g.dtype))
+    return m / _bc(b1, count, m.dtype)
+
+
 # --------------------------------------------------------------------------- scaling
 
 
@@ -163,6 +186,25 @@ class ScaleByAdamState(NamedTuple):
     nu: Packed
 
 
+def _adam_family(name, mu_dtype, nu_dtype, make_step, fill=0.0):
+    """A transformation whose state is :class:`ScaleByAdamState` (both moments start at
+    ``fill``). ``make_step(count)`` returns the per-buffer ``step(g, m0, v0) -> (out, m, v)``
+    for the incremented step ``count``."""
+
+    def init(layout, params):
+        return ScaleByAdamState(jnp.zeros([], jnp.int32),
+                                _state_zeros(layout, mu_dtype, fill, offsets=True),
+                                _state_zeros(layout, nu_dtype, fill))
+
+    def update(u, state, p=None, **extra):
+        _check(u, state.mu, name)
+        count = safe_increment(state.count)
+        out, (mu, nu) = _step_buffers(u, (state.mu, state.nu), make_step(count))
+        return out, ScaleByAdamState(count, mu, nu)
+
+    return packed_transformation(init, update, name=name)
+
+
 def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
                   nesterov: bool = False, nu_dtype=None):
     """Adam scaling.
@@ -176,31 +218,17 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
     with ``nesterov`` :math:`\\hat m_t = \\beta_1 m_t/(1-\\beta_1^{t+1}) + (1-\\beta_1) g_t/(1-\\beta_1^t)`.
     """
 
-    def init(layout, params):
-        return ScaleByAdamState(jnp.zeros([], jnp.int32),
-                                _state_zeros(layout, mu_dtype, offsets=True),
-                                _state_zeros(layout, nu_dtype))
-
-    def update(u, state, p=None, **extra):
-        _check(u, state.mu, "scale_by_adam")
-        count = safe_increment(state.count)
-        outs, mus, nus = [], [], []
-        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+    def make_step(count):
+        def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             v = (1 - b2) * _abs_sq(g) + b2 * v0
-            if nesterov:
-                m_hat = (b1 * m / _bc(b1, safe_increment(count), m.dtype)
-                         + (1 - b1) * g / _bc(b1, count, g.dtype))
-            else:
-                m_hat = m / _bc(b1, count, m.dtype)
+            m_hat = _mu_hat(b1, m, g, count, nesterov)
             v_hat = v / _bc(b2, count, v.dtype)
-            outs.append((m_hat / (jnp.sqrt(v_hat + eps_root) + eps)).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(v, v0))
-        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
-                                                        _like(state.nu, nus))
+            return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
 
-    return packed_transformation(init, update, name="scale_by_adam")
+        return step
+
+    return _adam_family("scale_by_adam", mu_dtype, nu_dtype, make_step)
 
 
 class ScaleByAmsgradState(NamedTuple):
@@ -223,20 +251,17 @@ def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_amsgrad")
         count = safe_increment(state.count)
-        outs, mus, nus, mx = [], [], [], []
-        for g, m0, v0, x0 in zip(u.buffers, state.mu.buffers, state.nu.buffers,
-                                 state.nu_max.buffers):
+
+        def step(g, m0, v0, x0):
             m = (1 - b1) * g + b1 * m0
             v = (1 - b2) * _abs_sq(g) + b2 * v0
             m_hat = m / _bc(b1, count, m.dtype) if bias_correction_mu else m
             v_eff = v / _bc(b2, count, v.dtype) if bias_correction_nu else v
             vmax = jnp.maximum(x0, v_eff)
-            outs.append((m_hat / (jnp.sqrt(vmax + eps_root) + eps)).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(v, v0))
-            mx.append(_store(vmax, x0))
-        return Packed(u.layout, outs), ScaleByAmsgradState(
-            count, _like(state.mu, mus), _like(state.nu, nus), _like(state.nu_max, mx))
+            return m_hat / (jnp.sqrt(vmax + eps_root) + eps), m, v, vmax
+
+        out, new = _step_buffers(u, (state.mu, state.nu, state.nu_max), step)
+        return out, ScaleByAmsgradState(count, *new)
 
     return packed_transformation(init, update, name="scale_by_amsgrad")
 
@@ -245,25 +270,15 @@ def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None)
     """AdaMax: :math:`m_t` as Adam, :math:`v_t = \\max(|g_t| + \\epsilon, \\beta_2 v_{t-1})`,
     :math:`u_t = \\hat m_t / v_t`."""
 
-    def init(layout, params):
-        return ScaleByAdamState(jnp.zeros([], jnp.int32),
-                                _state_zeros(layout, mu_dtype, offsets=True),
-                                _state_zeros(layout, nu_dtype))
-
-    def update(u, state, p=None, **extra):
-        _check(u, state.mu, "scale_by_adamax")
-        count = safe_increment(state.count)
-        outs, mus, nus = [], [], []
-        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+    def make_step(count):
+        def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             v = jnp.maximum(jnp.abs(g) + eps, b2 * v0)
-            outs.append((m / _bc(b1, count, m.dtype) / v).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(v, v0))
-        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
-                                                        _like(state.nu, nus))
+            return m / _bc(b1, count, m.dtype) / v, m, v
 
-    return packed_transformation(init, update, name="scale_by_adamax")
+        return step
+
+    return _adam_family("scale_by_adamax", mu_dtype, nu_dtype, make_step)
 
 
 def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bool = False,
@@ -271,31 +286,17 @@ def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bo
     """AdaBelief: :math:`s_t = \\beta_2 s_{t-1} + (1-\\beta_2)(g_t - m_t)^2 + \\epsilon_{root}`,
     :math:`u_t = \\hat m_t / (\\sqrt{\\hat s_t} + \\epsilon)`."""
 
-    def init(layout, params):
-        return ScaleByAdamState(jnp.zeros([], jnp.int32),
-                                _state_zeros(layout, mu_dtype, offsets=True),
-                                _state_zeros(layout, nu_dtype))
-
-    def update(u, state, p=None, **extra):
-        _check(u, state.mu, "scale_by_belief")
-        count = safe_increment(state.count)
-        outs, mus, nus = [], [], []
-        for g, m0, s0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+    def make_step(count):
+        def step(g, m0, s0):
             m = (1 - b1) * g + b1 * m0
             s = (1 - b2) * _abs_sq(g - m) + b2 * s0 + eps_root
-            if nesterov:
-                m_hat = (b1 * m / _bc(b1, safe_increment(count), m.dtype)
-                         + (1 - b1) * g / _bc(b1, count, g.dtype))
-            else:
-                m_hat = m / _bc(b1, count, m.dtype)
+            m_hat = _mu_hat(b1, m, g, count, nesterov)
             s_hat = s / _bc(b2, count, s.dtype)
-            outs.append((m_hat / (jnp.sqrt(s_hat) + eps)).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(s, s0))
-        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
-                                                        _like(state.nu, nus))
+            return m_hat / (jnp.sqrt(s_hat) + eps), m, s
 
-    return packed_transformation(init, update, name="scale_by_belief")
+        return step
+
+    return _adam_family("scale_by_belief", mu_dtype, nu_dtype, make_step)
 
 
 def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
@@ -307,35 +308,22 @@ def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
     :math:`r_t = \\sqrt{(\\rho_t-4)(\\rho_t-2)\\rho_\\infty/((\\rho_\\infty-4)(\\rho_\\infty-2)\\rho_t)}`."""
     ro_inf = 2.0 / (1.0 - b2) - 1.0
 
-    def init(layout, params):
-        return ScaleByAdamState(jnp.zeros([], jnp.int32),
-                                _state_zeros(layout, mu_dtype, offsets=True),
-                                _state_zeros(layout, nu_dtype))
-
-    def update(u, state, p=None, **extra):
-        _check(u, state.mu, "scale_by_radam")
-        count = safe_increment(state.count)
+    def make_step(count):
         b2t = b2 ** count
         ro = ro_inf - 2 * count * b2t / (1 - b2t)
         r = jnp.sqrt((ro - 4.0) * (ro - 2.0) * ro_inf / ((ro_inf - 4.0) * (ro_inf - 2.0) * ro))
-        outs, mus, nus = [], [], []
-        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+
+        def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             v = (1 - b2) * _abs_sq(g) + b2 * v0
-            if nesterov:
-                m_hat = (b1 * m / _bc(b1, safe_increment(count), m.dtype)
-                         + (1 - b1) * g / _bc(b1, count, g.dtype))
-            else:
-                m_hat = m / _bc(b1, count, m.dtype)
+            m_hat = _mu_hat(b1, m, g, count, nesterov)
             v_hat = v / _bc(b2, count, v.dtype)
             rect = r.astype(m_hat.dtype) * m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-            outs.append(jnp.where(ro >= threshold, rect, m_hat).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(v, v0))
-        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
-                                                        _like(state.nu, nus))
+            return jnp.where(ro >= threshold, rect, m_hat), m, v
 
-    return packed_transformation(init, update, name="scale_by_radam")
+        return step
+
+    return _adam_family("scale_by_radam", mu_dtype, nu_dtype, make_step)
 
 
 def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_value=1e-6, *,
@@ -344,29 +332,19 @@ def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_
     :math:`u_t = \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)`; both moments start at
     ``initial_accumulator_value``."""
 
-    def init(layout, params):
-        return ScaleByAdamState(
-            jnp.zeros([], jnp.int32),
-            _state_zeros(layout, mu_dtype, initial_accumulator_value, offsets=True),
-            _state_zeros(layout, nu_dtype, initial_accumulator_value))
-
-    def update(u, state, p=None, **extra):
-        _check(u, state.mu, "scale_by_yogi")
-        count = safe_increment(state.count)
-        outs, mus, nus = [], [], []
-        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+    def make_step(count):
+        def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             g2 = _abs_sq(g)
             v = v0 - (1 - b2) * jnp.sign(v0 - g2) * g2
             m_hat = m / _bc(b1, count, m.dtype)
             v_hat = v / _bc(b2, count, v.dtype)
-            outs.append((m_hat / (jnp.sqrt(v_hat + eps_root) + eps)).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(v, v0))
-        return Packed(u.layout, outs), ScaleByAdamState(count, _like(state.mu, mus),
-                                                        _like(state.nu, nus))
+            return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
 
-    return packed_transformation(init, update, name="scale_by_yogi")
+        return step
+
+    return _adam_family("scale_by_yogi", mu_dtype, nu_dtype, make_step,
+                        fill=initial_accumulator_value)
 
 
 class ScaleByLionState(NamedTuple):
@@ -384,12 +362,12 @@ def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None):
 
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_lion")
-        outs, mus = [], []
-        for g, m0 in zip(u.buffers, state.mu.buffers):
-            outs.append(jnp.sign((1.0 - b1) * g + b1 * m0).astype(g.dtype))
-            mus.append(_store((1 - b2) * g + b2 * m0, m0))
-        return Packed(u.layout, outs), ScaleByLionState(safe_increment(state.count),
-                                                        _like(state.mu, mus))
+
+        def step(g, m0):
+            return jnp.sign((1.0 - b1) * g + b1 * m0), (1 - b2) * g + b2 * m0
+
+        out, (mu,) = _step_buffers(u, (state.mu,), step)
+        return out, ScaleByLionState(safe_increment(state.count), mu)
 
     return packed_transformation(init, update, name="scale_by_lion")
 
@@ -430,16 +408,16 @@ def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = Tru
     def update(u, state, p=None, **extra):
         _check(u, state.nu, "scale_by_rms")
         count = safe_increment(state.count) if bias_correction else None
-        outs, nus = [], []
-        for g, v0 in zip(u.buffers, state.nu.buffers):
+
+        def step(g, v0):
             v = (1 - decay) * _abs_sq(g) + decay * v0
             v_hat = v / _bc(decay, count, v.dtype) if bias_correction else v
             sc = jax.lax.rsqrt(v_hat + eps) if eps_in_sqrt else 1 / (jnp.sqrt(v_hat) + eps)
-            outs.append((sc * g).astype(g.dtype))
-            nus.append(_store(v, v0))
-        nu = _like(state.nu, nus)
+            return sc * g, v
+
+        out, (nu,) = _step_buffers(u, (state.nu,), step)
         new = ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu)
-        return Packed(u.layout, outs), new
+        return out, new
 
     return packed_transformation(init, update, name="scale_by_rms")
 
@@ -470,8 +448,8 @@ def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = 
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_stddev")
         count = safe_increment(state.count) if bias_correction else None
-        outs, mus, nus = [], [], []
-        for g, m0, v0 in zip(u.buffers, state.mu.buffers, state.nu.buffers):
+
+        def step(g, m0, v0):
             m = (1 - decay) * g + decay * m0
             v = (1 - decay) * _abs_sq(g) + decay * v0
             if bias_correction:
@@ -482,13 +460,12 @@ def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = 
                 sc = jax.lax.rsqrt(vh - _abs_sq(mh) + eps)
             else:
                 sc = 1 / (jnp.sqrt(vh - _abs_sq(mh)) + eps)
-            outs.append((sc * g).astype(g.dtype))
-            mus.append(_store(m, m0))
-            nus.append(_store(v, v0))
-        mu, nu = _like(state.mu, mus), _like(state.nu, nus)
+            return sc * g, m, v
+
+        out, (mu, nu) = _step_buffers(u, (state.mu, state.nu), step)
         new = (ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction
                else ScaleByRStdDevState(mu, nu))
-        return Packed(u.layout, outs), new
+        return out, new
 
     return packed_transformation(init, update, name="scale_by_stddev")
 
@@ -506,13 +483,13 @@ def scale_by_rss(initial_accumulator_value=0.1, eps=1e-7):
 
     def update(u, state, p=None, **extra):
         _check(u, state.sum_of_squares, "scale_by_rss")
-        outs, ss = [], []
-        for g, s0 in zip(u.buffers, state.sum_of_squares.buffers):
+
+        def step(g, s0):
             s = _abs_sq(g) + s0
-            inv = jnp.where(s > 0, jax.lax.rsqrt(s + eps), 0.0)
-            outs.append((inv * g).astype(g.dtype))
-            ss.append(_store(s, s0))
-        return Packed(u.layout, outs), ScaleByRssState(_like(state.sum_of_squares, ss))
+            return jnp.where(s > 0, jax.lax.rsqrt(s + eps), 0.0) * g, s
+
+        out, new = _step_buffers(u, (state.sum_of_squares,), step)
+        return out, ScaleByRssState(*new)
 
     return packed_transformation(init, update, name="scale_by_rss")
 
@@ -532,16 +509,15 @@ def scale_by_adadelta(rho=0.9, eps=1e-6):
 
     def update(u, state, p=None, **extra):
         _check(u, state.e_g, "scale_by_adadelta")
-        outs, egs, exs = [], [], []
-        for g, eg0, ex0 in zip(u.buffers, state.e_g.buffers, state.e_x.buffers):
+
+        def step(g, eg0, ex0):
             eg = (1 - rho) * _abs_sq(g) + rho * eg0
             out = jnp.sqrt(ex0 + eps) / jnp.sqrt(eg + eps) * g
             ex = (1 - rho) * _abs_sq(out) + rho * ex0
-            outs.append(out.astype(g.dtype))
-            egs.append(_store(eg, eg0))
-            exs.append(_store(ex, ex0))
-        return Packed(u.layout, outs), ScaleByAdaDeltaState(_like(state.e_g, egs),
-                                                            _like(state.e_x, exs))
+            return out, eg, ex
+
+        out, new = _step_buffers(u, (state.e_g, state.e_x), step)
+        return out, ScaleByAdaDeltaState(*new)
 
     return packed_transformation(init, update, name="scale_by_adadelta")
 
@@ -564,17 +540,16 @@ def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-
 
     def update(u, state, p=None, **extra):
         _check(u, state.step_sizes, "scale_by_rprop")
-        outs, steps, prevs = [], [], []
-        for g, st0, pv0 in zip(u.buffers, state.step_sizes.buffers, state.prev_updates.buffers):
+
+        def step(g, st0, pv0):
             s = g * pv0
             st = jnp.where(s == 0, st0, jnp.clip(st0 * jnp.where(s > 0, eta_plus, eta_minus),
                                                  min_step_size, max_step_size))
             pv = jnp.where(s < 0, jnp.zeros_like(g), st * jnp.sign(g))
-            outs.append(jnp.where(s < 0, jnp.zeros_like(pv0), pv0).astype(g.dtype))
-            steps.append(_store(st, st0))
-            prevs.append(_store(pv, pv0))
-        return Packed(u.layout, outs), ScaleByRpropState(_like(state.step_sizes, steps),
-                                                         _like(state.prev_updates, prevs))
+            return jnp.where(s < 0, jnp.zeros_like(pv0), pv0), st, pv
+
+        out, new = _step_buffers(u, (state.step_sizes, state.prev_updates), step)
+        return out, ScaleByRpropState(*new)
 
     return packed_transformation(init, update, name="scale_by_rprop")
 
@@ -736,13 +711,13 @@ def trace(decay, nesterov: bool = False, accumulator_dtype=None):
 
     def update(u, state, p=None, **extra):
         _check(u, state.trace, "trace")
-        outs, ts = [], []
-        for g, t0 in zip(u.buffers, state.trace.buffers):
+
+        def step(g, t0):
             f = g + decay * t0
-            out = g + decay * f if nesterov else f
-            outs.append(out.astype(g.dtype))
-            ts.append(_store(f, t0))
-        return Packed(u.layout, outs), TraceState(_like(state.trace, ts))
+            return (g + decay * f if nesterov else f), f
+
+        out, new = _step_buffers(u, (state.trace,), step)
+        return out, TraceState(*new)
 
     return packed_transformation(init, update, name="trace")
 
@@ -763,13 +738,13 @@ def ema(decay, debias: bool = True, accumulator_dtype=None):
     def update(u, state, p=None, **extra):
         _check(u, state.ema, "ema")
         count = safe_increment(state.count)
-        outs, es = [], []
-        for g, e0 in zip(u.buffers, state.ema.buffers):
+
+        def step(g, e0):
             e = (1 - decay) * g + decay * e0
-            out = e / _bc(decay, count, e.dtype) if debias else e
-            outs.append(out.astype(g.dtype))
-            es.append(_store(e, e0))
-        return Packed(u.layout, outs), EmaState(count, _like(state.ema, es))
+            return (e / _bc(decay, count, e.dtype) if debias else e), e
+
+        out, (ema_,) = _step_buffers(u, (state.ema,), step)
+        return out, EmaState(count, ema_)
 
     return packed_transformation(init, update, name="ema")
 
