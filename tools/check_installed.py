@@ -11,6 +11,7 @@ data, when JAX is installed or gets imported (they must work without it). With
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 
@@ -26,6 +27,13 @@ def main() -> int:
     for name in getattr(mod, "__all__", []):
         if not hasattr(mod, name):
             problems.append(f"cairn.{pkg}.__all__ names {name!r}, which does not exist")
+    dist = "cairn-" + pkg.replace("_", "-")
+    installed = importlib.metadata.version(dist)
+    if getattr(mod, "__version__", None) != installed:
+        problems.append(
+            f"cairn.{pkg}.__version__ is {getattr(mod, '__version__', None)!r}, but the installed "
+            f"distribution {dist} is {installed!r}: bump both together"
+        )
     if "--wheel" in sys.argv and "site-packages" not in (mod.__file__ or ""):
         problems.append(f"cairn.{pkg} imported from {mod.__file__}, not from the installed wheel")
     if pkg in JAX_FREE:
@@ -36,7 +44,7 @@ def main() -> int:
     if problems:
         print("\n".join(problems))
         return 1
-    print(f"cairn.{pkg} {getattr(mod, '__version__', '?')} imports alone: ok ({len(mod.__all__)} public names)")
+    print(f"cairn.{pkg} {installed} imports alone: ok ({len(mod.__all__)} public names)")
     return 0
 
 

@@ -6,6 +6,8 @@ from ._manager import CheckpointManager, CheckpointManagerOptions
 from ._restore import LeafMetadata
 from ._safetensors import load_safetensors, save_safetensors
 
+__version__ = "0.1.0"
+
 __all__ = [
     "AsyncCheckpointer",
     "CheckpointError",

@@ -24,6 +24,8 @@ from ._sharding import NoSharding, ShardByJaxProcess, ShardOptions
 from ._testing import assert_equal_output_after_checkpoint
 from ._tree import StructureMismatchError, stack_records
 
+__version__ = "0.1.0"
+
 __all__: list[str] = [
     "Batch",
     "DataLoader",

@@ -79,6 +79,8 @@ from cairn.nn._variables import (
     with_metadata,
 )
 
+__version__ = "0.1.0"
+
 __all__ = [
     "abstract_model",
     "All",

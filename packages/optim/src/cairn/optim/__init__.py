@@ -154,6 +154,8 @@ from cairn.optim._wrappers import (
     skip_not_finite,
 )
 
+__version__ = "0.1.0"
+
 __all__ = [
     # core
     "GradientTransformation", "GradientTransformationExtraArgs", "EmptyState", "chain",
