@@ -52,6 +52,17 @@ def test_threads_give_the_same_stream():
         ReadOptions(num_threads=-1)
 
 
+def test_threaded_read_restores_mid_stream():
+    # set_state on an iterator whose read threads already have chunks in flight.
+    it = iter(MapDataset.range(500).to_iter_dataset(ReadOptions(num_threads=2, chunk_records=10)))
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    it.set_state({"next_index": 250})
+    assert list(it) == list(range(250, 500))
+    it.set_state({"next_index": 7})
+    assert next(it) == 7
+    it.close()
+
+
 def test_prefetch_propagates_errors_and_restores():
     def bad(x):
         if x == 5:

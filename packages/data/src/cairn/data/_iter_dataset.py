@@ -462,7 +462,7 @@ class MapRootIterator(DatasetIterator):
         self._buf_pos = 0
         self._plan = chunk_plan(start, self._len, self._cap)
         if self._pool is not None:
-            for f in self._inflight:
+            for _, f in self._inflight:
                 f.cancel()
         self._inflight: collections.deque = collections.deque()
         self._error: BaseException | None = None
