@@ -18,17 +18,9 @@ from hypothesis import strategies as st
 
 from cairn import nn
 
-TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
-DTYPES = [jnp.float32, jnp.bfloat16]
+from ._nn_helpers import f64, randn, same_pads, tolerances
 
-
-def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-
-
-def randn(shape, dtype=jnp.float32, seed=0):
-    # NumPy draws: no per-shape XLA compile of the random generator
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+TOL = tolerances(1e-4, 5e-2)
 
 
 def np_conv(x, w, b, strides, padding, lhs_dil, rhs_dil, groups):
@@ -42,12 +34,7 @@ def np_conv(x, w, b, strides, padding, lhs_dil, rhs_dil, groups):
     xd = np.zeros((x.shape[0], *sp, x.shape[-1]))
     xd[(slice(None), *[slice(None, None, d) for d in lhs_dil], slice(None))] = x
     if padding == "SAME":
-        pads = []
-        for n, k, s in zip(sp, kd, strides):
-            out = -(-n // s)
-            tot = max((out - 1) * s + k - n, 0)
-            pads.append((tot // 2, tot - tot // 2))
-        xp = np.pad(xd, [(0, 0), *pads, (0, 0)])
+        xp = np.pad(xd, [(0, 0), *same_pads(sp, kd, strides), (0, 0)])
     elif padding == "VALID":
         xp = xd
     elif padding == "CIRCULAR":

@@ -16,17 +16,9 @@ from hypothesis import strategies as st
 
 from cairn import nn
 
-TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=3e-2, atol=3e-2)}
-DTYPES = [jnp.float32, jnp.bfloat16]
+from ._nn_helpers import DTYPES, f64, randn, tolerances
 
-
-def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-
-
-def randn(shape, dtype=jnp.float32, seed=0):
-    # NumPy draws: no per-shape XLA compile of the random generator
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+TOL = tolerances(1e-5, 3e-2)
 
 
 # --------------------------------------------------------------------------- Linear

@@ -20,12 +20,9 @@ from hypothesis import strategies as st
 from cairn import nn
 from cairn.nn import initializers as init
 
-TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-DTYPES = [jnp.float32, jnp.bfloat16]
+from ._nn_helpers import f64, same_pads, tolerances
 
-
-def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+TOL = tolerances(1e-5, 2e-2)
 
 
 # --------------------------------------------------------------------------- initializers
@@ -119,11 +116,7 @@ def np_pool(x, window, strides, padding, op, count_include_pad=True):
     if padding == "VALID":
         pads = [(0, 0)] * nsp
     elif padding == "SAME":
-        pads = []
-        for n, w, s in zip(sp, window, strides):
-            out = -(-n // s)
-            total = max((out - 1) * s + w - n, 0)
-            pads.append((total // 2, total - total // 2))
+        pads = same_pads(sp, window, strides)
     else:
         pads = list(padding)
     outs = [(n + lo + hi - w) // s + 1 for n, w, s, (lo, hi) in zip(sp, window, strides, pads)]
