@@ -23,6 +23,19 @@ def _need_params(params, name):
         raise ValueError(f"{name} needs `params` in update(updates, state, params)")
 
 
+def _per_leaf(name, f, *, needs_params: bool):
+    """A stateless transformation mapping ``f(u, p)`` (``f(u)`` without params) over the leaves."""
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        if not needs_params:
+            return jax.tree.map(f, updates), state
+        _need_params(params, name)
+        return jax.tree.map(f, updates, params), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
 def _safe_norm(x, min_norm, axis=None, keepdims=False):
     """Norm with a gradient-safe floor: ``max(||x||, min_norm)``."""
     sq = jnp.sum(jnp.real(jnp.conj(x) * x), axis=axis, keepdims=keepdims)
@@ -120,20 +133,14 @@ def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
     """LARS/LAMB trust ratio per leaf: :math:`u \\leftarrow u\\cdot c\\,\\|\\theta\\|/(\\|u\\|+\\epsilon)`
     (1 where either norm is 0)."""
 
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        _need_params(params, "scale_by_trust_ratio")
+    def f(u, p):
+        pn = _safe_norm(p, min_norm)
+        un = _safe_norm(u, min_norm)
+        ratio = trust_coefficient * pn / (un + eps)
+        ratio = jnp.where((pn == 0.0) | (un == 0.0), jnp.array(1.0, p.dtype), ratio)
+        return (u * ratio).astype(u.dtype)
 
-        def f(u, p):
-            pn = _safe_norm(p, min_norm)
-            un = _safe_norm(u, min_norm)
-            ratio = trust_coefficient * pn / (un + eps)
-            ratio = jnp.where((pn == 0.0) | (un == 0.0), jnp.array(1.0, p.dtype), ratio)
-            return (u * ratio).astype(u.dtype)
-
-        return jax.tree.map(f, updates, params), state
-
-    return GradientTransformation(init_empty_state, update)
+    return _per_leaf("scale_by_trust_ratio", f, needs_params=True)
 
 
 class ScaleByNovogradState(NamedTuple):
@@ -230,43 +237,31 @@ def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
 def scale_by_param_block_rms(min_scale=1e-3):
     """:math:`u \\leftarrow u\\cdot\\max(\\mathrm{rms}(\\theta), s_{min})` per leaf."""
 
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        _need_params(params, "scale_by_param_block_rms")
-        def f(u, p):
-            rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(p) * p)))
-            return (u * jnp.maximum(rms, min_scale)).astype(u.dtype)
+    def f(u, p):
+        rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(p) * p)))
+        return (u * jnp.maximum(rms, min_scale)).astype(u.dtype)
 
-        return jax.tree.map(f, updates, params), state
-
-    return GradientTransformation(init_empty_state, update)
+    return _per_leaf("scale_by_param_block_rms", f, needs_params=True)
 
 
 def scale_by_param_block_norm(min_scale=1e-3):
     """:math:`u \\leftarrow u\\cdot\\max(\\|\\theta\\|_2, s_{min})` per leaf."""
 
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        _need_params(params, "scale_by_param_block_norm")
-        return jax.tree.map(lambda u, p: (u * _safe_norm(p, min_scale)).astype(u.dtype),
-                            updates, params), state
+    def f(u, p):
+        return (u * _safe_norm(p, min_scale)).astype(u.dtype)
 
-    return GradientTransformation(init_empty_state, update)
+    return _per_leaf("scale_by_param_block_norm", f, needs_params=True)
 
 
 def clip_by_block_rms(threshold):
     """Per leaf: :math:`u \\leftarrow u / \\max(1, \\mathrm{rms}(u)/c)`."""
 
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        def f(u):
-            rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(u) * u)))
-            denom = jnp.maximum(1.0, rms / threshold)
-            return (u / denom).astype(u.dtype)
+    def f(u):
+        rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(u) * u)))
+        denom = jnp.maximum(1.0, rms / threshold)
+        return (u / denom).astype(u.dtype)
 
-        return jax.tree.map(f, updates), state
-
-    return GradientTransformation(init_empty_state, update)
+    return _per_leaf("clip_by_block_rms", f, needs_params=False)
 
 
 def _unitwise_norm(x, axis=None):
@@ -288,36 +283,26 @@ def adaptive_grad_clip(clipping, eps=1e-3, axis=None):
     """AGC (Brock et al. 2021): :math:`u \\leftarrow u\\cdot\\min(1, \\lambda\\max(\\|\\theta\\|,
     \\epsilon)/\\|u\\|)` with unit-wise norms."""
 
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        _need_params(params, "adaptive_grad_clip")
+    def f(g, p):
+        g_norm = _unitwise_norm(g, axis)
+        p_norm = _unitwise_norm(p, axis)
+        max_norm = jnp.maximum(p_norm, eps) * clipping
+        trigger = g_norm < max_norm
+        clipped = g * (max_norm / jnp.maximum(g_norm, 1e-6))
+        return jnp.where(trigger, g, clipped).astype(g.dtype)
 
-        def f(g, p):
-            g_norm = _unitwise_norm(g, axis)
-            p_norm = _unitwise_norm(p, axis)
-            max_norm = jnp.maximum(p_norm, eps) * clipping
-            trigger = g_norm < max_norm
-            clipped = g * (max_norm / jnp.maximum(g_norm, 1e-6))
-            return jnp.where(trigger, g, clipped).astype(g.dtype)
-
-        return jax.tree.map(f, updates, params), state
-
-    return GradientTransformation(init_empty_state, update)
+    return _per_leaf("adaptive_grad_clip", f, needs_params=True)
 
 
 def centralize():
     """Gradient centralisation: subtract the mean over all axes but the first, for ndim > 1."""
 
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        def f(u):
-            if u.ndim <= 1:
-                return u
-            return u - jnp.mean(u, axis=tuple(range(1, u.ndim)), keepdims=True)
+    def f(u):
+        if u.ndim <= 1:
+            return u
+        return u - jnp.mean(u, axis=tuple(range(1, u.ndim)), keepdims=True)
 
-        return jax.tree.map(f, updates), state
-
-    return GradientTransformation(init_empty_state, update)
+    return _per_leaf("centralize", f, needs_params=False)
 
 
 _ = EmptyState
