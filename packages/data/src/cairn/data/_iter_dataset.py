@@ -436,24 +436,22 @@ class _PrefetchIterDataset(_UnaryIterDataset):
 # ====================================================================== iterators
 
 
-class MapRootIterator(DatasetIterator):
-    """Iterates a ``MapDataset`` chunk by chunk (one batched read per chunk)."""
+class _ChunkedRootIterator(DatasetIterator):
+    """Hands out the non-``None`` elements of a ``MapDataset``, read chunk by chunk.
 
-    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
-        super().__init__(
-            (),
-            f"MapDataset[{ds._stage_name()} ...]"
-            if ds._parents
-            else f"MapDataset[{ds._stage_name()}]",
-            debug,
-        )
+    The state is ``{"next_index": i}``. Subclasses load the next chunk in ``_fetch``
+    (``False`` at the end) into ``_buf`` / ``_buf_start`` / ``_buf_pos``, with ``_error``
+    set when the read stopped early; that error is raised after the chunk's elements,
+    through ``_chunk_failed(err)``, with the state pointing at the failing element.
+    """
+
+    _who = ""  # names the iterator in set_state errors
+
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, name: str, debug: bool):
+        super().__init__((), name, debug)
         self._ds = ds
         self._len = len(ds)
-        self._opts = read_options
         self._cap = chunk_elements(ds, read_options)
-        self._pool = None
-        self._stats.name = "to_iter_dataset <- " + " <- ".join(_chain_names(ds))
-        self._reset(0)
 
     def _reset(self, start: int) -> None:
         self._next_index = start
@@ -461,11 +459,68 @@ class MapRootIterator(DatasetIterator):
         self._buf_start = start
         self._buf_pos = 0
         self._plan = chunk_plan(start, self._len, self._cap)
+        self._error: BaseException | None = None
+
+    def _fetch(self) -> bool:
+        raise NotImplementedError
+
+    def _chunk_failed(self, err: BaseException) -> BaseException:
+        raise NotImplementedError
+
+    def _next(self) -> Any:
+        while True:
+            buf = self._buf
+            while self._buf_pos < len(buf):
+                v = buf[self._buf_pos]
+                self._buf_pos += 1
+                if v is not None:
+                    self._next_index = self._buf_start + self._buf_pos
+                    return v
+            if self._error is not None:
+                err, self._error = self._error, None
+                self._next_index = self._buf_start + len(buf)
+                raise self._chunk_failed(err)
+            if not self._fetch():
+                raise StopIteration
+
+    def get_state(self) -> dict:
+        return {"next_index": self._next_index}
+
+    def _checked_index(self, state: dict) -> int:
+        i = _check_state(state, ("next_index",), self._who)["next_index"]
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
+            raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
+        return i
+
+    def set_state(self, state: dict) -> None:
+        self._reset(self._checked_index(state))
+
+
+class MapRootIterator(_ChunkedRootIterator):
+    """Iterates a ``MapDataset`` chunk by chunk (one batched read per chunk)."""
+
+    _who = "MapDataset iterator"
+
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
+        super().__init__(
+            ds,
+            read_options,
+            f"MapDataset[{ds._stage_name()} ...]"
+            if ds._parents
+            else f"MapDataset[{ds._stage_name()}]",
+            debug,
+        )
+        self._opts = read_options
+        self._pool = None
+        self._stats.name = "to_iter_dataset <- " + " <- ".join(_chain_names(ds))
+        self._reset(0)
+
+    def _reset(self, start: int) -> None:
+        super()._reset(start)
         if self._pool is not None:
             for _, f in self._inflight:
                 f.cancel()
         self._inflight: collections.deque = collections.deque()
-        self._error: BaseException | None = None
 
     def _read(self, a: int, b: int) -> tuple[list, BaseException | None]:
         return read_chunk(self._ds, a, b)
@@ -503,39 +558,11 @@ class MapRootIterator(DatasetIterator):
         self._buf_pos = 0
         return True
 
-    def _next(self) -> Any:
-        while True:
-            buf = self._buf
-            while self._buf_pos < len(buf):
-                v = buf[self._buf_pos]
-                self._buf_pos += 1
-                if v is not None:
-                    self._next_index = self._buf_start + self._buf_pos
-                    return v
-            if self._error is not None:
-                err, self._error = self._error, None
-                self._buf_start += len(buf)
-                self._next_index = self._buf_start
-                self._buf, self._buf_pos = [], 0
-                # The state points at the failing element: next() (or a restore) retries it;
-                # set_state({"next_index": i + 1}) skips it.
-                self._plan = chunk_plan(self._buf_start, self._len, self._cap)
-                if self._pool is not None:
-                    for _, f in self._inflight:
-                        f.cancel()
-                    self._inflight.clear()
-                raise err
-            if not self._fetch():
-                raise StopIteration
-
-    def get_state(self) -> dict:
-        return {"next_index": self._next_index}
-
-    def set_state(self, state: dict) -> None:
-        i = _check_state(state, ("next_index",), "MapDataset iterator")["next_index"]
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
-            raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
-        self._reset(i)
+    def _chunk_failed(self, err: BaseException) -> BaseException:
+        # The state points at the failing element: next() (or a restore) retries it;
+        # set_state({"next_index": i + 1}) skips it. Reads in flight start after it.
+        self._reset(self._next_index)
+        return err
 
     def close(self) -> None:
         if self._pool is not None:

@@ -34,15 +34,13 @@ import warnings
 import weakref
 from collections.abc import Callable
 from multiprocessing import shared_memory
-from typing import Any
 
 from cairn.data._iter_dataset import (
     DatasetIterator,
     IterDataset,
     MapRootIterDataset,
     ReadOptions,
-    _check_state,
-    chunk_elements,
+    _ChunkedRootIterator,
     chunk_plan,
     read_chunk,
 )
@@ -356,8 +354,10 @@ class _Workers:
 _SIGNAL_NAMES = {-s.value: s.name for s in signal.Signals}
 
 
-class MPRootIterator(DatasetIterator):
+class MPRootIterator(_ChunkedRootIterator):
     """Same elements and state as ``MapRootIterator``, computed by worker processes."""
+
+    _who = "mp_prefetch iterator"
 
     def __init__(
         self,
@@ -368,15 +368,13 @@ class MPRootIterator(DatasetIterator):
         debug=False,
     ):
         super().__init__(
-            (),
+            ds,
+            read_options,
             f"mp_prefetch({options.num_workers} workers) <- MapDataset[{ds._stage_name()}]",
             debug,
         )
-        self._ds = ds
-        self._len = len(ds)
         self._opts = options
         self._init_fn = init_fn
-        self._cap = chunk_elements(ds, read_options)
         self._n = options.num_workers
         self._w: _Workers | None = None
         self._gen = 0
@@ -390,16 +388,11 @@ class MPRootIterator(DatasetIterator):
 
     # ------------------------------------------------------------ control
     def _reset(self, start: int) -> None:
-        self._next_index = start
+        super()._reset(start)
         self._start = start
-        self._buf: list = []
-        self._buf_start = start
-        self._buf_pos = 0
-        self._plan = chunk_plan(start, self._len, self._cap)
         self._k = 0
         self._ended = False
         self._error_from: int | None = None
-        self._local_error: BaseException | None = None
         self._gen += 1
         if self._w is not None:
             for c in self._w.conns:
@@ -546,7 +539,7 @@ class MPRootIterator(DatasetIterator):
                 # the workers start on the following chunks.
                 self._k = 1
                 t0 = time.perf_counter()
-                self._buf, self._local_error = read_chunk(self._ds, *bounds)
+                self._buf, self._error = read_chunk(self._ds, *bounds)
                 self._main_time += time.perf_counter() - t0
                 self._main_chunks += 1
                 self._buf_start, self._buf_pos = bounds[0], 0
@@ -606,29 +599,10 @@ class MPRootIterator(DatasetIterator):
         return pickle.loads(data, buffers=bufs)
 
     # ------------------------------------------------------------ iterator protocol
-    def _next(self) -> Any:
-        while True:
-            buf = self._buf
-            while self._buf_pos < len(buf):
-                v = buf[self._buf_pos]
-                self._buf_pos += 1
-                if v is not None:
-                    self._next_index = self._buf_start + self._buf_pos
-                    return v
-            if self._local_error is not None:
-                err, self._local_error = self._local_error, None
-                self._next_index = self._buf_start + len(buf)
-                raise self._fail(err)
-            if not self._fetch():
-                raise StopIteration
-
-    def get_state(self) -> dict:
-        return {"next_index": self._next_index}
+    _chunk_failed = _fail
 
     def set_state(self, state: dict) -> None:
-        i = _check_state(state, ("next_index",), "mp_prefetch iterator")["next_index"]
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
-            raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
+        i = self._checked_index(state)
         if self._broken is not None:  # start fresh workers at the restored position
             self._broken = None
             self._w = None
