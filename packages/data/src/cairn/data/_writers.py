@@ -270,7 +270,6 @@ class _ShardedFileWriter:
     def __init__(
         self,
         path: str | os.PathLike,
-        *,
         records_per_shard: int | None,
         shard_sizes: Sequence[int] | None,
         prefix: str,
@@ -495,6 +494,24 @@ def _check_shard_args(records: Any, num_shards: Any, records_per_shard: Any, kin
     return _split_sizes(len(records), num_shards)
 
 
+def _write_all(
+    writer: type[_ShardedFileWriter],
+    kind: str,
+    records: Iterable[Any],
+    path: str | os.PathLike,
+    num_shards: int | None,
+    records_per_shard: int | None,
+    **options: Any,
+) -> list[str]:
+    """The body of ``write_array_record`` / ``write_parquet``: shard, write, commit."""
+    sizes = _check_shard_args(records, num_shards, records_per_shard, kind)
+    w = writer(path, records_per_shard=records_per_shard, _shard_sizes=sizes, **options)
+    with w:
+        for r in records:
+            w.write(r)
+    return list(w.paths or [])
+
+
 # =========================================================================== ArrayRecord
 
 
@@ -536,13 +553,7 @@ class ArrayRecordWriter(_ShardedFileWriter):
         self._mod = _array_record_module()
         self._options = options
         self._writer: Any = None
-        super().__init__(
-            path,
-            records_per_shard=records_per_shard,
-            shard_sizes=_shard_sizes,
-            prefix=prefix,
-            overwrite=overwrite,
-        )
+        super().__init__(path, records_per_shard, _shard_sizes, prefix, overwrite)
 
     def _open_shard(self, tmp_path: str) -> None:
         self._writer = self._mod.ArrayRecordWriter(tmp_path, self._options)
@@ -598,19 +609,17 @@ def write_array_record(
     >>> [p.rsplit("/", 1)[1] for p in paths]
     ['data-00000-of-00003.array_record', 'data-00001-of-00003.array_record', 'data-00002-of-00003.array_record']
     """
-    sizes = _check_shard_args(records, num_shards, records_per_shard, "write_array_record")
-    w = ArrayRecordWriter(
+    return _write_all(
+        ArrayRecordWriter,
+        "write_array_record",
+        records,
         path,
-        records_per_shard=records_per_shard,
+        num_shards,
+        records_per_shard,
         options=options,
         prefix=prefix,
         overwrite=overwrite,
-        _shard_sizes=sizes,
     )
-    with w:
-        for r in records:
-            w.write(r)
-    return list(w.paths or [])
 
 
 # =========================================================================== Parquet
@@ -721,13 +730,7 @@ class ParquetWriter(_ShardedFileWriter):
         self._buffer_first = 0
         self._pw: Any = None
         self._tmp_current: str | None = None
-        super().__init__(
-            path,
-            records_per_shard=records_per_shard,
-            shard_sizes=_shard_sizes,
-            prefix=prefix,
-            overwrite=overwrite,
-        )
+        super().__init__(path, records_per_shard, _shard_sizes, prefix, overwrite)
 
     def _open_shard(self, tmp_path: str) -> None:
         self._tmp_current = tmp_path
@@ -819,18 +822,16 @@ def write_parquet(
     >>> [p.rsplit("/", 1)[1] for p in write_parquet(rows, tempfile.mkdtemp())]
     ['data-00000-of-00001.parquet']
     """
-    sizes = _check_shard_args(records, num_shards, records_per_shard, "write_parquet")
-    w = ParquetWriter(
+    return _write_all(
+        ParquetWriter,
+        "write_parquet",
+        records,
         path,
-        records_per_shard=records_per_shard,
+        num_shards,
+        records_per_shard,
         row_group_size=row_group_size,
         schema=schema,
         compression=compression,
         prefix=prefix,
         overwrite=overwrite,
-        _shard_sizes=sizes,
     )
-    with w:
-        for r in records:
-            w.write(r)
-    return list(w.paths or [])
