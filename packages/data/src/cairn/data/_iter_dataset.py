@@ -31,6 +31,7 @@ from cairn.data._map_dataset import (
     _as_callable,
     _check_seed,
     _fn_name,
+    _int_at_least,
     _Pipeline,
     _rng_for,
 )
@@ -64,14 +65,9 @@ class ReadOptions:
     def __post_init__(self):
         for name in ("num_threads", "prefetch_buffer_size", "chunk_records"):
             v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int)
-                or v < (0 if name == "num_threads" else 1)
-            ):
-                raise ValueError(
-                    f"ReadOptions.{name} must be an int >= {0 if name == 'num_threads' else 1}, got {v!r}"
-                )
+            lo = 0 if name == "num_threads" else 1
+            if not _int_at_least(v, lo):
+                raise ValueError(f"ReadOptions.{name} must be an int >= {lo}, got {v!r}")
 
 
 def chunk_elements(ds: MapDataset, read_options: ReadOptions) -> int:
@@ -277,7 +273,7 @@ class IterDataset(_Pipeline):
 
     def prefetch(self, buffer_size: int = 2) -> IterDataset:
         """Compute up to ``buffer_size`` elements ahead in a background thread."""
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+        if not _int_at_least(buffer_size, 1):
             raise ValueError(f"prefetch(): buffer_size must be a positive int, got {buffer_size!r}")
         return _PrefetchIterDataset(self, buffer_size)
 
@@ -772,7 +768,7 @@ class InterleaveIterDataset(IterDataset):
                 )
         if cycle_length is None:
             cycle_length = max(1, len(datasets))
-        if isinstance(cycle_length, bool) or not isinstance(cycle_length, int) or cycle_length < 1:
+        if not _int_at_least(cycle_length, 1):
             raise ValueError(
                 f"interleave(): cycle_length must be a positive int, got {cycle_length!r}"
             )

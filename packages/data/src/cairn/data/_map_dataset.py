@@ -30,6 +30,11 @@ __all__ = ["MapDataset"]
 _EMPTY = np.zeros(0, np.int64)
 
 
+def _int_at_least(v: Any, lo: int) -> bool:
+    """Whether ``v`` is a Python int (not a bool) and ``>= lo``."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
 def _check_seed(seed: Any, what: str) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise TypeError(f"{what}: seed must be an int, got {type(seed).__name__} {seed!r}")

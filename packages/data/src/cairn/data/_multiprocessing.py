@@ -44,7 +44,7 @@ from cairn.data._iter_dataset import (
     chunk_plan,
     read_chunk,
 )
-from cairn.data._map_dataset import MapDataset
+from cairn.data._map_dataset import MapDataset, _int_at_least
 
 __all__ = ["MultiprocessingOptions", "MPPrefetchIterDataset", "WorkerDiedError", "RemoteTraceback"]
 
@@ -73,7 +73,7 @@ class MultiprocessingOptions:
     def __post_init__(self):
         for name, lo in (("num_workers", 0), ("per_worker_buffer_size", 1), ("slot_bytes", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            if not _int_at_least(v, lo):
                 raise ValueError(f"MultiprocessingOptions.{name} must be an int >= {lo}, got {v!r}")
         if self.start_method not in (None, "fork", "spawn", "forkserver"):
             raise ValueError(

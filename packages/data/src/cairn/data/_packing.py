@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from cairn.data._iter_dataset import DatasetIterator, IterDataset, _check_state
+from cairn.data._map_dataset import _int_at_least
 
 __all__ = ["FirstFitPackIterDataset"]
 
@@ -46,27 +47,14 @@ class FirstFitPackIterDataset(IterDataset):
             raise TypeError(
                 f"FirstFitPackIterDataset needs an IterDataset input, got {type(parent).__name__}"
             )
-        if (
-            isinstance(num_packing_bins, bool)
-            or not isinstance(num_packing_bins, int)
-            or num_packing_bins < 1
-        ):
+        if not _int_at_least(num_packing_bins, 1):
             raise ValueError(f"num_packing_bins must be a positive int, got {num_packing_bins!r}")
         if isinstance(length_struct, Mapping):
-            bad = {
-                k: v
-                for k, v in length_struct.items()
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1
-            }
-            if bad or not length_struct:
+            if not length_struct or not all(_int_at_least(v, 1) for v in length_struct.values()):
                 raise ValueError(
                     f"length_struct must map feature names to positive ints, got {dict(length_struct)!r}"
                 )
-        elif (
-            isinstance(length_struct, bool)
-            or not isinstance(length_struct, int)
-            or length_struct < 1
-        ):
+        elif not _int_at_least(length_struct, 1):
             raise ValueError(
                 f"length_struct must be a positive int or a dict of them, got {length_struct!r}"
             )
