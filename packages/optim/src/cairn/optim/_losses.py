@@ -142,6 +142,51 @@ def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return True
 
 
+def _residual(fn: str, p: jax.Array, targets: Any, *, same_shape: bool) -> jax.Array:
+    """``p - targets`` (``p`` when ``targets`` is None) in at least 32 bits; ``targets``
+    must have ``p``'s shape (``same_shape``) or broadcast with it."""
+    if targets is None:
+        return _wide(p)
+    t = jnp.asarray(targets)
+    if same_shape:
+        _same_shape(fn, "predictions", p, "targets", t)
+    else:
+        _broadcast(fn, ("predictions", p), ("targets", t))
+    return _wide(p) - _wide(t)
+
+
+def _logits_and_labels(fn: str, logits: Any, labels: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checked ``(logits, wide logits, labels in the wide dtype)`` for element-wise losses."""
+    x = _float(fn, "logits", logits)
+    y = jnp.asarray(labels)
+    _broadcast(fn, ("logits", x), ("labels", y))
+    xw = _wide(x)
+    return x, xw, y.astype(xw.dtype)
+
+
+def _class_log_softmax(fn: str, x: jax.Array, y: jax.Array, axis: Axis, where: Any):
+    """Shape checks, class ``axes``, the ``where`` mask and the masked log-softmax of
+    ``x`` for the cross entropies over class probabilities ``y``."""
+    _broadcast(fn, ("logits", x), ("labels", y))
+    axes = _canonical_axes(fn, axis, x.ndim)
+    mask = _expand_where(fn, where, _broadcast(fn, ("logits", x), ("labels", y)), axes)
+    xw = _wide(x)
+    return axes, mask, xw, _log_softmax(xw, axes, mask)
+
+
+def _paired(fn: str, a_name: str, a: Any, b_name: str, b: Any, axis: Axis, where: Any):
+    """Checked floating ``a``, ``b``, reduction ``axes``, ``where`` mask and result dtype
+    of a reduction over two broadcast inputs."""
+    a = _float(fn, a_name, a)
+    b = _float(fn, b_name, b)
+    shape = _broadcast(fn, (a_name, a), (b_name, b))
+    axes = _canonical_axes(fn, axis, len(shape))
+    if where is not None:
+        where = jnp.asarray(where, dtype=bool)
+        _broadcast(fn, (a_name, a), ("where", where))
+    return a, b, axes, where, jnp.result_type(a, b)
+
+
 def _log_softmax(x: jax.Array, axes: tuple[int, ...], where: jax.Array | None) -> jax.Array:
     """Max-shifted log-softmax over ``axes``; rows with no valid entry stay finite."""
     initial = -jnp.inf
@@ -195,12 +240,7 @@ def squared_error(
     """
     fn = "squared_error"
     p = _float(fn, "predictions", predictions)
-    if targets is not None:
-        t = jnp.asarray(targets)
-        _same_shape(fn, "predictions", p, "targets", t)
-        e = _wide(p) - _wide(t)
-    else:
-        e = _wide(p)
+    e = _residual(fn, p, targets, same_shape=True)
     return (e * e).astype(p.dtype)
 
 
@@ -216,12 +256,7 @@ def l2_loss(
     """
     fn = "l2_loss"
     p = _float(fn, "predictions", predictions)
-    if targets is not None:
-        t = jnp.asarray(targets)
-        _same_shape(fn, "predictions", p, "targets", t)
-        e = _wide(p) - _wide(t)
-    else:
-        e = _wide(p)
+    e = _residual(fn, p, targets, same_shape=True)
     return (0.5 * e * e).astype(p.dtype)
 
 
@@ -254,12 +289,7 @@ def huber_loss(
     p = _float(fn, "predictions", predictions)
     if not isinstance(delta, jax.core.Tracer) and np.ndim(delta) == 0 and not float(delta) > 0:
         raise ValueError(f"{fn}: `delta` must be > 0, got {delta}")
-    if targets is not None:
-        t = jnp.asarray(targets)
-        _broadcast(fn, ("predictions", p), ("targets", t))
-        e = _wide(p) - _wide(t)
-    else:
-        e = _wide(p)
+    e = _residual(fn, p, targets, same_shape=False)
     a = jnp.abs(e)
     quad = jnp.minimum(a, delta)
     # `a - quad` rather than max(a - delta, 0): one gradient path at |e| = delta.
@@ -283,12 +313,7 @@ def log_cosh(
     """
     fn = "log_cosh"
     p = _float(fn, "predictions", predictions)
-    if targets is not None:
-        t = jnp.asarray(targets)
-        _broadcast(fn, ("predictions", p), ("targets", t))
-        e = _wide(p) - _wide(t)
-    else:
-        e = _wide(p)
+    e = _residual(fn, p, targets, same_shape=False)
     a = jnp.abs(e)
     small = a < 1.0
     e_small = jnp.where(small, e, 0.0)  # keep the unused branch finite for grads
@@ -332,14 +357,8 @@ def cosine_similarity(
 
 
 def _cosine(fn, predictions, targets, epsilon, axis, where):
-    p = _float(fn, "predictions", predictions)
-    t = _float(fn, "targets", targets)
-    shape = _broadcast(fn, ("predictions", p), ("targets", t))
-    axes = _canonical_axes(fn, axis, len(shape))
-    if where is not None:
-        where = jnp.asarray(where, dtype=bool)
-        _broadcast(fn, ("predictions", p), ("where", where))
-    dtype = jnp.result_type(p, t)
+    p, t, axes, where, dtype = _paired(fn, "predictions", predictions, "targets", targets,
+                                       axis, where)
     a, b = _wide(p), _wide(t)
     na = jnp.sum(a * a, axis=axes, where=where, keepdims=True)
     nb = jnp.sum(b * b, axis=axes, where=where, keepdims=True)
@@ -395,11 +414,7 @@ def sigmoid_binary_cross_entropy(
     Array([0.6931472, 0.       ], dtype=float32)
     """
     fn = "sigmoid_binary_cross_entropy"
-    x = _float(fn, "logits", logits)
-    y = jnp.asarray(labels)
-    _broadcast(fn, ("logits", x), ("labels", y))
-    xw = _wide(x)
-    y = y.astype(xw.dtype)
+    x, xw, y = _logits_and_labels(fn, logits, labels)
     out = y * _softplus(-xw) + (1.0 - y) * _softplus(xw)
     return out.astype(x.dtype)
 
@@ -429,11 +444,7 @@ def sigmoid_focal_loss(
     0.173287
     """
     fn = "sigmoid_focal_loss"
-    x = _float(fn, "logits", logits)
-    y = jnp.asarray(labels)
-    _broadcast(fn, ("logits", x), ("labels", y))
-    xw = _wide(x)
-    y = y.astype(xw.dtype)
+    x, xw, y = _logits_and_labels(fn, logits, labels)
     log_p = -_softplus(-xw)
     log_q = -_softplus(xw)
     ce = -y * log_p - (1.0 - y) * log_q
@@ -492,11 +503,7 @@ def softmax_cross_entropy(
     fn = "softmax_cross_entropy"
     x = _float(fn, "logits", logits)
     y = jnp.asarray(labels)
-    _broadcast(fn, ("logits", x), ("labels", y))
-    axes = _canonical_axes(fn, axis, x.ndim)
-    mask = _expand_where(fn, where, _broadcast(fn, ("logits", x), ("labels", y)), axes)
-    xw = _wide(x)
-    logp = _log_softmax(xw, axes, mask)
+    axes, mask, xw, logp = _class_log_softmax(fn, x, y, axis, where)
     out = -jnp.sum(y.astype(xw.dtype) * logp, axis=axes, where=mask)
     return out.astype(x.dtype)
 
@@ -605,11 +612,7 @@ def safe_softmax_cross_entropy(
     0.6931
     """
     fn = "safe_softmax_cross_entropy"
-    x = _float(fn, "logits", logits)
-    y = jnp.asarray(labels)
-    _broadcast(fn, ("logits", x), ("labels", y))
-    xw = _wide(x)
-    y = y.astype(xw.dtype)
+    x, xw, y = _logits_and_labels(fn, logits, labels)
     logp = _log_softmax(xw, (xw.ndim - 1,), None)
     nz = y != 0
     terms = jnp.where(nz, y * jnp.where(nz, logp, 0.0), 0.0)
@@ -645,12 +648,8 @@ def poly_loss_cross_entropy(
     fn = "poly_loss_cross_entropy"
     x = _float(fn, "logits", logits)
     y = _float(fn, "labels", labels)
-    _broadcast(fn, ("logits", x), ("labels", y))
-    axes = _canonical_axes(fn, axis, x.ndim)
-    mask = _expand_where(fn, where, _broadcast(fn, ("logits", x), ("labels", y)), axes)
-    xw = _wide(x)
+    axes, mask, xw, logp = _class_log_softmax(fn, x, y, axis, where)
     yw = y.astype(xw.dtype)
-    logp = _log_softmax(xw, axes, mask)
     ce = -jnp.sum(yw * logp, axis=axes, where=mask)
     one_minus_pt = jnp.sum(yw * (1.0 - jnp.exp(logp)), axis=axes, where=mask)
     return (ce + epsilon * one_minus_pt).astype(x.dtype)
@@ -682,14 +681,8 @@ def kl_divergence(
 
 
 def _kl(fn, log_predictions, targets, axis, where, *, convex):
-    lp = _float(fn, "log_predictions", log_predictions)
-    t = _float(fn, "targets", targets)
-    shape = _broadcast(fn, ("log_predictions", lp), ("targets", t))
-    axes = _canonical_axes(fn, axis, len(shape))
-    if where is not None:
-        where = jnp.asarray(where, dtype=bool)
-        _broadcast(fn, ("log_predictions", lp), ("where", where))
-    dtype = jnp.result_type(lp, t)
+    lp, t, axes, where, dtype = _paired(fn, "log_predictions", log_predictions,
+                                        "targets", targets, axis, where)
     lpw, tw = _wide(lp), _wide(t)
     zero = tw == 0
     log_t = jnp.log(jnp.where(zero, 1.0, tw))
