@@ -90,14 +90,43 @@ def _normalize(x, mean, var, scale, bias, epsilon, feature_axes, dtype):
     return y.astype(dtype)
 
 
+_ABSENT = object()  # an option the norm does not have (RMSNorm: use_bias, use_fast_variance)
+
+
+def _axes_option(axes):
+    """A stored axes option: an int stays an int, ``None`` stays ``None``, else a tuple."""
+    return axes if axes is None or isinstance(axes, int) else tuple(axes)
+
+
 class _Norm(Module):
-    def _params(self, rngs, shape, use_scale, use_bias, scale_init, bias_init, sm, bm):
-        self.scale = (
-            make_param(scale_init, rngs.params(), shape, self.param_dtype, sm) if use_scale else None
-        )
-        self.bias = (
-            make_param(bias_init, rngs.params(), shape, self.param_dtype, bm) if use_bias else None
-        )
+    def _store_options(
+        self, epsilon, dtype, param_dtype, use_bias, use_scale, axes, axis_name,
+        axis_index_groups, use_fast_variance,
+    ):
+        """Store the options every norm shares, in the attribute order all of them use.
+
+        ``axes`` maps the norm's axes options (``reduction_axes``, ``feature_axes``) to
+        their values; ``_ABSENT`` leaves an option out.
+        """
+        self.epsilon = float(epsilon)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        if use_bias is not _ABSENT:
+            self.use_bias = bool(use_bias)
+        self.use_scale = bool(use_scale)
+        for name, value in axes.items():
+            setattr(self, name, _axes_option(value))
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        if use_fast_variance is not _ABSENT:
+            self.use_fast_variance = bool(use_fast_variance)
+
+    def _params(self, rngs, scale_init, bias_init, sm, bm):
+        """``scale`` then ``bias`` of shape ``(num_features,)`` (None when not used)."""
+        shape, dt = (self.num_features,), self.param_dtype
+        use_bias = getattr(self, "use_bias", False)
+        self.scale = make_param(scale_init, rngs.params(), shape, dt, sm) if self.use_scale else None
+        self.bias = make_param(bias_init, rngs.params(), shape, dt, bm) if use_bias else None
 
     def _values(self):
         scale = self.scale[...] if self.scale is not None else None
@@ -106,6 +135,23 @@ class _Norm(Module):
 
     def _out_dtype(self, x, scale, bias):
         return canonicalize_dtype(x, scale, bias, dtype=self.dtype)
+
+    def _moments(self, x, axes, mask, **options):
+        """``_stats`` over ``axes`` with this norm's cross-device options."""
+        return _stats(
+            x, axes, mask=mask, axis_name=self.axis_name,
+            axis_index_groups=self.axis_index_groups, **options,
+        )
+
+    def _scale_shift(self, x, mean, var, feature_axes):
+        """Normalize ``x`` with ``scale``/``bias`` laid out over ``feature_axes``."""
+        scale, bias = self._values()
+        fshape = tuple(x.shape[a] for a in feature_axes)
+        scale = None if scale is None else scale.reshape(fshape)
+        bias = None if bias is None else bias.reshape(fshape)
+        return _normalize(
+            x, mean, var, scale, bias, self.epsilon, feature_axes, self._out_dtype(x, scale, bias)
+        )
 
     def _check_features(self, x, feature_axes):
         got = tuple(x.shape[a] for a in feature_axes)
@@ -153,37 +199,20 @@ class LayerNorm(_Norm):
     ):
         del promote_dtype
         self.num_features = int(num_features)
-        self.epsilon = float(epsilon)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = bool(use_bias)
-        self.use_scale = bool(use_scale)
-        self.reduction_axes = reduction_axes if isinstance(reduction_axes, int) else tuple(reduction_axes)
-        self.feature_axes = feature_axes if isinstance(feature_axes, int) else tuple(feature_axes)
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = bool(use_fast_variance)
-        self._params(
-            rngs, (self.num_features,), use_scale, use_bias, scale_init, bias_init,
-            scale_metadata, bias_metadata,
+        self._store_options(
+            epsilon, dtype, param_dtype, use_bias, use_scale,
+            {"reduction_axes": reduction_axes, "feature_axes": feature_axes}, axis_name,
+            axis_index_groups, use_fast_variance,
         )
+        self._params(rngs, scale_init, bias_init, scale_metadata, bias_metadata)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x = check_input(self, x)
         red = _axes(self.reduction_axes, x.ndim, "LayerNorm", x.shape)
         feat = _axes(self.feature_axes, x.ndim, "LayerNorm", x.shape)
         self._check_features(x, feat)
-        mean, var = _stats(
-            x, red, use_fast_variance=self.use_fast_variance, mask=mask,
-            axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
-        )
-        scale, bias = self._values()
-        fshape = tuple(x.shape[a] for a in feat)
-        scale = None if scale is None else scale.reshape(fshape)
-        bias = None if bias is None else bias.reshape(fshape)
-        return _normalize(
-            x, mean, var, scale, bias, self.epsilon, feat, self._out_dtype(x, scale, bias)
-        )
+        mean, var = self._moments(x, red, mask, use_fast_variance=self.use_fast_variance)
+        return self._scale_shift(x, mean, var, feat)
 
 
 class RMSNorm(_Norm):
@@ -216,31 +245,20 @@ class RMSNorm(_Norm):
     ):
         del promote_dtype, use_fast_variance
         self.num_features = int(num_features)
-        self.epsilon = float(epsilon)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_scale = bool(use_scale)
-        self.reduction_axes = reduction_axes if isinstance(reduction_axes, int) else tuple(reduction_axes)
-        self.feature_axes = feature_axes if isinstance(feature_axes, int) else tuple(feature_axes)
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self._params(
-            rngs, (self.num_features,), use_scale, False, scale_init, None, scale_metadata, {}
+        self._store_options(
+            epsilon, dtype, param_dtype, _ABSENT, use_scale,
+            {"reduction_axes": reduction_axes, "feature_axes": feature_axes}, axis_name,
+            axis_index_groups, _ABSENT,
         )
+        self._params(rngs, scale_init, None, scale_metadata, {})
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x = check_input(self, x)
         red = _axes(self.reduction_axes, x.ndim, "RMSNorm", x.shape)
         feat = _axes(self.feature_axes, x.ndim, "RMSNorm", x.shape)
         self._check_features(x, feat)
-        mean, ms = _stats(
-            x, red, use_mean=False, mask=mask, axis_name=self.axis_name,
-            axis_index_groups=self.axis_index_groups,
-        )
-        scale, _ = self._values()
-        fshape = tuple(x.shape[a] for a in feat)
-        scale = None if scale is None else scale.reshape(fshape)
-        return _normalize(x, mean, ms, scale, None, self.epsilon, feat, self._out_dtype(x, scale, None))
+        mean, ms = self._moments(x, red, mask, use_mean=False)
+        return self._scale_shift(x, mean, ms, feat)
 
 
 class GroupNorm(_Norm):
@@ -298,22 +316,11 @@ class GroupNorm(_Norm):
         self.num_features = int(num_features)
         self.num_groups = int(num_groups)
         self.group_size = self.num_features // self.num_groups
-        self.epsilon = float(epsilon)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = bool(use_bias)
-        self.use_scale = bool(use_scale)
-        self.reduction_axes = (
-            None if reduction_axes is None
-            else reduction_axes if isinstance(reduction_axes, int) else tuple(reduction_axes)
+        self._store_options(
+            epsilon, dtype, param_dtype, use_bias, use_scale, {"reduction_axes": reduction_axes},
+            axis_name, axis_index_groups, use_fast_variance,
         )
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = bool(use_fast_variance)
-        self._params(
-            rngs, (self.num_features,), use_scale, use_bias, scale_init, bias_init,
-            scale_metadata, bias_metadata,
-        )
+        self._params(rngs, scale_init, bias_init, scale_metadata, bias_metadata)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x = check_input(self, x, min_ndim=2)
@@ -334,10 +341,7 @@ class GroupNorm(_Norm):
         mg = None
         if mask is not None:
             mg = jnp.broadcast_to(mask, x.shape).reshape(xg.shape)
-        mean, var = _stats(
-            xg, gred, use_fast_variance=self.use_fast_variance, mask=mg,
-            axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
-        )
+        mean, var = self._moments(xg, gred, mg, use_fast_variance=self.use_fast_variance)
         scale, bias = self._values()
         dt = self._out_dtype(x, scale, bias)
         y = _normalize(xg, mean, var, None, None, self.epsilon, (), mean.dtype).reshape(x.shape)
@@ -377,19 +381,11 @@ class InstanceNorm(_Norm):
     ):
         del promote_dtype
         self.num_features = int(num_features)
-        self.epsilon = float(epsilon)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = bool(use_bias)
-        self.use_scale = bool(use_scale)
-        self.feature_axes = feature_axes if isinstance(feature_axes, int) else tuple(feature_axes)
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = bool(use_fast_variance)
-        self._params(
-            rngs, (self.num_features,), use_scale, use_bias, scale_init, bias_init,
-            scale_metadata, bias_metadata,
+        self._store_options(
+            epsilon, dtype, param_dtype, use_bias, use_scale, {"feature_axes": feature_axes},
+            axis_name, axis_index_groups, use_fast_variance,
         )
+        self._params(rngs, scale_init, bias_init, scale_metadata, bias_metadata)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x = check_input(self, x, min_ndim=2)
@@ -398,15 +394,8 @@ class InstanceNorm(_Norm):
             raise ValueError("InstanceNorm: feature_axes must not include the batch axis 0")
         self._check_features(x, feat)
         red = tuple(a for a in range(1, x.ndim) if a not in feat)
-        mean, var = _stats(
-            x, red, use_fast_variance=self.use_fast_variance, mask=mask,
-            axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
-        )
-        scale, bias = self._values()
-        fshape = tuple(x.shape[a] for a in feat)
-        scale = None if scale is None else scale.reshape(fshape)
-        bias = None if bias is None else bias.reshape(fshape)
-        return _normalize(x, mean, var, scale, bias, self.epsilon, feat, self._out_dtype(x, scale, bias))
+        mean, var = self._moments(x, red, mask, use_fast_variance=self.use_fast_variance)
+        return self._scale_shift(x, mean, var, feat)
 
 
 class BatchNorm(_Norm):
@@ -456,20 +445,13 @@ class BatchNorm(_Norm):
         self.use_running_average = use_running_average
         self.axis = int(axis)
         self.momentum = float(momentum)
-        self.epsilon = float(epsilon)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = bool(use_bias)
-        self.use_scale = bool(use_scale)
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = bool(use_fast_variance)
+        self._store_options(
+            epsilon, dtype, param_dtype, use_bias, use_scale, {}, axis_name, axis_index_groups,
+            use_fast_variance,
+        )
         self.mean = BatchStat(jnp.zeros((self.num_features,), param_dtype))
         self.var = BatchStat(jnp.ones((self.num_features,), param_dtype))
-        self._params(
-            rngs, (self.num_features,), use_scale, use_bias, scale_init, bias_init,
-            scale_metadata, bias_metadata,
-        )
+        self._params(rngs, scale_init, bias_init, scale_metadata, bias_metadata)
 
     def __call__(
         self,
@@ -499,10 +481,7 @@ class BatchNorm(_Norm):
             fshape[feat] = self.num_features
             mean, var = mean.reshape(fshape), var.reshape(fshape)
         else:
-            mean, var = _stats(
-                x, red, use_fast_variance=self.use_fast_variance, mask=mask,
-                axis_name=self.axis_name, axis_index_groups=self.axis_index_groups,
-            )
+            mean, var = self._moments(x, red, mask, use_fast_variance=self.use_fast_variance)
             m = self.momentum
             pdt = self.mean[...].dtype
             self.mean[...] = (m * self.mean[...] + (1 - m) * mean.reshape(-1)).astype(pdt)
