@@ -17,8 +17,9 @@ from cairn.nn._linear import (
     check_input,
     default_bias_init,
     default_kernel_init,
-    make_param,
+    make_kernel_and_bias,
     promote_dtype,
+    store_layer_options,
 )
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
@@ -98,6 +99,14 @@ class _ConvBase(Module):
     def _unflatten_batch(y: jax.Array, batch: tuple[int, ...]):
         return y.reshape(batch + y.shape[1:])
 
+    def _store_mask(self, mask, kshape) -> None:
+        """Keep ``mask`` (None or the kernel's exact shape) as a static constant."""
+        if mask is not None and tuple(np.shape(mask)) != kshape:
+            raise ValueError(
+                f"{self._layer}: mask shape {np.shape(mask)} must equal kernel shape {kshape}"
+            )
+        self.mask = None if mask is None else _Frozen(np.asarray(mask))
+
 
 class Conv(_ConvBase):
     """N-D convolution (cross-correlation) over channels-last inputs.
@@ -118,6 +127,8 @@ class Conv(_ConvBase):
     >>> conv(jnp.ones((2, 16, 16, 3))).shape
     (2, 16, 16, 8)
     """
+
+    _layer = "Conv"  # the name error messages use
 
     def __init__(
         self,
@@ -165,22 +176,15 @@ class Conv(_ConvBase):
         self.feature_group_count = int(feature_group_count)
         self.use_bias = bool(use_bias)
         kshape = ks + (in_features // feature_group_count, out_features)
-        if mask is not None and tuple(np.shape(mask)) != kshape:
-            raise ValueError(f"Conv: mask shape {np.shape(mask)} must equal kernel shape {kshape}")
-        self.mask = None if mask is None else _Frozen(np.asarray(mask))
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.kernel_init = kernel_init
-        self.bias_init = bias_init
-        self.conv_general_dilated = conv_general_dilated
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.kernel = make_param(kernel_init, rngs.params(), kshape, param_dtype, kernel_metadata)
-        self.bias = (
-            make_param(bias_init, rngs.params(), (out_features,), param_dtype, bias_metadata)
-            if use_bias
-            else None
+        self._store_mask(mask, kshape)
+        store_layer_options(
+            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            {"conv_general_dilated": conv_general_dilated, "promote_dtype": promote_dtype},
+            preferred_element_type,
+        )
+        make_kernel_and_bias(
+            self, rngs, kernel_init, kshape, bias_init, (out_features,) if use_bias else None,
+            param_dtype, kernel_metadata, bias_metadata,
         )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -243,6 +247,8 @@ class ConvTranspose(_ConvBase):
     (1, 10, 10, 2)
     """
 
+    _layer = "ConvTranspose"  # the name error messages use
+
     def __init__(
         self,
         in_features: int,
@@ -282,23 +288,14 @@ class ConvTranspose(_ConvBase):
         self.use_bias = bool(use_bias)
         self.transpose_kernel = bool(transpose_kernel)
         kshape = ks + ((out_features, in_features) if transpose_kernel else (in_features, out_features))
-        if mask is not None and tuple(np.shape(mask)) != kshape:
-            raise ValueError(
-                f"ConvTranspose: mask shape {np.shape(mask)} must equal kernel shape {kshape}"
-            )
-        self.mask = None if mask is None else _Frozen(np.asarray(mask))
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.kernel_init = kernel_init
-        self.bias_init = bias_init
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.kernel = make_param(kernel_init, rngs.params(), kshape, param_dtype, kernel_metadata)
-        self.bias = (
-            make_param(bias_init, rngs.params(), (out_features,), param_dtype, bias_metadata)
-            if use_bias
-            else None
+        self._store_mask(mask, kshape)
+        store_layer_options(
+            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            {"promote_dtype": promote_dtype}, preferred_element_type,
+        )
+        make_kernel_and_bias(
+            self, rngs, kernel_init, kshape, bias_init, (out_features,) if use_bias else None,
+            param_dtype, kernel_metadata, bias_metadata,
         )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -98,6 +98,36 @@ def make_param(init: Initializer, key, shape, dtype, metadata: Mapping[str, Any]
     return Param(init(key, shape, dtype), **dict(metadata))
 
 
+def store_layer_options(
+    module, dtype, param_dtype, precision, kernel_init, bias_init, ops: Mapping[str, Any],
+    preferred_element_type,
+) -> None:
+    """Store the options the kernel layers share, in the attribute order they all use;
+    ``ops`` are the layer's own callables (its contraction op and ``promote_dtype``, in
+    the layer's order), stored between ``bias_init`` and ``preferred_element_type``."""
+    module.dtype = dtype
+    module.param_dtype = param_dtype
+    module.precision = precision
+    module.kernel_init = kernel_init
+    module.bias_init = bias_init
+    for name, op in ops.items():
+        setattr(module, name, op)
+    module.preferred_element_type = preferred_element_type
+
+
+def make_kernel_and_bias(
+    module, rngs, kernel_init, kernel_shape, bias_init, bias_shape, param_dtype,
+    kernel_metadata, bias_metadata,
+) -> None:
+    """``module.kernel``, then ``module.bias`` (None when ``bias_shape`` is None; no
+    ``params`` key is drawn for it then)."""
+    module.kernel = make_param(kernel_init, rngs.params(), kernel_shape, param_dtype, kernel_metadata)
+    module.bias = (
+        None if bias_shape is None
+        else make_param(bias_init, rngs.params(), bias_shape, param_dtype, bias_metadata)
+    )
+
+
 # --------------------------------------------------------------------------- Linear
 
 
@@ -147,22 +177,14 @@ class Linear(Module):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.use_bias = bool(use_bias)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.kernel_init = kernel_init
-        self.bias_init = bias_init
-        self.dot_general = dot_general
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.kernel = make_param(
-            kernel_init, rngs.params(), (self.in_features, self.out_features), param_dtype,
-            kernel_metadata,
+        store_layer_options(
+            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            {"dot_general": dot_general, "promote_dtype": promote_dtype}, preferred_element_type,
         )
-        self.bias = (
-            make_param(bias_init, rngs.params(), (self.out_features,), param_dtype, bias_metadata)
-            if use_bias
-            else None
+        make_kernel_and_bias(
+            self, rngs, kernel_init, (self.in_features, self.out_features), bias_init,
+            (self.out_features,) if use_bias else None, param_dtype, kernel_metadata,
+            bias_metadata,
         )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -234,14 +256,14 @@ class LinearGeneral(Module):
                 f"LinearGeneral: batch_axis dims {bdims} must be the leading dims 0..n-1"
             )
         self.use_bias = bool(use_bias)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.kernel_init = kernel_init
-        self.bias_init = bias_init
-        self.promote_dtype = promote_dtype
-        self.dot_general = dot_general if dot_general is not None else lax.dot_general
-        self.preferred_element_type = preferred_element_type
+        store_layer_options(
+            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            {
+                "promote_dtype": promote_dtype,
+                "dot_general": dot_general if dot_general is not None else lax.dot_general,
+            },
+            preferred_element_type,
+        )
         batch_shape = tuple(v for _, v in self.batch_axis)
         n_in, n_b = len(self.in_features), len(batch_shape)
         kshape = batch_shape + self.in_features + self.out_features
@@ -252,18 +274,16 @@ class LinearGeneral(Module):
             w = kernel_init(key, flat if n_b else flat[1:], dtype)
             return map_init_value(w, lambda v: jnp.reshape(v, shape))
 
+        def binit(key, shape, dtype):
+            b = bias_init(key, (flat[0], flat[2]) if n_b else (flat[2],), dtype)
+            return map_init_value(b, lambda v: jnp.reshape(v, shape))
+
         del n_in
-        self.kernel = make_param(kinit, rngs.params(), kshape, param_dtype, kernel_metadata)
-        if use_bias:
-            bshape = batch_shape + self.out_features
-
-            def binit(key, shape, dtype):
-                b = bias_init(key, (flat[0], flat[2]) if n_b else (flat[2],), dtype)
-                return map_init_value(b, lambda v: jnp.reshape(v, shape))
-
-            self.bias = make_param(binit, rngs.params(), bshape, param_dtype, bias_metadata)
-        else:
-            self.bias = None
+        make_kernel_and_bias(
+            self, rngs, kinit, kshape, binit,
+            batch_shape + self.out_features if use_bias else None, param_dtype,
+            kernel_metadata, bias_metadata,
+        )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         x = check_input(self, inputs)
@@ -346,21 +366,13 @@ class Einsum(Module):
         self.einsum_str = einsum_str.replace(" ", "")
         self._in_spec = m.group(1)
         self.bias_shape = None if bias_shape is None else to_tuple(bias_shape, "bias_shape")
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.kernel_init = kernel_init
-        self.bias_init = bias_init
-        self.promote_dtype = promote_dtype
-        self.einsum_op = einsum_op
-        self.preferred_element_type = preferred_element_type
-        self.kernel = make_param(
-            kernel_init, rngs.params(), self.kernel_shape, param_dtype, kernel_metadata
+        store_layer_options(
+            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            {"promote_dtype": promote_dtype, "einsum_op": einsum_op}, preferred_element_type,
         )
-        self.bias = (
-            make_param(bias_init, rngs.params(), self.bias_shape, param_dtype, bias_metadata)
-            if self.bias_shape is not None
-            else None
+        make_kernel_and_bias(
+            self, rngs, kernel_init, self.kernel_shape, bias_init, self.bias_shape, param_dtype,
+            kernel_metadata, bias_metadata,
         )
 
     def __call__(self, inputs: jax.Array, einsum_str: str | None = None) -> jax.Array:
