@@ -347,88 +347,6 @@ class MapRootIterDataset(IterDataset):
         return [f"{indent}to_iter_dataset({self._read_options})"] + self._ds._graph_lines(indent)
 
 
-class _UnaryIterDataset(IterDataset):
-    def __init__(self, parent: IterDataset):
-        if not isinstance(parent, IterDataset):
-            raise TypeError(f"expected an IterDataset, got {type(parent).__name__}")
-        self._parent = parent
-        self._parents = (parent,)
-
-
-class _MapIterDataset(_UnaryIterDataset):
-    def __init__(self, parent, fn):
-        super().__init__(parent)
-        self._fn = fn
-
-    def _stage_name(self):
-        return f"map({_fn_name(self._fn)})"
-
-    def _make_iter(self, rf):
-        return _MapIterator(self._parent._make_iter(rf), self._fn, self._stage_name(), self._debug)
-
-
-class _RandomMapIterDataset(_UnaryIterDataset):
-    def __init__(self, parent, fn, seed):
-        super().__init__(parent)
-        self._fn = fn
-        self._seed = seed
-
-    def _stage_name(self):
-        return f"random_map({_fn_name(self._fn)}, seed={self._seed})"
-
-    def _make_iter(self, rf):
-        return _RandomMapIterator(
-            self._parent._make_iter(rf), self._fn, self._seed, self._stage_name(), self._debug
-        )
-
-
-class _FilterIterDataset(_UnaryIterDataset):
-    def __init__(self, parent, pred):
-        super().__init__(parent)
-        self._pred = pred
-
-    def _stage_name(self):
-        return f"filter({_fn_name(self._pred)})"
-
-    def _make_iter(self, rf):
-        return _FilterIterator(
-            self._parent._make_iter(rf), self._pred, self._stage_name(), self._debug
-        )
-
-
-class _BatchIterDataset(_UnaryIterDataset):
-    def __init__(self, parent, bs, drop, fn):
-        super().__init__(parent)
-        self._bs, self._drop, self._fn = bs, drop, fn
-
-    def _stage_name(self):
-        return f"batch({self._bs}{', drop_remainder=True' if self._drop else ''})"
-
-    def _make_iter(self, rf):
-        return _BatchIterator(
-            self._parent._make_iter(rf),
-            self._bs,
-            self._drop,
-            self._fn,
-            self._stage_name(),
-            self._debug,
-        )
-
-
-class _PrefetchIterDataset(_UnaryIterDataset):
-    def __init__(self, parent, buffer_size):
-        super().__init__(parent)
-        self._size = buffer_size
-
-    def _stage_name(self):
-        return f"prefetch({self._size})"
-
-    def _make_iter(self, rf):
-        return ThreadPrefetchIterator(
-            self._parent._make_iter(rf), self._size, self._stage_name(), self._debug
-        )
-
-
 # ====================================================================== iterators
 
 
@@ -574,19 +492,27 @@ def _chain_names(ds: MapDataset) -> list[str]:
     return names
 
 
-class _MapIterator(DatasetIterator):
-    def __init__(self, parent, fn, name, debug):
-        super().__init__((parent,), name, debug)
-        self._p, self._fn = parent, fn
+class _SameStateIterator(DatasetIterator):
+    """One input, whose state is this iterator's state."""
 
-    def _next(self):
-        return self._fn(next(self._p))
+    def __init__(self, parent, name, debug):
+        super().__init__((parent,), name, debug)
+        self._p = parent
 
     def get_state(self):
         return self._p.get_state()
 
     def set_state(self, state):
         self._p.set_state(state)
+
+
+class _MapIterator(_SameStateIterator):
+    def __init__(self, parent, fn, name, debug):
+        super().__init__(parent, name, debug)
+        self._fn = fn
+
+    def _next(self):
+        return self._fn(next(self._p))
 
 
 class _RandomMapIterator(DatasetIterator):
@@ -610,10 +536,10 @@ class _RandomMapIterator(DatasetIterator):
         self._count = int(state["count"])
 
 
-class _FilterIterator(DatasetIterator):
+class _FilterIterator(_SameStateIterator):
     def __init__(self, parent, pred, name, debug):
-        super().__init__((parent,), name, debug)
-        self._p, self._pred = parent, pred
+        super().__init__(parent, name, debug)
+        self._pred = pred
 
     def _next(self):
         while True:
@@ -621,17 +547,11 @@ class _FilterIterator(DatasetIterator):
             if self._pred(x):
                 return x
 
-    def get_state(self):
-        return self._p.get_state()
 
-    def set_state(self, state):
-        self._p.set_state(state)
-
-
-class _BatchIterator(DatasetIterator):
+class _BatchIterator(_SameStateIterator):
     def __init__(self, parent, bs, drop, fn, name, debug):
-        super().__init__((parent,), name, debug)
-        self._p, self._bs, self._drop, self._fn = parent, bs, drop, fn
+        super().__init__(parent, name, debug)
+        self._bs, self._drop, self._fn = bs, drop, fn
 
     def _next(self):
         items = []
@@ -643,12 +563,6 @@ class _BatchIterator(DatasetIterator):
             if not items or self._drop:
                 raise
         return self._fn(items)
-
-    def get_state(self):
-        return self._p.get_state()
-
-    def set_state(self, state):
-        self._p.set_state(state)
 
 
 _END = object()
@@ -738,6 +652,67 @@ class ThreadPrefetchIterator(DatasetIterator):
     def close(self) -> None:
         self._halt()
         super().close()
+
+
+# ====================================================================== one-input steps
+
+
+class _UnaryIterDataset(IterDataset):
+    """One input; ``iter`` gives ``_iterator(input iterator, *args, stage name, debug)``."""
+
+    _iterator: Callable[..., DatasetIterator]
+
+    def __init__(self, parent: IterDataset, *args: Any):
+        if not isinstance(parent, IterDataset):
+            raise TypeError(f"expected an IterDataset, got {type(parent).__name__}")
+        self._parent = parent
+        self._parents = (parent,)
+        self._args = args
+
+    def _make_iter(self, rf):
+        return self._iterator(
+            self._parent._make_iter(rf), *self._args, self._stage_name(), self._debug
+        )
+
+
+class _MapIterDataset(_UnaryIterDataset):
+    _iterator = _MapIterator
+
+    def _stage_name(self):
+        (fn,) = self._args
+        return f"map({_fn_name(fn)})"
+
+
+class _RandomMapIterDataset(_UnaryIterDataset):
+    _iterator = _RandomMapIterator
+
+    def _stage_name(self):
+        fn, seed = self._args
+        return f"random_map({_fn_name(fn)}, seed={seed})"
+
+
+class _FilterIterDataset(_UnaryIterDataset):
+    _iterator = _FilterIterator
+
+    def _stage_name(self):
+        (pred,) = self._args
+        return f"filter({_fn_name(pred)})"
+
+
+class _BatchIterDataset(_UnaryIterDataset):
+    _iterator = _BatchIterator
+
+    def _stage_name(self):
+        bs, drop, _ = self._args
+        return f"batch({bs}{', drop_remainder=True' if drop else ''})"
+
+
+class _PrefetchIterDataset(_UnaryIterDataset):
+    _iterator = ThreadPrefetchIterator
+
+    def _stage_name(self):
+        (size,) = self._args
+        return f"prefetch({size})"
 
 
 # ====================================================================== interleave
