@@ -209,6 +209,12 @@ class _PackIterator(DatasetIterator):
                 return row
             if self._exhausted:
                 raise StopIteration
+            self._fill_pending()
+
+    def _fill_pending(self) -> None:
+        """Read input elements into the open rows until one fits in none (or the input
+        ends): then the open rows move to ``_pending``, which starts at ``_window_start``."""
+        while not self._pending and not self._exhausted:
             before = self._p.get_state()
             try:
                 x = next(self._p)
@@ -217,7 +223,7 @@ class _PackIterator(DatasetIterator):
                 if self._bins:
                     self._pending.extend(self._flush())
                     self._pending_start, self._emitted = self._window_start, 0
-                continue
+                return
             feats = self._as_features(x)
             self._count += 1
             if not any(a.shape[0] for a in feats):
@@ -245,23 +251,6 @@ class _PackIterator(DatasetIterator):
         if self._skip:
             # Re-pack the window the state points into, then drop the rows already emitted.
             self._pending_start = state["parent"]
-            while not self._pending and not self._exhausted:
-                before = self._p.get_state()
-                try:
-                    x = next(self._p)
-                except StopIteration:
-                    self._exhausted = True
-                    if self._bins:
-                        self._pending.extend(self._flush())
-                    break
-                feats = self._as_features(x)
-                if not any(a.shape[0] for a in feats):
-                    continue
-                if not self._bins:
-                    self._window_start = before
-                if not self._place(feats):
-                    self._pending.extend(self._flush())
-                    self._window_start = before
-                    self._place(feats)
+            self._fill_pending()
             self._pending_start = state["parent"]
             self._emitted = 0
