@@ -99,22 +99,30 @@ def _reference_lru(accesses, size):
     return decodes
 
 
+# The LRU cases: 50 rows {"x": i} in ten row groups of 5, read in batches of row indices.
+_ROW_BATCHES = st.lists(st.lists(st.integers(0, 49), min_size=1, max_size=12), max_size=15)
+
+
+def _write_ten_groups(d):
+    write_parquet([{"x": i} for i in range(50)], d, row_group_size=5)
+
+
+def _expected_decodes(batches, groups_cached):
+    """Every batch decodes each of its row groups at most once, then the LRU decides."""
+    return _reference_lru([sorted({i // 5 for i in b}) for b in batches], groups_cached)
+
+
 @settings(max_examples=10, deadline=None)
-@given(
-    size=st.integers(0, 4),
-    accesses=st.lists(st.lists(st.integers(0, 49), min_size=1, max_size=12), max_size=15),
-)
+@given(size=st.integers(0, 4), accesses=_ROW_BATCHES)
 def test_lru_bound_and_decode_counts(size, accesses):
     with tempfile.TemporaryDirectory() as d:
-        write_parquet([{"x": i} for i in range(50)], d, row_group_size=5)  # 10 groups
+        _write_ten_groups(d)
         src = ParquetDataSource(d, cache_row_groups=size)
         for batch in accesses:
             got = src.__getitems__(batch)
             assert [r["x"] for r in got] == batch
             assert src.cache_info()["size"] <= size
-        # every batch decodes each of its row groups at most once, then the LRU decides
-        groups = [sorted({i // 5 for i in b}) for b in accesses]
-        assert src.row_groups_decoded == _reference_lru(groups, size)
+        assert src.row_groups_decoded == _expected_decodes(accesses, size)
 
 
 def test_batch_decodes_each_row_group_once_even_with_small_cache(tmp_path):
@@ -128,13 +136,10 @@ def test_batch_decodes_each_row_group_once_even_with_small_cache(tmp_path):
 
 
 @settings(max_examples=10, deadline=None)
-@given(
-    groups_fit=st.integers(0, 4),
-    accesses=st.lists(st.lists(st.integers(0, 49), min_size=1, max_size=12), max_size=15),
-)
+@given(groups_fit=st.integers(0, 4), accesses=_ROW_BATCHES)
 def test_byte_bound_acts_as_lru_of_that_many_groups(groups_fit, accesses):
     with tempfile.TemporaryDirectory() as d:
-        write_parquet([{"x": i} for i in range(50)], d, row_group_size=5)
+        _write_ten_groups(d)
         probe = ParquetDataSource(d)
         probe[0]
         per = probe.cache_info()["bytes"]  # Arrow size of one decoded group (5 int64 + bitmap)
@@ -144,8 +149,7 @@ def test_byte_bound_acts_as_lru_of_that_many_groups(groups_fit, accesses):
             assert [r["x"] for r in src.__getitems__(batch)] == batch
             info = src.cache_info()
             assert info["bytes"] <= info["max_bytes"] and info["bytes"] == per * info["size"]
-        groups = [sorted({i // 5 for i in b}) for b in accesses]
-        assert src.row_groups_decoded == _reference_lru(groups, groups_fit)
+        assert src.row_groups_decoded == _expected_decodes(accesses, groups_fit)
 
 
 def test_columns_selection_and_errors(tmp_path):
