@@ -187,26 +187,26 @@ def _paired(fn: str, a_name: str, a: Any, b_name: str, b: Any, axis: Axis, where
     return a, b, axes, where, jnp.result_type(a, b)
 
 
-def _log_softmax(x: jax.Array, axes: tuple[int, ...], where: jax.Array | None) -> jax.Array:
-    """Max-shifted log-softmax over ``axes``; rows with no valid entry stay finite."""
-    initial = -jnp.inf
-    m = jnp.max(x, axis=axes, where=where, initial=initial, keepdims=True)
+def _shifted_exp_sum(x: jax.Array, axes: tuple[int, ...], where: jax.Array | None):
+    """``(m, x - m, sum of exp(x - m))`` over ``axes`` (masked by ``where``), with ``m``
+    the masked max held constant for the gradient (0 where no entry is finite)."""
+    m = jnp.max(x, axis=axes, where=where, initial=-jnp.inf, keepdims=True)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     shifted = x - m
     e = jnp.exp(shifted)
     if where is not None:
         e = jnp.where(where, e, 0.0)
-    s = jnp.sum(e, axis=axes, keepdims=True)
+    return m, shifted, jnp.sum(e, axis=axes, keepdims=True)
+
+
+def _log_softmax(x: jax.Array, axes: tuple[int, ...], where: jax.Array | None) -> jax.Array:
+    """Max-shifted log-softmax over ``axes``; rows with no valid entry stay finite."""
+    _, shifted, s = _shifted_exp_sum(x, axes, where)
     return shifted - jnp.log(jnp.where(s > 0, s, 1.0))
 
 
 def _logsumexp(x: jax.Array, axes: tuple[int, ...], where: jax.Array | None) -> jax.Array:
-    m = jnp.max(x, axis=axes, where=where, initial=-jnp.inf, keepdims=True)
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    e = jnp.exp(x - m)
-    if where is not None:
-        e = jnp.where(where, e, 0.0)
-    s = jnp.sum(e, axis=axes, keepdims=True)
+    m, _, s = _shifted_exp_sum(x, axes, where)
     out = jnp.log(s) + m
     return jnp.squeeze(out, axes)
 
