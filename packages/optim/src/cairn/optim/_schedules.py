@@ -233,25 +233,11 @@ def polynomial_schedule(
     >>> print(f"{float(sched(0)):.4f} {float(sched(50)):.4f} {float(sched(100)):.4f}")
     1.0000 0.2575 0.0100
     """
-    fn = "polynomial_schedule"
-    transition_steps = _steps(fn, "transition_steps", transition_steps, minimum=0)
-    transition_begin = _steps(fn, "transition_begin", transition_begin, minimum=0)
-    for name, v in (("init_value", init_value), ("end_value", end_value), ("power", power)):
-        _finite_number(fn, name, v)
-    if transition_steps == 0:
-        return constant_schedule(init_value)
-
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        t = _float_count(_count(count))
-        elapsed = jnp.clip(t - transition_begin, 0, transition_steps)
-        # (T - elapsed) / T rather than 1 - elapsed / T: XLA turns the division
-        # into a multiplication by 1/T, and the latter form then misses 0 at
-        # the end of the transition (which matters for power < 1).
-        remaining = (transition_steps - elapsed) / transition_steps
-        value = (init_value - end_value) * remaining**power + end_value
-        return _exact_ends(elapsed, transition_steps, init_value, end_value, value)
-
-    return schedule
+    return _transition(
+        "polynomial_schedule", init_value, end_value, transition_steps, transition_begin,
+        (("power", power),),
+        lambda remaining: (init_value - end_value) * remaining**power + end_value,
+    )
 
 
 def linear_schedule(
@@ -273,19 +259,33 @@ def linear_schedule(
     >>> [round(float(sched(t)), 2) for t in (0, 5, 10, 15, 20)]
     [1.0, 1.0, 0.5, 0.0, 0.0]
     """
-    fn = "linear_schedule"
+    return _transition(
+        "linear_schedule", init_value, end_value, transition_steps, transition_begin, (),
+        lambda remaining: end_value + (init_value - end_value) * remaining,
+    )
+
+
+def _transition(fn, init_value, end_value, transition_steps, transition_begin, more_numbers,
+                interpolate) -> Schedule:
+    """A transition from ``init_value`` to ``end_value`` over ``transition_steps`` steps
+    from ``transition_begin``: ``interpolate(remaining)`` inside it, where ``remaining``
+    falls from 1 to 0, and the endpoints exactly outside. ``more_numbers`` are further
+    ``(name, value)`` arguments that must be finite."""
     transition_steps = _steps(fn, "transition_steps", transition_steps, minimum=0)
     transition_begin = _steps(fn, "transition_begin", transition_begin, minimum=0)
-    _finite_number(fn, "init_value", init_value)
-    _finite_number(fn, "end_value", end_value)
+    for name, v in (("init_value", init_value), ("end_value", end_value), *more_numbers):
+        _finite_number(fn, name, v)
     if transition_steps == 0:
         return constant_schedule(init_value)
 
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
         t = _float_count(_count(count))
         elapsed = jnp.clip(t - transition_begin, 0, transition_steps)
+        # (T - elapsed) / T rather than 1 - elapsed / T: XLA turns the division
+        # into a multiplication by 1/T, and the latter form then misses 0 at
+        # the end of the transition (which matters for power < 1).
         remaining = (transition_steps - elapsed) / transition_steps
-        value = end_value + (init_value - end_value) * remaining
+        value = interpolate(remaining)
         return _exact_ends(elapsed, transition_steps, init_value, end_value, value)
 
     return schedule
@@ -531,8 +531,8 @@ def linear_onecycle_schedule(
     [0.04, 1.0, 0.04, 0.0]
     """
     fn = "linear_onecycle_schedule"
-    transition_steps = _steps(fn, "transition_steps", transition_steps, minimum=1)
-    _check_onecycle(fn, peak_value, pct_start, div_factor, final_div_factor)
+    transition_steps = _check_onecycle(fn, transition_steps, peak_value, pct_start, div_factor,
+                                       final_div_factor)
     if not (pct_start <= pct_final <= 1.0):
         raise ValueError(
             f"{fn}: `pct_final` must be in [pct_start, 1] = [{pct_start}, 1], got {pct_final}"
@@ -548,13 +548,16 @@ def linear_onecycle_schedule(
     )
 
 
-def _check_onecycle(fn, peak_value, pct_start, div_factor, final_div_factor):
+def _check_onecycle(fn, transition_steps, peak_value, pct_start, div_factor, final_div_factor):
+    """Checks the arguments the one-cycle schedules share; returns ``transition_steps``."""
+    transition_steps = _steps(fn, "transition_steps", transition_steps, minimum=1)
     _finite_number(fn, "peak_value", peak_value)
     if not (0.0 <= pct_start <= 1.0):
         raise ValueError(f"{fn}: `pct_start` must be in [0, 1], got {pct_start}")
     for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
         if not (v > 0) or not math.isfinite(v):
             raise ValueError(f"{fn}: `{name}` must be finite and > 0, got {v}")
+    return transition_steps
 
 
 def cosine_onecycle_schedule(
@@ -582,8 +585,8 @@ def cosine_onecycle_schedule(
     [0.04, 0.52, 1.0, 0.0]
     """
     fn = "cosine_onecycle_schedule"
-    transition_steps = _steps(fn, "transition_steps", transition_steps, minimum=1)
-    _check_onecycle(fn, peak_value, pct_start, div_factor, final_div_factor)
+    transition_steps = _check_onecycle(fn, transition_steps, peak_value, pct_start, div_factor,
+                                       final_div_factor)
     return piecewise_interpolate_schedule(
         "cosine",
         peak_value / div_factor,
@@ -722,15 +725,21 @@ def warmup_cosine_decay_schedule(
     else:  # traced peak value: the same rule without branching
         safe = jnp.where(peak_value == 0, 1.0, peak_value)
         alpha = jnp.where(peak_value == 0, 0.0, end_value / safe)
-    return join_schedules(
-        [
-            linear_schedule(init_value, peak_value, transition_steps=warmup_steps),
-            cosine_decay_schedule(
-                peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent
-            ),
-        ],
-        [warmup_steps],
+    return _after_warmup(
+        init_value, peak_value, warmup_steps,
+        lambda: cosine_decay_schedule(
+            peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent
+        ),
     )
+
+
+def _after_warmup(init_value, peak_value, warmup_steps: int,
+                  make_then: Callable[[], Schedule]) -> Schedule:
+    """Linear warm-up from ``init_value`` to ``peak_value`` over ``warmup_steps``, then the
+    schedule ``make_then()`` counted from the end of the warm-up (built after the warm-up,
+    so the warm-up's argument errors come first)."""
+    warmup = linear_schedule(init_value, peak_value, transition_steps=warmup_steps)
+    return join_schedules([warmup, make_then()], [warmup_steps])
 
 
 def warmup_exponential_decay_schedule(
@@ -760,19 +769,16 @@ def warmup_exponential_decay_schedule(
     """
     fn = "warmup_exponential_decay_schedule"
     warmup_steps = _steps(fn, "warmup_steps", warmup_steps, minimum=0)
-    return join_schedules(
-        [
-            linear_schedule(init_value, peak_value, transition_steps=warmup_steps),
-            exponential_decay(
-                peak_value,
-                transition_steps=transition_steps,
-                decay_rate=decay_rate,
-                transition_begin=transition_begin,
-                staircase=staircase,
-                end_value=end_value,
-            ),
-        ],
-        [warmup_steps],
+    return _after_warmup(
+        init_value, peak_value, warmup_steps,
+        lambda: exponential_decay(
+            peak_value,
+            transition_steps=transition_steps,
+            decay_rate=decay_rate,
+            transition_begin=transition_begin,
+            staircase=staircase,
+            end_value=end_value,
+        ),
     )
 
 
