@@ -426,10 +426,7 @@ def update(node: Module, *states: Any) -> None:
             if target is v:
                 continue
             if isinstance(v, Variable):
-                object.__setattr__(target, "raw_value", v.raw_value)
-                if v._meta != target._meta:
-                    object.__setattr__(target, "_meta", dict(v._meta))
-                    EPOCH[0] += 1
+                _copy_variable(target, v)
             else:
                 object.__setattr__(target, "raw_value", v)
 
@@ -493,6 +490,15 @@ def iter_modules(node: Module) -> Iterator[tuple[str, Module]]:
     return rec(node, ())
 
 
+def _copy_variable(target: Variable, source: Variable) -> None:
+    """Give ``target`` the value and metadata of ``source`` in place (a metadata change
+    is a structural change: it bumps the graph epoch)."""
+    object.__setattr__(target, "raw_value", source.raw_value)
+    if target._meta != source._meta:
+        object.__setattr__(target, "_meta", dict(source._meta))
+        EPOCH[0] += 1
+
+
 def sync(target: Module, source: Module) -> None:
     """Make ``target`` equal to ``source`` in place, reusing ``target``'s objects where
     the types agree (so references held by the caller stay valid)."""
@@ -507,10 +513,7 @@ def sync(target: Module, source: Module) -> None:
         s_keys.add(k)
         tv = t_items.get(k, _MISSING)
         if isinstance(sv, Variable) and type(tv) is type(sv):
-            object.__setattr__(tv, "raw_value", sv.raw_value)
-            if tv._meta != sv._meta:
-                object.__setattr__(tv, "_meta", dict(sv._meta))
-                EPOCH[0] += 1
+            _copy_variable(tv, sv)
         elif isinstance(sv, Module) and type(tv) is type(sv):
             sync(tv, sv)
         elif isinstance(sv, tuple) and isinstance(tv, tuple) and _tuple_has_nodes(sv):
@@ -519,10 +522,7 @@ def sync(target: Module, source: Module) -> None:
             if s_def == t_def and all(type(a) is type(b) for a, b in zip(s_leaves, t_leaves)):
                 for a, b in zip(t_leaves, s_leaves):
                     if isinstance(a, Variable):
-                        object.__setattr__(a, "raw_value", b.raw_value)
-                        if a._meta != b._meta:
-                            object.__setattr__(a, "_meta", dict(b._meta))
-                            EPOCH[0] += 1
+                        _copy_variable(a, b)
                     else:
                         sync(a, b)
             else:

@@ -262,20 +262,18 @@ class Module:
     def train(self, **attributes: Any) -> Module:
         """Training mode: ``deterministic=False`` and ``use_running_average=False`` on
         every submodule that has them (plus any extra ``attributes``). Returns self."""
-        self.set_attributes(
-            deterministic=False,
-            use_running_average=False,
-            **attributes,
-            raise_if_not_found=False,
-        )
-        return self
+        return self._set_mode(False, attributes)
 
     def eval(self, **attributes: Any) -> Module:
         """Evaluation mode: ``deterministic=True`` and ``use_running_average=True`` on
         every submodule that has them (plus any extra ``attributes``). Returns self."""
+        return self._set_mode(True, attributes)
+
+    def _set_mode(self, evaluating: bool, attributes: dict[str, Any]) -> Module:
+        """``train`` (False) / ``eval`` (True): set both mode flags and ``attributes``."""
         self.set_attributes(
-            deterministic=True,
-            use_running_average=True,
+            deterministic=evaluating,
+            use_running_average=evaluating,
             **attributes,
             raise_if_not_found=False,
         )

@@ -148,19 +148,16 @@ class State(MutableMapping):
     # -- functional helpers -------------------------------------------------------------
     def filter(self, *filters) -> State | tuple[State, ...]:
         """The variables matching each filter (a State, or a tuple for several)."""
-        preds = [to_predicate(f) for f in filters]
-        outs = [{} for _ in preds]
-        for p, v in self._flat.items():
-            for o, pred in zip(outs, preds):
-                if pred(p, v):
-                    o[p] = v
-                    break
-        states = tuple(State.from_flat(o) for o in outs)
-        return states[0] if len(states) == 1 else states
+        return self._partition(filters, strict=False)
 
     def split(self, *filters) -> State | tuple[State, ...]:
         """Partition by ``filters`` (each variable goes to the first that matches; every
         variable must match one, so end with ``...`` to collect the rest)."""
+        return self._partition(filters, strict=True)
+
+    def _partition(self, filters, strict: bool) -> State | tuple[State, ...]:
+        """One State per filter, each variable in the first that matches; with
+        ``strict`` a variable no filter matches is an error (``split``), else dropped."""
         preds = [to_predicate(f) for f in filters]
         outs = [{} for _ in preds]
         for p, v in self._flat.items():
@@ -169,6 +166,8 @@ class State(MutableMapping):
                     o[p] = v
                     break
             else:
+                if not strict:
+                    continue
                 raise ValueError(
                     f"State.split: variable at {path_str(p)!r} ({type(v).__name__}) "
                     f"matched none of the filters {filters!r}; add `...` as the last filter"
