@@ -371,30 +371,32 @@ def test_multisteps_single_packed_accumulator_and_mean():
 # --------------------------------------------------------------------------- bad input
 
 
-def test_mismatched_update_tree_names_paths():
-    tx = optim.adam(0.1)
+def _drop_embed(g):
+    del g["embed"]
+
+
+def _bias_to_bf16(g):
+    g["layers"][1]["bias"] = g["layers"][1]["bias"].astype(jnp.bfloat16)
+
+
+def _transposed_table(g):
+    g["embed"]["table"] = jnp.zeros((3, 4))
+
+
+@pytest.mark.parametrize("make_tx, corrupt, error, match", [
+    pytest.param(lambda: optim.adam(0.1), _drop_embed, ValueError,
+                 r"missing paths \['embed/table'\]", id="mismatched_tree"),
+    pytest.param(lambda: optim.adam(0.1), _bias_to_bf16, TypeError,
+                 "'layers/1/bias' has dtype bfloat16, expected float32", id="wrong_dtype"),
+    pytest.param(lambda: optim.sgd(0.1, momentum=0.9), _transposed_table, ValueError,
+                 r"'embed/table' has shape \(3, 4\), expected \(4, 3\)", id="wrong_shape"),
+])
+def test_bad_update_tree_names_the_path(make_tx, corrupt, error, match):
+    tx = make_tx()
     state = tx.init(_params())
     bad = _grads()
-    del bad["embed"]
-    with pytest.raises(ValueError, match=r"missing paths \['embed/table'\]"):
-        tx.update(bad, state)
-
-
-def test_wrong_update_dtype_names_the_path():
-    tx = optim.adam(0.1)
-    state = tx.init(_params())
-    bad = _grads()
-    bad["layers"][1]["bias"] = bad["layers"][1]["bias"].astype(jnp.bfloat16)
-    with pytest.raises(TypeError, match="'layers/1/bias' has dtype bfloat16, expected float32"):
-        tx.update(bad, state)
-
-
-def test_wrong_update_shape_names_the_path():
-    tx = optim.sgd(0.1, momentum=0.9)
-    state = tx.init(_params())
-    bad = _grads()
-    bad["embed"]["table"] = jnp.zeros((3, 4))
-    with pytest.raises(ValueError, match=r"'embed/table' has shape \(3, 4\), expected \(4, 3\)"):
+    corrupt(bad)
+    with pytest.raises(error, match=match):
         tx.update(bad, state)
 
 
