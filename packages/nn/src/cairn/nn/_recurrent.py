@@ -30,6 +30,7 @@ from cairn.nn._variables import Param, VariableMetadata
 __all__ = ["GRUCell", "LSTMCell", "RNN", "RNNCellBase", "SimpleCell"]
 
 _default_kernel_init = _init.lecun_normal()
+_NO_GATE = object()  # SimpleCell has no gate_fn
 _default_recurrent_init = _init.orthogonal()
 
 
@@ -68,6 +69,22 @@ class RNNCellBase(Module):
             init(k, batch + (self.hidden_features,), self.param_dtype) for k in keys
         )
 
+    def _store_options(
+        self, in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype,
+        carry_init, promote_dtype_fn,
+    ) -> None:
+        """Store the options the cells share, in the order they all use (``gate_fn``
+        only for gated cells: ``_NO_GATE`` leaves it out)."""
+        self.in_features = int(in_features)
+        self.hidden_features = int(hidden_features)
+        if gate_fn is not _NO_GATE:
+            self.gate_fn = gate_fn
+        self.activation_fn = activation_fn
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.carry_init = carry_init if carry_init is not None else _init.zeros
+        self.promote_dtype = promote_dtype_fn
+
     def _check_step(self, carry_h: jax.Array, x: jax.Array):
         x = check_input(self, x)
         check_axis(self, x, -1, self.in_features)
@@ -85,14 +102,10 @@ class _GatedCell(RNNCellBase):
         recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype_fn,
         rngs, kernel_metadata, recurrent_kernel_metadata, bias_metadata,
     ):
-        self.in_features = int(in_features)
-        self.hidden_features = int(hidden_features)
-        self.gate_fn = gate_fn
-        self.activation_fn = activation_fn
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.carry_init = carry_init if carry_init is not None else _init.zeros
-        self.promote_dtype = promote_dtype_fn
+        self._store_options(
+            in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype,
+            carry_init, promote_dtype_fn,
+        )
         h = self.hidden_features
         kinit = _block_orthogonal(kernel_init, n_gates)
         self.kernel = Param(
@@ -256,13 +269,10 @@ class SimpleCell(RNNCellBase):
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
     ):
-        self.in_features = int(in_features)
-        self.hidden_features = int(hidden_features)
-        self.activation_fn = activation_fn
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.carry_init = carry_init if carry_init is not None else _init.zeros
-        self.promote_dtype = promote_dtype
+        self._store_options(
+            in_features, hidden_features, _NO_GATE, activation_fn, dtype, param_dtype,
+            carry_init, promote_dtype,
+        )
         h = self.hidden_features
         self.kernel = Param(kernel_init(rngs.params(), (self.in_features, h), param_dtype))
         self.recurrent_kernel = Param(recurrent_kernel_init(rngs.params(), (h, h), param_dtype))
