@@ -418,7 +418,19 @@ def _check_attribute(module: Module, name: str, value: Any) -> Any:
 # containers
 
 
-class List(Module):
+class _Container(Module):
+    """Base of ``List`` and ``Dict``: children live in ``_cairn_items``, not attributes."""
+
+    def _graph_set(self, key, value):
+        self._cairn_items[key] = value
+        EPOCH[0] += 1
+
+    def _graph_del(self, key):
+        del self._cairn_items[key]
+        EPOCH[0] += 1
+
+
+class List(_Container):
     """A list of modules / variables / static values that is a module (paths
     ``name/0/...``). Supports the usual list operations."""
 
@@ -437,14 +449,6 @@ class List(Module):
         obj = object.__new__(cls)
         object.__setattr__(obj, "_cairn_items", [v for _, v in items])
         return obj
-
-    def _graph_set(self, key, value):
-        self._cairn_items[key] = value
-        EPOCH[0] += 1
-
-    def _graph_del(self, key):
-        del self._cairn_items[key]
-        EPOCH[0] += 1
 
     def _check(self, value, key):
         return _check_attribute(self, str(key), value)
@@ -492,7 +496,7 @@ class List(Module):
         raise TypeError("nn.List is not callable; use nn.Sequential to chain modules")
 
 
-class Dict(Module, Mapping):
+class Dict(_Container, Mapping):
     """A string-keyed mapping of modules / variables / static values that is a module
     (paths ``name/key/...``)."""
 
@@ -511,14 +515,6 @@ class Dict(Module, Mapping):
         obj = object.__new__(cls)
         object.__setattr__(obj, "_cairn_items", dict(items))
         return obj
-
-    def _graph_set(self, key, value):
-        self._cairn_items[key] = value
-        EPOCH[0] += 1
-
-    def _graph_del(self, key):
-        del self._cairn_items[key]
-        EPOCH[0] += 1
 
     def __getitem__(self, key):
         return self._cairn_items[key]
