@@ -78,14 +78,16 @@ SCRIPT = textwrap.dedent(
 def test_shard_map_data_parallel_step_matches_one_device():
     pytest.importorskip("jax")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
     # float32; the mean over 4 shards of 4 rows equals the mean over 16 rows up to rounding
     np.testing.assert_allclose(res["sharded"], res["plain"], rtol=1e-5, atol=1e-6)
     assert res["sharded"][2] < res["sharded"][0]  # the step trains
