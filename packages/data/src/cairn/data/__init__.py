@@ -16,7 +16,13 @@ from ._data_loader import (
     RandomMapTransform,
 )
 from ._device import device_put
-from ._iter_dataset import DatasetIterator, InterleaveIterDataset, IterDataset, ReadOptions
+from ._iter_dataset import (
+    DatasetIterator,
+    InterleaveIterDataset,
+    IterDataset,
+    MixIterDataset,
+    ReadOptions,
+)
 from ._map_dataset import MapDataset
 from ._multiprocessing import MultiprocessingOptions, RemoteTraceback, WorkerDiedError
 from ._packing import FirstFitPackIterDataset
@@ -34,6 +40,7 @@ __all__: list[str] = [
     "FirstFitPackIterDataset",
     "IndexSampler",
     "InterleaveIterDataset",
+    "MixIterDataset",
     "IterDataset",
     "MapDataset",
     "MapTransform",

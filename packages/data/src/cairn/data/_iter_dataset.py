@@ -34,6 +34,7 @@ from cairn.data._map_dataset import (
     _int_at_least,
     _Pipeline,
     _rng_for,
+    mix_pattern,
 )
 from cairn.data._tree import StructureChecker, stack_records
 
@@ -43,6 +44,7 @@ __all__ = [
     "MapRootIterDataset",
     "ReadOptions",
     "InterleaveIterDataset",
+    "MixIterDataset",
 ]
 
 
@@ -305,6 +307,24 @@ class IterDataset(_Pipeline):
     def interleave(datasets: Sequence[IterDataset], cycle_length: int | None = None) -> IterDataset:
         """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset)."""
         return InterleaveIterDataset(datasets, cycle_length)
+
+    @staticmethod
+    def mix(datasets: Sequence[IterDataset], weights: Sequence[float] | None = None) -> IterDataset:
+        """Interleave iterators deterministically in proportion to ``weights``.
+
+        The same pattern as :meth:`MapDataset.mix` (it repeats every 1000 elements and
+        gives input ``k`` ``round(weights[k] / sum(weights) * 1000)`` of them, spread
+        evenly), drawn from iterators, so inputs may filter, batch or pack. The mixture
+        ends when the input whose turn it is runs out. The state is the position in the
+        pattern plus every input's state.
+
+        >>> from cairn.data import IterDataset, MapDataset
+        >>> a = MapDataset.range(0, 100).to_iter_dataset()
+        >>> b = MapDataset.range(100, 200).filter(lambda x: x % 2 == 0).to_iter_dataset()
+        >>> list(IterDataset.mix([a, b], [3, 1]))[:8]
+        [0, 1, 100, 2, 3, 4, 102, 5]
+        """
+        return MixIterDataset(datasets, weights)
 
     def __repr__(self) -> str:
         return self.graph()
@@ -718,6 +738,16 @@ class _PrefetchIterDataset(_UnaryIterDataset):
 # ====================================================================== interleave
 
 
+def _as_iter_datasets(datasets: Sequence[Any], who: str) -> list[IterDataset]:
+    out = list(datasets)
+    for k, d in enumerate(out):
+        if isinstance(d, MapDataset):
+            out[k] = d.to_iter_dataset()
+        elif not isinstance(d, IterDataset):
+            raise TypeError(f"{who}(): input {k} is a {type(d).__name__}, expected an IterDataset")
+    return out
+
+
 class InterleaveIterDataset(IterDataset):
     """Round-robin over ``cycle_length`` input datasets at a time.
 
@@ -733,14 +763,7 @@ class InterleaveIterDataset(IterDataset):
     """
 
     def __init__(self, datasets: Sequence[IterDataset], cycle_length: int | None = None):
-        datasets = list(datasets)
-        for k, d in enumerate(datasets):
-            if isinstance(d, MapDataset):
-                datasets[k] = d.to_iter_dataset()
-            elif not isinstance(d, IterDataset):
-                raise TypeError(
-                    f"interleave(): input {k} is a {type(d).__name__}, expected an IterDataset"
-                )
+        datasets = _as_iter_datasets(datasets, "interleave")
         if cycle_length is None:
             cycle_length = max(1, len(datasets))
         if not _int_at_least(cycle_length, 1):
@@ -824,3 +847,56 @@ class _InterleaveIterator(DatasetIterator):
         for e in self._open_iters:
             if e is not None:
                 e[1].close()
+
+
+# ====================================================================== mix
+
+
+class MixIterDataset(IterDataset):
+    """``IterDataset.mix``: inputs drawn in a fixed, evenly spread weighted pattern."""
+
+    PERIOD = 1000
+
+    def __init__(self, datasets: Sequence[IterDataset], weights: Sequence[float] | None = None):
+        self._datasets = _as_iter_datasets(datasets, "mix")
+        if not self._datasets:
+            raise ValueError("mix(): needs at least one dataset")
+        self._parents = tuple(self._datasets)
+        self._weights, _, self._pattern, _ = mix_pattern(
+            weights, len(self._datasets), self.PERIOD
+        )
+
+    def _stage_name(self):
+        return "mix(weights=[" + ", ".join(f"{x:.3g}" for x in self._weights) + "])"
+
+    def _make_iter(self, rf):
+        its = [iter(d) for d in self._datasets]
+        return _MixIterator(its, self._pattern.tolist(), self._stage_name(), self._debug)
+
+
+class _MixIterator(DatasetIterator):
+    def __init__(self, its, pattern, name, debug):
+        super().__init__(its, name, debug)
+        self._its = its
+        self._pattern = pattern
+        self._index = 0
+
+    def _next(self):
+        x = next(self._its[self._pattern[self._index % len(self._pattern)]])
+        self._index += 1
+        return x
+
+    def get_state(self):
+        return {"index": self._index, "inputs": [it.get_state() for it in self._its]}
+
+    def set_state(self, state):
+        _check_state(state, ("index", "inputs"), "mix iterator")
+        inputs = state["inputs"]
+        if not isinstance(inputs, list) or len(inputs) != len(self._its):
+            raise ValueError(
+                f"mix iterator.set_state: expected the states of {len(self._its)} inputs, "
+                f"got {inputs!r}"
+            )
+        for it, st in zip(self._its, inputs):
+            it.set_state(st)
+        self._index = int(state["index"])

@@ -731,31 +731,10 @@ class _MixMapDataset(_ManyParents):
 
     def __init__(self, datasets: list[MapDataset], weights: Sequence[float] | None):
         super().__init__(datasets, "mix")
-        if weights is None:
-            weights = [1.0] * len(datasets)
-        w = np.asarray(weights, dtype=np.float64)
-        if w.shape != (len(datasets),):
-            raise ValueError(f"mix(): got {len(datasets)} datasets but {w.size} weights")
-        if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(
-                f"mix(): weights must be finite, >= 0 and not all 0, got {list(weights)}"
-            )
-        self._weights = w / w.sum()
-        counts = _largest_remainder(self._weights, self.PERIOD)
+        self._weights, counts, self._pattern_k, self._pattern_j = mix_pattern(
+            weights, len(datasets), self.PERIOD
+        )
         self._counts = counts
-        # Element j of dataset k sits at time (j + 0.5) / counts[k]; merge by time.
-        times, ks, js = [], [], []
-        for k, c in enumerate(counts.tolist()):
-            if c:
-                j = np.arange(c)
-                times.append((j + 0.5) / c)
-                ks.append(np.full(c, k))
-                js.append(j)
-        t = np.concatenate(times)
-        k_all = np.concatenate(ks)
-        order = np.lexsort((k_all, t))
-        self._pattern_k = k_all[order]
-        self._pattern_j = np.concatenate(js)[order]
         length = None
         for k, d in enumerate(datasets):
             c = int(counts[k])
@@ -778,6 +757,37 @@ class _MixMapDataset(_ManyParents):
 
     def _stage_name(self) -> str:
         return "mix(weights=[" + ", ".join(f"{x:.3g}" for x in self._weights) + "])"
+
+
+def mix_pattern(
+    weights: Sequence[float] | None, n: int, period: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The repeating selection pattern of ``mix`` (shared by MapDataset and IterDataset).
+
+    Returns ``(normalised weights, counts per input, input of each slot, the element
+    number within its input of each slot)``; input ``k`` takes ``counts[k]`` of the
+    ``period`` slots, its ``j``-th at time ``(j + 0.5) / counts[k]``, merged by time.
+    """
+    if weights is None:
+        weights = [1.0] * n
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (n,):
+        raise ValueError(f"mix(): got {n} datasets but {w.size} weights")
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"mix(): weights must be finite, >= 0 and not all 0, got {list(weights)}")
+    w = w / w.sum()
+    counts = _largest_remainder(w, period)
+    times, ks, js = [], [], []
+    for k, c in enumerate(counts.tolist()):
+        if c:
+            j = np.arange(c)
+            times.append((j + 0.5) / c)
+            ks.append(np.full(c, k))
+            js.append(j)
+    t = np.concatenate(times)
+    k_all = np.concatenate(ks)
+    order = np.lexsort((k_all, t))
+    return w, counts, k_all[order], np.concatenate(js)[order]
 
 
 def _largest_remainder(w: np.ndarray, total: int) -> np.ndarray:
