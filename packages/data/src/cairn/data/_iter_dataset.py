@@ -28,6 +28,7 @@ import numpy as np
 
 from cairn.data._map_dataset import (
     MapDataset,
+    StageProfile,
     _as_callable,
     _check_seed,
     _fn_name,
@@ -35,6 +36,7 @@ from cairn.data._map_dataset import (
     _Pipeline,
     _rng_for,
     mix_pattern,
+    profiling,
 )
 from cairn.data._tree import StructureChecker, stack_records
 
@@ -77,10 +79,18 @@ def chunk_elements(ds: MapDataset, read_options: ReadOptions) -> int:
     return max(1, read_options.chunk_records // max(1, ds._records_per_element()))
 
 
-def read_chunk(ds: MapDataset, a: int, b: int) -> tuple[list, BaseException | None]:
+def read_chunk(
+    ds: MapDataset, a: int, b: int, profile: StageProfile | None = None
+) -> tuple[list, BaseException | None]:
     """Elements ``a..b-1`` in one batched read. If that fails, the elements are re-read
     one at a time, so the caller gets every element before the failing one, then the
-    error (and the iterator state at the error points at the failing element)."""
+    error (and the iterator state at the error points at the failing element). With
+    ``profile``, each stage's time and output count are added to it."""
+    with profiling(profile):
+        return _read_chunk(ds, a, b)
+
+
+def _read_chunk(ds: MapDataset, a: int, b: int) -> tuple[list, BaseException | None]:
     try:
         return ds._getitems(np.arange(a, b, dtype=np.int64), 0), None
     except Exception:
@@ -380,12 +390,48 @@ class _ChunkedRootIterator(DatasetIterator):
     """
 
     _who = ""  # names the iterator in set_state errors
+    _reads_in_next = True  # False when reads run elsewhere (threads, worker processes)
 
     def __init__(self, ds: MapDataset, read_options: ReadOptions, name: str, debug: bool):
         super().__init__((), name, debug)
         self._ds = ds
         self._len = len(ds)
         self._cap = chunk_elements(ds, read_options)
+        self._profile = StageProfile(ds)
+
+    def _summary_rows(self, depth: int, rows: list) -> float:
+        """This stage's row, then one row per MapDataset stage below it: elements out,
+        time inside its reads (inclusive and own; with workers, summed over the processes
+        that ran it) and that time's share of this iterator's wall time."""
+        own_row = len(rows)
+        total = super()._summary_rows(depth, rows)
+        wall = max(1e-9, time.perf_counter() - self._stats.created)
+        prof, done = self._profile, set()
+
+        def add(d: MapDataset, level: int) -> float:
+            k = prof.index[id(d)]
+            if k in done:
+                return 0.0
+            done.add(k)
+            row = len(rows)
+            rows.append(None)
+            child = sum(add(p, level + 1) for p in d._parents)
+            t = prof.time[k]
+            rows[row] = (
+                "  " * level + d._stage_name(),
+                prof.count[k],
+                t,
+                max(0.0, t - child),
+                t / wall,
+                "-",
+            )
+            return t
+
+        reads = add(self._ds, depth + 1)
+        if self._reads_in_next:  # reads ran inside this iterator's next(): not its own time
+            r = rows[own_row]
+            rows[own_row] = r[:3] + (max(0.0, r[3] - reads),) + r[4:]
+        return total
 
     def _reset(self, start: int) -> None:
         self._next_index = start
@@ -446,7 +492,8 @@ class MapRootIterator(_ChunkedRootIterator):
         )
         self._opts = read_options
         self._pool = None
-        self._stats.name = "to_iter_dataset <- " + " <- ".join(_chain_names(ds))
+        self._reads_in_next = read_options.num_threads == 0
+        self._stats.name = "to_iter_dataset"
         self._reset(0)
 
     def _reset(self, start: int) -> None:
@@ -457,7 +504,13 @@ class MapRootIterator(_ChunkedRootIterator):
         self._inflight: collections.deque = collections.deque()
 
     def _read(self, a: int, b: int) -> tuple[list, BaseException | None]:
-        return read_chunk(self._ds, a, b)
+        if self._opts.num_threads == 0:
+            return read_chunk(self._ds, a, b, self._profile)
+        mine = StageProfile(self._ds)  # a reader thread's own totals, merged under a lock
+        try:
+            return read_chunk(self._ds, a, b, mine)
+        finally:
+            self._profile.merge(mine)
 
     def _fetch(self) -> bool:
         if self._opts.num_threads == 0:
@@ -502,14 +555,6 @@ class MapRootIterator(_ChunkedRootIterator):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-
-
-def _chain_names(ds: MapDataset) -> list[str]:
-    names = [ds._stage_name()]
-    while len(ds._parents) == 1:
-        ds = ds._parents[0]
-        names.append(ds._stage_name())
-    return names
 
 
 class _SameStateIterator(DatasetIterator):
@@ -862,9 +907,7 @@ class MixIterDataset(IterDataset):
         if not self._datasets:
             raise ValueError("mix(): needs at least one dataset")
         self._parents = tuple(self._datasets)
-        self._weights, _, self._pattern, _ = mix_pattern(
-            weights, len(self._datasets), self.PERIOD
-        )
+        self._weights, _, self._pattern, _ = mix_pattern(weights, len(self._datasets), self.PERIOD)
 
     def _stage_name(self):
         return "mix(weights=[" + ", ".join(f"{x:.3g}" for x in self._weights) + "])"

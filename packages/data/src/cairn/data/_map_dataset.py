@@ -12,8 +12,11 @@ pure function of those numbers.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +55,89 @@ def _fn_name(fn: Any) -> str:
 def _rng_for(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The per-element generator of ``random_map``: Philox keyed by (seed, epoch, index)."""
     return np.random.Generator(np.random.Philox(key=mix_seed(seed, epoch, index)))
+
+
+_TLS = threading.local()  # .profile: the StageProfile collecting reads on this thread
+
+
+class StageProfile:
+    """Per-stage totals of ``MapDataset`` reads for ``summary()``: inclusive seconds and
+    elements out, indexed by the stage's position in :func:`stage_list` (the same in
+    every process, so worker processes can send theirs back as a list)."""
+
+    __slots__ = ("index", "time", "count", "_lock")
+
+    def __init__(self, ds: MapDataset):
+        stages = stage_list(ds)
+        self.index = {id(d): k for k, d in enumerate(stages)}
+        self.time = [0.0] * len(stages)
+        self.count = [0] * len(stages)
+        self._lock = threading.Lock()
+
+    def as_list(self) -> list:
+        return [self.time, self.count]
+
+    def merge(self, other: list | StageProfile) -> None:
+        times, counts = other.as_list() if isinstance(other, StageProfile) else other
+        with self._lock:
+            for k, (t, c) in enumerate(zip(times, counts)):
+                self.time[k] += t
+                self.count[k] += c
+
+
+def stage_list(ds: MapDataset) -> list[MapDataset]:
+    """The stages of a MapDataset graph, each once, output first (depth-first)."""
+    out: list = []
+    seen: set = set()
+    todo = [ds]
+    while todo:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        out.append(d)
+        todo.extend(reversed(d._parents))
+    return out
+
+
+class profiling:  # noqa: N801 (a context manager used like a function)
+    """Within the block, MapDataset reads on this thread add to ``profile``."""
+
+    __slots__ = ("profile", "prev")
+
+    def __init__(self, profile: StageProfile | None):
+        self.profile = profile
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_TLS, "profile", None)
+        _TLS.profile = self.profile
+
+    def __exit__(self, *exc: Any) -> None:
+        _TLS.profile = self.prev
+
+
+def _profiled(f: Callable) -> Callable:
+    """Wrap a stage's ``_getitems`` to add its time and output count to the active
+    profile (one thread-local read per call, i.e. per chunk, when none is active)."""
+
+    @functools.wraps(f)
+    def _getitems(self, indices, epoch):
+        prof = getattr(_TLS, "profile", None)
+        if prof is None:
+            return f(self, indices, epoch)
+        t0 = time.perf_counter()
+        out = f(self, indices, epoch)
+        k = prof.index.get(id(self))
+        if k is not None:
+            prof.time[k] += time.perf_counter() - t0
+            n = len(out)
+            if self._may_filter:  # filtered-out elements read as None
+                n -= sum(1 for x in out if x is None)  # identity only (arrays)
+            prof.count[k] += n
+        return out
+
+    _getitems._profiled = True
+    return _getitems
 
 
 class _Pipeline:
@@ -95,6 +181,12 @@ class MapDataset(_Pipeline):
 
     _parents: tuple[MapDataset, ...] = ()
     _may_filter = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        f = cls.__dict__.get("_getitems")
+        if f is not None and not getattr(f, "_profiled", False):
+            cls._getitems = _profiled(f)
 
     # ---------------------------------------------------------------- construction
     @staticmethod

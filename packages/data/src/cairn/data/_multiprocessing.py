@@ -44,7 +44,7 @@ from cairn.data._iter_dataset import (
     chunk_plan,
     read_chunk,
 )
-from cairn.data._map_dataset import MapDataset, _int_at_least
+from cairn.data._map_dataset import MapDataset, StageProfile, _int_at_least
 
 __all__ = ["MultiprocessingOptions", "MPPrefetchIterDataset", "WorkerDiedError", "RemoteTraceback"]
 
@@ -223,9 +223,10 @@ class _Worker:
         values: list = []
         err = None
         self.restarted = False
+        prof = StageProfile(self.ds)
         try:
             for a in range(bounds[0], bounds[1], self.sub):
-                vals, err = read_chunk(self.ds, a, min(a + self.sub, bounds[1]))
+                vals, err = read_chunk(self.ds, a, min(a + self.sub, bounds[1]), prof)
                 values.extend(vals)
                 if err is not None:
                     break
@@ -243,7 +244,7 @@ class _Worker:
         raws = [b.raw() for b in pbufs]
         sizes = [r.nbytes for r in raws]
         total = sum(-(-x // _ALIGN) * _ALIGN for x in sizes)
-        dt = time.perf_counter() - t0
+        dt = (time.perf_counter() - t0, prof.as_list())
         if self.free and total <= self.slot_bytes:
             slot = self.free.pop()
             off = slot * self.slot_bytes
@@ -358,6 +359,7 @@ class MPRootIterator(_ChunkedRootIterator):
     """Same elements and state as ``MapRootIterator``, computed by worker processes."""
 
     _who = "mp_prefetch iterator"
+    _reads_in_next = False  # workers read (the main process only the first chunk)
 
     def __init__(
         self,
@@ -370,7 +372,7 @@ class MPRootIterator(_ChunkedRootIterator):
         super().__init__(
             ds,
             read_options,
-            f"mp_prefetch({options.num_workers} workers) <- MapDataset[{ds._stage_name()}]",
+            f"mp_prefetch({options.num_workers} workers)",
             debug,
         )
         self._opts = options
@@ -539,7 +541,7 @@ class MPRootIterator(_ChunkedRootIterator):
                 # the workers start on the following chunks.
                 self._k = 1
                 t0 = time.perf_counter()
-                self._buf, self._error = read_chunk(self._ds, *bounds)
+                self._buf, self._error = read_chunk(self._ds, *bounds, self._profile)
                 self._main_time += time.perf_counter() - t0
                 self._main_chunks += 1
                 self._buf_start, self._buf_pos = bounds[0], 0
@@ -566,7 +568,8 @@ class MPRootIterator(_ChunkedRootIterator):
                 if err_follows:
                     self._error_from = w
                 values = self._decode(w, slot, data, sizes)
-                self._worker_time[w] += dt
+                self._worker_time[w] += dt[0]
+                self._profile.merge(dt[1])
                 self._worker_chunks[w] += 1
                 assert ck == k and bounds is not None, (ck, k, bounds)
                 self._k += 1
