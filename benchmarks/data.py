@@ -189,27 +189,55 @@ def pack_inputs(n: int) -> list[dict]:
     return out
 
 
-def cairn_pack(seqs):
+# Both sides get the same options: shuffle_bins=False (rows and their order are then
+# identical; `check_same_packing` asserts it) and shuffle_bins=True with seed=0 (the
+# default of both; the same rows per window in a different order, since each library
+# draws its own permutation). Everything else at the defaults of both.
+
+
+def cairn_pack(seqs, shuffle: bool = False):
     import cairn.data as cd
 
     ds = cd.FirstFitPackIterDataset(
         cd.MapDataset.source(seqs).to_iter_dataset(),
         length_struct=dict.fromkeys(PACK_FEATURES, PACK_LEN),
         num_packing_bins=PACK_BINS,
+        seed=0,
+        shuffle_bins=shuffle,
     )
     return iter(ds.batch(PACK_BATCH))
 
 
-def grain_pack(seqs):
+def grain_pack(seqs, shuffle: bool = False):
     import grain
 
     ds = grain.experimental.FirstFitPackIterDataset(
         grain.MapDataset.source(seqs).to_iter_dataset(grain.ReadOptions(num_threads=0)),
         length_struct=dict.fromkeys(PACK_FEATURES, PACK_LEN),
         num_packing_bins=PACK_BINS,
-        shuffle_bins=False,  # then its rows equal ours (checked), so both do the same work
+        seed=0,
+        shuffle_bins=shuffle,
     )
     return iter(ds.batch(PACK_BATCH))
+
+
+def check_same_packing(seqs) -> None:
+    """Unshuffled: the same batches; shuffled: the same rows in the first batches."""
+    c, g = next(cairn_pack(seqs)), next(grain_pack(seqs))
+    for k in c:
+        np.testing.assert_array_equal(c[k], g[k], err_msg=k)
+    c_it, g_it = cairn_pack(seqs, True), grain_pack(seqs, True)
+    c_rows, g_rows = [], []
+    for _ in range(4):
+        bc, bg = next(c_it), next(g_it)
+        c_rows += [
+            np.concatenate([bc[k][i] for k in sorted(bc)]).tobytes() for i in range(PACK_BATCH)
+        ]
+        g_rows += [
+            np.concatenate([bg[k][i] for k in sorted(bg)]).tobytes() for i in range(PACK_BATCH)
+        ]
+    # 4 batches of 32 rows = 16 whole windows of 8 rows.
+    assert sorted(c_rows) == sorted(g_rows), "shuffled packing: different rows"
 
 
 def pack_time(make, seqs, batches: int) -> float:
@@ -365,17 +393,20 @@ def main() -> None:
         # 4. sequence packing: variable-length int32 sequences (5-20 tokens, 3 features)
         # first-fit packed into rows of 64, 8 open rows, batched 32 rows (the examples/lm
         # recipe); seconds per batch, ratio = grain time / cairn time.
+        # Measured with shuffle_bins=False and with shuffle_bins=True (seed 0) on both.
         seqs = pack_inputs(40_000)  # about 260 batches
+        check_same_packing(seqs)
         pack_batches = 100 if args.quick else PACK_BATCHES
-        pc, pg = [], []
-        for _ in range(repeats):
-            settle(baseline)
-            pc.append(pack_time(cairn_pack, seqs, pack_batches))
-            pg.append(pack_time(grain_pack, seqs, pack_batches))
-        pack_c, pack_g = statistics.median(pc), statistics.median(pg)
-        ratios["pack_vs_grain"] = statistics.median(g / c for c, g in zip(pc, pg))
-        ratios["pack_cairn_ms_per_batch"] = pack_c * 1e3
-        ratios["pack_grain_ms_per_batch"] = pack_g * 1e3
+        for shuffle, tag in ((False, ""), (True, "_shuffled")):
+            pc, pg = [], []
+            for _ in range(repeats):
+                settle(baseline)
+                pc.append(pack_time(lambda s, sh=shuffle: cairn_pack(s, sh), seqs, pack_batches))
+                pg.append(pack_time(lambda s, sh=shuffle: grain_pack(s, sh), seqs, pack_batches))
+            pack_c, pack_g = statistics.median(pc), statistics.median(pg)
+            ratios[f"pack{tag}_vs_grain"] = statistics.median(g / c for c, g in zip(pc, pg))
+            ratios[f"pack{tag}_cairn_ms_per_batch"] = pack_c * 1e3
+            ratios[f"pack{tag}_grain_ms_per_batch"] = pack_g * 1e3
 
         # 5. state
         settle(baseline)
@@ -399,10 +430,12 @@ def main() -> None:
     for name, c, g, ratio in rows:
         print(f"{name:52s} {c:10,.0f} {g:10,.0f} {ratio:8.2f}".replace("nan", "  -"))
     print(f"Grain Parquet -> memory load: {g_load:.2f} s (not counted)")
-    print(
-        f"first-fit packing (rows of 64, 8 bins, batch 32): cairn {ratios['pack_cairn_ms_per_batch']:.2f} ms/batch, "
-        f"grain {ratios['pack_grain_ms_per_batch']:.2f} ms/batch, ratio {ratios['pack_vs_grain']:.2f}"
-    )
+    for tag, what in (("", "shuffle_bins=False"), ("_shuffled", "shuffle_bins=True, seed=0")):
+        print(
+            f"first-fit packing (rows of 64, 8 bins, batch 32, {what} on both): "
+            f"cairn {ratios[f'pack{tag}_cairn_ms_per_batch']:.2f} ms/batch, "
+            f"grain {ratios[f'pack{tag}_grain_ms_per_batch']:.2f} ms/batch, ratio {ratios[f'pack{tag}_vs_grain']:.2f}"
+        )
     print(
         f"first batch, 2 workers: cairn {ratios['first_batch_2w_cairn_s']:.3f} s, grain {ratios['first_batch_2w_grain_s']:.3f} s"
     )

@@ -110,7 +110,11 @@ def build_pipeline(cfg, src, fmt: str, process_index: int = 0, process_count: in
     ds = ds.map(ToExample(fmt, text_column, d.seq_len, answer_only=(d.source == "synthetic")))
     it = ds.to_iter_dataset()
     it = cdata.FirstFitPackIterDataset(
-        it, length_struct={"inputs": d.seq_len, "targets": d.seq_len, "weights": d.seq_len}, num_packing_bins=8
+        it,
+        length_struct={"inputs": d.seq_len, "targets": d.seq_len, "weights": d.seq_len},
+        num_packing_bins=8,
+        # The input is already shuffled; unshuffled rows keep the published run reproducible.
+        shuffle_bins=False,
     )
     it = it.map(_rename_packed)
     it = it.batch(d.batch_size // process_count, drop_remainder=True)

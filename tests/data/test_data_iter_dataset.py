@@ -208,7 +208,10 @@ def _pack_reference(seqs, length, bins):
 def test_first_fit_pack_matches_reference(lens, length, bins):
     seqs = [np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lens)]
     ds = FirstFitPackIterDataset(
-        MapDataset.source(seqs).to_iter_dataset(), length_struct=length, num_packing_bins=bins
+        MapDataset.source(seqs).to_iter_dataset(),
+        length_struct=length,
+        num_packing_bins=bins,
+        shuffle_bins=False,
     )
     got = [(a.tolist(), b.tolist(), c.tolist()) for a, b, c in ds]
     assert got == _pack_reference(seqs, length, bins)
@@ -279,6 +282,7 @@ def test_first_fit_pack_dict_matches_reference(lens, bins, mixed):
             MapDataset.source(elems).to_iter_dataset(),
             length_struct=lengths,
             num_packing_bins=bins,
+            shuffle_bins=False,
         )
     )
     want = _pack_dict_reference(elems, lengths, bins)
@@ -297,6 +301,7 @@ def test_pack_dict_features_and_errors():
             MapDataset.source(seqs).to_iter_dataset(),
             length_struct={"tokens": 5, "mask": 5},
             num_packing_bins=2,
+            shuffle_bins=False,
         )
     )
     assert sorted(rows[0]) == [
