@@ -1,6 +1,8 @@
 """QArray (dequantize vs a float64 reference, pytree, validation), sub-byte packing,
 sharding rules and protocols."""
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from cairn.core_array import (
     LogicalAxisRules,
     QArray,
     QuantLayout,
+    as_numpy_dtype,
+    dtype_info,
     flatten_with_paths,
     logical_to_partition_spec,
     named_sharding,
@@ -205,3 +209,107 @@ def test_protocols_are_duck_typed():
     assert isinstance(Tx(), GradientTransformationLike)
     optax = pytest.importorskip("optax")
     assert isinstance(optax.adam(1e-3), GradientTransformationLike)
+
+
+# ---------------------------------------------------------------- hypothesis: QArray
+
+
+@st.composite
+def qarrays(draw):
+    """Random QArrays: any layout kind, 1-3 dims, integer and float quantized types,
+    float32 / bfloat16 / float16 scales, with or without a zero point."""
+    ndim = draw(st.integers(1, 3))
+    kind = draw(st.sampled_from(["per_tensor", "per_channel", "per_tile"]))
+    tile = draw(st.integers(1, 3))
+    axis = draw(st.integers(-ndim, ndim - 1))
+    shape = [draw(st.integers(1, 4)) for _ in range(ndim)]
+    if kind == "per_tile":
+        shape[axis % ndim] *= tile
+        layout = QuantLayout.per_tile(axis, tile)
+    elif kind == "per_channel":
+        layout = QuantLayout.per_channel(axis)
+    else:
+        layout = QuantLayout.per_tensor()
+    shape = tuple(shape)
+    full = layout.expected_scale_shape(shape)
+    # broadcast (size 1) allowed on axes that are not the quantized one
+    sshape = () if kind == "per_tensor" and draw(st.booleans()) else tuple(
+        d if (i == axis % ndim or draw(st.booleans())) else 1 for i, d in enumerate(full)
+    )
+    if kind == "per_tensor":
+        sshape = sshape if sshape == () else (1,) * ndim
+    qtype = draw(st.sampled_from(["int8", "int4", "uint4", "int2", "float8_e4m3fn", "float4_e2m1fn"]))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    info = dtype_info(qtype)
+    if info.kind == "float":
+        q = rng.uniform(-4, 4, shape).astype(as_numpy_dtype(qtype))
+    else:
+        lo, hi = (0, 2**info.bits) if info.kind == "uint" else (-(2 ** (info.bits - 1)), 2 ** (info.bits - 1))
+        q = rng.integers(lo, hi, shape).astype(as_numpy_dtype(qtype))
+    sdtype = draw(st.sampled_from([np.float32, ml_dtypes.bfloat16, np.float16]))
+    scale = rng.uniform(0.01, 2, sshape).astype(sdtype)
+    zp = rng.integers(-3, 4, sshape).astype(np.int8) if draw(st.booleans()) else None
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    return QArray(q, scale, zp, qtype=qtype, layout=layout, dtype=dtype)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.dtype, a.shape, a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}").tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(qarrays())
+def test_qarray_json_round_trip_is_exact(q):
+    r = QArray.from_json(json.loads(json.dumps(q.to_json())))
+    assert (r.qtype, r.dtype, r.layout) == (q.qtype, q.dtype, q.layout)
+    for name in ("qvalue", "scale", "zero_point"):
+        a, b = getattr(q, name), getattr(r, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert _bits(a) == _bits(b), name
+    np.testing.assert_array_equal(np.asarray(r.dequantize(), np.float64), np.asarray(q.dequantize(), np.float64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(qarrays())
+def test_qarray_dequantize_matches_float64_reference(q):
+    ref = _reference_dequant(q.qvalue, q.scale, q.zero_point, q.layout)
+    got = np.asarray(q.dequantize(), np.float64)
+    # float32 math then a cast to `dtype`: float32 keeps ~1e-6, bfloat16 8 bits of mantissa
+    rtol = 1e-6 if q.dtype == "float32" else 8e-3
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-30)
+
+
+@settings(max_examples=30, deadline=None)
+@given(qarrays())
+def test_qarray_pytree_round_trip(q):
+    jax = pytest.importorskip("jax")
+    leaves, treedef = jax.tree_util.tree_flatten(q)
+    r = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(r, QArray) and (r.qtype, r.dtype, r.layout) == (q.qtype, q.dtype, q.layout)
+    assert len(leaves) == (3 if q.zero_point is not None else 2)
+    paths = sorted(flatten_with_paths({"w": q}))
+    assert paths == sorted(["w/qvalue", "w/scale"] + (["w/zero_point"] if q.zero_point is not None else []))
+
+
+def test_qarray_json_errors():
+    q = QArray(np.zeros((2, 2), np.int8), np.ones((1, 2), np.float32), layout=QuantLayout.per_channel(1))
+    d = q.to_json()
+    with pytest.raises(ValueError, match=r"missing keys \['scale'\]"):
+        QArray.from_json({k: v for k, v in d.items() if k != "scale"})
+    bad = json.loads(json.dumps(d))
+    bad["qvalue"]["data"] = bad["qvalue"]["data"][:-1]
+    with pytest.raises(ValueError, match="'qvalue' has shape \\[2, 2\\] but 3 values"):
+        QArray.from_json(bad)
+    bad = json.loads(json.dumps(d))
+    bad["qvalue"]["data"][0] = 300
+    with pytest.raises(ValueError, match="'qvalue' holds values outside int8"):
+        QArray.from_json(bad)
+    bad = json.loads(json.dumps(d))
+    bad["layout"] = {"axes": [1]}
+    with pytest.raises(ValueError, match="QuantLayout.from_json expects a dict with 'kind'"):
+        QArray.from_json(bad)
+    with pytest.raises(ValueError, match="expects a dict"):
+        QArray.from_json([1])

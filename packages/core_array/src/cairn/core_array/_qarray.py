@@ -80,7 +80,44 @@ class QuantLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> QuantLayout:
-        return cls(d["kind"], tuple(d.get("axes", ())), d.get("tile_size"))
+        if not isinstance(d, dict) or "kind" not in d:
+            raise ValueError(f"QuantLayout.from_json expects a dict with 'kind', got {d!r}")
+        axes = d.get("axes", ())
+        if not isinstance(axes, list | tuple) or not all(
+            isinstance(a, int) and not isinstance(a, bool) for a in axes
+        ):
+            raise ValueError(f"QuantLayout.from_json: 'axes' must be a list of ints, got {axes!r}")
+        return cls(d["kind"], tuple(axes), d.get("tile_size"))
+
+
+def _array_to_json(x: Any) -> dict:
+    a = np.asarray(x)
+    name = canonical_dtype(a.dtype)
+    info = dtype_info(name)
+    # ints as ints; floats (ml_dtypes included) widen exactly to float64
+    wide = a.astype(np.int64 if info.kind in ("int", "uint") else np.float64)
+    if info.kind == "bool":
+        wide = a.astype(bool)
+    return {"dtype": name, "shape": list(a.shape), "data": wide.reshape(-1).tolist()}
+
+
+def _array_from_json(d: Any, what: str) -> np.ndarray:
+    if not isinstance(d, dict) or any(k not in d for k in ("dtype", "shape", "data")):
+        raise ValueError(f"QArray.from_json: {what!r} must be a dict with dtype, shape and data, got {d!r}")
+    dtype = as_numpy_dtype(d["dtype"])
+    shape = tuple(d["shape"])
+    data = d["data"]
+    if not isinstance(data, list) or len(data) != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(
+            f"QArray.from_json: {what!r} has shape {list(shape)} but "
+            f"{len(data) if isinstance(data, list) else type(data).__name__} values"
+        )
+    kind = dtype_info(d["dtype"]).kind
+    wide = np.asarray(data, np.int64 if kind in ("int", "uint") else (bool if kind == "bool" else np.float64))
+    out = wide.astype(dtype).reshape(shape)
+    if kind in ("int", "uint") and not np.array_equal(out.astype(np.int64), wide.reshape(shape)):
+        raise ValueError(f"QArray.from_json: {what!r} holds values outside {d['dtype']}")
+    return out
 
 
 def _xp(x: Any):
@@ -172,6 +209,41 @@ class QArray:
             "layout": self.layout.to_json(),
             "has_zero_point": self.zero_point is not None,
         }
+
+    def to_json(self) -> dict:
+        """The whole QArray as JSON-able data (arrays as dtype name, shape and values;
+        exact for every dtype in the table, sub-byte ones included).
+
+        >>> q = QArray(np.array([[1, -2]], np.int8), np.array([[0.5, 0.25]], np.float32),
+        ...            qtype="int8", layout=QuantLayout.per_channel(1))
+        >>> r = QArray.from_json(q.to_json())
+        >>> r.layout == q.layout and r.scale.dtype == np.float32 and r.qvalue.tolist()
+        [[1, -2]]
+        """
+        return {
+            **self.metadata(),
+            "qvalue": _array_to_json(self.qvalue),
+            "scale": _array_to_json(self.scale),
+            "zero_point": None if self.zero_point is None else _array_to_json(self.zero_point),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> QArray:
+        """Inverse of :meth:`to_json` (NumPy arrays, bit for bit)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"QArray.from_json expects a dict, got {type(d).__name__}")
+        missing = [k for k in ("qtype", "dtype", "layout", "qvalue", "scale") if k not in d]
+        if missing:
+            raise ValueError(f"QArray.from_json: missing keys {missing}")
+        zp = d.get("zero_point")
+        return cls(
+            _array_from_json(d["qvalue"], "qvalue"),
+            _array_from_json(d["scale"], "scale"),
+            None if zp is None else _array_from_json(zp, "zero_point"),
+            qtype=d["qtype"],
+            layout=QuantLayout.from_json(d["layout"]),
+            dtype=d["dtype"],
+        )
 
 
 def _register_qarray() -> None:
