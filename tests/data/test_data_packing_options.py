@@ -485,3 +485,37 @@ def test_bad_options_for_bare_arrays_and_elements():
     it = iter(FirstFitPackIterDataset(_src(), length_struct=LENGTHS, num_packing_bins=1))
     with pytest.raises(ValueError, match=r"'emitted' and 'window' must be ints >= 0"):
         it.set_state({"parent": {"next_index": 0}, "emitted": 0, "window": -1})
+
+
+def test_bad_values_found_while_packing():
+    text_meta = FirstFitPackIterDataset(
+        MapDataset.source([{"t": np.arange(1, 3), "src": "x"}] * 3).to_iter_dataset(),
+        length_struct={"t": 2},
+        num_packing_bins=2,
+        meta_features=["src"],
+        shuffle_bins_group_by_feature="src",
+    )
+    with pytest.raises(
+        ValueError, match=r"shuffle_bins_group_by_feature='src' needs numeric values"
+    ):
+        list(text_meta)
+    small = FirstFitPackIterDataset(
+        MapDataset.source([np.arange(3, dtype=np.uint8)]).to_iter_dataset(),
+        length_struct=4,
+        num_packing_bins=1,
+        padding_struct=-1,
+    )
+    with pytest.raises(ValueError, match=r"padding_struct=-1 is not a valid uint8 value"):
+        list(small)
+    mixed = FirstFitPackIterDataset(
+        MapDataset.source(
+            [{"t": np.arange(2, dtype=np.uint8)}, {"t": np.arange(2, dtype=np.uint16)}]
+        ).to_iter_dataset(),
+        length_struct={"t": 8},
+        num_packing_bins=1,
+        padding_struct={"t": 70000},
+    )
+    with pytest.raises(
+        ValueError, match=r"padding_struct\['t'\]=70000 is not a valid uint16 value"
+    ):
+        list(mixed)

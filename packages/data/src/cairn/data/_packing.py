@@ -38,6 +38,16 @@ def _window_order(seed: int, window: int, n: int) -> np.ndarray:
     return np.argsort(z, kind="stable")
 
 
+def _padded(shape: tuple, pad: Any, dtype: np.dtype, key: str) -> np.ndarray:
+    try:
+        return np.full(shape, pad, dtype)
+    except (OverflowError, TypeError, ValueError) as e:
+        where = f"padding_struct[{key!r}]" if key else "padding_struct"
+        raise ValueError(
+            f"FirstFitPack: {where}={pad!r} is not a valid {dtype} value for that feature ({e})"
+        ) from e
+
+
 def _is_scalar(v: Any) -> bool:
     return isinstance(v, (numbers.Number, np.generic)) or (
         isinstance(v, np.ndarray) and v.ndim == 0
@@ -377,18 +387,18 @@ class _PackIterator(DatasetIterator):
             rows = np.repeat(row_of, lens)
             pos = np.arange(total, dtype=np.int64) - np.repeat(cum, lens)
             cols = np.repeat(starts, lens) + pos
-            tokens = self._tokens(parts, bins, self._offs, j, length, pad)
+            tokens = self._tokens(parts, bins, self._offs, j, length, pad, k)
             flat = None
             if tokens is None:  # one dtype and trailing shape: one array for all rows
                 flat = np.concatenate(parts)
                 if pad == 0:
                     vals = np.zeros((nb, length, *flat.shape[1:]), flat.dtype)
                 else:
-                    vals = np.full((nb, length, *flat.shape[1:]), pad, flat.dtype)
+                    vals = _padded((nb, length, *flat.shape[1:]), pad, flat.dtype, k)
                 vals[rows, cols] = flat
                 tokens = list(vals)
             if k == self._group and nb > 1:
-                group_key = self._row_keys(parts, flat, rows, row_of, nb)
+                group_key = self._row_keys(parts, flat, rows, row_of, nb, k)
             if k in self._no_seg:
                 for b in range(nb):
                     outs[b][k] = tokens[b]
@@ -407,7 +417,7 @@ class _PackIterator(DatasetIterator):
                 outs[b][k] = [m[j] for m in self._metas[b]]
             if k == self._group and nb > 1:
                 group_key = self._row_keys(
-                    [np.asarray(m[j]) for ms in self._metas for m in ms], None, None, row_of, nb
+                    [np.asarray(m[j]) for ms in self._metas for m in ms], None, None, row_of, nb, k
                 )
         self._bins, self._offs, self._metas, self._fill = [], [], [], []
         if self._shuffle and nb > 1:
@@ -421,8 +431,18 @@ class _PackIterator(DatasetIterator):
         return [(o[""], o["_segment_ids"], o["_positions"]) for o in outs]
 
     @staticmethod
-    def _row_keys(parts, flat, rows, row_of, nb) -> np.ndarray:
+    def _row_keys(parts, flat, rows, row_of, nb, name) -> np.ndarray:
         """Per row: the mean of the nonzero values of its members' (unpadded) values."""
+        try:
+            return _PackIterator._row_keys_unchecked(parts, flat, rows, row_of, nb)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"FirstFitPack: shuffle_bins_group_by_feature={name!r} needs numeric values "
+                f"(the group key is the mean of the nonzero values in a row); {e}"
+            ) from e
+
+    @staticmethod
+    def _row_keys_unchecked(parts, flat, rows, row_of, nb) -> np.ndarray:
         if flat is not None:  # one array of all tokens, ``rows`` gives each token's row
             v = flat.reshape(flat.shape[0], int(np.prod(flat.shape[1:])))
             sums = np.bincount(rows, weights=v.sum(axis=1, dtype=np.float64), minlength=nb)
@@ -438,7 +458,7 @@ class _PackIterator(DatasetIterator):
             return np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
 
     @staticmethod
-    def _tokens(parts, bins, offs, j, length, pad):
+    def _tokens(parts, bins, offs, j, length, pad, key):
         """Rows of feature ``j`` when members differ in dtype or trailing shape (each row
         then has the dtype NumPy's concatenation of its own members gives); else None."""
         p0 = parts[0]
@@ -448,7 +468,7 @@ class _PackIterator(DatasetIterator):
         rows = []
         for members, starts in zip(bins, offs):
             vals = np.concatenate([m[j] for m in members])
-            row = np.full((length, *vals.shape[1:]), pad, vals.dtype)
+            row = _padded((length, *vals.shape[1:]), pad, vals.dtype, key)
             for m, o in zip(members, starts):
                 n = m[j].shape[0]
                 row[o[j] : o[j] + n] = m[j]
