@@ -299,8 +299,14 @@ def global_norm(updates):
 # --------------------------------------------------------------------------- chain
 
 
-def run_chain(txs, updates, state, params, extra, *, want_packed: bool):
-    """Run ``txs`` in order, staying packed across consecutive packed-aware members."""
+def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
+              allow_pending: bool = False):
+    """Run ``txs`` in order, staying packed across consecutive packed-aware members.
+
+    With ``allow_pending`` (a chain nested in a chain) packed updates may come back
+    with a pending weight-decay term (:class:`~cairn.optim._packing.PendingDecay`);
+    otherwise packed updates are returned materialised.
+    """
     state_layout = pk.find_layout(state)
     cur = updates
     params_packed: dict[Any, Packed] = {}
@@ -310,10 +316,16 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool):
         if params is None:
             return None
         if layout not in params_packed:
-            params_packed[layout] = pk.pack(params, layout, what="params")
+            # pytree params are packed only if a member reads their buffers
+            # (add_decayed_weights does not: its term stays pending until the unpack)
+            params_packed[layout] = (pk.pack(params, layout, what="params")
+                                     if isinstance(params, Packed)
+                                     else pk.LazyParams(layout, params))
         return params_packed[layout]
 
     def tree_params():
+        if isinstance(params, pk.LazyParams):
+            return params.tree
         if params is None or not isinstance(params, Packed):
             return params
         if params_tree[0] is None:
@@ -342,6 +354,8 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool):
     if want_packed:
         if not isinstance(cur, Packed):
             cur = pk.pack(cur, last_layout or pk.layout_of(cur))
+        if isinstance(cur, pk.PendingDecay) and not allow_pending:
+            cur = Packed(cur.layout, cur.buffers, cur.offsets)
         return cur, new_state
     if isinstance(cur, Packed):
         offs = pk.find_offsets(new_state, cur.layout)
@@ -385,7 +399,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                              want_packed=isinstance(updates, Packed))
 
         def packed(self, updates, state, params=None, **extra):
-            return run_chain(txs, updates, state, params, extra, want_packed=True)
+            return run_chain(txs, updates, state, params, extra, want_packed=True,
+                             allow_pending=True)
 
     needs = any(t.update.needs_params if is_packed_aware(t) else True for t in txs)
     upd = _ChainUpdate(packed.fn, needs, "chain")

@@ -189,6 +189,98 @@ class Packed:
         return self.buffers[gi][o:o + n].reshape(self.layout.shapes[i])
 
 
+class LazyParams(Packed):
+    """Pytree params standing for their packed buffers, packed only when read.
+
+    :func:`~cairn.optim._base.chain` hands these to the transformations that need params:
+    one that reads ``.buffers`` gets exactly what packing gives (one concatenate per group,
+    done once); :func:`add_decayed_weights` instead keeps its term pending
+    (:class:`PendingDecay`) so that an AdamW step on pytree params never packs them.
+    """
+
+    __slots__ = ("tree", "_packed")
+
+    def __init__(self, layout: Layout, tree):
+        self.layout = layout
+        self.offsets = None
+        self.tree = tree
+        self._packed = None
+
+    @property
+    def buffers(self):
+        if self._packed is None:
+            self._packed = pack(self.tree, self.layout, what="params").buffers
+        return self._packed
+
+    def leaves(self):
+        """The params leaves in flatten order when they match the layout, else None."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.tree)
+        if treedef != self.layout.treedef:
+            return None
+        out = []
+        for i, x in enumerate(leaves):
+            if not hasattr(x, "dtype"):
+                x = jnp.asarray(x)
+            if tuple(x.shape) != self.layout.shapes[i] or _canon(x.dtype) != self.layout.dtypes[i]:
+                return None
+            out.append(x)
+        return out
+
+
+class PendingDecay(Packed):
+    """Updates ``U`` with a pending weight-decay term: ``scales(U + wd * params)``.
+
+    ``decay_buffer(gi, u_buf, p_buf, wd)`` adds the term to a whole group buffer and
+    ``decay_leaf(i, u_leaf, p_leaf, wd)`` to one leaf (same element-wise operations, same
+    cast order); ``scales`` are ``(fn, arg)`` pairs applied after it, in order, as
+    ``x = fn(x, arg)``. Reading ``.buffers`` materialises the term (packing the params, as
+    without laziness); :func:`unpack` instead adds it leaf by leaf, inside each leaf's
+    slice kernel, so the params are never packed.
+    """
+
+    __slots__ = ("raw", "params", "decay_buffer", "decay_leaf", "wd", "scales", "_done")
+
+    def __init__(self, layout: Layout, raw, params: LazyParams, decay_buffer, decay_leaf, wd,
+                 scales=(), offsets=None):
+        self.layout = layout
+        self.offsets = None if offsets is None else tuple(offsets)
+        self.raw = tuple(raw)
+        self.params = params
+        self.decay_buffer = decay_buffer
+        self.decay_leaf = decay_leaf
+        self.wd = wd
+        self.scales = tuple(scales)
+        self._done = None
+
+    def scalars(self) -> tuple:
+        """``(wd, *scale args)``: the scalars the pending term uses."""
+        return (self.wd,) + tuple(a for _, a in self.scales)
+
+    def _finish(self, x, scalars):
+        for (fn, _), a in zip(self.scales, scalars[1:]):
+            x = fn(x, a)
+        return x
+
+    @property
+    def buffers(self):
+        if self._done is None:
+            sc = self.scalars()
+            self._done = tuple(
+                self._finish(self.decay_buffer(gi, u, w, sc[0]), sc)
+                for gi, (u, w) in enumerate(zip(self.raw, self.params.buffers)))
+        return self._done
+
+    def finish_leaf(self, i: int, x, w, scalars):
+        """Leaf ``i`` of the final updates from its slice ``x`` of ``U`` and param ``w``."""
+        return self._finish(self.decay_leaf(i, x, w, scalars[0]), scalars)
+
+    def scaled(self, fn, arg) -> PendingDecay:
+        """These updates followed by the element-wise ``fn(x, arg)`` (still pending)."""
+        return PendingDecay(self.layout, self.raw, self.params, self.decay_buffer,
+                            self.decay_leaf, self.wd, self.scales + ((fn, arg),),
+                            self.offsets)
+
+
 def _flatten_with_keys(p: Packed):
     keys = [jax.tree_util.DictKey(g.name) for g in p.layout.groups]
     children = list(zip(keys, p.buffers))
@@ -210,6 +302,9 @@ def _unflatten(aux, children):
 
 
 jax.tree_util.register_pytree_with_keys(Packed, _flatten_with_keys, _unflatten, _flatten)
+# the lazy forms flatten to their materialised buffers and come back as plain Packed
+jax.tree_util.register_pytree_with_keys(LazyParams, _flatten_with_keys, _unflatten, _flatten)
+jax.tree_util.register_pytree_with_keys(PendingDecay, _flatten_with_keys, _unflatten, _flatten)
 
 
 def is_packed(x) -> bool:
@@ -289,14 +384,31 @@ def unpack(p: Packed, offsets=None):
             raise ValueError(f"runtime offsets table has {len(offsets)} entries, the layout "
                              f"needs {len(plan[0])}; pass the optimizer state created by "
                              f"init() for these params")
+    finish = None
+    bufs = None
+    scalars = ()
+    if isinstance(p, PendingDecay):
+        # add the pending weight-decay term per leaf, inside the leaf's slice kernel,
+        # reading the params leaves (no packing of the params)
+        w_leaves = p.params.leaves()
+        if w_leaves is not None:
+            bufs = p.raw
+            scalars = p.scalars()
+
+            def finish(i, x):
+                return p.finish_leaf(i, x, w_leaves[i], scalars)
+    if bufs is None:
+        bufs = p.buffers
     if any(len(g.leaves) > 1 for g in layout.groups):
         # Materialise once so each per-leaf slice reads a buffer, not a fused computation.
-        p = Packed(layout, jax.lax.optimization_barrier(tuple(p.buffers)), p.offsets)
+        bufs = jax.lax.optimization_barrier(tuple(bufs))
     for gi, g in enumerate(layout.groups):
-        buf = p.buffers[gi]
+        buf = bufs[gi]
         if len(g.leaves) == 1:
             i = g.leaves[0]
             leaves[i] = buf.reshape(layout.shapes[i])
+            if finish is not None:
+                leaves[i] = finish(i, leaves[i])
             continue
         for pos, i in enumerate(g.leaves):
             n = g.sizes[pos]
@@ -307,6 +419,8 @@ def unpack(p: Packed, offsets=None):
                 o = g.offsets[pos]
                 piece = buf[o:o + n]
             leaves[i] = piece.reshape(layout.shapes[i])
+            if finish is not None:
+                leaves[i] = finish(i, leaves[i])
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
 

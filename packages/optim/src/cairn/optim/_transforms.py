@@ -102,6 +102,28 @@ def _mu_hat(b1, m, g, count, nesterov):
 # --------------------------------------------------------------------------- scaling
 
 
+def _scale_updates(u: Packed, fn, arg) -> Packed:
+    """``fn(buffer, arg)`` on every buffer; a pending weight-decay term stays pending
+    (``fn`` is then applied after it, leaf by leaf at the unpack)."""
+    if isinstance(u, pk.PendingDecay):
+        return u.scaled(fn, arg)
+    return u.map(lambda g: fn(g, arg))
+
+
+# The scalar comes first in these products (and the decay term first in its sum): in a
+# leaf's unpack kernel the compiler then numbers the scalars before the slice and its
+# runtime offsets, the same way for every leaf, so same-shape leaves share one kernel.
+# (Both operations are commutative in IEEE arithmetic: the values are unchanged.)
+
+
+def _times_cast(g, s):
+    return s.astype(g.dtype) * g
+
+
+def _times_step_size(g, step_size):
+    return (step_size * g).astype(g.dtype)
+
+
 class ScaleState(NamedTuple):
     """State of :func:`scale` (empty)."""
 
@@ -116,7 +138,7 @@ def scale(step_size) -> Any:
     """
 
     def update(u, state, p=None, **extra):
-        return u.map(lambda g: (g * step_size).astype(g.dtype)), state
+        return _scale_updates(u, _times_step_size, step_size), state
 
     return packed_transformation(lambda layout, params: EmptyState(), update, name="scale")
 
@@ -149,7 +171,7 @@ def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True):
             lr = state.learning_rate
         else:  # a traced value (e.g. from inject_hyperparams) wins over the stored one
             lr = jnp.asarray(learning_rate, jnp.float32)
-        out = u.map(lambda g: g * (sign * lr).astype(g.dtype))
+        out = _scale_updates(u, _times_cast, sign * lr)
         return out, ScaleByLearningRateState(safe_increment(state.count), lr)
 
     return packed_transformation(init, update, name="scale_by_learning_rate")
@@ -171,7 +193,7 @@ def scale_by_schedule(step_size_fn):
 
     def update(u, state, p=None, **extra):
         s = eval_schedule("step_size_fn", step_size_fn, state.count)
-        return (u.map(lambda g: g * s.astype(g.dtype)),
+        return (_scale_updates(u, _times_cast, s),
                 ScaleByScheduleState(safe_increment(state.count)))
 
     return packed_transformation(init, update, name="scale_by_schedule")
@@ -648,17 +670,29 @@ def add_decayed_weights(weight_decay=0.0, mask=None):
         else:
             wd = jnp.asarray(weight_decay, jnp.float32)
         bools = leaf_mask(mask, u.layout) if mask is not None else None
-        outs = []
-        for gi, (g, w) in enumerate(zip(u.buffers, p.buffers)):
+        new_state = AddDecayedWeightsState(safe_increment(state.count), wd)
+
+        def decay_buffer(gi, g, w, wd):
             em = None if bools is None else element_mask(u.layout, gi, bools)
             if em is False:
-                outs.append(g)
-                continue
+                return g
             term = wd.astype(g.dtype) * w
             if em is not None:
                 term = jnp.where(em, term, jnp.zeros_like(term))
-            outs.append((g + term).astype(g.dtype))
-        return Packed(u.layout, outs), AddDecayedWeightsState(safe_increment(state.count), wd)
+            return (g + term).astype(g.dtype)
+
+        def decay_leaf(i, x, w, wd):  # decay_buffer restricted to leaf i
+            if bools is not None and not bools[i]:
+                return x
+            return (wd.astype(x.dtype) * w + x).astype(x.dtype)
+
+        if isinstance(p, pk.LazyParams):
+            # pytree params: keep the term pending; it is added per leaf when the
+            # updates are unpacked (no concatenate of the params)
+            return pk.PendingDecay(u.layout, u.buffers, p, decay_buffer, decay_leaf, wd,
+                                   offsets=u.offsets), new_state
+        outs = [decay_buffer(gi, g, w, wd) for gi, (g, w) in enumerate(zip(u.buffers, p.buffers))]
+        return Packed(u.layout, outs), new_state
 
     return packed_transformation(init, update, needs_params=True, name="add_decayed_weights")
 
