@@ -60,6 +60,38 @@ SCRIPT = textwrap.dedent(
         assert flatten_with_paths(nn.state(m2))[path].sharding.spec == expected[path]
         assert flatten_with_paths(nn.state(m3))[path].sharding.spec == expected[path]
 
+    # 2b. no full replica first: eager creation under the context runs the initializer
+    # compiled with out_shardings, so each device computes only its shard; creation
+    # inside nn.jit / sharded_init is partitioned by XLA. In every per-device program
+    # no array has the full (64, 128) shape, only the (32, 32) shard.
+    from cairn.nn import _sharding
+
+    class Big(nn.Module):
+        def __init__(self, rngs):
+            self.kernel = nn.Param(nn.with_partitioning(init, ("embed", "mlp"))(rngs.params(), (64, 128)))
+
+    _sharding._BORN_SHARDED.clear()
+    with nn.sharding_rules(rules, mesh):
+        eager = Big(nn.Rngs(0))
+    assert eager.kernel.value.sharding.spec == P("data", "model")
+    assert eager.kernel.value.addressable_shards[0].data.shape == (32, 32)
+    np.testing.assert_allclose(np.asarray(eager.kernel.value), np.asarray(Big(nn.Rngs(0)).kernel.value), rtol=1e-6)
+    (born,) = _sharding._BORN_SHARDED.values()
+    texts = {"eager": born.lower([jax.random.key(0)]).compile().as_text()}
+    with nn.sharding_rules(rules, mesh):
+        texts["nn.jit"] = nn.jit(Big).lower(nn.Rngs(0)).compile().as_text()
+    for what, text in texts.items():
+        assert "f32[64,128]" not in text, (what, text)
+        assert "f32[32,32]" in text, (what, text)
+    # a rank mismatch between names and the initializer's result is named
+    with nn.sharding_rules(rules, mesh):
+        try:
+            nn.with_partitioning(init, ("embed",))(jax.random.key(0), (4, 8))
+        except ValueError as e:
+            assert "has 1 entries but the initializer returned an array of shape (4, 8)" in str(e), e
+        else:
+            raise AssertionError("rank mismatch not detected")
+
     # 3. abstract model for checkpoint restore
     abstract = nn.abstract_model(Lin, nn.Rngs(0), mesh=mesh, rules=rules)
     a = abstract.kernel.value

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cairn.nn._variables import Variable, with_metadata
@@ -51,16 +52,93 @@ def with_partitioning(
     """Wrap ``initializer`` so the Variable built from its result carries
     ``sharding_names`` (one logical axis name, or None, per array dim).
 
+    Called eagerly with a mesh (given here or from an enclosing :func:`sharding_rules`),
+    the initializer runs as a compiled function whose output is the ``NamedSharding``
+    of those names, so each device computes and stores only its own shard: the full
+    array never exists on one device. Inside a trace (``nn.jit``, ``sharded_init``)
+    it runs as is and the Variable gets a sharding constraint.
+
     >>> import jax, jax.numpy as jnp
     >>> from cairn import nn
     >>> init = nn.with_partitioning(lambda key, shape: jnp.zeros(shape), ("embed", "mlp"))
     >>> nn.Param(init(jax.random.key(0), (2, 3))).sharding_names
     ('embed', 'mlp')
     """
-    md = {"sharding_names": tuple(sharding_names), **metadata}
+    names = tuple(sharding_names)
+    md = {"sharding_names": names, **metadata}
     if mesh is not None:
         md["mesh"] = mesh
-    return with_metadata(initializer, **md)
+
+    def init(*args, **kwargs):
+        target = _eager_target(names, mesh, args, kwargs)
+        if target is None:
+            return initializer(*args, **kwargs)
+        return _born_sharded(initializer, names, target, args, kwargs)
+
+    init.__wrapped__ = initializer
+    return with_metadata(init, **md)
+
+
+# compiled initializers keyed by (initializer, static arguments, sharding)
+_BORN_SHARDED: dict[Any, Callable] = {}
+
+
+def _eager_target(names: tuple, mesh: Any, args, kwargs) -> NamedSharding | None:
+    """The sharding an eager initializer call should produce directly, or None (no
+    mesh in scope, or traced arguments: a trace places values by constraint)."""
+    ctx = current_rules()
+    if mesh is None and ctx is None:
+        return None
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    ctx_mesh, rules = ctx if ctx is not None else (None, None)
+    mesh = mesh if mesh is not None else ctx_mesh
+    if mesh is None:
+        return None
+    if rules is None:
+        from cairn.core_array import LogicalAxisRules
+
+        rules = LogicalAxisRules([(n, n) for n in names if n is not None])
+    return _sharding_for(names, len(names), mesh, rules)
+
+
+def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, args, kwargs):
+    """``initializer(*args, **kwargs)`` computed by a jitted function with
+    ``out_shardings=target``: arrays in the arguments (keys) are traced, everything else
+    (shapes, dtypes) is static and part of the cache key."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    is_dyn = tuple(isinstance(x, jax.Array | np.ndarray) for x in leaves)
+    static = tuple(None if d else x for d, x in zip(is_dyn, leaves))
+    dyn = [x for d, x in zip(is_dyn, leaves) if d]
+    try:
+        key = (initializer, treedef, is_dyn, static, target)
+        hash(key)
+    except TypeError:
+        key = None
+    fn = _BORN_SHARDED.get(key) if key is not None else None
+    if fn is None:
+
+        def call(dyn_values):
+            it = iter(dyn_values)
+            full = [next(it) if d else x for d, x in zip(is_dyn, static)]
+            a, kw = treedef.unflatten(full)
+            return initializer(*a, **kw)
+
+        out = jax.eval_shape(call, dyn)
+        if not isinstance(out, jax.ShapeDtypeStruct):  # not one array: no placement
+            return initializer(*args, **kwargs)
+        if len(out.shape) != len(names):
+            raise ValueError(
+                f"with_partitioning: sharding_names {names} has {len(names)} entries but "
+                f"the initializer returned an array of shape {out.shape}"
+            )
+        fn = jax.jit(call, out_shardings=target)
+        if key is not None:
+            if len(_BORN_SHARDED) > 512:
+                _BORN_SHARDED.clear()
+            _BORN_SHARDED[key] = fn
+    return fn(dyn)
 
 
 def _names_of(metadata: dict) -> tuple | None:
