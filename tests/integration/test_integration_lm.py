@@ -182,3 +182,115 @@ def test_cli_stops_before_training_on_a_bad_config(tmp_path):
     assert out.returncode == 2
     assert "optim.lr" in out.stderr and "learning_rate" in out.stderr
     assert not run_dir.exists(), "nothing may be written before the config is valid"
+
+
+def _cli(run_dir, steps, *extra):
+    """The recipe's command line, as a user runs it (a fresh interpreter)."""
+    sets = [*TINY, f'run.dir="{run_dir}"', f"train.steps={steps}", *extra]
+    return [sys.executable, str(LM / "train.py"), "--quiet", "--set", *sets]
+
+
+def _committed_steps(ckpt_dir) -> list[int]:
+    """Committed steps, read from the directory alone (opening a manager would clean up the
+    running process's temporary step)."""
+    if not ckpt_dir.exists():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and (p / "COMMIT").exists())
+
+
+@pytest.mark.multiprocess
+def test_sigkill_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
+    """A real kill, not a clean stop: SIGKILL the training process (data workers included)
+    once a checkpoint is committed and the run is past it, then `--resume`. The final
+    parameters, optimizer state and data position equal those of a run never interrupted."""
+    import signal
+    import time
+
+    steps = 60
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    extra = ["checkpoint.every=4", "checkpoint.max_to_keep=3", "data.num_workers=2"]
+    subprocess.run(_cli(full_dir, steps, *extra), check=True, timeout=600, capture_output=True)
+
+    proc = subprocess.Popen(_cli(cut_dir, steps, *extra), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    killed_after = None
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = _committed_steps(cut_dir / "checkpoints")
+            if done and done[-1] >= 8:
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed_after = done[-1]
+                break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert killed_after is not None, "the run ended before it could be killed: " + proc.stderr.read().decode()[-2000:]
+    assert killed_after < steps, "killed too late to interrupt anything"
+    assert proc.returncode == -signal.SIGKILL
+
+    out = subprocess.run(_cli(cut_dir, steps, *extra) + ["--resume"], timeout=600, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = json.loads((cut_dir / "metrics.json").read_text())
+    assert resumed["resumed_from"] is not None and resumed["resumed_from"] >= killed_after
+    a, b = _restore_step(full_dir, steps), _restore_step(cut_dir, steps)
+    _assert_trees_equal(a["model"], b["model"], "parameters")
+    _assert_trees_equal(a["optimizer"], b["optimizer"], "optimizer state")
+    assert a["data"] == b["data"], "data iterator state"
+
+
+_TWO_PROCESS = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.argv = [sys.argv[0]] + sys.argv[1:]
+sys.path.insert(0, {lm!r})
+import train
+sys.exit(train.main())
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_through_jax_distributed(tmp_path):
+    """The same config launched as two processes (two CPU devices each) joined by
+    jax.distributed: each process reads its own shard of the records and feeds its rows of
+    the global batch; the run learns, checkpoints once for both processes, and resumes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+
+    def launch(steps, *extra):
+        procs = []
+        for pid in range(2):
+            args = ["--quiet", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                    "--process-id", str(pid), "--set", *TINY, f'run.dir="{run_dir}"',
+                    f"train.steps={steps}", "data.num_workers=0"]
+            code = _TWO_PROCESS.format(lm=str(LM))
+            procs.append(subprocess.Popen([sys.executable, "-c", code, *args, *extra],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=300))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        return json.loads((run_dir / "metrics.json").read_text())
+
+    first = launch(6)
+    assert first["processes"] == 2 and first["devices"] == 4 and first["mesh"] == {"data": 4, "model": 1}
+    losses = [v for _, v in first["curve"]]
+    assert len(losses) == 6 and np.isfinite(losses).all()
+    assert _committed_steps(run_dir / "checkpoints") == [3, 6]
+    # one step directory for both processes; each wrote the data-iterator state of its own shard
+    second = launch(9, "--resume")
+    assert second["resumed_from"] == 6 and second["steps"] == 9
+    assert _committed_steps(run_dir / "checkpoints")[-1] == 9
