@@ -271,8 +271,10 @@ def _unitwise_norm(x, axis=None):
         return jnp.sqrt(jnp.sum(x * x))
     if x.ndim in (2, 3):
         ax = 0
-    elif x.ndim == 4:
+    elif x.ndim == 4:  # conv kernels HWIO
         ax = (0, 1, 2)
+    elif x.ndim == 5:  # 3-D conv kernels DHWIO
+        ax = (0, 1, 2, 3)
     else:
         raise ValueError(f"adaptive_grad_clip: unsupported parameter rank {x.ndim} "
                          f"(shape {x.shape}); pass `axis`")

@@ -20,6 +20,7 @@ from cairn.optim._base import (
     EmptyState,
     check_scalar,
     eval_schedule,
+    identity,
     packed_transformation,
 )
 from cairn.optim._packing import Packed
@@ -150,13 +151,17 @@ class ScaleByLearningRateState(NamedTuple):
     learning_rate: jax.Array
 
 
-def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True):
+def scale_by_learning_rate(learning_rate=None, *, flip_sign: bool = True):
     """:math:`u \\leftarrow -\\eta_t\\,u` (or :math:`+\\eta_t u` when ``flip_sign=False``).
+
+    ``learning_rate=None`` means no scaling (an :func:`identity`, as in Optax).
 
     ``learning_rate`` is a float or a schedule ``step -> value``. The value lives in
     the state (``state.learning_rate``), so it is a traced value: changing it with
     :func:`set_hyperparams` does not recompile, and :func:`get_hyperparams` reads it.
     """
+    if learning_rate is None:
+        return identity()
     check_scalar("learning_rate", learning_rate)
     sign = -1.0 if flip_sign else 1.0
 
@@ -374,9 +379,26 @@ class ScaleByLionState(NamedTuple):
     mu: Packed
 
 
-def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None):
+def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None, *, mode: str = "hard",
+                  smooth_beta: float = 1.0):
     """Lion: :math:`u_t = \\mathrm{sign}((1-\\beta_1) g_t + \\beta_1 m_{t-1})`,
-    :math:`m_t = \\beta_2 m_{t-1} + (1-\\beta_2) g_t`."""
+    :math:`m_t = \\beta_2 m_{t-1} + (1-\\beta_2) g_t`.
+
+    ``mode`` picks the sign variant applied to :math:`x = (1-\\beta_1) g_t + \\beta_1
+    m_{t-1}` (as Optax): ``"hard"`` :math:`\\mathrm{sign}(x)`, ``"smooth"``
+    :math:`\\tanh(\\beta_s x)` with ``smooth_beta`` :math:`\\beta_s`, ``"refined"``
+    :math:`x` where :math:`|x| < 1`, else :math:`\\mathrm{sign}(x)`.
+    """
+    if mode not in ("hard", "smooth", "refined"):
+        raise ValueError(f"scale_by_lion: mode must be one of 'hard', 'smooth', 'refined', "
+                         f"got {mode!r}")
+
+    def comb(x):
+        if mode == "hard":
+            return jnp.sign(x)
+        if mode == "smooth":
+            return jnp.tanh(smooth_beta * x)
+        return jnp.where(jnp.abs(x) < 1.0, x, jnp.sign(x))
 
     def init(layout, params):
         return ScaleByLionState(jnp.zeros([], jnp.int32),
@@ -386,7 +408,7 @@ def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None):
         _check(u, state.mu, "scale_by_lion")
 
         def step(g, m0):
-            return jnp.sign((1.0 - b1) * g + b1 * m0), (1 - b2) * g + b2 * m0
+            return comb((1.0 - b1) * g + b1 * m0), (1 - b2) * g + b2 * m0
 
         out, (mu,) = _step_buffers(u, (state.mu,), step)
         return out, ScaleByLionState(safe_increment(state.count), mu)

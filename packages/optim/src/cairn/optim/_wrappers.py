@@ -114,12 +114,15 @@ class MultiSteps:
     the gradients, emitting zero updates in between.
 
     One packed accumulator (one buffer per dtype group) is the only extra memory; the
-    inner update runs under ``lax.cond`` only on the k-th mini-step.
+    inner update runs under ``lax.cond`` only on the k-th mini-step. ``accumulator_dtype``
+    defaults to float32, as in Optax (``None`` keeps each group's own dtype, e.g. a bf16
+    accumulator for bf16 params); the accumulated mean is cast back to the gradients'
+    dtype before the inner update.
     """
 
     def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
                  use_grad_mean: bool = True, should_skip_update_fn: Callable | None = None,
-                 accumulator_dtype=None):
+                 accumulator_dtype=jnp.float32):
         if not callable(every_k_schedule):
             k = int(every_k_schedule)
             if k < 1:
