@@ -519,9 +519,10 @@ class _PackIterator(DatasetIterator):
 
     def get_state(self) -> dict:
         if self._pending or self._skip:
+            # Right after set_state the restored rows not yet dropped count as emitted.
             return {
                 "parent": self._pending_start,
-                "emitted": self._emitted,
+                "emitted": self._emitted + self._skip,
                 "window": self._pending_window,
             }
         if self._bins:

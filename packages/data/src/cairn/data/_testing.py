@@ -10,12 +10,18 @@ import numpy as np
 __all__ = ["assert_equal_output_after_checkpoint"]
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or (
+        hasattr(x, "__array__") and hasattr(x, "shape") and hasattr(x, "dtype")
+    )
+
+
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
         return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+    if _is_array(a) or _is_array(b):  # NumPy arrays, and device arrays (device_put)
         a, b = np.asarray(a), np.asarray(b)
         return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
     return bool(a == b)
@@ -30,8 +36,10 @@ def assert_equal_output_after_checkpoint(
     round trip, as a checkpoint would store it). Then, for every recorded step ``i``, a
     fresh iterator of ``restore_ds`` (default ``ds``; pass e.g. the same pipeline with a
     different number of workers) is restored from state ``i`` and must yield exactly
-    elements ``i, i+1, ...`` to the end. Raises ``AssertionError`` naming the first step
-    and element that differ.
+    elements ``i, i+1, ...`` to the end. Right after ``set_state`` its ``get_state()``
+    must return the restored state (a checkpoint taken right after resuming must
+    neither skip nor repeat data). Raises ``AssertionError`` naming the first step and
+    element that differ.
     """
     restore_ds = ds if restore_ds is None else restore_ds
     it = iter(ds)
@@ -54,6 +62,12 @@ def assert_equal_output_after_checkpoint(
         it2 = iter(restore_ds)
         try:
             it2.set_state(st)
+            again = json.loads(json.dumps(it2.get_state()))
+            if again != st:
+                raise AssertionError(
+                    f"restored from the state before element {i}: get_state() right after "
+                    f"set_state returned {again!r}, expected the restored state {st!r}"
+                )
             for j in range(i, len(values)):
                 try:
                     got = next(it2)
