@@ -320,3 +320,42 @@ def test_packing_state_right_after_a_restore_is_the_restored_state():
     third = iter(ds)
     third.set_state(again.get_state())  # checkpoint saved right after resuming
     assert [[a.tolist() for a in r] for r in third] == rest and len(rows) == 4
+
+
+def _record_id(r):
+    return r["id"]
+
+
+@pytest.mark.multiprocess
+def test_sharded_state_resumes_on_another_host_count_and_worker_count():
+    """Hosts read their rows of each global batch (shard_global_batches). A state saved
+    after any step on 2 hosts with 2 workers each restores on 3 hosts and on 1 host with
+    0 workers (and on 6 hosts with 1 worker), and the hosts together yield the same
+    remaining global batches."""
+    g = 6
+    base = MapDataset.source([_record(i) for i in range(100)]).shuffle(seed=7).map(_record_id)
+    ref = [b.tolist() for b in base.batch(g, drop_remainder=True)]
+
+    def host(i, n, workers=0):
+        ds = base.shard_global_batches(g, i, n).to_iter_dataset(ReadOptions(chunk_records=12))
+        return ds.mp_prefetch(workers)
+
+    its = [iter(host(h, 2, workers=2)) for h in range(2)]
+    states = []
+    for step in range(len(ref)):
+        st = [json.loads(json.dumps(it.get_state())) for it in its]
+        assert st[0] == st[1]  # every host is at the same global batch
+        states.append(st[0])
+        assert sum((next(it).tolist() for it in its), []) == ref[step]
+    assert all(next(it, None) is None for it in its)
+    for it in its:
+        it.close()
+    for step, st in enumerate(states):
+        for n, workers in ((3, 0), (1, 0)) + (((6, 1),) if step in (0, 7) else ()):
+            parts = []
+            for h in range(n):
+                with iter(host(h, n, workers)) as it:
+                    it.set_state(st)
+                    parts.append([b.tolist() for b in it])
+            assert [sum(rows, []) for rows in zip(*parts)] == ref[step:], (step, n)
+            assert all(len(p) == len(ref) - step for p in parts)

@@ -1,5 +1,6 @@
 """Worker processes: errors, killed workers, shared memory, shutdown, start methods."""
 
+import gc
 import os
 import signal
 import time
@@ -181,3 +182,64 @@ def test_worker_init_error_is_reported():
         list(it)
     assert "worker_init_fn" in str(info.value.__cause__)
     it.close()
+
+
+def _shm_listing():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _new_segments_that_stay(before, grace_s=5.0):
+    """Entries of /dev/shm that are new since ``before`` and still there after a grace
+    period (other tests running at the same time create segments that go away again; a
+    leaked one stays)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        new = _shm_listing() - before
+        if not new or time.monotonic() > deadline:
+            return sorted(new)
+        time.sleep(0.1)
+
+
+def _fail_on_40(x):
+    if x == 40:
+        raise ValueError("bad record 40")
+    return np.full(64, x, np.float32)
+
+
+def _as_array(x):
+    return np.full(64, x, np.float32)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dev_shm_listing_unchanged_after_every_way_an_iterator_ends(method):
+    """List /dev/shm before and after: consumed to the end, closed mid-stream, dropped
+    without close(), stopped by an error in a worker, and after a SIGKILLed worker."""
+    opts = MultiprocessingOptions(num_workers=2, start_method=method)
+    ds = (
+        MapDataset.range(400).map(_as_array).batch(8).to_iter_dataset(ReadOptions(chunk_records=16))
+    )
+    failing = MapDataset.range(400).map(_fail_on_40).to_iter_dataset(ReadOptions(chunk_records=8))
+    before = _shm_listing()
+
+    assert len(list(ds.mp_prefetch(opts))) == 50  # to the end
+    it = iter(ds.mp_prefetch(opts))
+    next(it)
+    it.close()  # mid-stream
+    it = iter(ds.mp_prefetch(opts))
+    next(it)
+    del it  # dropped without close()
+    gc.collect()
+    it = iter(failing.mp_prefetch(opts))
+    with pytest.raises(ValueError, match="bad record 40"):
+        list(it)
+    it.close()
+    it = iter(ds.mp_prefetch(opts))
+    for _ in range(3):  # the workers are up (spawned ones have attached)
+        next(it)
+    os.kill(it.worker_pids[0], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        for _ in range(100):
+            next(it)
+    it.close()
+    assert _new_segments_that_stay(before) == []
