@@ -100,6 +100,31 @@ def stage_list(ds: MapDataset) -> list[MapDataset]:
     return out
 
 
+def bad_record_counts(stages: list[MapDataset]) -> list[int]:
+    """Each stage's source ``bad_records`` counter (0 for other stages). Worker processes
+    send the growth of these counters back with each chunk, so the sources in the main
+    process count the records skipped in every process."""
+    out = []
+    for d in stages:
+        n = getattr(getattr(d, "_source", None), "bad_records", 0)
+        out.append(n if isinstance(n, int) else 0)
+    return out
+
+
+def add_bad_records(stages: list[MapDataset], deltas: list[int]) -> None:
+    """Add ``deltas`` (from :func:`bad_record_counts` in a worker) to the main process's
+    source counters."""
+    for d, n in zip(stages, deltas):
+        if n:
+            src = d._source
+            lock = getattr(src, "_lock", None)
+            if lock is not None:
+                with lock:
+                    src.bad_records += n
+            else:
+                src.bad_records += n
+
+
 class profiling:  # noqa: N801 (a context manager used like a function)
     """Within the block, MapDataset reads on this thread add to ``profile``."""
 

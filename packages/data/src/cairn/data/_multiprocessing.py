@@ -44,7 +44,14 @@ from cairn.data._iter_dataset import (
     chunk_plan,
     read_chunk,
 )
-from cairn.data._map_dataset import MapDataset, StageProfile, _int_at_least
+from cairn.data._map_dataset import (
+    MapDataset,
+    StageProfile,
+    _int_at_least,
+    add_bad_records,
+    bad_record_counts,
+    stage_list,
+)
 
 __all__ = ["MultiprocessingOptions", "MPPrefetchIterDataset", "WorkerDiedError", "RemoteTraceback"]
 
@@ -159,6 +166,7 @@ class _Worker:
         # they should not be small: 512 records keeps the per-call cost below ~2% while a
         # stale sub-chunk still ends within milliseconds.
         self.sub = max(1, 512 // max(1, ds._records_per_element()))
+        self.stages = stage_list(ds)
 
     def handle(self, msg) -> None:
         kind = msg[0]
@@ -224,6 +232,7 @@ class _Worker:
         err = None
         self.restarted = False
         prof = StageProfile(self.ds)
+        bad_before = bad_record_counts(self.stages)
         try:
             for a in range(bounds[0], bounds[1], self.sub):
                 vals, err = read_chunk(self.ds, a, min(a + self.sub, bounds[1]), prof)
@@ -244,7 +253,8 @@ class _Worker:
         raws = [b.raw() for b in pbufs]
         sizes = [r.nbytes for r in raws]
         total = sum(-(-x // _ALIGN) * _ALIGN for x in sizes)
-        dt = (time.perf_counter() - t0, prof.as_list())
+        bad = [b - a for a, b in zip(bad_before, bad_record_counts(self.stages))]
+        dt = (time.perf_counter() - t0, prof.as_list(), bad if any(bad) else None)
         if self.free and total <= self.slot_bytes:
             slot = self.free.pop()
             off = slot * self.slot_bytes
@@ -386,6 +396,7 @@ class MPRootIterator(_ChunkedRootIterator):
         self._main_time = 0.0
         self._main_chunks = 0
         self._stats.capacity = self._n * options.per_worker_buffer_size
+        self._stages = stage_list(ds)
         self._reset(0)
 
     # ------------------------------------------------------------ control
@@ -570,6 +581,8 @@ class MPRootIterator(_ChunkedRootIterator):
                 values = self._decode(w, slot, data, sizes)
                 self._worker_time[w] += dt[0]
                 self._profile.merge(dt[1])
+                if dt[2] is not None:  # records the sources skipped in the worker
+                    add_bad_records(self._stages, dt[2])
                 self._worker_chunks[w] += 1
                 assert ck == k and bounds is not None, (ck, k, bounds)
                 self._k += 1
