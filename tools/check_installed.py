@@ -2,10 +2,13 @@
 
     python tools/check_installed.py <package> [--wheel]
 
-Fails when the import fails, when a sibling cairn package other than core_array is
-importable in this environment (the package must not need it), or, for core_array and
-data, when JAX is installed or gets imported (they must work without it). With
-``--wheel``, also checks the module comes from site-packages, not the source tree.
+Fails when the import fails; when ``cairn`` is not a PEP 420 namespace; when a sibling
+cairn package other than core_array is importable in this environment (the package must
+not need it); when ``__all__`` is empty or names something missing; when ``__version__``
+differs from the installed distribution's version; and, for core_array and data, when
+importing the package imports JAX. With ``--wheel`` (the fresh venvs of ``nox -s build``)
+also when the module does not come from site-packages, or when JAX is installed next to
+core_array or data at all.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import pkgutil
 import sys
 
 JAX_FREE = {"core_array", "data"}
@@ -34,11 +38,21 @@ def main() -> int:
             f"cairn.{pkg}.__version__ is {getattr(mod, '__version__', None)!r}, but the installed "
             f"distribution {dist} is {installed!r}: bump both together"
         )
+    cairn = sys.modules["cairn"]
+    if getattr(cairn, "__file__", None) is not None:
+        problems.append(f"cairn is a regular package ({cairn.__file__}); it must be a PEP 420 namespace")
+    siblings = sorted({m.name for m in pkgutil.iter_modules(cairn.__path__)} - {pkg, "core_array"})
+    if siblings:
+        problems.append(
+            f"sibling packages are importable next to cairn.{pkg}: "
+            + ", ".join(f"cairn.{s}" for s in siblings)
+            + f"; install cairn-{pkg.replace('_', '-')} alone to prove it does not need them"
+        )
     if "--wheel" in sys.argv and "site-packages" not in (mod.__file__ or ""):
         problems.append(f"cairn.{pkg} imported from {mod.__file__}, not from the installed wheel")
     if pkg in JAX_FREE:
         if "--wheel" in sys.argv and importlib.util.find_spec("jax") is not None:
-            problems.append(f"JAX is installed alongside cairn-{pkg}, which must not need it")
+            problems.append(f"JAX is installed alongside {dist}, which must not need it")
         if "jax" in sys.modules:
             problems.append(f"importing cairn.{pkg} imported jax")
     if problems:
