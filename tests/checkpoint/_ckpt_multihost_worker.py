@@ -24,6 +24,9 @@ mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 x = jax.make_array_from_callback(GLOBAL.shape, NamedSharding(mesh, P("data", "model")), lambda i: GLOBAL[i])
 r = jax.make_array_from_callback(ROW.shape, NamedSharding(mesh, P()), lambda i: ROW[i])  # replicated
 
+BIG = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)  # 4 MiB, 4 blocks of 1 MiB
+big = jax.make_array_from_callback(BIG.shape, NamedSharding(mesh, P("data", "model")), lambda i: BIG[i])
+
 mngr = cc.CheckpointManager(directory, cc.CheckpointManagerOptions(enable_async=True))
 
 
@@ -38,7 +41,7 @@ class It:
         self.pos = s["pos"]
 
 
-mngr.save(5, {"params": {"x": x, "r": r, "note": "hello"}, "data": It(100 + pid)})
+mngr.save(5, {"params": {"x": x, "r": r, "note": "hello"}, "data": It(100 + pid), "big": {"w": big}})
 mngr.wait_until_finished()
 assert mngr.all_steps() == [5]
 
@@ -64,5 +67,21 @@ for shard in got["params"]["x"].addressable_shards:
 for shard in got["params"]["r"].addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), ROW[shard.index])
 assert got["params"]["note"] == "hello" and it.pos == 100 + pid
+
+
+def bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+# each process needs half the rows of "big" on the new mesh (two of its four 1 MiB blocks):
+# it reads those chunks only, from whichever process's database holds them
+before = bytes_read()
+rows = NamedSharding(mesh2, P("all", None))
+gotbig = mngr.restore(items={"big": {"w": jax.ShapeDtypeStruct(BIG.shape, np.float32, sharding=rows)}})
+read = bytes_read() - before
+for shard in gotbig["big"]["w"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), BIG[shard.index])
+assert 2 * 2**20 <= read < 2.5 * 2**20, read
 mngr.close()
 print("OK", pid, flush=True)

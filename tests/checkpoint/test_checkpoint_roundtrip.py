@@ -176,6 +176,15 @@ def test_restore_to_jax_targets(tmp_path):
     np.testing.assert_array_equal(np.asarray(got), x)
     got2 = cc.restore(tmp_path / "c", {"x": jax.sharding.SingleDeviceSharding(dev)})["x"]
     np.testing.assert_array_equal(np.asarray(got2), x)
+    # an ArraySpec with a partition spec becomes a NamedSharding on the given mesh
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = ArraySpec((8, 4), "bfloat16", sharding=("data", None))
+    got3 = cc.restore(tmp_path / "c", {"x": spec}, mesh=mesh, cast=True)["x"]
+    assert isinstance(got3, jax.Array) and got3.dtype == jnp.bfloat16
+    assert got3.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    np.testing.assert_array_equal(np.asarray(got3), x.astype(ml_dtypes.bfloat16))
+    with pytest.raises(cc.TargetMismatchError, match=r"dtype differs at 'x'.*cast=True"):
+        cc.restore(tmp_path / "c", {"x": spec}, mesh=mesh)
 
 
 def test_bad_leaf_and_existing_directory_errors(tmp_path):
@@ -232,3 +241,24 @@ def test_async_checkpointer_snapshot_and_errors(tmp_path):
         ck2.wait_until_finished()
     ck2.wait_until_finished()  # raised once, then clear
     assert not os.path.exists(tmp_path / "e")
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read()/pread() so far (page-cache hits included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_partial_restore_reads_only_the_chosen_leaves(tmp_path):
+    mib = 1 << 20
+    tree = {f"l{i}": {"w": np.full((mib // 4,), i, np.float32)} for i in range(8)}  # 8 x 1 MiB
+    cc.save(tmp_path / "c", tree)
+    before = _bytes_read()
+    got = cc.restore(tmp_path / "c", paths=r"l3/w")
+    read = _bytes_read() - before
+    np.testing.assert_array_equal(got["l3"]["w"], tree["l3"]["w"])
+    assert mib <= read < 1.25 * mib, read  # one leaf's chunk plus JSON and OCDBT index
+    before = _bytes_read()
+    got = cc.restore(tmp_path / "c", {"l5": {"w": np.zeros(mib // 4, np.float32)}}, partial=True)
+    read = _bytes_read() - before
+    assert set(got) == {"l5"} and mib <= read < 1.25 * mib, read
