@@ -134,6 +134,41 @@ def test_unflatten_lists_every_difference():
     assert "unexpected 2" in msg and "'c'" in msg and "'d'" in msg
 
 
+def test_none_template_is_the_empty_tree():
+    assert flatten_with_paths(None) == {}
+    assert unflatten({}, like=None) is None
+    with pytest.raises(PathError, match="unexpected 1: 'a'"):
+        unflatten({"a": 1}, like=None)
+    assert unflatten({}, like={"a": [], "b": {}, "c": ()}) == {"a": [], "b": {}, "c": ()}
+
+
+@pytest.mark.parametrize(
+    "flat, fragment",
+    [
+        ({"a//b": 1}, "empty component"),
+        ({"/a": 1}, "empty component"),
+        ({"a/": 1}, "empty component"),
+        ({("a",): 1}, "is a tuple, expected a str"),
+        ({3: 1}, "is a int, expected a str"),
+    ],
+)
+def test_unflatten_without_like_rejects_bad_paths(flat, fragment):
+    with pytest.raises(PathError, match=fragment):
+        unflatten(flat)
+
+
+def test_unflatten_needs_a_mapping():
+    with pytest.raises(PathError, match="expects a mapping"):
+        unflatten([("a", 1)])
+
+
+def test_is_leaf_sees_none():
+    tree = {"a": None, "b": [None, 1]}
+    is_none = lambda x: x is None  # noqa: E731
+    assert flatten_with_paths(tree, is_leaf=is_none) == {"a": None, "b/0": None, "b/1": 1}
+    assert unflatten({"a": 1, "b/0": 2, "b/1": 3}, like=tree, is_leaf=is_none) == {"a": 1, "b": [2, 3]}
+
+
 def test_unflatten_without_like_conflicts():
     with pytest.raises(PathError, match="below leaf 'a'"):
         unflatten({"a": 1, "a/b": 2})
@@ -168,24 +203,47 @@ def test_is_leaf():
 # ---- hypothesis: exact round trip over random nested containers ----
 
 keys = st.text(alphabet="abcdefghij_0123456789", min_size=1, max_size=4)
-leaves = st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=3))
+leaves = st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=3), st.none())
 trees = st.recursive(
     leaves,
     lambda children: st.one_of(
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
         st.dictionaries(keys, children, max_size=4),
+        st.dictionaries(keys, children, max_size=4).map(lambda d: OrderedDict(reversed(list(d.items())))),
+        st.dictionaries(st.integers(0, 99), children, max_size=3),
         st.builds(Point, children, children),
+        st.builds(Block, children, children),
     ),
     max_leaves=25,
 )
+
+
+def _same_types(a, b):
+    """``==`` ignores container types (a list equals nothing but a list, but an OrderedDict
+    equals a dict and a namedtuple equals a tuple); check the types along the way too."""
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, dict):
+        # a plain dict comes back in sorted-key order, as from jax.tree_util;
+        # an OrderedDict keeps its order
+        assert list(a) == list(b) if isinstance(a, OrderedDict) else set(a) == set(b)
+        for k in a:
+            _same_types(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b):
+            _same_types(x, y)
+    elif isinstance(a, Block):
+        _same_types(a.kernel, b.kernel)
+        _same_types(a.bias, b.bias)
 
 
 @settings(max_examples=60, deadline=None)
 @given(trees)
 def test_round_trip_is_exact(tree):
     flat = flatten_with_paths(tree)
-    assert unflatten(flat, like=tree) == tree
+    back = unflatten(flat, like=tree)
+    assert back == tree
+    _same_types(back, tree)
     # every path is distinct and uses only the separator between components
     assert len(flat) == len(set(flat))
     assert all(not p.startswith("/") and "//" not in p for p in flat)

@@ -141,13 +141,14 @@ def _children(x: Any, prefix: str) -> tuple[list[tuple[str, Any]], Callable[[lis
 
 def _walk(x: Any, prefix: str, is_leaf, out: dict, rebuild_mode: bool, source=None):
     """Flatten into ``out``; when ``rebuild_mode``, return ``x`` rebuilt with leaves from ``source``."""
-    if x is None:
-        return None
+    # is_leaf first, as in JAX: ``is_leaf=lambda x: x is None`` makes None a leaf
     if is_leaf is not None and is_leaf(x):
         if rebuild_mode:
             return source(prefix)
         _add(out, prefix, x)
         return x
+    if x is None:
+        return None
     ch = _children(x, prefix)
     if ch is None:
         if rebuild_mode:
@@ -208,20 +209,32 @@ def _difference_message(expected: Iterable[str], got: Iterable[str], what: str) 
     return "; ".join(parts)
 
 
-def unflatten(flat: Mapping[str, Any], like: Any = None, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+class _NoLike:
+    def __repr__(self) -> str:
+        return "<no template>"
+
+
+_NO_LIKE: Any = _NoLike()
+
+
+def unflatten(flat: Mapping[str, Any], like: Any = _NO_LIKE, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Rebuild a tree from ``{path: leaf}``.
 
     With ``like``, the result has exactly ``like``'s structure (containers, namedtuples,
     dataclasses, registered pytrees) and every path of ``like`` must be present in
     ``flat`` and nothing else; otherwise :class:`PathError` lists every difference.
-    Without ``like``, the result is nested dicts keyed by the path components.
+    ``like=None`` is the empty tree (``None`` has no leaves), so ``flat`` must be empty.
+    Without ``like``, the result is nested dicts keyed by the path components; every
+    path must then be a string of non-empty components.
 
     >>> unflatten({"a/0": 1, "a/1": 2}, like={"a": [0, 0]})
     {'a': [1, 2]}
     >>> unflatten({"a/x": 1, "b": 2})
     {'a': {'x': 1}, 'b': 2}
     """
-    if like is not None:
+    if not isinstance(flat, Mapping):
+        raise PathError(f"unflatten expects a mapping of path -> leaf, got {type(flat).__name__}")
+    if like is not _NO_LIKE:
         template = flatten_with_paths(like, is_leaf=is_leaf)
         msg = _difference_message(template.keys(), flat.keys(), "unflatten")
         if msg:
@@ -233,7 +246,11 @@ def unflatten(flat: Mapping[str, Any], like: Any = None, is_leaf: Callable[[Any]
         return flat[""]
     root: dict = {}
     for path, leaf in flat.items():
+        if not isinstance(path, str):
+            raise PathError(f"unflatten: path {path!r} is a {type(path).__name__}, expected a str like 'a/0/b'")
         parts = path.split(SEPARATOR)
+        if "" in parts:
+            raise PathError(f"unflatten: path {path!r} has an empty component (leading, trailing or doubled {SEPARATOR!r})")
         node = root
         for i, part in enumerate(parts[:-1]):
             nxt = node.setdefault(part, {})
