@@ -207,6 +207,16 @@ def test_protocols_are_duck_typed():
 
     assert isinstance(It(), Checkpointable) and not isinstance(object(), Checkpointable)
     assert isinstance(Tx(), GradientTransformationLike)
+
+    class OnlyInit:
+        def init(self, params):
+            return ()
+
+    assert not isinstance(OnlyInit(), GradientTransformationLike) and not isinstance(Tx(), Checkpointable)
+    import typing
+
+    for proto in (Checkpointable, GradientTransformationLike):
+        assert typing.Protocol in proto.__mro__ and getattr(proto, "_is_runtime_protocol", False)
     optax = pytest.importorskip("optax")
     assert isinstance(optax.adam(1e-3), GradientTransformationLike)
 
