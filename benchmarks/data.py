@@ -180,6 +180,29 @@ PACK_BATCH = 32
 PACK_BATCHES = 200
 
 
+def read_cost_us(reads: list[tuple], per_call: int, records: int = 20_000) -> list[float]:
+    """Microseconds per record to read ``records`` records at uniformly random indices,
+    ``per_call`` indices per ``read(indices)`` call, for each ``(read, length)`` in
+    ``reads``. The sources are measured in alternating passes (7 each, after a warm-up
+    pass) and each gets its fastest pass, so load from other processes on a shared
+    machine does not fall on one source more than the other."""
+    rng = np.random.default_rng(1)
+    plans = [
+        [rng.integers(0, length, per_call) for _ in range(max(1, records // per_call))]
+        for _, length in reads
+    ]
+    best = [float("inf")] * len(reads)
+    for rep in range(8):
+        for k, ((read, _), calls) in enumerate(zip(reads, plans)):
+            t0 = time.perf_counter()
+            for idx in calls:
+                read(idx)
+            dt = (time.perf_counter() - t0) / (len(calls) * per_call) * 1e6
+            if rep:  # pass 0 warms the readers and the page cache
+                best[k] = min(best[k], dt)
+    return best
+
+
 def pack_inputs(n: int) -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
@@ -365,6 +388,41 @@ def main() -> None:
         ratios["arrayrecord_1_vs_10_shards_cairn"] = ar0["c"] / r["c"]
         ratios["arrayrecord_1_vs_10_shards_grain"] = ar0["g"] / r["g"]
 
+        # The source alone: microseconds per record at random indices from ONE file of n
+        # records vs ONE file of n/10 (shard 0 of the 10-shard set). cairn is read the way
+        # its pipeline reads it (a batched __getitems__ per chunk of 1024 indices); Grain's
+        # MapDataset calls __getitem__ once per record (its batch pushdown is off).
+        big_c, small_c = cd.ArrayRecordDataSource(ar_paths), cd.ArrayRecordDataSource(ar10_paths[0])
+        big_g = grain.sources.ArrayRecordDataSource(ar_paths)
+        small_g = grain.sources.ArrayRecordDataSource(ar10_paths[:1])
+        settle(baseline)
+        c_big, c_small = read_cost_us(
+            [(big_c.__getitems__, len(big_c)), (small_c.__getitems__, len(small_c))], 1024
+        )
+        g_big, g_small = read_cost_us(
+            [
+                (lambda idx: [big_g[i] for i in idx.tolist()], len(big_g)),
+                (lambda idx: [small_g[i] for i in idx.tolist()], len(small_g)),
+            ],
+            64,
+            3000,
+        )
+        shard_cost = {
+            "cairn_big": c_big,
+            "cairn_small": c_small,
+            "grain_big": g_big,
+            "grain_small": g_small,
+        }
+        shard_sizes = (len(big_c), len(small_c))
+        for k, v in shard_cost.items():
+            ratios[f"read_us_per_record_{k}"] = v
+        ratios["read_cost_big_vs_small_shard_cairn"] = (
+            shard_cost["cairn_big"] / shard_cost["cairn_small"]
+        )
+        ratios["read_cost_big_vs_small_shard_grain"] = (
+            shard_cost["grain_big"] / shard_cost["grain_small"]
+        )
+
         # 3. Parquet: cairn reads rows at random; Grain has no random-access Parquet
         # source, so it gets the table loaded into memory first (load time not counted).
         import pyarrow.parquet as pq
@@ -430,6 +488,22 @@ def main() -> None:
     for name, c, g, ratio in rows:
         print(f"{name:52s} {c:10,.0f} {g:10,.0f} {ratio:8.2f}".replace("nan", "  -"))
     print(f"Grain Parquet -> memory load: {g_load:.2f} s (not counted)")
+    big, small = shard_sizes
+    print(
+        f"shard-size independence, ArrayRecord read cost per record at random indices "
+        f"(one {big:,}-record file vs one {small:,}-record file; target ratio ~1.0):"
+    )
+    for lib in ("cairn", "grain"):
+        print(
+            f"  {lib}: {ratios[f'read_us_per_record_{lib}_big']:.2f} us vs "
+            f"{ratios[f'read_us_per_record_{lib}_small']:.2f} us per record, ratio "
+            f"{ratios[f'read_cost_big_vs_small_shard_{lib}']:.2f}"
+        )
+    print(
+        f"  pipeline records/s, 1 file of {big:,} vs 10 files of {small:,}: "
+        f"cairn ratio {ratios['arrayrecord_1_vs_10_shards_cairn']:.2f}, "
+        f"grain ratio {ratios['arrayrecord_1_vs_10_shards_grain']:.2f}"
+    )
     for tag, what in (("", "shuffle_bins=False"), ("_shuffled", "shuffle_bins=True, seed=0")):
         print(
             f"first-fit packing (rows of 64, 8 bins, batch 32, {what} on both): "

@@ -12,9 +12,11 @@ from cairn.data import (
     DataLoader,
     FirstFitPackIterDataset,
     IndexSampler,
+    InMemoryDataSource,
     InterleaveIterDataset,
     IterDataset,
     MapDataset,
+    RangeDataSource,
     ReadOptions,
     ShardOptions,
     assert_equal_output_after_checkpoint,
@@ -45,6 +47,10 @@ def _pipelines():
         "filter_then_batch": base.filter(lambda r: r["id"] % 4 != 1)
         .map(lambda r: r["id"])
         .batch(4),
+        "in_memory_source": MapDataset.source(
+            InMemoryDataSource(np.arange(60).reshape(20, 3))
+        ).shuffle(seed=5),
+        "range_source": MapDataset.source(RangeDataSource(-40, 50, 3)).shuffle(seed=8).batch(4),
         "seed": base.seed(6).shuffle().random_map(lambda r, rng: r["id"] + rng.random()),
         "shard_global_batches": base.shuffle(seed=2).shard_global_batches(6, 1, 3),
     }

@@ -82,6 +82,18 @@ class _Column:
             return self.values[self.offsets[i] : self.offsets[i + 1]]
         return self.values[i]
 
+    def rows(self, idx: list[int]) -> list[Any]:
+        """``[self.row(i) for i in idx]``, without a method call per row."""
+        kind, v = self.kind, self.values
+        if self.mask is not None or kind == "str":
+            return [self.row(i) for i in idx]
+        if kind == "bytes" or kind == "list":
+            o = self.offsets
+            return [v[o[i] : o[i + 1]] for i in idx]
+        if kind == "np" and v.ndim == 1:
+            return list(v[idx])  # NumPy scalars, as v[i] gives
+        return [v[i] for i in idx]
+
     def take(self, idx: np.ndarray) -> list[Any] | np.ndarray:
         """Rows ``idx`` as an array (kinds np/obj/bytes/str) or a list of 1-D arrays
         (kind list)."""
@@ -424,15 +436,28 @@ class ParquetDataSource:
             return []
         g, local = self._locate(idx)
         groups = self._groups(g)
-        out: list[dict[str, Any] | None] = []
+        out: list[dict[str, Any] | None] = [None] * idx.size
         bad = 0
-        for gi, li in zip(g.tolist(), local.tolist()):
-            rg = groups[gi]
+        # Row group by row group, column by column: one list per column, then the dicts.
+        order = np.argsort(g, kind="stable")
+        gs = g[order]
+        cuts = [0, *(np.flatnonzero(gs[1:] != gs[:-1]) + 1).tolist(), idx.size]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            rg = groups[int(gs[a])]
+            pos = order[a:b]
             if rg is None:
-                bad += 1
-                out.append(None)
+                bad += b - a
+                continue
+            li = local[pos].tolist()
+            names = rg.names
+            cols = [c.rows(li) for c in rg.columns]
+            if len(cols) == 1:
+                name = names[0]
+                for p, v in zip(pos.tolist(), cols[0]):
+                    out[p] = {name: v}
             else:
-                out.append(rg.row(li))
+                for p, vals in zip(pos.tolist(), zip(*cols)):
+                    out[p] = dict(zip(names, vals))
         if bad:
             with self._lock:
                 self.bad_records += bad
