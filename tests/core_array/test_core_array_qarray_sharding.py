@@ -87,11 +87,35 @@ def test_qarray_is_a_pytree_and_jits():
         (QuantLayout.per_channel(1), (6, 1), "does not fit"),
         (QuantLayout.per_tile(1, 3), (6, 2), "not a multiple of tile_size"),
         (QuantLayout.per_tile(1, 4), (6, 8), "does not fit"),
+        (QuantLayout.per_channel(2), (1, 8), r"axis 2 is out of range for values of shape \(6, 8\)"),
+        (QuantLayout.per_channel(-3), (6, 1), "axis -3 is out of range"),
+        (QuantLayout.per_tile(5, 2), (3, 8), "per_tile axis 5 is out of range"),
+        (QuantLayout.per_channel(0, -2), (6, 1), "name the same axis twice"),
     ],
 )
 def test_qarray_shape_validation(layout, sshape, fragment):
     with pytest.raises(ValueError, match=fragment):
         QArray(np.zeros((6, 8), np.int8), np.ones(sshape, np.float32), layout=layout)
+    if "range" in fragment:  # a Python scalar scale does not skip the layout check
+        with pytest.raises(ValueError, match="out of range"):
+            QArray(np.zeros((6, 8), np.int8), 0.5, layout=layout)
+
+
+@pytest.mark.parametrize(
+    "qvalue, qtype, fragment",
+    [
+        (np.zeros(4, np.float32), "int4", "qvalue has dtype float32 but qtype is 'int4'"),
+        (np.zeros(4, np.int8), "int4", "qvalue has dtype int8 but qtype is 'int4'"),
+        (np.zeros(2, np.uint8), "uint4", "unpack_bits on packed storage"),
+        (np.zeros(4, "U1"), "int8", "qvalue has dtype <U1"),
+    ],
+)
+def test_qvalue_dtype_must_be_the_qtype(qvalue, qtype, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        QArray(qvalue, np.ones((), np.float32), qtype=qtype)
+    ok = QArray(qvalue.astype(as_numpy_dtype(qtype)) if qvalue.dtype.kind != "U" else np.zeros(4, np.int8),
+                np.ones((), np.float32), qtype=qtype)
+    assert ok.qtype == qtype
 
 
 def test_layout_validation():

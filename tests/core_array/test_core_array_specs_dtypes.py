@@ -35,6 +35,37 @@ def test_table_names_and_bits(name, bits):
     assert bit_width(name) == bits
 
 
+REQUIRED = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int4", "uint4", "int2"]
+
+
+def test_required_low_precision_types_are_in_the_table():
+    names = REQUIRED + (["uint2"] if hasattr(ml_dtypes, "uint2") else [])
+    missing = [n for n in names if n not in DTYPE_TABLE]
+    assert not missing, missing
+    for n in names:
+        assert DTYPE_TABLE[n].dtype == np.dtype(getattr(ml_dtypes, n))
+
+
+@pytest.mark.parametrize("name", sorted(DTYPE_TABLE))
+def test_bits_agree_with_finfo_iinfo(name):
+    """Independent reference: ml_dtypes' finfo / iinfo report the logical bit width."""
+    info = DTYPE_TABLE[name]
+    if info.kind == "float":
+        assert info.bits == ml_dtypes.finfo(info.dtype).bits
+    elif info.kind in ("int", "uint"):
+        assert info.bits == ml_dtypes.iinfo(info.dtype).bits
+        assert (info.kind == "int") == (ml_dtypes.iinfo(info.dtype).min < 0)
+    elif info.kind == "complex":
+        assert info.bits == 8 * info.dtype.itemsize and info.dtype.kind == "c"
+    else:
+        assert info.dtype == np.dtype(bool)
+
+
+@pytest.mark.parametrize("text", ["INT4", " bfloat16 ", "BF16", "Float8_E4M3FN"])
+def test_names_parse_case_and_space_insensitively(text):
+    assert canonical_dtype(text) == canonical_dtype(text.strip().lower().replace("bf16", "bfloat16"))
+
+
 def test_aliases_and_types():
     assert canonical_dtype("bf16") == "bfloat16"
     assert canonical_dtype(ml_dtypes.bfloat16) == "bfloat16"

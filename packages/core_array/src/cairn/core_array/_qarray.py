@@ -65,7 +65,12 @@ class QuantLayout:
     def expected_scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The full (non-broadcast) scale shape for values of ``shape``."""
         nd = len(shape)
-        axes = tuple(a % nd for a in self.axes) if nd else ()
+        bad = [a for a in self.axes if not -nd <= a < nd]
+        if bad:
+            raise ValueError(f"QuantLayout {self.kind} axis {bad[0]} is out of range for values of shape {tuple(shape)}")
+        axes = tuple(a % nd for a in self.axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"QuantLayout {self.kind} axes {self.axes} name the same axis twice for a {nd}-d shape")
         if self.kind == "per_tensor":
             return (1,) * nd
         if self.kind == "per_channel":
@@ -157,12 +162,26 @@ class QArray:
         if not isinstance(self.layout, QuantLayout):
             raise TypeError(f"QArray layout must be a QuantLayout, got {type(self.layout).__name__}")
         jax_tree_util()  # registers QArray as a pytree if JAX is in use
+        vdtype = getattr(self.qvalue, "dtype", None)
+        if vdtype is not None:
+            try:
+                vname = canonical_dtype(vdtype)
+            except ValueError:
+                vname = str(vdtype)
+            if vname != self.qtype:
+                raise ValueError(
+                    f"QArray qvalue has dtype {vname} but qtype is {self.qtype!r}; qvalue holds the "
+                    "quantized type itself, unpacked (use unpack_bits on packed storage)"
+                )
         shape = getattr(self.qvalue, "shape", None)
         sshape = getattr(self.scale, "shape", None)
-        if shape is None or sshape is None:
+        if shape is None:
             return
-        shape, sshape = tuple(shape), tuple(sshape)
-        expected = self.layout.expected_scale_shape(shape)
+        shape = tuple(shape)
+        expected = self.layout.expected_scale_shape(shape)  # checks the layout's axes too
+        if sshape is None:
+            return
+        sshape = tuple(sshape)
         ok = sshape == () or (
             len(sshape) == len(shape) and all(s == e or s == 1 for s, e in zip(sshape, expected))
         )
