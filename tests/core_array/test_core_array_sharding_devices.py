@@ -62,7 +62,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _ref_shards(base, spec, mesh_shape={"data": 2, "model": 4}):
+MESH_SHAPE = {"data": 2, "model": 4}
+
+
+def _ref_shards(base, spec, mesh_shape=MESH_SHAPE):
     """The distinct (index, data) shards for a partition spec, computed by hand.
 
     Dimension d split over mesh axes (a, b, ...) has prod(sizes) equal blocks; every
