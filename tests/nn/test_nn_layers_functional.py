@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from cairn import nn
 from cairn.nn import initializers as init
 
-from ._nn_helpers import f64, same_pads, tolerances
+from ._nn_helpers import DTYPES, f64, randn, same_pads, tolerances
 
 TOL = tolerances(1e-5, 2e-2)
 
@@ -287,3 +287,85 @@ def test_prelu():
     np.testing.assert_allclose(f64(p(jnp.array([-4.0, 0.0, 2.0]))), [-1.0, 0.0, 2.0])
     g = jax.grad(lambda m: jnp.sum(m(jnp.array([-4.0, 2.0]))))(p)
     assert float(g.negative_slope[...]) == -4.0
+
+
+# ------------------------------------------------------- every activation, both dtypes
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _np_sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _np_hard_sigmoid(x):
+    return np.clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+_ACTIVATIONS = {
+    "relu": (nn.relu, lambda x: np.maximum(x, 0)),
+    "relu6": (nn.relu6, lambda x: np.clip(x, 0, 6)),
+    "sigmoid": (nn.sigmoid, _np_sigmoid),
+    "silu": (nn.silu, lambda x: x * _np_sigmoid(x)),
+    "swish": (nn.swish, lambda x: x * _np_sigmoid(x)),
+    "tanh": (nn.tanh, np.tanh),
+    "softplus": (nn.softplus, lambda x: np.logaddexp(x, 0)),
+    "soft_sign": (nn.soft_sign, lambda x: x / (1 + np.abs(x))),
+    "log_sigmoid": (nn.log_sigmoid, lambda x: -np.logaddexp(-x, 0)),
+    "elu": (nn.elu, lambda x: np.where(x > 0, x, np.expm1(x))),
+    "celu": (nn.celu, lambda x: np.maximum(x, 0) + np.minimum(0, np.expm1(x))),
+    "selu": (nn.selu, lambda x: _SELU_SCALE * np.where(x > 0, x, _SELU_ALPHA * np.expm1(x))),
+    "leaky_relu": (nn.leaky_relu, lambda x: np.where(x >= 0, x, 0.01 * x)),
+    "gelu": (nn.gelu, _np_gelu_tanh),
+    "hard_sigmoid": (nn.hard_sigmoid, _np_hard_sigmoid),
+    "hard_silu": (nn.hard_silu, lambda x: x * _np_hard_sigmoid(x)),
+    "hard_swish": (nn.hard_swish, lambda x: x * _np_hard_sigmoid(x)),
+    "hard_tanh": (nn.hard_tanh, lambda x: np.clip(x, -1, 1)),
+    "mish": (nn.mish, lambda x: x * np.tanh(np.logaddexp(x, 0))),
+    "identity": (nn.identity, lambda x: x),
+    "softmax": (nn.softmax, _np_softmax),
+    "log_softmax": (nn.log_softmax, lambda x: np.log(_np_softmax(x))),
+    "logsumexp": (
+        lambda x: nn.logsumexp(x, axis=-1),
+        lambda x: np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1),
+    ),
+    "glu": (nn.glu, lambda x: x[..., :4] * _np_sigmoid(x[..., 4:])),
+    "standardize": (
+        nn.standardize,
+        lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5),
+    ),
+}
+# float32: 1e-5 (a few ulps of the float64 reference); bfloat16 (computed in bfloat16
+# from the same rounded inputs): 3e-2, a few bfloat16 ulps (2**-8 relative each)
+_ACT_TOL = tolerances(1e-5, 3e-2)
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_activation_matches_float64_numpy(name, dtype):
+    fn, ref = _ACTIVATIONS[name]
+    # values spread over [-6, 6], plus the kinks at 0 and +-3
+    x = jnp.asarray(
+        np.concatenate([np.linspace(-6, 6, 21), [0.0, 3.0, -3.0]]).reshape(3, 8), dtype
+    )
+    y = fn(x)
+    assert y.dtype == dtype, (name, y.dtype)
+    np.testing.assert_allclose(f64(y), ref(f64(x)), err_msg=name, **_ACT_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prelu_matches_numpy_at_both_dtypes(dtype):
+    p = nn.PReLU(0.3, param_dtype=dtype)
+    x = randn((4, 5), dtype, seed=7, scale=3.0)
+    a = f64(p.negative_slope[...])
+    ref = np.where(f64(x) >= 0, f64(x), a * f64(x))
+    np.testing.assert_allclose(f64(p(x)), ref, **_ACT_TOL[dtype])

@@ -119,6 +119,10 @@ class GraphDef:
         return root
 
 
+# (variable type, empty metadata) templates, shared by every variable without metadata
+_EMPTY_TMPL: dict[type, tuple] = {}
+
+
 class _Flat:
     __slots__ = ("epoch", "graphdef", "variables")
 
@@ -241,21 +245,36 @@ def _walk(root: Module) -> _Flat:
         )
 
     def add_var(v, p):
-        prev = seen.get(id(v))
-        if prev is not None:
-            raise shared(v, prev, p)
-        seen[id(v)] = p
+        i = id(v)
+        if i in seen:
+            raise shared(v, seen[i], p)
+        seen[i] = p
         variables.append(v)
         paths.append(p)
-        return (type(v), _HashableMeta(dict(v._meta)))
+        meta = v._meta
+        if not meta:  # the common case: one shared template per Variable type
+            t = _EMPTY_TMPL.get(type(v))
+            if t is None:
+                t = _EMPTY_TMPL[type(v)] = (type(v), _HashableMeta({}))
+            return t
+        return (type(v), _HashableMeta(dict(meta)))
+
+    plain_items = Module._graph_items
 
     def visit(node, path):
-        prev = seen.get(id(node))
-        if prev is not None:
-            raise shared(node, prev, path)
-        seen[id(node)] = path
+        i = id(node)
+        if i in seen:
+            raise shared(node, seen[i], path)
+        seen[i] = path
         entries = []
-        for k, v in node._graph_items():
+        if type(node)._graph_items is plain_items:  # skip the list copy of __dict__
+            items = [
+                kv for kv in node.__dict__.items()
+                if kv[0][0] != "_" or not kv[0].startswith("_cairn_")
+            ]
+        else:
+            items = node._graph_items()
+        for k, v in items:
             p = (*path, k)
             if isinstance(v, Variable):
                 entries.append((k, _VAR, add_var(v, p)))
