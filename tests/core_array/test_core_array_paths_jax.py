@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 jax = pytest.importorskip("jax")
 tu = jax.tree_util
 
-from cairn.core_array import PathError, flatten_with_paths, map_with_path, unflatten  # noqa: E402
+from cairn.core_array import (  # noqa: E402
+    ArraySpec,
+    PathError,
+    QArray,
+    QuantLayout,
+    flatten_with_paths,
+    map_with_path,
+    unflatten,
+)
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -131,6 +139,22 @@ def test_jax_arrays_and_map_with_path_keep_structure():
     assert tu.tree_structure(out) == tu.tree_structure(tree)
     np.testing.assert_array_equal(out["layers"][0].param, np.full((2, 3), 1 + len("layers/0/param")))
     np.testing.assert_array_equal(out["head"].a, np.full(1, 1 + len("head/0")))
+
+
+def test_core_array_types_walk_like_their_jax_registration():
+    """ArraySpec and QuantLayout are leaves (JAX does not register them); QArray has the
+    children of its pytree. The walker handles them itself, so the answer is the same
+    without JAX (test_core_array_without_jax checks that side)."""
+    q = QArray(np.zeros((2, 4), np.int8), np.ones((2, 2), np.float32), qtype="int8", layout=QuantLayout.per_tile(1, 2))
+    qz = QArray(np.zeros((2, 4), np.int8), np.ones((2, 2), np.float32), np.zeros((2, 2), np.int8),
+                qtype="int8", layout=QuantLayout.per_tile(1, 2))
+    tree = {"spec": ArraySpec((2, 3), "bfloat16", ("batch", None)), "layout": QuantLayout.per_channel(0), "q": q, "qz": qz}
+    flat = flatten_with_paths(tree)
+    paths, leaves = _jax_reference(tree)
+    assert list(flat) == paths == ["layout", "q/qvalue", "q/scale", "qz/qvalue", "qz/scale", "qz/zero_point", "spec"]
+    assert all(a is b for a, b in zip(flat.values(), leaves))
+    back = unflatten(flat, like=tree)
+    assert back["spec"] is tree["spec"] and isinstance(back["qz"], QArray) and back["qz"].layout == qz.layout
 
 
 # ---- hypothesis: random trees mixing plain containers and registered nodes ----

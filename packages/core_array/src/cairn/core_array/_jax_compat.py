@@ -11,7 +11,10 @@ from types import ModuleType
 @functools.cache
 def jax_available() -> bool:
     """Whether JAX can be imported in this environment."""
-    return importlib.util.find_spec("jax") is not None
+    try:
+        return importlib.util.find_spec("jax") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation counts as absent
+        return False
 
 
 _on_jax_import: list = []

@@ -101,8 +101,29 @@ def _rebuild_dict(x: dict, keys: list, vals: list) -> dict:
     return out
 
 
+# core_array's own types, so that they walk the same with and without JAX:
+# leaf types (ArraySpec, QuantLayout: descriptions, not containers, and leaves for
+# jax.tree_util too) and node types (QArray: the same children as its JAX pytree).
+_LEAF_TYPES: set[type] = set()
+_NODE_TYPES: dict[type, tuple[Callable[[Any], list[tuple[str, Any]]], Callable[[Any, list], Any]]] = {}
+
+
+def _register_leaf_type(cls: type) -> None:
+    _LEAF_TYPES.add(cls)
+
+
+def _register_node_type(cls: type, children: Callable[[Any], list[tuple[str, Any]]], rebuild: Callable[[Any, list], Any]) -> None:
+    """``children(x) -> [(component, child)]``; ``rebuild(x, new_children) -> new x``."""
+    _NODE_TYPES[cls] = (children, rebuild)
+
+
 def _children(x: Any, prefix: str) -> tuple[list[tuple[str, Any]], Callable[[list], Any]] | None:
     """One level of structure: ``[(component, child)], rebuild`` or ``None`` for a leaf."""
+    if type(x) in _LEAF_TYPES:
+        return None
+    node = _NODE_TYPES.get(type(x))
+    if node is not None:
+        return node[0](x), functools.partial(node[1], x)
     if isinstance(x, dict):
         keys = _dict_keys(x)
         comps = [_render_key(k, prefix) for k in keys]

@@ -17,6 +17,7 @@ import numpy as np
 
 from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype, dtype_info
 from cairn.core_array._jax_compat import jax_tree_util, on_jax_import
+from cairn.core_array._paths import _register_leaf_type, _register_node_type
 
 __all__ = ["QuantLayout", "QArray", "pack_bits", "unpack_bits"]
 
@@ -263,6 +264,25 @@ class QArray:
             layout=QuantLayout.from_json(d["layout"]),
             dtype=d["dtype"],
         )
+
+
+_CHILDREN = ("qvalue", "scale", "zero_point")
+
+
+def _rebuild(q: QArray, children: list) -> QArray:
+    """``q`` with new children, unvalidated (as JAX rebuilds pytrees: the children may be
+    tracers, ShapeDtypeStructs or ``None`` placeholders)."""
+    new = object.__new__(QArray)
+    for name, v in zip(_CHILDREN, children):
+        object.__setattr__(new, name, v)
+    for name in ("qtype", "layout", "dtype"):
+        object.__setattr__(new, name, getattr(q, name))
+    return new
+
+
+# the path walker sees the same children with or without JAX (None zero_point: no leaf)
+_register_node_type(QArray, lambda q: [(n, getattr(q, n)) for n in _CHILDREN], _rebuild)
+_register_leaf_type(QuantLayout)
 
 
 def _register_qarray() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype
 from cairn.core_array._jax_compat import require_jax
-from cairn.core_array._paths import PathError, _children, map_with_path
+from cairn.core_array._paths import PathError, _children, _register_leaf_type, map_with_path
 
 __all__ = ["ArraySpec", "spec_of", "specs_to_json", "specs_from_json"]
 
@@ -135,6 +135,9 @@ class ArraySpec:
         if mesh is not None:
             sharding = jax.sharding.NamedSharding(mesh, self.partition_spec())
         return jax.ShapeDtypeStruct(self.shape, self.numpy_dtype, sharding=sharding)
+
+
+_register_leaf_type(ArraySpec)
 
 
 def spec_of(tree: Any) -> Any:
