@@ -102,7 +102,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
     """A wheel per package into dist/, each installed alone into a fresh venv and imported."""
-    session.install("build", "pip")
+    session.install("pip")  # wheels come from `pip wheel --no-deps`; each is checked in a fresh venv
     dist = ROOT / "dist"
     dist.mkdir(exist_ok=True)
     for old in dist.glob("*.whl"):
