@@ -279,3 +279,19 @@ def test_with_partitioning_metadata_reaches_every_layer_kernel():
     cell = nn.LSTMCell(3, 2, recurrent_kernel_init=nn.with_partitioning(nn.initializers.orthogonal(), (None, "h")),
                        rngs=nn.Rngs(0))
     assert cell.recurrent_kernel.sharding_names == (None, "h") and cell.recurrent_kernel.shape == (2, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_on_a_base_module_at_both_dtypes(dtype):
+    """y = base(x) + (alpha / rank) x A B, parameters and inputs in ``dtype``."""
+    base = nn.Linear(5, 3, param_dtype=dtype, rngs=nn.Rngs(0))
+    lora = nn.LoRA(5, 2, 3, base_module=base, alpha=4.0, param_dtype=dtype, rngs=nn.Rngs(1))
+    lora.lora_b[...] = randn((2, 3), dtype, seed=3)
+    x = randn((4, 5), dtype, seed=5)
+    y = lora(x)
+    assert y.dtype == dtype
+    ref = (
+        f64(x) @ f64(base.kernel[...]) + f64(base.bias[...])
+        + 2.0 * f64(x) @ f64(lora.lora_a[...]) @ f64(lora.lora_b[...])
+    )
+    np.testing.assert_allclose(f64(y), ref, **TOL[dtype])

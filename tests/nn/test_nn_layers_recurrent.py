@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cairn import nn
 
-from ._nn_helpers import f64, randn, tolerances
+from ._nn_helpers import DTYPES, f64, randn, tolerances
 
 TOL = tolerances(1e-4, 5e-2)
 
@@ -187,3 +187,20 @@ def test_recurrent_errors():
         nn.RNN(cell)(jnp.ones((2, 4, 3)), seq_lengths=jnp.array([1, 2, 3]))
     with pytest.raises(TypeError, match="cell must be"):
         nn.RNN(lambda c, x: (c, x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_simple_cell_matches_numpy_at_both_dtypes(dtype):
+    """h' = tanh(x W + h U + b), float32 and bfloat16 (TOL above)."""
+    cell = nn.SimpleCell(
+        3, 4, param_dtype=dtype, bias_init=nn.initializers.normal(0.5), rngs=nn.Rngs(2)
+    )
+    h, x = randn((5, 4), dtype, seed=3), randn((5, 3), dtype, seed=4)
+    h2, y = cell(h, x)
+    assert h2.dtype == dtype and y.shape == (5, 4)
+    ref = np.tanh(
+        f64(x) @ f64(cell.kernel[...]) + f64(h) @ f64(cell.recurrent_kernel[...])
+        + f64(cell.bias[...])
+    )
+    np.testing.assert_allclose(f64(h2), ref, **TOL[dtype])
+    np.testing.assert_allclose(f64(y), f64(h2))

@@ -7,6 +7,8 @@ import pytest
 
 from cairn import nn
 
+from ._nn_helpers import f64
+
 
 class Lin(nn.Module):
     def __init__(self, din, dout, rngs):
@@ -390,3 +392,44 @@ def test_jit_structure_change_for_nested_and_keyword_modules():
         np.testing.assert_allclose(m.seen.value[0], [2.0, 2.0])
     f({"m": a}, other=b)
     assert len(a.seen.value) == 2 and len(b.seen.value) == 2
+
+
+class _Momentum:
+    """A hand-written Optax-style transformation (no Optax import): heavy-ball momentum,
+    with an extra keyword argument forwarded by Optimizer.update."""
+
+    def __init__(self, lr, beta):
+        self.lr, self.beta = lr, beta
+
+    def init(self, params):
+        return {"m": jax.tree.map(jnp.zeros_like, params), "n": jnp.zeros((), jnp.int32)}
+
+    def update(self, grads, state, params=None, *, scale=1.0):
+        m = jax.tree.map(lambda m, g: self.beta * m + g, state["m"], grads)
+        return jax.tree.map(lambda m: -self.lr * scale * m, m), {"m": m, "n": state["n"] + 1}
+
+
+def test_optimizer_duck_typed_tx_matches_numpy_and_wrt_filter():
+    lin = nn.Linear(3, 2, bias_init=nn.initializers.normal(1.0), rngs=nn.Rngs(0))
+    x = np.random.default_rng(0).standard_normal((6, 3))
+    y = np.random.default_rng(1).standard_normal((6, 2))
+    # only the kernel is trained: wrt is any filter
+    opt = nn.Optimizer(lin, _Momentum(0.1, 0.9), wrt=nn.All(nn.Param, nn.PathContains("kernel")))
+    assert nn.state(opt, nn.OptState).flat_paths() == ["step", "opt_state/m/kernel", "opt_state/n"]
+
+    @nn.jit
+    def step(m, opt, x, y):
+        loss = lambda m: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+        g = nn.grad(loss, wrt=opt.wrt)(m)
+        opt.update(m, g, scale=0.5)
+
+    w, b = f64(lin.kernel[...]), f64(lin.bias[...])
+    mom = np.zeros_like(w)
+    for _ in range(3):
+        step(lin, opt, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+        gw = 2.0 / y.size * x.T @ (x @ w + b - y)
+        mom = 0.9 * mom + gw
+        w = w - 0.1 * 0.5 * mom
+    np.testing.assert_allclose(f64(lin.kernel[...]), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f64(lin.bias[...]), b)  # not selected by wrt: unchanged
+    assert int(opt.step.value) == 3 and int(opt.opt_state["n"].value) == 3

@@ -65,8 +65,11 @@ class Optimizer(Module):
                     f"by wrt={self.wrt!r}: missing {missing}, unexpected {extra}"
                 )
             grads = to_pure_dict(grads)
-        opt_vars = jax.tree_util.tree_leaves(self.opt_state, is_leaf=_is_var)
-        opt_vals = jax.tree_util.tree_map(lambda v: v.raw_value, self.opt_state, is_leaf=_is_var)
+        # the transformation's own structure: a dict / list in its state became an
+        # nn.Dict / nn.List on assignment; give it back as dict / list
+        opt_tree = _plain(self.opt_state)
+        opt_vars = jax.tree_util.tree_leaves(opt_tree, is_leaf=_is_var)
+        opt_vals = jax.tree_util.tree_map(lambda v: v.raw_value, opt_tree, is_leaf=_is_var)
         updates, new_state = self.tx.update(grads, opt_vals, params, **kwargs)
         new_params = jax.tree_util.tree_map(
             lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates
@@ -84,3 +87,19 @@ class Optimizer(Module):
 
 def _wrap(opt_state):
     return jax.tree_util.tree_map(lambda x: OptState(jnp.asarray(x)), opt_state)
+
+
+def _plain(tree):
+    """``tree`` with every nn.Dict / nn.List turned back into a dict / list (the
+    Variables kept as leaves), so that it has the structure ``tx.init`` returned."""
+    from cairn.nn._module import Dict, List
+
+    if isinstance(tree, Dict):
+        return {k: _plain(tree[k]) for k in tree}
+    if isinstance(tree, List):
+        return [_plain(v) for v in tree]
+    if isinstance(tree, Variable | Module):
+        return tree
+    return jax.tree_util.tree_map(
+        _plain, tree, is_leaf=lambda x: isinstance(x, Variable | Module)
+    )
