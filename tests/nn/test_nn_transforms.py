@@ -433,3 +433,35 @@ def test_optimizer_duck_typed_tx_matches_numpy_and_wrt_filter():
     np.testing.assert_allclose(f64(lin.kernel[...]), w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(f64(lin.bias[...]), b)  # not selected by wrt: unchanged
     assert int(opt.step.value) == 3 and int(opt.opt_state["n"].value) == 3
+
+
+def test_rngs_inside_scan_equal_the_unrolled_loop_and_give_independent_masks():
+    drop = nn.Dropout(0.5)
+    x = jnp.ones((6, 16))
+
+    # 1. Rngs in the carry: each step draws the next key, the counter flows back
+    def body(r, xt):
+        return r, drop(xt, rngs=r)
+
+    r_scan = nn.Rngs(dropout=3)
+    _, ys = nn.scan(body)(r_scan, x)
+    r_loop = nn.Rngs(dropout=3)
+    loop = np.stack([np.asarray(drop(x[t], rngs=r_loop)) for t in range(6)])
+    np.testing.assert_array_equal(np.asarray(ys), loop)
+    assert int(r_scan.dropout.count.value) == int(r_loop.dropout.count.value) == 6
+    masks = {tuple(row != 0) for row in np.asarray(ys)}
+    assert len(masks) == 6  # 16 fair coins per row: a repeat has probability < 1e-3
+
+    # 2. split Rngs scanned over as xs: step t uses key t
+    r_split = nn.Rngs(dropout=4).split(6)
+
+    def body2(c, inp):
+        r, xt = inp
+        return c, drop(xt, rngs=r)
+
+    _, ys2 = nn.scan(body2)(0, (r_split, x))
+    keys = jax.random.split(nn.Rngs(dropout=4).dropout(), 6)
+    ref = np.stack([np.asarray(drop(x[t], rngs=nn.Rngs(dropout=keys[t]))) for t in range(6)])
+    np.testing.assert_array_equal(np.asarray(ys2), ref)
+    np.testing.assert_array_equal(np.asarray(r_split.dropout.count.value), np.ones(6))
+    assert len({tuple(row != 0) for row in np.asarray(ys2)}) == 6
