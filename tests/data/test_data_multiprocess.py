@@ -243,3 +243,22 @@ def test_dev_shm_listing_unchanged_after_every_way_an_iterator_ends(method):
             next(it)
     it.close()
     assert _new_segments_that_stay(before) == []
+
+
+@pytest.mark.parametrize("when", ["next", "set_state"])
+def test_worker_killed_after_its_chunks_were_sent_raises_worker_died(when):
+    """Regression: a worker killed after it had sent chunks that were still in the pipe
+    made the consumer's reply to that worker (freeing the shared-memory slot, or a
+    set_state restart) raise BrokenPipeError instead of WorkerDiedError."""
+    ds = MapDataset.range(4000).map(_as_array).to_iter_dataset(ReadOptions(chunk_records=16))
+    it = iter(ds.mp_prefetch(MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2)))
+    next(it)
+    time.sleep(0.5)  # both workers have filled their buffers: chunks wait in the pipes
+    os.kill(it.worker_pids[0], signal.SIGKILL)
+    time.sleep(0.2)
+    if when == "set_state":
+        it.set_state({"next_index": 100})
+    with pytest.raises(WorkerDiedError, match="worker 0 of 2 .* killed by SIGKILL"):
+        for _ in range(4000):
+            next(it)
+    it.close()

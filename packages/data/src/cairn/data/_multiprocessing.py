@@ -334,6 +334,15 @@ class _Workers:
             except FileNotFoundError:
                 pass
 
+    def send(self, w: int, msg: tuple) -> None:
+        """Send ``msg`` to worker ``w``. A worker that died cannot take it; that is not an
+        error here: the consumer reports the death (``WorkerDiedError``) when it next
+        waits for that worker's chunk."""
+        try:
+            self.conns[w].send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            pass
+
     def shutdown(self) -> None:
         if self.closed:
             return
@@ -408,8 +417,8 @@ class MPRootIterator(_ChunkedRootIterator):
         self._error_from: int | None = None
         self._gen += 1
         if self._w is not None:
-            for c in self._w.conns:
-                c.send(("start", self._gen, start))
+            for w in range(len(self._w.conns)):
+                self._w.send(w, ("start", self._gen, start))
 
     def _launch(self) -> None:
         opts = self._opts
@@ -574,7 +583,7 @@ class MPRootIterator(_ChunkedRootIterator):
             if kind == "chunk":
                 _, gen, ck, slot, data, sizes, dt, err_follows = msg
                 if gen != self._gen:
-                    self._w.conns[w].send(("free", slot))
+                    self._w.send(w, ("free", slot))
                     continue
                 if err_follows:
                     self._error_from = w
@@ -597,15 +606,14 @@ class MPRootIterator(_ChunkedRootIterator):
                 return False
 
     def _decode(self, w: int, slot: int, data: bytes, sizes) -> list:
-        conn = self._w.conns[w]
         if slot < 0:
             values = pickle.loads(data)
-            conn.send(("free", -1))
+            self._w.send(w, ("free", -1))
             return values
         off = slot * self._opts.slot_bytes
         total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
         block = bytearray(self._w.shms[w].buf[off : off + total])
-        conn.send(("free", slot))
+        self._w.send(w, ("free", slot))
         view = memoryview(block)
         bufs = []
         pos = 0
