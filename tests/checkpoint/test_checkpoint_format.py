@@ -10,11 +10,13 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn.checkpoint as cc
-from cairn.checkpoint import _fs
+from cairn.checkpoint import _fs, _storage
 
 
 def _ocdbt_keys(db: str) -> list[str]:
@@ -128,3 +130,24 @@ def test_commit_fsyncs_metadata_marker_and_parent_around_the_rename(tmp_path, mo
     # the parent directory is fsync'd after the rename, so the new name survives a crash
     assert any(e == f"fsync {root}" for e in order[rename + 1 :]), order[rename:]
     assert cc.CheckpointManager(root).all_steps() == [3]
+
+
+_dims = st.tuples(st.integers(0, 20), st.integers(0, 8)).map(lambda t: [t[0], t[0] + t[1]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    regions=st.lists(st.tuples(_dims, _dims).map(list), min_size=1, max_size=4),
+    chunk=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+)
+def test_chunks_shared_matches_enumerating_chunks(regions, chunk):
+    def touched(r):
+        return {
+            (i // chunk[0], j // chunk[1])
+            for i in range(r[0][0], r[0][1])
+            for j in range(r[1][0], r[1][1])
+        }
+
+    sets = [touched(r) for r in regions]
+    expect = any(sets[a] & sets[b] for a in range(len(sets)) for b in range(a + 1, len(sets)))
+    assert _storage.chunks_shared(regions, chunk) == expect

@@ -237,14 +237,20 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
     jobs = []  # (path, finalize) ; futures collected separately
     results: dict[str, Any] = {}
 
-    def sources(path: str, needed: list[list[list[int]]]):
+    cache_ctx = None
+
+    def sources(path: str, needed: list[list[list[int]]], cached: bool):
+        nonlocal cache_ctx
+        if cached and cache_ctx is None:
+            cache_ctx = _storage.cached_context()
         out = []
         for i, reg in enumerate(regions):
             for saved in reg.get(path, ()):
                 if any(_storage.intersect(n, saved) is not None or not n for n in needed):
                     key = (i, path)
                     if key not in stores:
-                        stores[key] = _storage.open_for_read(_storage.db_dir(directory, i), path)
+                        db = _storage.db_dir(directory, i)
+                        stores[key] = _storage.open_for_read(db, path, cache_ctx if cached else None)
                     out.append((key, saved))
         return out
 
@@ -275,7 +281,10 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
         else:
             full = [[0, d] for d in shape]
             bufs = [(full, None, _storage.aligned_empty(shape, saved_dtype))]
-        srcs = sources(path, [b[0] for b in bufs])
+        needed = [b[0] for b in bufs]
+        # finer target shards than saved chunks: share one read of each chunk through a cache
+        cached = len(bufs) > 1 and _storage.chunks_shared(needed, e["chunk_shape"])
+        srcs = sources(path, needed, cached)
         jobs.append((path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs))
 
     _prefetch(directory, regions, jobs)

@@ -23,21 +23,46 @@ _ZARR_DTYPES = {
     "float8_e3m4", "float8_e8m0fnu", "float4_e2m1fn",
 }
 
+#: Chunk cache used only when several local target shards need the same saved chunk
+#: (restoring onto finer shards than were saved): each such chunk is then read once.
+SHARED_CHUNK_CACHE_BYTES = 4 * CHUNK_BYTES
+
 _context: ts.Context | None = None
 
 
+def _make_context(cache_bytes: int) -> ts.Context:
+    return ts.Context(
+        {
+            "cache_pool": {"total_bytes_limit": cache_bytes},
+            "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 2))},
+            "file_io_sync": True,
+        }
+    )
+
+
 def context() -> ts.Context:
-    """One shared TensorStore context: no chunk cache (data is streamed, never kept)."""
+    """The shared TensorStore context: no chunk cache (data is streamed, never kept)."""
     global _context
     if _context is None:
-        _context = ts.Context(
-            {
-                "cache_pool": {"total_bytes_limit": 0},
-                "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 2))},
-                "file_io_sync": True,
-            }
-        )
+        _context = _make_context(0)
     return _context
+
+
+def cached_context() -> ts.Context:
+    """A fresh context with a small chunk cache, for one restore: dropped when it ends, so
+    nothing read stays in memory or is served stale to a later restore."""
+    return _make_context(SHARED_CHUNK_CACHE_BYTES)
+
+
+def chunks_shared(regions: Sequence[Sequence[Sequence[int]]], chunk: Sequence[int]) -> bool:
+    """Whether two of ``regions`` touch the same chunk of a regular grid of ``chunk`` shape."""
+    boxes = [[(lo // c, (hi - 1) // c) for (lo, hi), c in zip(r, chunk)] for r in regions]
+    boxes = [b for b, r in zip(boxes, regions) if all(hi > lo for lo, hi in r)]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if all(max(a0, b0) <= min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b)):
+                return True
+    return False
 
 
 def storage_dtype(dtype: np.dtype) -> str:
@@ -118,8 +143,8 @@ def _fill(sdtype: str):
     return 0
 
 
-def open_for_read(db: str, path: str) -> ts.Future:
-    return ts.open(_spec(db, path), open=True, read=True, context=context())
+def open_for_read(db: str, path: str, ctx: ts.Context | None = None) -> ts.Future:
+    return ts.open(_spec(db, path), open=True, read=True, context=ctx or context())
 
 
 def region_slices(region: Sequence[Sequence[int]]) -> tuple[slice, ...]:
