@@ -251,13 +251,7 @@ def _walk(root: Module) -> _Flat:
         seen[i] = p
         variables.append(v)
         paths.append(p)
-        meta = v._meta
-        if not meta:  # the common case: one shared template per Variable type
-            t = _EMPTY_TMPL.get(type(v))
-            if t is None:
-                t = _EMPTY_TMPL[type(v)] = (type(v), _HashableMeta({}))
-            return t
-        return (type(v), _HashableMeta(dict(meta)))
+        return _var_template(v)
 
     plain_items = Module._graph_items
 
@@ -276,8 +270,17 @@ def _walk(root: Module) -> _Flat:
             items = node._graph_items()
         for k, v in items:
             p = (*path, k)
-            if isinstance(v, Variable):
-                entries.append((k, _VAR, add_var(v, p)))
+            if isinstance(v, Variable):  # add_var inlined: the hot case
+                i = id(v)
+                if i in seen:
+                    raise shared(v, seen[i], p)
+                seen[i] = p
+                variables.append(v)
+                paths.append(p)
+                t = None if v._meta else _EMPTY_TMPL.get(type(v))
+                if t is None:
+                    t = _var_template(v)
+                entries.append((k, _VAR, t))
             elif isinstance(v, Module):
                 entries.append((k, _MOD, visit(v, p)))
             elif isinstance(v, tuple) and _tuple_has_nodes(v):
@@ -301,6 +304,18 @@ def _walk(root: Module) -> _Flat:
 
     node = visit(root, ())
     return _Flat(EPOCH[0], GraphDef(node, tuple(paths)), variables)
+
+
+def _var_template(v: Variable) -> tuple:
+    """``(type, metadata)`` of a variable; one shared template per type when it has no
+    metadata (the common case)."""
+    meta = v._meta
+    if not meta:
+        t = _EMPTY_TMPL.get(type(v))
+        if t is None:
+            t = _EMPTY_TMPL[type(v)] = (type(v), _HashableMeta({}))
+        return t
+    return (type(v), _HashableMeta(dict(meta)))
 
 
 def _tuple_has_nodes(v: tuple) -> bool:
