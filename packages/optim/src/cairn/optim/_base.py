@@ -265,9 +265,16 @@ def apply_updates(params, updates):
             return Packed(params.layout, [(p + u).astype(p.dtype) for p, u in
                                           zip(params.buffers, updates.buffers)], params.offsets)
     _check_same_structure(params, updates, "params", "updates")
-    return jax.tree.map(
-        lambda p, u: None if p is None else jnp.asarray(p + u).astype(jnp.asarray(p).dtype),
-        params, updates, is_leaf=lambda x: x is None)
+    return jax.tree.map(_add_leaf, params, updates, is_leaf=lambda x: x is None)
+
+
+def _add_leaf(p, u):
+    if p is None:
+        return None
+    if (isinstance(p, jax.Array) and isinstance(u, jax.Array) and p.dtype == u.dtype
+            and p.shape == u.shape):
+        return jax.lax.add(p, u)  # what the line below computes, without jnp dispatch
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
 
 def incremental_update(new_tensors, old_tensors, step_size):

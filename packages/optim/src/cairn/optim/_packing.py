@@ -418,7 +418,8 @@ def unpack(p: Packed, offsets=None):
             else:
                 o = g.offsets[pos]
                 piece = buf[o:o + n]
-            leaves[i] = piece.reshape(layout.shapes[i])
+            shape = layout.shapes[i]
+            leaves[i] = piece if tuple(piece.shape) == shape else jax.lax.reshape(piece, shape)
             if finish is not None:
                 leaves[i] = finish(i, leaves[i])
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)

@@ -118,6 +118,10 @@ def _scale_updates(u: Packed, fn, arg) -> Packed:
 
 
 def _times_cast(g, s):
+    if isinstance(s, jax.Array) and s.ndim == 0:
+        # lax directly: the same two primitives as ``s.astype(g.dtype) * g`` without
+        # jax.numpy's per-call dispatch (this runs once per leaf at the unpack)
+        return jax.lax.mul(jax.lax.convert_element_type(s, g.dtype), g)
     return s.astype(g.dtype) * g
 
 
@@ -706,6 +710,8 @@ def add_decayed_weights(weight_decay=0.0, mask=None):
         def decay_leaf(i, x, w, wd):  # decay_buffer restricted to leaf i
             if bools is not None and not bools[i]:
                 return x
+            if w.dtype == x.dtype and w.shape == x.shape:  # lax: same primitives, no dispatch
+                return jax.lax.add(jax.lax.mul(jax.lax.convert_element_type(wd, x.dtype), w), x)
             return (wd.astype(x.dtype) * w + x).astype(x.dtype)
 
         if isinstance(p, pk.LazyParams):
