@@ -239,6 +239,45 @@ def first_call_factories(tx, x, y, no_flax: bool) -> dict:
     return out
 
 
+def trace_compile(tx, x, y, no_flax: bool, rounds: int) -> dict:
+    """Median seconds of tracing (``.lower``) and of compiling (``.compile``) a fresh
+    train step per variant, rounds interleaved: the first-call time split in two, so a
+    difference is not hidden in the first execution's noise."""
+    def raw():
+        params = nn.to_pure_dict(nn.state(CMLP(DEPTH, WIDTH, nn.Rngs(0)), nn.Param))
+        return jax.jit(make_raw_step(tx)).lower, (params, tx.init(params), x, y)
+
+    def cairn():
+        model = CMLP(DEPTH, WIDTH, nn.Rngs(0))
+        opt = nn.Optimizer(model, tx, wrt=nn.Param)
+        return nn.jit(lambda m, o, x, y: c_train_step(m, o, x, y)).lower, (model, opt, x, y)
+
+    variants = {"raw jax.jit": raw, "cairn nn.jit": cairn}
+    if not no_flax:
+        try:
+            nnx, NMLP, _, n_train = nnx_parts()
+
+            def flax_default():
+                m = NMLP(DEPTH, WIDTH, nnx.Rngs(0))
+                o = nnx.Optimizer(m, tx, wrt=nnx.Param)
+                return nnx.jit(lambda *a: n_train(*a)).lower, (m, o, x, y)
+
+            variants["nnx.jit (graph, default)"] = flax_default
+        except ImportError:  # pragma: no cover - flax not installed
+            pass
+    times: dict = {n: ([], []) for n in variants}
+    for _ in range(rounds):
+        for name, make in variants.items():
+            lower, args = make()
+            t0 = time.perf_counter()
+            lowered = lower(*args)
+            t1 = time.perf_counter()
+            lowered.compile()
+            times[name][0].append(t1 - t0)
+            times[name][1].append(time.perf_counter() - t1)
+    return {n: (statistics.median(a), statistics.median(b)) for n, (a, b) in times.items()}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small repeat counts (< 60 s)")
@@ -353,6 +392,7 @@ def main(argv=None) -> dict:
     t_train = bench_many(train, rcalls, rounds)
     firsts = first_calls(first_call_factories(tx, x, y, args.no_flax), 3 if args.quick else 6)
     t_eval = bench_many(evals, rcalls, rounds)
+    tc = trace_compile(tx, x, y, args.no_flax, 2 if args.quick else 5)
     rows = [(n, min(t_train[n]) * 1e6, min(t_eval[n]) * 1e6, firsts[n]) for n in train]
     c_first, raw_first = firsts["cairn nn.jit"], firsts["raw jax.jit"]
 
@@ -374,6 +414,8 @@ def main(argv=None) -> dict:
         f"cold, structure cache invalidated first: {c_sm_cold * 1e3:.3f} ms)"
         + (f", nnx {nnx_sm * 1e3:.3f} ms" if nnx_sm is not None else "")
     )
+    for name, (tr, co) in tc.items():
+        print(f"trace / compile of a fresh train step, {name}: {tr:.3f} s / {co:.3f} s")
     c, r = "cairn nn.jit", "raw jax.jit"
     result = {
         "bench": "nn",
@@ -396,6 +438,9 @@ def main(argv=None) -> dict:
         if name in t_train:
             result[f"{key}_over_cairn_train"] = round(paired_ratio(t_train, name, c), 2)
             result[f"{key}_over_cairn_eval"] = round(paired_ratio(t_eval, name, c), 2)
+    result["trace_compile_cairn_s"] = [round(v, 3) for v in tc[c]]
+    if "nnx.jit (graph, default)" in tc:
+        result["trace_compile_nnx_s"] = [round(v, 3) for v in tc["nnx.jit (graph, default)"]]
     if "nnx.jit (graph, default)" in firsts:
         result["first_call_nnx_s"] = round(firsts["nnx.jit (graph, default)"], 3)
     nnx_firsts = [v for k, v in firsts.items() if k.startswith("nnx")]
