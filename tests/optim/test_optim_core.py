@@ -224,7 +224,7 @@ def test_partition_groups_have_path_qualified_hyperparams():
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "nadam", "nadamw", "amsgrad", "adamax",
-                                  "adamaxw", "adabelief", "radam", "yogi", "lamb"])
+                                  "adamaxw", "adabelief", "radam", "yogi", "lamb", "muon"])
 def test_mu_and_nu_dtype_on_adam_family(name):
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
     tx = getattr(optim, name)(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
