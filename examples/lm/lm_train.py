@@ -75,23 +75,6 @@ def make_optimizer(cfg: lm_config.Config):
     return tx, schedule
 
 
-def place_on_mesh(setup: Setup, obj) -> None:
-    """Replicate over the mesh every array of ``obj`` that is not placed on it yet (the
-    optimizer's step counter and scalar hyperparameters start on one device). A checkpoint
-    restores each array into its target's sharding, so without this a resumed multi-device
-    run would get those scalars committed to one device, which jit rejects next to arrays
-    sharded over the mesh."""
-    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-
-    def place(x):
-        sh = getattr(x, "sharding", None)
-        if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == setup.mesh:
-            return x
-        return jax.device_put(x, replicated)
-
-    nn.update(obj, jax.tree.map(place, nn.state(obj)))
-
-
 def _train_step(model, optimizer, batch):
     (loss, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
     optimizer.update(model, grads)
@@ -169,7 +152,6 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     model = create_model(setup)
     tx, schedule = make_optimizer(cfg)
     optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
-    place_on_mesh(setup, optimizer)
 
     manager = ckpt.CheckpointManager(
         run_dir / "checkpoints",

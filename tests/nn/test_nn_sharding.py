@@ -109,6 +109,27 @@ SCRIPT = textwrap.dedent(
     step = nn.jit(lambda m: setattr(m.kernel, "value", m.kernel.value * 2))
     step(model)
     check(model, "after step")
+
+    # 6. the optimizer's one-device scalars (step, Adam's count) are replicated over the
+    # parameters' mesh, so a state restored into its own shardings (as a checkpoint
+    # restore does) is accepted by jit next to the sharded parameters
+    import optax
+
+    opt = nn.Optimizer(model, optax.adam(1e-2), wrt=nn.Param)
+    for path, v in flatten_with_paths(nn.state(opt, nn.OptState)).items():
+        assert isinstance(v.sharding, NamedSharding) and v.sharding.mesh == mesh, (path, v.sharding)
+    assert opt.step.value.sharding.spec == P()
+    assert flatten_with_paths(nn.state(opt, nn.OptState))["opt_state/0/mu/kernel"].sharding.spec == P("data", "model")
+    restored = jax.tree.map(lambda x: jax.device_put(np.asarray(x), x.sharding), nn.state(opt))
+    nn.update(opt, restored)
+
+    def train_step(model, opt, x):
+        grads = nn.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        opt.update(model, grads)
+
+    before = np.asarray(model.kernel.value)
+    nn.jit(train_step)(model, opt, jnp.ones((2, 8)))
+    assert int(opt.step.value) == 1 and not np.array_equal(before, np.asarray(model.kernel.value))
     print("OK")
     """
 )

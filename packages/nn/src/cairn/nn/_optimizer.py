@@ -34,7 +34,10 @@ class Optimizer(Module):
 
     Each leaf of the transformation's state is an :class:`OptState` variable, so
     ``nn.state(opt)`` has paths such as ``opt_state/0/mu/layers/0/kernel``; ``step``
-    counts the updates.
+    counts the updates. When every parameter is sharded over one mesh, state arrays that
+    ``tx.init`` puts on a single device (``step``, counts, scalar hyperparameters) are
+    replicated over that mesh, so the whole optimizer restores from a checkpoint into
+    shardings that jit accepts together.
     """
 
     def __init__(self, model: Module, tx: Any, *, wrt: Any = Param):
@@ -47,9 +50,10 @@ class Optimizer(Module):
             raise TypeError(f"Optimizer: expected a Module, got {type(model).__name__}")
         self.tx = tx
         self.wrt = wrt
-        self.step = OptState(jnp.zeros((), jnp.uint32))
         params = to_pure_dict(_state(model, wrt))
-        self.opt_state = _wrap(tx.init(params))
+        mesh = _common_mesh(params)
+        self.step = OptState(_onto(jnp.zeros((), jnp.uint32), mesh))
+        self.opt_state = _wrap(jax.tree_util.tree_map(lambda x: _onto(x, mesh), tx.init(params)))
 
     def update(self, model: Module, grads: Any, /, **kwargs: Any) -> None:
         """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
@@ -83,6 +87,31 @@ class Optimizer(Module):
         for v, x in zip(opt_vars, new_leaves):
             v.raw_value = x
         self.step.raw_value = self.step.raw_value + jnp.uint32(1)
+
+
+def _common_mesh(params):
+    """The mesh every concrete parameter is sharded over, or None (no parameters, some on
+    one device only, abstract values, or several meshes)."""
+    meshes = set()
+    for x in jax.tree_util.tree_leaves(params):
+        sh = getattr(x, "sharding", None)
+        if isinstance(x, jax.core.Tracer) or not isinstance(sh, jax.sharding.NamedSharding):
+            return None
+        meshes.add(sh.mesh)
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def _onto(x, mesh):
+    """``x`` replicated over ``mesh`` unless it already lives on it. The step counter and
+    a transformation's scalars start on one device; left there, a checkpoint restore into
+    them commits them to that device, and jit then rejects them next to parameters sharded
+    over the mesh."""
+    if mesh is None or isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return x
+    sh = x.sharding
+    if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == mesh:
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _wrap(opt_state):
