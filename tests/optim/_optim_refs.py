@@ -448,3 +448,81 @@ class Fromage(_Ref):
         pn, gn = np.linalg.norm(p), np.linalg.norm(g)
         ratio = 1.0 if pn == 0 or gn == 0 else pn / gn
         return (p - lr * ratio * g) / np.sqrt(1 + lr ** 2) - p, s
+
+
+class ScheduleFreeSGD:
+    """Defazio et al. 2024 ("The Road Less Scheduled"), SGD form, with Optax's schedule
+    conventions, written on explicit ``x`` and ``z`` sequences (not recovered from ``y``):
+
+        gamma_t  = lr * min(t / warmup, 1)          (lr when no warmup), t = 1, 2, ...
+        z_{t+1}  = z_t - gamma_{t-1} (g_t + wd y_t)  (the inner sgd's own count starts at 0)
+        w_t      = (max_{i<=t} gamma_i)^p,  c_{t+1} = w_t / sum_{i<=t} w_i
+        x_{t+1}  = (1 - c_{t+1}) x_t + c_{t+1} z_{t+1}
+        y_{t+1}  = b1 x_{t+1} + (1 - b1) z_{t+1}     (the params the model sees)
+
+    with x_1 = z_1 = y_1. ``step(g, y)`` returns the update ``y_{t+1} - y``.
+
+    ``anchor_y``: before each step take ``x_t = (y - (1 - b1) z_t) / b1`` from the ``y`` the
+    model holds (the identity above, as the reference PyTorch implementation does when
+    only y and z are stored); used at low precision, where the stored y is the rounded one.
+    """
+
+    def __init__(self, lr, b1=0.9, warmup=None, wd=0.0, power=2.0, anchor_y=False):
+        self.lr, self.b1, self.warmup, self.wd, self.power = lr, b1, warmup, wd, power
+        self.anchor_y = anchor_y
+        self.t = 0
+
+    def gamma(self, t):
+        return self.lr if self.warmup is None else self.lr * min(t / self.warmup, 1.0)
+
+    def init(self, params):
+        self.x = {k: v.copy() for k, v in params.items()}
+        self.z = {k: v.copy() for k, v in params.items()}
+        self.wsum, self.max_lr = 0.0, 0.0
+        return self
+
+    def y(self):
+        return {k: self.b1 * self.x[k] + (1 - self.b1) * self.z[k] for k in self.x}
+
+    def step(self, grads, params):
+        self.t += 1
+        self.max_lr = max(self.max_lr, self.gamma(self.t))
+        w = self.max_lr ** self.power
+        self.wsum += w
+        c = w / self.wsum if self.wsum > 0 else 0.0
+        lr_z = self.gamma(self.t - 1)
+        if self.anchor_y:
+            self.x = {k: (params[k] - (1 - self.b1) * self.z[k]) / self.b1 for k in params}
+        for k in grads:
+            self.z[k] = self.z[k] - lr_z * (grads[k] + self.wd * params[k])
+            self.x[k] = (1 - c) * self.x[k] + c * self.z[k]
+        y = self.y()
+        return {k: y[k] - params[k] for k in y}
+
+
+class Lookahead:
+    """Zhang et al. 2019: the fast weights take ``inner`` steps; every ``k``-th step the slow
+    weights move ``phi <- phi + alpha (theta - phi)`` and the fast ones restart from them
+    (with ``reset``, the inner optimizer restarts from its initial state too).
+
+    ``step(g, fast, slow)`` returns ``(fast_update, slow_update)``.
+    """
+
+    def __init__(self, make_inner, k, alpha, reset=False):
+        self.make_inner, self.k, self.alpha, self.reset, self.t = make_inner, k, alpha, reset, 0
+
+    def init(self, fast):
+        self.inner = self.make_inner().init(fast)
+        return self
+
+    def step(self, grads, fast, slow):
+        self.t += 1
+        u = self.inner.step(grads, fast)
+        theta = {k: fast[k] + u[k] for k in fast}
+        if self.t % self.k:
+            return u, {k: np.zeros_like(v) for k, v in slow.items()}
+        new_slow = {k: slow[k] + self.alpha * (theta[k] - slow[k]) for k in slow}
+        if self.reset:
+            self.inner = self.make_inner().init(fast)
+        return ({k: new_slow[k] - fast[k] for k in fast},
+                {k: new_slow[k] - slow[k] for k in slow})

@@ -79,8 +79,12 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
 
 
 def schedule_free_eval_params(state: ScheduleFreeState, params):
-    """The averaged iterate :math:`x = (y - (1-\\beta_1) z)/\\beta_1` to evaluate with."""
-    return jax.tree.map(lambda yi, zi: (yi - (1.0 - state.b1) * zi) / state.b1, params, state.z)
+    """The averaged iterate :math:`x = (y - (1-\\beta_1) z)/\\beta_1` to evaluate with,
+    in the dtype of ``params`` (computed in float32 at least, since ``b1`` is kept in float32)."""
+    def x(yi, zi):
+        return ((yi - (1.0 - state.b1) * zi) / state.b1).astype(jnp.asarray(yi).dtype)
+
+    return jax.tree.map(x, params, state.z)
 
 
 def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay=None,

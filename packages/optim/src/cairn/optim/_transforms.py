@@ -731,10 +731,20 @@ class AddNoiseState(NamedTuple):
 
 
 def add_noise(eta, gamma, key=None, *, seed: int | None = None):
-    """:math:`u \\leftarrow u + \\mathcal N(0, \\eta/(1+t)^{\\gamma})` (one draw per element).
+    """:math:`u \\leftarrow u + \\mathcal N(0, \\eta/(1+t)^{\\gamma})` (one draw per element),
+    :math:`t` the number of earlier steps (variance :math:`\\eta` on the first step).
 
-    The noise is drawn once per packed buffer, so the random numbers differ from
-    Optax's (which draws per leaf); the distribution is the same.
+    Key derivation (stable; it is what makes a run reproducible): the state holds one key,
+    initially ``key`` (an int ``n`` means ``jax.random.PRNGKey(n)``). Each step splits it,
+    ``keys = jax.random.split(state_key, B + 1)``; ``keys[0]`` is the next state key and
+    buffer ``b`` gets ``jax.random.normal(keys[b + 1], (size_b,), dtype_b)``, scaled by the
+    standard deviation cast to ``dtype_b``. The ``B`` buffers are the packed ones the update
+    runs on: when the surrounding chain keeps packed state (e.g. ``scale_by_adam`` in the
+    same chain), one buffer per dtype (and per sharding), in order of first appearance in
+    ``jax.tree`` flatten order, its leaves raveled and concatenated in that order; otherwise
+    (``add_noise`` alone, :func:`noisy_sgd`) one buffer per leaf, in flatten order. So the
+    random numbers differ from Optax's (one split per step, then one key per leaf); the
+    distribution is the same.
     """
     if key is None and seed is None:
         raise ValueError("add_noise needs a `key` (jax.random key or int) or a `seed`")
