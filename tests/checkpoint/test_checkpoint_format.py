@@ -65,9 +65,12 @@ def test_manager_step_with_many_arrays_is_a_handful_of_files(tmp_path):
         m.save(1, {"params": params, "opt": opt, "data": It()})
     files = _files(tmp_path / "1")
     # 500 arrays, 3 items: COMMIT + _STEP.json + per pytree item (metadata, regions, the
-    # OCDBT manifest and a handful of data files holding chunks and B-tree nodes) + the
-    # Checkpointable's state file; measured: 20 files, never one per array
-    assert len(files) <= 24, files
+    # OCDBT manifest and some data files holding chunks and B-tree nodes) + the
+    # Checkpointable's state file. How many data files OCDBT writes depends on how its
+    # writes were batched (20 on a quiet machine, 27 under load), so the bound is loose;
+    # what matters is that it is far from one file per array
+    assert len(files) <= 50, files
+    assert sum("/d/" in f for f in files) <= 40, files
     got = cc.CheckpointManager(tmp_path).restore(1)
     np.testing.assert_array_equal(got["opt"]["nu"]["layer99"]["w"], np.full((32, 32), 99, np.float32))
 

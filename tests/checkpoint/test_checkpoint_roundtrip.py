@@ -133,7 +133,9 @@ def test_step_is_a_handful_of_files(tmp_path):
     tree = {f"layer{i}": {"w": np.ones((64, 64), np.float32), "b": np.ones(64)} for i in range(50)}
     cc.save(tmp_path / "c", tree)
     files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "c") for f in fs]
-    assert len(files) < 12, files
+    # 100 arrays: metadata, regions, the OCDBT manifest and a few data files (how many
+    # depends on how OCDBT batched the writes, more under load), never one per array
+    assert len(files) <= 30, files
 
 
 def test_target_mismatch_lists_every_difference(tmp_path):
