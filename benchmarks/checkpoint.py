@@ -77,6 +77,13 @@ def _drop_cache(path: str) -> None:
                 os.close(fd)
 
 
+def _fsync_dir(path: str) -> None:
+    """Make the directory's entries durable (the last step of a raw fsync'd write)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
 def _data(n_leaves: int, leaf_mib: float, as_jax: bool):
     import numpy as np
 
@@ -108,9 +115,7 @@ def child(task: str, workdir: str, n: int, leaf_mib: float) -> dict:
                     leaf["w"].tofile(f)
                     f.flush()
                     os.fsync(f.fileno())
-            fd = os.open(workdir, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            _fsync_dir(workdir)
             out["total_s"] = time.perf_counter() - t0
         out["extra_mib"] = m.extra_mib
     elif task == "raw_write_1file":
@@ -124,9 +129,7 @@ def child(task: str, workdir: str, n: int, leaf_mib: float) -> dict:
                     leaf["w"].tofile(f)
                 f.flush()
                 os.fsync(f.fileno())
-            fd = os.open(workdir, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            _fsync_dir(workdir)
             out["total_s"] = time.perf_counter() - t0
         out["extra_mib"] = m.extra_mib
     elif task == "raw_read":

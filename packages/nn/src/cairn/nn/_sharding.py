@@ -86,12 +86,20 @@ _BORN_SHARDED: dict[Any, Callable] = {}
 def _eager_target(names: tuple, mesh: Any, args, kwargs) -> NamedSharding | None:
     """The sharding an eager initializer call should produce directly, or None (no
     mesh in scope, or traced arguments: a trace places values by constraint)."""
-    ctx = current_rules()
-    if mesh is None and ctx is None:
+    if mesh is None and current_rules() is None:
         return None
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
+    found = _mesh_and_rules(mesh, names)
+    return None if found is None else _sharding_for(names, len(names), *found)
+
+
+def _mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
+    """The mesh (the given one, else the ``sharding_rules`` context's) and the rules
+    (the context's, else each name mapped to the mesh axis of the same name); None
+    when no mesh is in scope."""
+    ctx = current_rules()
     ctx_mesh, rules = ctx if ctx is not None else (None, None)
     mesh = mesh if mesh is not None else ctx_mesh
     if mesh is None:
@@ -100,7 +108,7 @@ def _eager_target(names: tuple, mesh: Any, args, kwargs) -> NamedSharding | None
         from cairn.core_array import LogicalAxisRules
 
         rules = LogicalAxisRules([(n, n) for n in names if n is not None])
-    return _sharding_for(names, len(names), mesh, rules)
+    return mesh, rules
 
 
 def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, args, kwargs):
@@ -161,21 +169,16 @@ def _sharding_for(names, ndim: int, mesh, rules) -> NamedSharding:
 
 
 def _maybe_shard_on_create(value: Any, metadata: dict) -> Any:
-    ctx = current_rules()
     mesh = metadata.get("mesh")
-    if ctx is None and mesh is None:
+    if mesh is None and current_rules() is None:
         return value
     names = _names_of(metadata)
     if names is None:
         return value
-    ctx_mesh, rules = ctx if ctx is not None else (None, None)
-    mesh = mesh if mesh is not None else ctx_mesh
-    if mesh is None:
+    found = _mesh_and_rules(mesh, names)
+    if found is None:
         return value
-    if rules is None:
-        from cairn.core_array import LogicalAxisRules
-
-        rules = LogicalAxisRules([(n, n) for n in names if n is not None])
+    mesh, rules = found
     ndim = len(getattr(value, "shape", ()))
     sharding = _sharding_for(names, ndim, mesh, rules)
     if isinstance(value, jax.ShapeDtypeStruct):
