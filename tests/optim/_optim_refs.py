@@ -526,3 +526,43 @@ class Lookahead:
             self.inner = self.make_inner().init(fast)
         return ({k: new_slow[k] - fast[k] for k in fast},
                 {k: new_slow[k] - slow[k] for k in slow})
+
+
+def run_against(name, ours, ref, dtype, shapes, steps=20):
+    """Feed ``ours`` (a GradientTransformation) and ``ref`` (a float64 reference object with
+    ``init``/``step``) the same random gradients and params for ``steps`` steps.
+
+    Both see exactly the values cast to ``dtype``; params then follow the reference's
+    float64 trajectory. Returns ``(steps, elements)`` errors relative to the step's largest
+    reference update, after checking every update keeps the params' dtype and shape."""
+    import zlib
+
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    params = {k: rng.normal(size=s) for k, s in shapes.items()}
+
+    def cast(t):
+        return {k: jnp.asarray(v, dtype) for k, v in t.items()}
+
+    def f64(t):
+        return {k: np.asarray(v, np.float64) for k, v in t.items()}
+
+    state = ours.init(cast(params))
+    ref = ref.init(f64(cast(params)))
+    update = jax.jit(ours.update)
+    errs = []
+    for _ in range(steps):
+        g = cast({k: rng.normal(size=s) for k, s in shapes.items()})
+        p = cast(params)
+        g64, p64 = f64(g), f64(p)
+        u, state = update(g, state, p)
+        ru = ref.step(g64, p64)
+        scale = max(float(np.max(np.abs(v))) for v in ru.values()) + 1e-12
+        errs.append(np.concatenate([np.abs(np.asarray(u[k], np.float64) - ru[k]).ravel() / scale for k in ru]))
+        for k in u:
+            assert u[k].dtype == dtype, f"{name}: update dtype at {k} is {u[k].dtype}"
+            assert u[k].shape == tuple(shapes[k]), f"{name}: update shape at {k} is {u[k].shape}"
+        params = {k: p64[k] + ru[k] for k in params}
+    return np.stack(errs)

@@ -11,9 +11,6 @@ evolves on its own. Tolerances, relative to the largest reference update of the 
 
 from __future__ import annotations
 
-import zlib
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,31 +67,7 @@ CASES = {
 
 def _run(name, dtype, steps=20, shapes=SHAPES):
     ours_f, ref_f = CASES[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    params = {k: rng.normal(size=s) for k, s in shapes.items()}
-    cast = lambda t: {k: jnp.asarray(v, dtype) for k, v in t.items()}  # noqa: E731
-    tx = ours_f()
-    state = tx.init(cast(params))
-    ref = ref_f().init({k: np.asarray(v, np.float64) for k, v in cast(params).items()})
-    update = jax.jit(tx.update)
-    worst = []
-    for _ in range(steps):
-        g64 = {k: rng.normal(size=s) for k, s in shapes.items()}
-        g = cast(g64)
-        p = cast(params)
-        # the reference sees exactly the values we see
-        g64 = {k: np.asarray(v, np.float64) for k, v in g.items()}
-        p64 = {k: np.asarray(v, np.float64) for k, v in p.items()}
-        u, state = update(g, state, p)
-        ru = ref.step(g64, p64)
-        scale = max(float(np.max(np.abs(v))) for v in ru.values()) + 1e-12
-        errs = np.concatenate([np.abs(np.asarray(u[k], np.float64) - ru[k]).ravel() / scale
-                               for k in ru])
-        worst.append(errs)
-        for k in u:
-            assert u[k].dtype == dtype, f"{name}: update dtype at {k} is {u[k].dtype}"
-        params = {k: p64[k] + ru[k] for k in params}
-    return np.stack(worst)
+    return R.run_against(name, ours_f(), ref_f(), dtype, shapes, steps)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

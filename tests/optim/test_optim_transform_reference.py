@@ -10,8 +10,6 @@ of the step: float32 every element within 1e-4 (1e-3 for the Adam-based ones; si
 
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,29 +239,7 @@ CASES = {
 
 def _run(name, dtype, steps=20):
     ours_f, ref_f, _ = CASES[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    params = {k: rng.normal(size=s) for k, s in SHAPES.items()}
-    cast = lambda t: {k: jnp.asarray(v, dtype) for k, v in t.items()}  # noqa: E731
-    tx = ours_f()
-    state = tx.init(cast(params))
-    ref = ref_f().init({k: np.asarray(v, np.float64) for k, v in cast(params).items()})
-    update = jax.jit(tx.update)
-    errs_all = []
-    for _ in range(steps):
-        g = cast({k: rng.normal(size=s) for k, s in SHAPES.items()})
-        p = cast(params)
-        g64 = {k: np.asarray(v, np.float64) for k, v in g.items()}
-        p64 = {k: np.asarray(v, np.float64) for k, v in p.items()}
-        u, state = update(g, state, p)
-        ru = ref.step(g64, p64)
-        scale = max(float(np.max(np.abs(v))) for v in ru.values()) + 1e-12
-        errs_all.append(np.concatenate(
-            [np.abs(np.asarray(u[k], np.float64) - ru[k]).ravel() / scale for k in ru]))
-        for k in u:
-            assert u[k].dtype == dtype, f"{name}: update dtype at {k} is {u[k].dtype}"
-            assert u[k].shape == SHAPES[k], f"{name}: update shape at {k} is {u[k].shape}"
-        params = {k: p64[k] + ru[k] for k in params}
-    return np.stack(errs_all)
+    return R.run_against(name, ours_f(), ref_f(), dtype, SHAPES, steps)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
