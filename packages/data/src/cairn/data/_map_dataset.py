@@ -12,6 +12,7 @@ pure function of those numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import sys
@@ -117,11 +118,7 @@ def add_bad_records(stages: list[MapDataset], deltas: list[int]) -> None:
     for d, n in zip(stages, deltas):
         if n:
             src = d._source
-            lock = getattr(src, "_lock", None)
-            if lock is not None:
-                with lock:
-                    src.bad_records += n
-            else:
+            with getattr(src, "_lock", None) or contextlib.nullcontext():
                 src.bad_records += n
 
 
