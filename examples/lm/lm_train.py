@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import math
 import pathlib
+import shutil
 import time
 
 import jax
@@ -139,11 +140,62 @@ def _digest(batch: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False) -> dict:
-    """Run the recipe; returns the report dict (also written to the run directory)."""
+class RunDirError(RuntimeError):
+    """The run directory already holds checkpoints and neither resume nor overwrite was asked."""
+
+
+def existing_checkpoints(run_dir: pathlib.Path) -> list[str]:
+    """Names under `run_dir/checkpoints` that a run leaves there (step folders, committed or not).
+
+    Read from the directory alone: opening a manager has side effects, and this check must
+    run before any work does.
+    """
+    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p.name for p in ckpt_dir.iterdir() if p.name.split(".")[0].isdigit())
+
+
+def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+    """Decide what to do with a run directory that already holds checkpoints, before any work.
+
+    - `resume=True`: keep them; training continues from the latest one.
+    - `overwrite=True`: delete `run_dir/checkpoints` (process 0 only) and start afresh.
+    - neither: raise RunDirError naming the directory and the three choices, so a second
+      `nox -s demo` stops at once instead of failing after training with `FileExistsError`.
+    """
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite contradict each other: choose one")
+    found = existing_checkpoints(run_dir)
+    if not found or resume:
+        return
+    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
+    if not overwrite:
+        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+        raise RunDirError(
+            f"run directory {run_dir} already holds checkpoints ({ckpt_dir}: {shown}). Choose one: "
+            "--resume to continue from the latest of them, another run directory "
+            "(--set run.dir=\"...\"), or --overwrite to delete them and start afresh."
+        )
+    if jax.process_index() == 0:
+        shutil.rmtree(ckpt_dir)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("cairn-lm-overwrite")
+
+
+def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
+          overwrite: bool = False) -> dict:
+    """Run the recipe; returns the report dict (also written to the run directory).
+
+    A run directory that already holds checkpoints needs `resume=True` or `overwrite=True`
+    (see `check_run_dir`); otherwise RunDirError is raised before any work starts.
+    """
     t_start = time.perf_counter()
     setup = make_setup(cfg)
     run_dir = setup.run_dir
+    check_run_dir(run_dir, resume=resume, overwrite=overwrite)
     shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
     src, fmt, eval_texts = lm_data.open_source(cfg, shards)
     pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())

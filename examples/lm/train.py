@@ -3,6 +3,10 @@
     python examples/lm/train.py                         # default config (config.toml)
     python examples/lm/train.py --set train.steps=200   # override any key
     python examples/lm/train.py --resume                # continue from the latest checkpoint
+    python examples/lm/train.py --overwrite             # delete run.dir's checkpoints, start afresh
+
+A run directory that already holds checkpoints is never trained into silently: without
+--resume or --overwrite the script stops at once (exit code 2) naming the directory.
 
 Multi-host: start one process per host with --coordinator HOST:PORT --num-processes N
 --process-id I (JAX's own distributed runtime); the same config then shards data and
@@ -25,6 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default=str(HERE / "config.toml"), help="TOML config file")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys, e.g. train.steps=100")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the checkpoints already in run.dir and start afresh")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step (simulates an interruption)")
     p.add_argument("--coordinator", default=os.environ.get("CAIRN_COORDINATOR"), help="host:port of process 0")
     p.add_argument("--num-processes", type=int, default=int(os.environ.get("CAIRN_NUM_PROCESSES", "1")))
@@ -50,9 +56,13 @@ def main(argv=None) -> int:
     import lm_train
 
     try:
-        report = lm_train.train(cfg, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet)
+        report = lm_train.train(cfg, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet,
+                                overwrite=args.overwrite)
     except lm_config.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except lm_train.RunDirError as e:
+        print(f"run directory: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:
         print(lm_report.format_report(report))

@@ -294,3 +294,63 @@ def test_two_processes_through_jax_distributed(tmp_path):
     second = launch(9, "--resume")
     assert second["resumed_from"] == 6 and second["steps"] == 9
     assert _committed_steps(run_dir / "checkpoints")[-1] == 9
+
+
+# A run directory that already holds checkpoints is never trained into unless asked: a second
+# `nox -s demo` used to train for 86 s and then die with `FileExistsError: step 800 already
+# exists`, losing the run (issue 12, item 11).
+def _snapshot(ckpt_dir):
+    return {p.relative_to(ckpt_dir): p.stat().st_mtime_ns for p in ckpt_dir.rglob("*")}
+
+
+def test_second_run_without_a_choice_stops_before_any_work_naming_the_directory(tmp_path):
+    import lm_train
+
+    first = lm_train.train(_cfg(tmp_path, "train.steps=3", "data.num_workers=0"), quiet=True)
+    assert first["steps"] == 3
+    ckpt_dir = tmp_path / "checkpoints"
+    before = _snapshot(ckpt_dir)
+    metrics_before = (tmp_path / "metrics.json").read_bytes()
+    with pytest.raises(lm_train.RunDirError) as e:
+        lm_train.train(_cfg(tmp_path, "train.steps=3", "data.num_workers=0"), quiet=True)
+    msg = str(e.value)
+    assert str(tmp_path) in msg and "--resume" in msg and "--overwrite" in msg and "run.dir" in msg
+    assert _snapshot(ckpt_dir) == before, "the first run's checkpoints must be untouched"
+    assert (tmp_path / "metrics.json").read_bytes() == metrics_before
+
+
+def test_resume_and_overwrite_are_the_two_ways_on(tmp_path):
+    import lm_train
+
+    lm_train.train(_cfg(tmp_path, "train.steps=3", "data.num_workers=0"), quiet=True)
+    resumed = lm_train.train(_cfg(tmp_path, "train.steps=6", "data.num_workers=0"), quiet=True, resume=True)
+    assert resumed["resumed_from"] == 3 and resumed["steps"] == 6
+    assert 6 in _committed_steps(tmp_path / "checkpoints")
+    fresh = lm_train.train(_cfg(tmp_path, "train.steps=3", "data.num_workers=0"), quiet=True, overwrite=True)
+    assert fresh["resumed_from"] is None and fresh["steps"] == 3
+    assert _committed_steps(tmp_path / "checkpoints") == [3], "overwrite must drop the old steps"
+    with pytest.raises(lm_train.RunDirError, match="contradict"):
+        lm_train.train(_cfg(tmp_path, "train.steps=3"), quiet=True, resume=True, overwrite=True)
+
+
+def test_an_empty_or_missing_run_dir_needs_no_flag(tmp_path):
+    import lm_train
+
+    assert lm_train.existing_checkpoints(tmp_path / "nowhere") == []
+    (tmp_path / "checkpoints").mkdir()
+    lm_train.check_run_dir(tmp_path, resume=False, overwrite=False)  # empty: nothing to lose
+
+
+def test_cli_second_run_exits_2_at_once_and_names_the_choices(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.run(_cli(run_dir, 3, "data.num_workers=0"), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads((run_dir / "metrics.json").read_text())
+    second = subprocess.run(_cli(run_dir, 3, "data.num_workers=0"), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert str(run_dir) in second.stderr and "--resume" in second.stderr and "--overwrite" in second.stderr
+    assert json.loads((run_dir / "metrics.json").read_text()) == report
+    again = subprocess.run([*_cli(run_dir, 3, "data.num_workers=0"), "--overwrite"], capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _committed_steps(run_dir / "checkpoints") == [3]
