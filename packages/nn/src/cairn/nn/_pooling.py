@@ -16,17 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from cairn.nn import _checks
+
 __all__ = ["avg_pool", "max_pool", "min_pool", "pool"]
 
 Padding = str | Sequence[tuple[int, int]]
 
 
 def _check(name: str, inputs, window_shape, strides, padding):
-    window_shape = tuple(int(w) for w in window_shape)
+    window_shape = _checks.positive_ints(name, "window_shape", window_shape)
     nsp = len(window_shape)
-    if any(w < 1 for w in window_shape):
-        raise ValueError(f"{name}: window_shape must be positive, got {window_shape}")
-    strides = (1,) * nsp if strides is None else tuple(int(s) for s in strides)
+    strides = (1,) * nsp if strides is None else _checks.positive_ints(name, "strides", strides)
     if len(strides) != nsp:
         raise ValueError(
             f"{name}: strides {strides} must have one entry per window dim {window_shape}"
@@ -61,9 +61,16 @@ def pool(
     """Reduces each window with ``reduce_fn`` starting from ``init`` (``lax.reduce_window``).
 
     Batch axes (all leading axes before the spatial ones) and the feature axis get a
-    window and stride of 1.
+    window and stride of 1. Pass ``init`` as a Python or NumPy scalar: with ``lax.add`` /
+    ``lax.max`` / ``lax.min`` and their identity (0, -inf, +inf) the result is then
+    differentiable under ``jax.jit`` too; a ``jnp`` array is a tracer under ``jit`` and
+    takes the generic reduction, which has no reverse-mode derivative.
     """
-    window_shape, strides, padding = _check("pool", inputs, window_shape, strides, padding)
+    return _pool("pool", inputs, init, reduce_fn, window_shape, strides, padding)
+
+
+def _pool(name, inputs, init, reduce_fn, window_shape, strides, padding) -> jax.Array:
+    window_shape, strides, padding = _check(name, inputs, window_shape, strides, padding)
     nsp = len(window_shape)
     nbatch = inputs.ndim - nsp - 1
     dims = (1,) * nbatch + window_shape + (1,)
@@ -71,6 +78,23 @@ def pool(
     if not isinstance(padding, str):
         padding = ((0, 0),) * nbatch + padding + ((0, 0),)
     return lax.reduce_window(inputs, init, reduce_fn, dims, strd, padding)
+
+
+def _identity(dtype, value: float) -> np.ndarray:
+    """A concrete NumPy scalar of ``dtype`` holding ``value`` (clipped to the int range).
+
+    ``lax.reduce_window`` picks its differentiable monoid path (sum / max / min) only when
+    the init value is concrete; a ``jnp`` array becomes a tracer under ``jax.jit`` and the
+    generic path has no reverse-mode rule ("Linearization failed"), so the init value is
+    built with NumPy, never ``jnp``.
+    """
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        value = info.min if value == -np.inf else info.max if value == np.inf else value
+    elif dtype == np.bool_:
+        value = value > 0
+    return np.asarray(value, dtype)
 
 
 def max_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> jax.Array:
@@ -81,14 +105,14 @@ def max_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> 
     >>> max_pool(x, (2, 2), (2, 2))[0, :, :, 0].tolist()
     [[5.0, 7.0], [13.0, 15.0]]
     """
-    init = -jnp.inf if jnp.issubdtype(inputs.dtype, jnp.floating) else jnp.iinfo(inputs.dtype).min
-    return pool(inputs, jnp.asarray(init, inputs.dtype), lax.max, window_shape, strides, padding)
+    init = _identity(inputs.dtype, -np.inf)
+    return _pool("max_pool", inputs, init, lax.max, window_shape, strides, padding)
 
 
 def min_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> jax.Array:
     """Minimum over each window; padded positions count as ``+inf``."""
-    init = jnp.inf if jnp.issubdtype(inputs.dtype, jnp.floating) else jnp.iinfo(inputs.dtype).max
-    return pool(inputs, jnp.asarray(init, inputs.dtype), lax.min, window_shape, strides, padding)
+    init = _identity(inputs.dtype, np.inf)
+    return _pool("min_pool", inputs, init, lax.min, window_shape, strides, padding)
 
 
 def avg_pool(
@@ -99,15 +123,17 @@ def avg_pool(
     With ``count_include_pad=True`` the divisor is always ``prod(window_shape)``; with
     ``False`` it is the number of real (unpadded) elements in the window.
     """
-    window_shape = tuple(int(w) for w in window_shape)
-    summed = pool(inputs, jnp.asarray(0, inputs.dtype), lax.add, window_shape, strides, padding)
+    window_shape = _checks.positive_ints("avg_pool", "window_shape", window_shape)
+    summed = _pool(
+        "avg_pool", inputs, _identity(inputs.dtype, 0), lax.add, window_shape, strides, padding
+    )
     if count_include_pad:
         return summed / np.prod(window_shape).astype(np.float32).item()
     ones_shape = (1,) * (inputs.ndim - len(window_shape) - 1) + inputs.shape[
         inputs.ndim - len(window_shape) - 1 : -1
     ] + (1,)
-    counts = pool(
-        jnp.ones(ones_shape, inputs.dtype), jnp.asarray(0, inputs.dtype), lax.add,
+    counts = _pool(
+        "avg_pool", jnp.ones(ones_shape, inputs.dtype), _identity(inputs.dtype, 0), lax.add,
         window_shape, strides, padding,
     )
     return summed / counts

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cairn.nn import _checks
 from cairn.nn._module import Module
 
 __all__ = ["RotaryEmbedding", "apply_rotary_embedding", "rotary_frequencies"]
@@ -42,7 +43,8 @@ def apply_rotary_embedding(
 
     ``positions`` (int or float) has shape ``(*batch, length)`` or ``(length,)``; default
     ``arange(length)``. ``scale_factor > 1`` divides positions (linear position
-    interpolation). The angles are computed in float32; the result has ``x``'s dtype.
+    interpolation). The angles are computed in float32, the rotation in at least float32
+    (float64 stays float64); the result has ``x``'s dtype.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((1, 4, 2, 8))
@@ -72,8 +74,10 @@ def apply_rotary_embedding(
     theta = rotary_frequencies(rd, base)
     ang = (positions.astype(jnp.float32) / scale_factor)[..., None] * theta  # (..., L, rd/2)
     ang = ang[..., None, :]  # heads axis
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    xr, xp = x[..., :rd].astype(jnp.float32), x[..., rd:]
+    # rotate in at least float32 (float64 inputs keep their precision)
+    ct = jnp.promote_types(jnp.float32, x.dtype)
+    cos, sin = jnp.cos(ang).astype(ct), jnp.sin(ang).astype(ct)
+    xr, xp = x[..., :rd].astype(ct), x[..., rd:]
     if interleaved:
         a, b = xr[..., 0::2], xr[..., 1::2]
         ra = a * cos - b * sin
@@ -105,14 +109,16 @@ class RotaryEmbedding(Module):
         interleaved: bool = False,
         scale_factor: float = 1.0,
     ):
+        head_dim = _checks.positive_int("RotaryEmbedding", "head_dim", head_dim)
         rd = head_dim if rotary_dim is None else rotary_dim
+        rd = _checks.positive_int("RotaryEmbedding", "rotary_dim", rd)
         if rd > head_dim or rd < 2 or rd % 2:
             raise ValueError(f"RotaryEmbedding: rotary_dim {rd} must be even and <= {head_dim}")
-        self.head_dim = int(head_dim)
-        self.base = float(base)
-        self.rotary_dim = int(rd)
+        self.head_dim = head_dim
+        self.base = _checks.positive_float("RotaryEmbedding", "base", base)
+        self.rotary_dim = rd
         self.interleaved = bool(interleaved)
-        self.scale_factor = float(scale_factor)
+        self.scale_factor = _checks.positive_float("RotaryEmbedding", "scale_factor", scale_factor)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if x.shape[-1] != self.head_dim:
