@@ -47,9 +47,9 @@ assert mngr.all_steps() == [5]
 
 # each process wrote only its own shards
 regions = os.path.join(directory, "5", "params", f"_REGIONS.process_{pid}.json")
-import json  # noqa: E402
+from cairn.checkpoint import _fs  # noqa: E402
 
-mine = json.load(open(regions))
+mine = _fs.read_json(regions)
 assert len(mine["x"]) == 2, mine  # two of the four (data, model) blocks
 assert ("r" in mine) == (pid == 0), mine  # replicated: written once, by the owner of replica 0
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cairn.checkpoint as cc
-from cairn.checkpoint import _fs, _tree
+from cairn.checkpoint import _fs, _ownership, _tree
 
 
 def _gated_write(monkeypatch, log: list):
@@ -20,7 +20,7 @@ def _gated_write(monkeypatch, log: list):
     gates: dict[str, threading.Event] = {}
 
     def write(snap, directory, **kw):
-        name = os.path.basename(directory).removesuffix(_fs.TMP_SUFFIX)
+        name = os.path.basename(directory).split(".")[0]  # <name>.<owner>.cairn-tmp
         log.append(("start", name, {n: _fs.is_committed(d) for n, d in log_dirs(directory)}))
         gate = gates.setdefault(name, threading.Event())
         if not gate.wait(30):
@@ -43,7 +43,7 @@ def test_save_returns_before_the_write_and_second_save_waits(tmp_path, monkeypat
     ck = cc.AsyncCheckpointer()
     x = jnp.arange(8.0)
     ck.save(tmp_path / "a", {"x": x})  # returns while the write is still held back
-    assert not (tmp_path / "a").exists() and (tmp_path / ("a" + _fs.TMP_SUFFIX)).is_dir()
+    assert not (tmp_path / "a").exists() and os.path.isdir(_ownership.tmp_name(str(tmp_path / "a")))
     second = threading.Thread(target=ck.save, args=(tmp_path / "b", {"x": x + 1}))
     second.start()
     second.join(0.5)
@@ -73,7 +73,7 @@ def test_background_error_raised_by_the_next_save_then_clear(tmp_path, monkeypat
     assert not (tmp_path / "b").exists()  # the failing call did not start another save
     ck.save(tmp_path / "b", {"x": np.ones(2)})
     ck.wait_until_finished()
-    assert sorted(os.listdir(tmp_path)) == ["a" + _fs.TMP_SUFFIX, "b"]
+    assert sorted(os.listdir(tmp_path)) == ["b"]  # the failed save removed its temporary directory
     monkeypatch.setattr(_tree, "write", boom)
     ck.save(tmp_path / "c", {"x": np.ones(2)})
     with pytest.raises(cc.CheckpointError, match="Input/output error"):

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn.checkpoint as cc
-from cairn.checkpoint import _fs, _storage
+from cairn.checkpoint import _fs, _ownership, _storage
 
 
 def _ocdbt_keys(db: str) -> list[str]:
@@ -114,7 +114,8 @@ def test_commit_fsyncs_metadata_marker_and_parent_around_the_rename(tmp_path, mo
     root = str(tmp_path / "run")
     with cc.CheckpointManager(root, cc.CheckpointManagerOptions(enable_async=True)) as m:
         m.save(3, {"params": {"w": np.ones(3)}})
-    tmp, final = os.path.join(root, "3" + _fs.TMP_SUFFIX), os.path.join(root, "3")
+    final = os.path.join(root, "3")
+    tmp = _ownership.tmp_name(final)  # 3.<host>_<hostid>_<pid>_<start>.cairn-tmp
     order = [f"{op} {p}" for op, p in events]
 
     def at(entry: str) -> int:

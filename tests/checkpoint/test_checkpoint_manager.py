@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import cairn.checkpoint as cc
+from cairn.checkpoint import _ownership
 
 
 class Counter:
@@ -94,11 +96,17 @@ def test_two_tiers_restore_newest_complete(tmp_path):
 def test_incomplete_steps_are_invisible_and_cleaned(tmp_path):
     mngr = cc.CheckpointManager(tmp_path, cc.CheckpointManagerOptions(enable_async=False))
     mngr.save(1, {"x": {"v": np.ones(2)}})
-    (tmp_path / "2.cairn-tmp" / "x").mkdir(parents=True)
+    dead = subprocess.Popen(["sleep", "30"])
+    start = _ownership._proc_stat(dead.pid)[1]
+    dead.kill()
+    dead.wait()
+    short, hid = _ownership.host_identity()
+    tmp = tmp_path / f"2.{short}_{hid}_{dead.pid}_{start}.cairn-tmp"  # its writer has exited
+    (tmp / "x").mkdir(parents=True)
     (tmp_path / "3").mkdir()  # no COMMIT marker
     assert mngr.all_steps() == [1]
     cc.CheckpointManager(tmp_path)
-    assert not (tmp_path / "2.cairn-tmp").exists()
+    assert not tmp.exists()
     assert mngr.all_steps() == [1]
 
 

@@ -125,8 +125,8 @@ def test_metadata_lists_paths_shapes_dtypes_without_data(tmp_path):
     assert meta["a/w"].spec == ArraySpec((3, 5), "bfloat16")
     assert meta["a/w"].nbytes == 30
     assert meta["n"].kind == "scalar" and meta["n"].value == 3
-    raw = json.loads((tmp_path / "c" / "_METADATA.json").read_text())
-    assert set(raw["leaves"]) == {"a/w", "n", "s"}
+    raw = json.loads((tmp_path / "c" / "_METADATA.json").read_text())  # plain JSON, checksummed
+    assert raw["checksum"].startswith("sha256:") and set(raw["body"]["leaves"]) == {"a/w", "n", "s"}
 
 
 def test_step_is_a_handful_of_files(tmp_path):

@@ -1,7 +1,13 @@
 """cairn.checkpoint: async, atomic, sharded checkpoints of JAX pytrees on TensorStore."""
 
 from ._checkpointer import AsyncCheckpointer, metadata, restore, save
-from ._errors import CheckpointError, ChecksumError, TargetMismatchError
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    ChecksumError,
+    TargetMismatchError,
+)
 from ._manager import CheckpointManager, CheckpointManagerOptions
 from ._restore import LeafMetadata
 from ._safetensors import load_safetensors, save_safetensors
@@ -10,9 +16,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncCheckpointer",
+    "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointManagerOptions",
+    "CheckpointWriteError",
     "ChecksumError",
     "LeafMetadata",
     "TargetMismatchError",

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
-from . import _fs, _multihost, _restore, _tree
-from ._errors import CheckpointError
+from . import _fs, _multihost, _ownership, _restore, _tree
+from ._errors import CheckpointError, CheckpointWriteError
 from ._restore import LeafMetadata
 
 
@@ -44,30 +43,61 @@ class _Background:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"background save of {self._what} failed: {err}") from err
+            msg = f"background save of {self._what} failed: {err}"
+            if isinstance(err, OSError) and err.errno is not None:
+                raise CheckpointWriteError(err.errno, msg) from err  # keeps errno (ENOSPC...)
+            raise CheckpointError(msg) from err
 
 
-def _prepare_tmp(final: str, force: bool) -> str:
-    """Create a fresh temporary directory next to ``final`` (primary), then sync processes."""
+def _prepare_tmp(final: str, force: bool, timeout_s: float = 600.0) -> str:
+    """Create this save's owner-named temporary directory next to ``final`` (primary), after
+    removing leftovers of dead writers of ``final``; every process learns its name."""
     if os.path.exists(final) and not force:
         raise FileExistsError(f"checkpoint {final} already exists (pass force=True to replace it)")
-    tmp = final + _fs.TMP_SUFFIX
+    tmp = ""
     if _multihost.is_primary():
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
-        os.makedirs(tmp)
-    _multihost.barrier(f"prepare {final}")
+        parent, base = os.path.split(final)
+        _ownership.cleanup_incomplete(parent, final=base)
+        tmp = _ownership.claim(final)
+    tmp = _multihost.broadcast(f"tmp {final}", tmp, timeout_s)
+    _multihost.barrier(f"prepare {final}", timeout_s)
     return tmp
 
 
-def _commit(tmp: str, final: str, force: bool) -> None:
-    _multihost.barrier(f"written {final}")
+def _commit(tmp: str, final: str, force: bool, verify: Callable[[str], Any], timeout_s: float = 600.0) -> None:
+    """Rename ``tmp`` to ``final`` once every process wrote its part, then ``verify`` the
+    committed directory (raising if it is not intact) before anyone reports success."""
+    _multihost.barrier(f"written {final}", timeout_s)
     if _multihost.is_primary():
         if force and os.path.exists(final):
             _fs.remove_tree(final)
-        _fs.commit(tmp, final, {"time": time.time(), "format": _tree.FORMAT})
-    _multihost.barrier(f"committed {final}")
+        _fs.commit(tmp, final, {"time": time.time(), "format": _tree.FORMAT, "version": _tree.FORMAT_VERSION})
+        _ownership.release(tmp, remove=False)
+        verify_committed(final, verify)
+    _multihost.barrier(f"committed {final}", timeout_s)
+
+
+def verify_committed(final: str, verify: Callable[[str], Any]) -> None:
+    """Re-read the marker and metadata of a just-committed directory; raise if damaged."""
+    try:
+        _fs.read_json(os.path.join(final, _fs.COMMIT_MARKER), require_checksum=True)
+        verify(final)
+    except (OSError, CheckpointError) as err:
+        raise CheckpointError(
+            f"{final} was committed but does not verify (was it changed or deleted meanwhile?): {err}"
+        ) from err
+
+
+def write_and_commit(write: Callable[[], None], tmp: str, final: str, force: bool,
+                     verify: Callable[[str], Any], timeout_s: float = 600.0) -> None:
+    """``write`` into ``tmp`` and commit; on failure the primary deletes ``tmp``."""
+    try:
+        write()
+        _commit(tmp, final, force, verify, timeout_s)
+    except BaseException:
+        if _multihost.is_primary():
+            _ownership.release(tmp, remove=True)
+        raise
 
 
 def save(
@@ -97,8 +127,9 @@ def save(
     final = os.path.abspath(os.fspath(directory))
     snap = _tree.snapshot(tree, copy_host=False, compression=compression)
     tmp = _prepare_tmp(final, force)
-    _tree.write(snap, tmp, compression=compression)
-    _commit(tmp, final, force)
+    write_and_commit(
+        lambda: _tree.write(snap, tmp, compression=compression), tmp, final, force, _restore.check_dir
+    )
 
 
 def restore(
@@ -151,7 +182,7 @@ def metadata(directory: str | os.PathLike) -> dict[str, LeafMetadata]:
 def _require_committed(directory: str) -> None:
     """A checkpoint is readable if it, or the manager step holding it, has a COMMIT marker."""
     if not os.path.isdir(directory):
-        if os.path.isdir(directory + _fs.TMP_SUFFIX):
+        if _ownership.pending(directory):
             raise CheckpointError(f"checkpoint {directory} is incomplete: its save never committed")
         raise FileNotFoundError(f"no checkpoint at {directory}")
     parent = os.path.dirname(os.path.abspath(directory))
@@ -215,8 +246,10 @@ class AsyncCheckpointer(_BackgroundSaver):
         compression = self._compression
 
         def tail() -> None:
-            _tree.write(snap, tmp, compression=compression)
-            _commit(tmp, final, force)
+            write_and_commit(
+                lambda: _tree.write(snap, tmp, compression=compression), tmp, final, force,
+                _restore.check_dir,
+            )
 
         self._bg.start(tail, final)
 

@@ -7,8 +7,28 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path and the cause."""
 
 
-class ChecksumError(CheckpointError):
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A file of a committed checkpoint is damaged (checksum mismatch, unreadable, truncated).
+
+    The message names the file and says which checkpoint (or manager step) is corrupt;
+    ``path`` is that file.
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ChecksumError(CheckpointCorruptError):
     """Stored bytes of a leaf do not match their crc32c checksum (the file was corrupted)."""
+
+
+class CheckpointWriteError(OSError, CheckpointError):
+    """Writing a checkpoint file failed (disk full, read-only, I/O error).
+
+    An ``OSError`` whose ``errno`` is the original one (``errno.ENOSPC`` for a full disk)
+    and whose message names the file or leaf being written; chained from the original error.
+    """
 
 
 class TargetMismatchError(CheckpointError, ValueError):

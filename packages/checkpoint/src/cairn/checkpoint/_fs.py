@@ -1,41 +1,135 @@
-"""Durable file helpers: fsync'd writes, atomic commit by rename, temporary-directory names."""
+"""Durable file helpers: fsync'd writes, checksummed JSON, atomic commit by rename."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
 from typing import Any
 
+from ._errors import CheckpointCorruptError, CheckpointWriteError
+
 COMMIT_MARKER = "COMMIT"
 TMP_SUFFIX = ".cairn-tmp"
 DELETE_SUFFIX = ".cairn-del"
 
+# A checksummed JSON file is exactly HEAD + 64 hex digits + MID + body + TAIL, where body is
+# the JSON text of the content and the digits are the SHA-256 of the body's bytes. The file
+# is still plain JSON ({"checksum": ..., "body": ...}); every byte is covered: the body by
+# the hash, the rest by an exact comparison.
+_HEAD = b'{"checksum": "sha256:'
+_MID = b'", "body": '
+_TAIL = b"}\n"
+_HEAD_LEN = len(_HEAD) + 64 + len(_MID)
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def _write_error(err: OSError, what: str) -> CheckpointWriteError:
+    code = err.errno if err.errno is not None else errno.EIO
+    return CheckpointWriteError(code, f"cannot {what}: {err.strerror or err}")
+
 
 def fsync_dir(path: str) -> None:
     """Flush a directory entry table to disk (needed after creating or renaming entries)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise _write_error(err, f"sync directory {path}") from err
 
 
 def write_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync the file (the caller fsyncs the directory)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``data`` to ``path`` and fsync the file (the caller fsyncs the directory).
+
+    An ``OSError`` (a full disk gives none that names the file) becomes a
+    :class:`CheckpointWriteError` with the same ``errno`` naming ``path``.
+    """
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise _write_error(err, f"write {path}") from err
+
+
+def dumps_checked(obj: Any) -> bytes:
+    """``obj`` as checksummed JSON bytes (see ``_HEAD``)."""
+    body = json.dumps(obj, indent=1, sort_keys=False).encode()
+    return _HEAD + hashlib.sha256(body).hexdigest().encode() + _MID + body + _TAIL
 
 
 def write_json_durable(path: str, obj: Any) -> None:
-    write_durable(path, json.dumps(obj, indent=1, sort_keys=False).encode())
+    write_durable(path, dumps_checked(obj))
 
 
-def read_json(path: str) -> Any:
+def _looks_checked(data: bytes) -> bool:
+    """Whether ``data`` is (a damaged) checksummed file: its fixed header bytes mostly agree.
+
+    Old, unchecksummed files start with ``{`` and a newline or a key, and disagree with the
+    header almost everywhere; a checksummed file with a few damaged header bytes still
+    agrees in most places, so it is reported as corrupt rather than read as an old file.
+    """
+    fixed = list(enumerate(_HEAD)) + [(len(_HEAD) + 64 + i, c) for i, c in enumerate(_MID)]
+    fixed = [(i, c) for i, c in fixed if i < len(data)]
+    if len(fixed) < 8:
+        return False
+    bad = sum(data[i] != c for i, c in fixed)
+    return bad * 4 <= len(fixed)
+
+
+def corrupt(path: str, why: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{path} is corrupt: {why}; the checkpoint holding it is damaged", path)
+
+
+def loads_checked(data: bytes, path: str, *, require_checksum: bool = False) -> Any:
+    """Parse a file written by :func:`write_json_durable`, verifying its checksum.
+
+    A file without a checksum (written by format version 1) is parsed as plain JSON unless
+    ``require_checksum``. Any damage raises :class:`CheckpointCorruptError` naming ``path``.
+    """
+    if _looks_checked(data):
+        digest = data[len(_HEAD) : len(_HEAD) + 64]
+        if (
+            len(data) < _HEAD_LEN + len(_TAIL)
+            or not data.startswith(_HEAD)
+            or data[len(_HEAD) + 64 : _HEAD_LEN] != _MID
+            or not set(digest) <= _HEX
+            or not data.endswith(_TAIL)
+        ):
+            raise corrupt(path, "its checksum header or end is damaged or the file is truncated")
+        body = data[_HEAD_LEN : -len(_TAIL)]
+        got = hashlib.sha256(body).hexdigest()
+        if got != digest.decode():
+            raise corrupt(
+                path, f"checksum mismatch (stored sha256 {digest.decode()[:16]}..., content {got[:16]}...)"
+            )
+    elif require_checksum:
+        raise corrupt(path, "it lacks the checksum that this checkpoint's format version writes")
+    else:
+        body = data
+    try:
+        return json.loads(body)
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise corrupt(path, f"not valid JSON ({err})") from None
+
+
+def read_json(path: str, *, require_checksum: bool = False) -> Any:
+    """Read and verify a checksummed JSON file (``FileNotFoundError`` if it is missing)."""
+    return read_json_checked(path, require_checksum=require_checksum)[0]
+
+
+def read_json_checked(path: str, *, require_checksum: bool = False) -> tuple[Any, bool]:
+    """(content, whether the file carried a checksum) of a JSON file written here."""
     with open(path, "rb") as f:
-        return json.loads(f.read())
+        data = f.read()
+    checked = _looks_checked(data)
+    return loads_checked(data, path, require_checksum=require_checksum), checked
 
 
 def is_committed(path: str) -> bool:
@@ -60,16 +154,3 @@ def remove_tree(path: str) -> None:
     os.rename(path, doomed)
     fsync_dir(os.path.dirname(os.path.abspath(doomed)))
     shutil.rmtree(doomed, ignore_errors=True)
-
-
-def cleanup_incomplete(parent: str) -> list[str]:
-    """Remove leftovers of interrupted saves/deletes in ``parent``; returns what was removed."""
-    removed = []
-    if not os.path.isdir(parent):
-        return removed
-    for name in os.listdir(parent):
-        if name.endswith(TMP_SUFFIX) or name.endswith(DELETE_SUFFIX):
-            full = os.path.join(parent, name)
-            shutil.rmtree(full, ignore_errors=True)
-            removed.append(full)
-    return removed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -10,12 +11,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fs, _multihost, _restore, _tree
-from ._checkpointer import _Background, _BackgroundSaver, _commit
-from ._errors import CheckpointError
+from . import _fs, _multihost, _ownership, _restore, _tree
+from ._checkpointer import _Background, _BackgroundSaver, write_and_commit
+from ._errors import CheckpointCorruptError, CheckpointError
 from ._restore import LeafMetadata
 
 STEP_METADATA = "_STEP.json"
+_log = logging.getLogger("cairn.checkpoint")
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
@@ -34,12 +36,17 @@ class CheckpointManagerOptions:
       enable_async: ``save`` returns once device data is on the host; the rest runs in the
         background.
       create: create ``directory`` if missing. cleanup_tmp_directories: remove leftovers of
-        interrupted saves when the manager starts.
+        interrupted saves when the manager starts, but only those whose writer is provably
+        gone: a process of this host that has exited, or (other hosts, unknown owners) a
+        temporary directory whose lease was not renewed for ``tmp_lease_timeout_secs``
+        (a live writer renews it every 10 s). A reader opened on a live trainer's directory
+        never removes the trainer's save in progress.
       compression: ``None`` (raw bytes, default) or ``"zstd"`` / ``"zstd:<level>"``.
       local_directory: optional fast tier (local disk, RAM disk) saved every
         ``local_save_interval_steps`` and holding ``local_max_to_keep`` steps; restore takes
         the newest complete step from either tier.
       timeout_secs: how long a process waits at a multi-process barrier.
+      tmp_lease_timeout_secs: see ``cleanup_tmp_directories``.
     """
 
     save_interval_steps: int = 1
@@ -57,8 +64,14 @@ class CheckpointManagerOptions:
     local_save_interval_steps: int | None = None
     local_max_to_keep: int = 1
     timeout_secs: float = 600.0
+    tmp_lease_timeout_secs: float = _ownership.DEFAULT_LEASE_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not self.tmp_lease_timeout_secs > 2 * _ownership.HEARTBEAT_S:
+            raise ValueError(
+                f"tmp_lease_timeout_secs must exceed {2 * _ownership.HEARTBEAT_S:g} s (twice the "
+                f"lease renewal interval), got {self.tmp_lease_timeout_secs}"
+            )
         if self.save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
         if self.max_to_keep is not None and self.max_to_keep < 1:
@@ -141,9 +154,11 @@ class CheckpointManager(_BackgroundSaver):
                         raise FileNotFoundError(f"checkpoint directory {tier.directory} does not exist")
                     os.makedirs(tier.directory, exist_ok=True)
                 if o.cleanup_tmp_directories:
-                    _fs.cleanup_incomplete(tier.directory)
+                    _ownership.cleanup_incomplete(tier.directory, lease_timeout_s=o.tmp_lease_timeout_secs)
         _multihost.barrier(f"manager init {self.directory}", o.timeout_secs)
         self._bg = _Background()
+        # step directory -> (its stat key, _STEP.json content or None, why it is corrupt or None)
+        self._checked: dict[str, tuple[tuple, dict | None, str | None]] = {}
 
     # ----------------------------------------------------------------- listing
     def _step_name(self, step: int) -> str:
@@ -151,6 +166,7 @@ class CheckpointManager(_BackgroundSaver):
         return f"{p}_{step}" if p else str(step)
 
     def _committed(self, tier: _Tier) -> dict[int, str]:
+        """Step directories with a ``COMMIT`` marker (intact or not)."""
         out = {}
         if not os.path.isdir(tier.directory):
             return out
@@ -163,32 +179,127 @@ class CheckpointManager(_BackgroundSaver):
                 out[int(m.group(1))] = full
         return out
 
+    def _verify_step(self, d: str, step: int) -> dict:
+        """Verify every metadata file of step directory ``d`` (checksums, content, the
+        databases' manifests; no array data) and return its ``_STEP.json`` content."""
+        path = os.path.join(d, STEP_METADATA)
+        _fs.read_json(os.path.join(d, _fs.COMMIT_MARKER))
+        if not os.path.isfile(path):
+            raise _fs.corrupt(path, "the file is missing from a committed step")
+        meta, checked = _fs.read_json_checked(path)
+        ok = (
+            isinstance(meta, dict)
+            and meta.get("step") == step
+            and isinstance(meta.get("items"), dict)
+            and all(k in ("pytree", "state") for k in meta["items"].values())
+            and isinstance(meta.get("process_count", 1), int)
+            and isinstance(meta.get("version", 1), int)
+        )
+        if not ok:
+            raise _fs.corrupt(path, f"its content is not the metadata of step {step}")
+        version = meta.get("version", 1)
+        if version > _tree.FORMAT_VERSION:
+            raise _fs.corrupt(path, f"format version {version} is newer than this cairn.checkpoint reads")
+        if version >= 2 and not checked:
+            raise _fs.corrupt(path, "it lacks the checksum that format version 2 writes")
+        for name, kind in meta["items"].items():
+            sub = os.path.join(d, name)
+            if kind == "pytree":
+                _restore.check_dir(sub)
+                continue
+            for i in range(meta.get("process_count", 1)):
+                f = os.path.join(sub, f"state.process_{i}.json")
+                if not os.path.isfile(f):
+                    raise _fs.corrupt(f, f"item {name!r} lacks process {i}'s state")
+                _fs.read_json(f, require_checksum=version >= 2)
+        return meta
+
+    def _check(self, d: str, step: int, *, fresh: bool = False) -> tuple[dict | None, str | None]:
+        """(``_STEP.json`` content, None) if step directory ``d`` is intact, else (None, why);
+        remembered per directory until it changes. A corrupt step is logged once."""
+        try:
+            st, cst = os.stat(d), os.stat(os.path.join(d, _fs.COMMIT_MARKER))
+            key = (st.st_ino, st.st_mtime_ns, cst.st_mtime_ns, cst.st_size)
+        except OSError:
+            key = ()
+        hit = self._checked.get(d)
+        if hit is not None and hit[0] == key and not fresh:
+            return hit[1], hit[2]
+        try:
+            meta, why = self._verify_step(d, step), None
+        except (CheckpointError, OSError) as err:
+            meta, why = None, str(err)
+            if hit is None or hit[2] is None:
+                _log.warning("cairn.checkpoint: step %d in %s is corrupt and skipped: %s", step, d, why)
+        self._checked[d] = (key, meta, why)
+        return meta, why
+
+    def _mark_corrupt(self, d: str, why: str) -> None:
+        key = self._checked.get(d, ((), None, None))[0]
+        self._checked[d] = (key, None, why)
+
+    def _copies(self, step: int | None = None) -> dict[int, list[str]]:
+        """Committed directories of each step (or of ``step``), local tier first."""
+        out: dict[int, list[str]] = {}
+        for tier in reversed(self._tiers):
+            for s, d in self._committed(tier).items():
+                if step is None or s == step:
+                    out.setdefault(s, []).append(d)
+        return out
+
+    def _intact_dir(self, step: int, dirs: list[str]) -> str | None:
+        for d in dirs:
+            if self._check(d, step)[0] is not None:
+                return d
+        return None
+
     def all_steps(self) -> list[int]:
-        """Committed steps in either tier, ascending (a save still running is not listed)."""
-        steps: set[int] = set()
-        for tier in self._tiers:
-            steps.update(self._committed(tier))
-        return sorted(steps)
+        """Intact committed steps in either tier, ascending.
+
+        A save still running is not listed, nor is a corrupt step (a damaged or missing
+        metadata file: see :meth:`corrupt_steps`). Each step's metadata files are verified
+        once per manager (no array data is read).
+        """
+        return sorted(s for s, dirs in self._copies().items() if self._intact_dir(s, dirs))
+
+    def corrupt_steps(self) -> dict[int, str]:
+        """Committed steps with no intact copy, each with why (naming the damaged file).
+
+        They are skipped by :meth:`latest_step`, :meth:`all_steps` and ``restore()``, logged
+        once (logger ``cairn.checkpoint``), kept on disk until :meth:`delete` or until a save
+        of the same step replaces them, and not counted by ``max_to_keep``.
+        """
+        out = {}
+        for s, dirs in sorted(self._copies().items()):
+            if self._intact_dir(s, dirs) is None:
+                out[s] = "; ".join(self._check(d, s)[1] or "" for d in dirs)
+        return out
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        """The newest intact committed step (a corrupt newer one is skipped and logged)."""
+        for s, dirs in sorted(self._copies().items(), reverse=True):
+            if self._intact_dir(s, dirs) is not None:
+                return s
+        return None
 
     def _step_dir(self, step: int) -> str:
-        found = {}
-        for tier in self._tiers:
-            d = self._committed(tier).get(step)
-            if d is not None:
-                found[tier.name] = d
-        if not found:
-            raise FileNotFoundError(
-                f"step {step} is not a committed checkpoint in {self.directory}"
-                f" (committed steps: {self.all_steps()})"
+        dirs = self._copies(step).get(step, [])
+        d = self._intact_dir(step, dirs)
+        if d is not None:
+            return d
+        if dirs:
+            why = "; ".join(self._check(x, step)[1] or "" for x in dirs)
+            raise CheckpointCorruptError(
+                f"step {step} in {self.directory} is corrupt: {why} (intact steps: {self.all_steps()})"
             )
-        return found.get("local", found.get("persistent"))
+        raise FileNotFoundError(
+            f"step {step} is not a committed checkpoint in {self.directory}"
+            f" (committed steps: {self.all_steps()})"
+        )
 
     def _step_meta(self, step: int) -> dict:
-        return _fs.read_json(os.path.join(self._step_dir(step), STEP_METADATA))
+        d = self._step_dir(step)
+        return self._check(d, step)[0]
 
     def metrics(self, step: int) -> dict | None:
         """The metrics saved with ``step`` (``None`` if none were given)."""
@@ -249,7 +360,8 @@ class CheckpointManager(_BackgroundSaver):
             raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
         if not force and not self.should_save(step):
             return False
-        if step in self.all_steps():
+        copies = self._copies(step).get(step, [])
+        if self._intact_dir(step, copies) is not None:
             raise FileExistsError(f"step {step} already exists in {self.directory}")
         tier = self._tiers[0]
         if not force and step % tier.interval != 0:
@@ -270,7 +382,7 @@ class CheckpointManager(_BackgroundSaver):
             if _is_checkpointable(item):
                 state = item.get_state()
                 try:
-                    states[name] = json.dumps(state)
+                    states[name] = json.loads(json.dumps(state))
                 except (TypeError, ValueError) as err:
                     raise TypeError(
                         f"item {name!r}: get_state() must return JSON-able data: {err}"
@@ -278,31 +390,36 @@ class CheckpointManager(_BackgroundSaver):
             else:
                 snaps[name] = _tree.snapshot(item, copy_host=o.enable_async, compression=o.compression)
         final = os.path.join(tier.directory, self._step_name(step))
-        tmp = final + _fs.TMP_SUFFIX
+        tmp = ""
         if _multihost.is_primary():
-            if os.path.exists(tmp):
-                import shutil
-
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
+            if final in copies:  # committed but corrupt: this save replaces it
+                _log.warning("cairn.checkpoint: replacing corrupt step %d at %s", step, final)
+                _fs.remove_tree(final)
+                self._checked.pop(final, None)
+            _ownership.cleanup_incomplete(
+                tier.directory, lease_timeout_s=o.tmp_lease_timeout_secs, final=os.path.basename(final)
+            )
+            tmp = _ownership.claim(final)
             for name in items:
                 os.makedirs(os.path.join(tmp, name))
+        tmp = _multihost.broadcast(f"tmp {final}", tmp, o.timeout_secs)
         _multihost.barrier(f"prepare {final}", o.timeout_secs)
         kinds = {name: ("pytree" if name in snaps else "state") for name in items}
 
-        def tail() -> None:
+        def write() -> None:
             pidx = _multihost.process_index()
             for name, snap in snaps.items():
                 _tree.write(snap, os.path.join(tmp, name), compression=o.compression)
-            for name, text in states.items():
+            for name, state in states.items():
                 sub = os.path.join(tmp, name)
-                _fs.write_durable(os.path.join(sub, f"state.process_{pidx}.json"), text.encode())
+                _fs.write_json_durable(os.path.join(sub, f"state.process_{pidx}.json"), state)
                 _fs.fsync_dir(sub)
             if _multihost.is_primary():
                 _fs.write_json_durable(
                     os.path.join(tmp, STEP_METADATA),
                     {
                         "step": step,
+                        "version": _tree.FORMAT_VERSION,
                         "time": time.time(),
                         "tier": tier.name,
                         "items": kinds,
@@ -310,7 +427,12 @@ class CheckpointManager(_BackgroundSaver):
                         "process_count": _multihost.process_count(),
                     },
                 )
-            _commit(tmp, final, False)
+
+        def verify(d: str) -> None:
+            self._verify_step(d, step)
+
+        def tail() -> None:
+            write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
             if _multihost.is_primary():
                 self._apply_retention(tier)
 
@@ -322,7 +444,7 @@ class CheckpointManager(_BackgroundSaver):
 
     def _apply_retention(self, tier: _Tier) -> None:
         o = self._options
-        steps = self._committed(tier)
+        steps = {s: d for s, d in self._committed(tier).items() if self._check(d, s)[0] is not None}
         if tier.max_to_keep is None or len(steps) <= tier.max_to_keep:
             return
         ordered = sorted(steps)
@@ -330,7 +452,7 @@ class CheckpointManager(_BackgroundSaver):
         if tier.use_best and o.best_fn is not None:
             scored, unscored = [], []
             for s in ordered:
-                m = _fs.read_json(os.path.join(steps[s], STEP_METADATA)).get("metrics")
+                m = self._check(steps[s], s)[0].get("metrics")
                 (unscored if m is None else scored).append((s, m))
             sign = -1.0 if o.best_mode == "max" else 1.0
             scored.sort(key=lambda sm: (sign * float(o.best_fn(sm[1])), -sm[0]))
@@ -346,13 +468,14 @@ class CheckpointManager(_BackgroundSaver):
                 _fs.remove_tree(steps[s])
 
     def delete(self, step: int) -> None:
-        """Remove ``step`` from every tier."""
+        """Remove ``step`` from every tier (a corrupt step too)."""
         self._bg.wait()
         if _multihost.is_primary():
             for tier in self._tiers:
                 d = self._committed(tier).get(step)
                 if d is not None:
                     _fs.remove_tree(d)
+                    self._checked.pop(d, None)
         _multihost.barrier(f"delete {step} {self.directory}", self._options.timeout_secs)
 
     # ----------------------------------------------------------------- restoring
@@ -372,16 +495,32 @@ class CheckpointManager(_BackgroundSaver):
         cast: bool = False,
         mesh: Any = None,
     ) -> dict[str, Any]:
-        """Restore ``step`` (default: the newest committed step in either tier).
+        """Restore ``step`` (default: :meth:`latest_step`, the newest intact step in either tier).
 
         ``items`` maps item names to targets: a pytree target (see :func:`restore`), ``None``
         (as saved) or a Checkpointable (its ``set_state`` is called and it is returned).
         A list of names restores those items as saved; ``None`` restores every item.
+
+        The step's metadata files are verified again first. A damaged file or array chunk
+        raises :class:`CheckpointCorruptError` (:class:`ChecksumError` for array data)
+        saying that the step is corrupt and naming the file or leaf; the step is then
+        skipped by later calls of :meth:`latest_step` (so ``restore()`` again takes the
+        newest intact step), and never silently replaced by another step in this call.
         """
         self._bg.wait()
         step = self._resolve_step(step)
         d = self._step_dir(step)
-        meta = _fs.read_json(os.path.join(d, STEP_METADATA))
+        try:
+            meta, why = self._check(d, step, fresh=True)
+            if meta is None:
+                raise CheckpointCorruptError(why or "", None)
+            return self._restore_items(d, step, meta, items, partial=partial, cast=cast, mesh=mesh)
+        except CheckpointCorruptError as err:
+            self._mark_corrupt(d, str(err))
+            _log.warning("cairn.checkpoint: step %d in %s is corrupt: %s", step, d, err)
+            raise type(err)(f"step {step} in {self.directory} is corrupt: {err}", err.path) from err
+
+    def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> dict[str, Any]:
         kinds: dict[str, str] = meta["items"]
         if items is None:
             targets: dict[str, Any] = {n: None for n in kinds}
@@ -404,7 +543,7 @@ class CheckpointManager(_BackgroundSaver):
                         f"item {name!r} of step {step} has no state for process "
                         f"{_multihost.process_index()} (saved by {meta.get('process_count')} processes)"
                     )
-                state = _fs.read_json(f)
+                state = _fs.read_json(f, require_checksum=meta.get("version", 1) >= 2)
                 if target is not None:
                     if not _is_checkpointable(target):
                         raise TypeError(
@@ -418,5 +557,5 @@ class CheckpointManager(_BackgroundSaver):
             else:
                 if _is_checkpointable(target):
                     raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
-                out[name] = _restore.restore_dir(sub, target, partial=partial, cast=cast, mesh=mesh)
+                out[name] = _restore.restore_dir(sub, target, **kw)
         return out

@@ -13,7 +13,7 @@ import numpy as np
 
 from cairn.core_array import ArraySpec, as_numpy_dtype, flatten_with_paths, path_matches, unflatten
 
-from . import _fs, _storage, _tree
+from . import _fs, _ownership, _storage, _tree
 from ._errors import CheckpointError, TargetMismatchError
 
 #: Upper bound on bytes of reads outstanding at once (one larger buffer may exceed it).
@@ -50,9 +50,7 @@ class LeafMetadata:
 def _leaf_metadata(path: str, e: dict) -> LeafMetadata:
     if e["kind"] == "scalar":
         value = _tree.decode_scalar(e)
-        dtype = {"bool": "bool", "int": "int64", "float": "float64", "complex": "complex128"}.get(
-            e["type"], "str"
-        )
+        dtype = _SCALAR_TYPES[e["type"]]
         return LeafMetadata(path, "scalar", (), dtype, value=value)
     spec = ArraySpec.from_json(e["spec"])
     sh = e.get("sharding") or {}
@@ -68,20 +66,81 @@ def _leaf_metadata(path: str, e: dict) -> LeafMetadata:
 
 
 def load_metadata(directory: str) -> dict:
+    """Read, verify (checksum) and validate ``_METADATA.json``; damage raises
+    :class:`CheckpointCorruptError` naming the file."""
     directory = os.fspath(directory)
     path = os.path.join(directory, _tree.METADATA_FILE)
     if not os.path.isfile(path):
-        if os.path.isdir(directory + _fs.TMP_SUFFIX):
+        if _ownership.pending(directory):
             raise CheckpointError(f"checkpoint {directory} is incomplete (its save never committed)")
+        if _fs.is_committed(directory) or _fs.is_committed(os.path.dirname(os.path.abspath(directory))):
+            raise _fs.corrupt(path, "the file is missing from a committed checkpoint")
         raise FileNotFoundError(f"no checkpoint at {directory}: {_tree.METADATA_FILE} not found")
-    meta = _fs.read_json(path)
-    if meta.get("format") != _tree.FORMAT:
-        raise CheckpointError(f"{path} is not a cairn.checkpoint metadata file")
-    if meta.get("version", 0) > _tree.FORMAT_VERSION:
+    meta, checked = _fs.read_json_checked(path)
+    if not isinstance(meta, dict) or meta.get("format") != _tree.FORMAT:
+        raise _fs.corrupt(path, "not a cairn.checkpoint metadata file")
+    version = meta.get("version", 0)
+    if not isinstance(version, int) or version < 1:
+        raise _fs.corrupt(path, f"bad format version {version!r}")
+    if version > _tree.FORMAT_VERSION:
         raise CheckpointError(
-            f"{path} has format version {meta['version']}; this cairn.checkpoint reads up to "
+            f"{path} has format version {version}; this cairn.checkpoint reads up to "
             f"{_tree.FORMAT_VERSION}"
         )
+    if version >= 2 and not checked:
+        raise _fs.corrupt(path, "it lacks the checksum that format version 2 writes")
+    pc, leaves = meta.get("process_count"), meta.get("leaves")
+    if not isinstance(pc, int) or pc < 1 or not isinstance(leaves, dict):
+        raise _fs.corrupt(path, "process_count or leaves is missing or malformed")
+    for p, e in leaves.items():
+        try:
+            _check_entry(p, e)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            raise _fs.corrupt(path, f"the entry of leaf {p!r} is malformed ({err!r})") from None
+    return meta
+
+
+def _check_entry(path: str, e: dict) -> None:
+    kind = e["kind"]
+    if kind == "scalar":
+        if e["type"] not in _SCALAR_TYPES:
+            raise ValueError(f"scalar type {e['type']!r}")
+        _tree.decode_scalar(e)
+        return
+    if kind not in ("jax", "numpy", "numpy_scalar"):
+        raise ValueError(f"kind {kind!r}")
+    spec = ArraySpec.from_json(e["spec"])
+    if e["storage_dtype"] != _storage.storage_dtype(spec.numpy_dtype):
+        raise ValueError(f"storage_dtype {e['storage_dtype']!r} for dtype {spec.dtype}")
+    chunk = e["chunk_shape"]
+    if len(chunk) != len(spec.shape) or not all(isinstance(c, int) and c >= 1 for c in chunk):
+        raise ValueError(f"chunk_shape {chunk!r} for shape {spec.shape}")
+    if kind == "numpy_scalar" and spec.shape != ():
+        raise ValueError(f"numpy_scalar of shape {spec.shape}")
+
+
+_SCALAR_TYPES = {"bool": "bool", "int": "int64", "float": "float64", "complex": "complex128", "str": "str"}
+_SCALAR_GROUP = {"bool": "bool", "int": "number", "float": "number", "complex": "number", "str": "str"}
+
+
+def _scalar_group(x: Any) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    return "str" if isinstance(x, str) else "number"
+
+
+def check_dir(directory: str) -> dict:
+    """Verify every metadata file of a checkpoint directory (no array data is read).
+
+    Returns its metadata; raises :class:`CheckpointCorruptError` naming the damaged file.
+    The OCDBT manifest of each process that wrote array data must exist.
+    """
+    meta = load_metadata(directory)
+    for i, reg in enumerate(regions_all(directory, meta)):
+        if any(reg.values()):
+            manifest = os.path.join(_storage.db_dir(directory, i), "manifest.ocdbt")
+            if not os.path.isfile(manifest):
+                raise _fs.corrupt(manifest, f"process {i}'s array database has no manifest")
     return meta
 
 
@@ -124,7 +183,13 @@ def _want_from_target(t: Any, entry: dict, mesh: Any) -> tuple[_Want, tuple | No
         return _Want("numpy_scalar", t.dtype), (), t.dtype
     if isinstance(t, (bool, int, float, complex, str)):
         if entry["kind"] == "scalar":
+            if _SCALAR_GROUP[entry["type"]] != _scalar_group(t):
+                raise TypeError(
+                    f"checkpoint has a {entry['type']} scalar, the target a {type(t).__name__}"
+                )
             return _Want("scalar"), None, None
+        if isinstance(t, str):
+            raise TypeError(f"checkpoint has an array ({_describe(entry)}), the target a str")
         return _Want("numpy_scalar" if entry["kind"] != "jax" else "jax"), (), None
     raise TypeError(
         f"unsupported restore target leaf of type {type(t).__qualname__}: expected a jax.Array, "
@@ -137,7 +202,18 @@ def _compile_patterns(paths: str | Sequence[str] | None) -> list[re.Pattern] | N
         return None
     if isinstance(paths, (str, re.Pattern)):
         paths = [paths]
-    return [re.compile(p) if isinstance(p, str) else p for p in paths]
+    out = []
+    for p in paths:
+        if isinstance(p, re.Pattern):
+            out.append(p)
+            continue
+        if not isinstance(p, str):
+            raise TypeError(f"paths must be a regex string or a list of them, got {p!r}")
+        try:
+            out.append(re.compile(p))
+        except re.error as err:
+            raise ValueError(f"paths pattern {p!r} is not a valid regular expression: {err}") from None
+    return out
 
 
 def _selected(patterns, path: str) -> bool:
@@ -219,20 +295,33 @@ def _target_desc(t: Any) -> str:
     return type(t).__qualname__
 
 
-def _regions_all(directory: str, meta: dict) -> list[dict[str, list]]:
+def regions_all(directory: str, meta: dict) -> list[dict[str, list]]:
+    """Every process's ``_REGIONS`` file, verified (checksum and shape of the content)."""
     out = []
     for i in range(meta["process_count"]):
         f = os.path.join(directory, _tree.regions_file(i))
         if not os.path.isfile(f):
-            raise CheckpointError(f"checkpoint {directory} lacks {_tree.regions_file(i)} (process {i}'s part)")
-        out.append(_fs.read_json(f))
+            raise _fs.corrupt(f, f"process {i}'s part of checkpoint {directory} is missing")
+        reg = _fs.read_json(f, require_checksum=meta["version"] >= 2)
+        ok = isinstance(reg, dict) and all(
+            isinstance(rs, list)
+            and all(
+                isinstance(r, list)
+                and all(isinstance(ab, list) and len(ab) == 2 and all(isinstance(v, int) for v in ab) for ab in r)
+                for r in rs
+            )
+            for rs in reg.values()
+        )
+        if not ok:
+            raise _fs.corrupt(f, "its content is not {path: [region, ...]}")
+        out.append(reg)
     return out
 
 
 def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dict[str, Any]:
     """Read every planned leaf; all reads run concurrently inside TensorStore."""
     directory = os.fspath(directory)
-    regions = _regions_all(directory, meta)
+    regions = regions_all(directory, meta)
     stores: dict[tuple[int, str], Any] = {}
     jobs = []  # (path, finalize) ; futures collected separately
     results: dict[str, Any] = {}

@@ -17,7 +17,8 @@ from . import _fs, _multihost, _storage
 from ._errors import CheckpointError
 
 FORMAT = "cairn.checkpoint"
-FORMAT_VERSION = 1
+#: 2: every JSON file carries a SHA-256 checksum (version 1 files are still read).
+FORMAT_VERSION = 2
 METADATA_FILE = "_METADATA.json"
 
 
