@@ -164,9 +164,9 @@ def test_iter_mix_errors():
     with pytest.raises(TypeError, match="input 1 is a int"):
         IterDataset.mix([a, 3])
     it = iter(IterDataset.mix([a, a]))
-    with pytest.raises(ValueError, match="expected a dict with keys"):
+    with pytest.raises(ValueError, match="mix iterator state at 'inputs': expected a value"):
         it.set_state({"index": 0})
-    with pytest.raises(ValueError, match="the states of 2 inputs"):
+    with pytest.raises(ValueError, match="the states of the 2 inputs"):
         it.set_state({"index": 0, "inputs": [{"next_index": 0}]})
 
 

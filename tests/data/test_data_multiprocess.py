@@ -37,7 +37,7 @@ def test_worker_exception_reaches_caller_with_traceback(workers):
             got.append(x)
     # Every element before the failing one arrives; the state points at the failing one.
     assert got == list(range(13))
-    assert it.get_state() == {"next_index": 13}
+    assert it.get_state() == {"version": 1, "next_index": 13}
     if workers:
         cause = info.value.__cause__
         assert cause is not None and "explode_on_13" in str(cause) and "Traceback" in str(cause)

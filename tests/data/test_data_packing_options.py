@@ -483,7 +483,9 @@ def test_bad_options_for_bare_arrays_and_elements():
     ):
         list(missing)
     it = iter(FirstFitPackIterDataset(_src(), length_struct=LENGTHS, num_packing_bins=1))
-    with pytest.raises(ValueError, match=r"'emitted' and 'window' must be ints >= 0"):
+    with pytest.raises(
+        ValueError, match=r"FirstFitPack iterator state at 'window': expected an int >= 0, got -1"
+    ):
         it.set_state({"parent": {"next_index": 0}, "emitted": 0, "window": -1})
 
 

@@ -38,6 +38,14 @@ from cairn.data._map_dataset import (
     mix_pattern,
     profiling,
 )
+from cairn.data._state_validation import (
+    StateError,
+    any_field,
+    check_state,
+    int_field,
+    nested,
+    with_version,
+)
 from cairn.data._tree import StructureChecker, stack_records
 
 __all__ = [
@@ -223,12 +231,6 @@ class DatasetIterator:
         for p in self._parents:
             out.extend(p._summary_extra())
         return out
-
-
-def _check_state(state: Any, keys: Sequence[str], who: str) -> dict:
-    if not isinstance(state, dict) or any(k not in state for k in keys):
-        raise ValueError(f"{who}.set_state: expected a dict with keys {list(keys)}, got {state!r}")
-    return state
 
 
 # ====================================================================== datasets
@@ -464,13 +466,10 @@ class _ChunkedRootIterator(DatasetIterator):
                 raise StopIteration
 
     def get_state(self) -> dict:
-        return {"next_index": self._next_index}
+        return with_version({"next_index": self._next_index})
 
     def _checked_index(self, state: dict) -> int:
-        i = _check_state(state, ("next_index",), self._who)["next_index"]
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self._len:
-            raise ValueError(f"set_state: next_index must be an int in [0, {self._len}], got {i!r}")
-        return i
+        return check_state(state, self._who, {"next_index": int_field(0, self._len)})["next_index"]
 
     def set_state(self, state: dict) -> None:
         self._reset(self._checked_index(state))
@@ -593,12 +592,13 @@ class _RandomMapIterator(DatasetIterator):
         return self._fn(x, rng)
 
     def get_state(self):
-        return {"parent": self._p.get_state(), "count": self._count}
+        return with_version({"parent": self._p.get_state(), "count": self._count})
 
     def set_state(self, state):
-        _check_state(state, ("parent", "count"), "random_map iterator")
-        self._p.set_state(state["parent"])
-        self._count = int(state["count"])
+        check_state(state, "random_map iterator", {"parent": any_field, "count": int_field(0)})
+        with nested("parent"):
+            self._p.set_state(state["parent"])
+        self._count = state["count"]
 
 
 class _FilterIterator(_SameStateIterator):
@@ -834,20 +834,28 @@ class _InterleaveIterator(DatasetIterator):
         self._reset({"next_to_open": 0, "slot": 0, "open": []})
 
     def _reset(self, state):
-        for it in getattr(self, "_open_iters", []):
-            if it is not None:
-                it[1].close()
-        self._next_to_open = int(state["next_to_open"])
-        self._slot = int(state["slot"])
-        self._open_iters: list = []
-        for entry in state["open"]:
-            if entry is None:
-                self._open_iters.append(None)
-                continue
-            k, st = entry
-            it = iter(self._datasets[k])
-            it.set_state(st)
-            self._open_iters.append([k, it])
+        opened: list = []
+        try:
+            for j, entry in enumerate(state["open"]):
+                if entry is None:
+                    opened.append(None)
+                    continue
+                k, st = entry
+                it = iter(self._datasets[k])
+                opened.append([k, it])
+                with nested(f"open/{j}/1"):
+                    it.set_state(st)
+        except BaseException:
+            for e in opened:
+                if e is not None:
+                    e[1].close()
+            raise
+        for e in getattr(self, "_open_iters", []):
+            if e is not None:
+                e[1].close()
+        self._next_to_open = state["next_to_open"]
+        self._slot = state["slot"]
+        self._open_iters = opened
         while len(self._open_iters) < self._cycle:
             self._open_iters.append(self._open_next())
 
@@ -878,14 +886,45 @@ class _InterleaveIterator(DatasetIterator):
         raise StopIteration
 
     def get_state(self):
-        return {
-            "next_to_open": self._next_to_open,
-            "slot": self._slot,
-            "open": [None if e is None else [e[0], e[1].get_state()] for e in self._open_iters],
-        }
+        return with_version(
+            {
+                "next_to_open": self._next_to_open,
+                "slot": self._slot,
+                "open": [None if e is None else [e[0], e[1].get_state()] for e in self._open_iters],
+            }
+        )
 
     def set_state(self, state):
-        _check_state(state, ("next_to_open", "slot", "open"), "interleave iterator")
+        kind, n = "interleave iterator", len(self._datasets)
+        check_state(
+            state,
+            kind,
+            {
+                "next_to_open": int_field(0, n),
+                "slot": int_field(0, self._cycle - 1),
+                "open": lambda v: (
+                    None
+                    if isinstance(v, list) and len(v) == self._cycle
+                    else f"a list of {self._cycle} entries (one per cycle slot)"
+                ),
+            },
+        )
+        seen: set = set()
+        for j, entry in enumerate(state["open"]):
+            if entry is None:
+                continue
+            if not isinstance(entry, list | tuple) or len(entry) != 2:
+                raise StateError(kind, f"open/{j}", "null or [input index, input state]", entry)
+            k = entry[0]
+            if int_field(0, state["next_to_open"] - 1)(k) is not None or k in seen:
+                raise StateError(
+                    kind,
+                    f"open/{j}/0",
+                    f"the index of an input opened before next_to_open={state['next_to_open']} "
+                    "and not open in another slot",
+                    k,
+                )
+            seen.add(k)
         self._reset(state)
 
     def close(self):
@@ -930,16 +969,29 @@ class _MixIterator(DatasetIterator):
         return x
 
     def get_state(self):
-        return {"index": self._index, "inputs": [it.get_state() for it in self._its]}
+        return with_version({"index": self._index, "inputs": [it.get_state() for it in self._its]})
 
     def set_state(self, state):
-        _check_state(state, ("index", "inputs"), "mix iterator")
-        inputs = state["inputs"]
-        if not isinstance(inputs, list) or len(inputs) != len(self._its):
-            raise ValueError(
-                f"mix iterator.set_state: expected the states of {len(self._its)} inputs, "
-                f"got {inputs!r}"
-            )
-        for it, st in zip(self._its, inputs):
-            it.set_state(st)
-        self._index = int(state["index"])
+        n = len(self._its)
+        check_state(
+            state,
+            "mix iterator",
+            {
+                "index": int_field(0),
+                "inputs": lambda v: (
+                    None
+                    if isinstance(v, list) and len(v) == n
+                    else f"a list of the states of the {n} inputs"
+                ),
+            },
+        )
+        before = [it.get_state() for it in self._its]
+        try:
+            for k, (it, st) in enumerate(zip(self._its, state["inputs"])):
+                with nested(f"inputs/{k}"):
+                    it.set_state(st)
+        except BaseException:  # leave the iterator where it was
+            for it, st in zip(self._its, before):
+                it.set_state(st)
+            raise
+        self._index = state["index"]

@@ -9,8 +9,16 @@ from typing import Any
 
 import numpy as np
 
-from cairn.data._iter_dataset import DatasetIterator, IterDataset, _check_state
+from cairn.data._iter_dataset import DatasetIterator, IterDataset
 from cairn.data._map_dataset import _int_at_least
+from cairn.data._state_validation import (
+    StateError,
+    any_field,
+    check_state,
+    int_field,
+    nested,
+    with_version,
+)
 
 __all__ = ["FirstFitPackIterDataset"]
 
@@ -520,30 +528,59 @@ class _PackIterator(DatasetIterator):
     def get_state(self) -> dict:
         if self._pending or self._skip:
             # Right after set_state the restored rows not yet dropped count as emitted.
-            return {
-                "parent": self._pending_start,
-                "emitted": self._emitted + self._skip,
-                "window": self._pending_window,
-            }
+            return with_version(
+                {
+                    "parent": self._pending_start,
+                    "emitted": self._emitted + self._skip,
+                    "window": self._pending_window,
+                }
+            )
         if self._bins:
-            return {"parent": self._window_start, "emitted": 0, "window": self._windows}
-        return {"parent": self._p.get_state(), "emitted": 0, "window": self._windows}
+            return with_version(
+                {"parent": self._window_start, "emitted": 0, "window": self._windows}
+            )
+        return with_version({"parent": self._p.get_state(), "emitted": 0, "window": self._windows})
 
     def set_state(self, state: dict) -> None:
-        _check_state(state, ("parent", "emitted"), "FirstFitPack iterator")
-        window = state.get("window", 0)
-        if not _int_at_least(window, 0) or not _int_at_least(state["emitted"], 0):
-            raise ValueError(
-                "FirstFitPack iterator.set_state: 'emitted' and 'window' must be ints >= 0, "
-                f"got {state!r}"
+        kind = "FirstFitPack iterator"
+        # A window emits at most num_packing_bins rows, and a state is taken before its
+        # last row is out: so at most num_packing_bins - 1 rows of it are emitted.
+        check_state(
+            state,
+            kind,
+            {
+                "parent": any_field,
+                "emitted": int_field(0, self._num_bins - 1),
+                "window": int_field(0),
+            },
+            optional=("window",),  # older states have no window number (read as 0)
+        )
+        before = self.get_state()
+        try:
+            self._restore(state)
+        except BaseException:  # leave the iterator where it was
+            self._restore(before)
+            raise
+        if self._skip and self._skip >= len(self._pending):
+            rows = len(self._pending)
+            self._restore(before)
+            raise StateError(
+                kind,
+                "emitted",
+                f"less than {rows} (the window at this parent state packs into {rows} rows)",
+                state["emitted"],
             )
-        self._p.set_state(state["parent"])
+
+    def _restore(self, state: dict) -> None:
+        with nested("parent"):
+            self._p.set_state(state["parent"])
+        parent = self._p.get_state()  # as given, in the current format (with its version)
         self._reset()
-        self._windows = window
+        self._windows = state.get("window", 0)
         self._skip = state["emitted"]
         if self._skip:
             # Re-pack the window the state points into, then drop the rows already emitted.
-            self._pending_start = state["parent"]
+            self._pending_start = parent
             self._fill_pending()
-            self._pending_start = state["parent"]
+            self._pending_start = parent
             self._emitted = 0
