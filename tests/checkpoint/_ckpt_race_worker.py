@@ -2,13 +2,14 @@
 
 ``writer DIR N``: saves steps 0..N-1 (async, waiting for each) and prints ``COMMITTED s``
 once ``wait_until_finished`` reported step ``s`` committed, ``FAILED s ...`` if the save raised.
-``reader DIR STOPFILE``: until STOPFILE exists, re-opens a CheckpointManager on DIR (which
-runs its cleanup of leftovers), restores the latest step and compares it with the expected
+``reader DIR STOPFILE``: until STOPFILE exists, re-opens a CheckpointManager on DIR every
+20 ms (each open runs its cleanup of leftovers), restores the latest step and compares it with the expected
 values; prints ``READS n``, and ``BAD ...`` for every failed or wrong restore.
 """
 
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -52,6 +53,7 @@ def reader(directory: str, stopfile: str) -> None:
                 reads += 1
         except Exception:  # noqa: BLE001 - every failure is reported to the test
             print("BAD " + traceback.format_exc().replace("\n", " | "), flush=True)
+        time.sleep(0.02)
     print(f"READS {reads}", flush=True)
 
 
