@@ -24,7 +24,12 @@ from ._iter_dataset import (
     ReadOptions,
 )
 from ._map_dataset import MapDataset
-from ._multiprocessing import MultiprocessingOptions, RemoteTraceback, WorkerDiedError
+from ._multiprocessing import (
+    MultiprocessingOptions,
+    RemoteTraceback,
+    WorkerDiedError,
+    WorkerTimeoutError,
+)
 from ._packing import FirstFitPackIterDataset
 from ._sharding import NoSharding, ShardByJaxProcess, ShardOptions
 from ._testing import assert_equal_output_after_checkpoint
@@ -53,6 +58,7 @@ __all__: list[str] = [
     "ShardOptions",
     "StructureMismatchError",
     "WorkerDiedError",
+    "WorkerTimeoutError",
     "assert_equal_output_after_checkpoint",
     "device_put",
     "stack_records",

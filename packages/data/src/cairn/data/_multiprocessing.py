@@ -17,23 +17,46 @@ The shared-memory blocks are unlinked as soon as each worker has attached (with 
 at once), so nothing can leak even if a process is killed. A worker's exception reaches
 the caller as the original exception, with the worker's traceback attached as its cause;
 a worker that dies (for example ``SIGKILL``) makes ``next`` raise ``WorkerDiedError``.
+
+Liveness. Each worker keeps a heartbeat in the first bytes of its shared-memory block:
+the chunk and the elements it is computing and since when. With
+``per_element_timeout_s`` set, the main process, while it waits for a worker, checks
+that heartbeat and kills a worker stuck on its elements for longer than the timeout per
+element (``WorkerTimeoutError``, naming the worker, its pid and the elements). Workers
+exit when the main process dies, even inside a long map function: a parent-death signal
+(``prctl(PR_SET_PDEATHSIG)`` on Linux) plus a thread that watches the pipe to the main
+process and the parent pid.
+
+Fork safety. A source whose reader runs native threads (``_fork_safe = False``, e.g.
+``ArrayRecordDataSource``: array_record and riegeli start thread pools and a background
+cleaner that stay alive after the readers are closed) must never be read in a process
+forked from one where those threads ran: a mutex held by a thread at the fork stays
+locked forever in the child. Such pipelines start their workers with ``forkserver`` (a
+fresh process that forks clean workers), or ``spawn``; never ``fork``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import select
 import signal
+import sys
+import threading
 import time
 import traceback
 import warnings
 import weakref
 from collections.abc import Callable
 from multiprocessing import shared_memory
+
+import numpy as np
 
 from cairn.data._iter_dataset import (
     DatasetIterator,
@@ -53,9 +76,16 @@ from cairn.data._map_dataset import (
     stage_list,
 )
 
-__all__ = ["MultiprocessingOptions", "MPPrefetchIterDataset", "WorkerDiedError", "RemoteTraceback"]
+__all__ = [
+    "MultiprocessingOptions",
+    "MPPrefetchIterDataset",
+    "RemoteTraceback",
+    "WorkerDiedError",
+    "WorkerTimeoutError",
+]
 
 _ALIGN = 64
+_HEADER = 64  # heartbeat at the start of each worker's shared-memory block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +95,29 @@ class MultiprocessingOptions:
     Attributes:
       num_workers: worker processes (0 = no workers; ``mp_prefetch`` is then a no-op).
       per_worker_buffer_size: chunks each worker may compute ahead of the consumer.
-      start_method: ``"fork"`` (default where available: starts in milliseconds, and the
-        pipeline need not be picklable) or ``"spawn"`` / ``"forkserver"`` (the pipeline
-        and its functions must then be picklable).
+      start_method: ``None`` (default) picks ``"fork"`` where available (starts in
+        milliseconds, and the pipeline need not be picklable), except for pipelines that
+        read a source that is not fork-safe (``ArrayRecordDataSource``, whose native
+        reader threads can leave a mutex locked in a forked child): those use
+        ``"forkserver"``. ``"spawn"`` / ``"forkserver"``: the pipeline and its functions
+        must be picklable (``cloudpickle`` is used for lambdas and local functions when
+        it is installed). ``"fork"`` with a source that is not fork-safe is an error.
       slot_bytes: shared-memory bytes per buffered chunk; a larger chunk goes through the
         pipe instead (slower, still correct). Memory is only used as it is written.
+      per_element_timeout_s: ``None`` (default): no limit. A number of seconds: a worker
+        that spends longer than this per element on the elements it is computing (a
+        batched read of ``n`` elements gets ``n`` times this) is killed, and ``next``
+        raises :class:`WorkerTimeoutError` naming the worker, its pid and the elements.
+        It guards against map functions that never return and native deadlocks; set it
+        well above the slowest element's time. The first element after each start or
+        ``set_state`` is computed by the calling process and is not covered.
     """
 
     num_workers: int = 0
     per_worker_buffer_size: int = 2
     start_method: str | None = None
     slot_bytes: int = 64 << 20
+    per_element_timeout_s: float | None = None
 
     def __post_init__(self):
         for name, lo in (("num_workers", 0), ("per_worker_buffer_size", 1), ("slot_bytes", 1)):
@@ -86,10 +128,38 @@ class MultiprocessingOptions:
             raise ValueError(
                 f"MultiprocessingOptions.start_method must be 'fork', 'spawn', 'forkserver' or None, got {self.start_method!r}"
             )
+        t = self.per_element_timeout_s
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0
+        ):
+            raise ValueError(
+                "MultiprocessingOptions.per_element_timeout_s must be None or a finite number of "
+                f"seconds > 0, got {t!r}"
+            )
 
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited unexpectedly (killed, crashed, out of memory)."""
+
+
+class WorkerTimeoutError(WorkerDiedError):
+    """A worker was alive but stuck past ``per_element_timeout_s``; it has been killed.
+
+    Attributes: ``worker_index``, ``pid``, ``elements`` (``range`` of the element
+    positions, in the ``MapDataset``, that the worker was computing), ``elapsed_s``.
+    """
+
+    def __init__(self, msg: str, worker_index: int, pid: int, elements: range, elapsed_s: float):
+        super().__init__(msg)
+        self.worker_index, self.pid, self.elements, self.elapsed_s = (
+            worker_index,
+            pid,
+            elements,
+            elapsed_s,
+        )
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.worker_index, self.pid, self.elements, self.elapsed_s))
 
 
 class RemoteTraceback(Exception):
@@ -101,6 +171,71 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.tb
+
+
+def fork_unsafe_sources(ds: MapDataset) -> list[str]:
+    """``repr`` of each source in the pipeline that must not be read in a forked worker."""
+    out = []
+    for d in stage_list(ds):
+        src = getattr(d, "_source", None)
+        if src is not None and getattr(src, "_fork_safe", True) is False:
+            out.append(repr(src))
+    return out
+
+
+def _resolve_start_method(requested: str | None, fork_safe: bool) -> str:
+    methods = mp.get_all_start_methods()
+    if requested is not None:
+        return requested
+    if fork_safe and "fork" in methods:
+        return "fork"
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
+_preloaded = False
+
+
+def _preload_forkserver(ctx) -> None:
+    """Have the forkserver import cairn.data (and NumPy) once, so that each worker forked
+    from it starts in milliseconds instead of importing them again. Only possible before
+    this process's forkserver starts; ``__main__`` stays preloaded as by default."""
+    global _preloaded
+    if not _preloaded:
+        _preloaded = True
+        from multiprocessing import forkserver
+
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+            ctx.set_forkserver_preload(["__main__", "cairn.data"])
+
+
+def _dumps_for_workers(obj, method: str, ds: MapDataset) -> bytes:
+    """Pickle the pipeline (and worker_init_fn) for a spawned / forkserver worker; fall
+    back to cloudpickle (lambdas, local functions) when it is installed."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - retried with cloudpickle, else re-raised below
+        first = e
+    try:
+        import cloudpickle
+    except ImportError:
+        cloudpickle = None
+    if cloudpickle is not None:
+        try:
+            return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001
+            first = e
+    raise TypeError(
+        f"mp_prefetch with start_method={method!r} sends the pipeline {ds._stage_name()!r} and "
+        f"its functions to the workers by pickling, which failed: {type(first).__name__}: "
+        f"{first}. Define its functions at module level (not lambdas or local functions), "
+        "or install cloudpickle."
+        + (
+            " (start_method 'forkserver' was chosen because the pipeline reads a source that "
+            "is not fork-safe.)"
+            if method == "forkserver"
+            else ""
+        )
+    ) from first
 
 
 class MPPrefetchIterDataset(IterDataset):
@@ -120,6 +255,14 @@ class MPPrefetchIterDataset(IterDataset):
                     "on each input instead."
                 )
             node = node._parents[0]
+        self._not_fork_safe = fork_unsafe_sources(node._ds)
+        if options.start_method == "fork" and self._not_fork_safe:
+            raise ValueError(
+                f"mp_prefetch(start_method='fork') cannot read {self._not_fork_safe[0]}: its "
+                "native reader threads can leave a lock held in a forked worker, which then "
+                "hangs. Use start_method=None (forkserver for such sources), 'forkserver' or "
+                "'spawn'."
+            )
 
     def _stage_name(self) -> str:
         return f"mp_prefetch(num_workers={self._options.num_workers})"
@@ -154,6 +297,7 @@ class _Worker:
     def __init__(self, w, n, ds, cap, length, conn, buf, slot_bytes, slots):
         self.w, self.n, self.ds, self.cap, self.length = w, n, ds, cap, length
         self.conn, self.buf, self.slot_bytes = conn, buf, slot_bytes
+        self.beat = _heartbeat(buf)
         self.free = list(range(slots))
         self.inline_out = 0  # chunks sent through the pipe and not yet acknowledged
         self.gen = None
@@ -233,9 +377,17 @@ class _Worker:
         self.restarted = False
         prof = StageProfile(self.ds)
         bad_before = bad_record_counts(self.stages)
+        beat = self.beat
         try:
             for a in range(bounds[0], bounds[1], self.sub):
-                vals, err = read_chunk(self.ds, a, min(a + self.sub, bounds[1]), prof)
+                b = min(a + self.sub, bounds[1])
+                beat[3] = 0.0  # the main process reads [chunk, a, b] only while [3] is set
+                beat[:3] = (chunk_k, a, b)
+                beat[3] = time.monotonic()
+                try:
+                    vals, err = read_chunk(self.ds, a, b, prof)
+                finally:
+                    beat[3] = 0.0
                 values.extend(vals)
                 if err is not None:
                     break
@@ -259,7 +411,7 @@ class _Worker:
             slot = self.free.pop()
             off = slot * self.slot_bytes
             for r in raws:
-                self.buf[off : off + r.nbytes] = r
+                self.buf[_HEADER + off : _HEADER + off + r.nbytes] = r
                 off += -(-r.nbytes // _ALIGN) * _ALIGN
             self.conn.send(("chunk", gen, chunk_k, slot, data, sizes, dt, err is not None))
         else:
@@ -281,12 +433,75 @@ class _Worker:
             self.plan = None
 
 
-def _worker_main(w, n, ds, cap, length, conn, shm_ref, slot_bytes, slots, init_fn, close_conns):
+def _heartbeat(buf) -> np.ndarray:
+    """[chunk, first element, end element, monotonic start time or 0 when idle]."""
+    return np.ndarray((4,), np.float64, buffer=buf[:32])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _exit_with_parent(main_pid: int | None, conn, pdeathsig: bool) -> None:
+    """Make this worker exit when the main process dies, even while busy in user code.
+
+    Linux: the kernel sends SIGKILL when the parent dies (``PR_SET_PDEATHSIG``; it fires
+    when the *thread* that started the worker exits, so it is only used when that was
+    the main thread, or the single-threaded forkserver). Everywhere: a daemon thread
+    exits the process when the parent pid changes or the pipe to the main process hangs
+    up (only the main process holds its end).
+    """
+    if pdeathsig and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    parent_pid = os.getppid()
+    if main_pid is not None and parent_pid != main_pid:  # died before the signal was armed
+        os._exit(1)
+    fd = conn.fileno()
+
+    def watch():
+        hup = select.POLLHUP | getattr(select, "POLLRDHUP", 0)
+        poller = select.poll() if hasattr(select, "poll") else None
+        if poller is not None:
+            poller.register(fd, hup)
+        while True:
+            if poller is not None:
+                events = poller.poll(250)
+                if any(ev & hup for _, ev in events):
+                    os._exit(1)
+            else:
+                time.sleep(0.25)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="cairn-data-parent-watch").start()
+
+
+def _worker_main(
+    w,
+    n,
+    ds,
+    cap,
+    length,
+    conn,
+    shm_ref,
+    slot_bytes,
+    slots,
+    init_fn,
+    close_conns,
+    main_pid,
+    pdeathsig,
+):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _close_quietly(close_conns)
     parent_pid = os.getppid()
+    _exit_with_parent(main_pid, conn, pdeathsig)
     shm = shared_memory.SharedMemory(name=shm_ref) if isinstance(shm_ref, str) else shm_ref
     try:
+        if isinstance(ds, bytes):  # pickled for a spawned / forkserver worker
+            ds, init_fn = pickle.loads(ds)
         if init_fn is not None:
             init_fn(w, n)
         conn.send(("ready", w))
@@ -422,8 +637,19 @@ class MPRootIterator(_ChunkedRootIterator):
 
     def _launch(self) -> None:
         opts = self._opts
-        method = opts.start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        method = _resolve_start_method(opts.start_method, not fork_unsafe_sources(self._ds))
         ctx = mp.get_context(method)
+        if method == "forkserver":
+            _preload_forkserver(ctx)
+        payload = None
+        if method != "fork":  # pickled once, with a clear error, rather than per worker
+            payload = _dumps_for_workers((self._ds, self._init_fn), method, self._ds)
+        # PR_SET_PDEATHSIG fires when the thread that started the worker exits: safe only
+        # from the main thread (a prefetch thread may end while the iterator lives on) or
+        # from the forkserver, which is single-threaded.
+        pdeathsig = method == "forkserver" or threading.current_thread() is threading.main_thread()
+        main_pid = None if method == "forkserver" else os.getpid()
+        self._method = method
         ws = _Workers()
         self._finalizer = weakref.finalize(self, ws.shutdown)
         self._w = ws
@@ -436,7 +662,9 @@ class MPRootIterator(_ChunkedRootIterator):
         try:
             for w in range(self._n):
                 mine, theirs = ctx.Pipe(duplex=True)
-                shm = shared_memory.SharedMemory(create=True, size=slots * opts.slot_bytes)
+                shm = shared_memory.SharedMemory(
+                    create=True, size=_HEADER + slots * opts.slot_bytes
+                )
                 ws.shms.append(shm)
                 ws.unlinked.append(False)
                 parent_ends.append(mine)
@@ -447,15 +675,17 @@ class MPRootIterator(_ChunkedRootIterator):
                     args=(
                         w,
                         self._n,
-                        self._ds,
+                        self._ds if payload is None else payload,
                         self._cap,
                         self._len,
                         theirs,
                         shm_ref,
                         opts.slot_bytes,
                         slots,
-                        self._init_fn,
+                        self._init_fn if payload is None else None,
                         close,
+                        main_pid,
+                        pdeathsig,
                     ),
                     daemon=True,
                     name=f"cairn-data-worker-{w}",
@@ -492,10 +722,17 @@ class MPRootIterator(_ChunkedRootIterator):
             if code is not None and code < 0
             else f"exited with code {code}"
         )
+        hint = ""
+        if getattr(self, "_method", "fork") != "fork" and code == 1:
+            hint = (
+                f" Workers started with {self._method!r} re-import the main script: if it "
+                "starts the pipeline at import time, guard that code with "
+                "`if __name__ == '__main__':` (the worker's own traceback is on stderr)."
+            )
         return WorkerDiedError(
             f"cairn.data worker {w} of {self._n} (pid {p.pid}) {how} while computing the pipeline "
             f"{self._ds._stage_name()!r}; the iterator cannot continue. Restore a new iterator from "
-            "the last get_state() to resume."
+            f"the last get_state() to resume.{hint}"
         )
 
     def _worker_error(self, w: int, msg) -> BaseException:
@@ -514,17 +751,53 @@ class MPRootIterator(_ChunkedRootIterator):
         )
         return exc
 
+    def _stuck(self, w: int) -> WorkerTimeoutError | None:
+        """Worker ``w``'s timeout error if it has been on its elements for longer than
+        ``per_element_timeout_s`` each (it is then killed), else None."""
+        limit = self._opts.per_element_timeout_s
+        beat = _heartbeat(self._w.shms[w].buf)
+        t0 = float(beat[3])
+        k, a, b = (int(x) for x in beat[:3])
+        if t0 == 0.0 or float(beat[3]) != t0:  # idle, or moved on while we read
+            return None
+        elapsed = time.monotonic() - t0
+        if elapsed <= limit * max(1, b - a):
+            return None
+        p = self._w.procs[w]
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.join(1.0)
+        what = f"element {a}" if b - a == 1 else f"elements {a}..{b - 1} (one batched read)"
+        return WorkerTimeoutError(
+            f"cairn.data worker {w} of {self._n} (pid {p.pid}) was stuck for {elapsed:.1f} s on "
+            f"{what} of chunk {k} of the pipeline {self._ds._stage_name()!r}, longer than "
+            f"per_element_timeout_s={limit} per element; it was killed. Restore a new iterator "
+            "from the last get_state() to resume (or skip the element with set_state).",
+            w,
+            p.pid,
+            range(a, b),
+            elapsed,
+        )
+
     def _recv(self, w: int):
         ws = self._w
         conn = ws.conns[w]
         sentinels = {p.sentinel: i for i, p in enumerate(ws.procs)}
+        limit = self._opts.per_element_timeout_s
+        poll_s = 5.0 if limit is None else min(5.0, max(0.02, limit / 10))
         while True:
             if conn.poll():
                 try:
                     return conn.recv()
                 except (EOFError, OSError):
                     raise self._fail(self._died(w)) from None
-            ready = mpc.wait([conn, *sentinels], timeout=5.0)
+            ready = mpc.wait([conn, *sentinels], timeout=poll_s)
+            if not ready and limit is not None:
+                err = self._stuck(w)
+                if err is not None:
+                    raise self._fail(err)
             for r in ready:
                 if r in sentinels:
                     i = sentinels[r]
@@ -610,7 +883,7 @@ class MPRootIterator(_ChunkedRootIterator):
             values = pickle.loads(data)
             self._w.send(w, ("free", -1))
             return values
-        off = slot * self._opts.slot_bytes
+        off = _HEADER + slot * self._opts.slot_bytes
         total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
         block = bytearray(self._w.shms[w].buf[off : off + total])
         self._w.send(w, ("free", slot))

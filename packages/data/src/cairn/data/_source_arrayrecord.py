@@ -6,6 +6,15 @@ chunk on every call, so its per-record cost grows with the shard (11 us at 1k re
 same per record whatever the file size. This source therefore sorts each batch of
 indices, splits it into runs of consecutive records per shard and reads each run with
 one range read.
+
+Fork safety. The first reader opened in a process starts array_record's thread pool and
+riegeli's background cleaner; they stay alive after every reader is closed. A process
+forked while they run inherits their mutexes in whatever state they were, and a reader
+opened in the child can spin forever on one held by a thread that does not exist there.
+So no reader may be used in a process forked from one that had opened readers: the
+source says so (``_fork_safe = False``), ``mp_prefetch`` then starts its workers with
+``forkserver`` (clean processes forked from a server that never opened a reader), and a
+reader opened in a forked child of such a process warns.
 """
 
 from __future__ import annotations
@@ -43,6 +52,30 @@ def _array_record_module() -> Any:
     return array_record_module
 
 
+# pid of the process that first used array_record's native code (its threads start then)
+_native_pid: int | None = None
+
+
+def mark_native_threads() -> None:
+    """Record that array_record's native threads may run in this process from now on; warn
+    if they ran in a process this one was forked from (a reader here can deadlock)."""
+    global _native_pid
+    pid = os.getpid()
+    if _native_pid == pid:
+        return
+    if _native_pid is not None:
+        warnings.warn(
+            f"this process ({pid}) was forked from process {_native_pid}, which had opened "
+            "ArrayRecord readers or writers: array_record's native threads were running at "
+            "the fork, and a reader opened here can deadlock on a lock one of them held. "
+            "Start such processes with 'forkserver' or 'spawn' (cairn.data's mp_prefetch "
+            "does this by itself).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _native_pid = pid
+
+
 def _open_reader(path: str, options: str) -> Any:
     """Open an ArrayRecord reader and fail loudly if the file is unusable.
 
@@ -50,6 +83,7 @@ def _open_reader(path: str, options: str) -> Any:
     ``ok()`` is false and which reports 0 records. We turn that into an error.
     """
     mod = _array_record_module()
+    mark_native_threads()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ArrayRecord file not found: {path!r}")
     try:
@@ -96,7 +130,8 @@ class ArrayRecordDataSource:
     one range read, so the cost per record does not depend on shard size.
 
     The source pickles cheaply (paths and counts only); readers are opened lazily, once
-    per process and kept open.
+    per process and kept open. It is not fork-safe (see the module notes): ``mp_prefetch``
+    starts workers for it with ``forkserver``, so its functions must be picklable.
 
     >>> import os, tempfile
     >>> from cairn.data import write_array_record
@@ -106,6 +141,8 @@ class ArrayRecordDataSource:
     >>> len(src), src[2], src.__getitems__([1, 0, -1])
     (3, b'ccc', [b'bb', b'a', b'ccc'])
     """
+
+    _fork_safe = False  # native reader threads: never read it in a forked worker
 
     def __init__(
         self,

@@ -556,6 +556,9 @@ class ArrayRecordWriter(_ShardedFileWriter):
         super().__init__(path, records_per_shard, _shard_sizes, prefix, overwrite)
 
     def _open_shard(self, tmp_path: str) -> None:
+        from ._source_arrayrecord import mark_native_threads
+
+        mark_native_threads()
         self._writer = self._mod.ArrayRecordWriter(tmp_path, self._options)
         if not self._writer.ok():
             raise OSError(f"ArrayRecordWriter: cannot create {tmp_path!r}")
