@@ -96,3 +96,25 @@ def test_full_disk_in_single_directory_save_names_the_file(tmp_path, monkeypatch
     assert info.value.errno == errno.ENOSPC
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []
+
+
+def test_read_only_directory_raises_and_keeps_earlier_steps(tmp_path, monkeypatch):
+    """Tests run as root, where chmod does not stop writes: the read-only file system is
+    injected where a save first writes (creating its temporary directory)."""
+    mngr = cc.CheckpointManager(tmp_path, cc.CheckpointManagerOptions(enable_async=True))
+    mngr.save(1, {"m": {"w": np.ones(8)}})
+    mngr.wait_until_finished()
+    real = os.mkdir
+
+    def mkdir(path, *a, **k):
+        if str(path).endswith(".cairn-tmp"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(OSError, match=r"Read-only file system: '.*/2\..*\.cairn-tmp'") as info:
+        mngr.save(2, {"m": {"w": np.zeros(8)}})
+    assert info.value.errno == errno.EROFS
+    monkeypatch.undo()
+    assert mngr.all_steps() == [1] and sorted(os.listdir(tmp_path)) == ["1"]
+    np.testing.assert_array_equal(cc.CheckpointManager(tmp_path).restore()["m"]["w"], np.ones(8))

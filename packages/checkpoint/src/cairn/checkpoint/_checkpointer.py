@@ -113,9 +113,13 @@ def save(
     NumPy arrays and scalars, and Python ``bool``/``int``/``float``/``complex``/``str``.
     Keys on disk are the :mod:`cairn.core_array` path strings (``"layers/0/w"``).
 
-    The data goes to ``<directory>.cairn-tmp``; after every file and directory is fsync'd a
-    ``COMMIT`` marker is written and the directory renamed, so ``directory`` either holds a
-    complete checkpoint or does not exist. ``compression`` is ``None`` (default) or
+    The data goes to ``<directory>.<owner>.cairn-tmp`` (``<owner>`` names this host and
+    process, so no other process removes it while this one lives); after every file and
+    directory is fsync'd a ``COMMIT`` marker is written and the directory renamed, so
+    ``directory`` either holds a complete checkpoint or does not exist. The committed
+    marker and metadata are read back and verified before ``save`` returns. Every JSON
+    file carries a SHA-256 checksum; a failed write raises :class:`CheckpointWriteError`
+    (an ``OSError`` with the original ``errno``) naming the file. ``compression`` is ``None`` (default) or
     ``"zstd"`` / ``"zstd:<level>"``.
 
     >>> import tempfile, numpy as np

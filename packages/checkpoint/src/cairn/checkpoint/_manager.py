@@ -110,7 +110,10 @@ class CheckpointManager(_BackgroundSaver):
     ``get_state()``/``set_state(state)``, e.g. a data iterator; each process stores its own
     state). A step directory appears only after all items, metadata and a ``COMMIT``
     marker are fsync'd, so a crash mid-save leaves earlier steps untouched and the partial
-    step unlisted (and deleted when a manager next starts).
+    step unlisted (and deleted when a manager next starts, once its writer is provably
+    gone: a second manager opened by an evaluation job never deletes a live trainer's save).
+    Every metadata file is checksummed; a damaged step is skipped by :meth:`latest_step`
+    and :meth:`all_steps` and reported by :meth:`corrupt_steps`.
 
     >>> import tempfile, numpy as np
     >>> mngr = CheckpointManager(tempfile.mkdtemp(), CheckpointManagerOptions(max_to_keep=2))

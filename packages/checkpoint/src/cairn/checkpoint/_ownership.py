@@ -184,7 +184,8 @@ def cleanup_incomplete(
     for name in os.listdir(parent):
         full = os.path.join(os.path.abspath(parent), name)
         if name.endswith(DELETE_SUFFIX) and final is None:
-            why = "an interrupted delete"
+            why = "an interrupted delete"  # already invisible; its deleter ignores errors
+            shutil.rmtree(full, ignore_errors=True)
         elif name.endswith(TMP_SUFFIX):
             m = _TMP_RE.fullmatch(name)
             if m is None or (final is not None and m["final"] != final):
@@ -197,7 +198,6 @@ def cleanup_incomplete(
                 continue
         else:
             continue
-        shutil.rmtree(full, ignore_errors=True)
         _log.info("cairn.checkpoint: removed %s (%s)", full, why)
         removed.append(full)
     return removed
