@@ -277,11 +277,164 @@ def pack_time(make, seqs, batches: int) -> float:
 # ---------------------------------------------------------------------------- main
 
 
+# ---------------------------------------------------------------------------- liveness
+
+
+def _slow_element(x):
+    time.sleep(0.01)
+    return x
+
+
+def _stuck_on_7(x):
+    while x == 7:
+        time.sleep(0.01)
+    return x
+
+
+_PARENT_SCRIPT = """
+import sys, threading, time, functools
+import numpy as np
+import cairn.data as cd
+
+def spin(x):
+    while int(np.asarray(x).ravel()[0]) != 0:
+        pass
+    return x
+
+def main():
+    how, src = sys.argv[1], sys.argv[2]
+    base = cd.MapDataset.range(100) if src == "-" else cd.MapDataset.source(
+        cd.ArrayRecordDataSource(src)).map(functools.partial(np.frombuffer, dtype=np.int32))
+    it = iter(base.map(spin).to_iter_dataset(cd.ReadOptions(chunk_records=1)).mp_prefetch(2))
+    if how == "thread":
+        t = threading.Thread(target=next, args=(it,)); t.start(); t.join()
+    else:
+        next(it)
+    print(" ".join(map(str, it.worker_pids)), flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _parent_death_s(how: str, src: str, tmp: str) -> float:
+    import subprocess
+
+    script = os.path.join(tmp, "parent.py")
+    with open(script, "w") as f:
+        f.write(_PARENT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, script, how, src], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    t0 = time.perf_counter()
+    while not all(_gone(p) for p in pids) and time.perf_counter() - t0 < 60:
+        time.sleep(0.002)
+    return time.perf_counter() - t0
+
+
+def liveness(trials: int) -> None:
+    """Worker liveness numbers (issue 12): how fast a killed worker raises, how far past
+    the limit a stuck one is detected, how fast busy workers exit after their parent is
+    SIGKILLed, and the time to the first element with fork vs forkserver workers."""
+    import signal
+
+    import cairn.data as cd
+
+    died, late, first = [], [], {}
+    for _ in range(trials):
+        it = iter(
+            cd.MapDataset.range(10_000)
+            .map(_slow_element)
+            .to_iter_dataset(cd.ReadOptions(chunk_records=8))
+            .mp_prefetch(2)
+        )
+        for _ in range(20):
+            next(it)
+        os.kill(it.worker_pids[1], signal.SIGKILL)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(10_000):
+                next(it)
+        except cd.WorkerDiedError:
+            died.append(time.perf_counter() - t0)
+        it.close()
+        opts = cd.MultiprocessingOptions(num_workers=2, per_element_timeout_s=0.5)
+        it = iter(
+            cd.MapDataset.range(40)
+            .map(_stuck_on_7)
+            .to_iter_dataset(cd.ReadOptions(chunk_records=1))
+            .mp_prefetch(opts)
+        )
+        try:
+            list(it)
+        except cd.WorkerTimeoutError as e:
+            late.append(e.elapsed_s - 0.5)
+        it.close()
+    tmp = tempfile.mkdtemp()
+    try:
+        ar = os.path.join(tmp, "ar")
+        cd.write_array_record(
+            [np.full(16, i, np.int32).tobytes() for i in range(400)], ar, num_shards=4
+        )
+        src = cd.ArrayRecordDataSource(ar)
+        for name, ds in (
+            ("fork (range)", cd.MapDataset.range(400)),
+            ("forkserver (ArrayRecord)", cd.MapDataset.source(src)),
+        ):
+            ts = []
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                it = iter(ds.to_iter_dataset().mp_prefetch(2))
+                list(it)
+                ts.append(time.perf_counter() - t0)
+                it.close()
+            first[name] = statistics.median(ts)
+        deaths = {
+            how: [_parent_death_s(h, s, tmp) for _ in range(trials)]
+            for how, (h, s) in {
+                "fork, started from the main thread (PDEATHSIG)": ("main", "-"),
+                "fork, started from another thread (watcher thread)": ("thread", "-"),
+                "forkserver (ArrayRecord)": ("main", ar),
+            }.items()
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"liveness, {trials} trials each (median / max):")
+    print(f"  killed worker -> WorkerDiedError: {statistics.median(died):.3f} / {max(died):.3f} s")
+    print(
+        f"  stuck worker (per_element_timeout_s=0.5) detected past the limit: "
+        f"{statistics.median(late):.3f} / {max(late):.3f} s ({len(late)} of {trials} raised)"
+    )
+    for how, ts in deaths.items():
+        print(
+            f"  parent SIGKILLed -> busy workers gone, {how}: {statistics.median(ts):.3f} / {max(ts):.3f} s"
+        )
+    for name, t in first.items():
+        print(f"  2-worker pass over 400 elements incl. start, {name}: {t:.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
     ap.add_argument("--records", type=int, default=None)
+    ap.add_argument(
+        "--liveness", type=int, default=0, metavar="TRIALS", help="only the worker liveness numbers"
+    )
     args = ap.parse_args()
+    if args.liveness:
+        liveness(args.liveness)
+        return
     n = args.records or (20_000 if args.quick else 100_000)
     batches = 150 if args.quick else 400
     grain_batches = 50 if args.quick else 150
