@@ -293,3 +293,14 @@ def _same(a, b):
         else np.array_equal(u, v)
         for u, v in zip(a, b)
     )
+
+
+def test_rejected_state_leaves_a_prefetching_iterator_where_it_was():
+    """The prefetch thread reads ahead of the consumer; a rejected state must not lose
+    the elements it had read (the input is put back at the consumer's position)."""
+    it = iter(_root().prefetch(4))
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="at 'next_index'"):
+        it.set_state({"version": 1, "next_index": -1})
+    assert it.get_state() == {"version": 1, "next_index": 3}
+    assert list(it) == list(range(3, 50))

@@ -710,7 +710,11 @@ class ThreadPrefetchIterator(DatasetIterator):
 
     def set_state(self, state):
         self._halt()
-        self._p.set_state(state)
+        try:
+            self._p.set_state(state)
+        except BaseException:  # the thread read ahead: put the input back where we are
+            self._p.set_state(self._state)
+            raise
         self._state = self._p.get_state()
         self._done = False
 
