@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cairn.nn import _checks
 from cairn.nn._dropout import _own_stream, draw_key
 from cairn.nn._linear import (
     DType,
@@ -311,8 +312,16 @@ class MultiHeadAttention(Module):
                 f"MultiHeadAttention: num_kv_heads={num_kv_heads} and num_key_value_heads="
                 f"{num_key_value_heads} disagree"
             )
+        name = "MultiHeadAttention"
+        num_heads = _checks.positive_int(name, "num_heads", num_heads)
+        in_features = _checks.positive_int(name, "in_features", in_features)
+        qkv_features = _checks.optional_positive_int(name, "qkv_features", qkv_features)
+        out_features = _checks.optional_positive_int(name, "out_features", out_features)
+        in_kv_features = _checks.optional_positive_int(name, "in_kv_features", in_kv_features)
         kvh = num_kv_heads if num_kv_heads is not None else num_key_value_heads
-        kvh = num_heads if kvh is None else kvh
+        kvh = num_heads if kvh is None else _checks.positive_int(name, "num_kv_heads", kvh)
+        dropout_rate = _checks.rate(name, "dropout_rate", dropout_rate)
+        rope_base = _checks.positive_float(name, "rope_base", rope_base)
         qkv_features = in_features if qkv_features is None else qkv_features
         if qkv_features % num_heads:
             raise ValueError(

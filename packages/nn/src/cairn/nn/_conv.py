@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from cairn.nn import _checks
 from cairn.nn._linear import (
     DType,
     Initializer,
@@ -42,6 +43,8 @@ def canonicalize_padding(padding: PaddingLike, rank: int, layer: str = "Conv"):
         if p not in _STR_PADS:
             raise ValueError(f"{layer}: padding must be one of {_STR_PADS} or ints, got {padding!r}")
         return p
+    if isinstance(padding, bool) or not isinstance(padding, Sequence | int | np.integer):
+        raise TypeError(f"{layer}: cannot interpret padding {padding!r}")
     if isinstance(padding, int | np.integer):
         return ((int(padding), int(padding)),) * rank
     try:
@@ -65,14 +68,19 @@ def canonicalize_padding(padding: PaddingLike, rank: int, layer: str = "Conv"):
 
 
 def _broadcast(value, rank: int, name: str, layer: str) -> tuple[int, ...]:
+    """``None`` (all ones), an int or ``rank`` ints, each a positive int."""
     if value is None:
         return (1,) * rank
-    if isinstance(value, int | np.integer):
-        return (int(value),) * rank
-    value = tuple(int(v) for v in value)
-    if len(value) != rank:
-        raise ValueError(f"{layer}: {name} {value} needs one entry per spatial dim ({rank})")
-    return value
+    return _checks.positive_ints(layer, name, value, rank)
+
+
+def _features(layer: str, in_features, out_features, kernel_size) -> tuple:
+    """Checked ``(in_features, out_features, kernel_size tuple)``."""
+    return (
+        _checks.positive_int(layer, "in_features", in_features),
+        _checks.positive_int(layer, "out_features", out_features),
+        _checks.positive_ints(layer, "kernel_size", kernel_size),
+    )
 
 
 def _dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
@@ -155,10 +163,9 @@ class Conv(_ConvBase):
         kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
         bias_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
-        ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(int(k) for k in kernel_size)
+        in_features, out_features, ks = _features("Conv", in_features, out_features, kernel_size)
         rank = len(ks)
-        if rank < 1:
-            raise ValueError("Conv: kernel_size must have at least one dim")
+        feature_group_count = _checks.positive_int("Conv", "feature_group_count", feature_group_count)
         if in_features % feature_group_count or out_features % feature_group_count:
             raise ValueError(
                 f"Conv: in_features ({in_features}) and out_features ({out_features}) must be "
@@ -272,7 +279,9 @@ class ConvTranspose(_ConvBase):
         kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
         bias_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
-        ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(int(k) for k in kernel_size)
+        in_features, out_features, ks = _features(
+            "ConvTranspose", in_features, out_features, kernel_size
+        )
         rank = len(ks)
         self.in_features = int(in_features)
         self.out_features = int(out_features)

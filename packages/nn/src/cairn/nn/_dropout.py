@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cairn.nn import _checks
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs, RngStream
 
@@ -40,9 +41,7 @@ class Dropout(Module):
         rng_collection: str = "dropout",
         rngs: Rngs | RngStream | None = None,
     ):
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"Dropout rate must be in [0, 1], got {rate}")
-        self.rate = float(rate)
+        self.rate = _checks.rate("Dropout", "rate", rate)
         self.broadcast_dims = tuple(int(d) for d in broadcast_dims)
         self.deterministic = deterministic
         self.rng_collection = rng_collection

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.nn import _checks
 from cairn.nn import initializers as _init
 from cairn.nn._linear import DType, Initializer, check_axis, check_input, make_param, promote_dtype
 from cairn.nn._module import Module
@@ -48,12 +49,8 @@ class Embed(Module):
         rngs: Rngs,
         embedding_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
-        if num_embeddings < 1 or features < 1:
-            raise ValueError(
-                f"Embed needs positive num_embeddings/features, got {num_embeddings}, {features}"
-            )
-        self.num_embeddings = int(num_embeddings)
-        self.features = int(features)
+        self.num_embeddings = _checks.positive_int("Embed", "num_embeddings", num_embeddings)
+        self.features = _checks.positive_int("Embed", "features", features)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.embedding_init = embedding_init

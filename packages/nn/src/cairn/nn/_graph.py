@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from cairn.nn._filters import path_str, to_predicate
@@ -48,7 +49,7 @@ class GraphDef:
     Hashable and comparable, so it can key compilation caches. ``paths`` lists the path
     tuple of each variable, in the order of the flat variable list."""
 
-    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen")
+    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
 
     def __init__(self, node: tuple, paths: tuple):
         self.node = node
@@ -58,6 +59,9 @@ class GraphDef:
         self._pstrs = None
         self._uses = 0
         self._codegen = None
+        # shapes and dtypes (avals) of the variables when the graph was first handed out
+        # by split / graphdef: what nn.merge checks against (not part of hash / equality)
+        self._specs = None
 
     @property
     def num_variables(self) -> int:
@@ -349,7 +353,10 @@ def _check_module(node, fn):
 def graphdef(node: Module) -> GraphDef:
     """The :class:`GraphDef` (static structure) of ``node``."""
     _check_module(node, "graphdef")
-    return flat(node).graphdef
+    c = flat(node)
+    if c.graphdef._specs is None:
+        _record_specs(c)
+    return c.graphdef
 
 
 def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
@@ -388,6 +395,8 @@ def split(node: Module, *filters: Any) -> tuple:
     """
     _check_module(node, "split")
     c = flat(node)
+    if c.graphdef._specs is None:
+        _record_specs(c)
     if not filters:
         return c.graphdef, State._from_cache(c.graphdef, c.graphdef.paths, c.variables)
     return (c.graphdef, *_partition(c, filters, "split", True))
@@ -436,6 +445,8 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Module:
             idx = graphdef.path_index
             extra = [path_str(p) for p in combined if p not in idx]
             raise ValueError(f"nn.merge: the states have variables not in the graph: {extra}")
+        if graphdef._specs is not None:
+            _check_merge_values(graphdef, vs)
     if copy:
         vs = [v.copy() for v in vs]
     return graphdef.build_from_variables(vs)
@@ -460,9 +471,94 @@ def update(node: Module, *states: Any) -> None:
             if target is v:
                 continue
             if isinstance(v, Variable):
+                _check_update_value(node, p, target, v.raw_value)
                 _copy_variable(target, v)
             else:
+                _check_update_value(node, p, target, v)
                 object.__setattr__(target, "raw_value", v)
+
+
+# ----------------------------------------------------------------------------------
+# value checks of merge / update: a wrong shape or dtype raises here, naming the path,
+# instead of later inside lax.dot_general with no path. Only array-like values are
+# checked (arrays, tracers, ShapeDtypeStructs); shapes of tracers are static, so the
+# checks also hold at trace time under jax.jit.
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+def _spec_error(fn, owner, path, what, expected, got) -> ValueError:
+    return ValueError(
+        f"nn.{fn}: wrong {what} for the variable at {path_str(path)!r}{owner}: expected "
+        f"{expected}, got {got}"
+    )
+
+
+def _spec(x):
+    """The aval of a JAX array or tracer (an attribute read: cheap), the value itself for
+    another array-like (NumPy, ShapeDtypeStruct), else None (not checked)."""
+    try:
+        return x.aval
+    except AttributeError:
+        return x if isinstance(x, _ARRAYS) else None
+
+
+def _check_update_value(node, path, target: Variable, new) -> None:
+    """``update`` writes into an existing variable: the shape and the dtype must stay."""
+    old, new = _spec(target.raw_value), _spec(new)
+    if old is None or new is None or old is new:
+        return
+    if old.shape == new.shape and old.dtype == new.dtype:
+        return
+    owner = f" of {type(node).__name__}"
+    if old.shape != new.shape:
+        raise _spec_error("update", owner, path, "shape", tuple(old.shape), tuple(new.shape))
+    if old.dtype != new.dtype:
+        raise _spec_error("update", owner, path, "dtype", old.dtype, new.dtype)
+
+
+_KINDS = (
+    jax.dtypes.extended, np.floating, np.complexfloating, np.signedinteger, np.unsignedinteger,
+    np.bool_,
+)
+
+
+def _dtype_kind(dt):
+    """The family of ``dt`` (float, complex, signed, unsigned, bool, extended such as
+    key arrays); ``jax.dtypes.issubdtype`` places bfloat16 / float8 / int4 correctly."""
+    for kind in _KINDS:
+        if jax.dtypes.issubdtype(dt, kind):
+            return kind
+    return dt
+
+
+def _record_specs(c: _Flat) -> None:
+    """Keep the avals (shape and dtype, no data) of ``c``'s variables on its graph, once
+    per GraphDef: ``x.aval`` costs a tenth of reading ``x.shape`` and ``x.dtype``."""
+    c.graphdef._specs = [_spec(v.raw_value) for v in c.variables]
+
+
+def _check_merge_values(graphdef: GraphDef, variables: list) -> None:
+    """``merge`` builds a module from new values: each one must have the graph's shape
+    where it has the graph's rank (a value with fewer or more axes is a mapped or stacked
+    state: ``jax.vmap`` / ``lax.scan`` over layers, ``nn.vmap``), and the same kind of
+    dtype (a cast between float dtypes, e.g. to bfloat16 for inference, is allowed)."""
+    for i, (old, v) in enumerate(zip(graphdef._specs, variables)):
+        x = v.raw_value if isinstance(v, Variable) else v
+        try:  # the _spec fast path inlined: this loop runs once per variable
+            new = x.aval
+        except AttributeError:
+            new = _spec(x)
+        if new is old or old is None or new is None:
+            continue
+        if new.shape == old.shape and new.dtype == old.dtype:
+            continue
+        if old.shape != new.shape and len(old.shape) == len(new.shape):
+            raise _spec_error(
+                "merge", "", graphdef.paths[i], "shape", tuple(old.shape), tuple(new.shape)
+            )
+        if old.dtype != new.dtype and _dtype_kind(old.dtype) != _dtype_kind(new.dtype):
+            raise _spec_error("merge", "", graphdef.paths[i], "dtype", old.dtype, new.dtype)
 
 
 def clone(node: Module) -> Module:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cairn.nn import _checks
 from cairn.nn import initializers as _init
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
@@ -170,12 +171,8 @@ class Linear(Module):
         kernel_metadata: Mapping[str, Any] = {},  # noqa: B006 - read only
         bias_metadata: Mapping[str, Any] = {},  # noqa: B006 - read only
     ):
-        if in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"Linear needs positive in_features/out_features, got {in_features}, {out_features}"
-            )
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = _checks.positive_int("Linear", "in_features", in_features)
+        self.out_features = _checks.positive_int("Linear", "out_features", out_features)
         self.use_bias = bool(use_bias)
         store_layer_options(
             self, dtype, param_dtype, precision, kernel_init, bias_init,
@@ -240,8 +237,8 @@ class LinearGeneral(Module):
         kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
         bias_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
-        self.in_features = to_tuple(in_features, "in_features")
-        self.out_features = to_tuple(out_features, "out_features")
+        self.in_features = _checks.positive_ints("LinearGeneral", "in_features", in_features)
+        self.out_features = _checks.positive_ints("LinearGeneral", "out_features", out_features)
         self.axis = to_tuple(axis, "axis")
         if len(self.axis) != len(self.in_features):
             raise ValueError(
@@ -249,7 +246,10 @@ class LinearGeneral(Module):
                 "the same length"
             )
         batch_axis = dict(batch_axis)
-        self.batch_axis = tuple(sorted((int(k), int(v)) for k, v in batch_axis.items()))
+        self.batch_axis = tuple(sorted(
+            (int(k), _checks.positive_int("LinearGeneral", f"batch_axis[{k}]", v))
+            for k, v in batch_axis.items()
+        ))
         bdims = tuple(k for k, _ in self.batch_axis)
         if bdims != tuple(range(len(bdims))):
             raise ValueError(
@@ -357,7 +357,7 @@ class Einsum(Module):
                 f"Einsum: einsum_str must look like 'inputs,kernel->output' with two operands, "
                 f"got {einsum_str!r}"
             )
-        self.kernel_shape = to_tuple(kernel_shape, "kernel_shape")
+        self.kernel_shape = _checks.positive_ints("Einsum", "kernel_shape", kernel_shape)
         if len(m.group(2)) != len(self.kernel_shape):
             raise ValueError(
                 f"Einsum: kernel subscripts {m.group(2)!r} have {len(m.group(2))} axes but "
@@ -365,7 +365,11 @@ class Einsum(Module):
             )
         self.einsum_str = einsum_str.replace(" ", "")
         self._in_spec = m.group(1)
-        self.bias_shape = None if bias_shape is None else to_tuple(bias_shape, "bias_shape")
+        self.bias_shape = (
+            None if bias_shape is None else _checks.positive_ints(
+                "Einsum", "bias_shape", bias_shape, allow_empty=True
+            )
+        )
         store_layer_options(
             self, dtype, param_dtype, precision, kernel_init, bias_init,
             {"promote_dtype": promote_dtype, "einsum_op": einsum_op}, preferred_element_type,

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from cairn.nn import _checks
 from cairn.nn import initializers as _init
 from cairn.nn._linear import DType, Initializer, Linear, check_axis, check_input, promote_dtype
 from cairn.nn._module import Module
@@ -57,12 +58,10 @@ class LoRA(Module):
         a_metadata: Mapping[str, Any] = {},  # noqa: B006
         b_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
-        if lora_rank < 1:
-            raise ValueError(f"LoRA: lora_rank must be >= 1, got {lora_rank}")
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
-        self.lora_rank = int(lora_rank)
-        self.alpha = None if alpha is None else float(alpha)
+        self.in_features = _checks.positive_int("LoRA", "in_features", in_features)
+        self.out_features = _checks.positive_int("LoRA", "out_features", out_features)
+        self.lora_rank = _checks.positive_int("LoRA", "lora_rank", lora_rank)
+        self.alpha = None if alpha is None else _checks.finite_float("LoRA", "alpha", alpha)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.promote_dtype = promote_dtype

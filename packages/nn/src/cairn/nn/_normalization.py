@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cairn.nn import _checks
 from cairn.nn import initializers as _init
 from cairn.nn._linear import DType, Initializer, canonicalize_dtype, check_input, make_param
 from cairn.nn._module import Module
@@ -108,7 +109,7 @@ class _Norm(Module):
         ``axes`` maps the norm's axes options (``reduction_axes``, ``feature_axes``) to
         their values; ``_ABSENT`` leaves an option out.
         """
-        self.epsilon = float(epsilon)
+        self.epsilon = _checks.nonnegative_float(type(self).__name__, "epsilon", epsilon)
         self.dtype = dtype
         self.param_dtype = param_dtype
         if use_bias is not _ABSENT:
@@ -198,7 +199,7 @@ class LayerNorm(_Norm):
         scale_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
         del promote_dtype
-        self.num_features = int(num_features)
+        self.num_features = _checks.positive_int("LayerNorm", "num_features", num_features)
         self._store_options(
             epsilon, dtype, param_dtype, use_bias, use_scale,
             {"reduction_axes": reduction_axes, "feature_axes": feature_axes}, axis_name,
@@ -244,7 +245,7 @@ class RMSNorm(_Norm):
         scale_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
         del promote_dtype, use_fast_variance
-        self.num_features = int(num_features)
+        self.num_features = _checks.positive_int("RMSNorm", "num_features", num_features)
         self._store_options(
             epsilon, dtype, param_dtype, _ABSENT, use_scale,
             {"reduction_axes": reduction_axes, "feature_axes": feature_axes}, axis_name,
@@ -298,6 +299,9 @@ class GroupNorm(_Norm):
         scale_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
         del promote_dtype
+        num_features = _checks.positive_int("GroupNorm", "num_features", num_features)
+        num_groups = _checks.optional_positive_int("GroupNorm", "num_groups", num_groups)
+        group_size = _checks.optional_positive_int("GroupNorm", "group_size", group_size)
         if (num_groups is None) == (group_size is None):
             raise ValueError(
                 f"GroupNorm: give exactly one of num_groups ({num_groups}) and group_size "
@@ -380,7 +384,7 @@ class InstanceNorm(_Norm):
         scale_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
         del promote_dtype
-        self.num_features = int(num_features)
+        self.num_features = _checks.positive_int("InstanceNorm", "num_features", num_features)
         self._store_options(
             epsilon, dtype, param_dtype, use_bias, use_scale, {"feature_axes": feature_axes},
             axis_name, axis_index_groups, use_fast_variance,
@@ -439,12 +443,10 @@ class BatchNorm(_Norm):
         scale_metadata: Mapping[str, Any] = {},  # noqa: B006
     ):
         del promote_dtype
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"BatchNorm: momentum must be in [0, 1], got {momentum}")
-        self.num_features = int(num_features)
+        self.num_features = _checks.positive_int("BatchNorm", "num_features", num_features)
         self.use_running_average = use_running_average
         self.axis = int(axis)
-        self.momentum = float(momentum)
+        self.momentum = _checks.rate("BatchNorm", "momentum", momentum)
         self._store_options(
             epsilon, dtype, param_dtype, use_bias, use_scale, {}, axis_name, axis_index_groups,
             use_fast_variance,

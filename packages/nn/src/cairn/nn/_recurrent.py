@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cairn.nn import _checks
 from cairn.nn import initializers as _init
 from cairn.nn._linear import (
     DType,
@@ -75,8 +76,9 @@ class RNNCellBase(Module):
     ) -> None:
         """Store the options the cells share, in the order they all use (``gate_fn``
         only for gated cells: ``_NO_GATE`` leaves it out)."""
-        self.in_features = int(in_features)
-        self.hidden_features = int(hidden_features)
+        name = type(self).__name__
+        self.in_features = _checks.positive_int(name, "in_features", in_features)
+        self.hidden_features = _checks.positive_int(name, "hidden_features", hidden_features)
         if gate_fn is not _NO_GATE:
             self.gate_fn = gate_fn
         self.activation_fn = activation_fn
@@ -340,7 +342,7 @@ class RNN(Module):
         self.return_carry = bool(return_carry)
         self.reverse = bool(reverse)
         self.keep_order = bool(keep_order)
-        self.unroll = int(unroll)
+        self.unroll = _checks.positive_int("RNN", "unroll", unroll)
 
     def __call__(
         self,
