@@ -60,7 +60,7 @@ def _race(tmp_path, steps: int, readers: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_polling_readers_never_destroy_a_live_save(tmp_path):
-    out = _race(tmp_path, steps=40, readers=3)
+    out = _race(tmp_path, steps=30, readers=3)
     assert out["lost"] == 0
 
 
@@ -156,3 +156,21 @@ def test_save_fails_loudly_when_its_step_is_damaged_during_the_commit(tmp_path, 
 def test_lease_timeout_option_is_validated():
     with pytest.raises(ValueError, match="tmp_lease_timeout_secs"):
         cc.CheckpointManagerOptions(tmp_lease_timeout_secs=5)
+
+
+def test_a_running_save_renews_its_lease_and_stops_when_done(tmp_path):
+    final = str(tmp_path / "5")
+    tmp = _ownership.claim(final)
+    try:
+        old = time.time() - 1000
+        os.utime(tmp, (old, old))
+        _ownership.renew_leases()  # what the heartbeat thread does every HEARTBEAT_S
+        assert time.time() - os.stat(tmp).st_mtime < 60
+        # a reader with a short lease timeout still keeps it: same host, live writer
+        assert _ownership.cleanup_incomplete(str(tmp_path), lease_timeout_s=30) == []
+    finally:
+        _ownership.release(tmp, remove=False)
+    os.utime(tmp, (old, old))
+    _ownership.renew_leases()
+    assert os.stat(tmp).st_mtime == pytest.approx(old)  # released: no longer renewed
+    assert _ownership.cleanup_incomplete(str(tmp_path)) == [tmp]  # this process's failed save

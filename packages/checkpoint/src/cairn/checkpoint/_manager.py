@@ -232,6 +232,8 @@ class CheckpointManager(_BackgroundSaver):
             meta, why = self._verify_step(d, step), None
         except (CheckpointError, OSError) as err:
             meta, why = None, str(err)
+            if not os.path.isdir(d):  # deleted meanwhile (retention): gone, not corrupt
+                return None, f"step {step} was deleted ({d})"
             if hit is None or hit[2] is None:
                 _log.warning("cairn.checkpoint: step %d in %s is corrupt and skipped: %s", step, d, why)
         self._checked[d] = (key, meta, why)

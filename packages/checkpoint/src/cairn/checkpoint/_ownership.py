@@ -106,16 +106,21 @@ def _writer_alive(pid: int, start: int) -> bool:
     return st is not None and st[0] not in ("Z", "X") and (start == 0 or st[1] == start)
 
 
+def renew_leases() -> None:
+    """Touch every temporary directory this process is writing (their mtime is the lease)."""
+    with _lock:
+        live = list(_live)
+    for tmp in live:
+        try:
+            os.utime(tmp)
+        except OSError:
+            pass
+
+
 def _heartbeat() -> None:
     while True:
         time.sleep(HEARTBEAT_S)
-        with _lock:
-            live = list(_live)
-        for tmp in live:
-            try:
-                os.utime(tmp)
-            except OSError:
-                pass
+        renew_leases()
 
 
 def claim(final: str) -> str:
