@@ -245,3 +245,21 @@ def test_a_format_2_file_stripped_of_its_checksum_is_corrupt(two_steps):
     with open(path, "w") as f:
         f.write(json.dumps(obj, indent=1))  # still says version 2
     _expect_corrupt(two_steps, "state/_METADATA.json")
+
+
+def test_array_metadata_inside_the_database_disagreeing_is_corrupt(two_steps):
+    """TensorStore's own zarr.json (inside the OCDBT database, not one of our JSON files) is
+    compared with _METADATA.json when the array is opened: a dtype changed there would
+    otherwise return the float bits as integers."""
+    import tensorstore as ts
+
+    db = os.path.join(two_steps, str(STEP), "state", "d", "process_0")
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db}/"}).result()
+    key = "params/w/zarr.json"
+    z = json.loads(kv.read(key).result().value)
+    z["data_type"] = "int32"
+    kv.write(key, json.dumps(z).encode()).result()
+    m = cc.CheckpointManager(two_steps)
+    with pytest.raises(cc.CheckpointCorruptError, match=rf"step {STEP} .* corrupt: leaf 'params/w': .* int32 \(3, 4\) but _METADATA.json says float32"):
+        m.restore()
+    assert m.latest_step() == 1

@@ -14,7 +14,7 @@ import numpy as np
 from cairn.core_array import ArraySpec, as_numpy_dtype, flatten_with_paths, path_matches, unflatten
 
 from . import _fs, _ownership, _storage, _tree
-from ._errors import CheckpointError, TargetMismatchError
+from ._errors import CheckpointCorruptError, CheckpointError, TargetMismatchError
 
 #: Upper bound on bytes of reads outstanding at once (one larger buffer may exceed it).
 READ_WINDOW_BYTES = 48 * 1024 * 1024
@@ -383,6 +383,7 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
             opened[key] = fut.result()
         except Exception as err:  # noqa: BLE001
             raise _storage.translate_error(err, key[1]) from err
+        _check_store(directory, key, opened[key], todo[key[1]][0])
 
     # Reads are issued in order with at most READ_WINDOW_BYTES outstanding: TensorStore
     # holds each chunk's file bytes until decoded into its buffer, so an unbounded burst would
@@ -432,6 +433,19 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
         else:
             results[path] = bufs[0][2]
     return results
+
+
+def _check_store(directory: str, key: tuple[int, str], store: Any, e: dict) -> None:
+    """The array TensorStore opened (its zarr.json) must be what ``_METADATA.json`` says."""
+    got = (store.dtype.name, tuple(store.shape))
+    want = (e["storage_dtype"], tuple(e["spec"]["shape"]))
+    if got != want:
+        raise CheckpointCorruptError(
+            f"leaf {key[1]!r}: the array stored in process {key[0]}'s database is {got[0]} "
+            f"{got[1]} but {_tree.METADATA_FILE} says {want[0]} {want[1]}; checkpoint "
+            f"{directory} is corrupt",
+            os.path.join(_storage.db_dir(directory, key[0]), "manifest.ocdbt"),
+        )
 
 
 def _prefetch(directory: str, regions: list[dict], jobs: list) -> None:
