@@ -166,8 +166,9 @@ def stuck_on_7(x):
     return x
 
 
-def test_stuck_worker_times_out_naming_worker_pid_and_element():
-    opts = MultiprocessingOptions(num_workers=2, per_element_timeout_s=0.5)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_stuck_worker_times_out_naming_worker_pid_and_element(method):
+    opts = MultiprocessingOptions(num_workers=2, per_element_timeout_s=0.5, start_method=method)
     ds = MapDataset.range(40).map(stuck_on_7).to_iter_dataset(cd.ReadOptions(chunk_records=1))
     it = iter(ds.mp_prefetch(opts))
     got = []
@@ -207,6 +208,63 @@ def test_timeout_option_validation():
         with pytest.raises(ValueError, match="per_element_timeout_s must be None or a finite"):
             MultiprocessingOptions(num_workers=1, per_element_timeout_s=bad)
     assert MultiprocessingOptions(num_workers=1).per_element_timeout_s is None
+
+
+_UNGUARDED = """
+import functools, sys
+import numpy as np
+import cairn.data as cd
+
+src = cd.ArrayRecordDataSource(sys.argv[1])
+ds = cd.MapDataset.source(src).map(functools.partial(np.frombuffer, dtype=np.int32))
+try:
+    print(len(list(ds.to_iter_dataset().mp_prefetch(2))))
+except cd.WorkerDiedError as e:
+    print("WorkerDiedError:", e)
+"""
+
+
+def test_script_without_main_guard_gets_a_clear_error(tmp_path, ar_dir):
+    """forkserver workers re-import the main script; one that starts the pipeline at
+    import time must be told to guard it (not get a bare 'exited with code 1')."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED)
+    out = subprocess.run(
+        [sys.executable, str(script), ar_dir], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "WorkerDiedError:" in out and "if __name__ == '__main__':" in out, out
+
+
+_MODULE_LEVEL_READER = """
+import functools, sys
+import numpy as np
+import cairn.data as cd
+
+SRC = cd.ArrayRecordDataSource(sys.argv[1])  # opens readers at import: native threads
+SRC[0]
+
+def main():
+    ds = cd.MapDataset.source(SRC).map(functools.partial(np.frombuffer, dtype=np.int32))
+    print(len(list(ds.to_iter_dataset().mp_prefetch(2))))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_forkserver_does_not_run_the_main_script(tmp_path, ar_dir):
+    """A script that opens a reader at module level: if the forkserver imported it, the
+    server would run array_record's threads and fork workers from that state (which
+    warn). cairn.data preloads only itself in the server, so only each worker imports
+    the script, after its own fork. (Python 3.11's forkserver never imports the main
+    script even when asked to; this checks the outcome on every version.)"""
+    script = tmp_path / "module_level.py"
+    script.write_text(_MODULE_LEVEL_READER)
+    res = subprocess.run(
+        [sys.executable, str(script), ar_dir], capture_output=True, text=True, timeout=120
+    )
+    assert res.stdout.strip() == "400", res.stderr
+    assert "forked from process" not in res.stderr, res.stderr
 
 
 # ====================================================================== parent death

@@ -198,14 +198,16 @@ _preloaded = False
 def _preload_forkserver(ctx) -> None:
     """Have the forkserver import cairn.data (and NumPy) once, so that each worker forked
     from it starts in milliseconds instead of importing them again. Only possible before
-    this process's forkserver starts; ``__main__`` stays preloaded as by default."""
+    this process's forkserver starts. The main script is *not* preloaded (Python's
+    default): its module-level code could open a reader and start native threads in the
+    forkserver itself; each worker imports it after the fork instead."""
     global _preloaded
     if not _preloaded:
         _preloaded = True
         from multiprocessing import forkserver
 
         if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-            ctx.set_forkserver_preload(["__main__", "cairn.data"])
+            ctx.set_forkserver_preload(["cairn.data"])
 
 
 def _dumps_for_workers(obj, method: str, ds: MapDataset) -> bytes:
