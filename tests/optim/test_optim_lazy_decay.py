@@ -167,14 +167,18 @@ def test_adamw_pytree_step_concatenates_only_the_grads(mask):
     for tx in (optim.adamw(1e-3, weight_decay=0.1, mask=mask),
                optim.chain(optim.clip_by_global_norm(1.0),
                            optim.adamw(1e-3, weight_decay=0.1, mask=mask))):
+        # per-parameter state (default): nothing is concatenated
         jaxpr = str(jax.make_jaxpr(_step_fn(tx))(params, tx.init(params), grads))
-        # one concatenate (the grads); the params are never packed
+        assert jaxpr.count("concatenate") == 0
+        # packed state (opt-in): one concatenate (the grads); the params are never packed
+        tx = optim.pack(tx)
+        jaxpr = str(jax.make_jaxpr(_step_fn(tx))(params, tx.init(params), grads))
         assert jaxpr.count("concatenate") == 1
 
 
 def test_a_member_reading_the_buffers_still_packs_the_params_once():
     params = {f"w{i:02d}": jnp.zeros((3,), jnp.float32) for i in range(20)}
-    tx = _adamw_chain(materialise=True)
+    tx = optim.pack(_adamw_chain(materialise=True))
     jaxpr = str(jax.make_jaxpr(_step_fn(tx))(params, tx.init(params), params))
     assert jaxpr.count("concatenate") == 2
 
@@ -201,7 +205,7 @@ def test_packed_updates_from_a_top_level_call_are_materialised():
     # a caller passing packed grads with pytree params gets plain Packed updates back
     rng = np.random.default_rng(1)
     params, grads = _tree(rng, jnp.float32), _tree(rng, jnp.float32)
-    tx = optim.adamw(0.05, weight_decay=0.1)
+    tx = optim.pack(optim.adamw(0.05, weight_decay=0.1))
     state = tx.init(params)
     g = optim.pack(grads, pk.find_layout(state))
     u, _ = tx.update(g, state, params)

@@ -1,4 +1,5 @@
-"""Packed buffers are grouped per sharding (run in a subprocess with 4 fake CPU devices)."""
+"""Opt-in packed buffers (optim.pack) are grouped per sharding (run in a subprocess with 4
+fake CPU devices)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     layout = optim.layout_of(params)
     groups = sorted(sorted(layout.paths[i] for i in g.leaves) for g in layout.groups)
     assert groups == [["a", "b"], ["c"], ["d"]], groups
-    tx = optim.adamw(0.1)
+    tx = optim.pack(optim.adamw(0.1))  # opt-in packed state: one buffer per sharding
     state = tx.init(params)
     assert len(state[0].mu.buffers) == 3
     grads = jax.tree.map(jnp.ones_like, params)

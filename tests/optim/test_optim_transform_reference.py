@@ -288,8 +288,10 @@ def test_multisteps_accumulates_in_float32_by_default_like_optax():
     p = {"a": jnp.ones(4, jnp.bfloat16)}
     ms = optim.MultiSteps(optim.sgd(1.0), 2)
     s = ms.init(p)
-    assert s.acc_grads.buffers[0].dtype == jnp.float32
+    assert s.acc_grads["a"].dtype == jnp.float32
     keep = optim.MultiSteps(optim.sgd(1.0), 2, accumulator_dtype=None).init(p)
-    assert keep.acc_grads.buffers[0].dtype == jnp.bfloat16
+    assert keep.acc_grads["a"].dtype == jnp.bfloat16
+    packed = optim.pack(ms.gradient_transformation()).init(p)
+    assert packed.acc_grads.buffers[0].dtype == jnp.float32
     u, s = ms.update({"a": jnp.ones(4, jnp.bfloat16)}, s, p)
     assert u["a"].dtype == jnp.bfloat16

@@ -112,17 +112,22 @@ def _noise_case(name):
         return (lambda: optim.add_noise(0.5, 1.0, key=11),
                 lambda names, dts: NoiseRef(jax.random.PRNGKey(11), 0.5, 1.0,
                                             [[n] for n in names]))
-    # inside a chain that keeps packed state: one buffer per dtype, flatten order
+    if name == "add_noise_in_chain":  # per-parameter state: one buffer per leaf
+        return (lambda: optim.chain(optim.add_noise(0.2, 0.3, key=5), optim.trace(0.0)),
+                lambda names, dts: NoiseRef(jax.random.PRNGKey(5), 0.2, 0.3,
+                                            [[n] for n in names]))
+    # inside a chain that keeps packed state (optim.pack): one buffer per dtype, flatten order
     def groups(names, dts):
         out: dict[str, list[str]] = {}
         for n in names:
             out.setdefault(dts[n], []).append(n)
         return list(out.values())
-    return (lambda: optim.chain(optim.add_noise(0.2, 0.3, key=5), optim.trace(0.0)),
+    return (lambda: optim.pack(optim.chain(optim.add_noise(0.2, 0.3, key=5),
+                                           optim.trace(0.0))),
             lambda names, dts: NoiseRef(jax.random.PRNGKey(5), 0.2, 0.3, groups(names, dts)))
 
 
-NOISE_CASES = ["noisy_sgd", "add_noise", "add_noise_in_packed_chain"]
+NOISE_CASES = ["noisy_sgd", "add_noise", "add_noise_in_chain", "add_noise_in_packed_chain"]
 
 
 def _run_noise(name, dtype, mixed=False):

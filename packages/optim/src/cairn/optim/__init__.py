@@ -32,6 +32,7 @@ from cairn.optim._base import (
     EmptyState,
     GradientTransformation,
     GradientTransformationExtraArgs,
+    StateMismatchError,
     apply_updates,
     chain,
     global_norm,
@@ -90,7 +91,8 @@ from cairn.optim._losses import (
     triplet_margin_loss,
 )
 from cairn.optim._muon import muon, orthogonalize_via_newton_schulz, scale_by_muon
-from cairn.optim._packing import Packed, layout_of, pack, unpack
+from cairn.optim._packed_state import pack
+from cairn.optim._packing import Packed, layout_of, unpack
 from cairn.optim._schedule_free import (
     schedule_free,
     schedule_free_adamw,
@@ -154,7 +156,7 @@ from cairn.optim._wrappers import (
     skip_not_finite,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # core
@@ -164,6 +166,7 @@ __all__ = [
     "incremental_update", "periodic_update", "global_norm", "tree", "flatten",
     "inject_hyperparams", "get_hyperparams", "set_hyperparams", "InjectHyperparamsState",
     "PartitionState", "MaskedState", "Packed", "pack", "unpack", "layout_of",
+    "StateMismatchError",
     # transforms
     "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam", "scale_by_amsgrad",
     "scale_by_adamax", "scale_by_rms", "scale_by_stddev", "scale_by_belief", "scale_by_radam",

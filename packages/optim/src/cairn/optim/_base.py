@@ -6,9 +6,11 @@ in a NamedTuple exactly as in Optax, so Optax transformations and ours compose.
 
 Element-wise transformations of this package are *packed-aware*: their
 ``update`` callable carries a ``packed`` entry point that works on
-:class:`~cairn.optim._packing.Packed` flat buffers. :func:`chain` packs the
-incoming pytree once, runs consecutive packed-aware members on the flat buffers,
-and unpacks once at the end (or before a member that works per leaf).
+:class:`~cairn.optim._packing.Packed` buffers. By default (per-parameter state) the
+buffers are the leaves themselves, in their own shapes and shardings, so "packing" is
+free; under :func:`~cairn.optim.pack` they are flat buffers per dtype, and :func:`chain`
+packs the incoming pytree once, runs consecutive packed-aware members on the flat
+buffers, and unpacks once at the end (or before a member that works per leaf).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "global_norm",
     "chain",
     "named_chain",
+    "StateMismatchError",
 ]
 
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
@@ -73,12 +76,21 @@ class PackedUpdate:
     Calling it with ordinary pytrees packs, runs ``fn`` and unpacks.
     """
 
-    __slots__ = ("fn", "needs_params", "__name__", "__weakref__")
+    __slots__ = ("fn", "needs_params", "__name__", "init_fn", "state_type", "__weakref__")
 
-    def __init__(self, fn, needs_params: bool = False, name: str = "update"):
+    def __init__(self, fn, needs_params: bool = False, name: str = "update", init_fn=None):
         self.fn = fn
         self.needs_params = needs_params
         self.__name__ = name
+        self.init_fn = init_fn  # for error messages: the state type init() makes
+        self.state_type = None  # the type of the state init() made, once it has run
+
+    def check_state(self, state):
+        """Raise :class:`StateMismatchError` when ``state`` is not of the type ``init`` made."""
+        st = self.state_type
+        if st is not None and type(state) is not st:
+            raise StateMismatchError("", self.__name__, st.__name__,
+                                     type(state).__name__)
 
 
     def packed(self, updates: Packed, state, params: Packed | None = None, **extra):
@@ -97,7 +109,9 @@ class PackedUpdate:
             pp = pk.pack(params, layout, what="params")
         elif self.needs_params and params is None:
             raise ValueError("this transformation needs `params` in update(updates, state, params)")
-        out, new_state = self.fn(u, state, pp, **extra)
+        self.check_state(state)
+        with state_errors(GradientTransformation(self.init_fn, self), state, updates):
+            out, new_state = self.fn(u, state, pp, **extra)
         return pk.unpack(out, pk.find_offsets(new_state, layout)), new_state
 
 
@@ -108,13 +122,18 @@ def packed_transformation(init_fn, update_fn, *, needs_params: bool = False, nam
     """
 
     def init(params):
-        state = init_fn(pk.layout_of(params), params)
+        # default: per-parameter state (one array per parameter, its shape and sharding);
+        # packed params, or init under optim.pack(tx), give flat buffers per dtype
+        packed = isinstance(params, Packed) or pk.packing_state()
+        state = init_fn(pk.layout_of(params, per_leaf=not packed), params)
         if isinstance(params, Packed):
             # packed-params mode never unpacks: the per-leaf runtime offsets are not needed
             state = pk.strip_offsets(state)
+        upd.state_type = type(state)
         return state
 
-    return GradientTransformation(init, PackedUpdate(update_fn, needs_params, name))
+    upd = PackedUpdate(update_fn, needs_params, name, init)
+    return GradientTransformation(init, upd)
 
 
 def is_packed_aware(tx) -> bool:
@@ -306,6 +325,69 @@ def global_norm(updates):
 # --------------------------------------------------------------------------- chain
 
 
+class StateMismatchError(TypeError, ValueError):
+    """An optimizer state that was not made by this transformation's ``init``.
+
+    The message names the chain position (``0/1``: member 1 of the chain that is member 0
+    of the outer chain), the state type that position expects and the one it was given.
+    """
+
+    def __init__(self, path: str, name: str, expected: str, given: str, detail: str = ""):
+        self.path, self.name, self.expected, self.given = path, name, expected, given
+        self.detail = detail
+        where = f"at chain position {path} ({name})" if path else f"in {name}"
+        super().__init__(
+            f"optimizer state mismatch {where}: expected {expected}, got {given}; "
+            f"pass the state made by this optimizer's init() (a state from another optimizer "
+            f"does not fit){': ' + detail if detail else ''}")
+
+    def at(self, position: int) -> StateMismatchError:
+        path = f"{position}/{self.path}" if self.path else str(position)
+        return StateMismatchError(path, self.name, self.expected, self.given, self.detail)
+
+
+def _tx_name(tx) -> str:
+    upd = getattr(tx, "update", None)
+    name = getattr(upd, "__name__", None) or type(tx).__name__
+    return "a chain" if name in ("chain", "update_packed") else name
+
+
+def _expected_state_type(tx, like) -> str:
+    try:
+        st = jax.eval_shape(tx.init, pk.unpack(like) if isinstance(like, Packed) else like)
+    except Exception:  # noqa: BLE001 - the expected type is only a hint in the message
+        return "a different state"
+    return type(st).__name__
+
+
+class state_errors:
+    """Turn the errors of a transformation fed a foreign state into a
+    :class:`StateMismatchError` naming the chain position and both state types."""
+
+    def __init__(self, tx, state, like, position: int | None = None):
+        self.tx, self.state, self.like, self.position = tx, state, like, position
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, err, tb):
+        if err is None:
+            return False
+        if isinstance(err, StateMismatchError):
+            if self.position is not None:
+                raise err.at(self.position) from None
+            return False
+        if not isinstance(err, (AttributeError, KeyError, IndexError)):
+            return False
+        expected = _expected_state_type(self.tx, self.like)
+        given = type(self.state).__name__
+        if expected == given and not isinstance(err, AttributeError):
+            return False
+        path = "" if self.position is None else str(self.position)
+        raise StateMismatchError(path, _tx_name(self.tx), expected, given,
+                                 f"{type(err).__name__}: {err}") from err
+
+
 def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
               allow_pending: bool = False):
     """Run ``txs`` in order, staying packed across consecutive packed-aware members.
@@ -314,6 +396,11 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
     with a pending weight-decay term (:class:`~cairn.optim._packing.PendingDecay`);
     otherwise packed updates are returned materialised.
     """
+    if not isinstance(state, tuple) or len(state) != len(txs):
+        given = (f"a {type(state).__name__} of {len(state)} entries"
+                 if isinstance(state, tuple) else f"a {type(state).__name__}")
+        raise StateMismatchError("", "chain", f"a tuple of {len(txs)} member states",
+                                 given)
     state_layout = pk.find_layout(state)
     cur = updates
     params_packed: dict[Any, Packed] = {}
@@ -341,13 +428,16 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
 
     new_states = []
     last_layout = updates.layout if isinstance(updates, Packed) else None
-    for tx, s in zip(txs, state):
+
+    def run_member(tx, s):
+        nonlocal cur, last_layout
         if is_packed_aware(tx):
             if not isinstance(cur, Packed):
                 layout = state_layout or pk.find_layout(s) or pk.layout_of(
                     cur, use_sharding=False, per_leaf=True)
                 cur = pk.pack(cur, layout)
             last_layout = cur.layout
+            tx.update.check_state(s)
             pp = packed_params(cur.layout) if tx.update.needs_params else None
             if tx.update.needs_params and pp is None:
                 raise ValueError("a transformation in this chain needs `params` in update()")
@@ -356,7 +446,11 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
             if isinstance(cur, Packed):
                 cur = pk.unpack(cur, pk.find_offsets(state, cur.layout))
             cur, s = call_update(tx, cur, s, tree_params(), extra)
-        new_states.append(s)
+        return s
+
+    for i, (tx, s) in enumerate(zip(txs, state)):
+        with state_errors(tx, s, updates, position=i):
+            new_states.append(run_member(tx, s))
     new_state = tuple(new_states)
     if want_packed:
         if not isinstance(cur, Packed):
@@ -400,8 +494,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
         def __call__(self, updates, state, params=None, **extra):
             if not isinstance(state, tuple) or len(state) != len(txs):
-                raise ValueError(f"chain of {len(txs)} transformations got a state of "
-                                 f"type {type(state).__name__}; pass the state from init()")
+                given = (f"a {type(state).__name__} of {len(state)} entries"
+                         if isinstance(state, tuple) else f"a {type(state).__name__}")
+                raise StateMismatchError("", "chain", f"a tuple of {len(txs)} member states",
+                                 given)
             return run_chain(txs, updates, state, params, extra,
                              want_packed=isinstance(updates, Packed))
 

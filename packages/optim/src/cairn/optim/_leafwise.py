@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.optim._base import EmptyState, GradientTransformation, init_empty_state, mark_extra
+from cairn.optim._placement import full_like_param, replicated_like, zeros_for_axes
 from cairn.optim._transforms import safe_increment
 
 __all__ = [
@@ -78,13 +79,15 @@ def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
 
     def init(params):
         def per(p):
+            # each factor takes the parameter's sharding along the axes it keeps
             dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
-            z1 = jnp.zeros((1,), p.dtype)
+            z1 = replicated_like(p, jnp.zeros((1,), p.dtype))
             if dims is not None:
                 d1, d0 = dims
-                return (jnp.zeros(np.delete(p.shape, d0), p.dtype),
-                        jnp.zeros(np.delete(p.shape, d1), p.dtype), z1)
-            return z1, z1, jnp.zeros_like(p)
+                axes = range(p.ndim)
+                return (zeros_for_axes(p, [a for a in axes if a != d0]),
+                        zeros_for_axes(p, [a for a in axes if a != d1]), z1)
+            return z1, z1, full_like_param(p)
 
         leaves, td = jax.tree_util.tree_flatten(params)
         parts = [per(p) for p in leaves]
@@ -155,8 +158,8 @@ def scale_by_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0,
     \\lambda\\theta` (:math:`m_1` without the :math:`\\beta_1` term), :math:`u_t = m_t`."""
 
     def init(params):
-        mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
-        nu = jax.tree.map(lambda p: jnp.zeros([], p.dtype), params)
+        mu = jax.tree.map(lambda p: full_like_param(p, 0.0, mu_dtype), params)
+        nu = jax.tree.map(lambda p: replicated_like(p, jnp.zeros([], p.dtype)), params)
         return ScaleByNovogradState(jnp.zeros([], jnp.int32), mu, nu)
 
     @mark_extra
@@ -194,12 +197,12 @@ def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
 
     def init(params):
         def per(p):
-            return [jnp.zeros((p.shape[i],), p.dtype) for i in range(p.ndim)]
+            return [zeros_for_axes(p, [i]) for i in range(p.ndim)]
 
         leaves, td = jax.tree_util.tree_flatten(params)
         mu = [per(p) for p in leaves]
         return ScaleBySM3State(jax.tree_util.tree_unflatten(td, mu),
-                               jax.tree.map(jnp.zeros_like, params))
+                               jax.tree.map(full_like_param, params))
 
     @mark_extra
     def update(updates, state, params=None, **extra):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from cairn.optim import _transforms as tr
 from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
 from cairn.optim._combine import partition
+from cairn.optim._placement import full_like_param
 
 __all__ = ["muon", "scale_by_muon", "orthogonalize_via_newton_schulz", "MuonState"]
 
@@ -50,7 +51,7 @@ def scale_by_muon(ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, ep
 
     def init(params):
         return MuonState(jnp.zeros([], jnp.int32),
-                         jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params))
+                         jax.tree.map(lambda p: full_like_param(p, 0.0, mu_dtype), params))
 
     @mark_extra
     def update(updates, state, params=None, **extra):

@@ -25,6 +25,8 @@ offsets below 2**21).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -61,6 +63,9 @@ class Layout:
     dtypes: tuple[str, ...]
     groups: tuple[Group, ...]
     leaf_group: tuple[tuple[int, int], ...]  # leaf index -> (group index, position)
+    # per-leaf layout: group i is leaf i alone and its buffer keeps the leaf's own shape
+    # (and sharding): "packing" is then no work at all
+    shaped: bool = False
 
     @property
     def num_leaves(self) -> int:
@@ -104,9 +109,10 @@ def _canon(dtype) -> str:
 def layout_of(tree, *, use_sharding: bool = True, per_leaf: bool = False) -> Layout:
     """Compute the :class:`Layout` of a pytree of arrays (a :class:`Packed` gives its own).
 
-    ``per_leaf=True`` gives every leaf its own buffer (packing is then a reshape); stateless
-    chains use it, since there is no packed state to line up with and per-leaf element-wise
-    work fuses into the caller's ``apply_updates``.
+    ``per_leaf=True`` gives every leaf its own buffer, in the leaf's own shape (packing is
+    then no work and a sharded leaf keeps its sharding). This is the layout of the default,
+    per-parameter optimizer state; the grouped layout (one flat buffer per dtype) is the
+    opt-in of :func:`cairn.optim.pack`.
     """
     if isinstance(tree, Packed):
         return tree.layout
@@ -135,7 +141,8 @@ def layout_of(tree, *, use_sharding: bool = True, per_leaf: bool = False) -> Lay
         groups.append(Group(name, k[0], k[1], tuple(idxs), offs, sizes, int(sum(sizes))))
         for pos, i in enumerate(idxs):
             leaf_group[i] = (gi, pos)
-    return Layout(treedef, paths, tuple(shapes), tuple(dtypes), tuple(groups), tuple(leaf_group))
+    return Layout(treedef, paths, tuple(shapes), tuple(dtypes), tuple(groups), tuple(leaf_group),
+                  per_leaf)
 
 
 class Packed:
@@ -184,6 +191,8 @@ class Packed:
             raise KeyError(f"no leaf at path {path!r}; paths start with "
                            f"{list(self.layout.paths[:5])}") from None
         gi, pos = self.layout.leaf_group[i]
+        if self.layout.shaped:
+            return self.buffers[gi]
         g = self.layout.groups[gi]
         o, n = g.offsets[pos], g.sizes[pos]
         return self.buffers[gi][o:o + n].reshape(self.layout.shapes[i])
@@ -351,7 +360,7 @@ def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> 
                     raise TypeError(f"{what} at path {layout.paths[i]!r} has dtype "
                                     f"{_canon(x.dtype)}, expected {g.dtype} (the dtype of the "
                                     f"params the optimizer was initialised with)")
-            parts.append(jnp.ravel(x))
+            parts.append(x if layout.shaped else jnp.ravel(x))
         if not parts:
             bufs.append(jnp.zeros((0,), g.dtype))
         elif len(parts) == 1:
@@ -482,6 +491,9 @@ def offset_table_size(layout: Layout) -> int:
 
 def zeros(layout: Layout, dtype=None, fill=0.0) -> Packed:
     """Packed buffers of ``fill`` for ``layout`` (buffer dtype = ``dtype`` or the group's)."""
+    if layout.shaped:
+        return Packed(layout, [jnp.full(layout.shapes[g.leaves[0]], fill, dtype or g.dtype)
+                               for g in layout.groups])
     return Packed(layout, [jnp.full((g.total,), fill, dtype or g.dtype) for g in layout.groups])
 
 
@@ -520,3 +532,66 @@ def strip_offsets(state):
     return jax.tree_util.tree_map(
         lambda x: x.drop_offsets() if isinstance(x, Packed) else x, state,
         is_leaf=lambda x: isinstance(x, Packed))
+
+
+# --------------------------------------------------------------------------- per-parameter state
+
+
+def state_buffers(state, layout: Layout, *, what: str):
+    """The buffers of one moment of optimizer state, lined up with ``layout``'s groups.
+
+    ``state`` is either :class:`Packed` (the opt-in packed state) or a pytree with the
+    parameters' structure (the default per-parameter state, one leaf per parameter, in the
+    parameter's shape). Raises ``ValueError`` naming the path when the tree does not match.
+    """
+    if isinstance(state, Packed):
+        if state.layout != layout:
+            raise ValueError(f"{what}: the updates do not match the state built by init(): "
+                             f"{state.layout.describe_mismatch(layout)}")
+        return state.buffers
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if treedef != layout.treedef:
+        try:
+            got = tuple(tree_paths(state))
+        except Exception:  # noqa: BLE001
+            got = ()
+        missing = [p for p in got if p not in set(layout.paths)][:5]
+        extra = [p for p in layout.paths if p not in set(got)][:5]
+        raise ValueError(f"{what}: the updates do not match the state built by init(): "
+                         f"missing paths {missing} (in the state, not in the updates), "
+                         f"unexpected paths {extra} (in the updates, not in the state)")
+    if not layout.shaped:
+        raise ValueError(f"{what} is per-parameter but the updates are packed buffers; "
+                         f"packed updates need packed state (optim.pack(tx) or init() on "
+                         f"packed params)")
+    for i, x in enumerate(leaves):
+        if tuple(np.shape(x)) != layout.shapes[i]:
+            raise ValueError(f"{what}: updates at path {layout.paths[i]!r} has shape "
+                             f"{layout.shapes[i]}, expected {tuple(np.shape(x))} (the shape of "
+                             f"the state built by init())")
+    return tuple(leaves)
+
+
+def state_like(old, layout: Layout, buffers):
+    """New state of the same form as ``old`` (Packed, or a per-parameter tree) from buffers."""
+    if isinstance(old, Packed):
+        return Packed(layout, buffers, old.offsets)
+    return jax.tree_util.tree_unflatten(layout.treedef, list(buffers))
+
+
+_PACK_STATE = contextvars.ContextVar("cairn_optim_pack_state", default=False)
+
+
+def packing_state() -> bool:
+    """True inside ``optim.pack(tx).init``: element-wise state is then packed per dtype."""
+    return _PACK_STATE.get()
+
+
+@contextlib.contextmanager
+def pack_state():
+    """Within this block, element-wise transformations' ``init`` builds packed state."""
+    token = _PACK_STATE.set(True)
+    try:
+        yield
+    finally:
+        _PACK_STATE.reset(token)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from cairn.optim import _transforms as tr
 from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
+from cairn.optim._placement import full_like_param, replicated_like, stacked_blocks_like
 
 __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
 
@@ -77,19 +78,21 @@ def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_eve
         def per(p):
             mat = _as_matrix(p.shape)
             if mat is None:
-                z = jnp.zeros((0,), jnp.float32)
+                z = replicated_like(p, jnp.zeros((0,), jnp.float32))
                 return z, z, z, z
             bm, bn, a, c = _blocks(*mat, block_size)
             eye_l = jnp.broadcast_to(jnp.eye(bm, dtype=jnp.float32), (a * c, bm, bm))
             eye_r = jnp.broadcast_to(jnp.eye(bn, dtype=jnp.float32), (a * c, bn, bn))
-            return (jnp.zeros((a * c, bm, bm), jnp.float32), jnp.zeros((a * c, bn, bn), jnp.float32),
-                    eye_l, eye_r)
+            # the per-block statistics are spread over the parameter's mesh axes
+            return tuple(stacked_blocks_like(p, x) for x in (
+                jnp.zeros((a * c, bm, bm), jnp.float32), jnp.zeros((a * c, bn, bn), jnp.float32),
+                eye_l, eye_r))
 
         leaves, td = jax.tree_util.tree_flatten(params)
         parts = [per(p) for p in leaves]
         un = lambda i: jax.tree_util.tree_unflatten(td, [q[i] for q in parts])  # noqa: E731
         return ShampooState(jnp.zeros([], jnp.int32), un(0), un(1), un(2), un(3),
-                            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+                            jax.tree.map(lambda p: full_like_param(p, 0.0, jnp.float32), params))
 
     @mark_extra
     def update(updates, state, params=None, **extra):

@@ -1,9 +1,13 @@
-"""Element-wise transformations, computed on packed flat buffers.
+"""Element-wise transformations.
 
 Every transformation here has the update equation of its Optax namesake (see
-docs/optim.md). Moments live in the state as :class:`Packed` buffers, one per
-dtype group, so a step costs a handful of fused kernels whatever the number of
-leaves. ``mu_dtype`` / ``nu_dtype`` select the storage dtype of the moments.
+docs/optim.md). By default each moment lives in the state per parameter: a tree with
+the params' structure (``mu/layers/0/kernel``), each array in its parameter's shape and
+sharding, so a sharded model's optimizer state is sharded exactly like it. Under
+:func:`~cairn.optim.pack` the moments are instead :class:`Packed` flat buffers, one per
+dtype group. The math is written once, on "buffers": the per-parameter arrays in the
+first case, the flat buffers in the second. ``mu_dtype`` / ``nu_dtype`` select the
+storage dtype of the moments.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from cairn.optim._base import (
     packed_transformation,
 )
 from cairn.optim._packing import Packed
+from cairn.optim._placement import full_like_param
 from cairn.optim._rules import resolve_per_leaf
 
 __all__ = [
@@ -49,19 +54,29 @@ def _dt(dtype):
     return None if dtype is None else jnp.dtype(dtype)
 
 
-def _state_zeros(layout, dtype=None, fill=0.0, offsets=False) -> Packed:
+def _state_zeros(params, layout, dtype=None, fill=0.0, offsets=False):
+    """One moment of state filled with ``fill``: per parameter (the default: a tree with the
+    params' structure, each array with its parameter's shape and sharding) or packed (flat
+    buffers per dtype, when ``layout`` is a grouped one)."""
+    if layout.shaped:
+        leaves = jax.tree_util.tree_leaves(params)
+        return jax.tree_util.tree_unflatten(
+            layout.treedef, [full_like_param(x, fill, _dt(dtype)) for x in leaves])
     p = pk.zeros(layout, _dt(dtype), fill)
     return p.with_offsets(pk.make_offsets(layout)) if offsets else p
 
 
-def _like(old: Packed, bufs) -> Packed:
-    return Packed(old.layout, bufs, old.offsets)
+def _like(old, layout, bufs):
+    return pk.state_like(old, layout, bufs)
 
 
-def _check(u: Packed, s: Packed, name: str):
-    if u.layout != s.layout:
-        raise ValueError(f"{name}: updates do not match the state built by init(): "
-                         f"{s.layout.describe_mismatch(u.layout)}")
+def _bufs(s):
+    """The buffers of a state moment already checked by :func:`_check`."""
+    return s.buffers if isinstance(s, Packed) else jax.tree_util.tree_leaves(s)
+
+
+def _check(u: Packed, s, name: str):
+    pk.state_buffers(s, u.layout, what=f"{name}: state")
 
 
 def _bc(decay, count, dtype):
@@ -84,12 +99,13 @@ def _step_buffers(u: Packed, states: tuple[Packed, ...], step):
     buffer's dtype. Returns ``(updates, new_states)`` as :class:`Packed`.
     """
     outs, news = [], [[] for _ in states]
-    for g, *olds in zip(u.buffers, *(s.buffers for s in states)):
+    for g, *olds in zip(u.buffers, *(_bufs(s) for s in states)):
         out, *vals = step(g, *olds)
         outs.append(out.astype(g.dtype))
         for new, val, old in zip(news, vals, olds):
             new.append(_store(val, old))
-    return Packed(u.layout, outs), tuple(_like(s, bufs) for s, bufs in zip(states, news))
+    return Packed(u.layout, outs), tuple(_like(s, u.layout, bufs)
+                                         for s, bufs in zip(states, news))
 
 
 def _mu_hat(b1, m, g, count, nesterov):
@@ -224,8 +240,8 @@ def _adam_family(name, mu_dtype, nu_dtype, make_step, fill=0.0):
 
     def init(layout, params):
         return ScaleByAdamState(jnp.zeros([], jnp.int32),
-                                _state_zeros(layout, mu_dtype, fill, offsets=True),
-                                _state_zeros(layout, nu_dtype, fill))
+                                _state_zeros(params, layout, mu_dtype, fill, offsets=True),
+                                _state_zeros(params, layout, nu_dtype, fill))
 
     def update(u, state, p=None, **extra):
         _check(u, state.mu, name)
@@ -276,8 +292,9 @@ def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
 
     def init(layout, params):
         return ScaleByAmsgradState(jnp.zeros([], jnp.int32),
-                                   _state_zeros(layout, mu_dtype, offsets=True),
-                                   _state_zeros(layout, nu_dtype), _state_zeros(layout, nu_dtype))
+                                   _state_zeros(params, layout, mu_dtype, offsets=True),
+                                   _state_zeros(params, layout, nu_dtype),
+                                   _state_zeros(params, layout, nu_dtype))
 
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_amsgrad")
@@ -406,7 +423,7 @@ def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None, *, mode: str = "hard",
 
     def init(layout, params):
         return ScaleByLionState(jnp.zeros([], jnp.int32),
-                                _state_zeros(layout, mu_dtype, offsets=True))
+                                _state_zeros(params, layout, mu_dtype, offsets=True))
 
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_lion")
@@ -448,7 +465,7 @@ def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = Tru
     ``eps_in_sqrt=False``), :math:`v_t` bias-corrected when ``bias_correction``."""
 
     def init(layout, params):
-        nu = _state_zeros(layout, nu_dtype, initial_scale, offsets=True)
+        nu = _state_zeros(params, layout, nu_dtype, initial_scale, offsets=True)
         if bias_correction:
             return ScaleByRmsWithCountState(jnp.zeros([], jnp.int32), nu)
         return ScaleByRmsState(nu)
@@ -487,8 +504,8 @@ def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = 
     :math:`m_t` of :math:`g` and :math:`v_t` of :math:`g^2` (decay :math:`\\rho`)."""
 
     def init(layout, params):
-        mu = _state_zeros(layout, mu_dtype, offsets=True)
-        nu = _state_zeros(layout, nu_dtype, initial_scale)
+        mu = _state_zeros(params, layout, mu_dtype, offsets=True)
+        nu = _state_zeros(params, layout, nu_dtype, initial_scale)
         if bias_correction:
             return ScaleByRStdDevWithCountState(jnp.zeros([], jnp.int32), mu, nu)
         return ScaleByRStdDevState(mu, nu)
@@ -527,7 +544,8 @@ def scale_by_rss(initial_accumulator_value=0.1, eps=1e-7):
     (0 where :math:`s_t = 0`)."""
 
     def init(layout, params):
-        return ScaleByRssState(_state_zeros(layout, None, initial_accumulator_value, offsets=True))
+        return ScaleByRssState(_state_zeros(params, layout, None, initial_accumulator_value,
+                                            offsets=True))
 
     def update(u, state, p=None, **extra):
         _check(u, state.sum_of_squares, "scale_by_rss")
@@ -553,7 +571,8 @@ def scale_by_adadelta(rho=0.9, eps=1e-6):
     :math:`E[x^2]_t = \\rho E[x^2]_{t-1} + (1-\\rho) u_t^2`."""
 
     def init(layout, params):
-        return ScaleByAdaDeltaState(_state_zeros(layout, offsets=True), _state_zeros(layout))
+        return ScaleByAdaDeltaState(_state_zeros(params, layout, offsets=True),
+                                    _state_zeros(params, layout))
 
     def update(u, state, p=None, **extra):
         _check(u, state.e_g, "scale_by_adadelta")
@@ -583,8 +602,8 @@ def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-
     check_scalar("learning_rate", learning_rate)
 
     def init(layout, params):
-        return ScaleByRpropState(_state_zeros(layout, None, learning_rate, offsets=True),
-                                 _state_zeros(layout))
+        return ScaleByRpropState(_state_zeros(params, layout, None, learning_rate, offsets=True),
+                                 _state_zeros(params, layout))
 
     def update(u, state, p=None, **extra):
         _check(u, state.step_sizes, "scale_by_rprop")
@@ -738,11 +757,11 @@ def add_noise(eta, gamma, key=None, *, seed: int | None = None):
     initially ``key`` (an int ``n`` means ``jax.random.PRNGKey(n)``). Each step splits it,
     ``keys = jax.random.split(state_key, B + 1)``; ``keys[0]`` is the next state key and
     buffer ``b`` gets ``jax.random.normal(keys[b + 1], (size_b,), dtype_b)``, scaled by the
-    standard deviation cast to ``dtype_b``. The ``B`` buffers are the packed ones the update
-    runs on: when the surrounding chain keeps packed state (e.g. ``scale_by_adam`` in the
-    same chain), one buffer per dtype (and per sharding), in order of first appearance in
-    ``jax.tree`` flatten order, its leaves raveled and concatenated in that order; otherwise
-    (``add_noise`` alone, :func:`noisy_sgd`) one buffer per leaf, in flatten order. So the
+    standard deviation cast to ``dtype_b``. The ``B`` buffers are the ones the update
+    runs on: by default one buffer per leaf, in flatten order (the leaf itself); when the
+    surrounding chain keeps packed state (:func:`~cairn.optim.pack`), one buffer per dtype
+    (and per sharding), in order of first appearance in ``jax.tree`` flatten order, its
+    leaves raveled and concatenated in that order. So the
     random numbers differ from Optax's (one split per step, then one key per leaf); the
     distribution is the same.
     """
@@ -779,7 +798,7 @@ def trace(decay, nesterov: bool = False, accumulator_dtype=None):
     (Nesterov: :math:`u_t = g_t + \\mu f_t`)."""
 
     def init(layout, params):
-        return TraceState(_state_zeros(layout, accumulator_dtype, offsets=True))
+        return TraceState(_state_zeros(params, layout, accumulator_dtype, offsets=True))
 
     def update(u, state, p=None, **extra):
         _check(u, state.trace, "trace")
@@ -805,7 +824,7 @@ def ema(decay, debias: bool = True, accumulator_dtype=None):
 
     def init(layout, params):
         return EmaState(jnp.zeros([], jnp.int32),
-                        _state_zeros(layout, accumulator_dtype, offsets=True))
+                        _state_zeros(params, layout, accumulator_dtype, offsets=True))
 
     def update(u, state, p=None, **extra):
         _check(u, state.ema, "ema")
@@ -854,19 +873,26 @@ def clip_by_global_norm(max_norm):
 
 
 class ZeroNansState(NamedTuple):
-    """``found_nan``: one flag per packed buffer (dtype group), keyed by group name."""
+    """``found_nan``: one flag per parameter (a tree with the params' structure, as in
+    Optax); with packed state (:func:`~cairn.optim.pack`), one per packed buffer, keyed by
+    group name."""
 
-    found_nan: dict
+    found_nan: Any
 
 
 def zero_nans():
-    """Replace NaNs in the updates by 0; the state records whether a buffer had one."""
+    """Replace NaNs in the updates by 0; the state records whether a leaf had one."""
+
+    def flags(layout, values):
+        if layout.shaped:
+            return jax.tree_util.tree_unflatten(layout.treedef, list(values))
+        return {g.name: v for g, v in zip(layout.groups, values)}
 
     def init(layout, params):
-        return ZeroNansState({g.name: jnp.array(False) for g in layout.groups})
+        return ZeroNansState(flags(layout, [jnp.array(False)] * len(layout.groups)))
 
     def update(u, state, p=None, **extra):
-        found = {g.name: jnp.any(jnp.isnan(b)) for g, b in zip(u.layout.groups, u.buffers)}
+        found = flags(u.layout, [jnp.any(jnp.isnan(b)) for b in u.buffers])
         return u.map(lambda g: jnp.where(jnp.isnan(g), jnp.zeros_like(g), g)), ZeroNansState(found)
 
     return packed_transformation(init, update, name="zero_nans")

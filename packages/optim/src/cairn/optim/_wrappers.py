@@ -17,7 +17,7 @@ from cairn.optim._base import (
     packed_transformation,
 )
 from cairn.optim._packing import Packed
-from cairn.optim._transforms import safe_increment
+from cairn.optim._transforms import _state_zeros, safe_increment
 
 __all__ = [
     "apply_if_finite", "ApplyIfFiniteState", "skip_not_finite", "apply_every", "ApplyEvery",
@@ -84,28 +84,30 @@ def apply_every(k: int = 1):
 
     def init(layout, params):
         return ApplyEvery(jnp.zeros([], jnp.int32),
-                          pk.zeros(layout).with_offsets(pk.make_offsets(layout)))
+                          _state_zeros(params, layout, offsets=True))
 
     def update(u, state, p=None, **extra):
         c = state.count % k
         acc = c != 0
-        ga = [(acc * a + g).astype(a.dtype) for g, a in zip(u.buffers, state.grad_acc.buffers)]
+        olds = pk.state_buffers(state.grad_acc, u.layout, what="apply_every: state grad_acc")
+        ga = [(acc * a + g).astype(a.dtype) for g, a in zip(u.buffers, olds)]
         emit = c == (k - 1)
         out = [(emit * a).astype(g.dtype) for g, a in zip(u.buffers, ga)]
         return Packed(u.layout, out), ApplyEvery(safe_increment(state.count) % k,
-                                                 Packed(u.layout, ga, state.grad_acc.offsets))
+                                                 pk.state_like(state.grad_acc, u.layout, ga))
 
     return packed_transformation(init, update, name="apply_every")
 
 
 class MultiStepsState(NamedTuple):
     """``mini_step`` within the current accumulation, ``gradient_step`` (inner steps taken),
-    the inner state, the single packed accumulator ``acc_grads`` and the skip state."""
+    the inner state, the accumulator ``acc_grads`` (per parameter, or packed under
+    :func:`~cairn.optim.pack`) and the skip state."""
 
     mini_step: jax.Array
     gradient_step: jax.Array
     inner_opt_state: Any
-    acc_grads: Packed
+    acc_grads: Any
     skip_state: Any = ()
 
 
@@ -113,7 +115,8 @@ class MultiSteps:
     """Gradient accumulation: run ``opt`` once every ``k`` mini-steps on the mean (or sum) of
     the gradients, emitting zero updates in between.
 
-    One packed accumulator (one buffer per dtype group) is the only extra memory; the
+    One accumulator per parameter (its shape and sharding; one buffer per dtype group
+    under :func:`~cairn.optim.pack`) is the only extra memory; the
     inner update runs under ``lax.cond`` only on the k-th mini-step. ``accumulator_dtype``
     defaults to float32, as in Optax (``None`` keeps each group's own dtype, e.g. a bf16
     accumulator for bf16 params); the accumulated mean is cast back to the gradients'
@@ -140,10 +143,9 @@ class MultiSteps:
         return self._opt
 
     def init(self, params) -> MultiStepsState:
-        layout = pk.layout_of(params)
-        acc = pk.zeros(layout, None if self._acc_dtype is None else jnp.dtype(self._acc_dtype))
-        if not isinstance(params, Packed):
-            acc = acc.with_offsets(pk.make_offsets(layout))
+        packed = isinstance(params, Packed) or pk.packing_state()
+        layout = pk.layout_of(params, per_leaf=not packed)
+        acc = _state_zeros(params, layout, self._acc_dtype, offsets=not isinstance(params, Packed))
         skip_state = ()
         if self._skip is not None:
             skip_state = jax.tree.map(jnp.zeros_like,
@@ -154,9 +156,11 @@ class MultiSteps:
                                skip_state)
 
     def update(self, updates, state: MultiStepsState, params=None, **extra):
-        layout = state.acc_grads.layout
         was_packed = isinstance(updates, Packed)
+        layout = (state.acc_grads.layout if isinstance(state.acc_grads, Packed) else
+                  pk.layout_of(updates, use_sharding=False, per_leaf=True))
         g = pk.pack(updates, layout)
+        acc0 = pk.state_buffers(state.acc_grads, layout, what="MultiSteps: state acc_grads")
         k = jnp.asarray(self._k(state.gradient_step), jnp.int32)
         skip = jnp.array(False)
         skip_state = state.skip_state
@@ -165,10 +169,9 @@ class MultiSteps:
         n = state.mini_step
         if self._mean:
             acc = [(a + (x.astype(a.dtype) - a) / (n + 1).astype(a.dtype)).astype(a.dtype)
-                   for a, x in zip(state.acc_grads.buffers, g.buffers)]
+                   for a, x in zip(acc0, g.buffers)]
         else:
-            acc = [(a + x.astype(a.dtype)).astype(a.dtype)
-                   for a, x in zip(state.acc_grads.buffers, g.buffers)]
+            acc = [(a + x.astype(a.dtype)).astype(a.dtype) for a, x in zip(acc0, g.buffers)]
         final = (n + 1 >= k) & ~skip
 
         def emit(_):
@@ -188,16 +191,16 @@ class MultiSteps:
         def hold(_):
             zeros = [jnp.zeros_like(x) for x in g.buffers]
             new_n = jnp.where(skip, n, n + 1).astype(jnp.int32)
-            kept = [jnp.where(skip, a0, a) for a0, a in zip(state.acc_grads.buffers, acc)]
+            kept = [jnp.where(skip, a0, a) for a0, a in zip(acc0, acc)]
             return zeros, state.inner_opt_state, kept, new_n, state.gradient_step
 
         out_bufs, inner_s, acc_bufs, mini, gstep = jax.lax.cond(final, emit, hold, None)
         out = Packed(layout, out_bufs)
         new_state = MultiStepsState(mini, gstep, inner_s,
-                                    Packed(layout, acc_bufs, state.acc_grads.offsets), skip_state)
+                                    pk.state_like(state.acc_grads, layout, acc_bufs), skip_state)
         if was_packed:
             return out, new_state
-        return pk.unpack(out, state.acc_grads.offsets), new_state
+        return pk.unpack(out, pk.find_offsets(state.acc_grads, layout)), new_state
 
     def has_updated(self, state: MultiStepsState) -> jax.Array:
         """Whether the last call emitted a real update."""
