@@ -263,3 +263,14 @@ def test_array_metadata_inside_the_database_disagreeing_is_corrupt(two_steps):
     with pytest.raises(cc.CheckpointCorruptError, match=rf"step {STEP} .* corrupt: leaf 'params/w': .* int32 \(3, 4\) but _METADATA.json says float32"):
         m.restore()
     assert m.latest_step() == 1
+
+
+def test_format_1_metadata_with_a_malformed_entry_is_corrupt_not_a_key_error(two_steps):
+    _to_format_1(two_steps)
+    path = os.path.join(two_steps, str(STEP), "state", "_METADATA.json")
+    with open(path) as f:
+        meta = json.load(f)
+    del meta["leaves"]["params/w"]["storage_dtype"]  # the issue saw KeyError: 'storage_dtype'
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+    _expect_corrupt(two_steps, "state/_METADATA.json")

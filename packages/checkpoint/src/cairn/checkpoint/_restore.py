@@ -66,8 +66,8 @@ def _leaf_metadata(path: str, e: dict) -> LeafMetadata:
 
 
 def load_metadata(directory: str) -> dict:
-    """Read, verify (checksum) and validate ``_METADATA.json``; damage raises
-    :class:`CheckpointCorruptError` naming the file."""
+    """Read and verify ``_METADATA.json`` (checksum; each leaf's entry for unchecksummed
+    format 1 files); damage raises :class:`CheckpointCorruptError` naming the file."""
     directory = os.fspath(directory)
     path = os.path.join(directory, _tree.METADATA_FILE)
     if not os.path.isfile(path):
@@ -92,7 +92,7 @@ def load_metadata(directory: str) -> dict:
     pc, leaves = meta.get("process_count"), meta.get("leaves")
     if not isinstance(pc, int) or pc < 1 or not isinstance(leaves, dict):
         raise _fs.corrupt(path, "process_count or leaves is missing or malformed")
-    for p, e in leaves.items():
+    for p, e in leaves.items() if not checked else ():  # a verified file is as written
         try:
             _check_entry(p, e)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -296,21 +296,25 @@ def _target_desc(t: Any) -> str:
 
 
 def regions_all(directory: str, meta: dict) -> list[dict[str, list]]:
-    """Every process's ``_REGIONS`` file, verified (checksum and shape of the content)."""
+    """Every process's ``_REGIONS`` file, verified (checksum; the content's shape for
+    unchecksummed format 1 files)."""
     out = []
     for i in range(meta["process_count"]):
         f = os.path.join(directory, _tree.regions_file(i))
         if not os.path.isfile(f):
             raise _fs.corrupt(f, f"process {i}'s part of checkpoint {directory} is missing")
-        reg = _fs.read_json(f, require_checksum=meta["version"] >= 2)
-        ok = isinstance(reg, dict) and all(
-            isinstance(rs, list)
-            and all(
-                isinstance(r, list)
-                and all(isinstance(ab, list) and len(ab) == 2 and all(isinstance(v, int) for v in ab) for ab in r)
-                for r in rs
+        reg, checked = _fs.read_json_checked(f, require_checksum=meta["version"] >= 2)
+        ok = isinstance(reg, dict) and (
+            checked  # a verified file is as written; an old unchecksummed one is checked here
+            or all(
+                isinstance(rs, list)
+                and all(
+                    isinstance(r, list)
+                    and all(isinstance(ab, list) and len(ab) == 2 and all(isinstance(v, int) for v in ab) for ab in r)
+                    for r in rs
+                )
+                for rs in reg.values()
             )
-            for rs in reg.values()
         )
         if not ok:
             raise _fs.corrupt(f, "its content is not {path: [region, ...]}")
