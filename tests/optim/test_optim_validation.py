@@ -32,6 +32,7 @@ BETA_BAD = [(1.5, ValueError), (1.0, ValueError), (-0.1, ValueError), (NAN, Valu
             ("0.9", TypeError)]
 UNIT_BAD = [(1.5, ValueError), (-0.1, ValueError), (NAN, ValueError), ("0.9", TypeError)]
 NONNEG_BAD = [(-1.0, ValueError), (INF, ValueError), (NAN, ValueError), ("1e-8", TypeError)]
+CLIP_BAD = [(-1.0, ValueError), (-INF, ValueError), (NAN, ValueError), ("1", TypeError)]
 POS_BAD = [(0.0, ValueError), (-1.0, ValueError), (INF, ValueError), ("1", TypeError)]
 FINITE_BAD = [(INF, ValueError), (-INF, ValueError), (NAN, ValueError), ("0.1", TypeError)]
 COUNT_BAD = [(-1, ValueError), (2.5, TypeError), ("3", TypeError), (INF, ValueError)]
@@ -110,7 +111,7 @@ FACTORIES = [
     (optim.scale_by_belief, {}, ADAM),
     (optim.scale_by_radam, {}, {**ADAM, "threshold": FINITE_BAD}),
     (optim.scale_by_yogi, {}, {**ADAM, "initial_accumulator_value": NONNEG_BAD}),
-    (optim.scale_by_lion, {}, {"b1": BETA_BAD, "b2": BETA_BAD, "smooth_beta": UNIT_BAD}),
+    (optim.scale_by_lion, {}, {"b1": BETA_BAD, "b2": BETA_BAD, "smooth_beta": POS_BAD}),
     (optim.scale_by_rms, {}, {"decay": UNIT_BAD, "eps": NONNEG_BAD,
                               "initial_scale": NONNEG_BAD}),
     (optim.scale_by_stddev, {}, {"decay": UNIT_BAD, "eps": NONNEG_BAD}),
@@ -127,8 +128,8 @@ FACTORIES = [
                                                                 "gamma": NONNEG_BAD}),
     (optim.trace, {"decay": 0.9}, {"decay": UNIT_BAD}),
     (optim.ema, {"decay": 0.9}, {"decay": BETA_BAD}),  # debiasing divides by 1 - decay
-    (optim.clip, {"max_delta": 1.0}, {"max_delta": NONNEG_BAD}),
-    (optim.clip_by_global_norm, {"max_norm": 1.0}, {"max_norm": NONNEG_BAD}),
+    (optim.clip, {"max_delta": 1.0}, {"max_delta": CLIP_BAD}),
+    (optim.clip_by_global_norm, {"max_norm": 1.0}, {"max_norm": CLIP_BAD}),
     # wrappers
     (optim.apply_if_finite, {"inner": _sgd(), "max_consecutive_errors": 3},
      {"max_consecutive_errors": COUNT_BAD}),
@@ -146,6 +147,11 @@ FACTORIES = [
     (optim.warmup_cosine_decay_schedule,
      {"init_value": 0.0, "peak_value": 1.0, "warmup_steps": 2, "decay_steps": 10},
      {"peak_value": FINITE_BAD, "warmup_steps": SCHED_COUNT_BAD}),
+    (optim.linear_onecycle_schedule, {"transition_steps": 10, "peak_value": 1.0},
+     {"peak_value": FINITE_BAD, "pct_start": UNIT_BAD, "div_factor": POS_BAD,
+      "final_div_factor": POS_BAD}),
+    (optim.cosine_onecycle_schedule, {"transition_steps": 10, "peak_value": 1.0},
+     {"pct_start": UNIT_BAD, "div_factor": POS_BAD, "final_div_factor": POS_BAD}),
     (optim.exponential_decay, {"init_value": 1.0, "transition_steps": 10, "decay_rate": 0.5},
      {"init_value": FINITE_BAD, "transition_steps": SCHED_COUNT_BAD}),
 ]
@@ -185,12 +191,12 @@ def test_the_issue_examples_raise(call):
 
 
 def test_messages_read_well():
-    with pytest.raises(TypeError, match=r"adam: `learning_rate` must be a real number or a "
+    with pytest.raises(TypeError, match=r"adam: learning_rate must be a number or a "
                                         r"schedule \(step -> value\), got '0.01' \(str\)"):
         optim.adam("0.01")
-    with pytest.raises(ValueError, match=r"adam: `b1` must be in \[0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"adam: b1 must be in \[0, 1\), got 1.5"):
         optim.adam(1e-3, b1=1.5)
-    with pytest.raises(ValueError, match=r"sgd: `learning_rate` must be finite, got inf"):
+    with pytest.raises(ValueError, match=r"sgd: learning_rate must be finite, got inf"):
         optim.sgd(float("inf"))
 
 
@@ -217,10 +223,12 @@ def _step(tx):
         lambda: optim.apply_every(k=1e0),
         lambda: optim.adafactor(min_dim_size_to_factor=1e2),
         lambda: optim.clip_by_global_norm(0.0),
+        lambda: optim.chain(optim.clip(INF), optim.clip_by_global_norm(INF)),
+        lambda: optim.scale_by_lion(mode="smooth", smooth_beta=2.0),
     ],
     ids=["zeros", "numpy-scalars", "jax-scalars", "int-lr", "schedule-momentum-1",
          "negative-wd", "wd-schedule", "ema-1", "k-float-whole", "count-float-whole",
-         "clip-0"],
+         "clip-0", "clip-inf", "lion-smooth-beta-2"],
 )
 def test_good_edge_values_are_accepted(make):
     updates = _step(make())

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from cairn.optim import _transforms as tr
+from cairn.optim import _validate
 from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
 from cairn.optim._combine import partition
 from cairn.optim._placement import full_like_param
@@ -49,6 +50,7 @@ def scale_by_muon(ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, ep
     bias-corrected :math:`\\hat m_t`, :math:`u = \\mathrm{NS}(\\hat m_t)\\sqrt{\\max(1, n_{out}/n_{in})}`
     for a ``(n_in, n_out)`` matrix."""
 
+    _validate.check("scale_by_muon", ns_steps=ns_steps, beta=beta, eps=eps)
     def init(params):
         return MuonState(jnp.zeros([], jnp.int32),
                          jax.tree.map(lambda p: full_like_param(p, 0.0, mu_dtype), params))
@@ -86,6 +88,12 @@ def muon(learning_rate, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.
     Matrices: :math:`u = -\\eta(\\mathrm{muon}(g) + \\lambda\\theta)`; others:
     :math:`u = -\\eta_{adam}(\\mathrm{adam}(g) + \\lambda_{adam}\\theta)`.
     """
+    _validate.check(
+        "muon",
+        learning_rate=learning_rate, ns_steps=ns_steps, beta=beta, eps=eps,
+        weight_decay=weight_decay, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps_root=adam_eps_root,
+        adam_weight_decay=adam_weight_decay, adam_learning_rate=adam_learning_rate,
+    )
     check_scalar("learning_rate", learning_rate)
     adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
 

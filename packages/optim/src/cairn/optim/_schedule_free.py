@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from cairn.optim import _transforms as tr
+from cairn.optim import _validate
 from cairn.optim._alias import sgd
 from cairn.optim._base import GradientTransformation, call_update, chain, check_scalar, mark_extra
 
@@ -44,6 +45,10 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
     are :math:`y_{t+1} = \\beta_1 x_{t+1} + (1-\\beta_1) z_{t+1}` (as an update ``y_{t+1}-y_t``).
     """
 
+    _validate.check(
+        "schedule_free",
+        learning_rate=learning_rate, b1=b1, weight_lr_power=weight_lr_power,
+    )
     def init(params):
         # The averaging scalars stay float32 even for bf16 params: c_t multiplies O(1)
         # iterates, so bf16 rounding of the weight sum would swamp the O(lr) update.
@@ -90,6 +95,11 @@ def schedule_free_eval_params(state: ScheduleFreeState, params):
 def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay=None,
                       weight_lr_power=2.0, state_dtype=None):
     """Schedule-free SGD (base: SGD with optional decay), optional linear warmup."""
+    _validate.check(
+        "schedule_free_sgd",
+        learning_rate=learning_rate, warmup_steps=warmup_steps, b1=b1, weight_decay=weight_decay,
+        weight_lr_power=weight_lr_power,
+    )
     check_scalar("learning_rate", learning_rate)
     lr = _warmup(learning_rate, warmup_steps)
     base = sgd(lr)
@@ -101,6 +111,11 @@ def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay
 def schedule_free_adamw(learning_rate=0.0025, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
                         weight_decay=0.0, weight_lr_power=2.0, state_dtype=None):
     """Schedule-free AdamW (base: bias-corrected RMS scaling, decay, learning rate)."""
+    _validate.check(
+        "schedule_free_adamw",
+        learning_rate=learning_rate, warmup_steps=warmup_steps, b1=b1, b2=b2, eps=eps,
+        weight_decay=weight_decay, weight_lr_power=weight_lr_power,
+    )
     check_scalar("learning_rate", learning_rate)
     lr = _warmup(learning_rate, warmup_steps)
     base = chain(tr.scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),

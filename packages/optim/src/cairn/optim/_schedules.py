@@ -552,10 +552,12 @@ def _check_onecycle(fn, transition_steps, peak_value, pct_start, div_factor, fin
     """Checks the arguments the one-cycle schedules share; returns ``transition_steps``."""
     transition_steps = _steps(fn, "transition_steps", transition_steps, minimum=1)
     _finite_number(fn, "peak_value", peak_value)
-    if not (0.0 <= pct_start <= 1.0):
+    pct = _real(fn, "pct_start", pct_start)  # a str raises naming it, not a bare TypeError
+    if pct is not None and not (0.0 <= pct <= 1.0):
         raise ValueError(f"{fn}: `pct_start` must be in [0, 1], got {pct_start}")
     for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
-        if not (v > 0) or not math.isfinite(v):
+        v = _real(fn, name, v)
+        if v is not None and (not (v > 0) or not math.isfinite(v)):
             raise ValueError(f"{fn}: `{name}` must be finite and > 0, got {v}")
     return transition_steps
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cairn.optim import _transforms as tr
+from cairn.optim import _validate
 from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
 from cairn.optim._placement import full_like_param, replicated_like, stacked_blocks_like
 
@@ -18,6 +19,7 @@ __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
 def matrix_inverse_root(a, p: int = 4, eps=1e-6):
     """:math:`(A + \\epsilon\\,\\lambda_{max} I)^{-1/p}` of a symmetric PSD matrix (batched),
     computed in float32 by an eigendecomposition; eigenvalues are floored at the ridge."""
+    _validate.check("matrix_inverse_root", eps=eps)
     a = a.astype(jnp.float32)
     a = 0.5 * (a + jnp.swapaxes(a, -1, -2))
     w, v = jnp.linalg.eigh(a)
@@ -69,6 +71,11 @@ def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_eve
     :math:`r = g/(\\sqrt{v_t}+\\epsilon_g)` and the update is :math:`D\\,\\|r\\|_F/\\|D\\|_F`
     (vectors and scalars use :math:`r` directly).
     """
+    _validate.check(
+        "scale_by_shampoo",
+        b2=b2, eps=eps, block_size=block_size, precondition_every=precondition_every,
+        graft_eps=graft_eps,
+    )
     if precondition_every < 1:
         raise ValueError(f"precondition_every must be >= 1, got {precondition_every}")
     if block_size < 1:
@@ -144,6 +151,11 @@ def shampoo(learning_rate, b1=0.9, b2=0.999, eps=1e-6, block_size: int = 128,
             precondition_every: int = 10, weight_decay=0.0, graft_eps=1e-8):
     """Shampoo: :func:`scale_by_shampoo`, then momentum :math:`m_t = \\beta_1 m_{t-1} + (1-\\beta_1)
     u_t` (if ``b1 > 0``), decoupled decay :math:`+\\lambda\\theta`, times :math:`-\\eta`."""
+    _validate.check(
+        "shampoo",
+        learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, block_size=block_size,
+        precondition_every=precondition_every, weight_decay=weight_decay, graft_eps=graft_eps,
+    )
     check_scalar("learning_rate", learning_rate)
     txs = [scale_by_shampoo(b2, eps, block_size, precondition_every, graft_eps)]
     if b1:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.optim import _packing as pk
+from cairn.optim import _validate
 from cairn.optim._base import (
     EmptyState,
     check_scalar,
@@ -158,6 +159,7 @@ def scale(step_size) -> Any:
     [-0.10000000149011612, -0.10000000149011612]
     """
 
+    _validate.check("scale", step_size=step_size)
     def update(u, state, p=None, **extra):
         return _scale_updates(u, _times_step_size, step_size), state
 
@@ -180,6 +182,7 @@ def scale_by_learning_rate(learning_rate=None, *, flip_sign: bool = True):
     the state (``state.learning_rate``), so it is a traced value: changing it with
     :func:`set_hyperparams` does not recompile, and :func:`get_hyperparams` reads it.
     """
+    _validate.check("scale_by_learning_rate", learning_rate=learning_rate)
     if learning_rate is None:
         return identity()
     check_scalar("learning_rate", learning_rate)
@@ -265,6 +268,7 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
     with ``nesterov`` :math:`\\hat m_t = \\beta_1 m_t/(1-\\beta_1^{t+1}) + (1-\\beta_1) g_t/(1-\\beta_1^t)`.
     """
 
+    _validate.check("scale_by_adam", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def make_step(count):
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
@@ -290,6 +294,7 @@ def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
                      nu_dtype=None):
     """AMSGrad: Adam with :math:`\\hat v_t = \\max(\\hat v_{t-1}^{max}, \\hat v_t)` in the denominator."""
 
+    _validate.check("scale_by_amsgrad", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def init(layout, params):
         return ScaleByAmsgradState(jnp.zeros([], jnp.int32),
                                    _state_zeros(params, layout, mu_dtype, offsets=True),
@@ -318,6 +323,7 @@ def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None)
     """AdaMax: :math:`m_t` as Adam, :math:`v_t = \\max(|g_t| + \\epsilon, \\beta_2 v_{t-1})`,
     :math:`u_t = \\hat m_t / v_t`."""
 
+    _validate.check("scale_by_adamax", b1=b1, b2=b2, eps=eps)
     def make_step(count):
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
@@ -334,6 +340,7 @@ def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bo
     """AdaBelief: :math:`s_t = \\beta_2 s_{t-1} + (1-\\beta_2)(g_t - m_t)^2 + \\epsilon_{root}`,
     :math:`u_t = \\hat m_t / (\\sqrt{\\hat s_t} + \\epsilon)`."""
 
+    _validate.check("scale_by_belief", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def make_step(count):
         def step(g, m0, s0):
             m = (1 - b1) * g + b1 * m0
@@ -354,6 +361,7 @@ def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
     :math:`r_t \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)` when
     :math:`\\rho_t \\ge` ``threshold`` else :math:`\\hat m_t`, where
     :math:`r_t = \\sqrt{(\\rho_t-4)(\\rho_t-2)\\rho_\\infty/((\\rho_\\infty-4)(\\rho_\\infty-2)\\rho_t)}`."""
+    _validate.check("scale_by_radam", b1=b1, b2=b2, eps=eps, eps_root=eps_root, threshold=threshold)
     ro_inf = 2.0 / (1.0 - b2) - 1.0
 
     def make_step(count):
@@ -380,6 +388,11 @@ def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_
     :math:`u_t = \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)`; both moments start at
     ``initial_accumulator_value``."""
 
+    _validate.check(
+        "scale_by_yogi",
+        b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+        initial_accumulator_value=initial_accumulator_value,
+    )
     def make_step(count):
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
@@ -410,6 +423,7 @@ def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None, *, mode: str = "hard",
     :math:`\\tanh(\\beta_s x)` with ``smooth_beta`` :math:`\\beta_s`, ``"refined"``
     :math:`x` where :math:`|x| < 1`, else :math:`\\mathrm{sign}(x)`.
     """
+    _validate.check("scale_by_lion", b1=b1, b2=b2, smooth_beta=smooth_beta)
     if mode not in ("hard", "smooth", "refined"):
         raise ValueError(f"scale_by_lion: mode must be one of 'hard', 'smooth', 'refined', "
                          f"got {mode!r}")
@@ -464,6 +478,7 @@ def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = Tru
     :math:`u_t = g_t/\\sqrt{v_t+\\epsilon}` (or :math:`g_t/(\\sqrt{v_t}+\\epsilon)` when
     ``eps_in_sqrt=False``), :math:`v_t` bias-corrected when ``bias_correction``."""
 
+    _validate.check("scale_by_rms", decay=decay, eps=eps, initial_scale=initial_scale)
     def init(layout, params):
         nu = _state_zeros(params, layout, nu_dtype, initial_scale, offsets=True)
         if bias_correction:
@@ -503,6 +518,7 @@ def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = 
     """Centred RMSProp: :math:`u_t = g_t/\\sqrt{v_t - m_t^2 + \\epsilon}` with EMAs
     :math:`m_t` of :math:`g` and :math:`v_t` of :math:`g^2` (decay :math:`\\rho`)."""
 
+    _validate.check("scale_by_stddev", decay=decay, eps=eps, initial_scale=initial_scale)
     def init(layout, params):
         mu = _state_zeros(params, layout, mu_dtype, offsets=True)
         nu = _state_zeros(params, layout, nu_dtype, initial_scale)
@@ -543,6 +559,7 @@ def scale_by_rss(initial_accumulator_value=0.1, eps=1e-7):
     """Adagrad scaling: :math:`s_t = s_{t-1} + g_t^2`, :math:`u_t = g_t/\\sqrt{s_t+\\epsilon}`
     (0 where :math:`s_t = 0`)."""
 
+    _validate.check("scale_by_rss", initial_accumulator_value=initial_accumulator_value, eps=eps)
     def init(layout, params):
         return ScaleByRssState(_state_zeros(params, layout, None, initial_accumulator_value,
                                             offsets=True))
@@ -570,6 +587,7 @@ def scale_by_adadelta(rho=0.9, eps=1e-6):
     :math:`u_t = \\sqrt{E[x^2]_{t-1}+\\epsilon}/\\sqrt{E[g^2]_t+\\epsilon}\\,g_t`,
     :math:`E[x^2]_t = \\rho E[x^2]_{t-1} + (1-\\rho) u_t^2`."""
 
+    _validate.check("scale_by_adadelta", rho=rho, eps=eps)
     def init(layout, params):
         return ScaleByAdaDeltaState(_state_zeros(params, layout, offsets=True),
                                     _state_zeros(params, layout))
@@ -599,6 +617,11 @@ def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-
     """Rprop: per-element step sizes grow by ``eta_plus`` when the gradient keeps its sign,
     shrink by ``eta_minus`` when it flips (clipped to [min, max]); the update is
     :math:`\\mathrm{step}\\cdot\\mathrm{sign}(g)`, and 0 right after a sign flip."""
+    _validate.check(
+        "scale_by_rprop",
+        learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
+        min_step_size=min_step_size, max_step_size=max_step_size,
+    )
     check_scalar("learning_rate", learning_rate)
 
     def init(layout, params):
@@ -697,6 +720,7 @@ def add_decayed_weights(weight_decay=0.0, mask=None):
     path-regex rules (a regex string, or ``{pattern: bool}``; first match wins).
     The decay lives in the state (``state.weight_decay``): changing it does not recompile.
     """
+    _validate.check("add_decayed_weights", weight_decay=weight_decay)
     check_scalar("weight_decay", weight_decay, minimum=None)
 
     def init(layout, params):
@@ -765,6 +789,7 @@ def add_noise(eta, gamma, key=None, *, seed: int | None = None):
     random numbers differ from Optax's (one split per step, then one key per leaf); the
     distribution is the same.
     """
+    _validate.check("add_noise", eta=eta, gamma=gamma)
     if key is None and seed is None:
         raise ValueError("add_noise needs a `key` (jax.random key or int) or a `seed`")
     if key is None:
@@ -797,6 +822,7 @@ def trace(decay, nesterov: bool = False, accumulator_dtype=None):
     """Momentum: :math:`f_t = g_t + \\mu f_{t-1}`, :math:`u_t = f_t`
     (Nesterov: :math:`u_t = g_t + \\mu f_t`)."""
 
+    _validate.check("trace", decay=decay)
     def init(layout, params):
         return TraceState(_state_zeros(params, layout, accumulator_dtype, offsets=True))
 
@@ -822,6 +848,7 @@ def ema(decay, debias: bool = True, accumulator_dtype=None):
     """:math:`e_t = \\delta e_{t-1} + (1-\\delta) g_t`, :math:`u_t = e_t/(1-\\delta^t)` when
     ``debias`` else :math:`e_t`."""
 
+    _validate.check("ema", {"decay": _validate.BETA if debias else _validate.UNIT}, decay=decay)
     def init(layout, params):
         return EmaState(jnp.zeros([], jnp.int32),
                         _state_zeros(params, layout, accumulator_dtype, offsets=True))
@@ -845,6 +872,7 @@ def ema(decay, debias: bool = True, accumulator_dtype=None):
 
 def clip(max_delta):
     """:math:`u \\leftarrow \\mathrm{clip}(u, -\\delta, \\delta)`."""
+    _validate.check("clip", max_delta=max_delta)
     check_scalar("max_delta", max_delta)
 
     def update(u, state, p=None, **extra):
@@ -856,6 +884,7 @@ def clip(max_delta):
 def clip_by_global_norm(max_norm):
     """:math:`u \\leftarrow u \\cdot \\min(1, c/\\|u\\|_2)` with :math:`\\|u\\|_2` the norm over
     all leaves (one reduction per packed buffer)."""
+    _validate.check("clip_by_global_norm", max_norm=max_norm)
     check_scalar("max_norm", max_norm)
 
     def update(u, state, p=None, **extra):

@@ -8,11 +8,11 @@ the call instead, naming the factory and the argument::
     >>> check("adam", learning_rate="0.01")
     Traceback (most recent call last):
       ...
-    TypeError: adam: `learning_rate` must be a real number or a schedule (step -> value), got '0.01' (str)
+    TypeError: adam: learning_rate must be a number or a schedule (step -> value), got '0.01' (str)
     >>> check("adam", b1=1.5)
     Traceback (most recent call last):
       ...
-    ValueError: adam: `b1` must be in [0, 1), got 1.5
+    ValueError: adam: b1 must be in [0, 1), got 1.5
 
 The rule for an argument comes from its name (:data:`RULES`; a factory whose argument
 means something else passes ``rules=``). Only concrete values are checked: a JAX tracer
@@ -37,7 +37,8 @@ __all__ = ["RULES", "Rule", "check"]
 class Rule(NamedTuple):
     """A real number in the interval ``lo .. hi`` (``None``: unbounded; ``lo_open`` /
     ``hi_open``: the end itself excluded); ``schedule``: a callable is accepted too;
-    ``integer``: the value must be a whole number (``1e4`` is fine, ``2.5`` is not)."""
+    ``integer``: the value must be a whole number (``1e4`` is fine, ``2.5`` is not);
+    ``inf_ok``: ``+inf`` is accepted (a clipping threshold of ``inf`` clips nothing)."""
 
     lo: float | None = None
     hi: float | None = None
@@ -45,6 +46,7 @@ class Rule(NamedTuple):
     hi_open: bool = False
     schedule: bool = False
     integer: bool = False
+    inf_ok: bool = False
 
     def describe(self) -> str:
         if self.lo is not None and self.hi is not None:
@@ -77,7 +79,7 @@ RULES: dict[str, Rule] = {
     "slow_step_size": UNIT, "min_step_size": NONNEG, "max_step_size": POSITIVE,
     # moment decays
     "b1": BETA, "b2": BETA, "beta": BETA, "adam_b1": BETA, "adam_b2": BETA, "decay": UNIT,
-    "rho": UNIT, "momentum": UNIT, "smooth_beta": UNIT,
+    "rho": UNIT, "momentum": UNIT, "smooth_beta": POSITIVE,  # a tanh temperature
     # epsilons and floors
     "eps": NONNEG, "eps_root": NONNEG, "graft_eps": NONNEG, "adam_eps_root": NONNEG,
     "min_norm": NONNEG, "initial_accumulator_value": NONNEG, "initial_scale": NONNEG,
@@ -85,7 +87,8 @@ RULES: dict[str, Rule] = {
     "weight_decay": Rule(schedule=True), "adam_weight_decay": Rule(schedule=True),
     "weight_decay_rate": FINITE,
     # clipping thresholds
-    "max_delta": NONNEG, "max_norm": NONNEG, "clipping_threshold": POSITIVE,
+    "max_delta": Rule(lo=0.0, inf_ok=True), "max_norm": Rule(lo=0.0, inf_ok=True),
+    "clipping_threshold": POSITIVE,
     # noise, trust ratios, rprop, adafactor, radam, schedule-free
     "eta": NONNEG, "gamma": NONNEG, "trust_coefficient": NONNEG, "eta_minus": POSITIVE,
     "eta_plus": POSITIVE, "decay_rate": NONNEG, "threshold": FINITE,
@@ -113,17 +116,19 @@ def check(factory: str, rules: dict[str, Rule] | None = None, **values: Any) -> 
             if rule.schedule:
                 continue
             raise TypeError(
-                f"{factory}: `{name}` must be a real number, got the callable {value!r}"
+                f"{factory}: {name} must be a real number, got the callable {value!r}"
             )
         v = _real(factory, name, value, rule)
         if v is None:
             continue
-        if not math.isfinite(v):
-            raise ValueError(f"{factory}: `{name}` must be finite, got {v}")
+        if math.isnan(v):
+            raise ValueError(f"{factory}: {name} is NaN; expected a finite number")
+        if not math.isfinite(v) and not (rule.inf_ok and v > 0):
+            raise ValueError(f"{factory}: {name} must be finite, got {v}")
         if rule.integer and not v.is_integer():
-            raise TypeError(f"{factory}: `{name}` must be a whole number, got {v}")
+            raise TypeError(f"{factory}: {name} must be a whole number, got {v}")
         if _outside(v, rule):
-            raise ValueError(f"{factory}: `{name}` must be {rule.describe()}, got {_num(v)}")
+            raise ValueError(f"{factory}: {name} must be {rule.describe()}, got {_num(v)}")
 
 
 def _real(factory: str, name: str, value: Any, rule: Rule) -> float | None:
@@ -139,8 +144,8 @@ def _real(factory: str, name: str, value: Any, rule: Rule) -> float | None:
             value.dtype, np.floating
         ):
             return float(np.asarray(value))
-    what = "a real number or a schedule (step -> value)" if rule.schedule else "a real number"
-    raise TypeError(f"{factory}: `{name}` must be {what}, got {value!r} ({type(value).__name__})")
+    what = "a number or a schedule (step -> value)" if rule.schedule else "a real number"
+    raise TypeError(f"{factory}: {name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
 def _outside(v: float, r: Rule) -> bool:

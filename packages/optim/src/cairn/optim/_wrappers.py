@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cairn.optim import _packing as pk
+from cairn.optim import _validate
 from cairn.optim._base import (
     GradientTransformation,
     call_update,
@@ -43,6 +44,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int):
     """Skip steps whose updates contain NaN/Inf (zero updates, inner state kept) unless more
     than ``max_consecutive_errors`` happened in a row."""
 
+    _validate.check("apply_if_finite", max_consecutive_errors=max_consecutive_errors)
     def init(params):
         return ApplyIfFiniteState(jnp.zeros([], jnp.int32), jnp.array(True, jnp.bool_),
                                   jnp.zeros([], jnp.int32), inner.init(params))
@@ -82,6 +84,7 @@ class ApplyEvery(NamedTuple):
 def apply_every(k: int = 1):
     """Accumulate updates and emit their sum every ``k`` steps (zeros in between)."""
 
+    _validate.check("apply_every", k=k)
     def init(layout, params):
         return ApplyEvery(jnp.zeros([], jnp.int32),
                           _state_zeros(params, layout, offsets=True))
@@ -126,6 +129,7 @@ class MultiSteps:
     def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
                  use_grad_mean: bool = True, should_skip_update_fn: Callable | None = None,
                  accumulator_dtype=jnp.float32):
+        _validate.check("MultiSteps", every_k_schedule=every_k_schedule)
         if not callable(every_k_schedule):
             k = int(every_k_schedule)
             if k < 1:
@@ -236,6 +240,7 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_ste
     """Lookahead (Zhang et al. 2019) on :class:`LookaheadParams`: every ``sync_period`` steps
     the slow weights move :math:`\\phi \\leftarrow \\phi + \\alpha(\\theta - \\phi)` and the
     fast weights are reset to them."""
+    _validate.check("lookahead", sync_period=sync_period, slow_step_size=slow_step_size)
     if sync_period < 1:
         raise ValueError(f"sync_period must be >= 1, got {sync_period}")
 
