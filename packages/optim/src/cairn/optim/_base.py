@@ -26,6 +26,7 @@ import numpy as np
 from cairn.core_array import tree_paths
 from cairn.optim import _packing as pk
 from cairn.optim._packing import Packed
+from cairn.optim._placement import place_scalars
 
 __all__ = [
     "GradientTransformation",
@@ -130,7 +131,7 @@ def packed_transformation(init_fn, update_fn, *, needs_params: bool = False, nam
             # packed-params mode never unpacks: the per-leaf runtime offsets are not needed
             state = pk.strip_offsets(state)
         upd.state_type = type(state)
-        return state
+        return place_scalars(state, params)
 
     upd = PackedUpdate(update_fn, needs_params, name, init)
     return GradientTransformation(init, upd)
@@ -482,7 +483,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise TypeError(f"chain member {i} is not a GradientTransformation: {type(t).__name__}")
 
     def init(params):
-        return tuple(t.init(params) for t in txs)
+        return place_scalars(tuple(t.init(params) for t in txs), params)
 
     def update_packed(u, state, p=None, **extra):
         return run_chain(txs, u, state, p, extra, want_packed=True)

@@ -595,3 +595,22 @@ def pack_state():
         yield
     finally:
         _PACK_STATE.reset(token)
+
+
+def transient_flat(p: Packed):
+    """The buffers of ``p`` for a reduction over all of them (a global norm).
+
+    Per-parameter buffers in a single-device process are raveled and concatenated per
+    dtype, inside the jitted step only (nothing is stored): one reduction kernel instead of
+    one per leaf, and the same summation order as packed state. With several devices the
+    per-parameter buffers are returned as they are, since concatenating sharded leaves
+    would gather them.
+    """
+    if not p.layout.shaped or len(p.buffers) <= 1 or jax.device_count() > 1:
+        return p.buffers
+    by_dtype: dict[str, list] = {}
+    for b in p.buffers:
+        by_dtype.setdefault(_canon(b.dtype), []).append(jnp.ravel(b))
+    flat = tuple(jnp.concatenate(bs) if len(bs) > 1 else bs[0] for bs in by_dtype.values())
+    # materialised once: fused into its consumer, the many-operand concatenate is slow
+    return jax.lax.optimization_barrier(flat)

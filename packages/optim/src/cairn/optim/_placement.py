@@ -23,11 +23,17 @@ __all__ = ["param_sharding", "full_like_param", "zeros_for_axes", "replicated_li
 
 
 def param_sharding(p):
-    """The sharding of a concrete array, or None (tracers, NumPy arrays, Python numbers)."""
+    """The sharding of a concrete array placed on purpose, or None: tracers, NumPy arrays,
+    Python numbers, and arrays left uncommitted on the default device (their state stays
+    uncommitted too, so jit may place it with them; a committed sharding would also be
+    written into the compiled program, which then compiles slower for nothing)."""
     if isinstance(p, jax.core.Tracer) or not isinstance(p, jax.Array):
         return None
     try:
-        return p.sharding
+        sh = p.sharding
+        if len(sh.device_set) == 1 and not getattr(p, "committed", True):
+            return None
+        return sh
     except Exception:  # noqa: BLE001 - deleted or exotic arrays: no placement
         return None
 
@@ -97,3 +103,36 @@ def stacked_blocks_like(p, x):
             size *= sh.mesh.shape[a]
     spec = PartitionSpec(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
     return _put(x, NamedSharding(sh.mesh, spec))
+
+
+def common_mesh(params):
+    """The mesh every concrete parameter is sharded over (``NamedSharding``), or None
+    (no parameters, tracers, a parameter on one device only, or several meshes)."""
+    meshes = set()
+    for x in jax.tree_util.tree_leaves(params):
+        sh = param_sharding(x)
+        if not isinstance(sh, NamedSharding):
+            return None
+        meshes.add(sh.mesh)
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def place_scalars(state, params):
+    """``state`` with every array that is not on the parameters' mesh (step counts, scalar
+    hyperparameters, made on one device) replicated over that mesh, when all parameters
+    share one; otherwise unchanged. A checkpoint restore into such a state then gives
+    arrays that jit accepts next to the sharded parameters."""
+    mesh = common_mesh(params)
+    if mesh is None:
+        return state
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            return x
+        sh = x.sharding
+        if isinstance(sh, NamedSharding) and sh.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree_util.tree_map(place, state)

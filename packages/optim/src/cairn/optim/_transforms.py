@@ -80,9 +80,27 @@ def _check(u: Packed, s, name: str):
     pk.state_buffers(s, u.layout, what=f"{name}: state")
 
 
-def _bc(decay, count, dtype):
-    """Bias correction denominator 1 - decay**count, in ``dtype``."""
-    return (1 - decay ** count).astype(dtype)
+class _BiasCorrection:
+    """Bias correction denominators ``1 - decay**count`` in a dtype, computed once per step
+    and reused by every leaf (not once per leaf: 1,000 leaves would otherwise trace and
+    compile 1,000 copies of the same scalar expression). ``next`` uses ``count + 1``."""
+
+    def __init__(self, count):
+        self.count = count
+        self._next = None
+        self._cache: dict = {}
+
+    def __call__(self, decay, dtype):
+        key = (id(decay), jnp.dtype(dtype))
+        if key not in self._cache:
+            self._cache[key] = (decay, (1 - decay ** self.count).astype(dtype))
+        return self._cache[key][1]
+
+    @property
+    def next(self) -> _BiasCorrection:
+        if self._next is None:
+            self._next = _BiasCorrection(safe_increment(self.count))
+        return self._next
 
 
 def _abs_sq(x):
@@ -109,12 +127,12 @@ def _step_buffers(u: Packed, states: tuple[Packed, ...], step):
                                          for s, bufs in zip(states, news))
 
 
-def _mu_hat(b1, m, g, count, nesterov):
+def _mu_hat(b1, m, g, bc: _BiasCorrection, nesterov):
     """Bias-corrected first moment (Nesterov's look-ahead form when ``nesterov``)."""
     if nesterov:
-        return (b1 * m / _bc(b1, safe_increment(count), m.dtype)
-                + (1 - b1) * g / _bc(b1, count, g.dtype))
-    return m / _bc(b1, count, m.dtype)
+        return (b1 * m / bc.next(b1, m.dtype)
+                + (1 - b1) * g / bc(b1, g.dtype))
+    return m / bc(b1, m.dtype)
 
 
 # --------------------------------------------------------------------------- scaling
@@ -167,7 +185,9 @@ def scale(step_size) -> Any:
 
 
 class ScaleByLearningRateState(NamedTuple):
-    """``count`` of steps and the ``learning_rate`` used at the last step (traced)."""
+    """``count`` of steps (the schedule's argument: advanced only when ``learning_rate`` is a
+    schedule, so a constant costs no work per step) and the ``learning_rate`` used at the
+    last step (traced)."""
 
     count: jax.Array
     learning_rate: jax.Array
@@ -200,7 +220,8 @@ def scale_by_learning_rate(learning_rate=None, *, flip_sign: bool = True):
         else:  # a traced value (e.g. from inject_hyperparams) wins over the stored one
             lr = jnp.asarray(learning_rate, jnp.float32)
         out = _scale_updates(u, _times_cast, sign * lr)
-        return out, ScaleByLearningRateState(safe_increment(state.count), lr)
+        count = safe_increment(state.count) if callable(learning_rate) else state.count
+        return out, ScaleByLearningRateState(count, lr)
 
     return packed_transformation(init, update, name="scale_by_learning_rate")
 
@@ -270,11 +291,12 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
 
     _validate.check("scale_by_adam", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def make_step(count):
+        bc = _BiasCorrection(count)
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             v = (1 - b2) * _abs_sq(g) + b2 * v0
-            m_hat = _mu_hat(b1, m, g, count, nesterov)
-            v_hat = v / _bc(b2, count, v.dtype)
+            m_hat = _mu_hat(b1, m, g, bc, nesterov)
+            v_hat = v / bc(b2, v.dtype)
             return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
 
         return step
@@ -304,12 +326,13 @@ def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_amsgrad")
         count = safe_increment(state.count)
+        bc = _BiasCorrection(count)
 
         def step(g, m0, v0, x0):
             m = (1 - b1) * g + b1 * m0
             v = (1 - b2) * _abs_sq(g) + b2 * v0
-            m_hat = m / _bc(b1, count, m.dtype) if bias_correction_mu else m
-            v_eff = v / _bc(b2, count, v.dtype) if bias_correction_nu else v
+            m_hat = m / bc(b1, m.dtype) if bias_correction_mu else m
+            v_eff = v / bc(b2, v.dtype) if bias_correction_nu else v
             vmax = jnp.maximum(x0, v_eff)
             return m_hat / (jnp.sqrt(vmax + eps_root) + eps), m, v, vmax
 
@@ -325,10 +348,11 @@ def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None)
 
     _validate.check("scale_by_adamax", b1=b1, b2=b2, eps=eps)
     def make_step(count):
+        bc = _BiasCorrection(count)
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             v = jnp.maximum(jnp.abs(g) + eps, b2 * v0)
-            return m / _bc(b1, count, m.dtype) / v, m, v
+            return m / bc(b1, m.dtype) / v, m, v
 
         return step
 
@@ -342,11 +366,12 @@ def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bo
 
     _validate.check("scale_by_belief", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def make_step(count):
+        bc = _BiasCorrection(count)
         def step(g, m0, s0):
             m = (1 - b1) * g + b1 * m0
             s = (1 - b2) * _abs_sq(g - m) + b2 * s0 + eps_root
-            m_hat = _mu_hat(b1, m, g, count, nesterov)
-            s_hat = s / _bc(b2, count, s.dtype)
+            m_hat = _mu_hat(b1, m, g, bc, nesterov)
+            s_hat = s / bc(b2, s.dtype)
             return m_hat / (jnp.sqrt(s_hat) + eps), m, s
 
         return step
@@ -365,6 +390,7 @@ def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
     ro_inf = 2.0 / (1.0 - b2) - 1.0
 
     def make_step(count):
+        bc = _BiasCorrection(count)
         b2t = b2 ** count
         ro = ro_inf - 2 * count * b2t / (1 - b2t)
         r = jnp.sqrt((ro - 4.0) * (ro - 2.0) * ro_inf / ((ro_inf - 4.0) * (ro_inf - 2.0) * ro))
@@ -372,8 +398,8 @@ def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             v = (1 - b2) * _abs_sq(g) + b2 * v0
-            m_hat = _mu_hat(b1, m, g, count, nesterov)
-            v_hat = v / _bc(b2, count, v.dtype)
+            m_hat = _mu_hat(b1, m, g, bc, nesterov)
+            v_hat = v / bc(b2, v.dtype)
             rect = r.astype(m_hat.dtype) * m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
             return jnp.where(ro >= threshold, rect, m_hat), m, v
 
@@ -394,12 +420,13 @@ def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_
         initial_accumulator_value=initial_accumulator_value,
     )
     def make_step(count):
+        bc = _BiasCorrection(count)
         def step(g, m0, v0):
             m = (1 - b1) * g + b1 * m0
             g2 = _abs_sq(g)
             v = v0 - (1 - b2) * jnp.sign(v0 - g2) * g2
-            m_hat = m / _bc(b1, count, m.dtype)
-            v_hat = v / _bc(b2, count, v.dtype)
+            m_hat = m / bc(b1, m.dtype)
+            v_hat = v / bc(b2, v.dtype)
             return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
 
         return step
@@ -488,10 +515,11 @@ def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = Tru
     def update(u, state, p=None, **extra):
         _check(u, state.nu, "scale_by_rms")
         count = safe_increment(state.count) if bias_correction else None
+        bc = _BiasCorrection(count) if bias_correction else None
 
         def step(g, v0):
             v = (1 - decay) * _abs_sq(g) + decay * v0
-            v_hat = v / _bc(decay, count, v.dtype) if bias_correction else v
+            v_hat = v / bc(decay, v.dtype) if bias_correction else v
             sc = jax.lax.rsqrt(v_hat + eps) if eps_in_sqrt else 1 / (jnp.sqrt(v_hat) + eps)
             return sc * g, v
 
@@ -529,12 +557,13 @@ def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = 
     def update(u, state, p=None, **extra):
         _check(u, state.mu, "scale_by_stddev")
         count = safe_increment(state.count) if bias_correction else None
+        bc = _BiasCorrection(count) if bias_correction else None
 
         def step(g, m0, v0):
             m = (1 - decay) * g + decay * m0
             v = (1 - decay) * _abs_sq(g) + decay * v0
             if bias_correction:
-                mh, vh = m / _bc(decay, count, m.dtype), v / _bc(decay, count, v.dtype)
+                mh, vh = m / bc(decay, m.dtype), v / bc(decay, v.dtype)
             else:
                 mh, vh = m, v
             if eps_in_sqrt:
@@ -648,7 +677,8 @@ def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-
 
 
 class AddDecayedWeightsState(NamedTuple):
-    """``count`` of steps and the ``weight_decay`` used at the last step (traced)."""
+    """``count`` of steps (advanced only when ``weight_decay`` is a schedule) and the
+    ``weight_decay`` used at the last step (traced)."""
 
     count: jax.Array
     weight_decay: jax.Array
@@ -739,7 +769,8 @@ def add_decayed_weights(weight_decay=0.0, mask=None):
         else:
             wd = jnp.asarray(weight_decay, jnp.float32)
         bools = leaf_mask(mask, u.layout) if mask is not None else None
-        new_state = AddDecayedWeightsState(safe_increment(state.count), wd)
+        count = safe_increment(state.count) if callable(weight_decay) else state.count
+        new_state = AddDecayedWeightsState(count, wd)
 
         def decay_buffer(gi, g, w, wd):
             em = None if bools is None else element_mask(u.layout, gi, bools)
@@ -856,10 +887,11 @@ def ema(decay, debias: bool = True, accumulator_dtype=None):
     def update(u, state, p=None, **extra):
         _check(u, state.ema, "ema")
         count = safe_increment(state.count)
+        bc = _BiasCorrection(count)
 
         def step(g, e0):
             e = (1 - decay) * g + decay * e0
-            return (e / _bc(decay, count, e.dtype) if debias else e), e
+            return (e / bc(decay, e.dtype) if debias else e), e
 
         out, (ema_,) = _step_buffers(u, (state.ema,), step)
         return out, EmaState(count, ema_)
@@ -883,12 +915,14 @@ def clip(max_delta):
 
 def clip_by_global_norm(max_norm):
     """:math:`u \\leftarrow u \\cdot \\min(1, c/\\|u\\|_2)` with :math:`\\|u\\|_2` the norm over
-    all leaves (one reduction per packed buffer)."""
+    all leaves (one reduction per packed buffer, or per dtype on one device)."""
     _validate.check("clip_by_global_norm", max_norm=max_norm)
     check_scalar("max_norm", max_norm)
 
     def update(u, state, p=None, **extra):
-        sq = [jnp.sum(_abs_sq(g).astype(jnp.float32)) for g in u.buffers]
+        # per-parameter leaves on one device: one reduction per dtype over a transient
+        # concatenation (not stored), as packed state does; sharded leaves reduce per leaf
+        sq = [jnp.sum(_abs_sq(g).astype(jnp.float32)) for g in pk.transient_flat(u)]
         g_norm = jnp.sqrt(sum(sq)) if sq else jnp.zeros([], jnp.float32)
         trigger = g_norm < max_norm
 
