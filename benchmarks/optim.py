@@ -14,7 +14,12 @@ takes and returns ordinary pytrees of L arrays pays at least this (one kernel pe
 output leaf, one runtime buffer per input and output leaf); ``*_vs_floor_many``
 in the JSON line is our step time divided by it.
 
-Usage: python benchmarks/optim.py [--quick]
+Sharded row: on an 8-device virtual CPU mesh (data=2, model=4; run in a subprocess, since
+the device count must be set before JAX starts), two Linear(512, 1024) / (1024, 512)-shaped
+kernels sharded P('data', 'model') / P('model', 'data'): per-device optimizer bytes right
+after ``init`` and after jitted steps, and the step time, ours beside Optax.
+
+Usage: python benchmarks/optim.py [--quick] [--sharded-only]
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -99,10 +106,108 @@ def measure_pair(runs, repeats: int, calls: int):
     return [b * 1e3 for b in best]
 
 
+def per_device_bytes(tree) -> int:
+    """The most bytes any one device holds of ``tree``'s arrays."""
+    per: dict = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values(), default=0)
+
+
+def sharded_child(repeats: int, calls: int):
+    """Runs with 8 virtual devices: per-device bytes and step time, ours and Optax's."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(0)
+
+    def put(shape, spec):
+        return jax.device_put(jnp.asarray(rng.normal(size=shape), jnp.float32),
+                              NamedSharding(mesh, spec))
+
+    params = {"l1": {"kernel": put((512, 1024), P("data", "model"))},
+              "l2": {"kernel": put((1024, 512), P("model", "data"))}}
+    grads = jax.tree.map(lambda x: x * 1e-2, params)
+    # warm up the jit and the sharded runtime once, so neither side's compile time pays it
+    jax.block_until_ready(jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p))(params))
+    out, runs = {"param_bytes_per_device": per_device_bytes(params)}, []
+    for name, lib in (("ours", optim), ("optax", optax)):
+        tx = lib.adamw(1e-3, weight_decay=1e-4)
+        state = tx.init(params)
+        moments = [x for x in jax.tree.leaves(state) if x.ndim > 0]
+        out[f"{name}_opt_bytes_per_device_init"] = per_device_bytes(state)
+        out[f"{name}_moment_bytes_per_device_init"] = per_device_bytes(moments)
+
+        def step(p, s, g, tx=tx, lib=lib):
+            u, s = tx.update(g, s, p)
+            return lib.apply_updates(p, u), s
+
+        f = jax.jit(step, donate_argnums=(0, 1))
+        t0 = time.perf_counter()
+        compiled = f.lower(params, state, grads).compile()
+        out[f"{name}_compile_s"] = time.perf_counter() - t0
+        carry = [jax.tree.map(jnp.copy, params), state]
+        carry[0], carry[1] = compiled(carry[0], carry[1], grads)
+        jax.block_until_ready(carry[0])
+
+        def run(calls, carry=carry, compiled=compiled):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                carry[0], carry[1] = compiled(carry[0], carry[1], grads)
+            jax.block_until_ready(carry[0])
+            return (time.perf_counter() - t0) / calls
+
+        runs.append(run)
+        out[f"{name}_moments_after_steps"] = carry  # filled below, after the timing
+    ours_ms, ref_ms = measure_pair(runs, repeats, calls)
+    out["ours_ms"], out["optax_ms"] = ours_ms, ref_ms
+    for name in ("ours", "optax"):
+        _, state = out.pop(f"{name}_moments_after_steps")
+        out[f"{name}_opt_bytes_per_device_after_steps"] = per_device_bytes(state)
+    print("SHARDED " + json.dumps(out))
+
+
+def sharded_row(quick: bool) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    args = [sys.executable, os.path.abspath(__file__), "--sharded-child"]
+    if quick:
+        args.append("--quick")
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"sharded benchmark failed:\n{r.stderr[-3000:]}")
+    line = [x for x in r.stdout.splitlines() if x.startswith("SHARDED ")][-1]
+    return json.loads(line[len("SHARDED "):])
+
+
+def print_sharded(sh: dict) -> None:
+    kib = 1024
+    print("\nsharded: 8 virtual CPU devices, mesh data=2 x model=4, kernels (512, 1024) "
+          "P('data', 'model') and (1024, 512) P('model', 'data'), AdamW")
+    print(f"  params per device               {sh['param_bytes_per_device'] / kib:8.0f} KiB")
+    for name in ("ours", "optax"):
+        print(f"  {name:5s} optimizer per device     init "
+              f"{sh[f'{name}_opt_bytes_per_device_init'] / kib:8.0f} KiB, after steps "
+              f"{sh[f'{name}_opt_bytes_per_device_after_steps'] / kib:8.0f} KiB; step "
+              f"{sh[f'{name}_ms']:.3f} ms, compile {sh[f'{name}_compile_s']:.2f} s")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes, < 60 s")
+    ap.add_argument("--sharded-only", action="store_true", help="only the 8-device row")
+    ap.add_argument("--sharded-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sharded_child:
+        sharded_child(*((5, 10) if args.quick else (15, 20)))
+        return
+    if args.sharded_only:
+        sh = sharded_row(args.quick)
+        print_sharded(sh)
+        print(json.dumps({"bench": "optim_sharded", **sh}))
+        return
     if args.quick:
         n, leaves, repeats, calls = 1000, 200, 5, 10
     else:
@@ -154,6 +259,10 @@ def main():
         out[f"{case}_packed_compile_s"] = round(packed["ours_compile_s"], 3)
     out["floor_ms_many"] = round(results["adamw/many"]["floor_ms"], 3)
     out["floor_compile_s_many"] = round(results["adamw/many"]["floor_compile_s"], 3)
+    sh = sharded_row(args.quick)
+    print_sharded(sh)
+    for k, v in sh.items():
+        out[f"sharded_{k}"] = round(v, 4) if isinstance(v, float) else v
     print(json.dumps(out))
 
 

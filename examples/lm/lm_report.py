@@ -104,4 +104,7 @@ def format_report(r: dict) -> str:
         f"mesh                   {r['mesh']}  devices {r['devices']}  processes {r['processes']}",
         f"run directory          {r['run_dir']}",
     ]
+    if "per_device_param_bytes" in r:
+        lines.insert(-1, f"per-device memory      params {r['per_device_param_bytes'] / 2**20:,.2f} "
+                         f"MiB, optimizer {r['per_device_optimizer_bytes'] / 2**20:,.2f} MiB")
     return "\n".join(lines)

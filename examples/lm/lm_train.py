@@ -128,6 +128,15 @@ def param_partition_specs(model) -> dict[str, str]:
     return {p: str(tuple(x.sharding.spec)) for p, x in flatten_with_paths(nn.state(model, nn.Param)).items()}
 
 
+def per_device_bytes(tree) -> int:
+    """The most bytes any one local device holds of ``tree``'s arrays (its shards)."""
+    per: dict = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values(), default=0)
+
+
 def _items(model, optimizer, data_iter) -> dict:
     """What one checkpoint step holds: model, optimizer state and the data iterator's position."""
     return {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter}
@@ -302,6 +311,9 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
         "config": lm_config.to_dict(cfg),
         "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(nn.state(model, nn.Param)))),
         "param_partition_specs": param_partition_specs(model),
+        # per-device memory: optimizer state is sharded like the params (2 moments for AdamW)
+        "per_device_param_bytes": per_device_bytes(nn.state(model, nn.Param)),
+        "per_device_optimizer_bytes": per_device_bytes(nn.state(optimizer, nn.OptState)),
         "curve": curve,
         "data_digests": digests,
         "stopped_early": stopped_early,
