@@ -26,7 +26,7 @@ import numpy as np
 from cairn.core_array import tree_paths
 from cairn.optim import _packing as pk
 from cairn.optim._packing import Packed
-from cairn.optim._placement import place_scalars
+from cairn.optim._placement import constrain_like_params, params_record, place_scalars
 
 __all__ = [
     "GradientTransformation",
@@ -483,6 +483,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise TypeError(f"chain member {i} is not a GradientTransformation: {type(t).__name__}")
 
     def init(params):
+        upd.params_record = params_record(params)
         return place_scalars(tuple(t.init(params) for t in txs), params)
 
     def update_packed(u, state, p=None, **extra):
@@ -491,7 +492,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     packed = PackedUpdate(update_packed, needs_params=True, name="chain")
 
     class _ChainUpdate(PackedUpdate):
-        __slots__ = ()
+        __slots__ = ("params_record",)
 
         def __call__(self, updates, state, params=None, **extra):
             if not isinstance(state, tuple) or len(state) != len(txs):
@@ -499,8 +500,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                          if isinstance(state, tuple) else f"a {type(state).__name__}")
                 raise StateMismatchError("", "chain", f"a tuple of {len(txs)} member states",
                                  given)
-            return run_chain(txs, updates, state, params, extra,
+            u, s = run_chain(txs, updates, state, params, extra,
                              want_packed=isinstance(updates, Packed))
+            # under a multi-device jit: keep the params' layout (recorded at init)
+            return constrain_like_params(u, s, self.params_record)
 
         def packed(self, updates, state, params=None, **extra):
             return run_chain(txs, updates, state, params, extra, want_packed=True,
@@ -508,6 +511,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     needs = any(t.update.needs_params if is_packed_aware(t) else True for t in txs)
     upd = _ChainUpdate(packed.fn, needs, "chain")
+    upd.params_record = None
     # chain members receive packed params lazily; a packed caller passes them as given
     return GradientTransformation(init, upd)
 

@@ -136,3 +136,59 @@ def place_scalars(state, params):
         return jax.device_put(x, replicated)
 
     return jax.tree_util.tree_map(place, state)
+
+
+def params_record(params):
+    """``(treedef, paths, shardings)`` of concrete parameters sharded over several devices
+    (NamedSharding), or None: what a jitted step constrains the state to (see
+    :func:`constrain_like_params`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    shardings = []
+    for x in leaves:
+        sh = param_sharding(x)
+        if not isinstance(sh, NamedSharding) or len(sh.device_set) <= 1:
+            return None
+        shardings.append(sh)
+    if not shardings:
+        return None
+    from cairn.core_array import tree_paths
+
+    return treedef, tuple(tree_paths(params)), tuple(shardings)
+
+
+def constrain_like_params(updates, state, record):
+    """Under ``jit``, pin the updates and every per-parameter state leaf
+    (``<...>/<param path>`` of the parameter's shape) to the sharding its parameter had at
+    ``init``. Without it XLA's propagation may lay a replicated parameter's update and
+    moments out along a batch axis (seen in the 8-device LM recipe: a norm scale sharded
+    along 'data'). Skipped eagerly, for other trees, and when the traced values live on a
+    mesh of another shape than the recorded one (a state restored onto another mesh without
+    a new ``init``)."""
+    if record is None:
+        return updates, state
+    treedef, paths, shardings = record
+    leaves, td = jax.tree_util.tree_flatten(updates)
+    if td != treedef or not leaves or not isinstance(leaves[0], jax.core.Tracer):
+        return updates, state
+    try:
+        traced_mesh = jax.typeof(leaves[0]).sharding.mesh
+        if tuple(traced_mesh.shape.items()) != tuple(shardings[0].mesh.shape.items()):
+            return updates, state
+    except Exception:  # noqa: BLE001 - no abstract mesh information: leave XLA to it
+        return updates, state
+    from cairn.core_array import tree_paths
+
+    wsc = jax.lax.with_sharding_constraint
+    by_path = {p: (sh, np.shape(x)) for p, sh, x in zip(paths, shardings, leaves)}
+    updates = jax.tree_util.tree_unflatten(td, [wsc(x, sh) for x, sh in zip(leaves, shardings)])
+    s_leaves, s_td = jax.tree_util.tree_flatten(state)
+    out = []
+    for x, path in zip(s_leaves, tree_paths(state)):
+        parts = path.split("/")
+        hit = None
+        for k in range(1, len(parts)):
+            hit = by_path.get("/".join(parts[k:]))
+            if hit is not None:
+                break
+        out.append(wsc(x, hit[0]) if hit is not None and hit[1] == np.shape(x) else x)
+    return updates, jax.tree_util.tree_unflatten(s_td, out)
