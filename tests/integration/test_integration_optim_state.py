@@ -229,3 +229,76 @@ def test_lm_recipe_reports_per_device_param_and_optimizer_bytes(tmp_path):
     assert 0 <= extra <= 64, r
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["per_device_optimizer_bytes"] == r["per_device_optimizer_bytes"]
+
+
+_NN_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh
+    from cairn import checkpoint as ckpt, nn, optim
+    from cairn.core_array import LogicalAxisRules, flatten_with_paths
+
+    directory = sys.argv[1]
+    devs = np.array(jax.devices())
+    init = nn.initializers.lecun_normal()
+
+    class Model(nn.Module):
+        def __init__(self, rngs):
+            self.l1 = nn.Linear(64, 128, rngs=rngs, use_bias=False,
+                                kernel_init=nn.with_partitioning(init, ("embed", "mlp")))
+            self.l2 = nn.Linear(128, 64, rngs=rngs, use_bias=False,
+                                kernel_init=nn.with_partitioning(init, ("mlp", "embed")))
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    @nn.jit
+    def step(model, opt, x):
+        opt.update(model, nn.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+    def check(model, opt, label):
+        params = flatten_with_paths(nn.state(model, nn.Param))
+        flat = flatten_with_paths(nn.state(opt))
+        for mo in ("mu", "nu"):
+            for path, p in params.items():
+                v = flat[f"opt_state/0/{mo}/{path}"]
+                assert v.sharding.is_equivalent_to(p.sharding, p.ndim), (label, mo, path,
+                                                                          v.sharding, p.sharding)
+
+    layouts = {"data x model": (Mesh(devs.reshape(2, 4), ("data", "model")),
+                                LogicalAxisRules([("embed", "data"), ("mlp", "model")])),
+               "fsdp": (Mesh(devs, ("fsdp",)),
+                        LogicalAxisRules([("embed", "fsdp"), ("mlp", None)]))}
+    mesh, rules = layouts["data x model"]
+    model = nn.sharded_init(Model, nn.Rngs(0), mesh=mesh, rules=rules)
+    opt = nn.Optimizer(model, optim.adamw(1e-3), wrt=nn.Param)
+    x = jnp.ones((8, 64))
+    step(model, opt, x)
+    step(model, opt, x)
+    check(model, opt, "trained")
+    ckpt.save(directory, {"model": nn.state(model), "opt": nn.state(opt, nn.OptState)})
+    saved = flatten_with_paths(nn.state(opt, nn.OptState))
+    for label, (mesh, rules) in layouts.items():
+        m = nn.sharded_init(Model, nn.Rngs(1), mesh=mesh, rules=rules)
+        o = nn.Optimizer(m, optim.adamw(1e-3), wrt=nn.Param)
+        got = ckpt.restore(directory, {"model": nn.state(m), "opt": nn.state(o, nn.OptState)})
+        nn.update(m, got["model"])
+        nn.update(o, got["opt"])
+        check(m, o, label + " restored")
+        now = flatten_with_paths(nn.state(o, nn.OptState))
+        for k, v in saved.items():
+            np.testing.assert_array_equal(np.asarray(now[k]), np.asarray(v), err_msg=k)
+        step(m, o, x)
+        step(m, o, x)
+        check(m, o, label + " after nn.jit steps")
+        print("OK", label)
+""")
+
+
+@pytest.mark.multiprocess
+def test_nn_optimizer_state_restores_sharded_onto_same_and_fsdp_mesh(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _NN_SCRIPT, str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "OK fsdp" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
