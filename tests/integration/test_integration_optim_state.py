@@ -46,6 +46,12 @@ def _restore_existing(directory, target):
     return ckpt.restore(directory, target, paths=wanted, partial=True)
 
 
+def _run_on_8_devices(*args: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter with 8 virtual CPU devices (the flag must precede jax's import)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
 def test_partial_restore_by_path_after_a_model_change(tmp_path):
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
     old_params, old_state = _train(tx, _params(["l1", "l2"]), steps=3)
@@ -184,10 +190,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.multiprocess
 def test_sharded_state_restores_onto_same_and_other_meshes(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = _run_on_8_devices("-c", SCRIPT, str(tmp_path / "ckpt"))
     assert r.returncode == 0 and "OK 4x2 mesh" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -215,10 +218,7 @@ def test_lm_recipe_reports_per_device_param_and_optimizer_bytes(tmp_path):
             "checkpoint.every=3", "train.progress=false", "data.num_workers=0",
             f'run.dir="{tmp_path}"', "mesh.data=4", "mesh.model=2"]
     code = _LM.format(lm=str(lm), config=str(lm / "config.toml"), overrides=tiny)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = _run_on_8_devices("-c", code)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
     total = r["params"] * 4  # float32
@@ -297,8 +297,5 @@ _NN_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.multiprocess
 def test_nn_optimizer_state_restores_sharded_onto_same_and_fsdp_mesh(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", _NN_SCRIPT, str(tmp_path / "ckpt")],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = _run_on_8_devices("-c", _NN_SCRIPT, str(tmp_path / "ckpt"))
     assert r.returncode == 0 and "OK fsdp" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.optim import _validate
 from cairn.optim._base import EmptyState, GradientTransformation, init_empty_state, mark_extra
 from cairn.optim._placement import full_like_param, replicated_like, zeros_for_axes
 from cairn.optim._transforms import safe_increment
@@ -76,6 +77,9 @@ def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
     :math:`u = g / \\sqrt{R_t C_t / \\mathrm{mean}(R_t)}`; otherwise
     :math:`v_t = \\beta_t v_{t-1} + (1-\\beta_t) G`, :math:`u = g/\\sqrt{v_t}`.
     """
+    _validate.check("scale_by_factored_rms", {"step_offset": _validate.COUNT, "epsilon": _validate.NONNEG},
+                    decay_rate=decay_rate, step_offset=step_offset,
+                    min_dim_size_to_factor=min_dim_size_to_factor, epsilon=epsilon)
 
     def init(params):
         def per(p):
@@ -135,6 +139,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
 def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
     """LARS/LAMB trust ratio per leaf: :math:`u \\leftarrow u\\cdot c\\,\\|\\theta\\|/(\\|u\\|+\\epsilon)`
     (1 where either norm is 0)."""
+    _validate.check("scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps)
 
     def f(u, p):
         pn = _safe_norm(p, min_norm)
@@ -156,6 +161,7 @@ def scale_by_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0,
     """NovoGrad: per-leaf :math:`n_t = \\beta_2 n_{t-1} + (1-\\beta_2)\\|g_t\\|^2` (:math:`n_1 =
     \\|g_1\\|^2`), :math:`m_t = \\beta_1 m_{t-1} + g_t/(\\sqrt{n_t+\\epsilon_{root}}+\\epsilon) +
     \\lambda\\theta` (:math:`m_1` without the :math:`\\beta_1` term), :math:`u_t = m_t`."""
+    _validate.check("scale_by_novograd", b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
 
     def init(params):
         mu = jax.tree.map(lambda p: full_like_param(p, 0.0, mu_dtype), params)
@@ -194,6 +200,7 @@ def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
     """SM3 (Anil et al. 2019): one accumulator per axis; the per-element accumulator is
     :math:`a = g^2 + \\min_i \\mu_i` (broadcast), :math:`\\mu_i \\leftarrow \\max` of :math:`a`
     over the other axes, update :math:`\\nu_t = \\beta_1 \\nu_{t-1} + (1-\\beta_1) g/\\sqrt{a+\\epsilon}`."""
+    _validate.check("scale_by_sm3", {"b2": _validate.UNIT}, b1=b1, b2=b2, eps=eps)
 
     def init(params):
         def per(p):
@@ -239,6 +246,7 @@ def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
 
 def scale_by_param_block_rms(min_scale=1e-3):
     """:math:`u \\leftarrow u\\cdot\\max(\\mathrm{rms}(\\theta), s_{min})` per leaf."""
+    _validate.check("scale_by_param_block_rms", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
 
     def f(u, p):
         rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(p) * p)))
@@ -249,6 +257,7 @@ def scale_by_param_block_rms(min_scale=1e-3):
 
 def scale_by_param_block_norm(min_scale=1e-3):
     """:math:`u \\leftarrow u\\cdot\\max(\\|\\theta\\|_2, s_{min})` per leaf."""
+    _validate.check("scale_by_param_block_norm", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
 
     def f(u, p):
         return (u * _safe_norm(p, min_scale)).astype(u.dtype)
@@ -258,6 +267,8 @@ def scale_by_param_block_norm(min_scale=1e-3):
 
 def clip_by_block_rms(threshold):
     """Per leaf: :math:`u \\leftarrow u / \\max(1, \\mathrm{rms}(u)/c)`."""
+    _validate.check("clip_by_block_rms", {"threshold": _validate.Rule(lo=0.0, lo_open=True, inf_ok=True)},
+                    threshold=threshold)
 
     def f(u):
         rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(u) * u)))
@@ -287,6 +298,7 @@ def _unitwise_norm(x, axis=None):
 def adaptive_grad_clip(clipping, eps=1e-3, axis=None):
     """AGC (Brock et al. 2021): :math:`u \\leftarrow u\\cdot\\min(1, \\lambda\\max(\\|\\theta\\|,
     \\epsilon)/\\|u\\|)` with unit-wise norms."""
+    _validate.check("adaptive_grad_clip", {"clipping": _validate.NONNEG}, clipping=clipping, eps=eps)
 
     def f(g, p):
         g_norm = _unitwise_norm(g, axis)
