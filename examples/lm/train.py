@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except lm_train.RunDirError as e:
-        print(f"run directory: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:
         print(lm_report.format_report(report))
