@@ -39,6 +39,7 @@ from cairn.data._map_dataset import (
     profiling,
 )
 from cairn.data._state_validation import (
+    STATE_VERSION,
     StateError,
     any_field,
     check_state,
@@ -466,7 +467,8 @@ class _ChunkedRootIterator(DatasetIterator):
                 raise StopIteration
 
     def get_state(self) -> dict:
-        return with_version({"next_index": self._next_index})
+        # the literal is with_version(...) inlined: every pipeline's get_state ends here
+        return {"version": STATE_VERSION, "next_index": self._next_index}
 
     def _checked_index(self, state: dict) -> int:
         return check_state(state, self._who, {"next_index": int_field(0, self._len)})["next_index"]
