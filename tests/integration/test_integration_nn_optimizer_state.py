@@ -4,9 +4,6 @@ exactly like its parameter from construction through nn.jit steps."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
@@ -118,11 +115,8 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_optimizer_state_sharded_like_params_through_nn_jit_steps():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                       env=env, timeout=600)
+def test_optimizer_state_sharded_like_params_through_nn_jit_steps(run_on_cpu_devices):
+    r = run_on_cpu_devices(SCRIPT)
     assert r.returncode == 0 and "OK fsdp" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 

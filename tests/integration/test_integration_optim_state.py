@@ -5,10 +5,7 @@ with each moment sharded like its parameter (8 fake CPU devices, in a subprocess
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -44,12 +41,6 @@ def _restore_existing(directory, target):
     saved = set(ckpt.metadata(directory))
     wanted = [re.escape(p) for p in flatten_with_paths(target) if p in saved]
     return ckpt.restore(directory, target, paths=wanted, partial=True)
-
-
-def _run_on_8_devices(*args: str) -> subprocess.CompletedProcess:
-    """A fresh interpreter with 8 virtual CPU devices (the flag must precede jax's import)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_partial_restore_by_path_after_a_model_change(tmp_path):
@@ -189,8 +180,8 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_sharded_state_restores_onto_same_and_other_meshes(tmp_path):
-    r = _run_on_8_devices("-c", SCRIPT, str(tmp_path / "ckpt"))
+def test_sharded_state_restores_onto_same_and_other_meshes(tmp_path, run_on_cpu_devices):
+    r = run_on_cpu_devices(SCRIPT, str(tmp_path / "ckpt"))
     assert r.returncode == 0 and "OK 4x2 mesh" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -206,7 +197,7 @@ print("RESULT " + json.dumps({{k: r[k] for k in ("per_device_param_bytes",
 
 
 @pytest.mark.multiprocess
-def test_lm_recipe_reports_per_device_param_and_optimizer_bytes(tmp_path):
+def test_lm_recipe_reports_per_device_param_and_optimizer_bytes(tmp_path, run_on_cpu_devices):
     import json
     import pathlib
 
@@ -218,7 +209,7 @@ def test_lm_recipe_reports_per_device_param_and_optimizer_bytes(tmp_path):
             "checkpoint.every=3", "train.progress=false", "data.num_workers=0",
             f'run.dir="{tmp_path}"', "mesh.data=4", "mesh.model=2"]
     code = _LM.format(lm=str(lm), config=str(lm / "config.toml"), overrides=tiny)
-    out = _run_on_8_devices("-c", code)
+    out = run_on_cpu_devices(code)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
     total = r["params"] * 4  # float32
@@ -296,6 +287,6 @@ _NN_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_nn_optimizer_state_restores_sharded_onto_same_and_fsdp_mesh(tmp_path):
-    r = _run_on_8_devices("-c", _NN_SCRIPT, str(tmp_path / "ckpt"))
+def test_nn_optimizer_state_restores_sharded_onto_same_and_fsdp_mesh(tmp_path, run_on_cpu_devices):
+    r = run_on_cpu_devices(_NN_SCRIPT, str(tmp_path / "ckpt"))
     assert r.returncode == 0 and "OK fsdp" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

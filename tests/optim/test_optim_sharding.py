@@ -3,9 +3,6 @@ fake CPU devices)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -40,9 +37,6 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_layout_groups_by_sharding_and_step_matches_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                       env=env, timeout=300)
+def test_layout_groups_by_sharding_and_step_matches_unsharded(run_on_cpu_devices):
+    r = run_on_cpu_devices(SCRIPT, devices=4, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]

@@ -4,9 +4,6 @@ count must be set before JAX starts)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -102,11 +99,8 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_state_is_sharded_like_params_from_init_through_jitted_steps():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                       env=env, timeout=600)
+def test_state_is_sharded_like_params_from_init_through_jitted_steps(run_on_cpu_devices):
+    r = run_on_cpu_devices(SCRIPT)
     assert r.returncode == 0 and "OK fsdp" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
