@@ -171,8 +171,8 @@ class Conv(_ConvBase):
                 f"Conv: in_features ({in_features}) and out_features ({out_features}) must be "
                 f"divisible by feature_group_count ({feature_group_count})"
             )
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = in_features
+        self.out_features = out_features
         self.kernel_size = ks
         self.strides = _broadcast(strides, rank, "strides", "Conv")
         self.padding = canonicalize_padding(padding, rank, "Conv")
@@ -283,8 +283,8 @@ class ConvTranspose(_ConvBase):
             "ConvTranspose", in_features, out_features, kernel_size
         )
         rank = len(ks)
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = in_features
+        self.out_features = out_features
         self.kernel_size = ks
         self.strides = _broadcast(strides, rank, "strides", "ConvTranspose")
         self.padding = canonicalize_padding(padding, rank, "ConvTranspose")

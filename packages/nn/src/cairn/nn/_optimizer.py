@@ -36,10 +36,11 @@ class Optimizer(Module):
     ``nn.state(opt)`` has paths such as ``opt_state/0/mu/layers/0/kernel``; ``step``
     counts the updates. A transformation that creates its state with the parameters'
     shardings (cairn.optim, Optax) keeps them here: the arrays are stored as ``tx.init``
-    returns them, and ``update`` writes back what the (jitted) step computed. When every parameter is sharded over one mesh, state arrays that
-    ``tx.init`` puts on a single device (``step``, counts, scalar hyperparameters) are
-    replicated over that mesh, so the whole optimizer restores from a checkpoint into
-    shardings that jit accepts together.
+    returns them, and ``update`` writes back what the (jitted) step computed. When every
+    parameter is sharded over one mesh, state arrays that ``tx.init`` puts on a single
+    device (``step``, counts, scalar hyperparameters) are replicated over that mesh, so
+    the whole optimizer restores from a checkpoint into shardings that jit accepts
+    together.
     """
 
     def __init__(self, model: Module, tx: Any, *, wrt: Any = Param):
