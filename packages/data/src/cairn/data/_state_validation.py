@@ -25,6 +25,8 @@ import contextlib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
+from cairn.data._map_dataset import _int_at_least
+
 __all__ = ["STATE_VERSION", "StateError", "check_state", "int_field", "nested", "with_version"]
 
 STATE_VERSION = 1
@@ -74,16 +76,12 @@ def nested(prefix: str | int) -> Iterator[None]:
         raise e.under(str(prefix)) from None
 
 
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def int_field(lo: int = 0, hi: int | None = None) -> Check:
     """An int (not a bool, not a float, not a string) in ``[lo, hi]`` (``hi=None``: no bound)."""
     want = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
 
     def check(v: Any) -> str | None:
-        if not is_int(v) or v < lo or (hi is not None and v > hi):
+        if not _int_at_least(v, lo) or (hi is not None and v > hi):
             return want
         return None
 
@@ -107,7 +105,7 @@ def check_state(
     if not isinstance(state, dict):
         raise StateError(kind, "", f"a dict with keys {['version', *fields]}", state)
     version = state.get("version", 1)
-    if not is_int(version) or version not in SUPPORTED_VERSIONS:
+    if not _int_at_least(version, 1) or version not in SUPPORTED_VERSIONS:
         raise StateError(
             kind,
             "version",
