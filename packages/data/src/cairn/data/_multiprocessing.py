@@ -257,10 +257,10 @@ class MPPrefetchIterDataset(IterDataset):
                     "on each input instead."
                 )
             node = node._parents[0]
-        self._not_fork_safe = fork_unsafe_sources(node._ds)
-        if options.start_method == "fork" and self._not_fork_safe:
+        not_fork_safe = fork_unsafe_sources(node._ds)
+        if options.start_method == "fork" and not_fork_safe:
             raise ValueError(
-                f"mp_prefetch(start_method='fork') cannot read {self._not_fork_safe[0]}: its "
+                f"mp_prefetch(start_method='fork') cannot read {not_fork_safe[0]}: its "
                 "native reader threads can leave a lock held in a forked worker, which then "
                 "hangs. Use start_method=None (forkserver for such sources), 'forkserver' or "
                 "'spawn'."
