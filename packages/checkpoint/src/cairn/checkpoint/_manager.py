@@ -160,8 +160,9 @@ class CheckpointManager(_BackgroundSaver):
                     _ownership.cleanup_incomplete(tier.directory, lease_timeout_s=o.tmp_lease_timeout_secs)
         _multihost.barrier(f"manager init {self.directory}", o.timeout_secs)
         self._bg = _Background()
-        # step directory -> (its stat key, _STEP.json content or None, why it is corrupt or None)
-        self._checked: dict[str, tuple[tuple, dict | None, str | None]] = {}
+        # step directory -> (its stat key, _STEP.json content or None, why it is corrupt or None,
+        # time.monotonic() when verified)
+        self._checked: dict[str, tuple[tuple, dict | None, str | None, float]] = {}
 
     # ----------------------------------------------------------------- listing
     def _step_name(self, step: int) -> str:
@@ -217,17 +218,19 @@ class CheckpointManager(_BackgroundSaver):
                 _fs.read_json(f, require_checksum=version >= 2)
         return meta
 
-    def _check(self, d: str, step: int, *, fresh: bool = False) -> tuple[dict | None, str | None]:
+    def _check(self, d: str, step: int, *, since: float | None = None) -> tuple[dict | None, str | None]:
         """(``_STEP.json`` content, None) if step directory ``d`` is intact, else (None, why);
-        remembered per directory until it changes. A corrupt step is logged once."""
+        remembered per directory until it changes (and with ``since``, a ``time.monotonic()``,
+        verified again unless that was done after ``since``). A corrupt step is logged once."""
         try:
             st, cst = os.stat(d), os.stat(os.path.join(d, _fs.COMMIT_MARKER))
             key = (st.st_ino, st.st_mtime_ns, cst.st_mtime_ns, cst.st_size)
         except OSError:
             key = ()
         hit = self._checked.get(d)
-        if hit is not None and hit[0] == key and not fresh:
+        if hit is not None and hit[0] == key and (since is None or hit[3] > since):
             return hit[1], hit[2]
+        now = time.monotonic()
         try:
             meta, why = self._verify_step(d, step), None
         except (CheckpointError, OSError) as err:
@@ -236,12 +239,12 @@ class CheckpointManager(_BackgroundSaver):
                 return None, f"step {step} was deleted ({d})"
             if hit is None or hit[2] is None:
                 _log.warning("cairn.checkpoint: step %d in %s is corrupt and skipped: %s", step, d, why)
-        self._checked[d] = (key, meta, why)
+        self._checked[d] = (key, meta, why, now)
         return meta, why
 
     def _mark_corrupt(self, d: str, why: str) -> None:
-        key = self._checked.get(d, ((), None, None))[0]
-        self._checked[d] = (key, None, why)
+        key, _, _, t = self._checked.get(d, ((), None, None, 0.0))
+        self._checked[d] = (key, None, why, t)
 
     def _copies(self, step: int | None = None) -> dict[int, list[str]]:
         """Committed directories of each step (or of ``step``), local tier first."""
@@ -513,10 +516,11 @@ class CheckpointManager(_BackgroundSaver):
         newest intact step), and never silently replaced by another step in this call.
         """
         self._bg.wait()
+        start = time.monotonic()  # verified again unless latest_step()/_step_dir just did
         step = self._resolve_step(step)
         d = self._step_dir(step)
         try:
-            meta, why = self._check(d, step, fresh=True)
+            meta, why = self._check(d, step, since=start)
             if meta is None:
                 raise CheckpointCorruptError(why or "", None)
             return self._restore_items(d, step, meta, items, partial=partial, cast=cast, mesh=mesh)
