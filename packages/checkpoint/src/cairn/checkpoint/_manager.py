@@ -436,8 +436,10 @@ class CheckpointManager(_BackgroundSaver):
                     },
                 )
 
-        def verify(d: str) -> None:
-            self._verify_step(d, step)
+        def verify(d: str) -> None:  # remembered, so retention and listing need not re-read it
+            meta, why = self._check(d, step, since=time.monotonic())
+            if meta is None:
+                raise CheckpointCorruptError(why or "", None)
 
         def tail() -> None:
             write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
