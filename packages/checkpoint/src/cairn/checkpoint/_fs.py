@@ -87,13 +87,15 @@ def corrupt(path: str, why: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"{path} is corrupt: {why}; the checkpoint holding it is damaged", path)
 
 
-def loads_checked(data: bytes, path: str, *, require_checksum: bool = False) -> Any:
-    """Parse a file written by :func:`write_json_durable`, verifying its checksum.
+def loads_checked(data: bytes, path: str, *, require_checksum: bool = False) -> tuple[Any, bool]:
+    """Parse a file written by :func:`write_json_durable`, verifying its checksum; return
+    (content, whether the file carried a checksum).
 
     A file without a checksum (written by format version 1) is parsed as plain JSON unless
     ``require_checksum``. Any damage raises :class:`CheckpointCorruptError` naming ``path``.
     """
-    if _looks_checked(data):
+    checked = _looks_checked(data)
+    if checked:
         digest = data[len(_HEAD) : len(_HEAD) + 64]
         if (
             len(data) < _HEAD_LEN + len(_TAIL)
@@ -114,7 +116,7 @@ def loads_checked(data: bytes, path: str, *, require_checksum: bool = False) -> 
     else:
         body = data
     try:
-        return json.loads(body)
+        return json.loads(body), checked
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
         raise corrupt(path, f"not valid JSON ({err})") from None
 
@@ -128,8 +130,7 @@ def read_json_checked(path: str, *, require_checksum: bool = False) -> tuple[Any
     """(content, whether the file carried a checksum) of a JSON file written here."""
     with open(path, "rb") as f:
         data = f.read()
-    checked = _looks_checked(data)
-    return loads_checked(data, path, require_checksum=require_checksum), checked
+    return loads_checked(data, path, require_checksum=require_checksum)
 
 
 def is_committed(path: str) -> bool:
