@@ -320,6 +320,16 @@ def is_packed(x) -> bool:
     return isinstance(x, Packed)
 
 
+def _path_diff(layout: Layout, tree) -> tuple[list, list]:
+    """For a mismatch message: up to 5 paths only in ``layout`` and up to 5 only in ``tree``."""
+    try:
+        got = tuple(tree_paths(tree))
+    except Exception:  # noqa: BLE001
+        got = ()
+    want, have = set(layout.paths), set(got)
+    return [p for p in layout.paths if p not in have][:5], [p for p in got if p not in want][:5]
+
+
 def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> Packed:
     """Pack ``tree`` into the buffers of ``layout`` (one concatenate per group).
 
@@ -333,12 +343,7 @@ def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> 
         return tree
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if treedef != layout.treedef:
-        try:
-            got = tuple(tree_paths(tree))
-        except Exception:  # noqa: BLE001
-            got = ()
-        missing = [p for p in layout.paths if p not in set(got)][:5]
-        extra = [p for p in got if p not in set(layout.paths)][:5]
+        missing, extra = _path_diff(layout, tree)
         raise ValueError(
             f"{what} tree structure does not match the params the optimizer was "
             f"initialised with: missing paths {missing}, unexpected paths {extra} "
@@ -551,12 +556,7 @@ def state_buffers(state, layout: Layout, *, what: str):
         return state.buffers
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if treedef != layout.treedef:
-        try:
-            got = tuple(tree_paths(state))
-        except Exception:  # noqa: BLE001
-            got = ()
-        missing = [p for p in got if p not in set(layout.paths)][:5]
-        extra = [p for p in layout.paths if p not in set(got)][:5]
+        extra, missing = _path_diff(layout, state)
         raise ValueError(f"{what}: the updates do not match the state built by init(): "
                          f"missing paths {missing} (in the state, not in the updates), "
                          f"unexpected paths {extra} (in the updates, not in the state)")
