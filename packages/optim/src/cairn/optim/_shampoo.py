@@ -76,10 +76,6 @@ def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_eve
         b2=b2, eps=eps, block_size=block_size, precondition_every=precondition_every,
         graft_eps=graft_eps,
     )
-    if precondition_every < 1:
-        raise ValueError(f"precondition_every must be >= 1, got {precondition_every}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
 
     def init(params):
         def per(p):

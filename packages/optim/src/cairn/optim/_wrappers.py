@@ -131,9 +131,7 @@ class MultiSteps:
                  accumulator_dtype=jnp.float32):
         _validate.check("MultiSteps", every_k_schedule=every_k_schedule)
         if not callable(every_k_schedule):
-            k = int(every_k_schedule)
-            if k < 1:
-                raise ValueError(f"every_k_schedule must be >= 1, got {every_k_schedule}")
+            k = int(every_k_schedule)  # _validate.check made sure it is a whole number >= 1
             self._k = lambda step: k
         else:
             self._k = every_k_schedule
