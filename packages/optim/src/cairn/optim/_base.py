@@ -495,11 +495,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         __slots__ = ("params_record",)
 
         def __call__(self, updates, state, params=None, **extra):
-            if not isinstance(state, tuple) or len(state) != len(txs):
-                given = (f"a {type(state).__name__} of {len(state)} entries"
-                         if isinstance(state, tuple) else f"a {type(state).__name__}")
-                raise StateMismatchError("", "chain", f"a tuple of {len(txs)} member states",
-                                 given)
+            # run_chain checks that ``state`` is a tuple with one entry per member
             u, s = run_chain(txs, updates, state, params, extra,
                              want_packed=isinstance(updates, Packed))
             # under a multi-device jit: keep the params' layout (recorded at init)
