@@ -16,14 +16,18 @@ from cairn.core_array._dtypes import (
 from cairn.core_array._paths import (
     SEPARATOR,
     PathError,
+    compile_pattern,
     flatten_with_paths,
+    join_path,
+    key_name,
     map_with_path,
     match_paths,
     path_matches,
+    path_of,
     tree_paths,
     unflatten,
 )
-from cairn.core_array._protocols import Checkpointable, GradientTransformationLike
+from cairn.core_array._protocols import Checkpointable, GradientTransformationLike, is_checkpointable
 from cairn.core_array._qarray import QArray, QuantLayout, pack_bits, unpack_bits
 from cairn.core_array._sharding import LogicalAxisRules, logical_to_partition_spec, named_sharding
 from cairn.core_array._specs import ArraySpec, spec_of, specs_from_json, specs_to_json
@@ -33,6 +37,10 @@ __version__ = "0.1.0"
 __all__ = [
     "SEPARATOR",
     "PathError",
+    "key_name",
+    "join_path",
+    "path_of",
+    "compile_pattern",
     "flatten_with_paths",
     "unflatten",
     "tree_paths",
@@ -58,4 +66,5 @@ __all__ = [
     "named_sharding",
     "Checkpointable",
     "GradientTransformationLike",
+    "is_checkpointable",
 ]

@@ -24,6 +24,10 @@ SEPARATOR = "/"
 __all__ = [
     "SEPARATOR",
     "PathError",
+    "key_name",
+    "join_path",
+    "path_of",
+    "compile_pattern",
     "flatten_with_paths",
     "unflatten",
     "tree_paths",
@@ -39,6 +43,55 @@ class PathError(ValueError):
 
 def _join(prefix: str, key: str) -> str:
     return key if not prefix else prefix + SEPARATOR + key
+
+
+def key_name(key: Any, parent: str = "") -> str:
+    """One path component: the text a key contributes to a path.
+
+    A ``str`` key (dict key or attribute name) is itself and must be non-empty and free
+    of ``/``; an ``int`` (dict key or sequence index) is its decimal; a
+    ``jax.tree_util`` key entry (``DictKey``, ``SequenceKey``, ``GetAttrKey``,
+    ``FlattenedIndexKey``) is named by what it holds. ``parent`` is the path above the
+    key, used only to say where a bad key sits.
+
+    >>> key_name("kernel"), key_name(3)
+    ('kernel', '3')
+    >>> key_name("a/b", parent="layers")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ...
+    PathError: key 'a/b' under 'layers' contains '/', which would collide with the path separator; rename the key
+
+    Raises:
+      PathError: for an empty or ``/``-containing string, or a key of another type.
+    """
+    if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
+        return _render_key(key, parent)
+    if jax_tree_util() is not None and type(key).__module__.startswith("jax"):
+        return _jax_key_name(key, parent)
+    return _render_key(key, parent)
+
+
+def join_path(parent: str, key: Any) -> str:
+    """``parent`` extended by one key (named by :func:`key_name`); ``""`` is the root.
+
+    >>> join_path("", "layers"), join_path("layers", 0), join_path("layers/0", "kernel")
+    ('layers', 'layers/0', 'layers/0/kernel')
+    """
+    return _join(parent, key_name(key, parent))
+
+
+def path_of(keys: Iterable[Any]) -> str:
+    """The path string of a sequence of keys (a key tuple, or a ``jax.tree_util`` key path).
+
+    >>> path_of(("layers", 0, "kernel"))
+    'layers/0/kernel'
+    >>> path_of(())
+    ''
+    """
+    path = ""
+    for key in keys:
+        path = _join(path, key_name(key, path))
+    return path
 
 
 def _render_key(key: Any, prefix: str) -> str:
@@ -305,7 +358,26 @@ def map_with_path(
 
 
 @functools.lru_cache(maxsize=1024)
-def _compile(pattern: str) -> re.Pattern:
+def compile_pattern(pattern: str | re.Pattern) -> re.Pattern:
+    """``pattern`` compiled for whole-path matching (``rx.fullmatch(path)``), cached.
+
+    Every package matches paths through this one function, so a rule, filter or
+    selector pattern means the same thing everywhere.
+
+    >>> compile_pattern(r"layers/\\d+/kernel").fullmatch("layers/3/kernel") is not None
+    True
+    >>> compile_pattern("(")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ...
+    PathError: invalid path pattern '(': missing ), unterminated subpattern at position 0
+
+    Raises:
+      PathError: ``pattern`` is not a valid regular expression (or not a string).
+    """
+    if isinstance(pattern, re.Pattern):
+        return pattern
+    if not isinstance(pattern, str):
+        raise PathError(f"a path pattern must be a str regular expression, got {type(pattern).__name__}")
     try:
         return re.compile(pattern)
     except re.error as e:
@@ -320,7 +392,7 @@ def path_matches(pattern: str | re.Pattern, path: str) -> bool:
     >>> path_matches("kernel", "layers/3/kernel")
     False
     """
-    rx = pattern if isinstance(pattern, re.Pattern) else _compile(pattern)
+    rx = compile_pattern(pattern)
     return rx.fullmatch(path) is not None
 
 
@@ -336,5 +408,5 @@ def match_paths(tree_or_paths: Any, pattern: str | re.Pattern) -> list[str]:
         paths = list(tree_or_paths)
     else:
         paths = tree_paths(tree_or_paths)
-    rx = pattern if isinstance(pattern, re.Pattern) else _compile(pattern)
+    rx = compile_pattern(pattern)
     return [p for p in paths if rx.fullmatch(p) is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Checkpointable", "GradientTransformationLike"]
+__all__ = ["Checkpointable", "GradientTransformationLike", "is_checkpointable"]
 
 
 @runtime_checkable
@@ -27,3 +27,18 @@ class GradientTransformationLike(Protocol):
     def init(self, params: Any) -> Any: ...
 
     def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]: ...
+
+
+def is_checkpointable(x: Any) -> bool:
+    """Whether ``x`` meets :class:`Checkpointable`: callable ``get_state`` and ``set_state``.
+
+    Unlike ``isinstance(x, Checkpointable)``, a non-callable attribute of either name
+    does not count. Every package decides "save its state, not its leaves" by this.
+
+    >>> class Counter:
+    ...     def get_state(self): return {"n": 0}
+    ...     def set_state(self, state): pass
+    >>> is_checkpointable(Counter()), is_checkpointable({"get_state": 1})
+    (True, False)
+    """
+    return callable(getattr(x, "get_state", None)) and callable(getattr(x, "set_state", None))
