@@ -15,7 +15,20 @@ violation, naming file and line. Imports are found at any depth (inside function
 A name built at run time cannot be seen here; ``nox -s tests_package`` covers that case
 by running each package's tests with no sibling installed.
 
-    python tools/depcheck.py packages
+The second contract: no import cycle INSIDE a package. Every module of
+``cairn.<name>`` (each ``.py`` file, an ``__init__.py`` standing for its package) is a
+node; every import of another module of the same package is an edge, wherever it sits
+(module level, inside a function, in a ``try``), relative imports resolved. Only imports
+under ``if TYPE_CHECKING:`` do not count (they never run). ``from cairn.x import name``
+points at ``cairn.x.name`` when that is a module and at ``cairn.x`` otherwise; importing
+``cairn.x.sub`` does not count as importing ``cairn.x`` (or every module would sit in a
+cycle with its package's ``__init__``). Any cycle fails, named ``a -> b -> c -> a`` with the
+``file:line`` of each edge, unless EVERY edge of it carries, on the importing line or on
+the line just above, the comment ``# import cycle (labelled): <why>``. A label on an edge
+that lies on no cycle fails too, so labels cannot go stale.
+
+    python tools/depcheck.py packages              # both contracts
+    python tools/depcheck.py --cycles packages/nn  # only the cycle check, for one package
 """
 
 from __future__ import annotations
@@ -25,8 +38,10 @@ import pathlib
 import re
 import sys
 import tomllib
+from collections import deque
 
 ALLOWED_SHARED = "core_array"
+CYCLE_LABEL = "# import cycle (labelled):"
 
 
 def _const_str(node: ast.AST | None) -> str | None:
@@ -152,19 +167,258 @@ def check(packages_dir: str | pathlib.Path) -> list[str]:
     return violations
 
 
+# --- import cycles inside a package ---
+
+
+class _Edge:
+    """Every import site of module ``target`` in module ``source`` (``(file, line, labelled)``).
+
+    A plain class, not a dataclass: the tests load this file without registering it in
+    ``sys.modules``, which ``@dataclass`` needs.
+    """
+
+    def __init__(self, source: str, target: str) -> None:
+        self.source = source
+        self.target = target
+        self.sites: list[tuple[pathlib.Path, int, bool]] = []
+
+    @property
+    def labelled(self) -> bool:
+        return all(lab for _, _, lab in self.sites)
+
+    def where(self, unlabelled_first: bool = True) -> str:
+        sites = sorted(self.sites, key=lambda s: (s[2], s[1])) if unlabelled_first else self.sites
+        path, line, _ = sites[0]
+        return f"{path}:{line}"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` except those only under ``if TYPE_CHECKING:`` (its ``else`` counts)."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _package_modules(pkg_src: pathlib.Path) -> dict[str, tuple[pathlib.Path, bool]]:
+    """``{dotted module name: (file, is_package)}`` for every ``.py`` under ``cairn/<name>``."""
+    modules = {}
+    for py in sorted(pkg_src.rglob("*.py")):
+        rel = py.relative_to(pkg_src.parent.parent).with_suffix("").parts
+        is_package = rel[-1] == "__init__"
+        modules[".".join(rel[:-1] if is_package else rel)] = (py, is_package)
+    return modules
+
+
+def _import_targets(node: ast.AST, parts: list[str], is_package: bool, modules: dict) -> list[str]:
+    """Modules of ``modules`` that the import statement (or import call) ``node`` runs."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in modules]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = _resolve_relative(parts, is_package, node.level, node.module)
+            if base is None:
+                return []
+        else:
+            base = node.module or ""
+        found = []
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            if sub in modules:
+                found.append(sub)
+            elif base in modules:
+                found.append(base)
+        return found
+    if isinstance(node, ast.Call):
+        names = _modules_named(node, parts, is_package) or []
+        return [n for n in names if n in modules]
+    return []
+
+
+def _is_labelled(lines: list[str], node: ast.AST) -> bool:
+    first = node.lineno
+    last = getattr(node, "end_lineno", None) or first
+    candidates = lines[max(first - 2, 0) : last]  # the line above, then every line of the statement
+    return any(CYCLE_LABEL in line for line in candidates)
+
+
+def import_graph(pkg_src: str | pathlib.Path) -> dict[str, dict[str, _Edge]]:
+    """``{module: {imported module: edge}}`` inside one package (``.../src/cairn/<name>``)."""
+    pkg_src = pathlib.Path(pkg_src)
+    modules = _package_modules(pkg_src)
+    graph: dict[str, dict[str, _Edge]] = {m: {} for m in modules}
+    for module, (py, is_package) in modules.items():
+        text = py.read_text()
+        lines = text.splitlines()
+        try:
+            tree = ast.parse(text, filename=str(py))
+        except SyntaxError:
+            continue  # check() reports it
+        for node in _runtime_nodes(tree):
+            for target in _import_targets(node, module.split("."), is_package, modules):
+                if target == module:
+                    continue
+                edge = graph[module].setdefault(target, _Edge(module, target))
+                edge.sites.append((py, node.lineno, _is_labelled(lines, node)))
+    for edges in graph.values():
+        for edge in edges.values():
+            edge.sites.sort(key=lambda s: s[1])
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, _Edge]]) -> list[set[str]]:
+    """Tarjan's components with more than one module (self-imports are dropped earlier)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    comps: list[set[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.add(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    comps.append(comp)
+    return comps
+
+
+def _path_back(graph: dict[str, dict[str, _Edge]], comp: set[str], start: str, goal: str) -> list[str]:
+    """Shortest module path ``start -> ... -> goal`` inside ``comp`` (exists: it is a component)."""
+    prev: dict[str, str | None] = {start: None}
+    todo = deque([start])
+    while todo:
+        node = todo.popleft()
+        if node == goal:
+            break
+        for nxt in sorted(graph[node]):
+            if nxt in comp and nxt not in prev:
+                prev[nxt] = node
+                todo.append(nxt)
+    path = [goal]
+    while prev[path[-1]] is not None:
+        path.append(prev[path[-1]])  # type: ignore[arg-type]
+    return path[::-1]
+
+
+def check_cycles(pkg_src: str | pathlib.Path) -> list[str]:
+    """Every import cycle inside one package that is not labelled on all its edges.
+
+    One line per cycle (``cycle: a -> b -> a`` then the ``file:line`` of each edge), chosen
+    so that every unlabelled edge of every cycle appears in at least one reported cycle;
+    plus one line per label on an edge that lies on no cycle.
+    """
+    graph = import_graph(pkg_src)
+    problems: list[str] = []
+    on_cycle: set[tuple[str, str]] = set()
+    for comp in sorted(_strongly_connected(graph), key=min):
+        inner = [e for m in sorted(comp) for t, e in sorted(graph[m].items()) if t in comp]
+        on_cycle.update((e.source, e.target) for e in inner)
+        covered: set[tuple[str, str]] = set()
+        for edge in inner:
+            if edge.labelled or (edge.source, edge.target) in covered:
+                continue
+            cycle = [edge.source] + _path_back(graph, comp, edge.target, edge.source)
+            steps = [graph[a][b] for a, b in zip(cycle, cycle[1:])]
+            covered.update((e.source, e.target) for e in steps)
+            short = [m.rsplit(".", 1)[-1] if m.count(".") > 1 else m for m in cycle]
+            detail = "; ".join(
+                f"{s.source.rsplit('.', 1)[-1]} -> {s.target.rsplit('.', 1)[-1]} at {s.where()}"
+                + (" (labelled)" if s.labelled else "")
+                for s in steps
+            )
+            problems.append(f"import cycle in {cycle[0].rsplit('.', 1)[0] if '.' in cycle[0] else cycle[0]}: "
+                            f"{' -> '.join(short)}  [{detail}]")
+    for module in sorted(graph):
+        for target, edge in sorted(graph[module].items()):
+            for path, line, labelled in edge.sites:
+                if labelled and (module, target) not in on_cycle:
+                    problems.append(f"{path}:{line}: labelled import cycle edge {module} -> {target} "
+                                    f"lies on no cycle; remove the label")
+    return problems
+
+
+def check_all_cycles(packages_dir: str | pathlib.Path) -> list[str]:
+    """``check_cycles`` for every package under ``packages_dir`` (or one package folder)."""
+    root = pathlib.Path(packages_dir)
+    pkg_dirs = [root] if (root / "pyproject.toml").exists() else sorted(
+        p for p in root.iterdir() if (p / "pyproject.toml").exists()
+    )
+    problems: list[str] = []
+    for pkg_dir in pkg_dirs:
+        src = pkg_dir / "src" / "cairn" / pkg_dir.name
+        if src.is_dir():
+            problems += check_cycles(src)
+    return problems
+
+
 def main(argv: list[str]) -> int:
-    root = argv[1] if len(argv) > 1 else "packages"
+    args = argv[1:]
+    cycles_only = "--cycles" in args
+    args = [a for a in args if a != "--cycles"]
+    root = args[0] if args else "packages"
     if not pathlib.Path(root).is_dir():
         print(f"dependency-direction contract: {root!r} is not a directory")
         return 2
-    violations = check(root)
-    for v in violations:
-        print(v)
-    if violations:
-        print(f"dependency-direction contract: {len(violations)} violation(s)")
-        return 1
-    print("dependency-direction contract: ok")
-    return 0
+    failed = False
+    if not cycles_only:
+        violations = check(root)
+        for v in violations:
+            print(v)
+        if violations:
+            print(f"dependency-direction contract: {len(violations)} violation(s)")
+            failed = True
+        else:
+            print("dependency-direction contract: ok")
+    cycles = check_all_cycles(root)
+    for c in cycles:
+        print(c)
+    if cycles:
+        print(f"import-cycle contract: {len(cycles)} problem(s)")
+        failed = True
+    else:
+        print("import-cycle contract: ok")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
