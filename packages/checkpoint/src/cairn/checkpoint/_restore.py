@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from collections.abc import Sequence
@@ -11,10 +12,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from cairn.core_array import ArraySpec, as_numpy_dtype, flatten_with_paths, path_matches, unflatten
-
-from . import _fs, _ownership, _storage, _tree
-from ._errors import CheckpointCorruptError, CheckpointError, TargetMismatchError
+from cairn.checkpoint import _fs, _ownership, _storage, _tree
+from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError, TargetMismatchError
+from cairn.core_array import (
+    ArraySpec,
+    PathError,
+    as_numpy_dtype,
+    compile_pattern,
+    flatten_with_paths,
+    path_matches,
+    unflatten,
+)
 
 #: Upper bound on bytes of reads outstanding at once (one larger buffer may exceed it).
 READ_WINDOW_BYTES = 48 * 1024 * 1024
@@ -197,26 +205,25 @@ def _want_from_target(t: Any, entry: dict, mesh: Any) -> tuple[_Want, tuple | No
     )
 
 
-def _compile_patterns(paths: str | Sequence[str] | None) -> list[re.Pattern] | None:
+def _compile_patterns(paths: str | re.Pattern | Sequence[str | re.Pattern] | None) -> list[re.Pattern] | None:
+    """``paths`` (one pattern or a list) compiled by :func:`cairn.core_array.compile_pattern`."""
     if paths is None:
         return None
     if isinstance(paths, (str, re.Pattern)):
         paths = [paths]
     out = []
     for p in paths:
-        if isinstance(p, re.Pattern):
-            out.append(p)
-            continue
-        if not isinstance(p, str):
+        if not isinstance(p, (str, re.Pattern)):
             raise TypeError(f"paths must be a regex string or a list of them, got {p!r}")
         try:
-            out.append(re.compile(p))
-        except re.error as err:
-            raise ValueError(f"paths pattern {p!r} is not a valid regular expression: {err}") from None
+            out.append(compile_pattern(p))
+        except PathError as err:
+            # a PathError is a ValueError, as documented for a bad ``paths=``
+            raise PathError(f"paths pattern {p!r} is not a valid regular expression ({err})") from None
     return out
 
 
-def _selected(patterns, path: str) -> bool:
+def _selected(patterns: list[re.Pattern] | None, path: str) -> bool:
     return patterns is None or any(path_matches(p, path) for p in patterns)
 
 
@@ -322,83 +329,114 @@ def regions_all(directory: str, meta: dict) -> list[dict[str, list]]:
     return out
 
 
-def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dict[str, Any]:
-    """Read every planned leaf; all reads run concurrently inside TensorStore."""
-    directory = os.fspath(directory)
-    regions = regions_all(directory, meta)
-    stores: dict[tuple[int, str], Any] = {}
-    jobs = []  # (path, finalize) ; futures collected separately
-    results: dict[str, Any] = {}
+@dataclass(frozen=True)
+class _Buffer:
+    """A host buffer for one region of a leaf, and the devices it goes to (``None``: unsharded)."""
 
-    cache_ctx = None
+    region: list[list[int]]
+    devices: list | None
+    array: np.ndarray
 
-    def sources(path: str, needed: list[list[list[int]]], cached: bool):
-        nonlocal cache_ctx
-        if cached and cache_ctx is None:
-            cache_ctx = _storage.cached_context()
+
+@dataclass(frozen=True)
+class _ReadJob:
+    """One array leaf to read: its buffers and the saved regions (per store) that fill them."""
+
+    path: str
+    storage_dtype: str
+    kind: str  # "jax" | "numpy" | "numpy_scalar"
+    shape: tuple[int, ...]
+    saved_dtype: np.dtype
+    out_dtype: np.dtype
+    sharding: Any
+    buffers: list[_Buffer]
+    sources: list[tuple[tuple[int, str], list]]  # ((process, path), saved region)
+
+
+class _Stores:
+    """The TensorStores of one restore, one per (process, path), opened as first needed."""
+
+    def __init__(self, directory: str, regions: list[dict[str, list]]) -> None:
+        self.directory = directory
+        self.regions = regions
+        self.futures: dict[tuple[int, str], Any] = {}
+        self._cache_ctx: Any = None
+
+    def sources(self, path: str, needed: list[list[list[int]]], cached: bool) -> list[tuple[tuple[int, str], list]]:
+        """Each saved region of ``path`` that one of ``needed`` intersects, with its store's key;
+        ``cached`` stores share one chunk cache (a fresh one per restore)."""
+        if cached and self._cache_ctx is None:
+            self._cache_ctx = _storage.cached_context()
         out = []
-        for i, reg in enumerate(regions):
+        for i, reg in enumerate(self.regions):
             for saved in reg.get(path, ()):
                 if any(_storage.intersect(n, saved) is not None or not n for n in needed):
                     key = (i, path)
-                    if key not in stores:
-                        db = _storage.db_dir(directory, i)
-                        stores[key] = _storage.open_for_read(db, path, cache_ctx if cached else None)
+                    if key not in self.futures:
+                        db = _storage.db_dir(self.directory, i)
+                        ctx = self._cache_ctx if cached else None
+                        self.futures[key] = _storage.open_for_read(db, path, ctx)
                     out.append((key, saved))
         return out
 
-    # Plan buffers and the regions they need.
-    for path, (e, want) in todo.items():
-        if want.kind == "keep":
-            results[path] = want.keep
-            continue
-        if e["kind"] == "scalar":
-            results[path] = _tree.decode_scalar(e)
-            continue
-        spec = ArraySpec.from_json(e["spec"])
-        shape = spec.shape
-        saved_dtype = spec.numpy_dtype
-        out_dtype = want.dtype if want.dtype is not None else saved_dtype
-        kind = want.kind if want.kind != "scalar" else e["kind"]
-        sharding = want.sharding
-        if kind == "jax" and sharding is not None:
-            idx = sharding.addressable_devices_indices_map(shape)
-            by_region: dict[tuple, list] = {}
-            for dev, index in idx.items():
-                reg = _tree.norm_index(index, shape)
-                by_region.setdefault(tuple(map(tuple, reg)), []).append(dev)
-            bufs = [
-                ([list(r) for r in reg], devs, _storage.aligned_empty([b - a for a, b in reg], saved_dtype))
-                for reg, devs in by_region.items()
-            ]
-        else:
-            full = [[0, d] for d in shape]
-            bufs = [(full, None, _storage.aligned_empty(shape, saved_dtype))]
-        needed = [b[0] for b in bufs]
-        # finer target shards than saved chunks: share one read of each chunk through a cache
-        cached = len(bufs) > 1 and _storage.chunks_shared(needed, e["chunk_shape"])
-        srcs = sources(path, needed, cached)
-        jobs.append((path, e, kind, shape, saved_dtype, out_dtype, sharding, bufs, srcs))
+    def open_all(self, todo: dict[str, tuple[dict, _Want]]) -> dict[tuple[int, str], Any]:
+        """Wait for every store to open and check it against its metadata entry."""
+        opened = {}
+        for key, fut in self.futures.items():
+            try:
+                opened[key] = fut.result()
+            except Exception as err:  # noqa: BLE001
+                raise _storage.translate_error(err, key[1]) from err
+            _check_store(self.directory, key, opened[key], todo[key[1]][0])
+        return opened
 
-    _prefetch(directory, regions, jobs)
-    opened = {}
-    for key, fut in stores.items():
-        try:
-            opened[key] = fut.result()
-        except Exception as err:  # noqa: BLE001
-            raise _storage.translate_error(err, key[1]) from err
-        _check_store(directory, key, opened[key], todo[key[1]][0])
 
-    # Reads are issued in order with at most READ_WINDOW_BYTES outstanding: TensorStore
-    # holds each chunk's file bytes until decoded into its buffer, so an unbounded burst would
-    # cost memory proportional to the whole checkpoint.
-    pending: list[tuple[str, Any, int]] = []
+def _buffers(kind: str, sharding: Any, shape: tuple[int, ...], saved_dtype: np.dtype) -> list[_Buffer]:
+    """One buffer per distinct region the local devices of ``sharding`` hold (or one whole)."""
+    if kind == "jax" and sharding is not None:
+        by_region: dict[tuple, list] = {}
+        for dev, index in sharding.addressable_devices_indices_map(shape).items():
+            reg = _tree.norm_index(index, shape)
+            by_region.setdefault(tuple(map(tuple, reg)), []).append(dev)
+        return [
+            _Buffer([list(r) for r in reg], devs, _storage.aligned_empty([b - a for a, b in reg], saved_dtype))
+            for reg, devs in by_region.items()
+        ]
+    return [_Buffer([[0, d] for d in shape], None, _storage.aligned_empty(shape, saved_dtype))]
+
+
+def _plan_job(path: str, e: dict, want: _Want, stores: _Stores) -> _ReadJob:
+    spec = ArraySpec.from_json(e["spec"])
+    saved_dtype = spec.numpy_dtype
+    kind = want.kind if want.kind != "scalar" else e["kind"]
+    bufs = _buffers(kind, want.sharding, spec.shape, saved_dtype)
+    needed = [b.region for b in bufs]
+    # finer target shards than saved chunks: share one read of each chunk through a cache
+    cached = len(bufs) > 1 and _storage.chunks_shared(needed, e["chunk_shape"])
+    return _ReadJob(
+        path=path,
+        storage_dtype=e["storage_dtype"],
+        kind=kind,
+        shape=spec.shape,
+        saved_dtype=saved_dtype,
+        out_dtype=want.dtype if want.dtype is not None else saved_dtype,
+        sharding=want.sharding,
+        buffers=bufs,
+        sources=stores.sources(path, needed, cached),
+    )
+
+
+def _read_windowed(jobs: list[_ReadJob], opened: dict[tuple[int, str], Any]) -> None:
+    """Fill every job's buffers, issuing reads in order with at most ``READ_WINDOW_BYTES``
+    outstanding: TensorStore holds each chunk's file bytes until decoded into its buffer,
+    so an unbounded burst would cost memory proportional to the whole checkpoint."""
+    pending: collections.deque[tuple[str, Any, int]] = collections.deque()
     in_flight = 0
 
     def drain(limit: int) -> None:
         nonlocal in_flight
         while pending and in_flight > limit:
-            path, fut, nbytes = pending.pop(0)
+            path, fut, nbytes = pending.popleft()
             try:
                 fut.result()
             except Exception as err:  # noqa: BLE001
@@ -406,36 +444,55 @@ def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dic
             in_flight -= nbytes
 
     for job in jobs:
-        path, sd, bufs, srcs = job[0], job[1]["storage_dtype"], job[7], job[8]
-        src = [(opened[k], saved) for k, saved in srcs]
-        for reg, _devs, buf in bufs:
+        src = [(opened[k], saved) for k, saved in job.sources]
+        for b in job.buffers:
+            buf = b.array
             if buf.size == 0:
                 continue
-            for fut in _storage.read_into(_storage.to_storage(buf, sd), reg, src, path):
+            for fut in _storage.read_into(_storage.to_storage(buf, job.storage_dtype), b.region, src, job.path):
                 drain(max(0, READ_WINDOW_BYTES - buf.nbytes))
-                pending.append((path, fut, buf.nbytes))
+                pending.append((job.path, fut, buf.nbytes))
                 in_flight += buf.nbytes
     drain(0)
 
-    for path, _e, kind, shape, saved_dtype, out_dtype, sharding, bufs, _srcs in jobs:
-        if out_dtype != saved_dtype:
-            bufs = [(r, d, _cast_aligned(b, out_dtype)) for r, d, b in bufs]
-        if kind == "jax":
-            if sharding is None:
-                results[path] = jax.device_put(bufs[0][2], jax.local_devices()[0])
-            else:
-                arrays = []
-                order = {}
-                for _reg, devs, buf in bufs:
-                    for dev in devs:
-                        order[dev] = jax.device_put(buf, dev)
-                for dev in sharding.addressable_devices_indices_map(shape):
-                    arrays.append(order[dev])
-                results[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-        elif kind == "numpy_scalar":
-            results[path] = bufs[0][2][()]
+
+def _finish(job: _ReadJob) -> Any:
+    """The restored value of a job whose buffers are filled (cast, placed on devices)."""
+    bufs = job.buffers
+    if job.out_dtype != job.saved_dtype:
+        bufs = [_Buffer(b.region, b.devices, _cast_aligned(b.array, job.out_dtype)) for b in bufs]
+    if job.kind == "jax":
+        if job.sharding is None:
+            return jax.device_put(bufs[0].array, jax.local_devices()[0])
+        on_device = {}
+        for b in bufs:
+            for dev in b.devices:
+                on_device[dev] = jax.device_put(b.array, dev)
+        arrays = [on_device[dev] for dev in job.sharding.addressable_devices_indices_map(job.shape)]
+        return jax.make_array_from_single_device_arrays(job.shape, job.sharding, arrays)
+    if job.kind == "numpy_scalar":
+        return bufs[0].array[()]
+    return bufs[0].array
+
+
+def read(directory: str, meta: dict, todo: dict[str, tuple[dict, _Want]]) -> dict[str, Any]:
+    """Read every planned leaf; all reads run concurrently inside TensorStore."""
+    directory = os.fspath(directory)
+    regions = regions_all(directory, meta)
+    stores = _Stores(directory, regions)
+    results: dict[str, Any] = {}
+    jobs: list[_ReadJob] = []
+    for path, (e, want) in todo.items():
+        if want.kind == "keep":
+            results[path] = want.keep
+        elif e["kind"] == "scalar":
+            results[path] = _tree.decode_scalar(e)
         else:
-            results[path] = bufs[0][2]
+            jobs.append(_plan_job(path, e, want, stores))
+    _prefetch(directory, regions, jobs)
+    _read_windowed(jobs, stores.open_all(todo))
+    for job in jobs:
+        results[job.path] = _finish(job)
     return results
 
 
@@ -452,13 +509,13 @@ def _check_store(directory: str, key: tuple[int, str], store: Any, e: dict) -> N
         )
 
 
-def _prefetch(directory: str, regions: list[dict], jobs: list) -> None:
+def _prefetch(directory: str, regions: list[dict], jobs: list[_ReadJob]) -> None:
     """Ask the kernel to read ahead a process database's files when we need most of it.
 
     TensorStore issues one positioned read per chunk; a WILLNEED hint lets the disk stream
     the files at full speed meanwhile. Skipped for small partial restores.
     """
-    needed = sum(b[2].nbytes for job in jobs for b in job[7])
+    needed = sum(b.array.nbytes for job in jobs for b in job.buffers)
     for i, reg in enumerate(regions):
         saved = 0
         for _path, rs in reg.items():
