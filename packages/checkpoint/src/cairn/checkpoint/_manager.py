@@ -11,10 +11,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fs, _multihost, _ownership, _restore, _tree
-from ._checkpointer import _Background, _BackgroundSaver, write_and_commit
-from ._errors import CheckpointCorruptError, CheckpointError
-from ._restore import LeafMetadata
+from cairn.checkpoint import _fs, _multihost, _ownership, _restore, _tree
+from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
+from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
+from cairn.checkpoint._restore import LeafMetadata
+from cairn.core_array import is_checkpointable
 
 STEP_METADATA = "_STEP.json"
 _log = logging.getLogger("cairn.checkpoint")
@@ -89,10 +90,6 @@ class CheckpointManagerOptions:
                 raise ValueError(f"local_max_to_keep must be >= 1, got {self.local_max_to_keep}")
 
 
-def _is_checkpointable(x: Any) -> bool:
-    return callable(getattr(x, "get_state", None)) and callable(getattr(x, "set_state", None))
-
-
 @dataclass(frozen=True)
 class _Tier:
     name: str
@@ -164,7 +161,7 @@ class CheckpointManager(_BackgroundSaver):
         # time.monotonic() when verified)
         self._checked: dict[str, tuple[tuple, dict | None, str | None, float]] = {}
 
-    # ----------------------------------------------------------------- listing
+    # --- listing ---
     def _step_name(self, step: int) -> str:
         p = self._options.step_prefix
         return f"{p}_{step}" if p else str(step)
@@ -344,7 +341,7 @@ class CheckpointManager(_BackgroundSaver):
             return False
         return any(step % t.interval == 0 for t in self._tiers)
 
-    # ----------------------------------------------------------------- saving
+    # --- saving ---
     def save(
         self,
         step: int,
@@ -380,14 +377,47 @@ class CheckpointManager(_BackgroundSaver):
                 metrics = json.loads(json.dumps(dict(metrics)))
             except (TypeError, ValueError) as err:
                 raise TypeError(f"metrics for step {step} must be JSON-able: {err}") from None
-        snaps: dict[str, Any] = {}
+        snaps, states = self._capture(items)
+        final = os.path.join(tier.directory, self._step_name(step))
+        tmp = self._prepare_step(step, tier, final, copies, items)
+        step_meta = {
+            "step": step,
+            "version": _tree.FORMAT_VERSION,
+            "tier": tier.name,
+            "items": {name: ("pytree" if name in snaps else "state") for name in items},
+            "metrics": metrics,
+        }
+
+        def verify(d: str) -> None:  # remembered, so retention and listing need not re-read it
+            meta, why = self._check(d, step, since=time.monotonic())
+            if meta is None:
+                raise CheckpointCorruptError(why or "", None)
+
+        def write() -> None:
+            self._write_step(tmp, snaps, states, step_meta)
+
+        def tail() -> None:
+            write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
+            if _multihost.is_primary():
+                self._apply_retention(tier)
+
+        if o.enable_async:
+            self._bg.start(tail, f"step {step} in {tier.directory}")
+        else:
+            tail()
+        return True
+
+    def _capture(self, items: Mapping[str, Any]) -> tuple[dict[str, _tree.Snapshot], dict[str, Any]]:
+        """(host snapshots of the pytree items, JSON states of the Checkpointable items)."""
+        o = self._options
+        snaps: dict[str, _tree.Snapshot] = {}
         states: dict[str, Any] = {}
         for name, item in items.items():
             if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name):
                 raise ValueError(
                     f"item name {name!r} must be a plain file-name part (letters, digits, _ . -)"
                 )
-            if _is_checkpointable(item):
+            if is_checkpointable(item):
                 state = item.get_state()
                 try:
                     states[name] = json.loads(json.dumps(state))
@@ -397,7 +427,15 @@ class CheckpointManager(_BackgroundSaver):
                     ) from None
             else:
                 snaps[name] = _tree.snapshot(item, copy_host=o.enable_async, compression=o.compression)
-        final = os.path.join(tier.directory, self._step_name(step))
+        return snaps, states
+
+    def _prepare_step(
+        self, step: int, tier: _Tier, final: str, copies: list[str], items: Mapping[str, Any]
+    ) -> str:
+        """Claim the temporary directory of step directory ``final`` (primary: after
+        removing a corrupt committed copy and dead writers' leftovers) with one
+        subdirectory per item; every process learns its name."""
+        o = self._options
         tmp = ""
         if _multihost.is_primary():
             if final in copies:  # committed but corrupt: this save replaces it
@@ -412,45 +450,31 @@ class CheckpointManager(_BackgroundSaver):
                 os.makedirs(os.path.join(tmp, name))
         tmp = _multihost.broadcast(f"tmp {final}", tmp, o.timeout_secs)
         _multihost.barrier(f"prepare {final}", o.timeout_secs)
-        kinds = {name: ("pytree" if name in snaps else "state") for name in items}
+        return tmp
 
-        def write() -> None:
-            pidx = _multihost.process_index()
-            for name, snap in snaps.items():
-                _tree.write(snap, os.path.join(tmp, name), compression=o.compression)
-            for name, state in states.items():
-                sub = os.path.join(tmp, name)
-                _fs.write_json_durable(os.path.join(sub, f"state.process_{pidx}.json"), state)
-                _fs.fsync_dir(sub)
-            if _multihost.is_primary():
-                _fs.write_json_durable(
-                    os.path.join(tmp, STEP_METADATA),
-                    {
-                        "step": step,
-                        "version": _tree.FORMAT_VERSION,
-                        "time": time.time(),
-                        "tier": tier.name,
-                        "items": kinds,
-                        "metrics": metrics,
-                        "process_count": _multihost.process_count(),
-                    },
-                )
-
-        def verify(d: str) -> None:  # remembered, so retention and listing need not re-read it
-            meta, why = self._check(d, step, since=time.monotonic())
-            if meta is None:
-                raise CheckpointCorruptError(why or "", None)
-
-        def tail() -> None:
-            write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
-            if _multihost.is_primary():
-                self._apply_retention(tier)
-
-        if o.enable_async:
-            self._bg.start(tail, f"step {step} in {tier.directory}")
-        else:
-            tail()
-        return True
+    def _write_step(
+        self, tmp: str, snaps: dict[str, _tree.Snapshot], states: dict[str, Any], step_meta: dict
+    ) -> None:
+        """Write this process's part of every item into ``tmp``; the primary adds ``_STEP.json``."""
+        o = self._options
+        pidx = _multihost.process_index()
+        for name, snap in snaps.items():
+            _tree.write(snap, os.path.join(tmp, name), compression=o.compression)
+        for name, state in states.items():
+            sub = os.path.join(tmp, name)
+            _fs.write_json_durable(os.path.join(sub, f"state.process_{pidx}.json"), state)
+            _fs.fsync_dir(sub)
+        if _multihost.is_primary():
+            meta = {
+                "step": step_meta["step"],
+                "version": step_meta["version"],
+                "time": time.time(),
+                "tier": step_meta["tier"],
+                "items": step_meta["items"],
+                "metrics": step_meta["metrics"],
+                "process_count": _multihost.process_count(),
+            }
+            _fs.write_json_durable(os.path.join(tmp, STEP_METADATA), meta)
 
     def _apply_retention(self, tier: _Tier) -> None:
         o = self._options
@@ -488,7 +512,7 @@ class CheckpointManager(_BackgroundSaver):
                     self._checked.pop(d, None)
         _multihost.barrier(f"delete {step} {self.directory}", self._options.timeout_secs)
 
-    # ----------------------------------------------------------------- restoring
+    # --- restoring ---
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
@@ -556,7 +580,7 @@ class CheckpointManager(_BackgroundSaver):
                     )
                 state = _fs.read_json(f, require_checksum=meta.get("version", 1) >= 2)
                 if target is not None:
-                    if not _is_checkpointable(target):
+                    if not is_checkpointable(target):
                         raise TypeError(
                             f"item {name!r} was saved from a Checkpointable; its target must have "
                             f"set_state, got {type(target).__qualname__}"
@@ -566,7 +590,7 @@ class CheckpointManager(_BackgroundSaver):
                 else:
                     out[name] = state
             else:
-                if _is_checkpointable(target):
+                if is_checkpointable(target):
                     raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
                 out[name] = _restore.restore_dir(sub, target, **kw)
         return out
