@@ -27,7 +27,11 @@ from cairn.core_array._paths import (
     tree_paths,
     unflatten,
 )
-from cairn.core_array._protocols import Checkpointable, GradientTransformationLike, is_checkpointable
+from cairn.core_array._protocols import (
+    Checkpointable,
+    GradientTransformationLike,
+    is_checkpointable,
+)
 from cairn.core_array._qarray import QArray, QuantLayout, pack_bits, unpack_bits
 from cairn.core_array._sharding import LogicalAxisRules, logical_to_partition_spec, named_sharding
 from cairn.core_array._specs import ArraySpec, spec_of, specs_from_json, specs_to_json

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 
@@ -17,10 +18,10 @@ def jax_available() -> bool:
         return False
 
 
-_on_jax_import: list = []
+_on_jax_import: list[Callable[[], object]] = []
 
 
-def on_jax_import(fn) -> None:
+def on_jax_import(fn: Callable[[], object]) -> None:
     """Run ``fn()`` once JAX is in use (now, if it already is): used to register pytrees."""
     _on_jax_import.append(fn)
     if "jax" in sys.modules:

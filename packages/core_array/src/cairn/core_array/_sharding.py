@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cairn.core_array._jax_compat import require_jax
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["LogicalAxisRules", "logical_to_partition_spec", "named_sharding"]
 
@@ -36,7 +39,7 @@ class LogicalAxisRules:
     ('data', 'model', None)
     """
 
-    def __init__(self, rules: Iterable[tuple[str, Any]] | Mapping[str, Any] = ()):
+    def __init__(self, rules: Iterable[tuple[str, Any]] | Mapping[str, Any] = ()) -> None:
         items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
         norm = []
         for i, rule in enumerate(items):
@@ -102,7 +105,9 @@ def _rules(rules: Any) -> LogicalAxisRules:
     return rules if isinstance(rules, LogicalAxisRules) else LogicalAxisRules(rules)
 
 
-def logical_to_partition_spec(logical_axes: Sequence[str | None], rules: Any, mesh: Any = None):
+def logical_to_partition_spec(
+    logical_axes: Sequence[str | None], rules: Any, mesh: Any = None
+) -> jax.sharding.PartitionSpec:
     """The ``jax.sharding.PartitionSpec`` for an array with the given logical axes.
 
     With ``mesh``, rules whose mesh axes the mesh lacks are skipped.
@@ -112,7 +117,7 @@ def logical_to_partition_spec(logical_axes: Sequence[str | None], rules: Any, me
     return jax.sharding.PartitionSpec(*_rules(rules).mesh_axes(tuple(logical_axes), names))
 
 
-def named_sharding(mesh: Any, logical_axes: Sequence[str | None], rules: Any):
+def named_sharding(mesh: Any, logical_axes: Sequence[str | None], rules: Any) -> jax.sharding.NamedSharding:
     """``NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))``."""
     jax = require_jax("named_sharding")
     return jax.sharding.NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))

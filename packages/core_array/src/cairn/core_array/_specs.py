@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype
 from cairn.core_array._jax_compat import require_jax
 from cairn.core_array._paths import PathError, _children, _register_leaf_type, map_with_path
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["ArraySpec", "spec_of", "specs_to_json", "specs_from_json"]
 
@@ -123,12 +126,12 @@ class ArraySpec:
         arr = np.asarray(x)
         return cls(arr.shape, arr.dtype, logical_axes, sharding)
 
-    def partition_spec(self):
+    def partition_spec(self) -> jax.sharding.PartitionSpec:
         """The sharding as a ``jax.sharding.PartitionSpec`` (replicated when ``None``)."""
         jax = require_jax("ArraySpec.partition_spec")
         return jax.sharding.PartitionSpec(*(self.sharding or ()))
 
-    def to_shape_dtype_struct(self, mesh: Any = None):
+    def to_shape_dtype_struct(self, mesh: Any = None) -> jax.ShapeDtypeStruct:
         """A ``jax.ShapeDtypeStruct``; with ``mesh``, carrying a ``NamedSharding``."""
         jax = require_jax("ArraySpec.to_shape_dtype_struct")
         sharding = None
