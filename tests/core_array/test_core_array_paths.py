@@ -200,7 +200,7 @@ def test_is_leaf():
     assert flatten_with_paths(tree, is_leaf=lambda x: isinstance(x, tuple)) == {"a": (1, 2), "b/0": 3}
 
 
-# ---- hypothesis: exact round trip over random nested containers ----
+# --- hypothesis: exact round trip over random nested containers ---
 
 keys = st.text(alphabet="abcdefghij_0123456789", min_size=1, max_size=4)
 leaves = st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=3), st.none())

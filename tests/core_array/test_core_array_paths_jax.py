@@ -157,7 +157,7 @@ def test_core_array_types_walk_like_their_jax_registration():
     assert back["spec"] is tree["spec"] and isinstance(back["qz"], QArray) and back["qz"].layout == qz.layout
 
 
-# ---- hypothesis: random trees mixing plain containers and registered nodes ----
+# --- hypothesis: random trees mixing plain containers and registered nodes ---
 
 keys = st.text(alphabet="abcdefgh_0123456789", min_size=1, max_size=3)
 leaves = st.one_of(st.integers(), st.text(max_size=2))

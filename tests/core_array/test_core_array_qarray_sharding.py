@@ -245,7 +245,7 @@ def test_protocols_are_duck_typed():
     assert isinstance(optax.adam(1e-3), GradientTransformationLike)
 
 
-# ---------------------------------------------------------------- hypothesis: QArray
+# --- hypothesis: QArray ---
 
 
 @st.composite
