@@ -1,16 +1,16 @@
 """cairn.checkpoint: async, atomic, sharded checkpoints of JAX pytrees on TensorStore."""
 
-from ._checkpointer import AsyncCheckpointer, metadata, restore, save
-from ._errors import (
+from cairn.checkpoint._checkpointer import AsyncCheckpointer, metadata, restore, save
+from cairn.checkpoint._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointWriteError,
     ChecksumError,
     TargetMismatchError,
 )
-from ._manager import CheckpointManager, CheckpointManagerOptions
-from ._restore import LeafMetadata
-from ._safetensors import load_safetensors, save_safetensors
+from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
+from cairn.checkpoint._restore import LeafMetadata
+from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
 
 __version__ = "0.1.0"
 

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
-from . import _fs, _multihost, _ownership, _restore, _tree
-from ._errors import CheckpointError, CheckpointWriteError
-from ._restore import LeafMetadata
+from cairn.checkpoint import _fs, _multihost, _ownership, _restore, _tree
+from cairn.checkpoint._errors import CheckpointError, CheckpointWriteError
+from cairn.checkpoint._restore import LeafMetadata
 
 
 class _Background:
@@ -216,7 +216,7 @@ class _BackgroundSaver:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()
 
 

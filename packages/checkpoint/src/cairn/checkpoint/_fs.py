@@ -9,7 +9,7 @@ import os
 import shutil
 from typing import Any
 
-from ._errors import CheckpointCorruptError, CheckpointWriteError
+from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointWriteError
 
 COMMIT_MARKER = "COMMIT"
 TMP_SUFFIX = ".cairn-tmp"

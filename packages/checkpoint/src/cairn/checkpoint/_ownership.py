@@ -30,8 +30,8 @@ import socket
 import threading
 import time
 
-from ._errors import CheckpointError
-from ._fs import DELETE_SUFFIX, TMP_SUFFIX
+from cairn.checkpoint._errors import CheckpointError
+from cairn.checkpoint._fs import DELETE_SUFFIX, TMP_SUFFIX
 
 HEARTBEAT_S = 10.0
 DEFAULT_LEASE_TIMEOUT_S = 600.0

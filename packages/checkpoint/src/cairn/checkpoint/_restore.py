@@ -237,7 +237,7 @@ def plan(
     meta: dict,
     target: Any,
     *,
-    paths: str | Sequence[str] | None,
+    paths: str | re.Pattern | Sequence[str | re.Pattern] | None,
     partial: bool,
     cast: bool,
     mesh: Any,
@@ -552,11 +552,12 @@ def restore_dir(
     directory: str,
     target: Any = None,
     *,
-    paths=None,
+    paths: str | re.Pattern | Sequence[str | re.Pattern] | None = None,
     partial: bool = False,
     cast: bool = False,
     mesh: Any = None,
 ) -> Any:
+    """Restore the checkpoint in ``directory``: verify, plan against ``target``, read, build."""
     directory = os.fspath(directory)
     meta = load_metadata(directory)
     todo, tgt = plan(meta, target, paths=paths, partial=partial, cast=cast, mesh=mesh, where=directory)

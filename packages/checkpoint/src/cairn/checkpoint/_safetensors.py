@@ -10,9 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from cairn.checkpoint._errors import CheckpointError, TargetMismatchError
 from cairn.core_array import as_numpy_dtype, canonical_dtype, flatten_with_paths, unflatten
-
-from ._errors import CheckpointError, TargetMismatchError
 
 # canonical dtype name <-> safetensors dtype tag
 _TO_ST = {

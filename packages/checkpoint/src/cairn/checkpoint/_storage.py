@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._errors import CheckpointError, ChecksumError
+from cairn.checkpoint._errors import CheckpointError, ChecksumError
 
 #: Chunks are at most this many bytes: big enough for disk-speed I/O with little per-chunk
 #: overhead, small enough that a reader needing part of an array does not read much more.
@@ -120,7 +120,15 @@ def _spec(db: str, path: str) -> dict:
     }
 
 
-def open_for_write(db: str, path: str, shape, sdtype: str, chunk, compression) -> ts.Future:
+def open_for_write(
+    db: str,
+    path: str,
+    shape: Sequence[int],
+    sdtype: str,
+    chunk: Sequence[int],
+    compression: str | None,
+) -> ts.Future:
+    """Start creating the zarr3 array of leaf ``path`` in database ``db`` (chunked, crc32c)."""
     spec = _spec(db, path)
     spec["metadata"] = {
         "shape": list(shape),
@@ -133,7 +141,7 @@ def open_for_write(db: str, path: str, shape, sdtype: str, chunk, compression) -
     return ts.open(spec, create=True, context=context())
 
 
-def _fill(sdtype: str):
+def _fill(sdtype: str) -> bool | float | int | list[float]:
     if sdtype == "bool":
         return False
     if sdtype.startswith("complex"):
@@ -151,7 +159,10 @@ def region_slices(region: Sequence[Sequence[int]]) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in region)
 
 
-def intersect(a, b):
+def intersect(
+    a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]
+) -> list[tuple[int, int]] | None:
+    """The region two regions (``[[start, stop], ...]``) share, or ``None`` if empty."""
     out = []
     for (a0, a1), (b0, b1) in zip(a, b):
         lo, hi = max(a0, b0), min(a1, b1)
@@ -161,7 +172,7 @@ def intersect(a, b):
     return out
 
 
-def volume(region) -> int:
+def volume(region: Sequence[Sequence[int]]) -> int:
     return math.prod(b - a for a, b in region)
 
 

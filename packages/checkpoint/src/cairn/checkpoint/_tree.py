@@ -11,10 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from cairn.checkpoint import _fs, _multihost, _storage
+from cairn.checkpoint._errors import CheckpointError
 from cairn.core_array import ArraySpec, canonical_dtype, flatten_with_paths
-
-from . import _fs, _multihost, _storage
-from ._errors import CheckpointError
 
 FORMAT = "cairn.checkpoint"
 #: 2: every JSON file carries a SHA-256 checksum (version 1 files are still read).
