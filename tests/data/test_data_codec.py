@@ -149,6 +149,8 @@ def _expected(value):
         return bytes(value)
     if isinstance(value, np.ndarray):
         return value.astype(value.dtype.newbyteorder("<"))
+    if isinstance(value, float):
+        return float(value)  # a NumPy float64 scalar is a float, stored as one
     return value
 
 

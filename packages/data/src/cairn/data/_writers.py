@@ -4,21 +4,22 @@ Every writer writes each shard to a hidden temporary file next to its final name
 renames all shards into place only when the last record is written; on an error the
 temporary files are deleted, so a reader never sees a half-written shard.
 
-Also here: :func:`encode_example` / :func:`decode_example`, a compact, pickle-free
-binary format for dicts of NumPy arrays, str, bytes and scalars (the usual payload of an
-ArrayRecord record).
+The record codec (:func:`encode_example` / :func:`decode_example`) lives in
+``cairn.data._codec``; it is re-exported here because ``cairn.data`` imports it from
+this module.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import struct
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from cairn.data._codec import decode_example, encode_example
 
 __all__ = [
     "ArrayRecordWriter",
@@ -29,234 +30,7 @@ __all__ = [
     "write_parquet",
 ]
 
-# =========================================================================== examples
-
-_MAGIC = b"CDX1"
-_ALIGN = 16
-_KIND_ARRAY, _KIND_SCALAR, _KIND_BYTES, _KIND_STR = b"a", b"g", b"b", b"s"
-_KIND_INT, _KIND_FLOAT, _KIND_BOOL, _KIND_NONE = b"i", b"f", b"?", b"n"
-_KIND_EMPTY = b"d"  # an empty (nested) dict
-_EMPTY = object()
-
-
-def _dtype_name(dt: np.dtype) -> str:
-    if dt.kind not in "SUOM" and dt.names is None:
-        try:
-            from cairn.core_array import canonical_dtype
-
-            return canonical_dtype(dt)
-        except (ImportError, ValueError, TypeError):
-            pass
-    if dt.kind in "SU":
-        return dt.str
-    raise TypeError(
-        f"dtype {dt} cannot be encoded: use numeric/bool (incl. bfloat16, float8, int4), "
-        "fixed-width bytes ('S') or unicode ('U') arrays"
-    )
-
-
-def _dtype_from_name(name: str) -> np.dtype:
-    try:
-        from cairn.core_array import as_numpy_dtype
-
-        return np.dtype(as_numpy_dtype(name))
-    except (ImportError, ValueError, TypeError, KeyError):
-        return np.dtype(name)
-
-
-def _flatten_example(example: Mapping[str, Any], prefix: str, out: list) -> None:
-    for key, value in example.items():
-        if not isinstance(key, str):
-            raise TypeError(f"encode_example: keys must be str, got {key!r} in {prefix or '/'}")
-        if "/" in key or not key:
-            raise ValueError(
-                f"encode_example: key {prefix + key!r} must be non-empty and contain no '/' "
-                "(nested dicts are joined with '/')"
-            )
-        path = prefix + key
-        if isinstance(value, Mapping):
-            if value:
-                _flatten_example(value, path + "/", out)
-            else:
-                out.append((path, _EMPTY))
-        else:
-            out.append((path, value))
-
-
-def encode_example(example: Mapping[str, Any]) -> bytes:
-    """Serialise a (nested) dict of arrays and scalars to bytes, without pickle.
-
-    Supported leaves: ``numpy.ndarray`` (any shape; numeric, bool, bfloat16/float8/int4
-    from ml_dtypes, fixed-width ``S``/``U``), NumPy scalars, ``bytes``, ``str``, Python
-    ``int`` (64-bit), ``float``, ``bool`` and ``None``. Nested dicts are stored under
-    ``/``-joined paths and rebuilt by :func:`decode_example`.
-
-    Layout (little-endian): ``b"CDX1"``, ``uint32`` field count, then per field
-    ``uint16`` key length, UTF-8 key, one kind byte, and a kind-specific payload; array
-    data is zero-padded to a 16-byte offset so :func:`decode_example` can return aligned
-    zero-copy views.
-
-    >>> import numpy as np
-    >>> b = encode_example({"x": np.arange(3, dtype=np.int16), "meta": {"id": 7, "s": "hi"}})
-    >>> d = decode_example(b)
-    >>> d["x"], d["meta"]
-    (array([0, 1, 2], dtype=int16), {'id': 7, 's': 'hi'})
-    """
-    if not isinstance(example, Mapping):
-        raise TypeError(f"encode_example expects a dict, got {type(example).__name__}")
-    fields: list[tuple[str, Any]] = []
-    _flatten_example(example, "", fields)
-    buf = bytearray(_MAGIC)
-    buf += struct.pack("<I", len(fields))
-    for path, value in fields:
-        key = path.encode("utf-8")
-        if len(key) > 0xFFFF:
-            raise ValueError(f"encode_example: key {path[:40]!r}... is longer than 65535 bytes")
-        buf += struct.pack("<H", len(key)) + key
-        if value is _EMPTY:
-            buf += _KIND_EMPTY
-        elif value is None:
-            buf += _KIND_NONE
-        elif isinstance(value, bool):
-            buf += _KIND_BOOL + (b"\x01" if value else b"\x00")
-        elif isinstance(value, int):
-            if not -(2**63) <= value < 2**63:
-                raise OverflowError(f"encode_example: int at {path!r} does not fit in int64")
-            buf += _KIND_INT + struct.pack("<q", value)
-        elif isinstance(value, float):
-            buf += _KIND_FLOAT + struct.pack("<d", value)
-        elif isinstance(value, str):
-            raw = value.encode("utf-8")
-            buf += _KIND_STR + struct.pack("<Q", len(raw)) + raw
-        elif isinstance(value, bytes | bytearray | memoryview):
-            raw = bytes(value)
-            buf += _KIND_BYTES + struct.pack("<Q", len(raw)) + raw
-        elif isinstance(value, np.ndarray | np.generic):
-            arr = np.asarray(value)
-            kind = _KIND_ARRAY if isinstance(value, np.ndarray) else _KIND_SCALAR
-            if arr.dtype.byteorder == ">":
-                arr = arr.astype(arr.dtype.newbyteorder("<"))
-            try:
-                name = _dtype_name(arr.dtype).encode("ascii")
-            except TypeError as e:
-                raise TypeError(f"encode_example: field {path!r}: {e}") from None
-            if not arr.flags.c_contiguous:
-                arr = arr.copy(order="C")  # (ascontiguousarray would turn 0-d into 1-d)
-            buf += kind + struct.pack("<B", len(name)) + name
-            buf += struct.pack("<B", arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape)
-            buf += struct.pack("<Q", arr.nbytes)
-            buf += b"\x00" * (-len(buf) % _ALIGN)
-            buf += arr.tobytes()
-        else:
-            raise TypeError(
-                f"encode_example: field {path!r} has unsupported type {type(value).__name__}; "
-                "expected numpy array/scalar, bytes, str, int, float, bool, None or dict "
-                "(convert lists with numpy.asarray)"
-            )
-    return bytes(buf)
-
-
-def decode_example(data: bytes | bytearray | memoryview, *, copy: bool = False) -> dict:
-    """Inverse of :func:`encode_example`: bytes -> (nested) dict.
-
-    Arrays are read-only views into ``data`` unless ``copy=True`` (then writable copies).
-    Raises ``ValueError`` naming the byte offset when ``data`` is not a valid encoding.
-    """
-    mv = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    n = len(mv)
-
-    def need(pos: int, k: int, what: str) -> None:
-        if pos + k > n:
-            raise ValueError(
-                f"decode_example: truncated data: {what} needs {k} bytes at offset {pos}, "
-                f"record has {n}"
-            )
-
-    need(0, 8, "header")
-    if bytes(mv[:4]) != _MAGIC:
-        raise ValueError(
-            f"decode_example: not an encode_example record (magic {bytes(mv[:4])!r}, "
-            f"expected {_MAGIC!r})"
-        )
-    (count,) = struct.unpack_from("<I", mv, 4)
-    pos = 8
-    out: dict[str, Any] = {}
-    for _ in range(count):
-        need(pos, 2, "key length")
-        (klen,) = struct.unpack_from("<H", mv, pos)
-        pos += 2
-        need(pos, klen + 1, "key")
-        path = bytes(mv[pos : pos + klen]).decode("utf-8")
-        pos += klen
-        kind = bytes(mv[pos : pos + 1])
-        pos += 1
-        if kind == _KIND_EMPTY:
-            value: Any = {}
-        elif kind == _KIND_NONE:
-            value = None
-        elif kind == _KIND_BOOL:
-            need(pos, 1, f"field {path!r}")
-            value = mv[pos] != 0
-            pos += 1
-        elif kind == _KIND_INT:
-            need(pos, 8, f"field {path!r}")
-            (value,) = struct.unpack_from("<q", mv, pos)
-            pos += 8
-        elif kind == _KIND_FLOAT:
-            need(pos, 8, f"field {path!r}")
-            (value,) = struct.unpack_from("<d", mv, pos)
-            pos += 8
-        elif kind in (_KIND_STR, _KIND_BYTES):
-            need(pos, 8, f"field {path!r}")
-            (ln,) = struct.unpack_from("<Q", mv, pos)
-            pos += 8
-            need(pos, ln, f"field {path!r}")
-            raw = bytes(mv[pos : pos + ln])
-            pos += ln
-            value = raw.decode("utf-8") if kind == _KIND_STR else raw
-        elif kind in (_KIND_ARRAY, _KIND_SCALAR):
-            need(pos, 1, f"field {path!r}")
-            nlen = mv[pos]
-            pos += 1
-            need(pos, nlen + 1, f"field {path!r}")
-            dtype = _dtype_from_name(bytes(mv[pos : pos + nlen]).decode("ascii"))
-            pos += nlen
-            ndim = mv[pos]
-            pos += 1
-            need(pos, 8 * ndim + 8, f"field {path!r}")
-            shape = struct.unpack_from(f"<{ndim}Q", mv, pos)
-            pos += 8 * ndim
-            (nbytes,) = struct.unpack_from("<Q", mv, pos)
-            pos += 8
-            pos += -pos % _ALIGN
-            need(pos, nbytes, f"field {path!r}")
-            if nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-                raise ValueError(
-                    f"decode_example: field {path!r}: {nbytes} bytes do not match shape "
-                    f"{shape} of {dtype}"
-                )
-            arr = np.frombuffer(
-                mv, dtype=dtype, count=nbytes // max(dtype.itemsize, 1), offset=pos
-            ).reshape(shape)
-            pos += nbytes
-            if copy:
-                arr = arr.copy()
-            value = arr[()] if kind == _KIND_SCALAR else arr
-        else:
-            raise ValueError(
-                f"decode_example: unknown field kind {kind!r} for {path!r} at offset {pos - 1}"
-            )
-        node = out
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    if pos != n:
-        raise ValueError(f"decode_example: {n - pos} trailing bytes after the last field")
-    return out
-
-
-# =========================================================================== sharding
+# --- sharding ---
 
 _SHARD_RE = r"-(\d{5})-of-(\d{5})"
 
@@ -512,7 +286,7 @@ def _write_all(
     return list(w.paths or [])
 
 
-# =========================================================================== ArrayRecord
+# --- ArrayRecord ---
 
 
 class ArrayRecordWriter(_ShardedFileWriter):
@@ -548,7 +322,7 @@ class ArrayRecordWriter(_ShardedFileWriter):
         overwrite: bool = False,
         _shard_sizes: Sequence[int] | None = None,
     ):
-        from ._source_arrayrecord import _array_record_module
+        from cairn.data._source_arrayrecord import _array_record_module
 
         self._mod = _array_record_module()
         self._options = options
@@ -556,7 +330,7 @@ class ArrayRecordWriter(_ShardedFileWriter):
         super().__init__(path, records_per_shard, _shard_sizes, prefix, overwrite)
 
     def _open_shard(self, tmp_path: str) -> None:
-        from ._source_arrayrecord import mark_native_threads
+        from cairn.data._source_arrayrecord import mark_native_threads
 
         mark_native_threads()
         self._writer = self._mod.ArrayRecordWriter(tmp_path, self._options)
@@ -625,7 +399,7 @@ def write_array_record(
     )
 
 
-# =========================================================================== Parquet
+# --- Parquet ---
 
 
 def _pyarrow() -> tuple[Any, Any]:
