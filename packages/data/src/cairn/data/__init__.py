@@ -7,7 +7,7 @@ Start from a source, chain ``MapDataset`` steps, then iterate::
     state = it.get_state()   # small JSON-able dict; it.set_state(state) resumes exactly
 """
 
-from ._data_loader import (
+from cairn.data._data_loader import (
     Batch,
     DataLoader,
     FilterTransform,
@@ -15,60 +15,24 @@ from ._data_loader import (
     MapTransform,
     RandomMapTransform,
 )
-from ._device import device_put
-from ._iter_dataset import (
-    DatasetIterator,
-    InterleaveIterDataset,
-    IterDataset,
-    MixIterDataset,
-    ReadOptions,
-)
-from ._map_dataset import MapDataset
-from ._multiprocessing import (
+from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
+from cairn.data._device import device_put
+from cairn.data._multiprocessing import (
     MultiprocessingOptions,
     RemoteTraceback,
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from ._packing import FirstFitPackIterDataset
-from ._sharding import NoSharding, ShardByJaxProcess, ShardOptions
-from ._testing import assert_equal_output_after_checkpoint
-from ._tree import StructureMismatchError, stack_records
-
-__version__ = "0.1.0"
-
-__all__: list[str] = [
-    "Batch",
-    "DataLoader",
-    "DatasetIterator",
-    "FilterTransform",
-    "FirstFitPackIterDataset",
-    "IndexSampler",
-    "InterleaveIterDataset",
-    "MixIterDataset",
-    "IterDataset",
-    "MapDataset",
-    "MapTransform",
-    "MultiprocessingOptions",
-    "NoSharding",
-    "RandomMapTransform",
-    "ReadOptions",
-    "RemoteTraceback",
-    "ShardByJaxProcess",
-    "ShardOptions",
-    "StructureMismatchError",
-    "WorkerDiedError",
-    "WorkerTimeoutError",
-    "assert_equal_output_after_checkpoint",
-    "device_put",
-    "stack_records",
-]
-
-# --- sources (data-sources helper) ---
-from ._source_arrayrecord import ArrayRecordDataSource
-from ._source_memory import CorruptRecordError, InMemoryDataSource, RangeDataSource
-from ._source_parquet import ParquetDataSource
-from ._writers import (
+from cairn.data._packing import FirstFitPackIterDataset
+from cairn.data._sharding import NoSharding, ShardByJaxProcess, ShardOptions
+from cairn.data._source_arrayrecord import ArrayRecordDataSource
+from cairn.data._source_memory import CorruptRecordError, InMemoryDataSource, RangeDataSource
+from cairn.data._source_parquet import ParquetDataSource
+from cairn.data._testing import assert_equal_output_after_checkpoint
+from cairn.data._transforms.interleave import InterleaveIterDataset
+from cairn.data._transforms.mix import MixIterDataset
+from cairn.data._tree import StructureMismatchError, stack_records
+from cairn.data._writers import (
     ArrayRecordWriter,
     ParquetWriter,
     decode_example,
@@ -77,7 +41,33 @@ from ._writers import (
     write_parquet,
 )
 
-__all__ += [
+__version__ = "0.1.0"
+
+__all__: list[str] = [
+    # --- datasets and iterators ---
+    "DatasetIterator",
+    "FirstFitPackIterDataset",
+    "InterleaveIterDataset",
+    "IterDataset",
+    "MapDataset",
+    "MixIterDataset",
+    "MultiprocessingOptions",
+    "ReadOptions",
+    "RemoteTraceback",
+    "WorkerDiedError",
+    "WorkerTimeoutError",
+    # --- loader, sharding, devices ---
+    "Batch",
+    "DataLoader",
+    "FilterTransform",
+    "IndexSampler",
+    "MapTransform",
+    "NoSharding",
+    "RandomMapTransform",
+    "ShardByJaxProcess",
+    "ShardOptions",
+    "device_put",
+    # --- sources and writers ---
     "ArrayRecordDataSource",
     "ArrayRecordWriter",
     "CorruptRecordError",
@@ -89,5 +79,8 @@ __all__ += [
     "encode_example",
     "write_array_record",
     "write_parquet",
+    # --- records and testing ---
+    "StructureMismatchError",
+    "assert_equal_output_after_checkpoint",
+    "stack_records",
 ]
-# --- end sources ---

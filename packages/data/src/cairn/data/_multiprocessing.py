@@ -58,22 +58,14 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from cairn.data._iter_dataset import (
-    DatasetIterator,
-    IterDataset,
+from cairn.data._arguments import int_at_least
+from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
+from cairn.data._stats import StageProfile, add_bad_records, bad_record_counts, stage_list
+from cairn.data._transforms.to_iter import (
+    ChunkedRootIterator,
     MapRootIterDataset,
-    ReadOptions,
-    _ChunkedRootIterator,
     chunk_plan,
     read_chunk,
-)
-from cairn.data._map_dataset import (
-    MapDataset,
-    StageProfile,
-    _int_at_least,
-    add_bad_records,
-    bad_record_counts,
-    stage_list,
 )
 
 __all__ = [
@@ -122,7 +114,7 @@ class MultiprocessingOptions:
     def __post_init__(self):
         for name, lo in (("num_workers", 0), ("per_worker_buffer_size", 1), ("slot_bytes", 1)):
             v = getattr(self, name)
-            if not _int_at_least(v, lo):
+            if not int_at_least(v, lo):
                 raise ValueError(f"MultiprocessingOptions.{name} must be an int >= {lo}, got {v!r}")
         if self.start_method not in (None, "fork", "spawn", "forkserver"):
             raise ValueError(
@@ -278,7 +270,7 @@ class MPPrefetchIterDataset(IterDataset):
         return self._parent._make_iter(factory)
 
 
-# ====================================================================== worker side
+# --- worker side ---
 
 
 def _close_quietly(conns):
@@ -530,7 +522,7 @@ def _send_error(conn, gen, k, e):
         pass
 
 
-# ====================================================================== main side
+# --- main side ---
 
 
 class _Workers:
@@ -591,7 +583,7 @@ class _Workers:
 _SIGNAL_NAMES = {-s.value: s.name for s in signal.Signals}
 
 
-class MPRootIterator(_ChunkedRootIterator):
+class MPRootIterator(ChunkedRootIterator):
     """Same elements and state as ``MapRootIterator``, computed by worker processes."""
 
     _who = "mp_prefetch iterator"
@@ -625,7 +617,7 @@ class MPRootIterator(_ChunkedRootIterator):
         self._stages = stage_list(ds)
         self._reset(0)
 
-    # ------------------------------------------------------------ control
+    # --- control ---
     def _reset(self, start: int) -> None:
         super()._reset(start)
         self._start = start
@@ -897,7 +889,7 @@ class MPRootIterator(_ChunkedRootIterator):
             pos += -(-s // _ALIGN) * _ALIGN
         return pickle.loads(data, buffers=bufs)
 
-    # ------------------------------------------------------------ iterator protocol
+    # --- iterator protocol ---
     _chunk_failed = _fail
 
     def set_state(self, state: dict) -> None:

@@ -1,0 +1,664 @@
+"""The base classes: ``MapDataset``, ``IterDataset`` and ``DatasetIterator``.
+
+A ``MapDataset`` is lazy and random-access: ``len(ds)``, ``ds[i]`` and, internally,
+``_getitems(indices, epoch)``, the elements at a whole NumPy array of indices in one
+call. Iteration, batching and worker processes use that batched path, so a shuffled
+batch of 64 records costs one vectorised permutation and ONE ``source.__getitems__``
+call, never 64 separate reads. ``epoch`` is the repetition number handed down by
+``repeat``: ``shuffle`` and the random transformations key their randomness on
+``(seed, epoch, index)``, so every element is a pure function of those numbers.
+
+An ``IterDataset`` usually starts from ``MapDataset.to_iter_dataset()``. Per-element
+steps (``map``, ``random_map``, ``filter``) applied directly on top of that root are
+folded back into the ``MapDataset``, so they stay pure functions of the element index and
+run in worker processes; steps that carry state across elements (``batch``, packing,
+``prefetch``, ``interleave``) run on iterators. Iterator state is small and JSON-able.
+
+The method sugar (``ds.map(...)``, ``ds.batch(...)``, ...) builds the transformation
+classes of ``cairn.data._transforms`` (one module per step), which subclass the classes
+here. That is the package's one import cycle: each sugar method imports its
+transformation when called, on a line labelled ``import cycle (labelled)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.data._arguments import as_callable, check_seed, int_at_least
+from cairn.data._stats import IteratorStats, format_summary, profiled
+from cairn.data._tree import StructureChecker, stack_records
+
+__all__ = ["DatasetIterator", "IterDataset", "MapDataset", "ReadOptions"]
+
+
+class _Pipeline:
+    """What ``MapDataset`` and ``IterDataset`` share: ``pipe`` and the text rendering."""
+
+    _parents: tuple  # the input stages; subclasses set them
+
+    def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(self, *args, **kwargs)``: lets custom steps chain fluently."""
+        return fn(self, *args, **kwargs)
+
+    def _graph_head(self) -> str:
+        return self._stage_name()
+
+    def _graph_lines(self, indent: str) -> list[str]:
+        lines = [f"{indent}{self._graph_head()}"]
+        if len(self._parents) == 1:
+            lines += self._parents[0]._graph_lines(indent)
+        else:
+            for k, p in enumerate(self._parents):
+                lines.append(f"{indent}  <input {k}>")
+                lines += p._graph_lines(indent + "    ")
+        return lines
+
+    def graph(self) -> str:
+        """A text rendering of the pipeline, output stage first, one stage per line."""
+        return "\n".join(self._graph_lines(""))
+
+
+class MapDataset(_Pipeline):
+    """A lazy dataset with random access: ``len(ds)``, ``ds[i]``, ``ds[a:b]``.
+
+    Build one with :meth:`source` or :meth:`range` and chain transformations; nothing is
+    read until an element is asked for. Filtered-out elements read as ``None``;
+    iteration (:meth:`to_iter_dataset`) skips them.
+
+    >>> ds = MapDataset.range(10).shuffle(seed=1).map(lambda x: x * 10).batch(4)
+    >>> len(ds), sorted(np.concatenate(list(ds)).tolist()) == list(range(0, 100, 10))
+    (3, True)
+    """
+
+    _parents: tuple[MapDataset, ...] = ()
+    _may_filter = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        f = cls.__dict__.get("_getitems")
+        if f is not None and not getattr(f, "profiled", False):
+            cls._getitems = profiled(f)
+
+    # --- construction ---
+    @staticmethod
+    def source(source: Any) -> MapDataset:
+        """A dataset over any random-access source (``__len__`` + ``__getitem__``).
+
+        Sources with ``__getitems__(indices)`` are read one call per batch of indices;
+        lists, tuples and NumPy arrays work directly.
+
+        >>> MapDataset.source(["a", "b", "c"])[1]
+        'b'
+        """
+        if isinstance(source, MapDataset):
+            return source
+        if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
+            raise TypeError(
+                "MapDataset.source needs a random-access source with __len__ and "
+                f"__getitem__ (optionally __getitems__), got {type(source).__name__}"
+            )
+        from cairn.data._transforms.source import (
+            SourceMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return SourceMapDataset(source)
+
+    @staticmethod
+    def range(start: int, stop: int | None = None, step: int = 1) -> MapDataset:
+        """The integers of ``range(start, stop, step)`` as a dataset.
+
+        >>> list(MapDataset.range(2, 8, 3))
+        [2, 5]
+        """
+        from cairn.data._transforms.source import (
+            RangeMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return RangeMapDataset(range(start, stop, step) if stop is not None else range(start))
+
+    @staticmethod
+    def mix(datasets: Sequence[MapDataset], weights: Sequence[float] | None = None) -> MapDataset:
+        """Interleave datasets deterministically in proportion to ``weights``.
+
+        The pattern repeats every ``period`` (1000) elements and gives dataset ``k``
+        ``round(weights[k] / sum(weights) * 1000)`` of them, spread evenly. The mixture
+        ends just before the first dataset would run out (repeat the inputs first for an
+        endless mixture).
+
+        >>> ds = MapDataset.mix([MapDataset.range(0, 100), MapDataset.range(100, 200)], [3, 1])
+        >>> [x for x in ds][:8]
+        [0, 1, 100, 2, 3, 4, 101, 5]
+        """
+        from cairn.data._transforms.mix import (
+            MixMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return MixMapDataset(list(datasets), weights)
+
+    @staticmethod
+    def concatenate(datasets: Sequence[MapDataset]) -> MapDataset:
+        """The datasets one after another.
+
+        >>> list(MapDataset.concatenate([MapDataset.range(2), MapDataset.range(5, 7)]))
+        [0, 1, 5, 6]
+        """
+        from cairn.data._transforms.concatenate import (
+            ConcatenateMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return ConcatenateMapDataset(list(datasets))
+
+    # --- access ---
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _getitems(self, indices: np.ndarray, epoch: int) -> list:
+        """Elements at ``indices`` (int64 array of in-range, non-negative indices)."""
+        raise NotImplementedError
+
+    def _records_per_element(self) -> int:
+        return self._parents[0]._records_per_element() if self._parents else 1
+
+    def _stage_name(self) -> str:
+        return type(self).__name__
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        n = len(self)
+        if isinstance(index, bool) or not isinstance(index, int | np.integer):
+            raise TypeError(
+                f"{self._stage_name()} indices must be integers or slices, got {type(index).__name__}"
+            )
+        i = int(index)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} is out of range for {self._stage_name()} of length {n}")
+        return self._getitems(np.array([j], np.int64), 0)[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        """The elements at ``indices`` in one batched read (the source protocol)."""
+        n = len(self)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = np.where(idx < 0, idx + n, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = int(idx[(idx < 0) | (idx >= n)][0])
+            raise IndexError(f"index {bad} is out of range for {self._stage_name()} of length {n}")
+        return self._getitems(idx, 0)
+
+    def __iter__(self):
+        return iter(self.to_iter_dataset())
+
+    def __repr__(self) -> str:
+        return self.graph()
+
+    # --- transformations ---
+    def seed(self, seed: int) -> MapDataset:
+        """Set the default seed of the ``shuffle`` / ``random_map`` steps that follow."""
+        from cairn.data._transforms.seed import (
+            SeedMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return SeedMapDataset(self, check_seed(seed, "seed()"))
+
+    def _default_seed(self) -> int | None:
+        for p in self._parents:
+            s = p._default_seed()
+            if s is not None:
+                return s
+        return None
+
+    def _resolve_seed(self, seed: int | None, what: str) -> int:
+        if seed is None:
+            seed = self._default_seed()
+            if seed is None:
+                raise ValueError(f"{what} needs a seed: pass seed=... or call .seed(...) upstream")
+        return check_seed(seed, what)
+
+    def shuffle(self, seed: int | None = None) -> MapDataset:
+        """A global shuffle: element ``i`` is ``parent[perm(seed, epoch)(i)]``.
+
+        The permutation is a pure function of ``(seed, epoch)``, uses O(1) memory and is
+        computed for a whole array of indices at once. Each repetition of ``repeat``
+        gets a new permutation. Any int is a valid seed; negative seeds are taken
+        modulo ``2**64``.
+
+        >>> sorted(MapDataset.range(5).shuffle(seed=7)) == [0, 1, 2, 3, 4]
+        True
+        """
+        from cairn.data._transforms.shuffle import (
+            ShuffleMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return ShuffleMapDataset(self, self._resolve_seed(seed, "shuffle()"))
+
+    def slice(self, sl: slice) -> MapDataset:
+        """The elements ``ds[sl]``, e.g. ``ds.slice(slice(1, None, 2))``."""
+        if not isinstance(sl, slice):
+            raise TypeError(f"slice() expects a slice object, got {type(sl).__name__}")
+        from cairn.data._transforms.slice import (
+            SliceMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return SliceMapDataset(self, sl)
+
+    def shard(self, index: int, count: int, drop_remainder: bool = False) -> MapDataset:
+        """Shard ``index`` of ``count`` contiguous, near-equal shards.
+
+        The first ``len % count`` shards get one extra element unless
+        ``drop_remainder``; with more shards than elements some shards are empty.
+
+        >>> [list(MapDataset.range(5).shard(i, 2)) for i in range(2)]
+        [[0, 1, 2], [3, 4]]
+        """
+        count = operator.index(count)
+        index = operator.index(index)
+        if count < 1:
+            raise ValueError(f"shard(): count must be >= 1, got {count}")
+        if not 0 <= index < count:
+            raise ValueError(f"shard(): index must be in [0, {count}), got {index}")
+        n = len(self)
+        if drop_remainder:
+            per = n // count
+            return self.slice(slice(index * per, (index + 1) * per))
+        base, extra = divmod(n, count)
+        start = index * base + min(index, extra)
+        stop = start + base + (1 if index < extra else 0)
+        return self.slice(slice(start, stop))
+
+    def map(self, fn: Callable[[Any], Any]) -> MapDataset:
+        """Apply ``fn`` to every element."""
+        from cairn.data._transforms.map import (
+            MapMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return MapMapDataset(self, as_callable(fn, "map"))
+
+    def random_map(
+        self, fn: Callable[[Any, np.random.Generator], Any], seed: int | None = None
+    ) -> MapDataset:
+        """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by (seed, epoch, index).
+
+        >>> ds = MapDataset.range(3).random_map(lambda x, rng: x + rng.integers(100), seed=0)
+        >>> list(ds) == list(ds)
+        True
+        """
+        from cairn.data._transforms.map import (
+            RandomMapMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return RandomMapMapDataset(
+            self,
+            as_callable(fn, "random_map", "random_map"),
+            self._resolve_seed(seed, "random_map()"),
+        )
+
+    def map_with_index(self, fn: Callable[[int, Any], Any]) -> MapDataset:
+        """Apply ``fn(index, element)``."""
+        from cairn.data._transforms.map import (
+            MapWithIndexMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return MapWithIndexMapDataset(self, as_callable(fn, "map_with_index"))
+
+    def filter(self, predicate: Callable[[Any], bool]) -> MapDataset:
+        """Keep elements where ``predicate`` is true; the others read as ``None``."""
+        from cairn.data._transforms.filter import (
+            FilterMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return FilterMapDataset(self, as_callable(predicate, "filter", "filter"))
+
+    def batch(
+        self,
+        batch_size: int,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[Any]], Any] | None = None,
+    ) -> MapDataset:
+        """Group consecutive elements into batches (stacked leaf by leaf by default).
+
+        Filtered (``None``) elements are left out of their batch, so batches after a
+        ``filter`` can be smaller; filter on an ``IterDataset`` for full batches.
+
+        >>> MapDataset.range(5).batch(2)[2].tolist()
+        [4]
+        """
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | np.integer)
+            or batch_size < 1
+        ):
+            raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
+        from cairn.data._transforms.batch import (
+            BatchMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return BatchMapDataset(self, int(batch_size), bool(drop_remainder), batch_fn)
+
+    def shard_global_batches(
+        self,
+        global_batch_size: int,
+        shard_index: int,
+        shard_count: int,
+        batch_fn: Callable | None = None,
+    ) -> MapDataset:
+        """This process's rows of each global batch: element ``i`` holds the records
+        ``i * G + shard_index * G / shard_count ...`` of the parent (``G`` the global batch).
+
+        Every process sees global batch ``i`` at step ``i``, so iterator states agree across
+        processes and a run can resume on a different number of hosts (any count that
+        divides ``G``) and train on the same global batches. A last partial global batch
+        is dropped.
+
+        >>> ds = MapDataset.range(8)
+        >>> [b.tolist() for b in ds.shard_global_batches(4, 1, 2)]
+        [[2, 3], [6, 7]]
+        """
+        g, i, c = (operator.index(v) for v in (global_batch_size, shard_index, shard_count))
+        if g < 1 or c < 1 or not 0 <= i < c:
+            raise ValueError(
+                f"shard_global_batches(): need global_batch_size >= 1, shard_count >= 1 and 0 <= "
+                f"shard_index < shard_count, got {g}, {i}, {c}"
+            )
+        if g % c:
+            raise ValueError(
+                f"shard_global_batches(): global_batch_size {g} is not divisible by shard_count {c}"
+            )
+        per = g // c
+        from cairn.data._transforms.slice import (
+            BlockSliceMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return BlockSliceMapDataset(self, g, i * per, per).batch(
+            per, drop_remainder=True, batch_fn=batch_fn
+        )
+
+    def repeat(self, num_epochs: int | None = None, reseed_each_epoch: bool = True) -> MapDataset:
+        """Repeat ``num_epochs`` times (forever if ``None``), reshuffling every epoch.
+
+        >>> list(MapDataset.range(3).repeat(2))
+        [0, 1, 2, 0, 1, 2]
+        """
+        if num_epochs is not None:
+            num_epochs = operator.index(num_epochs)
+            if num_epochs < 0:
+                raise ValueError(f"repeat(): num_epochs must be >= 0 or None, got {num_epochs}")
+        from cairn.data._transforms.repeat import (
+            RepeatMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return RepeatMapDataset(self, num_epochs, reseed_each_epoch)
+
+    def to_iter_dataset(
+        self, read_options: ReadOptions | None = None, *, debug: bool = False
+    ) -> IterDataset:
+        """An iterable, checkpointable view of this dataset (``None`` elements skipped).
+
+        ``debug=True`` checks every element's structure against the first one and names
+        the first mismatch.
+        """
+        from cairn.data._transforms.to_iter import (
+            MapRootIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return MapRootIterDataset(self, read_options or ReadOptions(), debug=debug)
+
+    # --- rendering ---
+    def _graph_head(self) -> str:
+        return f"{self._stage_name()}  [len={_fmt_len(self)}]"
+
+
+def _fmt_len(ds: MapDataset) -> str:
+    n = len(ds)
+    return "inf" if n >= sys.maxsize else str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How a ``MapDataset`` is read when iterated.
+
+    Attributes:
+      num_threads: background threads reading chunks ahead (0 = read in the calling
+        thread). Chunks are whole batches of records, so one or two threads are enough to
+        overlap file I/O with the consumer.
+      prefetch_buffer_size: chunks kept in flight per thread when ``num_threads > 0``.
+      chunk_records: about how many records one chunk (one batched source read) covers.
+    """
+
+    num_threads: int = 0
+    prefetch_buffer_size: int = 2
+    chunk_records: int = 1024
+
+    def __post_init__(self):
+        for name in ("num_threads", "prefetch_buffer_size", "chunk_records"):
+            v = getattr(self, name)
+            lo = 0 if name == "num_threads" else 1
+            if not int_at_least(v, lo):
+                raise ValueError(f"ReadOptions.{name} must be an int >= {lo}, got {v!r}")
+
+
+# --- iterators ---
+
+
+class DatasetIterator:
+    """Base of every iterator: ``next``, ``get_state``/``set_state``, ``summary``, ``close``."""
+
+    _checker: StructureChecker | None = None
+
+    def __init__(self, parents: Sequence[DatasetIterator], name: str, debug: bool = False):
+        self._parents = tuple(parents)
+        self._stats = IteratorStats(name)
+        if debug:
+            self._checker = StructureChecker(name)
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            x = self._next()
+        finally:
+            self._stats.time += time.perf_counter() - t0
+        if self._checker is not None:
+            self._checker.check(x)
+        self._stats.count += 1
+        return x
+
+    def _next(self) -> Any:
+        raise NotImplementedError
+
+    def get_state(self) -> dict:
+        """A small JSON-able dict; ``set_state`` of it resumes exactly here."""
+        raise NotImplementedError
+
+    def set_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads / worker processes (idempotent; also done at exit)."""
+        for p in self._parents:
+            p.close()
+
+    def __enter__(self) -> DatasetIterator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _summary_rows(self, depth: int, rows: list) -> float:
+        """Append rows for this stage and its inputs; return this stage's inclusive time."""
+        own_row = len(rows)
+        rows.append(None)
+        child = 0.0
+        for p in self._parents:
+            child += p._summary_rows(depth + 1, rows)
+        s = self._stats
+        wall = max(1e-9, time.perf_counter() - s.created)
+        fill = f"{s.fill_sum / s.fill_n / s.capacity:.0%}" if s.fill_n and s.capacity else "-"
+        rows[own_row] = (
+            "  " * depth + s.name,
+            s.count,
+            s.time,
+            max(0.0, s.time - child),
+            s.time / wall,
+            fill,
+        )
+        return s.time
+
+    def summary(self) -> str:
+        """A table of the stages: records out, time inside ``next`` (total and own), the
+        share of wall time spent waiting for the stage, and buffer fill."""
+        rows: list = []
+        self._summary_rows(0, rows)
+        return format_summary(rows, self._summary_extra())
+
+    def _summary_extra(self) -> list[str]:
+        out = []
+        for p in self._parents:
+            out.extend(p._summary_extra())
+        return out
+
+
+class IterDataset(_Pipeline):
+    """A sequential dataset; ``iter(ds)`` gives a checkpointable :class:`DatasetIterator`."""
+
+    _parents: tuple[IterDataset, ...] = ()
+
+    def __iter__(self) -> DatasetIterator:
+        return self._make_iter(None)
+
+    def _make_iter(self, root_factory: Callable | None) -> DatasetIterator:
+        raise NotImplementedError
+
+    @property
+    def _debug(self) -> bool:
+        return any(p._debug for p in self._parents)
+
+    def _stage_name(self) -> str:
+        return type(self).__name__
+
+    # --- steps ---
+    def map(self, fn: Callable[[Any], Any]) -> IterDataset:
+        """Apply ``fn`` to every element."""
+        from cairn.data._transforms.map import (
+            MapIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return MapIterDataset(self, as_callable(fn, "map"))
+
+    def random_map(
+        self, fn: Callable[[Any, np.random.Generator], Any], seed: int = 0
+    ) -> IterDataset:
+        """Apply ``fn(element, rng)``; ``rng`` is keyed by (seed, element number)."""
+        from cairn.data._transforms.map import (
+            RandomMapIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return RandomMapIterDataset(
+            self, as_callable(fn, "random_map", "random_map"), check_seed(seed, "random_map()")
+        )
+
+    def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
+        """Keep the elements where ``predicate`` is true."""
+        from cairn.data._transforms.filter import (
+            FilterIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return FilterIterDataset(self, as_callable(predicate, "filter", "filter"))
+
+    def batch(
+        self, batch_size: int, drop_remainder: bool = False, batch_fn: Callable | None = None
+    ) -> IterDataset:
+        """Group ``batch_size`` consecutive elements (stacked leaf by leaf by default)."""
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | np.integer)
+            or batch_size < 1
+        ):
+            raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
+        from cairn.data._transforms.batch import (
+            BatchIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return BatchIterDataset(
+            self, int(batch_size), bool(drop_remainder), batch_fn or stack_records
+        )
+
+    def prefetch(self, buffer_size: int = 2) -> IterDataset:
+        """Compute up to ``buffer_size`` elements ahead in a background thread."""
+        if not int_at_least(buffer_size, 1):
+            raise ValueError(f"prefetch(): buffer_size must be a positive int, got {buffer_size!r}")
+        from cairn.data._transforms.prefetch import (
+            PrefetchIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return PrefetchIterDataset(self, buffer_size)
+
+    def mp_prefetch(
+        self, options: Any = None, worker_init_fn: Callable[[int, int], None] | None = None
+    ) -> IterDataset:
+        """Compute the ``MapDataset`` part of the pipeline in worker processes.
+
+        ``options`` is a :class:`MultiprocessingOptions` or an int (``num_workers``).
+        Workers compute deterministic chunks of the global element order; the main
+        process puts them back in order, so the output and the iterator state are the
+        same for every worker count, including 0.
+        """
+        from cairn.data._multiprocessing import (  # import cycle (labelled): base classes <-> transformations, by design
+            MPPrefetchIterDataset,
+            MultiprocessingOptions,
+        )
+
+        if options is None:
+            options = MultiprocessingOptions(num_workers=2)
+        elif isinstance(options, int) and not isinstance(options, bool):
+            options = MultiprocessingOptions(num_workers=options)
+        if not isinstance(options, MultiprocessingOptions):
+            raise TypeError(
+                f"mp_prefetch(): options must be MultiprocessingOptions or an int, got {options!r}"
+            )
+        if options.num_workers == 0:
+            return self
+        return MPPrefetchIterDataset(self, options, worker_init_fn)
+
+    @staticmethod
+    def interleave(datasets: Sequence[IterDataset], cycle_length: int | None = None) -> IterDataset:
+        """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset)."""
+        from cairn.data._transforms.interleave import (
+            InterleaveIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return InterleaveIterDataset(datasets, cycle_length)
+
+    @staticmethod
+    def mix(datasets: Sequence[IterDataset], weights: Sequence[float] | None = None) -> IterDataset:
+        """Interleave iterators deterministically in proportion to ``weights``.
+
+        The same pattern as :meth:`MapDataset.mix` (it repeats every 1000 elements and
+        gives input ``k`` ``round(weights[k] / sum(weights) * 1000)`` of them, spread
+        evenly), drawn from iterators, so inputs may filter, batch or pack. The mixture
+        ends when the input whose turn it is runs out. The state is the position in the
+        pattern plus every input's state.
+
+        >>> from cairn.data import IterDataset, MapDataset
+        >>> a = MapDataset.range(0, 100).to_iter_dataset()
+        >>> b = MapDataset.range(100, 200).filter(lambda x: x % 2 == 0).to_iter_dataset()
+        >>> list(IterDataset.mix([a, b], [3, 1]))[:8]
+        [0, 1, 100, 2, 3, 4, 102, 5]
+        """
+        from cairn.data._transforms.mix import (
+            MixIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
+        )
+
+        return MixIterDataset(datasets, weights)
+
+    def __repr__(self) -> str:
+        return self.graph()

@@ -1,0 +1,46 @@
+"""``filter`` on ``MapDataset`` (dropped elements read as ``None``) and ``IterDataset``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from cairn.data._arguments import fn_name
+from cairn.data._dataset import MapDataset
+from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
+
+__all__ = ["FilterIterDataset", "FilterIterator", "FilterMapDataset"]
+
+
+class FilterMapDataset(FnMapDataset):
+    _verb = "filter"
+
+    def __init__(self, parent: MapDataset, predicate: Callable):
+        super().__init__(parent, predicate)
+        self._may_filter = True
+
+    def _getitems(self, indices: np.ndarray, epoch: int) -> list:
+        values = self._parent._getitems(indices, epoch)
+        pred = self._fn
+        return [v if v is not None and pred(v) else None for v in values]
+
+
+class FilterIterator(SameStateIterator):
+    def __init__(self, parent, pred, name, debug):
+        super().__init__(parent, name, debug)
+        self._pred = pred
+
+    def _next(self):
+        while True:
+            x = next(self._p)
+            if self._pred(x):
+                return x
+
+
+class FilterIterDataset(UnaryIterDataset):
+    _iterator = FilterIterator
+
+    def _stage_name(self):
+        (pred,) = self._args
+        return f"filter({fn_name(pred)})"

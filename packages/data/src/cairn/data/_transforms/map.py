@@ -1,0 +1,119 @@
+"""``map``, ``map_with_index`` and ``random_map``, on ``MapDataset`` and ``IterDataset``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from cairn.data._arguments import fn_name
+from cairn.data._dataset import DatasetIterator, MapDataset
+from cairn.data._permutation import mix_seed
+from cairn.data._state_validation import any_field, check_state, int_field, nested, with_version
+from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
+
+__all__ = [
+    "MapIterDataset",
+    "MapIterator",
+    "MapMapDataset",
+    "MapWithIndexMapDataset",
+    "RandomMapIterDataset",
+    "RandomMapIterator",
+    "RandomMapMapDataset",
+    "rng_for",
+]
+
+
+def rng_for(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The per-element generator of ``random_map``: Philox keyed by (seed, epoch, index)."""
+    return np.random.Generator(np.random.Philox(key=mix_seed(seed, epoch, index)))
+
+
+# --- MapDataset ---
+
+
+class MapMapDataset(FnMapDataset):
+    _verb = "map"
+
+    def _getitems(self, indices: np.ndarray, epoch: int) -> list:
+        values = self._parent._getitems(indices, epoch)
+        fn = self._fn
+        if self._may_filter:
+            return [None if v is None else fn(v) for v in values]
+        return list(map(fn, values))
+
+
+class MapWithIndexMapDataset(FnMapDataset):
+    _verb = "map_with_index"
+
+    def _getitems(self, indices: np.ndarray, epoch: int) -> list:
+        values = self._parent._getitems(indices, epoch)
+        fn = self._fn
+        return [None if v is None else fn(i, v) for i, v in zip(indices.tolist(), values)]
+
+
+class RandomMapMapDataset(FnMapDataset):
+    def __init__(self, parent: MapDataset, fn: Callable, seed: int):
+        super().__init__(parent, fn)
+        self._seed = seed
+
+    def _getitems(self, indices: np.ndarray, epoch: int) -> list:
+        values = self._parent._getitems(indices, epoch)
+        fn, seed = self._fn, self._seed
+        return [
+            None if v is None else fn(v, rng_for(seed, epoch, i))
+            for i, v in zip(indices.tolist(), values)
+        ]
+
+    def _stage_name(self) -> str:
+        return f"random_map({fn_name(self._fn)}, seed={self._seed})"
+
+
+# --- IterDataset ---
+
+
+class MapIterator(SameStateIterator):
+    def __init__(self, parent, fn, name, debug):
+        super().__init__(parent, name, debug)
+        self._fn = fn
+
+    def _next(self):
+        return self._fn(next(self._p))
+
+
+class RandomMapIterator(DatasetIterator):
+    def __init__(self, parent, fn, seed, name, debug):
+        super().__init__((parent,), name, debug)
+        self._p, self._fn, self._seed = parent, fn, seed
+        self._count = 0
+
+    def _next(self):
+        x = next(self._p)
+        rng = rng_for(self._seed, 0, self._count)
+        self._count += 1
+        return self._fn(x, rng)
+
+    def get_state(self):
+        return with_version({"parent": self._p.get_state(), "count": self._count})
+
+    def set_state(self, state):
+        check_state(state, "random_map iterator", {"parent": any_field, "count": int_field(0)})
+        with nested("parent"):
+            self._p.set_state(state["parent"])
+        self._count = state["count"]
+
+
+class MapIterDataset(UnaryIterDataset):
+    _iterator = MapIterator
+
+    def _stage_name(self):
+        (fn,) = self._args
+        return f"map({fn_name(fn)})"
+
+
+class RandomMapIterDataset(UnaryIterDataset):
+    _iterator = RandomMapIterator
+
+    def _stage_name(self):
+        fn, seed = self._args
+        return f"random_map({fn_name(fn)}, seed={seed})"
