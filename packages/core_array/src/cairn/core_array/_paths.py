@@ -122,7 +122,7 @@ def _is_plain_dataclass(x: Any) -> bool:
 
 
 def _jax_key_name(entry: Any, prefix: str) -> str:
-    tu = jax_tree_util()
+    tu: Any = jax_tree_util()  # not None: the key came from a JAX key path
     if isinstance(entry, tu.DictKey):
         return _render_key(entry.key, prefix)
     if isinstance(entry, tu.SequenceKey):

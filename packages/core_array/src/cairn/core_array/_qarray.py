@@ -11,7 +11,7 @@ low bits); the last axis is padded with zero bits to a whole number of bytes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -77,9 +77,10 @@ class QuantLayout:
         if self.kind == "per_channel":
             return tuple(d if i in axes else 1 for i, d in enumerate(shape))
         (ax,) = axes
-        if shape[ax] % self.tile_size:
+        tile = cast(int, self.tile_size)  # per_tile: __post_init__ checked it is a positive int
+        if shape[ax] % tile:
             raise ValueError(f"axis {ax} of size {shape[ax]} is not a multiple of tile_size {self.tile_size}")
-        return tuple(d // self.tile_size if i == ax else d for i, d in enumerate(shape))
+        return tuple(d // tile if i == ax else d for i, d in enumerate(shape))
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "axes": list(self.axes), "tile_size": self.tile_size}
@@ -208,7 +209,8 @@ class QArray:
         return len(self.shape)
 
     def _expand(self, s: Any, xp) -> Any:
-        if self.layout.kind == "per_tile" and getattr(s, "ndim", 0):
+        ndim: int = getattr(s, "ndim", 0)
+        if self.layout.kind == "per_tile" and ndim:
             ax = self.layout.axes[0] % self.ndim
             s = xp.repeat(s, self.layout.tile_size, axis=ax)
         return s

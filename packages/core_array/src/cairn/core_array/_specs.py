@@ -124,7 +124,7 @@ class ArraySpec:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             return cls(tuple(x.shape), x.dtype, logical_axes, sharding)
         arr = np.asarray(x)
-        return cls(arr.shape, arr.dtype, logical_axes, sharding)
+        return cls(arr.shape, arr.dtype, logical_axes, sharding)  # type: ignore[arg-type]  # __post_init__ canonicalizes the dtype
 
     def partition_spec(self) -> jax.sharding.PartitionSpec:
         """The sharding as a ``jax.sharding.PartitionSpec`` (replicated when ``None``)."""
