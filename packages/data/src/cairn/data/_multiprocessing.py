@@ -59,8 +59,12 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from cairn.data._arguments import int_at_least
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._stats import StageProfile, add_bad_records, bad_record_counts, stage_list
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.to_iter import (
     ChunkedRootIterator,
     MapRootIterDataset,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from cairn.data._arguments import fn_name
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import MapDataset
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import SameStateIterator, UnaryIterDataset, UnaryMapDataset
 from cairn.data._tree import stack_records
 

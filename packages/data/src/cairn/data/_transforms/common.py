@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 
 from cairn.data._arguments import fn_name
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset
 
 __all__ = [

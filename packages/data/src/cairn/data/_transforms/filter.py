@@ -7,7 +7,11 @@ from collections.abc import Callable
 import numpy as np
 
 from cairn.data._arguments import fn_name
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import MapDataset
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
 
 __all__ = ["FilterIterDataset", "FilterIterator", "FilterMapDataset"]

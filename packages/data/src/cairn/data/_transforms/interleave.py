@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cairn.data._arguments import int_at_least
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset
 from cairn.data._state_validation import StateError, check_state, int_field, nested, with_version
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import as_iter_datasets, state_path
 
 __all__ = ["InterleaveIterDataset", "InterleaveIterator"]

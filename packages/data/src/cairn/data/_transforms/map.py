@@ -7,9 +7,13 @@ from collections.abc import Callable
 import numpy as np
 
 from cairn.data._arguments import fn_name
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, MapDataset
 from cairn.data._permutation import mix_seed
 from cairn.data._state_validation import any_field, check_state, int_field, nested, with_version
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
 
 __all__ = [

@@ -8,8 +8,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset
 from cairn.data._state_validation import check_state, int_field, nested, with_version
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import ManyParentsMapDataset, as_iter_datasets, state_path
 
 __all__ = ["MixIterDataset", "MixIterator", "MixMapDataset", "mix_pattern"]

@@ -6,7 +6,10 @@ from __future__ import annotations
 import queue
 import threading
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import UnaryIterDataset
 
 __all__ = ["PrefetchIterDataset", "ThreadPrefetchIterator"]

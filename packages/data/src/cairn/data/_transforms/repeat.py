@@ -6,7 +6,10 @@ import sys
 
 import numpy as np
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import MapDataset
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import UnaryMapDataset, gather
 
 __all__ = ["RepeatMapDataset"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import SeededMapDataset
 
 __all__ = ["SeedMapDataset"]

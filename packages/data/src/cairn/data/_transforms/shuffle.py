@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from cairn.data._permutation import permute
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import SeededMapDataset
 
 __all__ = ["ShuffleMapDataset"]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import MapDataset
+
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import UnaryMapDataset
 
 __all__ = ["BlockSliceMapDataset", "SliceMapDataset"]

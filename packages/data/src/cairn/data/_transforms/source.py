@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import MapDataset
 
 __all__ = ["RangeMapDataset", "SourceMapDataset"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+# import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._state_validation import STATE_VERSION, check_state, int_field
 from cairn.data._stats import StageProfile, profiling
