@@ -1,0 +1,27 @@
+"""Names vulture reports as unused (at ``--min-confidence 60``) that something does use.
+
+``nox -s lint`` runs vulture over ``packages/*/src``, ``tests``, ``examples``,
+``benchmarks`` and ``tools`` together with this file (config: ``[tool.vulture]`` in the
+root pyproject), so a name used only by the tests or an example counts as used. vulture
+reads this file as code that uses the names in it: a bare ``name`` covers a variable,
+argument, function or class, ``_.name`` an attribute or method.
+
+Add an entry only for a real false positive (read by a protocol, a framework or
+reflection) with a comment saying who reads it; delete dead code instead of listing it.
+tests/tooling/test_tooling_vulture.py checks that every entry has a comment and still
+names something in the code.
+"""
+
+# ruff: noqa: B018, F821
+
+# --- protocols and signatures fixed by someone else ---
+extra_args  # core_array GradientTransformationLike.update(**extra_args): Optax's update signature
+element  # data MapTransform/FilterTransform/...(element): the abstract method's documented parameter
+objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor protocol passes it
+
+# --- read by reflection ---
+_.__wrapped__  # nn initializers: inspect.signature / functools.unwrap read the wrapped initializer
+_.tree_flatten_with_keys  # tests/core_array: JAX calls it on registered pytree classes
+
+# --- tests ---
+_.lock  # tests/data Unpicklable: the lock is there to make the exception unpicklable
