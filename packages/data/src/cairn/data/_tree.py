@@ -2,8 +2,15 @@
 
 Records are nested dicts / lists / tuples / namedtuples whose leaves are NumPy arrays,
 NumPy or Python scalars, ``bytes`` or ``str``. A leaf's path follows the Cairn
-convention: its keys joined by ``/`` (dict keys as text, sequence indices as decimals,
-namedtuple fields by name), e.g. ``"features/0/ids"``; the root itself is ``""``.
+convention of ``cairn.core_array`` (whose :func:`~cairn.core_array.join_path` builds
+every path here): its keys joined by ``/`` (dict keys as text, sequence indices as
+decimals, namedtuple fields by name), e.g. ``"features/0/ids"``; the root itself is
+``""``.
+
+Batching and the debug-mode structure check accept any dict key; paths are only built
+to name where a record differs. A key that cannot be a path component (neither ``str``
+nor ``int``, or a ``str`` containing ``/``) is then named by its ``repr`` under the path
+of its parent, so the error stays readable.
 """
 
 from __future__ import annotations
@@ -13,32 +20,69 @@ from typing import Any
 
 import numpy as np
 
+from cairn.core_array import PathError, join_path
+
 __all__ = ["stack_records", "structure_of", "first_mismatch"]
 
+# A position in a record: the keys from the root (dict keys, sequence indices, fields).
+_Keys = tuple[Any, ...]
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}/{key}" if path else str(key)
+
+# --- naming positions ---
+
+
+def _path(parent: str, keys: _Keys) -> str:
+    """The path of ``keys`` below ``parent`` (``PathError`` for a key no path can hold)."""
+    path = parent
+    for key in keys:
+        path = join_path(path, key)
+    return path
+
+
+def _location(parent: str, keys: _Keys) -> tuple[str, str]:
+    """``(path, text)`` naming a position in an error message; never raises.
+
+    ``path`` is the position's path, or for a key that cannot be a path component the
+    path of the deepest container above it that has one; ``text`` says which it is.
+    """
+    path = parent
+    for i, key in enumerate(keys):
+        try:
+            path = join_path(path, key)
+        except PathError:
+            rest = ", ".join(repr(k) for k in keys[i:])
+            return path, f"key {rest} under path {path or '<root>'!r}"
+    return path, f"path {path or '<root>'!r}"
 
 
 def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _stack_leaves(values: list, path: str) -> Any:
+def _field(x: Any, j: int) -> Any:
+    """The key of element ``j`` of a sequence: its field name in a namedtuple, else ``j``."""
+    return x._fields[j] if _is_namedtuple(x) else j
+
+
+# --- batching ---
+
+
+def _stack_leaves(values: list[Any], parent: str, keys: _Keys) -> Any:
     first = values[0]
     if isinstance(first, np.ndarray):
         try:
             return np.stack(values)
         except ValueError as e:
+            where = _location(parent, keys)[1]
             for i, v in enumerate(values):
                 shape = getattr(v, "shape", None)
                 if shape != first.shape:
                     raise ValueError(
-                        f"cannot batch records: at path {path or '<root>'!r} record {i} has "
+                        f"cannot batch records: at {where} record {i} has "
                         f"shape {shape} but record 0 has shape {first.shape}; give batch() a "
                         "batch_fn that pads, or pack the sequences (FirstFitPackIterDataset)"
                     ) from None
-            raise ValueError(f"cannot batch records at path {path or '<root>'!r}: {e}") from None
+            raise ValueError(f"cannot batch records at {where}: {e}") from None
     if isinstance(first, bool | int | float | complex | np.generic):
         return np.asarray(values)
     out = np.empty(len(values), dtype=object)
@@ -50,8 +94,18 @@ def stack_records(records: Sequence[Any], path: str = "") -> Any:
     """Stack equally structured records leaf by leaf into one batch.
 
     NumPy leaves are stacked along a new leading axis, numbers become a 1-D array, other
-    leaves (``bytes``, ``str``, objects) a 1-D object array. A record whose structure or
-    shape differs from the first raises ``ValueError`` naming the record and path.
+    leaves (``bytes``, ``str``, objects) a 1-D object array.
+
+    Args:
+      records: records of one structure (nested dicts / lists / tuples / namedtuples).
+      path: the path of the records within a larger structure, used in error messages.
+
+    Returns:
+      One record of that structure whose leaves have a leading axis of ``len(records)``.
+
+    Raises:
+      ValueError: ``records`` is empty, or a record's structure or a leaf's shape
+        differs from the first record's; the message names the record and the path.
 
     >>> import numpy as np
     >>> b = stack_records([{"x": np.zeros(2), "y": 1}, {"x": np.ones(2), "y": 2}])
@@ -61,156 +115,206 @@ def stack_records(records: Sequence[Any], path: str = "") -> Any:
     records = list(records)
     if not records:
         raise ValueError("cannot batch an empty list of records")
+    return _stack(records, path, ())
+
+
+def _stack(records: list[Any], parent: str, keys: _Keys) -> Any:
     first = records[0]
     if isinstance(first, dict):
-        keys = list(first)
-        for i, r in enumerate(records):
-            if not isinstance(r, dict) or len(r) != len(keys):
-                _raise_mismatch(records, i, path)
-        try:
-            return {k: stack_records([r[k] for r in records], _join(path, k)) for k in keys}
-        except KeyError:
-            for i, r in enumerate(records):
-                if r.keys() != first.keys():
-                    _raise_mismatch(records, i, path)
-            raise
+        return _stack_dicts(records, parent, keys)
     if isinstance(first, tuple | list):
         n = len(first)
         for i, r in enumerate(records):
             if type(r) is not type(first) or len(r) != n:
-                _raise_mismatch(records, i, path)
+                _raise_mismatch(records, i, parent, keys)
         cols = [
-            stack_records([r[j] for r in records], _join(path, _field(first, j))) for j in range(n)
+            _stack([r[j] for r in records], parent, (*keys, _field(first, j))) for j in range(n)
         ]
         if _is_namedtuple(first):
             return type(first)(*cols)
         return type(first)(cols)
-    return _stack_leaves(records, path)
+    return _stack_leaves(records, parent, keys)
 
 
-def _field(x: Any, j: int) -> Any:
-    return x._fields[j] if _is_namedtuple(x) else j
+def _stack_dicts(records: list[Any], parent: str, keys: _Keys) -> dict[Any, Any]:
+    first = records[0]
+    names = list(first)
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or len(r) != len(names):
+            _raise_mismatch(records, i, parent, keys)
+    try:
+        return {k: _stack([r[k] for r in records], parent, (*keys, k)) for k in names}
+    except KeyError:
+        for i, r in enumerate(records):
+            if r.keys() != first.keys():
+                _raise_mismatch(records, i, parent, keys)
+        raise
 
 
-def _raise_mismatch(records: list, i: int, path: str) -> None:
-    msg = first_mismatch(records[0], records[i])
-    raise ValueError(
-        f"cannot batch records: record {i} differs from record 0"
-        + (
-            f" at path {_join(path, msg[0]) if msg[0] else (path or '<root>')!r}: {msg[1]}"
-            if msg
-            else ""
-        )
-    )
+def _raise_mismatch(records: list[Any], i: int, parent: str, keys: _Keys) -> None:
+    found = _compare(_structure(records[0]), _structure(records[i]), True)
+    detail = ""
+    if found is not None:
+        detail = f" at {_location(parent, keys + found[0])[1]}: {found[1]}"
+    raise ValueError(f"cannot batch records: record {i} differs from record 0{detail}")
 
 
-def _leaf_signature(x: Any) -> tuple:
+# --- structure signatures ---
+
+
+def _leaf_signature(x: Any) -> tuple[Any, ...]:
     if isinstance(x, np.ndarray):
         return ("ndarray", str(x.dtype), x.shape)
     if isinstance(x, np.generic):
         return ("scalar", str(x.dtype), ())
-    return (type(x).__name__,)
+    return ("leaf", type(x).__name__)
 
 
-def structure_of(x: Any, path: str = "") -> dict[str, tuple]:
-    """Map each path of ``x`` to a signature: (kind, dtype, shape) for leaves, and the
-    keys / length of containers (under the path plus ``{}`` / ``[]``).
-
-    >>> import numpy as np
-    >>> structure_of({"a": np.zeros((2, 3), np.int32), "b": [1.0]})
-    {'{}': ('dict', ('a', 'b')), 'a': ('ndarray', 'int32', (2, 3)), 'b[]': ('list', 1), 'b/0': ('float',)}
-    """
-    out: dict[str, tuple] = {}
-    _structure(x, path, out)
+def _structure(x: Any) -> dict[_Keys, tuple[Any, ...]]:
+    """Each position of ``x`` (keys from the root, containers included) -> its signature."""
+    out: dict[_Keys, tuple[Any, ...]] = {}
+    _walk(x, (), out)
     return out
 
 
-def _structure(x: Any, path: str, out: dict) -> None:
+def _walk(x: Any, keys: _Keys, out: dict[_Keys, tuple[Any, ...]]) -> None:
     if isinstance(x, dict):
-        out[path + "{}"] = ("dict", tuple(sorted(map(str, x))))
+        out[keys] = ("dict", tuple(sorted(map(str, x))))
         for k, v in x.items():
-            _structure(v, _join(path, k), out)
+            _walk(v, (*keys, k), out)
     elif isinstance(x, tuple | list):
-        out[path + "[]"] = (type(x).__name__, len(x))
+        out[keys] = ("sequence", type(x).__name__, len(x))
         for j, v in enumerate(x):
-            _structure(v, _join(path, _field(x, j)), out)
+            _walk(v, (*keys, _field(x, j)), out)
     else:
-        out[path] = _leaf_signature(x)
+        out[keys] = _leaf_signature(x)
 
 
-def _describe(sig: tuple) -> str:
+def structure_of(x: Any, path: str = "") -> dict[str, tuple[Any, ...]]:
+    """Map each path of ``x`` to the signature of what sits there.
+
+    Containers have paths too (the root is ``path``, ``""`` by default), so one mapping
+    in the one path convention describes the whole record; a path holds either a
+    container or a leaf, never both.
+
+    Signatures: ``("ndarray", dtype, shape)`` for arrays, ``("scalar", dtype, ())`` for
+    NumPy scalars, ``("leaf", type name)`` for other leaves, ``("dict", sorted keys as
+    str)`` for dicts and ``("sequence", type name, length)`` for lists, tuples and
+    namedtuples.
+
+    Args:
+      x: a record (nested dicts / lists / tuples / namedtuples of leaves).
+      path: the path of ``x`` itself; every other path is joined below it.
+
+    Returns:
+      ``{path: signature}`` in depth-first order, each container before its children.
+
+    Raises:
+      PathError: a dict key cannot be a path component (see
+        :func:`cairn.core_array.key_name`); the message names the parent path.
+
+    >>> import numpy as np
+    >>> structure_of({"a": np.zeros((2, 3), np.int32), "b": [1.0]})
+    {'': ('dict', ('a', 'b')), 'a': ('ndarray', 'int32', (2, 3)), 'b': ('sequence', 'list', 1), 'b/0': ('leaf', 'float')}
+    """
+    return {_path(path, keys): sig for keys, sig in _structure(x).items()}
+
+
+def _describe(sig: tuple[Any, ...]) -> str:
     if sig[0] == "ndarray":
         return f"an array of dtype {sig[1]} and shape {sig[2]}"
     if sig[0] == "scalar":
         return f"a NumPy scalar of dtype {sig[1]}"
     if sig[0] == "dict":
         return f"a dict with keys {list(sig[1])}"
-    if len(sig) == 2:
-        return f"a {sig[0]} of length {sig[1]}"
-    return f"a {sig[0]}"
+    if sig[0] == "sequence":
+        return f"a {sig[1]} of length {sig[2]}"
+    return f"a {sig[1]}"
 
 
 def first_mismatch(reference: Any, other: Any, check_shapes: bool = True) -> tuple[str, str] | None:
     """Return ``(path, explanation)`` of the first structural difference, or ``None``.
 
+    Args:
+      reference: the record to compare against (the first record of a stream).
+      other: the record to check.
+      check_shapes: compare array shapes; if ``False`` only dtype and rank.
+
+    Raises:
+      PathError: the differing position is under a dict key that cannot be a path
+        component.
+
     >>> import numpy as np
     >>> first_mismatch({"a": np.zeros(3)}, {"a": np.zeros(4)})
     ('a', 'expected an array of dtype float64 and shape (3,) (as in the first record), got an array of dtype float64 and shape (4,)')
     """
-    ref = structure_of(reference)
-    got = structure_of(other)
-    return _compare(ref, got, check_shapes)
+    found = _compare(_structure(reference), _structure(other), check_shapes)
+    return None if found is None else (_path("", found[0]), found[1])
 
 
-def _compare(ref: dict, got: dict, check_shapes: bool) -> tuple[str, str] | None:
-    for path, sig in ref.items():
-        other = got.get(path)
-        clean = path.removesuffix("{}").removesuffix("[]")
+def _compare(
+    ref: dict[_Keys, tuple[Any, ...]], got: dict[_Keys, tuple[Any, ...]], check_shapes: bool
+) -> tuple[_Keys, str] | None:
+    """``(keys, explanation)`` of the first position where ``got`` differs from ``ref``."""
+    for keys, sig in ref.items():
+        other = got.get(keys)
         if other is None:
-            return clean, f"missing in this record (the first record has {_describe(sig)} there)"
+            return keys, f"missing in this record (the first record has {_describe(sig)} there)"
         same = other == sig
         if not same and not check_shapes and sig[0] == "ndarray" and other[0] == "ndarray":
             same = sig[1] == other[1] and len(sig[2]) == len(other[2])
         if not same:
-            return (
-                clean,
-                f"expected {_describe(sig)} (as in the first record), got {_describe(other)}",
-            )
-    for path in got:
-        if path not in ref:
-            clean = path.removesuffix("{}").removesuffix("[]")
-            return clean, "present in this record but not in the first record"
+            return keys, f"expected {_describe(sig)} (as in the first record), got {_describe(other)}"
+    for keys in got:
+        if keys not in ref:
+            return keys, "present in this record but not in the first record"
     return None
 
 
 class StructureChecker:
-    """Compare every record with the first one seen; raise naming the first mismatch."""
+    """Compare every record with the first one seen; raise naming the first mismatch.
 
-    def __init__(self, stage: str, check_shapes: bool = True):
+    Args:
+      stage: the pipeline stage whose output is checked (named in the error).
+      check_shapes: compare array shapes; if ``False`` only dtype and rank.
+    """
+
+    def __init__(self, stage: str, check_shapes: bool = True) -> None:
         self.stage = stage
         self.check_shapes = check_shapes
-        self._ref: dict | None = None
+        self._ref: dict[_Keys, tuple[Any, ...]] | None = None
         self.count = 0
 
     def check(self, x: Any, where: Callable[[], str] | None = None) -> None:
-        sig = structure_of(x)
+        """Record ``x`` as the reference if it is the first, else compare it with it.
+
+        Raises:
+          StructureMismatchError: ``x`` differs from the first record; ``where()`` (or
+            ``"element <n>"``) names it in the message.
+        """
+        sig = _structure(x)
         if self._ref is None:
             self._ref = sig
         else:
             m = _compare(self._ref, sig, self.check_shapes)
             if m is not None:
                 at = where() if where is not None else f"element {self.count}"
+                path, text = _location("", m[0])
                 raise StructureMismatchError(
                     f"debug mode: {at} produced by stage {self.stage!r} differs from the first "
-                    f"element at path {m[0] or '<root>'!r}: {m[1]}",
-                    path=m[0],
+                    f"element at {text}: {m[1]}",
+                    path=path,
                 )
         self.count += 1
 
 
 class StructureMismatchError(ValueError):
-    """A record's structure differs from the first record's (raised in debug mode)."""
+    """A record's structure differs from the first record's (raised in debug mode).
 
-    def __init__(self, message: str, path: str = ""):
+    ``path`` is the path of the differing position (for a key that cannot be a path
+    component, the path of the container holding it).
+    """
+
+    def __init__(self, message: str, path: str = "") -> None:
         super().__init__(message)
         self.path = path
