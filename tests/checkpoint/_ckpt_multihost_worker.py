@@ -6,12 +6,12 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import cairn.checkpoint as cc  # noqa: E402
+import cairn.checkpoint as cc
 
 port, pid, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)

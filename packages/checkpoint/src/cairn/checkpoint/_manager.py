@@ -136,6 +136,7 @@ class CheckpointManager(_BackgroundSaver):
             _Tier("persistent", self.directory, o.save_interval_steps, o.max_to_keep, True)
         ]
         if o.local_directory is not None:
+            assert o.local_save_interval_steps is not None  # checked by the options
             self._tiers.append(
                 _Tier(
                     "local",
@@ -168,7 +169,7 @@ class CheckpointManager(_BackgroundSaver):
 
     def _committed(self, tier: _Tier) -> dict[int, str]:
         """Step directories with a ``COMMIT`` marker (intact or not)."""
-        out = {}
+        out: dict[int, str] = {}
         if not os.path.isdir(tier.directory):
             return out
         for name in os.listdir(tier.directory):
@@ -221,7 +222,7 @@ class CheckpointManager(_BackgroundSaver):
         verified again unless that was done after ``since``). A corrupt step is logged once."""
         try:
             st, cst = os.stat(d), os.stat(os.path.join(d, _fs.COMMIT_MARKER))
-            key = (st.st_ino, st.st_mtime_ns, cst.st_mtime_ns, cst.st_size)
+            key: tuple[int, ...] = (st.st_ino, st.st_mtime_ns, cst.st_mtime_ns, cst.st_size)
         except OSError:
             key = ()
         hit = self._checked.get(d)
@@ -304,7 +305,10 @@ class CheckpointManager(_BackgroundSaver):
 
     def _step_meta(self, step: int) -> dict:
         d = self._step_dir(step)
-        return self._check(d, step)[0]
+        meta, why = self._check(d, step)
+        if meta is None:  # deleted or damaged since _step_dir verified it
+            raise CheckpointError(f"step {step} in {self.directory} changed while being read: {why}")
+        return meta
 
     def metrics(self, step: int) -> dict | None:
         """The metrics saved with ``step`` (``None`` if none were given)."""
@@ -478,18 +482,24 @@ class CheckpointManager(_BackgroundSaver):
 
     def _apply_retention(self, tier: _Tier) -> None:
         o = self._options
-        steps = {s: d for s, d in self._committed(tier).items() if self._check(d, s)[0] is not None}
+        steps: dict[int, tuple[str, dict]] = {}  # intact steps: (directory, _STEP.json)
+        for s, d in self._committed(tier).items():
+            meta = self._check(d, s)[0]
+            if meta is not None:
+                steps[s] = (d, meta)
         if tier.max_to_keep is None or len(steps) <= tier.max_to_keep:
             return
         ordered = sorted(steps)
         keep = {ordered[-1]}
-        if tier.use_best and o.best_fn is not None:
-            scored, unscored = [], []
+        best_fn = o.best_fn
+        if tier.use_best and best_fn is not None:
+            scored: list[tuple[int, Any]] = []
+            unscored: list[tuple[int, Any]] = []
             for s in ordered:
-                m = self._check(steps[s], s)[0].get("metrics")
+                m = steps[s][1].get("metrics")
                 (unscored if m is None else scored).append((s, m))
             sign = -1.0 if o.best_mode == "max" else 1.0
-            scored.sort(key=lambda sm: (sign * float(o.best_fn(sm[1])), -sm[0]))
+            scored.sort(key=lambda sm: (sign * float(best_fn(sm[1])), -sm[0]))
             keep.update(s for s, _ in scored[: tier.max_to_keep])
             if o.keep_checkpoints_without_metrics:
                 keep.update(s for s, _ in unscored)
@@ -499,7 +509,7 @@ class CheckpointManager(_BackgroundSaver):
             keep.update(s for s in ordered if s % o.keep_period == 0)
         for s in ordered:
             if s not in keep:
-                _fs.remove_tree(steps[s])
+                _fs.remove_tree(steps[s][0])
 
     def delete(self, step: int) -> None:
         """Remove ``step`` from every tier (a corrupt step too)."""

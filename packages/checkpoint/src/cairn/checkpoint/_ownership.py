@@ -189,7 +189,7 @@ def cleanup_incomplete(
     for name in os.listdir(parent):
         full = os.path.join(os.path.abspath(parent), name)
         if name.endswith(DELETE_SUFFIX) and final is None:
-            why = "an interrupted delete"  # already invisible; its deleter ignores errors
+            why: str | None = "an interrupted delete"  # already invisible; its deleter ignores errors
             shutil.rmtree(full, ignore_errors=True)
         elif name.endswith(TMP_SUFFIX):
             m = _TMP_RE.fullmatch(name)

@@ -217,9 +217,9 @@ def _compile_patterns(paths: str | re.Pattern | Sequence[str | re.Pattern] | Non
             raise TypeError(f"paths must be a regex string or a list of them, got {p!r}")
         try:
             out.append(compile_pattern(p))
-        except PathError as err:
-            # a PathError is a ValueError, as documented for a bad ``paths=``
-            raise PathError(f"paths pattern {p!r} is not a valid regular expression ({err})") from None
+        except PathError as err:  # a ValueError, as documented for a bad ``paths=``; keep re's words
+            detail = err.__context__ if err.__context__ is not None else err
+            raise PathError(f"paths pattern {p!r} is not a valid regular expression: {detail}") from None
     return out
 
 
@@ -331,10 +331,10 @@ def regions_all(directory: str, meta: dict) -> list[dict[str, list]]:
 
 @dataclass(frozen=True)
 class _Buffer:
-    """A host buffer for one region of a leaf, and the devices it goes to (``None``: unsharded)."""
+    """A host buffer for one region of a leaf, and the devices it goes to."""
 
     region: list[list[int]]
-    devices: list | None
+    devices: list[Any]  # empty for an unsharded leaf
     array: np.ndarray
 
 
@@ -402,7 +402,7 @@ def _buffers(kind: str, sharding: Any, shape: tuple[int, ...], saved_dtype: np.d
             _Buffer([list(r) for r in reg], devs, _storage.aligned_empty([b - a for a, b in reg], saved_dtype))
             for reg, devs in by_region.items()
         ]
-    return [_Buffer([[0, d] for d in shape], None, _storage.aligned_empty(shape, saved_dtype))]
+    return [_Buffer([[0, d] for d in shape], [], _storage.aligned_empty(shape, saved_dtype))]
 
 
 def _plan_job(path: str, e: dict, want: _Want, stores: _Stores) -> _ReadJob:
@@ -549,7 +549,7 @@ def build(results: dict[str, Any], target: Any) -> Any:
 
 
 def restore_dir(
-    directory: str,
+    directory: str | os.PathLike,
     target: Any = None,
     *,
     paths: str | re.Pattern | Sequence[str | re.Pattern] | None = None,

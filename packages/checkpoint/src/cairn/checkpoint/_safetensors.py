@@ -120,7 +120,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None) -> Any:
                 raise CheckpointError(f"{path}: tensor {name!r} has inconsistent data offsets")
             arr = np.empty(info["shape"], dtype)
             f.seek(offset + start)
-            if f.readinto(memoryview(arr.reshape(-1).view(np.uint8))) != stop - start:
+            if f.readinto(arr.reshape(-1).view(np.uint8).data) != stop - start:
                 raise CheckpointError(f"{path}: tensor {name!r} is truncated")
             arrays[name] = arr
     if target is None:
@@ -139,9 +139,9 @@ def load_safetensors(path: str | os.PathLike, target: Any = None) -> Any:
     out = {}
     for p, t in tflat.items():
         a = arrays[p]
-        dtype = getattr(t, "dtype", None)
-        if dtype is not None and np.dtype(dtype) != a.dtype:
-            a = a.astype(dtype)
+        want = getattr(t, "dtype", None)
+        if want is not None and np.dtype(want) != a.dtype:
+            a = a.astype(want)
         sharding = getattr(t, "sharding", None)
         out[p] = jax.device_put(a, sharding) if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) else a
     return unflatten(out, like=target, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))

@@ -188,7 +188,7 @@ def read_into(
     region: Sequence[Sequence[int]],
     sources: Sequence[tuple[Any, Sequence[Sequence[int]]]],
     path: str,
-) -> list[ts.Future]:
+) -> list[ts.WriteFutures]:
     """Start reads filling ``out`` (covering ``region`` of the global array) from ``sources``.
 
     ``sources`` are (opened TensorStore, saved region) pairs with disjoint regions; only the

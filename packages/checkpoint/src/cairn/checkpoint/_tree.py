@@ -125,7 +125,7 @@ def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot
             arr = np.asarray(leaf)
             dtype = arr.dtype
             try:
-                canonical_dtype(dtype)
+                dname = canonical_dtype(dtype)
             except (ValueError, TypeError, KeyError) as err:
                 raise TypeError(
                     f"cannot checkpoint leaf {path!r}: numpy dtype {dtype} is not a supported "
@@ -134,7 +134,7 @@ def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot
             sd = _storage.storage_dtype(dtype)
             snap.leaves[path] = {
                 "kind": "numpy" if isinstance(leaf, np.ndarray) else "numpy_scalar",
-                "spec": ArraySpec(arr.shape, dtype).to_json(),
+                "spec": ArraySpec(arr.shape, dname).to_json(),
                 "storage_dtype": sd,
                 "chunk_shape": _storage.chunk_shape_for(arr.shape, dtype.itemsize),
                 "sharding": None,
