@@ -28,6 +28,9 @@ Each kind is one entry of :data:`_KINDS`: a small encode function (writes the pa
 and a small decode function (reads it back). The format is a storage format: files
 written by earlier versions must decode identically (``tests/data/test_data_codec.py``
 holds golden bytes).
+
+``cairn.core_array`` (path joining, dtype names) is imported on first use, so
+``import cairn.data`` does not load it.
 """
 
 from __future__ import annotations
@@ -39,8 +42,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-
-from cairn.core_array import SEPARATOR, PathError, as_numpy_dtype, canonical_dtype, join_path
 
 __all__ = ["decode_example", "encode_example"]
 
@@ -54,6 +55,7 @@ _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _HEADER = struct.Struct("<4sI")
+_SEPARATOR = "/"  # cairn.core_array.SEPARATOR; core_array is imported on first use (below)
 
 # ``data`` as the decoder reads it: ``bytes`` as is, anything else as a byte memoryview.
 _Buffer = bytes | memoryview
@@ -74,8 +76,10 @@ def _dtype_name(dt: np.dtype) -> str:
     """The name stored for an array's dtype (canonical numeric names, ``dt.str`` for S/U)."""
     if dt.kind not in "SUOM" and dt.names is None:
         try:
+            from cairn.core_array import canonical_dtype
+
             return canonical_dtype(dt)
-        except (ValueError, TypeError):
+        except (ImportError, ValueError, TypeError):
             pass
     if dt.kind in "SU":
         return dt.str
@@ -89,8 +93,10 @@ def _dtype_name(dt: np.dtype) -> str:
 def _dtype_from_name(name: str) -> np.dtype:
     """Inverse of :func:`_dtype_name` (bounded cache: names come from untrusted bytes)."""
     try:
+        from cairn.core_array import as_numpy_dtype
+
         return np.dtype(as_numpy_dtype(name))
-    except (ValueError, TypeError, KeyError):
+    except (ImportError, ValueError, TypeError, KeyError):
         return np.dtype(name)
 
 
@@ -283,14 +289,16 @@ def _kind_for(path: str, value: Any) -> tuple[bytes, Callable[[bytearray, str, A
 
 def _flatten(example: Mapping[str, Any], prefix: str, out: list[tuple[str, Any]]) -> None:
     """Append ``(path, leaf)`` for every leaf of ``example``; an empty dict is a leaf."""
+    from cairn.core_array import PathError, join_path
+
     for key, value in example.items():
         if not isinstance(key, str):
-            where = prefix + SEPARATOR if prefix else SEPARATOR
+            where = prefix + _SEPARATOR if prefix else _SEPARATOR
             raise TypeError(f"encode_example: keys must be str, got {key!r} in {where}")
         try:
             path = join_path(prefix, key)
         except PathError:
-            full = prefix + SEPARATOR + key if prefix else key
+            full = prefix + _SEPARATOR + key if prefix else key
             raise ValueError(
                 f"encode_example: key {full!r} must be non-empty and contain no '/' "
                 "(nested dicts are joined with '/')"
@@ -356,7 +364,7 @@ def encode_example(example: Mapping[str, Any]) -> bytes:
 def _insert(out: dict[str, Any], path: str, value: Any) -> None:
     """Put ``value`` at ``path`` in ``out``, creating the nested dicts above it."""
     node = out
-    *parents, leaf = path.split(SEPARATOR)
+    *parents, leaf = path.split(_SEPARATOR)
     for p in parents:
         node = node.setdefault(p, {})
     node[leaf] = value

@@ -7,7 +7,8 @@ every path here): its keys joined by ``/`` (dict keys as text, sequence indices 
 decimals, namedtuple fields by name), e.g. ``"features/0/ids"``; the root itself is
 ``""``.
 
-Batching and the debug-mode structure check accept any dict key; paths are only built
+core_array is imported on first use (when a path is needed), so ``import cairn.data``
+does not load it. Batching and the debug-mode structure check accept any dict key; paths are only built
 to name where a record differs. A key that cannot be a path component (neither ``str``
 nor ``int``, or a ``str`` containing ``/``) is then named by its ``repr`` under the path
 of its parent, so the error stays readable.
@@ -20,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from cairn.core_array import PathError, join_path
-
 __all__ = ["stack_records", "structure_of", "first_mismatch"]
 
 # A position in a record: the keys from the root (dict keys, sequence indices, fields).
@@ -33,6 +32,8 @@ _Keys = tuple[Any, ...]
 
 def _path(parent: str, keys: _Keys) -> str:
     """The path of ``keys`` below ``parent`` (``PathError`` for a key no path can hold)."""
+    from cairn.core_array import join_path
+
     path = parent
     for key in keys:
         path = join_path(path, key)
@@ -45,6 +46,10 @@ def _location(parent: str, keys: _Keys) -> tuple[str, str]:
     ``path`` is the position's path, or for a key that cannot be a path component the
     path of the deepest container above it that has one; ``text`` says which it is.
     """
+    try:
+        from cairn.core_array import PathError, join_path
+    except ImportError:  # (an error message is being built: do not replace it by another)
+        return parent, f"keys {list(keys)!r} under path {parent or '<root>'!r}"
     path = parent
     for i, key in enumerate(keys):
         try:
