@@ -452,7 +452,7 @@ class DatasetIterator:
 
     _checker: StructureChecker | None = None
 
-    def __init__(self, parents: Sequence[DatasetIterator], name: str, debug: bool = False):
+    def __init__(self, parents: Sequence[DatasetIterator], name: str, debug: bool = False) -> None:
         self._parents = tuple(parents)
         self._stats = IteratorStats(name)
         if debug:

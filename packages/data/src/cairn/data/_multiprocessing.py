@@ -145,7 +145,9 @@ class WorkerTimeoutError(WorkerDiedError):
     positions, in the ``MapDataset``, that the worker was computing), ``elapsed_s``.
     """
 
-    def __init__(self, msg: str, worker_index: int, pid: int, elements: range, elapsed_s: float):
+    def __init__(
+        self, msg: str, worker_index: int, pid: int, elements: range, elapsed_s: float
+    ) -> None:
         super().__init__(msg)
         self.worker_index, self.pid, self.elements, self.elapsed_s = (
             worker_index,
@@ -161,7 +163,7 @@ class WorkerTimeoutError(WorkerDiedError):
 class RemoteTraceback(Exception):
     """Carries a worker's formatted traceback; set as ``__cause__`` of re-raised errors."""
 
-    def __init__(self, tb: str):
+    def __init__(self, tb: str) -> None:
         super().__init__(tb)
         self.tb = tb
 
@@ -239,7 +241,7 @@ def _dumps_for_workers(obj, method: str, ds: MapDataset) -> bytes:
 class MPPrefetchIterDataset(IterDataset):
     def __init__(
         self, parent: IterDataset, options: MultiprocessingOptions, worker_init_fn: Callable | None
-    ):
+    ) -> None:
         self._parent = parent
         self._parents = (parent,)
         self._options = options
@@ -292,7 +294,7 @@ class _Stop(Exception):
 class _Worker:
     """The loop of one worker process: compute own chunks, obey control messages."""
 
-    def __init__(self, w, n, ds, cap, length, conn, buf, slot_bytes, slots):
+    def __init__(self, w, n, ds, cap, length, conn, buf, slot_bytes, slots) -> None:
         self.w, self.n, self.ds, self.cap, self.length = w, n, ds, cap, length
         self.conn, self.buf, self.slot_bytes = conn, buf, slot_bytes
         self.beat = _heartbeat(buf)
@@ -532,7 +534,7 @@ def _send_error(conn, gen, k, e):
 class _Workers:
     """The processes, pipes and shared memory of one iterator; closed by a finalizer."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.procs: list = []
         self.conns: list = []
         self.shms: list = []
@@ -598,9 +600,9 @@ class MPRootIterator(ChunkedRootIterator):
         ds: MapDataset,
         read_options: ReadOptions,
         options: MultiprocessingOptions,
-        init_fn,
-        debug=False,
-    ):
+        init_fn: Callable[[int, int], None] | None,
+        debug: bool = False,
+    ) -> None:
         super().__init__(
             ds,
             read_options,
@@ -649,7 +651,7 @@ class MPRootIterator(ChunkedRootIterator):
         main_pid = None if method == "forkserver" else os.getpid()
         self._method = method
         ws = _Workers()
-        self._finalizer = weakref.finalize(self, ws.shutdown)
+        weakref.finalize(self, ws.shutdown)  # the registry keeps it until it runs
         self._w = ws
         slots = opts.per_worker_buffer_size
         parent_ends = []
@@ -734,7 +736,7 @@ class MPRootIterator(ChunkedRootIterator):
         )
 
     def _worker_error(self, w: int, msg) -> BaseException:
-        _, gen, ek, payload, tb, text = msg
+        _, _, ek, payload, tb, text = msg
         exc = None
         if payload is not None:
             try:

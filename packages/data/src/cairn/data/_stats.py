@@ -39,7 +39,7 @@ class StageProfile:
 
     __slots__ = ("index", "time", "count", "_lock")
 
-    def __init__(self, ds: MapDataset):
+    def __init__(self, ds: MapDataset) -> None:
         stages = stage_list(ds)
         self.index = {id(d): k for k, d in enumerate(stages)}
         self.time = [0.0] * len(stages)
@@ -98,7 +98,7 @@ class profiling:  # noqa: N801 (a context manager used like a function)
 
     __slots__ = ("profile", "prev")
 
-    def __init__(self, profile: StageProfile | None):
+    def __init__(self, profile: StageProfile | None) -> None:
         self.profile = profile
 
     def __enter__(self) -> None:
@@ -138,7 +138,7 @@ class IteratorStats:
 
     """One iterator's counters: elements out, seconds inside ``next``, and buffer fill."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
         self.count = 0
         self.time = 0.0

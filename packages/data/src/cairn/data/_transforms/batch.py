@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from cairn.data._arguments import fn_name
 
 # import cycle (labelled): base classes <-> transformations, by design
-from cairn.data._dataset import MapDataset
+from cairn.data._dataset import DatasetIterator, MapDataset
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import SameStateIterator, UnaryIterDataset, UnaryMapDataset
@@ -17,7 +20,13 @@ __all__ = ["BatchIterDataset", "BatchIterator", "BatchMapDataset"]
 
 
 class BatchMapDataset(UnaryMapDataset):
-    def __init__(self, parent: MapDataset, batch_size: int, drop_remainder: bool, batch_fn):
+    def __init__(
+        self,
+        parent: MapDataset,
+        batch_size: int,
+        drop_remainder: bool,
+        batch_fn: Callable[[list], Any] | None,
+    ) -> None:
         super().__init__(parent)
         self._bs = batch_size
         self._drop = drop_remainder
@@ -65,7 +74,15 @@ class BatchMapDataset(UnaryMapDataset):
 
 
 class BatchIterator(SameStateIterator):
-    def __init__(self, parent, bs, drop, fn, name, debug):
+    def __init__(
+        self,
+        parent: DatasetIterator,
+        bs: int,
+        drop: bool,
+        fn: Callable[[list], Any],
+        name: str,
+        debug: bool,
+    ) -> None:
         super().__init__(parent, name, debug)
         self._bs, self._drop, self._fn = bs, drop, fn
 

@@ -29,7 +29,7 @@ __all__ = [
 
 
 class UnaryMapDataset(MapDataset):
-    def __init__(self, parent: MapDataset):
+    def __init__(self, parent: MapDataset) -> None:
         if not isinstance(parent, MapDataset):
             raise TypeError(f"expected a MapDataset, got {type(parent).__name__}")
         self._parent = parent
@@ -41,7 +41,7 @@ class UnaryMapDataset(MapDataset):
 
 
 class SeededMapDataset(UnaryMapDataset):
-    def __init__(self, parent: MapDataset, seed: int):
+    def __init__(self, parent: MapDataset, seed: int) -> None:
         super().__init__(parent)
         self._seed = seed
 
@@ -51,7 +51,7 @@ class FnMapDataset(UnaryMapDataset):
 
     _verb = ""
 
-    def __init__(self, parent: MapDataset, fn: Callable):
+    def __init__(self, parent: MapDataset, fn: Callable) -> None:
         super().__init__(parent)
         self._fn = fn
 
@@ -71,7 +71,7 @@ def gather(parts: list[tuple[np.ndarray, list]], total: int) -> list:
 class ManyParentsMapDataset(MapDataset):
     """A step over several ``MapDataset`` inputs; ``what`` names it in error messages."""
 
-    def __init__(self, datasets: list[MapDataset], what: str):
+    def __init__(self, datasets: list[MapDataset], what: str) -> None:
         if not datasets:
             raise ValueError(f"{what}() needs at least one dataset")
         for k, d in enumerate(datasets):
@@ -99,14 +99,14 @@ class ManyParentsMapDataset(MapDataset):
 class SameStateIterator(DatasetIterator):
     """One input, whose state is this iterator's state."""
 
-    def __init__(self, parent, name, debug):
+    def __init__(self, parent: DatasetIterator, name: str, debug: bool) -> None:
         super().__init__((parent,), name, debug)
         self._p = parent
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return self._p.get_state()
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         self._p.set_state(state)
 
 
@@ -115,7 +115,7 @@ class UnaryIterDataset(IterDataset):
 
     _iterator: Callable[..., DatasetIterator]
 
-    def __init__(self, parent: IterDataset, *args: Any):
+    def __init__(self, parent: IterDataset, *args: Any) -> None:
         if not isinstance(parent, IterDataset):
             raise TypeError(f"expected an IterDataset, got {type(parent).__name__}")
         self._parent = parent

@@ -14,7 +14,7 @@ __all__ = ["ConcatenateMapDataset"]
 
 
 class ConcatenateMapDataset(ManyParentsMapDataset):
-    def __init__(self, datasets: list[MapDataset]):
+    def __init__(self, datasets: list[MapDataset]) -> None:
         super().__init__(datasets, "concatenate")
         self._offsets = np.cumsum([0] + [len(d) for d in datasets])
 

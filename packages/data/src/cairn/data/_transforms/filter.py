@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from cairn.data._arguments import fn_name
 
 # import cycle (labelled): base classes <-> transformations, by design
-from cairn.data._dataset import MapDataset
+from cairn.data._dataset import DatasetIterator, MapDataset
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
@@ -20,7 +21,7 @@ __all__ = ["FilterIterDataset", "FilterIterator", "FilterMapDataset"]
 class FilterMapDataset(FnMapDataset):
     _verb = "filter"
 
-    def __init__(self, parent: MapDataset, predicate: Callable):
+    def __init__(self, parent: MapDataset, predicate: Callable) -> None:
         super().__init__(parent, predicate)
         self._may_filter = True
 
@@ -31,7 +32,9 @@ class FilterMapDataset(FnMapDataset):
 
 
 class FilterIterator(SameStateIterator):
-    def __init__(self, parent, pred, name, debug):
+    def __init__(
+        self, parent: DatasetIterator, pred: Callable[[Any], bool], name: str, debug: bool
+    ) -> None:
         super().__init__(parent, name, debug)
         self._pred = pred
 

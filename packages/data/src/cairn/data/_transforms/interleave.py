@@ -30,7 +30,7 @@ class InterleaveIterDataset(IterDataset):
     [0, 10, 1, 11, 2]
     """
 
-    def __init__(self, datasets: Sequence[IterDataset], cycle_length: int | None = None):
+    def __init__(self, datasets: Sequence[IterDataset], cycle_length: int | None = None) -> None:
         datasets = as_iter_datasets(datasets, "interleave")
         if cycle_length is None:
             cycle_length = max(1, len(datasets))
@@ -50,7 +50,7 @@ class InterleaveIterDataset(IterDataset):
 
 
 class InterleaveIterator(DatasetIterator):
-    def __init__(self, datasets, cycle, name, debug):
+    def __init__(self, datasets: list[IterDataset], cycle: int, name: str, debug: bool) -> None:
         super().__init__((), name, debug)
         self._datasets = datasets
         self._cycle = cycle
@@ -108,7 +108,7 @@ class InterleaveIterator(DatasetIterator):
             return x
         raise StopIteration
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return with_version(
             {
                 "next_to_open": self._next_to_open,
@@ -117,7 +117,7 @@ class InterleaveIterator(DatasetIterator):
             }
         )
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         kind, n = "interleave iterator", len(self._datasets)
         check_state(
             state,
@@ -152,7 +152,7 @@ class InterleaveIterator(DatasetIterator):
             seen.add(k)
         self._reset(state)
 
-    def close(self):
+    def close(self) -> None:
         for e in self._open_iters:
             if e is not None:
                 e[1].close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class MapWithIndexMapDataset(FnMapDataset):
 
 
 class RandomMapMapDataset(FnMapDataset):
-    def __init__(self, parent: MapDataset, fn: Callable, seed: int):
+    def __init__(self, parent: MapDataset, fn: Callable, seed: int) -> None:
         super().__init__(parent, fn)
         self._seed = seed
 
@@ -77,7 +78,9 @@ class RandomMapMapDataset(FnMapDataset):
 
 
 class MapIterator(SameStateIterator):
-    def __init__(self, parent, fn, name, debug):
+    def __init__(
+        self, parent: DatasetIterator, fn: Callable[[Any], Any], name: str, debug: bool
+    ) -> None:
         super().__init__(parent, name, debug)
         self._fn = fn
 
@@ -86,7 +89,14 @@ class MapIterator(SameStateIterator):
 
 
 class RandomMapIterator(DatasetIterator):
-    def __init__(self, parent, fn, seed, name, debug):
+    def __init__(
+        self,
+        parent: DatasetIterator,
+        fn: Callable[[Any, np.random.Generator], Any],
+        seed: int,
+        name: str,
+        debug: bool,
+    ) -> None:
         super().__init__((parent,), name, debug)
         self._p, self._fn, self._seed = parent, fn, seed
         self._count = 0
@@ -97,10 +107,10 @@ class RandomMapIterator(DatasetIterator):
         self._count += 1
         return self._fn(x, rng)
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return with_version({"parent": self._p.get_state(), "count": self._count})
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         check_state(state, "random_map iterator", {"parent": any_field, "count": int_field(0)})
         with nested("parent"):
             self._p.set_state(state["parent"])

@@ -21,7 +21,7 @@ __all__ = ["MixIterDataset", "MixIterator", "MixMapDataset", "mix_pattern"]
 class MixMapDataset(ManyParentsMapDataset):
     PERIOD = 1000
 
-    def __init__(self, datasets: list[MapDataset], weights: Sequence[float] | None):
+    def __init__(self, datasets: list[MapDataset], weights: Sequence[float] | None) -> None:
         super().__init__(datasets, "mix")
         self._weights, counts, self._pattern_k, self._pattern_j = mix_pattern(
             weights, len(datasets), self.PERIOD
@@ -101,7 +101,9 @@ class MixIterDataset(IterDataset):
 
     PERIOD = 1000
 
-    def __init__(self, datasets: Sequence[IterDataset], weights: Sequence[float] | None = None):
+    def __init__(
+        self, datasets: Sequence[IterDataset], weights: Sequence[float] | None = None
+    ) -> None:
         self._datasets = as_iter_datasets(datasets, "mix")
         if not self._datasets:
             raise ValueError("mix(): needs at least one dataset")
@@ -117,7 +119,9 @@ class MixIterDataset(IterDataset):
 
 
 class MixIterator(DatasetIterator):
-    def __init__(self, its, pattern, name, debug):
+    def __init__(
+        self, its: list[DatasetIterator], pattern: list[int], name: str, debug: bool
+    ) -> None:
         super().__init__(its, name, debug)
         self._its = its
         self._pattern = pattern
@@ -128,10 +132,10 @@ class MixIterator(DatasetIterator):
         self._index += 1
         return x
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return with_version({"index": self._index, "inputs": [it.get_state() for it in self._its]})
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         n = len(self._its)
         check_state(
             state,

@@ -23,7 +23,7 @@ class ThreadPrefetchIterator(DatasetIterator):
 
     def __init__(
         self, parent: DatasetIterator, buffer_size: int, name: str = "prefetch", debug: bool = False
-    ):
+    ) -> None:
         super().__init__((parent,), name, debug)
         self._p = parent
         self._size = buffer_size
@@ -79,7 +79,7 @@ class ThreadPrefetchIterator(DatasetIterator):
         self._state = state
         return x
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return self._state
 
     def _halt(self) -> None:
@@ -93,7 +93,7 @@ class ThreadPrefetchIterator(DatasetIterator):
             self._thread.join()
             self._thread = None
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         self._halt()
         try:
             self._p.set_state(state)

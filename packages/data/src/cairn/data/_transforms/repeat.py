@@ -16,7 +16,7 @@ __all__ = ["RepeatMapDataset"]
 
 
 class RepeatMapDataset(UnaryMapDataset):
-    def __init__(self, parent: MapDataset, num_epochs: int | None, reseed: bool):
+    def __init__(self, parent: MapDataset, num_epochs: int | None, reseed: bool) -> None:
         super().__init__(parent)
         self._epochs = num_epochs
         self._reseed = reseed

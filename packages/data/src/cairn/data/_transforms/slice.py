@@ -14,7 +14,7 @@ __all__ = ["BlockSliceMapDataset", "SliceMapDataset"]
 
 
 class SliceMapDataset(UnaryMapDataset):
-    def __init__(self, parent: MapDataset, sl: slice):
+    def __init__(self, parent: MapDataset, sl: slice) -> None:
         super().__init__(parent)
         self._range = range(*sl.indices(len(parent)))
 
@@ -33,7 +33,7 @@ class SliceMapDataset(UnaryMapDataset):
 class BlockSliceMapDataset(UnaryMapDataset):
     """Records ``[start, start + size)`` of every block of ``block`` parent records."""
 
-    def __init__(self, parent: MapDataset, block: int, start: int, size: int):
+    def __init__(self, parent: MapDataset, block: int, start: int, size: int) -> None:
         super().__init__(parent)
         self._block, self._start, self._size = block, start, size
 

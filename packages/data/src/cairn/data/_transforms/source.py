@@ -14,7 +14,7 @@ __all__ = ["RangeMapDataset", "SourceMapDataset"]
 
 
 class SourceMapDataset(MapDataset):
-    def __init__(self, source: Any):
+    def __init__(self, source: Any) -> None:
         self._source = source
         self._n = len(source)
         # Sources that skip corrupt records return None for them (read as filtered out).
@@ -64,7 +64,7 @@ class SourceMapDataset(MapDataset):
 
 
 class RangeMapDataset(MapDataset):
-    def __init__(self, r: range):
+    def __init__(self, r: range) -> None:
         self._range = r
 
     def __len__(self) -> int:

@@ -76,7 +76,7 @@ def chunk_plan(start: int, length: int, cap: int) -> Iterator[tuple[int, int]]:
 class MapRootIterDataset(IterDataset):
     """``MapDataset.to_iter_dataset()``: iterates the elements in index order, skipping ``None``."""
 
-    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False) -> None:
         if not isinstance(read_options, ReadOptions):
             raise TypeError(
                 f"read_options must be a ReadOptions, got {type(read_options).__name__}"
@@ -122,7 +122,7 @@ class ChunkedRootIterator(DatasetIterator):
     _who = ""  # names the iterator in set_state errors
     _reads_in_next = True  # False when reads run elsewhere (threads, worker processes)
 
-    def __init__(self, ds: MapDataset, read_options: ReadOptions, name: str, debug: bool):
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, name: str, debug: bool) -> None:
         super().__init__((), name, debug)
         self._ds = ds
         self._len = len(ds)
@@ -209,7 +209,7 @@ class MapRootIterator(ChunkedRootIterator):
 
     _who = "MapDataset iterator"
 
-    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False):
+    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False) -> None:
         super().__init__(
             ds,
             read_options,
