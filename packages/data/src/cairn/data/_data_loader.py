@@ -112,7 +112,7 @@ class DataLoader:
         worker_buffer_size: int = 2,
         *,
         debug: bool = False,
-    ):
+    ) -> None:
         if data_source is None or sampler is None:
             raise TypeError("DataLoader needs data_source= and sampler=")
         if not isinstance(sampler, IndexSampler):

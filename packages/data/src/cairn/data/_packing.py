@@ -134,7 +134,7 @@ class FirstFitPackIterDataset(IterDataset):
         pack_alignment_struct: Any = None,
         padding_struct: Any = None,
         max_sequences_per_bin: int | None = None,
-    ):
+    ) -> None:
         if not isinstance(parent, IterDataset):
             raise TypeError(
                 f"FirstFitPackIterDataset needs an IterDataset input, got {type(parent).__name__}"

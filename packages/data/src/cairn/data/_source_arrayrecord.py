@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._source_memory import (
+from cairn.data._source_memory import (
     CorruptRecordError,
     _expand_paths,
     _normalize_index,
@@ -151,7 +151,7 @@ class ArrayRecordDataSource:
         reader_options: str | None = None,
         skip_bad_records: bool = False,
         read_threads: int = 0,
-    ):
+    ) -> None:
         files = _expand_paths(paths, marker=".array_record", kind="ArrayRecordDataSource")
         self._options = _READER_OPTIONS + (f",{reader_options}" if reader_options else "")
         self.skip_bad_records = bool(skip_bad_records)
@@ -192,7 +192,7 @@ class ArrayRecordDataSource:
         self._len = int(self._cum[-1])
         self._init_runtime()
 
-    # ------------------------------------------------------------------ process-local
+    # --- process-local ---
     def _init_runtime(self) -> None:
         self._readers: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -243,7 +243,7 @@ class ArrayRecordDataSource:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    # ------------------------------------------------------------------ reading
+    # --- reading ---
     def _read_run(self, shard: int, lo: int, hi: int, first_global: int) -> list[Any]:
         """Records ``lo..hi-1`` (file-local) of ``shard``; ``first_global`` is lo's index."""
         reader = self._reader(shard)
@@ -330,7 +330,7 @@ class ArrayRecordDataSource:
                 hi = min(n, lo + 1024)
                 yield from self._read_run(s, base + lo, base + hi, int(self._cum[s]) + lo)
 
-    # ------------------------------------------------------------------ info
+    # --- info ---
     @property
     def paths(self) -> list[str]:
         """The files read, in record order."""

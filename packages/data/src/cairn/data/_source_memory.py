@@ -30,13 +30,13 @@ class CorruptRecordError(RuntimeError):
     the whole file is unreadable); the message names both.
     """
 
-    def __init__(self, message: str, path: str | None = None, index: int | None = None):
+    def __init__(self, message: str, path: str | None = None, index: int | None = None) -> None:
         super().__init__(message)
         self.path = path
         self.index = index
 
 
-# --------------------------------------------------------------------------- indices
+# --- indices ---
 
 
 def _normalize_index(i: Any, length: int, owner: str) -> int:
@@ -87,7 +87,7 @@ def _normalize_indices(indices: Any, length: int, owner: str) -> np.ndarray:
     return arr
 
 
-# --------------------------------------------------------------------------- paths
+# --- paths ---
 
 _INSTRUCTION_RE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 _GLOB_CHARS = re.compile(r"[*?[]")
@@ -159,7 +159,7 @@ def _expand_paths(
     return out
 
 
-# --------------------------------------------------------------------------- sources
+# --- sources ---
 
 
 class InMemoryDataSource:
@@ -174,7 +174,7 @@ class InMemoryDataSource:
     (3, 'a', 'c', ['c', 'a'])
     """
 
-    def __init__(self, elements: Sequence[Any]):
+    def __init__(self, elements: Sequence[Any]) -> None:
         if not hasattr(elements, "__len__") or not hasattr(elements, "__getitem__"):
             raise TypeError(
                 "InMemoryDataSource needs a sequence with __len__ and __getitem__, got "
@@ -210,7 +210,7 @@ class RangeDataSource:
     (4, 10, 1, [7, 4])
     """
 
-    def __init__(self, start: int, stop: int, step: int = 1):
+    def __init__(self, start: int, stop: int, step: int = 1) -> None:
         for name, v in (("start", start), ("stop", stop), ("step", step)):
             if not isinstance(v, int | np.integer) or isinstance(v, bool):
                 raise TypeError(f"RangeDataSource {name} must be an int, got {v!r}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._source_memory import (
+from cairn.data._source_memory import (
     CorruptRecordError,
     _expand_paths,
     _normalize_index,
@@ -235,7 +235,7 @@ class ParquetDataSource:
         cache_bytes: int | None = 512 * 2**20,
         skip_bad_records: bool = False,
         verify_checksums: bool = True,
-    ):
+    ) -> None:
         pa, pq = _pyarrow()
         if cache_row_groups is not None and (
             not isinstance(cache_row_groups, int) or cache_row_groups < 0
@@ -259,42 +259,18 @@ class ParquetDataSource:
         rg_index: list[int] = []
         rg_rows: list[int] = []
         self._columns: list[str] | None = list(columns) if columns is not None else None
-        self._schema = None
+        self._schema: Any = None
         for fn, start, end in files:
             if start is not None or end is not None:
                 raise ValueError(
                     f"ParquetDataSource does not take row slices ({fn!r}[{start}:{end}]); "
                     "slice the dataset instead"
                 )
-            try:
-                pf = pq.ParquetFile(fn)
-                md = pf.metadata
-                schema = pf.schema_arrow
-            except Exception as e:  # noqa: BLE001 - pyarrow raises several types
-                err = CorruptRecordError(
-                    f"cannot read Parquet file {fn!r} (truncated or not Parquet?): {e}", path=fn
-                )
-                if not self.skip_bad_records:
-                    raise err from e
-                warnings.warn(f"skipping unreadable file: {err}", RuntimeWarning, stacklevel=2)
-                self.bad_files.append(fn)
+            footer = self._read_footer(pq, fn)
+            if footer is None:
                 continue
-            if self._columns is None:
-                self._columns = list(schema.names)
-            for c in self._columns:
-                if c not in schema.names:
-                    raise ValueError(
-                        f"column {c!r} not found in Parquet file {fn!r}; available columns: "
-                        f"{', '.join(schema.names) or '(none)'}"
-                    )
-            sel = pa.schema([schema.field(c) for c in self._columns])
-            if self._schema is None:
-                self._schema = sel
-            elif not sel.equals(self._schema):
-                raise ValueError(
-                    f"Parquet file {fn!r} has schema {sel} for the selected columns, but "
-                    f"{self._paths[0] if self._paths else 'the first file'!r} has {self._schema}"
-                )
+            md, schema = footer
+            self._select_columns(pa, fn, schema)
             f = len(self._paths)
             self._paths.append(fn)
             for g in range(md.num_row_groups):
@@ -309,7 +285,43 @@ class ParquetDataSource:
         self._len = int(self._rg_cum[-1])
         self._init_runtime()
 
-    # ------------------------------------------------------------------ process-local
+    def _read_footer(self, pq: Any, fn: str) -> tuple[Any, Any] | None:
+        """``(metadata, Arrow schema)`` of file ``fn``; ``None`` if it is unreadable and
+        ``skip_bad_records`` is set (the file is then listed in ``bad_files``)."""
+        try:
+            pf = pq.ParquetFile(fn)
+            return pf.metadata, pf.schema_arrow
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types
+            err = CorruptRecordError(
+                f"cannot read Parquet file {fn!r} (truncated or not Parquet?): {e}", path=fn
+            )
+            if not self.skip_bad_records:
+                raise err from e
+            # stacklevel 3: the warning points at the ParquetDataSource(...) call
+            warnings.warn(f"skipping unreadable file: {err}", RuntimeWarning, stacklevel=3)
+            self.bad_files.append(fn)
+            return None
+
+    def _select_columns(self, pa: Any, fn: str, schema: Any) -> None:
+        """Pick the selected columns of file ``fn``; every file must agree on their schema."""
+        if self._columns is None:
+            self._columns = list(schema.names)
+        for c in self._columns:
+            if c not in schema.names:
+                raise ValueError(
+                    f"column {c!r} not found in Parquet file {fn!r}; available columns: "
+                    f"{', '.join(schema.names) or '(none)'}"
+                )
+        sel = pa.schema([schema.field(c) for c in self._columns])
+        if self._schema is None:
+            self._schema = sel
+        elif not sel.equals(self._schema):
+            raise ValueError(
+                f"Parquet file {fn!r} has schema {sel} for the selected columns, but "
+                f"{self._paths[0] if self._paths else 'the first file'!r} has {self._schema}"
+            )
+
+    # --- process-local ---
     def _init_runtime(self) -> None:
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -416,7 +428,7 @@ class ParquetDataSource:
     def _groups(self, g: np.ndarray) -> dict[int, _RowGroup | None]:
         return {int(x): self._row_group(int(x)) for x in np.unique(g).tolist()}
 
-    # ------------------------------------------------------------------ protocol
+    # --- protocol ---
     def __len__(self) -> int:
         return self._len
 
@@ -511,7 +523,7 @@ class ParquetDataSource:
             for i in range(n):
                 yield rg.row(i)
 
-    # ------------------------------------------------------------------ info
+    # --- info ---
     @property
     def paths(self) -> list[str]:
         """The files read, in row order."""

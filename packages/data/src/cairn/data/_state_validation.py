@@ -50,7 +50,7 @@ class StateError(ValueError):
     whole state), ``expected`` and ``got``.
     """
 
-    def __init__(self, kind: str, path: str, expected: str, got: Any):
+    def __init__(self, kind: str, path: str, expected: str, got: Any) -> None:
         self.kind, self.path, self.expected, self.got = kind, path, expected, got
         super().__init__(self._text())
 

@@ -43,7 +43,8 @@ def assert_equal_output_after_checkpoint(
     """
     restore_ds = ds if restore_ds is None else restore_ds
     it = iter(ds)
-    states, values = [], []
+    states: list[Any] = []
+    values: list[Any] = []
     try:
         while max_steps is None or len(values) < max_steps:
             states.append(json.loads(json.dumps(it.get_state())))

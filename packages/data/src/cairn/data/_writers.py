@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,7 +86,7 @@ class _ShardedFileWriter:
         self._closed = False
         self.paths: list[str] | None = None
 
-    # subclass hooks ----------------------------------------------------------
+    # --- subclass hooks ---
     def _open_shard(self, tmp_path: str) -> None:
         raise NotImplementedError
 
@@ -99,7 +99,7 @@ class _ShardedFileWriter:
     def _add(self, record: Any) -> None:
         raise NotImplementedError
 
-    # --------------------------------------------------------------------------
+    # --- shards ---
     def _capacity(self) -> int | None:
         shard = len(self._tmp_paths) - 1
         if self._shard_sizes is not None:
@@ -269,7 +269,7 @@ def _check_shard_args(records: Any, num_shards: Any, records_per_shard: Any, kin
 
 
 def _write_all(
-    writer: type[_ShardedFileWriter],
+    writer: Callable[..., _ShardedFileWriter],
     kind: str,
     records: Iterable[Any],
     path: str | os.PathLike,
@@ -321,7 +321,7 @@ class ArrayRecordWriter(_ShardedFileWriter):
         prefix: str = "data",
         overwrite: bool = False,
         _shard_sizes: Sequence[int] | None = None,
-    ):
+    ) -> None:
         from cairn.data._source_arrayrecord import _array_record_module
 
         self._mod = _array_record_module()
@@ -439,7 +439,7 @@ def _column_to_arrow(pa: Any, name: str, values: list[Any], typ: Any, first: int
             if typ is not None:
                 flat = pa.array(np.concatenate(nonempty) if nonempty else [], type=typ.value_type)
             else:
-                flat = pa.array(np.concatenate(nonempty) if nonempty else np.zeros(0, sample.dtype))
+                flat = pa.array(np.concatenate(nonempty) if nonempty else np.zeros(0, np.asarray(sample).dtype))
             arr = pa.ListArray.from_arrays(
                 pa.array(offsets), flat, mask=pa.array(mask) if mask.any() else None
             )
@@ -490,7 +490,7 @@ class ParquetWriter(_ShardedFileWriter):
         prefix: str = "data",
         overwrite: bool = False,
         _shard_sizes: Sequence[int] | None = None,
-    ):
+    ) -> None:
         self._pa, self._pq = _pyarrow()
         if not isinstance(row_group_size, int) or row_group_size < 1:
             raise ValueError(
