@@ -62,6 +62,9 @@ class StateError(ValueError):
         return f"invalid {self.kind} state {where}: expected {self.expected}, got {got}"
 
     def under(self, prefix: str) -> StateError:
+        """Put ``prefix`` (the path of the nested state, e.g. ``"inputs/1"``) in front of
+        the path; both are already paths in core_array's convention, so they join with
+        its separator."""
         self.path = f"{prefix}/{self.path}" if self.path else prefix
         self.args = (self._text(),)
         return self
