@@ -91,12 +91,41 @@ def tests_package(session: nox.Session, package: str) -> None:
     )
 
 
+# what the lint steps read besides packages/: the code around the packages
+LINT_PATHS = ("packages", "tests", "benchmarks", "examples", "tools", "noxfile.py")
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff, plus the dependency-direction contract (no package imports a sibling)."""
-    session.install("ruff")
-    session.run("ruff", "check", "packages", "tests", "benchmarks", "examples", "tools", "noxfile.py")
-    session.run("python", "tools/depcheck.py", "packages")
+    """Every house rule; each step runs even when an earlier one fails, the session fails at the end.
+
+    ruff (config in pyproject: absolute imports only, unused code), the dependency
+    direction and no import cycle inside a package (tools/depcheck.py), no function over
+    80 lines (tools/funclen.py), type hints on public signatures (tools/typehints.py), one
+    banner style (tools/banners.py), dead code (vulture, [tool.vulture], whitelist
+    tools/vulture_whitelist.py) and mypy ([tool.mypy]) over packages/*/src, with the
+    packages installed so jax/numpy types resolve.
+    """
+    session.install("ruff", "vulture", "mypy")
+    _editable_all(session, "")  # the packages and their required dependencies, for mypy
+    srcs = sorted(glob.glob("packages/*/src"))
+    steps = [
+        ("ruff", "check", *LINT_PATHS),
+        ("python", "tools/depcheck.py", "packages"),
+        ("python", "tools/funclen.py", "packages", "examples", "tools", "benchmarks"),
+        ("python", "tools/typehints.py", "packages"),
+        ("python", "tools/banners.py", *LINT_PATHS),
+        ("vulture",),  # paths, confidence and ignored names: [tool.vulture] in pyproject.toml
+        ("mypy", *srcs),
+    ]
+    failed = []
+    for step in steps:
+        try:
+            session.run(*step, env={"MYPYPATH": os.pathsep.join(srcs)})
+        except nox.command.CommandFailed:
+            failed.append(" ".join(step))
+    if failed:
+        session.error("lint steps failed: " + "; ".join(failed))
 
 
 @nox.session(python=PYTHON)

@@ -64,6 +64,15 @@ def test_tests_session_uses_xdist_and_leaves_slow_cases_to_tests_slow():
     assert "success_codes" not in (ROOT / "noxfile.py").read_text()
 
 
+def test_lint_session_runs_every_house_rule():
+    lint = ast.unparse(_sessions()["lint"])
+    for step in ("'ruff', 'check'", "tools/depcheck.py", "tools/funclen.py", "tools/typehints.py",
+                 "tools/banners.py", "('vulture',)", "'mypy'"):
+        assert step in lint, f"nox -s lint no longer runs {step}"
+    # a failing step must fail the session (after the others ran), never be swallowed
+    assert "session.error" in lint and "CommandFailed" in lint
+
+
 def test_only_python_311_and_a_missing_interpreter_fails():
     text = (ROOT / "noxfile.py").read_text()
     assert 'PYTHON = "3.11"' in text and "error_on_missing_interpreters = True" in text
