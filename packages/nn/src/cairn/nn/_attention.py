@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- masks
+# --- masks ---
 
 
 def make_attention_mask(
@@ -86,7 +86,7 @@ def combine_masks(*masks: jax.Array | None, dtype: DType = jnp.float32) -> jax.A
     return out.astype(dtype)
 
 
-# --------------------------------------------------------------------------- functions
+# --- functions ---
 
 
 def _check_qkv(query, key, value=None):
@@ -230,15 +230,92 @@ def _accepted_kwargs(fn) -> frozenset[str] | None:
     return frozenset(sig.parameters)
 
 
-# --------------------------------------------------------------------------- module
+# --- module ---
+
+
+class _Sizes(NamedTuple):
+    """``MultiHeadAttention``'s validated sizes (see :func:`_mha_sizes`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    in_features: int
+    in_kv_features: int
+    qkv_features: int
+    out_features: int
+    head_dim: int
+    dropout_rate: float
+    rope_base: float
+
+
+def _mha_sizes(
+    num_heads: Any,
+    in_features: Any,
+    qkv_features: Any,
+    out_features: Any,
+    num_kv_heads: Any,
+    in_kv_features: Any,
+    num_key_value_heads: Any,
+    dropout_rate: Any,
+    rope_base: Any,
+    use_rope: bool,
+) -> _Sizes:
+    """Checks ``MultiHeadAttention``'s size arguments (in this order) and fills defaults."""
+    if num_kv_heads is not None and num_key_value_heads is not None and (
+        num_kv_heads != num_key_value_heads
+    ):
+        raise ValueError(
+            f"MultiHeadAttention: num_kv_heads={num_kv_heads} and num_key_value_heads="
+            f"{num_key_value_heads} disagree"
+        )
+    name = "MultiHeadAttention"
+    num_heads = _checks.positive_int(name, "num_heads", num_heads)
+    in_features = _checks.positive_int(name, "in_features", in_features)
+    qkv_features = _checks.optional_positive_int(name, "qkv_features", qkv_features)
+    out_features = _checks.optional_positive_int(name, "out_features", out_features)
+    in_kv_features = _checks.optional_positive_int(name, "in_kv_features", in_kv_features)
+    kvh = num_kv_heads if num_kv_heads is not None else num_key_value_heads
+    kvh = num_heads if kvh is None else _checks.positive_int(name, "num_kv_heads", kvh)
+    dropout_rate = _checks.rate(name, "dropout_rate", dropout_rate)
+    rope_base = _checks.positive_float(name, "rope_base", rope_base)
+    qkv_features = in_features if qkv_features is None else qkv_features
+    if qkv_features % num_heads:
+        raise ValueError(
+            f"MultiHeadAttention: qkv_features {qkv_features} must be divisible by num_heads "
+            f"{num_heads}"
+        )
+    if num_heads % kvh:
+        raise ValueError(
+            f"MultiHeadAttention: num_heads {num_heads} must be divisible by num_kv_heads {kvh}"
+        )
+    head_dim = int(qkv_features) // int(num_heads)
+    if use_rope and head_dim % 2:
+        raise ValueError(f"MultiHeadAttention: use_rope needs an even head_dim, got {head_dim}")
+    return _Sizes(
+        num_heads=int(num_heads),
+        num_kv_heads=int(kvh),
+        in_features=int(in_features),
+        in_kv_features=int(in_kv_features if in_kv_features is not None else in_features),
+        qkv_features=int(qkv_features),
+        out_features=int(out_features if out_features is not None else in_features),
+        head_dim=head_dim,
+        dropout_rate=float(dropout_rate),
+        rope_base=float(rope_base),
+    )
 
 
 class MultiHeadAttention(Module):
     """Multi-head (and grouped-query) dot-product attention with projections.
 
-    ``q = x_q W_q``, ``k = x_k W_k``, ``v = x_v W_v`` (``LinearGeneral`` to ``(heads,
-    head_dim)``; keys/values have ``num_kv_heads`` heads), optional RoPE and q/k
-    LayerNorm, ``o = attention_fn(q, k, v, mask=..., ...)``, output ``o W_out``.
+    .. math::
+       q = x_q W_q,\\quad k = x_k W_k,\\quad v = x_v W_v,\\quad
+       y = \\mathrm{attention\\_fn}(q, k, v)\\, W_{out}
+
+    The projections are ``LinearGeneral`` layers to ``(heads, head_dim)`` (keys and values
+    have ``num_kv_heads`` heads, query head ``h`` reads kv head ``h // (num_heads //
+    num_kv_heads)``); queries and keys are optionally normalised per head (LayerNorm
+    without bias) and rotated with RoPE before the attention. Parameters live at
+    ``query/``, ``key/``, ``value/``, ``out/`` (``kernel``, ``bias``) and, with
+    ``normalize_qk``, ``query_ln/scale`` and ``key_ln/scale``.
 
     Args:
       num_heads: query heads. ``num_kv_heads`` (alias ``num_key_value_heads``) must divide
@@ -247,6 +324,11 @@ class MultiHeadAttention(Module):
         values (default ``in_features``).
       qkv_features: total projected size, ``num_heads * head_dim`` (default
         ``in_features``); out_features: output size (default ``in_features``).
+      dtype, param_dtype, precision: computation dtype (``None``: promote the inputs),
+        parameter dtype and matmul precision of every projection and of the attention.
+      kernel_init, bias_init, out_kernel_init, out_bias_init, use_bias, *_metadata: the
+        projections' initialisers and metadata (``out_*`` for the output projection,
+        defaulting to the input ones).
       attention_fn: ``fn(query, key, value, *, mask, is_causal, dropout_rng, dropout_rate,
         broadcast_dropout, deterministic, dtype, precision, module)`` returning
         ``(*batch, q_len, num_heads, head_dim)``. Keyword arguments the function does not
@@ -257,7 +339,15 @@ class MultiHeadAttention(Module):
         during decode the positions continue from the cache index.
       normalize_qk: LayerNorm (no bias) on each query and key head (ViT-22B).
       dropout_rate, broadcast_dropout, deterministic: attention-weight dropout; keys come
-        from the ``dropout`` stream.
+        from the ``dropout`` stream (kept from ``rngs`` when ``keep_rngs``).
+      rngs: the parameter (and dropout) key streams.
+
+    Raises:
+      TypeError: a size that is not an int.
+      ValueError: a size that is not positive, ``num_kv_heads`` and
+        ``num_key_value_heads`` that disagree, ``qkv_features`` not divisible by
+        ``num_heads``, ``num_heads`` not divisible by ``num_kv_heads``, ``dropout_rate``
+        outside ``[0, 1]``, ``rope_base <= 0``, or ``use_rope`` with an odd ``head_dim``.
 
     Decoding: ``init_cache((batch, max_length, in_features))`` allocates ``cached_key``,
     ``cached_value`` ``(batch, max_length, num_kv_heads, head_dim)`` and ``cache_index``.
@@ -265,11 +355,19 @@ class MultiHeadAttention(Module):
     e.g. a prompt) at ``cache_index`` and lets query ``i`` attend to cached positions
     ``<= cache_index + i``; the result equals the full causal forward.
 
+    >>> import jax
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> mha = nn.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nn.Rngs(0))
-    >>> mha(jnp.ones((2, 5, 16)), is_causal=True).shape
+    >>> x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    >>> full = mha(x, is_causal=True)
+    >>> full.shape
     (2, 5, 16)
+    >>> mha.init_cache((2, 8, 16))
+    >>> prompt = mha(x[:, :3], decode=True)
+    >>> steps = [mha(x[:, t : t + 1], decode=True) for t in (3, 4)]
+    >>> bool(jnp.allclose(jnp.concatenate([prompt, *steps], axis=1), full, atol=1e-5))
+    True
     """
 
     def __init__(
@@ -304,45 +402,22 @@ class MultiHeadAttention(Module):
         out_kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
         bias_metadata: Mapping[str, Any] = {},  # noqa: B006
         out_bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
-        if num_kv_heads is not None and num_key_value_heads is not None and (
-            num_kv_heads != num_key_value_heads
-        ):
-            raise ValueError(
-                f"MultiHeadAttention: num_kv_heads={num_kv_heads} and num_key_value_heads="
-                f"{num_key_value_heads} disagree"
-            )
-        name = "MultiHeadAttention"
-        num_heads = _checks.positive_int(name, "num_heads", num_heads)
-        in_features = _checks.positive_int(name, "in_features", in_features)
-        qkv_features = _checks.optional_positive_int(name, "qkv_features", qkv_features)
-        out_features = _checks.optional_positive_int(name, "out_features", out_features)
-        in_kv_features = _checks.optional_positive_int(name, "in_kv_features", in_kv_features)
-        kvh = num_kv_heads if num_kv_heads is not None else num_key_value_heads
-        kvh = num_heads if kvh is None else _checks.positive_int(name, "num_kv_heads", kvh)
-        dropout_rate = _checks.rate(name, "dropout_rate", dropout_rate)
-        rope_base = _checks.positive_float(name, "rope_base", rope_base)
-        qkv_features = in_features if qkv_features is None else qkv_features
-        if qkv_features % num_heads:
-            raise ValueError(
-                f"MultiHeadAttention: qkv_features {qkv_features} must be divisible by num_heads "
-                f"{num_heads}"
-            )
-        if num_heads % kvh:
-            raise ValueError(
-                f"MultiHeadAttention: num_heads {num_heads} must be divisible by num_kv_heads {kvh}"
-            )
-        self.num_heads = int(num_heads)
-        self.num_kv_heads = int(kvh)
-        self.in_features = int(in_features)
-        self.in_kv_features = int(in_kv_features if in_kv_features is not None else in_features)
-        self.qkv_features = int(qkv_features)
-        self.out_features = int(out_features if out_features is not None else in_features)
-        self.head_dim = self.qkv_features // self.num_heads
+    ) -> None:
+        sizes = _mha_sizes(
+            num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
+            num_key_value_heads, dropout_rate, rope_base, bool(use_rope),
+        )
+        self.num_heads = sizes.num_heads
+        self.num_kv_heads = sizes.num_kv_heads
+        self.in_features = sizes.in_features
+        self.in_kv_features = sizes.in_kv_features
+        self.qkv_features = sizes.qkv_features
+        self.out_features = sizes.out_features
+        self.head_dim = sizes.head_dim
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.broadcast_dropout = bool(broadcast_dropout)
-        self.dropout_rate = float(dropout_rate)
+        self.dropout_rate = sizes.dropout_rate
         self.deterministic = deterministic
         self.precision = precision
         self.use_bias = bool(use_bias)
@@ -350,36 +425,12 @@ class MultiHeadAttention(Module):
         self.decode = decode
         self.normalize_qk = bool(normalize_qk)
         self.use_rope = bool(use_rope)
-        self.rope_base = float(rope_base)
-        if self.use_rope and self.head_dim % 2:
-            raise ValueError(f"MultiHeadAttention: use_rope needs an even head_dim, got {self.head_dim}")
-
-        def proj(in_f, heads):
-            return LinearGeneral(
-                in_f, (heads, self.head_dim), use_bias=use_bias, dtype=dtype,
-                param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
-                precision=precision, rngs=rngs, kernel_metadata=kernel_metadata,
-                bias_metadata=bias_metadata,
-            )
-
-        self.query = proj(self.in_features, self.num_heads)
-        self.key = proj(self.in_kv_features, self.num_kv_heads)
-        self.value = proj(self.in_kv_features, self.num_kv_heads)
-        if self.normalize_qk:
-            self.query_ln = LayerNorm(
-                self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-            )
-            self.key_ln = LayerNorm(
-                self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-            )
-        else:
-            self.query_ln = None
-            self.key_ln = None
-        self.out = LinearGeneral(
-            (self.num_heads, self.head_dim), self.out_features, axis=(-2, -1), use_bias=use_bias,
-            dtype=dtype, param_dtype=param_dtype, kernel_init=out_kernel_init or kernel_init,
-            bias_init=out_bias_init or bias_init, precision=precision, rngs=rngs,
-            kernel_metadata=out_kernel_metadata, bias_metadata=out_bias_metadata,
+        self.rope_base = sizes.rope_base
+        # the attribute order fixes the parameter order: query, key, value, *_ln, out
+        self._build_projections(
+            rngs, kernel_init, bias_init, out_kernel_init or kernel_init,
+            out_bias_init or bias_init, kernel_metadata, bias_metadata,
+            out_kernel_metadata, out_bias_metadata,
         )
         self.rngs = (
             _own_stream(rngs, "dropout", "MultiHeadAttention")
@@ -390,9 +441,67 @@ class MultiHeadAttention(Module):
         self.cached_value = None
         self.cache_index = None
 
-    # -- cache -----------------------------------------------------------------------
+    def _build_projections(
+        self,
+        rngs: Rngs,
+        kernel_init: Initializer,
+        bias_init: Initializer,
+        out_kernel_init: Initializer,
+        out_bias_init: Initializer,
+        kernel_metadata: Mapping[str, Any],
+        bias_metadata: Mapping[str, Any],
+        out_kernel_metadata: Mapping[str, Any],
+        out_bias_metadata: Mapping[str, Any],
+    ) -> None:
+        """Creates ``query``, ``key``, ``value``, ``query_ln``/``key_ln`` and ``out``.
+
+        They draw their keys from ``rngs`` in that order, so the order is part of the
+        initial values (and their paths are the checkpoint layout).
+        """
+        common: dict[str, Any] = dict(
+            use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+            precision=self.precision, rngs=rngs,
+        )
+
+        def proj(in_f: int, heads: int) -> LinearGeneral:
+            return LinearGeneral(
+                in_f, (heads, self.head_dim), kernel_init=kernel_init, bias_init=bias_init,
+                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, **common,
+            )
+
+        self.query = proj(self.in_features, self.num_heads)
+        self.key = proj(self.in_kv_features, self.num_kv_heads)
+        self.value = proj(self.in_kv_features, self.num_kv_heads)
+        if self.normalize_qk:
+            self.query_ln = self._head_norm(rngs)
+            self.key_ln = self._head_norm(rngs)
+        else:
+            self.query_ln = None
+            self.key_ln = None
+        self.out = LinearGeneral(
+            (self.num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+            kernel_init=out_kernel_init, bias_init=out_bias_init,
+            kernel_metadata=out_kernel_metadata, bias_metadata=out_bias_metadata, **common,
+        )
+
+    def _head_norm(self, rngs: Rngs) -> LayerNorm:
+        """LayerNorm without bias over one head's ``head_dim`` (``normalize_qk``)."""
+        return LayerNorm(
+            self.head_dim, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            rngs=rngs,
+        )
+
+    # --- cache ---
     def init_cache(self, input_shape: tuple[int, ...], dtype: DType = jnp.float32) -> None:
-        """Allocates an empty KV cache for inputs of shape ``(*batch, max_length, features)``."""
+        """Allocates an empty KV cache for inputs of shape ``(*batch, max_length, features)``.
+
+        ``cached_key`` and ``cached_value`` get shape ``(*batch, max_length, num_kv_heads,
+        head_dim)`` and ``dtype``, ``cache_index`` (int32) starts at 0; calling it again
+        empties the cache.
+
+        Raises:
+          ValueError: ``input_shape`` has fewer than two axes.
+        """
         input_shape = tuple(int(s) for s in input_shape)
         if len(input_shape) < 2:
             raise ValueError(
@@ -404,7 +513,7 @@ class MultiHeadAttention(Module):
         self.cached_value = Cache(jnp.zeros(shape, dtype))
         self.cache_index = Cache(jnp.array(0, dtype=jnp.int32))
 
-    # -- call ------------------------------------------------------------------------
+    # --- call ---
     def __call__(
         self,
         inputs_q: jax.Array,
@@ -419,6 +528,69 @@ class MultiHeadAttention(Module):
         is_causal: bool = False,
         positions: jax.Array | None = None,
     ) -> jax.Array:
+        """Attends from ``inputs_q`` to ``inputs_k``/``inputs_v``; returns ``(*batch, q_len, out_features)``.
+
+        Args:
+          inputs_q: queries ``(*batch, q_len, in_features)``.
+          inputs_k: keys ``(*batch, kv_len, in_kv_features)`` (default ``inputs_q``:
+            self-attention); inputs_v: values (default ``inputs_k``).
+          mask: boolean, True = attend, broadcastable to ``(*batch, num_heads, q_len,
+            kv_len)`` (during decode ``kv_len`` is the cache's ``max_length``).
+          deterministic: no dropout (default: the constructor's, set by
+            ``model.train()``/``model.eval()``); rngs: the dropout key or streams for this
+            call (default: the stream kept at construction).
+          sow_weights: record the attention weights as ``Intermediate``
+            ``attention_weights``.
+          decode: append to the KV cache and attend to it (default: the constructor's).
+          is_causal: query ``i`` attends to keys ``<= i`` (implied while decoding).
+          positions: RoPE positions ``(q_len,)`` (default ``arange(q_len)``, or the cache
+            positions while decoding).
+
+        Raises:
+          ValueError: inputs of fewer than two axes or the wrong feature size,
+            ``inputs_v`` without ``inputs_k``, ``decode`` without :meth:`init_cache`,
+            a decode input that does not fit the cache or overflows it, or dropout with
+            ``deterministic`` unset.
+          TypeError: ``attention_fn`` does not accept an argument this call needs.
+        """
+        xq, xk, xv = self._check_inputs(inputs_q, inputs_k, inputs_v)
+        q = self.query(xq)
+        k = self.key(xk)
+        v = self.value(xv)
+        if self.normalize_qk:
+            q = self.query_ln(q)
+            k = self.key_ln(k)
+
+        decode = self.decode if decode is None else decode
+        if decode:
+            q, k, v, mask = self._decode_step(q, k, v, mask, positions)
+            is_causal = False  # folded into the decode mask
+        elif self.use_rope:
+            q_len = q.shape[-3]
+            q = apply_rotary_embedding(q, positions, base=self.rope_base)
+            k = apply_rotary_embedding(
+                k, positions if k.shape[-3] == q_len else None, base=self.rope_base
+            )
+
+        det, dropout_rng = self._dropout_key(deterministic, rngs)
+        kwargs = dict(
+            mask=mask,
+            is_causal=is_causal,
+            dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout,
+            deterministic=det,
+            dtype=self.dtype,
+            precision=self.precision,
+            module=self if sow_weights else None,
+        )
+        x = self.attention_fn(q, k, v, **_fit_kwargs(self.attention_fn, kwargs))
+        return self.out(x)
+
+    def _check_inputs(
+        self, inputs_q: jax.Array, inputs_k: jax.Array | None, inputs_v: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Fills the key/value defaults and checks the ranks and feature sizes."""
         name = "MultiHeadAttention"
         if inputs_k is None:
             if inputs_v is not None:
@@ -440,91 +612,92 @@ class MultiHeadAttention(Module):
                     f"{name} expected last axis {self.in_kv_features}, got {x.shape[-1]} in {nm} "
                     f"input of shape {tuple(x.shape)}"
                 )
-        q = self.query(xq)
-        k = self.key(xk)
-        v = self.value(xv)
-        if self.normalize_qk:
-            q = self.query_ln(q)
-            k = self.key_ln(k)
+        return xq, xk, xv
 
-        decode = self.decode if decode is None else decode
+    def _decode_step(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        mask: jax.Array | None,
+        positions: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """One KV-cache step: writes the new keys/values at ``cache_index`` and advances it.
+
+        Takes the projected ``q`` ``(*batch, L, num_heads, head_dim)`` and ``k``/``v``
+        ``(*batch, L, num_kv_heads, head_dim)`` of ``L`` new tokens (RoPE, when on, is
+        applied here at positions ``cache_index + arange(L)`` unless ``positions`` is
+        given). Returns ``q``, the whole cached keys and values ``(*batch, max_length,
+        num_kv_heads, head_dim)`` and the mask ``(*batch, 1, L, max_length)`` that lets
+        query ``i`` see cached positions ``<= cache_index + i`` (AND ``mask``).
+        """
+        name = "MultiHeadAttention"
+        if self.cache_index is None:
+            raise ValueError(f"{name}: decode=True but the cache is empty; call init_cache first")
         q_len = q.shape[-3]
-        if decode:
-            if self.cache_index is None:
-                raise ValueError(f"{name}: decode=True but the cache is empty; call init_cache first")
-            ck = self.cached_key[...]
-            *cbatch, max_len, _, _ = ck.shape
-            if tuple(k.shape[:-3]) != tuple(cbatch) or k.shape[-3] != q_len:
-                raise ValueError(
-                    f"{name}: decode input of key shape {tuple(k.shape)} does not fit the cache "
-                    f"{tuple(ck.shape)} (batch dims must match; self-attention only)"
-                )
-            idx = self.cache_index[...]
-            if not isinstance(idx, jax.core.Tracer) and int(idx) + q_len > max_len:
-                raise ValueError(
-                    f"{name}: cache overflow, index {int(idx)} + {q_len} new tokens > max_length "
-                    f"{max_len}"
-                )
-            qpos = idx + jnp.arange(q_len, dtype=jnp.int32)
-            if self.use_rope:
-                pos = qpos if positions is None else positions
-                q = apply_rotary_embedding(q, pos, base=self.rope_base)
-                k = apply_rotary_embedding(k, pos, base=self.rope_base)
-            zero = jnp.zeros((), jnp.int32)
-            start = (zero,) * len(cbatch) + (idx, zero, zero)
-            k = lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
-            v = lax.dynamic_update_slice(self.cached_value[...], v.astype(ck.dtype), start)
-            self.cached_key[...] = k
-            self.cached_value[...] = v
-            self.cache_index[...] = idx + q_len
-            dmask = jnp.arange(max_len, dtype=jnp.int32)[None, :] <= qpos[:, None]  # (q, max_len)
-            dmask = jnp.broadcast_to(dmask, tuple(cbatch) + (1, q_len, max_len))
-            mask = dmask if mask is None else jnp.logical_and(mask.astype(bool), dmask)
-            is_causal = False  # folded into the decode mask
-        elif self.use_rope:
-            q = apply_rotary_embedding(q, positions, base=self.rope_base)
-            k = apply_rotary_embedding(
-                k, positions if k.shape[-3] == q_len else None, base=self.rope_base
+        ck = self.cached_key[...]
+        *cbatch, max_len, _, _ = ck.shape
+        if tuple(k.shape[:-3]) != tuple(cbatch) or k.shape[-3] != q_len:
+            raise ValueError(
+                f"{name}: decode input of key shape {tuple(k.shape)} does not fit the cache "
+                f"{tuple(ck.shape)} (batch dims must match; self-attention only)"
             )
+        idx = self.cache_index[...]
+        if not isinstance(idx, jax.core.Tracer) and int(idx) + q_len > max_len:
+            raise ValueError(
+                f"{name}: cache overflow, index {int(idx)} + {q_len} new tokens > max_length "
+                f"{max_len}"
+            )
+        qpos = idx + jnp.arange(q_len, dtype=jnp.int32)
+        if self.use_rope:
+            pos = qpos if positions is None else positions
+            q = apply_rotary_embedding(q, pos, base=self.rope_base)
+            k = apply_rotary_embedding(k, pos, base=self.rope_base)
+        zero = jnp.zeros((), jnp.int32)
+        start = (zero,) * len(cbatch) + (idx, zero, zero)
+        k = lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
+        v = lax.dynamic_update_slice(self.cached_value[...], v.astype(ck.dtype), start)
+        self.cached_key[...] = k
+        self.cached_value[...] = v
+        self.cache_index[...] = idx + q_len
+        dmask = jnp.arange(max_len, dtype=jnp.int32)[None, :] <= qpos[:, None]  # (q, max_len)
+        dmask = jnp.broadcast_to(dmask, tuple(cbatch) + (1, q_len, max_len))
+        mask = dmask if mask is None else jnp.logical_and(mask.astype(bool), dmask)
+        return q, k, v, mask
 
+    def _dropout_key(
+        self, deterministic: bool | None, rngs: Rngs | jax.Array | None
+    ) -> tuple[bool, jax.Array | None]:
+        """The call's effective ``deterministic`` and its dropout key (None when off)."""
         det = self.deterministic if deterministic is None else deterministic
-        dropout_rng = None
-        if self.dropout_rate > 0.0:
-            if det is None:
-                raise ValueError(
-                    f"{name}: dropout_rate > 0 but deterministic is None; pass it or call "
-                    "model.train() / model.eval()"
-                )
-            if not det:
-                dropout_rng = draw_key(rngs, self.rngs, "dropout", name)
-        else:
-            det = True
+        if self.dropout_rate <= 0.0:
+            return True, None
+        if det is None:
+            raise ValueError(
+                "MultiHeadAttention: dropout_rate > 0 but deterministic is None; pass it or "
+                "call model.train() / model.eval()"
+            )
+        if det:
+            return det, None
+        return det, draw_key(rngs, self.rngs, "dropout", "MultiHeadAttention")
 
-        kwargs = dict(
-            mask=mask,
-            is_causal=is_causal,
-            dropout_rng=dropout_rng,
-            dropout_rate=self.dropout_rate,
-            broadcast_dropout=self.broadcast_dropout,
-            deterministic=det,
-            dtype=self.dtype,
-            precision=self.precision,
-            module=self if sow_weights else None,
+
+def _fit_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less the names ``fn`` does not declare.
+
+    Raises ``TypeError`` when a left-out argument would change the result (a mask, a
+    dropout key, ``is_causal=True`` or a module to sow into).
+    """
+    accepted = _accepted_kwargs(fn)
+    if accepted is None:
+        return kwargs
+    dropped = [k for k, val in kwargs.items() if k not in accepted and _matters(k, val)]
+    if dropped:
+        raise TypeError(
+            f"MultiHeadAttention: attention_fn {getattr(fn, '__name__', fn)!r}"
+            f" does not accept {dropped}, which this call needs"
         )
-        accepted = _accepted_kwargs(self.attention_fn)
-        if accepted is not None:
-            dropped = [
-                kname for kname, val in kwargs.items()
-                if kname not in accepted and _matters(kname, val)
-            ]
-            if dropped:
-                raise TypeError(
-                    f"{name}: attention_fn {getattr(self.attention_fn, '__name__', self.attention_fn)!r}"
-                    f" does not accept {dropped}, which this call needs"
-                )
-            kwargs = {kname: val for kname, val in kwargs.items() if kname in accepted}
-        x = self.attention_fn(q, k, v, **kwargs)
-        return self.out(x)
+    return {k: val for k, val in kwargs.items() if k in accepted}
 
 
 def _matters(name: str, value: Any) -> bool:
