@@ -183,6 +183,46 @@ def test_decode_without_cache_and_bad_cache_shape():
         mha(jnp.ones((3, 1, 8)), decode=True)
 
 
+def test_decode_path_equals_full_attention_with_gqa_qk_norm_and_padding_mask():
+    """The cached path (chunks of 2, 1, 3, 1 tokens) against one non-cached causal call.
+
+    GQA, q/k LayerNorm and RoPE are on, and a padding mask hides key 1 of batch row 0;
+    the decode mask is ``(*batch, 1, L, max_length)``, so the padding mask given to each
+    step covers the whole cache while the full call's covers the 7 keys.
+    """
+    mha = nn.MultiHeadAttention(
+        4, 16, num_kv_heads=2, normalize_qk=True, use_rope=True, rngs=nn.Rngs(3)
+    )
+    x = randn((2, 7, 16))
+    keep = np.ones((2, 1, 1, 8), bool)
+    keep[0, ..., 1] = False
+    full = f64(mha(x, mask=jnp.asarray(keep[..., :7]), is_causal=True))
+    mha.init_cache((2, 8, 16))
+    outs, t = [], 0
+    for n in (2, 1, 3, 1):
+        outs.append(f64(mha(x[:, t : t + n], decode=True, mask=jnp.asarray(keep))))
+        t += n
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+    assert int(mha.cache_index[...]) == 7
+    # the cache holds the (rotated) keys of the 7 tokens and zeros after them
+    assert not np.any(np.asarray(mha.cached_key[...])[:, 7:])
+    assert np.all(np.any(np.asarray(mha.cached_key[...])[:, :7] != 0, axis=(-2, -1)))
+
+
+def test_mha_variable_paths_are_the_checkpoint_layout():
+    """Users' checkpoints are keyed by these paths: they must not move."""
+    mha = nn.MultiHeadAttention(4, 16, num_kv_heads=2, normalize_qk=True, rngs=nn.Rngs(0))
+    assert nn.state(mha).flat_paths() == [
+        "query/kernel", "query/bias", "key/kernel", "key/bias", "value/kernel", "value/bias",
+        "query_ln/scale", "key_ln/scale", "out/kernel", "out/bias",
+    ]
+    assert mha.key.kernel[...].shape == (16, 2, 4) and mha.out.kernel[...].shape == (4, 4, 16)
+    mha.init_cache((2, 8, 16))
+    assert nn.state(mha, nn.Cache).flat_paths() == ["cached_key", "cached_value", "cache_index"]
+    plain = nn.MultiHeadAttention(2, 8, use_bias=False, rngs=nn.Rngs(0))
+    assert nn.state(plain).flat_paths() == ["query/kernel", "key/kernel", "value/kernel", "out/kernel"]
+
+
 def test_rope_in_mha_matches_numpy():
     mha = nn.MultiHeadAttention(2, 8, use_rope=True, rngs=nn.Rngs(2))
     x = randn((1, 5, 8))
