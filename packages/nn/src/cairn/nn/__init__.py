@@ -6,7 +6,50 @@ JAX pytrees (variables are leaves, configuration is static), and the lifted tran
 them back to your objects.
 """
 
+from cairn.nn import initializers as initializers
 from cairn.nn import metrics as metrics
+from cairn.nn._activations import (
+    PReLU,
+    celu,
+    elu,
+    gelu,
+    glu,
+    hard_sigmoid,
+    hard_silu,
+    hard_swish,
+    hard_tanh,
+    identity,
+    leaky_relu,
+    log_sigmoid,
+    log_softmax,
+    logsumexp,
+    mish,
+    one_hot,
+    relu,
+    relu6,
+    selu,
+    sigmoid,
+    silu,
+    soft_sign,
+    softmax,
+    softplus,
+    standardize,
+    swish,
+    tanh,
+)
+from cairn.nn._attention import (
+    MultiHeadAttention,
+    combine_masks,
+    dot_product_attention,
+    dot_product_attention_weights,
+    make_attention_mask,
+    make_causal_mask,
+)
+from cairn.nn._autodiff import grad, value_and_grad
+from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
+from cairn.nn._conv import Conv, ConvTranspose
+from cairn.nn._dropout import Dropout
+from cairn.nn._embed import Embed
 from cairn.nn._filters import (
     All,
     Any,
@@ -21,7 +64,6 @@ from cairn.nn._filters import (
 )
 from cairn.nn._graph import (
     GraphDef,
-    SharedReferenceError,
     clone,
     graphdef,
     iter_modules,
@@ -32,38 +74,39 @@ from cairn.nn._graph import (
     update,
     variables,
 )
+from cairn.nn._jit import JitWrapped, eval_shape, jit
+from cairn.nn._linear import Einsum, Linear, LinearGeneral
+from cairn.nn._lora import LoRA, LoRALinear, LoRAParam
 from cairn.nn._metrics import MultiMetric
 from cairn.nn._module import Dict, List, Module, Sequential
+from cairn.nn._nodes import SharedReferenceError
+from cairn.nn._normalization import (
+    BatchNorm,
+    GroupNorm,
+    InstanceNorm,
+    LayerNorm,
+    RMSNorm,
+)
 from cairn.nn._optimizer import Optimizer
+from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
+from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
+from cairn.nn._remat import checkpoint, remat
 from cairn.nn._rngs import Rngs, RngStream
+from cairn.nn._rope import (
+    RotaryEmbedding,
+    apply_rotary_embedding,
+    rotary_frequencies,
+)
 from cairn.nn._sharding import (
     abstract_model,
-    current_rules,
     get_named_sharding,
     get_partition_spec,
     sharded_init,
-    sharding_rules,
     with_partitioning,
 )
+from cairn.nn._sharding_rules import current_rules, sharding_rules
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._summary import tabulate
-from cairn.nn._transforms import (
-    JitWrapped,
-    StateAxes,
-    checkpoint,
-    cond,
-    eval_shape,
-    fori_loop,
-    grad,
-    jit,
-    remat,
-    scan,
-    shard_map,
-    switch,
-    value_and_grad,
-    vmap,
-    while_loop,
-)
 from cairn.nn._variables import (
     BatchStat,
     Cache,
@@ -78,6 +121,7 @@ from cairn.nn._variables import (
     VariableMetadata,
     with_metadata,
 )
+from cairn.nn._vmap_scan import StateAxes, scan, shard_map, vmap
 
 __version__ = "0.1.0"
 
@@ -150,68 +194,7 @@ __all__ = [
     "while_loop",
     "with_metadata",
     "with_partitioning",
-]
-
-# --- layers (nn-layers helper) ---
-from cairn.nn import initializers as initializers  # noqa: E402
-from cairn.nn._activations import (  # noqa: E402
-    PReLU,
-    celu,
-    elu,
-    gelu,
-    glu,
-    hard_sigmoid,
-    hard_silu,
-    hard_swish,
-    hard_tanh,
-    identity,
-    leaky_relu,
-    log_sigmoid,
-    log_softmax,
-    logsumexp,
-    mish,
-    one_hot,
-    relu,
-    relu6,
-    selu,
-    sigmoid,
-    silu,
-    soft_sign,
-    softmax,
-    softplus,
-    standardize,
-    swish,
-    tanh,
-)
-from cairn.nn._attention import (  # noqa: E402
-    MultiHeadAttention,
-    combine_masks,
-    dot_product_attention,
-    dot_product_attention_weights,
-    make_attention_mask,
-    make_causal_mask,
-)
-from cairn.nn._conv import Conv, ConvTranspose  # noqa: E402
-from cairn.nn._dropout import Dropout  # noqa: E402
-from cairn.nn._embed import Embed  # noqa: E402
-from cairn.nn._linear import Einsum, Linear, LinearGeneral  # noqa: E402
-from cairn.nn._lora import LoRA, LoRALinear, LoRAParam  # noqa: E402
-from cairn.nn._normalization import (  # noqa: E402
-    BatchNorm,
-    GroupNorm,
-    InstanceNorm,
-    LayerNorm,
-    RMSNorm,
-)
-from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool  # noqa: E402
-from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell  # noqa: E402
-from cairn.nn._rope import (  # noqa: E402
-    RotaryEmbedding,
-    apply_rotary_embedding,
-    rotary_frequencies,
-)
-
-__all__ += [
+    # layers and their functions
     "initializers",
     # activations
     "celu", "elu", "gelu", "glu", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh",
@@ -228,4 +211,3 @@ __all__ += [
     "dot_product_attention_weights", "make_attention_mask", "make_causal_mask", "max_pool",
     "min_pool", "pool", "rotary_frequencies",
 ]
-# --- end layers ---

@@ -11,7 +11,8 @@ A filter is anything :func:`to_predicate` accepts:
 * a callable ``(path: tuple, variable) -> bool``.
 
 Paths given to predicates are tuples of keys (strings for attributes and dict keys,
-ints for list indices); string forms join them with ``/``.
+ints for list indices); string forms follow ``cairn.core_array``'s convention
+(:func:`path_str`: the keys named by ``key_name`` and joined with ``/``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,38 @@ import re
 from collections.abc import Callable
 from typing import Any as _AnyT
 
+from cairn.core_array import PathError, compile_pattern, path_of
 from cairn.nn._variables import Variable
 
 Predicate = Callable[[tuple, Variable], bool]
 
 
+# --- path strings ---
+
+
 def path_str(path: tuple) -> str:
-    return "/".join(str(k) for k in path)
+    """The path string of a key tuple, by ``cairn.core_array``'s convention.
+
+    >>> path_str(("layers", 0, "kernel")), path_str(())
+    ('layers/0/kernel', '')
+
+    Raises:
+      cairn.core_array.PathError: a key is not a str or an int, or is a str that is
+        empty or holds ``/``.
+    """
+    return path_of(path)
+
+
+def path_text(path: tuple) -> str:
+    """:func:`path_str` for an error message: never raises (a path with a key the
+    convention rejects is shown with each key's ``str`` joined by ``/``)."""
+    try:
+        return path_of(path)
+    except PathError:
+        return "/".join(str(k) for k in path)
+
+
+# --- filter objects ---
 
 
 class Filter:
@@ -80,11 +106,16 @@ class PathContains(Filter):
 class PathRegex(Filter):
     """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``)."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str | re.Pattern):
+        if not isinstance(pattern, str | re.Pattern):
+            raise TypeError(
+                f"PathRegex expects a regular expression string, got {type(pattern).__name__}"
+            )
         try:
-            self.regex = re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"invalid path regex filter {pattern!r}: {e}") from None
+            self.regex = compile_pattern(pattern)
+        except PathError as e:  # name the filter; keep re's own words on what is wrong
+            detail = e.__context__ if e.__context__ is not None else e
+            raise PathError(f"invalid path regex filter {pattern!r}: {detail}") from None
         self.pattern = pattern
 
     def __call__(self, path, variable):
@@ -191,6 +222,8 @@ class Nothing(Filter):
     def __hash__(self):
         return hash("Nothing")
 
+
+# --- filters from any accepted form ---
 
 _EVERYTHING = Everything()
 _NOTHING = Nothing()

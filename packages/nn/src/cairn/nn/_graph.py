@@ -1,12 +1,15 @@
 """Structure of a module tree: GraphDef, cached flattening, split / merge and friends.
 
-Walking a module tree (``_walk``) gives its :class:`GraphDef` (classes, static
-attributes, variable types and metadata: everything but the values) and the list of its
-Variables in order. The result is cached on the root module and reused while no
-structural change happened anywhere (a global counter, bumped by every module attribute
-assignment, container mutation and variable metadata change; setting a variable's
-``value`` is not structural). That cache is what makes ``split``, ``state`` and the
-transforms cost no per-node Python work on repeated calls.
+Encoding a module tree (``cairn.nn._nodes.encode_tree``) gives its :class:`GraphDef`
+(classes, static attributes, variable types and metadata: everything but the values)
+and the list of its Variables in order. The result is cached on the root module and
+reused while no structural change happened anywhere (a global counter, bumped by every
+module attribute assignment, container mutation and variable metadata change; setting a
+variable's ``value`` is not structural). That cache is what makes ``split``, ``state``
+and the transforms cost no per-node Python work on repeated calls.
+
+This module works on the node protocol of ``cairn.nn._nodes`` and sits below
+``cairn.nn._module``, whose ``Module`` methods (``iter_modules``, ``copy``) use it.
 """
 
 from __future__ import annotations
@@ -16,31 +19,22 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from cairn.nn._filters import path_str, to_predicate
-from cairn.nn._module import Module, _is_node, _Static
+from cairn.nn._filters import path_str, path_text, to_predicate
+from cairn.nn._nodes import (
+    MOD,
+    STATIC,
+    VAR,
+    Node,
+    build_node,
+    encode_tree,
+    graph_store,
+    is_node,
+    key_of,
+    tuple_has_nodes,
+)
 from cairn.nn._state import State
-from cairn.nn._variables import EPOCH, Variable, _HashableMeta
-
-# entry tags inside a node definition
-_STATIC, _VAR, _MOD, _TREE = 0, 1, 2, 3
-
-
-class SharedReferenceError(ValueError):
-    """The same module or variable is reachable from two paths of one tree."""
-
-
-def _key_of(entry) -> Any:
-    if isinstance(entry, SequenceKey):
-        return entry.idx
-    if isinstance(entry, DictKey):
-        return entry.key
-    if isinstance(entry, GetAttrKey):
-        return entry.name
-    if isinstance(entry, FlattenedIndexKey):
-        return entry.key
-    return str(entry)
+from cairn.nn._variables import EPOCH, Variable, rebuild_variable
 
 
 class GraphDef:
@@ -69,6 +63,7 @@ class GraphDef:
 
     @property
     def path_strings(self) -> tuple[str, ...]:
+        """The path string of each variable (computed once per GraphDef)."""
         if self._pstrs is None:
             self._pstrs = tuple(path_str(p) for p in self.paths)
         return self._pstrs
@@ -83,23 +78,23 @@ class GraphDef:
     def type(self) -> type:
         return self.node[0]
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         if self._hash is None:
             self._hash = hash(self.node)
         return self._hash
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if self is other:
             return True
         if not isinstance(other, GraphDef):
             return NotImplemented
         return hash(self) == hash(other) and self.node == other.node
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"GraphDef({self.node[0].__name__}, num_variables={len(self.paths)})"
 
-    # rebuilding --------------------------------------------------------------------------
-    def build_from_variables(self, variables) -> Module:
+    # --- rebuilding ---
+    def build_from_variables(self, variables: list[Variable]) -> Node:
         """A new module tree of this structure holding ``variables`` (reused, not copied)."""
         if self._codegen is not None:
             root = self._codegen(variables)
@@ -109,22 +104,26 @@ class GraphDef:
                 self._codegen = _codegen_builder(self.node)
                 root = self._codegen(variables)
             else:
-                root = _build(self.node, iter(variables), None)
+                it = iter(variables)
+                root = _build(self.node, lambda _: next(it))
         object.__setattr__(
             root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables))
         )
         return root
 
-    def build_from_values(self, values) -> Module:
+    def build_from_values(self, values: Any) -> Node:
         """A new module tree of this structure with new variables holding ``values``."""
         out: list = []
-        root = _build(self.node, iter(values), out)
+        it = iter(values)
+
+        def new_var(template):
+            v = rebuild_variable(template, next(it))
+            out.append(v)
+            return v
+
+        root = _build(self.node, new_var)
         object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
         return root
-
-
-# (variable type, empty metadata) templates, shared by every variable without metadata
-_EMPTY_TMPL: dict[type, tuple] = {}
 
 
 class _Flat:
@@ -136,221 +135,111 @@ class _Flat:
         self.variables = variables
 
 
-def _new_var(tmpl, value):
-    vcls, meta = tmpl
-    var = object.__new__(vcls)
-    object.__setattr__(var, "_meta", dict(meta.meta))
-    object.__setattr__(var, "raw_value", value)
-    return var
+def _build(encoding: tuple, variable) -> Node:
+    """The tree of a nested encoding; ``variable(template)`` gives each variable."""
+    return build_node(encoding, variable, lambda child: _build(child, variable))
 
 
-def _build(node, it, out):
-    cls, entries = node
-    items = []
-    for k, tag, payload in entries:
-        if tag == _VAR:
-            if out is None:
-                items.append((k, next(it)))
+# how a compiled builder stores a node's items, per _graph_store (None: call _graph_new)
+_STORE_LINES = {
+    "attrs": lambda name, c, parts: (
+        f"    {name} = new({c}); {name}.__dict__.update({{"
+        + ", ".join(f"{k!r}: {e}" for k, e in parts) + "})"
+    ),
+    "list": lambda name, c, parts: (
+        f"    {name} = new({c}); setattr_({name}, '_cairn_items', ["
+        + ", ".join(e for _, e in parts) + "])"
+    ),
+    "dict": lambda name, c, parts: (
+        f"    {name} = new({c}); setattr_({name}, '_cairn_items', {{"
+        + ", ".join(f"{k!r}: {e}" for k, e in parts) + "})"
+    ),
+}
+
+
+class _Codegen:
+    """Source of a function that rebuilds one module tree from its variable list."""
+
+    def __init__(self):
+        self.consts: list = []
+        self.lines: list[str] = []
+        self.modules = 0
+        self.nvars = 0
+
+    def const(self, x) -> str:
+        self.consts.append(x)
+        return f"K[{len(self.consts) - 1}]"
+
+    def var(self) -> str:
+        self.nvars += 1
+        return f"v[{self.nvars - 1}]"
+
+    def leaf(self, tag, payload) -> str:
+        return self.var() if tag == VAR else self.emit(payload)
+
+    def emit(self, encoding) -> str:
+        cls, entries = encoding
+        name = f"m{self.modules}"
+        self.modules += 1
+        parts = []
+        for k, tag, payload in entries:
+            if tag == STATIC:
+                expr = f"{self.const(payload)}.value"
+            elif tag in (VAR, MOD):
+                expr = self.leaf(tag, payload)
             else:
-                v = _new_var(payload, next(it))
-                out.append(v)
-                items.append((k, v))
-        elif tag == _MOD:
-            items.append((k, _build(payload, it, out)))
-        elif tag == _STATIC:
-            items.append((k, payload.value))
+                treedef, leafdefs = payload
+                subs = ", ".join(self.leaf(lt, lp) for lt, lp in leafdefs)
+                expr = f"{self.const(treedef)}.unflatten([{subs}])"
+            parts.append((k, expr))
+        c = self.const(cls)
+        line = _STORE_LINES.get(graph_store(cls))
+        if line is not None:
+            self.lines.append(line(name, c, parts))
         else:
-            treedef, leafdefs = payload
-            leaves = []
-            for ltag, lp in leafdefs:
-                if ltag == _VAR:
-                    if out is None:
-                        leaves.append(next(it))
-                    else:
-                        v = _new_var(lp, next(it))
-                        out.append(v)
-                        leaves.append(v)
-                else:
-                    leaves.append(_build(lp, it, out))
-            items.append((k, treedef.unflatten(leaves)))
-    return cls._graph_new(items)
+            body = ", ".join(f"({k!r}, {e})" for k, e in parts)
+            self.lines.append(f"    {name} = {c}._graph_new([{body}])")
+        return name
 
 
 def _codegen_builder(node):
     """Compile a function that rebuilds the module tree of ``node`` from a list of
     Variables in one straight-line body (no per-node interpretation)."""
-    consts: list = []
-    lines: list[str] = []
-    counter = [0, 0]  # module names, variable index
-
-    def const(x) -> str:
-        consts.append(x)
-        return f"K[{len(consts) - 1}]"
-
-    def emit(nd) -> str:
-        cls, entries = nd
-        name = f"m{counter[0]}"
-        counter[0] += 1
-        parts = []
-        for k, tag, payload in entries:
-            if tag == _VAR:
-                expr = f"v[{counter[1]}]"
-                counter[1] += 1
-            elif tag == _MOD:
-                expr = emit(payload)
-            elif tag == _STATIC:
-                expr = f"{const(payload)}.value"
-            else:
-                treedef, leafdefs = payload
-                subs = []
-                for ltag, lp in leafdefs:
-                    if ltag == _VAR:
-                        subs.append(f"v[{counter[1]}]")
-                        counter[1] += 1
-                    else:
-                        subs.append(emit(lp))
-                expr = f"{const(treedef)}.unflatten([{', '.join(subs)}])"
-            parts.append((k, expr))
-        c = const(cls)
-        gn = getattr(cls._graph_new, "__func__", None)
-        if gn is Module._graph_new.__func__:
-            body = ", ".join(f"{k!r}: {e}" for k, e in parts)
-            lines.append(f"    {name} = new({c}); {name}.__dict__.update({{{body}}})")
-        elif gn is List._graph_new.__func__:
-            body = ", ".join(e for _, e in parts)
-            lines.append(f"    {name} = new({c}); setattr_({name}, '_cairn_items', [{body}])")
-        elif gn is Dict._graph_new.__func__:
-            body = ", ".join(f"{k!r}: {e}" for k, e in parts)
-            lines.append(f"    {name} = new({c}); setattr_({name}, '_cairn_items', {{{body}}})")
-        else:
-            body = ", ".join(f"({k!r}, {e})" for k, e in parts)
-            lines.append(f"    {name} = {c}._graph_new([{body}])")
-        return name
-
-    root = emit(node)
-    src = "def build(v):\n" + "\n".join(lines) + f"\n    return {root}\n"
-    ns = {"K": consts, "new": object.__new__, "setattr_": object.__setattr__}
+    gen = _Codegen()
+    root = gen.emit(node)
+    src = "def build(v):\n" + "\n".join(gen.lines) + f"\n    return {root}\n"
+    ns = {"K": gen.consts, "new": object.__new__, "setattr_": object.__setattr__}
     exec(compile(src, "<cairn.nn graph builder>", "exec"), ns)
     return ns["build"]
 
 
-def _walk(root: Module) -> _Flat:
-    variables: list[Variable] = []
-    paths: list[tuple] = []
-    seen: dict[int, tuple] = {}
-
-    def shared(obj, first, second):
-        kind = type(obj).__name__
-        return SharedReferenceError(
-            f"shared reference: the same {kind} object is reachable at "
-            f"{path_str(first) or '<root>'!r} and {path_str(second) or '<root>'!r}; a "
-            f"cairn.nn module tree has no shared references (tie weights explicitly, "
-            f"e.g. Embed.attend, or use nn.clone to make an independent copy)"
-        )
-
-    def add_var(v, p):
-        i = id(v)
-        if i in seen:
-            raise shared(v, seen[i], p)
-        seen[i] = p
-        variables.append(v)
-        paths.append(p)
-        return _var_template(v)
-
-    plain_items = Module._graph_items
-
-    def visit(node, path):
-        i = id(node)
-        if i in seen:
-            raise shared(node, seen[i], path)
-        seen[i] = path
-        entries = []
-        if type(node)._graph_items is plain_items:  # skip the list copy of __dict__
-            items = [
-                kv for kv in node.__dict__.items()
-                if kv[0][0] != "_" or not kv[0].startswith("_cairn_")
-            ]
-        else:
-            items = node._graph_items()
-        for k, v in items:
-            p = (*path, k)
-            if isinstance(v, Variable):  # add_var inlined: the hot case
-                i = id(v)
-                if i in seen:
-                    raise shared(v, seen[i], p)
-                seen[i] = p
-                variables.append(v)
-                paths.append(p)
-                t = None if v._meta else _EMPTY_TMPL.get(type(v))
-                if t is None:
-                    t = _var_template(v)
-                entries.append((k, _VAR, t))
-            elif isinstance(v, Module):
-                entries.append((k, _MOD, visit(v, p)))
-            elif isinstance(v, tuple) and _tuple_has_nodes(v):
-                flat, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=_is_node)
-                leafdefs = []
-                for kp, x in flat:
-                    sp = (*p, *(_key_of(e) for e in kp))
-                    if isinstance(x, Variable):
-                        leafdefs.append((_VAR, add_var(x, sp)))
-                    elif isinstance(x, Module):
-                        leafdefs.append((_MOD, visit(x, sp)))
-                    else:
-                        raise TypeError(
-                            f"{path_str(sp)!r}: a tuple holding modules or variables must "
-                            f"hold only those (and None); found {type(x).__name__}"
-                        )
-                entries.append((k, _TREE, (treedef, tuple(leafdefs))))
-            else:
-                entries.append((k, _STATIC, _Static(v)))
-        return (type(node), tuple(entries))
-
-    node = visit(root, ())
-    return _Flat(EPOCH[0], GraphDef(node, tuple(paths)), variables)
+def _walk(root: Node) -> _Flat:
+    """The uncached encoding of ``root``'s tree."""
+    encoding, paths, variables = encode_tree(root)
+    return _Flat(EPOCH[0], GraphDef(encoding, paths), variables)
 
 
-def _var_template(v: Variable) -> tuple:
-    """``(type, metadata)`` of a variable; one shared template per type when it has no
-    metadata (the common case)."""
-    meta = v._meta
-    if not meta:
-        t = _EMPTY_TMPL.get(type(v))
-        if t is None:
-            t = _EMPTY_TMPL[type(v)] = (type(v), _HashableMeta({}))
-        return t
-    return (type(v), _HashableMeta(dict(meta)))
-
-
-def _tuple_has_nodes(v: tuple) -> bool:
-    for x in jax.tree_util.tree_leaves(v, is_leaf=_is_node):
-        if isinstance(x, Variable | Module):
-            return True
-    return False
-
-
-def flat(node: Module) -> _Flat:
+def flat(node: Node) -> _Flat:
     """The (cached) GraphDef and variable list of ``node``."""
     c = node.__dict__.get("_cairn_cache")
     if c is not None and c.epoch == EPOCH[0]:
         return c
-    if not isinstance(node, Module):
+    if not isinstance(node, Node):
         raise TypeError(f"expected a cairn.nn Module, got {type(node).__name__}")
     c = _walk(node)
     object.__setattr__(node, "_cairn_cache", c)
     return c
 
 
-# ----------------------------------------------------------------------------------
-# public functional API
+# --- public functional API ---
 
 
 def _check_module(node, fn):
-    if not isinstance(node, Module):
+    if not isinstance(node, Node):
         raise TypeError(f"nn.{fn}: expected a cairn.nn Module, got {type(node).__name__}")
 
 
-def graphdef(node: Module) -> GraphDef:
+def graphdef(node: Node) -> GraphDef:
     """The :class:`GraphDef` (static structure) of ``node``."""
     _check_module(node, "graphdef")
     c = flat(node)
@@ -370,13 +259,13 @@ def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
         else:
             if exhaustive:
                 raise ValueError(
-                    f"nn.{fn}: variable at {path_str(p)!r} ({type(v).__name__}) matched none "
+                    f"nn.{fn}: variable at {path_text(p)!r} ({type(v).__name__}) matched none "
                     f"of the filters {filters!r}; add `...` as the last filter"
                 )
     return [State.from_flat(o) for o in outs]
 
 
-def split(node: Module, *filters: Any) -> tuple:
+def split(node: Node, *filters: Any) -> tuple:
     """Split ``node`` into its :class:`GraphDef` and one :class:`State` per filter
     (one State with everything when no filter is given). The States hold the module's
     own Variable objects (not copies). Every variable must match a filter; the first
@@ -402,7 +291,7 @@ def split(node: Module, *filters: Any) -> tuple:
     return (c.graphdef, *_partition(c, filters, "split", True))
 
 
-def state(node: Module, *filters: Any):
+def state(node: Node, *filters: Any):
     """The variables of ``node`` as a :class:`State` (one per filter: a tuple when more
     than one filter is given). Unlike :func:`split`, variables matching no filter are
     left out."""
@@ -414,12 +303,12 @@ def state(node: Module, *filters: Any):
     return states[0] if len(states) == 1 else tuple(states)
 
 
-def variables(node: Module, *filters: Any):
+def variables(node: Node, *filters: Any):
     """Alias of :func:`state` (NNX name)."""
     return state(node, *filters)
 
 
-def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Module:
+def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
     """Rebuild a module tree from its :class:`GraphDef` and States. The States' Variable
     objects are used as they are (``copy=True`` copies them). Raises ``ValueError``
     naming any path the states lack or have in excess."""
@@ -439,11 +328,11 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Module:
         try:
             vs = [combined[p] for p in graphdef.paths]
         except KeyError:
-            missing = [path_str(p) for p in graphdef.paths if p not in combined]
+            missing = [path_text(p) for p in graphdef.paths if p not in combined]
             raise ValueError(f"nn.merge: the states have no variable at {missing}") from None
         if len(combined) != len(vs):
             idx = graphdef.path_index
-            extra = [path_str(p) for p in combined if p not in idx]
+            extra = [path_text(p) for p in combined if p not in idx]
             raise ValueError(f"nn.merge: the states have variables not in the graph: {extra}")
         if graphdef._specs is not None:
             _check_merge_values(graphdef, vs)
@@ -452,7 +341,7 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Module:
     return graphdef.build_from_variables(vs)
 
 
-def update(node: Module, *states: Any) -> None:
+def update(node: Node, *states: Any) -> None:
     """Set the values (and metadata) of ``node``'s variables from ``states`` (States or
     nested mappings of Variables), matching by path. Raises ``ValueError`` naming a path
     that ``node`` does not have."""
@@ -465,7 +354,7 @@ def update(node: Module, *states: Any) -> None:
             i = idx.get(p)
             if i is None:
                 raise ValueError(
-                    f"nn.update: {type(node).__name__} has no variable at {path_str(p)!r}"
+                    f"nn.update: {type(node).__name__} has no variable at {path_text(p)!r}"
                 )
             target = c.variables[i]
             if target is v:
@@ -478,8 +367,8 @@ def update(node: Module, *states: Any) -> None:
                 object.__setattr__(target, "raw_value", v)
 
 
-# ----------------------------------------------------------------------------------
-# value checks of merge / update: a wrong shape or dtype raises here, naming the path,
+# --- value checks of merge / update ---
+# A wrong shape or dtype raises here, naming the path,
 # instead of later inside lax.dot_general with no path. Only array-like values are
 # checked (arrays, tracers, ShapeDtypeStructs); shapes of tracers are static, so the
 # checks also hold at trace time under jax.jit.
@@ -489,7 +378,7 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
 def _spec_error(fn, owner, path, what, expected, got) -> ValueError:
     return ValueError(
-        f"nn.{fn}: wrong {what} for the variable at {path_str(path)!r}{owner}: expected "
+        f"nn.{fn}: wrong {what} for the variable at {path_text(path)!r}{owner}: expected "
         f"{expected}, got {got}"
     )
 
@@ -565,7 +454,7 @@ def _check_merge_values(graphdef: GraphDef, variables: list) -> None:
             raise _spec_error("merge", "", graphdef.paths[i], "dtype", old.dtype, new.dtype)
 
 
-def clone(node: Module) -> Module:
+def clone(node: Node) -> Node:
     """An independent copy of ``node`` (new module and Variable objects; array values
     are immutable and shared)."""
     _check_module(node, "clone")
@@ -574,7 +463,7 @@ def clone(node: Module) -> Module:
 
 
 def _get_child(node, key):
-    if isinstance(node, Module):
+    if isinstance(node, Node):
         for k, v in node._graph_items():
             if k == key:
                 return v
@@ -585,7 +474,7 @@ def _get_child(node, key):
     return getattr(node, key)
 
 
-def pop(node: Module, *filters: Any):
+def pop(node: Node, *filters: Any):
     """Remove the variables matching ``filters`` from ``node`` and return them as a
     :class:`State` (one per filter; a tuple for several). Variables inside tuples
     cannot be popped (tuples are immutable)."""
@@ -599,27 +488,27 @@ def pop(node: Module, *filters: Any):
             owner = node
             for k in p[:-1]:
                 owner = _get_child(owner, k)
-            if not isinstance(owner, Module):
+            if not isinstance(owner, Node):
                 raise TypeError(
-                    f"nn.pop: cannot remove {path_str(p)!r}: its parent is a "
+                    f"nn.pop: cannot remove {path_text(p)!r}: its parent is a "
                     f"{type(owner).__name__}, not a module"
                 )
             owner._graph_del(p[-1])
     return states[0] if len(states) == 1 else tuple(states)
 
 
-def iter_modules(node: Module) -> Iterator[tuple[str, Module]]:
+def iter_modules(node: Node) -> Iterator[tuple[str, Node]]:
     """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first."""
 
     def rec(m, path):
         yield path_str(path), m
         for k, v in m._graph_items():
-            if isinstance(v, Module):
+            if isinstance(v, Node):
                 yield from rec(v, (*path, k))
-            elif isinstance(v, tuple) and _tuple_has_nodes(v):
-                for kp, x in jax.tree_util.tree_flatten_with_path(v, is_leaf=_is_node)[0]:
-                    if isinstance(x, Module):
-                        yield from rec(x, (*path, k, *(_key_of(e) for e in kp)))
+            elif isinstance(v, tuple) and tuple_has_nodes(v):
+                for kp, x in jax.tree_util.tree_flatten_with_path(v, is_leaf=is_node)[0]:
+                    if isinstance(x, Node):
+                        yield from rec(x, (*path, k, *(key_of(e) for e in kp)))
 
     return rec(node, ())
 
@@ -633,7 +522,7 @@ def _copy_variable(target: Variable, source: Variable) -> None:
         EPOCH[0] += 1
 
 
-def sync(target: Module, source: Module) -> None:
+def sync(target: Node, source: Node) -> None:
     """Make ``target`` equal to ``source`` in place, reusing ``target``'s objects where
     the types agree (so references held by the caller stay valid)."""
     if type(target) is not type(source):
@@ -648,11 +537,11 @@ def sync(target: Module, source: Module) -> None:
         tv = t_items.get(k, _MISSING)
         if isinstance(sv, Variable) and type(tv) is type(sv):
             _copy_variable(tv, sv)
-        elif isinstance(sv, Module) and type(tv) is type(sv):
+        elif isinstance(sv, Node) and type(tv) is type(sv):
             sync(tv, sv)
-        elif isinstance(sv, tuple) and isinstance(tv, tuple) and _tuple_has_nodes(sv):
-            s_leaves, s_def = jax.tree_util.tree_flatten(sv, is_leaf=_is_node)
-            t_leaves, t_def = jax.tree_util.tree_flatten(tv, is_leaf=_is_node)
+        elif isinstance(sv, tuple) and isinstance(tv, tuple) and tuple_has_nodes(sv):
+            s_leaves, s_def = jax.tree_util.tree_flatten(sv, is_leaf=is_node)
+            t_leaves, t_def = jax.tree_util.tree_flatten(tv, is_leaf=is_node)
             if s_def == t_def and all(type(a) is type(b) for a, b in zip(s_leaves, t_leaves)):
                 for a, b in zip(t_leaves, s_leaves):
                     if isinstance(a, Variable):
@@ -662,18 +551,14 @@ def sync(target: Module, source: Module) -> None:
             else:
                 target._graph_set(k, sv)
         elif tv is _MISSING or not (tv is sv or _same_static(tv, sv)):
-            if isinstance(target, List) and tv is _MISSING:
-                target._cairn_items.append(sv)
-                EPOCH[0] += 1
-            else:
-                target._graph_set(k, sv)
+            target._graph_set(k, sv)
     for k in reversed(list(t_items)):
         if k not in s_keys:
             target._graph_del(k)
 
 
 def _same_static(a, b) -> bool:
-    if isinstance(a, Variable | Module) or isinstance(b, Variable | Module):
+    if isinstance(a, Variable | Node) or isinstance(b, Variable | Node):
         return False
     try:
         return type(a) is type(b) and bool(a == b)
@@ -683,4 +568,3 @@ def _same_static(a, b) -> bool:
 
 _MISSING = object()
 
-from cairn.nn._module import Dict, List  # noqa: E402  (after definitions; no cycle at import)

@@ -23,139 +23,30 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+from jax.tree_util import DictKey, SequenceKey
 
-from cairn.nn._variables import (
-    EPOCH,
-    Intermediate,
-    Perturbation,
-    Variable,
-    _HashableMeta,
-    static_eq,
-    static_hash,
-)
+from cairn.nn._graph import clone, iter_modules
+from cairn.nn._nodes import Node, is_node
+from cairn.nn._variables import EPOCH, Intermediate, Perturbation, Variable
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 _INTERNAL = "_cairn_"
-
-
-class _Static:
-    """Wraps a static attribute value for pytree aux data: hashable even when the value
-    is not (hash by type / structure), compared with ``==``."""
-
-    __slots__ = ("value", "_h")
-
-    def __init__(self, value):
-        self.value = value
-        self._h = None
-
-    def __hash__(self):
-        if self._h is None:
-            self._h = static_hash(self.value)
-        return self._h
-
-    def __eq__(self, other):
-        return isinstance(other, _Static) and (
-            type(self.value) is type(other.value) and static_eq(self.value, other.value)
-        )
-
-    def __repr__(self):
-        return f"_Static({self.value!r})"
-
-
-def _is_node(x) -> bool:
-    return isinstance(x, Variable | Module)
+_MAX_REPR_DEPTH = 12
 
 
 def _contains_nodes(value) -> bool:
-    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_node)
-    return any(isinstance(leaf, Variable | Module) for leaf in leaves)
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=is_node)
+    return any(isinstance(leaf, Variable | Node) for leaf in leaves)
 
 
 def _contains_arrays(value) -> bool:
-    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_node)
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=is_node)
     return any(isinstance(leaf, _ARRAY_TYPES) for leaf in leaves)
 
 
-# ----------------------------------------------------------------------------------
-# pytree registration (per node: variables are flattened inline so that a variable's
-# value has the variable's path)
-
-
-def _module_flatten_with_keys(m: Module):
-    children = []
-    aux = []
-    key_cls = m._graph_key
-    for k, v in m._graph_items():
-        if isinstance(v, Variable):
-            children.append((key_cls(k), v.raw_value))
-            aux.append((k, 1, (type(v), _HashableMeta(dict(v._meta)))))
-        elif isinstance(v, Module):
-            children.append((key_cls(k), v))
-            aux.append((k, 2, None))
-        elif isinstance(v, tuple) and _contains_nodes(v):
-            leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=_is_node)
-            tmpl = tuple(
-                (type(x), _HashableMeta(dict(x._meta))) if isinstance(x, Variable) else None
-                for x in leaves
-            )
-            inner = treedef.unflatten(
-                [x.raw_value if isinstance(x, Variable) else x for x in leaves]
-            )
-            children.append((key_cls(k), inner))
-            aux.append((k, 3, (treedef, tmpl)))
-        else:
-            aux.append((k, 0, _Static(v)))
-    return children, (type(m), tuple(aux))
-
-
-def _module_flatten(m: Module):
-    children, aux = _module_flatten_with_keys(m)
-    return [c for _, c in children], aux
-
-
-def _module_unflatten(aux, children):
-    cls, entries = aux
-    it = iter(children)
-    items = []
-    for k, tag, payload in entries:
-        if tag == 0:
-            items.append((k, payload.value))
-        elif tag == 1:
-            vcls, meta = payload
-            var = object.__new__(vcls)
-            object.__setattr__(var, "_meta", dict(meta.meta))
-            object.__setattr__(var, "raw_value", next(it))
-            items.append((k, var))
-        elif tag == 2:
-            items.append((k, next(it)))
-        else:
-            treedef, tmpl = payload
-            sub = next(it)
-            parts = treedef.flatten_up_to(sub)
-            rebuilt = []
-            for t, x in zip(tmpl, parts):
-                if t is None:
-                    rebuilt.append(x)
-                else:
-                    var = object.__new__(t[0])
-                    object.__setattr__(var, "_meta", dict(t[1].meta))
-                    object.__setattr__(var, "raw_value", x)
-                    rebuilt.append(var)
-            items.append((k, treedef.unflatten(rebuilt)))
-    return cls._graph_new(items)
-
-
-def _register_module_class(cls) -> None:
-    jax.tree_util.register_pytree_with_keys(
-        cls, _module_flatten_with_keys, _module_unflatten, flatten_func=_module_flatten
-    )
-
-
-
-
-class Module:
+class Module(Node):
     """Base class of all modules (NNX-style: build eagerly, call eagerly, transform).
 
     Subclasses define ``__init__`` (create Variables and child modules; no
@@ -176,17 +67,13 @@ class Module:
     ['w']
     """
 
-    # the pytree key type used for this class's children
-    _graph_key = GetAttrKey
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        _register_module_class(cls)
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)  # registers the class as a pytree
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_cairn_wrapped", False):
             cls.__call__ = _wrap_call(call)
 
-    # -- attribute handling ------------------------------------------------------------
+    # --- attribute handling ---
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith(_INTERNAL):
             object.__setattr__(self, name, value)
@@ -199,32 +86,10 @@ class Module:
         object.__delattr__(self, name)
         EPOCH[0] += 1
 
-    # -- graph protocol (overridden by containers) ------------------------------------
-    def _graph_items(self):
-        """(key, value) pairs of this node, in order (internal attributes skipped)."""
-        return [(k, v) for k, v in self.__dict__.items() if not k.startswith(_INTERNAL)]
-
-    @classmethod
-    def _graph_new(cls, items) -> Module:
-        obj = object.__new__(cls)
-        obj.__dict__.update(items)
-        return obj
-
-    def _graph_set(self, key, value) -> None:
-        """Set one child without conversion checks (used when syncing after transforms)."""
-        object.__setattr__(self, key, value)
-        EPOCH[0] += 1
-
-    def _graph_del(self, key) -> None:
-        object.__delattr__(self, key)
-        EPOCH[0] += 1
-
-    # -- NNX-style helpers ----------------------------------------------------------------
+    # --- NNX-style helpers ---
     def iter_modules(self) -> Iterator[tuple[str, Module]]:
         """Yield ``(path, module)`` for this module and every submodule, depth first, in
         attribute order. Paths use the ``a/b/0`` convention; the root's path is ``""``."""
-        from cairn.nn._graph import iter_modules
-
         return iter_modules(self)
 
     def iter_children(self) -> Iterator[tuple[Any, Module]]:
@@ -302,12 +167,12 @@ class Module:
                 f"{type(existing).__name__}, expected a {variable_type.__name__}"
             )
 
-    def perturb(self, name: str, value: Any, variable_type: type[Variable] = Perturbation):
+    def perturb(
+        self, name: str, value: Any, variable_type: type[Variable] = Perturbation
+    ) -> Any:
         """Add a zero :class:`Perturbation` named ``name`` to ``value`` (created on the
         first call), so that the gradient with respect to it is the gradient with respect
         to this intermediate value."""
-        import jax.numpy as jnp
-
         existing = self.__dict__.get(name)
         if existing is None:
             setattr(self, name, variable_type(jnp.zeros_like(value)))
@@ -315,18 +180,12 @@ class Module:
         return value + existing.value
 
     def __repr__(self) -> str:
-        from cairn.nn._summary import module_repr
-
         return module_repr(self)
 
-    def __copy__(self):
-        from cairn.nn._graph import clone
-
+    def __copy__(self) -> Module:
         return clone(self)
 
-    def __deepcopy__(self, memo):
-        from cairn.nn._graph import clone
-
+    def __deepcopy__(self, memo: dict) -> Module:
         return clone(self)
 
 
@@ -360,11 +219,9 @@ def annotate_exception(exc: BaseException, roots) -> None:
     try:
         if any(n.startswith("(raised in ") for n in getattr(exc, "__notes__", ())):
             return
-        from cairn.nn._graph import iter_modules
-
         ids: dict[int, tuple] = {}
         for label, tree in roots:
-            for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_node):
+            for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
                 if isinstance(leaf, Module):
                     for path, m in iter_modules(leaf):
                         ids[id(m)] = (label, path, type(m).__name__, type(leaf).__name__)
@@ -414,15 +271,18 @@ def _check_attribute(module: Module, name: str, value: Any) -> Any:
     return value
 
 
-# ----------------------------------------------------------------------------------
-# containers
+# --- containers ---
 
 
 class _Container(Module):
     """Base of ``List`` and ``Dict``: children live in ``_cairn_items``, not attributes."""
 
     def _graph_set(self, key, value):
-        self._cairn_items[key] = value
+        items = self._cairn_items
+        if isinstance(items, list) and key == len(items):  # a new last item
+            items.append(value)
+        else:
+            items[key] = value
         EPOCH[0] += 1
 
     def _graph_del(self, key):
@@ -435,6 +295,7 @@ class List(_Container):
     ``name/0/...``). Supports the usual list operations."""
 
     _graph_key = SequenceKey
+    _graph_store = "list"
 
     def __init__(self, items=()):
         object.__setattr__(self, "_cairn_items", [])
@@ -501,6 +362,7 @@ class Dict(_Container, Mapping):
     (paths ``name/key/...``)."""
 
     _graph_key = DictKey
+    _graph_store = "dict"
 
     def __init__(self, items=(), **kwargs):
         object.__setattr__(self, "_cairn_items", {})
@@ -563,4 +425,39 @@ class Sequential(Module):
 
 
 
-_register_module_class(Module)  # subclasses register themselves in __init_subclass__
+# --- repr ---
+
+
+def module_repr(m: Module, indent: int = 0, depth: int = 0) -> str:
+    """The nested repr of a module: variables and child modules first, then its
+    configuration (long reprs cut at 80 characters), ``Name(...)`` past depth 12."""
+    pad = "  " * (indent + 1)
+    name = type(m).__name__
+    if depth > _MAX_REPR_DEPTH:
+        return f"{name}(...)"
+    state_lines, config_lines = [], []
+    for k, v in m._graph_items():
+        key = f"{k}: " if isinstance(m, List) else f"{k}="
+        if isinstance(v, Module):
+            state_lines.append(f"{pad}{key}{module_repr(v, indent + 1, depth + 1)},")
+        elif isinstance(v, Variable):
+            state_lines.append(f"{pad}{key}{v!r},")
+        else:
+            r = _static_repr(v)
+            if len(r) > 80:
+                r = r[:77] + "..."
+            config_lines.append(f"{pad}{key}{r},")
+    lines = state_lines + config_lines
+    if not lines:
+        return f"{name}()"
+    return f"{name}(\n" + "\n".join(lines) + "\n" + "  " * indent + ")"
+
+
+def _static_repr(v) -> str:
+    if isinstance(v, type):
+        return v.__name__
+    if callable(v) and hasattr(v, "__qualname__"):
+        mod = getattr(v, "__module__", "") or ""
+        name = v.__qualname__.replace(".<locals>", "")
+        return f"{mod.split('.')[0]}.{name}" if mod.startswith(("jax", "numpy")) else name
+    return repr(v)

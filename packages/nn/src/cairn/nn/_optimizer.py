@@ -7,9 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.nn._filters import path_str
+from cairn.nn._filters import path_text
 from cairn.nn._graph import state as _state
-from cairn.nn._module import Module
+from cairn.nn._module import Dict, List, Module
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._variables import OptState, Param, Variable
 
@@ -65,8 +65,8 @@ class Optimizer(Module):
         params = to_pure_dict(params_state)
         if isinstance(grads, State):
             if grads._flat.keys() != params_state._flat.keys():
-                missing = [path_str(p) for p in params_state._flat if p not in grads._flat]
-                extra = [path_str(p) for p in grads._flat if p not in params_state._flat]
+                missing = [path_text(p) for p in params_state._flat if p not in grads._flat]
+                extra = [path_text(p) for p in grads._flat if p not in params_state._flat]
                 raise ValueError(
                     f"Optimizer.update: the gradients do not match the parameters selected "
                     f"by wrt={self.wrt!r}: missing {missing}, unexpected {extra}"
@@ -124,8 +124,6 @@ def _wrap(opt_state):
 def _plain(tree):
     """``tree`` with every nn.Dict / nn.List turned back into a dict / list (the
     Variables kept as leaves), so that it has the structure ``tx.init`` returned."""
-    from cairn.nn._module import Dict, List
-
     if isinstance(tree, Dict):
         return {k: _plain(tree[k]) for k in tree}
     if isinstance(tree, List):

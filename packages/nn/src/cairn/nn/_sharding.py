@@ -12,38 +12,26 @@ compiled initializer writes each shard directly (see :func:`sharded_init`); eage
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cairn.nn._graph import flat
+from cairn.nn._graph import state as _state
+from cairn.nn._jit import eval_shape, jit
+from cairn.nn._module import Module
+from cairn.nn._sharding_rules import (
+    current_rules,
+    mesh_and_rules,
+    names_of,
+    sharding_for,
+    sharding_rules,
+)
+from cairn.nn._state import State
 from cairn.nn._variables import Variable, with_metadata
-
-_CTX: list[tuple[Any, Any]] = []  # stack of (mesh, rules)
-
-
-@contextlib.contextmanager
-def sharding_rules(rules: Any, mesh: Any = None) -> Iterator[None]:
-    """Context in which variables with ``sharding_names`` metadata are created in
-    their ``NamedSharding`` on ``mesh`` (rules: a ``LogicalAxisRules`` or a sequence of
-    ``(logical_name, mesh_axes)`` pairs)."""
-    from cairn.core_array import LogicalAxisRules
-
-    if not isinstance(rules, LogicalAxisRules):
-        rules = LogicalAxisRules(rules)
-    _CTX.append((mesh, rules))
-    try:
-        yield
-    finally:
-        _CTX.pop()
-
-
-def current_rules() -> tuple[Any, Any] | None:
-    """The innermost ``(mesh, rules)`` of :func:`sharding_rules`, or None."""
-    return _CTX[-1] if _CTX else None
 
 
 def with_partitioning(
@@ -91,24 +79,8 @@ def _eager_target(names: tuple, mesh: Any, args, kwargs) -> NamedSharding | None
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
-    found = _mesh_and_rules(mesh, names)
-    return None if found is None else _sharding_for(names, len(names), *found)
-
-
-def _mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
-    """The mesh (the given one, else the ``sharding_rules`` context's) and the rules
-    (the context's, else each name mapped to the mesh axis of the same name); None
-    when no mesh is in scope."""
-    ctx = current_rules()
-    ctx_mesh, rules = ctx if ctx is not None else (None, None)
-    mesh = mesh if mesh is not None else ctx_mesh
-    if mesh is None:
-        return None
-    if rules is None:
-        from cairn.core_array import LogicalAxisRules
-
-        rules = LogicalAxisRules([(n, n) for n in names if n is not None])
-    return mesh, rules
+    found = mesh_and_rules(mesh, names)
+    return None if found is None else sharding_for(names, len(names), *found)
 
 
 def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, args, kwargs):
@@ -149,54 +121,11 @@ def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, ar
     return fn(dyn)
 
 
-def _names_of(metadata: dict) -> tuple | None:
-    names = metadata.get("sharding_names", metadata.get("sharding"))
-    if names is None:
-        return None
-    if isinstance(names, PartitionSpec):
-        return None
-    return tuple(names)
-
-
-def _sharding_for(names, ndim: int, mesh, rules) -> NamedSharding:
-    from cairn.core_array import named_sharding
-
-    if len(names) != ndim:
-        raise ValueError(
-            f"sharding_names {names} has {len(names)} entries for an array of rank {ndim}"
-        )
-    return named_sharding(mesh, names, rules)
-
-
-def _maybe_shard_on_create(value: Any, metadata: dict) -> Any:
-    mesh = metadata.get("mesh")
-    if mesh is None and current_rules() is None:
-        return value
-    names = _names_of(metadata)
-    if names is None:
-        return value
-    found = _mesh_and_rules(mesh, names)
-    if found is None:
-        return value
-    mesh, rules = found
-    ndim = len(getattr(value, "shape", ()))
-    sharding = _sharding_for(names, ndim, mesh, rules)
-    if isinstance(value, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    if isinstance(value, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(value, sharding)
-    if isinstance(value, jax.Array):
-        return jax.device_put(value, sharding)
-    return value
-
-
 def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
     """The same tree (a Module's :func:`~cairn.nn.state`, a State, or a Variable) with
     each variable's value replaced by its ``PartitionSpec`` (``PartitionSpec()`` when it
     has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`."""
     from cairn.core_array import logical_to_partition_spec
-    from cairn.nn._graph import state as _state
-    from cairn.nn._module import Module
 
     if isinstance(tree, Module):
         tree = _state(tree)
@@ -207,7 +136,7 @@ def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
     def spec(v):
         if not isinstance(v, Variable):
             return v
-        names = _names_of(v._meta)
+        names = names_of(v._meta)
         if names is None or rules is None:
             return v.replace(PartitionSpec())
         return v.replace(logical_to_partition_spec(names, rules, mesh))
@@ -216,8 +145,6 @@ def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
 
 
 def _map_variables(fn, tree):
-    from cairn.nn._state import State
-
     if isinstance(tree, Variable):
         return fn(tree)
     if isinstance(tree, State):
@@ -242,10 +169,6 @@ def abstract_model(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None
     or from :func:`sharding_rules`) it carries the variable's ``NamedSharding`` (logical
     names through ``rules``; replicated without names). The standard target for
     restoring a checkpoint."""
-    from cairn.nn._graph import flat
-    from cairn.nn._module import Module
-    from cairn.nn._transforms import eval_shape
-
     ctx = current_rules()
     if mesh is None and ctx is not None:
         mesh = ctx[0]
@@ -267,11 +190,11 @@ def abstract_model(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None
             val = v.raw_value
             if not isinstance(val, jax.ShapeDtypeStruct):
                 continue
-            names = _names_of(v._meta)
+            names = names_of(v._meta)
             if names is None:
                 sh = NamedSharding(mesh, PartitionSpec())
             else:
-                sh = _sharding_for(names, len(val.shape), mesh, rules)
+                sh = sharding_for(names, len(val.shape), mesh, rules)
             v.raw_value = jax.ShapeDtypeStruct(val.shape, val.dtype, sharding=sh)
     return out
 
@@ -281,9 +204,6 @@ def sharded_init(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, 
     compiled function whose outputs are each variable's ``NamedSharding``: every
     parameter is written shard by shard, never as a full copy on one device. Variables
     without ``sharding_names`` are replicated."""
-    from cairn.nn._graph import flat
-    from cairn.nn._transforms import jit
-
     ctx = current_rules()
     if mesh is None and ctx is not None:
         mesh = ctx[0]
@@ -299,14 +219,14 @@ def sharded_init(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, 
     def create(*a, **kw):
         model = fn(*a, **kw)
         for v in flat(model).variables:
-            names = _names_of(v._meta)
+            names = names_of(v._meta)
             val = v.raw_value
             if not hasattr(val, "shape"):
                 continue
             sh = (
                 NamedSharding(mesh, PartitionSpec())
                 if names is None
-                else _sharding_for(names, len(val.shape), mesh, rules)
+                else sharding_for(names, len(val.shape), mesh, rules)
             )
             v.raw_value = jax.lax.with_sharding_constraint(val, sh)
         return model

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 from jax.tree_util import DictKey
 
-from cairn.nn._filters import path_str, to_predicate
-from cairn.nn._variables import Variable, _HashableMeta
+from cairn.nn._filters import path_str, path_text, to_predicate
+from cairn.nn._variables import Variable, rebuild_variable, template_of
 
 
 class State(MutableMapping):
@@ -65,7 +65,7 @@ class State(MutableMapping):
             d = self._flat_d = dict(zip(gd.paths, variables))
         return d
 
-    # -- flat views ---------------------------------------------------------------------
+    # --- flat views ---
     def flat_state(self) -> dict[tuple, Variable]:
         """``{path_tuple: Variable}`` (a new dict)."""
         return dict(self._flat)
@@ -77,7 +77,7 @@ class State(MutableMapping):
     def flat_items(self) -> list[tuple[str, Variable]]:
         return [(path_str(p), v) for p, v in self._flat.items()]
 
-    # -- mapping protocol ---------------------------------------------------------------
+    # --- mapping protocol ---
     def _sub(self, key) -> State | Variable:
         v = self._flat.get((key,))
         if v is not None:
@@ -145,7 +145,7 @@ class State(MutableMapping):
 
     __hash__ = None
 
-    # -- functional helpers -------------------------------------------------------------
+    # --- functional helpers ---
     def filter(self, *filters) -> State | tuple[State, ...]:
         """The variables matching each filter (a State, or a tuple for several)."""
         return self._partition(filters, strict=False)
@@ -169,7 +169,7 @@ class State(MutableMapping):
                 if not strict:
                     continue
                 raise ValueError(
-                    f"State.split: variable at {path_str(p)!r} ({type(v).__name__}) "
+                    f"State.split: variable at {path_text(p)!r} ({type(v).__name__}) "
                     f"matched none of the filters {filters!r}; add `...` as the last filter"
                 )
         states = tuple(State.from_flat(o) for o in outs)
@@ -190,9 +190,10 @@ class State(MutableMapping):
         replace_by_pure_dict(self, pure)
 
     def __repr__(self) -> str:
-        from cairn.nn._summary import state_repr
-
-        return state_repr(self)
+        if not self._flat:
+            return "State({})"
+        lines = [f"  {path_text(p)!r}: {v!r}," for p, v in self._flat.items()]
+        return "State({\n" + "\n".join(lines) + "\n})"
 
 
 def _flatten_mapping(mapping: Mapping, prefix: tuple, out: dict) -> dict:
@@ -207,7 +208,7 @@ def _flatten_mapping(mapping: Mapping, prefix: tuple, out: dict) -> dict:
         else:
             raise TypeError(
                 f"State leaves must be Variables; got {type(v).__name__} at "
-                f"{path_str((*prefix, k))!r} (use nn.Variable(...) or replace_by_pure_dict)"
+                f"{path_text((*prefix, k))!r} (use nn.Variable(...) or replace_by_pure_dict)"
             )
     return out
 
@@ -237,17 +238,17 @@ def replace_by_pure_dict(state: State, pure: Mapping) -> None:
                 d = d[str(k)]
             else:
                 raise KeyError(
-                    f"replace_by_pure_dict: no value for {path_str(p)!r} (missing key "
-                    f"{k!r} at {path_str(p[:i]) or '<root>'!r})"
+                    f"replace_by_pure_dict: no value for {path_text(p)!r} (missing key "
+                    f"{k!r} at {path_text(p[:i]) or '<root>'!r})"
                 )
         if isinstance(d, Mapping):
             raise TypeError(
-                f"replace_by_pure_dict: expected an array at {path_str(p)!r}, got a mapping"
+                f"replace_by_pure_dict: expected an array at {path_text(p)!r}, got a mapping"
             )
         v.value = d
 
 
-# -- pytree registration: variables inline ---------------------------------------------
+# --- pytree registration: variables inline ---
 
 
 def _state_children(s: State):
@@ -268,7 +269,7 @@ def _state_children(s: State):
         keys.append(k)
         if isinstance(g, Variable):
             children.append(g.raw_value)
-            tmpl.append((type(g), _HashableMeta(dict(g._meta))))
+            tmpl.append(template_of(g))
         else:
             children.append(State.from_flat(g))
             tmpl.append(None)
@@ -296,10 +297,7 @@ def _state_unflatten(aux, children):
             else:  # jax may rebuild with placeholder leaves
                 flat[(k,)] = c
         else:
-            var = object.__new__(t[0])
-            object.__setattr__(var, "_meta", dict(t[1].meta))
-            object.__setattr__(var, "raw_value", c)
-            flat[(k,)] = var
+            flat[(k,)] = rebuild_variable(t, c)
     return State.from_flat(flat)
 
 

@@ -1,4 +1,8 @@
-"""Display: readable reprs of modules and states, and ``tabulate``."""
+"""``tabulate``: a table of a model's modules, output shapes and parameter counts.
+
+(The reprs of modules and states live beside their classes, in ``_module`` and
+``_state``.)
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from cairn.nn._variables import Variable
-
-_MAX_DEPTH = 12
+from cairn.nn._graph import flat, iter_modules
+from cairn.nn._jit import eval_shape
+from cairn.nn._module import Module
+from cairn.nn._variables import Param, Variable
 
 
 def _count_bytes(variables) -> tuple[int, int]:
@@ -37,69 +42,44 @@ def _fmt_bytes(b: int) -> str:
     return f"{b} B"  # pragma: no cover
 
 
-def module_repr(m, indent: int = 0, depth: int = 0) -> str:
-    from cairn.nn._module import List, Module
-
-    pad = "  " * (indent + 1)
-    name = type(m).__name__
-    if depth > _MAX_DEPTH:
-        return f"{name}(...)"
-    state_lines, config_lines = [], []
-    for k, v in m._graph_items():
-        key = f"{k}: " if isinstance(m, List) else f"{k}="
-        if isinstance(v, Module):
-            state_lines.append(f"{pad}{key}{module_repr(v, indent + 1, depth + 1)},")
-        elif isinstance(v, Variable):
-            state_lines.append(f"{pad}{key}{v!r},")
-        else:
-            r = _static_repr(v)
-            if len(r) > 80:
-                r = r[:77] + "..."
-            config_lines.append(f"{pad}{key}{r},")
-    lines = state_lines + config_lines
-    if not lines:
-        return f"{name}()"
-    return f"{name}(\n" + "\n".join(lines) + "\n" + "  " * indent + ")"
-
-
-def _static_repr(v) -> str:
-    if isinstance(v, type):
-        return v.__name__
-    if callable(v) and hasattr(v, "__qualname__"):
-        mod = getattr(v, "__module__", "") or ""
-        name = v.__qualname__.replace(".<locals>", "")
-        return f"{mod.split('.')[0]}.{name}" if mod.startswith(("jax", "numpy")) else name
-    return repr(v)
-
-
-def state_repr(s) -> str:
-    from cairn.nn._filters import path_str
-
-    if not s._flat:
-        return "State({})"
-    lines = [f"  {path_str(p)!r}: {v!r}," for p, v in s._flat.items()]
-    return "State({\n" + "\n".join(lines) + "\n})"
-
-
-def tabulate(model, *inputs: Any, method: str = "__call__", **kwargs: Any) -> str:
+def tabulate(model: Module, *inputs: Any, method: str = "__call__", **kwargs: Any) -> str:
     """A table of every module in ``model``: path, class, output shapes of its call on
     ``inputs`` (computed abstractly with ``jax.eval_shape``: nothing runs), parameter
     counts and bytes of its own variables, plus totals.
 
     ``inputs`` may be arrays or ``jax.ShapeDtypeStruct``. Modules that are not called
     show an empty output column.
-    """
-    from cairn.nn._graph import flat, iter_modules
-    from cairn.nn._module import Module
-    from cairn.nn._transforms import eval_shape
 
+    Raises:
+      TypeError: ``model`` is not a Module.
+    """
     if not isinstance(model, Module):
         raise TypeError(f"tabulate: expected a Module, got {type(model).__name__}")
-    outputs: dict[int, Any] = {}
+    outputs = _record_outputs(model, inputs, method, kwargs)
+    rows = [("path", "module", "outputs", "params", "other vars", "bytes")]
+    for path, m in iter_modules(model):
+        own = [v for _, v in m._graph_items() if isinstance(v, Variable)]
+        out = outputs.get(path)
+        rows.append(
+            (
+                path or "<root>",
+                type(m).__name__,
+                _shape_str(out) if out is not None else "",
+                *_counts(own, total=False),
+            )
+        )
+    rows.append(("total", "", "", *_counts(flat(model).variables, total=True)))
+    return _format_table(rows)
+
+
+def _record_outputs(model: Module, inputs: tuple, method: str, kwargs: dict) -> dict:
+    """``{path: output}`` of every module called when ``model.<method>(*inputs)`` runs
+    under ``jax.eval_shape`` (nothing when there are no inputs)."""
+    outputs: dict[Any, Any] = {}
     classes = {type(m) for _, m in iter_modules(model)}
     originals = {}
 
-    def wrap(cls, orig):
+    def wrap(orig):
         def recorded(self, *a, **kw):
             out = orig(self, *a, **kw)
             outputs.setdefault(self.__dict__.get("_cairn_tab_id", id(self)), out)
@@ -115,46 +95,42 @@ def tabulate(model, *inputs: Any, method: str = "__call__", **kwargs: Any) -> st
     for cls in classes:
         if "__call__" in cls.__dict__:
             originals[cls] = cls.__dict__["__call__"]
-            cls.__call__ = wrap(cls, originals[cls])
+            cls.__call__ = wrap(originals[cls])
     try:
         if inputs or kwargs:
             eval_shape(run, model, *inputs, **kwargs)
     finally:
         for cls, orig in originals.items():
             cls.__call__ = orig
+    return outputs
 
-    def shape_str(out) -> str:
-        leaves = jax.tree_util.tree_leaves(out)
-        parts = [
-            f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
-            for x in leaves[:4]
-        ]
-        if len(leaves) > 4:
-            parts.append("...")
-        return ", ".join(parts)
 
-    rows = [("path", "module", "outputs", "params", "other vars", "bytes")]
-    from cairn.nn._variables import Param
+def _shape_str(out: Any) -> str:
+    leaves = jax.tree_util.tree_leaves(out)
+    parts = [
+        f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
+        for x in leaves[:4]
+    ]
+    if len(leaves) > 4:
+        parts.append("...")
+    return ", ".join(parts)
 
-    for path, m in iter_modules(model):
-        own = [v for _, v in m._graph_items() if isinstance(v, Variable)]
-        p_n, p_b = _count_bytes([v for v in own if isinstance(v, Param)])
-        o_n, o_b = _count_bytes([v for v in own if not isinstance(v, Param)])
-        out = outputs.get(path)
-        rows.append(
-            (
-                path or "<root>",
-                type(m).__name__,
-                shape_str(out) if out is not None else "",
-                f"{p_n:,}" if p_n else "",
-                f"{o_n:,}" if o_n else "",
-                _fmt_bytes(p_b + o_b) if p_b + o_b else "",
-            )
-        )
-    allvars = flat(model).variables
-    tp_n, tp_b = _count_bytes([v for v in allvars if isinstance(v, Param)])
-    to_n, to_b = _count_bytes([v for v in allvars if not isinstance(v, Param)])
-    rows.append(("total", "", "", f"{tp_n:,}", f"{to_n:,}", _fmt_bytes(tp_b + to_b)))
+
+def _counts(variables: list, total: bool) -> tuple[str, str, str]:
+    """The params, other-variables and bytes columns for ``variables`` (a total row
+    shows zeros; a module row leaves them empty)."""
+    p_n, p_b = _count_bytes([v for v in variables if isinstance(v, Param)])
+    o_n, o_b = _count_bytes([v for v in variables if not isinstance(v, Param)])
+    if total:
+        return f"{p_n:,}", f"{o_n:,}", _fmt_bytes(p_b + o_b)
+    return (
+        f"{p_n:,}" if p_n else "",
+        f"{o_n:,}" if o_n else "",
+        _fmt_bytes(p_b + o_b) if p_b + o_b else "",
+    )
+
+
+def _format_table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     sep = "+".join("-" * (w + 2) for w in widths)
     out_lines = []

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.nn._sharding_rules import shard_on_create
+
 # A global counter bumped by every structural change (a module attribute set, a
 # variable's metadata changed, a container mutated). Cached flattenings of a module tree
 # stay valid while it is unchanged. A list so that other modules can share it cheaply.
@@ -114,12 +116,10 @@ class Variable:
             value = value.value
         object.__setattr__(self, "_meta", metadata)
         if "sharding_names" in metadata or "sharding" in metadata:
-            from cairn.nn._sharding import _maybe_shard_on_create
-
-            value = _maybe_shard_on_create(value, metadata)
+            value = shard_on_create(value, metadata)
         object.__setattr__(self, "raw_value", value)
 
-    # -- value access -------------------------------------------------------------
+    # --- value access ---
     @property
     def value(self) -> Any:
         return self.raw_value
@@ -151,7 +151,7 @@ class Variable:
         else:
             object.__setattr__(self, "raw_value", jnp.asarray(self.raw_value).at[idx].set(new))
 
-    # -- metadata -------------------------------------------------------------------
+    # --- metadata ---
     @property
     def metadata(self) -> dict[str, Any]:
         return dict(self._meta)
@@ -198,7 +198,7 @@ class Variable:
     def copy(self) -> Variable:
         return self.replace()
 
-    # -- array protocol -------------------------------------------------------------
+    # --- array protocol ---
     def __jax_array__(self):
         return jnp.asarray(self.raw_value)
 
@@ -389,21 +389,50 @@ class RngCount(RngState):
     __slots__ = ()
 
 
+# --- templates: a variable without its value ---
+
+
+def template_of(v: Variable) -> tuple[type, _HashableMeta]:
+    """``(type, metadata)`` of ``v``: everything but its value, hashable (the pytree aux
+    data of a variable, and how a module's or state's encoding stores one). Variables
+    without metadata (the common case) share one template per type."""
+    meta = v._meta
+    if not meta:
+        t = _EMPTY_TEMPLATES.get(type(v))
+        if t is None:
+            t = _EMPTY_TEMPLATES[type(v)] = (type(v), _HashableMeta({}))
+        return t
+    return (type(v), _HashableMeta(dict(meta)))
+
+
+def rebuild_variable(template: tuple[type, _HashableMeta], value: Any) -> Variable:
+    """A new variable of ``template``'s type and metadata (a copy of the dict) holding
+    ``value``: the one way every part of cairn.nn rebuilds a variable from its template.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> w = nn.Param(jnp.ones(2), sharding_names=("embed",))
+    >>> v = rebuild_variable(template_of(w), jnp.zeros(2))
+    >>> type(v).__name__, v.sharding_names, v.value.tolist()
+    ('Param', ('embed',), [0.0, 0.0])
+    """
+    new = object.__new__(template[0])
+    object.__setattr__(new, "_meta", dict(template[1].meta))
+    object.__setattr__(new, "raw_value", value)
+    return new
+
+
 # A Variable on its own is a pytree with one leaf at path "value".
 def _var_flatten_with_keys(v: Variable):
-    return ((jax.tree_util.GetAttrKey("value"), v.raw_value),), (type(v), _HashableMeta(v._meta))
+    return ((jax.tree_util.GetAttrKey("value"), v.raw_value),), template_of(v)
 
 
 def _var_flatten(v: Variable):
-    return (v.raw_value,), (type(v), _HashableMeta(v._meta))
+    return (v.raw_value,), template_of(v)
 
 
 def _var_unflatten(aux, children):
-    cls, meta = aux
-    new = object.__new__(cls)
-    object.__setattr__(new, "_meta", dict(meta.meta))
-    object.__setattr__(new, "raw_value", children[0])
-    return new
+    return rebuild_variable(aux, children[0])
 
 
 class _HashableMeta:
@@ -444,6 +473,10 @@ def static_eq(a, b) -> bool:
         return bool(r)
     except Exception:  # noqa: BLE001 - arrays etc. compare by identity
         return False
+
+
+# (variable type, empty metadata) templates shared by every variable without metadata
+_EMPTY_TEMPLATES: dict[type, tuple] = {}
 
 
 def _register(cls):

@@ -1,0 +1,199 @@
+"""``nn.grad`` and ``nn.value_and_grad``: gradients with respect to modules' variables.
+
+For a module argument the gradient is taken with respect to its variables matching a
+filter (``wrt``, default :class:`~cairn.nn.Param`) and returned as a
+:class:`~cairn.nn.State` of the same variable types; the other state changes the
+function makes (batch statistics, RNG counters) are written back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from cairn.nn._filters import to_predicate
+from cairn.nn._module import Module
+from cairn.nn._nodes import MOD, VAR, is_node
+from cairn.nn._state import State
+from cairn.nn._transform_plan import Box, Plan, argnums_tuple, call_annotated
+from cairn.nn._variables import Param, Variable
+
+
+def grad(
+    f: Callable | None = None,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    wrt: Any = Param,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+) -> Callable:
+    """Gradient of ``f`` (a scalar function) with respect to argument(s) ``argnums``.
+
+    For a module argument, the gradient is taken with respect to its variables matching
+    ``wrt`` (default: :class:`Param`) and returned as a :class:`State` of the same
+    variable types holding the gradients (paths as in ``nn.state(module, wrt)``); other
+    state changes made by ``f`` (batch statistics, RNG counters) are written back. Array
+    arguments get array gradients, as with ``jax.grad``. ``reduce_axes`` is accepted for
+    Flax NNX compatibility and has no effect.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> class W(nn.Module):
+    ...     def __init__(self):
+    ...         self.w = nn.Param(jnp.array([1.0, 2.0]))
+    >>> g = nn.grad(lambda m: (m.w.value ** 2).sum())(W())
+    >>> g["w"].value.tolist()
+    [2.0, 4.0]
+    """
+    del reduce_axes  # NNX's keyword; nothing to reduce here
+    if f is None:
+        return functools.partial(
+            grad, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
+            allow_int=allow_int,
+        )
+    vg = value_and_grad(
+        f, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
+        allow_int=allow_int,
+    )
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        value, g = vg(*args, **kwargs)
+        if has_aux:
+            return g, value[1]
+        return g
+
+    return wrapper
+
+
+def value_and_grad(
+    f: Callable | None = None,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    wrt: Any = Param,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+) -> Callable:
+    """Like :func:`grad` but returns ``(value, grads)`` (``((value, aux), grads)`` with
+    ``has_aux``)."""
+    del reduce_axes  # NNX's keyword; nothing to reduce here
+    if f is None:
+        return functools.partial(
+            value_and_grad, argnums=argnums, has_aux=has_aux, wrt=wrt,
+            holomorphic=holomorphic, allow_int=allow_int,
+        )
+    pred = to_predicate(wrt)
+    nums = argnums_tuple(argnums)
+    jax_kw = {"holomorphic": holomorphic, "allow_int": allow_int}
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        for n in nums:
+            if n >= len(args):
+                raise TypeError(
+                    f"nn.grad: argnums {n} is out of range for {len(args)} positional arguments"
+                )
+        plan = Plan((args, kwargs))
+        ranges = _arg_leaf_ranges(args)
+        diff_sel = _diff_selection(plan, [ranges[n] for n in nums], pred)
+        box = Box()
+        pure = _diff_pure(f, plan, diff_sel, box, has_aux)
+        diff_vals = [
+            plan.dyn[li] if sel is None else [plan.dyn[li][j] for j in sel]
+            for li, sel in diff_sel
+        ]
+        (loss, (aux, new_dyn)), g = jax.value_and_grad(
+            pure, argnums=0, has_aux=True, **jax_kw
+        )(diff_vals, plan.dyn)
+        plan.write_back(plan.fill(new_dyn), box.value)
+        grads, k = [], 0
+        for n in nums:
+            lo, hi = ranges[n]
+            items, gs = diff_sel[k : k + hi - lo], g[k : k + hi - lo]
+            k += hi - lo
+            grads.append(_package_grads(args[n], plan, items, gs))
+        gout = grads[0] if isinstance(argnums, int) else tuple(grads)
+        return ((loss, aux) if has_aux else loss), gout
+
+    return wrapper
+
+
+def _arg_leaf_ranges(args) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` range of plan leaves of each positional argument."""
+    ranges = []
+    lo = 0
+    for a in args:
+        n = len(jax.tree_util.tree_leaves(a, is_leaf=is_node))
+        ranges.append((lo, lo + n))
+        lo += n
+    return ranges
+
+
+def _diff_selection(plan: Plan, ranges, pred) -> list[tuple[int, list[int] | None]]:
+    """``(leaf index, variable indices)`` per leaf of the differentiated arguments: for
+    a module the indices of its variables matching ``pred``, else None (the whole
+    leaf)."""
+    sel = []
+    for lo, hi in ranges:
+        for li in range(lo, hi):
+            if plan.kinds[li] == MOD:
+                gd = plan.descs[li]
+                pairs = zip(gd.paths, plan.varlists[li])
+                sel.append((li, [j for j, (p, v) in enumerate(pairs) if pred(p, v)]))
+            else:
+                sel.append((li, None))
+    return sel
+
+
+def _diff_pure(f: Callable, plan: Plan, diff_sel, box: Box, has_aux: bool) -> Callable:
+    """``pure(diff_vals, dyn) -> (loss, (aux, new_dyn))``: ``f`` on the plan's values
+    with the differentiated ones replaced by ``diff_vals``."""
+
+    def pure(diff_vals, dyn):
+        dyn = list(dyn)
+        for (li, sel), dv in zip(diff_sel, diff_vals):
+            if sel is None:
+                dyn[li] = dv
+            else:
+                vals = list(dyn[li])
+                for j, x in zip(sel, dv):
+                    vals[j] = x
+                dyn[li] = vals
+        (a, kw), rebuilt = plan.rebuild(dyn)
+        out = call_annotated(f, a, kw)
+        new_dyn, box.value = plan.collect(rebuilt)
+        if not has_aux:
+            return out, (None, new_dyn)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("nn.grad(has_aux=True): the function must return (value, aux)")
+        return out[0], (out[1], new_dyn)
+
+    return pure
+
+
+def _package_grads(arg, plan: Plan, items, gs):
+    """Gradients of one argument, shaped like the argument (modules -> State)."""
+    leaves = []
+    for (li, sel), gv in zip(items, gs):
+        kind = plan.kinds[li]
+        if kind == MOD:
+            gd = plan.descs[li]
+            vs = plan.varlists[li]
+            leaves.append(
+                State.from_flat({gd.paths[j]: vs[j].replace(value=x) for j, x in zip(sel, gv)})
+            )
+        elif kind == VAR:
+            leaves.append(plan.objs[li].replace(value=gv))
+        else:
+            leaves.append(gv)
+    if isinstance(arg, Module | Variable):
+        return leaves[0]
+    treedef = jax.tree_util.tree_structure(arg, is_leaf=is_node)
+    return treedef.unflatten(leaves)

@@ -1,0 +1,102 @@
+"""Control flow with modules: ``nn.cond``, ``nn.switch``, ``nn.fori_loop`` and
+``nn.while_loop`` (``jax.lax``'s, with modules allowed in the operands or the carry and
+their changes written back)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from cairn.nn._transform_plan import Box, Carry, Plan, run_pure
+
+
+def fori_loop(
+    lower: Any, upper: Any, body_fun: Callable, init_val: Any, *, unroll: Any = None
+) -> Any:
+    """``jax.lax.fori_loop`` where ``init_val`` may contain modules (updated in place at
+    the end and returned).
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> class C(nn.Module):
+    ...     def __init__(self):
+    ...         self.n = nn.BatchStat(jnp.zeros(()))
+    >>> def body(i, c):
+    ...     c.n.value += i
+    ...     return c
+    >>> c = nn.fori_loop(0, 4, body, C())
+    >>> float(c.n.value)
+    6.0
+    """
+    carry = Carry(init_val)
+
+    def body(i, dyn):
+        v = carry.rebuild(dyn)
+        return carry.extract(body_fun(i, v), "nn.fori_loop")
+
+    kw = {} if unroll is None else {"unroll": unroll}
+    out = jax.lax.fori_loop(lower, upper, body, carry.dyn, **kw)
+    return carry.finish(out)
+
+
+def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
+    """``jax.lax.while_loop`` where ``init_val`` may contain modules. ``cond_fun`` must
+    not change state."""
+    carry = Carry(init_val)
+
+    def cond(dyn):
+        return cond_fun(carry.rebuild(dyn))
+
+    def body(dyn):
+        v = carry.rebuild(dyn)
+        return carry.extract(body_fun(v), "nn.while_loop")
+
+    out = jax.lax.while_loop(cond, body, carry.dyn)
+    return carry.finish(out)
+
+
+def _same_branch_structures(boxes: list[Box]) -> list:
+    """The structures the traced branches left their operands with.
+
+    Raises:
+      ValueError: two branches left different structures.
+    """
+    descs = [b.value for b in boxes if b.value is not None]
+    for i, d in enumerate(descs[1:], 1):
+        if list(d) != list(descs[0]):
+            raise ValueError(
+                f"nn.cond/switch: branch {i} leaves its module arguments with a "
+                f"different structure than branch 0 (added or removed variables or "
+                f"changed static attributes); every branch must keep the same structure"
+            )
+    return descs
+
+
+def _branches_call(branches, index_or_pred, operands, use_switch: bool):
+    plan = Plan((operands, {}))
+    boxes = [Box() for _ in branches]
+    pures = [run_pure(fn, plan, b) for fn, b in zip(branches, boxes)]
+    try:
+        if use_switch:
+            out, new_dyn = jax.lax.switch(index_or_pred, pures, plan.dyn)
+        else:
+            out, new_dyn = jax.lax.cond(index_or_pred, pures[0], pures[1], plan.dyn)
+    except TypeError:
+        _same_branch_structures(boxes)  # the clearer error when the branches differ
+        raise
+    descs = _same_branch_structures(boxes)
+    plan.write_back(plan.fill(new_dyn), descs[0])
+    return out
+
+
+def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
+    """``jax.lax.cond`` where operands may contain modules; both branches must leave
+    them with the same structure; their changes are written back."""
+    return _branches_call([true_fun, false_fun], pred, operands, False)
+
+
+def switch(index: Any, branches: Sequence[Callable], *operands: Any) -> Any:
+    """``jax.lax.switch`` where operands may contain modules (see :func:`cond`)."""
+    return _branches_call(list(branches), index, operands, True)

@@ -1,0 +1,447 @@
+"""``nn.jit`` and ``nn.eval_shape``: compile (or trace abstractly) with modules as
+arguments.
+
+``nn.jit`` keeps the Python work per call to a few list operations: the compiled
+function is keyed by the modules' cached :class:`~cairn.nn.GraphDef`, arguments go to
+``jax.jit``'s C++ dispatch as flat lists, and only the variables that changed come back.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from cairn.nn._graph import GraphDef, _walk, flat, sync
+from cairn.nn._module import Module
+from cairn.nn._nodes import MOD, VAR, SharedReferenceError
+from cairn.nn._transform_plan import (
+    Box,
+    Plan,
+    call_annotated,
+    run_pure,
+    set_raw,
+    write_module,
+)
+from cairn.nn._variables import EPOCH
+
+
+def _normalize_argnums(nums, name) -> tuple[int, ...]:
+    if nums is None:
+        return ()
+    if isinstance(nums, int):
+        return (nums,)
+    try:
+        return tuple(int(n) for n in nums)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {nums!r}") from None
+
+
+def _names(nums) -> tuple[str, ...]:
+    if nums is None:
+        return ()
+    if isinstance(nums, str):
+        return (nums,)
+    return tuple(nums)
+
+
+class _StructOut:
+    """Carries new structures out of a jitted function: the graphdefs live in the pytree
+    aux data (so jax's cache returns them per trace), the values are its children."""
+
+    __slots__ = ("graphs", "values")
+
+    def __init__(self, graphs, values):
+        self.graphs = graphs
+        self.values = values
+
+
+jax.tree_util.register_pytree_node(
+    _StructOut,
+    lambda s: ((s.values,), s.graphs),
+    lambda graphs, ch: _StructOut(graphs, ch[0]),
+)
+
+
+class _JitEntry:
+    """One compiled function (``jitted(donated, kept) -> (out, donated updates, kept
+    updates, new structures or None)``)."""
+
+    __slots__ = ("jitted",)
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+
+class _Prepared:
+    """The arguments of one call, flattened: the cache key, the donated and kept values
+    with the variables they belong to, the plans of non-module arguments."""
+
+    __slots__ = ("args", "kwargs", "key", "plans", "don", "keep", "tdon", "tkeep", "ids")
+
+    def __init__(self, args, kwargs):
+        self.args = args
+        self.kwargs = kwargs
+        self.plans = None
+        self.don: list = []
+        self.keep: list = []
+        self.tdon: list = []
+        self.tkeep: list = []
+        self.ids: list = []
+
+    def plan(self, where, tree) -> Plan:
+        p = Plan(tree)
+        if self.plans is None:
+            self.plans = {}
+        self.plans[where] = p
+        return p
+
+
+# --- the compiled pure function: rebuild the arguments, call, collect the changes ---
+
+
+def _arg_descs(args, static, donate, plans) -> list:
+    """Per argument: ``("S", value)`` static, ``("M", graphdef, donated)`` module,
+    ``("A", donated)`` array, ``("P", plan, donated)`` any other pytree."""
+    descs = []
+    for i, a in enumerate(args):
+        if i in static:
+            descs.append(("S", a))
+        elif isinstance(a, Module):
+            descs.append(("M", flat(a).graphdef, i in donate))
+        elif isinstance(a, jax.Array):
+            descs.append(("A", i in donate))
+        else:
+            descs.append(("P", plans[i], i in donate))
+    return descs
+
+
+def _rebuild_call(descs, kwplan, don, keep) -> tuple[list, dict, list]:
+    """The call arguments rebuilt from the flat donated / kept values, and one record
+    ``(where, rebuilt, input values, offset, donated, graphdef or plan)`` per module or
+    plan argument."""
+    its = {True: iter(don), False: iter(keep)}
+    offs = {True: 0, False: 0}
+    call_args, records = [], []
+    for i, d in enumerate(descs):
+        if d[0] == "S":
+            call_args.append(d[1])
+            continue
+        donated = d[-1]
+        it = its[donated]
+        if d[0] == "M":
+            gd = d[1]
+            vals = [next(it) for _ in range(gd.num_variables)]
+            obj = gd.build_from_values(vals)
+            records.append((i, obj, vals, offs[donated], donated, gd))
+            offs[donated] += len(vals)
+            call_args.append(obj)
+        elif d[0] == "A":
+            call_args.append(next(it))
+            offs[donated] += 1
+        else:
+            p: Plan = d[1]
+            dyn, n = p.take(it)
+            tree, rebuilt = p.rebuild(dyn)
+            records.append((i, rebuilt, dyn, offs[donated], donated, p))
+            offs[donated] += n
+            call_args.append(tree)
+    kw = {}
+    if kwplan is not None:
+        dyn, _ = kwplan.take(its[False])
+        kw, rebuilt = kwplan.rebuild(dyn)
+        records.append(("kw", rebuilt, dyn, offs[False], False, kwplan))
+    return call_args, kw, records
+
+
+def _module_changes(obj, vals, off, donated, gd, tgt) -> tuple | None:
+    """Record in ``tgt`` (flat index -> value) the values of module ``obj`` that changed
+    (all of them when donated); return ``(graphdef, values)`` if its structure changed."""
+    c = _walk(obj)
+    if c.graphdef != gd:
+        return c.graphdef, [v.raw_value for v in c.variables]
+    for j, v in enumerate(c.variables):
+        x = v.raw_value
+        if donated or x is not vals[j]:
+            tgt[off + j] = x
+    return None
+
+
+def _plan_changes(p: Plan, rebuilt, vals, off, donated, tgt) -> tuple | None:
+    """:func:`_module_changes` for a plan argument."""
+    new_dyn, new_descs = p.collect(rebuilt)
+    if new_descs != p.static_descs():
+        return tuple(new_descs), new_dyn
+    j = off
+    for kind, nd, od in zip(p.kinds, new_dyn, vals):
+        if kind == MOD:
+            for a, b in zip(nd, od):
+                if donated or a is not b:
+                    tgt[j] = a
+                j += 1
+        else:
+            if kind == VAR and (donated or nd is not od):
+                tgt[j] = nd
+            j += 1
+    return None
+
+
+def _collect_changes(records) -> tuple[dict, dict, _StructOut | None]:
+    """The changed donated / kept values (flat index -> value) and the arguments whose
+    structure changed."""
+    ud, uk = {}, {}
+    graphs, values = [], []
+    for where, obj, vals, off, donated, desc in records:
+        tgt = ud if donated else uk
+        if isinstance(desc, GraphDef):
+            changed = _module_changes(obj, vals, off, donated, desc, tgt)
+        else:
+            changed = _plan_changes(desc, obj, vals, off, donated, tgt)
+        if changed is not None:
+            graphs.append((where, changed[0]))
+            values.append(changed[1])
+    return ud, uk, (_StructOut(tuple(graphs), values) if graphs else None)
+
+
+def _check_disjoint(tdon, tkeep) -> None:
+    seen = set()
+    for v in (*tdon, *tkeep):
+        if v is None:
+            continue
+        if id(v) in seen:
+            raise SharedReferenceError(
+                f"the same {type(v).__name__} object is reachable from two arguments of "
+                f"an nn.jit function; arguments must not share modules or variables"
+            )
+        seen.add(id(v))
+
+
+class JitWrapped:
+    """The callable returned by :func:`jit`."""
+
+    def __init__(
+        self,
+        fun: Callable,
+        *,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Sequence[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Sequence[str] | None = None,
+        **jit_kwargs: Any,
+    ):
+        self.fun = fun
+        functools.update_wrapper(self, fun)
+        static = set(_normalize_argnums(static_argnums, "static_argnums"))
+        donate = set(_normalize_argnums(donate_argnums, "donate_argnums"))
+        sn, dn = _names(static_argnames), _names(donate_argnames)
+        self._sig = None
+        if sn or dn:
+            static |= self._argnames_positions(sn, "static_argnames")
+            donate |= self._argnames_positions(dn, "donate_argnames")
+        if static & donate:
+            raise ValueError(f"arguments {sorted(static & donate)} are both static and donated")
+        for k in ("in_shardings", "out_shardings"):
+            if jit_kwargs.get(k) is not None:
+                raise NotImplementedError(
+                    f"nn.jit: {k} is not supported; shard state with nn.with_partitioning "
+                    f"(and a mesh context) or use jax.jit on nn.split state"
+                )
+            jit_kwargs.pop(k, None)
+        self._static = frozenset(static)
+        self._donate = frozenset(donate)
+        self._jit_kwargs = jit_kwargs
+        self._cache: dict = {}
+        self._checked = None
+
+    def _argnames_positions(self, names: tuple[str, ...], what: str) -> set[int]:
+        if self._sig is None:
+            try:
+                self._sig = inspect.signature(self.fun)
+            except (TypeError, ValueError):
+                self._sig = None
+        params = list(self._sig.parameters) if self._sig is not None else []
+        for n in names:
+            if n not in params:
+                raise ValueError(f"{what}: {self.fun!r} has no parameter {n!r}")
+        return {params.index(n) for n in names}
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    # --- the hot path ---
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        pa = self._prepare(args, kwargs)
+        if len(pa.ids) > 1:
+            sig = (EPOCH[0], tuple(pa.ids))
+            if sig != self._checked:
+                _check_disjoint(pa.tdon, pa.tkeep)
+                self._checked = sig
+        out, ud, uk, struct = self._entry(pa).jitted(pa.don, pa.keep)
+        tdon, tkeep = pa.tdon, pa.tkeep
+        for i, x in ud.items():
+            set_raw(tdon[i], x)
+        for i, x in uk.items():
+            set_raw(tkeep[i], x)
+        if struct is not None:
+            self._apply_struct(struct, pa)
+        return out
+
+    def _prepare(self, args: tuple, kwargs: dict) -> _Prepared:
+        """The one argument preparation of ``__call__`` and ``lower``: bind keywords,
+        flatten every argument into the donated / kept value lists (with the variables
+        they belong to) and build the cache key."""
+        if kwargs:
+            args, kwargs = self._bind(args, kwargs)
+        pa = _Prepared(args, kwargs)
+        ep = EPOCH[0]
+        static, donate = self._static, self._donate
+        keyparts = []
+        for i, a in enumerate(args):
+            if i in static:
+                keyparts.append((type(a), a))
+                continue
+            if i in donate:
+                values, targets = pa.don, pa.tdon
+            else:
+                values, targets = pa.keep, pa.tkeep
+            if isinstance(a, Module):
+                c = a.__dict__.get("_cairn_cache")
+                if c is None or c.epoch != ep:
+                    c = flat(a)
+                keyparts.append(c.graphdef)
+                vs = c.variables
+                values.extend([v.raw_value for v in vs])
+                targets.extend(vs)
+                pa.ids.append(id(a))
+            elif isinstance(a, jax.Array):
+                keyparts.append(None)
+                values.append(a)
+                targets.append(None)
+            else:
+                p = pa.plan(i, a)
+                keyparts.append(p.key())
+                p.extend_flat(values, targets, pa.ids)
+        if kwargs:
+            p = pa.plan("kw", kwargs)
+            keyparts.append(("kw", p.key()))
+            p.extend_flat(pa.keep, pa.tkeep, pa.ids)
+        pa.key = (len(args), tuple(keyparts))
+        return pa
+
+    def _entry(self, pa: _Prepared) -> _JitEntry:
+        """The compiled function for ``pa``'s key (made on a cache miss)."""
+        try:
+            entry = self._cache.get(pa.key)
+        except TypeError as e:
+            raise TypeError(
+                f"nn.jit: static arguments must be hashable ({e}); check static_argnums"
+            ) from None
+        if entry is None:
+            entry = self._cache[pa.key] = self._make(pa)
+        return entry
+
+    def _bind(self, args, kwargs):
+        if self._sig is None:
+            try:
+                self._sig = inspect.signature(self.fun)
+            except (TypeError, ValueError):
+                return args, kwargs
+        try:
+            ba = self._sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"nn.jit({getattr(self.fun, '__name__', self.fun)}): {e}") from None
+        return ba.args, ba.kwargs
+
+    @staticmethod
+    def _apply_struct(struct: _StructOut, pa: _Prepared) -> None:
+        """Write back the arguments whose structure the call changed."""
+        for (where, new_descs), vals in zip(struct.graphs, struct.values):
+            a = pa.args[where] if where != "kw" else None
+            if isinstance(a, Module):
+                sync(a, new_descs.build_from_values(vals))
+                continue
+            p = pa.plans[where]
+            for i, kind in enumerate(p.kinds):
+                if kind == MOD:
+                    write_module(p.objs[i], p.descs[i], p.varlists[i], new_descs[i], vals[i])
+                elif kind == VAR:
+                    set_raw(p.objs[i], vals[i])
+
+    def _make(self, pa: _Prepared) -> _JitEntry:
+        """Compile the pure function for the argument structure of ``pa``."""
+        fun = self.fun
+        descs = _arg_descs(pa.args, self._static, self._donate, pa.plans)
+        kwplan = pa.plans.get("kw") if (pa.kwargs and pa.plans) else None
+
+        def pure(don, keep):
+            call_args, kw, records = _rebuild_call(descs, kwplan, don, keep)
+            out = call_annotated(fun, call_args, kw)
+            ud, uk, struct = _collect_changes(records)
+            return out, ud, uk, struct
+
+        donate = (0,) if self._donate else ()
+        return _JitEntry(jax.jit(pure, donate_argnums=donate, **self._jit_kwargs))
+
+    # --- AOT ---
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """Lower for the given arguments (``.compile()`` on the result compiles)."""
+        pa = self._prepare(args, kwargs)
+        return self._entry(pa).jitted.lower(pa.don, pa.keep)
+
+
+def jit(
+    fun: Callable | None = None,
+    *,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
+    **jit_kwargs: Any,
+) -> Any:
+    """Compile ``fun`` with ``jax.jit``; modules anywhere in its arguments are allowed
+    and the changes ``fun`` makes to them are written back after each call.
+
+    Donated module arguments (``donate_argnums``) give their variables' buffers to the
+    computation: every variable of a donated module is rewritten with the new buffers.
+    Non-donated arguments get back only the variables that changed. Static arguments must
+    be hashable. Other keyword arguments go to ``jax.jit``.
+
+    Use it as ``nn.jit(f)`` or as a decorator (``@nn.jit`` or
+    ``@nn.jit(donate_argnums=0)``).
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> class Counter(nn.Module):
+    ...     def __init__(self):
+    ...         self.n = nn.BatchStat(jnp.zeros((), jnp.int32))
+    >>> @nn.jit
+    ... def tick(c):
+    ...     c.n.value += 1
+    >>> c = Counter(); tick(c); tick(c)
+    >>> int(c.n.value)
+    2
+    """
+    kw = dict(
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        **jit_kwargs,
+    )
+    if fun is None:
+        return functools.partial(jit, **kw)
+    return JitWrapped(fun, **kw)
+
+
+def eval_shape(f: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``jax.eval_shape`` of ``f(*args, **kwargs)``: nothing is computed; the output
+    (modules included) holds ``jax.ShapeDtypeStruct`` values. Inputs are not changed."""
+    plan = Plan((args, kwargs))
+    pure = run_pure(f, plan, Box())
+    out, _ = jax.eval_shape(pure, plan.dyn)
+    return out

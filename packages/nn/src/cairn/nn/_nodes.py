@@ -1,0 +1,337 @@
+"""The encoding of a module tree's nodes: how a node is taken apart and rebuilt.
+
+A **node** (a :class:`~cairn.nn.Module`, including the ``nn.List`` / ``nn.Dict``
+containers) is an ordered sequence of ``(key, value)`` items (its attributes, or its
+container items). Each item is encoded as an entry ``(key, tag, payload)``:
+
+* ``STATIC``: configuration; the payload is :class:`Static` (the value, hashable);
+* ``VAR``: a :class:`~cairn.nn.Variable`; the payload is its template
+  (:func:`~cairn.nn._variables.template_of`: type and metadata, no value);
+* ``MOD``: a child node; the payload is the child's own encoding in a tree encoding
+  (:func:`encode_tree`), ``None`` in a one-node pytree encoding (the child is a
+  pytree child);
+* ``TREE``: a tuple holding variables or nodes; the payload is ``(treedef, leaves)``
+  with one ``(VAR, template)`` or ``(MOD, payload)`` per leaf.
+
+A node's encoding is ``(node class, entries)``. The same tags serve the whole package:
+the JAX pytree registration of every node class (one level: variables' values and child
+nodes are the pytree children), the cached tree encoding behind ``GraphDef`` (the whole
+tree, with the variables in order and their paths), and the transforms' argument plans
+(which add ``LEAF`` for a plain pytree leaf). :func:`build_node` is the one place that
+turns an encoding back into a node.
+
+Paths are tuples of keys (attribute names and dict keys as given, list indices as
+ints); their strings follow ``cairn.core_array``'s convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from cairn.core_array import key_name
+from cairn.nn._filters import path_text
+from cairn.nn._variables import (
+    _EMPTY_TEMPLATES,
+    EPOCH,
+    Variable,
+    rebuild_variable,
+    static_eq,
+    static_hash,
+    template_of,
+)
+
+# --- entry tags ---
+
+STATIC, VAR, MOD, TREE, LEAF = 0, 1, 2, 3, 4
+
+
+class SharedReferenceError(ValueError):
+    """The same module or variable is reachable from two paths of one tree."""
+
+
+class Static:
+    """Wraps a static attribute value for pytree aux data: hashable even when the value
+    is not (hash by type / structure), compared with ``==``."""
+
+    __slots__ = ("value", "_h")
+
+    def __init__(self, value: Any):
+        self.value = value
+        self._h = None
+
+    def __hash__(self) -> int:
+        if self._h is None:
+            self._h = static_hash(self.value)
+        return self._h
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and (
+            type(self.value) is type(other.value) and static_eq(self.value, other.value)
+        )
+
+    def __repr__(self) -> str:
+        return f"Static({self.value!r})"
+
+
+# --- the node protocol ---
+
+
+class Node:
+    """Base of every module class: the graph protocol that the encoding uses.
+
+    ``_graph_items`` lists the node's ``(key, value)`` items; ``_graph_new`` builds a
+    node from such items without running ``__init__``; ``_graph_set`` / ``_graph_del``
+    change one item without conversion checks. ``_graph_key`` is the ``jax.tree_util``
+    key type of the node's pytree children, and ``_graph_store`` says how
+    ``_graph_new`` stores the items (``"attrs"``: the instance ``__dict__``;
+    ``"list"`` / ``"dict"``: a ``_cairn_items`` list / dict), so that compiled
+    builders can inline it. Every subclass is registered as a JAX pytree.
+    """
+
+    _graph_key: Callable[[Any], Any] = GetAttrKey
+    _graph_store: str | None = "attrs"
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_with_keys(
+            cls, flatten_node_with_keys, unflatten_node, flatten_func=flatten_node
+        )
+
+    def _graph_items(self) -> list[tuple[Any, Any]]:
+        """(key, value) pairs of this node, in order (internal attributes skipped)."""
+        return [(k, v) for k, v in self.__dict__.items() if not k.startswith("_cairn_")]
+
+    @classmethod
+    def _graph_new(cls, items: Any) -> Node:
+        obj = object.__new__(cls)
+        obj.__dict__.update(items)
+        return obj
+
+    def _graph_set(self, key: Any, value: Any) -> None:
+        """Set one child without conversion checks (used when syncing after transforms)."""
+        object.__setattr__(self, key, value)
+        EPOCH[0] += 1
+
+    def _graph_del(self, key: Any) -> None:
+        object.__delattr__(self, key)
+        EPOCH[0] += 1
+
+
+def graph_store(cls: type) -> str | None:
+    """How ``cls._graph_new`` stores items (see :class:`Node`), or None when the class
+    that defines the ``_graph_new`` it uses does not say (a custom one: call it)."""
+    for klass in cls.__mro__:
+        if "_graph_new" in klass.__dict__:
+            return klass.__dict__.get("_graph_store")
+    return None
+
+
+def is_node(x: Any) -> bool:
+    """Whether ``x`` is a variable or a node (a leaf for pytree walks over arguments)."""
+    return isinstance(x, Variable | Node)
+
+
+def tuple_has_nodes(v: tuple) -> bool:
+    """Whether the tuple ``v`` holds a variable or a node somewhere inside."""
+    for x in jax.tree_util.tree_leaves(v, is_leaf=is_node):
+        if isinstance(x, Variable | Node):
+            return True
+    return False
+
+
+def key_of(entry: Any) -> Any:
+    """The path-tuple key of a ``jax.tree_util`` key entry met inside a tuple item:
+    the int of a sequence position or an int dict key, else the component
+    ``cairn.core_array.key_name`` names it by (so its string is the convention's).
+
+    >>> from jax.tree_util import DictKey, SequenceKey
+    >>> key_of(SequenceKey(2)), key_of(DictKey("w"))
+    (2, 'w')
+
+    Raises:
+      cairn.core_array.PathError: the key cannot be a path component (not a str or an
+        int, or a str holding ``/``).
+    """
+    if isinstance(entry, SequenceKey):
+        return entry.idx
+    if isinstance(entry, FlattenedIndexKey):
+        return entry.key
+    if isinstance(entry, DictKey) and type(entry.key) is int:
+        return entry.key
+    return key_name(entry)
+
+
+# --- one node: the pytree registration ---
+
+
+def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
+    """One level of ``node`` as a pytree: variables' values and child nodes are the
+    children (a variable's value at the variable's own key), the rest is aux data."""
+    children = []
+    entries = []
+    key_cls = node._graph_key
+    for k, v in node._graph_items():
+        if isinstance(v, Variable):
+            children.append((key_cls(k), v.raw_value))
+            entries.append((k, VAR, template_of(v)))
+        elif isinstance(v, Node):
+            children.append((key_cls(k), v))
+            entries.append((k, MOD, None))
+        elif isinstance(v, tuple) and tuple_has_nodes(v):
+            leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=is_node)
+            leafdefs = tuple(
+                (VAR, template_of(x)) if isinstance(x, Variable) else (MOD, None)
+                for x in leaves
+            )
+            inner = treedef.unflatten(
+                [x.raw_value if isinstance(x, Variable) else x for x in leaves]
+            )
+            children.append((key_cls(k), inner))
+            entries.append((k, TREE, (treedef, leafdefs)))
+        else:
+            entries.append((k, STATIC, Static(v)))
+    return children, (type(node), tuple(entries))
+
+
+def flatten_node(node: Node) -> tuple[list, tuple]:
+    children, aux = flatten_node_with_keys(node)
+    return [c for _, c in children], aux
+
+
+def unflatten_node(aux: tuple, children: Any) -> Node:
+    """Inverse of :func:`flatten_node`: a TREE child is split back into its leaves."""
+    leaves = []
+    dynamic = (e for e in aux[1] if e[1] != STATIC)
+    for (_, tag, payload), child in zip(dynamic, children):
+        if tag == TREE:
+            leaves.extend(payload[0].flatten_up_to(child))
+        else:
+            leaves.append(child)
+    it = iter(leaves)
+    return build_node(aux, lambda t: rebuild_variable(t, next(it)), lambda _: next(it))
+
+
+def build_node(
+    encoding: tuple, variable: Callable[[Any], Any], child: Callable[[Any], Any]
+) -> Node:
+    """The node of ``encoding`` (``(cls, entries)``): ``variable(template)`` gives the
+    variable of each VAR entry or leaf and ``child(payload)`` the node of each MOD one,
+    in order; STATIC values are used as they are."""
+    cls, entries = encoding
+    items = []
+    for k, tag, payload in entries:
+        if tag == VAR:
+            items.append((k, variable(payload)))
+        elif tag == MOD:
+            items.append((k, child(payload)))
+        elif tag == STATIC:
+            items.append((k, payload.value))
+        else:
+            treedef, leafdefs = payload
+            leaves = [variable(lp) if lt == VAR else child(lp) for lt, lp in leafdefs]
+            items.append((k, treedef.unflatten(leaves)))
+    return cls._graph_new(items)
+
+
+# --- a whole tree: the encoding behind GraphDef ---
+
+
+def _shared(obj: Any, first: tuple, second: tuple) -> SharedReferenceError:
+    return SharedReferenceError(
+        f"shared reference: the same {type(obj).__name__} object is reachable at "
+        f"{path_text(first) or '<root>'!r} and {path_text(second) or '<root>'!r}; a "
+        f"cairn.nn module tree has no shared references (tie weights explicitly, "
+        f"e.g. Embed.attend, or use nn.clone to make an independent copy)"
+    )
+
+
+class _TreeEncoder:
+    """One walk of a module tree: its encoding, its variables and their paths."""
+
+    __slots__ = ("variables", "paths", "seen")
+
+    def __init__(self):
+        self.variables: list[Variable] = []
+        self.paths: list[tuple] = []
+        self.seen: dict[int, tuple] = {}
+
+    def add_var(self, v: Variable, p: tuple) -> tuple:
+        i = id(v)
+        if i in self.seen:
+            raise _shared(v, self.seen[i], p)
+        self.seen[i] = p
+        self.variables.append(v)
+        self.paths.append(p)
+        return template_of(v)
+
+    def tree_entry(self, v: tuple, p: tuple) -> tuple:
+        """The ``(treedef, leafdefs)`` payload of a tuple item holding nodes."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=is_node)
+        leafdefs = []
+        for kp, x in flat:
+            sp = (*p, *(key_of(e) for e in kp))
+            if isinstance(x, Variable):
+                leafdefs.append((VAR, self.add_var(x, sp)))
+            elif isinstance(x, Node):
+                leafdefs.append((MOD, self.visit(x, sp)))
+            else:
+                raise TypeError(
+                    f"{path_text(sp)!r}: a tuple holding modules or variables must "
+                    f"hold only those (and None); found {type(x).__name__}"
+                )
+        return (treedef, tuple(leafdefs))
+
+    def visit(self, node: Node, path: tuple) -> tuple:
+        seen = self.seen
+        i = id(node)
+        if i in seen:
+            raise _shared(node, seen[i], path)
+        seen[i] = path
+        entries = []
+        if type(node)._graph_items is _PLAIN_ITEMS:  # skip the list copy of __dict__
+            items = [
+                kv for kv in node.__dict__.items()
+                if kv[0][0] != "_" or not kv[0].startswith("_cairn_")
+            ]
+        else:
+            items = node._graph_items()
+        variables, paths = self.variables, self.paths
+        for k, v in items:
+            p = (*path, k)
+            if isinstance(v, Variable):  # add_var inlined: the hot case
+                i = id(v)
+                if i in seen:
+                    raise _shared(v, seen[i], p)
+                seen[i] = p
+                variables.append(v)
+                paths.append(p)
+                t = None if v._meta else _EMPTY_TEMPLATES.get(type(v))
+                entries.append((k, VAR, t if t is not None else template_of(v)))
+            elif isinstance(v, Node):
+                entries.append((k, MOD, self.visit(v, p)))
+            elif isinstance(v, tuple) and tuple_has_nodes(v):
+                entries.append((k, TREE, self.tree_entry(v, p)))
+            else:
+                entries.append((k, STATIC, Static(v)))
+        return (type(node), tuple(entries))
+
+
+_PLAIN_ITEMS = Node._graph_items
+
+
+def encode_tree(root: Node) -> tuple[tuple, tuple, list]:
+    """``(encoding, paths, variables)`` of the tree under ``root``: the nested encoding
+    (a MOD payload is the child's encoding), the path tuple of each variable and the
+    variables themselves, in the same order.
+
+    Raises:
+      SharedReferenceError: a node or variable is reachable at two paths.
+      TypeError: a tuple item mixes nodes or variables with other values.
+    """
+    enc = _TreeEncoder()
+    encoding = enc.visit(root, ())
+    return encoding, tuple(enc.paths), enc.variables

@@ -1,0 +1,56 @@
+"""``nn.remat`` (alias ``nn.checkpoint``): rematerialization with modules as arguments."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from cairn.nn._transform_plan import Box, Plan, argnums_tuple, run_pure
+
+
+def remat(
+    f: Callable | None = None,
+    *,
+    prevent_cse: bool = True,
+    static_argnums: int | tuple[int, ...] = (),
+    policy: Callable | None = None,
+) -> Callable:
+    """``jax.checkpoint`` (rematerialization): values and gradients are unchanged, the
+    backward pass recomputes ``f``'s intermediates instead of storing them."""
+    if f is None:
+        return functools.partial(
+            remat, prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy
+        )
+    statics = set(argnums_tuple(static_argnums))
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        if statics:
+            return _remat_with_statics(f, statics, prevent_cse, policy, args, kwargs)
+        plan = Plan((args, kwargs))
+        box = Box()
+        pure = run_pure(f, plan, box)
+        out, new_dyn = jax.checkpoint(pure, prevent_cse=prevent_cse, policy=policy)(plan.dyn)
+        plan.write_back(plan.fill(new_dyn), box.value)
+        return out
+
+    return wrapper
+
+
+def _remat_with_statics(f, statics, prevent_cse, policy, args, kwargs) -> Any:
+    """``remat`` of ``f`` with the static positional arguments bound first."""
+    fixed = {i: args[i] for i in statics}
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+
+    def g(*da, **kw):
+        it = iter(da)
+        full = [fixed[i] if i in fixed else next(it) for i in range(len(args))]
+        return f(*full, **kw)
+
+    return remat(g, prevent_cse=prevent_cse, policy=policy)(*dyn_args, **kwargs)
+
+
+checkpoint = remat

@@ -1,0 +1,106 @@
+"""The sharding-rules context and the placement of a variable when it is created.
+
+This is the part of sharding that :class:`~cairn.nn.Variable` itself needs (a variable
+created with ``sharding_names`` metadata under :func:`sharding_rules` is placed in its
+``NamedSharding``), so it sits below ``_variables``; the rest (``with_partitioning``,
+``get_partition_spec``, ``abstract_model``, ``sharded_init``) is in ``_sharding``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+_CTX: list[tuple[Any, Any]] = []  # stack of (mesh, rules)
+
+
+@contextlib.contextmanager
+def sharding_rules(rules: Any, mesh: Any = None) -> Iterator[None]:
+    """Context in which variables with ``sharding_names`` metadata are created in
+    their ``NamedSharding`` on ``mesh`` (rules: a ``LogicalAxisRules`` or a sequence of
+    ``(logical_name, mesh_axes)`` pairs)."""
+    from cairn.core_array import LogicalAxisRules
+
+    if not isinstance(rules, LogicalAxisRules):
+        rules = LogicalAxisRules(rules)
+    _CTX.append((mesh, rules))
+    try:
+        yield
+    finally:
+        _CTX.pop()
+
+
+def current_rules() -> tuple[Any, Any] | None:
+    """The innermost ``(mesh, rules)`` of :func:`sharding_rules`, or None."""
+    return _CTX[-1] if _CTX else None
+
+
+def mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
+    """The mesh (the given one, else the ``sharding_rules`` context's) and the rules
+    (the context's, else each name mapped to the mesh axis of the same name); None
+    when no mesh is in scope."""
+    ctx = current_rules()
+    ctx_mesh, rules = ctx if ctx is not None else (None, None)
+    mesh = mesh if mesh is not None else ctx_mesh
+    if mesh is None:
+        return None
+    if rules is None:
+        from cairn.core_array import LogicalAxisRules
+
+        rules = LogicalAxisRules([(n, n) for n in names if n is not None])
+    return mesh, rules
+
+
+def names_of(metadata: dict) -> tuple | None:
+    """The logical axis names in a variable's metadata (``sharding_names``, or the
+    older ``sharding``), or None (no names, or a ready ``PartitionSpec``)."""
+    names = metadata.get("sharding_names", metadata.get("sharding"))
+    if names is None:
+        return None
+    if isinstance(names, PartitionSpec):
+        return None
+    return tuple(names)
+
+
+def sharding_for(names: tuple, ndim: int, mesh: Any, rules: Any) -> NamedSharding:
+    """The ``NamedSharding`` of an array of rank ``ndim`` with logical axis ``names``.
+
+    Raises:
+      ValueError: ``names`` does not have one entry per axis.
+    """
+    from cairn.core_array import named_sharding
+
+    if len(names) != ndim:
+        raise ValueError(
+            f"sharding_names {names} has {len(names)} entries for an array of rank {ndim}"
+        )
+    return named_sharding(mesh, names, rules)
+
+
+def shard_on_create(value: Any, metadata: dict) -> Any:
+    """``value`` placed in the sharding its ``metadata``'s axis names give under the
+    active rules (a constraint for a tracer, ``device_put`` for an array, a sharded
+    ``ShapeDtypeStruct`` for an abstract value); unchanged when no mesh is in scope."""
+    mesh = metadata.get("mesh")
+    if mesh is None and current_rules() is None:
+        return value
+    names = names_of(metadata)
+    if names is None:
+        return value
+    found = mesh_and_rules(mesh, names)
+    if found is None:
+        return value
+    mesh, rules = found
+    ndim = len(getattr(value, "shape", ()))
+    sharding = sharding_for(names, ndim, mesh, rules)
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    if isinstance(value, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    return value

@@ -1,0 +1,287 @@
+"""What every lifted transform shares: an argument plan and the write-back.
+
+How the transforms work: each module argument is replaced by the flat list of its
+variables' values (cached per module while its structure is unchanged), the pure
+function rebuilds fresh module objects from those values inside the transform, calls the
+user function, and returns the new values. Outside, only the values are swapped into the
+original Variable objects; if the function changed the structure (added a variable,
+...), the original objects are updated in place to the new structure.
+
+A :class:`Plan` is that decomposition for any pytree of arguments: per leaf (modules and
+variables are leaves here) a kind from ``cairn.nn._nodes`` (``MOD``, ``VAR`` or
+``LEAF`` for a plain pytree leaf), its structure (a GraphDef, a variable template, or
+None) and its dynamic value (the module's value list, the variable's value, the leaf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from cairn.nn._graph import GraphDef, _walk, flat, sync
+from cairn.nn._module import Module, annotate_exception
+from cairn.nn._nodes import LEAF, MOD, VAR, SharedReferenceError, is_node
+from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
+
+set_raw = Variable.__dict__["raw_value"].__set__
+
+
+class Plan:
+    """A pytree split into a static description and flat dynamic values.
+
+    Per pytree leaf (modules and variables are leaves here): ``kinds`` (``MOD``,
+    ``VAR``, ``LEAF``), ``descs`` (GraphDef, variable template, None), ``objs`` (the
+    caller's module or variable), ``varlists`` (a module's variables) and ``dyn`` (a
+    module's list of variable values, a variable's value, else the leaf itself).
+    """
+
+    __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn")
+
+    def __init__(self, tree: Any):
+        leaves, self.treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+        self.kinds = []
+        self.descs = []
+        self.objs = []
+        self.varlists = []
+        self.dyn = []
+        seen: dict[int, int] = {}
+        for x in leaves:
+            if isinstance(x, Module):
+                c = flat(x)
+                self._add(MOD, c.graphdef, x, c.variables, [v.raw_value for v in c.variables])
+                for v in c.variables:
+                    _check_once(seen, v, x)
+            elif isinstance(x, Variable):
+                self._add(VAR, template_of(x), x, None, x.raw_value)
+                _check_once(seen, x, x)
+            else:
+                self._add(LEAF, None, None, None, x)
+
+    def _add(self, kind, desc, obj, varlist, dyn) -> None:
+        self.kinds.append(kind)
+        self.descs.append(desc)
+        self.objs.append(obj)
+        self.varlists.append(varlist)
+        self.dyn.append(dyn)
+
+    def key(self) -> tuple:
+        """The plan's structure, hashable (a compilation cache key)."""
+        return (self.treedef, tuple(self.kinds), tuple(self.descs))
+
+    def extend_flat(self, values: list, targets: list, ids: list) -> None:
+        """Append every dynamic value to ``values``, the variable it belongs to (None
+        for a plain leaf) to ``targets``, and the id of each module / variable to
+        ``ids``."""
+        for kind, obj, d, vl in zip(self.kinds, self.objs, self.dyn, self.varlists):
+            if kind == MOD:
+                values.extend(d)
+                targets.extend(vl)
+                ids.append(id(obj))
+            elif kind == VAR:
+                values.append(d)
+                targets.append(obj)
+                ids.append(id(obj))
+            else:
+                values.append(d)
+                targets.append(None)
+
+    def take(self, it: Any) -> tuple[list, int]:
+        """Dynamic values shaped like ``dyn`` taken from the flat iterator ``it``, and
+        how many were taken."""
+        dyn = []
+        n = 0
+        for kind, d in zip(self.kinds, self.dyn):
+            if kind == MOD:
+                k = len(d)
+                dyn.append([next(it) for _ in range(k)])
+                n += k
+            else:
+                dyn.append(next(it))
+                n += 1
+        return dyn, n
+
+    def rebuild(self, dyn: Sequence) -> tuple[Any, list]:
+        """Fresh objects from dynamic values: (tree, list of rebuilt leaves)."""
+        out = []
+        for kind, desc, d in zip(self.kinds, self.descs, dyn):
+            if kind == MOD:
+                out.append(desc.build_from_values(d))
+            elif kind == VAR:
+                out.append(rebuild_variable(desc, d))
+            else:
+                out.append(d)
+        return self.treedef.unflatten(out), out
+
+    def collect(self, rebuilt: list) -> tuple[list, list]:
+        """New dynamic values and structure descriptors of rebuilt leaves after a call."""
+        dyn, descs = [], []
+        for kind, obj in zip(self.kinds, rebuilt):
+            if kind == MOD:
+                c = _walk(obj)
+                dyn.append([v.raw_value for v in c.variables])
+                descs.append(c.graphdef)
+            elif kind == VAR:
+                dyn.append(obj.raw_value)
+                descs.append(template_of(obj))
+            else:
+                dyn.append(None)
+                descs.append(None)
+        return dyn, descs
+
+    def static_descs(self) -> list:
+        """``descs`` with None for plain leaves (what :meth:`collect` returns when the
+        call kept every structure)."""
+        return [d if k != LEAF else None for k, d in zip(self.kinds, self.descs)]
+
+    def fill(self, new_dyn: Sequence) -> list:
+        """``new_dyn`` with the plan's own values at plain leaves."""
+        return [nd if k != LEAF else d for k, nd, d in zip(self.kinds, new_dyn, self.dyn)]
+
+    def write_back(self, dyn: Sequence, descs: Sequence) -> None:
+        """Give the caller's objects the new values (and structures) ``dyn`` /
+        ``descs``."""
+        for i, kind in enumerate(self.kinds):
+            if kind == MOD:
+                write_module(self.objs[i], self.descs[i], self.varlists[i], descs[i], dyn[i])
+            elif kind == VAR:
+                var = self.objs[i]
+                set_raw(var, dyn[i])
+                if descs[i] != self.descs[i]:
+                    object.__setattr__(var, "_meta", dict(descs[i][1].meta))
+                    EPOCH[0] += 1
+
+    def originals(self, dyn: Sequence | None = None) -> Any:
+        """The tree with the caller's own objects (after write_back); plain leaves from
+        ``dyn`` (default: the plan's)."""
+        dyn = self.dyn if dyn is None else dyn
+        leaves = [o if k != LEAF else d for k, o, d in zip(self.kinds, self.objs, dyn)]
+        return self.treedef.unflatten(leaves)
+
+
+def _check_once(seen: dict, v: Variable, owner: Any) -> None:
+    prev = seen.get(id(v))
+    if prev is not None and prev != id(owner):
+        raise SharedReferenceError(
+            f"the same {type(v).__name__} object is reachable from two arguments "
+            f"({type(owner).__name__} and another); transform arguments must not share "
+            f"variables"
+        )
+    if prev is not None:
+        raise SharedReferenceError(
+            f"the same {type(owner).__name__} object is passed twice to a transform"
+        )
+    seen[id(v)] = id(owner)
+
+
+def write_module(
+    obj: Module, old_gd: GraphDef, old_vars: list, new_gd: GraphDef, values: list
+) -> None:
+    """Give module ``obj`` (encoded as ``old_gd`` with ``old_vars``) the ``values`` of
+    structure ``new_gd``: in place value by value when the structure is unchanged."""
+    if new_gd is old_gd or new_gd == old_gd:
+        for v, x in zip(old_vars, values):
+            set_raw(v, x)
+    else:
+        sync(obj, new_gd.build_from_values(values))
+
+
+def call_annotated(fun: Callable, args: Sequence, kwargs: dict) -> Any:
+    """``fun(*args, **kwargs)``; an exception gets a note naming the module that raised
+    it (by argument and path)."""
+    try:
+        return fun(*args, **kwargs)
+    except Exception as e:
+        roots = [(str(i), a) for i, a in enumerate(args)]
+        roots += [(repr(k), v) for k, v in kwargs.items()]
+        annotate_exception(e, roots)
+        raise
+
+
+class Box:
+    """A side channel out of a traced function (the new structures of its arguments)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+
+def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+
+def run_pure(f: Callable, plan: Plan, box: Box) -> Callable:
+    """A pure function of the plan's dynamic values, ``(out, new_dyn)``; the new
+    structures go to ``box``. The plan's tree must be ``(args, kwargs)``."""
+
+    def pure(dyn):
+        (a, kw), rebuilt = plan.rebuild(dyn)
+        out = call_annotated(f, a, kw)
+        new_dyn, new_descs = plan.collect(rebuilt)
+        box.value = new_descs
+        return out, new_dyn
+
+    return pure
+
+
+def check_same_structure(old_descs: Sequence, new_descs: Sequence, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` when a loop body changed a module's
+    structure."""
+    if list(old_descs) != list(new_descs):
+        raise ValueError(
+            f"{what}: the function changed the structure of a module in its carry (added or "
+            f"removed variables or changed static attributes); create new state before "
+            f"the loop"
+        )
+
+
+class Carry:
+    """A loop carry that may contain modules (``scan``, ``fori_loop``, ``while_loop``):
+    its values go through the loop, the caller's objects get the final ones."""
+
+    def __init__(self, tree: Any):
+        self.plan = Plan(tree)
+
+    @property
+    def dyn(self) -> list:
+        return self.plan.dyn
+
+    def rebuild(self, dyn: Sequence) -> Any:
+        tree, _ = self.plan.rebuild(dyn)
+        return tree
+
+    def extract(self, tree: Any, what: str) -> list:
+        """The dynamic values of the carry ``tree`` a loop body returned.
+
+        Raises:
+          ValueError: naming ``what``, when the structure differs from the initial one.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+        if treedef != self.plan.treedef:
+            raise ValueError(
+                f"{what}: the returned carry has structure {treedef}, expected "
+                f"{self.plan.treedef}"
+            )
+        dyn = []
+        for kind, desc, x in zip(self.plan.kinds, self.plan.descs, leaves):
+            if kind == MOD:
+                if not isinstance(x, Module):
+                    raise ValueError(f"{what}: expected a module in the returned carry")
+                c = _walk(x)
+                check_same_structure([desc], [c.graphdef], what)
+                dyn.append([v.raw_value for v in c.variables])
+            elif kind == VAR:
+                dyn.append(x.raw_value if isinstance(x, Variable) else x)
+            else:
+                dyn.append(x)
+        return dyn
+
+    def finish(self, dyn: Sequence) -> Any:
+        """Write the final values back; the carry with the caller's objects."""
+        plan = self.plan
+        plan.write_back(
+            [d if k != LEAF else None for k, d in zip(plan.kinds, dyn)], plan.static_descs()
+        )
+        return plan.originals(dyn)

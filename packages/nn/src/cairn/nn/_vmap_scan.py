@@ -1,0 +1,251 @@
+"""Mapped and scanned transforms: ``nn.vmap``, ``nn.scan``, ``nn.shard_map`` and the
+per-variable axes (:class:`StateAxes`) they accept for a module argument."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from cairn.nn._filters import path_text, to_predicate
+from cairn.nn._graph import GraphDef
+from cairn.nn._module import Module
+from cairn.nn._nodes import MOD, is_node
+from cairn.nn._transform_plan import Box, Carry, Plan, call_annotated, run_pure
+from cairn.nn._variables import Variable
+
+
+class StateAxes:
+    """Per-variable axes for one module argument of :func:`vmap` / :func:`shard_map`:
+    a mapping ``{filter: axis}`` (first matching filter wins; every variable must match
+    one), e.g. ``nn.StateAxes({nn.Param: 0, ...: None})``."""
+
+    def __init__(self, mapping: Mapping[Any, Any]):
+        self.items = tuple(mapping.items())
+        self.preds = tuple(to_predicate(f) for f, _ in self.items)
+
+    def axes_for(self, graphdef: GraphDef, variables: list[Variable]) -> list:
+        """The axis of each variable of a module (``graphdef`` and its variables).
+
+        Raises:
+          ValueError: naming a variable that matches none of the filters.
+        """
+        out = []
+        for p, v in zip(graphdef.paths, variables):
+            for pred, (_, ax) in zip(self.preds, self.items):
+                if pred(p, v):
+                    out.append(ax)
+                    break
+            else:
+                raise ValueError(
+                    f"StateAxes: variable {path_text(p)!r} ({type(v).__name__}) matches none "
+                    f"of the filters {[f for f, _ in self.items]!r}; add `...` last"
+                )
+        return out
+
+    def __repr__(self) -> str:
+        return f"StateAxes({dict(self.items)!r})"
+
+
+# --- axes of a plan's leaves ---
+
+
+def _prefix_axes(args, kwargs, in_axes) -> list:
+    """Per plan leaf axis from a per-argument prefix ``in_axes``."""
+    if not isinstance(in_axes, tuple | list):
+        in_axes = (in_axes,) * len(args)
+    if len(in_axes) != len(args):
+        raise ValueError(
+            f"in_axes has {len(in_axes)} entries for {len(args)} positional arguments"
+        )
+    axes = []
+    for a, ax in zip(args, in_axes):
+        if isinstance(a, Module | Variable):
+            axes.append(ax)
+            continue
+        if isinstance(ax, StateAxes):
+            raise TypeError(
+                f"StateAxes can only be given for a module argument, not {type(a).__name__}"
+            )
+        # expand a prefix tree over the argument's leaves (modules/variables are leaves)
+        sub = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
+        if ax is None or isinstance(ax, int):
+            axes.extend([ax] * sub.num_leaves)
+        else:
+            axes.extend(sub.flatten_up_to(_broadcast_prefix(ax, a)))
+    if kwargs:
+        axes.extend([0] * len(jax.tree_util.tree_leaves(kwargs, is_leaf=is_node)))
+    return axes
+
+
+def _broadcast_prefix(prefix, tree):
+    return jax.tree_util.tree_map(
+        lambda ax, sub: jax.tree_util.tree_map(lambda _: ax, sub, is_leaf=is_node),
+        prefix,
+        tree,
+        is_leaf=lambda x: x is None or is_node(x),
+    )
+
+
+def _module_axes(ax, desc: GraphDef, varlist, dyn) -> list:
+    """One axis per variable of a module leaf."""
+    return ax.axes_for(desc, varlist) if isinstance(ax, StateAxes) else [ax] * len(dyn)
+
+
+def _leaf_axes_tree(plan: Plan, axes) -> list:
+    """Axes for the plan's dyn list (a module leaf gets its axis for every value)."""
+    return [
+        _module_axes(ax, desc, vl, d) if k == MOD else ax
+        for k, d, ax, desc, vl in zip(plan.kinds, plan.dyn, axes, plan.descs, plan.varlists)
+    ]
+
+
+def _check_mapped_ranks(plan: Plan, axes) -> None:
+    """A clear error naming the variable when a mapped module has a variable whose rank
+    is too small for its axis."""
+    for kind, desc, d, ax0, vl in zip(plan.kinds, plan.descs, plan.dyn, axes, plan.varlists):
+        if kind != MOD:
+            continue
+        for p, v, ax in zip(desc.paths, d, _module_axes(ax0, desc, vl, d)):
+            if not isinstance(ax, int):
+                continue
+            nd = len(getattr(v, "shape", ()))
+            if not (-nd <= ax < nd):
+                raise ValueError(
+                    f"nn.vmap: variable {path_text(p)!r} of {desc.type.__name__} has rank "
+                    f"{nd} and cannot be mapped along axis {ax}; pass in_axes=None for this "
+                    f"module (broadcast) or give every variable a batch axis"
+                )
+
+
+# --- the transforms ---
+
+
+def vmap(
+    f: Callable | None = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    spmd_axis_name: Any = None,
+) -> Callable:
+    """Vectorize ``f`` over axes of its arguments. ``in_axes`` is ``jax.vmap``'s per-
+    argument prefix; for a module argument it is one int (every variable is mapped
+    along that axis) or ``None`` (broadcast). Changes to a mapped module come back
+    stacked along the same axis; a broadcast module must not be changed by batched
+    values. Modules created inside ``f`` come out stacked (``out_axes``): this is how
+    stacked layers for :func:`scan` are made.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from cairn import nn
+    >>> class W(nn.Module):
+    ...     def __init__(self, key):
+    ...         self.w = nn.Param(jax.random.normal(key, (3,)))
+    >>> stacked = nn.vmap(W)(jax.random.split(jax.random.key(0), 4))
+    >>> stacked.w.shape
+    (4, 3)
+    """
+    if f is None:
+        return functools.partial(
+            vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
+            axis_size=axis_size, spmd_axis_name=spmd_axis_name,
+        )
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        plan = Plan((args, kwargs))
+        axes = _prefix_axes(args, kwargs, in_axes)
+        leaf_axes = _leaf_axes_tree(plan, axes)
+        _check_mapped_ranks(plan, axes)
+        box = Box()
+        out, new_dyn = jax.vmap(
+            run_pure(f, plan, box),
+            in_axes=(leaf_axes,),
+            out_axes=(out_axes, leaf_axes),
+            axis_name=axis_name,
+            axis_size=axis_size,
+            spmd_axis_name=spmd_axis_name,
+        )(plan.dyn)
+        plan.write_back(plan.fill(new_dyn), box.value)
+        return out
+
+    return wrapper
+
+
+def scan(
+    f: Callable | None = None,
+    *,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+) -> Callable:
+    """``jax.lax.scan`` over ``f(carry, x) -> (carry, y)`` where modules may appear in
+    the carry (threaded through, updated at the end) and in ``xs`` (sliced along the
+    leading axis of every variable; per-step changes come back stacked). Scan over
+    stacked layers: ``nn.scan(lambda h, layer: (layer(h), None))(x, stacked_layers)``.
+    """
+    if f is None:
+        return functools.partial(scan, length=length, reverse=reverse, unroll=unroll)
+
+    @functools.wraps(f)
+    def wrapper(init, xs=None):
+        carry = Carry(init)
+        xplan = Plan(xs)
+        box = Box()
+
+        def body(c_dyn, x_dyn):
+            c = carry.rebuild(c_dyn)
+            x, x_rebuilt = xplan.rebuild(x_dyn)
+            new_c, y = call_annotated(f, (c, x), {})
+            new_c_dyn = carry.extract(new_c, "nn.scan")
+            x_new_dyn, box.value = xplan.collect(x_rebuilt)
+            return new_c_dyn, (y, x_new_dyn)
+
+        c_final, (ys, x_states) = jax.lax.scan(
+            body, carry.dyn, xplan.dyn, length=length, reverse=reverse, unroll=unroll
+        )
+        out_carry = carry.finish(c_final)
+        xplan.write_back(xplan.fill(x_states), box.value)
+        return out_carry, ys
+
+    return wrapper
+
+
+def shard_map(
+    f: Callable,
+    *,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+    axis_names: Any = None,
+) -> Callable:
+    """``jax.shard_map`` where arguments may be modules: a module's entry in
+    ``in_specs`` is one ``PartitionSpec`` applied to every variable; the module's changed
+    state comes back with the same spec."""
+
+    @functools.wraps(f)
+    def wrapper(*args):
+        plan = Plan((args, {}))
+        specs = in_specs
+        if isinstance(specs, PartitionSpec) or specs is None:
+            specs = (specs,) * len(args)
+        leaf_specs = _leaf_axes_tree(plan, _prefix_axes(args, {}, tuple(specs)))
+        box = Box()
+        pure = run_pure(f, plan, box)
+        kw = {"mesh": mesh, "in_specs": (leaf_specs,), "out_specs": (out_specs, leaf_specs)}
+        if axis_names is not None:
+            kw["axis_names"] = axis_names
+        try:
+            sm = jax.shard_map(pure, check_vma=check_vma, **kw)
+        except TypeError:  # older jax spelling
+            sm = jax.shard_map(pure, check_rep=check_vma, **kw)
+        out, new_dyn = sm(plan.dyn)
+        plan.write_back(plan.fill(new_dyn), box.value)
+        return out
+
+    return wrapper
