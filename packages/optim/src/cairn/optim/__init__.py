@@ -1,37 +1,36 @@
 """cairn.optim: chainable gradient transformations, schedules and losses."""
 
 from cairn.optim import _tree as tree
-from cairn.optim._alias import (
+from cairn.optim._adam import (
+    ScaleByAdamState,
     adabelief,
-    adadelta,
-    adafactor,
-    adagrad,
     adam,
     adamax,
     adamaxw,
     adamw,
     amsgrad,
-    fromage,
     lamb,
-    lars,
     lion,
     nadam,
     nadamw,
-    noisy_sgd,
     novograd,
     radam,
-    rmsprop,
-    rprop,
-    sgd,
-    sign_sgd,
-    signum,
-    sm3,
+    scale_by_adam,
+    scale_by_adamax,
+    scale_by_amsgrad,
+    scale_by_belief,
+    scale_by_lion,
+    scale_by_novograd,
+    scale_by_radam,
+    scale_by_yogi,
     yogi,
 )
+from cairn.optim._adding import AddDecayedWeightsState, add_decayed_weights, add_noise
 from cairn.optim._base import (
     EmptyState,
     GradientTransformation,
     GradientTransformationExtraArgs,
+    ScalarOrSchedule,
     StateMismatchError,
     apply_updates,
     chain,
@@ -44,30 +43,24 @@ from cairn.optim._base import (
     stateless,
     stateless_with_tree_map,
 )
+from cairn.optim._clipping import (
+    adaptive_grad_clip,
+    clip,
+    clip_by_block_rms,
+    clip_by_global_norm,
+    zero_nans,
+)
 from cairn.optim._combine import (
     InjectHyperparamsState,
-    MaskedState,
     PartitionState,
     flatten,
-    freeze,
     get_hyperparams,
     inject_hyperparams,
-    masked,
     multi_transform,
     partition,
     set_hyperparams,
 )
-from cairn.optim._leafwise import (
-    adaptive_grad_clip,
-    centralize,
-    clip_by_block_rms,
-    scale_by_factored_rms,
-    scale_by_novograd,
-    scale_by_param_block_norm,
-    scale_by_param_block_rms,
-    scale_by_sm3,
-    scale_by_trust_ratio,
-)
+from cairn.optim._factorized import adafactor, scale_by_factored_rms
 from cairn.optim._losses import (
     convex_kl_divergence,
     cosine_distance,
@@ -90,9 +83,37 @@ from cairn.optim._losses import (
     squared_error,
     triplet_margin_loss,
 )
+from cairn.optim._masking import MaskedState, freeze, masked
+from cairn.optim._momentum import ema, lars, noisy_sgd, sgd, signum, trace
 from cairn.optim._muon import muon, orthogonalize_via_newton_schulz, scale_by_muon
 from cairn.optim._packed_state import pack
 from cairn.optim._packing import Packed, layout_of, unpack
+from cairn.optim._rms import (
+    adadelta,
+    adagrad,
+    rmsprop,
+    scale_by_adadelta,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_sm3,
+    scale_by_stddev,
+    sm3,
+)
+from cairn.optim._scaling import (
+    ScaleByLearningRateState,
+    centralize,
+    fromage,
+    rprop,
+    scale,
+    scale_by_learning_rate,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+    scale_by_rprop,
+    scale_by_schedule,
+    scale_by_sign,
+    scale_by_trust_ratio,
+    sign_sgd,
+)
 from cairn.optim._schedule_free import (
     schedule_free,
     schedule_free_adamw,
@@ -116,34 +137,6 @@ from cairn.optim._schedules import (
     warmup_exponential_decay_schedule,
 )
 from cairn.optim._shampoo import matrix_inverse_root, scale_by_shampoo, shampoo
-from cairn.optim._transforms import (
-    AddDecayedWeightsState,
-    ScaleByAdamState,
-    ScaleByLearningRateState,
-    add_decayed_weights,
-    add_noise,
-    clip,
-    clip_by_global_norm,
-    ema,
-    scale,
-    scale_by_adadelta,
-    scale_by_adam,
-    scale_by_adamax,
-    scale_by_amsgrad,
-    scale_by_belief,
-    scale_by_learning_rate,
-    scale_by_lion,
-    scale_by_radam,
-    scale_by_rms,
-    scale_by_rprop,
-    scale_by_rss,
-    scale_by_schedule,
-    scale_by_sign,
-    scale_by_stddev,
-    scale_by_yogi,
-    trace,
-    zero_nans,
-)
 from cairn.optim._wrappers import (
     ApplyIfFiniteState,
     LookaheadParams,
@@ -166,7 +159,7 @@ __all__ = [
     "incremental_update", "periodic_update", "global_norm", "tree", "flatten",
     "inject_hyperparams", "get_hyperparams", "set_hyperparams", "InjectHyperparamsState",
     "PartitionState", "MaskedState", "Packed", "pack", "unpack", "layout_of",
-    "StateMismatchError",
+    "StateMismatchError", "ScalarOrSchedule",
     # transforms
     "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam", "scale_by_amsgrad",
     "scale_by_adamax", "scale_by_rms", "scale_by_stddev", "scale_by_belief", "scale_by_radam",

@@ -197,10 +197,6 @@ def eval_schedule(name: str, value, count):
     return jnp.asarray(value, dtype=jnp.float32)
 
 
-def schedule_hint(value) -> str:
-    return "schedule" if callable(value) else "constant"
-
-
 # --------------------------------------------------------------------------- simple transforms
 
 
@@ -251,6 +247,25 @@ def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformat
     def update(updates, state, params=None, **extra):
         if params is None:
             return jax.tree.map(lambda u: f(u, None), updates), state
+        return jax.tree.map(f, updates, params), state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def need_params(params, name: str) -> None:
+    """Raise the error every params-reading transformation gives when ``params`` is None."""
+    if params is None:
+        raise ValueError(f"{name} needs `params` in update(updates, state, params)")
+
+
+def per_leaf(name: str, f: Callable, *, needs_params: bool) -> GradientTransformation:
+    """A stateless transformation mapping ``f(u, p)`` (``f(u)`` without params) over the leaves."""
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        if not needs_params:
+            return jax.tree.map(f, updates), state
+        need_params(params, name)
         return jax.tree.map(f, updates, params), state
 
     return GradientTransformation(init_empty_state, update)
@@ -510,10 +525,6 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     upd.params_record = None
     # chain members receive packed params lazily; a packed caller passes them as given
     return GradientTransformation(init, upd)
-
-
-class NamedChainState(dict):
-    """Dict state of :func:`named_chain`."""
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

@@ -1,4 +1,5 @@
-"""Parameter groups (partition, masked, freeze), flatten, and traced hyperparameters."""
+"""Parameter groups (``partition``), ``flatten``, and traced hyperparameters
+(``inject_hyperparams``); masking is in ``_masking``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from cairn.optim._adding import AddDecayedWeightsState
 from cairn.optim._base import (
     EmptyState,
     GradientTransformation,
@@ -18,40 +20,15 @@ from cairn.optim._base import (
     eval_schedule,
     mark_extra,
 )
+from cairn.optim._masking import is_zero_tx, leaves_with_none, select_leaves
+from cairn.optim._packed_state import safe_increment
 from cairn.optim._rules import resolve_per_leaf
-from cairn.optim._transforms import (
-    AddDecayedWeightsState,
-    ScaleByLearningRateState,
-    safe_increment,
-)
+from cairn.optim._scaling import ScaleByLearningRateState
 
 __all__ = [
-    "partition", "multi_transform", "masked", "freeze", "flatten", "inject_hyperparams",
-    "get_hyperparams", "set_hyperparams", "PartitionState", "MaskedState",
-    "InjectHyperparamsState",
+    "partition", "multi_transform", "flatten", "inject_hyperparams", "get_hyperparams",
+    "set_hyperparams", "PartitionState", "InjectHyperparamsState",
 ]
-
-
-def _is_none(x):
-    return x is None
-
-
-def _select(tree, keep: list[bool]):
-    """``tree`` with the leaves where ``keep`` is False replaced by None (empty subtrees)."""
-    if tree is None:
-        return None
-    leaves, td = jax.tree_util.tree_flatten(tree)
-    if len(leaves) != len(keep):
-        raise ValueError(f"tree has {len(leaves)} leaves, expected {len(keep)}")
-    return jax.tree_util.tree_unflatten(td, [x if k else None for x, k in zip(leaves, keep)])
-
-
-def _leaves_with_none(tree):
-    return jax.tree_util.tree_flatten(tree, is_leaf=_is_none)[0]
-
-
-def _is_zero_tx(tx) -> bool:
-    return getattr(tx, "_cairn_zero", False) or getattr(tx.update, "_cairn_zero", False)
 
 
 class PartitionState(NamedTuple):
@@ -105,10 +82,10 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         labs = labels_for(params)
         states = {}
         for lab, tx in transforms.items():
-            if _is_zero_tx(tx):
+            if is_zero_tx(tx):
                 states[lab] = EmptyState()
             else:
-                states[lab] = tx.init(_select(params, [x == lab for x in labs]))
+                states[lab] = tx.init(select_leaves(params, [x == lab for x in labs]))
         return PartitionState(states)
 
     @mark_extra
@@ -119,16 +96,16 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         new_states = {}
         for lab, tx in transforms.items():
             keep = [x == lab for x in labs]
-            if _is_zero_tx(tx):
+            if is_zero_tx(tx):
                 for i, k in enumerate(keep):
                     if k:
                         out[i] = jnp.zeros_like(leaves[i])
                 new_states[lab] = state.inner_states[lab]
                 continue
-            sub_u = _select(updates, keep)
-            sub_p = _select(params, keep) if params is not None else None
+            sub_u = select_leaves(updates, keep)
+            sub_p = select_leaves(params, keep) if params is not None else None
             u_l, new_states[lab] = call_update(tx, sub_u, state.inner_states[lab], sub_p, extra)
-            for i, v in enumerate(_leaves_with_none(u_l)):
+            for i, v in enumerate(leaves_with_none(u_l)):
                 if keep[i]:
                     out[i] = v
         return jax.tree_util.tree_unflatten(td, out), PartitionState(new_states)
@@ -137,55 +114,6 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
 
 
 multi_transform = partition
-
-
-class MaskedState(NamedTuple):
-    inner_state: Any
-
-
-def masked(inner: GradientTransformation, mask, *, mask_compatible_extra_args: bool = False):
-    """Apply ``inner`` to the leaves selected by ``mask``; the others pass through unchanged.
-
-    ``mask``: a pytree of bools (or prefix), a callable ``params -> mask``, or path-regex
-    rules (a regex string, or ``{pattern: bool}`` / ``[(pattern, bool)]``, first match
-    wins). The inner state holds only the selected leaves.
-    """
-    del mask_compatible_extra_args
-
-    def keep_for(tree):
-        return resolve_per_leaf(mask, tree, what="mask", mask_mode=True)
-
-    def init(params):
-        return MaskedState(inner.init(_select(params, keep_for(params))))
-
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        keep = keep_for(updates)
-        leaves, td = jax.tree_util.tree_flatten(updates)
-        sub_u = _select(updates, keep)
-        sub_p = _select(params, keep) if params is not None else None
-        u_m, s = call_update(inner, sub_u, state.inner_state, sub_p, extra)
-        out = [v if k else x for x, v, k in zip(leaves, _leaves_with_none(u_m), keep)]
-        return jax.tree_util.tree_unflatten(td, out), MaskedState(s)
-
-    return GradientTransformation(init, update)
-
-
-def freeze(mask) -> GradientTransformation:
-    """Zero the updates of the leaves selected by ``mask`` (no state, no compute)."""
-
-    def init(params):
-        resolve_per_leaf(mask, params, what="freeze mask", mask_mode=True)
-        return EmptyState()
-
-    @mark_extra
-    def update(updates, state, params=None, **extra):
-        keep = resolve_per_leaf(mask, updates, what="freeze mask", mask_mode=True)
-        leaves, td = jax.tree_util.tree_flatten(updates)
-        out = [jnp.zeros_like(x) if k else x for x, k in zip(leaves, keep)]
-        return jax.tree_util.tree_unflatten(td, out), state
-
-    return GradientTransformation(init, update)
 
 
 class FlattenState(NamedTuple):

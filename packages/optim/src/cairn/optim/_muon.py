@@ -7,11 +7,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cairn.optim import _transforms as tr
 from cairn.optim import _validate
+from cairn.optim._adam import scale_by_adam
+from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
 from cairn.optim._combine import partition
+from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param
+from cairn.optim._scaling import scale_by_learning_rate
 
 __all__ = ["muon", "scale_by_muon", "orthogonalize_via_newton_schulz", "MuonState"]
 
@@ -57,11 +60,11 @@ def scale_by_muon(ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, ep
 
     @mark_extra
     def update(updates, state, params=None, **extra):
-        count = tr.safe_increment(state.count)
+        count = safe_increment(state.count)
         mu = jax.tree.map(lambda g, m: (1 - beta) * g + beta * m, updates, state.mu)
         if nesterov:
             mu_hat = jax.tree.map(
-                lambda m, g: beta * m / (1 - beta ** tr.safe_increment(count))
+                lambda m, g: beta * m / (1 - beta ** safe_increment(count))
                 + (1 - beta) * g / (1 - beta ** count), mu, updates)
         else:
             mu_hat = jax.tree.map(lambda m: m / (1 - beta ** count), mu)
@@ -101,12 +104,12 @@ def muon(learning_rate, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.
         return jax.tree.map(lambda p: "muon" if jnp.ndim(p) == 2 else "adam", params)
 
     muon_tx = chain(scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov),
-                    tr.add_decayed_weights(weight_decay, weight_decay_mask),
-                    tr.scale_by_learning_rate(learning_rate))
-    adam_tx = chain(tr.scale_by_adam(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype,
+                    add_decayed_weights(weight_decay, weight_decay_mask),
+                    scale_by_learning_rate(learning_rate))
+    adam_tx = chain(scale_by_adam(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype,
                                      nesterov=nesterov, nu_dtype=nu_dtype),
-                    tr.add_decayed_weights(adam_weight_decay),
-                    tr.scale_by_learning_rate(adam_lr))
+                    add_decayed_weights(adam_weight_decay),
+                    scale_by_learning_rate(adam_lr))
     inner = partition({"muon": muon_tx, "adam": adam_tx}, labels)
 
     def init(params):

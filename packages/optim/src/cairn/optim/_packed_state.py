@@ -1,11 +1,16 @@
-"""``optim.pack``: the opt-in to packed optimizer state (one flat buffer per dtype).
+"""The packed-buffer backend of the element-wise transformations, and ``optim.pack``.
 
-By default every element-wise transformation keeps its state per parameter: ``mu`` and
-``nu`` are trees with the parameters' structure, each array with its parameter's shape
-and sharding, keyed by the parameter's path. ``pack(tx)`` instead keeps the state of
-the element-wise members of ``tx`` as flat 1-D buffers, one per dtype (and per
-sharding of the parameters at ``init``), which is faster for many tiny replicated leaves
-(one kernel per buffer instead of one per leaf), at a price:
+Every element-wise transformation (``_adam``, ``_rms``, ``_momentum``, ...) writes its
+update equation once, on "buffers", with the helpers here (:func:`state_zeros`,
+:func:`step_buffers`, :class:`BiasCorrection`). By default the buffers are the
+per-parameter arrays: every moment lives in the state per parameter, a tree with the
+params' structure (``mu/layers/0/kernel``), each array in its parameter's shape and
+sharding, so a sharded model's optimizer state is sharded exactly like it.
+
+``pack(tx)`` instead keeps the state of the element-wise members of ``tx`` as flat 1-D
+buffers, one per dtype (and per sharding of the parameters at ``init``), which is faster
+for many tiny replicated leaves (one kernel per buffer instead of one per leaf), at a
+price:
 
 - **sharding**: a buffer concatenates many parameters, so it cannot follow any one
   parameter's sharding; under ``jit`` XLA lays it out as it likes (often replicated:
@@ -20,8 +25,16 @@ sharding of the parameters at ``init``), which is faster for many tiny replicate
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from cairn.optim import _packing as pk
-from cairn.optim._base import GradientTransformation
+from cairn.optim._base import GradientTransformation, eval_schedule
+from cairn.optim._packing import Packed
+from cairn.optim._placement import full_like_param
 
 __all__ = ["pack"]
 
@@ -66,3 +79,118 @@ def _packed(tx) -> GradientTransformation:
             return tx.init(params)
 
     return GradientTransformation(init, tx.update)
+
+
+_I32_MAX = np.iinfo(np.int32).max
+
+
+def safe_increment(count):
+    return jnp.where(count < _I32_MAX, count + 1, _I32_MAX).astype(jnp.int32)
+
+
+def is_python_number(x) -> bool:
+    return isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
+
+
+def _dt(dtype):
+    return None if dtype is None else jnp.dtype(dtype)
+
+
+def state_zeros(params, layout, dtype=None, fill=0.0, offsets=False):
+    """One moment of state filled with ``fill``: per parameter (the default: a tree with the
+    params' structure, each array with its parameter's shape and sharding) or packed (flat
+    buffers per dtype, when ``layout`` is a grouped one)."""
+    if layout.shaped:
+        leaves = jax.tree_util.tree_leaves(params)
+        return jax.tree_util.tree_unflatten(
+            layout.treedef, [full_like_param(x, fill, _dt(dtype)) for x in leaves])
+    p = pk.zeros(layout, _dt(dtype), fill)
+    return p.with_offsets(pk.make_offsets(layout)) if offsets else p
+
+
+def _like(old, layout, bufs):
+    return pk.state_like(old, layout, bufs)
+
+
+def _bufs(s):
+    """The buffers of a state moment already checked by :func:`check_moment`."""
+    return s.buffers if isinstance(s, Packed) else jax.tree_util.tree_leaves(s)
+
+
+def check_moment(u: Packed, s, name: str):
+    pk.state_buffers(s, u.layout, what=f"{name}: state")
+
+
+class BiasCorrection:
+    """Bias correction denominators ``1 - decay**count`` in a dtype, computed once per step
+    and reused by every leaf (not once per leaf: 1,000 leaves would otherwise trace and
+    compile 1,000 copies of the same scalar expression). ``next`` uses ``count + 1``."""
+
+    def __init__(self, count):
+        self.count = count
+        self._next = None
+        self._cache: dict = {}
+
+    def __call__(self, decay, dtype):
+        key = (id(decay), jnp.dtype(dtype))
+        if key not in self._cache:
+            self._cache[key] = (decay, (1 - decay ** self.count).astype(dtype))
+        return self._cache[key][1]
+
+    @property
+    def next(self) -> BiasCorrection:
+        if self._next is None:
+            self._next = BiasCorrection(safe_increment(self.count))
+        return self._next
+
+
+def plus(x, c):
+    """``x + c``, skipped for a Python zero (the default ``eps_root``): the same numbers for
+    the non-negative ``x`` it is used on, one op less per leaf to trace and compile."""
+    if isinstance(c, (int, float)) and c == 0:
+        return x
+    return x + c
+
+
+def abs_sq(x):
+    return jnp.real(jnp.conj(x) * x) if jnp.iscomplexobj(x) else x * x
+
+
+def _store(x, dtype_like):
+    return x.astype(dtype_like.dtype)
+
+
+def step_buffers(u: Packed, states: tuple[Packed, ...], step):
+    """Run ``step(g, *olds) -> (out, *news)`` on every packed buffer.
+
+    ``out`` is cast to the update's dtype and each new state buffer to its old
+    buffer's dtype. Returns ``(updates, new_states)`` as :class:`Packed`.
+    """
+    outs, news = [], [[] for _ in states]
+    for g, *olds in zip(u.buffers, *(_bufs(s) for s in states)):
+        out, *vals = step(g, *olds)
+        outs.append(out.astype(g.dtype))
+        for new, val, old in zip(news, vals, olds):
+            new.append(_store(val, old))
+    return Packed(u.layout, outs), tuple(_like(s, u.layout, bufs)
+                                         for s, bufs in zip(states, news))
+
+
+def mu_hat(b1, m, g, bc: BiasCorrection, nesterov):
+    """Bias-corrected first moment (Nesterov's look-ahead form when ``nesterov``)."""
+    if nesterov:
+        return (b1 * m / bc.next(b1, m.dtype)
+                + (1 - b1) * g / bc(b1, g.dtype))
+    return m / bc(b1, m.dtype)
+
+
+def current_value(name: str, value: Any, stored: jax.Array, count: jax.Array) -> jax.Array:
+    """The value of a float-or-schedule hyperparameter (learning rate, weight decay) at a
+    step: the schedule at ``count``, the ``stored`` state value for a Python number (so
+    :func:`~cairn.optim.set_hyperparams` can change it without recompiling), or a traced
+    value as given (e.g. from :func:`~cairn.optim.inject_hyperparams`: it wins)."""
+    if callable(value):
+        return eval_schedule(name, value, count)
+    if is_python_number(value):
+        return stored
+    return jnp.asarray(value, jnp.float32)

@@ -37,7 +37,7 @@ import numpy as np
 
 from cairn.core_array import tree_paths
 
-__all__ = ["Layout", "Packed", "layout_of", "pack", "unpack", "is_packed"]
+__all__ = ["Layout", "Packed", "layout_of", "pack", "unpack"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,10 +316,6 @@ jax.tree_util.register_pytree_with_keys(LazyParams, _flatten_with_keys, _unflatt
 jax.tree_util.register_pytree_with_keys(PendingDecay, _flatten_with_keys, _unflatten, _flatten)
 
 
-def is_packed(x) -> bool:
-    return isinstance(x, Packed)
-
-
 def _path_diff(layout: Layout, tree) -> tuple[list, list]:
     """For a mismatch message: up to 5 paths only in ``layout`` and up to 5 only in ``tree``."""
     try:
@@ -522,14 +518,6 @@ def segment_ids(layout: Layout, gi: int):
     """Per-element leaf position within group ``gi`` (int32 vector)."""
     g = layout.groups[gi]
     return jnp.asarray(np.repeat(np.arange(len(g.leaves), dtype=np.int32), g.sizes))
-
-
-def per_leaf_to_elements(layout: Layout, gi: int, values):
-    """Broadcast one value per leaf of group ``gi`` to that leaf's elements."""
-    g = layout.groups[gi]
-    if len(g.leaves) == 1:
-        return jnp.broadcast_to(values[0], (g.total,))
-    return jnp.repeat(values, np.asarray(g.sizes), total_repeat_length=g.total)
 
 
 def strip_offsets(state):

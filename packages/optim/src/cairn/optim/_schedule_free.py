@@ -7,10 +7,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cairn.optim import _transforms as tr
 from cairn.optim import _validate
-from cairn.optim._alias import sgd
+from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, call_update, chain, check_scalar, mark_extra
+from cairn.optim._momentum import sgd
+from cairn.optim._packed_state import safe_increment
+from cairn.optim._rms import scale_by_rms
+from cairn.optim._scaling import scale_by_learning_rate
 
 __all__ = ["schedule_free", "schedule_free_adamw", "schedule_free_sgd",
            "schedule_free_eval_params", "ScheduleFreeState"]
@@ -77,7 +80,7 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
         x = jax.tree.map(lambda xi, zi: (1.0 - ck) * xi + ck * zi, prev_x, z)
         new_p = jax.tree.map(lambda xi, zi: b1 * xi + (1.0 - b1) * zi, x, z)
         upd = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_p, params)
-        return upd, ScheduleFreeState(state.b1, total, tr.safe_increment(state.step_count),
+        return upd, ScheduleFreeState(state.b1, total, safe_increment(state.step_count),
                                       max_lr, base_s, z)
 
     return GradientTransformation(init, update)
@@ -104,7 +107,7 @@ def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay
     lr = _warmup(learning_rate, warmup_steps)
     base = sgd(lr)
     if weight_decay is not None:
-        base = chain(tr.add_decayed_weights(weight_decay), base)
+        base = chain(add_decayed_weights(weight_decay), base)
     return schedule_free(base, lr, b1, weight_lr_power, state_dtype)
 
 
@@ -118,6 +121,6 @@ def schedule_free_adamw(learning_rate=0.0025, warmup_steps=None, b1=0.9, b2=0.99
     )
     check_scalar("learning_rate", learning_rate)
     lr = _warmup(learning_rate, warmup_steps)
-    base = chain(tr.scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
-                 tr.add_decayed_weights(weight_decay), tr.scale_by_learning_rate(lr))
+    base = chain(scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
+                 add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
     return schedule_free(base, lr, b1, weight_lr_power, state_dtype)

@@ -8,10 +8,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cairn.optim import _transforms as tr
 from cairn.optim import _validate
+from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
+from cairn.optim._momentum import ema
+from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param, replicated_like, stacked_blocks_like
+from cairn.optim._scaling import scale_by_learning_rate
 
 __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
 
@@ -99,7 +102,7 @@ def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_eve
 
     @mark_extra
     def update(updates, state, params=None, **extra):
-        count = tr.safe_increment(state.count)
+        count = safe_increment(state.count)
         refresh = (state.count % precondition_every) == 0
         gl, td = jax.tree_util.tree_flatten(updates)
         f = td.flatten_up_to
@@ -155,7 +158,7 @@ def shampoo(learning_rate, b1=0.9, b2=0.999, eps=1e-6, block_size: int = 128,
     check_scalar("learning_rate", learning_rate)
     txs = [scale_by_shampoo(b2, eps, block_size, precondition_every, graft_eps)]
     if b1:
-        txs.append(tr.ema(b1, debias=False))
-    txs.append(tr.add_decayed_weights(weight_decay))
-    txs.append(tr.scale_by_learning_rate(learning_rate))
+        txs.append(ema(b1, debias=False))
+    txs.append(add_decayed_weights(weight_decay))
+    txs.append(scale_by_learning_rate(learning_rate))
     return chain(*txs)

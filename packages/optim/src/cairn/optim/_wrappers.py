@@ -17,8 +17,8 @@ from cairn.optim._base import (
     mark_extra,
     packed_transformation,
 )
+from cairn.optim._packed_state import safe_increment, state_zeros
 from cairn.optim._packing import Packed
-from cairn.optim._transforms import _state_zeros, safe_increment
 
 __all__ = [
     "apply_if_finite", "ApplyIfFiniteState", "skip_not_finite", "apply_every", "ApplyEvery",
@@ -87,7 +87,7 @@ def apply_every(k: int = 1):
     _validate.check("apply_every", k=k)
     def init(layout, params):
         return ApplyEvery(jnp.zeros([], jnp.int32),
-                          _state_zeros(params, layout, offsets=True))
+                          state_zeros(params, layout, offsets=True))
 
     def update(u, state, p=None, **extra):
         c = state.count % k
@@ -147,7 +147,7 @@ class MultiSteps:
     def init(self, params) -> MultiStepsState:
         packed = isinstance(params, Packed) or pk.packing_state()
         layout = pk.layout_of(params, per_leaf=not packed)
-        acc = _state_zeros(params, layout, self._acc_dtype, offsets=not isinstance(params, Packed))
+        acc = state_zeros(params, layout, self._acc_dtype, offsets=not isinstance(params, Packed))
         skip_state = ()
         if self._skip is not None:
             skip_state = jax.tree.map(jnp.zeros_like,

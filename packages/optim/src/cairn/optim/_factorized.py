@@ -1,0 +1,141 @@
+"""Factored second moments: Adafactor (``scale_by_factored_rms`` and ``adafactor``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn.optim import _validate
+from cairn.optim._adding import add_decayed_weights
+from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra, need_params
+from cairn.optim._clipping import clip_by_block_rms
+from cairn.optim._momentum import ema
+from cairn.optim._packed_state import safe_increment
+from cairn.optim._placement import full_like_param, replicated_like, zeros_for_axes
+from cairn.optim._scaling import scale, scale_by_learning_rate, scale_by_param_block_rms
+
+__all__ = ["scale_by_factored_rms", "adafactor"]
+
+
+class FactoredState(NamedTuple):
+    count: jax.Array
+    v_row: object
+    v_col: object
+    v: object
+
+
+def _factored_dims(shape, factored, min_dim):
+    if not factored or len(shape) < 2:
+        return None
+    order = np.argsort(shape)
+    if shape[order[-2]] < min_dim:
+        return None
+    return int(order[-2]), int(order[-1])
+
+
+def _decay_rate_pow(i, exponent=0.8):
+    t = jnp.asarray(i + 1, jnp.float32)
+    return 1.0 - t ** (-exponent)
+
+
+def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
+                          min_dim_size_to_factor: int = 128, epsilon=1e-30,
+                          decay_rate_fn=_decay_rate_pow):
+    """Adafactor scaling (Shazeer & Stern 2018).
+
+    With :math:`\\beta_t = 1-(t+1)^{-0.8}` and :math:`G = g^2+\\epsilon`: for matrices whose two
+    largest dims are >= ``min_dim_size_to_factor``, :math:`R_t = \\beta_t R_{t-1} + (1-\\beta_t)
+    \\mathrm{mean}_{cols}(G)`, :math:`C_t` likewise over rows, and
+    :math:`u = g / \\sqrt{R_t C_t / \\mathrm{mean}(R_t)}`; otherwise
+    :math:`v_t = \\beta_t v_{t-1} + (1-\\beta_t) G`, :math:`u = g/\\sqrt{v_t}`.
+    """
+    _validate.check("scale_by_factored_rms", {"step_offset": _validate.COUNT, "epsilon": _validate.NONNEG},
+                    decay_rate=decay_rate, step_offset=step_offset,
+                    min_dim_size_to_factor=min_dim_size_to_factor, epsilon=epsilon)
+
+    def init(params):
+        def per(p):
+            # each factor takes the parameter's sharding along the axes it keeps
+            dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
+            z1 = replicated_like(p, jnp.zeros((1,), p.dtype))
+            if dims is not None:
+                d1, d0 = dims
+                axes = range(p.ndim)
+                return (zeros_for_axes(p, [a for a in axes if a != d0]),
+                        zeros_for_axes(p, [a for a in axes if a != d1]), z1)
+            return z1, z1, full_like_param(p)
+
+        leaves, td = jax.tree_util.tree_flatten(params)
+        parts = [per(p) for p in leaves]
+        return FactoredState(jnp.zeros([], jnp.int32),
+                             jax.tree_util.tree_unflatten(td, [q[0] for q in parts]),
+                             jax.tree_util.tree_unflatten(td, [q[1] for q in parts]),
+                             jax.tree_util.tree_unflatten(td, [q[2] for q in parts]))
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        need_params(params, "scale_by_factored_rms")
+        beta = decay_rate_fn(state.count - step_offset, decay_rate)
+        gl, td = jax.tree_util.tree_flatten(updates)
+        rows = td.flatten_up_to(state.v_row)
+        cols = td.flatten_up_to(state.v_col)
+        vs = td.flatten_up_to(state.v)
+        outs, nr, nc, nv = [], [], [], []
+        for g, vr, vc, v in zip(gl, rows, cols, vs):
+            dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
+            g2 = jnp.real(jnp.conj(g) * g) + epsilon
+            if dims is not None:
+                d1, d0 = dims
+                r = (beta * vr + (1.0 - beta) * jnp.mean(g2, axis=d0)).astype(vr.dtype)
+                c = (beta * vc + (1.0 - beta) * jnp.mean(g2, axis=d1)).astype(vc.dtype)
+                rd1 = d1 - 1 if d1 > d0 else d1
+                row_factor = (r / jnp.mean(r, axis=rd1, keepdims=True)) ** -0.5
+                col_factor = c ** -0.5
+                out = g * jnp.expand_dims(row_factor, d0) * jnp.expand_dims(col_factor, d1)
+                nr.append(r)
+                nc.append(c)
+                nv.append(v)
+            else:
+                nv_ = (beta * v + (1.0 - beta) * g2).astype(v.dtype)
+                out = g * nv_ ** -0.5
+                nr.append(vr)
+                nc.append(vc)
+                nv.append(nv_)
+            outs.append(out.astype(g.dtype))
+        un = lambda xs: jax.tree_util.tree_unflatten(td, xs)  # noqa: E731
+        return un(outs), FactoredState(safe_increment(state.count), un(nr), un(nc), un(nv))
+
+    return GradientTransformation(init, update)
+
+
+def adafactor(learning_rate=None, min_dim_size_to_factor: int = 128, decay_rate=0.8,
+              decay_offset=0, multiply_by_parameter_scale: bool = True, clipping_threshold=1.0,
+              momentum=None, dtype_momentum="float32", weight_decay_rate=None, eps=1e-30,
+              factored: bool = True, weight_decay_mask=None):
+    """Adafactor: factored RMS scaling (:func:`scale_by_factored_rms`), block-RMS clipping,
+    learning rate, scaling by the parameter RMS, optional momentum and weight decay, then
+    :math:`u \\leftarrow -u`."""
+    _validate.check(
+        "adafactor",
+        learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
+        decay_rate=decay_rate, decay_offset=decay_offset, clipping_threshold=clipping_threshold,
+        momentum=momentum, weight_decay_rate=weight_decay_rate, eps=eps,
+    )
+    txs = [scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor,
+                                    eps)]
+    if clipping_threshold is not None:
+        txs.append(clip_by_block_rms(clipping_threshold))
+    if learning_rate is not None:
+        check_scalar("learning_rate", learning_rate)
+        txs.append(scale_by_learning_rate(learning_rate, flip_sign=False))
+    if multiply_by_parameter_scale:
+        txs.append(scale_by_param_block_rms())
+    if momentum is not None:
+        txs.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
+    if weight_decay_rate is not None:
+        txs.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
+    txs.append(scale(-1))
+    return chain(*txs)

@@ -1,0 +1,84 @@
+"""Masking: apply a transformation to some leaves (``masked``) or zero others (``freeze``)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cairn.optim._base import EmptyState, GradientTransformation, call_update, mark_extra
+from cairn.optim._rules import resolve_per_leaf
+
+__all__ = ["masked", "freeze", "MaskedState"]
+
+
+def _is_none(x):
+    return x is None
+
+
+def select_leaves(tree, keep: list[bool]):
+    """``tree`` with the leaves where ``keep`` is False replaced by None (empty subtrees)."""
+    if tree is None:
+        return None
+    leaves, td = jax.tree_util.tree_flatten(tree)
+    if len(leaves) != len(keep):
+        raise ValueError(f"tree has {len(leaves)} leaves, expected {len(keep)}")
+    return jax.tree_util.tree_unflatten(td, [x if k else None for x, k in zip(leaves, keep)])
+
+
+def leaves_with_none(tree):
+    return jax.tree_util.tree_flatten(tree, is_leaf=_is_none)[0]
+
+
+def is_zero_tx(tx) -> bool:
+    return getattr(tx, "_cairn_zero", False) or getattr(tx.update, "_cairn_zero", False)
+
+
+class MaskedState(NamedTuple):
+    inner_state: Any
+
+
+def masked(inner: GradientTransformation, mask, *, mask_compatible_extra_args: bool = False):
+    """Apply ``inner`` to the leaves selected by ``mask``; the others pass through unchanged.
+
+    ``mask``: a pytree of bools (or prefix), a callable ``params -> mask``, or path-regex
+    rules (a regex string, or ``{pattern: bool}`` / ``[(pattern, bool)]``, first match
+    wins). The inner state holds only the selected leaves.
+    """
+    del mask_compatible_extra_args
+
+    def keep_for(tree):
+        return resolve_per_leaf(mask, tree, what="mask", mask_mode=True)
+
+    def init(params):
+        return MaskedState(inner.init(select_leaves(params, keep_for(params))))
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        keep = keep_for(updates)
+        leaves, td = jax.tree_util.tree_flatten(updates)
+        sub_u = select_leaves(updates, keep)
+        sub_p = select_leaves(params, keep) if params is not None else None
+        u_m, s = call_update(inner, sub_u, state.inner_state, sub_p, extra)
+        out = [v if k else x for x, v, k in zip(leaves, leaves_with_none(u_m), keep)]
+        return jax.tree_util.tree_unflatten(td, out), MaskedState(s)
+
+    return GradientTransformation(init, update)
+
+
+def freeze(mask) -> GradientTransformation:
+    """Zero the updates of the leaves selected by ``mask`` (no state, no compute)."""
+
+    def init(params):
+        resolve_per_leaf(mask, params, what="freeze mask", mask_mode=True)
+        return EmptyState()
+
+    @mark_extra
+    def update(updates, state, params=None, **extra):
+        keep = resolve_per_leaf(mask, updates, what="freeze mask", mask_mode=True)
+        leaves, td = jax.tree_util.tree_flatten(updates)
+        out = [jnp.zeros_like(x) if k else x for x, k in zip(leaves, keep)]
+        return jax.tree_util.tree_unflatten(td, out), state
+
+    return GradientTransformation(init, update)

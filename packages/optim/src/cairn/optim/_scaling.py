@@ -1,0 +1,277 @@
+"""Scaling: by a constant, the learning rate, a schedule, the sign, Rprop step sizes, and
+the per-leaf parameter norms (trust ratio, block RMS / norm); gradient centralisation.
+The optimizers built from them alone: ``sign_sgd``, ``rprop``, ``fromage``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cairn.optim import _packing as pk
+from cairn.optim import _validate
+from cairn.optim._adding import add_decayed_weights
+from cairn.optim._base import (
+    EmptyState,
+    GradientTransformation,
+    chain,
+    check_scalar,
+    eval_schedule,
+    identity,
+    packed_transformation,
+    per_leaf,
+)
+from cairn.optim._packed_state import (
+    check_moment,
+    current_value,
+    safe_increment,
+    state_zeros,
+    step_buffers,
+)
+from cairn.optim._packing import Packed
+
+__all__ = [
+    "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_sign", "scale_by_rprop",
+    "scale_by_trust_ratio", "scale_by_param_block_rms", "scale_by_param_block_norm",
+    "centralize", "sign_sgd", "rprop", "fromage",
+]
+
+
+def _scale_updates(u: Packed, fn, arg) -> Packed:
+    """``fn(buffer, arg)`` on every buffer; a pending weight-decay term stays pending
+    (``fn`` is then applied after it, leaf by leaf at the unpack)."""
+    if isinstance(u, pk.PendingDecay):
+        return u.scaled(fn, arg)
+    return u.map(lambda g: fn(g, arg))
+
+
+# The scalar comes first in these products (and the decay term first in its sum): in a
+# leaf's unpack kernel the compiler then numbers the scalars before the slice and its
+# runtime offsets, the same way for every leaf, so same-shape leaves share one kernel.
+# (Both operations are commutative in IEEE arithmetic: the values are unchanged.)
+def _times_cast(g, s):
+    if isinstance(s, jax.Array) and s.ndim == 0:
+        # lax directly: the same two primitives as ``s.astype(g.dtype) * g`` without
+        # jax.numpy's per-call dispatch (this runs once per leaf at the unpack)
+        return jax.lax.mul(jax.lax.convert_element_type(s, g.dtype), g)
+    return s.astype(g.dtype) * g
+
+
+def _times_step_size(g, step_size):
+    return (step_size * g).astype(g.dtype)
+
+
+def scale(step_size: float | jax.Array) -> GradientTransformation:
+    """:math:`u \\leftarrow \\alpha\\,u`.
+
+    >>> import jax.numpy as jnp
+    >>> tx = scale(-0.1)
+    >>> tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))[0]["w"].tolist()
+    [-0.10000000149011612, -0.10000000149011612]
+    """
+
+    _validate.check("scale", step_size=step_size)
+    def update(u, state, p=None, **extra):
+        return _scale_updates(u, _times_step_size, step_size), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="scale")
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """``count`` of steps (the schedule's argument: advanced only when ``learning_rate`` is a
+    schedule, so a constant costs no work per step) and the ``learning_rate`` used at the
+    last step (traced)."""
+
+    count: jax.Array
+    learning_rate: jax.Array
+
+
+def scale_by_learning_rate(learning_rate=None, *, flip_sign: bool = True):
+    """:math:`u \\leftarrow -\\eta_t\\,u` (or :math:`+\\eta_t u` when ``flip_sign=False``).
+
+    ``learning_rate=None`` means no scaling (an :func:`identity`, as in Optax).
+
+    ``learning_rate`` is a float or a schedule ``step -> value``. The value lives in
+    the state (``state.learning_rate``), so it is a traced value: changing it with
+    :func:`set_hyperparams` does not recompile, and :func:`get_hyperparams` reads it.
+    """
+    _validate.check("scale_by_learning_rate", learning_rate=learning_rate)
+    if learning_rate is None:
+        return identity()
+    check_scalar("learning_rate", learning_rate)
+    sign = -1.0 if flip_sign else 1.0
+
+    def init(layout, params):
+        lr = eval_schedule("learning_rate", learning_rate, jnp.zeros([], jnp.int32))
+        return ScaleByLearningRateState(jnp.zeros([], jnp.int32), lr)
+
+    def update(u, state, p=None, **extra):
+        lr = current_value("learning_rate", learning_rate, state.learning_rate, state.count)
+        out = _scale_updates(u, _times_cast, sign * lr)
+        count = safe_increment(state.count) if callable(learning_rate) else state.count
+        return out, ScaleByLearningRateState(count, lr)
+
+    return packed_transformation(init, update, name="scale_by_learning_rate")
+
+
+def learning_rate_step(learning_rate):
+    check_scalar("learning_rate", learning_rate)
+    return scale_by_learning_rate(learning_rate)
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: jax.Array
+
+
+def scale_by_schedule(step_size_fn):
+    """:math:`u \\leftarrow s(t)\\,u` with ``s`` a schedule evaluated at the step count."""
+    if not callable(step_size_fn):
+        raise TypeError(f"step_size_fn must be callable (step -> value), got "
+                        f"{type(step_size_fn).__name__}")
+
+    def init(layout, params):
+        eval_schedule("step_size_fn", step_size_fn, jnp.zeros([], jnp.int32))
+        return ScaleByScheduleState(jnp.zeros([], jnp.int32))
+
+    def update(u, state, p=None, **extra):
+        s = eval_schedule("step_size_fn", step_size_fn, state.count)
+        return (_scale_updates(u, _times_cast, s),
+                ScaleByScheduleState(safe_increment(state.count)))
+
+    return packed_transformation(init, update, name="scale_by_schedule")
+
+
+def scale_by_sign():
+    """:math:`u \\leftarrow \\mathrm{sign}(u)`."""
+
+    def update(u, state, p=None, **extra):
+        return u.map(jnp.sign), state
+
+    return packed_transformation(lambda layout, params: EmptyState(), update, name="scale_by_sign")
+
+
+class ScaleByRpropState(NamedTuple):
+    step_sizes: Packed
+    prev_updates: Packed
+
+
+def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6,
+                   max_step_size=50.0):
+    """Rprop: per-element step sizes grow by ``eta_plus`` when the gradient keeps its sign,
+    shrink by ``eta_minus`` when it flips (clipped to [min, max]); the update is
+    :math:`\\mathrm{step}\\cdot\\mathrm{sign}(g)`, and 0 right after a sign flip."""
+    _validate.check(
+        "scale_by_rprop",
+        learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
+        min_step_size=min_step_size, max_step_size=max_step_size,
+    )
+    check_scalar("learning_rate", learning_rate)
+
+    def init(layout, params):
+        return ScaleByRpropState(state_zeros(params, layout, None, learning_rate, offsets=True),
+                                 state_zeros(params, layout))
+
+    def update(u, state, p=None, **extra):
+        check_moment(u, state.step_sizes, "scale_by_rprop")
+
+        def step(g, st0, pv0):
+            s = g * pv0
+            st = jnp.where(s == 0, st0, jnp.clip(st0 * jnp.where(s > 0, eta_plus, eta_minus),
+                                                 min_step_size, max_step_size))
+            pv = jnp.where(s < 0, jnp.zeros_like(g), st * jnp.sign(g))
+            return jnp.where(s < 0, jnp.zeros_like(pv0), pv0), st, pv
+
+        out, new = step_buffers(u, (state.step_sizes, state.prev_updates), step)
+        return out, ScaleByRpropState(*new)
+
+    return packed_transformation(init, update, name="scale_by_rprop")
+
+
+def _safe_norm(x, min_norm, axis=None, keepdims=False):
+    """Norm with a gradient-safe floor: ``max(||x||, min_norm)``."""
+    sq = jnp.sum(jnp.real(jnp.conj(x) * x), axis=axis, keepdims=keepdims)
+    norm = jnp.sqrt(jnp.where(sq > min_norm ** 2, sq, 1.0))
+    return jnp.where(sq > min_norm ** 2, norm, min_norm)
+
+
+def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
+    """LARS/LAMB trust ratio per leaf: :math:`u \\leftarrow u\\cdot c\\,\\|\\theta\\|/(\\|u\\|+\\epsilon)`
+    (1 where either norm is 0)."""
+    _validate.check("scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps)
+
+    def f(u, p):
+        pn = _safe_norm(p, min_norm)
+        un = _safe_norm(u, min_norm)
+        ratio = trust_coefficient * pn / (un + eps)
+        ratio = jnp.where((pn == 0.0) | (un == 0.0), jnp.array(1.0, p.dtype), ratio)
+        return (u * ratio).astype(u.dtype)
+
+    return per_leaf("scale_by_trust_ratio", f, needs_params=True)
+
+
+def scale_by_param_block_rms(min_scale=1e-3):
+    """:math:`u \\leftarrow u\\cdot\\max(\\mathrm{rms}(\\theta), s_{min})` per leaf."""
+    _validate.check("scale_by_param_block_rms", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
+
+    def f(u, p):
+        rms = jnp.sqrt(jnp.mean(jnp.real(jnp.conj(p) * p)))
+        return (u * jnp.maximum(rms, min_scale)).astype(u.dtype)
+
+    return per_leaf("scale_by_param_block_rms", f, needs_params=True)
+
+
+def scale_by_param_block_norm(min_scale=1e-3):
+    """:math:`u \\leftarrow u\\cdot\\max(\\|\\theta\\|_2, s_{min})` per leaf."""
+    _validate.check("scale_by_param_block_norm", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
+
+    def f(u, p):
+        return (u * _safe_norm(p, min_scale)).astype(u.dtype)
+
+    return per_leaf("scale_by_param_block_norm", f, needs_params=True)
+
+
+def centralize():
+    """Gradient centralisation: subtract the mean over all axes but the first, for ndim > 1."""
+
+    def f(u):
+        if u.ndim <= 1:
+            return u
+        return u - jnp.mean(u, axis=tuple(range(1, u.ndim)), keepdims=True)
+
+    return per_leaf("centralize", f, needs_params=False)
+
+
+def sign_sgd(learning_rate):
+    """signSGD: :math:`u = -\\eta\\,\\mathrm{sign}(g)`."""
+    _validate.check("sign_sgd", learning_rate=learning_rate)
+    return chain(scale_by_sign(), learning_rate_step(learning_rate))
+
+
+def rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0):
+    """Rprop (sign-based adaptive step sizes), :math:`u = -\\mathrm{step}\\cdot\\mathrm{sign}(g)`."""
+    _validate.check(
+        "rprop",
+        learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
+        min_step_size=min_step_size, max_step_size=max_step_size,
+    )
+    return chain(scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size,
+                                   max_step_size), scale(-1.0))
+
+
+def fromage(learning_rate, min_norm=1e-6):
+    """Fromage: trust-ratio step :math:`-\\eta/\\sqrt{1+\\eta^2}`, weights shrunk by
+    :math:`1/\\sqrt{1+\\eta^2}`."""
+    _validate.check("fromage", learning_rate=learning_rate, min_norm=min_norm)
+    check_scalar("learning_rate", learning_rate)
+    if callable(learning_rate):
+        def mult(c):
+            return 1 / (1 + learning_rate(c) ** 2) ** 0.5
+
+        return chain(scale_by_trust_ratio(min_norm),
+                     scale_by_learning_rate(lambda c: mult(c) * learning_rate(c)),
+                     add_decayed_weights(lambda c: mult(c) - 1))
+    m = 1 / (1 + learning_rate ** 2) ** 0.5
+    return chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(learning_rate * m),
+                 add_decayed_weights(m - 1))
