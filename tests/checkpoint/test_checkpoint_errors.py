@@ -46,6 +46,16 @@ def test_bad_paths_regex_raises_value_error_naming_the_pattern(saved, paths):
         cc.restore(saved, paths=paths)
 
 
+def test_bad_paths_regex_is_core_array_path_error(saved):
+    """Patterns compile through core_array.compile_pattern, as every package's do."""
+    from cairn.core_array import PathError
+
+    with pytest.raises(PathError, match=r"paths pattern 'w\(' is not a valid regular expression: missing \)"):
+        cc.restore(saved, paths="w(")
+    with pytest.raises(TypeError, match="paths must be a regex string"):
+        cc.restore(saved, paths=[3])
+
+
 def _enospc_on_fsync(monkeypatch, name: str) -> list[str]:
     """Make fsync of files named ``name`` fail as a full disk does: ENOSPC, no file name."""
     real = os.fsync
