@@ -16,8 +16,7 @@ import pytest
 
 from cairn import optim
 from cairn.optim import _packing as pk
-
-from . import _optim_refs as R
+from optim import _optim_refs as R
 
 SHAPES = {"enc": {"kernel": (4, 3), "bias": (3,)}, "dec": {"kernel": (3, 5), "bias": (5,)},
           "scale": (2, 2)}

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from cairn import optim
-
-from . import _optim_refs as R
+from optim import _optim_refs as R
 
 SHAPES = {"w": (4, 3), "b": (5,), "k": (2, 3, 2)}
 SIGN_BASED = {"lion", "signum", "rprop", "sign_sgd"}

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from cairn import optim
-
-from . import _optim_refs as R
+from optim import _optim_refs as R
 
 SHAPES = {"w": (4, 3), "b": (5,), "k": (2, 3, 2), "s": (), "c": (2, 2, 3, 2),
           "d": (2, 2, 1, 3, 2)}

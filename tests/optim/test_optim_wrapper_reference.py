@@ -35,8 +35,7 @@ import numpy as np
 import pytest
 
 from cairn import optim
-
-from . import _optim_refs as R
+from optim import _optim_refs as R
 
 STEPS = 24
 SHAPES = {"w": (4, 3), "b": (5,), "k": (2, 3, 2), "s": ()}
