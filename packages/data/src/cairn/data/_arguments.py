@@ -6,11 +6,38 @@ Nothing here imports another ``cairn.data`` module, so every module may use it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["as_callable", "check_seed", "fn_name", "int_at_least"]
+__all__ = [
+    "FilterFn",
+    "MapFn",
+    "RandomMapFn",
+    "as_callable",
+    "check_seed",
+    "fn_name",
+    "int_at_least",
+]
+
+
+class _HasMap(Protocol):
+    def map(self, element: Any) -> Any: ...
+
+
+class _HasRandomMap(Protocol):
+    def random_map(self, element: Any, rng: np.random.Generator) -> Any: ...
+
+
+class _HasFilter(Protocol):
+    def filter(self, element: Any) -> bool: ...
+
+
+# What map / random_map / filter accept: a function, or a Grain-style transform object
+# whose .map / .random_map / .filter method is used (see as_callable).
+MapFn = Callable[[Any], Any] | _HasMap
+RandomMapFn = Callable[[Any, np.random.Generator], Any] | _HasRandomMap
+FilterFn = Callable[[Any], bool] | _HasFilter
 
 
 def int_at_least(v: Any, lo: int) -> bool:

@@ -31,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from cairn.data._arguments import as_callable, check_seed, int_at_least
+from cairn.data._arguments import (
+    FilterFn,
+    MapFn,
+    RandomMapFn,
+    as_callable,
+    check_seed,
+    int_at_least,
+)
 from cairn.data._stats import IteratorStats, format_summary, profiled
 from cairn.data._tree import StructureChecker, stack_records
 
@@ -42,6 +49,9 @@ class _Pipeline:
     """What ``MapDataset`` and ``IterDataset`` share: ``pipe`` and the text rendering."""
 
     _parents: tuple  # the input stages; subclasses set them
+
+    def _stage_name(self) -> str:
+        return type(self).__name__
 
     def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(self, *args, **kwargs)``: lets custom steps chain fluently."""
@@ -83,8 +93,8 @@ class MapDataset(_Pipeline):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         f = cls.__dict__.get("_getitems")
-        if f is not None and not getattr(f, "profiled", False):
-            cls._getitems = profiled(f)
+        if f is not None and not getattr(f, "_profiled", False):
+            cls._getitems = profiled(f)  # type: ignore[method-assign]
 
     # --- construction ---
     @staticmethod
@@ -165,9 +175,6 @@ class MapDataset(_Pipeline):
 
     def _records_per_element(self) -> int:
         return self._parents[0]._records_per_element() if self._parents else 1
-
-    def _stage_name(self) -> str:
-        return type(self).__name__
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -273,7 +280,7 @@ class MapDataset(_Pipeline):
         stop = start + base + (1 if index < extra else 0)
         return self.slice(slice(start, stop))
 
-    def map(self, fn: Callable[[Any], Any]) -> MapDataset:
+    def map(self, fn: MapFn) -> MapDataset:
         """Apply ``fn`` to every element."""
         from cairn.data._transforms.map import (
             MapMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
@@ -281,9 +288,7 @@ class MapDataset(_Pipeline):
 
         return MapMapDataset(self, as_callable(fn, "map"))
 
-    def random_map(
-        self, fn: Callable[[Any, np.random.Generator], Any], seed: int | None = None
-    ) -> MapDataset:
+    def random_map(self, fn: RandomMapFn, seed: int | None = None) -> MapDataset:
         """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by (seed, epoch, index).
 
         >>> ds = MapDataset.range(3).random_map(lambda x, rng: x + rng.integers(100), seed=0)
@@ -308,7 +313,7 @@ class MapDataset(_Pipeline):
 
         return MapWithIndexMapDataset(self, as_callable(fn, "map_with_index"))
 
-    def filter(self, predicate: Callable[[Any], bool]) -> MapDataset:
+    def filter(self, predicate: FilterFn) -> MapDataset:
         """Keep elements where ``predicate`` is true; the others read as ``None``."""
         from cairn.data._transforms.filter import (
             FilterMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
@@ -542,11 +547,8 @@ class IterDataset(_Pipeline):
     def _debug(self) -> bool:
         return any(p._debug for p in self._parents)
 
-    def _stage_name(self) -> str:
-        return type(self).__name__
-
     # --- steps ---
-    def map(self, fn: Callable[[Any], Any]) -> IterDataset:
+    def map(self, fn: MapFn) -> IterDataset:
         """Apply ``fn`` to every element."""
         from cairn.data._transforms.map import (
             MapIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
@@ -554,9 +556,7 @@ class IterDataset(_Pipeline):
 
         return MapIterDataset(self, as_callable(fn, "map"))
 
-    def random_map(
-        self, fn: Callable[[Any, np.random.Generator], Any], seed: int = 0
-    ) -> IterDataset:
+    def random_map(self, fn: RandomMapFn, seed: int = 0) -> IterDataset:
         """Apply ``fn(element, rng)``; ``rng`` is keyed by (seed, element number)."""
         from cairn.data._transforms.map import (
             RandomMapIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
@@ -566,7 +566,7 @@ class IterDataset(_Pipeline):
             self, as_callable(fn, "random_map", "random_map"), check_seed(seed, "random_map()")
         )
 
-    def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
+    def filter(self, predicate: FilterFn) -> IterDataset:
         """Keep the elements where ``predicate`` is true."""
         from cairn.data._transforms.filter import (
             FilterIterDataset,  # import cycle (labelled): base classes <-> transformations, by design

@@ -53,8 +53,9 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
+from typing import Any
 
 import numpy as np
 
@@ -300,8 +301,8 @@ class _Worker:
         self.beat = _heartbeat(buf)
         self.free = list(range(slots))
         self.inline_out = 0  # chunks sent through the pipe and not yet acknowledged
-        self.gen = None
-        self.plan = None
+        self.gen: int | None = None
+        self.plan: Iterator[tuple[int, int]] | None = None
         self.k = 0
         self.restarted = False
         # Between sub-chunks of about this many records the worker checks for a new
@@ -339,9 +340,11 @@ class _Worker:
             got, timeout = True, 0
         return got
 
-    def next_bounds(self):
+    def next_bounds(self) -> tuple[int, int] | None:
+        plan = self.plan
+        assert plan is not None  # run() asks only while a start position is set
         while True:
-            b = next(self.plan, None)
+            b = next(plan, None)
             if b is None:
                 return None
             # Chunk 0 of every start position is computed by the main process itself
@@ -638,7 +641,7 @@ class MPRootIterator(ChunkedRootIterator):
     def _launch(self) -> None:
         opts = self._opts
         method = _resolve_start_method(opts.start_method, not fork_unsafe_sources(self._ds))
-        ctx = mp.get_context(method)
+        ctx: Any = mp.get_context(method)  # a concrete context: it has .Process
         if method == "forkserver":
             _preload_forkserver(ctx)
         payload = None
@@ -707,6 +710,13 @@ class MPRootIterator(ChunkedRootIterator):
             if method == "fork":
                 gc.unfreeze()
 
+    @property
+    def _ws(self) -> _Workers:
+        """The running workers (read only after ``_launch``)."""
+        ws = self._w
+        assert ws is not None
+        return ws
+
     def _fail(self, err: BaseException) -> BaseException:
         self._broken = err
         if self._w is not None:
@@ -714,7 +724,7 @@ class MPRootIterator(ChunkedRootIterator):
         return err
 
     def _died(self, w: int) -> WorkerDiedError:
-        p = self._w.procs[w]
+        p = self._ws.procs[w]
         p.join(0.5)
         code = p.exitcode
         how = (
@@ -755,7 +765,8 @@ class MPRootIterator(ChunkedRootIterator):
         """Worker ``w``'s timeout error if it has been on its elements for longer than
         ``per_element_timeout_s`` each (it is then killed), else None."""
         limit = self._opts.per_element_timeout_s
-        beat = _heartbeat(self._w.shms[w].buf)
+        assert limit is not None  # _recv checks for stuck workers only with a timeout set
+        beat = _heartbeat(self._ws.shms[w].buf)
         t0 = float(beat[3])
         k, a, b = (int(x) for x in beat[:3])
         if t0 == 0.0 or float(beat[3]) != t0:  # idle, or moved on while we read
@@ -763,7 +774,7 @@ class MPRootIterator(ChunkedRootIterator):
         elapsed = time.monotonic() - t0
         if elapsed <= limit * max(1, b - a):
             return None
-        p = self._w.procs[w]
+        p = self._ws.procs[w]
         try:
             os.kill(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -782,7 +793,7 @@ class MPRootIterator(ChunkedRootIterator):
         )
 
     def _recv(self, w: int):
-        ws = self._w
+        ws = self._ws
         conn = ws.conns[w]
         sentinels = {p.sentinel: i for i, p in enumerate(ws.procs)}
         limit = self._opts.per_element_timeout_s
@@ -844,7 +855,7 @@ class MPRootIterator(ChunkedRootIterator):
             msg = self._recv(w)
             kind = msg[0]
             if kind == "ready":
-                self._w.unlink(msg[1])
+                self._ws.unlink(msg[1])
                 continue
             if kind == "error":
                 if msg[1] != self._gen and msg[1] != -1:
@@ -856,7 +867,7 @@ class MPRootIterator(ChunkedRootIterator):
             if kind == "chunk":
                 _, gen, ck, slot, data, sizes, dt, err_follows = msg
                 if gen != self._gen:
-                    self._w.send(w, ("free", slot))
+                    self._ws.send(w, ("free", slot))
                     continue
                 if err_follows:
                     self._error_from = w
@@ -881,12 +892,12 @@ class MPRootIterator(ChunkedRootIterator):
     def _decode(self, w: int, slot: int, data: bytes, sizes) -> list:
         if slot < 0:
             values = pickle.loads(data)
-            self._w.send(w, ("free", -1))
+            self._ws.send(w, ("free", -1))
             return values
         off = _HEADER + slot * self._opts.slot_bytes
         total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
-        block = bytearray(self._w.shms[w].buf[off : off + total])
-        self._w.send(w, ("free", slot))
+        block = bytearray(self._ws.shms[w].buf[off : off + total])
+        self._ws.send(w, ("free", slot))
         view = memoryview(block)
         bufs = []
         pos = 0

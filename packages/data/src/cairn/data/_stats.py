@@ -87,8 +87,8 @@ def add_bad_records(stages: list[MapDataset], deltas: list[int]) -> None:
     """Add ``deltas`` (from :func:`bad_record_counts` in a worker) to the main process's
     source counters."""
     for d, n in zip(stages, deltas):
-        if n:
-            src = d._source
+        src = getattr(d, "_source", None)
+        if n and src is not None:
             with getattr(src, "_lock", None) or contextlib.nullcontext():
                 src.bad_records += n
 
@@ -129,7 +129,7 @@ def profiled(f: Callable) -> Callable:
             prof.count[k] += n
         return out
 
-    _getitems._profiled = True
+    _getitems._profiled = True  # type: ignore[attr-defined]
     return _getitems
 
 

@@ -53,7 +53,7 @@ class BatchMapDataset(UnaryMapDataset):
             rec = np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), stops.tolist())])
         values = self._parent._getitems(rec, epoch)
         fn = self._batch_fn
-        out = []
+        out: list = []
         pos = 0
         for size in sizes.tolist():
             group = values[pos : pos + size]

@@ -27,7 +27,7 @@ class MixMapDataset(ManyParentsMapDataset):
             weights, len(datasets), self.PERIOD
         )
         self._counts = counts
-        length = None
+        length = sys.maxsize
         for k, d in enumerate(datasets):
             c = int(counts[k])
             if c == 0:
@@ -35,8 +35,8 @@ class MixMapDataset(ManyParentsMapDataset):
             p, r = divmod(len(d), c)
             pos = int(np.flatnonzero((self._pattern_k == k) & (self._pattern_j == r))[0])
             end = p * self.PERIOD + pos
-            length = end if length is None else min(length, end)
-        self._len = min(int(length), sys.maxsize)
+            length = min(length, end)
+        self._len = length
 
     def __len__(self) -> int:
         return self._len

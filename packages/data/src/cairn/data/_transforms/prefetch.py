@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import Any
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator
@@ -43,6 +44,7 @@ class ThreadPrefetchIterator(DatasetIterator):
     def _work(self, q: queue.Queue, stop: threading.Event) -> None:
         p = self._p
         while not stop.is_set():
+            item: tuple[Any, dict | None, BaseException | None]
             try:
                 x = next(p)
                 item = (x, p.get_state(), None)

@@ -15,14 +15,19 @@ import collections
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from cairn.data._arguments import FilterFn, MapFn, RandomMapFn
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._state_validation import STATE_VERSION, check_state, int_field
 from cairn.data._stats import StageProfile, profiling
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "ChunkedRootIterator",
@@ -95,15 +100,15 @@ class MapRootIterDataset(IterDataset):
         return MapRootIterator(self._ds, self._read_options, self._debug_flag)
 
     # Per-element steps fold into the MapDataset: they stay functions of the index.
-    def map(self, fn: Callable[[Any], Any]) -> IterDataset:
+    def map(self, fn: MapFn) -> IterDataset:
         return MapRootIterDataset(self._ds.map(fn), self._read_options, self._debug_flag)
 
-    def random_map(self, fn: Callable, seed: int = 0) -> IterDataset:
+    def random_map(self, fn: RandomMapFn, seed: int = 0) -> IterDataset:
         return MapRootIterDataset(
             self._ds.random_map(fn, seed=seed), self._read_options, self._debug_flag
         )
 
-    def filter(self, predicate: Callable[[Any], bool]) -> IterDataset:
+    def filter(self, predicate: FilterFn) -> IterDataset:
         return MapRootIterDataset(self._ds.filter(predicate), self._read_options, self._debug_flag)
 
     def _graph_lines(self, indent: str) -> list[str]:
@@ -219,7 +224,7 @@ class MapRootIterator(ChunkedRootIterator):
             debug,
         )
         self._opts = read_options
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
         self._reads_in_next = read_options.num_threads == 0
         self._stats.name = "to_iter_dataset"
         self._reset(0)
