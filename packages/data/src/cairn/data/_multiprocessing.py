@@ -240,6 +240,8 @@ def _dumps_for_workers(obj, method: str, ds: MapDataset) -> bytes:
 
 
 class MPPrefetchIterDataset(IterDataset):
+    """``IterDataset.mp_prefetch``: the pipeline's ``MapDataset`` root computed by workers."""
+
     def __init__(
         self, parent: IterDataset, options: MultiprocessingOptions, worker_init_fn: Callable | None
     ) -> None:

@@ -134,9 +134,10 @@ def profiled(f: Callable) -> Callable:
 
 
 class IteratorStats:
-    __slots__ = ("name", "count", "time", "created", "fill_sum", "fill_n", "capacity")
+    """One iterator's counters for ``summary()``: elements out, seconds inside ``next``,
+    and the buffer fill seen at each ``next`` (prefetching stages)."""
 
-    """One iterator's counters: elements out, seconds inside ``next``, and buffer fill."""
+    __slots__ = ("name", "count", "time", "created", "fill_sum", "fill_n", "capacity")
 
     def __init__(self, name: str) -> None:
         self.name = name

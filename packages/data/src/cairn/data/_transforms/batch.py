@@ -20,6 +20,9 @@ __all__ = ["BatchIterDataset", "BatchIterator", "BatchMapDataset"]
 
 
 class BatchMapDataset(UnaryMapDataset):
+    """Element ``i`` is ``batch_fn`` of parent elements ``[i * batch_size, (i + 1) * batch_size)``,
+    read in one call; ``None`` (filtered) elements are left out of their batch."""
+
     def __init__(
         self,
         parent: MapDataset,
@@ -74,6 +77,8 @@ class BatchMapDataset(UnaryMapDataset):
 
 
 class BatchIterator(SameStateIterator):
+    """Calls ``fn`` on each run of ``bs`` input elements (a shorter last run unless ``drop``)."""
+
     def __init__(
         self,
         parent: DatasetIterator,
@@ -99,6 +104,8 @@ class BatchIterator(SameStateIterator):
 
 
 class BatchIterDataset(UnaryIterDataset):
+    """``IterDataset.batch``: args ``(batch_size, drop_remainder, batch_fn)``."""
+
     _iterator = BatchIterator
 
     def _stage_name(self):

@@ -29,6 +29,8 @@ __all__ = [
 
 
 class UnaryMapDataset(MapDataset):
+    """A ``MapDataset`` step with one input, of the input's length unless it says otherwise."""
+
     def __init__(self, parent: MapDataset) -> None:
         if not isinstance(parent, MapDataset):
             raise TypeError(f"expected a MapDataset, got {type(parent).__name__}")
@@ -41,6 +43,8 @@ class UnaryMapDataset(MapDataset):
 
 
 class SeededMapDataset(UnaryMapDataset):
+    """A one-input step that carries a resolved ``seed``."""
+
     def __init__(self, parent: MapDataset, seed: int) -> None:
         super().__init__(parent)
         self._seed = seed

@@ -14,6 +14,8 @@ __all__ = ["ConcatenateMapDataset"]
 
 
 class ConcatenateMapDataset(ManyParentsMapDataset):
+    """The inputs one after another; element ``i`` is routed by the cumulative lengths."""
+
     def __init__(self, datasets: list[MapDataset]) -> None:
         super().__init__(datasets, "concatenate")
         self._offsets = np.cumsum([0] + [len(d) for d in datasets])

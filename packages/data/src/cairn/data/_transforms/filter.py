@@ -19,6 +19,8 @@ __all__ = ["FilterIterDataset", "FilterIterator", "FilterMapDataset"]
 
 
 class FilterMapDataset(FnMapDataset):
+    """Elements where ``predicate`` is false read as ``None`` (iteration skips them)."""
+
     _verb = "filter"
 
     def __init__(self, parent: MapDataset, predicate: Callable) -> None:
@@ -32,6 +34,8 @@ class FilterMapDataset(FnMapDataset):
 
 
 class FilterIterator(SameStateIterator):
+    """Skips input elements until ``pred`` holds; the state is the input's."""
+
     def __init__(
         self, parent: DatasetIterator, pred: Callable[[Any], bool], name: str, debug: bool
     ) -> None:
@@ -46,6 +50,8 @@ class FilterIterator(SameStateIterator):
 
 
 class FilterIterDataset(UnaryIterDataset):
+    """``IterDataset.filter``: args ``(predicate,)``."""
+
     _iterator = FilterIterator
 
     def _stage_name(self):

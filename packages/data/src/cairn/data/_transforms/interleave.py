@@ -50,6 +50,10 @@ class InterleaveIterDataset(IterDataset):
 
 
 class InterleaveIterator(DatasetIterator):
+    """Cycles over ``cycle`` open input iterators; opens the next input when one ends.
+
+    State: ``{"next_to_open", "slot", "open": [null or [input index, input state]]}``."""
+
     def __init__(self, datasets: list[IterDataset], cycle: int, name: str, debug: bool) -> None:
         super().__init__((), name, debug)
         self._datasets = datasets

@@ -38,6 +38,8 @@ def rng_for(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 
 class MapMapDataset(FnMapDataset):
+    """Element ``i`` is ``fn(parent[i])`` (``None`` stays ``None``)."""
+
     _verb = "map"
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
@@ -49,6 +51,8 @@ class MapMapDataset(FnMapDataset):
 
 
 class MapWithIndexMapDataset(FnMapDataset):
+    """Element ``i`` is ``fn(i, parent[i])`` (``None`` stays ``None``)."""
+
     _verb = "map_with_index"
 
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
@@ -58,6 +62,8 @@ class MapWithIndexMapDataset(FnMapDataset):
 
 
 class RandomMapMapDataset(FnMapDataset):
+    """Element ``i`` is ``fn(parent[i], rng)``, ``rng`` keyed by ``(seed, epoch, i)``."""
+
     def __init__(self, parent: MapDataset, fn: Callable, seed: int) -> None:
         super().__init__(parent, fn)
         self._seed = seed
@@ -78,6 +84,8 @@ class RandomMapMapDataset(FnMapDataset):
 
 
 class MapIterator(SameStateIterator):
+    """Calls ``fn`` on each input element; the state is the input's."""
+
     def __init__(
         self, parent: DatasetIterator, fn: Callable[[Any], Any], name: str, debug: bool
     ) -> None:
@@ -89,6 +97,10 @@ class MapIterator(SameStateIterator):
 
 
 class RandomMapIterator(DatasetIterator):
+    """Calls ``fn(x, rng)`` with ``rng`` keyed by ``(seed, element count)``.
+
+    State: ``{"parent": input state, "count": elements seen}``."""
+
     def __init__(
         self,
         parent: DatasetIterator,
@@ -118,6 +130,8 @@ class RandomMapIterator(DatasetIterator):
 
 
 class MapIterDataset(UnaryIterDataset):
+    """``IterDataset.map``: args ``(fn,)``."""
+
     _iterator = MapIterator
 
     def _stage_name(self):
@@ -126,6 +140,8 @@ class MapIterDataset(UnaryIterDataset):
 
 
 class RandomMapIterDataset(UnaryIterDataset):
+    """``IterDataset.random_map``: args ``(fn, seed)``."""
+
     _iterator = RandomMapIterator
 
     def _stage_name(self):

@@ -19,6 +19,9 @@ __all__ = ["MixIterDataset", "MixIterator", "MixMapDataset", "mix_pattern"]
 
 
 class MixMapDataset(ManyParentsMapDataset):
+    """Element ``i`` comes from input ``pattern[i % PERIOD]``, which takes its elements in
+    order; the length stops just before the first input would run out."""
+
     PERIOD = 1000
 
     def __init__(self, datasets: list[MapDataset], weights: Sequence[float] | None) -> None:
@@ -119,6 +122,10 @@ class MixIterDataset(IterDataset):
 
 
 class MixIterator(DatasetIterator):
+    """Draws from input ``pattern[index % len(pattern)]``.
+
+    State: ``{"index": elements drawn, "inputs": [each input's state]}``."""
+
     def __init__(
         self, its: list[DatasetIterator], pattern: list[int], name: str, debug: bool
     ) -> None:

@@ -111,6 +111,8 @@ class ThreadPrefetchIterator(DatasetIterator):
 
 
 class PrefetchIterDataset(UnaryIterDataset):
+    """``IterDataset.prefetch``: args ``(buffer_size,)``."""
+
     _iterator = ThreadPrefetchIterator
 
     def _stage_name(self):

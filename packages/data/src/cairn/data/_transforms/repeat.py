@@ -16,6 +16,9 @@ __all__ = ["RepeatMapDataset"]
 
 
 class RepeatMapDataset(UnaryMapDataset):
+    """The parent ``num_epochs`` times (``None``: endless, ``sys.maxsize`` long unless the
+    parent is empty); each repetition gets its own epoch number unless ``reseed`` is false."""
+
     def __init__(self, parent: MapDataset, num_epochs: int | None, reseed: bool) -> None:
         super().__init__(parent)
         self._epochs = num_epochs

@@ -11,6 +11,8 @@ __all__ = ["SeedMapDataset"]
 
 
 class SeedMapDataset(SeededMapDataset):
+    """Passes elements through; sets the default seed of the seeded steps above it."""
+
     def _default_seed(self) -> int | None:
         return self._seed
 

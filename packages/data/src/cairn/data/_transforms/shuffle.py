@@ -13,6 +13,8 @@ __all__ = ["ShuffleMapDataset"]
 
 
 class ShuffleMapDataset(SeededMapDataset):
+    """Element ``i`` is ``parent[permute(i, len, seed, epoch)]``."""
+
     def _getitems(self, indices: np.ndarray, epoch: int) -> list:
         return self._parent._getitems(permute(indices, len(self._parent), self._seed, epoch), epoch)
 

@@ -14,6 +14,8 @@ __all__ = ["BlockSliceMapDataset", "SliceMapDataset"]
 
 
 class SliceMapDataset(UnaryMapDataset):
+    """The parent's elements ``range(*slice.indices(len(parent)))``."""
+
     def __init__(self, parent: MapDataset, sl: slice) -> None:
         super().__init__(parent)
         self._range = range(*sl.indices(len(parent)))

@@ -14,6 +14,9 @@ __all__ = ["RangeMapDataset", "SourceMapDataset"]
 
 
 class SourceMapDataset(MapDataset):
+    """A random-access source, read with the fastest call it offers (array fancy
+    indexing, ``__getitems__``, ``itemgetter`` on a list, or one ``[i]`` per index)."""
+
     def __init__(self, source: Any) -> None:
         self._source = source
         self._n = len(source)
@@ -64,6 +67,8 @@ class SourceMapDataset(MapDataset):
 
 
 class RangeMapDataset(MapDataset):
+    """The integers of a ``range``, computed for a whole index array at once."""
+
     def __init__(self, r: range) -> None:
         self._range = r
 
