@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 _decode = functools.partial(np.frombuffer, dtype=np.int32)  # pickles by reference
 
 
-# ====================================================================== fork safety
+# --- fork safety ---
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_reader_in_a_forked_child_of_a_reading_process_warns(ar_dir):
         os.waitpid(pid, 0)
 
 
-# ====================================================================== timeouts
+# --- timeouts ---
 
 
 def stuck_on_7(x):
@@ -267,7 +267,7 @@ def test_forkserver_does_not_run_the_main_script(tmp_path, ar_dir):
     assert "forked from process" not in res.stderr, res.stderr
 
 
-# ====================================================================== parent death
+# --- parent death ---
 
 
 def _gone(pid: int) -> bool:
