@@ -1,0 +1,38 @@
+"""cairn.quant: quantize any JAX function or model by rules, catching every matmul.
+
+``quantize(fn, provider)`` re-evaluates ``fn``'s traced program and hands each
+``dot_general``, ``conv_general_dilated`` and ``ragged_dot`` whose operand flows from a
+weight (identified by its core_array path, never guessed from shapes) to the provider's
+first applying rule. Names follow Qwix: ``QuantizationRule``, ``QtRule``,
+``PtqProvider``, ``QtProvider``, ``quantize_params``, ``calibrate``.
+"""
+
+from cairn.quant._api import calibrate, quantize, quantize_params
+from cairn.quant._calibration import bounds, parse_method
+from cairn.quant._model import QuantizedModel, quantize_model
+from cairn.quant._numerics import fake_quant, quantize_array
+from cairn.quant._providers import PtqProvider, QtProvider, QuantizationProvider
+from cairn.quant._qtypes import QTYPES, QTypeInfo, qtype_info
+from cairn.quant._rules import QtRule, QuantizationRule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "quantize",
+    "quantize_params",
+    "calibrate",
+    "quantize_model",
+    "QuantizedModel",
+    "QuantizationRule",
+    "QtRule",
+    "QuantizationProvider",
+    "PtqProvider",
+    "QtProvider",
+    "QTYPES",
+    "QTypeInfo",
+    "qtype_info",
+    "quantize_array",
+    "fake_quant",
+    "bounds",
+    "parse_method",
+]

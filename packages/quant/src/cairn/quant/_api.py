@@ -1,0 +1,247 @@
+"""``quantize``, ``quantize_params`` and ``calibrate``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from cairn.core_array import QArray, path_of
+from cairn.quant._providers import QuantizationProvider
+from cairn.quant._rewrite import Interpreter, WeightRef, materialize
+
+__all__ = ["quantize", "quantize_params", "calibrate"]
+
+
+def _is_q(x: Any) -> bool:
+    return isinstance(x, QArray)
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _abstract(x: Any) -> Any:
+    import jax
+
+    if isinstance(x, QArray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+class _Flat:
+    """The call's leaves: weights (with their paths) first, then the other array leaves;
+    non-array leaves are static and part of the trace key."""
+
+    def __init__(self, args: tuple, kwargs: dict, weight_argnums: Sequence[int]) -> None:
+        import jax
+
+        self.treedef_args = []
+        self.weight_paths: list[str] = []
+        leaves: list[Any] = []
+        kinds: list[str] = []
+        for i, a in enumerate(args):
+            w = i in weight_argnums
+            with_path, td = jax.tree_util.tree_flatten_with_path(a, is_leaf=_is_q)
+            self.treedef_args.append(td)
+            for kp, leaf in with_path:
+                if w and (_is_array(leaf) or _is_q(leaf)):
+                    prefix = f"{i}/" if len(weight_argnums) > 1 else ""
+                    self.weight_paths.append(prefix + path_of(kp))
+                    kinds.append("w")
+                else:
+                    kinds.append("a" if _is_array(leaf) else "s")
+                leaves.append(leaf)
+        kw_leaves, self.treedef_kw = jax.tree_util.tree_flatten(kwargs)
+        leaves += kw_leaves
+        kinds += ["a" if _is_array(x) else "s" for x in kw_leaves]
+        self.leaves, self.kinds = leaves, kinds
+        self.sizes = [td.num_leaves for td in self.treedef_args]
+
+    def key(self) -> tuple:
+        parts = []
+        for leaf, kind in zip(self.leaves, self.kinds):
+            if kind == "s":
+                parts.append(("s", leaf if _hashable(leaf) else id(leaf)))
+            else:
+                a = _abstract(leaf)
+                parts.append((kind, a.shape, str(a.dtype)))
+        return (tuple(self.treedef_args), self.treedef_kw, tuple(parts))
+
+    def dynamic(self) -> list[Any]:
+        return [x for x, k in zip(self.leaves, self.kinds) if k != "s"]
+
+    def rebuild(self, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
+        import jax
+
+        it = iter(dynamic)
+        leaves = [next(it) if k != "s" else x for x, k in zip(self.leaves, self.kinds)]
+        args, pos = [], 0
+        for td, n in zip(self.treedef_args, self.sizes):
+            args.append(jax.tree_util.tree_unflatten(td, leaves[pos : pos + n]))
+            pos += n
+        return tuple(args), jax.tree_util.tree_unflatten(self.treedef_kw, leaves[pos:])
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _trace(fn: Callable, flat: _Flat, cache: dict) -> tuple[Any, Any]:
+    import jax
+
+    key = flat.key()
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    out_tree: list[Any] = []
+
+    def flat_fn(*dynamic: Any) -> list:
+        args, kwargs = flat.rebuild(dynamic)
+        out = fn(*args, **kwargs)
+        leaves, td = jax.tree_util.tree_flatten(out)
+        out_tree.append(td)
+        return leaves
+
+    closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in flat.dynamic()])
+    cache[key] = (closed, out_tree[0])
+    return cache[key]
+
+
+def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, first: bool) -> list:
+    paths = iter(flat.weight_paths)
+    inputs = [
+        WeightRef(next(paths), x) if k == "w" else x for x, k in zip(flat.leaves, flat.kinds) if k != "s"
+    ]
+    provider._begin_trace()
+    interp = Interpreter(provider._handle, activation_dots=True)
+    outs = [materialize(o) for o in interp.run_closed(closed, inputs)]
+    if first:
+        provider._end_trace(what)
+    return outs
+
+
+def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: int | Sequence[int] = 0) -> Callable:
+    """``fn`` with every dot its rules select quantized; same signature, same outputs' structure.
+
+    The leaves of the arguments in ``weight_argnums`` are the weights; a weight's path is
+    its core_array path inside its argument (``layers/0/kernel``; with several weight
+    arguments, prefixed by the argument's index). When ``fn`` is called, it is traced
+    once per argument structure and shape, and its program is re-evaluated with each dot
+    whose operand flows from a weight (through casts, transposes, reshapes, slices,
+    broadcasts, and into jit, scan, remat, cond, while and custom-derivative calls)
+    handed to ``provider``. Works eagerly, under ``jax.jit``, ``jax.grad`` and ``vmap``.
+    A weight may also be a ``QArray`` (see :func:`quantize_params`).
+
+    Raises:
+      ValueError: (with ``strict=True``, the default) a rule selected no op.
+    """
+    argnums = (weight_argnums,) if isinstance(weight_argnums, int) else tuple(weight_argnums)
+    cache: dict = {}
+    name = getattr(fn, "__qualname__", repr(fn))
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        import jax
+
+        flat = _Flat(args, kwargs, argnums)
+        first = flat.key() not in cache
+        closed, out_tree = _trace(fn, flat, cache)
+        outs = _run(provider, closed, flat, name, first)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return wrapped
+
+
+def quantize_params(
+    params: Any, provider: QuantizationProvider, fn: Callable | None = None, *args: Any, **kwargs: Any
+) -> Any:
+    """``params`` with every weight the rules select replaced by a ``QArray``, leaf by leaf.
+
+    Which axes share a scale comes from the program: pass ``fn`` and example arguments
+    (``fn(params, *args, **kwargs)``; only shapes are traced, nothing runs), or call the
+    quantized function once before. A weight whose path to its dot is more than
+    transposes and casts (e.g. a reshape) stays float; the quantized function still
+    quantizes it on the fly, with the same numerics.
+
+    Returns:
+      A tree of ``params``' structure; selected leaves are ``QArray``s whose
+      ``dequantize()`` has the leaf's dtype.
+    """
+    import jax
+
+    if fn is not None:
+        jax.eval_shape(quantize(fn, provider), params, *args, **kwargs)
+    if not provider._plan:
+        raise ValueError(
+            "quantize_params: no weight plan yet; pass fn and example arguments "
+            "(quantize_params(params, provider, fn, *args)) or call the quantized function once first"
+        )
+    from cairn.quant._numerics import quantize_array
+
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_q)
+    out = []
+    for kp, leaf in with_path:
+        plan = provider._plan.get(path_of(kp))
+        if plan is None or isinstance(leaf, QArray):
+            out.append(leaf)
+            continue
+        rule, axes, tile = plan
+        q = quantize_array(leaf, rule.weight_qtype, reduce_axes=axes, tile=tile, method=rule.weight_calibration_method, where=path_of(kp))
+        out.append(jax.block_until_ready(q))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def calibrate(fn: Callable, provider: QuantizationProvider, batches: Iterable[Sequence[Any]]) -> dict:
+    """Static activation ranges for the rules with ``act_static_scale=True``.
+
+    Runs ``fn(*batch)`` for every batch (float numerics, nothing quantized), records the
+    per-tensor range of each selected dot's activation operand by the rule's
+    ``act_calibration_method``, and stores the mean over batches in ``provider``.
+
+    Returns:
+      ``{(module_path, op_kind, op_index, operand): (lo, hi)}``.
+    """
+    import jax.numpy as jnp
+
+    recorder: dict = {}
+    provider._recording = recorder
+    try:
+        run = quantize(fn, _FloatOnly(provider))
+        for batch in batches:
+            run(*batch)
+    finally:
+        provider._recording = None
+    if not recorder:
+        raise ValueError("calibrate: no batch was given, or no rule selected a dot with an activation operand")
+    for key, values in recorder.items():
+        lo = jnp.mean(jnp.stack([v[0] for v in values]))
+        hi = jnp.mean(jnp.stack([v[1] for v in values]))
+        provider._static[key] = (lo, hi)
+    return dict(provider._static)
+
+
+class _FloatOnly(QuantizationProvider):
+    """Matches like ``inner`` and records activation ranges into it, quantizing nothing."""
+
+    def __init__(self, inner: QuantizationProvider) -> None:
+        super().__init__(inner.rules, strict=inner.strict)
+        self._recording = inner._recording
+        self.rule_type = inner.rule_type
+
+    def _operand(self, site: Any, rule: Any, x: Any, side: int) -> Any:
+        if isinstance(x, WeightRef):
+            return x.materialize()
+        if self._recording is not None and rule.act_qtype:
+            key = (site.module_path, site.kind, site.index, side)
+            self._recording.setdefault(key, []).append(self._act_bounds(rule, x))
+        return x
+
+    def _compute(self, site: Any, rule: Any, ops: list, rest: list) -> list:
+        from cairn.quant._dots import bind_dequantized
+
+        return bind_dequantized(site.eqn, ops, [materialize(r) for r in rest])

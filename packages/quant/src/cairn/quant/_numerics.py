@@ -1,0 +1,147 @@
+"""Quantize a float array into a ``QArray`` with per-tensor, per-channel or per-tile scales.
+
+Scales are shared over ``reduce_axes`` (for a weight: its contracting axes, so each
+output channel has its own scale) and, with a tile ``(axis, size)``, over each run of
+``size`` elements along ``axis``. Symmetric methods give ``q = clip(round(x / s), qmin,
+qmax)`` with ``s = hi / qmax``; asymmetric ones (``minmax``, ``fixed``, and every
+unsigned qtype) add a zero point ``z = clip(round(qmin - lo / s), qmin, qmax)`` with
+``s = (hi - lo) / (qmax - qmin)``. Float qtypes use ``s = max(|lo|, |hi|) / fmax`` and
+round by the cast. ``QArray.dequantize`` inverts all of them: ``(q - z) * s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cairn.core_array import QArray, QuantLayout, canonical_dtype
+from cairn.quant._calibration import Method, bounds, parse_method
+from cairn.quant._qtypes import QTypeInfo, qtype_info
+
+__all__ = ["quantize_array", "quantize_with_bounds", "fake_quant", "tile_length"]
+
+
+def tile_length(tile_size: int | float, axis_size: int, where: str) -> int:
+    """The tile length for ``tile_size`` (an ``int`` length or a ``float`` ``1/count``).
+
+    Raises:
+      ValueError: the tile does not divide the axis (``where`` names the weight or op).
+    """
+    size = int(tile_size) if isinstance(tile_size, int) else round(axis_size * float(tile_size))
+    if size < 1 or axis_size % size:
+        raise ValueError(
+            f"{where}: tile_size {tile_size!r} gives tiles of {size} along an axis of size "
+            f"{axis_size}, which they do not divide"
+        )
+    return size
+
+
+def _scale_zero_point(lo: Any, hi: Any, info: QTypeInfo, symmetric: bool) -> tuple[Any, Any]:
+    import jax.numpy as jnp
+
+    if info.is_float:
+        bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+        return jnp.where(bound > 0, bound / info.qmax, 1.0).astype(jnp.float32), None
+    if symmetric and info.kind == "int":
+        return jnp.where(hi > 0, hi / info.qmax, 1.0).astype(jnp.float32), None
+    span = hi - lo
+    scale = jnp.where(span > 0, span / (info.qmax - info.qmin), 1.0).astype(jnp.float32)
+    zero = jnp.clip(jnp.round(info.qmin - lo / scale), info.qmin, info.qmax).astype(jnp.float32)
+    return scale, zero
+
+
+def _grouped_bounds(x: Any, method: Method, reduce_axes: list[int], tile: tuple[int, int] | None) -> tuple[Any, Any]:
+    if tile is None:
+        return bounds(x, method, reduce_axes)
+    axis, size = tile
+    shape = x.shape
+    xt = x.reshape(shape[:axis] + (shape[axis] // size, size) + shape[axis + 1 :])
+    red = [a if a < axis else a + 1 for a in reduce_axes if a != axis] + [axis + 1]
+    lo, hi = bounds(xt, method, red)
+    return lo.squeeze(axis + 1), hi.squeeze(axis + 1)
+
+
+def quantize_array(
+    x: Any,
+    qtype: str,
+    *,
+    reduce_axes: Sequence[int] = (),
+    tile: tuple[int, int] | None = None,
+    method: str | Method = "absmax",
+    where: str = "array",
+) -> QArray:
+    """Quantize ``x`` to ``qtype``, one scale per group (see the module docstring).
+
+    Args:
+      x: float array of any shape.
+      qtype: a name from :data:`~cairn.quant.QTYPES`.
+      reduce_axes: axes that share a scale (all axes: one per-tensor scale).
+      tile: ``(axis, size)``: additionally one scale per ``size`` elements along ``axis``.
+      method: calibration method (see :mod:`cairn.quant._calibration`).
+      where: names ``x`` in error messages (a weight path).
+
+    Returns:
+      A ``QArray`` whose ``dequantize()`` approximates ``x`` within half a step per element
+      (for values inside the calibrated range).
+
+    >>> import numpy as np
+    >>> q = quantize_array(np.array([[1.0, -2.0], [0.5, 0.25]]), "int8", reduce_axes=(1,))
+    >>> q.qvalue.tolist(), q.scale.ravel().tolist()
+    ([[64, -127], [127, 64]], [0.015748031437397003, 0.003937007859349251])
+
+    Raises:
+      ValueError: unknown qtype or method, or a tile that does not divide its axis.
+    """
+    import jax.numpy as jnp
+
+    info = qtype_info(qtype)
+    m = method if isinstance(method, Method) else parse_method(method)
+    x = jnp.asarray(x)
+    nd = x.ndim
+    red = sorted({a % nd for a in reduce_axes}) if nd else []
+    if tile is not None and nd:
+        tile = (tile[0] % nd, tile_length(tile[1], x.shape[tile[0] % nd], where))
+    elif tile is not None:
+        tile = None
+    lo, hi = _grouped_bounds(x.astype(jnp.float32), m, red, tile)
+    if tile is not None:
+        layout = QuantLayout.per_tile(*tile)
+    else:
+        kept = [i for i in range(nd) if i not in red]
+        layout = QuantLayout.per_channel(*kept) if kept else QuantLayout.per_tensor()
+    return quantize_with_bounds(x, info.name, lo, hi, layout, symmetric=m.symmetric)
+
+
+def quantize_with_bounds(x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayout, *, symmetric: bool) -> QArray:
+    """Quantize ``x`` over given per-group bounds (the shape of the scale for ``layout``).
+
+    ``symmetric`` uses ``hi`` alone (no zero point) for signed integer qtypes; this is how
+    static (calibrated) activation scales are applied.
+    """
+    import jax.numpy as jnp
+
+    info = qtype_info(qtype)
+    x = jnp.asarray(x)
+    scale, zero = _scale_zero_point(jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32), info, symmetric)
+    tile = (layout.axes[0] % x.ndim, layout.tile_size) if layout.kind == "per_tile" else None
+    se = scale if tile is None else jnp.repeat(scale, tile[1], axis=tile[0])
+    scaled = x.astype(jnp.float32) / se
+    if info.is_float:
+        q = jnp.clip(scaled, info.qmin, info.qmax).astype(info.storage)
+    else:
+        ze = 0.0 if zero is None else (zero if tile is None else jnp.repeat(zero, tile[1], axis=tile[0]))
+        q = jnp.clip(jnp.round(scaled) + ze, info.qmin, info.qmax).astype(info.storage)
+    return QArray(q, scale, zero, qtype=info.storage, layout=layout, dtype=canonical_dtype(x.dtype))
+
+
+def fake_quant(
+    x: Any,
+    qtype: str,
+    *,
+    reduce_axes: Sequence[int] = (),
+    tile: tuple[int, int] | None = None,
+    method: str | Method = "absmax",
+    where: str = "array",
+) -> Any:
+    """``x`` quantized and dequantized again, in ``x``'s dtype (same arguments as :func:`quantize_array`)."""
+    return quantize_array(x, qtype, reduce_axes=reduce_axes, tile=tile, method=method, where=where).dequantize()

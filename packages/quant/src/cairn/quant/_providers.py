@@ -1,0 +1,281 @@
+"""Providers: what happens at each dot a rule selects (Qwix's ``PtqProvider``, ``QtProvider``).
+
+A provider holds an ordered list of rules; at each dot the first rule that applies
+decides the qtypes and calibration. ``PtqProvider`` runs inference numerics (integer
+dots where both operands are quantized per channel); ``QtProvider`` runs the same
+forward pass with straight-through gradients (QAT), and with ``bwd_qtype`` set also
+quantizes the cotangent of the backward dots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cairn.core_array import QArray, QuantLayout
+from cairn.quant._calibration import bounds, parse_method
+from cairn.quant._dots import bind_dequantized, operand_axes, quantized_dot
+from cairn.quant._numerics import fake_quant, quantize_array, quantize_with_bounds, tile_length
+from cairn.quant._rewrite import DotSite, WeightRef, materialize
+from cairn.quant._rules import QtRule, QuantizationRule
+
+__all__ = ["QuantizationProvider", "PtqProvider", "QtProvider"]
+
+SiteKey = tuple[str, str, int, int]
+
+
+class QuantizationProvider:
+    """An ordered list of rules, the first applying one wins (base of the providers).
+
+    Args:
+      rules: the rules, tried in order.
+      strict: raise when a trace leaves a rule unused (a rule that matches nothing is
+        almost always a typo in ``module_path``); ``False`` allows it, and
+        :meth:`get_unused_rules` still reports it.
+
+    Raises:
+      TypeError: an entry of ``rules`` is not a :class:`QuantizationRule`.
+    """
+
+    rule_type: type = QuantizationRule
+
+    def __init__(self, rules: Sequence[QuantizationRule], *, strict: bool = True) -> None:
+        rules = tuple(rules)
+        for i, r in enumerate(rules):
+            if not isinstance(r, self.rule_type):
+                raise TypeError(
+                    f"{type(self).__name__} rule {i} is a {type(r).__name__}; expected a {self.rule_type.__name__}"
+                )
+        self.rules = rules
+        self.strict = strict
+        self._used: set[int] = set()
+        self._trace_used: set[int] = set()
+        self._seen: list[str] = []
+        self._plan: dict[str, tuple[QuantizationRule, tuple[int, ...], tuple[int, int] | None]] = {}
+        self._static: dict[SiteKey, tuple[Any, Any]] = {}
+        self._recording: dict[SiteKey, list[tuple[Any, Any]]] | None = None
+
+    def get_unused_rules(self) -> list[QuantizationRule]:
+        """The rules that have not selected any op in any trace so far."""
+        return [r for i, r in enumerate(self.rules) if i not in self._used]
+
+    # --- tracing bookkeeping (called by quantize) ---
+
+    def _begin_trace(self) -> None:
+        self._trace_used = set()
+        self._seen = []
+
+    def _end_trace(self, what: str) -> None:
+        unused = [(i, r) for i, r in enumerate(self.rules) if i not in self._trace_used]
+        if self.strict and unused:
+            seen = sorted(set(self._seen))
+            lines = "; ".join(f"rule {i}: {r}" for i, r in unused)
+            raise ValueError(
+                f"{type(self).__name__}: {len(unused)} rule(s) matched no op while tracing {what}: {lines}. "
+                f"Module paths of the dots seen: {seen[:30]}{' ...' if len(seen) > 30 else ''}. "
+                "Fix module_path / op_names, or pass strict=False"
+            )
+
+    def _match(self, site: DotSite, has_weight: bool) -> QuantizationRule | None:
+        self._seen.append(site.module_path)
+        for i, rule in enumerate(self.rules):
+            if not (rule.act_qtype or (has_weight and rule.weight_qtype) or self._always_applies(rule)):
+                continue
+            if rule.applies_to(site.module_path, site.kind, site.index):
+                self._used.add(i)
+                self._trace_used.add(i)
+                return rule
+        return None
+
+    def _always_applies(self, rule: QuantizationRule) -> bool:
+        return False
+
+    # --- the handler the interpreter calls ---
+
+    def _handle(self, site: DotSite, invals: list) -> list | None:
+        ops = invals[:2]
+        refs = [isinstance(x, WeightRef) for x in ops]
+        rule = self._match(site, any(refs))
+        if rule is None:
+            return None
+        quantized = [self._operand(site, rule, x, side) for side, x in enumerate(ops)]
+        return self._compute(site, rule, quantized, invals[2:])
+
+    def _operand(self, site: DotSite, rule: QuantizationRule, x: Any, side: int) -> Any:
+        ndim = len(site.eqn.invars[side].aval.shape)
+        reduce_axes, tile_axis = operand_axes(site.eqn, side, ndim)
+        key = (site.module_path, site.kind, site.index, side)
+        if isinstance(x, WeightRef):
+            if not rule.weight_qtype:
+                return x.materialize()
+            if isinstance(rule, QtRule) and rule.disable_channelwise_axes:
+                reduce_axes = tuple(range(ndim))
+            tile = self._tile(rule, site, side, tile_axis, x.path)
+            self._record_plan(x, rule, reduce_axes, tile)
+            return self._weight(x, rule, reduce_axes, tile)
+        if self._recording is not None:
+            self._recording.setdefault(key, []).append(self._act_bounds(rule, x))
+        if not rule.act_qtype:
+            return x
+        if isinstance(rule, QtRule) and rule.disable_channelwise_axes:
+            reduce_axes = tuple(range(ndim))
+        return self._activation(rule, x, reduce_axes, key)
+
+    def _tile(self, rule: QuantizationRule, site: DotSite, side: int, axis: int | None, where: str) -> tuple[int, int] | None:
+        if rule.tile_size is None or axis is None:
+            return None
+        size = site.eqn.invars[side].aval.shape[axis]
+        return axis, tile_length(rule.tile_size, size, f"{rule._describe()} on {where!r}")
+
+    def _act_bounds(self, rule: QuantizationRule, x: Any) -> tuple[Any, Any]:
+        method = parse_method(rule.act_calibration_method or "absmax")
+        lo, hi = bounds(x, method, tuple(range(len(x.shape))))
+        return lo.reshape(()), hi.reshape(())
+
+    def _activation(self, rule: QuantizationRule, x: Any, reduce_axes: tuple[int, ...], key: SiteKey) -> Any:
+        import jax.numpy as jnp
+
+        method = rule.act_calibration_method or "absmax"
+        if not rule.act_static_scale:
+            return self._wrap(quantize_array(x, rule.act_qtype, reduce_axes=reduce_axes, method=method, where="activation"), x)
+        if key not in self._static:
+            raise ValueError(
+                f"{rule._describe()} asks for a static activation scale (act_static_scale=True) but op "
+                f"{key[1]}{key[2]} of module {key[0]!r} (operand {key[3]}) has none: run "
+                "calibrate(fn, provider, batches) first"
+            )
+        lo, hi = self._static[key]
+        symmetric = parse_method(method).symmetric
+        ones = (1,) * len(x.shape)
+        q = quantize_with_bounds(x, rule.act_qtype, jnp.reshape(lo, ones), jnp.reshape(hi, ones), QuantLayout.per_tensor(), symmetric=symmetric)
+        return self._wrap(q, x)
+
+    def _weight(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> Any:
+        q = _prequantized_view(ref, reduce_axes, tile) if isinstance(ref.value, QArray) else None
+        if q is None:
+            q = quantize_array(
+                ref.materialize(), rule.weight_qtype, reduce_axes=reduce_axes, tile=tile,
+                method=rule.weight_calibration_method, where=ref.path,
+            )
+        return self._wrap(q, None if isinstance(ref.value, QArray) else ref)
+
+    def _wrap(self, q: QArray, original: Any) -> Any:
+        """What a quantized operand becomes (PTQ: the QArray itself)."""
+        return q
+
+    def _compute(self, site: DotSite, rule: QuantizationRule, ops: list, rest: list) -> list:
+        if site.eqn.primitive.name == "dot_general":
+            return quantized_dot(site.eqn, *ops)
+        return bind_dequantized(site.eqn, ops, [materialize(r) for r in rest])
+
+    def _record_plan(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> None:
+        if ref.path in self._plan:
+            return
+        perm = _leaf_permutation(ref)
+        if perm is None:
+            return
+        leaf_axes = tuple(sorted(perm[a] for a in reduce_axes))
+        leaf_tile = None if tile is None else (perm[tile[0]], tile[1])
+        self._plan[ref.path] = (rule, leaf_axes, leaf_tile)
+
+
+class PtqProvider(QuantizationProvider):
+    """Post-training quantization: inference numerics (see the module docstring)."""
+
+
+class QtProvider(QuantizationProvider):
+    """Quantized training: the PTQ forward pass with straight-through gradients.
+
+    Each quantized operand is ``x + stop_gradient(dequantize(quantize(x)) - x)``, so
+    gradients flow to the float weights as if quantization were the identity. With
+    ``bwd_qtype`` set in a :class:`QtRule`, the cotangent entering the backward dots is
+    quantized per tensor to that qtype (with ``bwd_calibration_method``).
+    """
+
+    rule_type = QtRule
+
+    def _wrap(self, q: QArray, original: Any) -> Any:
+        import jax
+
+        x = original.materialize() if isinstance(original, WeightRef) else original
+        dq = q.dequantize()
+        if x is None:
+            return dq
+        return x + jax.lax.stop_gradient(dq.astype(x.dtype) - x)
+
+    def _compute(self, site: DotSite, rule: QuantizationRule, ops: list, rest: list) -> list:
+        rest = [materialize(r) for r in rest]
+        if not isinstance(rule, QtRule) or rule.bwd_qtype is None:
+            return bind_dequantized(site.eqn, ops, rest)
+        if rule.bwd_stochastic_rounding is not None:
+            raise NotImplementedError(
+                f"{rule._describe()}: bwd_stochastic_rounding={rule.bwd_stochastic_rounding!r} is not supported "
+                "yet; use None (round to nearest)"
+            )
+        return _quantized_backward(site, rule, ops, rest)
+
+
+def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list) -> list:
+    import jax
+
+    def run(*operands: Any) -> list:
+        return bind_dequantized(site.eqn, operands, rest)
+
+    @jax.custom_vjp
+    def dot(*operands: Any) -> list:
+        return run(*operands)
+
+    def fwd(*operands: Any) -> tuple[list, tuple]:
+        return run(*operands), operands
+
+    def bwd(saved: tuple, ct: list) -> tuple:
+        ct_q = [fake_quant(c, rule.bwd_qtype, method=rule.bwd_calibration_method, where="cotangent") for c in ct]
+        _, vjp = jax.vjp(run, *saved)
+        return vjp(ct_q)
+
+    dot.defvjp(fwd, bwd)
+    return dot(*ops)
+
+
+def _leaf_permutation(ref: WeightRef) -> list[int] | None:
+    """``perm[view_axis] = leaf_axis`` when the views only transpose / convert / copy the leaf."""
+    ndim = len(ref.value.shape)
+    perm = list(range(ndim))
+    for prim, params, _ in ref.views:
+        if prim.name == "transpose":
+            perm = [perm[a] for a in params["permutation"]]
+        elif prim.name not in ("convert_element_type", "copy", "copy_p"):
+            return None
+    return perm
+
+
+def _prequantized_view(ref: WeightRef, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> QArray | None:
+    """``ref``'s QArray in the dot's layout, when the views allow and its scales fit the dot."""
+    import jax.numpy as jnp
+
+    perm = _leaf_permutation(ref)
+    if perm is None:
+        return None
+    q: QArray = ref.value
+    dtype = q.dtype
+    for prim, params, _ in ref.views:
+        if prim.name == "convert_element_type":
+            dtype = jnp.dtype(params["new_dtype"]).name
+    inverse = {leaf: view for view, leaf in enumerate(perm)}
+    layout = q.layout
+    if layout.kind == "per_channel":
+        layout = QuantLayout.per_channel(*sorted(inverse[a % q.ndim] for a in layout.axes))
+    elif layout.kind == "per_tile":
+        layout = QuantLayout.per_tile(inverse[layout.axes[0] % q.ndim], layout.tile_size or 1)
+        if tile is None or layout.axes[0] != tile[0] or layout.tile_size != tile[1]:
+            return None
+    elif tile is not None:
+        return None
+
+    def t(a: Any) -> Any:
+        return a if a is None or getattr(a, "ndim", 0) == 0 else jnp.transpose(a, perm)
+
+    out = QArray(t(q.qvalue), t(q.scale), t(q.zero_point), qtype=q.qtype, layout=layout, dtype=dtype)
+    if layout.kind == "per_channel" and any(a in reduce_axes for a in layout.axes):
+        return None
+    return out

@@ -1,0 +1,84 @@
+"""The quantized types a rule may name, with their value ranges.
+
+Integer types quantize as ``q = clip(round(x / scale) [+ zero_point], qmin, qmax)``;
+float types (fp8) as ``q = cast(clip(x / scale, -fmax, fmax))``, the cast rounding to
+the nearest representable value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["QTypeInfo", "qtype_info", "QTYPES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QTypeInfo:
+    """One qtype: its ``name``, the dtype ``storage`` of its values, and its range.
+
+    ``kind`` is ``"int"`` (signed), ``"uint"`` or ``"float"``. ``qmin``/``qmax`` bound the
+    stored values (for floats, ``-fmax``/``fmax``); ``bits`` is the logical width.
+    """
+
+    name: str
+    storage: str
+    kind: str
+    bits: int
+    qmin: float
+    qmax: float
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "float"
+
+
+def _int(name: str, bits: int) -> QTypeInfo:
+    return QTypeInfo(name, name, "int", bits, -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
+def _uint(name: str, bits: int) -> QTypeInfo:
+    return QTypeInfo(name, name, "uint", bits, 0, 2**bits - 1)
+
+
+def _float(name: str) -> QTypeInfo:
+    fmax = float(ml_dtypes.finfo(getattr(ml_dtypes, name)).max)
+    return QTypeInfo(name, name, "float", 8, -fmax, fmax)
+
+
+QTYPES: dict[str, QTypeInfo] = {
+    q.name: q
+    for q in (
+        _int("int8", 8),
+        _int("int4", 4),
+        _int("int2", 2),
+        _uint("uint8", 8),
+        _uint("uint4", 4),
+        _uint("uint2", 2),
+        _float("float8_e4m3fn"),
+        _float("float8_e5m2"),
+    )
+}
+
+
+def qtype_info(qtype: object) -> QTypeInfo:
+    """The :class:`QTypeInfo` of ``qtype`` (a name, a NumPy/ml_dtypes dtype or a JAX dtype).
+
+    >>> qtype_info("int8").qmax, qtype_info("float8_e4m3fn").qmax
+    (127, 448.0)
+
+    Raises:
+      ValueError: ``qtype`` is not one of :data:`QTYPES`.
+    """
+    name = qtype if isinstance(qtype, str) else getattr(qtype, "name", None) or getattr(qtype, "__name__", None)
+    if name is None:
+        try:
+            name = np.dtype(qtype).name  # type: ignore[call-overload]
+        except TypeError:
+            name = None
+    info = QTYPES.get(name) if isinstance(name, str) else None
+    if info is None:
+        raise ValueError(f"unknown qtype {qtype!r}; expected one of {sorted(QTYPES)}")
+    return info

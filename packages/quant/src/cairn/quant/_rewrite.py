@@ -1,0 +1,335 @@
+"""Re-evaluate a traced program, handing every dot whose operand is a weight to a handler.
+
+The program (a jaxpr) is evaluated equation by equation inside the caller's trace. An
+input leaf that is a weight enters as a :class:`WeightRef` (its path and value); view
+operations on it (convert, transpose, reshape, broadcast, slicing, copies) are recorded
+on the reference instead of being run, so that when the reference reaches a
+``dot_general``, ``conv_general_dilated`` or ``ragged_dot_general`` the handler knows
+exactly which weight the operand is, and in which layout. Any other use materializes
+the weight (``value`` with the views applied) and runs the equation as traced.
+Sub-programs of ``jit``, ``remat``, ``cond``, ``while``, ``scan`` and
+``custom_jvp``/``custom_vjp`` calls are descended into and rebuilt around the rewritten
+body (the custom derivative rule of a custom_jvp/custom_vjp call that receives a weight
+is replaced by differentiation of its rewritten forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from cairn.core_array import QArray, QuantLayout
+
+__all__ = ["WeightRef", "DotSite", "Interpreter", "materialize", "bind_as_traced"]
+
+VIEW_PRIMITIVES = frozenset(
+    {
+        "convert_element_type",
+        "transpose",
+        "reshape",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "rev",
+        "copy",
+        "copy_p",
+    }
+)
+DOT_KINDS = {
+    "dot_general": "dot_general",
+    "conv_general_dilated": "conv_general_dilated",
+    "ragged_dot_general": "ragged_dot",
+    "ragged_dot": "ragged_dot",
+}
+_TRANSFORM_SCOPE = re.compile(r"^[\w.]+\(.*\)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRef:
+    """A weight flowing through the program: its ``path``, ``value`` (an array or a
+    ``QArray``) and the view operations applied so far (``(primitive, params, extra_args)``)."""
+
+    path: str
+    value: Any
+    views: tuple[tuple[Any, dict, tuple], ...] = ()
+
+    @property
+    def module_path(self) -> str:
+        """The path minus its last component (Qwix's meaning of a module path)."""
+        return self.path.rpartition("/")[0]
+
+    def materialize(self) -> Any:
+        """The float operand the program would have computed (a ``QArray`` is dequantized)."""
+        x = self.value.dequantize() if isinstance(self.value, QArray) else self.value
+        for prim, params, extra in self.views:
+            x = prim.bind(x, *extra, **params)
+        return x
+
+    def with_view(self, prim: Any, params: dict, extra: tuple) -> WeightRef:
+        return dataclasses.replace(self, views=(*self.views, (prim, dict(params), tuple(extra))))
+
+
+def materialize(x: Any) -> Any:
+    """``x`` itself, or a :class:`WeightRef`'s materialized value."""
+    return x.materialize() if isinstance(x, WeightRef) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class DotSite:
+    """One dot as the handler sees it.
+
+    ``kind`` is ``dot_general``, ``einsum``, ``conv_general_dilated`` or ``ragged_dot``;
+    ``module_path`` is the first weight operand's module path, or, for a dot between
+    activations, the ``jax.named_scope`` path it was traced under; ``index`` counts the
+    ops of this kind in that module in program order; ``eqn`` is the traced equation.
+    """
+
+    kind: str
+    module_path: str
+    index: int
+    eqn: Any
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+
+Handler = Callable[[DotSite, list], "list | None"]
+
+
+def _scope(eqn: Any) -> tuple[str, bool]:
+    """(module scope, is_einsum) from the equation's name stack."""
+    parts = [p for p in str(eqn.source_info.name_stack).split("/") if p and not _TRANSFORM_SCOPE.match(p)]
+    einsum = bool(parts) and "->" in parts[-1]
+    if einsum:
+        parts = parts[:-1]
+    return "/".join(parts), einsum
+
+
+@contextlib.contextmanager
+def _eqn_context(eqn: Any) -> Iterator[None]:
+    """Keep the traced equation's source location and name scope on what we emit."""
+    try:
+        from jax._src import source_info_util as siu
+
+        stack = siu.current_name_stack() + eqn.source_info.name_stack
+        ctx = siu.user_context(eqn.source_info.traceback, name_stack=stack)
+    except Exception:  # pragma: no cover - a JAX without these internals still works
+        ctx = contextlib.nullcontext()
+    with ctx, eqn.ctx.manager:
+        yield
+
+
+def bind_as_traced(eqn: Any, invals: Sequence[Any]) -> list:
+    """Run ``eqn``'s primitive with its traced parameters on ``invals`` (always a list out)."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)  # JAX < 0.7 returned a pair
+    out = eqn.primitive.bind(*subfuns, *[materialize(x) for x in invals], **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _split_refs(values: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[Any]], list[Any]]]:
+    """(the non-weight values, merge(arrays) -> values with the weights put back)."""
+    is_ref = [isinstance(v, WeightRef) for v in values]
+    arrays = [v for v, r in zip(values, is_ref) if not r]
+
+    def merge(new_arrays: Sequence[Any]) -> list[Any]:
+        it = iter(new_arrays)
+        return [v if r else next(it) for v, r in zip(values, is_ref)]
+
+    return arrays, merge
+
+
+class Interpreter:
+    """Evaluates jaxprs, routing dots to ``handler(site, invals)`` (``None``: run as traced).
+
+    With ``activation_dots=True`` the handler also sees dots with no weight operand.
+    """
+
+    def __init__(self, handler: Handler, *, activation_dots: bool = False) -> None:
+        self.handler = handler
+        self.activation_dots = activation_dots
+        self._counters: dict[tuple[str, str], int] = {}
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
+        """Evaluate ``jaxpr`` on ``consts`` and ``args``; returns its outputs (weights materialized
+        only where a consumer needs them, so an output may be a :class:`WeightRef`)."""
+        from jax.extend.core import Literal
+
+        env: dict[Any, Any] = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            with _eqn_context(eqn):
+                outvals = self._eqn(eqn, invals)
+            for v, x in zip(eqn.outvars, outvals):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def run_closed(self, closed: Any, args: Sequence[Any]) -> list:
+        return self.run(closed.jaxpr, closed.consts, args)
+
+    def _eqn(self, eqn: Any, invals: list) -> list:
+        name = eqn.primitive.name
+        has_ref = any(isinstance(x, WeightRef) for x in invals)
+        if name in DOT_KINDS and (has_ref or self.activation_dots):
+            out = self.handler(self._site(eqn, invals), invals)
+            if out is not None:
+                return out
+            return bind_as_traced(eqn, invals)
+        if not has_ref:
+            return bind_as_traced(eqn, invals)
+        if name in VIEW_PRIMITIVES and isinstance(invals[0], WeightRef):
+            extra = [materialize(x) for x in invals[1:]]
+            return [invals[0].with_view(eqn.primitive, eqn.params, tuple(extra))]
+        rebuild = _SUBPROGRAMS.get(name)
+        if rebuild is not None:
+            return rebuild(self, eqn, invals)
+        return bind_as_traced(eqn, invals)
+
+    def _site(self, eqn: Any, invals: list) -> DotSite:
+        scope, einsum = _scope(eqn)
+        refs = [x for x in invals[:2] if isinstance(x, WeightRef)]
+        module = refs[0].module_path if refs else scope
+        kind = "einsum" if einsum and eqn.primitive.name == "dot_general" else DOT_KINDS[eqn.primitive.name]
+        counter_kind = "dot_general" if kind == "einsum" else kind
+        index = self._counters.get((module, counter_kind), 0)
+        self._counters[(module, counter_kind)] = index + 1
+        return DotSite(kind, module, index, eqn)
+
+
+# --- sub-programs ---
+
+
+def _inline(interp: Interpreter, eqn: Any, invals: list) -> list:
+    closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    if hasattr(closed, "consts"):
+        return interp.run_closed(closed, invals)
+    return interp.run(closed, (), invals)
+
+
+def _remat(interp: Interpreter, eqn: Any, invals: list) -> list:
+    import jax
+
+    arrays, merge = _split_refs(invals)
+    jaxpr = eqn.params["jaxpr"]
+
+    def body(*new_arrays: Any) -> list:
+        return [materialize(o) for o in interp.run(jaxpr, (), merge(new_arrays))]
+
+    policy = eqn.params.get("policy")
+    return list(jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=policy)(*arrays))
+
+
+def _cond(interp: Interpreter, eqn: Any, invals: list) -> list:
+    import jax
+
+    index, operands = materialize(invals[0]), invals[1:]
+    arrays, merge = _split_refs(operands)
+
+    def branch(closed: Any) -> Callable[..., list]:
+        def run(*new_arrays: Any) -> list:
+            return [materialize(o) for o in interp.run_closed(closed, merge(new_arrays))]
+
+        return run
+
+    return list(jax.lax.switch(index, [branch(b) for b in eqn.params["branches"]], *arrays))
+
+
+def _while(interp: Interpreter, eqn: Any, invals: list) -> list:
+    import jax
+
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], [materialize(x) for x in invals[nc + nb :]]
+
+    def cond_fn(c: tuple) -> Any:
+        return materialize(interp.run_closed(p["cond_jaxpr"], [*cconsts, *c])[0])
+
+    def body_fn(c: tuple) -> tuple:
+        return tuple(materialize(o) for o in interp.run_closed(p["body_jaxpr"], [*bconsts, *c]))
+
+    return list(jax.lax.while_loop(cond_fn, body_fn, tuple(carry)))
+
+
+def _sliced_layout(layout: QuantLayout) -> QuantLayout | None:
+    """The layout of one slice along axis 0 (``None`` when axis 0 is the tiled axis)."""
+    if layout.kind == "per_tensor":
+        return layout
+    if layout.kind == "per_tile":
+        return None if layout.axes[0] == 0 else QuantLayout.per_tile(layout.axes[0] - 1, layout.tile_size or 1)
+    axes = [a - 1 for a in layout.axes if a != 0]
+    return QuantLayout.per_channel(*axes) if axes else QuantLayout.per_tensor()
+
+
+def _scan_input(x: Any, length: int) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Arrays to scan over for one ``xs`` entry, and how to rebuild the entry per step."""
+    if not isinstance(x, WeightRef) or x.views:
+        return [materialize(x)], lambda parts: parts[0]
+    v = x.value
+    if not isinstance(v, QArray):
+        return [v], lambda parts, _x=x: WeightRef(_x.path, parts[0])
+    layout = _sliced_layout(v.layout)
+    if layout is None:
+        return [x.materialize()], lambda parts: parts[0]
+    import jax.numpy as jnp
+
+    children = [v.qvalue, v.scale] + ([] if v.zero_point is None else [v.zero_point])
+    children = [c if c.shape[:1] == (length,) else jnp.broadcast_to(c, (length, *c.shape[1:])) for c in children]
+
+    def rebuild(parts: list[Any], _x: WeightRef = x, _v: QArray = v) -> WeightRef:
+        zp = parts[2] if len(parts) > 2 else None
+        q = QArray(parts[0], parts[1], zp, qtype=_v.qtype, layout=layout, dtype=_v.dtype)
+        return WeightRef(_x.path, q)
+
+    return children, rebuild
+
+
+def _scan(interp: Interpreter, eqn: Any, invals: list) -> list:
+    import jax
+
+    p = eqn.params
+    nconst, ncarry = p["num_consts"], p["num_carry"]
+    consts = invals[:nconst]
+    carry = [materialize(x) for x in invals[nconst : nconst + ncarry]]
+    parts = [_scan_input(x, p["length"]) for x in invals[nconst + ncarry :]]
+    sizes = [len(arrays) for arrays, _ in parts]
+    xs = [a for arrays, _ in parts for a in arrays]
+
+    def body(c: tuple, x: tuple) -> tuple[tuple, tuple]:
+        it, per_step = iter(x), []
+        for size, (_, rebuild) in zip(sizes, parts):
+            per_step.append(rebuild([next(it) for _ in range(size)]))
+        outs = [materialize(o) for o in interp.run_closed(p["jaxpr"], [*consts, *c, *per_step])]
+        return tuple(outs[:ncarry]), tuple(outs[ncarry:])
+
+    carry_out, ys = jax.lax.scan(
+        body, tuple(carry), tuple(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry_out, *ys]
+
+
+_SUBPROGRAMS: dict[str, Callable[[Interpreter, Any, list], list]] = {
+    "jit": _inline,
+    "pjit": _inline,
+    "closed_call": _inline,
+    "core_call": _inline,
+    "custom_jvp_call": _inline,
+    "custom_vjp_call": _inline,
+    "custom_vjp_call_jaxpr": _inline,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "cond": _cond,
+    "while": _while,
+    "scan": _scan,
+}
