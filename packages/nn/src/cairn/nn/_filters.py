@@ -66,12 +66,12 @@ class Filter:
 class OfType(Filter):
     """Variables that are instances of ``type``."""
 
-    def __init__(self, type: type):  # noqa: A002 - NNX's argument name
+    def __init__(self, type: type) -> None:  # noqa: A002 - NNX's argument name
         if not (isinstance(type, builtins.type) and issubclass(type, Variable)):
             raise TypeError(f"OfType expects a Variable subclass, got {type!r}")
         self.type = type
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return isinstance(variable, self.type)
 
     def __repr__(self):
@@ -87,10 +87,10 @@ class OfType(Filter):
 class PathContains(Filter):
     """Variables whose path contains ``key`` as one of its components."""
 
-    def __init__(self, key):
+    def __init__(self, key: _AnyT) -> None:
         self.key = key
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return self.key in path or str(self.key) in (str(k) for k in path)
 
     def __repr__(self):
@@ -106,7 +106,7 @@ class PathContains(Filter):
 class PathRegex(Filter):
     """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``)."""
 
-    def __init__(self, pattern: str | re.Pattern):
+    def __init__(self, pattern: str | re.Pattern) -> None:
         if not isinstance(pattern, str | re.Pattern):
             raise TypeError(
                 f"PathRegex expects a regular expression string, got {type(pattern).__name__}"
@@ -118,7 +118,7 @@ class PathRegex(Filter):
             raise PathError(f"invalid path regex filter {pattern!r}: {detail}") from None
         self.pattern = pattern
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return self.regex.fullmatch(path_str(path)) is not None
 
     def __repr__(self):
@@ -134,11 +134,11 @@ class PathRegex(Filter):
 class Any(Filter):
     """Variables matched by at least one of ``filters``."""
 
-    def __init__(self, *filters):
+    def __init__(self, *filters: _AnyT) -> None:
         self.filters = filters
         self.preds = tuple(to_predicate(f) for f in filters)
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return any(p(path, variable) for p in self.preds)
 
     def __repr__(self):
@@ -154,11 +154,11 @@ class Any(Filter):
 class All(Filter):
     """Variables matched by every one of ``filters``."""
 
-    def __init__(self, *filters):
+    def __init__(self, *filters: _AnyT) -> None:
         self.filters = filters
         self.preds = tuple(to_predicate(f) for f in filters)
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return all(p(path, variable) for p in self.preds)
 
     def __repr__(self):
@@ -174,11 +174,11 @@ class All(Filter):
 class Not(Filter):
     """Variables not matched by ``filter``."""
 
-    def __init__(self, filter):  # noqa: A002
+    def __init__(self, filter: _AnyT) -> None:  # noqa: A002
         self.filter = filter
         self.pred = to_predicate(filter)
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return not self.pred(path, variable)
 
     def __repr__(self):
@@ -194,7 +194,7 @@ class Not(Filter):
 class Everything(Filter):
     """Every variable."""
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return True
 
     def __repr__(self):
@@ -210,7 +210,7 @@ class Everything(Filter):
 class Nothing(Filter):
     """No variable."""
 
-    def __call__(self, path, variable):
+    def __call__(self, path: tuple, variable: Variable) -> bool:
         return False
 
     def __repr__(self):

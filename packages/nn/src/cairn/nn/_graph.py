@@ -45,7 +45,7 @@ class GraphDef:
 
     __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
 
-    def __init__(self, node: tuple, paths: tuple):
+    def __init__(self, node: tuple, paths: tuple) -> None:
         self.node = node
         self.paths = paths
         self._hash = None
@@ -291,7 +291,7 @@ def split(node: Node, *filters: Any) -> tuple:
     return (c.graphdef, *_partition(c, filters, "split", True))
 
 
-def state(node: Node, *filters: Any):
+def state(node: Node, *filters: Any) -> State | tuple[State, ...]:
     """The variables of ``node`` as a :class:`State` (one per filter: a tuple when more
     than one filter is given). Unlike :func:`split`, variables matching no filter are
     left out."""
@@ -303,7 +303,7 @@ def state(node: Node, *filters: Any):
     return states[0] if len(states) == 1 else tuple(states)
 
 
-def variables(node: Node, *filters: Any):
+def variables(node: Node, *filters: Any) -> State | tuple[State, ...]:
     """Alias of :func:`state` (NNX name)."""
     return state(node, *filters)
 
@@ -474,7 +474,7 @@ def _get_child(node, key):
     return getattr(node, key)
 
 
-def pop(node: Node, *filters: Any):
+def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
     """Remove the variables matching ``filters`` from ``node`` and return them as a
     :class:`State` (one per filter; a tuple for several). Variables inside tuples
     cannot be popped (tuples are immutable)."""

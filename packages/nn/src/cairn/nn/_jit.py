@@ -231,7 +231,7 @@ class JitWrapped:
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Sequence[str] | None = None,
         **jit_kwargs: Any,
-    ):
+    ) -> None:
         self.fun = fun
         functools.update_wrapper(self, fun)
         static = set(_normalize_argnums(static_argnums, "static_argnums"))

@@ -19,7 +19,7 @@ paths is an error (tie weights explicitly instead).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -213,7 +213,7 @@ def _wrap_call(fn):
     return __call__
 
 
-def annotate_exception(exc: BaseException, roots) -> None:
+def annotate_exception(exc: BaseException, roots: Iterable[tuple[Any, Any]]) -> None:
     """Add a note to ``exc`` naming the innermost module (by path) whose method raised
     it. ``roots``: iterable of ``(label, tree)``; label None means "the called module"."""
     try:
@@ -297,7 +297,7 @@ class List(_Container):
     _graph_key = SequenceKey
     _graph_store = "list"
 
-    def __init__(self, items=()):
+    def __init__(self, items: Iterable[Any] = ()) -> None:
         object.__setattr__(self, "_cairn_items", [])
         for item in items:
             self.append(item)
@@ -314,19 +314,19 @@ class List(_Container):
     def _check(self, value, key):
         return _check_attribute(self, str(key), value)
 
-    def append(self, value) -> None:
+    def append(self, value: Any) -> None:
         self._cairn_items.append(self._check(value, len(self._cairn_items)))
         EPOCH[0] += 1
 
-    def extend(self, values) -> None:
+    def extend(self, values: Iterable[Any]) -> None:
         for v in values:
             self.append(v)
 
-    def insert(self, index: int, value) -> None:
+    def insert(self, index: int, value: Any) -> None:
         self._cairn_items.insert(index, self._check(value, index))
         EPOCH[0] += 1
 
-    def pop(self, index: int = -1):
+    def pop(self, index: int = -1) -> Any:
         v = self._cairn_items.pop(index)
         EPOCH[0] += 1
         return v
@@ -353,7 +353,7 @@ class List(_Container):
     def __contains__(self, x):
         return any(x is y for y in self._cairn_items)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("nn.List is not callable; use nn.Sequential to chain modules")
 
 
@@ -364,7 +364,7 @@ class Dict(_Container, Mapping):
     _graph_key = DictKey
     _graph_store = "dict"
 
-    def __init__(self, items=(), **kwargs):
+    def __init__(self, items: Any = (), **kwargs: Any) -> None:
         object.__setattr__(self, "_cairn_items", {})
         for k, v in dict(items, **kwargs).items():
             self[k] = v
@@ -412,10 +412,10 @@ class Sequential(Module):
     """Chain of callables: the first gets all call arguments, each next one gets the
     previous output. Layers are stored in ``self.layers`` (paths ``layers/0/...``)."""
 
-    def __init__(self, *layers: Callable):
+    def __init__(self, *layers: Callable) -> None:
         self.layers = List(layers)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not len(self.layers):
             raise ValueError("Sequential with no layers called")
         out = self.layers[0](*args, **kwargs)

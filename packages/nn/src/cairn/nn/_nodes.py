@@ -59,7 +59,7 @@ class Static:
 
     __slots__ = ("value", "_h")
 
-    def __init__(self, value: Any):
+    def __init__(self, value: Any) -> None:
         self.value = value
         self._h = None
 

@@ -43,7 +43,7 @@ class Optimizer(Module):
     together.
     """
 
-    def __init__(self, model: Module, tx: Any, *, wrt: Any = Param):
+    def __init__(self, model: Module, tx: Any, *, wrt: Any = Param) -> None:
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(
                 f"Optimizer: tx must have Optax-style init and update methods, got "

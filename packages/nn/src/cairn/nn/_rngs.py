@@ -52,13 +52,13 @@ def _fold_in(key, count):
 class RngStream(Module):
     """One named stream: ``stream()`` returns a fresh key and advances the counter."""
 
-    def __init__(self, key: Any, *, tag: str):
+    def __init__(self, key: Any, *, tag: str) -> None:
         key = _as_key(key)
         self.tag = tag
         self.key = RngKey(key, tag=tag)
         self.count = RngCount(jnp.zeros(key.shape, jnp.uint32), tag=tag)
 
-    def __call__(self):
+    def __call__(self) -> jax.Array:
         key = self.key.raw_value
         count = self.count.raw_value
         self.count.raw_value = count + jnp.uint32(1)
@@ -94,7 +94,7 @@ class Rngs(Module):
     2
     """
 
-    def __init__(self, default: Any = None, /, **streams: Any):
+    def __init__(self, default: Any = None, /, **streams: Any) -> None:
         if default is not None:
             streams = {"default": default, **streams}
         for name, seed in streams.items():
@@ -126,7 +126,7 @@ class Rngs(Module):
     def __contains__(self, name: str) -> bool:
         return isinstance(self.__dict__.get(name), RngStream)
 
-    def __call__(self):
+    def __call__(self) -> jax.Array:
         return self.default()
 
     def fork(self, *, split: int | tuple[int, ...] | None = None) -> Rngs:
@@ -142,14 +142,23 @@ class Rngs(Module):
         return self.fork(split=n)
 
     # jax.random-style samplers drawing from the default stream
-    def normal(self, shape=(), dtype=jnp.float32, stream: str = "default"):
+    def normal(self, shape: Any = (), dtype: Any = jnp.float32, stream: str = "default") -> Any:
         return jax.random.normal(self[stream](), shape, dtype)
 
-    def uniform(self, shape=(), dtype=jnp.float32, minval=0.0, maxval=1.0, stream="default"):
+    def uniform(
+        self,
+        shape: Any = (),
+        dtype: Any = jnp.float32,
+        minval: Any = 0.0,
+        maxval: Any = 1.0,
+        stream: str = "default",
+    ) -> Any:
         return jax.random.uniform(self[stream](), shape, dtype, minval, maxval)
 
-    def bernoulli(self, p=0.5, shape=None, stream: str = "default"):
+    def bernoulli(self, p: Any = 0.5, shape: Any = None, stream: str = "default") -> Any:
         return jax.random.bernoulli(self[stream](), p, shape)
 
-    def categorical(self, logits, axis: int = -1, shape=None, stream: str = "default"):
+    def categorical(
+        self, logits: Any, axis: int = -1, shape: Any = None, stream: str = "default"
+    ) -> Any:
         return jax.random.categorical(self[stream](), logits, axis, shape)

@@ -35,7 +35,7 @@ from cairn.nn._variables import Variable, with_metadata
 
 
 def with_partitioning(
-    initializer: Callable, sharding_names: Sequence[str | None], mesh: Any = None, **metadata
+    initializer: Callable, sharding_names: Sequence[str | None], mesh: Any = None, **metadata: Any
 ) -> Callable:
     """Wrap ``initializer`` so the Variable built from its result carries
     ``sharding_names`` (one logical axis name, or None, per array dim).
@@ -121,7 +121,7 @@ def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, ar
     return fn(dyn)
 
 
-def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None):
+def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None) -> Any:
     """The same tree (a Module's :func:`~cairn.nn.state`, a State, or a Variable) with
     each variable's value replaced by its ``PartitionSpec`` (``PartitionSpec()`` when it
     has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`."""
@@ -157,13 +157,15 @@ def _map_variables(fn, tree):
     )
 
 
-def get_named_sharding(tree: Any, mesh: Any, rules: Any = None):
+def get_named_sharding(tree: Any, mesh: Any, rules: Any = None) -> Any:
     """Like :func:`get_partition_spec` but with ``NamedSharding(mesh, spec)`` values."""
     specs = get_partition_spec(tree, rules, mesh)
     return _map_variables(lambda v: v.replace(NamedSharding(mesh, v.raw_value)), specs)
 
 
-def abstract_model(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs):
+def abstract_model(
+    fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs: Any
+) -> Any:
     """Build ``fn(*args, **kwargs)`` abstractly (``jax.eval_shape``: no memory, no
     compute). Every variable's value is a ``jax.ShapeDtypeStruct``; with a mesh (given
     or from :func:`sharding_rules`) it carries the variable's ``NamedSharding`` (logical
@@ -199,7 +201,9 @@ def abstract_model(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None
     return out
 
 
-def sharded_init(fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs):
+def sharded_init(
+    fn: Callable, *args: Any, mesh: Any = None, rules: Any = None, **kwargs: Any
+) -> Any:
     """Create ``fn(*args, **kwargs)`` (typically a model constructor) inside one
     compiled function whose outputs are each variable's ``NamedSharding``: every
     parameter is written shard by shard, never as a full copy on one device. Variables

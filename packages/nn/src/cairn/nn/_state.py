@@ -33,7 +33,7 @@ class State(MutableMapping):
 
     __slots__ = ("_flat_d", "_hint")
 
-    def __init__(self, mapping: Mapping | None = None):
+    def __init__(self, mapping: Mapping | None = None) -> None:
         self._flat_d: dict[tuple, Variable] = {}
         self._hint = None
         if mapping is not None:
@@ -146,11 +146,11 @@ class State(MutableMapping):
     __hash__ = None
 
     # --- functional helpers ---
-    def filter(self, *filters) -> State | tuple[State, ...]:
+    def filter(self, *filters: Any) -> State | tuple[State, ...]:
         """The variables matching each filter (a State, or a tuple for several)."""
         return self._partition(filters, strict=False)
 
-    def split(self, *filters) -> State | tuple[State, ...]:
+    def split(self, *filters: Any) -> State | tuple[State, ...]:
         """Partition by ``filters`` (each variable goes to the first that matches; every
         variable must match one, so end with ``...`` to collect the rest)."""
         return self._partition(filters, strict=True)

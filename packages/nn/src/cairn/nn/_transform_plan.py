@@ -39,7 +39,7 @@ class Plan:
 
     __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn")
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: Any) -> None:
         leaves, self.treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
         self.kinds = []
         self.descs = []
@@ -204,7 +204,7 @@ class Box:
 
     __slots__ = ("value",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.value = None
 
 
@@ -241,7 +241,7 @@ class Carry:
     """A loop carry that may contain modules (``scan``, ``fori_loop``, ``while_loop``):
     its values go through the loop, the caller's objects get the final ones."""
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: Any) -> None:
         self.plan = Plan(tree)
 
     @property

@@ -14,6 +14,7 @@ A variable on its own, outside any module or state, is a pytree with one leaf at
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ class VariableMetadata:
 
     __slots__ = ("value", "metadata")
 
-    def __init__(self, value: Any, metadata: dict[str, Any]):
+    def __init__(self, value: Any, metadata: dict[str, Any]) -> None:
         self.value = value
         self.metadata = dict(metadata)
 
@@ -47,7 +48,7 @@ class VariableMetadata:
         return f"VariableMetadata({self.value!r}, {self.metadata!r})"
 
 
-def with_metadata(initializer, **metadata):
+def with_metadata(initializer: Callable, **metadata: Any) -> Callable:
     """Wrap ``initializer`` so that its result carries ``metadata`` into the Variable
     built from it (``nn.Param(init(key, shape))``)."""
 
@@ -107,7 +108,7 @@ class Variable:
 
     __slots__ = ("raw_value", "_meta")
 
-    def __init__(self, value: Any, **metadata: Any):
+    def __init__(self, value: Any, **metadata: Any) -> None:
         if isinstance(value, Variable):
             metadata = {**value._meta, **metadata}
             value = value.raw_value
@@ -187,7 +188,7 @@ class Variable:
         else:
             raise AttributeError(name)
 
-    def replace(self, value: Any = None, **metadata) -> Variable:
+    def replace(self, value: Any = None, **metadata: Any) -> Variable:
         """A new variable of the same type, with ``value`` (default: the same value)
         and the metadata updated by ``metadata``."""
         new = object.__new__(type(self))
@@ -206,23 +207,23 @@ class Variable:
         return np.asarray(self.raw_value, dtype=dtype)
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return jnp.shape(self.raw_value)
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         return getattr(self.raw_value, "dtype", None) or jnp.result_type(self.raw_value)
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return jnp.ndim(self.raw_value)
 
     @property
-    def size(self):
+    def size(self) -> int:
         return int(np.prod(self.shape))
 
     @property
-    def T(self):
+    def T(self) -> Any:
         return self.raw_value.T
 
     def __len__(self):
@@ -454,7 +455,7 @@ class _HashableMeta:
         return isinstance(other, _HashableMeta) and static_eq(self.meta, other.meta)
 
 
-def static_hash(v) -> int:
+def static_hash(v: Any) -> int:
     try:
         return hash(v)
     except TypeError:
@@ -465,7 +466,7 @@ def static_hash(v) -> int:
         return hash(type(v))
 
 
-def static_eq(a, b) -> bool:
+def static_eq(a: Any, b: Any) -> bool:
     if a is b:
         return True
     try:

@@ -23,7 +23,7 @@ class StateAxes:
     a mapping ``{filter: axis}`` (first matching filter wins; every variable must match
     one), e.g. ``nn.StateAxes({nn.Param: 0, ...: None})``."""
 
-    def __init__(self, mapping: Mapping[Any, Any]):
+    def __init__(self, mapping: Mapping[Any, Any]) -> None:
         self.items = tuple(mapping.items())
         self.preds = tuple(to_predicate(f) for f, _ in self.items)
 
