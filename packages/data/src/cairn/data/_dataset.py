@@ -114,9 +114,8 @@ class MapDataset(_Pipeline):
                 "MapDataset.source needs a random-access source with __len__ and "
                 f"__getitem__ (optionally __getitems__), got {type(source).__name__}"
             )
-        from cairn.data._transforms.source import (
-            SourceMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.source import SourceMapDataset
 
         return SourceMapDataset(source)
 
@@ -127,9 +126,8 @@ class MapDataset(_Pipeline):
         >>> list(MapDataset.range(2, 8, 3))
         [2, 5]
         """
-        from cairn.data._transforms.source import (
-            RangeMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.source import RangeMapDataset
 
         return RangeMapDataset(range(start, stop, step) if stop is not None else range(start))
 
@@ -146,9 +144,8 @@ class MapDataset(_Pipeline):
         >>> [x for x in ds][:8]
         [0, 1, 100, 2, 3, 4, 101, 5]
         """
-        from cairn.data._transforms.mix import (
-            MixMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.mix import MixMapDataset
 
         return MixMapDataset(list(datasets), weights)
 
@@ -159,9 +156,8 @@ class MapDataset(_Pipeline):
         >>> list(MapDataset.concatenate([MapDataset.range(2), MapDataset.range(5, 7)]))
         [0, 1, 5, 6]
         """
-        from cairn.data._transforms.concatenate import (
-            ConcatenateMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.concatenate import ConcatenateMapDataset
 
         return ConcatenateMapDataset(list(datasets))
 
@@ -209,9 +205,8 @@ class MapDataset(_Pipeline):
     # --- transformations ---
     def seed(self, seed: int) -> MapDataset:
         """Set the default seed of the ``shuffle`` / ``random_map`` steps that follow."""
-        from cairn.data._transforms.seed import (
-            SeedMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.seed import SeedMapDataset
 
         return SeedMapDataset(self, check_seed(seed, "seed()"))
 
@@ -240,9 +235,8 @@ class MapDataset(_Pipeline):
         >>> sorted(MapDataset.range(5).shuffle(seed=7)) == [0, 1, 2, 3, 4]
         True
         """
-        from cairn.data._transforms.shuffle import (
-            ShuffleMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.shuffle import ShuffleMapDataset
 
         return ShuffleMapDataset(self, self._resolve_seed(seed, "shuffle()"))
 
@@ -250,9 +244,8 @@ class MapDataset(_Pipeline):
         """The elements ``ds[sl]``, e.g. ``ds.slice(slice(1, None, 2))``."""
         if not isinstance(sl, slice):
             raise TypeError(f"slice() expects a slice object, got {type(sl).__name__}")
-        from cairn.data._transforms.slice import (
-            SliceMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.slice import SliceMapDataset
 
         return SliceMapDataset(self, sl)
 
@@ -282,9 +275,8 @@ class MapDataset(_Pipeline):
 
     def map(self, fn: MapFn) -> MapDataset:
         """Apply ``fn`` to every element."""
-        from cairn.data._transforms.map import (
-            MapMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.map import MapMapDataset
 
         return MapMapDataset(self, as_callable(fn, "map"))
 
@@ -295,9 +287,8 @@ class MapDataset(_Pipeline):
         >>> list(ds) == list(ds)
         True
         """
-        from cairn.data._transforms.map import (
-            RandomMapMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.map import RandomMapMapDataset
 
         return RandomMapMapDataset(
             self,
@@ -307,17 +298,15 @@ class MapDataset(_Pipeline):
 
     def map_with_index(self, fn: Callable[[int, Any], Any]) -> MapDataset:
         """Apply ``fn(index, element)``."""
-        from cairn.data._transforms.map import (
-            MapWithIndexMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.map import MapWithIndexMapDataset
 
         return MapWithIndexMapDataset(self, as_callable(fn, "map_with_index"))
 
     def filter(self, predicate: FilterFn) -> MapDataset:
         """Keep elements where ``predicate`` is true; the others read as ``None``."""
-        from cairn.data._transforms.filter import (
-            FilterMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.filter import FilterMapDataset
 
         return FilterMapDataset(self, as_callable(predicate, "filter", "filter"))
 
@@ -341,9 +330,8 @@ class MapDataset(_Pipeline):
             or batch_size < 1
         ):
             raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
-        from cairn.data._transforms.batch import (
-            BatchMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.batch import BatchMapDataset
 
         return BatchMapDataset(self, int(batch_size), bool(drop_remainder), batch_fn)
 
@@ -377,9 +365,8 @@ class MapDataset(_Pipeline):
                 f"shard_global_batches(): global_batch_size {g} is not divisible by shard_count {c}"
             )
         per = g // c
-        from cairn.data._transforms.slice import (
-            BlockSliceMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.slice import BlockSliceMapDataset
 
         return BlockSliceMapDataset(self, g, i * per, per).batch(
             per, drop_remainder=True, batch_fn=batch_fn
@@ -395,9 +382,8 @@ class MapDataset(_Pipeline):
             num_epochs = operator.index(num_epochs)
             if num_epochs < 0:
                 raise ValueError(f"repeat(): num_epochs must be >= 0 or None, got {num_epochs}")
-        from cairn.data._transforms.repeat import (
-            RepeatMapDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.repeat import RepeatMapDataset
 
         return RepeatMapDataset(self, num_epochs, reseed_each_epoch)
 
@@ -409,9 +395,8 @@ class MapDataset(_Pipeline):
         ``debug=True`` checks every element's structure against the first one and names
         the first mismatch.
         """
-        from cairn.data._transforms.to_iter import (
-            MapRootIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.to_iter import MapRootIterDataset
 
         return MapRootIterDataset(self, read_options or ReadOptions(), debug=debug)
 
@@ -550,17 +535,15 @@ class IterDataset(_Pipeline):
     # --- steps ---
     def map(self, fn: MapFn) -> IterDataset:
         """Apply ``fn`` to every element."""
-        from cairn.data._transforms.map import (
-            MapIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.map import MapIterDataset
 
         return MapIterDataset(self, as_callable(fn, "map"))
 
     def random_map(self, fn: RandomMapFn, seed: int = 0) -> IterDataset:
         """Apply ``fn(element, rng)``; ``rng`` is keyed by (seed, element number)."""
-        from cairn.data._transforms.map import (
-            RandomMapIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.map import RandomMapIterDataset
 
         return RandomMapIterDataset(
             self, as_callable(fn, "random_map", "random_map"), check_seed(seed, "random_map()")
@@ -568,9 +551,8 @@ class IterDataset(_Pipeline):
 
     def filter(self, predicate: FilterFn) -> IterDataset:
         """Keep the elements where ``predicate`` is true."""
-        from cairn.data._transforms.filter import (
-            FilterIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.filter import FilterIterDataset
 
         return FilterIterDataset(self, as_callable(predicate, "filter", "filter"))
 
@@ -584,9 +566,8 @@ class IterDataset(_Pipeline):
             or batch_size < 1
         ):
             raise ValueError(f"batch(): batch_size must be a positive integer, got {batch_size!r}")
-        from cairn.data._transforms.batch import (
-            BatchIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.batch import BatchIterDataset
 
         return BatchIterDataset(
             self, int(batch_size), bool(drop_remainder), batch_fn or stack_records
@@ -596,9 +577,8 @@ class IterDataset(_Pipeline):
         """Compute up to ``buffer_size`` elements ahead in a background thread."""
         if not int_at_least(buffer_size, 1):
             raise ValueError(f"prefetch(): buffer_size must be a positive int, got {buffer_size!r}")
-        from cairn.data._transforms.prefetch import (
-            PrefetchIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.prefetch import PrefetchIterDataset
 
         return PrefetchIterDataset(self, buffer_size)
 
@@ -612,7 +592,8 @@ class IterDataset(_Pipeline):
         process puts them back in order, so the output and the iterator state are the
         same for every worker count, including 0.
         """
-        from cairn.data._multiprocessing import (  # import cycle (labelled): base classes <-> transformations, by design
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._multiprocessing import (
             MPPrefetchIterDataset,
             MultiprocessingOptions,
         )
@@ -632,9 +613,8 @@ class IterDataset(_Pipeline):
     @staticmethod
     def interleave(datasets: Sequence[IterDataset], cycle_length: int | None = None) -> IterDataset:
         """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset)."""
-        from cairn.data._transforms.interleave import (
-            InterleaveIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.interleave import InterleaveIterDataset
 
         return InterleaveIterDataset(datasets, cycle_length)
 
@@ -654,9 +634,8 @@ class IterDataset(_Pipeline):
         >>> list(IterDataset.mix([a, b], [3, 1]))[:8]
         [0, 1, 100, 2, 3, 4, 102, 5]
         """
-        from cairn.data._transforms.mix import (
-            MixIterDataset,  # import cycle (labelled): base classes <-> transformations, by design
-        )
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.mix import MixIterDataset
 
         return MixIterDataset(datasets, weights)
 
