@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from cairn.data._iter_dataset import DatasetIterator, IterDataset, ReadOptions
-from cairn.data._map_dataset import MapDataset
+from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._multiprocessing import MultiprocessingOptions
 from cairn.data._sharding import NoSharding, ShardOptions
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cairn.data._iter_dataset import IterDataset, _MapIterDataset, _PrefetchIterDataset
+from cairn.data._dataset import IterDataset
+from cairn.data._transforms.map import MapIterDataset as _MapIterDataset
+from cairn.data._transforms.prefetch import PrefetchIterDataset as _PrefetchIterDataset
 
 __all__ = ["device_put"]
 

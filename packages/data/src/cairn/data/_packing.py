@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from cairn.data._iter_dataset import DatasetIterator, IterDataset
-from cairn.data._map_dataset import _int_at_least
+from cairn.data._arguments import int_at_least as _int_at_least
+from cairn.data._dataset import DatasetIterator, IterDataset
 from cairn.data._state_validation import (
     StateError,
     any_field,

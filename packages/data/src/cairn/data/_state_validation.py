@@ -25,7 +25,7 @@ import contextlib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
-from cairn.data._map_dataset import _int_at_least
+from cairn.data._arguments import int_at_least as _int_at_least
 
 __all__ = ["STATE_VERSION", "StateError", "check_state", "int_field", "nested", "with_version"]
 
