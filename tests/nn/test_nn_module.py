@@ -53,6 +53,11 @@ def test_variable_arithmetic_and_access():
         _ = w.nonexistent
     with pytest.raises(TypeError, match="another Variable"):
         w.value = nn.Param(jnp.zeros(3))
+    # NNX's accessor spelling reads and writes the same value
+    w.set_value(jnp.ones((2, 3)))
+    assert w.get_value() is w.value and float(jnp.sum(w.get_value())) == 6.0
+    with pytest.raises(TypeError, match="another Variable"):
+        w.set_value(nn.Param(jnp.zeros(3)))
 
 
 def test_standalone_variable_pytree_path_is_value():
