@@ -14,11 +14,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 BLOCK = re.compile(r"(<!--\s*skip\s*-->\s*\n)?```python\n(.*?)```", re.S)
 
 
-def blocks(path: pathlib.Path):
+def blocks(path: pathlib.Path) -> Iterator[tuple[int, str]]:
     text = path.read_text()
     for m in BLOCK.finditer(text):
         if m.group(1):

@@ -23,5 +23,8 @@ objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor p
 _.__wrapped__  # nn initializers: inspect.signature / functools.unwrap read the wrapped initializer
 _.tree_flatten_with_keys  # tests/core_array: JAX calls it on registered pytree classes
 
+# --- names that document a value ---
+PAD  # examples/lm/lm_task.py: names token id 0, the padding that eval_batch's zero-filled arrays hold
+
 # --- tests ---
 _.lock  # tests/data Unpicklable: the lock is there to make the exception unpicklable

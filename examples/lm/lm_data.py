@@ -7,20 +7,24 @@ import glob
 import hashlib
 import json
 import pathlib
+from typing import TYPE_CHECKING, Any
 
 import lm_task
 import numpy as np
 
 from cairn import data as cdata
 
+if TYPE_CHECKING:
+    import lm_config
 
-def _synthetic_dir(cfg) -> pathlib.Path:
+
+def _synthetic_dir(cfg: lm_config.Config) -> pathlib.Path:
     d = cfg.data
     key = json.dumps([d.num_train, d.num_eval, d.max_digits, d.num_shards, cfg.run.seed])
     return pathlib.Path(cfg.run.dir) / "data" / hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
-def prepare_synthetic(cfg) -> dict:
+def prepare_synthetic(cfg: lm_config.Config) -> dict:
     """Generate the addition problems once and write them as ArrayRecord *and* Parquet shards.
 
     Returns ``{"arrayrecord": [...], "parquet": [...], "eval": [...]}`` shard paths. The shards
@@ -56,7 +60,7 @@ def _expand(patterns) -> list[str]:
     return files
 
 
-def open_source(cfg, shards: dict | None):
+def open_source(cfg: lm_config.Config, shards: dict | None) -> tuple[Any, str, list[str]]:
     """The training source and the held-out texts."""
     d = cfg.data
     if d.source == "synthetic":
@@ -88,15 +92,17 @@ def open_source(cfg, shards: dict | None):
 class ToExample:
     """Record (bytes or a Parquet row dict) -> tokens, targets and loss weights."""
 
-    def __init__(self, fmt: str, text_column: str, seq_len: int, answer_only: bool):
+    def __init__(self, fmt: str, text_column: str, seq_len: int, answer_only: bool) -> None:
         self.fmt, self.text_column, self.seq_len, self.answer_only = fmt, text_column, seq_len, answer_only
 
-    def __call__(self, record):
+    def __call__(self, record: bytes | dict) -> dict:
         text = record[self.text_column] if isinstance(record, dict) else record
         return lm_task.example_from_text(text, self.seq_len, self.answer_only)
 
 
-def build_pipeline(cfg, src, fmt: str, process_index: int = 0, process_count: int = 1):
+def build_pipeline(
+    cfg: lm_config.Config, src: Any, fmt: str, process_index: int = 0, process_count: int = 1
+) -> cdata.IterDataset:
     """source -> shard by process -> shuffle (reshuffled each epoch) -> tokenize (in worker
     processes) -> pack -> batch (in a prefetch thread)."""
     d = cfg.data

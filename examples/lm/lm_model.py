@@ -12,20 +12,26 @@ for the MLP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
 from cairn import nn
 
+if TYPE_CHECKING:
+    import lm_config
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _init(axes, scale=1.0):
+def _init(axes: tuple[str, ...], scale: float = 1.0) -> Callable[..., jax.Array]:
     return nn.with_partitioning(nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal"), axes)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, *, rngs: nn.Rngs):
+    def __init__(self, cfg: lm_config.Config, *, rngs: nn.Rngs) -> None:
         m = cfg.model
         self.num_heads, self.num_kv_heads = m.num_heads, m.num_kv_heads
         self.head_dim = m.d_model // m.num_heads
@@ -41,7 +47,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(m.num_heads * hd, d, use_bias=False, dtype=dt, param_dtype=pdt,
                            kernel_init=_init(("heads", "embed"), 1.0 / (2 * m.num_layers)), rngs=rngs)
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         b, s, _ = x.shape
         q = self.q(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k(x).reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -53,7 +59,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, *, rngs: nn.Rngs):
+    def __init__(self, cfg: lm_config.Config, *, rngs: nn.Rngs) -> None:
         m = cfg.model
         dt, pdt = _DTYPES[m.dtype], _DTYPES[m.param_dtype]
         self.gate = nn.Linear(m.d_model, m.mlp_dim, use_bias=False, dtype=dt, param_dtype=pdt,
@@ -63,12 +69,12 @@ class MLP(nn.Module):
         self.down = nn.Linear(m.mlp_dim, m.d_model, use_bias=False, dtype=dt, param_dtype=pdt,
                               kernel_init=_init(("mlp", "embed"), 1.0 / (2 * m.num_layers)), rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, *, rngs: nn.Rngs):
+    def __init__(self, cfg: lm_config.Config, *, rngs: nn.Rngs) -> None:
         d = cfg.model.d_model
         pdt = _DTYPES[cfg.model.param_dtype]
         self.attn_norm = nn.RMSNorm(d, param_dtype=pdt, rngs=rngs)
@@ -76,7 +82,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(d, param_dtype=pdt, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -84,7 +90,7 @@ class Block(nn.Module):
 class TransformerLM(nn.Module):
     """``logits = TransformerLM(cfg, vocab_size, rngs=...)(tokens, segment_ids, positions)``."""
 
-    def __init__(self, cfg, vocab_size: int, *, rngs: nn.Rngs):
+    def __init__(self, cfg: lm_config.Config, vocab_size: int, *, rngs: nn.Rngs) -> None:
         m = cfg.model
         dt, pdt = _DTYPES[m.dtype], _DTYPES[m.param_dtype]
         self.tie_embeddings = m.tie_embeddings
@@ -97,7 +103,7 @@ class TransformerLM(nn.Module):
             self.head = nn.Linear(m.d_model, vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
                                   kernel_init=_init(("embed", "vocab")), rngs=rngs)
 
-    def __call__(self, tokens, segment_ids, positions):
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         x = self.embed(tokens)
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         causal = jnp.tril(jnp.ones((tokens.shape[1], tokens.shape[1]), bool))
@@ -109,7 +115,7 @@ class TransformerLM(nn.Module):
         return logits.astype(jnp.float32)
 
 
-def loss_and_metrics(model: TransformerLM, batch: dict):
+def loss_and_metrics(model: TransformerLM, batch: dict) -> tuple[jax.Array, dict]:
     """Weighted next-token cross-entropy and the per-row exact match on weighted tokens."""
     logits = model(batch["inputs"], batch["segment_ids"], batch["positions"])
     logp = jax.nn.log_softmax(logits, axis=-1)

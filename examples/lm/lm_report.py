@@ -6,6 +6,7 @@ import json
 import pathlib
 import sys
 import time
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ def measure_peak_flops(seconds: float = 1.0, n: int = 1024) -> float:
 class Progress:
     """A one-line progress bar on a terminal, periodic plain lines otherwise."""
 
-    def __init__(self, total: int, start: int, every: int, enabled: bool = True, stream=sys.stderr):
+    def __init__(self, total: int, start: int, every: int, enabled: bool = True, stream: TextIO = sys.stderr) -> None:
         self.total, self.step, self.every, self.stream = total, start, every, stream
         self.enabled = enabled
         self.tty = enabled and stream.isatty()

@@ -8,6 +8,8 @@ import math
 import pathlib
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +61,7 @@ def create_model(setup: Setup) -> lm_model.TransformerLM:
     )
 
 
-def make_optimizer(cfg: lm_config.Config):
+def make_optimizer(cfg: lm_config.Config) -> tuple[optim.GradientTransformation, Callable[[int], Any]]:
     o = cfg.optim
     schedule = optim.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -76,7 +78,7 @@ def make_optimizer(cfg: lm_config.Config):
     return tx, schedule
 
 
-def _train_step(model, optimizer, batch):
+def _train_step(model: lm_model.TransformerLM, optimizer: nn.Optimizer, batch: dict) -> dict:
     (loss, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
     optimizer.update(model, grads)
     return {"loss": loss, "token_accuracy": aux["token_accuracy"]}
@@ -86,7 +88,7 @@ train_step = nn.jit(_train_step, donate_argnums=(0, 1))
 
 
 @nn.jit
-def eval_step(model, batch, valid):
+def eval_step(model: lm_model.TransformerLM, batch: dict, valid: jax.Array) -> jax.Array:
     """How many valid rows are exactly right (a replicated scalar every process can read)."""
     _, aux = lm_model.loss_and_metrics(model, batch)
     return jnp.sum(aux["row_exact"] & valid)
@@ -106,7 +108,7 @@ def _local_rows(x: np.ndarray) -> np.ndarray:
     return x[jax.process_index() * n : (jax.process_index() + 1) * n]
 
 
-def evaluate(setup: Setup, model, texts: list[str]) -> float:
+def evaluate(setup: Setup, model: lm_model.TransformerLM, texts: list[str]) -> float:
     """Exact match on held-out problems: every answer token right under teacher forcing,
     which is the same as greedy decoding producing the whole answer."""
     if not texts:
@@ -123,12 +125,12 @@ def evaluate(setup: Setup, model, texts: list[str]) -> float:
     return correct / len(texts)
 
 
-def param_partition_specs(model) -> dict[str, str]:
+def param_partition_specs(model: nn.Module) -> dict[str, str]:
     """``{path: partition spec}`` of every parameter, to check the sharding rules took effect."""
     return {p: str(tuple(x.sharding.spec)) for p, x in flatten_with_paths(nn.state(model, nn.Param)).items()}
 
 
-def per_device_bytes(tree) -> int:
+def per_device_bytes(tree: Any) -> int:
     """The most bytes any one local device holds of ``tree``'s arrays (its shards)."""
     per: dict = {}
     for x in jax.tree.leaves(tree):
@@ -137,7 +139,7 @@ def per_device_bytes(tree) -> int:
     return max(per.values(), default=0)
 
 
-def _items(model, optimizer, data_iter) -> dict:
+def _items(model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator) -> dict:
     """What one checkpoint step holds: model, optimizer state and the data iterator's position."""
     return {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter}
 
@@ -194,6 +196,153 @@ def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> No
         multihost_utils.sync_global_devices("cairn-lm-overwrite")
 
 
+def _open_manager(cfg: lm_config.Config, run_dir: pathlib.Path) -> ckpt.CheckpointManager:
+    return ckpt.CheckpointManager(
+        run_dir / "checkpoints",
+        ckpt.CheckpointManagerOptions(
+            save_interval_steps=cfg.checkpoint.every,
+            max_to_keep=cfg.checkpoint.max_to_keep,
+            enable_async=cfg.checkpoint.enable_async,
+        ),
+    )
+
+
+def _resume(manager: ckpt.CheckpointManager, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator) -> int | None:
+    """Restore model, optimizer and data position from the latest checkpoint; its step, or None."""
+    if manager.latest_step() is None:
+        return None
+    step = manager.latest_step()
+    restored = manager.restore(step, _items(model, optimizer, data_iter))
+    nn.update(model, restored["model"])
+    nn.update(optimizer, restored["optimizer"])
+    return step
+
+
+@dataclasses.dataclass
+class _LoopStats:
+    """What the training loop measured and recorded."""
+
+    step: int
+    curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    data_blocked: float = 0.0
+    ckpt_blocked: float = 0.0
+    compile_s: float = 0.0
+    saved: int = 0
+    timed_tokens: int = 0
+    timed_s: float = 0.0
+    last_loss: float = float("nan")
+    digests: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+def _run_loop(
+    setup: Setup,
+    model: nn.Module,
+    optimizer: nn.Optimizer,
+    data_iter: Iterator,
+    manager: ckpt.CheckpointManager,
+    schedule: Callable[[int], Any],
+    progress: lm_report.Progress,
+    start_step: int,
+    stop_after: int | None,
+) -> _LoopStats:
+    """Train from ``start_step`` to ``cfg.train.steps`` (or ``stop_after``), saving checkpoints;
+    waits for the last save and closes the progress bar and the data iterator."""
+    cfg = setup.cfg
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    s = _LoopStats(step=start_step)
+    pending = None
+    while s.step < cfg.train.steps:
+        t0 = time.perf_counter()
+        local = next(data_iter)
+        s.data_blocked += time.perf_counter() - t0
+        s.digests[s.step + 1] = _digest(local)
+        batch = to_global(setup, local)
+        t1 = time.perf_counter()
+        metrics = train_step(model, optimizer, batch)
+        s.step += 1
+        if pending is not None:
+            # read the previous step's loss now: the device ran ahead while we fetched data
+            s.curve.append((s.step - 1, float(pending["loss"])))
+        pending = metrics
+        if s.step == start_step + 1:
+            jax.block_until_ready(metrics)
+            s.compile_s = time.perf_counter() - t1
+        else:
+            s.timed_tokens += tokens_per_step
+            s.timed_s += time.perf_counter() - t0
+        if s.step % cfg.train.log_every == 0 or s.step == cfg.train.steps:
+            s.last_loss = float(metrics["loss"])
+            tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
+            progress.update(s.step, s.last_loss, tps, float(schedule(s.step)))
+        if manager.should_save(s.step) or s.step == cfg.train.steps:
+            t2 = time.perf_counter()
+            manager.save(s.step, _items(model, optimizer, data_iter), force=s.step == cfg.train.steps)
+            s.ckpt_blocked += time.perf_counter() - t2
+            s.saved += 1
+        if stop_after is not None and s.step >= stop_after:
+            break
+    if pending is not None:
+        s.curve.append((s.step, float(pending["loss"])))
+        s.last_loss = float(pending["loss"])
+    t3 = time.perf_counter()
+    manager.wait_until_finished()
+    s.ckpt_blocked += time.perf_counter() - t3
+    progress.close()
+    if hasattr(data_iter, "close"):
+        data_iter.close()
+    return s
+
+
+def _report(
+    setup: Setup,
+    model: nn.Module,
+    optimizer: nn.Optimizer,
+    s: _LoopStats,
+    *,
+    resumed_from: int | None,
+    eval_texts: list[str],
+    peak: float,
+    t_start: float,
+) -> dict:
+    """The run's report: held-out exact match (when the run finished), throughput, memory."""
+    cfg, run_dir = setup.cfg, setup.run_dir
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_step = lm_config.flops_per_token(cfg, lm_task.VOCAB_SIZE) * tokens_per_step
+    stopped_early = s.step < cfg.train.steps
+    acc = float("nan") if stopped_early else evaluate(setup, model, eval_texts)
+    tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
+    answer_digits = cfg.data.max_digits + 1
+    return {
+        "steps": s.step,
+        "resumed_from": resumed_from,
+        "final_loss": s.last_loss,
+        "heldout_exact_match": acc,
+        "heldout_examples": len(eval_texts),
+        "chance_exact_match": 10.0 ** -answer_digits,
+        "tokens_per_s": tps,
+        "peak_flops": peak,
+        "mfu": (tps * flops_per_step / tokens_per_step) / peak if peak else 0.0,
+        "checkpoint_blocked_s": s.ckpt_blocked,
+        "checkpoints_saved": s.saved,
+        "data_blocked_s": s.data_blocked,
+        "compile_s": s.compile_s,
+        "wall_s": time.perf_counter() - t_start,
+        "mesh": dict(setup.mesh.shape),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "run_dir": str(run_dir),
+        "config": lm_config.to_dict(cfg),
+        "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(nn.state(model, nn.Param)))),
+        "param_partition_specs": param_partition_specs(model),
+        # per-device memory: optimizer state is sharded like the params (2 moments for AdamW)
+        "per_device_param_bytes": per_device_bytes(nn.state(model, nn.Param)),
+        "per_device_optimizer_bytes": per_device_bytes(nn.state(optimizer, nn.OptState)),
+        "curve": s.curve,
+        "data_digests": s.digests,
+        "stopped_early": stopped_early,
+    }
+
+
 def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
           overwrite: bool = False) -> dict:
     """Run the recipe; returns the report dict (also written to the run directory).
@@ -214,113 +363,17 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     tx, schedule = make_optimizer(cfg)
     optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
 
-    manager = ckpt.CheckpointManager(
-        run_dir / "checkpoints",
-        ckpt.CheckpointManagerOptions(
-            save_interval_steps=cfg.checkpoint.every,
-            max_to_keep=cfg.checkpoint.max_to_keep,
-            enable_async=cfg.checkpoint.enable_async,
-        ),
-    )
-    start_step = 0
-    resumed_from = None
-    if resume and manager.latest_step() is not None:
-        step = manager.latest_step()
-        restored = manager.restore(step, _items(model, optimizer, data_iter))
-        nn.update(model, restored["model"])
-        nn.update(optimizer, restored["optimizer"])
-        start_step = resumed_from = step
+    manager = _open_manager(cfg, run_dir)
+    resumed_from = _resume(manager, model, optimizer, data_iter) if resume else None
+    start_step = resumed_from or 0
 
     peak = lm_report.measure_peak_flops()
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_step = lm_config.flops_per_token(cfg, lm_task.VOCAB_SIZE) * tokens_per_step
     progress = lm_report.Progress(cfg.train.steps, start_step, cfg.train.log_every,
                                   enabled=cfg.train.progress and not quiet and jax.process_index() == 0)
-    curve: list[tuple[int, float]] = []
-    data_blocked = ckpt_blocked = 0.0
-    compile_s = 0.0
-    saved = 0
-    timed_tokens, timed_s = 0, 0.0
-    last_loss = float("nan")
-    step = start_step
-    pending = None
-    digests: dict[int, str] = {}
-    while step < cfg.train.steps:
-        t0 = time.perf_counter()
-        local = next(data_iter)
-        data_blocked += time.perf_counter() - t0
-        digests[step + 1] = _digest(local)
-        batch = to_global(setup, local)
-        t1 = time.perf_counter()
-        metrics = train_step(model, optimizer, batch)
-        step += 1
-        if pending is not None:
-            # read the previous step's loss now: the device ran ahead while we fetched data
-            curve.append((step - 1, float(pending["loss"])))
-        pending = metrics
-        if step == start_step + 1:
-            jax.block_until_ready(metrics)
-            compile_s = time.perf_counter() - t1
-        else:
-            timed_tokens += tokens_per_step
-            timed_s += time.perf_counter() - t0
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            last_loss = float(metrics["loss"])
-            tps = timed_tokens / timed_s if timed_s else 0.0
-            progress.update(step, last_loss, tps, float(schedule(step)))
-        if manager.should_save(step) or step == cfg.train.steps:
-            t2 = time.perf_counter()
-            manager.save(step, _items(model, optimizer, data_iter), force=step == cfg.train.steps)
-            ckpt_blocked += time.perf_counter() - t2
-            saved += 1
-        if stop_after is not None and step >= stop_after:
-            break
-    if pending is not None:
-        curve.append((step, float(pending["loss"])))
-        last_loss = float(pending["loss"])
-    t3 = time.perf_counter()
-    manager.wait_until_finished()
-    ckpt_blocked += time.perf_counter() - t3
-    progress.close()
-    if hasattr(data_iter, "close"):
-        data_iter.close()
-
-    stopped_early = step < cfg.train.steps
-    acc = float("nan") if stopped_early else evaluate(setup, model, eval_texts)
-    tps = timed_tokens / timed_s if timed_s else 0.0
-    answer_digits = cfg.data.max_digits + 1
-    report = {
-        "steps": step,
-        "resumed_from": resumed_from,
-        "final_loss": last_loss,
-        "heldout_exact_match": acc,
-        "heldout_examples": len(eval_texts),
-        "chance_exact_match": 10.0 ** -answer_digits,
-        "tokens_per_s": tps,
-        "peak_flops": peak,
-        "mfu": (tps * flops_per_step / tokens_per_step) / peak if peak else 0.0,
-        "checkpoint_blocked_s": ckpt_blocked,
-        "checkpoints_saved": saved,
-        "data_blocked_s": data_blocked,
-        "compile_s": compile_s,
-        "wall_s": time.perf_counter() - t_start,
-        "mesh": dict(setup.mesh.shape),
-        "devices": jax.device_count(),
-        "processes": jax.process_count(),
-        "run_dir": str(run_dir),
-        "config": lm_config.to_dict(cfg),
-        "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(nn.state(model, nn.Param)))),
-        "param_partition_specs": param_partition_specs(model),
-        # per-device memory: optimizer state is sharded like the params (2 moments for AdamW)
-        "per_device_param_bytes": per_device_bytes(nn.state(model, nn.Param)),
-        "per_device_optimizer_bytes": per_device_bytes(nn.state(optimizer, nn.OptState)),
-        "curve": curve,
-        "data_digests": digests,
-        "stopped_early": stopped_early,
-    }
+    stats = _run_loop(setup, model, optimizer, data_iter, manager, schedule, progress, start_step, stop_after)
+    report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts,
+                     peak=peak, t_start=t_start)
     manager.close()
     if jax.process_index() == 0:
-        lm_report.write_report(run_dir, report, curve)
+        lm_report.write_report(run_dir, report, stats.curve)
     return report
-
-
