@@ -113,7 +113,7 @@ def lint(session: nox.Session) -> None:
         ("ruff", "check", *LINT_PATHS),
         ("python", "tools/depcheck.py", "packages"),
         ("python", "tools/funclen.py", "packages", "examples", "tools", "benchmarks"),
-        ("python", "tools/typehints.py", "packages"),
+        ("python", "tools/typehints.py", "packages", "examples", "tools", "benchmarks"),
         ("python", "tools/banners.py", *LINT_PATHS),
         ("vulture",),  # paths, confidence and ignored names: [tool.vulture] in pyproject.toml
         ("mypy", *srcs),
