@@ -126,34 +126,29 @@ def stack_records(records: Sequence[Any], path: str = "") -> Any:
 def _stack(records: list[Any], parent: str, keys: _Keys) -> Any:
     first = records[0]
     if isinstance(first, dict):
-        return _stack_dicts(records, parent, keys)
+        n = len(first)
+        for i, r in enumerate(records):
+            if not isinstance(r, dict) or len(r) != n:
+                _raise_mismatch(records, i, parent, keys)
+        try:
+            return {k: _stack([r[k] for r in records], parent, keys + (k,)) for k in first}
+        except KeyError:
+            for i, r in enumerate(records):
+                if r.keys() != first.keys():
+                    _raise_mismatch(records, i, parent, keys)
+            raise
     if isinstance(first, tuple | list):
         n = len(first)
         for i, r in enumerate(records):
             if type(r) is not type(first) or len(r) != n:
                 _raise_mismatch(records, i, parent, keys)
         cols = [
-            _stack([r[j] for r in records], parent, (*keys, _field(first, j))) for j in range(n)
+            _stack([r[j] for r in records], parent, keys + (_field(first, j),)) for j in range(n)
         ]
         if _is_namedtuple(first):
             return type(first)(*cols)
         return type(first)(cols)
     return _stack_leaves(records, parent, keys)
-
-
-def _stack_dicts(records: list[Any], parent: str, keys: _Keys) -> dict[Any, Any]:
-    first = records[0]
-    names = list(first)
-    for i, r in enumerate(records):
-        if not isinstance(r, dict) or len(r) != len(names):
-            _raise_mismatch(records, i, parent, keys)
-    try:
-        return {k: _stack([r[k] for r in records], parent, (*keys, k)) for k in names}
-    except KeyError:
-        for i, r in enumerate(records):
-            if r.keys() != first.keys():
-                _raise_mismatch(records, i, parent, keys)
-        raise
 
 
 def _raise_mismatch(records: list[Any], i: int, parent: str, keys: _Keys) -> None:
