@@ -118,7 +118,7 @@ def test_scan_and_remat_over_stacked_layers():
     x = jax.random.normal(jax.random.key(1), (2, 6))
 
     def run(layers, x):
-        return nn.scan(lambda h, layer: (nn.remat(lambda l, h: l(h))(layer, h), None))(x, layers)[0]
+        return nn.scan(lambda h, layer: (nn.remat(lambda lyr, h: lyr(h))(layer, h), None))(x, layers)[0]
 
     provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")])
     sites = _seen(provider)
@@ -126,3 +126,40 @@ def test_scan_and_remat_over_stacked_layers():
     assert sites and all(s[1] == "" for s in sites)  # the stacked leaf 'kernel' itself
     want = run(stacked, x)
     assert 0 < float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 0.02
+
+
+def test_lora_on_an_nn_model_trains_only_the_adapters_and_loads_into_lora_linear():
+    class Two(nn.Module):
+        def __init__(self, rngs):
+            self.l1 = nn.Linear(6, 10, rngs=rngs)
+            self.l2 = nn.Linear(10, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    x = jax.random.normal(jax.random.key(2), (5, 6))
+    model = Two(nn.Rngs(0))
+    provider = quant.LoraProvider([quant.LoraRule(rank=2, alpha=2.0, weight_qtype="int8")])
+    quant.apply_lora_to_model(model, provider, x, rng=jax.random.key(3))
+    assert sorted(nn.state(model, nn.LoRAParam).flat_paths()) == [
+        "l1/lora/lora_a", "l1/lora/lora_b", "l2/lora/lora_a", "l2/lora/lora_b",
+    ]
+    kernel = np.asarray(model.l1.kernel.value).copy()
+    opt = nn.Optimizer(model, optim.adam(1e-2), wrt=nn.LoRAParam)
+    target = jnp.ones((5, 4))
+
+    def loss(m):
+        return ((quant.quantize_model(m, provider)(x) - target) ** 2).mean()
+
+    before = float(loss(model))
+    for _ in range(20):
+        opt.update(model, nn.grad(loss, wrt=nn.LoRAParam)(model))
+    assert float(loss(model)) < 0.5 * before
+    np.testing.assert_array_equal(np.asarray(model.l1.kernel.value), kernel)  # the base stays frozen
+
+    # the adapters load into nn.LoRALinear (same paths, same alpha / rank scale)
+    layer = nn.LoRALinear(6, 10, lora_rank=2, alpha=2.0, rngs=nn.Rngs(9))
+    nn.update(layer, nn.state(model.l1))
+    float_provider = quant.LoraProvider([quant.LoraRule(module_path="l1", rank=2, alpha=2.0)], strict=False)
+    via_rules = quant.quantize(lambda m, x: m.l1(x), float_provider)(model, x)
+    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(via_rules), rtol=1e-5, atol=1e-5)

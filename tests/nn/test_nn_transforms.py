@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from cairn import nn
-
-from ._nn_helpers import f64
+from nn._nn_helpers import f64
 
 
 class Lin(nn.Module):
@@ -155,8 +154,10 @@ def test_grad_equals_jax_grad_of_functional_form():
     (val, aux), g2 = nn.value_and_grad(lambda m, x: (loss(m, x), 7), has_aux=True)(m, x)
     np.testing.assert_allclose(val, jnp.sum(_fn(params, x) ** 2), rtol=1e-5)
     assert aux == 7
+    np.testing.assert_allclose(g2["lin"]["kernel"].value, ref["lin"]["kernel"], rtol=1e-5)
     # several argnums, arrays included
     gm, gx = nn.grad(loss, argnums=(0, 1))(m, x)
+    np.testing.assert_allclose(gm["lin"]["bias"].value, ref["lin"]["bias"], rtol=1e-5)
     ref_x = jax.grad(lambda x: jnp.sum(_fn(params, x) ** 2))(x)
     np.testing.assert_allclose(gx, ref_x, rtol=1e-5)
     # wrt a filter
@@ -208,7 +209,7 @@ def test_scan_over_stacked_layers_equals_unrolled_loop():
     # a module in the carry is threaded through
     c = Counted(3, nn.Rngs(5))
     (c2, h2), _ = nn.scan(lambda carry, _: ((carry[0], carry[0](carry[1])), None), length=3)((c, x), None)
-    assert c2 is c and int(c.calls.value) == 3
+    assert c2 is c and int(c.calls.value) == 3 and h2.shape == x.shape
     # inside jit as well
     out_j, _ = nn.jit(lambda x, s: nn.scan(body)(x, s))(x, stacked)
     np.testing.assert_allclose(out_j, out, rtol=1e-5)

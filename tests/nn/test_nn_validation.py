@@ -146,7 +146,7 @@ def test_good_constructor_arguments_are_stored_as_python_ints():
     assert nn.Einsum("bd,dh->bh", (4, 2), (), rngs=R()).bias[...].shape == ()
 
 
-# ------------------------------------------------------------------ update / merge
+# --- update / merge ---
 
 
 def _model():

@@ -3,12 +3,19 @@
 ``quantize(fn, provider)`` re-evaluates ``fn``'s traced program and hands each
 ``dot_general``, ``conv_general_dilated`` and ``ragged_dot`` whose operand flows from a
 weight (identified by its core_array path, never guessed from shapes) to the provider's
-first applying rule. Names follow Qwix: ``QuantizationRule``, ``QtRule``,
+first applying rule. Names follow Qwix: ``QuantizationRule``, ``QtRule``, ``LoraRule``,
 ``PtqProvider``, ``QtProvider``, ``quantize_params``, ``calibrate``.
 """
 
 from cairn.quant._api import calibrate, quantize, quantize_params
 from cairn.quant._calibration import bounds, parse_method
+from cairn.quant._lora import (
+    LoraProvider,
+    LoraRule,
+    apply_lora_to_model,
+    apply_lora_to_params,
+    lora_paths,
+)
 from cairn.quant._model import QuantizedModel, quantize_model
 from cairn.quant._numerics import fake_quant, quantize_array
 from cairn.quant._providers import PtqProvider, QtProvider, QuantizationProvider
@@ -25,9 +32,14 @@ __all__ = [
     "QuantizedModel",
     "QuantizationRule",
     "QtRule",
+    "LoraRule",
     "QuantizationProvider",
     "PtqProvider",
     "QtProvider",
+    "LoraProvider",
+    "apply_lora_to_model",
+    "apply_lora_to_params",
+    "lora_paths",
     "QTYPES",
     "QTypeInfo",
     "qtype_info",

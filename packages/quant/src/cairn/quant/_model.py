@@ -27,13 +27,28 @@ def _is_array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not hasattr(x, "__dict__")
 
 
-def _attribute_names(obj: Any) -> list[str]:
-    names: list[str] = list(getattr(obj, "__dict__", {}))
+def _attribute_names(obj: Any) -> list[tuple[str, bool]]:
+    """``(name, is_slot)`` of every attribute: ``__dict__`` entries, then ``__slots__``."""
+    names: list[tuple[str, bool]] = [(n, False) for n in getattr(obj, "__dict__", {})]
+    seen = {n for n, _ in names}
     for cls in type(obj).__mro__:
         for slot in getattr(cls, "__slots__", ()):
-            if slot not in ("__dict__", "__weakref__") and slot not in names:
-                names.append(slot)
+            if slot not in ("__dict__", "__weakref__") and slot not in seen:
+                names.append((slot, True))
+                seen.add(slot)
     return names
+
+
+def _set(obj: Any, name: str, value: Any, is_slot: bool) -> None:
+    """Set through the class's own ``__setattr__`` (so a module library notices structural
+    changes), except for slots, which are storage the class manages itself."""
+    if not is_slot:
+        try:
+            setattr(obj, name, value)
+            return
+        except (AttributeError, TypeError):
+            pass
+    object.__setattr__(obj, name, value)
 
 
 def _descend(old: Any, new: Any) -> bool:
@@ -68,7 +83,7 @@ def _sync(old: Any, new: Any, seen: set[int]) -> None:
             elif o is not n:
                 old[key] = n
         return
-    for name in _attribute_names(new):
+    for name, is_slot in _attribute_names(new):
         n = getattr(new, name, _MISSING)
         o = getattr(old, name, _MISSING)
         if n is _MISSING:
@@ -76,7 +91,7 @@ def _sync(old: Any, new: Any, seen: set[int]) -> None:
         if o is not _MISSING and _descend(o, n):
             _sync(o, n, seen)
         elif o is not n:
-            object.__setattr__(old, name, n)
+            _set(old, name, n, is_slot)
 
 
 class QuantizedModel:

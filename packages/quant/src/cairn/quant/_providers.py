@@ -54,6 +54,7 @@ class QuantizationProvider:
         self._plan: dict[str, tuple[QuantizationRule, tuple[int, ...], tuple[int, int] | None]] = {}
         self._static: dict[SiteKey, tuple[Any, Any]] = {}
         self._recording: dict[SiteKey, list[tuple[Any, Any]]] | None = None
+        self._weights: dict[str, Any] = {}
 
     def get_unused_rules(self) -> list[QuantizationRule]:
         """The rules that have not selected any op in any trace so far."""
@@ -61,9 +62,10 @@ class QuantizationProvider:
 
     # --- tracing bookkeeping (called by quantize) ---
 
-    def _begin_trace(self) -> None:
+    def _begin_trace(self, weights: dict[str, Any]) -> None:
         self._trace_used = set()
         self._seen = []
+        self._weights = weights
 
     def _end_trace(self, what: str) -> None:
         unused = [(i, r) for i, r in enumerate(self.rules) if i not in self._trace_used]
