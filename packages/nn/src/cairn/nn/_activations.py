@@ -35,6 +35,7 @@ from jax.nn import softplus as softplus
 from jax.nn import standardize as standardize
 from jax.nn import swish as swish
 
+from cairn.nn._linear import DType
 from cairn.nn._module import Module
 from cairn.nn._variables import Param
 
@@ -80,7 +81,7 @@ class PReLU(Module):
     [-0.019999999552965164, 3.0]
     """
 
-    def __init__(self, negative_slope_init: float = 0.01, param_dtype=jnp.float32):
+    def __init__(self, negative_slope_init: float = 0.01, param_dtype: DType = jnp.float32) -> None:
         self.negative_slope = Param(jnp.asarray(negative_slope_init, dtype=param_dtype))
 
     def __call__(self, inputs: jax.Array) -> jax.Array:

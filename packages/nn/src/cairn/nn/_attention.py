@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -133,13 +133,42 @@ def dot_product_attention_weights(
     promote_dtype: Callable[..., Any] = promote_dtype,
     is_causal: bool = False,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(d) + bias, masked)`` of shape ``(*batch, heads, q_len, kv_len)``.
+    r"""Attention weights ``softmax(q k^T / sqrt(d) + bias)`` over the unmasked keys.
 
-    The softmax runs in float32 (at least); fully masked rows give zero weights rather
-    than NaN. ``is_causal`` adds ``k <= q`` (top-left aligned). Dropout (when
-    ``dropout_rate > 0`` and not ``deterministic``) zeroes weights and rescales the rest.
-    With ``module`` given, the weights are recorded with ``module.sow(Intermediate,
-    'attention_weights', w)``.
+    .. math::
+       w_{hqk} = \frac{m_{hqk}\, e^{s_{hqk}}}{\sum_{k'} m_{hqk'}\, e^{s_{hqk'}}},\qquad
+       s_{hqk} = \frac{q_{qh} \cdot k_{k,g(h)}}{\sqrt{d}} + b_{hqk}
+
+    with ``m`` the mask (and ``k <= q`` when ``is_causal``; top-left aligned) and ``g(h)``
+    the kv head of query head ``h``. The softmax runs in float32 (at least); fully masked
+    rows give zero weights rather than NaN. Dropout (when ``dropout_rate > 0`` and not
+    ``deterministic``) zeroes weights and rescales the rest by ``1 / (1 - dropout_rate)``.
+
+    Args:
+      query: ``(*batch, q_len, num_heads, head_dim)``.
+      key: ``(*batch, kv_len, num_kv_heads, head_dim)``, ``num_kv_heads`` dividing
+        ``num_heads``.
+      bias, mask: broadcastable to ``(*batch, num_heads, q_len, kv_len)``; the mask is
+        boolean, True = attend.
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic: weight dropout; one
+        mask shared over the batch axes when ``broadcast_dropout``.
+      dtype, precision, promote_dtype: computation dtype (``None``: promote ``query`` and
+        ``key``), einsum precision and the promotion function.
+      module: when given, the weights are recorded with ``module.sow(Intermediate,
+        'attention_weights', w)``.
+      is_causal: add the causal mask.
+
+    Returns:
+      The weights, ``(*batch, num_heads, q_len, kv_len)``, in the computation dtype.
+
+    Raises:
+      ValueError: ranks, batch axes or head_dim that differ, ``num_heads`` not a
+        multiple of ``num_kv_heads``, or dropout without ``dropout_rng``.
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((1, 2, 1, 4)); k = jnp.ones((1, 3, 1, 4))
+    >>> dot_product_attention_weights(q, k, is_causal=True)[0, 0].tolist()
+    [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]]
     """
     _check_qkv(query, key)
     query, key = promote_dtype((query, key), dtype=dtype)
@@ -197,8 +226,25 @@ def dot_product_attention(
 ) -> jax.Array:
     """``softmax(q k^T / sqrt(d) + bias, mask) v``, output ``(*batch, q_len, heads, head_dim_v)``.
 
-    Grouped-query attention is native: ``key``/``value`` may have fewer heads than
-    ``query`` (a divisor); nothing is materialised per query head.
+    The weights are :func:`dot_product_attention_weights`'s (same arguments). Grouped-query
+    attention is native: ``key``/``value`` may have fewer heads than ``query`` (a
+    divisor); nothing is materialised per query head.
+
+    Args:
+      query: ``(*batch, q_len, num_heads, head_dim)``.
+      key: ``(*batch, kv_len, num_kv_heads, head_dim)``.
+      value: ``(*batch, kv_len, num_kv_heads, head_dim_v)``.
+      bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+        precision, module, promote_dtype, is_causal: as for
+        :func:`dot_product_attention_weights`.
+
+    Returns:
+      ``(*batch, q_len, num_heads, head_dim_v)`` in the computation dtype.
+
+    Raises:
+      ValueError: shapes that do not fit together (see
+        :func:`dot_product_attention_weights`; also ``value`` differing from ``key``
+        outside the last axis), or dropout without ``dropout_rng``.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((2, 5, 4, 8)); kv = jnp.ones((2, 7, 2, 8))
@@ -370,6 +416,12 @@ class MultiHeadAttention(Module):
     True
     """
 
+    query_ln: LayerNorm | None
+    key_ln: LayerNorm | None
+    cached_key: Cache | None
+    cached_value: Cache | None
+    cache_index: Cache | None
+
     def __init__(
         self,
         num_heads: int,
@@ -398,10 +450,10 @@ class MultiHeadAttention(Module):
         rope_base: float = 10000.0,
         rngs: Rngs,
         keep_rngs: bool = True,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        out_kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-        out_bias_metadata: Mapping[str, Any] = {},  # noqa: B006
+        kernel_metadata: Mapping[str, Any] = {},
+        out_kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+        out_bias_metadata: Mapping[str, Any] = {},
     ) -> None:
         sizes = _mha_sizes(
             num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
@@ -558,8 +610,8 @@ class MultiHeadAttention(Module):
         k = self.key(xk)
         v = self.value(xv)
         if self.normalize_qk:
-            q = self.query_ln(q)
-            k = self.key_ln(k)
+            q = cast(LayerNorm, self.query_ln)(q)
+            k = cast(LayerNorm, self.key_ln)(k)
 
         decode = self.decode if decode is None else decode
         if decode:
@@ -635,7 +687,8 @@ class MultiHeadAttention(Module):
         if self.cache_index is None:
             raise ValueError(f"{name}: decode=True but the cache is empty; call init_cache first")
         q_len = q.shape[-3]
-        ck = self.cached_key[...]
+        cached_key, cached_value = cast(Cache, self.cached_key), cast(Cache, self.cached_value)
+        ck = cached_key[...]
         *cbatch, max_len, _, _ = ck.shape
         if tuple(k.shape[:-3]) != tuple(cbatch) or k.shape[-3] != q_len:
             raise ValueError(
@@ -656,9 +709,9 @@ class MultiHeadAttention(Module):
         zero = jnp.zeros((), jnp.int32)
         start = (zero,) * len(cbatch) + (idx, zero, zero)
         k = lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
-        v = lax.dynamic_update_slice(self.cached_value[...], v.astype(ck.dtype), start)
-        self.cached_key[...] = k
-        self.cached_value[...] = v
+        v = lax.dynamic_update_slice(cached_value[...], v.astype(ck.dtype), start)
+        cached_key[...] = k
+        cached_value[...] = v
         self.cache_index[...] = idx + q_len
         dmask = jnp.arange(max_len, dtype=jnp.int32)[None, :] <= qpos[:, None]  # (q, max_len)
         dmask = jnp.broadcast_to(dmask, tuple(cbatch) + (1, q_len, max_len))

@@ -91,7 +91,6 @@ def value_and_grad(
         )
     pred = to_predicate(wrt)
     nums = argnums_tuple(argnums)
-    jax_kw = {"holomorphic": holomorphic, "allow_int": allow_int}
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
@@ -110,7 +109,7 @@ def value_and_grad(
             for li, sel in diff_sel
         ]
         (loss, (aux, new_dyn)), g = jax.value_and_grad(
-            pure, argnums=0, has_aux=True, **jax_kw
+            pure, argnums=0, has_aux=True, holomorphic=holomorphic, allow_int=allow_int
         )(diff_vals, plan.dyn)
         plan.write_back(plan.fill(new_dyn), box.value)
         grads, k = [], 0
@@ -140,7 +139,7 @@ def _diff_selection(plan: Plan, ranges, pred) -> list[tuple[int, list[int] | Non
     """``(leaf index, variable indices)`` per leaf of the differentiated arguments: for
     a module the indices of its variables matching ``pred``, else None (the whole
     leaf)."""
-    sel = []
+    sel: list[tuple[int, list[int] | None]] = []
     for lo, hi in ranges:
         for li in range(lo, hi):
             if plan.kinds[li] == MOD:
@@ -195,5 +194,5 @@ def _package_grads(arg, plan: Plan, items, gs):
             leaves.append(gv)
     if isinstance(arg, Module | Variable):
         return leaves[0]
-    treedef = jax.tree_util.tree_structure(arg, is_leaf=is_node)
+    treedef: Any = jax.tree_util.tree_structure(arg, is_leaf=is_node)
     return treedef.unflatten(leaves)

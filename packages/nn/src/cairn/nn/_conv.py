@@ -24,6 +24,7 @@ from cairn.nn._linear import (
 )
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
+from cairn.nn._variables import Param
 
 __all__ = ["Conv", "ConvTranspose", "canonicalize_padding"]
 
@@ -31,7 +32,9 @@ PaddingLike = str | int | Sequence[int | tuple[int, int]]
 _STR_PADS = ("SAME", "VALID", "CIRCULAR", "CAUSAL", "REFLECT")
 
 
-def canonicalize_padding(padding: PaddingLike, rank: int, layer: str = "Conv"):
+def canonicalize_padding(
+    padding: PaddingLike, rank: int, layer: str = "Conv"
+) -> str | tuple[tuple[int, int], ...]:
     """Returns an upper-case padding mode or a tuple of ``rank`` ``(low, high)`` pairs.
 
     Accepts ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'CAUSAL'``, ``'REFLECT'``, an int
@@ -48,7 +51,7 @@ def canonicalize_padding(padding: PaddingLike, rank: int, layer: str = "Conv"):
     if isinstance(padding, int | np.integer):
         return ((int(padding), int(padding)),) * rank
     try:
-        items = list(padding)
+        items: list[Any] = list(padding)
     except TypeError as e:
         raise TypeError(f"{layer}: cannot interpret padding {padding!r}") from e
     if len(items) == 1 and rank > 1:
@@ -92,6 +95,18 @@ def _dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
 
 
 class _ConvBase(Module):
+    _layer: str  # the name error messages use
+    kernel_size: tuple[int, ...]
+    # set by store_layer_options / make_kernel_and_bias
+    kernel: Param
+    bias: Param | None
+    dtype: DType | None
+    param_dtype: DType
+    precision: Any
+    promote_dtype: Callable[..., Any]
+    conv_general_dilated: Callable[..., jax.Array]
+    preferred_element_type: DType | None
+
     def _flatten_batch(self, x: jax.Array, rank: int):
         name = type(self).__name__
         if x.ndim < rank + 1:
@@ -160,9 +175,9 @@ class Conv(_ConvBase):
         promote_dtype: Callable[..., Any] = promote_dtype,
         preferred_element_type: DType | None = None,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         in_features, out_features, ks = _features("Conv", in_features, out_features, kernel_size)
         rank = len(ks)
         feature_group_count = _checks.positive_int("Conv", "feature_group_count", feature_group_count)
@@ -276,9 +291,9 @@ class ConvTranspose(_ConvBase):
         promote_dtype: Callable[..., Any] = promote_dtype,
         preferred_element_type: DType | None = None,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         in_features, out_features, ks = _features(
             "ConvTranspose", in_features, out_features, kernel_size
         )

@@ -40,7 +40,7 @@ class Dropout(Module):
         deterministic: bool | None = False,
         rng_collection: str = "dropout",
         rngs: Rngs | RngStream | None = None,
-    ):
+    ) -> None:
         self.rate = _checks.rate("Dropout", "rate", rate)
         self.broadcast_dims = tuple(int(d) for d in broadcast_dims)
         self.deterministic = deterministic
@@ -90,7 +90,9 @@ def _own_stream(rngs, name: str, layer: str):
     raise TypeError(f"{layer}: rngs must be an Rngs, an RngStream or None, got {type(rngs).__name__}")
 
 
-def draw_key(rngs, own, name: str, layer: str) -> jax.Array:
+def draw_key(
+    rngs: Rngs | RngStream | jax.Array | None, own: RngStream | None, name: str, layer: str
+) -> jax.Array:
     """A fresh key from the call's ``rngs`` (Rngs, stream or key) or the layer's own stream."""
     if rngs is not None:
         if isinstance(rngs, Rngs):

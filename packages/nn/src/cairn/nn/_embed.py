@@ -47,8 +47,8 @@ class Embed(Module):
         embedding_init: Initializer = default_embed_init,
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
-        embedding_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        embedding_metadata: Mapping[str, Any] = {},
+    ) -> None:
         self.num_embeddings = _checks.positive_int("Embed", "num_embeddings", num_embeddings)
         self.features = _checks.positive_int("Embed", "features", features)
         self.dtype = dtype

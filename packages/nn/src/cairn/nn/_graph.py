@@ -14,7 +14,7 @@ This module works on the node protocol of ``cairn.nn._nodes`` and sits below
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -48,14 +48,14 @@ class GraphDef:
     def __init__(self, node: tuple, paths: tuple) -> None:
         self.node = node
         self.paths = paths
-        self._hash = None
-        self._index = None
-        self._pstrs = None
+        self._hash: int | None = None
+        self._index: dict[tuple, int] | None = None
+        self._pstrs: tuple[str, ...] | None = None
         self._uses = 0
-        self._codegen = None
+        self._codegen: Callable[[Any], Node] | None = None
         # shapes and dtypes (avals) of the variables when the graph was first handed out
         # by split / graphdef: what nn.merge checks against (not part of hash / equality)
-        self._specs = None
+        self._specs: list | None = None
 
     @property
     def num_variables(self) -> int:
@@ -64,24 +64,27 @@ class GraphDef:
     @property
     def path_strings(self) -> tuple[str, ...]:
         """The path string of each variable (computed once per GraphDef)."""
-        if self._pstrs is None:
-            self._pstrs = tuple(path_str(p) for p in self.paths)
-        return self._pstrs
+        s = self._pstrs
+        if s is None:
+            s = self._pstrs = tuple(path_str(p) for p in self.paths)
+        return s
 
     @property
     def path_index(self) -> dict[tuple, int]:
-        if self._index is None:
-            self._index = {p: i for i, p in enumerate(self.paths)}
-        return self._index
+        d = self._index
+        if d is None:
+            d = self._index = {p: i for i, p in enumerate(self.paths)}
+        return d
 
     @property
     def type(self) -> type:
         return self.node[0]
 
     def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = hash(self.node)
-        return self._hash
+        h = self._hash
+        if h is None:
+            h = self._hash = hash(self.node)
+        return h
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -96,13 +99,14 @@ class GraphDef:
     # --- rebuilding ---
     def build_from_variables(self, variables: list[Variable]) -> Node:
         """A new module tree of this structure holding ``variables`` (reused, not copied)."""
-        if self._codegen is not None:
-            root = self._codegen(variables)
+        build = self._codegen
+        if build is not None:
+            root = build(variables)
         else:
             self._uses += 1
             if self._uses >= 2:  # used again: compile a straight-line builder
-                self._codegen = _codegen_builder(self.node)
-                root = self._codegen(variables)
+                build = self._codegen = _codegen_builder(self.node)
+                root = build(variables)
             else:
                 it = iter(variables)
                 root = _build(self.node, lambda _: next(it))
@@ -193,7 +197,7 @@ class _Codegen:
                 expr = f"{self.const(treedef)}.unflatten([{subs}])"
             parts.append((k, expr))
         c = self.const(cls)
-        line = _STORE_LINES.get(graph_store(cls))
+        line = _STORE_LINES.get(graph_store(cls) or "")
         if line is not None:
             self.lines.append(line(name, c, parts))
         else:
@@ -287,7 +291,7 @@ def split(node: Node, *filters: Any) -> tuple:
     if c.graphdef._specs is None:
         _record_specs(c)
     if not filters:
-        return c.graphdef, State._from_cache(c.graphdef, c.graphdef.paths, c.variables)
+        return c.graphdef, State._from_cache(c.graphdef, c.variables)
     return (c.graphdef, *_partition(c, filters, "split", True))
 
 
@@ -298,7 +302,7 @@ def state(node: Node, *filters: Any) -> State | tuple[State, ...]:
     _check_module(node, "state")
     c = flat(node)
     if not filters:
-        return State._from_cache(c.graphdef, c.graphdef.paths, c.variables)
+        return State._from_cache(c.graphdef, c.variables)
     states = _partition(c, filters, "state", False)
     return states[0] if len(states) == 1 else tuple(states)
 
@@ -436,7 +440,7 @@ def _check_merge_values(graphdef: GraphDef, variables: list) -> None:
     where it has the graph's rank (a value with fewer or more axes is a mapped or stacked
     state: ``jax.vmap`` / ``lax.scan`` over layers, ``nn.vmap``), and the same kind of
     dtype (a cast between float dtypes, e.g. to bfloat16 for inference, is allowed)."""
-    for i, (old, v) in enumerate(zip(graphdef._specs, variables)):
+    for i, (old, v) in enumerate(zip(graphdef._specs or (), variables)):
         x = v.raw_value if isinstance(v, Variable) else v
         try:  # the _spec fast path inlined: this loop runs once per variable
             new = x.aval
@@ -540,8 +544,8 @@ def sync(target: Node, source: Node) -> None:
         elif isinstance(sv, Node) and type(tv) is type(sv):
             sync(tv, sv)
         elif isinstance(sv, tuple) and isinstance(tv, tuple) and tuple_has_nodes(sv):
-            s_leaves, s_def = jax.tree_util.tree_flatten(sv, is_leaf=is_node)
-            t_leaves, t_def = jax.tree_util.tree_flatten(tv, is_leaf=is_node)
+            s_leaves, s_def = _flatten_nodes(sv)
+            t_leaves, t_def = _flatten_nodes(tv)
             if s_def == t_def and all(type(a) is type(b) for a, b in zip(s_leaves, t_leaves)):
                 for a, b in zip(t_leaves, s_leaves):
                     if isinstance(a, Variable):
@@ -555,6 +559,11 @@ def sync(target: Node, source: Node) -> None:
     for k in reversed(list(t_items)):
         if k not in s_keys:
             target._graph_del(k)
+
+
+def _flatten_nodes(tree: Any) -> tuple[list, Any]:
+    """Leaves and treedef of ``tree`` with variables and nodes as leaves."""
+    return jax.tree_util.tree_flatten(tree, is_leaf=is_node)
 
 
 def _same_static(a, b) -> bool:

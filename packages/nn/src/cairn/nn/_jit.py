@@ -85,7 +85,8 @@ class _Prepared:
     def __init__(self, args, kwargs):
         self.args = args
         self.kwargs = kwargs
-        self.plans = None
+        self.key: tuple = ()
+        self.plans: dict[Any, Plan] | None = None
         self.don: list = []
         self.keep: list = []
         self.tdon: list = []
@@ -106,7 +107,7 @@ class _Prepared:
 def _arg_descs(args, static, donate, plans) -> list:
     """Per argument: ``("S", value)`` static, ``("M", graphdef, donated)`` module,
     ``("A", donated)`` array, ``("P", plan, donated)`` any other pytree."""
-    descs = []
+    descs: list[tuple] = []
     for i, a in enumerate(args):
         if i in static:
             descs.append(("S", a))
@@ -125,7 +126,8 @@ def _rebuild_call(descs, kwplan, don, keep) -> tuple[list, dict, list]:
     plan argument."""
     its = {True: iter(don), False: iter(keep)}
     offs = {True: 0, False: 0}
-    call_args, records = [], []
+    call_args: list[Any] = []
+    records: list[tuple] = []
     for i, d in enumerate(descs):
         if d[0] == "S":
             call_args.append(d[1])
@@ -192,8 +194,10 @@ def _plan_changes(p: Plan, rebuilt, vals, off, donated, tgt) -> tuple | None:
 def _collect_changes(records) -> tuple[dict, dict, _StructOut | None]:
     """The changed donated / kept values (flat index -> value) and the arguments whose
     structure changed."""
-    ud, uk = {}, {}
-    graphs, values = [], []
+    ud: dict[int, Any] = {}
+    uk: dict[int, Any] = {}
+    graphs: list[tuple] = []
+    values: list[Any] = []
     for where, obj, vals, off, donated, desc in records:
         tgt = ud if donated else uk
         if isinstance(desc, GraphDef):
@@ -237,7 +241,7 @@ class JitWrapped:
         static = set(_normalize_argnums(static_argnums, "static_argnums"))
         donate = set(_normalize_argnums(donate_argnums, "donate_argnums"))
         sn, dn = _names(static_argnames), _names(donate_argnames)
-        self._sig = None
+        self._sig: inspect.Signature | None = None
         if sn or dn:
             static |= self._argnames_positions(sn, "static_argnames")
             donate |= self._argnames_positions(dn, "donate_argnames")
@@ -254,7 +258,7 @@ class JitWrapped:
         self._donate = frozenset(donate)
         self._jit_kwargs = jit_kwargs
         self._cache: dict = {}
-        self._checked = None
+        self._checked: tuple | None = None
 
     def _argnames_positions(self, names: tuple[str, ...], what: str) -> set[int]:
         if self._sig is None:
@@ -262,7 +266,7 @@ class JitWrapped:
                 self._sig = inspect.signature(self.fun)
             except (TypeError, ValueError):
                 self._sig = None
-        params = list(self._sig.parameters) if self._sig is not None else []
+        params: list[str] = list(self._sig.parameters) if self._sig is not None else []
         for n in names:
             if n not in params:
                 raise ValueError(f"{what}: {self.fun!r} has no parameter {n!r}")
@@ -300,7 +304,7 @@ class JitWrapped:
         pa = _Prepared(args, kwargs)
         ep = EPOCH[0]
         static, donate = self._static, self._donate
-        keyparts = []
+        keyparts: list[Any] = []
         for i, a in enumerate(args):
             if i in static:
                 keyparts.append((type(a), a))
@@ -346,13 +350,14 @@ class JitWrapped:
         return entry
 
     def _bind(self, args, kwargs):
-        if self._sig is None:
+        sig = self._sig
+        if sig is None:
             try:
-                self._sig = inspect.signature(self.fun)
+                sig = self._sig = inspect.signature(self.fun)
             except (TypeError, ValueError):
                 return args, kwargs
         try:
-            ba = self._sig.bind(*args, **kwargs)
+            ba = sig.bind(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"nn.jit({getattr(self.fun, '__name__', self.fun)}): {e}") from None
         return ba.args, ba.kwargs
@@ -365,7 +370,7 @@ class JitWrapped:
             if isinstance(a, Module):
                 sync(a, new_descs.build_from_values(vals))
                 continue
-            p = pa.plans[where]
+            p = (pa.plans or {})[where]
             for i, kind in enumerate(p.kinds):
                 if kind == MOD:
                     write_module(p.objs[i], p.descs[i], p.varlists[i], new_descs[i], vals[i])
@@ -375,8 +380,8 @@ class JitWrapped:
     def _make(self, pa: _Prepared) -> _JitEntry:
         """Compile the pure function for the argument structure of ``pa``."""
         fun = self.fun
-        descs = _arg_descs(pa.args, self._static, self._donate, pa.plans)
         kwplan = pa.plans.get("kw") if (pa.kwargs and pa.plans) else None
+        descs = _arg_descs(pa.args, self._static, self._donate, pa.plans or {})
 
         def pure(don, keep):
             call_args, kw, records = _rebuild_call(descs, kwplan, don, keep)

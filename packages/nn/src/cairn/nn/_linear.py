@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +26,10 @@ default_kernel_init = _init.lecun_normal()
 default_bias_init = _init.zeros
 
 
-# --------------------------------------------------------------------------- helpers
+# --- helpers ---
 
 
-def canonicalize_dtype(*args, dtype: DType | None = None, inexact: bool = True) -> DType:
+def canonicalize_dtype(*args: Any, dtype: DType | None = None, inexact: bool = True) -> DType:
     """The dtype computations run in: ``dtype`` if given, else the promotion of ``args``.
 
     ``None`` arguments are ignored. With ``inexact=True`` an integer result is promoted to
@@ -45,10 +45,13 @@ def canonicalize_dtype(*args, dtype: DType | None = None, inexact: bool = True) 
     return dtype
 
 
-def promote_dtype(args: Sequence[Any], /, *, dtype: DType | None = None, inexact: bool = True):
+def promote_dtype(
+    args: Sequence[Any], /, *, dtype: DType | None = None, inexact: bool = True
+) -> Any:
     """Casts every non-``None`` array of ``args`` to one common dtype (see above)."""
     dt = canonicalize_dtype(*args, dtype=dtype, inexact=inexact)
-    return type(args)(None if a is None else jnp.asarray(a, dt) for a in args)
+    container: Callable[..., Any] = type(args)
+    return container(None if a is None else jnp.asarray(a, dt) for a in args)
 
 
 def check_input(layer: Module | str, x: Any, *, min_ndim: int = 1) -> jax.Array:
@@ -69,7 +72,9 @@ def check_input(layer: Module | str, x: Any, *, min_ndim: int = 1) -> jax.Array:
     return x
 
 
-def check_axis(layer: Module | str, x: jax.Array, axis: int, expected: int, what="last axis"):
+def check_axis(
+    layer: Module | str, x: jax.Array, axis: int, expected: int, what: str = "last axis"
+) -> None:
     name = layer if isinstance(layer, str) else type(layer).__name__
     if x.shape[axis] != expected:
         raise ValueError(
@@ -95,13 +100,17 @@ def map_init_value(out: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(out)
 
 
-def make_param(init: Initializer, key, shape, dtype, metadata: Mapping[str, Any]) -> Param:
+def make_param(
+    init: Initializer, key: jax.Array, shape: Sequence[int], dtype: DType,
+    metadata: Mapping[str, Any],
+) -> Param:
     return Param(init(key, shape, dtype), **dict(metadata))
 
 
 def store_layer_options(
-    module, dtype, param_dtype, precision, kernel_init, bias_init, ops: Mapping[str, Any],
-    preferred_element_type,
+    module: Module, dtype: DType | None, param_dtype: DType, precision: Any,
+    kernel_init: Initializer, bias_init: Initializer, ops: Mapping[str, Any],
+    preferred_element_type: DType | None,
 ) -> None:
     """Store the options the kernel layers share, in the attribute order they all use;
     ``ops`` are the layer's own callables (its contraction op and ``promote_dtype``, in
@@ -117,8 +126,9 @@ def store_layer_options(
 
 
 def make_kernel_and_bias(
-    module, rngs, kernel_init, kernel_shape, bias_init, bias_shape, param_dtype,
-    kernel_metadata, bias_metadata,
+    module: Module, rngs: Rngs, kernel_init: Initializer, kernel_shape: Sequence[int],
+    bias_init: Initializer, bias_shape: Sequence[int] | None, param_dtype: DType,
+    kernel_metadata: Mapping[str, Any], bias_metadata: Mapping[str, Any],
 ) -> None:
     """``module.kernel``, then ``module.bias`` (None when ``bias_shape`` is None; no
     ``params`` key is drawn for it then)."""
@@ -129,7 +139,7 @@ def make_kernel_and_bias(
     )
 
 
-# --------------------------------------------------------------------------- Linear
+# --- Linear ---
 
 
 class Linear(Module):
@@ -153,6 +163,18 @@ class Linear(Module):
     (2, 4)
     """
 
+    # set by store_layer_options / make_kernel_and_bias
+    kernel: Param
+    bias: Param | None
+    dtype: DType | None
+    param_dtype: DType
+    precision: Any
+    kernel_init: Initializer
+    bias_init: Initializer
+    promote_dtype: Callable[..., Any]
+    preferred_element_type: DType | None
+    dot_general: Callable[..., jax.Array]
+
     def __init__(
         self,
         in_features: int,
@@ -168,9 +190,9 @@ class Linear(Module):
         promote_dtype: Callable[..., Any] = promote_dtype,
         preferred_element_type: DType | None = None,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006 - read only
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006 - read only
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         self.in_features = _checks.positive_int("Linear", "in_features", in_features)
         self.out_features = _checks.positive_int("Linear", "out_features", out_features)
         self.use_bias = bool(use_bias)
@@ -199,7 +221,7 @@ class Linear(Module):
         return y
 
 
-# --------------------------------------------------------------------------- LinearGeneral
+# --- LinearGeneral ---
 
 
 class LinearGeneral(Module):
@@ -217,13 +239,25 @@ class LinearGeneral(Module):
     (3, 5, 2, 4)
     """
 
+    # set by store_layer_options / make_kernel_and_bias
+    kernel: Param
+    bias: Param | None
+    dtype: DType | None
+    param_dtype: DType
+    precision: Any
+    kernel_init: Initializer
+    bias_init: Initializer
+    promote_dtype: Callable[..., Any]
+    preferred_element_type: DType | None
+    dot_general: Callable[..., jax.Array]
+
     def __init__(
         self,
         in_features: int | Sequence[int],
         out_features: int | Sequence[int],
         *,
         axis: int | Sequence[int] = -1,
-        batch_axis: Mapping[int, int] = {},  # noqa: B006 - read only
+        batch_axis: Mapping[int, int] = {},
         use_bias: bool = True,
         dtype: DType | None = None,
         param_dtype: DType = jnp.float32,
@@ -234,9 +268,9 @@ class LinearGeneral(Module):
         dot_general: Callable[..., jax.Array] | None = None,
         preferred_element_type: DType | None = None,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         self.in_features = _checks.positive_ints("LinearGeneral", "in_features", in_features)
         self.out_features = _checks.positive_ints("LinearGeneral", "out_features", out_features)
         self.axis = to_tuple(axis, "axis")
@@ -293,7 +327,7 @@ class LinearGeneral(Module):
             raise ValueError(
                 f"LinearGeneral axis {self.axis} out of range for input of shape {tuple(x.shape)}"
             )
-        for a, f in zip(axes, self.in_features):
+        for a, f in zip(cast(tuple[int, ...], axes), self.in_features):
             check_axis(self, x, a, f, what=f"axis {a} of size")
         nb = len(self.batch_axis)
         for b, size in self.batch_axis:
@@ -315,7 +349,7 @@ class LinearGeneral(Module):
         return y
 
 
-# --------------------------------------------------------------------------- Einsum
+# --- Einsum ---
 
 _EINSUM_RE = re.compile(r"^\s*([a-zA-Z.]*)\s*,\s*([a-zA-Z]*)\s*->\s*([a-zA-Z.]*)\s*$")
 
@@ -333,6 +367,18 @@ class Einsum(Module):
     (3, 5, 2, 4)
     """
 
+    # set by store_layer_options / make_kernel_and_bias
+    kernel: Param
+    bias: Param | None
+    dtype: DType | None
+    param_dtype: DType
+    precision: Any
+    kernel_init: Initializer
+    bias_init: Initializer
+    promote_dtype: Callable[..., Any]
+    preferred_element_type: DType | None
+    einsum_op: Callable[..., jax.Array]
+
     def __init__(
         self,
         einsum_str: str,
@@ -348,9 +394,9 @@ class Einsum(Module):
         einsum_op: Callable[..., jax.Array] = jnp.einsum,
         preferred_element_type: DType | None = None,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         m = _EINSUM_RE.match(einsum_str.replace(" ", ""))
         if m is None:
             raise ValueError(

@@ -55,9 +55,9 @@ class LoRA(Module):
         lora_param_type: type[Param] = LoRAParam,
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
-        a_metadata: Mapping[str, Any] = {},  # noqa: B006
-        b_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        a_metadata: Mapping[str, Any] = {},
+        b_metadata: Mapping[str, Any] = {},
+    ) -> None:
         self.in_features = _checks.positive_int("LoRA", "in_features", in_features)
         self.out_features = _checks.positive_int("LoRA", "out_features", out_features)
         self.lora_rank = _checks.positive_int("LoRA", "lora_rank", lora_rank)
@@ -120,10 +120,10 @@ class LoRALinear(Linear):
         lora_param_type: type[Param] = LoRAParam,
         lora_promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
-        a_metadata: Mapping[str, Any] = {},  # noqa: B006
-        b_metadata: Mapping[str, Any] = {},  # noqa: B006
+        a_metadata: Mapping[str, Any] = {},
+        b_metadata: Mapping[str, Any] = {},
         **kwargs: Any,
-    ):
+    ) -> None:
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
         self.lora = LoRA(
             in_features, lora_rank, out_features, alpha=alpha, dtype=lora_dtype,

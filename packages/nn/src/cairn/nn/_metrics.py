@@ -53,7 +53,7 @@ class Average(Metric):
     3.0
     """
 
-    def __init__(self, argname: str = "values"):
+    def __init__(self, argname: str = "values") -> None:
         self.argname = argname
         self.total = MetricState(jnp.zeros((), jnp.float32))
         self.count = MetricState(jnp.zeros((), jnp.int32))
@@ -76,11 +76,11 @@ class Accuracy(Average):
     ``logits`` of shape ``labels.shape + (classes,)`` (argmax), or of the same shape as
     integer ``labels`` when ``threshold`` is given (binary: ``logits > threshold``)."""
 
-    def __init__(self, threshold: float | None = None):
+    def __init__(self, threshold: float | None = None) -> None:
         super().__init__("values")
         self.threshold = threshold
 
-    def update(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, **kwargs: Any) -> None:
         logits = _get(kwargs, "logits", "Accuracy")
         labels = _get(kwargs, "labels", "Accuracy")
         if not jnp.issubdtype(labels.dtype, jnp.integer) and labels.dtype != jnp.bool_:
@@ -121,7 +121,7 @@ class Welford(Metric):
     ``update(values=...)``, merged batch by batch with Chan et al.'s parallel update
     (numerically stable). ``compute()`` returns :class:`Statistics`."""
 
-    def __init__(self, argname: str = "values"):
+    def __init__(self, argname: str = "values") -> None:
         self.argname = argname
         self.count = MetricState(jnp.zeros((), jnp.float32))
         self.mean = MetricState(jnp.zeros((), jnp.float32))
@@ -155,7 +155,7 @@ class MultiMetric(Metric):
     """Several named metrics updated together: ``update(**kwargs)`` passes every keyword
     to each metric (each takes what it needs); ``compute()`` returns a dict."""
 
-    def __init__(self, **metrics: Metric):
+    def __init__(self, **metrics: Metric) -> None:
         for name, m in metrics.items():
             if not isinstance(m, Metric):
                 raise TypeError(f"MultiMetric: {name!r} is a {type(m).__name__}, not a Metric")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +71,7 @@ class Module(Node):
         super().__init_subclass__(**kwargs)  # registers the class as a pytree
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_cairn_wrapped", False):
-            cls.__call__ = _wrap_call(call)
+            cls.__call__ = _wrap_call(call)  # type: ignore[method-assign]
 
     # --- attribute handling ---
     def __setattr__(self, name: str, value: Any) -> None:
@@ -90,7 +90,7 @@ class Module(Node):
     def iter_modules(self) -> Iterator[tuple[str, Module]]:
         """Yield ``(path, module)`` for this module and every submodule, depth first, in
         attribute order. Paths use the ``a/b/0`` convention; the root's path is ``""``."""
-        return iter_modules(self)
+        return cast(Iterator[tuple[str, Module]], iter_modules(self))
 
     def iter_children(self) -> Iterator[tuple[Any, Module]]:
         """Yield ``(key, module)`` for the direct child modules."""
@@ -183,10 +183,10 @@ class Module(Node):
         return module_repr(self)
 
     def __copy__(self) -> Module:
-        return clone(self)
+        return cast(Module, clone(self))
 
     def __deepcopy__(self, memo: dict) -> Module:
-        return clone(self)
+        return cast(Module, clone(self))
 
 
 _CALL_DEPTH = [0]
@@ -209,7 +209,7 @@ def _wrap_call(fn):
         finally:
             _CALL_DEPTH[0] = 0
 
-    __call__._cairn_wrapped = True
+    __call__._cairn_wrapped = True  # type: ignore[attr-defined]
     return __call__
 
 
@@ -276,6 +276,8 @@ def _check_attribute(module: Module, name: str, value: Any) -> Any:
 
 class _Container(Module):
     """Base of ``List`` and ``Dict``: children live in ``_cairn_items``, not attributes."""
+
+    _cairn_items: Any  # a list (List) or a dict (Dict), set in __init__ / _graph_new
 
     def _graph_set(self, key, value):
         items = self._cairn_items

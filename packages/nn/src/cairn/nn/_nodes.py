@@ -61,12 +61,13 @@ class Static:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self._h = None
+        self._h: int | None = None
 
     def __hash__(self) -> int:
-        if self._h is None:
-            self._h = static_hash(self.value)
-        return self._h
+        h = self._h
+        if h is None:
+            h = self._h = static_hash(self.value)
+        return h
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Static) and (
@@ -130,6 +131,10 @@ def graph_store(cls: type) -> str | None:
     return None
 
 
+def _flatten_nodes(tree: Any) -> tuple[list, Any]:
+    return jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+
+
 def is_node(x: Any) -> bool:
     """Whether ``x`` is a variable or a node (a leaf for pytree walks over arguments)."""
     return isinstance(x, Variable | Node)
@@ -171,8 +176,8 @@ def key_of(entry: Any) -> Any:
 def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
     """One level of ``node`` as a pytree: variables' values and child nodes are the
     children (a variable's value at the variable's own key), the rest is aux data."""
-    children = []
-    entries = []
+    children: list[tuple[Any, Any]] = []
+    entries: list[tuple] = []
     key_cls = node._graph_key
     for k, v in node._graph_items():
         if isinstance(v, Variable):
@@ -182,7 +187,7 @@ def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
             children.append((key_cls(k), v))
             entries.append((k, MOD, None))
         elif isinstance(v, tuple) and tuple_has_nodes(v):
-            leaves, treedef = jax.tree_util.tree_flatten(v, is_leaf=is_node)
+            leaves, treedef = _flatten_nodes(v)
             leafdefs = tuple(
                 (VAR, template_of(x)) if isinstance(x, Variable) else (MOD, None)
                 for x in leaves
@@ -291,7 +296,7 @@ class _TreeEncoder:
         if i in seen:
             raise _shared(node, seen[i], path)
         seen[i] = path
-        entries = []
+        entries: list[tuple] = []
         if type(node)._graph_items is _PLAIN_ITEMS:  # skip the list copy of __dict__
             items = [
                 kv for kv in node.__dict__.items()

@@ -20,7 +20,7 @@ from cairn.nn import initializers as _init
 from cairn.nn._linear import DType, Initializer, canonicalize_dtype, check_input, make_param
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
-from cairn.nn._variables import BatchStat
+from cairn.nn._variables import BatchStat, Param
 
 __all__ = ["BatchNorm", "GroupNorm", "InstanceNorm", "LayerNorm", "RMSNorm"]
 
@@ -100,6 +100,12 @@ def _axes_option(axes):
 
 
 class _Norm(Module):
+    num_features: int
+    # set by _params
+    scale: Param | None
+    bias: Param | None
+    use_fast_variance: bool  # set by _store_options for the norms that have it
+
     def _store_options(
         self, epsilon, dtype, param_dtype, use_bias, use_scale, axes, axis_name,
         axis_index_groups, use_fast_variance,
@@ -131,7 +137,8 @@ class _Norm(Module):
 
     def _values(self):
         scale = self.scale[...] if self.scale is not None else None
-        bias = self.bias[...] if getattr(self, "bias", None) is not None else None
+        bias_param = getattr(self, "bias", None)
+        bias = bias_param[...] if bias_param is not None else None
         return scale, bias
 
     def _out_dtype(self, x, scale, bias):
@@ -177,6 +184,10 @@ class LayerNorm(_Norm):
     (0.0, 1.0)
     """
 
+    # stored by _store_options
+    reduction_axes: int | tuple[int, ...]
+    feature_axes: int | tuple[int, ...]
+
     def __init__(
         self,
         num_features: int,
@@ -195,9 +206,9 @@ class LayerNorm(_Norm):
         use_fast_variance: bool = True,
         promote_dtype: Callable[..., Any] | None = None,
         rngs: Rngs,
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        bias_metadata: Mapping[str, Any] = {},
+        scale_metadata: Mapping[str, Any] = {},
+    ) -> None:
         del promote_dtype
         self.num_features = _checks.positive_int("LayerNorm", "num_features", num_features)
         self._store_options(
@@ -226,6 +237,10 @@ class RMSNorm(_Norm):
     [1.7321, 0.0, 0.0]
     """
 
+    # stored by _store_options
+    reduction_axes: int | tuple[int, ...]
+    feature_axes: int | tuple[int, ...]
+
     def __init__(
         self,
         num_features: int,
@@ -242,8 +257,8 @@ class RMSNorm(_Norm):
         use_fast_variance: bool = True,
         promote_dtype: Callable[..., Any] | None = None,
         rngs: Rngs,
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        scale_metadata: Mapping[str, Any] = {},
+    ) -> None:
         del promote_dtype, use_fast_variance
         self.num_features = _checks.positive_int("RMSNorm", "num_features", num_features)
         self._store_options(
@@ -276,6 +291,9 @@ class GroupNorm(_Norm):
     (2, 5, 8)
     """
 
+    # stored by _store_options
+    reduction_axes: int | tuple[int, ...] | None
+
     def __init__(
         self,
         num_features: int,
@@ -295,9 +313,9 @@ class GroupNorm(_Norm):
         use_fast_variance: bool = True,
         promote_dtype: Callable[..., Any] | None = None,
         rngs: Rngs,
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        bias_metadata: Mapping[str, Any] = {},
+        scale_metadata: Mapping[str, Any] = {},
+    ) -> None:
         del promote_dtype
         num_features = _checks.positive_int("GroupNorm", "num_features", num_features)
         num_groups = _checks.optional_positive_int("GroupNorm", "num_groups", num_groups)
@@ -313,6 +331,7 @@ class GroupNorm(_Norm):
                     f"GroupNorm: num_features {num_features} not divisible by group_size {group_size}"
                 )
             num_groups = num_features // group_size
+        assert num_groups is not None  # exactly one of the two was given
         if num_groups < 1 or num_features % num_groups:
             raise ValueError(
                 f"GroupNorm: num_features {num_features} not divisible by num_groups {num_groups}"
@@ -363,6 +382,9 @@ class InstanceNorm(_Norm):
     the leading batch axis and ``feature_axes``).
     """
 
+    # stored by _store_options
+    feature_axes: int | tuple[int, ...]
+
     def __init__(
         self,
         num_features: int,
@@ -380,9 +402,9 @@ class InstanceNorm(_Norm):
         use_fast_variance: bool = True,
         promote_dtype: Callable[..., Any] | None = None,
         rngs: Rngs,
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        bias_metadata: Mapping[str, Any] = {},
+        scale_metadata: Mapping[str, Any] = {},
+    ) -> None:
         del promote_dtype
         self.num_features = _checks.positive_int("InstanceNorm", "num_features", num_features)
         self._store_options(
@@ -439,9 +461,9 @@ class BatchNorm(_Norm):
         use_fast_variance: bool = True,
         promote_dtype: Callable[..., Any] | None = None,
         rngs: Rngs,
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-        scale_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        bias_metadata: Mapping[str, Any] = {},
+        scale_metadata: Mapping[str, Any] = {},
+    ) -> None:
         del promote_dtype
         self.num_features = _checks.positive_int("BatchNorm", "num_features", num_features)
         self.use_running_average = use_running_average

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,11 @@ from cairn.nn._graph import state as _state
 from cairn.nn._module import Dict, List, Module
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._variables import OptState, Param, Variable
+
+
+def _params_state(model: Module, wrt: Any) -> State:
+    """The variables of ``model`` matching the one filter ``wrt``."""
+    return cast(State, _state(model, wrt))
 
 
 def _is_var(x) -> bool:
@@ -53,7 +58,7 @@ class Optimizer(Module):
             raise TypeError(f"Optimizer: expected a Module, got {type(model).__name__}")
         self.tx = tx
         self.wrt = wrt
-        params = to_pure_dict(_state(model, wrt))
+        params = to_pure_dict(_params_state(model, wrt))
         mesh = _common_mesh(params)
         self.step = OptState(_onto(jnp.zeros((), jnp.uint32), mesh))
         self.opt_state = _wrap(jax.tree_util.tree_map(lambda x: _onto(x, mesh), tx.init(params)))
@@ -61,7 +66,7 @@ class Optimizer(Module):
     def update(self, model: Module, grads: Any, /, **kwargs: Any) -> None:
         """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
         ``params += updates`` (cast back to each parameter's dtype), in place."""
-        params_state = _state(model, self.wrt)
+        params_state = _params_state(model, self.wrt)
         params = to_pure_dict(params_state)
         if isinstance(grads, State):
             if grads._flat.keys() != params_state._flat.keys():

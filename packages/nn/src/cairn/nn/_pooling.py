@@ -97,7 +97,12 @@ def _identity(dtype, value: float) -> np.ndarray:
     return np.asarray(value, dtype)
 
 
-def max_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> jax.Array:
+def max_pool(
+    inputs: jax.Array,
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+    padding: Padding = "VALID",
+) -> jax.Array:
     """Maximum over each window; padded positions count as ``-inf``.
 
     >>> import jax.numpy as jnp
@@ -109,14 +114,23 @@ def max_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> 
     return _pool("max_pool", inputs, init, lax.max, window_shape, strides, padding)
 
 
-def min_pool(inputs, window_shape, strides=None, padding: Padding = "VALID") -> jax.Array:
+def min_pool(
+    inputs: jax.Array,
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+    padding: Padding = "VALID",
+) -> jax.Array:
     """Minimum over each window; padded positions count as ``+inf``."""
     init = _identity(inputs.dtype, np.inf)
     return _pool("min_pool", inputs, init, lax.min, window_shape, strides, padding)
 
 
 def avg_pool(
-    inputs, window_shape, strides=None, padding: Padding = "VALID", count_include_pad: bool = True
+    inputs: jax.Array,
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+    padding: Padding = "VALID",
+    count_include_pad: bool = True,
 ) -> jax.Array:
     """Mean over each window.
 

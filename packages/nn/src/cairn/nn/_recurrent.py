@@ -7,8 +7,8 @@ shape ``(*batch, in_features)``. ``RNN`` scans a cell over the time axis with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from cairn.nn._linear import (
     promote_dtype,
 )
 from cairn.nn._module import Module
-from cairn.nn._rngs import Rngs
+from cairn.nn._rngs import Rngs, RngStream
 from cairn.nn._variables import Param, VariableMetadata
 
 __all__ = ["GRUCell", "LSTMCell", "RNN", "RNNCellBase", "SimpleCell"]
@@ -55,6 +55,17 @@ class RNNCellBase(Module):
     in_features: int
     hidden_features: int
 
+    if TYPE_CHECKING:  # what every cell defines (declared for the type checker only)
+
+        def __call__(self, carry: Any, inputs: jax.Array) -> tuple[Any, jax.Array]: ...
+
+        def initialize_carry(
+            self,
+            input_shape: Sequence[int],
+            rngs: Rngs | RngStream | None = None,
+            carry_init: Initializer | None = None,
+        ) -> Any: ...
+
     @property
     def num_feature_axes(self) -> int:
         return 1
@@ -65,7 +76,7 @@ class RNNCellBase(Module):
         key = None
         if rngs is not None:
             key = rngs.carry() if isinstance(rngs, Rngs) else rngs()
-        keys = [None] * n if key is None else list(jax.random.split(key, n))
+        keys: list[Any] = [None] * n if key is None else list(jax.random.split(key, n))
         return tuple(
             init(k, batch + (self.hidden_features,), self.param_dtype) for k in keys
         )
@@ -155,17 +166,19 @@ class LSTMCell(_GatedCell):
         carry_init: Initializer | None = None,
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        recurrent_kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        recurrent_kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         self._setup(
             in_features, hidden_features, 4, gate_fn, activation_fn, kernel_init,
             recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype,
             rngs, kernel_metadata, recurrent_kernel_metadata, bias_metadata,
         )
 
-    def __call__(self, carry, inputs):
+    def __call__(
+        self, carry: tuple[jax.Array, jax.Array], inputs: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         c, h = carry
         x = self._check_step(h, inputs)
         x, h, c, w, u, b = self.promote_dtype(
@@ -180,7 +193,12 @@ class LSTMCell(_GatedCell):
         new_h = o * self.activation_fn(new_c)
         return (new_c, new_h), new_h
 
-    def initialize_carry(self, input_shape, rngs=None, carry_init=None):
+    def initialize_carry(
+        self,
+        input_shape: Sequence[int],
+        rngs: Rngs | RngStream | None = None,
+        carry_init: Initializer | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
         """Zeros (or ``carry_init``) ``(c, h)``, each ``(*batch, hidden_features)``."""
         return self._zero_carry(input_shape, 2, rngs, carry_init)
 
@@ -217,10 +235,10 @@ class GRUCell(_GatedCell):
         carry_init: Initializer | None = None,
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
-        kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        recurrent_kernel_metadata: Mapping[str, Any] = {},  # noqa: B006
-        bias_metadata: Mapping[str, Any] = {},  # noqa: B006
-    ):
+        kernel_metadata: Mapping[str, Any] = {},
+        recurrent_kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
         self._setup(
             in_features, hidden_features, 3, gate_fn, activation_fn, kernel_init,
             recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype,
@@ -230,7 +248,7 @@ class GRUCell(_GatedCell):
             bias_init(rngs.params(), (self.hidden_features,), param_dtype), **dict(bias_metadata)
         )
 
-    def __call__(self, carry, inputs):
+    def __call__(self, carry: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         h = carry
         x = self._check_step(h, inputs)
         x, h, w, u, b, bh = self.promote_dtype(
@@ -248,7 +266,12 @@ class GRUCell(_GatedCell):
         new_h = (1.0 - z) * n + z * h
         return new_h, new_h
 
-    def initialize_carry(self, input_shape, rngs=None, carry_init=None):
+    def initialize_carry(
+        self,
+        input_shape: Sequence[int],
+        rngs: Rngs | RngStream | None = None,
+        carry_init: Initializer | None = None,
+    ) -> jax.Array:
         """Zeros (or ``carry_init``) ``h`` of shape ``(*batch, hidden_features)``."""
         return self._zero_carry(input_shape, 1, rngs, carry_init)[0]
 
@@ -270,7 +293,7 @@ class SimpleCell(RNNCellBase):
         carry_init: Initializer | None = None,
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
-    ):
+    ) -> None:
         self._store_options(
             in_features, hidden_features, _NO_GATE, activation_fn, dtype, param_dtype,
             carry_init, promote_dtype,
@@ -280,7 +303,7 @@ class SimpleCell(RNNCellBase):
         self.recurrent_kernel = Param(recurrent_kernel_init(rngs.params(), (h, h), param_dtype))
         self.bias = Param(bias_init(rngs.params(), (h,), param_dtype))
 
-    def __call__(self, carry, inputs):
+    def __call__(self, carry: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = self._check_step(carry, inputs)
         x, h, w, u, b = self.promote_dtype(
             (x, carry, self.kernel[...], self.recurrent_kernel[...], self.bias[...]),
@@ -289,7 +312,12 @@ class SimpleCell(RNNCellBase):
         new_h = self.activation_fn(x @ w + h @ u + b)
         return new_h, new_h
 
-    def initialize_carry(self, input_shape, rngs=None, carry_init=None):
+    def initialize_carry(
+        self,
+        input_shape: Sequence[int],
+        rngs: Rngs | RngStream | None = None,
+        carry_init: Initializer | None = None,
+    ) -> jax.Array:
         return self._zero_carry(input_shape, 1, rngs, carry_init)[0]
 
 
@@ -333,7 +361,7 @@ class RNN(Module):
         keep_order: bool = False,
         unroll: int = 1,
         rngs: Rngs | None = None,
-    ):
+    ) -> None:
         del rngs
         if not isinstance(cell, Module):
             raise TypeError(f"RNN: cell must be an RNN cell module, got {type(cell).__name__}")
@@ -355,7 +383,7 @@ class RNN(Module):
         reverse: bool | None = None,
         keep_order: bool | None = None,
         rngs: Rngs | None = None,
-    ):
+    ) -> Any:
         return_carry = self.return_carry if return_carry is None else return_carry
         time_major = self.time_major if time_major is None else time_major
         reverse = self.reverse if reverse is None else reverse

@@ -14,6 +14,8 @@ or ``(2i, 2i + 1)`` with ``interleaved=True`` (the original RoFormer layout). Wi
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -23,7 +25,7 @@ from cairn.nn._module import Module
 __all__ = ["RotaryEmbedding", "apply_rotary_embedding", "rotary_frequencies"]
 
 
-def rotary_frequencies(dim: int, base: float = 10000.0, dtype=jnp.float32) -> jax.Array:
+def rotary_frequencies(dim: int, base: float = 10000.0, dtype: Any = jnp.float32) -> jax.Array:
     """``theta_i = base ** (-2 i / dim)`` for ``i < dim // 2``."""
     if dim < 2 or dim % 2:
         raise ValueError(f"rotary dim must be a positive even number, got {dim}")
@@ -108,7 +110,7 @@ class RotaryEmbedding(Module):
         rotary_dim: int | None = None,
         interleaved: bool = False,
         scale_factor: float = 1.0,
-    ):
+    ) -> None:
         head_dim = _checks.positive_int("RotaryEmbedding", "head_dim", head_dim)
         rd = head_dim if rotary_dim is None else rotary_dim
         rd = _checks.positive_int("RotaryEmbedding", "rotary_dim", rd)

@@ -63,7 +63,7 @@ def with_partitioning(
             return initializer(*args, **kwargs)
         return _born_sharded(initializer, names, target, args, kwargs)
 
-    init.__wrapped__ = initializer
+    init.__wrapped__ = initializer  # type: ignore[attr-defined]
     return with_metadata(init, **md)
 
 
@@ -102,7 +102,7 @@ def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, ar
         def call(dyn_values):
             it = iter(dyn_values)
             full = [next(it) if d else x for d, x in zip(is_dyn, static)]
-            a, kw = treedef.unflatten(full)
+            a, kw = treedef.unflatten(full)  # type: ignore[attr-defined]
             return initializer(*a, **kw)
 
         out = jax.eval_shape(call, dyn)
@@ -129,9 +129,10 @@ def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None) -> Any:
 
     if isinstance(tree, Module):
         tree = _state(tree)
-    if rules is None and current_rules() is not None:
-        mesh = mesh if mesh is not None else current_rules()[0]
-        rules = current_rules()[1]
+    ctx = current_rules()
+    if rules is None and ctx is not None:
+        mesh = mesh if mesh is not None else ctx[0]
+        rules = ctx[1]
 
     def spec(v):
         if not isinstance(v, Variable):

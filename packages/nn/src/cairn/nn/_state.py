@@ -34,8 +34,8 @@ class State(MutableMapping):
     __slots__ = ("_flat_d", "_hint")
 
     def __init__(self, mapping: Mapping | None = None) -> None:
-        self._flat_d: dict[tuple, Variable] = {}
-        self._hint = None
+        self._flat_d: dict[tuple, Variable] | None = {}
+        self._hint: tuple[Any, list[Variable]] | None = None
         if mapping is not None:
             if isinstance(mapping, State):
                 self._flat_d = dict(mapping._flat)
@@ -51,7 +51,8 @@ class State(MutableMapping):
         return s
 
     @classmethod
-    def _from_cache(cls, graphdef, paths, variables) -> State:
+    def _from_cache(cls, graphdef: Any, variables: list[Variable]) -> State:
+        """A State over a GraphDef's cached variable list (the dict built on first use)."""
         s = object.__new__(cls)
         s._flat_d = None  # built on first use
         s._hint = (graphdef, variables)
@@ -61,6 +62,7 @@ class State(MutableMapping):
     def _flat(self) -> dict[tuple, Variable]:
         d = self._flat_d
         if d is None:
+            assert self._hint is not None  # set whenever _flat_d is None
             gd, variables = self._hint
             d = self._flat_d = dict(zip(gd.paths, variables))
         return d
@@ -127,7 +129,7 @@ class State(MutableMapping):
             del self._flat[p]
 
     def __iter__(self) -> Iterator:
-        seen = {}
+        seen: dict[Any, None] = {}
         for p in self._flat:
             seen.setdefault(p[0], None)
         return iter(seen)
@@ -143,7 +145,7 @@ class State(MutableMapping):
             return NotImplemented
         return self._flat == other._flat
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # a mutable mapping
 
     # --- functional helpers ---
     def filter(self, *filters: Any) -> State | tuple[State, ...]:
@@ -159,7 +161,7 @@ class State(MutableMapping):
         """One State per filter, each variable in the first that matches; with
         ``strict`` a variable no filter matches is an error (``split``), else dropped."""
         preds = [to_predicate(f) for f in filters]
-        outs = [{} for _ in preds]
+        outs: list[dict] = [{} for _ in preds]
         for p, v in self._flat.items():
             for o, pred in zip(outs, preds):
                 if pred(p, v):
@@ -264,7 +266,7 @@ def _state_children(s: State):
             g[p[1:]] = v
     keys = []
     children = []
-    tmpl = []
+    tmpl: list[tuple | None] = []
     for k, g in groups.items():
         keys.append(k)
         if isinstance(g, Variable):

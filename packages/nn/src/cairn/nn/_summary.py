@@ -34,7 +34,7 @@ def _count_bytes(variables) -> tuple[int, int]:
     return n, b
 
 
-def _fmt_bytes(b: int) -> str:
+def _fmt_bytes(b: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if b < 1024 or unit == "GB":
             return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
@@ -56,7 +56,7 @@ def tabulate(model: Module, *inputs: Any, method: str = "__call__", **kwargs: An
     if not isinstance(model, Module):
         raise TypeError(f"tabulate: expected a Module, got {type(model).__name__}")
     outputs = _record_outputs(model, inputs, method, kwargs)
-    rows = [("path", "module", "outputs", "params", "other vars", "bytes")]
+    rows: list[tuple[str, ...]] = [("path", "module", "outputs", "params", "other vars", "bytes")]
     for path, m in iter_modules(model):
         own = [v for _, v in m._graph_items() if isinstance(v, Variable)]
         out = outputs.get(path)
@@ -95,13 +95,13 @@ def _record_outputs(model: Module, inputs: tuple, method: str, kwargs: dict) -> 
     for cls in classes:
         if "__call__" in cls.__dict__:
             originals[cls] = cls.__dict__["__call__"]
-            cls.__call__ = wrap(originals[cls])
+            cls.__call__ = wrap(originals[cls])  # type: ignore[method-assign]
     try:
         if inputs or kwargs:
             eval_shape(run, model, *inputs, **kwargs)
     finally:
         for cls, orig in originals.items():
-            cls.__call__ = orig
+            cls.__call__ = orig  # type: ignore[method-assign]
     return outputs
 
 

@@ -40,12 +40,13 @@ class Plan:
     __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn")
 
     def __init__(self, tree: Any) -> None:
-        leaves, self.treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
-        self.kinds = []
-        self.descs = []
-        self.objs = []
-        self.varlists = []
-        self.dyn = []
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+        self.treedef: Any = treedef
+        self.kinds: list[int] = []
+        self.descs: list[Any] = []
+        self.objs: list[Any] = []
+        self.varlists: list[Any] = []  # a module's variables, else None
+        self.dyn: list[Any] = []
         seen: dict[int, int] = {}
         for x in leaves:
             if isinstance(x, Module):
@@ -116,7 +117,8 @@ class Plan:
 
     def collect(self, rebuilt: list) -> tuple[list, list]:
         """New dynamic values and structure descriptors of rebuilt leaves after a call."""
-        dyn, descs = [], []
+        dyn: list[Any] = []
+        descs: list[Any] = []
         for kind, obj in zip(self.kinds, rebuilt):
             if kind == MOD:
                 c = _walk(obj)
@@ -205,7 +207,7 @@ class Box:
     __slots__ = ("value",)
 
     def __init__(self) -> None:
-        self.value = None
+        self.value: Any = None
 
 
 def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:

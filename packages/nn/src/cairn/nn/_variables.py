@@ -59,7 +59,7 @@ def with_metadata(initializer: Callable, **metadata: Any) -> Callable:
             return VariableMetadata(out.value, md)
         return VariableMetadata(out, metadata)
 
-    wrapped.__wrapped__ = initializer
+    wrapped.__wrapped__ = initializer  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -176,7 +176,7 @@ class Variable:
         if name in ("raw_value",):
             object.__setattr__(self, name, value)
         elif name == "value":
-            Variable.value.fset(self, value)
+            Variable.value.fset(self, value)  # type: ignore[attr-defined]
         else:
             self._meta[name] = value
             bump_epoch()
@@ -276,19 +276,19 @@ class Variable:
     __invert__ = _unop(operator.invert)
 
     # in-place operators update the stored value (functional arrays underneath)
-    def __iadd__(self, other):
+    def __iadd__(self, other):  # type: ignore[misc]
         self.value = self.raw_value + _unwrap(other)
         return self
 
-    def __isub__(self, other):
+    def __isub__(self, other):  # type: ignore[misc]
         self.value = self.raw_value - _unwrap(other)
         return self
 
-    def __imul__(self, other):
+    def __imul__(self, other):  # type: ignore[misc]
         self.value = self.raw_value * _unwrap(other)
         return self
 
-    def __itruediv__(self, other):
+    def __itruediv__(self, other):  # type: ignore[misc]
         self.value = self.raw_value / _unwrap(other)
         return self
 
@@ -417,7 +417,7 @@ def rebuild_variable(template: tuple[type, _HashableMeta], value: Any) -> Variab
     >>> type(v).__name__, v.sharding_names, v.value.tolist()
     ('Param', ('embed',), [0.0, 0.0])
     """
-    new = object.__new__(template[0])
+    new: Variable = object.__new__(template[0])
     object.__setattr__(new, "_meta", dict(template[1].meta))
     object.__setattr__(new, "raw_value", value)
     return new
@@ -444,12 +444,13 @@ class _HashableMeta:
 
     def __init__(self, meta: dict):
         self.meta = meta
-        self._hash = None
+        self._hash: int | None = None
 
     def __hash__(self):
-        if self._hash is None:
-            self._hash = hash(tuple((k, static_hash(v)) for k, v in self.meta.items()))
-        return self._hash
+        h = self._hash
+        if h is None:
+            h = self._hash = hash(tuple((k, static_hash(v)) for k, v in self.meta.items()))
+        return h
 
     def __eq__(self, other):
         return isinstance(other, _HashableMeta) and static_eq(self.meta, other.meta)
@@ -496,7 +497,7 @@ def _register_subclass_hook():
         orig(**kw)
         _register(cls)
 
-    Variable.__init_subclass__ = classmethod(hook)
+    Variable.__init_subclass__ = classmethod(hook)  # type: ignore[method-assign,assignment]
 
 
 _register_subclass_hook()

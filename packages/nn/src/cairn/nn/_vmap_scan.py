@@ -71,7 +71,7 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
                 f"StateAxes can only be given for a module argument, not {type(a).__name__}"
             )
         # expand a prefix tree over the argument's leaves (modules/variables are leaves)
-        sub = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
+        sub: Any = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
         if ax is None or isinstance(ax, int):
             axes.extend([ax] * sub.num_leaves)
         else:
@@ -243,7 +243,7 @@ def shard_map(
         try:
             sm = jax.shard_map(pure, check_vma=check_vma, **kw)
         except TypeError:  # older jax spelling
-            sm = jax.shard_map(pure, check_rep=check_vma, **kw)
+            sm = jax.shard_map(pure, check_rep=check_vma, **kw)  # type: ignore[call-overload]
         out, new_dyn = sm(plan.dyn)
         plan.write_back(plan.fill(new_dyn), box.value)
         return out

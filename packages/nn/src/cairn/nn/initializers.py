@@ -255,32 +255,62 @@ def variance_scaling(
     return init
 
 
-def lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(), dtype=jnp.float32) -> Initializer:
+def lecun_normal(
+    in_axis: int | Sequence[int] = -2,
+    out_axis: int | Sequence[int] = -1,
+    batch_axis: Sequence[int] = (),
+    dtype: DType = jnp.float32,
+) -> Initializer:
     """Truncated normal with variance ``1 / fan_in`` (LeCun 1998)."""
     return variance_scaling(1.0, "fan_in", "truncated_normal", in_axis, out_axis, batch_axis, dtype)
 
 
-def lecun_uniform(in_axis=-2, out_axis=-1, batch_axis=(), dtype=jnp.float32) -> Initializer:
+def lecun_uniform(
+    in_axis: int | Sequence[int] = -2,
+    out_axis: int | Sequence[int] = -1,
+    batch_axis: Sequence[int] = (),
+    dtype: DType = jnp.float32,
+) -> Initializer:
     """Uniform with variance ``1 / fan_in``."""
     return variance_scaling(1.0, "fan_in", "uniform", in_axis, out_axis, batch_axis, dtype)
 
 
-def glorot_normal(in_axis=-2, out_axis=-1, batch_axis=(), dtype=jnp.float32) -> Initializer:
+def glorot_normal(
+    in_axis: int | Sequence[int] = -2,
+    out_axis: int | Sequence[int] = -1,
+    batch_axis: Sequence[int] = (),
+    dtype: DType = jnp.float32,
+) -> Initializer:
     """Truncated normal with variance ``2 / (fan_in + fan_out)`` (Glorot & Bengio 2010)."""
     return variance_scaling(1.0, "fan_avg", "truncated_normal", in_axis, out_axis, batch_axis, dtype)
 
 
-def glorot_uniform(in_axis=-2, out_axis=-1, batch_axis=(), dtype=jnp.float32) -> Initializer:
+def glorot_uniform(
+    in_axis: int | Sequence[int] = -2,
+    out_axis: int | Sequence[int] = -1,
+    batch_axis: Sequence[int] = (),
+    dtype: DType = jnp.float32,
+) -> Initializer:
     """Uniform with variance ``2 / (fan_in + fan_out)``."""
     return variance_scaling(1.0, "fan_avg", "uniform", in_axis, out_axis, batch_axis, dtype)
 
 
-def he_normal(in_axis=-2, out_axis=-1, batch_axis=(), dtype=jnp.float32) -> Initializer:
+def he_normal(
+    in_axis: int | Sequence[int] = -2,
+    out_axis: int | Sequence[int] = -1,
+    batch_axis: Sequence[int] = (),
+    dtype: DType = jnp.float32,
+) -> Initializer:
     """Truncated normal with variance ``2 / fan_in`` (He et al. 2015)."""
     return variance_scaling(2.0, "fan_in", "truncated_normal", in_axis, out_axis, batch_axis, dtype)
 
 
-def he_uniform(in_axis=-2, out_axis=-1, batch_axis=(), dtype=jnp.float32) -> Initializer:
+def he_uniform(
+    in_axis: int | Sequence[int] = -2,
+    out_axis: int | Sequence[int] = -1,
+    batch_axis: Sequence[int] = (),
+    dtype: DType = jnp.float32,
+) -> Initializer:
     """Uniform with variance ``2 / fan_in``."""
     return variance_scaling(2.0, "fan_in", "uniform", in_axis, out_axis, batch_axis, dtype)
 
