@@ -65,11 +65,13 @@ def _output_scale(q: QArray, contracting: Sequence[int], batch: Sequence[int], o
 
 
 def _values(q: QArray, dtype: Any) -> Any:
+    """``q``'s integer or fp8 values in ``dtype``; sub-byte integers widen through int8
+    (XLA's CPU convert from int4 straight to float is several times slower)."""
     import jax.numpy as jnp
 
     v = q.qvalue
-    if jnp.issubdtype(v.dtype, jnp.integer) and v.dtype.itemsize == 1 and jnp.dtype(dtype) == jnp.int8:
-        return v.astype(jnp.int8)
+    if jnp.issubdtype(v.dtype, jnp.integer) and jnp.dtype(v.dtype).itemsize == 1 and jnp.iinfo(v.dtype).bits < 8:
+        v = v.astype(jnp.int8 if jnp.issubdtype(v.dtype, jnp.signedinteger) else jnp.uint8)
     return v.astype(dtype)
 
 
