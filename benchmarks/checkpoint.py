@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 MiB = 1024 * 1024
 
@@ -99,109 +100,158 @@ def _data(n_leaves: int, leaf_mib: float, as_jax: bool):
     return leaves
 
 
-def child(task: str, workdir: str, n: int, leaf_mib: float) -> dict:
-    import jax
+def _raw_write(workdir: str, n: int, leaf_mib: float) -> dict:
+    out: dict = {}
+    tree = _data(n, leaf_mib, False)
+    os.makedirs(workdir)
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        for name, leaf in tree.items():
+            with open(os.path.join(workdir, name), "wb") as f:
+                leaf["w"].tofile(f)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(workdir)
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib
+    return out
+
+
+def _raw_write_1file(workdir: str, n: int, leaf_mib: float) -> dict:
+    # the stricter limit: every leaf appended to one file, a single fsync at the end
+    out: dict = {}
+    tree = _data(n, leaf_mib, False)
+    os.makedirs(workdir)
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        with open(os.path.join(workdir, "all"), "wb") as f:
+            for leaf in tree.values():
+                leaf["w"].tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(workdir)
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib
+    return out
+
+
+def _raw_read(workdir: str, n: int, leaf_mib: float) -> dict:
     import numpy as np
 
     out: dict = {}
     nbytes = n * leaf_mib * MiB
-    if task == "raw_write":
-        tree = _data(n, leaf_mib, False)
-        os.makedirs(workdir)
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            for name, leaf in tree.items():
-                with open(os.path.join(workdir, name), "wb") as f:
-                    leaf["w"].tofile(f)
-                    f.flush()
-                    os.fsync(f.fileno())
-            _fsync_dir(workdir)
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib
-    elif task == "raw_write_1file":
-        # the stricter limit: every leaf appended to one file, a single fsync at the end
-        tree = _data(n, leaf_mib, False)
-        os.makedirs(workdir)
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            with open(os.path.join(workdir, "all"), "wb") as f:
-                for leaf in tree.values():
-                    leaf["w"].tofile(f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(workdir)
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib
-    elif task == "raw_read":
-        _drop_cache(workdir)
-        shape = (int(leaf_mib * MiB / 4 / 1024), 1024)
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            res = {name: np.fromfile(os.path.join(workdir, name), np.float32).reshape(shape) for name in sorted(os.listdir(workdir))}
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib - nbytes / MiB
-        assert len(res) == n
-    elif task == "cairn_save":
-        import cairn.checkpoint as cc
-
-        tree = _data(n, leaf_mib, True)
-        ck = cc.AsyncCheckpointer()
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            ck.save(workdir, tree)
-            out["blocked_s"] = time.perf_counter() - t0
-            ck.wait_until_finished()
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib
-    elif task == "cairn_restore":
-        import cairn.checkpoint as cc
-
-        _drop_cache(workdir)
-        meta = cc.metadata(workdir)
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = {}
-        for path, lm in meta.items():
-            top, leaf = path.split("/")
-            target.setdefault(top, {})[leaf] = jax.ShapeDtypeStruct(lm.shape, np.dtype(lm.dtype), sharding=dev)
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            res = cc.restore(workdir, target)
-            jax.block_until_ready(res)
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib - nbytes / MiB
-        _check(res, n, leaf_mib)
-    elif task == "orbax_save":
-        import orbax.checkpoint as ocp
-
-        tree = _data(n, leaf_mib, True)
-        ck = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            ck.save(workdir, args=ocp.args.StandardSave(tree))
-            out["blocked_s"] = time.perf_counter() - t0
-            ck.wait_until_finished()
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib
-        ck.close()
-    elif task == "orbax_restore":
-        import orbax.checkpoint as ocp
-
-        _drop_cache(workdir)
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shape = (int(leaf_mib * MiB / 4 / 1024), 1024)
-        target = {f"layer_{i:03d}": {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=dev)} for i in range(n)}
-        ck = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            res = ck.restore(workdir, args=ocp.args.StandardRestore(target))
-            jax.block_until_ready(res)
-            out["total_s"] = time.perf_counter() - t0
-        out["extra_mib"] = m.extra_mib - nbytes / MiB
-        _check(res, n, leaf_mib)
+    _drop_cache(workdir)
+    shape = (int(leaf_mib * MiB / 4 / 1024), 1024)
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        res = {name: np.fromfile(os.path.join(workdir, name), np.float32).reshape(shape) for name in sorted(os.listdir(workdir))}
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib - nbytes / MiB
+    assert len(res) == n
     return out
 
 
-def _check(res, n, leaf_mib):
+def _cairn_save(workdir: str, n: int, leaf_mib: float) -> dict:
+    import cairn.checkpoint as cc
+
+    out: dict = {}
+    tree = _data(n, leaf_mib, True)
+    ck = cc.AsyncCheckpointer()
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        ck.save(workdir, tree)
+        out["blocked_s"] = time.perf_counter() - t0
+        ck.wait_until_finished()
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib
+    return out
+
+
+def _cairn_restore(workdir: str, n: int, leaf_mib: float) -> dict:
+    import jax
+    import numpy as np
+
+    import cairn.checkpoint as cc
+
+    out: dict = {}
+    nbytes = n * leaf_mib * MiB
+    _drop_cache(workdir)
+    meta = cc.metadata(workdir)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target: dict = {}
+    for path, lm in meta.items():
+        top, leaf = path.split("/")
+        target.setdefault(top, {})[leaf] = jax.ShapeDtypeStruct(lm.shape, np.dtype(lm.dtype), sharding=dev)
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        res = cc.restore(workdir, target)
+        jax.block_until_ready(res)
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib - nbytes / MiB
+    _check(res, n, leaf_mib)
+    return out
+
+
+def _orbax_save(workdir: str, n: int, leaf_mib: float) -> dict:
+    import orbax.checkpoint as ocp
+
+    out: dict = {}
+    tree = _data(n, leaf_mib, True)
+    ck = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        ck.save(workdir, args=ocp.args.StandardSave(tree))
+        out["blocked_s"] = time.perf_counter() - t0
+        ck.wait_until_finished()
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib
+    ck.close()
+    return out
+
+
+def _orbax_restore(workdir: str, n: int, leaf_mib: float) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    out: dict = {}
+    nbytes = n * leaf_mib * MiB
+    _drop_cache(workdir)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shape = (int(leaf_mib * MiB / 4 / 1024), 1024)
+    target = {f"layer_{i:03d}": {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=dev)} for i in range(n)}
+    ck = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        res = ck.restore(workdir, args=ocp.args.StandardRestore(target))
+        jax.block_until_ready(res)
+        out["total_s"] = time.perf_counter() - t0
+    out["extra_mib"] = m.extra_mib - nbytes / MiB
+    _check(res, n, leaf_mib)
+    return out
+
+
+_TASKS: dict[str, Callable[[str, int, float], dict]] = {
+    "raw_write": _raw_write,
+    "raw_write_1file": _raw_write_1file,
+    "raw_read": _raw_read,
+    "cairn_save": _cairn_save,
+    "cairn_restore": _cairn_restore,
+    "orbax_save": _orbax_save,
+    "orbax_restore": _orbax_restore,
+}
+
+
+def child(task: str, workdir: str, n: int, leaf_mib: float) -> dict:
+    """One measurement, in this (fresh) process: ``{"total_s", "extra_mib"[, "blocked_s"]}``."""
+    import jax  # noqa: F401  (every task starts from the same imports: JAX and NumPy loaded)
+    import numpy  # noqa: F401
+
+    task_fn = _TASKS.get(task)
+    return {} if task_fn is None else task_fn(workdir, n, leaf_mib)
+
+
+def _check(res: dict, n: int, leaf_mib: float) -> None:
     import numpy as np
 
     ref = _data(2, leaf_mib, False)
@@ -210,7 +260,7 @@ def _check(res, n, leaf_mib):
     assert len(res) == n
 
 
-def run_child(task, workdir, n, leaf_mib) -> dict:
+def run_child(task: str, workdir: str, n: int, leaf_mib: float) -> dict:
     cmd = [sys.executable, __file__, "--child", task, "--workdir", workdir, "--leaves", str(n), "--leaf-mib", str(leaf_mib)]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if p.returncode != 0:

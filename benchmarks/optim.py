@@ -32,6 +32,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,19 +44,19 @@ import optax
 from cairn import optim
 
 
-def make_tree(n_leaves: int, size: int, seed: int):
+def make_tree(n_leaves: int, size: int, seed: int) -> dict[str, jax.Array]:
     rng = np.random.default_rng(seed)
     return {f"layer_{i:04d}": jnp.asarray(rng.normal(size=(size,)), jnp.float32)
             for i in range(n_leaves)}
 
 
-def build(lib, case: str):
+def build(lib: ModuleType, case: str) -> Any:
     if case == "adamw":
         return lib.adamw(1e-3, weight_decay=1e-4)
     return lib.chain(lib.clip_by_global_norm(1.0), lib.adamw(1e-3, weight_decay=1e-4))
 
 
-def compile_step(lib, tx, params, grads):
+def compile_step(lib: ModuleType, tx: Any, params: dict, grads: dict) -> tuple[Callable[[int], float], float]:
     """Jit the full step with params and state donated; return (run, compile seconds)."""
     state = tx.init(params)
 
@@ -79,7 +82,7 @@ def compile_step(lib, tx, params, grads):
     return run, compile_s
 
 
-def compile_floor(params, grads):
+def compile_floor(params: dict, grads: dict) -> tuple[Callable[[int], float], float]:
     """The per-leaf floor: params + 1e-3 * grads, leaf by leaf, params donated."""
     f = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a + 1e-3 * b, p, g), donate_argnums=0)
     t0 = time.perf_counter()
@@ -98,7 +101,7 @@ def compile_floor(params, grads):
     return run, compile_s
 
 
-def measure_pair(runs, repeats: int, calls: int):
+def measure_pair(runs: list[Callable[[int], float]], repeats: int, calls: int) -> list[float]:
     """Interleave the timing loops of several steps (so machine load hits all alike);
     return the min over repeats of each step's mean time, in ms."""
     best = [float("inf")] * len(runs)
@@ -108,7 +111,7 @@ def measure_pair(runs, repeats: int, calls: int):
     return [b * 1e3 for b in best]
 
 
-def per_device_bytes(tree) -> int:
+def per_device_bytes(tree: Any) -> int:
     """The most bytes any one device holds of ``tree``'s arrays."""
     per: dict = {}
     for x in jax.tree.leaves(tree):
@@ -117,7 +120,7 @@ def per_device_bytes(tree) -> int:
     return max(per.values(), default=0)
 
 
-def sharded_child(repeats: int, calls: int):
+def sharded_child(repeats: int, calls: int) -> None:
     """Runs with 8 virtual devices: per-device bytes and step time, ours and Optax's."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -196,7 +199,7 @@ def print_sharded(sh: dict) -> None:
               f"{sh[f'{name}_ms']:.3f} ms, compile {sh[f'{name}_compile_s']:.2f} s")
 
 
-def main():
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes, < 60 s")
     ap.add_argument("--sharded-only", action="store_true", help="only the 8-device row")
