@@ -177,16 +177,16 @@ class ArrayRecordDataSource:
                 self._check_group_size(fn, reader)
             finally:
                 reader.close()
-            s = 0 if start is None else start
-            e = n if end is None else end
-            if not 0 <= s <= e <= n:
+            lo = 0 if start is None else start
+            hi = n if end is None else end
+            if not 0 <= lo <= hi <= n:
                 raise IndexError(
-                    f"ArrayRecord file instruction [{s}:{e}] is out of range for {fn!r}, "
+                    f"ArrayRecord file instruction [{lo}:{hi}] is out of range for {fn!r}, "
                     f"which has {n} records"
                 )
             self._paths.append(fn)
-            starts.append(s)
-            counts.append(e - s)
+            starts.append(lo)
+            counts.append(hi - lo)
         self._start = np.asarray(starts, np.int64)
         self._cum = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._len = int(self._cum[-1])

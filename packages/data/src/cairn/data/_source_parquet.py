@@ -152,9 +152,9 @@ def _decode_column(pa: Any, arr: Any) -> _Column:
         mask = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
         large = types.is_large_string(t) or types.is_large_binary(t)
         o = np.frombuffer(obuf, np.int64 if large else np.int32)[arr.offset : arr.offset + n + 1]
-        offsets = array.array("q", o.astype(np.int64).tobytes())
+        byte_offsets = array.array("q", o.astype(np.int64).tobytes())
         kind = "str" if (types.is_string(t) or types.is_large_string(t)) else "bytes"
-        return _Column(kind, data.to_pybytes() if data is not None else b"", offsets, mask)
+        return _Column(kind, data.to_pybytes() if data is not None else b"", byte_offsets, mask)
     return _Column("obj", _readonly(_object_array(arr.to_pylist())))
 
 
@@ -378,9 +378,10 @@ class ParquetDataSource:
     def _decode(self, g: int) -> _RowGroup:
         pa, _ = _pyarrow()
         f, k = int(self._rg_file[g]), int(self._rg_index[g])
-        table = self._file(f).read_row_group(k, columns=self._columns, use_threads=False)
-        cols = [_decode_column(pa, table.column(c).combine_chunks()) for c in self._columns]
-        return _RowGroup(list(self._columns), cols, table.num_rows, int(table.nbytes))
+        columns = self._columns or []  # (a list once __init__ has run)
+        table = self._file(f).read_row_group(k, columns=columns, use_threads=False)
+        cols = [_decode_column(pa, table.column(c).combine_chunks()) for c in columns]
+        return _RowGroup(list(columns), cols, table.num_rows, int(table.nbytes))
 
     def _row_group(self, g: int) -> _RowGroup | None:
         """Decoded row group ``g`` (from the cache or freshly decoded); None if corrupt."""
@@ -496,6 +497,7 @@ class ParquetDataSource:
             with self._lock:
                 self.bad_records += int((~good).sum())
             g, local = g[good], local[good]
+        live = {k: rg for k, rg in groups.items() if rg is not None}  # (the rows left)
         order = np.argsort(g, kind="stable")
         gs = g[order]
         cuts = [0, *(np.flatnonzero(np.diff(gs)) + 1).tolist(), gs.size]
@@ -505,8 +507,7 @@ class ParquetDataSource:
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if a == b:
                     continue
-                rg = groups[int(gs[a])]
-                pieces.append(rg.columns[c].take(local[order[a:b]]))
+                pieces.append(live[int(gs[a])].columns[c].take(local[order[a:b]]))
             out[name] = _assemble(pieces, order)
         return out
 
@@ -543,7 +544,7 @@ class ParquetDataSource:
     def num_row_groups(self) -> int:
         return len(self._rg_file)
 
-    def cache_info(self) -> dict[str, int]:
+    def cache_info(self) -> dict[str, int | None]:
         """``{"size", "max_size", "bytes", "max_bytes", "decoded", "hits"}`` (this process).
 
         ``size``/``bytes``: row groups cached and their Arrow size; ``decoded``: row groups
