@@ -24,7 +24,7 @@ def _grads(seed=0):
     return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), _params())
 
 
-# --------------------------------------------------------------------------- packing
+# --- packing ---
 
 
 def test_pack_unpack_round_trip_groups_by_dtype():
@@ -168,7 +168,7 @@ def test_global_norm_is_one_reduction_value():
     np.testing.assert_allclose(float(optim.global_norm(g)), ref, rtol=1e-6)
 
 
-# --------------------------------------------------------------------------- hyperparameters
+# --- hyperparameters ---
 
 
 def test_learning_rate_in_state_changes_without_recompiling():
@@ -227,7 +227,7 @@ def test_partition_groups_have_path_qualified_hyperparams():
     assert set(hp) == {"inner_states/a/1/learning_rate", "inner_states/b/1/learning_rate"}
 
 
-# --------------------------------------------------------------------------- dtypes
+# --- dtypes ---
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "nadam", "nadamw", "amsgrad", "adamax",
@@ -260,7 +260,7 @@ def test_lion_mu_dtype():
     assert s[0].mu.buffers[0].dtype == jnp.bfloat16
 
 
-# --------------------------------------------------------------------------- groups by path
+# --- groups by path ---
 
 
 def test_partition_with_path_rules_first_match_wins_and_frozen_has_no_state():
@@ -359,12 +359,14 @@ def test_mask_with_many_runs_uses_searchsorted_path():
         np.testing.assert_array_equal(np.asarray(u[f"p{i:02d}"]), np.full(3, float(i % 2 == 0)))
 
 
-# --------------------------------------------------------------------------- MultiSteps
+# --- MultiSteps ---
 
 
 def test_multisteps_single_packed_accumulator_and_mean():
     params = _params()
-    ms = optim.MultiSteps(optim.sgd(1.0), every_k_schedule=3)
+    inner = optim.sgd(1.0)
+    ms = optim.MultiSteps(inner, every_k_schedule=3)
+    assert ms.inner_opt is inner  # Optax's name for the wrapped optimizer
     packed = optim.pack(ms.gradient_transformation()).init(params)
     accs = [x for x in jax.tree.leaves(packed, is_leaf=lambda t: isinstance(t, optim.Packed))
             if isinstance(x, optim.Packed)]
@@ -385,7 +387,7 @@ def test_multisteps_single_packed_accumulator_and_mean():
     assert bool(ms.has_updated(state))
 
 
-# --------------------------------------------------------------------------- bad input
+# --- bad input ---
 
 
 def _drop_embed(g):
@@ -482,7 +484,7 @@ def test_missing_params_for_weight_decay():
         tx.update(_grads(), tx.init(_params()))
 
 
-# --------------------------------------------------------------------------- misc API
+# --- misc API ---
 
 
 def test_apply_if_finite_skips_nan_steps():

@@ -41,9 +41,7 @@ def rng(seed=0):
     return np.random.default_rng(seed)
 
 
-# --------------------------------------------------------------------------- #
-# float64 references.
-# --------------------------------------------------------------------------- #
+# --- float64 references ---
 
 
 def np_log_softmax(x, axis=-1):
@@ -200,9 +198,7 @@ def J(f):
     return jax.jit(f, static_argnames=names)
 
 
-# --------------------------------------------------------------------------- #
-# Regression losses.
-# --------------------------------------------------------------------------- #
+# --- regression losses ---
 
 SHAPE = (3, 4, 5)
 
@@ -278,9 +274,7 @@ def test_cosine_epsilon_and_where():
     np.testing.assert_allclose(got, np_cosine(a * mask, b * mask, eps), **F32)
 
 
-# --------------------------------------------------------------------------- #
-# Classification losses.
-# --------------------------------------------------------------------------- #
+# --- classification losses ---
 
 
 def test_sigmoid_bce_values_grads_and_extremes():
@@ -515,9 +509,7 @@ def test_smooth_labels():
     np.testing.assert_allclose(optim.smooth_labels(jnp.asarray(y), 0.25).sum(-1), 1.0, rtol=1e-6)
 
 
-# --------------------------------------------------------------------------- #
-# Metric learning and ranking.
-# --------------------------------------------------------------------------- #
+# --- metric learning and ranking ---
 
 
 @pytest.mark.parametrize("q", [1, 2, 3])
@@ -581,9 +573,7 @@ def test_ranking_softmax_loss(reduce_fn):
     assert float(allmasked) == 0.0
 
 
-# --------------------------------------------------------------------------- #
-# CTC.
-# --------------------------------------------------------------------------- #
+# --- cTC ---
 
 
 def _ctc_problem(seed, B=3, T=12, K=6, N=4):
@@ -673,9 +663,7 @@ def test_ctc_jit_and_vmap_consistency():
     np.testing.assert_allclose(eager, per, rtol=1e-6)
 
 
-# --------------------------------------------------------------------------- #
-# Properties over shapes.
-# --------------------------------------------------------------------------- #
+# --- properties over shapes ---
 
 # A few fixed shapes, so jit caches are reused across examples (each new shape
 # is a new compile); the values vary freely.
@@ -768,9 +756,7 @@ def test_ctc_random_problems(seed):
     assert np.all(got[ok] >= -1e-5)  # a negative log-probability
 
 
-# --------------------------------------------------------------------------- #
-# Errors name what was wrong.
-# --------------------------------------------------------------------------- #
+# --- errors name what was wrong ---
 
 Z = jnp.zeros((2, 3))
 
@@ -844,9 +830,7 @@ def test_ctc_errors(change, match):
     optim.ctc_loss(**CTC_OK)  # the unchanged problem is fine (padded label 0 is allowed)
 
 
-# --------------------------------------------------------------------------- #
-# Same numbers as Optax (the one-line switch).
-# --------------------------------------------------------------------------- #
+# --- same numbers as Optax (the one-line switch) ---
 
 
 @pytest.mark.filterwarnings("ignore:The function convex_kl_divergence is deprecated")

@@ -22,9 +22,7 @@ RTOL, ATOL = 2e-6, 1e-6
 HSET = settings(max_examples=25, deadline=None)
 
 
-# --------------------------------------------------------------------------- #
-# float64 references, one step at a time.
-# --------------------------------------------------------------------------- #
+# --- float64 references, one step at a time ---
 
 
 def ref_polynomial(t, init, end, power, steps, begin=0):
@@ -131,9 +129,7 @@ def check_all_steps(schedule, ref, steps):
     np.testing.assert_allclose(float(schedule(np.int32(steps[few[1]]))), want[few[1]], rtol=RTOL, atol=ATOL)
 
 
-# --------------------------------------------------------------------------- #
-# Closed forms at every step over a range that covers the boundaries.
-# --------------------------------------------------------------------------- #
+# --- closed forms at every step over a range that covers the boundaries ---
 
 STEPS = np.arange(0, 260)
 
@@ -341,9 +337,7 @@ def test_schedule_inside_scan_of_steps():
     np.testing.assert_allclose(out, [1, 1, 1, 0.5, 0.5, 0.5, 0.25, 0.25])
 
 
-# --------------------------------------------------------------------------- #
-# Properties.
-# --------------------------------------------------------------------------- #
+# --- properties ---
 
 values = st.floats(1e-4, 10.0)
 nsteps = st.integers(1, 300)
@@ -478,9 +472,7 @@ def test_join_is_continuous_when_pieces_meet(b1, b2, c):
     assert np.all(np.abs(np.diff(v)) <= step * (1 + 1e-5) + 1e-6)
 
 
-# --------------------------------------------------------------------------- #
-# Eager argument checks name the argument.
-# --------------------------------------------------------------------------- #
+# --- eager argument checks name the argument ---
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ SHAPES = {"w": (4, 3), "b": (5,), "k": (2, 3, 2), "s": (), "c": (2, 2, 3, 2),
           "d": (2, 2, 1, 3, 2)}
 
 
-# --------------------------------------------------------------------------- references
+# --- references ---
 
 
 class Stateless:
@@ -266,6 +266,7 @@ def test_zero_nans_replaces_nans_and_records_them():
     np.testing.assert_array_equal(np.asarray(u["a"]), [1.0, 0.0, -2.0])
     np.testing.assert_array_equal(np.asarray(u["b"]), [[0.0, 3.0]])
     assert any(bool(x) for x in jax.tree.leaves(state))
+    assert bool(state.found_nan["a"]) and bool(state.found_nan["b"])  # one flag per leaf
     clean = {"a": jnp.ones(3), "b": jnp.ones((1, 2))}
     u, state = jax.jit(tx.update)(clean, state)
     assert not any(bool(x) for x in jax.tree.leaves(state))

@@ -62,7 +62,7 @@ def _scale(*trees):
     return max(float(np.max(np.abs(v))) for t in trees for v in t.values()) + 1e-12
 
 
-# --------------------------------------------------------------------------- add_noise
+# --- add_noise ---
 
 
 class NoiseRef:
@@ -212,7 +212,7 @@ def test_add_noise_is_reproducible_from_its_key():
         np.testing.assert_array_equal(np.asarray(outs[0][k]), np.asarray(outs[1][k]))
 
 
-# --------------------------------------------------------------------------- schedule-free
+# --- schedule-free ---
 
 
 # bf16 outputs that are O(1) iterates (x, and z when stored in bf16) are measured against
@@ -302,7 +302,7 @@ def test_schedule_free_sgd_bfloat16_state_matches_reference(name):
         assert e.max() <= GRID_TOL[what], f"{name} {what}: max error {e.max():.2e} of max|y|"
 
 
-# --------------------------------------------------------------------------- lookahead
+# --- lookahead ---
 
 
 LA_CASES = {

@@ -11,7 +11,7 @@ select the storage dtype of the moments.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import (
     GradientTransformation,
+    ScalarOrSchedule,
     chain,
     mark_extra,
     need_params,
@@ -48,7 +49,7 @@ __all__ = [
 
 
 class ScaleByAdamState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: Packed
     nu: Packed
 
@@ -72,8 +73,10 @@ def _adam_family(name, mu_dtype, nu_dtype, make_step, fill=0.0):
     return packed_transformation(init, update, name=name)
 
 
-def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-                  nesterov: bool = False, nu_dtype=None):
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                  mu_dtype: jax.typing.DTypeLike | None = None, *,
+                  nesterov: bool = False,
+                  nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Adam scaling.
 
     .. math::
@@ -101,15 +104,16 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
 
 
 class ScaleByAmsgradState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: Packed
     nu: Packed
     nu_max: Packed
 
 
-def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
+def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                     mu_dtype: jax.typing.DTypeLike | None = None,
                      bias_correction_mu: bool = True, bias_correction_nu: bool = True, *,
-                     nu_dtype=None):
+                     nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AMSGrad: Adam with :math:`\\hat v_t = \\max(\\hat v_{t-1}^{max}, \\hat v_t)` in the denominator."""
 
     _validate.check("scale_by_amsgrad", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
@@ -138,7 +142,9 @@ def scale_by_amsgrad(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
     return packed_transformation(init, update, name="scale_by_amsgrad")
 
 
-def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None):
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                    mu_dtype: jax.typing.DTypeLike | None = None,
+                    nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaMax: :math:`m_t` as Adam, :math:`v_t = \\max(|g_t| + \\epsilon, \\beta_2 v_{t-1})`,
     :math:`u_t = \\hat m_t / v_t`."""
 
@@ -155,8 +161,10 @@ def scale_by_adamax(b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None)
     return _adam_family("scale_by_adamax", mu_dtype, nu_dtype, make_step)
 
 
-def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bool = False,
-                    mu_dtype=None, nu_dtype=None):
+def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
+                    eps_root: float = 1e-16, *, nesterov: bool = False,
+                    mu_dtype: jax.typing.DTypeLike | None = None,
+                    nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaBelief: :math:`s_t = \\beta_2 s_{t-1} + (1-\\beta_2)(g_t - m_t)^2 + \\epsilon_{root}`,
     :math:`u_t = \\hat m_t / (\\sqrt{\\hat s_t} + \\epsilon)`."""
 
@@ -175,8 +183,10 @@ def scale_by_belief(b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov: bo
     return _adam_family("scale_by_belief", mu_dtype, nu_dtype, make_step)
 
 
-def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
-                   nesterov: bool = False, mu_dtype=None, nu_dtype=None):
+def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                   threshold: float = 5.0, *,
+                   nesterov: bool = False, mu_dtype: jax.typing.DTypeLike | None = None,
+                   nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Rectified Adam: with :math:`\\rho_\\infty = 2/(1-\\beta_2) - 1` and
     :math:`\\rho_t = \\rho_\\infty - 2t\\beta_2^t/(1-\\beta_2^t)`, the update is
     :math:`r_t \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)` when
@@ -204,8 +214,10 @@ def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
     return _adam_family("scale_by_radam", mu_dtype, nu_dtype, make_step)
 
 
-def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_value=1e-6, *,
-                  mu_dtype=None, nu_dtype=None):
+def scale_by_yogi(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, eps_root: float = 0.0,
+                  initial_accumulator_value: float = 1e-6, *,
+                  mu_dtype: jax.typing.DTypeLike | None = None,
+                  nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Yogi: :math:`v_t = v_{t-1} - (1-\\beta_2)\\,\\mathrm{sign}(v_{t-1} - g_t^2)\\,g_t^2`,
     :math:`u_t = \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)`; both moments start at
     ``initial_accumulator_value``."""
@@ -232,12 +244,13 @@ def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_
 
 
 class ScaleByLionState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: Packed
 
 
-def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None, *, mode: str = "hard",
-                  smooth_beta: float = 1.0):
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: jax.typing.DTypeLike | None = None,
+                  *, mode: str = "hard",
+                  smooth_beta: float = 1.0) -> GradientTransformation:
     """Lion: :math:`u_t = \\mathrm{sign}((1-\\beta_1) g_t + \\beta_1 m_{t-1})`,
     :math:`m_t = \\beta_2 m_{t-1} + (1-\\beta_2) g_t`.
 
@@ -275,12 +288,14 @@ def scale_by_lion(b1=0.9, b2=0.99, mu_dtype=None, *, mode: str = "hard",
 
 
 class ScaleByNovogradState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: object
     nu: object
 
 
-def scale_by_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0, mu_dtype=None):
+def scale_by_novograd(b1: float = 0.9, b2: float = 0.25, eps: float = 1e-8, eps_root: float = 0.0,
+                      weight_decay: float = 0.0,
+                      mu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """NovoGrad: per-leaf :math:`n_t = \\beta_2 n_{t-1} + (1-\\beta_2)\\|g_t\\|^2` (:math:`n_1 =
     \\|g_1\\|^2`), :math:`m_t = \\beta_1 m_{t-1} + g_t/(\\sqrt{n_t+\\epsilon_{root}}+\\epsilon) +
     \\lambda\\theta` (:math:`m_1` without the :math:`\\beta_1` term), :math:`u_t = m_t`."""
@@ -314,8 +329,10 @@ def scale_by_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0,
     return GradientTransformation(init, update)
 
 
-def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-         nesterov: bool = False, nu_dtype=None):
+def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+         eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None, *,
+         nesterov: bool = False,
+         nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Adam: :math:`u = -\\eta\\,\\hat m_t/(\\sqrt{\\hat v_t + \\epsilon_{root}} + \\epsilon)`
     (see :func:`scale_by_adam`)."""
     _validate.check("adam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
@@ -323,8 +340,10 @@ def adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
                                   nu_dtype=nu_dtype), learning_rate_step(learning_rate))
 
 
-def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-          weight_decay=1e-4, mask=None, *, nesterov: bool = False, nu_dtype=None):
+def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None,
+          weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = False,
+          nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdamW: :math:`u = -\\eta\\,(\\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon) + \\lambda\\theta)`,
     decay applied where ``mask`` is true (pytree, callable or path rules)."""
     _validate.check(
@@ -337,16 +356,20 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None
                  add_decayed_weights(weight_decay, mask), learning_rate_step(learning_rate))
 
 
-def nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, *,
-          nesterov: bool = True, nu_dtype=None):
+def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None, *,
+          nesterov: bool = True,
+          nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """NAdam: Adam with the Nesterov first moment (``nesterov=True``)."""
     _validate.check("nadam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                 nu_dtype=nu_dtype)
 
 
-def nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-           weight_decay=1e-4, mask=None, *, nesterov: bool = True, nu_dtype=None):
+def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+           eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None,
+           weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = True,
+           nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """NAdamW: AdamW with the Nesterov first moment."""
     _validate.check(
         "nadamw",
@@ -357,15 +380,19 @@ def nadamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=Non
                  nesterov=nesterov, nu_dtype=nu_dtype)
 
 
-def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8, *, mu_dtype=None, nu_dtype=None):
+def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+           *, mu_dtype: jax.typing.DTypeLike | None = None,
+           nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaMax: :math:`u = -\\eta\\,\\hat m_t / v_t`, :math:`v_t = \\max(|g_t|+\\epsilon, \\beta_2 v_{t-1})`."""
     _validate.check("adamax", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(scale_by_adamax(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
                  learning_rate_step(learning_rate))
 
 
-def adamaxw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None, *,
-            mu_dtype=None, nu_dtype=None):
+def adamaxw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+            weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
+            mu_dtype: jax.typing.DTypeLike | None = None,
+            nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaMax with decoupled weight decay."""
     _validate.check(
         "adamaxw",
@@ -375,8 +402,10 @@ def adamaxw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=N
                  add_decayed_weights(weight_decay, mask), learning_rate_step(learning_rate))
 
 
-def amsgrad(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None,
-            bias_correction_mu: bool = True, bias_correction_nu: bool = True, *, nu_dtype=None):
+def amsgrad(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+            eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None,
+            bias_correction_mu: bool = True, bias_correction_nu: bool = True, *,
+            nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AMSGrad: Adam with the running maximum of :math:`\\hat v_t` (see :func:`scale_by_amsgrad`)."""
     _validate.check(
         "amsgrad",
@@ -386,8 +415,10 @@ def amsgrad(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=No
                                      bias_correction_nu, nu_dtype=nu_dtype), learning_rate_step(learning_rate))
 
 
-def adabelief(learning_rate, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *,
-              nesterov: bool = False, mu_dtype=None, nu_dtype=None):
+def adabelief(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+              eps: float = 1e-16, eps_root: float = 1e-16, *,
+              nesterov: bool = False, mu_dtype: jax.typing.DTypeLike | None = None,
+              nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaBelief: Adam with the variance of the prediction error :math:`g_t - m_t`."""
     _validate.check(
         "adabelief",
@@ -397,8 +428,10 @@ def adabelief(learning_rate, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *,
                                     nu_dtype=nu_dtype), learning_rate_step(learning_rate))
 
 
-def radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, *,
-          nesterov: bool = False, mu_dtype=None, nu_dtype=None):
+def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          eps_root: float = 0.0, threshold: float = 5.0, *,
+          nesterov: bool = False, mu_dtype: jax.typing.DTypeLike | None = None,
+          nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """RAdam: rectified Adam (see :func:`scale_by_radam`)."""
     _validate.check(
         "radam",
@@ -409,22 +442,28 @@ def radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0
                                    mu_dtype=mu_dtype, nu_dtype=nu_dtype), learning_rate_step(learning_rate))
 
 
-def yogi(learning_rate, b1=0.9, b2=0.999, eps=1e-3, *, mu_dtype=None, nu_dtype=None):
+def yogi(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, *,
+         mu_dtype: jax.typing.DTypeLike | None = None,
+         nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Yogi: additive second-moment update (see :func:`scale_by_yogi`)."""
     _validate.check("yogi", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(scale_by_yogi(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
                  learning_rate_step(learning_rate))
 
 
-def lion(learning_rate, b1=0.9, b2=0.99, mu_dtype=None, weight_decay=1e-3, mask=None):
+def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
+         mu_dtype: jax.typing.DTypeLike | None = None, weight_decay: ScalarOrSchedule = 1e-3,
+         mask: Any = None) -> GradientTransformation:
     """Lion: :math:`u = -\\eta(\\mathrm{sign}((1-\\beta_1)g_t + \\beta_1 m_{t-1}) + \\lambda\\theta)`."""
     _validate.check("lion", learning_rate=learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
     return chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
                  learning_rate_step(learning_rate))
 
 
-def lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0, mask=None,
-         *, mu_dtype=None, nu_dtype=None):
+def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         eps_root: float = 0.0, weight_decay: ScalarOrSchedule = 0.0, mask: Any = None,
+         *, mu_dtype: jax.typing.DTypeLike | None = None,
+         nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """LAMB: Adam direction plus decay, rescaled per leaf by the trust ratio
     :math:`\\|\\theta\\|/\\|u\\|`, times :math:`-\\eta`."""
     _validate.check(
@@ -437,8 +476,9 @@ def lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0
                  learning_rate_step(learning_rate))
 
 
-def novograd(learning_rate, b1=0.9, b2=0.25, eps=1e-6, eps_root=0.0, weight_decay=0.0, *,
-             mu_dtype=None):
+def novograd(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.25, eps: float = 1e-6,
+             eps_root: float = 0.0, weight_decay: float = 0.0, *,
+             mu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """NovoGrad: layer-wise second moments (see :func:`scale_by_novograd`)."""
     _validate.check(
         "novograd",

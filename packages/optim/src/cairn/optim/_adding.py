@@ -31,7 +31,7 @@ class AddDecayedWeightsState(NamedTuple):
     """``count`` of steps (advanced only when ``weight_decay`` is a schedule) and the
     ``weight_decay`` used at the last step (traced)."""
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     weight_decay: jax.Array
 
 
@@ -118,6 +118,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0,
         count = safe_increment(state.count) if callable(weight_decay) else state.count
         bools = bools_for(u.layout)
         decay_buffer = functools.partial(_decay_buffer, u.layout, bools)
+        out: Packed
         if isinstance(p, pk.LazyParams):
             # pytree params: keep the term pending; it is added per leaf when the
             # updates are unpacked (no concatenate of the params)
@@ -132,11 +133,12 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0,
 
 
 class AddNoiseState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     rng_key: jax.Array
 
 
-def add_noise(eta, gamma, key=None, *, seed: int | None = None):
+def add_noise(eta: float, gamma: float, key: jax.Array | int | None = None, *,
+              seed: int | None = None) -> GradientTransformation:
     """:math:`u \\leftarrow u + \\mathcal N(0, \\eta/(1+t)^{\\gamma})` (one draw per element),
     :math:`t` the number of earlier steps (variance :math:`\\eta` on the first step).
 

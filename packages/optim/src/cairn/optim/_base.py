@@ -16,8 +16,8 @@ buffers, and unpacks once at the end (or before a member that works per leaf).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -62,12 +62,12 @@ class EmptyState(NamedTuple):
     """State of a stateless transformation."""
 
 
-def init_empty_state(params) -> EmptyState:
+def init_empty_state(params: Any) -> EmptyState:
     del params
     return EmptyState()
 
 
-# --------------------------------------------------------------------------- packed machinery
+# --- packed machinery ---
 
 
 class PackedUpdate:
@@ -79,14 +79,15 @@ class PackedUpdate:
 
     __slots__ = ("fn", "needs_params", "__name__", "init_fn", "state_type", "__weakref__")
 
-    def __init__(self, fn, needs_params: bool = False, name: str = "update", init_fn=None):
+    def __init__(self, fn: Callable, needs_params: bool = False, name: str = "update",
+                 init_fn: Callable | None = None) -> None:
         self.fn = fn
         self.needs_params = needs_params
         self.__name__ = name
         self.init_fn = init_fn  # for error messages: the state type init() makes
-        self.state_type = None  # the type of the state init() made, once it has run
+        self.state_type: type | None = None  # the type of the state init() made, once it has run
 
-    def check_state(self, state):
+    def check_state(self, state: Any) -> None:
         """Raise :class:`StateMismatchError` when ``state`` is not of the type ``init`` made."""
         st = self.state_type
         if st is not None and type(state) is not st:
@@ -94,10 +95,12 @@ class PackedUpdate:
                                      type(state).__name__)
 
 
-    def packed(self, updates: Packed, state, params: Packed | None = None, **extra):
+    def packed(self, updates: Packed, state: Any, params: Packed | None = None,
+               **extra: Any) -> tuple[Packed, Any]:
         return self.fn(updates, state, params, **extra)
 
-    def __call__(self, updates, state, params=None, **extra):
+    def __call__(self, updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any,
+                 Any]:
         if isinstance(updates, Packed):
             pp = None
             if params is not None and self.needs_params:
@@ -111,12 +114,13 @@ class PackedUpdate:
         elif self.needs_params and params is None:
             raise ValueError("this transformation needs `params` in update(updates, state, params)")
         self.check_state(state)
-        with state_errors(GradientTransformation(self.init_fn, self), state, updates):
+        with state_errors(GradientTransformation(cast(Callable, self.init_fn), self), state, updates):
             out, new_state = self.fn(u, state, pp, **extra)
         return pk.unpack(out, pk.find_offsets(new_state, layout)), new_state
 
 
-def packed_transformation(init_fn, update_fn, *, needs_params: bool = False, name="update"):
+def packed_transformation(init_fn: Callable, update_fn: Callable, *, needs_params: bool = False,
+                          name: str = "update") -> GradientTransformation:
     """Build a packed-aware transformation.
 
     ``init_fn(layout, params) -> state``; ``update_fn(u: Packed, state, p: Packed|None, **extra)``.
@@ -137,7 +141,7 @@ def packed_transformation(init_fn, update_fn, *, needs_params: bool = False, nam
     return GradientTransformation(init, upd)
 
 
-def is_packed_aware(tx) -> bool:
+def is_packed_aware(tx: Any) -> bool:
     return isinstance(getattr(tx, "update", None), PackedUpdate)
 
 
@@ -148,22 +152,24 @@ def _accepts_extra(tx) -> bool:
     return type(tx).__name__ == "GradientTransformationExtraArgs"
 
 
-def call_update(tx, updates, state, params, extra):
+def call_update(tx: Any, updates: Any, state: Any, params: Any,
+                extra: dict[str, Any]) -> tuple[Any, Any]:
     """Call ``tx.update`` passing extra args only when it accepts them."""
     if extra and _accepts_extra(tx):
         return tx.update(updates, state, params, **extra)
     return tx.update(updates, state, params)
 
 
-def mark_extra(fn):
-    fn._cairn_extra = True
+def mark_extra(fn: Callable) -> Callable:
+    fn._cairn_extra = True  # type: ignore[attr-defined]
     return fn
 
 
-# --------------------------------------------------------------------------- scalars and schedules
+# --- scalars and schedules ---
 
 
-def check_scalar(name: str, value, *, minimum: float | None = 0.0, allow_none=False):
+def check_scalar(name: str, value: Any, *, minimum: float | None = 0.0,
+                 allow_none: bool = False) -> Any:
     """Validate a float hyperparameter (or leave a schedule alone)."""
     if value is None:
         if allow_none:
@@ -185,7 +191,7 @@ def check_scalar(name: str, value, *, minimum: float | None = 0.0, allow_none=Fa
     return value
 
 
-def eval_schedule(name: str, value, count):
+def eval_schedule(name: str, value: Any, count: jax.Array) -> jax.Array:
     """Evaluate a float-or-schedule at ``count`` as a float32 scalar; NaN is an error when concrete."""
     if callable(value):
         out = jnp.asarray(value(count), dtype=jnp.float32)
@@ -197,7 +203,7 @@ def eval_schedule(name: str, value, count):
     return jnp.asarray(value, dtype=jnp.float32)
 
 
-# --------------------------------------------------------------------------- simple transforms
+# --- simple transforms ---
 
 
 def identity() -> GradientTransformation:
@@ -252,7 +258,7 @@ def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformat
     return GradientTransformation(init_empty_state, update)
 
 
-def need_params(params, name: str) -> None:
+def need_params(params: Any, name: str) -> None:
     """Raise the error every params-reading transformation gives when ``params`` is None."""
     if params is None:
         raise ValueError(f"{name} needs `params` in update(updates, state, params)")
@@ -271,18 +277,18 @@ def per_leaf(name: str, f: Callable, *, needs_params: bool) -> GradientTransform
     return GradientTransformation(init_empty_state, update)
 
 
-# --------------------------------------------------------------------------- tree helpers
+# --- tree helpers ---
 
 
 def _check_same_structure(a, b, what_a: str, what_b: str):
     ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
-    if ta != tb:
+    if ta != tb:  # type: ignore[operator]
         pa, pb = set(tree_paths(a)), set(tree_paths(b))
         raise ValueError(f"{what_b} tree does not match {what_a}: paths only in {what_a} "
                          f"{sorted(pa - pb)[:5]}, paths only in {what_b} {sorted(pb - pa)[:5]}")
 
 
-def apply_updates(params, updates):
+def apply_updates(params: Any, updates: Any) -> Any:
     """Return ``params + updates`` leaf-wise, keeping each param's dtype.
 
     :math:`\\theta \\leftarrow \\theta + u`. Works on pytrees and on
@@ -312,22 +318,24 @@ def _add_leaf(p, u):
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
 
-def incremental_update(new_tensors, old_tensors, step_size):
+def incremental_update(new_tensors: Any, old_tensors: Any, step_size: jax.typing.ArrayLike) -> Any:
     """Polyak averaging: :math:`\\text{old} \\leftarrow s\\,\\text{new} + (1-s)\\,\\text{old}`."""
     _check_same_structure(old_tensors, new_tensors, "old_tensors", "new_tensors")
     return jax.tree.map(lambda n, o: step_size * n + (1.0 - step_size) * o,
                         new_tensors, old_tensors)
 
 
-def periodic_update(new_tensors, old_tensors, steps, update_period):
+def periodic_update(new_tensors: Any, old_tensors: Any, steps: jax.typing.ArrayLike,
+                    update_period: int) -> Any:
     """Return ``new_tensors`` when ``steps % update_period == 0`` else ``old_tensors``."""
     _check_same_structure(old_tensors, new_tensors, "old_tensors", "new_tensors")
     return jax.lax.cond(jnp.mod(steps, update_period) == 0,
                         lambda _: new_tensors, lambda _: old_tensors, None)
 
 
-def global_norm(updates):
+def global_norm(updates: Any) -> jax.Array:
     """:math:`\\sqrt{\\sum_i \\|u_i\\|_2^2}` over all leaves (one reduction per packed buffer)."""
+    bufs: Sequence[jax.Array]
     if isinstance(updates, Packed):
         bufs = updates.buffers
     else:
@@ -338,7 +346,7 @@ def global_norm(updates):
     return jnp.sqrt(total)
 
 
-# --------------------------------------------------------------------------- chain
+# --- chain ---
 
 
 class StateMismatchError(TypeError, ValueError):
@@ -348,7 +356,7 @@ class StateMismatchError(TypeError, ValueError):
     of the outer chain), the state type that position expects and the one it was given.
     """
 
-    def __init__(self, path: str, name: str, expected: str, given: str, detail: str = ""):
+    def __init__(self, path: str, name: str, expected: str, given: str, detail: str = "") -> None:
         self.path, self.name, self.expected, self.given = path, name, expected, given
         self.detail = detail
         where = f"at chain position {path} ({name})" if path else f"in {name}"
@@ -380,7 +388,7 @@ class state_errors:
     """Turn the errors of a transformation fed a foreign state into a
     :class:`StateMismatchError` naming the chain position and both state types."""
 
-    def __init__(self, tx, state, like, position: int | None = None):
+    def __init__(self, tx: Any, state: Any, like: Any, position: int | None = None) -> None:
         self.tx, self.state, self.like, self.position = tx, state, like, position
 
     def __enter__(self):
@@ -404,8 +412,48 @@ class state_errors:
                                  f"{type(err).__name__}: {err}") from err
 
 
-def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
-              allow_pending: bool = False):
+class _ChainParams:
+    """The params as a chain's members read them: per layout as :class:`Packed` buffers
+    for the packed-aware members (pytree params as :class:`~cairn.optim._packing.LazyParams`,
+    packed only if a member reads their buffers: add_decayed_weights does not, its term
+    stays pending until the unpack), and as a pytree for the others; each made once."""
+
+    def __init__(self, params):
+        self.params = params
+        self._packed: dict[Any, Packed] = {}
+        self._tree = None
+
+    def packed(self, layout: pk.Layout) -> Packed | None:
+        if self.params is None:
+            return None
+        if layout not in self._packed:
+            self._packed[layout] = (pk.pack(self.params, layout, what="params")
+                                    if isinstance(self.params, Packed)
+                                    else pk.LazyParams(layout, self.params))
+        return self._packed[layout]
+
+    def tree(self):
+        if isinstance(self.params, pk.LazyParams):
+            return self.params.tree
+        if not isinstance(self.params, Packed):  # a pytree, or None
+            return self.params
+        if self._tree is None:
+            self._tree = pk.unpack(self.params)
+        return self._tree
+
+
+def _run_packed(tx, u: Packed, s, params: _ChainParams, extra):
+    """One packed-aware chain member on packed updates."""
+    tx.update.check_state(s)
+    pp = params.packed(u.layout) if tx.update.needs_params else None
+    if tx.update.needs_params and pp is None:
+        raise ValueError("a transformation in this chain needs `params` in update()")
+    return tx.update.packed(u, s, pp, **extra)
+
+
+def run_chain(txs: tuple, updates: Any, state: Any, params: Any, extra: dict[str, Any], *,
+              want_packed: bool,
+              allow_pending: bool = False) -> tuple[Any, tuple]:
     """Run ``txs`` in order, staying packed across consecutive packed-aware members.
 
     With ``allow_pending`` (a chain nested in a chain) packed updates may come back
@@ -415,69 +463,59 @@ def run_chain(txs, updates, state, params, extra, *, want_packed: bool,
     if not isinstance(state, tuple) or len(state) != len(txs):
         given = (f"a {type(state).__name__} of {len(state)} entries"
                  if isinstance(state, tuple) else f"a {type(state).__name__}")
-        raise StateMismatchError("", "chain", f"a tuple of {len(txs)} member states",
-                                 given)
+        raise StateMismatchError("", "chain", f"a tuple of {len(txs)} member states", given)
     state_layout = pk.find_layout(state)
-    cur = updates
-    params_packed: dict[Any, Packed] = {}
-    params_tree = [None]
-
-    def packed_params(layout):
-        if params is None:
-            return None
-        if layout not in params_packed:
-            # pytree params are packed only if a member reads their buffers
-            # (add_decayed_weights does not: its term stays pending until the unpack)
-            params_packed[layout] = (pk.pack(params, layout, what="params")
-                                     if isinstance(params, Packed)
-                                     else pk.LazyParams(layout, params))
-        return params_packed[layout]
-
-    def tree_params():
-        if isinstance(params, pk.LazyParams):
-            return params.tree
-        if params is None or not isinstance(params, Packed):
-            return params
-        if params_tree[0] is None:
-            params_tree[0] = pk.unpack(params)
-        return params_tree[0]
-
-    new_states = []
+    chain_params = _ChainParams(params)
+    cur, new_states = updates, []
     last_layout = updates.layout if isinstance(updates, Packed) else None
-
-    def run_member(tx, s):
-        nonlocal cur, last_layout
-        if is_packed_aware(tx):
-            if not isinstance(cur, Packed):
-                layout = state_layout or pk.find_layout(s) or pk.layout_of(
-                    cur, use_sharding=False, per_leaf=True)
-                cur = pk.pack(cur, layout)
-            last_layout = cur.layout
-            tx.update.check_state(s)
-            pp = packed_params(cur.layout) if tx.update.needs_params else None
-            if tx.update.needs_params and pp is None:
-                raise ValueError("a transformation in this chain needs `params` in update()")
-            cur, s = tx.update.packed(cur, s, pp, **extra)
-        else:
-            if isinstance(cur, Packed):
-                cur = pk.unpack(cur, pk.find_offsets(state, cur.layout))
-            cur, s = call_update(tx, cur, s, tree_params(), extra)
-        return s
-
     for i, (tx, s) in enumerate(zip(txs, state)):
         with state_errors(tx, s, updates, position=i):
-            new_states.append(run_member(tx, s))
+            if is_packed_aware(tx):
+                if not isinstance(cur, Packed):
+                    cur = pk.pack(cur, state_layout or pk.find_layout(s) or pk.layout_of(
+                        cur, use_sharding=False, per_leaf=True))
+                last_layout = cur.layout
+                cur, s = _run_packed(tx, cur, s, chain_params, extra)
+            else:
+                if isinstance(cur, Packed):
+                    cur = pk.unpack(cur, pk.find_offsets(state, cur.layout))
+                cur, s = call_update(tx, cur, s, chain_params.tree(), extra)
+        new_states.append(s)
     new_state = tuple(new_states)
-    if want_packed:
-        if not isinstance(cur, Packed):
-            cur = pk.pack(cur, last_layout or pk.layout_of(cur))
-        if isinstance(cur, pk.PendingDecay) and not allow_pending:
-            cur = Packed(cur.layout, cur.buffers, cur.offsets)
+    if not want_packed:
+        if isinstance(cur, Packed):
+            cur = pk.unpack(cur, pk.find_offsets(new_state, cur.layout))
         return cur, new_state
-    if isinstance(cur, Packed):
-        offs = pk.find_offsets(new_state, cur.layout)
-        cur = pk.unpack(cur, offs)
+    if not isinstance(cur, Packed):
+        cur = pk.pack(cur, last_layout or pk.layout_of(cur))
+    if isinstance(cur, pk.PendingDecay) and not allow_pending:
+        cur = Packed(cur.layout, cur.buffers, cur.offsets)
     return cur, new_state
+
+
+class _ChainUpdate(PackedUpdate):
+    """The ``update`` of :func:`chain`: :func:`run_chain` over its members, then (under a
+    multi-device jit) the params' layout, recorded at ``init``, on the updates."""
+
+    __slots__ = ("txs", "params_record")
+
+    def __init__(self, txs: tuple):
+        def update_packed(u, state, p=None, **extra):
+            return run_chain(txs, u, state, p, extra, want_packed=True)
+
+        needs = any(t.update.needs_params if is_packed_aware(t) else True for t in txs)
+        super().__init__(update_packed, needs, "chain")
+        self.txs = txs
+        self.params_record = None
+
+    def __call__(self, updates, state, params=None, **extra):
+        u, s = run_chain(self.txs, updates, state, params, extra,
+                         want_packed=isinstance(updates, Packed))
+        return constrain_like_params(u, s, self.params_record)
+
+    def packed(self, updates, state, params=None, **extra):
+        return run_chain(self.txs, updates, state, params, extra, want_packed=True,
+                         allow_pending=True)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -496,34 +534,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     for i, t in enumerate(txs):
         if not (hasattr(t, "init") and hasattr(t, "update")):
             raise TypeError(f"chain member {i} is not a GradientTransformation: {type(t).__name__}")
+    upd = _ChainUpdate(txs)
 
     def init(params):
         upd.params_record = params_record(params)
         return place_scalars(tuple(t.init(params) for t in txs), params)
 
-    def update_packed(u, state, p=None, **extra):
-        return run_chain(txs, u, state, p, extra, want_packed=True)
-
-    packed = PackedUpdate(update_packed, needs_params=True, name="chain")
-
-    class _ChainUpdate(PackedUpdate):
-        __slots__ = ("params_record",)
-
-        def __call__(self, updates, state, params=None, **extra):
-            # run_chain checks that ``state`` is a tuple with one entry per member
-            u, s = run_chain(txs, updates, state, params, extra,
-                             want_packed=isinstance(updates, Packed))
-            # under a multi-device jit: keep the params' layout (recorded at init)
-            return constrain_like_params(u, s, self.params_record)
-
-        def packed(self, updates, state, params=None, **extra):
-            return run_chain(txs, updates, state, params, extra, want_packed=True,
-                             allow_pending=True)
-
-    needs = any(t.update.needs_params if is_packed_aware(t) else True for t in txs)
-    upd = _ChainUpdate(packed.fn, needs, "chain")
-    upd.params_record = None
-    # chain members receive packed params lazily; a packed caller passes them as given
     return GradientTransformation(init, upd)
 
 
@@ -533,6 +549,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain names must be unique, got {names}")
     inner = chain(*[t for _, t in transforms])
+    inner_update = cast(PackedUpdate, inner.update)
 
     def init(params):
         return dict(zip(names, inner.init(params)))
@@ -551,8 +568,8 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             return u, dict(zip(names, s))
 
         def packed(self, updates, state, params=None, **extra):
-            u, s = inner.update.packed(updates, _tuple(state), params, **extra)
+            u, s = inner_update.packed(updates, _tuple(state), params, **extra)
             return u, dict(zip(names, s))
 
     return GradientTransformation(init, _NamedUpdate(lambda *a, **k: None,
-                                                     inner.update.needs_params, "named_chain"))
+                                                     inner_update.needs_params, "named_chain"))

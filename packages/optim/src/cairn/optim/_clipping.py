@@ -10,13 +10,19 @@ import jax.numpy as jnp
 
 from cairn.optim import _packing as pk
 from cairn.optim import _validate
-from cairn.optim._base import EmptyState, check_scalar, packed_transformation, per_leaf
+from cairn.optim._base import (
+    EmptyState,
+    GradientTransformation,
+    check_scalar,
+    packed_transformation,
+    per_leaf,
+)
 from cairn.optim._packed_state import abs_sq
 
 __all__ = ["clip", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "zero_nans"]
 
 
-def clip(max_delta):
+def clip(max_delta: float) -> GradientTransformation:
     """:math:`u \\leftarrow \\mathrm{clip}(u, -\\delta, \\delta)`."""
     _validate.check("clip", max_delta=max_delta)
     check_scalar("max_delta", max_delta)
@@ -27,7 +33,7 @@ def clip(max_delta):
     return packed_transformation(lambda layout, params: EmptyState(), update, name="clip")
 
 
-def clip_by_global_norm(max_norm):
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """:math:`u \\leftarrow u \\cdot \\min(1, c/\\|u\\|_2)` with :math:`\\|u\\|_2` the norm over
     all leaves (one reduction per packed buffer, or per dtype on one device)."""
     _validate.check("clip_by_global_norm", max_norm=max_norm)
@@ -49,7 +55,7 @@ def clip_by_global_norm(max_norm):
                                  name="clip_by_global_norm")
 
 
-def clip_by_block_rms(threshold):
+def clip_by_block_rms(threshold: float) -> GradientTransformation:
     """Per leaf: :math:`u \\leftarrow u / \\max(1, \\mathrm{rms}(u)/c)`."""
     _validate.check("clip_by_block_rms", {"threshold": _validate.Rule(lo=0.0, lo_open=True, inf_ok=True)},
                     threshold=threshold)
@@ -68,7 +74,7 @@ def _unitwise_norm(x, axis=None):
     if x.ndim <= 1:
         return jnp.sqrt(jnp.sum(x * x))
     if x.ndim in (2, 3):
-        ax = 0
+        ax: int | tuple[int, ...] = 0
     elif x.ndim == 4:  # conv kernels HWIO
         ax = (0, 1, 2)
     elif x.ndim == 5:  # 3-D conv kernels DHWIO
@@ -79,7 +85,8 @@ def _unitwise_norm(x, axis=None):
     return jnp.sqrt(jnp.sum(x * x, axis=ax, keepdims=True))
 
 
-def adaptive_grad_clip(clipping, eps=1e-3, axis=None):
+def adaptive_grad_clip(clipping: float, eps: float = 1e-3,
+                       axis: int | tuple[int, ...] | None = None) -> GradientTransformation:
     """AGC (Brock et al. 2021): :math:`u \\leftarrow u\\cdot\\min(1, \\lambda\\max(\\|\\theta\\|,
     \\epsilon)/\\|u\\|)` with unit-wise norms."""
     _validate.check("adaptive_grad_clip", {"clipping": _validate.NONNEG}, clipping=clipping, eps=eps)
@@ -103,7 +110,7 @@ class ZeroNansState(NamedTuple):
     found_nan: Any
 
 
-def zero_nans():
+def zero_nans() -> GradientTransformation:
     """Replace NaNs in the updates by 0; the state records whether a leaf had one."""
 
     def flags(layout, values):

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ class PartitionState(NamedTuple):
     inner_states: dict
 
 
-def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels,
+def partition(transforms: Mapping[Any, GradientTransformation], param_labels: Any,
               *, mask_compatible_extra_args: bool = False) -> GradientTransformation:
     """Apply a different transformation to each group of parameters.
 
@@ -137,19 +137,21 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-# --------------------------------------------------------------------------- hyperparameters
+# --- hyperparameters ---
 
 
 class InjectHyperparamsState(NamedTuple):
     """``count``, the ``hyperparams`` used at the last step (traced scalars), the inner state."""
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     hyperparams: dict
     inner_state: Any
 
 
 def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
-                       static_args: str | tuple[str, ...] = (), hyperparam_dtype=None):
+                       static_args: str | tuple[str, ...] = (),
+                       hyperparam_dtype: jax.typing.DTypeLike | None = None) -> Callable[...,
+                       GradientTransformation]:
     """Turn the numeric arguments of ``inner_factory`` into traced state.
 
     ``inject_hyperparams(adam)(learning_rate=1e-3)`` builds the optimizer with its numeric
@@ -244,7 +246,7 @@ def _collect(state) -> list[tuple[str, str, Any]]:
     return found
 
 
-def get_hyperparams(state) -> dict[str, jax.Array]:
+def get_hyperparams(state: Any) -> dict[str, jax.Array]:
     """The current hyperparameters stored anywhere in an optimizer state.
 
     Returns ``{"learning_rate": ..., "weight_decay": ...}``; a name that occurs more
@@ -266,7 +268,7 @@ def get_hyperparams(state) -> dict[str, jax.Array]:
     return out
 
 
-def set_hyperparams(state, values: Mapping[str, Any] | None = None, **kwargs):
+def set_hyperparams(state: Any, values: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """Return ``state`` with hyperparameters replaced (same dtype and shape: no recompile).
 
     Keys are names (``learning_rate``: every occurrence) or the path-qualified keys of
@@ -300,7 +302,8 @@ def set_hyperparams(state, values: Mapping[str, Any] | None = None, **kwargs):
             return node._replace(hyperparams=hp)
         for cls, fields in _HP_FIELDS.items():
             if isinstance(node, cls):
-                return node._replace(**{f: new_value(path, f, getattr(node, f)) for f in fields})
+                fresh = {f: new_value(path, f, getattr(node, f)) for f in fields}
+                return cast(Any, node)._replace(**fresh)
         return node
 
     return _walk(state, "", visit)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,14 @@ import numpy as np
 
 from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights
-from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra, need_params
+from cairn.optim._base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    chain,
+    check_scalar,
+    mark_extra,
+    need_params,
+)
 from cairn.optim._clipping import clip_by_block_rms
 from cairn.optim._momentum import ema
 from cairn.optim._packed_state import safe_increment
@@ -21,7 +29,7 @@ __all__ = ["scale_by_factored_rms", "adafactor"]
 
 
 class FactoredState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     v_row: object
     v_col: object
     v: object
@@ -41,9 +49,10 @@ def _decay_rate_pow(i, exponent=0.8):
     return 1.0 - t ** (-exponent)
 
 
-def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
-                          min_dim_size_to_factor: int = 128, epsilon=1e-30,
-                          decay_rate_fn=_decay_rate_pow):
+def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_offset: int = 0,
+                          min_dim_size_to_factor: int = 128, epsilon: float = 1e-30,
+                          decay_rate_fn: Callable[[jax.Array, float],
+                          jax.Array] = _decay_rate_pow) -> GradientTransformation:
     """Adafactor scaling (Shazeer & Stern 2018).
 
     With :math:`\\beta_t = 1-(t+1)^{-0.8}` and :math:`G = g^2+\\epsilon`: for matrices whose two
@@ -80,9 +89,9 @@ def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
         need_params(params, "scale_by_factored_rms")
         beta = decay_rate_fn(state.count - step_offset, decay_rate)
         gl, td = jax.tree_util.tree_flatten(updates)
-        rows = td.flatten_up_to(state.v_row)
-        cols = td.flatten_up_to(state.v_col)
-        vs = td.flatten_up_to(state.v)
+        rows = td.flatten_up_to(state.v_row)  # type: ignore[attr-defined]
+        cols = td.flatten_up_to(state.v_col)  # type: ignore[attr-defined]
+        vs = td.flatten_up_to(state.v)  # type: ignore[attr-defined]
         outs, nr, nc, nv = [], [], [], []
         for g, vr, vc, v in zip(gl, rows, cols, vs):
             dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
@@ -111,10 +120,15 @@ def scale_by_factored_rms(factored: bool = True, decay_rate=0.8, step_offset=0,
     return GradientTransformation(init, update)
 
 
-def adafactor(learning_rate=None, min_dim_size_to_factor: int = 128, decay_rate=0.8,
-              decay_offset=0, multiply_by_parameter_scale: bool = True, clipping_threshold=1.0,
-              momentum=None, dtype_momentum="float32", weight_decay_rate=None, eps=1e-30,
-              factored: bool = True, weight_decay_mask=None):
+def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_factor: int = 128,
+              decay_rate: float = 0.8,
+              decay_offset: int = 0, multiply_by_parameter_scale: bool = True,
+              clipping_threshold: float = 1.0,
+              momentum: float | None = None,
+              dtype_momentum: jax.typing.DTypeLike | None = "float32",
+              weight_decay_rate: ScalarOrSchedule | None = None,
+              eps: float = 1e-30,
+              factored: bool = True, weight_decay_mask: Any = None) -> GradientTransformation:
     """Adafactor: factored RMS scaling (:func:`scale_by_factored_rms`), block-RMS clipping,
     learning rate, scaling by the parameter RMS, optional momentum and weight decay, then
     :math:`u \\leftarrow -u`."""

@@ -54,9 +54,7 @@ __all__ = [
 Axis = int | tuple[int, ...] | None
 
 
-# --------------------------------------------------------------------------- #
-# Checks and dtype helpers.
-# --------------------------------------------------------------------------- #
+# --- checks and dtype helpers ---
 
 
 def _float(fn: str, name: str, x: Any) -> jax.Array:
@@ -216,9 +214,7 @@ def _softplus(x: jax.Array) -> jax.Array:
     return jnp.logaddexp(x, 0.0)
 
 
-# --------------------------------------------------------------------------- #
-# Regression.
-# --------------------------------------------------------------------------- #
+# --- regression ---
 
 
 def squared_error(
@@ -287,7 +283,7 @@ def huber_loss(
     """
     fn = "huber_loss"
     p = _float(fn, "predictions", predictions)
-    if not isinstance(delta, jax.core.Tracer) and np.ndim(delta) == 0 and not float(delta) > 0:
+    if not isinstance(delta, jax.core.Tracer) and np.ndim(delta) == 0 and not float(delta) > 0:  # type: ignore[arg-type]
         raise ValueError(f"{fn}: `delta` must be > 0, got {delta}")
     e = _residual(fn, p, targets, same_shape=False)
     a = jnp.abs(e)
@@ -387,9 +383,7 @@ def cosine_distance(
     return (1.0 - _wide(sim)).astype(sim.dtype)
 
 
-# --------------------------------------------------------------------------- #
-# Classification.
-# --------------------------------------------------------------------------- #
+# --- classification ---
 
 
 def sigmoid_binary_cross_entropy(
@@ -451,7 +445,7 @@ def sigmoid_focal_loss(
     log_one_minus_pt = jnp.logaddexp(jnp.log1p(-y) + log_p, jnp.log(y) + log_q)
     out = ce * jnp.exp(gamma * log_one_minus_pt)
     if alpha is not None:
-        out = (alpha * y + (1.0 - alpha) * (1.0 - y)) * out
+        out = (alpha * y + (1.0 - alpha) * (1.0 - y)) * out  # type: ignore[assignment]
     return out.astype(x.dtype)
 
 
@@ -508,6 +502,33 @@ def softmax_cross_entropy(
     return out.astype(x.dtype)
 
 
+def _check_label_range(fn: str, labels, num_classes: int) -> None:
+    """Raise ValueError when a concrete label lies outside ``[0, num_classes)``.
+
+    Reads the caller's object, in NumPy: under an outer jit even jnp.asarray of a
+    constant is staged (a tracer) and could not be inspected."""
+    concrete = np.asarray(labels)
+    lo, hi = int(concrete.min()), int(concrete.max())
+    if lo < 0 or hi >= num_classes:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"{fn}: `labels` must lie in [0, {num_classes}) (num_classes), found {bad}"
+        )
+
+
+def _class_mask(fn: str, where, shape: tuple, batch_shape: tuple, class_axes: tuple) -> jax.Array:
+    """``where`` (shaped like the logits, or like the labels: whole rows) as a logits-shaped mask."""
+    where = jnp.asarray(where, dtype=bool)
+    if where.shape == batch_shape:
+        return jnp.broadcast_to(jnp.expand_dims(where, class_axes), shape)
+    if where.shape == shape:
+        return where
+    raise ValueError(
+        f"{fn}: `where` must have the shape of `logits` {shape} or of "
+        f"`labels` {batch_shape}, got {where.shape}"
+    )
+
+
 def softmax_cross_entropy_with_integer_labels(
     logits: jax.typing.ArrayLike,
     labels: jax.typing.ArrayLike,
@@ -557,27 +578,8 @@ def softmax_cross_entropy_with_integer_labels(
         )
     num_classes = int(np.prod([x.shape[i] for i in class_axes]))
     if not isinstance(labels, jax.core.Tracer) and lab.size:
-        # From the caller's object, in NumPy: under an outer jit even jnp.asarray
-        # of a constant is staged (a tracer) and could not be inspected.
-        concrete = np.asarray(labels)
-        lo, hi = int(concrete.min()), int(concrete.max())
-        if lo < 0 or hi >= num_classes:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"{fn}: `labels` must lie in [0, {num_classes}) (num_classes), found {bad}"
-            )
-    mask = None
-    if where is not None:
-        where = jnp.asarray(where, dtype=bool)
-        if where.shape == batch_shape:
-            mask = jnp.broadcast_to(jnp.expand_dims(where, class_axes), x.shape)
-        elif where.shape == x.shape:
-            mask = where
-        else:
-            raise ValueError(
-                f"{fn}: `where` must have the shape of `logits` {x.shape} or of "
-                f"`labels` {batch_shape}, got {where.shape}"
-            )
+        _check_label_range(fn, labels, num_classes)
+    mask = None if where is None else _class_mask(fn, where, x.shape, batch_shape, class_axes)
     perm = batch_axes + class_axes
     xw = _wide(x).transpose(perm).reshape(batch_shape + (num_classes,))
     if mask is not None:
@@ -730,6 +732,7 @@ def smooth_labels(
     fn = "smooth_labels"
     y = _float(fn, "labels", labels)
     axes = _canonical_axes(fn, axis, y.ndim)
+    k: Any
     if where is None:
         k = int(np.prod([y.shape[a] for a in axes]))
     else:
@@ -740,9 +743,49 @@ def smooth_labels(
     return ((1.0 - alpha) * yw + alpha / k).astype(y.dtype)
 
 
-# --------------------------------------------------------------------------- #
-# Sequences: CTC.
-# --------------------------------------------------------------------------- #
+# --- sequences: CTC ---
+
+
+def _check_ctc_args(fn: str, x, lab, lpad, ypad, blank_id: int) -> int:
+    """Check the ranks and shapes of CTC's arguments and ``blank_id``; returns ``blank_id``."""
+    if x.ndim != 3:
+        raise ValueError(f"{fn}: `logits` must have rank 3 [B, T, K], got shape {x.shape}")
+    if lab.ndim != 2:
+        raise ValueError(f"{fn}: `labels` must have rank 2 [B, N], got shape {lab.shape}")
+    batch, frames, num_classes = x.shape
+    if lpad.shape != (batch, frames):
+        raise ValueError(
+            f"{fn}: `logit_paddings` must have shape [B, T] = {(batch, frames)}, got {lpad.shape}"
+        )
+    if ypad.shape != lab.shape:
+        raise ValueError(
+            f"{fn}: `label_paddings` must have the shape of `labels` {lab.shape}, got {ypad.shape}"
+        )
+    if lab.shape[0] != batch:
+        raise ValueError(
+            f"{fn}: `labels` must have batch size {batch} (from `logits`), got {lab.shape[0]}"
+        )
+    blank_id = operator.index(blank_id)
+    if not 0 <= blank_id < num_classes:
+        raise ValueError(f"{fn}: `blank_id` must be in [0, {num_classes}), got {blank_id}")
+    if frames == 0:
+        raise ValueError(f"{fn}: `logits` has no time frames (T = 0)")
+    return blank_id
+
+
+def _check_ctc_labels(fn: str, labels, label_paddings, num_classes: int, blank_id: int) -> None:
+    """Concrete labels: every unpadded one in ``[0, num_classes)`` and not the blank."""
+    real = np.asarray(label_paddings) == 0
+    lv = np.asarray(labels)[real]
+    if lv.size and (lv.min() < 0 or lv.max() >= num_classes):
+        bad = lv.min() if lv.min() < 0 else lv.max()
+        raise ValueError(
+            f"{fn}: unpadded `labels` must lie in [0, {num_classes}) (num_classes), found {bad}"
+        )
+    if np.any(lv == blank_id):
+        raise ValueError(
+            f"{fn}: unpadded `labels` must not be the blank id {blank_id}"
+        )
 
 
 def ctc_loss_with_forward_probs(
@@ -799,40 +842,9 @@ def ctc_loss_with_forward_probs(
     lab = _int(fn, "labels", labels)
     lpad = jnp.asarray(logit_paddings)
     ypad = jnp.asarray(label_paddings)
-    if x.ndim != 3:
-        raise ValueError(f"{fn}: `logits` must have rank 3 [B, T, K], got shape {x.shape}")
-    if lab.ndim != 2:
-        raise ValueError(f"{fn}: `labels` must have rank 2 [B, N], got shape {lab.shape}")
-    batch, frames, num_classes = x.shape
-    if lpad.shape != (batch, frames):
-        raise ValueError(
-            f"{fn}: `logit_paddings` must have shape [B, T] = {(batch, frames)}, got {lpad.shape}"
-        )
-    if ypad.shape != lab.shape:
-        raise ValueError(
-            f"{fn}: `label_paddings` must have the shape of `labels` {lab.shape}, got {ypad.shape}"
-        )
-    if lab.shape[0] != batch:
-        raise ValueError(
-            f"{fn}: `labels` must have batch size {batch} (from `logits`), got {lab.shape[0]}"
-        )
-    blank_id = operator.index(blank_id)
-    if not 0 <= blank_id < num_classes:
-        raise ValueError(f"{fn}: `blank_id` must be in [0, {num_classes}), got {blank_id}")
-    if frames == 0:
-        raise ValueError(f"{fn}: `logits` has no time frames (T = 0)")
+    blank_id = _check_ctc_args(fn, x, lab, lpad, ypad, blank_id)
     if not isinstance(labels, jax.core.Tracer) and not isinstance(label_paddings, jax.core.Tracer):
-        real = np.asarray(label_paddings) == 0
-        lv = np.asarray(labels)[real]
-        if lv.size and (lv.min() < 0 or lv.max() >= num_classes):
-            bad = lv.min() if lv.min() < 0 else lv.max()
-            raise ValueError(
-                f"{fn}: unpadded `labels` must lie in [0, {num_classes}) (num_classes), found {bad}"
-            )
-        if np.any(lv == blank_id):
-            raise ValueError(
-                f"{fn}: unpadded `labels` must not be the blank id {blank_id}"
-            )
+        _check_ctc_labels(fn, labels, label_paddings, x.shape[-1], blank_id)
 
     return _ctc_forward(x, lpad, lab, ypad, blank_id, log_epsilon)
 
@@ -910,9 +922,7 @@ def ctc_loss(
     return loss
 
 
-# --------------------------------------------------------------------------- #
-# Metric learning and ranking.
-# --------------------------------------------------------------------------- #
+# --- metric learning and ranking ---
 
 
 def triplet_margin_loss(

@@ -17,7 +17,7 @@ def _is_none(x):
     return x is None
 
 
-def select_leaves(tree, keep: list[bool]):
+def select_leaves(tree: Any, keep: list[bool]) -> Any:
     """``tree`` with the leaves where ``keep`` is False replaced by None (empty subtrees)."""
     if tree is None:
         return None
@@ -27,11 +27,11 @@ def select_leaves(tree, keep: list[bool]):
     return jax.tree_util.tree_unflatten(td, [x if k else None for x, k in zip(leaves, keep)])
 
 
-def leaves_with_none(tree):
+def leaves_with_none(tree: Any) -> list:
     return jax.tree_util.tree_flatten(tree, is_leaf=_is_none)[0]
 
 
-def is_zero_tx(tx) -> bool:
+def is_zero_tx(tx: Any) -> bool:
     return getattr(tx, "_cairn_zero", False) or getattr(tx.update, "_cairn_zero", False)
 
 
@@ -39,7 +39,8 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
-def masked(inner: GradientTransformation, mask, *, mask_compatible_extra_args: bool = False):
+def masked(inner: GradientTransformation, mask: Any, *,
+           mask_compatible_extra_args: bool = False) -> GradientTransformation:
     """Apply ``inner`` to the leaves selected by ``mask``; the others pass through unchanged.
 
     ``mask``: a pytree of bools (or prefix), a callable ``params -> mask``, or path-regex
@@ -67,7 +68,7 @@ def masked(inner: GradientTransformation, mask, *, mask_compatible_extra_args: b
     return GradientTransformation(init, update)
 
 
-def freeze(mask) -> GradientTransformation:
+def freeze(mask: Any) -> GradientTransformation:
     """Zero the updates of the leaves selected by ``mask`` (no state, no compute)."""
 
     def init(params):

@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights, add_noise
-from cairn.optim._base import chain, identity, packed_transformation
+from cairn.optim._base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    chain,
+    identity,
+    packed_transformation,
+)
 from cairn.optim._masking import masked
 from cairn.optim._packed_state import (
     BiasCorrection,
@@ -29,7 +35,8 @@ class TraceState(NamedTuple):
     trace: Packed
 
 
-def trace(decay, nesterov: bool = False, accumulator_dtype=None):
+def trace(decay: float, nesterov: bool = False,
+          accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Momentum: :math:`f_t = g_t + \\mu f_{t-1}`, :math:`u_t = f_t`
     (Nesterov: :math:`u_t = g_t + \\mu f_t`)."""
 
@@ -51,11 +58,12 @@ def trace(decay, nesterov: bool = False, accumulator_dtype=None):
 
 
 class EmaState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     ema: Packed
 
 
-def ema(decay, debias: bool = True, accumulator_dtype=None):
+def ema(decay: float, debias: bool = True,
+        accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """:math:`e_t = \\delta e_{t-1} + (1-\\delta) g_t`, :math:`u_t = e_t/(1-\\delta^t)` when
     ``debias`` else :math:`e_t`."""
 
@@ -79,7 +87,8 @@ def ema(decay, debias: bool = True, accumulator_dtype=None):
     return packed_transformation(init, update, name="ema")
 
 
-def sgd(learning_rate, momentum=None, nesterov: bool = False, accumulator_dtype=None):
+def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
+        accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """SGD: :math:`u = -\\eta g`; with momentum :math:`f_t = g_t + \\mu f_{t-1}`, :math:`u = -\\eta f_t`
     (Nesterov: :math:`u = -\\eta (g_t + \\mu f_t)`).
 
@@ -95,14 +104,17 @@ def sgd(learning_rate, momentum=None, nesterov: bool = False, accumulator_dtype=
     return chain(head, learning_rate_step(learning_rate))
 
 
-def signum(learning_rate, beta=0.9, accumulator_dtype=None):
+def signum(learning_rate: ScalarOrSchedule, beta: float = 0.9,
+           accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Signum: :math:`u = -\\eta\\,\\mathrm{sign}(m_t)` with :math:`m_t` an EMA of gradients."""
     _validate.check("signum", learning_rate=learning_rate, beta=beta)
     return chain(ema(beta, debias=False, accumulator_dtype=accumulator_dtype),
                  scale_by_sign(), learning_rate_step(learning_rate))
 
 
-def noisy_sgd(learning_rate, eta=0.01, gamma=0.55, key=None, *, seed: int | None = None):
+def noisy_sgd(learning_rate: ScalarOrSchedule, eta: float = 0.01, gamma: float = 0.55,
+              key: jax.Array | int | None = None, *,
+              seed: int | None = None) -> GradientTransformation:
     """Noisy SGD: :math:`u = -\\eta(g + \\mathcal N(0, \\eta_n/(1+t)^\\gamma))`."""
     _validate.check("noisy_sgd", learning_rate=learning_rate, eta=eta, gamma=gamma)
     if key is None and seed is None:
@@ -110,8 +122,10 @@ def noisy_sgd(learning_rate, eta=0.01, gamma=0.55, key=None, *, seed: int | None
     return chain(add_noise(eta, gamma, key, seed=seed), learning_rate_step(learning_rate))
 
 
-def lars(learning_rate, weight_decay=0.0, weight_decay_mask=True, trust_coefficient=0.001,
-         eps=0.0, trust_ratio_mask=True, momentum=0.9, nesterov: bool = False):
+def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
+         weight_decay_mask: Any = True, trust_coefficient: float = 0.001,
+         eps: float = 0.0, trust_ratio_mask: bool = True, momentum: float = 0.9,
+         nesterov: bool = False) -> GradientTransformation:
     """LARS: decay, per-leaf trust ratio :math:`c\\|\\theta\\|/(\\|u\\|+\\epsilon)`, :math:`-\\eta`,
     then momentum."""
     _validate.check(

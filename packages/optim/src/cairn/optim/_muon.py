@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,13 @@ import jax.numpy as jnp
 from cairn.optim import _validate
 from cairn.optim._adam import scale_by_adam
 from cairn.optim._adding import add_decayed_weights
-from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
+from cairn.optim._base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    chain,
+    check_scalar,
+    mark_extra,
+)
 from cairn.optim._combine import partition
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param
@@ -21,8 +27,10 @@ __all__ = ["muon", "scale_by_muon", "orthogonalize_via_newton_schulz", "MuonStat
 _DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize_via_newton_schulz(x, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5,
-                                    eps=1e-8):
+def orthogonalize_via_newton_schulz(x: Any,
+                                    ns_coeffs: tuple[float, float, float] = _DEFAULT_NS_COEFFS,
+                                    ns_steps: int = 5,
+                                    eps: float = 1e-8) -> jax.Array:
     """Approximate :math:`UV^T` of a matrix :math:`G = USV^T`.
 
     :math:`X_0 = G/(\\|G\\|_F+\\epsilon)`, then ``ns_steps`` times
@@ -43,12 +51,15 @@ def orthogonalize_via_newton_schulz(x, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: i
 
 
 class MuonState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: object
 
 
-def scale_by_muon(ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, eps=1e-8,
-                  mu_dtype=None, *, nesterov: bool = True):
+def scale_by_muon(ns_coeffs: tuple[float, float, float] = _DEFAULT_NS_COEFFS, ns_steps: int = 5,
+                  beta: float = 0.95,
+                  eps: float = 1e-8,
+                  mu_dtype: jax.typing.DTypeLike | None = None, *,
+                  nesterov: bool = True) -> GradientTransformation:
     """Muon direction for matrices: :math:`m_t = \\beta m_{t-1} + (1-\\beta)g_t`, (Nesterov)
     bias-corrected :math:`\\hat m_t`, :math:`u = \\mathrm{NS}(\\hat m_t)\\sqrt{\\max(1, n_{out}/n_{in})}`
     for a ``(n_in, n_out)`` matrix."""
@@ -81,10 +92,15 @@ def scale_by_muon(ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, ep
     return GradientTransformation(init, update)
 
 
-def muon(learning_rate, ns_coeffs=_DEFAULT_NS_COEFFS, ns_steps: int = 5, beta=0.95, eps=1e-8,
-         weight_decay=0.0, weight_decay_mask=None, mu_dtype=None, *, nesterov: bool = True,
-         adam_b1=0.9, adam_b2=0.999, adam_eps_root=0.0, adam_weight_decay=0.0,
-         adam_learning_rate=None, nu_dtype=None):
+def muon(learning_rate: ScalarOrSchedule,
+         ns_coeffs: tuple[float, float, float] = _DEFAULT_NS_COEFFS, ns_steps: int = 5,
+         beta: float = 0.95, eps: float = 1e-8,
+         weight_decay: ScalarOrSchedule = 0.0, weight_decay_mask: Any = None,
+         mu_dtype: jax.typing.DTypeLike | None = None, *, nesterov: bool = True,
+         adam_b1: float = 0.9, adam_b2: float = 0.999, adam_eps_root: float = 0.0,
+         adam_weight_decay: float = 0.0,
+         adam_learning_rate: ScalarOrSchedule | None = None,
+         nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Muon for 2-D parameters, AdamW for the rest (chosen by ``ndim == 2``;
     the AdamW part uses the same ``nesterov`` flag).
 

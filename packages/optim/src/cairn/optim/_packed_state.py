@@ -25,6 +25,7 @@ price:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,8 +44,8 @@ def _is_transformation(x) -> bool:
     return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
 
 
-def pack(tx_or_tree, layout: pk.Layout | None = None, *, what: str = "updates",
-         cast: bool = False):
+def pack(tx_or_tree: Any, layout: pk.Layout | None = None, *, what: str = "updates",
+         cast: bool = False) -> Any:
     """Opt in to packed state: ``pack(tx)``; or pack a pytree: ``pack(tree, layout)``.
 
     ``pack(tx)`` returns ``tx`` with an ``init`` that builds the state of its element-wise
@@ -84,11 +85,11 @@ def _packed(tx) -> GradientTransformation:
 _I32_MAX = np.iinfo(np.int32).max
 
 
-def safe_increment(count):
+def safe_increment(count: jax.Array) -> jax.Array:
     return jnp.where(count < _I32_MAX, count + 1, _I32_MAX).astype(jnp.int32)
 
 
-def is_python_number(x) -> bool:
+def is_python_number(x: Any) -> bool:
     return isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
 
 
@@ -96,7 +97,8 @@ def _dt(dtype):
     return None if dtype is None else jnp.dtype(dtype)
 
 
-def state_zeros(params, layout, dtype=None, fill=0.0, offsets=False):
+def state_zeros(params: Any, layout: Any, dtype: jax.typing.DTypeLike | None = None,
+                fill: float = 0.0, offsets: Any = False) -> Any:
     """One moment of state filled with ``fill``: per parameter (the default: a tree with the
     params' structure, each array with its parameter's shape and sharding) or packed (flat
     buffers per dtype, when ``layout`` is a grouped one)."""
@@ -117,7 +119,7 @@ def _bufs(s):
     return s.buffers if isinstance(s, Packed) else jax.tree_util.tree_leaves(s)
 
 
-def check_moment(u: Packed, s, name: str):
+def check_moment(u: Packed, s: jax.typing.ArrayLike, name: str) -> None:
     pk.state_buffers(s, u.layout, what=f"{name}: state")
 
 
@@ -126,12 +128,12 @@ class BiasCorrection:
     and reused by every leaf (not once per leaf: 1,000 leaves would otherwise trace and
     compile 1,000 copies of the same scalar expression). ``next`` uses ``count + 1``."""
 
-    def __init__(self, count):
+    def __init__(self, count: jax.Array) -> None:
         self.count = count
-        self._next = None
+        self._next: BiasCorrection | None = None
         self._cache: dict = {}
 
-    def __call__(self, decay, dtype):
+    def __call__(self, decay: float, dtype: jax.typing.DTypeLike | None) -> jax.Array:
         key = (id(decay), jnp.dtype(dtype))
         if key not in self._cache:
             self._cache[key] = (decay, (1 - decay ** self.count).astype(dtype))
@@ -144,7 +146,7 @@ class BiasCorrection:
         return self._next
 
 
-def plus(x, c):
+def plus(x: Any, c: Any) -> jax.Array:
     """``x + c``, skipped for a Python zero (the default ``eps_root``): the same numbers for
     the non-negative ``x`` it is used on, one op less per leaf to trace and compile."""
     if isinstance(c, (int, float)) and c == 0:
@@ -152,7 +154,7 @@ def plus(x, c):
     return x + c
 
 
-def abs_sq(x):
+def abs_sq(x: Any) -> jax.Array:
     return jnp.real(jnp.conj(x) * x) if jnp.iscomplexobj(x) else x * x
 
 
@@ -160,13 +162,14 @@ def _store(x, dtype_like):
     return x.astype(dtype_like.dtype)
 
 
-def step_buffers(u: Packed, states: tuple[Packed, ...], step):
+def step_buffers(u: Packed, states: tuple[Packed, ...], step: Callable) -> tuple[Packed, tuple]:
     """Run ``step(g, *olds) -> (out, *news)`` on every packed buffer.
 
     ``out`` is cast to the update's dtype and each new state buffer to its old
     buffer's dtype. Returns ``(updates, new_states)`` as :class:`Packed`.
     """
-    outs, news = [], [[] for _ in states]
+    outs: list[jax.Array] = []
+    news: list[list[jax.Array]] = [[] for _ in states]
     for g, *olds in zip(u.buffers, *(_bufs(s) for s in states)):
         out, *vals = step(g, *olds)
         outs.append(out.astype(g.dtype))
@@ -176,7 +179,7 @@ def step_buffers(u: Packed, states: tuple[Packed, ...], step):
                                          for s, bufs in zip(states, news))
 
 
-def mu_hat(b1, m, g, bc: BiasCorrection, nesterov):
+def mu_hat(b1: float, m: Any, g: Any, bc: BiasCorrection, nesterov: bool) -> jax.Array:
     """Bias-corrected first moment (Nesterov's look-ahead form when ``nesterov``)."""
     if nesterov:
         return (b1 * m / bc.next(b1, m.dtype)

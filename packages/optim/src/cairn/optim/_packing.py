@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -106,7 +107,7 @@ def _canon(dtype) -> str:
     return np.dtype(dtype).name if not hasattr(dtype, "name") else str(jnp.dtype(dtype).name)
 
 
-def layout_of(tree, *, use_sharding: bool = True, per_leaf: bool = False) -> Layout:
+def layout_of(tree: Any, *, use_sharding: bool = True, per_leaf: bool = False) -> Layout:
     """Compute the :class:`Layout` of a pytree of arrays (a :class:`Packed` gives its own).
 
     ``per_leaf=True`` gives every leaf its own buffer, in the leaf's own shape (packing is
@@ -118,7 +119,9 @@ def layout_of(tree, *, use_sharding: bool = True, per_leaf: bool = False) -> Lay
         return tree.layout
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     paths = tuple(tree_paths(tree))
-    shapes, dtypes, keys = [], [], []
+    shapes: list[Any] = []
+    dtypes: list[Any] = []
+    keys: list[Any] = []
     for x in leaves:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             x = jnp.asarray(x)
@@ -130,7 +133,7 @@ def layout_of(tree, *, use_sharding: bool = True, per_leaf: bool = False) -> Lay
     for i, k in enumerate(keys):
         order.setdefault(k, []).append(i)
     groups = []
-    leaf_group = [None] * len(leaves)
+    leaf_group: list[Any] = [None] * len(leaves)
     name_counts: dict[str, int] = {}
     for gi, (k, idxs) in enumerate(order.items()):
         sizes = tuple(int(np.prod(shapes[i], dtype=np.int64)) for i in idxs)
@@ -154,25 +157,25 @@ class Packed:
 
     __slots__ = ("layout", "buffers", "offsets")
 
-    def __init__(self, layout: Layout, buffers, offsets=None):
+    def __init__(self, layout: Layout, buffers: Any, offsets: Any = None) -> None:
         self.layout = layout
         self.buffers = tuple(buffers)
         self.offsets = None if offsets is None else tuple(offsets)
 
-    def unpack(self, offsets=None):
+    def unpack(self, offsets: Any = None) -> Any:
         """The ordinary pytree view of these buffers."""
         return unpack(self, offsets)
 
-    def map(self, fn, *others: Packed) -> Packed:
+    def map(self, fn: Callable, *others: Packed) -> Packed:
         """Apply ``fn`` buffer-wise (``fn(buf, *other_bufs)``)."""
         return Packed(self.layout, [fn(*bs) for bs in zip(self.buffers, *(o.buffers for o in others))])
 
-    def astype(self, dtype) -> Packed:
+    def astype(self, dtype: jax.typing.DTypeLike | None) -> Packed:
         if dtype is None:
             return self
         return Packed(self.layout, [b.astype(dtype) for b in self.buffers], self.offsets)
 
-    def with_offsets(self, offsets) -> Packed:
+    def with_offsets(self, offsets: Any) -> Packed:
         return Packed(self.layout, self.buffers, offsets)
 
     def drop_offsets(self) -> Packed:
@@ -209,19 +212,19 @@ class LazyParams(Packed):
 
     __slots__ = ("tree", "_packed")
 
-    def __init__(self, layout: Layout, tree):
+    def __init__(self, layout: Layout, tree: Any) -> None:
         self.layout = layout
         self.offsets = None
         self.tree = tree
-        self._packed = None
+        self._packed: Sequence[jax.Array] | None = None
 
     @property
-    def buffers(self):
+    def buffers(self) -> Sequence[jax.Array]:  # type: ignore[override]
         if self._packed is None:
             self._packed = pack(self.tree, self.layout, what="params").buffers
         return self._packed
 
-    def leaves(self):
+    def leaves(self) -> list[jax.Array] | None:
         """The params leaves in flatten order when they match the layout, else None."""
         leaves, treedef = jax.tree_util.tree_flatten(self.tree)
         if treedef != self.layout.treedef:
@@ -249,8 +252,9 @@ class PendingDecay(Packed):
 
     __slots__ = ("raw", "params", "decay_buffer", "decay_leaf", "wd", "scales", "_done")
 
-    def __init__(self, layout: Layout, raw, params: LazyParams, decay_buffer, decay_leaf, wd,
-                 scales=(), offsets=None):
+    def __init__(self, layout: Layout, raw: Any, params: LazyParams, decay_buffer: Callable,
+                 decay_leaf: Callable, wd: jax.Array,
+                 scales: tuple = (), offsets: Any = None) -> None:
         self.layout = layout
         self.offsets = None if offsets is None else tuple(offsets)
         self.raw = tuple(raw)
@@ -259,7 +263,7 @@ class PendingDecay(Packed):
         self.decay_leaf = decay_leaf
         self.wd = wd
         self.scales = tuple(scales)
-        self._done = None
+        self._done: tuple | None = None
 
     def scalars(self) -> tuple:
         """``(wd, *scale args)``: the scalars the pending term uses."""
@@ -271,7 +275,7 @@ class PendingDecay(Packed):
         return x
 
     @property
-    def buffers(self):
+    def buffers(self) -> Sequence[jax.Array]:  # type: ignore[override]
         if self._done is None:
             sc = self.scalars()
             self._done = tuple(
@@ -279,11 +283,11 @@ class PendingDecay(Packed):
                 for gi, (u, w) in enumerate(zip(self.raw, self.params.buffers)))
         return self._done
 
-    def finish_leaf(self, i: int, x, w, scalars):
+    def finish_leaf(self, i: int, x: Any, w: Any, scalars: tuple) -> jax.Array:
         """Leaf ``i`` of the final updates from its slice ``x`` of ``U`` and param ``w``."""
         return self._finish(self.decay_leaf(i, x, w, scalars[0]), scalars)
 
-    def scaled(self, fn, arg) -> PendingDecay:
+    def scaled(self, fn: Callable, arg: Any) -> PendingDecay:
         """These updates followed by the element-wise ``fn(x, arg)`` (still pending)."""
         return PendingDecay(self.layout, self.raw, self.params, self.decay_buffer,
                             self.decay_leaf, self.wd, self.scales + ((fn, arg),),
@@ -326,7 +330,7 @@ def _path_diff(layout: Layout, tree) -> tuple[list, list]:
     return [p for p in layout.paths if p not in have][:5], [p for p in got if p not in want][:5]
 
 
-def pack(tree, layout: Layout, *, what: str = "updates", cast: bool = False) -> Packed:
+def pack(tree: Any, layout: Layout, *, what: str = "updates", cast: bool = False) -> Packed:
     """Pack ``tree`` into the buffers of ``layout`` (one concatenate per group).
 
     Raises ``ValueError`` naming the path when the tree does not match the layout
@@ -381,12 +385,12 @@ def treedef_str(layout: Layout) -> str:
     return f"paths {ps}{more}"
 
 
-def unpack(p: Packed, offsets=None):
+def unpack(p: Packed, offsets: Any = None) -> Any:
     """Rebuild the pytree from packed buffers (one slice + reshape per leaf)."""
     layout = p.layout
     if offsets is None:
         offsets = p.offsets
-    leaves = [None] * layout.num_leaves
+    leaves: list[Any] = [None] * layout.num_leaves
     plan = None
     if offsets is not None:
         plan = _offset_plan(layout)
@@ -479,7 +483,7 @@ def _runtime_offset(plan, offsets, gi: int, pos: int):
     return start
 
 
-def make_offsets(layout: Layout):
+def make_offsets(layout: Layout) -> Any:
     """The runtime offset table of ``layout``: a few int32 scalars (see the module docstring)."""
     values, _ = _offset_plan(layout)
     return tuple(jnp.asarray(v, dtype=jnp.int32) for v in values)
@@ -490,7 +494,7 @@ def offset_table_size(layout: Layout) -> int:
     return len(_offset_plan(layout)[0])
 
 
-def zeros(layout: Layout, dtype=None, fill=0.0) -> Packed:
+def zeros(layout: Layout, dtype: jax.typing.DTypeLike | None = None, fill: float = 0.0) -> Packed:
     """Packed buffers of ``fill`` for ``layout`` (buffer dtype = ``dtype`` or the group's)."""
     if layout.shaped:
         return Packed(layout, [jnp.full(layout.shapes[g.leaves[0]], fill, dtype or g.dtype)
@@ -498,7 +502,7 @@ def zeros(layout: Layout, dtype=None, fill=0.0) -> Packed:
     return Packed(layout, [jnp.full((g.total,), fill, dtype or g.dtype) for g in layout.groups])
 
 
-def find_offsets(state, layout: Layout):
+def find_offsets(state: Any, layout: Layout) -> Any:
     """The runtime offsets stored in ``state`` for ``layout``, or None."""
     for x in jax.tree_util.tree_leaves(state, is_leaf=lambda t: isinstance(t, Packed)):
         if isinstance(x, Packed) and x.offsets is not None and x.layout == layout:
@@ -506,7 +510,7 @@ def find_offsets(state, layout: Layout):
     return None
 
 
-def find_layout(state):
+def find_layout(state: Any) -> Layout | None:
     """The layout of the first packed buffer found in ``state``, or None."""
     for x in jax.tree_util.tree_leaves(state, is_leaf=lambda t: isinstance(t, Packed)):
         if isinstance(x, Packed):
@@ -514,23 +518,23 @@ def find_layout(state):
     return None
 
 
-def segment_ids(layout: Layout, gi: int):
+def segment_ids(layout: Layout, gi: int) -> jax.Array:
     """Per-element leaf position within group ``gi`` (int32 vector)."""
     g = layout.groups[gi]
     return jnp.asarray(np.repeat(np.arange(len(g.leaves), dtype=np.int32), g.sizes))
 
 
-def strip_offsets(state):
+def strip_offsets(state: Any) -> Any:
     """``state`` with the runtime offsets removed from every :class:`Packed` in it."""
     return jax.tree_util.tree_map(
         lambda x: x.drop_offsets() if isinstance(x, Packed) else x, state,
         is_leaf=lambda x: isinstance(x, Packed))
 
 
-# --------------------------------------------------------------------------- per-parameter state
+# --- per-parameter state ---
 
 
-def state_buffers(state, layout: Layout, *, what: str):
+def state_buffers(state: Any, layout: Layout, *, what: str) -> Sequence[jax.Array]:
     """The buffers of one moment of optimizer state, lined up with ``layout``'s groups.
 
     ``state`` is either :class:`Packed` (the opt-in packed state) or a pytree with the
@@ -560,7 +564,7 @@ def state_buffers(state, layout: Layout, *, what: str):
     return tuple(leaves)
 
 
-def state_like(old, layout: Layout, buffers):
+def state_like(old: Any, layout: Layout, buffers: Any) -> Any:
     """New state of the same form as ``old`` (Packed, or a per-parameter tree) from buffers."""
     if isinstance(old, Packed):
         return Packed(layout, buffers, old.offsets)
@@ -576,7 +580,7 @@ def packing_state() -> bool:
 
 
 @contextlib.contextmanager
-def pack_state():
+def pack_state() -> Iterator[None]:
     """Within this block, element-wise transformations' ``init`` builds packed state."""
     token = _PACK_STATE.set(True)
     try:
@@ -585,7 +589,7 @@ def pack_state():
         _PACK_STATE.reset(token)
 
 
-def transient_flat(p: Packed):
+def transient_flat(p: Packed) -> Sequence[jax.Array]:
     """The buffers of ``p`` for a reduction over all of them (a global norm).
 
     Per-parameter buffers in a single-device process are raveled and concatenated per

@@ -13,6 +13,8 @@ gives (pass ``out_shardings``, or call ``init`` eagerly on the sharded parameter
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ __all__ = ["param_sharding", "full_like_param", "zeros_for_axes", "replicated_li
            "stacked_blocks_like"]
 
 
-def param_sharding(p):
+def param_sharding(p: Any) -> Any:
     """The sharding of a concrete array placed on purpose, or None: tracers, NumPy arrays,
     Python numbers, and arrays left uncommitted on the default device (their state stays
     uncommitted too, so jit may place it with them; a committed sharding would also be
@@ -44,7 +46,8 @@ def _put(x, sharding):
     return jax.device_put(x, sharding)
 
 
-def full_like_param(p, fill=0.0, dtype=None):
+def full_like_param(p: Any, fill: float = 0.0,
+                    dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
     """``fill`` in ``p``'s shape and in ``dtype`` (default ``p``'s), with ``p``'s sharding."""
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(p)
     sh = param_sharding(p)
@@ -58,7 +61,8 @@ def _spec_entries(sh: NamedSharding, ndim: int):
     return spec + (None,) * (ndim - len(spec))
 
 
-def zeros_for_axes(p, keep_axes, dtype=None, fill=0.0):
+def zeros_for_axes(p: Any, keep_axes: Any, dtype: jax.typing.DTypeLike | None = None,
+                   fill: float = 0.0) -> jax.Array:
     """``fill`` of shape ``[p.shape[i] for i in keep_axes]``, sharded as ``p`` is along the
     kept axes (replicated along the mesh axes of the dropped ones)."""
     shape = tuple(int(np.shape(p)[i]) for i in keep_axes)
@@ -73,7 +77,7 @@ def zeros_for_axes(p, keep_axes, dtype=None, fill=0.0):
     return jnp.full(shape, fill, dtype)
 
 
-def replicated_like(p, x):
+def replicated_like(p: Any, x: Any) -> jax.Array:
     """``x`` (a small array: a per-parameter scalar) replicated over ``p``'s mesh."""
     sh = param_sharding(p)
     if isinstance(sh, NamedSharding):
@@ -83,14 +87,14 @@ def replicated_like(p, x):
     return x
 
 
-def stacked_blocks_like(p, x):
+def stacked_blocks_like(p: Any, x: Any) -> jax.Array:
     """``x`` (a stack of per-block matrices, leading axis = blocks) spread over the mesh axes
     that shard ``p``: the block axis is split over as many of them as divide it evenly,
     the rest replicated. (Shampoo's statistics and preconditioners.)"""
     sh = param_sharding(p)
     if not isinstance(sh, NamedSharding):
         return replicated_like(p, x)
-    axes = []
+    axes: list[Any] = []
     for entry in _spec_entries(sh, np.ndim(p)):
         if entry is None:
             continue
@@ -105,7 +109,7 @@ def stacked_blocks_like(p, x):
     return _put(x, NamedSharding(sh.mesh, spec))
 
 
-def common_mesh(params):
+def common_mesh(params: Any) -> Any:
     """The mesh every concrete parameter is sharded over (``NamedSharding``), or None
     (no parameters, tracers, a parameter on one device only, or several meshes)."""
     meshes = set()
@@ -117,7 +121,7 @@ def common_mesh(params):
     return meshes.pop() if len(meshes) == 1 else None
 
 
-def place_scalars(state, params):
+def place_scalars(state: Any, params: Any) -> Any:
     """``state`` with every array that is not on the parameters' mesh (step counts, scalar
     hyperparameters, made on one device) replicated over that mesh, when all parameters
     share one; otherwise unchanged. A checkpoint restore into such a state then gives
@@ -138,7 +142,7 @@ def place_scalars(state, params):
     return jax.tree_util.tree_map(place, state)
 
 
-def params_record(params):
+def params_record(params: Any) -> Any:
     """``(treedef, paths, shardings)`` of concrete parameters sharded over several devices
     (NamedSharding), or None: what a jitted step constrains the state to (see
     :func:`constrain_like_params`)."""
@@ -156,7 +160,7 @@ def params_record(params):
     return treedef, tuple(tree_paths(params)), tuple(shardings)
 
 
-def constrain_like_params(updates, state, record):
+def constrain_like_params(updates: Any, state: Any, record: Any) -> tuple[Any, Any]:
     """Under ``jit``, pin the updates and every per-parameter state leaf
     (``<...>/<param path>`` of the parameter's shape) to the sharding its parameter had at
     ``init``. Without it XLA's propagation may lay a replicated parameter's update and

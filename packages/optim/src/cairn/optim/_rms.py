@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import (
     GradientTransformation,
+    ScalarOrSchedule,
     chain,
     identity,
     mark_extra,
@@ -42,12 +43,14 @@ class ScaleByRmsState(NamedTuple):
 
 
 class ScaleByRmsWithCountState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     nu: Packed
 
 
-def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = True,
-                 bias_correction: bool = False, *, nu_dtype=None):
+def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
+                 eps_in_sqrt: bool = True,
+                 bias_correction: bool = False, *,
+                 nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """RMSProp scaling: :math:`v_t = \\rho v_{t-1} + (1-\\rho) g_t^2`,
     :math:`u_t = g_t/\\sqrt{v_t+\\epsilon}` (or :math:`g_t/(\\sqrt{v_t}+\\epsilon)` when
     ``eps_in_sqrt=False``), :math:`v_t` bias-corrected when ``bias_correction``."""
@@ -61,8 +64,8 @@ def scale_by_rms(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = Tru
 
     def update(u, state, p=None, **extra):
         check_moment(u, state.nu, "scale_by_rms")
-        count = safe_increment(state.count) if bias_correction else None
-        bc = BiasCorrection(count) if bias_correction else None
+        count: Any = safe_increment(state.count) if bias_correction else None
+        bc: Any = BiasCorrection(count) if bias_correction else None
 
         def step(g, v0):
             v = (1 - decay) * abs_sq(g) + decay * v0
@@ -83,13 +86,15 @@ class ScaleByRStdDevState(NamedTuple):
 
 
 class ScaleByRStdDevWithCountState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     mu: Packed
     nu: Packed
 
 
-def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = True,
-                    bias_correction: bool = False, *, mu_dtype=None, nu_dtype=None):
+def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
+                    eps_in_sqrt: bool = True,
+                    bias_correction: bool = False, *, mu_dtype: jax.typing.DTypeLike | None = None,
+                    nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Centred RMSProp: :math:`u_t = g_t/\\sqrt{v_t - m_t^2 + \\epsilon}` with EMAs
     :math:`m_t` of :math:`g` and :math:`v_t` of :math:`g^2` (decay :math:`\\rho`)."""
 
@@ -103,8 +108,8 @@ def scale_by_stddev(decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = 
 
     def update(u, state, p=None, **extra):
         check_moment(u, state.mu, "scale_by_stddev")
-        count = safe_increment(state.count) if bias_correction else None
-        bc = BiasCorrection(count) if bias_correction else None
+        count: Any = safe_increment(state.count) if bias_correction else None
+        bc: Any = BiasCorrection(count) if bias_correction else None
 
         def step(g, m0, v0):
             m = (1 - decay) * g + decay * m0
@@ -131,7 +136,8 @@ class ScaleByRssState(NamedTuple):
     sum_of_squares: Packed
 
 
-def scale_by_rss(initial_accumulator_value=0.1, eps=1e-7):
+def scale_by_rss(initial_accumulator_value: float = 0.1,
+                 eps: float = 1e-7) -> GradientTransformation:
     """Adagrad scaling: :math:`s_t = s_{t-1} + g_t^2`, :math:`u_t = g_t/\\sqrt{s_t+\\epsilon}`
     (0 where :math:`s_t = 0`)."""
 
@@ -158,7 +164,7 @@ class ScaleByAdaDeltaState(NamedTuple):
     e_x: Packed
 
 
-def scale_by_adadelta(rho=0.9, eps=1e-6):
+def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
     """AdaDelta: :math:`E[g^2]_t = \\rho E[g^2]_{t-1} + (1-\\rho) g_t^2`,
     :math:`u_t = \\sqrt{E[x^2]_{t-1}+\\epsilon}/\\sqrt{E[g^2]_t+\\epsilon}\\,g_t`,
     :math:`E[x^2]_t = \\rho E[x^2]_{t-1} + (1-\\rho) u_t^2`."""
@@ -188,7 +194,7 @@ class ScaleBySM3State(NamedTuple):
     nu: object
 
 
-def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
+def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> GradientTransformation:
     """SM3 (Anil et al. 2019): one accumulator per axis; the per-element accumulator is
     :math:`a = g^2 + \\min_i \\mu_i` (broadcast), :math:`\\mu_i \\leftarrow \\max` of :math:`a`
     over the other axes, update :math:`\\nu_t = \\beta_1 \\nu_{t-1} + (1-\\beta_1) g/\\sqrt{a+\\epsilon}`."""
@@ -206,8 +212,8 @@ def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
     @mark_extra
     def update(updates, state, params=None, **extra):
         gl, td = jax.tree_util.tree_flatten(updates)
-        mus = td.flatten_up_to(state.mu)
-        nus = td.flatten_up_to(state.nu)
+        mus = td.flatten_up_to(state.mu)  # type: ignore[attr-defined]
+        nus = td.flatten_up_to(state.nu)  # type: ignore[attr-defined]
         new_mu, new_nu = [], []
         c0 = (1.0 - b2) if b2 != 1.0 else 1.0
         for g, ms, n0 in zip(gl, mus, nus):
@@ -236,9 +242,10 @@ def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
     return GradientTransformation(init, update)
 
 
-def rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: bool = True,
-            centered: bool = False, momentum=None, nesterov: bool = False,
-            bias_correction: bool = False):
+def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e-8,
+            initial_scale: float = 0.0, eps_in_sqrt: bool = True,
+            centered: bool = False, momentum: float | None = None, nesterov: bool = False,
+            bias_correction: bool = False) -> GradientTransformation:
     """RMSProp (optionally centred, with momentum)."""
     _validate.check(
         "rmsprop",
@@ -253,7 +260,8 @@ def rmsprop(learning_rate, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt: 
     return chain(head, learning_rate_step(learning_rate), tail)
 
 
-def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7):
+def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
+            eps: float = 1e-7) -> GradientTransformation:
     """Adagrad: :math:`s_t = s_{t-1} + g_t^2`, :math:`u = -\\eta g_t/\\sqrt{s_t+\\epsilon}`."""
     _validate.check(
         "adagrad",
@@ -262,7 +270,9 @@ def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7):
     return chain(scale_by_rss(initial_accumulator_value, eps), learning_rate_step(learning_rate))
 
 
-def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_decay_mask=None):
+def adadelta(learning_rate: ScalarOrSchedule | None = None, rho: float = 0.9, eps: float = 1e-6,
+             weight_decay: ScalarOrSchedule = 0.0,
+             weight_decay_mask: Any = None) -> GradientTransformation:
     """AdaDelta (Zeiler 2012), with optional weight decay added to the gradient first;
     ``learning_rate=None`` means 1."""
     _validate.check(
@@ -274,7 +284,7 @@ def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0, weight_dec
                  learning_rate_step(1.0 if learning_rate is None else learning_rate))
 
 
-def sm3(learning_rate, momentum=0.9):
+def sm3(learning_rate: ScalarOrSchedule, momentum: float = 0.9) -> GradientTransformation:
     """SM3 with momentum, times :math:`-\\eta`."""
     _validate.check("sm3", learning_rate=learning_rate, momentum=momentum)
     return chain(scale_by_sm3(momentum), learning_rate_step(learning_rate))

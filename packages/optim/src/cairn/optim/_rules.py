@@ -17,7 +17,7 @@ from cairn.core_array import path_matches, tree_paths
 __all__ = ["resolve_per_leaf", "is_rules"]
 
 
-def is_rules(spec, params) -> bool:
+def is_rules(spec: Any, params: Any) -> bool:
     """Whether ``spec`` is a set of path-regex rules rather than a label/mask pytree."""
     if isinstance(spec, str):
         return True
@@ -101,7 +101,7 @@ class _Rep:
         self.items = items
 
 
-def resolve_per_leaf(spec, params, *, what: str, mask_mode: bool) -> list[Any]:
+def resolve_per_leaf(spec: Any, params: Any, *, what: str, mask_mode: bool) -> list[Any]:
     """One label (or bool when ``mask_mode``) per leaf of ``params`` in flatten order."""
     paths = list(tree_paths(params))
     if callable(spec) and not isinstance(spec, Mapping):

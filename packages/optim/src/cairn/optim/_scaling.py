@@ -5,6 +5,7 @@ The optimizers built from them alone: ``sign_sgd``, ``rprop``, ``fromage``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import (
     EmptyState,
     GradientTransformation,
+    ScalarOrSchedule,
     chain,
     check_scalar,
     eval_schedule,
@@ -84,11 +86,12 @@ class ScaleByLearningRateState(NamedTuple):
     schedule, so a constant costs no work per step) and the ``learning_rate`` used at the
     last step (traced)."""
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     learning_rate: jax.Array
 
 
-def scale_by_learning_rate(learning_rate=None, *, flip_sign: bool = True):
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *,
+                           flip_sign: bool = True) -> GradientTransformation:
     """:math:`u \\leftarrow -\\eta_t\\,u` (or :math:`+\\eta_t u` when ``flip_sign=False``).
 
     ``learning_rate=None`` means no scaling (an :func:`identity`, as in Optax).
@@ -116,16 +119,16 @@ def scale_by_learning_rate(learning_rate=None, *, flip_sign: bool = True):
     return packed_transformation(init, update, name="scale_by_learning_rate")
 
 
-def learning_rate_step(learning_rate):
+def learning_rate_step(learning_rate: ScalarOrSchedule) -> GradientTransformation:
     check_scalar("learning_rate", learning_rate)
     return scale_by_learning_rate(learning_rate)
 
 
 class ScaleByScheduleState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
 
 
-def scale_by_schedule(step_size_fn):
+def scale_by_schedule(step_size_fn: Callable[[jax.Array], jax.Array]) -> GradientTransformation:
     """:math:`u \\leftarrow s(t)\\,u` with ``s`` a schedule evaluated at the step count."""
     if not callable(step_size_fn):
         raise TypeError(f"step_size_fn must be callable (step -> value), got "
@@ -143,7 +146,7 @@ def scale_by_schedule(step_size_fn):
     return packed_transformation(init, update, name="scale_by_schedule")
 
 
-def scale_by_sign():
+def scale_by_sign() -> GradientTransformation:
     """:math:`u \\leftarrow \\mathrm{sign}(u)`."""
 
     def update(u, state, p=None, **extra):
@@ -157,8 +160,9 @@ class ScaleByRpropState(NamedTuple):
     prev_updates: Packed
 
 
-def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6,
-                   max_step_size=50.0):
+def scale_by_rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2,
+                   min_step_size: float = 1e-6,
+                   max_step_size: float = 50.0) -> GradientTransformation:
     """Rprop: per-element step sizes grow by ``eta_plus`` when the gradient keeps its sign,
     shrink by ``eta_minus`` when it flips (clipped to [min, max]); the update is
     :math:`\\mathrm{step}\\cdot\\mathrm{sign}(g)`, and 0 right after a sign flip."""
@@ -196,7 +200,8 @@ def _safe_norm(x, min_norm, axis=None, keepdims=False):
     return jnp.where(sq > min_norm ** 2, norm, min_norm)
 
 
-def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
+def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
+                         eps: float = 0.0) -> GradientTransformation:
     """LARS/LAMB trust ratio per leaf: :math:`u \\leftarrow u\\cdot c\\,\\|\\theta\\|/(\\|u\\|+\\epsilon)`
     (1 where either norm is 0)."""
     _validate.check("scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps)
@@ -211,7 +216,7 @@ def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
     return per_leaf("scale_by_trust_ratio", f, needs_params=True)
 
 
-def scale_by_param_block_rms(min_scale=1e-3):
+def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     """:math:`u \\leftarrow u\\cdot\\max(\\mathrm{rms}(\\theta), s_{min})` per leaf."""
     _validate.check("scale_by_param_block_rms", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
 
@@ -222,7 +227,7 @@ def scale_by_param_block_rms(min_scale=1e-3):
     return per_leaf("scale_by_param_block_rms", f, needs_params=True)
 
 
-def scale_by_param_block_norm(min_scale=1e-3):
+def scale_by_param_block_norm(min_scale: float = 1e-3) -> GradientTransformation:
     """:math:`u \\leftarrow u\\cdot\\max(\\|\\theta\\|_2, s_{min})` per leaf."""
     _validate.check("scale_by_param_block_norm", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
 
@@ -232,7 +237,7 @@ def scale_by_param_block_norm(min_scale=1e-3):
     return per_leaf("scale_by_param_block_norm", f, needs_params=True)
 
 
-def centralize():
+def centralize() -> GradientTransformation:
     """Gradient centralisation: subtract the mean over all axes but the first, for ndim > 1."""
 
     def f(u):
@@ -243,13 +248,14 @@ def centralize():
     return per_leaf("centralize", f, needs_params=False)
 
 
-def sign_sgd(learning_rate):
+def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
     """signSGD: :math:`u = -\\eta\\,\\mathrm{sign}(g)`."""
     _validate.check("sign_sgd", learning_rate=learning_rate)
     return chain(scale_by_sign(), learning_rate_step(learning_rate))
 
 
-def rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0):
+def rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2,
+          min_step_size: float = 1e-6, max_step_size: float = 50.0) -> GradientTransformation:
     """Rprop (sign-based adaptive step sizes), :math:`u = -\\mathrm{step}\\cdot\\mathrm{sign}(g)`."""
     _validate.check(
         "rprop",
@@ -260,7 +266,7 @@ def rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_st
                                    max_step_size), scale(-1.0))
 
 
-def fromage(learning_rate, min_norm=1e-6):
+def fromage(learning_rate: ScalarOrSchedule, min_norm: float = 1e-6) -> GradientTransformation:
     """Fromage: trust-ratio step :math:`-\\eta/\\sqrt{1+\\eta^2}`, weights shrunk by
     :math:`1/\\sqrt{1+\\eta^2}`."""
     _validate.check("fromage", learning_rate=learning_rate, min_norm=min_norm)

@@ -9,7 +9,14 @@ import jax.numpy as jnp
 
 from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights
-from cairn.optim._base import GradientTransformation, call_update, chain, check_scalar, mark_extra
+from cairn.optim._base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    call_update,
+    chain,
+    check_scalar,
+    mark_extra,
+)
 from cairn.optim._momentum import sgd
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._rms import scale_by_rms
@@ -39,8 +46,10 @@ def _warmup(learning_rate, warmup_steps):
     return sched
 
 
-def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
-                  weight_lr_power=2.0, state_dtype=None):
+def schedule_free(base_optimizer: GradientTransformation, learning_rate: ScalarOrSchedule,
+                  b1: float = 0.9,
+                  weight_lr_power: float = 2.0,
+                  state_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Wrap ``base_optimizer`` (which moves :math:`z`) in the schedule-free averaging.
 
     :math:`z_{t+1} = z_t + \\mathrm{base}(g_t)`, :math:`c_{t+1} = \\gamma_{max}^p/\\sum_{i\\le t+1}
@@ -65,7 +74,7 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("schedule_free needs `params` in update(updates, state, params)")
-        lr = learning_rate
+        lr: Any = learning_rate
         if callable(learning_rate):
             lr = jnp.asarray(learning_rate(state.step_count), state.max_lr.dtype)
         max_lr = jnp.maximum(state.max_lr, lr)
@@ -86,7 +95,7 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate, b1=0.9,
     return GradientTransformation(init, update)
 
 
-def schedule_free_eval_params(state: ScheduleFreeState, params):
+def schedule_free_eval_params(state: ScheduleFreeState, params: Any) -> Any:
     """The averaged iterate :math:`x = (y - (1-\\beta_1) z)/\\beta_1` to evaluate with,
     in the dtype of ``params`` (computed in float32 at least, since ``b1`` is kept in float32)."""
     def x(yi, zi):
@@ -95,8 +104,11 @@ def schedule_free_eval_params(state: ScheduleFreeState, params):
     return jax.tree.map(x, params, state.z)
 
 
-def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay=None,
-                      weight_lr_power=2.0, state_dtype=None):
+def schedule_free_sgd(learning_rate: ScalarOrSchedule = 1.0, warmup_steps: int | None = None,
+                      b1: float = 0.9,
+                      weight_decay: ScalarOrSchedule | None = None,
+                      weight_lr_power: float = 2.0,
+                      state_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Schedule-free SGD (base: SGD with optional decay), optional linear warmup."""
     _validate.check(
         "schedule_free_sgd",
@@ -111,8 +123,10 @@ def schedule_free_sgd(learning_rate=1.0, warmup_steps=None, b1=0.9, weight_decay
     return schedule_free(base, lr, b1, weight_lr_power, state_dtype)
 
 
-def schedule_free_adamw(learning_rate=0.0025, warmup_steps=None, b1=0.9, b2=0.999, eps=1e-8,
-                        weight_decay=0.0, weight_lr_power=2.0, state_dtype=None):
+def schedule_free_adamw(learning_rate: ScalarOrSchedule = 0.0025, warmup_steps: int | None = None,
+                        b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                        weight_decay: ScalarOrSchedule = 0.0, weight_lr_power: float = 2.0,
+                        state_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Schedule-free AdamW (base: bias-corrected RMS scaling, decay, learning rate)."""
     _validate.check(
         "schedule_free_adamw",

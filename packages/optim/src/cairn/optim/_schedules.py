@@ -47,9 +47,7 @@ Schedule = Callable[[jax.typing.ArrayLike], jax.typing.ArrayLike]
 """A function mapping a step count to a value."""
 
 
-# --------------------------------------------------------------------------- #
-# Eager argument checks.
-# --------------------------------------------------------------------------- #
+# --- eager argument checks ---
 
 
 def _is_concrete(x: Any) -> bool:
@@ -65,7 +63,7 @@ def _as_int(fn: str, name: str, value: Any) -> int:
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real) and float(value).is_integer():
-        return int(value)
+        return int(value)  # type: ignore[call-overload]
     if isinstance(value, np.ndarray | jax.Array) and np.ndim(value) == 0:
         v = np.asarray(value).item()
         if float(v).is_integer():
@@ -168,9 +166,7 @@ def _exact_ends(elapsed, steps, init_value, end_value, value):
     return jnp.where(elapsed >= steps, end_value, value)
 
 
-# --------------------------------------------------------------------------- #
-# Schedules.
-# --------------------------------------------------------------------------- #
+# --- schedules ---
 
 
 def constant_schedule(value: jax.typing.ArrayLike) -> Schedule:
@@ -236,7 +232,7 @@ def polynomial_schedule(
     return _transition(
         "polynomial_schedule", init_value, end_value, transition_steps, transition_begin,
         (("power", power),),
-        lambda remaining: (init_value - end_value) * remaining**power + end_value,
+        lambda remaining: (init_value - end_value) * remaining**power + end_value,  # type: ignore[operator]
     )
 
 
@@ -261,7 +257,7 @@ def linear_schedule(
     """
     return _transition(
         "linear_schedule", init_value, end_value, transition_steps, transition_begin, (),
-        lambda remaining: end_value + (init_value - end_value) * remaining,
+        lambda remaining: end_value + (init_value - end_value) * remaining,  # type: ignore[operator]
     )
 
 
@@ -388,8 +384,8 @@ def exponential_decay(
             p = jnp.floor(p)
         value = init_value * jnp.power(jnp.asarray(rate, p.dtype), p)
         if bound is not None:
-            value = bound(value, end_value)
-        return value
+            value = bound(value, end_value)  # type: ignore[arg-type]
+        return value  # type: ignore[return-value]
 
     return schedule
 
@@ -428,7 +424,7 @@ def cosine_decay_schedule(
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
         t = jnp.minimum(_float_count(_count(count)), decay_steps)
         cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * t / decay_steps))
-        return init_value * ((1.0 - alpha) * cosine**exponent + alpha)
+        return init_value * ((1.0 - alpha) * cosine**exponent + alpha)  # type: ignore[return-value]
 
     return schedule
 
@@ -499,7 +495,7 @@ def piecewise_interpolate_schedule(
             pct = (t - lo) / max(hi - lo, 1)
             seg = interpolate(values[i], values[i + 1], pct)
             out = jnp.where(t < hi, seg, out)
-        return out
+        return out  # type: ignore[return-value]
 
     return schedule
 
@@ -776,7 +772,7 @@ def warmup_exponential_decay_schedule(
         lambda: exponential_decay(
             peak_value,
             transition_steps=transition_steps,
-            decay_rate=decay_rate,
+            decay_rate=decay_rate,  # type: ignore[arg-type]
             transition_begin=transition_begin,
             staircase=staircase,
             end_value=end_value,

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights
-from cairn.optim._base import GradientTransformation, chain, check_scalar, mark_extra
+from cairn.optim._base import (
+    GradientTransformation,
+    ScalarOrSchedule,
+    chain,
+    check_scalar,
+    mark_extra,
+)
 from cairn.optim._momentum import ema
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param, replicated_like, stacked_blocks_like
@@ -19,7 +25,7 @@ from cairn.optim._scaling import scale_by_learning_rate
 __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
 
 
-def matrix_inverse_root(a, p: int = 4, eps=1e-6):
+def matrix_inverse_root(a: Any, p: int = 4, eps: float = 1e-6) -> jax.Array:
     """:math:`(A + \\epsilon\\,\\lambda_{max} I)^{-1/p}` of a symmetric PSD matrix (batched),
     computed in float32 by an eigendecomposition; eigenvalues are floored at the ridge."""
     _validate.check("matrix_inverse_root", eps=eps)
@@ -54,7 +60,7 @@ def _from_blocks(b, m, n, bm, bn, a, c):
 
 
 class ShampooState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     stats_l: object
     stats_r: object
     precond_l: object
@@ -62,8 +68,48 @@ class ShampooState(NamedTuple):
     graft_nu: object
 
 
-def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_every: int = 10,
-                     graft_eps=1e-8):
+def _init_leaf(p, block_size: int):
+    """Shampoo's initial ``(stats_l, stats_r, precond_l, precond_r)`` of one leaf (empty
+    for vectors and scalars)."""
+    mat = _as_matrix(p.shape)
+    if mat is None:
+        z = replicated_like(p, jnp.zeros((0,), jnp.float32))
+        return z, z, z, z
+    bm, bn, a, c = _blocks(mat[0], mat[1], block_size)
+    eye_l = jnp.broadcast_to(jnp.eye(bm, dtype=jnp.float32), (a * c, bm, bm))
+    eye_r = jnp.broadcast_to(jnp.eye(bn, dtype=jnp.float32), (a * c, bn, bn))
+    # the per-block statistics are spread over the parameter's mesh axes
+    return tuple(stacked_blocks_like(p, x) for x in (
+        jnp.zeros((a * c, bm, bm), jnp.float32), jnp.zeros((a * c, bn, bn), jnp.float32),
+        eye_l, eye_r))
+
+
+def _update_leaf(g, L0, R0, PL0, PR0, v0, *, b2, eps, graft_eps, block_size: int, refresh):
+    """One leaf's Shampoo step: ``(update, L, R, P_L, P_R, v)`` (see :func:`scale_by_shampoo`)."""
+    g32 = g.astype(jnp.float32)
+    v = b2 * v0 + (1 - b2) * g32 * g32
+    graft = g32 / (jnp.sqrt(v) + graft_eps)
+    mat = _as_matrix(g.shape)
+    if mat is None:
+        return graft.astype(g.dtype), L0, R0, PL0, PR0, v
+    m, n = mat
+    bm, bn, a, c = _blocks(m, n, block_size)
+    blk = _to_blocks(g32.reshape(m, n), bm, bn, a, c)
+    L = b2 * L0 + (1 - b2) * blk @ jnp.swapaxes(blk, -1, -2)
+    R = b2 * R0 + (1 - b2) * jnp.swapaxes(blk, -1, -2) @ blk
+    PL = jax.lax.cond(refresh, lambda a_, b_: matrix_inverse_root(a_, 4, eps),
+                      lambda a_, b_: b_, L, PL0)
+    PR = jax.lax.cond(refresh, lambda a_, b_: matrix_inverse_root(a_, 4, eps),
+                      lambda a_, b_: b_, R, PR0)
+    d = _from_blocks(PL @ blk @ PR, m, n, bm, bn, a, c).reshape(g.shape)
+    d_norm = jnp.linalg.norm(d)
+    scale = jnp.where(d_norm > 0, jnp.linalg.norm(graft) / jnp.where(d_norm > 0, d_norm, 1), 0.0)
+    return (d * scale).astype(g.dtype), L, R, PL, PR, v
+
+
+def scale_by_shampoo(b2: float = 0.999, eps: float = 1e-6, block_size: int = 128,
+                     precondition_every: int = 10,
+                     graft_eps: float = 1e-8) -> GradientTransformation:
     """Blocked Shampoo direction with RMSProp grafting.
 
     A leaf is viewed as a matrix :math:`G` (``prod(shape[:-1]) x shape[-1]``) cut into blocks of at
@@ -81,21 +127,8 @@ def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_eve
     )
 
     def init(params):
-        def per(p):
-            mat = _as_matrix(p.shape)
-            if mat is None:
-                z = replicated_like(p, jnp.zeros((0,), jnp.float32))
-                return z, z, z, z
-            bm, bn, a, c = _blocks(*mat, block_size)
-            eye_l = jnp.broadcast_to(jnp.eye(bm, dtype=jnp.float32), (a * c, bm, bm))
-            eye_r = jnp.broadcast_to(jnp.eye(bn, dtype=jnp.float32), (a * c, bn, bn))
-            # the per-block statistics are spread over the parameter's mesh axes
-            return tuple(stacked_blocks_like(p, x) for x in (
-                jnp.zeros((a * c, bm, bm), jnp.float32), jnp.zeros((a * c, bn, bn), jnp.float32),
-                eye_l, eye_r))
-
         leaves, td = jax.tree_util.tree_flatten(params)
-        parts = [per(p) for p in leaves]
+        parts = [_init_leaf(p, block_size) for p in leaves]
         un = lambda i: jax.tree_util.tree_unflatten(td, [q[i] for q in parts])  # noqa: E731
         return ShampooState(jnp.zeros([], jnp.int32), un(0), un(1), un(2), un(3),
                             jax.tree.map(lambda p: full_like_param(p, 0.0, jnp.float32), params))
@@ -105,49 +138,21 @@ def scale_by_shampoo(b2=0.999, eps=1e-6, block_size: int = 128, precondition_eve
         count = safe_increment(state.count)
         refresh = (state.count % precondition_every) == 0
         gl, td = jax.tree_util.tree_flatten(updates)
-        f = td.flatten_up_to
-        outs, sl, sr, pl, pr, gn = [], [], [], [], [], []
-        for g, L0, R0, PL0, PR0, v0 in zip(gl, f(state.stats_l), f(state.stats_r),
-                                           f(state.precond_l), f(state.precond_r),
-                                           f(state.graft_nu)):
-            g32 = g.astype(jnp.float32)
-            v = b2 * v0 + (1 - b2) * g32 * g32
-            graft = g32 / (jnp.sqrt(v) + graft_eps)
-            gn.append(v)
-            mat = _as_matrix(g.shape)
-            if mat is None:
-                outs.append(graft.astype(g.dtype))
-                sl.append(L0)
-                sr.append(R0)
-                pl.append(PL0)
-                pr.append(PR0)
-                continue
-            m, n = mat
-            bm, bn, a, c = _blocks(m, n, block_size)
-            blk = _to_blocks(g32.reshape(m, n), bm, bn, a, c)
-            L = b2 * L0 + (1 - b2) * blk @ jnp.swapaxes(blk, -1, -2)
-            R = b2 * R0 + (1 - b2) * jnp.swapaxes(blk, -1, -2) @ blk
-            PL = jax.lax.cond(refresh, lambda a_, b_: matrix_inverse_root(a_, 4, eps),
-                              lambda a_, b_: b_, L, PL0)
-            PR = jax.lax.cond(refresh, lambda a_, b_: matrix_inverse_root(a_, 4, eps),
-                              lambda a_, b_: b_, R, PR0)
-            d = _from_blocks(PL @ blk @ PR, m, n, bm, bn, a, c).reshape(g.shape)
-            d_norm = jnp.linalg.norm(d)
-            scale = jnp.where(d_norm > 0, jnp.linalg.norm(graft) / jnp.where(d_norm > 0, d_norm, 1),
-                              0.0)
-            outs.append((d * scale).astype(g.dtype))
-            sl.append(L)
-            sr.append(R)
-            pl.append(PL)
-            pr.append(PR)
-        un = lambda xs: jax.tree_util.tree_unflatten(td, xs)  # noqa: E731
-        return un(outs), ShampooState(count, un(sl), un(sr), un(pl), un(pr), un(gn))
+        f = td.flatten_up_to  # type: ignore[attr-defined]
+        parts = [_update_leaf(g, *olds, b2=b2, eps=eps, graft_eps=graft_eps,
+                              block_size=block_size, refresh=refresh)
+                 for g, *olds in zip(gl, f(state.stats_l), f(state.stats_r),
+                                     f(state.precond_l), f(state.precond_r), f(state.graft_nu))]
+        un = lambda i: jax.tree_util.tree_unflatten(td, [q[i] for q in parts])  # noqa: E731
+        return un(0), ShampooState(count, un(1), un(2), un(3), un(4), un(5))
 
     return GradientTransformation(init, update)
 
 
-def shampoo(learning_rate, b1=0.9, b2=0.999, eps=1e-6, block_size: int = 128,
-            precondition_every: int = 10, weight_decay=0.0, graft_eps=1e-8):
+def shampoo(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+            block_size: int = 128,
+            precondition_every: int = 10, weight_decay: ScalarOrSchedule = 0.0,
+            graft_eps: float = 1e-8) -> GradientTransformation:
     """Shampoo: :func:`scale_by_shampoo`, then momentum :math:`m_t = \\beta_1 m_{t-1} + (1-\\beta_1)
     u_t` (if ``b1 > 0``), decoupled decay :math:`+\\lambda\\theta`, times :math:`-\\eta`."""
     _validate.check(

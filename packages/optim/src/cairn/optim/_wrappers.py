@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ from cairn.optim import _packing as pk
 from cairn.optim import _validate
 from cairn.optim._base import (
     GradientTransformation,
+    PackedUpdate,
     call_update,
     is_packed_aware,
     mark_extra,
@@ -40,7 +41,8 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
 
-def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int):
+def apply_if_finite(inner: GradientTransformation,
+                    max_consecutive_errors: int) -> GradientTransformation:
     """Skip steps whose updates contain NaN/Inf (zero updates, inner state kept) unless more
     than ``max_consecutive_errors`` happened in a row."""
 
@@ -68,7 +70,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int):
     return GradientTransformation(init, update)
 
 
-def skip_not_finite(updates, gradient_step, params):
+def skip_not_finite(updates: Any, gradient_step: jax.Array, params: Any) -> tuple[jax.Array,
+                    dict[str, jax.Array]]:
     """``should_skip_update_fn`` for :class:`MultiSteps`: skip when updates are not finite."""
     del gradient_step, params
     finite = _all_finite(updates)
@@ -77,11 +80,11 @@ def skip_not_finite(updates, gradient_step, params):
 
 
 class ApplyEvery(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     grad_acc: Packed
 
 
-def apply_every(k: int = 1):
+def apply_every(k: int = 1) -> GradientTransformation:
     """Accumulate updates and emit their sum every ``k`` steps (zeros in between)."""
 
     _validate.check("apply_every", k=k)
@@ -128,7 +131,7 @@ class MultiSteps:
 
     def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
                  use_grad_mean: bool = True, should_skip_update_fn: Callable | None = None,
-                 accumulator_dtype=jnp.float32):
+                 accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32) -> None:
         _validate.check("MultiSteps", every_k_schedule=every_k_schedule)
         if not callable(every_k_schedule):
             k = int(every_k_schedule)  # _validate.check made sure it is a whole number >= 1
@@ -141,10 +144,10 @@ class MultiSteps:
         self._acc_dtype = accumulator_dtype
 
     @property
-    def inner_opt(self):
+    def inner_opt(self) -> GradientTransformation:
         return self._opt
 
-    def init(self, params) -> MultiStepsState:
+    def init(self, params: Any) -> MultiStepsState:
         packed = isinstance(params, Packed) or pk.packing_state()
         layout = pk.layout_of(params, per_leaf=not packed)
         acc = state_zeros(params, layout, self._acc_dtype, offsets=not isinstance(params, Packed))
@@ -157,7 +160,8 @@ class MultiSteps:
                                self._opt.init(params), acc,
                                skip_state)
 
-    def update(self, updates, state: MultiStepsState, params=None, **extra):
+    def update(self, updates: Any, state: MultiStepsState, params: Any = None,
+               **extra: Any) -> tuple[Any, MultiStepsState]:
         was_packed = isinstance(updates, Packed)
         layout = (state.acc_grads.layout if isinstance(state.acc_grads, Packed) else
                   pk.layout_of(updates, use_sharding=False, per_leaf=True))
@@ -179,8 +183,9 @@ class MultiSteps:
         def emit(_):
             inner_in = Packed(layout, [a.astype(x.dtype) for a, x in zip(acc, g.buffers)])
             if is_packed_aware(self._opt):
-                pp = _maybe_pack(params, layout) if self._opt.update.needs_params else None
-                u, s = self._opt.update.packed(inner_in, state.inner_opt_state, pp, **extra)
+                upd = cast(PackedUpdate, self._opt.update)
+                pp = _maybe_pack(params, layout) if upd.needs_params else None
+                u, s = upd.packed(inner_in, state.inner_opt_state, pp, **extra)
                 u = pk.pack(u, layout) if not isinstance(u, Packed) else u
             else:
                 u, s = call_update(self._opt, pk.unpack(inner_in), state.inner_opt_state,
@@ -224,7 +229,7 @@ class LookaheadParams(NamedTuple):
     slow: Any
 
     @classmethod
-    def init_synced(cls, params) -> LookaheadParams:
+    def init_synced(cls, params: Any) -> LookaheadParams:
         return cls(fast=params, slow=params)
 
 
@@ -234,7 +239,7 @@ class LookaheadState(NamedTuple):
 
 
 def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_step_size: float,
-              reset_state: bool = False):
+              reset_state: bool = False) -> GradientTransformation:
     """Lookahead (Zhang et al. 2019) on :class:`LookaheadParams`: every ``sync_period`` steps
     the slow weights move :math:`\\phi \\leftarrow \\phi + \\alpha(\\theta - \\phi)` and the
     fast weights are reset to them."""
