@@ -19,6 +19,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +36,7 @@ def decode_row(row: dict) -> np.ndarray:
     return np.frombuffer(row["data"], np.float32) * 2 + 1
 
 
-# ---------------------------------------------------------------------------- helpers
+# --- helpers ---
 
 
 # Batches consumed before the steady-state window: more than Grain's threads (16, each
@@ -45,7 +47,7 @@ GRAIN_THREADS = 16
 GRAIN_BUFFER = 32
 
 
-def steady_rate(it, batches: int) -> tuple[float, float]:
+def steady_rate(it: Iterator, batches: int) -> tuple[float, float]:
     """(seconds to first batch, records/s over `batches` batches after a warm-up)."""
     t0 = time.perf_counter()
     first = next(it)
@@ -65,7 +67,7 @@ def steady_rate(it, batches: int) -> tuple[float, float]:
     return t_first, n / max(dt, 1e-9)
 
 
-def close(it) -> None:
+def close(it: Iterator) -> None:
     c = getattr(it, "close", None)
     if c is not None:
         c()
@@ -107,10 +109,10 @@ def plain_loop(records: list, batches: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-# ---------------------------------------------------------------------------- pipelines
+# --- pipelines ---
 
 
-def cairn_iter(source, fn, workers: int):
+def cairn_iter(source: Any, fn: Callable[[Any], np.ndarray], workers: int) -> Iterator:
     import cairn.data as cd
 
     ds = cd.MapDataset.source(source).shuffle(seed=0).map(fn).batch(BATCH)
@@ -120,7 +122,7 @@ def cairn_iter(source, fn, workers: int):
     return iter(it_ds)
 
 
-def grain_iter(source, fn, workers: int, threads: int | None = 0):
+def grain_iter(source: Any, fn: Callable[[Any], np.ndarray], workers: int, threads: int | None = 0) -> Iterator:
     import grain
 
     ds = grain.MapDataset.source(source).shuffle(seed=0).map(fn).batch(BATCH)
@@ -135,7 +137,7 @@ def grain_iter(source, fn, workers: int, threads: int | None = 0):
     return iter(it_ds)
 
 
-def measure(make, batches: int, repeats: int) -> tuple[float, float]:
+def measure(make: Callable[[], Iterator], batches: int, repeats: int) -> tuple[float, float]:
     firsts, rates = [], []
     for _ in range(repeats):
         it = make()
@@ -148,7 +150,7 @@ def measure(make, batches: int, repeats: int) -> tuple[float, float]:
     return statistics.median(firsts), statistics.median(rates)
 
 
-def state_times(make, steps: int = 200) -> tuple[float, float, int]:
+def state_times(make: Callable[[], Any], steps: int = 200) -> tuple[float, float, int]:
     """(get_state seconds, set_state + next seconds, state size in bytes), medians."""
     it = make()
     try:
@@ -220,7 +222,7 @@ def pack_inputs(n: int) -> list[dict]:
 # draws its own permutation). Everything else at the defaults of both.
 
 
-def cairn_pack(seqs, shuffle: bool = False):
+def cairn_pack(seqs: list[dict], shuffle: bool = False) -> Iterator:
     import cairn.data as cd
 
     ds = cd.FirstFitPackIterDataset(
@@ -233,7 +235,7 @@ def cairn_pack(seqs, shuffle: bool = False):
     return iter(ds.batch(PACK_BATCH))
 
 
-def grain_pack(seqs, shuffle: bool = False):
+def grain_pack(seqs: list[dict], shuffle: bool = False) -> Iterator:
     import grain
 
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -246,7 +248,7 @@ def grain_pack(seqs, shuffle: bool = False):
     return iter(ds.batch(PACK_BATCH))
 
 
-def check_same_packing(seqs) -> None:
+def check_same_packing(seqs: list[dict]) -> None:
     """Unshuffled: the same batches; shuffled: the same rows in the first batches."""
     c, g = next(cairn_pack(seqs)), next(grain_pack(seqs))
     for k in c:
@@ -265,7 +267,7 @@ def check_same_packing(seqs) -> None:
     assert sorted(c_rows) == sorted(g_rows), "shuffled packing: different rows"
 
 
-def pack_time(make, seqs, batches: int) -> float:
+def pack_time(make: Callable[[list[dict]], Iterator], seqs: list[dict], batches: int) -> float:
     """Seconds per packed batch (after the first)."""
     it = make(seqs)
     first = next(it)
@@ -276,10 +278,7 @@ def pack_time(make, seqs, batches: int) -> float:
     return (time.perf_counter() - t0) / batches
 
 
-# ---------------------------------------------------------------------------- main
-
-
-# ---------------------------------------------------------------------------- liveness
+# --- liveness ---
 
 
 def _slow_element(x):
@@ -426,221 +425,222 @@ def liveness(trials: int) -> None:
         print(f"  2-worker pass over 400 elements incl. start, {name}: {t:.3f} s")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
-    ap.add_argument("--records", type=int, default=None)
-    ap.add_argument(
-        "--liveness", type=int, default=0, metavar="TRIALS", help="only the worker liveness numbers"
+class _Run:
+    """One benchmark run's sizes, its result rows and ratios, and the cairn/Grain comparison."""
+
+    def __init__(self, quick: bool, records: int | None, baseline: int) -> None:
+        self.quick = quick
+        self.n = records or (20_000 if quick else 100_000)
+        self.batches = 150 if quick else 400
+        self.grain_batches = 50 if quick else 150
+        self.repeats = 1 if quick else 3
+        self.baseline = baseline
+        self.rows: list[tuple[str, float, float, float]] = []
+        self.ratios: dict[str, float] = {}
+
+    def add(self, name: str, res: dict) -> None:
+        self.rows.append((name, res["c"], res["g"], res["ratio"]))
+
+    def compare(
+        self,
+        make_c: Callable[[], Iterator],
+        make_gs: list[Callable[[], Iterator]],
+        label_gs: tuple[str, ...] = ("threads=0", "threads=16 buffer=32"),
+    ) -> dict:
+        """Interleaved repeats (cairn, then each Grain config), so load changes on a
+        shared machine hit both; the ratio per repeat uses Grain's best config."""
+        cs, gs, rs, fc, fg, best = [], [], [], [], [], []
+        for _ in range(self.repeats):
+            settle(self.baseline)
+            f, c = measure(make_c, self.batches, 1)
+            res = []
+            for m in make_gs:
+                settle(self.baseline)
+                res.append(measure(m, self.grain_batches, 1))
+            k = max(range(len(res)), key=lambda i: res[i][1])
+            cs.append(c)
+            gs.append(res[k][1])
+            rs.append(c / res[k][1])
+            fc.append(f)
+            fg.append(res[0][0])
+            best.append(label_gs[k])
+        med = statistics.median
+        return {
+            "c": med(cs),
+            "g": med(gs),
+            "ratio": med(rs),
+            "first_c": med(fc),
+            "first_g": med(fg),
+            "best": max(set(best), key=best.count),
+        }
+
+
+def _bench_memory(run: _Run, records: list) -> None:
+    """1. in memory (Grain's docs recommend num_threads=0 here)."""
+    loop = statistics.median(plain_loop(records, run.batches) for _ in range(run.repeats))
+    r = run.compare(
+        lambda: cairn_iter(records, decode, 0), [lambda: grain_iter(records, decode, 0)]
     )
-    args = ap.parse_args()
-    if args.liveness:
-        liveness(args.liveness)
-        return
-    n = args.records or (20_000 if args.quick else 100_000)
-    batches = 150 if args.quick else 400
-    grain_batches = 50 if args.quick else 150
-    repeats = 1 if args.quick else 3
+    run.add("in memory, 0 workers (grain threads=0)", r)
+    run.rows.append(("plain Python loop (in memory)", loop, float("nan"), float("nan")))
+    run.ratios["memory_vs_grain"] = r["ratio"]
+    run.ratios["memory_vs_plain_loop"] = r["c"] / loop
 
-    try:  # Grain's worker processes read absl flags; parse them so mp_prefetch works.
-        from absl import flags
 
-        flags.FLAGS(sys.argv[:1], known_only=True)
-    except Exception:
-        pass
-
+def _bench_arrayrecord(run: _Run, c_ar_src: Any, g_ar_src: Any, ar10_paths: list) -> None:
+    """2. ArrayRecord (one n-record file, then ten shards); Grain in its faster of
+    num_threads=0 / 16."""
     import grain
 
     import cairn.data as cd
 
-    rng = np.random.default_rng(0)
-    blob = rng.standard_normal(n * RECORD_BYTES // 4).astype(np.float32).tobytes()
-    records = [blob[i * RECORD_BYTES : (i + 1) * RECORD_BYTES] for i in range(n)]
-
-    import threading
-
-    baseline = threading.active_count()
-    tmp = tempfile.mkdtemp(prefix="cairn_bench_data_")
-    rows: list[tuple[str, float, float]] = []
-    ratios: dict[str, float] = {}
-    try:
-        ar_paths = cd.write_array_record(records, os.path.join(tmp, "ar"), num_shards=1)
-        ar10_paths = cd.write_array_record(records, os.path.join(tmp, "ar10"), num_shards=10)
-        pq_dir = os.path.join(tmp, "pq")
-        cd.write_parquet(({"data": r} for r in records), pq_dir, row_group_size=1024)
-
-        def add(name, res):
-            rows.append((name, res["c"], res["g"], res["ratio"]))
-
-        def compare(make_c, make_gs, label_gs=("threads=0", "threads=16 buffer=32")):
-            """Interleaved repeats (cairn, then each Grain config), so load changes on a
-            shared machine hit both; the ratio per repeat uses Grain's best config."""
-            cs, gs, rs, fc, fg, best = [], [], [], [], [], []
-            for _ in range(repeats):
-                settle(baseline)
-                f, c = measure(make_c, batches, 1)
-                res = []
-                for m in make_gs:
-                    settle(baseline)
-                    res.append(measure(m, grain_batches, 1))
-                k = max(range(len(res)), key=lambda i: res[i][1])
-                cs.append(c)
-                gs.append(res[k][1])
-                rs.append(c / res[k][1])
-                fc.append(f)
-                fg.append(res[0][0])
-                best.append(label_gs[k])
-            med = statistics.median
-            return {
-                "c": med(cs),
-                "g": med(gs),
-                "ratio": med(rs),
-                "first_c": med(fc),
-                "first_g": med(fg),
-                "best": max(set(best), key=best.count),
-            }
-
-        # 1. in memory (Grain's docs recommend num_threads=0 here)
-        loop = statistics.median(plain_loop(records, batches) for _ in range(repeats))
-        r = compare(
-            lambda: cairn_iter(records, decode, 0), [lambda: grain_iter(records, decode, 0)]
-        )
-        add("in memory, 0 workers (grain threads=0)", r)
-        rows.append(("plain Python loop (in memory)", loop, float("nan"), float("nan")))
-        ratios["memory_vs_grain"] = r["ratio"]
-        ratios["memory_vs_plain_loop"] = r["c"] / loop
-
-        # 2. ArrayRecord (one n-record file); Grain in its faster of num_threads=0 / 16.
-        c_ar_src = cd.ArrayRecordDataSource(ar_paths)
-        g_ar_src = grain.sources.ArrayRecordDataSource(ar_paths)
-        for w in (0, 2):
-            r = compare(
-                lambda w=w: cairn_iter(c_ar_src, decode, w),
-                [
-                    lambda w=w: grain_iter(g_ar_src, decode, w),
-                    lambda w=w: grain_iter(g_ar_src, decode, w, threads=None),
-                ],
-            )
-            add(f"ArrayRecord, {w} workers (grain {r['best']})", r)
-            ratios[f"arrayrecord_{w}w"] = r["ratio"]
-            if w == 0:
-                ar0 = r
-            if w == 2:
-                ratios["first_batch_2w_cairn_s"] = r["first_c"]
-                ratios["first_batch_2w_grain_s"] = r["first_g"]
-
-        # Per-record cost must not grow with shard size: 1 shard of n vs 10 shards of n/10.
-        c10_src = cd.ArrayRecordDataSource(ar10_paths)
-        g10_src = grain.sources.ArrayRecordDataSource(ar10_paths)
-        r = compare(
-            lambda: cairn_iter(c10_src, decode, 0),
+    for w in (0, 2):
+        r = run.compare(
+            lambda w=w: cairn_iter(c_ar_src, decode, w),
             [
-                lambda: grain_iter(g10_src, decode, 0),
-                lambda: grain_iter(g10_src, decode, 0, threads=None),
+                lambda w=w: grain_iter(g_ar_src, decode, w),
+                lambda w=w: grain_iter(g_ar_src, decode, w, threads=None),
             ],
         )
-        add(f"ArrayRecord, 10 shards, 0 workers (grain {r['best']})", r)
-        ratios["arrayrecord_1_vs_10_shards_cairn"] = ar0["c"] / r["c"]
-        ratios["arrayrecord_1_vs_10_shards_grain"] = ar0["g"] / r["g"]
+        run.add(f"ArrayRecord, {w} workers (grain {r['best']})", r)
+        run.ratios[f"arrayrecord_{w}w"] = r["ratio"]
+        if w == 0:
+            ar0 = r
+        if w == 2:
+            run.ratios["first_batch_2w_cairn_s"] = r["first_c"]
+            run.ratios["first_batch_2w_grain_s"] = r["first_g"]
 
-        # The source alone: microseconds per record at random indices from ONE file of n
-        # records vs ONE file of n/10 (shard 0 of the 10-shard set). cairn is read the way
-        # its pipeline reads it (a batched __getitems__ per chunk of 1024 indices); Grain's
-        # MapDataset calls __getitem__ once per record (its batch pushdown is off).
-        big_c, small_c = cd.ArrayRecordDataSource(ar_paths), cd.ArrayRecordDataSource(ar10_paths[0])
-        big_g = grain.sources.ArrayRecordDataSource(ar_paths)
-        small_g = grain.sources.ArrayRecordDataSource(ar10_paths[:1])
-        settle(baseline)
-        c_big, c_small = read_cost_us(
-            [(big_c.__getitems__, len(big_c)), (small_c.__getitems__, len(small_c))], 1024
-        )
-        g_big, g_small = read_cost_us(
-            [
-                (lambda idx: [big_g[i] for i in idx.tolist()], len(big_g)),
-                (lambda idx: [small_g[i] for i in idx.tolist()], len(small_g)),
-            ],
-            64,
-            3000,
-        )
-        shard_cost = {
-            "cairn_big": c_big,
-            "cairn_small": c_small,
-            "grain_big": g_big,
-            "grain_small": g_small,
-        }
-        shard_sizes = (len(big_c), len(small_c))
-        for k, v in shard_cost.items():
-            ratios[f"read_us_per_record_{k}"] = v
-        ratios["read_cost_big_vs_small_shard_cairn"] = (
-            shard_cost["cairn_big"] / shard_cost["cairn_small"]
-        )
-        ratios["read_cost_big_vs_small_shard_grain"] = (
-            shard_cost["grain_big"] / shard_cost["grain_small"]
-        )
+    # Per-record cost must not grow with shard size: 1 shard of n vs 10 shards of n/10.
+    c10_src = cd.ArrayRecordDataSource(ar10_paths)
+    g10_src = grain.sources.ArrayRecordDataSource(ar10_paths)
+    r = run.compare(
+        lambda: cairn_iter(c10_src, decode, 0),
+        [
+            lambda: grain_iter(g10_src, decode, 0),
+            lambda: grain_iter(g10_src, decode, 0, threads=None),
+        ],
+    )
+    run.add(f"ArrayRecord, 10 shards, 0 workers (grain {r['best']})", r)
+    run.ratios["arrayrecord_1_vs_10_shards_cairn"] = ar0["c"] / r["c"]
+    run.ratios["arrayrecord_1_vs_10_shards_grain"] = ar0["g"] / r["g"]
 
-        # 3. Parquet: cairn reads rows at random; Grain has no random-access Parquet
-        # source, so it gets the table loaded into memory first (load time not counted).
-        import pyarrow.parquet as pq
 
-        c_pq_src = cd.ParquetDataSource(pq_dir)
-        t0 = time.perf_counter()
-        g_rows = pq.read_table(pq_dir).to_pylist()
-        g_load = time.perf_counter() - t0
-        for w in (0, 2):
-            r = compare(
-                lambda w=w: cairn_iter(c_pq_src, decode_row, w),
-                [lambda w=w: grain_iter(g_rows, decode_row, w)],
-            )
-            add(f"Parquet, {w} workers (grain threads=0)", r)
-            ratios[f"parquet_{w}w"] = r["ratio"]
-        # The rows above reuse one source, whose row-group cache the 0-worker run filled
-        # (forked workers keep it). Cold: a fresh source per run, so every worker decodes
-        # the row groups it touches during the measurement (a first epoch).
-        r = compare(
-            lambda: cairn_iter(cd.ParquetDataSource(pq_dir), decode_row, 2),
-            [lambda: grain_iter(g_rows, decode_row, 2)],
+def _bench_read_cost(run: _Run, ar_paths: list, ar10_paths: list) -> tuple[int, int]:
+    """The source alone: microseconds per record at random indices from ONE file of n
+    records vs ONE file of n/10 (shard 0 of the 10-shard set). cairn is read the way its
+    pipeline reads it (a batched __getitems__ per chunk of 1024 indices); Grain's
+    MapDataset calls __getitem__ once per record (its batch pushdown is off). Returns the
+    two files' sizes."""
+    import grain
+
+    import cairn.data as cd
+
+    big_c, small_c = cd.ArrayRecordDataSource(ar_paths), cd.ArrayRecordDataSource(ar10_paths[0])
+    big_g = grain.sources.ArrayRecordDataSource(ar_paths)
+    small_g = grain.sources.ArrayRecordDataSource(ar10_paths[:1])
+    settle(run.baseline)
+    c_big, c_small = read_cost_us(
+        [(big_c.__getitems__, len(big_c)), (small_c.__getitems__, len(small_c))], 1024
+    )
+    g_big, g_small = read_cost_us(
+        [
+            (lambda idx: [big_g[i] for i in idx.tolist()], len(big_g)),
+            (lambda idx: [small_g[i] for i in idx.tolist()], len(small_g)),
+        ],
+        64,
+        3000,
+    )
+    shard_cost = {
+        "cairn_big": c_big,
+        "cairn_small": c_small,
+        "grain_big": g_big,
+        "grain_small": g_small,
+    }
+    for k, v in shard_cost.items():
+        run.ratios[f"read_us_per_record_{k}"] = v
+    run.ratios["read_cost_big_vs_small_shard_cairn"] = (
+        shard_cost["cairn_big"] / shard_cost["cairn_small"]
+    )
+    run.ratios["read_cost_big_vs_small_shard_grain"] = (
+        shard_cost["grain_big"] / shard_cost["grain_small"]
+    )
+    return len(big_c), len(small_c)
+
+
+def _bench_parquet(run: _Run, pq_dir: str) -> float:
+    """3. Parquet: cairn reads rows at random; Grain has no random-access Parquet source,
+    so it gets the table loaded into memory first (load time not counted, returned)."""
+    import pyarrow.parquet as pq
+
+    import cairn.data as cd
+
+    c_pq_src = cd.ParquetDataSource(pq_dir)
+    t0 = time.perf_counter()
+    g_rows = pq.read_table(pq_dir).to_pylist()
+    g_load = time.perf_counter() - t0
+    for w in (0, 2):
+        r = run.compare(
+            lambda w=w: cairn_iter(c_pq_src, decode_row, w),
+            [lambda w=w: grain_iter(g_rows, decode_row, w)],
         )
-        add("Parquet, 2 workers, cold cache (grain threads=0)", r)
-        ratios["parquet_2w_cold"] = r["ratio"]
+        run.add(f"Parquet, {w} workers (grain threads=0)", r)
+        run.ratios[f"parquet_{w}w"] = r["ratio"]
+    # The rows above reuse one source, whose row-group cache the 0-worker run filled
+    # (forked workers keep it). Cold: a fresh source per run, so every worker decodes
+    # the row groups it touches during the measurement (a first epoch).
+    r = run.compare(
+        lambda: cairn_iter(cd.ParquetDataSource(pq_dir), decode_row, 2),
+        [lambda: grain_iter(g_rows, decode_row, 2)],
+    )
+    run.add("Parquet, 2 workers, cold cache (grain threads=0)", r)
+    run.ratios["parquet_2w_cold"] = r["ratio"]
+    return g_load
 
-        # 4. sequence packing: variable-length int32 sequences (5-20 tokens, 3 features)
-        # first-fit packed into rows of 64, 8 open rows, batched 32 rows (the examples/lm
-        # recipe); seconds per batch, ratio = grain time / cairn time.
-        # Measured with shuffle_bins=False and with shuffle_bins=True (seed 0) on both.
-        seqs = pack_inputs(40_000)  # about 260 batches
-        check_same_packing(seqs)
-        pack_batches = 100 if args.quick else PACK_BATCHES
-        for shuffle, tag in ((False, ""), (True, "_shuffled")):
-            pc, pg = [], []
-            for _ in range(repeats):
-                settle(baseline)
-                pc.append(pack_time(lambda s, sh=shuffle: cairn_pack(s, sh), seqs, pack_batches))
-                pg.append(pack_time(lambda s, sh=shuffle: grain_pack(s, sh), seqs, pack_batches))
-            pack_c, pack_g = statistics.median(pc), statistics.median(pg)
-            ratios[f"pack{tag}_vs_grain"] = statistics.median(g / c for c, g in zip(pc, pg))
-            ratios[f"pack{tag}_cairn_ms_per_batch"] = pack_c * 1e3
-            ratios[f"pack{tag}_grain_ms_per_batch"] = pack_g * 1e3
 
-        # 5. state
-        settle(baseline)
-        get_c, set_c, size_c = state_times(lambda: cairn_iter(c_ar_src, decode, 0))
-        get_c2, set_c2, _ = state_times(lambda: cairn_iter(c_ar_src, decode, 2))
-        get_g, set_g, size_g = state_times(lambda: grain_iter(g_ar_src, decode, 0))
-        ratios.update(
-            get_state_cairn_us=get_c * 1e6,
-            get_state_grain_us=get_g * 1e6,
-            set_state_next_cairn_ms=set_c * 1e3,
-            set_state_next_cairn_2w_ms=set_c2 * 1e3,
-            set_state_next_grain_ms=set_g * 1e3,
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _bench_packing(run: _Run) -> None:
+    """4. sequence packing: variable-length int32 sequences (5-20 tokens, 3 features)
+    first-fit packed into rows of 64, 8 open rows, batched 32 rows (the examples/lm
+    recipe); seconds per batch, ratio = grain time / cairn time. Measured with
+    shuffle_bins=False and with shuffle_bins=True (seed 0) on both."""
+    seqs = pack_inputs(40_000)  # about 260 batches
+    check_same_packing(seqs)
+    pack_batches = 100 if run.quick else PACK_BATCHES
+    for shuffle, tag in ((False, ""), (True, "_shuffled")):
+        pc, pg = [], []
+        for _ in range(run.repeats):
+            settle(run.baseline)
+            pc.append(pack_time(lambda s, sh=shuffle: cairn_pack(s, sh), seqs, pack_batches))
+            pg.append(pack_time(lambda s, sh=shuffle: grain_pack(s, sh), seqs, pack_batches))
+        pack_c, pack_g = statistics.median(pc), statistics.median(pg)
+        run.ratios[f"pack{tag}_vs_grain"] = statistics.median(g / c for c, g in zip(pc, pg))
+        run.ratios[f"pack{tag}_cairn_ms_per_batch"] = pack_c * 1e3
+        run.ratios[f"pack{tag}_grain_ms_per_batch"] = pack_g * 1e3
 
+
+def _bench_state(run: _Run, c_ar_src: Any, g_ar_src: Any) -> tuple[int, int]:
+    """5. state: get_state, and set_state + next batch; returns the states' sizes (B)."""
+    settle(run.baseline)
+    get_c, set_c, size_c = state_times(lambda: cairn_iter(c_ar_src, decode, 0))
+    _, set_c2, _ = state_times(lambda: cairn_iter(c_ar_src, decode, 2))
+    get_g, set_g, size_g = state_times(lambda: grain_iter(g_ar_src, decode, 0))
+    run.ratios.update(
+        get_state_cairn_us=get_c * 1e6,
+        get_state_grain_us=get_g * 1e6,
+        set_state_next_cairn_ms=set_c * 1e3,
+        set_state_next_cairn_2w_ms=set_c2 * 1e3,
+        set_state_next_grain_ms=set_g * 1e3,
+    )
+    return size_c, size_g
+
+
+def _print_report(run: _Run, g_load: float, shard_sizes: tuple[int, int], state_sizes: tuple[int, int]) -> None:
+    """The table and the summary lines (the JSON line is printed by ``main``)."""
+    ratios = run.ratios
     print(
-        f"{n} records x {RECORD_BYTES} B, shuffle -> decode/x*2+1 -> batch {BATCH}; records/s; ratio = median of {repeats} interleaved pairs"
+        f"{run.n} records x {RECORD_BYTES} B, shuffle -> decode/x*2+1 -> batch {BATCH}; records/s; ratio = median of {run.repeats} interleaved pairs"
     )
     print(f"{'pipeline':52s} {'cairn':>10s} {'grain':>10s} {'ratio':>8s}")
-    for name, c, g, ratio in rows:
+    for name, c, g, ratio in run.rows:
         print(f"{name:52s} {c:10,.0f} {g:10,.0f} {ratio:8.2f}".replace("nan", "  -"))
     print(f"Grain Parquet -> memory load: {g_load:.2f} s (not counted)")
     big, small = shard_sizes
@@ -668,6 +668,7 @@ def main() -> None:
     print(
         f"first batch, 2 workers: cairn {ratios['first_batch_2w_cairn_s']:.3f} s, grain {ratios['first_batch_2w_grain_s']:.3f} s"
     )
+    size_c, size_g = state_sizes
     print(
         f"get_state: cairn {ratios['get_state_cairn_us']:.2f} us ({size_c} B), grain {ratios['get_state_grain_us']:.2f} us ({size_g} B)"
     )
@@ -675,12 +676,64 @@ def main() -> None:
         f"set_state + next: cairn {ratios['set_state_next_cairn_ms']:.2f} ms (0 workers), "
         f"{ratios['set_state_next_cairn_2w_ms']:.2f} ms (2 workers); grain {ratios['set_state_next_grain_ms']:.2f} ms"
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
+    ap.add_argument("--records", type=int, default=None)
+    ap.add_argument(
+        "--liveness", type=int, default=0, metavar="TRIALS", help="only the worker liveness numbers"
+    )
+    args = ap.parse_args()
+    if args.liveness:
+        liveness(args.liveness)
+        return
+
+    try:  # Grain's worker processes read absl flags; parse them so mp_prefetch works.
+        from absl import flags
+
+        flags.FLAGS(sys.argv[:1], known_only=True)
+    except Exception:
+        pass
+
+    import grain
+
+    import cairn.data as cd
+
+    n = args.records or (20_000 if args.quick else 100_000)
+    rng = np.random.default_rng(0)
+    blob = rng.standard_normal(n * RECORD_BYTES // 4).astype(np.float32).tobytes()
+    records = [blob[i * RECORD_BYTES : (i + 1) * RECORD_BYTES] for i in range(n)]
+
+    import threading
+
+    run = _Run(args.quick, args.records, threading.active_count())
+    tmp = tempfile.mkdtemp(prefix="cairn_bench_data_")
+    try:
+        ar_paths = cd.write_array_record(records, os.path.join(tmp, "ar"), num_shards=1)
+        ar10_paths = cd.write_array_record(records, os.path.join(tmp, "ar10"), num_shards=10)
+        pq_dir = os.path.join(tmp, "pq")
+        cd.write_parquet(({"data": r} for r in records), pq_dir, row_group_size=1024)
+
+        _bench_memory(run, records)
+        c_ar_src = cd.ArrayRecordDataSource(ar_paths)
+        g_ar_src = grain.sources.ArrayRecordDataSource(ar_paths)
+        _bench_arrayrecord(run, c_ar_src, g_ar_src, ar10_paths)
+        shard_sizes = _bench_read_cost(run, ar_paths, ar10_paths)
+        g_load = _bench_parquet(run, pq_dir)
+        _bench_packing(run)
+        state_sizes = _bench_state(run, c_ar_src, g_ar_src)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    _print_report(run, g_load, shard_sizes, state_sizes)
     print(
         json.dumps(
             {
                 "bench": "data",
-                "records": n,
-                **{k: round(v, 4) for k, v in ratios.items() if not k.startswith("_")},
+                "records": run.n,
+                **{k: round(v, 4) for k, v in run.ratios.items() if not k.startswith("_")},
             }
         )
     )
