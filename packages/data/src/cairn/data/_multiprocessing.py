@@ -45,6 +45,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import pkgutil
 import select
 import signal
 import sys
@@ -59,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from cairn.data import _transforms
 from cairn.data._arguments import int_at_least
 
 # import cycle (labelled): base classes <-> transformations, by design
@@ -194,10 +196,11 @@ def _resolve_start_method(requested: str | None, fork_safe: bool) -> str:
 _preloaded = False
 
 
-def _preload_forkserver(ctx) -> None:
-    """Have the forkserver import cairn.data (and NumPy) once, so that each worker forked
-    from it starts in milliseconds instead of importing them again. Only possible before
-    this process's forkserver starts. The main script is *not* preloaded (Python's
+def _preload_forkserver(ctx: Any) -> None:
+    """Have the forkserver import cairn.data (and NumPy) and every transformation module
+    once (a pickled pipeline names its classes by those modules), so that each worker
+    forked from it starts in milliseconds instead of importing them again. Only possible
+    before this process's forkserver starts. The main script is *not* preloaded (Python's
     default): its module-level code could open a reader and start native threads in the
     forkserver itself; each worker imports it after the fork instead."""
     global _preloaded
@@ -206,7 +209,11 @@ def _preload_forkserver(ctx) -> None:
         from multiprocessing import forkserver
 
         if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-            ctx.set_forkserver_preload(["cairn.data"])
+            steps = [
+                f"{_transforms.__name__}.{m.name}"
+                for m in pkgutil.iter_modules(_transforms.__path__)
+            ]
+            ctx.set_forkserver_preload(["cairn.data", *steps])
 
 
 def _dumps_for_workers(obj, method: str, ds: MapDataset) -> bytes:
