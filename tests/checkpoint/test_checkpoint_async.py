@@ -84,6 +84,30 @@ def test_background_error_raised_by_the_next_save_then_clear(tmp_path, monkeypat
     ck.close()  # the error was raised once; nothing is pending
 
 
+def test_check_for_errors_raises_a_finished_saves_error_without_waiting(tmp_path, monkeypatch):
+    log: list = []
+    gates = _gated_write(monkeypatch, log)
+    ck = cc.AsyncCheckpointer()
+    ck.save(tmp_path / "a", {"x": np.ones(2)})
+    ck.check_for_errors()  # the save is still held back: returns at once, raises nothing
+    assert [e[:2] for e in log] == [("start", "a")]
+    gates["a"].set()
+    ck.wait_until_finished()
+    ck.check_for_errors()  # it succeeded
+
+    def boom(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_tree, "write", boom)
+    ck.save(tmp_path / "b", {"x": np.ones(2)})
+    while ck._bg.busy():  # let the failing save finish, without calling a waiting method
+        threading.Event().wait(0.01)
+    with pytest.raises(cc.CheckpointError, match="Input/output error"):
+        ck.check_for_errors()
+    ck.check_for_errors()  # raised once
+    ck.close()
+
+
 def test_donating_the_saved_arrays_after_save_returns_keeps_the_checkpoint_intact(tmp_path):
     """A training step donates params right after an async save; the saved bytes must not move."""
     params = {"w": jnp.arange(1 << 16, dtype=jnp.float32), "b": jnp.ones(1000)}

@@ -125,6 +125,7 @@ def test_metadata_lists_paths_shapes_dtypes_without_data(tmp_path):
     assert meta["a/w"].spec == ArraySpec((3, 5), "bfloat16")
     assert meta["a/w"].nbytes == 30
     assert meta["n"].kind == "scalar" and meta["n"].value == 3
+    assert meta["a/w"].chunk_shape == (3, 5) and meta["n"].chunk_shape is None  # one chunk
     raw = json.loads((tmp_path / "c" / "_METADATA.json").read_text())  # plain JSON, checksummed
     assert raw["checksum"].startswith("sha256:") and set(raw["body"]["leaves"]) == {"a/w", "n", "s"}
 
