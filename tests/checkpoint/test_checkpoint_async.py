@@ -88,9 +88,14 @@ def test_check_for_errors_raises_a_finished_saves_error_without_waiting(tmp_path
     log: list = []
     gates = _gated_write(monkeypatch, log)
     ck = cc.AsyncCheckpointer()
+    gates["a"] = threading.Event()
     ck.save(tmp_path / "a", {"x": np.ones(2)})
+    for _ in range(3000):  # until the background write has started (and is held back)
+        if log:
+            break
+        threading.Event().wait(0.01)
     ck.check_for_errors()  # the save is still held back: returns at once, raises nothing
-    assert [e[:2] for e in log] == [("start", "a")]
+    assert [e[:2] for e in log] == [("start", "a")] and not (tmp_path / "a").exists()
     gates["a"].set()
     ck.wait_until_finished()
     ck.check_for_errors()  # it succeeded
@@ -100,7 +105,9 @@ def test_check_for_errors_raises_a_finished_saves_error_without_waiting(tmp_path
 
     monkeypatch.setattr(_tree, "write", boom)
     ck.save(tmp_path / "b", {"x": np.ones(2)})
-    while ck._bg.busy():  # let the failing save finish, without calling a waiting method
+    for _ in range(3000):  # let the failing save finish, without calling a waiting method
+        if not ck._bg.busy():
+            break
         threading.Event().wait(0.01)
     with pytest.raises(cc.CheckpointError, match="Input/output error"):
         ck.check_for_errors()
