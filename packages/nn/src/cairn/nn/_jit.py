@@ -76,31 +76,6 @@ class _JitEntry:
         self.jitted = jitted
 
 
-class _Prepared:
-    """The arguments of one call, flattened: the cache key, the donated and kept values
-    with the variables they belong to, the plans of non-module arguments."""
-
-    __slots__ = ("args", "kwargs", "key", "plans", "don", "keep", "tdon", "tkeep", "ids")
-
-    def __init__(self, args, kwargs):
-        self.args = args
-        self.kwargs = kwargs
-        self.key: tuple = ()
-        self.plans: dict[Any, Plan] | None = None
-        self.don: list = []
-        self.keep: list = []
-        self.tdon: list = []
-        self.tkeep: list = []
-        self.ids: list = []
-
-    def plan(self, where, tree) -> Plan:
-        p = Plan(tree)
-        if self.plans is None:
-            self.plans = {}
-        self.plans[where] = p
-        return p
-
-
 # --- the compiled pure function: rebuild the arguments, call, collect the changes ---
 
 
@@ -279,40 +254,37 @@ class JitWrapped:
 
     # --- the hot path ---
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        pa = self._prepare(args, kwargs)
-        if len(pa.ids) > 1:
-            sig = (EPOCH[0], tuple(pa.ids))
-            if sig != self._checked:
-                _check_disjoint(pa.tdon, pa.tkeep)
-                self._checked = sig
-        out, ud, uk, struct = self._entry(pa).jitted(pa.don, pa.keep)
-        tdon, tkeep = pa.tdon, pa.tkeep
-        for i, x in ud.items():
-            set_raw(tdon[i], x)
-        for i, x in uk.items():
-            set_raw(tkeep[i], x)
-        if struct is not None:
-            self._apply_struct(struct, pa)
-        return out
+        return self._run(args, kwargs, False)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> _Prepared:
-        """The one argument preparation of ``__call__`` and ``lower``: bind keywords,
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """Lower for the given arguments (``.compile()`` on the result compiles)."""
+        return self._run(args, kwargs, True)
+
+    def _run(self, args: tuple, kwargs: dict, lowering: bool) -> Any:
+        """The one argument preparation of a call and of ``lower``: bind keywords,
         flatten every argument into the donated / kept value lists (with the variables
-        they belong to) and build the cache key."""
+        they belong to; ``plans`` holds the :class:`Plan` of each argument that is
+        neither a module nor an array) and look up the compiled function by the
+        arguments' structure. Then lower it, or call it and write the changes back."""
         if kwargs:
             args, kwargs = self._bind(args, kwargs)
-        pa = _Prepared(args, kwargs)
         ep = EPOCH[0]
         static, donate = self._static, self._donate
         keyparts: list[Any] = []
+        don: list = []
+        keep: list = []
+        tdon: list = []
+        tkeep: list = []
+        ids: list = []
+        plans: dict[Any, Plan] = {}
         for i, a in enumerate(args):
             if i in static:
                 keyparts.append((type(a), a))
                 continue
             if i in donate:
-                values, targets = pa.don, pa.tdon
+                values, targets = don, tdon
             else:
-                values, targets = pa.keep, pa.tkeep
+                values, targets = keep, tkeep
             if isinstance(a, Module):
                 c = a.__dict__.get("_cairn_cache")
                 if c is None or c.epoch != ep:
@@ -321,32 +293,50 @@ class JitWrapped:
                 vs = c.variables
                 values.extend([v.raw_value for v in vs])
                 targets.extend(vs)
-                pa.ids.append(id(a))
+                ids.append(id(a))
             elif isinstance(a, jax.Array):
                 keyparts.append(None)
                 values.append(a)
                 targets.append(None)
             else:
-                p = pa.plan(i, a)
+                p = plans[i] = Plan(a)
                 keyparts.append(p.key())
-                p.extend_flat(values, targets, pa.ids)
+                p.extend_flat(values, targets, ids)
         if kwargs:
-            p = pa.plan("kw", kwargs)
+            p = plans["kw"] = Plan(kwargs)
             keyparts.append(("kw", p.key()))
-            p.extend_flat(pa.keep, pa.tkeep, pa.ids)
-        pa.key = (len(args), tuple(keyparts))
-        return pa
-
-    def _entry(self, pa: _Prepared) -> _JitEntry:
-        """The compiled function for ``pa``'s key (made on a cache miss)."""
+            p.extend_flat(keep, tkeep, ids)
+        if len(ids) > 1 and not lowering:
+            sig = (ep, tuple(ids))
+            if sig != self._checked:
+                _check_disjoint(tdon, tkeep)
+                self._checked = sig
+        key = (len(args), tuple(keyparts))
         try:
-            entry = self._cache.get(pa.key)
+            entry = self._cache[key]
+        except (KeyError, TypeError):
+            entry = self._miss(key, args, kwargs, plans)
+        if lowering:
+            return entry.jitted.lower(don, keep)
+        out, ud, uk, struct = entry.jitted(don, keep)
+        for i, x in ud.items():
+            set_raw(tdon[i], x)
+        for i, x in uk.items():
+            set_raw(tkeep[i], x)
+        if struct is not None:
+            self._apply_struct(struct, args, plans)
+        return out
+
+    def _miss(self, key: tuple, args: tuple, kwargs: dict, plans: dict) -> _JitEntry:
+        """The compiled function for ``key``, made on a cache miss."""
+        try:
+            entry = self._cache.get(key)
         except TypeError as e:
             raise TypeError(
                 f"nn.jit: static arguments must be hashable ({e}); check static_argnums"
             ) from None
         if entry is None:
-            entry = self._cache[pa.key] = self._make(pa)
+            entry = self._cache[key] = self._make(args, kwargs, plans)
         return entry
 
     def _bind(self, args, kwargs):
@@ -363,25 +353,26 @@ class JitWrapped:
         return ba.args, ba.kwargs
 
     @staticmethod
-    def _apply_struct(struct: _StructOut, pa: _Prepared) -> None:
+    def _apply_struct(struct: _StructOut, args: tuple, plans: dict) -> None:
         """Write back the arguments whose structure the call changed."""
         for (where, new_descs), vals in zip(struct.graphs, struct.values):
-            a = pa.args[where] if where != "kw" else None
+            a = args[where] if where != "kw" else None
             if isinstance(a, Module):
                 sync(a, new_descs.build_from_values(vals))
                 continue
-            p = (pa.plans or {})[where]
+            p = plans[where]
             for i, kind in enumerate(p.kinds):
                 if kind == MOD:
                     write_module(p.objs[i], p.descs[i], p.varlists[i], new_descs[i], vals[i])
                 elif kind == VAR:
                     set_raw(p.objs[i], vals[i])
 
-    def _make(self, pa: _Prepared) -> _JitEntry:
-        """Compile the pure function for the argument structure of ``pa``."""
+    def _make(self, args: tuple, kwargs: dict, plans: dict) -> _JitEntry:
+        """Compile the pure function for the argument structure of ``args`` /
+        ``kwargs``."""
         fun = self.fun
-        kwplan = pa.plans.get("kw") if (pa.kwargs and pa.plans) else None
-        descs = _arg_descs(pa.args, self._static, self._donate, pa.plans or {})
+        kwplan = plans.get("kw") if kwargs else None
+        descs = _arg_descs(args, self._static, self._donate, plans)
 
         def pure(don, keep):
             call_args, kw, records = _rebuild_call(descs, kwplan, don, keep)
@@ -391,12 +382,6 @@ class JitWrapped:
 
         donate = (0,) if self._donate else ()
         return _JitEntry(jax.jit(pure, donate_argnums=donate, **self._jit_kwargs))
-
-    # --- AOT ---
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """Lower for the given arguments (``.compile()`` on the result compiles)."""
-        pa = self._prepare(args, kwargs)
-        return self._entry(pa).jitted.lower(pa.don, pa.keep)
 
 
 def jit(
