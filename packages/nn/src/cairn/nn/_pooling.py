@@ -105,6 +105,21 @@ def max_pool(
 ) -> jax.Array:
     """Maximum over each window; padded positions count as ``-inf``.
 
+    Args:
+      inputs: ``(*batch, *spatial, features)`` (or ``(*spatial, features)``), one spatial
+        axis per ``window_shape`` entry.
+      window_shape: the window's size on each spatial axis.
+      strides: the step on each spatial axis (default 1).
+      padding: ``'VALID'``, ``'SAME'`` or one ``(low, high)`` pair per spatial axis.
+
+    Returns:
+      ``(*batch, *spatial_out, features)``, ``inputs``' dtype.
+
+    Raises:
+      TypeError / ValueError: ``window_shape`` or ``strides`` that are not positive ints
+        (or disagree in length), an input with too few axes, or a padding that is neither
+        ``'SAME'``/``'VALID'`` nor one pair per spatial axis.
+
     >>> import jax.numpy as jnp
     >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
     >>> max_pool(x, (2, 2), (2, 2))[0, :, :, 0].tolist()
@@ -120,7 +135,15 @@ def min_pool(
     strides: Sequence[int] | None = None,
     padding: Padding = "VALID",
 ) -> jax.Array:
-    """Minimum over each window; padded positions count as ``+inf``."""
+    """Minimum over each window; padded positions count as ``+inf``.
+
+    Arguments, result and errors as for :func:`max_pool`.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+    >>> min_pool(x, (2, 2), (2, 2))[0, :, :, 0].tolist()
+    [[0.0, 2.0], [8.0, 10.0]]
+    """
     init = _identity(inputs.dtype, np.inf)
     return _pool("min_pool", inputs, init, lax.min, window_shape, strides, padding)
 
@@ -136,6 +159,29 @@ def avg_pool(
 
     With ``count_include_pad=True`` the divisor is always ``prod(window_shape)``; with
     ``False`` it is the number of real (unpadded) elements in the window.
+
+    Args:
+      inputs: ``(*batch, *spatial, features)`` (or ``(*spatial, features)``), one spatial
+        axis per ``window_shape`` entry.
+      window_shape: the window's size on each spatial axis.
+      strides: the step on each spatial axis (default 1).
+      padding: ``'VALID'``, ``'SAME'`` or one ``(low, high)`` pair per spatial axis.
+      count_include_pad: whether padded positions count in the divisor.
+
+    Returns:
+      ``(*batch, *spatial_out, features)``.
+
+    Raises:
+      TypeError / ValueError: ``window_shape`` or ``strides`` that are not positive ints
+        (or disagree in length), an input with too few axes, or a padding that is neither
+        ``'SAME'``/``'VALID'`` nor one pair per spatial axis.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.arange(4.0).reshape(1, 2, 2, 1)
+    >>> avg_pool(x, (2, 2), padding=((0, 1), (0, 1)))[0, :, :, 0].tolist()
+    [[1.5, 1.0], [1.25, 0.75]]
+    >>> avg_pool(x, (2, 2), padding=((0, 1), (0, 1)), count_include_pad=False)[0, :, :, 0].tolist()
+    [[1.5, 2.0], [2.5, 3.0]]
     """
     window_shape = _checks.positive_ints("avg_pool", "window_shape", window_shape)
     summed = _pool(
