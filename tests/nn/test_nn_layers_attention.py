@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn import nn
-
-from ._nn_helpers import DTYPES, f64, randn, tolerances
+from nn._nn_helpers import DTYPES, f64, randn, tolerances
 
 TOL = tolerances(1e-4, 5e-2)
 

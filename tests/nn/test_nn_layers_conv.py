@@ -17,8 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn import nn
-
-from ._nn_helpers import f64, randn, same_pads, tolerances
+from nn._nn_helpers import f64, randn, same_pads, tolerances
 
 TOL = tolerances(1e-4, 5e-2)
 
@@ -163,7 +162,7 @@ def test_conv_errors():
         nn.Conv(3, 4, 3, mask=np.ones((2, 3, 4)), rngs=nn.Rngs(0))
 
 
-# --------------------------------------------------------------------------- ConvTranspose
+# --- ConvTranspose ---
 
 
 def np_conv_transpose(x, w, b, strides, padding, rhs_dil, transpose_kernel):

@@ -15,13 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn import nn
-
-from ._nn_helpers import DTYPES, f64, randn, tolerances
+from nn._nn_helpers import DTYPES, f64, randn, tolerances
 
 TOL = tolerances(1e-5, 3e-2)
 
 
-# --------------------------------------------------------------------------- Linear
+# --- Linear ---
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -115,7 +114,7 @@ def test_linear_metadata_and_jit():
     np.testing.assert_allclose(np.asarray(y), np.asarray(layer(x)), rtol=1e-6)
 
 
-# --------------------------------------------------------------------------- LinearGeneral
+# --- LinearGeneral ---
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
@@ -155,7 +154,7 @@ def test_linear_general_errors():
         layer(jnp.ones((2, 5, 4)))
 
 
-# --------------------------------------------------------------------------- Einsum
+# --- Einsum ---
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
@@ -179,7 +178,7 @@ def test_einsum_errors():
         layer(jnp.ones((1, 2, 2)))
 
 
-# --------------------------------------------------------------------------- Embed
+# --- Embed ---
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
@@ -212,7 +211,7 @@ def test_embed_errors():
     assert np.isnan(np.asarray(out)).all()
 
 
-# --------------------------------------------------------------------------- LoRA
+# --- LoRA ---
 
 
 def test_lora_matches_numpy_and_starts_as_identity_on_base():

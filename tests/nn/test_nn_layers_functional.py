@@ -19,13 +19,12 @@ from hypothesis import strategies as st
 
 from cairn import nn
 from cairn.nn import initializers as init
-
-from ._nn_helpers import DTYPES, f64, randn, same_pads, tolerances
+from nn._nn_helpers import DTYPES, f64, randn, same_pads, tolerances
 
 TOL = tolerances(1e-5, 2e-2)
 
 
-# --------------------------------------------------------------------------- initializers
+# --- initializers ---
 
 
 @pytest.mark.parametrize(
@@ -104,7 +103,7 @@ def test_initializer_errors():
         init.orthogonal()(jax.random.key(0), (5,))
 
 
-# --------------------------------------------------------------------------- pooling
+# --- pooling ---
 
 
 def np_pool(x, window, strides, padding, op, count_include_pad=True):
@@ -183,7 +182,7 @@ def test_pool_generic_reduce_and_errors():
         nn.max_pool(jnp.ones((4, 4)), (2, 2))
 
 
-# --------------------------------------------------------------------------- activations
+# --- activations ---
 
 
 def test_activations_are_the_jax_functions_and_behave():
@@ -213,7 +212,7 @@ def test_activations_are_the_jax_functions_and_behave():
     assert nn.relu is jax.nn.relu and nn.gelu is jax.nn.gelu
 
 
-# --------------------------------------------------------------------------- rotary
+# --- rotary ---
 
 
 def np_rope(x, pos, base=10000.0, rotary_dim=None, interleaved=False):
@@ -289,7 +288,7 @@ def test_prelu():
     assert float(g.negative_slope[...]) == -4.0
 
 
-# ------------------------------------------------------- every activation, both dtypes
+# --- every activation, both dtypes ---
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 

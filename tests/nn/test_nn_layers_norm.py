@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn import nn
-
-from ._nn_helpers import DTYPES, f64, randn, tolerances
+from nn._nn_helpers import DTYPES, f64, randn, tolerances
 
 TOL = tolerances(1e-4, 5e-2)
 
@@ -144,7 +143,7 @@ def test_norm_errors():
         nn.BatchNorm(3, momentum=1.5, rngs=nn.Rngs(0))
 
 
-# --------------------------------------------------------------------------- BatchNorm
+# --- BatchNorm ---
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -201,7 +200,7 @@ def test_batch_norm_mask_and_axis():
     np.testing.assert_allclose(f64(bn.var[...]), f64(x)[1:].var((0, 2)), rtol=1e-4, atol=1e-5)
 
 
-# --------------------------------------------------------------------------- Dropout
+# --- Dropout ---
 
 
 def test_dropout_mask_statistics_and_scaling():

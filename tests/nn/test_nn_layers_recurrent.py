@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn import nn
-
-from ._nn_helpers import DTYPES, f64, randn, tolerances
+from nn._nn_helpers import DTYPES, f64, randn, tolerances
 
 TOL = tolerances(1e-4, 5e-2)
 
@@ -74,6 +73,7 @@ def test_gru_cell_step(dtype):
     h, x = randn((2, 4), dtype, 1), randn((2, 3), dtype, 2)
     h2, y = cell(h, x)
     np.testing.assert_allclose(f64(h2), np_gru_step(cell, f64(h), f64(x)), **TOL[dtype])
+    np.testing.assert_array_equal(f64(y), f64(h2))  # the output is the new carry
 
 
 def test_simple_cell_and_carry_init():
@@ -118,7 +118,7 @@ def test_rnn_scan_matches_loop():
     _randomize(cell, jnp.float32)
     rnn = nn.RNN(cell, return_carry=True)
     x = randn((2, 6, 3))
-    (c, h), ys = jax.jit(lambda m, x: m(x))(rnn, x)
+    (_, h), ys = jax.jit(lambda m, x: m(x))(rnn, x)
     ref, carries = np_run(cell, x)
     np.testing.assert_allclose(f64(ys), ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(f64(h), np.stack([ch[1] for ch in carries]), rtol=1e-4, atol=1e-4)
