@@ -57,3 +57,22 @@ SCRIPT = textwrap.dedent(
 def test_numpy_features_work_and_jax_features_say_what_to_install():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
+
+
+def test_jax_blocked_through_sys_modules_none_counts_as_absent():
+    # sys.modules["jax"] = None is the other common way to hide JAX: core_array must not
+    # try `import jax.tree_util` because the key exists
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["jax"] = None
+        import numpy as np
+        import cairn.core_array as ca
+        q = ca.QArray(np.array([[2, -4]], np.int8), np.array([[0.5, 0.25]], np.float32),
+                      layout=ca.QuantLayout.per_channel(1))
+        assert ca.flatten_with_paths({"w": q, "b": [1]}) == {"b/0": 1, "w/qvalue": q.qvalue, "w/scale": q.scale}
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

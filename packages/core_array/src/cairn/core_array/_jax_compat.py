@@ -24,7 +24,7 @@ _on_jax_import: list[Callable[[], object]] = []
 def on_jax_import(fn: Callable[[], object]) -> None:
     """Run ``fn()`` once JAX is in use (now, if it already is): used to register pytrees."""
     _on_jax_import.append(fn)
-    if "jax" in sys.modules:
+    if sys.modules.get("jax") is not None:
         jax_tree_util()
 
 
@@ -33,9 +33,10 @@ def jax_tree_util() -> ModuleType | None:
 
     Never imports JAX itself: a tree can only hold a JAX-registered node after JAX was
     imported, so there is nothing to walk before that, and a JAX-free process (a data
-    worker, say) stays JAX-free.
+    worker, say) stays JAX-free. A ``None`` entry (``sys.modules["jax"] = None``, how
+    tests block an import) counts as absent.
     """
-    if "jax" not in sys.modules:
+    if sys.modules.get("jax") is None:
         return None
     tu = sys.modules.get("jax.tree_util")
     if tu is None:
