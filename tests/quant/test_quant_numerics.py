@@ -53,8 +53,8 @@ def test_bad_methods_are_named(bad):
 def _ref_symmetric_int(x: np.ndarray, bits: int, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     qmax = 2 ** (bits - 1) - 1
     hi = np.max(np.abs(x.astype(np.float64)), axis=axes, keepdims=True)
-    scale = np.where(hi > 0, hi / qmax, 1.0)
-    q = np.clip(np.round(x / scale), -qmax - 1, qmax)
+    scale = np.where(hi > 0, hi / (qmax + 0.5), 1.0)  # the top bucket [qmax - 0.5, qmax + 0.5) used fully
+    q = np.clip(np.round(x / scale), -qmax, qmax)
     return q, scale
 
 
@@ -102,7 +102,7 @@ def test_per_tile_layout_and_round_trip(rows, tiles, tile, qtype):
     # each tile's scale is that tile's absmax / qmax
     xt = x.reshape(tiles, tile, rows).astype(np.float64)
     info = qtype_info(qtype)
-    expect = np.max(np.abs(xt), axis=1) / info.qmax
+    expect = np.max(np.abs(xt), axis=1) / (info.qmax + 0.5 if not info.is_float else info.qmax)
     np.testing.assert_allclose(np.asarray(q.scale), np.where(expect > 0, expect, 1.0), rtol=1e-6)
     assert np.asarray(q.dequantize()).shape == x.shape
 

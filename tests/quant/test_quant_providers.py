@@ -17,8 +17,8 @@ def _ref_fake_quant(x: np.ndarray, bits: int, axes: tuple[int, ...]) -> np.ndarr
     qmax = 2 ** (bits - 1) - 1
     x = np.asarray(x, np.float64)
     hi = np.max(np.abs(x), axis=axes, keepdims=True)
-    s = np.where(hi > 0, hi / qmax, 1.0)
-    return np.clip(np.round(x / s), -qmax - 1, qmax) * s
+    s = np.where(hi > 0, hi / (qmax + 0.5), 1.0)
+    return np.clip(np.round(x / s), -qmax, qmax) * s
 
 
 def _mlp(p, x):
@@ -109,14 +109,14 @@ def test_static_activation_scale_from_calibrate():
     expect = (np.abs(X).max() + 0.5 * np.abs(X).max()) / 2  # mean over batches of the per-batch absmax
     np.testing.assert_allclose(float(hi), expect, rtol=1e-6)
     np.testing.assert_allclose(float(lo), -expect, rtol=1e-6)
-    # applied as a fixed symmetric per-tensor scale hi / 127: an integer dot, values beyond hi clipped
+    # applied as a fixed symmetric per-tensor scale hi / 127.5: an integer dot, values beyond hi clipped
     y = f(p, X)
     assert "preferred_element_type=int32" in str(jax.make_jaxpr(f)(p, X))
     w1 = _ref_fake_quant(np.asarray(p["l1"]["kernel"]), 8, (0,))
-    s = expect / 127
-    x_q = np.clip(np.round(X / s), -128, 127) * s
+    s = expect / 127.5
+    x_q = np.clip(np.round(X / s), -127, 127) * s
     h = np.maximum(x_q @ w1 + np.asarray(p["l1"]["bias"]), 0)
     _, hi2 = ranges[("l2", "dot_general", 0, 0)]
-    s2 = float(hi2) / 127
-    ref = (np.clip(np.round(h / s2), -128, 127) * s2) @ _ref_fake_quant(np.asarray(p["l2"]["kernel"]), 8, (0,))
+    s2 = float(hi2) / 127.5
+    ref = (np.clip(np.round(h / s2), -127, 127) * s2) @ _ref_fake_quant(np.asarray(p["l2"]["kernel"]), 8, (0,))
     np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-3, atol=2e-3)

@@ -2,9 +2,10 @@
 
 Scales are shared over ``reduce_axes`` (for a weight: its contracting axes, so each
 output channel has its own scale) and, with a tile ``(axis, size)``, over each run of
-``size`` elements along ``axis``. Symmetric methods give ``q = clip(round(x / s), qmin,
-qmax)`` with ``s = hi / qmax``; asymmetric ones (``minmax``, ``fixed``, and every
-unsigned qtype) add a zero point ``z = clip(round(qmin - lo / s), qmin, qmax)`` with
+``size`` elements along ``axis``. Symmetric methods give ``q = clip(round(x / s), -qmax,
+qmax)`` with ``s = hi / (qmax + 0.5)`` (so the top bucket is used fully, as in Qwix);
+asymmetric ones (``minmax``, ``fixed``, and every unsigned qtype) add a zero point
+``z = clip(round(qmin - lo / s), qmin, qmax)`` with
 ``s = (hi - lo) / (qmax - qmin)``. Float qtypes use ``s = max(|lo|, |hi|) / fmax`` and
 round by the cast. ``QArray.dequantize`` inverts all of them: ``(q - z) * s``.
 """
@@ -43,7 +44,8 @@ def _scale_zero_point(lo: Any, hi: Any, info: QTypeInfo, symmetric: bool) -> tup
         bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
         return jnp.where(bound > 0, bound / info.qmax, 1.0).astype(jnp.float32), None
     if symmetric and info.kind == "int":
-        return jnp.where(hi > 0, hi / info.qmax, 1.0).astype(jnp.float32), None
+        # the top bucket covers [qmax - 0.5, qmax + 0.5): dividing by qmax + 0.5 uses it fully
+        return jnp.where(hi > 0, hi / (info.qmax + 0.5), 1.0).astype(jnp.float32), None
     span = hi - lo
     scale = jnp.where(span > 0, span / (info.qmax - info.qmin), 1.0).astype(jnp.float32)
     zero = jnp.clip(jnp.round(info.qmin - lo / scale), info.qmin, info.qmax).astype(jnp.float32)
@@ -87,7 +89,7 @@ def quantize_array(
     >>> import numpy as np
     >>> q = quantize_array(np.array([[1.0, -2.0], [0.5, 0.25]]), "int8", reduce_axes=(1,))
     >>> q.qvalue.tolist(), q.scale.ravel().tolist()
-    ([[64, -127], [127, 64]], [0.015748031437397003, 0.003937007859349251])
+    ([[64, -127], [127, 64]], [0.01568627543747425, 0.003921568859368563])
 
     Raises:
       ValueError: unknown qtype or method, or a tile that does not divide its axis.
@@ -130,7 +132,10 @@ def quantize_with_bounds(x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayo
         q = jnp.clip(scaled, info.qmin, info.qmax).astype(info.storage)
     else:
         ze = 0.0 if zero is None else (zero if tile is None else jnp.repeat(zero, tile[1], axis=tile[0]))
-        q = jnp.clip(jnp.round(scaled) + ze, info.qmin, info.qmax).astype(info.storage)
+        # symmetric grids stop at -qmax: the absmax element sits at exactly +-(qmax + 0.5),
+        # where float rounding would otherwise pick -qmax or -qmax - 1 by chance
+        qmin = -info.qmax if zero is None else info.qmin
+        q = jnp.clip(jnp.round(scaled) + ze, qmin, info.qmax).astype(info.storage)
     return QArray(q, scale, zero, qtype=info.storage, layout=layout, dtype=canonical_dtype(x.dtype))
 
 
