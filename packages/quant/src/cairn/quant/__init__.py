@@ -9,6 +9,7 @@ first applying rule. Names follow Qwix: ``QuantizationRule``, ``QtRule``, ``Lora
 
 from cairn.quant._api import calibrate, quantize, quantize_params
 from cairn.quant._calibration import bounds, parse_method
+from cairn.quant._gptq import GptqRule, gptq_matrix, gptq_quantize_params
 from cairn.quant._lora import (
     LoraProvider,
     LoraRule,
@@ -33,6 +34,9 @@ __all__ = [
     "QuantizationRule",
     "QtRule",
     "LoraRule",
+    "GptqRule",
+    "gptq_quantize_params",
+    "gptq_matrix",
     "QuantizationProvider",
     "PtqProvider",
     "QtProvider",

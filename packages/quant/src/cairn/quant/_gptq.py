@@ -1,0 +1,207 @@
+"""GPTQ (Frantar et al. 2023): weight-only quantization that corrects each row's rounding
+error with the rows still to come, using the inputs' second moments.
+
+For a weight ``W`` [K, N] (K: contracted inputs, N: outputs) fed inputs ``X`` [T, K],
+``H = 2/T X^T X + damp I``. Rows are quantized in order; after row ``k`` the error
+``e = (w_k - q_k) / U_kk`` is spread over the later rows as ``W[k+1:] -= U[k, k+1:]^T e``,
+``U`` the upper Cholesky factor of ``H^-1``. Blocks of ``gptq_block_size`` rows apply the
+update lazily (one matrix product per block). With a ``tile_size`` each tile of rows gets
+its own scale, computed when the tile is reached, from the updated rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.core_array import QArray, QuantLayout, path_of
+from cairn.quant._dots import bind_dequantized
+from cairn.quant._numerics import tile_length
+from cairn.quant._providers import PtqProvider, _leaf_permutation
+from cairn.quant._qtypes import qtype_info
+from cairn.quant._rewrite import DotSite, WeightRef, materialize
+from cairn.quant._rules import QuantizationRule
+
+__all__ = ["GptqRule", "gptq_quantize_params", "gptq_matrix"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GptqRule(QuantizationRule):
+    """A rule whose weights :func:`gptq_quantize_params` quantizes with GPTQ (weight-only)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weight_qtype is None or qtype_info(self.weight_qtype).kind != "int":
+            raise ValueError(f"{self._describe()}: GPTQ needs a signed integer weight_qtype, got {self.weight_qtype!r}")
+
+
+def gptq_matrix(
+    w: np.ndarray, hessian: np.ndarray, qtype: str, *, tile: int | None = None, block_size: int = 128, damping: float = 0.01
+) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ of ``w`` [K, N] under ``hessian`` [K, K]: ``(q [K, N] ints, scale [K // tile or 1, N])``.
+
+    Scales are symmetric, ``max|w| / (qmax + 0.5)`` over each tile of rows (or all rows),
+    with values in ``[-qmax, qmax]``, as :func:`~cairn.quant.quantize_array`.
+
+    Raises:
+      ValueError: shapes that do not match, or a tile that does not divide K.
+    """
+    w = np.array(w, np.float64)
+    k, n = w.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"gptq: hessian of shape {hessian.shape} does not match a weight with {k} rows")
+    qmax = qtype_info(qtype).qmax
+    tile = k if tile is None else tile_length(tile, k, "gptq")
+    h = np.array(hessian, np.float64)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[dead] = 0.0
+    h += damping * np.mean(np.diag(h)) * np.eye(k)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+    q = np.zeros((k, n), np.int64)
+    scales = np.zeros((k // tile, n))
+    for start in range(0, k, block_size):
+        stop = min(start + block_size, k)
+        block = w[start:stop].copy()
+        errors = np.zeros_like(block)
+        for i in range(stop - start):
+            row = start + i
+            if row % tile == 0:
+                rows = np.concatenate([block[i : i + tile], w[stop : row + tile]])[:tile]
+                hi = np.max(np.abs(rows), axis=0)
+                scales[row // tile] = np.where(hi > 0, hi / (qmax + 0.5), 1.0)
+            s = scales[row // tile]
+            q[row] = np.clip(np.round(block[i] / s), -qmax, qmax)
+            errors[i] = (block[i] - q[row] * s) / u[row, row]
+            block[i:] -= np.outer(u[row, row : stop], errors[i])
+        w[stop:] -= u[start:stop, stop:].T @ errors
+    return q, scales
+
+
+class _HessianRecorder(PtqProvider):
+    """Runs float numerics and sums ``X^T X`` of each GPTQ weight's inputs."""
+
+    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        super().__init__(rules, strict=False)
+        self.sums: dict[str, tuple[Any, int, tuple[int, ...]]] = {}
+        self.rule_of: dict[str, GptqRule] = {}
+
+    def _handle(self, site: DotSite, invals: list) -> list | None:
+        ops = invals[:2]
+        refs = [isinstance(x, WeightRef) for x in ops]
+        if site.eqn.primitive.name == "dot_general" and any(refs):
+            rule = self._match(site, True)
+            if isinstance(rule, GptqRule):
+                self.rule_of.setdefault(ops[refs.index(True)].path, rule)
+                self._record(site, refs.index(True), ops)
+        return bind_dequantized(site.eqn, [materialize(x) for x in ops], [materialize(r) for r in invals[2:]])
+
+    def _record(self, site: DotSite, side: int, ops: list) -> None:
+        import jax.numpy as jnp
+
+        ref: WeightRef = ops[side]
+        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+        if lb or rb:
+            return
+        w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
+        perm = _leaf_permutation(ref)
+        if perm is None:  # more than transposes and casts between leaf and dot: quantized on the fly
+            return
+        x = materialize(ops[1 - side])
+        pairs = sorted(zip(w_contract, x_contract), key=lambda p: perm[p[0]])
+        order = [a for a in range(x.ndim) if a not in x_contract] + [p[1] for p in pairs]
+        x2 = jnp.transpose(x, order).reshape(-1, int(np.prod([x.shape[p[1]] for p in pairs])))
+        x2 = x2.astype(jnp.float32)
+        xtx = x2.T @ x2
+        prev = self.sums.get(ref.path)
+        total = xtx if prev is None else prev[0] + xtx
+        count = x2.shape[0] + (0 if prev is None else prev[1])
+        self.sums[ref.path] = (total, count, tuple(perm[p[0]] for p in pairs))
+
+
+def _to_matrix(w: np.ndarray, contract: list[int]) -> tuple[np.ndarray, list[int], list[int]]:
+    """``w`` (leaf layout) as [K, N]: the contracted leaf axes first, then the rest."""
+    free = [a for a in range(w.ndim) if a not in contract]
+    k = int(np.prod([w.shape[a] for a in contract]))
+    return np.transpose(w, contract + free).reshape(k, -1), contract, free
+
+
+def _to_qarray(q: np.ndarray, scales: np.ndarray, leaf: Any, contract: list[int], free: list[int], tile: int | None, qtype: str) -> QArray:
+    import jax.numpy as jnp
+
+    shape = tuple(leaf.shape)
+    order = contract + free
+    inverse = np.argsort(order)
+    qv = np.transpose(q.reshape([shape[a] for a in order]), inverse)
+    if tile is None:
+        scale = np.transpose(scales.reshape([1] * len(contract) + [shape[a] for a in free]), inverse)
+        layout = QuantLayout.per_channel(*free) if free else QuantLayout.per_tensor()
+    else:
+        scale = np.transpose(scales.reshape([scales.shape[0]] + [shape[a] for a in free]), inverse)
+        layout = QuantLayout.per_tile(contract[0], tile)
+    info = qtype_info(qtype)
+    return QArray(jnp.asarray(qv, info.storage), jnp.asarray(scale, jnp.float32), None, qtype=info.storage, layout=layout, dtype=jnp.dtype(leaf.dtype).name)
+
+
+def gptq_quantize_params(
+    params: Any,
+    provider: PtqProvider,
+    fn: Callable,
+    batches: Iterable[Sequence[Any]],
+    *,
+    gptq_block_size: int = 128,
+    gptq_damping_factor: float = 0.01,
+) -> Any:
+    """``params`` with every weight a :class:`GptqRule` selects quantized by GPTQ.
+
+    Args:
+      params: the float weights, ``fn``'s first argument.
+      provider: a ``PtqProvider`` whose rules include ``GptqRule``\\ s (other rules' weights
+        are left for ``quantize_params`` / on-the-fly quantization).
+      fn: ``fn(params, *batch)``, traced to find each weight's inputs.
+      batches: calibration inputs (tuples of ``fn``'s other arguments).
+      gptq_block_size: rows per lazy update block.
+      gptq_damping_factor: ``damp`` as a fraction of ``mean(diag(H))``.
+
+    Returns:
+      The tree with ``QArray`` leaves the provider's ``quantize(fn)`` consumes directly.
+
+    Raises:
+      ValueError: no batch, or no ``GptqRule`` selected a weight.
+    """
+    import jax
+
+    from cairn.quant._api import quantize
+
+    recorder = _HessianRecorder(provider.rules)
+    run = quantize(fn, recorder)
+    for batch in batches:
+        run(params, *batch)
+    if not recorder.sums:
+        raise ValueError("gptq_quantize_params: no batch was given, or no GptqRule selected a weight")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))
+    out = []
+    for kp, leaf in flat:
+        path = path_of(kp)
+        entry = recorder.sums.get(path)
+        if entry is None:
+            out.append(leaf)
+            continue
+        out.append(_gptq_leaf(recorder, path, leaf, entry, gptq_block_size, gptq_damping_factor))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _gptq_leaf(recorder: _HessianRecorder, path: str, leaf: Any, entry: tuple, block: int, damping: float) -> QArray:
+    total, count, leaf_contract = entry
+    rule = recorder.rule_of[path]
+    w, contract, free = _to_matrix(np.asarray(leaf), list(leaf_contract))
+    tile = None if rule.tile_size is None else tile_length(rule.tile_size, w.shape[0], f"{rule._describe()} on {path!r}")
+    if tile is not None and len(contract) != 1:
+        raise ValueError(f"{rule._describe()} on {path!r}: tiles need exactly one contracted axis, got {len(contract)}")
+    hessian = 2.0 * np.asarray(total, np.float64) / max(count, 1)
+    q, scales = gptq_matrix(w, hessian, rule.weight_qtype, tile=tile, block_size=block, damping=damping)
+    return _to_qarray(q, scales, leaf, contract, free, tile, rule.weight_qtype)
+
