@@ -108,8 +108,7 @@ class GraphDef:
                 build = self._codegen = _codegen_builder(self.node)
                 root = build(variables)
             else:
-                it = iter(variables)
-                root = _build(self.node, lambda _: next(it))
+                root = build_node(self.node, iter(variables))
         object.__setattr__(
             root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables))
         )
@@ -118,14 +117,13 @@ class GraphDef:
     def build_from_values(self, values: Any) -> Node:
         """A new module tree of this structure with new variables holding ``values``."""
         out: list = []
-        it = iter(values)
 
-        def new_var(template):
-            v = rebuild_variable(template, next(it))
+        def new_var(template, value):
+            v = rebuild_variable(template, value)
             out.append(v)
             return v
 
-        root = _build(self.node, new_var)
+        root = build_node(self.node, iter(values), new_var)
         object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
         return root
 
@@ -137,11 +135,6 @@ class _Flat:
         self.epoch = epoch
         self.graphdef = graphdef
         self.variables = variables
-
-
-def _build(encoding: tuple, variable) -> Node:
-    """The tree of a nested encoding; ``variable(template)`` gives each variable."""
-    return build_node(encoding, variable, lambda child: _build(child, variable))
 
 
 # how a compiled builder stores a node's items, per _graph_store (None: call _graph_new)

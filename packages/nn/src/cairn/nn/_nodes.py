@@ -26,7 +26,7 @@ ints); their strings follow ``cairn.core_array``'s convention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -216,28 +216,43 @@ def unflatten_node(aux: tuple, children: Any) -> Node:
             leaves.extend(payload[0].flatten_up_to(child))
         else:
             leaves.append(child)
-    it = iter(leaves)
-    return build_node(aux, lambda t: rebuild_variable(t, next(it)), lambda _: next(it))
+    return build_node(aux, iter(leaves), rebuild_variable, nested=False)
 
 
 def build_node(
-    encoding: tuple, variable: Callable[[Any], Any], child: Callable[[Any], Any]
+    encoding: tuple,
+    values: Iterator[Any],
+    new_variable: Callable[[Any, Any], Any] | None = None,
+    nested: bool = True,
 ) -> Node:
-    """The node of ``encoding`` (``(cls, entries)``): ``variable(template)`` gives the
-    variable of each VAR entry or leaf and ``child(payload)`` the node of each MOD one,
-    in order; STATIC values are used as they are."""
+    """The node of ``encoding`` (``(cls, entries)``), taking from ``values`` in order
+    one value per VAR entry or leaf (used as it is, or ``new_variable(template,
+    value)``) and, unless ``nested`` (a MOD payload is the child's encoding, built
+    from the same ``values``), one child node per MOD entry or leaf. STATIC values are
+    used as they are."""
     cls, entries = encoding
     items = []
     for k, tag, payload in entries:
         if tag == VAR:
-            items.append((k, variable(payload)))
+            x = next(values)
+            items.append((k, x if new_variable is None else new_variable(payload, x)))
         elif tag == MOD:
-            items.append((k, child(payload)))
+            if nested:
+                items.append((k, build_node(payload, values, new_variable)))
+            else:
+                items.append((k, next(values)))
         elif tag == STATIC:
             items.append((k, payload.value))
         else:
             treedef, leafdefs = payload
-            leaves = [variable(lp) if lt == VAR else child(lp) for lt, lp in leafdefs]
+            leaves = []
+            for lt, lp in leafdefs:
+                if lt != VAR:
+                    leaves.append(build_node(lp, values, new_variable) if nested else next(values))
+                elif new_variable is None:
+                    leaves.append(next(values))
+                else:
+                    leaves.append(new_variable(lp, next(values)))
             items.append((k, treedef.unflatten(leaves)))
     return cls._graph_new(items)
 
