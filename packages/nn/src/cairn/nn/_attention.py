@@ -196,16 +196,21 @@ def dot_product_attention_weights(
     if module is not None:
         module.sow(Intermediate, "attention_weights", w)
     if dropout_rate > 0.0 and not deterministic:
-        if dropout_rng is None:
-            raise ValueError("dot_product_attention: dropout_rate > 0 needs a dropout_rng key")
-        keep = 1.0 - dropout_rate
-        if broadcast_dropout:
-            dshape = tuple(1 for _ in batch) + w.shape[-3:]
-        else:
-            dshape = w.shape
-        km = jax.random.bernoulli(dropout_rng, keep, dshape)
-        w = jnp.where(km, w / keep, 0.0)
+        w = _weight_dropout(w, len(batch), dropout_rng, dropout_rate, broadcast_dropout)
     return w.astype(dt)
+
+
+def _weight_dropout(
+    w: jax.Array, n_batch: int, rng: jax.Array | None, rate: float, broadcast: bool
+) -> jax.Array:
+    """Zeroes each weight with probability ``rate`` and rescales the rest by ``1 / (1 - rate)``;
+    with ``broadcast`` one mask ``(heads, q_len, kv_len)`` serves every batch entry."""
+    if rng is None:
+        raise ValueError("dot_product_attention: dropout_rate > 0 needs a dropout_rng key")
+    keep = 1.0 - rate
+    dshape = (1,) * n_batch + w.shape[-3:] if broadcast else w.shape
+    km = jax.random.bernoulli(rng, keep, dshape)
+    return jnp.where(km, w / keep, 0.0)
 
 
 def dot_product_attention(
