@@ -8,6 +8,7 @@ first applying rule. Names follow Qwix: ``QuantizationRule``, ``QtRule``, ``Lora
 """
 
 from cairn.quant._api import calibrate, quantize, quantize_params
+from cairn.quant._awq import AwqRule, awq_quantize_params
 from cairn.quant._calibration import bounds, parse_method
 from cairn.quant._gptq import GptqRule, gptq_matrix, gptq_quantize_params
 from cairn.quant._lora import (
@@ -19,7 +20,7 @@ from cairn.quant._lora import (
 )
 from cairn.quant._model import QuantizedModel, quantize_model
 from cairn.quant._numerics import fake_quant, quantize_array
-from cairn.quant._providers import PtqProvider, QtProvider, QuantizationProvider
+from cairn.quant._providers import PtqProvider, QtProvider, QuantizationProvider, input_scale_path
 from cairn.quant._qtypes import QTYPES, QTypeInfo, qtype_info
 from cairn.quant._rules import QtRule, QuantizationRule
 
@@ -37,7 +38,10 @@ __all__ = [
     "GptqRule",
     "gptq_quantize_params",
     "gptq_matrix",
+    "AwqRule",
+    "awq_quantize_params",
     "QuantizationProvider",
+    "input_scale_path",
     "PtqProvider",
     "QtProvider",
     "LoraProvider",

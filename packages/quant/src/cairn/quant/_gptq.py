@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from cairn.core_array import QArray, QuantLayout, path_of
-from cairn.quant._dots import bind_dequantized
 from cairn.quant._numerics import tile_length
-from cairn.quant._providers import PtqProvider, _leaf_permutation
+from cairn.quant._providers import PtqProvider
 from cairn.quant._qtypes import qtype_info
-from cairn.quant._rewrite import DotSite, WeightRef, materialize
+from cairn.quant._recording import InputRecorder, record_inputs
 from cairn.quant._rules import QuantizationRule
 
 __all__ = ["GptqRule", "gptq_quantize_params", "gptq_matrix"]
@@ -81,45 +80,24 @@ def gptq_matrix(
     return q, scales
 
 
-class _HessianRecorder(PtqProvider):
-    """Runs float numerics and sums ``X^T X`` of each GPTQ weight's inputs."""
+class _HessianRecorder(InputRecorder):
+    """Sums ``X^T X`` of each GPTQ weight's inputs."""
+
+    rule_class = None  # set below (GptqRule)
 
     def __init__(self, rules: Sequence[QuantizationRule]) -> None:
-        super().__init__(rules, strict=False)
+        super().__init__(rules)
         self.sums: dict[str, tuple[Any, int, tuple[int, ...]]] = {}
-        self.rule_of: dict[str, GptqRule] = {}
 
-    def _handle(self, site: DotSite, invals: list) -> list | None:
-        ops = invals[:2]
-        refs = [isinstance(x, WeightRef) for x in ops]
-        if site.eqn.primitive.name == "dot_general" and any(refs):
-            rule = self._match(site, True)
-            if isinstance(rule, GptqRule):
-                self.rule_of.setdefault(ops[refs.index(True)].path, rule)
-                self._record(site, refs.index(True), ops)
-        return bind_dequantized(site.eqn, [materialize(x) for x in ops], [materialize(r) for r in invals[2:]])
-
-    def _record(self, site: DotSite, side: int, ops: list) -> None:
-        import jax.numpy as jnp
-
-        ref: WeightRef = ops[side]
-        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
-        if lb or rb:
-            return
-        w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
-        perm = _leaf_permutation(ref)
-        if perm is None:  # more than transposes and casts between leaf and dot: quantized on the fly
-            return
-        x = materialize(ops[1 - side])
-        pairs = sorted(zip(w_contract, x_contract), key=lambda p: perm[p[0]])
-        order = [a for a in range(x.ndim) if a not in x_contract] + [p[1] for p in pairs]
-        x2 = jnp.transpose(x, order).reshape(-1, int(np.prod([x.shape[p[1]] for p in pairs])))
-        x2 = x2.astype(jnp.float32)
+    def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
         xtx = x2.T @ x2
-        prev = self.sums.get(ref.path)
+        prev = self.sums.get(path)
         total = xtx if prev is None else prev[0] + xtx
         count = x2.shape[0] + (0 if prev is None else prev[1])
-        self.sums[ref.path] = (total, count, tuple(perm[p[0]] for p in pairs))
+        self.sums[path] = (total, count, leaf_contract)
+
+
+_HessianRecorder.rule_class = GptqRule
 
 
 def _to_matrix(w: np.ndarray, contract: list[int]) -> tuple[np.ndarray, list[int], list[int]]:
@@ -174,14 +152,7 @@ def gptq_quantize_params(
     """
     import jax
 
-    from cairn.quant._api import quantize
-
-    recorder = _HessianRecorder(provider.rules)
-    run = quantize(fn, recorder)
-    for batch in batches:
-        run(params, *batch)
-    if not recorder.sums:
-        raise ValueError("gptq_quantize_params: no batch was given, or no GptqRule selected a weight")
+    recorder = record_inputs(_HessianRecorder(provider.rules), fn, params, batches, "gptq_quantize_params")
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))
     out = []
     for kp, leaf in flat:

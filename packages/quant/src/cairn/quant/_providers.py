@@ -100,6 +100,7 @@ class QuantizationProvider:
         rule = self._match(site, any(refs))
         if rule is None:
             return None
+        ops = _divide_by_input_scale(site, ops, self._weights)
         quantized = [self._operand(site, rule, x, side) for side, x in enumerate(ops)]
         return self._compute(site, rule, quantized, invals[2:])
 
@@ -237,6 +238,38 @@ def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list) -> l
 
     dot.defvjp(fwd, bwd)
     return dot(*ops)
+
+
+def input_scale_path(weight_path: str) -> str:
+    """Where a weight's per-input-channel scale (AWQ, SmoothQuant) is kept: ``<path>_awq_scale``."""
+    return f"{weight_path}_awq_scale"
+
+
+def _divide_by_input_scale(site: DotSite, ops: list, weights: dict[str, Any]) -> list:
+    """When the weight operand has an input scale ``s`` [K], the other operand is divided by
+    it along the axes it contracts with the weight (the weight was stored times ``s``)."""
+    refs = [isinstance(x, WeightRef) for x in ops]
+    if site.eqn.primitive.name != "dot_general" or refs.count(True) != 1:
+        return ops
+    side = refs.index(True)
+    ref: WeightRef = ops[side]
+    scale = weights.get(input_scale_path(ref.path))
+    perm = _leaf_permutation(ref)
+    if scale is None or perm is None:
+        return ops
+    import jax.numpy as jnp
+
+    (lc, rc), _ = site.eqn.params["dimension_numbers"]
+    w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
+    pairs = sorted(zip(w_contract, x_contract), key=lambda p: perm[p[0]])
+    x = materialize(ops[1 - side])
+    s = jnp.reshape(materialize(scale), [x.shape[xa] for _, xa in pairs])
+    order = sorted(range(len(pairs)), key=lambda i: pairs[i][1])
+    s = jnp.transpose(s, order)
+    shape = [x.shape[a] if a in x_contract else 1 for a in range(x.ndim)]
+    out = list(ops)
+    out[1 - side] = (x / jnp.reshape(s, shape)).astype(x.dtype)
+    return out
 
 
 def _leaf_permutation(ref: WeightRef) -> list[int] | None:

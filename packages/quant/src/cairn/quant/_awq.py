@@ -1,0 +1,137 @@
+"""AWQ (Lin et al. 2024): activation-aware weight scaling before weight-only quantization.
+
+Input channels that carry large activations matter most. For a weight ``W`` [K, N] and
+its inputs ``X`` [T, K], with ``a = mean_t |X|`` per channel, AWQ tries
+``s = a ** alpha`` (normalised to ``sqrt(max(s) min(s)) = 1``) for ``alpha`` on a grid in
+``[0, 1)``, quantizes ``diag(s) W`` and keeps the ``alpha`` whose output
+``(X / s) Q(diag(s) W)`` is closest to ``X W``. The stored weight is ``Q(diag(s) W)`` and
+``s`` is kept beside it at ``<path>_awq_scale``; the provider divides the activations by
+it at the dot, so inference needs nothing but the two leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.core_array import QArray, path_of
+from cairn.quant._numerics import quantize_array, tile_length
+from cairn.quant._providers import PtqProvider, input_scale_path
+from cairn.quant._qtypes import qtype_info
+from cairn.quant._recording import InputRecorder, record_inputs
+from cairn.quant._rules import QuantizationRule
+
+__all__ = ["AwqRule", "awq_quantize_params"]
+
+_SAMPLE_ROWS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class AwqRule(QuantizationRule):
+    """A rule whose weights :func:`awq_quantize_params` scales and quantizes (weight-only).
+
+    Args:
+      n_grid: number of ``alpha`` values tried in ``[0, 1)``.
+    """
+
+    n_grid: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weight_qtype is None or qtype_info(self.weight_qtype).is_float:
+            raise ValueError(f"{self._describe()}: AWQ needs an integer weight_qtype, got {self.weight_qtype!r}")
+        if isinstance(self.n_grid, bool) or not isinstance(self.n_grid, int) or self.n_grid < 1:
+            raise ValueError(f"{self._describe()}: n_grid must be a positive int, got {self.n_grid!r}")
+
+
+class _ActivationRecorder(InputRecorder):
+    """Mean ``|x|`` per input channel, and a sample of input rows for the search."""
+
+    rule_class = AwqRule
+
+    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        super().__init__(rules)
+        self.stats: dict[str, tuple[Any, int, list[Any], tuple[int, ...]]] = {}
+
+    def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
+        import jax.numpy as jnp
+
+        total, count, sample, _ = self.stats.get(path, (0.0, 0, [], leaf_contract))
+        kept = sum(s.shape[0] for s in sample)
+        if kept < _SAMPLE_ROWS:
+            sample = [*sample, x2[: _SAMPLE_ROWS - kept]]
+        self.stats[path] = (total + jnp.sum(jnp.abs(x2), axis=0), count + x2.shape[0], sample, leaf_contract)
+
+
+def _search(w: np.ndarray, x: np.ndarray, act: np.ndarray, rule: AwqRule, tile: tuple[int, int] | None) -> tuple[np.ndarray, QArray]:
+    """The best per-channel scale ``s`` [K] and ``Q(diag(s) W)`` for ``w`` [K, N]."""
+    import jax.numpy as jnp
+
+    ref = x @ w
+    best: tuple[float, np.ndarray, QArray] | None = None
+    for i in range(rule.n_grid):
+        alpha = i / rule.n_grid
+        s = np.maximum(act, 1e-8) ** alpha
+        s = s / np.sqrt(s.max() * s.min())
+        q = quantize_array(jnp.asarray(w * s[:, None], jnp.float32), rule.weight_qtype, reduce_axes=(0,), tile=tile,
+                           method=rule.weight_calibration_method)
+        out = (x / s[None, :]) @ np.asarray(q.dequantize(), np.float64)
+        loss = float(np.mean((out - ref) ** 2))
+        if best is None or loss < best[0]:
+            best = (loss, s, q)
+    assert best is not None
+    return best[1], best[2]
+
+
+def awq_quantize_params(params: dict, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> dict:
+    """``params`` (nested dicts) with every weight an :class:`AwqRule` selects AWQ-quantized.
+
+    Each selected 2-D-able weight becomes ``Q(diag(s) W)`` (a ``QArray``, per output
+    channel or per tile as the rule says) and ``s`` is added at ``<path>_awq_scale``;
+    ``quantize(fn, provider)`` on the result divides the weight's inputs by ``s``.
+
+    Raises:
+      ValueError: no batch, no ``AwqRule`` selected a weight, or a weight sits outside a dict.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    recorder = record_inputs(_ActivationRecorder(provider.rules), fn, params, batches, "awq_quantize_params")
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
+    out = _copy_dicts(params)
+    for kp, leaf in flat:
+        path = path_of(kp)
+        stats = recorder.stats.get(path)
+        if stats is None:
+            continue
+        total, count, sample, contract = stats
+        rule = recorder.rule_of[path]
+        if list(contract) != [0] or np.ndim(leaf) != 2:
+            raise ValueError(f"{rule._describe()} on {path!r}: AWQ handles [in, out] weights contracted on axis 0 here")
+        w = np.asarray(leaf, np.float64)
+        tile = None if rule.tile_size is None else (0, tile_length(rule.tile_size, w.shape[0], f"{rule._describe()} on {path!r}"))
+        act = np.asarray(total, np.float64) / max(count, 1)
+        s, q = _search(w, np.asarray(jnp.concatenate(sample), np.float64), act, rule, tile)
+        _put(out, path, q)
+        _put(out, input_scale_path(path), jnp.asarray(s, jnp.float32))
+    return out
+
+
+def _copy_dicts(tree: Any) -> Any:
+    """New dicts all the way down; leaves shared."""
+    return {k: _copy_dicts(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _put(tree: dict, path: str, value: Any) -> None:
+    *parents, last = path.split("/")
+    node = tree
+    for part in parents:
+        if not isinstance(node, dict):
+            raise ValueError(f"awq_quantize_params: {path!r} is not inside nested dicts")
+        node = node[part]
+    if not isinstance(node, dict):
+        raise ValueError(f"awq_quantize_params: {path!r} is not inside nested dicts")
+    node[last] = value

@@ -1,0 +1,73 @@
+"""Recording the inputs of selected weights' dots, in float numerics (GPTQ, AWQ)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.quant._dots import bind_dequantized
+from cairn.quant._providers import PtqProvider, _leaf_permutation
+from cairn.quant._rewrite import DotSite, WeightRef, materialize
+from cairn.quant._rules import QuantizationRule
+
+__all__ = ["InputRecorder", "record_inputs"]
+
+
+class InputRecorder(PtqProvider):
+    """Runs a program in float and hands :meth:`record` each ``rule_class`` weight's inputs
+    as a matrix [tokens, K] (K: the contracted inputs, in the weight's leaf axis order)."""
+
+    rule_class: type | None = None
+
+    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        super().__init__(rules, strict=False)
+        self.rule_of: dict[str, QuantizationRule] = {}
+
+    def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
+        raise NotImplementedError  # each recorder defines what it keeps
+
+    def _handle(self, site: DotSite, invals: list) -> list | None:
+        ops = invals[:2]
+        refs = [isinstance(x, WeightRef) for x in ops]
+        if site.eqn.primitive.name == "dot_general" and any(refs):
+            rule = self._match(site, True)
+            if self.rule_class is not None and isinstance(rule, self.rule_class):
+                side = refs.index(True)
+                self.rule_of.setdefault(ops[side].path, rule)
+                self._matrix(site, side, ops)
+        return bind_dequantized(site.eqn, [materialize(x) for x in ops], [materialize(r) for r in invals[2:]])
+
+    def _matrix(self, site: DotSite, side: int, ops: list) -> None:
+        import jax.numpy as jnp
+
+        ref: WeightRef = ops[side]
+        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+        perm = _leaf_permutation(ref)
+        if lb or rb or perm is None:  # batch dims, or more than transposes/casts: left to on-the-fly
+            return
+        w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
+        x = materialize(ops[1 - side])
+        pairs = sorted(zip(w_contract, x_contract), key=lambda p: perm[p[0]])
+        order = [a for a in range(x.ndim) if a not in x_contract] + [p[1] for p in pairs]
+        k = int(np.prod([x.shape[p[1]] for p in pairs]))
+        x2 = jnp.transpose(x, order).reshape(-1, k).astype(jnp.float32)
+        self.record(ref.path, x2, tuple(perm[p[0]] for p in pairs))
+
+
+def record_inputs(recorder: InputRecorder, fn: Callable, params: Any, batches: Iterable[Sequence[Any]], what: str) -> InputRecorder:
+    """Run ``fn(params, *batch)`` for every batch through ``recorder``.
+
+    Raises:
+      ValueError: no batch, or the recorder's rules selected no weight.
+    """
+    from cairn.quant._api import quantize
+
+    run = quantize(fn, recorder)
+    for batch in batches:
+        run(params, *batch)
+    if not recorder.rule_of:
+        name = recorder.rule_class.__name__ if recorder.rule_class else "rule"
+        raise ValueError(f"{what}: no batch was given, or no {name} selected a weight")
+    return recorder
