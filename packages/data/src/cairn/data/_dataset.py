@@ -204,7 +204,18 @@ class MapDataset(_Pipeline):
 
     # --- transformations ---
     def seed(self, seed: int) -> MapDataset:
-        """Set the default seed of the ``shuffle`` / ``random_map`` steps that follow."""
+        """Set the default seed of the ``shuffle`` / ``random_map`` steps that follow.
+
+        Args:
+          seed: any int (negative seeds are taken modulo ``2**64``).
+
+        Raises:
+          TypeError: for a bool or a non-integer seed.
+
+        >>> ds = MapDataset.range(5).seed(7)
+        >>> list(ds.shuffle()) == list(MapDataset.range(5).shuffle(seed=7))
+        True
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.seed import SeedMapDataset
 
@@ -241,7 +252,14 @@ class MapDataset(_Pipeline):
         return ShuffleMapDataset(self, self._resolve_seed(seed, "shuffle()"))
 
     def slice(self, sl: slice) -> MapDataset:
-        """The elements ``ds[sl]``, e.g. ``ds.slice(slice(1, None, 2))``."""
+        """The elements ``ds[sl]``, with Python's slice semantics (negative bounds and steps).
+
+        Raises:
+          TypeError: if ``sl`` is not a ``slice``.
+
+        >>> list(MapDataset.range(6).slice(slice(1, None, 2)))
+        [1, 3, 5]
+        """
         if not isinstance(sl, slice):
             raise TypeError(f"slice() expects a slice object, got {type(sl).__name__}")
         # import cycle (labelled): base classes <-> transformations, by design
@@ -274,7 +292,18 @@ class MapDataset(_Pipeline):
         return self.slice(slice(start, stop))
 
     def map(self, fn: MapFn) -> MapDataset:
-        """Apply ``fn`` to every element."""
+        """Element ``i`` becomes ``fn(self[i])`` (filtered ``None`` elements stay ``None``).
+
+        Args:
+          fn: a function of one element, or an object with a ``.map`` method (Grain's
+            ``MapTransform``).
+
+        Raises:
+          TypeError: if ``fn`` is neither callable nor has a ``.map`` method.
+
+        >>> list(MapDataset.range(3).map(lambda x: x * 10))
+        [0, 10, 20]
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.map import MapMapDataset
 
@@ -297,14 +326,36 @@ class MapDataset(_Pipeline):
         )
 
     def map_with_index(self, fn: Callable[[int, Any], Any]) -> MapDataset:
-        """Apply ``fn(index, element)``."""
+        """Element ``i`` becomes ``fn(i, self[i])``.
+
+        Raises:
+          TypeError: if ``fn`` is not callable.
+
+        >>> list(MapDataset.source(["a", "b"]).map_with_index(lambda i, x: f"{i}{x}"))
+        ['0a', '1b']
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.map import MapWithIndexMapDataset
 
         return MapWithIndexMapDataset(self, as_callable(fn, "map_with_index"))
 
     def filter(self, predicate: FilterFn) -> MapDataset:
-        """Keep elements where ``predicate`` is true; the others read as ``None``."""
+        """Keep elements where ``predicate`` is true; the others read as ``None``.
+
+        The length is unchanged (random access stays O(1)); iteration skips the ``None``
+        elements.
+
+        Args:
+          predicate: a function of one element returning a bool, or an object with a
+            ``.filter`` method (Grain's ``FilterTransform``).
+
+        Raises:
+          TypeError: if ``predicate`` is neither callable nor has a ``.filter`` method.
+
+        >>> ds = MapDataset.range(5).filter(lambda x: x % 2 == 0)
+        >>> len(ds), ds[1], list(ds)
+        (5, None, [0, 2, 4])
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.filter import FilterMapDataset
 
@@ -392,8 +443,18 @@ class MapDataset(_Pipeline):
     ) -> IterDataset:
         """An iterable, checkpointable view of this dataset (``None`` elements skipped).
 
-        ``debug=True`` checks every element's structure against the first one and names
-        the first mismatch.
+        Args:
+          read_options: how the elements are read (threads, chunk size); default
+            ``ReadOptions()``.
+          debug: check every element's structure against the first one and name the
+            first mismatch (``StructureMismatchError``).
+
+        Raises:
+          TypeError: if ``read_options`` is not a ``ReadOptions``.
+
+        >>> it = iter(MapDataset.range(4).to_iter_dataset())
+        >>> next(it), it.get_state()
+        (0, {'version': 1, 'next_index': 1})
         """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.to_iter import MapRootIterDataset
@@ -466,10 +527,22 @@ class DatasetIterator:
         raise NotImplementedError
 
     def get_state(self) -> dict:
-        """A small JSON-able dict; ``set_state`` of it resumes exactly here."""
+        """A small JSON-able dict; ``set_state`` of it resumes exactly here.
+
+        Every state carries ``"version"``; the rest is the stage's own fields (the
+        root's ``next_index``, a step's counters) and its inputs' states, nested.
+        """
         raise NotImplementedError
 
     def set_state(self, state: dict) -> None:
+        """Resume at ``state`` (from ``get_state``, possibly of another iterator of the
+        same pipeline, with any number of workers).
+
+        Raises:
+          ValueError: (``StateError``) for a state this iterator cannot take, naming the
+            field's path in the nested state and what was expected; the iterator is
+            left unchanged.
+        """
         raise NotImplementedError
 
     def close(self) -> None:
@@ -534,14 +607,31 @@ class IterDataset(_Pipeline):
 
     # --- steps ---
     def map(self, fn: MapFn) -> IterDataset:
-        """Apply ``fn`` to every element."""
+        """Apply ``fn`` to every element (a function, or an object with ``.map``).
+
+        Directly on ``to_iter_dataset()`` it folds into the ``MapDataset`` (and runs in
+        worker processes).
+
+        >>> list(MapDataset.range(3).to_iter_dataset().batch(2).map(lambda b: b.tolist()))
+        [[0, 1], [2]]
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.map import MapIterDataset
 
         return MapIterDataset(self, as_callable(fn, "map"))
 
     def random_map(self, fn: RandomMapFn, seed: int = 0) -> IterDataset:
-        """Apply ``fn(element, rng)``; ``rng`` is keyed by (seed, element number)."""
+        """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by
+        ``(seed, element number)``, so a restored iterator draws the same numbers.
+
+        Raises:
+          TypeError: for a non-callable ``fn`` or a non-integer ``seed``.
+
+        >>> ds = MapDataset.range(4).to_iter_dataset().batch(2)
+        >>> noisy = ds.random_map(lambda b, rng: b + rng.integers(10), seed=3)
+        >>> [b.tolist() for b in noisy] == [b.tolist() for b in noisy]
+        True
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.map import RandomMapIterDataset
 
@@ -550,7 +640,13 @@ class IterDataset(_Pipeline):
         )
 
     def filter(self, predicate: FilterFn) -> IterDataset:
-        """Keep the elements where ``predicate`` is true."""
+        """Keep the elements where ``predicate`` is true (a function, or an object with
+        ``.filter``); unlike ``MapDataset.filter``, a ``batch`` after it gets full batches.
+
+        >>> ds = MapDataset.range(10).to_iter_dataset().batch(3).filter(lambda b: b[0] % 2)
+        >>> [b.tolist() for b in ds]
+        [[3, 4, 5], [9]]
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.filter import FilterIterDataset
 
@@ -559,7 +655,20 @@ class IterDataset(_Pipeline):
     def batch(
         self, batch_size: int, drop_remainder: bool = False, batch_fn: Callable | None = None
     ) -> IterDataset:
-        """Group ``batch_size`` consecutive elements (stacked leaf by leaf by default)."""
+        """Group ``batch_size`` consecutive elements (stacked leaf by leaf by default).
+
+        Args:
+          batch_size: elements per batch, an int >= 1.
+          drop_remainder: drop a last, shorter batch.
+          batch_fn: builds a batch from a list of elements (default ``stack_records``).
+
+        Raises:
+          ValueError: for a ``batch_size`` that is not a positive integer.
+
+        >>> it = MapDataset.range(5).to_iter_dataset().filter(lambda x: x != 1).batch(2)
+        >>> [b.tolist() for b in it]
+        [[0, 2], [3, 4]]
+        """
         if (
             isinstance(batch_size, bool)
             or not isinstance(batch_size, int | np.integer)
@@ -574,7 +683,17 @@ class IterDataset(_Pipeline):
         )
 
     def prefetch(self, buffer_size: int = 2) -> IterDataset:
-        """Compute up to ``buffer_size`` elements ahead in a background thread."""
+        """Compute up to ``buffer_size`` elements ahead in a background thread.
+
+        Errors reach the consumer at the element that raised; the state is that of the
+        last element handed out.
+
+        Raises:
+          ValueError: for a ``buffer_size`` that is not a positive int.
+
+        >>> list(MapDataset.range(3).to_iter_dataset().prefetch(2))
+        [0, 1, 2]
+        """
         if not int_at_least(buffer_size, 1):
             raise ValueError(f"prefetch(): buffer_size must be a positive int, got {buffer_size!r}")
         # import cycle (labelled): base classes <-> transformations, by design
@@ -587,10 +706,21 @@ class IterDataset(_Pipeline):
     ) -> IterDataset:
         """Compute the ``MapDataset`` part of the pipeline in worker processes.
 
-        ``options`` is a :class:`MultiprocessingOptions` or an int (``num_workers``).
         Workers compute deterministic chunks of the global element order; the main
         process puts them back in order, so the output and the iterator state are the
         same for every worker count, including 0.
+
+        Args:
+          options: a :class:`MultiprocessingOptions` or an int (``num_workers``);
+            default 2 workers. 0 workers returns the pipeline unchanged.
+          worker_init_fn: called as ``worker_init_fn(worker_index, num_workers)`` in
+            each worker before it computes anything.
+
+        Raises:
+          TypeError: for ``options`` of another type.
+          ValueError: for a pipeline that does not start with ``to_iter_dataset()`` or
+            has a step with several inputs below this one, and for
+            ``start_method="fork"`` with a source that is not fork-safe.
         """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._multiprocessing import (
