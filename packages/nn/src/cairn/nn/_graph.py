@@ -210,7 +210,7 @@ def _codegen_builder(node):
     return ns["build"]
 
 
-def _walk(root: Node) -> _Flat:
+def fresh_flat(root: Node) -> _Flat:
     """The uncached encoding of ``root``'s tree."""
     encoding, paths, variables = encode_tree(root)
     return _Flat(EPOCH[0], GraphDef(encoding, paths), variables)
@@ -223,7 +223,7 @@ def flat(node: Node) -> _Flat:
         return c
     if not isinstance(node, Node):
         raise TypeError(f"expected a cairn.nn Module, got {type(node).__name__}")
-    c = _walk(node)
+    c = fresh_flat(node)
     object.__setattr__(node, "_cairn_cache", c)
     return c
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from cairn.nn._graph import GraphDef, _walk, flat, sync
+from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, SharedReferenceError
 from cairn.nn._transform_plan import (
@@ -137,7 +137,7 @@ def _rebuild_call(descs, kwplan, don, keep) -> tuple[list, dict, list]:
 def _module_changes(obj, vals, off, donated, gd, tgt) -> tuple | None:
     """Record in ``tgt`` (flat index -> value) the values of module ``obj`` that changed
     (all of them when donated); return ``(graphdef, values)`` if its structure changed."""
-    c = _walk(obj)
+    c = fresh_flat(obj)
     if c.graphdef != gd:
         return c.graphdef, [v.raw_value for v in c.variables]
     for j, v in enumerate(c.variables):

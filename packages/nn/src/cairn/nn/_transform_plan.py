@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from cairn.nn._graph import GraphDef, _walk, flat, sync
+from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._module import Module, annotate_exception
 from cairn.nn._nodes import LEAF, MOD, VAR, SharedReferenceError, is_node
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
@@ -121,7 +121,7 @@ class Plan:
         descs: list[Any] = []
         for kind, obj in zip(self.kinds, rebuilt):
             if kind == MOD:
-                c = _walk(obj)
+                c = fresh_flat(obj)
                 dyn.append([v.raw_value for v in c.variables])
                 descs.append(c.graphdef)
             elif kind == VAR:
@@ -271,7 +271,7 @@ class Carry:
             if kind == MOD:
                 if not isinstance(x, Module):
                     raise ValueError(f"{what}: expected a module in the returned carry")
-                c = _walk(x)
+                c = fresh_flat(x)
                 check_same_structure([desc], [c.graphdef], what)
                 dyn.append([v.raw_value for v in c.variables])
             elif kind == VAR:
