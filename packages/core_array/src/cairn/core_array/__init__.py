@@ -32,7 +32,15 @@ from cairn.core_array._protocols import (
     GradientTransformationLike,
     is_checkpointable,
 )
-from cairn.core_array._qarray import QArray, QuantLayout, pack_bits, unpack_bits
+from cairn.core_array._qarray import (
+    LOGICAL_QTYPES,
+    NF4_LEVELS,
+    QArray,
+    QuantLayout,
+    pack_bits,
+    storage_dtype,
+    unpack_bits,
+)
 from cairn.core_array._sharding import LogicalAxisRules, logical_to_partition_spec, named_sharding
 from cairn.core_array._specs import ArraySpec, spec_of, specs_from_json, specs_to_json
 
@@ -65,6 +73,9 @@ __all__ = [
     "QArray",
     "pack_bits",
     "unpack_bits",
+    "LOGICAL_QTYPES",
+    "NF4_LEVELS",
+    "storage_dtype",
     "LogicalAxisRules",
     "logical_to_partition_spec",
     "named_sharding",

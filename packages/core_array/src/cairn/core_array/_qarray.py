@@ -19,7 +19,30 @@ from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype, dtype_info
 from cairn.core_array._jax_compat import jax_tree_util, on_jax_import
 from cairn.core_array._paths import _register_leaf_type, _register_node_type
 
-__all__ = ["QuantLayout", "QArray", "pack_bits", "unpack_bits"]
+__all__ = ["QuantLayout", "QArray", "pack_bits", "unpack_bits", "LOGICAL_QTYPES", "NF4_LEVELS", "storage_dtype"]
+
+# qtypes stored in another dtype: nf4 as 4-bit indices into NF4_LEVELS; the microscaling
+# block formats as their element type (their block scales are the QArray's per-tile scale)
+LOGICAL_QTYPES = {"nf4": "uint4", "mxfp8": "float8_e4m3fn", "mxfp4": "float4_e2m1fn", "nvfp4": "float4_e2m1fn"}
+
+# NormalFloat4 (Dettmers et al. 2023, QLoRA): quantiles of N(0, 1) normalised to [-1, 1],
+# 8 positive and 7 negative levels plus an exact 0. tests/core_array recomputes them.
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+def storage_dtype(qtype: str) -> str:
+    """The dtype a qtype's values are stored in: ``uint4`` for ``nf4``, the element type
+    for the block formats, the qtype itself otherwise.
+
+    >>> storage_dtype("nf4"), storage_dtype("mxfp4"), storage_dtype("int8")
+    ('uint4', 'float4_e2m1fn', 'int8')
+    """
+    return LOGICAL_QTYPES.get(qtype) or canonical_dtype(qtype)
 
 _KINDS = ("per_tensor", "per_channel", "per_tile")
 
@@ -159,7 +182,8 @@ class QArray:
     dtype: str = "float32"
 
     def __post_init__(self):
-        object.__setattr__(self, "qtype", canonical_dtype(self.qtype))
+        if self.qtype not in LOGICAL_QTYPES:
+            object.__setattr__(self, "qtype", canonical_dtype(self.qtype))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if not isinstance(self.layout, QuantLayout):
             raise TypeError(f"QArray layout must be a QuantLayout, got {type(self.layout).__name__}")
@@ -170,9 +194,11 @@ class QArray:
                 vname = canonical_dtype(vdtype)
             except ValueError:
                 vname = str(vdtype)
-            if vname != self.qtype:
+            if vname != storage_dtype(self.qtype):
                 raise ValueError(
-                    f"QArray qvalue has dtype {vname} but qtype is {self.qtype!r}; qvalue holds the "
+                    f"QArray qvalue has dtype {vname} but qtype is {self.qtype!r}"
+                    + (f" (stored as {storage_dtype(self.qtype)})" if self.qtype in LOGICAL_QTYPES else "")
+                    + "; qvalue holds the "
                     "quantized type itself, unpacked (use unpack_bits on packed storage)"
                 )
         shape = getattr(self.qvalue, "shape", None)
@@ -215,9 +241,23 @@ class QArray:
             s = xp.repeat(s, self.layout.tile_size, axis=ax)
         return s
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values, scales and zero points as stored packed (sub-byte types at
+        their bit width, as :func:`pack_bits` stores them)."""
+        total = 0
+        for a in (self.qvalue, self.scale, self.zero_point):
+            if a is not None and hasattr(a, "dtype"):
+                n = int(np.prod(getattr(a, "shape", ()), dtype=np.int64))
+                total += (n * dtype_info(a.dtype).bits + 7) // 8
+        return total
+
     def dequantize(self) -> Any:
         xp = _xp(self.qvalue)
-        v = self.qvalue.astype(xp.float32)
+        if self.qtype == "nf4":
+            v = xp.asarray(NF4_LEVELS, xp.float32)[self.qvalue.astype(xp.int32)]
+        else:
+            v = self.qvalue.astype(xp.float32)
         if self.zero_point is not None:
             v = v - self._expand(xp.asarray(self.zero_point).astype(xp.float32), xp)
         v = v * self._expand(xp.asarray(self.scale).astype(xp.float32), xp)

@@ -1,0 +1,43 @@
+"""nf4 and the block formats as QArray qtypes; packed nbytes."""
+
+from __future__ import annotations
+
+from statistics import NormalDist
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cairn.core_array import LOGICAL_QTYPES, NF4_LEVELS, QArray, QuantLayout, storage_dtype
+
+
+def test_nf4_levels_are_normal_quantiles():
+    # QLoRA's construction: quantiles at evenly spaced probabilities between 1 - d and 1/2
+    # (8 positive, 7 negative), d = (1/(2*15) + 1/(2*16)) / 2, plus 0, scaled to [-1, 1]
+    d = 0.5 * (1 / 32 + 1 / 30)
+    n = NormalDist()
+    pos = [n.inv_cdf(1 - d - i * (0.5 - d) / 8) for i in range(8)]
+    neg = [-n.inv_cdf(1 - d - i * (0.5 - d) / 7) for i in range(7)]
+    levels = sorted([v / pos[0] for v in pos] + [v / pos[0] for v in neg] + [0.0])
+    np.testing.assert_allclose(NF4_LEVELS, levels, atol=1e-6)
+
+
+def test_nf4_qarray_dequantizes_through_the_table():
+    idx = np.array([[0, 7, 15]], ml_dtypes.uint4)
+    q = QArray(idx, np.array([[2.0]], np.float32), qtype="nf4", layout=QuantLayout.per_channel(0))
+    assert q.qtype == "nf4"
+    np.testing.assert_allclose(q.dequantize(), [[-2.0, 0.0, 2.0]])
+    assert QArray.from_json(q.to_json()).qtype == "nf4"
+    with pytest.raises(ValueError, match=r"qtype is 'nf4' \(stored as uint4\)"):
+        QArray(np.zeros((1, 3), np.int8), np.ones((1, 1), np.float32), qtype="nf4", layout=QuantLayout.per_channel(0))
+
+
+@pytest.mark.parametrize("qtype", sorted(LOGICAL_QTYPES))
+def test_storage_dtypes(qtype):
+    assert storage_dtype(qtype) == LOGICAL_QTYPES[qtype]
+    assert storage_dtype("int4") == "int4"
+
+
+def test_nbytes_is_the_packed_size():
+    q = QArray(np.zeros((64, 32), ml_dtypes.int4), np.ones((1, 32), np.float32), qtype="int4", layout=QuantLayout.per_channel(1))
+    assert q.nbytes == 64 * 32 // 2 + 32 * 4
