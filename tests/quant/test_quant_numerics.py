@@ -121,3 +121,39 @@ def test_unknown_qtype():
 def test_zero_tensor_has_unit_scale():
     q = quantize_array(np.zeros((2, 3), np.float32), "int8", reduce_axes=(1,))
     assert np.all(np.asarray(q.scale) == 1.0) and np.all(np.asarray(q.dequantize()) == 0)
+
+
+def test_nf4_picks_the_nearest_normal_float_level():
+    from cairn.core_array import NF4_LEVELS
+
+    x = np.random.default_rng(3).normal(size=(6, 40)).astype(np.float32)
+    q = quantize_array(x, "nf4", reduce_axes=(1,))
+    assert q.qtype == "nf4" and q.qvalue.dtype == ml_dtypes.uint4
+    levels = np.asarray(NF4_LEVELS, np.float64)
+    absmax = np.abs(x.astype(np.float64)).max(axis=1, keepdims=True)
+    want = np.abs(x[..., None] / absmax[..., None] - levels).argmin(axis=-1)
+    got = np.asarray(q.qvalue).astype(np.int64)
+    assert (got != want).mean() < 0.005  # ties at midpoints may go either way in float32
+    np.testing.assert_allclose(np.asarray(q.dequantize()), levels[got] * absmax, rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype,block", [("mxfp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
+def test_block_formats(qtype, block):
+    x = np.random.default_rng(4).normal(size=(4, 64)).astype(np.float32) * 10
+    q = quantize_array(x, qtype, reduce_axes=(1,), tile=(1, block))
+    info = qtype_info(qtype)
+    assert q.qtype == qtype and q.layout.tile_size == block and q.scale.shape == (4, 64 // block)
+    scale = np.asarray(q.scale.astype(np.float32), np.float64)
+    if info.kind == "mx":
+        assert q.scale.dtype == ml_dtypes.float8_e8m0fnu
+        np.testing.assert_array_equal(np.log2(scale), np.round(np.log2(scale)))  # powers of two
+    else:
+        assert q.scale.dtype == ml_dtypes.float8_e4m3fn
+    values = np.asarray(q.qvalue.astype(np.float32))
+    assert np.abs(values).max() <= info.qmax
+    rel = np.linalg.norm(np.asarray(q.dequantize()) - x) / np.linalg.norm(x)
+    assert rel < {"mxfp8": 0.05, "mxfp4": 0.2, "nvfp4": 0.15}[qtype]
+    with pytest.raises(ValueError, match=f"blocks of {block}"):
+        quantize_array(x, qtype, reduce_axes=(1,), tile=(1, 8))
+    with pytest.raises(ValueError, match="needs a tile axis"):
+        quantize_array(x, qtype, reduce_axes=(1,))

@@ -120,3 +120,22 @@ def test_static_activation_scale_from_calibrate():
     s2 = float(hi2) / 127.5
     ref = (np.clip(np.round(h / s2), -127, 127) * s2) @ _ref_fake_quant(np.asarray(p["l2"]["kernel"]), 8, (0,))
     np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("qtype", ["nf4", "mxfp4", "nvfp4", "mxfp8"])
+def test_lookup_and_block_qtypes_through_the_program(qtype):
+    p = _params()
+    # l1 contracts 16 inputs: too few for the 32-blocks of the mx formats, so they take l2 only
+    module = "l2" if qtype.startswith("mx") else "l."
+    provider = quant.PtqProvider([quant.QuantizationRule(module_path=module, weight_qtype=qtype)])
+    qp = quant.quantize_params(p, provider, _mlp, X)
+    assert qp["l2"]["kernel"].qtype == qtype
+    f = quant.quantize(_mlp, provider)
+    ref = np.asarray(_mlp(p, X))
+    # the quantized program equals the float program on the dequantized weights
+    deq = jax.tree.map(lambda v: v.dequantize() if isinstance(v, QArray) else v, qp, is_leaf=lambda v: isinstance(v, QArray))
+    np.testing.assert_allclose(np.asarray(f(qp, X)), np.asarray(_mlp(deq, X)), rtol=1e-5, atol=1e-5)
+    assert np.linalg.norm(np.asarray(f(qp, X)) - ref) / np.linalg.norm(ref) < 0.25
+    if qtype != "nf4":  # the block formats fix their tile
+        with pytest.raises(ValueError, match="tile_size must be None"):
+            quant.QuantizationRule(weight_qtype=qtype, tile_size=4)

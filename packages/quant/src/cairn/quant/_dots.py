@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cairn.core_array import QArray
+from cairn.core_array import NF4_LEVELS, QArray
 from cairn.quant._rewrite import bind_as_traced
 
 __all__ = ["operand_axes", "quantized_dot", "bind_dequantized"]
@@ -70,6 +70,8 @@ def _values(q: QArray, dtype: Any) -> Any:
     import jax.numpy as jnp
 
     v = q.qvalue
+    if q.qtype == "nf4":
+        return jnp.asarray(NF4_LEVELS, jnp.float32)[v.astype(jnp.int32)].astype(dtype)
     if jnp.issubdtype(v.dtype, jnp.integer) and jnp.dtype(v.dtype).itemsize == 1 and jnp.iinfo(v.dtype).bits < 8:
         v = v.astype(jnp.int8 if jnp.issubdtype(v.dtype, jnp.signedinteger) else jnp.uint8)
     return v.astype(dtype)
@@ -91,7 +93,7 @@ def quantized_dot(eqn: Any, lhs: Any, rhs: Any) -> list:
     rfree = (rhs.ndim if rq else jnp.ndim(rhs)) - len(rc) - len(rb)
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     if lq and rq:
-        both_int = jnp.issubdtype(lhs.qvalue.dtype, jnp.integer) and jnp.issubdtype(rhs.qvalue.dtype, jnp.integer)
+        both_int = all(jnp.issubdtype(q.qvalue.dtype, jnp.integer) and q.qtype != "nf4" for q in (lhs, rhs))
         acc = jnp.int32 if both_int else jnp.float32
         a = _values(lhs, jnp.int8 if both_int else jnp.float32)
         b = _values(rhs, jnp.int8 if both_int else jnp.float32)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cairn.core_array import QArray, QuantLayout, canonical_dtype
+from cairn.core_array import NF4_LEVELS, QArray, QuantLayout, canonical_dtype
 from cairn.quant._calibration import Method, bounds, parse_method
 from cairn.quant._qtypes import QTypeInfo, qtype_info
 
@@ -101,8 +101,12 @@ def quantize_array(
     x = jnp.asarray(x)
     nd = x.ndim
     red = sorted({a % nd for a in reduce_axes}) if nd else []
+    if info.block is not None and (tile is None or not nd):
+        raise ValueError(f"{where}: {info.name} has scales per block of {info.block} and needs a tile axis")
     if tile is not None and nd:
         tile = (tile[0] % nd, tile_length(tile[1], x.shape[tile[0] % nd], where))
+        if info.block is not None and tile[1] != info.block:
+            raise ValueError(f"{where}: {info.name} uses blocks of {info.block}, not tiles of {tile[1]}")
     elif tile is not None:
         tile = None
     lo, hi = _grouped_bounds(x.astype(jnp.float32), m, red, tile)
@@ -124,11 +128,18 @@ def quantize_with_bounds(x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayo
 
     info = qtype_info(qtype)
     x = jnp.asarray(x)
-    scale, zero = _scale_zero_point(jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32), info, symmetric)
+    lo, hi = jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32)
+    if info.kind in ("nf4", "mx", "nv"):
+        scale, zero = _block_or_table_scale(lo, hi, info), None
+    else:
+        scale, zero = _scale_zero_point(lo, hi, info, symmetric)
     tile = (layout.axes[0] % x.ndim, layout.tile_size) if layout.kind == "per_tile" else None
-    se = scale if tile is None else jnp.repeat(scale, tile[1], axis=tile[0])
+    se = scale.astype(jnp.float32) if tile is None else jnp.repeat(scale.astype(jnp.float32), tile[1], axis=tile[0])
     scaled = x.astype(jnp.float32) / se
-    if info.is_float:
+    if info.kind == "nf4":
+        mids = jnp.asarray(NF4_LEVELS[1:], jnp.float32) / 2 + jnp.asarray(NF4_LEVELS[:-1], jnp.float32) / 2
+        q = jnp.searchsorted(mids, jnp.clip(scaled, -1.0, 1.0)).astype(info.storage)
+    elif info.is_float:
         q = jnp.clip(scaled, info.qmin, info.qmax).astype(info.storage)
     else:
         ze = 0.0 if zero is None else (zero if tile is None else jnp.repeat(zero, tile[1], axis=tile[0]))
@@ -136,7 +147,22 @@ def quantize_with_bounds(x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayo
         # where float rounding would otherwise pick -qmax or -qmax - 1 by chance
         qmin = -info.qmax if zero is None else info.qmin
         q = jnp.clip(jnp.round(scaled) + ze, qmin, info.qmax).astype(info.storage)
-    return QArray(q, scale, zero, qtype=info.storage, layout=layout, dtype=canonical_dtype(x.dtype))
+    return QArray(q, scale, zero, qtype=info.name if info.kind in ("nf4", "mx", "nv") else info.storage, layout=layout, dtype=canonical_dtype(x.dtype))
+
+
+def _block_or_table_scale(lo: Any, hi: Any, info: QTypeInfo) -> Any:
+    """nf4: the group's absmax; mx: the power of two that brings it within the element
+    range; nv: absmax / 6 rounded to fp8 (each stored in ``info.scale_dtype``)."""
+    import jax.numpy as jnp
+
+    bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    if info.kind == "nf4":
+        return jnp.where(bound > 0, bound, 1.0).astype(jnp.float32)
+    if info.kind == "mx":
+        exp = jnp.ceil(jnp.log2(jnp.where(bound > 0, bound / info.qmax, 1.0)))
+        return jnp.exp2(exp).astype(info.scale_dtype)
+    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    return jnp.clip(jnp.where(bound > 0, bound / info.qmax, 1.0), 2.0**-9, fmax).astype(info.scale_dtype)
 
 
 def fake_quant(

@@ -16,6 +16,7 @@ from cairn.core_array import QArray, QuantLayout
 from cairn.quant._calibration import bounds, parse_method
 from cairn.quant._dots import bind_dequantized, operand_axes, quantized_dot
 from cairn.quant._numerics import fake_quant, quantize_array, quantize_with_bounds, tile_length
+from cairn.quant._qtypes import qtype_info
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QtRule, QuantizationRule
 
@@ -122,9 +123,12 @@ class QuantizationProvider:
             return x
         if isinstance(rule, QtRule) and rule.disable_channelwise_axes:
             reduce_axes = tuple(range(ndim))
-        return self._activation(rule, x, reduce_axes, key)
+        return self._activation(rule, x, reduce_axes, key, tile_axis)
 
     def _tile(self, rule: QuantizationRule, site: DotSite, side: int, axis: int | None, where: str) -> tuple[int, int] | None:
+        block = qtype_info(rule.weight_qtype).block if rule.weight_qtype else None
+        if block is not None and axis is not None:
+            return axis, block
         if rule.tile_size is None or axis is None:
             return None
         size = site.eqn.invars[side].aval.shape[axis]
@@ -135,12 +139,15 @@ class QuantizationProvider:
         lo, hi = bounds(x, method, tuple(range(len(x.shape))))
         return lo.reshape(()), hi.reshape(())
 
-    def _activation(self, rule: QuantizationRule, x: Any, reduce_axes: tuple[int, ...], key: SiteKey) -> Any:
+    def _activation(self, rule: QuantizationRule, x: Any, reduce_axes: tuple[int, ...], key: SiteKey, tile_axis: int | None) -> Any:
         import jax.numpy as jnp
 
         method = rule.act_calibration_method or "absmax"
-        if not rule.act_static_scale:
-            return self._wrap(quantize_array(x, rule.act_qtype, reduce_axes=reduce_axes, method=method, where="activation"), x)
+        block = qtype_info(rule.act_qtype).block
+        tile = None if block is None or tile_axis is None else (tile_axis, block)
+        if not rule.act_static_scale or block is not None:
+            q = quantize_array(x, rule.act_qtype, reduce_axes=reduce_axes, tile=tile, method=method, where="activation")
+            return self._wrap(q, x)
         if key not in self._static:
             raise ValueError(
                 f"{rule._describe()} asks for a static activation scale (act_static_scale=True) but op "

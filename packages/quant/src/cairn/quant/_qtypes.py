@@ -19,8 +19,11 @@ __all__ = ["QTypeInfo", "qtype_info", "QTYPES"]
 class QTypeInfo:
     """One qtype: its ``name``, the dtype ``storage`` of its values, and its range.
 
-    ``kind`` is ``"int"`` (signed), ``"uint"`` or ``"float"``. ``qmin``/``qmax`` bound the
-    stored values (for floats, ``-fmax``/``fmax``); ``bits`` is the logical width.
+    ``kind`` is ``"int"`` (signed), ``"uint"``, ``"float"`` (fp8), ``"nf4"`` (indices into the
+    NormalFloat levels), ``"mx"`` (OCP microscaling: power-of-two block scales) or ``"nv"``
+    (NVFP4: fp8 block scales). ``qmin``/``qmax`` bound the values before storage (for
+    floats, ``-fmax``/``fmax``); ``bits`` is the logical width; ``block`` the block length
+    of the block formats, whose scales are stored as ``scale_dtype``.
     """
 
     name: str
@@ -29,10 +32,13 @@ class QTypeInfo:
     bits: int
     qmin: float
     qmax: float
+    block: int | None = None
+    scale_dtype: str = "float32"
 
     @property
     def is_float(self) -> bool:
-        return self.kind == "float"
+        """Values are rounded by a cast to a float element type (fp8, and the block formats)."""
+        return self.kind in ("float", "mx", "nv")
 
 
 def _int(name: str, bits: int) -> QTypeInfo:
@@ -59,6 +65,10 @@ QTYPES: dict[str, QTypeInfo] = {
         _uint("uint2", 2),
         _float("float8_e4m3fn"),
         _float("float8_e5m2"),
+        QTypeInfo("nf4", "uint4", "nf4", 4, -1.0, 1.0),
+        QTypeInfo("mxfp8", "float8_e4m3fn", "mx", 8, -448.0, 448.0, 32, "float8_e8m0fnu"),
+        QTypeInfo("mxfp4", "float4_e2m1fn", "mx", 4, -6.0, 6.0, 32, "float8_e8m0fnu"),
+        QTypeInfo("nvfp4", "float4_e2m1fn", "nv", 4, -6.0, 6.0, 16, "float8_e4m3fn"),
     )
 }
 

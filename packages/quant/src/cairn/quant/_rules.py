@@ -87,6 +87,10 @@ class QuantizationRule:
                 except ValueError as e:
                     raise ValueError(f"{self._describe()}: {field}: {e}") from None
         tile = self.tile_size
+        for field in ("weight_qtype", "act_qtype"):
+            block = qtype_info(getattr(self, field)).block if getattr(self, field) else None
+            if block is not None and tile is not None and tile != block:
+                raise ValueError(f"{self._describe()}: {getattr(self, field)} uses blocks of {block}; tile_size must be None or {block}")
         if tile is not None and (isinstance(tile, bool) or not tile > 0 or (isinstance(tile, float) and tile > 1)):
             raise ValueError(
                 f"{self._describe()}: tile_size must be a positive int or a float in (0, 1] "
