@@ -23,6 +23,7 @@ from cairn.quant._numerics import fake_quant, quantize_array
 from cairn.quant._providers import PtqProvider, QtProvider, QuantizationProvider, input_scale_path
 from cairn.quant._qtypes import QTYPES, QTypeInfo, qtype_info
 from cairn.quant._rules import QtRule, QuantizationRule
+from cairn.quant._smooth_quant import SmoothQuantRule, smooth_quant_params
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     "gptq_matrix",
     "AwqRule",
     "awq_quantize_params",
+    "SmoothQuantRule",
+    "smooth_quant_params",
     "QuantizationProvider",
     "input_scale_path",
     "PtqProvider",

@@ -99,9 +99,12 @@ class QuantizationProvider:
         ops = invals[:2]
         refs = [isinstance(x, WeightRef) for x in ops]
         rule = self._match(site, any(refs))
+        scaled = _divide_by_input_scale(site, ops, self._weights)
         if rule is None:
-            return None
-        ops = _divide_by_input_scale(site, ops, self._weights)
+            if scaled is ops:
+                return None
+            return bind_dequantized(site.eqn, [materialize(x) for x in scaled], [materialize(r) for r in invals[2:]])
+        ops = scaled
         quantized = [self._operand(site, rule, x, side) for side, x in enumerate(ops)]
         return self._compute(site, rule, quantized, invals[2:])
 

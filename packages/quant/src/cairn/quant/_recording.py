@@ -25,6 +25,9 @@ class InputRecorder(PtqProvider):
         super().__init__(rules, strict=False)
         self.rule_of: dict[str, QuantizationRule] = {}
 
+    def _always_applies(self, rule: QuantizationRule) -> bool:
+        return self.rule_class is not None and isinstance(rule, self.rule_class)
+
     def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
         raise NotImplementedError  # each recorder defines what it keeps
 

@@ -1,0 +1,89 @@
+"""SmoothQuant (Xiao et al. 2023): move activation outliers into the weights before w8a8.
+
+For a weight ``W`` [K, N] and its inputs ``X``, per input channel
+``s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)``; ``X / s`` has tamer outliers and
+``diag(s) W`` absorbs them, so ``(X / s)(diag(s) W) = X W`` exactly in float and both
+quantize better. The weight is stored as ``diag(s) W`` (quantized by the rule) and ``s``
+at ``<path>_awq_scale``, which every provider divides out of the inputs at the dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.core_array import QArray, path_of
+from cairn.quant._awq import _copy_dicts, _put
+from cairn.quant._numerics import quantize_array, tile_length
+from cairn.quant._providers import PtqProvider, input_scale_path
+from cairn.quant._recording import InputRecorder, record_inputs
+from cairn.quant._rules import QuantizationRule
+
+__all__ = ["SmoothQuantRule", "smooth_quant_params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SmoothQuantRule(QuantizationRule):
+    """A rule whose weights :func:`smooth_quant_params` smooths (``alpha``: migration strength)."""
+
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"{self._describe()}: alpha must be in [0, 1], got {self.alpha!r}")
+
+
+class _MaxRecorder(InputRecorder):
+    rule_class = SmoothQuantRule
+
+    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        super().__init__(rules)
+        self.absmax: dict[str, tuple[Any, tuple[int, ...]]] = {}
+
+    def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
+        import jax.numpy as jnp
+
+        m = jnp.max(jnp.abs(x2), axis=0)
+        prev = self.absmax.get(path)
+        self.absmax[path] = (m if prev is None else jnp.maximum(prev[0], m), leaf_contract)
+
+
+def smooth_quant_params(params: dict, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> dict:
+    """``params`` (nested dicts) with every weight a :class:`SmoothQuantRule` selects smoothed
+    and quantized, and its smoothing scale stored beside it.
+
+    Raises:
+      ValueError: no batch, no rule selected a weight, or a weight that is not [in, out]
+        contracted on axis 0.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    recorder = record_inputs(_MaxRecorder(provider.rules), fn, params, batches, "smooth_quant_params")
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
+    out = _copy_dicts(params)
+    for kp, leaf in flat:
+        path = path_of(kp)
+        entry = recorder.absmax.get(path)
+        if entry is None:
+            continue
+        act_max, contract = entry
+        rule = recorder.rule_of[path]
+        if list(contract) != [0] or np.ndim(leaf) != 2:
+            raise ValueError(f"{rule._describe()} on {path!r}: SmoothQuant handles [in, out] weights contracted on axis 0")
+        w = np.asarray(leaf, np.float64)
+        a = np.maximum(np.asarray(act_max, np.float64), 1e-5)
+        wmax = np.maximum(np.abs(w).max(axis=1), 1e-5)
+        s = a**rule.alpha / wmax ** (1.0 - rule.alpha)
+        smoothed = jnp.asarray(w * s[:, None], jnp.float32)
+        tile = None if rule.tile_size is None else (0, tile_length(rule.tile_size, w.shape[0], f"{rule._describe()} on {path!r}"))
+        value = smoothed if rule.weight_qtype is None else quantize_array(
+            smoothed, rule.weight_qtype, reduce_axes=(0,), tile=tile, method=rule.weight_calibration_method, where=path
+        )
+        _put(out, path, value)
+        _put(out, input_scale_path(path), jnp.asarray(s, jnp.float32))
+    return out
