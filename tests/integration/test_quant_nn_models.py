@@ -163,3 +163,29 @@ def test_lora_on_an_nn_model_trains_only_the_adapters_and_loads_into_lora_linear
     float_provider = quant.LoraProvider([quant.LoraRule(module_path="l1", rank=2, alpha=2.0)], strict=False)
     via_rules = quant.quantize(lambda m, x: m.l1(x), float_provider)(model, x)
     np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(via_rules), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_params_round_trip_through_cairn_checkpoint(tmp_path):
+    from cairn import checkpoint
+    from cairn.core_array import QArray
+
+    def mlp(p, x):
+        return jax.nn.relu(x @ p["l1"]["kernel"]) @ p["l2"]["kernel"]
+
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"l1": {"kernel": jax.random.normal(k[0], (64, 32))}, "l2": {"kernel": jax.random.normal(k[1], (32, 8))}}
+    x = jax.random.normal(k[2], (4, 64))
+    provider = quant.PtqProvider([
+        quant.QuantizationRule(module_path="l1", weight_qtype="nf4"),
+        quant.QuantizationRule(module_path="l2", weight_qtype="int4", tile_size=16),
+    ])
+    qp = quant.quantize_params(params, provider, mlp, x)
+    checkpoint.save(tmp_path / "q", qp)
+    # QArray leaves are stored as <path>/qvalue and <path>/scale, dtypes kept (uint4, int4)
+    meta = checkpoint.metadata(tmp_path / "q")
+    assert {"l1/kernel/qvalue", "l1/kernel/scale", "l2/kernel/qvalue", "l2/kernel/scale"} <= set(meta)
+    back = checkpoint.restore(tmp_path / "q", target=qp)
+    assert isinstance(back["l1"]["kernel"], QArray) and back["l1"]["kernel"].qtype == "nf4"
+    assert back["l2"]["kernel"].layout == qp["l2"]["kernel"].layout
+    f = quant.quantize(mlp, provider)
+    np.testing.assert_array_equal(np.asarray(f(back, x)), np.asarray(f(qp, x)))
