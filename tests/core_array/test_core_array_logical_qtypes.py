@@ -41,3 +41,18 @@ def test_storage_dtypes(qtype):
 def test_nbytes_is_the_packed_size():
     q = QArray(np.zeros((64, 32), ml_dtypes.int4), np.ones((1, 32), np.float32), qtype="int4", layout=QuantLayout.per_channel(1))
     assert q.nbytes == 64 * 32 // 2 + 32 * 4
+
+
+def test_specs_json_keeps_qarray_qtype_and_layout():
+    from cairn.core_array import ArraySpec, spec_of, specs_from_json, specs_to_json
+
+    q = QArray(np.zeros((64, 8), ml_dtypes.int4), np.ones((4, 8), np.float32), qtype="int4", layout=QuantLayout.per_tile(0, 16))
+    tree = {"layers": [{"kernel": q, "bias": np.zeros(8, np.float32)}]}
+    specs = spec_of(tree)
+    back = specs_from_json(specs_to_json(specs))
+    k = back["layers"][0]["kernel"]
+    assert isinstance(k, QArray) and k.qtype == "int4" and k.layout == QuantLayout.per_tile(0, 16)
+    assert k.qvalue == ArraySpec((64, 8), "int4") and k.scale == ArraySpec((4, 8), "float32") and k.zero_point is None
+    assert back["layers"][0]["bias"] == ArraySpec((8,), "float32")
+    nf4 = QArray(np.zeros((2, 3), ml_dtypes.uint4), np.ones((2, 1), np.float32), qtype="nf4", layout=QuantLayout.per_channel(0))
+    assert specs_from_json(specs_to_json(spec_of({"w": nf4})))["w"].qtype == "nf4"

@@ -11,7 +11,14 @@ import numpy as np
 
 from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype
 from cairn.core_array._jax_compat import require_jax
-from cairn.core_array._paths import PathError, _children, _register_leaf_type, map_with_path
+from cairn.core_array._paths import (
+    PathError,
+    _children,
+    _register_leaf_type,
+    join_path,
+    map_with_path,
+)
+from cairn.core_array._qarray import QArray, QuantLayout
 
 if TYPE_CHECKING:
     import jax
@@ -153,22 +160,36 @@ def _encode(x: Any, prefix: str) -> dict:
         return {"t": "none"}
     if isinstance(x, ArraySpec):
         return {"t": "spec", "v": x.to_json()}
+    if isinstance(x, QArray):
+        parts = {n: _encode(getattr(x, n), join_path(prefix, n)) for n in ("qvalue", "scale", "zero_point")}
+        return {"t": "qarray", "meta": x.metadata(), "v": parts}
     if isinstance(x, dict) and type(x) is dict:
         bad = [k for k in x if not isinstance(k, str)]
         if bad:
             raise PathError(f"specs_to_json: dict keys under {prefix or '<root>'!r} must be strings, got {bad!r}")
-        return {"t": "dict", "v": {k: _encode(v, f"{prefix}/{k}" if prefix else k) for k, v in x.items()}}
+        return {"t": "dict", "v": {k: _encode(v, join_path(prefix, k)) for k, v in x.items()}}
     if type(x) in (list, tuple):
-        return {
-            "t": type(x).__name__,
-            "v": [_encode(v, f"{prefix}/{i}" if prefix else str(i)) for i, v in enumerate(x)],
-        }
+        return {"t": type(x).__name__, "v": [_encode(v, join_path(prefix, i)) for i, v in enumerate(x)]}
     ch = _children(x, prefix)
     if ch is None:
         raise PathError(f"specs_to_json: leaf at {prefix or '<root>'!r} is {type(x).__name__}, expected ArraySpec")
     # Other containers (namedtuples, dataclasses, registered pytrees) are stored by their
     # path components and come back as dicts.
-    return {"t": "dict", "v": {c: _encode(v, f"{prefix}/{c}" if prefix else c) for c, v in ch[0]}}
+    return {"t": "dict", "v": {c: _encode(v, join_path(prefix, c)) for c, v in ch[0]}}
+
+
+def _decode_qarray(d: dict, where: str) -> QArray:
+    meta, parts = d.get("meta"), d.get("v")
+    if not isinstance(meta, dict) or not isinstance(parts, dict):
+        raise ValueError(f"specs_from_json: malformed QArray node at {where or '<root>'!r}")
+    children = {n: _decode(parts.get(n, {"t": "none"}), join_path(where, n)) for n in ("qvalue", "scale", "zero_point")}
+    try:
+        return QArray(
+            children["qvalue"], children["scale"], children["zero_point"],
+            qtype=meta["qtype"], layout=QuantLayout.from_json(meta["layout"]), dtype=meta["dtype"],
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"specs_from_json: QArray node at {where or '<root>'!r} lacks {e}") from None
 
 
 def _decode(d: Any, where: str) -> Any:
@@ -179,16 +200,21 @@ def _decode(d: Any, where: str) -> Any:
         return None
     if t == "spec":
         return ArraySpec.from_json(d["v"])
+    if t == "qarray":
+        return _decode_qarray(d, where)
     if t == "dict":
-        return {k: _decode(v, f"{where}/{k}" if where else k) for k, v in d["v"].items()}
+        return {k: _decode(v, join_path(where, k)) for k, v in d["v"].items()}
     if t in ("list", "tuple"):
-        items = [_decode(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(d["v"])]
+        items = [_decode(v, join_path(where, i)) for i, v in enumerate(d["v"])]
         return items if t == "list" else tuple(items)
     raise ValueError(f"specs_from_json: unknown node type {t!r} at {where or '<root>'!r}")
 
 
 def specs_to_json(tree: Any) -> str:
     """Serialise a tree of :class:`ArraySpec` to JSON, keeping dict/list/tuple structure.
+
+    A ``QArray`` whose parts are specs (what :func:`spec_of` gives for a ``QArray``) keeps
+    its qtype, dtype and layout.
 
     >>> t = {"w": ArraySpec((2,), "float32"), "s": [ArraySpec((), "int4")]}
     >>> specs_from_json(specs_to_json(t)) == t
