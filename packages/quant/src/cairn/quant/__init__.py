@@ -20,6 +20,7 @@ from cairn.quant._lora import (
 )
 from cairn.quant._model import QuantizedModel, quantize_model
 from cairn.quant._numerics import fake_quant, quantize_array
+from cairn.quant._prequantized import process_prequantized_params
 from cairn.quant._providers import PtqProvider, QtProvider, QuantizationProvider, input_scale_path
 from cairn.quant._qtypes import QTYPES, QTypeInfo, qtype_info
 from cairn.quant._rules import QtRule, QuantizationRule
@@ -31,6 +32,7 @@ __all__ = [
     "quantize",
     "quantize_params",
     "calibrate",
+    "process_prequantized_params",
     "quantize_model",
     "QuantizedModel",
     "QuantizationRule",
