@@ -139,3 +139,58 @@ def test_lookup_and_block_qtypes_through_the_program(qtype):
     if qtype != "nf4":  # the block formats fix their tile
         with pytest.raises(ValueError, match="tile_size must be None"):
             quant.QuantizationRule(weight_qtype=qtype, tile_size=4)
+
+
+def _grads(rule, **provider_kwargs):
+    p = _params()
+    f = quant.quantize(_mlp, quant.QtProvider([rule], **provider_kwargs))
+    return jax.grad(lambda p: (f(p, X) ** 2).sum())(p)
+
+
+def test_quantized_backward_per_tensor_matches_the_reference():
+    rule = quant.QtRule(weight_qtype="int8", bwd_qtype="int8")
+    g = _grads(rule)
+    p = _params()
+
+    # reference: forward with STE fake-quantized weights; each dot's cotangent fake-quantized per tensor
+    def dot(a, w):
+        @jax.custom_vjp
+        def f(a, w):
+            return a @ w
+
+        def bwd(res, ct):
+            ctq = quant.fake_quant(ct, "int8")
+            return ctq @ res[1].T, res[0].T @ ctq
+
+        f.defvjp(lambda a, w: (a @ w, (a, w)), bwd)
+        return f(a, w)
+
+    def ste(w):
+        return w + jax.lax.stop_gradient(quant.fake_quant(w, "int8", reduce_axes=(0,)) - w)
+
+    def reference(p):
+        h = jax.nn.relu(dot(X, ste(p["l1"]["kernel"])) + p["l1"]["bias"])
+        return (dot(h, ste(p["l2"]["kernel"])) ** 2).sum()
+
+    gr = jax.grad(reference)(p)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gr)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_grad_tiles_and_stochastic_rounding():
+    exact = _grads(quant.QtRule(weight_qtype="int8"))
+    tiled = _grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4", bwd_weight_grad_tile_size=2))
+    per_tensor = _grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4"))
+    err = lambda g: float(jnp.linalg.norm(g["l2"]["kernel"] - exact["l2"]["kernel"]))  # noqa: E731
+    assert err(tiled) < err(per_tensor)  # finer cotangent scales: a closer weight gradient
+    with pytest.raises(ValueError, match="bwd_rng"):
+        _grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4", bwd_stochastic_rounding="uniform"))
+    a = _grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4", bwd_stochastic_rounding="uniform"), bwd_rng=jax.random.key(0))
+    b = _grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4", bwd_stochastic_rounding="uniform"), bwd_rng=jax.random.key(1))
+    assert not np.allclose(np.asarray(a["l1"]["kernel"]), np.asarray(b["l1"]["kernel"]))
+    # unbiased on average: the mean over keys approaches the unquantized-cotangent gradient
+    keys = [jax.random.key(i) for i in range(24)]
+    mean = sum(np.asarray(_grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4", bwd_stochastic_rounding="low_bit_uniform"), bwd_rng=k)["l2"]["kernel"]) for k in keys) / len(keys)
+    assert np.linalg.norm(mean - np.asarray(exact["l2"]["kernel"])) < 0.5 * err(per_tensor)
+    with pytest.raises(ValueError, match="bwd_weight_grad_tile_size"):
+        quant.QtRule(weight_qtype="int8", bwd_qtype="int8", bwd_weight_grad_tile_size=0)

@@ -67,20 +67,24 @@ def quantize_array(
     x: Any,
     qtype: str,
     *,
-    reduce_axes: Sequence[int] = (),
+    reduce_axes: Sequence[int] | None = None,
     tile: tuple[int, int] | None = None,
     method: str | Method = "absmax",
     where: str = "array",
+    noise: Any = None,
 ) -> QArray:
     """Quantize ``x`` to ``qtype``, one scale per group (see the module docstring).
 
     Args:
       x: float array of any shape.
       qtype: a name from :data:`~cairn.quant.QTYPES`.
-      reduce_axes: axes that share a scale (all axes: one per-tensor scale).
+      reduce_axes: axes that share a scale; ``None`` (the default) is every axis, one
+        per-tensor scale; ``()`` gives every element its own scale.
       tile: ``(axis, size)``: additionally one scale per ``size`` elements along ``axis``.
       method: calibration method (see :mod:`cairn.quant._calibration`).
       where: names ``x`` in error messages (a weight path).
+      noise: for stochastic rounding of integer qtypes, an array of ``x``'s shape with
+        values in ``[-0.5, 0.5)`` added before rounding (``None``: round to nearest).
 
     Returns:
       A ``QArray`` whose ``dequantize()`` approximates ``x`` within half a step per element
@@ -100,6 +104,7 @@ def quantize_array(
     m = method if isinstance(method, Method) else parse_method(method)
     x = jnp.asarray(x)
     nd = x.ndim
+    reduce_axes = range(nd) if reduce_axes is None else reduce_axes
     red = sorted({a % nd for a in reduce_axes}) if nd else []
     if info.block is not None and (tile is None or not nd):
         raise ValueError(f"{where}: {info.name} has scales per block of {info.block} and needs a tile axis")
@@ -115,10 +120,12 @@ def quantize_array(
     else:
         kept = [i for i in range(nd) if i not in red]
         layout = QuantLayout.per_channel(*kept) if kept else QuantLayout.per_tensor()
-    return quantize_with_bounds(x, info.name, lo, hi, layout, symmetric=m.symmetric)
+    return quantize_with_bounds(x, info.name, lo, hi, layout, symmetric=m.symmetric, noise=noise)
 
 
-def quantize_with_bounds(x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayout, *, symmetric: bool) -> QArray:
+def quantize_with_bounds(
+    x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayout, *, symmetric: bool, noise: Any = None
+) -> QArray:
     """Quantize ``x`` over given per-group bounds (the shape of the scale for ``layout``).
 
     ``symmetric`` uses ``hi`` alone (no zero point) for signed integer qtypes; this is how
@@ -136,6 +143,10 @@ def quantize_with_bounds(x: Any, qtype: str, lo: Any, hi: Any, layout: QuantLayo
     tile = (layout.axes[0] % x.ndim, layout.tile_size) if layout.kind == "per_tile" else None
     se = scale.astype(jnp.float32) if tile is None else jnp.repeat(scale.astype(jnp.float32), tile[1], axis=tile[0])
     scaled = x.astype(jnp.float32) / se
+    if noise is not None:
+        if info.kind not in ("int", "uint"):
+            raise ValueError(f"stochastic rounding needs an integer qtype, got {info.name}")
+        scaled = scaled + noise
     if info.kind == "nf4":
         mids = jnp.asarray(NF4_LEVELS[1:], jnp.float32) / 2 + jnp.asarray(NF4_LEVELS[:-1], jnp.float32) / 2
         q = jnp.searchsorted(mids, jnp.clip(scaled, -1.0, 1.0)).astype(info.storage)
@@ -169,10 +180,11 @@ def fake_quant(
     x: Any,
     qtype: str,
     *,
-    reduce_axes: Sequence[int] = (),
+    reduce_axes: Sequence[int] | None = None,
     tile: tuple[int, int] | None = None,
     method: str | Method = "absmax",
     where: str = "array",
+    noise: Any = None,
 ) -> Any:
     """``x`` quantized and dequantized again, in ``x``'s dtype (same arguments as :func:`quantize_array`)."""
-    return quantize_array(x, qtype, reduce_axes=reduce_axes, tile=tile, method=method, where=where).dequantize()
+    return quantize_array(x, qtype, reduce_axes=reduce_axes, tile=tile, method=method, where=where, noise=noise).dequantize()

@@ -202,7 +202,15 @@ class QtProvider(QuantizationProvider):
     Each quantized operand is ``x + stop_gradient(dequantize(quantize(x)) - x)``, so
     gradients flow to the float weights as if quantization were the identity. With
     ``bwd_qtype`` set in a :class:`QtRule`, the cotangent entering the backward dots is
-    quantized per tensor to that qtype (with ``bwd_calibration_method``).
+    quantized per tensor to that qtype (with ``bwd_calibration_method``); with
+    ``bwd_weight_grad_tile_size`` the weight gradient's cotangent is quantized per output
+    channel in tiles of tokens instead; ``bwd_stochastic_rounding`` rounds with noise drawn
+    from ``bwd_rng``.
+
+    Args:
+      rules: the ``QtRule`` rules, tried in order.
+      strict: raise when a trace leaves a rule unused.
+      bwd_rng: a PRNG key, needed by rules with ``bwd_stochastic_rounding``.
     """
 
     rule_type = QtRule
@@ -216,19 +224,51 @@ class QtProvider(QuantizationProvider):
             return dq
         return x + jax.lax.stop_gradient(dq.astype(x.dtype) - x)
 
+    def __init__(self, rules: Sequence[QuantizationRule], *, strict: bool = True, bwd_rng: Any = None) -> None:
+        super().__init__(rules, strict=strict)
+        self.bwd_rng = bwd_rng
+
     def _compute(self, site: DotSite, rule: QuantizationRule, ops: list, rest: list) -> list:
         rest = [materialize(r) for r in rest]
         if not isinstance(rule, QtRule) or rule.bwd_qtype is None:
             return bind_dequantized(site.eqn, ops, rest)
+        key = None
         if rule.bwd_stochastic_rounding is not None:
-            raise NotImplementedError(
-                f"{rule._describe()}: bwd_stochastic_rounding={rule.bwd_stochastic_rounding!r} is not supported "
-                "yet; use None (round to nearest)"
-            )
-        return _quantized_backward(site, rule, ops, rest)
+            if self.bwd_rng is None:
+                raise ValueError(
+                    f"{rule._describe()}: bwd_stochastic_rounding={rule.bwd_stochastic_rounding!r} needs random "
+                    "bits: pass QtProvider(rules, bwd_rng=jax.random.key(...))"
+                )
+            import zlib
+
+            import jax
+
+            key = jax.random.fold_in(self.bwd_rng, zlib.crc32(f"{site.module_path}/{site.kind}{site.index}".encode()) & 0x7FFFFFFF)
+        side = site.weight_sides[0] if len(site.weight_sides) == 1 else None
+        return _quantized_backward(site, rule, ops, rest, side, key)
 
 
-def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list) -> list:
+def _noise(key: Any, shape: tuple[int, ...], mode: str | None) -> Any:
+    """Uniform noise in [-0.5, 0.5) for stochastic rounding (8 random bits for ``low_bit_uniform``)."""
+    if key is None or mode is None:
+        return None
+    import jax
+
+    if mode == "low_bit_uniform":
+        return (jax.random.randint(key, shape, 0, 256).astype("float32") + 0.5) / 256 - 0.5
+    return jax.random.uniform(key, shape, minval=-0.5, maxval=0.5)
+
+
+def _token_axes(site: DotSite, weight_side: int) -> list[int]:
+    """Axes of the dot's output that index the activation's free axes (tokens)."""
+    (lc, rc), (lb, _) = site.eqn.params["dimension_numbers"]
+    nl = len(site.eqn.invars[0].aval.shape) - len(lc) - len(lb)
+    nr = len(site.eqn.invars[1].aval.shape) - len(rc) - len(lb)
+    nb = len(lb)
+    return list(range(nb, nb + nl)) if weight_side == 1 else list(range(nb + nl, nb + nl + nr))
+
+
+def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list, weight_side: int | None, key: Any) -> list:
     import jax
 
     def run(*operands: Any) -> list:
@@ -242,9 +282,22 @@ def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list) -> l
         return run(*operands), operands
 
     def bwd(saved: tuple, ct: list) -> tuple:
-        ct_q = [fake_quant(c, rule.bwd_qtype, method=rule.bwd_calibration_method, where="cotangent") for c in ct]
+        mode = rule.bwd_stochastic_rounding
+        ct_x = [fake_quant(c, rule.bwd_qtype, method=rule.bwd_calibration_method, where="cotangent", noise=_noise(key, c.shape, mode)) for c in ct]
         _, vjp = jax.vjp(run, *saved)
-        return vjp(ct_q)
+        grads = list(vjp(ct_x))
+        tile = rule.bwd_weight_grad_tile_size
+        if tile is not None and weight_side is not None and site.eqn.primitive.name == "dot_general":
+            tokens = _token_axes(site, weight_side)
+            where = f"{rule._describe()}: weight-gradient cotangent of {site.kind}{site.index} in {site.module_path!r}"
+            ct_w = [
+                fake_quant(c, rule.bwd_qtype, reduce_axes=tokens, tile=(tokens[-1], tile_length(tile, c.shape[tokens[-1]], where)),
+                           method=rule.bwd_calibration_method, where=where,
+                           noise=_noise(None if key is None else jax.random.fold_in(key, 1), c.shape, mode))
+                for c in ct
+            ]
+            grads[weight_side] = vjp(ct_w)[weight_side]
+        return tuple(grads)
 
     dot.defvjp(fwd, bwd)
     return dot(*ops)

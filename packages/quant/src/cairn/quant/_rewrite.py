@@ -86,13 +86,15 @@ class DotSite:
     ``kind`` is ``dot_general``, ``einsum``, ``conv_general_dilated`` or ``ragged_dot``;
     ``module_path`` is the first weight operand's module path, or, for a dot between
     activations, the ``jax.named_scope`` path it was traced under; ``index`` counts the
-    ops of this kind in that module in program order; ``eqn`` is the traced equation.
+    ops of this kind in that module in program order; ``eqn`` is the traced equation;
+    ``weight_sides`` the operand positions (0, 1) that are weights.
     """
 
     kind: str
     module_path: str
     index: int
     eqn: Any
+    weight_sides: tuple[int, ...] = ()
 
     @property
     def params(self) -> dict:
@@ -205,7 +207,8 @@ class Interpreter:
         counter_kind = "dot_general" if kind == "einsum" else kind
         index = self._counters.get((module, counter_kind), 0)
         self._counters[(module, counter_kind)] = index + 1
-        return DotSite(kind, module, index, eqn)
+        sides = tuple(i for i, x in enumerate(invals[:2]) if isinstance(x, WeightRef))
+        return DotSite(kind, module, index, eqn, sides)
 
 
 # --- sub-programs ---

@@ -120,10 +120,12 @@ class QtRule(QuantizationRule):
     Args:
       bwd_qtype: qtype of the backward pass's dot operands, or ``None``.
       bwd_calibration_method: calibration of the backward operands.
-      bwd_weight_grad_tile_size: tile size of the weight-gradient dot (not supported
-        yet: must be ``None``).
-      bwd_stochastic_rounding: ``None``, ``"uniform"`` or ``"low_bit_uniform"`` (only
-        ``None``, round to nearest, is supported yet; the others raise when used).
+      bwd_weight_grad_tile_size: the weight gradient's cotangent is quantized per output
+        channel in tiles of this many tokens (an ``int``, or a float ``1/tile_count``)
+        instead of per tensor.
+      bwd_stochastic_rounding: ``None`` (round to nearest), ``"uniform"`` (uniform noise in
+        ``[-0.5, 0.5)`` before rounding) or ``"low_bit_uniform"`` (the same noise from 8
+        random bits); needs ``QtProvider(..., bwd_rng=key)``.
       disable_channelwise_axes: use one scale for the whole tensor instead of one per
         channel (per-tensor scales).
     """
@@ -142,11 +144,9 @@ class QtRule(QuantizationRule):
             except ValueError as e:
                 raise ValueError(f"{self._describe()}: bwd_qtype: {e}") from None
         parse_method(self.bwd_calibration_method)
-        if self.bwd_weight_grad_tile_size is not None:
-            raise NotImplementedError(
-                f"{self._describe()}: bwd_weight_grad_tile_size is not supported yet (the backward "
-                "cotangent is quantized per tensor); leave it None"
-            )
+        tile = self.bwd_weight_grad_tile_size
+        if tile is not None and (isinstance(tile, bool) or not tile > 0 or (isinstance(tile, float) and tile > 1)):
+            raise ValueError(f"{self._describe()}: bwd_weight_grad_tile_size must be a positive int or a float in (0, 1], got {tile!r}")
         if self.bwd_stochastic_rounding not in (None, "uniform", "low_bit_uniform"):
             raise ValueError(
                 f"{self._describe()}: bwd_stochastic_rounding must be None, 'uniform' or "
