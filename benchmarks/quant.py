@@ -29,6 +29,10 @@ CONFIGS = {
     "w8a8_static": {"weight_qtype": "int8", "act_qtype": "int8", "act_static_scale": True},
     "w4_tile128": {"weight_qtype": "int4", "tile_size": 128},
     "fp8": {"weight_qtype": "float8_e4m3fn", "act_qtype": "float8_e4m3fn"},
+    "nf4": {"weight_qtype": "nf4"},
+    # ours: GPTQ on the calibration input; Qwix: its plain w4 per-tile 128 beside it (its
+    # contrib GPTQ needs a separate calibration-model flow this script does not run)
+    "gptq_w4_tile128": {"weight_qtype": "int4", "tile_size": 128, "gptq": True},
 }
 
 
@@ -126,11 +130,16 @@ def _rel(a, b) -> float:
 
 def _ours(model: CairnModel, x, cfg: dict, rounds: int) -> dict:
     call = lambda m, x: m(x)  # noqa: E731
-    provider = quant.PtqProvider([quant.QuantizationRule(**cfg)])
+    cfg = dict(cfg)
+    gptq = cfg.pop("gptq", False)
+    provider = quant.PtqProvider([(quant.GptqRule if gptq else quant.QuantizationRule)(**cfg)])
     t = time.perf_counter()
     if cfg.get("act_static_scale"):
         quant.calibrate(call, provider, [(model, x)])
-    qmodel = jax.block_until_ready(quant.quantize_params(model, provider, call, x))
+    if gptq:
+        qmodel = jax.block_until_ready(quant.gptq_quantize_params(model, provider, call, [(x,)]))
+    else:
+        qmodel = jax.block_until_ready(quant.quantize_params(model, provider, call, x))
     quantize_s = time.perf_counter() - t
     fn = jax.jit(quant.quantize(call, provider))
     return {"quantize_s": quantize_s, "out": fn(qmodel, x), "ms": _best_ms(fn, (qmodel, x), rounds), "bytes": _weight_bytes(qmodel)}
@@ -139,6 +148,7 @@ def _ours(model: CairnModel, x, cfg: dict, rounds: int) -> dict:
 def _qwix(model: NnxModel, x, cfg: dict, rounds: int) -> dict:
     import qwix
 
+    cfg = {k: v for k, v in cfg.items() if k != "gptq"}
     t = time.perf_counter()
     qmodel = qwix.quantize_model(model, qwix.PtqProvider([qwix.QuantizationRule(**cfg)]), x)
     fn = nnx.jit(lambda m, x: m(x))
