@@ -571,3 +571,20 @@ def test_packed_params_training_loop_with_grad_of_packed():
         p2 = optim.apply_updates(p2, u)
     for a, b in zip(jax.tree.leaves(pp.unpack()), jax.tree.leaves(p2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_masked_and_partition_align_leaves_past_a_none_subtree():
+    # a None subtree in the params is an empty node, not a leaf: the leaves after it keep
+    # their own updates (they came back shifted by one, the selected one as None)
+    params = {"a": jnp.ones(2), "b": None, "c": jnp.ones(3)}
+    grads = {"a": jnp.full(2, 2.0), "b": None, "c": jnp.full(3, 2.0)}
+    tx = optim.masked(optim.scale(-1.0), {"a": False, "b": False, "c": True})
+    u, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(u["a"]), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(u["c"]), [-2.0, -2.0, -2.0])
+    assert u["b"] is None
+    tx = optim.partition({"x": optim.scale(-1.0), "y": optim.scale(3.0)},
+                         {"a": "x", "b": "x", "c": "y"})
+    u, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(u["a"]), [-2.0, -2.0])
+    np.testing.assert_array_equal(np.asarray(u["c"]), [6.0, 6.0, 6.0])

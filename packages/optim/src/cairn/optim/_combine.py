@@ -20,7 +20,7 @@ from cairn.optim._base import (
     eval_schedule,
     mark_extra,
 )
-from cairn.optim._masking import is_zero_tx, leaves_with_none, select_leaves
+from cairn.optim._masking import is_zero_tx, leaves_like, select_leaves
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._rules import resolve_per_leaf
 from cairn.optim._scaling import ScaleByLearningRateState
@@ -105,7 +105,7 @@ def partition(transforms: Mapping[Any, GradientTransformation], param_labels: An
             sub_u = select_leaves(updates, keep)
             sub_p = select_leaves(params, keep) if params is not None else None
             u_l, new_states[lab] = call_update(tx, sub_u, state.inner_states[lab], sub_p, extra)
-            for i, v in enumerate(leaves_with_none(u_l)):
+            for i, v in enumerate(leaves_like(td, u_l)):
                 if keep[i]:
                     out[i] = v
         return jax.tree_util.tree_unflatten(td, out), PartitionState(new_states)

@@ -13,10 +13,6 @@ from cairn.optim._rules import resolve_per_leaf
 __all__ = ["masked", "freeze", "MaskedState"]
 
 
-def _is_none(x):
-    return x is None
-
-
 def select_leaves(tree: Any, keep: list[bool]) -> Any:
     """``tree`` with the leaves where ``keep`` is False replaced by None (empty subtrees)."""
     if tree is None:
@@ -27,8 +23,11 @@ def select_leaves(tree: Any, keep: list[bool]) -> Any:
     return jax.tree_util.tree_unflatten(td, [x if k else None for x, k in zip(leaves, keep)])
 
 
-def leaves_with_none(tree: Any) -> list:
-    return jax.tree_util.tree_flatten(tree, is_leaf=_is_none)[0]
+def leaves_like(td: Any, tree: Any) -> list:
+    """The leaves of an inner transformation's updates ``tree`` at the leaf positions of
+    ``td`` (the full updates' treedef): None where the inner tree left a leaf out. A None
+    subtree of the params is an empty node of ``td``, so it shifts nothing."""
+    return td.flatten_up_to(tree)
 
 
 def is_zero_tx(tx: Any) -> bool:
@@ -62,7 +61,7 @@ def masked(inner: GradientTransformation, mask: Any, *,
         sub_u = select_leaves(updates, keep)
         sub_p = select_leaves(params, keep) if params is not None else None
         u_m, s = call_update(inner, sub_u, state.inner_state, sub_p, extra)
-        out = [v if k else x for x, v, k in zip(leaves, leaves_with_none(u_m), keep)]
+        out = [v if k else x for x, v, k in zip(leaves, leaves_like(td, u_m), keep)]
         return jax.tree_util.tree_unflatten(td, out), MaskedState(s)
 
     return GradientTransformation(init, update)
