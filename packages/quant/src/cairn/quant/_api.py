@@ -8,6 +8,7 @@ from typing import Any
 
 from cairn.core_array import QArray, path_of
 from cairn.quant._providers import QuantizationProvider
+from cairn.quant._qtypes import required
 from cairn.quant._rewrite import Interpreter, WeightRef, materialize
 
 __all__ = ["quantize", "quantize_params", "calibrate"]
@@ -56,10 +57,10 @@ class _Flat:
         leaves += kw_leaves
         kinds += ["a" if _is_array(x) else "s" for x in kw_leaves]
         self.leaves, self.kinds = leaves, kinds
-        self.sizes = [td.num_leaves for td in self.treedef_args]
+        self.sizes = [len(jax.tree_util.tree_leaves(a, is_leaf=_is_q)) for a in args]
 
     def key(self) -> tuple:
-        parts = []
+        parts: list[tuple] = []
         for leaf, kind in zip(self.leaves, self.kinds):
             if kind == "s":
                 parts.append(("s", leaf if _hashable(leaf) else id(leaf)))
@@ -191,7 +192,7 @@ def quantize_params(
             out.append(leaf)
             continue
         rule, axes, tile = plan
-        q = quantize_array(leaf, rule.weight_qtype, reduce_axes=axes, tile=tile, method=rule.weight_calibration_method, where=path_of(kp))
+        q = quantize_array(leaf, required(rule.weight_qtype, f"{rule._describe()}.weight_qtype"), reduce_axes=axes, tile=tile, method=rule.weight_calibration_method, where=path_of(kp))
         out.append(jax.block_until_ready(q))
     return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -20,7 +20,7 @@ import numpy as np
 from cairn.core_array import QArray, path_of
 from cairn.quant._numerics import quantize_array, tile_length
 from cairn.quant._providers import PtqProvider, input_scale_path
-from cairn.quant._qtypes import qtype_info
+from cairn.quant._qtypes import qtype_info, required
 from cairn.quant._recording import InputRecorder, record_inputs
 from cairn.quant._rules import QuantizationRule
 
@@ -76,7 +76,7 @@ def _search(w: np.ndarray, x: np.ndarray, act: np.ndarray, rule: AwqRule, tile: 
         alpha = i / rule.n_grid
         s = np.maximum(act, 1e-8) ** alpha
         s = s / np.sqrt(s.max() * s.min())
-        q = quantize_array(jnp.asarray(w * s[:, None], jnp.float32), rule.weight_qtype, reduce_axes=(0,), tile=tile,
+        q = quantize_array(jnp.asarray(w * s[:, None], jnp.float32), required(rule.weight_qtype, "AwqRule.weight_qtype"), reduce_axes=(0,), tile=tile,
                            method=rule.weight_calibration_method)
         out = (x / s[None, :]) @ np.asarray(q.dequantize(), np.float64)
         loss = float(np.mean((out - ref) ** 2))
@@ -109,6 +109,7 @@ def awq_quantize_params(params: dict, provider: PtqProvider, fn: Callable, batch
             continue
         total, count, sample, contract = stats
         rule = recorder.rule_of[path]
+        assert isinstance(rule, AwqRule)  # the recorder keeps AwqRule matches only
         if list(contract) != [0] or np.ndim(leaf) != 2:
             raise ValueError(f"{rule._describe()} on {path!r}: AWQ handles [in, out] weights contracted on axis 0 here")
         w = np.asarray(leaf, np.float64)

@@ -20,7 +20,7 @@ import numpy as np
 from cairn.core_array import QArray, QuantLayout, path_of
 from cairn.quant._numerics import tile_length
 from cairn.quant._providers import PtqProvider
-from cairn.quant._qtypes import qtype_info
+from cairn.quant._qtypes import qtype_info, required
 from cairn.quant._recording import InputRecorder, record_inputs
 from cairn.quant._rules import QuantizationRule
 
@@ -83,7 +83,7 @@ def gptq_matrix(
 class _HessianRecorder(InputRecorder):
     """Sums ``X^T X`` of each GPTQ weight's inputs."""
 
-    rule_class = None  # set below (GptqRule)
+    rule_class = GptqRule
 
     def __init__(self, rules: Sequence[QuantizationRule]) -> None:
         super().__init__(rules)
@@ -95,9 +95,6 @@ class _HessianRecorder(InputRecorder):
         total = xtx if prev is None else prev[0] + xtx
         count = x2.shape[0] + (0 if prev is None else prev[1])
         self.sums[path] = (total, count, leaf_contract)
-
-
-_HessianRecorder.rule_class = GptqRule
 
 
 def _to_matrix(w: np.ndarray, contract: list[int]) -> tuple[np.ndarray, list[int], list[int]]:
@@ -168,11 +165,12 @@ def gptq_quantize_params(
 def _gptq_leaf(recorder: _HessianRecorder, path: str, leaf: Any, entry: tuple, block: int, damping: float) -> QArray:
     total, count, leaf_contract = entry
     rule = recorder.rule_of[path]
+    qtype = required(rule.weight_qtype, f"{rule._describe()}.weight_qtype")
     w, contract, free = _to_matrix(np.asarray(leaf), list(leaf_contract))
     tile = None if rule.tile_size is None else tile_length(rule.tile_size, w.shape[0], f"{rule._describe()} on {path!r}")
     if tile is not None and len(contract) != 1:
         raise ValueError(f"{rule._describe()} on {path!r}: tiles need exactly one contracted axis, got {len(contract)}")
     hessian = 2.0 * np.asarray(total, np.float64) / max(count, 1)
-    q, scales = gptq_matrix(w, hessian, rule.weight_qtype, tile=tile, block_size=block, damping=damping)
-    return _to_qarray(q, scales, leaf, contract, free, tile, rule.weight_qtype)
+    q, scales = gptq_matrix(w, hessian, qtype, tile=tile, block_size=block, damping=damping)
+    return _to_qarray(q, scales, leaf, contract, free, tile, qtype)
 

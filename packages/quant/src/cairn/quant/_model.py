@@ -146,7 +146,7 @@ def _register() -> None:
     jax.tree_util.register_pytree_with_keys(
         QuantizedModel,
         lambda q: (((jax.tree_util.GetAttrKey("model"), q.model),), (q.provider, q.method)),
-        lambda aux, children: QuantizedModel(children[0], *aux),
+        lambda aux, children: QuantizedModel(next(iter(children)), *aux),
     )
 
 

@@ -140,7 +140,7 @@ def quantize_with_bounds(
         scale, zero = _block_or_table_scale(lo, hi, info), None
     else:
         scale, zero = _scale_zero_point(lo, hi, info, symmetric)
-    tile = (layout.axes[0] % x.ndim, layout.tile_size) if layout.kind == "per_tile" else None
+    tile = (layout.axes[0] % x.ndim, int(layout.tile_size or 1)) if layout.kind == "per_tile" else None
     se = scale.astype(jnp.float32) if tile is None else jnp.repeat(scale.astype(jnp.float32), tile[1], axis=tile[0])
     scaled = x.astype(jnp.float32) / se
     if noise is not None:

@@ -16,7 +16,7 @@ from cairn.core_array import QArray, QuantLayout
 from cairn.quant._calibration import bounds, parse_method
 from cairn.quant._dots import bind_dequantized, operand_axes, quantized_dot
 from cairn.quant._numerics import fake_quant, quantize_array, quantize_with_bounds, tile_length
-from cairn.quant._qtypes import qtype_info
+from cairn.quant._qtypes import qtype_info, required
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QtRule, QuantizationRule
 
@@ -146,10 +146,11 @@ class QuantizationProvider:
         import jax.numpy as jnp
 
         method = rule.act_calibration_method or "absmax"
-        block = qtype_info(rule.act_qtype).block
+        act_qtype = required(rule.act_qtype, f"{rule._describe()}.act_qtype")
+        block = qtype_info(act_qtype).block
         tile = None if block is None or tile_axis is None else (tile_axis, block)
         if not rule.act_static_scale or block is not None:
-            q = quantize_array(x, rule.act_qtype, reduce_axes=reduce_axes, tile=tile, method=method, where="activation")
+            q = quantize_array(x, act_qtype, reduce_axes=reduce_axes, tile=tile, method=method, where="activation")
             return self._wrap(q, x)
         if key not in self._static:
             raise ValueError(
@@ -160,14 +161,14 @@ class QuantizationProvider:
         lo, hi = self._static[key]
         symmetric = parse_method(method).symmetric
         ones = (1,) * len(x.shape)
-        q = quantize_with_bounds(x, rule.act_qtype, jnp.reshape(lo, ones), jnp.reshape(hi, ones), QuantLayout.per_tensor(), symmetric=symmetric)
+        q = quantize_with_bounds(x, act_qtype, jnp.reshape(lo, ones), jnp.reshape(hi, ones), QuantLayout.per_tensor(), symmetric=symmetric)
         return self._wrap(q, x)
 
     def _weight(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> Any:
         q = _prequantized_view(ref, reduce_axes, tile) if isinstance(ref.value, QArray) else None
         if q is None:
             q = quantize_array(
-                ref.materialize(), rule.weight_qtype, reduce_axes=reduce_axes, tile=tile,
+                ref.materialize(), required(rule.weight_qtype, f"{rule._describe()}.weight_qtype"), reduce_axes=reduce_axes, tile=tile,
                 method=rule.weight_calibration_method, where=ref.path,
             )
         return self._wrap(q, None if isinstance(ref.value, QArray) else ref)
@@ -281,9 +282,11 @@ def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list, weig
     def fwd(*operands: Any) -> tuple[list, tuple]:
         return run(*operands), operands
 
+    bwd_qtype = required(rule.bwd_qtype, f"{rule._describe()}.bwd_qtype")
+
     def bwd(saved: tuple, ct: list) -> tuple:
         mode = rule.bwd_stochastic_rounding
-        ct_x = [fake_quant(c, rule.bwd_qtype, method=rule.bwd_calibration_method, where="cotangent", noise=_noise(key, c.shape, mode)) for c in ct]
+        ct_x = [fake_quant(c, bwd_qtype, method=rule.bwd_calibration_method, where="cotangent", noise=_noise(key, c.shape, mode)) for c in ct]
         _, vjp = jax.vjp(run, *saved)
         grads = list(vjp(ct_x))
         tile = rule.bwd_weight_grad_tile_size
@@ -291,7 +294,7 @@ def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list, weig
             tokens = _token_axes(site, weight_side)
             where = f"{rule._describe()}: weight-gradient cotangent of {site.kind}{site.index} in {site.module_path!r}"
             ct_w = [
-                fake_quant(c, rule.bwd_qtype, reduce_axes=tokens, tile=(tokens[-1], tile_length(tile, c.shape[tokens[-1]], where)),
+                fake_quant(c, bwd_qtype, reduce_axes=tokens, tile=(tokens[-1], tile_length(tile, c.shape[tokens[-1]], where)),
                            method=rule.bwd_calibration_method, where=where,
                            noise=_noise(None if key is None else jax.random.fold_in(key, 1), c.shape, mode))
                 for c in ct

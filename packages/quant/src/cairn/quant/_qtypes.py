@@ -73,6 +73,17 @@ QTYPES: dict[str, QTypeInfo] = {
 }
 
 
+def required(qtype: str | None, what: str) -> str:
+    """``qtype`` itself; a rule field the caller has already checked is set.
+
+    Raises:
+      ValueError: it is ``None`` (``what`` names the rule field).
+    """
+    if qtype is None:
+        raise ValueError(f"{what} is not set")
+    return qtype
+
+
 def qtype_info(qtype: object) -> QTypeInfo:
     """The :class:`QTypeInfo` of ``qtype`` (a name, a NumPy/ml_dtypes dtype or a JAX dtype).
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class InputRecorder(PtqProvider):
         refs = [isinstance(x, WeightRef) for x in ops]
         if site.eqn.primitive.name == "dot_general" and any(refs):
             rule = self._match(site, True)
-            if self.rule_class is not None and isinstance(rule, self.rule_class):
+            if rule is not None and self.rule_class is not None and isinstance(rule, self.rule_class):
                 side = refs.index(True)
                 self.rule_of.setdefault(ops[side].path, rule)
                 self._matrix(site, side, ops)
@@ -59,7 +59,10 @@ class InputRecorder(PtqProvider):
         self.record(ref.path, x2, tuple(perm[p[0]] for p in pairs))
 
 
-def record_inputs(recorder: InputRecorder, fn: Callable, params: Any, batches: Iterable[Sequence[Any]], what: str) -> InputRecorder:
+R = TypeVar("R", bound="InputRecorder")
+
+
+def record_inputs(recorder: R, fn: Callable, params: Any, batches: Iterable[Sequence[Any]], what: str) -> R:
     """Run ``fn(params, *batch)`` for every batch through ``recorder``.
 
     Raises:

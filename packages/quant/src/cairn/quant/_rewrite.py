@@ -116,6 +116,7 @@ def _scope(eqn: Any) -> tuple[str, bool]:
 @contextlib.contextmanager
 def _eqn_context(eqn: Any) -> Iterator[None]:
     """Keep the traced equation's source location and name scope on what we emit."""
+    ctx: Any
     try:
         from jax._src import source_info_util as siu
 
@@ -256,10 +257,10 @@ def _while(interp: Interpreter, eqn: Any, invals: list) -> list:
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], [materialize(x) for x in invals[nc + nb :]]
 
-    def cond_fn(c: tuple) -> Any:
+    def cond_fn(c: Any) -> Any:
         return materialize(interp.run_closed(p["cond_jaxpr"], [*cconsts, *c])[0])
 
-    def body_fn(c: tuple) -> tuple:
+    def body_fn(c: Any) -> Any:
         return tuple(materialize(o) for o in interp.run_closed(p["body_jaxpr"], [*bconsts, *c]))
 
     return list(jax.lax.while_loop(cond_fn, body_fn, tuple(carry)))

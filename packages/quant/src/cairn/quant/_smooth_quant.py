@@ -73,6 +73,7 @@ def smooth_quant_params(params: dict, provider: PtqProvider, fn: Callable, batch
             continue
         act_max, contract = entry
         rule = recorder.rule_of[path]
+        assert isinstance(rule, SmoothQuantRule)  # the recorder keeps SmoothQuantRule matches only
         if list(contract) != [0] or np.ndim(leaf) != 2:
             raise ValueError(f"{rule._describe()} on {path!r}: SmoothQuant handles [in, out] weights contracted on axis 0")
         w = np.asarray(leaf, np.float64)
