@@ -189,3 +189,18 @@ def test_quantized_params_round_trip_through_cairn_checkpoint(tmp_path):
     assert back["l2"]["kernel"].layout == qp["l2"]["kernel"].layout
     f = quant.quantize(mlp, provider)
     np.testing.assert_array_equal(np.asarray(f(back, x)), np.asarray(f(qp, x)))
+
+
+def test_kv_cache_decode_through_quantize_model_equals_the_quantized_full_pass():
+    # the cache the decode calls write must persist between calls of the quantized model
+    mha = nn.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nn.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")])
+    full = quant.quantize_model(mha, provider)(x, is_causal=True)
+    mha.init_cache((2, 8, 16))
+    q = quant.quantize_model(mha, provider)
+    prompt = q(x[:, :3], decode=True)
+    steps = [q(x[:, t : t + 1], decode=True) for t in (3, 4)]
+    np.testing.assert_allclose(np.asarray(jnp.concatenate([prompt, *steps], axis=1)), np.asarray(full), atol=2e-5)
+    float_full = nn.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nn.Rngs(0))(x, is_causal=True)
+    assert 0 < float(jnp.abs(full - float_full).max()) < 0.05  # quantized, and close
