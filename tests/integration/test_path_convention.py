@@ -245,13 +245,8 @@ def test_optim_mask_rules_match_core_array_paths_exactly(tree) -> None:
         assert _zeroed_by_mask(params, path) == [path]
 
 
-@pytest.mark.xfail(
-    reason="pre-existing (also at ae0d941): optim.masked flattens the inner updates with "
-    "None as a leaf, so a None subtree in the params shifts every later leaf by one and "
-    "the selected leaf's update comes back as None; reported to the optim helper",
-    strict=False,
-)
 def test_optim_mask_rules_with_a_none_subtree() -> None:
+    """A None (empty subtree) in the params does not shift the mask (fixed in 27c440c)."""
     params = _nested()  # holds blocks/0/skip = None
     for path in flatten_with_paths(params):
         assert _zeroed_by_mask(params, path) == [path]
