@@ -56,3 +56,28 @@ def test_specs_json_keeps_qarray_qtype_and_layout():
     assert back["layers"][0]["bias"] == ArraySpec((8,), "float32")
     nf4 = QArray(np.zeros((2, 3), ml_dtypes.uint4), np.ones((2, 1), np.float32), qtype="nf4", layout=QuantLayout.per_channel(0))
     assert specs_from_json(specs_to_json(spec_of({"w": nf4})))["w"].qtype == "nf4"
+
+
+@pytest.mark.parametrize("name,lo,hi", [("int4", -8, 8), ("uint4", 0, 16), ("int2", -2, 2), ("uint2", 0, 4)])
+@pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 2, 8)])
+def test_jax_packing_is_bit_for_bit_numpys(name, lo, hi, shape):
+    jax = pytest.importorskip("jax")
+    from cairn.core_array import pack_bits, unpack_bits
+
+    dt = getattr(ml_dtypes, name)
+    x = np.random.default_rng(sum(shape)).integers(lo, hi, size=shape).astype(dt)
+    packed = jax.jit(pack_bits)(jax.numpy.asarray(x))
+    assert isinstance(packed, jax.Array)
+    np.testing.assert_array_equal(np.asarray(packed), pack_bits(x))
+    back = unpack_bits(jax.numpy.asarray(pack_bits(x)), name, shape[-1])
+    np.testing.assert_array_equal(np.asarray(back).astype(np.int64), x.astype(np.int64))
+
+
+def test_jax_packing_of_float4_keeps_the_bit_patterns():
+    jax = pytest.importorskip("jax")
+    from cairn.core_array import pack_bits, unpack_bits
+
+    f4 = np.array([[0, 0.5, -1.5, 6, -6, 3, 2, -0.5, 4, -0.0]], ml_dtypes.float4_e2m1fn)
+    np.testing.assert_array_equal(np.asarray(pack_bits(jax.numpy.asarray(f4))), pack_bits(f4))
+    back = unpack_bits(jax.numpy.asarray(pack_bits(f4)), "float4_e2m1fn", 10)
+    np.testing.assert_array_equal(np.asarray(back).astype(np.float32), f4.astype(np.float32))

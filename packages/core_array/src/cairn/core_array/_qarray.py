@@ -365,10 +365,14 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
     integer array with values representable in ``bits`` bits. The last axis shrinks to
     ``ceil(n * bits / 8)``.
 
+    A JAX array is packed with JAX operations (under ``jit`` too) and stays a JAX array.
+
     >>> import ml_dtypes
     >>> pack_bits(np.array([1, -1, 7], ml_dtypes.int4))
     array([241,   7], dtype=uint8)
     """
+    if not isinstance(x, np.ndarray | np.generic) and hasattr(x, "dtype") and _xp(x) is not np:
+        return _pack_bits_jax(x, bits)
     x = np.asarray(x)
     b = _bits_of(x.dtype, bits) if bits is None else int(bits)
     if b not in (1, 2, 4):
@@ -397,6 +401,8 @@ def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
     >>> unpack_bits(np.array([241, 7], np.uint8), "int4", 3)
     array([1, -1, 7], dtype=int4)
     """
+    if not isinstance(packed, np.ndarray | np.generic) and hasattr(packed, "dtype") and _xp(packed) is not np:
+        return _unpack_bits_jax(packed, dtype, length)
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
         raise ValueError(f"unpack_bits expects uint8 input, got {packed.dtype}")
@@ -415,3 +421,60 @@ def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
         sign = (raw >> (b - 1)) & 1
         raw = raw | (sign * np.uint8((0xFF << b) & 0xFF)).astype(np.uint8)
     return np.ascontiguousarray(raw).view(info.dtype)
+
+
+def _pack_bits_jax(x: Any, bits: int | None) -> Any:
+    """:func:`pack_bits` in JAX operations (same layout, bit for bit)."""
+    import jax.numpy as jnp
+
+    b = _bits_of(np.dtype(x.dtype), bits) if bits is None else int(bits)
+    if b not in (1, 2, 4):
+        raise ValueError(f"pack_bits packs 1-, 2- or 4-bit values, got bits={b} for dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("pack_bits needs at least one axis")
+    per, mask = 8 // b, (1 << b) - 1
+    # float4: its bit pattern, not its value
+    wide = _float4_bits(x) if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.int32)
+    raw = (wide & mask).astype(jnp.uint8)
+    n = x.shape[-1]
+    pad = (-n) % per
+    if pad:
+        raw = jnp.concatenate([raw, jnp.zeros(x.shape[:-1] + (pad,), jnp.uint8)], axis=-1)
+    raw = raw.reshape(x.shape[:-1] + ((n + pad) // per, per))
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * b).astype(jnp.uint8)
+    return jnp.bitwise_or.reduce(raw << shifts, axis=-1).astype(jnp.uint8)
+
+
+def _float4_bits(x: Any) -> Any:
+    """The 4-bit code of each float4_e2m1fn value (sign, 2 exponent bits, 1 mantissa bit)."""
+    import jax.numpy as jnp
+
+    values = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
+    v = x.astype(jnp.float32)
+    code = jnp.argmin(jnp.abs(jnp.abs(v)[..., None] - values), axis=-1).astype(jnp.int32)
+    return code | (jnp.signbit(v).astype(jnp.int32) << 3)
+
+
+def _unpack_bits_jax(packed: Any, dtype: Any, length: int) -> Any:
+    """:func:`unpack_bits` in JAX operations."""
+    import jax.numpy as jnp
+
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"unpack_bits expects uint8 input, got {packed.dtype}")
+    info = dtype_info(dtype)
+    b = info.bits
+    if b not in (1, 2, 4):
+        raise ValueError(f"unpack_bits: {info.name} is not a 1-, 2- or 4-bit type")
+    per = 8 // b
+    if length > packed.shape[-1] * per or length < 0:
+        raise ValueError(f"unpack_bits: {length} values do not fit {packed.shape[-1]} bytes of {b}-bit values")
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * b).astype(jnp.uint8)
+    raw = ((packed[..., None] >> shifts) & ((1 << b) - 1)).astype(jnp.int32)
+    raw = raw.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))[..., :length]
+    if info.kind == "float":
+        values = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
+        mag = values[raw & 7]
+        return jnp.where((raw >> 3) & 1, -mag, mag).astype(info.dtype)
+    if info.kind == "int":
+        raw = raw - ((raw >> (b - 1)) & 1) * (1 << b)
+    return raw.astype(info.dtype)
