@@ -67,7 +67,7 @@ def test_partial_restore_by_path_after_a_model_change(tmp_path):
     # training continues from the restored state
     _train(tx, got["params"], steps=1)
     step = jax.jit(lambda p, s, g: tx.update(g, s, p))
-    u, s = step(got["params"], got["opt"], jax.tree.map(jnp.ones_like, got["params"]))
+    _, s = step(got["params"], got["opt"], jax.tree.map(jnp.ones_like, got["params"]))
     assert int(s[1][0].count) == 4
 
 
