@@ -204,3 +204,32 @@ def test_kv_cache_decode_through_quantize_model_equals_the_quantized_full_pass()
     np.testing.assert_allclose(np.asarray(jnp.concatenate([prompt, *steps], axis=1)), np.asarray(full), atol=2e-5)
     float_full = nn.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nn.Rngs(0))(x, is_causal=True)
     assert 0 < float(jnp.abs(full - float_full).max()) < 0.05  # quantized, and close
+
+
+def test_rules_on_dots_between_activations_name_the_module_by_scope():
+    # attention logits have no weight: nn's named scopes give them a module path
+    class Attn(nn.Module):
+        def __init__(self, rngs):
+            self.q = nn.Linear(8, 8, rngs=rngs)
+            self.k = nn.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return jax.nn.softmax(jnp.einsum("bd,cd->bc", self.q(x), self.k(x)))
+
+    class Net(nn.Module):
+        def __init__(self, rngs):
+            self.layers = [Attn(rngs), Attn(rngs)]
+
+        def __call__(self, x):
+            return [layer(x) for layer in self.layers]
+
+    model = Net(nn.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (5, 8))
+    provider = quant.PtqProvider([quant.QuantizationRule(module_path="layers/1", op_names=("einsum",), act_qtype="int8")])
+    sites = _seen(provider)
+    out = quant.quantize_model(model, provider)(x)
+    ref = model(x)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))  # layers/0 untouched
+    assert not np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))  # layers/1's logits quantized
+    assert ("einsum", "layers/1", 0) in sites
+    assert float(jnp.abs(out[1] - ref[1]).max()) < 0.05

@@ -228,3 +228,34 @@ def test_rngs_streams_and_errors():
     assert rngs.normal((3,), stream="params").shape == (3,)
     with pytest.raises(TypeError, match="int seed or a PRNG key"):
         nn.Rngs("seed")
+
+
+def test_module_calls_open_named_scopes_while_tracing():
+    # each submodule call is traced under jax.named_scope(<its path below the caller>), so
+    # the program names the module every op came from (profiles, cairn.quant rules)
+    class Block(nn.Module):
+        def __init__(self, rngs):
+            self.up = nn.Linear(4, 8, rngs=rngs)
+            self.down = nn.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.up(x)
+            return self.down(h * h)
+
+    class Model(nn.Module):
+        def __init__(self, rngs):
+            self.blocks = [Block(rngs), Block(rngs)]
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    model = Model(nn.Rngs(0))
+    jaxpr = jax.make_jaxpr(lambda m, x: m(x))(model, jnp.ones((2, 4)))
+    scopes = {str(e.source_info.name_stack) for e in jaxpr.jaxpr.eqns}
+    assert {"blocks/0/up", "blocks/0/down", "blocks/1/up", "blocks/1/down", "blocks/0", "blocks/1"} <= scopes
+    lowered = nn.jit(lambda m, x: m(x)).lower(model, jnp.ones((2, 4))).as_text(debug_info=True)
+    assert "blocks/1/down" in lowered
+    # eager calls are unchanged (no scope machinery left behind)
+    np.testing.assert_allclose(np.asarray(model(jnp.ones((2, 4)))), np.asarray(nn.jit(lambda m, x: m(x))(model, jnp.ones((2, 4)))), rtol=1e-6)

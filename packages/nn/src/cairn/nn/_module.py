@@ -25,6 +25,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as _jax_core
 from jax.tree_util import DictKey, SequenceKey
 
 from cairn.nn._graph import clone, iter_modules
@@ -190,17 +191,65 @@ class Module(Node):
 
 
 _CALL_DEPTH = [0]
+# While the outermost module call is traced: (module, its path below that module) per
+# active call, so each submodule call runs inside jax.named_scope(<its path>) and the
+# traced program names the module every op came from (profiles, cairn.quant's rules).
+_SCOPES: list[tuple[Any, str]] = []
+_TRACE_CTX = _jax_core.trace_ctx
+_EVAL_TRACE = _jax_core.EvalTrace
+
+
+def _child_key(parent: Any, child: Any) -> str | None:
+    """The path of ``child`` below ``parent``: an attribute, or an item of a container
+    attribute (``layers/0``); ``None`` when ``child`` is not held by ``parent``."""
+    items = parent._graph_items() if isinstance(parent, Node) else []
+    for key, value in items:
+        if value is child:
+            return str(key)
+        inner: Iterable[tuple[Any, Any]] = ()
+        if isinstance(value, Node) and not isinstance(value, Module | Variable):
+            inner = value._graph_items()
+        elif isinstance(value, Module) and type(value).__name__ in ("List", "Dict", "Sequential"):
+            inner = value._graph_items()
+        elif isinstance(value, list | tuple):
+            inner = enumerate(value)
+        elif isinstance(value, dict):
+            inner = value.items()
+        for k2, v2 in inner:
+            if v2 is child:
+                return f"{key}/{k2}"
+    return None
+
+
+def _scoped_call(fn: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
+    parent, path = _SCOPES[-1]
+    key = _child_key(parent, module)
+    _SCOPES.append((module, path if key is None else f"{path}/{key}" if path else key))
+    try:
+        if key is None:
+            return fn(module, *args, **kwargs)
+        with jax.named_scope(key):
+            return fn(module, *args, **kwargs)
+    finally:
+        _SCOPES.pop()
 
 
 def _wrap_call(fn):
     """Wrap a module class's ``__call__`` so that an exception escaping the outermost
-    module call gets a note naming the submodule (by path) that raised it."""
+    module call gets a note naming the submodule (by path) that raised it, and, while
+    tracing, each submodule call runs under ``jax.named_scope(<path below the caller>)``
+    (eager calls pay one type check at the outermost call)."""
 
     @functools.wraps(fn)
     def __call__(self, *args, **kwargs):
         if _CALL_DEPTH[0]:
-            return fn(self, *args, **kwargs)
+            if not _SCOPES:
+                return fn(self, *args, **kwargs)
+            return _scoped_call(fn, self, args, kwargs)
         _CALL_DEPTH[0] = 1
+        tracing = type(_TRACE_CTX.trace) is not _EVAL_TRACE
+        if tracing:
+            _SCOPES.append((self, ""))
         try:
             return fn(self, *args, **kwargs)
         except Exception as e:
@@ -208,6 +257,8 @@ def _wrap_call(fn):
             raise
         finally:
             _CALL_DEPTH[0] = 0
+            if tracing:
+                _SCOPES.clear()
 
     __call__._cairn_wrapped = True  # type: ignore[attr-defined]
     return __call__
