@@ -233,3 +233,24 @@ def test_rules_on_dots_between_activations_name_the_module_by_scope():
     assert not np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))  # layers/1's logits quantized
     assert ("einsum", "layers/1", 0) in sites
     assert float(jnp.abs(out[1] - ref[1]).max()) < 0.05
+
+
+def test_nn_update_with_quantize_params_runs_the_model_on_qarrays():
+    class Net(nn.Module):
+        def __init__(self, rngs):
+            self.emb = nn.Embed(10, 8, rngs=rngs)
+            self.l1 = nn.Linear(8, 16, rngs=rngs)
+            self.conv = nn.Conv(16, 4, (3,), rngs=rngs)
+
+        def __call__(self, t):
+            return self.conv(jax.nn.relu(self.l1(self.emb(t))))
+
+    model, tokens = Net(nn.Rngs(0)), jnp.array([[1, 2, 3, 4, 5]])
+    ref = model(tokens)
+    provider = quant.PtqProvider([quant.QuantizationRule(module_path="l1|conv", weight_qtype="int8")])
+    nn.update(model, nn.state(quant.quantize_params(model, provider, lambda m, t: m(t), tokens)))
+    assert type(model.l1.kernel.value).__name__ == "QArray"
+    eager = model(tokens)  # layers dequantize on the fly
+    assert float(jnp.linalg.norm(eager - ref) / jnp.linalg.norm(ref)) < 0.02
+    np.testing.assert_allclose(np.asarray(nn.jit(lambda m, t: m(t))(model, tokens)), np.asarray(eager), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(quant.quantize_model(model, provider)(tokens)), np.asarray(eager), atol=1e-5)

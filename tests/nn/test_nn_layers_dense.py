@@ -294,3 +294,23 @@ def test_lora_on_a_base_module_at_both_dtypes(dtype):
         + 2.0 * f64(x) @ f64(lora.lora_a[...]) @ f64(lora.lora_b[...])
     )
     np.testing.assert_allclose(f64(y), ref, **TOL[dtype])
+
+
+def test_layers_run_on_qarray_weights_in_float_numerics():
+    # a QArray weight (e.g. from cairn.quant.quantize_params, put in with nn.update) is
+    # dequantized on the fly: the layer equals itself with the dequantized float weight
+    from cairn.core_array import QArray, QuantLayout
+
+    layer = nn.Linear(4, 3, rngs=nn.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    q = QArray(
+        jnp.asarray(np.arange(12).reshape(4, 3) - 6, jnp.int8), jnp.full((1, 3), 0.1, jnp.float32),
+        qtype="int8", layout=QuantLayout.per_channel(1),
+    )
+    layer.kernel.value = q
+    want = x @ q.dequantize() + layer.bias.value
+    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(nn.jit(lambda m, x: m(x))(layer, x)), np.asarray(want), rtol=1e-6)
+    emb = nn.Embed(4, 3, rngs=nn.Rngs(0))
+    emb.embedding.value = q
+    np.testing.assert_allclose(np.asarray(emb(jnp.array([2]))), np.asarray(q.dequantize()[2:3]), rtol=1e-6)

@@ -18,6 +18,7 @@ from cairn.nn._linear import (
     check_input,
     default_bias_init,
     default_kernel_init,
+    dense_value,
     make_kernel_and_bias,
     promote_dtype,
     store_layer_options,
@@ -230,7 +231,7 @@ class Conv(_ConvBase):
             kd = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.kernel_dilation)]
             dil = [(n - 1) * d + 1 for n, d in zip(x.shape[1:-1], self.input_dilation)]
             padding = tuple(lax.padtype_to_pads(dil, kd, self.strides, padding))
-        kernel = self.kernel[...]
+        kernel = dense_value(self.kernel[...])
         if self.mask is not None:
             kernel = kernel * self.mask.array
         bias = self.bias[...] if self.bias is not None else None
@@ -328,7 +329,7 @@ class ConvTranspose(_ConvBase):
         rank = len(self.kernel_size)
         x, batch = self._flatten_batch(x, rank)
         padding = "VALID" if self.padding == "CIRCULAR" else self.padding
-        kernel = self.kernel[...]
+        kernel = dense_value(self.kernel[...])
         if self.mask is not None:
             kernel = kernel * self.mask.array
         bias = self.bias[...] if self.bias is not None else None

@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cairn.core_array import QArray
 from cairn.nn import _checks
 from cairn.nn import initializers as _init
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
 from cairn.nn._variables import Param, VariableMetadata
 
-__all__ = ["Einsum", "Linear", "LinearGeneral", "canonicalize_dtype", "promote_dtype"]
+__all__ = ["Einsum", "Linear", "LinearGeneral", "canonicalize_dtype", "dense_value", "promote_dtype"]
 
 DType = Any
 Initializer = Callable[..., jax.Array]
@@ -45,10 +46,18 @@ def canonicalize_dtype(*args: Any, dtype: DType | None = None, inexact: bool = T
     return dtype
 
 
+def dense_value(x: Any) -> Any:
+    """``x``, or a ``QArray``'s dequantized values (so layers run on quantized weights, e.g.
+    after ``nn.update(model, quant.quantize_params(...))``, in float numerics)."""
+    return x.dequantize() if isinstance(x, QArray) else x
+
+
 def promote_dtype(
     args: Sequence[Any], /, *, dtype: DType | None = None, inexact: bool = True
 ) -> Any:
-    """Casts every non-``None`` array of ``args`` to one common dtype (see above)."""
+    """Casts every non-``None`` array of ``args`` to one common dtype (see above); a
+    ``QArray`` argument is dequantized first."""
+    args = type(args)(dense_value(a) for a in args)  # type: ignore[call-arg]
     dt = canonicalize_dtype(*args, dtype=dtype, inexact=inexact)
     container: Callable[..., Any] = type(args)
     return container(None if a is None else jnp.asarray(a, dt) for a in args)
