@@ -51,7 +51,7 @@ class CairnBlock(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, rngs=rngs) for _ in range(4))
         self.up, self.down = nn.Linear(d, f, rngs=rngs), nn.Linear(f, d, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         h = self.ln1(x)
         x = x + self.o(_attend(self.q(h), self.k(h), self.v(h), self.heads))
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
@@ -64,7 +64,7 @@ class NnxBlock(nnx.Module):
         self.q, self.k, self.v, self.o = (nnx.Linear(d, d, rngs=rngs) for _ in range(4))
         self.up, self.down = nnx.Linear(d, f, rngs=rngs), nnx.Linear(f, d, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         h = self.ln1(x)
         x = x + self.o(_attend(self.q(h), self.k(h), self.v(h), self.heads))
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
@@ -74,7 +74,7 @@ class CairnModel(nn.Module):
     def __init__(self, d: int, f: int, heads: int, rngs: nn.Rngs) -> None:
         self.blocks = [CairnBlock(d, f, heads, rngs), CairnBlock(d, f, heads, rngs)]
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         for b in self.blocks:
             x = b(x)
         return x
@@ -86,7 +86,7 @@ class NnxModel(nnx.Module):
             NnxBlock(d, f, heads, rngs), NnxBlock(d, f, heads, rngs)
         ]
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         for b in self.blocks:
             x = b(x)
         return x
