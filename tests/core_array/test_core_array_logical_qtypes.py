@@ -81,3 +81,36 @@ def test_jax_packing_of_float4_keeps_the_bit_patterns():
     np.testing.assert_array_equal(np.asarray(pack_bits(jax.numpy.asarray(f4))), pack_bits(f4))
     back = unpack_bits(jax.numpy.asarray(pack_bits(f4)), "float4_e2m1fn", 10)
     np.testing.assert_array_equal(np.asarray(back).astype(np.float32), f4.astype(np.float32))
+
+
+@pytest.mark.parametrize("name,qtype", [("int4", "int4"), ("uint4", "nf4"), ("int2", "int2"), ("float4_e2m1fn", "mxfp4")])
+def test_packed_qarray_round_trips(name, qtype):
+    dt = getattr(ml_dtypes, name)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 4, size=(3, 10)) if name != "float4_e2m1fn" else rng.choice([0.5, -1.0, 3.0, 6.0], size=(3, 10))
+    layout = QuantLayout.per_tile(1, 2) if qtype == "mxfp4" else QuantLayout.per_channel(0)
+    scale = np.full((3, 5) if qtype == "mxfp4" else (3, 1), 0.25, np.float32)
+    q = QArray(raw.astype(dt), scale, qtype=qtype, layout=layout)
+    p = q.pack()
+    assert p.qvalue.dtype == np.uint8 and p.packed_length == 10 and p.shape == q.shape == (3, 10)
+    assert p.qvalue.shape[-1] == (10 * dtype_bits(name) + 7) // 8
+    np.testing.assert_array_equal(p.dequantize(), q.dequantize())
+    np.testing.assert_array_equal(np.asarray(p.unpack().qvalue).astype(np.float32), np.asarray(q.qvalue).astype(np.float32))
+    assert p.nbytes == q.nbytes
+    assert QArray.from_json(p.to_json()).packed_length == 10
+    too_long = 10 + 2 * (8 // dtype_bits(name))  # two bytes more than qvalue holds
+    with pytest.raises(ValueError, match=f"packed_length {too_long}"):
+        QArray(p.qvalue, scale, qtype=qtype, layout=QuantLayout.per_channel(0), packed_length=too_long)
+
+
+def dtype_bits(name: str) -> int:
+    from cairn.core_array import bit_width
+
+    return bit_width(name)
+
+
+def test_only_sub_byte_qtypes_pack():
+    q = QArray(np.zeros((2, 4), np.int8), np.ones((2, 1), np.float32), qtype="int8", layout=QuantLayout.per_channel(0))
+    assert q.pack() is q
+    with pytest.raises(ValueError, match="only sub-byte qtypes"):
+        QArray(np.zeros((2, 4), np.uint8), np.ones((2, 1), np.float32), qtype="int8", layout=QuantLayout.per_channel(0), packed_length=4)

@@ -194,3 +194,16 @@ def test_weight_grad_tiles_and_stochastic_rounding():
     assert np.linalg.norm(mean - np.asarray(exact["l2"]["kernel"])) < 0.5 * err(per_tensor)
     with pytest.raises(ValueError, match="bwd_weight_grad_tile_size"):
         quant.QtRule(weight_qtype="int8", bwd_qtype="int8", bwd_weight_grad_tile_size=0)
+
+
+@pytest.mark.parametrize("qtype", ["int4", "nf4"])
+def test_packed_weights_give_the_same_outputs(qtype):
+    p = _params()
+    provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype=qtype)])
+    qp = quant.quantize_params(p, provider, _mlp, X)
+    packed = quant.quantize_params(p, provider, _mlp, X, pack=True)
+    k = packed["l1"]["kernel"]
+    assert k.qvalue.dtype == jnp.uint8 and k.packed_length == 32 and k.qvalue.shape == (16, 16)
+    assert k.nbytes == qp["l1"]["kernel"].nbytes
+    f = jax.jit(quant.quantize(_mlp, provider))
+    np.testing.assert_array_equal(np.asarray(f(packed, X)), np.asarray(f(qp, X)))

@@ -164,9 +164,11 @@ class QArray:
 
     ``dequantize()`` computes ``(qvalue - zero_point) * scale`` in float32 and casts to
     ``dtype`` (the original dtype). ``qvalue`` holds the quantized type ``qtype``
-    unpacked (one element per value; ml_dtypes for sub-byte types); use
-    :func:`pack_bits` for storage. A JAX pytree (children: qvalue, scale, zero_point)
-    once JAX is imported.
+    unpacked (one element per value; ml_dtypes for sub-byte types), or, after
+    :meth:`pack`, sub-byte values packed into ``uint8`` along the last axis with
+    ``packed_length`` the logical length of that axis (half the memory for 4-bit types;
+    :meth:`dequantize` unpacks). A JAX pytree (children: qvalue, scale, zero_point) once
+    JAX is imported.
 
     >>> q = QArray(np.array([[2, -4]], np.int8), np.array([[0.5, 0.25]], np.float32),
     ...            qtype="int8", layout=QuantLayout.per_channel(1))
@@ -180,6 +182,7 @@ class QArray:
     qtype: str = "int8"
     layout: QuantLayout = dataclasses.field(default_factory=QuantLayout)
     dtype: str = "float32"
+    packed_length: int | None = None
 
     def __post_init__(self):
         if self.qtype not in LOGICAL_QTYPES:
@@ -189,6 +192,9 @@ class QArray:
             raise TypeError(f"QArray layout must be a QuantLayout, got {type(self.layout).__name__}")
         jax_tree_util()  # registers QArray as a pytree if JAX is in use
         vdtype = getattr(self.qvalue, "dtype", None)
+        if self.packed_length is not None:
+            self._check_packed(vdtype)
+            vdtype = None
         if vdtype is not None:
             try:
                 vname = canonical_dtype(vdtype)
@@ -205,7 +211,7 @@ class QArray:
         sshape = getattr(self.scale, "shape", None)
         if shape is None:
             return
-        shape = tuple(shape)
+        shape = self.shape
         expected = self.layout.expected_scale_shape(shape)  # checks the layout's axes too
         if sshape is None:
             return
@@ -226,9 +232,37 @@ class QArray:
             if zshape not in ((), sshape):
                 raise ValueError(f"QArray zero_point shape {zshape} must be () or the scale shape {sshape}")
 
+    def _check_packed(self, vdtype: Any) -> None:
+        bits = dtype_info(storage_dtype(self.qtype)).bits
+        if bits >= 8:
+            raise ValueError(f"QArray packed_length: only sub-byte qtypes are packed, not {self.qtype!r}")
+        if vdtype is not None and canonical_dtype(vdtype) != "uint8":
+            raise ValueError(f"QArray packed_length: a packed qvalue is uint8, got {vdtype}")
+        shape = getattr(self.qvalue, "shape", None)
+        n = int(self.packed_length or 0)
+        if shape is not None and (not shape or -(-n * bits // 8) != shape[-1]):
+            raise ValueError(
+                f"QArray packed_length {n} of {bits}-bit values needs {-(-n * bits // 8)} bytes in the last "
+                f"axis, but qvalue has shape {tuple(shape)}"
+            )
+
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.qvalue.shape)
+        shape = tuple(self.qvalue.shape)
+        return shape if self.packed_length is None else (*shape[:-1], int(self.packed_length))
+
+    def pack(self) -> QArray:
+        """The same values with sub-byte ``qvalue`` packed into ``uint8`` (NumPy or JAX)."""
+        if self.packed_length is not None or dtype_info(storage_dtype(self.qtype)).bits >= 8:
+            return self
+        return dataclasses.replace(self, qvalue=pack_bits(self.qvalue), packed_length=self.shape[-1])
+
+    def unpack(self) -> QArray:
+        """The same values with ``qvalue`` one element per value (inverse of :meth:`pack`)."""
+        if self.packed_length is None:
+            return self
+        values = unpack_bits(self.qvalue, storage_dtype(self.qtype), int(self.packed_length))
+        return dataclasses.replace(self, qvalue=values, packed_length=None)
 
     @property
     def ndim(self) -> int:
@@ -248,11 +282,16 @@ class QArray:
         total = 0
         for a in (self.qvalue, self.scale, self.zero_point):
             if a is not None and hasattr(a, "dtype"):
-                n = int(np.prod(getattr(a, "shape", ()), dtype=np.int64))
-                total += (n * dtype_info(a.dtype).bits + 7) // 8
+                shape = tuple(getattr(a, "shape", ()))
+                rows = int(np.prod(shape[:-1], dtype=np.int64)) if shape else 1
+                last = shape[-1] if shape else 1
+                # pack_bits pads each row of the last axis to whole bytes
+                total += rows * ((last * dtype_info(a.dtype).bits + 7) // 8)
         return total
 
     def dequantize(self) -> Any:
+        if self.packed_length is not None:
+            return self.unpack().dequantize()
         xp = _xp(self.qvalue)
         if self.qtype == "nf4":
             v = xp.asarray(NF4_LEVELS, xp.float32)[self.qvalue.astype(xp.int32)]
@@ -270,6 +309,7 @@ class QArray:
             "dtype": self.dtype,
             "layout": self.layout.to_json(),
             "has_zero_point": self.zero_point is not None,
+            "packed_length": self.packed_length,
         }
 
     def to_json(self) -> dict:
@@ -305,6 +345,7 @@ class QArray:
             qtype=d["qtype"],
             layout=QuantLayout.from_json(d["layout"]),
             dtype=d["dtype"],
+            packed_length=d.get("packed_length"),
         )
 
 
@@ -317,7 +358,7 @@ def _rebuild(q: QArray, children: list) -> QArray:
     new = object.__new__(QArray)
     for name, v in zip(_CHILDREN, children):
         object.__setattr__(new, name, v)
-    for name in ("qtype", "layout", "dtype"):
+    for name in ("qtype", "layout", "dtype", "packed_length"):
         object.__setattr__(new, name, getattr(q, name))
     return new
 
@@ -336,13 +377,13 @@ def _register_qarray() -> None:
             (tu.GetAttrKey("scale"), q.scale),
             (tu.GetAttrKey("zero_point"), q.zero_point),
         )
-        return children, (q.qtype, q.layout, q.dtype)
+        return children, (q.qtype, q.layout, q.dtype, q.packed_length)
 
     def unflatten(aux, children):
         q = object.__new__(QArray)
         for name, v in zip(("qvalue", "scale", "zero_point"), children):
             object.__setattr__(q, name, v)
-        for name, v in zip(("qtype", "layout", "dtype"), aux):
+        for name, v in zip(("qtype", "layout", "dtype", "packed_length"), aux):
             object.__setattr__(q, name, v)
         return q
 

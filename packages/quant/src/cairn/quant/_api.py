@@ -159,7 +159,7 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
 
 
 def quantize_params(
-    params: Any, provider: QuantizationProvider, fn: Callable | None = None, *args: Any, **kwargs: Any
+    params: Any, provider: QuantizationProvider, fn: Callable | None = None, *args: Any, pack: bool = False, **kwargs: Any
 ) -> Any:
     """``params`` with every weight the rules select replaced by a ``QArray``, leaf by leaf.
 
@@ -168,6 +168,9 @@ def quantize_params(
     quantized function once before. A weight whose path to its dot is more than
     transposes and casts (e.g. a reshape) stays float; the quantized function still
     quantizes it on the fly, with the same numerics.
+
+    With ``pack=True`` sub-byte values (int4, nf4, fp4, int2) are stored two or four to a
+    byte (``QArray.pack``): half the memory for 4-bit weights; the dots unpack them.
 
     Returns:
       A tree of ``params``' structure; selected leaves are ``QArray``s whose
@@ -193,7 +196,7 @@ def quantize_params(
             continue
         rule, axes, tile = plan
         q = quantize_array(leaf, required(rule.weight_qtype, f"{rule._describe()}.weight_qtype"), reduce_axes=axes, tile=tile, method=rule.weight_calibration_method, where=path_of(kp))
-        out.append(jax.block_until_ready(q))
+        out.append(jax.block_until_ready(q.pack() if pack else q))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -69,7 +69,7 @@ def _values(q: QArray, dtype: Any) -> Any:
     (XLA's CPU convert from int4 straight to float is several times slower)."""
     import jax.numpy as jnp
 
-    v = q.qvalue
+    v = q.unpack().qvalue
     if q.qtype == "nf4":
         return jnp.asarray(NF4_LEVELS, jnp.float32)[v.astype(jnp.int32)].astype(dtype)
     if jnp.issubdtype(v.dtype, jnp.integer) and jnp.dtype(v.dtype).itemsize == 1 and jnp.iinfo(v.dtype).bits < 8:

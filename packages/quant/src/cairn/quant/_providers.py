@@ -357,7 +357,7 @@ def _prequantized_view(ref: WeightRef, reduce_axes: tuple[int, ...], tile: tuple
     perm = _leaf_permutation(ref)
     if perm is None:
         return None
-    q: QArray = ref.value
+    q: QArray = ref.value.unpack()
     dtype = q.dtype
     for prim, params, _ in ref.views:
         if prim.name == "convert_element_type":

@@ -283,6 +283,7 @@ def _scan_input(x: Any, length: int) -> tuple[list[Any], Callable[[list[Any]], A
     v = x.value
     if not isinstance(v, QArray):
         return [v], lambda parts, _x=x: WeightRef(_x.path, parts[0])
+    v = v.unpack()
     layout = _sliced_layout(v.layout)
     if layout is None:
         return [x.materialize()], lambda parts: parts[0]
