@@ -287,7 +287,7 @@ def test_meta_features_output():
     assert seq_meta[0]["w"].tolist() == [1, 1, 1, 0]
 
 
-# ------------------------------------------------------------------ exact restores
+# --- exact restores ---
 
 RESTORE_CASES = {
     "shuffle": dict(seed=3),
@@ -340,7 +340,7 @@ def test_old_state_without_window_still_restores():
     assert [_plain(r) for r in it2] == full[1:]
 
 
-# ------------------------------------------------------------------ against Grain
+# --- against Grain ---
 
 
 def _grain_rows(elems, bins, **kw):
@@ -386,7 +386,7 @@ def test_same_rows_as_grain(kw):
     )
 
 
-# ------------------------------------------------------------------ errors
+# --- errors ---
 
 
 def _src():
