@@ -18,6 +18,7 @@ names something in the code.
 extra_args  # core_array GradientTransformationLike.update(**extra_args): Optax's update signature
 element  # data MapTransform/FilterTransform/...(element): the abstract method's documented parameter
 objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor protocol passes it
+_.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
 
 # --- read by reflection ---
 _.__wrapped__  # nn initializers: inspect.signature / functools.unwrap read the wrapped initializer
