@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from cairn.core_array import QArray, path_of
+from cairn.core_array import QArray
 from cairn.quant._numerics import quantize_array, tile_length
 from cairn.quant._providers import PtqProvider, input_scale_path
 from cairn.quant._qtypes import qtype_info, required
-from cairn.quant._recording import InputRecorder, record_inputs
+from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves
 from cairn.quant._rules import QuantizationRule
 
 __all__ = ["AwqRule", "awq_quantize_params"]
@@ -96,19 +96,14 @@ def awq_quantize_params(params: dict, provider: PtqProvider, fn: Callable, batch
     Raises:
       ValueError: no batch, no ``AwqRule`` selected a weight, or a weight sits outside a dict.
     """
-    import jax
     import jax.numpy as jnp
 
     recorder = record_inputs(_ActivationRecorder(provider.rules), fn, params, batches, "awq_quantize_params")
-    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
     out = _copy_dicts(params)
-    for kp, leaf in flat:
-        path = path_of(kp)
-        stats = recorder.stats.get(path)
-        if stats is None:
+    for path, leaf, rule in recorded_leaves(params, recorder):
+        if path not in recorder.stats:
             continue
-        total, count, sample, contract = stats
-        rule = recorder.rule_of[path]
+        total, count, sample, contract = recorder.stats[path]
         assert isinstance(rule, AwqRule)  # the recorder keeps AwqRule matches only
         if list(contract) != [0] or np.ndim(leaf) != 2:
             raise ValueError(f"{rule._describe()} on {path!r}: AWQ handles [in, out] weights contracted on axis 0 here")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -12,7 +12,7 @@ from cairn.quant._providers import PtqProvider, _leaf_permutation
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QuantizationRule
 
-__all__ = ["InputRecorder", "record_inputs"]
+__all__ = ["InputRecorder", "record_inputs", "recorded_leaves"]
 
 
 class InputRecorder(PtqProvider):
@@ -77,3 +77,17 @@ def record_inputs(recorder: R, fn: Callable, params: Any, batches: Iterable[Sequ
         name = recorder.rule_class.__name__ if recorder.rule_class else "rule"
         raise ValueError(f"{what}: no batch was given, or no {name} selected a weight")
     return recorder
+
+
+def recorded_leaves(params: Any, recorder: InputRecorder) -> Iterator[tuple[str, Any, QuantizationRule]]:
+    """``(path, leaf, rule)`` for every leaf of ``params`` whose inputs ``recorder`` saw."""
+    import jax
+
+    from cairn.core_array import QArray, path_of
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
+    for kp, leaf in flat:
+        path = path_of(kp)
+        rule = recorder.rule_of.get(path)
+        if rule is not None:
+            yield path, leaf, rule

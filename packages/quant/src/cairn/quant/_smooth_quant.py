@@ -15,11 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from cairn.core_array import QArray, path_of
 from cairn.quant._awq import _copy_dicts, _put
 from cairn.quant._numerics import quantize_array, tile_length
 from cairn.quant._providers import PtqProvider, input_scale_path
-from cairn.quant._recording import InputRecorder, record_inputs
+from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves
 from cairn.quant._rules import QuantizationRule
 
 __all__ = ["SmoothQuantRule", "smooth_quant_params"]
@@ -60,19 +59,14 @@ def smooth_quant_params(params: dict, provider: PtqProvider, fn: Callable, batch
       ValueError: no batch, no rule selected a weight, or a weight that is not [in, out]
         contracted on axis 0.
     """
-    import jax
     import jax.numpy as jnp
 
     recorder = record_inputs(_MaxRecorder(provider.rules), fn, params, batches, "smooth_quant_params")
-    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
     out = _copy_dicts(params)
-    for kp, leaf in flat:
-        path = path_of(kp)
-        entry = recorder.absmax.get(path)
-        if entry is None:
+    for path, leaf, rule in recorded_leaves(params, recorder):
+        if path not in recorder.absmax:
             continue
-        act_max, contract = entry
-        rule = recorder.rule_of[path]
+        act_max, contract = recorder.absmax[path]
         assert isinstance(rule, SmoothQuantRule)  # the recorder keeps SmoothQuantRule matches only
         if list(contract) != [0] or np.ndim(leaf) != 2:
             raise ValueError(f"{rule._describe()} on {path!r}: SmoothQuant handles [in, out] weights contracted on axis 0")
