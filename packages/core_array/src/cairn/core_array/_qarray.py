@@ -268,13 +268,6 @@ class QArray:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def _expand(self, s: Any, xp) -> Any:
-        ndim: int = getattr(s, "ndim", 0)
-        if self.layout.kind == "per_tile" and ndim:
-            ax = self.layout.axes[0] % self.ndim
-            s = xp.repeat(s, self.layout.tile_size, axis=ax)
-        return s
-
     @property
     def nbytes(self) -> int:
         """Bytes of the values, scales and zero points as stored packed (sub-byte types at
@@ -297,9 +290,21 @@ class QArray:
             v = xp.asarray(NF4_LEVELS, xp.float32)[self.qvalue.astype(xp.int32)]
         else:
             v = self.qvalue.astype(xp.float32)
-        if self.zero_point is not None:
-            v = v - self._expand(xp.asarray(self.zero_point).astype(xp.float32), xp)
-        v = v * self._expand(xp.asarray(self.scale).astype(xp.float32), xp)
+        scale = xp.asarray(self.scale).astype(xp.float32)
+        zero = None if self.zero_point is None else xp.asarray(self.zero_point).astype(xp.float32)
+        if self.layout.kind == "per_tile" and getattr(scale, "ndim", 0):
+            # tiles as their own axis: the scale broadcasts, no repeated copy of it is made
+            ax = self.layout.axes[0] % self.ndim
+            t = int(self.layout.tile_size or 1)
+            shape = v.shape
+            v = v.reshape(shape[:ax] + (shape[ax] // t, t) + shape[ax + 1 :])
+            if zero is not None:
+                v = v - xp.expand_dims(zero, ax + 1)
+            v = (v * xp.expand_dims(scale, ax + 1)).reshape(shape)
+            return v.astype(as_numpy_dtype(self.dtype))
+        if zero is not None:
+            v = v - zero
+        v = v * scale
         return v.astype(as_numpy_dtype(self.dtype))
 
     def metadata(self) -> dict:
