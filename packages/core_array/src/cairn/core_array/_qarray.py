@@ -290,9 +290,9 @@ class QArray:
             v = xp.asarray(NF4_LEVELS, xp.float32)[self.qvalue.astype(xp.int32)]
         else:
             v = self.qvalue.astype(xp.float32)
-        scale = xp.asarray(self.scale).astype(xp.float32)
+        scale: Any = xp.asarray(self.scale).astype(xp.float32)
         zero = None if self.zero_point is None else xp.asarray(self.zero_point).astype(xp.float32)
-        if self.layout.kind == "per_tile" and getattr(scale, "ndim", 0):
+        if self.layout.kind == "per_tile" and scale.ndim > 0:
             # tiles as their own axis: the scale broadcasts, no repeated copy of it is made
             ax = self.layout.axes[0] % self.ndim
             t = int(self.layout.tile_size or 1)
