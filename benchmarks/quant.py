@@ -30,9 +30,10 @@ CONFIGS = {
     "w4_tile128": {"weight_qtype": "int4", "tile_size": 128},
     "fp8": {"weight_qtype": "float8_e4m3fn", "act_qtype": "float8_e4m3fn"},
     "nf4": {"weight_qtype": "nf4"},
-    # ours: GPTQ on the calibration input; Qwix: its plain w4 per-tile 128 beside it (its
-    # contrib GPTQ needs a separate calibration-model flow this script does not run)
+    # ours: GPTQ / AWQ on the calibration input; Qwix: its plain w4 per-tile 128 beside them
+    # (its contrib GPTQ/AWQ need a separate calibration-model flow this script does not run)
     "gptq_w4_tile128": {"weight_qtype": "int4", "tile_size": 128, "gptq": True},
+    "awq_w4_tile128": {"weight_qtype": "int4", "tile_size": 128, "awq": True},
 }
 
 
@@ -131,13 +132,16 @@ def _rel(a, b) -> float:
 def _ours(model: CairnModel, x, cfg: dict, rounds: int) -> dict:
     call = lambda m, x: m(x)  # noqa: E731
     cfg = dict(cfg)
-    gptq = cfg.pop("gptq", False)
-    provider = quant.PtqProvider([(quant.GptqRule if gptq else quant.QuantizationRule)(**cfg)])
+    gptq, awq = cfg.pop("gptq", False), cfg.pop("awq", False)
+    rule_type = quant.GptqRule if gptq else quant.AwqRule if awq else quant.QuantizationRule
+    provider = quant.PtqProvider([rule_type(**cfg)])
     t = time.perf_counter()
     if cfg.get("act_static_scale"):
         quant.calibrate(call, provider, [(model, x)])
     if gptq:
         qmodel = jax.block_until_ready(quant.gptq_quantize_params(model, provider, call, [(x,)]))
+    elif awq:
+        qmodel = jax.block_until_ready(quant.awq_quantize_params(model, provider, call, [(x,)]))
     else:
         qmodel = jax.block_until_ready(quant.quantize_params(model, provider, call, x))
     quantize_s = time.perf_counter() - t
@@ -148,7 +152,7 @@ def _ours(model: CairnModel, x, cfg: dict, rounds: int) -> dict:
 def _qwix(model: NnxModel, x, cfg: dict, rounds: int) -> dict:
     import qwix
 
-    cfg = {k: v for k, v in cfg.items() if k != "gptq"}
+    cfg = {k: v for k, v in cfg.items() if k not in ("gptq", "awq")}
     t = time.perf_counter()
     qmodel = qwix.quantize_model(model, qwix.PtqProvider([qwix.QuantizationRule(**cfg)]), x)
     fn = nnx.jit(lambda m, x: m(x))

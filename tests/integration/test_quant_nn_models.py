@@ -254,3 +254,36 @@ def test_nn_update_with_quantize_params_runs_the_model_on_qarrays():
     assert float(jnp.linalg.norm(eager - ref) / jnp.linalg.norm(ref)) < 0.02
     np.testing.assert_allclose(np.asarray(nn.jit(lambda m, t: m(t))(model, tokens)), np.asarray(eager), atol=1e-6)
     np.testing.assert_allclose(np.asarray(quant.quantize_model(model, provider)(tokens)), np.asarray(eager), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["awq", "smooth_quant"])
+def test_awq_and_smooth_quant_on_an_nn_model(method):
+    from cairn.core_array import QArray
+
+    class Net(nn.Module):
+        def __init__(self, rngs):
+            self.l1 = nn.Linear(32, 64, rngs=rngs)
+            self.l2 = nn.Linear(64, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    model = Net(nn.Rngs(0))
+    x = np.array(jax.random.normal(jax.random.key(1), (256, 32)))
+    x[:, :3] *= 20.0  # salient input channels
+    call = lambda m, x: m(x)  # noqa: E731
+    if method == "awq":
+        provider = quant.PtqProvider([quant.AwqRule(weight_qtype="int4", n_grid=8)])
+        qmodel = quant.awq_quantize_params(model, provider, call, [(x,)])
+        plain = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int4")])
+    else:
+        provider = quant.PtqProvider([quant.SmoothQuantRule(weight_qtype="int8", act_qtype="int8")])
+        qmodel = quant.smooth_quant_params(model, provider, call, [(x,)])
+        plain = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8", act_qtype="int8")])
+    assert not isinstance(model.l1.kernel.value, QArray)  # the input model is not changed
+    assert isinstance(qmodel.l1.kernel.value, QArray)
+    assert isinstance(qmodel.l1.kernel_awq_scale, nn.Param) and qmodel.l1.kernel_awq_scale.value.shape == (32,)
+    ref = np.asarray(model(x), np.float64)
+    err = np.linalg.norm(np.asarray(quant.quantize_model(qmodel, provider)(x)) - ref)
+    base = np.linalg.norm(np.asarray(quant.quantize_model(model, plain)(x)) - ref)
+    assert err < base

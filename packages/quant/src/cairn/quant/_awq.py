@@ -19,9 +19,9 @@ import numpy as np
 
 from cairn.core_array import QArray
 from cairn.quant._numerics import quantize_array, tile_length
-from cairn.quant._providers import PtqProvider, input_scale_path
+from cairn.quant._providers import PtqProvider
 from cairn.quant._qtypes import qtype_info, required
-from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves
+from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves, with_input_scales
 from cairn.quant._rules import QuantizationRule
 
 __all__ = ["AwqRule", "awq_quantize_params"]
@@ -86,20 +86,24 @@ def _search(w: np.ndarray, x: np.ndarray, act: np.ndarray, rule: AwqRule, tile: 
     return best[1], best[2]
 
 
-def awq_quantize_params(params: dict, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> dict:
-    """``params`` (nested dicts) with every weight an :class:`AwqRule` selects AWQ-quantized.
+def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> Any:
+    """``params`` with every weight an :class:`AwqRule` selects AWQ-quantized.
 
-    Each selected 2-D-able weight becomes ``Q(diag(s) W)`` (a ``QArray``, per output
-    channel or per tile as the rule says) and ``s`` is added at ``<path>_awq_scale``;
-    ``quantize(fn, provider)`` on the result divides the weight's inputs by ``s``.
+    Each selected ``[in, out]`` weight becomes ``Q(diag(s) W)`` (a ``QArray``, per output
+    channel or per tile as the rule says) and ``s`` is added at ``<path>_awq_scale`` (in
+    nested dicts a new key; in a module an attribute of the weight's owner, of the
+    weight's variable type); ``quantize(fn, provider)`` on the result divides the
+    weight's inputs by ``s``. The input tree is not changed.
 
     Raises:
-      ValueError: no batch, no ``AwqRule`` selected a weight, or a weight sits outside a dict.
+      ValueError: no batch, no ``AwqRule`` selected a weight, or a selected weight that is
+        not ``[in, out]`` contracted on axis 0.
     """
     import jax.numpy as jnp
 
     recorder = record_inputs(_ActivationRecorder(provider.rules), fn, params, batches, "awq_quantize_params")
-    out = _copy_dicts(params)
+    replaced: dict[str, Any] = {}
+    scales: dict[str, Any] = {}
     for path, leaf, rule in recorded_leaves(params, recorder):
         if path not in recorder.stats:
             continue
@@ -110,24 +114,6 @@ def awq_quantize_params(params: dict, provider: PtqProvider, fn: Callable, batch
         w = np.asarray(leaf, np.float64)
         tile = None if rule.tile_size is None else (0, tile_length(rule.tile_size, w.shape[0], f"{rule._describe()} on {path!r}"))
         act = np.asarray(total, np.float64) / max(count, 1)
-        s, q = _search(w, np.asarray(jnp.concatenate(sample), np.float64), act, rule, tile)
-        _put(out, path, q)
-        _put(out, input_scale_path(path), jnp.asarray(s, jnp.float32))
-    return out
-
-
-def _copy_dicts(tree: Any) -> Any:
-    """New dicts all the way down; leaves shared."""
-    return {k: _copy_dicts(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-def _put(tree: dict, path: str, value: Any) -> None:
-    *parents, last = path.split("/")
-    node = tree
-    for part in parents:
-        if not isinstance(node, dict):
-            raise ValueError(f"awq_quantize_params: {path!r} is not inside nested dicts")
-        node = node[part]
-    if not isinstance(node, dict):
-        raise ValueError(f"awq_quantize_params: {path!r} is not inside nested dicts")
-    node[last] = value
+        s, replaced[path] = _search(w, np.asarray(jnp.concatenate(sample), np.float64), act, rule, tile)
+        scales[path] = jnp.asarray(s, jnp.float32)
+    return with_input_scales(params, replaced, scales)

@@ -19,6 +19,7 @@ from typing import Any
 
 from cairn.quant._dots import bind_dequantized
 from cairn.quant._providers import PtqProvider
+from cairn.quant._recording import lookup_path
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QuantizationRule
 
@@ -259,13 +260,6 @@ def _insert(tree: Any, parts: list[str], value: Any) -> None:
     node.setdefault(parts[-1], value)
 
 
-def _lookup(root: Any, parts: list[str]) -> Any:
-    node = root
-    for part in parts:
-        node = node[int(part)] if isinstance(node, list | tuple) else (node[part] if isinstance(node, dict) else getattr(node, part))
-    return node
-
-
 def _variable_type(weight: Any) -> Callable[[Any], Any]:
     """The model library's ``LoRAParam`` (found next to the weight's own variable type,
     among modules already imported), else the weight's own type."""
@@ -295,9 +289,9 @@ def apply_lora_to_model(model: Any, provider: LoraProvider, *model_inputs: Any, 
     _collect(provider, lambda m, *a: getattr(m, method)(*a), model, *model_inputs)
     for path, (a, b) in _new_adapters(provider, rng).items():
         parts = path.split("/")
-        weight = _lookup(model, parts)
+        weight = lookup_path(model, parts)
         make = _variable_type(weight)
-        owner = _lookup(model, parts[:-1]) if len(parts) > 1 else model
+        owner = lookup_path(model, parts[:-1]) if len(parts) > 1 else model
         attr = lora_paths(path)[0].split("/")[-2]
         if getattr(owner, attr, None) is None:
             setattr(owner, attr, {"lora_a": make(a), "lora_b": make(b)})

@@ -12,7 +12,7 @@ from cairn.quant._providers import PtqProvider, _leaf_permutation
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QuantizationRule
 
-__all__ = ["InputRecorder", "record_inputs", "recorded_leaves"]
+__all__ = ["InputRecorder", "record_inputs", "recorded_leaves", "with_input_scales", "lookup_path"]
 
 
 class InputRecorder(PtqProvider):
@@ -91,3 +91,58 @@ def recorded_leaves(params: Any, recorder: InputRecorder) -> Iterator[tuple[str,
         rule = recorder.rule_of.get(path)
         if rule is not None:
             yield path, leaf, rule
+
+
+def lookup_path(root: Any, parts: Sequence[str]) -> Any:
+    """The object at ``parts`` below ``root``: dict items by key, sequence items (lists,
+    tuples, ``nn.List``) by index, anything else by attribute (a submodule or variable)."""
+    node = root
+    for part in parts:
+        if isinstance(node, dict):
+            node = node[part]
+        elif part.isdigit() and hasattr(node, "__getitem__") and not hasattr(node, part):
+            node = node[int(part)]  # a list, tuple, or a module library's list container
+        else:
+            node = getattr(node, part)
+    return node
+
+
+def _copy_dicts(tree: Any) -> Any:
+    return {k: _copy_dicts(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def with_input_scales(params: Any, replaced: dict[str, Any], scales: dict[str, Any]) -> Any:
+    """``params`` with the leaves at ``replaced``'s paths swapped and each weight's input
+    scale added beside it at ``<path>_awq_scale``.
+
+    Nested dicts are copied (the input is not changed). Any other pytree (a cairn.nn or
+    Flax NNX module) is rebuilt from its leaves and each scale is set as an attribute of
+    the weight's owner, wrapped in the weight's own variable type.
+    """
+    import jax
+
+    from cairn.core_array import QArray, path_of
+    from cairn.quant._providers import input_scale_path
+
+    if isinstance(params, dict):
+        out = _copy_dicts(params)
+        for path, value in [*replaced.items(), *((input_scale_path(p), s) for p, s in scales.items())]:
+            *parents, last = path.split("/")
+            owner = lookup_path(out, parents)
+            if not isinstance(owner, dict):
+                raise ValueError(f"cannot place {path!r}: its parent is a {type(owner).__name__} inside the dicts")
+            owner[last] = value
+        return out
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
+    new = jax.tree_util.tree_unflatten(treedef, [replaced.get(path_of(kp), leaf) for kp, leaf in flat])
+    for path, s in scales.items():
+        *parents, last = path.split("/")
+        owner = lookup_path(new, parents)
+        weight = lookup_path(owner, [last])
+        wrapped = type(weight)(s) if hasattr(weight, "value") else s
+        name = input_scale_path(last)
+        if isinstance(owner, dict):
+            owner[name] = wrapped
+        else:
+            setattr(owner, name, wrapped)
+    return new

@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from cairn.quant._awq import _copy_dicts, _put
 from cairn.quant._numerics import quantize_array, tile_length
-from cairn.quant._providers import PtqProvider, input_scale_path
-from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves
+from cairn.quant._providers import PtqProvider
+from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves, with_input_scales
 from cairn.quant._rules import QuantizationRule
 
 __all__ = ["SmoothQuantRule", "smooth_quant_params"]
@@ -51,9 +50,10 @@ class _MaxRecorder(InputRecorder):
         self.absmax[path] = (m if prev is None else jnp.maximum(prev[0], m), leaf_contract)
 
 
-def smooth_quant_params(params: dict, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> dict:
-    """``params`` (nested dicts) with every weight a :class:`SmoothQuantRule` selects smoothed
-    and quantized, and its smoothing scale stored beside it.
+def smooth_quant_params(params: Any, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> Any:
+    """``params`` with every weight a :class:`SmoothQuantRule` selects smoothed and quantized,
+    and its smoothing scale stored beside it (as AWQ stores its scale: a dict key, or an
+    attribute of the weight's owner in a module). The input tree is not changed.
 
     Raises:
       ValueError: no batch, no rule selected a weight, or a weight that is not [in, out]
@@ -62,7 +62,8 @@ def smooth_quant_params(params: dict, provider: PtqProvider, fn: Callable, batch
     import jax.numpy as jnp
 
     recorder = record_inputs(_MaxRecorder(provider.rules), fn, params, batches, "smooth_quant_params")
-    out = _copy_dicts(params)
+    replaced: dict[str, Any] = {}
+    scales: dict[str, Any] = {}
     for path, leaf, rule in recorded_leaves(params, recorder):
         if path not in recorder.absmax:
             continue
@@ -79,6 +80,6 @@ def smooth_quant_params(params: dict, provider: PtqProvider, fn: Callable, batch
         value = smoothed if rule.weight_qtype is None else quantize_array(
             smoothed, rule.weight_qtype, reduce_axes=(0,), tile=tile, method=rule.weight_calibration_method, where=path
         )
-        _put(out, path, value)
-        _put(out, input_scale_path(path), jnp.asarray(s, jnp.float32))
-    return out
+        replaced[path] = value
+        scales[path] = jnp.asarray(s, jnp.float32)
+    return with_input_scales(params, replaced, scales)
