@@ -13,10 +13,15 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from cairn.data._dataset import MapDataset
+
+class Stage(Protocol):
+    """What the statistics need of a ``MapDataset`` stage: its input stages. (A protocol,
+    so this module does not import the base classes that import it.)"""
+
+    @property
+    def _parents(self) -> Sequence[Any]: ...
 
 __all__ = [
     "IteratorStats",
@@ -39,7 +44,7 @@ class StageProfile:
 
     __slots__ = ("index", "time", "count", "_lock")
 
-    def __init__(self, ds: MapDataset) -> None:
+    def __init__(self, ds: Stage) -> None:
         stages = stage_list(ds)
         self.index = {id(d): k for k, d in enumerate(stages)}
         self.time = [0.0] * len(stages)
@@ -57,7 +62,7 @@ class StageProfile:
                 self.count[k] += c
 
 
-def stage_list(ds: MapDataset) -> list[MapDataset]:
+def stage_list(ds: Stage) -> list[Stage]:
     """The stages of a MapDataset graph, each once, output first (depth-first)."""
     out: list = []
     seen: set = set()
@@ -72,7 +77,7 @@ def stage_list(ds: MapDataset) -> list[MapDataset]:
     return out
 
 
-def bad_record_counts(stages: list[MapDataset]) -> list[int]:
+def bad_record_counts(stages: list[Stage]) -> list[int]:
     """Each stage's source ``bad_records`` counter (0 for other stages). Worker processes
     send the growth of these counters back with each chunk, so the sources in the main
     process count the records skipped in every process."""
@@ -83,7 +88,7 @@ def bad_record_counts(stages: list[MapDataset]) -> list[int]:
     return out
 
 
-def add_bad_records(stages: list[MapDataset], deltas: list[int]) -> None:
+def add_bad_records(stages: list[Stage], deltas: list[int]) -> None:
     """Add ``deltas`` (from :func:`bad_record_counts` in a worker) to the main process's
     source counters."""
     for d, n in zip(stages, deltas):
