@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from cairn.core_array._dtypes import as_numpy_dtype, canonical_dtype, dtype_info
+from cairn.core_array._dtypes import DTypeInfo, as_numpy_dtype, canonical_dtype, dtype_info
 from cairn.core_array._jax_compat import jax_tree_util, on_jax_import
 from cairn.core_array._paths import _register_leaf_type, _register_node_type
 
@@ -417,28 +417,28 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
     >>> pack_bits(np.array([1, -1, 7], ml_dtypes.int4))
     array([241,   7], dtype=uint8)
     """
-    if not isinstance(x, np.ndarray | np.generic) and hasattr(x, "dtype") and _xp(x) is not np:
-        return _pack_bits_jax(x, bits)
-    x = np.asarray(x)
-    b = _bits_of(x.dtype, bits) if bits is None else int(bits)
+    xp = np if isinstance(x, np.ndarray | np.generic) or not hasattr(x, "dtype") else _xp(x)
+    x = np.asarray(x) if xp is np else x
+    b = _bits_of(np.dtype(x.dtype), bits) if bits is None else int(bits)
     if b not in (1, 2, 4):
         raise ValueError(f"pack_bits packs 1-, 2- or 4-bit values, got bits={b} for dtype {x.dtype}")
     if x.ndim == 0:
         raise ValueError("pack_bits needs at least one axis")
-    per = 8 // b
     mask = (1 << b) - 1
-    if x.dtype.itemsize == 1:
+    if xp is not np:  # JAX: float4 by its bit pattern, not its value
+        wide = _float4_bits(x) if xp.issubdtype(x.dtype, xp.floating) else x.astype(xp.int32)
+        raw = (wide & mask).astype(xp.uint8)
+    elif x.dtype.itemsize == 1:
         raw = x.view(np.uint8) & mask
     else:
         raw = (x.astype(np.int64) & mask).astype(np.uint8)
-    n = x.shape[-1]
+    per, n = 8 // b, x.shape[-1]
     pad = (-n) % per
     if pad:
-        raw = np.concatenate([raw, np.zeros(x.shape[:-1] + (pad,), np.uint8)], axis=-1)
+        raw = xp.concatenate([raw, xp.zeros(x.shape[:-1] + (pad,), xp.uint8)], axis=-1)
     raw = raw.reshape(x.shape[:-1] + ((n + pad) // per, per))
-    shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
-    return np.bitwise_or.reduce(raw << shifts, axis=-1).astype(np.uint8)
-
+    shifts = (xp.arange(per, dtype=xp.uint8) * b).astype(xp.uint8)
+    return xp.bitwise_or.reduce(raw << shifts, axis=-1).astype(xp.uint8)
 
 def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
     """Inverse of :func:`pack_bits`: ``length`` values of ``dtype`` along the last axis.
@@ -447,9 +447,8 @@ def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
     >>> unpack_bits(np.array([241, 7], np.uint8), "int4", 3)
     array([1, -1, 7], dtype=int4)
     """
-    if not isinstance(packed, np.ndarray | np.generic) and hasattr(packed, "dtype") and _xp(packed) is not np:
-        return _unpack_bits_jax(packed, dtype, length)
-    packed = np.asarray(packed)
+    xp = np if isinstance(packed, np.ndarray | np.generic) or not hasattr(packed, "dtype") else _xp(packed)
+    packed = np.asarray(packed) if xp is np else packed
     if packed.dtype != np.uint8:
         raise ValueError(f"unpack_bits expects uint8 input, got {packed.dtype}")
     info = dtype_info(dtype)
@@ -459,37 +458,16 @@ def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
     per = 8 // b
     if length > packed.shape[-1] * per or length < 0:
         raise ValueError(f"unpack_bits: {length} values do not fit {packed.shape[-1]} bytes of {b}-bit values")
-    shifts = (np.arange(per, dtype=np.uint8) * b).astype(np.uint8)
+    shifts = (xp.arange(per, dtype=xp.uint8) * b).astype(xp.uint8)
     raw = (packed[..., None] >> shifts) & ((1 << b) - 1)
-    raw = raw.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))[..., :length].astype(np.uint8)
+    raw = raw.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))[..., :length].astype(xp.uint8)
+    if xp is not np:
+        return _codes_to_jax(raw, info, b)
     if info.kind == "int":
         # sign-extend into the byte so that the ml_dtypes view reads the right value
         sign = (raw >> (b - 1)) & 1
         raw = raw | (sign * np.uint8((0xFF << b) & 0xFF)).astype(np.uint8)
     return np.ascontiguousarray(raw).view(info.dtype)
-
-
-def _pack_bits_jax(x: Any, bits: int | None) -> Any:
-    """:func:`pack_bits` in JAX operations (same layout, bit for bit)."""
-    import jax.numpy as jnp
-
-    b = _bits_of(np.dtype(x.dtype), bits) if bits is None else int(bits)
-    if b not in (1, 2, 4):
-        raise ValueError(f"pack_bits packs 1-, 2- or 4-bit values, got bits={b} for dtype {x.dtype}")
-    if x.ndim == 0:
-        raise ValueError("pack_bits needs at least one axis")
-    per, mask = 8 // b, (1 << b) - 1
-    # float4: its bit pattern, not its value
-    wide = _float4_bits(x) if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.int32)
-    raw = (wide & mask).astype(jnp.uint8)
-    n = x.shape[-1]
-    pad = (-n) % per
-    if pad:
-        raw = jnp.concatenate([raw, jnp.zeros(x.shape[:-1] + (pad,), jnp.uint8)], axis=-1)
-    raw = raw.reshape(x.shape[:-1] + ((n + pad) // per, per))
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * b).astype(jnp.uint8)
-    return jnp.bitwise_or.reduce(raw << shifts, axis=-1).astype(jnp.uint8)
-
 
 def _float4_bits(x: Any) -> Any:
     """The 4-bit code of each float4_e2m1fn value (sign, 2 exponent bits, 1 mantissa bit)."""
@@ -501,22 +479,11 @@ def _float4_bits(x: Any) -> Any:
     return code | (jnp.signbit(v).astype(jnp.int32) << 3)
 
 
-def _unpack_bits_jax(packed: Any, dtype: Any, length: int) -> Any:
-    """:func:`unpack_bits` in JAX operations."""
+def _codes_to_jax(raw: Any, info: DTypeInfo, b: int) -> Any:
+    """JAX values of ``b``-bit codes (JAX arrays cannot be viewed as ml_dtypes bytes)."""
     import jax.numpy as jnp
 
-    if packed.dtype != jnp.uint8:
-        raise ValueError(f"unpack_bits expects uint8 input, got {packed.dtype}")
-    info = dtype_info(dtype)
-    b = info.bits
-    if b not in (1, 2, 4):
-        raise ValueError(f"unpack_bits: {info.name} is not a 1-, 2- or 4-bit type")
-    per = 8 // b
-    if length > packed.shape[-1] * per or length < 0:
-        raise ValueError(f"unpack_bits: {length} values do not fit {packed.shape[-1]} bytes of {b}-bit values")
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * b).astype(jnp.uint8)
-    raw = ((packed[..., None] >> shifts) & ((1 << b) - 1)).astype(jnp.int32)
-    raw = raw.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))[..., :length]
+    raw = raw.astype(jnp.int32)
     if info.kind == "float":
         values = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
         mag = values[raw & 7]
