@@ -23,10 +23,9 @@ def _is_array(x: Any) -> bool:
 
 
 def _abstract(x: Any) -> Any:
+    """The float shape and dtype ``fn`` is traced with (a ``QArray``'s logical ones)."""
     import jax
 
-    if isinstance(x, QArray):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
@@ -92,10 +91,9 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _trace(fn: Callable, flat: _Flat, cache: dict) -> tuple[Any, Any]:
+def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any]:
     import jax
 
-    key = flat.key()
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -150,8 +148,9 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
         import jax
 
         flat = _Flat(args, kwargs, argnums)
-        first = flat.key() not in cache
-        closed, out_tree = _trace(fn, flat, cache)
+        key = flat.key()
+        first = key not in cache
+        closed, out_tree = _trace(fn, flat, key, cache)
         outs = _run(provider, closed, flat, name, first)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
@@ -190,12 +189,13 @@ def quantize_params(
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_q)
     out = []
     for kp, leaf in with_path:
-        plan = provider._plan.get(path_of(kp))
+        path = path_of(kp)
+        plan = provider._plan.get(path)
         if plan is None or isinstance(leaf, QArray):
             out.append(leaf)
             continue
         rule, axes, tile = plan
-        q = quantize_array(leaf, required(rule.weight_qtype, f"{rule._describe()}.weight_qtype"), reduce_axes=axes, tile=tile, method=rule.weight_calibration_method, where=path_of(kp))
+        q = quantize_array(leaf, required(rule.weight_qtype, f"{rule._describe()}.weight_qtype"), reduce_axes=axes, tile=tile, method=rule.weight_calibration_method, where=path)
         out.append(jax.block_until_ready(q.pack() if pack else q))
     return jax.tree_util.tree_unflatten(treedef, out)
 
