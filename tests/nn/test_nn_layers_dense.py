@@ -314,3 +314,29 @@ def test_layers_run_on_qarray_weights_in_float_numerics():
     emb = nn.Embed(4, 3, rngs=nn.Rngs(0))
     emb.embedding.value = q
     np.testing.assert_allclose(np.asarray(emb(jnp.array([2]))), np.asarray(q.dequantize()[2:3]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("cls", ["Linear", "LinearGeneral"])
+def test_custom_dot_general_receives_the_qarray_kernel_unchanged(cls):
+    # a kernel library's quantized dot (cairn.kernels.quantized_dot_general) takes the
+    # QArray as it is; the input and bias are promoted to the dequantized kernel's dtype
+    from cairn.core_array import QArray, QuantLayout
+
+    seen = []
+
+    def qdot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        seen.append(rhs)
+        return jax.lax.dot_general(lhs, rhs.dequantize(), dimension_numbers)
+
+    layer = getattr(nn, cls)(4, 3, dot_general=qdot, rngs=nn.Rngs(0))
+    q = QArray(
+        jnp.asarray(np.arange(12).reshape(4, 3) - 6, jnp.int8), jnp.full((1, 3), 0.1, jnp.float32),
+        qtype="int8", layout=QuantLayout.per_channel(1),
+    )
+    layer.kernel.value = q
+    x = jax.random.normal(jax.random.key(1), (2, 4), jnp.bfloat16)
+    y = layer(x)
+    assert isinstance(seen[-1], QArray) and seen[-1].qtype == "int8"
+    assert y.dtype == jnp.float32  # bf16 input promoted with the float32 dequantized kernel
+    want = np.asarray(x, np.float64) @ np.asarray(q.dequantize(), np.float64) + np.asarray(layer.bias.value)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)

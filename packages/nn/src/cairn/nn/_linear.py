@@ -63,6 +63,18 @@ def promote_dtype(
     return container(None if a is None else jnp.asarray(a, dt) for a in args)
 
 
+def promote_for_dot(layer: Any, x: Any, kernel: Any, bias: Any) -> tuple[Any, Any, Any]:
+    """``layer.promote_dtype`` on ``(x, kernel, bias)``, except that a ``QArray`` kernel
+    stays quantized when the layer's ``dot_general`` is not ``lax.dot_general`` (a kernel
+    library's quantized dot, e.g. ``cairn.kernels.quantized_dot_general``, takes it as is);
+    ``x`` and ``bias`` are then cast to the dtype the dequantized kernel would promote to."""
+    if isinstance(kernel, QArray) and layer.dot_general is not lax.dot_general:
+        dt = canonicalize_dtype(x, jnp.zeros((), kernel.dtype), bias, dtype=layer.dtype)
+        x, bias = layer.promote_dtype((x, bias), dtype=dt)
+        return x, kernel, bias
+    return layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+
+
 def check_input(layer: Module | str, x: Any, *, min_ndim: int = 1) -> jax.Array:
     """Validates a layer input: an array of a numeric dtype with at least ``min_ndim`` axes."""
     name = layer if isinstance(layer, str) else type(layer).__name__
@@ -220,7 +232,7 @@ class Linear(Module):
         check_axis(self, x, -1, self.in_features)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        x, kernel, bias = promote_for_dot(self, x, kernel, bias)
         y = self.dot_general(
             x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision,
             preferred_element_type=self.preferred_element_type,
@@ -343,7 +355,7 @@ class LinearGeneral(Module):
             check_axis(self, x, b, size, what=f"batch axis {b} of size")
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        x, kernel, bias = promote_for_dot(self, x, kernel, bias)
         k_in = tuple(range(nb, nb + len(axes)))
         k_b = tuple(range(nb))
         y = self.dot_general(
