@@ -1,5 +1,27 @@
-"""cairn.kernels (under construction)."""
+"""cairn.kernels: several implementations per op (XLA, Pallas Triton, Pallas Mosaic GPU), the fastest chosen by measurement.
+
+Names follow Tokamax: one function per op (``dot_product_attention``, ...) with an
+``implementation=`` argument; :func:`autotune` measures every implementation and config
+available on the device and caches the winner per (device kind, op, shape bucket);
+:func:`override` picks implementation and config for a block of code.
+"""
+
+from cairn.kernels._override import active_override, override
+from cairn.kernels._registry import Implementation, call, implementations, register, register_op
+from cairn.kernels._trace import KernelCall, ops_in, recording
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "Implementation",
+    "register",
+    "register_op",
+    "implementations",
+    "call",
+    "override",
+    "active_override",
+    "KernelCall",
+    "ops_in",
+    "recording",
+]

@@ -1,0 +1,227 @@
+"""The autotune cache: the measured best (implementation, config) per device kind, op and bucket.
+
+On disk, one JSON file per device kind, ``<device_kind>.json`` (lower case, runs of
+characters other than letters and digits replaced by ``_``), validated against the
+shipped ``cache_schema.json``::
+
+    {"schema_version": 1, "device_kind": "NVIDIA H100 80GB HBM3", "jax_version": "0.10.2",
+     "entries": {"dot_product_attention": {"[\\"bfloat16\\",4096,4096,32,8,128,true]":
+         {"implementation": "pallas_mosaic_gpu", "config": {"block_q": 128, "block_k": 128},
+          "time_ms": 1.23, "candidates": [...]}}}}
+
+Files are read from the package's ``data/autotune/`` directory (shipped results, read
+only) and then the user cache directory (``$CAIRN_KERNELS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/cairn/kernels``, else ``~/.cache/cairn/kernels``), later entries
+winning. Writes go only to the user directory, atomically (temporary file + rename).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pathlib
+import re
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = pathlib.Path(__file__).with_name("cache_schema.json")
+SHIPPED_DIR = pathlib.Path(__file__).with_name("data") / "autotune"
+_LOG = logging.getLogger("cairn.kernels")
+
+_lock = threading.Lock()
+# device kind -> op -> bucket key -> entry
+_MEMORY: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+_LOADED: set[str] = set()
+_MISSES_LOGGED: set[str] = set()
+
+
+class CacheFileError(ValueError):
+    """A cache file that is not valid JSON or does not follow ``cache_schema.json``."""
+
+
+def device_kind() -> str:
+    """The device kind of the default device (``"cpu"``, ``"NVIDIA H100 80GB HBM3"``, ...)."""
+    return str(jax.devices()[0].device_kind)
+
+
+def file_stem(kind: str) -> str:
+    """The file name stem for a device kind: lower case, other runs of characters as ``_``."""
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "unknown"
+
+
+def cache_dir() -> pathlib.Path:
+    """The user cache directory (see the module docstring); not created here."""
+    env = os.environ.get("CAIRN_KERNELS_CACHE_DIR")
+    if env:
+        return pathlib.Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
+    return base / "cairn" / "kernels"
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The JSON schema of a cache file (``cache_schema.json``)."""
+    return dict(json.loads(SCHEMA_PATH.read_text()))
+
+
+def validate(doc: Any, *, source: str = "<cache>") -> None:
+    """Check ``doc`` against the cache schema (the subset of JSON Schema it uses).
+
+    Raises:
+      CacheFileError: naming ``source`` and the JSON path of the first bad field.
+    """
+    _check(doc, schema(), "$", source)
+
+
+_TYPES: dict[str, Any] = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "null": type(None),
+}
+
+
+def _check(value: Any, rule: Mapping[str, Any], where: str, source: str) -> None:
+    def fail(why: str) -> None:
+        raise CacheFileError(f"{source}: field {where}: {why}")
+
+    if "type" in rule:
+        kinds = [rule["type"]] if isinstance(rule["type"], str) else rule["type"]
+        ok = any(isinstance(value, _TYPES[k]) and not (k in ("integer", "number") and isinstance(value, bool)) for k in kinds)
+        if not ok:
+            fail(f"expected {' or '.join(kinds)}, got {type(value).__name__} {value!r:.60}")
+    if "enum" in rule and value not in rule["enum"]:
+        fail(f"expected one of {rule['enum']}, got {value!r}")
+    if "minimum" in rule and value < rule["minimum"]:
+        fail(f"expected >= {rule['minimum']}, got {value!r}")
+    if "minLength" in rule and len(value) < rule["minLength"]:
+        fail(f"expected at least {rule['minLength']} character(s)")
+    if isinstance(value, dict):
+        for key in rule.get("required", ()):
+            if key not in value:
+                fail(f"missing required key {key!r}")
+        props = rule.get("properties", {})
+        extra = rule.get("additionalProperties", True)
+        for key, sub in value.items():
+            if key in props:
+                _check(sub, props[key], f"{where}.{key}", source)
+            elif extra is False:
+                fail(f"unexpected key {key!r} (allowed: {sorted(props)})")
+            elif isinstance(extra, dict):
+                _check(sub, extra, f"{where}[{key!r}]", source)
+    if isinstance(value, list) and "items" in rule:
+        for i, sub in enumerate(value):
+            _check(sub, rule["items"], f"{where}[{i}]", source)
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate one cache file.
+
+    Raises:
+      CacheFileError: if the file is not JSON or not valid (names the file and field).
+    """
+    path = pathlib.Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CacheFileError(f"{path}: not valid JSON: {e}") from e
+    validate(doc, source=str(path))
+    return dict(doc)
+
+
+def _ensure_loaded(kind: str) -> None:
+    if kind in _LOADED:
+        return
+    _LOADED.add(kind)
+    name = file_stem(kind) + ".json"
+    for directory in (SHIPPED_DIR, cache_dir()):
+        path = directory / name
+        if path.is_file():
+            doc = load_file(path)
+            for op, entries in doc["entries"].items():
+                _MEMORY.setdefault(kind, {}).setdefault(op, {}).update(entries)
+
+
+def lookup(kind: str, op: str, key: str) -> tuple[str, dict[str, Any]] | None:
+    """The cached ``(implementation, config)`` for a bucket, or ``None``.
+
+    A miss logs one INFO line per op per process (never a warning per call).
+    """
+    with _lock:
+        _ensure_loaded(kind)
+        entry = _MEMORY.get(kind, {}).get(op, {}).get(key)
+        if entry is None:
+            if op not in _MISSES_LOGGED:
+                _MISSES_LOGGED.add(op)
+                _LOG.info("cairn.kernels: no autotuned entry for %s on %r; using the default order", op, kind)
+            return None
+    return str(entry["implementation"]), dict(entry["config"])
+
+
+def put(kind: str, op: str, key: str, entry: Mapping[str, Any]) -> None:
+    """Store an entry in the in-process cache (see :func:`save` to persist it)."""
+    with _lock:
+        _ensure_loaded(kind)
+        _MEMORY.setdefault(kind, {}).setdefault(op, {})[key] = dict(entry)
+
+
+def entries(kind: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """A copy of every in-process entry for a device kind (op -> bucket key -> entry)."""
+    with _lock:
+        _ensure_loaded(kind)
+        return {op: {k: dict(v) for k, v in es.items()} for op, es in _MEMORY.get(kind, {}).items()}
+
+
+def clear() -> None:
+    """Forget the in-process cache (files are re-read on the next lookup)."""
+    with _lock:
+        _MEMORY.clear()
+        _LOADED.clear()
+        _MISSES_LOGGED.clear()
+
+
+def save(kind: str | None = None, path: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Write the in-process entries of a device kind to its user cache file, atomically.
+
+    Entries already in the file are kept unless replaced. The document is validated
+    before it is written.
+
+    Args:
+      kind: the device kind (default: the current device's).
+      path: the file (default: ``cache_dir() / "<device kind>.json"``).
+
+    Returns:
+      The path written.
+    """
+    kind = kind or device_kind()
+    target = pathlib.Path(path) if path is not None else cache_dir() / (file_stem(kind) + ".json")
+    merged: dict[str, dict[str, Any]] = {}
+    if target.is_file():
+        for op, es in load_file(target)["entries"].items():
+            merged.setdefault(op, {}).update(es)
+    for op, es in entries(kind).items():
+        merged.setdefault(op, {}).update(es)
+    doc = {"schema_version": SCHEMA_VERSION, "device_kind": kind, "jax_version": jax.__version__, "entries": merged}
+    validate(doc, source=str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

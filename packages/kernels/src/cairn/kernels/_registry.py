@@ -1,0 +1,264 @@
+"""The registry of kernel ops and their implementations, and the dispatch of one call.
+
+An *op* (``"dot_product_attention"``) has several :class:`Implementation` s (``"xla"``,
+``"pallas_triton"``, ``"pallas_mosaic_gpu"``). :func:`call` picks one per call:
+
+1. the explicit ``implementation=`` argument (a name, or a sequence tried in order);
+2. the innermost active :func:`cairn.kernels.override` block;
+3. the autotune cache entry for (device kind, op, shape bucket);
+4. the first implementation in the op's preference order that runs compiled on this
+   backend and whose ``supports`` accepts the arguments.
+
+A Pallas implementation on a backend outside its ``platforms`` (the CPU) is used only when
+asked for explicitly (rules 1-2), and then runs with ``interpret=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from cairn.kernels import _cache, _override, _trace
+
+IMPLEMENTATION_NAMES = ("xla", "pallas_triton", "pallas_mosaic_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of one op.
+
+    Attributes:
+      op: the op it implements (``"dot_product_attention"``, ``"ragged_dot"``, ...).
+      name: ``"xla"``, ``"pallas_triton"`` or ``"pallas_mosaic_gpu"``.
+      fn: ``fn(*args, config: Mapping[str, Any], interpret: bool, **kwargs) -> result``.
+      platforms: the backends it runs compiled on: ``{"cpu", "gpu", "tpu"}`` for XLA,
+        ``{"gpu"}`` for Pallas GPU kernels.
+      configs: ``configs(*args, **kwargs)`` -> candidate configs for these arguments
+        (looks at shapes and dtypes only); the autotuner measures each.
+      default_config: ``default_config(*args, **kwargs)`` -> the config used without a
+        tuned one; its keys (plus those of ``configs``) are the keys the implementation
+        knows.
+      supports: ``supports(*args, **kwargs)`` -> ``None``, or the reason it cannot take
+        these arguments.
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    platforms: frozenset[str]
+    configs: Callable[..., Sequence[Mapping[str, Any]]] = lambda *a, **k: ({},)
+    default_config: Callable[..., Mapping[str, Any]] = lambda *a, **k: {}
+    supports: Callable[..., str | None] = lambda *a, **k: None
+
+
+@dataclasses.dataclass
+class _Op:
+    bucket: Callable[..., tuple[Any, ...]]
+    preference: tuple[str, ...]
+    impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
+
+
+_OPS: dict[str, _Op] = {}
+_PENDING: dict[str, list[Implementation]] = {}
+
+
+def register_op(
+    op: str,
+    *,
+    bucket: Callable[..., tuple[Any, ...]],
+    preference: Sequence[str] = ("pallas_mosaic_gpu", "pallas_triton", "xla"),
+) -> None:
+    """Declare ``op`` with its shape-bucket function and implementation preference.
+
+    Args:
+      op: the op name.
+      bucket: ``bucket(*args, **kwargs)`` -> a JSON-able tuple (ints, strings, bools,
+        ``None``) naming the shape bucket of a call: the autotune cache key. Shapes in
+        one bucket (e.g. sequence lengths rounded up to a power of two) share a result.
+      preference: implementation names in the order default dispatch tries them.
+
+    Raises:
+      ValueError: if ``op`` is already declared.
+    """
+    if op in _OPS:
+        raise ValueError(f"op {op!r} is already registered")
+    _OPS[op] = _Op(bucket, tuple(preference))
+    for impl in _PENDING.pop(op, []):
+        register(impl)
+
+
+def register(impl: Implementation) -> None:
+    """Add ``impl`` to its op (the op may be declared before or after).
+
+    Raises:
+      ValueError: if ``(impl.op, impl.name)`` is already registered.
+    """
+    if impl.op not in _OPS:
+        pending = _PENDING.setdefault(impl.op, [])
+        if any(p.name == impl.name for p in pending):
+            raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} is already registered")
+        pending.append(impl)
+        return
+    impls = _OPS[impl.op].impls
+    if impl.name in impls:
+        raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} is already registered")
+    impls[impl.name] = impl
+
+
+def ops() -> list[str]:
+    """The registered op names, sorted."""
+    return sorted(_OPS)
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    """The implementations of ``op`` by name.
+
+    Raises:
+      ValueError: if ``op`` is not registered.
+    """
+    return dict(_get_op(op).impls)
+
+
+def _get_op(op: str) -> _Op:
+    if op not in _OPS:
+        raise ValueError(f"unknown kernel op {op!r}; registered ops: {sorted(_OPS)}")
+    return _OPS[op]
+
+
+def backend() -> str:
+    """The default backend as a platform name: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
+    name = jax.default_backend()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+def bucket_key(op: str, *args: Any, **kwargs: Any) -> str:
+    """The autotune-cache key (JSON text) of a call's shape bucket."""
+    return json.dumps(list(_get_op(op).bucket(*args, **kwargs)), separators=(",", ":"))
+
+
+def _lookup(op: str, name: str) -> Implementation:
+    impls = _get_op(op).impls
+    if name not in impls:
+        raise ValueError(
+            f"unknown implementation {name!r} for op {op!r}: implementation= must be one of {sorted(impls)}"
+        )
+    return impls[name]
+
+
+def _explicit(op: str, requested: str | Sequence[str], args: Any, kwargs: Any) -> Implementation:
+    names = [requested] if isinstance(requested, str) else list(requested)
+    if not names:
+        raise ValueError(f"implementation= for op {op!r} is an empty sequence")
+    impls = [_lookup(op, n) for n in names]
+    reasons = [(i, i.supports(*args, **kwargs)) for i in impls]
+    # in a sequence, an implementation that runs compiled here beats an interpreted one
+    for impl, reason in reasons:
+        if reason is None and backend() in impl.platforms:
+            return impl
+    for impl, reason in reasons:
+        if reason is None:
+            return impl
+    why = "; ".join(f"{i.name}: {r}" for i, r in reasons)
+    raise ValueError(f"implementation={requested!r} cannot run op {op!r} on these arguments ({why})")
+
+
+def _default(op: str, args: Any, kwargs: Any) -> Implementation:
+    entry = _get_op(op)
+    for name in entry.preference:
+        impl = entry.impls.get(name)
+        if impl is not None and backend() in impl.platforms and impl.supports(*args, **kwargs) is None:
+            return impl
+    raise ValueError(
+        f"no implementation of op {op!r} runs on backend {backend()!r} with these arguments; "
+        f"reasons: { {n: i.supports(*args, **kwargs) for n, i in entry.impls.items()} }"
+    )
+
+
+def resolve(
+    op: str,
+    *args: Any,
+    implementation: str | Sequence[str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Implementation, dict[str, Any]]:
+    """The implementation and full config :func:`call` would use (see the module docstring).
+
+    Raises:
+      ValueError: unknown op or implementation name; an explicitly requested
+        implementation that cannot take the arguments (the reason is named); a config
+        key the implementation does not know.
+    """
+    over_impl, over_config = _override.active_override(op)
+    requested = implementation if implementation is not None else over_impl
+    tuned: Mapping[str, Any] | None = None
+    if requested is not None:
+        impl = _explicit(op, requested, args, kwargs)
+    else:
+        hit = _cache.lookup(_cache.device_kind(), op, bucket_key(op, *args, **kwargs))
+        impl = None
+        if hit is not None and hit[0] in _get_op(op).impls:
+            cand = _get_op(op).impls[hit[0]]
+            if backend() in cand.platforms and cand.supports(*args, **kwargs) is None:
+                impl, tuned = cand, hit[1]
+        if impl is None:
+            impl = _default(op, args, kwargs)
+    chosen = config if config is not None else over_config if over_config is not None else tuned
+    return impl, full_config(impl, chosen, *args, **kwargs)
+
+
+def full_config(impl: Implementation, config: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``impl``'s default config for these arguments updated by ``config``.
+
+    Raises:
+      ValueError: if ``config`` has a key the implementation does not know.
+    """
+    base = dict(impl.default_config(*args, **kwargs))
+    if not config:
+        return base
+    known = set(base)
+    for cand in impl.configs(*args, **kwargs):
+        known.update(cand)
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(
+            f"config key(s) {unknown} unknown to implementation {impl.name!r} of op {impl.op!r}; "
+            f"known keys: {sorted(known)}"
+        )
+    base.update(config)
+    return base
+
+
+def call(
+    op: str,
+    *args: Any,
+    implementation: str | Sequence[str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``op`` on ``args`` with the implementation and config :func:`resolve` picks.
+
+    The call runs inside ``jax.named_scope(f"cairn_kernels.{op}.{implementation}")`` and is
+    reported to :func:`cairn.kernels.recording` blocks (op, argument shapes and dtypes,
+    implementation, config).
+
+    Raises:
+      ValueError: as :func:`resolve`.
+    """
+    impl, cfg = resolve(op, *args, implementation=implementation, config=config, **kwargs)
+    interpret = backend() not in impl.platforms
+    _trace.record(
+        _trace.KernelCall(
+            op=op,
+            implementation=impl.name,
+            config=cfg,
+            args=tuple(_trace.abstract(a) for a in args),
+            kwargs={k: _trace.abstract(v) for k, v in kwargs.items()},
+            interpret=interpret,
+        )
+    )
+    with jax.named_scope(f"{_trace.SCOPE_PREFIX}{op}.{impl.name}"):
+        return impl.fn(*args, config=cfg, interpret=interpret, **kwargs)
