@@ -42,7 +42,7 @@ from cairn.core_array._qarray import (
     unpack_bits,
 )
 from cairn.core_array._sharding import LogicalAxisRules, logical_to_partition_spec, named_sharding
-from cairn.core_array._specs import ArraySpec, spec_of, specs_from_json, specs_to_json
+from cairn.core_array._specs import ArraySpec, shape_dtype_structs, spec_of, specs_from_json, specs_to_json
 
 __version__ = "0.1.0"
 
@@ -63,6 +63,7 @@ __all__ = [
     "spec_of",
     "specs_to_json",
     "specs_from_json",
+    "shape_dtype_structs",
     "DTypeInfo",
     "DTYPE_TABLE",
     "dtype_info",

@@ -1,5 +1,18 @@
-"""cairn.serving (under construction)."""
+"""cairn.serving: StableHLO export of JAX functions, hermetic load, and an inference server.
+
+``export(fn, params, input_specs, path)`` writes a model directory (manifest with
+sha256 of every file, one serialized StableHLO per signature taking the weights as
+arguments, weights in TensorStore zarr3); ``load(path)`` reads it back with nothing but
+JAX, TensorStore and ``cairn.core_array``. Loaded models and :class:`PythonModel`
+satisfy :class:`ServableModel`, the protocol the server runs.
+"""
+
+from cairn.serving._model import PythonModel, ServableModel
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "ServableModel",
+    "PythonModel",
+]
