@@ -6,7 +6,9 @@ available on the device and caches the winner per (device kind, op, shape bucket
 :func:`override` picks implementation and config for a block of code.
 """
 
+from cairn.kernels._attention import dot_product_attention
 from cairn.kernels._override import active_override, override
+from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
 from cairn.kernels._registry import Implementation, call, implementations, register, register_op
 from cairn.kernels._trace import KernelCall, ops_in, recording
 
@@ -14,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "dot_product_attention",
     "Implementation",
     "register",
     "register_op",
@@ -24,4 +27,6 @@ __all__ = [
     "KernelCall",
     "ops_in",
     "recording",
+    "ragged_dot",
+    "ragged_dot_general",
 ]

@@ -1,0 +1,256 @@
+"""The ``xla`` implementation of ``dot_product_attention``: a plain path and a chunked one.
+
+* plain (``chunk_size=None``): logits ``[B, K, G, T, S]`` in one piece, the composition
+  ``jax.nn.dot_product_attention`` uses; fastest for short sequences, memory ``O(T * S)``.
+* chunked (``chunk_size=C``): a ``lax.scan`` over key chunks with an online softmax
+  (flash attention written in XLA), with a ``custom_vjp`` whose backward recomputes the
+  probabilities chunk by chunk from the saved log-sum-exp, so forward *and* backward keep
+  memory ``O(T * C)``: linear in the sequence length.
+
+The config is the chunk size; the autotuner measures both paths.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn.kernels._attention_common import AttentionSpec, pad_axis, position_mask, round_up, transform_logits
+from cairn.kernels._attention_common import soft_cap_grad
+
+CHUNK_SIZES = (128, 256, 512, 1024)
+# above this many logits per (batch * head) the default is the chunked path
+PLAIN_LIMIT = 1024 * 1024
+
+
+def _grouped_mask(mask: jax.Array | None, n_heads: int, groups: int) -> jax.Array | None:
+    """A ``[b, n, t, s]``-broadcastable mask as ``[b, K or 1, G or 1, t, s]``."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask, bool)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    b, n, t, s = mask.shape
+    if n == 1:
+        return mask.reshape(b, 1, 1, t, s)
+    return mask.reshape(b, n_heads // groups, groups, t, s)
+
+
+def _segment_mask(qseg: jax.Array | None, kseg: jax.Array | None) -> jax.Array | None:
+    if qseg is None or kseg is None:
+        return None
+    return qseg[:, None, None, :, None] == kseg[:, None, None, None, :]
+
+
+def _and(*masks: Any) -> Any:
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
+
+
+def plain(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    spec: AttentionSpec,
+    *,
+    precision: Any = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+) -> jax.Array:
+    """Attention in one piece (differentiated by JAX); see the module docstring."""
+    b, t, n, d = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, d)
+    raw = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    logits = raw * spec.scale
+    if bias is not None:
+        bias4 = jnp.broadcast_to(jnp.asarray(bias, jnp.float32), (b, n, t, s_len))
+        logits = logits + bias4.reshape(b, kh, g, t, s_len)
+    if spec.soft_cap is not None:
+        logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
+    pos = position_mask(spec, jnp.arange(t)[:, None], jnp.arange(s_len)[None, :])
+    visible = _and(pos, _segment_mask(qseg, kseg) if spec.use_segments else None, _grouped_mask(mask, n, g))
+    p = _softmax(logits, visible)
+    if dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("dropout_rate > 0 and deterministic=False need dropout_rng")
+        shape = (1, 1, 1) + p.shape[-2:] if broadcast_dropout else p.shape
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
+        p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+
+
+def _softmax(logits: jax.Array, visible: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis; invisible entries are 0 and fully masked rows all 0 (no NaN)."""
+    if visible is None:
+        return jax.nn.softmax(logits, axis=-1)
+    masked = jnp.where(visible, logits, -jnp.inf)
+    m = jnp.max(masked, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(masked - jax.lax.stop_gradient(m))
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(denom == 0.0, 1.0, denom)
+
+
+# --- chunked (flash attention in XLA) ---
+
+
+def _chunk_setup(k: jax.Array, v: jax.Array, kseg: jax.Array | None, mask5: jax.Array | None, chunk: int) -> Any:
+    """Pads keys to a multiple of ``chunk`` and splits them into ``[n_chunks, ...]`` stacks."""
+    b, s_len, kh, d = k.shape
+    sp = round_up(s_len, chunk)
+    nc = sp // chunk
+
+    def split(x: jax.Array, axis: int) -> jax.Array:
+        x = pad_axis(x, axis, sp)
+        shape = x.shape[:axis] + (nc, chunk) + x.shape[axis + 1 :]
+        return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+    ks, vs = split(k, 1), split(v, 1)
+    ksegs = None if kseg is None else split(kseg, 1)
+    masks = None if mask5 is None or mask5.shape[-1] == 1 else split(mask5, 4)
+    return ks, vs, ksegs, masks, nc
+
+
+def _chunk_visible(spec: AttentionSpec, c: jax.Array, chunk: int, t: int, s_len: int, qseg: Any, kseg_c: Any,
+                   mask_c: Any) -> Any:
+    k_pos = c * chunk + jnp.arange(chunk)[None, :]
+    pos = position_mask(spec, jnp.arange(t)[:, None], k_pos, kv_len=s_len)
+    seg = None if kseg_c is None or qseg is None else qseg[:, None, None, :, None] == kseg_c[:, None, None, None, :]
+    return _and(pos, seg, mask_c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def chunked(q: jax.Array, k: jax.Array, v: jax.Array, qseg: Any, kseg: Any, mask: Any, spec: AttentionSpec,
+            chunk: int, precision: Any) -> jax.Array:
+    """Flash attention over key chunks of ``chunk`` (memory linear in sequence length)."""
+    return _chunked_fwd(q, k, v, qseg, kseg, mask, spec, chunk, precision)[0]
+
+
+def _chunked_fwd(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, mask: Any, spec: AttentionSpec, chunk: int,
+                 precision: Any) -> tuple[jax.Array, Any]:
+    b, t, n, d = q.shape
+    s_len, kh, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, d)
+    mask5 = _grouped_mask(mask, n, g)
+    ks, vs, ksegs, masks, nc = _chunk_setup(k, v, kseg if spec.use_segments else None, mask5, chunk)
+    qseg_used = qseg if spec.use_segments else None
+
+    def step(carry: Any, xs: Any) -> Any:
+        m, l_sum, acc = carry
+        c, kc, vc, ksc, mc = xs
+        raw = jnp.einsum("btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32)
+        s = transform_logits(spec, raw)
+        vis = _chunk_visible(spec, c, chunk, t, s_len, qseg_used, ksc, mask5 if mc is None and mask5 is not None else mc)
+        s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), vc, precision=precision,
+                        preferred_element_type=jnp.float32)
+        return (m_new, l_sum, acc * alpha[..., None] + pv), None
+
+    init = (
+        jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kh, g, t), jnp.float32),
+        jnp.zeros((b, kh, g, t, dv), jnp.float32),
+    )
+    (m, l_sum, acc), _ = jax.lax.scan(step, init, (jnp.arange(nc), ks, vs, ksegs, masks))
+    safe_l = jnp.where(l_sum == 0.0, 1.0, l_sum)
+    out = (acc / safe_l[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, n, dv).astype(q.dtype)
+    lse = jnp.where(l_sum == 0.0, 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe_l))
+    return out, (q, k, v, qseg, kseg, mask, out, lse)
+
+
+def _chunked_bwd(spec: AttentionSpec, chunk: int, precision: Any, res: Any, do: jax.Array) -> tuple[Any, ...]:
+    q, k, v, qseg, kseg, mask, out, lse = res
+    b, t, n, d = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, d)
+    dog = do.reshape(b, t, kh, g, -1)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).reshape(b, t, kh, g).transpose(0, 2, 3, 1)
+    mask5 = _grouped_mask(mask, n, g)
+    ks, vs, ksegs, masks, nc = _chunk_setup(k, v, kseg if spec.use_segments else None, mask5, chunk)
+    qseg_used = qseg if spec.use_segments else None
+
+    def step(dq: Any, xs: Any) -> Any:
+        c, kc, vc, ksc, mc = xs
+        raw = jnp.einsum("btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32)
+        s = transform_logits(spec, raw)
+        vis = _chunk_visible(spec, c, chunk, t, s_len, qseg_used, ksc, mask5 if mc is None and mask5 is not None else mc)
+        p = jnp.exp(jnp.where(vis, s, -jnp.inf) - lse[..., None])
+        dv_c = jnp.einsum("bkgtc,btkgd->bckd", p.astype(do.dtype), dog, precision=precision,
+                          preferred_element_type=jnp.float32)
+        dp = jnp.einsum("btkgd,bckd->bkgtc", dog, vc, precision=precision, preferred_element_type=jnp.float32)
+        draw = soft_cap_grad(spec, raw, p * (dp - delta[..., None]))
+        dq = dq + jnp.einsum("bkgtc,bckd->btkgd", draw.astype(k.dtype), kc, precision=precision,
+                             preferred_element_type=jnp.float32)
+        dk_c = jnp.einsum("bkgtc,btkgd->bckd", draw.astype(q.dtype), qg, precision=precision,
+                          preferred_element_type=jnp.float32)
+        return dq, (dk_c, dv_c)
+
+    dq, (dks, dvs) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), (jnp.arange(nc), ks, vs, ksegs, masks))
+
+    def unsplit(x: jax.Array, like: jax.Array) -> jax.Array:
+        x = jnp.moveaxis(x, 0, 1)
+        return x.reshape((b, nc * chunk) + x.shape[3:])[:, :s_len].astype(like.dtype)
+
+    return (dq.reshape(q.shape).astype(q.dtype), unsplit(dks, k), unsplit(dvs, v), _zero(qseg), _zero(kseg), _zero(mask))
+
+
+def _zero(x: Any) -> Any:
+    if x is None:
+        return None
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# --- registry glue ---
+
+
+def run(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mapping[str, Any], interpret: bool,
+        **kw: Any) -> jax.Array:
+    """``Implementation.fn`` of ``xla``: the plain path, or the chunked one for ``chunk_size``."""
+    del interpret
+    spec: AttentionSpec = kw["spec"]
+    chunk = config.get("chunk_size")
+    plain_only = kw.get("bias") is not None or kw.get("dropout_rate", 0.0) > 0.0
+    if chunk is None or plain_only:
+        return plain(q, k, v, kw.get("bias"), kw.get("mask"), kw.get("q_segments"), kw.get("kv_segments"), spec,
+                     precision=kw.get("precision"), dropout_rate=kw.get("dropout_rate", 0.0),
+                     dropout_rng=kw.get("dropout_rng"), broadcast_dropout=kw.get("broadcast_dropout", True))
+    if chunk <= 0:
+        raise ValueError(f"config chunk_size must be a positive int or None, got {chunk!r}")
+    return chunked(q, k, v, kw.get("q_segments"), kw.get("kv_segments"), kw.get("mask"), spec, int(chunk),
+                   kw.get("precision"))
+
+
+def configs(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Sequence[Mapping[str, Any]]:
+    """Candidate configs: the plain path and every chunk size below the key length."""
+    s_len = k.shape[1]
+    return [{"chunk_size": None}] + [{"chunk_size": c} for c in CHUNK_SIZES if c < s_len]
+
+
+def default_config(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Mapping[str, Any]:
+    """Plain up to ``PLAIN_LIMIT`` logits per batch row and head, else chunks of 512."""
+    return {"chunk_size": None if q.shape[1] * k.shape[1] <= PLAIN_LIMIT else 512}
