@@ -7,6 +7,9 @@ JAX, TensorStore and ``cairn.core_array``. Loaded models and :class:`PythonModel
 satisfy :class:`ServableModel`, the protocol the server runs.
 """
 
+from cairn.serving._export import Signature, export
+from cairn.serving._hashing import ModelFormatError, ModelIntegrityError
+from cairn.serving._load import LoadedModel, LoadedSignature, enable_compilation_cache, load
 from cairn.serving._model import PythonModel, ServableModel
 
 __version__ = "0.1.0"
@@ -15,4 +18,12 @@ __all__ = [
     "__version__",
     "ServableModel",
     "PythonModel",
+    "export",
+    "Signature",
+    "load",
+    "LoadedModel",
+    "LoadedSignature",
+    "enable_compilation_cache",
+    "ModelFormatError",
+    "ModelIntegrityError",
 ]

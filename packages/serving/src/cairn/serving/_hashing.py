@@ -1,0 +1,121 @@
+"""SHA-256 of every file of a model directory, checked before anything is deserialised.
+
+Nothing in a serialized ``jax.export`` artifact or a JSON manifest detects corruption: a
+flipped byte either loads silently or fails deep inside a deserialiser with whatever
+exception that code raises. So every file is hashed at export and re-hashed at load, and
+a mismatch names the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+
+__all__ = ["ModelFormatError", "ModelIntegrityError", "sha256_file", "digest_files", "verify_files",
+           "SIDECAR", "MANIFEST", "write_sidecar", "check_sidecar"]
+
+MANIFEST = "manifest.json"
+# the manifest's own digest, in the format of ``sha256sum`` (so ``sha256sum -c`` checks it)
+SIDECAR = "manifest.json.sha256"
+_SIDECAR_LINE = re.compile(rb"([0-9a-f]{64})  manifest\.json\n\Z")
+_BLOCK = 1 << 20
+
+
+class ModelFormatError(ValueError):
+    """A model directory that cannot be used: malformed, of an unknown format version, or
+    made by an incompatible JAX. ``file`` is the file at fault (relative path) or ``None``."""
+
+    def __init__(self, message: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+
+
+class ModelIntegrityError(ModelFormatError):
+    """A file of a model directory is missing, truncated or altered (its size or SHA-256
+    differs from the manifest's)."""
+
+
+def sha256_file(path: str) -> str:
+    """The hex SHA-256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _walk(root: str) -> list[str]:
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            out.append(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"))
+    return out
+
+
+def digest_files(root: str) -> dict[str, dict]:
+    """``{relative path: {"sha256", "size"}}`` for every file under ``root`` except the
+    manifest and its digest."""
+    return {
+        rel: {"sha256": sha256_file(os.path.join(root, rel)), "size": os.path.getsize(os.path.join(root, rel))}
+        for rel in _walk(root)
+        if rel not in (MANIFEST, SIDECAR)
+    }
+
+
+def verify_files(root: str, files: Mapping[str, Mapping]) -> None:
+    """Check that every listed file exists with its recorded size and SHA-256.
+
+    Raises:
+      ModelIntegrityError: naming the first file that is missing, of the wrong size
+        (truncated or grown) or whose digest differs.
+    """
+    for rel, entry in files.items():
+        if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+            raise ModelFormatError(f"manifest lists an unsafe file path {rel!r}", MANIFEST)
+        full = os.path.join(root, *rel.split("/"))
+        if not os.path.isfile(full):
+            raise ModelIntegrityError(f"{rel}: missing from the model directory {root}", rel)
+        size = os.path.getsize(full)
+        if size != entry.get("size"):
+            raise ModelIntegrityError(
+                f"{rel}: {size} bytes, the manifest records {entry.get('size')} (truncated or altered)", rel
+            )
+        digest = sha256_file(full)
+        if digest != entry.get("sha256"):
+            raise ModelIntegrityError(
+                f"{rel}: SHA-256 {digest[:16]}... differs from the manifest's {str(entry.get('sha256'))[:16]}... "
+                "(the file is corrupted or was modified after export)", rel
+            )
+
+
+def write_sidecar(root: str, manifest_bytes: bytes) -> None:
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    with open(os.path.join(root, SIDECAR), "wb") as f:
+        f.write(f"{digest}  {MANIFEST}\n".encode())
+
+
+def check_sidecar(root: str, manifest_bytes: bytes) -> None:
+    """Check ``manifest.json`` against ``manifest.json.sha256``.
+
+    Raises:
+      ModelIntegrityError: the digest file is missing or malformed, or the manifest's
+        digest differs.
+    """
+    path = os.path.join(root, SIDECAR)
+    if not os.path.isfile(path):
+        raise ModelIntegrityError(f"{SIDECAR}: missing from the model directory {root}", SIDECAR)
+    with open(path, "rb") as f:
+        line = f.read(200)
+    m = _SIDECAR_LINE.match(line)
+    if m is None:
+        raise ModelIntegrityError(
+            f"{SIDECAR}: malformed; expected one line '<64 hex digits>  {MANIFEST}' (corrupted?)", SIDECAR
+        )
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    if m.group(1).decode() != digest:
+        raise ModelIntegrityError(
+            f"{MANIFEST}: SHA-256 differs from the one in {SIDECAR} (one of the two is corrupted)", MANIFEST
+        )
