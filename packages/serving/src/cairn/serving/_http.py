@@ -1,0 +1,341 @@
+"""A small, fast HTTP/1.1 server on asyncio protocols (keep-alive, TCP_NODELAY, limits).
+
+Each connection is an ``asyncio.Protocol`` that parses requests itself (no per-request
+task or thread): the handler returns a :class:`Response` at once, or an
+``asyncio.Future`` resolving to one, and the connection writes it with a single
+``transport.write`` (headers and body together, Nagle off). Requests on one connection
+are answered in order. Limits: header size (431), body size (413, announced by
+Content-Length before any body is read), header and body read timeouts (408, so a
+client sending a byte a second holds only its own connection), an idle keep-alive
+timeout, and ``Transfer-Encoding`` is refused (411: send Content-Length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    505: "HTTP Version Not Supported",
+}
+
+
+@dataclasses.dataclass
+class Request:
+    """One parsed HTTP request (header names lower-cased)."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+    peer: str
+    keep_alive: bool
+    started: float
+
+
+@dataclasses.dataclass
+class Response:
+    """What a handler answers: status, body, content type and extra headers."""
+
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    """Connection limits.
+
+    Attributes:
+      max_body_bytes: larger Content-Length answers 413 before the body is read.
+      max_header_bytes: a request head (line + headers) larger than this answers 431.
+      header_timeout: seconds from a request's first byte to the end of its headers (408).
+      body_timeout: seconds from the end of the headers to the end of the body (408).
+      keep_alive_timeout: an idle connection is closed after this many seconds.
+    """
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 75.0
+
+
+Handler = Callable[[Request], "Response | asyncio.Future[Response]"]
+Finisher = Callable[[Request, Response, int], None]
+
+_IDLE, _HEAD, _BODY, _BUSY = range(4)
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection; see the module docstring."""
+
+    def __init__(self, server: HttpServer):
+        self._server = server
+        self._buf = bytearray()
+        self._state = _IDLE
+        self._deadline = 0.0
+        self._head: tuple[str, str, str, dict[str, str], bool, float] | None = None
+        self._length = 0
+        self._closing = False
+        self.transport: asyncio.Transport | None = None
+        self._peer = ""
+
+    # --- asyncio callbacks ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._deadline = time.monotonic() + self._server.limits.keep_alive_timeout
+        self._server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._server.connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if self._state == _IDLE:
+            self._state = _HEAD
+            self._deadline = time.monotonic() + self._server.limits.header_timeout
+        self._buf += data
+        if self._state != _BUSY:
+            self._advance()
+        elif len(self._buf) > self._server.limits.max_header_bytes + self._length:
+            self.transport.pause_reading()  # type: ignore[union-attr]  # a pipelining client waits for us
+
+    # --- parsing ---
+
+    def _advance(self) -> None:
+        """Parse and dispatch as many complete requests as the buffer holds."""
+        limits = self._server.limits
+        while not self._closing:
+            if self._state in (_IDLE, _HEAD):
+                end = self._buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buf) > limits.max_header_bytes:
+                        self._fail(431, "request head is larger than the limit")
+                    elif not self._buf:
+                        self._state = _IDLE
+                    return
+                if end > limits.max_header_bytes:
+                    self._fail(431, "request head is larger than the limit")
+                    return
+                if not self._parse_head(bytes(self._buf[:end])):
+                    return
+                del self._buf[: end + 4]
+                self._state = _BODY
+                self._deadline = time.monotonic() + limits.body_timeout
+            if self._state == _BODY:
+                if len(self._buf) < self._length:
+                    return
+                body = bytes(self._buf[: self._length])
+                del self._buf[: self._length]
+                self._dispatch(body)
+                if self._state == _BUSY:
+                    return
+
+    def _parse_head(self, head: bytes) -> bool:
+        try:
+            text = head.decode("latin-1")
+            line, *lines = text.split("\r\n")
+            method, target, version = line.split(" ")
+        except ValueError:
+            self._fail(400, "malformed request line")
+            return False
+        if version not in ("HTTP/1.1", "HTTP/1.0"):
+            self._fail(505 if version.startswith("HTTP/") else 400, f"unsupported protocol version {version[:20]!r}")
+            return False
+        headers: dict[str, str] = {}
+        for h in lines:
+            name, sep, value = h.partition(":")
+            if not sep or not name or name != name.strip():
+                self._fail(400, "malformed header line")
+                return False
+            headers[name.lower()] = value.strip()
+        if "transfer-encoding" in headers:
+            self._fail(411, "Transfer-Encoding is not supported: send Content-Length")
+            return False
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or len(length) > 18:
+            self._fail(400, f"invalid Content-Length {length[:30]!r}")
+            return False
+        self._length = int(length)
+        if self._length > self._server.limits.max_body_bytes:
+            self._fail(413, f"request body of {self._length} bytes exceeds the limit of {self._server.limits.max_body_bytes} bytes")
+            return False
+        conn = headers.get("connection", "").lower()
+        keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
+        path, _, query = target.partition("?")
+        self._head = (method, path, query, headers, keep, time.perf_counter())
+        return True
+
+    def _dispatch(self, body: bytes) -> None:
+        assert self._head is not None
+        method, path, query, headers, keep, started = self._head
+        request = Request(method, path, query, headers, body, self._peer, keep and not self._server.draining, started)
+        self._state = _BUSY
+        self._server.in_flight += 1
+        try:
+            result = self._server.handler(request)
+        except Exception as e:  # a handler bug is this request's 500, never the connection's crash
+            result = _error(500, f"internal error: {type(e).__name__}: {e}")
+        if isinstance(result, Response):
+            self._respond(request, result, resume=False)  # _advance's loop goes on with the buffer
+        else:
+            result.add_done_callback(lambda fut: self._respond(request, _result(fut)))
+
+    # --- writing ---
+
+    def _respond(self, request: Request, response: Response, resume: bool = True) -> None:
+        self._server.in_flight -= 1
+        keep = request.keep_alive and not self._server.draining and not self._closing
+        self._write(response, keep)
+        self._server.finished(request, response, len(response.body))
+        if not keep:
+            self._close()
+            return
+        self._state = _HEAD if self._buf else _IDLE
+        limits = self._server.limits
+        self._deadline = time.monotonic() + (limits.header_timeout if self._buf else limits.keep_alive_timeout)
+        if resume:
+            self.transport.resume_reading()  # type: ignore[union-attr]
+            if self._buf:
+                self._advance()
+
+    def _write(self, response: Response, keep: bool) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        status = response.status
+        parts = [
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+            f"Content-Type: {response.content_type}\r\nContent-Length: {len(response.body)}\r\n"
+        ]
+        parts.extend(f"{k}: {v}\r\n" for k, v in response.headers)
+        parts.append("Connection: keep-alive\r\n\r\n" if keep else "Connection: close\r\n\r\n")
+        self.transport.write("".join(parts).encode("latin-1") + response.body)
+
+    def _fail(self, status: int, reason: str) -> None:
+        """Answer a request that could not be parsed, then close the connection."""
+        response = _error(status, reason)
+        self._write(response, keep=False)
+        started = self._head[5] if self._head else time.perf_counter()
+        request = Request("-", "-", "", {}, b"", self._peer, False, started)
+        self._server.finished(request, response, len(response.body))
+        self._close()
+
+    def _close(self) -> None:
+        self._closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def expire(self, now: float) -> None:
+        """Called by the server's sweeper: enforce this connection's current deadline."""
+        if self._closing or self._state == _BUSY or now < self._deadline:
+            return
+        if self._state == _IDLE:
+            self._close()
+        else:
+            phase = "headers" if self._state == _HEAD else "body"
+            self._fail(408, f"timed out reading the request {phase}")
+
+    def close_if_idle(self) -> None:
+        if self._state == _IDLE:
+            self._close()
+
+
+def _error(status: int, reason: str) -> Response:
+    import json
+
+    return Response(status, json.dumps({"error": reason}).encode())
+
+
+def _result(fut: asyncio.Future[Response]) -> Response:
+    if fut.cancelled():
+        return _error(503, "the request was cancelled (server shutting down)")
+    exc = fut.exception()
+    if exc is not None:
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+    return fut.result()
+
+
+class HttpServer:
+    """The listening socket, its connections and the timeout sweeper (loop thread only).
+
+    Args:
+      handler: request -> Response or Future[Response].
+      finished: called after each response is written (metrics, access log).
+      limits: :class:`HttpLimits`.
+    """
+
+    def __init__(self, handler: Handler, finished: Finisher, limits: HttpLimits):
+        self.handler = handler
+        self.finished = finished
+        self.limits = limits
+        self.connections: set[HttpConnection] = set()
+        self.in_flight = 0
+        self.draining = False
+        self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.Task[Any] | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0 = an ephemeral port) and return the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: HttpConnection(self), host, port, reuse_address=True, backlog=1024)
+        self._sweeper = loop.create_task(self._sweep())
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _sweep(self) -> None:
+        lim = self.limits
+        period = max(0.02, min(0.5, lim.header_timeout / 4, lim.body_timeout / 4, lim.keep_alive_timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                conn.expire(now)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting, close idle connections, wait for in-flight requests; True if all finished."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            for conn in list(self.connections):
+                conn.close_if_idle()
+            if self.in_flight == 0 or time.monotonic() > deadline:
+                return self.in_flight == 0
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        """Close every connection and the sweeper."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn._close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()

@@ -1,0 +1,675 @@
+"""The inference server: Open Inference Protocol v2 routes over :mod:`cairn.serving._http`.
+
+Everything that touches the live model table runs on one asyncio event loop (in a
+background thread for :func:`serve`, in the main thread for the CLI); models run on a
+worker pool shared by every model's :class:`~cairn.serving._batcher.DynamicBatcher`;
+loading (which compiles) runs on its own thread so serving goes on meanwhile. A request
+is routed and queued in one step on the loop, so a hot reload (a new version swapped
+in, the old one drained) neither drops nor fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import hmac
+import importlib.metadata
+import itertools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from cairn.serving._batcher import BatchingConfig, DynamicBatcher, ModelError, QueueFull, Unavailable
+from cairn.serving._http import HttpLimits, HttpServer, Request, Response
+from cairn.serving._metrics import Metrics
+from cairn.serving._model import batch_dim, validate_inputs
+from cairn.serving._protocol import InferRequest, ProtocolError, decode_request, encode_response, oip_datatype
+from cairn.serving._repository import ModelConfig, ModelRepository, ModelSet
+
+access_log = logging.getLogger("cairn.serving.access")
+log = logging.getLogger("cairn.serving")
+
+try:
+    _VERSION = importlib.metadata.version("cairn-serving")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+    _VERSION = "0"
+
+_EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "parameters", "metrics"]
+_OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+
+
+class HttpError(Exception):
+    """An error answer: HTTP status, reason, extra headers."""
+
+    def __init__(self, status: int, message: str, headers: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or []
+
+
+@dataclasses.dataclass
+class _Version:
+    name: str
+    version: int
+    model: Any
+    batcher: DynamicBatcher
+    config: ModelConfig
+    batch_dim: str | None
+    labels: tuple[tuple[str, str], ...]
+
+
+def _json(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
+    return Response(status, json.dumps(obj, separators=(",", ":")).encode(), headers=headers)
+
+
+def _tensor_meta(name: str, spec: Any, batched: bool) -> dict[str, Any]:
+    try:
+        datatype = oip_datatype(spec.dtype)
+    except ValueError:
+        datatype = str(spec.dtype).upper()
+    shape = [-1 if isinstance(d, str) else int(d) for d in spec.shape]
+    if batched and shape:
+        shape[0] = -1
+    return {"name": name, "datatype": datatype, "shape": shape}
+
+
+class App:
+    """The server's state and routes (event-loop thread only)."""
+
+    def __init__(self, source: ModelRepository | ModelSet, *, token: str | None, limits: HttpLimits, workers: int):
+        self.source = source
+        self.token = token
+        self.metrics = Metrics()
+        self.live: dict[str, dict[int, _Version]] = {}
+        self.status: dict[str, tuple[str, str]] = {}
+        self.executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cairn-serving-worker")
+        self.loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cairn-serving-load")
+        self.http = HttpServer(self.handle, self.finished, limits)
+        self.ready = False
+        self.stopped = asyncio.Event()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(4).hex()
+
+    async def start(self, host: str, port: int) -> int:
+        """Load every model the source has (failures are logged and shown in the index), then listen."""
+        for name in self.source.names():
+            try:
+                await self.load_model(name)
+            except HttpError as e:
+                log.error("model %s: %s", name, e.message)
+        bound = await self.http.start(host, port)
+        self.ready = True
+        return bound
+
+    async def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop listening; with ``drain``, answer in-flight requests first (up to ``timeout`` s)."""
+        self.ready = False
+        if drain:
+            if not await self.http.drain(timeout):
+                log.warning("drain timed out with %d requests in flight", self.http.in_flight)
+        await self.http.close()
+        for versions in self.live.values():
+            for v in versions.values():
+                v.batcher._closed = True
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.loading.shutdown(wait=False, cancel_futures=True)
+        self.stopped.set()
+
+    # --- model table ---
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _make_version(self, name: str, version: int, model: Any, config: ModelConfig) -> _Version:
+        labels = (("model", name), ("version", str(version)))
+        metrics = self.metrics
+
+        def observe(rows: int, padded: int, compute: float, waits: list[float]) -> None:
+            metrics.count.inc(labels, rows)
+            metrics.execs.inc(labels)
+            metrics.compute_time.observe(labels, compute)
+            metrics.batch_size.observe(labels, rows)
+            metrics.padded_size.observe(labels, padded)
+            for w in waits:
+                metrics.queue_time.observe(labels, w)
+
+        batcher = DynamicBatcher(model, config.batching, self.executor, observe)
+        dim = batch_dim(model.inputs) if batcher.batchable else None
+        return _Version(name, version, model, batcher, config, dim, labels)
+
+    async def load_model(self, name: str) -> None:
+        """(Re)load ``name`` from the source per its version policy; new versions are swapped
+        in once loaded, versions the policy no longer selects drain in the background.
+
+        Raises:
+          HttpError: 404 unknown model; 400 a bad config or a version that failed to load.
+        """
+        async with self._lock(name):
+            try:
+                available = self.source.versions(name)
+                config = self.source.config(name)
+            except KeyError as e:
+                raise HttpError(404, str(e.args[0])) from None
+            except ValueError as e:
+                self.status[name] = ("UNAVAILABLE", str(e))
+                raise HttpError(400, f"failed to load '{name}': {e}") from None
+            wanted = config.version_policy.select(available)
+            if not wanted:
+                reason = f"no version of '{name}' matches its version policy {config.version_policy.to_json()} (available: {available})"
+                self.status.setdefault(name, ("UNAVAILABLE", reason))
+                raise HttpError(400, reason)
+            current = self.live.get(name, {})
+            fresh, failures = {v: current[v] for v in wanted if v in current}, []
+            for v in wanted:
+                if v in fresh:
+                    continue
+                loop = asyncio.get_running_loop()
+                try:
+                    model = await loop.run_in_executor(self.loading, self.source.load, name, v)
+                    fresh[v] = self._make_version(name, v, model, config)
+                except Exception as e:  # noqa: BLE001 - reported per version
+                    failures.append(f"version {v}: {type(e).__name__}: {e}")
+            if fresh:
+                self.live[name] = fresh  # the swap: one assignment on the loop thread
+                self.status[name] = ("READY", "")
+                for v, old in current.items():
+                    if v not in fresh:
+                        self._retire(old)
+            if failures:
+                reason = f"failed to load '{name}': {'; '.join(failures)}"
+                if not fresh:
+                    self.status[name] = ("UNAVAILABLE", reason)
+                raise HttpError(400, reason)
+
+    def _retire(self, version: _Version) -> None:
+        task = asyncio.get_running_loop().create_task(version.batcher.close())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def unload_model(self, name: str) -> None:
+        """Stop routing to ``name`` and wait for its queued requests to be answered.
+
+        Raises:
+          HttpError: 404 when the model is neither loaded nor in the source.
+        """
+        async with self._lock(name):
+            current = self.live.pop(name, None)
+            if current is None and name not in self.source.names():
+                raise HttpError(404, f"model '{name}' is not in the repository")
+            self.status[name] = ("UNAVAILABLE", "unloaded")
+            await asyncio.gather(*(v.batcher.close() for v in (current or {}).values()))
+
+    def resolve(self, name: str, version: str | None) -> _Version:
+        """The version a request names (the newest loaded one when None).
+
+        Raises:
+          HttpError: 404 for an unknown model or version.
+        """
+        versions = self.live.get(name)
+        if not versions:
+            known = name in self.status
+            raise HttpError(404, f"model '{name}' is {'not loaded' if known else 'unknown'}; loaded models: {sorted(self.live)}")
+        if version is None:
+            return versions[max(versions)]
+        if not version.isdigit() or int(version) not in versions:
+            raise HttpError(404, f"model '{name}' has no loaded version '{version}' (loaded: {sorted(versions)})")
+        return versions[int(version)]
+
+    # --- routing ---
+
+    def handle(self, req: Request) -> Response | asyncio.Future[Response]:
+        """Route one request (see the Endpoints section of docs/serving.md)."""
+        rid = req.headers.get("x-request-id", "")
+        if not rid or len(rid) > 200 or not rid.isprintable():
+            rid = f"{self._id_prefix}-{next(self._ids)}"
+        headers = [("X-Request-Id", rid)]
+        try:
+            if self.token is not None and req.path not in _OPEN_PATHS:
+                self._authorize(req)
+            result = self._route(req, headers)
+        except HttpError as e:
+            return _json(e.status, {"error": e.message}, headers + e.headers)
+        except ProtocolError as e:
+            return _json(e.status, {"error": e.message}, headers)
+        return result
+
+    def _authorize(self, req: Request) -> None:
+        got = req.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+            raise HttpError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')", [("WWW-Authenticate", "Bearer")])
+
+    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | asyncio.Future[Response]:
+        path, method = req.path, req.method
+        if path.startswith("/v2/models/"):
+            return self._model_route(req, headers)
+        if path == "/v2/health/live":
+            _method(method, "GET")
+            return _json(200, {"live": True}, headers)
+        if path == "/v2/health/ready":
+            _method(method, "GET")
+            ready = self.ready and not self.http.draining
+            return _json(200 if ready else 503, {"ready": ready}, headers)
+        if path in ("/v2", "/v2/"):
+            _method(method, "GET")
+            return _json(200, {"name": "cairn-serving", "version": _VERSION, "extensions": _EXTENSIONS}, headers)
+        if path == "/metrics":
+            _method(method, "GET")
+            return Response(200, self.render_metrics(), "text/plain; version=0.0.4; charset=utf-8", headers)
+        if path == "/v2/repository/index":
+            _method(method, "POST")
+            return _json(200, self.index(_ready_only(req.body)), headers)
+        parts = path.split("/")
+        if len(parts) == 6 and parts[:4] == ["", "v2", "repository", "models"] and parts[5] in ("load", "unload"):
+            _method(method, "POST")
+            name = unquote(parts[4])
+            op = self.load_model(name) if parts[5] == "load" else self.unload_model(name)
+            return asyncio.ensure_future(_admin(op, headers))
+        raise HttpError(404, f"no route for {method} {path[:200]}")
+
+    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | asyncio.Future[Response]:
+        parts = req.path.split("/")[3:]
+        name, rest, version = unquote(parts[0]), parts[1:], None
+        if len(rest) >= 2 and rest[0] == "versions":
+            version, rest = rest[1], rest[2:]
+        action = rest[0] if len(rest) == 1 else ("" if not rest else None)
+        if action == "infer":
+            _method(req.method, "POST")
+            return self.infer(req, name, version, headers)
+        if action == "ready":
+            _method(req.method, "GET")
+            try:
+                self.resolve(name, version)
+            except HttpError as e:
+                return _json(400, {"name": name, "ready": False, "error": e.message}, headers)
+            return _json(200, {"name": name, "ready": True}, headers)
+        if action in ("", "config"):
+            _method(req.method, "GET")
+            live = self.resolve(name, version)
+            meta = self.metadata(live) if action == "" else self.model_config(live)
+            return _json(200, meta, headers)
+        raise HttpError(404, f"no route for {req.method} {req.path[:200]}")
+
+    # --- endpoints ---
+
+    def metadata(self, live: _Version) -> dict[str, Any]:
+        """OIP model metadata (a symbolic or batch dimension is -1)."""
+        m, batched = live.model, live.batch_dim is not None
+        return {
+            "name": live.name,
+            "versions": [str(v) for v in sorted(self.live.get(live.name, {}))],
+            "platform": getattr(m, "platform", "jax"),
+            "inputs": [_tensor_meta(k, s, batched) for k, s in m.inputs.items()],
+            "outputs": [_tensor_meta(k, s, batched) for k, s in m.outputs.items()],
+        }
+
+    def model_config(self, live: _Version) -> dict[str, Any]:
+        """A Triton-style model configuration (dims without the batch axis when batched)."""
+        b, cfg = live.batcher, live.config.batching
+
+        def dims(meta: dict[str, Any]) -> dict[str, Any]:
+            shape = meta["shape"][1:] if b.batchable else meta["shape"]
+            return {"name": meta["name"], "data_type": "TYPE_" + meta["datatype"], "dims": shape}
+
+        meta = self.metadata(live)
+        return {
+            "name": live.name,
+            "platform": meta["platform"],
+            "max_batch_size": b.max_batch_size if b.batchable else 0,
+            "input": [dims(t) for t in meta["inputs"]],
+            "output": [dims(t) for t in meta["outputs"]],
+            "version_policy": live.config.version_policy.to_json(),
+            "dynamic_batching": {
+                "enabled": b.batchable,
+                "batch_buckets": list(b.buckets),
+                "max_queue_delay_microseconds": int(cfg.max_queue_delay * 1e6),
+                "max_queue_size": cfg.max_queue_size,
+                "max_concurrent_batches": cfg.max_concurrent_batches,
+            },
+        }
+
+    def index(self, ready_only: bool) -> list[dict[str, Any]]:
+        """The repository index: one row per loaded version, one per model not loaded."""
+        rows: list[dict[str, Any]] = []
+        for name in sorted(set(self.source.names()) | set(self.live) | set(self.status)):
+            versions = self.live.get(name)
+            if versions:
+                rows.extend({"name": name, "version": str(v), "state": "READY", "reason": ""} for v in sorted(versions))
+            elif not ready_only:
+                state, reason = self.status.get(name, ("UNAVAILABLE", "not loaded"))
+                rows.append({"name": name, "state": state, "reason": reason})
+        return rows
+
+    def render_metrics(self) -> bytes:
+        """The /metrics body (queue sizes sampled now)."""
+        gauge = self.metrics.queue_size
+        gauge.values.clear()
+        for versions in self.live.values():
+            for v in versions.values():
+                gauge.set(v.labels, v.batcher.queued)
+        return self.metrics.render()
+
+    def infer(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]]) -> asyncio.Future[Response]:
+        """Validate, queue, and answer one inference request."""
+        live = self.resolve(name, version)
+        try:
+            decoded = self._decode(req, live)
+            arrays, env = validate_inputs(live.model.inputs, decoded.inputs, live.batcher.max_batch_size if live.batch_dim else 0)
+        except ProtocolError as e:
+            self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
+            raise HttpError(e.status, e.message) from None
+        except ValueError as e:
+            self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
+            raise HttpError(400, str(e)) from None
+        rows = env[live.batch_dim] if live.batch_dim else 1
+        try:
+            fut = live.batcher.submit(arrays, rows)
+        except QueueFull as e:
+            self.metrics.failure.inc((*live.labels, ("reason", "queue_full")))
+            raise HttpError(503, f"model '{name}' is overloaded: {e}", [("Retry-After", str(e.retry_after))]) from None
+        except Unavailable as e:  # pragma: no cover - routing and submit share one loop step
+            raise HttpError(503, str(e), [("Retry-After", "1")]) from None
+        out: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(functools.partial(self._answer, out, live, decoded, headers, req.started))
+        return out
+
+    def _decode(self, req: Request, live: _Version) -> InferRequest:
+        raw = req.headers.get("inference-header-content-length")
+        if raw is not None and not raw.isdigit():
+            raise ProtocolError(400, f"Inference-Header-Content-Length must be a non-negative integer, got {raw[:30]!r}")
+        if req.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+            raise ProtocolError(400, f"Content-Encoding {req.headers['content-encoding'][:30]!r} is not supported")
+        decoded = decode_request(req.body, None if raw is None else int(raw))
+        for out in decoded.outputs or ():
+            if out not in live.model.outputs:
+                raise ProtocolError(400, f"requested output '{out}' is not an output of model '{live.name}' (outputs: {sorted(live.model.outputs)})")
+        return decoded
+
+    def _answer(self, out: asyncio.Future[Response], live: _Version, decoded: InferRequest, headers: list[tuple[str, str]], started: float, fut: asyncio.Future[Any]) -> None:
+        if out.done():
+            return
+        m = self.metrics
+        try:
+            outputs, _ = fut.result()
+            body, header_length = encode_response(live.name, str(live.version), decoded, outputs)
+        except ModelError as e:
+            m.failure.inc((*live.labels, ("reason", "model_error")))
+            out.set_result(_json(500, {"error": f"model '{live.name}' version {live.version} failed: {e}"}, headers))
+            return
+        except (ProtocolError, ValueError, KeyError, asyncio.CancelledError) as e:
+            m.failure.inc((*live.labels, ("reason", "model_error")))
+            out.set_result(_json(500, {"error": f"model '{live.name}' returned unusable outputs: {e}"}, headers))
+            return
+        m.success.inc(live.labels)
+        m.request_time.observe(live.labels, time.perf_counter() - started)
+        if header_length is None:
+            out.set_result(Response(200, body, "application/json", headers))
+        else:
+            hdrs = [*headers, ("Inference-Header-Content-Length", str(header_length))]
+            out.set_result(Response(200, body, "application/octet-stream", hdrs))
+
+    def finished(self, req: Request, response: Response, nbytes: int) -> None:
+        """After each response: the HTTP status counter and a JSON access-log line."""
+        self.metrics.http.inc((("code", str(response.status)),))
+        if access_log.isEnabledFor(logging.INFO):
+            rid = next((v for k, v in response.headers if k == "X-Request-Id"), None)
+            record = {
+                "time": round(time.time(), 6),
+                "remote": req.peer,
+                "method": req.method,
+                "path": req.path,
+                "status": response.status,
+                "bytes": nbytes,
+                "duration_ms": round((time.perf_counter() - req.started) * 1e3, 3),
+                "request_id": rid,
+            }
+            access_log.info(json.dumps(record), extra={"cairn_access": record})
+
+
+def _method(got: str, want: str) -> None:
+    if got != want:
+        raise HttpError(405, f"method {got[:20]} not allowed here (use {want})", [("Allow", want)])
+
+
+def _ready_only(body: bytes) -> bool:
+    if not body.strip():
+        return False
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        raise HttpError(400, "repository index body must be JSON ({} or {\"ready\": true})") from None
+    return bool(obj.get("ready", False)) if isinstance(obj, dict) else False
+
+
+async def _admin(op: Any, headers: list[tuple[str, str]]) -> Response:
+    try:
+        await op
+    except HttpError as e:
+        return _json(e.status, {"error": e.message}, headers + e.headers)
+    return _json(200, {}, headers)
+
+
+# --- the public server ---
+
+
+def _as_source(models: Any, batching: BatchingConfig | Mapping[str, BatchingConfig] | None) -> ModelRepository | ModelSet:
+    if isinstance(models, ModelRepository | ModelSet):
+        return models
+    if isinstance(models, str | os.PathLike):
+        if isinstance(batching, Mapping):
+            raise TypeError("per-model batching for a repository goes in each model's config.json")
+        return ModelRepository(Path(models), batching=batching)
+    if isinstance(models, Mapping):
+        return ModelSet(models, batching)
+    if isinstance(models, list | tuple):
+        return ModelSet({m.name: m for m in models}, batching)
+    if callable(models) and hasattr(models, "inputs"):
+        return ModelSet({models.name: models}, batching)
+    raise TypeError(
+        f"serve() takes a repository directory, a ModelRepository, a model, or a dict/list of models; got {type(models).__name__}"
+    )
+
+
+class Server:
+    """An inference server (see :func:`serve`); a context manager that stops on exit.
+
+    Attributes:
+      host, port: where it listens (port is the bound one after start).
+      url: ``http://host:port``.
+    """
+
+    def __init__(
+        self,
+        models: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        batching: BatchingConfig | Mapping[str, BatchingConfig] | None = None,
+        limits: HttpLimits | None = None,
+        workers: int | None = None,
+        drain_timeout: float = 30.0,
+        poll_interval: float | None = None,
+    ):
+        self.source = _as_source(models, batching)
+        self.host, self.port = host, port
+        self.token = token
+        self.limits = limits or HttpLimits()
+        self.workers = workers or max(2, os.cpu_count() or 2)
+        self.drain_timeout = drain_timeout
+        self.poll_interval = poll_interval
+        self.app: App | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL (``http://127.0.0.1:PORT``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def _main(self, started: concurrent.futures.Future[None], handle_signals: bool) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.app = App(self.source, token=self.token, limits=self.limits, workers=self.workers)
+        try:
+            self.port = await self.app.start(self.host, self.port)
+        except BaseException as e:
+            await self.app.shutdown(drain=False)
+            started.set_exception(e)
+            return
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._shutdown(True)))
+        poller = self._loop.create_task(self._poll()) if self.poll_interval else None
+        started.set_result(None)
+        await self.app.stopped.wait()
+        if poller is not None:
+            poller.cancel()
+
+    async def _shutdown(self, drain: bool) -> None:
+        assert self.app is not None
+        if not self.app.stopped.is_set():
+            await self.app.shutdown(drain, self.drain_timeout)
+
+    async def _poll(self) -> None:
+        """Reload models whose versions on disk changed; load new models; unload removed ones."""
+        app = self.app
+        assert app is not None and self.poll_interval
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            names = set(app.source.names())
+            for name in sorted(names):
+                try:
+                    wanted = app.source.config(name).version_policy.select(app.source.versions(name))
+                    if set(wanted) != set(app.live.get(name, {})) and app.status.get(name, ("", ""))[1] != "unloaded":
+                        await app.load_model(name)
+                except (HttpError, KeyError, ValueError) as e:
+                    log.error("poll: model %s: %s", name, getattr(e, "message", e))
+            for name in set(app.live) - names:
+                await app.unload_model(name)
+
+    def start(self) -> Server:
+        """Start serving in a background thread; return once the port is bound and models are loaded.
+
+        Raises:
+          OSError: the address is taken.
+        """
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            asyncio.run(self._main(started, handle_signals=False))
+
+        self._thread = threading.Thread(target=run, name="cairn-serving", daemon=True)
+        self._thread.start()
+        started.result()
+        return self
+
+    def run(self) -> None:
+        """Serve in this thread until SIGTERM/SIGINT (drains in-flight requests) or :meth:`stop`."""
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        started.add_done_callback(lambda f: f.exception() or log.info("serving on %s", self.url))
+        asyncio.run(self._main(started, handle_signals=True))
+        started.result()
+
+    def _call(self, coro: Any) -> Any:
+        if self._loop is None:
+            raise RuntimeError("the server is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def load_model(self, name: str) -> None:
+        """Load or reload ``name`` (thread-safe; see ``POST /v2/repository/models/{m}/load``)."""
+        assert self.app is not None
+        self._call(self.app.load_model(name))
+
+    def unload_model(self, name: str) -> None:
+        """Unload ``name`` after its queued requests are answered (thread-safe)."""
+        assert self.app is not None
+        self._call(self.app.unload_model(name))
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop; with ``drain`` answer in-flight requests first. Idempotent."""
+        if self._loop is None or self._thread is None:
+            return
+        if self._thread.is_alive():
+            try:
+                self._call(self._shutdown(drain))
+            except RuntimeError:  # the loop already closed
+                pass
+            self._thread.join(timeout=self.drain_timeout + 5)
+        self._loop = None
+
+    def __enter__(self) -> Server:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    models: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    batching: BatchingConfig | Mapping[str, BatchingConfig] | None = None,
+    limits: HttpLimits | None = None,
+    workers: int | None = None,
+    drain_timeout: float = 30.0,
+    poll_interval: float | None = None,
+) -> Server:
+    """Serve models over the Open Inference Protocol v2 (HTTP/1.1) in a background thread.
+
+    Args:
+      models: a model repository directory (``<repo>/<model>/<version>/``), a
+        :class:`ModelRepository`, a :class:`ServableModel` (served as version 1 under its
+        ``name``), or a dict ``{name: model}`` / list of models.
+      host: the address to bind; loopback unless told otherwise.
+      port: the port; 0 picks a free one (read ``server.port``).
+      token: when given, every route but ``/v2/health/*`` needs ``Authorization: Bearer <token>`` (else 401).
+      batching: :class:`BatchingConfig` for every model, or ``{name: BatchingConfig}`` for
+        in-memory models (a repository's models read theirs from ``config.json``).
+      limits: :class:`HttpLimits` (body size 413, header and body read timeouts 408).
+      workers: threads in the pool the models share (default: CPU count, at least 2).
+      drain_timeout: seconds :meth:`Server.stop` waits for in-flight requests.
+      poll_interval: when set, re-scan the repository every this many seconds and load
+        new versions and models (Triton's ``--model-control-mode=poll``).
+
+    Returns:
+      The running :class:`Server` (use it as a context manager, or call ``stop()``).
+
+    Raises:
+      OSError: the address is taken. TypeError: ``models`` is none of the above.
+
+    >>> import numpy as np
+    >>> from cairn.core_array import ArraySpec
+    >>> from cairn.serving import PythonModel
+    >>> m = PythonModel(lambda d: {"y": d["x"] + 1}, {"x": ArraySpec(("b", 2), "float32")},
+    ...                 {"y": ArraySpec(("b", 2), "float32")}, max_batch_size=8, name="inc")
+    >>> with serve(m) as server:
+    ...     server.url.startswith("http://127.0.0.1:")
+    True
+    """
+    return Server(
+        models,
+        host=host,
+        port=port,
+        token=token,
+        batching=batching,
+        limits=limits,
+        workers=workers,
+        drain_timeout=drain_timeout,
+        poll_interval=poll_interval,
+    ).start()
