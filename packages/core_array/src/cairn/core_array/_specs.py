@@ -279,19 +279,22 @@ class ArraySpec:
         return True
 
     def bind(self, bindings: Mapping[str, int] | None = None, /, **sizes: int) -> ArraySpec:
-        """This spec with symbolic dims replaced by sizes (constraints checked, then dropped
-        for the bound names).
+        """This spec with symbolic dims replaced by sizes: a constraint whose names are
+        all bound is checked and dropped, one partly bound gets the sizes substituted.
 
         Raises:
           ValueError: a size breaks a constraint.
         """
         env = {**(bindings or {}), **sizes}
         shape = tuple(env.get(d, d) if isinstance(d, str) else d for d in self.shape)
-        left = [c for c in self.constraints if all(n not in env for n in _names(c))]
-        for c in self.constraints:
-            names = _names(c)
-            if names and all(n in env for n in names) and not _holds(_parse_constraint(c), env):
-                raise ValueError(f"ArraySpec.bind: {env} breaks the constraint {c!r}")
+        left = []
+        for text in self.constraints:
+            c = _parse_constraint(text)
+            if all(n in env for n in _names(text)):
+                if not _holds(c, env):
+                    raise ValueError(f"ArraySpec.bind: {env} breaks the constraint {text!r}")
+            else:  # partly bound: the bound side becomes its number ("t >= b" with b=2: "t >= 2")
+                left.append(_render_constraint(tuple(env.get(t, t) if isinstance(t, str) else t for t in c)))  # type: ignore[arg-type]
         return dataclasses.replace(self, shape=shape, constraints=tuple(left))
 
     # --- JSON and JAX ---

@@ -129,7 +129,7 @@ def _export_signature(name: str, sig: Signature, params: Any, flat: dict, qmeta:
     _check_specs(name, sig.input_specs)
     specs, b, mbs, buckets = _batching(name, sig.input_specs, sig.max_batch_size, sig.batch_buckets)
     for k, s in specs.items():
-        if s.dtype in ("float64", "int64", "uint64", "complex128") and not jax.config.jax_enable_x64:
+        if s.dtype in ("float64", "int64", "uint64", "complex128") and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
             raise ValueError(f"signature {name!r}: input {k!r} is {s.dtype}, which needs jax_enable_x64")
     fn = sig.fn
 

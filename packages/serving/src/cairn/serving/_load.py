@@ -31,7 +31,7 @@ def enable_compilation_cache(cache_dir: str | os.PathLike) -> None:
 
     path = os.path.abspath(os.fspath(cache_dir))
     os.makedirs(path, exist_ok=True)
-    if jax.config.jax_compilation_cache_dir != path:
+    if getattr(jax.config, "jax_compilation_cache_dir", None) != path:
         jax.config.update("jax_compilation_cache_dir", path)
         try:  # a cache already opened on another directory keeps it until reset
             from jax._src import compilation_cache
