@@ -9,7 +9,7 @@ available on the device and caches the winner per (device kind, op, shape bucket
 from cairn.kernels._attention import dot_product_attention
 from cairn.kernels._override import active_override, override
 from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
-from cairn.kernels._registry import Implementation, call, implementations, register, register_op
+from cairn.kernels._registry import Implementation, call, cross_compile, implementations, register, register_op
 from cairn.kernels._trace import KernelCall, ops_in, recording
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ __all__ = [
     "register_op",
     "implementations",
     "call",
+    "cross_compile",
     "override",
     "active_override",
     "KernelCall",

@@ -15,9 +15,11 @@ asked for explicitly (rules 1-2), and then runs with ``interpret=True``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -129,8 +131,34 @@ def _get_op(op: str) -> _Op:
     return _OPS[op]
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("cairn_kernels_target", default=None)
+
+
+@contextlib.contextmanager
+def cross_compile(platform: str) -> Iterator[None]:
+    """Dispatch as if the backend were ``platform`` (``"gpu"``, ``"tpu"``, ``"cpu"``).
+
+    For lowering on a machine without that device, e.g. ``jax.export(...,
+    platforms=["cuda"])`` on a CPU host: inside the block Pallas GPU kernels are used
+    compiled (``interpret=False``) and chosen by the usual rules for ``platform``.
+
+    Raises:
+      ValueError: an unknown platform.
+    """
+    if platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"cross_compile platform must be 'cpu', 'gpu' or 'tpu', got {platform!r}")
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def backend() -> str:
-    """The default backend as a platform name: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
+    """The backend kernels are chosen for: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (see :func:`cross_compile`)."""
+    target = _TARGET.get()
+    if target is not None:
+        return target
     name = jax.default_backend()
     return "gpu" if name in ("gpu", "cuda", "rocm") else name
 
