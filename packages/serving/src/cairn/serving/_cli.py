@@ -1,0 +1,96 @@
+"""``cairn-serve``: serve a model repository over the Open Inference Protocol v2.
+
+    cairn-serve --model-repository ./models [--host 127.0.0.1] [--port 8000]
+
+Binds loopback unless ``--host`` says otherwise. SIGTERM or SIGINT stops accepting,
+answers the requests in flight (up to ``--drain-timeout`` seconds), then exits 0. Logs
+(access log included) are JSON lines on stderr; the line ``serving on http://HOST:PORT``
+says when it is ready (useful with ``--port 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from cairn.serving._batcher import BatchingConfig
+from cairn.serving._http import HttpLimits
+from cairn.serving._repository import ModelRepository
+from cairn.serving._server import Server
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        access = getattr(record, "cairn_access", None)
+        if access is not None:
+            return json.dumps({"logger": record.name, **access})
+        return json.dumps({"time": round(record.created, 6), "level": record.levelname, "logger": record.name, "message": record.getMessage()})
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line parser (``cairn-serve --help``)."""
+    p = argparse.ArgumentParser(prog="cairn-serve", description="Serve a model repository over the Open Inference Protocol v2 (HTTP).")
+    p.add_argument("--model-repository", required=True, help="directory of <model>/<version>/ export directories")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; default 8000)")
+    p.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: $CAIRN_SERVE_TOKEN if set)")
+    p.add_argument("--max-body-bytes", type=int, default=HttpLimits.max_body_bytes, help="larger bodies answer 413")
+    p.add_argument("--header-timeout", type=float, default=HttpLimits.header_timeout, help="seconds to receive a request's headers (408)")
+    p.add_argument("--body-timeout", type=float, default=HttpLimits.body_timeout, help="seconds to receive a request's body (408)")
+    p.add_argument("--workers", type=int, default=None, help="threads running models (shared by all models)")
+    p.add_argument("--max-queue-delay-us", type=float, default=0.0, help="default batching delay in microseconds")
+    p.add_argument("--max-queue-size", type=int, default=BatchingConfig.max_queue_size, help="default queue bound per model (503 beyond)")
+    p.add_argument("--no-batching", action="store_true", help="run every request alone unless a config.json enables batching")
+    p.add_argument("--repository-poll-secs", type=float, default=None, help="re-scan the repository this often and load new versions")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to answer in-flight requests on SIGTERM")
+    p.add_argument("--log-level", default="INFO", help="logging level (access log lines are INFO)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT; the process's exit status.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+    """
+    args = parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter())
+    root = logging.getLogger("cairn.serving")
+    root.addHandler(handler)
+    root.setLevel(args.log_level.upper())
+    batching = BatchingConfig(
+        enabled=not args.no_batching,
+        max_queue_delay=args.max_queue_delay_us / 1e6,
+        max_queue_size=args.max_queue_size,
+    )
+    limits = HttpLimits(max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
+    try:
+        repository = ModelRepository(args.model_repository, batching=batching)
+    except FileNotFoundError as e:
+        print(f"cairn-serve: {e}", file=sys.stderr)
+        return 2
+    server = Server(
+        repository,
+        host=args.host,
+        port=args.port,
+        token=args.token or os.environ.get("CAIRN_SERVE_TOKEN") or None,
+        limits=limits,
+        workers=args.workers,
+        drain_timeout=args.drain_timeout,
+        poll_interval=args.repository_poll_secs,
+    )
+    try:
+        server.run()
+    except OSError as e:
+        print(f"cairn-serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
