@@ -113,11 +113,17 @@ def _ts_spec(path: str, shape: tuple[int, ...], dtype: str | None) -> dict:
     return spec
 
 
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    # np.ascontiguousarray would make a 0-d array 1-d
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
 def _stored_form(arr: np.ndarray) -> np.ndarray:
     """``arr`` as bytes (uint8, one trailing axis of itemsize when > 1), for dtypes zarr3
     has no name for (uint4, uint2)."""
     raw = arr.view(np.uint8) if arr.dtype.itemsize == 1 else arr.reshape(*arr.shape, 1).view(np.uint8)
-    return np.ascontiguousarray(raw)
+    return _contiguous(raw)
 
 
 def write_weights(root: str, flat: Mapping[str, np.ndarray]) -> list[dict]:
@@ -128,7 +134,7 @@ def write_weights(root: str, flat: Mapping[str, np.ndarray]) -> list[dict]:
     entries, pending = [], []
     ctx = ts.Context()
     for i, path in enumerate(sorted(flat)):
-        arr = np.ascontiguousarray(flat[path])
+        arr = _contiguous(flat[path])
         key = f"{WEIGHTS_DIR}/{i}"
         dtype = canonical_dtype(arr.dtype)
         data, stored = arr, dtype
@@ -181,7 +187,7 @@ def read_weights(root: str, entries: list) -> dict[str, np.ndarray]:
         want = as_numpy_dtype(e["dtype"])
         shape = tuple(e["shape"])
         if e["stored_dtype"] != e["dtype"]:
-            data = np.ascontiguousarray(data).view(want).reshape(shape)
+            data = _contiguous(data).view(want).reshape(shape)
         if data.dtype != want or data.shape != shape:
             raise ModelIntegrityError(
                 f"{e['key']}: weight {e['path']!r} is {data.dtype}{list(data.shape)}, the manifest says "
