@@ -1,3 +1,225 @@
-"""placeholder"""
+"""The ``pallas_mosaic_gpu`` implementation of ``dot_product_attention`` (Hopper, ``plgpu.kernel``).
+
+The forward is a Mosaic GPU kernel written with ``plgpu.kernel`` (``pallas_call`` for
+Mosaic GPU is deprecated): one program per (head, query block, batch) copies its query
+block to shared memory with TMA, walks the visible key blocks (TMA copies of K and V),
+computes ``Q K^T`` (K is handed over as ``[B, K, H, S]``, so both ``wgmma`` operands
+are plain row-major tiles) and ``P V`` with ``wgmma`` into float32 accumulators and keeps an online
+softmax in registers; it writes the output and the log-sum-exp. The backward reuses the
+``pallas_triton`` dq and dk/dv kernels on the saved log-sum-exp (Triton runs on the same
+GPUs).
+
+Takes float16/bfloat16, head dims up to 256 (padded to 64/128/256), causal, window, soft
+cap, GQA, ragged lengths (padded keys are masked by position). Not: lengths given as
+arrays, segment ids, ``bias``, a dense ``mask``, dropout, float32 (use ``pallas_triton``
+or ``xla``).
+
+Without a GPU the kernel runs under Mosaic GPU's interpreter
+(``InterpretGPUParams``, which simulates shared memory, TMA, barriers and ``wgmma`` on the
+CPU); CI runs it that way and also lowers it with ``jax.export(platforms=["cuda"])``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from cairn.kernels import _attention_triton
+from cairn.kernels._attention_common import AttentionSpec, transform_logits
 from cairn.kernels._registry import Implementation
-IMPLEMENTATION = Implementation(op="dot_product_attention", name="pallas_mosaic_gpu", fn=lambda *a, **k: None, platforms=frozenset({"gpu"}), supports=lambda *a, **k: "not yet")
+
+
+def interpret_params(*, uninitialized_nan: bool = False) -> Any:
+    """Mosaic GPU's CPU interpreter parameters (``jax._src`` in jax 0.10; no public alias yet).
+
+    Args:
+      uninitialized_nan: fill uninitialised memory (outputs included) with NaN, so a
+        test sees any element a kernel never writes.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="nan" if uninitialized_nan else "zero")
+
+
+def _fwd_body(q_ref: Any, kt_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any, *, spec: AttentionSpec, bq: int,
+              bk: int, groups: int, s_len: int | None, nk: int, interpreted: bool) -> None:
+    h = jax.lax.axis_index("heads")
+    qi = jax.lax.axis_index("q_seq")
+    b = jax.lax.axis_index("batch")
+    kv_h = jax.lax.div(h, jnp.array(groups, h.dtype))
+    q0 = qi * bq
+    d, dv = q_ref.shape[-1], v_ref.shape[-1]
+    left, right = _attention_triton._reach(spec)
+    lo, hi = _attention_triton._block_range(q0, bq, bk, nk, left, right)
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def scoped(q_smem: Any, kt_smem: Any, v_smem: Any, p_smem: Any, o_smem: Any, lse_smem: Any, bars: Any) -> None:
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, bars.at[0])
+        plgpu.barrier_wait(bars.at[0])
+        # the CPU interpreter has no layout_cast: registers have no layout there
+        cast = (lambda x, _: x) if interpreted else plgpu.layout_cast
+        if interpreted:
+            iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (bq, bk), axis)
+        else:
+            iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=plgpu.Layout.WGMMA)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        init = (
+            cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
+            cast(jnp.zeros((bq,), jnp.float32), row_layout),
+            cast(jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA),
+        )
+
+        def step(j: Any, carry: Any) -> Any:
+            m, l_sum, acc = carry
+            start = j * bk
+            plgpu.copy_gmem_to_smem(kt_ref.at[b, kv_h, :, pl.ds(start, bk)], kt_smem, bars.at[1])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(start, bk), kv_h], v_smem, bars.at[2])
+            plgpu.barrier_wait(bars.at[1])
+
+            def qk(acc_ref: Any) -> Any:
+                plgpu.wgmma(acc_ref, q_smem, kt_smem)
+                return acc_ref[...]
+
+            s = transform_logits(spec, pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)))
+            rows = iota(0) + q0
+            cols = iota(1) + start
+            vis = _attention_triton.position_mask(spec, rows, cols, kv_len=s_len)
+            if vis is not None:
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            l_sum = l_sum * alpha + p.sum(axis=1)
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(bars.at[2])
+
+            # P goes through shared memory: Mosaic's CPU interpreter takes wgmma operands
+            # only from there, and one code path is what CI checks and the GPU runs
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref: Any) -> Any:
+                plgpu.wgmma(acc_ref, p_smem, v_smem)
+                return acc_ref[...]
+
+            # a fresh accumulator per step (the CPU interpreter has no run_state); one add more
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, dv), jnp.float32))
+            return m_new, l_sum, acc
+
+        m, l_sum, acc = jax.lax.fori_loop(lo, hi, step, init)
+        empty = l_sum == 0.0
+        safe_l = jnp.where(empty, 1.0, l_sum)
+        o_smem[...] = (acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(o_smem.dtype)
+        lse_smem[...] = jnp.where(empty, 0.0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q0, bq), h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    dtype = q_ref.dtype
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((bq, d), dtype, transforms=tiles),
+        plgpu.SMEM((d, bk), dtype, transforms=tiles),
+        plgpu.SMEM((bk, dv), dtype, transforms=tiles),
+        plgpu.SMEM((bq, bk), dtype, transforms=tiles),
+        plgpu.SMEM((bq, dv), dtype, transforms=tiles),
+        plgpu.SMEM((bq,), jnp.float32),
+        plgpu.Barrier(num_barriers=3),
+    )
+
+
+def _forward(q: Any, k: Any, v: Any, spec: AttentionSpec, cfg: Mapping[str, Any], s_len: int,
+             interpret: Any) -> tuple[Any, Any]:
+    b, tp, n, _ = q.shape
+    sp, kh = k.shape[1], k.shape[2]
+    bq, bk = cfg["block_q"], cfg["block_k"]
+    body = functools.partial(_fwd_body, spec=spec, bq=bq, bk=bk, groups=n // kh,
+                             s_len=s_len if s_len < sp else None, nk=sp // bk, interpreted=interpret is not None)
+    out, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((b, tp, n, v.shape[3]), q.dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
+        grid=(n, tp // bq, b),
+        grid_names=("heads", "q_seq", "batch"),
+        interpret=interpret,
+    )(q, k.transpose(0, 2, 3, 1), v)
+    return out, lse
+
+
+def _interpret_arg(interpret: bool) -> Any:
+    if not interpret:
+        return None
+    return interpret_params(uninitialized_nan=_attention_triton._POISON.get())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int,
+           interpret: bool) -> Any:
+    del qseg, kseg
+    return _forward(q, k, v, spec, dict(cfg), s_len, _interpret_arg(interpret))[0]
+
+
+def _flash_fwd(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int,
+               interpret: bool) -> Any:
+    out, lse = _forward(q, k, v, spec, dict(cfg), s_len, _interpret_arg(interpret))
+    return out, (q, k, v, qseg, kseg, out, lse)
+
+
+def _flash_bwd(spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int, interpret: bool, res: Any, do: Any) -> Any:
+    tri = {**dict(cfg), "num_warps": 4, "num_stages": 2}
+    dq, dk, dv = _attention_triton._backward(res, do, spec, tri, s_len, interpret)
+    zero = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+    return dq, dk, dv, zero(res[3]), zero(res[4])
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def run(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mapping[str, Any], interpret: bool,
+        **kw: Any) -> jax.Array:
+    """``Implementation.fn`` of ``pallas_mosaic_gpu``."""
+    for key in ("block_q", "block_k"):
+        if config.get(key) not in (64, 128):
+            raise ValueError(f"pallas_mosaic_gpu config {key} must be 64 or 128 (one warpgroup's wgmma rows), "
+                             f"got {config.get(key)!r}")
+    return _attention_triton.padded_call(_flash, q, k, v, kw, config, interpret, head_multiple=64)
+
+
+def supports(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> str | None:
+    """``None``, or why ``pallas_mosaic_gpu`` cannot take these arguments."""
+    reason = _attention_triton.supports(q, k, v, **kw)
+    if reason is not None:
+        return reason
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return f"dtype {jnp.dtype(q.dtype).name} is not supported (wgmma here takes float16/bfloat16)"
+    if kw["spec"].use_segments:
+        return "query_seq_lengths, key_value_seq_lengths and segment_ids are not supported (use 'pallas_triton')"
+    return None
+
+
+def default_config(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Mapping[str, Any]:
+    """Query and key blocks of 64."""
+    return {"block_q": 64, "block_k": 64}
+
+
+def configs(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Sequence[Mapping[str, Any]]:
+    """Blocks of 64 or 128 for queries and keys."""
+    return [{"block_q": bq, "block_k": bk} for bq in (64, 128) for bk in (64, 128)]
+
+
+IMPLEMENTATION = Implementation(
+    op="dot_product_attention",
+    name="pallas_mosaic_gpu",
+    fn=run,
+    platforms=frozenset({"gpu"}),
+    configs=configs,
+    default_config=default_config,
+    supports=supports,
+)
