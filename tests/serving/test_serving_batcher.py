@@ -11,7 +11,13 @@ import pytest
 from serving_testlib import affine_model, mlp_model
 
 from cairn.core_array import ArraySpec
-from cairn.serving._batcher import BatchingConfig, DynamicBatcher, ModelError, QueueFull, Unavailable
+from cairn.serving._batcher import (
+    BatchingConfig,
+    DynamicBatcher,
+    ModelError,
+    QueueFull,
+    Unavailable,
+)
 from cairn.serving._model import PythonModel
 
 

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cairn.serving._protocol import DATATYPES, ProtocolError, decode_request, encode_response, oip_datatype
+from cairn.serving._protocol import (
+    DATATYPES,
+    ProtocolError,
+    decode_request,
+    encode_response,
+    oip_datatype,
+)
 
 
 def _binary_body(arrays: dict, extra: dict | None = None):

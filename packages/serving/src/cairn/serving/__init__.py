@@ -7,10 +7,14 @@ JAX, TensorStore and ``cairn.core_array``. Loaded models and :class:`PythonModel
 satisfy :class:`ServableModel`, the protocol the server runs.
 """
 
+from cairn.serving._batcher import BatchingConfig
 from cairn.serving._export import Signature, export
 from cairn.serving._hashing import ModelFormatError, ModelIntegrityError
+from cairn.serving._http import HttpLimits
 from cairn.serving._load import LoadedModel, LoadedSignature, enable_compilation_cache, load
 from cairn.serving._model import PythonModel, ServableModel
+from cairn.serving._repository import ModelRepository, VersionPolicy
+from cairn.serving._server import Server, serve
 
 __version__ = "0.1.0"
 
@@ -26,4 +30,10 @@ __all__ = [
     "enable_compilation_cache",
     "ModelFormatError",
     "ModelIntegrityError",
+    "serve",
+    "Server",
+    "ModelRepository",
+    "VersionPolicy",
+    "BatchingConfig",
+    "HttpLimits",
 ]

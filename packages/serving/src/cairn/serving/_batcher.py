@@ -73,7 +73,7 @@ class BatchingConfig:
 class QueueFull(Exception):
     """The model's queue is full; retry after ``retry_after`` seconds."""
 
-    def __init__(self, message: str, retry_after: int = 1):
+    def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
@@ -118,7 +118,7 @@ class DynamicBatcher:
         ``(rows, padded_rows, compute_seconds, queue_seconds_per_request)``.
     """
 
-    def __init__(self, model: Any, config: BatchingConfig, executor: concurrent.futures.Executor, observe: Observer | None = None):
+    def __init__(self, model: Any, config: BatchingConfig, executor: concurrent.futures.Executor, observe: Observer | None = None) -> None:
         self.model = model
         model_max = int(getattr(model, "max_batch_size", 0) or 0)
         self.batchable = config.enabled and model_max > 0

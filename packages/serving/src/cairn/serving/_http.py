@@ -87,7 +87,7 @@ _IDLE, _HEAD, _BODY, _BUSY = range(4)
 class HttpConnection(asyncio.Protocol):
     """One client connection; see the module docstring."""
 
-    def __init__(self, server: HttpServer):
+    def __init__(self, server: HttpServer) -> None:
         self._server = server
         self._buf = bytearray()
         self._state = _IDLE
@@ -291,7 +291,7 @@ class HttpServer:
       limits: :class:`HttpLimits`.
     """
 
-    def __init__(self, handler: Handler, finished: Finisher, limits: HttpLimits):
+    def __init__(self, handler: Handler, finished: Finisher, limits: HttpLimits) -> None:
         self.handler = handler
         self.finished = finished
         self.limits = limits

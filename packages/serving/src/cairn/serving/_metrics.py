@@ -30,7 +30,7 @@ def _escape(value: str) -> str:
 
 
 class _Metric:
-    def __init__(self, name: str, help: str, kind: str):
+    def __init__(self, name: str, help: str, kind: str) -> None:
         self.name, self.help, self.kind = name, help, kind
 
     def header(self) -> list[str]:
@@ -40,7 +40,7 @@ class _Metric:
 class Counter(_Metric):
     """A monotonically increasing count per label set."""
 
-    def __init__(self, name: str, help: str):
+    def __init__(self, name: str, help: str) -> None:
         super().__init__(name, help, "counter")
         self.values: dict[Labels, float] = {}
 
@@ -54,7 +54,7 @@ class Counter(_Metric):
 class Gauge(Counter):
     """A value that goes up and down per label set."""
 
-    def __init__(self, name: str, help: str):
+    def __init__(self, name: str, help: str) -> None:
         super().__init__(name, help)
         self.kind = "gauge"
 
@@ -65,7 +65,7 @@ class Gauge(Counter):
 class Histogram(_Metric):
     """Cumulative buckets, a sum and a count per label set."""
 
-    def __init__(self, name: str, help: str, buckets: Sequence[float]):
+    def __init__(self, name: str, help: str, buckets: Sequence[float]) -> None:
         super().__init__(name, help, "histogram")
         self.buckets = tuple(buckets)
         self.values: dict[Labels, list[float]] = {}  # per-bucket counts (+Inf last), then sum
@@ -81,9 +81,9 @@ class Histogram(_Metric):
         lines = self.header()
         for labels, row in sorted(self.values.items()):
             total = 0.0
-            for bound, count in zip((*self.buckets, "+Inf"), row[:-1]):
+            bounds = [_num(b) for b in self.buckets] + ["+Inf"]
+            for le, count in zip(bounds, row[:-1]):
                 total += count
-                le = bound if isinstance(bound, str) else _num(bound)
                 lines.append(f"{self.name}_bucket{_fmt_labels(labels, 'le=' + repr(le).replace(chr(39), chr(34)))} {_num(total)}")
             lines.append(f"{self.name}_sum{_fmt_labels(labels)} {row[-1]!r}")
             lines.append(f"{self.name}_count{_fmt_labels(labels)} {_num(total)}")

@@ -46,7 +46,7 @@ _MAX_RANK = 32
 class ProtocolError(Exception):
     """A request the server refuses: ``status`` is the HTTP status, the message the reason."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -151,7 +151,7 @@ def parse_config(obj: Any, where: str, default: BatchingConfig) -> ModelConfig:
 
 
 def _default_loader(path: Path) -> Any:
-    from cairn.serving._loader import load  # an export directory, hashes verified
+    from cairn.serving._load import load  # an export directory, hashes verified before parsing
 
     return load(path)
 
@@ -168,7 +168,7 @@ class ModelRepository:
       FileNotFoundError: ``root`` is not a directory.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, loader: Callable[[Path], Any] | None = None, batching: BatchingConfig | None = None):
+    def __init__(self, root: str | os.PathLike[str], *, loader: Callable[[Path], Any] | None = None, batching: BatchingConfig | None = None) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"model repository {self.root} is not a directory")
@@ -209,7 +209,7 @@ class ModelRepository:
 class ModelSet:
     """In-memory models served as version 1 each (what ``serve(model)`` wraps)."""
 
-    def __init__(self, models: Mapping[str, Any], batching: BatchingConfig | Mapping[str, BatchingConfig] | None = None):
+    def __init__(self, models: Mapping[str, Any], batching: BatchingConfig | Mapping[str, BatchingConfig] | None = None) -> None:
         self.models = dict(models)
         self.batching = batching
 

@@ -28,11 +28,23 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from cairn.serving._batcher import BatchingConfig, DynamicBatcher, ModelError, QueueFull, Unavailable
+from cairn.serving._batcher import (
+    BatchingConfig,
+    DynamicBatcher,
+    ModelError,
+    QueueFull,
+    Unavailable,
+)
 from cairn.serving._http import HttpLimits, HttpServer, Request, Response
 from cairn.serving._metrics import Metrics
 from cairn.serving._model import batch_dim, validate_inputs
-from cairn.serving._protocol import InferRequest, ProtocolError, decode_request, encode_response, oip_datatype
+from cairn.serving._protocol import (
+    InferRequest,
+    ProtocolError,
+    decode_request,
+    encode_response,
+    oip_datatype,
+)
 from cairn.serving._repository import ModelConfig, ModelRepository, ModelSet
 
 access_log = logging.getLogger("cairn.serving.access")
@@ -50,7 +62,7 @@ _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 class HttpError(Exception):
     """An error answer: HTTP status, reason, extra headers."""
 
-    def __init__(self, status: int, message: str, headers: list[tuple[str, str]] | None = None):
+    def __init__(self, status: int, message: str, headers: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -86,7 +98,7 @@ def _tensor_meta(name: str, spec: Any, batched: bool) -> dict[str, Any]:
 class App:
     """The server's state and routes (event-loop thread only)."""
 
-    def __init__(self, source: ModelRepository | ModelSet, *, token: str | None, limits: HttpLimits, workers: int):
+    def __init__(self, source: ModelRepository | ModelSet, *, token: str | None, limits: HttpLimits, workers: int) -> None:
         self.source = source
         self.token = token
         self.metrics = Metrics()
@@ -501,7 +513,7 @@ class Server:
         workers: int | None = None,
         drain_timeout: float = 30.0,
         poll_interval: float | None = None,
-    ):
+    ) -> None:
         self.source = _as_source(models, batching)
         self.host, self.port = host, port
         self.token = token
@@ -578,7 +590,7 @@ class Server:
     def run(self) -> None:
         """Serve in this thread until SIGTERM/SIGINT (drains in-flight requests) or :meth:`stop`."""
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        started.add_done_callback(lambda f: f.exception() or log.info("serving on %s", self.url))
+        started.add_done_callback(lambda f: None if f.exception() else log.info("serving on %s", self.url))
         asyncio.run(self._main(started, handle_signals=True))
         started.result()
 
