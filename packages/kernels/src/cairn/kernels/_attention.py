@@ -64,7 +64,9 @@ def _window(local_window_size: int | tuple[int, int] | None) -> tuple[int, int] 
     elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
         window = (int(local_window_size[0]), int(local_window_size[1]))
     else:
-        raise ValueError(f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}")
+        raise ValueError(
+            f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}"
+        )
     if min(window) < 0:
         raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
     return window
@@ -77,7 +79,9 @@ def _check_shapes(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
             f"query {query.shape}, key {key.shape}, value {value.shape}"
         )
     if key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(f"key {key.shape} and value {value.shape} must agree on all but the last axis")
+        raise ValueError(
+            f"key {key.shape} and value {value.shape} must agree on all but the last axis"
+        )
     if query.shape[:-3] != key.shape[:-3]:
         raise ValueError(f"query {query.shape} and key {key.shape} must have the same batch axes")
     if query.shape[-1] != key.shape[-1]:
@@ -90,18 +94,24 @@ def _check_shapes(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
         )
 
 
-def _segments(segment_ids: Any, b: int, t: int, s: int) -> tuple[jax.Array | None, jax.Array | None]:
+def _segments(
+    segment_ids: Any, b: int, t: int, s: int
+) -> tuple[jax.Array | None, jax.Array | None]:
     if segment_ids is None:
         return None, None
     if isinstance(segment_ids, (tuple, list)):
         if len(segment_ids) != 2:
-            raise ValueError("segment_ids must be one [batch, seq] array or a (query, key_value) pair")
+            raise ValueError(
+                "segment_ids must be one [batch, seq] array or a (query, key_value) pair"
+            )
         qs, ks = (jnp.asarray(x) for x in segment_ids)
     else:
         qs = ks = jnp.asarray(segment_ids)
     if qs.shape != (b, t) or ks.shape != (b, s):
-        raise ValueError(f"segment_ids must be [batch, seq]: expected query {(b, t)}, key_value {(b, s)}, "
-                         f"got {qs.shape} and {ks.shape}")
+        raise ValueError(
+            f"segment_ids must be [batch, seq]: expected query {(b, t)}, key_value {(b, s)}, "
+            f"got {qs.shape} and {ks.shape}"
+        )
     return qs, ks
 
 
@@ -185,7 +195,9 @@ def dot_product_attention(
             "module= (sow_weights) needs the attention weights, which fused attention never forms; "
             "use cairn.nn's default attention_fn to sow them"
         )
-    query, key, value = (jnp.asarray(x) if dtype is None else jnp.asarray(x, dtype) for x in (query, key, value))
+    query, key, value = (
+        jnp.asarray(x) if dtype is None else jnp.asarray(x, dtype) for x in (query, key, value)
+    )
     _check_shapes(query, key, value)
     lead = query.shape[:-3]
     b = math.prod(lead)
@@ -210,10 +222,31 @@ def dot_product_attention(
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         use_segments=use_seg,
     )
-    lead4 = lambda x: None if x is None else jnp.asarray(x).reshape((-1,) + jnp.shape(x)[-3:]) if jnp.ndim(x) > 4 else x
+
+    def lead4(x):
+        return (
+            None
+            if x is None
+            else jnp.asarray(x).reshape((-1,) + jnp.shape(x)[-3:])
+            if jnp.ndim(x) > 4
+            else x
+        )
+
     out = call(
-        OP, q, k, v, implementation=implementation, config=config, spec=spec, bias=lead4(bias),
-        mask=lead4(mask), q_segments=q_seg, kv_segments=kv_seg, precision=precision, dropout_rate=rate,
-        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+        OP,
+        q,
+        k,
+        v,
+        implementation=implementation,
+        config=config,
+        spec=spec,
+        bias=lead4(bias),
+        mask=lead4(mask),
+        q_segments=q_seg,
+        kv_segments=kv_seg,
+        precision=precision,
+        dropout_rate=rate,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout,
     )
     return out.reshape(lead + out.shape[1:])

@@ -54,8 +54,16 @@ def folded_segments(
     kv_segment_ids: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
     """Segment ids ``[B, T]``, ``[B, S]`` (int32) with the lengths folded in (padding never matches)."""
-    qs = jnp.zeros((batch, q_len), jnp.int32) if q_segment_ids is None else q_segment_ids.astype(jnp.int32)
-    ks = jnp.zeros((batch, kv_len), jnp.int32) if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+    qs = (
+        jnp.zeros((batch, q_len), jnp.int32)
+        if q_segment_ids is None
+        else q_segment_ids.astype(jnp.int32)
+    )
+    ks = (
+        jnp.zeros((batch, kv_len), jnp.int32)
+        if kv_segment_ids is None
+        else kv_segment_ids.astype(jnp.int32)
+    )
     if query_seq_lengths is not None:
         valid = jnp.arange(q_len)[None, :] < query_seq_lengths.astype(jnp.int32)[:, None]
         qs = jnp.where(valid, qs, PAD_Q_SEGMENT)

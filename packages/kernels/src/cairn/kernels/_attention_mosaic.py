@@ -47,8 +47,21 @@ def interpret_params(*, uninitialized_nan: bool = False) -> Any:
     return InterpretGPUParams(uninitialized_memory="nan" if uninitialized_nan else "zero")
 
 
-def _fwd_body(q_ref: Any, kt_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any, *, spec: AttentionSpec, bq: int,
-              bk: int, groups: int, s_len: int | None, nk: int, interpreted: bool) -> None:
+def _fwd_body(
+    q_ref: Any,
+    kt_ref: Any,
+    v_ref: Any,
+    o_ref: Any,
+    lse_ref: Any,
+    *,
+    spec: AttentionSpec,
+    bq: int,
+    bk: int,
+    groups: int,
+    s_len: int | None,
+    nk: int,
+    interpreted: bool,
+) -> None:
     h = jax.lax.axis_index("heads")
     qi = jax.lax.axis_index("q_seq")
     b = jax.lax.axis_index("batch")
@@ -59,15 +72,22 @@ def _fwd_body(q_ref: Any, kt_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any, *, 
     lo, hi = _attention_triton._block_range(q0, bq, bk, nk, left, right)
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def scoped(q_smem: Any, kt_smem: Any, v_smem: Any, p_smem: Any, o_smem: Any, lse_smem: Any, bars: Any) -> None:
+    def scoped(
+        q_smem: Any, kt_smem: Any, v_smem: Any, p_smem: Any, o_smem: Any, lse_smem: Any, bars: Any
+    ) -> None:
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
         # the CPU interpreter has no layout_cast: registers have no layout there
         cast = (lambda x, _: x) if interpreted else plgpu.layout_cast
         if interpreted:
-            iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (bq, bk), axis)
+
+            def iota(axis):
+                return jax.lax.broadcasted_iota(jnp.int32, (bq, bk), axis)
         else:
-            iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=plgpu.Layout.WGMMA)
+
+            def iota(axis):
+                return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=plgpu.Layout.WGMMA)
+
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         init = (
             cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
@@ -136,16 +156,28 @@ def _fwd_body(q_ref: Any, kt_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any, *, 
     )
 
 
-def _forward(q: Any, k: Any, v: Any, spec: AttentionSpec, cfg: Mapping[str, Any], s_len: int,
-             interpret: Any) -> tuple[Any, Any]:
+def _forward(
+    q: Any, k: Any, v: Any, spec: AttentionSpec, cfg: Mapping[str, Any], s_len: int, interpret: Any
+) -> tuple[Any, Any]:
     b, tp, n, _ = q.shape
     sp, kh = k.shape[1], k.shape[2]
     bq, bk = cfg["block_q"], cfg["block_k"]
-    body = functools.partial(_fwd_body, spec=spec, bq=bq, bk=bk, groups=n // kh,
-                             s_len=s_len if s_len < sp else None, nk=sp // bk, interpreted=interpret is not None)
+    body = functools.partial(
+        _fwd_body,
+        spec=spec,
+        bq=bq,
+        bk=bk,
+        groups=n // kh,
+        s_len=s_len if s_len < sp else None,
+        nk=sp // bk,
+        interpreted=interpret is not None,
+    )
     out, lse = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((b, tp, n, v.shape[3]), q.dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((b, tp, n, v.shape[3]), q.dtype),
+            jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
+        ),
         grid=(n, tp // bq, b),
         grid_names=("heads", "q_seq", "batch"),
         interpret=interpret,
@@ -160,35 +192,67 @@ def _interpret_arg(interpret: bool) -> Any:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int,
-           interpret: bool) -> Any:
+def _flash(
+    q: Any,
+    k: Any,
+    v: Any,
+    qseg: Any,
+    kseg: Any,
+    spec: AttentionSpec,
+    cfg: tuple[Any, ...],
+    s_len: int,
+    interpret: bool,
+) -> Any:
     del qseg, kseg
     return _forward(q, k, v, spec, dict(cfg), s_len, _interpret_arg(interpret))[0]
 
 
-def _flash_fwd(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int,
-               interpret: bool) -> Any:
+def _flash_fwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    qseg: Any,
+    kseg: Any,
+    spec: AttentionSpec,
+    cfg: tuple[Any, ...],
+    s_len: int,
+    interpret: bool,
+) -> Any:
     out, lse = _forward(q, k, v, spec, dict(cfg), s_len, _interpret_arg(interpret))
     return out, (q, k, v, qseg, kseg, out, lse)
 
 
-def _flash_bwd(spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int, interpret: bool, res: Any, do: Any) -> Any:
+def _flash_bwd(
+    spec: AttentionSpec, cfg: tuple[Any, ...], s_len: int, interpret: bool, res: Any, do: Any
+) -> Any:
     tri = {**dict(cfg), "num_warps": 4, "num_stages": 2}
     dq, dk, dv = _attention_triton._backward(res, do, spec, tri, s_len, interpret)
-    zero = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+
+    def zero(x):
+        return jnp.zeros(x.shape, jax.dtypes.float0)
+
     return dq, dk, dv, zero(res[3]), zero(res[4])
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def run(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mapping[str, Any], interpret: bool,
-        **kw: Any) -> jax.Array:
+def run(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    config: Mapping[str, Any],
+    interpret: bool,
+    **kw: Any,
+) -> jax.Array:
     """``Implementation.fn`` of ``pallas_mosaic_gpu``."""
     for key in ("block_q", "block_k"):
         if config.get(key) not in (64, 128):
-            raise ValueError(f"pallas_mosaic_gpu config {key} must be 64 or 128 (one warpgroup's wgmma rows), "
-                             f"got {config.get(key)!r}")
+            raise ValueError(
+                f"pallas_mosaic_gpu config {key} must be 64 or 128 (one warpgroup's wgmma rows), "
+                f"got {config.get(key)!r}"
+            )
     return _attention_triton.padded_call(_flash, q, k, v, kw, config, interpret, head_multiple=64)
 
 
@@ -198,7 +262,9 @@ def supports(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> str | None:
     if reason is not None:
         return reason
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return f"dtype {jnp.dtype(q.dtype).name} is not supported (wgmma here takes float16/bfloat16)"
+        return (
+            f"dtype {jnp.dtype(q.dtype).name} is not supported (wgmma here takes float16/bfloat16)"
+        )
     if kw["spec"].use_segments:
         return "query_seq_lengths, key_value_seq_lengths and segment_ids are not supported (use 'pallas_triton')"
     return None

@@ -20,8 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels._attention_common import AttentionSpec, pad_axis, position_mask, round_up, transform_logits
-from cairn.kernels._attention_common import soft_cap_grad
+from cairn.kernels._attention_common import (
+    AttentionSpec,
+    pad_axis,
+    position_mask,
+    round_up,
+    soft_cap_grad,
+    transform_logits,
+)
 
 CHUNK_SIZES = (128, 256, 512, 1024)
 # above this many logits per (batch * head) the default is the chunked path
@@ -74,7 +80,9 @@ def plain(
     s_len, kh = k.shape[1], k.shape[2]
     g = n // kh
     qg = q.reshape(b, t, kh, g, d)
-    raw = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
+    raw = jnp.einsum(
+        "btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32
+    )
     logits = raw * spec.scale
     if bias is not None:
         bias4 = jnp.broadcast_to(jnp.asarray(bias, jnp.float32), (b, n, t, s_len))
@@ -82,7 +90,9 @@ def plain(
     if spec.soft_cap is not None:
         logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
     pos = position_mask(spec, jnp.arange(t)[:, None], jnp.arange(s_len)[None, :])
-    visible = _and(pos, _segment_mask(qseg, kseg) if spec.use_segments else None, _grouped_mask(mask, n, g))
+    visible = _and(
+        pos, _segment_mask(qseg, kseg) if spec.use_segments else None, _grouped_mask(mask, n, g)
+    )
     p = _softmax(logits, visible)
     if dropout_rate > 0.0:
         if dropout_rng is None:
@@ -90,7 +100,13 @@ def plain(
         shape = (1, 1, 1) + p.shape[-2:] if broadcast_dropout else p.shape
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd",
+        p.astype(v.dtype),
+        v,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
     return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
@@ -109,9 +125,11 @@ def _softmax(logits: jax.Array, visible: jax.Array | None) -> jax.Array:
 # --- chunked (flash attention in XLA) ---
 
 
-def _chunk_setup(k: jax.Array, v: jax.Array, kseg: jax.Array | None, mask5: jax.Array | None, chunk: int) -> Any:
+def _chunk_setup(
+    k: jax.Array, v: jax.Array, kseg: jax.Array | None, mask5: jax.Array | None, chunk: int
+) -> Any:
     """Pads keys to a multiple of ``chunk`` and splits them into ``[n_chunks, ...]`` stacks."""
-    b, s_len, kh, d = k.shape
+    _b, s_len, _kh, _d = k.shape
     sp = round_up(s_len, chunk)
     nc = sp // chunk
 
@@ -126,23 +144,53 @@ def _chunk_setup(k: jax.Array, v: jax.Array, kseg: jax.Array | None, mask5: jax.
     return ks, vs, ksegs, masks, nc
 
 
-def _chunk_visible(spec: AttentionSpec, c: jax.Array, chunk: int, t: int, s_len: int, qseg: Any, kseg_c: Any,
-                   mask_c: Any) -> Any:
+def _chunk_visible(
+    spec: AttentionSpec,
+    c: jax.Array,
+    chunk: int,
+    t: int,
+    s_len: int,
+    qseg: Any,
+    kseg_c: Any,
+    mask_c: Any,
+) -> Any:
     k_pos = c * chunk + jnp.arange(chunk)[None, :]
     pos = position_mask(spec, jnp.arange(t)[:, None], k_pos, kv_len=s_len)
-    seg = None if kseg_c is None or qseg is None else qseg[:, None, None, :, None] == kseg_c[:, None, None, None, :]
+    seg = (
+        None
+        if kseg_c is None or qseg is None
+        else qseg[:, None, None, :, None] == kseg_c[:, None, None, None, :]
+    )
     return _and(pos, seg, mask_c)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def chunked(q: jax.Array, k: jax.Array, v: jax.Array, qseg: Any, kseg: Any, mask: Any, spec: AttentionSpec,
-            chunk: int, precision: Any) -> jax.Array:
+def chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    qseg: Any,
+    kseg: Any,
+    mask: Any,
+    spec: AttentionSpec,
+    chunk: int,
+    precision: Any,
+) -> jax.Array:
     """Flash attention over key chunks of ``chunk`` (memory linear in sequence length)."""
     return _chunked_fwd(q, k, v, qseg, kseg, mask, spec, chunk, precision)[0]
 
 
-def _chunked_fwd(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, mask: Any, spec: AttentionSpec, chunk: int,
-                 precision: Any) -> tuple[jax.Array, Any]:
+def _chunked_fwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    qseg: Any,
+    kseg: Any,
+    mask: Any,
+    spec: AttentionSpec,
+    chunk: int,
+    precision: Any,
+) -> tuple[jax.Array, Any]:
     b, t, n, d = q.shape
     s_len, kh, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = n // kh
@@ -154,17 +202,33 @@ def _chunked_fwd(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, mask: Any, spec: 
     def step(carry: Any, xs: Any) -> Any:
         m, l_sum, acc = carry
         c, kc, vc, ksc, mc = xs
-        raw = jnp.einsum("btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32)
+        raw = jnp.einsum(
+            "btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32
+        )
         s = transform_logits(spec, raw)
-        vis = _chunk_visible(spec, c, chunk, t, s_len, qseg_used, ksc, mask5 if mc is None and mask5 is not None else mc)
+        vis = _chunk_visible(
+            spec,
+            c,
+            chunk,
+            t,
+            s_len,
+            qseg_used,
+            ksc,
+            mask5 if mc is None and mask5 is not None else mc,
+        )
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), vc, precision=precision,
-                        preferred_element_type=jnp.float32)
+        pv = jnp.einsum(
+            "bkgtc,bckd->bkgtd",
+            p.astype(v.dtype),
+            vc,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
         return (m_new, l_sum, acc * alpha[..., None] + pv), None
 
     init = (
@@ -179,41 +243,84 @@ def _chunked_fwd(q: Any, k: Any, v: Any, qseg: Any, kseg: Any, mask: Any, spec: 
     return out, (q, k, v, qseg, kseg, mask, out, lse)
 
 
-def _chunked_bwd(spec: AttentionSpec, chunk: int, precision: Any, res: Any, do: jax.Array) -> tuple[Any, ...]:
+def _chunked_bwd(
+    spec: AttentionSpec, chunk: int, precision: Any, res: Any, do: jax.Array
+) -> tuple[Any, ...]:
     q, k, v, qseg, kseg, mask, out, lse = res
     b, t, n, d = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = n // kh
     qg = q.reshape(b, t, kh, g, d)
     dog = do.reshape(b, t, kh, g, -1)
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).reshape(b, t, kh, g).transpose(0, 2, 3, 1)
+    delta = (
+        jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        .reshape(b, t, kh, g)
+        .transpose(0, 2, 3, 1)
+    )
     mask5 = _grouped_mask(mask, n, g)
     ks, vs, ksegs, masks, nc = _chunk_setup(k, v, kseg if spec.use_segments else None, mask5, chunk)
     qseg_used = qseg if spec.use_segments else None
 
     def step(dq: Any, xs: Any) -> Any:
         c, kc, vc, ksc, mc = xs
-        raw = jnp.einsum("btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32)
+        raw = jnp.einsum(
+            "btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32
+        )
         s = transform_logits(spec, raw)
-        vis = _chunk_visible(spec, c, chunk, t, s_len, qseg_used, ksc, mask5 if mc is None and mask5 is not None else mc)
+        vis = _chunk_visible(
+            spec,
+            c,
+            chunk,
+            t,
+            s_len,
+            qseg_used,
+            ksc,
+            mask5 if mc is None and mask5 is not None else mc,
+        )
         p = jnp.exp(jnp.where(vis, s, -jnp.inf) - lse[..., None])
-        dv_c = jnp.einsum("bkgtc,btkgd->bckd", p.astype(do.dtype), dog, precision=precision,
-                          preferred_element_type=jnp.float32)
-        dp = jnp.einsum("btkgd,bckd->bkgtc", dog, vc, precision=precision, preferred_element_type=jnp.float32)
+        dv_c = jnp.einsum(
+            "bkgtc,btkgd->bckd",
+            p.astype(do.dtype),
+            dog,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        dp = jnp.einsum(
+            "btkgd,bckd->bkgtc", dog, vc, precision=precision, preferred_element_type=jnp.float32
+        )
         draw = soft_cap_grad(spec, raw, p * (dp - delta[..., None]))
-        dq = dq + jnp.einsum("bkgtc,bckd->btkgd", draw.astype(k.dtype), kc, precision=precision,
-                             preferred_element_type=jnp.float32)
-        dk_c = jnp.einsum("bkgtc,btkgd->bckd", draw.astype(q.dtype), qg, precision=precision,
-                          preferred_element_type=jnp.float32)
+        dq = dq + jnp.einsum(
+            "bkgtc,bckd->btkgd",
+            draw.astype(k.dtype),
+            kc,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        dk_c = jnp.einsum(
+            "bkgtc,btkgd->bckd",
+            draw.astype(q.dtype),
+            qg,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
         return dq, (dk_c, dv_c)
 
-    dq, (dks, dvs) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), (jnp.arange(nc), ks, vs, ksegs, masks))
+    dq, (dks, dvs) = jax.lax.scan(
+        step, jnp.zeros(qg.shape, jnp.float32), (jnp.arange(nc), ks, vs, ksegs, masks)
+    )
 
     def unsplit(x: jax.Array, like: jax.Array) -> jax.Array:
         x = jnp.moveaxis(x, 0, 1)
         return x.reshape((b, nc * chunk) + x.shape[3:])[:, :s_len].astype(like.dtype)
 
-    return (dq.reshape(q.shape).astype(q.dtype), unsplit(dks, k), unsplit(dvs, v), _zero(qseg), _zero(kseg), _zero(mask))
+    return (
+        dq.reshape(q.shape).astype(q.dtype),
+        unsplit(dks, k),
+        unsplit(dvs, v),
+        _zero(qseg),
+        _zero(kseg),
+        _zero(mask),
+    )
 
 
 def _zero(x: Any) -> Any:
@@ -228,21 +335,48 @@ chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # --- registry glue ---
 
 
-def run(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mapping[str, Any], interpret: bool,
-        **kw: Any) -> jax.Array:
+def run(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    config: Mapping[str, Any],
+    interpret: bool,
+    **kw: Any,
+) -> jax.Array:
     """``Implementation.fn`` of ``xla``: the plain path, or the chunked one for ``chunk_size``."""
     del interpret
     spec: AttentionSpec = kw["spec"]
     chunk = config.get("chunk_size")
     plain_only = kw.get("bias") is not None or kw.get("dropout_rate", 0.0) > 0.0
     if chunk is None or plain_only:
-        return plain(q, k, v, kw.get("bias"), kw.get("mask"), kw.get("q_segments"), kw.get("kv_segments"), spec,
-                     precision=kw.get("precision"), dropout_rate=kw.get("dropout_rate", 0.0),
-                     dropout_rng=kw.get("dropout_rng"), broadcast_dropout=kw.get("broadcast_dropout", True))
+        return plain(
+            q,
+            k,
+            v,
+            kw.get("bias"),
+            kw.get("mask"),
+            kw.get("q_segments"),
+            kw.get("kv_segments"),
+            spec,
+            precision=kw.get("precision"),
+            dropout_rate=kw.get("dropout_rate", 0.0),
+            dropout_rng=kw.get("dropout_rng"),
+            broadcast_dropout=kw.get("broadcast_dropout", True),
+        )
     if chunk <= 0:
         raise ValueError(f"config chunk_size must be a positive int or None, got {chunk!r}")
-    return chunked(q, k, v, kw.get("q_segments"), kw.get("kv_segments"), kw.get("mask"), spec, int(chunk),
-                   kw.get("precision"))
+    return chunked(
+        q,
+        k,
+        v,
+        kw.get("q_segments"),
+        kw.get("kv_segments"),
+        kw.get("mask"),
+        spec,
+        int(chunk),
+        kw.get("precision"),
+    )
 
 
 def configs(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Sequence[Mapping[str, Any]]:

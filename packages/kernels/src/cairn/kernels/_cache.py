@@ -97,7 +97,11 @@ def _check(value: Any, rule: Mapping[str, Any], where: str, source: str) -> None
 
     if "type" in rule:
         kinds = [rule["type"]] if isinstance(rule["type"], str) else rule["type"]
-        ok = any(isinstance(value, _TYPES[k]) and not (k in ("integer", "number") and isinstance(value, bool)) for k in kinds)
+        ok = any(
+            isinstance(value, _TYPES[k])
+            and not (k in ("integer", "number") and isinstance(value, bool))
+            for k in kinds
+        )
         if not ok:
             fail(f"expected {' or '.join(kinds)}, got {type(value).__name__} {value!r:.60}")
     if "enum" in rule and value not in rule["enum"]:
@@ -163,7 +167,11 @@ def lookup(kind: str, op: str, key: str) -> tuple[str, dict[str, Any]] | None:
         if entry is None:
             if op not in _MISSES_LOGGED:
                 _MISSES_LOGGED.add(op)
-                _LOG.info("cairn.kernels: no autotuned entry for %s on %r; using the default order", op, kind)
+                _LOG.info(
+                    "cairn.kernels: no autotuned entry for %s on %r; using the default order",
+                    op,
+                    kind,
+                )
             return None
     return str(entry["implementation"]), dict(entry["config"])
 
@@ -211,7 +219,12 @@ def save(kind: str | None = None, path: str | os.PathLike[str] | None = None) ->
             merged.setdefault(op, {}).update(es)
     for op, es in entries(kind).items():
         merged.setdefault(op, {}).update(es)
-    doc = {"schema_version": SCHEMA_VERSION, "device_kind": kind, "jax_version": jax.__version__, "entries": merged}
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "device_kind": kind,
+        "jax_version": jax.__version__,
+        "entries": merged,
+    }
     validate(doc, source=str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)

@@ -20,7 +20,9 @@ class _Frame:
     config: Mapping[str, Any] | None
 
 
-_STACK: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar("cairn_kernels_override", default=())
+_STACK: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
+    "cairn_kernels_override", default=()
+)
 
 
 @contextlib.contextmanager
@@ -56,7 +58,11 @@ def override(
     """
     if implementation is None and config is None:
         raise ValueError("override(): give implementation= and/or config=")
-    impl = implementation if implementation is None or isinstance(implementation, str) else tuple(implementation)
+    impl = (
+        implementation
+        if implementation is None or isinstance(implementation, str)
+        else tuple(implementation)
+    )
     frame = _Frame(op, impl, None if config is None else dict(config))
     token = _STACK.set(_STACK.get() + (frame,))
     try:

@@ -102,7 +102,9 @@ def register(impl: Implementation) -> None:
     if impl.op not in _OPS:
         pending = _PENDING.setdefault(impl.op, [])
         if any(p.name == impl.name for p in pending):
-            raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} is already registered")
+            raise ValueError(
+                f"implementation {impl.name!r} of op {impl.op!r} is already registered"
+            )
         pending.append(impl)
         return
     impls = _OPS[impl.op].impls
@@ -131,7 +133,9 @@ def _get_op(op: str) -> _Op:
     return _OPS[op]
 
 
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("cairn_kernels_target", default=None)
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "cairn_kernels_target", default=None
+)
 
 
 @contextlib.contextmanager
@@ -191,14 +195,20 @@ def _explicit(op: str, requested: str | Sequence[str], args: Any, kwargs: Any) -
         if reason is None:
             return impl
     why = "; ".join(f"{i.name}: {r}" for i, r in reasons)
-    raise ValueError(f"implementation={requested!r} cannot run op {op!r} on these arguments ({why})")
+    raise ValueError(
+        f"implementation={requested!r} cannot run op {op!r} on these arguments ({why})"
+    )
 
 
 def _default(op: str, args: Any, kwargs: Any) -> Implementation:
     entry = _get_op(op)
     for name in entry.preference:
         impl = entry.impls.get(name)
-        if impl is not None and backend() in impl.platforms and impl.supports(*args, **kwargs) is None:
+        if (
+            impl is not None
+            and backend() in impl.platforms
+            and impl.supports(*args, **kwargs) is None
+        ):
             return impl
     raise ValueError(
         f"no implementation of op {op!r} runs on backend {backend()!r} with these arguments; "
@@ -238,7 +248,9 @@ def resolve(
     return impl, full_config(impl, chosen, *args, **kwargs)
 
 
-def full_config(impl: Implementation, config: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def full_config(
+    impl: Implementation, config: Mapping[str, Any] | None, *args: Any, **kwargs: Any
+) -> dict[str, Any]:
     """``impl``'s default config for these arguments updated by ``config``.
 
     Raises:

@@ -45,7 +45,10 @@ class KernelCall:
     def describe(self) -> str:
         """A one-line text form: op, implementation, config, argument shapes and dtypes."""
         shapes = ", ".join(_spec_text(a) for a in self.args)
-        extra = {k: _spec_text(v) if isinstance(v, jax.ShapeDtypeStruct) else v for k, v in self.kwargs.items()}
+        extra = {
+            k: _spec_text(v) if isinstance(v, jax.ShapeDtypeStruct) else v
+            for k, v in self.kwargs.items()
+        }
         return f"{self.op}[{self.implementation}] config={json.dumps(dict(self.config), sort_keys=True)} ({shapes}) {extra}"
 
 
