@@ -41,8 +41,15 @@ from cairn.core_array._qarray import (
     storage_dtype,
     unpack_bits,
 )
+from cairn.core_array._quantize import dequantize, quantize
 from cairn.core_array._sharding import LogicalAxisRules, logical_to_partition_spec, named_sharding
-from cairn.core_array._specs import ArraySpec, shape_dtype_structs, spec_of, specs_from_json, specs_to_json
+from cairn.core_array._specs import (
+    ArraySpec,
+    shape_dtype_structs,
+    spec_of,
+    specs_from_json,
+    specs_to_json,
+)
 
 __version__ = "0.1.0"
 
@@ -77,6 +84,8 @@ __all__ = [
     "LOGICAL_QTYPES",
     "NF4_LEVELS",
     "storage_dtype",
+    "quantize",
+    "dequantize",
     "LogicalAxisRules",
     "logical_to_partition_spec",
     "named_sharding",

@@ -11,6 +11,7 @@ low bits); the last axis is padded with zero bits to a whole number of bytes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -54,13 +55,19 @@ class QuantLayout:
     - ``per_tensor``: one scale; ``scale.shape`` is ``()`` or all ones.
     - ``per_channel``: one scale per index of ``axes``; ``scale`` keeps every dim, with
       size 1 on the other axes (``keepdims`` form, so it broadcasts).
-    - ``per_tile``: ``axes == (axis,)`` is cut into tiles of ``tile_size``; along it
-      ``scale`` has ``shape[axis] // tile_size`` entries, on other axes 1 or the full size.
+    - ``per_tile``: each axis of ``axes`` is cut into tiles (``tile_size``: one length for
+      every tiled axis, or a tuple with one length per axis), so on two axes the scales
+      cover 2-d blocks (e.g. 128x128 weight blocks); along a tiled axis ``scale`` has
+      ``shape[axis] // tile`` entries, on other axes 1 or the full size. One tiled axis
+      keeps ``tile_size`` an ``int``.
+
+    >>> QuantLayout.per_tile((0, 1), (2, 4)).expected_scale_shape((4, 8, 3))
+    (2, 2, 3)
     """
 
     kind: str = "per_tensor"
     axes: tuple[int, ...] = ()
-    tile_size: int | None = None
+    tile_size: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in _KINDS:
@@ -71,8 +78,28 @@ class QuantLayout:
         if self.kind == "per_channel" and (not self.axes or self.tile_size is not None):
             raise ValueError("QuantLayout per_channel needs axes and no tile_size")
         if self.kind == "per_tile":
-            if len(self.axes) != 1 or self.tile_size is None or self.tile_size <= 0:
-                raise ValueError("QuantLayout per_tile needs exactly one axis and a positive tile_size")
+            self._check_tiles()
+
+    def _check_tiles(self) -> None:
+        given = self.tile_size
+        sizes: tuple[Any, ...] = tuple(given) if isinstance(given, list | tuple) else (given,) * len(self.axes)
+        if not self.axes or len(sizes) != len(self.axes) or not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) and t > 0 for t in sizes
+        ):
+            raise ValueError(
+                f"QuantLayout per_tile needs one or more axes and a positive tile_size (an int, or one per axis); "
+                f"got axes {self.axes} and tile_size {self.tile_size!r}"
+            )
+        ints = tuple(int(t) for t in sizes)
+        object.__setattr__(self, "tile_size", ints[0] if len(set(ints)) == 1 else ints)
+
+    @property
+    def tile_sizes(self) -> tuple[int, ...]:
+        """One tile length per axis of ``axes`` (``()`` unless ``per_tile``)."""
+        if self.kind != "per_tile":
+            return ()
+        t = self.tile_size
+        return tuple(t) if isinstance(t, tuple) else (int(cast(int, t)),) * len(self.axes)
 
     @classmethod
     def per_tensor(cls) -> QuantLayout:
@@ -83,8 +110,11 @@ class QuantLayout:
         return cls("per_channel", tuple(axes))
 
     @classmethod
-    def per_tile(cls, axis: int, tile_size: int) -> QuantLayout:
-        return cls("per_tile", (axis,), tile_size)
+    def per_tile(cls, axis: int | Sequence[int], tile_size: int | Sequence[int]) -> QuantLayout:
+        """Tiles along ``axis`` (one int) or along each of several axes (``tile_size``: one
+        length for all, or one per axis)."""
+        axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
+        return cls("per_tile", axes, tile_size if isinstance(tile_size, int | np.integer) else tuple(tile_size))
 
     def expected_scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The full (non-broadcast) scale shape for values of ``shape``."""
@@ -99,14 +129,15 @@ class QuantLayout:
             return (1,) * nd
         if self.kind == "per_channel":
             return tuple(d if i in axes else 1 for i, d in enumerate(shape))
-        (ax,) = axes
-        tile = cast(int, self.tile_size)  # per_tile: __post_init__ checked it is a positive int
-        if shape[ax] % tile:
-            raise ValueError(f"axis {ax} of size {shape[ax]} is not a multiple of tile_size {self.tile_size}")
-        return tuple(d // tile if i == ax else d for i, d in enumerate(shape))
+        tiles = dict(zip(axes, self.tile_sizes))
+        for ax, tile in tiles.items():
+            if shape[ax] % tile:
+                raise ValueError(f"axis {ax} of size {shape[ax]} is not a multiple of tile_size {tile}")
+        return tuple(d // tiles[i] if i in tiles else d for i, d in enumerate(shape))
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "axes": list(self.axes), "tile_size": self.tile_size}
+        t = self.tile_size
+        return {"kind": self.kind, "axes": list(self.axes), "tile_size": list(t) if isinstance(t, tuple) else t}
 
     @classmethod
     def from_json(cls, d: dict) -> QuantLayout:
@@ -117,7 +148,8 @@ class QuantLayout:
             isinstance(a, int) and not isinstance(a, bool) for a in axes
         ):
             raise ValueError(f"QuantLayout.from_json: 'axes' must be a list of ints, got {axes!r}")
-        return cls(d["kind"], tuple(axes), d.get("tile_size"))
+        tile = d.get("tile_size")
+        return cls(d["kind"], tuple(axes), tuple(tile) if isinstance(tile, list) else tile)
 
 
 def _array_to_json(x: Any) -> dict:
@@ -148,6 +180,21 @@ def _array_from_json(d: Any, what: str) -> np.ndarray:
     if kind in ("int", "uint") and not np.array_equal(out.astype(np.int64), wide.reshape(shape)):
         raise ValueError(f"QArray.from_json: {what!r} holds values outside {d['dtype']}")
     return out
+
+
+def _tile_split(shape: tuple[int, ...], layout: QuantLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``shape`` with each tiled axis split into (tiles, tile) and the positions of the
+    inner (tile) axes: a scale of the layout's shape broadcasts once expanded there."""
+    tiles = dict(zip((a % len(shape) for a in layout.axes), layout.tile_sizes))
+    split: list[int] = []
+    inner: list[int] = []
+    for i, d in enumerate(shape):
+        if i in tiles:
+            split += [d // tiles[i], tiles[i]]
+            inner.append(len(split) - 1)
+        else:
+            split.append(d)
+    return tuple(split), tuple(inner)
 
 
 def _xp(x: Any):
@@ -220,8 +267,7 @@ class QArray:
             len(sshape) == len(shape) and all(s == e or s == 1 for s, e in zip(sshape, expected))
         )
         if self.layout.kind == "per_tile" and sshape != ():
-            ax = self.layout.axes[0] % len(shape)
-            ok = ok and sshape[ax] == expected[ax]
+            ok = ok and all(sshape[a % len(shape)] == expected[a % len(shape)] for a in self.layout.axes)
         if not ok:
             raise ValueError(
                 f"QArray scale shape {sshape} does not fit values of shape {shape} with layout "
@@ -293,14 +339,13 @@ class QArray:
         scale: Any = xp.asarray(self.scale).astype(xp.float32)
         zero = None if self.zero_point is None else xp.asarray(self.zero_point).astype(xp.float32)
         if self.layout.kind == "per_tile" and scale.ndim > 0:
-            # tiles as their own axis: the scale broadcasts, no repeated copy of it is made
-            ax = self.layout.axes[0] % self.ndim
-            t = int(self.layout.tile_size or 1)
+            # tiles as their own axes: the scale broadcasts, no repeated copy of it is made
             shape = v.shape
-            v = v.reshape(shape[:ax] + (shape[ax] // t, t) + shape[ax + 1 :])
+            split, tile_axes = _tile_split(shape, self.layout)
+            v = v.reshape(split)
             if zero is not None:
-                v = v - xp.expand_dims(zero, ax + 1)
-            v = (v * xp.expand_dims(scale, ax + 1)).reshape(shape)
+                v = v - xp.expand_dims(zero, tile_axes)
+            v = (v * xp.expand_dims(scale, tile_axes)).reshape(shape)
             return v.astype(as_numpy_dtype(self.dtype))
         if zero is not None:
             v = v - zero
