@@ -157,3 +157,45 @@ def test_block_formats(qtype, block):
         quantize_array(x, qtype, reduce_axes=(1,), tile=(1, 8))
     with pytest.raises(ValueError, match="needs a tile axis"):
         quantize_array(x, qtype, reduce_axes=(1,))
+
+
+def test_two_axis_tiles_give_one_scale_per_block():
+    # 2-d blocks (as in block-scaled fp8 weights): each (4, 3) block of x has its own scale
+    x = np.random.default_rng(7).normal(size=(8, 6)).astype(np.float32)
+    q = quantize_array(x, "int8", reduce_axes=(0,), tile=((0, 4), (1, 3)))
+    assert q.layout.axes == (0, 1) and q.layout.tile_sizes == (4, 3) and q.scale.shape == (2, 2)
+    blocks = np.abs(x.astype(np.float64)).reshape(2, 4, 2, 3).max(axis=(1, 3))
+    np.testing.assert_allclose(np.asarray(q.scale), blocks / 127.5, rtol=1e-6)
+    s = np.repeat(np.repeat(blocks / 127.5, 4, 0), 3, 1)
+    np.testing.assert_array_equal(np.asarray(q.qvalue, np.int64), np.clip(np.round(x / s), -127, 127))
+
+
+@pytest.mark.parametrize("qtype,layout_args,method", [
+    ("int8", ((1,), None), "absmax"),
+    ("int4", ((0,), ((0, 4),)), "absmax"),
+    ("uint4", ((1,), None), "minmax"),
+    ("float8_e4m3fn", ((0,), None), "absmax"),
+    ("int8", ((0,), ((0, 4), (1, 3))), "absmax"),
+])
+def test_core_array_quantize_agrees_with_quantize_array(qtype, layout_args, method):
+    # the one basic quantize in core_array (kernels call it) and quant's share one grid
+    from cairn.core_array import QuantLayout, quantize
+
+    x = np.random.default_rng(8).normal(size=(8, 6)).astype(np.float32)
+    reduce_axes, tile = layout_args
+    ours = quantize_array(x, qtype, reduce_axes=reduce_axes, tile=tile, method=method)
+    if tile:
+        layout = QuantLayout.per_tile(tuple(a for a, _ in tile), tuple(t for _, t in tile))
+    else:
+        layout = QuantLayout.per_channel(*[a for a in range(2) if a not in reduce_axes])
+    base = quantize(x, qtype, layout, method=method)
+    np.testing.assert_allclose(np.asarray(base.scale, np.float64).ravel(), np.asarray(ours.scale, np.float64).ravel(), rtol=3e-7)
+    np.testing.assert_allclose(np.asarray(base.dequantize()), np.asarray(ours.dequantize()), rtol=1e-6, atol=float(np.max(ours.scale)) * 1.01)
+
+
+def test_minmax_widens_a_range_that_excludes_zero():
+    # all-positive data with a zero point: the grid must still hold 0, or the top is clipped
+    x = np.random.default_rng(9).uniform(0.2, 3.0, size=(5, 7)).astype(np.float32)
+    q = quantize_array(x, "uint8", reduce_axes=(0,), method="minmax")
+    step = np.asarray(q.scale, np.float64)
+    assert np.all(np.abs(np.asarray(q.dequantize(), np.float64) - x) <= step + 1e-6)

@@ -207,3 +207,60 @@ def test_packed_weights_give_the_same_outputs(qtype):
     assert k.nbytes == qp["l1"]["kernel"].nbytes
     f = jax.jit(quant.quantize(_mlp, provider))
     np.testing.assert_array_equal(np.asarray(f(packed, X)), np.asarray(f(qp, X)))
+
+
+def _ref_block_fake_quant(w: np.ndarray, t0: int, t1: int, qmax: int) -> np.ndarray:
+    w = np.asarray(w, np.float64)
+    out = np.empty_like(w)
+    for i in range(0, w.shape[0], t0):
+        for j in range(0, w.shape[1], t1):
+            blk = w[i : i + t0, j : j + t1]
+            s = np.abs(blk).max() / (qmax + 0.5)
+            out[i : i + t0, j : j + t1] = np.clip(np.round(blk / s), -qmax, qmax) * s
+    return out
+
+
+def test_two_axis_tile_size_quantizes_weights_in_2d_blocks():
+    # tile_size=(contracting, output): one scale per (8, 4) block of each kernel
+    p = _params()
+    provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int4", tile_size=(8, 4))])
+    y = quant.quantize(_mlp, provider)(p, X)
+    w1 = _ref_block_fake_quant(np.asarray(p["l1"]["kernel"]), 8, 4, 7)
+    w2 = _ref_block_fake_quant(np.asarray(p["l2"]["kernel"]), 8, 4, 7)
+    ref = np.maximum(X.astype(np.float64) @ w1, 0) @ w2
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-5, atol=2e-5)
+    qp = quant.quantize_params(p, provider, _mlp, X)  # the offline tree has the same layout
+    k = qp["l1"]["kernel"]
+    assert isinstance(k, QArray) and k.layout.axes == (0, 1) and k.scale.shape == (2, 8)
+    np.testing.assert_allclose(np.asarray(k.dequantize()), w1, rtol=1e-6, atol=1e-7)
+    # a prequantized tree with those blocks runs through the same program unchanged
+    np.testing.assert_allclose(np.asarray(quant.quantize(_mlp, provider)(qp, X)), np.asarray(y), rtol=1e-6, atol=1e-6)
+
+
+def test_two_axis_tiles_follow_transposed_and_scanned_weights():
+    k = jax.random.normal(jax.random.key(3), (3, 16, 16)) / 4  # three stacked [out, in] kernels
+
+    def f(p, x):
+        def body(h, w):
+            return jnp.tanh(h @ w.T), None
+        return jax.lax.scan(body, x, p["w"])[0]
+
+    x = np.asarray(jax.random.normal(jax.random.key(4), (2, 16)))
+    y = quant.quantize(f, quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8", tile_size=(4, 2))]))({"w": k}, x)
+    h = x.astype(np.float64)
+    for w in np.asarray(k):  # the weight's contracting axis is its axis 1 (in), output axis 0
+        h = np.tanh(h @ _ref_block_fake_quant(w.T, 4, 2, 127))
+    np.testing.assert_allclose(np.asarray(y), h, rtol=1e-5, atol=1e-5)
+
+
+def test_two_axis_tile_size_errors_name_the_rule():
+    with pytest.raises(ValueError, match="pair of them"):
+        quant.QuantizationRule(weight_qtype="int8", tile_size=(4, 0))
+    with pytest.raises(ValueError, match="pair of them"):
+        quant.QuantizationRule(weight_qtype="int8", tile_size=(4, 4, 4))
+    with pytest.raises(ValueError, match="tiles two axes"):
+        quant.gptq_quantize_params(
+            _params(), quant.PtqProvider([quant.GptqRule(module_path="l1", weight_qtype="int4", tile_size=(8, 4))]), _mlp, [(X,)]
+        )
+    with pytest.raises(ValueError, match="do not divide"):
+        quant.quantize(_mlp, quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8", tile_size=(8, 5))]))(_params(), X)

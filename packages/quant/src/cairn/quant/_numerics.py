@@ -6,28 +6,34 @@ output channel has its own scale) and, with a tile ``(axis, size)``, over each r
 qmax)`` with ``s = hi / (qmax + 0.5)`` (so the top bucket is used fully, as in Qwix);
 asymmetric ones (``minmax``, ``fixed``, and every unsigned qtype) add a zero point
 ``z = clip(round(qmin - lo / s), qmin, qmax)`` with
-``s = (hi - lo) / (qmax - qmin)``. Float qtypes use ``s = max(|lo|, |hi|) / fmax`` and
+``s = (hi - lo) / (qmax - qmin)``, the range first widened to hold 0 (``lo <= 0 <= hi``) so
+the integer zero point stays on the grid. Float qtypes use ``s = max(|lo|, |hi|) / fmax`` and
 round by the cast. ``QArray.dequantize`` inverts all of them: ``(q - z) * s``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from cairn.core_array import NF4_LEVELS, QArray, QuantLayout, canonical_dtype
 from cairn.quant._calibration import Method, bounds, parse_method
 from cairn.quant._qtypes import QTypeInfo, qtype_info
 
-__all__ = ["quantize_array", "quantize_with_bounds", "fake_quant", "tile_length"]
+__all__ = ["quantize_array", "quantize_with_bounds", "fake_quant", "tile_length", "tile_pairs"]
 
 
-def tile_length(tile_size: int | float, axis_size: int, where: str) -> int:
+def tile_length(tile_size: int | float | tuple, axis_size: int, where: str) -> int:
     """The tile length for ``tile_size`` (an ``int`` length or a ``float`` ``1/count``).
 
     Raises:
       ValueError: the tile does not divide the axis (``where`` names the weight or op).
     """
+    if isinstance(tile_size, tuple | list):
+        raise ValueError(
+            f"{where}: tile_size {tuple(tile_size)} tiles two axes, but this method tiles only the "
+            f"weight's contracting axis: give one length"
+        )
     size = int(tile_size) if isinstance(tile_size, int) else round(axis_size * float(tile_size))
     if size < 1 or axis_size % size:
         raise ValueError(
@@ -46,21 +52,43 @@ def _scale_zero_point(lo: Any, hi: Any, info: QTypeInfo, symmetric: bool) -> tup
     if symmetric and info.kind == "int":
         # the top bucket covers [qmax - 0.5, qmax + 0.5): dividing by qmax + 0.5 uses it fully
         return jnp.where(hi > 0, hi / (info.qmax + 0.5), 1.0).astype(jnp.float32), None
+    # the grid must hold an exact 0 (the zero point is an integer on it): widen to include it
+    lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
     span = hi - lo
     scale = jnp.where(span > 0, span / (info.qmax - info.qmin), 1.0).astype(jnp.float32)
     zero = jnp.clip(jnp.round(info.qmin - lo / scale), info.qmin, info.qmax).astype(jnp.float32)
     return scale, zero
 
 
-def _grouped_bounds(x: Any, method: Method, reduce_axes: list[int], tile: tuple[int, int] | None) -> tuple[Any, Any]:
+Tile = tuple[int, int] | tuple[tuple[int, int], ...]
+
+
+def tile_pairs(tile: Tile | None) -> tuple[tuple[int, int], ...]:
+    """``tile`` as ``((axis, size), ...)``: one ``(axis, size)`` pair or several (``()``: none)."""
     if tile is None:
+        return ()
+    if len(tile) == 2 and all(isinstance(t, int) for t in tile):
+        return (cast(tuple[int, int], tile),)
+    return tuple((int(a), int(t)) for a, t in cast(tuple[tuple[int, int], ...], tile))
+
+
+def _grouped_bounds(x: Any, method: Method, reduce_axes: list[int], tiles: tuple[tuple[int, int], ...]) -> tuple[Any, Any]:
+    if not tiles:
         return bounds(x, method, reduce_axes)
-    axis, size = tile
-    shape = x.shape
-    xt = x.reshape(shape[:axis] + (shape[axis] // size, size) + shape[axis + 1 :])
-    red = [a if a < axis else a + 1 for a in reduce_axes if a != axis] + [axis + 1]
-    lo, hi = bounds(xt, method, red)
-    return lo.squeeze(axis + 1), hi.squeeze(axis + 1)
+    sizes = dict(tiles)
+    split: list[int] = []
+    red: list[int] = []
+    for i, d in enumerate(x.shape):
+        if i in sizes:  # (tiles, tile): the scale is shared within the inner axis
+            split += [d // sizes[i], sizes[i]]
+            red.append(len(split) - 1)
+        else:
+            split.append(d)
+            if i in reduce_axes:
+                red.append(len(split) - 1)
+    lo, hi = bounds(x.reshape(split), method, red)
+    target = tuple(d // sizes[i] if i in sizes else (1 if i in reduce_axes else d) for i, d in enumerate(x.shape))
+    return lo.reshape(target), hi.reshape(target)
 
 
 def quantize_array(
@@ -68,7 +96,7 @@ def quantize_array(
     qtype: str,
     *,
     reduce_axes: Sequence[int] | None = None,
-    tile: tuple[int, int] | None = None,
+    tile: Tile | None = None,
     method: str | Method = "absmax",
     where: str = "array",
     noise: Any = None,
@@ -80,7 +108,8 @@ def quantize_array(
       qtype: a name from :data:`~cairn.quant.QTYPES`.
       reduce_axes: axes that share a scale; ``None`` (the default) is every axis, one
         per-tensor scale; ``()`` gives every element its own scale.
-      tile: ``(axis, size)``: additionally one scale per ``size`` elements along ``axis``.
+      tile: ``(axis, size)``: additionally one scale per ``size`` elements along ``axis``;
+        ``((axis0, size0), (axis1, size1))`` tiles two axes (2-d blocks of scales).
       method: calibration method (see :mod:`cairn.quant._calibration`).
       where: names ``x`` in error messages (a weight path).
       noise: for stochastic rounding of integer qtypes, an array of ``x``'s shape with
@@ -106,17 +135,15 @@ def quantize_array(
     nd = x.ndim
     reduce_axes = range(nd) if reduce_axes is None else reduce_axes
     red = sorted({a % nd for a in reduce_axes}) if nd else []
-    if info.block is not None and (tile is None or not nd):
+    tiles = tile_pairs(tile) if nd else ()
+    if info.block is not None and not tiles:
         raise ValueError(f"{where}: {info.name} has scales per block of {info.block} and needs a tile axis")
-    if tile is not None and nd:
-        tile = (tile[0] % nd, tile_length(tile[1], x.shape[tile[0] % nd], where))
-        if info.block is not None and tile[1] != info.block:
-            raise ValueError(f"{where}: {info.name} uses blocks of {info.block}, not tiles of {tile[1]}")
-    elif tile is not None:
-        tile = None
-    lo, hi = _grouped_bounds(x.astype(jnp.float32), m, red, tile)
-    if tile is not None:
-        layout = QuantLayout.per_tile(*tile)
+    tiles = tuple((a % nd, tile_length(t, x.shape[a % nd], where)) for a, t in tiles)
+    if info.block is not None and any(t != info.block for _, t in tiles):
+        raise ValueError(f"{where}: {info.name} uses blocks of {info.block}, not tiles of {[t for _, t in tiles]}")
+    lo, hi = _grouped_bounds(x.astype(jnp.float32), m, red, tiles)
+    if tiles:
+        layout = QuantLayout.per_tile(tuple(a for a, _ in tiles), tuple(t for _, t in tiles))
     else:
         kept = [i for i in range(nd) if i not in red]
         layout = QuantLayout.per_channel(*kept) if kept else QuantLayout.per_tensor()
@@ -140,8 +167,14 @@ def quantize_with_bounds(
         scale, zero = _block_or_table_scale(lo, hi, info), None
     else:
         scale, zero = _scale_zero_point(lo, hi, info, symmetric)
-    tile = (layout.axes[0] % x.ndim, int(layout.tile_size or 1)) if layout.kind == "per_tile" else None
-    se = scale.astype(jnp.float32) if tile is None else jnp.repeat(scale.astype(jnp.float32), tile[1], axis=tile[0])
+    tiles = tuple(zip((a % x.ndim for a in layout.axes), layout.tile_sizes))
+
+    def expand(a: Any) -> Any:  # per-tile scales / zero points repeated to the values' shape
+        for axis, size in tiles:
+            a = jnp.repeat(a, size, axis=axis)
+        return a
+
+    se = expand(scale.astype(jnp.float32))
     scaled = x.astype(jnp.float32) / se
     if noise is not None:
         if info.kind not in ("int", "uint"):
@@ -153,7 +186,7 @@ def quantize_with_bounds(
     elif info.is_float:
         q = jnp.clip(scaled, info.qmin, info.qmax).astype(info.storage)
     else:
-        ze = 0.0 if zero is None else (zero if tile is None else jnp.repeat(zero, tile[1], axis=tile[0]))
+        ze = 0.0 if zero is None else expand(zero)
         # symmetric grids stop at -qmax: the absmax element sits at exactly +-(qmax + 0.5),
         # where float rounding would otherwise pick -qmax or -qmax - 1 by chance
         qmin = -info.qmax if zero is None else info.qmin
@@ -181,7 +214,7 @@ def fake_quant(
     qtype: str,
     *,
     reduce_axes: Sequence[int] | None = None,
-    tile: tuple[int, int] | None = None,
+    tile: Tile | None = None,
     method: str | Method = "absmax",
     where: str = "array",
     noise: Any = None,

@@ -52,7 +52,7 @@ class QuantizationProvider:
         self._used: set[int] = set()
         self._trace_used: set[int] = set()
         self._seen: list[str] = []
-        self._plan: dict[str, tuple[QuantizationRule, tuple[int, ...], tuple[int, int] | None]] = {}
+        self._plan: dict[str, tuple[QuantizationRule, tuple[int, ...], tuple[tuple[int, int], ...] | None]] = {}
         self._static: dict[SiteKey, tuple[Any, Any]] = {}
         self._recording: dict[SiteKey, list[tuple[Any, Any]]] | None = None
         self._weights: dict[str, Any] = {}
@@ -128,14 +128,26 @@ class QuantizationProvider:
             reduce_axes = tuple(range(ndim))
         return self._activation(rule, x, reduce_axes, key, tile_axis)
 
-    def _tile(self, rule: QuantizationRule, site: DotSite, side: int, axis: int | None, where: str) -> tuple[int, int] | None:
+    def _tile(self, rule: QuantizationRule, site: DotSite, side: int, axis: int | None, where: str) -> tuple[tuple[int, int], ...] | None:
+        """The weight's tiles as ``((axis, size), ...)``: along its last contracting axis,
+        and with a pair ``tile_size`` along its last output axis too."""
         block = qtype_info(rule.weight_qtype).block if rule.weight_qtype else None
         if block is not None and axis is not None:
-            return axis, block
+            return ((axis, block),)
         if rule.tile_size is None or axis is None:
             return None
-        size = site.eqn.invars[side].aval.shape[axis]
-        return axis, tile_length(rule.tile_size, size, f"{rule._describe()} on {where!r}")
+        shape = site.eqn.invars[side].aval.shape
+        what = f"{rule._describe()} on {where!r}"
+        if not isinstance(rule.tile_size, tuple):
+            return ((axis, tile_length(rule.tile_size, shape[axis], what)),)
+        if site.eqn.primitive.name != "dot_general":
+            raise ValueError(f"{what}: a two-axis tile_size {rule.tile_size} applies to dot_general weights, not {site.eqn.primitive.name}")
+        (contracting, batch) = (d[side] for d in site.eqn.params["dimension_numbers"])
+        free = [a for a in range(len(shape)) if a not in contracting and a not in batch]
+        if not free:
+            raise ValueError(f"{what}: a two-axis tile_size needs an output axis on the weight; it has shape {tuple(shape)}")
+        first, second = rule.tile_size
+        return ((axis, tile_length(first, shape[axis], what)), (free[-1], tile_length(second, shape[free[-1]], what)))
 
     def _act_bounds(self, rule: QuantizationRule, x: Any) -> tuple[Any, Any]:
         method = parse_method(rule.act_calibration_method or "absmax")
@@ -164,7 +176,7 @@ class QuantizationProvider:
         q = quantize_with_bounds(x, act_qtype, jnp.reshape(lo, ones), jnp.reshape(hi, ones), QuantLayout.per_tensor(), symmetric=symmetric)
         return self._wrap(q, x)
 
-    def _weight(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> Any:
+    def _weight(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[tuple[int, int], ...] | None) -> Any:
         q = _prequantized_view(ref, reduce_axes, tile) if isinstance(ref.value, QArray) else None
         if q is None:
             q = quantize_array(
@@ -182,14 +194,14 @@ class QuantizationProvider:
             return quantized_dot(site.eqn, *ops)
         return bind_dequantized(site.eqn, ops, [materialize(r) for r in rest])
 
-    def _record_plan(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> None:
+    def _record_plan(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[tuple[int, int], ...] | None) -> None:
         if ref.path in self._plan:
             return
         perm = _leaf_permutation(ref)
         if perm is None:
             return
         leaf_axes = tuple(sorted(perm[a] for a in reduce_axes))
-        leaf_tile = None if tile is None else (perm[tile[0]], tile[1])
+        leaf_tile = None if tile is None else tuple((perm[a], t) for a, t in tile)
         self._plan[ref.path] = (rule, leaf_axes, leaf_tile)
 
 
@@ -350,7 +362,7 @@ def _leaf_permutation(ref: WeightRef) -> list[int] | None:
     return perm
 
 
-def _prequantized_view(ref: WeightRef, reduce_axes: tuple[int, ...], tile: tuple[int, int] | None) -> QArray | None:
+def _prequantized_view(ref: WeightRef, reduce_axes: tuple[int, ...], tile: tuple[tuple[int, int], ...] | None) -> QArray | None:
     """``ref``'s QArray in the dot's layout, when the views allow and its scales fit the dot."""
     import jax.numpy as jnp
 
@@ -367,8 +379,8 @@ def _prequantized_view(ref: WeightRef, reduce_axes: tuple[int, ...], tile: tuple
     if layout.kind == "per_channel":
         layout = QuantLayout.per_channel(*sorted(inverse[a % q.ndim] for a in layout.axes))
     elif layout.kind == "per_tile":
-        layout = QuantLayout.per_tile(inverse[layout.axes[0] % q.ndim], layout.tile_size or 1)
-        if tile is None or layout.axes[0] != tile[0] or layout.tile_size != tile[1]:
+        layout = QuantLayout.per_tile(tuple(inverse[a % q.ndim] for a in layout.axes), layout.tile_sizes)
+        if tile is None or sorted(zip(layout.axes, layout.tile_sizes)) != sorted(tile):
             return None
     elif tile is not None:
         return None

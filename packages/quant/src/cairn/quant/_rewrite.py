@@ -267,11 +267,11 @@ def _while(interp: Interpreter, eqn: Any, invals: list) -> list:
 
 
 def _sliced_layout(layout: QuantLayout) -> QuantLayout | None:
-    """The layout of one slice along axis 0 (``None`` when axis 0 is the tiled axis)."""
+    """The layout of one slice along axis 0 (``None`` when axis 0 is a tiled axis)."""
     if layout.kind == "per_tensor":
         return layout
     if layout.kind == "per_tile":
-        return None if layout.axes[0] == 0 else QuantLayout.per_tile(layout.axes[0] - 1, layout.tile_size or 1)
+        return None if 0 in layout.axes else QuantLayout.per_tile(tuple(a - 1 for a in layout.axes), layout.tile_sizes)
     axes = [a - 1 for a in layout.axes if a != 0]
     return QuantLayout.per_channel(*axes) if axes else QuantLayout.per_tensor()
 

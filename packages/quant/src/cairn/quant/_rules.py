@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import cast
 
 from cairn.core_array import PathError, compile_pattern
 from cairn.quant._calibration import parse_method
@@ -35,7 +36,9 @@ class QuantizationRule:
         or ``None`` to leave weights in float.
       act_qtype: qtype of the activation operand(s), or ``None`` (weight-only).
       tile_size: tile length along the weight's last contracting axis (an ``int``), or
-        a ``float`` ``1/tile_count``; ``None`` for per-channel scales.
+        a ``float`` ``1/tile_count``; ``None`` for per-channel scales. A pair
+        ``(contracting, output)`` tiles the weight's last output axis too, so each 2-d
+        block (e.g. ``(128, 128)``, as in block-scaled fp8 training) gets one scale.
       weight_calibration_method: ``"absmax"``, ``"absmax,s"``, ``"minmax[,s]"``,
         ``"rms,k"``, ``"percentile,p"`` or ``"fixed,min,max"``.
       act_calibration_method: the same grammar for activations (``None``: ``"absmax"``).
@@ -52,7 +55,7 @@ class QuantizationRule:
     op_names: Sequence[str] = ()
     weight_qtype: str | None = None
     act_qtype: str | None = None
-    tile_size: int | float | None = None
+    tile_size: int | float | tuple[int | float, int | float] | None = None
     weight_calibration_method: str = "absmax"
     act_calibration_method: str | None = None
     act_static_scale: bool = False
@@ -87,14 +90,22 @@ class QuantizationRule:
                 except ValueError as e:
                     raise ValueError(f"{self._describe()}: {field}: {e}") from None
         tile = self.tile_size
+        if isinstance(tile, list):
+            tile = tuple(tile)
+            object.__setattr__(self, "tile_size", tile)
+        pair = isinstance(tile, tuple)
         for field in ("weight_qtype", "act_qtype"):
             block = qtype_info(getattr(self, field)).block if getattr(self, field) else None
             if block is not None and tile is not None and tile != block:
                 raise ValueError(f"{self._describe()}: {getattr(self, field)} uses blocks of {block}; tile_size must be None or {block}")
-        if tile is not None and (isinstance(tile, bool) or not tile > 0 or (isinstance(tile, float) and tile > 1)):
+        sizes = cast(tuple, tile) if pair else (tile,)
+        if tile is not None and (
+            (pair and len(sizes) != 2)
+            or any(isinstance(t, bool) or not isinstance(t, int | float) or not t > 0 or (isinstance(t, float) and t > 1) for t in sizes)
+        ):
             raise ValueError(
                 f"{self._describe()}: tile_size must be a positive int or a float in (0, 1] "
-                f"(1/tile_count), got {tile!r}"
+                f"(1/tile_count), or a pair of them (contracting axis, output axis), got {tile!r}"
             )
 
     def _describe(self) -> str:
