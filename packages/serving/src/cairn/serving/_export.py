@@ -9,7 +9,6 @@ temporary sibling and renamed into place, so a reader sees all of it or nothing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import shutil
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cairn.core_array import ArraySpec, flatten_with_paths, shape_dtype_structs
-from cairn.serving._hashing import MANIFEST, digest_files, write_sidecar
+from cairn.serving._hashing import MANIFEST, digest_files, seal_manifest
 from cairn.serving._manifest import FORMAT, SIGNATURE_NAME
 from cairn.serving._model import batch_dim, normalize_buckets
 from cairn.serving._weights import rebuild_params, split_params, write_weights
@@ -224,10 +223,8 @@ def _write_dir(final: str, blobs: dict, entries: dict, flat: dict, qmeta: dict, 
             "weights": {"arrays": arrays, "qarrays": qmeta},
             "files": digest_files(tmp),
         }
-        raw = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
         with open(os.path.join(tmp, MANIFEST), "wb") as f:
-            f.write(raw)
-        write_sidecar(tmp, raw)
+            f.write(seal_manifest(manifest))
         _fsync_tree(tmp)
         _place(tmp, final, overwrite)
     except BaseException:

@@ -9,17 +9,18 @@ a mismatch names the file.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Mapping
 
 __all__ = ["ModelFormatError", "ModelIntegrityError", "sha256_file", "digest_files", "verify_files",
-           "SIDECAR", "MANIFEST", "write_sidecar", "check_sidecar"]
+           "MANIFEST", "SEAL_KEY", "seal_manifest", "check_manifest_seal"]
 
 MANIFEST = "manifest.json"
-# the manifest's own digest, in the format of ``sha256sum`` (so ``sha256sum -c`` checks it)
-SIDECAR = "manifest.json.sha256"
-_SIDECAR_LINE = re.compile(rb"([0-9a-f]{64})  manifest\.json\n\Z")
+SEAL_KEY = "manifest_sha256"
+_ZEROS = "0" * 64
+_SEAL = re.compile(rb'\n "manifest_sha256": "([0-9a-f]{64})"')
 _BLOCK = 1 << 20
 
 
@@ -56,12 +57,11 @@ def _walk(root: str) -> list[str]:
 
 
 def digest_files(root: str) -> dict[str, dict]:
-    """``{relative path: {"sha256", "size"}}`` for every file under ``root`` except the
-    manifest and its digest."""
+    """``{relative path: {"sha256", "size"}}`` for every file under ``root`` but the manifest."""
     return {
         rel: {"sha256": sha256_file(os.path.join(root, rel)), "size": os.path.getsize(os.path.join(root, rel))}
         for rel in _walk(root)
-        if rel not in (MANIFEST, SIDECAR)
+        if rel != MANIFEST
     }
 
 
@@ -91,31 +91,36 @@ def verify_files(root: str, files: Mapping[str, Mapping]) -> None:
             )
 
 
-def write_sidecar(root: str, manifest_bytes: bytes) -> None:
-    digest = hashlib.sha256(manifest_bytes).hexdigest()
-    with open(os.path.join(root, SIDECAR), "wb") as f:
-        f.write(f"{digest}  {MANIFEST}\n".encode())
+def seal_manifest(doc: dict) -> bytes:
+    """``doc`` as the bytes of ``manifest.json``, holding its own SHA-256 under
+    ``"manifest_sha256"``: the digest of the file with that value written as 64 zeros.
+
+    The manifest thus checks itself with no second file, so a changed byte is always
+    blamed on the one file it is in.
+    """
+    body = {**doc, SEAL_KEY: _ZEROS}
+    raw = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+    digest = hashlib.sha256(raw).hexdigest().encode()
+    return raw.replace(_seal(_ZEROS.encode()), _seal(digest), 1)
 
 
-def check_sidecar(root: str, manifest_bytes: bytes) -> None:
-    """Check ``manifest.json`` against ``manifest.json.sha256``.
+def _seal(value: bytes) -> bytes:
+    # indent=1: the top-level key is the only one with exactly one leading space
+    return b'\n "' + SEAL_KEY.encode() + b'": "' + value + b'"'
+
+
+def check_manifest_seal(raw: bytes) -> None:
+    """Check the raw bytes of ``manifest.json`` against the digest they hold.
 
     Raises:
-      ModelIntegrityError: the digest file is missing or malformed, or the manifest's
-        digest differs.
+      ModelIntegrityError: no seal, or the digest differs (the file was altered).
     """
-    path = os.path.join(root, SIDECAR)
-    if not os.path.isfile(path):
-        raise ModelIntegrityError(f"{SIDECAR}: missing from the model directory {root}", SIDECAR)
-    with open(path, "rb") as f:
-        line = f.read(200)
-    m = _SIDECAR_LINE.match(line)
-    if m is None:
+    found = _SEAL.findall(raw)
+    if len(found) != 1:
         raise ModelIntegrityError(
-            f"{SIDECAR}: malformed; expected one line '<64 hex digits>  {MANIFEST}' (corrupted?)", SIDECAR
+            f"{MANIFEST}: its own SHA-256 ('{SEAL_KEY}') is missing or unreadable (corrupted or not written by "
+            "cairn.serving.export)", MANIFEST
         )
-    digest = hashlib.sha256(manifest_bytes).hexdigest()
-    if m.group(1).decode() != digest:
-        raise ModelIntegrityError(
-            f"{MANIFEST}: SHA-256 differs from the one in {SIDECAR} (one of the two is corrupted)", MANIFEST
-        )
+    zeroed = raw.replace(_seal(found[0]), _seal(_ZEROS.encode()), 1)
+    if hashlib.sha256(zeroed).hexdigest().encode() != found[0]:
+        raise ModelIntegrityError(f"{MANIFEST}: SHA-256 differs from the one it records (the file is corrupted)", MANIFEST)

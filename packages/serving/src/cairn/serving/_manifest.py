@@ -3,8 +3,8 @@
 The manifest records the format version, who wrote it (cairn-serving, JAX and jaxlib
 versions), the StableHLO calling convention and platforms, every signature (input and
 output specs with symbolic dims, batch buckets), the weight arrays and ``QArray``
-layouts, and the size and SHA-256 of every other file. Its own digest sits beside it in
-``manifest.json.sha256``.
+layouts, the size and SHA-256 of every other file, and its own SHA-256
+(``"manifest_sha256"``, computed with that value zeroed).
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ import re
 from typing import Any
 
 from cairn.core_array import ArraySpec
-from cairn.serving._hashing import MANIFEST, ModelFormatError, ModelIntegrityError, check_sidecar
+from cairn.serving._hashing import (
+    MANIFEST,
+    SEAL_KEY,
+    ModelFormatError,
+    ModelIntegrityError,
+    check_manifest_seal,
+)
 
 __all__ = ["FORMAT", "read_manifest", "check_compatible", "parse_specs", "SIGNATURE_NAME", "newer_exporter"]
 
@@ -38,13 +44,14 @@ def read_manifest(root: str) -> dict:
         raise ModelIntegrityError(f"{MANIFEST}: missing from the model directory {root}", MANIFEST)
     with open(path, "rb") as f:
         raw = f.read()
-    check_sidecar(root, raw)
+    check_manifest_seal(raw)
     try:
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFormatError(f"{MANIFEST}: not valid JSON ({e})", MANIFEST) from None
     if not isinstance(doc, dict):
         raise ModelFormatError(f"{MANIFEST}: expected a JSON object, got {type(doc).__name__}", MANIFEST)
+    doc.pop(SEAL_KEY, None)
     if doc.get("format") != FORMAT:
         raise ModelFormatError(
             f"{MANIFEST}: format {doc.get('format')!r} is not supported; this cairn-serving reads {FORMAT!r}"
