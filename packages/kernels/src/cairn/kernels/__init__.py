@@ -7,9 +7,18 @@ available on the device and caches the winner per (device kind, op, shape bucket
 """
 
 from cairn.kernels._attention import dot_product_attention
+from cairn.kernels._autotune import AutotuneEntry, AutotuneResult, Measurement, autotune, autotune_op
+from cairn.kernels._cross_entropy import linear_softmax_cross_entropy_loss
 from cairn.kernels._override import active_override, override
 from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
-from cairn.kernels._registry import Implementation, call, cross_compile, implementations, register, register_op
+from cairn.kernels._registry import (
+    Implementation,
+    call,
+    cross_compile,
+    implementations,
+    register,
+    register_op,
+)
 from cairn.kernels._trace import KernelCall, ops_in, recording
 
 __version__ = "0.1.0"
@@ -17,6 +26,11 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "dot_product_attention",
+    "autotune",
+    "autotune_op",
+    "AutotuneResult",
+    "AutotuneEntry",
+    "Measurement",
     "Implementation",
     "register",
     "register_op",
@@ -30,4 +44,5 @@ __all__ = [
     "recording",
     "ragged_dot",
     "ragged_dot_general",
+    "linear_softmax_cross_entropy_loss",
 ]
