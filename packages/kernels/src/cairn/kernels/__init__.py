@@ -7,7 +7,13 @@ available on the device and caches the winner per (device kind, op, shape bucket
 """
 
 from cairn.kernels._attention import dot_product_attention
-from cairn.kernels._autotune import AutotuneEntry, AutotuneResult, Measurement, autotune, autotune_op
+from cairn.kernels._autotune import (
+    AutotuneEntry,
+    AutotuneResult,
+    Measurement,
+    autotune,
+    autotune_op,
+)
 from cairn.kernels._cross_entropy import linear_softmax_cross_entropy_loss
 from cairn.kernels._override import active_override, override
 from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
