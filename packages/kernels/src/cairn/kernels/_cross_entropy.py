@@ -1,0 +1,129 @@
+"""``linear_softmax_cross_entropy_loss``: the loss of a final projection without the logits.
+
+Tokamax's name and arguments. Implementations under op ``"linear_softmax_cross_entropy_loss"``:
+``xla`` (vocabulary-chunked online logsumexp, chunked ``custom_vjp`` backward) and
+``pallas_triton`` (a fused Triton forward kernel, the chunked backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn.core_array import QArray
+from cairn.kernels._cross_entropy_triton import DEFAULT_CONFIG as TRITON_DEFAULT
+from cairn.kernels._cross_entropy_triton import cross_entropy_triton
+from cairn.kernels._cross_entropy_xla import cross_entropy_xla
+from cairn.kernels._registry import Implementation, call, register, register_op
+
+__all__ = ["linear_softmax_cross_entropy_loss"]
+
+OP = "linear_softmax_cross_entropy_loss"
+REDUCTIONS = ("sum", "mean")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _bucket(x: Any, labels: Any, weights: Any, **kwargs: Any) -> tuple[Any, ...]:
+    return (_pow2(x.shape[0]), x.shape[1], weights.shape[1], jnp.dtype(x.dtype).name, kwargs.get("reduction", "sum"))
+
+
+def _xla_default(x: Any, labels: Any, weights: Any, **_: Any) -> dict[str, Any]:
+    # about 8 MiB of float32 logits per chunk, a multiple of 128 columns
+    per = max(128, (2 * 1024 * 1024 // max(1, x.shape[0])) // 128 * 128)
+    return {"block_v": int(min(per, 8192))}
+
+
+def _xla_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
+    return [{"block_v": v} for v in (512, 1024, 2048, 4096, 8192)]
+
+
+def _triton_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
+    return [
+        {**TRITON_DEFAULT, "block_b": bb, "block_v": bv, "block_h": bh}
+        for bb in (32, 64) for bv in (64, 128) for bh in (32, 64)
+    ]
+
+
+def _triton_supports(x: Any, labels: Any, weights: Any, **_: Any) -> str | None:
+    if jnp.dtype(x.dtype) != jnp.dtype(weights.dtype):
+        return f"x and weights dtypes differ ({jnp.dtype(x.dtype).name}, {jnp.dtype(weights.dtype).name})"
+    return None
+
+
+register_op(OP, bucket=_bucket)
+register(
+    Implementation(
+        OP, "xla", cross_entropy_xla, frozenset({"cpu", "gpu", "tpu"}), configs=_xla_configs,
+        default_config=_xla_default,
+    )
+)
+register(
+    Implementation(
+        OP, "pallas_triton", cross_entropy_triton, frozenset({"gpu"}), configs=_triton_configs,
+        default_config=lambda *a, **k: dict(TRITON_DEFAULT), supports=_triton_supports,
+    )
+)
+
+
+def _check(x: Any, labels: Any, weights: Any, reduction: str, precision: Any) -> None:
+    xs, ls, ws = tuple(np.shape(x)), tuple(np.shape(labels)), tuple(weights.shape)
+    if len(xs) != 2:
+        raise ValueError(f"x must be 2-d [tokens, hidden], got shape {xs}")
+    if len(ws) != 2 or ws[0] != xs[1]:
+        raise ValueError(f"weights must be [hidden={xs[1]}, vocab], got shape {ws}")
+    if ls != (xs[0],):
+        raise ValueError(f"labels must have shape ({xs[0]},) (one label per token of x), got {ls}")
+    if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+        raise TypeError(f"labels must be integer class indices, got dtype {jnp.result_type(labels)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def linear_softmax_cross_entropy_loss(
+    x: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array | QArray,
+    *,
+    reduction: str = "sum",
+    precision: Any = None,
+    implementation: str | tuple[str, ...] | None = None,
+) -> jax.Array:
+    """``reduction_i(logsumexp(x_i @ weights) - (x_i @ weights)[labels_i])`` without the logits.
+
+    The ``[tokens, vocab]`` logits are never stored: the XLA implementation walks the
+    vocabulary in chunks with an online logsumexp, the Triton kernel keeps each block's
+    logits on chip; the backward recomputes each chunk. Peak extra memory is one
+    ``[tokens, block_v]`` chunk instead of the whole logits (and their gradient).
+
+    Args:
+      x: ``[tokens, hidden]``, the last hidden states.
+      labels: integer ``[tokens]``, class indices in ``[0, vocab)``.
+      weights: ``[hidden, vocab]`` projection, or a ``QArray`` of it (dequantized once in
+        the weights' dtype; the integer values are not used directly).
+      reduction: ``"sum"`` (Tokamax's default) or ``"mean"`` over tokens.
+      precision: ``jax.lax`` precision of the projections.
+      implementation: ``"xla"``, ``"pallas_triton"``, a sequence, or ``None``.
+
+    Returns:
+      The scalar float32 loss.
+
+    Raises:
+      ValueError: shapes that do not fit (naming ``x``, ``labels`` or ``weights``), an
+        unknown ``reduction`` or implementation, a config that does not fit.
+      TypeError: non-integer ``labels``.
+
+    >>> import jax.numpy as jnp
+    >>> loss = linear_softmax_cross_entropy_loss(jnp.ones((2, 3)), jnp.array([0, 1]), jnp.zeros((3, 4)))
+    >>> round(float(loss), 4)  # 2 tokens x log(4)
+    2.7726
+    """
+    _check(x, labels, weights, reduction, precision)
+    if isinstance(weights, QArray):
+        weights = jnp.asarray(weights.dequantize()).astype(x.dtype)
+    return call(OP, x, labels, weights, implementation=implementation, reduction=reduction, precision=precision)
