@@ -15,6 +15,7 @@ from cairn.kernels._autotune import (
     autotune_op,
 )
 from cairn.kernels._cross_entropy import linear_softmax_cross_entropy_loss
+from cairn.kernels._glu import gated_linear_unit
 from cairn.kernels._norms import layer_norm, rms_norm
 from cairn.kernels._override import active_override, override
 from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
@@ -54,4 +55,5 @@ __all__ = [
     "linear_softmax_cross_entropy_loss",
     "layer_norm",
     "rms_norm",
+    "gated_linear_unit",
 ]
