@@ -185,6 +185,7 @@ def test_qarray_leaves(tmp_path, kind):
     if kind.startswith("int4"):
         # packed two to a byte on disk and on the device
         assert arrays["layer/w/qvalue"]["dtype"] == "uint8" and qbytes == rows * cols // 2
+        assert m.weights_nbytes == qbytes + w.scale.nbytes
         chunk = os.path.join(path, arrays["layer/w/qvalue"]["key"], "c", "0", "0")
         assert os.path.getsize(chunk) <= rows * cols // 2 + 4
     else:

@@ -182,6 +182,26 @@ def test_version_and_platform_checks(model, tmp_path):
         load(model[0], signatures=["nope"])
 
 
+def test_artifact_from_a_newer_jax_says_upgrade(model, tmp_path):
+    """A blob this jax cannot deserialize (consistent hashes, so not corruption), written
+    by a newer jax: the error names the file and says to upgrade."""
+    from cairn.serving._hashing import sha256_file
+
+    path = _copy(model[0], tmp_path)
+    rel = "signatures/serving_default.jax_exported"
+    full = os.path.join(path, rel)
+    open(full, "wb").write(b"\x00" * 64)
+
+    def edit(d):
+        d["created_by"]["jax"] = "99.0.0"
+        d["files"][rel] = {"sha256": sha256_file(full), "size": 64}
+
+    _rewrite_manifest(path, edit)
+    with pytest.raises(ModelFormatError, match=r"signatures/serving_default.jax_exported: jax.export cannot deserialize .* jax 99.0.0, newer than this one: upgrade jax") as err:
+        load(path)
+    assert err.value.file == rel
+
+
 def test_crc32c_catches_a_chunk_changed_behind_the_manifest(model, tmp_path):
     """Second line of defence: a chunk altered and re-hashed in the manifest (so the SHA-256
     check passes) still fails TensorStore's crc32c, named by its weight key."""

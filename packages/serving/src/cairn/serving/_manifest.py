@@ -108,12 +108,13 @@ def check_compatible(doc: dict, signature: str) -> None:
             MANIFEST,
         )
     backend = jax.default_backend()
-    platforms = [p.lower() for p in doc.get("platforms") or []]
-    alias = {"gpu": "cuda"}.get(backend, backend)
-    if platforms and alias not in platforms and backend not in platforms:
+    platforms = [str(p).lower() for p in doc.get("platforms") or []]
+    # jax calls a GPU backend "gpu"; jax.export names the platform "cuda" or "rocm"
+    names = {"cuda", "rocm", "gpu"} if backend == "gpu" else {backend}
+    if platforms and not names & set(platforms):
         raise ModelFormatError(
             f"signature {signature!r}: exported for platforms {platforms}, but this process runs on {backend!r}; "
-            "export with platforms=(..., " + repr(alias) + ")", MANIFEST
+            f"export with platforms=(..., {sorted(names)[0]!r})", MANIFEST
         )
 
 

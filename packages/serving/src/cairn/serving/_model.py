@@ -194,16 +194,6 @@ class PythonModel:
         return f"PythonModel(name={self.name!r}, inputs={list(self.inputs)}, outputs={list(self.outputs)})"
 
 
-def output_names(out: Any) -> list[str]:
-    """The names :func:`name_outputs` gives a function's result: a dict's keys, else
-    ``output_0``, ``output_1``, ..."""
-    if isinstance(out, Mapping):
-        return [str(k) for k in out]
-    if isinstance(out, tuple | list):
-        return [f"output_{i}" for i in range(len(out))]
-    return ["output_0"]
-
-
 def name_outputs(out: Any, expected: Mapping[str, ArraySpec] | None = None) -> dict[str, np.ndarray]:
     """A function's result as ``{name: np.ndarray}`` (dict keys kept; a single array is
     ``output_0``; a tuple or list ``output_i``).
