@@ -124,9 +124,9 @@ def save(
 
     >>> import tempfile, numpy as np
     >>> d = tempfile.mkdtemp() + "/ckpt"
-    >>> save(d, {"w": np.arange(3.0), "step": 7, "name": "run-1"})
+    >>> save(d, {"w": np.arange(3.0), "step": 7, "name": "run-1", "ids": [4, (5, None)]})
     >>> restore(d)
-    {'name': 'run-1', 'step': 7, 'w': array([0., 1., 2.])}
+    {'w': array([0., 1., 2.]), 'step': 7, 'name': 'run-1', 'ids': [4, (5, None)]}
     """
     final = os.path.abspath(os.fspath(directory))
     snap = _tree.snapshot(tree, copy_host=False, compression=compression)
@@ -147,8 +147,14 @@ def restore(
 ) -> Any:
     """Read a checkpoint written by :func:`save`.
 
-    Without ``target`` every leaf comes back as saved (``jax.Array`` on the first local
-    device, NumPy arrays, Python scalars) in nested dicts keyed by path component.
+    Without ``target`` the tree comes back as saved: its lists, tuples, dicts (in their
+    insertion order, int keys included) and ``None`` s are rebuilt (a namedtuple comes back
+    as a dict of its fields, as in Orbax; other pytree nodes as nested dicts keyed by path
+    component), NumPy arrays and Python scalars as they were, and each ``jax.Array`` with
+    its saved ``NamedSharding`` (the same mesh shape and axis names over ``jax.devices()``
+    in order) when the device count matches the saved mesh, else on the first local device.
+    Checkpoints written before 0.2 (no stored structure) and restores with ``paths=`` give
+    nested dicts keyed by path component.
 
     With ``target`` (a pytree whose leaves are ``jax.Array``, ``jax.ShapeDtypeStruct``,
     :class:`~cairn.core_array.ArraySpec`, a ``jax.sharding.Sharding``, NumPy arrays or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from cairn.checkpoint import _fs, _ownership, _storage, _tree
+from cairn.checkpoint import _fs, _ownership, _storage, _structure, _tree
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError, TargetMismatchError
 from cairn.core_array import (
     ArraySpec,
@@ -205,6 +206,20 @@ def _want_from_target(t: Any, entry: dict, mesh: Any) -> tuple[_Want, tuple | No
     )
 
 
+def saved_sharding(entry: dict) -> Any:
+    """The ``NamedSharding`` a ``jax`` leaf was saved with, rebuilt over ``jax.devices()``
+    in order when their number equals the saved mesh's size (else ``None``: one device)."""
+    axes = (entry.get("sharding") or {}).get("mesh") if entry["kind"] == "jax" else None
+    if not axes:
+        return None
+    sizes = [int(n) for n in axes.values()]
+    devices = jax.devices()
+    if math.prod(sizes) != len(devices):
+        return None
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(sizes), tuple(axes))
+    return jax.sharding.NamedSharding(mesh, ArraySpec.from_json(entry["spec"]).partition_spec())
+
+
 def _compile_patterns(paths: str | re.Pattern | Sequence[str | re.Pattern] | None) -> list[re.Pattern] | None:
     """``paths`` (one pattern or a list) compiled by :func:`cairn.core_array.compile_pattern`."""
     if paths is None:
@@ -250,7 +265,7 @@ def plan(
     if target is None:
         for p, e in saved.items():
             if _selected(patterns, p):
-                todo[p] = (e, _Want(e["kind"], None, None))
+                todo[p] = (e, _Want(e["kind"], None, saved_sharding(e)))
         if patterns is not None and not todo:
             raise TargetMismatchError(f"no path of checkpoint {where} matches {paths!r}")
         return todo, None
@@ -562,5 +577,13 @@ def restore_dir(
     meta = load_metadata(directory)
     todo, tgt = plan(meta, target, paths=paths, partial=partial, cast=cast, mesh=mesh, where=directory)
     results = read(directory, meta, todo)
+    if target is None and paths is None and meta.get("structure") is not None:
+        try:
+            return _structure.rebuild(meta["structure"], results)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            raise _fs.corrupt(
+                os.path.join(directory, _tree.METADATA_FILE),
+                f"its tree structure does not match its leaves ({err!r})",
+            ) from None
     return build(results, tgt)
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from cairn.checkpoint import _fs, _multihost, _storage
+from cairn.checkpoint import _fs, _multihost, _storage, _structure
 from cairn.checkpoint._errors import CheckpointError
 from cairn.core_array import ArraySpec, canonical_dtype, flatten_with_paths
 
@@ -84,6 +84,7 @@ class Snapshot:
     leaves: dict[str, dict]
     writes: list[tuple[str, list[list[int]], np.ndarray]] = field(default_factory=list)
     nbytes: int = 0
+    structure: Any = None  # container kinds (see _structure), stored for target-less restores
 
 
 def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot:
@@ -97,7 +98,7 @@ def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot
     _storage.codecs(compression)  # validate early, in the caller's thread
     flat = flatten_with_paths(tree)
     primary = _multihost.is_primary()
-    snap = Snapshot(leaves={})
+    snap = Snapshot(leaves={}, structure=_structure.describe(tree, flat))
     on_device: list[tuple[str, list[list[int]], Any]] = []
     for path, leaf in flat.items():
         if isinstance(leaf, jax.Array):
@@ -202,6 +203,8 @@ def write(snap: Snapshot, directory: str, *, compression: str | None, extra: dic
             "time": time.time(),
             "leaves": snap.leaves,
         }
+        if snap.structure is not None:
+            meta["structure"] = snap.structure
         if extra:
             meta["extra"] = extra
         _fs.write_json_durable(os.path.join(directory, METADATA_FILE), meta)
