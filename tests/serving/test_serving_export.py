@@ -335,3 +335,26 @@ def test_hypothesis_round_trip_identity_plus_weight(tmp_path, dtype, tail, n, ba
     out = m({"x": x})["output_0"]
     assert out.dtype == npdt and out.shape == x.shape
     np.testing.assert_array_equal(out, ref)
+
+
+def test_big_weights_are_chunked_by_rows(tmp_path, monkeypatch):
+    import cairn.serving._weights as weights_mod
+
+    monkeypatch.setattr(weights_mod, "_CHUNK_BYTES", 1024)  # 4 rows of 64 float32 a chunk
+    w = RNG.normal(size=(64, 64)).astype(np.float32)
+    path = export(lambda p, i: i["x"] @ p["w"], {"w": w}, {"x": ArraySpec(("b", 64), "float32")}, tmp_path / "m")
+    man = json.load(open(os.path.join(path, "manifest.json")))
+    chunks = [f for f in man["files"] if f.startswith("weights/0/c/")]
+    assert len(chunks) == 16
+    np.testing.assert_array_equal(load(path).weights["w"], w)
+
+
+def test_output_dim_expressions_get_names(tmp_path):
+    import jax.numpy as jnp
+
+    m = load(export(lambda p, i: jnp.concatenate([i["x"], i["x"]]), {}, {"x": ArraySpec(("n", 2), "float32")},
+                    tmp_path / "m", max_batch_size=0))
+    assert m.outputs["output_0"].shape == ("d0", 2)
+    man = json.load(open(os.path.join(m.path, "manifest.json")))
+    assert man["signatures"]["serving_default"]["output_shape_exprs"]["output_0"][0].replace(" ", "") == "2*n"
+    assert m({"x": np.ones((3, 2), np.float32)})["output_0"].shape == (6, 2)

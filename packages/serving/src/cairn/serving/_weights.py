@@ -101,13 +101,26 @@ def rebuild_params(flat: Mapping[str, Any], qmeta: Mapping[str, Mapping], like: 
     return unflatten(items, like=like, is_leaf=_is_qarray)
 
 
-def _ts_spec(path: str, shape: tuple[int, ...], dtype: str | None) -> dict:
+_CHUNK_BYTES = 64 << 20
+
+
+def _chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    """Whole rows, at most ~64 MiB a chunk (one chunk for anything smaller): big weights
+    are read in parallel and a crc32c failure names a smaller piece."""
+    dims = [max(1, d) for d in shape]
+    if dims:
+        row = max(1, itemsize) * (int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1)
+        dims[0] = max(1, min(dims[0], _CHUNK_BYTES // row))
+    return dims
+
+
+def _ts_spec(path: str, shape: tuple[int, ...], dtype: str | None, itemsize: int = 1) -> dict:
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
     if dtype is not None:
         spec["metadata"] = {
             "shape": list(shape),
             "data_type": dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, d) for d in shape]}},
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": _chunk_shape(shape, itemsize)}},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
         }
     return spec
@@ -139,7 +152,8 @@ def write_weights(root: str, flat: Mapping[str, np.ndarray]) -> list[dict]:
         dtype = canonical_dtype(arr.dtype)
         data, stored = arr, dtype
         try:
-            store = ts.open(_ts_spec(os.path.join(root, key), arr.shape, dtype), create=True, context=ctx).result()
+            spec = _ts_spec(os.path.join(root, key), arr.shape, dtype, arr.dtype.itemsize)
+            store = ts.open(spec, create=True, context=ctx).result()
         except ValueError:
             data = _stored_form(arr)
             stored = "uint8"
