@@ -135,7 +135,7 @@ class TestRaggedDotXla(RaggedDotBase):
         out = kernels.call("ragged_dot", lhs, rhs, gs, implementation="xla", config={"method": "dense"})
         tb.assert_close(out, ref_m(l64, r64, gs64), "float32", "dense ragged_dot", seed)
 
-    @settings(max_examples=10, deadline=None)
+    @settings(max_examples=6, deadline=None)
     @given(
         sizes=st.lists(st.integers(0, 19), min_size=1, max_size=5),
         extra=st.integers(0, 9),
