@@ -62,6 +62,7 @@ def test_outputs_equal_running_alone_with_padding(delay):
         np.testing.assert_allclose(out["y"], model.reference(x), rtol=1e-12)
         assert timing.padded in (1, 4, 16) and timing.padded >= timing.batch
     assert all(c in (1, 4, 16) for c in rec.calls)  # every execution is a bucket size
+    assert len(rec.calls) < len(requests)  # and requests were batched
     assert sum(len(x) for x in requests) <= sum(rec.calls)
 
 
@@ -71,9 +72,12 @@ def test_batches_form_while_a_batch_runs_and_respect_max_batch_size():
 
     async def main():
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            b = DynamicBatcher(rec, BatchingConfig(), pool)
-            futs = [b.submit({"x": np.full((1, 4), i, np.float32)}, 1) for i in range(20)]
-            assert b.queued == 19  # the first went straight to a worker, the rest wait
+            b = DynamicBatcher(rec, BatchingConfig(run_inline=False), pool)
+            futs = [b.submit({"x": np.full((1, 4), 0, np.float32)}, 1)]
+            await asyncio.sleep(0)  # dispatched alone: nothing else had arrived
+            futs += [b.submit({"x": np.full((1, 4), i, np.float32)}, 1) for i in range(1, 20)]
+            await asyncio.sleep(0)
+            assert b.queued == 19  # the first holds the worker, the rest wait
             gate.set()
             return await asyncio.gather(*futs)
 
@@ -90,8 +94,10 @@ def test_queue_full_raises_and_close_drains():
 
     async def main():
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            b = DynamicBatcher(rec, BatchingConfig(max_queue_size=3, enabled=False), pool)
-            futs = [b.submit({"x": np.ones((1, 4), np.float32)}, 1) for _ in range(4)]  # 1 running + 3 queued
+            b = DynamicBatcher(rec, BatchingConfig(max_queue_size=3, enabled=False, run_inline=False), pool)
+            futs = [b.submit({"x": np.ones((1, 4), np.float32)}, 1)]
+            await asyncio.sleep(0)
+            futs += [b.submit({"x": np.ones((1, 4), np.float32)}, 1) for _ in range(3)]  # 1 running + 3 queued
             with pytest.raises(QueueFull, match="max_queue_size"):
                 b.submit({"x": np.ones((1, 4), np.float32)}, 1)
             closing = asyncio.ensure_future(b.close())
@@ -119,8 +125,9 @@ def test_a_raising_request_fails_alone():
 
     async def main():
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            b = DynamicBatcher(rec, BatchingConfig(), pool)
+            b = DynamicBatcher(rec, BatchingConfig(run_inline=False), pool)
             first = b.submit({"x": np.ones((1, 2), np.float32)}, 1)
+            await asyncio.sleep(0)
             futs = [b.submit({"x": np.full((1, 2), v, np.float32)}, 1) for v in (1, -1, 3)]
             gate.set()
             return await asyncio.gather(first, *futs, return_exceptions=True)
@@ -143,6 +150,26 @@ def test_wrong_output_rows_is_a_model_error():
 
     (err,) = run(main())
     assert isinstance(err, ModelError) and "expected 3 rows on axis 0" in str(err)
+
+
+@pytest.mark.parametrize("inline", [True, False, None])
+def test_inline_and_pooled_execution_agree(inline):
+    model = mlp_model(max_batch_size=8)
+    requests = [np.random.default_rng(i).normal(size=(1 + i % 3, 8)) for i in range(30)]
+
+    async def main():
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            b = DynamicBatcher(model, BatchingConfig(run_inline=inline), pool)
+            results = []
+            for chunk in (requests[:10], requests[10:20], requests[20:]):  # three arrival waves
+                results += await asyncio.gather(*(b.submit({"x": x}, len(x)) for x in chunk))
+            if inline is not None:
+                assert b._inline == inline
+            return results
+
+    for x, (out, timing) in zip(requests, run(main())):
+        np.testing.assert_array_equal(out["y"], model({"x": x})["y"])
+        assert timing.batch >= len(x)
 
 
 def test_config_validation():

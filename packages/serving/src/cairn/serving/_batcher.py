@@ -41,6 +41,12 @@ class BatchingConfig:
       max_queue_size: queued requests beyond this are refused (503 with Retry-After).
       max_concurrent_batches: executions of this model at once (TF Serving's
         ``num_batch_threads``).
+      run_inline: True runs batches on the event loop itself, False on the worker pool;
+        None (default) decides by measurement: on the loop while a batch's mean compute
+        time stays under ``inline_below`` seconds (a thread hop and the GIL hand-over
+        cost more than such a model), on the pool otherwise. Either way a batch collects
+        every request that arrived in the same loop iteration.
+      inline_below: the compute time (seconds) under which ``run_inline=None`` runs inline.
 
     >>> BatchingConfig(max_queue_delay=0.002).max_queue_size
     256
@@ -52,6 +58,8 @@ class BatchingConfig:
     max_queue_delay: float = 0.0
     max_queue_size: int = 256
     max_concurrent_batches: int = 1
+    run_inline: bool | None = None
+    inline_below: float = 0.0005
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and self.max_batch_size < 0:
@@ -134,6 +142,9 @@ class DynamicBatcher:
         self._rows = 0
         self._in_flight = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._deferred = False
+        self._inline = config.run_inline is True
+        self._mean_compute: float | None = None
         self._closed = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -158,7 +169,9 @@ class DynamicBatcher:
         self._queue.append(_Item(inputs, rows, future, time.perf_counter()))
         self._rows += rows
         self._idle.clear()
-        self._dispatch()
+        if not self._deferred:  # dispatch after this loop iteration's other reads: they may join the batch
+            self._deferred = True
+            self._loop.call_soon(self._dispatch)
         return future
 
     async def close(self) -> None:
@@ -170,6 +183,7 @@ class DynamicBatcher:
     # --- scheduling (loop thread) ---
 
     def _dispatch(self) -> None:
+        self._deferred = False
         while self._queue and self._in_flight < self.config.max_concurrent_batches:
             delay = self.config.max_queue_delay
             if self.batchable and delay > 0 and self._rows < self.max_batch_size and not self._closed:
@@ -180,7 +194,10 @@ class DynamicBatcher:
                     return
             items = self._take()
             self._in_flight += 1
-            self._executor.submit(self._run, items, time.perf_counter())
+            if self._inline:
+                self._complete(items, *self._execute(items, time.perf_counter()), redispatch=False)
+            else:
+                self._executor.submit(self._run, items, time.perf_counter())
         if not self._queue and self._in_flight == 0:
             self._idle.set()
 
@@ -198,8 +215,12 @@ class DynamicBatcher:
         self._rows -= rows
         return items
 
-    def _complete(self, items: list[_Item], results: list[Any], timing: Timing) -> None:
+    def _complete(self, items: list[_Item], results: list[Any], timing: Timing, redispatch: bool = True) -> None:
         self._in_flight -= 1
+        mean = self._mean_compute
+        self._mean_compute = timing.compute if mean is None else 0.8 * mean + 0.2 * timing.compute
+        if self.config.run_inline is None:
+            self._inline = self._mean_compute < self.config.inline_below
         waits = []
         for item, result in zip(items, results):
             waits.append(timing.queue - item.enqueued)
@@ -211,11 +232,16 @@ class DynamicBatcher:
                 item.future.set_result((result, dataclasses.replace(timing, queue=timing.queue - item.enqueued)))
         if self._observe is not None:
             self._observe(timing.batch, timing.padded, timing.compute, waits)
-        self._dispatch()
+        if redispatch:
+            self._dispatch()
 
     # --- execution (worker thread) ---
 
     def _run(self, items: list[_Item], started: float) -> None:
+        results, timing = self._execute(items, started)
+        self._loop.call_soon_threadsafe(self._complete, items, results, timing)
+
+    def _execute(self, items: list[_Item], started: float) -> tuple[list[Any], Timing]:
         rows = sum(item.rows for item in items)
         padded = rows
         t0 = time.perf_counter()
@@ -230,8 +256,7 @@ class DynamicBatcher:
                 results = [self._run_alone(item) for item in items]
             else:
                 results = [e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")]
-        timing = Timing(queue=started, compute=time.perf_counter() - t0, batch=rows, padded=padded)
-        self._loop.call_soon_threadsafe(self._complete, items, results, timing)
+        return results, Timing(queue=started, compute=time.perf_counter() - t0, batch=rows, padded=padded)
 
     def _bucket(self, rows: int) -> int:
         i = bisect.bisect_left(self.buckets, rows)

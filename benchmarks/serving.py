@@ -1,0 +1,330 @@
+"""cairn.serving's server against a bare aiohttp handler doing the same JAX work.
+
+A load generator on loopback (wrk or hey when installed, else the asyncio keep-alive
+client below, in its own process so it does not share the server's GIL) runs for a fixed
+time at concurrency 1, 16 and 64 and reports throughput and p50/p99 latency for:
+
+* ``bare-aiohttp``: one aiohttp route that parses the OIP JSON, calls the model inline on
+  the event loop, and writes the OIP JSON answer (no validation, no queue, no metrics);
+* ``cairn-nobatch``: ``cairn.serving.serve`` with batching off (each request alone);
+* ``cairn-batch``: the same with dynamic batching (max_queue_delay 1 ms).
+
+The model is an exported and loaded (``cairn.serving.export``/``load``) float32 MLP:
+``small`` (64-256-256-16) for the overhead comparison, ``compute`` (512-2048-2048-512,
+compute-bound at batch 1) for the batching gain. Goals: cairn-batch within 10% of the bare
+handler at c=16 (ratio >= 0.9), batching >= 5x batch-1 throughput for the compute model at
+c=64, p99 under twice the queue delay plus the compute of one full batch at c=16.
+
+Prints a table, then ONE JSON line. ``--quick`` runs 2 s per point (about 1.5 minutes).
+If ``benchmarks/_serving_export.py`` exists its export and cold-start rows are appended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+QUEUE_DELAY = 0.001
+PACED_RATE = 400.0  # req/s for the moderate-load p99 point (c=16), well below saturation
+
+# --- load generator (runs in a subprocess) ---
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection sending the same request back to back."""
+
+    def __init__(self, payload: bytes, stats: dict, warm_until: float, deadline: float, done: asyncio.Future, interval: float) -> None:
+        self.payload, self.stats, self.warm_until, self.deadline, self.done = payload, stats, warm_until, deadline, done
+        self.interval = interval  # > 0: send at most one request per interval (paced load)
+        self.buf = b""
+        self.t0 = 0.0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self._send()
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        self.t0 = time.perf_counter()
+        self.transport.write(self.payload)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end].decode("latin-1").lower()
+        length = int(head.split("\r\ncontent-length:")[1].split("\r\n")[0])
+        if len(self.buf) < end + 4 + length:
+            return
+        now = time.perf_counter()
+        status = int(head.split(" ", 2)[1])
+        self.buf = self.buf[end + 4 + length :]
+        if now > self.warm_until:
+            self.stats["lat"].append(now - self.t0)
+            self.stats["errors"] += status != 200
+        if now < self.deadline:
+            wait = self.t0 + self.interval - now
+            if wait > 0:
+                asyncio.get_running_loop().call_later(wait, self._send)
+            else:
+                self._send()
+        else:
+            assert self.transport is not None
+            self.transport.close()
+            if not self.done.done():
+                self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def _loadgen(host: str, port: int, payload: bytes, concurrency: int, seconds: float, warmup: float, rate: float) -> dict:
+    loop = asyncio.get_running_loop()
+    stats: dict = {"lat": [], "errors": 0}
+    start = time.perf_counter()
+    warm_until, deadline = start + warmup, start + warmup + seconds
+    dones = [loop.create_future() for _ in range(concurrency)]
+    interval = concurrency / rate if rate > 0 else 0.0
+    for i, d in enumerate(dones):
+        await loop.create_connection(lambda d=d: _Conn(payload, stats, warm_until, deadline, d, interval), host, port)
+        if interval:
+            await asyncio.sleep(interval / concurrency)  # spread the paced connections out
+    await asyncio.gather(*dones)
+    lat = np.asarray(stats["lat"]) * 1e3
+    return {
+        "requests": len(lat),
+        "errors": stats["errors"],
+        "rps": len(lat) / seconds,
+        "p50_ms": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+        "p99_ms": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
+    }
+
+
+def _request_bytes(path: str, body: bytes, header_length: int | None) -> bytes:
+    extra = f"Inference-Header-Content-Length: {header_length}\r\n" if header_length is not None else ""
+    head = f"POST {path} HTTP/1.1\r\nHost: bench\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def run_load(port: int, path: str, body: tuple[bytes, int | None], concurrency: int, seconds: float, rate: float = 0.0) -> dict:
+    """Drive ``POST path`` at ``concurrency`` for ``seconds`` (at most ``rate`` req/s when
+    > 0) from a separate process."""
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        f.write(_request_bytes(path, *body))
+    try:
+        args = [sys.executable, __file__, "--loadgen", str(port), f.name, str(concurrency), str(seconds), str(rate)]
+        out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=seconds + 120)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        os.unlink(f.name)
+
+
+# --- servers under test ---
+
+
+def _oip_body(x: np.ndarray, binary: bool) -> tuple[bytes, int | None]:
+    """An OIP request body: JSON data, or Triton's binary extension (JSON header, then raw
+    bytes, outputs asked in binary); returns (body, Inference-Header-Content-Length)."""
+    entry = {"name": "x", "shape": list(x.shape), "datatype": "FP32"}
+    if not binary:
+        return json.dumps({"inputs": [{**entry, "data": x.reshape(-1).tolist()}]}).encode(), None
+    entry["parameters"] = {"binary_data_size": x.nbytes}
+    head = json.dumps({"inputs": [entry], "parameters": {"binary_data_output": True}}).encode()
+    return head + x.tobytes(), len(head)
+
+
+def start_bare(model) -> tuple[int, callable]:
+    """A bare aiohttp app doing the same work inline: parse JSON, run the model, answer JSON."""
+    from aiohttp import web
+
+    async def infer(request: web.Request) -> web.Response:
+        body = await request.read()
+        hl = request.headers.get("Inference-Header-Content-Length")
+        req = json.loads(body if hl is None else body[: int(hl)])
+        t = req["inputs"][0]
+        if hl is None:
+            x = np.asarray(t["data"], np.float32).reshape(t["shape"])
+        else:
+            x = np.frombuffer(body, np.float32, offset=int(hl)).reshape(t["shape"])
+        y = model({"x": x})["y"]
+        out = {"name": "y", "datatype": "FP32", "shape": list(y.shape)}
+        if hl is None:
+            head = json.dumps({"model_name": "m", "outputs": [{**out, "data": y.reshape(-1).tolist()}]}, separators=(",", ":"))
+            return web.Response(body=head.encode(), content_type="application/json")
+        raw = np.ascontiguousarray(y).tobytes()
+        head = json.dumps({"model_name": "m", "outputs": [{**out, "parameters": {"binary_data_size": len(raw)}}]}).encode()
+        return web.Response(body=head + raw, headers={"Inference-Header-Content-Length": str(len(head))}, content_type="application/octet-stream")
+
+    ready = threading.Event()
+    state: dict = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/v2/models/m/infer", infer)
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        state["port"] = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        state["loop"], state["runner"] = loop, runner
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    ready.wait()
+
+    def stop() -> None:
+        state["loop"].call_soon_threadsafe(state["loop"].stop)
+        t.join(10)
+
+    return state["port"], stop
+
+
+def build_model(root: str, name: str, dims: tuple[int, ...], max_batch: int):
+    """Export and load an MLP with ``dims`` (float32, tanh), batch buckets the powers of two."""
+    import jax.numpy as jnp
+
+    from cairn.core_array import ArraySpec
+    from cairn.serving import export, load
+
+    rng = np.random.default_rng(0)
+    params = {f"l{i}": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32) for i, (a, b) in enumerate(zip(dims, dims[1:]))}
+
+    def fn(p, inputs):
+        h = inputs["x"]
+        for i in range(len(p)):
+            h = jnp.tanh(h @ p[f"l{i}"])
+        return {"y": h}
+
+    spec = {"x": ArraySpec(("b", dims[0]), "float32", constraints=(f"b <= {max_batch}",))}
+    path = export(fn, params, spec, os.path.join(root, name, "1"))
+    return load(path)
+
+
+def _configs() -> dict:
+    from cairn.serving import BatchingConfig
+
+    return {
+        "bare-aiohttp": None,
+        "cairn-nobatch": BatchingConfig(enabled=False, max_queue_size=1024),
+        "cairn-batch": BatchingConfig(max_queue_delay=0.0, max_queue_size=1024),
+        "cairn-batch-1ms": BatchingConfig(max_queue_delay=QUEUE_DELAY, max_queue_size=1024),
+    }
+
+
+def measure(model, points: list[tuple[str, int, float]], seconds: float, binary: bool) -> list[dict]:
+    """One row per (server config, concurrency, rate) point; rate 0 = as fast as answered."""
+    from cairn.serving import serve
+
+    body = _oip_body(np.random.default_rng(1).normal(size=(1, model.inputs["x"].shape[1])).astype(np.float32), binary)
+    rows = []
+    for config in dict.fromkeys(name for name, _, _ in points):
+        batching = _configs()[config]
+        if batching is None:
+            port, stop = start_bare(model)
+        else:
+            server = serve({"m": model}, batching=batching, workers=2)
+            port, stop = server.port, server.stop
+        try:
+            for name, c, rate in points:
+                if name != config:
+                    continue
+                r = run_load(port, "/v2/models/m/infer", body, c, seconds, rate)
+                label = config + (f" @{rate:.0f}/s" if rate else "")
+                rows.append({"model": model.name, "server": label, "c": c, "format": "binary" if binary else "json", **r})
+                print(f"  {model.name:8s} {label:22s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms", flush=True)
+        finally:
+            stop()
+    return rows
+
+
+def compute_time(model, rows: int, repeat: int = 20) -> float:
+    """Seconds for one model call at ``rows`` rows (median)."""
+    x = np.zeros((rows, model.inputs["x"].shape[1]), np.float32)
+    model({"x": x})
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        model({"x": x})
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"| {'model':8s} | {'body':6s} | {'server':22s} | {'c':>3s} | {'req/s':>7s} | {'p50 ms':>7s} | {'p99 ms':>7s} | errors |",
+             "|---|---|---|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['model']:8s} | {r['format']:6s} | {r['server']:22s} | {r['c']:3d} | {r['rps']:7.0f} | {r['p50_ms']:7.2f} | {r['p99_ms']:7.2f} | {r['errors']:6d} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2 s per point instead of 8")
+    p.add_argument("--loadgen", nargs=5, metavar=("PORT", "PAYLOAD", "C", "SECONDS", "RATE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.loadgen:
+        port, payload, c, seconds, rate = args.loadgen
+        with open(payload, "rb") as f:
+            data = f.read()
+        print(json.dumps(asyncio.run(_loadgen("127.0.0.1", int(port), data, int(c), float(seconds), 0.5, float(rate)))))
+        return
+    seconds = 2.0 if args.quick else 8.0
+    tools = [t for t in ("wrk", "hey") if shutil.which(t)]
+    print(f"load generator: {'asyncio client (no wrk/hey installed)' if not tools else 'asyncio client (' + ', '.join(tools) + ' present)'}; "
+          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; {seconds:.0f} s per point", flush=True)
+    root = tempfile.mkdtemp(prefix="cairn-serving-bench-")
+    try:
+        small = build_model(root, "small", (64, 256, 256, 16), 64)
+        heavy = build_model(root, "compute", (512, 2048, 2048, 512), 64)
+        names = ["bare-aiohttp", "cairn-nobatch", "cairn-batch", "cairn-batch-1ms"]
+        points = [(n, c, 0.0) for n in names for c in (1, 16, 64)] + [("cairn-batch-1ms", 16, PACED_RATE)]
+        rows = measure(small, points, seconds, binary=False)
+        rows += measure(heavy, [(n, 64, 0.0) for n in names[:3]], seconds, binary=True)
+        full_batch = compute_time(small, 16)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(_table(rows))
+    get = {(r["model"], r["server"], r["c"]): r for r in rows}
+    rps = lambda m, s, c: get[m, s, c]["rps"]  # noqa: E731
+    summary = {
+        "bench": "serving",
+        "load_average": round(os.getloadavg()[0], 2),
+        "batch_vs_bare_c16": rps("small", "cairn-batch", 16) / rps("small", "bare-aiohttp", 16),
+        "nobatch_vs_bare_c16": rps("small", "cairn-nobatch", 16) / rps("small", "bare-aiohttp", 16),
+        "nobatch_vs_bare_c1": rps("small", "cairn-nobatch", 1) / rps("small", "bare-aiohttp", 1),
+        "batching_gain_compute_c64": rps("compute", "cairn-batch", 64) / rps("compute", "cairn-nobatch", 64),
+        "p99_paced_c16_ms": get["small", f"cairn-batch-1ms @{PACED_RATE:.0f}/s", 16]["p99_ms"],
+        "p99_bound_ms": (2 * QUEUE_DELAY + full_batch) * 1e3,
+        "errors": sum(r["errors"] for r in rows),
+    }
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _serving_export import rows as export_rows  # S1's export and cold-start figures
+
+        summary["export"] = export_rows(args.quick)
+    except ImportError:
+        pass
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
