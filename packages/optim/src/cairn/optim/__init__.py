@@ -1,6 +1,5 @@
 """cairn.optim: chainable gradient transformations, schedules and losses."""
 
-from cairn.optim import _tree as tree
 from cairn.optim._adam import (
     ScaleByAdamState,
     adabelief,
@@ -137,6 +136,17 @@ from cairn.optim._schedules import (
     warmup_exponential_decay_schedule,
 )
 from cairn.optim._shampoo import matrix_inverse_root, scale_by_shampoo, shampoo
+from cairn.optim._selective import selective_transform
+from cairn.optim._types import (
+    ArrayTree,
+    OptState,
+    Params,
+    Schedule,
+    TransformInitFn,
+    TransformUpdateExtraArgsFn,
+    TransformUpdateFn,
+    Updates,
+)
 from cairn.optim._wrappers import (
     ApplyIfFiniteState,
     LookaheadParams,
@@ -149,6 +159,9 @@ from cairn.optim._wrappers import (
     skip_not_finite,
 )
 
+# public submodules, one per Optax concept (imported last: they re-export the names above)
+from cairn.optim import losses, schedules, transforms, tree, tree_utils  # noqa: E402, I001
+
 __version__ = "0.2.0"
 
 __all__ = [
@@ -159,7 +172,12 @@ __all__ = [
     "incremental_update", "periodic_update", "global_norm", "tree", "flatten",
     "inject_hyperparams", "get_hyperparams", "set_hyperparams", "InjectHyperparamsState",
     "PartitionState", "MaskedState", "Packed", "pack", "unpack", "layout_of",
-    "StateMismatchError", "ScalarOrSchedule",
+    "StateMismatchError", "ScalarOrSchedule", "selective_transform",
+    # types (annotations only)
+    "Params", "Updates", "OptState", "Schedule", "ArrayTree", "TransformInitFn",
+    "TransformUpdateFn", "TransformUpdateExtraArgsFn",
+    # submodules
+    "tree_utils", "transforms", "losses", "schedules",
     # transforms
     "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam", "scale_by_amsgrad",
     "scale_by_adamax", "scale_by_rms", "scale_by_stddev", "scale_by_belief", "scale_by_radam",

@@ -27,6 +27,7 @@ from cairn.core_array import tree_paths
 from cairn.optim import _packing as pk
 from cairn.optim._packing import Packed
 from cairn.optim._placement import constrain_like_params, params_record, place_scalars
+from cairn.optim._types import ScalarOrSchedule
 
 __all__ = [
     "GradientTransformation",
@@ -43,9 +44,9 @@ __all__ = [
     "chain",
     "named_chain",
     "StateMismatchError",
+    "ScalarOrSchedule",
 ]
 
-ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 
 
 class GradientTransformation(NamedTuple):

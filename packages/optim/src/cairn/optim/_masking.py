@@ -68,7 +68,13 @@ def masked(inner: GradientTransformation, mask: Any, *,
 
 
 def freeze(mask: Any) -> GradientTransformation:
-    """Zero the updates of the leaves selected by ``mask`` (no state, no compute)."""
+    """Zero the updates of the leaves selected by ``mask`` (no state, no compute).
+
+    ``mask``: True freezes; a bool (or 0-d bool array), a tree of bools (or prefix), a
+    callable ``params -> mask``, or path-regex rules, as for :func:`masked`.
+    """
+    if hasattr(mask, "ndim") and getattr(mask, "ndim", 1) == 0 and not callable(mask):
+        mask = bool(mask)
 
     def init(params):
         resolve_per_leaf(mask, params, what="freeze mask", mask_mode=True)

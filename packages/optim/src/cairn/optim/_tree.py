@@ -13,6 +13,8 @@ __all__ = [
     "add", "sub", "mul", "div", "scale", "add_scale", "vdot", "sum", "max", "min", "norm",
     "zeros_like", "ones_like", "full_like", "cast", "cast_like", "where", "clip", "conj", "real",
     "size", "bias_correction", "update_moment", "update_moment_per_elem_norm",
+    "update_infinity_moment", "allclose", "batch_shape", "dtype", "random_like", "split_key_like",
+    "unwrap_random_key_data",
 ]
 
 
@@ -168,3 +170,80 @@ def bias_correction(moment: Any, decay: float, count: jax.Array) -> Any:
     """:math:`m / (1-\\delta^t)`."""
     bc = 1 - decay ** count
     return jax.tree.map(lambda t: t / bc.astype(t.dtype), moment)
+
+
+def update_infinity_moment(updates: Any, moments: Any, decay: float, eps: float) -> Any:
+    """:math:`\\max(\\delta m, |g| + \\epsilon)` (Adamax's infinity norm)."""
+    return jax.tree.map(lambda g, t: jnp.maximum(jnp.abs(g) + eps, decay * t), updates, moments)
+
+
+def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
+             equal_nan: bool = False) -> bool:
+    """Same structure and every pair of leaves :func:`jnp.allclose`."""
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+        return False
+    return all(bool(jnp.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def batch_shape(tree: Any, shape: tuple[int, ...] = ()) -> Any:
+    """Each leaf broadcast to ``(*shape, *leaf.shape)`` (leading batch dimensions added)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (*shape, *jnp.shape(x))), tree)
+
+
+def dtype(tree: Any, mixed_dtype_handler: str | None = None) -> Any:
+    """The dtype of the leaves.
+
+    ``mixed_dtype_handler``: None (all leaves must agree), ``"promote"`` (JAX promotion),
+    ``"highest"`` / ``"lowest"`` (the dtype every other one promotes to / from).
+
+    Raises:
+      ValueError: leaves disagree with ``None``, or have no highest/lowest, or an unknown handler.
+    """
+    dts = [jnp.result_type(x) for x in jax.tree.leaves(tree)]
+    if not dts:
+        return jnp.result_type(float)
+    if mixed_dtype_handler is None:
+        if len(set(dts)) > 1:
+            raise ValueError(f"tree.dtype: leaves have several dtypes {sorted(map(str, set(dts)))};"
+                             " pass mixed_dtype_handler='promote', 'highest' or 'lowest'")
+        return dts[0]
+    if mixed_dtype_handler == "promote":
+        return functools.reduce(jnp.promote_types, dts)
+    if mixed_dtype_handler not in ("highest", "lowest"):
+        raise ValueError(f"tree.dtype: unknown mixed_dtype_handler {mixed_dtype_handler!r}; "
+                         "expected None, 'promote', 'highest' or 'lowest'")
+    for cand in dts:
+        if mixed_dtype_handler == "highest":
+            ok = all(jnp.promote_types(d, cand) == cand for d in dts)
+        else:
+            ok = all(jnp.promote_types(d, cand) == d for d in dts)
+        if ok:
+            return cand
+    raise ValueError(f"tree.dtype: dtypes {sorted(map(str, set(dts)))} have no "
+                     f"{mixed_dtype_handler} element under JAX promotion")
+
+
+def split_key_like(rng_key: jax.Array, target_tree: Any) -> Any:
+    """One independent key per leaf of ``target_tree`` (same structure)."""
+    td = jax.tree_util.tree_structure(target_tree)
+    keys = jax.random.split(rng_key, td.num_leaves)
+    return jax.tree_util.tree_unflatten(td, list(keys))
+
+
+def random_like(rng_key: jax.Array, target_tree: Any, sampler: Any = jax.random.normal,
+                dtype: jax.typing.DTypeLike | None = None) -> Any:
+    """Random leaves shaped like ``target_tree``: ``sampler(key, shape, dtype)`` per leaf."""
+    keys = split_key_like(rng_key, target_tree)
+    return jax.tree.map(lambda k, x: sampler(k, jnp.shape(x), dtype or jnp.result_type(x)),
+                        keys, target_tree)
+
+
+def unwrap_random_key_data(tree: Any) -> Any:
+    """Typed PRNG key leaves replaced by their raw ``uint32`` data; other leaves unchanged."""
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key_data(x)
+        return x
+
+    return jax.tree.map(one, tree)
