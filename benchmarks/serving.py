@@ -31,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +101,7 @@ async def _loadgen(host: str, port: int, payload: bytes, concurrency: int, secon
     warm_until, deadline = start + warmup, start + warmup + seconds
     dones = [loop.create_future() for _ in range(concurrency)]
     interval = concurrency / rate if rate > 0 else 0.0
-    for i, d in enumerate(dones):
+    for d in dones:
         await loop.create_connection(lambda d=d: _Conn(payload, stats, warm_until, deadline, d, interval), host, port)
         if interval:
             await asyncio.sleep(interval / concurrency)  # spread the paced connections out
@@ -147,7 +149,7 @@ def _oip_body(x: np.ndarray, binary: bool) -> tuple[bytes, int | None]:
     return head + x.tobytes(), len(head)
 
 
-def start_bare(model) -> tuple[int, callable]:
+def start_bare(model: Any) -> tuple[int, Callable[[], None]]:
     """A bare aiohttp app doing the same work inline: parse JSON, run the model, answer JSON."""
     from aiohttp import web
 
@@ -198,7 +200,7 @@ def start_bare(model) -> tuple[int, callable]:
     return state["port"], stop
 
 
-def build_model(root: str, name: str, dims: tuple[int, ...], max_batch: int):
+def build_model(root: str, name: str, dims: tuple[int, ...], max_batch: int) -> Any:
     """Export and load an MLP with ``dims`` (float32, tanh), batch buckets the powers of two."""
     import jax.numpy as jnp
 
@@ -230,7 +232,7 @@ def _configs() -> dict:
     }
 
 
-def measure(model, points: list[tuple[str, int, float]], seconds: float, binary: bool) -> list[dict]:
+def measure(model: Any, points: list[tuple[str, int, float]], seconds: float, binary: bool) -> list[dict]:
     """One row per (server config, concurrency, rate) point; rate 0 = as fast as answered."""
     from cairn.serving import serve
 
@@ -256,7 +258,7 @@ def measure(model, points: list[tuple[str, int, float]], seconds: float, binary:
     return rows
 
 
-def compute_time(model, rows: int, repeat: int = 20) -> float:
+def compute_time(model: Any, rows: int, repeat: int = 20) -> float:
     """Seconds for one model call at ``rows`` rows (median)."""
     x = np.zeros((rows, model.inputs["x"].shape[1]), np.float32)
     model({"x": x})
