@@ -23,7 +23,7 @@ from cairn.core_array import ArraySpec, flatten_with_paths, shape_dtype_structs
 from cairn.serving._hashing import MANIFEST, digest_files, seal_manifest
 from cairn.serving._manifest import FORMAT, SIGNATURE_NAME
 from cairn.serving._model import batch_dim, normalize_buckets
-from cairn.serving._weights import rebuild_params, split_params, write_weights
+from cairn.serving._weights import BOUNDARY_DTYPES, rebuild_params, split_params, write_weights
 
 __all__ = ["export", "Signature", "DEFAULT_SIGNATURE", "DEFAULT_MAX_BATCH_SIZE"]
 
@@ -121,7 +121,7 @@ def _output_specs(exp: Any, input_specs: Mapping[str, ArraySpec]) -> tuple[dict[
     return out, exprs
 
 
-def _export_signature(name: str, sig: Signature, params: Any, flat: dict, qmeta: dict, platforms: Any) -> tuple[bytes, dict]:
+def _export_signature(name: str, sig: Signature, params: Any, split: tuple, platforms: Any) -> tuple[bytes, dict]:
     import jax
     from jax import export as jexport
 
@@ -130,10 +130,16 @@ def _export_signature(name: str, sig: Signature, params: Any, flat: dict, qmeta:
     for k, s in specs.items():
         if s.dtype in ("float64", "int64", "uint64", "complex128") and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
             raise ValueError(f"signature {name!r}: input {k!r} is {s.dtype}, which needs jax_enable_x64")
+        if s.dtype in BOUNDARY_DTYPES:
+            raise ValueError(
+                f"signature {name!r}: input {k!r} is {s.dtype}, which jax.export cannot serialize; "
+                f"take {BOUNDARY_DTYPES[s.dtype]} and cast inside the function"
+            )
     fn = sig.fn
+    flat, qmeta, casts = split
 
     def served(weights: dict, inputs: dict) -> dict:
-        return _named_outputs(fn(rebuild_params(weights, qmeta, params), dict(inputs)))
+        return _named_outputs(fn(rebuild_params(weights, qmeta, params, casts), dict(inputs)))
 
     w_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in flat.items()}
     try:
@@ -162,7 +168,14 @@ def _export_signature(name: str, sig: Signature, params: Any, flat: dict, qmeta:
         "nr_devices": exp.nr_devices,
         "platforms": list(exp.platforms),
     }
-    return bytes(exp.serialize()), entry
+    try:
+        blob = bytes(exp.serialize())
+    except (KeyError, ValueError, NotImplementedError) as e:  # e.g. an output dtype it has no code for
+        raise ValueError(
+            f"signature {name!r}: jax.export cannot serialize it ({type(e).__name__}: {e}); outputs "
+            f"{ {k: s.dtype for k, s in outputs.items()} } must avoid {sorted(BOUNDARY_DTYPES)}"
+        ) from e
+    return blob, entry
 
 
 def _versions() -> dict[str, str]:
@@ -203,7 +216,7 @@ def _place(tmp: str, final: str, overwrite: bool) -> None:
         raise FileExistsError(f"export: {final} appeared while exporting; pass overwrite=True to replace it") from None
 
 
-def _write_dir(final: str, blobs: dict, entries: dict, flat: dict, qmeta: dict, overwrite: bool) -> None:
+def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: bool) -> None:
     """Write everything into a temporary sibling of ``final``, then rename it into place."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
@@ -214,13 +227,14 @@ def _write_dir(final: str, blobs: dict, entries: dict, flat: dict, qmeta: dict, 
         for name, blob in blobs.items():
             with open(os.path.join(tmp, entries[name]["file"]), "wb") as f:
                 f.write(blob)
+        flat, qmeta, casts = split
         arrays = write_weights(tmp, flat)
         manifest = {
             "format": FORMAT,
             "created_by": _versions(),
             "platforms": sorted({p for e in entries.values() for p in e["platforms"]}),
             "signatures": entries,
-            "weights": {"arrays": arrays, "qarrays": qmeta},
+            "weights": {"arrays": arrays, "qarrays": qmeta, "casts": casts},
             "files": digest_files(tmp),
         }
         with open(os.path.join(tmp, MANIFEST), "wb") as f:
@@ -283,9 +297,9 @@ def export(
     final = os.path.abspath(os.fspath(path))
     if os.path.exists(final) and not overwrite:
         raise FileExistsError(f"export: {final} exists; pass overwrite=True to replace it")
-    flat, qmeta = split_params(params)
+    split = split_params(params)
     blobs, entries = {}, {}
     for name, sig in sigs.items():
-        blobs[name], entries[name] = _export_signature(name, sig, params, flat, qmeta, platforms)
-    _write_dir(final, blobs, entries, flat, qmeta, overwrite)
+        blobs[name], entries[name] = _export_signature(name, sig, params, split, platforms)
+    _write_dir(final, blobs, entries, split, overwrite)
     return final

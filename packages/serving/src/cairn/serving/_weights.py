@@ -18,6 +18,7 @@ import numpy as np
 from cairn.core_array import (
     QArray,
     QuantLayout,
+    as_numpy_dtype,
     canonical_dtype,
     flatten_with_paths,
     join_path,
@@ -25,7 +26,7 @@ from cairn.core_array import (
 )
 from cairn.serving._hashing import ModelFormatError, ModelIntegrityError
 
-__all__ = ["split_params", "rebuild_params", "write_weights", "read_weights", "WEIGHTS_DIR"]
+__all__ = ["split_params", "rebuild_params", "write_weights", "read_weights", "WEIGHTS_DIR", "BOUNDARY_DTYPES"]
 
 WEIGHTS_DIR = "weights"
 _PARTS = ("qvalue", "scale", "zero_point")
@@ -57,8 +58,15 @@ def _is_ml_dtype(dt: np.dtype) -> bool:
     return True
 
 
-def split_params(params: Any) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
-    """Flat host arrays keyed by path, and the ``QArray`` metadata keyed by the QArray's path.
+# dtypes jax.export cannot serialize, and the exact, same-size stand-in each crosses the
+# export boundary as (ml_dtypes holds them one per byte, so nothing grows); the exported
+# function casts back inside
+BOUNDARY_DTYPES = {"int2": "int8", "uint2": "uint8", "float6_e2m3fn": "float8_e4m3fn", "float6_e3m2fn": "float8_e5m2"}
+
+
+def split_params(params: Any) -> tuple[dict[str, np.ndarray], dict[str, dict], dict[str, str]]:
+    """Flat host arrays keyed by path, the ``QArray`` metadata keyed by the QArray's path,
+    and ``{path: dtype}`` for leaves stored as a stand-in (:data:`BOUNDARY_DTYPES`).
 
     Raises:
       ValueError: a leaf that is not an array, naming its path.
@@ -80,12 +88,22 @@ def split_params(params: Any) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
             # packed for storage only: the model saw one value per element, so unpack inside
             "unpack": not was_packed and q.packed_length is not None,
         }
-    return flat, qmeta
+    casts: dict[str, str] = {}
+    for path, arr in flat.items():
+        name = canonical_dtype(arr.dtype)
+        if name in BOUNDARY_DTYPES:
+            casts[path] = name
+            flat[path] = arr.astype(as_numpy_dtype(BOUNDARY_DTYPES[name]))
+    return flat, qmeta, casts
 
 
-def rebuild_params(flat: Mapping[str, Any], qmeta: Mapping[str, Mapping], like: Any) -> Any:
-    """The params tree (shaped like ``like``) from flat leaves, ``QArray`` leaves rebuilt
-    from their parts (works on tracers: this runs inside the exported function)."""
+def rebuild_params(flat: Mapping[str, Any], qmeta: Mapping[str, Mapping], like: Any,
+                   casts: Mapping[str, str] | None = None) -> Any:
+    """The params tree (shaped like ``like``) from flat leaves, stand-ins cast back to
+    their dtypes (``casts``) and ``QArray`` leaves rebuilt from their parts (works on
+    tracers: this runs inside the exported function)."""
+    if casts:
+        flat = {p: v.astype(as_numpy_dtype(casts[p])) if p in casts else v for p, v in flat.items()}
     items: dict[str, Any] = {p: v for p, v in flat.items() if not any(p.startswith(q + "/") for q in qmeta)}
     for path, m in qmeta.items():
         q = QArray(
@@ -180,8 +198,6 @@ def read_weights(root: str, entries: list) -> dict[str, np.ndarray]:
         mismatch) or whose dtype or shape differs from the manifest's, naming its key.
     """
     import tensorstore as ts
-
-    from cairn.core_array import as_numpy_dtype
 
     ctx = ts.Context()
     opened = []
