@@ -9,8 +9,8 @@ kernel run here starts from, so an element a kernel forgets to write shows up as
 
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 # max |actual - reference| <= TOL[dtype] * max(1, max |reference|): float32 accumulates
 # in float32, the 16-bit types round their output (bf16 keeps 8 bits, fp16 11)

@@ -16,7 +16,7 @@ from cairn import kernels
 from cairn.core_array import QArray, QuantLayout
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import _kernels_k2_testbase as tb  # noqa: E402
+import _kernels_k2_testbase as tb
 
 ACTS = {
     "swish": (jax.nn.swish, lambda a: a / (1 + np.exp(-a)), lambda a: (1 + np.exp(-a) + a * np.exp(-a)) / (1 + np.exp(-a)) ** 2),

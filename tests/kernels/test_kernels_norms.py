@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cairn import kernels
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import _kernels_k2_testbase as tb  # noqa: E402
+import _kernels_k2_testbase as tb
 
 
 def ref_norm(x, scale, offset, eps, subtract_mean, axis=-1):

@@ -64,9 +64,9 @@ def _kernel(x_ref, w_ref, lab_ref, lse_ref, ll_ref, *, bb, bv, bh, nv, nh, v, pr
     ll_ref[...] = ll
 
 
-def stats_triton(x, labels, w, *, cfg, interpret, precision=None):
+def stats_triton(x: Any, labels: Any, w: Any, *, cfg: Any, interpret: Any, precision: Any=None) -> Any:
     """``(logsumexp, label_logit)`` per token from the Triton kernel."""
-    b, h = x.shape
+    b = x.shape[0]
     v = w.shape[1]
     bb, bv, bh = cfg["block_b"], cfg["block_v"], cfg["block_h"]
     xp = _pad_to(_pad_to(x, 0, bb), 1, bh)

@@ -28,7 +28,7 @@ def _pad_cols(w: jax.Array, block_v: int) -> jax.Array:
     return jnp.pad(w, ((0, 0), (0, pad))) if pad else w
 
 
-def stats_xla(x, labels, w, *, block_v: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
+def stats_xla(x: Any, labels: Any, w: Any, *, block_v: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
     """``(logsumexp, label_logit)`` per token, float32, chunked over the vocabulary."""
     b = x.shape[0]
     v = w.shape[1]
@@ -51,7 +51,7 @@ def stats_xla(x, labels, w, *, block_v: int, precision: Any = None) -> tuple[jax
     return m + jnp.log(s), ll
 
 
-def grads_xla(x, labels, w, lse, coef, *, block_v: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
+def grads_xla(x: Any, labels: Any, w: Any, lse: Any, coef: Any, *, block_v: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
     """``(dx, dw)`` of ``coef * sum(lse - label_logit)``, chunked over the vocabulary."""
     v = w.shape[1]
     wp = _pad_cols(w, block_v)

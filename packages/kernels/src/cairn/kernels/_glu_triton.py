@@ -53,8 +53,8 @@ def _kernel(x_ref, w_ref, o_ref, *, bk, nk, activation, precision):
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def forward_triton(x, weights, activation, *, cfg, interpret, precision=None):
-    m, k = x.shape
+def forward_triton(x: Any, weights: Any, activation: Any, *, cfg: Any, interpret: Any, precision: Any=None) -> Any:
+    m = x.shape[0]
     n = weights.shape[2]
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     xp = _pad_to(_pad_to(x, 0, bm), 1, bk)

@@ -75,7 +75,7 @@ def _vec(v, d, dp, fill):
     return _pad_to(v, 0, dp)
 
 
-def forward_triton(x, scale, offset, epsilon, subtract_mean, *, cfg, interpret):
+def forward_triton(x: Any, scale: Any, offset: Any, epsilon: Any, subtract_mean: Any, *, cfg: Any, interpret: Any) -> Any:
     rows, d, br, dp, xp = _layout(x, cfg)
     rp = xp.shape[0]
     row = pl.BlockSpec((br, dp), lambda i: (i, 0))
@@ -98,7 +98,7 @@ def forward_triton(x, scale, offset, epsilon, subtract_mean, *, cfg, interpret):
     return y[:rows, :d], mean[:rows], rstd[:rows]
 
 
-def backward_triton(x, scale, mean, rstd, dy, subtract_mean, *, cfg, interpret):
+def backward_triton(x: Any, scale: Any, mean: Any, rstd: Any, dy: Any, subtract_mean: Any, *, cfg: Any, interpret: Any) -> Any:
     rows, d, br, dp, xp = _layout(x, cfg)
     rp = xp.shape[0]
     nb = rp // br

@@ -24,7 +24,7 @@ def stats(x32: jax.Array, epsilon: float, subtract_mean: bool) -> tuple[jax.Arra
     return mean, jax.lax.rsqrt(var + epsilon)
 
 
-def forward_xla(x, scale, offset, epsilon, subtract_mean):
+def forward_xla(x: Any, scale: Any, offset: Any, epsilon: Any, subtract_mean: Any) -> Any:
     x32 = x.astype(jnp.float32)
     mean, rstd = stats(x32, epsilon, subtract_mean)
     y = (x32 - mean[:, None]) * rstd[:, None]
@@ -35,7 +35,7 @@ def forward_xla(x, scale, offset, epsilon, subtract_mean):
     return y.astype(x.dtype), mean, rstd
 
 
-def grads_xla(x, scale, mean, rstd, dy, subtract_mean):
+def grads_xla(x: Any, scale: Any, mean: Any, rstd: Any, dy: Any, subtract_mean: Any) -> Any:
     """``(dx, dscale, doffset)`` (float32 parameter grads) from the saved statistics."""
     x32 = x.astype(jnp.float32)
     dy32 = dy.astype(jnp.float32)
@@ -49,7 +49,7 @@ def grads_xla(x, scale, mean, rstd, dy, subtract_mean):
     return dx, (dy32 * xhat).sum(axis=0), dy32.sum(axis=0)
 
 
-def make_norm(forward: Callable[..., Any], backward: Callable[..., Any], epsilon: float, subtract_mean: bool):
+def make_norm(forward: Callable[..., Any], backward: Callable[..., Any], epsilon: float, subtract_mean: bool) -> Any:
     """A differentiable ``norm(x2d, scale, offset)`` from a forward returning
     ``(y, mean, rstd)`` and a backward returning ``(dx, dscale, doffset)``."""
 

@@ -4,7 +4,7 @@ after the dot, and the values to feed the kernel."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 
@@ -23,7 +23,7 @@ def full_scale(q: QArray) -> Any:
         return s.reshape((1,) * q.ndim)
     if q.layout.kind == "per_tile":
         ax = q.layout.axes[0] % q.ndim
-        s = jnp.repeat(s, int(q.layout.tile_size or 1), axis=ax)
+        s = jnp.repeat(s, int(cast(Any, q.layout.tile_size) or 1), axis=ax)
     return s
 
 

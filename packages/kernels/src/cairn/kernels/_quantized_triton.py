@@ -26,7 +26,6 @@ from cairn.kernels._quantized_xla import INT_QTYPES, result_dtype
 from cairn.kernels._ragged_dot_triton import _pad_to
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
-CANONICAL = (((1,), (0,)), ((), ()))
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
@@ -86,8 +85,8 @@ def _kernel(x_ref, w_ref, ls_ref, rs_ref, o_ref, *, bk, nk, int_dot, precision):
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def matmul_triton(x2, ls, w, rs, out_dtype, *, cfg, interpret, precision=None):
-    m, k = x2.shape
+def matmul_triton(x2: Any, ls: Any, w: Any, rs: Any, out_dtype: Any, *, cfg: Any, interpret: Any, precision: Any=None) -> Any:
+    m = x2.shape[0]
     n = w.shape[1]
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     xp = _pad_to(_pad_to(x2, 0, bm), 1, bk)

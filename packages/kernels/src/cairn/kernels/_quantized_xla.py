@@ -21,14 +21,13 @@ layout for any dimension numbers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cairn.core_array import QArray
-from cairn.core_array import dtype_info
+from cairn.core_array import QArray, dtype_info
 from cairn.kernels._quantized_common import full_scale, values_of
 
 INT_QTYPES = ("int8", "int4", "int2", "uint8", "uint4")
@@ -60,7 +59,7 @@ def _operand(q: Any, contracting: tuple[int, ...]) -> Operand | None:
     if q.layout.kind == "per_tile" and s.ndim:
         ax = q.layout.axes[0] % nd
         if ax in contracting:
-            tiled, tile = ax, int(q.layout.tile_size or 1)
+            tiled, tile = ax, int(cast(Any, q.layout.tile_size) or 1)
         else:
             s = full_scale(q)
     if any(s.shape[a] != 1 for a in contracting if a != tiled):
@@ -105,7 +104,7 @@ def _scale_operand(op: Operand, shape: tuple[int, ...], batch: tuple[int, ...], 
     return jnp.broadcast_to(s, target)
 
 
-def fast_dot(lhs: Any, rhs: Any, dn, precision: Any, out_dtype: Any) -> Any | None:
+def fast_dot(lhs: Any, rhs: Any, dn: Any, precision: Any, out_dtype: Any) -> Any | None:
     """The scaled-after-the-dot product, or ``None`` when a layout needs dequantization."""
     (lc, rc), (lb, rb) = dn
     a, b = _operand(lhs, tuple(lc)), _operand(rhs, tuple(rc))
@@ -117,8 +116,8 @@ def fast_dot(lhs: Any, rhs: Any, dn, precision: Any, out_dtype: Any) -> Any | No
         return None
     tile = a.tile or b.tile
     if tile is not None:
-        la = a.tiled if a.tiled is not None else la
-        ra = b.tiled if b.tiled is not None else ra
+        la = cast(int, a.tiled if a.tiled is not None else la)
+        ra = cast(int, b.tiled if b.tiled is not None else ra)
         a = Operand(_split(a.values, la, tile), _split_scale(a.scale, la), la, tile)
         b = Operand(_split(b.values, ra, tile), _split_scale(b.scale, ra), ra, tile)
         dn = _tiled_numbers(dn, la, ra)
@@ -164,7 +163,7 @@ def quantized_dot_general_xla(
 ) -> jax.Array:
     """The XLA implementation (no config keys)."""
     del config, interpret
-    dn = tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dimension_numbers)
+    dn: Any = tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dimension_numbers)
     out_dtype = result_dtype(lhs, rhs, preferred_element_type)
     out = fast_dot(lhs, rhs, dn, precision, out_dtype)
     if out is not None:

@@ -95,9 +95,9 @@ def _row_slots(gs: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array]:
     return item * bm + r % bm, r < ends[-1]
 
 
-def forward_m(lhs, rhs, gs, dtype, *, cfg, interpret):
+def forward_m(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: Any) -> Any:
     """Mode m on the Mosaic GPU kernel: ``[m, k] x [g, k, n] -> [m, n]``."""
-    m, k = lhs.shape
+    m = lhs.shape[0]
     n = rhs.shape[2]
     bm, bk, bn = cfg["block_m"], cfg["block_k"], cfg["block_n"]
     x = _pad_to(_pad_to(lhs, 0, bm), 1, bk)

@@ -73,9 +73,9 @@ def _kernel_m(tile_ref, grp_ref, lo_ref, hi_ref, x_ref, w_ref, _z_ref, o_ref, *,
     pltriton.store(o_ref.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)], a.astype(o_ref.dtype), mask=mask)
 
 
-def forward_m(lhs, rhs, gs, dtype, *, cfg, interpret, precision=None):
+def forward_m(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: Any, precision: Any=None) -> Any:
     """Mode m on the Triton kernel: ``[m, k] x [g, k, n] -> [m, n]``."""
-    m, k = lhs.shape
+    m = lhs.shape[0]
     n = rhs.shape[2]
     bm, bk, bn = cfg["block_m"], cfg["block_k"], cfg["block_n"]
     x = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
@@ -118,7 +118,7 @@ def _kernel_k(start_ref, end_ref, x_ref, y_ref, o_ref, *, bm, bk, bn, acc, preci
     o_ref[...] = a.astype(o_ref.dtype)
 
 
-def forward_k(lhs, rhs, gs, dtype, *, cfg, interpret, precision=None):
+def forward_k(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: Any, precision: Any=None) -> Any:
     """Mode k on the Triton kernel: ``[m, k] x [m, n] -> [g, k, n]``."""
     m, k = lhs.shape
     n = rhs.shape[1]

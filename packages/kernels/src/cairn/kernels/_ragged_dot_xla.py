@@ -132,7 +132,7 @@ def _compute(mode, lhs, rhs, group_sizes, block_m, precision, dtype):
     return _fwd_k(lhs, rhs, group_sizes, block_m, precision, acc).astype(dtype)
 
 
-def make_ragged(forward_m, forward_k):
+def make_ragged(forward_m: Any, forward_k: Any) -> Any:
     """A differentiable ragged dot from the two forward passes.
 
     ``forward_m(lhs, rhs, gs, dtype)`` and ``forward_k(lhs, rhs, gs, dtype)`` compute the
