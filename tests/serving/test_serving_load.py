@@ -280,7 +280,9 @@ def test_hermetic_subprocess_load_and_compilation_cache(model, tmp_path):
     x = RNG.normal(size=(3, 6)).astype(np.float32)
     first = _run_hermetic(path, cache, x, tmp_path)
     assert first["name"] == "clf" and first["buckets"] == [2, 8] and not first["reachable"]
-    assert not any(m.startswith(("cairn.nn", "cairn.quant", "flax")) for m in first["modules"])
+    # of the cairn packages only core_array and serving itself were imported
+    assert {m.split(".")[1] for m in first["modules"] if m.startswith("cairn.")} <= {"core_array", "serving"}
+    assert not any(m.startswith("flax") for m in first["modules"])
     ref = _reference(params, x)
     for k in ref:
         np.testing.assert_allclose(np.array(first["out"][k]), ref[k], rtol=1e-4, atol=1e-4)
