@@ -143,6 +143,7 @@ def test_to_shape_dtype_struct_is_jax_symbolic():
     # the constraint travels into the export: a batch of 9 is refused by JAX itself
     with pytest.raises(Exception, match="b <= 8|constraint"):
         exp.call({"x": jnp.zeros((9, 3)), "y": jnp.zeros(9)})
+    assert ArraySpec.from_array(structs["x"]) == ArraySpec(("b", 3), "float32")  # back from JAX (names only)
     one = ArraySpec(("b", 3), "float32").to_shape_dtype_struct()
     assert str(one.shape[0]) == "b"
     assert ArraySpec((2, 3), "bfloat16").to_shape_dtype_struct().shape == (2, 3)

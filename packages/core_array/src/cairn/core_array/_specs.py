@@ -92,7 +92,9 @@ def _norm_dim(d: Any, shape: Any) -> int | str:
         return d
     try:
         n = int(d)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - a JAX symbolic dim raises its own error type
+        if type(d).__name__ == "_DimExpr" and str(d).isidentifier():
+            return str(d)  # a jax.export symbolic dimension that is a plain name
         raise ValueError(
             f"ArraySpec shape must be a sequence of ints or dimension names, got {shape!r}"
         ) from None

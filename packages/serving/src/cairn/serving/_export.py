@@ -286,6 +286,15 @@ def export(
       ValueError: bad specs or names, a leaf that is not an array, outputs that are not
         batched along axis 0, or a function JAX cannot export with these shapes (the
         message names the signature).
+
+    >>> import tempfile
+    >>> from cairn.serving import load
+    >>> path = export(lambda p, i: {"y": i["x"] * p["k"]}, {"k": np.float32(3)},
+    ...               {"x": ArraySpec(("b", 2), "float32", constraints=("b <= 4",))},
+    ...               tempfile.mkdtemp() + "/triple/1")
+    >>> m = load(path)
+    >>> m.name, m.batch_buckets, m({"x": np.ones((3, 2), np.float32)})["y"].tolist()
+    ('triple', (1, 2, 4), [[3.0, 3.0], [3.0, 3.0], [3.0, 3.0]])
     """
     sigs = {DEFAULT_SIGNATURE: Signature(fn, input_specs, max_batch_size, batch_buckets)}
     for k, s in (signatures or {}).items():
