@@ -187,6 +187,8 @@ class HttpConnection(asyncio.Protocol):
         if self._length > self._server.limits.max_body_bytes:
             self._fail(413, f"request body of {self._length} bytes exceeds the limit of {self._server.limits.max_body_bytes} bytes")
             return False
+        if headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second for this
         conn = headers.get("connection", "").lower()
         keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
         path, _, query = target.partition("?")
