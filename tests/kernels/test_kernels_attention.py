@@ -1,0 +1,317 @@
+"""dot_product_attention: ONE shared test base that every implementation subclasses.
+
+Values and gradients are checked against a float64 NumPy reference
+(``_kernels_attention_reference``) on fresh random inputs, with per-dtype tolerances (the
+table in docs/kernels.md), ragged lengths (not multiples of the blocks), grouped-query
+heads, causal + window + soft-cap combinations, fully masked rows (zeros, never NaN), a
+bitwise-determinism rerun, outputs poisoned before each run (Pallas kernels write into
+NaN-filled buffers), and bad input naming the argument. Pallas kernels run with
+``interpret=True`` on the CPU; sizes stay tiny so the file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import _kernels_attention_reference as ref
+import jax
+import jax.experimental.pallas
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cairn.kernels as ck
+from cairn.kernels import _attention_triton
+
+# (forward atol/rtol, gradient atol/rtol) per dtype; the same table is in docs/kernels.md
+TOLERANCES = {
+    "float32": (2e-5, 1e-4),
+    "bfloat16": (3e-2, 8e-2),
+    "float16": (4e-3, 1e-2),
+}
+_SEEDS = itertools.count(1)
+
+
+def fresh_inputs(b, t, s, n, kh, h, dtype, hv=None):
+    """New random q, k, v and output cotangent each call (a new seed every time)."""
+    keys = jax.random.split(jax.random.key(next(_SEEDS)), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, s, kh, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, s, kh, hv or h), jnp.float32).astype(dtype)
+    do = jax.random.normal(keys[3], (b, t, n, hv or h), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+class AttentionTestBase:
+    """Subclasses set ``implementation``, ``config``, the dtypes they take and their limits."""
+
+    implementation: str = "xla"
+    config: dict | None = None
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    combo_dtype: str = "float32"  # the dtype of the many-feature cases
+    head_dim: int = 16
+    takes_segments: bool = True
+    takes_bias_mask: bool = False
+
+    def run(self, q, k, v, **kw):
+        return ck.dot_product_attention(q, k, v, implementation=self.implementation, config=self.config, **kw)
+
+    def poisoned(self):
+        return contextlib.nullcontext()
+
+    def jitted(self, **kw):
+        """One jitted forward + vjp (arrays among ``kw`` stay arguments, the rest static)."""
+        arrays = {name: x for name, x in kw.items() if isinstance(x, jax.Array)}
+        statics = {name: x for name, x in kw.items() if name not in arrays}
+
+        @jax.jit
+        def fn(q, k, v, do, arrays):
+            out, vjp = jax.vjp(lambda q_, k_, v_: self.run(q_, k_, v_, **statics, **arrays), q, k, v)
+            return (out, *vjp(do))
+
+        def run(q, k, v, do):
+            with self.poisoned():
+                return fn(q, k, v, do, arrays)
+
+        return run
+
+    def value_and_grads(self, q, k, v, do, **kw):
+        return self.jitted(**kw)(q, k, v, do)
+
+    def check(self, dtype, *, shape=(2, 21, 27, 4, 2), ref_kw=None, **kw):
+        b, t, s, n, kh = shape
+        q, k, v, do = fresh_inputs(b, t, s, n, kh, self.head_dim, dtype)
+        got = self.value_and_grads(q, k, v, do, **kw)
+        want = ref.attention(*(np.asarray(x, np.float64) for x in (q, k, v, do)), **(ref_kw or {}))
+        ftol, gtol = TOLERANCES[dtype]
+        for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (ftol, gtol, gtol, gtol)):
+            g = np.asarray(g.astype(jnp.float32), np.float64)
+            assert not np.isnan(g).any(), f"{name} has NaN"
+            np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=f"{self.implementation} {name} {dtype}")
+        return got
+
+    # --- values and gradients ---
+
+    def test_values_and_grads_per_dtype(self):
+        for dtype in self.dtypes:
+            self.check(dtype)
+
+    def test_causal_window_softcap_gqa(self):
+        self.check(self.combo_dtype, shape=(1, 19, 23, 6, 2), is_causal=True, local_window_size=(5, 0),
+                   logits_soft_cap=2.0, ref_kw={"is_causal": True, "window": (5, 0), "soft_cap": 2.0})
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "kw, ref_kw",
+        [
+            ({"is_causal": True}, {"is_causal": True}),
+            ({"local_window_size": (4, 2)}, {"window": (4, 2)}),
+            ({"local_window_size": 3, "logits_soft_cap": 3.0}, {"window": 3, "soft_cap": 3.0}),
+            ({"logits_soft_cap": 1.5, "scale": 0.3}, {"soft_cap": 1.5, "scale": 0.3}),
+        ],
+        ids=["causal", "window", "window+softcap", "softcap+scale"],
+    )
+    def test_mask_combinations(self, kw, ref_kw):
+        self.check(self.combo_dtype, ref_kw=ref_kw, **kw)
+
+    @pytest.mark.slow
+    def test_multi_query(self):
+        self.check(self.combo_dtype, shape=(1, 19, 19, 4, 1))
+
+    def test_lengths_and_fully_masked_rows(self):
+        if not self.takes_segments:
+            pytest.skip(f"{self.implementation} takes no lengths (its supports() says why; tested below)")
+        q_lens, kv_lens = jnp.array([21, 9]), jnp.array([0, 27])  # batch 0 sees no key at all
+        got = self.check(self.combo_dtype, query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, is_causal=True,
+                         ref_kw={"q_lens": q_lens, "kv_lens": kv_lens, "is_causal": True})
+        assert np.all(np.asarray(got[0])[0] == 0.0)  # fully masked rows are zeros
+        assert np.all(np.asarray(got[0])[1, 9:] == 0.0)  # padded queries are zeros
+
+    @pytest.mark.slow
+    def test_segment_ids(self):
+        if not self.takes_segments:
+            pytest.skip(f"{self.implementation} takes no segment ids")
+        seg = jnp.array([[0] * 8 + [1] * 13, [0] * 21])
+        self.check(self.combo_dtype, shape=(2, 21, 21, 2, 2), segment_ids=seg,
+                   ref_kw={"q_seg": seg, "kv_seg": seg})
+
+    def test_bitwise_deterministic(self):
+        q, k, v, do = fresh_inputs(1, 21, 27, 2, 1, self.head_dim, self.combo_dtype)
+        fn = self.jitted(is_causal=True)
+        first, second = fn(q, k, v, do), fn(q, k, v, do)
+        for a, b in zip(first, second):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+    # --- bad input ---
+
+    def test_bad_input_names_the_argument(self):
+        q, k, v, _ = fresh_inputs(1, 8, 8, 4, 2, self.head_dim, self.combo_dtype)
+        k3 = jnp.zeros((1, 8, 3, self.head_dim), q.dtype)
+        with pytest.raises(ValueError, match="heads"):
+            self.run(q, k3, k3)
+        with pytest.raises(ValueError, match="head_dim"):
+            self.run(q, k[..., :8], v[..., :8])
+        with pytest.raises(ValueError, match="local_window_size"):
+            self.run(q, k, v, local_window_size=-1)
+        with pytest.raises(ValueError, match="logits_soft_cap"):
+            self.run(q, k, v, logits_soft_cap=0.0)
+        with pytest.raises(ValueError, match="unknown implementation 'nope'.*dot_product_attention"):
+            ck.dot_product_attention(q, k, v, implementation="nope")
+        with pytest.raises(ValueError, match="config key"):
+            ck.dot_product_attention(q, k, v, implementation=self.implementation, config={"bogus": 1})
+        if not self.takes_bias_mask:
+            with pytest.raises(ValueError, match=f"{self.implementation}.*bias"):
+                self.run(q, k, v, bias=jnp.zeros((1, 4, 8, 8)))
+
+
+class TestXlaPlain(AttentionTestBase):
+    implementation = "xla"
+    config = {"chunk_size": None}
+    takes_bias_mask = True
+
+    def test_bias_and_dense_mask(self):
+        b, t, s, n, kh = 2, 13, 17, 4, 2
+        q, k, v, do = fresh_inputs(b, t, s, n, kh, 16, "float32")
+        bias = jax.random.normal(jax.random.key(7), (b, n, t, s))
+        mask = jax.random.bernoulli(jax.random.key(8), 0.7, (b, 1, t, s)).at[0, 0, 3].set(False)
+        got = self.value_and_grads(q, k, v, do, bias=bias, mask=mask)
+        want = ref.attention(q, k, v, do, bias=bias, mask=mask)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=1e-4, rtol=1e-4)
+        assert np.all(np.asarray(got[0])[0, 3] == 0.0)  # the fully masked row
+
+    def test_dropout(self):
+        q, k, v, _ = fresh_inputs(1, 16, 16, 2, 2, 16, "float32")
+        rng = jax.random.key(3)
+        a = self.run(q, k, v, dropout_rate=0.5, dropout_rng=rng)
+        b = self.run(q, k, v, dropout_rate=0.5, dropout_rng=rng)
+        c = self.run(q, k, v, dropout_rate=0.5, dropout_rng=rng, deterministic=True)
+        np.testing.assert_array_equal(a, b)
+        assert not np.allclose(a, c)
+        np.testing.assert_allclose(c, self.run(q, k, v), atol=1e-6)
+        with pytest.raises(ValueError, match="dropout_rng"):
+            self.run(q, k, v, dropout_rate=0.5)
+        with pytest.raises(ValueError, match="dropout_rate"):
+            self.run(q, k, v, dropout_rate=1.0)
+
+    def test_segment_ids_packed(self):
+        seg = jnp.array([[0] * 8 + [1] * 13])
+        self.check("float32", shape=(1, 21, 21, 2, 2), segment_ids=seg, ref_kw={"q_seg": seg, "kv_seg": seg})
+
+    @settings(max_examples=4, deadline=None)
+    @given(
+        t=st.integers(1, 24), s=st.integers(1, 24), kh=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]),
+        causal=st.booleans(), window=st.none() | st.tuples(st.integers(0, 6), st.integers(0, 6)),
+    )
+    def test_property_random_shapes(self, t, s, kh, g, causal, window):
+        self.check("float32", shape=(1, t, s, kh * g, kh), is_causal=causal, local_window_size=window,
+                   ref_kw={"is_causal": causal, "window": window})
+
+
+class TestXlaChunked(AttentionTestBase):
+    implementation = "xla"
+    config = {"chunk_size": 8}
+    takes_bias_mask = True
+
+    def test_dense_mask_in_chunks(self):
+        q, k, v, do = fresh_inputs(1, 13, 21, 2, 1, 16, "float32")
+        mask = jax.random.bernoulli(jax.random.key(9), 0.6, (1, 2, 13, 21))
+        got = self.value_and_grads(q, k, v, do, mask=mask)
+        want = ref.attention(q, k, v, do, mask=mask)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=1e-4, rtol=1e-4)
+
+    def test_bad_chunk_size(self):
+        q, k, v, _ = fresh_inputs(1, 8, 8, 2, 2, 16, "float32")
+        with pytest.raises(ValueError, match="chunk_size"):
+            ck.dot_product_attention(q, k, v, config={"chunk_size": 0})
+
+
+class TestPallasTriton(AttentionTestBase):
+    implementation = "pallas_triton"
+    config = {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}
+
+    def poisoned(self):
+        return _attention_triton.poisoned_outputs()
+
+    def test_config_that_does_not_fit(self):
+        q, k, v, _ = fresh_inputs(1, 8, 8, 2, 2, 16, "float32")
+        with pytest.raises(ValueError, match="block_q must be a power of two"):
+            ck.dot_product_attention(q, k, v, implementation=self.implementation, config={"block_q": 24})
+
+    def test_unwritten_output_would_be_caught(self):
+        # the poison hook works: a kernel that writes nothing leaves NaN behind
+        def lazy(x_ref, o_ref):
+            del x_ref, o_ref
+
+        spec = jax.ShapeDtypeStruct((8,), jnp.float32)
+        with _attention_triton.poisoned_outputs():
+            block = jax.experimental.pallas.BlockSpec((8,), lambda: (0,))
+            out = _attention_triton._pallas(lazy, 1, [spec], in_specs=[block], out_specs=[block], interpret=True)(
+                jnp.ones(8)
+            )
+        assert np.isnan(np.asarray(out[0])).all()
+
+
+class TestPallasMosaicGpu(AttentionTestBase):
+    implementation = "pallas_mosaic_gpu"
+    config = {"block_q": 64, "block_k": 64}
+    dtypes = ("bfloat16", "float16")
+    combo_dtype = "bfloat16"
+    head_dim = 64
+    takes_segments = False
+
+    def poisoned(self):
+        return _attention_triton.poisoned_outputs()  # interpreter fills uninitialised memory with NaN
+
+    def test_values_and_grads_per_dtype(self):
+        self.check("bfloat16", shape=(1, 70, 75, 2, 1))
+
+    @pytest.mark.slow
+    def test_values_and_grads_float16(self):
+        self.check("float16", shape=(1, 70, 75, 2, 1))
+
+    @pytest.mark.slow
+    def test_causal_window_softcap_gqa(self):
+        super().test_causal_window_softcap_gqa()
+
+    def test_causal_softcap(self):
+        self.check("bfloat16", shape=(1, 70, 75, 2, 1), is_causal=True, logits_soft_cap=2.0,
+                   ref_kw={"is_causal": True, "soft_cap": 2.0})
+
+    def test_rejects_what_it_cannot_take(self):
+        q, k, v, _ = fresh_inputs(1, 8, 8, 2, 2, 64, "float32")
+        with pytest.raises(ValueError, match="pallas_mosaic_gpu: dtype float32"):
+            self.run(q, k, v)
+        qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        with pytest.raises(ValueError, match="segment_ids"):
+            self.run(qb, kb, vb, key_value_seq_lengths=jnp.array([4]))
+        # a sequence falls back to the first implementation that takes the arguments
+        out = ck.dot_product_attention(q, k, v, implementation=("pallas_mosaic_gpu", "xla"))
+        np.testing.assert_allclose(out, ck.dot_product_attention(q, k, v), atol=1e-6)
+
+
+# --- lowering for CUDA without a GPU ---
+
+_TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("implementation, marker", [("pallas_triton", "__gpu$xla.gpu.triton"),
+                                                    ("pallas_mosaic_gpu", "mosaic_gpu")])
+def test_gpu_kernels_lower_for_cuda(implementation, marker):
+    q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = ck.dot_product_attention(q, k, v, implementation=implementation, is_causal=True)
+        return out.astype(jnp.float32).sum()
+
+    with ck.cross_compile("gpu"):
+        exported = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"],
+                                     disabled_checks=[_TRITON])(q, kv, kv)
+    text = exported.mlir_module()
+    assert marker in text
+    assert "__gpu$xla.gpu.triton" in text  # the backward kernels (Triton for both)
