@@ -264,6 +264,10 @@ def test_metrics_and_access_log(server, client, caplog):
     infers = [r for r in records if r["path"] == "/v2/models/affine/infer"]
     assert len(infers) == 4 and [r["status"] for r in infers] == [200, 200, 200, 400]
     assert all(r["request_id"] and r["duration_ms"] >= 0 and r["method"] == "POST" for r in infers)
+    parser = pytest.importorskip("prometheus_client.parser")  # the reference parser, when installed
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    assert families["cairn_inference_request_duration_seconds"].type == "histogram"
+    assert families["cairn_inference_request_success"].type == "counter"
 
 
 def test_server_stop_drains_and_refuses_new_connections(start_server):
