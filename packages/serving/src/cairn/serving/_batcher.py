@@ -143,6 +143,7 @@ class DynamicBatcher:
         self._in_flight = 0
         self._timer: asyncio.TimerHandle | None = None
         self._deferred = False
+        self._slot_freed = 0.0
         self._inline = config.run_inline is True
         self._mean_compute: float | None = None
         self._closed = False
@@ -187,7 +188,10 @@ class DynamicBatcher:
         while self._queue and self._in_flight < self.config.max_concurrent_batches:
             delay = self.config.max_queue_delay
             if self.batchable and delay > 0 and self._rows < self.max_batch_size and not self._closed:
-                wait = self._queue[0].enqueued + delay - time.perf_counter()
+                # the delay counts from when the batch could first have run: from the oldest
+                # request's arrival, or from when a slot freed if it waited for one (so under
+                # saturation the clients just answered can join, instead of batches splitting)
+                wait = max(self._queue[0].enqueued, self._slot_freed) + delay - time.perf_counter()
                 if wait > 0:
                     if self._timer is None:
                         self._timer = self._loop.call_later(wait, self._on_timer)
@@ -217,6 +221,7 @@ class DynamicBatcher:
 
     def _complete(self, items: list[_Item], results: list[Any], timing: Timing, redispatch: bool = True) -> None:
         self._in_flight -= 1
+        self._slot_freed = time.perf_counter()
         mean = self._mean_compute
         self._mean_compute = timing.compute if mean is None else 0.8 * mean + 0.2 * timing.compute
         if self.config.run_inline is None:
