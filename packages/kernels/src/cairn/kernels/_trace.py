@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 SCOPE_PREFIX = "cairn_kernels."
+_SCOPE_RE = re.compile(r"cairn_kernels\.(\w+)\.(\w+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +129,10 @@ def scopes_in(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuple[s
     found: list[tuple[str, str]] = []
     for jaxpr in _jaxprs(closed.jaxpr):
         for eqn in jaxpr.eqns:
-            for part in str(eqn.source_info.name_stack).split("/"):
-                if part.startswith(SCOPE_PREFIX):
-                    _, op, impl = part.split(".", 2)
-                    if (op, impl) not in found:
-                        found.append((op, impl))
+            # transforms wrap scopes (``vmap(cairn_kernels.op.impl)``), so search, not split
+            for op, impl in _SCOPE_RE.findall(str(eqn.source_info.name_stack)):
+                if (op, impl) not in found:
+                    found.append((op, impl))
     return found
 
 
