@@ -1,12 +1,34 @@
-"""cairn.checkpoint: async, atomic, sharded checkpoints of JAX pytrees on TensorStore."""
+"""cairn.checkpoint: async, atomic, sharded checkpoints of JAX pytrees on TensorStore.
 
-from cairn.checkpoint._checkpointer import AsyncCheckpointer, metadata, restore, save
+Orbax's v0 surface is here too (``import cairn.checkpoint as ocp``): ``ocp.args``,
+``Checkpointer`` and its handlers, ``CheckpointManager(directory, options=...,
+item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOLDER``,
+``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
+"""
+
+from cairn.checkpoint import args, test_utils, utils
+from cairn.checkpoint._args import PLACEHOLDER, ArrayRestoreArgs, RestoreArgs, SaveArgs
+from cairn.checkpoint._checkpointer import metadata, restore, save
+from cairn.checkpoint._checkpointers import (
+    AsyncCheckpointer,
+    Checkpointer,
+    PyTreeCheckpointer,
+    StandardCheckpointer,
+)
 from cairn.checkpoint._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointWriteError,
     ChecksumError,
     TargetMismatchError,
+)
+from cairn.checkpoint._handlers import (
+    ArrayCheckpointHandler,
+    CheckpointHandler,
+    CompositeCheckpointHandler,
+    JsonCheckpointHandler,
+    PyTreeCheckpointHandler,
+    StandardCheckpointHandler,
 )
 from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
 from cairn.checkpoint._restore import LeafMetadata
@@ -15,18 +37,34 @@ from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
 __version__ = "0.1.0"
 
 __all__ = [
+    "PLACEHOLDER",
+    "ArrayCheckpointHandler",
+    "ArrayRestoreArgs",
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointHandler",
     "CheckpointManager",
     "CheckpointManagerOptions",
     "CheckpointWriteError",
+    "Checkpointer",
     "ChecksumError",
+    "CompositeCheckpointHandler",
+    "JsonCheckpointHandler",
     "LeafMetadata",
+    "PyTreeCheckpointHandler",
+    "PyTreeCheckpointer",
+    "RestoreArgs",
+    "SaveArgs",
+    "StandardCheckpointHandler",
+    "StandardCheckpointer",
     "TargetMismatchError",
+    "args",
     "load_safetensors",
     "metadata",
     "restore",
     "save",
     "save_safetensors",
+    "test_utils",
+    "utils",
 ]

@@ -1,4 +1,5 @@
-"""One pytree in one directory: ``save``, ``restore``, ``metadata`` and ``AsyncCheckpointer``."""
+"""One pytree in one directory: ``save``, ``restore``, ``metadata`` (and the background
+saver that ``AsyncCheckpointer`` and ``CheckpointManager`` share)."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def restore(
     component), NumPy arrays and Python scalars as they were, and each ``jax.Array`` with
     its saved ``NamedSharding`` (the same mesh shape and axis names over ``jax.devices()``
     in order) when the device count matches the saved mesh, else on the first local device.
-    Checkpoints written before 0.2 (no stored structure) and restores with ``paths=`` give
+    Checkpoints written before the structure was stored, and restores with ``paths=`` give
     nested dicts keyed by path component.
 
     With ``target`` (a pytree whose leaves are ``jax.Array``, ``jax.ShapeDtypeStruct``,
@@ -224,49 +225,3 @@ class _BackgroundSaver:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
-
-
-class AsyncCheckpointer(_BackgroundSaver):
-    """Saves in the background: :meth:`save` returns once device data is on the host.
-
-    Writing, metadata and the atomic commit run in a background thread. A second
-    :meth:`save` first waits for the previous one; an error raised in the background is
-    re-raised (as :class:`CheckpointError`) by the next call to any method. NumPy leaves are
-    copied at ``save`` time so the caller may change them; ``jax.Array`` leaves are
-    immutable and, on CPU, referenced without a copy.
-
-    >>> import tempfile, numpy as np
-    >>> d = tempfile.mkdtemp() + "/ckpt"
-    >>> ckptr = AsyncCheckpointer()
-    >>> ckptr.save(d, {"w": np.ones(4)})
-    >>> ckptr.wait_until_finished()
-    >>> restore(d)["w"].sum()
-    np.float64(4.0)
-    """
-
-    def __init__(self, *, compression: str | None = None) -> None:
-        self._compression = compression
-        self._bg = _Background()
-
-    def save(self, directory: str | os.PathLike, tree: Any, *, force: bool = False) -> None:
-        self._bg.wait()
-        final = os.path.abspath(os.fspath(directory))
-        snap = _tree.snapshot(tree, copy_host=True, compression=self._compression)
-        tmp = _prepare_tmp(final, force)
-        compression = self._compression
-
-        def tail() -> None:
-            write_and_commit(
-                lambda: _tree.write(snap, tmp, compression=compression), tmp, final, force,
-                _restore.check_dir,
-            )
-
-        self._bg.start(tail, final)
-
-    def restore(self, directory: str | os.PathLike, target: Any = None, **kwargs: Any) -> Any:
-        self._bg.wait()
-        return restore(directory, target, **kwargs)
-
-    def metadata(self, directory: str | os.PathLike) -> dict[str, LeafMetadata]:
-        self._bg.wait()
-        return metadata(directory)

@@ -11,13 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cairn.checkpoint import _fs, _multihost, _ownership, _restore, _tree
+from cairn.checkpoint import _args, _fs, _items, _multihost, _ownership, _restore, _tree
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.core_array import is_checkpointable
 
 STEP_METADATA = "_STEP.json"
+#: The item name of a step saved with non-Composite ``args`` (as in Orbax).
+DEFAULT_ITEM = "default"
+_KINDS = ("pytree", "state", "json")
 _log = logging.getLogger("cairn.checkpoint")
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
@@ -35,7 +38,7 @@ class CheckpointManagerOptions:
         ``"min"``. Steps saved without metrics are kept if ``keep_checkpoints_without_metrics``.
       step_prefix: step directories are named ``<prefix>_<step>`` (or ``<step>`` if ``None``).
       enable_async: ``save`` returns once device data is on the host; the rest runs in the
-        background.
+        background. enable_async_checkpointing: Orbax's name for it; when given it wins.
       create: create ``directory`` if missing. cleanup_tmp_directories: remove leftovers of
         interrupted saves when the manager starts, but only those whose writer is provably
         gone: a process of this host that has exited, or (other hosts, unknown owners) a
@@ -66,8 +69,12 @@ class CheckpointManagerOptions:
     local_max_to_keep: int = 1
     timeout_secs: float = 600.0
     tmp_lease_timeout_secs: float = _ownership.DEFAULT_LEASE_TIMEOUT_S
+    enable_async_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_async_checkpointing is not None:
+            object.__setattr__(self, "enable_async", bool(self.enable_async_checkpointing))
+        object.__setattr__(self, "enable_async_checkpointing", self.enable_async)
         if not self.tmp_lease_timeout_secs > 2 * _ownership.HEARTBEAT_S:
             raise ValueError(
                 f"tmp_lease_timeout_secs must exceed {2 * _ownership.HEARTBEAT_S:g} s (twice the "
@@ -128,7 +135,22 @@ class CheckpointManager(_BackgroundSaver):
         self,
         directory: str | os.PathLike,
         options: CheckpointManagerOptions | None = None,
+        item_names: Sequence[str] | None = None,
+        *,
+        item_handlers: Any = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
+        """``item_names`` and ``item_handlers`` (Orbax's) are accepted: items are named by
+        each ``save``'s ``args``, and their kinds are stored with every step. ``metadata``
+        is not supported."""
+        if options is not None and not isinstance(options, CheckpointManagerOptions):
+            raise TypeError(
+                "options must be a CheckpointManagerOptions (Orbax's positional checkpointers "
+                f"argument is not supported: pass options=...), got {type(options).__name__}"
+            )
+        if metadata is not None:
+            raise NotImplementedError("CheckpointManager(metadata=...) is not supported; save it as an item")
+        self.item_names = tuple(item_names) if item_names is not None else None
         self._options = options or CheckpointManagerOptions()
         o = self._options
         self.directory = os.path.abspath(os.fspath(directory))
@@ -193,7 +215,7 @@ class CheckpointManager(_BackgroundSaver):
             isinstance(meta, dict)
             and meta.get("step") == step
             and isinstance(meta.get("items"), dict)
-            and all(k in ("pytree", "state") for k in meta["items"].values())
+            and all(k in _KINDS for k in meta["items"].values())
             and isinstance(meta.get("process_count", 1), int)
             and isinstance(meta.get("version", 1), int)
         )
@@ -208,6 +230,9 @@ class CheckpointManager(_BackgroundSaver):
             sub = os.path.join(d, name)
             if kind == "pytree":
                 _restore.check_dir(sub)
+                continue
+            if kind == "json":
+                _items.read_json_item(sub)
                 continue
             for i in range(meta.get("process_count", 1)):
                 f = os.path.join(sub, f"state.process_{i}.json")
@@ -315,12 +340,13 @@ class CheckpointManager(_BackgroundSaver):
         return self._step_meta(step).get("metrics")
 
     def item_metadata(self, step: int | None = None) -> dict[str, dict[str, LeafMetadata] | str]:
-        """Per item: its leaves' metadata (pytree items) or ``"state"`` (Checkpointables)."""
+        """Per item: its leaves' metadata (pytree items), ``"state"`` (Checkpointables) or
+        ``"json"`` (``JsonSave`` items)."""
         step = self._resolve_step(step)
         d = self._step_dir(step)
         out: dict[str, Any] = {}
         for name, kind in self._step_meta(step)["items"].items():
-            out[name] = _restore.metadata_of(os.path.join(d, name)) if kind == "pytree" else "state"
+            out[name] = _restore.metadata_of(os.path.join(d, name)) if kind == "pytree" else kind
         return out
 
     def best_step(self) -> int | None:
@@ -349,13 +375,19 @@ class CheckpointManager(_BackgroundSaver):
     def save(
         self,
         step: int,
-        items: Mapping[str, Any],
+        items: Mapping[str, Any] | None = None,
         metrics: Mapping[str, Any] | None = None,
         *,
         force: bool = False,
+        args: _args.CheckpointArgs | None = None,
+        custom_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
         """Save ``items`` as ``step`` if :meth:`should_save` (or ``force``); returns whether it did.
 
+        ``items`` is a dict of named pytrees and Checkpointables; or, as in Orbax,
+        ``args=ocp.args.Composite(name=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(d))``
+        names each item with how to store it, and ``args=ocp.args.StandardSave(tree)`` saves
+        one item (named ``"default"``; :meth:`restore` then returns it alone).
         The step goes to the persistent tier when ``step`` is a multiple of
         ``save_interval_steps`` (or ``force``), otherwise to the local tier. With
         ``enable_async`` this returns once device data is on the host; a previous save is
@@ -365,6 +397,13 @@ class CheckpointManager(_BackgroundSaver):
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if custom_metadata is not None:
+            raise NotImplementedError("save(custom_metadata=...) is not supported; pass metrics= or a JsonSave item")
+        single = args is not None and not isinstance(args, _args.Composite)
+        if args is not None:
+            if items is not None:
+                raise TypeError("pass either items or args=, not both")
+            items = {DEFAULT_ITEM: args} if single else dict(args)  # type: ignore[arg-type]
         if not isinstance(items, Mapping) or not items:
             raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
         if not force and not self.should_save(step):
@@ -381,15 +420,17 @@ class CheckpointManager(_BackgroundSaver):
                 metrics = json.loads(json.dumps(dict(metrics)))
             except (TypeError, ValueError) as err:
                 raise TypeError(f"metrics for step {step} must be JSON-able: {err}") from None
-        snaps, states = self._capture(items)
+        snaps, states, jsons = self._capture(items)
         final = os.path.join(tier.directory, self._step_name(step))
         tmp = self._prepare_step(step, tier, final, copies, items)
+        kinds = {n: "pytree" if n in snaps else "json" if n in jsons else "state" for n in items}
         step_meta = {
             "step": step,
             "version": _tree.FORMAT_VERSION,
             "tier": tier.name,
-            "items": {name: ("pytree" if name in snaps else "state") for name in items},
+            "items": kinds,
             "metrics": metrics,
+            "single": single,
         }
 
         def verify(d: str) -> None:  # remembered, so retention and listing need not re-read it
@@ -399,6 +440,8 @@ class CheckpointManager(_BackgroundSaver):
 
         def write() -> None:
             self._write_step(tmp, snaps, states, step_meta)
+            for name, value in jsons.items():
+                _items.write_json_item(os.path.join(tmp, name), value)
 
         def tail() -> None:
             write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
@@ -411,16 +454,26 @@ class CheckpointManager(_BackgroundSaver):
             tail()
         return True
 
-    def _capture(self, items: Mapping[str, Any]) -> tuple[dict[str, _tree.Snapshot], dict[str, Any]]:
-        """(host snapshots of the pytree items, JSON states of the Checkpointable items)."""
+    def _capture(
+        self, items: Mapping[str, Any]
+    ) -> tuple[dict[str, _tree.Snapshot], dict[str, Any], dict[str, Any]]:
+        """(host snapshots of the pytree items, JSON states of the Checkpointable items,
+        values of the ``JsonSave`` items); an item may be given as ``ocp.args``."""
         o = self._options
         snaps: dict[str, _tree.Snapshot] = {}
         states: dict[str, Any] = {}
+        jsons: dict[str, Any] = {}
         for name, item in items.items():
             if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name):
                 raise ValueError(
                     f"item name {name!r} must be a plain file-name part (letters, digits, _ . -)"
                 )
+            if isinstance(item, _args.CheckpointArgs):
+                tree = _args.to_saved_tree(item, f"item {name!r}")
+                if item.kind == "json":
+                    jsons[name] = _items.jsonable(tree, f"item {name!r}")
+                    continue
+                item = tree
             if is_checkpointable(item):
                 state = item.get_state()
                 try:
@@ -431,7 +484,7 @@ class CheckpointManager(_BackgroundSaver):
                     ) from None
             else:
                 snaps[name] = _tree.snapshot(item, copy_host=o.enable_async, compression=o.compression)
-        return snaps, states
+        return snaps, states, jsons
 
     def _prepare_step(
         self, step: int, tier: _Tier, final: str, copies: list[str], items: Mapping[str, Any]
@@ -478,6 +531,8 @@ class CheckpointManager(_BackgroundSaver):
                 "metrics": step_meta["metrics"],
                 "process_count": _multihost.process_count(),
             }
+            if step_meta["single"]:
+                meta["single"] = True
             _fs.write_json_durable(os.path.join(tmp, STEP_METADATA), meta)
 
     def _apply_retention(self, tier: _Tier) -> None:
@@ -535,15 +590,21 @@ class CheckpointManager(_BackgroundSaver):
         step: int | None = None,
         items: Mapping[str, Any] | Sequence[str] | None = None,
         *,
+        args: _args.CheckpointArgs | None = None,
         partial: bool = False,
         cast: bool = False,
         mesh: Any = None,
-    ) -> dict[str, Any]:
+    ) -> Any:
         """Restore ``step`` (default: :meth:`latest_step`, the newest intact step in either tier).
 
         ``items`` maps item names to targets: a pytree target (see :func:`restore`), ``None``
         (as saved) or a Checkpointable (its ``set_state`` is called and it is returned).
         A list of names restores those items as saved; ``None`` restores every item.
+        Orbax's ``args=ocp.args.Composite(name=ocp.args.StandardRestore(abstract), ...)``
+        restores the named items per their arguments (dtypes cast to the target's, as in
+        Orbax); ``args=ocp.args.StandardRestore(...)`` restores a step saved with one
+        non-Composite item. The result is a :class:`~cairn.checkpoint.args.Composite` (read
+        by key or attribute), or the item itself for a step saved with one non-Composite item.
 
         The step's metadata files are verified again first. A damaged file or array chunk
         raises :class:`CheckpointCorruptError` (:class:`ChecksumError` for array data)
@@ -555,17 +616,31 @@ class CheckpointManager(_BackgroundSaver):
         start = time.monotonic()  # verified again unless latest_step()/_step_dir just did
         step = self._resolve_step(step)
         d = self._step_dir(step)
+        if args is not None and items is not None:
+            raise TypeError("pass either items or args=, not both")
         try:
             meta, why = self._check(d, step, since=start)
             if meta is None:
                 raise CheckpointCorruptError(why or "", None)
-            return self._restore_items(d, step, meta, items, partial=partial, cast=cast, mesh=mesh)
+            single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM}
+            if args is not None and not isinstance(args, _args.Composite):
+                if not single:
+                    raise TypeError(
+                        f"step {step} holds the items {sorted(meta['items'])}; restore it with "
+                        "args=ocp.args.Composite(...)"
+                    )
+                items = {DEFAULT_ITEM: args}
+            elif args is not None:
+                items = dict(args)
+            kw = {"partial": partial, "cast": cast, "mesh": mesh}
+            out = self._restore_items(d, step, meta, items, **kw)
+            return out[DEFAULT_ITEM] if single and (items is None or args is not None) else out
         except CheckpointCorruptError as err:
             self._mark_corrupt(d, str(err))
             _log.warning("cairn.checkpoint: step %d in %s is corrupt: %s", step, d, err)
             raise type(err)(f"step {step} in {self.directory} is corrupt: {err}", err.path) from err
 
-    def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> dict[str, Any]:
+    def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> Any:
         kinds: dict[str, str] = meta["items"]
         if items is None:
             targets: dict[str, Any] = {n: None for n in kinds}
@@ -582,25 +657,44 @@ class CheckpointManager(_BackgroundSaver):
         for name, target in targets.items():
             sub = os.path.join(d, name)
             if kinds[name] == "state":
-                f = os.path.join(sub, f"state.process_{_multihost.process_index()}.json")
-                if not os.path.isfile(f):
-                    raise CheckpointError(
-                        f"item {name!r} of step {step} has no state for process "
-                        f"{_multihost.process_index()} (saved by {meta.get('process_count')} processes)"
+                out[name] = self._restore_state(sub, name, step, meta, target)
+            elif kinds[name] == "json":
+                if target is not None and getattr(target, "kind", None) != "json":
+                    raise TypeError(f"item {name!r} of step {step} was saved with JsonSave; restore it with JsonRestore")
+                out[name] = _items.read_json_item(sub)
+            elif isinstance(target, _args.CheckpointArgs):
+                if target.saving or target.kind != "pytree":
+                    raise TypeError(
+                        f"item {name!r} of step {step} is a pytree; restore it with StandardRestore, "
+                        f"PyTreeRestore or ArrayRestore, not {type(target).__name__}"
                     )
-                state = _fs.read_json(f, require_checksum=meta.get("version", 1) >= 2)
-                if target is not None:
-                    if not is_checkpointable(target):
-                        raise TypeError(
-                            f"item {name!r} was saved from a Checkpointable; its target must have "
-                            f"set_state, got {type(target).__qualname__}"
-                        )
-                    target.set_state(state)
-                    out[name] = target
-                else:
-                    out[name] = state
+                out[name] = _args.restore_pytree(sub, target, f"item {name!r} of step {step}")
             else:
                 if is_checkpointable(target):
                     raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
                 out[name] = _restore.restore_dir(sub, target, **kw)
-        return out
+        return _args.Composite(out) if not isinstance(items, Mapping) or not _legacy(items) else out
+
+    def _restore_state(self, sub: str, name: str, step: int, meta: dict, target: Any) -> Any:
+        """A Checkpointable item: its state, or ``target`` after ``set_state(state)``."""
+        f = os.path.join(sub, f"state.process_{_multihost.process_index()}.json")
+        if not os.path.isfile(f):
+            raise CheckpointError(
+                f"item {name!r} of step {step} has no state for process "
+                f"{_multihost.process_index()} (saved by {meta.get('process_count')} processes)"
+            )
+        state = _fs.read_json(f, require_checksum=meta.get("version", 1) >= 2)
+        if target is None:
+            return state
+        if not is_checkpointable(target):
+            raise TypeError(
+                f"item {name!r} was saved from a Checkpointable; its target must have "
+                f"set_state, got {type(target).__qualname__}"
+            )
+        target.set_state(state)
+        return target
+
+
+def _legacy(items: Mapping[str, Any]) -> bool:
+    """Whether ``items`` is cairn's own ``{name: target}`` (answered with a plain dict)."""
+    return not any(isinstance(t, _args.CheckpointArgs) for t in items.values())

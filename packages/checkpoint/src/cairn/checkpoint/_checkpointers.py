@@ -1,0 +1,192 @@
+"""Orbax's checkpointer classes: one item (or one ``Composite``) in one directory.
+
+``Checkpointer(handler)`` saves synchronously; ``AsyncCheckpointer(handler)`` returns once
+device data is on the host and commits in the background. ``StandardCheckpointer`` is an
+``AsyncCheckpointer(StandardCheckpointHandler())`` and ``PyTreeCheckpointer`` a
+``Checkpointer(PyTreeCheckpointHandler())``, as in Orbax. Without a handler an
+``AsyncCheckpointer`` keeps cairn's own calling convention (``save(dir, tree)``,
+``restore(dir, target, paths=..., partial=..., cast=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from cairn.checkpoint import _args, _items, _restore
+from cairn.checkpoint._checkpointer import (
+    _Background,
+    _BackgroundSaver,
+    _prepare_tmp,
+    _require_committed,
+    restore,
+    write_and_commit,
+)
+from cairn.checkpoint._handlers import (
+    CheckpointHandler,
+    PyTreeCheckpointHandler,
+    StandardCheckpointHandler,
+)
+
+
+class Checkpointer(_BackgroundSaver):
+    """Saves and restores one item, or a ``Composite`` of named items, in ``directory``.
+
+    ``save(directory, item)`` wraps ``item`` in the handler's save arguments
+    (``StandardSave`` for a ``StandardCheckpointHandler``...); ``save(directory,
+    args=ocp.args.Composite(...))`` stores several items. ``restore(directory)`` gives back
+    what was saved (a ``Composite`` for several items); ``restore(directory, target)`` or
+    ``args=`` restores onto a target (dtypes are cast to the target's, as in Orbax). An
+    existing ``directory`` is refused unless ``force=True``. The commit is atomic, as for
+    :func:`save`.
+
+    >>> import tempfile, numpy as np
+    >>> d = tempfile.mkdtemp()
+    >>> ckptr = Checkpointer(PyTreeCheckpointHandler())
+    >>> ckptr.save(d + "/a", {"w": np.arange(3), "ids": [1, 2]})
+    >>> ckptr.restore(d + "/a")
+    {'w': array([0, 1, 2]), 'ids': [1, 2]}
+    """
+
+    asynchronous: ClassVar[bool] = False
+
+    def __init__(
+        self, handler: CheckpointHandler | None = None, *, compression: str | None = None, **options: Any
+    ) -> None:
+        """``options`` takes Orbax's checkpointer options (``multiprocessing_options``,
+        ``file_options``...), accepted and ignored."""
+        if handler is not None and not isinstance(handler, CheckpointHandler):
+            raise TypeError(
+                f"handler must be an ocp.*CheckpointHandler() instance, got {type(handler).__name__}"
+            )
+        self._handler = handler
+        self._compression = compression
+        self._bg = _Background()
+
+    def _save_args(self, item: Any, args: Any, save_args: Any) -> _args.CheckpointArgs | None:
+        if isinstance(item, _args.CheckpointArgs) and args is None:
+            item, args = None, item
+        if args is not None:
+            if item is not None:
+                raise TypeError("pass either the item or args=, not both")
+            return args
+        if self._handler is None:
+            return None if save_args is None else _args.PyTreeSave(item, save_args=save_args)
+        return self._handler.save_args(item, **({"save_args": save_args} if save_args is not None else {}))
+
+    def save(
+        self,
+        directory: str | os.PathLike,
+        item: Any = None,
+        *,
+        args: _args.CheckpointArgs | None = None,
+        force: bool = False,
+        save_args: Any = None,
+        custom_metadata: Any = None,
+    ) -> None:
+        """Save ``item`` (or what ``args`` describe) to ``directory``.
+
+        Raises:
+          FileExistsError: ``directory`` exists and ``force`` is false.
+          TypeError: a leaf cannot be saved (naming its path), or ``args`` are not save args.
+        """
+        self._bg.wait()
+        final = os.path.abspath(os.fspath(directory))
+        a = self._save_args(item, args, save_args)
+        copy = self.asynchronous
+        if a is None:
+            a = _args.StandardSave(item)
+        captured = _items.capture(a, copy_host=copy, compression=self._compression)
+        tmp = _prepare_tmp(final, force)
+        compression, composite = self._compression, isinstance(a, _args.Composite)
+
+        def tail() -> None:
+            write_and_commit(
+                lambda: _items.write(tmp, captured, compression=compression, composite=composite),
+                tmp, final, force, _items.verify,
+            )
+
+        if self.asynchronous:
+            self._bg.start(tail, final)
+        else:
+            tail()
+
+    def restore(
+        self,
+        directory: str | os.PathLike,
+        item: Any = None,
+        *,
+        args: _args.CheckpointArgs | None = None,
+        strict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """Restore ``directory``: as saved, onto ``item``, or as ``args`` describe.
+
+        Without a handler (cairn's own convention) ``item`` is a :func:`restore` target and
+        ``kwargs`` are :func:`restore`'s (``paths``, ``partial``, ``cast``, ``mesh``).
+        """
+        self._bg.wait()
+        directory = os.fspath(directory)
+        if isinstance(item, _args.CheckpointArgs) and args is None:
+            item, args = None, item
+        if args is None and self._handler is None and not os.path.isfile(
+            os.path.join(directory, _items.ITEMS_FILE)
+        ):
+            return restore(directory, item, **kwargs)
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)} (pass args=ocp.args...)")
+        if args is None and item is not None:
+            extra = {"strict": strict} if isinstance(self._handler, StandardCheckpointHandler) else {}
+            args = (self._handler or StandardCheckpointHandler()).restore_args(item, **extra)
+        _require_committed(directory)
+        return _items.restore(directory, args)
+
+    def metadata(self, directory: str | os.PathLike) -> Any:
+        """Every saved path's :class:`LeafMetadata` (per item for a ``Composite``; ``"json"``
+        for JSON items), without reading array data."""
+        self._bg.wait()
+        directory = os.fspath(directory)
+        _require_committed(directory)
+        kinds = _items.item_kinds(directory)
+        out = {
+            n: (_restore.metadata_of(os.path.join(directory, n)) if k == "pytree" else "json")
+            for n, k in kinds.items()
+        }
+        return out[""] if "" in out else out
+
+
+class AsyncCheckpointer(Checkpointer):
+    """Saves in the background: :meth:`save` returns once device data is on the host.
+
+    Writing, metadata and the atomic commit run in a background thread. A second
+    :meth:`save` first waits for the previous one; an error raised in the background is
+    re-raised (as :class:`CheckpointError`) by the next call to any method. NumPy leaves are
+    copied at ``save`` time so the caller may change them; ``jax.Array`` leaves are
+    immutable and, on CPU, referenced without a copy.
+
+    >>> import tempfile, numpy as np
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> ckptr = AsyncCheckpointer()
+    >>> ckptr.save(d, {"w": np.ones(4)})
+    >>> ckptr.wait_until_finished()
+    >>> restore(d)["w"].sum()
+    np.float64(4.0)
+    """
+
+    asynchronous = True
+
+
+class StandardCheckpointer(AsyncCheckpointer):
+    """``AsyncCheckpointer(StandardCheckpointHandler())``: ``save(dir, tree)``,
+    ``restore(dir, abstract_tree=None, strict=True)``."""
+
+    def __init__(self, *, compression: str | None = None, **options: Any) -> None:
+        super().__init__(StandardCheckpointHandler(), compression=compression, **options)
+
+
+class PyTreeCheckpointer(Checkpointer):
+    """``Checkpointer(PyTreeCheckpointHandler())``: synchronous pytree saves with optional
+    per-leaf ``save_args`` / ``restore_args``."""
+
+    def __init__(self, *, compression: str | None = None, **options: Any) -> None:
+        super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)

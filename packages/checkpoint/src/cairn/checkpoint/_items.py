@@ -1,0 +1,134 @@
+"""What a ``Checkpointer`` writes for Orbax-style arguments, and how it reads it back.
+
+* pytree arguments (``StandardSave``, ``PyTreeSave``, ``ArraySave``): a plain checkpoint
+  directory, the same as :func:`save` writes (so :func:`restore` reads it too);
+* ``JsonSave``: a directory holding ``item.json`` (checksummed JSON) and the ``COMMIT`` marker;
+* ``Composite``: a directory with one subdirectory per item (each one of the above,
+  without its own marker), ``_ITEMS.json`` naming each item's kind, and one ``COMMIT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
+from cairn.checkpoint._errors import CheckpointError
+
+ITEMS_FILE = "_ITEMS.json"
+JSON_ITEM_FILE = "item.json"
+
+
+def jsonable(value: Any, where: str) -> Any:
+    """``value`` as it will read back from JSON; raises ``TypeError`` naming ``where``."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{where}: JsonSave needs a JSON-able value: {err}") from None
+
+
+def write_json_item(sub: str, value: Any) -> None:
+    """Write a JSON item into directory ``sub`` (primary process only) and sync it."""
+    if _multihost.is_primary():
+        os.makedirs(sub, exist_ok=True)
+        _fs.write_json_durable(os.path.join(sub, JSON_ITEM_FILE), value)
+        _fs.fsync_dir(sub)
+
+
+def read_json_item(sub: str) -> Any:
+    f = os.path.join(sub, JSON_ITEM_FILE)
+    if not os.path.isfile(f):
+        raise _fs.corrupt(f, "the JSON item's file is missing")
+    return _fs.read_json(f, require_checksum=True)
+
+
+def capture(args: _args.CheckpointArgs, *, copy_host: bool, compression: str | None) -> dict[str, Any]:
+    """``{name: ("pytree", Snapshot) | ("json", value)}`` (name ``""`` for a single item):
+    the blocking part of a save, done in the caller's thread."""
+    items = dict(args) if isinstance(args, _args.Composite) else {"": args}
+    if not items:
+        raise ValueError("Composite() has no items to save")
+    out: dict[str, Any] = {}
+    for name, a in items.items():
+        where = f"item {name!r}" if name else "save"
+        tree = _args.to_saved_tree(a, where)
+        if a.kind == "json":
+            out[name] = ("json", jsonable(tree, where))
+        else:
+            out[name] = ("pytree", _tree.snapshot(tree, copy_host=copy_host, compression=compression))
+    return out
+
+
+def write(tmp: str, captured: dict[str, Any], *, compression: str | None, composite: bool) -> None:
+    """Write captured items into the temporary directory ``tmp`` (the caller commits)."""
+    for name, (kind, value) in captured.items():
+        sub = os.path.join(tmp, name) if name else tmp
+        if kind == "json":
+            write_json_item(sub, value)
+        else:
+            if name:
+                os.makedirs(sub, exist_ok=True)
+            _tree.write(value, sub, compression=compression)
+    if composite and _multihost.is_primary():
+        kinds = {name: kind for name, (kind, _) in captured.items()}
+        _fs.write_json_durable(os.path.join(tmp, ITEMS_FILE), {"items": kinds})
+        _fs.fsync_dir(tmp)
+
+
+def verify(directory: str) -> None:
+    """Check the metadata of a directory written by :func:`write` (no array data)."""
+    kinds = item_kinds(directory)
+    for name, kind in kinds.items():
+        sub = os.path.join(directory, name) if name else directory
+        if kind == "json":
+            read_json_item(sub)
+        else:
+            _restore.check_dir(sub)
+
+
+def item_kinds(directory: str) -> dict[str, str]:
+    """``{name: "pytree" | "json"}`` of a composite directory, ``{"": kind}`` of a single item."""
+    f = os.path.join(directory, ITEMS_FILE)
+    if os.path.isfile(f):
+        meta = _fs.read_json(f, require_checksum=True)
+        kinds = meta.get("items") if isinstance(meta, dict) else None
+        if not isinstance(kinds, dict) or not all(k in ("pytree", "json") for k in kinds.values()):
+            raise _fs.corrupt(f, "its content is not {'items': {name: kind}}")
+        return kinds
+    return {"": "json" if os.path.isfile(os.path.join(directory, JSON_ITEM_FILE)) else "pytree"}
+
+
+def restore(directory: str, args: _args.CheckpointArgs | None) -> Any:
+    """Read back what :func:`write` wrote: one item, or a :class:`Composite` of items
+    (those named in a ``Composite`` ``args``, else all), each restored per its args."""
+    kinds = item_kinds(directory)
+    if "" in kinds:
+        if isinstance(args, _args.Composite):
+            raise CheckpointError(f"{directory} holds a single item, not a Composite")
+        return _restore_one(directory, kinds[""], args, "restore")
+    if args is not None and not isinstance(args, _args.Composite):
+        raise TypeError(
+            f"{directory} holds the items {sorted(kinds)}; restore it with args=ocp.args.Composite(...)"
+        )
+    wanted = dict(args) if args is not None else dict.fromkeys(kinds)
+    unknown = sorted(set(wanted) - set(kinds))
+    if unknown:
+        raise KeyError(f"{directory} has no item(s) {unknown}; it holds {sorted(kinds)}")
+    return _args.Composite(
+        {n: _restore_one(os.path.join(directory, n), kinds[n], a, f"item {n!r}") for n, a in wanted.items()}
+    )
+
+
+def _restore_one(sub: str, kind: str, args: _args.CheckpointArgs | None, where: str) -> Any:
+    if args is not None and args.saving:
+        raise TypeError(f"{where}: restore needs restore arguments, got {type(args).__name__}")
+    if kind == "json":
+        if args is not None and args.kind != "json":
+            raise TypeError(f"{where} was saved with JsonSave; restore it with JsonRestore, not {type(args).__name__}")
+        return read_json_item(sub)
+    if args is not None and args.kind == "json":
+        raise TypeError(f"{where} is a pytree; JsonRestore cannot read it")
+    if args is None:
+        return _restore.restore_dir(sub)
+    return _args.restore_pytree(sub, args, f"{where} of {sub}")

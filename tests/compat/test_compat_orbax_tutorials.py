@@ -1,0 +1,261 @@
+"""Orbax's "Checkpointing with Orbax" page (docs/guides/checkpoint/orbax_checkpoint_101.ipynb,
+orbax-checkpoint 0.12.8), cell by cell, with only the import changed: each section runs once
+with ``import orbax.checkpoint as ocp`` and once with ``import cairn.checkpoint as ocp``,
+and every value a cell displays is compared (values, dtypes, container and array types).
+
+The cells write to the fixed paths the tutorial uses (``/tmp/my-checkpoints/``...): each
+test uses its own path and runs Orbax, then cairn (each section starts by erasing its path).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+# --- the notebook runner and the comparison ---
+
+ORBAX_IMPORT = "import orbax.checkpoint as ocp"
+CAIRN_IMPORT = "import cairn.checkpoint as ocp"
+
+
+def swap_import(code: str, which: str) -> str:
+    return code.replace(ORBAX_IMPORT, CAIRN_IMPORT) if which == "cairn" else code
+
+
+def run_cells(cells: list[str], which: str) -> tuple[list[Any], dict[str, Any]]:
+    """(the value each cell displays, the namespace after the last cell)."""
+    ns: dict[str, Any] = {"__name__": f"tutorial_{which}"}
+    shown = []
+    for i, cell in enumerate(cells):
+        tree = ast.parse(swap_import(cell, which))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, f"<{which} cell {i}>", "exec"), ns)  # noqa: S102 - the tutorial's code
+        shown.append(eval(compile(last, f"<{which} cell {i}>", "eval"), ns) if last else None)  # noqa: S307
+    return shown, ns
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, jax.Array):
+        return "jax.Array"
+    if isinstance(x, np.ndarray) or (isinstance(x, np.generic)):
+        return "numpy"
+    return type(x).__name__
+
+
+def assert_same(got: Any, want: Any, path: str = "") -> bool:
+    """``got`` (cairn) equals ``want`` (Orbax) as a tree: mappings (a Composite included)
+    with the same keys, sequences of the same length (a tuple may come back as a list in
+    Orbax), leaves of the same kind (jax.Array / numpy / Python type), dtype and values."""
+    where = path or "<root>"
+    if isinstance(want, Mapping):
+        assert isinstance(got, Mapping), f"{where}: {type(got).__name__} instead of a mapping"
+        assert sorted(got) == sorted(want), f"{where}: keys {sorted(got)} vs {sorted(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{path}/{k}")
+        return True
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: {got!r} vs {want!r}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{path}/{i}")
+        return True
+    if isinstance(want, jax.sharding.Sharding):
+        assert isinstance(got, jax.sharding.Sharding), f"{where}: {got!r} vs {want!r}"
+        return True
+    assert _kind(got) == _kind(want), f"{where}: {_kind(got)} vs {_kind(want)}"
+    if hasattr(want, "dtype"):
+        assert np.dtype(got.dtype) == np.dtype(want.dtype), f"{where}: dtype {got.dtype} vs {want.dtype}"
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=where)
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+    return True
+
+
+# --- the tutorial's cells, verbatim ---
+
+IMPORTS = """\
+import numpy as np
+import orbax.checkpoint as ocp
+import jax"""
+
+SAVING_AND_RESTORING = [
+    IMPORTS,
+    "path = ocp.test_utils.erase_and_create_empty('/tmp/my-checkpoints/')",
+    """\
+my_tree = {
+    'a': np.arange(8),
+    'b': {
+        'c': 42,
+        'd': np.arange(16),
+    },
+}
+abstract_my_tree = jax.tree_util.tree_map(
+    ocp.utils.to_shape_dtype_struct, my_tree)""",
+    """\
+checkpointer = ocp.StandardCheckpointer()
+# 'checkpoint_name' must not already exist.
+checkpointer.save(path / 'checkpoint_name', my_tree)
+checkpointer.restore(
+    path / 'checkpoint_name/',
+    abstract_my_tree
+)""",
+    "checkpointer.metadata(path / 'checkpoint_name')",
+]
+
+SAVING_AND_RESTORING_AND_MULTIPLE_OBJECTS = [
+    *SAVING_AND_RESTORING,
+    """\
+metadata = {
+    'version': 1.0,
+    'lang': 'en',
+}""",
+    """\
+checkpointer = ocp.Checkpointer(
+    ocp.CompositeCheckpointHandler()
+)
+checkpointer.save(
+    path / 'composite_checkpoint',
+    args=ocp.args.Composite(
+        state=ocp.args.StandardSave(my_tree),
+        metadata=ocp.args.JsonSave(metadata),
+    ),
+)
+restored = checkpointer.restore(path / 'composite_checkpoint')""",
+    "restored.state",
+    "restored.metadata",
+    "list((path / 'composite_checkpoint').iterdir())",
+]
+
+MANAGING_CHECKPOINTS = [
+    IMPORTS,
+    """\
+path = ocp.test_utils.erase_and_create_empty('/tmp/checkpoint_manager')
+state = {
+    'a': np.arange(8),
+    'b': np.arange(16),
+}
+extra_params = [42, 43]""",
+    """\
+# Keeps a maximum of 3 checkpoints, and only saves every other step.
+options = ocp.CheckpointManagerOptions(max_to_keep=3, save_interval_steps=2)
+mngr = ocp.CheckpointManager(
+    path, options=options, item_names=('state', 'extra_params')
+)
+
+for step in range(11):  # [0, 1, ..., 10]
+  mngr.save(
+      step,
+      args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          extra_params=ocp.args.JsonSave(extra_params),
+      ),
+  )
+mngr.wait_until_finished()
+restored = mngr.restore(10)
+restored_state, restored_extra_params = restored.state, restored.extra_params""",
+    "mngr.all_steps()",
+    "mngr.latest_step()",
+    "mngr.should_save(11)",
+]
+
+STANDARD_RECIPE = [
+    IMPORTS,
+    """\
+import jax
+
+path = ocp.test_utils.erase_and_create_empty('/tmp/checkpoint_manager_sharded')
+
+sharding = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(jax.devices(), ('model',)),
+    jax.sharding.PartitionSpec(
+        'model',
+    ),
+)
+create_sharded_array = lambda x: jax.device_put(x, sharding)
+train_state = {
+    'a': np.arange(16),
+    'b': np.ones(16),
+}
+train_state = jax.tree_util.tree_map(create_sharded_array, train_state)
+jax.tree_util.tree_map(lambda x: x.sharding, train_state)""",
+    """\
+num_steps = 10
+options = ocp.CheckpointManagerOptions(max_to_keep=3, save_interval_steps=2)
+mngr = ocp.CheckpointManager(path, options=options)
+
+
+@jax.jit
+def train_fn(state):
+  return jax.tree_util.tree_map(lambda x: x + 1, state)
+
+
+for step in range(num_steps):
+  train_state = train_fn(train_state)
+  mngr.save(step, args=ocp.args.StandardSave(train_state))
+mngr.wait_until_finished()""",
+    "mngr.restore(mngr.latest_step())",
+    """\
+train_state = jax.tree_util.tree_map(np.zeros_like, train_state)
+sharding = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(jax.devices(), ('model',)),
+    jax.sharding.PartitionSpec(
+        None,
+    ),
+)
+create_sharded_array = lambda x: jax.device_put(x, sharding)
+train_state = jax.tree_util.tree_map(create_sharded_array, train_state)
+abstract_train_state = jax.tree_util.tree_map(
+    ocp.utils.to_shape_dtype_struct, train_state
+)""",
+    """\
+restored = mngr.restore(
+    mngr.latest_step(),
+    args=ocp.args.StandardRestore(abstract_train_state),
+)""",
+    "restored",
+    "jax.tree_util.tree_map(lambda x: x.sharding, restored)",
+]
+
+
+def _both(cells):
+    orbax = run_cells(cells, "orbax")
+    cairn = run_cells(cells, "cairn")
+    return orbax, cairn
+
+
+def test_saving_and_restoring_then_multiple_objects():
+    (o_out, o_ns), (c_out, c_ns) = _both(SAVING_AND_RESTORING_AND_MULTIPLE_OBJECTS)
+    assert_same(c_out[3], o_out[3])  # the restored tree
+    # metadata: a different object (ours: path -> LeafMetadata); the same shapes and dtypes
+    o_tree = o_out[4].item_metadata.tree
+    assert c_out[4]["a"].shape == o_tree["a"].shape == (8,)
+    assert c_out[4]["b/d"].dtype == str(o_tree["b"]["d"].dtype) == "int64"
+    assert c_out[4]["b/c"].value == 42
+    assert_same(c_out[7], o_out[7])  # restored.state
+    assert_same(c_out[8], o_out[8]) and c_out[8] == {"version": 1.0, "lang": "en"}
+    names = lambda listing: {p.name for p in listing}  # noqa: E731
+    assert {"state", "metadata"} <= names(c_out[9]) and {"state", "metadata"} <= names(o_out[9])
+    assert sorted(c_ns["restored"].keys()) == sorted(o_ns["restored"].keys())
+
+
+def test_managing_checkpoints():
+    (o_out, o_ns), (c_out, c_ns) = _both(MANAGING_CHECKPOINTS)
+    assert c_out[3] == o_out[3] == [6, 8, 10]
+    assert c_out[4] == o_out[4] == 10
+    assert c_out[5] is o_out[5] is False  # 11 is not a multiple of save_interval_steps
+    assert_same(c_ns["restored_state"], o_ns["restored_state"])
+    assert c_ns["restored_extra_params"] == o_ns["restored_extra_params"] == [42, 43]
+
+
+def test_a_standard_recipe_sharded():
+    (o_out, o_ns), (c_out, c_ns) = _both(STANDARD_RECIPE)
+    assert_same(c_out[3], o_out[3])  # restored as saved, with the saved sharding
+    assert_same(c_out[6], o_out[6])  # restored onto the abstract state
+    for k in ("a", "b"):
+        assert c_out[7][k] == o_out[7][k]  # the requested sharding
+        assert c_out[3][k].sharding.is_equivalent_to(o_out[3][k].sharding, 1)
