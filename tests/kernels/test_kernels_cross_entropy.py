@@ -117,7 +117,7 @@ class TestCrossEntropyXla(CrossEntropyBase):
             g = jax.jit(jax.value_and_grad(f, (0, 2)))
             return g.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-        with kernels.override("xla", {"block_v": 512}, op=OP):
+        with kernels.override("xla", {"block_v": 512, "block_b": 32}, op=OP):
             ours = temp(kernels.linear_softmax_cross_entropy_loss)
         theirs = temp(naive)
         logits_bytes = b * v * 4

@@ -36,11 +36,13 @@ def _bucket(x: Any, labels: Any, weights: Any, **kwargs: Any) -> tuple[Any, ...]
 def _xla_default(x: Any, labels: Any, weights: Any, **_: Any) -> dict[str, Any]:
     # about 8 MiB of float32 logits per chunk, a multiple of 128 columns
     per = max(128, (2 * 1024 * 1024 // max(1, x.shape[0])) // 128 * 128)
-    return {"block_v": int(min(per, 8192))}
+    # the loss-with-gradient pass: token chunks of about 2M float32 logits, a multiple of 8
+    rows = max(8, min(1024, (2 * 1024 * 1024 // max(1, weights.shape[1])) // 8 * 8))
+    return {"block_v": int(min(per, 8192)), "block_b": int(rows)}
 
 
 def _xla_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
-    return [{"block_v": v} for v in (512, 1024, 2048, 4096, 8192)]
+    return [{"block_v": v, "block_b": b} for v in (1024, 4096) for b in (32, 128, 512)]
 
 
 def _triton_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
@@ -98,10 +100,13 @@ def linear_softmax_cross_entropy_loss(
 ) -> jax.Array:
     """``reduction_i(logsumexp(x_i @ weights) - (x_i @ weights)[labels_i])`` without the logits.
 
-    The ``[tokens, vocab]`` logits are never stored: the XLA implementation walks the
-    vocabulary in chunks with an online logsumexp, the Triton kernel keeps each block's
-    logits on chip; the backward recomputes each chunk. Peak extra memory is one
-    ``[tokens, block_v]`` chunk instead of the whole logits (and their gradient).
+    The ``[tokens, vocab]`` logits are never stored. The loss alone: the XLA
+    implementation walks the vocabulary in chunks with an online logsumexp, the Triton
+    kernel keeps each block's logits on chip. Under differentiation the XLA
+    implementation computes the gradient with the loss, one token chunk (all its logits)
+    at a time, so a training step costs the naive form's three matmuls; the Triton
+    implementation's backward recomputes each vocabulary chunk. Peak extra memory is one
+    chunk of logits instead of all of them (and their gradient).
 
     Args:
       x: ``[tokens, hidden]``, the last hidden states.

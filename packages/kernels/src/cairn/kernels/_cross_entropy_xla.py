@@ -1,11 +1,12 @@
 """Linear softmax cross-entropy, the XLA implementation: never materialises ``[tokens, vocab]``.
 
-Forward: a loop over vocabulary chunks of ``block_v`` columns computes ``x @ w[:, chunk]``
-and folds it into a running max, sum of exponentials and label logit per token (online
-logsumexp), so the peak extra memory is one ``[tokens, block_v]`` chunk. Backward
-(``custom_vjp``): the same loop recomputes each chunk's logits from ``x``, ``w`` and the
-saved logsumexp, forms ``softmax - onehot`` for the chunk and adds its share of ``dx`` and
-writes its columns of ``dw``. The Pallas implementations reuse this backward.
+The loss: a loop over chunks of ``block_b`` tokens computes each chunk's logits, their
+logsumexp and the label logit, so the peak extra memory is one ``[block_b, vocab]`` chunk.
+Under differentiation (``custom_vjp``) the same loop also forms ``softmax - onehot`` and
+the chunk's share of ``dx`` and ``dw`` (the gradient up to the scalar cotangent), so a
+training step costs the naive form's three matmuls. The Triton implementation's backward
+instead recomputes vocabulary chunks of ``block_v`` from the saved logsumexp
+(:func:`grads_xla`).
 """
 
 from __future__ import annotations
@@ -28,27 +29,26 @@ def _pad_cols(w: jax.Array, block_v: int) -> jax.Array:
     return jnp.pad(w, ((0, 0), (0, pad))) if pad else w
 
 
-def stats_xla(x: Any, labels: Any, w: Any, *, block_v: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
-    """``(logsumexp, label_logit)`` per token, float32, chunked over the vocabulary."""
+def stats_xla(x: Any, labels: Any, w: Any, *, block_b: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
+    """``(logsumexp, label_logit)`` per token, float32, one chunk of ``block_b`` tokens (all
+    their logits) at a time: the naive form's operations, ``block_b / tokens`` of its memory."""
     b = x.shape[0]
-    v = w.shape[1]
-    wp = _pad_cols(w, block_v)
-    cols0 = jnp.arange(block_v, dtype=jnp.int32)
-    lab = labels.astype(jnp.int32)[:, None]
+    pad = -b % block_b
+    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    lab = jnp.pad(labels.astype(jnp.int32), (0, pad)) if pad else labels.astype(jnp.int32)
 
     def body(i, carry):
-        m, s, ll = carry
-        logits = jnp.dot(x, _chunk(wp, i, block_v), precision=precision, preferred_element_type=jnp.float32)
-        cols = i * block_v + cols0
-        logits = jnp.where(cols[None, :] < v, logits, -jnp.inf)
-        new_m = jnp.maximum(m, logits.max(axis=1))
-        s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[:, None]).sum(axis=1)
-        ll = ll + jnp.where(cols[None, :] == lab, logits, 0.0).sum(axis=1)
-        return new_m, s, ll
+        lse, ll = carry
+        xc = lax.dynamic_slice_in_dim(xp, i * block_b, block_b, 0)
+        lc = lax.dynamic_slice_in_dim(lab, i * block_b, block_b, 0)
+        logits = jnp.dot(xc, w, precision=precision, preferred_element_type=jnp.float32)
+        lse = lax.dynamic_update_slice_in_dim(lse, jax.nn.logsumexp(logits, axis=1), i * block_b, 0)
+        pick = jnp.take_along_axis(logits, lc[:, None], axis=1)[:, 0]
+        return lse, lax.dynamic_update_slice_in_dim(ll, pick, i * block_b, 0)
 
-    init = (jnp.full((b,), -jnp.inf, jnp.float32), jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32))
-    m, s, ll = lax.fori_loop(0, wp.shape[1] // block_v, body, init)
-    return m + jnp.log(s), ll
+    n = xp.shape[0]
+    lse, ll = lax.fori_loop(0, n // block_b, body, (jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.float32)))
+    return lse[:b], ll[:b]
 
 
 def grads_xla(x: Any, labels: Any, w: Any, lse: Any, coef: Any, *, block_v: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
@@ -75,9 +75,54 @@ def grads_xla(x: Any, labels: Any, w: Any, lse: Any, coef: Any, *, block_v: int,
     return dx.astype(x.dtype), dw[:, :v]
 
 
-def make_loss(stats: Callable[..., tuple[jax.Array, jax.Array]], block_v: int, precision: Any) -> Callable[..., Any]:
+def fused_xla(x, labels, w, *, block_b: int, precision: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(sum of per-token losses, dx, dw)`` in one pass over token chunks of ``block_b``.
+
+    Under differentiation the loss's gradient (up to the scalar cotangent) is computed with
+    the loss: each chunk's ``[block_b, vocab]`` logits give its logsumexp, its
+    ``softmax - onehot`` and its share of ``dx`` and ``dw`` at once, so a training step
+    runs three matmuls (as the naive form) instead of four (a recomputing backward) and
+    holds one chunk of logits instead of all of them.
+    """
+    b, h = x.shape
+    pad = -b % block_b
+    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    lab = jnp.pad(labels.astype(jnp.int32), (0, pad)) if pad else labels.astype(jnp.int32)
+    rows0 = jnp.arange(block_b, dtype=jnp.int32)
+    cols = jnp.arange(w.shape[1], dtype=jnp.int32)
+
+    def body(i, carry):
+        total, dx, dw = carry
+        xc = lax.dynamic_slice_in_dim(xp, i * block_b, block_b, 0)
+        lc = lax.dynamic_slice_in_dim(lab, i * block_b, block_b, 0)
+        valid = (i * block_b + rows0 < b)[:, None]
+        logits = jnp.dot(xc, w, precision=precision, preferred_element_type=jnp.float32)
+        m = logits.max(axis=1, keepdims=True)
+        e = jnp.exp(logits - m)
+        s = e.sum(axis=1, keepdims=True)
+        onehot = cols[None, :] == lc[:, None]
+        per = (m + jnp.log(s))[:, 0] - jnp.where(onehot, logits, 0.0).sum(axis=1)
+        total = total + jnp.where(valid[:, 0], per, 0.0).sum()
+        p = jnp.where(valid, e / s - onehot.astype(jnp.float32), 0.0).astype(w.dtype)
+        dxc = jnp.dot(p, w.T, precision=precision, preferred_element_type=jnp.float32)
+        dx = lax.dynamic_update_slice_in_dim(dx, dxc, i * block_b, 0)
+        dw = dw + jnp.dot(xc.T, p, precision=precision, preferred_element_type=jnp.float32)
+        return total, dx, dw
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(xp.shape, jnp.float32), jnp.zeros((h, w.shape[1]), jnp.float32))
+    total, dx, dw = lax.fori_loop(0, xp.shape[0] // block_b, body, init)
+    return total, dx[:b], dw
+
+
+def make_loss(
+    stats: Callable[..., tuple[jax.Array, jax.Array]],
+    block_v: int,
+    precision: Any,
+    fused: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None,
+) -> Callable[..., Any]:
     """A differentiable ``loss(x, labels, w, reduction)`` from a forward ``stats`` function
-    (``(lse, label_logit)`` per token) and the chunked XLA backward."""
+    (``(lse, label_logit)`` per token) and the chunked XLA backward; with ``fused``
+    (see :func:`fused_xla`) the gradient is computed with the loss under differentiation."""
 
     def reduce(per_token, reduction):
         total = per_token.sum()
@@ -89,13 +134,20 @@ def make_loss(stats: Callable[..., tuple[jax.Array, jax.Array]], block_v: int, p
         return reduce(lse - ll, reduction)
 
     def fwd(x, labels, w, reduction):
+        if fused is not None:
+            total, dx, dw = fused(x, labels, w)
+            value = total / x.shape[0] if reduction == "mean" else total
+            return value, (x, labels, w, (dx, dw))
         lse, ll = stats(x, labels, w)
         return reduce(lse - ll, reduction), (x, labels, w, lse)
 
     def bwd(reduction, res, g):
-        x, labels, w, lse = res
-        coef = g / x.shape[0] if reduction == "mean" else g
-        dx, dw = grads_xla(x, labels, w, lse, coef.astype(jnp.float32), block_v=block_v, precision=precision)
+        x, labels, w, saved = res
+        coef = (g / x.shape[0] if reduction == "mean" else g).astype(jnp.float32)
+        if fused is not None:
+            dx, dw = saved
+            return (dx * coef).astype(x.dtype), None, (dw * coef).astype(w.dtype)
+        dx, dw = grads_xla(x, labels, w, saved, coef, block_v=block_v, precision=precision)
         return dx, None, dw
 
     loss.defvjp(fwd, bwd)
@@ -112,11 +164,17 @@ def cross_entropy_xla(
     reduction: str = "sum",
     precision: Any = None,
 ) -> jax.Array:
-    """The XLA implementation; ``config["block_v"]`` is the vocabulary chunk."""
+    """The XLA implementation: ``config["block_b"]`` is the token chunk (all its logits are
+    held at once); ``config["block_v"]`` the vocabulary chunk of the recomputing backward
+    (used when the gradient is not computed with the loss)."""
     del interpret
     block_v = int(config.get("block_v", 2048))
-    if block_v < 1:
-        raise ValueError(f"config block_v={block_v} does not fit: must be positive")
+    block_b = int(config.get("block_b", 256))
+    for key, v in (("block_v", block_v), ("block_b", block_b)):
+        if v < 1:
+            raise ValueError(f"config {key}={v} does not fit: must be positive")
     block_v = min(block_v, weights.shape[1])
-    stats = functools.partial(stats_xla, block_v=block_v, precision=precision)
-    return make_loss(stats, block_v, precision)(x, labels, weights, reduction)
+    block_b = min(block_b, x.shape[0])
+    stats = functools.partial(stats_xla, block_b=block_b, precision=precision)
+    fused = functools.partial(fused_xla, block_b=block_b, precision=precision)
+    return make_loss(stats, block_v, precision, fused)(x, labels, weights, reduction)
