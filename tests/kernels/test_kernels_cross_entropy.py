@@ -154,3 +154,22 @@ def test_triton_forward_lowers_for_cuda():
     g = jax.grad(lambda a, c: fn(a, lab, c, config={}, interpret=False), (0, 1))
     exp = export.export(jax.jit(g), platforms=["cuda"], disabled_checks=checks)(x, w)
     assert "cuda" in exp.platforms
+
+
+def test_quantized_weights_int8_per_column():
+    from cairn.core_array import QArray, QuantLayout
+
+    rng, seed = tb.fresh_rng()
+    x, x64 = tb.randn(rng, (19, 16), "float32")
+    q = rng.integers(-127, 128, size=(16, 50)).astype(np.int8)
+    s = rng.uniform(0.001, 0.01, size=(1, 50)).astype(np.float32)
+    w = QArray(jnp.asarray(q), jnp.asarray(s), layout=QuantLayout.per_channel(1))
+    labels = rng.integers(0, 50, size=19)
+    lab = jnp.asarray(labels, jnp.int32)
+    with kernels.override("xla", {"block_b": 8}, op=OP):
+        loss, dx = jax.value_and_grad(lambda a: kernels.linear_softmax_cross_entropy_loss(a, lab, w))(x)
+        jaxpr = str(jax.make_jaxpr(lambda a: kernels.linear_softmax_cross_entropy_loss(a, lab, w))(x))
+    rl, rdx, _ = ref_loss_and_grads(x64, labels, q * s.astype(np.float64), "sum")
+    tb.assert_close(loss, rl, "float32", "int8 loss", seed, {"float32": 1e-4})
+    tb.assert_close(dx, rdx, "float32", "int8 d x", seed, tb.GRAD_TOL)
+    assert "i8[16,50]" in jaxpr

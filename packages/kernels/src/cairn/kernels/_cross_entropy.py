@@ -17,6 +17,7 @@ from cairn.core_array import QArray
 from cairn.kernels._cross_entropy_triton import DEFAULT_CONFIG as TRITON_DEFAULT
 from cairn.kernels._cross_entropy_triton import cross_entropy_triton
 from cairn.kernels._cross_entropy_xla import cross_entropy_xla
+from cairn.kernels._quantized_common import split_scale
 from cairn.kernels._registry import Implementation, call, ops, register, register_op
 
 __all__ = ["linear_softmax_cross_entropy_loss"]
@@ -52,7 +53,9 @@ def _triton_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _triton_supports(x: Any, labels: Any, weights: Any, **_: Any) -> str | None:
+def _triton_supports(x: Any, labels: Any, weights: Any, *, col_scale: Any = None, **_: Any) -> str | None:
+    if col_scale is not None:
+        return "quantized weights run on the xla implementation"
     if jnp.dtype(x.dtype) != jnp.dtype(weights.dtype):
         return f"x and weights dtypes differ ({jnp.dtype(x.dtype).name}, {jnp.dtype(weights.dtype).name})"
     return None
@@ -111,8 +114,10 @@ def linear_softmax_cross_entropy_loss(
     Args:
       x: ``[tokens, hidden]``, the last hidden states.
       labels: integer ``[tokens]``, class indices in ``[0, vocab)``.
-      weights: ``[hidden, vocab]`` projection, or a ``QArray`` of it (dequantized once in
-        the weights' dtype; the integer values are not used directly).
+      weights: ``[hidden, vocab]`` projection, or a ``QArray`` of it: with a per-vocabulary
+        column (or per-tensor) scale its integer values enter the matmuls and the scale
+        multiplies each chunk's logits (``xla`` implementation; no weight gradient);
+        other layouts are dequantized first.
       reduction: ``"sum"`` (Tokamax's default) or ``"mean"`` over tokens.
       precision: ``jax.lax`` precision of the projections.
       implementation: ``"xla"``, ``"pallas_triton"``, a sequence, or ``None``.
@@ -132,5 +137,10 @@ def linear_softmax_cross_entropy_loss(
     """
     _check(x, labels, weights, reduction, precision)
     if isinstance(weights, QArray):
-        weights = jnp.asarray(weights.dequantize()).astype(x.dtype)
+        values, scale = split_scale(weights, contracting=(0,))
+        if scale is not None:  # integer values in the matmuls, the column scale on the logits
+            col = jnp.broadcast_to(scale, (1, weights.shape[1]))
+            return call(OP, x, labels, values, implementation=implementation, reduction=reduction,
+                        precision=precision, col_scale=col)
+        weights = values.astype(x.dtype)
     return call(OP, x, labels, weights, implementation=implementation, reduction=reduction, precision=precision)

@@ -29,7 +29,16 @@ def _pad_cols(w: jax.Array, block_v: int) -> jax.Array:
     return jnp.pad(w, ((0, 0), (0, pad))) if pad else w
 
 
-def stats_xla(x: Any, labels: Any, w: Any, *, block_b: int, precision: Any = None) -> tuple[jax.Array, jax.Array]:
+def _logits(xc: Any, w: Any, col_scale: Any, precision: Any) -> jax.Array:
+    """``xc @ w`` in float32; quantized ``w`` (integer values) times its column scale."""
+    if col_scale is None:
+        return jnp.dot(xc, w, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.dot(xc, w.astype(xc.dtype), precision=precision, preferred_element_type=jnp.float32) * col_scale
+
+
+def stats_xla(
+    x: Any, labels: Any, w: Any, *, block_b: int, precision: Any = None, col_scale: Any = None
+) -> tuple[jax.Array, jax.Array]:
     """``(logsumexp, label_logit)`` per token, float32, one chunk of ``block_b`` tokens (all
     their logits) at a time: the naive form's operations, ``block_b / tokens`` of its memory."""
     b = x.shape[0]
@@ -41,7 +50,7 @@ def stats_xla(x: Any, labels: Any, w: Any, *, block_b: int, precision: Any = Non
         lse, ll = carry
         xc = lax.dynamic_slice_in_dim(xp, i * block_b, block_b, 0)
         lc = lax.dynamic_slice_in_dim(lab, i * block_b, block_b, 0)
-        logits = jnp.dot(xc, w, precision=precision, preferred_element_type=jnp.float32)
+        logits = _logits(xc, w, col_scale, precision)
         lse = lax.dynamic_update_slice_in_dim(lse, jax.nn.logsumexp(logits, axis=1), i * block_b, 0)
         pick = jnp.take_along_axis(logits, lc[:, None], axis=1)[:, 0]
         return lse, lax.dynamic_update_slice_in_dim(ll, pick, i * block_b, 0)
@@ -75,7 +84,9 @@ def grads_xla(x: Any, labels: Any, w: Any, lse: Any, coef: Any, *, block_v: int,
     return dx.astype(x.dtype), dw[:, :v]
 
 
-def fused_xla(x, labels, w, *, block_b: int, precision: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def fused_xla(
+    x: Any, labels: Any, w: Any, *, block_b: int, precision: Any = None, col_scale: Any = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(sum of per-token losses, dx, dw)`` in one pass over token chunks of ``block_b``.
 
     Under differentiation the loss's gradient (up to the scalar cotangent) is computed with
@@ -96,20 +107,26 @@ def fused_xla(x, labels, w, *, block_b: int, precision: Any = None) -> tuple[jax
         xc = lax.dynamic_slice_in_dim(xp, i * block_b, block_b, 0)
         lc = lax.dynamic_slice_in_dim(lab, i * block_b, block_b, 0)
         valid = (i * block_b + rows0 < b)[:, None]
-        logits = jnp.dot(xc, w, precision=precision, preferred_element_type=jnp.float32)
+        logits = _logits(xc, w, col_scale, precision)
         m = logits.max(axis=1, keepdims=True)
         e = jnp.exp(logits - m)
         s = e.sum(axis=1, keepdims=True)
         onehot = cols[None, :] == lc[:, None]
         per = (m + jnp.log(s))[:, 0] - jnp.where(onehot, logits, 0.0).sum(axis=1)
         total = total + jnp.where(valid[:, 0], per, 0.0).sum()
-        p = jnp.where(valid, e / s - onehot.astype(jnp.float32), 0.0).astype(w.dtype)
+        p = jnp.where(valid, e / s - onehot.astype(jnp.float32), 0.0)
+        if col_scale is not None:  # a frozen quantized weight: dx only
+            dxc = jnp.dot((p * col_scale).astype(xc.dtype), w.astype(xc.dtype).T, precision=precision,
+                          preferred_element_type=jnp.float32)
+            return total, lax.dynamic_update_slice_in_dim(dx, dxc, i * block_b, 0), dw
+        p = p.astype(w.dtype)
         dxc = jnp.dot(p, w.T, precision=precision, preferred_element_type=jnp.float32)
         dx = lax.dynamic_update_slice_in_dim(dx, dxc, i * block_b, 0)
         dw = dw + jnp.dot(xc.T, p, precision=precision, preferred_element_type=jnp.float32)
         return total, dx, dw
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(xp.shape, jnp.float32), jnp.zeros((h, w.shape[1]), jnp.float32))
+    dw_shape = (h, w.shape[1]) if col_scale is None else (1, 1)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(xp.shape, jnp.float32), jnp.zeros(dw_shape, jnp.float32))
     total, dx, dw = lax.fori_loop(0, xp.shape[0] // block_b, body, init)
     return total, dx[:b], dw
 
@@ -146,7 +163,8 @@ def make_loss(
         coef = (g / x.shape[0] if reduction == "mean" else g).astype(jnp.float32)
         if fused is not None:
             dx, dw = saved
-            return (dx * coef).astype(x.dtype), None, (dw * coef).astype(w.dtype)
+            dw_out = None if not jnp.issubdtype(w.dtype, jnp.floating) else (dw * coef).astype(w.dtype)
+            return (dx * coef).astype(x.dtype), None, dw_out
         dx, dw = grads_xla(x, labels, w, saved, coef, block_v=block_v, precision=precision)
         return dx, None, dw
 
@@ -163,8 +181,10 @@ def cross_entropy_xla(
     interpret: bool = False,
     reduction: str = "sum",
     precision: Any = None,
+    col_scale: Any = None,
 ) -> jax.Array:
-    """The XLA implementation: ``config["block_b"]`` is the token chunk (all its logits are
+    """The XLA implementation (``col_scale``: ``weights`` holds a quantized weight's
+    integer values and ``col_scale[vocab]`` its per-column scale; no weight gradient): ``config["block_b"]`` is the token chunk (all its logits are
     held at once); ``config["block_v"]`` the vocabulary chunk of the recomputing backward
     (used when the gradient is not computed with the loss)."""
     del interpret
@@ -175,6 +195,6 @@ def cross_entropy_xla(
             raise ValueError(f"config {key}={v} does not fit: must be positive")
     block_v = min(block_v, weights.shape[1])
     block_b = min(block_b, x.shape[0])
-    stats = functools.partial(stats_xla, block_b=block_b, precision=precision)
-    fused = functools.partial(fused_xla, block_b=block_b, precision=precision)
+    stats = functools.partial(stats_xla, block_b=block_b, precision=precision, col_scale=col_scale)
+    fused = functools.partial(fused_xla, block_b=block_b, precision=precision, col_scale=col_scale)
     return make_loss(stats, block_v, precision, fused)(x, labels, weights, reduction)
