@@ -90,7 +90,7 @@ def test_cli_serves_exported_models_with_a_token(repo):
 
 def test_sigterm_drains_in_flight_requests(repo):
     root, _ = repo
-    proc, addr, lines = _start(root, "--workers", "1")
+    proc, addr, _ = _start(root, "--workers", "1")
     results = []
 
     def send():
