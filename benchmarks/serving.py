@@ -7,7 +7,10 @@ time at concurrency 1, 16 and 64 and reports throughput and p50/p99 latency for:
 * ``bare-aiohttp``: one aiohttp route that parses the OIP JSON, calls the model inline on
   the event loop, and writes the OIP JSON answer (no validation, no queue, no metrics);
 * ``cairn-nobatch``: ``cairn.serving.serve`` with batching off (each request alone);
-* ``cairn-batch``: the same with dynamic batching (max_queue_delay 1 ms).
+* ``cairn-batch``: the same with dynamic batching, no queue delay;
+* ``cairn-batch-1ms``: dynamic batching with a 1 ms max queue delay;
+* ``... @400/s``: paced load (16 connections, 400 req/s in all: moderate, well below
+  saturation) for the p99 goal, the bare handler beside it as the machine's own noise.
 
 The model is an exported and loaded (``cairn.serving.export``/``load``) float32 MLP:
 ``small`` (64-256-256-16, JSON bodies) for the overhead comparison, ``compute`` (four
@@ -16,7 +19,7 @@ The model is an exported and loaded (``cairn.serving.export``/``load``) float32 
 handler at c=16 (ratio >= 0.9), batching >= 5x batch-1 throughput for the compute model at
 c=64, p99 under twice the queue delay plus the compute of one full batch at c=16.
 
-Prints a table, then ONE JSON line. ``--quick`` runs 2 s per point (about 1.5 minutes).
+Prints a table, then ONE JSON line. ``--quick`` runs 2 s per point (under 2 minutes).
 If ``benchmarks/_serving_export.py`` exists its export and cold-start rows are appended.
 """
 
@@ -299,7 +302,8 @@ def main() -> None:
         small = build_model(root, "small", (64, 256, 256, 16), 64)
         heavy = build_model(root, "compute", (2048,) * 5, 64)
         names = ["bare-aiohttp", "cairn-nobatch", "cairn-batch", "cairn-batch-1ms"]
-        points = [(n, c, 0.0) for n in names for c in (1, 16, 64)] + [("cairn-batch-1ms", 16, PACED_RATE)]
+        points = [(n, c, 0.0) for n in names for c in (1, 16, 64)]
+        points += [("bare-aiohttp", 16, PACED_RATE), ("cairn-batch", 16, PACED_RATE), ("cairn-batch-1ms", 16, PACED_RATE)]
         rows = measure(small, points, seconds, binary=False)
         rows += measure(heavy, [(n, 64, 0.0) for n in names], seconds, binary=True)
         full_batch = compute_time(small, 16)
@@ -317,6 +321,7 @@ def main() -> None:
         "batching_gain_compute_c64": rps("compute", "cairn-batch", 64) / rps("compute", "cairn-nobatch", 64),
         "batching_gain_compute_c64_1ms": rps("compute", "cairn-batch-1ms", 64) / rps("compute", "cairn-nobatch", 64),
         "p99_paced_c16_ms": get["small", f"cairn-batch-1ms @{PACED_RATE:.0f}/s", 16]["p99_ms"],
+        "p99_paced_c16_bare_ms": get["small", f"bare-aiohttp @{PACED_RATE:.0f}/s", 16]["p99_ms"],
         "p99_bound_ms": (2 * QUEUE_DELAY + full_batch) * 1e3,
         "errors": sum(r["errors"] for r in rows),
     }
