@@ -2,12 +2,11 @@
 
 Orbax's v0 surface is here too (``import cairn.checkpoint as ocp``): ``ocp.args``,
 ``Checkpointer`` and its handlers, ``CheckpointManager(directory, options=...,
-item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOLDER``,
+item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOLDER``, ``Transform``,
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
 from cairn.checkpoint import args, test_utils, utils
-from cairn.checkpoint._args import PLACEHOLDER, ArrayRestoreArgs, RestoreArgs, SaveArgs
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -29,6 +28,13 @@ from cairn.checkpoint._handlers import (
     JsonCheckpointHandler,
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
+)
+from cairn.checkpoint._leaf_args import (
+    PLACEHOLDER,
+    ArrayRestoreArgs,
+    RestoreArgs,
+    SaveArgs,
+    Transform,
 )
 from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
 from cairn.checkpoint._restore import LeafMetadata
@@ -59,6 +65,7 @@ __all__ = [
     "StandardCheckpointHandler",
     "StandardCheckpointer",
     "TargetMismatchError",
+    "Transform",
     "args",
     "load_safetensors",
     "metadata",

@@ -66,7 +66,7 @@ class CompositeCheckpointHandler(CheckpointHandler):
             f"got {type(item).__name__}"
         )
 
-    def restore_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs:
+    def restore_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs | None:  # type: ignore[override]
         if item is None or isinstance(item, _args.Composite):
             return item
         raise TypeError(

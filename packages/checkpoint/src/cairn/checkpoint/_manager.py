@@ -14,6 +14,7 @@ from typing import Any
 from cairn.checkpoint import _args, _fs, _items, _multihost, _ownership, _restore, _tree
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
+from cairn.checkpoint._handlers import CheckpointHandler
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.core_array import is_checkpointable
 
@@ -148,6 +149,8 @@ class CheckpointManager(_BackgroundSaver):
                 "options must be a CheckpointManagerOptions (Orbax's positional checkpointers "
                 f"argument is not supported: pass options=...), got {type(options).__name__}"
             )
+        if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
+            raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
         if metadata is not None:
             raise NotImplementedError("CheckpointManager(metadata=...) is not supported; save it as an item")
         self.item_names = tuple(item_names) if item_names is not None else None
@@ -399,13 +402,7 @@ class CheckpointManager(_BackgroundSaver):
             raise ValueError(f"step must be >= 0, got {step}")
         if custom_metadata is not None:
             raise NotImplementedError("save(custom_metadata=...) is not supported; pass metrics= or a JsonSave item")
-        single = args is not None and not isinstance(args, _args.Composite)
-        if args is not None:
-            if items is not None:
-                raise TypeError("pass either items or args=, not both")
-            items = {DEFAULT_ITEM: args} if single else dict(args)  # type: ignore[arg-type]
-        if not isinstance(items, Mapping) or not items:
-            raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
+        items, single = _named_items(items, args)
         if not force and not self.should_save(step):
             return False
         copies = self._copies(step).get(step, [])
@@ -693,6 +690,21 @@ class CheckpointManager(_BackgroundSaver):
             )
         target.set_state(state)
         return target
+
+
+def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:
+    """``save``'s items by name (from ``items`` or Orbax's ``args``) and whether they are
+    one non-Composite item (stored as ``"default"``)."""
+    single = args is not None and not isinstance(args, _args.Composite)
+    if args is not None:
+        if items is not None:
+            raise TypeError("pass either items or args=, not both")
+        if not isinstance(args, _args.CheckpointArgs):
+            raise TypeError(f"args must be ocp.args (StandardSave, Composite...), got {type(args).__name__}")
+        items = {DEFAULT_ITEM: args} if single else dict(args)  # type: ignore[call-overload]
+    if not isinstance(items, Mapping) or not items:
+        raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
+    return items, single
 
 
 def _legacy(items: Mapping[str, Any]) -> bool:

@@ -66,12 +66,17 @@ def _leaf_metadata(path: str, e: dict) -> LeafMetadata:
     return LeafMetadata(
         path,
         e["kind"],
-        spec.shape,
+        _concrete(spec),
         spec.dtype,
         sharding=spec.sharding,
         mesh=sh.get("mesh"),
         chunk_shape=tuple(e["chunk_shape"]),
     )
+
+
+def _concrete(spec: ArraySpec) -> tuple[int, ...]:
+    """A saved array's shape: always concrete (symbolic dims exist only in specs, not on disk)."""
+    return tuple(int(d) for d in spec.shape)
 
 
 def load_metadata(directory: str) -> dict:
@@ -424,7 +429,8 @@ def _plan_job(path: str, e: dict, want: _Want, stores: _Stores) -> _ReadJob:
     spec = ArraySpec.from_json(e["spec"])
     saved_dtype = spec.numpy_dtype
     kind = want.kind if want.kind != "scalar" else e["kind"]
-    bufs = _buffers(kind, want.sharding, spec.shape, saved_dtype)
+    shape = _concrete(spec)
+    bufs = _buffers(kind, want.sharding, shape, saved_dtype)
     needed = [b.region for b in bufs]
     # finer target shards than saved chunks: share one read of each chunk through a cache
     cached = len(bufs) > 1 and _storage.chunks_shared(needed, e["chunk_shape"])
@@ -432,7 +438,7 @@ def _plan_job(path: str, e: dict, want: _Want, stores: _Stores) -> _ReadJob:
         path=path,
         storage_dtype=e["storage_dtype"],
         kind=kind,
-        shape=spec.shape,
+        shape=shape,
         saved_dtype=saved_dtype,
         out_dtype=want.dtype if want.dtype is not None else saved_dtype,
         sharding=want.sharding,
