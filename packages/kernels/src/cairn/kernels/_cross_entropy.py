@@ -1,8 +1,9 @@
 """``linear_softmax_cross_entropy_loss``: the loss of a final projection without the logits.
 
 Tokamax's name and arguments. Implementations under op ``"linear_softmax_cross_entropy_loss"``:
-``xla`` (vocabulary-chunked online logsumexp, chunked ``custom_vjp`` backward) and
-``pallas_triton`` (a fused Triton forward kernel, the chunked backward).
+``xla`` (token-chunked, the gradient computed with the loss under differentiation),
+``pallas_triton`` and ``pallas_mosaic_gpu`` (fused forward kernels: the projection and an
+online logsumexp over vocabulary blocks; the chunked XLA backward).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
+from cairn.kernels._cross_entropy_mosaic import DEFAULT_CONFIG as MOSAIC_DEFAULT
+from cairn.kernels._cross_entropy_mosaic import cross_entropy_mosaic
 from cairn.kernels._cross_entropy_triton import DEFAULT_CONFIG as TRITON_DEFAULT
 from cairn.kernels._cross_entropy_triton import cross_entropy_triton
 from cairn.kernels._cross_entropy_xla import cross_entropy_xla
@@ -61,6 +64,30 @@ def _triton_supports(x: Any, labels: Any, weights: Any, *, col_scale: Any = None
     return None
 
 
+def _mosaic_supports(x: Any, labels: Any, weights: Any, **kwargs: Any) -> str | None:
+    reason = _triton_supports(x, labels, weights, **kwargs)
+    if reason is not None:
+        return reason
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"x dtype {jnp.dtype(x.dtype).name}: wgmma takes bfloat16 or float16"
+    if weights.shape[1] % 32:
+        return f"vocabulary size {weights.shape[1]} is not a multiple of 32 (block_v must divide it)"
+    return None
+
+
+def _mosaic_default(x: Any, labels: Any, weights: Any, **_: Any) -> dict[str, Any]:
+    v = weights.shape[1]
+    return {**MOSAIC_DEFAULT, "block_v": next((b for b in (256, 128, 64) if v % b == 0), 32)}
+
+
+def _mosaic_configs(x: Any, labels: Any, weights: Any, **_: Any) -> list[dict[str, Any]]:
+    v = weights.shape[1]
+    return [
+        {**MOSAIC_DEFAULT, "block_v": bv, "block_h": bh, "max_concurrent_steps": st}
+        for bv in (64, 128, 256) if v % bv == 0 for bh in (64, 128) for st in (2, 4)
+    ]
+
+
 # registered once: a doctest run imports this module a second time under another name
 if OP not in ops():
     register_op(OP, bucket=_bucket)
@@ -74,6 +101,12 @@ if OP not in ops():
         Implementation(
             OP, "pallas_triton", cross_entropy_triton, frozenset({"gpu"}), configs=_triton_configs,
             default_config=lambda *a, **k: dict(TRITON_DEFAULT), supports=_triton_supports,
+        )
+    )
+    register(
+        Implementation(
+            OP, "pallas_mosaic_gpu", cross_entropy_mosaic, frozenset({"gpu"}), configs=_mosaic_configs,
+            default_config=_mosaic_default, supports=_mosaic_supports,
         )
     )
 
@@ -120,7 +153,7 @@ def linear_softmax_cross_entropy_loss(
         other layouts are dequantized first.
       reduction: ``"sum"`` (Tokamax's default) or ``"mean"`` over tokens.
       precision: ``jax.lax`` precision of the projections.
-      implementation: ``"xla"``, ``"pallas_triton"``, a sequence, or ``None``.
+      implementation: ``"xla"``, ``"pallas_triton"``, ``"pallas_mosaic_gpu"``, a sequence, or ``None``.
 
     Returns:
       The scalar float32 loss.
