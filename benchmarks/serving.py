@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 QUEUE_DELAY = 0.001
+WARMUP = 0.5  # seconds of load before measuring
 PACED_RATE = 400.0  # req/s for the moderate-load p99 point (c=16), well below saturation
 
 # --- load generator (runs in a subprocess) ---
@@ -253,10 +254,14 @@ def measure(model: Any, points: list[tuple[str, int, float]], seconds: float, bi
             for name, c, rate in points:
                 if name != config:
                     continue
+                cpu = time.process_time()  # this process is the server (the client is another one)
                 r = run_load(port, "/v2/models/m/infer", body, c, seconds, rate)
+                served = r["requests"] * (seconds + WARMUP) / seconds  # the warm-up's requests cost CPU too
+                r["cpu_us"] = (time.process_time() - cpu) / max(served, 1) * 1e6
                 label = config + (f" @{rate:.0f}/s" if rate else "")
                 rows.append({"model": model.name, "server": label, "c": c, "format": "binary" if binary else "json", **r})
-                print(f"  {model.name:8s} {label:22s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms", flush=True)
+                print(f"  {model.name:8s} {label:22s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms"
+                      f"  {r['cpu_us']:6.0f} us CPU/req", flush=True)
         finally:
             stop()
     return rows
@@ -275,10 +280,11 @@ def compute_time(model: Any, rows: int, repeat: int = 20) -> float:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"| {'model':8s} | {'body':6s} | {'server':22s} | {'c':>3s} | {'req/s':>7s} | {'p50 ms':>7s} | {'p99 ms':>7s} | errors |",
-             "|---|---|---|--:|--:|--:|--:|--:|"]
+    lines = [f"| {'model':8s} | {'body':6s} | {'server':22s} | {'c':>3s} | {'req/s':>7s} | {'p50 ms':>7s} | {'p99 ms':>7s} | CPU us/req | errors |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
-        lines.append(f"| {r['model']:8s} | {r['format']:6s} | {r['server']:22s} | {r['c']:3d} | {r['rps']:7.0f} | {r['p50_ms']:7.2f} | {r['p99_ms']:7.2f} | {r['errors']:6d} |")
+        lines.append(f"| {r['model']:8s} | {r['format']:6s} | {r['server']:22s} | {r['c']:3d} | {r['rps']:7.0f} | {r['p50_ms']:7.2f} | "
+                     f"{r['p99_ms']:7.2f} | {r['cpu_us']:10.0f} | {r['errors']:6d} |")
     return "\n".join(lines)
 
 
@@ -291,7 +297,7 @@ def main() -> None:
         port, payload, c, seconds, rate = args.loadgen
         with open(payload, "rb") as f:
             data = f.read()
-        print(json.dumps(asyncio.run(_loadgen("127.0.0.1", int(port), data, int(c), float(seconds), 0.5, float(rate)))))
+        print(json.dumps(asyncio.run(_loadgen("127.0.0.1", int(port), data, int(c), float(seconds), WARMUP, float(rate)))))
         return
     seconds = 2.0 if args.quick else 8.0
     tools = [t for t in ("wrk", "hey") if shutil.which(t)]
@@ -318,6 +324,8 @@ def main() -> None:
         "batch_vs_bare_c16": rps("small", "cairn-batch", 16) / rps("small", "bare-aiohttp", 16),
         "nobatch_vs_bare_c16": rps("small", "cairn-nobatch", 16) / rps("small", "bare-aiohttp", 16),
         "nobatch_vs_bare_c1": rps("small", "cairn-nobatch", 1) / rps("small", "bare-aiohttp", 1),
+        "cpu_per_req_vs_bare_c16": get["small", "cairn-batch", 16]["cpu_us"] / get["small", "bare-aiohttp", 16]["cpu_us"],
+        "cpu_per_req_nobatch_vs_bare_c16": get["small", "cairn-nobatch", 16]["cpu_us"] / get["small", "bare-aiohttp", 16]["cpu_us"],
         "batching_gain_compute_c64": rps("compute", "cairn-batch", 64) / rps("compute", "cairn-nobatch", 64),
         "batching_gain_compute_c64_1ms": rps("compute", "cairn-batch-1ms", 64) / rps("compute", "cairn-nobatch", 64),
         "p99_paced_c16_ms": get["small", f"cairn-batch-1ms @{PACED_RATE:.0f}/s", 16]["p99_ms"],
