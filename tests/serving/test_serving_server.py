@@ -293,3 +293,37 @@ def test_server_stop_drains_and_refuses_new_connections(start_server):
     assert results[0][0] == 200 and results[0][1]["connection"] == "close"
     with pytest.raises(OSError):
         RawClient(server).request("GET", "/v2/health/live")
+
+
+def test_concurrent_clients_on_two_models_get_their_own_rows(start_server):
+    """Eight clients, two models (one on the shared pool, one inline), random batch sizes
+    padded to buckets: every answer equals the model run alone on that request."""
+    mlp, aff = mlp_model(max_batch_size=16), affine_model(max_batch_size=8)
+    batching = {"mlp": BatchingConfig(max_queue_delay=0.002, run_inline=False), "affine": BatchingConfig(max_queue_delay=0.001)}
+    server = start_server([mlp, aff], batching=batching, workers=2)
+    failures = []
+
+    def client(seed):
+        rng = np.random.default_rng(seed)
+        c = RawClient(server)
+        for _ in range(25):
+            n = int(rng.integers(1, 6))
+            if rng.random() < 0.5:
+                x = rng.normal(size=(n, 8))
+                status, _, body = c.infer_json("mlp", x, datatype="FP64")
+                want = mlp({"x": x})["y"]
+            else:
+                x = rng.normal(size=(n, 4)).astype(np.float32)
+                status, _, body = c.infer_json("affine", x, outputs=[{"name": "y"}])
+                want = aff({"x": x})["y"]
+            got = np.array(json.loads(body)["outputs"][0]["data"]).reshape(want.shape) if status == 200 else None
+            if got is None or not np.array_equal(got.astype(want.dtype), want):
+                failures.append((seed, status, body[:200]))
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
