@@ -146,6 +146,8 @@ def get(tree: Any, key: Any, default: Any = None, filtering: Filter | None = Non
       default: returned when nothing matches.
       filtering: optional ``filtering(path, value) -> bool`` to choose among matches.
 
+    Values inside our ``ScaleByLearningRateState`` (bookkeeping that Optax's aliases do not
+    have: the learning rate and its step count) are used only when nothing else matches.
     Several matches that hold the same value (our Adam keeps its step count both in
     ``ScaleByAdamState`` and in the learning-rate state, and ``inject_hyperparams`` mirrors the
     learning rate into the inner state) give that value, the outermost one; under tracing,
@@ -155,6 +157,9 @@ def get(tree: Any, key: Any, default: Any = None, filtering: Filter | None = Non
       KeyError: several values match and differ (the message lists their paths).
     """
     found = get_all_with_path(tree, key, filtering)
+    primary = [(p, v) for p, v in found if not any(
+        getattr(e, "tuple_name", None) == "ScaleByLearningRateState" for e in p)]
+    found = primary or found
     if len(found) > 1 and not all(_same(found[0][1], v) for _, v in found[1:]):
         paths = [jax.tree_util.keystr(p) for p, _ in found]
         raise KeyError(f"tree.get: {len(found)} values are named {key!r} (at {paths}); "
