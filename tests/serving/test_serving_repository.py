@@ -169,3 +169,44 @@ def test_hot_reload_under_load_drops_nothing(tmp_path, start_server, via):
             out = json.loads(b)
             assert out["outputs"][0]["data"] == [2.0 + float(out["model_version"])] * 4
     assert server.app is not None and list(server.app.live["m"]) == [2]
+
+
+def test_hot_reload_of_exported_versions_under_load(tmp_path, start_server):
+    """Real export directories loaded with cairn.serving.load: version 2 (other weights) is
+    exported while four clients hammer version 1, then loaded through tritonclient."""
+    import jax.numpy as jnp
+
+    from cairn.core_array import ArraySpec
+    from cairn.serving import export
+
+    def fn(p, inputs):
+        return {"y": jnp.tanh(inputs["x"] @ p["w"])}
+
+    spec = {"x": ArraySpec(("b", 4), "float32", constraints=("b <= 4",))}
+    ws = {v: np.random.default_rng(v).normal(size=(4, 4)).astype(np.float32) for v in (1, 2)}
+    export(fn, {"w": ws[1]}, spec, tmp_path / "m" / "1", batch_buckets=(4,))
+    server = start_server(str(tmp_path), batching=BatchingConfig(max_queue_delay=0.0005))
+    x = np.linspace(-1, 1, 4, dtype=np.float32).reshape(1, 4)
+    stop, results = threading.Event(), [[] for _ in range(4)]
+    threads = [threading.Thread(target=hammer, args=(server, "m", stop, results[i], x)) for i in range(4)]
+    for t in threads:
+        t.start()
+    export(fn, {"w": ws[2]}, spec, tmp_path / "m" / "2", batch_buckets=(4,))
+    client = th.InferenceServerClient(server.url.removeprefix("http://"))
+    client.load_model("m")
+    assert client.get_model_metadata("m")["versions"] == ["2"]
+    n = sum(len(r) for r in results)
+    while sum(len(r) for r in results) < n + 40:
+        threading.Event().wait(0.01)
+    stop.set()
+    for t in threads:
+        t.join()
+    client.close()
+    for r in results:
+        assert r and all(status == 200 for status, _ in r)
+        versions = [json.loads(b)["model_version"] for _, b in r]
+        assert versions == sorted(versions) and versions[-1] == "2"
+        for _, b in r:
+            out = json.loads(b)
+            want = np.tanh(x.astype(np.float64) @ ws[int(out["model_version"])])
+            np.testing.assert_allclose(np.array(out["outputs"][0]["data"]).reshape(1, 4), want, rtol=1e-5, atol=1e-6)
