@@ -1,0 +1,287 @@
+"""Orbax's v0 names on cairn.checkpoint (issue 18): each name's behaviour, and bad input
+raising errors that name the path or argument. The tutorials themselves, run against real
+Orbax, are in tests/compat/test_compat_orbax_tutorials.py."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cairn.checkpoint as ocp
+
+
+@pytest.fixture
+def tree():
+    return {"a": np.arange(6, dtype=np.int32), "b": {"c": jnp.linspace(0.0, 1.0, 5), "n": 3}}
+
+
+# --- ocp.args ---
+def test_composite_access_by_key_and_attribute_and_immutable():
+    c = ocp.args.Composite(state=ocp.args.StandardSave({"w": 1}), meta=ocp.args.JsonSave({"k": 1}))
+    assert c["state"] is c.state and set(c) == {"state", "meta"} and len(c) == 2
+    assert c == ocp.args.Composite({"state": c.state, "meta": c.meta})
+    with pytest.raises(AttributeError, match="no item 'nope'.*'meta', 'state'"):
+        _ = c.nope
+    with pytest.raises(AttributeError, match="immutable"):
+        c.state = None
+    with pytest.raises(ValueError, match="non-empty strings"):
+        ocp.args.Composite({"": ocp.args.JsonSave(1)})
+
+
+def test_save_args_dtype_casts_before_writing(tmp_path, tree):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", args=ocp.args.PyTreeSave(tree, save_args={"a": ocp.SaveArgs(dtype=np.int16)}))
+    got = ck.restore(tmp_path / "c")
+    assert got["a"].dtype == np.int16
+    np.testing.assert_array_equal(got["a"], tree["a"].astype(np.int16))
+    assert got["b"]["c"].dtype == jnp.float32 and got["b"]["n"] == 3
+
+
+@pytest.mark.parametrize(
+    ("save_args", "error", "match"),
+    [
+        ({"zz": ocp.SaveArgs()}, ValueError, r"save_args has paths \['zz'\]"),
+        ({"a": "int16"}, TypeError, "at 'a'.*must be ocp.SaveArgs"),
+        ({"b": {"n": ocp.SaveArgs(dtype=np.int8)}}, TypeError, "at 'b/n'.*needs an array leaf"),
+    ],
+)
+def test_bad_save_args_name_the_path(tmp_path, tree, save_args, error, match):
+    with pytest.raises(error, match=match):
+        ocp.PyTreeCheckpointer().save(tmp_path / "c", args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    assert not (tmp_path / "c").exists()
+
+
+def test_save_args_validation():
+    with pytest.raises(NotImplementedError, match="aggregate"):
+        ocp.SaveArgs(aggregate=True)
+    with pytest.raises(ValueError, match="chunk_byte_size"):
+        ocp.SaveArgs(chunk_byte_size=0)
+    with pytest.raises(ValueError, match="ocdbt_target_data_file_size"):
+        ocp.args.PyTreeSave({}, ocdbt_target_data_file_size=-1)
+    with pytest.raises(NotImplementedError, match="support_layout"):
+        ocp.args.StandardRestore(support_layout=True)
+    with pytest.raises(NotImplementedError, match="multi_value_fn"):
+        ocp.Transform(multi_value_fn=lambda *a: a)
+
+
+def test_restore_args_given_to_save_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="expected save arguments.*StandardRestore"):
+        ocp.StandardCheckpointer().save(tmp_path / "c", args=ocp.args.StandardRestore({"a": 1}))
+
+
+def test_json_items_must_be_json_able_and_name_the_item(tmp_path):
+    ck = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    with pytest.raises(TypeError, match="item 'meta': JsonSave needs a JSON-able value"):
+        ck.save(tmp_path / "c", args=ocp.args.Composite(meta=ocp.args.JsonSave({"x": object()})))
+
+
+# --- checkpointers ---
+def test_checkpointer_refuses_existing_directory_unless_forced(tmp_path, tree):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    with pytest.raises(FileExistsError, match="already exists"):
+        ck.save(tmp_path / "c", tree)
+    ck.save(tmp_path / "c", {"x": 1}, force=True)
+    assert ck.restore(tmp_path / "c") == {"x": 1}
+
+
+def test_checkpointer_needs_a_handler_instance():
+    with pytest.raises(TypeError, match="handler must be an ocp.*CheckpointHandler"):
+        ocp.Checkpointer(ocp.StandardCheckpointHandler)
+
+
+def test_composite_checkpointer_round_trip_and_selected_items(tmp_path, tree):
+    ck = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    ck.save(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave([1, "x"])))
+    got = ck.restore(tmp_path / "c")
+    assert got.meta == [1, "x"] and got.state["b"]["n"] == 3
+    only = ck.restore(tmp_path / "c", args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    assert list(only) == ["meta"]
+    with pytest.raises(KeyError, match=r"no item\(s\) \['other'\]; it holds \['meta', 'state'\]"):
+        ck.restore(tmp_path / "c", args=ocp.args.Composite(other=ocp.args.JsonRestore()))
+    with pytest.raises(TypeError, match="'meta' was saved with JsonSave"):
+        ck.restore(tmp_path / "c", args=ocp.args.Composite(meta=ocp.args.StandardRestore()))
+    with pytest.raises(TypeError, match="'state' is a pytree; JsonRestore cannot read it"):
+        ck.restore(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.JsonRestore()))
+    meta = ck.metadata(tmp_path / "c")
+    assert meta["meta"] == "json" and meta["state"]["a"].shape == (6,)
+    with pytest.raises(TypeError, match="saves args=ocp.args.Composite"):
+        ck.save(tmp_path / "d", tree)
+
+
+def test_json_checkpointer_and_array_checkpointer(tmp_path):
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(tmp_path / "j", {"lr": 0.1})
+    assert ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(tmp_path / "j") == {"lr": 0.1}
+    arr = ocp.Checkpointer(ocp.ArrayCheckpointHandler())
+    arr.save(tmp_path / "a", args=ocp.args.ArraySave(np.arange(4.0)))
+    np.testing.assert_array_equal(arr.restore(tmp_path / "a"), np.arange(4.0))
+    got = arr.restore(tmp_path / "a", args=ocp.args.ArrayRestore(restore_args=ocp.RestoreArgs(dtype=np.float32)))
+    assert got.dtype == np.float32
+
+
+def test_async_checkpointer_with_a_handler_commits_in_the_background(tmp_path, tree):
+    ck = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    ck.save(tmp_path / "c", args=ocp.args.StandardSave(tree))
+    ck.wait_until_finished()
+    assert os.path.exists(tmp_path / "c" / "COMMIT")
+    got = ck.restore(tmp_path / "c")
+    assert isinstance(got["b"]["c"], jax.Array) and isinstance(got["a"], np.ndarray)
+    ck.close()
+
+
+def test_standard_checkpointer_casts_to_the_target_dtype_as_orbax(tmp_path, tree):
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    target = {"a": jax.ShapeDtypeStruct((6,), np.float32), "b": {"c": jax.ShapeDtypeStruct((5,), jnp.bfloat16), "n": 0}}
+    got = ck.restore(tmp_path / "c", target)
+    assert isinstance(got["a"], np.ndarray) and got["a"].dtype == np.float32  # numpy stays numpy
+    np.testing.assert_array_equal(got["a"], tree["a"].astype(np.float32))
+    assert isinstance(got["b"]["c"], jax.Array) and got["b"]["c"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got["b"]["c"]), np.asarray(tree["b"]["c"]).astype(jnp.bfloat16))
+
+
+def test_shape_mismatch_is_an_error_unless_strict_false_truncates_and_pads(tmp_path, tree):
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    target = {"a": jax.ShapeDtypeStruct((4,), np.int32), "b": {"c": jax.ShapeDtypeStruct((8,), jnp.float32), "n": 0}}
+    with pytest.raises(ocp.TargetMismatchError, match=r"shape differs at 'a': checkpoint \(6,\), target \(4,\)"):
+        ck.restore(tmp_path / "c", target)
+    got = ck.restore(tmp_path / "c", target, strict=False)
+    np.testing.assert_array_equal(got["a"], tree["a"][:4])
+    want_c = np.zeros(8, np.float32)
+    want_c[:5] = np.asarray(tree["b"]["c"])
+    np.testing.assert_array_equal(np.asarray(got["b"]["c"]), want_c)
+    with pytest.raises(ValueError, match=r"at 'a'.*another rank"):
+        ck.restore(tmp_path / "c", dict(target, a=jax.ShapeDtypeStruct((2, 3), np.int32)), strict=False)
+
+
+def test_partial_restore_and_placeholder(tmp_path, tree):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    with pytest.raises(ocp.TargetMismatchError, match="not in target: 'a'"):
+        ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore({"b": {"c": np.zeros(5), "n": 0}}))
+    got = ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore({"b": {"n": 0}}, partial_restore=True))
+    assert got == {"b": {"n": 3}}
+    got = ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore({"a": ocp.PLACEHOLDER, "b": {"c": ocp.PLACEHOLDER, "n": 0}}))
+    assert got == {"a": ocp.PLACEHOLDER, "b": {"c": ocp.PLACEHOLDER, "n": 3}}
+
+
+def test_restore_args_alone_give_the_structure(tmp_path, tree):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    ra = {
+        "a": ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.int64),
+        "b": {"c": ocp.ArrayRestoreArgs(mesh=mesh, mesh_axes=jax.sharding.PartitionSpec("x")), "n": ocp.RestoreArgs()},
+    }
+    got = ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(restore_args=ra))
+    assert set(got) == {"a", "b"} and got["b"]["n"] == 3
+    assert isinstance(got["a"], np.ndarray) and got["a"].dtype == np.int64
+    assert got["b"]["c"].sharding.spec == jax.sharding.PartitionSpec("x")
+    with pytest.raises(ocp.TargetMismatchError, match=r"restore_args name paths the checkpoint lacks: \['z'\]"):
+        ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(restore_args={"z": ocp.RestoreArgs()}))
+    with pytest.raises(ValueError, match=r"shape differs at 'a': checkpoint \(6,\), target \(7,\)"):
+        ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(restore_args={"a": ocp.ArrayRestoreArgs(global_shape=(7,))}, partial_restore=True))
+
+
+def test_transforms_rename_apply_value_fn_and_fall_back(tmp_path, tree):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    item = {"x": ..., "y": ..., "z": np.ones(2)}
+    tf = {
+        "x": ocp.Transform(original_key="a"),
+        "y": ocp.Transform(original_key="b/c", value_fn=lambda v: v * 2),
+        "z": ocp.Transform(original_key="missing", use_fallback=True),
+    }
+    got = ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(item=item, transforms=tf))
+    np.testing.assert_array_equal(got["x"], tree["a"])
+    np.testing.assert_allclose(np.asarray(got["y"]), np.asarray(tree["b"]["c"]) * 2)
+    np.testing.assert_array_equal(got["z"], np.ones(2))
+    with pytest.raises(ocp.TargetMismatchError, match="transform of 'z' reads 'missing'"):
+        ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(item=item, transforms=dict(tf, z=ocp.Transform("missing"))))
+    with pytest.raises(ValueError, match=r"transforms name paths \['q'\] that the item lacks"):
+        ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(item=item, transforms={"q": ocp.Transform("a")}))
+    with pytest.raises(ValueError, match="transforms need an item"):
+        ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(transforms=tf))
+
+
+# --- CheckpointManager ---
+def test_manager_single_item_args_round_trip(tmp_path, tree):
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, max_to_keep=2)
+    assert opts.enable_async is False
+    with ocp.CheckpointManager(tmp_path, options=opts) as mngr:
+        for step in range(3):
+            assert mngr.save(step, args=ocp.args.StandardSave(tree))
+        assert mngr.all_steps() == [1, 2]
+        got = mngr.restore(2)
+        assert list(got) == ["a", "b"] and got["b"]["n"] == 3
+        got = mngr.restore(2, args=ocp.args.StandardRestore({"a": np.zeros(6, np.float64), "b": {"c": np.zeros(5), "n": 0}}))
+        assert got["a"].dtype == np.float64 and isinstance(got["b"]["c"], np.ndarray)
+        assert os.path.isdir(tmp_path / "2" / "default")
+
+
+def test_manager_composite_with_json_and_state_items(tmp_path, tree):
+    class It:
+        def __init__(self):
+            self.i = 5
+
+        def get_state(self):
+            return {"i": self.i}
+
+        def set_state(self, s):
+            self.i = s["i"]
+
+    with ocp.CheckpointManager(tmp_path, item_names=("state", "cfg")) as mngr:
+        mngr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), cfg=ocp.args.JsonSave({"lr": 0.1})))
+        mngr.wait_until_finished()
+        got = mngr.restore(0)
+        assert got.cfg == {"lr": 0.1} and got.state["b"]["n"] == 3
+        assert mngr.item_metadata(0)["cfg"] == "json"
+        with pytest.raises(TypeError, match=r"holds the items \['cfg', 'state'\]; restore it with args=ocp.args.Composite"):
+            mngr.restore(0, args=ocp.args.StandardRestore())
+        mngr.save(1, {"it": It(), "tree": tree})  # cairn's own dict API still answers a dict
+        mngr.wait_until_finished()
+        it = It()
+        it.i = 0
+        got = mngr.restore(1, {"it": it, "tree": None})
+        assert type(got) is dict and got["it"].i == 5
+        with pytest.raises(TypeError, match="either items or args"):
+            mngr.save(2, {"x": 1}, args=ocp.args.StandardSave({"x": 1}))
+        with pytest.raises(TypeError, match="args must be ocp.args"):
+            mngr.save(2, args={"x": 1})
+
+
+def test_manager_json_item_damage_is_reported_as_corruption(tmp_path):
+    with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async=False)) as mngr:
+        mngr.save(0, args=ocp.args.Composite(cfg=ocp.args.JsonSave({"lr": 0.1})))
+    with open(tmp_path / "0" / "cfg" / "item.json", "r+b") as f:
+        f.seek(5)
+        f.write(b"#")
+    mngr = ocp.CheckpointManager(tmp_path)
+    assert mngr.latest_step() is None and "item.json" in mngr.corrupt_steps()[0]
+
+
+def test_manager_constructor_errors(tmp_path):
+    with pytest.raises(TypeError, match="options must be a CheckpointManagerOptions"):
+        ocp.CheckpointManager(tmp_path, ocp.PyTreeCheckpointer())
+    with pytest.raises(NotImplementedError, match="metadata"):
+        ocp.CheckpointManager(tmp_path, metadata={"a": 1})
+    with pytest.raises(TypeError, match="item_handlers"):
+        ocp.CheckpointManager(tmp_path, item_handlers="json")
+
+
+# --- utils ---
+def test_to_shape_dtype_struct_and_erase_and_create_empty(tmp_path):
+    x = jnp.ones((2, 3))
+    s = ocp.utils.to_shape_dtype_struct(x)
+    assert (s.shape, s.dtype, s.sharding) == ((2, 3), jnp.float32, x.sharding)
+    assert ocp.utils.to_shape_dtype_struct(np.zeros(2, np.int8)).sharding is None
+    assert ocp.utils.to_shape_dtype_struct(2.5) == 2.5
+    assert ocp.utils.to_shape_dtype_struct(2.5, scalar_dtype=np.float32).dtype == np.float32
+    assert ocp.utils.to_shape_dtype_struct(x, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    p = ocp.test_utils.erase_and_create_empty(tmp_path / "d")
+    assert p.is_dir() and list(p.iterdir()) == []
