@@ -3,6 +3,7 @@ tritonclient (index, load, unload), and hot reload of a new version under concur
 with no dropped or failed request."""
 
 import json
+import logging
 import threading
 
 import numpy as np
@@ -210,3 +211,22 @@ def test_hot_reload_of_exported_versions_under_load(tmp_path, start_server):
             out = json.loads(b)
             want = np.tanh(x.astype(np.float64) @ ws[int(out["model_version"])])
             np.testing.assert_allclose(np.array(out["outputs"][0]["data"]).reshape(1, 4), want, rtol=1e-5, atol=1e-6)
+
+
+def test_polling_retries_a_failed_version_only_when_the_directory_changes(tmp_path, start_server, caplog):
+    """A broken version is reported once (not once per poll) while the loaded one keeps
+    serving; a change in the directory makes the next poll try again."""
+    _write(tmp_path, "m", 1)
+    server = start_server(ModelRepository(tmp_path, loader=_loader), poll_interval=0.02)
+    _write(tmp_path, "m", 2, broken=True)
+    with caplog.at_level(logging.ERROR, logger="cairn.serving"):
+        threading.Event().wait(0.3)  # about fifteen polls
+    errors = [r for r in caplog.records if "broken on purpose" in r.getMessage()]
+    assert len(errors) == 1  # logged once, not once per poll
+    c = RawClient(server)
+    status, _, body = c.infer_json("m", np.ones((1, 4), np.float32))
+    assert status == 200 and json.loads(body)["model_version"] == "1"  # version 1 kept serving
+    _write(tmp_path, "m", 3)  # the directory changes: the next poll loads version 3
+    while json.loads(c.infer_json("m", np.ones((1, 4), np.float32))[2])["model_version"] != "3":
+        threading.Event().wait(0.02)
+    c.close()

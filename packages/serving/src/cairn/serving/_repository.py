@@ -205,6 +205,14 @@ class ModelRepository:
         """Load one version (in a worker thread: loading compiles)."""
         return self.loader(self.root / name / str(version))
 
+    def fingerprint(self, name: str) -> tuple:
+        """What changes when ``name``'s directory does: its versions and the modification
+        times of each version directory and of config.json (a version still being copied
+        in changes it, so a failed load is retried once the copy completes)."""
+        d = self.root / name
+        entries = [d / str(v) for v in self.versions(name)] + [d / "config.json"]
+        return tuple((p.name, p.stat().st_mtime_ns) for p in entries if p.exists())
+
 
 class ModelSet:
     """In-memory models served as version 1 each (what ``serve(model)`` wraps)."""
@@ -229,3 +237,6 @@ class ModelSet:
 
     def load(self, name: str, version: int) -> Any:
         return self.models[name]
+
+    def fingerprint(self, name: str) -> tuple:
+        return (name in self.models,)

@@ -558,15 +558,23 @@ class Server:
         """Reload models whose versions on disk changed; load new models; unload removed ones."""
         app = self.app
         assert app is not None and self.poll_interval
+        failed: dict[str, tuple] = {}  # a failed load is retried when the directory changes
         while True:
             await asyncio.sleep(self.poll_interval)
             names = set(app.source.names())
             for name in sorted(names):
+                fingerprint: tuple = ()
                 try:
+                    fingerprint = app.source.fingerprint(name)
                     wanted = app.source.config(name).version_policy.select(app.source.versions(name))
-                    if set(wanted) != set(app.live.get(name, {})) and app.status.get(name, ("", ""))[1] != "unloaded":
-                        await app.load_model(name)
-                except (HttpError, KeyError, ValueError) as e:
+                    if set(wanted) == set(app.live.get(name, {})) or app.status.get(name, ("", ""))[1] == "unloaded":
+                        continue
+                    if failed.get(name) == fingerprint:
+                        continue
+                    failed.pop(name, None)
+                    await app.load_model(name)
+                except (HttpError, KeyError, ValueError, OSError) as e:
+                    failed[name] = fingerprint
                     log.error("poll: model %s: %s", name, getattr(e, "message", e))
             for name in set(app.live) - names:
                 await app.unload_model(name)
