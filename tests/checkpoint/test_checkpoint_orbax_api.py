@@ -285,3 +285,27 @@ def test_to_shape_dtype_struct_and_erase_and_create_empty(tmp_path):
     (tmp_path / "d" / "f").write_text("x")
     p = ocp.test_utils.erase_and_create_empty(tmp_path / "d")
     assert p.is_dir() and list(p.iterdir()) == []
+
+
+def test_manager_saves_a_checkpointable_wrapped_as_item_like_grain_args(tmp_path):
+    class Iterator:
+        def __init__(self, i):
+            self.i = i
+
+        def get_state(self):
+            return {"i": self.i}
+
+        def set_state(self, s):
+            self.i = s["i"]
+
+    class Wrap:  # what grain.checkpoint.CheckpointSave / CheckpointRestore look like
+        def __init__(self, item):
+            self.item = item
+
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(3, args=ocp.args.Composite(ds=Wrap(Iterator(7)), cfg=ocp.args.JsonSave({"a": 1})))
+        mngr.wait_until_finished()
+        it = Iterator(0)
+        got = mngr.restore(3, args=ocp.args.Composite(ds=Wrap(it)))
+        assert got.ds is it and it.i == 7
+        assert mngr.restore(3).ds == {"i": 7}

@@ -471,6 +471,7 @@ class CheckpointManager(_BackgroundSaver):
                     jsons[name] = _items.jsonable(tree, f"item {name!r}")
                     continue
                 item = tree
+            item = _checkpointable_of(item)
             if is_checkpointable(item):
                 state = item.get_state()
                 try:
@@ -631,13 +632,15 @@ class CheckpointManager(_BackgroundSaver):
                 items = dict(args)
             kw = {"partial": partial, "cast": cast, "mesh": mesh}
             out = self._restore_items(d, step, meta, items, **kw)
+            if args is not None or not isinstance(items, Mapping) or not _legacy(items):
+                out = _args.Composite(out)
             return out[DEFAULT_ITEM] if single and (items is None or args is not None) else out
         except CheckpointCorruptError as err:
             self._mark_corrupt(d, str(err))
             _log.warning("cairn.checkpoint: step %d in %s is corrupt: %s", step, d, err)
             raise type(err)(f"step {step} in {self.directory} is corrupt: {err}", err.path) from err
 
-    def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> Any:
+    def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> dict[str, Any]:
         kinds: dict[str, str] = meta["items"]
         if items is None:
             targets: dict[str, Any] = {n: None for n in kinds}
@@ -654,7 +657,7 @@ class CheckpointManager(_BackgroundSaver):
         for name, target in targets.items():
             sub = os.path.join(d, name)
             if kinds[name] == "state":
-                out[name] = self._restore_state(sub, name, step, meta, target)
+                out[name] = self._restore_state(sub, name, step, meta, _checkpointable_of(target))
             elif kinds[name] == "json":
                 if target is not None and getattr(target, "kind", None) != "json":
                     raise TypeError(f"item {name!r} of step {step} was saved with JsonSave; restore it with JsonRestore")
@@ -670,7 +673,7 @@ class CheckpointManager(_BackgroundSaver):
                 if is_checkpointable(target):
                     raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
                 out[name] = _restore.restore_dir(sub, target, **kw)
-        return _args.Composite(out) if not isinstance(items, Mapping) or not _legacy(items) else out
+        return out
 
     def _restore_state(self, sub: str, name: str, step: int, meta: dict, target: Any) -> Any:
         """A Checkpointable item: its state, or ``target`` after ``set_state(state)``."""
@@ -705,6 +708,13 @@ def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:
     if not isinstance(items, Mapping) or not items:
         raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
     return items, single
+
+
+def _checkpointable_of(x: Any) -> Any:
+    """``x``, or the Checkpointable an argument object wraps as ``.item`` (as Grain's
+    ``grain.checkpoint.CheckpointSave(iterator)`` does), so such items save as states."""
+    inner = getattr(x, "item", None)
+    return inner if not is_checkpointable(x) and is_checkpointable(inner) else x
 
 
 def _legacy(items: Mapping[str, Any]) -> bool:
