@@ -309,3 +309,10 @@ def test_manager_saves_a_checkpointable_wrapped_as_item_like_grain_args(tmp_path
         got = mngr.restore(3, args=ocp.args.Composite(ds=Wrap(it)))
         assert got.ds is it and it.i == 7
         assert mngr.restore(3).ds == {"i": 7}
+
+
+def test_placeholder_everywhere_reads_nothing(tmp_path, tree):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", tree)
+    target = {"a": ocp.PLACEHOLDER, "b": {"c": ocp.PLACEHOLDER, "n": ocp.PLACEHOLDER}}
+    assert ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(target)) == target

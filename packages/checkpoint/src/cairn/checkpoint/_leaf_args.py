@@ -218,7 +218,10 @@ def build_target(req: RestoreRequest, saved: Mapping[str, LeafMetadata], where: 
             f"{where}: restore_args name paths the checkpoint lacks: {missing} (it holds {sorted(saved)})"
         )
     skipped = len(wanted) < len(flatten_with_paths(base, is_leaf=_is_leaf))
-    return target, (wanted if skipped else None)
+    if not skipped:
+        return target, None
+    # one alternation, not one pattern per leaf: each saved path is matched once
+    return target, (["(?:" + "|".join(wanted) + ")"] if wanted else [])
 
 
 def _target_leaf(
