@@ -49,13 +49,18 @@ def assert_bitwise_equal(a, b, what: str) -> None:
     assert a.tobytes() == b.tobytes(), f"{what}: a rerun on the same inputs differs bitwise"
 
 
-def slow_unless(request, fast: bool) -> None:
-    """Skip a case outside the slow suite unless ``fast`` (keeps interpret-mode sweeps out of
-    the default run; ``-m slow`` or ``nox -s tests_slow`` runs them)."""
+def generate_cases(metafunc) -> None:
+    """``pytest_generate_tests`` of the op test modules: a test taking ``case`` runs once per
+    entry of its class's ``CASES`` (``(dtype, variant)``) that the class's ``DTYPES`` allows;
+    cases its ``is_fast`` rejects carry the ``slow`` mark (``nox -s tests_slow`` runs them)."""
     import pytest
 
-    if fast:
+    if "case" not in metafunc.fixturenames or metafunc.cls is None:
         return
-    markexpr = request.config.getoption("-m") or ""
-    if "slow" not in markexpr or "not slow" in markexpr:
-        pytest.skip("dtype sweep: runs in the slow suite (-m slow)")
+    cls = metafunc.cls
+    params = [
+        pytest.param(case, id="-".join(str(c) for c in case), marks=() if cls.is_fast(case) else (pytest.mark.slow,))
+        for case in cls.CASES
+        if case[0] in cls.DTYPES
+    ]
+    metafunc.parametrize("case", params)

@@ -18,6 +18,8 @@ from cairn import kernels
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import _kernels_k2_testbase as tb
 
+pytest_generate_tests = tb.generate_cases
+
 OP = "linear_softmax_cross_entropy_loss"
 
 
@@ -48,10 +50,15 @@ class CrossEntropyBase:
         with kernels.override(self.IMPL, self.CONFIG, op=OP):
             return kernels.linear_softmax_cross_entropy_loss(*args, **kwargs)
 
-    @pytest.mark.parametrize("reduction", ["sum", "mean"])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_values_grads_determinism(self, request, dtype, reduction):
-        tb.slow_unless(request, dtype in self.FAST_DTYPES and (reduction == "sum" or self.IMPL == "xla"))
+    DTYPES = ("float32", "bfloat16", "float16")
+    CASES = tuple((d, r) for d in ("float32", "bfloat16", "float16") for r in ("sum", "mean"))
+
+    @classmethod
+    def is_fast(cls, case) -> bool:
+        return case[0] in cls.FAST_DTYPES and (case[1] == "sum" or cls.IMPL == "xla")
+
+    def test_values_grads_determinism(self, case):
+        dtype, reduction = case
         b, h, v = self.SIZES
         rng, seed = tb.fresh_rng()
         x, x64 = tb.randn(rng, (b, h), dtype)
@@ -146,14 +153,8 @@ class TestCrossEntropyMosaic(CrossEntropyBase):
     IMPL = "pallas_mosaic_gpu"
     CONFIG = {"block_v": 64, "block_h": 64, "block_v_bwd": 128}
     FAST_DTYPES = ("bfloat16",)
+    DTYPES = ("bfloat16", "float16")  # wgmma takes 16-bit operands
     SIZES = (70, 40, 192)  # tokens and hidden not multiples of the blocks; block_v divides vocab
-
-    @pytest.mark.parametrize("reduction", ["sum", "mean"])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_values_grads_determinism(self, request, dtype, reduction):
-        if dtype == "float32":
-            pytest.skip("wgmma takes 16-bit operands")
-        super().test_values_grads_determinism(request, dtype, reduction)
 
     def test_refusals_name_the_reason(self):
         with pytest.raises(ValueError, match="wgmma"):

@@ -18,6 +18,8 @@ from cairn.core_array import QArray, QuantLayout
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import _kernels_k2_testbase as tb
 
+pytest_generate_tests = tb.generate_cases
+
 ACTS = {
     "swish": (jax.nn.swish, lambda a: a / (1 + np.exp(-a)), lambda a: (1 + np.exp(-a) + a * np.exp(-a)) / (1 + np.exp(-a)) ** 2),
     "none": (None, lambda a: a, lambda a: np.ones_like(a)),
@@ -42,10 +44,15 @@ class GluBase:
         with kernels.override(self.IMPL, self.CONFIG, op="gated_linear_unit"):
             return kernels.gated_linear_unit(*args, **kwargs)
 
-    @pytest.mark.parametrize("act", ["swish", "none"])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_values_grads_determinism(self, request, dtype, act):
-        tb.slow_unless(request, dtype in self.FAST_DTYPES and (act == "swish" or dtype == "float32"))
+    DTYPES = ("float32", "bfloat16", "float16")
+    CASES = tuple((d, a) for d in ("float32", "bfloat16", "float16") for a in ("swish", "none"))
+
+    @classmethod
+    def is_fast(cls, case) -> bool:
+        return case[0] in cls.FAST_DTYPES and (case[1] == "swish" or case[0] == "float32")
+
+    def test_values_grads_determinism(self, case):
+        dtype, act = case
         fn, ref_act, ref_dact = ACTS[act]
         rng, seed = tb.fresh_rng()
         x, x64 = tb.randn(rng, (37, 20), dtype)

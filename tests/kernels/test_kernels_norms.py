@@ -17,6 +17,8 @@ from cairn import kernels
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import _kernels_k2_testbase as tb
 
+pytest_generate_tests = tb.generate_cases
+
 
 def ref_norm(x, scale, offset, eps, subtract_mean, axis=-1):
     """``(y, vjp)`` in float64; the vjp by the closed form of the norm's derivative."""
@@ -50,10 +52,15 @@ class NormBase:
         with kernels.override(self.IMPL, self.CONFIG, op="layer_norm"):
             return fn(*args, **kwargs)
 
-    @pytest.mark.parametrize("subtract_mean", [True, False])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_values_grads_determinism(self, request, dtype, subtract_mean):
-        tb.slow_unless(request, dtype in self.FAST_DTYPES)
+    DTYPES = ("float32", "bfloat16", "float16")
+    CASES = tuple((d, sm) for d in ("float32", "bfloat16", "float16") for sm in (True, False))
+
+    @classmethod
+    def is_fast(cls, case) -> bool:
+        return case[0] in cls.FAST_DTYPES
+
+    def test_values_grads_determinism(self, case):
+        dtype, subtract_mean = case
         rng, seed = tb.fresh_rng()
         x, x64 = tb.randn(rng, (3, 7, 37), dtype, scale=2.0)  # 21 rows of 37 features
         s, s64 = tb.randn(rng, (37,), dtype)

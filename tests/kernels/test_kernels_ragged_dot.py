@@ -18,6 +18,8 @@ from cairn.core_array import QArray, QuantLayout
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import _kernels_k2_testbase as tb
 
+pytest_generate_tests = tb.generate_cases
+
 
 def ref_m(lhs, rhs, gs):
     out = np.zeros((lhs.shape[0], rhs.shape[2]))
@@ -74,11 +76,14 @@ class RaggedDotBase:
         ct, c64 = tb.randn(rng, (m, n), dtype)
         return (lhs, rhs, jnp.asarray(gs, jnp.int32), ct), (l64, r64, gs, c64), seed
 
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_values_grads_determinism(self, request, dtype):
-        if dtype not in self.DTYPES:
-            pytest.skip(f"{self.IMPL} does not take {dtype}")
-        tb.slow_unless(request, dtype in self.FAST_DTYPES)
+    CASES = (("float32", "m"), ("bfloat16", "m"), ("float16", "m"))
+
+    @classmethod
+    def is_fast(cls, case) -> bool:
+        return case[0] in cls.FAST_DTYPES
+
+    def test_values_grads_determinism(self, case):
+        dtype = case[0]
         (lhs, rhs, gs, ct), (l64, r64, gs64, c64), seed = self._inputs(dtype)
         out, vjp = jax.vjp(lambda a, b: self.run(a, b, gs), lhs, rhs)
         assert out.dtype == jnp.dtype(dtype)
