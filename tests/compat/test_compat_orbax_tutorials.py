@@ -1,10 +1,13 @@
-"""Orbax's "Checkpointing with Orbax" page (docs/guides/checkpoint/orbax_checkpoint_101.ipynb,
-orbax-checkpoint 0.12.8), cell by cell, with only the import changed: each section runs once
-with ``import orbax.checkpoint as ocp`` and once with ``import cairn.checkpoint as ocp``,
-and every value a cell displays is compared (values, dtypes, container and array types).
+"""Orbax's own tutorials, cell by cell, with only the import changed (orbax-checkpoint
+0.12.8, docs/guides/checkpoint/): "Checkpointing with Orbax" (orbax_checkpoint_101.ipynb),
+"Checkpointing PyTrees of Arrays" (checkpointing_pytrees.ipynb) and "Asynchronous
+Checkpointing" (async_checkpointing.ipynb). Each section runs once with ``import
+orbax.checkpoint as ocp`` and once with ``import cairn.checkpoint as ocp``, and what every
+cell shows is compared (values, dtypes, container and array types, shardings, errors).
 
-The cells write to the fixed paths the tutorial uses (``/tmp/my-checkpoints/``...): each
-test uses its own path and runs Orbax, then cairn (each section starts by erasing its path).
+The cells write to the fixed paths the tutorials use (``/tmp/my-checkpoints/``...): each
+test uses its own paths and runs Orbax, then cairn (each section erases its path first, or
+the test does).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -395,6 +399,54 @@ ckptr.restore(
 ]
 
 
+# docs/guides/checkpoint/async_checkpointing.ipynb, all code cells in order (it writes to
+# fixed paths without erasing them first, so the test removes them before each run)
+ASYNC = [
+    """\
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+train_state = {
+    'layer0': {
+        'kernel': np.ones((8, 8), dtype=np.float32),
+        'bias': np.ones((8,), dtype=np.float32),
+    }
+}""",
+    """\
+### PREFER NOT TO USE THIS. ###
+### PREFER TO USE ASYNC CHECKPOINTING INSTEAD (SEE BELOW). ###
+
+path = epath.Path('/tmp/sync_checkpoint')
+ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+ckptr.save(path, args=ocp.args.StandardSave(train_state))""",
+    """\
+path = epath.Path('/tmp/async_checkpoint')
+ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+ckptr.save(path, args=ocp.args.StandardSave(train_state))
+### Do some other work...
+ckptr.wait_until_finished()""",
+    """\
+path = epath.Path('/tmp/async_checkpoint_manager')
+ckpt_mngr = ocp.CheckpointManager(path)
+
+def train_step(step, state):
+  # update state values accordingly
+  return step + 1, state
+
+step = 0
+num_steps = 5
+while step < num_steps:
+  ckpt_mngr.save(step, args=ocp.args.StandardSave(train_state))
+  step, train_state = train_step(step, train_state)
+
+ckpt_mngr.wait_until_finished()""",
+    "ckpt_mngr.all_steps()",
+    "ocp.CheckpointManagerOptions(enable_async_checkpointing=False)",
+]
+ASYNC_PATHS = ["/tmp/sync_checkpoint", "/tmp/async_checkpoint", "/tmp/async_checkpoint_manager"]
+
+
 def _both(cells):
     orbax = run_cells(cells, "orbax")
     cairn = run_cells(cells, "cairn")
@@ -458,3 +510,16 @@ def test_checkpointing_pytrees_advanced():
     assert c_out[7] == o_out[7] == np.int16 and c_out[8] == o_out[8]  # SaveArgs(dtype=int16)
     assert_same(c_out[9], o_out[9])  # numpy 'a', int16 jax 'b'
     assert_same(c_out[10], o_out[10])  # Transform: 'c' read from 'a', 'd' from the item
+
+
+def test_async_checkpointing():
+    shown = {}
+    for which in ("orbax", "cairn"):
+        for p in ASYNC_PATHS:
+            shutil.rmtree(p, ignore_errors=True)
+        shown[which], ns = run_cells(ASYNC, which)
+        assert not any(isinstance(v, Raised) for v in shown[which]), shown[which]
+        got = ns["ocp"].StandardCheckpointer().restore(ASYNC_PATHS[1])
+        np.testing.assert_array_equal(got["layer0"]["kernel"], np.ones((8, 8), np.float32))
+    assert shown["cairn"][4] == shown["orbax"][4] == [0, 1, 2, 3, 4]
+    assert shown["cairn"][5].enable_async_checkpointing is shown["orbax"][5].enable_async_checkpointing is False
