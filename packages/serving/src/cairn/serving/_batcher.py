@@ -1,15 +1,17 @@
 """A dynamic batcher per model version, on a worker pool shared by all models.
 
-Requests queue on the event loop. A batch starts when a worker slot is free (at most
+Requests queue on the event loop. A batch starts when an execution slot is free (at most
 ``max_concurrent_batches`` per model) and either the queued rows reach
-``max_batch_size`` or the oldest request has waited ``max_queue_delay`` seconds; while
-a batch runs, new requests gather for the next one, so batches grow with load. A batch
+``max_batch_size`` or ``max_queue_delay`` seconds have passed since the batch could first
+have run (the oldest request's arrival, or the slot freeing if it had to wait); while a
+batch runs, new requests gather for the next one, so batches grow with load. A batch
 concatenates the requests along axis 0, pads up to the next of the model's
-``batch_buckets`` (the sizes it has compiled), runs on the shared pool, and hands each
-request its own rows. Each row depends only on its own inputs, so a request's outputs
-equal running it alone. If a batch raises, each of its requests is run alone, so only
-the request that makes the model fail gets the error. A full queue refuses new requests
-(the server answers 503 with Retry-After).
+``batch_buckets`` (the sizes it has compiled), runs on the shared pool (or on the loop
+itself for a model that computes in well under a millisecond, where the thread hop would
+cost more than the model), and hands each request its own rows. Each row depends only on
+its own inputs, so a request's outputs equal running it alone. If a batch raises, each of
+its requests is run alone, so only the request that makes the model fail gets the error.
+A full queue refuses new requests (the server answers 503 with Retry-After).
 """
 
 from __future__ import annotations
