@@ -188,7 +188,7 @@ def _gpu_rows() -> list[dict]:
 
 def rows(quick: bool) -> list[dict]:
     """Benchmark rows of K2's ops (see the module docstring)."""
-    reps = 5 if quick else 11
+    reps = 15 if quick else 21
     out: list[dict] = []
     for part in (_ragged, _glu, _norms, _ce, _quantized):
         out += part(quick, reps)
