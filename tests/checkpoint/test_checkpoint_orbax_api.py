@@ -220,6 +220,8 @@ def test_manager_single_item_args_round_trip(tmp_path, tree):
         got = mngr.restore(2, args=ocp.args.StandardRestore({"a": np.zeros(6, np.float64), "b": {"c": np.zeros(5), "n": 0}}))
         assert got["a"].dtype == np.float64 and isinstance(got["b"]["c"], np.ndarray)
         assert os.path.isdir(tmp_path / "2" / "default")
+        both = mngr.restore(2, args=ocp.args.Composite(default=ocp.args.StandardRestore()))
+        assert list(both) == ["default"] and both.default["b"]["n"] == 3
 
 
 def test_manager_composite_with_json_and_state_items(tmp_path, tree):
@@ -316,3 +318,11 @@ def test_placeholder_everywhere_reads_nothing(tmp_path, tree):
     ck.save(tmp_path / "c", tree)
     target = {"a": ocp.PLACEHOLDER, "b": {"c": ocp.PLACEHOLDER, "n": ocp.PLACEHOLDER}}
     assert ck.restore(tmp_path / "c", args=ocp.args.PyTreeRestore(target)) == target
+
+
+@pytest.mark.parametrize("name", ["../up", "COMMIT", "_ITEMS.json", "a/b"])
+def test_composite_item_names_must_be_plain_file_names(tmp_path, name):
+    ck = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    with pytest.raises(ValueError, match="item name .* must be a plain file-name part"):
+        ck.save(tmp_path / "c", args=ocp.args.Composite({name: ocp.args.JsonSave(1)}))
+    assert not (tmp_path / "c").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
@@ -18,6 +19,7 @@ from cairn.checkpoint._errors import CheckpointError
 
 ITEMS_FILE = "_ITEMS.json"
 JSON_ITEM_FILE = "item.json"
+_ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
 def jsonable(value: Any, where: str) -> Any:
@@ -51,6 +53,11 @@ def capture(args: _args.CheckpointArgs, *, copy_host: bool, compression: str | N
         raise ValueError("Composite() has no items to save")
     out: dict[str, Any] = {}
     for name, a in items.items():
+        if name and (not _ITEM_NAME.fullmatch(name) or name == _fs.COMMIT_MARKER):
+            raise ValueError(
+                f"Composite item name {name!r} must be a plain file-name part (letters, digits, _ . -) "
+                f"other than {_fs.COMMIT_MARKER!r}"
+            )
         where = f"item {name!r}" if name else "save"
         tree = _args.to_saved_tree(a, where)
         if a.kind == "json":

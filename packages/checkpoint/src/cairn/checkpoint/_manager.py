@@ -461,9 +461,10 @@ class CheckpointManager(_BackgroundSaver):
         states: dict[str, Any] = {}
         jsons: dict[str, Any] = {}
         for name, item in items.items():
-            if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name):
+            if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name) or name == _fs.COMMIT_MARKER:
                 raise ValueError(
-                    f"item name {name!r} must be a plain file-name part (letters, digits, _ . -)"
+                    f"item name {name!r} must be a plain file-name part (letters, digits, _ . -) "
+                    f"other than {_fs.COMMIT_MARKER!r}"
                 )
             if isinstance(item, _args.CheckpointArgs):
                 tree = _args.to_saved_tree(item, f"item {name!r}")
@@ -621,6 +622,10 @@ class CheckpointManager(_BackgroundSaver):
             if meta is None:
                 raise CheckpointCorruptError(why or "", None)
             single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM}
+            # a step saved with one non-Composite args answers that item alone, as in Orbax
+            unwrap = single and (
+                (args is None and items is None) or (args is not None and not isinstance(args, _args.Composite))
+            )
             if args is not None and not isinstance(args, _args.Composite):
                 if not single:
                     raise TypeError(
@@ -631,10 +636,10 @@ class CheckpointManager(_BackgroundSaver):
             elif args is not None:
                 items = dict(args)
             kw = {"partial": partial, "cast": cast, "mesh": mesh}
-            out = self._restore_items(d, step, meta, items, **kw)
+            out: Any = self._restore_items(d, step, meta, items, **kw)
             if args is not None or not isinstance(items, Mapping) or not _legacy(items):
                 out = _args.Composite(out)
-            return out[DEFAULT_ITEM] if single and (items is None or args is not None) else out
+            return out[DEFAULT_ITEM] if unwrap else out
         except CheckpointCorruptError as err:
             self._mark_corrupt(d, str(err))
             _log.warning("cairn.checkpoint: step %d in %s is corrupt: %s", step, d, err)
