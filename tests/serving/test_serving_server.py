@@ -64,6 +64,13 @@ def test_health_and_metadata(client):
     assert {o["name"]: o["datatype"] for o in m["outputs"]} == {"y": "FP64", "z": "INT32"}
     cfg = client.get_model_config("mlp")
     assert cfg["max_batch_size"] == 16 and cfg["input"][0]["dims"] == [8]
+    inp = th.InferInput("x", [2, 8], "FP64")
+    inp.set_data_from_numpy(np.zeros((2, 8)))
+    client.infer("mlp", [inp])
+    (stats,) = client.get_inference_statistics("mlp")["model_stats"]
+    assert stats["name"] == "mlp" and stats["inference_count"] == 2 and stats["execution_count"] == 1
+    assert stats["inference_stats"]["success"]["count"] == 1 and stats["inference_stats"]["success"]["ns"] > 0
+    assert {s["name"] for s in client.get_inference_statistics()["model_stats"]} == {"affine", "mlp", "cast", "flaky"}
     index = client.get_model_repository_index()
     assert {r["name"] for r in index} == {"affine", "mlp", "cast", "flaky"} and all(r["state"] == "READY" for r in index)
 

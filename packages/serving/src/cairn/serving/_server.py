@@ -55,7 +55,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     _VERSION = "0"
 
-_EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "parameters", "metrics"]
+_EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics", "parameters", "metrics"]
 _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 
@@ -308,9 +308,15 @@ class App:
             return _json(200, {"name": name, "ready": True}, headers)
         if action in ("", "config"):
             _method(req.method, "GET")
+            if name == "stats" and action == "" and version is None and "stats" not in self.live:
+                return _json(200, {"model_stats": self.statistics(None, None)}, headers)  # Triton's /v2/models/stats
             live = self.resolve(name, version)
             meta = self.metadata(live) if action == "" else self.model_config(live)
             return _json(200, meta, headers)
+        if action == "stats":
+            _method(req.method, "GET")
+            self.resolve(name, version)
+            return _json(200, {"model_stats": self.statistics(name, version)}, headers)
         raise HttpError(404, f"no route for {req.method} {req.path[:200]}")
 
     # --- endpoints ---
@@ -350,6 +356,31 @@ class App:
                 "max_concurrent_batches": cfg.max_concurrent_batches,
             },
         }
+
+    def statistics(self, name: str | None, version: str | None) -> list[dict[str, Any]]:
+        """Triton's statistics extension (what ``get_inference_statistics`` and perf_analyzer
+        read), from the metrics: counts and total nanoseconds per phase."""
+        m, out = self.metrics, []
+        for model, versions in sorted(self.live.items()):
+            for v, live in sorted(versions.items()):
+                if (name is not None and model != name) or (version is not None and str(v) != version):
+                    continue
+                labels = live.labels
+                phase = functools.partial(_phase, labels=labels)
+                failures = sum(c for k, c in m.failure.values.items() if k[:2] == labels)
+                out.append({
+                    "name": model,
+                    "version": str(v),
+                    "inference_count": int(m.count.values.get(labels, 0)),
+                    "execution_count": int(m.execs.values.get(labels, 0)),
+                    "inference_stats": {
+                        "success": phase(m.request_time),
+                        "fail": {"count": int(failures), "ns": 0},
+                        "queue": phase(m.queue_time),
+                        "compute_infer": phase(m.compute_time),
+                    },
+                })
+        return out
 
     def index(self, ready_only: bool) -> list[dict[str, Any]]:
         """The repository index: one row per loaded version, one per model not loaded."""
@@ -447,6 +478,12 @@ class App:
                 "request_id": rid,
             }
             access_log.info(json.dumps(record), extra={"cairn_access": record})
+
+
+def _phase(hist: Any, labels: tuple[tuple[str, str], ...]) -> dict[str, int]:
+    """A histogram's count and total in nanoseconds (Triton's statistics entries)."""
+    row = hist.values.get(labels)
+    return {"count": int(sum(row[:-1])) if row else 0, "ns": int((row[-1] if row else 0.0) * 1e9)}
 
 
 def _method(got: str, want: str) -> None:
