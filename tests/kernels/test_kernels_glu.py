@@ -123,10 +123,25 @@ class TestGluTriton(GluBase):
                          config={"block_k": 8})
 
 
-def test_triton_kernel_lowers_for_cuda():
+class TestGluMosaic(GluBase):
+    IMPL = "pallas_mosaic_gpu"
+    CONFIG = {"block_n": 32, "block_k": 32}
+    DTYPES = ("bfloat16", "float16")  # wgmma takes 16-bit operands
+    FAST_DTYPES = ("bfloat16",)
+
+    def test_batch_axes(self):
+        pytest.skip("float32: wgmma takes 16-bit operands (covered by the xla and Triton classes)")
+
+    def test_float32_is_refused_with_reason(self):
+        with pytest.raises(ValueError, match="wgmma"):
+            kernels.gated_linear_unit(jnp.ones((4, 8)), jnp.ones((8, 2, 4)), implementation=self.IMPL)
+
+
+@pytest.mark.parametrize("impl", tb.PALLAS)
+def test_gpu_kernels_lower_for_cuda(impl):
     from jax import export
 
-    fn = kernels.implementations("gated_linear_unit")["pallas_triton"].fn
+    fn = kernels.implementations("gated_linear_unit")[impl].fn
     x = jnp.ones((256, 512), jnp.bfloat16)
     w = jnp.ones((512, 2, 1024), jnp.bfloat16)
     g = jax.grad(lambda a, b: fn(a, b, config={}, interpret=False, activation=jax.nn.swish).astype(jnp.float32).sum(), (0, 1))

@@ -1,9 +1,9 @@
 """``gated_linear_unit``: ``activation(x @ w[:, 0]) * (x @ w[:, 1])`` fused.
 
 Tokamax's name, arguments and weights layout (``[k, 2, n]``). Implementations under op
-``"gated_linear_unit"``: ``xla`` (one dot for both projections) and ``pallas_triton`` (a
+``"gated_linear_unit"``: ``xla`` (one dot for both projections), ``pallas_triton`` (a
 tiled kernel that reads ``x`` once for both projections and applies the gate before the
-store). No Mosaic GPU kernel yet (Tokamax has none either). A
+store) and ``pallas_mosaic_gpu`` (the same with two ``wgmma`` accumulators). A
 :class:`cairn.core_array.QArray` ``weights`` with a per-output-channel scale runs the
 integer values through one dot and scales the projections before the gate.
 """
@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
+from cairn.kernels._glu_mosaic import DEFAULT_CONFIG as MOSAIC_DEFAULT
+from cairn.kernels._glu_mosaic import glu_mosaic
 from cairn.kernels._glu_triton import DEFAULT_CONFIG as TRITON_DEFAULT
 from cairn.kernels._glu_triton import glu_triton
 from cairn.kernels._glu_xla import apply, glu_xla
@@ -33,6 +35,12 @@ def _bucket(x: Any, weights: Any, **_: Any) -> tuple[Any, ...]:
     return (1 << max(x.shape[0] - 1, 0).bit_length(), weights.shape[0], weights.shape[2], jnp.dtype(x.dtype).name)
 
 
+def _mosaic_supports(x: Any, weights: Any, **_: Any) -> str | None:
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"x dtype {jnp.dtype(x.dtype).name}: wgmma takes bfloat16 or float16"
+    return None
+
+
 # registered once: a doctest run imports this module a second time under another name
 if OP not in ops():
     register_op(OP, bucket=_bucket)
@@ -45,6 +53,17 @@ if OP not in ops():
                 for bm in (32, 64, 128) for bn in (32, 64, 128) for bk in (32, 64)
             ],
             default_config=lambda *a, **k: dict(TRITON_DEFAULT),
+        )
+    )
+    register(
+        Implementation(
+            OP, "pallas_mosaic_gpu", glu_mosaic, frozenset({"gpu"}),
+            configs=lambda *a, **k: [
+                {**MOSAIC_DEFAULT, "block_m": bm, "block_n": bn, "block_k": 64, "max_concurrent_steps": st}
+                for bm in (64, 128) for bn in (64, 128, 256) for st in (2, 4)
+            ],
+            default_config=lambda *a, **k: dict(MOSAIC_DEFAULT),
+            supports=_mosaic_supports,
         )
     )
 
@@ -77,7 +96,8 @@ def gated_linear_unit(
         ``QArray`` of it.
       activation: an elementwise function, or ``None``.
       precision: ``jax.lax`` precision of the dots.
-      implementation: ``"xla"``, ``"pallas_triton"``, a sequence, or ``None``.
+      implementation: ``"xla"``, ``"pallas_triton"``, ``"pallas_mosaic_gpu"``, a sequence,
+        or ``None``.
 
     Returns:
       ``[..., n]`` in ``x``'s dtype.

@@ -89,10 +89,17 @@ def glu_triton(
 ) -> jax.Array:
     """The Pallas Triton implementation (Triton forward, recomputing XLA backward)."""
     cfg = check_config(config)
+    fwd = functools.partial(forward_triton, cfg=cfg, interpret=interpret)
+    return glu_vjp(fwd, activation, precision)(x, weights)
+
+
+def glu_vjp(forward: Callable[..., Any], activation: Any, precision: Any) -> Callable[..., Any]:
+    """A differentiable ``glu(x, w)`` from a kernel ``forward(x, w, activation, precision=)``;
+    the backward recomputes both projections with one XLA dot and differentiates the gate."""
 
     @jax.custom_vjp
     def glu(x, w):
-        return forward_triton(x, w, activation, cfg=cfg, interpret=interpret, precision=precision)
+        return forward(x, w, activation, precision=precision)
 
     def fwd(x, w):
         return glu(x, w), (x, w)
@@ -113,4 +120,4 @@ def glu_triton(
         return dx.astype(x.dtype), dw.reshape(k, 2, n).astype(w.dtype)
 
     glu.defvjp(fwd, bwd)
-    return glu(x, weights)
+    return glu
