@@ -477,13 +477,17 @@ def test_managing_checkpoints():
     assert c_ns["restored_extra_params"] == o_ns["restored_extra_params"] == [42, 43]
 
 
-def test_a_standard_recipe_sharded():
+def test_a_standard_recipe_sharded(run_on_cpu_devices):
     (o_out, _), (c_out, _) = _both(STANDARD_RECIPE)
     assert_same(c_out[3], o_out[3])  # restored as saved, with the saved sharding
     assert_same(c_out[6], o_out[6])  # restored onto the abstract state
     for k in ("a", "b"):
         assert c_out[7][k] == o_out[7][k]  # the requested sharding
         assert c_out[3][k].sharding.is_equivalent_to(o_out[3][k].sharding, 1)
+    # again with jax.devices() of four CPU devices (a fresh interpreter; same paths, so in
+    # this test): the target-less restore keeps the saved 4-way sharding, as Orbax does
+    r = run_on_cpu_devices(_FOUR_DEVICES, __file__, devices=4)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
 def test_checkpointing_pytrees_basic():
@@ -523,3 +527,21 @@ def test_async_checkpointing():
         np.testing.assert_array_equal(got["layer0"]["kernel"], np.ones((8, 8), np.float32))
     assert shown["cairn"][4] == shown["orbax"][4] == [0, 1, 2, 3, 4]
     assert shown["cairn"][5].enable_async_checkpointing is shown["orbax"][5].enable_async_checkpointing is False
+
+
+_FOUR_DEVICES = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("tutorials", sys.argv[1])
+t = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+import jax
+assert jax.device_count() == 4
+(o_out, _), (c_out, _) = t._both(t.STANDARD_RECIPE)
+t.assert_same(c_out[3], o_out[3])
+t.assert_same(c_out[6], o_out[6])
+for k in ("a", "b"):
+    assert c_out[3][k].sharding.is_equivalent_to(o_out[3][k].sharding, 1), (c_out[3][k].sharding, o_out[3][k].sharding)
+    assert len(c_out[3][k].addressable_shards) == 4 and c_out[3][k].sharding.spec == o_out[3][k].sharding.spec
+    assert c_out[7][k] == o_out[7][k]
+print("ok")
+"""
