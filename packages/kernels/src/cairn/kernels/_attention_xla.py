@@ -34,22 +34,30 @@ CHUNK_SIZES = (128, 256, 512, 1024)
 PLAIN_LIMIT = 1024 * 1024
 
 
-def _grouped_mask(mask: jax.Array | None, n_heads: int, groups: int) -> jax.Array | None:
-    """A ``[b, n, t, s]``-broadcastable mask as ``[b, K or 1, G or 1, t, s]``."""
-    if mask is None:
+def _grouped(x: jax.Array | None, n_heads: int, groups: int) -> jax.Array | None:
+    """A ``[b, n, t, s]``-broadcastable array in the logits layout ``[b, K or 1, t, G or 1, s]``.
+
+    Logits are ``[b, K, t, G, s]``, the order ``dot_general`` produces for grouped
+    queries, so the big array is never transposed.
+    """
+    if x is None:
         return None
-    mask = jnp.asarray(mask, bool)
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    b, n, t, s = mask.shape
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    b, n, t, s = x.shape
     if n == 1:
-        return mask.reshape(b, 1, 1, t, s)
-    return mask.reshape(b, n_heads // groups, groups, t, s)
+        return x.reshape(b, 1, t, 1, s)
+    return x.reshape(b, n_heads // groups, groups, t, s).transpose(0, 1, 3, 2, 4)
+
+
+def _grouped_mask(mask: jax.Array | None, n_heads: int, groups: int) -> jax.Array | None:
+    return None if mask is None else _grouped(jnp.asarray(mask, bool), n_heads, groups)
 
 
 def _segment_mask(qseg: jax.Array | None, kseg: jax.Array | None) -> jax.Array | None:
     if qseg is None or kseg is None:
         return None
-    return qseg[:, None, None, :, None] == kseg[:, None, None, None, :]
+    return qseg[:, None, :, None, None] == kseg[:, None, None, None, :]
 
 
 def _and(*masks: Any) -> Any:
@@ -81,15 +89,14 @@ def plain(
     g = n // kh
     qg = q.reshape(b, t, kh, g, d)
     raw = jnp.einsum(
-        "btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32
+        "btkgd,bskd->bktgs", qg, k, precision=precision, preferred_element_type=jnp.float32
     )
     logits = raw * spec.scale
     if bias is not None:
-        bias4 = jnp.broadcast_to(jnp.asarray(bias, jnp.float32), (b, n, t, s_len))
-        logits = logits + bias4.reshape(b, kh, g, t, s_len)
+        logits = logits + _grouped(jnp.asarray(bias, jnp.float32), n, g)
     if spec.soft_cap is not None:
         logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
-    pos = position_mask(spec, jnp.arange(t)[:, None], jnp.arange(s_len)[None, :])
+    pos = position_mask(spec, jnp.arange(t)[:, None, None], jnp.arange(s_len)[None, None, :])
     visible = _and(
         pos, _segment_mask(qseg, kseg) if spec.use_segments else None, _grouped_mask(mask, n, g)
     )
@@ -97,11 +104,11 @@ def plain(
     if dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError("dropout_rate > 0 and deterministic=False need dropout_rng")
-        shape = (1, 1, 1) + p.shape[-2:] if broadcast_dropout else p.shape
+        shape = (1, 1, t, 1, s_len) if broadcast_dropout else p.shape
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
-        "bkgts,bskd->btkgd",
+        "bktgs,bskd->btkgd",
         p.astype(v.dtype),
         v,
         precision=precision,
@@ -154,12 +161,12 @@ def _chunk_visible(
     kseg_c: Any,
     mask_c: Any,
 ) -> Any:
-    k_pos = c * chunk + jnp.arange(chunk)[None, :]
-    pos = position_mask(spec, jnp.arange(t)[:, None], k_pos, kv_len=s_len)
+    k_pos = c * chunk + jnp.arange(chunk)[None, None, :]
+    pos = position_mask(spec, jnp.arange(t)[:, None, None], k_pos, kv_len=s_len)
     seg = (
         None
         if kseg_c is None or qseg is None
-        else qseg[:, None, None, :, None] == kseg_c[:, None, None, None, :]
+        else qseg[:, None, :, None, None] == kseg_c[:, None, None, None, :]
     )
     return _and(pos, seg, mask_c)
 
@@ -203,7 +210,7 @@ def _chunked_fwd(
         m, l_sum, acc = carry
         c, kc, vc, ksc, mc = xs
         raw = jnp.einsum(
-            "btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32
+            "btkgd,bckd->bktgc", qg, kc, precision=precision, preferred_element_type=jnp.float32
         )
         s = transform_logits(spec, raw)
         vis = _chunk_visible(
@@ -223,7 +230,7 @@ def _chunked_fwd(
         p = jnp.exp(s - m_safe[..., None])
         l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            "bkgtc,bckd->bkgtd",
+            "bktgc,bckd->bktgd",
             p.astype(v.dtype),
             vc,
             precision=precision,
@@ -232,13 +239,13 @@ def _chunked_fwd(
         return (m_new, l_sum, acc * alpha[..., None] + pv), None
 
     init = (
-        jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, kh, g, t), jnp.float32),
-        jnp.zeros((b, kh, g, t, dv), jnp.float32),
+        jnp.full((b, kh, t, g), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kh, t, g), jnp.float32),
+        jnp.zeros((b, kh, t, g, dv), jnp.float32),
     )
     (m, l_sum, acc), _ = jax.lax.scan(step, init, (jnp.arange(nc), ks, vs, ksegs, masks))
     safe_l = jnp.where(l_sum == 0.0, 1.0, l_sum)
-    out = (acc / safe_l[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, n, dv).astype(q.dtype)
+    out = (acc / safe_l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, t, n, dv).astype(q.dtype)
     lse = jnp.where(l_sum == 0.0, 0.0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe_l))
     return out, (q, k, v, qseg, kseg, mask, out, lse)
 
@@ -255,7 +262,7 @@ def _chunked_bwd(
     delta = (
         jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
         .reshape(b, t, kh, g)
-        .transpose(0, 2, 3, 1)
+        .transpose(0, 2, 1, 3)
     )
     mask5 = _grouped_mask(mask, n, g)
     ks, vs, ksegs, masks, nc = _chunk_setup(k, v, kseg if spec.use_segments else None, mask5, chunk)
@@ -264,7 +271,7 @@ def _chunked_bwd(
     def step(dq: Any, xs: Any) -> Any:
         c, kc, vc, ksc, mc = xs
         raw = jnp.einsum(
-            "btkgd,bckd->bkgtc", qg, kc, precision=precision, preferred_element_type=jnp.float32
+            "btkgd,bckd->bktgc", qg, kc, precision=precision, preferred_element_type=jnp.float32
         )
         s = transform_logits(spec, raw)
         vis = _chunk_visible(
@@ -279,25 +286,25 @@ def _chunked_bwd(
         )
         p = jnp.exp(jnp.where(vis, s, -jnp.inf) - lse[..., None])
         dv_c = jnp.einsum(
-            "bkgtc,btkgd->bckd",
+            "bktgc,btkgd->bckd",
             p.astype(do.dtype),
             dog,
             precision=precision,
             preferred_element_type=jnp.float32,
         )
         dp = jnp.einsum(
-            "btkgd,bckd->bkgtc", dog, vc, precision=precision, preferred_element_type=jnp.float32
+            "btkgd,bckd->bktgc", dog, vc, precision=precision, preferred_element_type=jnp.float32
         )
         draw = soft_cap_grad(spec, raw, p * (dp - delta[..., None]))
         dq = dq + jnp.einsum(
-            "bkgtc,bckd->btkgd",
+            "bktgc,bckd->btkgd",
             draw.astype(k.dtype),
             kc,
             precision=precision,
             preferred_element_type=jnp.float32,
         )
         dk_c = jnp.einsum(
-            "bkgtc,btkgd->bckd",
+            "bktgc,btkgd->bckd",
             draw.astype(q.dtype),
             qg,
             precision=precision,
