@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,7 +27,7 @@ _LOG = logging.getLogger("cairn.kernels")
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One timed candidate: ``time_ms`` (median) or the ``error`` that ruled it out."""
+    """One timed candidate: ``time_ms`` (best of the runs) or the ``error`` that ruled it out."""
 
     implementation: str
     config: Mapping[str, Any]
@@ -107,13 +106,18 @@ def example_value(spec: Any, seed: int = 0) -> Any:
 
 
 def _timed(fn: Callable[..., Any], args: Sequence[Any], iterations: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
+    """Best of ``iterations`` runs in ms, after a compile + warm-up run.
+
+    The minimum, not the median: on a shared machine it is the run least disturbed by
+    other work, so the ranking of candidates is the most repeatable.
+    """
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
     for _ in range(iterations):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(statistics.median(times))
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
 
 
 def _runner(
@@ -159,7 +163,7 @@ def autotune_op(
       *args: the op's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
       implementations: restrict the candidates (default: every implementation that runs
         compiled on this backend).
-      iterations: timed runs per candidate (median reported), after a compile + warm-up run.
+      iterations: timed runs per candidate (the best is kept), after a compile + warm-up run.
       mode: ``"fwd"`` times the forward, ``"fwd_bwd"`` forward plus gradient.
       interpret: also time Pallas implementations in interpret mode (for testing the
         machinery on a CPU; interpreter timings say nothing about a GPU).
