@@ -169,6 +169,39 @@ def _quantized(quick: bool, reps: int) -> list[dict]:
                  "x @ dequantize(q)", (x, q, s), reps)
 
 
+def _interpret_rows() -> list[dict]:
+    """Every Pallas kernel run in interpret mode at a small ragged size: its max error
+    against the op's ``xla`` implementation (forward), no timing (interpret mode is not a
+    speed)."""
+    rng = np.random.default_rng(5)
+    bf = jnp.bfloat16
+    x = jnp.asarray(rng.normal(size=(70, 64)), bf)
+    cases = {
+        "ragged_dot": (kernels.ragged_dot, (x, jnp.asarray(rng.normal(size=(3, 64, 64)) * 0.1, bf),
+                                            jnp.array([20, 0, 33], jnp.int32)), {}),
+        "gated_linear_unit": (kernels.gated_linear_unit, (x, jnp.asarray(rng.normal(size=(64, 2, 64)) * 0.1, bf)),
+                              {"activation": jax.nn.swish}),
+        "layer_norm": (kernels.layer_norm, (x, jnp.ones((64,), bf), jnp.zeros((64,), bf)), {}),
+        "linear_softmax_cross_entropy_loss": (
+            kernels.linear_softmax_cross_entropy_loss,
+            (x, jnp.asarray(rng.integers(0, 128, size=70), jnp.int32), jnp.asarray(rng.normal(size=(64, 128)) * 0.1, bf)),
+            {},
+        ),
+    }
+    out = []
+    for op, (fn, args, kw) in cases.items():
+        ref = np.asarray(fn(*args, implementation="xla", **kw).astype(jnp.float32))
+        for impl in ("pallas_triton", "pallas_mosaic_gpu"):
+            if impl not in kernels.implementations(op):
+                continue
+            got = np.asarray(fn(*args, implementation=impl, **kw).astype(jnp.float32))
+            err = float(np.max(np.abs(got - ref))) / max(1.0, float(np.max(np.abs(ref))))
+            out.append({"op": op, "impl": impl, "shape": "bf16 small ragged, interpret mode (CPU)", "ours_ms": None,
+                        "ref_name": "xla implementation", "ref_ms": None, "ratio": None,
+                        "note": f"max error / max(1, |ref|) = {err:.2e} (bf16 tolerance 1.6e-2)"})
+    return out
+
+
 def _gpu_rows() -> list[dict]:
     note = "not measured (no GPU)"
     out = []
@@ -193,6 +226,7 @@ def rows(quick: bool) -> list[dict]:
     for part in (_ragged, _glu, _norms, _ce, _quantized):
         out += part(quick, reps)
     if jax.default_backend() != "gpu":
+        out += _interpret_rows()
         out += _gpu_rows()
     return out
 
