@@ -165,8 +165,24 @@ def _quantized(quick: bool, reps: int) -> list[dict]:
         return x @ QArray(q, s, layout=QuantLayout.per_channel(1)).dequantize()
 
     del w
-    return _pair("quantized_dot_general", f"w8 per-channel x[{m},{k}] q[{k},{n}]", ours, dequant,
-                 "x @ dequantize(q)", (x, q, s), reps)
+    rows = _pair("quantized_dot_general", f"w8 per-channel f32 x[{m},{k}] q[{k},{n}]", ours, dequant,
+                 "x @ dequantize(q)", (x, q, s), reps,
+                 note="weight-only: the same int8->f32 convert as the reference on CPU (scale after the dot)")
+    xq = jnp.asarray(rng.integers(-127, 128, size=(m, k)), jnp.int8)
+    xs = jnp.asarray(rng.uniform(0.001, 0.01, size=(m, 1)), jnp.float32)
+
+    def ours8(xq, xs, q, s):
+        lhs = QArray(xq, xs, layout=QuantLayout.per_channel(0))
+        return kernels.quantized_dot_general(lhs, QArray(q, s, layout=QuantLayout.per_channel(1)), dn,
+                                             implementation="xla")
+
+    def dequant8(xq, xs, q, s):
+        lhs = QArray(xq, xs, layout=QuantLayout.per_channel(0))
+        return lhs.dequantize() @ QArray(q, s, layout=QuantLayout.per_channel(1)).dequantize()
+
+    return rows + _pair("quantized_dot_general", f"w8a8 per-token x per-channel [{m},{k}] x [{k},{n}]", ours8,
+                        dequant8, "dequantize both, f32 dot", (xq, xs, q, s), reps,
+                        note="int8 x int8 -> int32 dot, scales after")
 
 
 def _interpret_rows() -> list[dict]:
