@@ -60,6 +60,16 @@ from cairn.optim._combine import (
     set_hyperparams,
 )
 from cairn.optim._factorized import adafactor, scale_by_factored_rms
+from cairn.optim._lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
+from cairn.optim._linesearch import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_backtracking_linesearch,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
+)
 from cairn.optim._losses import (
     convex_kl_divergence,
     cosine_distance,
@@ -196,7 +206,10 @@ __all__ = [
     "sgd", "adam", "adamw", "nadam", "nadamw", "adamax", "adamaxw", "amsgrad", "adagrad",
     "adadelta", "adafactor", "adabelief", "lamb", "lars", "lion", "novograd", "radam",
     "rmsprop", "rprop", "sm3", "yogi", "fromage", "noisy_sgd", "sign_sgd", "signum", "muon",
-    "shampoo", "schedule_free", "schedule_free_adamw", "schedule_free_sgd",
+    "shampoo", "lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
+    "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "value_and_grad_from_state",
+    "BacktrackingLinesearchInfo", "ScaleByBacktrackingLinesearchState",
+    "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "schedule_free", "schedule_free_adamw", "schedule_free_sgd",
     "schedule_free_eval_params",
     # schedules
     "constant_schedule",
