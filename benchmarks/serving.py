@@ -19,7 +19,8 @@ The model is an exported and loaded (``cairn.serving.export``/``load``) float32 
 handler at c=16 (ratio >= 0.9), batching >= 5x batch-1 throughput for the compute model at
 c=64, p99 under twice the queue delay plus the compute of one full batch at c=16.
 
-Prints a table, then ONE JSON line. ``--quick`` runs 2 s per point (under 2 minutes).
+Prints a table, then ONE JSON line. ``--quick`` runs one round of 2 s per point (under 2
+minutes); the default, three interleaved rounds of 4 s (medians).
 If ``benchmarks/_serving_export.py`` exists its export and cold-start rows are appended.
 """
 
@@ -237,33 +238,46 @@ def _configs() -> dict:
     }
 
 
-def measure(model: Any, points: list[tuple[str, int, float]], seconds: float, binary: bool) -> list[dict]:
-    """One row per (server config, concurrency, rate) point; rate 0 = as fast as answered."""
+def _start(model: Any, config: str) -> tuple[int, Callable[[], None]]:
     from cairn.serving import serve
 
+    batching = _configs()[config]
+    if batching is None:
+        return start_bare(model)
+    server = serve({"m": model}, batching=batching, workers=2)
+    return server.port, server.stop
+
+
+def measure(model: Any, points: list[tuple[str, int, float]], seconds: float, binary: bool, rounds: int) -> list[dict]:
+    """One row per (server config, concurrency, rate) point (rate 0 = as fast as answered).
+
+    Every server runs at once and the points are interleaved, ``rounds`` times over, each
+    row the median of its rounds: on a shared machine the load of other processes drifts,
+    and interleaving spreads the drift over all servers instead of whichever ran during it.
+    """
     body = _oip_body(np.random.default_rng(1).normal(size=(1, model.inputs["x"].shape[1])).astype(np.float32), binary)
-    rows = []
-    for config in dict.fromkeys(name for name, _, _ in points):
-        batching = _configs()[config]
-        if batching is None:
-            port, stop = start_bare(model)
-        else:
-            server = serve({"m": model}, batching=batching, workers=2)
-            port, stop = server.port, server.stop
-        try:
-            for name, c, rate in points:
-                if name != config:
-                    continue
+    servers = {config: _start(model, config) for config in dict.fromkeys(name for name, _, _ in points)}
+    samples: dict[tuple[str, int, float], list[dict]] = {p: [] for p in points}
+    try:
+        for _ in range(rounds):
+            for point in points:
+                config, c, rate = point
                 cpu = time.process_time()  # this process is the server (the client is another one)
-                r = run_load(port, "/v2/models/m/infer", body, c, seconds, rate)
+                r = run_load(servers[config][0], "/v2/models/m/infer", body, c, seconds, rate)
                 served = r["requests"] * (seconds + WARMUP) / seconds  # the warm-up's requests cost CPU too
                 r["cpu_us"] = (time.process_time() - cpu) / max(served, 1) * 1e6
-                label = config + (f" @{rate:.0f}/s" if rate else "")
-                rows.append({"model": model.name, "server": label, "c": c, "format": "binary" if binary else "json", **r})
-                print(f"  {model.name:8s} {label:22s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms"
-                      f"  {r['cpu_us']:6.0f} us CPU/req", flush=True)
-        finally:
+                samples[point].append(r)
+    finally:
+        for _, stop in servers.values():
             stop()
+    rows = []
+    for (config, c, rate), runs in samples.items():
+        med = {k: float(np.median([r[k] for r in runs])) for k in ("rps", "p50_ms", "p99_ms", "cpu_us")}
+        label = config + (f" @{rate:.0f}/s" if rate else "")
+        rows.append({"model": model.name, "server": label, "c": c, "format": "binary" if binary else "json",
+                     "errors": sum(r["errors"] for r in runs), **med})
+        print(f"  {model.name:8s} {label:22s} c={c:<3d} {med['rps']:9.0f} req/s  p50 {med['p50_ms']:7.2f} ms  p99 {med['p99_ms']:7.2f} ms"
+              f"  {med['cpu_us']:6.0f} us CPU/req", flush=True)
     return rows
 
 
@@ -290,7 +304,7 @@ def _table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="2 s per point instead of 8")
+    p.add_argument("--quick", action="store_true", help="one round of 2 s per point instead of three of 4 s")
     p.add_argument("--loadgen", nargs=5, metavar=("PORT", "PAYLOAD", "C", "SECONDS", "RATE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.loadgen:
@@ -299,10 +313,10 @@ def main() -> None:
             data = f.read()
         print(json.dumps(asyncio.run(_loadgen("127.0.0.1", int(port), data, int(c), float(seconds), WARMUP, float(rate)))))
         return
-    seconds = 2.0 if args.quick else 8.0
+    seconds, rounds = (2.0, 1) if args.quick else (4.0, 3)
     tools = [t for t in ("wrk", "hey") if shutil.which(t)]
     print(f"load generator: {'asyncio client (no wrk/hey installed)' if not tools else 'asyncio client (' + ', '.join(tools) + ' present)'}; "
-          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; {seconds:.0f} s per point", flush=True)
+          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; {seconds:.0f} s per point, {rounds} interleaved round(s)", flush=True)
     root = tempfile.mkdtemp(prefix="cairn-serving-bench-")
     try:
         small = build_model(root, "small", (64, 256, 256, 16), 64)
@@ -310,8 +324,8 @@ def main() -> None:
         names = ["bare-aiohttp", "cairn-nobatch", "cairn-batch", "cairn-batch-1ms"]
         points = [(n, c, 0.0) for n in names for c in (1, 16, 64)]
         points += [("bare-aiohttp", 16, PACED_RATE), ("cairn-batch", 16, PACED_RATE), ("cairn-batch-1ms", 16, PACED_RATE)]
-        rows = measure(small, points, seconds, binary=False)
-        rows += measure(heavy, [(n, 64, 0.0) for n in names], seconds, binary=True)
+        rows = measure(small, points, seconds, binary=False, rounds=rounds)
+        rows += measure(heavy, [(n, 64, 0.0) for n in names], seconds, binary=True, rounds=rounds)
         full_batch = compute_time(small, 16)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -328,6 +342,7 @@ def main() -> None:
         "cpu_per_req_nobatch_vs_bare_c16": get["small", "cairn-nobatch", 16]["cpu_us"] / get["small", "bare-aiohttp", 16]["cpu_us"],
         "batching_gain_compute_c64": rps("compute", "cairn-batch", 64) / rps("compute", "cairn-nobatch", 64),
         "batching_gain_compute_c64_1ms": rps("compute", "cairn-batch-1ms", 64) / rps("compute", "cairn-nobatch", 64),
+        "batching_cpu_gain_compute_c64": get["compute", "cairn-nobatch", 64]["cpu_us"] / get["compute", "cairn-batch-1ms", 64]["cpu_us"],
         "p99_paced_c16_ms": get["small", f"cairn-batch-1ms @{PACED_RATE:.0f}/s", 16]["p99_ms"],
         "p99_paced_c16_bare_ms": get["small", f"bare-aiohttp @{PACED_RATE:.0f}/s", 16]["p99_ms"],
         "p99_bound_ms": (2 * QUEUE_DELAY + full_batch) * 1e3,
