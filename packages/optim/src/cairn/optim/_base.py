@@ -56,7 +56,11 @@ class GradientTransformation(NamedTuple):
     update: Callable
 
 
-GradientTransformationExtraArgs = GradientTransformation
+class GradientTransformationExtraArgs(GradientTransformation):
+    """A :class:`GradientTransformation` whose ``update`` takes extra keyword arguments
+    (``update(updates, state, params=None, **extra_args)``): :func:`chain` passes them on."""
+
+    __slots__ = ()
 
 
 class EmptyState(NamedTuple):
@@ -150,7 +154,7 @@ def _accepts_extra(tx) -> bool:
     upd = tx.update
     if isinstance(upd, PackedUpdate) or getattr(upd, "_cairn_extra", False):
         return True
-    return type(tx).__name__ == "GradientTransformationExtraArgs"
+    return type(tx).__name__ == "GradientTransformationExtraArgs"  # ours or Optax's
 
 
 def call_update(tx: Any, updates: Any, state: Any, params: Any,
