@@ -68,6 +68,19 @@ def _and(*masks: Any) -> Any:
     return out
 
 
+def _per_group(
+    x: jax.Array | None, n_heads: int, groups: int
+) -> tuple[jax.Array | None, int | None]:
+    """A ``[b, n, t, s]``-broadcastable array as ``[b, K|1, G, t, s]`` (vmap axis 2) or ``[b, K|1, t, s]``."""
+    if x is None:
+        return None, None
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    b, n, t, s = x.shape
+    if n == 1:
+        return x, None
+    return x.reshape(b, n_heads // groups, groups, t, s), 2
+
+
 def plain(
     q: jax.Array,
     k: jax.Array,
@@ -83,50 +96,54 @@ def plain(
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = True,
 ) -> jax.Array:
-    """Attention in one piece (differentiated by JAX); see the module docstring."""
+    """Attention in one piece (differentiated by JAX); see the module docstring.
+
+    Grouped query heads are a ``vmap`` over the group of a ``[B, T, K, H]`` core, the
+    structure ``jax.nn.dot_product_attention`` uses (XLA lays the matmuls out best so).
+    """
     b, t, n, d = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = n // kh
-    qg = q.reshape(b, t, kh, g, d)
-    raw = jnp.einsum(
-        "btkgd,bskd->bktgs", qg, k, precision=precision, preferred_element_type=jnp.float32
-    )
-    logits = raw * spec.scale
-    if bias is not None:
-        logits = logits + _grouped(jnp.asarray(bias, jnp.float32), n, g)
-    if spec.soft_cap is not None:
-        logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
-    pos = position_mask(spec, jnp.arange(t)[:, None, None], jnp.arange(s_len)[None, None, :])
-    visible = _and(
-        pos, _segment_mask(qseg, kseg) if spec.use_segments else None, _grouped_mask(mask, n, g)
-    )
-    p = _softmax(logits, visible)
+    keep = None
     if dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError("dropout_rate > 0 and deterministic=False need dropout_rng")
-        shape = (1, 1, t, 1, s_len) if broadcast_dropout else p.shape
+        shape = (1, 1, t, s_len) if broadcast_dropout else (b, n, t, s_len)
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
-        p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum(
-        "bktgs,bskd->btkgd",
-        p.astype(v.dtype),
-        v,
-        precision=precision,
-        preferred_element_type=jnp.float32,
-    )
+    extras = [_per_group(None if x is None else jnp.asarray(x), n, g) for x in (bias, mask, keep)]
+    pos = position_mask(spec, jnp.arange(t)[:, None], jnp.arange(s_len)[None, :])
+    seg = qseg[:, None, :, None] == kseg[:, None, None, :] if spec.use_segments else None
+
+    def core(qh: jax.Array, bias_h: Any, mask_h: Any, keep_h: Any) -> jax.Array:
+        logits = jnp.einsum(
+            "btkd,bskd->bkts", qh, k, precision=precision, preferred_element_type=jnp.float32
+        )
+        logits = logits * spec.scale
+        if bias_h is not None:
+            logits = logits + bias_h.astype(jnp.float32)
+        if spec.soft_cap is not None:
+            logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
+        p = _softmax(logits, _and(pos, seg, None if mask_h is None else mask_h.astype(bool)))
+        if keep_h is not None:
+            p = jnp.where(keep_h, p / (1.0 - dropout_rate), 0.0)
+        return jnp.einsum("bkts,bskd->btkd", p.astype(v.dtype), v, precision=precision)
+
+    vmapped = jax.vmap(core, in_axes=(3, *(axis for _, axis in extras)), out_axes=3)
+    out = vmapped(q.reshape(b, t, kh, g, d), *(x for x, _ in extras))
     return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
 def _softmax(logits: jax.Array, visible: jax.Array | None) -> jax.Array:
-    """Softmax over the last axis; invisible entries are 0 and fully masked rows all 0 (no NaN)."""
+    """Softmax over the last axis; invisible entries are 0 and fully masked rows all 0 (no NaN).
+
+    Masked logits get a large finite negative value (as jax.nn does), so ``jax.nn.softmax``
+    and its cheap custom derivative apply; rows that see nothing are then zeroed.
+    """
     if visible is None:
         return jax.nn.softmax(logits, axis=-1)
-    masked = jnp.where(visible, logits, -jnp.inf)
-    m = jnp.max(masked, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(masked - jax.lax.stop_gradient(m))
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(denom == 0.0, 1.0, denom)
+    big_neg = -0.7 * float(jnp.finfo(jnp.float32).max)
+    p = jax.nn.softmax(jnp.where(visible, logits, big_neg), axis=-1)
+    return jnp.where(jnp.any(visible, axis=-1, keepdims=True), p, 0.0)
 
 
 # --- chunked (flash attention in XLA) ---
