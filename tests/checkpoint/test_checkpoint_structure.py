@@ -138,3 +138,19 @@ print("ok")
 """
     r = run_on_cpu_devices(code, str(tmp_path / "c"), devices=4)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_other_pytree_nodes_come_back_as_nested_dicts(tmp_path):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Layer:
+        w: np.ndarray
+        extra: dict
+
+    tree = {"layers": [Layer(np.ones(2), {"b": 1, "a": [2]}), Layer(np.zeros(1), {"b": 3, "a": [4]})], "ab": 5}
+    cc.save(tmp_path / "c", tree)
+    got = cc.restore(tmp_path / "c")
+    assert got["ab"] == 5 and isinstance(got["layers"], list)
+    assert got["layers"][1] == {"w": got["layers"][1]["w"], "extra": {"a": {"0": 4}, "b": 3}}
+    np.testing.assert_array_equal(got["layers"][0]["w"], np.ones(2))

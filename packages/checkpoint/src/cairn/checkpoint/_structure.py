@@ -15,6 +15,7 @@ Checkpoints written before the structure was stored restore as nested dicts, as 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -83,22 +84,26 @@ def rebuild(structure: Any, values: Mapping[str, Any]) -> Any:
     >>> rebuild({"dict": [["z", {"list": ["L", "L"]}], ["a", None]]}, {"z/0": 42, "z/1": 43})
     {'z': [42, 43], 'a': None}
     """
-    return _rebuild(structure, "", values)
+    return _rebuild(structure, "", values, sorted(values))
 
 
-def _rebuild(s: Any, prefix: str, values: Mapping[str, Any]) -> Any:
+def _rebuild(s: Any, prefix: str, values: Mapping[str, Any], keys: list[str]) -> Any:
     if s == LEAF:
         return values[prefix]
     if s is None:
         return None
     if "dict" in s:
-        return {k: _rebuild(c, join_path(prefix, k), values) for k, c in s["dict"]}
+        return {k: _rebuild(c, join_path(prefix, k), values, keys) for k, c in s["dict"]}
     if "namedtuple" in s:
-        return {k: _rebuild(c, join_path(prefix, k), values) for k, c in s["namedtuple"]}
+        return {k: _rebuild(c, join_path(prefix, k), values, keys) for k, c in s["namedtuple"]}
     if "list" in s:
-        return [_rebuild(c, join_path(prefix, i), values) for i, c in enumerate(s["list"])]
+        return [_rebuild(c, join_path(prefix, i), values, keys) for i, c in enumerate(s["list"])]
     if "tuple" in s:
-        return tuple(_rebuild(c, join_path(prefix, i), values) for i, c in enumerate(s["tuple"]))
+        return tuple(_rebuild(c, join_path(prefix, i), values, keys) for i, c in enumerate(s["tuple"]))
     head = prefix + SEPARATOR if prefix else ""
-    sub = {p[len(head):]: v for p, v in values.items() if p.startswith(head) and p != prefix}
+    sub = {}
+    for p in keys[bisect.bisect_left(keys, head):]:  # the paths under ``prefix``, by binary search
+        if not p.startswith(head):
+            break
+        sub[p[len(head):]] = values[p]
     return unflatten(sub) if sub else {}
