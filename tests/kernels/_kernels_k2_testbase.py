@@ -33,6 +33,19 @@ def randn(rng: np.random.Generator, shape, dtype, scale: float = 1.0):
     return x, np.asarray(x.astype(jnp.float32), np.float64)
 
 
+def jit_value_and_vjp(fn):
+    """``step(args, cotangent) -> (fn(*args), vjp(cotangent))`` as one jitted function (a
+    rerun is the compiled program run again; eager interpret mode is several times slower)."""
+    import jax
+
+    @jax.jit
+    def step(args, ct):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(ct)
+
+    return step
+
+
 def assert_close(actual, reference, dtype: str, what: str, seed: int, tol: dict | None = None) -> None:
     a = np.asarray(jnp.asarray(actual).astype(jnp.float32), np.float64)
     r = np.asarray(reference, np.float64)

@@ -65,7 +65,8 @@ class CrossEntropyBase:
         w, w64 = tb.randn(rng, (h, v), dtype, scale=0.3)
         labels = rng.integers(0, v, size=b)
         lab = jnp.asarray(labels, jnp.int32)
-        loss, (dx, dw) = jax.value_and_grad(lambda a, c: self.run(a, lab, c, reduction=reduction), (0, 1))(x, w)
+        step = jax.jit(jax.value_and_grad(lambda a, c: self.run(a, lab, c, reduction=reduction), (0, 1)))
+        loss, (dx, dw) = step(x, w)
         rl, rdx, rdw = ref_loss_and_grads(x64, labels, w64, reduction)
         assert loss.dtype == jnp.float32 and loss.shape == ()
         # the loss sums b per-token terms: its rounding scales with them, not with max|ref|
@@ -74,7 +75,7 @@ class CrossEntropyBase:
         tb.assert_close(dx, rdx, dtype, "d x", seed, tb.GRAD_TOL)
         tb.assert_close(dw, rdw, dtype, "d weights", seed, tb.GRAD_TOL)
         assert dx.dtype == x.dtype and dw.dtype == w.dtype
-        again = jax.value_and_grad(lambda a, c: self.run(a, lab, c, reduction=reduction), (0, 1))(x, w)
+        again = step(x, w)
         tb.assert_bitwise_equal(loss, again[0], "loss")
         tb.assert_bitwise_equal(dw, again[1][1], "d weights")
 
@@ -98,7 +99,7 @@ class CrossEntropyBase:
 class TestCrossEntropyXla(CrossEntropyBase):
     IMPL = "xla"
 
-    @settings(max_examples=6, deadline=None)
+    @settings(max_examples=4, deadline=None)
     @given(b=st.integers(1, 9), h=st.integers(1, 6), v=st.integers(2, 40), block_v=st.sampled_from([1, 4, 16, 64]))
     def test_property_any_chunking(self, b, h, v, block_v):
         rng = np.random.default_rng(b * 1000 + h * 100 + v)

@@ -117,7 +117,7 @@ class TestQuantizedXla(QuantizedBase):
         ref = np.einsum("bik,bkn->bin", x64, np.asarray(w.dequantize(), np.float64))
         tb.assert_close(self.run(x, w, dn), ref, "float32", "zero-point batched dot", seed)
 
-    @settings(max_examples=6, deadline=None)
+    @settings(max_examples=4, deadline=None)
     @given(m=st.integers(1, 6), tiles=st.integers(1, 3), tile=st.sampled_from([1, 2, 4]), n=st.integers(1, 5))
     def test_property_per_tile_matches_dequantized(self, m, tiles, tile, n):
         rng = np.random.default_rng(m * 100 + tiles * 10 + n)

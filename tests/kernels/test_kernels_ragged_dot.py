@@ -85,17 +85,18 @@ class RaggedDotBase:
     def test_values_grads_determinism(self, case):
         dtype = case[0]
         (lhs, rhs, gs, ct), (l64, r64, gs64, c64), seed = self._inputs(dtype)
-        out, vjp = jax.vjp(lambda a, b: self.run(a, b, gs), lhs, rhs)
+        step = tb.jit_value_and_vjp(lambda a, b: self.run(a, b, gs))
+        out, (dl, dr) = step((lhs, rhs), ct)
         assert out.dtype == jnp.dtype(dtype)
         tb.assert_close(out, ref_m(l64, r64, gs64), dtype, "ragged_dot", seed)
         assert np.all(np.asarray(out[sum(gs64):]) == 0), "rows after the groups must be zero"
-        dl, dr = vjp(ct)
         rdl, rdr = ref_m_grads(l64, r64, gs64, c64)
         tb.assert_close(dl, rdl, dtype, "d lhs", seed, tb.GRAD_TOL)
         tb.assert_close(dr, rdr, dtype, "d rhs", seed, tb.GRAD_TOL)
         assert np.all(np.asarray(dr[1]) == 0), "an empty group's weight gradient is zero"
-        tb.assert_bitwise_equal(out, self.run(lhs, rhs, gs), "ragged_dot")
-        tb.assert_bitwise_equal(dr, vjp(ct)[1], "d rhs")
+        out2, (_, dr2) = step((lhs, rhs), ct)
+        tb.assert_bitwise_equal(out, out2, "ragged_dot")
+        tb.assert_bitwise_equal(dr, dr2, "d rhs")
 
     def test_ragged_contracting_general(self):
         dtype = self.DTYPES[0]
@@ -133,14 +134,13 @@ class RaggedDotBase:
 class TestRaggedDotXla(RaggedDotBase):
     IMPL = "xla"
     CONFIG = {"block_m": 16}
-    FAST_DTYPES = ("float32", "bfloat16")
 
     def test_dense_method_matches(self):
         (lhs, rhs, gs, _), (l64, r64, gs64, _), seed = self._inputs("float32")
         out = kernels.call("ragged_dot", lhs, rhs, gs, implementation="xla", config={"method": "dense"})
         tb.assert_close(out, ref_m(l64, r64, gs64), "float32", "dense ragged_dot", seed)
 
-    @settings(max_examples=6, deadline=None)
+    @settings(max_examples=3, deadline=None)
     @given(
         sizes=st.lists(st.integers(0, 19), min_size=1, max_size=5),
         extra=st.integers(0, 9),
@@ -193,6 +193,14 @@ class TestRaggedDotTriton(RaggedDotBase):
     IMPL = "pallas_triton"
     CONFIG = {"block_m": 16, "block_k": 16, "block_n": 16}
 
+    @pytest.mark.slow
+    def test_ragged_contracting_general(self):
+        super().test_ragged_contracting_general()
+
+    @pytest.mark.slow
+    def test_general_transposed_rhs_matches_ragged_dot(self):
+        super().test_general_transposed_rhs_matches_ragged_dot()
+
     def test_config_that_does_not_fit_raises(self):
         with pytest.raises(ValueError, match="block_m"):
             kernels.call("ragged_dot", jnp.ones((4, 4)), jnp.ones((1, 4, 4)), jnp.array([4]),
@@ -204,7 +212,15 @@ class TestRaggedDotMosaic(RaggedDotBase):
     DTYPES = ("bfloat16", "float16")
     FAST_DTYPES = ("bfloat16",)
     CONFIG = {"block_m": 64, "block_k": 32, "block_n": 32}
-    SIZES = (70, 40, 32, [9, 0, 33, 17])  # fewer programs: interpret mode simulates each one
+    SIZES = (40, 32, 32, [9, 0, 20, 7])  # few programs: interpret mode simulates each one
+
+    @pytest.mark.slow
+    def test_ragged_contracting_general(self):
+        super().test_ragged_contracting_general()
+
+    @pytest.mark.slow
+    def test_general_transposed_rhs_matches_ragged_dot(self):
+        super().test_general_transposed_rhs_matches_ragged_dot()
 
 
     def test_float32_is_refused_with_reason(self):
