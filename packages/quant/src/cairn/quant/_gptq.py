@@ -43,7 +43,10 @@ def gptq_matrix(
     """GPTQ of ``w`` [K, N] under ``hessian`` [K, K]: ``(q [K, N] ints, scale [K // tile or 1, N])``.
 
     Scales are symmetric, ``max|w| / (qmax + 0.5)`` over each tile of rows (or all rows),
-    with values in ``[-qmax, qmax]``, as :func:`~cairn.quant.quantize_array`.
+    as :func:`~cairn.quant.quantize_array`; values use the type's whole range
+    ``[-qmax - 1, qmax]``, because the error feedback can push a corrected row past the
+    tile's absmax and the extra negative level then saves a clip (as Qwix's GPTQ does);
+    values inside the symmetric grid stay in ``[-qmax, qmax]``.
 
     Raises:
       ValueError: shapes that do not match, or a tile that does not divide K.
@@ -73,7 +76,10 @@ def gptq_matrix(
                 hi = np.max(np.abs(rows), axis=0)
                 scales[row // tile] = np.where(hi > 0, hi / (qmax + 0.5), 1.0)
             s = scales[row // tile]
-            q[row] = np.clip(np.round(block[i] / s), -qmax, qmax)
+            v = block[i] / s
+            # -qmax - 1 only for values past the symmetric grid's edge (so an identity
+            # Hessian still gives round-to-nearest exactly, the absmax at -(qmax + 0.5) -> -qmax)
+            q[row] = np.where(v >= -(qmax + 0.5) * (1 + 1e-6), np.clip(np.round(v), -qmax, qmax), np.clip(np.round(v), -qmax - 1, qmax))
             errors[i] = (block[i] - q[row] * s) / u[row, row]
             block[i:] -= np.outer(u[row, row : stop], errors[i])
         w[stop:] -= u[start:stop, stop:].T @ errors
