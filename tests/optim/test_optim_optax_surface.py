@@ -31,7 +31,7 @@ def test_annotations_with_optax_aliases_evaluate_at_definition_time():
 
 
 @pytest.mark.parametrize("name", ["tree", "tree_utils", "transforms", "losses", "schedules",
-                                  "contrib", "projections"])
+                                  "contrib", "projections", "assignment"])
 def test_submodules_import_like_optax(name):
     mod = importlib.import_module(f"cairn.optim.{name}")
     assert getattr(optim, name) is mod

@@ -171,7 +171,7 @@ from cairn.optim._wrappers import (
 
 # public submodules, one per Optax concept (imported last: they re-export the names above)
 from cairn.optim import (  # noqa: E402, I001
-    contrib, losses, projections, schedules, transforms, tree, tree_utils,
+    assignment, contrib, losses, projections, schedules, transforms, tree, tree_utils,
 )
 
 __version__ = "0.2.0"
@@ -189,7 +189,7 @@ __all__ = [
     "Params", "Updates", "OptState", "Schedule", "ArrayTree", "TransformInitFn",
     "TransformUpdateFn", "TransformUpdateExtraArgsFn",
     # submodules
-    "tree_utils", "transforms", "losses", "schedules", "contrib", "projections",
+    "tree_utils", "transforms", "losses", "schedules", "contrib", "projections", "assignment",
     # transforms
     "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam", "scale_by_amsgrad",
     "scale_by_adamax", "scale_by_rms", "scale_by_stddev", "scale_by_belief", "scale_by_radam",
