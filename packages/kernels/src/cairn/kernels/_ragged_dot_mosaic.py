@@ -32,12 +32,19 @@ DEFAULT_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 64, "max_concurrent_s
 
 
 def interpret_params(interpret: bool) -> Any:
-    """``plgpu.kernel``'s ``interpret`` argument: GPU interpret mode on the CPU."""
+    """``plgpu.kernel``'s ``interpret`` argument: Mosaic GPU's interpret mode on the CPU
+    (``InterpretGPUParams``, only under ``jax._src`` in jax 0.10), with every buffer the
+    kernel allocates or writes poisoned with NaN first."""
     if not interpret:
         return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:  # pragma: no cover - a JAX without the GPU interpreter
+        raise NotImplementedError(
+            "this JAX has no Mosaic GPU interpret mode (InterpretGPUParams); run the pallas_mosaic_gpu "
+            "implementation on a GPU or pick another implementation"
+        ) from e
+    return InterpretGPUParams(uninitialized_memory="nan")
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
