@@ -237,7 +237,7 @@ def _gpu_rows() -> list[dict]:
 
 def rows(quick: bool) -> list[dict]:
     """Benchmark rows of K2's ops (see the module docstring)."""
-    reps = 15 if quick else 21
+    reps = 25 if quick else 41
     out: list[dict] = []
     for part in (_ragged, _glu, _norms, _ce, _quantized):
         out += part(quick, reps)
