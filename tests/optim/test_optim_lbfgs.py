@@ -81,6 +81,8 @@ def test_lbfgs_with_backtracking_matches_optax(store_grad):
             v, g = jax.value_and_grad(f)(x)
             u, state = upd(g, state, x, v)
             x = m.apply_updates(x, u)
+            info = m.tree.get(state, "info")
+            assert int(info.num_linesearch_steps) >= 1
             out.append((x, float(m.tree.get(state, "learning_rate",
                                              filtering=lambda p, v: "Backtracking" in str(p)))))
         return out
@@ -118,7 +120,7 @@ def test_backtracking_with_sgd_direction_matches_optax_and_raises_on_unknown_kwa
 def test_lbfgs_zoom_reaches_scipys_minimiser_with_wolfe_steps(x0):
     ref = scipy.optimize.minimize(_rosen_np, x0, jac=_rosen_grad_np, method="BFGS",
                                   options={"gtol": 1e-10}).x
-    traj, state = solve(optim, optim.lbfgs(), rosen, jnp.asarray(x0, jnp.float32), 60)
+    traj, _ = solve(optim, optim.lbfgs(), rosen, jnp.asarray(x0, jnp.float32), 60)
     np.testing.assert_allclose(traj[-1], ref, rtol=1e-3, atol=1e-3)
     theirs, _ = solve(optax, optax.lbfgs(), rosen, jnp.asarray(x0, jnp.float32), 60)
     np.testing.assert_allclose(traj[-1], theirs[-1], rtol=1e-3, atol=1e-3)
@@ -157,6 +159,7 @@ def test_zoom_steps_satisfy_strong_wolfe_and_store_value_and_grad():
         # stored at x + eta * d, recomputed at x + u: the points differ by rounding
         np.testing.assert_allclose(s.grad, jax.grad(rosen)(x_new), rtol=1e-4, atol=1e-4)
         assert float(s.info.decrease_error) == 0.0 and float(s.info.curvature_error) == 0.0
+        assert 1 <= int(s.info.num_linesearch_steps) <= 30
         x = x_new
         if float(jnp.linalg.norm(jax.grad(rosen)(x))) < 1e-3:
             break
@@ -174,7 +177,7 @@ def test_lbfgs_on_a_quadratic_matches_optax_minimiser_and_value_and_grad_reuses_
         return quad(p)
 
     vg = optim.value_and_grad_from_state(f)
-    v, g = vg(ours[-1], state=st)  # stored: f is not traced again
+    v, _ = vg(ours[-1], state=st)  # stored: f is not traced again
     assert calls == [] or len(calls) == 1  # lax.cond traces both branches once
     np.testing.assert_allclose(v, quad(ours[-1]), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="no 'value'"):

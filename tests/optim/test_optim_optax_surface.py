@@ -164,7 +164,7 @@ def test_selective_transform_and_freeze_match_optax_over_steps(mask):
         for tx in txs:
             p, st = params, tx.init(params)
             for i in range(4):
-                g = jax.tree.map(lambda x: jnp.sin(x + i), p)
+                g = jax.tree.map(lambda x, i=i: jnp.sin(x + i), p)
                 u, st = jax.jit(tx.update)(g, st, p)
                 p = m.apply_updates(p, u)
             out.append(p)

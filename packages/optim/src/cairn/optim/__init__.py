@@ -1,5 +1,16 @@
 """cairn.optim: chainable gradient transformations, schedules and losses."""
 
+# public submodules, one per Optax concept (imported last: they re-export the names above)
+from cairn.optim import (
+    assignment,
+    contrib,
+    losses,
+    projections,
+    schedules,
+    transforms,
+    tree,
+    tree_utils,
+)
 from cairn.optim._adam import (
     ScaleByAdamState,
     adabelief,
@@ -145,8 +156,8 @@ from cairn.optim._schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
-from cairn.optim._shampoo import matrix_inverse_root, scale_by_shampoo, shampoo
 from cairn.optim._selective import selective_transform
+from cairn.optim._shampoo import matrix_inverse_root, scale_by_shampoo, shampoo
 from cairn.optim._types import (
     ArrayTree,
     OptState,
@@ -167,11 +178,6 @@ from cairn.optim._wrappers import (
     apply_if_finite,
     lookahead,
     skip_not_finite,
-)
-
-# public submodules, one per Optax concept (imported last: they re-export the names above)
-from cairn.optim import (  # noqa: E402, I001
-    assignment, contrib, losses, projections, schedules, transforms, tree, tree_utils,
 )
 
 __version__ = "0.2.0"

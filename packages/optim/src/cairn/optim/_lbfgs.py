@@ -17,7 +17,7 @@ __all__ = ["ScaleByLBFGSState", "scale_by_lbfgs", "lbfgs"]
 
 
 class ScaleByLBFGSState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     params: Any  # the params of the previous call
     updates: Any  # the gradient of the previous call
     diff_params_memory: Any  # per leaf, (m, *shape): the steps s_i = x_{i+1} - x_i

@@ -16,7 +16,7 @@ __all__ = ["MechanicState", "mechanize"]
 
 class MechanicState(NamedTuple):
     base_optimizer_state: Any
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
     r: jax.Array  # per beta: discounted reward
     m: jax.Array  # per beta: discounted max |h|
     v: jax.Array  # per beta: discounted sum of h^2

@@ -19,7 +19,7 @@ class ReduceLROnPlateauState(NamedTuple):
     best_value: jax.Array  # best accumulated value seen so far
     plateau_count: jax.Array  # accumulation windows without improvement
     cooldown_count: jax.Array  # windows left before plateaus count again
-    count: jax.Array  # values accumulated in the current window
+    count: jax.Array  # type: ignore[assignment]  # values accumulated in this window
     avg_value: jax.Array  # running mean of the current window
 
 

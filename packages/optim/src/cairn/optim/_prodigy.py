@@ -21,7 +21,7 @@ class ProdigyState(NamedTuple):
     params0: Any  # :math:`x_0`
     estim_lr: jax.Array  # :math:`d`, the distance estimate
     numerator_weighted: jax.Array  # :math:`r`, the weighted :math:`\langle g, x_0 - x\rangle`
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]
 
 
 def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = (0.9, 0.999),

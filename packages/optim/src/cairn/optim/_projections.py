@@ -34,7 +34,7 @@ def projection_non_negative(tree: Any) -> Any:
 
 
 def _bound(b: Any, tree: Any) -> Any:
-    if jax.tree_util.tree_structure(b).num_leaves == 1 and not isinstance(b, (dict, list, tuple)):
+    if not isinstance(b, (dict, list, tuple)) and len(jax.tree.leaves(b)) == 1:
         return jax.tree.map(lambda _: b, tree)
     return b
 
@@ -51,7 +51,7 @@ def projection_hypercube(tree: Any, scale: Any = 1) -> Any:
 
 def projection_linf_ball(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
     """Onto :math:`\\|y\\|_\\infty \\le \\text{scale}`."""
-    return projection_box(tree, -scale, scale)
+    return projection_box(tree, jnp.negative(scale), scale)
 
 
 def projection_l2_ball(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:

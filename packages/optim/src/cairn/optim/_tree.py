@@ -180,7 +180,7 @@ def update_infinity_moment(updates: Any, moments: Any, decay: float, eps: float)
 def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
              equal_nan: bool = False) -> bool:
     """Same structure and every pair of leaves :func:`jnp.allclose`."""
-    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+    if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):  # type: ignore[operator]
         return False
     return all(bool(jnp.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -226,8 +226,8 @@ def dtype(tree: Any, mixed_dtype_handler: str | None = None) -> Any:
 
 def split_key_like(rng_key: jax.Array, target_tree: Any) -> Any:
     """One independent key per leaf of ``target_tree`` (same structure)."""
-    td = jax.tree_util.tree_structure(target_tree)
-    keys = jax.random.split(rng_key, td.num_leaves)
+    leaves, td = jax.tree_util.tree_flatten(target_tree)
+    keys = jax.random.split(rng_key, len(leaves))
     return jax.tree_util.tree_unflatten(td, list(keys))
 
 

@@ -119,7 +119,7 @@ def get_all_with_path(tree: Any, key: Any,
 def _same(a: Any, b: Any) -> bool:
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
-    if ta != tb:
+    if ta != tb:  # type: ignore[operator]
         return False
     for x, y in zip(la, lb):
         if jax.numpy.shape(x) != jax.numpy.shape(y):

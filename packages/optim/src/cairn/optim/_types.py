@@ -23,13 +23,14 @@ __all__ = [
     "TransformInitFn", "TransformUpdateFn", "TransformUpdateExtraArgsFn", "Numeric",
 ]
 
-Numeric = Union[jax.Array, np.ndarray, np.number, bool, int, float, complex]
-ArrayTree = Union[Numeric, Iterable["ArrayTree"], Mapping[Any, "ArrayTree"]]
+Numeric = Union[jax.Array, np.ndarray, np.number, bool, int, float, complex]  # noqa: UP007
+# Union (not |): the recursive string references cannot be joined with | at runtime
+ArrayTree = Union[Numeric, Iterable["ArrayTree"], Mapping[Any, "ArrayTree"]]  # noqa: UP007
 Params = ArrayTree  # a pytree of parameters
 Updates = ArrayTree  # a pytree with the structure of Params
 OptState = ArrayTree  # whatever ``init`` returns: NamedTuples, tuples, dicts of arrays
 Schedule = Callable[[Numeric], Numeric]  # step count -> value
-ScalarOrSchedule = Union[float, jax.Array, Schedule]
+ScalarOrSchedule = Union[float, jax.Array, Schedule]  # noqa: UP007
 
 
 class TransformInitFn(Protocol):
