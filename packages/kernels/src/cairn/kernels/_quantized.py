@@ -7,6 +7,8 @@ enter the dot (int32 accumulation when both operands are integer QArrays), scale
 applied after it. Implementations under op ``"quantized_dot_general"``: ``xla`` (any
 dimension numbers, see :mod:`cairn.kernels._quantized_xla`) and ``pallas_triton`` (the
 2-d ``Linear`` case with per-channel or per-tensor scales; weights stay int8 in memory).
+No Mosaic GPU kernel yet (it would convert int8 blocks to 16 bits between the TMA copy
+and ``wgmma``).
 """
 
 from __future__ import annotations
