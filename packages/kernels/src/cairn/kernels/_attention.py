@@ -14,6 +14,10 @@ from cairn.kernels._attention_common import AttentionSpec, folded_segments
 from cairn.kernels._registry import Implementation, call, register, register_op
 
 OP = "dot_product_attention"
+_NO_SOW = (
+    "module= (sow_weights) needs the attention weights, which fused attention never forms; "
+    "use cairn.nn's default attention_fn to sow them"
+)
 
 
 def _pow2(n: int) -> int:
@@ -115,138 +119,104 @@ def _segments(
     return qs, ks
 
 
+# fmt: off
 def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: jax.Array | None = None,
-    key_value_seq_lengths: jax.Array | None = None,
+    query: jax.Array, key: jax.Array, value: jax.Array,
+    bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+    scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None, key_value_seq_lengths: jax.Array | None = None,
     segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    implementation: str | Sequence[str] | None = None,
-    config: Mapping[str, Any] | None = None,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    broadcast_dropout: bool = True,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
+    local_window_size: int | tuple[int, int] | None = None, logits_soft_cap: float | None = None,
+    implementation: str | Sequence[str] | None = None, config: Mapping[str, Any] | None = None,
+    dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0, broadcast_dropout: bool = True,
+    deterministic: bool = False, dtype: Any = None, precision: Any = None, module: Any = None,
 ) -> jax.Array:
     r"""Scaled dot-product attention, forward and backward, with grouped-query heads.
 
-    .. math:: \mathrm{out} = \mathrm{softmax}(\mathrm{cap}(s \cdot QK^T + \mathrm{bias}) + \mathrm{mask})\,V
-
-    Arguments follow ``jax.nn.dot_product_attention`` and Tokamax. It is also a drop-in
-    ``attention_fn`` for ``cairn.nn.MultiHeadAttention`` (it declares the keywords nn
-    passes).
+    ``softmax(cap(scale * Q K^T + bias), masked) V`` with jax.nn's and Tokamax's argument
+    names (docs/kernels.md); a drop-in ``attention_fn`` for ``cairn.nn.MultiHeadAttention``.
 
     Args:
-      query: ``[..., T, N, H]``.
-      key, value: ``[..., S, K, H]`` (value may have its own last size); ``K`` divides ``N``.
-      bias: added to the logits, broadcastable to ``[..., N, T, S]`` (``xla`` only).
-      mask: boolean, ``True`` = attend, broadcastable to ``[..., N, T, S]`` (``xla`` only).
-      scale: logits scale; default ``1 / sqrt(H)``.
-      is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as jax.nn).
-      query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths; padded queries give 0.
-      segment_ids: ``[B, T]`` ids (self-attention) or a ``(query, key_value)`` pair;
-        a query sees only keys of its own segment (packed sequences).
-      local_window_size: ``w`` or ``(left, right)``: query ``i`` sees ``i-left <= j <= i+right``.
-      logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)`` before masking.
-      implementation: ``"xla"``, ``"pallas_triton"``, ``"pallas_mosaic_gpu"``, a sequence
-        tried in order, or ``None`` (override block, autotune cache, preference order).
-      config: implementation config (``{"chunk_size": 512}`` for ``xla``,
-        ``{"block_q": 64, "block_k": 64}`` for Pallas).
-      dropout_rng, dropout_rate, broadcast_dropout, deterministic: dropout on the
-        attention weights (``xla`` only), active when ``dropout_rate > 0`` and not
-        ``deterministic``; ``broadcast_dropout`` shares the mask over batch and heads.
-      dtype: cast query, key and value to this dtype first (nn's computation dtype).
-      precision: matmul precision (``xla``).
-      module: nn passes its module to sow attention weights; fused attention never forms
-        the weights, so it must be ``None``.
+      query: ``[..., T, N, H]``; key, value: ``[..., S, K, H]`` with ``K`` dividing ``N``.
+      bias, mask: broadcastable to ``[..., N, T, S]``; mask ``True`` = attend (``xla`` only).
+      scale: logits scale (default ``1 / sqrt(H)``); is_causal: keys ``j <= i`` only.
+      query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths.
+      segment_ids: ``[B, T]`` or a ``(query, key_value)`` pair; same segment only.
+      local_window_size: ``w`` or ``(left, right)``: keys ``i - left <= j <= i + right``.
+      logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)``.
+      implementation, config: a name (``"xla"``, ``"pallas_triton"``,
+        ``"pallas_mosaic_gpu"``) or a sequence; the implementation's config.
+      dropout_rng, dropout_rate, broadcast_dropout, deterministic: weight dropout (``xla``).
+      dtype, precision: computation dtype and matmul precision; module: must be ``None``.
 
     Returns:
-      ``[..., T, N, H_v]`` in the query's dtype. A row that sees no key is 0.
+      ``[..., T, N, H_v]`` in the query's dtype; a row that sees no key is 0.
 
     Raises:
-      ValueError: mismatched shapes or head counts (naming the argument), a bad window,
-        soft cap, dropout rate or segment ids, an unknown implementation or config key,
-        or an implementation that cannot take these arguments (with its reason).
+      ValueError: a bad shape, head count, window, soft cap, dropout rate, segment ids,
+        implementation or config key (named), or an implementation refusing the arguments.
       NotImplementedError: ``module`` given (sowing attention weights).
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import cairn.kernels as ck
       >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))
-      >>> kv = jax.random.normal(jax.random.key(1), (2, 16, 2, 8))
-      >>> out = ck.dot_product_attention(q, kv, kv, is_causal=True)
-      >>> ref = jax.nn.dot_product_attention(q, jnp.repeat(kv, 2, 2), jnp.repeat(kv, 2, 2), is_causal=True)
-      >>> bool(jnp.allclose(out, ref, atol=1e-5))
+      >>> out = ck.dot_product_attention(q, q, q, is_causal=True)
+      >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, q, q, is_causal=True), atol=1e-5))
       True
     """
     if module is not None:
-        raise NotImplementedError(
-            "module= (sow_weights) needs the attention weights, which fused attention never forms; "
-            "use cairn.nn's default attention_fn to sow them"
-        )
+        raise NotImplementedError(_NO_SOW)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
     query, key, value = (
         jnp.asarray(x) if dtype is None else jnp.asarray(x, dtype) for x in (query, key, value)
     )
     _check_shapes(query, key, value)
     lead = query.shape[:-3]
-    b = math.prod(lead)
-    q = query.reshape((b,) + query.shape[-3:])
-    k = key.reshape((b,) + key.shape[-3:])
-    v = value.reshape((b,) + value.shape[-3:])
-    t, s, h = q.shape[1], k.shape[1], q.shape[3]
+    q, k, v = (x.reshape((math.prod(lead),) + x.shape[-3:]) for x in (query, key, value))
+    spec, q_seg, kv_seg = _spec(q, k, scale, is_causal, local_window_size, logits_soft_cap,
+                                segment_ids, query_seq_lengths, key_value_seq_lengths)
+    out = call(OP, q, k, v, implementation=implementation, config=config, spec=spec,
+               bias=_flat_batch(bias), mask=_flat_batch(mask), q_segments=q_seg, kv_segments=kv_seg,
+               precision=precision, dropout_rate=0.0 if deterministic else float(dropout_rate),
+               dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+    return out.reshape(lead + out.shape[1:])
+    # fmt: on
+
+
+def _flat_batch(x: jax.Array | None) -> jax.Array | None:
+    """A bias or mask with several leading batch axes, flattened to one (like the inputs)."""
+    if x is None or jnp.ndim(x) <= 4:
+        return x
+    return jnp.asarray(x).reshape((-1,) + jnp.shape(x)[-3:])
+
+
+def _spec(
+    q: jax.Array,
+    k: jax.Array,
+    scale: float | None,
+    is_causal: bool,
+    local_window_size: int | tuple[int, int] | None,
+    logits_soft_cap: float | None,
+    segment_ids: Any,
+    query_seq_lengths: jax.Array | None,
+    key_value_seq_lengths: jax.Array | None,
+) -> tuple[AttentionSpec, jax.Array | None, jax.Array | None]:
+    """The static spec and the folded segment ids (``None`` when no length or segment is given)."""
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap!r}")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
-    rate = 0.0 if deterministic else float(dropout_rate)
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
     qs, ks = _segments(segment_ids, b, t, s)
     use_seg = qs is not None or query_seq_lengths is not None or key_value_seq_lengths is not None
     q_seg = kv_seg = None
     if use_seg:
         q_seg, kv_seg = folded_segments(b, t, s, query_seq_lengths, key_value_seq_lengths, qs, ks)
     spec = AttentionSpec(
-        scale=float(1.0 / math.sqrt(h) if scale is None else scale),
+        scale=float(1.0 / math.sqrt(q.shape[3]) if scale is None else scale),
         is_causal=bool(is_causal),
         window=_window(local_window_size),
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         use_segments=use_seg,
     )
-
-    def lead4(x):
-        return (
-            None
-            if x is None
-            else jnp.asarray(x).reshape((-1,) + jnp.shape(x)[-3:])
-            if jnp.ndim(x) > 4
-            else x
-        )
-
-    out = call(
-        OP,
-        q,
-        k,
-        v,
-        implementation=implementation,
-        config=config,
-        spec=spec,
-        bias=lead4(bias),
-        mask=lead4(mask),
-        q_segments=q_seg,
-        kv_segments=kv_seg,
-        precision=precision,
-        dropout_rate=rate,
-        dropout_rng=dropout_rng,
-        broadcast_dropout=broadcast_dropout,
-    )
-    return out.reshape(lead + out.shape[1:])
+    return spec, q_seg, kv_seg

@@ -47,21 +47,48 @@ def interpret_params(*, uninitialized_nan: bool = False) -> Any:
     return InterpretGPUParams(uninitialized_memory="nan" if uninitialized_nan else "zero")
 
 
+def _registers(interpreted: bool, bq: int, bk: int, dv: int) -> tuple[Any, Any]:
+    """The initial (max, sum, accumulator) registers and an iota in the wgmma layout.
+
+    The CPU interpreter has no ``layout_cast``: registers have no layout there.
+    """
+    if interpreted:
+
+        def iota(axis: int) -> Any:
+            return jax.lax.broadcasted_iota(jnp.int32, (bq, bk), axis)
+
+        def cast(x: Any, _: Any) -> Any:
+            return x
+    else:
+
+        def iota(axis: int) -> Any:
+            return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=plgpu.Layout.WGMMA)
+
+        cast = plgpu.layout_cast
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    init = (
+        cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
+        cast(jnp.zeros((bq,), jnp.float32), row_layout),
+        cast(jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA),
+    )
+    return init, iota
+
+
+def _online_softmax(s: Any, m: Any, l_sum: Any, acc: Any) -> tuple[Any, Any, Any, Any]:
+    """One online-softmax update: new max, sum, rescaled accumulator, and the block's P."""
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l_sum = l_sum * alpha + p.sum(axis=1)
+    return m_new, l_sum, acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]), p
+
+
+# fmt: off
 def _fwd_body(
-    q_ref: Any,
-    kt_ref: Any,
-    v_ref: Any,
-    o_ref: Any,
-    lse_ref: Any,
-    *,
-    spec: AttentionSpec,
-    bq: int,
-    bk: int,
-    groups: int,
-    s_len: int | None,
-    nk: int,
-    interpreted: bool,
-) -> None:
+    q_ref: Any, kt_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any, *, spec: AttentionSpec,
+    bq: int, bk: int, groups: int, s_len: int | None, nk: int, interpreted: bool,
+) -> None:  # fmt: on
     h = jax.lax.axis_index("heads")
     qi = jax.lax.axis_index("q_seq")
     b = jax.lax.axis_index("batch")
@@ -77,23 +104,7 @@ def _fwd_body(
     ) -> None:
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
-        # the CPU interpreter has no layout_cast: registers have no layout there
-        cast = (lambda x, _: x) if interpreted else plgpu.layout_cast
-        if interpreted:
-
-            def iota(axis):
-                return jax.lax.broadcasted_iota(jnp.int32, (bq, bk), axis)
-        else:
-
-            def iota(axis):
-                return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=plgpu.Layout.WGMMA)
-
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        init = (
-            cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
-            cast(jnp.zeros((bq,), jnp.float32), row_layout),
-            cast(jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA),
-        )
+        init, iota = _registers(interpreted, bq, bk, dv)
 
         def step(j: Any, carry: Any) -> Any:
             m, l_sum, acc = carry
@@ -112,12 +123,7 @@ def _fwd_body(
             vis = _attention_triton.position_mask(spec, rows, cols, kv_len=s_len)
             if vis is not None:
                 s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m - m_safe)
-            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            l_sum = l_sum * alpha + p.sum(axis=1)
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            m_new, l_sum, acc, p = _online_softmax(s, m, l_sum, acc)
             plgpu.barrier_wait(bars.at[2])
 
             # P goes through shared memory: Mosaic's CPU interpreter takes wgmma operands

@@ -86,9 +86,9 @@ def register_op(
     Raises:
       ValueError: if ``op`` is already declared.
     """
-    if op in _OPS:
+    if op in _OPS and not _same_source(_OPS[op].bucket, bucket):
         raise ValueError(f"op {op!r} is already registered")
-    _OPS[op] = _Op(bucket, tuple(preference))
+    _OPS[op] = _Op(bucket, tuple(preference), _OPS[op].impls if op in _OPS else {})
     for impl in _PENDING.pop(op, []):
         register(impl)
 
@@ -101,16 +101,28 @@ def register(impl: Implementation) -> None:
     """
     if impl.op not in _OPS:
         pending = _PENDING.setdefault(impl.op, [])
-        if any(p.name == impl.name for p in pending):
+        if any(p.name == impl.name and not _same_source(p.fn, impl.fn) for p in pending):
             raise ValueError(
                 f"implementation {impl.name!r} of op {impl.op!r} is already registered"
             )
-        pending.append(impl)
+        pending[:] = [p for p in pending if p.name != impl.name] + [impl]
         return
     impls = _OPS[impl.op].impls
-    if impl.name in impls:
+    if impl.name in impls and not _same_source(impls[impl.name].fn, impl.fn):
         raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} is already registered")
     impls[impl.name] = impl
+
+
+def _same_source(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """Whether two functions come from the same line of the same file.
+
+    A module imported a second time under another name (pytest's doctest collection
+    does this) re-registers its ops; that replaces the entry instead of raising.
+    """
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if ca is None or cb is None:
+        return False
+    return (ca.co_filename, ca.co_firstlineno) == (cb.co_filename, cb.co_firstlineno)
 
 
 def ops() -> list[str]:
