@@ -105,19 +105,56 @@ def example_value(spec: Any, seed: int = 0) -> Any:
     return jnp.zeros(spec.shape, dtype)
 
 
-def _timed(fn: Callable[..., Any], args: Sequence[Any], iterations: int) -> float:
-    """Best of ``iterations`` runs in ms, after a compile + warm-up run.
+def _round_robin(
+    candidates: list[tuple[str, dict[str, Any], Any]], flat: tuple[Any, ...], iterations: int
+) -> list[Measurement]:
+    """Best-of-``iterations`` ms per candidate, timed in turns (candidate 1, 2, ..., 1, 2, ...).
 
-    The minimum, not the median: on a shared machine it is the run least disturbed by
-    other work, so the ranking of candidates is the most repeatable.
+    Taking turns spreads other load on a shared machine over all candidates alike, and
+    the minimum is the run least disturbed, so the ranking is the most repeatable.
     """
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(iterations):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, (time.perf_counter() - start) * 1e3)
-    return best
+    best = [float("inf")] * len(candidates)
+    for _ in range(max(1, iterations)):
+        for i, (_, _, fn) in enumerate(candidates):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*flat))
+            best[i] = min(best[i], (time.perf_counter() - start) * 1e3)
+    return [Measurement(name, cfg, ms) for (name, cfg, _), ms in zip(candidates, best, strict=True)]
+
+
+def _compile_candidates(
+    op: str,
+    impls: Mapping[str, _registry.Implementation],
+    names: list[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mode: str,
+    interpret: bool,
+) -> tuple[list[tuple[str, dict[str, Any], Any]], list[Measurement]]:
+    """Every (implementation, config) that runs here, compiled and run once; failures recorded."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    statics = {k: v for k, v in kwargs.items() if k not in arrays}
+    flat = (*args, *arrays.values())
+    ok: list[tuple[str, dict[str, Any], Any]] = []
+    failed: list[Measurement] = []
+    for name in names:
+        if name not in impls:
+            raise ValueError(
+                f"unknown implementation {name!r} for op {op!r}; valid: {sorted(impls)}"
+            )
+        impl = impls[name]
+        on_device = _registry.backend() in impl.platforms
+        if (not on_device and not interpret) or impl.supports(*args, **kwargs) is not None:
+            continue
+        for cfg in impl.configs(*args, **kwargs):
+            full = _registry.full_config(impl, cfg, *args, **kwargs)
+            fn = _runner(impl, full, statics, list(arrays), len(args), not on_device, mode)
+            try:
+                jax.block_until_ready(fn(*flat))  # compile and warm up
+                ok.append((name, full, fn))
+            except Exception as e:  # a config that does not fit (resources, shapes) is skipped
+                failed.append(Measurement(name, full, None, f"{type(e).__name__}: {e}"[:300]))
+    return ok, failed
 
 
 def _runner(
@@ -163,7 +200,7 @@ def autotune_op(
       *args: the op's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
       implementations: restrict the candidates (default: every implementation that runs
         compiled on this backend).
-      iterations: timed runs per candidate (the best is kept), after a compile + warm-up run.
+      iterations: timed runs per candidate, in turns with the others (the best is kept), after a compile + warm-up run.
       mode: ``"fwd"`` times the forward, ``"fwd_bwd"`` forward plus gradient.
       interpret: also time Pallas implementations in interpret mode (for testing the
         machinery on a CPU; interpreter timings say nothing about a GPU).
@@ -180,26 +217,9 @@ def autotune_op(
     names = list(impls) if implementations is None else list(implementations)
     args = tuple(example_value(a, i) for i, a in enumerate(args))
     kwargs = {k: example_value(v, 100 + i) for i, (k, v) in enumerate(kwargs.items())}
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-    statics = {k: v for k, v in kwargs.items() if k not in arrays}
-    results: list[Measurement] = []
-    for name in names:
-        if name not in impls:
-            raise ValueError(
-                f"unknown implementation {name!r} for op {op!r}; valid: {sorted(impls)}"
-            )
-        impl = impls[name]
-        on_device = _registry.backend() in impl.platforms
-        if (not on_device and not interpret) or impl.supports(*args, **kwargs) is not None:
-            continue
-        for cfg in impl.configs(*args, **kwargs):
-            full = _registry.full_config(impl, cfg, *args, **kwargs)
-            fn = _runner(impl, full, statics, list(arrays), len(args), not on_device, mode)
-            try:
-                ms = _timed(fn, (*args, *arrays.values()), iterations)
-                results.append(Measurement(name, full, ms))
-            except Exception as e:  # a config that does not fit (resources, shapes) is skipped
-                results.append(Measurement(name, full, None, f"{type(e).__name__}: {e}"[:300]))
+    candidates, failed = _compile_candidates(op, impls, names, args, kwargs, mode, interpret)
+    flat = (*args, *(v for v in kwargs.values() if isinstance(v, jax.Array)))
+    results = _round_robin(candidates, flat, iterations) + failed
     timed = [m for m in results if m.time_ms is not None]
     if not timed:
         raise ValueError(
