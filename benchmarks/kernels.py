@@ -85,7 +85,7 @@ def attention_rows(quick: bool, reps: int) -> list[dict]:
                 return _composition(q, k, v, causal)
 
             for mode in ("fwd", "fwd+bwd"):
-                tuned = ck.autotune(ours, q, k, v, iterations=3, mode="fwd" if mode == "fwd" else "fwd_bwd")
+                tuned = ck.autotune(ours, q, k, v, iterations=7, mode="fwd" if mode == "fwd" else "fwd_bwd")
                 cfg = dict(tuned.entries[0].config)
                 wrap = jax.jit if mode == "fwd" else _grad
                 shape = f"f32[{b},{t},{n}/{kh},{h}] {'causal ' if causal else ''}{mode}"
