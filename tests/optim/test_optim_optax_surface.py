@@ -183,3 +183,16 @@ def test_selective_transform_keeps_no_state_for_frozen_leaves_and_takes_path_rul
     u, _ = tx.update(params, st, params)
     assert float(jnp.abs(u["embed"]["table"]).sum()) == 0.0
     assert float(jnp.abs(u["head"]).sum()) > 0.0
+
+
+def test_top_level_helpers_with_optax_names():
+    x = {"a": jnp.ones(2)}
+    tx = optim.with_extra_args_support(optim.stateless(lambda u, p: u))
+    assert isinstance(tx, optim.GradientTransformationExtraArgs)
+    assert optim.with_extra_args_support(tx) is tx
+    np.testing.assert_array_equal(tx.update(x, tx.init(x), x, value=1.0)[0]["a"], x["a"])
+    assert int(optim.safe_int32_increment(jnp.asarray(np.iinfo(np.int32).max))) == \
+        np.iinfo(np.int32).max
+    assert optim.init_empty_state(x) == optim.EmptyState()
+    m = optim.update_moment(x, x, 0.9, 2)
+    np.testing.assert_allclose(m["a"], optax.tree.update_moment(x, x, 0.9, 2)["a"])

@@ -1,6 +1,6 @@
 """cairn.optim: chainable gradient transformations, schedules and losses."""
 
-# public submodules, one per Optax concept (imported last: they re-export the names above)
+# public submodules, one per Optax concept (thin re-exports of the private modules)
 from cairn.optim import (
     assignment,
     contrib,
@@ -47,11 +47,13 @@ from cairn.optim._base import (
     global_norm,
     identity,
     incremental_update,
+    init_empty_state,
     named_chain,
     periodic_update,
     set_to_zero,
     stateless,
     stateless_with_tree_map,
+    with_extra_args_support,
 )
 from cairn.optim._clipping import (
     adaptive_grad_clip,
@@ -106,7 +108,7 @@ from cairn.optim._losses import (
 from cairn.optim._masking import MaskedState, freeze, masked
 from cairn.optim._momentum import ema, lars, noisy_sgd, sgd, signum, trace
 from cairn.optim._muon import muon, orthogonalize_via_newton_schulz, scale_by_muon
-from cairn.optim._packed_state import pack
+from cairn.optim._packed_state import pack, safe_increment
 from cairn.optim._packing import Packed, layout_of, unpack
 from cairn.optim._rms import (
     adadelta,
@@ -158,6 +160,13 @@ from cairn.optim._schedules import (
 )
 from cairn.optim._selective import selective_transform
 from cairn.optim._shampoo import matrix_inverse_root, scale_by_shampoo, shampoo
+from cairn.optim._tree import (
+    bias_correction,
+    update_infinity_moment,
+    update_moment,
+    update_moment_per_elem_norm,
+)
+from cairn.optim._tree_state import map_params as tree_map_params
 from cairn.optim._types import (
     ArrayTree,
     OptState,
@@ -180,6 +189,8 @@ from cairn.optim._wrappers import (
     skip_not_finite,
 )
 
+safe_int32_increment = safe_increment
+
 __version__ = "0.2.0"
 
 __all__ = [
@@ -190,7 +201,9 @@ __all__ = [
     "incremental_update", "periodic_update", "global_norm", "tree", "flatten",
     "inject_hyperparams", "get_hyperparams", "set_hyperparams", "InjectHyperparamsState",
     "PartitionState", "MaskedState", "Packed", "pack", "unpack", "layout_of",
-    "StateMismatchError", "ScalarOrSchedule", "selective_transform",
+    "StateMismatchError", "ScalarOrSchedule", "selective_transform", "with_extra_args_support",
+    "init_empty_state", "safe_increment", "safe_int32_increment", "tree_map_params",
+    "bias_correction", "update_moment", "update_moment_per_elem_norm", "update_infinity_moment",
     # types (annotations only)
     "Params", "Updates", "OptState", "Schedule", "ArrayTree", "TransformInitFn",
     "TransformUpdateFn", "TransformUpdateExtraArgsFn",

@@ -45,6 +45,8 @@ __all__ = [
     "named_chain",
     "StateMismatchError",
     "ScalarOrSchedule",
+    "with_extra_args_support",
+    "init_empty_state",
 ]
 
 
@@ -163,6 +165,27 @@ def call_update(tx: Any, updates: Any, state: Any, params: Any,
     if extra and _accepts_extra(tx):
         return tx.update(updates, state, params, **extra)
     return tx.update(updates, state, params)
+
+
+def with_extra_args_support(tx: GradientTransformation) -> GradientTransformation:
+    """``tx`` whose ``update`` accepts (and ignores) extra keyword arguments, as a
+    :class:`GradientTransformationExtraArgs`; ``tx`` itself when it already accepts them.
+
+    >>> import jax.numpy as jnp
+    >>> tx = with_extra_args_support(stateless(lambda u, p: u))
+    >>> float(tx.update(jnp.ones(()), tx.init(None), value=3.0)[0])
+    1.0
+    """
+    if isinstance(tx, GradientTransformationExtraArgs):
+        return tx
+    if _accepts_extra(tx):
+        return GradientTransformationExtraArgs(tx.init, tx.update)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        del extra
+        return tx.update(updates, state, params)
+
+    return GradientTransformationExtraArgs(tx.init, update)
 
 
 def mark_extra(fn: Callable) -> Callable:
