@@ -57,14 +57,17 @@ def _registers(interpreted: bool, bq: int, bk: int, dv: int) -> tuple[Any, Any]:
         def iota(axis: int) -> Any:
             return jax.lax.broadcasted_iota(jnp.int32, (bq, bk), axis)
 
-        def cast(x: Any, _: Any) -> Any:
+        def cast(x: Any, layout: Any) -> Any:
+            del layout
             return x
     else:
 
         def iota(axis: int) -> Any:
             return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=plgpu.Layout.WGMMA)
 
-        cast = plgpu.layout_cast
+        def cast(x: Any, layout: Any) -> Any:
+            return plgpu.layout_cast(x, layout)
+
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     init = (
         cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),

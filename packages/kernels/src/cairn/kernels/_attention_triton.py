@@ -36,7 +36,6 @@ from cairn.kernels._attention_common import (
 )
 from cairn.kernels._registry import Implementation
 
-BLOCKS = (16, 32, 64, 128)
 _POISON: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cairn_kernels_poison", default=False
 )

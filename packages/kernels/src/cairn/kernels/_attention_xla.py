@@ -54,12 +54,6 @@ def _grouped_mask(mask: jax.Array | None, n_heads: int, groups: int) -> jax.Arra
     return None if mask is None else _grouped(jnp.asarray(mask, bool), n_heads, groups)
 
 
-def _segment_mask(qseg: jax.Array | None, kseg: jax.Array | None) -> jax.Array | None:
-    if qseg is None or kseg is None:
-        return None
-    return qseg[:, None, :, None, None] == kseg[:, None, None, None, :]
-
-
 def _and(*masks: Any) -> Any:
     out = None
     for m in masks:
@@ -112,7 +106,9 @@ def plain(
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
     extras = [_per_group(None if x is None else jnp.asarray(x), n, g) for x in (bias, mask, keep)]
     pos = position_mask(spec, jnp.arange(t)[:, None], jnp.arange(s_len)[None, :])
-    seg = qseg[:, None, :, None] == kseg[:, None, None, :] if spec.use_segments else None
+    seg = None
+    if spec.use_segments and qseg is not None and kseg is not None:
+        seg = qseg[:, None, :, None] == kseg[:, None, None, :]
 
     def core(qh: jax.Array, bias_h: Any, mask_h: Any, keep_h: Any) -> jax.Array:
         logits = jnp.einsum(

@@ -26,8 +26,6 @@ import jax
 
 from cairn.kernels import _cache, _override, _trace
 
-IMPLEMENTATION_NAMES = ("xla", "pallas_triton", "pallas_mosaic_gpu")
-
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
@@ -249,13 +247,12 @@ def resolve(
         impl = _explicit(op, requested, args, kwargs)
     else:
         hit = _cache.lookup(_cache.device_kind(), op, bucket_key(op, *args, **kwargs))
-        impl = None
+        found: Implementation | None = None
         if hit is not None and hit[0] in _get_op(op).impls:
             cand = _get_op(op).impls[hit[0]]
             if backend() in cand.platforms and cand.supports(*args, **kwargs) is None:
-                impl, tuned = cand, hit[1]
-        if impl is None:
-            impl = _default(op, args, kwargs)
+                found, tuned = cand, hit[1]
+        impl = found if found is not None else _default(op, args, kwargs)
     chosen = config if config is not None else over_config if over_config is not None else tuned
     return impl, full_config(impl, chosen, *args, **kwargs)
 
