@@ -202,6 +202,10 @@ class DynamicBatcher:
             self._in_flight += 1
             if self._inline:
                 self._complete(items, *self._execute(items, time.perf_counter()), redispatch=False)
+                if self._queue and not self._deferred:  # one batch per loop iteration: its answers
+                    self._deferred = True  # go out (and new requests come in) before the next
+                    self._loop.call_soon(self._dispatch)
+                break
             else:
                 self._executor.submit(self._run, items, time.perf_counter())
         if not self._queue and self._in_flight == 0:
