@@ -13,8 +13,10 @@ def test_indexing():
     ds = MapDataset.range(10).map(lambda x: x + 1)
     assert ds[0] == 1 and ds[-1] == 10
     assert list(ds[2:8:3]) == [3, 6]
+    # As in Grain, an index past the end reads the next epoch; only negative ones past -len fail.
+    assert ds[10] == 1 and ds[23] == 4
     with pytest.raises(IndexError, match="out of range .* length 10"):
-        ds[10]
+        ds[-11]
     with pytest.raises(TypeError, match="integers or slices"):
         ds["a"]
     with pytest.raises(IndexError, match="index 12 is out of range"):

@@ -52,8 +52,8 @@ def test_data_loader_matches_dataset_pipeline():
     flat = [x + 1 for x in ref.to_iter_dataset()]
     got = [b.tolist() for b in loader]
     assert got == [flat[i : i + 3] for i in range(0, len(flat), 3)]
-    with pytest.raises(ValueError, match="sampler expects 41 records but the source has 40"):
-        DataLoader(data_source=src, sampler=IndexSampler(41))
+    with pytest.raises(ValueError, match="wants 2 records from an empty source"):
+        DataLoader(data_source=[], sampler=IndexSampler(2))
     with pytest.raises(TypeError, match="operation 0 is a int"):
         DataLoader(data_source=src, sampler=IndexSampler(40), operations=[3])
     with pytest.raises(ValueError, match="needs a seed"):
@@ -73,3 +73,26 @@ def test_shard_by_jax_process():
         return
     so = ShardByJaxProcess(drop_remainder=True)
     assert (so.shard_index, so.shard_count, so.drop_remainder) == (0, 1, True)
+
+
+def test_sampler_num_records_may_differ_from_the_source():
+    # As in Grain: fewer records read a prefix, more wrap around the source.
+    src = list(range(5))
+    assert list(DataLoader(data_source=src, sampler=IndexSampler(3))) == [0, 1, 2]
+    assert list(DataLoader(data_source=src, sampler=IndexSampler(7))) == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_index_sampler_is_a_sequence_of_record_metadata():
+    s = IndexSampler(4, shuffle=True, seed=1, num_epochs=2)
+    keys = [m.record_key for m in s]
+    assert len(s) == 8 and [m.index for m in s] == list(range(8))
+    assert sorted(keys[:4]) == sorted(keys[4:]) == [0, 1, 2, 3]
+    src = list(range(10, 14))
+    assert [x - 10 for x in DataLoader(data_source=src, sampler=s)] == keys
+    a, b = s[3].rng, s[3].rng
+    assert a is not None and a.integers(1 << 30) == b.integers(1 << 30)
+    assert IndexSampler(4, num_epochs=None)[9].record_key == 1 and IndexSampler(4).__getitem__(0).rng is None
+    with pytest.raises(IndexError, match=r"index 8 is out of range \[0, 8\)"):
+        s[8]
+    with pytest.raises(TypeError, match="integers"):
+        s["0"]

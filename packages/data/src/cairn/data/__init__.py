@@ -14,6 +14,7 @@ from cairn.data._data_loader import (
     IndexSampler,
     MapTransform,
     RandomMapTransform,
+    RecordMetadata,
 )
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._device import device_put
@@ -41,6 +42,17 @@ from cairn.data._writers import (
     write_parquet,
 )
 
+# Grain's public submodules (grain.sources, grain.transforms, ...): thin re-exports.
+from cairn.data import (  # noqa: E402
+    checkpoint,
+    experimental,
+    multiprocessing,
+    samplers,
+    sharding,
+    sources,
+    transforms,
+)
+
 __version__ = "0.1.0"
 
 __all__: list[str] = [
@@ -64,6 +76,7 @@ __all__: list[str] = [
     "MapTransform",
     "NoSharding",
     "RandomMapTransform",
+    "RecordMetadata",
     "ShardByJaxProcess",
     "ShardOptions",
     "device_put",
@@ -83,4 +96,12 @@ __all__: list[str] = [
     "StructureMismatchError",
     "assert_equal_output_after_checkpoint",
     "stack_records",
+    # --- Grain's submodules ---
+    "checkpoint",
+    "experimental",
+    "multiprocessing",
+    "samplers",
+    "sharding",
+    "sources",
+    "transforms",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+import functools
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,8 @@ __all__ = [
     "RandomMapTransform",
     "FilterTransform",
     "Batch",
+    "RecordMetadata",
+    "SequentialSampler",
 ]
 
 
@@ -54,6 +58,29 @@ class Batch:
 
 
 @dataclasses.dataclass(frozen=True)
+class RecordMetadata:
+    """One step of a sampler: position ``index`` reads record ``record_key``; ``rng`` is a
+    generator keyed by ``seed + index`` when the sampler has a seed (else ``None``)."""
+
+    index: int
+    record_key: int | None = None
+    rng: np.random.Generator | None = None
+
+
+def _record_metadata(index: int, record_key: int, seed: int | None) -> RecordMetadata:
+    rng = None if seed is None else np.random.Generator(np.random.Philox(key=seed + index))
+    return RecordMetadata(index=index, record_key=record_key, rng=rng)
+
+
+def _check_position(index: Any, n: int, who: str) -> int:
+    if isinstance(index, bool) or not isinstance(index, int | np.integer):
+        raise TypeError(f"{who} indices must be integers, got {type(index).__name__}")
+    if not 0 <= int(index) < n:
+        raise IndexError(f"{who}: index {int(index)} is out of range [0, {n})")
+    return int(index)
+
+
+@dataclasses.dataclass(frozen=True)
 class IndexSampler:
     """Which record indices to read, in which order, for how many epochs.
 
@@ -84,6 +111,82 @@ class IndexSampler:
             raise ValueError(
                 f"IndexSampler.num_epochs must be an int >= 0 or None, got {self.num_epochs!r}"
             )
+
+    @functools.cached_property
+    def _order(self) -> MapDataset:
+        """Record keys in reading order: the same steps ``DataLoader`` applies to the source."""
+        s = self.shard_options
+        ds = MapDataset.range(self.num_records).shard(s.shard_index, s.shard_count, s.drop_remainder)
+        if self.shuffle:
+            ds = ds.shuffle(seed=self.seed)
+        return ds.repeat(self.num_epochs) if self.num_epochs != 1 else ds
+
+    def __len__(self) -> int:
+        """Steps in all epochs of this shard (``sys.maxsize`` when endless)."""
+        return len(self._order)
+
+    def __getitem__(self, index: int) -> RecordMetadata:
+        """The record to read at step ``index``.
+
+        Raises:
+          IndexError: for ``index`` outside ``[0, len(self))``.
+        """
+        i = _check_position(index, len(self), "IndexSampler")
+        return _record_metadata(i, int(self._order[i]), self.seed)
+
+    def __iter__(self) -> Iterator[RecordMetadata]:
+        """Every step in order (endless when ``num_epochs`` is ``None``).
+
+        >>> [m.record_key for m in IndexSampler(3, num_epochs=2)]
+        [0, 1, 2, 0, 1, 2]
+        """
+        for i in range(len(self)):
+            yield self[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequentialSampler:
+    """Records ``0 .. num_records-1`` of this shard, once, in order (Grain's name)."""
+
+    num_records: int
+    shard_options: ShardOptions = dataclasses.field(default_factory=NoSharding)
+    seed: int | None = None
+
+    @functools.cached_property
+    def _order(self) -> MapDataset:
+        s = self.shard_options
+        return MapDataset.range(self.num_records).shard(s.shard_index, s.shard_count, s.drop_remainder)
+
+    def __len__(self) -> int:
+        """Records in this shard."""
+        return len(self._order)
+
+    def __getitem__(self, index: int) -> RecordMetadata:
+        """The record to read at step ``index``.
+
+        Raises:
+          IndexError: for ``index`` outside ``[0, len(self))``.
+        """
+        i = _check_position(index, len(self), "SequentialSampler")
+        return _record_metadata(i, int(self._order[i]), self.seed)
+
+    def __iter__(self) -> Iterator[RecordMetadata]:
+        """Every step in order."""
+        for i in range(len(self)):
+            yield self[i]
+
+
+def _first_records(ds: MapDataset, num_records: int) -> MapDataset:
+    """The first ``num_records`` records of ``ds``, wrapping around past its end (as
+    Grain reads ``source[key % len(source)]`` when the sampler has more records)."""
+    n = len(ds)
+    if num_records == n:
+        return ds
+    if n == 0:
+        raise ValueError(f"DataLoader: the sampler wants {num_records} records from an empty source")
+    if num_records > n:
+        ds = ds.repeat(-(-num_records // n), reseed_each_epoch=False)
+    return ds.slice(slice(0, num_records))
 
 
 class DataLoader:
@@ -118,12 +221,8 @@ class DataLoader:
             raise TypeError(
                 f"DataLoader: sampler must be an IndexSampler, got {type(sampler).__name__}"
             )
-        if len(data_source) != sampler.num_records:
-            raise ValueError(
-                f"DataLoader: the sampler expects {sampler.num_records} records but the source has {len(data_source)}"
-            )
         shard = shard_options if shard_options is not None else sampler.shard_options
-        ds = MapDataset.source(data_source).shard(
+        ds = _first_records(MapDataset.source(data_source), sampler.num_records).shard(
             shard.shard_index, shard.shard_count, shard.drop_remainder
         )
         if sampler.shuffle:

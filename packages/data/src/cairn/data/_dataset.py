@@ -182,9 +182,11 @@ class MapDataset(_Pipeline):
             )
         i = int(index)
         j = i + n if i < 0 else i
-        if not 0 <= j < n:
+        if n == 0 or j < 0:
             raise IndexError(f"index {i} is out of range for {self._stage_name()} of length {n}")
-        return self._getitems(np.array([j], np.int64), 0)[0]
+        # As in Grain, an index past the end reads the next epoch (reshuffled, new randomness).
+        epoch, j = divmod(j, n)
+        return self._getitems(np.array([j], np.int64), epoch)[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list:
         """The elements at ``indices`` in one batched read (the source protocol)."""
@@ -337,7 +339,7 @@ class MapDataset(_Pipeline):
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.map import MapWithIndexMapDataset
 
-        return MapWithIndexMapDataset(self, as_callable(fn, "map_with_index"))
+        return MapWithIndexMapDataset(self, as_callable(fn, "map_with_index", "map_with_index"))
 
     def filter(self, predicate: FilterFn) -> MapDataset:
         """Keep elements where ``predicate`` is true; the others read as ``None``.

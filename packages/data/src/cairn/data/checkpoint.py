@@ -1,0 +1,93 @@
+"""Saving an iterator's position with a checkpoint manager (Grain's ``grain.checkpoint``).
+
+``CheckpointSave(iterator)`` / ``CheckpointRestore(iterator)`` are argument objects
+that wrap the iterator as ``.item``; cairn.checkpoint's ``CheckpointManager`` stores
+such an item as the iterator's ``get_state()`` (through core_array's ``Checkpointable``,
+no import between the packages)::
+
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(params), ds=grain.checkpoint.CheckpointSave(it)))
+    mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(params), ds=grain.checkpoint.CheckpointRestore(it)))
+
+``CheckpointHandler`` writes and reads the state as ``process_<i>-of-<n>.json`` in a
+directory, for code that calls a handler itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["CheckpointHandler", "CheckpointRestore", "CheckpointSave"]
+
+
+@dataclasses.dataclass
+class CheckpointSave:
+    """Save ``item``'s state (an iterator with ``get_state``)."""
+
+    item: Any
+
+
+@dataclasses.dataclass
+class CheckpointRestore:
+    """Restore into ``item`` (an iterator with ``set_state``); the restore gives ``item``."""
+
+    item: Any
+
+
+def _process() -> tuple[int, int]:
+    """This process's index and the process count (0 of 1 unless JAX is in use)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return 0, 1
+    return int(jax.process_index()), int(jax.process_count())
+
+
+def _state_file(directory: Any) -> str:
+    i, n = _process()
+    return os.path.join(os.fspath(directory), f"process_{i}-of-{n}.json")
+
+
+def _item(item: Any, args: Any, who: str, method: str) -> Any:
+    x = item if item is not None else getattr(args, "item", None)
+    if not callable(getattr(x, method, None)):
+        raise TypeError(f"CheckpointHandler.{who}: needs an iterator with {method}(), got {type(x).__name__}")
+    return x
+
+
+class CheckpointHandler:
+    """Writes an iterator's state as JSON, one file per process, and reads it back."""
+
+    def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
+        """Write ``item.get_state()`` (or ``args.item``'s) to ``directory``.
+
+        Raises:
+          TypeError: if there is no iterator with ``get_state`` or its state is not JSON-able.
+        """
+        it = _item(item, args, "save", "get_state")
+        os.makedirs(os.fspath(directory), exist_ok=True)
+        text = json.dumps(it.get_state(), indent=2)
+        with open(_state_file(directory), "w", encoding="utf-8") as f:
+            f.write(text)
+
+    def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+        """Read this process's state from ``directory`` into ``item`` and return ``item``.
+
+        Raises:
+          TypeError: if there is no iterator with ``set_state``.
+          FileNotFoundError: if ``directory`` holds no state for this process.
+        """
+        it = _item(item, args, "restore", "set_state")
+        path = _state_file(directory)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"CheckpointHandler.restore: no iterator state at {path}")
+        with open(path, encoding="utf-8") as f:
+            it.set_state(json.load(f))
+        return it
+
+    def close(self) -> None:
+        """Nothing to release (kept for the handler interface)."""
