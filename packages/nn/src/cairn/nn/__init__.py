@@ -48,6 +48,7 @@ from cairn.nn._attention import (
 from cairn.nn._autodiff import grad, value_and_grad
 from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
 from cairn.nn._conv import Conv, ConvTranspose
+from cairn.nn._display import display
 from cairn.nn._dropout import Dropout
 from cairn.nn._embed import Embed
 from cairn.nn._filters import (
@@ -60,6 +61,7 @@ from cairn.nn._filters import (
     OfType,
     PathContains,
     PathRegex,
+    WithTag,
     to_predicate,
 )
 from cairn.nn._graph import (
@@ -90,7 +92,9 @@ from cairn.nn._normalization import (
 from cairn.nn._optimizer import Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
+from cairn.nn._pytree import Pytree, data, static
 from cairn.nn._remat import checkpoint, remat
+from cairn.nn._rng_utils import SplitBackups, fork_rngs, reseed, restore_rngs, split_rngs
 from cairn.nn._rngs import Rngs, RngStream
 from cairn.nn._rope import (
     RotaryEmbedding,
@@ -106,6 +110,7 @@ from cairn.nn._sharding import (
 )
 from cairn.nn._sharding_rules import current_rules, sharding_rules
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
+from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
 from cairn.nn._variables import (
     BatchStat,
@@ -121,7 +126,8 @@ from cairn.nn._variables import (
     VariableMetadata,
     with_metadata,
 )
-from cairn.nn._vmap_scan import StateAxes, scan, shard_map, vmap
+from cairn.nn._view import recursive_map, view, with_attributes
+from cairn.nn._vmap_scan import Carry, StateAxes, scan, shard_map, vmap
 
 __version__ = "0.1.0"
 
@@ -194,6 +200,10 @@ __all__ = [
     "while_loop",
     "with_metadata",
     "with_partitioning",
+    # Flax NNX surface (issue 18)
+    "Carry", "data", "display", "filter_state", "fork_rngs", "map_state", "merge_state",
+    "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
+    "SplitBackups", "static", "view", "with_attributes", "WithTag",
     # layers and their functions
     "initializers",
     # activations

@@ -131,6 +131,26 @@ class PathRegex(Filter):
         return hash(("PathRegex", self.pattern))
 
 
+class WithTag(Filter):
+    """Variables whose ``tag`` metadata is ``tag`` (the RNG variables of a stream
+    carry its name: ``WithTag("dropout")``)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __call__(self, path: tuple, variable: Variable) -> bool:
+        return getattr(variable, "_meta", {}).get("tag") == self.tag
+
+    def __repr__(self):
+        return f"WithTag({self.tag!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, WithTag) and other.tag == self.tag
+
+    def __hash__(self):
+        return hash(("WithTag", self.tag))
+
+
 class Any(Filter):
     """Variables matched by at least one of ``filters``."""
 

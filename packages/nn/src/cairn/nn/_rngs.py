@@ -76,6 +76,17 @@ class RngStream(Module):
         return RngStream(key, tag=self.tag)
 
 
+    def split(self, k: int | tuple[int, ...]) -> RngStream:
+        """A new stream holding ``k`` keys split from this stream's next key."""
+        return RngStream(jax.random.split(self(), k), tag=self.tag)
+
+    def broadcast(self, k: int | tuple[int, ...]) -> RngStream:
+        """A new stream holding this stream's next key repeated to shape ``k``."""
+        key = self()
+        shape = (k,) if isinstance(k, int) else tuple(k)
+        return RngStream(jnp.broadcast_to(key, shape + key.shape), tag=self.tag)
+
+
 class Rngs(Module):
     """A set of named random streams.
 
@@ -141,24 +152,34 @@ class Rngs(Module):
         batched (``in_axes=0``) argument of ``nn.vmap``."""
         return self.fork(split=n)
 
-    # jax.random-style samplers drawing from the default stream
-    def normal(self, shape: Any = (), dtype: Any = jnp.float32, stream: str = "default") -> Any:
-        return jax.random.normal(self[stream](), shape, dtype)
 
-    def uniform(
-        self,
-        shape: Any = (),
-        dtype: Any = jnp.float32,
-        minval: Any = 0.0,
-        maxval: Any = 1.0,
-        stream: str = "default",
-    ) -> Any:
-        return jax.random.uniform(self[stream](), shape, dtype, minval, maxval)
+# --- jax.random-style samplers: ``rngs.normal((2, 3))`` draws a key, then samples ---
+_SAMPLERS = (
+    "ball", "bernoulli", "beta", "binomial", "bits", "categorical", "cauchy", "chisquare",
+    "choice", "dirichlet", "double_sided_maxwell", "exponential", "f", "gamma",
+    "generalized_normal", "geometric", "gumbel", "laplace", "logistic", "loggamma",
+    "lognormal", "maxwell", "multinomial", "multivariate_normal", "normal", "orthogonal",
+    "pareto", "permutation", "poisson", "rademacher", "randint", "rayleigh", "t",
+    "triangular", "truncated_normal", "uniform", "wald", "weibull_min",
+)
 
-    def bernoulli(self, p: Any = 0.5, shape: Any = None, stream: str = "default") -> Any:
-        return jax.random.bernoulli(self[stream](), p, shape)
 
-    def categorical(
-        self, logits: Any, axis: int = -1, shape: Any = None, stream: str = "default"
-    ) -> Any:
-        return jax.random.categorical(self[stream](), logits, axis, shape)
+def _sampler(name: str):
+    fn = getattr(jax.random, name)
+
+    def method(self, *args, stream: str | None = None, **kwargs):
+        key = self() if stream is None else self[stream]()
+        return fn(key, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = (
+        f"``jax.random.{name}(key, *args, **kwargs)`` with a fresh key from this stream "
+        f"(on :class:`Rngs`: the ``default`` stream, or ``stream=`` by name)."
+    )
+    return method
+
+
+for _name in _SAMPLERS:
+    if hasattr(jax.random, _name):
+        setattr(Rngs, _name, _sampler(_name))
+        setattr(RngStream, _name, _sampler(_name))

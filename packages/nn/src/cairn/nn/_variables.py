@@ -188,6 +188,17 @@ class Variable:
         else:
             raise AttributeError(name)
 
+    @classmethod
+    def from_metadata(cls, value: Any, metadata: dict[str, Any]) -> Variable:
+        """A ``cls`` holding ``value`` with the metadata dict ``metadata`` (the inverse
+        of ``v.value, v.metadata``).
+
+        >>> from cairn import nn
+        >>> nn.Param.from_metadata(1.0, {"sharding_names": None}).metadata
+        {'sharding_names': None}
+        """
+        return cls(value, **dict(metadata))
+
     def replace(self, value: Any = None, **metadata: Any) -> Variable:
         """A new variable of the same type, with ``value`` (default: the same value)
         and the metadata updated by ``metadata``."""

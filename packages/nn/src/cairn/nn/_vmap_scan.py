@@ -14,7 +14,8 @@ from cairn.nn._filters import path_text, to_predicate
 from cairn.nn._graph import GraphDef
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
-from cairn.nn._transform_plan import Box, Carry, Plan, call_annotated, run_pure
+from cairn.nn._transform_plan import Box, Plan, call_annotated, run_pure
+from cairn.nn._transform_plan import Carry as LoopCarry
 from cairn.nn._variables import Variable
 
 
@@ -176,31 +177,113 @@ def vmap(
     return wrapper
 
 
+class Carry:
+    """Marker for ``nn.scan``'s ``in_axes`` / ``out_axes``: the argument (or output)
+    at this position is the loop carry, threaded from one step to the next."""
+
+
+def _axes_tuple(axes: Any, n: int, what: str) -> tuple:
+    if not isinstance(axes, tuple):
+        return (axes,) * n
+    if len(axes) != n:
+        raise ValueError(f"nn.scan: {what} has {len(axes)} entries for {n} arguments")
+    return axes
+
+
+def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
+    outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
+    for ax in (*in_axes, *outs):
+        if not (ax is Carry or ax is None or ax == 0):
+            raise ValueError(
+                f"nn.scan: axes must be nn.Carry, 0 or None (move other axes to the front "
+                f"first), got {ax!r}"
+            )
+    if sum(a is Carry for a in in_axes) > 1 or sum(a is Carry for a in outs) > 1:
+        raise ValueError("nn.scan: at most one nn.Carry in in_axes and in out_axes")
+    if (Carry in in_axes) != (Carry in outs):
+        raise ValueError(
+            f"nn.scan: in_axes and out_axes must both hold nn.Carry or neither "
+            f"(in_axes={in_axes!r}, out_axes={out_axes!r})"
+        )
+
+
+def _scan_axes(f, args, in_axes, out_axes, run):
+    """``nn.scan`` with NNX-style ``in_axes`` / ``out_axes`` over ``f(*args)``, using the
+    plain carry-and-xs scan ``run(body, init, xs)``."""
+    in_ax = _axes_tuple(in_axes, len(args), "in_axes")
+    _check_scan_axes(in_ax, out_axes)
+    outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
+    ci = in_ax.index(Carry) if Carry in in_ax else None
+    xi = [i for i, a in enumerate(in_ax) if a == 0 and a is not Carry]
+
+    def body(c, xs):
+        full = list(args)
+        if ci is not None:
+            full[ci] = c
+        for i, x in zip(xi, xs):
+            full[i] = x
+        out = f(*full)
+        if not isinstance(out_axes, tuple):
+            return (out, None) if out_axes is Carry else (None, out)
+        if not isinstance(out, tuple) or len(out) != len(outs):
+            raise ValueError(
+                f"nn.scan: out_axes={out_axes!r} needs f to return a tuple of "
+                f"{len(outs)}, got {type(out).__name__}"
+            )
+        new_c = out[outs.index(Carry)] if Carry in outs else None
+        return new_c, tuple(o for o, a in zip(out, outs) if a is not Carry)
+
+    c_final, ys = run(body, args[ci] if ci is not None else None, tuple(args[i] for i in xi))
+    if not isinstance(out_axes, tuple):
+        return c_final if out_axes is Carry else ys
+    it = iter(ys)
+    return tuple(c_final if a is Carry else next(it) for a in outs)
+
+
 def scan(
     f: Callable | None = None,
     *,
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    in_axes: Any = (Carry, 0),
+    out_axes: Any = (Carry, 0),
 ) -> Callable:
     """``jax.lax.scan`` over ``f(carry, x) -> (carry, y)`` where modules may appear in
     the carry (threaded through, updated at the end) and in ``xs`` (sliced along the
     leading axis of every variable; per-step changes come back stacked). Scan over
     stacked layers: ``nn.scan(lambda h, layer: (layer(h), None))(x, stacked_layers)``.
+
+    ``in_axes`` / ``out_axes`` (NNX's form) say which argument and output is the carry
+    (:class:`Carry`), which are scanned over their leading axis (``0``) and which
+    arguments are passed whole to every step (``None``; not modules). The default
+    ``(nn.Carry, 0)`` is the ``f(carry, x) -> (carry, y)`` form.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> total = nn.scan(lambda c, x: c + x, in_axes=(nn.Carry, 0), out_axes=nn.Carry)
+    >>> float(total(0.0, jnp.arange(4.0)))
+    6.0
+
+    Raises:
+      ValueError: an axis other than ``nn.Carry``, 0 or None; ``nn.Carry`` in only one
+        of ``in_axes`` and ``out_axes``; a step returning the wrong structure.
     """
     if f is None:
-        return functools.partial(scan, length=length, reverse=reverse, unroll=unroll)
+        return functools.partial(
+            scan, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
+            out_axes=out_axes,
+        )
 
-    @functools.wraps(f)
-    def wrapper(init, xs=None):
-        carry = Carry(init)
+    def run(step, init, xs=None):
+        carry = LoopCarry(init)
         xplan = Plan(xs)
         box = Box()
 
         def body(c_dyn, x_dyn):
             c = carry.rebuild(c_dyn)
             x, x_rebuilt = xplan.rebuild(x_dyn)
-            new_c, y = call_annotated(f, (c, x), {})
+            new_c, y = call_annotated(step, (c, x), {})
             new_c_dyn = carry.extract(new_c, "nn.scan")
             x_new_dyn, box.value = xplan.collect(x_rebuilt)
             return new_c_dyn, (y, x_new_dyn)
@@ -212,7 +295,19 @@ def scan(
         xplan.write_back(xplan.fill(x_states), box.value)
         return out_carry, ys
 
-    return wrapper
+    if in_axes == (Carry, 0) and out_axes == (Carry, 0):
+
+        @functools.wraps(f)
+        def wrapper(init, xs=None):
+            return run(f, init, xs)
+
+        return wrapper
+
+    @functools.wraps(f)
+    def axes_wrapper(*args):
+        return _scan_axes(f, args, in_axes, out_axes, run)
+
+    return axes_wrapper
 
 
 def shard_map(
