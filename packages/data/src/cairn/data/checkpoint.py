@@ -12,6 +12,12 @@ no import between the packages)::
 
 ``CheckpointHandler`` writes and reads the state as ``process_<i>-of-<n>.json`` in a
 directory, for code that calls a handler itself.
+
+With Orbax: when ``orbax.checkpoint`` is already imported at the first use of
+``CheckpointSave`` / ``CheckpointRestore``, those names give subclasses of Orbax's
+``CheckpointArgs`` registered with ``CheckpointHandler``, so an Orbax
+``CheckpointManager`` saves the iterator too (Orbax is never imported from here: it
+would import JAX).
 """
 
 from __future__ import annotations
@@ -26,17 +32,43 @@ __all__ = ["CheckpointHandler", "CheckpointRestore", "CheckpointSave"]
 
 
 @dataclasses.dataclass
-class CheckpointSave:
+class _Save:
     """Save ``item``'s state (an iterator with ``get_state``)."""
 
     item: Any
 
 
 @dataclasses.dataclass
-class CheckpointRestore:
+class _Restore:
     """Restore into ``item`` (an iterator with ``set_state``); the restore gives ``item``."""
 
     item: Any
+
+
+_orbax_args: dict[str, type] = {}
+
+
+def _orbax_registered() -> dict[str, type]:
+    """Orbax-registered argument classes, made once Orbax is imported (else ``{}``)."""
+    ocp = sys.modules.get("orbax.checkpoint")
+    if _orbax_args or ocp is None:
+        return _orbax_args
+    for name, plain, kw in (("CheckpointSave", _Save, "for_save"),
+                            ("CheckpointRestore", _Restore, "for_restore")):
+        cls = dataclasses.dataclass(
+            type(name, (ocp.args.CheckpointArgs,), {"__annotations__": {"item": Any},
+                                                     "__doc__": plain.__doc__,
+                                                     "__module__": __name__})
+        )
+        _orbax_args[name] = ocp.args.register_with_handler(CheckpointHandler, **{kw: True})(cls)
+    return _orbax_args
+
+
+def __getattr__(name: str) -> Any:
+    """``CheckpointSave`` / ``CheckpointRestore``: Orbax-registered once Orbax is imported."""
+    if name in ("CheckpointSave", "CheckpointRestore"):
+        return _orbax_registered().get(name) or (_Save if name == "CheckpointSave" else _Restore)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _process() -> tuple[int, int]:
@@ -89,5 +121,19 @@ class CheckpointHandler:
             it.set_state(json.load(f))
         return it
 
+    def structure(self, directory: Any) -> None:
+        """No tree structure (Orbax handler interface)."""
+
+    def metadata(self, directory: Any) -> None:
+        """No metadata (Orbax handler interface)."""
+
+    def finalize(self, directory: Any) -> None:
+        """Nothing to finalize: ``save`` writes the file completely (Orbax handler interface)."""
+
     def close(self) -> None:
-        """Nothing to release (kept for the handler interface)."""
+        """Nothing to release (Orbax handler interface)."""
+
+    @classmethod
+    def typestr(cls) -> str:
+        """The handler's name as Orbax records it."""
+        return f"{cls.__module__}.{cls.__qualname__}"
