@@ -156,7 +156,7 @@ class TestRaggedDotXla(RaggedDotBase):
         gs = jnp.asarray(sizes, jnp.int32)
         out = kernels.call(
             "ragged_dot", jnp.asarray(lhs, jnp.float32), jnp.asarray(rhs, jnp.float32), gs,
-            implementation="xla", config={"block_m": block_m}, mode="m",
+            implementation="xla", config={"block_m": block_m}, ragged="m",
         )
         ref = ref_m(lhs, rhs, [min(s, m - sum(sizes[:i])) for i, s in enumerate(sizes)])
         np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4 * max(1, np.abs(ref).max()))

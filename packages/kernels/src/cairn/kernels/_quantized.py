@@ -122,5 +122,7 @@ def quantized_dot_general(
         lhs = jnp.asarray(lhs)
     if not isinstance(rhs, QArray):
         rhs = jnp.asarray(rhs)
-    return call(OP, lhs, rhs, dn, implementation=implementation, precision=precision,
+    # dimension numbers as a keyword: static structure, not an array argument (the tracer
+    # and the offline autotuner keep keyword arguments as given)
+    return call(OP, lhs, rhs, implementation=implementation, dimension_numbers=dn, precision=precision,
                 preferred_element_type=preferred_element_type)

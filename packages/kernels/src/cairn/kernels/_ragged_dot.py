@@ -36,9 +36,9 @@ def _shapes(lhs: Any, rhs: Any, group_sizes: Any, mode: str) -> tuple[int, int, 
     return m, k, n, group_sizes.shape[0]
 
 
-def _bucket(lhs: Any, rhs: Any, group_sizes: Any, *, mode: str = "m", **_: Any) -> tuple[Any, ...]:
-    m, k, n, g = _shapes(lhs, rhs, group_sizes, mode)
-    return (mode, 1 << max(m - 1, 0).bit_length(), k, n, g, jnp.dtype(lhs.dtype).name)
+def _bucket(lhs: Any, rhs: Any, group_sizes: Any, *, ragged: str = "m", **_: Any) -> tuple[Any, ...]:
+    m, k, n, g = _shapes(lhs, rhs, group_sizes, ragged)
+    return (ragged, 1 << max(m - 1, 0).bit_length(), k, n, g, jnp.dtype(lhs.dtype).name)
 
 
 def _xla_default(lhs: Any, *_: Any, **__: Any) -> dict[str, Any]:
@@ -111,10 +111,10 @@ def _quantized_m(lhs, rhs: QArray, group_sizes, precision, preferred_element_typ
     if post is None:  # a layout whose scale is not a per-output-channel factor: dequantize
         w = values
         out = call(OP, lhs, w.astype(lhs.dtype), group_sizes, implementation=implementation,
-                   mode="m", precision=precision, preferred_element_type=jnp.float32)
+                   ragged="m", precision=precision, preferred_element_type=jnp.float32)
         return out.astype(dtype)
     out = call(OP, lhs, values.astype(lhs.dtype), group_sizes, implementation=implementation,
-               mode="m", precision=precision, preferred_element_type=jnp.float32)
+               ragged="m", precision=precision, preferred_element_type=jnp.float32)
     scale = jnp.broadcast_to(post, (post.shape[0], 1, rhs.shape[2]))[:, 0, :]
     rows = row_groups(group_sizes, lhs.shape[0])
     per_row = jnp.take(scale, jnp.minimum(rows, scale.shape[0] - 1), axis=0) if scale.shape[0] > 1 else scale
@@ -164,7 +164,7 @@ def ragged_dot(
     _check(lhs, rhs, group_sizes, "m")
     if isinstance(rhs, QArray):
         return _quantized_m(lhs, rhs, group_sizes, precision, preferred_element_type, implementation)
-    return call(OP, lhs, rhs, group_sizes, implementation=implementation, mode="m", precision=precision,
+    return call(OP, lhs, rhs, group_sizes, implementation=implementation, ragged="m", precision=precision,
                 preferred_element_type=preferred_element_type)
 
 
@@ -227,5 +227,5 @@ def ragged_dot_general(
         )
     mode, a, b = canon
     _check(a, b, group_sizes, mode)
-    return call(OP, a, b, group_sizes, implementation=implementation, mode=mode, precision=precision,
+    return call(OP, a, b, group_sizes, implementation=implementation, ragged=mode, precision=precision,
                 preferred_element_type=preferred_element_type)

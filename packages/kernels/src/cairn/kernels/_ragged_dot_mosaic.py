@@ -133,7 +133,7 @@ def ragged_dot_mosaic(
     *,
     config: Mapping[str, Any],
     interpret: bool = False,
-    mode: str = "m",
+    ragged: str = "m",
     precision: Any = None,
     preferred_element_type: Any = None,
 ) -> jax.Array:
@@ -144,7 +144,7 @@ def ragged_dot_mosaic(
     tcfg = {**TRITON_DEFAULT, "block_m": cfg["block_m"], "block_k": cfg["block_k"], "block_n": cfg["block_n"]}
     fm = functools.partial(forward_m, cfg=cfg, interpret=interpret)
     fk = functools.partial(forward_k, cfg=tcfg, interpret=interpret)
-    return make_ragged(fm, fk)(mode, lhs, rhs, group_sizes, dtype)
+    return make_ragged(fm, fk)(ragged, lhs, rhs, group_sizes, dtype)
 
 
 def _supports(lhs: Any, rhs: Any, *_: Any, **__: Any) -> str | None:

@@ -151,7 +151,7 @@ def ragged_dot_triton(
     *,
     config: Mapping[str, Any],
     interpret: bool = False,
-    mode: str = "m",
+    ragged: str = "m",
     precision: Any = None,
     preferred_element_type: Any = None,
 ) -> jax.Array:
@@ -160,4 +160,4 @@ def ragged_dot_triton(
     dtype = out_dtype(lhs, rhs, preferred_element_type)
     fm = functools.partial(forward_m, cfg=cfg, interpret=interpret, precision=precision)
     fk = functools.partial(forward_k, cfg=cfg, interpret=interpret, precision=precision)
-    return make_ragged(fm, fk)(mode, lhs, rhs, group_sizes, dtype)
+    return make_ragged(fm, fk)(ragged, lhs, rhs, group_sizes, dtype)

@@ -187,12 +187,13 @@ def ragged_dot_xla(
     *,
     config: Mapping[str, Any],
     interpret: bool = False,
-    mode: str = "m",
+    ragged: str = "m",
     precision: Any = None,
     preferred_element_type: Any = None,
 ) -> jax.Array:
     """The XLA implementation: ``config["method"]`` is ``"tiled"`` (the work-item loop with
-    ``config["block_m"]``) or ``"dense"`` (``jax.lax.ragged_dot_general`` itself)."""
+    ``config["block_m"]``) or ``"dense"`` (``jax.lax.ragged_dot_general`` itself);
+    ``ragged`` is the mode, ``"m"`` or ``"k"`` (see the module docstring)."""
     del interpret
     dtype = out_dtype(lhs, rhs, preferred_element_type)
     if config.get("method", "tiled") == "dense":
@@ -203,7 +204,7 @@ def ragged_dot_xla(
     else:
         block_m = int(config.get("block_m", 128))
         fn = make_ragged(_xla_m(block_m, precision), _xla_k(block_m, precision))
-    return fn(mode, lhs, rhs, group_sizes, dtype)
+    return fn(ragged, lhs, rhs, group_sizes, dtype)
 
 
 def dimension_numbers(mode: str) -> lax.RaggedDotDimensionNumbers:
