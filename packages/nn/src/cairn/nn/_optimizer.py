@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from cairn.nn._filters import path_text
 from cairn.nn._graph import state as _state
 from cairn.nn._module import Dict, List, Module
+from cairn.nn._sharding_rules import shard_on_create
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._variables import OptState, Param, Variable
 
@@ -46,6 +47,11 @@ class Optimizer(Module):
     device (``step``, counts, scalar hyperparameters) are replicated over that mesh, so
     the whole optimizer restores from a checkpoint into shardings that jit accepts
     together.
+
+    A parameter whose metadata has ``optimizer_sharding`` (as in Flax NNX: logical axis
+    names, a ``PartitionSpec`` or a ``jax.sharding.Sharding``) gets its state arrays
+    (each state leaf at the parameter's path with the parameter's shape, such as Adam's
+    ``mu`` and ``nu``) placed in that sharding at init, instead of the parameter's.
     """
 
     def __init__(self, model: Module, tx: Any, *, wrt: Any = Param) -> None:
@@ -61,7 +67,9 @@ class Optimizer(Module):
         params = to_pure_dict(_params_state(model, wrt))
         mesh = _common_mesh(params)
         self.step = OptState(_onto(jnp.zeros((), jnp.uint32), mesh))
-        self.opt_state = _wrap(jax.tree_util.tree_map(lambda x: _onto(x, mesh), tx.init(params)))
+        opt_state = jax.tree_util.tree_map(lambda x: _onto(x, mesh), tx.init(params))
+        opt_state = _place_optimizer_sharding(opt_state, _params_state(model, wrt), mesh)
+        self.opt_state = _wrap(opt_state)
 
     def update(self, model: Module, grads: Any, /, **kwargs: Any) -> None:
         """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
@@ -95,6 +103,57 @@ class Optimizer(Module):
         for v, x in zip(opt_vars, new_leaves):
             v.raw_value = x
         self.step.raw_value = self.step.raw_value + jnp.uint32(1)
+
+
+def _leaf_key(entry: Any) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def _mesh_of(x: Any, mesh: Any) -> Any:
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding):
+        return sh.mesh
+    return mesh
+
+
+def _placed(x: Any, spec: Any, mesh: Any) -> Any:
+    """``x`` in the sharding ``spec`` names (a Sharding, a PartitionSpec over ``mesh``,
+    or logical axis names resolved like a Variable's ``sharding_names``)."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return x
+    if isinstance(spec, jax.sharding.Sharding):
+        return jax.device_put(x, spec)
+    if isinstance(spec, jax.sharding.PartitionSpec):
+        if mesh is None:
+            return x
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    return shard_on_create(x, {"sharding_names": tuple(spec), "mesh": mesh})
+
+
+def _place_optimizer_sharding(opt_state: Any, params_state: State, mesh: Any) -> Any:
+    """Put the state leaves of each parameter carrying ``optimizer_sharding`` metadata
+    (leaves whose path ends with the parameter's path and whose shape is its shape) in
+    that sharding."""
+    wanted = {
+        path: (var.raw_value, var._meta["optimizer_sharding"])
+        for path, var in params_state._flat.items()
+        if var._meta.get("optimizer_sharding") is not None
+    }
+    if not wanted:
+        return opt_state
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    out = []
+    for kp, x in leaves:
+        keys = tuple(_leaf_key(e) for e in kp)
+        for path, (param, spec) in wanted.items():
+            if keys[-len(path):] == path and jnp.shape(x) == jnp.shape(param):
+                x = _placed(x, spec, _mesh_of(param, mesh))
+                break
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _common_mesh(params):
