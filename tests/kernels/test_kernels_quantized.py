@@ -158,3 +158,31 @@ def test_ml_dtypes_int4_round_trip_assumption():
     # int4 values widen to int8 exactly (the kernels rely on it)
     v = np.arange(-8, 8, dtype=np.int8)
     assert np.array_equal(v.astype(ml_dtypes.int4).astype(np.int8), v)
+
+
+def test_autotune_and_recording_cover_the_k2_ops():
+    """One traced step calling ragged_dot, rms_norm, gated_linear_unit, the cross-entropy
+    and quantized_dot_general: the offline autotuner measures each (xla on the CPU) and the
+    recorder lists them with their configs."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2, 8, 4)), jnp.float32)
+    gs = jnp.array([5, 9], jnp.int32)
+    wg = jnp.asarray(rng.normal(size=(8, 2, 4)), jnp.float32)
+    wv = jnp.asarray(rng.normal(size=(8, 40)), jnp.float32)
+    lab = jnp.zeros((16,), jnp.int32)
+    q = QArray(jnp.ones((8, 4), jnp.int8), jnp.ones((1, 4)), layout=QuantLayout.per_channel(1))
+
+    def step(x):
+        h = kernels.rms_norm(kernels.ragged_dot(x, w, gs), None)
+        g = kernels.gated_linear_unit(x, wg, activation=jax.nn.swish)
+        loss = kernels.linear_softmax_cross_entropy_loss(x, lab, wv)
+        return h.sum() + g.sum() + loss + kernels.quantized_dot_general(x, q, DN).sum()
+
+    ops = {"ragged_dot", "layer_norm", "gated_linear_unit", "linear_softmax_cross_entropy_loss",
+           "quantized_dot_general"}
+    result = kernels.autotune(step, x, iterations=1, mode="fwd")
+    assert ops <= {e.op for e in result.entries}
+    with kernels.recording() as calls:
+        jax.grad(step)(x)
+    assert ops <= {c.op for c in calls}
