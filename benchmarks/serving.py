@@ -327,6 +327,7 @@ def main() -> None:
         rows = measure(small, points, seconds, binary=False, rounds=rounds)
         rows += measure(heavy, [(n, 64, 0.0) for n in names], seconds, binary=True, rounds=rounds)
         full_batch = compute_time(small, 16)
+        heavy_1, heavy_64 = compute_time(heavy, 1), compute_time(heavy, 64, repeat=5)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(_table(rows))
@@ -342,6 +343,7 @@ def main() -> None:
         "cpu_per_req_nobatch_vs_bare_c16": get["small", "cairn-nobatch", 16]["cpu_us"] / get["small", "bare-aiohttp", 16]["cpu_us"],
         "batching_gain_compute_c64": rps("compute", "cairn-batch", 64) / rps("compute", "cairn-nobatch", 64),
         "batching_gain_compute_c64_1ms": rps("compute", "cairn-batch-1ms", 64) / rps("compute", "cairn-nobatch", 64),
+        "batching_ideal_gain_compute": 64 * heavy_1 / heavy_64,  # the model alone: 64 calls at batch 1 vs one at 64
         "batching_cpu_gain_compute_c64": get["compute", "cairn-nobatch", 64]["cpu_us"] / get["compute", "cairn-batch-1ms", 64]["cpu_us"],
         "p99_paced_c16_ms": get["small", f"cairn-batch-1ms @{PACED_RATE:.0f}/s", 16]["p99_ms"],
         "p99_paced_c16_bare_ms": get["small", f"bare-aiohttp @{PACED_RATE:.0f}/s", 16]["p99_ms"],
