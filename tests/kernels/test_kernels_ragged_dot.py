@@ -147,19 +147,19 @@ class TestRaggedDotXla(RaggedDotBase):
         k=st.integers(1, 9),
         n=st.integers(1, 7),
         block_m=st.sampled_from([8, 16, 32]),
+        dtype=st.sampled_from(["float32", "bfloat16"]),
     )
-    def test_property_any_grouping(self, sizes, extra, k, n, block_m):
+    def test_property_any_grouping(self, sizes, extra, k, n, block_m, dtype):
         m = max(1, sum(sizes) + extra)
         rng = np.random.default_rng(sum(sizes) * 31 + k * 7 + n)
-        lhs = rng.normal(size=(m, k))
-        rhs = rng.normal(size=(len(sizes), k, n))
-        gs = jnp.asarray(sizes, jnp.int32)
+        lhs, l64 = tb.randn(rng, (m, k), dtype)
+        rhs, r64 = tb.randn(rng, (len(sizes), k, n), dtype)
         out = kernels.call(
-            "ragged_dot", jnp.asarray(lhs, jnp.float32), jnp.asarray(rhs, jnp.float32), gs,
-            implementation="xla", config={"block_m": block_m}, ragged="m",
+            "ragged_dot", lhs, rhs, jnp.asarray(sizes, jnp.int32), implementation="xla",
+            config={"block_m": block_m}, ragged="m",
         )
-        ref = ref_m(lhs, rhs, [min(s, m - sum(sizes[:i])) for i, s in enumerate(sizes)])
-        np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4 * max(1, np.abs(ref).max()))
+        assert out.dtype == jnp.dtype(dtype)
+        tb.assert_close(out, ref_m(l64, r64, sizes), dtype, "ragged_dot property", 0, {dtype: tb.TOL[dtype] * 5})
 
     def test_quantized_rhs_int8_per_channel(self):
         rng, seed = tb.fresh_rng()
