@@ -91,8 +91,8 @@ from cairn.nn._normalization import (
 )
 from cairn.nn._optimizer import Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
-from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
 from cairn.nn._pytree import Pytree, data, static
+from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
 from cairn.nn._remat import checkpoint, remat
 from cairn.nn._rng_utils import SplitBackups, fork_rngs, reseed, restore_rngs, split_rngs
 from cairn.nn._rngs import Rngs, RngStream

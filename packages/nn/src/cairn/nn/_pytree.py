@@ -9,7 +9,7 @@ already data. ``nn.static(x)`` is ``x``: non-array values are static already.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jax
 import numpy as np
