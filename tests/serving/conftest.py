@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cairn.serving._server import Server  # noqa: E402
+from cairn.serving._server import Server
 
 
 @pytest.fixture
