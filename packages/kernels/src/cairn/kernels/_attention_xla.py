@@ -110,6 +110,13 @@ def plain(
     if spec.use_segments and qseg is not None and kseg is not None:
         seg = qseg[:, None, :, None] == kseg[:, None, None, :]
 
+    # causal alone never empties a row (key 0 is always visible); a window can when t > s + left
+    empty = (
+        seg is not None
+        or mask is not None
+        or (spec.window is not None and t > s_len + spec.window[0])
+    )
+
     def core(qh: jax.Array, bias_h: Any, mask_h: Any, keep_h: Any) -> jax.Array:
         logits = jnp.einsum(
             "btkd,bskd->bkts", qh, k, precision=precision, preferred_element_type=jnp.float32
@@ -119,7 +126,7 @@ def plain(
             logits = logits + bias_h.astype(jnp.float32)
         if spec.soft_cap is not None:
             logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
-        p = _softmax(logits, _and(pos, seg, None if mask_h is None else mask_h.astype(bool)))
+        p = _softmax(logits, _and(pos, seg, None if mask_h is None else mask_h.astype(bool)), empty)
         if keep_h is not None:
             p = jnp.where(keep_h, p / (1.0 - dropout_rate), 0.0)
         return jnp.einsum("bkts,bskd->btkd", p.astype(v.dtype), v, precision=precision)
@@ -129,7 +136,9 @@ def plain(
     return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
-def _softmax(logits: jax.Array, visible: jax.Array | None) -> jax.Array:
+def _softmax(
+    logits: jax.Array, visible: jax.Array | None, rows_may_be_empty: bool = True
+) -> jax.Array:
     """Softmax over the last axis; invisible entries are 0 and fully masked rows all 0 (no NaN).
 
     Masked logits get a large finite negative value (as jax.nn does), so ``jax.nn.softmax``
@@ -139,6 +148,8 @@ def _softmax(logits: jax.Array, visible: jax.Array | None) -> jax.Array:
         return jax.nn.softmax(logits, axis=-1)
     big_neg = -0.7 * float(jnp.finfo(jnp.float32).max)
     p = jax.nn.softmax(jnp.where(visible, logits, big_neg), axis=-1)
+    if not rows_may_be_empty:
+        return p
     return jnp.where(jnp.any(visible, axis=-1, keepdims=True), p, 0.0)
 
 
