@@ -81,7 +81,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# option variants run in the slow session (each case compiles two jitted steps)
+SLOW = {"cocob_lr_wd", "dog_distance", "prodigy_schedule", "mechanize_sgd", "sam_period3_keep",
+        "schedule_free_sgd"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in sorted(CASES)])
 def test_contrib_matches_optax_contrib_over_steps(name):
     assert_same(CASES[name])
 
@@ -90,6 +96,10 @@ def test_muon_matches_optax_contrib_muon():
     """Muon on the 2-D leaf (Newton-Schulz in float32, 5 iterations: rtol 1e-4), Adam on the
     1-D leaf."""
     assert_same(lambda c, o: c.muon(1e-2), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_muon_options_match_optax_contrib_muon():
     assert_same(lambda c, o: c.muon(1e-2, beta=0.9, nesterov=False, weight_decay=1e-2,
                                     adam_b1=0.8), rtol=1e-4, atol=1e-5)
 

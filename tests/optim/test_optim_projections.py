@@ -30,7 +30,7 @@ def simplex_ref(v, s):
     return np.maximum(v - (lo + hi) / 2, 0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(vec, st.floats(0.1, 4.0))
 def test_simplex_and_l1_match_float64_references(v, s):
     tree = {"a": jnp.asarray(v[: len(v) // 2], jnp.float32),
@@ -46,7 +46,7 @@ def test_simplex_and_l1_match_float64_references(v, s):
     np.testing.assert_allclose(got, ref, atol=2e-5 * (1 + np.abs(flat).max()))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(vec, st.floats(0.1, 4.0))
 def test_balls_boxes_and_planes_closed_forms(v, s):
     x = jnp.asarray(v, jnp.float32)
