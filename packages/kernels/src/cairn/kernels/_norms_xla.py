@@ -16,23 +16,21 @@ import jax
 import jax.numpy as jnp
 
 
-def stats(x32: jax.Array, epsilon: float, subtract_mean: bool) -> tuple[jax.Array, jax.Array]:
-    """``(mean, rstd)`` per row (mean 0 for RMS norm)."""
-    mean = x32.mean(axis=1) if subtract_mean else jnp.zeros(x32.shape[:1], jnp.float32)
-    xc = x32 - mean[:, None]
-    var = (xc * xc).mean(axis=1)
-    return mean, jax.lax.rsqrt(var + epsilon)
-
-
 def forward_xla(x: Any, scale: Any, offset: Any, epsilon: Any, subtract_mean: Any) -> Any:
+    """``(y, mean, rstd)``: the normalised rows and the per-row statistics (mean 0 for RMS
+    norm), written as the plain composition (one centred copy, reused) so XLA fuses it the
+    same way."""
     x32 = x.astype(jnp.float32)
-    mean, rstd = stats(x32, epsilon, subtract_mean)
-    y = (x32 - mean[:, None]) * rstd[:, None]
+    mean = x32.mean(axis=1, keepdims=True) if subtract_mean else None
+    xc = x32 - mean if mean is not None else x32
+    rstd = jax.lax.rsqrt((xc * xc).mean(axis=1, keepdims=True) + epsilon)
+    y = xc * rstd
     if scale is not None:
         y = y * scale.astype(jnp.float32)
     if offset is not None:
         y = y + offset.astype(jnp.float32)
-    return y.astype(x.dtype), mean, rstd
+    mean_row = mean[:, 0] if mean is not None else jnp.zeros(x.shape[:1], jnp.float32)
+    return y.astype(x.dtype), mean_row, rstd[:, 0]
 
 
 def grads_xla(x: Any, scale: Any, mean: Any, rstd: Any, dy: Any, subtract_mean: Any) -> Any:
