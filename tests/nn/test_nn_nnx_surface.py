@@ -270,3 +270,25 @@ def test_graphdef_is_a_static_argument_of_plain_jax_jit():
     assert f._cache_size() == 1
     f(gd2, st_, x)  # an equal GraphDef hits the same compiled program
     assert f._cache_size() == 1
+
+
+def test_iter_graph_children_first_and_set_view_hook():
+    m = nn.Sequential(nn.Linear(2, 2, rngs=nn.Rngs(0)), nn.Dropout(0.5))
+    items = list(nn.iter_graph(m))
+    paths = [p for p, _ in items]
+    assert paths[-1] == () and items[-1][1] is m
+    assert paths.index(("layers", 0, "kernel")) < paths.index(("layers", 0))
+    kinds = {p: type(v).__name__ for p, v in items}
+    assert kinds[("layers", 0, "kernel")] == "Param" and kinds[("layers", 1, "rate")] == "float"
+
+    class Printer(nn.Module):
+        def __init__(self):
+            self.msg = None
+
+        def set_view(self, msg=None):
+            if msg is not None:
+                self.msg = msg.upper()
+
+    p = Printer()
+    v = nn.view(p, msg="hi")
+    assert v.msg == "HI" and p.msg is None

@@ -112,6 +112,7 @@ from cairn.nn._sharding_rules import current_rules, sharding_rules
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
+from cairn.nn._traversal import iter_graph, recursive_map
 from cairn.nn._variables import (
     BatchStat,
     Cache,
@@ -126,7 +127,7 @@ from cairn.nn._variables import (
     VariableMetadata,
     with_metadata,
 )
-from cairn.nn._view import recursive_map, view, with_attributes
+from cairn.nn._view import view, with_attributes
 from cairn.nn._vmap_scan import Carry, StateAxes, scan, shard_map, vmap
 
 __version__ = "0.1.0"
@@ -201,7 +202,7 @@ __all__ = [
     "with_metadata",
     "with_partitioning",
     # Flax NNX surface (issue 18)
-    "Carry", "data", "display", "filter_state", "fork_rngs", "map_state", "merge_state",
+    "Carry", "data", "display", "filter_state", "fork_rngs", "iter_graph", "map_state", "merge_state",
     "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
     "SplitBackups", "static", "view", "with_attributes", "WithTag",
     # layers and their functions

@@ -8,11 +8,13 @@ use_running_average=True)``; an update to ``model``'s weights is seen by
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from cairn.nn._graph import flat, iter_modules
 from cairn.nn._nodes import Node
-from cairn.nn._variables import Variable
+
+_POS_OR_KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
 def _module_predicate(only: Any):
@@ -31,12 +33,29 @@ def _module_predicate(only: Any):
     )
 
 
+def _call_set_view(mod: Node, attributes: dict) -> set[str]:
+    """Flax's ``set_view`` hook: a module defining ``set_view(**modes)`` gets the
+    keywords its signature names (all of them if it takes ``**kwargs``)."""
+    set_view = getattr(mod, "set_view", None)
+    if not callable(set_view):
+        return set()
+    params = inspect.signature(set_view).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        set_view(**attributes)
+        return set(attributes)
+    named = {p.name for p in params if p.kind in (_POS_OR_KW, inspect.Parameter.KEYWORD_ONLY)}
+    given = {k: v for k, v in attributes.items() if k in named}
+    set_view(**given)
+    return set(given)
+
+
 def with_attributes(
     node: Node, /, *, only: Any = ..., raise_if_not_found: bool = True, **attributes: Any
 ) -> Node:
     """A new tree sharing ``node``'s Variables in which every module selected by
     ``only`` (a Module type, a tuple of them, or ``(path, module) -> bool``) that has
-    one of ``attributes`` gets the new value. ``node`` itself is unchanged.
+    one of ``attributes`` gets the new value (a module with Flax's ``set_view(**modes)``
+    hook gets the keywords it names through it). ``node`` itself is unchanged.
 
     >>> from cairn import nn
     >>> drop = nn.Dropout(0.5, rngs=nn.Rngs(0))
@@ -57,7 +76,11 @@ def with_attributes(
     for path, mod in iter_modules(out):
         if not pred(path, mod):
             continue
+        via_hook = _call_set_view(mod, attributes)
+        found |= via_hook
         for name, value in attributes.items():
+            if name in via_hook:
+                continue
             if name in mod.__dict__ and not isinstance(mod.__dict__[name], Node):
                 setattr(mod, name, value)
                 found.add(name)
@@ -92,34 +115,3 @@ def view(
     """
     return with_attributes(node, only=only, raise_if_not_found=raise_if_not_found, **kwargs)
 
-
-def recursive_map(f: Any, node: Node, /) -> Any:
-    """Apply ``f(path, x)`` to every module and Variable of ``node``, children before
-    parents, on a new tree sharing ``node``'s Variables: what ``f`` returns replaces
-    ``x`` (return ``x`` to keep it). Returns ``f((), new_root)``.
-
-    >>> from cairn import nn
-    >>> m = nn.Sequential(nn.Linear(2, 2, rngs=nn.Rngs(0)), nn.Linear(2, 2, rngs=nn.Rngs(1)))
-    >>> names = []
-    >>> _ = nn.recursive_map(lambda p, x: names.append("/".join(map(str, p))) or x, m)
-    >>> names[:3]
-    ['layers/0/kernel', 'layers/0/bias', 'layers/0']
-
-    Raises:
-      TypeError: ``node`` is not a module.
-    """
-    if not isinstance(node, Node):
-        raise TypeError(f"recursive_map: expected a module, got {type(node).__name__}")
-    c = flat(node)
-    root = c.graphdef.build_from_variables(c.variables)
-
-    def rec(x: Any, path: tuple) -> Any:
-        if isinstance(x, Node):
-            for k, v in list(x._graph_items()):
-                if isinstance(v, Node | Variable):
-                    new = rec(v, (*path, k))
-                    if new is not v:
-                        x._graph_set(k, new)
-        return f(path, x)
-
-    return rec(root, ())

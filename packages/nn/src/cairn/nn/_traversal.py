@@ -1,0 +1,71 @@
+"""Walking a module tree: ``iter_graph`` (every module, Variable and static value, children
+first) and ``recursive_map`` (rebuild a tree bottom-up), Flax NNX's names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from cairn.nn._graph import flat
+from cairn.nn._nodes import Node
+from cairn.nn._variables import Variable
+
+
+def iter_graph(node: Any, /) -> Iterator[tuple[tuple, Any]]:
+    """``(path, value)`` for every module, Variable, container and static value under
+    ``node`` (a module or a list / tuple / dict of them), children before their parent,
+    attributes in definition order; the root comes last with path ``()``.
+
+    >>> from cairn import nn
+    >>> for path, v in nn.iter_graph(nn.Linear(2, 3, use_bias=False, rngs=nn.Rngs(0))):
+    ...     if isinstance(v, nn.Variable | nn.Module):
+    ...         print(path, type(v).__name__)
+    ('kernel',) Param
+    () Linear
+    """
+
+    def rec(x: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+        if isinstance(x, Node):
+            for k, v in x._graph_items():
+                yield from rec(v, (*path, k))
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                yield from rec(v, (*path, i))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                yield from rec(v, (*path, k))
+        yield path, x
+
+    yield from rec(node, ())
+
+
+def recursive_map(f: Any, node: Node, /) -> Any:
+    """Apply ``f(path, x)`` to every module and Variable of ``node``, children before
+    parents, on a new tree sharing ``node``'s Variables: what ``f`` returns replaces
+    ``x`` (return ``x`` to keep it). Returns ``f((), new_root)``.
+
+    >>> from cairn import nn
+    >>> m = nn.Sequential(nn.Linear(2, 2, rngs=nn.Rngs(0)), nn.Linear(2, 2, rngs=nn.Rngs(1)))
+    >>> names = []
+    >>> _ = nn.recursive_map(lambda p, x: names.append("/".join(map(str, p))) or x, m)
+    >>> names[:3]
+    ['layers/0/kernel', 'layers/0/bias', 'layers/0']
+
+    Raises:
+      TypeError: ``node`` is not a module.
+    """
+    if not isinstance(node, Node):
+        raise TypeError(f"recursive_map: expected a module, got {type(node).__name__}")
+    c = flat(node)
+    root = c.graphdef.build_from_variables(c.variables)
+
+    def rec(x: Any, path: tuple) -> Any:
+        if isinstance(x, Node):
+            for k, v in list(x._graph_items()):
+                if isinstance(v, Node | Variable):
+                    new = rec(v, (*path, k))
+                    if new is not v:
+                        x._graph_set(k, new)
+        return f(path, x)
+
+    return rec(root, ())
