@@ -167,7 +167,7 @@ def _quantized(quick: bool, reps: int) -> list[dict]:
     del w
     rows = _pair("quantized_dot_general", f"w8 per-channel f32 x[{m},{k}] q[{k},{n}]", ours, dequant,
                  "x @ dequantize(q)", (x, q, s), reps,
-                 note="weight-only: the same int8->f32 convert as the reference on CPU (scale after the dot)")
+                 note="weight-only f32: the int8->f32 convert with the scale folded in, as the reference does")
     xq = jnp.asarray(rng.integers(-127, 128, size=(m, k)), jnp.int8)
     xs = jnp.asarray(rng.uniform(0.001, 0.01, size=(m, 1)), jnp.float32)
 

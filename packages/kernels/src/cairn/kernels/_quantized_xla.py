@@ -5,7 +5,8 @@ Operands are :class:`cairn.core_array.QArray` s or plain arrays. The plan:
 - Both integer QArrays: an ``int8 x int8 -> int32`` dot (int4 values widen to int8 first),
   then one float32 multiply by the product of the scales.
 - One QArray (weight-only): its values, cast to the other operand's dtype (exact for int8,
-  int4 and fp8 in bfloat16 or wider), go into the dot; the scale multiplies the output.
+  int4 and fp8 in bfloat16 or wider), go into the dot; the scale multiplies the output
+  (against float32 activations it is folded into the float32 conversion instead).
 - fp8 QArrays: the dot runs on the fp8 values with float32 accumulation.
 - Scales with size 1 on every contracting axis (per-tensor, per-channel on output axes)
   are applied after the dot. A per-tile scale along one contracting axis splits that axis
@@ -123,6 +124,9 @@ def fast_dot(lhs: Any, rhs: Any, dn: Any, precision: Any, out_dtype: Any) -> Any
         dn = _tiled_numbers(dn, la, ra)
         (lc, rc), (lb, rb) = dn
     x, y, acc = _dot_values(a, b, _is_int(lhs) and _is_int(rhs))
+    folded = _fold_f32(a, b, x, y)
+    if folded is not None:
+        return lax.dot_general(*folded, dn, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
     out = lax.dot_general(x, y, dn, precision=precision, preferred_element_type=acc)
     ls = _scale_operand(a, x.shape, tuple(lb), tuple(lc))
     rs = _scale_operand(b, y.shape, tuple(rb), tuple(rc))
@@ -131,6 +135,20 @@ def fast_dot(lhs: Any, rhs: Any, dn: Any, precision: Any, out_dtype: Any) -> Any
     if tile is not None:
         out = out.sum(axis=0)
     return out.astype(out_dtype)
+
+
+def _fold_f32(a: Operand, b: Operand, x: Any, y: Any) -> tuple[Any, Any] | None:
+    """Weight-only against a float32 operand, untiled: the scale folded into the float32
+    conversion of the values (free in the convert's fusion, exact in float32), not a
+    separate pass over the output; ``None`` otherwise (16-bit activations keep the scale
+    after the dot: folding would round the scaled weights to 16 bits)."""
+    if a.tile is not None or b.tile is not None or (a.scale is None) == (b.scale is None):
+        return None
+    plain, quant = (x, (y, b.scale)) if a.scale is None else (y, (x, a.scale))
+    if jnp.dtype(plain.dtype) != jnp.dtype(jnp.float32):
+        return None
+    scaled = quant[0].astype(jnp.float32) * quant[1]
+    return (x, scaled) if a.scale is None else (scaled, y)
 
 
 def _split_scale(s: Any, axis: int) -> Any:
