@@ -93,4 +93,13 @@ def hungarian_algorithm(cost_matrix: Any) -> tuple[jax.Array, jax.Array]:
     return rows, cols
 
 
-base_hungarian_algorithm = hungarian_algorithm
+def base_hungarian_algorithm(cost_matrix: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`hungarian_algorithm` with the pairs always sorted by row (as Optax's
+    ``base_hungarian_algorithm`` returns them).
+
+    Raises:
+      ValueError: ``cost_matrix`` is not 2-D.
+    """
+    i, j = hungarian_algorithm(cost_matrix)
+    order = jnp.argsort(i)
+    return i[order], j[order]

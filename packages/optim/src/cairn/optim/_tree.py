@@ -69,13 +69,13 @@ def vdot(a: Any, b: Any) -> jax.Array:
     """:math:`\\sum_i \\langle a_i, b_i\\rangle` (conjugating ``a``)."""
     _check((a, b), "vdot")
     parts = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-    return functools.reduce(operator.add, parts, jnp.zeros([]))
+    return functools.reduce(operator.add, parts) if parts else jnp.zeros([])  # keeps int dtypes
 
 
 def sum(tree: Any) -> jax.Array:  # noqa: A001
     """Sum of all elements."""
-    return functools.reduce(operator.add, [jnp.sum(x) for x in jax.tree.leaves(tree)],
-                            jnp.zeros([]))
+    parts = [jnp.sum(x) for x in jax.tree.leaves(tree)]
+    return functools.reduce(operator.add, parts) if parts else jnp.zeros([])
 
 
 def max(tree: Any) -> jax.Array:  # noqa: A001
