@@ -196,3 +196,36 @@ def test_top_level_helpers_with_optax_names():
     assert optim.init_empty_state(x) == optim.EmptyState()
     m = optim.update_moment(x, x, 0.9, 2)
     np.testing.assert_allclose(m["a"], optax.tree.update_moment(x, x, 0.9, 2)["a"])
+
+
+@pytest.mark.parametrize("name", ["multiclass_hinge_loss", "multiclass_perceptron_loss",
+                                  "perceptron_loss", "kl_divergence_with_log_targets",
+                                  "generalized_kl_divergence"])
+def test_added_losses_match_optax(name):
+    s = jax.random.normal(jax.random.PRNGKey(0), (4, 5))
+    y = jnp.asarray([0, 3, 4, 1])
+    lp, lt = jax.nn.log_softmax(s), jax.nn.log_softmax(0.3 * s + 1.0)
+    args = {"multiclass_hinge_loss": (s, y), "multiclass_perceptron_loss": (s, y),
+            "perceptron_loss": (s[:, 0], jnp.sign(s[:, 1])),
+            "kl_divergence_with_log_targets": (lp, lt),
+            "generalized_kl_divergence": (lp, 2 * jnp.exp(lt))}[name]
+    np.testing.assert_allclose(getattr(optim.losses, name)(*args),
+                               getattr(optax.losses, name)(*args), rtol=1e-6, atol=1e-6)
+    ref = {  # float64 NumPy formulas
+        "multiclass_hinge_loss": lambda a, b: np.max(a + 1 - np.eye(5)[b], -1)
+        - a[np.arange(4), b],
+        "multiclass_perceptron_loss": lambda a, b: np.max(a, -1) - a[np.arange(4), b],
+        "perceptron_loss": lambda a, b: np.maximum(0, -a * b),
+        "kl_divergence_with_log_targets": lambda a, b: np.sum(np.exp(b) * (b - a), -1),
+        "generalized_kl_divergence": lambda a, b: np.sum(b * (np.log(b) - a) + np.exp(a) - b,
+                                                         -1),
+    }[name](*[np.asarray(x, np.float64) if x.dtype != jnp.int32 else np.asarray(x)
+              for x in args])
+    np.testing.assert_allclose(getattr(optim, name)(*args), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_multiclass_losses_reject_bad_labels():
+    with pytest.raises(ValueError, match="labels"):
+        optim.multiclass_hinge_loss(jnp.ones((2, 3)), jnp.ones((2,)))
+    with pytest.raises(ValueError, match="labels"):
+        optim.multiclass_perceptron_loss(jnp.ones((2, 3)), jnp.zeros((3,), jnp.int32))

@@ -1032,3 +1032,96 @@ def ranking_softmax_loss(
     if reduce_fn is jnp.mean:
         out = jnp.where(jnp.any(list_valid), out, 0.0)
     return out.astype(s.dtype)
+
+
+def generalized_kl_divergence(
+    log_predictions: jax.typing.ArrayLike,
+    targets: jax.typing.ArrayLike,
+    axis: Axis = -1,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    r"""Optax's name for :func:`convex_kl_divergence`:
+    :math:`\sum_j t_j(\log t_j - \log p_j) + p_j - t_j`.
+
+    >>> from cairn import optim
+    >>> p = jnp.log(jnp.array([1.0, 1.0]))
+    >>> print(optim.generalized_kl_divergence(p, jnp.array([1.0, 0.0])).round(4))
+    1.0
+    """
+    return _kl("generalized_kl_divergence", log_predictions, targets, axis, where, convex=True)
+
+
+def kl_divergence_with_log_targets(
+    log_predictions: jax.typing.ArrayLike,
+    log_targets: jax.typing.ArrayLike,
+    axis: Axis = -1,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    r"""KL divergence with the targets in log space: :math:`\sum_j e^{\ell_j}(\ell_j -
+    \log p_j)` for :math:`\ell = \log t`.
+
+    >>> from cairn import optim
+    >>> lp = jnp.log(jnp.array([0.5, 0.5]))
+    >>> print(optim.kl_divergence_with_log_targets(lp, jnp.log(jnp.array([0.9, 0.1]))).round(4))
+    0.3681
+    """
+    fn = "kl_divergence_with_log_targets"
+    lp, lt, axes, where, dtype = _paired(fn, "log_predictions", log_predictions,
+                                         "log_targets", log_targets, axis, where)
+    lpw, ltw = _wide(lp), _wide(lt)
+    return jnp.sum(jnp.exp(ltw) * (ltw - lpw), axis=axes, where=where).astype(dtype)
+
+
+def perceptron_loss(
+    predictor_outputs: jax.typing.ArrayLike,
+    targets: jax.typing.ArrayLike,
+) -> jax.Array:
+    r"""Binary perceptron loss :math:`\max(0, -s\,y)` for targets :math:`y \in \{-1, 1\}`.
+
+    >>> from cairn import optim
+    >>> optim.perceptron_loss(jnp.array([2.0, -0.5]), jnp.array([1.0, 1.0]))
+    Array([0. , 0.5], dtype=float32)
+    """
+    s = jnp.asarray(predictor_outputs)
+    y = jnp.asarray(targets)
+    _same_shape("perceptron_loss", "predictor_outputs", s, "targets", y)
+    return jnp.maximum(0, -s * y)
+
+
+def _margin(fn: str, scores: Any, labels: Any, margin: float) -> jax.Array:
+    s = jnp.asarray(scores)
+    y = jnp.asarray(labels)
+    if s.shape[:-1] != y.shape or not jnp.issubdtype(y.dtype, jnp.integer):
+        raise ValueError(f"{fn}: `labels` must be integers of shape scores.shape[:-1]="
+                         f"{s.shape[:-1]}, got {y.dtype} of shape {y.shape}")
+    true = jnp.take_along_axis(s, y[..., None], axis=-1)[..., 0]
+    off = margin * (1 - jax.nn.one_hot(y, s.shape[-1], dtype=s.dtype))
+    return jnp.max(s + off, axis=-1) - true
+
+
+def multiclass_perceptron_loss(scores: jax.typing.ArrayLike,
+                               labels: jax.typing.ArrayLike) -> jax.Array:
+    r"""Multiclass perceptron loss :math:`\max_j s_j - s_y`.
+
+    Raises:
+      ValueError: ``labels`` not integers of shape ``scores.shape[:-1]``.
+
+    >>> from cairn import optim
+    >>> optim.multiclass_perceptron_loss(jnp.array([[1.0, 3.0, 2.0]]), jnp.array([2]))
+    Array([1.], dtype=float32)
+    """
+    return _margin("multiclass_perceptron_loss", scores, labels, 0.0)
+
+
+def multiclass_hinge_loss(scores: jax.typing.ArrayLike,
+                          labels: jax.typing.ArrayLike) -> jax.Array:
+    r"""Multiclass hinge loss :math:`\max_j (s_j + [j \ne y]) - s_y`.
+
+    Raises:
+      ValueError: ``labels`` not integers of shape ``scores.shape[:-1]``.
+
+    >>> from cairn import optim
+    >>> optim.multiclass_hinge_loss(jnp.array([[1.0, 3.0, 2.0]]), jnp.array([2]))
+    Array([2.], dtype=float32)
+    """
+    return _margin("multiclass_hinge_loss", scores, labels, 1.0)
