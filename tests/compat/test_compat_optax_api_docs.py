@@ -25,10 +25,6 @@ MODULES = ["contrib", "transforms", "losses", "schedules", "tree", "tree_utils",
            "assignment"]
 
 EXCLUDED = {
-    # the example uses names we do not have (polyak_sgd)
-    "chain": "uses optax.polyak_sgd", "named_chain": "uses optax.polyak_sgd",
-    "transforms.chain": "uses optax.polyak_sgd",
-    "transforms.named_chain": "uses optax.polyak_sgd",
     # the docstring's example is not valid doctest syntax (fails under Optax too)
     "partition": "docstring example lacks '...' continuation lines",
     "multi_transform": "docstring example lacks '...' continuation lines",

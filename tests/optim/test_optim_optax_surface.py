@@ -229,3 +229,28 @@ def test_multiclass_losses_reject_bad_labels():
         optim.multiclass_hinge_loss(jnp.ones((2, 3)), jnp.ones((2,)))
     with pytest.raises(ValueError, match="labels"):
         optim.multiclass_perceptron_loss(jnp.ones((2, 3)), jnp.zeros((3,), jnp.int32))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(variant="sps+", f_min=1.0, scaling=0.5),
+                                dict(max_learning_rate=0.1, eps=1e-3)])
+def test_polyak_sgd_matches_optax_over_steps(kw):
+    def f(x):
+        return jnp.sum((x - 1.0) ** 2) + 0.5
+
+    def run(m):
+        tx = m.polyak_sgd(**kw)
+        x = jnp.asarray([3.0, -2.0, 0.5])
+        st = tx.init(x)
+        upd = jax.jit(lambda g, s, x, v: tx.update(g, s, x, value=v))
+        out = []
+        for _ in range(6):
+            v, g = jax.value_and_grad(f)(x)
+            u, st = upd(g, st, x, v)
+            x = m.apply_updates(x, u)
+            out.append(x)
+        return out
+
+    for a, b in zip(run(optim), run(optax)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="variant"):
+        optim.polyak_sgd(variant="sps++")

@@ -115,6 +115,7 @@ from cairn.optim._momentum import ema, lars, noisy_sgd, sgd, signum, trace
 from cairn.optim._muon import muon, orthogonalize_via_newton_schulz, scale_by_muon
 from cairn.optim._packed_state import pack, safe_increment
 from cairn.optim._packing import Packed, layout_of, unpack
+from cairn.optim._polyak import polyak_sgd, scale_by_polyak
 from cairn.optim._rms import (
     adadelta,
     adagrad,
@@ -230,7 +231,7 @@ __all__ = [
     "sgd", "adam", "adamw", "nadam", "nadamw", "adamax", "adamaxw", "amsgrad", "adagrad",
     "adadelta", "adafactor", "adabelief", "lamb", "lars", "lion", "novograd", "radam",
     "rmsprop", "rprop", "sm3", "yogi", "fromage", "noisy_sgd", "sign_sgd", "signum", "muon",
-    "shampoo", "lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
+    "shampoo", "polyak_sgd", "scale_by_polyak", "lbfgs", "scale_by_lbfgs", "ScaleByLBFGSState",
     "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "value_and_grad_from_state",
     "BacktrackingLinesearchInfo", "ScaleByBacktrackingLinesearchState",
     "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "schedule_free", "schedule_free_adamw", "schedule_free_sgd",
