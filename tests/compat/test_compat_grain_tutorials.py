@@ -30,7 +30,7 @@ def _run(snippet: str, real_import: str, ours_import: str) -> tuple[dict, dict]:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exec(compile(code, f"<{name} snippet>", "exec"), ns)  # noqa: S102
+            exec(compile(code, f"<{name} snippet>", "exec"), ns)
         ns["__stdout__"] = buf.getvalue()
         out[name] = ns
     return out["grain"], out["cairn"]

@@ -145,3 +145,26 @@ def test_checkpoint_handler_round_trip(tmp_path):
         h.restore(tmp_path / "missing", item=iter(ds))
     with pytest.raises(TypeError, match="needs an iterator with get_state"):
         h.save(tmp_path / "x", item=[1, 2])
+
+
+def test_checkpoint_args_and_handler_interface(tmp_path):
+    ck = grain.checkpoint
+    # Without Orbax imported, the argument classes are plain wrappers of ``.item``.
+    assert ck.__getattr__("CheckpointSave") is ck.CheckpointSave
+    assert ck.CheckpointRestore(item=3).item == 3
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        ck.Nope  # noqa: B018
+    h = ck.CheckpointHandler()
+    assert h.structure(tmp_path) is None and h.metadata(tmp_path) is None and h.finalize(tmp_path) is None
+    assert ck.CheckpointHandler.typestr() == "cairn.data.checkpoint.CheckpointHandler"
+
+
+def test_flat_map_transform_is_an_interface():
+    class Repeat(grain.transforms.FlatMap):
+        max_fan_out = 3
+
+        def flat_map(self, element):
+            yield from [element] * self.max_fan_out
+
+    assert list(Repeat().flat_map(2)) == [2, 2, 2]
+    assert grain.experimental.FlatMapTransform is grain.transforms.FlatMap

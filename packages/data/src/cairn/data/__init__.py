@@ -7,6 +7,16 @@ Start from a source, chain ``MapDataset`` steps, then iterate::
     state = it.get_state()   # small JSON-able dict; it.set_state(state) resumes exactly
 """
 
+# Grain's public submodules (grain.sources, grain.transforms, ...): thin re-exports.
+from cairn.data import (
+    checkpoint,
+    experimental,
+    multiprocessing,
+    samplers,
+    sharding,
+    sources,
+    transforms,
+)
 from cairn.data._data_loader import (
     Batch,
     DataLoader,
@@ -40,17 +50,6 @@ from cairn.data._writers import (
     encode_example,
     write_array_record,
     write_parquet,
-)
-
-# Grain's public submodules (grain.sources, grain.transforms, ...): thin re-exports.
-from cairn.data import (  # noqa: E402
-    checkpoint,
-    experimental,
-    multiprocessing,
-    samplers,
-    sharding,
-    sources,
-    transforms,
 )
 
 __version__ = "0.1.0"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 

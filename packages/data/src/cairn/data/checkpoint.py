@@ -30,6 +30,10 @@ from typing import Any
 
 __all__ = ["CheckpointHandler", "CheckpointRestore", "CheckpointSave"]
 
+# Resolved by the module ``__getattr__`` below on every access (plain or Orbax-registered).
+CheckpointSave: Any
+CheckpointRestore: Any
+
 
 @dataclasses.dataclass
 class _Save:
@@ -55,7 +59,7 @@ def _orbax_registered() -> dict[str, type]:
         return _orbax_args
     for name, plain, kw in (("CheckpointSave", _Save, "for_save"),
                             ("CheckpointRestore", _Restore, "for_restore")):
-        cls = dataclasses.dataclass(
+        cls: type = dataclasses.dataclass(
             type(name, (ocp.args.CheckpointArgs,), {"__annotations__": {"item": Any},
                                                      "__doc__": plain.__doc__,
                                                      "__module__": __name__})
