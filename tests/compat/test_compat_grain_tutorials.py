@@ -243,3 +243,29 @@ def test_transformations_doc_in_a_data_loader(num_records):
     assert len(outs[0]) == len(outs[1])
     for a, b in zip(*outs):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+# --- docs/data_loader/transformations.md: FlatMapTransform in FlatMapMapDataset ---
+FLAT_MAP = '''
+import grain.experimental as transforms
+
+class FlatMapTransformExample(transforms.FlatMapTransform):
+  max_fan_out: int
+
+  def flat_map(self, element: int):
+    for _ in range(self.max_fan_out):
+      yield element
+'''
+
+
+def test_flat_map_doc_example_in_flat_map_map_dataset():
+    g, c = _run(FLAT_MAP, "import grain.experimental as transforms\n",
+                "import cairn.data.experimental as transforms\n")
+    outs = []
+    for mod, ns in ((grain_real, g), (pytest.importorskip("cairn.data"), c)):
+        t = ns["FlatMapTransformExample"]()
+        t.max_fan_out = 3
+        ds = mod.experimental.FlatMapMapDataset(mod.MapDataset.range(5).filter(lambda x: x != 2), t)
+        outs.append((len(ds), [ds[i] for i in range(len(ds) + 4)], list(ds), list(ds.to_iter_dataset().batch(4))))
+    assert outs[0][:3] == outs[1][:3]
+    assert [b.tolist() for b in outs[0][3]] == [b.tolist() for b in outs[1][3]]

@@ -168,3 +168,31 @@ def test_flat_map_transform_is_an_interface():
 
     assert list(Repeat().flat_map(2)) == [2, 2, 2]
     assert grain.experimental.FlatMapTransform is grain.transforms.FlatMap
+
+
+def test_flat_map_map_dataset():
+    class Upto(grain.transforms.FlatMap):
+        max_fan_out = 3
+
+        def flat_map(self, element):
+            return range(element % 4)
+
+    ds = grain.experimental.FlatMapMapDataset(MapDataset.range(6).shuffle(seed=1), Upto())
+    base = [MapDataset.range(6).shuffle(seed=1)[i] for i in range(6)]
+    assert len(ds) == 18
+    assert list(ds) == [j for x in base for j in range(x % 4)]
+    second_epoch = [ds[18 + i] for i in range(18)]
+    assert sorted(x for x in second_epoch if x is not None) == sorted(ds)
+    grain.experimental.assert_equal_output_after_checkpoint(ds.to_iter_dataset())
+    assert list(ds.to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) == list(ds)
+
+    class TooMany(Upto):
+        def flat_map(self, element):
+            return [element] * 4
+
+    with pytest.raises(ValueError, match="element 0 gave 4 outputs, more than max_fan_out=3"):
+        grain.experimental.FlatMapMapDataset(MapDataset.range(2), TooMany())[0]
+    with pytest.raises(ValueError, match="max_fan_out must be a positive int, got 0"):
+        grain.experimental.FlatMapMapDataset(MapDataset.range(2), type("Z", (Upto,), {"max_fan_out": 0})())
+    with pytest.raises(TypeError, match="must have a flat_map method, got int"):
+        grain.experimental.FlatMapMapDataset(MapDataset.range(2), 3)

@@ -20,6 +20,7 @@ from cairn.data._device import device_put as _device_put
 from cairn.data._packing import FirstFitPackIterDataset
 from cairn.data._performance import PerformanceConfig, pick_performance_config
 from cairn.data._testing import assert_equal_output_after_checkpoint
+from cairn.data._transforms.flat_map import FlatMapMapDataset
 from cairn.data._transforms.interleave import InterleaveIterDataset
 from cairn.data._transforms.prefetch import PrefetchIterDataset
 from cairn.data.transforms import FlatMap as FlatMapTransform
@@ -27,6 +28,7 @@ from cairn.data.transforms import MapWithIndex as MapWithIndexTransform
 
 __all__ = [
     "FirstFitPackIterDataset",
+    "FlatMapMapDataset",
     "FlatMapTransform",
     "InterleaveIterDataset",
     "MapWithIndexTransform",
