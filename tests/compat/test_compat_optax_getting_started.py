@@ -27,7 +27,7 @@ def run(cells: str, *, real: bool, extra: dict | None = None) -> tuple[dict, str
     np.random.seed(0)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "<optax getting started>", "exec"), ns)  # noqa: S102
+        exec(compile(code, "<optax getting started>", "exec"), ns)
     return ns, out.getvalue()
 
 

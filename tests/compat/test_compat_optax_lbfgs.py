@@ -96,7 +96,7 @@ def run(real: bool) -> tuple[dict, str]:
     ns: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "<optax lbfgs example>", "exec"), ns)  # noqa: S102
+        exec(compile(code, "<optax lbfgs example>", "exec"), ns)
         import jax
 
         jax.effects_barrier()
