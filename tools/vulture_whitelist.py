@@ -17,6 +17,9 @@ names something in the code.
 # --- protocols and signatures fixed by someone else ---
 extra_args  # core_array GradientTransformationLike.update(**extra_args): Optax's update signature
 element  # data MapTransform/FilterTransform/...(element): the abstract method's documented parameter
+_.connection_made  # serving _http / benchmarks/serving: asyncio.Protocol callbacks the event loop calls
+_.connection_lost  # (same)
+_.data_received  # (same)
 objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor protocol passes it
 _.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
 
