@@ -64,3 +64,22 @@ def test_data_loader_iterator_through_the_manager(tmp_path):
     mngr.restore(1, args=ocp.args.Composite(ds=grain.checkpoint.CheckpointRestore(again)))
     assert [b.tolist() for b in again] == expected
     mngr.close()
+
+
+def test_single_iterator_args_without_a_composite(tmp_path):
+    # Grain's tutorial form: mngr.save(step, args=grain.checkpoint.CheckpointSave(it)) alone
+    it = iter(_pipeline())
+    next(it)
+    mngr = ocp.CheckpointManager(tmp_path / "one", options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    assert mngr.save(1, args=grain.checkpoint.CheckpointSave(it))
+    expected = [b.tolist() for b in it]
+    fresh = iter(_pipeline())
+    assert mngr.restore(1, args=grain.checkpoint.CheckpointRestore(fresh)) is fresh
+    assert [b.tolist() for b in fresh] == expected
+    try:
+        mngr.save(2, args=object())
+    except TypeError as e:
+        assert "wrap a Checkpointable as .item" in str(e)
+    else:
+        raise AssertionError("a bare object as args must be refused")
+    mngr.close()

@@ -707,8 +707,13 @@ def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:
     if args is not None:
         if items is not None:
             raise TypeError("pass either items or args=, not both")
-        if not isinstance(args, _args.CheckpointArgs):
-            raise TypeError(f"args must be ocp.args (StandardSave, Composite...), got {type(args).__name__}")
+        # Grain's grain.checkpoint.CheckpointSave(iterator) alone: an argument object wrapping
+        # a Checkpointable as .item saves that object's state as the one item
+        if not isinstance(args, _args.CheckpointArgs) and not is_checkpointable(_checkpointable_of(args)):
+            raise TypeError(
+                f"args must be ocp.args (StandardSave, Composite...) or wrap a Checkpointable as .item, "
+                f"got {type(args).__name__}"
+            )
         items = {DEFAULT_ITEM: args} if single else dict(args)  # type: ignore[call-overload]
     if not isinstance(items, Mapping) or not items:
         raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
