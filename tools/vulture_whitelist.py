@@ -18,8 +18,8 @@ names something in the code.
 extra_args  # core_array GradientTransformationLike.update(**extra_args): Optax's update signature
 element  # data MapTransform/FilterTransform/...(element): the abstract method's documented parameter
 _.connection_made  # serving _http / benchmarks/serving: asyncio.Protocol callbacks the event loop calls
-_.connection_lost  # (same)
-_.data_received  # (same)
+_.connection_lost  # serving _http / benchmarks/serving: asyncio.Protocol callback, called by the event loop
+_.data_received  # serving _http / benchmarks/serving: asyncio.Protocol callback, called by the event loop
 objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor protocol passes it
 _.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
 
