@@ -160,3 +160,12 @@ def test_parse_spec():
         _cli.parse_spec("f32(2,3)")
     with pytest.raises(ValueError, match="unknown dtype"):
         _cli.parse_spec("floaty[2]")
+
+
+def test_fwd_bwd_autotuning_differentiates_only_float_arguments():
+    # ragged_dot's group sizes are int32: the backward timing must not differentiate them
+    lhs = jnp.ones((16, 8), jnp.float32)
+    rhs = jnp.ones((2, 8, 4), jnp.float32)
+    sizes = jnp.array([10, 6], jnp.int32)
+    entry = ck.autotune_op("ragged_dot", lhs, rhs, sizes, iterations=1, mode="fwd_bwd", store=False)
+    assert entry.implementation == "xla"  # the only one that runs compiled on the CPU

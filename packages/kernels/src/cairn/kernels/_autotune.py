@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.core_array import QArray
 from cairn.kernels import _cache, _registry, _trace
 
 _LOG = logging.getLogger("cairn.kernels")
@@ -179,8 +180,21 @@ def _runner(
         out = forward(*flat)
         return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out))
 
-    floats = tuple(i for i in range(n_args))
-    return jax.jit(jax.value_and_grad(loss, argnums=floats))
+    def value_and_grad(*flat: Any) -> Any:
+        # only float arrays are differentiated (not group sizes, segment ids or QArrays)
+        floats = tuple(i for i in range(n_args) if _differentiable(flat[i]))
+        if not floats:
+            return loss(*flat), ()
+        return jax.value_and_grad(loss, argnums=floats)(*flat)
+
+    return jax.jit(value_and_grad)
+
+
+def _differentiable(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return (
+        not isinstance(x, QArray) and dtype is not None and bool(jnp.issubdtype(jnp.dtype(dtype), jnp.inexact))
+    )
 
 
 def autotune_op(
