@@ -714,7 +714,7 @@ def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:
                 f"args must be ocp.args (StandardSave, Composite...) or wrap a Checkpointable as .item, "
                 f"got {type(args).__name__}"
             )
-        items = {DEFAULT_ITEM: args} if single else dict(args)  # type: ignore[call-overload]
+        items = {DEFAULT_ITEM: args} if single else dict(args)
     if not isinstance(items, Mapping) or not items:
         raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
     return items, single
