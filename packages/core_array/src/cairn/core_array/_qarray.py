@@ -135,6 +135,19 @@ class QuantLayout:
                 raise ValueError(f"axis {ax} of size {shape[ax]} is not a multiple of tile_size {tile}")
         return tuple(d // tiles[i] if i in tiles else d for i, d in enumerate(shape))
 
+    def repeat_tiles(self, a: Any, shape: tuple[int, ...]) -> Any:
+        """A per-group array (a scale or zero point of this layout) with each tile's entry
+        repeated over its tile, so it broadcasts against values of ``shape`` (NumPy or JAX;
+        unchanged unless ``per_tile``).
+
+        >>> QuantLayout.per_tile(1, 2).repeat_tiles(np.array([[1.0, 2.0]]), (1, 4))
+        array([[1., 1., 2., 2.]])
+        """
+        xp = _xp(a)
+        for axis, size in zip((x % len(shape) for x in self.axes), self.tile_sizes):
+            a = xp.repeat(a, size, axis=axis)
+        return a
+
     def to_json(self) -> dict:
         t = self.tile_size
         return {"kind": self.kind, "axes": list(self.axes), "tile_size": list(t) if isinstance(t, tuple) else t}

@@ -76,15 +76,6 @@ def _group_bounds(x: Any, layout: QuantLayout, xp: Any) -> tuple[Any, Any]:
     return lo.reshape(target), hi.reshape(target)
 
 
-def _expand(a: Any, x_shape: tuple[int, ...], layout: QuantLayout, xp: Any) -> Any:
-    """A per-group array brought to the values' shape (tiles repeated)."""
-    if layout.kind != "per_tile":
-        return a
-    for ax, t in zip((a_ % len(x_shape) for a_ in layout.axes), layout.tile_sizes):
-        a = xp.repeat(a, t, axis=ax)
-    return a
-
-
 def _scale(kind: str, qtype: str, lo: Any, hi: Any, qmin: float, qmax: float, symmetric: bool, xp: Any):
     bound = xp.maximum(xp.abs(lo), xp.abs(hi))
     if qtype in ("mxfp8", "mxfp4"):
@@ -151,7 +142,7 @@ def quantize(
     xf = xp.asarray(x).astype(np.float32)
     lo, hi = _group_bounds(xf, layout, xp)
     scale, zero = _scale(kind, qtype, lo, hi, qmin, qmax, method == "absmax" and kind == "int", xp)
-    scaled = xf / _expand(scale.astype(np.float32), tuple(xf.shape), layout, xp)
+    scaled = xf / layout.repeat_tiles(scale.astype(np.float32), tuple(xf.shape))
     store = as_numpy_dtype(storage_dtype(qtype))
     if kind == "nf4":
         levels = np.asarray(NF4_LEVELS, np.float32)
@@ -160,7 +151,7 @@ def quantize(
     elif kind == "float":
         q = xp.clip(scaled, qmin, qmax).astype(store)
     else:
-        ze = 0.0 if zero is None else _expand(zero, tuple(xf.shape), layout, xp)
+        ze = 0.0 if zero is None else layout.repeat_tiles(zero, tuple(xf.shape))
         q = xp.clip(xp.round(scaled) + ze, -qmax if zero is None else qmin, qmax).astype(store)
     dtype = canonical_dtype(getattr(x, "dtype", np.float32))
     return QArray(q, scale, zero, qtype=qtype, layout=layout, dtype=dtype)

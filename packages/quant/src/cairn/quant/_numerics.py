@@ -167,14 +167,7 @@ def quantize_with_bounds(
         scale, zero = _block_or_table_scale(lo, hi, info), None
     else:
         scale, zero = _scale_zero_point(lo, hi, info, symmetric)
-    tiles = tuple(zip((a % x.ndim for a in layout.axes), layout.tile_sizes))
-
-    def expand(a: Any) -> Any:  # per-tile scales / zero points repeated to the values' shape
-        for axis, size in tiles:
-            a = jnp.repeat(a, size, axis=axis)
-        return a
-
-    se = expand(scale.astype(jnp.float32))
+    se = layout.repeat_tiles(scale.astype(jnp.float32), x.shape)
     scaled = x.astype(jnp.float32) / se
     if noise is not None:
         if info.kind not in ("int", "uint"):
@@ -186,7 +179,7 @@ def quantize_with_bounds(
     elif info.is_float:
         q = jnp.clip(scaled, info.qmin, info.qmax).astype(info.storage)
     else:
-        ze = 0.0 if zero is None else expand(zero)
+        ze = 0.0 if zero is None else layout.repeat_tiles(zero, x.shape)
         # symmetric grids stop at -qmax: the absmax element sits at exactly +-(qmax + 0.5),
         # where float rounding would otherwise pick -qmax or -qmax - 1 by chance
         qmin = -info.qmax if zero is None else info.qmin
