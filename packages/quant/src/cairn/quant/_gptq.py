@@ -79,7 +79,7 @@ def gptq_matrix(
             v = block[i] / s
             # -qmax - 1 only for values past the symmetric grid's edge (so an identity
             # Hessian still gives round-to-nearest exactly, the absmax at -(qmax + 0.5) -> -qmax)
-            q[row] = np.where(v >= -(qmax + 0.5) * (1 + 1e-6), np.clip(np.round(v), -qmax, qmax), np.clip(np.round(v), -qmax - 1, qmax))
+            q[row] = np.clip(np.round(v), np.where(v >= -(qmax + 0.5) * (1 + 1e-6), -qmax, -qmax - 1), qmax)
             errors[i] = (block[i] - q[row] * s) / u[row, row]
             block[i:] -= np.outer(u[row, row : stop], errors[i])
         w[stop:] -= u[start:stop, stop:].T @ errors
