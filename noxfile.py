@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
 PYTHON = "3.11"
 # what tests/integration, tests/compat (the peers, to compare with) and examples/ need beyond the packages' own test extras
-INTEGRATION_DEPS = ("matplotlib", "grain>=0.2")
+INTEGRATION_DEPS = ("matplotlib", "grain>=0.2", "flax>=0.12", "orbax-checkpoint>=0.12")
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = True
