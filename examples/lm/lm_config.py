@@ -95,6 +95,35 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelsConfig:
+    # "auto": time cairn.kernels against plain XLA on the recipe's shapes at start-up and use
+    # the faster; "kernels" / "xla" force one. The report says which ran and the timings.
+    attention: str = "auto"
+    loss: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    enabled: bool = True
+    # the quantized variants evaluated after training: "w8" (int8 weight-only, per channel),
+    # "w4_gptq" (int4 GPTQ, per tile), "w4_awq" (int4 AWQ, per tile)
+    methods: tuple[str, ...] = ("w8", "w4_gptq")
+    tile_size: int = 64
+    calibration_batches: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    enabled: bool = True
+    models: tuple[str, ...] = ("w8",)  # which variants ("float" or a quant.methods entry) are exported and served
+    num_slots: int = 16  # KV-cache slots of the continuous batcher
+    prefill_batch: int = 4
+    concurrency: tuple[int, ...] = (1, 16)
+    max_new_tokens: int = 8
+    startup_timeout: float = 180.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     data: DataConfig = DataConfig()
@@ -103,6 +132,9 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    kernels: KernelsConfig = KernelsConfig()
+    quant: QuantConfig = QuantConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -127,6 +159,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
         args = typing.get_args(annotation)
+        if args and args[-1] is Ellipsis and args[0] is int:
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int)]
+            if bad:
+                raise ConfigError(f"config key {key!r}: expected a list of integers, got {bad!r}")
+            return tuple(value)
         if args and args[-1] is Ellipsis and args[0] is str:
             bad = [v for v in value if not isinstance(v, str)]
             if bad:
@@ -243,9 +280,32 @@ def validate_static(cfg: Config) -> None:
     for dtype_key in ("dtype", "param_dtype"):
         if getattr(m, dtype_key) not in ("float32", "bfloat16"):
             raise ConfigError(f"config key 'model.{dtype_key}': expected 'float32' or 'bfloat16'")
+    _validate_after_training(cfg)
     for i, rule in enumerate(cfg.mesh.rules):
         if len(rule) != 2 or not isinstance(rule[0], str) or not (rule[1] is None or rule[1] in ("data", "model")):
             raise ConfigError(f"config key 'mesh.rules' entry {i}: {list(rule)!r} must be [logical_axis, 'data' | 'model' | null]")
+
+
+def _validate_after_training(cfg: Config) -> None:
+    """The kernels, quant and serve sections."""
+    for key in ("attention", "loss"):
+        if getattr(cfg.kernels, key) not in ("auto", "kernels", "xla"):
+            raise ConfigError(f"config key 'kernels.{key}': expected 'auto', 'kernels' or 'xla', got {getattr(cfg.kernels, key)!r}")
+    known = ("w8", "w4_gptq", "w4_awq")
+    for method in cfg.quant.methods:
+        if method not in known:
+            raise ConfigError(f"config key 'quant.methods': unknown method {method!r}; expected some of {', '.join(known)}")
+    for key, value in (("quant.tile_size", cfg.quant.tile_size), ("quant.calibration_batches", cfg.quant.calibration_batches),
+                       ("serve.num_slots", cfg.serve.num_slots), ("serve.prefill_batch", cfg.serve.prefill_batch),
+                       ("serve.max_new_tokens", cfg.serve.max_new_tokens)):
+        if value <= 0:
+            raise ConfigError(f"config key {key!r}: must be positive, got {value}")
+    variants = ("float",) + (cfg.quant.methods if cfg.quant.enabled else ())
+    for name in cfg.serve.models:
+        if name not in variants:
+            raise ConfigError(f"config key 'serve.models': {name!r} is not one of the evaluated variants {', '.join(variants)}")
+    if any(c <= 0 for c in cfg.serve.concurrency):
+        raise ConfigError(f"config key 'serve.concurrency': every level must be positive, got {list(cfg.serve.concurrency)}")
 
 
 def mesh_shape(cfg: Config, device_count: int) -> tuple[int, int]:
