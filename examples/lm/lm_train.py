@@ -344,8 +344,12 @@ def _report(
 
 
 def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, after_training: Callable[[Setup, nn.Module, list[str], dict], None] | None = None) -> dict:
     """Run the recipe; returns the report dict (also written to the run directory).
+
+    ``after_training(setup, model, eval_texts, report)``, when given, runs once the last
+    checkpoint is written and the held-out score is in the report (the production steps:
+    quantize, export, serve); it adds its own entries to ``report`` before it is written.
 
     A run directory that already holds checkpoints needs `resume=True` or `overwrite=True`
     (see `check_run_dir`); otherwise RunDirError is raised before any work starts.
@@ -374,6 +378,8 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts,
                      peak=peak, t_start=t_start)
     manager.close()
+    if after_training is not None and not report["stopped_early"]:
+        after_training(setup, model, eval_texts, report)
     if jax.process_index() == 0:
         lm_report.write_report(run_dir, report, stats.curve)
     return report
