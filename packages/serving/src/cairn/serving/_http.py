@@ -8,6 +8,13 @@ are answered in order. Limits: header size (431), body size (413, announced by
 Content-Length before any body is read), header and body read timeouts (408, so a
 client sending a byte a second holds only its own connection), an idle keep-alive
 timeout, and ``Transfer-Encoding`` is refused (411: send Content-Length).
+
+A handler may instead answer a :class:`StreamResponse`: the head goes out at once with
+``Transfer-Encoding: chunked`` (HTTP/1.1; an HTTP/1.0 client gets the raw body and a
+close) and the producer writes the body piece by piece through a :class:`Stream`, each
+piece flushed as one chunk; the connection stays busy (no timeout, later pipelined
+requests wait) until :meth:`Stream.end`. A handler that sets ``request.on_disconnect``
+learns when the client goes away before its answer is complete (to cancel the work).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class Request:
     peer: str
     keep_alive: bool
     started: float
+    version: str = "HTTP/1.1"
+    on_disconnect: Callable[[], None] | None = None  # set by a handler; called (loop thread) if the client leaves first
 
 
 @dataclasses.dataclass
@@ -56,6 +65,59 @@ class Response:
     status: int
     body: bytes = b""
     content_type: str = "application/json"
+    headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+class Stream:
+    """The writing end of a :class:`StreamResponse` (event-loop thread only).
+
+    ``write`` sends one piece of the body at once (one chunk); ``end`` finishes the
+    response. Both do nothing once the client is gone (``closed``).
+    """
+
+    def __init__(self, conn: HttpConnection, request: Request, response: StreamResponse, chunked: bool, keep: bool) -> None:
+        self._conn, self._request, self._response, self._chunked = conn, request, response, chunked
+        self.keep = keep  # keep the connection open after the body
+        self.nbytes = 0
+        self.ended = False
+
+    @property
+    def closed(self) -> bool:
+        """True once the response ended or the client disconnected."""
+        return self.ended or self._conn._closing
+
+    def write(self, data: bytes) -> None:
+        """Send ``data`` now as one chunk (empty data is skipped: it would end the body)."""
+        if self.closed or not data:
+            return
+        self.nbytes += len(data)
+        transport = self._conn.transport
+        assert transport is not None
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+
+    def end(self) -> None:
+        """Finish the response; the connection goes on with the next request (or closes)."""
+        if self.ended:
+            return
+        self.ended = True
+        if not self._conn._closing and self._chunked:
+            self._conn.transport.write(b"0\r\n\r\n")  # type: ignore[union-attr]
+        self._conn._stream_ended(self)
+
+
+@dataclasses.dataclass
+class StreamResponse:
+    """A response whose body is produced over time.
+
+    Attributes:
+      start: called on the event loop right after the head is written, with the
+        :class:`Stream` to write the body to; the producer must call ``stream.end()``.
+      status, content_type, headers: as for :class:`Response`.
+    """
+
+    start: Callable[[Stream], None]
+    status: int = 200
+    content_type: str = "text/event-stream"
     headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
@@ -78,8 +140,8 @@ class HttpLimits:
     keep_alive_timeout: float = 75.0
 
 
-Handler = Callable[[Request], "Response | asyncio.Future[Response]"]
-Finisher = Callable[[Request, Response, int], None]
+Handler = Callable[[Request], "Response | StreamResponse | asyncio.Future[Response]"]
+Finisher = Callable[[Request, "Response | StreamResponse", int], None]
 
 _IDLE, _HEAD, _BODY, _BUSY = range(4)
 
@@ -92,11 +154,14 @@ class HttpConnection(asyncio.Protocol):
         self._buf = bytearray()
         self._state = _IDLE
         self._deadline = 0.0
-        self._head: tuple[str, str, str, dict[str, str], bool, float] | None = None
+        self._head: tuple[str, str, str, dict[str, str], bool, float, str] | None = None
         self._length = 0
         self._closing = False
         self.transport: asyncio.Transport | None = None
         self._peer = ""
+        self._pending: Request | None = None  # the request being answered (for on_disconnect)
+        self._stream: Stream | None = None
+        self._starting = False
 
     # --- asyncio callbacks ---
 
@@ -114,6 +179,14 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._server.connections.discard(self)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.on_disconnect is not None:
+            try:
+                pending.on_disconnect()
+            except Exception:  # noqa: BLE001 - a handler's hook must not break the loop
+                pass
+        if self._stream is not None:
+            self._stream.end()  # the producer's later writes are no-ops
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -192,21 +265,24 @@ class HttpConnection(asyncio.Protocol):
         conn = headers.get("connection", "").lower()
         keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
         path, _, query = target.partition("?")
-        self._head = (method, path, query, headers, keep, time.perf_counter())
+        self._head = (method, path, query, headers, keep, time.perf_counter(), version)
         return True
 
     def _dispatch(self, body: bytes) -> None:
         assert self._head is not None
-        method, path, query, headers, keep, started = self._head
-        request = Request(method, path, query, headers, body, self._peer, keep and not self._server.draining, started)
+        method, path, query, headers, keep, started, version = self._head
+        request = Request(method, path, query, headers, body, self._peer, keep and not self._server.draining, started, version)
         self._state = _BUSY
         self._server.in_flight += 1
+        self._pending = request
         try:
             result = self._server.handler(request)
         except Exception as e:  # a handler bug is this request's 500, never the connection's crash
             result = _error(500, f"internal error: {type(e).__name__}: {e}")
         if isinstance(result, Response):
             self._respond(request, result, resume=False)  # _advance's loop goes on with the buffer
+        elif isinstance(result, StreamResponse):
+            self._start_stream(request, result)
         else:
             result.add_done_callback(lambda fut: self._respond(request, _result(fut)))
 
@@ -214,9 +290,46 @@ class HttpConnection(asyncio.Protocol):
 
     def _respond(self, request: Request, response: Response, resume: bool = True) -> None:
         self._server.in_flight -= 1
+        self._pending = None
         keep = request.keep_alive and not self._server.draining and not self._closing
         self._write(response, keep)
         self._server.finished(request, response, len(response.body))
+        self._next(keep, resume)
+
+    def _start_stream(self, request: Request, response: StreamResponse) -> None:
+        """Write a streamed response's head and hand the body to its producer."""
+        chunked = request.version == "HTTP/1.1"
+        keep = chunked and request.keep_alive and not self._server.draining and not self._closing
+        stream = self._stream = Stream(self, request, response, chunked, keep)
+        if self.transport is not None and not self._closing:
+            status = response.status
+            parts = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {response.content_type}\r\n"]
+            parts.append("Transfer-Encoding: chunked\r\n" if chunked else "")
+            parts.extend(f"{k}: {v}\r\n" for k, v in response.headers)
+            parts.append("Cache-Control: no-cache\r\nConnection: keep-alive\r\n\r\n" if keep else "Cache-Control: no-cache\r\nConnection: close\r\n\r\n")
+            self.transport.write("".join(parts).encode("latin-1"))
+        self._starting = True
+        try:
+            response.start(stream)
+        except Exception:  # noqa: BLE001 - a producer bug ends this response, never the connection loop
+            stream.keep = False
+            stream.end()
+        finally:
+            self._starting = False
+
+    def _stream_ended(self, stream: Stream) -> None:
+        """Called by :meth:`Stream.end`: account the response, go on with the connection."""
+        if self._stream is not stream:
+            return
+        self._stream = None
+        self._pending = None
+        self._server.in_flight -= 1
+        self._server.finished(stream._request, stream._response, stream.nbytes)
+        keep = stream.keep and not self._server.draining and not self._closing
+        self._next(keep, resume=not self._starting)  # ended inside start(): _advance's loop goes on
+
+    def _next(self, keep: bool, resume: bool) -> None:
+        """After a response: close, or wait for (or parse) the next request."""
         if not keep:
             self._close()
             return
