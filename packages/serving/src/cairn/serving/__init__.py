@@ -5,15 +5,42 @@ sha256 of every file, one serialized StableHLO per signature taking the weights 
 arguments, weights in TensorStore zarr3); ``load(path)`` reads it back with nothing but
 JAX, TensorStore and ``cairn.core_array``. Loaded models and :class:`PythonModel`
 satisfy :class:`ServableModel`, the protocol the server runs.
+
+Generation: ``export_generator(prefill, decode, params, path, ...)`` exports a language
+model's prefill and decode-step functions over a KV cache; :class:`GenerationEngine`
+runs any :class:`GenerativeModel` (loaded or :class:`PythonGenerator`) with continuous
+batching over a fixed number of cache slots.
 """
 
-from cairn.serving._batcher import BatchingConfig
+from cairn.serving._batcher import BatchingConfig, QueueFull, Unavailable
 from cairn.serving._export import Signature, export
+from cairn.serving._generate import (
+    GenerationConfig,
+    GenerationEngine,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationResult,
+)
+from cairn.serving._genexport import (
+    GenerativeModel,
+    PythonGenerator,
+    detokenize,
+    export_generator,
+    tokenize,
+)
 from cairn.serving._hashing import ModelFormatError, ModelIntegrityError
 from cairn.serving._http import HttpLimits
-from cairn.serving._load import LoadedModel, LoadedSignature, enable_compilation_cache, load
+from cairn.serving._load import (
+    LoadedGenerator,
+    LoadedModel,
+    LoadedSignature,
+    enable_compilation_cache,
+    load,
+    load_generator,
+)
 from cairn.serving._model import PythonModel, ServableModel
 from cairn.serving._repository import ModelRepository, VersionPolicy
+from cairn.serving._sampling import SamplingParams
 from cairn.serving._server import Server, serve
 
 __version__ = "0.1.0"
@@ -36,4 +63,19 @@ __all__ = [
     "VersionPolicy",
     "BatchingConfig",
     "HttpLimits",
+    "QueueFull",
+    "Unavailable",
+    "GenerativeModel",
+    "PythonGenerator",
+    "LoadedGenerator",
+    "export_generator",
+    "load_generator",
+    "tokenize",
+    "detokenize",
+    "SamplingParams",
+    "GenerationConfig",
+    "GenerationEngine",
+    "GenerationRequest",
+    "GenerationEvent",
+    "GenerationResult",
 ]

@@ -25,7 +25,7 @@ from cairn.serving._manifest import FORMAT, SIGNATURE_NAME
 from cairn.serving._model import batch_dim, normalize_buckets
 from cairn.serving._weights import BOUNDARY_DTYPES, rebuild_params, split_params, write_weights
 
-__all__ = ["export", "Signature", "DEFAULT_SIGNATURE", "DEFAULT_MAX_BATCH_SIZE"]
+__all__ = ["export", "export_signatures", "Signature", "DEFAULT_SIGNATURE", "DEFAULT_MAX_BATCH_SIZE"]
 
 DEFAULT_SIGNATURE = "serving_default"
 DEFAULT_MAX_BATCH_SIZE = 64
@@ -142,8 +142,10 @@ def _export_signature(name: str, sig: Signature, params: Any, split: tuple, plat
         return _named_outputs(fn(rebuild_params(weights, qmeta, params, casts), dict(inputs)))
 
     w_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in flat.items()}
+    # a list keeps input names out of core_array's path rules (``cache/k0`` is a name, not a path)
+    in_structs = dict(zip(specs, shape_dtype_structs(list(specs.values())), strict=True))
     try:
-        exp = jexport.export(jax.jit(served), platforms=platforms)(w_structs, shape_dtype_structs(specs))
+        exp = jexport.export(jax.jit(served), platforms=platforms)(w_structs, in_structs)
     except Exception as e:
         raise ValueError(
             f"signature {name!r}: exporting fn with inputs { {k: s.shape for k, s in specs.items()} } failed: {e}"
@@ -216,8 +218,9 @@ def _place(tmp: str, final: str, overwrite: bool) -> None:
         raise FileExistsError(f"export: {final} appeared while exporting; pass overwrite=True to replace it") from None
 
 
-def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: bool) -> None:
-    """Write everything into a temporary sibling of ``final``, then rename it into place."""
+def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: bool, extra: Mapping | None = None) -> None:
+    """Write everything into a temporary sibling of ``final``, then rename it into place;
+    ``extra`` adds top-level manifest sections (e.g. ``"generation"``)."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
@@ -236,6 +239,7 @@ def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: 
             "signatures": entries,
             "weights": {"arrays": arrays, "qarrays": qmeta, "casts": casts},
             "files": digest_files(tmp),
+            **(extra or {}),
         }
         with open(os.path.join(tmp, MANIFEST), "wb") as f:
             f.write(seal_manifest(manifest))
@@ -303,6 +307,24 @@ def export(
         if not isinstance(s, Signature):
             raise ValueError(f"signatures[{k!r}] must be a cairn.serving.Signature, got {type(s).__name__}")
         sigs[k] = s
+    return export_signatures(sigs, params, path, platforms=platforms, overwrite=overwrite)
+
+
+def export_signatures(
+    sigs: Mapping[str, Signature],
+    params: Any,
+    path: str | os.PathLike,
+    *,
+    platforms: Sequence[str] | None = None,
+    overwrite: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Export the named signatures (no default one required) sharing ``params`` to
+    ``path``; ``extra`` adds top-level manifest sections. The engine of :func:`export`.
+
+    Raises:
+      FileExistsError, ValueError: as :func:`export`.
+    """
     final = os.path.abspath(os.fspath(path))
     if os.path.exists(final) and not overwrite:
         raise FileExistsError(f"export: {final} exists; pass overwrite=True to replace it")
@@ -310,5 +332,5 @@ def export(
     blobs, entries = {}, {}
     for name, sig in sigs.items():
         blobs[name], entries[name] = _export_signature(name, sig, params, split, platforms)
-    _write_dir(final, blobs, entries, split, overwrite)
+    _write_dir(final, blobs, entries, split, overwrite, extra)
     return final

@@ -16,12 +16,19 @@ import numpy as np
 
 from cairn.core_array import ArraySpec
 from cairn.serving._export import DEFAULT_SIGNATURE
+from cairn.serving._genexport import (
+    DECODE,
+    PREFILL,
+    GenerationInfo,
+    GeneratorBase,
+    exported_device_fns,
+)
 from cairn.serving._hashing import MANIFEST, ModelFormatError, verify_files
 from cairn.serving._manifest import check_compatible, newer_exporter, parse_specs, read_manifest
 from cairn.serving._model import validate_inputs
 from cairn.serving._weights import read_weights
 
-__all__ = ["load", "LoadedModel", "LoadedSignature", "enable_compilation_cache"]
+__all__ = ["load", "load_generator", "LoadedModel", "LoadedGenerator", "LoadedSignature", "enable_compilation_cache"]
 
 
 def enable_compilation_cache(cache_dir: str | os.PathLike) -> None:
@@ -152,6 +159,38 @@ class LoadedModel:
         return f"LoadedModel({self.name!r}, path={self.path!r}, signatures={list(self.signatures)})"
 
 
+class LoadedGenerator(LoadedModel, GeneratorBase):
+    """An exported generative model (:func:`cairn.serving.export_generator`), loaded: a
+    :class:`~cairn.serving.GenerativeModel` whose device-level ``prefill``/``decode``
+    call the deserialized StableHLO with the weights held on the device (jitted; the
+    cache stays on the device and is donated to each decode step).
+
+    Attributes: those of :class:`LoadedModel`, plus ``vocab_size``, ``max_length``,
+    ``eos_token_ids``, ``bos_token_id``, ``vocabulary``, ``cache_specs``.
+    """
+
+    def __init__(self, name: str, path: str, manifest: dict, signatures: dict[str, LoadedSignature], weights: dict) -> None:
+        super().__init__(name, path, manifest, signatures, weights)
+        self._set_info(GenerationInfo.from_json(manifest.get("generation")))
+        missing = [s for s in (PREFILL, DECODE) if s not in signatures]
+        if missing:
+            raise ModelFormatError(f"{MANIFEST}: a generator needs signatures {missing} (load them all)", MANIFEST)
+        self._prefill, self._decode = exported_device_fns(
+            signatures[PREFILL].exported, signatures[DECODE].exported, list(self.cache_specs))
+        self.max_batch_size = min(signatures[PREFILL].max_batch_size, signatures[DECODE].max_batch_size)
+
+    def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
+        """Device-level prefill (see :class:`~cairn.serving.GenerativeModel`)."""
+        return self._prefill(self.weights, tokens, lengths)
+
+    def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Device-level decode step; ``cache`` is donated."""
+        return self._decode(self.weights, tokens, positions, dict(cache))
+
+    def __repr__(self) -> str:
+        return f"LoadedGenerator({self.name!r}, path={self.path!r}, vocab_size={self.vocab_size}, max_length={self.max_length})"
+
+
 def _default_name(path: str) -> str:
     base = os.path.basename(path)
     # <repo>/<model>/<version>: a numeric directory is a version, the model is its parent
@@ -195,7 +234,8 @@ def load(
       precompile: compile every batch bucket now (default) rather than on first use.
 
     Returns:
-      A :class:`LoadedModel`.
+      A :class:`LoadedModel`; a :class:`LoadedGenerator` (a subclass) when the manifest
+      has a ``"generation"`` section (written by :func:`cairn.serving.export_generator`).
 
     Raises:
       ModelIntegrityError: a file missing, truncated or altered (named).
@@ -223,7 +263,23 @@ def load(
     weights = jax.device_put(read_weights(root, weights_doc["arrays"]))
     model_name = name or _default_name(root)
     sigs = {s: LoadedSignature(model_name, s, exported[s], doc["signatures"][s], weights) for s in wanted}
+    if "generation" in doc:  # the engine compiles its fixed shapes when it starts
+        return LoadedGenerator(model_name, root, doc, sigs, weights)
     if precompile:
         for sig in sigs.values():
             sig.precompile()
     return LoadedModel(model_name, root, doc, sigs, weights)
+
+
+def load_generator(path: str | os.PathLike, *, name: str | None = None,
+                   compilation_cache_dir: str | os.PathLike | None = None) -> LoadedGenerator:
+    """:func:`load` a directory written by :func:`cairn.serving.export_generator`.
+
+    Raises:
+      ModelFormatError: the directory holds no generator (no ``"generation"`` section),
+        plus everything :func:`load` raises.
+    """
+    model = load(path, name=name, compilation_cache_dir=compilation_cache_dir)
+    if not isinstance(model, LoadedGenerator):
+        raise ModelFormatError(f"{model.path}: not a generative model (its manifest has no 'generation' section)", MANIFEST)
+    return model

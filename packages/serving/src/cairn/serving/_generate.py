@@ -1,0 +1,576 @@
+"""The generation engine: continuous batching over a fixed number of KV-cache slots.
+
+One engine thread loops: (1) drop cancelled requests; (2) when slots are free, prefill
+up to ``prefill_batch`` waiting requests of the oldest one's prompt bucket (the next
+power of two, capped at ``max_length``) at the fixed shape ``(prefill_batch, bucket)``,
+scatter their cache rows into free slots and sample their first token; (3) run one
+decode step over all ``num_slots`` slots (idle slots decode a dummy row) and sample a
+token for every active one, retiring finished requests at once. Every compiled shape is
+fixed and rows never interact, and sampling uses a generator derived from ``(seed,
+token index)`` alone, so a request gets exactly the tokens it would get alone.
+
+``scheduler="static"`` is the baseline: it admits only when every slot is free (a batch
+runs until its longest request finishes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import numbers
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from cairn.serving._batcher import QueueFull, Unavailable
+from cairn.serving._genexport import GenerativeModel
+from cairn.serving._sampling import SamplingParams, sample_token
+
+__all__ = [
+    "GenerationConfig",
+    "GenerationEngine",
+    "GenerationRequest",
+    "GenerationEvent",
+    "GenerationResult",
+    "prompt_bucket",
+]
+
+log = logging.getLogger("cairn.serving")
+_SCHEDULERS = ("continuous", "static")
+
+
+def _positive(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"GenerationConfig.{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Engine settings (a repository model's ``config.json`` key ``"generation"``).
+
+    Attributes:
+      num_slots: KV-cache slots, the sequences decoded together (the decode batch is
+        always ``num_slots``).
+      prefill_batch: prompts prefilled per engine step (a fixed, padded batch).
+      max_queue: waiting requests beyond this are refused with ``QueueFull``.
+      max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
+      scheduler: ``"continuous"`` or ``"static"`` (admit only when all slots are free).
+
+    Raises:
+      ValueError: naming the field.
+
+    >>> GenerationConfig.from_json({"num_slots": 8}).to_json()["num_slots"]
+    8
+    """
+
+    num_slots: int = 16
+    prefill_batch: int = 4
+    max_queue: int = 256
+    max_new_tokens_limit: int | None = None
+    scheduler: str = "continuous"
+
+    def __post_init__(self) -> None:
+        for k in ("num_slots", "prefill_batch", "max_queue"):
+            object.__setattr__(self, k, _positive(k, getattr(self, k)))
+        if self.max_new_tokens_limit is not None:
+            object.__setattr__(self, "max_new_tokens_limit", _positive("max_new_tokens_limit", self.max_new_tokens_limit))
+        if self.scheduler not in _SCHEDULERS:
+            raise ValueError(f"GenerationConfig.scheduler must be one of {_SCHEDULERS}, got {self.scheduler!r}")
+        if self.prefill_batch > self.num_slots:
+            raise ValueError(f"GenerationConfig.prefill_batch {self.prefill_batch} exceeds num_slots {self.num_slots}")
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> GenerationConfig:
+        """From a JSON object; an unknown key raises ``ValueError`` naming it."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"generation config must be a JSON object, got {type(obj).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for k in obj:
+            if k not in known:
+                raise ValueError(f"unknown generation config key {k!r}; known: {', '.join(known)}")
+        return cls(**obj)
+
+    def to_json(self) -> dict:
+        """The fields as a JSON object."""
+        return dataclasses.asdict(self)
+
+
+def prompt_bucket(n: int, max_length: int) -> int:
+    """The prefill length a prompt of ``n`` tokens is padded to: the next power of two,
+    capped at ``max_length``.
+
+    >>> [prompt_bucket(n, 48) for n in (1, 3, 4, 5, 33)]
+    [1, 4, 4, 8, 48]
+    """
+    return min(1 << max(0, (n - 1).bit_length()), max_length)
+
+
+@dataclasses.dataclass
+class GenerationEvent:
+    """One streamed event: a token (``finished`` false) or the end (``token_id`` None).
+
+    Attributes:
+      token_id: the new token, or ``None`` on the final event. index: its position in
+      the output (the final event's is the number of tokens). finished: whether this is
+      the final event. finish_reason: on the final event. text: the token's text when the
+      model has a vocabulary.
+    """
+
+    token_id: int | None
+    index: int
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+      prompt_len: prompt tokens. token_ids: generated tokens (a stop or EOS token is the
+      last). finish_reason: ``"length"``, ``"stop"``, ``"cancelled"`` or ``"error"``.
+      time_to_first_token, latency: seconds from submission (``nan`` when no token).
+      text: the generated text when the model has a vocabulary. error: the message when
+      ``finish_reason`` is ``"error"``.
+    """
+
+    prompt_len: int
+    token_ids: list[int]
+    finish_reason: str
+    time_to_first_token: float
+    latency: float
+    text: str | None = None
+    error: str | None = None
+
+
+class GenerationRequest:
+    """A submitted request: :meth:`result` waits for it, :meth:`cancel` ends it early."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, prompt: tuple[int, ...], params: SamplingParams, seed: int, stops: frozenset[int],
+                 on_event: Callable[[GenerationEvent], None] | None, engine: GenerationEngine) -> None:
+        self.id = next(self._ids)
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.stops = stops
+        self.token_ids: list[int] = []
+        self._on_event = on_event
+        self._engine = engine
+        self._cancelled = False
+        self._done = threading.Event()
+        self._result: GenerationResult | None = None
+        self.submitted = time.perf_counter()
+        self._first: float | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the request has finished (for any reason)."""
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """End the request at the engine's next step (``finish_reason "cancelled"``);
+        no effect once it has finished."""
+        self._cancelled = True
+        self._engine._wake()
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the request to finish.
+
+        Raises:
+          TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"generation request {self.id} did not finish within {timeout} s")
+        assert self._result is not None
+        return self._result
+
+    def _emit(self, event: GenerationEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
+            log.exception("generation request %d: on_event raised", self.id)
+
+    def _add(self, token: int, text: str | None) -> bool:
+        """Record a token and stream it; whether the request is now finished."""
+        if self._first is None:
+            self._first = time.perf_counter()
+        self.token_ids.append(token)
+        self._emit(GenerationEvent(token, len(self.token_ids) - 1, text=text))
+        return token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
+
+    def _finish(self, reason: str, text: str | None, error: str | None = None) -> None:
+        if self._done.is_set():
+            return
+        now = time.perf_counter()
+        ttft = math.nan if self._first is None else self._first - self.submitted
+        self._result = GenerationResult(len(self.prompt), list(self.token_ids), reason, ttft, now - self.submitted, text, error)
+        self._done.set()
+        self._emit(GenerationEvent(None, len(self.token_ids), True, reason))
+
+    def __repr__(self) -> str:
+        return f"GenerationRequest(id={self.id}, prompt_len={len(self.prompt)}, tokens={len(self.token_ids)}, done={self.done})"
+
+
+
+# --- the engine ---
+
+
+class GenerationEngine:
+    """Continuous batching for a :class:`~cairn.serving.GenerativeModel` (module docstring).
+
+    Args:
+      model: the generative model (:class:`~cairn.serving.PythonGenerator` or a loaded one).
+      config: :class:`GenerationConfig`.
+
+    Raises:
+      ValueError: a model that is not generative, or slots beyond its batch limit.
+
+    Use it as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(self, model: GenerativeModel, config: GenerationConfig | None = None) -> None:
+        config = GenerationConfig() if config is None else config
+        if not isinstance(model, GenerativeModel):
+            raise ValueError(f"GenerationEngine needs a GenerativeModel, got {type(model).__name__}")
+        if not isinstance(config, GenerationConfig):
+            raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        limit = getattr(model, "max_batch_size", 0) or 0
+        if limit and config.num_slots > limit:
+            raise ValueError(f"num_slots {config.num_slots} exceeds the model's max_batch_size {limit}")
+        self.model = model
+        self.config = config
+        self._cond = threading.Condition()
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._slots: list[GenerationRequest | None] = [None] * config.num_slots
+        self._tokens = np.zeros(config.num_slots, np.int32)
+        self._positions = np.zeros(config.num_slots, np.int32)
+        self._cache: dict[str, Any] | None = None
+        self._scatter: Callable | None = None
+        self._thread: threading.Thread | None = None
+        self._state = "new"
+        self._seeds = np.random.default_rng()
+        self._counts = collections.Counter({k: 0 for k in (
+            "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
+
+    # --- lifecycle ---
+
+    def start(self) -> GenerationEngine:
+        """Compile every shape (prefill per prompt bucket, the scatter, decode), then start
+        the engine thread. Returns ``self``."""
+        with self._cond:
+            if self._state != "new":
+                raise RuntimeError(f"GenerationEngine.start: the engine is {self._state}")
+            self._state = "starting"
+        self._cache = self.model.init_cache(self.config.num_slots)
+        self._scatter = _make_scatter()
+        self._warm_up()
+        self._thread = threading.Thread(target=self._loop, name=f"cairn-generate-{self.model.name}", daemon=True)
+        with self._cond:
+            self._state = "running"
+        self._thread.start()
+        return self
+
+    def buckets(self) -> tuple[int, ...]:
+        """The prompt lengths prefill is compiled for."""
+        return tuple(sorted({prompt_bucket(n, self.model.max_length) for n in range(1, self.model.max_length)}))
+
+    def _warm_up(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        pb, s = self.config.prefill_batch, self.config.num_slots
+        drop = jnp.full((pb,), s, jnp.int32)  # out of range: nothing is written
+        for p in self.buckets():
+            _logits, new = self.model.prefill(jnp.zeros((pb, p), jnp.int32), jnp.ones((pb,), jnp.int32))
+            assert self._scatter is not None
+            self._cache = self._scatter(self._cache, new, drop)
+        logits, self._cache = self.model.decode(jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.int32), self._cache)
+        jax.block_until_ready((logits, self._cache))
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Refuse new requests; with ``drain``, let queued and running ones finish (up to
+        ``timeout`` seconds); cancel whatever is left and stop the thread."""
+        with self._cond:
+            if self._state in ("new", "starting"):
+                self._state = "stopped"
+                return
+            if self._state == "running":
+                self._state = "draining" if drain else "stopping"
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._state == "draining" and (self._queue or any(self._slots)) and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+            self._state = "stopping"
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()) + 5.0)
+
+    def __enter__(self) -> GenerationEngine:
+        return self.start() if self._state == "new" else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(drain=False)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # --- requests ---
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None,
+               on_event: Callable[[GenerationEvent], None] | None = None) -> GenerationRequest:
+        """Queue a request.
+
+        Args:
+          prompt: token ids (at least one). params: :class:`SamplingParams` (default
+          greedy, 16 tokens). on_event: called from the engine thread for every token
+          and once at the end (:class:`GenerationEvent`); it must not block.
+
+        Raises:
+          ValueError: an empty prompt, a token id out of range, a prompt that with
+            ``max_new_tokens`` does not fit ``max_length``, or ``max_new_tokens`` above
+            the limit; naming which.
+          QueueFull: ``max_queue`` requests are waiting (``retry_after`` seconds).
+          Unavailable: the engine is not running.
+        """
+        params = SamplingParams() if params is None else params
+        toks, stops = self._validate(prompt, params)
+        with self._cond:
+            if self._state not in ("running",):
+                raise Unavailable(f"generation engine for {self.model.name!r} is {self._state}; not taking requests")
+            if len(self._queue) >= self.config.max_queue:
+                raise QueueFull(f"model {self.model.name!r}: {len(self._queue)} generation requests waiting "
+                                f"(max_queue {self.config.max_queue})", retry_after=self._retry_after())
+            seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63))
+            req = GenerationRequest(toks, params, seed, stops, on_event, self)
+            self._queue.append(req)
+            self._counts["requests"] += 1
+            self._counts["prompt_tokens"] += len(toks)
+            self._cond.notify_all()
+        return req
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        """Submit and wait: the blocking convenience."""
+        return self.submit(prompt, params).result()
+
+    def _retry_after(self) -> int:
+        return max(1, math.ceil(len(self._queue) / max(1, self.config.num_slots)))
+
+    def _validate(self, prompt: Sequence[int], params: SamplingParams) -> tuple[tuple[int, ...], frozenset[int]]:
+        m, cfg = self.model, self.config
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        try:
+            arr = np.asarray(prompt)
+        except Exception as e:  # noqa: BLE001 - ragged or odd input
+            raise ValueError(f"prompt must be a list of token ids ({e})") from None
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(f"prompt must be a flat list of integer token ids, got shape {arr.shape} dtype {arr.dtype}")
+        if arr.size == 0:
+            raise ValueError("prompt is empty; give at least one token")
+        bad = np.flatnonzero((arr < 0) | (arr >= m.vocab_size))
+        if bad.size:
+            raise ValueError(f"prompt token {int(arr[bad[0]])} at index {int(bad[0])} is outside the vocabulary (0..{m.vocab_size - 1})")
+        n, k = int(arr.size), params.max_new_tokens
+        if cfg.max_new_tokens_limit is not None and k > cfg.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens {k} exceeds this model's limit {cfg.max_new_tokens_limit}")
+        if n >= m.max_length:
+            raise ValueError(f"prompt of {n} tokens does not fit the KV cache (max_length {m.max_length}: at most "
+                             f"{m.max_length - 1} prompt tokens)")
+        if n + k > m.max_length:
+            raise ValueError(f"prompt of {n} tokens + max_new_tokens {k} exceeds the model's max_length {m.max_length}; "
+                             f"ask for at most {m.max_length - n} new tokens")
+        bad_stop = [t for t in params.stop_token_ids if t >= m.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary (0..{m.vocab_size - 1})")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(m.eos_token_ids))
+        return tuple(int(t) for t in arr), frozenset(stops)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests submitted / finished / cancelled / errors, prompt and
+        generated tokens, decode steps, prefills; and now: active slots, queue length."""
+        with self._cond:
+            out: dict[str, Any] = dict(self._counts)
+            out.update(active_slots=sum(r is not None for r in self._slots), queue=len(self._queue),
+                       num_slots=self.config.num_slots, scheduler=self.config.scheduler, state=self._state)
+        return out
+
+    # --- the engine thread ---
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._state == "stopping":
+                    break
+                finished = self._drop_cancelled()
+                groups = self._pick()
+                idle = not groups and not any(self._slots) and not finished
+                if idle:
+                    self._cond.wait(0.5)
+            for req, reason in finished:
+                self._finish(req, reason)
+            if idle:
+                continue
+            try:
+                for group in groups:
+                    self._prefill(group)
+                if any(self._slots):
+                    self._decode()
+            except Exception as e:  # noqa: BLE001 - the engine outlives a bad step
+                log.exception("generation engine step failed")
+                self._model_error(e, [])
+        self._shutdown()
+
+    def _drop_cancelled(self) -> list[tuple[GenerationRequest, str]]:
+        """Under the lock: take cancelled requests out of the queue and the slots."""
+        out = [(r, "cancelled") for r in self._queue if r._cancelled]
+        if out:
+            self._queue = collections.deque(r for r in self._queue if not r._cancelled)
+        for i, r in enumerate(self._slots):
+            if r is not None and r._cancelled:
+                self._free(i)
+                out.append((r, "cancelled"))
+        return out
+
+    def _free(self, slot: int) -> None:
+        self._slots[slot] = None
+        self._tokens[slot] = 0
+        self._positions[slot] = 0
+
+    def _pick(self) -> list[list[tuple[GenerationRequest, int]]]:
+        """Under the lock: the prefill groups to run this step, each put in free slots."""
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        if not self._queue or not free or (self.config.scheduler == "static" and len(free) < len(self._slots)):
+            return []
+        groups = []
+        while self._queue and free:
+            bucket = prompt_bucket(len(self._queue[0].prompt), self.model.max_length)
+            room = min(self.config.prefill_batch, len(free))
+            group = [r for r in self._queue if prompt_bucket(len(r.prompt), self.model.max_length) == bucket][:room]
+            taken = {id(r) for r in group}
+            self._queue = collections.deque(r for r in self._queue if id(r) not in taken)
+            groups.append([(r, free.pop(0)) for r in group])
+            for r, slot in groups[-1]:
+                self._slots[slot] = r
+            if self.config.scheduler == "continuous":
+                break
+        return groups
+
+    def _text(self, token: int) -> str | None:
+        vocab = self.model.vocabulary
+        return None if vocab is None else (vocab[token] or "")
+
+    def _prefill(self, group: list[tuple[GenerationRequest, int]]) -> None:
+        import jax.numpy as jnp
+
+        pb, s = self.config.prefill_batch, self.config.num_slots
+        bucket = prompt_bucket(max(len(r.prompt) for r, _ in group), self.model.max_length)
+        tokens = np.zeros((pb, bucket), np.int32)
+        lengths = np.ones(pb, np.int32)
+        dst = np.full(pb, s, np.int32)
+        for i, (r, slot) in enumerate(group):
+            tokens[i, : len(r.prompt)] = r.prompt
+            lengths[i], dst[i] = len(r.prompt), slot
+        try:
+            logits, new = self.model.prefill(jnp.asarray(tokens), jnp.asarray(lengths))
+            assert self._scatter is not None
+            self._cache = self._scatter(self._cache, new, jnp.asarray(dst))
+            host = np.asarray(logits)
+        except Exception as e:  # noqa: BLE001 - fails this step's requests only
+            log.exception("generation prefill failed")
+            self._model_error(e, [r for r, _ in group])
+            return
+        self._counts["prefills"] += 1
+        for i, (r, slot) in enumerate(group):
+            tok = sample_token(host[i], r.params, r.seed, 0)
+            self._positions[slot], self._tokens[slot] = len(r.prompt), tok
+            if r._add(tok, self._text(tok)):
+                self._retire(slot)
+
+    def _decode(self) -> None:
+        import jax.numpy as jnp
+
+        try:
+            logits, self._cache = self.model.decode(jnp.asarray(self._tokens), jnp.asarray(self._positions), self._cache)
+            host = np.asarray(logits)
+        except Exception as e:  # noqa: BLE001 - fails this step's requests only
+            log.exception("generation decode step failed")
+            self._model_error(e, [])
+            return
+        self._counts["steps"] += 1
+        for slot, r in enumerate(self._slots):
+            if r is None:
+                continue
+            tok = sample_token(host[slot], r.params, r.seed, len(r.token_ids))
+            if r._add(tok, self._text(tok)):
+                self._retire(slot)
+            else:
+                self._positions[slot] += 1
+                self._tokens[slot] = tok
+
+    def _retire(self, slot: int) -> None:
+        r = self._slots[slot]
+        assert r is not None
+        with self._cond:
+            self._free(slot)
+            self._cond.notify_all()
+        self._finish(r, "stop" if r.token_ids[-1] in r.stops else "length")
+
+    def _finish(self, r: GenerationRequest, reason: str, error: str | None = None) -> None:
+        with self._cond:
+            self._counts[{"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")] += 1
+            self._counts["tokens"] += len(r.token_ids)
+        vocab = self.model.vocabulary
+        text = None if vocab is None else "".join(vocab[t] or "" for t in r.token_ids)
+        r._finish(reason, text, error)
+
+    def _model_error(self, e: Exception, reqs: list[GenerationRequest]) -> None:
+        """Fail ``reqs`` (and every slot's request when the cache was lost)."""
+        lost = self._cache is None or any(getattr(x, "is_deleted", lambda: False)() for x in self._cache.values())
+        failed = list(reqs)
+        with self._cond:
+            for i, r in enumerate(self._slots):
+                if r is not None and (lost or r in reqs):
+                    self._free(i)
+                    if r not in failed:
+                        failed.append(r)
+            self._cond.notify_all()
+        if lost:
+            self._cache = self.model.init_cache(self.config.num_slots)
+        for r in failed:
+            self._finish(r, "error", f"{type(e).__name__}: {e}")
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            left = list(self._queue) + [r for r in self._slots if r is not None]
+            self._queue.clear()
+            for i in range(len(self._slots)):
+                self._free(i)
+            self._state = "stopped"
+            self._cond.notify_all()
+        for r in left:
+            self._finish(r, "cancelled")
+
+
+def _make_scatter() -> Callable:
+    """``scatter(cache, new, dst)``: rows of ``new`` into slots ``dst`` of ``cache``
+    (an out-of-range slot drops its row), the cache donated."""
+    import jax
+
+    def scatter(cache: dict, new: dict, dst: Any) -> dict:
+        return {n: cache[n].at[dst].set(new[n].astype(cache[n].dtype), mode="drop") for n in cache}
+
+    return jax.jit(scatter, donate_argnums=(0,))

@@ -1,0 +1,422 @@
+"""Generative models: the ``GenerativeModel`` protocol the engine runs, in-process
+(:class:`PythonGenerator`) and exported (:func:`export_generator`; loaded back as a
+:class:`~cairn.serving.LoadedGenerator`), plus tokenizing over a token vocabulary.
+
+A generative model is two pure functions over ``params`` and a flat KV cache
+``{name: array}`` batched along axis 0:
+
+- ``prefill(params, tokens (b, p), lengths (b,)) -> (logits (b, vocab), cache)``, the
+  logits at position ``lengths - 1`` and every cache entry ``(b, max_length, ...)``;
+- ``decode(params, tokens (b,), positions (b,), cache) -> (logits (b, vocab), cache)``,
+  writing the token's keys/values at ``positions`` and returning the next-token logits.
+
+The device-level methods keep the cache as ``jax.Array`` (donated to each decode step);
+only the logits go to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from cairn.core_array import ArraySpec
+from cairn.serving._export import Signature, export_signatures
+from cairn.serving._hashing import MANIFEST, ModelFormatError
+
+__all__ = [
+    "GenerativeModel",
+    "GenerationInfo",
+    "PythonGenerator",
+    "export_generator",
+    "exported_device_fns",
+    "tokenize",
+    "detokenize",
+    "PREFILL",
+    "DECODE",
+]
+
+PREFILL, DECODE = "prefill", "decode"
+_CACHE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
+DEFAULT_MAX_BATCH = 256
+
+
+@runtime_checkable
+class GenerativeModel(Protocol):
+    """What the :class:`~cairn.serving.GenerationEngine` runs.
+
+    Attributes:
+      name: the model name. vocab_size: logits per position. max_length: cache positions
+      (prompt plus generated tokens). eos_token_ids: tokens that end a sequence.
+      bos_token_id: prepended to tokenized text (``None``: nothing).
+      vocabulary: token id -> text (``None`` entries: no text), or ``None``.
+      cache_specs: per-row spec of every cache entry.
+
+    The methods take and return ``jax.Array``: ``init_cache(n)`` zeros for ``n`` rows;
+    ``prefill(tokens, lengths)`` and ``decode(tokens, positions, cache)`` as the module
+    docstring says (``decode`` may donate ``cache``).
+    """
+
+    name: str
+    vocab_size: int
+    max_length: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    vocabulary: tuple[str | None, ...] | None
+    cache_specs: Mapping[str, ArraySpec]
+
+    def init_cache(self, num_slots: int) -> dict[str, Any]: ...
+
+    def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]: ...
+
+    def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]: ...
+
+
+# --- tokenizing ---
+
+
+@functools.lru_cache(maxsize=16)
+def _index(vocabulary: tuple[str | None, ...]) -> tuple[dict[str, int], int]:
+    """text -> the lowest token id with that text, and the longest text's length."""
+    index: dict[str, int] = {}
+    for i, s in enumerate(vocabulary):
+        if s and s not in index:
+            index[s] = i
+    return index, max((len(s) for s in index), default=0)
+
+
+def tokenize(text: str, vocabulary: Sequence[str | None], bos_token_id: int | None = None) -> list[int]:
+    """Token ids of ``text`` by greedy longest match over the vocabulary's strings
+    (``bos_token_id`` first when given).
+
+    Raises:
+      ValueError: a character no vocabulary string starts with at that point, naming it
+        and its offset; or ``text`` that is not a string.
+
+    >>> tokenize("abc", ["a", "b", "ab", "c"], bos_token_id=9)
+    [9, 2, 3]
+    >>> tokenize("ax", ["a"])
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot tokenize text_input: character 'x' at offset 1 is not in the vocabulary
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text_input must be a string, got {type(text).__name__}")
+    index, longest = _index(tuple(vocabulary))
+    out = [] if bos_token_id is None else [int(bos_token_id)]
+    i = 0
+    while i < len(text):
+        for n in range(min(longest, len(text) - i), 0, -1):
+            tok = index.get(text[i : i + n])
+            if tok is not None:
+                out.append(tok)
+                i += n
+                break
+        else:
+            raise ValueError(f"cannot tokenize text_input: character {text[i]!r} at offset {i} is not in the vocabulary")
+    return out
+
+
+def detokenize(token_ids: Sequence[int], vocabulary: Sequence[str | None]) -> str:
+    """The concatenated text of ``token_ids`` (tokens without text add nothing).
+
+    Raises:
+      ValueError: a token id outside the vocabulary.
+
+    >>> detokenize([2, 0, 3], ["a", None, "ab", "c"])
+    'abc'
+    """
+    out = []
+    for t in token_ids:
+        if not 0 <= int(t) < len(vocabulary):
+            raise ValueError(f"token id {t} is outside the vocabulary (0..{len(vocabulary) - 1})")
+        out.append(vocabulary[int(t)] or "")
+    return "".join(out)
+
+
+# --- what a generator is: the manifest's "generation" section ---
+
+
+def _token_ids(name: str, ids: Any, vocab_size: int) -> tuple[int, ...]:
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= int(t) < vocab_size:
+            raise ValueError(f"{name}: {t!r} is not a token id in 0..{vocab_size - 1}")
+        out.append(int(t))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationInfo:
+    """What the engine needs to know about a generative model (the manifest's
+    ``"generation"`` section).
+
+    Raises:
+      ValueError: naming the field that is inconsistent.
+    """
+
+    vocab_size: int
+    max_length: int
+    cache_specs: Mapping[str, ArraySpec]
+    eos_token_ids: tuple[int, ...] = ()
+    vocabulary: tuple[str | None, ...] | None = None
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for k in ("vocab_size", "max_length"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 2:
+                raise ValueError(f"{k} must be an integer >= 2, got {v!r}")
+        if not isinstance(self.cache_specs, Mapping) or not self.cache_specs:
+            raise ValueError("cache_specs must be a non-empty dict {name: ArraySpec} (per-row specs)")
+        for n, s in self.cache_specs.items():
+            if not isinstance(n, str) or not _CACHE_NAME.match(n):
+                raise ValueError(f"cache_specs: name {n!r} must match {_CACHE_NAME.pattern}")
+            if not isinstance(s, ArraySpec) or s.is_symbolic:
+                raise ValueError(f"cache_specs[{n!r}] must be a concrete per-row ArraySpec, got {s!r}")
+        object.__setattr__(self, "cache_specs", dict(self.cache_specs))
+        object.__setattr__(self, "eos_token_ids", _token_ids("eos_token_ids", self.eos_token_ids, self.vocab_size))
+        if self.bos_token_id is not None:
+            object.__setattr__(self, "bos_token_id", _token_ids("bos_token_id", [self.bos_token_id], self.vocab_size)[0])
+        if self.vocabulary is not None:
+            vocab = tuple(self.vocabulary)
+            if len(vocab) != self.vocab_size or not all(v is None or isinstance(v, str) for v in vocab):
+                raise ValueError(f"vocabulary must hold vocab_size={self.vocab_size} strings or None, got {len(vocab)} entries")
+            object.__setattr__(self, "vocabulary", vocab)
+
+    def to_json(self) -> dict:
+        """The manifest section."""
+        return {
+            "vocab_size": int(self.vocab_size), "max_length": int(self.max_length),
+            "eos_token_ids": list(self.eos_token_ids), "bos_token_id": self.bos_token_id,
+            "vocabulary": None if self.vocabulary is None else list(self.vocabulary),
+            "cache": {n: s.to_json() for n, s in self.cache_specs.items()},
+            "prefill_signature": PREFILL, "decode_signature": DECODE,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> GenerationInfo:
+        """Parse the manifest section.
+
+        Raises:
+          ModelFormatError: a malformed section, naming what is wrong.
+        """
+        try:
+            if not isinstance(d, dict):
+                raise ValueError("must be an object")
+            specs = {str(n): ArraySpec.from_json(s) for n, s in d["cache"].items()}
+            vocab = d.get("vocabulary")
+            return cls(int(d["vocab_size"]), int(d["max_length"]), specs, tuple(d.get("eos_token_ids") or ()),
+                       None if vocab is None else tuple(vocab), d.get("bos_token_id"))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ModelFormatError(f"{MANIFEST}: 'generation' section is malformed ({type(e).__name__}: {e})", MANIFEST) from None
+
+
+class GeneratorBase:
+    """The attributes and helpers every generator shares (set from a :class:`GenerationInfo`)."""
+
+    name: str
+    info: GenerationInfo
+
+    def _set_info(self, info: GenerationInfo) -> None:
+        self.info = info
+        self.vocab_size = int(info.vocab_size)
+        self.max_length = int(info.max_length)
+        self.eos_token_ids = info.eos_token_ids
+        self.bos_token_id = info.bos_token_id
+        self.vocabulary = info.vocabulary
+        self.cache_specs = dict(info.cache_specs)
+
+    def init_cache(self, num_slots: int) -> dict[str, Any]:
+        """A zero cache of ``num_slots`` rows on the device."""
+        import jax.numpy as jnp
+
+        return {n: jnp.zeros((num_slots, *s.shape), s.numpy_dtype) for n, s in self.cache_specs.items()}
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` to token ids (BOS first when the model has one).
+
+        Raises:
+          ValueError: the model has no vocabulary, or a character it cannot tokenize.
+        """
+        if self.vocabulary is None:
+            raise ValueError(f"model {self.name!r} has no vocabulary; send input_ids instead of text_input")
+        return tokenize(text, self.vocabulary, self.bos_token_id)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str | None:
+        """The text of ``token_ids``, or ``None`` when the model has no vocabulary."""
+        return None if self.vocabulary is None else detokenize(token_ids, self.vocabulary)
+
+
+# --- checking the user's functions ---
+
+
+def _check_outputs(what: str, out: Any, b: int, info: GenerationInfo) -> None:
+    if not isinstance(out, tuple | list) or len(out) != 2 or not isinstance(out[1], Mapping):
+        raise ValueError(f"{what} must return (logits, cache dict), got {type(out).__name__}")
+    logits, cache = out
+    if tuple(logits.shape) != (b, info.vocab_size) or np.dtype(logits.dtype) != np.float32:
+        raise ValueError(f"{what}: logits must be float32 {(b, info.vocab_size)}, got {logits.dtype} {tuple(logits.shape)}")
+    if set(cache) != set(info.cache_specs):
+        raise ValueError(f"{what}: cache entries {sorted(cache)} differ from cache_specs {sorted(info.cache_specs)}")
+    for n, s in info.cache_specs.items():
+        got = (tuple(cache[n].shape), np.dtype(cache[n].dtype))
+        if got != ((b, *s.shape), s.numpy_dtype):
+            raise ValueError(f"{what}: cache[{n!r}] is {got[1]} {got[0]}, cache_specs says {s.dtype} {(b, *s.shape)}")
+
+
+def check_functions(prefill: Callable, decode: Callable, params: Any, info: GenerationInfo) -> None:
+    """Trace both functions abstractly (no compute) and check their outputs' shapes.
+
+    Raises:
+      ValueError: naming the function and the output that disagrees with the specs.
+    """
+    import jax
+
+    b, p, i32 = 2, min(4, info.max_length), np.int32
+    sds = jax.ShapeDtypeStruct
+    _check_outputs("prefill", jax.eval_shape(prefill, params, sds((b, p), i32), sds((b,), i32)), b, info)
+    cache = {n: sds((b, *s.shape), s.numpy_dtype) for n, s in info.cache_specs.items()}
+    _check_outputs("decode", jax.eval_shape(decode, params, sds((b,), i32), sds((b,), i32), cache), b, info)
+
+
+# --- in process ---
+
+
+class PythonGenerator(GeneratorBase):
+    """A :class:`GenerativeModel` from in-process ``prefill``/``decode`` functions, jitted
+    with ``params`` held on the device (the cache donated to every decode step).
+
+    Args:
+      prefill, decode: the model functions (module docstring). params: their weights.
+      cache_specs: per-row ``{name: ArraySpec}`` of the cache. vocab_size, max_length,
+      eos_token_ids, vocabulary, bos_token_id: as :func:`export_generator`. name: the
+      model name.
+
+    Raises:
+      ValueError: inconsistent settings, or functions whose outputs disagree with them.
+    """
+
+    def __init__(self, prefill: Callable, decode: Callable, params: Any, *, cache_specs: Mapping[str, ArraySpec],
+                 vocab_size: int, max_length: int, eos_token_ids: Sequence[int] = (),
+                 vocabulary: Sequence[str | None] | None = None, bos_token_id: int | None = None,
+                 name: str = "generator") -> None:
+        import jax
+
+        info = GenerationInfo(vocab_size, max_length, cache_specs, tuple(eos_token_ids),
+                              None if vocabulary is None else tuple(vocabulary), bos_token_id)
+        check_functions(prefill, decode, params, info)
+        self.name = name
+        self._set_info(info)
+        self.params = jax.device_put(params)
+        self._prefill = jax.jit(prefill)
+        self._decode = jax.jit(decode, donate_argnums=(3,))
+
+    def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
+        """Device-level prefill (see :class:`GenerativeModel`)."""
+        return self._prefill(self.params, tokens, lengths)
+
+    def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Device-level decode step; ``cache`` is donated."""
+        return self._decode(self.params, tokens, positions, dict(cache))
+
+    def __repr__(self) -> str:
+        return f"PythonGenerator({self.name!r}, vocab_size={self.vocab_size}, max_length={self.max_length})"
+
+
+# --- exported ---
+
+
+def exported_device_fns(prefill_exp: Any, decode_exp: Any, names: Sequence[str]) -> tuple[Callable, Callable]:
+    """Jitted ``prefill(weights, tokens, lengths)`` and ``decode(weights, tokens,
+    positions, cache)`` calling deserialized ``jax.export.Exported`` signatures, the
+    cache a dict of device arrays (donated to decode)."""
+    import jax
+
+    def prefill(weights: dict, tokens: Any, lengths: Any) -> tuple[Any, dict]:
+        out = prefill_exp.call(weights, {"tokens": tokens, "lengths": lengths})
+        return out["logits"], {n: out[f"cache/{n}"] for n in names}
+
+    def decode(weights: dict, tokens: Any, positions: Any, cache: dict) -> tuple[Any, dict]:
+        inputs = {"tokens": tokens, "positions": positions, **{f"cache/{n}": cache[n] for n in names}}
+        out = decode_exp.call(weights, inputs)
+        return out["logits"], {n: out[f"cache/{n}"] for n in names}
+
+    return jax.jit(prefill), jax.jit(decode, donate_argnums=(3,))
+
+
+def _signatures(prefill: Callable, decode: Callable, info: GenerationInfo, max_batch_size: int) -> dict[str, Signature]:
+    names = list(info.cache_specs)
+
+    def prefill_sig(params: Any, inputs: dict) -> dict:
+        logits, cache = prefill(params, inputs["tokens"], inputs["lengths"])
+        return {"logits": logits, "cache": {n: cache[n] for n in names}}
+
+    def decode_sig(params: Any, inputs: dict) -> dict:
+        cache = {n: inputs[f"cache/{n}"] for n in names}
+        logits, cache = decode(params, inputs["tokens"], inputs["positions"], cache)
+        return {"logits": logits, "cache": {n: cache[n] for n in names}}
+
+    p_bound = (f"p <= {info.max_length}",)
+    pre = {"tokens": ArraySpec(("b", "p"), "int32", constraints=p_bound), "lengths": ArraySpec(("b",), "int32")}
+    dec = {"tokens": ArraySpec(("b",), "int32"), "positions": ArraySpec(("b",), "int32")}
+    dec.update({f"cache/{n}": ArraySpec(("b", *s.shape), s.dtype) for n, s in info.cache_specs.items()})
+    return {PREFILL: Signature(prefill_sig, pre, max_batch_size, [max_batch_size]),
+            DECODE: Signature(decode_sig, dec, max_batch_size, [max_batch_size])}
+
+
+def export_generator(
+    prefill: Callable,
+    decode: Callable,
+    params: Any,
+    path: str | os.PathLike,
+    *,
+    cache_specs: Mapping[str, ArraySpec],
+    vocab_size: int,
+    max_length: int,
+    eos_token_ids: Sequence[int] = (),
+    vocabulary: Sequence[str | None] | None = None,
+    bos_token_id: int | None = None,
+    platforms: Sequence[str] | None = None,
+    max_batch_size: int = DEFAULT_MAX_BATCH,
+    overwrite: bool = False,
+) -> str:
+    """Export a generative model: signatures ``prefill`` (inputs ``tokens (b, p)``,
+    ``lengths (b,)``) and ``decode`` (``tokens (b,)``, ``positions (b,)``, ``cache/<name>``)
+    sharing ``params`` (``QArray`` leaves packed), with a ``"generation"`` manifest section.
+    :func:`cairn.serving.load` returns a :class:`~cairn.serving.LoadedGenerator` for it.
+
+    Args:
+      prefill, decode: the model functions (module docstring).
+      params: their weights (any core_array tree).
+      path: the model directory to create.
+      cache_specs: per-row spec of each cache entry, ``{"k0": ArraySpec((max_length,
+        heads, head_dim), "float32"), ...}``.
+      vocab_size: logits per position. max_length: cache positions.
+      eos_token_ids: tokens that end a sequence.
+      vocabulary: token id -> text (``None`` for ids without text), for ``text_input``.
+      bos_token_id: prepended to tokenized text.
+      platforms: as :func:`cairn.serving.export`.
+      max_batch_size: the largest batch (engine slots) either signature takes.
+      overwrite: replace an existing ``path``.
+
+    Returns:
+      The absolute path of the model directory.
+
+    Raises:
+      ValueError: inconsistent settings, functions whose outputs disagree with them,
+        or a function JAX cannot export.
+      FileExistsError: ``path`` exists and ``overwrite`` is false.
+    """
+    info = GenerationInfo(vocab_size, max_length, cache_specs, tuple(eos_token_ids),
+                          None if vocabulary is None else tuple(vocabulary), bos_token_id)
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    check_functions(prefill, decode, params, info)
+    return export_signatures(_signatures(prefill, decode, info, max_batch_size), params, path,
+                             platforms=platforms, overwrite=overwrite, extra={"generation": info.to_json()})
