@@ -67,9 +67,15 @@ class Dims:
 
     @classmethod
     def from_config(cls, cfg: Any, max_length: int | None = None) -> Dims:
+        """Sizes from the config; ``max_length`` (the KV cache's) defaults to the longest
+        addition prompt plus ``serve.max_new_tokens``, rounded up to a power of two, at most
+        ``data.seq_len`` (the trained context)."""
         m = cfg.model
+        if max_length is None:
+            longest = 1 + 2 * cfg.data.max_digits + 2 + cfg.serve.max_new_tokens  # BOS a + b = answer
+            max_length = min(cfg.data.seq_len, bucket(longest, 1 << 30))
         return cls(m.num_layers, m.num_heads, m.num_kv_heads, m.d_model // m.num_heads, m.rope_base,
-                   max_length or cfg.data.seq_len, lm_task.VOCAB_SIZE)
+                   max_length, lm_task.VOCAB_SIZE)
 
     def cache_specs(self) -> dict[str, ArraySpec]:
         """Per-row spec of each cache entry (``(max_length, kv_heads, head_dim)`` float32)."""

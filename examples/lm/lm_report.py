@@ -108,4 +108,46 @@ def format_report(r: dict) -> str:
     if "per_device_param_bytes" in r:
         lines.insert(-1, f"per-device memory      params {r['per_device_param_bytes'] / 2**20:,.2f} "
                          f"MiB, optimizer {r['per_device_optimizer_bytes'] / 2**20:,.2f} MiB")
-    return "\n".join(lines)
+    if isinstance(r.get("kernels"), dict):
+        lines.insert(-1, "kernels                " + ", ".join(f"{k} {_short(v)}" for k, v in r["kernels"].items()))
+    return "\n".join(lines + format_production(r))
+
+
+def _short(v: object) -> str:
+    if isinstance(v, dict):
+        return str(v.get("implementation", v.get("impl", v)))
+    return str(v)
+
+
+def format_production(r: dict) -> list[str]:
+    """The report lines of the steps after training (quantize, generate, export, serve)."""
+    if r.get("stopped_early"):
+        return ["production steps       skipped: the run stopped before train.steps"]
+    if "production_skipped" in r:
+        return [f"production steps       skipped: {r['production_skipped']}"]
+    if "generation" not in r:
+        return []
+    g = r["generation"]
+    lines = ["", f"=== after training: greedy generation on {g['examples']} held-out problems (KV cache, "
+                 f"up to {g['max_new_tokens']} new tokens) ==="]
+    for name, v in g["variants"].items():
+        lines.append(f"{name:22s} exact match {v['exact_match']:.2%}   params {v['param_bytes'] / 2**10:,.0f} KiB"
+                     + (f"   quantized in {v['quantize_s']:.1f} s" if name != "float" else ""))
+    srv = r.get("serving")
+    if srv:
+        lines += ["", f"=== served by cairn-serve from {srv['repository']} (start-up {srv.get('startup_s', float('nan')):.1f} s, "
+                      f"export {srv['export_s']:.1f} s) ==="]
+        for m in srv["models"].values():
+            if "levels" not in m:
+                continue
+            lines.append(f"{m['generator']:22s} served exact match {m['served_exact_match']:.2%} vs in-process "
+                         f"{m['inprocess_exact_match']:.2%} ({m['differing_answers']} answers differ); "
+                         f"/infer next token {'matches' if m['infer_next_token_matches'] else 'DIFFERS'}")
+            for lv in m["levels"]:
+                lines.append(f"  concurrency {lv['concurrency']:<3d}      {lv['tokens_per_s']:8,.0f} tok/s   "
+                             f"TTFT p50 {lv['ttft_p50_ms']:6.1f} ms   latency p50 {lv['latency_p50_ms']:6.1f} / "
+                             f"p99 {lv['latency_p99_ms']:6.1f} ms   exact match {lv['exact_match']:.2%}")
+    if "end_to_end_s" in r:
+        lines.append(f"end to end             {r['end_to_end_s']:.1f} s (training {r['wall_s']:.1f} s, "
+                     f"after training {r['production_s']:.1f} s)")
+    return lines

@@ -11,11 +11,18 @@ A run directory that already holds checkpoints is never trained into silently: w
 Multi-host: start one process per host with --coordinator HOST:PORT --num-processes N
 --process-id I (JAX's own distributed runtime); the same config then shards data and
 model over every device of every process.
+
+After training (a run that reached train.steps), the production steps run in the same
+process (lm_production): the model is quantized (w8, w4 GPTQ/AWQ), scored by greedy
+generation, exported through cairn.serving into run.dir/serving and served by cairn-serve
+in a subprocess, which is load-tested and stopped; `--set quant.enabled=false
+serve.enabled=false` skips them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import sys
@@ -52,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.coordinator:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import lm_production
     import lm_report
     import lm_train
 
+    hook = functools.partial(lm_production.after_training, quiet=args.quiet)
     try:
         report = lm_train.train(cfg, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet,
-                                overwrite=args.overwrite)
+                                overwrite=args.overwrite, after_training=hook)
     except lm_config.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

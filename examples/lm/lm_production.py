@@ -1,0 +1,128 @@
+"""The production steps after training: quantize, score by generation, export, serve, load-test.
+
+``after_training(setup, model, eval_texts, report)`` is lm_train.train()'s hook. It adds to
+``report``:
+
+- ``generation``: held-out exact match of the float model by greedy generation through the
+  KV cache (not teacher forcing), and for every ``quant.methods`` variant, with its
+  parameter bytes and quantization time (``report["quant"]``);
+- ``serving``: the exported repository, the server's start-up time, a tritonclient
+  ``/infer`` check, and per ``serve.concurrency`` level the served exact match, tokens/s,
+  time to first token and p50/p99 latency; the served answers are compared one by one with
+  the in-process answers of the same variant (``differing_answers`` must be 0).
+
+The steps are skipped, with the reason in ``report["production_skipped"]``, in multi-process
+runs, for data sources other than the synthetic addition task (whose answers can be checked),
+and when both ``quant`` and ``serve`` are disabled.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import jax
+import lm_generate
+import lm_quant
+import lm_serve
+import lm_task
+
+from cairn import nn
+
+
+def skip_reason(cfg: Any) -> str | None:
+    """Why the production steps do not run for this config/process layout, or None."""
+    if jax.process_count() > 1:
+        return "multi-process run: quantize/export/serve run single-process (serve the checkpoint separately)"
+    if cfg.data.source != "synthetic":
+        return f"data.source = {cfg.data.source!r}: generation is scored on the synthetic addition task only"
+    if not cfg.quant.enabled and not cfg.serve.enabled:
+        return "quant.enabled and serve.enabled are both false"
+    return None
+
+
+def _log(quiet: bool, msg: str) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def quantize_and_score(cfg: Any, model: nn.Module, eval_texts: list[str], quiet: bool) -> tuple[dict, lm_generate.Dims, dict]:
+    """Build every variant and score it by greedy generation; (variants, dims, report entries)."""
+    dims = lm_generate.Dims.from_config(cfg)
+    t0 = time.perf_counter()
+    variants = lm_quant.build_variants(cfg, lm_generate.params_of(model), dims)
+    quant_s = time.perf_counter() - t0
+    scores: dict[str, Any] = {}
+    for name, v in variants.items():
+        t1 = time.perf_counter()
+        lm_quant.score(v, dims, eval_texts, cfg.serve.max_new_tokens, cfg.serve.num_slots)
+        scores[name] = {"exact_match": v.exact_match, "param_bytes": v.param_bytes,
+                        "quantize_s": v.quantize_s, "generate_s": time.perf_counter() - t1}
+        _log(quiet, f"generation: {name:8s} held-out exact match {v.exact_match:.2%} "
+                    f"({v.param_bytes / 2**10:,.0f} KiB of parameters)")
+    entries = {"generation": {"examples": len(eval_texts), "max_new_tokens": cfg.serve.max_new_tokens,
+                              "max_length": dims.max_length, "variants": scores},
+               "quant": {"methods": list(cfg.quant.methods) if cfg.quant.enabled else [], "seconds": quant_s,
+                         "tile_size": cfg.quant.tile_size, "calibration_batches": cfg.quant.calibration_batches}}
+    return variants, dims, entries
+
+
+def serve_and_measure(cfg: Any, run_dir: Any, variants: dict, dims: lm_generate.Dims, eval_texts: list[str],
+                      quiet: bool) -> dict[str, Any]:
+    """Export ``serve.models``, start cairn-serve, query it at each concurrency; the serving report."""
+    s = cfg.serve
+    repo = run_dir / "serving"
+    out = lm_serve.export_repository(variants, s.models, dims, repo, num_slots=s.num_slots, prefill_batch=s.prefill_batch)
+    _log(quiet, f"serving: exported {', '.join(s.models)} to {repo} in {out['export_s']:.1f} s; starting cairn-serve")
+    prompts, expected = zip(*(lm_generate.problem_prompt(t) for t in eval_texts))
+    with lm_serve.ServerProcess(repo, timeout=s.startup_timeout) as server:
+        out["startup_s"] = server.startup_s
+        assert server.port is not None
+        for name in s.models:
+            out["models"][name].update(_measure_model(server.port, name, variants[name], dims, list(prompts),
+                                                      list(expected), cfg, quiet))
+        out["exit_code"] = server.stop()
+    return out
+
+
+def _measure_model(port: int, name: str, variant: lm_quant.Variant, dims: lm_generate.Dims, prompts: list,
+                   expected: list[str], cfg: Any, quiet: bool) -> dict[str, Any]:
+    s = cfg.serve
+    gen_model = lm_serve.model_name(name)
+    nxt = lm_serve.infer_next_token(port, f"{gen_model}_next_token", prompts[:8], dims.max_length)
+    first = [v[:1] for v in lm_generate.Generator(variant.prefill, variant.decode, variant.params, dims,
+                                                  batch=8).generate(prompts[:8], 1)]
+    infer_ok = [int(t) for t in nxt] == [f[0] if f else lm_task.EOS for f in first]
+    levels = []
+    for c in s.concurrency:
+        lv = lm_serve.load_test(port, gen_model, prompts, s.max_new_tokens, c)
+        answers = lv.pop("answers")
+        lv["exact_match"] = sum(a == e for a, e in zip(answers, expected)) / len(expected)
+        lv["differing_answers"] = sum(a != b for a, b in zip(answers, variant.answers))
+        levels.append(lv)
+        _log(quiet, f"serving: {name} c={c:<3d} exact match {lv['exact_match']:.2%} "
+                    f"({lv['differing_answers']} differ from in-process), {lv['tokens_per_s']:,.0f} tok/s, "
+                    f"TTFT p50 {lv['ttft_p50_ms']:.1f} ms, latency p50 {lv['latency_p50_ms']:.1f} / "
+                    f"p99 {lv['latency_p99_ms']:.1f} ms")
+    answers = lm_serve.generate_all(port, gen_model, prompts, s.max_new_tokens, max(s.concurrency))
+    served = sum(a == e for a, e in zip(answers, expected)) / len(expected)
+    return {"infer_next_token_matches": infer_ok, "levels": levels, "served_exact_match": served,
+            "inprocess_exact_match": variant.exact_match,
+            "differing_answers": sum(a != b for a, b in zip(answers, variant.answers))}
+
+
+def after_training(setup: Any, model: nn.Module, eval_texts: list[str], report: dict, *, quiet: bool = False) -> None:
+    """lm_train.train()'s hook: the production steps, their results written into ``report``."""
+    cfg = setup.cfg
+    reason = skip_reason(cfg)
+    if reason is not None:
+        report["production_skipped"] = reason
+        return
+    t0 = time.perf_counter()
+    variants, dims, entries = quantize_and_score(cfg, model, eval_texts, quiet)
+    report.update(entries)
+    if cfg.serve.enabled:
+        report["serving"] = serve_and_measure(cfg, setup.run_dir, variants, dims, eval_texts, quiet)
+    report["production_s"] = time.perf_counter() - t0
+    report["end_to_end_s"] = report["wall_s"] + report["production_s"]

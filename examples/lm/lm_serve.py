@@ -1,0 +1,298 @@
+"""Export the trained model's variants through cairn.serving and serve them with the CLI.
+
+``export_repository`` writes a model repository under ``<run.dir>/serving``:
+
+- ``lm_<variant>/1``: a generator (``serving.export_generator``): the prefill and decode
+  functions of lm_generate (quantized by lm_quant for ``w8`` / ``w4_*``), weights as
+  arguments (int4 packed), symbolic batch, the byte vocabulary so the server answers text;
+  ``lm_<variant>/config.json`` sets the continuous batcher's slots;
+- ``lm_<variant>_next_token/1``: a plain batchable model (next-token logits and argmax of
+  right-padded rows) for the Open Inference Protocol's ``/infer`` (tritonclient).
+
+``ServerProcess`` starts ``cairn-serve`` on a free loopback port in a subprocess and stops it
+with SIGTERM (always, also on errors); ``load_test`` sends every held-out problem to
+``/generate_stream`` from ``c`` client threads and measures tokens/s, time to first token and
+latency; ``generate_all`` collects the answers of plain ``/generate`` calls.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import lm_generate
+import lm_quant
+import lm_task
+import numpy as np
+
+from cairn import serving
+from cairn.core_array import ArraySpec
+
+
+def model_name(variant: str) -> str:
+    return f"lm_{variant}"
+
+
+def export_generator(variant: lm_quant.Variant, dims: lm_generate.Dims, repo: pathlib.Path, *, num_slots: int,
+                     prefill_batch: int) -> str:
+    """Export ``variant`` as a generator into ``repo/lm_<name>/1`` (with its config.json)."""
+    root = repo / model_name(variant.name)
+    path = serving.export_generator(
+        variant.prefill, variant.decode, variant.params, root / "1", cache_specs=dims.cache_specs(),
+        vocab_size=dims.vocab_size, max_length=dims.max_length, eos_token_ids=(lm_task.EOS,),
+        vocabulary=lm_generate.vocabulary(), bos_token_id=lm_task.BOS, overwrite=True,
+    )
+    config = {"generation": {"num_slots": num_slots, "prefill_batch": prefill_batch}}
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def export_next_token(variant: lm_quant.Variant, dims: lm_generate.Dims, repo: pathlib.Path) -> str:
+    """Export the plain ``/infer`` model: ``tokens (b, max_length)``, ``lengths (b,)`` -> ``logits``, ``next_token``."""
+    prefill = variant.prefill
+
+    def next_token(params: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        logits, _ = prefill(params, inputs["tokens"], inputs["lengths"])
+        return {"logits": logits, "next_token": jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+
+    specs = {"tokens": ArraySpec(("b", dims.max_length), "int32"), "lengths": ArraySpec(("b",), "int32")}
+    return serving.export(next_token, variant.params, specs, repo / f"{model_name(variant.name)}_next_token" / "1",
+                          max_batch_size=16, overwrite=True)
+
+
+def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str], dims: lm_generate.Dims,
+                      repo: pathlib.Path, *, num_slots: int, prefill_batch: int) -> dict[str, Any]:
+    """Export every variant in ``names`` (generator + next-token model); sizes and timing."""
+    t0 = time.perf_counter()
+    repo.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"repository": str(repo), "models": {}}
+    for name in names:
+        gen_path = export_generator(variants[name], dims, repo, num_slots=num_slots, prefill_batch=prefill_batch)
+        infer_path = export_next_token(variants[name], dims, repo)
+        out["models"][name] = {"generator": model_name(name), "next_token": f"{model_name(name)}_next_token",
+                               "bytes": _dir_bytes(gen_path), "path": gen_path, "next_token_path": infer_path}
+    out["export_s"] = time.perf_counter() - t0
+    return out
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())
+
+
+# --- the server process ---
+
+
+class ServerProcess:
+    """``cairn-serve --model-repository REPO --port 0`` in a subprocess; a context manager."""
+
+    def __init__(self, repo: pathlib.Path, *, timeout: float = 180.0) -> None:
+        self.repo, self.timeout = repo, timeout
+        # the slots and prefill batch come from each model's config.json
+        self.cmd = [sys.executable, "-m", "cairn.serving._cli", "--model-repository", str(repo), "--host", "127.0.0.1",
+                    "--port", "0"]
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.log: list[str] = []
+        self._ready = threading.Event()
+        self.startup_s = float("nan")
+
+    def __enter__(self) -> ServerProcess:
+        t0 = time.perf_counter()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        threading.Thread(target=self._drain, daemon=True).start()
+        try:
+            if not self._ready.wait(self.timeout) or self.port is None:
+                raise RuntimeError(f"cairn-serve did not report 'serving on' within {self.timeout:.0f} s; "
+                                   f"last log lines: {self.log[-5:]}")
+            self._wait_models_ready(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            del self.log[:-200]
+            if self.port is None and "serving on http://" in line:
+                self.port = int(line.split("serving on http://", 1)[1].split(":")[1].split('"')[0].split("/")[0])
+                self._ready.set()
+        self._ready.set()  # exited: wake the waiter
+
+    def _wait_models_ready(self, t0: float) -> None:
+        while True:
+            status, _ = self.request("GET", "/v2/health/ready")
+            if status == 200:
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"cairn-serve exited with {self.proc.returncode}; last log lines: {self.log[-5:]}")
+            if time.perf_counter() - t0 > self.timeout:
+                raise RuntimeError(f"cairn-serve not ready within {self.timeout:.0f} s; last log lines: {self.log[-5:]}")
+            time.sleep(0.2)
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One JSON request on a fresh connection: ``(status, decoded JSON or text)``."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError:
+            return 0, None
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(data) if data else None
+        except ValueError:
+            return resp.status, data.decode(errors="replace")
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait (SIGKILL after 30 s); the exit status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- clients ---
+
+
+def _post(conn: http.client.HTTPConnection, path: str, body: dict) -> http.client.HTTPResponse:
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return conn.getresponse()
+
+
+def stream_one(conn: http.client.HTTPConnection, model: str, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+    """One ``/generate_stream`` request: its token ids, time to first token and latency (seconds)."""
+    t0 = time.perf_counter()
+    resp = _post(conn, f"/v2/models/{model}/generate_stream",
+                 {"input_ids": list(prompt), "parameters": {"max_tokens": max_new_tokens}})
+    if resp.status != 200:
+        raise RuntimeError(f"/generate_stream answered {resp.status}: {resp.read()[:300]!r}")
+    ids: list[int] = []
+    ttft = float("nan")
+    finish = None
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        if not line.startswith(b"data:"):
+            continue
+        event = json.loads(line[5:])
+        if event.get("output_ids"):
+            if not ids:
+                ttft = time.perf_counter() - t0
+            ids.extend(int(t) for t in event["output_ids"])
+        if event.get("finish_reason"):
+            finish = event["finish_reason"]
+    resp.read()
+    return {"ids": ids, "ttft": ttft, "latency": time.perf_counter() - t0, "finish_reason": finish}
+
+
+def generate_one(conn: http.client.HTTPConnection, model: str, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """One plain ``/generate`` request: the generated token ids."""
+    resp = _post(conn, f"/v2/models/{model}/generate", {"input_ids": list(prompt), "parameters": {"max_tokens": max_new_tokens}})
+    body = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"/generate answered {resp.status}: {body[:300]!r}")
+    return [int(t) for t in json.loads(body)["output_ids"]]
+
+
+def _run_clients(port: int, concurrency: int, n: int, work: Any) -> tuple[list[Any], float]:
+    """``work(conn, i)`` for i in range(n) from ``concurrency`` threads (one keep-alive connection each)."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+    counter = iter(range(n))
+    lock = threading.Lock()
+
+    def client() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            while not errors:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                results[i] = work(conn, i)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, time.perf_counter() - t0
+
+
+def _answers(ids_list: Sequence[Sequence[int]]) -> list[str]:
+    return lm_generate.answers_text([[t for t in ids if t != lm_task.EOS] for ids in ids_list])
+
+
+def load_test(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int) -> dict[str, Any]:
+    """Every prompt through ``/generate_stream`` from ``concurrency`` clients: throughput, TTFT, latency, answers."""
+    results, wall = _run_clients(port, concurrency, len(prompts),
+                                 lambda conn, i: stream_one(conn, model, prompts[i], max_new_tokens))
+    tokens = sum(len(r["ids"]) for r in results)
+    ttft = np.array([r["ttft"] for r in results]) * 1e3
+    lat = np.array([r["latency"] for r in results]) * 1e3
+    return {
+        "concurrency": concurrency, "requests": len(prompts), "tokens": tokens, "wall_s": wall,
+        "tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall,
+        "ttft_p50_ms": float(np.nanpercentile(ttft, 50)), "ttft_p99_ms": float(np.nanpercentile(ttft, 99)),
+        "latency_p50_ms": float(np.percentile(lat, 50)), "latency_p99_ms": float(np.percentile(lat, 99)),
+        "answers": _answers([r["ids"] for r in results]),
+    }
+
+
+def generate_all(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int) -> list[str]:
+    """Answers of plain ``/generate`` calls for every prompt."""
+    results, _ = _run_clients(port, concurrency, len(prompts),
+                              lambda conn, i: generate_one(conn, model, prompts[i], max_new_tokens))
+    return _answers(results)
+
+
+def infer_next_token(port: int, model: str, prompts: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """Greedy next tokens of ``prompts`` from the ``/infer`` model, through tritonclient's HTTP client."""
+    import tritonclient.http as httpclient
+
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        inputs = [httpclient.InferInput("tokens", list(tokens.shape), "INT32"),
+                  httpclient.InferInput("lengths", list(lengths.shape), "INT32")]
+        inputs[0].set_data_from_numpy(tokens)
+        inputs[1].set_data_from_numpy(lengths)
+        result = client.infer(model, inputs, outputs=[httpclient.InferRequestedOutput("next_token")])
+        return np.asarray(result.as_numpy("next_token"))
+    finally:
+        client.close()
