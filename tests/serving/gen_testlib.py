@@ -26,7 +26,7 @@ D_FF = 64
 MAX_LENGTH = 64
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # token id -> text: 0..2 are specials (no text), then single characters and two multi-char tokens
-VOCAB: list[str | None] = [None, None, None, *"abcdefghijklmnopqrstuvwxyz", *"0123456789", " ", "ab", "the"][:VOCAB_SIZE]
+VOCAB: list[str | None] = [None, None, None, *"abcdefghijklmnopqrstuvwxyz", *"012345", " ", ".", ",", "ab", "the"]
 assert len(VOCAB) == VOCAB_SIZE
 
 

@@ -565,12 +565,19 @@ class GenerationEngine:
             self._finish(r, "cancelled")
 
 
+def _scatter_rows(cache: dict, new: dict, dst: Any) -> dict:
+    """Rows of ``new`` into slots ``dst`` of ``cache`` (an out-of-range slot drops its row)."""
+    return {n: cache[n].at[dst].set(new[n].astype(cache[n].dtype), mode="drop") for n in cache}
+
+
 def _make_scatter() -> Callable:
-    """``scatter(cache, new, dst)``: rows of ``new`` into slots ``dst`` of ``cache``
-    (an out-of-range slot drops its row), the cache donated."""
-    import jax
+    """``_scatter_rows`` jitted with the cache donated (one jit shared by all engines)."""
+    global _SCATTER
+    if _SCATTER is None:
+        import jax
 
-    def scatter(cache: dict, new: dict, dst: Any) -> dict:
-        return {n: cache[n].at[dst].set(new[n].astype(cache[n].dtype), mode="drop") for n in cache}
+        _SCATTER = jax.jit(_scatter_rows, donate_argnums=(0,))
+    return _SCATTER
 
-    return jax.jit(scatter, donate_argnums=(0,))
+
+_SCATTER: Callable | None = None

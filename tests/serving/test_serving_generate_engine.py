@@ -1,0 +1,373 @@
+"""The generation engine on the tiny test LM (gen_testlib): greedy tokens against a float64
+NumPy greedy loop, continuous batching equal to one-at-a-time generation under concurrent
+load with cancellations, the static scheduler, bad input, backpressure, stop/EOS, model
+errors, and export_generator -> load round trips (float, int8 and packed int4 weights)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import gen_testlib as g
+import numpy as np
+import pytest
+
+from cairn.core_array import ArraySpec, QuantLayout, quantize
+from cairn.serving import (
+    GenerationConfig,
+    GenerationEngine,
+    GenerationEvent,
+    GenerativeModel,
+    LoadedGenerator,
+    LoadedModel,
+    ModelFormatError,
+    PythonGenerator,
+    QueueFull,
+    SamplingParams,
+    Unavailable,
+    export,
+    export_generator,
+    load,
+    load_generator,
+)
+
+SEED, SCALE = 1, 3.0  # weights whose greedy continuations vary
+CONFIG = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=256)
+
+
+def _generator(params=None, **kw):
+    kw.setdefault("eos_token_ids", ())
+    return PythonGenerator(g.prefill, g.decode, g.init_params(SEED, SCALE) if params is None else params,
+                           cache_specs=g.cache_specs(), vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH,
+                           vocabulary=g.VOCAB, bos_token_id=g.BOS_ID, name="tiny", **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _generator()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with GenerationEngine(model, CONFIG) as eng:
+        yield eng
+
+
+def _workload(n, seed=0):
+    """Mixed prompt and output lengths; every third request samples (seeded)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = [int(t) for t in rng.integers(3, g.VOCAB_SIZE, int(rng.integers(1, 24)))]
+        k = int(rng.integers(1, 20))
+        if i % 3 == 0:
+            params = SamplingParams(k, temperature=0.9, top_k=int(rng.integers(0, 10)), top_p=float(rng.choice([1.0, 0.8])), seed=i)
+        else:
+            params = SamplingParams(k)
+        out.append((prompt, params))
+    return out
+
+
+def _check_greedy(params, prompt, tokens):
+    """``tokens`` is the float64 reference's greedy continuation, except that the float32
+    model may pick the runner-up where the reference's top two are within 1e-3."""
+    seq = list(prompt)
+    for t in tokens:
+        logits = g.reference_logits(params, seq)[-1]
+        best = int(np.argmax(logits))
+        if t != best:
+            assert logits[best] - logits[t] < 1e-3, (prompt, tokens, seq)
+            return
+        seq.append(t)
+
+
+def test_greedy_equals_numpy_reference(engine, model):
+    params = g.init_params(SEED, SCALE)
+    assert isinstance(model, GenerativeModel)
+    for prompt in ([5], [3, 4, 5, 6, 7], list(range(3, 30)), [39] * 40):
+        res = engine.generate(prompt, SamplingParams(max_new_tokens=min(12, g.MAX_LENGTH - len(prompt))))
+        assert res.finish_reason == "length" and res.prompt_len == len(prompt)
+        assert len(res.token_ids) == min(12, g.MAX_LENGTH - len(prompt))
+        _check_greedy(params, prompt, res.token_ids)
+        assert res.text == "".join(g.VOCAB[t] or "" for t in res.token_ids)
+        assert 0 <= res.time_to_first_token <= res.latency
+
+
+def test_prompt_filling_the_cache(engine):
+    prompt = [7] * (g.MAX_LENGTH - 1)
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=1))
+    assert len(res.token_ids) == 1 and res.finish_reason == "length"
+
+
+def _run_concurrently(engine, work, cancel_at=None, threads=6):
+    """Submit ``work`` from several threads at once; request i is cancelled after its
+    ``cancel_at[i]``-th token (from the event callback). Returns the results in order."""
+    cancel_at = cancel_at or {}
+    results = [None] * len(work)
+    barrier = threading.Barrier(threads)
+
+    def worker(w):
+        barrier.wait()
+        reqs = []
+        for i in range(w, len(work), threads):
+            holder = {}
+
+            def on_event(ev, i=i, holder=holder):
+                if i in cancel_at and ev.index == cancel_at[i] and not ev.finished:
+                    holder["req"].cancel()
+
+            holder["req"] = engine.submit(*work[i], on_event=on_event)
+            reqs.append((i, holder["req"]))
+        for i, r in reqs:
+            results[i] = r.result(timeout=120)
+
+    ts = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return results
+
+
+def test_continuous_batching_equals_sequential(engine):
+    work = _workload(30, seed=1)
+    cancel_at = {i: 2 for i in range(0, 30, 7) if work[i][1].max_new_tokens > 5}
+    together = _run_concurrently(engine, work, cancel_at)
+    alone = [engine.generate(*w) for w in work]  # one request at a time
+    for i, (a, b) in enumerate(zip(together, alone, strict=True)):
+        if i in cancel_at:
+            assert a.finish_reason == "cancelled"
+            assert 3 <= len(a.token_ids) < len(b.token_ids) and a.token_ids == b.token_ids[: len(a.token_ids)]
+        else:
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), i
+    stats = engine.stats()
+    assert stats["active_slots"] == 0 and stats["queue"] == 0 and stats["cancelled"] >= len(cancel_at)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("round_", range(3))
+def test_continuous_batching_equals_sequential_repeated(engine, round_):
+    work = _workload(80, seed=100 + round_)
+    together = _run_concurrently(engine, work, threads=8)
+    assert [r.token_ids for r in together] == [engine.generate(*w).token_ids for w in work]
+
+
+def test_static_scheduler_gives_the_same_tokens(engine, model):
+    work = _workload(14, seed=2)
+    with GenerationEngine(model, GenerationConfig(num_slots=6, prefill_batch=2, scheduler="static")) as static:
+        got = _run_concurrently(static, work, threads=3)
+        assert static.stats()["scheduler"] == "static"
+    assert [r.token_ids for r in got] == [engine.generate(*w).token_ids for w in work]
+
+
+def test_events_stream_every_token_then_the_end(engine):
+    events: list[GenerationEvent] = []
+    res = engine.submit([3, 4], SamplingParams(5, temperature=1.0, seed=3), on_event=events.append).result(30)
+    assert [e.token_id for e in events[:-1]] == res.token_ids and [e.index for e in events] == list(range(6))
+    assert events[-1].finished and events[-1].finish_reason == "length" and events[-1].token_id is None
+    assert "".join(e.text for e in events[:-1]) == res.text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ([3, 40], SamplingParams(), r"prompt token 40 at index 1 is outside the vocabulary \(0..39\)"),
+        ([3, -1], SamplingParams(), "prompt token -1 at index 1"),
+        ([[3, 4]], SamplingParams(), "flat list of integer"),
+        ([1.5], SamplingParams(), "flat list of integer"),
+        ([3] * g.MAX_LENGTH, SamplingParams(1), "does not fit the KV cache"),
+        ([3] * 60, SamplingParams(5), r"max_new_tokens 5 exceeds the model's max_length 64; ask for at most 4"),
+        ([3], SamplingParams(stop_token_ids=(45,)), r"stop_token_ids \[45\]"),
+        ([3], {"max_tokens": 3}, "params must be SamplingParams"),
+    ],
+)
+def test_bad_input_is_refused_and_the_engine_runs_on(engine, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        engine.submit(prompt, params)
+    assert engine.generate([3, 4], SamplingParams(2)).finish_reason == "length"
+
+
+def test_limits_queue_full_and_stop(model):
+    cfg = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=2, max_new_tokens_limit=8)  # CONFIG's shapes
+    engine = GenerationEngine(model, cfg)
+    with pytest.raises(Unavailable):
+        engine.submit([3], SamplingParams(2))
+    engine.start()
+    with pytest.raises(ValueError, match="max_new_tokens 9 exceeds this model's limit 8"):
+        engine.submit([3], SamplingParams(9))
+    entered, release = threading.Event(), threading.Event()
+
+    def block(ev):  # holds the engine thread (a real callback must not block)
+        entered.set()
+        release.wait(30)
+
+    first = engine.submit([3], SamplingParams(3), on_event=block)
+    assert entered.wait(30)
+    queued = [engine.submit([4], SamplingParams(2)) for _ in range(2)]
+    with pytest.raises(QueueFull, match=r"max_queue 2") as e:
+        engine.submit([5], SamplingParams(2))
+    assert e.value.retry_after >= 1
+    release.set()
+    assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
+    engine.stop()
+    with pytest.raises(Unavailable, match="stopped"):
+        engine.submit([3], SamplingParams(2))
+
+
+def test_stop_without_drain_cancels_what_is_left(model):
+    engine = GenerationEngine(model, CONFIG).start()
+    entered, release = threading.Event(), threading.Event()
+
+    def block(ev):
+        entered.set()
+        release.wait(30)
+
+    first = engine.submit([3], SamplingParams(30), on_event=block)
+    assert entered.wait(30)
+    later = engine.submit([4], SamplingParams(30))  # queued behind the blocked step
+    stopper = threading.Thread(target=engine.stop, kwargs={"drain": False})
+    stopper.start()
+    while engine.stats()["state"] == "running":
+        threading.Event().wait(0.01)
+    release.set()
+    stopper.join(30)
+    assert first.result(30).finish_reason == "cancelled" and len(first.result().token_ids) < 30
+    assert later.result(30).finish_reason == "cancelled" and later.result().token_ids == []
+    assert engine.stats()["state"] == "stopped"
+
+
+def _with_eos(model, eos):
+    """The same jitted model with other EOS ids (the engine reads them from the model)."""
+    other = copy.copy(model)
+    other.eos_token_ids = tuple(eos)
+    return other
+
+
+def test_eos_and_stop_tokens(model):
+    model = _with_eos(model, (g.EOS_ID,))
+    params = g.init_params(SEED, SCALE)
+    with GenerationEngine(model, CONFIG) as engine:
+        prompt = [25, 11, 25]
+        free = engine.generate(prompt, SamplingParams(20, ignore_eos=True)).token_ids
+        assert len(free) == 20
+        _check_greedy(params, prompt, free)
+        stop = free[3]
+        res = engine.generate(prompt, SamplingParams(20, stop_token_ids=(stop,)))
+        assert res.finish_reason == "stop" and res.token_ids == free[: free.index(stop) + 1]
+        # the model's EOS ends a request unless ignore_eos
+        eos_model = _with_eos(model, (stop,))
+        with GenerationEngine(eos_model, CONFIG) as eos_engine:
+            assert eos_engine.generate(prompt, SamplingParams(20)).token_ids == res.token_ids
+            assert eos_engine.generate(prompt, SamplingParams(20, ignore_eos=True)).token_ids == free
+
+
+class _Flaky:
+    """A GenerativeModel whose prefill raises for prompts holding token 39."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "bos_token_id", "vocabulary", "cache_specs"):
+            setattr(self, k, getattr(inner, k))
+
+    def init_cache(self, n):
+        return self.inner.init_cache(n)
+
+    def prefill(self, tokens, lengths):
+        if (np.asarray(tokens) == 39).any():
+            raise RuntimeError("bad token in prefill")
+        return self.inner.prefill(tokens, lengths)
+
+    def decode(self, tokens, positions, cache):
+        return self.inner.decode(tokens, positions, cache)
+
+
+def test_model_error_fails_only_its_requests(model, engine):
+    with GenerationEngine(_Flaky(model), CONFIG) as flaky:
+        good = flaky.submit([3, 4, 5], SamplingParams(15))
+        bad = flaky.submit([39, 4], SamplingParams(5))
+        res = bad.result(30)
+        assert res.finish_reason == "error" and "bad token in prefill" in res.error
+        assert good.result(30).token_ids == engine.generate([3, 4, 5], SamplingParams(15)).token_ids
+        assert flaky.stats()["errors"] == 1
+        assert flaky.generate([5, 6], SamplingParams(3)).finish_reason == "length"
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_slots must be a positive integer"):
+        GenerationConfig(num_slots=0)
+    with pytest.raises(ValueError, match="prefill_batch 8 exceeds num_slots 4"):
+        GenerationConfig(num_slots=4, prefill_batch=8)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        GenerationConfig(scheduler="greedy")
+    with pytest.raises(ValueError, match="unknown generation config key 'slots'"):
+        GenerationConfig.from_json({"slots": 3})
+    cfg = GenerationConfig.from_json({"num_slots": 3, "prefill_batch": 2, "max_new_tokens_limit": 9})
+    assert GenerationConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="needs a GenerativeModel"):
+        GenerationEngine(object())
+
+
+def test_tokenize_detokenize(model):
+    ids = model.tokenize("the abc 42")
+    assert ids[0] == g.BOS_ID and model.detokenize(ids) == "the abc 42"
+    assert ids[1] == g.VOCAB.index("the") and ids[2] == g.VOCAB.index(" ")  # longest match
+    with pytest.raises(ValueError, match=r"character 'X' at offset 4"):
+        model.tokenize("abc X")
+
+
+def test_bad_generator_settings_are_named():
+    params = g.init_params(0)
+    with pytest.raises(ValueError, match=r"cache\['k0'\] is float32 \(2, 64, 2, 8\), cache_specs says float32 \(2, 32, 2, 8\)"):
+        PythonGenerator(g.prefill, g.decode, params, cache_specs=g.cache_specs(32), vocab_size=40, max_length=32)
+    with pytest.raises(ValueError, match="logits must be float32"):
+        PythonGenerator(g.prefill, g.decode, params, cache_specs=g.cache_specs(), vocab_size=41, max_length=64)
+    with pytest.raises(ValueError, match="cache entries"):
+        PythonGenerator(g.prefill, g.decode, params, cache_specs={"k0": ArraySpec((64, 2, 8), "float32")},
+                        vocab_size=40, max_length=64)
+    with pytest.raises(ValueError, match="eos_token_ids: 40 is not a token id"):
+        PythonGenerator(g.prefill, g.decode, params, cache_specs=g.cache_specs(), vocab_size=40, max_length=64,
+                        eos_token_ids=[40])
+    with pytest.raises(ValueError, match="vocabulary must hold vocab_size=40"):
+        PythonGenerator(g.prefill, g.decode, params, cache_specs=g.cache_specs(), vocab_size=40, max_length=64,
+                        vocabulary=["a"])
+
+
+def _quantized(kind):
+    params = g.init_params(SEED, SCALE)
+    if kind != "float":
+        for layer in params["layers"]:
+            for k in ("wq", "wk", "wv", "wo", "w1", "w2"):
+                q = quantize(layer[k], kind, QuantLayout.per_channel(1))
+                layer[k] = q.pack() if kind == "int4" else q
+    return params
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "int4"])
+def test_export_load_round_trip(tmp_path, kind):
+    params = _quantized(kind)
+    path = export_generator(g.prefill, g.decode, params, tmp_path / "lm" / "1", cache_specs=g.cache_specs(),
+                            vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH, eos_token_ids=[g.EOS_ID],
+                            vocabulary=g.VOCAB, bos_token_id=g.BOS_ID, max_batch_size=8)
+    loaded = load(path)
+    assert isinstance(loaded, LoadedGenerator) and isinstance(loaded, GenerativeModel)
+    assert (loaded.name, loaded.vocab_size, loaded.max_length, loaded.eos_token_ids) == ("lm", 40, 64, (g.EOS_ID,))
+    assert loaded.vocabulary == tuple(g.VOCAB) and loaded.bos_token_id == g.BOS_ID
+    assert set(loaded.signatures) == {"prefill", "decode"} and loaded.manifest["generation"]["cache"].keys() == {"k0", "v0", "k1", "v1"}
+    if kind == "int4":  # packed: two values a byte on disk and on the device
+        assert loaded.weights["layers/0/w1/qvalue"].nbytes == g.D_MODEL * g.D_FF // 2
+    work = _workload(8, seed=5)
+    python = _generator(params, eos_token_ids=(g.EOS_ID,))
+    with GenerationEngine(python, CONFIG) as a, GenerationEngine(loaded, CONFIG) as b:
+        want = [a.generate(*w).token_ids for w in work]
+        assert _run_concurrently(b, work, threads=2) and [b.generate(*w).token_ids for w in work] == want
+    with pytest.raises(ValueError, match="num_slots 16 exceeds the model's max_batch_size 8"):
+        GenerationEngine(loaded, GenerationConfig(num_slots=16))
+
+
+def test_load_generator_refuses_a_plain_model(tmp_path):
+    path = export(lambda p, i: {"y": i["x"] * p["k"]}, {"k": np.float32(2)}, {"x": ArraySpec(("b", 2), "float32")},
+                  tmp_path / "plain")
+    assert type(load(path)) is LoadedModel
+    with pytest.raises(ModelFormatError, match="not a generative model"):
+        load_generator(path)

@@ -1,0 +1,121 @@
+"""SamplingParams validation and the host sampler: the filtered distribution against an
+independent float64 reference, and draws that depend only on (seed, token index)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cairn.serving import SamplingParams
+from cairn.serving._sampling import filtered_probs, sample_token
+
+
+def _reference(logits, temperature, top_k, top_p):
+    """Token by token in plain Python floats: sort (most likely first, lower id on ties),
+    keep top_k, keep while the mass before a token is below top_p, renormalise."""
+    z = [float(v) / temperature for v in logits]
+    m = max(z)
+    w = [math.exp(v - m) for v in z]
+    order = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    keep = order[:top_k] if top_k else order
+    mass = sum(w[i] for i in keep)
+    kept, before = [], 0.0
+    for i in keep:
+        if before >= top_p and top_p < 1.0:
+            break
+        kept.append(i)
+        before += w[i] / mass
+    s = sum(w[i] for i in kept)
+    out = np.zeros(len(z))
+    for i in kept:
+        out[i] = w[i] / s
+    return out
+
+
+logit_lists = st.lists(st.sampled_from([-3.0, -1.0, 0.0, 0.5, 1.0, 2.5]) | st.floats(-8, 8), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(logit_lists, st.floats(0.05, 4.0), st.integers(0, 14), st.floats(0.01, 1.0))
+def test_filtered_probs_match_reference(logits, temperature, top_k, top_p):
+    got = filtered_probs(np.array(logits, np.float32), temperature, top_k, top_p)
+    want = _reference(np.array(logits, np.float32), temperature, top_k, top_p)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    assert got.sum() == pytest.approx(1.0)
+
+
+def test_draws_follow_the_filtered_distribution():
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    p = filtered_probs(logits, 0.8, 4, 0.9)
+    n = 20000
+    counts = np.bincount([sample_token(logits, params, seed, 3) for seed in range(n)], minlength=6)
+    assert counts[p == 0].sum() == 0  # never outside the nucleus
+    # each kept token's frequency within 5 standard deviations of its probability
+    sd = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(counts / n - p) <= 5 * sd + 1e-12)
+
+
+def test_draws_depend_only_on_seed_and_index():
+    logits = np.linspace(-1, 1, 30).astype(np.float32)
+    params = SamplingParams(temperature=1.0)
+    a = [sample_token(logits, params, 7, i) for i in range(50)]
+    assert a == [sample_token(logits, params, 7, i) for i in range(50)]
+    assert a != [sample_token(logits, params, 8, i) for i in range(50)]
+    assert [sample_token(logits, params, 7, i) for i in (9, 3)] == [a[9], a[3]]  # order of calls is irrelevant
+
+
+def test_greedy_is_argmax_first_max():
+    assert sample_token(np.array([1.0, 3.0, 3.0, 0.0]), SamplingParams(), 0, 0) == 1
+    # top_k=1 sampling is greedy too
+    assert sample_token(np.array([1.0, 3.0, 2.0]), SamplingParams(temperature=2.0, top_k=1), 5, 0) == 1
+
+
+bad_values = [
+    ("max_new_tokens", 0), ("max_new_tokens", -3), ("max_new_tokens", 2.5), ("max_new_tokens", True),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
+    ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("seed", -1), ("seed", 2**64),
+    ("stop_token_ids", "ab"), ("stop_token_ids", (1, -2)), ("ignore_eos", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), bad_values)
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field.rstrip("s") if field == "stop_token_ids" else field):
+        SamplingParams(**{field: value})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(-5, 50), st.floats(-1, 3, allow_nan=False), st.integers(-2, 50), st.floats(-0.5, 1.5, allow_nan=False))
+def test_params_valid_iff_in_range(n, t, k, p):
+    ok = n >= 1 and t >= 0 and k >= 0 and 0 < p <= 1
+    if ok:
+        sp = SamplingParams(max_new_tokens=n, temperature=t, top_k=k, top_p=p)
+        assert (sp.max_new_tokens, sp.top_k) == (n, k) and sp.greedy == (t == 0)
+    else:
+        with pytest.raises(ValueError, match="SamplingParams"):
+            SamplingParams(max_new_tokens=n, temperature=t, top_k=k, top_p=p)
+
+
+def test_from_json_names():
+    obj = {"max_tokens": 5, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "seed": 11, "stop_token_ids": [4],
+           "stop": ["b", "cd"], "ignore_eos": True}
+    sp = SamplingParams.from_json(obj, vocabulary=[None, "a", "b", "cd", "e"])
+    assert sp == SamplingParams(5, 0.5, 3, 0.9, 11, (4, 2, 3), True)
+    assert SamplingParams.from_json({"max_new_tokens": 2, "seed": None}).seed is None
+    with pytest.raises(ValueError, match=r"unknown sampling parameter 'n'; known: .*max_tokens"):
+        SamplingParams.from_json({"n": 2})
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams.from_json({"max_tokens": 2, "max_new_tokens": 3})
+    with pytest.raises(ValueError, match="needs a model with a vocabulary"):
+        SamplingParams.from_json({"stop": "x"})
+    with pytest.raises(ValueError, match="'zz' is not the text of one token"):
+        SamplingParams.from_json({"stop": ["zz"]}, vocabulary=["a"])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got -1"):
+        SamplingParams.from_json({"max_tokens": -1})
+    with pytest.raises(ValueError, match="JSON object"):
+        SamplingParams.from_json([1])
