@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
+import os
 import pathlib
 import shutil
+import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +24,7 @@ import lm_report
 import lm_task
 import numpy as np
 
+import cairn.kernels as ck
 from cairn import checkpoint as ckpt
 from cairn import nn, optim
 from cairn.core_array import LogicalAxisRules, flatten_with_paths
@@ -51,11 +56,13 @@ def make_setup(cfg: lm_config.Config) -> Setup:
     return Setup(cfg, mesh, rules, batch_sharding, pathlib.Path(cfg.run.dir))
 
 
-def create_model(setup: Setup) -> lm_model.TransformerLM:
-    """Build the model with every parameter created directly in its NamedSharding."""
+def create_model(setup: Setup, *, attention: str = "xla", loss: str = "xla") -> lm_model.TransformerLM:
+    """Build the model with every parameter created directly in its NamedSharding;
+    ``attention`` / ``loss``: ``"xla"`` or ``"kernels"`` (see `choose_kernels`)."""
     cfg = setup.cfg
     return nn.sharded_init(
-        lambda: lm_model.TransformerLM(cfg, lm_task.VOCAB_SIZE, rngs=nn.Rngs(params=cfg.run.seed)),
+        lambda: lm_model.TransformerLM(cfg, lm_task.VOCAB_SIZE, rngs=nn.Rngs(params=cfg.run.seed),
+                                       attention=attention, loss=loss),
         mesh=setup.mesh,
         rules=setup.rules,
     )
@@ -78,10 +85,202 @@ def make_optimizer(cfg: lm_config.Config) -> tuple[optim.GradientTransformation,
     return tx, schedule
 
 
+# --- cairn.kernels or plain XLA, chosen by measurement on the run's own shapes ---
+
+KERNEL_OPS = ("attention", "loss")
+# cairn.kernels must beat plain XLA by this fraction to be chosen: a near-tie stays on plain
+# XLA, so run-to-run timing noise does not flip the numerics between two runs of one config
+AUTO_MARGIN = 0.05
+_TIMING_REPS = 7
+_CHOICES: dict[str, dict] = {}  # this process's decisions, keyed like the on-disk cache
+
+
+def _timing_inputs(cfg: lm_config.Config) -> dict[str, jax.Array]:
+    """Random arrays of this process's share of a training batch, split over its local devices
+    (process-local: timing needs no collective, so processes never wait on each other)."""
+    m = cfg.model
+    b, s, hd = cfg.data.batch_size // jax.process_count(), cfg.data.seq_len, m.d_model // m.num_heads
+    devices = jax.local_devices() if b % jax.local_device_count() == 0 else jax.local_devices()[:1]
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("data",)),
+                                          jax.sharding.PartitionSpec("data"))
+    rng = np.random.default_rng(0)
+    dt = lm_model._DTYPES[m.dtype]
+    pos = np.arange(s)
+    seg = np.broadcast_to(np.where(pos < s - s // 8, 1 + pos // max(1, s // 3), 0), (b, s))  # packed + padding
+    arrays = {
+        "q": rng.standard_normal((b, s, m.num_heads, hd), np.float32),
+        "k": rng.standard_normal((b, s, m.num_kv_heads, hd), np.float32),
+        "v": rng.standard_normal((b, s, m.num_kv_heads, hd), np.float32),
+        "x": rng.standard_normal((b, s, m.d_model), np.float32),
+        "projection": rng.standard_normal((m.d_model, lm_task.VOCAB_SIZE), np.float32) * m.d_model**-0.5,
+    }
+    arrays = {k: jnp.asarray(v, dt) for k, v in arrays.items()}
+    arrays["segment_ids"] = seg.astype(np.int32)
+    arrays["targets"] = rng.integers(0, lm_task.VOCAB_SIZE, (b, s), dtype=np.int32)
+    arrays["weights"] = np.broadcast_to(pos >= s // 2, (b, s)).astype(np.float32)
+    return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
+
+
+def _candidate(op: str, impl: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
+    """The op of one training step under ``impl`` as a scalar function, and its argument names."""
+    if op == "attention":
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+            out = lm_model.attend(q, k, v, lm_model.attention_mask(segment_ids, impl))
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        return attention, ("q", "k", "v", "segment_ids")
+
+    def loss(x: jax.Array, projection: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+        if impl == "kernels":
+            return lm_model.fused_loss(x, targets, weights, projection)
+        logits = jnp.einsum("bsd,dv->bsv", x, projection).astype(jnp.float32)
+        return lm_model.logits_loss(logits, targets, weights)
+
+    return loss, ("x", "projection", "targets", "weights")
+
+
+def _kernels_trace(op: str, inputs: dict[str, jax.Array]) -> dict:
+    """Which cairn.kernels implementation and config the op's kernels path runs (traced, not run)."""
+    fn, names = _candidate(op, "kernels")
+    with ck.recording() as calls:
+        jax.eval_shape(lambda *a: jax.grad(fn, argnums=(0, 1))(*a), *(inputs[n] for n in names))
+    if not calls:
+        return {}
+    return {"kernels_op": calls[0].op, "kernels_implementation": calls[0].implementation,
+            "kernels_config": dict(calls[0].config)}
+
+
+def _time_op(op: str, inputs: dict[str, jax.Array]) -> dict[str, float]:
+    """Median milliseconds of one jitted forward + backward per implementation, interleaved."""
+    fns, args = {}, ()
+    for impl in lm_model.IMPLEMENTATIONS:
+        fn, names = _candidate(op, impl)
+        fns[impl] = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+        args = tuple(inputs[n] for n in names)
+    for f in fns.values():
+        jax.block_until_ready(f(*args))  # compile
+    times: dict[str, list[float]] = {impl: [] for impl in fns}
+    for _ in range(_TIMING_REPS):
+        for impl, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[impl].append(time.perf_counter() - t0)
+    return {impl: round(1e3 * statistics.median(ts), 4) for impl, ts in times.items()}
+
+
+def _choice_key(cfg: lm_config.Config, op: str) -> str:
+    m, d = cfg.model, cfg.data
+    dev = jax.local_devices()[0]
+    return json.dumps([op, d.batch_size // jax.process_count(), d.seq_len, m.d_model, m.num_heads,
+                       m.num_kv_heads, m.dtype, lm_task.VOCAB_SIZE, dev.platform, dev.device_kind,
+                       jax.local_device_count(), jax.__version__, ck.__version__])
+
+
+def _cache_file() -> pathlib.Path:
+    """Beside cairn.kernels' autotune cache: ``$CAIRN_KERNELS_CACHE_DIR``, else ``~/.cache/cairn/kernels``."""
+    base = os.environ.get("CAIRN_KERNELS_CACHE_DIR") or pathlib.Path.home() / ".cache" / "cairn" / "kernels"
+    return pathlib.Path(base) / "lm_recipe_choices.json"
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    """Atomically (several runs may share the file): a temporary file renamed over it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs a measurement next time
+
+
+def _auto_choice(cfg: lm_config.Config, op: str, inputs: dict[str, jax.Array]) -> dict:
+    """Measure (or recall) both implementations of ``op`` and pick the faster, by `AUTO_MARGIN`."""
+    key = _choice_key(cfg, op)
+    if key in _CHOICES:
+        return {**_CHOICES[key], "source": "memo"}
+    cached = _read_json(_cache_file()).get(key)
+    if isinstance(cached, dict) and cached.get("implementation") in lm_model.IMPLEMENTATIONS:
+        _CHOICES[key] = cached
+        return {**cached, "source": "cache"}
+    ms = _time_op(op, inputs)
+    impl = "kernels" if ms["kernels"] < (1.0 - AUTO_MARGIN) * ms["xla"] else "xla"
+    entry = {"implementation": impl, "candidates_ms": ms, "chosen_by": "auto"}
+    _CHOICES[key] = entry
+    _write_json(_cache_file(), {**_read_json(_cache_file()), key: entry})
+    return {**entry, "source": "measured"}
+
+
+def _broadcast_json(data: dict) -> dict:
+    """Process 0's ``data`` on every process (one decision for the whole job)."""
+    if jax.process_count() == 1:
+        return data
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(data).encode()
+    buf = np.zeros(1 << 16, np.uint8)
+    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return json.loads(out.tobytes().rstrip(b"\\0").decode())
+
+
+def choose_kernels(cfg: lm_config.Config, run_dir: pathlib.Path | None = None, *, resume: bool = False) -> dict:
+    """Which implementation, ``"xla"`` or ``"kernels"``, runs the attention and the loss.
+
+    Per op, `cfg.kernels` says ``"xla"`` or ``"kernels"`` (``chosen_by: "config"``) or
+    ``"auto"``: time both on this run's per-process training shapes (forward + backward,
+    jitted, `_TIMING_REPS` interleaved runs, median) and take cairn.kernels only when it is
+    more than `AUTO_MARGIN` faster. A decision is remembered per shapes, device and versions
+    (in this process and in a file beside cairn.kernels' autotune cache), a resumed run
+    reuses its run directory's, and every process takes process 0's.
+
+    Returns:
+      ``{"attention": entry, "loss": entry}``, each entry ``{"implementation",
+      "candidates_ms", "chosen_by", "source", "kernels_op", "kernels_implementation",
+      "kernels_config"}``: the last three name what cairn.kernels runs (its registry's choice).
+    """
+    saved = _read_json(run_dir / "kernels.json") if resume and run_dir is not None else {}
+    inputs = _timing_inputs(cfg)
+    out = {}
+    for op in KERNEL_OPS:
+        setting = getattr(cfg.kernels, op)
+        if setting != "auto":
+            entry = {"implementation": setting, "candidates_ms": {}, "chosen_by": "config", "source": "config"}
+        elif isinstance(saved.get(op), dict) and saved[op].get("chosen_by") == "auto":
+            entry = {**saved[op], "source": "run_dir"}
+        else:
+            entry = _auto_choice(cfg, op, inputs)
+        out[op] = {**entry, **_kernels_trace(op, inputs)}
+    out = _broadcast_json(out)
+    if run_dir is not None and jax.process_index() == 0:
+        _write_json(run_dir / "kernels.json", out)
+    return out
+
+
+def describe_kernels(choice: dict) -> str:
+    """One line: per op the implementation, why, the timings and what cairn.kernels runs."""
+    parts = []
+    for op, e in choice.items():
+        ms = ", ".join(f"{k} {v:.2f} ms" for k, v in e.get("candidates_ms", {}).items())
+        how = e["chosen_by"] + (f" [{ms}]" if ms else "") + (f" ({e['source']})" if e.get("source") not in (None, "config", "measured") else "")
+        ran = f", cairn.kernels runs {e['kernels_implementation']}" if e.get("kernels_implementation") else ""
+        parts.append(f"{op}={e['implementation']} by {how}{ran}")
+    return "kernels: " + "; ".join(parts)
+
+
 def _train_step(model: lm_model.TransformerLM, optimizer: nn.Optimizer, batch: dict) -> dict:
-    (loss, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
+    (_, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
     optimizer.update(model, grads)
-    return {"loss": loss, "token_accuracy": aux["token_accuracy"]}
+    # the fused loss never forms the logits: no token accuracy then (evaluation has it)
+    return {k: aux[k] for k in ("loss", "token_accuracy") if k in aux}
 
 
 train_step = nn.jit(_train_step, donate_argnums=(0, 1))
@@ -90,7 +289,7 @@ train_step = nn.jit(_train_step, donate_argnums=(0, 1))
 @nn.jit
 def eval_step(model: lm_model.TransformerLM, batch: dict, valid: jax.Array) -> jax.Array:
     """How many valid rows are exactly right (a replicated scalar every process can read)."""
-    _, aux = lm_model.loss_and_metrics(model, batch)
+    _, aux = lm_model.logit_metrics(model, batch)
     return jnp.sum(aux["row_exact"] & valid)
 
 
@@ -358,12 +557,16 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     setup = make_setup(cfg)
     run_dir = setup.run_dir
     check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    # measured before the data workers start, so they do not disturb the timings
+    choice = choose_kernels(cfg, run_dir, resume=resume)
+    if not quiet and jax.process_index() == 0:
+        print(describe_kernels(choice), flush=True)
     shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
     src, fmt, eval_texts = lm_data.open_source(cfg, shards)
     pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
     data_iter = iter(pipeline)
 
-    model = create_model(setup)
+    model = create_model(setup, attention=choice["attention"]["implementation"], loss=choice["loss"]["implementation"])
     tx, schedule = make_optimizer(cfg)
     optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
 
@@ -377,6 +580,7 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     stats = _run_loop(setup, model, optimizer, data_iter, manager, schedule, progress, start_step, stop_after)
     report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts,
                      peak=peak, t_start=t_start)
+    report["kernels"] = choice
     manager.close()
     if after_training is not None and not report["stopped_early"]:
         after_training(setup, model, eval_texts, report)
