@@ -6,6 +6,10 @@ Binds loopback unless ``--host`` says otherwise. SIGTERM or SIGINT stops accepti
 answers the requests in flight (up to ``--drain-timeout`` seconds), then exits 0. Logs
 (access log included) are JSON lines on stderr; the line ``serving on http://HOST:PORT``
 says when it is ready (useful with ``--port 0``).
+
+Generative models (directories written by ``export_generator``) each get a generation
+engine; ``--num-slots``, ``--prefill-batch`` and ``--max-queue`` set its defaults, which a
+model's ``config.json`` key ``"generation"`` overrides.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from cairn.serving._batcher import BatchingConfig
+from cairn.serving._generate import GenerationConfig
 from cairn.serving._http import HttpLimits
 from cairn.serving._repository import ModelRepository
 from cairn.serving._server import Server
@@ -45,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-delay-us", type=float, default=0.0, help="default batching delay in microseconds")
     p.add_argument("--max-queue-size", type=int, default=BatchingConfig.max_queue_size, help="default queue bound per model (503 beyond)")
     p.add_argument("--no-batching", action="store_true", help="run every request alone unless a config.json enables batching")
+    gen = p.add_argument_group("generation", "defaults for generative models (a model's config.json \"generation\" key overrides them)")
+    gen.add_argument("--num-slots", type=int, default=GenerationConfig.num_slots, help="KV-cache slots: sequences decoded together per step (default %(default)s)")
+    gen.add_argument("--prefill-batch", type=int, default=GenerationConfig.prefill_batch, help="prompts prefilled per engine step (default %(default)s)")
+    gen.add_argument("--max-queue", type=int, default=GenerationConfig.max_queue, help="waiting generate requests beyond this answer 503 + Retry-After (default %(default)s)")
+    gen.add_argument("--max-new-tokens-limit", type=int, default=None, help="cap on a request's max_tokens (400 above it; default: the model's max_length)")
     p.add_argument("--repository-poll-secs", type=float, default=None, help="re-scan the repository this often and load new versions")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to answer in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="INFO", help="logging level (access log lines are INFO)")
@@ -70,8 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     limits = HttpLimits(max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
     try:
-        repository = ModelRepository(args.model_repository, batching=batching)
-    except FileNotFoundError as e:
+        generation = GenerationConfig(
+            num_slots=args.num_slots,
+            prefill_batch=args.prefill_batch,
+            max_queue=args.max_queue,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+        )
+        repository = ModelRepository(args.model_repository, batching=batching, generation=generation)
+    except (FileNotFoundError, ValueError) as e:
         print(f"cairn-serve: {e}", file=sys.stderr)
         return 2
     server = Server(

@@ -111,6 +111,14 @@ class Metrics:
         self.padded_size = Histogram("cairn_inference_padded_batch_size", "Rows per model execution after padding to a bucket.", _BATCH_BUCKETS)
         self.queue_size = Gauge("cairn_inference_queue_size", "Requests waiting in a model's batch queue.")
         self.http = Counter("cairn_http_requests_total", "HTTP responses by status code.")
+        self.gen_requests = Counter("cairn_generation_requests_total", "Generation requests finished, by finish_reason (length, stop, cancelled, error).")
+        self.gen_failure = Counter("cairn_generation_request_failure_total", "Generation requests refused before running, by reason.")
+        self.gen_prompt_tokens = Counter("cairn_generation_prompt_tokens_total", "Prompt tokens of the generation requests admitted.")
+        self.gen_tokens = Counter("cairn_generation_output_tokens_total", "Tokens generated.")
+        self.gen_ttft = Histogram("cairn_generation_time_to_first_token_seconds", "Time from parsed request to its first token.", _TIME_BUCKETS)
+        self.gen_time = Histogram("cairn_generation_request_duration_seconds", "Generation request time, from parsed to last token.", _TIME_BUCKETS)
+        self.gen_queue = Gauge("cairn_generation_queue_size", "Generation requests waiting for a KV-cache slot.")
+        self.gen_active = Gauge("cairn_generation_active_slots", "KV-cache slots holding a running sequence.")
         self.all: list[Counter | Histogram] = [
             self.success,
             self.failure,
@@ -123,6 +131,14 @@ class Metrics:
             self.padded_size,
             self.queue_size,
             self.http,
+            self.gen_requests,
+            self.gen_failure,
+            self.gen_prompt_tokens,
+            self.gen_tokens,
+            self.gen_ttft,
+            self.gen_time,
+            self.gen_queue,
+            self.gen_active,
         ]
 
     def render(self) -> bytes:

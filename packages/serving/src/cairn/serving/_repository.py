@@ -10,9 +10,13 @@ JSON::
      "max_batch_size": 32,                                   # cap on the model's own
      "dynamic_batching": {"max_queue_delay_microseconds": 2000, "max_queue_size": 256,
                           "batch_buckets": [1, 4, 16, 32], "max_concurrent_batches": 1,
-                          "enabled": true}}
+                          "enabled": true},
+     "generation": {"num_slots": 16, "prefill_batch": 4, "max_queue": 256,   # generators only
+                    "max_new_tokens_limit": 512, "scheduler": "continuous"}}
 
-The default policy serves the latest version only.
+The default policy serves the latest version only. ``generation`` holds the
+:class:`GenerationConfig` of a generative model's engine (fields not given keep the
+server's defaults: ``cairn-serve --num-slots/--prefill-batch/--max-queue``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.serving._batcher import BatchingConfig
+from cairn.serving._generate import GenerationConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,20 +116,28 @@ class ModelConfig:
 
     version_policy: VersionPolicy = VersionPolicy()
     batching: BatchingConfig = BatchingConfig()
+    generation: GenerationConfig = GenerationConfig()
 
 
 _BATCHING_KEYS = {"max_queue_delay_microseconds", "max_queue_size", "batch_buckets", "max_concurrent_batches", "enabled"}
 
 
-def parse_config(obj: Any, where: str, default: BatchingConfig) -> ModelConfig:
+def parse_config(obj: Any, where: str, default: BatchingConfig, generation: GenerationConfig | None = None) -> ModelConfig:
     """Parse a model's ``config.json`` content (see the module docstring).
 
+    Args:
+      obj: the parsed JSON.
+      where: the file's name, for error messages.
+      default: the batching defaults the file overrides.
+      generation: the generation defaults its ``"generation"`` key overrides.
+
     Raises:
-      ValueError: an unknown key or a malformed value, naming ``where``.
+      ValueError: an unknown key or a malformed value, naming ``where`` (and the key).
     """
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: must be a JSON object")
-    unknown = set(obj) - {"version_policy", "max_batch_size", "dynamic_batching", "name"}
+    gen = _parse_generation(obj.get("generation"), where, generation or GenerationConfig())
+    unknown = set(obj) - {"version_policy", "max_batch_size", "dynamic_batching", "name", "generation"}
     dyn = obj.get("dynamic_batching", {})
     if not isinstance(dyn, dict):
         raise ValueError(f"{where}: dynamic_batching must be a JSON object")
@@ -145,9 +158,21 @@ def parse_config(obj: Any, where: str, default: BatchingConfig) -> ModelConfig:
             fields["batch_buckets"] = tuple(int(b) for b in dyn["batch_buckets"])
         if "enabled" in dyn:
             fields["enabled"] = bool(dyn["enabled"])
-        return ModelConfig(policy, dataclasses.replace(default, **fields))
+        return ModelConfig(policy, dataclasses.replace(default, **fields), gen)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _parse_generation(obj: Any, where: str, default: GenerationConfig) -> GenerationConfig:
+    """The ``"generation"`` key: GenerationConfig fields over ``default``."""
+    if obj is None:
+        return default
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: generation must be a JSON object of GenerationConfig fields, got {obj!r}")
+    try:
+        return GenerationConfig.from_json({**default.to_json(), **obj})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: generation: {e}") from None
 
 
 def _default_loader(path: Path) -> Any:
@@ -163,17 +188,26 @@ class ModelRepository:
       root: the repository directory.
       loader: ``loader(version_dir) -> ServableModel``; default :func:`cairn.serving.load`.
       batching: the batching defaults a model's ``config.json`` overrides.
+      generation: the generation-engine defaults (its ``"generation"`` key overrides them).
 
     Raises:
       FileNotFoundError: ``root`` is not a directory.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, loader: Callable[[Path], Any] | None = None, batching: BatchingConfig | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        loader: Callable[[Path], Any] | None = None,
+        batching: BatchingConfig | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"model repository {self.root} is not a directory")
         self.loader = loader or _default_loader
         self.batching = batching or BatchingConfig()
+        self.generation = generation or GenerationConfig()
 
     def names(self) -> list[str]:
         """The model directories, sorted."""
@@ -194,12 +228,12 @@ class ModelRepository:
         """``name``'s config.json, or the defaults when there is none."""
         path = self.root / name / "config.json"
         if not path.exists():
-            return ModelConfig(batching=self.batching)
+            return ModelConfig(batching=self.batching, generation=self.generation)
         try:
             obj = json.loads(path.read_text())
         except ValueError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return parse_config(obj, str(path), self.batching)
+        return parse_config(obj, str(path), self.batching, self.generation)
 
     def load(self, name: str, version: int) -> Any:
         """Load one version (in a worker thread: loading compiles)."""
@@ -217,9 +251,15 @@ class ModelRepository:
 class ModelSet:
     """In-memory models served as version 1 each (what ``serve(model)`` wraps)."""
 
-    def __init__(self, models: Mapping[str, Any], batching: BatchingConfig | Mapping[str, BatchingConfig] | None = None) -> None:
+    def __init__(
+        self,
+        models: Mapping[str, Any],
+        batching: BatchingConfig | Mapping[str, BatchingConfig] | None = None,
+        generation: GenerationConfig | Mapping[str, GenerationConfig] | None = None,
+    ) -> None:
         self.models = dict(models)
         self.batching = batching
+        self.generation = generation
 
     def names(self) -> list[str]:
         return sorted(self.models)
@@ -233,7 +273,10 @@ class ModelSet:
         b = self.batching
         if isinstance(b, Mapping):
             b = b.get(name)
-        return ModelConfig(batching=b or BatchingConfig())
+        g = self.generation
+        if isinstance(g, Mapping):
+            g = g.get(name)
+        return ModelConfig(batching=b or BatchingConfig(), generation=g or GenerationConfig())
 
     def load(self, name: str, version: int) -> Any:
         return self.models[name]

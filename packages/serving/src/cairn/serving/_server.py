@@ -6,6 +6,11 @@ worker pool shared by every model's :class:`~cairn.serving._batcher.DynamicBatch
 loading (which compiles) runs on its own thread so serving goes on meanwhile. A request
 is routed and queued in one step on the loop, so a hot reload (a new version swapped
 in, the old one drained) neither drops nor fails a request.
+
+A generative model (a :class:`~cairn.serving._generate.GenerativeModel`, e.g. what
+``load`` returns for a directory written by ``export_generator``) gets a
+:class:`~cairn.serving._generate.GenerationEngine` (its own decode-loop thread) instead of
+a batcher, and answers ``/generate`` and ``/generate_stream`` instead of ``/infer``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ from cairn.serving._batcher import (
     QueueFull,
     Unavailable,
 )
-from cairn.serving._http import HttpLimits, HttpServer, Request, Response
+from cairn.serving._generate import GenerationConfig, GenerationEngine
+from cairn.serving._genexport import GenerativeModel
+from cairn.serving._genhttp import GenerationRelay, parse_generate
+from cairn.serving._http import HttpLimits, HttpServer, Request, Response, StreamResponse
 from cairn.serving._metrics import Metrics
 from cairn.serving._model import batch_dim, validate_inputs
 from cairn.serving._protocol import (
@@ -55,7 +63,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     _VERSION = "0"
 
-_EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics", "parameters", "metrics"]
+_EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics", "parameters", "metrics", "generate"]
 _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 
@@ -74,10 +82,21 @@ class _Version:
     name: str
     version: int
     model: Any
-    batcher: DynamicBatcher
+    batcher: DynamicBatcher | None  # None for a generative model
     config: ModelConfig
     batch_dim: str | None
     labels: tuple[tuple[str, str], ...]
+    engine: GenerationEngine | None = None  # a generative model's engine
+
+    async def close(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Answer what is queued and running (or cancel it: ``drain=False``), then stop."""
+        if self.batcher is not None:
+            if drain:
+                await self.batcher.close()
+            else:
+                self.batcher._closed = True
+        if self.engine is not None:  # stop() joins the engine thread: not on the loop
+            await asyncio.get_running_loop().run_in_executor(None, functools.partial(self.engine.stop, drain=drain, timeout=timeout))
 
 
 def _json(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
@@ -132,9 +151,7 @@ class App:
             if not await self.http.drain(timeout):
                 log.warning("drain timed out with %d requests in flight", self.http.in_flight)
         await self.http.close()
-        for versions in self.live.values():
-            for v in versions.values():
-                v.batcher._closed = True
+        await asyncio.gather(*(v.close(drain=False) for versions in self.live.values() for v in versions.values()))
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.loading.shutdown(wait=False, cancel_futures=True)
         self.stopped.set()
@@ -144,9 +161,13 @@ class App:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    def _make_version(self, name: str, version: int, model: Any, config: ModelConfig) -> _Version:
+    async def _make_version(self, name: str, version: int, model: Any, config: ModelConfig) -> _Version:
         labels = (("model", name), ("version", str(version)))
         metrics = self.metrics
+        if isinstance(model, GenerativeModel):
+            engine = GenerationEngine(model, config.generation)
+            await asyncio.get_running_loop().run_in_executor(self.loading, engine.start)  # may compile
+            return _Version(name, version, model, None, config, None, labels, engine)
 
         def observe(rows: int, padded: int, compute: float, waits: list[float]) -> None:
             metrics.count.inc(labels, rows)
@@ -190,7 +211,7 @@ class App:
                 loop = asyncio.get_running_loop()
                 try:
                     model = await loop.run_in_executor(self.loading, self.source.load, name, v)
-                    fresh[v] = self._make_version(name, v, model, config)
+                    fresh[v] = await self._make_version(name, v, model, config)
                 except Exception as e:  # noqa: BLE001 - reported per version
                     failures.append(f"version {v}: {type(e).__name__}: {e}")
             if fresh:
@@ -206,7 +227,7 @@ class App:
                 raise HttpError(400, reason)
 
     def _retire(self, version: _Version) -> None:
-        task = asyncio.get_running_loop().create_task(version.batcher.close())
+        task = asyncio.get_running_loop().create_task(version.close())
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
@@ -221,7 +242,7 @@ class App:
             if current is None and name not in self.source.names():
                 raise HttpError(404, f"model '{name}' is not in the repository")
             self.status[name] = ("UNAVAILABLE", "unloaded")
-            await asyncio.gather(*(v.batcher.close() for v in (current or {}).values()))
+            await asyncio.gather(*(v.close() for v in (current or {}).values()))
 
     def resolve(self, name: str, version: str | None) -> _Version:
         """The version a request names (the newest loaded one when None).
@@ -241,7 +262,7 @@ class App:
 
     # --- routing ---
 
-    def handle(self, req: Request) -> Response | asyncio.Future[Response]:
+    def handle(self, req: Request) -> Response | StreamResponse | asyncio.Future[Response]:
         """Route one request (see the Endpoints section of docs/serving.md)."""
         rid = req.headers.get("x-request-id", "")
         if not rid or len(rid) > 200 or not rid.isprintable():
@@ -262,7 +283,7 @@ class App:
         if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             raise HttpError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')", [("WWW-Authenticate", "Bearer")])
 
-    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | asyncio.Future[Response]:
+    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Response]:
         path, method = req.path, req.method
         if path.startswith("/v2/models/"):
             return self._model_route(req, headers)
@@ -290,7 +311,7 @@ class App:
             return asyncio.ensure_future(_admin(op, headers))
         raise HttpError(404, f"no route for {method} {path[:200]}")
 
-    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | asyncio.Future[Response]:
+    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Response]:
         parts = req.path.split("/")[3:]
         name, rest, version = unquote(parts[0]), parts[1:], None
         if len(rest) >= 2 and rest[0] == "versions":
@@ -299,6 +320,9 @@ class App:
         if action == "infer":
             _method(req.method, "POST")
             return self.infer(req, name, version, headers)
+        if action in ("generate", "generate_stream"):
+            _method(req.method, "POST")
+            return self.generate(req, name, version, headers, stream=action == "generate_stream")
         if action == "ready":
             _method(req.method, "GET")
             try:
@@ -324,6 +348,8 @@ class App:
     def metadata(self, live: _Version) -> dict[str, Any]:
         """OIP model metadata (a symbolic or batch dimension is -1)."""
         m, batched = live.model, live.batch_dim is not None
+        if live.engine is not None:
+            return _generator_metadata(live, [str(v) for v in sorted(self.live.get(live.name, {}))])
         return {
             "name": live.name,
             "versions": [str(v) for v in sorted(self.live.get(live.name, {}))],
@@ -335,6 +361,8 @@ class App:
     def model_config(self, live: _Version) -> dict[str, Any]:
         """A Triton-style model configuration (dims without the batch axis when batched)."""
         b, cfg = live.batcher, live.config.batching
+        if b is None:
+            return _generator_config(live, self.metadata(live))
 
         def dims(meta: dict[str, Any]) -> dict[str, Any]:
             shape = meta["shape"][1:] if b.batchable else meta["shape"]
@@ -367,6 +395,9 @@ class App:
                     continue
                 labels = live.labels
                 phase = functools.partial(_phase, labels=labels)
+                if live.engine is not None:
+                    out.append(_generator_stats(m, live))
+                    continue
                 failures = sum(c for k, c in m.failure.values.items() if k[:2] == labels)
                 out.append({
                     "name": model,
@@ -396,16 +427,25 @@ class App:
 
     def render_metrics(self) -> bytes:
         """The /metrics body (queue sizes sampled now)."""
-        gauge = self.metrics.queue_size
-        gauge.values.clear()
+        m = self.metrics
+        for gauge in (m.queue_size, m.gen_queue, m.gen_active):
+            gauge.values.clear()
         for versions in self.live.values():
             for v in versions.values():
-                gauge.set(v.labels, v.batcher.queued)
-        return self.metrics.render()
+                if v.batcher is not None:
+                    m.queue_size.set(v.labels, v.batcher.queued)
+                if v.engine is not None:
+                    stats = v.engine.stats()
+                    m.gen_queue.set(v.labels, stats.get("queue", 0))
+                    m.gen_active.set(v.labels, stats.get("active_slots", 0))
+        return m.render()
 
     def infer(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]]) -> asyncio.Future[Response]:
         """Validate, queue, and answer one inference request."""
         live = self.resolve(name, version)
+        if live.batcher is None:
+            self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
+            raise HttpError(400, f"model '{name}' is a generative model: use POST /v2/models/{name}/generate (or /generate_stream), not /infer")
         try:
             decoded = self._decode(req, live)
             arrays, env = validate_inputs(live.model.inputs, decoded.inputs, live.batcher.max_batch_size if live.batch_dim else 0)
@@ -426,6 +466,45 @@ class App:
         out: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(functools.partial(self._answer, out, live, decoded, headers, req.started))
         return out
+
+    def generate(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]], stream: bool) -> StreamResponse | asyncio.Future[Response]:
+        """Validate and submit one generate request; its answer, or its event stream."""
+        live, m = self.resolve(name, version), self.metrics
+        if live.engine is None:
+            raise HttpError(400, f"model '{name}' is not a generative model: use POST /v2/models/{name}/infer")
+        try:
+            prompt, params = parse_generate(req.body, live.model)
+        except ValueError as e:
+            m.gen_failure.inc((*live.labels, ("reason", "bad_request")))
+            raise HttpError(400, str(e)) from None
+        started = req.started
+
+        def done(reason: str, tokens: int, ttft: float | None) -> None:
+            m.gen_requests.inc((*live.labels, ("finish_reason", reason)))
+            m.gen_tokens.inc(live.labels, tokens)
+            m.gen_time.observe(live.labels, time.perf_counter() - started)
+            if ttft is not None:
+                m.gen_ttft.observe(live.labels, ttft)
+
+        base = {"model_name": live.name, "model_version": str(live.version)}
+        relay = GenerationRelay(asyncio.get_running_loop(), base, live.model.vocabulary, len(prompt), stream, done)
+        relay.started, relay.headers = started, headers
+        try:
+            request = relay.request = live.engine.submit(prompt, params, relay.on_event)
+        except QueueFull as e:
+            m.gen_failure.inc((*live.labels, ("reason", "queue_full")))
+            retry = str(getattr(e, "retry_after", 1))
+            raise HttpError(503, f"model '{name}' is overloaded: {e}", [("Retry-After", retry)]) from None
+        except Unavailable as e:
+            raise HttpError(503, f"model '{name}' is not taking requests: {e}", [("Retry-After", "1")]) from None
+        except ValueError as e:
+            m.gen_failure.inc((*live.labels, ("reason", "bad_request")))
+            raise HttpError(400, str(e)) from None
+        m.gen_prompt_tokens.inc(live.labels, len(prompt))
+        req.on_disconnect = request.cancel  # a client gone mid-generation frees its slot
+        if stream:
+            return StreamResponse(relay.attach, headers=headers)
+        return relay.future
 
     def _decode(self, req: Request, live: _Version) -> InferRequest:
         raw = req.headers.get("inference-header-content-length")
@@ -462,7 +541,7 @@ class App:
             hdrs = [*headers, ("Inference-Header-Content-Length", str(header_length))]
             out.set_result(Response(200, body, "application/octet-stream", hdrs))
 
-    def finished(self, req: Request, response: Response, nbytes: int) -> None:
+    def finished(self, req: Request, response: Response | StreamResponse, nbytes: int) -> None:
         """After each response: the HTTP status counter and a JSON access-log line."""
         self.metrics.http.inc((("code", str(response.status)),))
         if access_log.isEnabledFor(logging.INFO):
@@ -478,6 +557,63 @@ class App:
                 "request_id": rid,
             }
             access_log.info(json.dumps(record), extra={"cairn_access": record})
+
+
+def _generator_metadata(live: _Version, versions: list[str]) -> dict[str, Any]:
+    """A generator's metadata: the generate extension's inputs and outputs."""
+    m = live.model
+    return {
+        "name": live.name,
+        "versions": versions,
+        "platform": getattr(m, "platform", "jax"),
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}, {"name": "input_ids", "datatype": "INT32", "shape": [-1]}],
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}, {"name": "output_ids", "datatype": "INT32", "shape": [-1]}],
+        "generation": {
+            "vocab_size": int(m.vocab_size),
+            "max_length": int(m.max_length),
+            "eos_token_ids": [int(t) for t in m.eos_token_ids],
+            "has_vocabulary": m.vocabulary is not None,
+        },
+    }
+
+
+def _generator_config(live: _Version, meta: dict[str, Any]) -> dict[str, Any]:
+    """A generator's Triton-style configuration: its engine settings instead of batching."""
+    return {
+        "name": live.name,
+        "platform": meta["platform"],
+        "max_batch_size": 0,
+        "input": [{"name": t["name"], "data_type": "TYPE_" + ("STRING" if t["datatype"] == "BYTES" else t["datatype"]), "dims": t["shape"]} for t in meta["inputs"]],
+        "output": [{"name": t["name"], "data_type": "TYPE_" + ("STRING" if t["datatype"] == "BYTES" else t["datatype"]), "dims": t["shape"]} for t in meta["outputs"]],
+        "version_policy": live.config.version_policy.to_json(),
+        "model_transaction_policy": {"decoupled": True},
+        "generation": {**live.config.generation.to_json(), **meta["generation"]},
+    }
+
+
+def _generator_stats(m: Metrics, live: _Version) -> dict[str, Any]:
+    """A generator's statistics: requests by finish reason, tokens, and the engine's counters."""
+    labels = live.labels
+    by_reason = {k[2][1]: int(c) for k, c in m.gen_requests.values.items() if k[:2] == labels}
+    refused = sum(c for k, c in m.gen_failure.values.items() if k[:2] == labels)
+    assert live.engine is not None
+    return {
+        "name": live.name,
+        "version": str(live.version),
+        "inference_count": sum(by_reason.values()),
+        "execution_count": int(live.engine.stats().get("steps", 0)),
+        "inference_stats": {
+            "success": _phase(m.gen_time, labels),
+            "fail": {"count": int(refused + by_reason.get("error", 0)), "ns": 0},
+            "time_to_first_token": _phase(m.gen_ttft, labels),
+        },
+        "generation_stats": {
+            "finish_reasons": by_reason,
+            "prompt_tokens": int(m.gen_prompt_tokens.values.get(labels, 0)),
+            "output_tokens": int(m.gen_tokens.values.get(labels, 0)),
+            "engine": live.engine.stats(),
+        },
+    }
 
 
 def _phase(hist: Any, labels: tuple[tuple[str, str], ...]) -> dict[str, int]:
@@ -512,19 +648,23 @@ async def _admin(op: Any, headers: list[tuple[str, str]]) -> Response:
 # --- the public server ---
 
 
-def _as_source(models: Any, batching: BatchingConfig | Mapping[str, BatchingConfig] | None) -> ModelRepository | ModelSet:
+def _as_source(
+    models: Any,
+    batching: BatchingConfig | Mapping[str, BatchingConfig] | None,
+    generation: GenerationConfig | Mapping[str, GenerationConfig] | None = None,
+) -> ModelRepository | ModelSet:
     if isinstance(models, ModelRepository | ModelSet):
         return models
     if isinstance(models, str | os.PathLike):
-        if isinstance(batching, Mapping):
-            raise TypeError("per-model batching for a repository goes in each model's config.json")
-        return ModelRepository(Path(models), batching=batching)
+        if isinstance(batching, Mapping) or isinstance(generation, Mapping):
+            raise TypeError("per-model batching or generation settings for a repository go in each model's config.json")
+        return ModelRepository(Path(models), batching=batching, generation=generation)
     if isinstance(models, Mapping):
-        return ModelSet(models, batching)
+        return ModelSet(models, batching, generation)
     if isinstance(models, list | tuple):
-        return ModelSet({m.name: m for m in models}, batching)
-    if callable(models) and hasattr(models, "inputs"):
-        return ModelSet({models.name: models}, batching)
+        return ModelSet({m.name: m for m in models}, batching, generation)
+    if (callable(models) and hasattr(models, "inputs")) or isinstance(models, GenerativeModel):
+        return ModelSet({models.name: models}, batching, generation)
     raise TypeError(
         f"serve() takes a repository directory, a ModelRepository, a model, or a dict/list of models; got {type(models).__name__}"
     )
@@ -550,8 +690,9 @@ class Server:
         workers: int | None = None,
         drain_timeout: float = 30.0,
         poll_interval: float | None = None,
+        generation: GenerationConfig | Mapping[str, GenerationConfig] | None = None,
     ) -> None:
-        self.source = _as_source(models, batching)
+        self.source = _as_source(models, batching, generation)
         self.host, self.port = host, port
         self.token = token
         self.limits = limits or HttpLimits()
@@ -686,13 +827,14 @@ def serve(
     workers: int | None = None,
     drain_timeout: float = 30.0,
     poll_interval: float | None = None,
+    generation: GenerationConfig | Mapping[str, GenerationConfig] | None = None,
 ) -> Server:
     """Serve models over the Open Inference Protocol v2 (HTTP/1.1) in a background thread.
 
     Args:
       models: a model repository directory (``<repo>/<model>/<version>/``), a
-        :class:`ModelRepository`, a :class:`ServableModel` (served as version 1 under its
-        ``name``), or a dict ``{name: model}`` / list of models.
+        :class:`ModelRepository`, a :class:`ServableModel` or :class:`GenerativeModel`
+        (served as version 1 under its ``name``), or a dict ``{name: model}`` / list of models.
       host: the address to bind; loopback unless told otherwise.
       port: the port; 0 picks a free one (read ``server.port``).
       token: when given, every route but ``/v2/health/*`` needs ``Authorization: Bearer <token>`` (else 401).
@@ -703,6 +845,9 @@ def serve(
       drain_timeout: seconds :meth:`Server.stop` waits for in-flight requests.
       poll_interval: when set, re-scan the repository every this many seconds and load
         new versions and models (Triton's ``--model-control-mode=poll``).
+      generation: :class:`GenerationConfig` for every generative model (slots, prefill
+        batch, queue bound), or ``{name: GenerationConfig}`` for in-memory models (a
+        repository's models override it with the ``"generation"`` key of ``config.json``).
 
     Returns:
       The running :class:`Server` (use it as a context manager, or call ``stop()``).
@@ -729,4 +874,5 @@ def serve(
         workers=workers,
         drain_timeout=drain_timeout,
         poll_interval=poll_interval,
+        generation=generation,
     ).start()

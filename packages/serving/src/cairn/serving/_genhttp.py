@@ -1,0 +1,183 @@
+"""The HTTP side of generation: request bodies, answers and server-sent events.
+
+``POST /v2/models/{m}/generate`` and ``/generate_stream`` take Triton's generate-extension
+JSON, ``{"text_input": str}`` or ``{"input_ids": [int, ...]}`` plus ``"parameters"`` (the
+sampling options of :meth:`SamplingParams.from_json`). :func:`parse_generate` turns a body
+into a prompt and its sampling parameters (``ValueError`` naming the field otherwise);
+:class:`GenerationRelay` carries one request's events from the engine thread to the event
+loop, where they become the JSON answer or one SSE event per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cairn.serving._genexport import detokenize, tokenize
+from cairn.serving._http import Response, Stream
+from cairn.serving._sampling import SamplingParams
+
+_BODY_KEYS = ("text_input", "input_ids", "parameters")
+
+
+def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
+    """Parse a generate request body for ``model`` (a GenerativeModel).
+
+    Args:
+      body: the JSON body: exactly one of ``text_input`` (a string; needs the model's
+        vocabulary; the model's ``bos_token_id``, when set, is prepended) and ``input_ids``
+        (a non-empty list of token ids), and optionally ``parameters`` (an object).
+
+    Returns:
+      ``(prompt token ids, SamplingParams)``.
+
+    Raises:
+      ValueError: malformed JSON, an unknown key, a missing or ill-typed field, text on a
+        model without vocabulary, or bad sampling parameters (each naming the field).
+    """
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"request body must be a JSON object: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"request body must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(_BODY_KEYS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown} in the request body (known: {list(_BODY_KEYS)})")
+    if ("text_input" in obj) == ("input_ids" in obj):
+        raise ValueError("give exactly one of 'text_input' (a string) and 'input_ids' (a list of token ids)")
+    prompt = _prompt_ids(obj, model)
+    params = obj.get("parameters", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"parameters must be a JSON object, got {type(params).__name__}")
+    return prompt, _sampling(params, model)
+
+
+def _prompt_ids(obj: dict[str, Any], model: Any) -> list[int]:
+    if "text_input" in obj:
+        text = obj["text_input"]
+        if not isinstance(text, str):
+            raise ValueError(f"text_input must be a string, got {type(text).__name__}")
+        if model.vocabulary is None:
+            raise ValueError(f"text_input: model '{model.name}' has no vocabulary; send input_ids (token ids) instead")
+        return tokenize(text, model.vocabulary, getattr(model, "bos_token_id", None))
+    ids = obj["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError("input_ids must be a list of integer token ids")
+    return list(ids)
+
+
+def _sampling(params: dict[str, Any], model: Any) -> SamplingParams:
+    try:
+        return SamplingParams.from_json(params, vocabulary=model.vocabulary)
+    except (TypeError, ValueError) as e:  # TypeError: a field of the wrong JSON type
+        raise ValueError(f"parameters: {e}") from None
+
+
+class GenerationRelay:
+    """One generate request's events, carried from the engine thread to the event loop.
+
+    Args:
+      loop: the server's event loop.
+      base: the fields every answer carries (``model_name``, ``model_version``).
+      vocabulary: token id -> text, or None (no ``text_output`` then).
+      prompt_len: the prompt's length (for ``usage``).
+      streaming: answer with SSE events (through :meth:`attach`) instead of :attr:`future`.
+      done: called on the loop when the request finished: ``(finish_reason, tokens, ttft)``.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        base: dict[str, Any],
+        vocabulary: Sequence[str | None] | None,
+        prompt_len: int,
+        streaming: bool,
+        done: Callable[[str, int, float | None], None],
+    ) -> None:
+        self.loop, self.base, self.vocabulary, self.prompt_len = loop, base, vocabulary, prompt_len
+        self.streaming = streaming
+        self.done = done
+        self.started = time.perf_counter()
+        self.tokens: list[int] = []
+        self.first_token: float | None = None
+        self.future: asyncio.Future[Response] = loop.create_future()
+        self.headers: list[tuple[str, str]] = []
+        self.stream: Stream | None = None
+        self._backlog: list[Any] = []
+        self.finished = False
+        self.request: Any = None  # the engine's GenerationRequest, once submitted
+
+    def on_event(self, event: Any) -> None:
+        """The engine's callback (engine thread): hand the event to the loop."""
+        self.loop.call_soon_threadsafe(self._deliver, event)
+
+    def attach(self, stream: Stream) -> None:
+        """:class:`StreamResponse` start: write what arrived so far, then each event as it comes."""
+        self.stream = stream
+        backlog, self._backlog = self._backlog, []
+        for event in backlog:
+            self._deliver(event)
+
+    def _deliver(self, event: Any) -> None:
+        if self.finished:
+            return
+        if self.streaming and self.stream is None:  # the head is not written yet
+            self._backlog.append(event)
+            return
+        token = getattr(event, "token_id", None)
+        if token is not None:
+            if self.first_token is None:
+                self.first_token = time.perf_counter() - self.started
+            self.tokens.append(int(token))
+            if self.stream is not None:
+                self._write({**self.base, "text_output": self._text([int(token)]), "output_ids": [int(token)], "index": event.index})
+        if event.finished:
+            self._finish(event.finish_reason or "error")
+
+    def _text(self, ids: list[int]) -> str | None:
+        return None if self.vocabulary is None else detokenize(ids, self.vocabulary)
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        if obj.get("text_output", "") is None:
+            del obj["text_output"]
+        assert self.stream is not None
+        self.stream.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+    def answer(self) -> dict[str, Any]:
+        """The non-streamed answer (or the final event's fields)."""
+        out = {**self.base}
+        text = self._text(self.tokens)
+        if text is not None:
+            out["text_output"] = text
+        out["output_ids"] = list(self.tokens)
+        out["usage"] = {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.tokens)}
+        return out
+
+    def _error(self) -> str:
+        result = self.request.result(0) if self.request is not None and self.request.done else None
+        detail = f": {result.error}" if result is not None and result.error else ""
+        return f"model '{self.base['model_name']}' failed while generating this request{detail}"
+
+    def _finish(self, reason: str) -> None:
+        self.finished = True
+        self.done(reason, len(self.tokens), self.first_token)
+        if self.stream is not None:
+            final = {**self.base, "finish_reason": reason, "usage": self.answer()["usage"]}
+            if reason == "error":
+                final["error"] = self._error()
+            self._write(final)
+            self.stream.end()
+        elif self.future.done():
+            return
+        elif reason == "error":
+            self.future.set_result(_json(500, {"error": self._error()}, self.headers))
+        else:
+            self.future.set_result(_json(200, {**self.answer(), "finish_reason": reason}, self.headers))
+
+
+def _json(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
+    return Response(status, json.dumps(obj, separators=(",", ":")).encode(), headers=headers)
