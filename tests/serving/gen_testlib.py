@@ -24,7 +24,7 @@ HEAD_DIM = 8
 N_LAYERS = 2
 D_FF = 64
 MAX_LENGTH = 64
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+BOS_ID, EOS_ID = 1, 2  # 0 is padding
 # token id -> text: 0..2 are specials (no text), then single characters and two multi-char tokens
 VOCAB: list[str | None] = [None, None, None, *"abcdefghijklmnopqrstuvwxyz", *"012345", " ", ".", ",", "ab", "the"]
 assert len(VOCAB) == VOCAB_SIZE
@@ -184,16 +184,3 @@ def reference_logits(params, tokens) -> np.ndarray:
         f = 0.5 * f * (1.0 + np.tanh(0.7978845608028654 * (f + 0.044715 * f**3)))
         x = x + f @ _np(layer["w2"])
     return rms(x, params["nf"]) @ _np(params["emb"]).T
-
-
-def reference_greedy(params, prompt, max_new_tokens: int, stop_ids=()) -> list[int]:
-    """Greedy generation by the float64 full forward (recomputed from scratch every token)."""
-    seq = list(prompt)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        tok = int(np.argmax(reference_logits(params, seq)[-1]))
-        out.append(tok)
-        seq.append(tok)
-        if tok in stop_ids or len(seq) >= MAX_LENGTH:
-            break
-    return out

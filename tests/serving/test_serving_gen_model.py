@@ -57,8 +57,8 @@ def test_prefill_then_decode_equal_full_forward(quant):
 def test_decode_rows_are_independent():
     params = init_params(1)
     tokens = jnp.asarray(np.arange(8, dtype=np.int32).reshape(2, 4) + 3)
-    _, cache = prefill(params, tokens, jnp.asarray([4, 4], jnp.int32))
-    a, _ = decode(params, jnp.asarray([5, 6], jnp.int32), jnp.asarray([4, 4], jnp.int32), cache)
+    _, cache = jax.jit(prefill)(params, tokens, jnp.asarray([4, 4], jnp.int32))
+    a, _ = jax.jit(decode)(params, jnp.asarray([5, 6], jnp.int32), jnp.asarray([4, 4], jnp.int32), cache)
     other = {k: v.at[1].set(0.0) for k, v in cache.items()}
-    b, _ = decode(params, jnp.asarray([5, 9], jnp.int32), jnp.asarray([4, 2], jnp.int32), other)
+    b, _ = jax.jit(decode)(params, jnp.asarray([5, 9], jnp.int32), jnp.asarray([4, 2], jnp.int32), other)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))

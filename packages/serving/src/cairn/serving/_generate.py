@@ -256,7 +256,7 @@ class GenerationEngine:
         self._slots: list[GenerationRequest | None] = [None] * config.num_slots
         self._tokens = np.zeros(config.num_slots, np.int32)
         self._positions = np.zeros(config.num_slots, np.int32)
-        self._cache: dict[str, Any] | None = None
+        self._cache: dict[str, Any] = {}
         self._scatter: Callable | None = None
         self._thread: threading.Thread | None = None
         self._state = "new"
@@ -266,16 +266,22 @@ class GenerationEngine:
 
     # --- lifecycle ---
 
-    def start(self) -> GenerationEngine:
+    def start(self, precompile: bool = True) -> GenerationEngine:
         """Compile every shape (prefill per prompt bucket, the scatter, decode), then start
-        the engine thread. Returns ``self``."""
+        the engine thread. Returns ``self``.
+
+        Args:
+          precompile: ``False`` compiles each shape at its first use instead (quicker to
+            start in tests and notebooks; the first request of each bucket waits).
+        """
         with self._cond:
             if self._state != "new":
                 raise RuntimeError(f"GenerationEngine.start: the engine is {self._state}")
             self._state = "starting"
         self._cache = self.model.init_cache(self.config.num_slots)
         self._scatter = _make_scatter()
-        self._warm_up()
+        if precompile:
+            self._warm_up()
         self._thread = threading.Thread(target=self._loop, name=f"cairn-generate-{self.model.name}", daemon=True)
         with self._cond:
             self._state = "running"
@@ -539,7 +545,7 @@ class GenerationEngine:
 
     def _model_error(self, e: Exception, reqs: list[GenerationRequest]) -> None:
         """Fail ``reqs`` (and every slot's request when the cache was lost)."""
-        lost = self._cache is None or any(getattr(x, "is_deleted", lambda: False)() for x in self._cache.values())
+        lost = not self._cache or any(getattr(x, "is_deleted", lambda: False)() for x in self._cache.values())
         failed = list(reqs)
         with self._cond:
             for i, r in enumerate(self._slots):

@@ -128,7 +128,7 @@ def detokenize(token_ids: Sequence[int], vocabulary: Sequence[str | None]) -> st
     Raises:
       ValueError: a token id outside the vocabulary.
 
-    >>> detokenize([2, 0, 3], ["a", None, "ab", "c"])
+    >>> detokenize([2, 0, 3], [None, "a", "ab", "c"])
     'abc'
     """
     out = []

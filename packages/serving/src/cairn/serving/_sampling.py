@@ -25,10 +25,11 @@ _MAX_SEED = 2**64
 def _int_field(name: str, v: Any, lo: int, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise ValueError(f"SamplingParams.{name} must be an integer, got {v!r}")
+    v = int(v)
     if v < lo or (hi is not None and v >= hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
         raise ValueError(f"SamplingParams.{name} must be {bound}, got {v}")
-    return int(v)
+    return v
 
 
 def _float_field(name: str, v: Any) -> float:
