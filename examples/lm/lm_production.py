@@ -90,7 +90,7 @@ def _measure_model(port: int, name: str, variant: lm_quant.Variant, dims: lm_gen
                    expected: list[str], cfg: Any, quiet: bool) -> dict[str, Any]:
     s = cfg.serve
     gen_model = lm_serve.model_name(name)
-    nxt = lm_serve.infer_next_token(port, f"{gen_model}_next_token", prompts[:8], dims.max_length)
+    nxt, client = lm_serve.infer_next_token(port, f"{gen_model}_next_token", prompts[:8], dims.max_length)
     first = [v[:1] for v in lm_generate.Generator(variant.prefill, variant.decode, variant.params, dims,
                                                   batch=8).generate(prompts[:8], 1)]
     infer_ok = [int(t) for t in nxt] == [f[0] if f else lm_task.EOS for f in first]
@@ -107,7 +107,7 @@ def _measure_model(port: int, name: str, variant: lm_quant.Variant, dims: lm_gen
                     f"p99 {lv['latency_p99_ms']:.1f} ms")
     answers = lm_serve.generate_all(port, gen_model, prompts, s.max_new_tokens, max(s.concurrency))
     served = sum(a == e for a, e in zip(answers, expected)) / len(expected)
-    return {"infer_next_token_matches": infer_ok, "levels": levels, "served_exact_match": served,
+    return {"infer_next_token_matches": infer_ok, "infer_client": client, "levels": levels, "served_exact_match": served,
             "inprocess_exact_match": variant.exact_match,
             "differing_answers": sum(a != b for a, b in zip(answers, variant.answers))}
 

@@ -142,7 +142,7 @@ def format_production(r: dict) -> list[str]:
                 continue
             lines.append(f"{m['generator']:22s} served exact match {m['served_exact_match']:.2%} vs in-process "
                          f"{m['inprocess_exact_match']:.2%} ({m['differing_answers']} answers differ); "
-                         f"/infer next token {'matches' if m['infer_next_token_matches'] else 'DIFFERS'}")
+                         f"/infer ({m.get('infer_client', '?')}) next token {'matches' if m['infer_next_token_matches'] else 'DIFFERS'}")
             for lv in m["levels"]:
                 lines.append(f"  concurrency {lv['concurrency']:<3d}      {lv['tokens_per_s']:8,.0f} tok/s   "
                              f"TTFT p50 {lv['ttft_p50_ms']:6.1f} ms   latency p50 {lv['latency_p50_ms']:6.1f} / "

@@ -278,14 +278,20 @@ def generate_all(port: int, model: str, prompts: Sequence[Sequence[int]], max_ne
     return _answers(results)
 
 
-def infer_next_token(port: int, model: str, prompts: Sequence[Sequence[int]], width: int) -> np.ndarray:
-    """Greedy next tokens of ``prompts`` from the ``/infer`` model, through tritonclient's HTTP client."""
-    import tritonclient.http as httpclient
+def infer_next_token(port: int, model: str, prompts: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, str]:
+    """Greedy next tokens of ``prompts`` from the ``/infer`` model; (tokens, the client used).
 
+    Through tritonclient's HTTP client when it is installed (the test environment has it),
+    else a plain Open Inference Protocol JSON request.
+    """
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
+    try:
+        import tritonclient.http as httpclient
+    except ImportError:
+        return _infer_json(port, model, tokens, lengths), "json"
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
         inputs = [httpclient.InferInput("tokens", list(tokens.shape), "INT32"),
@@ -293,6 +299,22 @@ def infer_next_token(port: int, model: str, prompts: Sequence[Sequence[int]], wi
         inputs[0].set_data_from_numpy(tokens)
         inputs[1].set_data_from_numpy(lengths)
         result = client.infer(model, inputs, outputs=[httpclient.InferRequestedOutput("next_token")])
-        return np.asarray(result.as_numpy("next_token"))
+        return np.asarray(result.as_numpy("next_token")), "tritonclient"
     finally:
         client.close()
+
+
+def _infer_json(port: int, model: str, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    body = {"inputs": [{"name": "tokens", "shape": list(tokens.shape), "datatype": "INT32", "data": tokens.ravel().tolist()},
+                       {"name": "lengths", "shape": list(lengths.shape), "datatype": "INT32", "data": lengths.tolist()}],
+            "outputs": [{"name": "next_token"}]}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        resp = _post(conn, f"/v2/models/{model}/infer", body)
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"/infer answered {resp.status}: {data[:300]!r}")
+    finally:
+        conn.close()
+    out = {o["name"]: o for o in json.loads(data)["outputs"]}["next_token"]
+    return np.asarray(out["data"], np.int32).reshape(out["shape"])
