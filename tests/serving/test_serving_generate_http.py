@@ -73,16 +73,29 @@ GEN_CONFIG = GenerationConfig(num_slots=4, prefill_batch=2, max_queue=64)
 
 
 @pytest.fixture(scope="module")
-def models():
-    tiny = _generator()
-    return {"tiny": tiny, "ids": _View(tiny, "ids", text=False), "affine": affine_model()}
+def generator():
+    return _generator()
 
 
 @pytest.fixture(scope="module")
-def engine(models):
+def models(generator):
+    """What the module's server serves; ``models["tiny"].delay`` slows its decode steps."""
+    return {"tiny": _View(generator, "tiny"), "ids": _View(generator, "ids", text=False), "affine": affine_model()}
+
+
+@pytest.fixture(scope="module")
+def engine(generator):
     """The in-process engine the server's answers are compared with (same model, same shapes)."""
-    with GenerationEngine(models["tiny"], GEN_CONFIG) as e:
+    with GenerationEngine(generator, GEN_CONFIG) as e:
         yield e
+
+
+@pytest.fixture
+def slow_decode(models):
+    """Decode steps of the served "tiny" take 20 ms for this test: a 60-token request runs >= 1.2 s."""
+    models["tiny"].delay = 0.02
+    yield
+    models["tiny"].delay = 0.0
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +260,7 @@ def _open_stream(server, model: str, body) -> socket.socket:
     return s
 
 
-def test_client_disconnect_cancels_and_frees_the_slot(server, engine):
+def test_client_disconnect_cancels_and_frees_the_slot(server, engine, slow_decode):
     cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
     long = {"input_ids": [lm.BOS_ID, 4], "parameters": {"max_tokens": 60, "ignore_eos": True}}
     socks = [_open_stream(server, "tiny", long) for _ in range(3)]
@@ -259,6 +272,32 @@ def test_client_disconnect_cancels_and_frees_the_slot(server, engine):
         assert fut.result() == _engine_tokens(engine, other, max_new_tokens=20, ignore_eos=True)
     _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + 3)
     _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
+
+
+def test_client_leaving_before_a_plain_answer_cancels(server, slow_decode):
+    cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
+    payload = json.dumps({"input_ids": [lm.BOS_ID, 4], "parameters": {"max_tokens": 60, "ignore_eos": True}}).encode()
+    with socket.create_connection((server.host, server.port), timeout=60) as s:
+        s.sendall(b"POST /v2/models/tiny/generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(payload), payload))
+        _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 1)
+    _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + 1)
+    _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
+
+
+def test_unload_drains_running_generations(generator, engine):
+    from cairn.serving._server import Server
+
+    prompt = [lm.BOS_ID, 9, 10]
+    view = _View(generator, "tiny")
+    with Server({"tiny": view}, generation=GEN_CONFIG) as server:
+        view.delay = 0.01
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_tokens, server, {"input_ids": prompt, "parameters": {"max_tokens": 30, "ignore_eos": True}}, True)
+            _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 1)
+            server.unload_model("tiny")  # returns once the running request has finished
+            assert fut.result(30) == _engine_tokens(engine, prompt, max_new_tokens=30, ignore_eos=True)
+        status, _, out = _post(server, "/v2/models/tiny/generate", {"input_ids": prompt})
+        assert status == 404 and "not loaded" in out["error"]
 
 
 # --- bad requests beside a running generation ---

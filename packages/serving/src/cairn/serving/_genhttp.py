@@ -113,7 +113,10 @@ class GenerationRelay:
 
     def on_event(self, event: Any) -> None:
         """The engine's callback (engine thread): hand the event to the loop."""
-        self.loop.call_soon_threadsafe(self._deliver, event)
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the loop closed (server stopped without draining): nobody to tell
+            pass
 
     def attach(self, stream: Stream) -> None:
         """:class:`StreamResponse` start: write what arrived so far, then each event as it comes."""
