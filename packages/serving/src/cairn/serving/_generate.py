@@ -517,10 +517,11 @@ class GenerationEngine:
             self._model_error(e, [])
             return
         self._counts["steps"] += 1
+        greedy = host.argmax(axis=1)  # the same first maximum sample_token takes, for all rows at once
         for slot, r in enumerate(self._slots):
             if r is None:
                 continue
-            tok = sample_token(host[slot], r.params, r.seed, len(r.token_ids))
+            tok = int(greedy[slot]) if r.params.greedy else sample_token(host[slot], r.params, r.seed, len(r.token_ids))
             if r._add(tok, self._text(tok)):
                 self._retire(slot)
             else:

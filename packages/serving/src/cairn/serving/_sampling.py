@@ -169,17 +169,24 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
     [0.625, 0.375, 0.0]
     """
     z = np.asarray(logits, np.float64) / temperature
-    order = np.argsort(-z, kind="stable")  # most likely first, lower id first among ties
-    p = np.exp(z[order] - z[order[0]])
-    if top_k:
-        p[top_k:] = 0.0
+    n = len(z)
+    if top_k and top_k < n:  # the k largest without sorting everything: ties at the cut go to lower ids
+        v = np.partition(z, n - top_k)[n - top_k]
+        above = np.flatnonzero(z > v)
+        idx = np.concatenate([above, np.flatnonzero(z == v)[: top_k - len(above)]])
+    else:
+        idx = np.arange(n)
+    if top_p < 1.0:
+        idx = np.sort(idx)
+        idx = idx[np.argsort(-z[idx], kind="stable")]  # most likely first, lower id first among ties
+    p = np.exp(z[idx] - z[idx].max())
     p /= p.sum()
     if top_p < 1.0:
         before = np.cumsum(p) - p  # mass of the more likely tokens
         p[before >= top_p] = 0.0
         p /= p.sum()
-    out = np.zeros_like(p)
-    out[order] = p
+    out = np.zeros(n)
+    out[idx] = p
     return out
 
 
