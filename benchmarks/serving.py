@@ -20,9 +20,18 @@ The model is an exported and loaded (``cairn.serving.export``/``load``) float32 
 handler at c=16 (ratio >= 0.9), batching >= 5x batch-1 throughput for the compute model at
 c=64, p99 under twice the queue delay plus the compute of one full batch at c=16.
 
-Prints a table, then ONE JSON line. ``--quick`` runs one round of 2 s per point (under 2
-minutes); the default, three interleaved rounds of 4 s (medians).
-If ``benchmarks/_serving_export.py`` exists its export and cold-start rows are appended.
+The generation section (``benchmarks/_serving_generate.py``, its docstring has the details)
+serves one small decoder LM exported with ``export_generator`` under three engine
+configurations: continuous batching, a static batcher and one request at a time; closed-loop
+streaming clients at concurrency 1, 16 and 64 with mixed prompt and output lengths measure
+tokens/s, time per output token and time to first token. Goals: continuous at least 3x the
+static batcher's tokens/s at c=64 and 10x one-at-a-time, TTFT at c=16 under 3x its c=1 value.
+
+Prints the tables, then ONE JSON line (the generation figures under ``"generate"``).
+``--quick`` runs one round of short points (about a minute per section); the default, three
+interleaved rounds of 4 s (medians) for infer and two longer rounds for generate.
+``--section infer|generate`` runs one of them. If ``benchmarks/_serving_export.py`` exists
+its export and cold-start rows are appended.
 """
 
 from __future__ import annotations
@@ -304,18 +313,9 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one round of 2 s per point instead of three of 4 s")
-    p.add_argument("--loadgen", nargs=5, metavar=("PORT", "PAYLOAD", "C", "SECONDS", "RATE"), help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.loadgen:
-        port, payload, c, seconds, rate = args.loadgen
-        with open(payload, "rb") as f:
-            data = f.read()
-        print(json.dumps(asyncio.run(_loadgen("127.0.0.1", int(port), data, int(c), float(seconds), WARMUP, float(rate)))))
-        return
-    seconds, rounds = (2.0, 1) if args.quick else (4.0, 3)
+def infer_section(quick: bool) -> dict:
+    """The infer benchmark (module docstring): prints its rows and table, returns the summary."""
+    seconds, rounds = (2.0, 1) if quick else (4.0, 3)
     tools = [t for t in ("wrk", "hey") if shutil.which(t)]
     print(f"load generator: {'asyncio client (no wrk/hey installed)' if not tools else 'asyncio client (' + ', '.join(tools) + ' present)'}; "
           f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; {seconds:.0f} s per point, {rounds} interleaved round(s)", flush=True)
@@ -337,8 +337,6 @@ def main() -> None:
     get = {(r["model"], r["server"], r["c"]): r for r in rows}
     rps = lambda m, s, c: get[m, s, c]["rps"]  # noqa: E731
     summary = {
-        "bench": "serving",
-        "load_average": round(os.getloadavg()[0], 2),
         "batch_vs_bare_c16": rps("small", "cairn-batch", 16) / rps("small", "bare-aiohttp", 16),
         "nobatch_vs_bare_c16": rps("small", "cairn-nobatch", 16) / rps("small", "bare-aiohttp", 16),
         "nobatch_vs_bare_c1": rps("small", "cairn-nobatch", 1) / rps("small", "bare-aiohttp", 1),
@@ -354,12 +352,50 @@ def main() -> None:
         "errors": sum(r["errors"] for r in rows),
     }
     try:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _serving_export import rows as export_rows  # S1's export and cold-start figures
 
-        summary["export"] = export_rows(args.quick)
+        summary["export"] = export_rows(quick)
     except ImportError:
         pass
+    return summary
+
+
+def generate_section(quick: bool) -> dict:
+    """The generation benchmark (benchmarks/_serving_generate.py): prints its rows, table and
+    goals, returns the summary (or why it was skipped)."""
+    from cairn import serving
+
+    if not hasattr(serving, "export_generator"):
+        print("generate: skipped (this cairn.serving has no export_generator)")
+        return {"skipped": "cairn.serving has no export_generator"}
+    import _serving_generate as gen
+
+    print(f"generate: {gen.WORKLOAD}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    rows, summary = gen.measure(quick)
+    print(gen.table(rows))
+    print(gen.goals_text(summary))
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one round of short points instead of several longer ones")
+    p.add_argument("--section", choices=("all", "infer", "generate"), default="all", help="run only the infer or the generate benchmark")
+    p.add_argument("--loadgen", nargs=5, metavar=("PORT", "PAYLOAD", "C", "SECONDS", "RATE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.loadgen:
+        port, payload, c, seconds, rate = args.loadgen
+        with open(payload, "rb") as f:
+            data = f.read()
+        print(json.dumps(asyncio.run(_loadgen("127.0.0.1", int(port), data, int(c), float(seconds), WARMUP, float(rate)))))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    summary: dict[str, Any] = {"bench": "serving"}
+    if args.section in ("all", "infer"):
+        summary.update(infer_section(args.quick))
+    if args.section in ("all", "generate"):
+        summary["generate"] = generate_section(args.quick)
+    summary["load_average"] = round(os.getloadavg()[0], 2)
     print(json.dumps(summary))
 
 

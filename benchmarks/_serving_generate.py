@@ -1,0 +1,306 @@
+"""The generation section of benchmarks/serving.py: continuous batching against a static
+batcher and a one-request-at-a-time loop, through the real server.
+
+One model (``_serving_generate_model``: a GQA decoder LM, d 256, 4 layers, vocabulary 512,
+max length 256, float32) is exported once with ``cairn.serving.export_generator`` and
+copied into a model repository under three names, each with its own ``config.json``
+``"generation"`` section; one ``cairn.serving`` server (in this process, 127.0.0.1, port 0)
+serves all three:
+
+* ``continuous``: ``GenerationConfig(scheduler="continuous", num_slots=64, prefill_batch=4)``;
+* ``static``: the same slots with ``scheduler="static"`` (a batch is admitted only when every
+  slot is free, so it runs until its longest request finishes);
+* ``one-at-a-time``: ``num_slots=1, prefill_batch=1``.
+
+Workload (the same request sequence in every configuration): closed-loop clients (each
+sends its next request when the previous one finished) at concurrency 1, 16 and 64, in a
+separate process (aiohttp), streaming through ``/generate_stream`` (SSE, one event per
+token). Prompt lengths uniform in [16, 64] random token ids; ``max_tokens`` long-tailed:
+60% uniform in [8, 32], 30% in [33, 96], 10% in [97, 192] (mean about 46), with
+``ignore_eos`` so every request generates exactly that many; sampling temperature 0.8,
+top_p 0.95, a seed per request.
+
+Each point runs ``WARMUP`` s, then a measuring window. tokens/s counts the token events
+that arrive inside the window; TTFT is measured for the requests sent inside it (followed
+to their first token even past its end); TPOT per request is (last - first token
+arrival) / (tokens - 1) over the tokens that arrived inside the window (every request
+with two or more there); at the window's end the clients disconnect (which cancels their
+requests on the server).
+
+``ceilings`` are what the model alone allows: the decode step at batch 1 against 64
+(``64 * t1 / t64``: continuous over one-at-a-time if nothing but decode steps cost), and
+the workload's static-batching loss (``E[longest of 64] / E[length]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+WARMUP = 1.0
+CONCURRENCY = (1, 16, 64)
+NUM_SLOTS = 64
+PROMPT_LEN = (16, 64)
+NEW_TOKENS = ((0.6, 8, 32), (0.3, 33, 96), (0.1, 97, 192))  # (probability, low, high), uniform inside
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "ignore_eos": True}
+CONFIGS = {
+    "continuous": {"scheduler": "continuous", "num_slots": NUM_SLOTS, "prefill_batch": 4, "max_queue": 1024},
+    "static": {"scheduler": "static", "num_slots": NUM_SLOTS, "prefill_batch": 4, "max_queue": 1024},
+    "one-at-a-time": {"scheduler": "continuous", "num_slots": 1, "prefill_batch": 1, "max_queue": 1024},
+}
+WORKLOAD = (f"closed loop; prompt {PROMPT_LEN[0]}-{PROMPT_LEN[1]} tokens uniform; max_tokens "
+            + ", ".join(f"{p:.0%} in [{lo},{hi}]" for p, lo, hi in NEW_TOKENS)
+            + f" (ignore_eos); temperature {SAMPLING['temperature']}, top_p {SAMPLING['top_p']}")
+
+
+def draw(rng: np.random.Generator, vocab: int) -> tuple[list[int], int]:
+    """One request: (prompt token ids, max_tokens)."""
+    plen = int(rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1))
+    u, acc = rng.random(), 0.0
+    lo, hi = NEW_TOKENS[-1][1:]
+    for p, a, b in NEW_TOKENS:
+        acc += p
+        if u < acc:
+            lo, hi = a, b
+            break
+    return rng.integers(1, vocab, plen).tolist(), int(rng.integers(lo, hi + 1))
+
+
+# --- load generator (runs in a subprocess) ---
+
+
+async def _client(session: Any, url: str, idx: int, vocab: int, clock: dict, out: dict) -> None:
+    rng = np.random.default_rng([1234, idx])  # the same request sequence in every configuration
+    warm, deadline = clock["warm"], clock["deadline"]
+    n = 0
+    while time.perf_counter() < deadline:
+        prompt, max_tokens = draw(rng, vocab)
+        body = {"input_ids": prompt, "parameters": {"max_tokens": max_tokens, "seed": idx * 100_000 + n, **SAMPLING}}
+        n += 1
+        t0 = time.perf_counter()
+        measured = warm <= t0
+        arrivals: list[float] = []
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                out["errors"] += 1
+                out["statuses"].append(resp.status)
+                await resp.read()
+                await asyncio.sleep(float(resp.headers.get("Retry-After", "0.05")))
+                continue
+            finished = False
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                t = time.perf_counter()
+                event = json.loads(line[5:])
+                if "finish_reason" in event:
+                    finished = True
+                    if event["finish_reason"] not in ("length", "stop"):
+                        out["errors"] += 1
+                        out["statuses"].append(event["finish_reason"])
+                    break
+                arrivals.append(t)
+                if t >= deadline:
+                    break  # leaving the block closes the connection: the server cancels the request
+            if not finished and time.perf_counter() < deadline:
+                out["errors"] += 1  # the stream ended without a final event
+        out["tokens"] += sum(warm <= t < deadline for t in arrivals)
+        out["completed"] += finished and warm <= time.perf_counter() < deadline
+        if measured and t0 < deadline and arrivals:
+            out["ttft"].append(arrivals[0] - t0)
+        inside = [t for t in arrivals if warm <= t < deadline]
+        if len(inside) > 1:  # every request streaming inside the window, whenever it was sent
+            out["tpot"].append((inside[-1] - inside[0]) / (len(inside) - 1))
+
+
+async def _loadgen(port: int, model: str, concurrency: int, window: float, vocab: int) -> dict:
+    import aiohttp
+
+    out: dict = {"tokens": 0, "completed": 0, "errors": 0, "statuses": [], "ttft": [], "tpot": []}
+    url = f"http://127.0.0.1:{port}/v2/models/{model}/generate_stream"
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        start = time.perf_counter()
+        clock = {"warm": start + WARMUP, "deadline": start + WARMUP + window}
+        await asyncio.gather(*(_client(session, url, i, vocab, clock, out) for i in range(concurrency)))
+    ttft, tpot = np.asarray(out["ttft"]) * 1e3, np.asarray(out["tpot"]) * 1e3
+    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
+    return {
+        "tok_s": out["tokens"] / window, "requests": len(ttft), "completed": out["completed"], "errors": out["errors"],
+        "statuses": sorted(set(map(str, out["statuses"]))),
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+    }
+
+
+def run_load(port: int, model: str, concurrency: int, window: float, vocab: int) -> dict:
+    """Drive ``model``'s /generate_stream with ``concurrency`` closed-loop clients from a subprocess."""
+    args = [sys.executable, os.path.abspath(__file__), "--loadgen", json.dumps([port, model, concurrency, window, vocab])]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=window + 300)
+    if proc.returncode:
+        raise RuntimeError(f"load generator failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- model, repository, ceilings ---
+
+
+def build_repo(root: str) -> tuple[str, Any, dict]:
+    """Export the benchmark LM once; a repository with one copy per configuration.
+
+    Returns (repository path, the loaded generator, {"export_s": ...})."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _serving_generate_model import LMConfig, build, cache_shapes
+
+    from cairn import serving
+    from cairn.core_array import ArraySpec
+
+    cfg = LMConfig()
+    prefill, decode, params = build(cfg)
+    t = time.perf_counter()
+    path = serving.export_generator(prefill, decode, params, os.path.join(root, "export", "lm", "1"),
+                                    cache_specs={n: ArraySpec(s, "float32") for n, s in cache_shapes(cfg).items()},
+                                    vocab_size=cfg.vocab_size, max_length=cfg.max_length, eos_token_ids=(0,))
+    info = {"export_s": time.perf_counter() - t}
+    repo = os.path.join(root, "repo")
+    for name, gen in CONFIGS.items():
+        shutil.copytree(path, os.path.join(repo, name, "1"))
+        with open(os.path.join(repo, name, "config.json"), "w") as f:
+            json.dump({"generation": gen}, f)
+    return repo, serving.load(path), info
+
+
+def decode_step_times(model: Any, batches: tuple[int, ...] = (1, NUM_SLOTS), repeat: int = 15) -> dict[int, float]:
+    """Median seconds of the loaded generator's decode step (logits fetched) at each batch size."""
+    import jax.numpy as jnp
+
+    out = {}
+    for b in batches:
+        cache = model.init_cache(b)
+        tok, pos = jnp.ones(b, jnp.int32), jnp.full(b, model.max_length // 2, jnp.int32)
+        logits, cache = model.decode(tok, pos, cache)
+        np.asarray(logits)
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            logits, cache = model.decode(tok, pos, cache)
+            np.asarray(logits)
+            times.append(time.perf_counter() - t)
+        out[b] = float(np.median(times))
+    return out
+
+
+def static_loss(batch: int = NUM_SLOTS, trials: int = 2000) -> float:
+    """E[longest max_tokens of a batch] / E[max_tokens]: the decode steps a static batcher
+    spends per token over a continuous one's, for this workload."""
+    rng = np.random.default_rng(0)
+    lengths = np.array([[draw(rng, 2)[1] for _ in range(batch)] for _ in range(trials // batch + 40)])
+    return float(lengths.max(axis=1).mean() / lengths.mean())
+
+
+# --- the section ---
+
+
+def _window(config: str, c: int, quick: bool) -> float:
+    """Seconds measured per point: the static batcher at c=64 cycles once per longest request
+    (seconds), so it needs a longer window than the others to average over whole cycles."""
+    base = 3.0 if quick else 8.0
+    return base * (3 if config == "static" and c == NUM_SLOTS else 1)
+
+
+def measure(quick: bool) -> tuple[list[dict], dict]:
+    """Run every (configuration, concurrency) point; returns (rows, summary)."""
+    from cairn import serving
+
+    rounds = 1 if quick else 2
+    root = tempfile.mkdtemp(prefix="cairn-serving-gen-")
+    try:
+        # the three engines compile the same shapes (one-at-a-time's differ): compile once
+        serving.enable_compilation_cache(os.path.join(root, "xla-cache"))
+        repo, model, info = build_repo(root)
+        steps = decode_step_times(model)
+        t = time.perf_counter()
+        server = serving.serve(repo, workers=2)
+        info["server_start_s"] = time.perf_counter() - t
+        samples: dict[tuple[str, int], list[dict]] = {(n, c): [] for n in CONFIGS for c in CONCURRENCY}
+        try:
+            for _ in range(rounds):
+                for name, c in samples:
+                    cpu = time.process_time()
+                    r = run_load(server.port, name, c, _window(name, c, quick), model.vocab_size)
+                    r["cpu_s"] = time.process_time() - cpu
+                    samples[name, c].append(r)
+                    print(f"  gen {name:14s} c={c:<3d} {r['tok_s']:8.0f} tok/s  TPOT p50 {r['tpot_p50_ms']:7.2f} p99 {r['tpot_p99_ms']:7.2f} ms"
+                          f"  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 {r['ttft_p99_ms']:8.1f} ms  {r['requests']} req  {r['errors']} err {r['statuses']}", flush=True)
+        finally:
+            server.stop(drain=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    keys = ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+    rows = []
+    for (name, c), runs in samples.items():
+        med = {k: float(np.median([r[k] for r in runs])) for k in keys}
+        rows.append({"config": name, "c": c, **med, "requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs)})
+    get = {(r["config"], r["c"]): r for r in rows}
+    tok = lambda n, c: get[n, c]["tok_s"]  # noqa: E731
+    summary = {
+        "workload": WORKLOAD,
+        "continuous_vs_static_c64": tok("continuous", 64) / tok("static", 64),
+        "continuous_vs_one_c64": tok("continuous", 64) / tok("one-at-a-time", 64),
+        "ttft_c16_vs_c1_continuous": get["continuous", 16]["ttft_p50_ms"] / get["continuous", 1]["ttft_p50_ms"],
+        "ceiling_continuous_vs_one": NUM_SLOTS * steps[1] / steps[NUM_SLOTS],
+        "ceiling_continuous_vs_static": static_loss(),
+        "decode_step_ms": {str(b): s * 1e3 for b, s in steps.items()},
+        "errors": sum(r["errors"] for r in rows),
+        **{k: round(v, 2) for k, v in info.items()},
+    }
+    summary["goals"] = {
+        "continuous_vs_static_c64 >= 3": summary["continuous_vs_static_c64"] >= 3,
+        "continuous_vs_one_c64 >= 10": summary["continuous_vs_one_c64"] >= 10,
+        "ttft_c16_vs_c1_continuous < 3": summary["ttft_c16_vs_c1_continuous"] < 3,
+    }
+    return rows, summary
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"| {'generate':14s} |   c |  tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | TTFT p99 ms | requests | errors |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['config']:14s} | {r['c']:3d} | {r['tok_s']:6.0f} | {r['tpot_p50_ms']:11.2f} | {r['tpot_p99_ms']:11.2f} | "
+                     f"{r['ttft_p50_ms']:11.1f} | {r['ttft_p99_ms']:11.1f} | {r['requests']:8d} | {r['errors']:6d} |")
+    return "\n".join(lines)
+
+
+def goals_text(summary: dict) -> str:
+    s = summary
+    return "\n".join([
+        f"workload: {s['workload']}",
+        f"continuous / static tokens/s at c=64: {s['continuous_vs_static_c64']:.2f}x (goal >= 3x: "
+        f"{'met' if s['goals']['continuous_vs_static_c64 >= 3'] else 'MISSED'}; the workload's ceiling {s['ceiling_continuous_vs_static']:.2f}x)",
+        f"continuous / one-at-a-time tokens/s at c=64: {s['continuous_vs_one_c64']:.2f}x (goal >= 10x: "
+        f"{'met' if s['goals']['continuous_vs_one_c64 >= 10'] else 'MISSED'}; this model's ceiling on this machine "
+        f"64 x {s['decode_step_ms']['1']:.2f} ms / {s['decode_step_ms'][str(NUM_SLOTS)]:.2f} ms = {s['ceiling_continuous_vs_one']:.2f}x)",
+        f"continuous TTFT p50 c=16 / c=1: {s['ttft_c16_vs_c1_continuous']:.2f}x (goal < 3x: "
+        f"{'met' if s['goals']['ttft_c16_vs_c1_continuous < 3'] else 'MISSED'})",
+    ])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--loadgen":
+        port, model, c, window, vocab = json.loads(sys.argv[2])
+        print(json.dumps(asyncio.run(_loadgen(port, model, c, window, vocab))))
+    else:
+        quick = "--quick" in sys.argv
+        rows, summary = measure(quick)
+        print(table(rows))
+        print(goals_text(summary))
+        print(json.dumps(summary))
