@@ -234,6 +234,34 @@ def test_concurrent_clients_equal_sequential(server, engine):
     assert got == want
 
 
+def _leave_after(server, body, events: int) -> None:
+    """Stream ``body`` and disconnect once ``events`` token events have arrived."""
+    with _open_stream(server, "tiny", body) as s:
+        data = b""
+        while data.count(b"data: ") < events:
+            data += s.recv(65536)
+
+
+def test_many_clients_with_cancellations_equal_sequential(server, engine, models):
+    bodies = _mixed_requests(48, seed=7)
+    leaving = {i for i in range(len(bodies)) if i % 4 == 3}
+    for i in leaving:
+        bodies[i]["parameters"].update(max_tokens=60 - len(bodies[i]["input_ids"]), ignore_eos=True)
+    want = {i: _engine_tokens(engine, b["input_ids"], **{("max_new_tokens" if k == "max_tokens" else k): v for k, v in b["parameters"].items()})
+            for i, b in enumerate(bodies) if i not in leaving}  # fmt: skip
+    cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
+    models["tiny"].delay = 0.005  # the leaving requests are surely still running when their clients go
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futs = {i: pool.submit(_leave_after, server, b, 2) if i in leaving else pool.submit(_tokens, server, b, i % 2 == 0) for i, b in enumerate(bodies)}
+            got = {i: f.result() for i, f in futs.items() if i not in leaving}
+    finally:
+        models["tiny"].delay = 0.0
+    assert got == want
+    _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + len(leaving))
+    _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
+
+
 # --- clients leaving ---
 
 
