@@ -263,10 +263,12 @@ def test_eos_and_stop_tokens(model):
 
 
 class _Flaky:
-    """A GenerativeModel whose prefill raises for prompts holding token 39."""
+    """A GenerativeModel whose prefill raises for prompts holding token 39, and whose
+    decode raises while ``fail_decode`` is set."""
 
     def __init__(self, inner):
         self.inner = inner
+        self.fail_decode = threading.Event()
         for k in ("name", "vocab_size", "max_length", "eos_token_ids", "bos_token_id", "vocabulary", "cache_specs"):
             setattr(self, k, getattr(inner, k))
 
@@ -279,6 +281,8 @@ class _Flaky:
         return self.inner.prefill(tokens, lengths)
 
     def decode(self, tokens, positions, cache):
+        if self.fail_decode.is_set():
+            raise RuntimeError("decode broke")
         return self.inner.decode(tokens, positions, cache)
 
 
@@ -291,6 +295,40 @@ def test_model_error_fails_only_its_requests(model, engine):
         assert good.result(30).token_ids == engine.generate([3, 4, 5], SamplingParams(15)).token_ids
         assert flaky.stats()["errors"] == 1
         assert flaky.generate([5, 6], SamplingParams(3)).finish_reason == "length"
+
+
+def test_decode_error_fails_the_running_requests_and_the_engine_recovers(model, engine):
+    flaky_model = _Flaky(model)
+    with GenerationEngine(flaky_model, CONFIG) as flaky:
+        entered, release = threading.Event(), threading.Event()
+
+        def block(ev):
+            if ev.index == 1:
+                entered.set()
+                release.wait(30)
+
+        running = flaky.submit([3, 4], SamplingParams(20), on_event=block)
+        assert entered.wait(30)
+        flaky_model.fail_decode.set()  # the next decode step raises
+        release.set()
+        res = running.result(30)
+        assert res.finish_reason == "error" and "decode broke" in res.error and len(res.token_ids) == 2
+        flaky_model.fail_decode.clear()
+        assert flaky.generate([3, 4, 5], SamplingParams(15)).token_ids == engine.generate([3, 4, 5], SamplingParams(15)).token_ids
+        assert flaky.stats()["errors"] == 1
+
+
+def test_stop_from_the_event_callback(model):
+    engine = GenerationEngine(model, CONFIG).start()
+    stopped = threading.Event()
+
+    def on_event(ev):
+        if ev.index == 1 and not stopped.is_set():
+            stopped.set()
+            engine.stop(drain=False)
+
+    res = engine.submit([3], SamplingParams(10), on_event=on_event).result(30)
+    assert res.finish_reason == "cancelled" and len(res.token_ids) == 2
 
 
 def test_config_validation():

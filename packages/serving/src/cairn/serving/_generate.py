@@ -321,7 +321,7 @@ class GenerationEngine:
                 self._cond.wait(0.05)
             self._state = "stopping"
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():  # stop() from on_event
             self._thread.join(max(0.0, deadline - time.monotonic()) + 5.0)
 
     def __enter__(self) -> GenerationEngine:
@@ -437,7 +437,7 @@ class GenerationEngine:
                     self._decode()
             except Exception as e:  # noqa: BLE001 - the engine outlives a bad step
                 log.exception("generation engine step failed")
-                self._model_error(e, [])
+                self._model_error(e, [r for r in self._slots if r is not None])
         self._shutdown()
 
     def _drop_cancelled(self) -> list[tuple[GenerationRequest, str]]:
@@ -514,7 +514,7 @@ class GenerationEngine:
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation decode step failed")
-            self._model_error(e, [])
+            self._model_error(e, [r for r in self._slots if r is not None])  # every active request was in it
             return
         self._counts["steps"] += 1
         greedy = host.argmax(axis=1)  # the same first maximum sample_token takes, for all rows at once
