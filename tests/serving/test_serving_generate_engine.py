@@ -11,6 +11,8 @@ import threading
 import gen_testlib as g
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cairn.core_array import ArraySpec, QuantLayout, quantize
 from cairn.serving import (
@@ -25,10 +27,12 @@ from cairn.serving import (
     QueueFull,
     SamplingParams,
     Unavailable,
+    detokenize,
     export,
     export_generator,
     load,
     load_generator,
+    tokenize,
 )
 
 SEED, SCALE = 1, 3.0  # weights whose greedy continuations vary
@@ -414,3 +418,12 @@ def test_load_generator_refuses_a_plain_model(tmp_path):
     assert type(load(path)) is LoadedModel
     with pytest.raises(ModelFormatError, match="not a generative model"):
         load_generator(path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([v for v in g.VOCAB if v]), max_size=12))
+def test_tokenize_round_trips(pieces):
+    text = "".join(pieces)
+    ids = tokenize(text, g.VOCAB)
+    assert detokenize(ids, g.VOCAB) == text and all(g.VOCAB[i] for i in ids)
+    assert len(ids) <= len(pieces)  # longest match never uses more tokens than the pieces
