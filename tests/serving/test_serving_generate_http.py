@@ -64,8 +64,12 @@ class _View:
     def prefill(self, tokens, lengths):
         return self.inner.prefill(tokens, lengths)
 
+    fail = False  # set: decode raises (the model failing mid-generation)
+
     def decode(self, tokens, positions, cache):
         time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("decode exploded")
         return self.inner.decode(tokens, positions, cache)
 
 
@@ -441,7 +445,46 @@ def test_infer_beside_a_generator_metadata_stats_and_metrics(server):
     assert re.search(r'cairn_generation_requests_total\{model="tiny",version="1",finish_reason="length"\} \d+', text)
 
 
+# --- the model failing ---
+
+
+def test_model_failure_is_500_or_an_error_event_and_the_engine_goes_on(generator, engine):
+    from cairn.serving._server import Server
+
+    view = _View(generator, "tiny")
+    body = {"input_ids": [lm.BOS_ID, 12], "parameters": {"max_tokens": 5, "ignore_eos": True}}
+    with Server({"tiny": view}, generation=GEN_CONFIG) as server:
+        view.fail = True
+        status, _, out = _post(server, "/v2/models/tiny/generate", body)
+        assert status == 500 and "decode exploded" in out["error"]
+        status, _, events = _stream(server, "tiny", body)
+        assert status == 200 and events[-1]["finish_reason"] == "error" and "decode exploded" in events[-1]["error"]
+        view.fail = False
+        assert _tokens(server, body, stream=True) == _engine_tokens(engine, body["input_ids"], max_new_tokens=5, ignore_eos=True)
+        assert _stats(server)["generation_stats"]["finish_reasons"]["error"] == 2
+
+
 # --- configuration ---
+
+
+def test_repository_generation_config(tmp_path, generator):
+    from cairn.serving._repository import ModelRepository
+    from cairn.serving._server import Server
+
+    for name, cfg in (("good", {"generation": {"num_slots": 2, "max_queue": 7}}), ("bad", {"generation": {"num_slotz": 2}})):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    repo = ModelRepository(tmp_path, loader=lambda path: _View(generator, path.parent.name), generation=GenerationConfig(prefill_batch=2))
+    with Server(repo) as server:
+        cfg = json.loads(RawClient(server).request("GET", "/v2/models/good/config")[2])["generation"]
+        assert (cfg["num_slots"], cfg["prefill_batch"], cfg["max_queue"], cfg["max_length"]) == (2, 2, 7, lm.MAX_LENGTH)
+        status, _, out = _post(server, "/v2/models/good/generate", {"text_input": "ab", "parameters": {"max_tokens": 2}})
+        assert status == 200 and len(out["output_ids"]) <= 2
+        index = {r["name"]: r for r in json.loads(RawClient(server).request("POST", "/v2/repository/index", "{}")[2])}
+        assert index["bad"]["state"] == "UNAVAILABLE"
+        assert "bad/config.json: generation: " in index["bad"]["reason"] and "num_slotz" in index["bad"]["reason"]
+
+
 
 
 def test_config_json_generation_key():
