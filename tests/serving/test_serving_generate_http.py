@@ -6,6 +6,7 @@ reason while a long generation runs on unharmed, 503 + Retry-After when the queu
 holding an exported generator."""
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -94,12 +95,14 @@ def engine(generator):
         yield e
 
 
-@pytest.fixture
-def slow_decode(models):
-    """Decode steps of the served "tiny" take 20 ms for this test: a 60-token request runs >= 1.2 s."""
-    models["tiny"].delay = 0.02
-    yield
-    models["tiny"].delay = 0.0
+@contextlib.contextmanager
+def _slow(view: _View, delay: float = 0.02):
+    """Decode steps of ``view`` take ``delay`` s within the block: a 60-token request runs >= 60 delays."""
+    view.delay = delay
+    try:
+        yield
+    finally:
+        view.delay = 0.0
 
 
 @pytest.fixture(scope="module")
@@ -254,13 +257,9 @@ def test_many_clients_with_cancellations_equal_sequential(server, engine, models
     want = {i: _engine_tokens(engine, b["input_ids"], **{("max_new_tokens" if k == "max_tokens" else k): v for k, v in b["parameters"].items()})
             for i, b in enumerate(bodies) if i not in leaving}  # fmt: skip
     cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
-    models["tiny"].delay = 0.005  # the leaving requests are surely still running when their clients go
-    try:
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            futs = {i: pool.submit(_leave_after, server, b, 2) if i in leaving else pool.submit(_tokens, server, b, i % 2 == 0) for i, b in enumerate(bodies)}
-            got = {i: f.result() for i, f in futs.items() if i not in leaving}
-    finally:
-        models["tiny"].delay = 0.0
+    with _slow(models["tiny"], 0.005), concurrent.futures.ThreadPoolExecutor(16) as pool:  # the leavers are surely still running
+        futs = {i: pool.submit(_leave_after, server, b, 2) if i in leaving else pool.submit(_tokens, server, b, i % 2 == 0) for i, b in enumerate(bodies)}
+        got = {i: f.result() for i, f in futs.items() if i not in leaving}
     assert got == want
     _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + len(leaving))
     _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
@@ -292,28 +291,30 @@ def _open_stream(server, model: str, body) -> socket.socket:
     return s
 
 
-def test_client_disconnect_cancels_and_frees_the_slot(server, engine, slow_decode):
-    cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
-    long = {"input_ids": [lm.BOS_ID, 4], "parameters": {"max_tokens": 60, "ignore_eos": True}}
-    socks = [_open_stream(server, "tiny", long) for _ in range(3)]
-    other = [lm.BOS_ID, 30, 31, 32]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_tokens, server, {"input_ids": other, "parameters": {"max_tokens": 20, "ignore_eos": True}}, True)
-        for s in socks:
-            s.close()
-        assert fut.result() == _engine_tokens(engine, other, max_new_tokens=20, ignore_eos=True)
-    _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + 3)
-    _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
+def test_client_disconnect_cancels_and_frees_the_slot(server, engine, models):
+    with _slow(models["tiny"]):
+        cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
+        long = {"input_ids": [lm.BOS_ID, 4], "parameters": {"max_tokens": 60, "ignore_eos": True}}
+        socks = [_open_stream(server, "tiny", long) for _ in range(3)]
+        other = [lm.BOS_ID, 30, 31, 32]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_tokens, server, {"input_ids": other, "parameters": {"max_tokens": 20, "ignore_eos": True}}, True)
+            for s in socks:
+                s.close()
+            assert fut.result() == _engine_tokens(engine, other, max_new_tokens=20, ignore_eos=True)
+        _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + 3)
+        _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
 
 
-def test_client_leaving_before_a_plain_answer_cancels(server, slow_decode):
-    cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
-    payload = json.dumps({"input_ids": [lm.BOS_ID, 4], "parameters": {"max_tokens": 60, "ignore_eos": True}}).encode()
-    with socket.create_connection((server.host, server.port), timeout=60) as s:
-        s.sendall(b"POST /v2/models/tiny/generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(payload), payload))
-        _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 1)
-    _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + 1)
-    _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
+def test_client_leaving_before_a_plain_answer_cancels(server, models):
+    with _slow(models["tiny"]):
+        cancelled = _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0)
+        payload = json.dumps({"input_ids": [lm.BOS_ID, 4], "parameters": {"max_tokens": 60, "ignore_eos": True}}).encode()
+        with socket.create_connection((server.host, server.port), timeout=60) as s:
+            s.sendall(b"POST /v2/models/tiny/generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(payload), payload))
+            _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 1)
+        _wait(lambda: _stats(server)["generation_stats"]["finish_reasons"].get("cancelled", 0) == cancelled + 1)
+        _wait(lambda: _stats(server)["generation_stats"]["engine"].get("active_slots", 0) == 0)
 
 
 def test_unload_drains_running_generations(generator, engine):
