@@ -500,14 +500,16 @@ def test_config_json_generation_key():
         parse_config({"generation": {"num_slots": 0}}, "m/config.json", BatchingConfig())
 
 
-def test_cli_help_lists_generation_flags():
-    from cairn.serving._cli import parser
+def test_cli_generation_flags(tmp_path, capsys):
+    from cairn.serving._cli import main, parser
 
     text = parser().format_help()
     for flag in ("--num-slots", "--prefill-batch", "--max-queue", "--max-new-tokens-limit"):
         assert flag in text
     args = parser().parse_args(["--model-repository", "x", "--num-slots", "3", "--prefill-batch", "1", "--max-queue", "9"])
     assert (args.num_slots, args.prefill_batch, args.max_queue) == (3, 1, 9)
+    assert main(["--model-repository", str(tmp_path), "--num-slots", "0"]) == 2
+    assert "num_slots" in capsys.readouterr().err
 
 
 # --- a repository with an exported generator, served by cairn-serve ---
