@@ -273,7 +273,7 @@ class _Flaky:
     def __init__(self, inner):
         self.inner = inner
         self.fail_decode = threading.Event()
-        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "bos_token_id", "vocabulary", "cache_specs"):
+        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "vocabulary", "cache_specs"):  # the protocol's
             setattr(self, k, getattr(inner, k))
 
     def init_cache(self, n):

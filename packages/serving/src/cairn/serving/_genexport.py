@@ -53,9 +53,9 @@ class GenerativeModel(Protocol):
     Attributes:
       name: the model name. vocab_size: logits per position. max_length: cache positions
       (prompt plus generated tokens). eos_token_ids: tokens that end a sequence.
-      bos_token_id: prepended to tokenized text (``None``: nothing).
       vocabulary: token id -> text (``None`` entries: no text), or ``None``.
-      cache_specs: per-row spec of every cache entry.
+      cache_specs: per-row spec of every cache entry. (Optional, read with ``getattr``:
+      ``bos_token_id``, prepended to tokenized text; ``max_batch_size``, the most slots.)
 
     The methods take and return ``jax.Array``: ``init_cache(n)`` zeros for ``n`` rows;
     ``prefill(tokens, lengths)`` and ``decode(tokens, positions, cache)`` as the module
@@ -66,7 +66,6 @@ class GenerativeModel(Protocol):
     vocab_size: int
     max_length: int
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
     vocabulary: tuple[str | None, ...] | None
     cache_specs: Mapping[str, ArraySpec]
 
