@@ -201,6 +201,16 @@ def test_stream_stops_at_a_stop_token_and_keeps_the_connection(server, engine):
         conn.close()
 
 
+def test_triton_style_top_level_parameters(server, engine):
+    prompt = [lm.BOS_ID, 14, 15]
+    body = {"input_ids": prompt, "max_tokens": 7, "ignore_eos": True, "stream": False, "parameters": {"temperature": 0.5, "seed": 3}}
+    status, _, out = _post(server, "/v2/models/tiny/generate", body)
+    assert status == 200, out
+    assert out["output_ids"] == _engine_tokens(engine, prompt, max_new_tokens=7, ignore_eos=True, temperature=0.5, seed=3)
+    status, _, events = _stream(server, "tiny", {**body, "stream": True})
+    assert status == 200 and [e["output_ids"][0] for e in events[:-1]] == out["output_ids"]
+
+
 def test_ids_only_model(server):
     status, _, out = _post(server, "/v2/models/ids/generate", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3, "ignore_eos": True}})
     assert status == 200 and "text_output" not in out and len(out["output_ids"]) == 3
@@ -354,6 +364,8 @@ _BAD = [
     ({"text_input": "ab\u00e9"}, "'\u00e9'"),
     ({"text_input": 5}, "text_input"),
     ({"input_ids": [1, 2], "prompt": "x"}, "prompt"),
+    ({"input_ids": [1, 2], "max_tokens": 2, "parameters": {"max_tokens": 3}}, "both"),
+    ({"input_ids": [1, 2], "stream": "yes"}, "stream"),
     (b"{not json", "JSON"),
     (b"[1, 2]", "JSON object"),
 ]

@@ -2,7 +2,8 @@
 
 ``POST /v2/models/{m}/generate`` and ``/generate_stream`` take Triton's generate-extension
 JSON, ``{"text_input": str}`` or ``{"input_ids": [int, ...]}`` plus ``"parameters"`` (the
-sampling options of :meth:`SamplingParams.from_json`). :func:`parse_generate` turns a body
+sampling options of :meth:`SamplingParams.from_json`; as in Triton's TensorRT-LLM
+examples they may also be top-level keys). :func:`parse_generate` turns a body
 into a prompt and its sampling parameters (``ValueError`` naming the field otherwise);
 :class:`GenerationRelay` carries one request's events from the engine thread to the event
 loop, where they become the JSON answer or one SSE event per token.
@@ -11,6 +12,7 @@ loop, where they become the JSON answer or one SSE event per token.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +22,8 @@ from cairn.serving._genexport import detokenize, tokenize
 from cairn.serving._http import Response, Stream
 from cairn.serving._sampling import SamplingParams
 
-_BODY_KEYS = ("text_input", "input_ids", "parameters")
+_BODY_KEYS = ("text_input", "input_ids", "parameters", "stream")
+_SAMPLING_KEYS = tuple(sorted({f.name for f in dataclasses.fields(SamplingParams)} | {"max_tokens", "stop"}))
 
 
 def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
@@ -29,7 +32,11 @@ def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
     Args:
       body: the JSON body: exactly one of ``text_input`` (a string; needs the model's
         vocabulary; the model's ``bos_token_id``, when set, is prepended) and ``input_ids``
-        (a non-empty list of token ids), and optionally ``parameters`` (an object).
+        (a non-empty list of token ids), and optionally ``parameters`` (an object) and
+        sampling keys at the top level (not the same key in both). A boolean ``stream``
+        (top level or in ``parameters``, as Triton clients send it) is ignored: the route
+        decides.
+      model: the model (its vocabulary and ``bos_token_id``).
 
     Returns:
       ``(prompt token ids, SamplingParams)``.
@@ -44,16 +51,23 @@ def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
         raise ValueError(f"request body must be a JSON object: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"request body must be a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(_BODY_KEYS))
+    unknown = sorted(set(obj) - set(_BODY_KEYS) - set(_SAMPLING_KEYS))
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown} in the request body (known: {list(_BODY_KEYS)})")
+        raise ValueError(f"unknown field(s) {unknown} in the request body (known: {[*_BODY_KEYS, *_SAMPLING_KEYS]})")
     if ("text_input" in obj) == ("input_ids" in obj):
         raise ValueError("give exactly one of 'text_input' (a string) and 'input_ids' (a list of token ids)")
     prompt = _prompt_ids(obj, model)
     params = obj.get("parameters", {})
     if not isinstance(params, dict):
         raise ValueError(f"parameters must be a JSON object, got {type(params).__name__}")
-    return prompt, _sampling(params, model)
+    top = {k: v for k, v in obj.items() if k in _SAMPLING_KEYS}
+    both = sorted(set(top) & set(params))
+    if both:
+        raise ValueError(f"{both} given both at the top level and in parameters; give each once")
+    for where in (obj, params):
+        if not isinstance(where.get("stream", False), bool):
+            raise ValueError(f"stream must be true or false, got {where['stream']!r}")
+    return prompt, _sampling({**top, **{k: v for k, v in params.items() if k != "stream"}}, model)
 
 
 def _prompt_ids(obj: dict[str, Any], model: Any) -> list[int]:
