@@ -301,11 +301,19 @@ def _validate_after_training(cfg: Config) -> None:
         if value <= 0:
             raise ConfigError(f"config key {key!r}: must be positive, got {value}")
     variants = ("float",) + (cfg.quant.methods if cfg.quant.enabled else ())
-    for name in cfg.serve.models:
-        if name not in variants:
-            raise ConfigError(f"config key 'serve.models': {name!r} is not one of the evaluated variants {', '.join(variants)}")
-    if any(c <= 0 for c in cfg.serve.concurrency):
-        raise ConfigError(f"config key 'serve.concurrency': every level must be positive, got {list(cfg.serve.concurrency)}")
+    if cfg.serve.enabled:  # the served models must be among the variants built after training
+        for name in cfg.serve.models:
+            if name not in variants:
+                raise ConfigError(f"config key 'serve.models': {name!r} is not one of the evaluated variants "
+                                  f"{', '.join(variants)} (quant.enabled = {str(cfg.quant.enabled).lower()})")
+        if not cfg.serve.models:
+            raise ConfigError("config key 'serve.models': serve.enabled needs at least one variant to serve")
+    if not cfg.serve.concurrency or any(c <= 0 for c in cfg.serve.concurrency):
+        raise ConfigError(f"config key 'serve.concurrency': needs positive levels, got {list(cfg.serve.concurrency)}")
+    if cfg.serve.startup_timeout <= 0:
+        raise ConfigError(f"config key 'serve.startup_timeout': must be positive, got {cfg.serve.startup_timeout}")
+    if len(set(cfg.quant.methods)) != len(cfg.quant.methods):
+        raise ConfigError(f"config key 'quant.methods': {list(cfg.quant.methods)} names a method twice")
 
 
 def mesh_shape(cfg: Config, device_count: int) -> tuple[int, int]:

@@ -24,6 +24,9 @@ TINY = [
     "data.num_eval=16", "data.max_digits=2", "data.num_shards=2", "optim.warmup_steps=2",
     "train.steps=8", "train.log_every=4", "checkpoint.every=3", "checkpoint.max_to_keep=5",
     "train.progress=false",
+    # the production steps after training (quantize, export, serve) have their own tests in
+    # test_integration_lm_serving.py; here they would only cost time
+    "quant.enabled=false", "serve.enabled=false",
 ]
 
 
