@@ -480,7 +480,7 @@ class GenerationEngine:
         return None if vocab is None else (vocab[token] or "")
 
     def _prefill(self, group: list[tuple[GenerationRequest, int]]) -> None:
-        import jax.numpy as jnp
+        import jax
 
         pb, s = self.config.prefill_batch, self.config.num_slots
         bucket = prompt_bucket(max(len(r.prompt) for r, _ in group), self.model.max_length)
@@ -491,9 +491,9 @@ class GenerationEngine:
             tokens[i, : len(r.prompt)] = r.prompt
             lengths[i], dst[i] = len(r.prompt), slot
         try:
-            logits, new = self.model.prefill(jnp.asarray(tokens), jnp.asarray(lengths))
+            logits, new = self.model.prefill(*jax.device_put((tokens, lengths)))  # a transfer, no eager op
             assert self._scatter is not None
-            self._cache = self._scatter(self._cache, new, jnp.asarray(dst))
+            self._cache = self._scatter(self._cache, new, jax.device_put(dst))
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation prefill failed")
@@ -507,10 +507,11 @@ class GenerationEngine:
                 self._retire(slot)
 
     def _decode(self) -> None:
-        import jax.numpy as jnp
+        import jax
 
         try:
-            logits, self._cache = self.model.decode(jnp.asarray(self._tokens), jnp.asarray(self._positions), self._cache)
+            tokens, positions = jax.device_put((self._tokens, self._positions))
+            logits, self._cache = self.model.decode(tokens, positions, self._cache)
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation decode step failed")
