@@ -35,6 +35,9 @@ from cairn.serving import (
     tokenize,
 )
 
+# one worker compiles the engine's shapes once for the whole module (the fixtures are module-scoped)
+pytestmark = pytest.mark.xdist_group("serving_generate")
+
 SEED, SCALE = 1, 3.0  # weights whose greedy continuations vary
 CONFIG = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=256)
 
