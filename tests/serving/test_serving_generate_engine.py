@@ -163,7 +163,10 @@ def test_static_scheduler_gives_the_same_tokens(engine, model):
     work = _workload(14, seed=2)
     with GenerationEngine(model, GenerationConfig(num_slots=6, prefill_batch=2, scheduler="static")) as static:
         got = _run_concurrently(static, work, threads=3)
-        assert static.stats()["scheduler"] == "static"
+        stats = static.stats()
+        assert stats["scheduler"] == "static" and stats["requests"] == stats["finished"] == len(work)
+        assert stats["tokens"] == sum(len(r.token_ids) for r in got)
+        assert stats["prompt_tokens"] == sum(len(p) for p, _ in work) and stats["active_slots"] == 0
     assert [r.token_ids for r in got] == [engine.generate(*w).token_ids for w in work]
 
 

@@ -500,6 +500,7 @@ class GenerationEngine:
             self._model_error(e, [r for r, _ in group])
             return
         self._counts["prefills"] += 1
+        self._counts["tokens"] += len(group)  # counted as generated, so stats() shows a live rate
         for i, (r, slot) in enumerate(group):
             tok = sample_token(host[i], r.params, r.seed, 0)
             self._positions[slot], self._tokens[slot] = len(r.prompt), tok
@@ -518,6 +519,7 @@ class GenerationEngine:
             self._model_error(e, [r for r in self._slots if r is not None])  # every active request was in it
             return
         self._counts["steps"] += 1
+        self._counts["tokens"] += sum(r is not None for r in self._slots)
         greedy = host.argmax(axis=1)  # the same first maximum sample_token takes, for all rows at once
         for slot, r in enumerate(self._slots):
             if r is None:
@@ -540,7 +542,6 @@ class GenerationEngine:
     def _finish(self, r: GenerationRequest, reason: str, error: str | None = None) -> None:
         with self._cond:
             self._counts[{"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")] += 1
-            self._counts["tokens"] += len(r.token_ids)
         vocab = self.model.vocabulary
         text = None if vocab is None else "".join(vocab[t] or "" for t in r.token_ids)
         r._finish(reason, text, error)
