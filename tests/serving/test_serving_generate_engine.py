@@ -139,7 +139,10 @@ def _run_concurrently(engine, work, cancel_at=None, threads=6):
 def test_continuous_batching_equals_sequential(engine):
     work = _workload(30, seed=1)
     cancel_at = {i: 2 for i in range(0, 30, 7) if work[i][1].max_new_tokens > 5}
+    steps = engine.stats()["steps"]
     together = _run_concurrently(engine, work, cancel_at)
+    # they really ran together: far fewer decode steps than tokens
+    assert engine.stats()["steps"] - steps < sum(len(r.token_ids) for r in together) / 2
     alone = [engine.generate(*w) for w in work]  # one request at a time
     for i, (a, b) in enumerate(zip(together, alone, strict=True)):
         if i in cancel_at:
