@@ -224,8 +224,11 @@ def test_limits_queue_full_and_stop(model):
     release.set()
     assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
     engine.stop()
+    engine.stop()  # twice is harmless
     with pytest.raises(Unavailable, match="stopped"):
         engine.submit([3], SamplingParams(2))
+    with pytest.raises(RuntimeError, match="the engine is stopped"):
+        engine.start()
 
 
 def test_stop_without_drain_cancels_what_is_left(model):

@@ -278,10 +278,15 @@ class GenerationEngine:
             if self._state != "new":
                 raise RuntimeError(f"GenerationEngine.start: the engine is {self._state}")
             self._state = "starting"
-        self._cache = self.model.init_cache(self.config.num_slots)
-        self._scatter = _make_scatter()
-        if precompile:
-            self._warm_up()
+        try:
+            self._cache = self.model.init_cache(self.config.num_slots)
+            self._scatter = _make_scatter()
+            if precompile:
+                self._warm_up()
+        except BaseException:
+            with self._cond:
+                self._state = "stopped"
+            raise
         self._thread = threading.Thread(target=self._loop, name=f"cairn-generate-{self.model.name}", daemon=True)
         with self._cond:
             self._state = "running"
@@ -309,7 +314,7 @@ class GenerationEngine:
         """Refuse new requests; with ``drain``, let queued and running ones finish (up to
         ``timeout`` seconds); cancel whatever is left and stop the thread."""
         with self._cond:
-            if self._state in ("new", "starting"):
+            if self._state in ("new", "starting", "stopped"):
                 self._state = "stopped"
                 return
             if self._state == "running":
@@ -319,7 +324,8 @@ class GenerationEngine:
         with self._cond:
             while self._state == "draining" and (self._queue or any(self._slots)) and time.monotonic() < deadline:
                 self._cond.wait(0.05)
-            self._state = "stopping"
+            if self._state != "stopped":
+                self._state = "stopping"
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():  # stop() from on_event
             self._thread.join(max(0.0, deadline - time.monotonic()) + 5.0)
