@@ -119,7 +119,7 @@ class ServeConfig:
     num_slots: int = 16  # KV-cache slots of the continuous batcher
     prefill_batch: int = 4
     concurrency: tuple[int, ...] = (1, 16)
-    max_new_tokens: int = 8
+    max_new_tokens: int = 6
     startup_timeout: float = 180.0
 
 

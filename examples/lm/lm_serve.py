@@ -67,7 +67,7 @@ def export_next_token(variant: lm_quant.Variant, dims: lm_generate.Dims, repo: p
 
     specs = {"tokens": ArraySpec(("b", dims.max_length), "int32"), "lengths": ArraySpec(("b",), "int32")}
     return serving.export(next_token, variant.params, specs, repo / f"{model_name(variant.name)}_next_token" / "1",
-                          max_batch_size=16, overwrite=True)
+                          max_batch_size=8, batch_buckets=(8,), overwrite=True)  # one shape: quick to start
 
 
 def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str], dims: lm_generate.Dims,
