@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn.serving import SamplingParams
-from cairn.serving._sampling import filtered_probs, sample_token
+from cairn.serving._sampling import filtered_probs, sample_token, uniform
 
 
 def _reference(logits, temperature, top_k, top_p):
@@ -119,3 +119,14 @@ def test_from_json_names():
         SamplingParams.from_json({"max_tokens": -1})
     with pytest.raises(ValueError, match="JSON object"):
         SamplingParams.from_json([1])
+
+
+def test_uniform_is_uniform_and_uncorrelated():
+    u = np.array([[uniform(seed, i) for i in range(100)] for seed in range(200)])
+    assert ((u >= 0) & (u < 1)).all() and len(np.unique(u)) == u.size
+    counts = np.bincount((u * 20).astype(int).ravel(), minlength=20)
+    chi2 = ((counts - u.size / 20) ** 2 / (u.size / 20)).sum()
+    assert chi2 < 45  # 19 degrees of freedom: p < 0.001 above ~43.8
+    # neighbouring indices and neighbouring seeds are uncorrelated
+    assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.03
+    assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 0.03
