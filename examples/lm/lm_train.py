@@ -229,7 +229,7 @@ def _broadcast_json(data: dict) -> dict:
     buf = np.zeros(1 << 16, np.uint8)
     buf[: len(raw)] = np.frombuffer(raw, np.uint8)
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-    return json.loads(out.tobytes().rstrip(b"\\0").decode())
+    return json.loads(out.tobytes().rstrip(b"\0").decode())
 
 
 def choose_kernels(cfg: lm_config.Config, run_dir: pathlib.Path | None = None, *, resume: bool = False) -> dict:
