@@ -295,6 +295,8 @@ def _validate_after_training(cfg: Config) -> None:
     for method in cfg.quant.methods:
         if method not in known:
             raise ConfigError(f"config key 'quant.methods': unknown method {method!r}; expected some of {', '.join(known)}")
+    if len(set(cfg.quant.methods)) != len(cfg.quant.methods):
+        raise ConfigError(f"config key 'quant.methods': {list(cfg.quant.methods)} names a method twice")
     for key, value in (("quant.tile_size", cfg.quant.tile_size), ("quant.calibration_batches", cfg.quant.calibration_batches),
                        ("serve.num_slots", cfg.serve.num_slots), ("serve.prefill_batch", cfg.serve.prefill_batch),
                        ("serve.max_new_tokens", cfg.serve.max_new_tokens)):
@@ -312,8 +314,6 @@ def _validate_after_training(cfg: Config) -> None:
         raise ConfigError(f"config key 'serve.concurrency': needs positive levels, got {list(cfg.serve.concurrency)}")
     if cfg.serve.startup_timeout <= 0:
         raise ConfigError(f"config key 'serve.startup_timeout': must be positive, got {cfg.serve.startup_timeout}")
-    if len(set(cfg.quant.methods)) != len(cfg.quant.methods):
-        raise ConfigError(f"config key 'quant.methods': {list(cfg.quant.methods)} names a method twice")
 
 
 def mesh_shape(cfg: Config, device_count: int) -> tuple[int, int]:

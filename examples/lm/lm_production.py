@@ -13,13 +13,15 @@
 
 The steps are skipped, with the reason in ``report["production_skipped"]``, in multi-process
 runs, for data sources other than the synthetic addition task (whose answers can be checked),
-and when both ``quant`` and ``serve`` are disabled.
+and when both ``quant`` and ``serve`` are disabled. A step that fails leaves its error in
+``report["production_error"]`` (the training report is still written; train.py exits 1).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -120,9 +122,13 @@ def after_training(setup: Any, model: nn.Module, eval_texts: list[str], report: 
         report["production_skipped"] = reason
         return
     t0 = time.perf_counter()
-    variants, dims, entries = quantize_and_score(cfg, model, eval_texts, quiet)
-    report.update(entries)
-    if cfg.serve.enabled:
-        report["serving"] = serve_and_measure(cfg, setup.run_dir, variants, dims, eval_texts, quiet)
+    try:
+        variants, dims, entries = quantize_and_score(cfg, model, eval_texts, quiet)
+        report.update(entries)
+        if cfg.serve.enabled:
+            report["serving"] = serve_and_measure(cfg, setup.run_dir, variants, dims, eval_texts, quiet)
+    except Exception as e:  # the training report is still written; train.py exits 1
+        traceback.print_exc(file=sys.stderr)
+        report["production_error"] = f"{type(e).__name__}: {e}"
     report["production_s"] = time.perf_counter() - t0
     report["end_to_end_s"] = report["wall_s"] + report["production_s"]

@@ -125,8 +125,9 @@ def format_production(r: dict) -> list[str]:
         return ["production steps       skipped: the run stopped before train.steps"]
     if "production_skipped" in r:
         return [f"production steps       skipped: {r['production_skipped']}"]
+    failed = [f"production steps       FAILED: {r['production_error']}"] if "production_error" in r else []
     if "generation" not in r:
-        return []
+        return failed
     g = r["generation"]
     lines = ["", f"=== after training: greedy generation on {g['examples']} held-out problems (KV cache, "
                  f"up to {g['max_new_tokens']} new tokens) ==="]
@@ -150,4 +151,4 @@ def format_production(r: dict) -> list[str]:
     if "end_to_end_s" in r:
         lines.append(f"end to end             {r['end_to_end_s']:.1f} s (training {r['wall_s']:.1f} s, "
                      f"after training {r['production_s']:.1f} s)")
-    return lines
+    return lines + failed

@@ -171,7 +171,7 @@ class ServerProcess:
             self.proc.kill()
             return self.proc.wait()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *_: object) -> None:
         self.stop()
 
 

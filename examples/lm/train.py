@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if jax.process_index() == 0:
         print(lm_report.format_report(report))
+    if "production_error" in report:
+        print(f"error after training: {report['production_error']}", file=sys.stderr)
+        return 1
     return 0
 
 
