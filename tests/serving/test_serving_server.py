@@ -218,9 +218,10 @@ def test_pipelined_requests_answer_in_order(server):
 
 
 def test_queue_full_answers_503_with_retry_after(start_server):
-    gate = threading.Event()
+    gate, running = threading.Event(), threading.Event()
 
     def slow(d):
+        running.set()
         gate.wait(10)
         return {"y": d["x"]}
 
@@ -233,10 +234,22 @@ def test_queue_full_answers_503_with_retry_after(start_server):
         results.append(c.infer_json("slow", np.ones((1, 4), np.float32)))
         c.close()
 
+    def queued() -> int:
+        text = RawClient(server).request("GET", "/metrics")[2].decode()
+        return int(float(text.split('cairn_inference_queue_size{model="slow",version="1"} ')[1].split()[0]))
+
+    # one request running, then two queued (sent one after another: requests arriving in the
+    # same loop iteration are all queued before the first is dispatched), then three refused
     threads = [threading.Thread(target=send) for _ in range(6)]
-    for t in threads:
+    threads[0].start()
+    assert running.wait(10)
+    for n, t in enumerate(threads[1:3], 1):
         t.start()
-    while len(results) < 3:  # 1 running + 2 queued; the other 3 are refused at once
+        while queued() < n:
+            threading.Event().wait(0.01)
+    for t in threads[3:]:
+        t.start()
+    while len(results) < 3:  # the other 3 are refused at once
         threading.Event().wait(0.01)
     gate.set()
     for t in threads:
