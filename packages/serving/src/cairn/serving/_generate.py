@@ -207,7 +207,8 @@ class GenerationRequest:
         if self._first is None:
             self._first = time.perf_counter()
         self.token_ids.append(token)
-        self._emit(GenerationEvent(token, len(self.token_ids) - 1, text=text))
+        if self._on_event is not None:
+            self._emit(GenerationEvent(token, len(self.token_ids) - 1, text=text))
         return token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
 
     def _finish(self, reason: str, text: str | None, error: str | None = None) -> None:
