@@ -6,6 +6,11 @@ errors, and export_generator -> load round trips (float, int8 and packed int4 we
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import gen_testlib as g
@@ -439,3 +444,48 @@ def test_tokenize_round_trips(pieces):
     ids = tokenize(text, g.VOCAB)
     assert detokenize(ids, g.VOCAB) == text and all(g.VOCAB[i] for i in ids)
     assert len(ids) <= len(pieces)  # longest match never uses more tokens than the pieces
+
+
+HERMETIC = textwrap.dedent("""
+    import importlib.abc, json, sys
+    BLOCKED = ("cairn.nn", "cairn.quant", "cairn.kernels", "gen_testlib")
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith(BLOCKED):
+                raise ImportError(f"blocked in the hermetic test: {name}")
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+    from cairn import serving
+
+    model = serving.load(sys.argv[1])
+    work = json.loads(sys.argv[2])
+    config = serving.GenerationConfig(num_slots=6, prefill_batch=2)
+    with serving.GenerationEngine(model, config).start(precompile=False) as engine:
+        reqs = [engine.submit(p, serving.SamplingParams(**kw)) for p, kw in work]
+        out = [r.result(120).token_ids for r in reqs]
+    mods = sorted(k for k in sys.modules if k.startswith("cairn.") and sys.modules[k] is not None)
+    print(json.dumps({"type": type(model).__name__, "tokens": out, "modules": mods}))
+""")
+
+
+def test_hermetic_process_generates_the_same_tokens(model, engine, tmp_path):
+    """A fresh process that cannot import the model's code loads the exported generator and
+    produces, with its own engine, the tokens the in-process model produces."""
+    path = export_generator(g.prefill, g.decode, g.init_params(SEED, SCALE), tmp_path / "lm" / "1",
+                            cache_specs=g.cache_specs(), vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH,
+                            vocabulary=g.VOCAB, max_batch_size=8)
+    work = [([3, 4, 5, 6, 7], {"max_new_tokens": 9}), ([8, 9, 10, 11, 12, 13], {"max_new_tokens": 7, "temperature": 0.9, "seed": 4}),
+            ([20, 21, 22, 23, 24, 25, 26, 27], {"max_new_tokens": 12, "temperature": 1.2, "top_k": 5, "seed": 9})]
+    script = tmp_path / "hermetic_gen.py"
+    script.write_text(HERMETIC)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(script), path, json.dumps(work)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["type"] == "LoadedGenerator"
+    assert {m.split(".")[1] for m in got["modules"]} <= {"core_array", "serving"}
+    assert got["tokens"] == [engine.generate(p, SamplingParams(**kw)).token_ids for p, kw in work]
