@@ -16,16 +16,20 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import gen_testlib as lm
 import numpy as np
 import pytest
 import tritonclient.http as th
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from serving_testlib import RawClient, affine_model
 
 from cairn.serving._batcher import BatchingConfig
 from cairn.serving._generate import GenerationConfig, GenerationEngine
 from cairn.serving._genexport import PythonGenerator, detokenize, tokenize
+from cairn.serving._genhttp import parse_generate
 from cairn.serving._repository import parse_config
 from cairn.serving._sampling import SamplingParams
 
@@ -216,6 +220,31 @@ def test_ids_only_model(server):
     assert status == 200 and "text_output" not in out and len(out["output_ids"]) == 3
     status, _, events = _stream(server, "ids", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 2, "ignore_eos": True}})
     assert status == 200 and all("text_output" not in e for e in events) and len(events) == 3
+
+
+# --- any body: a prompt and parameters, or a ValueError ---
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_keys = st.sampled_from(["text_input", "input_ids", "parameters", "stream", "max_tokens", "max_new_tokens", "temperature",
+                         "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "other"])  # fmt: skip
+_bodies = st.dictionaries(_keys, _json_values | st.lists(st.integers(-2, 45), max_size=6) | st.dictionaries(_keys, _json_values, max_size=4), max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=_bodies | _json_values)
+def test_parse_generate_answers_a_prompt_or_a_value_error(body):
+    model = types.SimpleNamespace(name="m", vocabulary=tuple(lm.VOCAB), bos_token_id=lm.BOS_ID)
+    try:
+        prompt, params = parse_generate(json.dumps(body).encode(), model)
+    except ValueError as e:
+        assert str(e)
+        return
+    assert isinstance(body, dict) and ("text_input" in body) != ("input_ids" in body)
+    assert all(isinstance(t, int) for t in prompt) and isinstance(params, SamplingParams)
 
 
 # --- many clients ---
