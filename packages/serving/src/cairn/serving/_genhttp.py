@@ -101,6 +101,9 @@ class GenerationRelay:
       prompt_len: the prompt's length (for ``usage``).
       streaming: answer with SSE events (through :meth:`attach`) instead of :attr:`future`.
       done: called on the loop when the request finished: ``(finish_reason, tokens, ttft)``.
+      started: ``time.perf_counter()`` when the request arrived (time to first token counts
+        from it; default: now).
+      headers: headers every answer carries (``X-Request-Id``).
     """
 
     def __init__(
@@ -111,15 +114,17 @@ class GenerationRelay:
         prompt_len: int,
         streaming: bool,
         done: Callable[[str, int, float | None], None],
+        started: float | None = None,
+        headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.loop, self.base, self.vocabulary, self.prompt_len = loop, base, vocabulary, prompt_len
         self.streaming = streaming
         self.done = done
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
         self.tokens: list[int] = []
         self.first_token: float | None = None
-        self.future: asyncio.Future[Response] = loop.create_future()
-        self.headers: list[tuple[str, str]] = []
+        self.future: asyncio.Future[Response] = loop.create_future()  # the plain answer
+        self.headers = headers or []
         self.stream: Stream | None = None
         self._backlog: list[Any] = []
         self.finished = False

@@ -487,8 +487,7 @@ class App:
                 m.gen_ttft.observe(live.labels, ttft)
 
         base = {"model_name": live.name, "model_version": str(live.version)}
-        relay = GenerationRelay(asyncio.get_running_loop(), base, live.model.vocabulary, len(prompt), stream, done)
-        relay.started, relay.headers = started, headers
+        relay = GenerationRelay(asyncio.get_running_loop(), base, live.model.vocabulary, len(prompt), stream, done, started, headers)
         try:
             request = relay.request = live.engine.submit(prompt, params, relay.on_event)
         except QueueFull as e:
