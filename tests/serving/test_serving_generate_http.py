@@ -558,11 +558,15 @@ def test_cli_generation_flags(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_serves_an_exported_generator(tmp_path, engine):
+    from cairn.core_array import ArraySpec
+    from cairn.serving._export import export
     from cairn.serving._genexport import export_generator
 
     export_generator(lm.prefill, lm.decode, PARAMS, tmp_path / "lm" / "1", cache_specs=lm.cache_specs(), vocab_size=lm.VOCAB_SIZE,
                      max_length=lm.MAX_LENGTH, eos_token_ids=(lm.EOS_ID,), vocabulary=lm.VOCAB, bos_token_id=lm.BOS_ID)  # fmt: skip
     (tmp_path / "lm" / "config.json").write_text(json.dumps({"generation": {"num_slots": 3, "max_queue": 5}}))
+    w = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
+    export(lambda p, x: {"y": x["x"] @ p["w"]}, {"w": w}, {"x": ArraySpec(("b", 4), "float32")}, tmp_path / "mlp" / "1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cairn.serving._cli", "--model-repository", str(tmp_path), "--port", "0", "--num-slots", "2", "--prefill-batch", "2"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -580,6 +584,12 @@ def test_cli_serves_an_exported_generator(tmp_path, engine):
         assert got == want
         status, _, out = _post(server, "/v2/models/lm/generate", {"text_input": "the", "parameters": {"max_tokens": 4}})
         assert status == 200 and out["usage"]["prompt_tokens"] == len(tokenize("the", lm.VOCAB, lm.BOS_ID))
+        client = th.InferenceServerClient(url)  # the exported /infer model beside the generator
+        inp = th.InferInput("x", [2, 4], "FP32")
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        inp.set_data_from_numpy(x)
+        np.testing.assert_allclose(client.infer("mlp", [inp]).as_numpy("y"), x.astype(np.float64) @ w, rtol=1e-5)
+        client.close()
     finally:
         proc.terminate()
         assert proc.wait(60) == 0
