@@ -13,11 +13,13 @@ from cairn.serving._http import HttpLimits, HttpServer, Request, Response, Strea
 
 
 class _Harness:
-    """An HttpServer on its own loop thread; ``/stream?n=N&dt=S`` streams N pieces S seconds apart."""
+    """An HttpServer on its own loop thread; ``/stream?n=N&dt=S`` streams N pieces S seconds
+    apart (``&hold=1``: the pieces after the first wait for ``release``)."""
 
     def __init__(self, limits: HttpLimits) -> None:
         self.loop = asyncio.new_event_loop()
         self.disconnects: list[str] = []
+        self.release = threading.Event()  # ``hold=1``: pieces after the first wait for it
         self.finished: list[tuple[str, int, int]] = []
         self.server = HttpServer(self.handle, lambda req, resp, n: self.finished.append((req.path, resp.status, n)), limits)
         ready = threading.Event()
@@ -36,12 +38,15 @@ class _Harness:
         if req.path == "/plain":
             return Response(200, b'{"ok":true}')
         params = dict(p.split("=") for p in req.query.split("&") if p)
-        n, dt = int(params.get("n", "3")), float(params.get("dt", "0"))
+        n, dt, hold = int(params.get("n", "3")), float(params.get("dt", "0")), params.get("hold") == "1"
         req.on_disconnect = lambda: self.disconnects.append(req.path)
 
         def start(stream: Stream) -> None:
             def piece(i: int) -> None:
                 if stream.closed:
+                    return
+                if hold and i > 0 and not self.release.is_set():
+                    self.loop.call_later(0.01, piece, i)
                     return
                 if i == n:
                     stream.end()
@@ -122,10 +127,10 @@ def test_chunked_stream_then_keep_alive_and_pipelining(harness):
 
 def test_pieces_are_flushed_as_produced(harness):
     with socket.create_connection(("127.0.0.1", harness.port)) as s:
-        s.sendall(b"GET /stream?n=3&dt=1.0 HTTP/1.1\r\nHost: x\r\n\r\n")
-        t0 = time.monotonic()
-        data = _read_until(s, b"data: 0")  # the first piece arrives long before the last is produced
-        assert b"data: 0" in data and b"data: 1" not in data and time.monotonic() - t0 < 0.9
+        s.sendall(b"GET /stream?n=3&hold=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = _read_until(s, b"data: 0")  # arrives while the producer still holds the rest back
+        assert b"data: 0" in data and b"data: 1" not in data
+        harness.release.set()
         data += _read_until(s, b"0\r\n\r\n")
         assert b"data: 2" in data
 
