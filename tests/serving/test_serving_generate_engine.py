@@ -489,3 +489,24 @@ def test_hermetic_process_generates_the_same_tokens(model, engine, tmp_path):
     assert got["type"] == "LoadedGenerator"
     assert {m.split(".")[1] for m in got["modules"]} <= {"core_array", "serving"}
     assert got["tokens"] == [engine.generate(p, SamplingParams(**kw)).token_ids for p, kw in work]
+
+
+@pytest.mark.parametrize(("delay", "lo", "hi"), [(0, 0, 1), (3, 3, 4)])
+def test_a_busy_engine_holds_a_lone_request_to_fill_a_prefill_group(model, delay, lo, hi):
+    cfg = GenerationConfig(num_slots=6, prefill_batch=2, admission_delay_steps=delay)  # CONFIG's shapes
+    with GenerationEngine(model, cfg) as engine:
+        started = threading.Event()
+        busy = [engine.submit([3 + i], SamplingParams(40), on_event=lambda ev: started.set()) for i in range(4)]
+        assert started.wait(30)  # 4 of 6 slots busy: more than half
+        seen = {}
+
+        def first(ev):
+            seen.setdefault("steps", engine.stats()["steps"])
+
+        before = engine.stats()["steps"]
+        lone = engine.submit([5, 6], SamplingParams(3), on_event=first)
+        assert lone.result(30).finish_reason == "length"
+        # prefilled after `delay` held steps (+1 for the step already running when it came)
+        assert lo <= seen["steps"] - before <= hi + 1
+        for r in busy:
+            r.cancel()

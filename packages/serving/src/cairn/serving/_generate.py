@@ -1,9 +1,12 @@
 """The generation engine: continuous batching over a fixed number of KV-cache slots.
 
 One engine thread loops: (1) drop cancelled requests; (2) when slots are free, prefill
-up to ``prefill_batch`` waiting requests of the oldest one's prompt bucket (the next
-power of two, capped at ``max_length``) at the fixed shape ``(prefill_batch, bucket)``,
-scatter their cache rows into free slots and sample their first token; (3) run one
+waiting requests in groups of up to ``prefill_batch`` of one prompt bucket (the next
+power of two, capped at ``max_length``; the oldest request's bucket first) at the fixed
+shape ``(prefill_batch, bucket)``, until the free slots are full, scatter their cache
+rows into the slots and sample their first token (while more than half the slots are
+busy, waiting requests may be held back up to ``admission_delay_steps`` steps to fill a
+group, so a busy engine does not prefill mostly padding every step); (3) run one
 decode step over all ``num_slots`` slots (idle slots decode a dummy row) and sample a
 token for every active one, retiring finished requests at once. Every compiled shape is
 fixed and rows never interact, and sampling uses a generator derived from ``(seed,
@@ -62,6 +65,9 @@ class GenerationConfig:
       max_queue: waiting requests beyond this are refused with ``QueueFull``.
       max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
       scheduler: ``"continuous"`` or ``"static"`` (admit only when all slots are free).
+      admission_delay_steps: while more than half the slots are busy, the continuous
+        scheduler holds waiting requests back up to this many steps until they fill a
+        prefill group (0: admit at every step).
 
     Raises:
       ValueError: naming the field.
@@ -75,12 +81,16 @@ class GenerationConfig:
     max_queue: int = 256
     max_new_tokens_limit: int | None = None
     scheduler: str = "continuous"
+    admission_delay_steps: int = 2
 
     def __post_init__(self) -> None:
         for k in ("num_slots", "prefill_batch", "max_queue"):
             object.__setattr__(self, k, _positive(k, getattr(self, k)))
         if self.max_new_tokens_limit is not None:
             object.__setattr__(self, "max_new_tokens_limit", _positive("max_new_tokens_limit", self.max_new_tokens_limit))
+        d = self.admission_delay_steps
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0:
+            raise ValueError(f"GenerationConfig.admission_delay_steps must be an integer >= 0, got {d!r}")
         if self.scheduler not in _SCHEDULERS:
             raise ValueError(f"GenerationConfig.scheduler must be one of {_SCHEDULERS}, got {self.scheduler!r}")
         if self.prefill_batch > self.num_slots:
@@ -261,6 +271,7 @@ class GenerationEngine:
         self._scatter: Callable | None = None
         self._thread: threading.Thread | None = None
         self._state = "new"
+        self._held = 0  # steps the waiting requests have been held back (continuous scheduler)
         self._seeds = np.random.default_rng()
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
@@ -463,11 +474,29 @@ class GenerationEngine:
         self._tokens[slot] = 0
         self._positions[slot] = 0
 
+    def _admit_now(self, free: list[int]) -> bool:
+        """Under the lock: whether the continuous scheduler admits this step. While more than
+        half the slots are busy it holds waiting requests back (at most
+        ``admission_delay_steps`` steps) until they fill a prefill group, so a busy engine
+        does not run a mostly padded prefill at every step."""
+        if (len(self._slots) - len(free)) * 2 <= len(self._slots) or self._held >= self.config.admission_delay_steps:
+            return True
+        bucket = prompt_bucket(len(self._queue[0].prompt), self.model.max_length)
+        same = sum(prompt_bucket(len(r.prompt), self.model.max_length) == bucket for r in self._queue)
+        return min(same, len(free)) >= self.config.prefill_batch
+
     def _pick(self) -> list[list[tuple[GenerationRequest, int]]]:
-        """Under the lock: the prefill groups to run this step, each put in free slots."""
+        """Under the lock: the prefill groups to run this step (filling the free slots),
+        each put in free slots."""
         free = [i for i, r in enumerate(self._slots) if r is None]
-        if not self._queue or not free or (self.config.scheduler == "static" and len(free) < len(self._slots)):
+        if not self._queue or not free:
             return []
+        if self.config.scheduler == "static" and len(free) < len(self._slots):
+            return []
+        if self.config.scheduler == "continuous" and not self._admit_now(free):
+            self._held += 1
+            return []
+        self._held = 0
         groups = []
         while self._queue and free:
             bucket = prompt_bucket(len(self._queue[0].prompt), self.model.max_length)
@@ -478,8 +507,6 @@ class GenerationEngine:
             groups.append([(r, free.pop(0)) for r in group])
             for r, slot in groups[-1]:
                 self._slots[slot] = r
-            if self.config.scheduler == "continuous":
-                break
         return groups
 
     def _text(self, token: int) -> str | None:
