@@ -39,6 +39,7 @@ from cairn.serving import (
     load_generator,
     tokenize,
 )
+from cairn.serving._hashing import MANIFEST, seal_manifest
 
 # one worker compiles the engine's shapes once for the whole module (the fixtures are module-scoped)
 pytestmark = pytest.mark.xdist_group("serving_generate")
@@ -510,3 +511,26 @@ def test_a_busy_engine_holds_a_lone_request_to_fill_a_prefill_group(model, delay
         assert lo <= seen["steps"] - before <= hi + 1
         for r in busy:
             r.cancel()
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d["generation"].pop("cache"), "'generation' section is malformed"),
+        (lambda d: d["generation"].update(vocab_size="many"), "'generation' section is malformed"),
+        (lambda d: d["generation"].update(eos_token_ids=[99]), r"eos_token_ids: 99 is not a token id"),
+        (lambda d: d["generation"].update(vocabulary=["a"]), "vocabulary must hold vocab_size=40"),
+        (lambda d: d["signatures"].pop("decode"), r"a generator needs signatures \['decode'\]"),
+    ],
+)
+def test_a_malformed_generation_manifest_is_named(tmp_path, edit, match):
+    path = export_generator(g.prefill, g.decode, g.init_params(0), tmp_path / "lm", cache_specs=g.cache_specs(),
+                            vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH, max_batch_size=8)
+    with open(os.path.join(path, MANIFEST)) as f:
+        doc = json.load(f)
+    doc.pop("manifest_sha256", None)
+    edit(doc)
+    with open(os.path.join(path, MANIFEST), "wb") as f:
+        f.write(seal_manifest(doc))
+    with pytest.raises(ModelFormatError, match=match):
+        load(path)
