@@ -115,7 +115,7 @@ class QuantConfig:
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     enabled: bool = True
-    models: tuple[str, ...] = ("w8",)  # which variants ("float" or a quant.methods entry) are exported and served
+    models: tuple[str, ...] = ("w4_gptq",)  # which variants ("float" or a quant.methods entry) are exported and served
     num_slots: int = 16  # KV-cache slots of the continuous batcher
     prefill_batch: int = 4
     concurrency: tuple[int, ...] = (1, 16)
