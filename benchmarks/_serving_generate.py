@@ -27,7 +27,9 @@ arrival) / (tokens - 1) over the tokens that arrived inside the window (every re
 with two or more there); at the window's end the clients disconnect (which cancels their
 requests on the server).
 
-``ceilings`` are what the model alone allows: the decode step at batch 1 against 64
+``busy slots`` is generated tokens per decode step and ``prompts/prefill`` the real prompts
+per prefill call (of ``prefill_batch`` rows), from the engine's counters (statistics
+extension). ``ceilings`` are what the model alone allows: the decode step at batch 1 against 64
 (``64 * t1 / t64``: continuous over one-at-a-time if nothing but decode steps cost), and
 the workload's static-batching loss (``E[longest of 64] / E[length]``).
 """
@@ -152,6 +154,16 @@ def run_load(port: int, model: str, concurrency: int, window: float, vocab: int)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def engine_counters(port: int, model: str) -> dict[str, int]:
+    """The engine's counters from the server's statistics extension (``GET .../stats``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=10) as r:
+        stats = json.loads(r.read())["model_stats"][0]
+    engine = stats["generation_stats"]["engine"]
+    return {k: int(engine.get(k, 0)) for k in ("steps", "prefills", "requests", "tokens")}
+
+
 # --- model, repository, ceilings ---
 
 
@@ -241,17 +253,20 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
         try:
             for _ in range(rounds):
                 for name, c in samples:
-                    cpu = time.process_time()
+                    before = engine_counters(server.port, name)
                     r = run_load(server.port, name, c, _window(name, c, quick), model.vocab_size)
-                    r["cpu_s"] = time.process_time() - cpu
+                    d = {k: v - before[k] for k, v in engine_counters(server.port, name).items()}
+                    r["slots_busy"] = d["tokens"] / max(d["steps"], 1)  # tokens per decode step (of finished requests)
+                    r["rows_per_prefill"] = d["requests"] / max(d["prefills"], 1)
                     samples[name, c].append(r)
                     print(f"  gen {name:14s} c={c:<3d} {r['tok_s']:8.0f} tok/s  TPOT p50 {r['tpot_p50_ms']:7.2f} p99 {r['tpot_p99_ms']:7.2f} ms"
-                          f"  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 {r['ttft_p99_ms']:8.1f} ms  {r['requests']} req  {r['errors']} err {r['statuses']}", flush=True)
+                          f"  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 {r['ttft_p99_ms']:8.1f} ms  {r['requests']} req  {r['errors']} err {r['statuses']}"
+                          f"  {r['slots_busy']:.1f} slots busy/step  {r['rows_per_prefill']:.1f} prompts/prefill", flush=True)
         finally:
             server.stop(drain=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    keys = ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+    keys = ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "slots_busy", "rows_per_prefill")
     rows = []
     for (name, c), runs in samples.items():
         med = {k: float(np.median([r[k] for r in runs])) for k in keys}
@@ -278,11 +293,12 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"| {'generate':14s} |   c |  tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | TTFT p99 ms | requests | errors |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [f"| {'generate':14s} |   c |  tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | TTFT p99 ms | busy slots | prompts/prefill | requests | errors |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         lines.append(f"| {r['config']:14s} | {r['c']:3d} | {r['tok_s']:6.0f} | {r['tpot_p50_ms']:11.2f} | {r['tpot_p99_ms']:11.2f} | "
-                     f"{r['ttft_p50_ms']:11.1f} | {r['ttft_p99_ms']:11.1f} | {r['requests']:8d} | {r['errors']:6d} |")
+                     f"{r['ttft_p50_ms']:11.1f} | {r['ttft_p99_ms']:11.1f} | {r['slots_busy']:10.1f} | {r['rows_per_prefill']:15.1f} | "
+                     f"{r['requests']:8d} | {r['errors']:6d} |")
     return "\n".join(lines)
 
 
