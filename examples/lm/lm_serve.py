@@ -21,6 +21,7 @@ import http.client
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,9 +73,11 @@ def export_next_token(variant: lm_quant.Variant, dims: lm_generate.Dims, repo: p
 
 def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str], dims: lm_generate.Dims,
                       repo: pathlib.Path, *, num_slots: int, prefill_batch: int) -> dict[str, Any]:
-    """Export every variant in ``names`` (generator + next-token model); sizes and timing."""
+    """Export every variant in ``names`` (generator + next-token model) into a fresh ``repo``; sizes and timing."""
     t0 = time.perf_counter()
-    repo.mkdir(parents=True, exist_ok=True)
+    if repo.exists():  # this run's models only: an earlier run's would be served (and loaded) too
+        shutil.rmtree(repo)
+    repo.mkdir(parents=True)
     out: dict[str, Any] = {"repository": str(repo), "models": {}}
     for name in names:
         gen_path = export_generator(variants[name], dims, repo, num_slots=num_slots, prefill_batch=prefill_batch)
