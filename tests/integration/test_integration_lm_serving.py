@@ -184,10 +184,8 @@ def test_bad_production_config_names_the_key(overrides, key):
 # --- the whole chain: train, quantize, export, cairn-serve in a subprocess ---
 
 
-@pytest.fixture(scope="module")
-def served_run(tmp_path_factory):
-    """The recipe's command line at the tiny config with the production steps on (w8 and w4 GPTQ served)."""
-    run_dir = tmp_path_factory.mktemp("lm_serving")
+def _served_run(run_dir):
+    """The recipe's command line at the tiny config with the production steps on (w4 GPTQ served)."""
     sets = [*TINY, f'run.dir="{run_dir}"', "quant.methods=['w8', 'w4_gptq']", "serve.models=['w4_gptq']"]
     out = subprocess.run([sys.executable, str(LM / "train.py"), "--quiet", "--set", *sets],
                          capture_output=True, text=True, timeout=900)
@@ -196,9 +194,14 @@ def served_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("lm_serving")
-def test_cli_run_reports_served_accuracy_equal_to_in_process(served_run):
-    run_dir, metrics, stdout = served_run
+def test_cli_run_serves_what_it_generates_in_process(tmp_path):
+    # one test, so that the run (about 30 s) is made once however xdist distributes tests
+    served = _served_run(tmp_path)
+    _check_report(*served)
+    _check_served_repository(*served)
+
+
+def _check_report(run_dir, metrics, stdout):
     gen = metrics["generation"]["variants"]
     assert set(gen) == {"float", "w8", "w4_gptq"} and metrics["generation"]["examples"] == 24
     assert gen["w4_gptq"]["param_bytes"] < gen["w8"]["param_bytes"] < gen["float"]["param_bytes"]
@@ -214,15 +217,13 @@ def test_cli_run_reports_served_accuracy_equal_to_in_process(served_run):
     assert (run_dir / "serving" / "lm_w4_gptq" / "1").is_dir() and (run_dir / "serving" / "lm_w4_gptq_next_token" / "1").is_dir()
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("lm_serving")
-def test_served_repository_answers_tritonclient_and_streams_the_in_process_tokens(served_run):
+def _check_served_repository(run_dir, metrics, _stdout):
+    """A real tritonclient /infer call and streamed generates equal to the exported generator run alone."""
     import lm_generate
     import lm_serve
 
     from cairn import serving
 
-    run_dir, metrics, _ = served_run
     repo = run_dir / "serving"
     # the exported generator, loaded in-process, is the reference for the served tokens
     loaded = serving.load(str(repo / "lm_w4_gptq" / "1"))
