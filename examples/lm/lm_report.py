@@ -114,13 +114,13 @@ def format_report(r: dict) -> str:
 
 
 def _short(v: object) -> str:
-    """``kernels (auto: kernels 8.8 ms, xla 10.4 ms; cairn.kernels runs xla)`` from lm_train's entry."""
+    """``cairn.kernels[xla] (auto: kernels 8.8 ms, xla 10.4 ms)`` or ``plain XLA (config)`` from lm_train's entry."""
     if not isinstance(v, dict):
         return str(v)
+    what = f"cairn.kernels[{v.get('kernels_implementation', '?')}]" if v.get("implementation") == "kernels" else "plain XLA"
     ms = ", ".join(f"{k} {t:.1f} ms" for k, t in v.get("candidates_ms", {}).items())
-    why = ", ".join(x for x in (str(v.get("chosen_by", "")) + (f": {ms}" if ms else ""),
-                                f"cairn.kernels runs {v['kernels_implementation']}" if v.get("kernels_implementation") else "") if x)
-    return f"{v.get('implementation', '?')}" + (f" ({why})" if why else "")
+    why = str(v.get("chosen_by", "")) + (f": {ms}" if ms else "")
+    return what + (f" ({why})" if why else "")
 
 
 def format_production(r: dict) -> list[str]:
