@@ -65,3 +65,31 @@ def test_awq_rule_checks():
         quant.AwqRule(weight_qtype="int4", n_grid=0)
     with pytest.raises(ValueError, match="no batch"):
         quant.awq_quantize_params({"dense": {"kernel": jnp.ones((4, 2))}}, quant.PtqProvider([quant.AwqRule(weight_qtype="int4")]), _f, [])
+
+
+def _f_stacked(p, x):
+    for block in p["blocks"]:
+        x = x @ block["dense"]["kernel"]
+    return x
+
+
+@pytest.mark.parametrize("method", ["awq", "smooth_quant"])
+def test_params_with_dicts_inside_lists_and_tuples_are_left_unchanged(method):
+    # the caller's tree must never gain the quantized weights or the *_awq_scale entries,
+    # however its dicts nest (they used to be written into dicts held by a list)
+    x, _ = _data(salient=True)
+    rng = np.random.default_rng(1)
+    for container in (list, tuple):
+        blocks = container({"dense": {"kernel": (rng.normal(size=(64, 64)) / 8).astype(np.float32)}} for _ in range(2))
+        params = {"blocks": blocks}
+        before = [dict(b["dense"]) for b in params["blocks"]]
+        if method == "awq":
+            provider = quant.PtqProvider([quant.AwqRule(weight_qtype="int4", tile_size=32, n_grid=4)])
+            out = quant.awq_quantize_params(params, provider, _f_stacked, [(x[:256],)])
+        else:
+            provider = quant.PtqProvider([quant.SmoothQuantRule(alpha=0.5)], strict=False)
+            out = quant.smooth_quant_params(params, provider, _f_stacked, [(x[:256],)])
+        for b, old in zip(params["blocks"], before):
+            assert set(b["dense"]) == {"kernel"} and b["dense"]["kernel"] is old["kernel"]
+        assert type(out["blocks"]) is container
+        assert all("kernel_awq_scale" in b["dense"] for b in out["blocks"])

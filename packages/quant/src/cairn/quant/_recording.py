@@ -107,15 +107,24 @@ def lookup_path(root: Any, parts: Sequence[str]) -> Any:
     return node
 
 
-def _copy_dicts(tree: Any) -> Any:
-    return {k: _copy_dicts(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+def _copy_containers(tree: Any) -> Any:
+    """A copy of the dicts, lists and tuples of ``tree`` (the leaves are shared), so
+    placing entries in the copy never reaches the caller's tree, however its dicts nest."""
+    if isinstance(tree, dict):
+        return {k: _copy_containers(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_containers(v) for v in tree]
+    if isinstance(tree, tuple):
+        items = [_copy_containers(v) for v in tree]
+        return type(tree)._make(items) if hasattr(tree, "_make") else type(tree)(items)
+    return tree
 
 
 def with_input_scales(params: Any, replaced: dict[str, Any], scales: dict[str, Any]) -> Any:
     """``params`` with the leaves at ``replaced``'s paths swapped and each weight's input
     scale added beside it at ``<path>_awq_scale``.
 
-    Nested dicts are copied (the input is not changed). Any other pytree (a cairn.nn or
+    Nested dicts, lists and tuples are copied (the input is never changed). Any other pytree (a cairn.nn or
     Flax NNX module) is rebuilt from its leaves and each scale is set as an attribute of
     the weight's owner, wrapped in the weight's own variable type.
     """
@@ -125,7 +134,7 @@ def with_input_scales(params: Any, replaced: dict[str, Any], scales: dict[str, A
     from cairn.quant._providers import input_scale_path
 
     if isinstance(params, dict):
-        out = _copy_dicts(params)
+        out = _copy_containers(params)
         for path, value in [*replaced.items(), *((input_scale_path(p), s) for p, s in scales.items())]:
             *parents, last = path.split("/")
             owner = lookup_path(out, parents)
