@@ -167,7 +167,8 @@ def demo(session: nox.Session) -> None:
     `nox -s demo -- --resume`.
     """
     _editable_all(session, "parquet,arrayrecord")
-    session.install(*INTEGRATION_DEPS)
+    # tritonclient: the main job checks the served /infer model with Triton's own client
+    session.install(*INTEGRATION_DEPS, "tritonclient[http]>=2.40")
     session.run("python", "examples/lm/train.py", *session.posargs)
 
 
