@@ -30,8 +30,12 @@ requests on the server).
 ``busy slots`` is generated tokens per decode step and ``prompts/prefill`` the real prompts
 per prefill call (of ``prefill_batch`` rows), from the engine's counters (statistics
 extension). ``ceilings`` are what the model alone allows: the decode step at batch 1 against 64
-(``64 * t1 / t64``: continuous over one-at-a-time if nothing but decode steps cost), and
-the workload's static-batching loss (``E[longest of 64] / E[length]``).
+(``64 * t1 / t64``: continuous over one-at-a-time if nothing but decode steps cost; the
+one-at-a-time loop's host time per token, its TPOT minus ``t1``, is printed beside it), and
+the workload's static-batching loss (``E[longest of 64] / E[length]``: continuous over
+static if prefill and host work cost nothing). On a 2-core CPU a batch-1 decode step of
+this model (13 MB of weights, in L3) is already compute-bound, so ``64 * t1 / t64`` is
+about 1.5-2.5x, far below the 10x goal, which assumes memory-bound decode (a GPU).
 """
 
 from __future__ import annotations
@@ -281,6 +285,8 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
         "ceiling_continuous_vs_one": NUM_SLOTS * steps[1] / steps[NUM_SLOTS],
         "ceiling_continuous_vs_static": static_loss(),
         "decode_step_ms": {str(b): s * 1e3 for b, s in steps.items()},
+        # one-at-a-time's time per token beyond its decode step: sampling, events, the engine loop
+        "one_host_ms_per_token": get["one-at-a-time", 1]["tpot_p50_ms"] - steps[1] * 1e3,
         "errors": sum(r["errors"] for r in rows),
         **{k: round(v, 2) for k, v in info.items()},
     }
@@ -309,8 +315,9 @@ def goals_text(summary: dict) -> str:
         f"continuous / static tokens/s at c=64: {s['continuous_vs_static_c64']:.2f}x (goal >= 3x: "
         f"{'met' if s['goals']['continuous_vs_static_c64 >= 3'] else 'MISSED'}; the workload's ceiling {s['ceiling_continuous_vs_static']:.2f}x)",
         f"continuous / one-at-a-time tokens/s at c=64: {s['continuous_vs_one_c64']:.2f}x (goal >= 10x: "
-        f"{'met' if s['goals']['continuous_vs_one_c64 >= 10'] else 'MISSED'}; this model's ceiling on this machine "
-        f"64 x {s['decode_step_ms']['1']:.2f} ms / {s['decode_step_ms'][str(NUM_SLOTS)]:.2f} ms = {s['ceiling_continuous_vs_one']:.2f}x)",
+        f"{'met' if s['goals']['continuous_vs_one_c64 >= 10'] else 'MISSED'}; decode steps alone on this machine give "
+        f"64 x {s['decode_step_ms']['1']:.2f} ms / {s['decode_step_ms'][str(NUM_SLOTS)]:.2f} ms = {s['ceiling_continuous_vs_one']:.2f}x, "
+        f"plus one-at-a-time's {s['one_host_ms_per_token']:.2f} ms host time per token)",
         f"continuous TTFT p50 c=16 / c=1: {s['ttft_c16_vs_c1_continuous']:.2f}x (goal < 3x: "
         f"{'met' if s['goals']['ttft_c16_vs_c1_continuous < 3'] else 'MISSED'})",
     ])
