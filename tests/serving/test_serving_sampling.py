@@ -1,5 +1,7 @@
 """SamplingParams validation and the host sampler: the filtered distribution against an
-independent float64 reference, and draws that depend only on (seed, token index)."""
+independent float64 reference, draws that depend only on (seed, token index), and the
+batched sampler: every row drawn exactly as the reference draws it, whatever else is in
+the batch."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cairn.serving import SamplingParams
-from cairn.serving._sampling import filtered_probs, sample_token, uniform
+from cairn.serving import SamplingParams, _sampling
+from cairn.serving._sampling import filtered_probs, sample_rows, sample_token, uniform
 
 
 def _reference(logits, temperature, top_k, top_p):
@@ -130,3 +132,110 @@ def test_uniform_is_uniform_and_uncorrelated():
     # neighbouring indices and neighbouring seeds are uncorrelated
     assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.03
     assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 0.03
+
+
+# --- the batched sampler ---
+
+
+def _reference_draw(logits, temperature, top_k, top_p, u):
+    """The inverse-CDF draw from ``_reference`` at ``u`` (tokens in id order), and whether
+    it is ambiguous: the top-p cut or ``u`` lies within 1e-9 of a boundary, where the
+    order of float additions may decide (ties of probability are not ambiguous)."""
+    z = [float(v) / temperature for v in logits]
+    w = [math.exp(v - max(z)) for v in z]
+    order = sorted(range(len(z)), key=lambda i: (-z[i], i))[: top_k or None]
+    mass, before = sum(w[i] for i in order), 0.0
+    ambiguous = False
+    for i in order:
+        ambiguous |= top_p < 1.0 and abs(before - top_p) < 1e-9
+        before += w[i] / mass
+    p = _reference(logits, temperature, top_k, top_p)
+    c = np.cumsum(p)
+    tok = int(np.searchsorted(c, u * c[-1], side="right"))
+    ambiguous |= bool(np.any(np.abs(c[p > 0] - u * c[-1]) < 1e-9))
+    return tok, ambiguous
+
+
+def _check_rows(logits, params, seeds, indices):
+    """sample_rows on the batch, each row alone, and the reference agree."""
+    got = sample_rows(logits, params, seeds, indices)
+    assert got.shape == (len(params),) and got.dtype == np.int64
+    skipped = 0
+    for i, sp in enumerate(params):
+        assert got[i] == sample_token(logits[i], sp, seeds[i], indices[i])  # the same alone
+        if sp.greedy:
+            assert got[i] == int(np.argmax(logits[i]))
+            continue
+        want, ambiguous = _reference_draw(logits[i], sp.temperature, sp.top_k, sp.top_p, uniform(seeds[i], indices[i]))
+        skipped += ambiguous
+        assert ambiguous or got[i] == want, (i, sp, got[i], want)
+    return got, skipped
+
+
+row_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 1.0]) | st.floats(0.05, 4.0),
+    top_k=st.sampled_from([0, 1, 2, 5, 31, 32, 33, 40, 70]) | st.integers(0, 90),
+    top_p=st.sampled_from([1.0, 0.3, 0.5, 0.9, 0.99]) | st.floats(0.01, 1.0),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data(), st.integers(1, 80), st.integers(1, 7))
+def test_sample_rows_exact_and_independent_of_the_other_rows(data, vocab, n):
+    value = st.sampled_from([-3.0, -1.0, 0.0, 0.5, 2.5]) | st.floats(-12, 12, width=32)  # ties are common
+    logits = np.array(data.draw(st.lists(st.lists(value, min_size=vocab, max_size=vocab), min_size=n, max_size=n)),
+                      np.float32)
+    params = data.draw(st.lists(row_params, min_size=n, max_size=n))
+    seeds = data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n))
+    indices = data.draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n))
+    got, _ = _check_rows(logits, params, seeds, indices)
+    sub = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1)))  # any subset, any order
+    sub = data.draw(st.permutations(sub))
+    part = sample_rows(logits[sub], [params[i] for i in sub], [seeds[i] for i in sub], [indices[i] for i in sub])
+    assert part.tolist() == got[sub].tolist()
+
+
+def test_sample_rows_every_path_matches_the_reference(monkeypatch):
+    """A large vocabulary so candidates are a real subset: top-p inside the top 32, top-k
+    above 32 (k + 1 candidates) and above 256, a flat row whose nucleus is larger than
+    32, a tie at the 32nd candidate inside the nucleus, plain temperature, greedy. The
+    rows that cannot be decided from the candidates really take the whole-vocabulary path."""
+    rng = np.random.default_rng(0)
+    vocab = 600
+    sharp = (rng.normal(size=vocab) * 6).astype(np.float32)
+    flat = (rng.normal(size=vocab) * 0.1).astype(np.float32)
+    tied = np.full(vocab, -20.0, np.float32)
+    tied[rng.choice(vocab, 20, replace=False)] = 3.0
+    tied[rng.choice(np.flatnonzero(tied < 0), 40, replace=False)] = 2.0  # ranks 20..59 tie, the 32nd among them
+    rows = [
+        (sharp, SamplingParams(temperature=0.8, top_p=0.9)),
+        (sharp, SamplingParams(temperature=3.0, top_k=40, top_p=0.95)),
+        (flat, SamplingParams(temperature=1.0, top_k=300)),
+        (flat, SamplingParams(temperature=1.0, top_p=0.5)),
+        (tied, SamplingParams(temperature=1.0, top_p=0.99)),
+        (tied, SamplingParams(temperature=1.0, top_k=25)),
+        (sharp, SamplingParams(temperature=1.3)),
+        (flat, SamplingParams()),
+    ]
+    widths = []
+    real = _sampling._filtered_draw
+    monkeypatch.setattr(_sampling, "_filtered_draw", lambda *a: (widths.append((len(a[0]), a[-1])), real(*a))[1])
+    draws = 60
+    logits = np.stack([r for r, _ in rows] * draws)
+    params = [p for _, p in rows] * draws
+    seeds = [int(s) for s in rng.integers(0, 2**63, len(params))]
+    got, skipped = _check_rows(logits, params, seeds, list(range(len(params))))
+    assert skipped <= 2
+    # 41 candidates for top-k 40; top-k 300, the flat nucleus and both tied rows needed the whole row
+    assert widths[0] == (6 * draws, 41) and widths[1] == (4 * draws, vocab)
+    assert len(set(got[4::8].tolist())) > 20  # the tied row really draws from its 59-token nucleus
+
+
+def test_sample_rows_bad_input_is_named():
+    sp = SamplingParams(temperature=1.0)
+    with pytest.raises(ValueError, match=r"\(n, vocab\) logits and n params.*got logits \(3,\)"):
+        sample_rows(np.zeros(3), [sp], [0], [0])
+    with pytest.raises(ValueError, match="2 params, 1 seeds"):
+        sample_rows(np.zeros((2, 3)), [sp, sp], [0], [0, 1])
+    assert sample_rows(np.zeros((0, 3)), [], [], []).shape == (0,)

@@ -33,7 +33,7 @@ import numpy as np
 
 from cairn.serving._batcher import QueueFull, Unavailable
 from cairn.serving._genexport import GenerativeModel
-from cairn.serving._sampling import SamplingParams, sample_token
+from cairn.serving._sampling import SamplingParams, sample_rows
 
 __all__ = [
     "GenerationConfig",
@@ -535,8 +535,9 @@ class GenerationEngine:
             return
         self._counts["prefills"] += 1
         self._counts["tokens"] += len(group)  # counted as generated, so stats() shows a live rate
-        for i, (r, slot) in enumerate(group):
-            tok = sample_token(host[i], r.params, r.seed, 0)
+        reqs = [r for r, _ in group]
+        toks = sample_rows(host[: len(group)], [r.params for r in reqs], [r.seed for r in reqs], [0] * len(group))
+        for (r, slot), tok in zip(group, toks.tolist()):
             self._positions[slot], self._tokens[slot] = len(r.prompt), tok
             if r._add(tok, self._text(tok)):
                 self._retire(slot)
@@ -554,11 +555,14 @@ class GenerationEngine:
             return
         self._counts["steps"] += 1
         self._counts["tokens"] += sum(r is not None for r in self._slots)
-        greedy = host.argmax(axis=1)  # the same first maximum sample_token takes, for all rows at once
-        for slot, r in enumerate(self._slots):
-            if r is None:
-                continue
-            tok = int(greedy[slot]) if r.params.greedy else sample_token(host[slot], r.params, r.seed, len(r.token_ids))
+        active = [(slot, r) for slot, r in enumerate(self._slots) if r is not None]
+        reqs = [r for _, r in active]
+        # one batched call for every row (a row's token depends on its own logits, seed and index only)
+        toks = sample_rows(
+            host[[slot for slot, _ in active]], [r.params for r in reqs], [r.seed for r in reqs],
+            [len(r.token_ids) for r in reqs],
+        )
+        for (slot, r), tok in zip(active, toks.tolist()):
             if r._add(tok, self._text(tok)):
                 self._retire(slot)
             else:

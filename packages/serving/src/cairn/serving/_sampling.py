@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SamplingParams", "filtered_probs", "sample_token", "greedy_tokens", "uniform"]
+__all__ = ["SamplingParams", "filtered_probs", "sample_rows", "sample_token", "greedy_tokens", "uniform"]
 
 _MAX_SEED = 2**64
 
@@ -216,17 +216,139 @@ def uniform(seed: int, index: int) -> float:
 
 def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> int:
     """Token ``index`` of a request: argmax when greedy, else one draw from
-    :func:`filtered_probs` with :func:`uniform` ``(seed, index)``.
+    :func:`filtered_probs` with :func:`uniform` ``(seed, index)``. A one-row
+    :func:`sample_rows`, so it gives exactly the engine's tokens.
 
     >>> sample_token(np.array([0.0, 2.0, 1.0]), SamplingParams(), seed=0, index=0)
     1
     """
-    if params.greedy:
-        return int(np.argmax(logits))
-    p = filtered_probs(logits, params.temperature, params.top_k, params.top_p)
-    u = uniform(seed, index)
-    c = np.cumsum(p)
-    return int(min(np.searchsorted(c, u * c[-1], side="right"), len(p) - 1))
+    return int(sample_rows(np.asarray(logits)[None], [params], [seed], [index])[0])
+
+
+_CANDIDATES = 32  # tokens ranked per row before falling back to ranking the whole vocabulary
+_MAX_CANDIDATES = 256  # top-k rows below this rank k + 1 tokens
+
+
+def sample_rows(
+    logits: np.ndarray, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
+) -> np.ndarray:
+    """One token for each row of ``logits``, all rows in a few batched NumPy calls.
+
+    Row ``i`` is token ``indices[i]`` of a request with ``params[i]`` and ``seeds[i]``:
+    argmax when greedy, else the token at which the cumulative :func:`filtered_probs`
+    (tokens in id order) first exceeds ``uniform(seeds[i], indices[i])`` times its total.
+    Every operation is row-wise, so a row's token never depends on the other rows in the
+    call. Top-k / top-p rows rank only the ``32`` most likely tokens (``k + 1`` when the
+    batch has a top-k below 256); a row whose kept set is not provably among them (a
+    larger top-k, a flat distribution, a tie with the last candidate) ranks its whole
+    vocabulary, with the same arithmetic, hence the same token. The probabilities are
+    normalised over the whole row, so a draw may differ from :func:`filtered_probs`'s
+    only where ``u`` or the top-p cut lies within rounding of a boundary.
+
+    Args:
+      logits: ``(n, vocab)`` float logits.
+      params: ``n`` :class:`SamplingParams`. seeds: ``n`` seeds. indices: ``n`` token
+        indices (the draw's position in its request).
+
+    Returns:
+      ``(n,)`` int64 token ids.
+
+    Raises:
+      ValueError: ``logits`` is not 2-D or the lists do not have one entry per row.
+
+    >>> p = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1)]
+    >>> sample_rows(np.array([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), p, [0, 1], [0, 0]).tolist()
+    [1, 0]
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or not len(params) == len(seeds) == len(indices) == logits.shape[0]:
+        raise ValueError(
+            f"sample_rows needs (n, vocab) logits and n params, seeds and indices; got logits {logits.shape}, "
+            f"{len(params)} params, {len(seeds)} seeds, {len(indices)} indices"
+        )
+    out = np.empty(logits.shape[0], np.int64)
+    greedy = np.array([p.greedy for p in params], bool)
+    if greedy.any():
+        out[greedy] = np.argmax(logits[greedy], axis=1)  # the first maximum
+    rows = np.flatnonzero(~greedy)
+    if len(rows):
+        u = np.array([uniform(seeds[i], indices[i]) for i in rows.tolist()])
+        out[rows] = _sample(logits[rows], [params[i] for i in rows.tolist()], u)
+    return out
+
+
+def _sample(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.ndarray:
+    """Draws for non-greedy rows; ``u``: their uniforms."""
+    n, vocab = logits.shape
+    temperature = np.array([p.temperature for p in params])
+    top_k = np.array([p.top_k if p.top_k < vocab else 0 for p in params], np.int64)
+    top_p = np.array([p.top_p for p in params])
+    z = np.asarray(logits, np.float64) / temperature[:, None]
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    total = e.sum(axis=1)
+    out = np.empty(n, np.int64)
+    plain = (top_k == 0) & (top_p >= 1.0)  # nothing cut: no ranking needed
+    if plain.any():
+        ids = np.broadcast_to(np.arange(vocab), (int(plain.sum()), vocab))
+        out[plain] = _draw(e[plain] / total[plain, None], ids, u[plain])
+    rest = np.flatnonzero(~plain)
+    if len(rest):
+        if len(rest) < n:
+            z, e, total = z[rest], e[rest], total[rest]
+        top_k, top_p, u = top_k[rest], top_p[rest], u[rest]
+        # k + 1 candidates for the top-k rows (rank k must be cut); larger k ranks the whole row
+        ks = top_k[top_k < _MAX_CANDIDATES]
+        m = min(vocab, max(_CANDIDATES, int(ks.max()) + 1 if len(ks) else 0))
+        tok, ok = _filtered_draw(z, e, total, top_k, top_p, u, m)
+        out[rest] = tok
+        if not ok.all():
+            redo = ~ok
+            out[rest[redo]], _ = _filtered_draw(z[redo], e[redo], total[redo], top_k[redo], top_p[redo], u[redo], vocab)
+    return out
+
+
+def _filtered_draw(
+    z: np.ndarray, e: np.ndarray, total: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, u: np.ndarray, m: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k / top-p draws from the ``m`` most likely tokens of each row (``z``: scaled
+    logits, ``e / total``: probabilities), and whether that was exact: every kept token
+    is strictly more likely than the m-th, and top-k <= m. Always exact when ``m`` is
+    the vocabulary.
+
+    The kept set, its mass and the id-order cumulative sum at kept tokens do not depend
+    on ``m`` (prefix sums of the same values; ``x + 0.0 == x``), so the token is the same
+    for every ``m`` that is exact, the whole vocabulary included.
+    """
+    n, vocab = z.shape
+    if m < vocab:  # the m largest, in id order
+        cand = np.sort(np.argpartition(z, vocab - m, axis=1)[:, vocab - m :], axis=1)
+        zc = np.take_along_axis(z, cand, 1)
+        pc = np.take_along_axis(e, cand, 1) / total[:, None]
+    else:
+        cand, zc, pc = np.broadcast_to(np.arange(vocab), (n, vocab)), z, e / total[:, None]
+    order = np.argsort(-zc, axis=1, kind="stable")  # most likely first, lower id first among ties
+    p_rank = np.take_along_axis(pc, order, 1)
+    cum = np.cumsum(p_rank, axis=1)
+    has_k = top_k > 0
+    mass = np.where(has_k & (top_k <= m), cum[np.arange(n), np.clip(top_k, 1, m) - 1], 1.0)  # top-k mass
+    keep_rank = np.where(has_k[:, None], np.arange(m)[None, :] < top_k[:, None], True)
+    keep_rank &= ((cum - p_rank) < (top_p * mass)[:, None]) | (top_p >= 1.0)[:, None]
+    ok = np.ones(n, bool)
+    if m < vocab:
+        z_rank = np.take_along_axis(zc, order, 1)
+        ok = ~(keep_rank & (z_rank == z_rank[:, -1:])).any(axis=1) & (top_k <= m)
+    keep = np.empty_like(keep_rank)
+    np.put_along_axis(keep, order, keep_rank, 1)
+    return _draw(np.where(keep, pc, 0.0), cand, u), ok
+
+
+def _draw(p: np.ndarray, ids: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row, the token ``ids[k]`` where the cumulative ``p`` (in id order) first
+    exceeds ``u`` times its total (never a zero-probability token)."""
+    c = np.cumsum(p, axis=1)
+    k = (c <= (u * c[:, -1])[:, None]).sum(axis=1)
+    last = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)  # u * total may round up to the total
+    return ids[np.arange(len(p)), np.minimum(k, last)]
 
 
 def greedy_tokens(logits: np.ndarray) -> np.ndarray:
