@@ -220,6 +220,7 @@ def test_sample_rows_every_path_matches_the_reference(monkeypatch):
     ]
     widths = []
     real = _sampling._filtered_draw
+    monkeypatch.setattr(_sampling, "_CHUNK", 1 << 20)  # one call (chunks: the next test)
     monkeypatch.setattr(_sampling, "_filtered_draw", lambda *a: (widths.append((len(a[0]), a[-1])), real(*a))[1])
     draws = 60
     logits = np.stack([r for r, _ in rows] * draws)
@@ -239,3 +240,15 @@ def test_sample_rows_bad_input_is_named():
     with pytest.raises(ValueError, match="2 params, 1 seeds"):
         sample_rows(np.zeros((2, 3)), [sp, sp], [0], [0, 1])
     assert sample_rows(np.zeros((0, 3)), [], [], []).shape == (0,)
+
+
+def test_sample_rows_in_chunks_gives_the_same_tokens(monkeypatch):
+    """Big vocabularies are sampled a few rows per call: the same tokens as one call."""
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(40, 300)) * rng.uniform(0.1, 8, (40, 1))).astype(np.float32)
+    params = [SamplingParams(temperature=float(rng.uniform(0.2, 2)), top_k=int(rng.choice([0, 5, 50, 280])),
+                             top_p=float(rng.choice([1.0, 0.5, 0.95]))) for _ in range(40)]
+    seeds, indices = list(range(40)), [int(i) for i in rng.integers(0, 99, 40)]
+    whole = sample_rows(logits, params, seeds, indices)
+    monkeypatch.setattr(_sampling, "_CHUNK", 700)  # 2 rows per call
+    assert sample_rows(logits, params, seeds, indices).tolist() == whole.tolist()

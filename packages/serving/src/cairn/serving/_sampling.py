@@ -227,6 +227,7 @@ def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, index: i
 
 _CANDIDATES = 32  # tokens ranked per row before falling back to ranking the whole vocabulary
 _MAX_CANDIDATES = 256  # top-k rows below this rank k + 1 tokens
+_CHUNK = 1 << 16  # logits per batched call (rows x vocabulary): float64 temporaries stay in cache
 
 
 def sample_rows(
@@ -270,10 +271,12 @@ def sample_rows(
     greedy = np.array([p.greedy for p in params], bool)
     if greedy.any():
         out[greedy] = np.argmax(logits[greedy], axis=1)  # the first maximum
-    rows = np.flatnonzero(~greedy)
-    if len(rows):
-        u = np.array([uniform(seeds[i], indices[i]) for i in rows.tolist()])
-        out[rows] = _sample(logits[rows], [params[i] for i in rows.tolist()], u)
+    rows = np.flatnonzero(~greedy).tolist()
+    step = max(1, _CHUNK // max(1, logits.shape[1]))  # rows per call: big vocabularies go in cache-sized chunks
+    for lo in range(0, len(rows), step):
+        chunk = rows[lo : lo + step]
+        u = np.array([uniform(seeds[i], indices[i]) for i in chunk])
+        out[chunk] = _sample(logits[chunk], [params[i] for i in chunk], u)
     return out
 
 
@@ -290,7 +293,7 @@ def _sample(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> 
     plain = (top_k == 0) & (top_p >= 1.0)  # nothing cut: no ranking needed
     if plain.any():
         ids = np.broadcast_to(np.arange(vocab), (int(plain.sum()), vocab))
-        out[plain] = _draw(e[plain] / total[plain, None], ids, u[plain])
+        out[plain] = _draw(e[plain], ids, u[plain])  # unnormalised: the draw scales by the total
     rest = np.flatnonzero(~plain)
     if len(rest):
         if len(rest) < n:
@@ -347,8 +350,9 @@ def _draw(p: np.ndarray, ids: np.ndarray, u: np.ndarray) -> np.ndarray:
     exceeds ``u`` times its total (never a zero-probability token)."""
     c = np.cumsum(p, axis=1)
     k = (c <= (u * c[:, -1])[:, None]).sum(axis=1)
-    last = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)  # u * total may round up to the total
-    return ids[np.arange(len(p)), np.minimum(k, last)]
+    over = np.flatnonzero(k == p.shape[1])  # u * total rounded up to the total: the last likely token
+    k[over] = p.shape[1] - 1 - np.argmax(p[over, ::-1] > 0, axis=1)
+    return ids[np.arange(len(p)), k]
 
 
 def greedy_tokens(logits: np.ndarray) -> np.ndarray:
