@@ -12,9 +12,12 @@ loop, where they become the JSON answer or one SSE event per token.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +27,53 @@ from cairn.serving._sampling import SamplingParams
 
 _BODY_KEYS = ("text_input", "input_ids", "parameters", "stream")
 _SAMPLING_KEYS = tuple(sorted({f.name for f in dataclasses.fields(SamplingParams)} | {"max_tokens", "stop"}))
+
+
+class _EventPump:
+    """Hands engine events to one event loop with one wake-up per batch of events.
+
+    An engine step emits an event for every busy slot; waking the loop once per event
+    (``call_soon_threadsafe`` writes the loop's self-pipe and hands over the GIL each time)
+    cost about as much as the step's sampling. Events queue here in order and the loop
+    drains them all in one callback; ``put`` schedules a drain only when none is pending.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: collections.deque[tuple[Callable[[Any], None], Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self._pending = False
+
+    def put(self, deliver: Callable[[Any], None], event: Any) -> None:
+        """Queue ``deliver(event)`` to run on the loop (any thread)."""
+        self._queue.append((deliver, event))
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed (server stopped without draining): nobody to tell
+            self._queue.clear()
+
+    def _drain(self) -> None:
+        with self._lock:
+            self._pending = False  # an event queued from now on schedules another drain
+        while self._queue:
+            deliver, event = self._queue.popleft()
+            deliver(event)
+
+
+_PUMPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _EventPump] = weakref.WeakKeyDictionary()
+_PUMPS_LOCK = threading.Lock()
+
+
+def _pump(loop: asyncio.AbstractEventLoop) -> _EventPump:
+    with _PUMPS_LOCK:
+        pump = _PUMPS.get(loop)
+        if pump is None:
+            pump = _PUMPS[loop] = _EventPump(loop)
+        return pump
 
 
 def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
@@ -118,6 +168,7 @@ class GenerationRelay:
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.loop, self.base, self.vocabulary, self.prompt_len = loop, base, vocabulary, prompt_len
+        self._pump = _pump(loop)
         self.streaming = streaming
         self.done = done
         self.started = time.perf_counter() if started is None else started
@@ -131,11 +182,9 @@ class GenerationRelay:
         self.request: Any = None  # the engine's GenerationRequest, once submitted
 
     def on_event(self, event: Any) -> None:
-        """The engine's callback (engine thread): hand the event to the loop."""
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:  # the loop closed (server stopped without draining): nobody to tell
-            pass
+        """The engine's callback (engine thread): hand the event to the loop (batched with
+        the step's other events, in order)."""
+        self._pump.put(self._deliver, event)
 
     def attach(self, stream: Stream) -> None:
         """:class:`StreamResponse` start: write what arrived so far, then each event as it comes."""

@@ -83,8 +83,10 @@ class Stream:
 
     @property
     def closed(self) -> bool:
-        """True once the response ended or the client disconnected."""
-        return self.ended or self._conn._closing
+        """True once the response ended or the client disconnected (also when the socket
+        already failed but ``connection_lost`` has not run yet: writing then only logs)."""
+        transport = self._conn.transport
+        return self.ended or self._conn._closing or transport is None or transport.is_closing()
 
     def write(self, data: bytes) -> None:
         """Send ``data`` now as one chunk (empty data is skipped: it would end the body)."""
