@@ -121,3 +121,21 @@ def hammer(server: Server, model: str, stop: threading.Event, results: list, x: 
             results.append((status, body))
     finally:
         client.close()
+
+
+def hermetic_prelude(blocked: tuple[str, ...]) -> str:
+    """The first lines of a script run in a fresh process where importing any module named
+    in (or under) ``blocked`` fails: a hermetic load must work without the model's code."""
+    return (
+        "import importlib.abc, json, sys\n"
+        f"BLOCKED = {tuple(blocked)!r}\n"
+        "\n"
+        "class Blocker(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.startswith(BLOCKED):\n"
+        "            raise ImportError(f'blocked in the hermetic test: {name}')\n"
+        "        return None\n"
+        "\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+    )
+

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serving_testlib import hermetic_prelude
 
 from cairn.core_array import ArraySpec, QuantLayout, quantize
 from cairn.serving import (
@@ -447,17 +448,7 @@ def test_tokenize_round_trips(pieces):
     assert len(ids) <= len(pieces)  # longest match never uses more tokens than the pieces
 
 
-HERMETIC = textwrap.dedent("""
-    import importlib.abc, json, sys
-    BLOCKED = ("cairn.nn", "cairn.quant", "cairn.kernels", "gen_testlib")
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.startswith(BLOCKED):
-                raise ImportError(f"blocked in the hermetic test: {name}")
-            return None
-
-    sys.meta_path.insert(0, Blocker())
+HERMETIC = hermetic_prelude(("cairn.nn", "cairn.quant", "cairn.kernels", "gen_testlib")) + textwrap.dedent("""
     from cairn import serving
 
     model = serving.load(sys.argv[1])

@@ -13,6 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from serving_testlib import hermetic_prelude
 
 from cairn.core_array import ArraySpec, QArray, QuantLayout
 from cairn.serving import ModelFormatError, ModelIntegrityError, export, load
@@ -220,18 +221,8 @@ def test_crc32c_catches_a_chunk_changed_behind_the_manifest(model, tmp_path):
     assert err.value.file == key
 
 
-HERMETIC = textwrap.dedent('''
-    import importlib.abc, json, sys
-    BLOCKED = ("cairn.nn", "cairn.quant", "cairn.kernels", "cairn.optim", "cairn.data", "cairn.checkpoint",
-               "flax", "s1_model_code")
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.startswith(BLOCKED):
-                raise ImportError(f"blocked in the hermetic test: {name}")
-            return None
-
-    sys.meta_path.insert(0, Blocker())
+HERMETIC = hermetic_prelude(("cairn.nn", "cairn.quant", "cairn.kernels", "cairn.optim", "cairn.data",
+                             "cairn.checkpoint", "flax", "s1_model_code")) + textwrap.dedent('''
     for name in BLOCKED:
         sys.modules[name] = None
     import jax
