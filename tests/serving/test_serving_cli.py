@@ -114,3 +114,17 @@ def test_sigterm_drains_in_flight_requests(repo):
     assert len(results) == 6 and all(isinstance(r, np.ndarray) for r in results), results
     for r in results:
         np.testing.assert_array_equal(r, np.ones((1, 8), np.float32))
+
+
+def test_main_in_process_leaves_no_log_handler_behind(tmp_path, capsys):
+    # a notebook or test calling main() must not keep a handler on its (later closed) stderr:
+    # later access-log lines would then fail with "I/O operation on closed file"
+    import logging
+
+    from cairn.serving._cli import main
+
+    log = logging.getLogger("cairn.serving")
+    before, level = list(log.handlers), log.level
+    assert main(["--model-repository", str(tmp_path / "missing")]) == 2
+    assert log.handlers == before and log.level == level
+    assert "missing" in capsys.readouterr().err

@@ -71,8 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter())
     root = logging.getLogger("cairn.serving")
+    level = root.level
     root.addHandler(handler)
     root.setLevel(args.log_level.upper())
+    try:
+        return _serve(args)
+    finally:  # called in-process (a notebook, a test): leave no handler on a stream that may close
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def _serve(args: argparse.Namespace) -> int:
     batching = BatchingConfig(
         enabled=not args.no_batching,
         max_queue_delay=args.max_queue_delay_us / 1e6,
