@@ -68,7 +68,8 @@ def tests_slow(session: nox.Session) -> None:
     """Only the cases marked slow (long sweeps, many-trial crash tests, multi-process runs)."""
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
     session.install("pytest", "pytest-xdist", "hypothesis", *INTEGRATION_DEPS)
-    session.run("python", "-m", "pytest", "-n", _xdist_workers(), "-m", "slow", *(session.posargs or ["tests"]))
+    session.run("python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup", "-m", "slow",
+                *(session.posargs or ["tests"]))
 
 
 @nox.session(python=PYTHON)
