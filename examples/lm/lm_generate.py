@@ -91,13 +91,7 @@ def _rms(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dims: Dims) -> jax.Array:
     """Grouped-query attention: q ``(b, s, h, d)``, k/v ``(b, t, kvh, d)``, mask ``(b, s, t)``."""
     b, s = q.shape[0], q.shape[1]
-    g = dims.num_heads // dims.num_kv_heads
-    q = q.reshape(b, s, dims.num_kv_heads, g, dims.head_dim) / np.sqrt(dims.head_dim).astype(np.float32)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    w = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgst,btkd->bskgd", w, v)
-    return out.reshape(b, s, dims.num_heads * dims.head_dim)
+    return nn.dot_product_attention(q, k, v, mask=mask[:, None]).reshape(b, s, dims.num_heads * dims.head_dim)
 
 
 def _mlp(p: Params, x: jax.Array) -> jax.Array:
