@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from cairn.serving._batcher import QueueFull, Unavailable
-from cairn.serving._genexport import GenerativeModel
+from cairn.serving._genexport import GenerativeModel, detokenize
 from cairn.serving._sampling import SamplingParams, sample_rows
 
 __all__ = [
@@ -581,8 +581,7 @@ class GenerationEngine:
         with self._cond:
             self._counts[{"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")] += 1
         vocab = self.model.vocabulary
-        text = None if vocab is None else "".join(vocab[t] or "" for t in r.token_ids)
-        r._finish(reason, text, error)
+        r._finish(reason, None if vocab is None else detokenize(r.token_ids, vocab), error)
 
     def _model_error(self, e: Exception, reqs: list[GenerationRequest]) -> None:
         """Fail ``reqs`` (and every slot's request when the cache was lost)."""
