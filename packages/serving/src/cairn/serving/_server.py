@@ -596,11 +596,12 @@ def _generator_stats(m: Metrics, live: _Version) -> dict[str, Any]:
     by_reason = {k[2][1]: int(c) for k, c in m.gen_requests.values.items() if k[:2] == labels}
     refused = sum(c for k, c in m.gen_failure.values.items() if k[:2] == labels)
     assert live.engine is not None
+    engine = live.engine.stats()  # once: it takes the engine's lock
     return {
         "name": live.name,
         "version": str(live.version),
         "inference_count": sum(by_reason.values()),
-        "execution_count": int(live.engine.stats().get("steps", 0)),
+        "execution_count": int(engine.get("steps", 0)),
         "inference_stats": {
             "success": _phase(m.gen_time, labels),
             "fail": {"count": int(refused + by_reason.get("error", 0)), "ns": 0},
@@ -610,7 +611,7 @@ def _generator_stats(m: Metrics, live: _Version) -> dict[str, Any]:
             "finish_reasons": by_reason,
             "prompt_tokens": int(m.gen_prompt_tokens.values.get(labels, 0)),
             "output_tokens": int(m.gen_tokens.values.get(labels, 0)),
-            "engine": live.engine.stats(),
+            "engine": engine,
         },
     }
 
