@@ -119,23 +119,32 @@ def _head(params: Params, x: jax.Array) -> jax.Array:
     return jnp.einsum("...f,vf->...v", x, params["embed"]["embedding"]).astype(jnp.float32)
 
 
+def _causal_forward(params: Params, tokens: jax.Array, dims: Dims) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    """Hidden states ``(b, s, d)`` of a causal pass over ``tokens (b, s)`` and each layer's (k, v)."""
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    mask = jnp.broadcast_to(jnp.arange(s)[:, None] >= jnp.arange(s)[None, :], (b, s, s))
+    x = params["embed"]["embedding"][tokens].astype(jnp.float32)
+    kvs = []
+    for i in range(dims.num_layers):
+        blk = params["blocks"][str(i)]
+        q, k, v = _qkv(blk, x, positions, dims)
+        x = x + _attend(q, k, v, mask, dims) @ blk["attn"]["o"]["kernel"]
+        x = x + _mlp(blk, x)
+        kvs.append((k, v))
+    return x, kvs
+
+
 def make_prefill(dims: Dims) -> PrefillFn:
     """``prefill(params, tokens (b, p), lengths (b,)) -> (logits (b, vocab), cache)``; ``p <= max_length``."""
 
     def prefill(params: Params, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Cache]:
-        b, p = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        causal = jnp.arange(p)[:, None] >= jnp.arange(p)[None, :]
-        mask = jnp.broadcast_to(causal, (b, p, p))
-        x = params["embed"]["embedding"][tokens].astype(jnp.float32)
+        b = tokens.shape[0]
+        x, kvs = _causal_forward(params, tokens, dims)
+        empty = jnp.zeros((b, dims.max_length, dims.num_kv_heads, dims.head_dim), jnp.float32)
         cache: Cache = {}
-        for i in range(dims.num_layers):
-            blk = params["blocks"][str(i)]
-            q, k, v = _qkv(blk, x, positions, dims)
-            x = x + _attend(q, k, v, mask, dims) @ blk["attn"]["o"]["kernel"]
-            x = x + _mlp(blk, x)
+        for i, (k, v) in enumerate(kvs):
             for name, t in ((f"k{i}", k), (f"v{i}", v)):
-                empty = jnp.zeros((b, dims.max_length, dims.num_kv_heads, dims.head_dim), jnp.float32)
                 cache[name] = jax.lax.dynamic_update_slice(empty, t.astype(jnp.float32), (0, 0, 0, 0))
         last = jnp.take_along_axis(x, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)[:, 0]
         return _head(params, last), cache
@@ -167,16 +176,7 @@ def make_decode(dims: Dims) -> DecodeFn:
 
 def forward_logits(params: Params, tokens: jax.Array, dims: Dims) -> jax.Array:
     """Causal logits at every position ``(b, s, vocab)`` (the reference decode is checked against)."""
-    b, s = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    mask = jnp.broadcast_to(jnp.arange(s)[:, None] >= jnp.arange(s)[None, :], (b, s, s))
-    x = params["embed"]["embedding"][tokens].astype(jnp.float32)
-    for i in range(dims.num_layers):
-        blk = params["blocks"][str(i)]
-        q, k, v = _qkv(blk, x, positions, dims)
-        x = x + _attend(q, k, v, mask, dims) @ blk["attn"]["o"]["kernel"]
-        x = x + _mlp(blk, x)
-    return _head(params, x)
+    return _head(params, _causal_forward(params, tokens, dims)[0])
 
 
 # --- greedy generation in-process ---
