@@ -23,6 +23,7 @@ from typing import Any
 
 from cairn.serving._genexport import detokenize, tokenize
 from cairn.serving._http import Response, Stream
+from cairn.serving._http import json_response as _json
 from cairn.serving._sampling import SamplingParams
 
 _BODY_KEYS = ("text_input", "input_ids", "parameters", "stream")
@@ -248,7 +249,3 @@ class GenerationRelay:
             self.future.set_result(_json(500, {"error": self._error()}, self.headers))
         else:
             self.future.set_result(_json(200, {**self.answer(), "finish_reason": reason}, self.headers))
-
-
-def _json(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
-    return Response(status, json.dumps(obj, separators=(",", ":")).encode(), headers=headers)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -384,9 +385,12 @@ class HttpConnection(asyncio.Protocol):
             self._close()
 
 
-def _error(status: int, reason: str) -> Response:
-    import json
+def json_response(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
+    """A compact JSON body answered with ``status`` and ``headers``."""
+    return Response(status, json.dumps(obj, separators=(",", ":")).encode(), headers=headers)
 
+
+def _error(status: int, reason: str) -> Response:
     return Response(status, json.dumps({"error": reason}).encode())
 
 

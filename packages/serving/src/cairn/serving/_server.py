@@ -44,6 +44,7 @@ from cairn.serving._generate import GenerationConfig, GenerationEngine
 from cairn.serving._genexport import GenerativeModel
 from cairn.serving._genhttp import GenerationRelay, parse_generate
 from cairn.serving._http import HttpLimits, HttpServer, Request, Response, StreamResponse
+from cairn.serving._http import json_response as _json
 from cairn.serving._metrics import Metrics
 from cairn.serving._model import batch_dim, validate_inputs
 from cairn.serving._protocol import (
@@ -97,10 +98,6 @@ class _Version:
                 self.batcher._closed = True
         if self.engine is not None:  # stop() joins the engine thread: not on the loop
             await asyncio.get_running_loop().run_in_executor(None, functools.partial(self.engine.stop, drain=drain, timeout=timeout))
-
-
-def _json(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
-    return Response(status, json.dumps(obj, separators=(",", ":")).encode(), headers=headers)
 
 
 def _tensor_meta(name: str, spec: Any, batched: bool) -> dict[str, Any]:
