@@ -212,12 +212,14 @@ class GenerationRequest:
         except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
             log.exception("generation request %d: on_event raised", self.id)
 
-    def _add(self, token: int, text: str | None) -> bool:
-        """Record a token and stream it; whether the request is now finished."""
+    def _add(self, token: int, vocab: Sequence[str | None] | None) -> bool:
+        """Record a token and stream it (its text from ``vocab``, only when streamed);
+        whether the request is now finished."""
         if self._first is None:
             self._first = time.perf_counter()
         self.token_ids.append(token)
         if self._on_event is not None:
+            text = None if vocab is None else (vocab[token] or "")
             self._emit(GenerationEvent(token, len(self.token_ids) - 1, text=text))
         return token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
 
@@ -509,10 +511,6 @@ class GenerationEngine:
                 self._slots[slot] = r
         return groups
 
-    def _text(self, token: int) -> str | None:
-        vocab = self.model.vocabulary
-        return None if vocab is None else (vocab[token] or "")
-
     def _prefill(self, group: list[tuple[GenerationRequest, int]]) -> None:
         import jax
 
@@ -537,9 +535,10 @@ class GenerationEngine:
         self._counts["tokens"] += len(group)  # counted as generated, so stats() shows a live rate
         reqs = [r for r, _ in group]
         toks = sample_rows(host[: len(group)], [r.params for r in reqs], [r.seed for r in reqs], [0] * len(group))
+        vocab = self.model.vocabulary
         for (r, slot), tok in zip(group, toks.tolist()):
             self._positions[slot], self._tokens[slot] = len(r.prompt), tok
-            if r._add(tok, self._text(tok)):
+            if r._add(tok, vocab):
                 self._retire(slot)
 
     def _decode(self) -> None:
@@ -553,17 +552,18 @@ class GenerationEngine:
             log.exception("generation decode step failed")
             self._model_error(e, [r for r in self._slots if r is not None])  # every active request was in it
             return
-        self._counts["steps"] += 1
-        self._counts["tokens"] += sum(r is not None for r in self._slots)
         active = [(slot, r) for slot, r in enumerate(self._slots) if r is not None]
+        self._counts["steps"] += 1
+        self._counts["tokens"] += len(active)
         reqs = [r for _, r in active]
         # one batched call for every row (a row's token depends on its own logits, seed and index only)
         toks = sample_rows(
             host[[slot for slot, _ in active]], [r.params for r in reqs], [r.seed for r in reqs],
             [len(r.token_ids) for r in reqs],
         )
+        vocab = self.model.vocabulary
         for (slot, r), tok in zip(active, toks.tolist()):
-            if r._add(tok, self._text(tok)):
+            if r._add(tok, vocab):
                 self._retire(slot)
             else:
                 self._positions[slot] += 1
