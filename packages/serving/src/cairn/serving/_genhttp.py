@@ -202,11 +202,12 @@ class GenerationRelay:
             return
         token = getattr(event, "token_id", None)
         if token is not None:
+            token = int(token)
             if self.first_token is None:
                 self.first_token = time.perf_counter() - self.started
-            self.tokens.append(int(token))
+            self.tokens.append(token)
             if self.stream is not None:
-                self._write({**self.base, "text_output": self._text([int(token)]), "output_ids": [int(token)], "index": event.index})
+                self._write({**self.base, "text_output": self._text([token]), "output_ids": [token], "index": event.index})
         if event.finished:
             self._finish(event.finish_reason or "error")
 
