@@ -170,6 +170,7 @@ class GenerationRequest:
                  on_event: Callable[[GenerationEvent], None] | None, engine: GenerationEngine) -> None:
         self.id = next(self._ids)
         self.prompt = prompt
+        self.bucket = prompt_bucket(len(prompt), engine.model.max_length)  # its prefill length
         self.params = params
         self.seed = seed
         self.stops = stops
@@ -483,8 +484,8 @@ class GenerationEngine:
         does not run a mostly padded prefill at every step."""
         if (len(self._slots) - len(free)) * 2 <= len(self._slots) or self._held >= self.config.admission_delay_steps:
             return True
-        bucket = prompt_bucket(len(self._queue[0].prompt), self.model.max_length)
-        same = sum(prompt_bucket(len(r.prompt), self.model.max_length) == bucket for r in self._queue)
+        bucket = self._queue[0].bucket
+        same = sum(r.bucket == bucket for r in self._queue)
         return min(same, len(free)) >= self.config.prefill_batch
 
     def _pick(self) -> list[list[tuple[GenerationRequest, int]]]:
@@ -501,9 +502,9 @@ class GenerationEngine:
         self._held = 0
         groups = []
         while self._queue and free:
-            bucket = prompt_bucket(len(self._queue[0].prompt), self.model.max_length)
+            bucket = self._queue[0].bucket
             room = min(self.config.prefill_batch, len(free))
-            group = [r for r in self._queue if prompt_bucket(len(r.prompt), self.model.max_length) == bucket][:room]
+            group = [r for r in self._queue if r.bucket == bucket][:room]
             taken = {id(r) for r in group}
             self._queue = collections.deque(r for r in self._queue if id(r) not in taken)
             groups.append([(r, free.pop(0)) for r in group])
@@ -515,7 +516,7 @@ class GenerationEngine:
         import jax
 
         pb, s = self.config.prefill_batch, self.config.num_slots
-        bucket = prompt_bucket(max(len(r.prompt) for r, _ in group), self.model.max_length)
+        bucket = group[0][0].bucket  # one bucket per group (_pick)
         tokens = np.zeros((pb, bucket), np.int32)
         lengths = np.ones(pb, np.int32)
         dst = np.full(pb, s, np.int32)
