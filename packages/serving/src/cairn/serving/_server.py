@@ -575,12 +575,16 @@ def _generator_metadata(live: _Version, versions: list[str]) -> dict[str, Any]:
 
 def _generator_config(live: _Version, meta: dict[str, Any]) -> dict[str, Any]:
     """A generator's Triton-style configuration: its engine settings instead of batching."""
+
+    def tensors(metas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"name": t["name"], "data_type": "TYPE_" + ("STRING" if t["datatype"] == "BYTES" else t["datatype"]), "dims": t["shape"]} for t in metas]
+
     return {
         "name": live.name,
         "platform": meta["platform"],
         "max_batch_size": 0,
-        "input": [{"name": t["name"], "data_type": "TYPE_" + ("STRING" if t["datatype"] == "BYTES" else t["datatype"]), "dims": t["shape"]} for t in meta["inputs"]],
-        "output": [{"name": t["name"], "data_type": "TYPE_" + ("STRING" if t["datatype"] == "BYTES" else t["datatype"]), "dims": t["shape"]} for t in meta["outputs"]],
+        "input": tensors(meta["inputs"]),
+        "output": tensors(meta["outputs"]),
         "version_policy": live.config.version_policy.to_json(),
         "model_transaction_policy": {"decoupled": True},
         "generation": {**live.config.generation.to_json(), **meta["generation"]},
