@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SamplingParams", "filtered_probs", "sample_rows", "sample_token", "greedy_tokens", "uniform"]
+__all__ = ["SamplingParams", "filtered_probs", "sample_rows", "sample_token", "uniform"]
 
 _MAX_SEED = 2**64
 
@@ -353,8 +353,3 @@ def _draw(p: np.ndarray, ids: np.ndarray, u: np.ndarray) -> np.ndarray:
     over = np.flatnonzero(k == p.shape[1])  # u * total rounded up to the total: the last likely token
     k[over] = p.shape[1] - 1 - np.argmax(p[over, ::-1] > 0, axis=1)
     return ids[np.arange(len(p)), k]
-
-
-def greedy_tokens(logits: np.ndarray) -> np.ndarray:
-    """Argmax of every row of ``(n, vocab)`` logits (the first maximum)."""
-    return np.argmax(np.asarray(logits), axis=-1)
