@@ -168,7 +168,7 @@ class GenerationRelay:
         started: float | None = None,
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
-        self.loop, self.base, self.vocabulary, self.prompt_len = loop, base, vocabulary, prompt_len
+        self.base, self.vocabulary, self.prompt_len = base, vocabulary, prompt_len
         self._pump = _pump(loop)
         self.streaming = streaming
         self.done = done
