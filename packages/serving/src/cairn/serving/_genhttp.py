@@ -221,14 +221,17 @@ class GenerationRelay:
         self.stream.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
     def answer(self) -> dict[str, Any]:
-        """The non-streamed answer (or the final event's fields)."""
+        """The non-streamed answer."""
         out = {**self.base}
         text = self._text(self.tokens)
         if text is not None:
             out["text_output"] = text
         out["output_ids"] = list(self.tokens)
-        out["usage"] = {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.tokens)}
+        out["usage"] = self._usage()
         return out
+
+    def _usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.tokens)}
 
     def _error(self) -> str:
         result = self.request.result(0) if self.request is not None and self.request.done else None
@@ -239,7 +242,7 @@ class GenerationRelay:
         self.finished = True
         self.done(reason, len(self.tokens), self.first_token)
         if self.stream is not None:
-            final = {**self.base, "finish_reason": reason, "usage": self.answer()["usage"]}
+            final = {**self.base, "finish_reason": reason, "usage": self._usage()}  # not answer(): no detokenizing
             if reason == "error":
                 final["error"] = self._error()
             self._write(final)
