@@ -113,12 +113,17 @@ def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any
 
 def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, first: bool) -> list:
     paths = iter(flat.weight_paths)
+    leaves = [x for x, k in zip(flat.leaves, flat.kinds) if k != "s"]
     inputs = [
-        WeightRef(next(paths), x) if k == "w" else x for x, k in zip(flat.leaves, flat.kinds) if k != "s"
+        WeightRef(next(paths), x) if k == "w" else x.dequantize() if _is_q(x) else x
+        for x, k in zip(flat.leaves, flat.kinds)
+        if k != "s"
     ]
     provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
     interp = Interpreter(provider._handle, activation_dots=True)
-    outs = [materialize(o) for o in interp.run_closed(closed, inputs)]
+    # An output that is an input unchanged is that input's leaf (a stored QArray stays one).
+    unchanged = {id(x): leaf for x, leaf in zip(inputs, leaves)}
+    outs = [unchanged[id(o)] if id(o) in unchanged else materialize(o) for o in interp.run_closed(closed, inputs)]
     if first:
         provider._end_trace(what)
     return outs
@@ -129,7 +134,8 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
 
     The leaves of the arguments in ``weight_argnums`` are the weights; a weight's path is
     its core_array path inside its argument (``layers/0/kernel``; with several weight
-    arguments, prefixed by the argument's index). When ``fn`` is called, it is traced
+    arguments, prefixed by the argument's index). An output that is an input leaf
+    unchanged is returned as that leaf (a ``QArray`` weight stays one). When ``fn`` is called, it is traced
     once per argument structure and shape, and its program is re-evaluated with each dot
     whose operand flows from a weight (through casts, transposes, reshapes, slices,
     broadcasts, and into jit, scan, remat, cond, while and custom-derivative calls)
