@@ -1,4 +1,5 @@
-"""Stored QArray weights staying QArrays, against float64 NumPy references."""
+"""What a weight is, which module it belongs to, and stored QArray weights staying QArrays:
+cairn.nn, Flax NNX and plain pytrees, against float64 NumPy references."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def _nf4_dequantized(snap: dict) -> np.ndarray:
     return np.asarray(NF4_LEVELS, np.float64)[snap["codes"]] * snap["scale"].astype(np.float64)
 
 
-@pytest.mark.parametrize("mode", ["eager", "nn.jit"])
+# eager, the first step compiles every op of the rewritten forward and backward one by one
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "nn.jit"])
 def test_qlora_nf4_base_stays_the_same_qarray_through_training(mode):
     class Two(nn.Module):
         def __init__(self, rngs):
@@ -139,3 +141,167 @@ def test_plain_function_returning_its_stored_weight_returns_the_qarray():
     qp = quant.quantize_params(params, provider, fn, x)
     _, back = quant.quantize(fn, provider)(qp, x)
     assert back["l"]["kernel"] is qp["l"]["kernel"]
+
+
+# --- item 2: only parameters are weights by default; buffers are left alone ---
+
+
+class _CacheDot(nn.Module):
+    """A parameter and a non-parameter buffer that both reach a dot."""
+
+    def __init__(self, w, c):
+        self.w = nn.Param(w)
+        self.cache = nn.Cache(c)
+
+    def __call__(self, x):
+        return (x @ self.w.value) @ self.cache.value.T
+
+
+_W = np.asarray(jax.random.normal(jax.random.key(4), (16, 8)))
+_C = np.asarray(jax.random.normal(jax.random.key(5), (6, 8)))
+_X = np.asarray(jax.random.normal(jax.random.key(6), (3, 16)))
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def test_a_buffer_reaching_a_dot_is_not_a_weight_by_default():
+    model = _CacheDot(jnp.asarray(_W), jnp.asarray(_C))
+    provider = quant.PtqProvider([quant.QuantizationRule(module_path=".*", weight_qtype="int4")])
+    seen = _spy(provider, sides=True)
+    y = quant.quantize_model(model, provider)(_X)
+    ref = (_X.astype(np.float64) @ _ref_fake_quant(_W, 4, (0,))) @ _C.astype(np.float64).T
+    assert _rel(y, ref) < 1e-5  # the cache stays float
+    assert seen == [("", (1,)), ("", ())]  # x @ w has a weight operand, h @ cache.T none
+    qmodel = quant.quantize_params(model, provider, lambda m, x: m(x), _X)
+    assert isinstance(qmodel.w.value, QArray)
+    assert not isinstance(qmodel.cache.value, QArray)
+    np.testing.assert_array_equal(np.asarray(qmodel.cache.value), _C)
+
+
+def test_the_weight_filter_widens_what_a_weight_is():
+    model = _CacheDot(jnp.asarray(_W), jnp.asarray(_C))
+    everything = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int4")], weight_filter=lambda path, variable: True)
+    y = quant.quantize_model(model, everything)(_X)
+    ref = (_X.astype(np.float64) @ _ref_fake_quant(_W, 4, (0,))) @ _ref_fake_quant(_C, 4, (1,)).T
+    assert _rel(y, ref) < 1e-5  # the cache quantized too, one scale per row
+    qmodel = quant.quantize_params(model, everything, lambda m, x: m(x), _X)
+    assert isinstance(qmodel.cache.value, QArray) and isinstance(qmodel.w.value, QArray)
+    # a variable type (or a tuple of them) selects the leaves those variables hold
+    only_cache = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int4")], weight_filter=nn.Cache)
+    y = quant.quantize_model(model, only_cache)(_X)
+    ref = (_X.astype(np.float64) @ _W.astype(np.float64)) @ _ref_fake_quant(_C, 4, (1,)).T
+    assert _rel(y, ref) < 1e-5
+
+
+def test_flax_nnx_cache_is_not_a_weight_and_plain_trees_are_weights():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class CacheDot(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.asarray(_W))
+            self.cache = nnx.Cache(jnp.asarray(_C))
+
+        def __call__(self, x):
+            return (x @ self.w[...]) @ self.cache[...].T
+
+    provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int4")])
+    y = quant.quantize_model(CacheDot(), provider)(_X)
+    ref_w = _X.astype(np.float64) @ _ref_fake_quant(_W, 4, (0,))
+    assert _rel(y, ref_w @ _C.astype(np.float64).T) < 1e-5
+    qmodel = quant.quantize_params(CacheDot(), provider, lambda m, x: m(x), _X)
+    assert isinstance(qmodel.w.get_value(), QArray) and not isinstance(qmodel.cache.get_value(), QArray)
+    # a plain pytree has no variables: every array leaf of the weight argument is a weight
+    fn = lambda p, x: (x @ p["w"]) @ p["cache"].T  # noqa: E731
+    y = quant.quantize(fn, provider)({"w": jnp.asarray(_W), "cache": jnp.asarray(_C)}, _X)
+    assert _rel(y, ref_w @ _ref_fake_quant(_C, 4, (1,)).T) < 1e-5
+
+
+def test_a_bad_weight_filter_is_refused():
+    with pytest.raises(TypeError, match="weight_filter must be"):
+        quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")], weight_filter="kernel")
+
+
+# --- item 4: a rule's module_path names the module, for cairn.nn, Flax NNX and plain pytrees ---
+
+_K1 = np.asarray(jax.random.normal(jax.random.key(7), (8, 16))) / 3
+_B1 = np.asarray(jax.random.normal(jax.random.key(8), (16,))) / 10
+_K2 = np.asarray(jax.random.normal(jax.random.key(9), (16, 4))) / 4
+_B2 = np.zeros(4, np.float32)
+_XM = np.asarray(jax.random.normal(jax.random.key(10), (5, 8)))
+
+
+def _nnx_model():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 16, rngs=rngs)
+            self.b = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    m = Two(nnx.Rngs(0))
+    for layer, k, b in ((m.a, _K1, _B1), (m.b, _K2, _B2)):
+        layer.kernel.set_value(jnp.asarray(k))
+        layer.bias.set_value(jnp.asarray(b))
+    return m
+
+
+def _nn_model():
+    class Two(nn.Module):
+        def __init__(self, rngs):
+            self.a = nn.Linear(8, 16, rngs=rngs)
+            self.b = nn.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    m = Two(nn.Rngs(0))
+    for layer, k, b in ((m.a, _K1, _B1), (m.b, _K2, _B2)):
+        layer.kernel.value, layer.bias.value = jnp.asarray(k), jnp.asarray(b)
+    return m
+
+
+def _plain(p, x):
+    h = jax.nn.relu(x @ p["a"]["kernel"] + p["a"]["bias"])
+    return h @ p["b"]["kernel"] + p["b"]["bias"]
+
+
+def _plain_params():
+    return {"a": {"kernel": jnp.asarray(_K1), "bias": jnp.asarray(_B1)}, "b": {"kernel": jnp.asarray(_K2), "bias": jnp.asarray(_B2)}}
+
+
+@pytest.mark.parametrize("kind", ["flax.nnx", "cairn.nn", "plain"])
+def test_module_path_names_the_module(kind):
+    provider = quant.PtqProvider([quant.QuantizationRule(module_path="a", weight_qtype="int8")])  # strict
+    seen = _spy(provider)
+    if kind == "plain":
+        params, fn = _plain_params(), _plain
+        y = quant.quantize(fn, provider)(params, _XM)
+    else:
+        params = _nnx_model() if kind == "flax.nnx" else _nn_model()
+        fn = lambda m, x: m(x)  # noqa: E731
+        y = quant.quantize_model(params, provider)(_XM)
+    assert sorted(set(seen)) == ["a", "b"]
+    h = np.maximum(_XM.astype(np.float64) @ _ref_fake_quant(_K1, 8, (0,)) + _B1, 0)
+    ref = h @ _K2.astype(np.float64) + _B2  # only module 'a' quantized
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-5, atol=2e-5)
+    q = quant.quantize_params(params, provider, fn, _XM)
+    if kind == "plain":
+        a, b = q["a"]["kernel"], q["b"]["kernel"]
+    else:
+        a, b = q.a.kernel.get_value(), q.b.kernel.get_value()
+    assert isinstance(a, QArray) and not isinstance(b, QArray)
+
+
+@pytest.mark.parametrize("kind", ["flax.nnx", "cairn.nn", "plain"])
+def test_a_variable_name_is_not_a_module_path(kind):
+    provider = quant.PtqProvider([quant.QuantizationRule(module_path="a/kernel", weight_qtype="int8")])
+    with pytest.raises(ValueError, match=r"matched no op.*\['a', 'b'\]"):
+        if kind == "plain":
+            quant.quantize(_plain, provider)(_plain_params(), _XM)
+        else:
+            quant.quantize_model(_nnx_model() if kind == "flax.nnx" else _nn_model(), provider)(_XM)

@@ -159,8 +159,9 @@ def quantize_model(model: Any, provider: QuantizationProvider, *model_inputs: An
 
     Args:
       model: a callable pytree (a cairn.nn ``Module``, a Flax NNX module, or any
-        registered pytree with a ``method``); its leaves are the weights, named by their
-        paths in the model.
+        registered pytree with a ``method``); its parameters are the weights (unless the
+        provider's ``weight_filter`` says otherwise), named by their paths in the model,
+        and a rule's ``module_path`` names the module holding one (``blocks/0/mlp``).
       provider: a ``PtqProvider`` or ``QtProvider``.
       *model_inputs: optional example inputs: the model is traced on them at once (shapes
         only, nothing is run or changed), so an unmatched rule fails here.
