@@ -10,6 +10,7 @@ from cairn.core_array import QArray, path_of
 from cairn.quant._providers import QuantizationProvider
 from cairn.quant._qtypes import required
 from cairn.quant._rewrite import Interpreter, WeightRef, materialize
+from cairn.quant._weights import WeightFilter, weight_leaves
 
 __all__ = ["quantize", "quantize_params", "calibrate"]
 
@@ -33,21 +34,24 @@ class _Flat:
     """The call's leaves: weights (with their paths) first, then the other array leaves;
     non-array leaves are static and part of the trace key."""
 
-    def __init__(self, args: tuple, kwargs: dict, weight_argnums: Sequence[int]) -> None:
+    def __init__(self, args: tuple, kwargs: dict, weight_argnums: Sequence[int], weight_filter: WeightFilter | None = None) -> None:
         import jax
 
         self.treedef_args = []
         self.weight_paths: list[str] = []
+        self.weight_modules: list[str] = []
         leaves: list[Any] = []
         kinds: list[str] = []
         for i, a in enumerate(args):
-            w = i in weight_argnums
             with_path, td = jax.tree_util.tree_flatten_with_path(a, is_leaf=_is_q)
             self.treedef_args.append(td)
-            for kp, leaf in with_path:
-                if w and (_is_array(leaf) or _is_q(leaf)):
-                    prefix = f"{i}/" if len(weight_argnums) > 1 else ""
-                    self.weight_paths.append(prefix + path_of(kp))
+            chosen = None
+            if i in weight_argnums:  # per leaf: (path, module path) when it is a weight
+                chosen = weight_leaves(a, with_path, td, weight_filter, i if len(weight_argnums) > 1 else None)
+            for n, (_, leaf) in enumerate(with_path):
+                if chosen is not None and chosen[n] is not None and (_is_array(leaf) or _is_q(leaf)):
+                    self.weight_paths.append(chosen[n][0])
+                    self.weight_modules.append(chosen[n][1])
                     kinds.append("w")
                 else:
                     kinds.append("a" if _is_array(leaf) else "s")
@@ -112,13 +116,18 @@ def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any
 
 
 def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, first: bool) -> list:
-    paths = iter(flat.weight_paths)
+    paths, modules = iter(flat.weight_paths), iter(flat.weight_modules)
+    leaves = [x for x, k in zip(flat.leaves, flat.kinds) if k != "s"]
     inputs = [
-        WeightRef(next(paths), x) if k == "w" else x for x, k in zip(flat.leaves, flat.kinds) if k != "s"
+        WeightRef(next(paths), x, module=next(modules)) if k == "w" else x.dequantize() if _is_q(x) else x
+        for x, k in zip(flat.leaves, flat.kinds)
+        if k != "s"
     ]
     provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
     interp = Interpreter(provider._handle, activation_dots=True)
-    outs = [materialize(o) for o in interp.run_closed(closed, inputs)]
+    # An output that is an input unchanged is that input's leaf (a stored QArray stays one).
+    unchanged = {id(x): leaf for x, leaf in zip(inputs, leaves)}
+    outs = [unchanged[id(o)] if id(o) in unchanged else materialize(o) for o in interp.run_closed(closed, inputs)]
     if first:
         provider._end_trace(what)
     return outs
@@ -127,9 +136,13 @@ def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, fi
 def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: int | Sequence[int] = 0) -> Callable:
     """``fn`` with every dot its rules select quantized; same signature, same outputs' structure.
 
-    The leaves of the arguments in ``weight_argnums`` are the weights; a weight's path is
-    its core_array path inside its argument (``layers/0/kernel``; with several weight
-    arguments, prefixed by the argument's index). When ``fn`` is called, it is traced
+    The weights are the parameters among the leaves of the arguments in ``weight_argnums``
+    (every leaf of a plain pytree; in a module, the leaves of ``Param`` variables, not
+    caches or statistics: see ``weight_filter`` of the provider); a weight's path is its
+    core_array path inside its argument (``layers/0/kernel``; with several weight
+    arguments, prefixed by the argument's index) and its module path that of the module
+    holding it (``layers/0``). An output that is an input leaf unchanged is returned as
+    that leaf (a ``QArray`` weight stays one). When ``fn`` is called, it is traced
     once per argument structure and shape, and its program is re-evaluated with each dot
     whose operand flows from a weight (through casts, transposes, reshapes, slices,
     broadcasts, and into jit, scan, remat, cond, while and custom-derivative calls)
@@ -147,7 +160,7 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         import jax
 
-        flat = _Flat(args, kwargs, argnums)
+        flat = _Flat(args, kwargs, argnums, provider.weight_filter)
         key = flat.key()
         first = key not in cache
         closed, out_tree = _trace(fn, flat, key, cache)
@@ -233,7 +246,7 @@ class _FloatOnly(QuantizationProvider):
     """Matches like ``inner`` and records activation ranges into it, quantizing nothing."""
 
     def __init__(self, inner: QuantizationProvider) -> None:
-        super().__init__(inner.rules, strict=inner.strict)
+        super().__init__(inner.rules, strict=inner.strict, weight_filter=inner.weight_filter)
         self._recording = inner._recording
         self.rule_type = inner.rule_type
 

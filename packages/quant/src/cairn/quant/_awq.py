@@ -23,6 +23,7 @@ from cairn.quant._providers import PtqProvider
 from cairn.quant._qtypes import qtype_info, required
 from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves, with_input_scales
 from cairn.quant._rules import QuantizationRule
+from cairn.quant._weights import WeightFilter
 
 __all__ = ["AwqRule", "awq_quantize_params"]
 
@@ -52,8 +53,8 @@ class _ActivationRecorder(InputRecorder):
 
     rule_class = AwqRule
 
-    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
-        super().__init__(rules)
+    def __init__(self, rules: Sequence[QuantizationRule], weight_filter: WeightFilter | None = None) -> None:
+        super().__init__(rules, weight_filter)
         self.stats: dict[str, tuple[Any, int, list[Any], tuple[int, ...]]] = {}
 
     def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
@@ -101,7 +102,7 @@ def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batche
     """
     import jax.numpy as jnp
 
-    recorder = record_inputs(_ActivationRecorder(provider.rules), fn, params, batches, "awq_quantize_params")
+    recorder = record_inputs(_ActivationRecorder(provider.rules, provider.weight_filter), fn, params, batches, "awq_quantize_params")
     replaced: dict[str, Any] = {}
     scales: dict[str, Any] = {}
     for path, leaf, rule in recorded_leaves(params, recorder):

@@ -23,6 +23,7 @@ from cairn.quant._providers import PtqProvider
 from cairn.quant._qtypes import qtype_info, required
 from cairn.quant._recording import InputRecorder, record_inputs
 from cairn.quant._rules import QuantizationRule
+from cairn.quant._weights import WeightFilter
 
 __all__ = ["GptqRule", "gptq_quantize_params", "gptq_matrix"]
 
@@ -91,8 +92,8 @@ class _HessianRecorder(InputRecorder):
 
     rule_class = GptqRule
 
-    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
-        super().__init__(rules)
+    def __init__(self, rules: Sequence[QuantizationRule], weight_filter: WeightFilter | None = None) -> None:
+        super().__init__(rules, weight_filter)
         self.sums: dict[str, tuple[Any, int, tuple[int, ...]]] = {}
 
     def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
@@ -155,7 +156,7 @@ def gptq_quantize_params(
     """
     import jax
 
-    recorder = record_inputs(_HessianRecorder(provider.rules), fn, params, batches, "gptq_quantize_params")
+    recorder = record_inputs(_HessianRecorder(provider.rules, provider.weight_filter), fn, params, batches, "gptq_quantize_params")
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))
     out = []
     for kp, leaf in flat:

@@ -22,6 +22,7 @@ from cairn.quant._providers import PtqProvider
 from cairn.quant._recording import lookup_path
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QuantizationRule
+from cairn.quant._weights import WeightFilter
 
 __all__ = ["LoraRule", "LoraProvider", "apply_lora_to_model", "apply_lora_to_params", "lora_paths"]
 
@@ -112,10 +113,13 @@ class LoraProvider(PtqProvider):
       rules: ``LoraRule``\\ s (and plain ``QuantizationRule``\\ s for ops without adapters).
       strict: as for every provider.
       dropout_rng: a PRNG key; when given, adapter dropout (``LoraRule.dropout``) is applied.
+      weight_filter: which leaves are weights, as for every provider.
     """
 
-    def __init__(self, rules: Sequence[QuantizationRule], *, strict: bool = True, dropout_rng: Any = None) -> None:
-        super().__init__(rules, strict=strict)
+    def __init__(
+        self, rules: Sequence[QuantizationRule], *, strict: bool = True, dropout_rng: Any = None, weight_filter: WeightFilter | None = None
+    ) -> None:
+        super().__init__(rules, strict=strict, weight_filter=weight_filter)
         self.dropout_rng = dropout_rng
         self._adapters: dict[str, _AdapterSpec] = {}
         self._collecting = False

@@ -4,7 +4,8 @@ The model is a pytree whose leaves are its weights and state. A call traces
 ``model(*args)`` on a copy rebuilt from the leaves, rewrites that program like
 :func:`~cairn.quant.quantize` (weight paths are the model's own paths,
 ``layers/0/mlp/kernel``), and returns the output together with the copy's leaves after
-the call. Whatever the call changed (BatchNorm statistics, KV caches, Rngs counters) is
+the call (a leaf the call did not change is the original leaf, so a stored ``QArray``
+weight stays that ``QArray``). Whatever the call changed (BatchNorm statistics, KV caches, Rngs counters) is
 then written back into the *same* objects of the original model, attribute by
 attribute, so references the user holds (and the module a ``nn.jit`` or ``nn.grad``
 trace merged) see the change. No module library is imported.
@@ -158,8 +159,9 @@ def quantize_model(model: Any, provider: QuantizationProvider, *model_inputs: An
 
     Args:
       model: a callable pytree (a cairn.nn ``Module``, a Flax NNX module, or any
-        registered pytree with a ``method``); its leaves are the weights, named by their
-        paths in the model.
+        registered pytree with a ``method``); its parameters are the weights (unless the
+        provider's ``weight_filter`` says otherwise), named by their paths in the model,
+        and a rule's ``module_path`` names the module holding one (``blocks/0/mlp``).
       provider: a ``PtqProvider`` or ``QtProvider``.
       *model_inputs: optional example inputs: the model is traced on them at once (shapes
         only, nothing is run or changed), so an unmatched rule fails here.

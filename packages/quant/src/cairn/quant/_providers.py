@@ -19,6 +19,7 @@ from cairn.quant._numerics import fake_quant, quantize_array, quantize_with_boun
 from cairn.quant._qtypes import qtype_info, required
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QtRule, QuantizationRule
+from cairn.quant._weights import WeightFilter, check_weight_filter
 
 __all__ = ["QuantizationProvider", "PtqProvider", "QtProvider"]
 
@@ -33,14 +34,23 @@ class QuantizationProvider:
       strict: raise when a trace leaves a rule unused (a rule that matches nothing is
         almost always a typo in ``module_path``); ``False`` allows it, and
         :meth:`get_unused_rules` still reports it.
+      weight_filter: which leaves of the weight arguments are weights. ``None`` (the
+        default, Qwix's meaning): parameters (leaves held by a variable whose class is
+        named ``Param`` or derives from one: ``nn.Param``, ``nnx.Param``, their
+        ``LoRAParam``) and plain pytree leaves; a KV cache, BatchNorm statistics or any
+        other variable is left as the program uses it. A variable class or tuple of
+        classes (``nn.Cache``): the leaves such variables hold. A callable ``(path,
+        variable) -> bool`` (``variable``: the variable holding the leaf, ``None`` for a
+        plain pytree leaf): ``lambda path, variable: True`` makes every array leaf a weight.
 
     Raises:
-      TypeError: an entry of ``rules`` is not a :class:`QuantizationRule`.
+      TypeError: an entry of ``rules`` is not a :class:`QuantizationRule`, or
+        ``weight_filter`` is neither ``None`` nor callable.
     """
 
     rule_type: type = QuantizationRule
 
-    def __init__(self, rules: Sequence[QuantizationRule], *, strict: bool = True) -> None:
+    def __init__(self, rules: Sequence[QuantizationRule], *, strict: bool = True, weight_filter: WeightFilter | None = None) -> None:
         rules = tuple(rules)
         for i, r in enumerate(rules):
             if not isinstance(r, self.rule_type):
@@ -49,6 +59,7 @@ class QuantizationProvider:
                 )
         self.rules = rules
         self.strict = strict
+        self.weight_filter = check_weight_filter(weight_filter, type(self).__name__)
         self._used: set[int] = set()
         self._trace_used: set[int] = set()
         self._seen: list[str] = []
@@ -224,6 +235,7 @@ class QtProvider(QuantizationProvider):
       rules: the ``QtRule`` rules, tried in order.
       strict: raise when a trace leaves a rule unused.
       bwd_rng: a PRNG key, needed by rules with ``bwd_stochastic_rounding``.
+      weight_filter: which leaves are weights, as for every provider.
     """
 
     rule_type = QtRule
@@ -237,8 +249,10 @@ class QtProvider(QuantizationProvider):
             return dq
         return x + jax.lax.stop_gradient(dq.astype(x.dtype) - x)
 
-    def __init__(self, rules: Sequence[QuantizationRule], *, strict: bool = True, bwd_rng: Any = None) -> None:
-        super().__init__(rules, strict=strict)
+    def __init__(
+        self, rules: Sequence[QuantizationRule], *, strict: bool = True, bwd_rng: Any = None, weight_filter: WeightFilter | None = None
+    ) -> None:
+        super().__init__(rules, strict=strict, weight_filter=weight_filter)
         self.bwd_rng = bwd_rng
 
     def _compute(self, site: DotSite, rule: QuantizationRule, ops: list, rest: list) -> list:

@@ -11,6 +11,7 @@ from cairn.quant._dots import bind_dequantized
 from cairn.quant._providers import PtqProvider, _leaf_permutation
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QuantizationRule
+from cairn.quant._weights import WeightFilter
 
 __all__ = ["InputRecorder", "record_inputs", "recorded_leaves", "with_input_scales", "lookup_path"]
 
@@ -21,8 +22,8 @@ class InputRecorder(PtqProvider):
 
     rule_class: type | None = None
 
-    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
-        super().__init__(rules, strict=False)
+    def __init__(self, rules: Sequence[QuantizationRule], weight_filter: WeightFilter | None = None) -> None:
+        super().__init__(rules, strict=False, weight_filter=weight_filter)
         self.rule_of: dict[str, QuantizationRule] = {}
 
     def _always_applies(self, rule: QuantizationRule) -> bool:

@@ -52,16 +52,18 @@ _TRANSFORM_SCOPE = re.compile(r"^[\w.]+\(.*\)$")
 @dataclasses.dataclass(frozen=True)
 class WeightRef:
     """A weight flowing through the program: its ``path``, ``value`` (an array or a
-    ``QArray``) and the view operations applied so far (``(primitive, params, extra_args)``)."""
+    ``QArray``), the view operations applied so far (``(primitive, params, extra_args)``)
+    and the path of the ``module`` it belongs to (``None``: the path minus its last component)."""
 
     path: str
     value: Any
     views: tuple[tuple[Any, dict, tuple], ...] = ()
+    module: str | None = None
 
     @property
     def module_path(self) -> str:
-        """The path minus its last component (Qwix's meaning of a module path)."""
-        return self.path.rpartition("/")[0]
+        """The path of the module holding the weight (Qwix's meaning of a module path)."""
+        return self.path.rpartition("/")[0] if self.module is None else self.module
 
     def materialize(self) -> Any:
         """The float operand the program would have computed (a ``QArray`` is dequantized)."""
@@ -282,7 +284,7 @@ def _scan_input(x: Any, length: int) -> tuple[list[Any], Callable[[list[Any]], A
         return [materialize(x)], lambda parts: parts[0]
     v = x.value
     if not isinstance(v, QArray):
-        return [v], lambda parts, _x=x: WeightRef(_x.path, parts[0])
+        return [v], lambda parts, _x=x: dataclasses.replace(_x, value=parts[0])
     v = v.unpack()
     layout = _sliced_layout(v.layout)
     if layout is None:
@@ -295,7 +297,7 @@ def _scan_input(x: Any, length: int) -> tuple[list[Any], Callable[[list[Any]], A
     def rebuild(parts: list[Any], _x: WeightRef = x, _v: QArray = v) -> WeightRef:
         zp = parts[2] if len(parts) > 2 else None
         q = QArray(parts[0], parts[1], zp, qtype=_v.qtype, layout=layout, dtype=_v.dtype)
-        return WeightRef(_x.path, q)
+        return dataclasses.replace(_x, value=q)
 
     return children, rebuild
 

@@ -1,10 +1,12 @@
 """Quantization rules: which operations are quantized, and how (Qwix's field names).
 
 A rule applies to a dot (``dot_general``, ``conv_general_dilated``, ``ragged_dot``) when
-``module_path``, a regular expression, matches the *whole* module path of the op (for an
-operand that flows from a weight: the weight's path minus its last component, e.g.
-``layers/0/mlp`` for ``layers/0/mlp/kernel``; for a dot between two activations: the
-``jax.named_scope`` path the op was traced under) and, when ``op_names`` is not empty,
+``module_path``, a regular expression, matches the *whole* module path of the op (as in
+Qwix, the path of the module the op runs in: for an operand that flows from a weight, the
+module holding the weight, e.g. ``layers/0/mlp`` for the cairn.nn leaf
+``layers/0/mlp/kernel`` and for the Flax NNX leaf ``layers/0/mlp/kernel/value``, and for
+a plain pytree leaf its path minus its last component; for a dot between two
+activations, the ``jax.named_scope`` path the op was traced under) and, when ``op_names`` is not empty,
 one of its entries names the op kind (``"dot_general"``, ``"einsum"``,
 ``"conv_general_dilated"``, ``"ragged_dot"``) or the kind and its index within the
 module in program order (``"dot_general1"``). The first rule that applies wins.
@@ -30,7 +32,8 @@ class QuantizationRule:
     """How to quantize the ops a rule selects (PTQ; base of :class:`QtRule` and :class:`LoraRule`).
 
     Args:
-      module_path: regular expression matched in full against the op's module path.
+      module_path: regular expression matched in full against the op's module path (the
+        module holding the weight: ``"layers/0/mlp"``, not ``"layers/0/mlp/kernel"``).
       op_names: op kinds or per-module op names (``"dot_general0"``); empty means all.
       weight_qtype: qtype of the weight operand (``"int8"``, ``"int4"``, ``"nf4"``, ...)
         or ``None`` to leave weights in float.

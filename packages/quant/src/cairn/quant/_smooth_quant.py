@@ -19,6 +19,7 @@ from cairn.quant._numerics import quantize_array, tile_length
 from cairn.quant._providers import PtqProvider
 from cairn.quant._recording import InputRecorder, record_inputs, recorded_leaves, with_input_scales
 from cairn.quant._rules import QuantizationRule
+from cairn.quant._weights import WeightFilter
 
 __all__ = ["SmoothQuantRule", "smooth_quant_params"]
 
@@ -38,8 +39,8 @@ class SmoothQuantRule(QuantizationRule):
 class _MaxRecorder(InputRecorder):
     rule_class = SmoothQuantRule
 
-    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
-        super().__init__(rules)
+    def __init__(self, rules: Sequence[QuantizationRule], weight_filter: WeightFilter | None = None) -> None:
+        super().__init__(rules, weight_filter)
         self.absmax: dict[str, tuple[Any, tuple[int, ...]]] = {}
 
     def record(self, path: str, x2: Any, leaf_contract: tuple[int, ...]) -> None:
@@ -61,7 +62,7 @@ def smooth_quant_params(params: Any, provider: PtqProvider, fn: Callable, batche
     """
     import jax.numpy as jnp
 
-    recorder = record_inputs(_MaxRecorder(provider.rules), fn, params, batches, "smooth_quant_params")
+    recorder = record_inputs(_MaxRecorder(provider.rules, provider.weight_filter), fn, params, batches, "smooth_quant_params")
     replaced: dict[str, Any] = {}
     scales: dict[str, Any] = {}
     for path, leaf, rule in recorded_leaves(params, recorder):
