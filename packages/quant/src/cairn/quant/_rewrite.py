@@ -9,8 +9,13 @@ exactly which weight the operand is, and in which layout. Any other use material
 the weight (``value`` with the views applied) and runs the equation as traced.
 Sub-programs of ``jit``, ``remat``, ``cond``, ``while``, ``scan`` and
 ``custom_jvp``/``custom_vjp`` calls are descended into and rebuilt around the rewritten
-body (the custom derivative rule of a custom_jvp/custom_vjp call that receives a weight
-is replaced by differentiation of its rewritten forward).
+body. A custom derivative rule keeps its meaning: a ``custom_vjp`` call is rebuilt as a
+``custom_vjp`` whose forward is the user's ``fwd`` rewritten like the body (so its primal
+output is the quantized one and its residuals are what the quantized forward computed)
+and whose backward is the user's ``bwd`` as written, on those residuals; a ``custom_jvp``
+call is rebuilt as a ``custom_jvp`` whose primal is the rewritten body and whose tangent
+is the user's ``jvp`` rule as written, on the call's inputs. A weight's cotangent or
+tangent is carried through its recorded views (the chain rule of ``materialize``).
 """
 
 from __future__ import annotations
@@ -266,6 +271,192 @@ def _while(interp: Interpreter, eqn: Any, invals: list) -> list:
     return list(jax.lax.while_loop(cond_fn, body_fn, tuple(carry)))
 
 
+def _pack(values: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[Any]], list[Any]], list[tuple[int, int]]]:
+    """Every array ``values`` hold (a weight: its value's leaves and its views' extra operands),
+    ``unpack(arrays)`` -> the values rebuilt from such arrays, and each value's span in them.
+
+    A transformation that must see every array as an argument (``custom_vjp``,
+    ``custom_jvp``, ``shard_map``) passes the arrays and rebuilds the weights inside."""
+    import jax
+
+    leaves: list[Any] = []
+    specs: list[tuple[WeightRef | None, Any, int]] = []
+    spans: list[tuple[int, int]] = []
+    for v in values:
+        if isinstance(v, WeightRef):
+            parts, td = jax.tree_util.tree_flatten([v.value, [list(extra) for _, _, extra in v.views]])
+        else:
+            parts, td = [v], None
+        spans.append((len(leaves), len(leaves) + len(parts)))
+        specs.append((v if td is not None else None, td, len(parts)))
+        leaves += parts
+
+    def unpack(arrays: Sequence[Any]) -> list[Any]:
+        it, out = iter(arrays), []
+        for ref, td, n in specs:
+            chunk = [next(it) for _ in range(n)]
+            if ref is None:
+                out.append(chunk[0])
+                continue
+            value, extras = jax.tree_util.tree_unflatten(td, chunk)
+            views = tuple((prim, params, tuple(e)) for (prim, params, _), e in zip(ref.views, extras))
+            out.append(WeightRef(ref.path, value, views))
+        return out
+
+    return leaves, unpack, spans
+
+
+class _SubRuns:
+    """Runs of one equation's sub-programs that may happen later than the equation (JAX calls a
+    ``custom_vjp``'s forward when it differentiates, possibly after the whole program was
+    interpreted): each starts from the op counters as they were at the equation, so a dot
+    keeps its index (and its rule) whichever run sees it; the first run's counters continue."""
+
+    def __init__(self, interp: Interpreter) -> None:
+        self.interp = interp
+        self.start = dict(interp._counters)
+        self.after: dict | None = None
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
+        interp = self.interp
+        outer, interp._counters = interp._counters, dict(self.start)
+        try:
+            outs = [materialize(o) for o in interp.run(jaxpr, consts, args)]
+        finally:
+            ran, interp._counters = interp._counters, outer
+        if self.after is None:
+            self.after = ran
+        return outs
+
+    def finish(self) -> None:
+        if self.after is not None:
+            self.interp._counters = self.after
+
+
+def _zero_tangent(x: Any) -> Any:
+    import jax
+    import numpy as np
+
+    dtype = jax.dtypes.result_type(x)
+    if jax.dtypes.issubdtype(dtype, np.inexact):
+        return jax.numpy.zeros(np.shape(x), dtype)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _view_fn(unpack: Callable, spans: list[tuple[int, int]], arrays: list[Any], k: int) -> Callable[..., Any]:
+    """``f(*arrays of value k) -> value k materialized`` (the others fixed): the chain rule of a
+    weight's views."""
+    lo, hi = spans[k]
+
+    def f(*parts: Any) -> Any:
+        full = list(arrays)
+        full[lo:hi] = parts
+        return materialize(unpack(full)[k])
+
+    return f
+
+
+def _custom_vjp(interp: Interpreter, eqn: Any, invals: list) -> list:
+    """A ``custom_vjp`` call that receives a weight: the user's rule around the rewritten forward."""
+    import jax
+
+    p = eqn.params
+    nconst = p["num_consts"]
+    leaves, unpack, spans = _pack(invals)
+    runs = _SubRuns(interp)
+    closed = p["call_jaxpr"]
+
+    def primal(*arrays: Any) -> list:
+        return runs.run(closed.jaxpr, closed.consts, unpack(arrays))
+
+    def fwd(*arrays: Any) -> tuple[list, tuple]:
+        vals = unpack(arrays)
+        prims = vals[nconst:]
+        fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
+        outs = runs.run(fwd_jaxpr, fwd_consts, prims)
+        _, res_tree, forwarded = p["out_trees"]()
+        n_res = res_tree.num_leaves - sum(f is not None for f in forwarded)
+        it = iter(outs[:n_res])
+        res = [next(it) if f is None else materialize(prims[f]) for f in forwarded]
+        return outs[n_res:], (res, list(arrays))
+
+    def bwd(saved: tuple, cts: list) -> tuple:
+        res, arrays = saved
+        cts_in = [None] * nconst + list(p["bwd"].call_wrapped(*res, *cts))
+        return tuple(_pull_back(unpack, spans, arrays, cts_in))
+
+    fn = jax.custom_vjp(primal)
+    fn.defvjp(fwd, bwd)
+    out = fn(*leaves)
+    runs.finish()
+    return list(out)
+
+
+def _pull_back(unpack: Callable, spans: list[tuple[int, int]], arrays: list[Any], cts: list[Any]) -> list[Any]:
+    """Cotangents of the packed arrays from the cotangents of the values they rebuild
+    (``None``: zero; a weight's through the vjp of its materialization)."""
+    import jax
+
+    out: list[Any] = [None] * len(arrays)
+    values = unpack(arrays)
+    for k, ((lo, hi), value, ct) in enumerate(zip(spans, values, cts)):
+        if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
+            continue
+        if not isinstance(value, WeightRef):
+            out[lo] = ct
+            continue
+        _, vjp = jax.vjp(_view_fn(unpack, spans, arrays, k), *arrays[lo:hi])
+        for i, g in enumerate(vjp(ct)):
+            out[lo + i] = None if jax.dtypes.result_type(g) == jax.dtypes.float0 else g
+    return out
+
+
+def _custom_jvp(interp: Interpreter, eqn: Any, invals: list) -> list:
+    """A ``custom_jvp`` call that receives a weight: the rewritten body, the user's tangent rule."""
+    import jax
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+    p = eqn.params
+    nconst = p["num_consts"]
+    leaves, unpack, spans = _pack(invals)
+    runs = _SubRuns(interp)
+    closed = p["call_jaxpr"]
+
+    @jax.custom_jvp
+    def fn(*arrays: Any) -> list:
+        return runs.run(closed.jaxpr, closed.consts, unpack(arrays))
+
+    @fn.defjvp
+    def fn_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
+        out = fn(*primals)
+        mats, dots = _tangents_of_values(unpack, spans, list(primals), list(tangents))
+        n_in = len(mats) - nconst
+        jvp_jaxpr, jvp_consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*[False] * n_in)
+        got = jaxpr_as_fun(ClosedJaxpr(jvp_jaxpr, jvp_consts))(*mats[nconst:], *dots[nconst:])
+        it = iter(got[len(out_zeros) :])
+        return out, [_zero_tangent(o) if z else next(it) for o, z in zip(out, out_zeros)]
+
+    out = fn(*leaves)
+    runs.finish()
+    return list(out)
+
+
+def _tangents_of_values(unpack: Callable, spans: list[tuple[int, int]], arrays: list[Any], tangents: list[Any]) -> tuple[list, list]:
+    """(the materialized values, their tangents): a weight's through the jvp of its materialization."""
+    import jax
+
+    values, dots = [], []
+    for k, ((lo, hi), value) in enumerate(zip(spans, unpack(arrays))):
+        if not isinstance(value, WeightRef):
+            values.append(value)
+            dots.append(tangents[lo])
+            continue
+        v, t = jax.jvp(_view_fn(unpack, spans, arrays, k), tuple(arrays[lo:hi]), tuple(tangents[lo:hi]))
+        values.append(v)
+        dots.append(t)
+    return values, dots
+
+
 def _sliced_layout(layout: QuantLayout) -> QuantLayout | None:
     """The layout of one slice along axis 0 (``None`` when axis 0 is a tiled axis)."""
     if layout.kind == "per_tensor":
@@ -329,9 +520,8 @@ _SUBPROGRAMS: dict[str, Callable[[Interpreter, Any, list], list]] = {
     "pjit": _inline,
     "closed_call": _inline,
     "core_call": _inline,
-    "custom_jvp_call": _inline,
-    "custom_vjp_call": _inline,
-    "custom_vjp_call_jaxpr": _inline,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
     "remat2": _remat,
     "checkpoint": _remat,
     "cond": _cond,
