@@ -357,7 +357,7 @@ def _leaf_permutation(ref: WeightRef) -> list[int] | None:
     for prim, params, _ in ref.views:
         if prim.name == "transpose":
             perm = [perm[a] for a in params["permutation"]]
-        elif prim.name not in ("convert_element_type", "copy", "copy_p"):
+        elif prim.name not in ("convert_element_type", "copy", "copy_p", "pvary"):
             return None
     return perm
 

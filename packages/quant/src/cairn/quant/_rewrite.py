@@ -7,7 +7,7 @@ on the reference instead of being run, so that when the reference reaches a
 ``dot_general``, ``conv_general_dilated`` or ``ragged_dot_general`` the handler knows
 exactly which weight the operand is, and in which layout. Any other use materializes
 the weight (``value`` with the views applied) and runs the equation as traced.
-Sub-programs of ``jit``, ``remat``, ``cond``, ``while``, ``scan`` and
+Sub-programs of ``jit``, ``remat``, ``cond``, ``while``, ``scan``, ``shard_map`` and
 ``custom_jvp``/``custom_vjp`` calls are descended into and rebuilt around the rewritten
 body. A custom derivative rule keeps its meaning: a ``custom_vjp`` call is rebuilt as a
 ``custom_vjp`` whose forward is the user's ``fwd`` rewritten like the body (so its primal
@@ -43,8 +43,11 @@ VIEW_PRIMITIVES = frozenset(
         "rev",
         "copy",
         "copy_p",
+        "pvary",
     }
 )
+# views that keep every element where it is (a block of the view is the same block of the input)
+_ELEMENTWISE_VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "pvary"})
 DOT_KINDS = {
     "dot_general": "dot_general",
     "conv_general_dilated": "conv_general_dilated",
@@ -457,6 +460,114 @@ def _tangents_of_values(unpack: Callable, spans: list[tuple[int, int]], arrays: 
     return values, dots
 
 
+class _Block:
+    """A view marker: the weight is a device's block of a view the program does not keep
+    (inside ``shard_map``, after a reshape or slice), so no leaf axes can be read from it."""
+
+    name = "shard_map_block"
+
+    @staticmethod
+    def bind(x: Any) -> Any:
+        return x
+
+
+def _mesh_size(mesh: Any, entry: Any) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    size = 1
+    for n in names:
+        size *= int(mesh.shape[n])
+    return size
+
+
+def _value_spec(ref: WeightRef, entries: list[Any]) -> list[Any] | None:
+    """The partition of ``ref.value`` whose views give ``entries`` (``None``: not a block)."""
+    entries = list(entries)
+    for prim, params, _ in reversed(ref.views):
+        if prim.name == "transpose":
+            before: list[Any] = [None] * len(entries)
+            for i, a in enumerate(params["permutation"]):
+                before[a] = entries[i]
+            entries = before
+        elif prim.name not in _ELEMENTWISE_VIEWS:
+            return None
+    return entries
+
+
+def _part_spec(shape: tuple[int, ...], logical: tuple[int, ...], entries: list[Any], mesh: Any) -> list[Any] | None:
+    """The partition of one part of a weight (values, or scales with size 1 or a tile count
+    on an axis) that gives each device the part of its own block (``None``: none does)."""
+    if not shape:
+        return []
+    if len(shape) != len(logical):
+        return None
+    out = []
+    for n, full, e in zip(shape, logical, entries):
+        if e is None or n == full:
+            out.append(e)
+        elif n == 1:
+            out.append(None)
+        elif n % _mesh_size(mesh, e) == 0 and full % n == 0:
+            out.append(e)  # a whole number of tiles per device
+        else:
+            return None
+    return out
+
+
+def _shard_input(v: Any, spec: Any, mesh: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any]]:
+    """(arrays, their partition specs, rebuild(blocks) -> the value inside the body) for one
+    ``shard_map`` operand: a weight is passed as its value's parts, split like the operand."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    if not isinstance(v, WeightRef):
+        return [v], [spec], lambda parts: parts[0]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    value = v.value.unpack() if isinstance(v.value, QArray) else v.value
+    value_entries = _value_spec(v, entries)
+    ref = WeightRef(v.path, value, v.views)
+    leaves, unpack, _ = _pack([ref])
+    n_value = len(jax.tree_util.tree_leaves(value))
+    specs: list[Any] = []
+    if value_entries is not None:
+        for leaf in leaves[:n_value]:
+            part = _part_spec(tuple(leaf.shape), tuple(value.shape), value_entries, mesh)
+            if part is None:
+                break
+            specs.append(PartitionSpec(*part))
+    if value_entries is None or len(specs) < n_value:
+        # not a block of the leaf: the device's block of the materialized weight, quantized on the fly
+        return [v.materialize()], [spec], lambda parts: WeightRef(v.path, parts[0], ((_Block(), {}, ()),))
+    specs += [PartitionSpec()] * (len(leaves) - n_value)
+    return leaves, specs, lambda parts: unpack(parts)[0]
+
+
+def _shard_map(interp: Interpreter, eqn: Any, invals: list) -> list:
+    """A ``shard_map`` whose body receives a weight: the body rewritten, the weight split like
+    the operand it was (its value, or a stored ``QArray``'s values and scales)."""
+    import jax
+
+    p = eqn.params
+    arrays: list[Any] = []
+    specs: list[Any] = []
+    rebuilds: list[tuple[int, Callable[[list[Any]], Any]]] = []
+    for v, spec, var in zip(invals, p["in_specs"], eqn.invars):
+        parts, part_specs, rebuild = _shard_input(v, spec, p["mesh"], tuple(var.aval.shape))
+        arrays += parts
+        specs += part_specs
+        rebuilds.append((len(parts), rebuild))
+
+    def body(*blocks: Any) -> tuple:
+        it = iter(blocks)
+        vals = [rebuild([next(it) for _ in range(n)]) for n, rebuild in rebuilds]
+        return tuple(materialize(o) for o in interp.run(p["jaxpr"], (), vals))
+
+    run = jax.shard_map(
+        body, mesh=p["mesh"], in_specs=tuple(specs), out_specs=tuple(p["out_specs"]),
+        axis_names=frozenset(p["newly_manual_axes"]), check_vma=p["check_vma"],
+    )
+    return list(run(*arrays))
+
+
 def _sliced_layout(layout: QuantLayout) -> QuantLayout | None:
     """The layout of one slice along axis 0 (``None`` when axis 0 is a tiled axis)."""
     if layout.kind == "per_tensor":
@@ -522,6 +633,7 @@ _SUBPROGRAMS: dict[str, Callable[[Interpreter, Any, list], list]] = {
     "core_call": _inline,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
+    "shard_map": _shard_map,
     "remat2": _remat,
     "checkpoint": _remat,
     "cond": _cond,
