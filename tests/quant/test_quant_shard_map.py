@@ -4,7 +4,9 @@ the device count is fixed when JAX starts).
 Each case checks that an int8 x int8 dot is in the lowered program and that the values
 equal a float64 NumPy statement of the quantized math, block by block: symmetric int8,
 ``scale = absmax / 127.5``, one scale per output channel of the weight and per token of the
-activation (the activation's scale taken over the features its device holds).
+activation (the activation's scale taken over the features its device holds). A construct
+the rewrite does not enter (a Pallas kernel) is an error, or a warning with
+``strict=False``, never silent.
 """
 
 from __future__ import annotations
@@ -94,3 +96,34 @@ def test_dots_inside_shard_map_are_quantized(run_on_cpu_devices):
     np.testing.assert_allclose(np.asarray(out["row_stored"]["eager"]), row_stored, rtol=1e-5, atol=1e-5)
     # and it is the quantized math, not the float one
     assert np.max(np.abs(np.asarray(out["float"]) - want)) > 1e-3
+
+
+def test_a_construct_not_entered_is_never_silent():
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from cairn import quant
+
+    def kernel(a_ref, w_ref, o_ref):
+        o_ref[...] = a_ref[...] @ w_ref[...]
+
+    def fn(p, x):  # a Pallas kernel: its body is not rewritten, so its dot would stay float
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32), interpret=True)(x, p["enc"]["w"])
+
+    p, x = {"enc": {"w": jnp.eye(8) * 0.37}}, jnp.ones((8, 8))
+    rule = quant.QuantizationRule(module_path="enc", weight_qtype="int8")
+    with pytest.raises(ValueError, match=r"\['enc/w'\] flow into 'pallas_call'.*strict=False"):
+        quant.quantize(fn, quant.PtqProvider([rule]))(p, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = quant.quantize(fn, quant.PtqProvider([rule], strict=False))(p, x)
+    assert any("'pallas_call'" in str(w.message) for w in caught)
+    np.testing.assert_allclose(np.asarray(y), np.full((8, 8), 0.37), rtol=1e-6)  # float: 0.37 is not on the int8 grid
+    # a rule that does not select the weight says nothing about it
+    other = quant.QuantizationRule(module_path="dec", weight_qtype="int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quant.quantize(fn, quant.PtqProvider([other], strict=False))(p, x)

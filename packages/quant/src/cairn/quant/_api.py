@@ -117,7 +117,7 @@ def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, fi
         WeightRef(next(paths), x) if k == "w" else x for x, k in zip(flat.leaves, flat.kinds) if k != "s"
     ]
     provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
-    interp = Interpreter(provider._handle, activation_dots=True)
+    interp = Interpreter(provider._handle, activation_dots=True, on_opaque=provider._not_entered)
     outs = [materialize(o) for o in interp.run_closed(closed, inputs)]
     if first:
         provider._end_trace(what)

@@ -160,11 +160,15 @@ class Interpreter:
     """Evaluates jaxprs, routing dots to ``handler(site, invals)`` (``None``: run as traced).
 
     With ``activation_dots=True`` the handler also sees dots with no weight operand.
+    ``on_opaque(eqn, refs)`` is told of every primitive that carries a sub-program this
+    interpreter does not enter (``pmap``, ``pallas_call``, ...) and receives weights ``refs``
+    (which it then gets materialized).
     """
 
-    def __init__(self, handler: Handler, *, activation_dots: bool = False) -> None:
+    def __init__(self, handler: Handler, *, activation_dots: bool = False, on_opaque: Callable[[Any, list], None] | None = None) -> None:
         self.handler = handler
         self.activation_dots = activation_dots
+        self.on_opaque = on_opaque
         self._counters: dict[tuple[str, str], int] = {}
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -206,6 +210,8 @@ class Interpreter:
         rebuild = _SUBPROGRAMS.get(name)
         if rebuild is not None:
             return rebuild(self, eqn, invals)
+        if self.on_opaque is not None and _has_subprogram(eqn):
+            self.on_opaque(eqn, [x for x in invals if isinstance(x, WeightRef)])
         return bind_as_traced(eqn, invals)
 
     def _site(self, eqn: Any, invals: list) -> DotSite:
@@ -218,6 +224,12 @@ class Interpreter:
         self._counters[(module, counter_kind)] = index + 1
         sides = tuple(i for i, x in enumerate(invals[:2]) if isinstance(x, WeightRef))
         return DotSite(kind, module, index, eqn, sides)
+
+
+def _has_subprogram(eqn: Any) -> bool:
+    from jax.extend.core import jaxprs_in_params
+
+    return any(True for _ in jaxprs_in_params(eqn.params))
 
 
 # --- sub-programs ---
