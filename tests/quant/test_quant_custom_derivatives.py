@@ -29,10 +29,12 @@ def _jvp_matmul(a, w):
     return a @ w
 
 
-@_jvp_matmul.defjvp
 def _jvp_matmul_rule(primals, tangents):
     (a, w), (_, tw) = primals, tangents
     return _jvp_matmul(a, w), a @ tw  # no tangent from `a`
+
+
+_jvp_matmul.defjvp(_jvp_matmul_rule)
 
 
 RULES = {"custom_vjp": _vjp_matmul, "custom_jvp": _jvp_matmul}

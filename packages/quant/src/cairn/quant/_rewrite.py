@@ -441,7 +441,6 @@ def _custom_jvp(interp: Interpreter, eqn: Any, invals: list) -> list:
     def fn(*arrays: Any) -> list:
         return runs.run(closed.jaxpr, closed.consts, unpack(arrays))
 
-    @fn.defjvp
     def fn_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
         out = fn(*primals)
         mats, dots = _tangents_of_values(unpack, spans, list(primals), list(tangents))
@@ -451,6 +450,7 @@ def _custom_jvp(interp: Interpreter, eqn: Any, invals: list) -> list:
         it = iter(got[len(out_zeros) :])
         return out, [_zero_tangent(o) if z else next(it) for o, z in zip(out, out_zeros)]
 
+    fn.defjvp(fn_jvp)
     out = fn(*leaves)
     runs.finish()
     return list(out)
