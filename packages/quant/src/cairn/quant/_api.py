@@ -9,6 +9,7 @@ from typing import Any
 from cairn.core_array import QArray, path_of
 from cairn.quant._providers import QuantizationProvider
 from cairn.quant._qtypes import required
+from cairn.quant._replay import Trace, TraceCache, compiled_replay, concrete
 from cairn.quant._rewrite import Interpreter, WeightRef, materialize
 
 __all__ = ["quantize", "quantize_params", "calibrate"]
@@ -91,12 +92,9 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any]:
+def _trace(fn: Callable, flat: _Flat) -> Trace:
     import jax
 
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
     out_tree: list[Any] = []
 
     def flat_fn(*dynamic: Any) -> list:
@@ -107,20 +105,20 @@ def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any
         return leaves
 
     closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in flat.dynamic()])
-    cache[key] = (closed, out_tree[0])
-    return cache[key]
+    statics = [x for x, k in zip(flat.leaves, flat.kinds) if k == "s"]
+    return Trace(closed, out_tree[0], flat.kinds, flat.weight_paths, statics)
 
 
-def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, first: bool) -> list:
-    paths = iter(flat.weight_paths)
-    inputs = [
-        WeightRef(next(paths), x) if k == "w" else x for x, k in zip(flat.leaves, flat.kinds) if k != "s"
-    ]
+def _run(provider: QuantizationProvider, entry: Trace, dynamic: Sequence[Any], what: str) -> list:
+    paths = iter(entry.weight_paths)
+    kinds = [k for k in entry.kinds if k != "s"]
+    inputs = [WeightRef(next(paths), x) if k == "w" else x for x, k in zip(dynamic, kinds)]
     provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
     interp = Interpreter(provider._handle, activation_dots=True, on_opaque=provider._not_entered)
-    outs = [materialize(o) for o in interp.run_closed(closed, inputs)]
-    if first:
+    outs = [materialize(o) for o in interp.run_closed(entry.closed, inputs)]
+    if entry.unchecked:
         provider._end_trace(what)
+        entry.unchecked = False
     return outs
 
 
@@ -132,28 +130,34 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
     arguments, prefixed by the argument's index). When ``fn`` is called, it is traced
     once per argument structure and shape, and its program is re-evaluated with each dot
     whose operand flows from a weight (through casts, transposes, reshapes, slices,
-    broadcasts, and into jit, scan, remat, cond, while and custom-derivative calls)
-    handed to ``provider``. Works eagerly, under ``jax.jit``, ``jax.grad`` and ``vmap``.
-    A weight may also be a ``QArray`` (see :func:`quantize_params`).
+    broadcasts, and into jit, scan, remat, cond, while, shard_map and custom-derivative calls)
+    handed to ``provider``. Works eagerly, under ``jax.jit``, ``jax.grad`` and ``vmap``;
+    an eager call runs a compiled replay of the rewritten program, built once per
+    signature (the last 32 signatures are kept; weights are its arguments, never its
+    constants). A weight may also be a ``QArray`` (see :func:`quantize_params`).
 
     Raises:
       ValueError: (with ``strict=True``, the default) a rule selected no op.
     """
     argnums = (weight_argnums,) if isinstance(weight_argnums, int) else tuple(weight_argnums)
-    cache: dict = {}
+    cache = TraceCache()
     name = getattr(fn, "__qualname__", repr(fn))
+
+    def run(entry: Trace, dynamic: list[Any]) -> list:
+        return _run(provider, entry, dynamic, name)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         import jax
 
         flat = _Flat(args, kwargs, argnums)
-        key = flat.key()
-        first = key not in cache
-        closed, out_tree = _trace(fn, flat, key, cache)
-        outs = _run(provider, closed, flat, name, first)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        entry = cache.get(flat.key(), lambda: _trace(fn, flat))
+        dynamic = flat.dynamic()
+        compiled = compiled_replay(entry, provider, run) if concrete(dynamic) else None
+        outs = compiled[0](dynamic, compiled[1]) if compiled is not None else run(entry, dynamic)
+        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
+    wrapped._traces = cache  # type: ignore[attr-defined]  # for tests: the signatures held
     return wrapped
 
 

@@ -58,6 +58,17 @@ class QuantizationProvider:
         self._recording: dict[SiteKey, list[tuple[Any, Any]]] | None = None
         self._weights: dict[str, Any] = {}
 
+    # Attributes holding arrays the handler reads: a compiled eager replay (_replay.py) takes
+    # them as arguments, so a new value is never stale. None: calls are never compiled.
+    _replay_arrays: tuple[str, ...] | None = ("_static",)
+
+    def _replay_key(self) -> tuple | None:
+        """What a compiled replay depends on besides its arguments (``None``: run op by op,
+        as while recording calibration statistics)."""
+        if self._recording is not None:
+            return None
+        return (type(self), repr(self.rules), self.strict)
+
     def get_unused_rules(self) -> list[QuantizationRule]:
         """The rules that have not selected any op in any trace so far."""
         return [r for i, r in enumerate(self.rules) if i not in self._used]
@@ -244,6 +255,7 @@ class QtProvider(QuantizationProvider):
     """
 
     rule_type = QtRule
+    _replay_arrays = ("_static", "bwd_rng")
 
     def _wrap(self, q: QArray, original: Any) -> Any:
         import jax
