@@ -109,3 +109,18 @@ def test_custom_jvp_rule_in_forward_mode():
     tw = np.ones_like(W)
     _, tw_out = jax.jit(lambda w, t: jax.jvp(lambda w: q({"w": w}, X), (w,), (t,)))(W, tw)
     np.testing.assert_allclose(np.asarray(tw_out, np.float64), X.astype(np.float64) @ tw, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rule_that_closes_over_the_weight_is_refused_by_name():
+    def fn(p, x):
+        @jax.custom_vjp
+        def closing(a):
+            return a @ p["w"]
+
+        closing.defvjp(lambda a: (closing(a), a), lambda a, ct: (ct @ jnp.zeros((6, 8)),))
+        return jnp.sum(closing(x))
+
+    q = quant.quantize(fn, quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")]))
+    np.testing.assert_allclose(float(q({"w": W}, X)), float(np.sum(X.astype(np.float64) @ _int8_weight(W))), rtol=1e-4)
+    with pytest.raises(ValueError, match=r"custom_vjp function '.*closing' closes over a traced array"):
+        jax.grad(q, 1)({"w": W}, X)

@@ -387,8 +387,17 @@ def _custom_vjp(interp: Interpreter, eqn: Any, invals: list) -> list:
     def fwd(*arrays: Any) -> tuple[list, tuple]:
         vals = unpack(arrays)
         prims = vals[nconst:]
-        fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
-        outs = runs.run(fwd_jaxpr, fwd_consts, prims)
+        try:
+            fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
+            outs = runs.run(fwd_jaxpr, fwd_consts, prims)
+        except jax.errors.UnexpectedTracerError as e:
+            name = getattr(closed.jaxpr.debug_info, "func_name", "?")
+            raise ValueError(
+                f"quantize: the custom_vjp function {name!r} closes over a traced array (a weight or a value "
+                "computed from the arguments), so its fwd rule cannot be run again on the rewritten program "
+                "(JAX cannot either, once the function is staged); pass that array as an argument of the "
+                "function, or wrap it with jax.closure_convert"
+            ) from e
         _, res_tree, forwarded = p["out_trees"]()
         n_res = res_tree.num_leaves - sum(f is not None for f in forwarded)
         it = iter(outs[:n_res])
