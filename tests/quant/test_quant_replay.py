@@ -111,3 +111,15 @@ def test_the_cache_is_bounded_and_traced_calls_are_unaffected(monkeypatch):
     assert len(q._traces) == 4
     np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-6, atol=1e-6)
     assert grad.shape == x.shape
+
+
+def test_outputs_that_are_inputs_are_not_copied():
+    def fn(p, x):  # returns its weights, as a model call returns the model
+        return _mlp(p, x), p
+
+    q = quant.quantize(fn, quant.PtqProvider([RULE]))
+    p, x = _params(), jax.random.normal(jax.random.key(1), (5, 8))
+    for _ in range(2):  # the first call compiles, the second replays
+        y, back = q(p, x)
+        assert back["l1"]["kernel"] is p["l1"]["kernel"] and back["l2"]["kernel"] is p["l2"]["kernel"]
+        np.testing.assert_allclose(np.asarray(y, np.float64), _reference(p, x), rtol=1e-4, atol=1e-4)

@@ -109,10 +109,15 @@ def _trace(fn: Callable, flat: _Flat) -> Trace:
     return Trace(closed, out_tree[0], flat.kinds, flat.weight_paths, statics)
 
 
-def _run(provider: QuantizationProvider, entry: Trace, dynamic: Sequence[Any], what: str) -> list:
+def _inputs(entry: Trace, dynamic: Sequence[Any]) -> list[Any]:
+    """The program's inputs: a weight as a :class:`WeightRef`, any other leaf as itself."""
     paths = iter(entry.weight_paths)
     kinds = [k for k in entry.kinds if k != "s"]
-    inputs = [WeightRef(next(paths), x) if k == "w" else x for x, k in zip(dynamic, kinds)]
+    return [WeightRef(next(paths), x) if k == "w" else x for x, k in zip(dynamic, kinds)]
+
+
+def _run(provider: QuantizationProvider, entry: Trace, dynamic: Sequence[Any], what: str) -> list:
+    inputs = _inputs(entry, dynamic)
     provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
     interp = Interpreter(provider._handle, activation_dots=True, on_opaque=provider._not_entered)
     outs = [materialize(o) for o in interp.run_closed(entry.closed, inputs)]
@@ -154,7 +159,12 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
         entry = cache.get(flat.key(), lambda: _trace(fn, flat))
         dynamic = flat.dynamic()
         compiled = compiled_replay(entry, provider, run) if concrete(dynamic) else None
-        outs = compiled[0](dynamic, compiled[1]) if compiled is not None else run(entry, dynamic)
+        if compiled is None:
+            outs = run(entry, dynamic)
+        else:  # outputs that are inputs come back as the run op by op gives them, not as copies
+            inputs = _inputs(entry, dynamic)
+            computed = iter(compiled[0](dynamic, compiled[1]))
+            outs = [materialize(inputs[entry.forwarded[i]]) if i in entry.forwarded else next(computed) for i in range(entry.n_out)]
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
     wrapped._traces = cache  # type: ignore[attr-defined]  # for tests: the signatures held

@@ -29,11 +29,20 @@ MAX_ENTRIES = 32
 
 class Trace:
     """One signature's program: ``closed`` (the jaxpr), ``out_tree``, the leaf kinds and
-    weight paths, and its compiled replays by provider configuration."""
+    weight paths, the outputs that are inputs (``forwarded``), and its compiled replays by
+    provider configuration (which return the other outputs only: a forwarded weight is not
+    copied)."""
 
     def __init__(self, closed: Any, out_tree: Any, kinds: Sequence[str], weight_paths: Sequence[str], statics: list[Any]) -> None:
+        from jax.extend.core import Literal
+
         self.closed = closed
         self.out_tree = out_tree
+        jaxpr = closed.jaxpr
+        self.n_out = len(jaxpr.outvars)
+        position = {v: k for k, v in enumerate(jaxpr.invars)}
+        # output index -> input index, for outputs that are inputs unchanged (a model's weights)
+        self.forwarded = {i: position[v] for i, v in enumerate(jaxpr.outvars) if not isinstance(v, Literal) and v in position}
         self.kinds = tuple(kinds)
         self.weight_paths = tuple(weight_paths)
         self.statics = statics  # held, so that an id used in the key is not reused while the entry lives
@@ -85,7 +94,8 @@ def provider_arrays(provider: Any, arrays: dict[str, Any]) -> Iterator[None]:
 
 def compiled_replay(entry: Trace, provider: Any, run: Callable[[Trace, list[Any]], list]) -> tuple[Callable, dict[str, Any]] | None:
     """``(jitted(dynamic_leaves, arrays), arrays)`` for ``provider`` as it is now, or ``None``
-    when the provider must run op by op. ``run(entry, dynamic)`` re-evaluates the program."""
+    when the provider must run op by op. ``run(entry, dynamic)`` re-evaluates the program;
+    ``jitted`` returns its outputs but the forwarded ones."""
     names = getattr(provider, "_replay_arrays", None)
     if names is None:
         return None
@@ -99,7 +109,8 @@ def compiled_replay(entry: Trace, provider: Any, run: Callable[[Trace, list[Any]
 
         def replay(dynamic: list[Any], arrays: dict[str, Any]) -> list:
             with provider_arrays(provider, arrays):
-                return run(entry, dynamic)
+                outs = run(entry, dynamic)
+            return [o for i, o in enumerate(outs) if i not in entry.forwarded]
 
         if len(entry.replays) >= 4:  # a provider reconfigured again and again: keep the latest few
             entry.replays.pop(next(iter(entry.replays)))
