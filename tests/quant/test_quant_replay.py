@@ -114,12 +114,15 @@ def test_the_cache_is_bounded_and_traced_calls_are_unaffected(monkeypatch):
 
 
 def test_outputs_that_are_inputs_are_not_copied():
-    def fn(p, x):  # returns its weights, as a model call returns the model
-        return _mlp(p, x), p
+    def fn(p, x):  # returns its weights, as a model call returns the model, and a constant
+        return _mlp(p, x), p, 3
 
     q = quant.quantize(fn, quant.PtqProvider([RULE]))
     p, x = _params(), jax.random.normal(jax.random.key(1), (5, 8))
+    with jax.disable_jit():
+        *_, op_by_op = q(p, x)
     for _ in range(2):  # the first call compiles, the second replays
-        y, back = q(p, x)
+        y, back, three = q(p, x)
         assert back["l1"]["kernel"] is p["l1"]["kernel"] and back["l2"]["kernel"] is p["l2"]["kernel"]
+        assert three == 3 and type(three) is type(op_by_op)
         np.testing.assert_allclose(np.asarray(y, np.float64), _reference(p, x), rtol=1e-4, atol=1e-4)

@@ -161,10 +161,13 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
         compiled = compiled_replay(entry, provider, run) if concrete(dynamic) else None
         if compiled is None:
             outs = run(entry, dynamic)
-        else:  # outputs that are inputs come back as the run op by op gives them, not as copies
-            inputs = _inputs(entry, dynamic)
-            computed = iter(compiled[0](dynamic, compiled[1]))
-            outs = [materialize(inputs[entry.forwarded[i]]) if i in entry.forwarded else next(computed) for i in range(entry.n_out)]
+        else:  # outputs that are inputs or constants come back as the run op by op gives them
+            inputs, computed = _inputs(entry, dynamic), iter(compiled[0](dynamic, compiled[1]))
+            outs = [
+                materialize(inputs[entry.forwarded[i]]) if i in entry.forwarded
+                else entry.literals[i] if i in entry.literals else next(computed)
+                for i in range(entry.n_out)
+            ]
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
     wrapped._traces = cache  # type: ignore[attr-defined]  # for tests: the signatures held

@@ -29,9 +29,9 @@ MAX_ENTRIES = 32
 
 class Trace:
     """One signature's program: ``closed`` (the jaxpr), ``out_tree``, the leaf kinds and
-    weight paths, the outputs that are inputs (``forwarded``), and its compiled replays by
-    provider configuration (which return the other outputs only: a forwarded weight is not
-    copied)."""
+    weight paths, the outputs that are inputs (``forwarded``) or constants (``literals``),
+    and its compiled replays by provider configuration (which return the other outputs
+    only: a forwarded weight is not copied, a constant stays what the program returns)."""
 
     def __init__(self, closed: Any, out_tree: Any, kinds: Sequence[str], weight_paths: Sequence[str], statics: list[Any]) -> None:
         from jax.extend.core import Literal
@@ -43,6 +43,8 @@ class Trace:
         position = {v: k for k, v in enumerate(jaxpr.invars)}
         # output index -> input index, for outputs that are inputs unchanged (a model's weights)
         self.forwarded = {i: position[v] for i, v in enumerate(jaxpr.outvars) if not isinstance(v, Literal) and v in position}
+        # output index -> value, for outputs that are constants of the program (a Python number)
+        self.literals = {i: v.val for i, v in enumerate(jaxpr.outvars) if isinstance(v, Literal)}
         self.kinds = tuple(kinds)
         self.weight_paths = tuple(weight_paths)
         self.statics = statics  # held, so that an id used in the key is not reused while the entry lives
@@ -95,7 +97,7 @@ def provider_arrays(provider: Any, arrays: dict[str, Any]) -> Iterator[None]:
 def compiled_replay(entry: Trace, provider: Any, run: Callable[[Trace, list[Any]], list]) -> tuple[Callable, dict[str, Any]] | None:
     """``(jitted(dynamic_leaves, arrays), arrays)`` for ``provider`` as it is now, or ``None``
     when the provider must run op by op. ``run(entry, dynamic)`` re-evaluates the program;
-    ``jitted`` returns its outputs but the forwarded ones."""
+    ``jitted`` returns its outputs but the forwarded and constant ones."""
     names = getattr(provider, "_replay_arrays", None)
     if names is None:
         return None
@@ -110,7 +112,7 @@ def compiled_replay(entry: Trace, provider: Any, run: Callable[[Trace, list[Any]
         def replay(dynamic: list[Any], arrays: dict[str, Any]) -> list:
             with provider_arrays(provider, arrays):
                 outs = run(entry, dynamic)
-            return [o for i, o in enumerate(outs) if i not in entry.forwarded]
+            return [o for i, o in enumerate(outs) if i not in entry.forwarded and i not in entry.literals]
 
         if len(entry.replays) >= 4:  # a provider reconfigured again and again: keep the latest few
             entry.replays.pop(next(iter(entry.replays)))
