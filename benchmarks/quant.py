@@ -6,7 +6,11 @@ for cairn.quant and for Qwix: the time to quantize (first call included for Qwix
 PTQ converts weights on the first call), the output's relative L2 error against the
 float model, the jitted inference time against float, and the bytes of the weights.
 
-Prints the table, then ONE JSON line. ``--quick`` uses a smaller model.
+Then an eager call of ``quantize(fn)`` against the same function under ``jax.jit`` (a
+24-layer toy, w8a8), the row that shows what a cached compiled replay saves.
+
+Prints the table, then ONE JSON line. ``--quick`` uses a smaller model; ``--eager-only``
+runs the eager row alone.
 """
 
 from __future__ import annotations
@@ -217,10 +221,37 @@ def _print_table(rows: list[dict], float_ms: tuple[float, float], float_bytes: i
         )
 
 
+def eager_vs_jit(rounds: int = 20, layers: int = 24, d: int = 256, tokens: int = 64) -> dict:
+    """Milliseconds per call of a quantized ``layers``-deep tanh MLP, eagerly and under ``jax.jit``."""
+    keys = jax.random.split(jax.random.key(0), layers)
+    params = {"layers": [{"kernel": jax.random.normal(k, (d, d)) / np.sqrt(d)} for k in keys]}
+    x = jax.random.normal(jax.random.key(1), (tokens, d))
+
+    def mlp(p, x):
+        for layer in p["layers"]:
+            x = jnp.tanh(x @ layer["kernel"])
+        return x
+
+    q = quant.quantize(mlp, quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8", act_qtype="int8")]))
+    jitted = jax.jit(q)
+    eager_ms = jit_ms = float("inf")
+    for _ in range(rounds):  # interleaved, so a change in the machine's load hits both alike
+        eager_ms = min(eager_ms, _best_ms(q, (params, x), 1))
+        jit_ms = min(jit_ms, _best_ms(jitted, (params, x), 1))
+    np.testing.assert_allclose(np.asarray(q(params, x)), np.asarray(jax.jit(q)(params, x)), rtol=1e-5, atol=1e-5)
+    row = {"layers": layers, "eager_ms": round(eager_ms, 3), "jit_ms": round(jit_ms, 3), "eager_over_jit": round(eager_ms / jit_ms, 3)}
+    print(f"eager vs jit ({layers} layers, [{tokens}, {d}] x [{d}, {d}], w8a8): eager {eager_ms:.2f} ms, jit {jit_ms:.2f} ms, {eager_ms / jit_ms:.2f}x")
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--eager-only", action="store_true")
     args = parser.parse_args()
+    if args.eager_only:
+        print(json.dumps({"bench": "quant_eager", **eager_vs_jit(rounds=50)}))
+        return
     d, f, heads, b, t = (128, 512, 4, 2, 32) if args.quick else (512, 2048, 8, 4, 128)
     rounds = 5 if args.quick else 20
     cairn_model = CairnModel(d, f, heads, nn.Rngs(0))
@@ -236,7 +267,9 @@ def main() -> None:
         _copy_weights(cairn_model, peer_model)
         rows.append(_row(name, _ours(cairn_model, x, cfg, rounds), _qwix(peer_model, x, cfg, rounds), ref_ours, ref_peer, float_ms))
     _print_table(rows, float_ms, _weight_bytes(cairn_model))
+    eager = eager_vs_jit(rounds)
     summary = {"bench": "quant", "quick": args.quick, "float_ms_ours": round(float_ms[0], 3), "float_ms_nnx": round(float_ms[1], 3)}
+    summary.update({f"eager_{k}" if not k.startswith("eager") else k: v for k, v in eager.items()})
     for r in rows:
         for k in ("ours_error", "qwix_error", "ours_speedup_vs_float", "qwix_speedup_vs_float", "ours_bytes", "qwix_bytes"):
             summary[f"{r['config']}_{k}"] = r[k]

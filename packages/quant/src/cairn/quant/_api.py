@@ -9,6 +9,7 @@ from typing import Any
 from cairn.core_array import QArray, path_of
 from cairn.quant._providers import QuantizationProvider
 from cairn.quant._qtypes import required
+from cairn.quant._replay import Trace, TraceCache, compiled_replay, concrete
 from cairn.quant._rewrite import Interpreter, WeightRef, materialize
 from cairn.quant._weights import WeightFilter, weight_leaves
 
@@ -95,12 +96,9 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any]:
+def _trace(fn: Callable, flat: _Flat) -> Trace:
     import jax
 
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
     out_tree: list[Any] = []
 
     def flat_fn(*dynamic: Any) -> list:
@@ -111,25 +109,31 @@ def _trace(fn: Callable, flat: _Flat, key: tuple, cache: dict) -> tuple[Any, Any
         return leaves
 
     closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in flat.dynamic()])
-    cache[key] = (closed, out_tree[0])
-    return cache[key]
+    statics = [x for x, k in zip(flat.leaves, flat.kinds) if k == "s"]
+    return Trace(closed, out_tree[0], flat.kinds, flat.weight_paths, flat.weight_modules, statics)
 
 
-def _run(provider: QuantizationProvider, closed: Any, flat: _Flat, what: str, first: bool) -> list:
-    paths, modules = iter(flat.weight_paths), iter(flat.weight_modules)
-    leaves = [x for x, k in zip(flat.leaves, flat.kinds) if k != "s"]
-    inputs = [
+def _inputs(entry: Trace, dynamic: Sequence[Any]) -> list[Any]:
+    """The program's inputs: a weight as a :class:`WeightRef` (with its module path), a
+    ``QArray`` that is not a weight dequantized, any other leaf as itself."""
+    paths, modules = iter(entry.weight_paths), iter(entry.weight_modules)
+    kinds = [k for k in entry.kinds if k != "s"]
+    return [
         WeightRef(next(paths), x, module=next(modules)) if k == "w" else x.dequantize() if _is_q(x) else x
-        for x, k in zip(flat.leaves, flat.kinds)
-        if k != "s"
+        for x, k in zip(dynamic, kinds)
     ]
+
+
+def _run(provider: QuantizationProvider, entry: Trace, dynamic: Sequence[Any], what: str) -> list:
+    inputs = _inputs(entry, dynamic)
     provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
-    interp = Interpreter(provider._handle, activation_dots=True)
+    interp = Interpreter(provider._handle, activation_dots=True, on_opaque=provider._not_entered)
     # An output that is an input unchanged is that input's leaf (a stored QArray stays one).
-    unchanged = {id(x): leaf for x, leaf in zip(inputs, leaves)}
-    outs = [unchanged[id(o)] if id(o) in unchanged else materialize(o) for o in interp.run_closed(closed, inputs)]
-    if first:
+    unchanged = {id(x): leaf for x, leaf in zip(inputs, dynamic)}
+    outs = [unchanged[id(o)] if id(o) in unchanged else materialize(o) for o in interp.run_closed(entry.closed, inputs)]
+    if entry.unchecked:
         provider._end_trace(what)
+        entry.unchecked = False
     return outs
 
 
@@ -145,28 +149,42 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
     that leaf (a ``QArray`` weight stays one). When ``fn`` is called, it is traced
     once per argument structure and shape, and its program is re-evaluated with each dot
     whose operand flows from a weight (through casts, transposes, reshapes, slices,
-    broadcasts, and into jit, scan, remat, cond, while and custom-derivative calls)
-    handed to ``provider``. Works eagerly, under ``jax.jit``, ``jax.grad`` and ``vmap``.
-    A weight may also be a ``QArray`` (see :func:`quantize_params`).
+    broadcasts, and into jit, scan, remat, cond, while, shard_map and custom-derivative calls)
+    handed to ``provider``. Works eagerly, under ``jax.jit``, ``jax.grad`` and ``vmap``;
+    an eager call runs a compiled replay of the rewritten program, built once per
+    signature (the last 32 signatures are kept; weights are its arguments, never its
+    constants). A weight may also be a ``QArray`` (see :func:`quantize_params`).
 
     Raises:
       ValueError: (with ``strict=True``, the default) a rule selected no op.
     """
     argnums = (weight_argnums,) if isinstance(weight_argnums, int) else tuple(weight_argnums)
-    cache: dict = {}
+    cache = TraceCache()
     name = getattr(fn, "__qualname__", repr(fn))
+
+    def run(entry: Trace, dynamic: list[Any]) -> list:
+        return _run(provider, entry, dynamic, name)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         import jax
 
         flat = _Flat(args, kwargs, argnums, provider.weight_filter)
-        key = flat.key()
-        first = key not in cache
-        closed, out_tree = _trace(fn, flat, key, cache)
-        outs = _run(provider, closed, flat, name, first)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        entry = cache.get(flat.key(), lambda: _trace(fn, flat))
+        dynamic = flat.dynamic()
+        compiled = compiled_replay(entry, provider, run) if concrete(dynamic) else None
+        if compiled is None:
+            outs = run(entry, dynamic)
+        else:  # outputs that are inputs or constants come back as the run op by op gives them
+            computed = iter(compiled[0](dynamic, compiled[1]))
+            outs = [
+                dynamic[entry.forwarded[i]] if i in entry.forwarded
+                else entry.literals[i] if i in entry.literals else next(computed)
+                for i in range(entry.n_out)
+            ]
+        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
+    wrapped._traces = cache  # type: ignore[attr-defined]  # for tests: the signatures held
     return wrapped
 
 

@@ -124,6 +124,12 @@ class LoraProvider(PtqProvider):
         self._adapters: dict[str, _AdapterSpec] = {}
         self._collecting = False
 
+    _replay_arrays = ("_static", "dropout_rng")
+
+    def _replay_key(self) -> tuple | None:
+        key = super()._replay_key()
+        return None if key is None else (*key, self._collecting)
+
     def _always_applies(self, rule: QuantizationRule) -> bool:
         return isinstance(rule, LoraRule)
 

@@ -9,10 +9,11 @@ quantizes the cotangent of the backward dots.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from cairn.core_array import QArray, QuantLayout
+from cairn.core_array import QArray, QuantLayout, compile_pattern
 from cairn.quant._calibration import bounds, parse_method
 from cairn.quant._dots import bind_dequantized, operand_axes, quantized_dot
 from cairn.quant._numerics import fake_quant, quantize_array, quantize_with_bounds, tile_length
@@ -68,6 +69,17 @@ class QuantizationProvider:
         self._recording: dict[SiteKey, list[tuple[Any, Any]]] | None = None
         self._weights: dict[str, Any] = {}
 
+    # Attributes holding arrays the handler reads: a compiled eager replay (_replay.py) takes
+    # them as arguments, so a new value is never stale. None: calls are never compiled.
+    _replay_arrays: tuple[str, ...] | None = ("_static",)
+
+    def _replay_key(self) -> tuple | None:
+        """What a compiled replay depends on besides its arguments (``None``: run op by op,
+        as while recording calibration statistics)."""
+        if self._recording is not None:
+            return None
+        return (type(self), repr(self.rules), self.strict)
+
     def get_unused_rules(self) -> list[QuantizationRule]:
         """The rules that have not selected any op in any trace so far."""
         return [r for i, r in enumerate(self.rules) if i not in self._used]
@@ -89,6 +101,22 @@ class QuantizationProvider:
                 f"Module paths of the dots seen: {seen[:30]}{' ...' if len(seen) > 30 else ''}. "
                 "Fix module_path / op_names, or pass strict=False"
             )
+
+    def _not_entered(self, eqn: Any, refs: list[WeightRef]) -> None:
+        """Weights flow into a construct the rewrite does not enter, so its dots stay float:
+        an error (strict) or a warning, when a rule's ``module_path`` selects one of them."""
+        paths = sorted({r.path for r in refs if any(
+            rule.weight_qtype and compile_pattern(rule.module_path).fullmatch(r.module_path) for rule in self.rules
+        )})
+        if not paths:
+            return
+        msg = (
+            f"{type(self).__name__}: weight(s) {paths} flow into {eqn.primitive.name!r}, which quantize does not "
+            "enter: the dots inside run in float, unquantized (docs/quant.md lists the constructs not entered)"
+        )
+        if self.strict:
+            raise ValueError(msg + "; pass strict=False to run them in float with a warning")
+        warnings.warn(msg, stacklevel=2)
 
     def _match(self, site: DotSite, has_weight: bool) -> QuantizationRule | None:
         self._seen.append(site.module_path)
@@ -239,6 +267,7 @@ class QtProvider(QuantizationProvider):
     """
 
     rule_type = QtRule
+    _replay_arrays = ("_static", "bwd_rng")
 
     def _wrap(self, q: QArray, original: Any) -> Any:
         import jax
@@ -371,7 +400,7 @@ def _leaf_permutation(ref: WeightRef) -> list[int] | None:
     for prim, params, _ in ref.views:
         if prim.name == "transpose":
             perm = [perm[a] for a in params["permutation"]]
-        elif prim.name not in ("convert_element_type", "copy", "copy_p"):
+        elif prim.name not in ("convert_element_type", "copy", "copy_p", "pvary"):
             return None
     return perm
 

@@ -21,6 +21,7 @@ class InputRecorder(PtqProvider):
     as a matrix [tokens, K] (K: the contracted inputs, in the weight's leaf axis order)."""
 
     rule_class: type | None = None
+    _replay_arrays = None  # records Python state while rewriting: never a compiled replay
 
     def __init__(self, rules: Sequence[QuantizationRule], weight_filter: WeightFilter | None = None) -> None:
         super().__init__(rules, strict=False, weight_filter=weight_filter)

@@ -7,10 +7,15 @@ on the reference instead of being run, so that when the reference reaches a
 ``dot_general``, ``conv_general_dilated`` or ``ragged_dot_general`` the handler knows
 exactly which weight the operand is, and in which layout. Any other use materializes
 the weight (``value`` with the views applied) and runs the equation as traced.
-Sub-programs of ``jit``, ``remat``, ``cond``, ``while``, ``scan`` and
+Sub-programs of ``jit``, ``remat``, ``cond``, ``while``, ``scan``, ``shard_map`` and
 ``custom_jvp``/``custom_vjp`` calls are descended into and rebuilt around the rewritten
-body (the custom derivative rule of a custom_jvp/custom_vjp call that receives a weight
-is replaced by differentiation of its rewritten forward).
+body. A custom derivative rule keeps its meaning: a ``custom_vjp`` call is rebuilt as a
+``custom_vjp`` whose forward is the user's ``fwd`` rewritten like the body (so its primal
+output is the quantized one and its residuals are what the quantized forward computed)
+and whose backward is the user's ``bwd`` as written, on those residuals; a ``custom_jvp``
+call is rebuilt as a ``custom_jvp`` whose primal is the rewritten body and whose tangent
+is the user's ``jvp`` rule as written, on the call's inputs. A weight's cotangent or
+tangent is carried through its recorded views (the chain rule of ``materialize``).
 """
 
 from __future__ import annotations
@@ -38,8 +43,11 @@ VIEW_PRIMITIVES = frozenset(
         "rev",
         "copy",
         "copy_p",
+        "pvary",
     }
 )
+# views that keep every element where it is (a block of the view is the same block of the input)
+_ELEMENTWISE_VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "pvary"})
 DOT_KINDS = {
     "dot_general": "dot_general",
     "conv_general_dilated": "conv_general_dilated",
@@ -154,11 +162,15 @@ class Interpreter:
     """Evaluates jaxprs, routing dots to ``handler(site, invals)`` (``None``: run as traced).
 
     With ``activation_dots=True`` the handler also sees dots with no weight operand.
+    ``on_opaque(eqn, refs)`` is told of every primitive that carries a sub-program this
+    interpreter does not enter (``pmap``, ``pallas_call``, ...) and receives weights ``refs``
+    (which it then gets materialized).
     """
 
-    def __init__(self, handler: Handler, *, activation_dots: bool = False) -> None:
+    def __init__(self, handler: Handler, *, activation_dots: bool = False, on_opaque: Callable[[Any, list], None] | None = None) -> None:
         self.handler = handler
         self.activation_dots = activation_dots
+        self.on_opaque = on_opaque
         self._counters: dict[tuple[str, str], int] = {}
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -200,6 +212,8 @@ class Interpreter:
         rebuild = _SUBPROGRAMS.get(name)
         if rebuild is not None:
             return rebuild(self, eqn, invals)
+        if self.on_opaque is not None and _has_subprogram(eqn):
+            self.on_opaque(eqn, [x for x in invals if isinstance(x, WeightRef)])
         return bind_as_traced(eqn, invals)
 
     def _site(self, eqn: Any, invals: list) -> DotSite:
@@ -212,6 +226,12 @@ class Interpreter:
         self._counters[(module, counter_kind)] = index + 1
         sides = tuple(i for i, x in enumerate(invals[:2]) if isinstance(x, WeightRef))
         return DotSite(kind, module, index, eqn, sides)
+
+
+def _has_subprogram(eqn: Any) -> bool:
+    from jax.extend.core import jaxprs_in_params
+
+    return any(True for _ in jaxprs_in_params(eqn.params))
 
 
 # --- sub-programs ---
@@ -266,6 +286,309 @@ def _while(interp: Interpreter, eqn: Any, invals: list) -> list:
         return tuple(materialize(o) for o in interp.run_closed(p["body_jaxpr"], [*bconsts, *c]))
 
     return list(jax.lax.while_loop(cond_fn, body_fn, tuple(carry)))
+
+
+def _pack(values: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[Any]], list[Any]], list[tuple[int, int]]]:
+    """Every array ``values`` hold (a weight: its value's leaves and its views' extra operands),
+    ``unpack(arrays)`` -> the values rebuilt from such arrays, and each value's span in them.
+
+    A transformation that must see every array as an argument (``custom_vjp``,
+    ``custom_jvp``, ``shard_map``) passes the arrays and rebuilds the weights inside."""
+    import jax
+
+    leaves: list[Any] = []
+    specs: list[tuple[WeightRef | None, Any, int]] = []
+    spans: list[tuple[int, int]] = []
+    for v in values:
+        if isinstance(v, WeightRef):
+            parts, td = jax.tree_util.tree_flatten([v.value, [list(extra) for _, _, extra in v.views]])
+        else:
+            parts, td = [v], None
+        spans.append((len(leaves), len(leaves) + len(parts)))
+        specs.append((v if td is not None else None, td, len(parts)))
+        leaves += parts
+
+    def unpack(arrays: Sequence[Any]) -> list[Any]:
+        it, out = iter(arrays), []
+        for ref, td, n in specs:
+            chunk = [next(it) for _ in range(n)]
+            if ref is None:
+                out.append(chunk[0])
+                continue
+            value, extras = jax.tree_util.tree_unflatten(td, chunk)
+            views = tuple((prim, params, tuple(e)) for (prim, params, _), e in zip(ref.views, extras))
+            out.append(WeightRef(ref.path, value, views))
+        return out
+
+    return leaves, unpack, spans
+
+
+class _SubRuns:
+    """Runs of one equation's sub-programs that may happen later than the equation (JAX calls a
+    ``custom_vjp``'s forward when it differentiates, possibly after the whole program was
+    interpreted): each starts from the op counters as they were at the equation, so a dot
+    keeps its index (and its rule) whichever run sees it; the first run's counters continue."""
+
+    def __init__(self, interp: Interpreter) -> None:
+        self.interp = interp
+        self.start = dict(interp._counters)
+        self.after: dict | None = None
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
+        interp = self.interp
+        outer, interp._counters = interp._counters, dict(self.start)
+        try:
+            outs = [materialize(o) for o in interp.run(jaxpr, consts, args)]
+        finally:
+            ran, interp._counters = interp._counters, outer
+        if self.after is None:
+            self.after = ran
+        return outs
+
+    def finish(self) -> None:
+        if self.after is not None:
+            self.interp._counters = self.after
+
+
+def _zero_tangent(x: Any) -> Any:
+    import jax
+    import numpy as np
+
+    dtype = jax.dtypes.result_type(x)
+    if jax.dtypes.issubdtype(dtype, np.inexact):
+        return jax.numpy.zeros(np.shape(x), dtype)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _view_fn(unpack: Callable, spans: list[tuple[int, int]], arrays: list[Any], k: int) -> Callable[..., Any]:
+    """``f(*arrays of value k) -> value k materialized`` (the others fixed): the chain rule of a
+    weight's views."""
+    lo, hi = spans[k]
+
+    def f(*parts: Any) -> Any:
+        full = list(arrays)
+        full[lo:hi] = parts
+        return materialize(unpack(full)[k])
+
+    return f
+
+
+def _custom_vjp(interp: Interpreter, eqn: Any, invals: list) -> list:
+    """A ``custom_vjp`` call that receives a weight: the user's rule around the rewritten forward."""
+    import jax
+
+    p = eqn.params
+    nconst = p["num_consts"]
+    leaves, unpack, spans = _pack(invals)
+    runs = _SubRuns(interp)
+    closed = p["call_jaxpr"]
+
+    def primal(*arrays: Any) -> list:
+        return runs.run(closed.jaxpr, closed.consts, unpack(arrays))
+
+    def fwd(*arrays: Any) -> tuple[list, tuple]:
+        vals = unpack(arrays)
+        prims = vals[nconst:]
+        try:
+            fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
+            outs = runs.run(fwd_jaxpr, fwd_consts, prims)
+        except jax.errors.UnexpectedTracerError as e:
+            name = getattr(closed.jaxpr.debug_info, "func_name", "?")
+            raise ValueError(
+                f"quantize: the custom_vjp function {name!r} closes over a traced array (a weight or a value "
+                "computed from the arguments), so its fwd rule cannot be run again on the rewritten program "
+                "(JAX cannot either, once the function is staged); pass that array as an argument of the "
+                "function, or wrap it with jax.closure_convert"
+            ) from e
+        _, res_tree, forwarded = p["out_trees"]()
+        n_res = res_tree.num_leaves - sum(f is not None for f in forwarded)
+        it = iter(outs[:n_res])
+        res = [next(it) if f is None else materialize(prims[f]) for f in forwarded]
+        return outs[n_res:], (res, list(arrays))
+
+    def bwd(saved: tuple, cts: list) -> tuple:
+        res, arrays = saved
+        cts_in = [None] * nconst + list(p["bwd"].call_wrapped(*res, *cts))
+        return tuple(_pull_back(unpack, spans, arrays, cts_in))
+
+    fn = jax.custom_vjp(primal)
+    fn.defvjp(fwd, bwd)
+    out = fn(*leaves)
+    runs.finish()
+    return list(out)
+
+
+def _pull_back(unpack: Callable, spans: list[tuple[int, int]], arrays: list[Any], cts: list[Any]) -> list[Any]:
+    """Cotangents of the packed arrays from the cotangents of the values they rebuild
+    (``None``: zero; a weight's through the vjp of its materialization)."""
+    import jax
+
+    out: list[Any] = [None] * len(arrays)
+    values = unpack(arrays)
+    for k, ((lo, hi), value, ct) in enumerate(zip(spans, values, cts)):
+        if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
+            continue
+        if not isinstance(value, WeightRef):
+            out[lo] = ct
+            continue
+        _, vjp = jax.vjp(_view_fn(unpack, spans, arrays, k), *arrays[lo:hi])
+        for i, g in enumerate(vjp(ct)):
+            out[lo + i] = None if jax.dtypes.result_type(g) == jax.dtypes.float0 else g
+    return out
+
+
+def _custom_jvp(interp: Interpreter, eqn: Any, invals: list) -> list:
+    """A ``custom_jvp`` call that receives a weight: the rewritten body, the user's tangent rule."""
+    import jax
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+    p = eqn.params
+    nconst = p["num_consts"]
+    leaves, unpack, spans = _pack(invals)
+    runs = _SubRuns(interp)
+    closed = p["call_jaxpr"]
+
+    @jax.custom_jvp
+    def fn(*arrays: Any) -> list:
+        return runs.run(closed.jaxpr, closed.consts, unpack(arrays))
+
+    def fn_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
+        out = fn(*primals)
+        mats, dots = _tangents_of_values(unpack, spans, list(primals), list(tangents))
+        n_in = len(mats) - nconst
+        jvp_jaxpr, jvp_consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*[False] * n_in)
+        got = jaxpr_as_fun(ClosedJaxpr(jvp_jaxpr, jvp_consts))(*mats[nconst:], *dots[nconst:])
+        it = iter(got[len(out_zeros) :])
+        return out, [_zero_tangent(o) if z else next(it) for o, z in zip(out, out_zeros)]
+
+    fn.defjvp(fn_jvp)
+    out = fn(*leaves)
+    runs.finish()
+    return list(out)
+
+
+def _tangents_of_values(unpack: Callable, spans: list[tuple[int, int]], arrays: list[Any], tangents: list[Any]) -> tuple[list, list]:
+    """(the materialized values, their tangents): a weight's through the jvp of its materialization."""
+    import jax
+
+    values, dots = [], []
+    for k, ((lo, hi), value) in enumerate(zip(spans, unpack(arrays))):
+        if not isinstance(value, WeightRef):
+            values.append(value)
+            dots.append(tangents[lo])
+            continue
+        v, t = jax.jvp(_view_fn(unpack, spans, arrays, k), tuple(arrays[lo:hi]), tuple(tangents[lo:hi]))
+        values.append(v)
+        dots.append(t)
+    return values, dots
+
+
+class _Block:
+    """A view marker: the weight is a device's block of a view the program does not keep
+    (inside ``shard_map``, after a reshape or slice), so no leaf axes can be read from it."""
+
+    name = "shard_map_block"
+
+    @staticmethod
+    def bind(x: Any) -> Any:
+        return x
+
+
+def _mesh_size(mesh: Any, entry: Any) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    size = 1
+    for n in names:
+        size *= int(mesh.shape[n])
+    return size
+
+
+def _value_spec(ref: WeightRef, entries: list[Any]) -> list[Any] | None:
+    """The partition of ``ref.value`` whose views give ``entries`` (``None``: not a block)."""
+    entries = list(entries)
+    for prim, params, _ in reversed(ref.views):
+        if prim.name == "transpose":
+            before: list[Any] = [None] * len(entries)
+            for i, a in enumerate(params["permutation"]):
+                before[a] = entries[i]
+            entries = before
+        elif prim.name not in _ELEMENTWISE_VIEWS:
+            return None
+    return entries
+
+
+def _part_spec(shape: tuple[int, ...], logical: tuple[int, ...], entries: list[Any], mesh: Any) -> list[Any] | None:
+    """The partition of one part of a weight (values, or scales with size 1 or a tile count
+    on an axis) that gives each device the part of its own block (``None``: none does)."""
+    if not shape:
+        return []
+    if len(shape) != len(logical):
+        return None
+    out = []
+    for n, full, e in zip(shape, logical, entries):
+        if e is None or n == full:
+            out.append(e)
+        elif n == 1:
+            out.append(None)
+        elif n % _mesh_size(mesh, e) == 0 and full % n == 0:
+            out.append(e)  # a whole number of tiles per device
+        else:
+            return None
+    return out
+
+
+def _shard_input(v: Any, spec: Any, mesh: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any]]:
+    """(arrays, their partition specs, rebuild(blocks) -> the value inside the body) for one
+    ``shard_map`` operand: a weight is passed as its value's parts, split like the operand."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    if not isinstance(v, WeightRef):
+        return [v], [spec], lambda parts: parts[0]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    value = v.value.unpack() if isinstance(v.value, QArray) else v.value
+    value_entries = _value_spec(v, entries)
+    ref = WeightRef(v.path, value, v.views)
+    leaves, unpack, _ = _pack([ref])
+    n_value = len(jax.tree_util.tree_leaves(value))
+    specs: list[Any] = []
+    if value_entries is not None:
+        for leaf in leaves[:n_value]:
+            part = _part_spec(tuple(leaf.shape), tuple(value.shape), value_entries, mesh)
+            if part is None:
+                break
+            specs.append(PartitionSpec(*part))
+    if value_entries is None or len(specs) < n_value:
+        # not a block of the leaf: the device's block of the materialized weight, quantized on the fly
+        return [v.materialize()], [spec], lambda parts: WeightRef(v.path, parts[0], ((_Block(), {}, ()),))
+    specs += [PartitionSpec()] * (len(leaves) - n_value)
+    return leaves, specs, lambda parts: unpack(parts)[0]
+
+
+def _shard_map(interp: Interpreter, eqn: Any, invals: list) -> list:
+    """A ``shard_map`` whose body receives a weight: the body rewritten, the weight split like
+    the operand it was (its value, or a stored ``QArray``'s values and scales)."""
+    import jax
+
+    p = eqn.params
+    arrays: list[Any] = []
+    specs: list[Any] = []
+    rebuilds: list[tuple[int, Callable[[list[Any]], Any]]] = []
+    for v, spec, var in zip(invals, p["in_specs"], eqn.invars):
+        parts, part_specs, rebuild = _shard_input(v, spec, p["mesh"], tuple(var.aval.shape))
+        arrays += parts
+        specs += part_specs
+        rebuilds.append((len(parts), rebuild))
+
+    def body(*blocks: Any) -> tuple:
+        it = iter(blocks)
+        vals = [rebuild([next(it) for _ in range(n)]) for n, rebuild in rebuilds]
+        return tuple(materialize(o) for o in interp.run(p["jaxpr"], (), vals))
+
+    run = jax.shard_map(
+        body, mesh=p["mesh"], in_specs=tuple(specs), out_specs=tuple(p["out_specs"]),
+        axis_names=frozenset(p["newly_manual_axes"]), check_vma=p["check_vma"],
+    )
+    return list(run(*arrays))
 
 
 def _sliced_layout(layout: QuantLayout) -> QuantLayout | None:
@@ -331,9 +654,9 @@ _SUBPROGRAMS: dict[str, Callable[[Interpreter, Any, list], list]] = {
     "pjit": _inline,
     "closed_call": _inline,
     "core_call": _inline,
-    "custom_jvp_call": _inline,
-    "custom_vjp_call": _inline,
-    "custom_vjp_call_jaxpr": _inline,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "shard_map": _shard_map,
     "remat2": _remat,
     "checkpoint": _remat,
     "cond": _cond,
