@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lm_cli
 import lm_config
 import lm_data
 import lm_model
@@ -358,16 +359,7 @@ class RunDirError(RuntimeError):
     """The run directory already holds checkpoints and neither resume nor overwrite was asked."""
 
 
-def existing_checkpoints(run_dir: pathlib.Path) -> list[str]:
-    """Names under `run_dir/checkpoints` that a run leaves there (step folders, committed or not).
-
-    Read from the directory alone: opening a manager has side effects, and this check must
-    run before any work does.
-    """
-    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(p.name for p in ckpt_dir.iterdir() if p.name.split(".")[0].isdigit())
+existing_checkpoints = lm_cli.existing_checkpoints
 
 
 def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
@@ -375,24 +367,16 @@ def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> No
 
     - `resume=True`: keep them; training continues from the latest one.
     - `overwrite=True`: delete `run_dir/checkpoints` (process 0 only) and start afresh.
-    - neither: raise RunDirError naming the directory and the three choices, so a second
-      `nox -s demo` stops at once instead of failing after training with `FileExistsError`.
+    - neither: raise RunDirError naming the directory and the three choices
+      (`lm_cli.run_dir_refusal`, the check `nox -s demo` makes before it installs anything).
     """
-    if resume and overwrite:
-        raise RunDirError("--resume and --overwrite contradict each other: choose one")
-    found = existing_checkpoints(run_dir)
-    if not found or resume:
+    refusal = lm_cli.run_dir_refusal(run_dir, resume=resume, overwrite=overwrite)
+    if refusal is not None:
+        raise RunDirError(refusal)
+    if not overwrite or not existing_checkpoints(run_dir):
         return
-    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
-    if not overwrite:
-        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-        raise RunDirError(
-            f"run directory {run_dir} already holds checkpoints ({ckpt_dir}: {shown}). Choose one: "
-            "--resume to continue from the latest of them, another run directory "
-            "(--set run.dir=\"...\"), or --overwrite to delete them and start afresh."
-        )
     if jax.process_index() == 0:
-        shutil.rmtree(ckpt_dir)
+        shutil.rmtree(pathlib.Path(run_dir) / "checkpoints")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
