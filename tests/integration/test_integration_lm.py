@@ -78,8 +78,21 @@ def test_interrupt_and_resume_is_bit_identical(tmp_path, workers):
     _assert_trees_equal(a["model"], b["model"], "parameters")
     _assert_trees_equal(a["optimizer"], b["optimizer"], "optimizer state")
     assert a["data"] == b["data"], "data iterator state"
-    assert [v for s, v in full["curve"] if s > 3] == [v for _, v in second["curve"]]
     assert full["heldout_exact_match"] == second["heldout_exact_match"]
+
+    # the resumed run's report covers the whole run (issue 25, item 9: it used to hold only the
+    # steps after the resume): the loss of every step 1..8, bit for bit the uninterrupted run's
+    # (the first run's steps 1..3 come from the history saved with checkpoint 3)
+    assert [s for s, _ in second["curve"]] == list(range(1, 9))
+    assert second["curve"] == full["curve"]
+    assert second["data_digests"] == full["data_digests"]
+    assert second["final_loss"] == full["final_loss"] == full["curve"][-1][1]
+    assert second["checkpoints_saved"] == full["checkpoints_saved"] == 3  # steps 3, 6, 8
+    saved_full = json.loads((full_dir / "metrics.json").read_text())
+    saved_cut = json.loads((cut_dir / "metrics.json").read_text())
+    assert saved_cut["curve"] == saved_full["curve"] and len(saved_cut["curve"]) == 8
+    # same points, same title: the plotted curves are the same picture
+    assert (cut_dir / "loss_curve.png").read_bytes() == (full_dir / "loss_curve.png").read_bytes()
 
 
 def test_report_files_and_learning(tmp_path):
@@ -355,6 +368,53 @@ def test_cli_second_run_exits_2_at_once_and_names_the_choices(tmp_path):
     assert second.returncode == 2, second.stderr[-3000:]
     assert str(run_dir) in second.stderr and "--resume" in second.stderr and "--overwrite" in second.stderr
     assert _snapshot(run_dir) == before, "nothing may be written or removed before the choice is made"
+
+
+# --resume on a finished run used to evaluate again and write `final loss nan`, 0 tokens/s and
+# an empty loss_curve.png over the real report (issue 25, item 9)
+def _files(run_dir):
+    """Every path under ``run_dir`` with its mtime and, for files, its bytes."""
+    return {p.relative_to(run_dir): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in sorted(run_dir.rglob("*"))}
+
+
+def test_resume_of_a_finished_run_changes_nothing_and_says_so(tmp_path, capsys, monkeypatch):
+    import lm_train
+    import train
+
+    monkeypatch.delenv("CAIRN_LM_COMMAND", raising=False)
+    run_dir = tmp_path / "run"
+    full = lm_train.train(_cfg(run_dir, "data.num_workers=0"), quiet=True)
+    assert full["steps"] == 8 and np.isfinite(full["final_loss"]) and full["tokens_per_s"] > 0
+    before = _files(run_dir)
+    assert {pathlib.Path("metrics.json"), pathlib.Path("loss_curve.png"), pathlib.Path("kernels.json")} <= set(before)
+
+    again = lm_train.train(_cfg(run_dir, "data.num_workers=0"), resume=True, quiet=True)
+    assert _files(run_dir) == before, "resuming a finished run must not write anything"
+    assert again["already_finished"] == {"step": 8, "train_steps": 8}
+    assert again["final_loss"] == full["final_loss"] and again["tokens_per_s"] == full["tokens_per_s"]
+
+    capsys.readouterr()
+    rc = train.main(["--quiet", "--resume", "--set", *TINY, f'run.dir="{run_dir}"', "data.num_workers=0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"run directory {run_dir} already finished" in out and "nothing was trained or rewritten" in out
+    assert "`python examples/lm/train.py --overwrite`" in out
+    assert f"final loss             {full['final_loss']:.4f}" in out  # the run's own report, shown again
+    assert _files(run_dir) == before
+
+    # killed after its last checkpoint but before the report was written: --resume trains
+    # nothing and writes the report of the whole run from the checkpoint's history
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    (run_dir / "metrics.json").unlink()
+    (run_dir / "loss_curve.png").unlink()
+    rebuilt = lm_train.train(_cfg(run_dir, "data.num_workers=0"), resume=True, quiet=True)
+    assert "already_finished" not in rebuilt and rebuilt["resumed_from"] == 8
+    rebuilt = json.loads((run_dir / "metrics.json").read_text())
+    assert rebuilt["curve"] == saved["curve"] and len(rebuilt["curve"]) == 8
+    for key in ("final_loss", "heldout_exact_match", "tokens_per_s", "checkpoints_saved", "data_digests"):
+        assert rebuilt[key] == saved[key], key
+    assert (run_dir / "loss_curve.png").read_bytes() == before[pathlib.Path("loss_curve.png")][1]
 
 
 # A second `nox -s demo` used to reinstall for about 60 s before train.py said that the run
