@@ -477,34 +477,32 @@ def _load_noxfile(monkeypatch):
     return module
 
 
-class _Session:
-    """Records what a nox session was asked to do, in order."""
+def _session(posargs):
+    """A stand-in nox session that records what it was asked to do, in order."""
+    import types
 
-    def __init__(self, posargs):
-        self.posargs, self.calls = posargs, []
+    calls = []
 
-    def error(self, msg):
-        self.calls.append(("error", msg))
+    def error(msg):
+        calls.append(("error", msg))
         raise RuntimeError(msg)
 
-    def install(self, *args):
-        self.calls.append(("install", args))
-
-    def run(self, *args, env=None):
-        self.calls.append(("run", args, env))
+    return types.SimpleNamespace(posargs=posargs, calls=calls, error=error,
+                                 install=lambda *args: calls.append(("install", args)),
+                                 run=lambda *args, env=None: calls.append(("run", args, env)))
 
 
 def test_second_demo_stops_before_installing_anything(tmp_path, monkeypatch):
     noxfile = _load_noxfile(monkeypatch)
     run_dir = tmp_path / "run"
     _leftover_run(run_dir)
-    second = _Session(["--set", f'run.dir="{run_dir}"'])
+    second = _session(["--set", f'run.dir="{run_dir}"'])
     with pytest.raises(RuntimeError):
         noxfile.demo(second)
     assert [c[0] for c in second.calls] == ["error"], "nothing may be installed before the check"
     assert str(run_dir) in second.calls[0][1] and "`nox -s demo -- --resume`" in second.calls[0][1]
 
-    resumed = _Session(["--resume", "--set", f'run.dir="{run_dir}"'])
+    resumed = _session(["--resume", "--set", f'run.dir="{run_dir}"'])
     noxfile.demo(resumed)
     assert [c[0] for c in resumed.calls] == ["install", "install", "run"]
     _, args, env = resumed.calls[-1]
