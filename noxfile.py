@@ -165,12 +165,39 @@ def demo(session: nox.Session) -> None:
     """The main job: the reference LM recipe (examples/lm) with its default config.
 
     Extra arguments go to the script, e.g. `nox -s demo -- --set train.steps=200` or
-    `nox -s demo -- --resume`.
+    `nox -s demo -- --resume`. A run directory that already holds checkpoints (without
+    `-- --resume` or `-- --overwrite`) or a bad config stops the session before anything
+    is installed (`demo_preflight`).
     """
+    refusal = demo_preflight(session.posargs)
+    if refusal is not None:
+        session.error(refusal)
     _editable_all(session, "parquet,arrayrecord")
     # tritonclient: the main job checks the served /infer model with Triton's own client
     session.install(*INTEGRATION_DEPS, "tritonclient[http]>=2.40")
-    session.run("python", "examples/lm/train.py", *session.posargs)
+    # the script's advice then reads as typed here: `nox -s demo -- --resume`
+    session.run("python", "examples/lm/train.py", *session.posargs, env={"CAIRN_LM_COMMAND": DEMO_COMMAND})
+
+
+DEMO_COMMAND = "nox -s demo --"
+
+
+def demo_preflight(posargs: list[str]) -> str | None:
+    """What `train.py` would stop with at once for these arguments (run directory already in
+    use, contradictory flags, bad config), asked before the demo installs anything: the
+    message, with its advice written for `nox -s demo -- ...`, or None to go on.
+
+    examples/lm/lm_cli.py resolves the run directory as train.py does (config file, then
+    `--set`) with the standard library only, so nothing needs installing for it.
+    """
+    lm = str(ROOT / "examples" / "lm")
+    if lm not in sys.path:
+        sys.path.insert(0, lm)
+    try:
+        import lm_cli  # needs tomllib (Python 3.11), like the recipe itself
+    except ImportError:
+        return None  # train.py makes the same check, after the installs
+    return lm_cli.preflight(list(posargs), cmd=DEMO_COMMAND)
 
 
 @nox.session(python=PYTHON)

@@ -12,11 +12,16 @@ import glob
 import pathlib
 import tomllib
 import typing
+import warnings
 from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration problem, naming the offending key."""
+
+
+class ConfigWarning(UserWarning):
+    """A config value adjusted to fit the others (the message names the key and both values)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +238,25 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
     table = apply_overrides(table, list(overrides))
-    cfg = _build(Config, table, "")
+    cfg = _fit_warmup(_build(Config, table, ""), overrides)
     validate_static(cfg)
     return cfg
+
+
+def _fit_warmup(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A warm-up from the config file that leaves no room for the decay (``optim.warmup_steps
+    >= train.steps``, as after ``--set train.steps=60`` with the file's 80) becomes a tenth of
+    the run, the file's own proportion (80 of 800), with a `ConfigWarning` saying so; one
+    set explicitly on the command line is left for `validate_static` to refuse."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    explicit = any(o.split("=", 1)[0].strip() == "optim.warmup_steps" for o in overrides)
+    if explicit or steps <= 0 or warmup < steps:
+        return cfg
+    fitted = steps // 10
+    warnings.warn(f"config key 'optim.warmup_steps': {warmup} does not fit in train.steps = {steps} "
+                  f"(the warm-up must end before the last step); using {fitted}, a tenth of the run; "
+                  f"set optim.warmup_steps below {steps} to choose another", ConfigWarning, stacklevel=3)
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=fitted))
 
 
 def validate_static(cfg: Config) -> None:
@@ -273,8 +294,12 @@ def validate_static(cfg: Config) -> None:
         raise ConfigError(f"config key 'model.num_kv_heads': {m.num_kv_heads} does not divide model.num_heads = {m.num_heads}")
     if d.source == "synthetic" and 3 * d.max_digits + 5 > d.seq_len:
         raise ConfigError(f"config key 'data.seq_len': {d.seq_len} cannot hold one {d.max_digits}-digit problem")
-    if not 0 <= cfg.optim.warmup_steps <= cfg.train.steps:
-        raise ConfigError(f"config key 'optim.warmup_steps': must be within [0, train.steps = {cfg.train.steps}]")
+    if not 0 <= cfg.optim.warmup_steps < cfg.train.steps:
+        raise ConfigError(
+            f"config key 'optim.warmup_steps': {cfg.optim.warmup_steps} must be within [0, train.steps = "
+            f"{cfg.train.steps}), so that the learning rate decays after the warm-up; e.g. "
+            f"optim.warmup_steps={cfg.train.steps // 10}"
+        )
     if cfg.optim.learning_rate <= 0:
         raise ConfigError(f"config key 'optim.learning_rate': must be positive, got {cfg.optim.learning_rate}")
     for dtype_key in ("dtype", "param_dtype"):
@@ -357,4 +382,4 @@ def flops_per_token(cfg: Config, vocab_size: int) -> float:
     return 3.0 * (m.num_layers * (attn_proj + attn_scores + mlp) + head)
 
 
-__all__ = ["Config", "ConfigError", "load_config", "mesh_shape", "apply_overrides", "to_dict", "flops_per_token"]
+__all__ = ["Config", "ConfigError", "ConfigWarning", "load_config", "mesh_shape", "apply_overrides", "to_dict", "flops_per_token"]

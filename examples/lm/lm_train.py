@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lm_cli
 import lm_config
 import lm_data
 import lm_model
@@ -342,9 +343,15 @@ def per_device_bytes(tree: Any) -> int:
     return max(per.values(), default=0)
 
 
-def _items(model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator) -> dict:
-    """What one checkpoint step holds: model, optimizer state and the data iterator's position."""
-    return {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter}
+HISTORY_ITEM = "history"
+
+
+def _items(model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator, history: Any) -> dict:
+    """What one checkpoint step holds: model, optimizer state, the data iterator's position and
+    the run's history up to the step (`_LoopStats.history`: loss curve, counters), committed
+    together; ``history``: a ``JsonSave`` to save, a ``JsonRestore`` to restore."""
+    return {"model": nn.state(model), "optimizer": nn.state(optimizer, nn.OptState), "data": data_iter,
+            HISTORY_ITEM: history}
 
 
 def _digest(batch: dict) -> str:
@@ -358,16 +365,7 @@ class RunDirError(RuntimeError):
     """The run directory already holds checkpoints and neither resume nor overwrite was asked."""
 
 
-def existing_checkpoints(run_dir: pathlib.Path) -> list[str]:
-    """Names under `run_dir/checkpoints` that a run leaves there (step folders, committed or not).
-
-    Read from the directory alone: opening a manager has side effects, and this check must
-    run before any work does.
-    """
-    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(p.name for p in ckpt_dir.iterdir() if p.name.split(".")[0].isdigit())
+existing_checkpoints = lm_cli.existing_checkpoints
 
 
 def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
@@ -375,24 +373,16 @@ def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> No
 
     - `resume=True`: keep them; training continues from the latest one.
     - `overwrite=True`: delete `run_dir/checkpoints` (process 0 only) and start afresh.
-    - neither: raise RunDirError naming the directory and the three choices, so a second
-      `nox -s demo` stops at once instead of failing after training with `FileExistsError`.
+    - neither: raise RunDirError naming the directory and the three choices
+      (`lm_cli.run_dir_refusal`, the check `nox -s demo` makes before it installs anything).
     """
-    if resume and overwrite:
-        raise RunDirError("--resume and --overwrite contradict each other: choose one")
-    found = existing_checkpoints(run_dir)
-    if not found or resume:
+    refusal = lm_cli.run_dir_refusal(run_dir, resume=resume, overwrite=overwrite)
+    if refusal is not None:
+        raise RunDirError(refusal)
+    if not overwrite or not existing_checkpoints(run_dir):
         return
-    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
-    if not overwrite:
-        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-        raise RunDirError(
-            f"run directory {run_dir} already holds checkpoints ({ckpt_dir}: {shown}). Choose one: "
-            "--resume to continue from the latest of them, another run directory "
-            "(--set run.dir=\"...\"), or --overwrite to delete them and start afresh."
-        )
     if jax.process_index() == 0:
-        shutil.rmtree(ckpt_dir)
+        shutil.rmtree(pathlib.Path(run_dir) / "checkpoints")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -410,20 +400,10 @@ def _open_manager(cfg: lm_config.Config, run_dir: pathlib.Path) -> ckpt.Checkpoi
     )
 
 
-def _resume(manager: ckpt.CheckpointManager, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator) -> int | None:
-    """Restore model, optimizer and data position from the latest checkpoint; its step, or None."""
-    if manager.latest_step() is None:
-        return None
-    step = manager.latest_step()
-    restored = manager.restore(step, _items(model, optimizer, data_iter))
-    nn.update(model, restored["model"])
-    nn.update(optimizer, restored["optimizer"])
-    return step
-
-
 @dataclasses.dataclass
 class _LoopStats:
-    """What the training loop measured and recorded."""
+    """What the training loop measured and recorded, since step 0 of the run: a resumed run
+    starts from the history saved with its checkpoint (`history` / `from_history`)."""
 
     step: int
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
@@ -435,6 +415,79 @@ class _LoopStats:
     timed_s: float = 0.0
     last_loss: float = float("nan")
     digests: dict[int, str] = dataclasses.field(default_factory=dict)
+    wall_before: float = 0.0  # wall seconds of the earlier sessions, up to the checkpoint resumed from
+    history_missing: int = 0  # steps 1..this are not in the curve (resumed from a checkpoint without history)
+    t_start: float = dataclasses.field(default_factory=time.perf_counter)  # this session's start
+
+    def wall_s(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t_start
+
+    def history(self) -> dict:
+        """What a checkpoint of step `step` saves (JSON): the loss of every step up to it
+        and the counters behind the report, so a resumed run reports the whole run."""
+        return {"step": self.step, "curve": [[s, v] for s, v in self.curve], "data_blocked_s": self.data_blocked,
+                "checkpoint_blocked_s": self.ckpt_blocked, "compile_s": self.compile_s,
+                "checkpoints_saved": self.saved, "timed_tokens": self.timed_tokens, "timed_s": self.timed_s,
+                "wall_s": self.wall_s(), "data_digests": {str(k): v for k, v in self.digests.items()},
+                "history_missing": self.history_missing}
+
+    @classmethod
+    def from_history(cls, h: dict, t_start: float) -> _LoopStats:
+        curve = [(int(s), float(v)) for s, v in h["curve"]]
+        return cls(step=int(h["step"]), curve=curve, data_blocked=h["data_blocked_s"],
+                   ckpt_blocked=h["checkpoint_blocked_s"], compile_s=h["compile_s"], saved=h["checkpoints_saved"],
+                   timed_tokens=h["timed_tokens"], timed_s=h["timed_s"],
+                   last_loss=curve[-1][1] if curve else float("nan"),
+                   digests={int(k): v for k, v in h["data_digests"].items()}, wall_before=h["wall_s"],
+                   history_missing=h["history_missing"], t_start=t_start)
+
+
+def _resume(manager: ckpt.CheckpointManager, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator,
+            t_start: float) -> _LoopStats | None:
+    """Restore model, optimizer, data position and the run's history from the latest
+    checkpoint; the loop's stats from there, or None when there is no checkpoint."""
+    step = manager.latest_step()
+    if step is None:
+        return None
+    if HISTORY_ITEM not in manager.item_metadata(step):  # written before the history was saved
+        items = _items(model, optimizer, data_iter, None)
+        del items[HISTORY_ITEM]
+        restored = manager.restore(step, items)
+        nn.update(model, restored["model"])
+        nn.update(optimizer, restored["optimizer"])
+        return _LoopStats(step=step, history_missing=step, t_start=t_start)
+    restored = manager.restore(step, _items(model, optimizer, data_iter, ckpt.args.JsonRestore()))
+    nn.update(model, restored["model"])
+    nn.update(optimizer, restored["optimizer"])
+    history = restored[HISTORY_ITEM]
+    if history.get("step") != step:
+        raise RunDirError(f"the checkpoint of step {step} in {manager.directory} holds the history of step "
+                          f"{history.get('step')}: it is not this run's")
+    return _LoopStats.from_history(history, t_start)
+
+
+def finished_report(cfg: lm_config.Config, run_dir: pathlib.Path) -> dict | None:
+    """The report of the run in ``run_dir`` when it already reached ``train.steps`` and its
+    ``metrics.json`` is the report of that checkpoint (same step, same loss history); None
+    otherwise (nothing to resume, steps left, or a report missing or from another run).
+
+    Reads only: the checkpoint manager is opened without creating or cleaning anything.
+    """
+    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return None
+    manager = ckpt.CheckpointManager(ckpt_dir, ckpt.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False))
+    try:
+        step = manager.latest_step()
+        if step is None or step < cfg.train.steps or HISTORY_ITEM not in manager.item_metadata(step):
+            return None
+        history = manager.restore(step, {HISTORY_ITEM: ckpt.args.JsonRestore()})[HISTORY_ITEM]
+    finally:
+        manager.close()
+    report = _read_json(pathlib.Path(run_dir) / "metrics.json")
+    same = (report.get("steps") == step and not report.get("stopped_early")
+            and json.dumps(report.get("curve")) == json.dumps(history["curve"]))
+    return {**report, "already_finished": {"step": step, "train_steps": cfg.train.steps}} if same else None
 
 
 def _run_loop(
@@ -445,14 +498,15 @@ def _run_loop(
     manager: ckpt.CheckpointManager,
     schedule: Callable[[int], Any],
     progress: lm_report.Progress,
-    start_step: int,
+    s: _LoopStats,
     stop_after: int | None,
 ) -> _LoopStats:
-    """Train from ``start_step`` to ``cfg.train.steps`` (or ``stop_after``), saving checkpoints;
-    waits for the last save and closes the progress bar and the data iterator."""
+    """Train from step ``s.step`` to ``cfg.train.steps`` (or ``stop_after``), adding to ``s``
+    and saving checkpoints (each with ``s.history()``); waits for the last save and closes the
+    progress bar and the data iterator."""
     cfg = setup.cfg
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    s = _LoopStats(step=start_step)
+    start_step = s.step
     pending = None
     while s.step < cfg.train.steps:
         t0 = time.perf_counter()
@@ -469,7 +523,7 @@ def _run_loop(
         pending = metrics
         if s.step == start_step + 1:
             jax.block_until_ready(metrics)
-            s.compile_s = time.perf_counter() - t1
+            s.compile_s += time.perf_counter() - t1
         else:
             s.timed_tokens += tokens_per_step
             s.timed_s += time.perf_counter() - t0
@@ -478,15 +532,19 @@ def _run_loop(
             tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
             progress.update(s.step, s.last_loss, tps, float(schedule(s.step)))
         if manager.should_save(s.step) or s.step == cfg.train.steps:
-            t2 = time.perf_counter()
-            manager.save(s.step, _items(model, optimizer, data_iter), force=s.step == cfg.train.steps)
-            s.ckpt_blocked += time.perf_counter() - t2
+            s.curve.append((s.step, float(metrics["loss"])))  # the step's loss goes into its checkpoint
+            pending = None
             s.saved += 1
+            t2 = time.perf_counter()
+            history = ckpt.args.JsonSave(s.history())
+            manager.save(s.step, _items(model, optimizer, data_iter, history), force=s.step == cfg.train.steps)
+            s.ckpt_blocked += time.perf_counter() - t2
         if stop_after is not None and s.step >= stop_after:
             break
     if pending is not None:
         s.curve.append((s.step, float(pending["loss"])))
-        s.last_loss = float(pending["loss"])
+    if s.curve:
+        s.last_loss = s.curve[-1][1]
     t3 = time.perf_counter()
     manager.wait_until_finished()
     s.ckpt_blocked += time.perf_counter() - t3
@@ -505,9 +563,9 @@ def _report(
     resumed_from: int | None,
     eval_texts: list[str],
     peak: float,
-    t_start: float,
 ) -> dict:
-    """The run's report: held-out exact match (when the run finished), throughput, memory."""
+    """The run's report: held-out exact match (when the run finished), throughput, memory;
+    the curve, times and counters cover the whole run, resumed or not (``s``'s history)."""
     cfg, run_dir = setup.cfg, setup.run_dir
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = lm_config.flops_per_token(cfg, lm_task.VOCAB_SIZE) * tokens_per_step
@@ -529,7 +587,7 @@ def _report(
         "checkpoints_saved": s.saved,
         "data_blocked_s": s.data_blocked,
         "compile_s": s.compile_s,
-        "wall_s": time.perf_counter() - t_start,
+        "wall_s": s.wall_s(),
         "mesh": dict(setup.mesh.shape),
         "devices": jax.device_count(),
         "processes": jax.process_count(),
@@ -541,6 +599,7 @@ def _report(
         "per_device_param_bytes": per_device_bytes(nn.state(model, nn.Param)),
         "per_device_optimizer_bytes": per_device_bytes(nn.state(optimizer, nn.OptState)),
         "curve": s.curve,
+        "curve_missing_steps": s.history_missing,
         "data_digests": s.digests,
         "stopped_early": stopped_early,
     }
@@ -555,12 +614,18 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     quantize, export, serve); it adds its own entries to ``report`` before it is written.
 
     A run directory that already holds checkpoints needs `resume=True` or `overwrite=True`
-    (see `check_run_dir`); otherwise RunDirError is raised before any work starts.
+    (see `check_run_dir`); otherwise RunDirError is raised before any work starts. Resuming
+    a run that already reached ``train.steps`` and has its report changes nothing: the
+    report read back from ``metrics.json`` is returned, its ``"already_finished"`` naming the
+    checkpoint's step and ``train.steps`` (see `finished_report`).
     """
     t_start = time.perf_counter()
     setup = make_setup(cfg)
     run_dir = setup.run_dir
     check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    done = finished_report(cfg, run_dir) if resume else None
+    if done is not None:
+        return done
     # measured before the data workers start, so they do not disturb the timings
     choice = choose_kernels(cfg, run_dir, resume=resume)
     if not quiet and jax.process_index() == 0:
@@ -575,15 +640,19 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
 
     manager = _open_manager(cfg, run_dir)
-    resumed_from = _resume(manager, model, optimizer, data_iter) if resume else None
-    start_step = resumed_from or 0
+    stats = _resume(manager, model, optimizer, data_iter, t_start) if resume else None
+    resumed_from = stats.step if stats is not None else None
+    if stats is None:
+        stats = _LoopStats(step=0, t_start=t_start)
+    elif stats.history_missing and not quiet and jax.process_index() == 0:
+        print(f"note: the checkpoint of step {stats.step} holds no loss history (written by an older "
+              f"version): the report covers steps {stats.step + 1} to {cfg.train.steps} only", flush=True)
 
     peak = lm_report.measure_peak_flops()
-    progress = lm_report.Progress(cfg.train.steps, start_step, cfg.train.log_every,
+    progress = lm_report.Progress(cfg.train.steps, stats.step, cfg.train.log_every,
                                   enabled=cfg.train.progress and not quiet and jax.process_index() == 0)
-    stats = _run_loop(setup, model, optimizer, data_iter, manager, schedule, progress, start_step, stop_after)
-    report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts,
-                     peak=peak, t_start=t_start)
+    stats = _run_loop(setup, model, optimizer, data_iter, manager, schedule, progress, stats, stop_after)
+    report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts, peak=peak)
     report["kernels"] = choice
     manager.close()
     if after_training is not None and not report["stopped_early"]:

@@ -7,6 +7,9 @@
 
 A run directory that already holds checkpoints is never trained into silently: without
 --resume or --overwrite the script stops at once (exit code 2) naming the directory.
+--resume on a run that already reached train.steps changes nothing and says so; a resumed
+run's report and loss curve cover every step since the start (the loss history is saved
+with each checkpoint).
 
 Multi-host: start one process per host with --coordinator HOST:PORT --num-processes N
 --process-id I (JAX's own distributed runtime); the same config then shards data and
@@ -23,37 +26,46 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import pathlib
 import sys
+import warnings
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import lm_cli  # noqa: E402  (beside this file: the path above; no JAX)
+import lm_config  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(HERE / "config.toml"), help="TOML config file")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config keys, e.g. train.steps=100")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.dir")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete the checkpoints already in run.dir and start afresh")
-    p.add_argument("--stop-after", type=int, default=None, help="stop after this step (simulates an interruption)")
-    p.add_argument("--coordinator", default=os.environ.get("CAIRN_COORDINATOR"), help="host:port of process 0")
-    p.add_argument("--num-processes", type=int, default=int(os.environ.get("CAIRN_NUM_PROCESSES", "1")))
-    p.add_argument("--process-id", type=int, default=int(os.environ.get("CAIRN_PROCESS_ID", "0")))
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    return p.parse_args(argv)
+    return lm_cli.make_parser(__doc__).parse_args(argv)
+
+
+def _load_config(args: argparse.Namespace) -> lm_config.Config | None:
+    """The config, its notes printed (e.g. a warm-up fitted to a short run); None after a
+    config error, which is printed."""
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", lm_config.ConfigWarning)
+        try:
+            cfg = lm_config.load_config(args.config, args.set)
+        except lm_config.ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return None
+    for note in notes:
+        print(f"note: {note.message}", file=sys.stderr)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import lm_config
-
-    try:
-        cfg = lm_config.load_config(args.config, args.set)
-    except lm_config.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = _load_config(args)
+    if cfg is None:
+        return 2
+    # before JAX is imported or anything is read: a run directory already in use stops at once
+    refusal = lm_cli.run_dir_refusal(pathlib.Path(cfg.run.dir), resume=args.resume, overwrite=args.overwrite)
+    if refusal is not None and args.process_id == 0:
+        print(f"error: {refusal}", file=sys.stderr)
+    if refusal is not None:
         return 2
     import jax
 
@@ -74,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:
+        if report.get("already_finished"):
+            print(lm_cli.finished_message(report))
         print(lm_report.format_report(report))
     if "production_error" in report:
         print(f"error after training: {report['production_error']}", file=sys.stderr)

@@ -78,8 +78,21 @@ def test_interrupt_and_resume_is_bit_identical(tmp_path, workers):
     _assert_trees_equal(a["model"], b["model"], "parameters")
     _assert_trees_equal(a["optimizer"], b["optimizer"], "optimizer state")
     assert a["data"] == b["data"], "data iterator state"
-    assert [v for s, v in full["curve"] if s > 3] == [v for _, v in second["curve"]]
     assert full["heldout_exact_match"] == second["heldout_exact_match"]
+
+    # the resumed run's report covers the whole run (issue 25, item 9: it used to hold only the
+    # steps after the resume): the loss of every step 1..8, bit for bit the uninterrupted run's
+    # (the first run's steps 1..3 come from the history saved with checkpoint 3)
+    assert [s for s, _ in second["curve"]] == list(range(1, 9))
+    assert second["curve"] == full["curve"]
+    assert second["data_digests"] == full["data_digests"]
+    assert second["final_loss"] == full["final_loss"] == full["curve"][-1][1]
+    assert second["checkpoints_saved"] == full["checkpoints_saved"] == 3  # steps 3, 6, 8
+    saved_full = json.loads((full_dir / "metrics.json").read_text())
+    saved_cut = json.loads((cut_dir / "metrics.json").read_text())
+    assert saved_cut["curve"] == saved_full["curve"] and len(saved_cut["curve"]) == 8
+    # same points, same title: the plotted curves are the same picture
+    assert (cut_dir / "loss_curve.png").read_bytes() == (full_dir / "loss_curve.png").read_bytes()
 
 
 def test_report_files_and_learning(tmp_path):
@@ -355,3 +368,200 @@ def test_cli_second_run_exits_2_at_once_and_names_the_choices(tmp_path):
     assert second.returncode == 2, second.stderr[-3000:]
     assert str(run_dir) in second.stderr and "--resume" in second.stderr and "--overwrite" in second.stderr
     assert _snapshot(run_dir) == before, "nothing may be written or removed before the choice is made"
+
+
+# --resume on a finished run used to evaluate again and write `final loss nan`, 0 tokens/s and
+# an empty loss_curve.png over the real report (issue 25, item 9)
+def _files(run_dir):
+    """Every path under ``run_dir`` with its mtime and, for files, its bytes."""
+    return {p.relative_to(run_dir): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in sorted(run_dir.rglob("*"))}
+
+
+def test_resume_of_a_finished_run_changes_nothing_and_says_so(tmp_path, capsys, monkeypatch):
+    import lm_train
+    import train
+
+    monkeypatch.delenv("CAIRN_LM_COMMAND", raising=False)
+    run_dir = tmp_path / "run"
+    full = lm_train.train(_cfg(run_dir, "data.num_workers=0"), quiet=True)
+    assert full["steps"] == 8 and np.isfinite(full["final_loss"]) and full["tokens_per_s"] > 0
+    before = _files(run_dir)
+    assert {pathlib.Path("metrics.json"), pathlib.Path("loss_curve.png"), pathlib.Path("kernels.json")} <= set(before)
+
+    again = lm_train.train(_cfg(run_dir, "data.num_workers=0"), resume=True, quiet=True)
+    assert _files(run_dir) == before, "resuming a finished run must not write anything"
+    assert again["already_finished"] == {"step": 8, "train_steps": 8}
+    assert again["final_loss"] == full["final_loss"] and again["tokens_per_s"] == full["tokens_per_s"]
+
+    capsys.readouterr()
+    rc = train.main(["--quiet", "--resume", "--set", *TINY, f'run.dir="{run_dir}"', "data.num_workers=0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"run directory {run_dir} already finished" in out and "nothing was trained or rewritten" in out
+    assert "`python examples/lm/train.py --overwrite`" in out
+    assert f"final loss             {full['final_loss']:.4f}" in out  # the run's own report, shown again
+    assert _files(run_dir) == before
+
+    # killed after its last checkpoint but before the report was written: --resume trains
+    # nothing and writes the report of the whole run from the checkpoint's history
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    (run_dir / "metrics.json").unlink()
+    (run_dir / "loss_curve.png").unlink()
+    rebuilt = lm_train.train(_cfg(run_dir, "data.num_workers=0"), resume=True, quiet=True)
+    assert "already_finished" not in rebuilt and rebuilt["resumed_from"] == 8
+    rebuilt = json.loads((run_dir / "metrics.json").read_text())
+    assert rebuilt["curve"] == saved["curve"] and len(rebuilt["curve"]) == 8
+    for key in ("final_loss", "heldout_exact_match", "tokens_per_s", "checkpoints_saved", "data_digests"):
+        assert rebuilt[key] == saved[key], key
+    assert (run_dir / "loss_curve.png").read_bytes() == before[pathlib.Path("loss_curve.png")][1]
+
+
+# A second `nox -s demo` used to reinstall for about 60 s before train.py said that the run
+# directory was in use, and its advice read `--resume`, not `nox -s demo -- --resume`; and
+# `--set train.steps=60` alone was refused because of the file's 80 warm-up steps (issue 25, item 10).
+def _leftover_run(run_dir):
+    (run_dir / "checkpoints" / "3").mkdir(parents=True)
+    (run_dir / "checkpoints" / "3" / "COMMIT").write_text("{}")
+
+
+def test_preflight_resolves_the_run_dir_as_train_py_does_and_advises_the_command_typed(tmp_path, monkeypatch):
+    import lm_cli
+
+    monkeypatch.delenv(lm_cli.COMMAND_ENV, raising=False)
+    run_dir = tmp_path / "run"
+    sets = ["--set", f'run.dir="{run_dir}"']
+    assert lm_cli.preflight(sets, cmd="nox -s demo --") is None, "nothing there yet"
+    _leftover_run(run_dir)
+    before = _snapshot(run_dir)
+
+    msg = lm_cli.preflight([*sets, "train.steps=60"], cmd="nox -s demo --")
+    assert str(run_dir) in msg
+    for advice in ("`nox -s demo -- --resume`", "`nox -s demo -- --overwrite`", "`nox -s demo -- --set run.dir="):
+        assert advice in msg, advice
+    direct = lm_cli.preflight(sets)
+    assert "`python examples/lm/train.py --resume`" in direct and "nox" not in direct
+    monkeypatch.setenv(lm_cli.COMMAND_ENV, "nox -s demo --")  # what the demo session gives train.py
+    assert "`nox -s demo -- --overwrite`" in lm_cli.preflight(sets)
+    monkeypatch.delenv(lm_cli.COMMAND_ENV)
+
+    assert lm_cli.preflight([*sets, "--resume"]) is None
+    assert lm_cli.preflight(["--overwrite", *sets]) is None
+    assert "contradict" in lm_cli.preflight([*sets, "--resume", "--overwrite"])
+    # the run directory of a --config file, and --set over it, as train.py reads them
+    toml = tmp_path / "mine.toml"
+    toml.write_text(f'[run]\ndir = "{run_dir}"\n')
+    assert str(run_dir) in lm_cli.preflight(["--config", str(toml)])
+    assert lm_cli.preflight(["--config", str(toml), "--set", f'run.dir="{tmp_path / "other"}"']) is None
+    # a bad config stops here too; --help and arguments that do not parse are train.py's
+    assert lm_cli.preflight([*sets, "optim.lr=1"]).startswith("config error: unknown config key 'optim.lr'")
+    assert lm_cli.preflight([*sets, "--help"]) is None
+    assert lm_cli.preflight([*sets, "--stop-after", "soon"]) is None
+    assert _snapshot(run_dir) == before
+
+
+def _load_noxfile(monkeypatch):
+    """noxfile.py imported with a stand-in for nox (not installed in the test environment):
+    its sessions are then plain functions of a session object."""
+    import importlib.util
+    import types
+
+    stub = types.ModuleType("nox")
+    stub.options = types.SimpleNamespace()
+    stub.session = lambda *a, **k: (lambda f: f)
+    stub.parametrize = lambda *a, **k: (lambda f: f)
+    monkeypatch.setitem(sys.modules, "nox", stub)
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _session(posargs):
+    """A stand-in nox session that records what it was asked to do, in order."""
+    import types
+
+    calls = []
+
+    def error(msg):
+        calls.append(("error", msg))
+        raise RuntimeError(msg)
+
+    return types.SimpleNamespace(posargs=posargs, calls=calls, error=error,
+                                 install=lambda *args: calls.append(("install", args)),
+                                 run=lambda *args, env=None: calls.append(("run", args, env)))
+
+
+def test_second_demo_stops_before_installing_anything(tmp_path, monkeypatch):
+    noxfile = _load_noxfile(monkeypatch)
+    run_dir = tmp_path / "run"
+    _leftover_run(run_dir)
+    second = _session(["--set", f'run.dir="{run_dir}"'])
+    with pytest.raises(RuntimeError):
+        noxfile.demo(second)
+    assert [c[0] for c in second.calls] == ["error"], "nothing may be installed before the check"
+    assert str(run_dir) in second.calls[0][1] and "`nox -s demo -- --resume`" in second.calls[0][1]
+
+    resumed = _session(["--resume", "--set", f'run.dir="{run_dir}"'])
+    noxfile.demo(resumed)
+    assert [c[0] for c in resumed.calls] == ["install", "install", "run"]
+    _, args, env = resumed.calls[-1]
+    assert args == ("python", "examples/lm/train.py", *resumed.posargs)
+    assert env == {"CAIRN_LM_COMMAND": "nox -s demo --"}  # train.py's own advice then reads the same
+
+
+_NO_JAX = r"""
+import sys
+sys.path.insert(0, {lm!r})
+import train
+rc = train.main({argv!r})
+print("jax imported:", "jax" in sys.modules)
+sys.exit(rc)
+"""
+
+
+def test_cli_refuses_a_used_run_dir_before_importing_jax(tmp_path):
+    run_dir = tmp_path / "run"
+    _leftover_run(run_dir)
+    argv = ["--quiet", "--set", f'run.dir="{run_dir}"']
+    env = {k: v for k, v in os.environ.items() if k != "CAIRN_LM_COMMAND"}
+    out = subprocess.run([sys.executable, "-c", _NO_JAX.format(lm=str(LM), argv=argv)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "jax imported: False" in out.stdout
+    assert str(run_dir) in out.stderr and "`python examples/lm/train.py --resume`" in out.stderr
+    env["CAIRN_LM_COMMAND"] = "nox -s demo --"
+    out = subprocess.run([sys.executable, "-c", _NO_JAX.format(lm=str(LM), argv=argv)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "`nox -s demo -- --resume`" in out.stderr
+
+
+def test_a_shorter_run_than_the_files_warmup_works_and_says_so(capsys):
+    import warnings
+
+    import lm_train
+    import train
+
+    with pytest.warns(lm_config.ConfigWarning, match=r"optim\.warmup_steps.*80 .*train\.steps = 60.*using 6"):
+        cfg = lm_config.load_config(LM / "config.toml", ["train.steps=60"])
+    assert cfg.optim.warmup_steps == 6 and cfg.train.steps == 60
+    _, schedule = lm_train.make_optimizer(cfg)
+    # the published schedule: linear warm-up to the peak at step 6, cosine decay to end_lr_ratio * peak at 60
+    peak, end = cfg.optim.learning_rate, cfg.optim.learning_rate * cfg.optim.end_lr_ratio
+    for t, want in ((3, peak * 3 / 6), (6, peak), (33, end + (peak - end) * 0.5 * (1 + np.cos(np.pi * 27 / 54))),
+                    (60, end)):
+        assert float(schedule(t)) == pytest.approx(want, rel=1e-5), t
+    # train.steps equal to the file's warm-up passed the old check and then failed in the optimizer
+    with pytest.warns(lm_config.ConfigWarning):
+        cfg80 = lm_config.load_config(LM / "config.toml", ["train.steps=80"])
+    assert cfg80.optim.warmup_steps == 8
+    lm_train.make_optimizer(cfg80)
+    # a warm-up asked for explicitly is never changed: refused, naming the key and a value that fits
+    with pytest.raises(lm_config.ConfigError, match=r"'optim\.warmup_steps': 100 .*train\.steps = 60.*optim\.warmup_steps=6"):
+        lm_config.load_config(LM / "config.toml", ["train.steps=60", "optim.warmup_steps=100"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warm-up that fits is left alone, silently
+        assert lm_config.load_config(LM / "config.toml", ["train.steps=200"]).optim.warmup_steps == 80
+    # the command line prints the note
+    assert train._load_config(train.parse_args(["--set", "train.steps=60"])).optim.warmup_steps == 6
+    assert "note: config key 'optim.warmup_steps': 80 does not fit in train.steps = 60" in capsys.readouterr().err
