@@ -50,9 +50,10 @@ class _Flat:
             if i in weight_argnums:  # per leaf: (path, module path) when it is a weight
                 chosen = weight_leaves(a, with_path, td, weight_filter, i if len(weight_argnums) > 1 else None)
             for n, (_, leaf) in enumerate(with_path):
-                if chosen is not None and chosen[n] is not None and (_is_array(leaf) or _is_q(leaf)):
-                    self.weight_paths.append(chosen[n][0])
-                    self.weight_modules.append(chosen[n][1])
+                picked = None if chosen is None else chosen[n]
+                if picked is not None and (_is_array(leaf) or _is_q(leaf)):
+                    self.weight_paths.append(picked[0])
+                    self.weight_modules.append(picked[1])
                     kinds.append("w")
                 else:
                     kinds.append("a" if _is_array(leaf) else "s")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from cairn.core_array import QArray, join_path
 
@@ -79,14 +79,14 @@ def weight_predicate(weight_filter: WeightFilter | None) -> Callable[[str, Any],
     if weight_filter is None:
         return default_weight_filter
     if _is_types(weight_filter):
-        types = weight_filter
+        types = cast(type | tuple[type, ...], weight_filter)
 
         def is_instance(path: str, variable: Any) -> bool:
             del path
             return isinstance(variable, types)
 
         return is_instance
-    return weight_filter  # type: ignore[return-value]
+    return cast(Callable[[str, Any], bool], weight_filter)
 
 
 @dataclasses.dataclass(frozen=True)
