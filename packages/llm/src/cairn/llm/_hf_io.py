@@ -1,0 +1,181 @@
+"""``from_pretrained`` / ``save_pretrained``: Hugging Face checkpoints in and out, by the family tables.
+
+Loading checks everything before reading a tensor: the config, every file's header, the
+set of tensor names against the family table (missing and unexpected ones listed by
+name) and every shape against the config (the tensor, both shapes and the config fields
+named). Then each tensor is read alone, cast to the target dtype, transposed and reshaped
+as the table says, and placed straight into its sharding. The model is built abstractly
+and returned only when every tensor is in, so a failure leaves nothing half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cairn import nn
+from cairn.llm._config import LlmConfig
+from cairn.llm._errors import CheckpointError
+from cairn.llm._families import WeightRule, family_of
+from cairn.llm._hf_config import config_from_hf, config_to_hf
+from cairn.llm._hf_files import ShardedReader, write_shards
+from cairn.llm._model import CausalLM
+
+__all__ = ["expected_tensors", "from_pretrained", "save_pretrained"]
+
+# tensors some checkpoints carry that no model needs (buffers saved by old conversions)
+IGNORED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
+
+
+class _Tensor:
+    """One expanded table row: HF name, model path, HF shape and the fields behind it."""
+
+    def __init__(self, rule: WeightRule, cfg: LlmConfig, layer: int | None) -> None:
+        fmt = {} if layer is None else {"i": layer}
+        self.name = rule.hf.format(**fmt)
+        self.path = rule.path.format(**fmt)
+        self.transpose = rule.transpose
+        self.fields = rule.hf_shape
+        self.hf_shape = tuple(math.prod(int(getattr(cfg, f)) for f in expr.split("*")) for expr in rule.hf_shape)
+
+    def explain(self, cfg: LlmConfig) -> str:
+        parts = []
+        for expr, n in zip(self.fields, self.hf_shape):
+            vals = "*".join(str(getattr(cfg, f)) for f in expr.split("*"))
+            parts.append(f"{expr}={vals}" if "*" not in expr else f"{expr}={vals}={n}")
+        return ", ".join(parts)
+
+
+def _applies(rule: WeightRule, cfg: LlmConfig) -> bool:
+    if not rule.when:
+        return True
+    negate = rule.when.startswith("not ")
+    value = bool(getattr(cfg, rule.when.removeprefix("not ")))
+    return value != negate
+
+
+def expected_tensors(cfg: LlmConfig) -> list[_Tensor]:
+    """The tensors a checkpoint of ``cfg`` holds, in the family table's order, layers expanded."""
+    out = []
+    for rule in family_of(cfg.model_type).weights:
+        if not _applies(rule, cfg):
+            continue
+        layers = range(cfg.num_hidden_layers) if "{i}" in rule.hf else [None]
+        out.extend(_Tensor(rule, cfg, i) for i in layers)
+    return out
+
+
+def _check_names_and_shapes(reader: ShardedReader, tensors: list[_Tensor], cfg: LlmConfig) -> None:
+    present = set(reader.file_of)
+    wanted = {t.name for t in tensors}
+    missing = [t.name for t in tensors if t.name not in present]
+    unexpected = sorted(n for n in present - wanted if not any(p.fullmatch(n) for p in IGNORED))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(unexpected))
+    for t in tensors:
+        if t.name in present and reader.shape(t.name) != t.hf_shape:
+            problems.append(
+                f"tensor {t.name} ({reader.file_of[t.name]}) has shape {reader.shape(t.name)} but the config "
+                f"expects {t.hf_shape} from {t.explain(cfg)}"
+            )
+    if problems:
+        raise CheckpointError(
+            f"{reader.directory}: the checkpoint does not match its config.json (model_type "
+            f"{cfg.model_type!r}):\n  " + "\n  ".join(problems)
+        )
+
+
+def _read_config(path: pathlib.Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{file}: no config.json (a Hugging Face checkpoint directory has one)")
+    try:
+        return json.loads(file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{file}: not valid JSON: {e}") from e
+
+
+def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None, rules: Any = None) -> CausalLM:
+    """A :class:`CausalLM` with the weights of a Hugging Face checkpoint directory.
+
+    Args:
+      path: a directory with ``config.json`` and ``model.safetensors`` or sharded
+        ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+      dtype: parameter and computation dtype (default: the config's ``dtype`` /
+        ``torch_dtype``, else float32). Tensors are cast one at a time.
+      mesh, rules: place each parameter in its ``NamedSharding`` on ``mesh`` through the
+        logical-axis ``rules`` (``cairn.core_array.LogicalAxisRules`` or pairs; axis names
+        ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``).
+
+    Raises:
+      UnsupportedModelError: the ``model_type`` (or its rope type) is not supported; the
+        message lists the supported ones.
+      CheckpointError: missing or unexpected tensors (listed), shape mismatches (tensor,
+        both shapes, config fields), an unreadable shard (named).
+      FileNotFoundError: no ``config.json``.
+
+    Example: ``model = from_pretrained("Qwen2.5-0.5B"); logits = model(ids)`` gives
+    ``[batch, length, vocab]`` float32 logits.
+    """
+    path = pathlib.Path(path)
+    cfg = config_from_hf(_read_config(path))
+    target = jnp.dtype(dtype if dtype is not None else cfg.dtype)
+    tensors = expected_tensors(cfg)
+    reader = ShardedReader(path)
+    _check_names_and_shapes(reader, tensors, cfg)
+    model = nn.abstract_model(lambda: CausalLM(cfg, dtype=target, rngs=nn.Rngs(0)), mesh=mesh, rules=rules)
+    slots = {"/".join(map(str, p)): (p, v) for p, v in nn.state(model).flat_state().items()}
+    uncovered = sorted(set(slots) - {t.path for t in tensors})
+    if uncovered:  # a table that misses a parameter is a bug here, not in the checkpoint
+        raise AssertionError(f"family table of {cfg.model_type!r} has no entry for {uncovered}")
+    by_name = {t.name: t for t in tensors}
+    values = {}
+    for name, arr in reader.read([t.name for t in tensors]):
+        t = by_name[name]
+        p, var = slots[t.path]
+        spec = var.raw_value
+        host = arr.T if t.transpose else arr
+        host = np.ascontiguousarray(host.astype(target).reshape(spec.shape))
+        sharding = getattr(spec, "sharding", None)
+        values[p] = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
+        del arr, host
+    nn.update(model, nn.State.from_flat(values))
+    return model
+
+
+def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
+    """Writes ``model`` as a Hugging Face checkpoint directory that transformers loads.
+
+    ``config.json`` (the config the model was loaded with, every modelled key written from
+    ``model.config``, ``dtype`` the model's) and the weights under Hugging Face names and
+    ``[out, in]`` shapes, in the model's dtype, in shards of at most ``max_shard_size``
+    bytes (an int or ``"5GB"``-style; one ``model.safetensors`` when everything fits).
+
+    Returns:
+      The weight file names written.
+    """
+    cfg = model.config
+    if not isinstance(cfg, LlmConfig):
+        raise TypeError(f"save_pretrained expects a cairn.llm.CausalLM, got {type(model).__name__}")
+    dtype_name = jnp.dtype(model.dtype).name
+    hf = config_to_hf(cfg)
+    hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = dtype_name
+    state = {"/".join(map(str, p)): v for p, v in nn.state(model).flat_state().items()}
+    out = {}
+    for t in expected_tensors(cfg):
+        arr = np.asarray(jax.device_get(state[t.path][...]))
+        if t.transpose:
+            arr = arr.reshape(t.hf_shape[1], t.hf_shape[0]).T
+        out[t.name] = np.ascontiguousarray(arr.reshape(t.hf_shape))
+    return write_shards(path, out, max_shard_size, hf)
