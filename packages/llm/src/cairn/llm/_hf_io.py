@@ -64,7 +64,7 @@ def _applies(rule: WeightRule, cfg: LlmConfig) -> bool:
 
 def expected_tensors(cfg: LlmConfig) -> list[_Tensor]:
     """The tensors a checkpoint of ``cfg`` holds, in the family table's order, layers expanded."""
-    out = []
+    out: list[_Tensor] = []
     for rule in family_of(cfg.model_type).weights:
         if not _applies(rule, cfg):
             continue
@@ -94,6 +94,13 @@ def _check_names_and_shapes(reader: ShardedReader, tensors: list[_Tensor], cfg: 
             f"{reader.directory}: the checkpoint does not match its config.json (model_type "
             f"{cfg.model_type!r}):\n  " + "\n  ".join(problems)
         )
+
+
+def _flat_state(model: CausalLM) -> dict[tuple, Any]:
+    """``{path tuple: Variable}`` of every parameter of ``model``."""
+    state = nn.state(model)
+    assert isinstance(state, nn.State)  # one State: no filters given
+    return state.flat_state()
 
 
 def _read_config(path: pathlib.Path) -> dict[str, Any]:
@@ -135,7 +142,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
     reader = ShardedReader(path)
     _check_names_and_shapes(reader, tensors, cfg)
     model = nn.abstract_model(lambda: CausalLM(cfg, dtype=target, rngs=nn.Rngs(0)), mesh=mesh, rules=rules)
-    slots = {"/".join(map(str, p)): (p, v) for p, v in nn.state(model).flat_state().items()}
+    slots = {"/".join(map(str, p)): (p, v) for p, v in _flat_state(model).items()}
     uncovered = sorted(set(slots) - {t.path for t in tensors})
     if uncovered:  # a table that misses a parameter is a bug here, not in the checkpoint
         raise AssertionError(f"family table of {cfg.model_type!r} has no entry for {uncovered}")
@@ -171,7 +178,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: in
     dtype_name = jnp.dtype(model.dtype).name
     hf = config_to_hf(cfg)
     hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = dtype_name
-    state = {"/".join(map(str, p)): v for p, v in nn.state(model).flat_state().items()}
+    state = {"/".join(map(str, p)): v for p, v in _flat_state(model).items()}
     out = {}
     for t in expected_tensors(cfg):
         arr = np.asarray(jax.device_get(state[t.path][...]))

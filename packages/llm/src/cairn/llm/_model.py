@@ -105,7 +105,7 @@ class Attention(nn.Module):
         updated cache, or this call's own).
         """
         q, k, v = self.q(x), self.k(x), self.v(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is None:
