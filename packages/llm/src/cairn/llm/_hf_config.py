@@ -20,9 +20,10 @@ from cairn.llm._rope import check_rope
 __all__ = ["config_from_hf", "config_to_hf"]
 
 
-def _default_layer_types(family: Family, d: Mapping[str, Any], n: int) -> list[str]:
+def _default_layer_types(family: Family, d: Mapping[str, Any], n: int, window: int | None) -> list[str]:
+    """Layer types when the file lists none; ``window`` is the sliding window after defaults."""
     if family.layers == "mistral":
-        return [SLIDING if d.get("sliding_window") else FULL] * n
+        return [SLIDING if window else FULL] * n
     if family.layers == "qwen2":
         first = d.get("max_window_layers", 28)
         return [SLIDING if d.get("use_sliding_window") and i >= first else FULL for i in range(n)]
@@ -78,7 +79,7 @@ def config_from_hf(d: Mapping[str, Any]) -> LlmConfig:
     heads = kw["num_attention_heads"]
     kw["num_key_value_heads"] = d.get("num_key_value_heads") or heads
     kw["head_dim"] = d.get("head_dim") or kw["hidden_size"] // heads
-    kw["layer_types"] = tuple(d.get("layer_types") or _default_layer_types(family, d, kw["num_hidden_layers"]))
+    kw["layer_types"] = tuple(d.get("layer_types") or _default_layer_types(family, d, kw["num_hidden_layers"], kw.get("sliding_window")))
     kw.setdefault("sliding_window", None)
     glob, local = _read_rope(d, family)
     kw["rope"], kw["local_rope"] = glob, local
@@ -118,7 +119,7 @@ def config_to_hf(cfg: LlmConfig) -> dict[str, Any]:
     if "head_dim" in out or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
         out["head_dim"] = cfg.head_dim
     _write_rope(out, cfg)
-    if raw_layer_types or list(cfg.layer_types) != _default_layer_types(family, out, cfg.num_hidden_layers):
+    if raw_layer_types or list(cfg.layer_types) != _default_layer_types(family, out, cfg.num_hidden_layers, cfg.sliding_window):
         out["layer_types"] = list(cfg.layer_types)
     out["torch_dtype" if "torch_dtype" in out else "dtype"] = cfg.dtype
     back = config_from_hf(out)
