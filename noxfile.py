@@ -174,15 +174,21 @@ def fixtures_hf(session: nox.Session) -> None:
 
     A venv with torch (exactly 2.13.0, the local CPU wheel; never a CUDA build) and transformers runs
     tests/llm/fixtures/make_fixtures.py (tiny random checkpoints of every family with
-    transformers' logits) and, when present, make_tokenizer_fixtures.py. Commit the result.
+    transformers' logits) and, when present, make_tokenizer_fixtures.py; then
+    check_transformers_loads.py saves every fixture again with cairn.llm and checks that
+    transformers loads it with the same logits. Commit the result.
     """
     # pinned exactly: the CPU wheel of this version is the one pip finds (find-links); a loose
     # pin would let the resolver pick a newer CUDA build from the index
     session.install("torch==2.13.0", "transformers>=5", "safetensors>=0.4", "tokenizers>=0.19", "jinja2>=3.1", "numpy")
+    session.install("-e", "packages/core_array")
+    session.install(*[a for p in _cairn_dependencies("llm") if p != "core_array" for a in ("-e", f"packages/{p}")],
+                    "-e", "packages/llm")
     session.run("python", "tests/llm/fixtures/make_fixtures.py", *session.posargs)
     tokenizer_script = ROOT / "tests" / "llm" / "fixtures" / "make_tokenizer_fixtures.py"
     if tokenizer_script.exists():
         session.run("python", str(tokenizer_script))
+    session.run("python", "tests/llm/fixtures/check_transformers_loads.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)
