@@ -128,6 +128,6 @@ def config_to_hf(cfg: LlmConfig) -> dict[str, Any]:
         raise ValueError(
             f"config_to_hf: model_type {cfg.model_type!r} cannot express "
             + ", ".join(f"{n}={getattr(cfg, n)!r}" for n in diff)
-            + " (the family fixes or shares these fields)"
+            + " (the family fixes or shares these fields; config_from_hf fills a family's fixed fields)"
         )
     return out
