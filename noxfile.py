@@ -168,7 +168,7 @@ def build(session: nox.Session) -> None:
         session.run(py, str(ROOT / "tools" / "check_installed.py"), pkg, "--wheel", external=True)
 
 
-@nox.session(python=PYTHON, default=False)
+@nox.session(default=False, python=PYTHON)
 def fixtures_hf(session: nox.Session) -> None:
     """Rewrites the committed Hugging Face fixtures of tests/llm (not in CI, not a default session).
 
