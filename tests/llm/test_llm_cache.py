@@ -54,11 +54,11 @@ def _small(window):
     return llm.CausalLM(cfg, rngs=nn.Rngs(0))
 
 
-_MODELS = {w: _small(w) for w in (2, 3, 6)}
+_MODELS = {w: _small(w) for w in (2, 6)}
 
 
-@settings(max_examples=15, deadline=None)
-@given(window=st.sampled_from([2, 3, 6]), lengths=st.lists(st.integers(1, 8), min_size=3, max_size=3),
+@settings(max_examples=12, deadline=None)
+@given(window=st.sampled_from([2, 6]), lengths=st.lists(st.integers(1, 8), min_size=3, max_size=3),
        advance=st.lists(st.integers(0, 1), min_size=3, max_size=3), seed=st.integers(0, 2**31 - 1))
 def test_cached_decode_matches_full_forward_for_any_ragged_batch(window, lengths, advance, seed):
     """Prefill rows of any lengths (junk after each), one decode step where some rows do
@@ -106,8 +106,9 @@ def test_explicit_positions_are_used_and_only_their_differences_matter():
     logits unchanged up to float error (rotary attention sees position differences only)."""
     model = _MODELS[6]
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 50, size=(2, 5)), jnp.int32)
-    base = np.asarray(model(ids))
-    same = np.asarray(model(ids, positions=jnp.broadcast_to(jnp.arange(5), (2, 5))))
-    np.testing.assert_array_equal(base, same)
-    shifted = np.asarray(model(ids, positions=jnp.broadcast_to(jnp.arange(5) + 7, (2, 5))))
+    at = nn.jit(lambda m, x, p: m(x, positions=p))
+    base = np.asarray(forward(model, ids))
+    same = np.asarray(at(model, ids, jnp.broadcast_to(jnp.arange(5), (2, 5))))
+    np.testing.assert_allclose(base, same, rtol=1e-6, atol=1e-6)
+    shifted = np.asarray(at(model, ids, jnp.broadcast_to(jnp.arange(5) + 7, (2, 5))))
     np.testing.assert_allclose(shifted, base, rtol=1e-4, atol=1e-4)
