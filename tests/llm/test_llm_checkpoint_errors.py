@@ -104,6 +104,13 @@ def test_shape_mismatch_names_tensor_shapes_and_config_field(tmp_path, no_tensor
     assert msg.count("has shape") == 9  # gate, up, down of each of the 3 layers
 
 
+def test_integer_weights_are_refused_not_cast(tmp_path, no_tensor_read):
+    d = _copy("llama", tmp_path)
+    _as_single_file(d, lambda t: t.__setitem__("model.norm.weight", np.ones(32, np.int8)))
+    with pytest.raises(llm.CheckpointError, match=r"tensor model.norm.weight \(model.safetensors\) has dtype I8; expected a float"):
+        llm.from_pretrained(d)
+
+
 def test_head_shape_mismatch_names_the_product(tmp_path, no_tensor_read):
     d = _copy("qwen3", tmp_path)
     cfg = json.loads((d / "config.json").read_text())

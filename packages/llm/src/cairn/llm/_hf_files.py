@@ -90,6 +90,11 @@ class ShardedReader:
         file = self.file_of[name]
         return self.headers[file][name][0]
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype code (``F32``, ``BF16``, ``I8``...)."""
+        file = self.file_of[name]
+        return self.headers[file][name][1]
+
     def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, array)`` for each of ``names``, one tensor in memory at a time, file by file."""
         by_file: dict[str, list[str]] = {}

@@ -31,6 +31,8 @@ from cairn.llm._model import CausalLM
 
 __all__ = ["expected_tensors", "from_pretrained", "save_pretrained"]
 
+# safetensors dtype codes of the weights this loader casts (integer tensors would be cast silently)
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # tensors some checkpoints carry that no model needs (buffers saved by old conversions)
 IGNORED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 
@@ -84,6 +86,11 @@ def _check_names_and_shapes(reader: ShardedReader, tensors: list[_Tensor], cfg: 
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(unexpected))
     for t in tensors:
+        if t.name in present and reader.dtype(t.name) not in FLOAT_DTYPES:
+            problems.append(
+                f"tensor {t.name} ({reader.file_of[t.name]}) has dtype {reader.dtype(t.name)}; expected a float "
+                f"dtype ({', '.join(FLOAT_DTYPES)}): quantized checkpoints are not read by this loader"
+            )
         if t.name in present and reader.shape(t.name) != t.hf_shape:
             problems.append(
                 f"tensor {t.name} ({reader.file_of[t.name]}) has shape {reader.shape(t.name)} but the config "
