@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 import textwrap
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llm_testlib import FIXTURES
+
+from cairn import llm
 
 CODE = textwrap.dedent("""
     import json, sys
@@ -51,3 +56,39 @@ def test_load_onto_an_fsdp_tp_mesh(run_on_cpu_devices, variant):
     assert report["layers/0/mlp/down/kernel"][1] == [cfg["intermediate_size"] // 2, hidden // 4]
     assert report["embed/embedding"][1] == [cfg["vocab_size"] // 2, hidden // 4]
     assert report["norm/scale"][1] == [hidden // 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_shard_reads_only_its_box_of_the_file(data):
+    """Any box of a model parameter maps to the box of the Hugging Face tensor that holds
+    it (or to None, when it is not one box): reading that box gives the same values as
+    reading everything and slicing."""
+    from cairn.llm._hf_io import _source_box, _Tensor, _to_model, expected_tensors
+
+    cfg = llm.config_from_hf({"model_type": "qwen2", "vocab_size": 12, "hidden_size": 8, "intermediate_size": 6,
+                              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})
+    tensors = {t.path: t for t in expected_tensors(cfg)}
+    path = data.draw(st.sampled_from(sorted(tensors)))
+    t: _Tensor = tensors[path]
+    model_shape = {"layers/0/attn/q/kernel": (8, 4, 2), "layers/0/attn/k/kernel": (8, 2, 2),
+                   "layers/0/attn/v/kernel": (8, 2, 2), "layers/0/attn/o/kernel": (4, 2, 8),
+                   "layers/0/attn/q/bias": (4, 2), "layers/0/attn/k/bias": (2, 2), "layers/0/attn/v/bias": (2, 2),
+                   "embed/embedding": (12, 8)}.get(path)
+    if model_shape is None:
+        model_shape = t.hf_shape[::-1] if t.transpose else t.hf_shape
+    hf = np.arange(np.prod(t.hf_shape), dtype=np.float32).reshape(t.hf_shape)
+    model = _to_model(t, hf, model_shape, np.float32)
+    index = []
+    for n in model_shape:
+        parts = data.draw(st.sampled_from([d for d in (1, 2, 4) if n % d == 0]))
+        k = data.draw(st.integers(0, parts - 1))
+        index.append(slice(k * n // parts, (k + 1) * n // parts) if parts > 1 else slice(None))
+    index = tuple(index)
+    box = _source_box(t, model_shape, index)
+    if box is not None:
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, model_shape))
+        np.testing.assert_array_equal(_to_model(t, hf[box], shape, np.float32), model[index])
+    else:  # only when head_dim, the inner part of a split [heads * head_dim] dim, is cut
+        head_axis = 1 if path.endswith("o/kernel") else len(model_shape) - 1
+        assert "/attn/" in path and index[head_axis] != slice(None), (path, index)

@@ -95,8 +95,10 @@ class ShardedReader:
         file = self.file_of[name]
         return self.headers[file][name][1]
 
-    def read(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-        """``(name, array)`` for each of ``names``, one tensor in memory at a time, file by file."""
+    def read(self, names: list[str]) -> Iterator[tuple[str, Any]]:
+        """``(name, lazy tensor)`` for each of ``names``, file by file. The lazy tensor is
+        safetensors' slice: ``t[...]`` reads it whole, ``t[a:b, c:d]`` only that box; it is
+        valid until the next item is drawn."""
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.file_of[n], []).append(n)
@@ -105,7 +107,7 @@ class ShardedReader:
             try:
                 with safe_open(str(path), framework="np") as f:
                     for n in wanted:
-                        yield n, f.get_tensor(n)
+                        yield n, f.get_slice(n)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{path}: cannot read tensor data: {e}") from e
 

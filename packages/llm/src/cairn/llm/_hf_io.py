@@ -155,17 +155,71 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
         raise AssertionError(f"family table of {cfg.model_type!r} has no entry for {uncovered}")
     by_name = {t.name: t for t in tensors}
     values = {}
-    for name, arr in reader.read([t.name for t in tensors]):
+    for name, lazy in reader.read([t.name for t in tensors]):
         t = by_name[name]
         p, var = slots[t.path]
-        spec = var.raw_value
-        host = arr.T if t.transpose else arr
-        host = np.ascontiguousarray(host.astype(target).reshape(spec.shape))
-        sharding = getattr(spec, "sharding", None)
-        values[p] = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
-        del arr, host
+        values[p] = _place(t, lazy, var.raw_value, target)
     nn.update(model, nn.State.from_flat(values))
     return model
+
+
+def _to_model(t: _Tensor, arr: np.ndarray, shape: tuple[int, ...], target: Any) -> np.ndarray:
+    """A box of the Hugging Face tensor as the same box of the model's parameter."""
+    host = arr.T if t.transpose else arr
+    return np.ascontiguousarray(host.astype(target).reshape(shape))
+
+
+def _groups(model_shape: tuple[int, ...], flat_shape: tuple[int, ...]) -> list[list[int]] | None:
+    """For each dim of ``flat_shape``, the consecutive model dims it is the product of."""
+    groups, i = [], 0
+    for n in flat_shape:
+        group, size = [], 1
+        while i < len(model_shape) and (not group or size < n):
+            size *= model_shape[i]
+            group.append(i)
+            i += 1
+        if size != n:
+            return None
+        groups.append(group)
+    return groups if i == len(model_shape) else None
+
+
+def _source_box(t: _Tensor, model_shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    """The box of the Hugging Face tensor that holds ``model[index]``, or None when it is
+    not one box (a split dim sliced other than along its first part)."""
+    flat = t.hf_shape[::-1] if t.transpose else t.hf_shape
+    groups = _groups(model_shape, flat)
+    if groups is None:
+        return None
+    bounds = [s.indices(n)[:2] for s, n in zip(index, model_shape)]
+    box = []
+    for group in groups:
+        if any(bounds[d] != (0, model_shape[d]) for d in group[1:]):
+            return None
+        inner = math.prod(model_shape[d] for d in group[1:])
+        lo, hi = bounds[group[0]]
+        box.append(slice(lo * inner, hi * inner))
+    return tuple(box[::-1]) if t.transpose else tuple(box)
+
+
+def _place(t: _Tensor, lazy: Any, spec: Any, target: Any) -> jax.Array:
+    """The parameter of abstract value ``spec`` from the lazy Hugging Face tensor: whole
+    when unsharded or replicated, else each device's box read on its own (the full tensor
+    is read only where a box does not map onto one box of the file)."""
+    sharding = getattr(spec, "sharding", None)
+    if sharding is None:
+        return jnp.asarray(_to_model(t, lazy[...], spec.shape, target))
+    if sharding.is_fully_replicated:
+        return jax.device_put(_to_model(t, lazy[...], spec.shape, target), sharding)
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        box = _source_box(t, spec.shape, index)
+        if box is None:
+            return _to_model(t, lazy[...], spec.shape, target)[index]
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, spec.shape))
+        return _to_model(t, lazy[box], shape, target)
+
+    return jax.make_array_from_callback(spec.shape, sharding, shard)
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
