@@ -101,6 +101,16 @@ def test_positions_and_lengths_are_refused_where_they_mean_nothing():
         model(ids, positions=jnp.arange(3)[None], cache=model.init_cache(1, 4))
 
 
+def test_a_full_cache_is_refused_eagerly():
+    model = _MODELS[2]
+    cache = model.init_cache(2, 4)
+    _, cache = model(jnp.zeros((2, 3), jnp.int32), cache=cache, lengths=jnp.array([3, 1]))
+    with pytest.raises(ValueError, match=r"max_length 4 has no room: rows \[0\] would hold \[5\] tokens"):
+        model(jnp.zeros((2, 2), jnp.int32), cache=cache)
+    _, cache = model(jnp.zeros((2, 2), jnp.int32), cache=cache, lengths=jnp.array([0, 2]))  # padding may spill
+    assert cache.lengths.tolist() == [3, 3]
+
+
 def test_explicit_positions_are_used_and_only_their_differences_matter():
     """``positions=arange(T)`` is the default; a uniform shift of every position leaves the
     logits unchanged up to float error (rotary attention sees position differences only)."""

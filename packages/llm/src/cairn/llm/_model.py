@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import cairn.kernels as ck
 from cairn import nn
@@ -162,6 +163,21 @@ class DecoderLayer(nn.Module):
         return x + h, kv
 
 
+def _check_room(cache: KVCache, added: Any) -> None:
+    """Eagerly (concrete lengths), refuses a call that would write real tokens past the
+    cache's end; under ``jit`` such tokens cannot be refused and are dropped, so callers
+    size ``max_length`` for the longest row."""
+    if isinstance(cache.lengths, jax.core.Tracer) or isinstance(added, jax.core.Tracer):
+        return
+    need = np.asarray(cache.lengths) + np.asarray(added)
+    if need.max(initial=0) > cache.max_length:
+        rows = np.flatnonzero(need > cache.max_length).tolist()
+        raise ValueError(
+            f"KVCache of max_length {cache.max_length} has no room: rows {rows} would hold "
+            f"{need[rows].tolist()} tokens; make the cache longer (model.init_cache(batch, max_length))"
+        )
+
+
 class CausalLM(nn.Module):
     """A decoder-only language model of any supported family.
 
@@ -170,7 +186,8 @@ class CausalLM(nn.Module):
     (:meth:`init_cache`), ``model(input_ids, cache=cache, lengths=None)`` returns
     ``(logits, cache)``: the tokens go at each row's own next positions, ``lengths [B]``
     says how many of the ``T`` tokens of each row are real (right padding; default all),
-    and the returned cache holds ``cache.lengths + lengths`` tokens per row.
+    and the returned cache holds ``cache.lengths + lengths`` tokens per row (at most
+    ``max_length``: an eager call beyond it raises; under ``jit`` the overflow is dropped).
 
     Args:
       config: the architecture (:class:`LlmConfig`).
@@ -227,6 +244,7 @@ class CausalLM(nn.Module):
             if positions is not None:
                 raise ValueError("CausalLM: with a cache, positions are the cache's lengths; do not pass positions")
             q_pos = cache.lengths[:, None] + jnp.arange(t)[None, :]
+            _check_room(cache, t if lengths is None else lengths)
         x = self.embed(input_ids)
         if self.config.embed_scale:
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
