@@ -35,16 +35,20 @@ def _as_single_file(d, edit):
 
 
 @pytest.fixture
-def no_tensor_read(monkeypatch):
-    """Fails the test if the loader reads any tensor data."""
+def tensor_reads(monkeypatch):
+    """The names of every tensor the loader starts reading (a test asserts it stays empty)."""
+    reads = []
+    original = _hf_files.ShardedReader.read
 
     def read(self, names):
-        raise AssertionError(f"tensor data read before the checkpoint was checked: {names[:3]}")
+        reads.extend(names)
+        return original(self, names)
 
     monkeypatch.setattr(_hf_files.ShardedReader, "read", read)
+    return reads
 
 
-def test_unknown_model_type_lists_the_supported_ones(tmp_path, no_tensor_read):
+def test_unknown_model_type_lists_the_supported_ones(tmp_path, tensor_reads):
     d = _copy("llama", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
@@ -53,18 +57,20 @@ def test_unknown_model_type_lists_the_supported_ones(tmp_path, no_tensor_read):
     assert "'gpt_neox' is not supported" in str(e.value)
     for name in ("gemma2", "gemma3_text", "llama", "mistral", "qwen2", "qwen3"):
         assert repr(name) in str(e.value)
+    assert tensor_reads == []
 
 
-def test_unknown_rope_type_lists_the_supported_ones(tmp_path, no_tensor_read):
+def test_unknown_rope_type_lists_the_supported_ones(tmp_path, tensor_reads):
     d = _copy("llama", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(llm.UnsupportedModelError, match=r"rope_type 'longrope' is not supported; supported: \['default', 'linear', 'dynamic', 'llama3', 'yarn'\]"):
         llm.from_pretrained(d)
+    assert tensor_reads == []
 
 
-def test_missing_and_unexpected_tensors_are_listed_by_name(tmp_path, no_tensor_read):
+def test_missing_and_unexpected_tensors_are_listed_by_name(tmp_path, tensor_reads):
     d = _copy("qwen2", tmp_path)
 
     def edit(t):
@@ -77,13 +83,15 @@ def test_missing_and_unexpected_tensors_are_listed_by_name(tmp_path, no_tensor_r
     msg = str(e.value)
     assert "2 missing tensor(s): model.norm.weight, model.layers.1.self_attn.k_proj.bias" in msg
     assert "1 unexpected tensor(s): model.layers.0.self_attn.extra.weight" in msg
+    assert tensor_reads == []
 
 
-def test_a_tied_model_with_an_lm_head_tensor_is_refused(tmp_path, no_tensor_read):
+def test_a_tied_model_with_an_lm_head_tensor_is_refused(tmp_path, tensor_reads):
     d = _copy("qwen2", tmp_path)  # tie_word_embeddings: true
     _as_single_file(d, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"]))
     with pytest.raises(llm.CheckpointError, match=r"1 unexpected tensor\(s\): lm_head.weight"):
         llm.from_pretrained(d)
+    assert tensor_reads == []
 
 
 def test_old_rotary_buffers_are_ignored(tmp_path):
@@ -92,7 +100,7 @@ def test_old_rotary_buffers_are_ignored(tmp_path):
     assert llm.from_pretrained(d).config.model_type == "llama"
 
 
-def test_shape_mismatch_names_tensor_shapes_and_config_field(tmp_path, no_tensor_read):
+def test_shape_mismatch_names_tensor_shapes_and_config_field(tmp_path, tensor_reads):
     d = _copy("qwen3", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 40}))
@@ -102,16 +110,18 @@ def test_shape_mismatch_names_tensor_shapes_and_config_field(tmp_path, no_tensor
     assert ("tensor model.layers.0.mlp.gate_proj.weight (model-00001-of-00004.safetensors) has shape (48, 32) "
             "but the config expects (40, 32) from intermediate_size=40, hidden_size=32") in msg
     assert msg.count("has shape") == 9  # gate, up, down of each of the 3 layers
+    assert tensor_reads == []
 
 
-def test_integer_weights_are_refused_not_cast(tmp_path, no_tensor_read):
+def test_integer_weights_are_refused_not_cast(tmp_path, tensor_reads):
     d = _copy("llama", tmp_path)
     _as_single_file(d, lambda t: t.__setitem__("model.norm.weight", np.ones(32, np.int8)))
     with pytest.raises(llm.CheckpointError, match=r"tensor model.norm.weight \(model.safetensors\) has dtype I8; expected a float"):
         llm.from_pretrained(d)
+    assert tensor_reads == []
 
 
-def test_head_shape_mismatch_names_the_product(tmp_path, no_tensor_read):
+def test_head_shape_mismatch_names_the_product(tmp_path, tensor_reads):
     d = _copy("qwen3", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "head_dim": 8}))
@@ -119,10 +129,11 @@ def test_head_shape_mismatch_names_the_product(tmp_path, no_tensor_read):
         llm.from_pretrained(d)
     assert ("model.layers.0.self_attn.q_proj.weight (model-00001-of-00004.safetensors) has shape (64, 32) but the "
             "config expects (32, 32) from num_attention_heads*head_dim=4*8=32, hidden_size=32") in str(e.value)
+    assert tensor_reads == []
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
-def test_an_unreadable_shard_is_named_before_anything_is_read(tmp_path, no_tensor_read, damage):
+def test_an_unreadable_shard_is_named_before_anything_is_read(tmp_path, tensor_reads, damage):
     d = _copy("mistral", tmp_path)
     shard = d / "model-00003-of-00003.safetensors"
     if damage == "truncate":
@@ -134,9 +145,10 @@ def test_an_unreadable_shard_is_named_before_anything_is_read(tmp_path, no_tenso
     with pytest.raises(llm.CheckpointError) as e:
         llm.from_pretrained(d)
     assert str(shard) in str(e.value)
+    assert tensor_reads == []
 
 
-def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path, no_tensor_read):
+def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path, tensor_reads):
     d = _copy("gemma2", tmp_path)
     index = json.loads((d / "model.safetensors.index.json").read_text())
     holder = index["weight_map"]["model.norm.weight"]
@@ -145,6 +157,7 @@ def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path, no_tensor_read):
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(llm.CheckpointError, match=rf"shards that do not hold them: model.norm.weight \(in {other}\)"):
         llm.from_pretrained(d)
+    assert tensor_reads == []
 
 
 def test_a_directory_without_weights_or_config(tmp_path):
