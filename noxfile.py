@@ -39,6 +39,21 @@ def _editable_all(session: nox.Session, extras: str = "test") -> None:
     session.install(*args)
 
 
+def _cairn_dependencies(package: str) -> list[str]:
+    """The Cairn packages ``package``'s pyproject requires (extras excluded), as folder names."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    deps = []
+    for dep in meta["project"].get("dependencies", []):
+        name = dep.split(";")[0].strip()
+        for sep in "<>=!~[ ":
+            name = name.split(sep)[0]
+        if name.lower().startswith("cairn-"):
+            deps.append(name[len("cairn-"):].replace("-", "_"))
+    return deps
+
+
 def _xdist_workers() -> str:
     return os.environ.get("CAIRN_TEST_WORKERS", "auto")
 
@@ -81,7 +96,9 @@ def tests_package(session: nox.Session, package: str) -> None:
     """
     session.install("-e", "packages/core_array")
     if package != "core_array":
-        session.install("-e", f"packages/{package}[test]")
+        # the application layer (llm) depends on sibling libraries: from this tree, not an index
+        siblings = [f"packages/{p}" for p in _cairn_dependencies(package) if p != "core_array"]
+        session.install(*[a for s in siblings for a in ("-e", s)], "-e", f"packages/{package}[test]")
     else:
         session.install("-e", "packages/core_array[test]")
     session.install("pytest", "pytest-xdist", "hypothesis")
@@ -149,6 +166,29 @@ def build(session: nox.Session) -> None:
         wheels = [str(core_wheel)] + ([] if pkg == "core_array" else [str(wheel)])
         session.run(py, "-m", "pip", "install", "-q", "--find-links", str(dist), *wheels, external=True)
         session.run(py, str(ROOT / "tools" / "check_installed.py"), pkg, "--wheel", external=True)
+
+
+@nox.session(default=False, python=PYTHON)
+def fixtures_hf(session: nox.Session) -> None:
+    """Rewrites the committed Hugging Face fixtures of tests/llm (not in CI, not a default session).
+
+    A venv with torch (exactly 2.13.0, the local CPU wheel; never a CUDA build) and transformers runs
+    tests/llm/fixtures/make_fixtures.py (tiny random checkpoints of every family with
+    transformers' logits) and, when present, make_tokenizer_fixtures.py; then
+    check_transformers_loads.py saves every fixture again with cairn.llm and checks that
+    transformers loads it with the same logits. Commit the result.
+    """
+    # pinned exactly: the CPU wheel of this version is the one pip finds (find-links); a loose
+    # pin would let the resolver pick a newer CUDA build from the index
+    session.install("torch==2.13.0", "transformers>=5", "safetensors>=0.4", "tokenizers>=0.19", "jinja2>=3.1", "numpy")
+    session.install("-e", "packages/core_array")
+    session.install(*[a for p in _cairn_dependencies("llm") if p != "core_array" for a in ("-e", f"packages/{p}")],
+                    "-e", "packages/llm")
+    session.run("python", "tests/llm/fixtures/make_fixtures.py", *session.posargs)
+    tokenizer_script = ROOT / "tests" / "llm" / "fixtures" / "make_tokenizer_fixtures.py"
+    if tokenizer_script.exists():
+        session.run("python", str(tokenizer_script))
+    session.run("python", "tests/llm/fixtures/check_transformers_loads.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -1,4 +1,7 @@
-"""The dependency-direction contract: a Cairn package imports only cairn.core_array and itself.
+"""The dependency-direction contract: a Cairn library imports only cairn.core_array and itself.
+
+The one exception is the application layer, cairn.llm (``APPLICATIONS``): it may import
+any Cairn library, and no library may import it (DESIGN.md, rule 1).
 
 Checks every ``packages/<name>/src/cairn/<name>/**.py`` and every
 ``packages/<name>/pyproject.toml`` dependency list. Exit status 1 with one line per
@@ -41,6 +44,8 @@ import tomllib
 from collections import deque
 
 ALLOWED_SHARED = "core_array"
+# application layers: they compose the libraries (any cairn import allowed); no library imports them
+APPLICATIONS = ("llm",)
 CYCLE_LABEL = "# import cycle (labelled):"
 
 
@@ -124,6 +129,18 @@ def _imported_cairn_packages(tree: ast.AST, module: str = "cairn._unknown", is_p
     return found
 
 
+def _direction_problem(pkg: str, other: str) -> str | None:
+    """Why ``cairn.<pkg>`` may not import ``cairn.<other>``, or None when it may."""
+    if other in (pkg, ALLOWED_SHARED):
+        return None
+    if other in APPLICATIONS:
+        return (f"cairn.{pkg} imports the application layer cairn.{other}; no library imports it "
+                f"(it composes the libraries, not the other way round)")
+    if pkg in APPLICATIONS:
+        return None
+    return f"cairn.{pkg} imports sibling cairn.{other}; only cairn.{ALLOWED_SHARED} and cairn.{pkg} are allowed"
+
+
 def check(packages_dir: str | pathlib.Path) -> list[str]:
     """All violations under ``packages_dir`` as human-readable lines (empty when clean)."""
     root = pathlib.Path(packages_dir)
@@ -147,11 +164,9 @@ def check(packages_dir: str | pathlib.Path) -> list[str]:
                 violations.append(f"{py}:{e.lineno}: cannot parse: {e.msg}")
                 continue
             for lineno, other in _imported_cairn_packages(tree, module, is_package):
-                if other not in (pkg, ALLOWED_SHARED):
-                    violations.append(
-                        f"{py}:{lineno}: cairn.{pkg} imports sibling cairn.{other}; "
-                        f"only cairn.{ALLOWED_SHARED} and cairn.{pkg} are allowed"
-                    )
+                problem = _direction_problem(pkg, other)
+                if problem:
+                    violations.append(f"{py}:{lineno}: {problem}")
         meta = tomllib.loads((pkg_dir / "pyproject.toml").read_text())
         deps = list(meta.get("project", {}).get("dependencies", []))
         for extra, extra_deps in meta.get("project", {}).get("optional-dependencies", {}).items():
@@ -160,9 +175,10 @@ def check(packages_dir: str | pathlib.Path) -> list[str]:
             m = re.match(r"\s*cairn[-_.]([a-z0-9_.-]+)", dep, re.IGNORECASE)
             if m:
                 other = re.split(r"[^a-z0-9_.-]", m.group(1).lower())[0].replace("-", "_").replace(".", "_")
-                if other not in (pkg, ALLOWED_SHARED):
+                if _direction_problem(pkg, other):
+                    what = "the application layer" if other in APPLICATIONS else "sibling"
                     violations.append(
-                        f"{pkg_dir / 'pyproject.toml'}: cairn-{pkg.replace('_', '-')} depends on sibling {dep!r}"
+                        f"{pkg_dir / 'pyproject.toml'}: cairn-{pkg.replace('_', '-')} depends on {what} {dep!r}"
                     )
     return violations
 

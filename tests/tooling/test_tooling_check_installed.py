@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "check_installed.py"
 
 
-def _install(site: pathlib.Path, pkg: str, code: str | None = None, version: str = "0.1.0") -> None:
+def _install(site: pathlib.Path, pkg: str, code: str | None = None, version: str = "0.1.0",
+             requires: tuple[str, ...] = ()) -> None:
     mod = site / "cairn" / pkg
     mod.mkdir(parents=True)
     if code is None:
@@ -24,7 +25,8 @@ def _install(site: pathlib.Path, pkg: str, code: str | None = None, version: str
     (mod / "__init__.py").write_text(code)
     dist = site / f"cairn_{pkg}-{version}.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cairn-{pkg.replace('_', '-')}\nVersion: {version}\n")
+    lines = ["Metadata-Version: 2.1", f"Name: cairn-{pkg.replace('_', '-')}", f"Version: {version}"]
+    (dist / "METADATA").write_text("\n".join(lines + [f"Requires-Dist: {r}" for r in requires]) + "\n")
 
 
 def _run(site: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
@@ -54,6 +56,21 @@ def test_a_sibling_next_to_it_fails(site):
     _install(site, "optim")
     r = _run(site, "nn")
     assert r.returncode == 1 and "sibling packages are importable next to cairn.nn: cairn.optim" in r.stdout
+
+
+def test_declared_cairn_dependencies_may_sit_next_to_it(site):
+    """The application layer (cairn-llm) declares the libraries it composes; only those may be there."""
+    for lib in ("core_array", "nn", "kernels", "optim"):
+        _install(site, lib)
+    _install(site, "llm", requires=("cairn-core-array>=0.1,<0.2", "cairn-nn>=0.1", "cairn_kernels", "numpy>=1.26",
+                                    'cairn-optim>=0.1; extra == "test"'))
+    r = _run(site, "llm")
+    # nn and kernels are declared; optim only in an extra, so it must not be installed with it
+    assert r.returncode == 1 and "sibling packages are importable next to cairn.llm: cairn.optim" in r.stdout, r.stdout
+    (site / "cairn" / "optim" / "__init__.py").unlink()
+    (site / "cairn" / "optim").rmdir()
+    r = _run(site, "llm")
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_namespace_init_fails(site):

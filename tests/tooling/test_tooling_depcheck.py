@@ -94,6 +94,42 @@ def test_allowed_imports_pass(tmp_path, code):
     assert depcheck.check(tmp_path) == []
 
 
+@pytest.mark.parametrize("code", ["import cairn.beta\nfrom cairn import core_array", "from cairn.beta.sub import x",
+                                  "from .. import beta"])
+def test_the_application_layer_may_import_any_library(tmp_path, code):
+    _package(tmp_path, "core_array", "import numpy\n", deps=("numpy",))
+    _package(tmp_path, "beta", "x = 1\n")
+    _package(tmp_path, "llm", code + "\n", deps=("cairn-core-array", "cairn-beta>=0.1"))
+    assert depcheck.check(tmp_path) == []
+
+
+@pytest.mark.parametrize("code", ["import cairn.llm", "from cairn import llm", "from ..llm import generate",
+                                  "import importlib\nimportlib.import_module('cairn.llm._model')"])
+def test_no_library_imports_the_application_layer(tmp_path, code):
+    _package(tmp_path, "core_array", "import numpy\n", deps=("numpy",))
+    _package(tmp_path, "llm", "import cairn.beta\n", deps=("cairn-core-array", "cairn-beta"))
+    _package(tmp_path, "beta", code + "\n")
+    (found,) = depcheck.check(tmp_path)
+    assert "beta/src/cairn/beta/__init__.py:" in found
+    assert "cairn.beta imports the application layer cairn.llm; no library imports it" in found
+
+
+def test_no_library_depends_on_the_application_layer(tmp_path):
+    _package(tmp_path, "llm", "x = 1\n")
+    _package(tmp_path, "beta", "x = 1\n", deps=("cairn-core-array", "cairn-llm>=0.1"))
+    (found,) = depcheck.check(tmp_path)
+    assert "cairn-beta depends on the application layer 'cairn-llm>=0.1'" in found
+
+
+def test_the_real_application_layer_imports_libraries():
+    """The contract's exception is used for real (so it cannot go stale unnoticed)."""
+    imported = set()
+    for py in (ROOT / "packages" / "llm" / "src" / "cairn" / "llm").rglob("*.py"):
+        module = "cairn.llm." + py.stem
+        imported |= {name for _, name in depcheck._imported_cairn_packages(depcheck.ast.parse(py.read_text()), module)}
+    assert {"nn", "kernels"} <= imported
+
+
 def test_relative_import_beyond_the_namespace_is_a_violation(tmp_path):
     _package(tmp_path, "alpha", "from ... import x\n")
     (found,) = depcheck.check(tmp_path)

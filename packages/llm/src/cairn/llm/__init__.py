@@ -1,0 +1,29 @@
+"""cairn.llm: open-weight model families on the Cairn libraries, Hugging Face checkpoints in and out.
+
+The application layer: it composes cairn.nn (modules), cairn.kernels (attention) and
+cairn.core_array (sharding rules); no Cairn library imports it.
+"""
+
+from cairn.llm._cache import KVCache
+from cairn.llm._config import LlmConfig
+from cairn.llm._errors import CheckpointError, UnsupportedModelError
+from cairn.llm._families import supported_model_types
+from cairn.llm._hf_config import config_from_hf, config_to_hf
+from cairn.llm._hf_io import from_pretrained, save_pretrained
+from cairn.llm._model import CausalLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "CausalLM",
+    "CheckpointError",
+    "KVCache",
+    "LlmConfig",
+    "UnsupportedModelError",
+    "config_from_hf",
+    "config_to_hf",
+    "from_pretrained",
+    "save_pretrained",
+    "supported_model_types",
+]

@@ -1,0 +1,131 @@
+"""``LlmConfig``: one frozen description of a decoder, every family's differences as fields.
+
+A Hugging Face ``config.json`` is parsed into it by :func:`cairn.llm.config_from_hf`
+(the family tables say which keys mean what); the model reads nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["FULL", "SLIDING", "LlmConfig", "freeze"]
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+def freeze(value: Any) -> Any:
+    """A hashable copy of a JSON value: dicts become sorted ``(key, value)`` tuples, lists tuples."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmConfig:
+    """The shape and numerics of a decoder-only transformer (hashable: a model's static field).
+
+    Names follow Hugging Face's ``config.json`` where one exists. Family switches:
+
+    - ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: biases on the q, k, v projections, on the
+      output projection, on the MLP (Qwen2 has qkv biases, Llama ``attention_bias`` both).
+    - ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys before the rotation (Qwen3,
+      Gemma 3).
+    - ``norm_offset``: every RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1).
+    - ``sandwich_norms``: extra norms on the attention and MLP outputs before the residual
+      add (Gemma 2 and 3).
+    - ``embed_scale``: embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma).
+    - ``query_pre_attn_scalar``: attention scale ``query_pre_attn_scalar ** -0.5`` instead of
+      ``head_dim ** -0.5`` (Gemma).
+    - ``attn_logit_softcapping`` / ``final_logit_softcapping``: ``cap * tanh(x / cap)`` on the
+      attention logits / the output logits (Gemma 2).
+    - ``layer_types``: ``"full_attention"`` or ``"sliding_attention"`` per layer; a sliding
+      layer attends to the last ``sliding_window`` positions, itself included (Mistral,
+      Gemma 2 and 3).
+    - ``rope`` / ``local_rope``: the rotary parameters (``rope_type``, ``rope_theta`` and the
+      scaling parameters of that type) of full and of sliding layers, as frozen
+      ``(key, value)`` tuples; ``local_rope=None`` means the same as ``rope``.
+
+    ``hf`` keeps the ``config.json`` it came from (JSON text), so saving writes back every key
+    this class does not model (token ids, ``architectures``, ...).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope: tuple = (("rope_theta", 10000.0), ("rope_type", "default"))
+    local_rope: tuple | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    dtype: str = "float32"
+    hf: str = dataclasses.field(default="", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlmConfig.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"LlmConfig: num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_hidden_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"LlmConfig.layer_types has {len(self.layer_types)} entries for "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})
+        if bad:
+            raise ValueError(f"LlmConfig.layer_types: unknown {bad}; expected {FULL!r} or {SLIDING!r}")
+        if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(
+                f"LlmConfig: sliding layers need a positive sliding_window, got {self.sliding_window!r}"
+            )
+        object.__setattr__(self, "rope", freeze(dict(self.rope)))
+        if self.local_rope is not None:
+            object.__setattr__(self, "local_rope", freeze(dict(self.local_rope)))
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on ``q . k``: ``query_pre_attn_scalar ** -0.5`` or ``head_dim ** -0.5``."""
+        d = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return 1.0 / math.sqrt(d)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends to every earlier position)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def rope_parameters(self, layer: int) -> dict[str, Any]:
+        """The rotary parameters of ``layer`` as a dict (``rope_type``, ``rope_theta``, ...)."""
+        if self.layer_types[layer] == SLIDING and self.local_rope is not None:
+            return dict(self.local_rope)
+        return dict(self.rope)

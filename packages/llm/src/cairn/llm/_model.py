@@ -1,0 +1,265 @@
+"""``CausalLM``: the one decoder of every family, built from cairn.nn modules.
+
+``embed -> [norm -> attention -> (norm) -> +residual -> norm -> MLP -> (norm) -> +residual]
+x layers -> norm -> logits``; which norms, biases, rotary tables, windows and caps a layer
+has is read from the :class:`~cairn.llm.LlmConfig`. Attention runs through
+``cairn.kernels.dot_product_attention`` (grouped-query heads, soft-capping) with a mask
+built from positions, so full sequences, ragged prefill and per-row decode share one path.
+
+Every parameter carries logical axis names for sharding: ``vocab``, ``embed``, ``heads``,
+``kv_heads``, ``head_dim``, ``mlp``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import cairn.kernels as ck
+from cairn import nn
+from cairn.llm._cache import KVCache, write
+from cairn.llm._config import LlmConfig
+from cairn.llm._rope import apply_rope, rope_tables
+
+__all__ = ["CausalLM", "attention_mask"]
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def _init(names: tuple[str, ...], stddev: float = 0.02) -> Callable[..., Any]:
+    return nn.with_partitioning(nn.initializers.normal(stddev), names)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the last axis, statistics in float32.
+
+    ``offset=0`` (Llama: the weight multiplies the normalized input cast back to its dtype)
+    or ``1`` (Gemma: ``1 + weight`` multiplies in float32, then the cast).
+    """
+
+    def __init__(self, features: int, *, eps: float, offset: float, param_dtype: Any,
+                 names: tuple[str, ...], rngs: nn.Rngs) -> None:
+        init = nn.initializers.zeros if offset else nn.initializers.ones
+        self.scale = nn.Param(nn.with_partitioning(init, names)(rngs.params(), (features,), param_dtype))
+        self.eps = float(eps)
+        self.offset = float(offset)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        w = self.scale[...]
+        if self.offset:
+            return (h * (self.offset + w.astype(jnp.float32))).astype(x.dtype)
+        return w * h.astype(x.dtype)
+
+
+def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None) -> jax.Array:
+    """Boolean ``[B, 1, T, S]``: query at ``q_pos [B, T]`` sees key at ``kv_pos [B, S]`` when
+    ``q - window < kv <= q`` (no lower bound without a window)."""
+    q, kv = q_pos[:, :, None], kv_pos[:, None, :]
+    mask = kv <= q
+    if window is not None:
+        mask = mask & (kv > q - window)
+    return mask[:, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: ``q [B, T, heads, head_dim]``, ``k, v [B, S, kv_heads, head_dim]``."""
+
+    def __init__(self, cfg: LlmConfig, layer: int, *, dtype: Any, rngs: nn.Rngs) -> None:
+        d, n, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+        def proj(spec: str, shape: tuple, bias: tuple | None, names: tuple) -> nn.Einsum:
+            return nn.Einsum(spec, shape, bias, dtype=dtype, param_dtype=dtype, kernel_init=_init(names),
+                             bias_init=nn.with_partitioning(nn.initializers.zeros, names[-len(bias):] if bias else ()),
+                             rngs=rngs)
+
+        self.q = proj("btd,dnh->btnh", (d, n, hd), (n, hd) if cfg.qkv_bias else None, ("embed", "heads", "head_dim"))
+        self.k = proj("btd,dnh->btnh", (d, kv, hd), (kv, hd) if cfg.qkv_bias else None, ("embed", "kv_heads", "head_dim"))
+        self.v = proj("btd,dnh->btnh", (d, kv, hd), (kv, hd) if cfg.qkv_bias else None, ("embed", "kv_heads", "head_dim"))
+        self.o = proj("btnh,nhd->btd", (n, hd, d), (d,) if cfg.o_bias else None, ("heads", "head_dim", "embed"))
+        norm = {"eps": cfg.rms_norm_eps, "offset": cfg.norm_offset, "param_dtype": dtype, "names": ("head_dim",)}
+        self.q_norm = RMSNorm(hd, **norm, rngs=rngs) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, **norm, rngs=rngs) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale
+        self.soft_cap = cfg.attn_logit_softcapping
+        self.window = cfg.window(layer)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
+                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """``x [B, T, hidden]`` at positions ``q_pos [B, T]``; ``cache``: this layer's
+        ``(keys, values) [B, S, kv_heads, head_dim]`` (slot = position) or None.
+
+        Returns the output ``[B, T, hidden]`` and the keys and values attended to (the
+        updated cache, or this call's own).
+        """
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is None:
+            kv_pos = q_pos
+        else:
+            k, v = write(cache[0], k, q_pos), write(cache[1], v, q_pos)
+            kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
+        mask = attention_mask(q_pos, kv_pos, self.window)
+        out = ck.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=self.scale,
+                                       logits_soft_cap=self.soft_cap)
+        return self.o(out), (k, v)
+
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` (SwiGLU, or GeGLU with a GELU activation)."""
+
+    def __init__(self, cfg: LlmConfig, *, dtype: Any, rngs: nn.Rngs) -> None:
+        d, m = cfg.hidden_size, cfg.intermediate_size
+
+        def linear(i: int, o: int, names: tuple) -> nn.Linear:
+            return nn.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=dtype,
+                             kernel_init=_init(names), bias_init=nn.with_partitioning(nn.initializers.zeros, names[1:]),
+                             rngs=rngs)
+
+        self.gate, self.up, self.down = linear(d, m, ("embed", "mlp")), linear(d, m, ("embed", "mlp")), linear(m, d, ("mlp", "embed"))
+        self.act = cfg.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(_ACTIVATIONS[self.act](self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; ``sandwich_norms`` adds a norm on each branch's output."""
+
+    def __init__(self, cfg: LlmConfig, layer: int, *, dtype: Any, rngs: nn.Rngs) -> None:
+        norm = {"eps": cfg.rms_norm_eps, "offset": cfg.norm_offset, "param_dtype": dtype, "names": ("embed",)}
+        d = cfg.hidden_size
+        self.input_norm = RMSNorm(d, **norm, rngs=rngs)
+        self.attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(d, **norm, rngs=rngs) if cfg.sandwich_norms else None
+        self.mlp_norm = RMSNorm(d, **norm, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.post_mlp_norm = RMSNorm(d, **norm, rngs=rngs) if cfg.sandwich_norms else None
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
+                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h, kv
+
+
+def _check_room(cache: KVCache, added: Any) -> None:
+    """Eagerly (concrete lengths), refuses a call that would write real tokens past the
+    cache's end; under ``jit`` such tokens cannot be refused and are dropped, so callers
+    size ``max_length`` for the longest row."""
+    if isinstance(cache.lengths, jax.core.Tracer) or isinstance(added, jax.core.Tracer):
+        return
+    need = np.asarray(cache.lengths) + np.asarray(added)
+    if need.max(initial=0) > cache.max_length:
+        rows = np.flatnonzero(need > cache.max_length).tolist()
+        raise ValueError(
+            f"KVCache of max_length {cache.max_length} has no room: rows {rows} would hold "
+            f"{need[rows].tolist()} tokens; make the cache longer (model.init_cache(batch, max_length))"
+        )
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model of any supported family.
+
+    ``model(input_ids [B, T] int) -> logits [B, T, vocab] float32`` attends causally over
+    the row (positions ``0 .. T-1``, or ``positions [B, T]``). With a :class:`KVCache`
+    (:meth:`init_cache`), ``model(input_ids, cache=cache, lengths=None)`` returns
+    ``(logits, cache)``: the tokens go at each row's own next positions, ``lengths [B]``
+    says how many of the ``T`` tokens of each row are real (right padding; default all),
+    and the returned cache holds ``cache.lengths + lengths`` tokens per row (at most
+    ``max_length``: an eager call beyond it raises; under ``jit`` the overflow is dropped).
+
+    Args:
+      config: the architecture (:class:`LlmConfig`).
+      dtype: parameter and computation dtype (norms, rotary tables and softmax run in float32).
+      rngs: ``nn.Rngs`` for the random initialization (``from_pretrained`` skips it).
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> from cairn.llm import CausalLM, LlmConfig
+    >>> cfg = LlmConfig("llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4)
+    >>> model = CausalLM(cfg, rngs=nn.Rngs(0))
+    >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+    (2, 5, 32)
+    """
+
+    def __init__(self, config: LlmConfig, *, dtype: Any = jnp.float32, rngs: nn.Rngs) -> None:
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+                              embedding_init=_init(("vocab", "embed")), rngs=rngs)
+        self.layers = nn.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset,
+                            param_dtype=dtype, names=("embed",), rngs=rngs)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+            kernel_init=_init(("embed", "vocab")), rngs=rngs)
+
+    def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` rows of up to ``max_length`` tokens."""
+        c = self.config
+        return KVCache.zeros(c.num_hidden_layers, batch, max_length, c.num_key_value_heads, c.head_dim,
+                             self.dtype if dtype is None else dtype)
+
+    def _rope(self, q_pos: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """The ``(cos, sin)`` tables of every layer, computed once per distinct rope setting."""
+        c, tables, out = self.config, {}, []
+        for i in range(c.num_hidden_layers):
+            params = c.rope_parameters(i)
+            key = tuple(sorted(params.items()))
+            if key not in tables:
+                tables[key] = rope_tables(params, c.head_dim, c.max_position_embeddings, q_pos)
+            out.append(tables[key])
+        return out
+
+    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                 cache: KVCache | None = None, lengths: jax.Array | None = None) -> Any:
+        b, t = input_ids.shape
+        if cache is None:
+            if lengths is not None:
+                raise ValueError("CausalLM: lengths is only meaningful with a cache (right padding needs no mask without one)")
+            q_pos = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else jnp.asarray(positions)
+        else:
+            if positions is not None:
+                raise ValueError("CausalLM: with a cache, positions are the cache's lengths; do not pass positions")
+            q_pos = cache.lengths[:, None] + jnp.arange(t)[None, :]
+            _check_room(cache, t if lengths is None else lengths)
+        x = self.embed(input_ids)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
+        ropes = self._rope(q_pos)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            x, (k, v) = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]))
+            keys.append(k)
+            values.append(v)
+        x = self.norm(x)
+        logits = (self.embed.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = cap * jnp.tanh(logits / cap)
+        if cache is None:
+            return logits
+        added = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        return logits, KVCache(tuple(keys), tuple(values), cache.lengths + added)
