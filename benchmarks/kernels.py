@@ -25,8 +25,10 @@ Prints a table, then ONE JSON line. ``--quick`` takes about two or three minutes
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -239,7 +241,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     # never read what earlier runs tuned on this machine, never write the user's cache
-    os.environ["CAIRN_KERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="cairn-bench-kernels-")
+    os.environ["CAIRN_KERNELS_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="cairn-bench-kernels-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     reps = 5 if args.quick else 11
     rows = heuristic_rows(args.quick, 2 * reps + 1) + attention_rows(args.quick, reps) + memory_rows() + interpret_rows()
     try:
