@@ -142,12 +142,10 @@ def heuristic_rows(quick: bool, reps: int) -> list[dict]:
             tuned = dict(ck.autotune_op(call.op, *call.args, iterations=reps, store=False,
                                         mode="fwd" if mode == "fwd" else "fwd_bwd", **call.kwargs).config)
             wrap = jax.jit if mode == "fwd" else _grad
-            fns = []
-            for cfg in candidates:
-                with ck.override(config=cfg, op="dot_product_attention"):
-                    fn = wrap(attn)
-                    fn(q, q, q)  # traced inside the block: the config is baked in
-                fns.append(fn)
+            # a new function per config: jax.jit keeps one trace per function, whatever wraps it
+            fns = [wrap(lambda q, k, v, cfg=cfg, causal=causal: ck.dot_product_attention(q, k, v, is_causal=causal,
+                                                                                         config=cfg))
+                   for cfg in candidates]
             ms = _medians(fns, (q, q, q), reps)
             by_cfg = {c["chunk_size"]: m for c, m in zip(candidates, ms, strict=True)}
             shape = f"f32[{b},{t},{n},{h}] {'causal ' if causal else ''}{mode}"
