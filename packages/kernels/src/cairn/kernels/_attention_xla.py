@@ -429,8 +429,10 @@ def default_config(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Mappi
       ``T * S`` logits through memory (logits, softmax, ``P V``). Measured on a 2-core
       Xeon (medians, ``benchmarks/kernels.py`` "heuristic" rows, docs/kernels.md): at
       ``[1, 1024, 8, 64]`` causal the plain path is 2-3.5x slower than chunks of 128,
-      which the autotuner picks there and at ``[4, 512, 8, 64]``, forward and forward +
-      backward, float32 and bfloat16; at sequence 256 the two are within about 1.2x;
+      which the autotuner picks there and at ``[4, 512, 8, 64]`` (float32 and bfloat16;
+      forward + backward always; the forward alone at 1024 under heavy load preferred
+      256, by up to 1.5x, where 256 loses 1.06-1.45x forward + backward); at sequence
+      256 plain and chunked are within about 1.2x;
       with 2048 keys, 16 queries or fewer (decoding) run faster plain (each chunk's
       matmul is too small to pay for the scan), 64 or more faster chunked.
     * GPU and TPU (where the Pallas kernels come first and ``xla`` is the fallback):
