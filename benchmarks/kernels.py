@@ -10,14 +10,28 @@ jax.nn. Interpret-mode correctness of the Pallas kernels (max error against floa
 NumPy). GPU rows read "not measured (no GPU)" unless a GPU is the default backend.
 The rows of the other ops come from ``benchmarks/_kernels_ops.py``.
 
-Prints a table, then ONE JSON line. ``--quick`` takes about a minute or two.
+Heuristic rows: the untuned default (no cache entry: the heuristic on shapes, dtype and
+backend) against the autotuner's choice and every candidate config, at the shapes of
+issue 25 (``[1,1024,8,64]`` causal and ``[4,512,8,64]``, float32, forward and forward +
+backward); all candidates timed in turns, medians, ``ratio`` = tuned median / heuristic
+median (>= 0.91 means the heuristic is within 1.1x of the tuned choice).
+
+The run uses a temporary autotune cache (``$CAIRN_KERNELS_CACHE_DIR``), so it neither
+reads what earlier runs tuned on this machine nor writes the user's cache.
+
+Prints a table, then ONE JSON line. ``--quick`` takes about two or three minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
+import shutil
+import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +109,52 @@ def attention_rows(quick: bool, reps: int) -> list[dict]:
                 for ref_name, ref in (("jax.nn.dot_product_attention", jaxnn), ("softmax(QK^T)V composition", comp)):
                     t_ours, t_ref = _time_pair(f_ours, wrap(ref), (q, k, v), reps)
                     out.append(_row("dot_product_attention", f"xla {cfg}", shape, t_ours, ref_name, t_ref))
+    return out
+
+
+def _medians(fns: list[Callable[..., Any]], args: tuple, reps: int) -> list[float]:
+    """Median ms of each compiled function, timed in turns (each round runs every one once)."""
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(ts) for ts in times]
+
+
+def heuristic_rows(quick: bool, reps: int) -> list[dict]:
+    """The untuned default config against the tuned one and every candidate (issue 25's shapes)."""
+    out = []
+    for b, t, n, h, causal in ((1, 1024, 8, 64, True), (4, 512, 8, 64, False)):
+        q = jax.random.normal(jax.random.key(t), (b, t, n, h))
+
+        def attn(q, k, v, causal=causal):
+            return ck.dot_product_attention(q, k, v, is_causal=causal)
+
+        (call,) = ck.ops_in(attn, q, q, q)
+        assert call.source == "default", call.source  # the temporary cache is empty for this bucket
+        heuristic = dict(call.config)
+        candidates = [{"chunk_size": None}] + [{"chunk_size": c} for c in (128, 256, 512, 1024) if c < t]
+        for mode in ("fwd", "fwd+bwd"):
+            tuned = dict(ck.autotune_op(call.op, *call.args, iterations=reps, store=False,
+                                        mode="fwd" if mode == "fwd" else "fwd_bwd", **call.kwargs).config)
+            wrap = jax.jit if mode == "fwd" else _grad
+            # a new function per config: jax.jit keeps one trace per function, whatever wraps it
+            fns = [wrap(lambda q, k, v, cfg=cfg, causal=causal: ck.dot_product_attention(q, k, v, is_causal=causal,
+                                                                                         config=cfg))
+                   for cfg in candidates]
+            ms = _medians(fns, (q, q, q), reps)
+            by_cfg = {c["chunk_size"]: m for c, m in zip(candidates, ms, strict=True)}
+            shape = f"f32[{b},{t},{n},{h}] {'causal ' if causal else ''}{mode}"
+            note = ("medians ms: " + ", ".join(f"{'plain' if c is None else c} {m:.1f}" for c, m in by_cfg.items())
+                    + f"; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+            row = _row("dot_product_attention", f"xla heuristic {heuristic}", shape,
+                       by_cfg[heuristic["chunk_size"]], f"tuned {tuned}", by_cfg[tuned["chunk_size"]], note)
+            row["candidates_ms"] = {str(c): round(m, 3) for c, m in by_cfg.items()}
+            out.append(row)
     return out
 
 
@@ -178,8 +238,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    # never read what earlier runs tuned on this machine, never write the user's cache
+    os.environ["CAIRN_KERNELS_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="cairn-bench-kernels-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     reps = 5 if args.quick else 11
-    rows = attention_rows(args.quick, reps) + memory_rows() + interpret_rows()
+    rows = heuristic_rows(args.quick, 2 * reps + 1) + attention_rows(args.quick, reps) + memory_rows() + interpret_rows()
     try:
         import _kernels_ops
     except ImportError:
@@ -189,14 +252,16 @@ def main() -> None:
     if jax.default_backend() != "gpu":
         rows += gpu_rows()
     _print_table(rows)
-    timed = [r["ratio"] for r in rows if r["ratio"] is not None]
+    # ratio against a reference library (the heuristic rows compare two of our own configs)
+    timed = [r["ratio"] for r in rows if r["ratio"] is not None and "heuristic" not in r["impl"]]
     summary = {
         "bench": "kernels",
         "quick": args.quick,
         "backend": jax.default_backend(),
         "min_ratio": min(timed) if timed else None,
-        "attention_min_ratio": min((r["ratio"] for r in rows if r["op"] == "dot_product_attention" and r["ratio"]),
-                                   default=None),
+        "attention_min_ratio": min((r["ratio"] for r in rows if r["op"] == "dot_product_attention" and r["ratio"]
+                                    and "heuristic" not in r["impl"]), default=None),
+        "heuristic_vs_tuned": {r["shape"]: r["ratio"] for r in rows if "heuristic" in r["impl"]},
         "attention_8k_temp_mib": {r["shape"].split()[-2]: [r.get("ours_temp_mib"), r.get("ref_temp_mib")]
                                   for r in rows if "(memory)" in r["shape"]},
         "rows": [{k: r[k] for k in ("op", "impl", "shape", "ratio")} for r in rows if r["ratio"] is not None],

@@ -1,11 +1,14 @@
 """Shared test settings: under CI, hypothesis draws the same examples every run, so a
 result never depends on which random examples a run happened to draw (locally, every run
 still explores new ones). The `run_on_cpu_devices` fixture runs a script on N virtual CPU
-devices in a fresh interpreter."""
+devices in a fresh interpreter. The whole session (xdist workers and the subprocesses
+tests start included) uses a temporary cairn.kernels cache, never the user's."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -13,6 +16,28 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+_SESSION_CACHE: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point ``$CAIRN_KERNELS_CACHE_DIR`` at a fresh temporary directory for this session.
+
+    The autotune cache (and the lm recipe's choice file beside it) would otherwise be the
+    user's ``~/.cache/cairn/kernels``, shared with benchmarks and training runs. Set in the
+    controller before xdist starts its workers, so workers and subprocesses inherit it;
+    a worker keeps the controller's directory. tests/kernels isolates each test further.
+    """
+    if hasattr(config, "workerinput"):
+        return
+    path = tempfile.mkdtemp(prefix="cairn-tests-kernels-cache-")
+    _SESSION_CACHE.append(path)
+    os.environ["CAIRN_KERNELS_CACHE_DIR"] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE.pop(), ignore_errors=True)
 
 
 @pytest.fixture

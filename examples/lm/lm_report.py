@@ -119,7 +119,7 @@ def _short(v: object) -> str:
         return str(v)
     what = f"cairn.kernels[{v.get('kernels_implementation', '?')}]" if v.get("implementation") == "kernels" else "plain XLA"
     ms = ", ".join(f"{k} {t:.1f} ms" for k, t in v.get("candidates_ms", {}).items())
-    why = str(v.get("chosen_by", "")) + (f": {ms}" if ms else "")
+    why = str(v.get("chosen_by", "")) + (f": {ms}" if ms else "") + (f"; from {v['provenance']}" if v.get("provenance") else "")
     return what + (f" ({why})" if why else "")
 
 

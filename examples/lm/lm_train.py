@@ -148,7 +148,7 @@ def _kernels_trace(op: str, inputs: dict[str, jax.Array]) -> dict:
     if not calls:
         return {}
     return {"kernels_op": calls[0].op, "kernels_implementation": calls[0].implementation,
-            "kernels_config": dict(calls[0].config)}
+            "kernels_config": dict(calls[0].config), "kernels_source": calls[0].describe_source()}
 
 
 def _time_op(op: str, inputs: dict[str, jax.Array]) -> dict[str, float]:
@@ -214,7 +214,7 @@ def _auto_choice(cfg: lm_config.Config, op: str, inputs: dict[str, jax.Array]) -
         return {**cached, "source": "cache"}
     ms = _time_op(op, inputs)
     impl = "kernels" if ms["kernels"] < (1.0 - AUTO_MARGIN) * ms["xla"] else "xla"
-    entry = {"implementation": impl, "candidates_ms": ms, "chosen_by": "auto"}
+    entry = {"implementation": impl, "candidates_ms": ms, "chosen_by": "auto", "measured": ck.measurement_context()}
     _CHOICES[key] = entry
     _write_json(_cache_file(), {**_read_json(_cache_file()), key: entry})
     return {**entry, "source": "measured"}
@@ -260,24 +260,41 @@ def choose_kernels(cfg: lm_config.Config, run_dir: pathlib.Path | None = None, *
         else:
             entry = _auto_choice(cfg, op, inputs)
         out[op] = {**entry, **_kernels_trace(op, inputs)}
+        out[op]["provenance"] = _provenance(out[op])
     out = _broadcast_json(out)
     if run_dir is not None and jax.process_index() == 0:
         _write_json(run_dir / "kernels.json", out)
     return out
 
 
+def _provenance(e: dict) -> str:
+    """Where an entry's choice came from: the xla-or-kernels decision (with the date and load
+    of its measurement) and, for cairn.kernels, where its implementation and config came from."""
+    m = e.get("measured") or {}
+    when = (f"{m['date']}, load {m['loadavg'][0]:g} on {m['cpu_count']} CPUs" if m.get("date") and m.get("loadavg")
+            else "no record of when or under what load")
+    where = {"config": "the run's config", "measured": f"a measurement now ({when})",
+             "memo": f"a measurement earlier in this process ({when})",
+             "cache": f"the choice cache {_cache_file()} (measured {when})",
+             "run_dir": f"the resumed run's kernels.json (measured {when})"}
+    text = where.get(e.get("source", ""), str(e.get("source")))
+    if e["implementation"] == "kernels" and e.get("kernels_source"):
+        text += f"; cairn.kernels config {e.get('kernels_config')} from {e['kernels_source']}"
+    return text
+
+
 def describe_kernels(choice: dict) -> str:
-    """One line, e.g. ``kernels: attention=cairn.kernels[xla] (auto: xla 4.12 ms, kernels 3.22 ms);
-    loss=plain XLA (config)``: per op what runs, and why (the timings when measured)."""
+    """One line, e.g. ``kernels: attention=cairn.kernels[xla] (auto: xla 4.12 ms, kernels 3.22 ms;
+    from measured now (...); cairn.kernels config {...} from ...); loss=plain XLA (config; from
+    set in the config)``: per op what runs, why (the timings when measured) and where the
+    choice came from (`_provenance`)."""
     parts = []
     for op, e in choice.items():
         what = f"cairn.kernels[{e.get('kernels_implementation', '?')}]" if e["implementation"] == "kernels" else "plain XLA"
         why = e["chosen_by"]
         if e.get("candidates_ms"):
             why += ": " + ", ".join(f"{k} {v:.2f} ms" for k, v in e["candidates_ms"].items())
-        if e.get("source") in ("memo", "cache", "run_dir"):
-            why += f", from {e['source']}"
-        parts.append(f"{op}={what} ({why})")
+        parts.append(f"{op}={what} ({why}; from {e.get('provenance', e.get('source', '?'))})")
     return "kernels: " + "; ".join(parts)
 
 

@@ -217,6 +217,31 @@ def test_auto_selection_measures_both_and_reports_the_choice(tmp_path, fresh_cho
         assert resumed[op]["source"] == "run_dir" and resumed[op]["implementation"] == flipped[op]["implementation"]
 
 
+def test_the_start_up_line_and_report_say_where_each_choice_came_from(tmp_path, fresh_choices, monkeypatch):
+    """Issue 25: a measured choice names its date and load, a cached one the file it came from,
+    and cairn.kernels' own config the rule that chose it (here the untuned default heuristic)."""
+    import lm_report
+
+    from cairn.kernels import _cache
+
+    lm_train = fresh_choices
+    _cache.clear()  # no autotune entry from earlier tests in this process
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.5, 1.0, 1.0))
+    cfg = _cfg(tmp_path / "run", 'kernels.attention="kernels"')  # the loss stays "auto"
+    first = lm_train.choose_kernels(cfg)
+    attention, loss = first["attention"]["provenance"], first["loss"]["provenance"]
+    assert attention.startswith("the run's config") and "untuned default heuristic" in attention
+    assert loss.startswith("a measurement now") and "load 6.5 on" in loss
+    lm_train._CHOICES.clear()  # a later process: the decision comes from the choice cache file
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 1.0, 1.0))
+    again = lm_train.choose_kernels(cfg)["loss"]
+    assert again["source"] == "cache" and "load 6.5 on" in again["provenance"]
+    assert first["loss"]["measured"]["date"] in again["provenance"] and "lm_recipe_choices.json" in again["provenance"]
+    line = lm_train.describe_kernels({"attention": first["attention"], "loss": again})
+    assert "untuned default heuristic" in line and "the choice cache" in line
+    assert "the choice cache" in lm_report._short(again)
+
+
 def test_config_choice_is_not_measured(tmp_path, fresh_choices):
     choice = fresh_choices.choose_kernels(_cfg(tmp_path, 'kernels.attention="kernels"', 'kernels.loss="xla"'))
     assert choice["attention"]["implementation"] == "kernels" and choice["loss"]["implementation"] == "xla"

@@ -1,7 +1,7 @@
 """Every kernels test gets its own empty autotune cache directory and a fresh in-process cache.
 
-So no test reads or writes the user's ``~/.cache/cairn/kernels`` and no test sees another
-test's autotune results (safe under pytest-xdist).
+tests/conftest.py already keeps the whole session off the user's ``~/.cache/cairn/kernels``;
+here, in addition, no test sees another test's autotune results (safe under pytest-xdist).
 """
 
 import sys

@@ -315,3 +315,43 @@ def test_gpu_kernels_lower_for_cuda(implementation, marker):
     text = exported.mlir_module()
     assert marker in text
     assert "__gpu$xla.gpu.triton" in text  # the backward kernels (Triton for both)
+
+
+# --- the untuned default (no autotune cache): a heuristic on shapes, dtype and backend ---
+
+
+def _untuned(q_shape, kv_len, dtype=jnp.float32, is_causal=False, platform="cpu", **kw):
+    """The KernelCall default dispatch makes for these shapes, as on ``platform``."""
+    b, _, n, h = q_shape
+    q = jax.ShapeDtypeStruct(q_shape, dtype)
+    kv = jax.ShapeDtypeStruct((b, kv_len, n, h), dtype)
+    with ck.cross_compile(platform):
+        (call,) = ck.ops_in(lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=is_causal, **kw), q, kv, kv)
+    return call
+
+
+@pytest.mark.parametrize("q_shape, is_causal, dtype", [
+    ((1, 1024, 8, 64), True, jnp.float32),   # issue 25: plain was 2-3.5x slower than the tuned chunks of 128
+    ((4, 512, 8, 64), False, jnp.float32),
+    ((4, 512, 8, 64), True, jnp.float32),
+    ((1, 1024, 8, 64), True, jnp.bfloat16),
+])
+def test_untuned_cpu_default_is_the_chunked_path_the_autotuner_picks(q_shape, is_causal, dtype):
+    call = _untuned(q_shape, q_shape[1], dtype, is_causal)
+    assert (call.implementation, dict(call.config), call.source) == ("xla", {"chunk_size": 128}, "default")
+
+
+@pytest.mark.parametrize("q_shape, kv_len", [
+    ((1, 64, 8, 64), 128),    # one chunk of keys: nothing to chunk
+    ((4, 1, 8, 64), 2048),    # decoding: one query row per step
+    ((4, 16, 8, 64), 2048),   # too few queries for a chunk's matmul to pay for the scan
+])
+def test_untuned_cpu_default_stays_plain_where_plain_measured_faster(q_shape, kv_len):
+    assert dict(_untuned(q_shape, kv_len).config) == {"chunk_size": None}
+
+
+def test_untuned_xla_default_off_cpu_keeps_the_fused_plain_path_up_to_the_limit():
+    # on a GPU (or TPU) xla is the fallback behind the Pallas kernels; plain up to 1024 x 1024
+    kw = {"implementation": "xla"}
+    assert dict(_untuned((1, 1024, 8, 64), 1024, platform="gpu", **kw).config) == {"chunk_size": None}
+    assert dict(_untuned((1, 2048, 8, 64), 2048, platform="gpu", **kw).config) == {"chunk_size": 512}

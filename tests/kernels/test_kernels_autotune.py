@@ -76,7 +76,7 @@ def test_package_directory_is_never_written(isolated_kernel_cache):
     "doc, field",
     [
         ({"device_kind": "cpu", "entries": {}}, "missing required key 'schema_version'"),
-        ({"schema_version": 2, "device_kind": "cpu", "entries": {}}, r"\$.schema_version: expected one of \[1\]"),
+        ({"schema_version": 0, "device_kind": "cpu", "entries": {}}, r"\$.schema_version: expected one of \[1, 2\]"),
         ({"schema_version": 1, "device_kind": "cpu", "entries": {"op": {"b": {"implementation": "cudnn",
           "config": {}, "time_ms": 1}}}}, r"\$.entries\['op'\]\['b'\].implementation"),
         ({"schema_version": 1, "device_kind": "cpu", "entries": {"op": {"b": {"implementation": "xla",
@@ -131,7 +131,7 @@ def test_autotune_a_function_with_attention():
     assert calls[0].config == dict(entry.config)
 
 
-def test_cli_lists_and_writes(tmp_path, monkeypatch, capsys):
+def _cli_module(tmp_path, monkeypatch):
     mod = f"cli_model_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{mod}.py").write_text(textwrap.dedent("""
         import cairn.kernels as ck
@@ -140,16 +140,59 @@ def test_cli_lists_and_writes(tmp_path, monkeypatch, capsys):
             return ck.dot_product_attention(q, k, v, is_causal=True).sum()
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    specs = ["f32[1,32,4,16]", "f32[1,32,2,16]", "f32[1,32,2,16]"]
-    assert _cli.main([f"{mod}:step", "--list", "--args-spec", *specs]) == 0
-    assert "dot_product_attention[xla]" in capsys.readouterr().out
+    return mod
+
+
+SPECS = ["f32[1,32,4,16]", "f32[1,32,2,16]", "f32[1,32,2,16]"]
+
+
+def test_cli_lists_and_writes(tmp_path, monkeypatch, capsys):
+    mod = _cli_module(tmp_path, monkeypatch)
+    assert _cli.main(["tune", f"{mod}:step", "--list", "--args-spec", *SPECS]) == 0
+    out = capsys.readouterr().out
+    assert "dot_product_attention[xla]" in out and "chosen by the untuned default heuristic" in out
     out_file = tmp_path / "tuned.json"
-    assert _cli.main([f"{mod}:step", "--iterations", "1", "--output", str(out_file), "--args-spec", *specs]) == 0
+    assert _cli.main(["tune", f"{mod}:step", "--iterations", "1", "--output", str(out_file), "--args-spec", *SPECS]) == 0
     doc = _cache.load_file(out_file)
     assert list(doc["entries"]) == ["dot_product_attention"]
-    assert _cli.main(["no_colon", "--list"]) == 2
-    assert _cli.main([f"{mod}:missing", "--list"]) == 2
+    # cairn-autotune, 0.1's command, still works (it always measures)
+    legacy = tmp_path / "legacy.json"
+    assert _cli.autotune_main([f"{mod}:step", "--iterations", "1", "--output", str(legacy), "--args-spec", *SPECS]) == 0
+    assert list(_cache.load_file(legacy)["entries"]) == ["dot_product_attention"]
+    assert _cli.main(["tune", "no_colon", "--list"]) == 2
+    assert _cli.main(["tune", f"{mod}:missing", "--list"]) == 2
     assert "has no attribute" in capsys.readouterr().err
+    sys.modules.pop(mod, None)
+
+
+def test_cli_tune_reuses_the_cache_unless_forced_and_show_prints_records(tmp_path, monkeypatch, capsys):
+    mod = _cli_module(tmp_path, monkeypatch)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.25, 0.5, 0.5))
+    assert _cli.main(["tune", f"{mod}:step", "--iterations", "1", "--args-spec", *SPECS]) == 0
+    path = _cache.cache_dir() / (_cache.file_stem(_cache.device_kind()) + ".json")
+    first = json.loads(path.read_text())["entries"]["dot_product_attention"]
+    assert [e["measured"]["loadavg"] for e in first.values()] == [[0.25, 0.5, 0.5]]
+    capsys.readouterr()
+
+    _cache.clear()  # a later process
+    monkeypatch.setattr("os.getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert _cli.main(["tune", f"{mod}:step", "--iterations", "1", "--args-spec", *SPECS]) == 0
+    out = capsys.readouterr().out
+    assert "chosen by the autotune cache" in out and "load 0.25 on" in out  # listed, then reused
+    assert "load average 9 on" in out  # the busy machine is named
+    assert json.loads(path.read_text())["entries"]["dot_product_attention"] == first  # not re-measured
+
+    _cache.clear()
+    assert _cli.main(["tune", f"{mod}:step", "--force", "--iterations", "1", "--args-spec", *SPECS]) == 0
+    again = json.loads(path.read_text())["entries"]["dot_product_attention"]
+    assert list(again) == list(first)
+    assert [e["measured"]["loadavg"] for e in again.values()] == [[9.0, 9.0, 9.0]]  # re-measured now
+
+    assert _cli.main(["show"]) == 0
+    shown = capsys.readouterr().out
+    assert str(path) in shown and "schema 2" in shown and "under load 9 on" in shown
+    assert _cli.main(["show", "--file", str(tmp_path / "none.json")]) == 0
+    assert "untuned default heuristic" in capsys.readouterr().out
     sys.modules.pop(mod, None)
 
 

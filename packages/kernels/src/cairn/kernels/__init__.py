@@ -14,6 +14,7 @@ from cairn.kernels._autotune import (
     autotune,
     autotune_op,
 )
+from cairn.kernels._cache import measurement_context
 from cairn.kernels._cross_entropy import linear_softmax_cross_entropy_loss
 from cairn.kernels._glu import gated_linear_unit
 from cairn.kernels._norms import layer_norm, rms_norm
@@ -28,7 +29,7 @@ from cairn.kernels._registry import (
     register,
     register_op,
 )
-from cairn.kernels._trace import KernelCall, ops_in, recording
+from cairn.kernels._trace import KernelCall, describe_source, ops_in, recording
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,8 @@ __all__ = [
     "KernelCall",
     "ops_in",
     "recording",
+    "describe_source",
+    "measurement_context",
     "ragged_dot",
     "ragged_dot_general",
     "linear_softmax_cross_entropy_loss",

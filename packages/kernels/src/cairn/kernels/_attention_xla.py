@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.kernels import _registry
 from cairn.kernels._attention_common import (
     AttentionSpec,
     pad_axis,
@@ -30,8 +31,11 @@ from cairn.kernels._attention_common import (
 )
 
 CHUNK_SIZES = (128, 256, 512, 1024)
-# above this many logits per (batch * head) the default is the chunked path
+# GPU/TPU: above this many logits per (batch * head) the default is the chunked path
 PLAIN_LIMIT = 1024 * 1024
+# CPU: the chunk size of the default, and the fewest query rows that make chunking pay
+CPU_CHUNK = 128
+CPU_MIN_QUERIES = 64
 
 
 def _grouped(x: jax.Array | None, n_heads: int, groups: int) -> jax.Array | None:
@@ -417,5 +421,28 @@ def configs(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Sequence[Map
 
 
 def default_config(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Mapping[str, Any]:
-    """Plain up to ``PLAIN_LIMIT`` logits per batch row and head, else chunks of 512."""
-    return {"chunk_size": None if q.shape[1] * k.shape[1] <= PLAIN_LIMIT else 512}
+    """The untuned choice: a heuristic on the backend and the sequence lengths.
+
+    * CPU: chunks of ``CPU_CHUNK`` (128) keys once there are more keys than one chunk and
+      at least ``CPU_MIN_QUERIES`` (64) query rows, else plain. A ``[T, 128]`` logits
+      block per head stays in the core's cache, where the plain path streams all
+      ``T * S`` logits through memory (logits, softmax, ``P V``). Measured on a 2-core
+      Xeon (medians, ``benchmarks/kernels.py`` "heuristic" rows, docs/kernels.md): at
+      ``[1, 1024, 8, 64]`` causal the plain path is 2-3.5x slower than chunks of 128,
+      which the autotuner picks there and at ``[4, 512, 8, 64]`` (float32 and bfloat16;
+      forward + backward always; the forward alone at 1024 under heavy load preferred
+      256, by up to 1.5x, where 256 loses 1.06-1.45x forward + backward); at sequence
+      256 plain and chunked are within about 1.2x;
+      with 2048 keys, 16 queries or fewer (decoding) run faster plain (each chunk's
+      matmul is too small to pay for the scan), 64 or more faster chunked.
+    * GPU and TPU (where the Pallas kernels come first and ``xla`` is the fallback):
+      plain up to ``PLAIN_LIMIT`` logits per batch row and head (the fused XLA path),
+      else chunks of 512 to keep memory linear.
+
+    Bias and dropout run plain whatever the config says (the chunked path takes neither).
+    """
+    t, s_len = q.shape[1], k.shape[1]
+    if _registry.backend() == "cpu":
+        chunked = s_len > CPU_CHUNK and t >= CPU_MIN_QUERIES
+        return {"chunk_size": CPU_CHUNK if chunked else None}
+    return {"chunk_size": None if t * s_len <= PLAIN_LIMIT else 512}

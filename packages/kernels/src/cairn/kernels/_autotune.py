@@ -38,7 +38,13 @@ class Measurement:
 
 @dataclasses.dataclass(frozen=True)
 class AutotuneEntry:
-    """The result for one (op, bucket): the winner and every candidate measured."""
+    """The result for one (op, bucket): the winner and every candidate measured.
+
+    ``measured`` records when, where and under what load it was measured
+    (:func:`cairn.kernels.measurement_context`; empty for a schema-1 cache entry);
+    ``origin`` is the cache file it was taken from when :func:`autotune` reused a cached
+    entry (``force=False``), ``None`` when it was measured now.
+    """
 
     op: str
     bucket: str
@@ -46,6 +52,18 @@ class AutotuneEntry:
     config: Mapping[str, Any]
     time_ms: float
     candidates: tuple[Measurement, ...]
+    measured: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    origin: str | None = None
+
+    @classmethod
+    def from_json(cls, op: str, bucket: str, doc: Mapping[str, Any], origin: str | None = None) -> AutotuneEntry:
+        """An entry from its cache-file form (see ``cache_schema.json``)."""
+        cands = tuple(
+            Measurement(c["implementation"], dict(c["config"]), c.get("time_ms"), c.get("error"))
+            for c in doc.get("candidates", ())
+        )
+        return cls(op, bucket, str(doc["implementation"]), dict(doc["config"]), float(doc["time_ms"]),
+                   cands, dict(doc.get("measured", {})), origin)
 
     def to_json(self) -> dict[str, Any]:
         """The cache-file form of this entry (see ``cache_schema.json``)."""
@@ -59,12 +77,15 @@ class AutotuneEntry:
             if m.error is not None:
                 item["error"] = m.error
             cands.append(item)
-        return {
+        doc = {
             "implementation": self.implementation,
             "config": dict(self.config),
             "time_ms": self.time_ms,
             "candidates": cands,
         }
+        if self.measured:
+            doc["measured"] = dict(self.measured)
+        return doc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +100,13 @@ class AutotuneResult:
         return _cache.save(self.device_kind, path)
 
     def table(self) -> str:
-        """A text table: op, bucket, implementation, config, time."""
-        lines = [f"{'op':28} {'implementation':18} {'time ms':>9}  config / bucket"]
+        """A text table: op, implementation, time, config, bucket, and where each came from."""
+        lines = [f"{'op':28} {'implementation':18} {'time ms':>9}  config / bucket / source"]
         for e in self.entries:
+            source = "cache" if e.origin is not None else "autotune"
             lines.append(
                 f"{e.op:28} {e.implementation:18} {e.time_ms:9.3f}  {dict(e.config)} {e.bucket}"
+                f"  [{_trace.describe_source(source, {**e.measured, 'file': e.origin})}]"
             )
         return "\n".join(lines)
 
@@ -241,18 +264,22 @@ def autotune_op(
         )
     best = min(timed, key=lambda m: m.time_ms or 0.0)
     key = _registry.bucket_key(op, *args, **kwargs)
+    context = _cache.measurement_context(mode=mode, iterations=max(1, iterations))
     entry = AutotuneEntry(
-        op, key, best.implementation, dict(best.config), float(best.time_ms or 0.0), tuple(results)
+        op, key, best.implementation, dict(best.config), float(best.time_ms or 0.0), tuple(results),
+        context,
     )
     if store:
         _cache.put(_cache.device_kind(), op, key, entry.to_json())
     _LOG.info(
-        "cairn.kernels: autotuned %s %s -> %s %s (%.3f ms)",
+        "cairn.kernels: autotuned %s %s -> %s %s (%.3f ms, load %s on %d CPUs)",
         op,
         key,
         best.implementation,
         best.config,
         entry.time_ms,
+        context["loadavg"],
+        context["cpu_count"],
     )
     return entry
 
@@ -263,6 +290,7 @@ def autotune(
     iterations: int = 5,
     mode: str = "fwd",
     save: bool = False,
+    force: bool = True,
     **kwargs: Any,
 ) -> AutotuneResult:
     """Autotune every kernel op ``fn(*args, **kwargs)`` calls (Tokamax's ``autotune``).
@@ -277,6 +305,9 @@ def autotune(
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
       iterations, mode: as :func:`autotune_op`.
       save: also write the user cache file.
+      force: measure every bucket (the default); ``False`` reuses an entry already read
+        from a cache file and measured in the same ``mode`` (``cairn-kernels tune`` without
+        ``--force``) and measures the rest.
       **kwargs: static keyword arguments of ``fn``.
 
     Returns:
@@ -297,6 +328,10 @@ def autotune(
         if key in seen:
             continue
         seen.add(key)
+        cached = None if force else _cache.lookup_entry(_cache.device_kind(), *key)
+        if cached is not None and cached[1] is not None and cached[0].get("measured", {}).get("mode", mode) == mode:
+            entries.append(AutotuneEntry.from_json(*key, cached[0], origin=cached[1]))
+            continue
         entries.append(
             autotune_op(call.op, *call.args, iterations=iterations, mode=mode, **call.kwargs)
         )

@@ -7,7 +7,10 @@ An *op* (``"dot_product_attention"``) has several :class:`Implementation` s (``"
 2. the innermost active :func:`cairn.kernels.override` block;
 3. the autotune cache entry for (device kind, op, shape bucket);
 4. the first implementation in the op's preference order that runs compiled on this
-   backend and whose ``supports`` accepts the arguments.
+   backend and whose ``supports`` accepts the arguments, with its ``default_config``
+   (a heuristic on shapes, dtype and backend: nothing is measured).
+
+Each recorded :class:`cairn.kernels.KernelCall` names the rule that decided (``source``).
 
 A Pallas implementation on a backend outside its ``platforms`` (the CPU) is used only when
 asked for explicitly (rules 1-2), and then runs with ``interpret=True``.
@@ -240,21 +243,56 @@ def resolve(
         implementation that cannot take the arguments (the reason is named); a config
         key the implementation does not know.
     """
+    impl, cfg, _, _ = _resolve(op, args, kwargs, implementation, config)
+    return impl, cfg
+
+
+def _resolve(
+    op: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    implementation: str | Sequence[str] | None,
+    config: Mapping[str, Any] | None,
+) -> tuple[Implementation, dict[str, Any], str, dict[str, Any]]:
+    """:func:`resolve`, plus the rule that decided (``KernelCall.source``) and the cache record."""
     over_impl, over_config = _override.active_override(op)
     requested = implementation if implementation is not None else over_impl
     tuned: Mapping[str, Any] | None = None
+    measured: dict[str, Any] = {}
     if requested is not None:
         impl = _explicit(op, requested, args, kwargs)
+        impl_source = "argument" if implementation is not None else "override"
     else:
-        hit = _cache.lookup(_cache.device_kind(), op, bucket_key(op, *args, **kwargs))
-        found: Implementation | None = None
-        if hit is not None and hit[0] in _get_op(op).impls:
-            cand = _get_op(op).impls[hit[0]]
-            if backend() in cand.platforms and cand.supports(*args, **kwargs) is None:
-                found, tuned = cand, hit[1]
+        found, tuned, measured = _cached(op, args, kwargs)
         impl = found if found is not None else _default(op, args, kwargs)
+        impl_source = ("cache" if "file" in measured else "autotune") if found is not None else "default"
     chosen = config if config is not None else over_config if over_config is not None else tuned
-    return impl, full_config(impl, chosen, *args, **kwargs)
+    config_source = "argument" if config is not None else "override" if over_config is not None else impl_source
+    # the first rule (in dispatch order) that gave the implementation or the config
+    source = min(impl_source, config_source, key=_SOURCE_ORDER.index)
+    if source not in ("cache", "autotune"):
+        measured = {}
+    return impl, full_config(impl, chosen, *args, **kwargs), source, measured
+
+
+_SOURCE_ORDER = ("argument", "override", "cache", "autotune", "default")
+
+
+def _cached(
+    op: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Implementation | None, Mapping[str, Any] | None, dict[str, Any]]:
+    """The autotune cache's implementation and config for this call, if usable here, and its record."""
+    hit = _cache.lookup_entry(_cache.device_kind(), op, bucket_key(op, *args, **kwargs))
+    if hit is None:
+        return None, None, {}
+    entry, origin = hit
+    cand = _get_op(op).impls.get(entry["implementation"])
+    if cand is None or backend() not in cand.platforms or cand.supports(*args, **kwargs) is not None:
+        return None, None, {}
+    measured = dict(entry.get("measured", {}), time_ms=entry["time_ms"])
+    if origin is not None:
+        measured["file"] = origin
+    return cand, dict(entry["config"]), measured
 
 
 def full_config(
@@ -292,12 +330,12 @@ def call(
 
     The call runs inside ``jax.named_scope(f"cairn_kernels.{op}.{implementation}")`` and is
     reported to :func:`cairn.kernels.recording` blocks (op, argument shapes and dtypes,
-    implementation, config).
+    implementation, config, and where the choice came from: ``KernelCall.source``).
 
     Raises:
       ValueError: as :func:`resolve`.
     """
-    impl, cfg = resolve(op, *args, implementation=implementation, config=config, **kwargs)
+    impl, cfg, source, measured = _resolve(op, args, kwargs, implementation, config)
     interpret = backend() not in impl.platforms
     _trace.record(
         _trace.KernelCall(
@@ -307,6 +345,8 @@ def call(
             args=tuple(_trace.abstract(a) for a in args),
             kwargs={k: _trace.abstract(v) for k, v in kwargs.items()},
             interpret=interpret,
+            source=source,
+            measured=measured,
         )
     )
     with jax.named_scope(f"{_trace.SCOPE_PREFIX}{op}.{impl.name}"):

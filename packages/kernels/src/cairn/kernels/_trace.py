@@ -35,6 +35,14 @@ class KernelCall:
       args: ``jax.ShapeDtypeStruct`` (or ``None``) per positional argument.
       kwargs: keyword arguments; arrays as ``jax.ShapeDtypeStruct``, the rest as given.
       interpret: whether it ran in Pallas interpret mode.
+      source: which dispatch rule chose the implementation and config (the first that
+        gave either): ``"argument"`` (``implementation=``/``config=``), ``"override"``
+        (a :func:`cairn.kernels.override` block), ``"cache"`` (an autotune cache file),
+        ``"autotune"`` (measured in this process) or ``"default"`` (the heuristic for the
+        shapes, dtype and backend, nothing measured).
+      measured: for ``"cache"`` and ``"autotune"``, the entry's record (``date``,
+        ``loadavg``, ``cpu_count``, versions, ...; absent fields for a schema-1 entry),
+        its ``time_ms`` and, from a file, its path as ``file``; else empty.
     """
 
     op: str
@@ -43,6 +51,12 @@ class KernelCall:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     interpret: bool = False
+    source: str = "default"
+    measured: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def describe_source(self) -> str:
+        """Where the choice came from, in words (see :func:`describe_source`)."""
+        return describe_source(self.source, self.measured)
 
     def describe(self) -> str:
         """A one-line text form: op, implementation, config, argument shapes and dtypes."""
@@ -52,6 +66,41 @@ class KernelCall:
             for k, v in self.kwargs.items()
         }
         return f"{self.op}[{self.implementation}] config={json.dumps(dict(self.config), sort_keys=True)} ({shapes}) {extra}"
+
+
+_SOURCES = {
+    "argument": "the implementation=/config= argument",
+    "override": "an override block",
+    "cache": "the autotune cache",
+    "autotune": "autotuned in this process",
+    "default": "the untuned default heuristic (nothing measured)",
+}
+
+
+def describe_source(source: str, measured: Mapping[str, Any] | None = None) -> str:
+    """Where a kernel choice came from, in words: the rule, and for a measured choice when,
+    on what and under what load it was measured.
+
+    ``source`` and ``measured`` are :class:`KernelCall`'s fields (plain JSON works too).
+
+    Example:
+      >>> describe_source("cache", {"file": "/c/cpu.json", "date": "2026-11-27T21:03:00Z",
+      ...     "loadavg": [3.5, 2.0, 1.0], "cpu_count": 2, "jax_version": "0.10.2"})
+      'the autotune cache /c/cpu.json (measured 2026-11-27T21:03:00Z under load 3.5 on 2 CPUs, jax 0.10.2)'
+      >>> describe_source("default")
+      'the untuned default heuristic (nothing measured)'
+    """
+    text = _SOURCES.get(source, source)
+    m = dict(measured or {})
+    if m.get("file"):
+        text += f" {m['file']}"
+    if source not in ("cache", "autotune"):
+        return text
+    if not m.get("date"):
+        return text + " (no record of when or under what load: re-measure with cairn-kernels tune --force)"
+    load = m.get("loadavg")
+    under = f"under load {load[0]:g} on {m.get('cpu_count', '?')} CPUs" if load else "load unknown"
+    return text + f" (measured {m['date']} {under}, jax {m.get('jax_version', '?')})"
 
 
 def _spec_text(x: Any) -> str:
