@@ -20,19 +20,32 @@ if os.environ.get("CI"):
 _SESSION_CACHE: list[str] = []
 
 
+# the caches a test session would otherwise write under the user's home, each pointed at a
+# folder of the session's temporary directory
+_CACHE_VARIABLES = {
+    "CAIRN_KERNELS_CACHE_DIR": "cairn-kernels",  # the autotune cache and the lm recipe's choices
+    "XDG_CACHE_HOME": "xdg-cache",  # anything else that follows the XDG convention
+    "MPLCONFIGDIR": "matplotlib",  # matplotlib's font cache (the main job's plots)
+    "HF_HOME": "huggingface",  # tokenizers / hub caches, should anything ask for one
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Point ``$CAIRN_KERNELS_CACHE_DIR`` at a fresh temporary directory for this session.
+    """Point every cache a test can reach at a fresh temporary directory for this session.
 
     The autotune cache (and the lm recipe's choice file beside it) would otherwise be the
-    user's ``~/.cache/cairn/kernels``, shared with benchmarks and training runs. Set in the
-    controller before xdist starts its workers, so workers and subprocesses inherit it;
-    a worker keeps the controller's directory. tests/kernels isolates each test further.
+    user's ``~/.cache/cairn/kernels``, shared with benchmarks and training runs, and
+    matplotlib would write its font cache under ``~/.cache`` / ``~/.config``. Set in the
+    controller before xdist starts its workers, so workers and subprocesses inherit it; a
+    worker keeps the controller's directory. tests/kernels isolates each test further.
     """
     if hasattr(config, "workerinput"):
         return
-    path = tempfile.mkdtemp(prefix="cairn-tests-kernels-cache-")
-    _SESSION_CACHE.append(path)
-    os.environ["CAIRN_KERNELS_CACHE_DIR"] = path
+    root = tempfile.mkdtemp(prefix="cairn-tests-cache-")
+    _SESSION_CACHE.append(root)
+    for name, folder in _CACHE_VARIABLES.items():
+        os.environ[name] = os.path.join(root, folder)
+        os.makedirs(os.environ[name], exist_ok=True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

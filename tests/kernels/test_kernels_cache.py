@@ -42,7 +42,8 @@ def test_a_test_session_never_writes_home(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items()
-           if k not in ("CAIRN_KERNELS_CACHE_DIR", "XDG_CACHE_HOME") and not k.startswith("PYTEST_")}
+           if k not in ("CAIRN_KERNELS_CACHE_DIR", "XDG_CACHE_HOME", "MPLCONFIGDIR", "HF_HOME")
+           and not k.startswith("PYTEST_")}
     env["HOME"] = str(home)
     report = tmp_path / "saved.txt"
     env["CAIRN_PROBE_REPORT"] = str(report)
