@@ -223,19 +223,42 @@ def test_limits_queue_full_and_stop(model):
         release.wait(30)
 
     first = engine.submit([3], SamplingParams(3), on_event=block)
-    assert entered.wait(30)
-    queued = [engine.submit([4], SamplingParams(2)) for _ in range(2)]
-    with pytest.raises(QueueFull, match=r"max_queue 2") as e:
+    assert entered.wait(30)  # the engine thread is held inside a step: it moves nothing into the slots
+    # max_queue counts requests waiting for a slot: the 5 free slots take 5 of these at the
+    # next step whenever it comes, so a burst of 5 + 2 is accepted and only the next refused
+    # (counting the whole queue refused a burst the slots could hold whenever it arrived
+    # before the engine thread's next step: a 503 under load that never happened alone)
+    queued = [engine.submit([4], SamplingParams(2)) for _ in range(5 + 2)]
+    with pytest.raises(QueueFull, match=r"2 generation requests waiting for a slot \(max_queue 2\)") as e:
         engine.submit([5], SamplingParams(2))
     assert e.value.retry_after >= 1
     release.set()
-    assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
+    assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 8
     engine.stop()
     engine.stop()  # twice is harmless
     with pytest.raises(Unavailable, match="stopped"):
         engine.submit([3], SamplingParams(2))
     with pytest.raises(RuntimeError, match="the engine is stopped"):
         engine.start()
+
+
+def test_the_static_scheduler_counts_every_queued_request_while_a_batch_runs(model):
+    # it admits only into an empty engine: while a batch runs, free slots take nobody
+    cfg = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=2, scheduler="static")  # CONFIG's shapes
+    with GenerationEngine(model, cfg) as engine:
+        entered, release = threading.Event(), threading.Event()
+
+        def block(ev):
+            entered.set()
+            release.wait(30)
+
+        first = engine.submit([3], SamplingParams(3), on_event=block)
+        assert entered.wait(30)
+        queued = [engine.submit([4], SamplingParams(2)) for _ in range(2)]
+        with pytest.raises(QueueFull, match=r"2 generation requests waiting for a slot \(max_queue 2\)"):
+            engine.submit([5], SamplingParams(2))
+        release.set()
+        assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
 
 
 def test_stop_without_drain_cancels_what_is_left(model):

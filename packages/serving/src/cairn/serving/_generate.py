@@ -62,7 +62,9 @@ class GenerationConfig:
       num_slots: KV-cache slots, the sequences decoded together (the decode batch is
         always ``num_slots``).
       prefill_batch: prompts prefilled per engine step (a fixed, padded batch).
-      max_queue: waiting requests beyond this are refused with ``QueueFull``.
+      max_queue: requests waiting for a slot beyond this are refused with ``QueueFull``
+        (a queued request that a free slot will take at the engine's next step is not
+        waiting for one).
       max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
       scheduler: ``"continuous"`` or ``"static"`` (admit only when all slots are free).
       admission_delay_steps: while more than half the slots are busy, the continuous
@@ -378,8 +380,9 @@ class GenerationEngine:
         with self._cond:
             if self._state not in ("running",):
                 raise Unavailable(f"generation engine for {self.model.name!r} is {self._state}; not taking requests")
-            if len(self._queue) >= self.config.max_queue:
-                raise QueueFull(f"model {self.model.name!r}: {len(self._queue)} generation requests waiting "
+            waiting = self._waiting()
+            if waiting >= self.config.max_queue:
+                raise QueueFull(f"model {self.model.name!r}: {waiting} generation requests waiting for a slot "
                                 f"(max_queue {self.config.max_queue})", retry_after=self._retry_after())
             seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63))
             req = GenerationRequest(toks, params, seed, stops, on_event, self)
@@ -393,8 +396,21 @@ class GenerationEngine:
         """Submit and wait: the blocking convenience."""
         return self.submit(prompt, params).result()
 
+    def _waiting(self) -> int:
+        """Under the lock: queued requests that no free slot will take at the next step.
+
+        Moving requests from the queue into free slots (the engine thread's ``_pick``)
+        leaves this unchanged, so whether a request is refused never depends on how far
+        the engine thread got (counting the whole queue refused a burst that the free
+        slots could hold whenever it arrived before the engine's next step).
+        """
+        free = self._slots.count(None)
+        if self.config.scheduler == "static" and free < len(self._slots):
+            free = 0  # the static scheduler admits only into an empty engine
+        return len(self._queue) - free
+
     def _retry_after(self) -> int:
-        return max(1, math.ceil(len(self._queue) / max(1, self.config.num_slots)))
+        return max(1, math.ceil(self._waiting() / max(1, self.config.num_slots)))
 
     def _validate(self, prompt: Sequence[int], params: SamplingParams) -> tuple[tuple[int, ...], frozenset[int]]:
         m, cfg = self.model, self.config
