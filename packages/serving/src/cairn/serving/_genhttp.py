@@ -24,6 +24,7 @@ from typing import Any
 from cairn.serving._genexport import detokenize, tokenize
 from cairn.serving._http import Response, Stream
 from cairn.serving._http import json_response as _json
+from cairn.serving._protocol import ProtocolError, loads_json
 from cairn.serving._sampling import SamplingParams
 
 _BODY_KEYS = ("text_input", "input_ids", "parameters", "stream")
@@ -93,13 +94,35 @@ def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
       ``(prompt token ids, SamplingParams)``.
 
     Raises:
-      ValueError: malformed JSON, an unknown key, a missing or ill-typed field, text on a
-        model without vocabulary, or bad sampling parameters (each naming the field).
+      ValueError: malformed JSON (a bare ``NaN`` and JSON nested too deeply included), an
+        unknown key, a missing or ill-typed field, text on a model without vocabulary, or
+        bad sampling parameters (each naming the field).
     """
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"request body must be a JSON object: {e}") from None
+        obj = loads_json(body)
+    except ProtocolError as e:
+        raise ValueError(e.message) from None
+    try:
+        return _parse_object(obj, model)
+    except RecursionError:  # a deep value (under json's limit) reached a repr
+        raise ValueError("request body is JSON nested too deeply") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParseTarget:
+    """What :func:`parse_generate` reads of a model, small enough to send to a worker process."""
+
+    name: str
+    vocabulary: tuple[str | None, ...] | None
+    bos_token_id: int | None
+
+    @classmethod
+    def of(cls, model: Any) -> ParseTarget:
+        vocab = model.vocabulary
+        return cls(model.name, None if vocab is None else tuple(vocab), getattr(model, "bos_token_id", None))
+
+
+def _parse_object(obj: Any, model: Any) -> tuple[list[int], SamplingParams]:
     if not isinstance(obj, dict):
         raise ValueError(f"request body must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(_BODY_KEYS) - set(_SAMPLING_KEYS))
@@ -218,7 +241,7 @@ class GenerationRelay:
         if obj.get("text_output", "") is None:
             del obj["text_output"]
         assert self.stream is not None
-        self.stream.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        self.stream.write(b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n")
 
     def answer(self) -> dict[str, Any]:
         """The non-streamed answer."""
