@@ -188,6 +188,28 @@ def test_events_stream_every_token_then_the_end(engine):
     assert "".join(e.text for e in events[:-1]) == res.text
 
 
+def test_result_returns_after_the_final_event_was_delivered(engine):
+    # result() used to wake its waiter before the final event was emitted: a caller could
+    # find the events without their end (test_events_stream_every_token_then_the_end, now
+    # and then under load). Holding the engine thread inside the final callback shows it.
+    entered, release, events = threading.Event(), threading.Event(), []
+
+    def on_event(ev):
+        if ev.finished:
+            entered.set()
+            release.wait(30)
+        events.append(ev)
+
+    req = engine.submit([3, 4], SamplingParams(3), on_event=on_event)
+    assert entered.wait(30)
+    with pytest.raises(TimeoutError):  # the final event is still being delivered
+        req.result(0.2)
+    release.set()
+    res = req.result(30)
+    assert events[-1].finished and events[-1].finish_reason == res.finish_reason == "length"
+    assert [e.token_id for e in events[:-1]] == res.token_ids
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "match"),
     [

@@ -132,7 +132,7 @@ class GenerationEvent:
       token_id: the new token, or ``None`` on the final event. index: its position in
       the output (the final event's is the number of tokens). finished: whether this is
       the final event. finish_reason: on the final event. text: the token's text when the
-      model has a vocabulary.
+      model has a vocabulary. error: on a final event with ``finish_reason "error"``, the message.
     """
 
     token_id: int | None
@@ -140,6 +140,7 @@ class GenerationEvent:
     finished: bool = False
     finish_reason: str | None = None
     text: str | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -197,7 +198,8 @@ class GenerationRequest:
         self._engine._wake()
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the request to finish.
+        """Wait for the request to finish: once it returns, ``on_event`` has had every
+        event, the final one included.
 
         Raises:
           TimeoutError: not finished within ``timeout`` seconds.
@@ -227,13 +229,14 @@ class GenerationRequest:
         return token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
 
     def _finish(self, reason: str, text: str | None, error: str | None = None) -> None:
-        if self._done.is_set():
+        if self._result is not None:
             return
         now = time.perf_counter()
         ttft = math.nan if self._first is None else self._first - self.submitted
         self._result = GenerationResult(len(self.prompt), list(self.token_ids), reason, ttft, now - self.submitted, text, error)
+        # the final event before waking result(): who waited sees every event delivered
+        self._emit(GenerationEvent(None, len(self.token_ids), True, reason, error=error))
         self._done.set()
-        self._emit(GenerationEvent(None, len(self.token_ids), True, reason))
 
     def __repr__(self) -> str:
         return f"GenerationRequest(id={self.id}, prompt_len={len(self.prompt)}, tokens={len(self.token_ids)}, done={self.done})"

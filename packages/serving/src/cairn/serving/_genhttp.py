@@ -203,7 +203,6 @@ class GenerationRelay:
         self.stream: Stream | None = None
         self._backlog: list[Any] = []
         self.finished = False
-        self.request: Any = None  # the engine's GenerationRequest, once submitted
 
     def on_event(self, event: Any) -> None:
         """The engine's callback (engine thread): hand the event to the loop (batched with
@@ -232,7 +231,7 @@ class GenerationRelay:
             if self.stream is not None:
                 self._write({**self.base, "text_output": self._text([token]), "output_ids": [token], "index": event.index})
         if event.finished:
-            self._finish(event.finish_reason or "error")
+            self._finish(event.finish_reason or "error", getattr(event, "error", None))
 
     def _text(self, ids: list[int]) -> str | None:
         return None if self.vocabulary is None else detokenize(ids, self.vocabulary)
@@ -256,23 +255,22 @@ class GenerationRelay:
     def _usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.tokens)}
 
-    def _error(self) -> str:
-        result = self.request.result(0) if self.request is not None and self.request.done else None
-        detail = f": {result.error}" if result is not None and result.error else ""
+    def _error(self, error: str | None) -> str:
+        detail = f": {error}" if error else ""
         return f"model '{self.base['model_name']}' failed while generating this request{detail}"
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, error: str | None = None) -> None:
         self.finished = True
         self.done(reason, len(self.tokens), self.first_token)
         if self.stream is not None:
             final = {**self.base, "finish_reason": reason, "usage": self._usage()}  # not answer(): no detokenizing
             if reason == "error":
-                final["error"] = self._error()
+                final["error"] = self._error(error)
             self._write(final)
             self.stream.end()
         elif self.future.done():
             return
         elif reason == "error":
-            self.future.set_result(_json(500, {"error": self._error()}, self.headers))
+            self.future.set_result(_json(500, {"error": self._error(error)}, self.headers))
         else:
             self.future.set_result(_json(200, {**self.answer(), "finish_reason": reason}, self.headers))

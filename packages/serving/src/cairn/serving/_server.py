@@ -542,7 +542,7 @@ class App:
         base = {"model_name": live.name, "model_version": str(live.version)}
         relay = GenerationRelay(asyncio.get_running_loop(), base, live.model.vocabulary, len(prompt), stream, done, started, headers)
         try:
-            request = relay.request = live.engine.submit(prompt, params, relay.on_event)
+            request = live.engine.submit(prompt, params, relay.on_event)
         except QueueFull as e:
             m.gen_failure.inc((*live.labels, ("reason", "queue_full")))
             retry = str(getattr(e, "retry_after", 1))
