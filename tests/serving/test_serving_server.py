@@ -465,3 +465,36 @@ def test_a_big_json_body_is_parsed_while_health_checks_are_answered(start_server
     before_model = events[: events.index("model")].count("health")
     assert before_model >= 10, events[:40]  # answered while the body was being parsed
     assert events.index("model") < events.index("infer")
+
+
+UNGUARDED = """
+import http.client, json, sys
+import numpy as np
+from cairn.core_array import ArraySpec
+from cairn.serving import PythonModel, serve
+
+with open(sys.argv[1], "a") as f:  # a side effect of running this file: once, by its own process
+    f.write("ran\\n")
+m = PythonModel(lambda d: {"s": d["x"][:1]}, {"x": ArraySpec(("n",), "float32")}, {"s": ArraySpec((1,), "float32")},
+                max_batch_size=0, name="first")
+body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [400_000], "data": [1.5] * 400_000}]})
+with serve(m) as server:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    conn.request("POST", "/v2/models/first/infer", body)
+    resp = conn.getresponse()
+    print(resp.status, json.loads(resp.read())["outputs"][0]["data"])
+"""
+
+
+def test_big_bodies_are_parsed_without_re_running_the_callers_script(tmp_path):
+    # a script that calls serve() without an `if __name__ == "__main__":` guard: the worker
+    # that parses a big body must not import it again (multiprocessing's spawn would)
+    import subprocess
+    import sys
+
+    script, marker = tmp_path / "unguarded.py", tmp_path / "ran.txt"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["200", "[1.5]"]
+    assert marker.read_text() == "ran\n"

@@ -78,7 +78,7 @@ def _pump(loop: asyncio.AbstractEventLoop) -> _EventPump:
         return pump
 
 
-def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
+def parse_generate(body: bytes | memoryview, model: Any) -> tuple[list[int], SamplingParams]:
     """Parse a generate request body for ``model`` (a GenerativeModel).
 
     Args:

@@ -307,7 +307,7 @@ def _requested_outputs(request: Mapping[str, Any], default_binary: bool) -> dict
     return wanted
 
 
-def decode_request(body: bytes, header_length: int | None) -> InferRequest:
+def decode_request(body: bytes | memoryview, header_length: int | None) -> InferRequest:
     """Decode an inference request body.
 
     Args:

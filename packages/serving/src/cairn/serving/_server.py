@@ -725,7 +725,8 @@ def _query_flag(query: str, name: str) -> bool:
     return bool(values) and values[-1].lower() in ("true", "1")
 
 
-def _ready_only(body: bytes) -> bool:
+def _ready_only(body: bytes | memoryview) -> bool:
+    body = bytes(body)
     if not body.strip():
         return False
     try:
