@@ -498,3 +498,25 @@ def test_big_bodies_are_parsed_without_re_running_the_callers_script(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["200", "[1.5]"]
     assert marker.read_text() == "ran\n"
+
+
+def test_a_big_json_answer_is_written_in_a_worker_and_stays_strict(start_server):
+    n = 400_000  # 1.6 MB of float32: about 5 MB of JSON, written off the loop
+
+    def ramp(d):
+        y = np.arange(n, dtype=np.float32) * d["x"][0]
+        y[1], y[2] = np.nan, -np.inf
+        return {"y": y}
+
+    model = PythonModel(ramp, {"x": ArraySpec((1,), "float32")}, {"y": ArraySpec((n,), "float32")}, max_batch_size=0, name="ramp")
+    server = start_server(model)
+    status, headers, body = RawClient(server).request(
+        "POST", "/v2/models/ramp/infer", '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [0.5]}]}'
+    )
+    assert status == 200 and headers["content-type"] == "application/json"
+    data = json.loads(body, parse_constant=_refuse_constant)["outputs"][0]["data"]
+    assert data[1:3] == ["NaN", "-Infinity"]
+    assert server.app.offload._processes  # the answer went through a worker process
+    want = np.arange(n, dtype=np.float64) * 0.5
+    want[1], want[2] = np.nan, -np.inf
+    np.testing.assert_array_equal(np.array(data, np.float64), want)

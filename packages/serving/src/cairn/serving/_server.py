@@ -564,12 +564,10 @@ class App:
         m = self.metrics
         try:
             outputs, _ = fut.result()
-        except ModelError as e:
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - every accepted request is answered
             m.failure.inc((*live.labels, ("reason", "model_error")))
-            out.set_result(_json(500, {"error": f"model '{live.name}' version {live.version} failed: {e}"}, headers))
-            return
-        except asyncio.CancelledError as e:
-            self._unusable(out, live, headers, e)
+            why = str(e) if isinstance(e, ModelError) else f"{type(e).__name__}: {e}"
+            out.set_result(_json(500, {"error": f"model '{live.name}' version {live.version} failed: {why}"}, headers))
             return
         encode = functools.partial(encode_response, live.name, str(live.version), decoded, outputs)
         if _json_bytes(decoded, outputs) > OFFLOAD_BYTES:  # a big JSON answer: written in a worker process
