@@ -25,6 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +43,7 @@ def _body(mb: float) -> tuple[bytes, float]:
     return body, k * (0.25 + 1.5 - 2.0)
 
 
-def _health_until(server, busy) -> list[float]:
+def _health_until(server: Any, busy: Callable[[], bool]) -> list[float]:
     """Health-check latencies (s) on one kept-alive connection while ``busy()`` is true."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
     latencies = []
@@ -66,7 +68,7 @@ def _summary(latencies: list[float]) -> dict:
     }
 
 
-def baseline(server, seconds: float = 10.0) -> dict:
+def baseline(server: Any, seconds: float = 10.0) -> dict:
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         end = time.perf_counter() + seconds
@@ -76,7 +78,7 @@ def baseline(server, seconds: float = 10.0) -> dict:
         burner.wait()
 
 
-def one_round(server, body: bytes, want: float) -> dict:
+def one_round(server: Any, body: bytes, want: float) -> dict:
     sent, answer = threading.Event(), {}
 
     def big() -> None:

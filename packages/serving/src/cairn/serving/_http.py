@@ -265,7 +265,7 @@ class HttpConnection(asyncio.Protocol):
         if self._filled < self._length:
             return None
         done, self._body = self._body, None
-        return memoryview(done).toreadonly()
+        return done.data.toreadonly()
 
     def _parse_head(self, head: bytes) -> bool:
         try:
@@ -304,13 +304,14 @@ class HttpConnection(asyncio.Protocol):
         self._head = (method, path, query, headers, keep, time.perf_counter(), version)
         return True
 
-    def _dispatch(self, body: bytes) -> None:
+    def _dispatch(self, body: bytes | memoryview) -> None:
         assert self._head is not None
         method, path, query, headers, keep, started, version = self._head
         request = Request(method, path, query, headers, body, self._peer, keep and not self._server.draining, started, version)
         self._state = _BUSY
         self._server.in_flight += 1
         self._pending = request
+        result: Response | StreamResponse | asyncio.Future[Response | StreamResponse]
         try:
             if self._server.draining:  # a request on a kept-alive connection after SIGTERM
                 result = _error(503, "the server is shutting down; send the request again (to another instance)")

@@ -54,7 +54,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def _read_exact(fd: int, n: int) -> np.ndarray:
     buf = np.empty(n, np.uint8)  # not zero-filled: its pages are touched once, by the read
-    view, got = memoryview(buf), 0
+    view, got = buf.data, 0
     while got < n:
         k = os.readv(fd, [view[got:]])
         if k == 0:
@@ -78,7 +78,7 @@ def recv(fd: int) -> Any:
     (count,) = struct.unpack("<Q", _read_exact(fd, 8).tobytes())
     sizes = struct.unpack(f"<{count + 1}Q", _read_exact(fd, 8 * (count + 1)).tobytes())
     data = _read_exact(fd, sizes[0])
-    return pickle.loads(memoryview(data), buffers=[_read_exact(fd, n) for n in sizes[1:]])
+    return pickle.loads(data.data, buffers=[_read_exact(fd, n) for n in sizes[1:]])
 
 
 def _out_of_band(arg: Any) -> Any:

@@ -201,6 +201,7 @@ def _json_tensor(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str)
     if not isinstance(data, list):
         raise ProtocolError(400, f"{where}: 'data' must be a JSON array")
     datatype = _BY_CANONICAL[canonical_dtype(dtype)]
+    allowed: set[type]
     if dtype.kind == "b":
         allowed, expected = {bool}, "JSON booleans (true or false)"
     elif dtype.kind in "iu":

@@ -263,7 +263,7 @@ class App:
 
     # --- routing ---
 
-    def handle(self, req: Request) -> Response | StreamResponse | asyncio.Future[Response]:
+    def handle(self, req: Request) -> Response | StreamResponse | asyncio.Future[Any]:
         """Route one request (see the Endpoints section of docs/serving.md)."""
         rid = req.headers.get("x-request-id", "")
         if not rid or len(rid) > 200 or not rid.isprintable():
@@ -284,7 +284,7 @@ class App:
         if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             raise HttpError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')", [("WWW-Authenticate", "Bearer")])
 
-    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Response]:
+    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Any]:
         path, method = req.path, req.method
         if path in ("/v2/models", "/v2/models/"):  # the index by GET (Triton has only POST /v2/repository/index)
             _method(method, "GET")
@@ -315,7 +315,7 @@ class App:
             return asyncio.ensure_future(_admin(op, headers))
         raise HttpError(404, f"no route for {method} {path[:200]}")
 
-    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Response]:
+    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Any]:
         parts = req.path.split("/")[3:]
         name, rest, version = unquote(parts[0]), parts[1:], None
         if len(rest) >= 2 and rest[0] == "versions":
@@ -477,9 +477,9 @@ class App:
         """Validate decoded inputs against ``live`` and queue them; the future of the answer."""
         assert live.batcher is not None
         try:
-            for out in decoded.outputs or ():
-                if out not in live.model.outputs:
-                    raise ProtocolError(400, f"requested output '{out}' is not an output of model '{live.name}' (outputs: {sorted(live.model.outputs)})")
+            for wanted in decoded.outputs or ():
+                if wanted not in live.model.outputs:
+                    raise ProtocolError(400, f"requested output '{wanted}' is not an output of model '{live.name}' (outputs: {sorted(live.model.outputs)})")
             arrays, env = validate_inputs(live.model.inputs, decoded.inputs, live.batcher.max_batch_size if live.batch_dim else 0)
         except (ProtocolError, ValueError) as e:
             self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
