@@ -401,6 +401,8 @@ def test_deeply_nested_json_answers_400_not_500(server):
     body = b"[" * 100_000 + b"]" * 100_000
     status, _, answer = client.request("POST", "/v2/repository/index", body)
     assert status == 400 and "nested too deeply" in json.loads(answer)["error"]
+    status, _, answer = client.request("POST", "/v2/repository/index", b" " * (2 << 20) + b"{}")
+    assert status == 400 and "repository index body of 2097154 bytes" in json.loads(answer)["error"]
     assert client.request("GET", "/v2/health/live")[0] == 200  # the connection lives on
 
 

@@ -400,8 +400,9 @@ class HttpConnection(asyncio.Protocol):
         parts.extend(f"{k}: {v}\r\n" for k, v in response.headers)
         parts.append("Connection: keep-alive\r\n\r\n" if keep else "Connection: close\r\n\r\n")
         head = "".join(parts).encode("latin-1")
-        if len(response.body) > 1 << 16:  # a big body is not copied behind its head
-            self.transport.writelines((head, response.body))
+        if len(response.body) > 1 << 16:  # a big body is not copied behind its head (writelines joins on 3.11)
+            self.transport.write(head)
+            self.transport.write(response.body)
         else:
             self.transport.write(head + response.body)
 

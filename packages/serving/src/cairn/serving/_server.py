@@ -724,6 +724,8 @@ def _query_flag(query: str, name: str) -> bool:
 
 
 def _ready_only(body: bytes | memoryview) -> bool:
+    if len(body) > OFFLOAD_BYTES:  # parsed on the loop: a few bytes are all it takes
+        raise HttpError(400, f"repository index body of {len(body)} bytes: send {{}} or {{\"ready\": true}}")
     body = bytes(body)
     if not body.strip():
         return False
