@@ -2,10 +2,12 @@
 answers match NumPy, the token is enforced, logs are JSON lines, and SIGTERM answers the
 requests in flight before the process exits 0."""
 
+import http.client
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -114,6 +116,37 @@ def test_sigterm_drains_in_flight_requests(repo):
     assert len(results) == 6 and all(isinstance(r, np.ndarray) for r in results), results
     for r in results:
         np.testing.assert_array_equal(r, np.ones((1, 8), np.float32))
+
+
+def test_a_request_on_a_kept_alive_connection_after_sigterm_gets_503_and_close(repo):
+    root, _ = repo
+    proc, addr, _ = _start(root, "--drain-grace", "60")  # a long grace: the test waits for nothing
+    host, port = addr.split(":")
+    try:
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v2/health/live")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200 and first.getheader("Connection") == "keep-alive"
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the drain has begun once the listening socket is gone
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the server kept listening after SIGTERM")
+        conn.request("GET", "/v2/models/mlp")  # on the connection kept alive from before
+        late = conn.getresponse()
+        body = late.read()
+        assert late.status == 503 and late.getheader("Connection") == "close"
+        assert "shutting down" in json.loads(body)["error"]
+        conn.close()
+        assert proc.wait(60) == 0  # its only connection closed: the drain ends before the grace
+    finally:
+        proc.kill()
 
 
 def test_main_in_process_leaves_no_log_handler_behind(tmp_path, capsys):

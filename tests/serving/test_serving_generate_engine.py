@@ -188,6 +188,28 @@ def test_events_stream_every_token_then_the_end(engine):
     assert "".join(e.text for e in events[:-1]) == res.text
 
 
+def test_result_returns_after_the_final_event_was_delivered(engine):
+    # result() used to wake its waiter before the final event was emitted: a caller could
+    # find the events without their end (test_events_stream_every_token_then_the_end, now
+    # and then under load). Holding the engine thread inside the final callback shows it.
+    entered, release, events = threading.Event(), threading.Event(), []
+
+    def on_event(ev):
+        if ev.finished:
+            entered.set()
+            release.wait(30)
+        events.append(ev)
+
+    req = engine.submit([3, 4], SamplingParams(3), on_event=on_event)
+    assert entered.wait(30)
+    with pytest.raises(TimeoutError):  # the final event is still being delivered
+        req.result(0.2)
+    release.set()
+    res = req.result(30)
+    assert events[-1].finished and events[-1].finish_reason == res.finish_reason == "length"
+    assert [e.token_id for e in events[:-1]] == res.token_ids
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "match"),
     [
@@ -223,19 +245,42 @@ def test_limits_queue_full_and_stop(model):
         release.wait(30)
 
     first = engine.submit([3], SamplingParams(3), on_event=block)
-    assert entered.wait(30)
-    queued = [engine.submit([4], SamplingParams(2)) for _ in range(2)]
-    with pytest.raises(QueueFull, match=r"max_queue 2") as e:
+    assert entered.wait(30)  # the engine thread is held inside a step: it moves nothing into the slots
+    # max_queue counts requests waiting for a slot: the 5 free slots take 5 of these at the
+    # next step whenever it comes, so a burst of 5 + 2 is accepted and only the next refused
+    # (counting the whole queue refused a burst the slots could hold whenever it arrived
+    # before the engine thread's next step: a 503 under load that never happened alone)
+    queued = [engine.submit([4], SamplingParams(2)) for _ in range(5 + 2)]
+    with pytest.raises(QueueFull, match=r"2 generation requests waiting for a slot \(max_queue 2\)") as e:
         engine.submit([5], SamplingParams(2))
     assert e.value.retry_after >= 1
     release.set()
-    assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
+    assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 8
     engine.stop()
     engine.stop()  # twice is harmless
     with pytest.raises(Unavailable, match="stopped"):
         engine.submit([3], SamplingParams(2))
     with pytest.raises(RuntimeError, match="the engine is stopped"):
         engine.start()
+
+
+def test_the_static_scheduler_counts_every_queued_request_while_a_batch_runs(model):
+    # it admits only into an empty engine: while a batch runs, free slots take nobody
+    cfg = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=2, scheduler="static")  # CONFIG's shapes
+    with GenerationEngine(model, cfg) as engine:
+        entered, release = threading.Event(), threading.Event()
+
+        def block(ev):
+            entered.set()
+            release.wait(30)
+
+        first = engine.submit([3], SamplingParams(3), on_event=block)
+        assert entered.wait(30)
+        queued = [engine.submit([4], SamplingParams(2)) for _ in range(2)]
+        with pytest.raises(QueueFull, match=r"2 generation requests waiting for a slot \(max_queue 2\)"):
+            engine.submit([5], SamplingParams(2))
+        release.set()
+        assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
 
 
 def test_stop_without_drain_cancels_what_is_left(model):

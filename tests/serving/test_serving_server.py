@@ -3,8 +3,11 @@ metadata, JSON and binary tensors (FP16 and BF16 included), request ids, errors 
 reasons (404, 405, 400, 401, 413, 500 for one request only, 503 when the queue is full),
 metrics and structured access logs."""
 
+import http.client
 import json
 import logging
+import re
+import socket
 import threading
 
 import ml_dtypes
@@ -347,3 +350,175 @@ def test_concurrent_clients_on_two_models_get_their_own_rows(start_server):
     for t in threads:
         t.join()
     assert failures == []
+
+
+def _refuse_constant(token):
+    raise ValueError(f"not JSON: {token}")
+
+
+def test_nonfinite_outputs_are_strict_json_for_every_client(start_server):
+    def fn(d):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return {"y": np.log(d["x"])}  # log(0) = -inf, log(-1) = nan, log(inf) = inf
+
+    model = PythonModel(fn, {"x": ArraySpec(("b", 4), "float32")}, {"y": ArraySpec(("b", 4), "float32")}, max_batch_size=4, name="log")
+    server = start_server(model)
+    x = np.array([[0.0, -1.0, np.inf, 1.0]], np.float32)
+    body = '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, -1, "Infinity", 1]}]}'
+    status, _, body = RawClient(server).request("POST", "/v2/models/log/infer", body)
+    assert status == 200
+    data = json.loads(body, parse_constant=_refuse_constant)["outputs"][0]["data"]
+    assert data == ["-Infinity", "NaN", "Infinity", 0.0]
+    client = th.InferenceServerClient(server.url.removeprefix("http://"))  # tritonclient reads the strings back
+    inp = th.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(x)  # binary: tritonclient writes a JSON infinity as a bare token, refused (400)
+    got = client.infer("log", [inp], outputs=[th.InferRequestedOutput("y", binary_data=False)]).as_numpy("y")
+    client.close()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.testing.assert_array_equal(got, np.log(x.astype(np.float64)).astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ("[1, 2, NaN, 4]", r"input 'x': data\[2\] is NaN, not a valid FP32 value"),
+        ("[1, 2, 1e400, 4]", r"input 'x': data\[2\] is a number too large for any float"),
+        ("[1, true, 3, 4]", r"input 'x': data\[1\] is true, not a valid FP32 value"),
+    ],
+)
+def test_json_inputs_the_datatype_cannot_hold_answer_400(server, data, match):
+    body = '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": ' + data + "}]}"
+    status, _, answer = RawClient(server).request("POST", "/v2/models/affine/infer", body)
+    assert status == 400
+    assert re.search(match, json.loads(answer)["error"])
+
+
+def test_deeply_nested_json_answers_400_not_500(server):
+    client = RawClient(server)
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"inputs": [], "parameters": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+        status, _, answer = client.request("POST", "/v2/models/affine/infer", body)
+        assert status == 400 and "nested too deeply" in json.loads(answer)["error"]
+    body = b"[" * 100_000 + b"]" * 100_000
+    status, _, answer = client.request("POST", "/v2/repository/index", body)
+    assert status == 400 and "nested too deeply" in json.loads(answer)["error"]
+    status, _, answer = client.request("POST", "/v2/repository/index", b" " * (2 << 20) + b"{}")
+    assert status == 400 and "repository index body of 2097154 bytes" in json.loads(answer)["error"]
+    assert client.request("GET", "/v2/health/live")[0] == 200  # the connection lives on
+
+
+def test_get_models_lists_the_repository(server, start_server):
+    client = RawClient(server)
+    status, _, body = client.request("GET", "/v2/models")
+    assert status == 200
+    listed = json.loads(body)
+    assert listed == json.loads(client.request("POST", "/v2/repository/index", "{}")[2])
+    assert {(r["name"], r.get("version"), r["state"]) for r in listed} == {
+        ("affine", "1", "READY"), ("mlp", "1", "READY"), ("cast", "1", "READY"), ("flaky", "1", "READY")
+    }
+    assert json.loads(client.request("GET", "/v2/models/")[2]) == listed
+    server.unload_model("mlp")
+    everything = json.loads(client.request("GET", "/v2/models")[2])
+    assert {"name": "mlp", "state": "UNAVAILABLE", "reason": "unloaded"} in everything
+    ready = json.loads(client.request("GET", "/v2/models?ready=true")[2])
+    assert ready == json.loads(client.request("POST", "/v2/repository/index", '{"ready": true}')[2])
+    assert {r["name"] for r in ready} == {"affine", "cast", "flaky"}
+    status, headers, _ = client.request("POST", "/v2/models")
+    assert status == 405 and headers["allow"] == "GET"
+
+
+@pytest.mark.slow
+def test_a_big_json_body_is_parsed_while_health_checks_are_answered(start_server):
+    """A ~60 MB JSON infer body is parsed off the event loop: while it is in flight (sent,
+    not yet reached the model) health checks on another connection keep being answered."""
+    events: list = []  # appended from three threads (list.append is atomic): their order is the evidence
+
+    def total(d):
+        events.append("model")
+        return {"s": np.array([d["x"].astype(np.float64).sum()])}
+
+    model = PythonModel(total, {"x": ArraySpec(("n",), "float32")}, {"s": ArraySpec((1,), "float64")}, max_batch_size=0, name="total")
+    server = start_server(model)
+    k = 4_200_000
+    data = b"[" + b"0.25,1.5,-2.0," * (k - 1) + b"0.25,1.5,-2.0]"
+    body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [%d], "data": %s}]}' % (3 * k, data)
+    assert 55e6 < len(body) < HttpLimits().max_body_bytes
+    sent = threading.Event()
+    answer = []
+
+    def big():
+        with socket.create_connection((server.host, server.port), timeout=120) as s:
+            s.sendall(b"POST /v2/models/total/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            sent.set()
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            answer.append((resp.status, resp.read()))
+            events.append("infer")
+
+    t = threading.Thread(target=big)
+    t.start()
+    assert sent.wait(120)
+    health = RawClient(server)
+    while t.is_alive():
+        if health.request("GET", "/v2/health/live")[0] == 200:
+            events.append("health")
+    t.join()
+    assert answer[0][0] == 200
+    assert json.loads(answer[0][1])["outputs"][0]["data"] == [k * (0.25 + 1.5 - 2.0)]
+    before_model = events[: events.index("model")].count("health")
+    assert before_model >= 10, events[:40]  # answered while the body was being parsed
+    assert events.index("model") < events.index("infer")
+
+
+UNGUARDED = """
+import http.client, json, sys
+import numpy as np
+from cairn.core_array import ArraySpec
+from cairn.serving import PythonModel, serve
+
+with open(sys.argv[1], "a") as f:  # a side effect of running this file: once, by its own process
+    f.write("ran\\n")
+m = PythonModel(lambda d: {"s": d["x"][:1]}, {"x": ArraySpec(("n",), "float32")}, {"s": ArraySpec((1,), "float32")},
+                max_batch_size=0, name="first")
+body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [400_000], "data": [1.5] * 400_000}]})
+with serve(m) as server:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    conn.request("POST", "/v2/models/first/infer", body)
+    resp = conn.getresponse()
+    print(resp.status, json.loads(resp.read())["outputs"][0]["data"])
+"""
+
+
+def test_big_bodies_are_parsed_without_re_running_the_callers_script(tmp_path):
+    # a script that calls serve() without an `if __name__ == "__main__":` guard: the worker
+    # that parses a big body must not import it again (multiprocessing's spawn would)
+    import subprocess
+    import sys
+
+    script, marker = tmp_path / "unguarded.py", tmp_path / "ran.txt"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["200", "[1.5]"]
+    assert marker.read_text() == "ran\n"
+
+
+def test_a_big_json_answer_is_written_in_a_worker_and_stays_strict(start_server):
+    n = 400_000  # 1.6 MB of float32: about 5 MB of JSON, written off the loop
+
+    def ramp(d):
+        y = np.arange(n, dtype=np.float32) * d["x"][0]
+        y[1], y[2] = np.nan, -np.inf
+        return {"y": y}
+
+    model = PythonModel(ramp, {"x": ArraySpec((1,), "float32")}, {"y": ArraySpec((n,), "float32")}, max_batch_size=0, name="ramp")
+    server = start_server(model)
+    status, headers, body = RawClient(server).request(
+        "POST", "/v2/models/ramp/infer", '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [0.5]}]}'
+    )
+    assert status == 200 and headers["content-type"] == "application/json"
+    data = json.loads(body, parse_constant=_refuse_constant)["outputs"][0]["data"]
+    assert data[1:3] == ["NaN", "-Infinity"]
+    assert server.app.offload._processes  # the answer went through a worker process
+    want = np.arange(n, dtype=np.float64) * 0.5
+    want[1], want[2] = np.nan, -np.inf
+    np.testing.assert_array_equal(np.array(data, np.float64), want)

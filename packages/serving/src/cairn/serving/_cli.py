@@ -3,7 +3,9 @@
     cairn-serve --model-repository ./models [--host 127.0.0.1] [--port 8000]
 
 Binds loopback unless ``--host`` says otherwise. SIGTERM or SIGINT stops accepting,
-answers the requests in flight (up to ``--drain-timeout`` seconds), then exits 0. Logs
+answers the requests in flight (up to ``--drain-timeout`` seconds; a new request on a
+kept-alive connection meanwhile gets 503 with ``Connection: close`` for ``--drain-grace``
+seconds), then exits 0. Logs
 (access log included) are JSON lines on stderr; the line ``serving on http://HOST:PORT``
 says when it is ready (useful with ``--port 0``).
 
@@ -57,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens-limit", type=int, default=None, help="cap on a request's max_tokens (400 above it; default: the model's max_length)")
     p.add_argument("--repository-poll-secs", type=float, default=None, help="re-scan the repository this often and load new versions")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to answer in-flight requests on SIGTERM")
+    p.add_argument("--drain-grace", type=float, default=HttpLimits.drain_grace,
+                   help="seconds kept-alive connections stay open after SIGTERM, answering new requests 503 (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="logging level (access log lines are INFO)")
     return p
 
@@ -87,7 +91,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue_delay=args.max_queue_delay_us / 1e6,
         max_queue_size=args.max_queue_size,
     )
-    limits = HttpLimits(max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
+    limits = HttpLimits(
+        max_body_bytes=args.max_body_bytes, header_timeout=args.header_timeout, body_timeout=args.body_timeout, drain_grace=args.drain_grace
+    )
     try:
         generation = GenerationConfig(
             num_slots=args.num_slots,

@@ -62,7 +62,9 @@ class GenerationConfig:
       num_slots: KV-cache slots, the sequences decoded together (the decode batch is
         always ``num_slots``).
       prefill_batch: prompts prefilled per engine step (a fixed, padded batch).
-      max_queue: waiting requests beyond this are refused with ``QueueFull``.
+      max_queue: requests waiting for a slot beyond this are refused with ``QueueFull``
+        (a queued request that a free slot will take at the engine's next step is not
+        waiting for one).
       max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
       scheduler: ``"continuous"`` or ``"static"`` (admit only when all slots are free).
       admission_delay_steps: while more than half the slots are busy, the continuous
@@ -130,7 +132,7 @@ class GenerationEvent:
       token_id: the new token, or ``None`` on the final event. index: its position in
       the output (the final event's is the number of tokens). finished: whether this is
       the final event. finish_reason: on the final event. text: the token's text when the
-      model has a vocabulary.
+      model has a vocabulary. error: on a final event with ``finish_reason "error"``, the message.
     """
 
     token_id: int | None
@@ -138,6 +140,7 @@ class GenerationEvent:
     finished: bool = False
     finish_reason: str | None = None
     text: str | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -195,7 +198,8 @@ class GenerationRequest:
         self._engine._wake()
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the request to finish.
+        """Wait for the request to finish: once it returns, ``on_event`` has had every
+        event, the final one included.
 
         Raises:
           TimeoutError: not finished within ``timeout`` seconds.
@@ -225,13 +229,14 @@ class GenerationRequest:
         return token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
 
     def _finish(self, reason: str, text: str | None, error: str | None = None) -> None:
-        if self._done.is_set():
+        if self._result is not None:
             return
         now = time.perf_counter()
         ttft = math.nan if self._first is None else self._first - self.submitted
         self._result = GenerationResult(len(self.prompt), list(self.token_ids), reason, ttft, now - self.submitted, text, error)
+        # the final event before waking result(): who waited sees every event delivered
+        self._emit(GenerationEvent(None, len(self.token_ids), True, reason, error=error))
         self._done.set()
-        self._emit(GenerationEvent(None, len(self.token_ids), True, reason))
 
     def __repr__(self) -> str:
         return f"GenerationRequest(id={self.id}, prompt_len={len(self.prompt)}, tokens={len(self.token_ids)}, done={self.done})"
@@ -378,8 +383,9 @@ class GenerationEngine:
         with self._cond:
             if self._state not in ("running",):
                 raise Unavailable(f"generation engine for {self.model.name!r} is {self._state}; not taking requests")
-            if len(self._queue) >= self.config.max_queue:
-                raise QueueFull(f"model {self.model.name!r}: {len(self._queue)} generation requests waiting "
+            waiting = self._waiting()
+            if waiting >= self.config.max_queue:
+                raise QueueFull(f"model {self.model.name!r}: {waiting} generation requests waiting for a slot "
                                 f"(max_queue {self.config.max_queue})", retry_after=self._retry_after())
             seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63))
             req = GenerationRequest(toks, params, seed, stops, on_event, self)
@@ -393,8 +399,21 @@ class GenerationEngine:
         """Submit and wait: the blocking convenience."""
         return self.submit(prompt, params).result()
 
+    def _waiting(self) -> int:
+        """Under the lock: queued requests that no free slot will take at the next step.
+
+        Moving requests from the queue into free slots (the engine thread's ``_pick``)
+        leaves this unchanged, so whether a request is refused never depends on how far
+        the engine thread got (counting the whole queue refused a burst that the free
+        slots could hold whenever it arrived before the engine's next step).
+        """
+        free = self._slots.count(None)
+        if self.config.scheduler == "static" and free < len(self._slots):
+            free = 0  # the static scheduler admits only into an empty engine
+        return len(self._queue) - free
+
     def _retry_after(self) -> int:
-        return max(1, math.ceil(len(self._queue) / max(1, self.config.num_slots)))
+        return max(1, math.ceil(self._waiting() / max(1, self.config.num_slots)))
 
     def _validate(self, prompt: Sequence[int], params: SamplingParams) -> tuple[tuple[int, ...], frozenset[int]]:
         m, cfg = self.model, self.config

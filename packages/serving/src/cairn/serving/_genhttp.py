@@ -24,6 +24,7 @@ from typing import Any
 from cairn.serving._genexport import detokenize, tokenize
 from cairn.serving._http import Response, Stream
 from cairn.serving._http import json_response as _json
+from cairn.serving._protocol import ProtocolError, loads_json
 from cairn.serving._sampling import SamplingParams
 
 _BODY_KEYS = ("text_input", "input_ids", "parameters", "stream")
@@ -77,7 +78,7 @@ def _pump(loop: asyncio.AbstractEventLoop) -> _EventPump:
         return pump
 
 
-def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
+def parse_generate(body: bytes | memoryview, model: Any) -> tuple[list[int], SamplingParams]:
     """Parse a generate request body for ``model`` (a GenerativeModel).
 
     Args:
@@ -93,13 +94,35 @@ def parse_generate(body: bytes, model: Any) -> tuple[list[int], SamplingParams]:
       ``(prompt token ids, SamplingParams)``.
 
     Raises:
-      ValueError: malformed JSON, an unknown key, a missing or ill-typed field, text on a
-        model without vocabulary, or bad sampling parameters (each naming the field).
+      ValueError: malformed JSON (a bare ``NaN`` and JSON nested too deeply included), an
+        unknown key, a missing or ill-typed field, text on a model without vocabulary, or
+        bad sampling parameters (each naming the field).
     """
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"request body must be a JSON object: {e}") from None
+        obj = loads_json(body)
+    except ProtocolError as e:
+        raise ValueError(e.message) from None
+    try:
+        return _parse_object(obj, model)
+    except RecursionError:  # a deep value (under json's limit) reached a repr
+        raise ValueError("request body is JSON nested too deeply") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParseTarget:
+    """What :func:`parse_generate` reads of a model, small enough to send to a worker process."""
+
+    name: str
+    vocabulary: tuple[str | None, ...] | None
+    bos_token_id: int | None
+
+    @classmethod
+    def of(cls, model: Any) -> ParseTarget:
+        vocab = model.vocabulary
+        return cls(model.name, None if vocab is None else tuple(vocab), getattr(model, "bos_token_id", None))
+
+
+def _parse_object(obj: Any, model: Any) -> tuple[list[int], SamplingParams]:
     if not isinstance(obj, dict):
         raise ValueError(f"request body must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(_BODY_KEYS) - set(_SAMPLING_KEYS))
@@ -180,7 +203,6 @@ class GenerationRelay:
         self.stream: Stream | None = None
         self._backlog: list[Any] = []
         self.finished = False
-        self.request: Any = None  # the engine's GenerationRequest, once submitted
 
     def on_event(self, event: Any) -> None:
         """The engine's callback (engine thread): hand the event to the loop (batched with
@@ -209,7 +231,7 @@ class GenerationRelay:
             if self.stream is not None:
                 self._write({**self.base, "text_output": self._text([token]), "output_ids": [token], "index": event.index})
         if event.finished:
-            self._finish(event.finish_reason or "error")
+            self._finish(event.finish_reason or "error", getattr(event, "error", None))
 
     def _text(self, ids: list[int]) -> str | None:
         return None if self.vocabulary is None else detokenize(ids, self.vocabulary)
@@ -218,7 +240,7 @@ class GenerationRelay:
         if obj.get("text_output", "") is None:
             del obj["text_output"]
         assert self.stream is not None
-        self.stream.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        self.stream.write(b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n")
 
     def answer(self) -> dict[str, Any]:
         """The non-streamed answer."""
@@ -233,23 +255,22 @@ class GenerationRelay:
     def _usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.tokens)}
 
-    def _error(self) -> str:
-        result = self.request.result(0) if self.request is not None and self.request.done else None
-        detail = f": {result.error}" if result is not None and result.error else ""
+    def _error(self, error: str | None) -> str:
+        detail = f": {error}" if error else ""
         return f"model '{self.base['model_name']}' failed while generating this request{detail}"
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, error: str | None = None) -> None:
         self.finished = True
         self.done(reason, len(self.tokens), self.first_token)
         if self.stream is not None:
             final = {**self.base, "finish_reason": reason, "usage": self._usage()}  # not answer(): no detokenizing
             if reason == "error":
-                final["error"] = self._error()
+                final["error"] = self._error(error)
             self._write(final)
             self.stream.end()
         elif self.future.done():
             return
         elif reason == "error":
-            self.future.set_result(_json(500, {"error": self._error()}, self.headers))
+            self.future.set_result(_json(500, {"error": self._error(error)}, self.headers))
         else:
             self.future.set_result(_json(200, {**self.answer(), "finish_reason": reason}, self.headers))

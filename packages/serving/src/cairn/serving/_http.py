@@ -9,6 +9,11 @@ Content-Length before any body is read), header and body read timeouts (408, so 
 client sending a byte a second holds only its own connection), an idle keep-alive
 timeout, and ``Transfer-Encoding`` is refused (411: send Content-Length).
 
+Draining (SIGTERM) stops accepting connections and answers what is in flight. A kept-alive
+connection stays open for ``drain_grace`` seconds meanwhile, and a request that arrives
+on it (the client may have sent it before it could know) is answered 503 with
+``Connection: close`` instead of meeting a reset; then idle connections close.
+
 A handler may instead answer a :class:`StreamResponse`: the head goes out at once with
 ``Transfer-Encoding: chunked`` (HTTP/1.1; an HTTP/1.0 client gets the raw body and a
 close) and the producer writes the body piece by piece through a :class:`Stream`, each
@@ -26,6 +31,8 @@ import socket
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 _REASONS = {
     200: "OK",
@@ -51,7 +58,7 @@ class Request:
     path: str
     query: str
     headers: dict[str, str]
-    body: bytes
+    body: bytes | memoryview  # a read-only memoryview when larger than 1 MiB (received in place)
     peer: str
     keep_alive: bool
     started: float
@@ -134,6 +141,8 @@ class HttpLimits:
       header_timeout: seconds from a request's first byte to the end of its headers (408).
       body_timeout: seconds from the end of the headers to the end of the body (408).
       keep_alive_timeout: an idle connection is closed after this many seconds.
+      drain_grace: while draining, kept-alive connections stay open this many seconds
+        (or until their clients close them) and answer new requests 503 + ``Connection: close``.
     """
 
     max_body_bytes: int = 64 * 1024 * 1024
@@ -141,12 +150,14 @@ class HttpLimits:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keep_alive_timeout: float = 75.0
+    drain_grace: float = 1.0
 
 
-Handler = Callable[[Request], "Response | StreamResponse | asyncio.Future[Response]"]
+Handler = Callable[[Request], "Response | StreamResponse | asyncio.Future[Response | StreamResponse]"]
 Finisher = Callable[[Request, "Response | StreamResponse", int], None]
 
 _IDLE, _HEAD, _BODY, _BUSY = range(4)
+_BIG_BODY = 1 << 20  # larger bodies are received into one buffer allocated up front
 
 
 class HttpConnection(asyncio.Protocol):
@@ -159,6 +170,8 @@ class HttpConnection(asyncio.Protocol):
         self._deadline = 0.0
         self._head: tuple[str, str, str, dict[str, str], bool, float, str] | None = None
         self._length = 0
+        self._body: np.ndarray | None = None  # a big body, filled in place as it arrives
+        self._filled = 0
         self._closing = False
         self.transport: asyncio.Transport | None = None
         self._peer = ""
@@ -226,13 +239,33 @@ class HttpConnection(asyncio.Protocol):
                 self._state = _BODY
                 self._deadline = time.monotonic() + limits.body_timeout
             if self._state == _BODY:
-                if len(self._buf) < self._length:
+                body = self._take_body()
+                if body is None:
                     return
-                body = bytes(self._buf[: self._length])
-                del self._buf[: self._length]
                 self._dispatch(body)
                 if self._state == _BUSY:
                     return
+
+    def _take_body(self) -> bytes | memoryview | None:
+        """The body once complete (None before). A big one is copied piece by piece, as it
+        arrives, into a buffer allocated once and never zero-filled: copying 64 MB at the
+        end, or growing the receive buffer to it, stalled the loop ~100 ms on a busy host."""
+        if self._length <= _BIG_BODY:
+            if len(self._buf) < self._length:
+                return None
+            body = bytes(self._buf[: self._length])
+            del self._buf[: self._length]
+            return body
+        if self._body is None:
+            self._body, self._filled = np.empty(self._length, np.uint8), 0
+        take = min(len(self._buf), self._length - self._filled)
+        self._body[self._filled : self._filled + take] = memoryview(self._buf)[:take]
+        del self._buf[:take]
+        self._filled += take
+        if self._filled < self._length:
+            return None
+        done, self._body = self._body, None
+        return done.data.toreadonly()
 
     def _parse_head(self, head: bytes) -> bool:
         try:
@@ -271,15 +304,19 @@ class HttpConnection(asyncio.Protocol):
         self._head = (method, path, query, headers, keep, time.perf_counter(), version)
         return True
 
-    def _dispatch(self, body: bytes) -> None:
+    def _dispatch(self, body: bytes | memoryview) -> None:
         assert self._head is not None
         method, path, query, headers, keep, started, version = self._head
         request = Request(method, path, query, headers, body, self._peer, keep and not self._server.draining, started, version)
         self._state = _BUSY
         self._server.in_flight += 1
         self._pending = request
+        result: Response | StreamResponse | asyncio.Future[Response | StreamResponse]
         try:
-            result = self._server.handler(request)
+            if self._server.draining:  # a request on a kept-alive connection after SIGTERM
+                result = _error(503, "the server is shutting down; send the request again (to another instance)")
+            else:
+                result = self._server.handler(request)
         except Exception as e:  # a handler bug is this request's 500, never the connection's crash
             result = _error(500, f"internal error: {type(e).__name__}: {e}")
         if isinstance(result, Response):
@@ -287,9 +324,16 @@ class HttpConnection(asyncio.Protocol):
         elif isinstance(result, StreamResponse):
             self._start_stream(request, result)
         else:
-            result.add_done_callback(lambda fut: self._respond(request, _result(fut)))
+            result.add_done_callback(lambda fut: self._settle(request, _result(fut)))
 
     # --- writing ---
+
+    def _settle(self, request: Request, response: Response | StreamResponse) -> None:
+        """A handler's future resolved: write its response, or start its stream."""
+        if isinstance(response, StreamResponse):
+            self._start_stream(request, response, inline=False)
+        else:
+            self._respond(request, response)
 
     def _respond(self, request: Request, response: Response, resume: bool = True) -> None:
         self._server.in_flight -= 1
@@ -299,8 +343,9 @@ class HttpConnection(asyncio.Protocol):
         self._server.finished(request, response, len(response.body))
         self._next(keep, resume)
 
-    def _start_stream(self, request: Request, response: StreamResponse) -> None:
-        """Write a streamed response's head and hand the body to its producer."""
+    def _start_stream(self, request: Request, response: StreamResponse, inline: bool = True) -> None:
+        """Write a streamed response's head and hand the body to its producer (``inline``:
+        called from :meth:`_advance`, whose loop goes on if the stream ends at once)."""
         chunked = request.version == "HTTP/1.1"
         keep = chunked and request.keep_alive and not self._server.draining and not self._closing
         stream = self._stream = Stream(self, request, response, chunked, keep)
@@ -311,7 +356,7 @@ class HttpConnection(asyncio.Protocol):
             parts.extend(f"{k}: {v}\r\n" for k, v in response.headers)
             parts.append("Cache-Control: no-cache\r\nConnection: keep-alive\r\n\r\n" if keep else "Cache-Control: no-cache\r\nConnection: close\r\n\r\n")
             self.transport.write("".join(parts).encode("latin-1"))
-        self._starting = True
+        self._starting = inline
         try:
             response.start(stream)
         except Exception:  # noqa: BLE001 - a producer bug ends this response, never the connection loop
@@ -354,7 +399,12 @@ class HttpConnection(asyncio.Protocol):
         ]
         parts.extend(f"{k}: {v}\r\n" for k, v in response.headers)
         parts.append("Connection: keep-alive\r\n\r\n" if keep else "Connection: close\r\n\r\n")
-        self.transport.write("".join(parts).encode("latin-1") + response.body)
+        head = "".join(parts).encode("latin-1")
+        if len(response.body) > 1 << 16:  # a big body is not copied behind its head (writelines joins on 3.11)
+            self.transport.write(head)
+            self.transport.write(response.body)
+        else:
+            self.transport.write(head + response.body)
 
     def _fail(self, status: int, reason: str) -> None:
         """Answer a request that could not be parsed, then close the connection."""
@@ -387,14 +437,14 @@ class HttpConnection(asyncio.Protocol):
 
 def json_response(status: int, obj: Any, headers: list[tuple[str, str]]) -> Response:
     """A compact JSON body answered with ``status`` and ``headers``."""
-    return Response(status, json.dumps(obj, separators=(",", ":")).encode(), headers=headers)
+    return Response(status, json.dumps(obj, separators=(",", ":"), allow_nan=False).encode(), headers=headers)
 
 
 def _error(status: int, reason: str) -> Response:
     return Response(status, json.dumps({"error": reason}).encode())
 
 
-def _result(fut: asyncio.Future[Response]) -> Response:
+def _result(fut: asyncio.Future[Response | StreamResponse]) -> Response | StreamResponse:
     if fut.cancelled():
         return _error(503, "the request was cancelled (server shutting down)")
     exc = fut.exception()
@@ -439,15 +489,19 @@ class HttpServer:
                 conn.expire(now)
 
     async def drain(self, timeout: float) -> bool:
-        """Stop accepting, close idle connections, wait for in-flight requests; True if all finished."""
+        """Stop accepting, wait for in-flight requests, close idle connections after the
+        grace (module docstring); True if every in-flight request finished."""
         self.draining = True
         if self._server is not None:
             self._server.close()
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline, grace = now + timeout, now + min(self.limits.drain_grace, timeout)
         while True:
-            for conn in list(self.connections):
-                conn.close_if_idle()
-            if self.in_flight == 0 or time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= grace:
+                for conn in list(self.connections):
+                    conn.close_if_idle()
+            if (self.in_flight == 0 and (now >= grace or not self.connections)) or now > deadline:
                 return self.in_flight == 0
             await asyncio.sleep(0.01)
 

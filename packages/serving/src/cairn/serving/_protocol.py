@@ -6,6 +6,15 @@ that arrives in binary carries ``parameters.binary_data_size``. Outputs go back 
 binary when the request asks for it (``parameters.binary_data_output`` on the request,
 or ``parameters.binary_data`` on a requested output), which is what ``tritonclient.http``
 asks for by default.
+
+JSON stays strict both ways. A JSON output holding NaN or an infinity carries it as the
+string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (numbers elsewhere; ``np.array(data,
+dtype)`` reads both back), never as the bare tokens Python's ``json`` would write, which
+strict parsers refuse. A JSON input must hold what its datatype says: booleans for BOOL,
+integers within the type's range for the INT and UINT types, numbers within range (or
+those three strings) for the FP types; anything else (``true`` for FP32, ``1e400``, 300
+for UINT8, 2.5 for INT32, a bare ``NaN``) is a 400 naming the input, the element and what
+was expected.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ DATATYPES: dict[str, np.dtype] = {
 }
 _BY_CANONICAL = {canonical_dtype(dt): name for name, dt in DATATYPES.items()}
 _MAX_RANK = 32
+#: how a JSON tensor writes the non-finite floats (strict JSON has no NaN or Infinity).
+NONFINITE_STRINGS = ("NaN", "Infinity", "-Infinity")
+_F64_MAX = float(np.finfo(np.float64).max)
+_NOT_JSON = "a bare NaN/Infinity is not JSON; send the strings \"NaN\", \"Infinity\", \"-Infinity\" (or binary data)"
 
 
 class ProtocolError(Exception):
@@ -50,6 +63,40 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a parsing process, re-raised here
+        return ProtocolError, (self.status, self.message)
+
+
+class _BareConstant:
+    """What a bare ``NaN``/``Infinity``/``-Infinity`` token parses to: kept (not a float) so
+    the input holding it is refused by name."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __repr__(self) -> str:
+        return self.token
+
+
+def loads_json(body: bytes | memoryview, what: str = "request body") -> Any:
+    """Parse untrusted JSON: a bare ``NaN``/``Infinity`` becomes a marker that no datatype
+    accepts, and nesting deeper than Python can follow is a 400, not a RecursionError.
+
+    Raises:
+      ProtocolError: (400) not JSON, not UTF-8, or nested too deeply.
+
+    >>> loads_json(b'{"a": [1, 2.5, "NaN"]}')
+    {'a': [1, 2.5, 'NaN']}
+    """
+    try:
+        return json.loads(bytes(body), parse_constant=_BareConstant)
+    except RecursionError:
+        raise ProtocolError(400, f"{what} is JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(400, f"{what} is not valid JSON: {e}") from None
 
 
 def oip_datatype(dtype: Any) -> str:
@@ -153,14 +200,94 @@ def _decode_input(obj: Any, index: int, binary: memoryview, offset: int) -> tupl
 def _json_tensor(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
     if not isinstance(data, list):
         raise ProtocolError(400, f"{where}: 'data' must be a JSON array")
-    via = np.float32 if dtype.kind == "V" or dtype == DATATYPES["BF16"] else dtype
+    datatype = _BY_CANONICAL[canonical_dtype(dtype)]
+    allowed: set[type]
+    if dtype.kind == "b":
+        allowed, expected = {bool}, "JSON booleans (true or false)"
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        allowed, expected = {int}, f"JSON integers in [{info.min}, {info.max}]"
+    else:
+        allowed, expected = {int, float, str}, f"JSON numbers within the range of {datatype} (or the strings {', '.join(NONFINITE_STRINGS)})"
+    types = _leaf_types(data, where)
+    bad = types - allowed
+    if bad or str in types:
+        _refuse_leaves(data, lambda v: type(v) in bad or (type(v) is str and v not in NONFINITE_STRINGS), where, datatype, expected)
     try:
-        array = np.array(data, dtype=via)
-    except (ValueError, TypeError, OverflowError) as e:
-        raise ProtocolError(400, f"{where}: 'data' is not a {dtype.name} array ({e})") from None
+        if dtype.kind == "f" or dtype == DATATYPES["BF16"]:
+            array = _float_tensor(data, dtype, str in types, where, datatype, expected)
+        else:
+            array = np.array(data, dtype=dtype)  # exact ints only: one out of range raises OverflowError
+    except OverflowError:  # an int out of the INT type's range, or too large for any float
+        lo, hi = (np.iinfo(dtype).min, np.iinfo(dtype).max) if dtype.kind in "iu" else (-_F64_MAX, _F64_MAX)
+        _refuse_leaves(data, lambda v: type(v) is int and not lo <= v <= hi, where, datatype, expected)
+        raise ProtocolError(400, f"{where}: 'data' holds a value outside the range of {datatype} (expected {expected})") from None
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(400, f"{where}: 'data' is not a {datatype} array ({e})") from None
     if array.size != math.prod(shape):
         raise ProtocolError(400, f"{where}: 'data' has {array.size} elements, shape {list(shape)} needs {math.prod(shape)}")
-    return array.reshape(shape).astype(dtype, copy=False)
+    return array.reshape(shape)
+
+
+def _leaf_types(data: list, where: str) -> set[type]:
+    """The Python types of a JSON array's leaves (at C speed: one ``map(type)`` per list)."""
+    types: set[type] = set()
+    level = [data]
+    for _ in range(_MAX_RANK):
+        inner: list[list] = []
+        for items in level:
+            found = set(map(type, items))
+            if list in found:
+                inner.extend(v for v in items if type(v) is list)
+                found.discard(list)
+            types |= found
+        if not inner:
+            return types
+        level = inner
+    raise ProtocolError(400, f"{where}: 'data' is nested deeper than {_MAX_RANK} levels (the largest rank)")
+
+
+def _flat_leaves(data: list) -> Any:
+    for v in data:
+        if type(v) is list:
+            yield from _flat_leaves(v)
+        else:
+            yield v
+
+
+def _refuse_leaves(data: list, wrong: Any, where: str, datatype: str, expected: str) -> None:
+    """Raise a 400 naming the first leaf ``wrong`` accepts (its flat index and value)."""
+    for i, v in enumerate(_flat_leaves(data)):
+        if wrong(v):
+            shown = json.dumps(v) if isinstance(v, bool | str) else repr(v)
+            shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
+            hint = f"; {_NOT_JSON}" if isinstance(v, _BareConstant) else ""
+            raise ProtocolError(400, f"{where}: data[{i}] is {shown}, not a valid {datatype} value (expected {expected}){hint}")
+
+
+def _float_tensor(data: list, dtype: np.dtype, strings: bool, where: str, datatype: str, expected: str) -> np.ndarray:
+    """A float tensor: numbers, plus the non-finite strings; a finite number that the
+    datatype cannot hold (or that JSON parsed to an infinity, ``1e400``) is refused."""
+    wide = np.array(data, dtype=np.float64)  # numpy reads "NaN", "Infinity", "-Infinity" itself
+    if dtype == DATATYPES["BF16"]:
+        with np.errstate(over="ignore"):
+            array = wide.astype(np.float32).astype(dtype)
+    else:
+        with np.errstate(over="ignore"):
+            array = wide.astype(dtype)
+    overflow = ~np.isfinite(array.astype(np.float64))
+    if strings and overflow.any():  # the strings say "non-finite" on purpose; numbers never do
+        marked = np.array([isinstance(v, str) for v in _flat_leaves(data)], bool).reshape(overflow.shape)
+        overflow &= ~marked
+    if overflow.any():
+        i = int(np.flatnonzero(overflow.reshape(-1))[0])
+        value = next(v for k, v in enumerate(_flat_leaves(data)) if k == i)
+        value = "a number too large for any float (JSON parsed it to infinity)" if value in (math.inf, -math.inf) else repr(value)
+        biggest = float(np.finfo(np.float32 if dtype == DATATYPES["BF16"] else dtype).max)
+        raise ProtocolError(
+            400, f"{where}: data[{i}] is {value}, outside the range of {datatype} (largest finite magnitude {biggest:.8g}; expected {expected})"
+        )
+    return array
 
 
 def _requested_outputs(request: Mapping[str, Any], default_binary: bool) -> dict[str, bool] | None:
@@ -181,7 +308,7 @@ def _requested_outputs(request: Mapping[str, Any], default_binary: bool) -> dict
     return wanted
 
 
-def decode_request(body: bytes, header_length: int | None) -> InferRequest:
+def decode_request(body: bytes | memoryview, header_length: int | None) -> InferRequest:
     """Decode an inference request body.
 
     Args:
@@ -201,10 +328,14 @@ def decode_request(body: bytes, header_length: int | None) -> InferRequest:
         header_length = len(body)
     elif not 0 <= header_length <= len(body):
         raise ProtocolError(400, f"Inference-Header-Content-Length {header_length} is outside the body of {len(body)} bytes")
+    request = loads_json(memoryview(body)[:header_length])
     try:
-        request = json.loads(bytes(body[:header_length]))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(400, f"request body is not valid JSON: {e}") from None
+        return _decode_parsed(request, memoryview(body)[header_length:])
+    except RecursionError:  # a deep value (under json's limit) reached a repr or a walk
+        raise ProtocolError(400, "request body is JSON nested too deeply") from None
+
+
+def _decode_parsed(request: Any, binary: memoryview) -> InferRequest:
     if not isinstance(request, dict):
         raise ProtocolError(400, "request body must be a JSON object")
     rid = request.get("id")
@@ -215,7 +346,6 @@ def decode_request(body: bytes, header_length: int | None) -> InferRequest:
     if not isinstance(binary_output, bool):
         raise ProtocolError(400, "parameters.binary_data_output must be a boolean")
     raw = _field(request, "inputs", list, "request")
-    binary = memoryview(body)[header_length:]
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for i, obj in enumerate(raw):
@@ -272,16 +402,26 @@ def encode_response(
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            flat = array.reshape(-1)
-            if flat.dtype.kind not in "biu" and flat.dtype not in (np.float32, np.float64):
-                flat = flat.astype(np.float32)  # FP16 and BF16 travel as JSON numbers
-            entry["data"] = flat.tolist()
+            entry["data"] = _json_data(array.reshape(-1))
         entries.append(entry)
     head: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         head["id"] = request.id
     head["outputs"] = entries
-    header = json.dumps(head, separators=(",", ":")).encode()
+    header = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)
+
+
+def _json_data(flat: np.ndarray) -> list[Any]:
+    """A flat array as JSON values: NaN and the infinities as their strings (module docstring)."""
+    if flat.dtype.kind not in "biu" and flat.dtype not in (np.float32, np.float64):
+        flat = flat.astype(np.float32)  # FP16 and BF16 travel as JSON numbers
+    if flat.dtype.kind != "f" or np.isfinite(flat).all():
+        return flat.tolist()
+    out = flat.astype(object)
+    out[np.isnan(flat)] = NONFINITE_STRINGS[0]
+    out[flat == np.inf] = NONFINITE_STRINGS[1]
+    out[flat == -np.inf] = NONFINITE_STRINGS[2]
+    return out.tolist()

@@ -42,16 +42,18 @@ from cairn.serving._batcher import (
 )
 from cairn.serving._generate import GenerationConfig, GenerationEngine
 from cairn.serving._genexport import GenerativeModel
-from cairn.serving._genhttp import GenerationRelay, parse_generate
+from cairn.serving._genhttp import GenerationRelay, ParseTarget, parse_generate
 from cairn.serving._http import HttpLimits, HttpServer, Request, Response, StreamResponse
 from cairn.serving._http import json_response as _json
 from cairn.serving._metrics import Metrics
 from cairn.serving._model import batch_dim, validate_inputs
+from cairn.serving._offload import OFFLOAD_BYTES, Offloader
 from cairn.serving._protocol import (
     InferRequest,
     ProtocolError,
     decode_request,
     encode_response,
+    loads_json,
     oip_datatype,
 )
 from cairn.serving._repository import ModelConfig, ModelRepository, ModelSet
@@ -122,6 +124,7 @@ class App:
         self.status: dict[str, tuple[str, str]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cairn-serving-worker")
         self.loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cairn-serving-load")
+        self.offload = Offloader()  # big JSON bodies: parsed and written in worker processes
         self.http = HttpServer(self.handle, self.finished, limits)
         self.ready = False
         self.stopped = asyncio.Event()
@@ -151,6 +154,7 @@ class App:
         await asyncio.gather(*(v.close(drain=False) for versions in self.live.values() for v in versions.values()))
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.loading.shutdown(wait=False, cancel_futures=True)
+        self.offload.shutdown()
         self.stopped.set()
 
     # --- model table ---
@@ -259,7 +263,7 @@ class App:
 
     # --- routing ---
 
-    def handle(self, req: Request) -> Response | StreamResponse | asyncio.Future[Response]:
+    def handle(self, req: Request) -> Response | StreamResponse | asyncio.Future[Any]:
         """Route one request (see the Endpoints section of docs/serving.md)."""
         rid = req.headers.get("x-request-id", "")
         if not rid or len(rid) > 200 or not rid.isprintable():
@@ -280,8 +284,11 @@ class App:
         if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             raise HttpError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')", [("WWW-Authenticate", "Bearer")])
 
-    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Response]:
+    def _route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Any]:
         path, method = req.path, req.method
+        if path in ("/v2/models", "/v2/models/"):  # the index by GET (Triton has only POST /v2/repository/index)
+            _method(method, "GET")
+            return _json(200, self.index(_query_flag(req.query, "ready")), headers)
         if path.startswith("/v2/models/"):
             return self._model_route(req, headers)
         if path == "/v2/health/live":
@@ -308,7 +315,7 @@ class App:
             return asyncio.ensure_future(_admin(op, headers))
         raise HttpError(404, f"no route for {method} {path[:200]}")
 
-    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Response]:
+    def _model_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Any]:
         parts = req.path.split("/")[3:]
         name, rest, version = unquote(parts[0]), parts[1:], None
         if len(rest) >= 2 and rest[0] == "versions":
@@ -438,43 +445,92 @@ class App:
         return m.render()
 
     def infer(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]]) -> asyncio.Future[Response]:
-        """Validate, queue, and answer one inference request."""
+        """Validate, queue, and answer one inference request (a big JSON body is parsed in
+        a worker process, so the loop goes on serving meanwhile)."""
         live = self.resolve(name, version)
         if live.batcher is None:
             self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
             raise HttpError(400, f"model '{name}' is a generative model: use POST /v2/models/{name}/generate (or /generate_stream), not /infer")
         try:
-            decoded = self._decode(req, live)
-            arrays, env = validate_inputs(live.model.inputs, decoded.inputs, live.batcher.max_batch_size if live.batch_dim else 0)
+            header_length = _header_length(req)
+            if (len(req.body) if header_length is None else header_length) > OFFLOAD_BYTES:
+                return asyncio.ensure_future(self._infer_offloaded(req, live, version, header_length, headers))
+            decoded = decode_request(req.body, header_length)
         except ProtocolError as e:
             self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
             raise HttpError(e.status, e.message) from None
-        except ValueError as e:
+        return self._submit(live, decoded, req, headers)
+
+    async def _infer_offloaded(self, req: Request, live: _Version, version: str | None, header_length: int | None, headers: list[tuple[str, str]]) -> Response:
+        try:
+            decoded = await self.offload.run(decode_request, req.body, header_length)
+        except ProtocolError as e:
             self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
-            raise HttpError(400, str(e)) from None
+            return _json(e.status, {"error": e.message}, headers)
+        try:
+            live = self.resolve(live.name, version)  # again: a reload may have swapped versions meanwhile
+            return await self._submit(live, decoded, req, headers)
+        except HttpError as e:
+            return _json(e.status, {"error": e.message}, headers + e.headers)
+
+    def _submit(self, live: _Version, decoded: InferRequest, req: Request, headers: list[tuple[str, str]]) -> asyncio.Future[Response]:
+        """Validate decoded inputs against ``live`` and queue them; the future of the answer."""
+        assert live.batcher is not None
+        try:
+            for wanted in decoded.outputs or ():
+                if wanted not in live.model.outputs:
+                    raise ProtocolError(400, f"requested output '{wanted}' is not an output of model '{live.name}' (outputs: {sorted(live.model.outputs)})")
+            arrays, env = validate_inputs(live.model.inputs, decoded.inputs, live.batcher.max_batch_size if live.batch_dim else 0)
+        except (ProtocolError, ValueError) as e:
+            self.metrics.failure.inc((*live.labels, ("reason", "bad_request")))
+            raise HttpError(getattr(e, "status", 400), getattr(e, "message", str(e))) from None
         rows = env[live.batch_dim] if live.batch_dim else 1
         try:
             fut = live.batcher.submit(arrays, rows)
         except QueueFull as e:
             self.metrics.failure.inc((*live.labels, ("reason", "queue_full")))
-            raise HttpError(503, f"model '{name}' is overloaded: {e}", [("Retry-After", str(e.retry_after))]) from None
+            raise HttpError(503, f"model '{live.name}' is overloaded: {e}", [("Retry-After", str(e.retry_after))]) from None
         except Unavailable as e:  # pragma: no cover - routing and submit share one loop step
             raise HttpError(503, str(e), [("Retry-After", "1")]) from None
         out: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(functools.partial(self._answer, out, live, decoded, headers, req.started))
+        answer = dataclasses.replace(decoded, inputs={})  # what encoding needs (not the inputs)
+        fut.add_done_callback(functools.partial(self._answer, out, live, answer, headers, req.started))
         return out
 
-    def generate(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]], stream: bool) -> StreamResponse | asyncio.Future[Response]:
-        """Validate and submit one generate request; its answer, or its event stream."""
-        live, m = self.resolve(name, version), self.metrics
+    def generate(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]], stream: bool) -> StreamResponse | asyncio.Future[Any]:
+        """Validate and submit one generate request; its answer, or its event stream (a big
+        body is parsed, and its text tokenized, in a worker process)."""
+        live = self.resolve(name, version)
         if live.engine is None:
             raise HttpError(400, f"model '{name}' is not a generative model: use POST /v2/models/{name}/infer")
+        if len(req.body) > OFFLOAD_BYTES:
+            return asyncio.ensure_future(self._generate_offloaded(req, live, version, headers, stream))
         try:
             prompt, params = parse_generate(req.body, live.model)
         except ValueError as e:
-            m.gen_failure.inc((*live.labels, ("reason", "bad_request")))
+            self.metrics.gen_failure.inc((*live.labels, ("reason", "bad_request")))
             raise HttpError(400, str(e)) from None
-        started = req.started
+        return self._start_generation(req, live, prompt, params, headers, stream)
+
+    async def _generate_offloaded(self, req: Request, live: _Version, version: str | None, headers: list[tuple[str, str]], stream: bool) -> Response | StreamResponse:
+        try:
+            prompt, params = await self.offload.run(parse_generate, req.body, ParseTarget.of(live.model))
+        except ValueError as e:
+            self.metrics.gen_failure.inc((*live.labels, ("reason", "bad_request")))
+            return _json(400, {"error": str(e)}, headers)
+        try:
+            live = self.resolve(live.name, version)  # again: a reload may have swapped versions meanwhile
+            if live.engine is None:
+                raise HttpError(400, f"model '{live.name}' is not a generative model: use POST /v2/models/{live.name}/infer")
+            answer = self._start_generation(req, live, prompt, params, headers, stream)
+        except HttpError as e:
+            return _json(e.status, {"error": e.message}, headers + e.headers)
+        return answer if isinstance(answer, StreamResponse) else await answer
+
+    def _start_generation(self, req: Request, live: _Version, prompt: list[int], params: Any, headers: list[tuple[str, str]], stream: bool) -> StreamResponse | asyncio.Future[Response]:
+        """Submit a parsed generate request to ``live``'s engine; its answer or event stream."""
+        m, name, started = self.metrics, live.name, req.started
+        assert live.engine is not None
 
         def done(reason: str, tokens: int, ttft: float | None) -> None:
             m.gen_requests.inc((*live.labels, ("finish_reason", reason)))
@@ -486,7 +542,7 @@ class App:
         base = {"model_name": live.name, "model_version": str(live.version)}
         relay = GenerationRelay(asyncio.get_running_loop(), base, live.model.vocabulary, len(prompt), stream, done, started, headers)
         try:
-            request = relay.request = live.engine.submit(prompt, params, relay.on_event)
+            request = live.engine.submit(prompt, params, relay.on_event)
         except QueueFull as e:
             m.gen_failure.inc((*live.labels, ("reason", "queue_full")))
             retry = str(getattr(e, "retry_after", 1))
@@ -502,33 +558,46 @@ class App:
             return StreamResponse(relay.attach, headers=headers)
         return relay.future
 
-    def _decode(self, req: Request, live: _Version) -> InferRequest:
-        raw = req.headers.get("inference-header-content-length")
-        if raw is not None and not raw.isdigit():
-            raise ProtocolError(400, f"Inference-Header-Content-Length must be a non-negative integer, got {raw[:30]!r}")
-        if req.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
-            raise ProtocolError(400, f"Content-Encoding {req.headers['content-encoding'][:30]!r} is not supported")
-        decoded = decode_request(req.body, None if raw is None else int(raw))
-        for out in decoded.outputs or ():
-            if out not in live.model.outputs:
-                raise ProtocolError(400, f"requested output '{out}' is not an output of model '{live.name}' (outputs: {sorted(live.model.outputs)})")
-        return decoded
-
     def _answer(self, out: asyncio.Future[Response], live: _Version, decoded: InferRequest, headers: list[tuple[str, str]], started: float, fut: asyncio.Future[Any]) -> None:
         if out.done():
             return
         m = self.metrics
         try:
             outputs, _ = fut.result()
-            body, header_length = encode_response(live.name, str(live.version), decoded, outputs)
-        except ModelError as e:
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - every accepted request is answered
             m.failure.inc((*live.labels, ("reason", "model_error")))
-            out.set_result(_json(500, {"error": f"model '{live.name}' version {live.version} failed: {e}"}, headers))
+            why = str(e) if isinstance(e, ModelError) else f"{type(e).__name__}: {e}"
+            out.set_result(_json(500, {"error": f"model '{live.name}' version {live.version} failed: {why}"}, headers))
             return
-        except (ProtocolError, ValueError, KeyError, asyncio.CancelledError) as e:
-            m.failure.inc((*live.labels, ("reason", "model_error")))
-            out.set_result(_json(500, {"error": f"model '{live.name}' returned unusable outputs: {e}"}, headers))
+        encode = functools.partial(encode_response, live.name, str(live.version), decoded, outputs)
+        if _json_bytes(decoded, outputs) > OFFLOAD_BYTES:  # a big JSON answer: written in a worker process
+            task = asyncio.ensure_future(self.offload.run(encode))
+            task.add_done_callback(functools.partial(self._encoded, out, live, headers, started))
             return
+        try:
+            encoded = encode()
+        except Exception as e:  # noqa: BLE001 - every accepted request is answered
+            self._unusable(out, live, headers, e)
+            return
+        self._send(out, live, headers, started, encoded)
+
+    def _encoded(self, out: asyncio.Future[Response], live: _Version, headers: list[tuple[str, str]], started: float, task: asyncio.Future[Any]) -> None:
+        if out.done():
+            return
+        try:
+            encoded = task.result()
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - every accepted request is answered
+            self._unusable(out, live, headers, e)
+            return
+        self._send(out, live, headers, started, encoded)
+
+    def _unusable(self, out: asyncio.Future[Response], live: _Version, headers: list[tuple[str, str]], e: BaseException) -> None:
+        self.metrics.failure.inc((*live.labels, ("reason", "model_error")))
+        out.set_result(_json(500, {"error": f"model '{live.name}' returned unusable outputs: {e}"}, headers))
+
+    def _send(self, out: asyncio.Future[Response], live: _Version, headers: list[tuple[str, str]], started: float, encoded: tuple[bytes, int | None]) -> None:
+        body, header_length = encoded
+        m = self.metrics
         m.success.inc(live.labels)
         m.request_time.observe(live.labels, time.perf_counter() - started)
         if header_length is None:
@@ -628,13 +697,42 @@ def _method(got: str, want: str) -> None:
         raise HttpError(405, f"method {got[:20]} not allowed here (use {want})", [("Allow", want)])
 
 
-def _ready_only(body: bytes) -> bool:
+def _header_length(req: Request) -> int | None:
+    """The ``Inference-Header-Content-Length`` (None: the body is all JSON).
+
+    Raises:
+      ProtocolError: (400) not a number, or a ``Content-Encoding`` this server does not read.
+    """
+    raw = req.headers.get("inference-header-content-length")
+    if raw is not None and not raw.isdigit():
+        raise ProtocolError(400, f"Inference-Header-Content-Length must be a non-negative integer, got {raw[:30]!r}")
+    if req.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        raise ProtocolError(400, f"Content-Encoding {req.headers['content-encoding'][:30]!r} is not supported")
+    return None if raw is None else int(raw)
+
+
+def _json_bytes(request: InferRequest, outputs: Mapping[str, Any]) -> int:
+    """About how large the JSON outputs of an answer are (array bytes, ~3 characters each)."""
+    wanted = request.outputs if request.outputs is not None else dict.fromkeys(outputs, request.binary_output)
+    return sum(3 * getattr(outputs.get(k), "nbytes", 0) for k, binary in wanted.items() if not binary)
+
+
+def _query_flag(query: str, name: str) -> bool:
+    """Whether the query string sets ``name`` to true (``?ready=true`` or ``?ready=1``)."""
+    values = [v for k, _, v in (p.partition("=") for p in query.split("&")) if k == name]
+    return bool(values) and values[-1].lower() in ("true", "1")
+
+
+def _ready_only(body: bytes | memoryview) -> bool:
+    if len(body) > OFFLOAD_BYTES:  # parsed on the loop: a few bytes are all it takes
+        raise HttpError(400, f"repository index body of {len(body)} bytes: send {{}} or {{\"ready\": true}}")
+    body = bytes(body)
     if not body.strip():
         return False
     try:
-        obj = json.loads(body)
-    except ValueError:
-        raise HttpError(400, "repository index body must be JSON ({} or {\"ready\": true})") from None
+        obj = loads_json(body, "repository index body")
+    except ProtocolError as e:
+        raise HttpError(400, f"{e.message} (send {{}} or {{\"ready\": true}})") from None
     return bool(obj.get("ready", False)) if isinstance(obj, dict) else False
 
 
