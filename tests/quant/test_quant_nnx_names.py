@@ -308,3 +308,17 @@ def test_prequantized_checkpoint_is_found_by_weight_name(kind):
         np.testing.assert_array_equal(np.asarray(loaded.a.kernel.get_value().qvalue), qvalue)
         with pytest.raises(ValueError, match=r"no entry for 'b/kernel' \(nor for its leaf path 'b/kernel/value'\)"):
             quant.process_prequantized_params({"a": ckpt["a"], "b": {"bias": _B2}}, template)
+
+
+def test_a_weight_name_is_its_variable_path_unless_the_variable_holds_several_leaves():
+    from cairn.quant._weights import classify_leaves
+
+    class Held(nnx.Module):
+        def __init__(self):
+            self.pair = nnx.Param({"x": jnp.ones(2), "y": jnp.ones(3)})
+            self.one = nnx.Param(jnp.ones(2))
+
+    m = Held()
+    flat, _ = jax.tree_util.tree_flatten_with_path(m)
+    got = [(i.path, i.name, i.module_path) for i in classify_leaves(m, [kp for kp, _ in flat])]
+    assert got == [("one/value", "one", ""), ("pair/value/x", "pair/value/x", ""), ("pair/value/y", "pair/value/y", "")]
