@@ -11,7 +11,7 @@ from cairn.quant._providers import QuantizationProvider
 from cairn.quant._qtypes import required
 from cairn.quant._replay import Trace, TraceCache, compiled_replay, concrete
 from cairn.quant._rewrite import Interpreter, WeightRef, materialize
-from cairn.quant._weights import WeightFilter, weight_leaves
+from cairn.quant._weights import WeightFilter, leaf_names, weight_leaves
 
 __all__ = ["quantize", "quantize_params", "calibrate"]
 
@@ -41,6 +41,7 @@ class _Flat:
         self.treedef_args = []
         self.weight_paths: list[str] = []
         self.weight_modules: list[str] = []
+        self.weight_names: list[str] = []
         leaves: list[Any] = []
         kinds: list[str] = []
         for i, a in enumerate(args):
@@ -54,6 +55,7 @@ class _Flat:
                 if picked is not None and (_is_array(leaf) or _is_q(leaf)):
                     self.weight_paths.append(picked[0])
                     self.weight_modules.append(picked[1])
+                    self.weight_names.append(picked[2])
                     kinds.append("w")
                 else:
                     kinds.append("a" if _is_array(leaf) else "s")
@@ -111,23 +113,23 @@ def _trace(fn: Callable, flat: _Flat) -> Trace:
 
     closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in flat.dynamic()])
     statics = [x for x, k in zip(flat.leaves, flat.kinds) if k == "s"]
-    return Trace(closed, out_tree[0], flat.kinds, flat.weight_paths, flat.weight_modules, statics)
+    return Trace(closed, out_tree[0], flat.kinds, flat.weight_paths, flat.weight_modules, statics, flat.weight_names)
 
 
 def _inputs(entry: Trace, dynamic: Sequence[Any]) -> list[Any]:
-    """The program's inputs: a weight as a :class:`WeightRef` (with its module path), a
-    ``QArray`` that is not a weight dequantized, any other leaf as itself."""
-    paths, modules = iter(entry.weight_paths), iter(entry.weight_modules)
+    """The program's inputs: a weight as a :class:`WeightRef` (with its module path and
+    name), a ``QArray`` that is not a weight dequantized, any other leaf as itself."""
+    paths, modules, names = iter(entry.weight_paths), iter(entry.weight_modules), iter(entry.weight_names)
     kinds = [k for k in entry.kinds if k != "s"]
     return [
-        WeightRef(next(paths), x, module=next(modules)) if k == "w" else x.dequantize() if _is_q(x) else x
+        WeightRef(next(paths), x, module=next(modules), variable_path=next(names)) if k == "w" else x.dequantize() if _is_q(x) else x
         for x, k in zip(dynamic, kinds)
     ]
 
 
 def _run(provider: QuantizationProvider, entry: Trace, dynamic: Sequence[Any], what: str) -> list:
     inputs = _inputs(entry, dynamic)
-    provider._begin_trace({r.path: r.value for r in inputs if isinstance(r, WeightRef)})
+    provider._begin_trace({r.name: r.value for r in inputs if isinstance(r, WeightRef)})
     interp = Interpreter(provider._handle, activation_dots=True, on_opaque=provider._not_entered)
     # An output that is an input unchanged is that input's leaf (a stored QArray stays one).
     unchanged = {id(x): leaf for x, leaf in zip(inputs, dynamic)}
@@ -220,9 +222,11 @@ def quantize_params(
 
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_q)
     out = []
-    for kp, leaf in with_path:
+    # the plan is keyed by weight names (variable paths), so a plan made on a module applies
+    # to its state or its pure dict as well
+    for (kp, leaf), name in zip(with_path, leaf_names(params, [kp for kp, _ in with_path])):
         path = path_of(kp)
-        plan = provider._plan.get(path)
+        plan = provider._plan.get(name)
         if plan is None or isinstance(leaf, QArray):
             out.append(leaf)
             continue

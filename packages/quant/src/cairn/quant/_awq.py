@@ -5,7 +5,8 @@ its inputs ``X`` [T, K], with ``a = mean_t |X|`` per channel, AWQ tries
 ``s = a ** alpha`` (normalised to ``sqrt(max(s) min(s)) = 1``) for ``alpha`` on a grid in
 ``[0, 1)``, quantizes ``diag(s) W`` and keeps the ``alpha`` whose output
 ``(X / s) Q(diag(s) W)`` is closest to ``X W``. The stored weight is ``Q(diag(s) W)`` and
-``s`` is kept beside it at ``<path>_awq_scale``; the provider divides the activations by
+``s`` is kept beside it at ``<name>_awq_scale`` (``name``: the weight's variable path,
+``a/kernel`` in cairn.nn and Flax NNX alike); the provider divides the activations by
 it at the dot, so inference needs nothing but the two leaves.
 """
 
@@ -91,9 +92,9 @@ def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batche
     """``params`` with every weight an :class:`AwqRule` selects AWQ-quantized.
 
     Each selected ``[in, out]`` weight becomes ``Q(diag(s) W)`` (a ``QArray``, per output
-    channel or per tile as the rule says) and ``s`` is added at ``<path>_awq_scale`` (in
-    nested dicts a new key; in a module an attribute of the weight's owner, of the
-    weight's variable type); ``quantize(fn, provider)`` on the result divides the
+    channel or per tile as the rule says) and ``s`` is added at ``<name>_awq_scale``
+    (``name``: the weight's variable path; in nested dicts a new key; in a cairn.nn or Flax
+    NNX module an attribute of the weight's module, of the weight's variable type); ``quantize(fn, provider)`` on the result divides the
     weight's inputs by ``s``. The input tree is not changed.
 
     Raises:

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from cairn.core_array import QArray, QuantLayout, path_of
+from cairn.core_array import QArray, QuantLayout
 from cairn.quant._numerics import tile_length
 from cairn.quant._providers import PtqProvider
 from cairn.quant._qtypes import qtype_info, required
-from cairn.quant._recording import InputRecorder, record_inputs
+from cairn.quant._recording import InputRecorder, named_leaves, record_inputs
 from cairn.quant._rules import QuantizationRule
 from cairn.quant._weights import WeightFilter
 
@@ -157,15 +157,14 @@ def gptq_quantize_params(
     import jax
 
     recorder = record_inputs(_HessianRecorder(provider.rules, provider.weight_filter), fn, params, batches, "gptq_quantize_params")
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))
+    _, treedef = jax.tree_util.tree_flatten(params, is_leaf=lambda x: isinstance(x, QArray))
     out = []
-    for kp, leaf in flat:
-        path = path_of(kp)
-        entry = recorder.sums.get(path)
+    for name, leaf in named_leaves(params):  # the recorder keys weights by name (variable path)
+        entry = recorder.sums.get(name)
         if entry is None:
             out.append(leaf)
             continue
-        out.append(_gptq_leaf(recorder, path, leaf, entry, gptq_block_size, gptq_damping_factor))
+        out.append(_gptq_leaf(recorder, name, leaf, entry, gptq_block_size, gptq_damping_factor))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

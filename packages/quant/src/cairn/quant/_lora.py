@@ -5,10 +5,13 @@ rank``, with ``A`` [in, rank] and ``B`` [rank, out] (``in``: the weight's contra
 axes, ``out``: its other axes, each flattened in the weight's axis order). With
 ``weight_qtype`` set the base product ``x W`` is quantized as by ``PtqProvider`` (QLoRA).
 
-The adapters live next to the weight, under cairn.nn's ``LoRALinear`` names: for a weight
-``<module>/kernel`` at ``<module>/lora/lora_a`` and ``<module>/lora/lora_b``; for any other
-weight ``<path>`` at ``<path>_lora/lora_a`` and ``..._lora/lora_b``. So an adapter tree
-made here loads into ``nn.LoRALinear`` and back.
+The adapters live next to the weight, under the ``LoRALinear`` names of cairn.nn and
+Flax NNX: for a weight ``<module>/kernel`` at ``<module>/lora/lora_a`` and
+``<module>/lora/lora_b``; for any other weight ``<name>`` at ``<name>_lora/lora_a`` and
+``..._lora/lora_b``. ``<name>`` is the weight's variable path (``a/kernel`` for Flax NNX's
+leaf ``a/kernel/value``), so the names, the initial values and the dropout masks are the
+same for a Flax NNX model, the equivalent cairn.nn model and a plain tree; an adapter
+tree made here loads into ``nn.LoRALinear`` / ``nnx.LoRALinear`` and back.
 """
 
 from __future__ import annotations
@@ -155,11 +158,11 @@ class LoraProvider(PtqProvider):
         side = refs.index(True)
         ref: WeightRef = ops[side]
         spec = self._spec(site, side, rule)
-        self._adapters.setdefault(ref.path, spec)
+        self._adapters.setdefault(ref.name, spec)  # by the weight's variable path, not its leaf path
         if self._collecting:
             return base
-        a, b = self._find(ref.path, spec)
-        term = _lora_term(site.eqn, materialize(ops[1 - side]), side, a, b, spec, self._dropout_key(ref.path))
+        a, b = self._find(ref.name, spec)
+        term = _lora_term(site.eqn, materialize(ops[1 - side]), side, a, b, spec, self._dropout_key(ref.name))
         return [base[0] + term.astype(base[0].dtype)]
 
     def _spec(self, site: DotSite, side: int, rule: LoraRule) -> _AdapterSpec:
@@ -173,7 +176,7 @@ class LoraProvider(PtqProvider):
         return _AdapterSpec(rule, tuple(aval.shape[a] for a in contract), tuple(aval.shape[a] for a in free), aval.dtype)
 
     def _find(self, path: str, spec: _AdapterSpec) -> tuple[Any, Any]:
-        pa, pb = lora_paths(path)
+        pa, pb = lora_paths(path)  # self._weights is keyed by weight names (variable paths)
         missing = [p for p in (pa, pb) if p not in self._weights]
         if missing:
             raise ValueError(
@@ -270,39 +273,48 @@ def _insert(tree: Any, parts: list[str], value: Any) -> None:
     node.setdefault(parts[-1], value)
 
 
-def _variable_type(weight: Any) -> Callable[[Any], Any]:
-    """The model library's ``LoRAParam`` (found next to the weight's own variable type,
-    among modules already imported), else the weight's own type."""
+def _library_type(variable: Any, name: str) -> type | None:
+    """The class ``name`` of the module library that ``variable``'s class comes from (found
+    in the packages above that class's module, among modules already imported)."""
     import sys
 
-    cls = type(weight)
-    module = cls.__module__
+    module = type(variable).__module__
     while module:
         lib = sys.modules.get(module)
-        found = getattr(lib, "LoRAParam", None) if lib is not None else None
+        found = getattr(lib, name, None) if lib is not None else None
         if isinstance(found, type):
             return found
         module = module.rpartition(".")[0]
-    return cls if hasattr(weight, "value") else (lambda v: v)
+    return None
 
 
 def apply_lora_to_model(model: Any, provider: LoraProvider, *model_inputs: Any, rng: Any, method: str = "__call__") -> Any:
     """Add fresh adapters to ``model`` in place, next to every weight a ``LoraRule`` selects.
 
     The model is traced on ``model_inputs`` (shapes only). Each adapter pair becomes an
-    attribute ``lora`` (for a weight named ``kernel``) or ``<name>_lora`` of the weight's
-    module: a dict ``{"lora_a": ..., "lora_b": ...}`` of the model library's
-    ``LoRAParam`` variables (cairn.nn and Flax NNX both have one), so
-    ``nn.Optimizer(model, tx, wrt=nn.LoRAParam)`` trains only the adapters. Returns
-    ``model``; call it through ``quantize_model(model, provider)``.
+    attribute ``lora`` (for a weight named ``kernel``) or ``<name>_lora`` of the module
+    holding the weight's variable: the library's ``Dict`` (``nn.Dict``, ``nnx.Dict``) of
+    ``{"lora_a": ..., "lora_b": ...}`` as the library's ``LoRAParam`` variables (cairn.nn
+    and Flax NNX both have them), so ``nn.Optimizer(model, tx, wrt=nn.LoRAParam)`` or
+    ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` trains only the adapters, at the paths
+    of the library's ``LoRALinear``. Returns ``model``; call it through
+    ``quantize_model(model, provider)``.
+
+    Raises:
+      TypeError: a selected weight that no module holds by attribute (a plain array in a
+        list or dict of the model), where no adapter can be added.
     """
     _collect(provider, lambda m, *a: getattr(m, method)(*a), model, *model_inputs)
-    for path, (a, b) in _new_adapters(provider, rng).items():
-        parts = path.split("/")
-        weight = lookup_path(model, parts)
-        make = _variable_type(weight)
+    for name, (a, b) in _new_adapters(provider, rng).items():
+        parts = name.split("/")  # the weight's variable path: module path, then the variable's attribute
+        variable = lookup_path(model, parts)
         owner = lookup_path(model, parts[:-1]) if len(parts) > 1 else model
-        attr = lora_paths(path)[0].split("/")[-2]
+        if isinstance(owner, dict | list | tuple):
+            raise TypeError(f"apply_lora_to_model: the weight {name!r} is held by a {type(owner).__name__}, not a module; cannot add adapters there")
+        param = _library_type(variable, "LoRAParam") or (type(variable) if hasattr(variable, "value") else None)
+        make = param if param is not None else (lambda v: v)
+        container = _library_type(variable, "Dict") or dict
+        attr = lora_paths(name)[0].split("/")[-2]
         if getattr(owner, attr, None) is None:
-            setattr(owner, attr, {"lora_a": make(a), "lora_b": make(b)})
+            setattr(owner, attr, container({"lora_a": make(a), "lora_b": make(b)}))
     return model

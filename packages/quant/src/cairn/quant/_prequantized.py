@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cairn.core_array import QArray, flatten_with_paths, path_of
+from cairn.quant._weights import leaf_names
 
 __all__ = ["process_prequantized_params"]
 
@@ -52,7 +53,9 @@ def process_prequantized_params(checkpoint_params: Mapping[str, Any], template_p
     """Weights quantized elsewhere, in the structure and layouts of ``template_params``.
 
     Args:
-      checkpoint_params: nested dicts keyed like the template's paths; each leaf an array,
+      checkpoint_params: nested dicts keyed like the template's weight names (variable
+        paths: ``a/kernel`` for cairn.nn, Flax NNX and plain trees alike) or leaf paths
+        (``a/kernel/value`` in a Flax NNX state); each leaf an array,
         a ``QArray``, or a dict with ``qvalue``, ``scale`` and an optional ``zero_point``.
       template_params: what :func:`quantize_params` returns for these weights (concrete, or
         abstract through ``jax.eval_shape``); its ``QArray`` leaves give qtype and layout.
@@ -71,12 +74,16 @@ def process_prequantized_params(checkpoint_params: Mapping[str, Any], template_p
     used: set[str] = set()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template_params, is_leaf=lambda x: isinstance(x, QArray))
     out = []
-    for kp, template in leaves:
+    for (kp, template), name in zip(leaves, leaf_names(template_params, [kp for kp, _ in leaves])):
+        # a weight's entry is at its name (its variable's path: ``a/kernel`` for a Flax NNX
+        # template, as nnx.to_pure_dict writes it) or at its leaf path (``a/kernel/value``)
         path = path_of(kp)
-        if path not in flat:
-            raise ValueError(f"process_prequantized_params: the checkpoint has no entry for {path!r}")
-        used.add(path)
-        out.append(_leaf(path, flat[path], template))
+        key = name if name in flat or path not in flat else path
+        if key not in flat:
+            also = "" if name == path else f" (nor for its leaf path {path!r})"
+            raise ValueError(f"process_prequantized_params: the checkpoint has no entry for {name!r}{also}")
+        used.add(key)
+        out.append(_leaf(key, flat[key], template))
     extra = sorted(set(flat) - used)
     if extra and not allow_extra_params:
         raise ValueError(f"process_prequantized_params: checkpoint entries not in the template: {extra[:20]} (allow_extra_params=True ignores them)")

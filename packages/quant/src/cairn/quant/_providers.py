@@ -234,14 +234,14 @@ class QuantizationProvider:
         return bind_dequantized(site.eqn, ops, [materialize(r) for r in rest])
 
     def _record_plan(self, ref: WeightRef, rule: QuantizationRule, reduce_axes: tuple[int, ...], tile: tuple[tuple[int, int], ...] | None) -> None:
-        if ref.path in self._plan:
+        if ref.name in self._plan:
             return
         perm = _leaf_permutation(ref)
         if perm is None:
             return
         leaf_axes = tuple(sorted(perm[a] for a in reduce_axes))
         leaf_tile = None if tile is None else tuple((perm[a], t) for a, t in tile)
-        self._plan[ref.path] = (rule, leaf_axes, leaf_tile)
+        self._plan[ref.name] = (rule, leaf_axes, leaf_tile)
 
 
 class PtqProvider(QuantizationProvider):
@@ -362,7 +362,8 @@ def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list, weig
 
 
 def input_scale_path(weight_path: str) -> str:
-    """Where a weight's per-input-channel scale (AWQ, SmoothQuant) is kept: ``<path>_awq_scale``."""
+    """Where a weight's per-input-channel scale (AWQ, SmoothQuant) is kept: ``<name>_awq_scale``
+    (``name``: the weight's variable path, :attr:`WeightRef.name`)."""
     return f"{weight_path}_awq_scale"
 
 
@@ -374,7 +375,7 @@ def _divide_by_input_scale(site: DotSite, ops: list, weights: dict[str, Any]) ->
         return ops
     side = refs.index(True)
     ref: WeightRef = ops[side]
-    scale = weights.get(input_scale_path(ref.path))
+    scale = weights.get(input_scale_path(ref.name))
     perm = _leaf_permutation(ref)
     if scale is None or perm is None:
         return ops

@@ -11,14 +11,15 @@ from cairn.quant._dots import bind_dequantized
 from cairn.quant._providers import PtqProvider, _leaf_permutation
 from cairn.quant._rewrite import DotSite, WeightRef, materialize
 from cairn.quant._rules import QuantizationRule
-from cairn.quant._weights import WeightFilter
+from cairn.quant._weights import WeightFilter, is_variable, leaf_names
 
-__all__ = ["InputRecorder", "record_inputs", "recorded_leaves", "with_input_scales", "lookup_path"]
+__all__ = ["InputRecorder", "record_inputs", "recorded_leaves", "named_leaves", "with_input_scales", "lookup_path"]
 
 
 class InputRecorder(PtqProvider):
     """Runs a program in float and hands :meth:`record` each ``rule_class`` weight's inputs
-    as a matrix [tokens, K] (K: the contracted inputs, in the weight's leaf axis order)."""
+    as a matrix [tokens, K] (K: the contracted inputs, in the weight's leaf axis order),
+    under the weight's name (its variable path, :attr:`WeightRef.name`)."""
 
     rule_class: type | None = None
     _replay_arrays = None  # records Python state while rewriting: never a compiled replay
@@ -40,7 +41,7 @@ class InputRecorder(PtqProvider):
             rule = self._match(site, True)
             if rule is not None and self.rule_class is not None and isinstance(rule, self.rule_class):
                 side = refs.index(True)
-                self.rule_of.setdefault(ops[side].path, rule)
+                self.rule_of.setdefault(ops[side].name, rule)
                 self._matrix(site, side, ops)
         return bind_dequantized(site.eqn, [materialize(x) for x in ops], [materialize(r) for r in invals[2:]])
 
@@ -58,7 +59,7 @@ class InputRecorder(PtqProvider):
         order = [a for a in range(x.ndim) if a not in x_contract] + [p[1] for p in pairs]
         k = int(np.prod([x.shape[p[1]] for p in pairs]))
         x2 = jnp.transpose(x, order).reshape(-1, k).astype(jnp.float32)
-        self.record(ref.path, x2, tuple(perm[p[0]] for p in pairs))
+        self.record(ref.name, x2, tuple(perm[p[0]] for p in pairs))
 
 
 R = TypeVar("R", bound="InputRecorder")
@@ -82,17 +83,22 @@ def record_inputs(recorder: R, fn: Callable, params: Any, batches: Iterable[Sequ
 
 
 def recorded_leaves(params: Any, recorder: InputRecorder) -> Iterator[tuple[str, Any, QuantizationRule]]:
-    """``(path, leaf, rule)`` for every leaf of ``params`` whose inputs ``recorder`` saw."""
+    """``(name, leaf, rule)`` for every leaf of ``params`` whose inputs ``recorder`` saw
+    (``name``: the weight's variable path, as the recorder keys it)."""
+    for name, leaf in named_leaves(params):
+        rule = recorder.rule_of.get(name)
+        if rule is not None:
+            yield name, leaf, rule
+
+
+def named_leaves(params: Any) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` for every leaf of ``params`` (a ``QArray`` is one leaf)."""
     import jax
 
-    from cairn.core_array import QArray, path_of
+    from cairn.core_array import QArray
 
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
-    for kp, leaf in flat:
-        path = path_of(kp)
-        rule = recorder.rule_of.get(path)
-        if rule is not None:
-            yield path, leaf, rule
+    return list(zip(leaf_names(params, [kp for kp, _ in flat]), [leaf for _, leaf in flat]))
 
 
 def lookup_path(root: Any, parts: Sequence[str]) -> Any:
@@ -109,51 +115,34 @@ def lookup_path(root: Any, parts: Sequence[str]) -> Any:
     return node
 
 
-def _copy_containers(tree: Any) -> Any:
-    """A copy of the dicts, lists and tuples of ``tree`` (the leaves are shared), so
-    placing entries in the copy never reaches the caller's tree, however its dicts nest."""
-    if isinstance(tree, dict):
-        return {k: _copy_containers(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copy_containers(v) for v in tree]
-    if isinstance(tree, tuple):
-        items = [_copy_containers(v) for v in tree]
-        return type(tree)._make(items) if hasattr(tree, "_make") else type(tree)(items)
-    return tree
-
-
 def with_input_scales(params: Any, replaced: dict[str, Any], scales: dict[str, Any]) -> Any:
-    """``params`` with the leaves at ``replaced``'s paths swapped and each weight's input
-    scale added beside it at ``<path>_awq_scale``.
+    """``params`` with the weights named in ``replaced`` swapped and each weight's input
+    scale added beside it at ``<name>_awq_scale`` (``name``: the weight's variable path).
 
-    Nested dicts, lists and tuples are copied (the input is never changed). Any other pytree (a cairn.nn or
-    Flax NNX module) is rebuilt from its leaves and each scale is set as an attribute of
-    the weight's owner, wrapped in the weight's own variable type.
+    The tree is rebuilt from its leaves (the input is never changed). Each scale goes into
+    the container holding the weight's variable: a new key of a dict, else an attribute of
+    the module, wrapped in the weight's own variable type (``nn.Param``, ``nnx.Param``).
+
+    Raises:
+      ValueError: the weight's container is a list or tuple, where nothing can be added by name.
     """
     import jax
 
-    from cairn.core_array import QArray, path_of
+    from cairn.core_array import QArray
     from cairn.quant._providers import input_scale_path
 
-    if isinstance(params, dict):
-        out = _copy_containers(params)
-        for path, value in [*replaced.items(), *((input_scale_path(p), s) for p, s in scales.items())]:
-            *parents, last = path.split("/")
-            owner = lookup_path(out, parents)
-            if not isinstance(owner, dict):
-                raise ValueError(f"cannot place {path!r}: its parent is a {type(owner).__name__} inside the dicts")
-            owner[last] = value
-        return out
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, QArray))
-    new = jax.tree_util.tree_unflatten(treedef, [replaced.get(path_of(kp), leaf) for kp, leaf in flat])
-    for path, s in scales.items():
-        *parents, last = path.split("/")
+    named = named_leaves(params)
+    _, treedef = jax.tree_util.tree_flatten(params, is_leaf=lambda v: isinstance(v, QArray))
+    new = jax.tree_util.tree_unflatten(treedef, [replaced.get(name, leaf) for name, leaf in named])
+    for name, s in scales.items():
+        *parents, last = name.split("/")
         owner = lookup_path(new, parents)
+        if isinstance(owner, list | tuple):
+            raise ValueError(f"cannot place {input_scale_path(name)!r}: the weight {name!r} is held by a {type(owner).__name__}")
         weight = lookup_path(owner, [last])
-        wrapped = type(weight)(s) if hasattr(weight, "value") else s
-        name = input_scale_path(last)
+        wrapped = type(weight)(s) if is_variable(weight) else s
         if isinstance(owner, dict):
-            owner[name] = wrapped
+            owner[input_scale_path(last)] = wrapped
         else:
-            setattr(owner, name, wrapped)
+            setattr(owner, input_scale_path(last), wrapped)
     return new

@@ -29,12 +29,12 @@ MAX_ENTRIES = 32
 
 class Trace:
     """One signature's program: ``closed`` (the jaxpr), ``out_tree``, the leaf kinds and
-    weight paths and module paths, the outputs that are inputs (``forwarded``) or constants (``literals``),
+    weight paths, module paths and names, the outputs that are inputs (``forwarded``) or constants (``literals``),
     and its compiled replays by provider configuration (which return the other outputs
     only: a forwarded weight is not copied, a constant stays what the program returns)."""
 
     def __init__(self, closed: Any, out_tree: Any, kinds: Sequence[str], weight_paths: Sequence[str],
-                 weight_modules: Sequence[str], statics: list[Any]) -> None:
+                 weight_modules: Sequence[str], statics: list[Any], weight_names: Sequence[str] | None = None) -> None:
         from jax.extend.core import Literal
 
         self.closed = closed
@@ -49,6 +49,7 @@ class Trace:
         self.kinds = tuple(kinds)
         self.weight_paths = tuple(weight_paths)
         self.weight_modules = tuple(weight_modules)
+        self.weight_names = tuple(weight_paths if weight_names is None else weight_names)
         self.statics = statics  # held, so that an id used in the key is not reused while the entry lives
         self.unchecked = True  # the provider's unused-rule check has not passed on this program yet
         self.replays: dict[tuple, Callable] = {}

@@ -59,14 +59,22 @@ _TRANSFORM_SCOPE = re.compile(r"^[\w.]+\(.*\)$")
 
 @dataclasses.dataclass(frozen=True)
 class WeightRef:
-    """A weight flowing through the program: its ``path``, ``value`` (an array or a
-    ``QArray``), the view operations applied so far (``(primitive, params, extra_args)``)
-    and the path of the ``module`` it belongs to (``None``: the path minus its last component)."""
+    """A weight flowing through the program: its leaf ``path``, ``value`` (an array or a
+    ``QArray``), the view operations applied so far (``(primitive, params, extra_args)``),
+    the path of the ``module`` it belongs to (``None``: the path minus its last component)
+    and the path of the variable holding it (``None``: the leaf path; see :attr:`name`)."""
 
     path: str
     value: Any
     views: tuple[tuple[Any, dict, tuple], ...] = ()
     module: str | None = None
+    variable_path: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The weight's name: its variable's path (``a/kernel`` for NNX's leaf ``a/kernel/value``).
+        The weight plan, LoRA adapters and input scales are keyed by it."""
+        return self.path if self.variable_path is None else self.variable_path
 
     @property
     def module_path(self) -> str:
@@ -317,7 +325,7 @@ def _pack(values: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[Any]], l
                 continue
             value, extras = jax.tree_util.tree_unflatten(td, chunk)
             views = tuple((prim, params, tuple(e)) for (prim, params, _), e in zip(ref.views, extras))
-            out.append(WeightRef(ref.path, value, views))
+            out.append(dataclasses.replace(ref, value=value, views=views))
         return out
 
     return leaves, unpack, spans
@@ -547,7 +555,7 @@ def _shard_input(v: Any, spec: Any, mesh: Any, shape: tuple[int, ...]) -> tuple[
     entries = list(spec) + [None] * (len(shape) - len(spec))
     value = v.value.unpack() if isinstance(v.value, QArray) else v.value
     value_entries = _value_spec(v, entries)
-    ref = WeightRef(v.path, value, v.views)
+    ref = dataclasses.replace(v, value=value)
     leaves, unpack, _ = _pack([ref])
     n_value = len(jax.tree_util.tree_leaves(value))
     specs: list[Any] = []
@@ -559,7 +567,7 @@ def _shard_input(v: Any, spec: Any, mesh: Any, shape: tuple[int, ...]) -> tuple[
             specs.append(PartitionSpec(*part))
     if value_entries is None or len(specs) < n_value:
         # not a block of the leaf: the device's block of the materialized weight, quantized on the fly
-        return [v.materialize()], [spec], lambda parts: WeightRef(v.path, parts[0], ((_Block(), {}, ()),))
+        return [v.materialize()], [spec], lambda parts: dataclasses.replace(v, value=parts[0], views=((_Block(), {}, ()),))
     specs += [PartitionSpec()] * (len(leaves) - n_value)
     return leaves, specs, lambda parts: unpack(parts)[0]
 

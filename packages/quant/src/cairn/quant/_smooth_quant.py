@@ -4,7 +4,7 @@ For a weight ``W`` [K, N] and its inputs ``X``, per input channel
 ``s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)``; ``X / s`` has tamer outliers and
 ``diag(s) W`` absorbs them, so ``(X / s)(diag(s) W) = X W`` exactly in float and both
 quantize better. The weight is stored as ``diag(s) W`` (quantized by the rule) and ``s``
-at ``<path>_awq_scale``, which every provider divides out of the inputs at the dot.
+at ``<name>_awq_scale`` (``name``: the weight's variable path, as for AWQ), which every provider divides out of the inputs at the dot.
 """
 
 from __future__ import annotations

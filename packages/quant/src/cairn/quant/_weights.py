@@ -16,6 +16,12 @@ The module a weight belongs to is the path of its variable minus the variable's 
 (``layers/0/mlp`` for ``layers/0/mlp/kernel`` in cairn.nn, whose leaf path is the
 variable's, and for ``layers/0/mlp/kernel/value`` in Flax NNX, whose leaf sits under the
 variable); for a plain leaf, its path minus the last component.
+
+A weight's *name* is the path of its variable (``layers/0/mlp/kernel`` in cairn.nn and in
+Flax NNX alike; for a plain leaf, its path; for a variable holding several leaves, the leaf
+path). Everything derived from a weight is keyed by it: the weight plan of
+``quantize_params`` and GPTQ, LoRA adapters (``layers/0/mlp/lora/lora_a``) and input
+scales (``layers/0/mlp/kernel_awq_scale``), so they are the same whichever library holds it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from typing import Any, cast
 
 from cairn.core_array import QArray, join_path
 
-__all__ = ["WeightFilter", "LeafInfo", "check_weight_filter", "weight_predicate", "classify_leaves", "weight_leaves", "is_param", "is_variable"]
+__all__ = [
+    "WeightFilter", "LeafInfo", "check_weight_filter", "weight_predicate", "classify_leaves", "leaf_names", "weight_leaves",
+    "is_param", "is_variable",
+]
 
 #: What says which leaves are weights: ``None`` (parameters and plain pytree leaves), a
 #: predicate ``(path, variable) -> bool`` (``variable``: the variable holding the leaf at
@@ -91,11 +100,14 @@ def weight_predicate(weight_filter: WeightFilter | None) -> Callable[[str, Any],
 
 @dataclasses.dataclass(frozen=True)
 class LeafInfo:
-    """One leaf: its ``path``, the ``variable`` holding it (or ``None``) and its ``module_path``."""
+    """One leaf: its ``path``, the ``variable`` holding it (or ``None``), its ``module_path``
+    and its ``name`` (the variable's path; the leaf's own path for a plain leaf or a
+    variable holding several leaves)."""
 
     path: str
     variable: Any
     module_path: str
+    name: str
 
 
 def _child(obj: Any, entry: Any) -> Any:
@@ -126,40 +138,55 @@ def classify_leaves(root: Any, keypaths: Sequence[tuple]) -> list[LeafInfo]:
     variable met on the way; where an object cannot be reached, the variable found so far
     (if any) holds the leaf.
     """
-    # prefix -> (object there, its path, innermost variable on the way, that variable's module path)
-    memo: dict[tuple, tuple[Any, str, Any, str]] = {(): (root, "", root if is_variable(root) else None, "")}
-    out = []
+    # prefix -> (object there, its path, innermost variable on the way, that variable's module path, its path)
+    memo: dict[tuple, tuple[Any, str, Any, str, str]] = {(): (root, "", root if is_variable(root) else None, "", "")}
+    found = []
     for kp in keypaths:
         kp = tuple(kp)
         for depth in range(1, len(kp) + 1):
             prefix = kp[:depth]
             if prefix in memo:
                 continue
-            parent, parent_path, variable, module = memo[kp[: depth - 1]]
+            parent, parent_path, variable, module, var_path = memo[kp[: depth - 1]]
             # below a variable is its value: nothing more to find (and not read, so no
             # library's accessor runs)
             obj = _UNKNOWN if parent is _UNKNOWN or parent is variable else _child(parent, kp[depth - 1])
+            path = join_path(parent_path, kp[depth - 1])
             if is_variable(obj):
-                variable, module = obj, parent_path
-            memo[prefix] = (obj, join_path(parent_path, kp[depth - 1]), variable, module)
-        _, path, variable, module = memo[kp]
+                variable, module, var_path = obj, parent_path, path
+            memo[prefix] = (obj, path, variable, module, var_path)
+        _, path, variable, module, var_path = memo[kp]
         if variable is None:
             module = memo[kp[:-1]][1] if kp else ""
-        out.append(LeafInfo(path, variable, module))
-    return out
+        found.append((path, variable, module, var_path))
+    held: dict[int, int] = {}  # id(variable) -> how many leaves it holds
+    for _, variable, _, _ in found:
+        if variable is not None:
+            held[id(variable)] = held.get(id(variable), 0) + 1
+    return [
+        LeafInfo(path, variable, module, var_path if variable is not None and held[id(variable)] == 1 else path)
+        for path, variable, module, var_path in found
+    ]
 
 
-# (treedef, weight_filter, argnum) -> per leaf (path, module path) when the filter chose it, else None.
+def leaf_names(tree: Any, keypaths: Sequence[tuple]) -> list[str]:
+    """The name (see the module docstring) of each leaf of ``tree``, given its key paths."""
+    return [info.name for info in classify_leaves(tree, keypaths)]
+
+
+# (treedef, weight_filter, argnum) -> per leaf (path, module path, name) when the filter chose it, else None.
 # What a leaf is (its variable's class and metadata, its keys) is part of the tree's structure,
 # so the walk runs once per structure, not on every call.
-_CHOSEN: dict[tuple, list[tuple[str, str] | None]] = {}
+_CHOSEN: dict[tuple, list[tuple[str, str, str] | None]] = {}
 _CHOSEN_MAX = 256
 
 
-def weight_leaves(tree: Any, with_path: Sequence[tuple[tuple, Any]], treedef: Any, weight_filter: WeightFilter | None, argnum: int | None) -> list[tuple[str, str] | None]:
-    """Per leaf of ``tree`` (flattened as ``with_path``, structure ``treedef``): its path and
-    module path when ``weight_filter`` makes it a weight, else ``None`` (whether the leaf is
-    an array is the caller's to check). With ``argnum``, both paths start with it."""
+def weight_leaves(
+    tree: Any, with_path: Sequence[tuple[tuple, Any]], treedef: Any, weight_filter: WeightFilter | None, argnum: int | None
+) -> list[tuple[str, str, str] | None]:
+    """Per leaf of ``tree`` (flattened as ``with_path``, structure ``treedef``): its path,
+    module path and name when ``weight_filter`` makes it a weight, else ``None`` (whether
+    the leaf is an array is the caller's to check). With ``argnum``, all three start with it."""
     try:
         key: tuple | None = (treedef, weight_filter, argnum)
         hit = _CHOSEN.get(key)  # type: ignore[arg-type]
@@ -168,12 +195,12 @@ def weight_leaves(tree: Any, with_path: Sequence[tuple[tuple, Any]], treedef: An
     if hit is not None:
         return hit
     keep = weight_predicate(weight_filter)
-    chosen: list[tuple[str, str] | None] = []
+    chosen: list[tuple[str, str, str] | None] = []
     for info in classify_leaves(tree, [kp for kp, _ in with_path]):
-        path, module = info.path, info.module_path
+        path, module, name = info.path, info.module_path, info.name
         if argnum is not None:
-            path, module = f"{argnum}/{path}", f"{argnum}/{module}".rstrip("/")
-        chosen.append((path, module) if keep(path, info.variable) else None)
+            path, module, name = f"{argnum}/{path}", f"{argnum}/{module}".rstrip("/"), f"{argnum}/{name}"
+        chosen.append((path, module, name) if keep(path, info.variable) else None)
     if key is not None:
         if len(_CHOSEN) >= _CHOSEN_MAX:
             _CHOSEN.clear()
