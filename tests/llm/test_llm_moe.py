@@ -203,6 +203,10 @@ def test_experts_are_stacked_on_load_and_unstacked_on_save():
         for name, param in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             stacked = np.asarray(getattr(model.layers[2].mlp.experts, param)[...])
             np.testing.assert_array_equal(stacked[e], tensors[f"model.layers.2.mlp.experts.{e}.{name}.weight"].T)
+    half = llm.from_pretrained(FIXTURES / "qwen3_moe", dtype=jnp.bfloat16)  # each expert cast as it is read
+    got = np.asarray(half.layers[0].mlp.experts.down[...])
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got[3], tensors["model.layers.0.mlp.experts.3.down_proj.weight"].T.astype(jnp.bfloat16))
     assert type(model.layers[1].mlp).__name__ == "MLP"  # mlp_only_layers=[1]: dense names there
     assert "model.layers.1.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.gate.weight" not in tensors
 
