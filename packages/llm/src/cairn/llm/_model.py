@@ -151,9 +151,8 @@ class DecoderLayer(nn.Module):
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h, router_logits = self.mlp(self.mlp_norm(x)), None
-        if isinstance(self.mlp, MoE):
-            h, router_logits = h
+        y = self.mlp(self.mlp_norm(x))
+        h, router_logits = y if isinstance(y, tuple) else (y, None)  # a MoE block also gives its router logits
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h, kv, router_logits
@@ -263,8 +262,10 @@ class CausalLM(nn.Module):
         if cap:
             logits = cap * jnp.tanh(logits / cap)
         added = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        out = (logits,) if cache is None else (logits, KVCache(tuple(keys), tuple(values), cache.lengths + added))
+        out: list[Any] = [logits]
+        if cache is not None:
+            out.append(KVCache(tuple(keys), tuple(values), cache.lengths + added))
         if return_aux_loss:
             real = (jnp.arange(t)[None, :] < added[:, None]).reshape(-1)
-            out += (load_balancing_loss(routers, self.config.num_experts_per_tok, real),)
-        return out[0] if len(out) == 1 else out
+            out.append(load_balancing_loss(routers, self.config.num_experts_per_tok, real))
+        return out[0] if len(out) == 1 else tuple(out)
