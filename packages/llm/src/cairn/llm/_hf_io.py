@@ -136,7 +136,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
         ``torch_dtype``, else float32). Tensors are cast one at a time.
       mesh, rules: place each parameter in its ``NamedSharding`` on ``mesh`` through the
         logical-axis ``rules`` (``cairn.core_array.LogicalAxisRules`` or pairs; axis names
-        ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``).
+        ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``expert``).
+        A stacked expert parameter is assembled on the host from its experts' tensors
+        and then placed whole (not box by box).
 
     Raises:
       UnsupportedModelError: the ``model_type`` (or its rope type) is not supported; the

@@ -5,9 +5,10 @@ x layers -> norm -> logits``; which norms, biases, rotary tables, windows and ca
 has is read from the :class:`~cairn.llm.LlmConfig`. Attention runs through
 ``cairn.kernels.dot_product_attention`` (grouped-query heads, soft-capping) with a mask
 built from positions, so full sequences, ragged prefill and per-row decode share one path.
+The MLP of a mixture-of-experts layer is :class:`cairn.llm._moe.MoE` (``ragged_dot``).
 
 Every parameter carries logical axis names for sharding: ``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``head_dim``, ``mlp``.
+``kv_heads``, ``head_dim``, ``mlp``, ``expert`` (stacked expert kernels).
 """
 
 from __future__ import annotations
