@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from cairn import llm, nn
 
-FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"}
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"}
 
 
 def test_every_family_has_a_fixture():

@@ -23,7 +23,9 @@ CODE = textwrap.dedent("""
     path, variant = sys.argv[1], sys.argv[2]
     assert jax.device_count() == 8
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
-    rules = LogicalAxisRules([("embed", "fsdp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", "tp")])
+    # expert parallelism first: an expert kernel [expert, embed, mlp] takes tp for its experts
+    rules = LogicalAxisRules([("embed", "fsdp"), ("heads", "tp"), ("kv_heads", "tp"), ("expert", "tp"), ("mlp", "tp"),
+                              ("vocab", "tp")])
     sharded = llm.from_pretrained(path, mesh=mesh, rules=rules)
     plain = llm.from_pretrained(path)
     report = {}
@@ -43,7 +45,7 @@ CODE = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["qwen2", "gemma3_text"])
+@pytest.mark.parametrize("variant", ["qwen2", "gemma3_text", "qwen3_moe"])
 def test_load_onto_an_fsdp_tp_mesh(run_on_cpu_devices, variant):
     r = run_on_cpu_devices(CODE, str(FIXTURES / variant), variant)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -53,7 +55,12 @@ def test_load_onto_an_fsdp_tp_mesh(run_on_cpu_devices, variant):
     # [hidden, heads, head_dim]: hidden over fsdp (4), heads over tp (2): each device an eighth
     assert report["layers/0/attn/q/kernel"][:3] == [[hidden, heads, hd], [hidden // 4, heads // 2, hd], 8]
     assert report["layers/0/attn/k/kernel"][1] == [hidden // 4, kv // 2, hd]
-    assert report["layers/0/mlp/down/kernel"][1] == [cfg["intermediate_size"] // 2, hidden // 4]
+    dense = 1 if variant == "qwen3_moe" else 0  # qwen3_moe: layer 1 is its dense layer
+    assert report[f"layers/{dense}/mlp/down/kernel"][1] == [cfg["intermediate_size"] // 2, hidden // 4]
+    if variant == "qwen3_moe":  # experts over tp, hidden over fsdp: each device half the experts
+        experts, m = cfg["num_local_experts"], cfg["moe_intermediate_size"]
+        assert report["layers/0/mlp/experts/gate"][:3] == [[experts, hidden, m], [experts // 2, hidden // 4, m], 8]
+        assert report["layers/2/mlp/experts/down"][1] == [experts // 2, m, hidden // 4]
     assert report["embed/embedding"][1] == [cfg["vocab_size"] // 2, hidden // 4]
     assert report["norm/scale"][1] == [hidden // 4]
 

@@ -1,6 +1,6 @@
 """cairn.llm: open-weight model families on the Cairn libraries, Hugging Face checkpoints in and out.
 
-The application layer: it composes cairn.nn (modules), cairn.kernels (attention) and
+The application layer: it composes cairn.nn (modules), cairn.kernels (attention, mixture-of-experts matmuls) and
 cairn.core_array (sharding rules); no Cairn library imports it.
 """
 
@@ -11,6 +11,7 @@ from cairn.llm._families import supported_model_types
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_io import from_pretrained, save_pretrained
 from cairn.llm._model import CausalLM
+from cairn.llm._moe import load_balancing_loss
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "from_pretrained",
+    "load_balancing_loss",
     "save_pretrained",
     "supported_model_types",
 ]

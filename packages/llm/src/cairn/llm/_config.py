@@ -50,6 +50,12 @@ class LlmConfig:
     - ``rope`` / ``local_rope``: the rotary parameters (``rope_type``, ``rope_theta`` and the
       scaling parameters of that type) of full and of sliding layers, as frozen
       ``(key, value)`` tuples; ``local_rope=None`` means the same as ``rope``.
+    - ``num_experts`` > 0: mixture-of-experts MLPs (Qwen3-MoE). Each token's router
+      softmax over ``num_experts`` picks its top ``num_experts_per_tok`` experts (SwiGLU
+      MLPs of width ``moe_intermediate_size``), weighted by their probabilities,
+      renormalized to sum to 1 when ``norm_topk_prob``. Layer ``i`` is a MoE layer when
+      ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``; the
+      others keep a dense MLP of width ``intermediate_size`` (:meth:`is_moe_layer`).
 
     ``hf`` keeps the ``config.json`` it came from (JSON text), so saving writes back every key
     this class does not model (token ids, ``architectures``, ...).
@@ -81,6 +87,12 @@ class LlmConfig:
     final_logit_softcapping: float | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     dtype: str = "float32"
     hf: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -110,9 +122,31 @@ class LlmConfig:
             raise ValueError(
                 f"LlmConfig: sliding layers need a positive sliding_window, got {self.sliding_window!r}"
             )
+        self._check_experts()
         object.__setattr__(self, "rope", freeze(dict(self.rope)))
         if self.local_rope is not None:
             object.__setattr__(self, "local_rope", freeze(dict(self.local_rope)))
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"LlmConfig.num_experts must be an int >= 0, got {self.num_experts!r}")
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"LlmConfig.num_experts_per_tok must be in 1..num_experts={self.num_experts}, "
+                f"got {self.num_experts_per_tok!r}"
+            )
+        if not (isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0):
+            raise ValueError(f"LlmConfig.moe_intermediate_size must be a positive int, got {self.moe_intermediate_size!r}")
+        if not (isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step > 0):
+            raise ValueError(f"LlmConfig.decoder_sparse_step must be a positive int, got {self.decoder_sparse_step!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_scale(self) -> float:

@@ -9,9 +9,21 @@ Data, not code paths. A :class:`Family` lists
 - ``weights``: one :class:`WeightRule` per tensor: its Hugging Face name, its path in the
   model (``{i}`` is the layer), its Hugging Face shape as products of config fields,
   whether the ``[out, in]`` matrix is transposed to the model's ``[in, out]``, and the
-  config flag that makes it exist. Head splits need no entry: the model's kernels are
+  config flag that makes it exist, and which layers have it (``layers``: every layer, only
+  the mixture-of-experts ones, only the dense ones). Head splits need no entry: the model's kernels are
   ``[hidden, heads, head_dim]`` / ``[heads, head_dim, hidden]``, so a transposed matrix is
   reshaped to the model's shape (and back when saving).
+
+Mixture-of-experts checkpoints store one matrix per expert (``...experts.{e}.gate_proj``);
+the model holds them stacked, ``[num_experts, in, out]``, the layout ``ragged_dot``
+takes. A rule whose Hugging Face name has ``{e}`` is that mechanism: expert ``e``'s
+matrix (transposed as the row says) is slice ``[e]`` of the model parameter on load, and
+slice ``[e]`` is written back under the expert's name on save.
+
+A ``keys`` entry may name alternatives, ``"num_experts|num_local_experts"``: the first
+one present in ``config.json`` is read, and the same one written back (the first when
+none was present). transformers writes ``num_local_experts`` for Qwen3-MoE's
+``num_experts`` (an attribute alias), the published checkpoints ``num_experts``.
 """
 
 from __future__ import annotations
@@ -29,13 +41,17 @@ __all__ = ["FAMILIES", "Family", "WeightRule", "family_of", "supported_model_typ
 class WeightRule:
     """One tensor: ``hf`` name, model ``path``, ``hf_shape`` (each entry a config field or
     ``a*b`` product), ``transpose`` (``[out, in]`` on disk), ``when`` (an ``LlmConfig``
-    boolean field, ``not <field>`` negated; empty: always present)."""
+    boolean field, ``not <field>`` negated; empty: always present), ``layers`` (for a
+    per-layer ``{i}`` name: ``"all"``, ``"moe"`` or ``"dense"``, by
+    ``LlmConfig.is_moe_layer``). An ``{e}`` in ``hf`` makes one tensor per expert, each
+    slice ``[e]`` of the stacked model parameter; ``hf_shape`` is one expert's."""
 
     hf: str
     path: str
     hf_shape: tuple[str, ...]
     transpose: bool = False
     when: str = ""
+    layers: str = "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +62,7 @@ class Family:
     architecture: str
     fixed: Mapping[str, Any]
     keys: Mapping[str, tuple[str, Any]]
-    layers: str  # "all_full" | "mistral" | "qwen2" | "alternate" | "every_nth"
+    layers: str  # "all_full" | "mistral" | "qwen2" | "every_layer" | "alternate" | "every_nth"
     weights: tuple[WeightRule, ...]
     rope_theta: float = 10000.0
 
@@ -74,13 +90,22 @@ _ATTENTION = (
     W(_L + "self_attn.q_norm.weight", _P + "attn/q_norm/scale", ("head_dim",), when="qk_norm"),
     W(_L + "self_attn.k_norm.weight", _P + "attn/k_norm/scale", ("head_dim",), when="qk_norm"),
 )
+# dense MLP: every layer of a dense family, the non-MoE layers of a MoE family
 _MLP = (
-    W(_L + "mlp.gate_proj.weight", _P + "mlp/gate/kernel", ("intermediate_size", "hidden_size"), True),
-    W(_L + "mlp.up_proj.weight", _P + "mlp/up/kernel", ("intermediate_size", "hidden_size"), True),
-    W(_L + "mlp.down_proj.weight", _P + "mlp/down/kernel", ("hidden_size", "intermediate_size"), True),
-    W(_L + "mlp.gate_proj.bias", _P + "mlp/gate/bias", ("intermediate_size",), when="mlp_bias"),
-    W(_L + "mlp.up_proj.bias", _P + "mlp/up/bias", ("intermediate_size",), when="mlp_bias"),
-    W(_L + "mlp.down_proj.bias", _P + "mlp/down/bias", ("hidden_size",), when="mlp_bias"),
+    W(_L + "mlp.gate_proj.weight", _P + "mlp/gate/kernel", ("intermediate_size", "hidden_size"), True, layers="dense"),
+    W(_L + "mlp.up_proj.weight", _P + "mlp/up/kernel", ("intermediate_size", "hidden_size"), True, layers="dense"),
+    W(_L + "mlp.down_proj.weight", _P + "mlp/down/kernel", ("hidden_size", "intermediate_size"), True, layers="dense"),
+    W(_L + "mlp.gate_proj.bias", _P + "mlp/gate/bias", ("intermediate_size",), when="mlp_bias", layers="dense"),
+    W(_L + "mlp.up_proj.bias", _P + "mlp/up/bias", ("intermediate_size",), when="mlp_bias", layers="dense"),
+    W(_L + "mlp.down_proj.bias", _P + "mlp/down/bias", ("hidden_size",), when="mlp_bias", layers="dense"),
+)
+# Qwen3-MoE's sparse block: the router (``gate``) and one SwiGLU MLP per expert, stacked
+_E = _L + "mlp.experts.{e}."
+_QWEN_MOE = (
+    W(_L + "mlp.gate.weight", _P + "mlp/router/kernel", ("num_experts", "hidden_size"), True, layers="moe"),
+    W(_E + "gate_proj.weight", _P + "mlp/experts/gate", ("moe_intermediate_size", "hidden_size"), True, layers="moe"),
+    W(_E + "up_proj.weight", _P + "mlp/experts/up", ("moe_intermediate_size", "hidden_size"), True, layers="moe"),
+    W(_E + "down_proj.weight", _P + "mlp/experts/down", ("hidden_size", "moe_intermediate_size"), True, layers="moe"),
 )
 # Llama's naming: post_attention_layernorm is the norm *before* the MLP
 _LLAMA_NORMS = (
@@ -96,6 +121,7 @@ _GEMMA_NORMS = (
 )
 LLAMA_WEIGHTS = _OUTER + _LLAMA_NORMS + _ATTENTION + _MLP
 GEMMA_WEIGHTS = _OUTER + _GEMMA_NORMS + _ATTENTION + _MLP
+QWEN_MOE_WEIGHTS = LLAMA_WEIGHTS + _QWEN_MOE
 
 # --- config tables ---
 
@@ -137,6 +163,13 @@ FAMILIES: tuple[Family, ...] = (
            {**_COMMON_KEYS, "qkv_bias": ("attention_bias", False), "o_bias": ("attention_bias", False),
             "max_position_embeddings": ("max_position_embeddings", 32768), "sliding_window": ("sliding_window", None)},
            "qwen2", LLAMA_WEIGHTS),
+    Family(("qwen3_moe",), "Qwen3MoeForCausalLM", {"qk_norm": True},
+           {**_COMMON_KEYS, "qkv_bias": ("attention_bias", False), "o_bias": ("attention_bias", False),
+            "max_position_embeddings": ("max_position_embeddings", 32768), "sliding_window": ("sliding_window", 4096),
+            "num_experts": ("num_experts|num_local_experts", 128), "num_experts_per_tok": ("num_experts_per_tok", 8),
+            "moe_intermediate_size": ("moe_intermediate_size", 768), "norm_topk_prob": ("norm_topk_prob", False),
+            "decoder_sparse_step": ("decoder_sparse_step", 1), "mlp_only_layers": ("mlp_only_layers", None)},
+           "every_layer", QWEN_MOE_WEIGHTS),
     Family(("gemma2",), "Gemma2ForCausalLM", _GEMMA_FIXED,
            {**_GEMMA_KEYS, "max_position_embeddings": ("max_position_embeddings", 8192),
             "attn_logit_softcapping": ("attn_logit_softcapping", 50.0),

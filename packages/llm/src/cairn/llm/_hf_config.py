@@ -27,6 +27,8 @@ def _default_layer_types(family: Family, d: Mapping[str, Any], n: int, window: i
     if family.layers == "qwen2":
         first = d.get("max_window_layers", 28)
         return [SLIDING if d.get("use_sliding_window") and i >= first else FULL for i in range(n)]
+    if family.layers == "every_layer":  # Qwen3-MoE: the window applies only with use_sliding_window
+        return [SLIDING if d.get("use_sliding_window") and window else FULL] * n
     if family.layers == "alternate":
         return [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
     if family.layers == "every_nth":
@@ -60,6 +62,13 @@ def _read_rope(d: Mapping[str, Any], family: Family) -> tuple[dict, dict | None]
     return _normal_rope(rp, family.rope_theta), None
 
 
+def _key(d: Mapping[str, Any], key: str) -> str:
+    """The ``config.json`` key of a table entry: of alternatives ``"a|b"``, the first one
+    present in ``d`` (the first one when none is)."""
+    names = key.split("|")
+    return next((n for n in names if n in d), names[0])
+
+
 def config_from_hf(d: Mapping[str, Any]) -> LlmConfig:
     """The ``LlmConfig`` of a Hugging Face ``config.json`` (already parsed to a dict).
 
@@ -70,7 +79,8 @@ def config_from_hf(d: Mapping[str, Any]) -> LlmConfig:
     """
     family = family_of(d.get("model_type"))
     kw: dict[str, Any] = dict(family.fixed)
-    for field, (key, default) in family.keys.items():
+    for field, (keys, default) in family.keys.items():
+        key = _key(d, keys)
         value = d.get(key, default)
         if value is None and default is None and field in ("vocab_size", "hidden_size", "intermediate_size",
                                                             "num_hidden_layers", "num_attention_heads"):
@@ -113,8 +123,9 @@ def config_to_hf(cfg: LlmConfig) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(cfg.hf) if cfg.hf else {"architectures": [family.architecture]}
     raw_layer_types = "layer_types" in out
     out["model_type"] = cfg.model_type
-    for field, (key, _) in family.keys.items():
-        out[key] = getattr(cfg, field)
+    for field, (keys, _) in family.keys.items():
+        value = getattr(cfg, field)
+        out[_key(out, keys)] = list(value) if isinstance(value, tuple) else value
     out["num_key_value_heads"] = cfg.num_key_value_heads
     if "head_dim" in out or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
         out["head_dim"] = cfg.head_dim

@@ -38,12 +38,14 @@ IGNORED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 
 
 class _Tensor:
-    """One expanded table row: HF name, model path, HF shape and the fields behind it."""
+    """One expanded table row: HF name, model path, HF shape and the fields behind it;
+    ``expert`` is the slice of the stacked model parameter a per-expert tensor fills."""
 
-    def __init__(self, rule: WeightRule, cfg: LlmConfig, layer: int | None) -> None:
-        fmt = {} if layer is None else {"i": layer}
+    def __init__(self, rule: WeightRule, cfg: LlmConfig, layer: int | None, expert: int | None = None) -> None:
+        fmt = {"i": layer, "e": expert}
         self.name = rule.hf.format(**fmt)
         self.path = rule.path.format(**fmt)
+        self.expert = expert
         self.transpose = rule.transpose
         self.fields = rule.hf_shape
         self.hf_shape = tuple(math.prod(int(getattr(cfg, f)) for f in expr.split("*")) for expr in rule.hf_shape)
@@ -70,8 +72,12 @@ def expected_tensors(cfg: LlmConfig) -> list[_Tensor]:
     for rule in family_of(cfg.model_type).weights:
         if not _applies(rule, cfg):
             continue
-        layers = range(cfg.num_hidden_layers) if "{i}" in rule.hf else [None]
-        out.extend(_Tensor(rule, cfg, i) for i in layers)
+        layers: list[int | None] = [None]
+        if "{i}" in rule.hf:
+            moe = {"all": None, "moe": True, "dense": False}[rule.layers]
+            layers = [i for i in range(cfg.num_hidden_layers) if moe is None or cfg.is_moe_layer(i) == moe]
+        experts: list[int | None] = list(range(cfg.num_experts)) if "{e}" in rule.hf else [None]
+        out.extend(_Tensor(rule, cfg, i, e) for i in layers for e in experts)
     return out
 
 
@@ -130,7 +136,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
         ``torch_dtype``, else float32). Tensors are cast one at a time.
       mesh, rules: place each parameter in its ``NamedSharding`` on ``mesh`` through the
         logical-axis ``rules`` (``cairn.core_array.LogicalAxisRules`` or pairs; axis names
-        ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``).
+        ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``expert``).
+        A stacked expert parameter is assembled on the host from its experts' tensors
+        and then placed whole (not box by box).
 
     Raises:
       UnsupportedModelError: the ``model_type`` (or its rope type) is not supported; the
@@ -154,13 +162,45 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
     if uncovered:  # a table that misses a parameter is a bug here, not in the checkpoint
         raise AssertionError(f"family table of {cfg.model_type!r} has no entry for {uncovered}")
     by_name = {t.name: t for t in tensors}
-    values = {}
+    values: dict[tuple, Any] = {}
+    stacks = _ExpertStacks(tensors)
     for name, lazy in reader.read([t.name for t in tensors]):
         t = by_name[name]
         p, var = slots[t.path]
-        values[p] = _place(t, lazy, var.raw_value, target)
+        if t.expert is None:
+            values[p] = _place(t, lazy, var.raw_value, target)
+        elif (full := stacks.add(t, lazy, var.raw_value, target)) is not None:
+            values[p] = _put(full, var.raw_value)
     nn.update(model, nn.State.from_flat(values))
     return model
+
+
+class _ExpertStacks:
+    """Assembles stacked expert parameters ``[E, in, out]`` on the host from their
+    per-expert tensors, which the shards may hold in any order; a stack is handed on (and
+    its buffer dropped) as soon as its last expert is in, so the host holds at most the
+    stacks whose experts are still being read."""
+
+    def __init__(self, tensors: list[_Tensor]) -> None:
+        self.todo: dict[str, int] = {}
+        for t in tensors:
+            if t.expert is not None:
+                self.todo[t.path] = self.todo.get(t.path, 0) + 1
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def add(self, t: _Tensor, lazy: Any, spec: Any, target: Any) -> np.ndarray | None:
+        buf = self.buffers.get(t.path)
+        if buf is None:
+            buf = self.buffers[t.path] = np.empty(spec.shape, jnp.dtype(target))
+        buf[t.expert] = _to_model(t, lazy[...], spec.shape[1:], target)
+        self.todo[t.path] -= 1
+        return self.buffers.pop(t.path) if self.todo[t.path] == 0 else None
+
+
+def _put(host: np.ndarray, spec: Any) -> jax.Array:
+    """A whole host array placed in the sharding of abstract value ``spec`` (if any)."""
+    sharding = getattr(spec, "sharding", None)
+    return jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
 
 
 def _to_model(t: _Tensor, arr: np.ndarray, shape: tuple[int, ...], target: Any) -> np.ndarray:
@@ -242,7 +282,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: in
     state = {"/".join(map(str, p)): v for p, v in _flat_state(model).items()}
     out = {}
     for t in expected_tensors(cfg):
-        arr = np.asarray(jax.device_get(state[t.path][...]))
+        arr = np.asarray(jax.device_get(state[t.path][...] if t.expert is None else state[t.path][t.expert]))
         if t.transpose:
             arr = arr.reshape(t.hf_shape[1], t.hf_shape[0]).T
         out[t.name] = np.ascontiguousarray(arr.reshape(t.hf_shape))

@@ -5,9 +5,10 @@ x layers -> norm -> logits``; which norms, biases, rotary tables, windows and ca
 has is read from the :class:`~cairn.llm.LlmConfig`. Attention runs through
 ``cairn.kernels.dot_product_attention`` (grouped-query heads, soft-capping) with a mask
 built from positions, so full sequences, ragged prefill and per-row decode share one path.
+The MLP of a mixture-of-experts layer is :class:`cairn.llm._moe.MoE` (``ragged_dot``).
 
 Every parameter carries logical axis names for sharding: ``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``head_dim``, ``mlp``.
+``kv_heads``, ``head_dim``, ``mlp``, ``expert`` (stacked expert kernels).
 """
 
 from __future__ import annotations
@@ -22,21 +23,13 @@ import numpy as np
 
 import cairn.kernels as ck
 from cairn import nn
+from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._cache import KVCache, write
 from cairn.llm._config import LlmConfig
+from cairn.llm._moe import MoE, load_balancing_loss
 from cairn.llm._rope import apply_rope, rope_tables
 
 __all__ = ["CausalLM", "attention_mask"]
-
-_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-}
-
 
 def _init(names: tuple[str, ...], stddev: float = 0.02) -> Callable[..., Any]:
     return nn.with_partitioning(nn.initializers.normal(stddev), names)
@@ -135,7 +128,7 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(_ACTIVATIONS[self.act](self.gate(x)) * self.up(x))
+        return self.down(ACTIVATIONS[self.act](self.gate(x)) * self.up(x))
 
 
 class DecoderLayer(nn.Module):
@@ -148,19 +141,22 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(d, **norm, rngs=rngs) if cfg.sandwich_norms else None
         self.mlp_norm = RMSNorm(d, **norm, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MoE(cfg, dtype=dtype, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, dtype=dtype, rngs=rngs)
         self.post_mlp_norm = RMSNorm(d, **norm, rngs=rngs) if cfg.sandwich_norms else None
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
+        """The layer's output, the keys and values attended to, and the router logits
+        ``[B*T, num_experts]`` of a MoE layer (None for a dense one)."""
         h, kv = self.attn(self.input_norm(x), rope, q_pos, cache)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        y = self.mlp(self.mlp_norm(x))
+        h, router_logits = y if isinstance(y, tuple) else (y, None)  # a MoE block also gives its router logits
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
-        return x + h, kv
+        return x + h, kv, router_logits
 
 
 def _check_room(cache: KVCache, added: Any) -> None:
@@ -188,6 +184,12 @@ class CausalLM(nn.Module):
     says how many of the ``T`` tokens of each row are real (right padding; default all),
     and the returned cache holds ``cache.lengths + lengths`` tokens per row (at most
     ``max_length``: an eager call beyond it raises; under ``jit`` the overflow is dropped).
+
+    ``return_aux_loss=True`` (mixture-of-experts configs) appends the router
+    load-balancing loss (:func:`cairn.llm.load_balancing_loss` over every MoE layer, padding
+    past ``lengths`` excluded) to the result: ``(logits, aux_loss)``, or ``(logits, cache,
+    aux_loss)`` with a cache. It is the unweighted loss; a trainer adds
+    ``router_aux_loss_coef * aux_loss`` to its objective.
 
     Args:
       config: the architecture (:class:`LlmConfig`).
@@ -234,7 +236,7 @@ class CausalLM(nn.Module):
         return out
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 cache: KVCache | None = None, lengths: jax.Array | None = None) -> Any:
+                 cache: KVCache | None = None, lengths: jax.Array | None = None, return_aux_loss: bool = False) -> Any:
         b, t = input_ids.shape
         if cache is None:
             if lengths is not None:
@@ -249,17 +251,22 @@ class CausalLM(nn.Module):
         if self.config.embed_scale:
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
         ropes = self._rope(q_pos)
-        keys, values = [], []
+        keys, values, routers = [], [], []
         for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]))
+            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]))
             keys.append(k)
             values.append(v)
+            routers += [] if router is None else [router]
         x = self.norm(x)
         logits = (self.embed.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = cap * jnp.tanh(logits / cap)
-        if cache is None:
-            return logits
         added = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        return logits, KVCache(tuple(keys), tuple(values), cache.lengths + added)
+        out: list[Any] = [logits]
+        if cache is not None:
+            out.append(KVCache(tuple(keys), tuple(values), cache.lengths + added))
+        if return_aux_loss:
+            real = (jnp.arange(t)[None, :] < added[:, None]).reshape(-1)
+            out.append(load_balancing_loss(routers, self.config.num_experts_per_tok, real))
+        return out[0] if len(out) == 1 else tuple(out)
