@@ -211,9 +211,11 @@ def _to_model(t: _Tensor, arr: np.ndarray, shape: tuple[int, ...], target: Any) 
 
 def _groups(model_shape: tuple[int, ...], flat_shape: tuple[int, ...]) -> list[list[int]] | None:
     """For each dim of ``flat_shape``, the consecutive model dims it is the product of."""
-    groups, i = [], 0
+    groups: list[list[int]] = []
+    i = 0
     for n in flat_shape:
-        group, size = [], 1
+        group: list[int] = []
+        size = 1
         while i < len(model_shape) and (not group or size < n):
             size *= model_shape[i]
             group.append(i)
@@ -252,7 +254,9 @@ def _place(t: _Tensor, lazy: Any, spec: Any, target: Any) -> jax.Array:
     if sharding.is_fully_replicated:
         return jax.device_put(_to_model(t, lazy[...], spec.shape, target), sharding)
 
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
+    def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+        if index is None:  # jax asks for the whole array this way
+            index = tuple(slice(None) for _ in spec.shape)
         box = _source_box(t, spec.shape, index)
         if box is None:
             return _to_model(t, lazy[...], spec.shape, target)[index]
