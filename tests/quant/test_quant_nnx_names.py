@@ -87,7 +87,7 @@ def _lora_reference(a, b, scale):
     return y, scale * x.T @ (dpre @ b.T), scale * (x @ a).T @ dpre
 
 
-# --- LoRA ---------------------------------------------------------------------------------
+# --- LoRA ---
 
 
 @pytest.mark.parametrize("kind", ["flax.nnx", "cairn.nn"])
@@ -159,7 +159,7 @@ def test_lora_on_plain_params_uses_the_same_names():
     np.testing.assert_array_equal(np.asarray(params["a"]["lora"]["lora_a"]), np.asarray(nnx_model.a.lora["lora_a"][...]))
 
 
-# --- AWQ and SmoothQuant ---------------------------------------------------------------------
+# --- AWQ and SmoothQuant ---
 
 
 def _calibration_x():
@@ -200,7 +200,7 @@ def test_input_scales_are_named_after_the_variable_on_nnx_nn_and_plain(method):
         np.testing.assert_allclose(np.asarray(y), y_ref, rtol=2e-5, atol=2e-5)
 
 
-# --- the weight plan: quantize_params and GPTQ -----------------------------------------------
+# --- the weight plan: quantize_params and GPTQ ---
 
 
 def test_quantize_params_plan_is_keyed_by_variable_path():
@@ -236,7 +236,7 @@ def test_gptq_quantizes_the_same_weights_identically_on_nnx_nn_and_plain():
     np.testing.assert_allclose(np.asarray(plain.scale), s_ref, rtol=1e-6)
 
 
-# --- module paths through nested calls (jit) and calibration keys ------------------------------
+# --- module paths through nested calls (jit) and calibration keys ---
 
 
 @pytest.mark.parametrize("kind", ["flax.nnx", "cairn.nn", "plain"])
