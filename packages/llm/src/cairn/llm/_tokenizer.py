@@ -107,9 +107,20 @@ class Tokenizer:
     special tokens, padding side and chat template of its folder. Names follow transformers'
     (``encode``, ``decode``, ``batch_decode``, ``apply_chat_template``, ``eos_token_id``...).
 
-    >>> tok = Tokenizer.from_pretrained("tests/llm/fixtures/tokenizers/bpe_chatml")  # doctest: +SKIP
-    >>> tok.decode(tok.encode("Hello world"))  # doctest: +SKIP
-    'Hello world'
+    Usually loaded with `from_pretrained`; built here from a tiny in-memory model:
+
+    >>> from tokenizers import decoders, models, pre_tokenizers
+    >>> backend = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hello": 2, "world": 3},
+    ...                                                 unk_token="<unk>"))
+    >>> backend.pre_tokenizer, backend.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    >>> tok = Tokenizer(backend, {"eos_token": "</s>", "unk_token": "<unk>"},
+    ...                 chat_template="{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}")
+    >>> tok.encode("hello world"), tok.eos_token_id
+    ([2, 3], 1)
+    >>> tok.decode([2, 3, 1]), tok.decode([2, 3, 1], skip_special_tokens=True)
+    ('hello world </s>', 'hello world')
+    >>> tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=True)
+    [2, 1]
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, config: Mapping[str, Any] | None = None, *,
@@ -470,9 +481,13 @@ class IncrementalDecoder:
     With ``prompt_ids``, the decoder starts after a prompt: the first piece keeps the space a
     SentencePiece token carries after it.
 
-    >>> dec = IncrementalDecoder(tok)  # doctest: +SKIP
-    >>> "".join(dec.step(i) for i in tok.encode("naïve 🤖", add_special_tokens=False)) + dec.flush()  # doctest: +SKIP
-    'naïve 🤖'
+    >>> from tokenizers import decoders, models
+    >>> bytes_model = tokenizers.Tokenizer(models.BPE({"<0xF0>": 0, "<0x9F>": 1, "<0xA4>": 2, "<0x96>": 3,
+    ...                                                "a": 4}, [], byte_fallback=True))
+    >>> bytes_model.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    >>> dec = IncrementalDecoder(Tokenizer(bytes_model))
+    >>> [dec.step(i) for i in [4, 0, 1, 2, 3, 4]]  # "a", the four bytes of a robot emoji, "a"
+    ['a', '', '', '', '', '🤖a']
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False, prompt_ids: Sequence[int] = ()) -> None:
