@@ -255,5 +255,9 @@ def test_bad_encode_arguments_say_what_was_expected():
         tok.encode(["a"])
     with pytest.raises(TypeError, match="list of strings"):
         tok.batch_encode("a")
+    with pytest.raises(ValueError, match=r"token id 905 is outside this tokenizer's vocabulary \[0, 905\)"):
+        tok.decode([1, 905])
+    with pytest.raises(ValueError, match="token id -1"):
+        tok.incremental_decoder().step(-1)
     with pytest.raises(ValueError, match="empty conversation"):
         tok.apply_chat_template([])

@@ -279,7 +279,9 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return [i for i in (self._id(t) for t in self.all_special_tokens) if i is not None]
 
-    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str | list[str]:
+    def convert_ids_to_tokens(self, ids: int | Sequence[int],
+                              skip_special_tokens: bool = False) -> str | None | list[str | None]:
+        """Ids to token strings (None for an id outside the vocabulary)."""
         if isinstance(ids, (int, np.integer)):
             return self._backend.id_to_token(int(ids))
         special = set(self.all_special_ids) if skip_special_tokens else set()
@@ -381,8 +383,16 @@ class Tokenizer:
         """The text of ``ids`` (the tokenizers library's decoder, then the config's
         clean-up). ``skip_special_tokens`` drops the tokens the tokenizer marks special."""
         ids = [int(ids)] if isinstance(ids, (int, np.integer)) else [int(i) for i in np.asarray(ids).reshape(-1)]
+        self._check_ids(ids)
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self._cleans_up(clean_up_tokenization_spaces) else text
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        # the tokenizers library drops unknown ids without a word; a wrong id is a bug upstream
+        if ids and (min(ids) < 0 or max(ids) >= len(self)):
+            bad = next(i for i in ids if i < 0 or i >= len(self))
+            raise ValueError(f"token id {bad} is outside this tokenizer's vocabulary [0, {len(self)}) "
+                             f"({self.name_or_path or 'in memory'})")
 
     def batch_decode(self, sequences: Iterable[Sequence[int]] | np.ndarray, skip_special_tokens: bool = False,
                      clean_up_tokenization_spaces: bool | None = None) -> list[str]:
@@ -510,6 +520,7 @@ class IncrementalDecoder:
     def step(self, token_id: int) -> str:
         """Add one id; return the text that is now final (often ``""``)."""
         token_id = int(token_id)
+        self._tok._check_ids([token_id])
         if token_id in self._skip:
             return ""
         self._ids.append(token_id)
