@@ -18,6 +18,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "tokenizers"
 NAMES = ("bpe_llama3style", "bpe_chatml", "spm_gemmastyle", "spm_unigram")
 STRINGS = json.loads((FIXTURES / "strings.json").read_text(encoding="utf-8"))
 _CASES: dict[str, dict] = {}
+USER = [{"role": "user", "content": "hi"}]
 
 
 def cases(name: str) -> dict:
@@ -261,3 +262,39 @@ def test_bad_encode_arguments_say_what_was_expected():
         tok.incremental_decoder().step(-1)
     with pytest.raises(ValueError, match="empty conversation"):
         tok.apply_chat_template([])
+
+
+def test_special_token_strings_and_stream_extend():
+    tok = Tokenizer.from_pretrained(FIXTURES / "spm_gemmastyle")
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == ("<bos>", "<eos>", "<unk>", "<pad>")
+    assert tok.additional_special_tokens == ["<start_of_turn>", "<end_of_turn>"]
+    ids = tok.encode("Hello 🤖 world")
+    dec = tok.incremental_decoder()
+    assert dec.extend(ids[:4]) + dec.extend(ids[4:]) + dec.flush() == tok.decode(ids) == dec.text
+
+
+def test_split_special_tokens_encodes_them_as_text(tmp_path):
+    shutil.copytree(FIXTURES / "bpe_chatml", tmp_path / "t")
+    config = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    tok = Tokenizer.from_pretrained(tmp_path / "t")
+    assert tok.backend_tokenizer.encode_special_tokens
+    ids = tok.encode("<|im_start|>")
+    assert len(ids) > 1 and tok.convert_tokens_to_ids("<|im_start|>") not in ids
+    assert tok.decode(ids) == "<|im_start|>"
+
+
+def test_older_layouts_special_tokens_map_and_named_extra_tokens(tmp_path):
+    shutil.copy(FIXTURES / "bpe_chatml" / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"extra_special_tokens": {"image_token": "<image>"}}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False}, "pad_token": "<|endoftext|>"}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    image = tok.convert_tokens_to_ids("<image>")
+    assert image == len(tok) - 1 and tok.encode("a<image>b").count(image) == 1  # added, as transformers does
+    assert image in tok.all_special_ids
+    # transformers 5.24 on this folder: {'eos_token': '<|im_end|>', 'pad_token': '<|endoftext|>', 'image_token': '<image>'}
+    assert tok.special_tokens_map == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "image_token": "<image>"}
+    assert tok.apply_chat_template(USER, chat_template="{{ image_token }}{{ bos_token is defined }}") == "<image>False"

@@ -134,10 +134,12 @@ class Tokenizer:
         self.name_or_path = name_or_path
         cfg = self._config
         extra = cfg.get("extra_special_tokens") or cfg.get("additional_special_tokens") or []
-        if isinstance(extra, Mapping):  # named model-specific tokens ({"image_token": "<image>"})
-            extra = list(extra.values())
-        self._special = {k: _content(cfg.get(k)) for k in _NAMED}
-        self._extra_special = [_content(t) for t in extra]
+        # model-specific named tokens ("image_token": "<image>", as keys or as a dict of extra
+        # tokens) join the named ones, as in transformers 5: templates see them by name
+        named = {k: v for k, v in cfg.items() if k.endswith("_token") and k not in _NAMED and isinstance(v, str)}
+        named.update(extra if isinstance(extra, Mapping) else {})
+        self._special = {k: _content(cfg.get(k)) for k in _NAMED} | {k: _content(v) for k, v in named.items()}
+        self._extra_special = [] if isinstance(extra, Mapping) else [_content(t) for t in extra]
         self.padding_side = cfg.get("padding_side", "right")
         self.truncation_side = cfg.get("truncation_side", "right")
         self.model_max_length = cfg.get("model_max_length")
@@ -147,7 +149,7 @@ class Tokenizer:
         backend.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         self._byte_ids: frozenset[int] | None = None
 
-    # ---------------------------------------------------------------- loading and saving
+    # --- loading and saving ---
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a tokenizer folder (see the module docstring for the files read).
@@ -223,7 +225,7 @@ class Tokenizer:
                 self._backend.add_special_tokens([AddedToken(content, special=True, normalized=False)])
                 present.add(content)
 
-    # ---------------------------------------------------------------- vocabulary and special tokens
+    # --- vocabulary and special tokens ---
     @property
     def backend_tokenizer(self) -> tokenizers.Tokenizer:
         """The ``tokenizers.Tokenizer`` doing the work (transformers' name)."""
@@ -263,8 +265,8 @@ class Tokenizer:
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
-        """The named special tokens that are set (``bos_token``, ``eos_token``, ...): the
-        variables a chat template sees."""
+        """The named special tokens that are set (``bos_token``, ``eos_token``, ..., and
+        model-specific ones such as ``image_token``): the variables a chat template sees."""
         return {k: v for k, v in self._special.items() if v is not None}
 
     @property
@@ -295,7 +297,7 @@ class Tokenizer:
             return self.unk_token_id if found is None else found
         return [self.convert_tokens_to_ids(t) for t in tokens]  # type: ignore[misc]
 
-    # ---------------------------------------------------------------- encoding
+    # --- encoding ---
     def _encode_one(self, text: str, add_special_tokens: bool, max_length: int | None) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text to encode must be a str, got a {type(text).__name__}")
@@ -372,7 +374,7 @@ class Tokenizer:
             raise TypeError("batch_encode takes a list of strings; use encode() for one string")
         return self(texts, **kwargs)
 
-    # ---------------------------------------------------------------- decoding
+    # --- decoding ---
     def _cleans_up(self, override: bool | None) -> bool:
         on = self.clean_up_tokenization_spaces if override is None else override
         # transformers skips the clean-up for BPE models, where it would delete real spaces
@@ -422,7 +424,7 @@ class Tokenizer:
                                        if _BYTE_TOKEN.fullmatch(t))
         return self._byte_ids
 
-    # ---------------------------------------------------------------- chat
+    # --- chat ---
     def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
         """The template text to render: ``chat_template`` by name (when the folder has several)
         or as text, else ``tool_use`` when tools are given and there is one, else the default."""
