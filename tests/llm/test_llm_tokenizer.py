@@ -152,6 +152,11 @@ def test_truncation_keeps_the_special_tokens():
 def test_chat_templates_equal_transformers(name, tok):
     for case in cases(name)["chat"]:
         messages, kwargs = case["messages"], case["kwargs"]
+        if "masked" in case:
+            got = tok.apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True, **kwargs)
+            assert got == case["masked"], case["name"]
+            assert 0 < sum(got["assistant_masks"]) < len(got["input_ids"])
+            continue
         if "error" in case:
             with pytest.raises(ChatTemplateError) as err:
                 tok.apply_chat_template(messages, **kwargs)
@@ -160,6 +165,19 @@ def test_chat_templates_equal_transformers(name, tok):
             continue
         assert tok.apply_chat_template(messages, **kwargs) == case["text"], case["name"]
         assert tok.apply_chat_template(messages, tokenize=True, **kwargs) == case["ids"], case["name"]
+
+
+def test_assistant_masks_cover_exactly_the_generation_blocks():
+    tok = Tokenizer.from_pretrained(FIXTURES / "bpe_chatml")
+    convs = [cases("bpe_chatml")["chat"][0]["messages"] + [{"role": "assistant", "content": "Bonjour 🤖"}]] * 2
+    out = tok.apply_chat_template(convs, tokenize=True, return_assistant_tokens_mask=True, chat_template="sft",
+                                  add_generation_prompt=False)
+    ids, mask = out["input_ids"][1], out["assistant_masks"][1]
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Bonjour 🤖<|im_end|>"
+    with pytest.raises(ChatTemplateError, match="no {% generation %} block"):
+        tok.apply_chat_template(convs[0], tokenize=True, return_assistant_tokens_mask=True)
+    with pytest.raises(ValueError, match="needs tokenize=True"):
+        tok.apply_chat_template(convs[0], return_assistant_tokens_mask=True, chat_template="sft")
 
 
 def test_raise_exception_gives_the_templates_message_exactly():
@@ -195,7 +213,7 @@ def test_save_pretrained_round_trips(name, tok, tmp_path):
         len(tok), tok.special_tokens_map, tok.eos_token_ids, tok.padding_side)
     assert again.chat_template == tok.chat_template
     for case in cases(name)["chat"]:
-        if "error" not in case:
+        if "text" in case:
             assert again.apply_chat_template(case["messages"], **case["kwargs"]) == case["text"]
     assert str(tmp_path / "out" / "tokenizer.json") in written
     if tok.chat_template is not None:

@@ -17,6 +17,7 @@ Messages are normalized first, as transformers does: keys whose value is ``None`
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime
 import functools
@@ -30,7 +31,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
-__all__ = ["ChatTemplateError", "compile_chat_template", "render_chat"]
+__all__ = ["ChatTemplateError", "compile_chat_template", "render_chat", "render_chat_with_spans"]
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CAIRN_CONTINUE_FINAL_MESSAGE "
@@ -45,9 +46,16 @@ class _Raised(jinja2.exceptions.TemplateError):
     """What ``raise_exception`` throws inside the template; turned into ChatTemplateError."""
 
 
+# while a render tracks assistant text: (the output pieces so far, the [start, end) spans found)
+_TRACKING: contextvars.ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = contextvars.ContextVar(
+    "cairn_llm_generation_spans", default=None)
+
+
 class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}``: marks the assistant's text in a template
-    (transformers builds assistant-token masks from it). Rendered as its body."""
+    """``{% generation %}...{% endgeneration %}``: marks the assistant's text in a template.
+    Rendered as its body; while a render tracks it (`render_chat_with_spans`), the body's
+    character span in the output is recorded (the start is the length of the output
+    streamed so far, as transformers measures it)."""
 
     tags = {"generation"}
 
@@ -57,7 +65,12 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        text = caller()
+        tracking = _TRACKING.get()
+        if tracking is not None:
+            start = sum(len(piece) for piece in tracking[0])
+            tracking[1].append((start, start + len(text)))
+        return text
 
 
 def _raise_exception(message: str) -> None:
@@ -198,13 +211,14 @@ def _cut_after_final(rendered: str, final: str) -> str:
 def render_chat(source: str, messages: Sequence[Any], *, origin: str = "the chat template",
                 tools: Sequence[Any] | None = None, documents: Sequence[Any] | None = None,
                 add_generation_prompt: bool = False, continue_final_message: bool | str = False,
-                variables: Mapping[str, Any] | None = None) -> str:
+                variables: Mapping[str, Any] | None = None, spans: list[tuple[int, int]] | None = None) -> str:
     """Render one conversation with the template text ``source``.
 
     ``origin`` names where the template came from (a file) in error messages. ``tools`` are
     JSON-schema dicts; ``variables`` are extra template variables (special tokens, user
     keyword arguments). ``continue_final_message`` (True for ``content``, or a field name)
-    ends the prompt inside the final message so the model continues it.
+    ends the prompt inside the final message so the model continues it. A ``spans`` list
+    receives the ``[start, end)`` character spans of the ``{% generation %}`` blocks.
 
     >>> render_chat("{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}"
     ...             "{% if add_generation_prompt %}assistant:{% endif %}",
@@ -222,6 +236,8 @@ def render_chat(source: str, messages: Sequence[Any], *, origin: str = "the chat
         raise TypeError("documents are dicts with 'title' and 'text'")
     final = None
     if continue_final_message:
+        if spans is not None:
+            raise ValueError("continue_final_message cannot be combined with assistant masks")
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other: the first "
                              "continues the last message, the second opens a new assistant turn")
@@ -231,7 +247,17 @@ def render_chat(source: str, messages: Sequence[Any], *, origin: str = "the chat
     context.update(messages=chat, tools=_plain(tools), documents=_plain(documents),
                    add_generation_prompt=add_generation_prompt)
     try:
-        rendered = template.render(**context)
+        if spans is None:
+            rendered = template.render(**context)
+        else:
+            pieces: list[str] = []
+            token = _TRACKING.set((pieces, spans))
+            try:
+                for piece in template.generate(**context):
+                    pieces.append(piece)
+            finally:
+                _TRACKING.reset(token)
+            rendered = "".join(pieces)
     except _Raised as err:
         raise ChatTemplateError(str(err)) from None
     except (jinja2.exceptions.TemplateError, TypeError) as err:
@@ -246,3 +272,15 @@ def _compile(source: str, origin: str) -> jinja2.Template:
         return compile_chat_template(source)
     except jinja2.exceptions.TemplateSyntaxError as err:
         raise ChatTemplateError(f"{origin} is not a valid jinja2 template (line {err.lineno}): {err.message}") from err
+
+
+def render_chat_with_spans(source: str, messages: Sequence[Any], **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+    """`render_chat`, plus the character spans of the template's ``{% generation %}`` blocks
+    (the assistant's text, for training masks).
+
+    >>> render_chat_with_spans("{% for m in messages %}{{ m.role }}: {% generation %}{{ m.content }}"
+    ...                        "{% endgeneration %}; {% endfor %}", [{"role": "assistant", "content": "ok"}])
+    ('assistant: ok; ', [(11, 13)])
+    """
+    spans: list[tuple[int, int]] = []
+    return render_chat(source, messages, spans=spans, **kwargs), spans

@@ -33,13 +33,14 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken
 
-from cairn.llm._chat_template import ChatTemplateError, render_chat
+from cairn.llm._chat_template import ChatTemplateError, render_chat, render_chat_with_spans
 
 __all__ = ["IncrementalDecoder", "Tokenizer"]
 
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _TEMPLATE_DIR = "additional_chat_templates"
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # characters that no clean-up pattern contains: the clean-up of text split at one is exact per piece
 _CLEANUP_ALPHABET = frozenset(" .?!,'ntmsver")
 
@@ -451,7 +452,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Any] | Sequence[Sequence[Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: Sequence[Any] | None = None, *,
                             documents: Sequence[Any] | None = None, chat_template: str | None = None,
-                            continue_final_message: bool | str = False, **kwargs: Any) -> Any:
+                            continue_final_message: bool | str = False, return_assistant_tokens_mask: bool = False,
+                            **kwargs: Any) -> Any:
         """Render a conversation (a list of ``{"role", "content"}`` dicts), or a batch of
         them, into the prompt the model was trained on, as transformers does.
 
@@ -459,22 +461,40 @@ class Tokenizer:
         JSON-schema dicts. Extra keyword arguments become template variables (they override
         the special tokens of the same name). Returns the text, or with ``tokenize=True`` its
         ids (``encode(text, add_special_tokens=False)``: the template writes its own BOS).
+        With ``return_assistant_tokens_mask=True`` (and ``tokenize=True``) it returns
+        ``{"input_ids": ids, "assistant_masks": mask}``: mask 1 on every token that overlaps
+        a ``{% generation %}`` block of the template (the assistant's text, for SFT losses).
 
         Raises ChatTemplateError when there is no template (naming the places looked in),
         when it does not render, or when it calls ``raise_exception`` (with its message).
         """
         if not messages:
             raise ValueError("apply_chat_template got an empty conversation; give at least one message")
+        if return_assistant_tokens_mask and not tokenize:
+            raise ValueError("return_assistant_tokens_mask=True needs tokenize=True (the mask is per token)")
         batched = isinstance(messages[0], (list, tuple))
         source = self.get_chat_template(chat_template, tools)
         origin = self._template_origin if source is not chat_template else "the chat_template argument"
-        variables = {**self.special_tokens_map, **kwargs}
-        texts = [render_chat(source, conv, origin=origin, tools=tools, documents=documents,
-                             add_generation_prompt=add_generation_prompt,
-                             continue_final_message=continue_final_message, variables=variables)
-                 for conv in (messages if batched else [messages])]
-        out: list[Any] = [self.encode(t, add_special_tokens=False) for t in texts] if tokenize else texts
+        options: dict[str, Any] = dict(
+            origin=origin, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, variables={**self.special_tokens_map, **kwargs})
+        convs = messages if batched else [messages]
+        if return_assistant_tokens_mask:
+            if not _GENERATION_TAG.search(source):
+                raise ChatTemplateError(f"return_assistant_tokens_mask=True, but {origin} has no "
+                                        "{% generation %} block to mark the assistant's text")
+            out: list[Any] = [self._masked(*render_chat_with_spans(source, conv, **options)) for conv in convs]
+            if batched:
+                return {key: [row[key] for row in out] for key in ("input_ids", "assistant_masks")}
+            return out[0]
+        texts = [render_chat(source, conv, **options) for conv in convs]
+        out = [self.encode(t, add_special_tokens=False) for t in texts] if tokenize else texts
         return out if batched else out[0]
+
+    def _masked(self, text: str, spans: list[tuple[int, int]]) -> dict[str, list[int]]:
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        mask = [int(any(start < b and end > a for a, b in spans)) for start, end in encoding.offsets]
+        return {"input_ids": list(encoding.ids), "assistant_masks": mask}
 
 
 class IncrementalDecoder:
