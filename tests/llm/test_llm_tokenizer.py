@@ -221,6 +221,20 @@ def test_save_pretrained_round_trips(name, tok, tmp_path):
             not isinstance(tok.chat_template, dict) or "default" in tok.chat_template)
 
 
+def test_settings_changed_after_loading_are_saved(tmp_path):
+    tok = Tokenizer.from_pretrained(FIXTURES / "bpe_llama3style")
+    assert tok.pad_token is None
+    tok.pad_token, tok.padding_side = tok.eos_token, "left"
+    batch = tok(["a", "a longer text"])
+    assert batch["input_ids"][0, 0] == tok.eos_token_id and batch["attention_mask"][0, 0] == 0
+    with pytest.raises(ValueError, match="'<absent>' is not in the vocabulary"):
+        tok.pad_token = "<absent>"
+    tok.save_pretrained(tmp_path)
+    again = Tokenizer.from_pretrained(tmp_path)
+    assert (again.pad_token, again.padding_side) == ("<|eot_id|>", "left")
+    np.testing.assert_array_equal(again(["a", "a longer text"])["input_ids"], batch["input_ids"])
+
+
 def test_chat_template_file_wins_over_config_and_json_is_last(tmp_path):
     shutil.copytree(FIXTURES / "spm_unigram", tmp_path / "t")
     (tmp_path / "t" / "chat_template.jinja").write_text("{{ messages | length }} from jinja")

@@ -103,6 +103,13 @@ def _chat_template_json(folder: pathlib.Path) -> Any:
     return _read_json(path).get("chat_template") if path.is_file() else None
 
 
+def _special_token(key: str) -> property:
+    """A named special token: reads give its text (None when unset); an assignment such as
+    ``tok.pad_token = tok.eos_token`` must name a token of the vocabulary."""
+    return property(lambda self: self._special[key], lambda self, value: self._set_special(key, value),
+                    doc=f"The {key.replace('_', ' ')} (text), or None.")
+
+
 class Tokenizer:
     """A Hugging Face tokenizer: ``tokenizer.json`` run by the ``tokenizers`` library, with the
     special tokens, padding side and chat template of its folder. Names follow transformers'
@@ -193,6 +200,13 @@ class Tokenizer:
         written = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
         self._backend.save(str(written[0]))
         config = {k: v for k, v in self._config.items() if k != "chat_template"}
+        config.update(padding_side=self.padding_side, truncation_side=self.truncation_side,
+                      clean_up_tokenization_spaces=self.clean_up_tokenization_spaces)
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        for key, value in self._special.items():  # write back tokens set after loading
+            if value != _content(config.get(key)):
+                config[key] = value
         config["added_tokens_decoder"] = {
             str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
                      "single_word": t.single_word, "special": t.special}
@@ -246,10 +260,16 @@ class Tokenizer:
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
-    bos_token = property(lambda self: self._special["bos_token"])
-    eos_token = property(lambda self: self._special["eos_token"])
-    unk_token = property(lambda self: self._special["unk_token"])
-    pad_token = property(lambda self: self._special["pad_token"])
+    def _set_special(self, key: str, value: str | None) -> None:
+        if value is not None and self._backend.token_to_id(value) is None:
+            raise ValueError(f"{key} {value!r} is not in the vocabulary; add it first with "
+                             f"tok.backend_tokenizer.add_special_tokens([{value!r}])")
+        self._special[key] = value
+
+    bos_token = _special_token("bos_token")
+    eos_token = _special_token("eos_token")
+    unk_token = _special_token("unk_token")
+    pad_token = _special_token("pad_token")
     bos_token_id = property(lambda self: self._id(self._special["bos_token"]))
     eos_token_id = property(lambda self: self._id(self._special["eos_token"]))
     unk_token_id = property(lambda self: self._id(self._special["unk_token"]))
@@ -361,7 +381,8 @@ class Tokenizer:
             width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
         if any(len(r) < width for r in rows) and self.pad_token_id is None:
             raise ValueError("padding needs a pad token, and this tokenizer has none (no pad_token in "
-                             "tokenizer_config.json); pass padding=False or set tok.pad_token")
+                             "tokenizer_config.json); pass padding=False or set one, e.g. "
+                             "tok.pad_token = tok.eos_token")
         ids = np.full((len(rows), width), self.pad_token_id or 0, dtype=np.int32)
         mask = np.zeros((len(rows), width), dtype=np.int32)
         for i, row in enumerate(rows):
