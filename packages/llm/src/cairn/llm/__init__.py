@@ -5,21 +5,26 @@ cairn.core_array (sharding rules); no Cairn library imports it.
 """
 
 from cairn.llm._cache import KVCache
+from cairn.llm._chat_template import ChatTemplateError
 from cairn.llm._config import LlmConfig
 from cairn.llm._errors import CheckpointError, UnsupportedModelError
 from cairn.llm._families import supported_model_types
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_io import from_pretrained, save_pretrained
 from cairn.llm._model import CausalLM
+from cairn.llm._tokenizer import IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     "CausalLM",
+    "ChatTemplateError",
     "CheckpointError",
     "KVCache",
+    "IncrementalDecoder",
     "LlmConfig",
+    "Tokenizer",
     "UnsupportedModelError",
     "config_from_hf",
     "config_to_hf",
