@@ -9,6 +9,7 @@ from cairn.llm._chat_template import ChatTemplateError
 from cairn.llm._config import LlmConfig
 from cairn.llm._errors import CheckpointError, UnsupportedModelError
 from cairn.llm._families import supported_model_types
+from cairn.llm._generate import GenerationResult, generate
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_io import from_pretrained, save_pretrained
 from cairn.llm._model import CausalLM
@@ -20,6 +21,7 @@ __all__ = [
     "__version__",
     "CausalLM",
     "ChatTemplateError",
+    "GenerationResult",
     "CheckpointError",
     "KVCache",
     "IncrementalDecoder",
@@ -29,6 +31,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "from_pretrained",
+    "generate",
     "save_pretrained",
     "supported_model_types",
 ]
