@@ -1,7 +1,7 @@
 """cairn.llm: open-weight model families on the Cairn libraries, Hugging Face checkpoints in and out.
 
-The application layer: it composes cairn.nn (modules), cairn.kernels (attention) and
-cairn.core_array (sharding rules); no Cairn library imports it.
+The application layer: it composes cairn.nn (modules), cairn.kernels (attention),
+cairn.quant (LoRA) and cairn.core_array (sharding rules); no Cairn library imports it.
 """
 
 from cairn.llm._cache import KVCache
@@ -12,6 +12,15 @@ from cairn.llm._families import supported_model_types
 from cairn.llm._generate import GenerationResult, generate
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_io import from_pretrained, save_pretrained
+from cairn.llm._lora import (
+    LoraAdapters,
+    apply_lora,
+    load_lora,
+    lora_adapters,
+    lora_target_modules,
+    merge_lora,
+    save_lora,
+)
 from cairn.llm._model import CausalLM
 from cairn.llm._tokenizer import IncrementalDecoder, Tokenizer
 
@@ -26,12 +35,19 @@ __all__ = [
     "KVCache",
     "IncrementalDecoder",
     "LlmConfig",
+    "LoraAdapters",
     "Tokenizer",
     "UnsupportedModelError",
+    "apply_lora",
     "config_from_hf",
     "config_to_hf",
     "from_pretrained",
     "generate",
+    "load_lora",
+    "lora_adapters",
+    "lora_target_modules",
+    "merge_lora",
+    "save_lora",
     "save_pretrained",
     "supported_model_types",
 ]
