@@ -316,6 +316,7 @@ def load_lora(path: str | os.PathLike, model: Any) -> LoraAdapters:
         raise CheckpointError(f"{weights_file}: cannot be read as safetensors: {e}") from e
     by_hf = {hf: p for paths in _projections(cfg).values() for p, hf in paths.items()}
     sizes = _out_in(cfg)
+    hf_of = {p: hf for hf, p in by_hf.items()}
     pattern = re.compile(re.escape(_PREFIX) + r"(.+)\.lora_([AB])(?:\.default)?\.weight")
     found: dict[str, dict[str, np.ndarray]] = {}
     unexpected = []
@@ -329,21 +330,21 @@ def load_lora(path: str | os.PathLike, model: Any) -> LoraAdapters:
                 f"model: {sorted(unexpected)}"] if unexpected else []
     weights = {}
     for p, pair in sorted(found.items()):
-        problems += _check_pair(p, pair, rank, sizes[p], folder)
+        problems += _check_pair(f"{_PREFIX}{hf_of[p]} ({p})", pair, rank, sizes[p])
         if not problems:
             weights[p] = (pair["A"].T.copy(), pair["B"].T.copy())
     if problems or not weights:
-        raise CheckpointError(f"{folder}: the adapters do not fit the model:\n  " + "\n  ".join(problems or ["no adapters"]))
+        raise CheckpointError(f"{folder}: the adapters (r={rank}) do not fit the {cfg.model_type!r} model:\n  "
+                              + "\n  ".join(problems or ["no adapters"]))
     return LoraAdapters(rank, float(config["lora_alpha"]), weights, config.get("base_model_name_or_path"))
 
 
-def _check_pair(path: str, pair: dict[str, np.ndarray], rank: int, out_in: tuple[int, int],
-                folder: pathlib.Path) -> list[str]:
+def _check_pair(name: str, pair: dict[str, np.ndarray], rank: int, out_in: tuple[int, int]) -> list[str]:
     if set(pair) != {"A", "B"}:
-        return [f"{path}: lora_{'A' if 'A' not in pair else 'B'} is missing (each adapted module has both)"]
+        return [f"{name}: lora_{'A' if 'A' not in pair else 'B'}.weight is missing (each adapted module has both)"]
     n_out, n_in = out_in
     a, b = pair["A"], pair["B"]
     if tuple(a.shape) == (rank, n_in) and tuple(b.shape) == (n_out, rank):
         return []
-    return [f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected ({rank}, {n_in}) / ({n_out}, {rank}) "
-            f"(r={rank} from {folder / CONFIG_FILE}; the weight is [out={n_out}, in={n_in}])"]
+    return [f"{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected [r, in] = ({rank}, {n_in}) / "
+            f"[out, r] = ({n_out}, {rank})"]
