@@ -1,7 +1,7 @@
 """``generate``: batched text generation with a KV cache, one compiled decode step for all rows.
 
 The prompts are prefilled together, right-padded with their true lengths, into a
-:class:`~cairn.llm.KVCache` of ``max_length`` slots per row. Then one jitted step, run in a
+:class:`~cairn.llm.KVCache` of at least ``max_length`` slots per row. Then one jitted step, run in a
 ``lax.while_loop``, picks each row's next token (greedy, or sampled from
 temperature / top-k / top-p), records it with its log-probabilities, and feeds it at the
 row's own next position; a row that stops (a stop id, its length limit) is no longer fed
@@ -33,6 +33,11 @@ __all__ = ["GenerationResult", "generate"]
 
 # with stop strings, the device loop returns to the host after this many steps to detokenize
 STOP_CHECK_STEPS = 8
+# compiled shapes are rounded up (prompt length and output buffer to PROMPT_BUCKET, cache
+# slots to CACHE_BUCKET), so calls with nearby lengths share one program; the rows' limits
+# still come from the exact max_length
+PROMPT_BUCKET = 16
+CACHE_BUCKET = 64
 _FINISH = {1: "stop", 2: "length"}
 DECODE_LOOPS = ("while_loop", "python")
 
@@ -325,6 +330,10 @@ def _row_keys(seed: Any, batch: int) -> jax.Array:
     return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
 
 
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
 def _limits(prompts: list[list[int]], max_new_tokens: int, max_length: Any) -> tuple[int, np.ndarray]:
     longest = max(len(p) for p in prompts)
     if max_length is None:
@@ -408,7 +417,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     ids_list, stops = _stop_settings(stop_token_ids, stop_strings, tokenizer, vocab)
     max_length, room = _limits(rows, max_new_tokens, max_length)
     b, longest = len(rows), max(len(p) for p in rows)
-    ids = np.zeros((b, longest), np.int32)
+    ids = np.zeros((b, _round_up(longest, PROMPT_BUCKET)), np.int32)
     for i, p in enumerate(rows):
         ids[i, :len(p)] = p
     lengths = np.array([len(p) for p in rows], np.int32)
@@ -417,7 +426,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     params = SamplingParams(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k or 0, jnp.int32),
                             jnp.full((b,), 1.0 if top_p is None else top_p, jnp.float32))
     inp = _Inputs(_row_keys(seed, b), jnp.asarray(room), params, jnp.asarray(ids_list or [-1], jnp.int32))
-    carry = _prefill_jit(static, max_length, max_new_tokens, leaves, jnp.asarray(ids), jnp.asarray(lengths))
+    slots = _round_up(max_length, CACHE_BUCKET)
+    carry = _prefill_jit(static, slots, _round_up(max_new_tokens, PROMPT_BUCKET), leaves, jnp.asarray(ids), jnp.asarray(lengths))
     texts = None if tokenizer is None else [_RowText(tokenizer, p, stops, skip_special_tokens) for p in rows]
     carry = _decode(static, leaves, carry, inp, max_new_tokens, decode_loop, texts, set(ids_list))
     return _result(carry, rows, texts, set(ids_list), return_logprobs, return_processed_logprobs)
