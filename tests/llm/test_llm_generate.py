@@ -16,11 +16,13 @@ import tokenizers
 from llm_testlib import forward, load
 
 from cairn import llm
-from cairn.llm import _generate, _sampling
+from cairn.llm import _sampling
 
 # families with different attention: full (llama), sliding window 5 (mistral), q/k norms
 # (qwen3), soft-capping and alternating windows of 4 (gemma2)
 FAMILIES = ["llama", "mistral", "qwen3", "gemma2"]
+# llama runs in the default suite, the other families (compiles of ~10-25 s each) in tests_slow
+FAMILY_PARAMS = ["llama"] + [pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:]]
 PROMPTS = [[5, 17, 33, 8, 61, 2, 9], [40], [11, 12, 13, 70]]
 
 
@@ -47,7 +49,7 @@ def _filter64(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
 
 # --- batching ---
 
-@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("variant", FAMILY_PARAMS)
 def test_greedy_batch_with_ragged_prompts_equals_one_prompt_at_a_time(variant):
     model = load(variant)
     batch = llm.generate(model, PROMPTS, 9)
@@ -58,8 +60,12 @@ def test_greedy_batch_with_ragged_prompts_equals_one_prompt_at_a_time(variant):
     assert batch.finish_reason == ["length"] * 3
 
 
-@pytest.mark.parametrize("variant", ["llama", "gemma2"])
-@pytest.mark.parametrize("loop", _generate.DECODE_LOOPS)
+@pytest.mark.parametrize("variant, loop", [
+    ("llama", "while_loop"),
+    pytest.param("gemma2", "while_loop", marks=pytest.mark.slow),
+    pytest.param("llama", "python", marks=pytest.mark.slow),
+    pytest.param("gemma2", "python", marks=pytest.mark.slow),
+])
 def test_sampled_batch_equals_one_prompt_at_a_time_with_the_same_seed(variant, loop):
     model = load(variant)
     seeds = [11, 12, 13]
@@ -94,7 +100,7 @@ def test_python_loop_equals_while_loop():
 
 # --- log-probabilities ---
 
-@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("variant", FAMILY_PARAMS)
 def test_logprobs_equal_log_softmax_of_the_full_forward_pass(variant):
     model = load(variant)
     temperature, top_k, top_p = 1.2, 30, 0.85
