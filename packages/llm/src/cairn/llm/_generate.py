@@ -330,6 +330,14 @@ def _row_keys(seed: Any, batch: int) -> jax.Array:
     return jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
 
 
+def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``ids [B, T]`` (``T``: the longest prompt rounded up to ``PROMPT_BUCKET``) and ``lengths [B]``."""
+    ids = np.zeros((len(rows), _round_up(max(len(p) for p in rows), PROMPT_BUCKET)), np.int32)
+    for i, p in enumerate(rows):
+        ids[i, :len(p)] = p
+    return ids, np.array([len(p) for p in rows], np.int32)
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -416,11 +424,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     rows = _prompt_ids(prompts, tokenizer, vocab)
     ids_list, stops = _stop_settings(stop_token_ids, stop_strings, tokenizer, vocab)
     max_length, room = _limits(rows, max_new_tokens, max_length)
-    b, longest = len(rows), max(len(p) for p in rows)
-    ids = np.zeros((b, _round_up(longest, PROMPT_BUCKET)), np.int32)
-    for i, p in enumerate(rows):
-        ids[i, :len(p)] = p
-    lengths = np.array([len(p) for p in rows], np.int32)
+    b = len(rows)
+    ids, lengths = _right_padded(rows)
     leaves, treedef = jax.tree_util.tree_flatten(model)
     static = _Static(treedef, temperature > 0, top_k is not None or top_p is not None)
     params = SamplingParams(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k or 0, jnp.int32),
