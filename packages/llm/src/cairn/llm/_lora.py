@@ -195,6 +195,22 @@ def merge_lora(model: Any, adapters: LoraAdapters | None = None) -> CausalLM:
 
     ``model`` is the base model or what :func:`apply_lora` returned; ``adapters`` default to
     the latter's. The model passed in is not changed.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from cairn import nn
+    >>> from cairn.llm import CausalLM, LlmConfig, apply_lora, lora_target_modules, merge_lora
+    >>> cfg = LlmConfig("llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=4)
+    >>> lora_target_modules(cfg)
+    ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']
+    >>> lora = apply_lora(CausalLM(cfg, rngs=nn.Rngs(0)), rank=2, alpha=4.0, target_modules=["q_proj"])
+    >>> slot = lora.model.layers[0].attn.q.lora
+    >>> slot["lora_a"].value.shape, slot["lora_b"].value.shape  # A [in, r], B [r, heads * head_dim]
+    ((16, 2), (2, 16))
+    >>> slot["lora_b"].value = jnp.ones((2, 16))                # as if trained
+    >>> ids = jnp.array([[1, 2, 3]])
+    >>> bool(np.allclose(merge_lora(lora)(ids), lora(ids), atol=1e-5))
+    True
     """
     base = _base(model)
     if adapters is None:
