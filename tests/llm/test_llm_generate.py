@@ -277,6 +277,8 @@ def test_string_prompts_are_encoded_with_the_tokenizer():
     ([[1]], {"stop_token_ids": [3, 200]}, ValueError, "stop_token_ids must be ids"),
     ([[1]], {"stop_strings": ["x"]}, ValueError, "stop_strings are matched on the decoded text"),
     ([[1], [2]], {"seed": [1]}, ValueError, "one int in"),
+    ([[1]], {"seed": 2**70}, ValueError, "must fit in 64 bits"),
+    ([[1]], {"seed": "7"}, ValueError, "seed must be an int"),
     ([[1]], {"decode_loop": "scan"}, ValueError, "decode_loop must be one of"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(prompts, kwargs, error, match):

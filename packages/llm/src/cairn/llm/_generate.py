@@ -322,6 +322,8 @@ def _stop_settings(stop_token_ids: Any, stop_strings: Any, tokenizer: Any, vocab
 
 def _row_keys(seed: Any, batch: int) -> jax.Array:
     if _is_int(seed):
+        if not -2**63 <= seed < 2**63:
+            raise ValueError(f"generate: an int seed must fit in 64 bits, got {seed!r}")
         base = jax.random.key(int(seed))
         return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(batch, dtype=jnp.uint32))
     seeds = list(seed) if isinstance(seed, (Sequence, np.ndarray)) else None
