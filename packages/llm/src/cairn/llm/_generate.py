@@ -211,8 +211,8 @@ def _check_stop_strings(carry: _Carry, texts: list[_RowText], stop_ids: set[int]
 def _decode(static: _Static, leaves: list, carry: _Carry, inp: _Inputs, n_new: int, loop: str,
             texts: list[_RowText] | None, stop_ids: set[int]) -> _Carry:
     """Run the decode steps until every row is done (at most ``n_new``)."""
-    checking = texts is not None and bool(texts[0].stops)
-    chunk = STOP_CHECK_STEPS if checking else n_new
+    checking = texts if texts is not None and texts[0].stops else None
+    chunk = STOP_CHECK_STEPS if checking is not None else n_new
     steps = 0
     while steps < n_new:
         todo = min(chunk, n_new - steps)
@@ -224,8 +224,8 @@ def _decode(static: _Static, leaves: list, carry: _Carry, inp: _Inputs, n_new: i
                 if bool(jnp.all(carry.done)):
                     break
         steps += todo
-        if checking:
-            carry = _check_stop_strings(carry, texts, stop_ids)
+        if checking is not None:
+            carry = _check_stop_strings(carry, checking, stop_ids)
         if bool(jnp.all(carry.done)):
             break
     return carry

@@ -75,12 +75,18 @@ def _projections(cfg: LlmConfig) -> dict[str, dict[str, str]]:
     return out
 
 
+def _size(cfg: LlmConfig, expr: str) -> int:
+    """A family table's shape entry (``num_attention_heads*head_dim``) for ``cfg``."""
+    return math.prod(int(getattr(cfg, f)) for f in expr.split("*"))
+
+
 def _out_in(cfg: LlmConfig) -> dict[str, tuple[int, int]]:
     """Model weight path -> ``(out, in)`` of its Hugging Face ``[out, in]`` matrix (the family table's shapes)."""
-    sizes = {}
+    sizes: dict[str, tuple[int, int]] = {}
     for rule in family_of(cfg.model_type).weights:
         if rule.transpose and "{i}" in rule.hf and not rule.when:
-            out_in = tuple(math.prod(int(getattr(cfg, f)) for f in expr.split("*")) for expr in rule.hf_shape)
+            out_expr, in_expr = rule.hf_shape
+            out_in = (_size(cfg, out_expr), _size(cfg, in_expr))
             sizes.update({rule.path.format(i=i): out_in for i in range(cfg.num_hidden_layers)})
     return sizes
 
