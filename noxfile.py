@@ -174,9 +174,10 @@ def fixtures_hf(session: nox.Session) -> None:
 
     A venv with torch (exactly 2.13.0, the local CPU wheel; never a CUDA build) and transformers runs
     tests/llm/fixtures/make_fixtures.py (tiny random checkpoints of every family with
-    transformers' logits) and, when present, make_tokenizer_fixtures.py; then
-    check_transformers_loads.py saves every fixture again with cairn.llm and checks that
-    transformers loads it with the same logits. Commit the result.
+    transformers' logits), when present, make_tokenizer_fixtures.py, and make_peft_fixtures.py
+    (peft LoRA adapters on those models, with peft's logits); then check_transformers_loads.py
+    saves every fixture again with cairn.llm and checks that transformers loads it with the
+    same logits. Commit the result.
     """
     # pinned exactly: the CPU wheel of this version is the one pip finds (find-links); a loose
     # pin would let the resolver pick a newer CUDA build from the index
@@ -188,6 +189,9 @@ def fixtures_hf(session: nox.Session) -> None:
     tokenizer_script = ROOT / "tests" / "llm" / "fixtures" / "make_tokenizer_fixtures.py"
     if tokenizer_script.exists():
         session.run("python", str(tokenizer_script))
+    # LoRA adapters written by peft itself on the fixture models (tests/llm/test_llm_lora.py)
+    session.install("peft>=0.17")
+    session.run("python", "tests/llm/fixtures/make_peft_fixtures.py")
     session.run("python", "tests/llm/fixtures/check_transformers_loads.py", *session.posargs)
 
 

@@ -1,31 +1,56 @@
 """cairn.llm: open-weight model families on the Cairn libraries, Hugging Face checkpoints in and out.
 
-The application layer: it composes cairn.nn (modules), cairn.kernels (attention, mixture-of-experts matmuls) and
-cairn.core_array (sharding rules); no Cairn library imports it.
+The application layer: it composes cairn.nn (modules), cairn.kernels (attention,
+mixture-of-experts matmuls), cairn.quant (LoRA) and cairn.core_array (sharding rules);
+no Cairn library imports it.
 """
 
 from cairn.llm._cache import KVCache
+from cairn.llm._chat_template import ChatTemplateError
 from cairn.llm._config import LlmConfig
 from cairn.llm._errors import CheckpointError, UnsupportedModelError
 from cairn.llm._families import supported_model_types
+from cairn.llm._generate import GenerationResult, generate
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_io import from_pretrained, save_pretrained
+from cairn.llm._lora import (
+    LoraAdapters,
+    apply_lora,
+    load_lora,
+    lora_adapters,
+    lora_target_modules,
+    merge_lora,
+    save_lora,
+)
 from cairn.llm._model import CausalLM
 from cairn.llm._moe import load_balancing_loss
+from cairn.llm._tokenizer import IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     "CausalLM",
+    "ChatTemplateError",
+    "GenerationResult",
     "CheckpointError",
     "KVCache",
+    "IncrementalDecoder",
     "LlmConfig",
+    "LoraAdapters",
+    "Tokenizer",
     "UnsupportedModelError",
+    "apply_lora",
     "config_from_hf",
     "config_to_hf",
     "from_pretrained",
+    "generate",
     "load_balancing_loss",
+    "load_lora",
+    "lora_adapters",
+    "lora_target_modules",
+    "merge_lora",
+    "save_lora",
     "save_pretrained",
     "supported_model_types",
 ]
