@@ -20,7 +20,9 @@ Qwen2.5-0.5B at ``--full`` (0.92 GiB, tied embeddings), a 4-layer one of ~55 MiB
    ``torch.inference_mode``). Prefill is one call on the whole prompt (both sides compute the
    logits of every position, then take the last one's argmax); decode is ``--new`` one-token
    steps. Batches 1 and 8, float32 and bfloat16. Compile time is ours' first call minus a
-   timed one, reported apart. Greedy tokens are compared (float32: must agree).
+   timed one, reported apart. Greedy tokens are compared. torch runs with the faster of one
+   thread and every core (measured per row): on a loaded machine its OpenMP threads spin at
+   barriers and run several times slower than one thread.
 3. **jitted forward vs raw JAX**: the full-sequence logits of ``nn.jit(model)`` against the
    same math written here as one plain function over the same parameter arrays (einsums,
    RMSNorm, rotary, grouped-query attention, SwiGLU) under ``jax.jit``; logits checked equal.
@@ -293,6 +295,19 @@ class Torch:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             directory, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
 
+    def pick_threads(self, ids: np.ndarray, new: int) -> int:
+        """Keeps the faster of one thread and every core: on a loaded machine torch's
+        OpenMP threads spin at barriers and run several times slower than one thread."""
+        best = (float("inf"), 1)
+        for n in sorted({1, os.cpu_count() or 1}):
+            self.torch.set_num_threads(n)
+            t0 = time.perf_counter()
+            tok, cache = self.prefill(ids, new)
+            self.decode(tok, cache, 4)
+            best = min(best, (time.perf_counter() - t0, n))
+        self.torch.set_num_threads(best[1])
+        return best[1]
+
     def prefill(self, ids: np.ndarray, room: int) -> tuple[Any, Any]:
         with self.torch.inference_mode():
             out = self.model(self.torch.from_numpy(ids.astype(np.int64)), use_cache=True)
@@ -323,32 +338,35 @@ def bench_speed(directory: str, shape: dict, dtype: str, batches: tuple[int, ...
     sides: dict[str, Any] = {"ours": Ours(directory, dtype)}
     if have_torch:
         sides["transformers"] = Torch(directory, dtype)
-    out: dict = {}
+    out: dict = {"rows": {}}
     for b in batches:
         ids = ids_all[:b]
         times: dict[str, dict[str, list[float]]] = {s: {"prefill": [], "decode": []} for s in sides}
         tokens: dict[str, np.ndarray] = {}
         first: dict[str, float] = {}
         for s, side in sides.items():  # warm-up (ours: compiles prefill and decode shapes)
-            t_p, (tok, cache) = _timed(lambda side=side: side.prefill(ids, new))
+            t_p, (tok, cache) = _timed(lambda side=side, ids=ids: side.prefill(ids, new))
             t_d, tokens[s] = _timed(lambda side=side, tok=tok, cache=cache: side.decode(tok, cache, 2))
             first[s] = t_p + t_d
+        if "transformers" in sides:
+            out.setdefault("torch_threads", {})[b] = sides["transformers"].pick_threads(ids, new)
         for r in range(repeats):
             for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 side = sides[s]
-                t_p, (tok, cache) = _timed(lambda side=side: side.prefill(ids, new))
+                t_p, (tok, cache) = _timed(lambda side=side, ids=ids: side.prefill(ids, new))
                 t_d, toks = _timed(lambda side=side, tok=tok, cache=cache: side.decode(tok, cache, new))
                 times[s]["prefill"].append(t_p)
                 times[s]["decode"].append(t_d)
                 tokens[s] = toks
-        out[b] = {}
+        row: dict = {}
+        out["rows"][b] = row
         for s in sides:
             p, d = statistics.median(times[s]["prefill"]), statistics.median(times[s]["decode"])
             compile_s = first[s] - p - d * 2 / new
-            out[b][s] = {"prefill_tps": b * shape["prompt"] / p, "decode_tps": b * new / d,
+            row[s] = {"prefill_tps": b * shape["prompt"] / p, "decode_tps": b * new / d,
                          "compile_s": compile_s if s == "ours" else 0.0}
         if have_torch:
-            out[b]["tokens_agree"] = float(np.mean(tokens["ours"] == tokens["transformers"]))
+            row["tokens_agree"] = float(np.mean(tokens["ours"] == tokens["transformers"]))
     return out
 
 
@@ -410,16 +428,16 @@ def bench_forward(directory: str, shape: dict, dtype: str, batches: tuple[int, .
     out = {}
     for b in batches:
         ids = jax.numpy.asarray(rng.integers(2, shape["vocab_size"], (b, shape["prompt"]), dtype=np.int32))
-        c_ours, lo = _timed(lambda: ours(model, ids).block_until_ready())
-        c_raw, lr = _timed(lambda: raw(params, ids).block_until_ready())
+        c_ours, lo = _timed(lambda ids=ids: ours(model, ids).block_until_ready())
+        c_raw, lr = _timed(lambda ids=ids: raw(params, ids).block_until_ready())
         tol = 1e-4 if dtype == "float32" else 5e-2
         err = float(np.max(np.abs(np.asarray(lo) - np.asarray(lr))) / (np.max(np.abs(np.asarray(lr))) + 1e-30))
         if err > tol:
             raise AssertionError(f"raw JAX forward differs from ours by {err:.2e} (relative to max |logit|)")
         t_ours, t_raw = [], []
         for r in range(repeats):
-            pair = [(t_ours, lambda: ours(model, ids).block_until_ready()),
-                    (t_raw, lambda: raw(params, ids).block_until_ready())]
+            pair = [(t_ours, lambda ids=ids: ours(model, ids).block_until_ready()),
+                    (t_raw, lambda ids=ids: raw(params, ids).block_until_ready())]
             for dst, fn in pair if r % 2 == 0 else pair[::-1]:
                 dst.append(_timed(fn)[0])
         o, rw = statistics.median(t_ours), statistics.median(t_raw)
@@ -457,14 +475,17 @@ def print_load(load: dict, size_mib: float) -> None:
 def print_speed(speed: dict, shape: dict) -> None:
     print(f"\n2. CPU tokens/s: prompt {shape['prompt']}, {shape['new']} greedy decode steps, KV cache both sides")
     print(f"{'dtype':9s} {'batch':>5s} {'side':13s} {'prefill t/s':>11s} {'decode t/s':>11s} {'compile s':>9s} {'agree':>6s}")
+    print("  (agree: ours' greedy tokens equal to transformers'; thr: the torch thread count kept, the faster)")
     for dtype, per_b in speed.items():
-        for b, row in per_b.items():
+        for b, row in per_b["rows"].items():
             for s in ("ours", "transformers"):
                 if s not in row:
                     print(f"{dtype:9s} {b:5d} {s:13s} not measured (torch not installed)")
                     continue
                 r, agree = row[s], row.get("tokens_agree")
                 a = f"{agree:6.2f}" if agree is not None and s == "ours" else ""
+                if s == "transformers":
+                    a = f"{per_b['torch_threads'][b]} thr"
                 print(f"{dtype:9s} {b:5d} {s:13s} {r['prefill_tps']:11.1f} {r['decode_tps']:11.1f} "
                       f"{r['compile_s']:9.2f} {a:>6s}")
 
@@ -488,11 +509,13 @@ def summary(size_mib: float, load: dict | None, speed: dict | None, fwd: dict | 
         if "transformers" in load:
             out["load_vs_transformers"] = round(load["ours"]["s"] / load["transformers"]["s"], 3)
     for dtype, per_b in (speed or {}).items():
-        for b, row in per_b.items():
+        for b, row in per_b["rows"].items():
             if "transformers" in row:
                 for k in ("prefill", "decode"):
                     ratio = row["ours"][f"{k}_tps"] / row["transformers"][f"{k}_tps"]
                     out[f"{k}_vs_transformers_{dtype}_b{b}"] = round(ratio, 3)
+                out[f"tokens_agree_{dtype}_b{b}"] = row["tokens_agree"]
+                out[f"torch_threads_{dtype}_b{b}"] = per_b["torch_threads"][b]
             out[f"compile_s_{dtype}_b{b}"] = round(row["ours"]["compile_s"], 2)
     for dtype, per_b in (fwd or {}).items():
         for b, r in per_b.items():

@@ -1,0 +1,33 @@
+"""ShardedReader's whole-tensor reads (plain file reads, not a memory map) give the file's bytes."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from cairn.llm._hf_files import ShardedReader
+
+
+def test_whole_reads_equal_safetensors_bit_for_bit_in_every_float_dtype(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        f"t.{np.dtype(dt).name}": rng.standard_normal((7, 5)).astype(dt)
+        for dt in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)
+    }
+    tensors["vector"] = rng.standard_normal(3).astype(np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reader = ShardedReader(tmp_path)
+    seen = {}
+    for name, lazy in reader.read(sorted(tensors)):
+        whole, box = lazy[...], lazy[1:3]
+        assert whole.flags.owndata  # a fresh array, not a view of a memory-mapped file
+        seen[name] = (whole, box)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="np") as f:
+        for name in tensors:
+            ref = f.get_tensor(name)
+            whole, box = seen[name]
+            assert whole.dtype == ref.dtype and whole.shape == ref.shape
+            assert whole.tobytes() == ref.tobytes() == tensors[name].tobytes()
+            assert box.tobytes() == ref[1:3].tobytes()
