@@ -55,9 +55,11 @@ MiB = 1024 * 1024
 # Qwen2.5-0.5B's shape (--full) and a small one of the same family (--quick)
 SHAPES = {
     "full": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-             "num_attention_heads": 14, "num_key_value_heads": 2, "shard_mib": 256, "prompt": 128, "new": 32},
+             "num_attention_heads": 14, "num_key_value_heads": 2, "shard_mib": 256, "prompt": 128, "new": 32,
+             "forward_repeats": 3},
     "quick": {"vocab_size": 32768, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "shard_mib": 16, "prompt": 64, "new": 16},
+              "num_attention_heads": 8, "num_key_value_heads": 2, "shard_mib": 16, "prompt": 64, "new": 16,
+              "forward_repeats": 11},
 }
 
 
@@ -553,7 +555,7 @@ def main() -> None:
             for dtype in a.dtypes.split(","):
                 speed[dtype] = bench_speed(base, shape, dtype, (1, 8), repeats, have_torch)
                 loads.append(os.getloadavg()[0])
-                fwd[dtype] = bench_forward(base, shape, dtype, (1, 8), repeats)
+                fwd[dtype] = bench_forward(base, shape, dtype, (1, 8), max(repeats, shape["forward_repeats"]))
                 loads.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(base, ignore_errors=True)

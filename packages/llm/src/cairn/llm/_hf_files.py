@@ -10,7 +10,9 @@ Layout read and written::
 
 Reading goes through ``safetensors.safe_open``: the headers of every file are read and
 checked first (a truncated or corrupt file is named before any tensor is read), then
-tensors are read one at a time.
+tensors are read one at a time: a whole tensor with plain file reads into a fresh array
+(a memory map would count the shard's touched pages as resident memory until it is
+closed), a box of one (a device's share) through safetensors' slice.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class _LazyTensor:
         start, end = self.span
         out = np.empty(self.shape, dtype)
         self.raw.seek(start)
-        if out.nbytes != end - start or self.raw.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+        if out.nbytes != end - start or self.raw.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
             raise CheckpointError(f"{self.path}: tensor {self.name} is truncated (expected {end - start} bytes)")
         return out
 
