@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
+import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -31,3 +34,27 @@ def test_whole_reads_equal_safetensors_bit_for_bit_in_every_float_dtype(tmp_path
             assert whole.dtype == ref.dtype and whole.shape == ref.shape
             assert whole.tobytes() == ref.tobytes() == tensors[name].tobytes()
             assert box.tobytes() == ref[1:3].tobytes()
+
+
+def _rss_file_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) / 1024
+    pytest.skip("no RssFile in /proc/self/status (not Linux)")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_whole_read_does_not_map_the_file_into_resident_memory(tmp_path):
+    # a memory-mapped read makes every touched page of the shard part of this process's
+    # resident set (RssFile) until the file is closed: a 0.9 GiB load peaked at 1.39x its size
+    big = np.ones((16, 2**20 // 4), np.float32)  # 16 MiB
+    save_file({"big": big}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors").read_bytes()  # in the page cache, as after a download
+    reader = ShardedReader(tmp_path)
+    for _, lazy in reader.read(["big"]):
+        before = _rss_file_mib()
+        arr = lazy[...]
+        grown = _rss_file_mib() - before
+        assert arr.sum() == big.size
+        assert grown < 4, f"reading 16 MiB grew the file-backed resident set by {grown:.1f} MiB"
