@@ -10,7 +10,9 @@ Layout read and written::
 
 Reading goes through ``safetensors.safe_open``: the headers of every file are read and
 checked first (a truncated or corrupt file is named before any tensor is read), then
-tensors are read one at a time.
+tensors are read one at a time: a whole tensor with plain file reads into a fresh array
+(a memory map would count the shard's touched pages as resident memory until it is
+closed), a box of one (a device's share) through safetensors' slice.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with NumPy for safetensors)
+import ml_dtypes  # also registers bfloat16 and the float8 types with NumPy for safetensors
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -96,20 +98,58 @@ class ShardedReader:
         return self.headers[file][name][1]
 
     def read(self, names: list[str]) -> Iterator[tuple[str, Any]]:
-        """``(name, lazy tensor)`` for each of ``names``, file by file. The lazy tensor is
-        safetensors' slice: ``t[...]`` reads it whole, ``t[a:b, c:d]`` only that box; it is
-        valid until the next item is drawn."""
+        """``(name, lazy tensor)`` for each of ``names``, file by file. ``t[...]`` reads the
+        tensor whole into a fresh array with plain file reads (no memory map: the file's
+        pages stay page cache, not this process's resident memory); ``t[a:b, c:d]`` reads only
+        that box through safetensors' slice. Valid until the next item is drawn."""
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.file_of[n], []).append(n)
         for file, wanted in by_file.items():
             path = self.directory / file
             try:
-                with safe_open(str(path), framework="np") as f:
+                with open(path, "rb") as raw, safe_open(str(path), framework="np") as f:
+                    offsets = _data_offsets(raw)
                     for n in wanted:
-                        yield n, f.get_slice(n)
+                        yield n, _LazyTensor(raw, f, n, offsets[n], self.headers[file][n], path)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{path}: cannot read tensor data: {e}") from e
+
+
+# safetensors dtype codes -> NumPy (little-endian); the loader reads only float tensors
+_NP_DTYPES = {"F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype("<f4"),
+              "F64": np.dtype("<f8")}
+
+
+def _data_offsets(raw: Any) -> dict[str, tuple[int, int]]:
+    """``{name: (start, end)}`` absolute byte offsets of every tensor of an open safetensors file."""
+    raw.seek(0)
+    (n,) = np.frombuffer(raw.read(8), "<u8")
+    header = json.loads(raw.read(int(n)))
+    base = 8 + int(n)
+    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+class _LazyTensor:
+    """One tensor of an open shard: ``[...]`` reads it whole (``readinto`` a fresh buffer),
+    any other index reads that box through safetensors' slice."""
+
+    def __init__(self, raw: Any, st: Any, name: str, span: tuple[int, int],
+                 meta: tuple[tuple[int, ...], str], path: pathlib.Path) -> None:
+        self.raw, self.st, self.name, self.span, self.path = raw, st, name, span, path
+        self.shape, self.code = meta
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        dtype = _NP_DTYPES.get(self.code)
+        if index is not Ellipsis or dtype is None:
+            return self.st.get_slice(self.name)[index]
+        start, end = self.span
+        out = np.empty(self.shape, dtype)
+        self.raw.seek(start)
+        if out.nbytes != end - start or self.raw.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
+            raise CheckpointError(f"{self.path}: tensor {self.name} is truncated (expected {end - start} bytes)")
+        return out
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -205,8 +205,8 @@ def _put(host: np.ndarray, spec: Any) -> jax.Array:
 
 def _to_model(t: _Tensor, arr: np.ndarray, shape: tuple[int, ...], target: Any) -> np.ndarray:
     """A box of the Hugging Face tensor as the same box of the model's parameter."""
-    host = arr.T if t.transpose else arr
-    return np.ascontiguousarray(host.astype(target).reshape(shape))
+    host = arr.astype(target, copy=False)  # no copy when the file already holds ``target``
+    return np.ascontiguousarray(host.T if t.transpose else host).reshape(shape)
 
 
 def _groups(model_shape: tuple[int, ...], flat_shape: tuple[int, ...]) -> list[list[int]] | None:
@@ -250,7 +250,7 @@ def _place(t: _Tensor, lazy: Any, spec: Any, target: Any) -> jax.Array:
     is read only where a box does not map onto one box of the file)."""
     sharding = getattr(spec, "sharding", None)
     if sharding is None:
-        return jnp.asarray(_to_model(t, lazy[...], spec.shape, target))
+        return jax.device_put(_to_model(t, lazy[...], spec.shape, target))  # one copy, no dispatch
     if sharding.is_fully_replicated:
         return jax.device_put(_to_model(t, lazy[...], spec.shape, target), sharding)
 
