@@ -269,6 +269,7 @@ def test_mlp_fit_with_adam_and_optax_params_annotations():
     _close(ours["params"], ref["params"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_mlp_fit_with_warmup_cosine_adamw_and_clip():
     """The peak learning rate 1.0 makes this run chaotic: the two trajectories agree to 1e-7
     for the first steps, to 1e-4 after 50, then float32 rounding differences (the order of a
@@ -286,6 +287,7 @@ def test_mlp_fit_with_warmup_cosine_adamw_and_clip():
     _close(ours["params"], ref["params"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_components_cells():
     ours, out = run(MLP + COMPONENTS, real=False)
     ref, ref_out = run(MLP + COMPONENTS, real=True)

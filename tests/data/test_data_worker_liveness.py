@@ -87,6 +87,7 @@ def _repeat_runs(d, runs, workers=8, timeout_s=30.0):
             h.join(10)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_arrayrecord_workers_do_not_hang_20_runs(ar_dir):
     """Default-suite size: 20 runs of 8 workers. Before the fix a hang in 20 runs had a
     probability of about 1 - 0.87**20 = 94%."""

@@ -130,6 +130,7 @@ def _run_sharded(tmp_path, devices, mesh_overrides):
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_eight_device_run_matches_one_device_and_is_sharded(tmp_path):
     one = _run_sharded(tmp_path / "one", 1, [])
     eight = _run_sharded(tmp_path / "eight", 8, ["mesh.data=4", "mesh.model=2"])
@@ -215,6 +216,7 @@ def _committed_steps(ckpt_dir) -> list[int]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_sigkill_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
     """A real kill, not a clean stop: SIGKILL the training process (data workers included)
     once a checkpoint is committed and the run is past it, then `--resume`. The final
@@ -269,6 +271,7 @@ sys.exit(train.main())
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_two_processes_through_jax_distributed(tmp_path):
     """The same config launched as two processes (two CPU devices each) joined by
     jax.distributed: each process reads its own shard of the records and feeds its rows of
@@ -335,6 +338,7 @@ def test_second_run_without_a_choice_stops_before_any_work_naming_the_directory(
     assert (tmp_path / "metrics.json").read_bytes() == metrics_before
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_resume_and_overwrite_are_the_two_ways_on(tmp_path):
     import lm_train
 

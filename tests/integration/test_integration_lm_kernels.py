@@ -100,6 +100,7 @@ def _nll_f64(logits: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> fl
 # --- the two paths compute the same function ---
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_kernels_attention_equals_xla_attention_values_and_grads(tmp_path):
     cfg = _cfg(tmp_path)
     batch = _packed_batch()
@@ -124,6 +125,7 @@ def test_kernels_attention_matches_the_explicit_mask_on_raw_inputs():
     assert not np.asarray(b[:, 12:]).any(), "padding rows must be 0"
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_fused_loss_equals_the_logits_loss_and_a_float64_reference(tmp_path):
     cfg = _cfg(tmp_path)
     batch = _packed_batch(seed=3)
@@ -145,6 +147,7 @@ def test_fused_loss_equals_the_logits_loss_and_a_float64_reference(tmp_path):
     b=st.integers(1, 3), s=st.integers(1, 9), d=st.integers(1, 8), vocab=st.integers(2, 40),
     seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "bfloat16"]),
 )
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_fused_loss_property_against_float64(b, s, d, vocab, seed, dtype):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((b, s, d)).astype(np.float32)
@@ -253,6 +256,7 @@ def test_config_choice_is_not_measured(tmp_path, fresh_choices):
 # --- training on the kernels ---
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_forced_kernels_train_with_finite_loss_and_report_them(tmp_path, fresh_choices):
     lm_train = fresh_choices
     cfg = _cfg(tmp_path, 'kernels.attention="kernels"', 'kernels.loss="kernels"')

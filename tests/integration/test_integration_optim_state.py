@@ -197,6 +197,7 @@ print("RESULT " + json.dumps({{k: r[k] for k in ("per_device_param_bytes",
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_lm_recipe_reports_per_device_param_and_optimizer_bytes(tmp_path, run_on_cpu_devices):
     import json
     import pathlib

@@ -89,6 +89,7 @@ def test_under_nn_jit_the_mutation_reaches_the_caller():
     np.testing.assert_allclose(np.asarray(model.norm.mean.value), np.asarray(eager.norm.mean.value), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_qat_trains_with_nn_optimizer_and_straight_through_gradients():
     model = _Model(nn.Rngs(0))
     rules = [quant.QtRule(module_path="blocks/.*", weight_qtype="int8", act_qtype="int8")]

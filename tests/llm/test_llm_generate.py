@@ -90,6 +90,7 @@ def test_an_int_seed_is_reproducible_and_gives_each_row_its_own_key():
     assert len({tuple(t) for t in a.tokens}) == 3  # three rows, three different draws
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_python_loop_equals_while_loop():
     model = load("mistral")
     kw = dict(temperature=0.9, top_p=0.95, seed=[1, 2, 3], stop_token_ids=[7, 30])

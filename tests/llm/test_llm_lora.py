@@ -65,6 +65,7 @@ def test_a_peft_adapter_gives_peft_logits_adapted_and_merged(variant):
     assert np.abs(np.asarray(_run(_fresh(variant), ids)) - want).max() > 100 * 1e-4 * np.abs(want).max()
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_merged_weights_are_w_plus_scaled_a_b_and_give_the_lora_logits():
     base = _fresh("llama")
     w_before = {p: np.asarray(v[...], np.float64) for p, v in

@@ -101,6 +101,7 @@ def test_max_shard_size_spellings():
             parse_size(bad)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_gradients_reach_every_parameter_and_match_finite_differences():
     """One definition trains: the loss's gradient (through cairn.kernels' attention with a
     window and soft caps) is nonzero for every parameter and its directional derivative

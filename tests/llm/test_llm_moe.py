@@ -95,6 +95,7 @@ def test_bad_expert_settings_are_refused_by_name(kw, match):
         _config(**kw)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_gradients_reach_the_router_and_every_expert_and_equal_a_dense_formulation():
     """The sparse block's gradients (sort, ragged_dot and scatter) equal those of the same
     function written densely (every expert on every token, weights zero off the top k)."""
@@ -161,6 +162,7 @@ def _aux_reference(router_logits, k, mask):
     return e * np.sum(counts / rows * prob_sum / rows)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_load_balancing_loss_equals_its_formula_and_transformers():
     rng = np.random.default_rng(0)
     logits = [jnp.asarray(rng.standard_normal((10, 6)) * 2, jnp.float32) for _ in range(3)]
@@ -177,6 +179,7 @@ def test_load_balancing_loss_equals_its_formula_and_transformers():
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(forward(load("qwen3_moe"), ids)))
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_aux_loss_with_a_cache_ignores_the_padding():
     model = llm.CausalLM(_config(num_hidden_layers=1), rngs=nn.Rngs(0))
     ids = np.random.default_rng(0).integers(0, 40, (2, 6)).astype(np.int32)

@@ -182,6 +182,7 @@ def test_decode_without_cache_and_bad_cache_shape():
         mha(jnp.ones((3, 1, 8)), decode=True)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_decode_path_equals_full_attention_with_gqa_qk_norm_and_padding_mask():
     """The cached path (chunks of 2, 1, 3, 1 tokens) against one non-cached causal call.
 

@@ -18,6 +18,7 @@ from cairn import nn
         max_size=6,
     )
 )
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_average_and_welford_match_numpy(batches):
     avg = nn.metrics.Average()
     wf = nn.metrics.Welford()

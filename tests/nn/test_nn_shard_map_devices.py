@@ -75,6 +75,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_shard_map_data_parallel_step_matches_one_device():
     pytest.importorskip("jax")
     env = dict(os.environ)

@@ -136,6 +136,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_sharding_on_eight_fake_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -172,6 +172,7 @@ def test_structure_change_invalidates_cache():
     widths=st.lists(st.integers(1, 4), min_size=2, max_size=5),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_property_split_merge_and_pure_dict_roundtrip(widths, seed):
     m = Block(tuple(widths), nn.Rngs(seed))
     gd, *states = nn.split(m, nn.Param, ...)

@@ -28,6 +28,7 @@ def _check(cost, i, j):
 @settings(max_examples=15, deadline=None)
 @given(arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 4)),
               elements=st.floats(-100, 100, width=32)))
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_minimal_total_cost_like_scipy(cost):
     i, j = assignment.hungarian_algorithm(jnp.asarray(cost))
     _check(cost, i, j)
@@ -44,6 +45,7 @@ def test_same_total_cost_as_optax_and_integer_costs(shape):
     _check(cost, i, j)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_vmap_and_errors():
     costs = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 5))
     i, j = jax.vmap(assignment.hungarian_algorithm)(costs)

@@ -540,6 +540,7 @@ def test_schedule_free_eval_params_recovers_x():
     np.testing.assert_allclose(np.asarray(x["w"]), np.full(3, 0.9), rtol=1e-6)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_packed_params_training_loop_with_grad_of_packed():
     params = _params()
     layout = optim.layout_of(params)

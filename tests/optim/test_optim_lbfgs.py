@@ -165,6 +165,7 @@ def test_zoom_steps_satisfy_strong_wolfe_and_store_value_and_grad():
             break
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_lbfgs_on_a_quadratic_matches_optax_minimiser_and_value_and_grad_reuses_state():
     ours, st = solve(optim, optim.lbfgs(), quad, P0, 10)
     theirs, _ = solve(optax, optax.lbfgs(), quad, P0, 10)

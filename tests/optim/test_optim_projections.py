@@ -35,6 +35,7 @@ def simplex_ref(v, s):
 
 @settings(max_examples=20, deadline=None)
 @given(vec, st.floats(0.1, 4.0))
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_simplex_and_l1_match_float64_references(v, s):
     tree = {"a": jnp.asarray(v[: len(v) // 2], jnp.float32),
             "b": jnp.asarray(v[len(v) // 2:], jnp.float32)}

@@ -99,6 +99,7 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_state_is_sharded_like_params_from_init_through_jitted_steps(run_on_cpu_devices):
     r = run_on_cpu_devices(SCRIPT)
     assert r.returncode == 0 and "OK fsdp" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -94,6 +94,7 @@ def test_round_trip_within_half_a_step(qtype, method):
     qtype=st.sampled_from(INT_QTYPES + FLOAT_QTYPES),
 )
 @settings(deadline=None, max_examples=25)
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_per_tile_layout_and_round_trip(rows, tiles, tile, qtype):
     x = np.random.default_rng(rows * 100 + tiles).normal(size=(tiles * tile, rows)).astype(np.float32)
     q = quantize_array(x, qtype, reduce_axes=(0,), tile=(0, tile))

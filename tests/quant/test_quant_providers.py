@@ -76,6 +76,7 @@ def test_quantize_params_needs_a_plan():
         quant.quantize_params(_params(), quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")]))
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_qat_gradients_are_straight_through():
     p = _params()
     provider = quant.QtProvider([quant.QtRule(weight_qtype="int8", act_qtype="int8")])
@@ -177,6 +178,7 @@ def test_quantized_backward_per_tensor_matches_the_reference():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
 def test_weight_grad_tiles_and_stochastic_rounding():
     exact = _grads(quant.QtRule(weight_qtype="int8"))
     tiled = _grads(quant.QtRule(weight_qtype="int8", bwd_qtype="int4", bwd_weight_grad_tile_size=2))
