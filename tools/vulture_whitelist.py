@@ -26,6 +26,9 @@ objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor p
 _.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
 
 # --- read by reflection ---
+_.pre_tokenizer  # tests/llm fixtures: a tokenizers.Tokenizer property, read by its Rust side
+_.normalizer  # tests/llm fixtures: a tokenizers.Tokenizer property, read by its Rust side
+_.post_processor  # tests/llm fixtures: a tokenizers.Tokenizer property, read by its Rust side
 _.__wrapped__  # nn initializers: inspect.signature / functools.unwrap read the wrapped initializer
 _.tree_flatten_with_keys  # tests/core_array: JAX calls it on registered pytree classes
 
