@@ -122,3 +122,29 @@ def test_explicit_positions_are_used_and_only_their_differences_matter():
     np.testing.assert_allclose(base, same, rtol=1e-6, atol=1e-6)
     shifted = np.asarray(at(model, ids, jnp.broadcast_to(jnp.arange(5) + 7, (2, 5))))
     np.testing.assert_allclose(shifted, base, rtol=1e-4, atol=1e-4)
+
+
+def test_a_jitted_decode_step_updates_the_cache_in_place_and_copies_no_weight():
+    """The compiled one-token step of a donated cache: every cache buffer is aliased to its
+    output, and no parameter is copied (the ``[heads, head_dim, hidden]`` output projection
+    used to be transposed into a fresh buffer on every step, a full weight copy per layer)."""
+    cfg = llm.LlmConfig("qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=True)
+    model = llm.CausalLM(cfg, rngs=nn.Rngs(0))
+    graph, state = nn.split(model)
+
+    def step(state, tok, cache):
+        logits, cache = nn.merge(graph, state)(tok[:, None], cache=cache)
+        return logits, cache
+
+    cache = model.init_cache(1, 16)
+    hlo = jax.jit(step, donate_argnums=2).lower(state, jnp.zeros((1,), jnp.int32), cache).compile().as_text()
+    n_params = len(jax.tree.leaves(state))
+    header = hlo.splitlines()[0]
+    # outputs 1.. (the cache's keys, values, lengths) alias the donated inputs after the params and the token
+    for i in range(len(jax.tree.leaves(cache))):
+        assert f"({n_params + 1 + i}, {{}}, may-alias)" in header, (i, header)
+    entry = hlo[hlo.index("\nENTRY"):]
+    weight_copies = [line for line in entry.splitlines()
+                     if "copy" in line.split("=")[0] and "['kernel']" in line.replace("\\", "")]
+    assert weight_copies == []

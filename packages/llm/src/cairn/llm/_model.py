@@ -110,7 +110,19 @@ class Attention(nn.Module):
         mask = attention_mask(q_pos, kv_pos, self.window)
         out = ck.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=self.scale,
                                        logits_soft_cap=self.soft_cap)
-        return self.o(out), (k, v)
+        return self._out(out), (k, v)
+
+    def _out(self, out: jax.Array) -> jax.Array:
+        """``o`` on the heads flattened: ``[B, T, heads*head_dim] x [heads*head_dim, hidden]``.
+
+        The same product as ``self.o(out)``; contracting one flat axis lets XLA lay out the
+        small activation rather than copy the ``[heads, head_dim, hidden]`` kernel into a
+        transposed layout on every call (a full copy of the weight per decode step on CPU).
+        """
+        w = self.o.kernel[...]
+        flat = out.reshape(*out.shape[:2], -1)
+        y = jnp.einsum("btf,fd->btd", flat.astype(self.o.dtype), w.reshape(-1, w.shape[-1]).astype(self.o.dtype))
+        return y if self.o.bias is None else y + self.o.bias[...].astype(y.dtype)
 
 
 class MLP(nn.Module):
