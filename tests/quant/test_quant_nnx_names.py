@@ -9,56 +9,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from quant_testlib import B1 as _B1
+from quant_testlib import K1 as _K1
+from quant_testlib import K2 as _K2
+from quant_testlib import plain_forward, two_layer
 
 from cairn import nn, quant
 from cairn.core_array import QArray, path_of
 
 nnx = pytest.importorskip("flax.nnx")
 
-_K1 = np.asarray(jax.random.normal(jax.random.key(7), (8, 16))) / 3
-_B1 = np.asarray(jax.random.normal(jax.random.key(8), (16,))) / 10
-_K2 = np.asarray(jax.random.normal(jax.random.key(9), (16, 4))) / 4
 _B2 = np.asarray(jax.random.normal(jax.random.key(11), (4,))) / 10
 _X = np.asarray(jax.random.normal(jax.random.key(10), (6, 8)), np.float32)
 _T = np.asarray(jax.random.normal(jax.random.key(12), (6, 4)), np.float32)
 
 
-class _NnxTwo(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(8, 16, rngs=rngs)
-        self.b = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.b(jax.nn.relu(self.a(x)))
-
-
-class _NnTwo(nn.Module):
-    def __init__(self, rngs):
-        self.a = nn.Linear(8, 16, rngs=rngs)
-        self.b = nn.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.b(jax.nn.relu(self.a(x)))
-
-
 def _model(kind):
-    if kind == "flax.nnx":
-        m = _NnxTwo(nnx.Rngs(0))
-    else:
-        m = _NnTwo(nn.Rngs(0))
-    for layer, k, b in ((m.a, _K1, _B1), (m.b, _K2, _B2)):
-        layer.kernel.set_value(jnp.asarray(k))
-        layer.bias.set_value(jnp.asarray(b))
-    return m
-
-
-def _plain(p, x):
-    h = jax.nn.relu(x @ p["a"]["kernel"] + p["a"]["bias"])
-    return h @ p["b"]["kernel"] + p["b"]["bias"]
+    return two_layer(kind, _B2)
 
 
 def _plain_params():
-    return {"a": {"kernel": jnp.asarray(_K1), "bias": jnp.asarray(_B1)}, "b": {"kernel": jnp.asarray(_K2), "bias": jnp.asarray(_B2)}}
+    return two_layer("plain", _B2)
+
+
+_plain = plain_forward
 
 
 def _call(m, x):

@@ -7,6 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from quant_testlib import B1 as _B1
+from quant_testlib import K1 as _K1
+from quant_testlib import K2 as _K2
+from quant_testlib import plain_forward, two_layer
 
 from cairn import nn, optim, quant
 from cairn.core_array import QArray
@@ -225,53 +229,24 @@ def test_a_bad_weight_filter_is_refused():
 
 # --- item 4: a rule's module_path names the module, for cairn.nn, Flax NNX and plain pytrees ---
 
-_K1 = np.asarray(jax.random.normal(jax.random.key(7), (8, 16))) / 3
-_B1 = np.asarray(jax.random.normal(jax.random.key(8), (16,))) / 10
-_K2 = np.asarray(jax.random.normal(jax.random.key(9), (16, 4))) / 4
 _B2 = np.zeros(4, np.float32)
 _XM = np.asarray(jax.random.normal(jax.random.key(10), (5, 8)))
 
 
 def _nnx_model():
-    nnx = pytest.importorskip("flax.nnx")
-
-    class Two(nnx.Module):
-        def __init__(self, rngs):
-            self.a = nnx.Linear(8, 16, rngs=rngs)
-            self.b = nnx.Linear(16, 4, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(jax.nn.relu(self.a(x)))
-
-    m = Two(nnx.Rngs(0))
-    for layer, k, b in ((m.a, _K1, _B1), (m.b, _K2, _B2)):
-        layer.kernel.set_value(jnp.asarray(k))
-        layer.bias.set_value(jnp.asarray(b))
-    return m
+    pytest.importorskip("flax.nnx")
+    return two_layer("flax.nnx", _B2)
 
 
 def _nn_model():
-    class Two(nn.Module):
-        def __init__(self, rngs):
-            self.a = nn.Linear(8, 16, rngs=rngs)
-            self.b = nn.Linear(16, 4, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(jax.nn.relu(self.a(x)))
-
-    m = Two(nn.Rngs(0))
-    for layer, k, b in ((m.a, _K1, _B1), (m.b, _K2, _B2)):
-        layer.kernel.value, layer.bias.value = jnp.asarray(k), jnp.asarray(b)
-    return m
-
-
-def _plain(p, x):
-    h = jax.nn.relu(x @ p["a"]["kernel"] + p["a"]["bias"])
-    return h @ p["b"]["kernel"] + p["b"]["bias"]
+    return two_layer("cairn.nn", _B2)
 
 
 def _plain_params():
-    return {"a": {"kernel": jnp.asarray(_K1), "bias": jnp.asarray(_B1)}, "b": {"kernel": jnp.asarray(_K2), "bias": jnp.asarray(_B2)}}
+    return two_layer("plain", _B2)
+
+
+_plain = plain_forward
 
 
 @pytest.mark.parametrize("kind", ["flax.nnx", "cairn.nn", "plain"])
