@@ -170,11 +170,11 @@ def build(session: nox.Session) -> None:
 
 @nox.session(default=False, python=PYTHON)
 def fixtures_hf(session: nox.Session) -> None:
-    """Rewrites the committed Hugging Face fixtures of tests/llm (not in CI, not a default session).
+    """Rewrites the committed Hugging Face fixtures of tests/llm and tests/serving (not in CI, not a default session).
 
     A venv with torch (exactly 2.13.0, the local CPU wheel; never a CUDA build) and transformers runs
     tests/llm/fixtures/make_fixtures.py (tiny random checkpoints of every family with
-    transformers' logits), when present, make_tokenizer_fixtures.py, and make_peft_fixtures.py
+    transformers' logits), tests/serving/fixtures/make_tokenizer_fixtures.py, and make_peft_fixtures.py
     (peft LoRA adapters on those models, with peft's logits); then check_transformers_loads.py
     saves every fixture again with cairn.llm and checks that transformers loads it with the
     same logits. Commit the result.
@@ -186,9 +186,8 @@ def fixtures_hf(session: nox.Session) -> None:
     session.install(*[a for p in _cairn_dependencies("llm") if p != "core_array" for a in ("-e", f"packages/{p}")],
                     "-e", "packages/llm")
     session.run("python", "tests/llm/fixtures/make_fixtures.py", *session.posargs)
-    tokenizer_script = ROOT / "tests" / "llm" / "fixtures" / "make_tokenizer_fixtures.py"
-    if tokenizer_script.exists():
-        session.run("python", str(tokenizer_script))
+    # the tokenizer folders live with cairn.serving, whose Tokenizer cairn.llm re-exports
+    session.run("python", "tests/serving/fixtures/make_tokenizer_fixtures.py")
     # LoRA adapters written by peft itself on the fixture models (tests/llm/test_llm_lora.py)
     session.install("peft>=0.17")
     session.run("python", "tests/llm/fixtures/make_peft_fixtures.py")

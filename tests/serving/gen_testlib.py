@@ -11,10 +11,13 @@ Weights may be ``QArray`` leaves (dequantized inside).
 from __future__ import annotations
 
 import math
+import pathlib
 
 import numpy as np
+import tokenizers
 
 from cairn.core_array import ArraySpec, QArray
+from cairn.serving import Tokenizer
 
 VOCAB_SIZE = 40
 D_MODEL = 32
@@ -184,3 +187,21 @@ def reference_logits(params, tokens) -> np.ndarray:
         f = 0.5 * f * (1.0 + np.tanh(0.7978845608028654 * (f + 0.044715 * f**3)))
         x = x + f @ _np(layer["w2"])
     return rms(x, params["nf"]) @ _np(params["emb"]).T
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"
+                 "{% if add_generation_prompt %}<bos>assistant: {% endif %}")
+
+
+def char_tokenizer(folder: pathlib.Path) -> pathlib.Path:
+    """A Hugging Face tokenizer folder over the model's 40 ids, written under ``folder/tok``:
+    specials 0..2 (``<pad>``, ``<bos>``, ``<eos>``), then its characters and the merge "ab",
+    with :data:`CHAT_TEMPLATE`."""
+    pieces = ["<pad>", "<bos>", "<eos>", *VOCAB[3:]]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("a", "b")]))
+    backend.decoder = tokenizers.decoders.Fuse()
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in pieces[:3]])
+    tok = Tokenizer(backend, {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"}, chat_template=CHAT_TEMPLATE)
+    tok.save_pretrained(folder / "tok")
+    return folder / "tok"

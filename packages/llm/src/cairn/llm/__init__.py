@@ -1,12 +1,12 @@
 """cairn.llm: open-weight model families on the Cairn libraries, Hugging Face checkpoints in and out.
 
 The application layer: it composes cairn.nn (modules), cairn.kernels (attention,
-mixture-of-experts matmuls), cairn.quant (LoRA) and cairn.core_array (sharding rules);
-no Cairn library imports it.
+mixture-of-experts matmuls), cairn.quant (LoRA), cairn.serving (the Hugging Face
+``Tokenizer``, export for serving) and cairn.core_array (sharding rules); no Cairn library
+imports it.
 """
 
 from cairn.llm._cache import KVCache
-from cairn.llm._chat_template import ChatTemplateError
 from cairn.llm._config import LlmConfig
 from cairn.llm._errors import CheckpointError, UnsupportedModelError
 from cairn.llm._families import supported_model_types
@@ -24,7 +24,9 @@ from cairn.llm._lora import (
 )
 from cairn.llm._model import CausalLM
 from cairn.llm._moe import load_balancing_loss
-from cairn.llm._tokenizer import IncrementalDecoder, Tokenizer
+
+# the tokenizer lives in cairn.serving (the server needs it and may not import cairn.llm); the same class
+from cairn.serving import ChatTemplateError, IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
 

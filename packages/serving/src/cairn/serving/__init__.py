@@ -9,10 +9,13 @@ satisfy :class:`ServableModel`, the protocol the server runs.
 Generation: ``export_generator(prefill, decode, params, path, ...)`` exports a language
 model's prefill and decode-step functions over a KV cache; :class:`GenerationEngine`
 runs any :class:`GenerativeModel` (loaded or :class:`PythonGenerator`) with continuous
-batching over a fixed number of cache slots.
+batching over a fixed number of cache slots. :class:`Tokenizer` reads a Hugging Face
+tokenizer folder (``tokenizer.json`` through the ``tokenizers`` library, chat templates
+rendered with jinja2 as transformers does).
 """
 
 from cairn.serving._batcher import BatchingConfig, QueueFull, Unavailable
+from cairn.serving._chat_template import ChatTemplateError
 from cairn.serving._export import Signature, export
 from cairn.serving._generate import (
     GenerationConfig,
@@ -42,6 +45,7 @@ from cairn.serving._model import PythonModel, ServableModel
 from cairn.serving._repository import ModelRepository, VersionPolicy
 from cairn.serving._sampling import SamplingParams
 from cairn.serving._server import Server, serve
+from cairn.serving._tokenizer import IncrementalDecoder, Tokenizer
 
 __version__ = "0.1.0"
 
@@ -78,4 +82,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationEvent",
     "GenerationResult",
+    "Tokenizer",
+    "IncrementalDecoder",
+    "ChatTemplateError",
 ]

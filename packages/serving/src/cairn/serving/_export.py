@@ -218,9 +218,11 @@ def _place(tmp: str, final: str, overwrite: bool) -> None:
         raise FileExistsError(f"export: {final} appeared while exporting; pass overwrite=True to replace it") from None
 
 
-def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: bool, extra: Mapping | None = None) -> None:
+def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: bool, extra: Mapping | None = None,
+               files: Mapping[str, bytes] | None = None) -> None:
     """Write everything into a temporary sibling of ``final``, then rename it into place;
-    ``extra`` adds top-level manifest sections (e.g. ``"generation"``)."""
+    ``extra`` adds top-level manifest sections (e.g. ``"generation"``), ``files`` more files
+    (``{relative path: bytes}``, e.g. a tokenizer folder), hashed like the rest."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
@@ -230,6 +232,11 @@ def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: 
         for name, blob in blobs.items():
             with open(os.path.join(tmp, entries[name]["file"]), "wb") as f:
                 f.write(blob)
+        for rel, data in (files or {}).items():
+            dest = os.path.join(tmp, *rel.split("/"))
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(dest, "wb") as f:
+                f.write(data)
         flat, qmeta, casts = split
         arrays = write_weights(tmp, flat)
         manifest = {
@@ -318,9 +325,11 @@ def export_signatures(
     platforms: Sequence[str] | None = None,
     overwrite: bool = False,
     extra: Mapping[str, Any] | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> str:
     """Export the named signatures (no default one required) sharing ``params`` to
-    ``path``; ``extra`` adds top-level manifest sections. The engine of :func:`export`.
+    ``path``; ``extra`` adds top-level manifest sections, ``files`` more files (relative
+    path -> bytes) covered by the manifest's hashes. The engine of :func:`export`.
 
     Raises:
       FileExistsError, ValueError: as :func:`export`.
@@ -332,5 +341,5 @@ def export_signatures(
     blobs, entries = {}, {}
     for name, sig in sigs.items():
         blobs[name], entries[name] = _export_signature(name, sig, params, split, platforms)
-    _write_dir(final, blobs, entries, split, overwrite, extra)
+    _write_dir(final, blobs, entries, split, overwrite, extra, files)
     return final

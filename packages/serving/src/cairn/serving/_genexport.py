@@ -28,6 +28,7 @@ import numpy as np
 from cairn.core_array import ArraySpec
 from cairn.serving._export import Signature, export_signatures
 from cairn.serving._hashing import MANIFEST, ModelFormatError
+from cairn.serving._tokenizer import Tokenizer
 
 __all__ = [
     "GenerativeModel",
@@ -165,6 +166,7 @@ class GenerationInfo:
     eos_token_ids: tuple[int, ...] = ()
     vocabulary: tuple[str | None, ...] | None = None
     bos_token_id: int | None = None
+    tokenizer: str | None = None  # the model directory's tokenizer folder (relative), if it has one
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "max_length"):
@@ -187,6 +189,8 @@ class GenerationInfo:
             if len(vocab) != self.vocab_size or not all(v is None or isinstance(v, str) for v in vocab):
                 raise ValueError(f"vocabulary must hold vocab_size={self.vocab_size} strings or None, got {len(vocab)} entries")
             object.__setattr__(self, "vocabulary", vocab)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not _CACHE_NAME.match(self.tokenizer)):
+            raise ValueError(f"tokenizer must name a folder inside the model directory, got {self.tokenizer!r}")
 
     def to_json(self) -> dict:
         """The manifest section."""
@@ -194,6 +198,7 @@ class GenerationInfo:
             "vocab_size": int(self.vocab_size), "max_length": int(self.max_length),
             "eos_token_ids": list(self.eos_token_ids), "bos_token_id": self.bos_token_id,
             "vocabulary": None if self.vocabulary is None else list(self.vocabulary),
+            "tokenizer": self.tokenizer,
             "cache": {n: s.to_json() for n, s in self.cache_specs.items()},
             "prefill_signature": PREFILL, "decode_signature": DECODE,
         }
@@ -211,7 +216,7 @@ class GenerationInfo:
             specs = {str(n): ArraySpec.from_json(s) for n, s in d["cache"].items()}
             vocab = d.get("vocabulary")
             return cls(int(d["vocab_size"]), int(d["max_length"]), specs, tuple(d.get("eos_token_ids") or ()),
-                       None if vocab is None else tuple(vocab), d.get("bos_token_id"))
+                       None if vocab is None else tuple(vocab), d.get("bos_token_id"), d.get("tokenizer"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ModelFormatError(f"{MANIFEST}: 'generation' section is malformed ({type(e).__name__}: {e})", MANIFEST) from None
 
@@ -221,6 +226,7 @@ class GeneratorBase:
 
     name: str
     info: GenerationInfo
+    tokenizer: Tokenizer | None = None  # the Hugging Face tokenizer exported with the model, if any
 
     def _set_info(self, info: GenerationInfo) -> None:
         self.info = info
@@ -237,19 +243,78 @@ class GeneratorBase:
 
         return {n: jnp.zeros((num_slots, *s.shape), s.numpy_dtype) for n, s in self.cache_specs.items()}
 
+    @property
+    def has_text(self) -> bool:
+        """Whether the model turns text into tokens and back (a tokenizer or a vocabulary)."""
+        return self.tokenizer is not None or self.vocabulary is not None
+
     def tokenize(self, text: str) -> list[int]:
-        """``text`` to token ids (BOS first when the model has one).
+        """``text`` to token ids: through the model's tokenizer (its post-processor adds the
+        special tokens), else over its vocabulary (BOS first when the model has one).
 
         Raises:
-          ValueError: the model has no vocabulary, or a character it cannot tokenize.
+          ValueError: the model has neither, or a character its vocabulary cannot tokenize.
         """
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(text)
         if self.vocabulary is None:
-            raise ValueError(f"model {self.name!r} has no vocabulary; send input_ids instead of text_input")
+            raise ValueError(f"model {self.name!r} has no tokenizer or vocabulary; send input_ids instead of text_input")
         return tokenize(text, self.vocabulary, self.bos_token_id)
 
     def detokenize(self, token_ids: Sequence[int]) -> str | None:
-        """The text of ``token_ids``, or ``None`` when the model has no vocabulary."""
+        """The text of ``token_ids`` (special tokens left out when a tokenizer decodes), or
+        ``None`` when the model has neither a tokenizer nor a vocabulary."""
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         return None if self.vocabulary is None else detokenize(token_ids, self.vocabulary)
+
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def as_tokenizer(tokenizer: Tokenizer | str | os.PathLike) -> Tokenizer:
+    """A :class:`Tokenizer`, or the folder to read one from (:meth:`Tokenizer.from_pretrained`).
+
+    Raises:
+      TypeError: neither. FileNotFoundError, ValueError: as :meth:`Tokenizer.from_pretrained`.
+    """
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if isinstance(tokenizer, str | os.PathLike):
+        return Tokenizer.from_pretrained(tokenizer)
+    raise TypeError(f"tokenizer must be a cairn.serving.Tokenizer or a tokenizer folder, got {type(tokenizer).__name__}")
+
+
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """The files :meth:`Tokenizer.save_pretrained` writes, as ``{"tokenizer/<file>": bytes}``
+    for a model directory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cairn-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        out = {}
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                full = os.path.join(root, f)
+                rel = os.path.relpath(full, tmp).replace(os.sep, "/")
+                with open(full, "rb") as fh:
+                    out[f"{TOKENIZER_DIR}/{rel}"] = fh.read()
+    return out
+
+
+def load_tokenizer(root: str, info: GenerationInfo) -> Tokenizer | None:
+    """The tokenizer folder a model directory holds (its manifest names it), or ``None``.
+
+    Raises:
+      ModelFormatError: the folder is missing or does not read as a tokenizer (named).
+    """
+    if info.tokenizer is None:
+        return None
+    folder = os.path.join(root, info.tokenizer)
+    try:
+        return Tokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{folder}: the model's tokenizer does not load ({type(e).__name__}: {e})", info.tokenizer) from None
 
 
 # --- checking the user's functions ---
@@ -294,8 +359,8 @@ class PythonGenerator(GeneratorBase):
     Args:
       prefill, decode: the model functions (module docstring). params: their weights.
       cache_specs: per-row ``{name: ArraySpec}`` of the cache. vocab_size, max_length,
-      eos_token_ids, vocabulary, bos_token_id: as :func:`export_generator`. name: the
-      model name.
+      eos_token_ids, vocabulary, bos_token_id, tokenizer: as :func:`export_generator`.
+      name: the model name.
 
     Raises:
       ValueError: inconsistent settings, or functions whose outputs disagree with them.
@@ -304,14 +369,17 @@ class PythonGenerator(GeneratorBase):
     def __init__(self, prefill: Callable, decode: Callable, params: Any, *, cache_specs: Mapping[str, ArraySpec],
                  vocab_size: int, max_length: int, eos_token_ids: Sequence[int] = (),
                  vocabulary: Sequence[str | None] | None = None, bos_token_id: int | None = None,
-                 name: str = "generator") -> None:
+                 tokenizer: Tokenizer | str | os.PathLike | None = None, name: str = "generator") -> None:
         import jax
 
-        info = GenerationInfo(vocab_size, max_length, cache_specs, tuple(eos_token_ids),
-                              None if vocabulary is None else tuple(vocabulary), bos_token_id)
+        tok = None if tokenizer is None else as_tokenizer(tokenizer)
+        info = GenerationInfo(vocab_size, max_length, cache_specs, _eos_ids(eos_token_ids, tok, vocab_size),
+                              None if vocabulary is None else tuple(vocabulary), bos_token_id,
+                              None if tok is None else TOKENIZER_DIR)
         check_functions(prefill, decode, params, info)
         self.name = name
         self._set_info(info)
+        self.tokenizer = tok
         self.params = jax.device_put(params)
         self._prefill = jax.jit(prefill)
         self._decode = jax.jit(decode, donate_argnums=(3,))
@@ -383,6 +451,7 @@ def export_generator(
     bos_token_id: int | None = None,
     platforms: Sequence[str] | None = None,
     max_batch_size: int = DEFAULT_MAX_BATCH,
+    tokenizer: Tokenizer | str | os.PathLike | None = None,
     overwrite: bool = False,
 ) -> str:
     """Export a generative model: signatures ``prefill`` (inputs ``tokens (b, p)``,
@@ -397,11 +466,15 @@ def export_generator(
       cache_specs: per-row spec of each cache entry, ``{"k0": ArraySpec((max_length,
         heads, head_dim), "float32"), ...}``.
       vocab_size: logits per position. max_length: cache positions.
-      eos_token_ids: tokens that end a sequence.
+      eos_token_ids: tokens that end a sequence; default the tokenizer's
+        (:attr:`Tokenizer.eos_token_ids`) when one is given.
       vocabulary: token id -> text (``None`` for ids without text), for ``text_input``.
       bos_token_id: prepended to tokenized text.
       platforms: as :func:`cairn.serving.export`.
       max_batch_size: the largest batch (engine slots) either signature takes.
+      tokenizer: a :class:`Tokenizer` (or the Hugging Face tokenizer folder to read one
+        from), written into the model directory's ``tokenizer/`` folder, chat template
+        included, and covered by the manifest's hashes; the loaded model's ``tokenizer``.
       overwrite: replace an existing ``path``.
 
     Returns:
@@ -412,10 +485,22 @@ def export_generator(
         or a function JAX cannot export.
       FileExistsError: ``path`` exists and ``overwrite`` is false.
     """
-    info = GenerationInfo(vocab_size, max_length, cache_specs, tuple(eos_token_ids),
-                          None if vocabulary is None else tuple(vocabulary), bos_token_id)
+    tok = None if tokenizer is None else as_tokenizer(tokenizer)
+    info = GenerationInfo(vocab_size, max_length, cache_specs, _eos_ids(eos_token_ids, tok, vocab_size),
+                          None if vocabulary is None else tuple(vocabulary), bos_token_id,
+                          None if tok is None else TOKENIZER_DIR)
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     check_functions(prefill, decode, params, info)
     return export_signatures(_signatures(prefill, decode, info, max_batch_size), params, path,
-                             platforms=platforms, overwrite=overwrite, extra={"generation": info.to_json()})
+                             platforms=platforms, overwrite=overwrite, extra={"generation": info.to_json()},
+                             files=None if tok is None else tokenizer_files(tok))
+
+
+def _eos_ids(eos_token_ids: Sequence[int], tok: Tokenizer | None, vocab_size: int) -> tuple[int, ...]:
+    """The eos ids given, else the tokenizer's; checks the tokenizer fits the model's logits."""
+    ids = tuple(eos_token_ids)
+    if tok is not None and len(tok) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(tok)} ids but the model's vocab_size={vocab_size}: "
+                         "it is not this model's tokenizer")
+    return tuple(tok.eos_token_ids) if not ids and tok is not None else ids

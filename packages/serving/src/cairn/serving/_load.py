@@ -22,6 +22,7 @@ from cairn.serving._genexport import (
     GenerationInfo,
     GeneratorBase,
     exported_device_fns,
+    load_tokenizer,
 )
 from cairn.serving._hashing import MANIFEST, ModelFormatError, verify_files
 from cairn.serving._manifest import check_compatible, newer_exporter, parse_specs, read_manifest
@@ -166,12 +167,14 @@ class LoadedGenerator(LoadedModel, GeneratorBase):
     cache stays on the device and is donated to each decode step).
 
     Attributes: those of :class:`LoadedModel`, plus ``vocab_size``, ``max_length``,
-    ``eos_token_ids``, ``bos_token_id``, ``vocabulary``, ``cache_specs``.
+    ``eos_token_ids``, ``bos_token_id``, ``vocabulary``, ``cache_specs`` and ``tokenizer``
+    (the :class:`~cairn.serving.Tokenizer` exported with the model, or ``None``).
     """
 
     def __init__(self, name: str, path: str, manifest: dict, signatures: dict[str, LoadedSignature], weights: dict) -> None:
         super().__init__(name, path, manifest, signatures, weights)
         self._set_info(GenerationInfo.from_json(manifest.get("generation")))
+        self.tokenizer = load_tokenizer(path, self.info)
         missing = [s for s in (PREFILL, DECODE) if s not in signatures]
         if missing:
             raise ModelFormatError(f"{MANIFEST}: a generator needs signatures {missing} (load them all)", MANIFEST)

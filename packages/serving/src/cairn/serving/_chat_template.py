@@ -48,7 +48,7 @@ class _Raised(jinja2.exceptions.TemplateError):
 
 # while a render tracks assistant text: (the output pieces so far, the [start, end) spans found)
 _TRACKING: contextvars.ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = contextvars.ContextVar(
-    "cairn_llm_generation_spans", default=None)
+    "cairn_serving_generation_spans", default=None)
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cairn.llm import Tokenizer
+from cairn.serving import Tokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "tokenizers"
 NAMES = ("bpe_llama3style", "bpe_chatml", "spm_gemmastyle", "spm_unigram")

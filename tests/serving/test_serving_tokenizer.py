@@ -1,5 +1,5 @@
-"""cairn.llm.Tokenizer against transformers: ids, decodes, padded batches and chat prompts
-recorded by tests/llm/fixtures/make_tokenizer_fixtures.py (transformers' AutoTokenizer on four
+"""cairn.serving.Tokenizer against transformers: ids, decodes, padded batches and chat prompts
+recorded by tests/serving/fixtures/make_tokenizer_fixtures.py (transformers' AutoTokenizer on four
 tokenizers trained in that session), plus save/load round trips and errors. No torch, no
 transformers here."""
 
@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cairn.llm import ChatTemplateError, Tokenizer
+from cairn.serving import ChatTemplateError, Tokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "tokenizers"
 NAMES = ("bpe_llama3style", "bpe_chatml", "spm_gemmastyle", "spm_unigram")

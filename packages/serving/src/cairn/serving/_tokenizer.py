@@ -33,7 +33,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken
 
-from cairn.llm._chat_template import ChatTemplateError, render_chat, render_chat_with_spans
+from cairn.serving._chat_template import ChatTemplateError, render_chat, render_chat_with_spans
 
 __all__ = ["IncrementalDecoder", "Tokenizer"]
 
@@ -170,7 +170,7 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer folder at {folder}")
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"{tokenizer_file} not found: cairn.llm.Tokenizer reads the tokenizers-library "
+            raise FileNotFoundError(f"{tokenizer_file} not found: cairn.serving.Tokenizer reads the tokenizers-library "
                                     "file tokenizer.json (SentencePiece .model or vocab.txt folders need converting "
                                     "with transformers first)")
         try:

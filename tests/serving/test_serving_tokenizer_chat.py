@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from cairn.llm import ChatTemplateError
-from cairn.llm._chat_template import render_chat
+from cairn.serving import ChatTemplateError
+from cairn.serving._chat_template import render_chat
 
 USER = [{"role": "user", "content": "hi"}]
 
