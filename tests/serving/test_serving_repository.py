@@ -5,6 +5,7 @@ with no dropped or failed request."""
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -154,6 +155,12 @@ def test_hot_reload_under_load_drops_nothing(tmp_path, start_server, via):
     seen = lambda: {json.loads(b)["model_version"] for r in results for s, b in r[-5:] if s == 200}  # noqa: E731
     while "2" not in seen():
         threading.Event().wait(0.01)
+    # every client, not just one, has been answered by version 2 (a starved client thread on
+    # a loaded host may not have sent a request since the switch), then some more requests
+    last = lambda r: r and r[-1][0] == 200 and json.loads(r[-1][1])["model_version"] == "2"  # noqa: E731
+    deadline = time.monotonic() + 120
+    while not all(last(r) for r in results) and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
     n = sum(len(r) for r in results)
     while sum(len(r) for r in results) < n + 40:
         threading.Event().wait(0.01)
@@ -196,6 +203,12 @@ def test_hot_reload_of_exported_versions_under_load(tmp_path, start_server):
     client = th.InferenceServerClient(server.url.removeprefix("http://"))
     client.load_model("m")
     assert client.get_model_metadata("m")["versions"] == ["2"]
+    # every client, not just one, has been answered by version 2 (a starved client thread on
+    # a loaded host may not have sent a request since the switch), then some more requests
+    last = lambda r: r and r[-1][0] == 200 and json.loads(r[-1][1])["model_version"] == "2"  # noqa: E731
+    deadline = time.monotonic() + 120
+    while not all(last(r) for r in results) and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
     n = sum(len(r) for r in results)
     while sum(len(r) for r in results) < n + 40:
         threading.Event().wait(0.01)
