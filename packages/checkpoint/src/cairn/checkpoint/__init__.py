@@ -19,6 +19,7 @@ from cairn.checkpoint._errors import (
     CheckpointError,
     CheckpointWriteError,
     ChecksumError,
+    SyncTimeoutError,
     TargetMismatchError,
 )
 from cairn.checkpoint._handlers import (
@@ -37,6 +38,7 @@ from cairn.checkpoint._leaf_args import (
     Transform,
 )
 from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
+from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
 
@@ -44,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PLACEHOLDER",
+    "PREEMPTION_EXIT_CODE",
     "ArrayCheckpointHandler",
     "ArrayRestoreArgs",
     "AsyncCheckpointer",
@@ -64,6 +67,7 @@ __all__ = [
     "SaveArgs",
     "StandardCheckpointHandler",
     "StandardCheckpointer",
+    "SyncTimeoutError",
     "TargetMismatchError",
     "Transform",
     "args",
