@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -36,9 +37,10 @@ def _env() -> dict:
 
 def _interrupted_run(directory: str, moment: tuple) -> dict:
     """Start the worker, send SIGTERM when it prints ``EVENT <moment>``; its output."""
+    err = tempfile.TemporaryFile("w+")  # stdout is read by the thread below alone
     proc = subprocess.Popen(
         [sys.executable, WORKER, str(TOTAL), directory, directory + ".npz"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
     )
     lines: list[str] = []
     kind, arg, delay = moment
@@ -57,17 +59,18 @@ def _interrupted_run(directory: str, moment: tuple) -> dict:
 
     reader = threading.Thread(target=read)
     reader.start()
-    return {"proc": proc, "reader": reader, "lines": lines, "dir": directory, "moment": moment}
+    return {"proc": proc, "reader": reader, "lines": lines, "dir": directory, "moment": moment, "errfile": err}
 
 
 def _finish(run: dict) -> None:
     try:
-        _, err = run["proc"].communicate(timeout=300)
+        run["proc"].wait(timeout=300)
     except subprocess.TimeoutExpired:
         run["proc"].kill()
         raise
     run["reader"].join()
-    run["rc"], run["err"] = run["proc"].returncode, err
+    run["errfile"].seek(0)
+    run["rc"], run["err"] = run["proc"].returncode, run["errfile"].read()
 
 
 def _check_and_resume(tmp_path, moments: list[tuple]) -> None:

@@ -122,7 +122,8 @@ class PreemptionWatcher:
 
     def reached(self, step: int) -> bool:
         """True from the first sync step at which some process had a notice (every process
-        answers the same for the same ``step``; asked again for a step, the answer is kept).
+        answers the same for the same ``step``; with several processes, asked again for a
+        step, the answer is kept).
 
         With several processes every process must call this at the same steps; a sync step
         (a multiple of the sync interval) exchanges each process's notice through the
@@ -131,13 +132,13 @@ class PreemptionWatcher:
         """
         step = int(step)
         self.watch()
-        if self._agreed is not None and step >= self._agreed:
-            return True
-        if step in self._answers:
-            return self._answers[step]
+        if self._agreed is not None:  # earlier steps keep their answer: no
+            return step >= self._agreed
         local = self.noticed()
         if _multihost.process_count() == 1:
-            agreed = local
+            agreed = local  # asked again in the same step, a notice that came meanwhile counts
+        elif step in self._answers:  # the others asked once for this step: keep that answer
+            return self._answers[step]
         elif step % self._interval != 0:
             return False
         else:
