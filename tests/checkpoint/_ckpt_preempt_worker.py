@@ -15,10 +15,10 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.pop("XLA_FLAGS", None)
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import cairn.checkpoint as cc  # noqa: E402
+import cairn.checkpoint as cc
 
 port, pid, directory, mode, total = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)

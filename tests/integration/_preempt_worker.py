@@ -16,13 +16,13 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.pop("XLA_FLAGS", None)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from cairn import checkpoint as cc  # noqa: E402
-from cairn import data, nn, optim  # noqa: E402
-from cairn.core_array import flatten_with_paths  # noqa: E402
+from cairn import checkpoint as cc
+from cairn import data, nn, optim
+from cairn.core_array import flatten_with_paths
 
 
 class MLP(nn.Module):

@@ -12,7 +12,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cairn.checkpoint import _args, _fs, _items, _multihost, _ownership, _preemption, _restore, _tree
+from cairn.checkpoint import (
+    _args,
+    _fs,
+    _items,
+    _multihost,
+    _ownership,
+    _preemption,
+    _restore,
+    _tree,
+)
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
 from cairn.checkpoint._handlers import CheckpointHandler
