@@ -564,12 +564,7 @@ class CheckpointManager(_BackgroundSaver):
         items, single = _named_items(items, args)
         if not force and not self.should_save(step):
             return False
-        tier = self._tiers[0]
-        if not force and step % tier.interval != 0 and self.preemption_step is None:
-            tier = self._tiers[1]
-        copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == tier.directory]
-        if self._intact_dir(step, copies) is not None:
-            raise FileExistsError(f"step {step} already exists in {tier.directory}")
+        tier, copies = self._target_tier(step, force)
         o = self._options
         if metrics is not None:
             try:
@@ -578,12 +573,8 @@ class CheckpointManager(_BackgroundSaver):
                 raise TypeError(f"metrics for step {step} must be JSON-able: {err}") from None
         snaps, states, jsons = self._capture(items)
         final = os.path.join(tier.directory, self._step_name(step))
-        try:
-            tmp = self._prepare_step(step, tier, final, copies, items)
-        except Exception as err:
-            if tier.name != "local":
-                raise
-            _local_failed(step, tier, err)
+        tmp = self._prepare_step(step, tier, final, copies, items)
+        if tmp is None:
             return False
         kinds = {n: "pytree" if n in snaps else "json" if n in jsons else "state" for n in items}
         step_meta = {
@@ -624,6 +615,17 @@ class CheckpointManager(_BackgroundSaver):
             tail()
         return done[0]
 
+    def _target_tier(self, step: int, force: bool) -> tuple[_Tier, list[str]]:
+        """The tier ``step`` goes to and that tier's committed copies of it (a corrupt one,
+        which the save replaces); an intact copy there raises ``FileExistsError``."""
+        tier = self._tiers[0]
+        if not force and step % tier.interval != 0 and self.preemption_step is None:
+            tier = self._tiers[1]
+        copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == tier.directory]
+        if self._intact_dir(step, copies) is not None:
+            raise FileExistsError(f"step {step} already exists in {tier.directory}")
+        return tier, copies
+
     def _capture(
         self, items: Mapping[str, Any]
     ) -> tuple[dict[str, _tree.Snapshot], dict[str, Any], dict[str, Any]]:
@@ -660,10 +662,22 @@ class CheckpointManager(_BackgroundSaver):
 
     def _prepare_step(
         self, step: int, tier: _Tier, final: str, copies: list[str], items: Mapping[str, Any]
-    ) -> str:
+    ) -> str | None:
         """Claim the temporary directory of step directory ``final`` (primary: after
         removing a corrupt committed copy and dead writers' leftovers) with one
-        subdirectory per item; every process learns its name."""
+        subdirectory per item; every process learns its name. ``None``: the local tier
+        failed (logged)."""
+        try:
+            return self._claim_step(step, tier, final, copies, items)
+        except Exception as err:
+            if tier.name != "local":
+                raise
+            _local_failed(step, tier, err)
+            return None
+
+    def _claim_step(
+        self, step: int, tier: _Tier, final: str, copies: list[str], items: Mapping[str, Any]
+    ) -> str:
         o = self._options
         tmp = ""
         if _multihost.is_primary():
