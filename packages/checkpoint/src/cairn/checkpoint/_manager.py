@@ -573,8 +573,7 @@ class CheckpointManager(_BackgroundSaver):
                 raise TypeError(f"metrics for step {step} must be JSON-able: {err}") from None
         snaps, states, jsons = self._capture(items)
         final = os.path.join(tier.directory, self._step_name(step))
-        tmp = self._prepare_step(step, tier, final, copies, items)
-        if tmp is None:
+        if (tmp := self._prepare_step(step, tier, final, copies, items)) is None:
             return False
         kinds = {n: "pytree" if n in snaps else "json" if n in jsons else "state" for n in items}
         step_meta = {
