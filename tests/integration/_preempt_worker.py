@@ -10,6 +10,7 @@ phase (``EVENT compile``, ``EVENT data <step>``, ``EVENT step <step>``, ``EVENT 
 leaves with ``PREEMPTION_EXIT_CODE``, and ``DONE`` after writing every final array to OUT.
 """
 
+import json
 import os
 import sys
 
@@ -76,28 +77,37 @@ def main(directory: str, total: int, out: str) -> None:
     def items():
         return {"model": nn.state(model), "optimizer": nn.state(opt, nn.OptState), "data": it}
 
-    step, restored = mngr.resume(items())
-    if step is not None:
-        nn.update(model, restored["model"])
-        nn.update(opt, restored["optimizer"])
-        print("RESUMED", step, flush=True)
-    step = step or 0
-    event("compile")
-    train_step.lower(model, opt, {"x": jnp.zeros((8, 6)), "y": jnp.zeros(8)}).compile()
-    while step < total:
-        event("data", step)
-        batch = next(it)
-        event("step", step)
-        train_step(model, opt, batch)
-        step += 1
-        if step % 3 == 0:
-            event("eval", step)
-            jax.block_until_ready(evaluate(model, batch["x"]))
-        if mngr.should_save(step):
-            event("save", step)
-            mngr.save(step, items())
-        mngr.exit_if_preempted(step, items())
-    mngr.close()
+    with cc.GoodputRecorder(mngr.directory, compile_first_step=False) as gp:  # written on SystemExit too
+        step, restored = mngr.resume(items())
+        gp.resumed(step)
+        if step is not None:
+            nn.update(model, restored["model"])
+            nn.update(opt, restored["optimizer"])
+            print("RESUMED", step, flush=True)
+        step = step or 0
+        event("compile")
+        with gp.phase("compile"):
+            train_step.lower(model, opt, {"x": jnp.zeros((8, 6)), "y": jnp.zeros(8)}).compile()
+        while step < total:
+            event("data", step)
+            with gp.phase("data"):
+                batch = next(it)
+            event("step", step)
+            with gp.step(step + 1):
+                jax.block_until_ready(train_step(model, opt, batch))
+            step += 1
+            if step % 3 == 0:
+                event("eval", step)
+                with gp.phase("eval"):
+                    jax.block_until_ready(evaluate(model, batch["x"]))
+            if mngr.should_save(step):
+                event("save", step)
+                with gp.phase("checkpoint"):
+                    mngr.save(step, items())
+            with gp.phase("checkpoint"):
+                mngr.exit_if_preempted(step, items())
+        mngr.close()
+    print("GOODPUT", json.dumps(gp.report()), flush=True)
     flat = flatten_with_paths({"model": nn.state(model), "opt": nn.state(opt, nn.OptState)})
     arrays = {k.replace("/", "."): np.asarray(v) for k, v in flat.items()}
     arrays["data_state"] = np.frombuffer(repr(sorted(it.get_state().items())).encode(), np.uint8)

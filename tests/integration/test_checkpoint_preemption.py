@@ -5,6 +5,7 @@ finishes bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -109,6 +110,13 @@ def _check_and_resume(tmp_path, moments: list[tuple]) -> None:
             assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), (run["moment"], k)
     resumed = [line for line in res.stdout.splitlines() if line.startswith("RESUMED")]
     assert len(resumed) == len(runs)  # every run restarted from a checkpoint, the reference did not
+    # goodput across the two runs of each: nothing redone, since the preempted run saved the step it reached
+    reports = [json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("GOODPUT")]
+    assert len(reports) == len(runs) + 1
+    for run, rep in zip(runs, reports, strict=False):
+        assert rep["steps_redone"] == 0 and rep["restart_lost_s"] == 0.0, (run["moment"], rep)
+        assert rep["runs"] == 2
+        assert 0.0 < rep["goodput"] < 1.0 and rep["productive_s"] > 0
 
 
 def test_sigterm_at_five_moments_resumes_bit_identical(tmp_path):

@@ -22,6 +22,7 @@ from cairn.checkpoint._errors import (
     SyncTimeoutError,
     TargetMismatchError,
 )
+from cairn.checkpoint._goodput import GOODPUT_FILE, GoodputRecorder
 from cairn.checkpoint._handlers import (
     ArrayCheckpointHandler,
     CheckpointHandler,
@@ -59,6 +60,8 @@ __all__ = [
     "Checkpointer",
     "ChecksumError",
     "CompositeCheckpointHandler",
+    "GOODPUT_FILE",
+    "GoodputRecorder",
     "JsonCheckpointHandler",
     "LeafMetadata",
     "PyTreeCheckpointHandler",
