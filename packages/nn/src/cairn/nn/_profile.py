@@ -230,6 +230,8 @@ class Profiler:
       enabled: ``False`` turns everything off.
       name: the step annotation's name (XProf's step marker).
       peak: a :func:`measure_peak` result to use (measured at :meth:`summary` if ``None``).
+      python_tracer: also record every Python function call (``jax.profiler``'s default;
+        off here: the tables do not need it and on a Python-heavy step it costs the most).
 
     >>> import tempfile, jax.numpy as jnp
     >>> from cairn import nn
@@ -256,6 +258,7 @@ class Profiler:
         enabled: bool = True,
         name: str = "train",
         peak: dict[str, Any] | None = None,
+        python_tracer: bool = False,
     ) -> None:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -271,6 +274,7 @@ class Profiler:
         self._done = False
         self._step_s: dict[int, float] = {}
         self._null = contextlib.nullcontext()
+        self._python_tracer = python_tracer
 
     @property
     def done(self) -> bool:
@@ -298,7 +302,9 @@ class Profiler:
     def _traced(self, step: int) -> Iterator[None]:
         if not self._active:
             os.makedirs(self.log_dir, exist_ok=True)
-            jax.profiler.start_trace(self.log_dir)
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 1 if self._python_tracer else 0
+            jax.profiler.start_trace(self.log_dir, profiler_options=options)
             self._active = True
         t0 = time.perf_counter()
         try:
