@@ -356,8 +356,10 @@ class Profiler:
             "peak": peak,
             "functions": {},
         }
+        ops = _op_events(events)
+        claimed: set[int] = set()  # an event counts for the first registered function holding its op
         for name, fn in self._fns.items():
-            rows, op_s = _module_table(fn, events, n)
+            rows, op_s = _module_table(fn, ops, n, claimed)
             seconds = op_s if op_s > 0 else out["step_time_s"]["mean"]
             out["functions"][name] = {
                 "module": fn.module,
@@ -400,17 +402,19 @@ def _op_events(events: list[dict]) -> list[dict]:
     return on_device or ops
 
 
-def _module_table(fn: _Fn, events: list[dict], steps: int) -> tuple[list[dict], float]:
-    """Rows of the per-module table of ``fn`` and its op time per step (seconds)."""
+def _module_table(fn: _Fn, ops: list[dict], steps: int, claimed: set[int]) -> tuple[list[dict], float]:
+    """Rows of the per-module table of ``fn`` and its op time per step (seconds), from the
+    op events not ``claimed`` by an earlier function (which this one adds to)."""
     self_t: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     total = 0.0
     scope_cache: dict[str, tuple[str, bool]] = {}
-    for e in _op_events(events):
+    for i, e in enumerate(ops):
         args = e["args"]
         op = args["hlo_op"]
-        if args.get("hlo_module", fn.module) != fn.module or op not in fn.ops:
+        if i in claimed or args.get("hlo_module", fn.module) != fn.module or op not in fn.ops:
             continue
+        claimed.add(i)
         if op not in scope_cache:
             scope_cache[op] = _common_scope(fn.ops[op])
         path, backward = scope_cache[op]
@@ -447,11 +451,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     for name, fn in summary["functions"].items():
         r, c, m = fn["roofline"], fn["cost"], fn["memory"]
-        lines.append(f"\n{name} ({fn['module']}): {'module':<40} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'%':>6}")
+        labels = []
         for row in fn["modules"]:
             depth = 0 if row["path"] == _TOP else row["path"].count("/") + 1
-            label = ("  " * depth + row["path"].split("/")[-1]) if depth else row["path"]
-            lines.append(f"  {label:<{40 + len(name) + len(fn['module']) + 4}} {row['forward_ms']:9.3f} "
+            labels.append(("  " * depth + row["path"].split("/")[-1]) if depth else row["path"])
+        w = max([24, *map(len, labels)])
+        lines.append(f"\n{name} ({fn['module']})")
+        lines.append(f"  {'module':<{w}} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'%':>6}")
+        for label, row in zip(labels, fn["modules"], strict=True):
+            lines.append(f"  {label:<{w}} {row['forward_ms']:9.3f} "
                          f"{row['backward_ms']:9.3f} {row['total_ms']:9.3f} {row['percent']:6.1f}")
         lines.append(
             f"  roofline: {c['flops'] / 1e9:.3g} GFLOP, {c['bytes_accessed'] / 1e6:.3g} MB in {r['seconds'] * 1e3:.2f} ms"
