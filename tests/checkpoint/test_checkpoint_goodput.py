@@ -77,12 +77,16 @@ def test_file_written_atomically_checksummed_and_next_to_steps(tmp_path):
     mngr = cc.CheckpointManager(tmp_path, cc.CheckpointManagerOptions(enable_async=False, preemption_signals=()))
     gp = cc.GoodputRecorder(mngr.directory, clock=clock, flush_interval_s=30.0)
     gp.resumed(None)
+    def current():
+        return json.loads(open(tmp_path / cc.GOODPUT_FILE).read())["body"]["current"]
+
+    assert current()["reached_step"] is None  # written by resumed(): the run is on record
     with gp.step(1):
         clock.t += 10.0
-    assert not os.path.exists(tmp_path / cc.GOODPUT_FILE)  # not yet 30 s
+    assert current()["reached_step"] is None  # not written again before 30 s
     with gp.step(2):
         clock.t += 25.0
-    assert os.path.exists(tmp_path / cc.GOODPUT_FILE)
+    assert current()["reached_step"] == 2
     mngr.save(2, {"w": np.zeros(2)})
     assert mngr.all_steps() == [2] and sorted(os.listdir(tmp_path)) == ["2", cc.GOODPUT_FILE]
     body = json.loads(open(tmp_path / cc.GOODPUT_FILE).read())["body"]

@@ -120,8 +120,11 @@ class GoodputRecorder:
         self._resumed = True
         self._restored = self._reached = None if step is None else int(step)
         saved = self._load()
-        if saved is None:
-            return
+        if saved is not None:
+            self._restart(saved)
+        self.flush()  # this run is on record even if it dies before its next write
+
+    def _restart(self, saved: dict) -> None:
         totals = {k: float(v) for k, v in saved["totals"].items()}
         cur = saved.get("current") or {}
         lost, redone = _lost_work(cur, self._restored)
