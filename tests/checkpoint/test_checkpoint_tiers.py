@@ -9,6 +9,7 @@ import logging
 import os
 
 import numpy as np
+import pytest
 
 import cairn.checkpoint as cc
 from cairn.checkpoint import _tree
@@ -93,3 +94,24 @@ def test_async_local_failure_is_not_raised_by_the_next_call(tmp_path, monkeypatc
     mngr.wait_until_finished()
     assert mngr.all_steps() == [4]
     mngr.close()
+
+
+def test_corrupt_array_chunk_in_the_local_tier_names_the_tier_then_falls_back(tmp_path):
+    mngr = _manager(tmp_path)
+    w = np.random.default_rng(0).standard_normal((256, 256))
+    for s in (4, 5):
+        mngr.save(s, {"w": w + s, "data": Position(10 * s)})
+    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "local" / "5" / "w" / "d") for f in fs]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:  # flip one bit in the middle of the array's chunk
+        f.seek(os.path.getsize(target) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    fresh = _manager(tmp_path)
+    it = Position()
+    with pytest.raises(cc.ChecksumError, match=r"step 5 in .*local \(local tier\) is corrupt: .*leaf ''.*local/5/w/d"):
+        fresh.resume({"w": np.zeros((256, 256)), "data": it})
+    step, got = fresh.resume({"w": np.zeros((256, 256)), "data": it})  # the newest intact step
+    assert step == 4 and it.pos == 40
+    np.testing.assert_array_equal(got["w"], w + 4)

@@ -828,8 +828,11 @@ class CheckpointManager(_BackgroundSaver):
             return out[DEFAULT_ITEM] if unwrap else out
         except CheckpointCorruptError as err:
             self._mark_corrupt(d, str(err))
-            _log.warning("cairn.checkpoint: step %d in %s is corrupt: %s", step, d, err)
-            raise type(err)(f"step {step} in {self.directory} is corrupt: {err}", err.path) from err
+            tier = self._tier_of(d)
+            _log.warning("cairn.checkpoint: step %d of the %s tier (%s) is corrupt: %s", step, tier, d, err)
+            raise type(err)(
+                f"step {step} in {os.path.dirname(d)} ({tier} tier) is corrupt: {err}", err.path
+            ) from err
 
     def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> dict[str, Any]:
         kinds: dict[str, str] = meta["items"]
