@@ -19,6 +19,7 @@ from cairn.checkpoint import _multihost
 PREEMPTION_EXIT_CODE = 75
 
 _log = logging.getLogger("cairn.checkpoint")
+_instances: dict[str, int] = {}
 
 
 class PreemptionWatcher:
@@ -49,7 +50,10 @@ class PreemptionWatcher:
         self._check = check
         self._interval = sync_interval_steps
         self._timeout_s = timeout_s
-        self._key = "cairn_checkpoint/preempt/" + hashlib.sha256(name.encode()).hexdigest()[:16]
+        # the n-th watcher of this directory in this process: the same on every process (the
+        # managers are created in the same order), so a later manager never reads old answers
+        n = _instances[name] = _instances.get(name, 0) + 1
+        self._key = f"cairn_checkpoint/preempt/{hashlib.sha256(name.encode()).hexdigest()[:16]}/{n}"
         self._agreed: int | None = None  # first step at which every process agreed
         self._answers: dict[int, bool] = {}
         self._last_sync: int | None = None
