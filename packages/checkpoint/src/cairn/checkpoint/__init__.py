@@ -19,8 +19,10 @@ from cairn.checkpoint._errors import (
     CheckpointError,
     CheckpointWriteError,
     ChecksumError,
+    SyncTimeoutError,
     TargetMismatchError,
 )
+from cairn.checkpoint._goodput import GOODPUT_FILE, GoodputRecorder
 from cairn.checkpoint._handlers import (
     ArrayCheckpointHandler,
     CheckpointHandler,
@@ -37,6 +39,7 @@ from cairn.checkpoint._leaf_args import (
     Transform,
 )
 from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
+from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
 
@@ -44,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PLACEHOLDER",
+    "PREEMPTION_EXIT_CODE",
     "ArrayCheckpointHandler",
     "ArrayRestoreArgs",
     "AsyncCheckpointer",
@@ -56,6 +60,8 @@ __all__ = [
     "Checkpointer",
     "ChecksumError",
     "CompositeCheckpointHandler",
+    "GOODPUT_FILE",
+    "GoodputRecorder",
     "JsonCheckpointHandler",
     "LeafMetadata",
     "PyTreeCheckpointHandler",
@@ -64,6 +70,7 @@ __all__ = [
     "SaveArgs",
     "StandardCheckpointHandler",
     "StandardCheckpointer",
+    "SyncTimeoutError",
     "TargetMismatchError",
     "Transform",
     "args",

@@ -33,3 +33,15 @@ class CheckpointWriteError(OSError, CheckpointError):
 
 class TargetMismatchError(CheckpointError, ValueError):
     """The restore target disagrees with the checkpoint; the message lists every difference."""
+
+
+class SyncTimeoutError(CheckpointError, TimeoutError):
+    """Some processes of a multi-process run did not reach a sync point in time.
+
+    The message names the sync point and the process indices that did not arrive;
+    ``missing`` is that list.
+    """
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing

@@ -6,12 +6,22 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cairn.checkpoint import _args, _fs, _items, _multihost, _ownership, _restore, _tree
+from cairn.checkpoint import (
+    _args,
+    _fs,
+    _items,
+    _multihost,
+    _ownership,
+    _preemption,
+    _restore,
+    _tree,
+)
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
 from cairn.checkpoint._handlers import CheckpointHandler
@@ -50,8 +60,26 @@ class CheckpointManagerOptions:
       local_directory: optional fast tier (local disk, RAM disk) saved every
         ``local_save_interval_steps`` and holding ``local_max_to_keep`` steps; restore takes
         the newest complete step from either tier.
-      timeout_secs: how long a process waits at a multi-process barrier.
+        A local save that fails (a full RAM disk, an I/O error) is logged as a warning
+        naming the step and the tier, never raised: the persistent tier still saves.
+      timeout_secs: how long a process waits at a multi-process barrier (and at a
+        preemption sync point).
       tmp_lease_timeout_secs: see ``cleanup_tmp_directories``.
+      preemption_signals: signals that announce a preemption (default ``SIGTERM``; ``()``
+        watches none), watched from the first call of ``resume``, ``reached_preemption``,
+        ``should_save`` or ``save`` (a manager that only reads leaves signals alone). The
+        handler only records the signal and calls the handler installed before it; a second
+        identical signal with no previous Python handler kills the process as before;
+        :meth:`CheckpointManager.close` puts the previous handler back. Handlers can only be
+        installed from the main thread (elsewhere: a warning, no signals).
+      preemption_notice_file: a path whose existence announces a preemption (checked at
+        every :meth:`CheckpointManager.reached_preemption`).
+      preemption_check: a callable returning ``True`` once a preemption is announced
+        (e.g. a query of the cloud's metadata server; called at every check, so it should
+        be cheap or rate-limit itself).
+      preemption_sync_interval_steps: with several processes, the notice is exchanged
+        (one key-value-store round trip per process) at steps that are multiples of this;
+        in between ``reached_preemption`` answers ``False``.
     """
 
     save_interval_steps: int = 1
@@ -71,8 +99,23 @@ class CheckpointManagerOptions:
     timeout_secs: float = 600.0
     tmp_lease_timeout_secs: float = _ownership.DEFAULT_LEASE_TIMEOUT_S
     enable_async_checkpointing: bool | None = None
+    preemption_signals: tuple[int, ...] = (signal.SIGTERM,)
+    preemption_notice_file: str | None = None
+    preemption_check: Callable[[], bool] | None = None
+    preemption_sync_interval_steps: int = 1
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
+        if self.preemption_sync_interval_steps < 1:
+            raise ValueError(
+                f"preemption_sync_interval_steps must be >= 1, got {self.preemption_sync_interval_steps}"
+            )
+        if self.preemption_check is not None and not callable(self.preemption_check):
+            raise TypeError(f"preemption_check must be callable, got {type(self.preemption_check).__name__}")
+        valid = set(signal.Signals)
+        bad = [s for s in self.preemption_signals if s not in valid]
+        if bad:
+            raise ValueError(f"preemption_signals holds {bad}, which are not signals of this platform")
         if self.enable_async_checkpointing is not None:
             object.__setattr__(self, "enable_async", bool(self.enable_async_checkpointing))
         object.__setattr__(self, "enable_async_checkpointing", self.enable_async)
@@ -183,6 +226,14 @@ class CheckpointManager(_BackgroundSaver):
                     _ownership.cleanup_incomplete(tier.directory, lease_timeout_s=o.tmp_lease_timeout_secs)
         _multihost.barrier(f"manager init {self.directory}", o.timeout_secs)
         self._bg = _Background()
+        self._preemption = _preemption.PreemptionWatcher(
+            self.directory,
+            o.preemption_signals,
+            o.preemption_notice_file,
+            o.preemption_check,
+            o.preemption_sync_interval_steps,
+            o.timeout_secs,
+        )
         # step directory -> (its stat key, _STEP.json content or None, why it is corrupt or None,
         # time.monotonic() when verified)
         self._checked: dict[str, tuple[tuple, dict | None, str | None, float]] = {}
@@ -264,9 +315,16 @@ class CheckpointManager(_BackgroundSaver):
             if not os.path.isdir(d):  # deleted meanwhile (retention): gone, not corrupt
                 return None, f"step {step} was deleted ({d})"
             if hit is None or hit[2] is None:
-                _log.warning("cairn.checkpoint: step %d in %s is corrupt and skipped: %s", step, d, why)
+                _log.warning(
+                    "cairn.checkpoint: step %d of the %s tier (%s) is corrupt and skipped: %s",
+                    step, self._tier_of(d), d, why,
+                )
         self._checked[d] = (key, meta, why, now)
         return meta, why
+
+    def _tier_of(self, d: str) -> str:
+        parent = os.path.dirname(d)
+        return next((t.name for t in self._tiers if t.directory == parent), "persistent")
 
     def _mark_corrupt(self, d: str, why: str) -> None:
         key, _, _, t = self._checked.get(d, ((), None, None, 0.0))
@@ -368,11 +426,111 @@ class CheckpointManager(_BackgroundSaver):
         return pick(scored)[1]
 
     def should_save(self, step: int) -> bool:
-        """True if ``step`` is due in some tier and newer than every committed step."""
+        """True if ``step`` is newer than every committed step and due in some tier, or
+        :meth:`reached_preemption` (asked first, so every process takes part in its sync)."""
+        preempted = self.reached_preemption(step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
             return False
-        return any(step % t.interval == 0 for t in self._tiers)
+        return preempted or any(step % t.interval == 0 for t in self._tiers)
+
+    # --- preemption ---
+    def reached_preemption(self, step: int) -> bool:
+        """True once a preemption notice arrived, from the same ``step`` on every process.
+
+        A notice is one of ``options.preemption_signals`` (``SIGTERM`` by default), the
+        existence of ``preemption_notice_file`` or ``preemption_check()`` returning true. The
+        signal handler only records the signal, so one that arrives while the loop compiles,
+        evaluates, waits for data or for a save is seen at the next call. With several
+        ``jax.distributed`` processes, every process must call this at the same steps: the
+        notices are exchanged through the distributed key-value store at each multiple of
+        ``preemption_sync_interval_steps``, so all processes answer true from the same step
+        even if only one was signalled; a process that does not arrive within
+        ``timeout_secs`` makes the others raise :class:`SyncTimeoutError` naming it. Once
+        true, it stays true for later steps.
+
+        >>> import os, signal, tempfile
+        >>> mngr = CheckpointManager(tempfile.mkdtemp())
+        >>> mngr.reached_preemption(3)
+        False
+        >>> os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the flag is set
+        >>> mngr.reached_preemption(4), mngr.should_save(4), mngr.preemption_step
+        (True, True, 4)
+        >>> mngr.close()  # puts the previous SIGTERM handler back
+        """
+        return self._preemption.reached(step)
+
+    @property
+    def preemption_step(self) -> int | None:
+        """The step at which :meth:`reached_preemption` first answered true (else ``None``)."""
+        return self._preemption.step
+
+    def exit_if_preempted(
+        self, step: int, items: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None
+    ) -> None:
+        """At a step boundary: if :meth:`reached_preemption`, save ``items`` as ``step`` in the
+        persistent tier (unless that tier already holds it: a copy in the local tier alone,
+        e.g. a RAM disk, would not outlive the machine), wait until it is committed, close
+        the manager and raise ``SystemExit(PREEMPTION_EXIT_CODE)``; otherwise return.
+
+        ``items`` is what :meth:`save` takes: the model, the optimizer state and the data
+        iterator (a Checkpointable), so the next start resumes exactly here (see
+        :meth:`resume`). ``SystemExit`` unwinds the caller's ``finally`` blocks and context
+        managers; a supervisor restarts the command on exit status
+        :data:`PREEMPTION_EXIT_CODE`.
+        """
+        if not self.reached_preemption(step):
+            return
+        self._bg.wait()
+        latest = self.latest_step()
+        persistent = self._committed(self._tiers[0]).get(step)
+        if items is not None and (latest is None or latest <= step):
+            if persistent is None or self._check(persistent, step)[0] is None:
+                self.save(step, items, metrics, force=True)
+        self.wait_until_finished()
+        _log.warning(
+            "cairn.checkpoint: preempted (%s); step %d is committed in %s, exiting with status %d",
+            self._preemption.reason or "notice", self.latest_step(), self.directory,
+            _preemption.PREEMPTION_EXIT_CODE,
+        )
+        self.close()
+        raise SystemExit(_preemption.PREEMPTION_EXIT_CODE)
+
+    def resume(self, items: Mapping[str, Any], **restore_kwargs: Any) -> tuple[int | None, Any]:
+        """``(step, restored)`` from the newest intact step in either tier, or ``(None, items)``
+        when the directory holds no checkpoint yet: a run starts the same way the first
+        time and after every preemption.
+
+        ``items`` are the restore targets (as in :meth:`restore`: pytrees and
+        Checkpointables, e.g. the freshly initialized model and optimizer state and the
+        data iterator, whose ``set_state`` is called); ``restore_kwargs`` go to
+        :meth:`restore`. A checkpoint that exists but does not match ``items`` raises, as
+        :meth:`restore` does; it is never silently ignored.
+
+        >>> import tempfile, numpy as np
+        >>> d = tempfile.mkdtemp()
+        >>> with CheckpointManager(d) as mngr:
+        ...     step, state = mngr.resume({"w": np.zeros(2)})
+        ...     _ = mngr.save(5, {"w": np.ones(2)})
+        >>> step, state["w"]
+        (None, array([0., 0.]))
+        >>> with CheckpointManager(d) as mngr:
+        ...     step, state = mngr.resume({"w": np.zeros(2)})
+        >>> step, state["w"]
+        (5, array([1., 1.]))
+        """
+        self._preemption.watch()
+        step = self.latest_step()
+        if step is None:
+            return None, items
+        return step, self.restore(step, items, **restore_kwargs)
+
+    def close(self) -> None:
+        """Wait for the pending save and put back the signal handlers the manager replaced."""
+        try:
+            super().close()
+        finally:
+            self._preemption.close()
 
     # --- saving ---
     def save(
@@ -392,7 +550,8 @@ class CheckpointManager(_BackgroundSaver):
         names each item with how to store it, and ``args=ocp.args.StandardSave(tree)`` saves
         one item (named ``"default"``; :meth:`restore` then returns it alone).
         The step goes to the persistent tier when ``step`` is a multiple of
-        ``save_interval_steps`` (or ``force``), otherwise to the local tier. With
+        ``save_interval_steps`` (or ``force``, or once :meth:`reached_preemption`), otherwise
+        to the local tier (whose failures are logged, not raised). With
         ``enable_async`` this returns once device data is on the host; a previous save is
         waited for first and its error, if any, is raised here.
         """
@@ -405,12 +564,7 @@ class CheckpointManager(_BackgroundSaver):
         items, single = _named_items(items, args)
         if not force and not self.should_save(step):
             return False
-        copies = self._copies(step).get(step, [])
-        if self._intact_dir(step, copies) is not None:
-            raise FileExistsError(f"step {step} already exists in {self.directory}")
-        tier = self._tiers[0]
-        if not force and step % tier.interval != 0:
-            tier = self._tiers[1]
+        tier, copies = self._target_tier(step, force)
         o = self._options
         if metrics is not None:
             try:
@@ -419,7 +573,8 @@ class CheckpointManager(_BackgroundSaver):
                 raise TypeError(f"metrics for step {step} must be JSON-able: {err}") from None
         snaps, states, jsons = self._capture(items)
         final = os.path.join(tier.directory, self._step_name(step))
-        tmp = self._prepare_step(step, tier, final, copies, items)
+        if (tmp := self._prepare_step(step, tier, final, copies, items)) is None:
+            return False
         kinds = {n: "pytree" if n in snaps else "json" if n in jsons else "state" for n in items}
         step_meta = {
             "step": step,
@@ -440,16 +595,35 @@ class CheckpointManager(_BackgroundSaver):
             for name, value in jsons.items():
                 _items.write_json_item(os.path.join(tmp, name), value)
 
+        done = [True]
+
         def tail() -> None:
-            write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
-            if _multihost.is_primary():
-                self._apply_retention(tier)
+            try:
+                write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
+                if _multihost.is_primary():
+                    self._apply_retention(tier)
+            except Exception as err:
+                if tier.name != "local":
+                    raise
+                _local_failed(step, tier, err)
+                done[0] = False
 
         if o.enable_async:
             self._bg.start(tail, f"step {step} in {tier.directory}")
         else:
             tail()
-        return True
+        return done[0]
+
+    def _target_tier(self, step: int, force: bool) -> tuple[_Tier, list[str]]:
+        """The tier ``step`` goes to and that tier's committed copies of it (a corrupt one,
+        which the save replaces); an intact copy there raises ``FileExistsError``."""
+        tier = self._tiers[0]
+        if not force and step % tier.interval != 0 and self.preemption_step is None:
+            tier = self._tiers[1]
+        copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == tier.directory]
+        if self._intact_dir(step, copies) is not None:
+            raise FileExistsError(f"step {step} already exists in {tier.directory}")
+        return tier, copies
 
     def _capture(
         self, items: Mapping[str, Any]
@@ -487,10 +661,22 @@ class CheckpointManager(_BackgroundSaver):
 
     def _prepare_step(
         self, step: int, tier: _Tier, final: str, copies: list[str], items: Mapping[str, Any]
-    ) -> str:
+    ) -> str | None:
         """Claim the temporary directory of step directory ``final`` (primary: after
         removing a corrupt committed copy and dead writers' leftovers) with one
-        subdirectory per item; every process learns its name."""
+        subdirectory per item; every process learns its name. ``None``: the local tier
+        failed (logged)."""
+        try:
+            return self._claim_step(step, tier, final, copies, items)
+        except Exception as err:
+            if tier.name != "local":
+                raise
+            _local_failed(step, tier, err)
+            return None
+
+    def _claim_step(
+        self, step: int, tier: _Tier, final: str, copies: list[str], items: Mapping[str, Any]
+    ) -> str:
         o = self._options
         tmp = ""
         if _multihost.is_primary():
@@ -642,8 +828,11 @@ class CheckpointManager(_BackgroundSaver):
             return out[DEFAULT_ITEM] if unwrap else out
         except CheckpointCorruptError as err:
             self._mark_corrupt(d, str(err))
-            _log.warning("cairn.checkpoint: step %d in %s is corrupt: %s", step, d, err)
-            raise type(err)(f"step {step} in {self.directory} is corrupt: {err}", err.path) from err
+            tier = self._tier_of(d)
+            _log.warning("cairn.checkpoint: step %d of the %s tier (%s) is corrupt: %s", step, tier, d, err)
+            raise type(err)(
+                f"step {step} in {os.path.dirname(d)} ({tier} tier) is corrupt: {err}", err.path
+            ) from err
 
     def _restore_items(self, d: str, step: int, meta: dict, items: Any, **kw: Any) -> dict[str, Any]:
         kinds: dict[str, str] = meta["items"]
@@ -698,6 +887,16 @@ class CheckpointManager(_BackgroundSaver):
             )
         target.set_state(state)
         return target
+
+
+def _local_failed(step: int, tier: _Tier, err: BaseException) -> None:
+    """A failed save of the local tier (a full RAM disk...) is logged, not raised: the run
+    goes on and the persistent tier still saves."""
+    _log.warning(
+        "cairn.checkpoint: step %d was not saved in the local tier (%s): %s: %s; the run goes on "
+        "and the persistent tier still saves (free space there or lower local_max_to_keep)",
+        step, tier.directory, type(err).__name__, err,
+    )
 
 
 def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:

@@ -91,6 +91,7 @@ from cairn.nn._normalization import (
 )
 from cairn.nn._optimizer import Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
+from cairn.nn._profile import SUMMARY_FILE, Profiler, measure_peak, roofline, scope_of
 from cairn.nn._pytree import Pytree, data, static
 from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
 from cairn.nn._remat import checkpoint, remat
@@ -221,4 +222,9 @@ __all__ = [
     "apply_rotary_embedding", "avg_pool", "combine_masks", "dot_product_attention",
     "dot_product_attention_weights", "make_attention_mask", "make_causal_mask", "max_pool",
     "min_pool", "pool", "rotary_frequencies",
+    "Profiler",
+    "SUMMARY_FILE",
+    "measure_peak",
+    "roofline",
+    "scope_of",
 ]
