@@ -36,11 +36,12 @@ def score(params, tokens, lengths):
 
     b, p = tokens.shape
 
-    def at(i):
-        logits, _ = g.prefill(params, tokens, jnp.full((b,), i, jnp.int32))
-        return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.take(tokens, i, axis=1)[:, None], 1)[:, 0]
+    def at(i):  # token i given tokens[:i]: the prefill logits at position i - 1 (position 0 scores 0)
+        logits, _ = g.prefill(params, tokens, jnp.full((b,), jnp.maximum(i, 1), jnp.int32))
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.take(tokens, i, axis=1)[:, None], 1)[:, 0]
+        return jnp.where(i > 0, lp, 0.0)
 
-    lp = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), jax.vmap(at)(jnp.arange(1, p)).T], 1) if p > 1 else jnp.zeros((b, 1))
+    lp = jax.vmap(at)(jnp.arange(p)).T
     return jnp.where(jnp.arange(p)[None] < lengths[:, None], lp, 0.0).astype(jnp.float32)
 
 
