@@ -411,7 +411,10 @@ class App:
         return live
 
     def openai_generate(self, req: Request, headers: list[tuple[str, str]], chat: bool) -> StreamResponse | asyncio.Future[Any]:
-        """Parse, validate and submit one OpenAI request (``n`` engine requests per prompt)."""
+        """Parse, validate and submit one OpenAI request (``n`` engine requests per prompt). A
+        body over 1 MiB is parsed, and its chat template rendered, on the worker pool."""
+        if len(req.body) > OFFLOAD_BYTES:
+            return asyncio.ensure_future(self._openai_offloaded(req, headers, chat))
         obj = load_body(req.body)
         live = self._openai_model(obj.get("model"))
         try:
@@ -419,6 +422,23 @@ class App:
         except OpenAIError:
             self.metrics.gen_failure.inc((*live.labels, ("reason", "bad_request")))
             raise
+        return self._openai_parsed(req, live, request, headers)
+
+    async def _openai_offloaded(self, req: Request, headers: list[tuple[str, str]], chat: bool) -> Response | StreamResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            obj = await loop.run_in_executor(self.executor, load_body, req.body)
+            live = self._openai_model(obj.get("model"))
+            parse = parse_chat if chat else parse_completion
+            request = await loop.run_in_executor(self.executor, parse, obj, live.model.tokenizer)
+            live = self._openai_model(request.model)  # again: a reload may have swapped versions meanwhile
+            answer = self._openai_parsed(req, live, request, headers)
+        except OpenAIError as e:
+            return _json(e.status, error_body(e.status, e.message, e.param, e.code), headers + e.headers)
+        return answer if isinstance(answer, StreamResponse) else await answer
+
+    def _openai_parsed(self, req: Request, live: _Version, request: OpenAIRequest,
+                       headers: list[tuple[str, str]]) -> StreamResponse | asyncio.Future[Any]:
         limits = self._max_tokens(live, request)
         if request.echo and request.logprobs is not None:
             if not live.model.has_score:
