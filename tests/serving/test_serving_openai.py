@@ -363,6 +363,14 @@ def test_error_bodies_have_openai_shape(server):
         assert err["type"] == "invalid_request_error"
 
 
+def test_a_big_body_is_parsed_off_the_event_loop(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "xy" * 600_000}], "max_tokens": 2}
+    status, _, raw = _raw(server, "POST", "/v1/chat/completions", body)  # 1.2 MB: over the 1 MiB offload bound
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert "1200" in err["message"] and str(g.MAX_LENGTH) in err["message"]
+
+
 def test_sse_framing(server):
     status, headers, raw = _raw(server, "POST", "/v1/chat/completions", {
         "model": "tiny", "messages": HELLO, "max_tokens": 5, "stream": True, "logprobs": True,

@@ -167,3 +167,27 @@ def test_a_score_of_the_wrong_shape_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"score must return float32 log-probabilities shaped like tokens \(2, 4\)"):
         serving.PythonGenerator(g.prefill, g.decode, g.init_params(0), cache_specs=g.cache_specs(),
                                 vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH, score=bad)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty must be a finite number"),
+    ({"logprobs": 21}, r"logprobs must be in \[0, 21\)"),
+    ({"logprobs": True}, "logprobs must be an integer"),
+    ({"stop": "x"}, "stop must be a list of non-empty strings"),
+    ({"stop": ["a", ""]}, "stop must be a list of non-empty strings"),
+])
+def test_new_sampling_fields_are_checked(kw, match):
+    from cairn.serving import SamplingParams
+
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_from_json_reads_stop_as_text_when_told():
+    from cairn.serving import SamplingParams
+
+    assert SamplingParams.from_json({"stop": "ab c"}, text_stops=True).stop == ("ab c",)
+    assert SamplingParams.from_json({"stop": ["b"]}, ["a", "b"]).stop_token_ids == (1,)
+    p = SamplingParams.from_json({"presence_penalty": 0.5, "logprobs": 2})
+    assert p.penalized and p.logprobs == 2
