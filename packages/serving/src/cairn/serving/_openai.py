@@ -421,6 +421,7 @@ class _Choice:
     finish_reason: str | None = None
     error: str | None = None
     started: bool = False  # a streamed chat choice's first chunk (the role) is written
+    chars: int = 0  # characters of text so far (streamed completions' text_offset)
 
 
 class OpenAIRelay:
@@ -455,6 +456,7 @@ class OpenAIRelay:
         self._backlog: list[tuple[int, Any]] = []
         self.left = len(self.choices)
         self.cancels: list[Callable[[], None]] = []
+        self._chunk_head: bytes | None = None  # a streamed chunk's JSON up to its choices, written once
 
     def on_event(self, choice: int) -> Callable[[Any], None]:
         """The engine callback of choice ``choice`` (engine thread; handed to the loop)."""
@@ -491,6 +493,7 @@ class OpenAIRelay:
                 c.logprobs.append((int(token), event.logprob, event.top_logprobs or []))
         piece = event.text or ""
         c.pieces.append(piece)
+        c.chars += len(piece)
         if self.stream is not None and (piece or (token is not None and event.logprob is not None)):
             self._chunk(c, piece, c.logprobs[-1:] if token is not None and event.logprob is not None else [])
         if event.finished:
@@ -578,13 +581,15 @@ class OpenAIRelay:
             echo = self.request.prompt_texts[c.prompt] if self.request.echo else ""
             prefix = "" if c.started else echo
             c.started = True
-            start = len(echo) + sum(len(p) for p in c.pieces) - len(piece)
+            start = len(echo) + c.chars - len(piece)
             choice = {"index": c.index, "text": prefix + piece, "logprobs": self._legacy(c, lps, bool(prefix), start),
                       "finish_reason": finish}
-        obj = {**self._head(), "choices": [choice]}
-        if self.request.include_usage:
-            obj["usage"] = None
-        self._write(obj)
+        if self._chunk_head is None:  # the fields every chunk repeats, serialized once
+            head = json.dumps(self._head(), separators=(",", ":"))[:-1]
+            self._chunk_head = b"data: " + head.encode() + b',"choices":['
+        tail = b'],"usage":null}\n\n' if self.request.include_usage else b"]}\n\n"
+        assert self.stream is not None
+        self.stream.write(self._chunk_head + json.dumps(choice, separators=(",", ":"), allow_nan=False).encode() + tail)
 
     def _write(self, obj: dict[str, Any]) -> None:
         assert self.stream is not None
