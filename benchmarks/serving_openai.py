@@ -21,7 +21,10 @@ the window; TTFT is from sending to the first token's event.
 
 The routes alternate (generate, openai, generate, openai, ...) ``ROUNDS`` times per
 concurrency and each figure is the median of its rounds, so drift in the machine's load
-hits both. Prints a table and one JSON line of ratios (openai / generate).
+hits both. Beside the rates (which a loaded machine moves by tens of percent from run to
+run) it reports CPU seconds per generated token, of the server (this process: engine
+thread and event loop) and of the client process: the route's overhead in a form the
+machine's load hardly moves. Prints a table and one JSON line of ratios (openai / generate).
 
     python benchmarks/serving_openai.py [--quick]
 """
@@ -146,11 +149,20 @@ async def _loadgen(port: int, route: str, concurrency: int, window: float, vocab
 
 
 def run_load(port: int, route: str, concurrency: int, window: float, vocab: int) -> dict:
+    """Drive one route from a subprocess; its figures plus the CPU seconds this process (the
+    server: engine and event loop) and the client spent per generated token."""
     args = [sys.executable, os.path.abspath(__file__), "--loadgen", json.dumps([port, route, concurrency, window, vocab])]
+    before = os.times()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=window + 300)
+    after = os.times()
     if proc.returncode:
         raise RuntimeError(f"load generator failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens = max(1.0, out["tok_s"] * window)  # inside the window; the CPU counts cover warm-up too: an upper bound
+    out["server_cpu_us_per_token"] = 1e6 * ((after.user - before.user) + (after.system - before.system)) / tokens
+    out["client_cpu_us_per_token"] = 1e6 * ((after.children_user - before.children_user)
+                                            + (after.children_system - before.children_system)) / tokens
+    return out
 
 
 # --- the measurement ---
@@ -189,7 +201,7 @@ def measure(quick: bool) -> list[dict]:
                         got[route].append(run_load(server.port, route, c, window, vocab))
                 for route, runs in got.items():
                     row = {"route": route, "c": c, "errors": sum(r["errors"] for r in runs)}
-                    for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms"):
+                    for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "server_cpu_us_per_token", "client_cpu_us_per_token"):
                         row[k] = float(np.median([r[k] for r in runs]))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -197,10 +209,12 @@ def measure(quick: bool) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| route | c | tok/s | TTFT p50 / p99 ms | errors |", "|---|--:|--:|--:|--:|"]
+    lines = ["| route | c | tok/s | TTFT p50 / p99 ms | server CPU us/token | client CPU us/token | errors |",
+             "|---|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         name = "/v1/chat/completions" if r["route"] == "openai" else "/generate_stream"
-        lines.append(f"| {name} | {r['c']} | {r['tok_s']:,.0f} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['errors']} |")
+        lines.append(f"| {name} | {r['c']} | {r['tok_s']:,.0f} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                     f"{r['server_cpu_us_per_token']:,.0f} | {r['client_cpu_us_per_token']:,.0f} | {r['errors']} |")
     return "\n".join(lines)
 
 
@@ -218,7 +232,7 @@ def main() -> None:
     print(table(rows))
     by = {(r["route"], r["c"]): r for r in rows}
     ratios = {f"c{c}_{k}_openai_over_generate": round(by[("openai", c)][k] / by[("generate", c)][k], 3)
-              for c in (1, 16) for k in ("tok_s", "ttft_p50_ms")}
+              for c in (1, 16) for k in ("tok_s", "ttft_p50_ms", "server_cpu_us_per_token")}
     print(json.dumps({"bench": "serving_openai", **ratios, "load_average": round(os.getloadavg()[0], 2)}))
 
 

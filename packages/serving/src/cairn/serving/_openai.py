@@ -57,7 +57,11 @@ class OpenAIError(Exception):
 
 
 def error_type(status: int) -> str:
-    """OpenAI's error ``type`` for an HTTP status."""
+    """OpenAI's error ``type`` for an HTTP status.
+
+    Args:
+      status: the HTTP status.
+    """
     if status == 401:
         return "authentication_error"
     if status == 429:
@@ -67,6 +71,10 @@ def error_type(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The JSON error body OpenAI's clients read.
+
+    Args:
+      status: the HTTP status (it picks ``type``). message: what was wrong.
+      param: the request field at fault, if one. code: a machine-readable reason.
 
     >>> error_body(404, "no such model", code="model_not_found")["error"]["type"]
     'invalid_request_error'
@@ -104,6 +112,9 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     """The seed of choice ``choice`` of a request with ``seed``: the seed itself for choice 0,
     a SplitMix64 mix of ``(seed, choice)`` for the others (so ``n`` choices differ and each is
     reproducible); ``None`` stays ``None`` (the engine draws one).
+
+    Args:
+      seed: the request's seed, or None. choice: the choice's index within its prompt.
 
     >>> choice_seed(7, 0), choice_seed(7, 1) == choice_seed(7, 1) != choice_seed(8, 1)
     (7, True)

@@ -222,6 +222,9 @@ def apply_penalties(logits: np.ndarray, counts: Mapping[int, int], presence: flo
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """``log_softmax`` of the last axis, in float64.
 
+    Args:
+      logits: float logits of any shape.
+
     >>> np.exp(log_softmax(np.array([0.0, 0.0]))).tolist()
     [0.5, 0.5]
     """
@@ -233,6 +236,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely ``(token id, log-probability)`` of one row, most likely first
     (lower id first among ties).
+
+    Args:
+      logprobs: ``(vocab,)`` log-probabilities. k: how many (at most the vocabulary).
 
     >>> top_logprobs(np.log(np.array([0.2, 0.5, 0.3])), 2)
     [(1, -0.6931471805599453), (2, -1.2039728043259361)]
