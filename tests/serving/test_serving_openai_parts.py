@@ -191,3 +191,33 @@ def test_from_json_reads_stop_as_text_when_told():
     assert SamplingParams.from_json({"stop": ["b"]}, ["a", "b"]).stop_token_ids == (1,)
     p = SamplingParams.from_json({"presence_penalty": 0.5, "logprobs": 2})
     assert p.penalized and p.logprobs == 2
+
+
+# --- the engine: stop strings over a plain vocabulary, logprobs ---
+
+
+def test_engine_stop_strings_and_logprobs_on_a_vocabulary_model():
+    from cairn.serving import GenerationConfig, GenerationEngine, PythonGenerator, SamplingParams
+
+    kw = dict(cache_specs=g.cache_specs(), vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH)
+    model = PythonGenerator(g.prefill, g.decode, g.init_params(3, 2.0), vocabulary=g.VOCAB, **kw)
+    prompt = [g.BOS_ID, 22, 10, 7]
+    engine = GenerationEngine(model, GenerationConfig(num_slots=2, prefill_batch=1)).start(precompile=False)
+    try:
+        free = engine.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        stop = free.text[3:5]
+        events = []
+        r = engine.submit(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True, stop=(stop,)), events.append).result()
+        assert r.finish_reason == "stop" and r.text == free.text[: free.text.find(stop)]
+        assert "".join(e.text or "" for e in events) == r.text
+        assert r.token_ids == free.token_ids[: len(r.token_ids)] and len(r.token_ids) < 12
+        lp = engine.generate(prompt, SamplingParams(max_new_tokens=4, logprobs=2, ignore_eos=True))
+        assert len(lp.logprobs) == 4
+        for tok, (logprob, top) in zip(lp.token_ids, lp.logprobs):
+            assert len(top) == 2 and top[0] == (tok, logprob) and top[1][1] <= logprob  # greedy: the most likely
+        assert engine.stats()["active_slots"] == 0
+        ids_only = PythonGenerator(g.prefill, g.decode, g.init_params(3, 2.0), **kw)
+        with pytest.raises(ValueError, match="stop strings need a model with a tokenizer or a vocabulary"):
+            GenerationEngine(ids_only)._validate(prompt, SamplingParams(stop=("x",)))
+    finally:
+        engine.stop(drain=False)

@@ -23,6 +23,7 @@ import math
 import numbers
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -409,6 +410,17 @@ class TokenTexts:
         return None
 
 
+_TEXTS: weakref.WeakKeyDictionary[Any, TokenTexts] = weakref.WeakKeyDictionary()
+
+
+def _token_texts(tokenizer: Any) -> TokenTexts:
+    """The tokenizer's :class:`TokenTexts`, shared by its requests (event loop only)."""
+    texts = _TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TEXTS[tokenizer] = TokenTexts(tokenizer)
+    return texts
+
+
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet: character -> the byte it stands for."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -450,18 +462,17 @@ class OpenAIRelay:
                  headers: list[tuple[str, str]], done: Callable[[str, int, float | None], None],
                  prompt_logprobs: list[list[float]] | None = None, started: float | None = None) -> None:
         self.request, self.headers, self.done = request, headers, done
-        self.texts = TokenTexts(tokenizer)
+        self.texts = _token_texts(tokenizer)
         self._pump = _pump(loop)
         self.prompt_logprobs = prompt_logprobs
         self.started = time.perf_counter() if started is None else started
-        self.first_token: list[float | None] = []
         chat = request.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
         self.model_name = model_name
         self.choices = [_Choice(p * request.n + j, p) for p in range(len(request.prompts)) for j in range(request.n)]
-        self.first_token = [None] * len(self.choices)
+        self.first_token: list[float | None] = [None] * len(self.choices)
         self.future: asyncio.Future[Response] = loop.create_future()
         self.stream: Stream | None = None
         self._backlog: list[tuple[int, Any]] = []
