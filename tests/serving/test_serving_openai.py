@@ -439,3 +439,54 @@ def test_generate_routes_use_the_tokenizer_and_metrics_count_openai(server, toke
                 if x.startswith('cairn_openai_requests_total{route="/v1/chat/completions",code="200"}'))
     assert float(line.split()[-1]) >= 1
     assert 'cairn_openai_requests_total{route="/v1/chat/completions",code="400"}' in metrics.decode()
+
+
+# --- a byte-level tokenizer: characters split over tokens arrive whole ---
+
+
+def _scripted(tok, text, max_length=64):
+    """A model that, after any prompt, emits the ids of ``text`` then EOS: logits one-hot on a
+    table indexed by the generated token's number (the prompt's length kept in the cache)."""
+    import jax.numpy as jnp
+
+    from cairn.core_array import ArraySpec
+
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_ids[0]]
+    table = np.full(max_length, ids[-1], np.int32)
+    table[: len(ids)] = ids
+    vocab = len(tok)
+
+    def one_hot(i):
+        return 20.0 * (jnp.arange(vocab)[None] == jnp.asarray(table)[jnp.clip(i, 0, max_length - 1)][:, None]).astype(jnp.float32)
+
+    def prefill(params, tokens, lengths):
+        start = jnp.zeros((tokens.shape[0], max_length, 1), jnp.float32).at[:, 0, 0].set(lengths.astype(jnp.float32))
+        return one_hot(jnp.zeros_like(lengths)), {"c": start}
+
+    def decode(params, tokens, positions, cache):
+        return one_hot(positions + 1 - cache["c"][:, 0, 0].astype(jnp.int32)), cache
+
+    return PythonGenerator(prefill, decode, {}, cache_specs={"c": ArraySpec((max_length, 1), "float32")},
+                           vocab_size=vocab, max_length=max_length, tokenizer=tok, name="bytes"), ids
+
+
+@pytest.mark.slow
+def test_byte_level_text_streams_whole_characters_and_stops_inside_them():
+    tok = Tokenizer.from_pretrained(g.__file__.replace("gen_testlib.py", "fixtures/tokenizers/bpe_chatml"))
+    text = "a🤖b 🤖 ok"
+    model, ids = _scripted(tok, text)
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # the robot is split over byte tokens
+    with Server({"bytes": model}, generation=GenerationConfig(num_slots=2, prefill_batch=1)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        chunks = list(client.completions.create(model="bytes", prompt="hi", max_tokens=20, temperature=0, stream=True))
+        pieces = [c.choices[0].text for c in chunks]
+        assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+        assert chunks[-1].choices[0].finish_reason == "stop"  # the EOS
+        stopped = client.completions.create(model="bytes", prompt="hi", max_tokens=20, temperature=0, stop=["🤖 o"])
+        assert stopped.choices[0].text == "a🤖b " and stopped.choices[0].finish_reason == "stop"
+        chat = client.chat.completions.create(model="bytes", messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=len(ids) - 1, logprobs=True, temperature=0)
+        assert chat.choices[0].message.content == text and chat.choices[0].finish_reason == "length"
+        entries = chat.choices[0].logprobs.content
+        assert b"".join(bytes(e.bytes) for e in entries) == text.encode()  # split characters' raw bytes
+        assert all(e.logprob > -1e-3 for e in entries)
