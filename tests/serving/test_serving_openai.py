@@ -339,6 +339,16 @@ def test_unknown_model_auth_and_missing_score(server, client, views):
         assert good.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_stopped_engine_answers_503_with_retry_after(views):
+    with Server({"tiny": views["tiny"]}, generation=CONFIG) as other:
+        other.app.live["tiny"][1].engine.stop(drain=False)  # as while a version is being retired
+        client = openai.OpenAI(base_url=other.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["type"] == "server_error" and "not taking requests" in e.value.body["message"]
+
+
 def _raw(server, method, path, body=None):
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
     conn.request(method, path, body=None if body is None else (body if isinstance(body, bytes) else json.dumps(body)))
