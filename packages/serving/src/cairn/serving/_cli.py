@@ -11,7 +11,9 @@ says when it is ready (useful with ``--port 0``).
 
 Generative models (directories written by ``export_generator``) each get a generation
 engine; ``--num-slots``, ``--prefill-batch`` and ``--max-queue`` set its defaults, which a
-model's ``config.json`` key ``"generation"`` overrides.
+model's ``config.json`` key ``"generation"`` overrides. Those exported with a tokenizer
+also answer OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``
+(``cairn-llm serve PATH`` exports a Hugging Face checkpoint and runs this on it).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class _JsonFormatter(logging.Formatter):
 
 def parser() -> argparse.ArgumentParser:
     """The command-line parser (``cairn-serve --help``)."""
-    p = argparse.ArgumentParser(prog="cairn-serve", description="Serve a model repository over the Open Inference Protocol v2 (HTTP).")
+    p = argparse.ArgumentParser(prog="cairn-serve", description="Serve a model repository over the Open Inference Protocol v2 (HTTP), "
+                                "and generative models with a tokenizer over OpenAI's API (/v1).")
     p.add_argument("--model-repository", required=True, help="directory of <model>/<version>/ export directories")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; default 8000)")

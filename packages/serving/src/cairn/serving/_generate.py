@@ -33,7 +33,13 @@ import numpy as np
 
 from cairn.serving._batcher import QueueFull, Unavailable
 from cairn.serving._genexport import GenerativeModel, detokenize
-from cairn.serving._sampling import SamplingParams, sample_rows
+from cairn.serving._sampling import (
+    SamplingParams,
+    apply_penalties,
+    log_softmax,
+    sample_rows,
+    top_logprobs,
+)
 
 __all__ = [
     "GenerationConfig",
@@ -131,8 +137,13 @@ class GenerationEvent:
     Attributes:
       token_id: the new token, or ``None`` on the final event. index: its position in
       the output (the final event's is the number of tokens). finished: whether this is
-      the final event. finish_reason: on the final event. text: the token's text when the
-      model has a vocabulary. error: on a final event with ``finish_reason "error"``, the message.
+      the final event. finish_reason: on the final event. text: the text that became final
+      with this event when the model has a tokenizer or a vocabulary (through the
+      tokenizer's incremental decoder: often ``""``, never a split character; text that
+      may begin a ``stop`` string is held back; the final event carries what is left).
+      error: on a final event with ``finish_reason "error"``, the message. logprob,
+      top_logprobs: the token's log-probability and ``[(id, logprob), ...]`` of the most
+      likely tokens, when the request asked for ``logprobs``.
     """
 
     token_id: int | None
@@ -141,6 +152,8 @@ class GenerationEvent:
     finish_reason: str | None = None
     text: str | None = None
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclasses.dataclass
@@ -151,8 +164,9 @@ class GenerationResult:
       prompt_len: prompt tokens. token_ids: generated tokens (a stop or EOS token is the
       last). finish_reason: ``"length"``, ``"stop"``, ``"cancelled"`` or ``"error"``.
       time_to_first_token, latency: seconds from submission (``nan`` when no token).
-      text: the generated text when the model has a vocabulary. error: the message when
-      ``finish_reason`` is ``"error"``.
+      text: the generated text when the model has a tokenizer or a vocabulary (ending
+      before a matched ``stop`` string). error: the message when ``finish_reason`` is
+      ``"error"``. logprobs: per token ``(logprob, [(id, logprob), ...])`` when asked for.
     """
 
     prompt_len: int
@@ -162,6 +176,66 @@ class GenerationResult:
     latency: float
     text: str | None = None
     error: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+class _VocabDecoder:
+    """The incremental-decoder interface over a plain vocabulary (token id -> text)."""
+
+    def __init__(self, vocabulary: Sequence[str | None]) -> None:
+        self._vocab = vocabulary
+
+    def step(self, token_id: int) -> str:
+        return self._vocab[token_id] or ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class TextState:
+    """A request's generated text, kept final piece by piece: ``add`` takes the decoder's
+    new text and returns what may be sent now, holding back a tail that could begin a
+    ``stop`` string; when one matches, the text ends before it and :attr:`stopped` is set.
+
+    >>> t = TextState(_VocabDecoder(["a", "b", "c"]), ("bc",))
+    >>> [t.add(t.decoder.step(i)) for i in (0, 1)], t.add(t.decoder.step(2)), t.text, t.stopped
+    (['a', ''], '', 'a', True)
+    """
+
+    def __init__(self, decoder: Any, stops: Sequence[str] = ()) -> None:
+        self.decoder = decoder
+        self.stops = tuple(stops)
+        self._longest = max((len(x) for x in self.stops), default=0)
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, piece: str) -> str:
+        """Append ``piece``; the text that is now safe to send."""
+        if not piece or self.stopped:
+            return ""
+        start = max(0, len(self.text) - self._longest + 1)  # where a match involving the new text may begin
+        self.text += piece
+        if not self.stops:
+            return self._send(len(self.text))
+        hits = [i for i in (self.text.find(x, start) for x in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+            return self._send(len(self.text))
+        tail = self.text[-self._longest :]
+        hold = max((k for x in self.stops for k in range(1, min(len(x), len(tail) + 1)) if tail.endswith(x[:k])), default=0)
+        return self._send(len(self.text) - hold)
+
+    def finish(self) -> str:
+        """The end of the stream: the decoder's last text and whatever was held back."""
+        out = self.add(self.decoder.flush())
+        return out if self.stopped else out + self._send(len(self.text))
+
+    def _send(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : end], end
+        return out
 
 
 class GenerationRequest:
@@ -170,7 +244,8 @@ class GenerationRequest:
     _ids = itertools.count(1)
 
     def __init__(self, prompt: tuple[int, ...], params: SamplingParams, seed: int, stops: frozenset[int],
-                 on_event: Callable[[GenerationEvent], None] | None, engine: GenerationEngine) -> None:
+                 on_event: Callable[[GenerationEvent], None] | None, engine: GenerationEngine,
+                 text: TextState | None = None) -> None:
         self.id = next(self._ids)
         self.prompt = prompt
         self.bucket = prompt_bucket(len(prompt), engine.model.max_length)  # its prefill length
@@ -178,6 +253,9 @@ class GenerationRequest:
         self.seed = seed
         self.stops = stops
         self.token_ids: list[int] = []
+        self.text = text  # the text as it becomes final (a tokenizer, streamed or with stop strings)
+        self.counts: dict[int, int] = {}  # token -> times generated (for the penalties)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None if params.logprobs is None else []
         self._on_event = on_event
         self._engine = engine
         self._cancelled = False
@@ -217,25 +295,40 @@ class GenerationRequest:
         except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
             log.exception("generation request %d: on_event raised", self.id)
 
-    def _add(self, token: int, vocab: Sequence[str | None] | None) -> bool:
-        """Record a token and stream it (its text from ``vocab``, only when streamed);
-        whether the request is now finished."""
+    def _add(self, token: int, vocab: Sequence[str | None] | None,
+             logprob: tuple[float, list[tuple[int, float]]] | None = None) -> bool:
+        """Record a token and stream it (its text through the request's :class:`TextState`,
+        else from ``vocab`` when streamed); whether the request is now finished."""
         if self._first is None:
             self._first = time.perf_counter()
         self.token_ids.append(token)
+        if self.params.penalized:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if self.text is not None:
+            text: str | None = self.text.add(self.text.decoder.step(token))
+        else:
+            text = None if vocab is None or self._on_event is None else (vocab[token] or "")
         if self._on_event is not None:
-            text = None if vocab is None else (vocab[token] or "")
-            self._emit(GenerationEvent(token, len(self.token_ids) - 1, text=text))
-        return token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
+            lp, top = logprob if logprob is not None else (None, None)
+            self._emit(GenerationEvent(token, len(self.token_ids) - 1, text=text, logprob=lp, top_logprobs=top))
+        stopped = self.text is not None and self.text.stopped
+        return stopped or token in self.stops or len(self.token_ids) >= self.params.max_new_tokens
 
     def _finish(self, reason: str, text: str | None, error: str | None = None) -> None:
         if self._result is not None:
             return
         now = time.perf_counter()
         ttft = math.nan if self._first is None else self._first - self.submitted
-        self._result = GenerationResult(len(self.prompt), list(self.token_ids), reason, ttft, now - self.submitted, text, error)
+        tail = None
+        if self.text is not None:
+            tail = self.text.finish() if reason in ("stop", "length") else ""
+            text = self.text.text
+        self._result = GenerationResult(len(self.prompt), list(self.token_ids), reason, ttft, now - self.submitted, text,
+                                        error, self.logprobs)
         # the final event before waking result(): who waited sees every event delivered
-        self._emit(GenerationEvent(None, len(self.token_ids), True, reason, error=error))
+        self._emit(GenerationEvent(None, len(self.token_ids), True, reason, text=tail, error=error))
         self._done.set()
 
     def __repr__(self) -> str:
@@ -388,12 +481,22 @@ class GenerationEngine:
                 raise QueueFull(f"model {self.model.name!r}: {waiting} generation requests waiting for a slot "
                                 f"(max_queue {self.config.max_queue})", retry_after=self._retry_after())
             seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63))
-            req = GenerationRequest(toks, params, seed, stops, on_event, self)
+            req = GenerationRequest(toks, params, seed, stops, on_event, self, self._text_state(toks, params, on_event))
             self._queue.append(req)
             self._counts["requests"] += 1
             self._counts["prompt_tokens"] += len(toks)
             self._cond.notify_all()
         return req
+
+    def _text_state(self, prompt: tuple[int, ...], params: SamplingParams, on_event: Any) -> TextState | None:
+        """A request's text as it is generated: with the model's tokenizer (when streamed or
+        with stop strings), or over its vocabulary (stop strings only)."""
+        tok = getattr(self.model, "tokenizer", None)
+        if tok is not None and (on_event is not None or params.stop):
+            return TextState(tok.incremental_decoder(skip_special_tokens=True, prompt_ids=prompt), params.stop)
+        if params.stop and self.model.vocabulary is not None:
+            return TextState(_VocabDecoder(self.model.vocabulary), params.stop)
+        return None
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         """Submit and wait: the blocking convenience."""
@@ -439,6 +542,9 @@ class GenerationEngine:
         if n + k > m.max_length:
             raise ValueError(f"prompt of {n} tokens + max_new_tokens {k} exceeds the model's max_length {m.max_length}; "
                              f"ask for at most {m.max_length - n} new tokens")
+        if params.stop and getattr(m, "tokenizer", None) is None and m.vocabulary is None:
+            raise ValueError(f"stop strings need a model with a tokenizer or a vocabulary; model {m.name!r} has neither "
+                             "(use stop_token_ids)")
         bad_stop = [t for t in params.stop_token_ids if t >= m.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary (0..{m.vocab_size - 1})")
@@ -554,11 +660,11 @@ class GenerationEngine:
         self._counts["prefills"] += 1
         self._counts["tokens"] += len(group)  # counted as generated, so stats() shows a live rate
         reqs = [r for r, _ in group]
-        toks = sample_rows(host[: len(group)], [r.params for r in reqs], [r.seed for r in reqs], [0] * len(group))
+        toks, lps = _sample(host[: len(group)], reqs)
         vocab = self.model.vocabulary
-        for (r, slot), tok in zip(group, toks.tolist()):
+        for (r, slot), tok, lp in zip(group, toks.tolist(), lps):
             self._positions[slot], self._tokens[slot] = len(r.prompt), tok
-            if r._add(tok, vocab):
+            if r._add(tok, vocab, lp):
                 self._retire(slot)
 
     def _decode(self) -> None:
@@ -577,13 +683,10 @@ class GenerationEngine:
         self._counts["tokens"] += len(active)
         reqs = [r for _, r in active]
         # one batched call for every row (a row's token depends on its own logits, seed and index only)
-        toks = sample_rows(
-            host[[slot for slot, _ in active]], [r.params for r in reqs], [r.seed for r in reqs],
-            [len(r.token_ids) for r in reqs],
-        )
+        toks, lps = _sample(host[[slot for slot, _ in active]], reqs)
         vocab = self.model.vocabulary
-        for (slot, r), tok in zip(active, toks.tolist()):
-            if r._add(tok, vocab):
+        for (slot, r), tok, lp in zip(active, toks.tolist(), lps):
+            if r._add(tok, vocab, lp):
                 self._retire(slot)
             else:
                 self._positions[slot] += 1
@@ -595,13 +698,16 @@ class GenerationEngine:
         with self._cond:
             self._free(slot)
             self._cond.notify_all()
-        self._finish(r, "stop" if r.token_ids[-1] in r.stops else "length")
+        stopped = r.token_ids[-1] in r.stops or (r.text is not None and r.text.stopped)
+        self._finish(r, "stop" if stopped else "length")
 
     def _finish(self, r: GenerationRequest, reason: str, error: str | None = None) -> None:
         with self._cond:
             self._counts[{"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")] += 1
-        vocab = self.model.vocabulary
-        r._finish(reason, None if vocab is None else detokenize(r.token_ids, vocab), error)
+        text = None
+        if r.text is None:
+            text = _detokenize(self.model, r.token_ids)
+        r._finish(reason, text, error)
 
     def _model_error(self, e: Exception, reqs: list[GenerationRequest]) -> None:
         """Fail ``reqs`` (and every slot's request when the cache was lost)."""
@@ -629,6 +735,35 @@ class GenerationEngine:
             self._cond.notify_all()
         for r in left:
             self._finish(r, "cancelled")
+
+
+def _detokenize(model: Any, ids: list[int]) -> str | None:
+    """The text of ``ids``: the model's tokenizer (special tokens left out), else its vocabulary."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is not None:
+        return tok.decode(ids, skip_special_tokens=True)
+    return None if model.vocabulary is None else detokenize(ids, model.vocabulary)
+
+
+def _sample(logits: np.ndarray, reqs: Sequence[GenerationRequest]) -> tuple[np.ndarray, list[Any]]:
+    """The next token of each request (row ``i`` of ``logits`` is ``reqs[i]``'s) and, for
+    those that asked, its log-probability and the top alternatives (of the raw logits).
+    Penalties are applied to a copy of a row; rows never interact."""
+    lps: list[Any] = [None] * len(reqs)
+    rows = logits
+    for i, r in enumerate(reqs):
+        if r.params.logprobs is not None:
+            lps[i] = log_softmax(logits[i])
+        if r.params.penalized and r.counts:
+            if rows is logits:
+                rows = np.array(logits, np.float64)
+            rows[i] = apply_penalties(logits[i], r.counts, r.params.presence_penalty, r.params.frequency_penalty)
+    toks = sample_rows(rows, [r.params for r in reqs], [r.seed for r in reqs], [len(r.token_ids) for r in reqs])
+    for i, r in enumerate(reqs):
+        if lps[i] is not None:
+            lp, k = lps[i], r.params.logprobs
+            lps[i] = (float(lp[toks[i]]), top_logprobs(lp, k) if k else [])
+    return toks, lps
 
 
 def _scatter_rows(cache: dict, new: dict, dst: Any) -> dict:

@@ -8,7 +8,10 @@ A generative model is two pure functions over ``params`` and a flat KV cache
 - ``prefill(params, tokens (b, p), lengths (b,)) -> (logits (b, vocab), cache)``, the
   logits at position ``lengths - 1`` and every cache entry ``(b, max_length, ...)``;
 - ``decode(params, tokens (b,), positions (b,), cache) -> (logits (b, vocab), cache)``,
-  writing the token's keys/values at ``positions`` and returning the next-token logits.
+  writing the token's keys/values at ``positions`` and returning the next-token logits;
+- optionally ``score(params, tokens (b, p), lengths (b,)) -> float32 (b, p)``: the
+  log-probability of each prompt token given those before it (0 at position 0; positions
+  at or past ``lengths`` are ignored), for prompt log-probabilities (OpenAI's ``echo``).
 
 The device-level methods keep the cache as ``jax.Array`` (donated to each decode step);
 only the logits go to the host.
@@ -40,9 +43,10 @@ __all__ = [
     "detokenize",
     "PREFILL",
     "DECODE",
+    "SCORE",
 ]
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE, SCORE = "prefill", "decode", "score"
 _CACHE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 DEFAULT_MAX_BATCH = 256
 
@@ -261,6 +265,25 @@ class GeneratorBase:
             raise ValueError(f"model {self.name!r} has no tokenizer or vocabulary; send input_ids instead of text_input")
         return tokenize(text, self.vocabulary, self.bos_token_id)
 
+    @property
+    def has_score(self) -> bool:
+        """Whether the model scores prompts (it was given a ``score`` function)."""
+        return getattr(self, "_score", None) is not None
+
+    def score(self, tokens: Any, lengths: Any) -> np.ndarray:
+        """Log-probability of each token of ``tokens (b, p)`` given those before it, as
+        float32 ``(b, p)`` on the host (0 at position 0; rows are right-padded to
+        ``lengths``).
+
+        Raises:
+          ValueError: the model was exported without a ``score`` function.
+        """
+        fn = getattr(self, "_score", None)
+        if fn is None:
+            raise ValueError(f"model {self.name!r} has no score function (export it with score=...) to give "
+                             "prompt log-probabilities")
+        return np.asarray(fn(tokens, lengths))
+
     def detokenize(self, token_ids: Sequence[int]) -> str | None:
         """The text of ``token_ids`` (special tokens left out when a tokenizer decodes), or
         ``None`` when the model has neither a tokenizer nor a vocabulary."""
@@ -334,8 +357,9 @@ def _check_outputs(what: str, out: Any, b: int, info: GenerationInfo) -> None:
             raise ValueError(f"{what}: cache[{n!r}] is {got[1]} {got[0]}, cache_specs says {s.dtype} {(b, *s.shape)}")
 
 
-def check_functions(prefill: Callable, decode: Callable, params: Any, info: GenerationInfo) -> None:
-    """Trace both functions abstractly (no compute) and check their outputs' shapes.
+def check_functions(prefill: Callable, decode: Callable, params: Any, info: GenerationInfo,
+                    score: Callable | None = None) -> None:
+    """Trace the functions abstractly (no compute) and check their outputs' shapes.
 
     Raises:
       ValueError: naming the function and the output that disagrees with the specs.
@@ -347,6 +371,11 @@ def check_functions(prefill: Callable, decode: Callable, params: Any, info: Gene
     _check_outputs("prefill", jax.eval_shape(prefill, params, sds((b, p), i32), sds((b,), i32)), b, info)
     cache = {n: sds((b, *s.shape), s.numpy_dtype) for n, s in info.cache_specs.items()}
     _check_outputs("decode", jax.eval_shape(decode, params, sds((b,), i32), sds((b,), i32), cache), b, info)
+    if score is not None:
+        out = jax.eval_shape(score, params, sds((b, p), i32), sds((b,), i32))
+        if not hasattr(out, "shape") or tuple(out.shape) != (b, p) or np.dtype(out.dtype) != np.float32:
+            got = f"{out.dtype} {tuple(out.shape)}" if hasattr(out, "shape") else type(out).__name__
+            raise ValueError(f"score must return float32 log-probabilities shaped like tokens {(b, p)}, got {got}")
 
 
 # --- in process ---
@@ -359,7 +388,7 @@ class PythonGenerator(GeneratorBase):
     Args:
       prefill, decode: the model functions (module docstring). params: their weights.
       cache_specs: per-row ``{name: ArraySpec}`` of the cache. vocab_size, max_length,
-      eos_token_ids, vocabulary, bos_token_id, tokenizer: as :func:`export_generator`.
+      eos_token_ids, vocabulary, bos_token_id, tokenizer, score: as :func:`export_generator`.
       name: the model name.
 
     Raises:
@@ -369,20 +398,24 @@ class PythonGenerator(GeneratorBase):
     def __init__(self, prefill: Callable, decode: Callable, params: Any, *, cache_specs: Mapping[str, ArraySpec],
                  vocab_size: int, max_length: int, eos_token_ids: Sequence[int] = (),
                  vocabulary: Sequence[str | None] | None = None, bos_token_id: int | None = None,
-                 tokenizer: Tokenizer | str | os.PathLike | None = None, name: str = "generator") -> None:
+                 tokenizer: Tokenizer | str | os.PathLike | None = None, name: str = "generator",
+                 score: Callable | None = None) -> None:
         import jax
 
         tok = None if tokenizer is None else as_tokenizer(tokenizer)
         info = GenerationInfo(vocab_size, max_length, cache_specs, _eos_ids(eos_token_ids, tok, vocab_size),
                               None if vocabulary is None else tuple(vocabulary), bos_token_id,
                               None if tok is None else TOKENIZER_DIR)
-        check_functions(prefill, decode, params, info)
+        check_functions(prefill, decode, params, info, score)
         self.name = name
         self._set_info(info)
         self.tokenizer = tok
         self.params = jax.device_put(params)
         self._prefill = jax.jit(prefill)
         self._decode = jax.jit(decode, donate_argnums=(3,))
+        if score is not None:
+            jitted = jax.jit(score)
+            self._score = lambda tokens, lengths: jitted(self.params, tokens, lengths)
 
     def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
         """Device-level prefill (see :class:`GenerativeModel`)."""
@@ -417,7 +450,8 @@ def exported_device_fns(prefill_exp: Any, decode_exp: Any, names: Sequence[str])
     return jax.jit(prefill), jax.jit(decode, donate_argnums=(3,))
 
 
-def _signatures(prefill: Callable, decode: Callable, info: GenerationInfo, max_batch_size: int) -> dict[str, Signature]:
+def _signatures(prefill: Callable, decode: Callable, info: GenerationInfo, max_batch_size: int,
+                score: Callable | None = None) -> dict[str, Signature]:
     names = list(info.cache_specs)
 
     def prefill_sig(params: Any, inputs: dict) -> dict:
@@ -433,8 +467,14 @@ def _signatures(prefill: Callable, decode: Callable, info: GenerationInfo, max_b
     pre = {"tokens": ArraySpec(("b", "p"), "int32", constraints=p_bound), "lengths": ArraySpec(("b",), "int32")}
     dec = {"tokens": ArraySpec(("b",), "int32"), "positions": ArraySpec(("b",), "int32")}
     dec.update({f"cache/{n}": ArraySpec(("b", *s.shape), s.dtype) for n, s in info.cache_specs.items()})
-    return {PREFILL: Signature(prefill_sig, pre, max_batch_size, [max_batch_size]),
-            DECODE: Signature(decode_sig, dec, max_batch_size, [max_batch_size])}
+    out = {PREFILL: Signature(prefill_sig, pre, max_batch_size, [max_batch_size]),
+           DECODE: Signature(decode_sig, dec, max_batch_size, [max_batch_size])}
+    if score is not None:
+        def score_sig(params: Any, inputs: dict) -> dict:
+            return {"logprobs": score(params, inputs["tokens"], inputs["lengths"])}
+
+        out[SCORE] = Signature(score_sig, dict(pre), max_batch_size, [max_batch_size])
+    return out
 
 
 def export_generator(
@@ -452,6 +492,7 @@ def export_generator(
     platforms: Sequence[str] | None = None,
     max_batch_size: int = DEFAULT_MAX_BATCH,
     tokenizer: Tokenizer | str | os.PathLike | None = None,
+    score: Callable | None = None,
     overwrite: bool = False,
 ) -> str:
     """Export a generative model: signatures ``prefill`` (inputs ``tokens (b, p)``,
@@ -475,6 +516,10 @@ def export_generator(
       tokenizer: a :class:`Tokenizer` (or the Hugging Face tokenizer folder to read one
         from), written into the model directory's ``tokenizer/`` folder, chat template
         included, and covered by the manifest's hashes; the loaded model's ``tokenizer``.
+      score: optional ``score(params, tokens (b, p), lengths (b,)) -> float32 (b, p)``,
+        each prompt token's log-probability given those before it (0 at position 0),
+        exported as a third signature ``"score"``; the loaded model's :meth:`score` (the
+        server's prompt log-probabilities, OpenAI's ``echo`` with ``logprobs``).
       overwrite: replace an existing ``path``.
 
     Returns:
@@ -491,8 +536,8 @@ def export_generator(
                           None if tok is None else TOKENIZER_DIR)
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
-    check_functions(prefill, decode, params, info)
-    return export_signatures(_signatures(prefill, decode, info, max_batch_size), params, path,
+    check_functions(prefill, decode, params, info, score)
+    return export_signatures(_signatures(prefill, decode, info, max_batch_size, score), params, path,
                              platforms=platforms, overwrite=overwrite, extra={"generation": info.to_json()},
                              files=None if tok is None else tokenizer_files(tok))
 

@@ -115,11 +115,13 @@ class ParseTarget:
     name: str
     vocabulary: tuple[str | None, ...] | None
     bos_token_id: int | None
+    tokenizer: Any = None  # the model's Tokenizer (it pickles), if any
 
     @classmethod
     def of(cls, model: Any) -> ParseTarget:
         vocab = model.vocabulary
-        return cls(model.name, None if vocab is None else tuple(vocab), getattr(model, "bos_token_id", None))
+        return cls(model.name, None if vocab is None else tuple(vocab), getattr(model, "bos_token_id", None),
+                   getattr(model, "tokenizer", None))
 
 
 def _parse_object(obj: Any, model: Any) -> tuple[list[int], SamplingParams]:
@@ -149,6 +151,9 @@ def _prompt_ids(obj: dict[str, Any], model: Any) -> list[int]:
         text = obj["text_input"]
         if not isinstance(text, str):
             raise ValueError(f"text_input must be a string, got {type(text).__name__}")
+        tok = getattr(model, "tokenizer", None)
+        if tok is not None:
+            return tok.encode(text)
         if model.vocabulary is None:
             raise ValueError(f"text_input: model '{model.name}' has no vocabulary; send input_ids (token ids) instead")
         return tokenize(text, model.vocabulary, getattr(model, "bos_token_id", None))
@@ -160,7 +165,8 @@ def _prompt_ids(obj: dict[str, Any], model: Any) -> list[int]:
 
 def _sampling(params: dict[str, Any], model: Any) -> SamplingParams:
     try:
-        return SamplingParams.from_json(params, vocabulary=model.vocabulary)
+        text_stops = getattr(model, "tokenizer", None) is not None  # stop strings match the detokenized text
+        return SamplingParams.from_json(params, vocabulary=model.vocabulary, text_stops=text_stops)
     except (TypeError, ValueError) as e:  # TypeError: a field of the wrong JSON type
         raise ValueError(f"parameters: {e}") from None
 
@@ -171,7 +177,8 @@ class GenerationRelay:
     Args:
       loop: the server's event loop.
       base: the fields every answer carries (``model_name``, ``model_version``).
-      vocabulary: token id -> text, or None (no ``text_output`` then).
+      vocabulary: token id -> text, or None (no ``text_output`` then, unless the engine's
+        events carry text: a model with a tokenizer).
       prompt_len: the prompt's length (for ``usage``).
       streaming: answer with SSE events (through :meth:`attach`) instead of :attr:`future`.
       done: called on the loop when the request finished: ``(finish_reason, tokens, ttft)``.
@@ -197,6 +204,8 @@ class GenerationRelay:
         self.done = done
         self.started = time.perf_counter() if started is None else started
         self.tokens: list[int] = []
+        self.pieces: list[str] | None = None  # the events' text, when the engine sends it (a tokenizer)
+        self.tail: str | None = None  # the final event's text
         self.first_token: float | None = None
         self.future: asyncio.Future[Response] = loop.create_future()  # the plain answer
         self.headers = headers or []
@@ -228,12 +237,27 @@ class GenerationRelay:
             if self.first_token is None:
                 self.first_token = time.perf_counter() - self.started
             self.tokens.append(token)
+            text = self._piece(event, [token])
             if self.stream is not None:
-                self._write({**self.base, "text_output": self._text([token]), "output_ids": [token], "index": event.index})
+                self._write({**self.base, "text_output": text, "output_ids": [token], "index": event.index})
+        elif event.finished:
+            self.tail = self._piece(event, [])
         if event.finished:
             self._finish(event.finish_reason or "error", getattr(event, "error", None))
 
+    def _piece(self, event: Any, ids: list[int]) -> str | None:
+        """The event's text (the engine's, when it decodes), else from the vocabulary."""
+        text = getattr(event, "text", None)
+        if text is not None and (self.pieces is not None or self.vocabulary is None):
+            if self.pieces is None:
+                self.pieces = []
+            self.pieces.append(text)
+            return text
+        return self._text(ids) if ids else None
+
     def _text(self, ids: list[int]) -> str | None:
+        if self.pieces is not None:
+            return "".join(self.pieces)
         return None if self.vocabulary is None else detokenize(ids, self.vocabulary)
 
     def _write(self, obj: dict[str, Any]) -> None:
@@ -264,6 +288,8 @@ class GenerationRelay:
         self.done(reason, len(self.tokens), self.first_token)
         if self.stream is not None:
             final = {**self.base, "finish_reason": reason, "usage": self._usage()}  # not answer(): no detokenizing
+            if self.tail:
+                final["text_output"] = self.tail  # text held back until the end (a partial stop string)
             if reason == "error":
                 final["error"] = self._error(error)
             self._write(final)

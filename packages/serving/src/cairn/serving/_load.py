@@ -19,6 +19,7 @@ from cairn.serving._export import DEFAULT_SIGNATURE
 from cairn.serving._genexport import (
     DECODE,
     PREFILL,
+    SCORE,
     GenerationInfo,
     GeneratorBase,
     exported_device_fns,
@@ -181,6 +182,13 @@ class LoadedGenerator(LoadedModel, GeneratorBase):
         self._prefill, self._decode = exported_device_fns(
             signatures[PREFILL].exported, signatures[DECODE].exported, list(self.cache_specs))
         self.max_batch_size = min(signatures[PREFILL].max_batch_size, signatures[DECODE].max_batch_size)
+        self._score = None
+        if SCORE in signatures:  # exported with score=...: prompt log-probabilities
+            import jax
+
+            exp, w = signatures[SCORE].exported, self.weights
+            call = jax.jit(lambda weights, tokens, lengths: exp.call(weights, {"tokens": tokens, "lengths": lengths})["logprobs"])
+            self._score = lambda tokens, lengths: call(w, tokens, lengths)
 
     def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
         """Device-level prefill (see :class:`~cairn.serving.GenerativeModel`)."""

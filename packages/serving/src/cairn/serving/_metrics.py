@@ -119,6 +119,7 @@ class Metrics:
         self.gen_time = Histogram("cairn_generation_request_duration_seconds", "Generation request time, from parsed to last token.", _TIME_BUCKETS)
         self.gen_queue = Gauge("cairn_generation_queue_size", "Generation requests waiting for a KV-cache slot.")
         self.gen_active = Gauge("cairn_generation_active_slots", "KV-cache slots holding a running sequence.")
+        self.openai = Counter("cairn_openai_requests_total", "OpenAI API requests (/v1/...) answered, by route and status code.")
         self.all: list[Counter | Histogram] = [
             self.success,
             self.failure,
@@ -139,6 +140,7 @@ class Metrics:
             self.gen_time,
             self.gen_queue,
             self.gen_active,
+            self.openai,
         ]
 
     def render(self) -> bytes:

@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SamplingParams", "filtered_probs", "sample_rows", "sample_token", "uniform"]
+__all__ = ["SamplingParams", "apply_penalties", "filtered_probs", "log_softmax", "sample_rows", "sample_token",
+           "top_logprobs", "uniform"]
 
 _MAX_SEED = 2**64
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)
 
 
 def _int_field(name: str, v: Any, lo: int, hi: int | None = None) -> int:
@@ -54,6 +56,16 @@ class SamplingParams:
       stop_token_ids: tokens that end the request (in addition to the model's EOS ids);
         the stop token is part of the output.
       ignore_eos: keep generating past the model's EOS tokens.
+      presence_penalty, frequency_penalty: in ``[-2, 2]``; OpenAI's penalties, subtracted
+        from the logits before sampling: ``logit[j] - frequency_penalty * count[j] -
+        presence_penalty * (count[j] > 0)``, ``count[j]`` the times token ``j`` was
+        generated so far (the prompt does not count).
+      logprobs: ``None`` for none; ``k`` >= 0 (at most 20) records each generated
+        token's log-probability and the ``k`` most likely alternatives', from the
+        model's own distribution (``log_softmax`` of the logits, before temperature,
+        penalties, top-k and top-p).
+      stop: strings that end the request when the generated text contains one; the
+        text ends before it (needs a model with a tokenizer or a vocabulary).
 
     Raises:
       ValueError: naming the field and the allowed range.
@@ -73,6 +85,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -94,6 +110,19 @@ class SamplingParams:
         set_(self, "stop_token_ids", tuple(_int_field("stop_token_ids[]", s, 0) for s in stops))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for k in ("presence_penalty", "frequency_penalty"):
+            v = _float_field(k, getattr(self, k))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"SamplingParams.{k} must be in [-2, 2], got {v}")
+            set_(self, k, v)
+        if self.logprobs is not None:
+            set_(self, "logprobs", _int_field("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1))
+        set_(self, "stop", _stop_strings(self.stop))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence or frequency penalty is set."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -101,12 +130,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any], vocabulary: Sequence[str | None] | None = None) -> SamplingParams:
+    def from_json(cls, obj: Mapping[str, Any], vocabulary: Sequence[str | None] | None = None,
+                  text_stops: bool = False) -> SamplingParams:
         """Parse the ``"parameters"`` of a generate request (Triton / vLLM names).
 
         Keys: ``max_new_tokens`` or its alias ``max_tokens``, ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``stop_token_ids``, ``stop`` (strings, each the exact text of
-        one token of ``vocabulary``) and ``ignore_eos``. ``null`` values mean the default.
+        ``top_p``, ``seed``, ``stop_token_ids``, ``stop``, ``ignore_eos``,
+        ``presence_penalty``, ``frequency_penalty`` and ``logprobs``. ``null`` values mean
+        the default. ``stop`` (a string or a list of them): with ``text_stops`` (a model
+        with a tokenizer), text the output ends before; otherwise each must be the exact
+        text of one token of ``vocabulary`` and becomes a stop token id.
+
+        Args:
+          obj: the JSON object. vocabulary: the model's token texts, for ``stop`` ids.
+          text_stops: read ``stop`` as text stop strings.
 
         Raises:
           ValueError: an unknown key (naming it and listing the known ones), a bad value
@@ -117,7 +154,7 @@ class SamplingParams:
         >>> SamplingParams.from_json({"beam_width": 2})
         Traceback (most recent call last):
         ...
-        ValueError: unknown sampling parameter 'beam_width'; known: ignore_eos, max_new_tokens, max_tokens, seed, stop, stop_token_ids, temperature, top_k, top_p
+        ValueError: unknown sampling parameter 'beam_width'; known: frequency_penalty, ignore_eos, logprobs, max_new_tokens, max_tokens, presence_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p
         """
         if not isinstance(obj, Mapping):
             raise ValueError(f"sampling parameters must be a JSON object, got {type(obj).__name__}")
@@ -130,10 +167,18 @@ class SamplingParams:
             if "max_new_tokens" in kw:
                 raise ValueError("give max_new_tokens or its alias max_tokens, not both")
             kw["max_new_tokens"] = obj["max_tokens"]
-        if obj.get("stop") is not None:
+        if obj.get("stop") is not None and text_stops:
+            kw["stop"] = [obj["stop"]] if isinstance(obj["stop"], str) else obj["stop"]
+        elif obj.get("stop") is not None:
             stops = list(kw.get("stop_token_ids") or ())
             kw["stop_token_ids"] = stops + _stop_ids(obj["stop"], vocabulary)
         return cls(**kw)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if isinstance(stop, str) or not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {stop!r}")
+    return tuple(stop)
 
 
 def _stop_ids(stop: Any, vocabulary: Sequence[str | None] | None) -> list[int]:
@@ -150,6 +195,64 @@ def _stop_ids(stop: Any, vocabulary: Sequence[str | None] | None) -> list[int]:
             raise ValueError(f"SamplingParams.stop: {s!r} is not the text of one token of the vocabulary")
         out.append(index[s])
     return out
+
+
+# --- penalties and log-probabilities ---
+
+
+def apply_penalties(logits: np.ndarray, counts: Mapping[int, int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's presence and frequency penalties on one row of logits (a float64 copy):
+    ``logits[j] - frequency * counts[j] - presence * (counts[j] > 0)``.
+
+    Args:
+      logits: ``(vocab,)`` logits. counts: ``{token id: times generated}``.
+      presence, frequency: the penalties.
+
+    >>> apply_penalties(np.zeros(3), {1: 2}, 0.5, 0.25).tolist()
+    [0.0, -1.0, 0.0]
+    """
+    out = np.array(logits, np.float64)
+    if counts:
+        ids = np.fromiter(counts, np.int64, len(counts))
+        c = np.fromiter(counts.values(), np.float64, len(counts))
+        out[ids] -= frequency * c + presence * (c > 0)
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``log_softmax`` of the last axis, in float64.
+
+    Args:
+      logits: float logits of any shape.
+
+    >>> np.exp(log_softmax(np.array([0.0, 0.0]))).tolist()
+    [0.5, 0.5]
+    """
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely ``(token id, log-probability)`` of one row, most likely first
+    (lower id first among ties).
+
+    Args:
+      logprobs: ``(vocab,)`` log-probabilities. k: how many (at most the vocabulary).
+
+    >>> top_logprobs(np.log(np.array([0.2, 0.5, 0.3])), 2)
+    [(1, -0.6931471805599453), (2, -1.2039728043259361)]
+    """
+    n = len(logprobs)
+    k = min(k, n)
+    if k <= 0:
+        return []
+    v = np.partition(logprobs, n - k)[n - k]  # the k-th largest
+    above = np.flatnonzero(logprobs > v)
+    idx = np.concatenate([above, np.flatnonzero(logprobs == v)[: k - len(above)]])  # ties at the cut: lower ids
+    idx = np.sort(idx)
+    idx = idx[np.argsort(-logprobs[idx], kind="stable")]
+    return [(int(i), float(logprobs[i])) for i in idx]
 
 
 # --- the sampler ---

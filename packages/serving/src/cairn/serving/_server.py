@@ -10,7 +10,9 @@ in, the old one drained) neither drops nor fails a request.
 A generative model (a :class:`~cairn.serving._generate.GenerativeModel`, e.g. what
 ``load`` returns for a directory written by ``export_generator``) gets a
 :class:`~cairn.serving._generate.GenerationEngine` (its own decode-loop thread) instead of
-a batcher, and answers ``/generate`` and ``/generate_stream`` instead of ``/infer``.
+a batcher, and answers ``/generate`` and ``/generate_stream`` instead of ``/infer``; one
+with a tokenizer also answers OpenAI's ``/v1/completions`` and ``/v1/chat/completions``
+(:mod:`cairn.serving._openai`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from cairn.serving._batcher import (
     QueueFull,
     Unavailable,
 )
-from cairn.serving._generate import GenerationConfig, GenerationEngine
+from cairn.serving._generate import GenerationConfig, GenerationEngine, prompt_bucket
 from cairn.serving._genexport import GenerativeModel
 from cairn.serving._genhttp import GenerationRelay, ParseTarget, parse_generate
 from cairn.serving._http import HttpLimits, HttpServer, Request, Response, StreamResponse
@@ -48,6 +50,16 @@ from cairn.serving._http import json_response as _json
 from cairn.serving._metrics import Metrics
 from cairn.serving._model import batch_dim, validate_inputs
 from cairn.serving._offload import OFFLOAD_BYTES, Offloader
+from cairn.serving._openai import (
+    OpenAIError,
+    OpenAIRelay,
+    OpenAIRequest,
+    choice_seed,
+    error_body,
+    load_body,
+    parse_chat,
+    parse_completion,
+)
 from cairn.serving._protocol import (
     InferRequest,
     ProtocolError,
@@ -68,6 +80,7 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running fr
 
 _EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics", "parameters", "metrics", "generate"]
 _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+_OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
 class HttpError(Exception):
@@ -90,6 +103,7 @@ class _Version:
     batch_dim: str | None
     labels: tuple[tuple[str, str], ...]
     engine: GenerationEngine | None = None  # a generative model's engine
+    loaded: int = dataclasses.field(default_factory=lambda: int(time.time()))  # OpenAI's "created"
 
     async def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Answer what is queued and running (or cancel it: ``drain=False``), then stop."""
@@ -269,14 +283,20 @@ class App:
         if not rid or len(rid) > 200 or not rid.isprintable():
             rid = f"{self._id_prefix}-{next(self._ids)}"
         headers = [("X-Request-Id", rid)]
+        openai = req.path.startswith("/v1/")
         try:
             if self.token is not None and req.path not in _OPEN_PATHS:
                 self._authorize(req)
-            result = self._route(req, headers)
+            result = self.openai_route(req, headers) if openai else self._route(req, headers)
+        except OpenAIError as e:
+            return _json(e.status, error_body(e.status, e.message, e.param, e.code), headers + e.headers)
         except HttpError as e:
+            if openai:
+                code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}.get(e.status)
+                return _json(e.status, error_body(e.status, e.message, None, code), headers + e.headers)
             return _json(e.status, {"error": e.message}, headers + e.headers)
         except ProtocolError as e:
-            return _json(e.status, {"error": e.message}, headers)
+            return _json(e.status, error_body(e.status, e.message) if openai else {"error": e.message}, headers)
         return result
 
     def _authorize(self, req: Request) -> None:
@@ -346,6 +366,147 @@ class App:
             self.resolve(name, version)
             return _json(200, {"model_stats": self.statistics(name, version)}, headers)
         raise HttpError(404, f"no route for {req.method} {req.path[:200]}")
+
+    # --- the OpenAI API ---
+
+    def openai_route(self, req: Request, headers: list[tuple[str, str]]) -> Response | StreamResponse | asyncio.Future[Any]:
+        """``/v1/models``, ``/v1/models/{id}``, ``/v1/completions``, ``/v1/chat/completions``."""
+        path = req.path.rstrip("/")
+        if path == "/v1/models":
+            _method(req.method, "GET")
+            cards = [self._model_card(v[max(v)]) for _, v in sorted(self.live.items()) if self._speaks_openai(v[max(v)])]
+            return _json(200, {"object": "list", "data": cards}, headers)
+        if path.startswith("/v1/models/"):
+            _method(req.method, "GET")
+            return _json(200, self._model_card(self._openai_model(unquote(path[len("/v1/models/"):]))), headers)
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            _method(req.method, "POST")
+            return self.openai_generate(req, headers, chat=path == "/v1/chat/completions")
+        raise OpenAIError(404, f"no route for {req.method} {req.path[:200]} (the OpenAI routes: /v1/models, "
+                          "/v1/completions, /v1/chat/completions)", code="not_found")
+
+    @staticmethod
+    def _speaks_openai(live: _Version) -> bool:
+        return live.engine is not None and getattr(live.model, "tokenizer", None) is not None
+
+    def _model_card(self, live: _Version) -> dict[str, Any]:
+        return {"id": live.name, "object": "model", "created": live.loaded, "owned_by": "cairn",
+                "max_model_len": int(live.model.max_length)}
+
+    def _openai_model(self, name: Any) -> _Version:
+        """The newest loaded version of ``name``, if it has a tokenizer (OpenAIError otherwise)."""
+        if not isinstance(name, str) or not name:
+            raise OpenAIError(400, f"model must name a served model (GET /v1/models lists them), got {name!r}", "model",
+                              "invalid_value")
+        versions = self.live.get(name)
+        if not versions:
+            raise OpenAIError(404, f"The model `{name}` does not exist (served: "
+                              f"{sorted(n for n, v in self.live.items() if self._speaks_openai(v[max(v)]))})",
+                              "model", "model_not_found")
+        live = versions[max(versions)]
+        if not self._speaks_openai(live):
+            what = "is not a generative model" if live.engine is None else "has no tokenizer (export it with tokenizer=...)"
+            raise OpenAIError(400, f"model '{name}' {what}; the OpenAI routes need a generative model with a tokenizer",
+                              "model", "model_not_supported")
+        return live
+
+    def openai_generate(self, req: Request, headers: list[tuple[str, str]], chat: bool) -> StreamResponse | asyncio.Future[Any]:
+        """Parse, validate and submit one OpenAI request (``n`` engine requests per prompt). A
+        body over 1 MiB is parsed, and its chat template rendered, on the worker pool."""
+        if len(req.body) > OFFLOAD_BYTES:
+            return asyncio.ensure_future(self._openai_offloaded(req, headers, chat))
+        obj = load_body(req.body)
+        live = self._openai_model(obj.get("model"))
+        try:
+            request = (parse_chat if chat else parse_completion)(obj, live.model.tokenizer)
+        except OpenAIError:
+            self.metrics.gen_failure.inc((*live.labels, ("reason", "bad_request")))
+            raise
+        return self._openai_parsed(req, live, request, headers)
+
+    async def _openai_offloaded(self, req: Request, headers: list[tuple[str, str]], chat: bool) -> Response | StreamResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            obj = await loop.run_in_executor(self.executor, load_body, req.body)
+            live = self._openai_model(obj.get("model"))
+            parse = parse_chat if chat else parse_completion
+            request = await loop.run_in_executor(self.executor, parse, obj, live.model.tokenizer)
+            live = self._openai_model(request.model)  # again: a reload may have swapped versions meanwhile
+            answer = self._openai_parsed(req, live, request, headers)
+        except OpenAIError as e:
+            return _json(e.status, error_body(e.status, e.message, e.param, e.code), headers + e.headers)
+        return answer if isinstance(answer, StreamResponse) else await answer
+
+    def _openai_parsed(self, req: Request, live: _Version, request: OpenAIRequest,
+                       headers: list[tuple[str, str]]) -> StreamResponse | asyncio.Future[Any]:
+        limits = self._max_tokens(live, request)
+        if request.echo and request.logprobs is not None:
+            if not live.model.has_score:
+                raise OpenAIError(400, f"echo with logprobs needs the prompt's log-probabilities, and model '{live.name}' "
+                                  "was exported without a score function (export_generator(..., score=...))", "echo",
+                                  "unsupported_parameter")
+            return asyncio.ensure_future(self._openai_scored(req, live, request, limits, headers))
+        return self._openai_submit(req, live, request, limits, headers, None)
+
+    def _max_tokens(self, live: _Version, request: OpenAIRequest) -> list[int]:
+        """Per prompt, the tokens each choice may generate (OpenAIError when the prompt does not fit)."""
+        m, cfg, out = live.model, live.config.generation, []
+        param = "messages" if request.kind == "chat" else "prompt"
+        for ids in request.prompts:
+            room = m.max_length - len(ids)
+            if room < 1:
+                raise OpenAIError(400, f"the prompt is {len(ids)} tokens, more than model '{live.name}' takes: its context "
+                                  f"is {m.max_length} tokens (prompt and completion together)", param, "context_length_exceeded")
+            k = request.max_tokens
+            if k is None:
+                k = room if request.kind == "chat" else min(16, room)
+                k = min(k, cfg.max_new_tokens_limit or k)
+            out.append(k)
+        return out
+
+    async def _openai_scored(self, req: Request, live: _Version, request: OpenAIRequest, limits: list[int],
+                             headers: list[tuple[str, str]]) -> Response | StreamResponse:
+        """Score the prompts on the worker pool (echo + logprobs), then submit."""
+        loop = asyncio.get_running_loop()
+        try:
+            scores = await loop.run_in_executor(self.executor, _score_prompts, live.model, request.prompts)
+            answer = self._openai_submit(req, live, request, limits, headers, scores)
+        except OpenAIError as e:
+            return _json(e.status, error_body(e.status, e.message, e.param, e.code), headers + e.headers)
+        except Exception as e:  # noqa: BLE001 - the model failed on this prompt
+            return _json(500, error_body(500, f"model '{live.name}' failed to score the prompt: {type(e).__name__}: {e}"), headers)
+        return answer if isinstance(answer, StreamResponse) else await answer
+
+    def _openai_submit(self, req: Request, live: _Version, request: OpenAIRequest, limits: list[int],
+                       headers: list[tuple[str, str]], scores: list[list[float]] | None) -> StreamResponse | asyncio.Future[Response]:
+        assert live.engine is not None
+        relay = OpenAIRelay(asyncio.get_running_loop(), request, live.model.tokenizer, live.name, headers,
+                            self._gen_done(live, req.started), scores, req.started)
+        if request.max_tokens == 0:  # echo only: the prompt scored, nothing generated
+            relay.scored_only()
+            return relay.future
+        try:
+            for p, (ids, k) in enumerate(zip(request.prompts, limits)):
+                for j in range(request.n):
+                    params = dataclasses.replace(request.params, max_new_tokens=k, seed=choice_seed(request.params.seed, j))
+                    relay.cancels.append(live.engine.submit(ids, params, relay.on_event(p * request.n + j)).cancel)
+        except QueueFull as e:
+            relay.cancel()
+            self.metrics.gen_failure.inc((*live.labels, ("reason", "queue_full")))
+            raise OpenAIError(429, f"model '{live.name}' is overloaded: {e}", code="rate_limit_exceeded",
+                              headers=[("Retry-After", str(getattr(e, "retry_after", 1)))]) from None
+        except Unavailable as e:
+            relay.cancel()
+            raise OpenAIError(503, f"model '{live.name}' is not taking requests: {e}", headers=[("Retry-After", "1")]) from None
+        except ValueError as e:
+            relay.cancel()
+            self.metrics.gen_failure.inc((*live.labels, ("reason", "bad_request")))
+            raise OpenAIError(400, str(e), "max_tokens" if "max_new_tokens" in str(e) else None, "invalid_value") from None
+        self.metrics.gen_prompt_tokens.inc(live.labels, sum(len(ids) for ids in request.prompts) * request.n)
+        req.on_disconnect = relay.cancel  # a client gone mid-generation frees its slots
+        if request.stream:
+            return StreamResponse(relay.attach, headers=headers)
+        return relay.future
 
     # --- endpoints ---
 
@@ -527,10 +688,9 @@ class App:
             return _json(e.status, {"error": e.message}, headers + e.headers)
         return answer if isinstance(answer, StreamResponse) else await answer
 
-    def _start_generation(self, req: Request, live: _Version, prompt: list[int], params: Any, headers: list[tuple[str, str]], stream: bool) -> StreamResponse | asyncio.Future[Response]:
-        """Submit a parsed generate request to ``live``'s engine; its answer or event stream."""
-        m, name, started = self.metrics, live.name, req.started
-        assert live.engine is not None
+    def _gen_done(self, live: _Version, started: float) -> Any:
+        """The callback that records a finished generation request in the metrics."""
+        m = self.metrics
 
         def done(reason: str, tokens: int, ttft: float | None) -> None:
             m.gen_requests.inc((*live.labels, ("finish_reason", reason)))
@@ -539,8 +699,16 @@ class App:
             if ttft is not None:
                 m.gen_ttft.observe(live.labels, ttft)
 
+        return done
+
+    def _start_generation(self, req: Request, live: _Version, prompt: list[int], params: Any, headers: list[tuple[str, str]], stream: bool) -> StreamResponse | asyncio.Future[Response]:
+        """Submit a parsed generate request to ``live``'s engine; its answer or event stream."""
+        m, name, started = self.metrics, live.name, req.started
+        assert live.engine is not None
+        done = self._gen_done(live, started)
         base = {"model_name": live.name, "model_version": str(live.version)}
-        relay = GenerationRelay(asyncio.get_running_loop(), base, live.model.vocabulary, len(prompt), stream, done, started, headers)
+        vocab = None if getattr(live.model, "tokenizer", None) is not None else live.model.vocabulary  # else the engine's text
+        relay = GenerationRelay(asyncio.get_running_loop(), base, vocab, len(prompt), stream, done, started, headers)
         try:
             request = live.engine.submit(prompt, params, relay.on_event)
         except QueueFull as e:
@@ -607,8 +775,11 @@ class App:
             out.set_result(Response(200, body, "application/octet-stream", hdrs))
 
     def finished(self, req: Request, response: Response | StreamResponse, nbytes: int) -> None:
-        """After each response: the HTTP status counter and a JSON access-log line."""
+        """After each response: the HTTP status counter (and the OpenAI routes') and a JSON access-log line."""
         self.metrics.http.inc((("code", str(response.status)),))
+        if req.path.startswith("/v1/"):
+            route = next((r for r in _OPENAI_ROUTES if req.path.startswith(r)), "other")
+            self.metrics.openai.inc((("route", route), ("code", str(response.status))))
         if access_log.isEnabledFor(logging.INFO):
             rid = next((v for k, v in response.headers if k == "X-Request-Id"), None)
             record = {
@@ -622,6 +793,19 @@ class App:
                 "request_id": rid,
             }
             access_log.info(json.dumps(record), extra={"cairn_access": record})
+
+
+def _score_prompts(model: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt's token log-probabilities (``model.score``, one padded row per prompt)."""
+    import numpy as np
+
+    out = []
+    for ids in prompts:
+        tokens = np.zeros((1, prompt_bucket(len(ids), model.max_length)), np.int32)
+        tokens[0, : len(ids)] = ids
+        lp = model.score(tokens, np.array([len(ids)], np.int32))
+        out.append([float(x) for x in np.asarray(lp)[0, : len(ids)]])
+    return out
 
 
 def _generator_metadata(live: _Version, versions: list[str]) -> dict[str, Any]:

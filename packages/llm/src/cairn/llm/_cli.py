@@ -1,0 +1,156 @@
+"""``cairn-llm``: export a Hugging Face checkpoint for serving and serve it, in one command.
+
+    cairn-llm serve PATH [--name N] [--max-length L] [--max-batch-size B] [--quantize int8]
+                         [--dtype D] [--cache-dir DIR] [cairn-serve flags ...]
+
+``vllm serve`` style: the checkpoint directory (``config.json``, safetensors, tokenizer
+files) is exported with :func:`cairn.llm.export_for_serving` into a cache directory keyed
+by a hash of the checkpoint's files and the export options, so the next start with the
+same checkpoint and options reuses the export (and JAX's compilation cache beside it,
+``<cache-dir>/xla``);
+then ``cairn-serve`` serves it (OpenAI and Open Inference Protocol routes). Every flag
+this command does not know goes to ``cairn-serve`` (``--port``, ``--token``,
+``--num-slots``, ...). This lives in cairn.llm, not cairn.serving: the server never
+imports model code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+
+_QUANTIZE = ("int8",)
+_EXPORT_FORMAT = 1  # bump when what an export holds changes: old cache entries are not reused
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line parser (``cairn-llm --help``)."""
+    p = argparse.ArgumentParser(prog="cairn-llm", description="Cairn's LLM tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="export a Hugging Face checkpoint directory (cached) and serve it with cairn-serve",
+                       description="Export a Hugging Face checkpoint for serving (cached by its hash) and serve it; "
+                                   "flags this command does not know go to cairn-serve (see cairn-serve --help).")
+    s.add_argument("path", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    s.add_argument("--name", default=None, help="the served model name (default: the directory's name)")
+    s.add_argument("--max-length", type=int, default=2048, help="KV-cache positions per sequence (prompt + completion; default %(default)s)")
+    s.add_argument("--max-batch-size", type=int, default=16, help="the most sequences decoded together (default %(default)s)")
+    s.add_argument("--quantize", choices=_QUANTIZE, default=None, help="quantize the weights (kept quantized in the export)")
+    s.add_argument("--dtype", default=None, help="parameter dtype (default: the checkpoint's)")
+    s.add_argument("--cache-dir", default=None,
+                   help="where exports are kept (default: $CAIRN_CACHE_DIR, else ~/.cache/cairn/serve)")
+    return p
+
+
+def checkpoint_key(path: str | os.PathLike, options: dict) -> str:
+    """A hash of the checkpoint directory's files (names and contents) and the export options.
+
+    Args:
+      path: the checkpoint directory. options: what else changes the export (JSON-able).
+
+    Raises:
+      FileNotFoundError: no ``config.json`` in ``path``.
+    """
+    root = pathlib.Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root}: no config.json (not a Hugging Face checkpoint directory)")
+    h = hashlib.sha256(json.dumps({"format": _EXPORT_FORMAT, **options}, sort_keys=True).encode())
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()[:32]
+
+
+def _cache_root(arg: str | None) -> pathlib.Path:
+    if arg:
+        return pathlib.Path(arg)
+    env = os.environ.get("CAIRN_CACHE_DIR")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "cairn" / "serve"
+
+
+def prepare(args: argparse.Namespace) -> pathlib.Path:
+    """The model repository serving ``args.path``: the cached export when there is one, else
+    a fresh export (written beside the cache and moved in whole, so a crash leaves none half
+    written).
+
+    Raises:
+      FileNotFoundError: not a checkpoint directory. RuntimeError: cairn.llm has no
+      ``export_for_serving`` yet. ValueError, UnsupportedModelError, CheckpointError: as
+      the loader and the export raise them.
+    """
+    name = args.name or pathlib.Path(args.path).resolve().name
+    options = {"name": name, "max_length": args.max_length, "max_batch_size": args.max_batch_size,
+               "quantize": args.quantize, "dtype": args.dtype}
+    key = checkpoint_key(args.path, options)
+    repo = _cache_root(args.cache_dir) / key
+    if (repo / name / "1" / "manifest.json").is_file():
+        print(f"cairn-llm: reusing the export in {repo}", file=sys.stderr)
+        return repo
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}-", dir=repo.parent))
+    try:
+        _export(args, name, tmp)
+        if repo.exists():  # another start exported the same key meanwhile: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, repo)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"cairn-llm: exported {args.path} to {repo}", file=sys.stderr)
+    return repo
+
+
+def _export(args: argparse.Namespace, name: str, repo: pathlib.Path) -> None:
+    import cairn.llm as llm
+
+    export = getattr(llm, "export_for_serving", None)
+    if export is None:
+        raise RuntimeError("this cairn-llm has no export_for_serving; install a version that has it")
+    model = llm.from_pretrained(args.path, dtype=args.dtype)
+    tokenizer = llm.Tokenizer.from_pretrained(args.path)
+    if args.quantize is not None:
+        from cairn import quant
+
+        rules = [quant.QuantizationRule(module_path=".*", weight_qtype=args.quantize)]
+        model = quant.quantize_model(model, quant.PtqProvider(rules))
+    export(model, tokenizer, str(repo), name, version=1, max_length=args.max_length, max_batch_size=args.max_batch_size)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``cairn-llm``; the process's exit status.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+    """
+    args, rest = parser().parse_known_args(argv)
+    if "--model-repository" in rest:
+        print("cairn-llm serve: the model repository is the export's; do not pass --model-repository", file=sys.stderr)
+        return 2
+    from cairn.serving._cli import parser as serve_parser
+
+    try:
+        serve_parser().parse_args(["--model-repository", ".", *rest])  # unknown cairn-serve flags fail before exporting
+    except SystemExit as e:
+        return int(e.code or 2)
+    try:
+        repo = prepare(args)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"cairn-llm serve: {e}", file=sys.stderr)
+        return 2
+    from cairn.serving import enable_compilation_cache
+    from cairn.serving._cli import main as serve
+
+    enable_compilation_cache(repo.parent / "xla")  # the engine's shapes compile once per checkpoint, not per start
+    return serve(["--model-repository", str(repo), *rest])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
