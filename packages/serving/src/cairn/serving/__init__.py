@@ -39,6 +39,7 @@ from cairn.serving._load import (
     load_generator,
 )
 from cairn.serving._model import PythonModel, ServableModel
+from cairn.serving._paged import OutOfBlocks, PagedCache, PrefixCacheStats, block_hash
 from cairn.serving._repository import ModelRepository, VersionPolicy
 from cairn.serving._sampling import SamplingParams
 from cairn.serving._server import Server, serve
@@ -78,4 +79,8 @@ __all__ = [
     "GenerationRequest",
     "GenerationEvent",
     "GenerationResult",
+    "PagedCache",
+    "PrefixCacheStats",
+    "OutOfBlocks",
+    "block_hash",
 ]
