@@ -44,9 +44,11 @@ def _bucket(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> tupl
     )
 
 
-# registered once: a doctest run imports this module a second time under another name
+# registered once: a doctest run imports this module a second time under another name.
+# xla first: the Triton kernel's GPU speed is not measured yet, so it runs where the
+# autotuner (or implementation=) picks it, never by default.
 if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
+    register_op(OP, bucket=_bucket, preference=("xla", "pallas_triton"))
     register(
         Implementation(
             op=OP,
