@@ -367,3 +367,17 @@ def test_paged_kv_write_bad_input():
         write(kp, vp, new, new, tables, jnp.array([[3, 4]]))
     with pytest.raises(ValueError, match="block_tables\\[0, 1\\] = 9 is not a block id"):
         write(kp, vp, new, new, tables.at[0, 1].set(9), jnp.array([[2, 3]]))
+
+
+def test_autotune_from_shapes_times_full_rows_not_empty_ones():
+    """``ck.autotune`` over abstract shapes: the op's example hook gives valid tables and full lengths."""
+    from cairn.kernels import _registry
+
+    q = jax.ShapeDtypeStruct((2, 1, 4, 8), jnp.float32)
+    pages = jax.ShapeDtypeStruct((40, 4, 2, 8), jnp.float32)
+    tables, lengths = jax.ShapeDtypeStruct((2, 16), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
+    args = _registry.example_args("paged_attention", (q, pages, pages, tables, lengths), {})
+    assert args[3].tolist() == (np.arange(32).reshape(2, 16) % 40).tolist() and args[4].tolist() == [64, 64]
+    result = ck.autotune(lambda *a: ck.paged_attention(*a), q, pages, pages, tables, lengths, iterations=1)
+    (entry,) = result.entries
+    assert entry.op == "paged_attention" and all(m.error is None for m in entry.candidates)

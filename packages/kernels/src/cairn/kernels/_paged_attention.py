@@ -44,11 +44,25 @@ def _bucket(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> tupl
     )
 
 
+def _example(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> tuple[Any, ...]:
+    """Autotuning values: every row's table full of distinct valid ids, every row at full length.
+
+    (Zeros would time an empty loop: the chunked path stops at the longest row.)
+    """
+    b, width = block_tables.shape
+    pages, bs = key_pages.shape[:2]
+    if isinstance(block_tables, jax.ShapeDtypeStruct):
+        block_tables = jnp.asarray(np.arange(b * width).reshape(b, width) % pages, block_tables.dtype)
+    if isinstance(lengths, jax.ShapeDtypeStruct):
+        lengths = jnp.full(lengths.shape, width * bs, lengths.dtype)
+    return q, key_pages, value_pages, block_tables, lengths
+
+
 # registered once: a doctest run imports this module a second time under another name.
 # xla first: the Triton kernel's GPU speed is not measured yet, so it runs where the
 # autotuner (or implementation=) picks it, never by default.
 if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("xla", "pallas_triton"))
+    register_op(OP, bucket=_bucket, preference=("xla", "pallas_triton"), example=_example)
     register(
         Implementation(
             op=OP,
