@@ -381,3 +381,30 @@ def test_autotune_from_shapes_times_full_rows_not_empty_ones():
     result = ck.autotune(lambda *a: ck.paged_attention(*a), q, pages, pages, tables, lengths, iterations=1)
     (entry,) = result.entries
     assert entry.op == "paged_attention" and all(m.error is None for m in entry.candidates)
+
+
+def test_bfloat16_write_and_read_never_convert_the_whole_pool():
+    """XLA:CPU has no bfloat16 gather/scatter: done naively it converts every page to float32 each step."""
+    pages = jax.ShapeDtypeStruct((512, 16, 2, 64), jnp.bfloat16)
+    new = jax.ShapeDtypeStruct((4, 1, 2, 64), jnp.bfloat16)
+    tables, ints = jax.ShapeDtypeStruct((4, 32), jnp.int32), jax.ShapeDtypeStruct((4, 1), jnp.int32)
+    write = jax.jit(ck.paged_kv_write, donate_argnums=(0, 1)).lower(pages, pages, new, new, tables, ints)
+    q, lengths = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)
+    texts = [write.compile().as_text()] + [
+        _jit(ck.paged_attention, config={"pages_per_chunk": c}).lower(q, pages, pages, tables, lengths).compile().as_text()
+        for c in (None, 4)]
+    for text in texts:
+        assert "f32[512,16,2,64]" not in text and "f32[8192," not in text
+    assert "input_output_alias" in texts[0]
+
+
+def test_paged_kv_write_bfloat16_is_exact():
+    kp, vp = jnp.zeros((4, 2, 1, 8), jnp.bfloat16), jnp.ones((4, 2, 1, 8), jnp.bfloat16)
+    nk = jax.random.normal(jax.random.key(1), (1, 3, 1, 8)).astype(jnp.bfloat16)
+    tables, positions = jnp.array([[3, 0]], jnp.int32), jnp.array([[0, 1, 2]], jnp.int32)
+    got = ck.paged_kv_write(kp, vp, nk, nk, tables, positions)
+    want = _write_reference(np.asarray(kp, np.float32), np.asarray(vp, np.float32), np.asarray(nk, np.float32),
+                            np.asarray(nk, np.float32), tables, positions)
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32), w)

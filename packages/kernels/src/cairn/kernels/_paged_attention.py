@@ -306,8 +306,14 @@ def paged_kv_write(
     flat = slot.reshape(-1)
 
     def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
+        # 16-bit floats are scattered as their uint16 bits: XLA:CPU has no bfloat16 scatter
+        # and would convert the whole pool to float32 and back on every write
+        dtype = pages.dtype
+        bits = jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+        if bits:
+            pages, new = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (pages, new))
         rows = pages.reshape(num_blocks * bs, *pages.shape[2:])
-        rows = rows.at[flat].set(new.reshape(-1, *new.shape[2:]), mode="drop")
-        return rows.reshape(pages.shape)
+        rows = rows.at[flat].set(new.reshape(-1, *new.shape[2:]), mode="drop").reshape(pages.shape)
+        return jax.lax.bitcast_convert_type(rows, dtype) if bits else rows
 
     return scatter(kp, nk), scatter(vp, nv)

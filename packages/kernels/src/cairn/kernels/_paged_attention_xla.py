@@ -31,9 +31,17 @@ CHUNK_KEYS = (128, 256, 512, 1024)
 
 
 def _gather(pages: jax.Array, ids: jax.Array) -> jax.Array:
-    """``pages[ids]`` as ``[B, len(ids[0]) * bs, K, H]`` (ids clamped into range)."""
+    """``pages[ids]`` as ``[B, len(ids[0]) * bs, K, H]`` (ids clamped into range).
+
+    16-bit floats are gathered as their ``uint16`` bits: XLA:CPU has no bfloat16 gather
+    and would convert the *whole* page pool to float32 on every call (O(pool) per step).
+    """
     b, c = ids.shape
-    got = pages[jnp.clip(ids, 0, pages.shape[0] - 1)]
+    ids = jnp.clip(ids, 0, pages.shape[0] - 1)
+    if jnp.dtype(pages.dtype).itemsize == 2 and jnp.issubdtype(pages.dtype, jnp.floating):
+        got = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(pages, jnp.uint16)[ids], pages.dtype)
+    else:
+        got = pages[ids]
     return got.reshape(b, c * pages.shape[1], *pages.shape[2:])
 
 
