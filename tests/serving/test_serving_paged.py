@@ -148,9 +148,11 @@ def test_shared_system_prompt_hit_rate():
     stats = cache.stats()
     per_request = (612 - 1) // 16  # full blocks before the last token
     assert (stats.queries, stats.hits, stats.hit_tokens) == (8 * per_request, 7 * 32, 7 * 512)
+    assert stats.query_tokens == 8 * 612
     assert stats.hit_rate == pytest.approx(7 * 32 / (8 * per_request))
     # 8 prompts of 612 tokens in 32 shared + 8 * 7 own blocks instead of 8 * 39
     assert cache.num_used_blocks == 32 + 8 * 7
+    assert cache.usage == pytest.approx((32 + 8 * 7) / 400)
 
 
 def test_n_samples_of_one_prompt_share_all_but_the_tail_block():

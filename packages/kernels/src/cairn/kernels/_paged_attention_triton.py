@@ -71,7 +71,7 @@ def _kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, spec: PagedSpec, t: 
     o_ref[...] = (acc / jnp.where(total == 0.0, 1.0, total)[:, None]).astype(o_ref.dtype)
 
 
-def run(q, key_pages, value_pages, block_tables, lengths, *, config: Mapping[str, Any],
+def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array, *, config: Mapping[str, Any],
         interpret: bool, spec: PagedSpec) -> jax.Array:
     """``Implementation.fn`` of ``pallas_triton``."""
     b, t, n, h = q.shape
@@ -104,7 +104,7 @@ def run(q, key_pages, value_pages, block_tables, lengths, *, config: Mapping[str
     return out.reshape(b, t, n, hv)
 
 
-def supports(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> str | None:
+def supports(q: Any, key_pages: Any, value_pages: Any, block_tables: Any, lengths: Any, **kw: Any) -> str | None:
     """``None``, or why ``pallas_triton`` cannot take these arguments."""
     bs = key_pages.shape[1]
     for name, size in (("block_size", bs), ("head_dim", q.shape[-1]), ("value head_dim", value_pages.shape[-1])):

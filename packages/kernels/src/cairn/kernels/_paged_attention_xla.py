@@ -50,7 +50,10 @@ def _positions(lengths: jax.Array, t: int) -> jax.Array:
     return lengths.astype(jnp.int32)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def plain(q, key_pages, value_pages, block_tables, lengths, spec: PagedSpec) -> jax.Array:
+def plain(
+    q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
+    spec: PagedSpec,
+) -> jax.Array:
     """Gather every page of each row's table, then one masked softmax (see the module docstring)."""
     b, t, n, h = q.shape
     kh = key_pages.shape[2]
@@ -76,7 +79,8 @@ def plain(q, key_pages, value_pages, block_tables, lengths, spec: PagedSpec) -> 
 
 
 def chunked(
-    q, key_pages, value_pages, block_tables, lengths, spec: PagedSpec, pages_per_chunk: int
+    q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
+    spec: PagedSpec, pages_per_chunk: int,
 ) -> jax.Array:
     """Online softmax over chunks of block-table columns, only those in use (see the module docstring)."""
     b, t, n, h = q.shape
@@ -114,7 +118,7 @@ def chunked(
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hv).astype(q.dtype)
 
 
-def run(q, key_pages, value_pages, block_tables, lengths, *, config: Mapping[str, Any],
+def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array, *, config: Mapping[str, Any],
         interpret: bool, spec: PagedSpec) -> jax.Array:
     """``Implementation.fn`` of ``xla``."""
     del interpret
@@ -130,7 +134,7 @@ def _chunk_pages(keys: int, block_size: int) -> int:
     return max(1, keys // block_size)
 
 
-def default_config(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> Mapping[str, Any]:
+def default_config(q: Any, key_pages: Any, value_pages: Any, block_tables: Any, lengths: Any, **kw: Any) -> Mapping[str, Any]:
     """Chunks of about 256 keys once the table is wider than that (reads only the pages in use); else plain."""
     bs, m = key_pages.shape[1], block_tables.shape[1]
     del kw
@@ -141,7 +145,7 @@ def default_config(q, key_pages, value_pages, block_tables, lengths, **kw: Any) 
     return {"pages_per_chunk": None}
 
 
-def configs(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> Sequence[Mapping[str, Any]]:
+def configs(q: Any, key_pages: Any, value_pages: Any, block_tables: Any, lengths: Any, **kw: Any) -> Sequence[Mapping[str, Any]]:
     """The plain path and chunks of 128..1024 keys that fit the table."""
     bs, m = key_pages.shape[1], block_tables.shape[1]
     pages = sorted({_chunk_pages(k, bs) for k in CHUNK_KEYS if _chunk_pages(k, bs) < m})
