@@ -80,9 +80,15 @@ def plain(
 
 def chunked(
     q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array,
-    spec: PagedSpec, pages_per_chunk: int,
+    spec: PagedSpec, pages_per_chunk: int, compute_dtype: Any = None,
 ) -> jax.Array:
-    """Online softmax over chunks of block-table columns, only those in use (see the module docstring)."""
+    """Online softmax over chunks of block-table columns, only those in use (see the module docstring).
+
+    ``compute_dtype``: the dtype each gathered chunk (and the query) is cast to for the two
+    dots (``None``: the pages' own). On a CPU, 16-bit pages are computed in float32: XLA:CPU's
+    bfloat16 dots with float32 accumulation are slower than the cast plus a float32 dot
+    (a decode step 1.3x faster at B=16, 2048 pages of 16).
+    """
     b, t, n, h = q.shape
     bs, kh = key_pages.shape[1], key_pages.shape[2]
     g, hv, c = n // kh, value_pages.shape[-1], int(pages_per_chunk)
@@ -90,13 +96,15 @@ def chunked(
     lengths = lengths.astype(jnp.int32)
     hi = jnp.minimum(table.shape[1] // c, (jnp.max(lengths) + c * bs - 1) // (c * bs))
     lo = jnp.min(first_visible_page(spec, lengths, t, bs)) // c
-    qg = q.reshape(b, t, kh, g, h)
+    qg = q.reshape(b, t, kh, g, h).astype(compute_dtype or q.dtype)
     q_pos = _positions(lengths, t)[:, None, None, :, None]
 
     def body(i: Any, carry: Any) -> Any:
         m, total, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(table, i * c, c, axis=1)
         k, v = _gather(key_pages, ids), _gather(value_pages, ids)
+        if compute_dtype is not None:
+            k, v = k.astype(compute_dtype), v.astype(compute_dtype)
         k_pos = i * c * bs + jnp.arange(c * bs, dtype=jnp.int32)
         v = jnp.where((k_pos[None, :] < lengths[:, None])[:, :, None, None], v, 0)
         raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
@@ -127,7 +135,9 @@ def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables
         return plain(q, key_pages, value_pages, block_tables, lengths, spec)
     if not isinstance(c, int) or isinstance(c, bool) or c < 1:
         raise ValueError(f"xla paged_attention config pages_per_chunk must be None or an int >= 1, got {c!r}")
-    return chunked(q, key_pages, value_pages, block_tables, lengths, spec, c)
+    small = jnp.dtype(key_pages.dtype).itemsize < 4
+    compute = jnp.float32 if small and _registry.backend() == "cpu" else None
+    return chunked(q, key_pages, value_pages, block_tables, lengths, spec, c, compute)
 
 
 def _chunk_pages(keys: int, block_size: int) -> int:
