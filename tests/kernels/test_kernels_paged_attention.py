@@ -160,6 +160,7 @@ class TestXlaChunkedThreePages(PagedTestBase):
 
 class TestPallasTriton(PagedTestBase):
     implementation = "pallas_triton"
+    config = {"block_rows": 16}  # chunked prefill (5 tokens x 4 heads) spans two row blocks
     block_size = 16
     head_dim = 16
 

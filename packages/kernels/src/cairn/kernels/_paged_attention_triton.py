@@ -1,13 +1,14 @@
 """The ``pallas_triton`` implementation of ``paged_attention`` (forward only).
 
-One program per (row, kv head), grid ``(B, K)``. The program holds the row's queries of
-that kv head, all ``T * G`` of them (``G`` query heads per kv head, ``T`` new tokens), as
-one ``[T * G, H]`` tile, and walks the row's block table page by page: it reads the page
-id from the table, loads that page's ``[bs, H]`` keys and values of its head, and folds
-them into an online softmax. The loop runs from the first page a query can see (with a
-window) to the page of the row's last token, so a decode step reads only the pages in
-use. Slots past the row's length are masked and their values zeroed (a stale or NaN tail
-never leaks).
+One program per (row, kv head, block of query rows), grid ``(B, K, T * G / block_rows)``.
+A row's queries of one kv head, ``T * G`` of them (``G`` query heads per kv head, ``T``
+new tokens), form a ``[T * G, H]`` matrix (padded to a power of two >= 16); each program
+takes ``block_rows`` of them and walks the row's block table page by page: it reads the
+page id from the table, loads that page's ``[bs, H]`` keys and values of its head, and folds
+them into an online softmax. The loop runs from the first page its queries can see (with
+a window) to the page of its last query's position (causal), so a decode step reads only
+the pages in use and a prefill chunk's early rows skip the later pages. Slots past the
+row's length are masked and their values zeroed (a stale or NaN tail never leaks).
 
 Triton's ``dot`` needs power-of-two sizes of at least 16, so the head dim and the block
 size must be such (padding the pages would copy the whole cache every call); the query
@@ -41,9 +42,12 @@ def _kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, spec: PagedSpec, t: 
     bs = k_ref.shape[1]
     q = q_ref[...]
     rows = q.shape[0]
-    q_pos = (length - t + jnp.arange(rows) // g)[:, None]
-    lo = first_visible_page(spec, length, t, bs)
-    hi = (length + bs - 1) // bs
+    first_row = pl.program_id(2) * rows
+    q_pos = (length - t + (first_row + jnp.arange(rows)) // g)[:, None]
+    # this row block's queries sit at positions length - t + first_row // g .. + (rows - 1) // g
+    lo = first_visible_page(spec, length, t - first_row // g, bs)
+    hi = jnp.clip(length - t + (first_row + rows - 1) // g + 1, 0, length)
+    hi = (hi + bs - 1) // bs
 
     def body(j: Any, carry: Any) -> Any:
         m, total, acc = carry
@@ -78,6 +82,7 @@ def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables
     pages, bs, kh, _ = key_pages.shape
     g, hv = n // kh, value_pages.shape[-1]
     rows = _pow2(t * g, 16)
+    block_rows = min(rows, int(config["block_rows"]))
     table = pad_axis(block_tables.astype(jnp.int32), 1, _pow2(block_tables.shape[1]))
     # [B, T, K, G, H] -> [B, K, T * G, H]: row r of a kv head is token r // G, query head r % G
     qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
@@ -87,15 +92,15 @@ def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables
         functools.partial(_kernel, spec=spec, t=t, g=g),
         5,
         [jax.ShapeDtypeStruct((b, kh, rows, hv), q.dtype)],
-        grid=(b, kh),
+        grid=(b, kh, rows // block_rows),
         in_specs=[
-            pl.BlockSpec((None, table.shape[1]), lambda i, j: (i, 0)),
-            pl.BlockSpec((None, 1), lambda i, j: (i, 0)),
-            pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
-            pl.BlockSpec((pages, bs, None, h), lambda i, j: (0, 0, j, 0)),
-            pl.BlockSpec((pages, bs, None, hv), lambda i, j: (0, 0, j, 0)),
+            pl.BlockSpec((None, table.shape[1]), lambda i, j, r: (i, 0)),
+            pl.BlockSpec((None, 1), lambda i, j, r: (i, 0)),
+            pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
+            pl.BlockSpec((pages, bs, None, h), lambda i, j, r: (0, 0, j, 0)),
+            pl.BlockSpec((pages, bs, None, hv), lambda i, j, r: (0, 0, j, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, None, rows, hv), lambda i, j: (i, j, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, block_rows, hv), lambda i, j, r: (i, j, r, 0))],
         compiler_params=params,
         interpret=interpret,
         name="cairn_paged_attention",
@@ -116,13 +121,13 @@ def supports(q: Any, key_pages: Any, value_pages: Any, block_tables: Any, length
 
 
 def default_config(*args: Any, **kw: Any) -> Mapping[str, Any]:
-    """4 warps, 2 stages."""
-    return {"num_warps": 4, "num_stages": 2}
+    """Query row blocks of 64 (fewer when there are fewer rows), 4 warps, 2 stages."""
+    return {"block_rows": 64, "num_warps": 4, "num_stages": 2}
 
 
 def configs(*args: Any, **kw: Any) -> Sequence[Mapping[str, Any]]:
-    """4 or 8 warps, 2 or 3 stages."""
-    return [{"num_warps": w, "num_stages": s} for w in (4, 8) for s in (2, 3)]
+    """Row blocks of 16..128, 4 or 8 warps, 2 stages."""
+    return [{"block_rows": r, "num_warps": w, "num_stages": 2} for r in (16, 32, 64, 128) for w in (4, 8)]
 
 
 IMPLEMENTATION = Implementation(
