@@ -213,7 +213,7 @@ def test_contiguous_pages_equal_dot_product_attention(config):
     np.testing.assert_allclose(prefill, want, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)  # one compile per example: kept under ~7 s quiet
 @given(
     b=st.integers(1, 3), t=st.integers(1, 4), kh=st.integers(1, 2), g=st.integers(1, 3),
     bs=st.sampled_from([1, 2, 4, 8]), chunk=st.sampled_from([None, 1, 2]), window=st.sampled_from([None, 0, 3]),
