@@ -19,6 +19,7 @@ from cairn.kernels._cross_entropy import linear_softmax_cross_entropy_loss
 from cairn.kernels._glu import gated_linear_unit
 from cairn.kernels._norms import layer_norm, rms_norm
 from cairn.kernels._override import active_override, override
+from cairn.kernels._paged_attention import paged_attention, paged_kv_write
 from cairn.kernels._quantized import quantized_dot_general
 from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
 from cairn.kernels._registry import (
@@ -61,4 +62,6 @@ __all__ = [
     "rms_norm",
     "gated_linear_unit",
     "quantized_dot_general",
+    "paged_attention",
+    "paged_kv_write",
 ]

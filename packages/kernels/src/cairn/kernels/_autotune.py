@@ -115,7 +115,8 @@ def example_value(spec: Any, seed: int = 0) -> Any:
     """A concrete argument for a ``jax.ShapeDtypeStruct`` (other values pass through).
 
     Floats are standard normal, integers zero (one segment), booleans ``True``, PRNG keys
-    ``jax.random.key(seed)``.
+    ``jax.random.key(seed)``. An op may supply its own (``register_op(..., example=)``,
+    e.g. ``paged_attention``'s valid block tables and full lengths); those come first.
     """
     if not isinstance(spec, jax.ShapeDtypeStruct):
         return spec
@@ -252,6 +253,7 @@ def autotune_op(
     """
     impls = _registry.implementations(op)
     names = list(impls) if implementations is None else list(implementations)
+    args = _registry.example_args(op, tuple(args), kwargs)
     args = tuple(example_value(a, i) for i, a in enumerate(args))
     kwargs = {k: example_value(v, 100 + i) for i, (k, v) in enumerate(kwargs.items())}
     candidates, failed = _compile_candidates(op, impls, names, args, kwargs, mode, interpret)

@@ -63,6 +63,7 @@ class _Op:
     bucket: Callable[..., tuple[Any, ...]]
     preference: tuple[str, ...]
     impls: dict[str, Implementation] = dataclasses.field(default_factory=dict)
+    example: Callable[..., tuple[Any, ...]] | None = None
 
 
 _OPS: dict[str, _Op] = {}
@@ -74,6 +75,7 @@ def register_op(
     *,
     bucket: Callable[..., tuple[Any, ...]],
     preference: Sequence[str] = ("pallas_mosaic_gpu", "pallas_triton", "xla"),
+    example: Callable[..., tuple[Any, ...]] | None = None,
 ) -> None:
     """Declare ``op`` with its shape-bucket function and implementation preference.
 
@@ -83,13 +85,17 @@ def register_op(
         ``None``) naming the shape bucket of a call: the autotune cache key. Shapes in
         one bucket (e.g. sequence lengths rounded up to a power of two) share a result.
       preference: implementation names in the order default dispatch tries them.
+      example: ``example(*args, **kwargs)`` -> the positional arguments with every
+        ``jax.ShapeDtypeStruct`` replaced by a representative value, for the autotuner
+        (e.g. valid block tables and full lengths, where zeros would time an empty
+        loop); ``None``: the generic values of ``cairn.kernels.autotune_op``.
 
     Raises:
       ValueError: if ``op`` is already declared.
     """
     if op in _OPS and not _same_source(_OPS[op].bucket, bucket):
         raise ValueError(f"op {op!r} is already registered")
-    _OPS[op] = _Op(bucket, tuple(preference), _OPS[op].impls if op in _OPS else {})
+    _OPS[op] = _Op(bucket, tuple(preference), _OPS[op].impls if op in _OPS else {}, example)
     for impl in _PENDING.pop(op, []):
         register(impl)
 
@@ -138,6 +144,14 @@ def implementations(op: str) -> dict[str, Implementation]:
       ValueError: if ``op`` is not registered.
     """
     return dict(_get_op(op).impls)
+
+
+def example_args(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``args`` with abstract values made concrete by the op's ``example`` hook (unchanged without one)."""
+    hook = _get_op(op).example
+    if hook is None or not any(isinstance(a, jax.ShapeDtypeStruct) for a in args):
+        return args
+    return tuple(hook(*args, **kwargs))
 
 
 def _get_op(op: str) -> _Op:

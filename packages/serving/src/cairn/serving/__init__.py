@@ -42,6 +42,7 @@ from cairn.serving._load import (
     load_generator,
 )
 from cairn.serving._model import PythonModel, ServableModel
+from cairn.serving._paged import OutOfBlocks, PagedCache, PrefixCacheStats, block_hash
 from cairn.serving._repository import ModelRepository, VersionPolicy
 from cairn.serving._sampling import SamplingParams
 from cairn.serving._server import Server, serve
@@ -85,4 +86,8 @@ __all__ = [
     "Tokenizer",
     "IncrementalDecoder",
     "ChatTemplateError",
+    "PagedCache",
+    "PrefixCacheStats",
+    "OutOfBlocks",
+    "block_hash",
 ]

@@ -1,0 +1,441 @@
+"""The paged KV cache's bookkeeping: blocks, block tables, prefix caching, LRU eviction.
+
+:class:`PagedCache` owns no arrays. It hands out ids of fixed-size blocks (pages of
+``block_size`` tokens in ``cairn.kernels``' ``[num_blocks, block_size, heads, dim]``
+key/value pages) and keeps one block table per sequence; the engine writes keys and
+values with ``cairn.kernels.paged_kv_write`` and reads them with
+``cairn.kernels.paged_attention`` through :meth:`PagedCache.block_tables`.
+
+* A sequence claims blocks as its tokens arrive (:meth:`~PagedCache.add_sequence` for the
+  prompt, :meth:`~PagedCache.append_tokens` per generated token), never ``max_length``
+  up front, and gives them back on :meth:`~PagedCache.free` (finish or cancel).
+* Prefix caching: a *full* block is named by a hash chained over (its parent block's
+  hash, its token ids), so the name covers the whole prefix up to it. A new prompt walks
+  its full blocks through the index and reuses every block already there (reference
+  counted), so a shared system prompt or the prompt of ``n`` samples is stored, and
+  prefilled, once.
+* A block whose last reference goes away keeps its contents and its name (evictable);
+  it is reused as is by a later hit, or evicted, least recently used first, only when a
+  new block is needed and no never-named block is free.
+
+Only full blocks are shared, and a full block is never written again (a sequence's
+writes go to positions past its last full block, i.e. into its own partial tail block),
+so shared blocks are read-only and no copy-on-write is needed. The price: a prompt's
+last partial block, and the block holding its last token, are always computed anew (the
+engine needs that token's logits anyway), and ``n`` samples of one prompt each keep their
+own tail block.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+
+_ROOT = b"cairn-paged-kv-root"
+_FREED_MEMORY = 4096  # recently freed ids remembered to name a double free
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free KV-cache blocks for the request; nothing was claimed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since construction (or :meth:`PagedCache.reset_stats`).
+
+    Attributes:
+      queries: full prompt blocks looked up (those before the prompt's last token).
+      hits: of those, found in the cache and reused.
+      hit_tokens: tokens whose keys and values were reused (``hits * block_size``).
+      query_tokens: tokens of all prompts added.
+      evictions: cached blocks evicted to make room.
+    """
+
+    queries: int
+    hits: int
+    hit_tokens: int
+    query_tokens: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / queries`` (0.0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclasses.dataclass
+class _Seq:
+    blocks: list[int]
+    num_tokens: int
+    cached_tokens: int
+    parent_hash: bytes  # the hash of the last full block (the chain's tail)
+    tail: list[int]  # token ids of the partial last block
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The name of a full block: BLAKE2b-128 over the parent block's name and the token ids.
+
+    ``parent`` is ``None`` for a sequence's first block. Equal names mean equal prefixes
+    (up to a 2**-128 collision chance), so a name identifies the block's whole prefix.
+
+    >>> a = block_hash(None, [1, 2]); block_hash(a, [3, 4]) == block_hash(block_hash(None, [1, 2]), [3, 4])
+    True
+    >>> block_hash(None, [3, 4]) == block_hash(a, [3, 4])
+    False
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_ROOT if parent is None else parent)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class PagedCache:
+    """Block allocator with per-sequence block tables and prefix caching (see the module docstring).
+
+    Not thread-safe: the engine's scheduler owns it.
+
+    Args:
+      num_blocks: blocks in the KV memory (the pages' first axis).
+      block_size: tokens per block.
+      max_blocks_per_seq: the block-table width (``ceil(max_length / block_size)``); a
+        sequence may not grow past it. ``None``: ``num_blocks``.
+      enable_prefix_caching: name full blocks and reuse them across sequences.
+
+    Raises:
+      ValueError: a size below 1.
+
+    Example:
+      >>> cache = PagedCache(num_blocks=8, block_size=4)
+      >>> cache.add_sequence("a", [7, 7, 7, 7, 1, 2])       # 2 blocks, nothing cached yet
+      0
+      >>> cache.add_sequence("b", [7, 7, 7, 7, 5])          # shares "a"'s first block
+      4
+      >>> cache.block_table("a")[0] == cache.block_table("b")[0], cache.refcount(cache.block_table("a")[0])
+      (True, 2)
+      >>> cache.append_tokens("b", [6, 6, 6, 6])            # fills b's tail, claims one more
+      >>> cache.num_free_blocks, cache.stats().hit_rate
+      (4, 0.5)
+      >>> cache.free("a"); cache.free("b"); cache.num_free_blocks
+      8
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_blocks_per_seq: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        for name, val in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        width = num_blocks if max_blocks_per_seq is None else max_blocks_per_seq
+        if not isinstance(width, (int, np.integer)) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"max_blocks_per_seq must be an int >= 1 or None, got {max_blocks_per_seq!r}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.max_blocks_per_seq = int(width)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._ref = [0] * self.num_blocks
+        self._free: collections.deque[int] = collections.deque(range(self.num_blocks))
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self.reset_stats()
+
+    # --- views ---
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new token may claim: never-named free blocks plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks no sequence references that still hold a named prefix (evictable, LRU)."""
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one live sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """``num_used_blocks / num_blocks``."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def sequences(self) -> list[Hashable]:
+        """The live sequence ids, in the order they were added."""
+        return list(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def refcount(self, block: int) -> int:
+        """How many live sequences reference ``block``."""
+        return self._ref[block]
+
+    def eviction_order(self) -> list[int]:
+        """The evictable cached blocks, the next to be evicted first."""
+        return list(self._evictable)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The block ids of ``seq_id``, in position order (token ``j`` is in entry ``j // block_size``)."""
+        return list(self._seq(seq_id).blocks)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of ``seq_id`` (prompt and appended)."""
+        return self._seq(seq_id).num_tokens
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        """Leading prompt tokens of ``seq_id`` whose keys and values came from the prefix cache.
+
+        The engine prefills only the tokens after these (a multiple of ``block_size``,
+        always less than the prompt's length).
+        """
+        return self._seq(seq_id).cached_tokens
+
+    def block_tables(self, seq_ids: Sequence[Hashable], width: int | None = None, pad: int = 0) -> np.ndarray:
+        """``int32 [len(seq_ids), width]`` block tables, padded with ``pad`` (``cairn.kernels``' layout).
+
+        ``width`` defaults to ``max_blocks_per_seq``; ``paged_attention`` never reads the
+        padding, so any valid id (the default 0) keeps jitted gathers in range.
+        """
+        width = self.max_blocks_per_seq if width is None else int(width)
+        out = np.full((len(seq_ids), width), pad, np.int32)
+        for row, seq_id in enumerate(seq_ids):
+            blocks = self._seq(seq_id).blocks
+            if len(blocks) > width:
+                raise ValueError(f"sequence {seq_id!r} has {len(blocks)} blocks, more than width={width}")
+            out[row, : len(blocks)] = blocks
+        return out
+
+    def stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters (hit rate for metrics)."""
+        return PrefixCacheStats(self._queries, self._hits, self._hits * self.block_size,
+                                self._query_tokens, self._evictions)
+
+    def reset_stats(self) -> None:
+        """Zero the prefix-cache counters."""
+        self._queries = self._hits = self._query_tokens = self._evictions = 0
+
+    # --- admission ---
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks matching the prompt's leading full blocks (before its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        found, parent = [], None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self._by_hash.get(parent)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def blocks_needed(self, prompt: int | Sequence[int], *, reserve_tokens: int = 0) -> int:
+        """Free blocks admitting ``prompt`` (+ ``reserve_tokens`` more) would take, prefix hits counted.
+
+        ``prompt`` is the token ids, or just their count (no prefix lookup). A hit on an
+        evictable cached block takes that block out of the free pool too, so it counts.
+        """
+        n = prompt if isinstance(prompt, (int, np.integer)) else len(prompt)
+        total = self._blocks_for(int(n) + int(reserve_tokens))
+        if isinstance(prompt, (int, np.integer)):
+            return total
+        hits = self._prefix_hits(_token_list(prompt))
+        live_hits = sum(1 for b in hits if self._ref[b] > 0)
+        return total - live_hits
+
+    def can_admit(self, prompt: int | Sequence[int], *, reserve_tokens: int = 0) -> bool:
+        """Whether :meth:`add_sequence` of ``prompt`` (then ``reserve_tokens`` appends) fits now.
+
+        The engine queues a request while this is ``False`` instead of failing it.
+        """
+        n = prompt if isinstance(prompt, (int, np.integer)) else len(prompt)
+        if self._blocks_for(int(n) + int(reserve_tokens)) > self.max_blocks_per_seq:
+            return False
+        return self.blocks_needed(prompt, reserve_tokens=reserve_tokens) <= self.num_free_blocks
+
+    # --- sequence life cycle ---
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Claim blocks for a new sequence's prompt; returns how many leading tokens were cached.
+
+        Leading full blocks found in the prefix cache are shared (reference counted); the
+        rest are claimed from the free pool (evicting LRU cached blocks if needed). The
+        engine computes keys and values for tokens ``num_cached_tokens ..`` and writes them
+        into :meth:`block_table`'s blocks.
+
+        Raises:
+          ValueError: ``seq_id`` already live, an empty prompt, or one longer than
+            ``max_blocks_per_seq * block_size``.
+          TypeError: token ids that are not integers.
+          OutOfBlocks: not enough free blocks (nothing is claimed; see :meth:`can_admit`).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already live; free it before adding it again")
+        tokens = _token_list(token_ids)
+        if not tokens:
+            raise ValueError(f"sequence {seq_id!r}: the prompt is empty (at least one token is needed)")
+        self._check_width(seq_id, len(tokens))
+        hits = self._prefix_hits(tokens)
+        need = self._blocks_for(len(tokens)) - len(hits)
+        available = self.num_free_blocks - sum(1 for b in hits if self._ref[b] == 0)
+        if need > available:
+            raise OutOfBlocks(
+                f"sequence {seq_id!r} needs {need} new KV blocks for {len(tokens)} tokens "
+                f"({len(hits)} cached), only {available} free of {self.num_blocks}"
+            )
+        for block in hits:
+            self._ref_up(block)
+        queried = (len(tokens) - 1) // self.block_size if self.enable_prefix_caching else 0
+        self._queries += queried
+        self._hits += len(hits)
+        self._query_tokens += len(tokens)
+        parent = self._hash_of[hits[-1]] if hits else _ROOT
+        seq = _Seq(list(hits), len(hits) * self.block_size, len(hits) * self.block_size, parent, [])
+        self._seqs[seq_id] = seq
+        self._freed.pop(seq_id, None)
+        self._extend(seq, tokens[len(hits) * self.block_size :])
+        return seq.cached_tokens
+
+    def append_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
+        """Extend a live sequence by generated tokens, claiming a block each ``block_size`` tokens.
+
+        A block that fills up is named and enters the prefix cache (a later prompt that
+        repeats this sequence's text, e.g. the next chat turn, reuses it).
+
+        Raises:
+          KeyError: ``seq_id`` is not live (never added, or freed).
+          ValueError: the sequence would outgrow ``max_blocks_per_seq``.
+          TypeError: token ids that are not integers.
+          OutOfBlocks: not enough free blocks (nothing is claimed).
+        """
+        seq = self._seq(seq_id)
+        tokens = _token_list(token_ids)
+        total = seq.num_tokens + len(tokens)
+        self._check_width(seq_id, total)
+        need = self._blocks_for(total) - len(seq.blocks)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(
+                f"sequence {seq_id!r} needs {need} more KV blocks to grow to {total} tokens, "
+                f"only {self.num_free_blocks} free of {self.num_blocks}"
+            )
+        self._extend(seq, tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a finished or cancelled sequence's blocks.
+
+        Named blocks stay cached (evictable); the sequence's blocks are released tail
+        first, so a prefix's head is evicted last. Unnamed (partial) blocks return to the
+        free pool.
+
+        Raises:
+          KeyError: ``seq_id`` is not live (naming a double free).
+        """
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        self._freed[seq_id] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
+        for block in reversed(seq.blocks):
+            self._ref[block] -= 1
+            if self._ref[block] > 0:
+                continue
+            if block in self._hash_of:
+                self._evictable[block] = None  # most recently used: evicted last
+            else:
+                self._free.append(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every evictable cached block (e.g. after new weights); returns how many.
+
+        Blocks in use keep their names until released.
+        """
+        n = len(self._evictable)
+        for block in list(self._evictable):
+            self._unname(block)
+            self._free.append(block)
+        self._evictable.clear()
+        return n
+
+    # --- internals ---
+
+    def _seq(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            if seq_id in self._freed:
+                raise KeyError(f"sequence {seq_id!r} was already freed (double free?)") from None
+            raise KeyError(f"unknown sequence {seq_id!r}: it was never added") from None
+
+    def _check_width(self, seq_id: Hashable, num_tokens: int) -> None:
+        limit = self.max_blocks_per_seq * self.block_size
+        if num_tokens > limit:
+            raise ValueError(
+                f"sequence {seq_id!r} would hold {num_tokens} tokens, more than max_blocks_per_seq * "
+                f"block_size = {self.max_blocks_per_seq} * {self.block_size} = {limit}"
+            )
+
+    def _ref_up(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._evictable[block]
+        self._ref[block] += 1
+
+    def _claim(self) -> int:
+        """A block with no reference: a never-named free one, else the LRU cached one (evicted)."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._unname(block)
+            self._evictions += 1
+        self._ref[block] = 1
+        return block
+
+    def _unname(self, block: int) -> None:
+        name = self._hash_of.pop(block)
+        if self._by_hash.get(name) == block:
+            del self._by_hash[name]
+
+    def _extend(self, seq: _Seq, tokens: list[int]) -> None:
+        """Append ``tokens`` (room already checked), claiming blocks and naming the ones that fill."""
+        bs = self.block_size
+        for token in tokens:
+            if seq.num_tokens % bs == 0:
+                seq.blocks.append(self._claim())
+            seq.tail.append(token)
+            seq.num_tokens += 1
+            if len(seq.tail) == bs:
+                name = block_hash(None if seq.parent_hash == _ROOT else seq.parent_hash, seq.tail)
+                seq.parent_hash, seq.tail = name, []
+                if self.enable_prefix_caching and name not in self._by_hash:
+                    self._by_hash[name] = seq.blocks[-1]
+                    self._hash_of[seq.blocks[-1]] = name
+
+
+def _token_list(token_ids: Iterable[int]) -> list[int]:
+    """Token ids as Python ints; raises ``TypeError`` naming the first that is not an integer."""
+    out = []
+    for i, tok in enumerate(token_ids):
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+            raise TypeError(f"token_ids[{i}] must be an integer token id, got {tok!r}")
+        out.append(int(tok))
+    return out

@@ -1,0 +1,301 @@
+"""PagedCache: block tables, prefix caching, LRU eviction, admission, errors.
+
+A hypothesis state machine drives random add / append / free / reset sequences (prompts
+drawn from a few shared prefixes so blocks are shared) against a model that writes each
+token into the slot the cache gave it, and checks after every step: a block in two live
+sequences is full, read-only and holds the same tokens for both (so no copy-on-write is
+needed), every cache hit holds exactly the prompt's tokens, refcounts equal the live
+tables' references, free + used == total, and nothing leaks once every sequence is freed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cairn.serving import OutOfBlocks, PagedCache, block_hash
+
+BS = 4
+
+
+class PagedCacheMachine(RuleBasedStateMachine):
+    """The cache under random operations, against a model of what the engine would write."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedCache(num_blocks=12, block_size=BS, max_blocks_per_seq=6)
+        self.tokens: dict[int, list[int]] = {}  # live sequence -> its tokens
+        # block -> per slot, the whole prefix up to that token (what its key/value depends on)
+        self.content: dict[int, list[tuple[int, ...] | None]] = {}
+        self.ids = itertools.count()
+
+    def _write(self, seq, start):
+        """Write tokens ``start..`` of ``seq`` into their slots; shared blocks must never be written."""
+        table = self.cache.block_table(seq)
+        for j in range(start, len(self.tokens[seq])):
+            block = table[j // BS]
+            assert self.cache.refcount(block) == 1, f"write into block {block} shared by {self.cache.refcount(block)}"
+            slots = self.content.setdefault(block, [None] * BS)
+            slots[j % BS] = tuple(self.tokens[seq][: j + 1])
+            slots[j % BS + 1 :] = [None] * (BS - j % BS - 1)  # a reused block's stale tail is not content
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 1, 2, 3, 4]]),
+          suffix=st.lists(st.integers(0, 3), min_size=0, max_size=9))
+    def add(self, prefix, suffix):
+        prompt = prefix + suffix or [0]
+        seq = next(self.ids)
+        fits = self.cache.can_admit(prompt)
+        free_before = self.cache.num_free_blocks
+        try:
+            cached = self.cache.add_sequence(seq, prompt)
+        except OutOfBlocks:
+            assert not fits and self.cache.num_free_blocks == free_before and seq not in self.cache
+            return
+        except ValueError:
+            assert len(prompt) > 6 * BS and not fits
+            return
+        assert fits
+        assert cached % BS == 0 and cached < len(prompt)
+        self.tokens[seq] = list(prompt)
+        table = self.cache.block_table(seq)
+        for j in range(cached):  # every reused slot holds exactly this prompt's prefix up to there
+            assert self.content[table[j // BS]][j % BS] == tuple(prompt[: j + 1])
+        self._write(seq, cached)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def append(self, data, new):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        start = len(self.tokens[seq])
+        try:
+            self.cache.append_tokens(seq, new)
+        except (OutOfBlocks, ValueError):
+            assert self.cache.num_tokens(seq) == start
+            return
+        self.tokens[seq] += new
+        self._write(seq, start)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.cache.free(seq)
+        del self.tokens[seq]
+        with pytest.raises(KeyError, match="already freed"):
+            self.cache.free(seq)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.cache.reset_prefix_cache()
+        assert self.cache.num_cached_blocks == 0
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        cache = self.cache
+        refs = np.zeros(cache.num_blocks, int)
+        for seq, toks in self.tokens.items():
+            table = cache.block_table(seq)
+            assert len(table) == -(-len(toks) // BS) and len(set(table)) == len(table)
+            assert cache.num_tokens(seq) == len(toks)
+            for block in table:
+                refs[block] += 1
+        assert [cache.refcount(b) for b in range(cache.num_blocks)] == refs.tolist()
+        assert cache.num_used_blocks == int((refs > 0).sum())
+        assert cache.num_free_blocks + cache.num_used_blocks == cache.num_blocks
+        assert all(refs[b] == 0 for b in cache.eviction_order())
+
+    @invariant()
+    def shared_blocks_are_full_and_equal(self):
+        owners: dict[int, list[tuple[int, int]]] = {}
+        for seq in self.tokens:
+            for i, block in enumerate(self.cache.block_table(seq)):
+                owners.setdefault(block, []).append((seq, i))
+        for block, users in owners.items():
+            if len(users) < 2:
+                continue
+            for seq, i in users:
+                assert len(self.tokens[seq]) >= (i + 1) * BS, f"shared block {block} is not full"
+            prefixes = {tuple(self.tokens[s][: (i + 1) * BS]) for s, i in users}
+            assert len(prefixes) == 1, f"block {block} shared by different prefixes {prefixes}"
+
+    def teardown(self):
+        for seq in list(self.tokens):
+            self.cache.free(seq)
+        assert self.cache.num_used_blocks == 0
+        assert self.cache.num_free_blocks == self.cache.num_blocks
+        assert len(self.cache) == 0
+
+
+PagedCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestPagedCacheStateMachine = PagedCacheMachine.TestCase
+
+
+# --- prefix sharing on constructed workloads ---
+
+
+def test_shared_system_prompt_hit_rate():
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 32000, 512).tolist()
+    cache = PagedCache(num_blocks=400, block_size=16)
+    for i in range(8):
+        cached = cache.add_sequence(i, system + rng.integers(0, 32000, 100).tolist())
+        assert cached == (0 if i == 0 else 512)
+    stats = cache.stats()
+    per_request = (612 - 1) // 16  # full blocks before the last token
+    assert (stats.queries, stats.hits, stats.hit_tokens) == (8 * per_request, 7 * 32, 7 * 512)
+    assert stats.query_tokens == 8 * 612
+    assert stats.hit_rate == pytest.approx(7 * 32 / (8 * per_request))
+    # 8 prompts of 612 tokens in 32 shared + 8 * 7 own blocks instead of 8 * 39
+    assert cache.num_used_blocks == 32 + 8 * 7
+    assert cache.usage == pytest.approx((32 + 8 * 7) / 400)
+
+
+def test_n_samples_of_one_prompt_share_all_but_the_tail_block():
+    prompt = list(range(50))  # 3 full blocks of 16 + 2 tokens
+    cache = PagedCache(num_blocks=64, block_size=16)
+    cached = [cache.add_sequence(("req", i), prompt) for i in range(4)]
+    assert cached == [0, 48, 48, 48]
+    tables = [cache.block_table(("req", i)) for i in range(4)]
+    assert all(t[:3] == tables[0][:3] for t in tables) and len({t[3] for t in tables}) == 4
+    assert cache.refcount(tables[0][0]) == 4
+    for i in range(4):  # each sample decodes into its own tail
+        cache.append_tokens(("req", i), [1000 + i] * 20)
+    assert cache.num_used_blocks == 3 + 4 * 2
+
+
+def test_prompt_of_whole_blocks_recomputes_its_last_block():
+    cache = PagedCache(num_blocks=8, block_size=4)
+    cache.add_sequence("a", list(range(8)))
+    assert cache.add_sequence("b", list(range(8))) == 4  # the block of the last token is computed anew
+    assert cache.add_sequence("c", list(range(9))) == 8
+    assert cache.stats().hits == 1 + 2
+
+
+def test_generated_tokens_enter_the_prefix_cache():
+    cache = PagedCache(num_blocks=8, block_size=4)
+    cache.add_sequence("turn1", [1, 2, 3])
+    cache.append_tokens("turn1", [4, 5, 6, 7, 8])  # blocks [1 2 3 4] [5 6 7 8] full
+    cache.free("turn1")
+    assert cache.num_cached_blocks == 2
+    assert cache.add_sequence("turn2", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == 8
+
+
+def test_prefix_caching_disabled_shares_nothing():
+    cache = PagedCache(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    cache.add_sequence("a", list(range(9)))
+    assert cache.add_sequence("b", list(range(9))) == 0
+    cache.free("a")
+    assert cache.num_cached_blocks == 0 and cache.stats().queries == 0
+
+
+def test_equal_blocks_after_different_prefixes_are_not_shared():
+    cache = PagedCache(num_blocks=8, block_size=2)
+    cache.add_sequence("a", [1, 1, 5, 5, 0])
+    assert cache.add_sequence("b", [2, 2, 5, 5, 0]) == 0  # [5, 5] follows another parent
+    assert block_hash(block_hash(None, [1, 1]), [5, 5]) != block_hash(block_hash(None, [2, 2]), [5, 5])
+
+
+# --- eviction ---
+
+
+def test_eviction_is_least_recently_used_and_only_when_needed():
+    cache = PagedCache(num_blocks=6, block_size=2)
+    for name, tok in (("a", 1), ("b", 2), ("c", 3)):
+        cache.add_sequence(name, [tok, tok, 0])  # one full named block + one partial
+    blocks = {name: cache.block_table(name)[0] for name in "abc"}
+    for name in "abc":
+        cache.free(name)
+    assert cache.num_cached_blocks == 3 and cache.num_free_blocks == 6
+    assert cache.add_sequence("a2", [1, 1, 7]) == 2  # a hit takes "a" out of the evictable set
+    cache.free("a2")  # ... and puts it back as the most recently used
+    assert cache.eviction_order() == [blocks["b"], blocks["c"], blocks["a"]]
+    cache.add_sequence("x", [9] * 5)  # 3 blocks: 3 unnamed free ones first, no eviction yet
+    assert cache.stats().evictions == 0 and cache.num_cached_blocks == 3
+    cache.append_tokens("x", [9] * 3)  # one more block: evicts "b", the least recently used
+    assert cache.stats().evictions == 1 and cache.eviction_order() == [blocks["c"], blocks["a"]]
+    assert cache.add_sequence("b2", [2, 2, 0]) == 0  # "b"'s prefix is gone
+
+
+def test_a_freed_sequence_is_evicted_tail_first():
+    cache = PagedCache(num_blocks=4, block_size=2)
+    cache.add_sequence("a", [1, 2, 3, 4, 5, 6, 0])
+    table = cache.block_table("a")
+    cache.free("a")
+    assert cache.eviction_order() == table[:3][::-1]  # the prefix's head is evicted last
+
+
+# --- admission ---
+
+
+def test_can_admit_counts_prefix_hits_and_lets_the_engine_queue():
+    cache = PagedCache(num_blocks=5, block_size=4, max_blocks_per_seq=4)
+    system = [7] * 8
+    cache.add_sequence("a", system + [1, 2])  # 3 blocks
+    assert cache.num_free_blocks == 2
+    assert not cache.can_admit(11)  # 3 blocks by count alone
+    assert cache.can_admit(system + [3, 4, 5])  # the 2 system blocks are shared: 1 new block
+    assert cache.blocks_needed(system + [3, 4, 5]) == 1
+    assert not cache.can_admit(system + [3], reserve_tokens=8)  # 1 + 2 reserved > 2 free
+    assert not cache.can_admit(17)  # wider than max_blocks_per_seq
+    cache.add_sequence("b", system + [3, 4, 5])
+    assert cache.num_free_blocks == 1
+
+
+def test_memory_grows_with_tokens_not_max_length():
+    cache = PagedCache(num_blocks=100, block_size=16, max_blocks_per_seq=256)  # max_length 4096
+    cache.add_sequence("a", [1] * 10)
+    assert cache.num_used_blocks == 1
+    for _ in range(30):
+        cache.append_tokens("a", [2])
+    assert cache.num_used_blocks == 3 and len(cache.block_table("a")) == 3
+
+
+def test_block_tables_layout_for_the_kernels():
+    cache = PagedCache(num_blocks=8, block_size=2, max_blocks_per_seq=4)
+    cache.add_sequence("a", [1, 2, 3])
+    cache.add_sequence("b", [4])
+    tables = cache.block_tables(["b", "a"])
+    assert tables.dtype == np.int32 and tables.shape == (2, 4)
+    assert tables[0].tolist() == cache.block_table("b") + [0, 0, 0]
+    assert tables[1, :2].tolist() == cache.block_table("a")
+    assert cache.block_tables(["a"], width=2, pad=-1).tolist() == [cache.block_table("a")]
+    with pytest.raises(ValueError, match="sequence 'a' has 2 blocks, more than width=1"):
+        cache.block_tables(["a"], width=1)
+
+
+# --- errors ---
+
+
+def test_errors_name_what_was_wrong():
+    cache = PagedCache(num_blocks=3, block_size=2, max_blocks_per_seq=2)
+    with pytest.raises(KeyError, match="unknown sequence 'nope': it was never added"):
+        cache.append_tokens("nope", [1])
+    with pytest.raises(KeyError, match="unknown sequence 'nope'"):
+        cache.free("nope")
+    cache.add_sequence("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="sequence 'a' is already live"):
+        cache.add_sequence("a", [1])
+    with pytest.raises(ValueError, match="would hold 5 tokens, more than max_blocks_per_seq \\* block_size = 2 \\* 2 = 4"):
+        cache.append_tokens("a", [4, 5])
+    assert cache.num_tokens("a") == 3
+    with pytest.raises(OutOfBlocks, match="sequence 'b' needs 2 new KV blocks for 4 tokens \\(0 cached\\), only 1 free of 3"):
+        cache.add_sequence("b", [5, 6, 7, 8])
+    assert "b" not in cache and cache.num_free_blocks == 1  # nothing claimed
+    cache.add_sequence("c", [9])
+    with pytest.raises(OutOfBlocks, match="sequence 'c' needs 1 more KV blocks to grow to 3 tokens, only 0 free"):
+        cache.append_tokens("c", [9, 9])
+    with pytest.raises(TypeError, match="token_ids\\[1\\] must be an integer token id, got 2.5"):
+        cache.append_tokens("c", [1, 2.5])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        cache.add_sequence("d", [])
+    cache.free("a")
+    with pytest.raises(KeyError, match="sequence 'a' was already freed \\(double free\\?\\)"):
+        cache.free("a")
+    for bad in ({"num_blocks": 0, "block_size": 2}, {"num_blocks": 2, "block_size": True}):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            PagedCache(**bad)
