@@ -523,14 +523,19 @@ def _repr_items(m: Module) -> Iterator[tuple[Any, Any, str]]:
             yield k, (r[:77] + "..." if len(r) > 80 else r), "setting"
 
 
-@functools.cache
+_INIT_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
 def _init_defaults(cls: type) -> dict[str, Any]:
     """The keyword defaults of ``cls.__init__``, by parameter name (empty when unreadable)."""
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    if cls not in _INIT_DEFAULTS:
+        try:
+            params = inspect.signature(cls).parameters  # __init__'s, without self
+            found = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):
+            found = {}
+        _INIT_DEFAULTS[cls] = found
+    return _INIT_DEFAULTS[cls]
 
 
 def _same_setting(v: Any, default: Any) -> bool:
@@ -548,7 +553,8 @@ def module_html(m: Module, depth: int = 0) -> str:
     name = html.escape(type(m).__name__)
     if depth > _MAX_REPR_DEPTH:
         return f"<code>{name}(...)</code>"
-    state_rows, config_rows = [], []
+    state_rows: list[str] = []
+    config_rows: list[str] = []
     for k, v, kind in _repr_items(m):
         key = f"<code>{html.escape(str(k))}</code>" + (": " if isinstance(m, List) else " = ")
         if kind == "module":
