@@ -159,3 +159,14 @@ def test_demo_installs_what_examples_lm_imports_and_no_peer_library():
                 assert top in third, f"{src.name} imports {top}: add it to DEMO_DEPS in noxfile.py"
     assert "llm" not in packages
     assert not {"flax", "grain", "orbax_checkpoint"} & {_dist(d)[0] for d in deps}
+
+
+def test_nox_prefers_uv_and_falls_back_to_virtualenv():
+    assert _nox_constant_text("nox.options.default_venv_backend") == "uv|virtualenv"
+
+
+def _nox_constant_text(target: str) -> str:
+    for node in ast.parse((ROOT / "noxfile.py").read_text()).body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == target:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"noxfile.py does not set {target}")
