@@ -64,6 +64,14 @@ def test_schedules_and_wrapped_transformations_are_described():
     )
 
 
+def test_inject_hyperparams_shows_the_inner_factory_and_what_it_was_given():
+    tx = optim.inject_hyperparams(optim.adamw)(learning_rate=1e-3, weight_decay=0.1)
+    assert repr(tx) == "GradientTransformation(inject_hyperparams(adamw)(learning_rate=0.001, weight_decay=0.1))"
+    assert repr(optim.inject_hyperparams(optim.adam)(1e-3)) == (
+        "GradientTransformation(inject_hyperparams(adam)(learning_rate=0.001))"  # b1, b2, ... at defaults
+    )
+
+
 def test_no_function_addresses_anywhere():
     for tx in _many():
         for text in (repr(tx), tx._repr_html_()):

@@ -217,6 +217,22 @@ def _multi_steps(tx: Any) -> Node:
     return Node(node.name, args, [describe(tx.inner_opt)])
 
 
+def _injected(values: dict[str, Any]) -> Node:
+    """``inject_hyperparams(adamw)(learning_rate=0.001)``: the inner factory and the
+    arguments it was given (numeric, scheduled and static alike) that differ from its defaults."""
+    inner = values.get("inner_factory")
+    given = {**values.get("other", {}), **values.get("numeric", {}), **values.get("scheds", {})}
+    try:
+        params = inspect.signature(inner).parameters if inner is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    args: list[tuple[str, str | Node]] = [
+        (k, _value(v)) for k, v in given.items()
+        if not (k in params and params[k].default is not params[k].empty and _equal(v, params[k].default))
+    ]
+    return Node(f"inject_hyperparams({_factory_name(inner) if inner is not None else '?'})", args, [])
+
+
 def describe(tx: Any) -> Node:
     """The factory-call tree of a transformation (see the module docstring)."""
     if type(tx).__name__ == "MultiSteps" and hasattr(tx, "inner_opt"):
@@ -226,6 +242,8 @@ def describe(tx: Any) -> Node:
     if isinstance(members, tuple) and all(_is_tx(m) for m in members):  # chain
         return Node(_factory_name(update), [], [describe(m) for m in members])
     name = _maker(update, init)
+    if name == "inject_hyperparams":
+        return _injected(_closure_values([init, update]))
     if name is None:  # the user's own: name its functions
         return Node(None, [("init", _function_name(init)), ("update", _function_name(update))], [])
     return _describe_parts(name, [update, init])
