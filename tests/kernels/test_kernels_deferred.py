@@ -88,9 +88,14 @@ def test_asking_for_a_gpu_implementation_loads_and_runs_it(probe):
 
 
 def test_every_gpu_implementation_is_deferred_and_loads_to_its_declaration():
-    for op in _registry.ops():
+    # cairn.kernels' own ops (other tests in this worker register toy ops of their own)
+    own = [op for op in _registry.ops()
+           if getattr(ck.implementations(op)["xla"].fn, "__module__", "").startswith("cairn.kernels.")]
+    assert {"dot_product_attention", "ragged_dot", "gated_linear_unit", "layer_norm",
+            "linear_softmax_cross_entropy_loss", "quantized_dot_general"} <= set(own)
+    for op in own:
         for name, impl in ck.implementations(op).items():
-            if name == "xla" or op.startswith(("toy_", "late_")):
+            if name == "xla":
                 continue
             assert isinstance(impl.fn, _registry._Forward), (op, name)
             real = impl.fn.where.load()
