@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import re
+import shutil
 import sys
 
 import nox
@@ -19,7 +21,8 @@ PYTHON = "3.11"
 # what tests/integration, tests/compat (the peers, to compare with) and examples/ need beyond the packages' own test extras
 INTEGRATION_DEPS = ("matplotlib", "grain>=0.2", "flax>=0.12", "orbax-checkpoint>=0.12")
 
-nox.options.default_venv_backend = "virtualenv"
+# uv creates venvs and installs in seconds where it is on PATH (`pip install uv`); else virtualenv + pip
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 # Only Python 3.11 is asked for (the one interpreter on our machines). If it is missing,
@@ -27,9 +30,9 @@ nox.options.sessions = ["tests"]
 nox.options.error_on_missing_interpreters = True
 
 
-def _editable_all(session: nox.Session, extras: str = "test") -> None:
-    """Install every package editable with its extras, in dependency order (core first)."""
-    order = ["core_array"] + [p for p in PACKAGES if p != "core_array"]
+def _editable_all(session: nox.Session, extras: str = "test", only: tuple[str, ...] | None = None) -> None:
+    """Install every package (or those in ``only``) editable with its extras, in dependency order (core first)."""
+    order = ["core_array"] + [p for p in PACKAGES if p != "core_array" and (only is None or p in only)]
     args = []
     for pkg in order:
         pyproject = (ROOT / "packages" / pkg / "pyproject.toml").read_text()
@@ -52,6 +55,18 @@ def _cairn_dependencies(package: str) -> list[str]:
         if name.lower().startswith("cairn-"):
             deps.append(name[len("cairn-"):].replace("-", "_"))
     return deps
+
+
+def _cairn_closure(packages: list[str]) -> list[str]:
+    """``packages`` and every Cairn package they require, directly or not (folder names, sorted)."""
+    seen: set[str] = set()
+    todo = list(packages)
+    while todo:
+        pkg = todo.pop()
+        if pkg not in seen:
+            seen.add(pkg)
+            todo += _cairn_dependencies(pkg)
+    return sorted(seen)
 
 
 def _xdist_workers() -> str:
@@ -168,6 +183,64 @@ def build(session: nox.Session) -> None:
         session.run(py, str(ROOT / "tools" / "check_installed.py"), pkg, "--wheel", external=True)
 
 
+@nox.session(python=PYTHON)
+@nox.parametrize("package", PACKAGES)
+def readme_examples(session: nox.Session, package: str) -> None:
+    """A package's README examples, run in a fresh venv holding only its wheel (with the Cairn
+    wheels it depends on, built from this tree) and what the README's install line names.
+
+    The install line is the first `pip install` under the README's `## Install` heading
+    (tools/run_doc_examples.py reads it): `pip install "cairn-data[parquet]"` installs the
+    cairn-data wheel with its parquet extra; `pip install cairn-nn optax` adds Optax from
+    the index. So a README example that needs something its install line does not say fails.
+    """
+    sys.path.insert(0, str(ROOT / "tools"))
+    import run_doc_examples
+
+    readme = ROOT / "packages" / package / "README.md"
+    wanted = run_doc_examples.install_line(readme)
+    named = [m.group(1)[len("cairn-"):].replace("-", "_") for w in wanted
+             if (m := re.match(r"(cairn-[a-z0-9-]+)", w.lower()))]
+    needed = _cairn_closure([package, *named])
+    session.install("pip")  # wheels come from `pip wheel --no-deps`
+    tmp = pathlib.Path(session.create_tmp()) / f"readme-{package}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dist = tmp / "dist"
+    for pkg in needed:
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), f"packages/{pkg}")
+    wheels = {pkg: next(dist.glob(f"cairn_{pkg}-*.whl")) for pkg in needed}
+    # Cairn distributions by direct reference to this tree's wheels (never an index's), the
+    # extras the install line asks for kept; everything else as the line says
+    reqs, given = [], set()
+    for w in wanted:
+        m = re.match(r"(cairn-[a-z0-9-]+)(\[[^\]]*\])?", w.lower())
+        if m is None:
+            reqs.append(w)
+            continue
+        pkg = m.group(1)[len("cairn-"):].replace("-", "_")
+        given.add(pkg)
+        reqs.append(f"{m.group(1)}{m.group(2) or ''} @ {wheels[pkg].as_uri()}")
+    reqs += [f"cairn-{p.replace('_', '-')} @ {wheels[p].as_uri()}" for p in needed if p not in given]
+    py = _fresh_venv(session, tmp / "venv", reqs)
+    session.run("python", "tools/run_doc_examples.py", "--python", py, str(readme))
+
+
+def _fresh_venv(session: nox.Session, venv: pathlib.Path, reqs: list[str]) -> str:
+    """A new venv at ``venv`` (from this session's Python) holding ``reqs``; its interpreter.
+
+    With uv on PATH, uv makes it and installs (hard links from uv's cache); else venv + pip.
+    """
+    base = str(pathlib.Path(session.bin) / "python")
+    py = str(venv / "bin" / "python")
+    if shutil.which("uv"):
+        session.run("uv", "venv", "-q", "--python", base, str(venv), external=True)
+        session.run("uv", "pip", "install", "-q", "--python", py, *reqs, external=True)
+    else:
+        session.run(base, "-m", "venv", "--clear", str(venv), external=True)
+        session.run(py, "-m", "pip", "install", "-q", *reqs, external=True)
+    return py
+
+
 @nox.session(default=False, python=PYTHON)
 def fixtures_hf(session: nox.Session) -> None:
     """Rewrites the committed Hugging Face fixtures of tests/llm and tests/serving (not in CI, not a default session).
@@ -215,14 +288,19 @@ def demo(session: nox.Session) -> None:
     refusal = demo_preflight(session.posargs)
     if refusal is not None:
         session.error(refusal)
-    _editable_all(session, "parquet,arrayrecord")
-    # tritonclient: the main job checks the served /infer model with Triton's own client
-    session.install(*INTEGRATION_DEPS, "tritonclient[http]>=2.40")
+    _editable_all(session, "parquet,arrayrecord", only=DEMO_PACKAGES)
+    session.install(*DEMO_DEPS)
     # the script's advice then reads as typed here: `nox -s demo -- --resume`
     session.run("python", "examples/lm/train.py", *session.posargs, env={"CAIRN_LM_COMMAND": DEMO_COMMAND})
 
 
 DEMO_COMMAND = "nox -s demo --"
+# what examples/lm imports (tests/tooling/test_tooling_contract.py checks it against the
+# recipe's imports): the libraries, not cairn.llm, and no peer library (flax, grain, orbax)
+DEMO_PACKAGES = ("core_array", "data", "nn", "optim", "kernels", "checkpoint", "quant", "serving")
+# matplotlib: the report's plots; tritonclient: the main job checks the served /infer model
+# with Triton's own client
+DEMO_DEPS = ("matplotlib", "tritonclient[http]>=2.40")
 
 
 def demo_preflight(posargs: list[str]) -> str | None:

@@ -32,6 +32,9 @@ _.post_processor  # tests/llm fixtures: a tokenizers.Tokenizer property, read by
 _.__wrapped__  # nn initializers: inspect.signature / functools.unwrap read the wrapped initializer
 _.tree_flatten_with_keys  # tests/core_array: JAX calls it on registered pytree classes
 _.python_tracer_level  # nn.Profiler: a jax.profiler.ProfileOptions field, read by the profiler's C++ side
+IMPLEMENTATION  # cairn.kernels GPU kernel modules: kernels.deferred reads module.IMPLEMENTATION on first use
+_.handle_starttag  # tests of _repr_html_: html.parser.HTMLParser calls it
+_.handle_endtag  # tests of _repr_html_: html.parser.HTMLParser calls it
 
 # --- names that document a value ---
 PAD  # examples/lm/lm_task.py: names token id 0, the padding that eval_batch's zero-filled arrays hold

@@ -9,9 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.kernels import _attention_mosaic, _attention_triton, _attention_xla
+from cairn.kernels import _attention_xla
 from cairn.kernels._attention_common import AttentionSpec, folded_segments
-from cairn.kernels._registry import Implementation, call, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, register, register_op
 
 OP = "dot_product_attention"
 _NO_SOW = (
@@ -56,8 +56,9 @@ register(
         default_config=_attention_xla.default_config,
     )
 )
-register(_attention_triton.IMPLEMENTATION)
-register(_attention_mosaic.IMPLEMENTATION)
+# GPU kernels: imported on first use (cairn.kernels._registry.deferred)
+register(deferred(OP, "pallas_triton", "cairn.kernels._attention_triton", {"gpu"}))
+register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._attention_mosaic", {"gpu"}))
 
 
 def _window(local_window_size: int | tuple[int, int] | None) -> tuple[int, int] | None:

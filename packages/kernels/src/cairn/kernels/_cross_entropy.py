@@ -15,13 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._cross_entropy_mosaic import DEFAULT_CONFIG as MOSAIC_DEFAULT
-from cairn.kernels._cross_entropy_mosaic import cross_entropy_mosaic
-from cairn.kernels._cross_entropy_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._cross_entropy_triton import cross_entropy_triton
 from cairn.kernels._cross_entropy_xla import cross_entropy_xla
 from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._registry import Implementation, call, ops, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["linear_softmax_cross_entropy_loss"]
 
@@ -49,45 +45,6 @@ def _xla_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
     return [{"block_v": v, "block_b": b} for v in (1024, 4096) for b in (32, 128, 512)]
 
 
-def _triton_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
-    return [
-        {**TRITON_DEFAULT, "block_b": bb, "block_v": bv, "block_h": bh}
-        for bb in (32, 64) for bv in (64, 128) for bh in (32, 64)
-    ]
-
-
-def _triton_supports(x: Any, labels: Any, weights: Any, *, col_scale: Any = None, **_: Any) -> str | None:
-    if col_scale is not None:
-        return "quantized weights run on the xla implementation"
-    if jnp.dtype(x.dtype) != jnp.dtype(weights.dtype):
-        return f"x and weights dtypes differ ({jnp.dtype(x.dtype).name}, {jnp.dtype(weights.dtype).name})"
-    return None
-
-
-def _mosaic_supports(x: Any, labels: Any, weights: Any, **kwargs: Any) -> str | None:
-    reason = _triton_supports(x, labels, weights, **kwargs)
-    if reason is not None:
-        return reason
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"x dtype {jnp.dtype(x.dtype).name}: wgmma takes bfloat16 or float16"
-    if weights.shape[1] % 32:
-        return f"vocabulary size {weights.shape[1]} is not a multiple of 32 (block_v must divide it)"
-    return None
-
-
-def _mosaic_default(x: Any, labels: Any, weights: Any, **_: Any) -> dict[str, Any]:
-    v = weights.shape[1]
-    return {**MOSAIC_DEFAULT, "block_v": next((b for b in (256, 128, 64) if v % b == 0), 32)}
-
-
-def _mosaic_configs(x: Any, labels: Any, weights: Any, **_: Any) -> list[dict[str, Any]]:
-    v = weights.shape[1]
-    return [
-        {**MOSAIC_DEFAULT, "block_v": bv, "block_h": bh, "max_concurrent_steps": st}
-        for bv in (64, 128, 256) if v % bv == 0 for bh in (64, 128) for st in (2, 4)
-    ]
-
-
 # registered once: a doctest run imports this module a second time under another name
 if OP not in ops():
     register_op(OP, bucket=_bucket)
@@ -97,18 +54,9 @@ if OP not in ops():
             default_config=_xla_default,
         )
     )
-    register(
-        Implementation(
-            OP, "pallas_triton", cross_entropy_triton, frozenset({"gpu"}), configs=_triton_configs,
-            default_config=lambda *a, **k: dict(TRITON_DEFAULT), supports=_triton_supports,
-        )
-    )
-    register(
-        Implementation(
-            OP, "pallas_mosaic_gpu", cross_entropy_mosaic, frozenset({"gpu"}), configs=_mosaic_configs,
-            default_config=_mosaic_default, supports=_mosaic_supports,
-        )
-    )
+    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
+    register(deferred(OP, "pallas_triton", "cairn.kernels._cross_entropy_triton", {"gpu"}))
+    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._cross_entropy_mosaic", {"gpu"}))
 
 
 def _check(x: Any, labels: Any, weights: Any, reduction: str, precision: Any) -> None:

@@ -24,9 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from cairn.kernels._cross_entropy_triton import supports as triton_supports
 from cairn.kernels._cross_entropy_xla import make_loss
 from cairn.kernels._ragged_dot_mosaic import interpret_params
 from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_b": 64, "block_v": 128, "block_h": 64, "max_concurrent_steps": 2, "block_v_bwd": 2048}
 
@@ -127,3 +129,33 @@ def cross_entropy_mosaic(
     stats = functools.partial(stats_mosaic, cfg=cfg, interpret=interpret)
     block_v = min(cfg["block_v_bwd"], weights.shape[1])
     return make_loss(stats, block_v, precision)(x, labels, weights, reduction)
+
+
+def _supports(x: Any, labels: Any, weights: Any, **kwargs: Any) -> str | None:
+    reason = triton_supports(x, labels, weights, **kwargs)
+    if reason is not None:
+        return reason
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"x dtype {jnp.dtype(x.dtype).name}: wgmma takes bfloat16 or float16"
+    if weights.shape[1] % 32:
+        return f"vocabulary size {weights.shape[1]} is not a multiple of 32 (block_v must divide it)"
+    return None
+
+
+def _default(x: Any, labels: Any, weights: Any, **_: Any) -> dict[str, Any]:
+    v = weights.shape[1]
+    return {**DEFAULT_CONFIG, "block_v": next((b for b in (256, 128, 64) if v % b == 0), 32)}
+
+
+def _configs(x: Any, labels: Any, weights: Any, **_: Any) -> list[dict[str, Any]]:
+    v = weights.shape[1]
+    return [
+        {**DEFAULT_CONFIG, "block_v": bv, "block_h": bh, "max_concurrent_steps": st}
+        for bv in (64, 128, 256) if v % bv == 0 for bh in (64, 128) for st in (2, 4)
+    ]
+
+
+IMPLEMENTATION = Implementation(
+    "linear_softmax_cross_entropy_loss", "pallas_mosaic_gpu", cross_entropy_mosaic, frozenset({"gpu"}),
+    configs=_configs, default_config=_default, supports=_supports,
+)

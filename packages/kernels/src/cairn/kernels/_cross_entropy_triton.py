@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from cairn.kernels._cross_entropy_xla import make_loss
 from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_b": 32, "block_v": 128, "block_h": 64, "block_v_bwd": 2048, "num_warps": 4, "num_stages": 2}
 
@@ -108,3 +109,24 @@ def cross_entropy_triton(
     stats = functools.partial(stats_triton, cfg=cfg, interpret=interpret, precision=precision)
     block_v = min(cfg["block_v_bwd"], weights.shape[1])
     return make_loss(stats, block_v, precision)(x, labels, weights, reduction)
+
+
+def configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
+    return [
+        {**DEFAULT_CONFIG, "block_b": bb, "block_v": bv, "block_h": bh}
+        for bb in (32, 64) for bv in (64, 128) for bh in (32, 64)
+    ]
+
+
+def supports(x: Any, labels: Any, weights: Any, *, col_scale: Any = None, **_: Any) -> str | None:
+    if col_scale is not None:
+        return "quantized weights run on the xla implementation"
+    if jnp.dtype(x.dtype) != jnp.dtype(weights.dtype):
+        return f"x and weights dtypes differ ({jnp.dtype(x.dtype).name}, {jnp.dtype(weights.dtype).name})"
+    return None
+
+
+IMPLEMENTATION = Implementation(
+    "linear_softmax_cross_entropy_loss", "pallas_triton", cross_entropy_triton, frozenset({"gpu"}), configs=configs,
+    default_config=lambda *a, **k: dict(DEFAULT_CONFIG), supports=supports,
+)

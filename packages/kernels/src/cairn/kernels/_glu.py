@@ -18,13 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._glu_mosaic import DEFAULT_CONFIG as MOSAIC_DEFAULT
-from cairn.kernels._glu_mosaic import glu_mosaic
-from cairn.kernels._glu_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._glu_triton import glu_triton
 from cairn.kernels._glu_xla import apply, glu_xla
 from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._registry import Implementation, call, ops, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["gated_linear_unit"]
 
@@ -35,37 +31,13 @@ def _bucket(x: Any, weights: Any, **_: Any) -> tuple[Any, ...]:
     return (1 << max(x.shape[0] - 1, 0).bit_length(), weights.shape[0], weights.shape[2], jnp.dtype(x.dtype).name)
 
 
-def _mosaic_supports(x: Any, weights: Any, **_: Any) -> str | None:
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"x dtype {jnp.dtype(x.dtype).name}: wgmma takes bfloat16 or float16"
-    return None
-
-
 # registered once: a doctest run imports this module a second time under another name
 if OP not in ops():
     register_op(OP, bucket=_bucket)
     register(Implementation(OP, "xla", glu_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(
-        Implementation(
-            OP, "pallas_triton", glu_triton, frozenset({"gpu"}),
-            configs=lambda *a, **k: [
-                {**TRITON_DEFAULT, "block_m": bm, "block_n": bn, "block_k": bk}
-                for bm in (32, 64, 128) for bn in (32, 64, 128) for bk in (32, 64)
-            ],
-            default_config=lambda *a, **k: dict(TRITON_DEFAULT),
-        )
-    )
-    register(
-        Implementation(
-            OP, "pallas_mosaic_gpu", glu_mosaic, frozenset({"gpu"}),
-            configs=lambda *a, **k: [
-                {**MOSAIC_DEFAULT, "block_m": bm, "block_n": bn, "block_k": 64, "max_concurrent_steps": st}
-                for bm in (64, 128) for bn in (64, 128, 256) for st in (2, 4)
-            ],
-            default_config=lambda *a, **k: dict(MOSAIC_DEFAULT),
-            supports=_mosaic_supports,
-        )
-    )
+    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
+    register(deferred(OP, "pallas_triton", "cairn.kernels._glu_triton", {"gpu"}))
+    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._glu_mosaic", {"gpu"}))
 
 
 def _quantized(x2, weights: QArray, activation, precision, dtype):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -22,6 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from cairn.kernels._glu_triton import glu_vjp
 from cairn.kernels._ragged_dot_mosaic import interpret_params
 from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 64, "max_concurrent_steps": 2}
 
@@ -111,3 +113,20 @@ def glu_mosaic(
     cfg = check_config(config)
     fwd = functools.partial(forward_mosaic, cfg=cfg, interpret=interpret)
     return glu_vjp(fwd, activation, precision)(x, weights)
+
+
+def _supports(x: Any, weights: Any, **_: Any) -> str | None:
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"x dtype {jnp.dtype(x.dtype).name}: wgmma takes bfloat16 or float16"
+    return None
+
+
+IMPLEMENTATION = Implementation(
+    "gated_linear_unit", "pallas_mosaic_gpu", glu_mosaic, frozenset({"gpu"}),
+    configs=lambda *a, **k: [
+        {**DEFAULT_CONFIG, "block_m": bm, "block_n": bn, "block_k": 64, "max_concurrent_steps": st}
+        for bm in (64, 128) for bn in (64, 128, 256) for st in (2, 4)
+    ],
+    default_config=lambda *a, **k: dict(DEFAULT_CONFIG),
+    supports=_supports,
+)

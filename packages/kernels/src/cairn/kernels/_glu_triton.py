@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from cairn.kernels._glu_xla import apply
 from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
 
@@ -121,3 +122,13 @@ def glu_vjp(forward: Callable[..., Any], activation: Any, precision: Any) -> Cal
 
     glu.defvjp(fwd, bwd)
     return glu
+
+
+IMPLEMENTATION = Implementation(
+    "gated_linear_unit", "pallas_triton", glu_triton, frozenset({"gpu"}),
+    configs=lambda *a, **k: [
+        {**DEFAULT_CONFIG, "block_m": bm, "block_n": bn, "block_k": bk}
+        for bm in (32, 64, 128) for bn in (32, 64, 128) for bk in (32, 64)
+    ],
+    default_config=lambda *a, **k: dict(DEFAULT_CONFIG),
+)

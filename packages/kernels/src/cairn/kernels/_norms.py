@@ -16,10 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels._norms_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._norms_triton import norm_triton
 from cairn.kernels._norms_xla import norm_xla
-from cairn.kernels._registry import Implementation, call, ops, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -34,13 +32,7 @@ def _bucket(x: Any, *_: Any, subtract_mean: bool = True, **__: Any) -> tuple[Any
 if OP not in ops():
     register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
     register(Implementation(OP, "xla", norm_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(
-        Implementation(
-            OP, "pallas_triton", norm_triton, frozenset({"gpu"}),
-            configs=lambda *a, **k: [{**TRITON_DEFAULT, "block_rows": b, "num_warps": w} for b in (1, 4, 16) for w in (4, 8)],
-            default_config=lambda *a, **k: dict(TRITON_DEFAULT),
-        )
-    )
+    register(deferred(OP, "pallas_triton", "cairn.kernels._norms_triton", {"gpu"}))  # imported on first use
 
 
 def _check_param(name: str, p: Any, d: int, axis: int) -> None:

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from cairn.kernels._norms_xla import make_norm
 from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_rows": 16, "num_warps": 4}
 
@@ -138,3 +139,10 @@ def norm_triton(
     fwd = functools.partial(forward_triton, cfg=cfg, interpret=interpret)
     bwd = functools.partial(backward_triton, cfg=cfg, interpret=interpret)
     return make_norm(fwd, bwd, epsilon, subtract_mean)(x, scale, offset)
+
+
+IMPLEMENTATION = Implementation(
+    "layer_norm", "pallas_triton", norm_triton, frozenset({"gpu"}),
+    configs=lambda *a, **k: [{**DEFAULT_CONFIG, "block_rows": b, "num_warps": w} for b in (1, 4, 16) for w in (4, 8)],
+    default_config=lambda *a, **k: dict(DEFAULT_CONFIG),
+)

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels import _paged_attention_triton, _paged_attention_xla
+from cairn.kernels import _paged_attention_xla
 from cairn.kernels._paged_attention_common import PagedSpec
-from cairn.kernels._registry import Implementation, call, ops, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 OP = "paged_attention"
 
@@ -73,7 +73,8 @@ if OP not in ops():
             default_config=_paged_attention_xla.default_config,
         )
     )
-    register(_paged_attention_triton.IMPLEMENTATION)
+    # the Triton kernel loads on first use (issue 31: importing cairn.kernels loads no GPU code)
+    register(deferred(OP, "pallas_triton", "cairn.kernels._paged_attention_triton", {"gpu"}))
 
 
 def _is_concrete(x: Any) -> bool:

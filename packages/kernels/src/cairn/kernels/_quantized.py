@@ -20,11 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._quantized_triton import quantized_dot_general_triton
-from cairn.kernels._quantized_triton import supports as triton_supports
 from cairn.kernels._quantized_xla import quantized_dot_general_xla
-from cairn.kernels._registry import Implementation, call, ops, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["quantized_dot_general"]
 
@@ -44,17 +41,7 @@ def _bucket(lhs: Any, rhs: Any, dimension_numbers: Any, **_: Any) -> tuple[Any, 
 if OP not in ops():
     register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
     register(Implementation(OP, "xla", quantized_dot_general_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(
-        Implementation(
-            OP, "pallas_triton", quantized_dot_general_triton, frozenset({"gpu"}),
-            configs=lambda *a, **k: [
-                {**TRITON_DEFAULT, "block_m": bm, "block_n": bn, "block_k": bk}
-                for bm in (16, 64, 128) for bn in (64, 128) for bk in (32, 64)
-            ],
-            default_config=lambda *a, **k: dict(TRITON_DEFAULT),
-            supports=triton_supports,
-        )
-    )
+    register(deferred(OP, "pallas_triton", "cairn.kernels._quantized_triton", {"gpu"}))  # imported on first use
 
 
 def _normalize(dimension_numbers: Any, lnd: int, rnd: int) -> tuple[Any, ...]:

@@ -24,6 +24,7 @@ from cairn.core_array import QArray
 from cairn.kernels._quantized_common import values_of
 from cairn.kernels._quantized_xla import INT_QTYPES, result_dtype
 from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
 
@@ -158,3 +159,14 @@ def _float_lhs(x2, w, rs, out_dtype, cfg, interpret, precision):
 
     mm.defvjp(fwd, bwd)
     return mm(x2)
+
+
+IMPLEMENTATION = Implementation(
+    "quantized_dot_general", "pallas_triton", quantized_dot_general_triton, frozenset({"gpu"}),
+    configs=lambda *a, **k: [
+        {**DEFAULT_CONFIG, "block_m": bm, "block_n": bn, "block_k": bk}
+        for bm in (16, 64, 128) for bn in (64, 128) for bk in (32, 64)
+    ],
+    default_config=lambda *a, **k: dict(DEFAULT_CONFIG),
+    supports=supports,
+)

@@ -19,11 +19,8 @@ from jax import lax
 
 from cairn.core_array import QArray
 from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._ragged_dot_mosaic import MOSAIC_IMPLEMENTATION
-from cairn.kernels._ragged_dot_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._ragged_dot_triton import ragged_dot_triton
 from cairn.kernels._ragged_dot_xla import ragged_dot_xla, row_groups
-from cairn.kernels._registry import Implementation, call, ops, register, register_op
+from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["ragged_dot", "ragged_dot_general"]
 
@@ -50,21 +47,6 @@ def _xla_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
     return [{"method": "tiled", "block_m": b} for b in (64, 128, 256)] + [{"method": "dense", "block_m": 128}]
 
 
-def _triton_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
-    out = []
-    for bm in (64, 128):
-        for bn in (64, 128):
-            for bk in (32, 64):
-                out.append({**TRITON_DEFAULT, "block_m": bm, "block_n": bn, "block_k": bk})
-    return out
-
-
-def _triton_supports(lhs: Any, rhs: Any, *_: Any, **__: Any) -> str | None:
-    if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
-        return f"lhs and rhs dtypes differ ({jnp.dtype(lhs.dtype).name}, {jnp.dtype(rhs.dtype).name})"
-    return None
-
-
 # registered once: a doctest run imports this module a second time under another name
 if OP not in ops():
     register_op(OP, bucket=_bucket)
@@ -74,13 +56,9 @@ if OP not in ops():
             default_config=_xla_default,
         )
     )
-    register(
-        Implementation(
-            OP, "pallas_triton", ragged_dot_triton, frozenset({"gpu"}), configs=_triton_configs,
-            default_config=lambda *a, **k: dict(TRITON_DEFAULT), supports=_triton_supports,
-        )
-    )
-    register(MOSAIC_IMPLEMENTATION)
+    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
+    register(deferred(OP, "pallas_triton", "cairn.kernels._ragged_dot_triton", {"gpu"}))
+    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._ragged_dot_mosaic", {"gpu"}))
 
 
 def _check(lhs: Any, rhs: Any, group_sizes: Any, mode: str) -> None:

@@ -163,7 +163,7 @@ def _configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
     ]
 
 
-MOSAIC_IMPLEMENTATION = Implementation(
+IMPLEMENTATION = Implementation(
     "ragged_dot", "pallas_mosaic_gpu", ragged_dot_mosaic, frozenset({"gpu"}), configs=_configs,
     default_config=lambda *a, **k: dict(DEFAULT_CONFIG), supports=_supports,
 )

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cairn.kernels._ragged_dot_xla import _acc_dtype, make_ragged, out_dtype, schedule
+from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
@@ -161,3 +162,24 @@ def ragged_dot_triton(
     fm = functools.partial(forward_m, cfg=cfg, interpret=interpret, precision=precision)
     fk = functools.partial(forward_k, cfg=cfg, interpret=interpret, precision=precision)
     return make_ragged(fm, fk)(ragged, lhs, rhs, group_sizes, dtype)
+
+
+def _configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
+    out = []
+    for bm in (64, 128):
+        for bn in (64, 128):
+            for bk in (32, 64):
+                out.append({**DEFAULT_CONFIG, "block_m": bm, "block_n": bn, "block_k": bk})
+    return out
+
+
+def _supports(lhs: Any, rhs: Any, *_: Any, **__: Any) -> str | None:
+    if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
+        return f"lhs and rhs dtypes differ ({jnp.dtype(lhs.dtype).name}, {jnp.dtype(rhs.dtype).name})"
+    return None
+
+
+IMPLEMENTATION = Implementation(
+    "ragged_dot", "pallas_triton", ragged_dot_triton, frozenset({"gpu"}), configs=_configs,
+    default_config=lambda *a, **k: dict(DEFAULT_CONFIG), supports=_supports,
+)

@@ -14,6 +14,11 @@ Each recorded :class:`cairn.kernels.KernelCall` names the rule that decided (``s
 
 A Pallas implementation on a backend outside its ``platforms`` (the CPU) is used only when
 asked for explicitly (rules 1-2), and then runs with ``interpret=True``.
+
+GPU-only implementations are registered :func:`deferred`: the op module names the module
+that holds the kernel, and that module (with Pallas Triton or Mosaic GPU behind it) is
+imported the first time the implementation's code is needed. Dispatch on a CPU reads only
+``platforms``, so ``import cairn.kernels`` and XLA-only use never import a GPU backend.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import importlib
 import json
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -56,6 +63,81 @@ class Implementation:
     configs: Callable[..., Sequence[Mapping[str, Any]]] = lambda *a, **k: ({},)
     default_config: Callable[..., Mapping[str, Any]] = lambda *a, **k: {}
     supports: Callable[..., str | None] = lambda *a, **k: None
+
+
+class _Deferred:
+    """Where a deferred implementation lives; imports it once, on first use, and checks it."""
+
+    def __init__(self, op: str, name: str, module: str, attr: str, platforms: frozenset[str]) -> None:
+        self.op, self.name, self.module, self.attr, self.platforms = op, name, module, attr, platforms
+        self._impl: Implementation | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> Implementation:
+        if self._impl is not None:
+            return self._impl
+        with self._lock:
+            if self._impl is None:
+                impl = getattr(importlib.import_module(self.module), self.attr, None)
+                expected = (self.op, self.name, self.platforms)
+                if not isinstance(impl, Implementation) or (impl.op, impl.name, impl.platforms) != expected:
+                    raise TypeError(
+                        f"{self.module}.{self.attr} must be the Implementation (op, name, platforms) = "
+                        f"{expected} that was registered deferred, got {impl!r}"
+                    )
+                self._impl = impl
+        return self._impl
+
+
+class _Forward:
+    """One field of a deferred implementation: calling it loads the module, then calls the real field."""
+
+    def __init__(self, where: _Deferred, field: str) -> None:
+        self.where, self.field = where, field
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.where.load(), self.field)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<deferred {self.where.module}.{self.where.attr}.{self.field}>"
+
+
+def deferred(
+    op: str, name: str, module: str, platforms: frozenset[str] | set[str], *, attr: str = "IMPLEMENTATION"
+) -> Implementation:
+    """An :class:`Implementation` whose code is imported from ``module`` on first use.
+
+    Its ``fn``, ``configs``, ``default_config`` and ``supports`` import ``module`` when first
+    called and forward to ``module.<attr>`` (an :class:`Implementation` with the same ``op``,
+    ``name`` and ``platforms``). Only ``platforms`` is known without the import, which is
+    all dispatch reads for an implementation that does not run compiled on this backend;
+    so GPU kernels (Pallas Triton, Mosaic GPU) cost nothing to import on a CPU, and still
+    run (interpreted) when asked for by name.
+
+    Args:
+      op: the op name.
+      name: the implementation name (``"pallas_triton"``, ``"pallas_mosaic_gpu"``).
+      module: the absolute module name holding the implementation.
+      platforms: the backends it runs compiled on, as the real implementation says.
+      attr: the module attribute that is the :class:`Implementation`.
+
+    Returns:
+      The implementation to pass to :func:`register`.
+
+    Raises:
+      TypeError: (on first use) ``module.<attr>`` is not an Implementation of this op,
+        name and platforms.
+    """
+    where = _Deferred(op, name, module, attr, frozenset(platforms))
+    return Implementation(
+        op=op,
+        name=name,
+        fn=_Forward(where, "fn"),
+        platforms=where.platforms,
+        configs=_Forward(where, "configs"),
+        default_config=_Forward(where, "default_config"),
+        supports=_Forward(where, "supports"),
+    )
 
 
 @dataclasses.dataclass
@@ -124,8 +206,11 @@ def _same_source(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     """Whether two functions come from the same line of the same file.
 
     A module imported a second time under another name (pytest's doctest collection
-    does this) re-registers its ops; that replaces the entry instead of raising.
+    does this) re-registers its ops; that replaces the entry instead of raising. Two
+    :func:`deferred` implementations are the same when they name the same module attribute.
     """
+    if isinstance(a, _Forward) and isinstance(b, _Forward):
+        return (a.where.module, a.where.attr, a.field) == (b.where.module, b.where.attr, b.field)
     ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
     if ca is None or cb is None:
         return False

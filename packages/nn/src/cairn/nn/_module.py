@@ -19,6 +19,8 @@ paths is an error (tie weights explicitly instead).
 from __future__ import annotations
 
 import functools
+import html
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
@@ -182,6 +184,9 @@ class Module(Node):
 
     def __repr__(self) -> str:
         return module_repr(self)
+
+    def _repr_html_(self) -> str:
+        return module_html(self)
 
     def __copy__(self) -> Module:
         return cast(Module, clone(self))
@@ -483,27 +488,88 @@ class Sequential(Module):
 
 def module_repr(m: Module, indent: int = 0, depth: int = 0) -> str:
     """The nested repr of a module: variables and child modules first, then its
-    configuration (long reprs cut at 80 characters), ``Name(...)`` past depth 12."""
+    configuration (long reprs cut at 80 characters; a setting equal to its ``__init__``
+    default left out), ``Name(...)`` past depth 12."""
     pad = "  " * (indent + 1)
     name = type(m).__name__
     if depth > _MAX_REPR_DEPTH:
         return f"{name}(...)"
     state_lines, config_lines = [], []
-    for k, v in m._graph_items():
+    for k, v, kind in _repr_items(m):
         key = f"{k}: " if isinstance(m, List) else f"{k}="
-        if isinstance(v, Module):
+        if kind == "module":
             state_lines.append(f"{pad}{key}{module_repr(v, indent + 1, depth + 1)},")
-        elif isinstance(v, Variable):
+        elif kind == "variable":
             state_lines.append(f"{pad}{key}{v!r},")
         else:
-            r = _static_repr(v)
-            if len(r) > 80:
-                r = r[:77] + "..."
-            config_lines.append(f"{pad}{key}{r},")
+            config_lines.append(f"{pad}{key}{v},")
     lines = state_lines + config_lines
     if not lines:
         return f"{name}()"
     return f"{name}(\n" + "\n".join(lines) + "\n" + "  " * indent + ")"
+
+
+def _repr_items(m: Module) -> Iterator[tuple[Any, Any, str]]:
+    """``(key, value, kind)`` per item shown: child modules and variables as they are,
+    settings as their short text, those at their ``__init__`` default skipped."""
+    defaults = _init_defaults(type(m))
+    for k, v in m._graph_items():
+        if isinstance(v, Module):
+            yield k, v, "module"
+        elif isinstance(v, Variable):
+            yield k, v, "variable"
+        elif not (isinstance(k, str) and k in defaults and _same_setting(v, defaults[k])):
+            r = _static_repr(v)
+            yield k, (r[:77] + "..." if len(r) > 80 else r), "setting"
+
+
+_INIT_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _init_defaults(cls: type) -> dict[str, Any]:
+    """The keyword defaults of ``cls.__init__``, by parameter name (empty when unreadable)."""
+    if cls not in _INIT_DEFAULTS:
+        try:
+            params = inspect.signature(cls).parameters  # __init__'s, without self
+            found = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):
+            found = {}
+        _INIT_DEFAULTS[cls] = found
+    return _INIT_DEFAULTS[cls]
+
+
+def _same_setting(v: Any, default: Any) -> bool:
+    if v is default:
+        return True
+    try:
+        return type(v) is type(default) and bool(v == default)
+    except Exception:  # arrays and other values without a plain truth value
+        return False
+
+
+def module_html(m: Module, depth: int = 0) -> str:
+    """The notebook form of :func:`module_repr`: nested collapsible ``<details>`` blocks,
+    the top two levels open; variables and settings as in the text repr."""
+    name = html.escape(type(m).__name__)
+    if depth > _MAX_REPR_DEPTH:
+        return f"<code>{name}(...)</code>"
+    state_rows: list[str] = []
+    config_rows: list[str] = []
+    for k, v, kind in _repr_items(m):
+        key = f"<code>{html.escape(str(k))}</code>" + (": " if isinstance(m, List) else " = ")
+        if kind == "module":
+            state_rows.append(f"<li>{key}{module_html(v, depth + 1)}</li>")
+        else:
+            row = f"<li>{key}<code>{html.escape(repr(v) if kind == 'variable' else v)}</code></li>"
+            (state_rows if kind == "variable" else config_rows).append(row)
+    rows = state_rows + config_rows
+    if not rows:
+        return f"<code>{name}()</code>"
+    opened = " open" if depth < 2 else ""
+    return (
+        f"<details{opened}><summary><code>{name}</code></summary>"
+        f"<ul style='margin:0;padding-left:1.5em;list-style:none'>{''.join(rows)}</ul></details>"
+    )
 
 
 def _static_repr(v) -> str:

@@ -57,6 +57,17 @@ class GradientTransformation(NamedTuple):
     init: Callable
     update: Callable
 
+    def __repr__(self) -> str:
+        """The factory calls that built it, arguments at their defaults left out, no addresses."""
+        from cairn.optim import _repr  # the repr reads the public namespace: imported when shown
+
+        return _repr.text_repr(self)
+
+    def _repr_html_(self) -> str:
+        from cairn.optim import _repr
+
+        return _repr.html_repr(self)
+
 
 class GradientTransformationExtraArgs(GradientTransformation):
     """A :class:`GradientTransformation` whose ``update`` takes extra keyword arguments

@@ -147,6 +147,16 @@ class MultiSteps:
     def inner_opt(self) -> GradientTransformation:
         return self._opt
 
+    def __repr__(self) -> str:
+        from cairn.optim import _repr
+
+        return _repr.text_repr(self)
+
+    def _repr_html_(self) -> str:
+        from cairn.optim import _repr
+
+        return _repr.html_repr(self)
+
     def init(self, params: Any) -> MultiStepsState:
         packed = isinstance(params, Packed) or pk.packing_state()
         layout = pk.layout_of(params, per_leaf=not packed)
