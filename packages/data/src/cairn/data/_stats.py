@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 
 class Stage(Protocol):
     """What the statistics need of a ``MapDataset`` stage: its input stages. (A protocol,
@@ -119,7 +121,9 @@ def profiled(f: Callable) -> Callable:
     profile (one thread-local read per call, i.e. per chunk, when none is active)."""
 
     @functools.wraps(f)
-    def _getitems(self, indices, epoch):
+    def _getitems(self, indices, epoch=0):
+        if not isinstance(indices, np.ndarray):  # Grain's callers pass any sequence
+            indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         prof = getattr(_TLS, "profile", None)
         if prof is None:
             return f(self, indices, epoch)

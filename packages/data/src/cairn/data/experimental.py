@@ -1,7 +1,8 @@
 """Grain's ``grain.experimental`` names that cairn.data has.
 
 ``device_put`` with Grain's signature, thread prefetching as a dataset class, the
-RAM-budget performance picker, packing, interleaving and the checkpoint test helper.
+RAM-budget performance picker, packing, interleaving, the checkpoint test helper,
+``batch_and_pad`` and pipeline-wide ``DatasetOptions`` (``WithOptionsIterDataset``).
 JAX is imported only when ``device_put``'s elements flow.
 
 >>> import cairn.data as grain
@@ -17,24 +18,35 @@ from typing import Any
 
 from cairn.data._dataset import IterDataset
 from cairn.data._device import device_put as _device_put
+from cairn.data._options import DatasetOptions
 from cairn.data._packing import FirstFitPackIterDataset
 from cairn.data._performance import PerformanceConfig, pick_performance_config
 from cairn.data._testing import assert_equal_output_after_checkpoint
-from cairn.data._transforms.flat_map import FlatMapMapDataset
+from cairn.data._transforms.apply import apply_transformations
+from cairn.data._transforms.flat_map import FlatMapIterDataset, FlatMapMapDataset
 from cairn.data._transforms.interleave import InterleaveIterDataset
+from cairn.data._transforms.options import WithOptionsIterDataset
 from cairn.data._transforms.prefetch import PrefetchIterDataset
+from cairn.data._transforms.repeat import RepeatIterDataset
+from cairn.data._tree import batch_and_pad
 from cairn.data.transforms import FlatMap as FlatMapTransform
 from cairn.data.transforms import MapWithIndex as MapWithIndexTransform
 
 __all__ = [
+    "DatasetOptions",
     "FirstFitPackIterDataset",
+    "FlatMapIterDataset",
     "FlatMapMapDataset",
     "FlatMapTransform",
     "InterleaveIterDataset",
     "MapWithIndexTransform",
     "PerformanceConfig",
+    "RepeatIterDataset",
     "ThreadPrefetchIterDataset",
+    "WithOptionsIterDataset",
+    "apply_transformations",
     "assert_equal_output_after_checkpoint",
+    "batch_and_pad",
     "device_put",
     "pick_performance_config",
 ]

@@ -1,0 +1,321 @@
+"""Grain's public dataset API that Grain's own test suite relies on (issue 30).
+
+Each test pins one behaviour found by ``tools/compat_suites.py grain``: generic
+subscripting, Grain-style custom datasets and iterators, ``IterDataset.map_with_index`` /
+``seed``, ``experimental.batch_and_pad``, ``DatasetOptions`` with the filter-ratio check,
+and the ``grain.python`` checkpoint names.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import cairn.data as grain
+from cairn.data.experimental import DatasetOptions, WithOptionsIterDataset, batch_and_pad
+
+# --- generics and Grain-style subclasses ---------------------------------------------------
+
+
+def test_dataset_classes_are_generic():
+    assert grain.MapDataset[int] is not None and grain.IterDataset[str] is not None
+    assert grain.DatasetIterator[int] is not None
+
+    def f(ds: grain.MapDataset[int]) -> grain.IterDataset[int]:
+        return ds.to_iter_dataset()
+
+    assert list(f(grain.MapDataset.range(3))) == [0, 1, 2]
+
+
+class Plus(grain.MapDataset[int]):
+    """Grain's protocol: __init__(parents), __len__, __getitem__ (past len: next epoch)."""
+
+    def __init__(self, parent: grain.MapDataset[int], k: int) -> None:
+        super().__init__(parent)
+        self.k = k
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._parent[index] + self.k
+
+
+def test_custom_map_dataset_with_getitem_composes_with_every_step():
+    base = grain.MapDataset.range(5)
+    ds = Plus(base, 100)
+    assert ds.parents == (base,) and ds._parent is base
+    assert list(ds) == [100, 101, 102, 103, 104]
+    assert ds[7] == 102  # index past the end: epoch 1, element 2
+    assert [b.tolist() for b in ds.batch(2)] == [[100, 101], [102, 103], [104]]
+    shuffled = list(Plus(base.shuffle(seed=3), 100))
+    assert sorted(shuffled) == list(range(100, 105)) and shuffled == [x + 100 for x in base.shuffle(seed=3)]
+    # over a reshuffling repeat the custom step reads epoch 1 through its parent
+    rep = Plus(base.shuffle(seed=3).repeat(2), 0)
+    assert list(rep) == list(base.shuffle(seed=3).repeat(2))
+    # the batched read used by workers and chunks goes through __getitem__
+    assert ds._getitems(range(1, 4)) == [101, 102, 103]
+    assert ds.__getitems__([4, 0]) == [104, 100]
+    it = iter(ds.to_iter_dataset())
+    next(it)
+    state = it.get_state()
+    rest = list(it)
+    it2 = iter(ds.to_iter_dataset())
+    it2.set_state(state)
+    assert list(it2) == rest == [101, 102, 103, 104]
+
+
+def test_map_dataset_init_checks_its_parents():
+    with pytest.raises(TypeError, match=r"parents\[1\] is a list, expected a MapDataset"):
+        Plus.__bases__[0].__init__(object.__new__(Plus), [grain.MapDataset.range(2), [1]])
+    two = grain.MapDataset.range(2)
+    node = object.__new__(Plus)
+    grain.MapDataset.__init__(node, [two, two])
+    assert node.parents == (two, two) and not hasattr(node, "_parent")
+
+
+class EveryOther(grain.IterDataset[int]):
+    """Grain's protocol: __init__(parents), __iter__ returning a DatasetIterator."""
+
+    def __init__(self, parent: grain.IterDataset[int]) -> None:
+        super().__init__(parent)
+
+    def __iter__(self) -> grain.DatasetIterator[int]:
+        return EveryOtherIterator(self._parent.__iter__())
+
+
+class EveryOtherIterator(grain.DatasetIterator[int]):
+    def __init__(self, parent: grain.DatasetIterator[int]) -> None:
+        super().__init__(parent)
+
+    def __next__(self) -> int:
+        x = next(self._parent)
+        next(self._parent, None)
+        return x
+
+    def get_state(self) -> dict:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state)
+
+
+def test_custom_iter_dataset_and_iterator_compose_with_steps_and_state():
+    ds = EveryOther(grain.MapDataset.range(10).to_iter_dataset()).map(lambda x: x * 10).batch(2)
+    assert [b.tolist() for b in ds] == [[0, 20], [40, 60], [80]]
+    it = iter(ds)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    rest = [b.tolist() for b in it]
+    it2 = iter(ds)
+    it2.set_state(state)
+    assert [b.tolist() for b in it2] == rest == [[40, 60], [80]]
+    assert EveryOther(grain.MapDataset.range(3)).parents[0].__class__ is grain.MapDataset.range(3).__class__
+    assert "EveryOtherIterator" in iter(EveryOther(grain.MapDataset.range(3).to_iter_dataset())).summary()
+
+
+def test_iter_dataset_init_rejects_non_datasets():
+    with pytest.raises(TypeError, match="parents must be a IterDataset or MapDataset or a sequence of them, got int"):
+        EveryOther(3)
+    with pytest.raises(TypeError, match=r"parents\[1\] is a str, expected a IterDataset or MapDataset"):
+        EveryOther([grain.MapDataset.range(2), "x"])
+
+
+# --- IterDataset.map_with_index and IterDataset.seed ---------------------------------------
+
+
+def test_iter_map_with_index_counts_output_elements_and_resumes():
+    ds = grain.MapDataset.range(20).to_iter_dataset().filter(lambda x: x % 3 == 0)
+    out = list(ds.map_with_index(lambda k, x: (k, x)))
+    assert out == list(enumerate([0, 3, 6, 9, 12, 15, 18]))
+    batched = grain.MapDataset.range(7).to_iter_dataset().batch(3).map_with_index(lambda k, b: k * 100 + len(b))
+    assert list(batched) == [3, 103, 201]
+    it = iter(ds.map_with_index(lambda k, x: (k, x)))
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["count"] == 3
+    it2 = iter(ds.map_with_index(lambda k, x: (k, x)))
+    it2.set_state(state)
+    assert list(it2) == out[3:]
+
+
+class IndexTag(grain.transforms.MapWithIndex):
+    def map_with_index(self, index, element):
+        return f"{index}:{element}"
+
+
+def test_iter_map_with_index_takes_a_transform_object_and_rejects_others():
+    ds = grain.MapDataset.source(["a", "b"]).to_iter_dataset()
+    assert list(ds.map_with_index(IndexTag())) == ["0:a", "1:b"]
+    with pytest.raises(TypeError, match="map_with_index"):
+        ds.map_with_index(3)
+    it = iter(ds.map_with_index(IndexTag()))
+    with pytest.raises(ValueError, match="count"):
+        it.set_state({"version": 1, "parent": it.get_state()["parent"], "count": -1})
+
+
+def test_iter_seed_is_the_default_seed_of_random_map():
+    def draw(x, rng):
+        return int(rng.integers(1 << 30))
+
+    ds = grain.MapDataset.range(50).to_iter_dataset().batch(5)
+    seeded = ds.seed(11)
+    a = list(seeded.random_map(draw))
+    assert a == list(ds.random_map(draw, seed=11))
+    assert a != list(ds.seed(12).random_map(draw))
+    assert list(seeded.random_map(draw, seed=5)) == list(ds.random_map(draw, seed=5))  # explicit wins
+    assert [b.tolist() for b in seeded] == [b.tolist() for b in ds]  # seed passes elements through
+    it, plain = iter(seeded), iter(ds)
+    next(it), next(plain)
+    assert it.get_state() == plain.get_state()  # seed adds nothing to the state
+    # a MapDataset seed reaches the random_map folded into to_iter_dataset()
+    m = grain.MapDataset.range(8).seed(4)
+    assert list(m.to_iter_dataset().random_map(draw)) == list(m.random_map(draw, seed=4))
+    with pytest.raises(TypeError, match="seed must be an int"):
+        ds.seed("x")
+
+
+# --- experimental.batch_and_pad ------------------------------------------------------------
+
+
+def test_batch_and_pad_pads_a_short_batch_with_pad_value_in_each_dtype():
+    Pair = collections.namedtuple("Pair", "a b")
+    recs = [{"x": np.full((2, 3), i, np.int16), "p": Pair(np.float32(i), np.array([i, -i]))} for i in range(1, 3)]
+    out = batch_and_pad(recs, batch_size=4, pad_value=7)
+    want_x = np.stack([r["x"] for r in recs] + [np.full((2, 3), 7, np.int16)] * 2)
+    np.testing.assert_array_equal(out["x"], want_x)
+    assert out["x"].dtype == np.int16 and isinstance(out["p"], Pair)
+    np.testing.assert_array_equal(out["p"].a, np.array([1, 2, 7, 7], np.float32))
+    assert out["p"].a.dtype == np.float32
+    np.testing.assert_array_equal(out["p"].b, np.array([[1, -1], [2, -2], [7, 7], [7, 7]]))
+    full = batch_and_pad(recs, batch_size=2)
+    np.testing.assert_array_equal(full["x"], np.stack([r["x"] for r in recs]))
+
+
+def test_batch_and_pad_as_batch_fn_keeps_the_remainder_at_full_size():
+    pad = functools.partial(batch_and_pad, batch_size=3)
+    got = [b.tolist() for b in grain.MapDataset.range(1, 5).batch(3, batch_fn=pad)]
+    assert got == [[1, 2, 3], [4, 0, 0]]
+    got = [b.tolist() for b in grain.MapDataset.range(1, 5).to_iter_dataset().batch(3, batch_fn=pad)]
+    assert got == [[1, 2, 3], [4, 0, 0]]
+
+
+def test_batch_and_pad_errors():
+    with pytest.raises(ValueError, match="Cannot batch 0 values"):
+        batch_and_pad([], batch_size=2)
+    with pytest.raises(ValueError, match="Cannot batch 3 values to 2"):
+        batch_and_pad([1, 2, 3], batch_size=2)
+    with pytest.raises(ValueError, match="record 1"):
+        batch_and_pad([np.zeros(2), np.zeros(3)], batch_size=4)
+
+
+# --- DatasetOptions, WithOptionsIterDataset, the filter-ratio check -------------------------
+
+
+def test_dataset_options_defaults_validation_and_merge():
+    d = DatasetOptions()
+    assert (d.filter_warn_threshold_ratio, d.filter_raise_threshold_ratio) == (0.9, None)
+    outer = DatasetOptions(filter_raise_threshold_ratio=0.5)
+    inner = DatasetOptions(filter_raise_threshold_ratio=0.1, filter_warn_threshold_ratio=None)
+    m = outer.merge(inner)
+    assert (m.filter_warn_threshold_ratio, m.filter_raise_threshold_ratio) == (None, 0.5)
+    assert outer.merge(None) is outer
+    assert DatasetOptions().merge(inner) == inner
+    with pytest.raises(ValueError, match=r"filter_raise_threshold_ratio must be None or a number in \[0, 1\], got 2"):
+        DatasetOptions(filter_raise_threshold_ratio=2)
+    with pytest.raises(TypeError, match="unknown field"):
+        DatasetOptions(filter_ratio=0.1)
+    with pytest.raises(TypeError, match="must be a DatasetOptions"):
+        WithOptionsIterDataset(grain.MapDataset.range(3).to_iter_dataset(), {"x": 1})
+
+
+def _drop_all(x):
+    return False
+
+
+@pytest.mark.parametrize("where", ["folded", "after_batch"])
+def test_a_filter_that_drops_everything_warns_once(where, caplog):
+    if where == "folded":  # folded into the MapDataset read by to_iter_dataset
+        ds = grain.MapDataset.range(3000).to_iter_dataset().filter(_drop_all)
+    else:  # an iterator-level filter
+        ds = grain.MapDataset.range(3000).to_iter_dataset().batch(1).filter(_drop_all)
+    with caplog.at_level(logging.WARNING, logger="cairn.data"):
+        assert list(ds) == []
+    msgs = [r.getMessage() for r in caplog.records if r.name == "cairn.data"]
+    assert len(msgs) == 1
+    assert "filter(_drop_all) skipped 100.00 % of the last seen" in msgs[0]
+    assert "filter_warn_threshold_ratio" in msgs[0]
+
+
+def test_no_warning_below_the_threshold_or_when_turned_off(caplog):
+    half = grain.MapDataset.range(3000).to_iter_dataset().filter(lambda x: x % 2 == 0)
+    off = WithOptionsIterDataset(
+        grain.MapDataset.range(3000).to_iter_dataset().filter(_drop_all),
+        DatasetOptions(filter_warn_threshold_ratio=None),
+    )
+    with caplog.at_level(logging.WARNING, logger="cairn.data"):
+        assert len(list(half)) == 1500
+        assert list(off) == []
+    assert not [r for r in caplog.records if r.name == "cairn.data"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_raise_threshold_stops_the_pipeline_naming_the_filter(workers):
+    ds = grain.MapDataset.range(5000).to_iter_dataset().filter(lambda x: x < 5).mp_prefetch(workers)
+    strict = WithOptionsIterDataset(ds, DatasetOptions(filter_raise_threshold_ratio=0.95))
+    it = iter(strict)
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"filter\(.*<lambda>\) skipped 9\d\.\d\d % of the last seen \d+ elements"):
+        next(it)
+    it.close()
+    # the same data without the option just ends
+    assert list(ds) == [0, 1, 2, 3, 4]
+
+
+def test_outer_options_win_over_inner_ones():
+    ds = grain.MapDataset.range(2000).to_iter_dataset().batch(1).filter(_drop_all)
+    inner = WithOptionsIterDataset(ds, DatasetOptions(filter_raise_threshold_ratio=0.5))
+    outer = WithOptionsIterDataset(inner, DatasetOptions(filter_raise_threshold_ratio=None))
+    assert list(outer) == []
+    with pytest.raises(ValueError, match="skipped 100.00 %"):
+        list(inner)
+    it = iter(WithOptionsIterDataset(grain.MapDataset.range(4), DatasetOptions()))
+    next(it)
+    assert it.get_state() == {"version": 1, "next_index": 1}  # the parent's state
+
+
+# --- grain.python's checkpoint names -------------------------------------------------------
+
+
+def test_pygrain_checkpoint_names_save_and_restore_a_data_loader(tmp_path):
+    """Grain's data loader tutorial: ``import grain.python as grain`` and an Orbax manager."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    assert grain.PyGrainCheckpointHandler is grain.checkpoint.CheckpointHandler
+    loader = grain.DataLoader(
+        data_source=list(range(40)),
+        sampler=grain.IndexSampler(40, shard_options=grain.NoSharding(), shuffle=True, seed=0, num_epochs=1),
+        operations=[grain.Batch(4)],
+        worker_count=0,
+    )
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    assert issubclass(grain.PyGrainCheckpointSave, ocp.args.CheckpointArgs)
+    mngr = ocp.CheckpointManager(tmp_path / "orbax")
+    assert mngr.save(step=3, args=grain.PyGrainCheckpointSave(it), force=True)
+    mngr.wait_until_finished()
+    after = [next(it).tolist() for _ in range(3)]
+    restored = mngr.restore(3, args=grain.PyGrainCheckpointRestore(it))
+    assert [next(it).tolist() for _ in range(3)] == after
+    assert restored is it
+    mngr.close()
+    with pytest.raises(AttributeError, match="PyGrainNothing"):
+        grain.PyGrainNothing  # noqa: B018
