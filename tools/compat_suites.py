@@ -77,8 +77,9 @@ PEERS: dict[str, dict[str, Any]] = {
         "cairn": "cairn.data",
         # public peer modules whose Cairn module is not "<cairn>.<same tail>"
         "modules": {"grain.python": "cairn.data", "grain.python.experimental": "cairn.data.experimental"},
-        # test helpers loaded from the peer's own file: they import nothing of the peer
-        "support": ("grain._src.core.pytest",),
+        # the peer's test helpers (test code, not API), loaded from the peer's own files with
+        # their peer imports aliased like the tests': a pytest flag, the packing test base
+        "support": ("grain._src.core.pytest", "grain._src.python.dataset.transformations.testing_util"),
         "files": GRAIN_FILES,
     },
     "optax": {
@@ -211,6 +212,27 @@ def _placeholder(qualname: str) -> type:
     return _PrivateMeta(qualname.rsplit(".", 1)[-1], (), {"__qualname__": qualname, "__module__": "compat"})
 
 
+class _MissingMeta(_PrivateMeta):
+    """Placeholders for public peer names Cairn lacks: any use raises ``AttributeError``
+    (a failure of Cairn), so a module that only mentions the name still imports."""
+
+    def _refuse(cls, *_: Any, **__: Any) -> Any:
+        raise AttributeError(cls.__doc__)
+
+    __call__ = _refuse
+    __iter__ = _refuse
+    __bool__ = _refuse
+    __len__ = _refuse
+    __getitem__ = _refuse
+    __instancecheck__ = _refuse
+    __subclasscheck__ = _refuse
+
+
+def _missing(qualname: str, message: str) -> type:
+    return _MissingMeta(qualname.rsplit(".", 1)[-1], (), {"__qualname__": qualname, "__doc__": message,
+                                                           "__module__": "compat"})
+
+
 class _Missing(types.ModuleType):
     """A public peer module Cairn has no counterpart for: every name is missing."""
 
@@ -257,7 +279,7 @@ class _PrivateShim(types.ModuleType):
             mod = sys.modules.get(mod_name)
             if mod is not None and not isinstance(mod, _Missing) and hasattr(mod, attr):
                 return getattr(mod, attr)
-        raise AttributeError(f"Cairn has no counterpart of the peer's public {' / '.join(paths)}")
+        return _missing(f"{self.__name__}.{name}", f"Cairn has no counterpart of the peer's public {' / '.join(paths)}")
 
 
 class _Refuse:
@@ -305,20 +327,22 @@ def install_aliases(config: dict[str, Any]) -> None:
             target = alias
         sys.modules[name] = target
     for name, names in table["private"].items():
-        if name in peer["support"]:
-            spec = importlib.util.spec_from_file_location(name, config["support_files"][name])
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-        else:
-            mod = _PrivateShim(name)
-            mod._table = names
-            mod.__path__ = []  # a package, so that submodule imports reach sys.modules
+        mod = _PrivateShim(name)
+        mod._table = names
+        mod.__path__ = []  # a package, so that submodule imports reach sys.modules
         sys.modules[name] = mod
     for name in [*table["public"], *table["private"]]:
         parent, _, child = name.rpartition(".")
         if parent in sys.modules and child not in vars(sys.modules[parent]):
             setattr(sys.modules[parent], child, sys.modules[name])
     sys.meta_path.insert(0, _Refuse(peer["package"]))
+    for name in peer["support"]:  # last: their own peer imports resolve through the aliases
+        spec = importlib.util.spec_from_file_location(name, config["support_files"][name])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, mod)
 
 
 _INSTALLED: list[bool] = []
@@ -529,7 +553,7 @@ def _tally(names: list[str], peer: dict[str, Any], cairn: dict[str, Any]) -> dic
                                         for n in names}
     private_tests, failures = [], []
     for test, res in sorted(peer["results"].items()):
-        if res["outcome"] != "passed":
+        if res["outcome"] != "passed" or test.split("::")[0] not in files:
             continue
         f = files[test.split("::")[0]]
         f["peer_passed"] += 1
@@ -597,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the per-test details (private tests, failures) here")
     parser.add_argument("--workdir", default=None,
                         help="keep the copies, configs and pytest logs here (outside the repository) instead of a temp dir")
+    parser.add_argument("--reuse-peer", default=None, metavar="WORKDIR",
+                        help="take the peer's results from an earlier --workdir of the same files instead of rerunning it")
     parser.add_argument("--show", type=int, default=15, help="rows in the private-name and failure summaries")
     args = parser.parse_args(argv)
     if args.peer in ("flax", "orbax") and not args.peer_tests:
@@ -606,7 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir:
             shutil.rmtree(work, ignore_errors=True)
         names, settings = _prepare(args, work)
-        peer = _run_pytest(args, work, "peer", names, settings)
+        if args.reuse_peer:  # the peer's results of an earlier run of the same files
+            peer = json.loads((pathlib.Path(args.reuse_peer) / "peer_results.json").read_text())
+        else:
+            peer = _run_pytest(args, work, "peer", names, settings)
+        (work / "peer_results.json").write_text(json.dumps(peer))
         cairn = _run_pytest(args, work, "cairn", names, settings)
     tally = _tally(names, peer, cairn)
     summary = _print(args, tally)

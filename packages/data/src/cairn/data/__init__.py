@@ -27,6 +27,7 @@ from cairn.data._data_loader import (
     MapTransform,
     RandomMapTransform,
     RecordMetadata,
+    Sampler,
 )
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._device import device_put
@@ -91,6 +92,7 @@ __all__: list[str] = [
     "NoSharding",
     "RandomMapTransform",
     "RecordMetadata",
+    "Sampler",
     "ShardByJaxProcess",
     "ShardOptions",
     "device_put",

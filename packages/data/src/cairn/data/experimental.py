@@ -25,9 +25,11 @@ from cairn.data._testing import assert_equal_output_after_checkpoint
 from cairn.data._transforms.apply import apply_transformations
 from cairn.data._transforms.flat_map import FlatMapIterDataset, FlatMapMapDataset
 from cairn.data._transforms.interleave import InterleaveIterDataset
+from cairn.data._transforms.limit import LimitIterDataset
 from cairn.data._transforms.options import WithOptionsIterDataset
 from cairn.data._transforms.prefetch import PrefetchIterDataset
 from cairn.data._transforms.repeat import RepeatIterDataset
+from cairn.data._transforms.zip import ZipIterDataset, ZipMapDataset
 from cairn.data._tree import batch_and_pad
 from cairn.data.transforms import FlatMap as FlatMapTransform
 from cairn.data.transforms import MapWithIndex as MapWithIndexTransform
@@ -39,11 +41,14 @@ __all__ = [
     "FlatMapMapDataset",
     "FlatMapTransform",
     "InterleaveIterDataset",
+    "LimitIterDataset",
     "MapWithIndexTransform",
     "PerformanceConfig",
     "RepeatIterDataset",
     "ThreadPrefetchIterDataset",
     "WithOptionsIterDataset",
+    "ZipIterDataset",
+    "ZipMapDataset",
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
