@@ -484,3 +484,32 @@ def test_sampler_protocol_and_allow_nones():
     assert list(ds.to_iter_dataset(allow_nones=True).map(lambda x: x)) == [0, None, None, 3, None, None]
     assert list(ds.to_iter_dataset()) == [0, 3]
     assert grain.MapDataset.range(2).to_iter_dataset().parents[0].__class__.__name__ == "RangeMapDataset"
+
+
+def test_multithread_prefetch_keeps_elements_order_and_state():
+    from cairn.data.experimental import multithread_prefetch
+
+    root = grain.MapDataset.range(3000).shuffle(seed=1).to_iter_dataset().filter(lambda x: x % 7)
+    stepped = root.batch(5).map(lambda b: b.sum())
+    for ds in (root, stepped):
+        fast = multithread_prefetch(ds, num_threads=3, buffer_size=2)
+        want = [np.asarray(x).tolist() for x in ds]
+        assert [np.asarray(x).tolist() for x in fast] == want
+        it = iter(fast)
+        for _ in range(17):
+            next(it)
+        state = json.loads(json.dumps(it.get_state()))
+        it.close()
+        again = iter(ds)
+        again.set_state(state)  # the state is ds's own
+        assert [np.asarray(x).tolist() for x in again] == want[17:]
+    assert multithread_prefetch(root, num_threads=0, buffer_size=1) is root
+    assert multithread_prefetch(root, 4, 1)._read_options.num_threads == 4
+    with pytest.raises(ValueError, match="num_threads must be an int >= 0, got -1"):
+        multithread_prefetch(root, -1, 1)
+    with pytest.raises(ValueError, match="buffer_size must be an int >= 1, got 0"):
+        multithread_prefetch(root, 1, 0)
+    with pytest.raises(ValueError, match="sequential_slice=True is not supported"):
+        multithread_prefetch(root, 2, 1, sequential_slice=True)
+    with pytest.raises(TypeError, match="expects an IterDataset"):
+        multithread_prefetch(grain.MapDataset.range(3), 2, 1)
