@@ -513,3 +513,43 @@ def test_multithread_prefetch_keeps_elements_order_and_state():
         multithread_prefetch(root, 2, 1, sequential_slice=True)
     with pytest.raises(TypeError, match="expects an IterDataset"):
         multithread_prefetch(grain.MapDataset.range(3), 2, 1)
+
+
+def test_window_shuffle_map_dataset_permutes_within_windows_per_epoch():
+    from cairn.data.experimental import WindowShuffleMapDataset
+
+    ds = WindowShuffleMapDataset(grain.MapDataset.range(43), window_size=10, seed=42)
+    assert len(ds) == 43
+    e0, e1 = ds._getitems(range(43)), ds._getitems(range(43, 86))  # Grain-style global indices
+    for e in (e0, e1):
+        for k in range(0, 43, 10):
+            assert sorted(e[k:k + 10]) == list(range(k, min(k + 10, 43)))
+    assert e0 != e1 and e0 != list(range(43))
+    assert [ds[i] for i in range(43, 86)] == e1 == list(ds.repeat(2))[43:]
+    assert list(ds) == e0
+    other = WindowShuffleMapDataset(grain.MapDataset.range(43), window_size=10, seed=43)
+    assert list(other) != e0
+    with pytest.raises(ValueError, match="window_size must be an int >= 1, got 0"):
+        WindowShuffleMapDataset(grain.MapDataset.range(3), window_size=0, seed=1)
+
+
+def test_window_shuffle_iter_dataset_permutes_windows_and_resumes_anywhere():
+    from cairn.data.experimental import WindowShuffleIterDataset
+
+    src = grain.MapDataset.range(23).to_iter_dataset().filter(lambda x: x != 5)
+    ds = WindowShuffleIterDataset(src, window_size=4, seed=7)
+    out = list(ds)
+    kept = [x for x in range(23) if x != 5]
+    assert sorted(out) == kept and out != kept
+    for k in range(0, len(kept), 4):
+        assert sorted(out[k:k + 4]) == kept[k:k + 4]
+    for k in range(len(out) + 1):
+        it = iter(ds)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(it.get_state()))
+        it2 = iter(ds)
+        it2.set_state(state)
+        assert list(it2) == out[k:], k
+    with pytest.raises(TypeError, match="seed must be an int"):
+        WindowShuffleIterDataset(src, window_size=4, seed="a")

@@ -31,6 +31,7 @@ from cairn.data._transforms.options import WithOptionsIterDataset
 from cairn.data._transforms.prefetch import PrefetchIterDataset
 from cairn.data._transforms.repeat import RepeatIterDataset
 from cairn.data._transforms.to_iter import MapRootIterDataset
+from cairn.data._transforms.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from cairn.data._transforms.zip import ZipIterDataset, ZipMapDataset
 from cairn.data._tree import batch_and_pad
 from cairn.data.transforms import FlatMap as FlatMapTransform
@@ -48,6 +49,8 @@ __all__ = [
     "PerformanceConfig",
     "RepeatIterDataset",
     "ThreadPrefetchIterDataset",
+    "WindowShuffleIterDataset",
+    "WindowShuffleMapDataset",
     "WithOptionsIterDataset",
     "ZipIterDataset",
     "ZipMapDataset",
