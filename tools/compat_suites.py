@@ -41,7 +41,7 @@ import tempfile
 import types
 from typing import Any
 
-# --- peers ---------------------------------------------------------------------------------
+# --- peers ---
 
 # files whose tests exercise Grain's public dataset and loader API (the ones a user ports);
 # infrastructure-only files (ipc queues, monitoring, profiler, logging) are left to --files
@@ -118,7 +118,7 @@ def _is_test_module(name: str) -> bool:
     return last.endswith("_test") or last.startswith("test_") or last == "conftest"
 
 
-# --- step 0: the peer's public names, computed with the peer installed -----------------------
+# --- step 0: the peer's public names, computed with the peer installed ---
 
 
 def _walk(package: str) -> list[types.ModuleType]:
@@ -181,7 +181,7 @@ def public_map(package: str) -> dict[str, Any]:
     return {"public": sorted(m.__name__ for m in public), "private": private}
 
 
-# --- the pytest plugin, in both runs -----------------------------------------------------------
+# --- the pytest plugin, in both runs ---
 
 
 class CompatPrivateAccess(AttributeError):
@@ -442,7 +442,7 @@ def pytest_configure(config: Any) -> None:
     config.pluginmanager.register(Recorder(settings), "compat_recorder")
 
 
-# --- the driver ------------------------------------------------------------------------------
+# --- the driver ---
 
 
 def _peer_dir(package: str, python: str) -> pathlib.Path:

@@ -19,7 +19,7 @@ import pytest
 import cairn.data as grain
 from cairn.data.experimental import DatasetOptions, WithOptionsIterDataset, batch_and_pad
 
-# --- generics and Grain-style subclasses ---------------------------------------------------
+# --- generics and Grain-style subclasses ---
 
 
 def test_dataset_classes_are_generic():
@@ -128,7 +128,7 @@ def test_iter_dataset_init_rejects_non_datasets():
         EveryOther([grain.MapDataset.range(2), "x"])
 
 
-# --- IterDataset.map_with_index and IterDataset.seed ---------------------------------------
+# --- IterDataset.map_with_index and IterDataset.seed ---
 
 
 def test_iter_map_with_index_counts_output_elements_and_resumes():
@@ -183,7 +183,7 @@ def test_iter_seed_is_the_default_seed_of_random_map():
         ds.seed("x")
 
 
-# --- experimental.batch_and_pad ------------------------------------------------------------
+# --- experimental.batch_and_pad ---
 
 
 def test_batch_and_pad_pads_a_short_batch_with_pad_value_in_each_dtype():
@@ -217,7 +217,7 @@ def test_batch_and_pad_errors():
         batch_and_pad([np.zeros(2), np.zeros(3)], batch_size=4)
 
 
-# --- DatasetOptions, WithOptionsIterDataset, the filter-ratio check -------------------------
+# --- DatasetOptions, WithOptionsIterDataset, the filter-ratio check ---
 
 
 def test_dataset_options_defaults_validation_and_merge():
@@ -292,7 +292,7 @@ def test_outer_options_win_over_inner_ones():
     assert it.get_state() == {"version": 1, "next_index": 1}  # the parent's state
 
 
-# --- grain.python's checkpoint names -------------------------------------------------------
+# --- grain.python's checkpoint names ---
 
 
 def test_pygrain_checkpoint_names_save_and_restore_a_data_loader(tmp_path):
@@ -321,7 +321,7 @@ def test_pygrain_checkpoint_names_save_and_restore_a_data_loader(tmp_path):
         grain.PyGrainNothing  # noqa: B018
 
 
-# --- select_from_datasets, zip, limit, repeat and flat_map on iterators ----------------------
+# --- select_from_datasets, zip, limit, repeat and flat_map on iterators ---
 
 
 class Alternate(grain.DatasetSelectionMap):
