@@ -66,7 +66,8 @@ class WindowShuffleIterator(DatasetIterator):
     def __init__(self, parent: DatasetIterator, window: int, seed: int, name: str, debug: bool) -> None:
         super().__init__((parent,), name, debug)
         self._p, self._w, self._seed = parent, window, seed
-        self._start, self._number, self._buf, self._emitted = parent.get_state(), 0, [], 0
+        self._start, self._number, self._emitted = parent.get_state(), 0, 0
+        self._buf: list = []
 
     def _fill(self) -> None:
         self._start = self._p.get_state()
