@@ -115,7 +115,7 @@ def _is_public_module(name: str) -> bool:
 
 def _is_test_module(name: str) -> bool:
     last = name.rsplit(".", 1)[-1]
-    return last.endswith("_test") or last.startswith("test_") or last == "conftest"
+    return last.endswith("_test") or last == "conftest"  # test_utils-style helpers stay: their names count as private
 
 
 # --- step 0: the peer's public names, computed with the peer installed ---
@@ -336,7 +336,7 @@ def install_aliases(config: dict[str, Any]) -> None:
         if parent in sys.modules and child not in vars(sys.modules[parent]):
             setattr(sys.modules[parent], child, sys.modules[name])
     sys.meta_path.insert(0, _Refuse(peer["package"]))
-    for name in peer["support"]:  # last: their own peer imports resolve through the aliases
+    for name in config["support_files"]:  # last: their own peer imports resolve through the aliases
         spec = importlib.util.spec_from_file_location(name, config["support_files"][name])
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
@@ -446,7 +446,7 @@ def pytest_configure(config: Any) -> None:
 
 
 def _peer_dir(package: str, python: str) -> pathlib.Path:
-    code = f"import {package}, os; print(os.path.dirname({package}.__file__))"
+    code = f"import {package}; print(list({package}.__path__)[0])"  # namespace packages too (orbax)
     return pathlib.Path(subprocess.check_output([python, "-c", code], text=True).strip())
 
 
@@ -540,7 +540,8 @@ def _prepare(args: argparse.Namespace, work: pathlib.Path) -> tuple[list[str], d
             f"open({str(out)!r}, 'w').write(json.dumps(compat_suites.public_map({peer['package']!r})))")
     subprocess.run([args.python, "-c", code], check=True, cwd=work, capture_output=True)
     pkg_dir = _peer_dir(peer["package"], args.python)
-    support = {m: str(pkg_dir.joinpath(*m.split(".")[1:]).with_suffix(".py")) for m in peer["support"]}
+    modules = [*peer["support"], *args.support]
+    support = {m: str(pkg_dir.joinpath(*m.split(".")[1:]).with_suffix(".py")) for m in modules}
     extra = dict(kv.split("=", 1) for kv in args.map)
     settings = {"peer": args.peer, "map": json.loads(out.read_text()), "support_files": support,
                 "extra_modules": extra, "timeout": args.test_timeout}
@@ -613,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-tests", default=None, help="tests root of a local clone (flax tests/nnx, orbax)")
     parser.add_argument("--map", action="append", default=[], metavar="PEER_MODULE=CAIRN_MODULE",
                         help="extra public-module aliases, e.g. flax.nnx.nn=cairn.nn")
+    parser.add_argument("--support", action="append", default=[], metavar="PEER_MODULE",
+                        help="a test helper of the peer (e.g. optax._src.test_utils) to load from the peer's "
+                             "file with its imports aliased, instead of counting its names as private")
     parser.add_argument("--python", default=sys.executable, help="interpreter with pytest, the peer and Cairn")
     parser.add_argument("--test-timeout", type=int, default=120, help="seconds per test before it fails")
     parser.add_argument("--file-timeout", type=int, default=1800, help="seconds per test file")
