@@ -93,6 +93,9 @@ PEERS: dict[str, dict[str, Any]] = {
         "package": "flax",
         "cairn": None,  # `flax` itself has no counterpart; flax.nnx is cairn.nn
         "modules": {"flax.nnx": "cairn.nn"},
+        # Flax's internal modules have no underscore (flax.nnx.graph, .rnglib, ...): the
+        # public API is what `flax` and `flax.nnx` export; every other module is private
+        "public": ["flax", "flax.nnx"],
         "support": (),
         "files": (),
     },
@@ -146,14 +149,18 @@ def _walk(package: str) -> list[types.ModuleType]:
     return mods
 
 
-def public_map(package: str) -> dict[str, Any]:
+def public_map(package: str, public_modules: list[str] | None = None) -> dict[str, Any]:
     """{"public": [module names], "private": {module: {name: ["module:<m>"] | [public paths]}}}.
 
     A private module's name maps to the public paths under which the peer exposes the same
     object (an empty list: private only). Primitive values match by name and value.
     """
     mods = _walk(package)
-    public = [m for m in mods if _is_public_module(m.__name__)]
+
+    def is_public(name: str) -> bool:
+        return name in public_modules if public_modules is not None else _is_public_module(name)
+
+    public = [m for m in mods if is_public(m.__name__)]
     index: dict[int, list[str]] = {}
     for mod in public:
         for name, obj in list(vars(mod).items()):
@@ -161,7 +168,7 @@ def public_map(package: str) -> dict[str, Any]:
                 index.setdefault(id(obj), []).append(f"{mod.__name__}.{name}")
     private: dict[str, dict[str, list[str]]] = {}
     for mod in mods:
-        if _is_public_module(mod.__name__):
+        if is_public(mod.__name__):
             continue
         table = private[mod.__name__] = {}
         for name, obj in list(vars(mod).items()):
@@ -537,7 +544,8 @@ def _prepare(args: argparse.Namespace, work: pathlib.Path) -> tuple[list[str], d
         names.append(flat)
     out = work / "map.json"
     code = (f"import json, sys; sys.path.insert(0, {str(work / 'plugin')!r}); import compat_suites; "
-            f"open({str(out)!r}, 'w').write(json.dumps(compat_suites.public_map({peer['package']!r})))")
+            f"open({str(out)!r}, 'w').write(json.dumps(compat_suites.public_map({peer['package']!r}, "
+            f"{peer.get('public')!r})))")
     subprocess.run([args.python, "-c", code], check=True, cwd=work, capture_output=True)
     pkg_dir = _peer_dir(peer["package"], args.python)
     modules = [*peer["support"], *args.support]
