@@ -267,6 +267,26 @@ def fixtures_hf(session: nox.Session) -> None:
     session.run("python", "tests/llm/fixtures/check_transformers_loads.py", *session.posargs)
 
 
+@nox.session(default=False, python=PYTHON)
+def compat_suites(session: nox.Session) -> None:
+    """The peers' own test files run against Cairn (not in CI, not a default session).
+
+    tools/compat_suites.py runs Grain's and Optax's test files straight from their
+    installed wheels, once on the peer and once with the peer's imports pointed at Cairn,
+    and prints per-file and total pass rates among the tests that pass on the peer and use
+    only its public API (private-internals tests counted apart). Arguments after `--` go to
+    the script, one peer per run, e.g. `nox -s compat_suites -- grain --files slice_test.py`
+    or, for Flax NNX / Orbax (no tests in their wheels), `-- flax --peer-tests <clone>/tests/nnx`.
+    With no arguments: Grain, then Optax, with their default files.
+    """
+    _editable_all(session, "test,parquet,arrayrecord,safetensors")
+    # the versions the rates in docs/data.md were measured against
+    session.install("pytest", "absl-py", "cloudpickle", *INTEGRATION_DEPS, "grain==0.2.18", "optax==0.2.8")
+    runs = [session.posargs] if session.posargs else [["grain"], ["optax"]]
+    for args in runs:
+        session.run("python", "tools/compat_suites.py", *args)
+
+
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
     """Builds the docs site into build/docs and runs every ```python example in docs/."""

@@ -26,6 +26,14 @@ objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor p
 _.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
 
 # --- read by reflection ---
+_.np_random_map  # data transforms.TfRandomMap: Grain's abstract method, defined by users' subclasses
+_.pytest_collection_modifyitems  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
+_.pytest_collection_finish  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
+_.pytest_collectreport  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
+_.pytest_runtest_logstart  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
+_.pytest_runtest_logreport  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
+_.pytest_runtest_logfinish  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
+location  # tools/compat_suites.py: pytest passes hooks their documented (nodeid, location) arguments
 _.pre_tokenizer  # tests/llm fixtures: a tokenizers.Tokenizer property, read by its Rust side
 _.normalizer  # tests/llm fixtures: a tokenizers.Tokenizer property, read by its Rust side
 _.post_processor  # tests/llm fixtures: a tokenizers.Tokenizer property, read by its Rust side

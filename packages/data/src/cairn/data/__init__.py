@@ -8,6 +8,8 @@ Start from a source, chain ``MapDataset`` steps, then iterate::
 """
 
 # Grain's public submodules (grain.sources, grain.transforms, ...): thin re-exports.
+from typing import Any
+
 from cairn.data import (
     checkpoint,
     experimental,
@@ -25,6 +27,7 @@ from cairn.data._data_loader import (
     MapTransform,
     RandomMapTransform,
     RecordMetadata,
+    Sampler,
 )
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
 from cairn.data._device import device_put
@@ -42,6 +45,7 @@ from cairn.data._source_parquet import ParquetDataSource
 from cairn.data._testing import assert_equal_output_after_checkpoint
 from cairn.data._transforms.interleave import InterleaveIterDataset
 from cairn.data._transforms.mix import MixIterDataset
+from cairn.data._transforms.select import DatasetSelectionMap
 from cairn.data._tree import StructureMismatchError, stack_records
 from cairn.data._writers import (
     ArrayRecordWriter,
@@ -51,12 +55,24 @@ from cairn.data._writers import (
     write_array_record,
     write_parquet,
 )
+from cairn.data.checkpoint import CheckpointHandler as PyGrainCheckpointHandler
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``PyGrainCheckpointSave`` / ``PyGrainCheckpointRestore`` (``grain.python``'s names):
+    ``checkpoint.CheckpointSave`` / ``CheckpointRestore``, Orbax-registered once Orbax is
+    imported, so they are looked up on each access."""
+    if name in ("PyGrainCheckpointSave", "PyGrainCheckpointRestore"):
+        return getattr(checkpoint, name[len("PyGrain"):])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__: list[str] = [
     # --- datasets and iterators ---
     "DatasetIterator",
+    "DatasetSelectionMap",
     "FirstFitPackIterDataset",
     "InterleaveIterDataset",
     "IterDataset",
@@ -76,6 +92,7 @@ __all__: list[str] = [
     "NoSharding",
     "RandomMapTransform",
     "RecordMetadata",
+    "Sampler",
     "ShardByJaxProcess",
     "ShardOptions",
     "device_put",
@@ -91,6 +108,10 @@ __all__: list[str] = [
     "encode_example",
     "write_array_record",
     "write_parquet",
+    # --- Grain's grain.python names for the checkpoint arguments and handler ---
+    "PyGrainCheckpointHandler",
+    "PyGrainCheckpointRestore",
+    "PyGrainCheckpointSave",
     # --- records and testing ---
     "StructureMismatchError",
     "assert_equal_output_after_checkpoint",

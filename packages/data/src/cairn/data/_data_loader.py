@@ -6,7 +6,7 @@ import abc
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -22,8 +22,18 @@ __all__ = [
     "FilterTransform",
     "Batch",
     "RecordMetadata",
+    "Sampler",
     "SequentialSampler",
 ]
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What ``DataLoader`` reads a record order from (Grain's protocol): indexing by global
+    step gives that step's ``RecordMetadata``. ``IndexSampler`` and ``SequentialSampler`` are
+    samplers; ``isinstance(x, Sampler)`` checks for ``__getitem__``."""
+
+    def __getitem__(self, index: int) -> RecordMetadata: ...
 
 
 class MapTransform(abc.ABC):

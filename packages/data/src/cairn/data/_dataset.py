@@ -27,7 +27,7 @@ import operator
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -44,9 +44,24 @@ from cairn.data._tree import StructureChecker, stack_records
 
 __all__ = ["DatasetIterator", "IterDataset", "MapDataset", "ReadOptions"]
 
+T = TypeVar("T")
+
+
+def _as_parents(parents: Any, kind: type | tuple[type, ...]) -> tuple:
+    """``parents`` (one dataset or a sequence of them) as a tuple, each checked to be ``kind``."""
+    names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    try:
+        out = (parents,) if isinstance(parents, kind) else tuple(parents)
+    except TypeError:
+        raise TypeError(f"parents must be a {names} or a sequence of them, got {type(parents).__name__}") from None
+    for k, p in enumerate(out):
+        if not isinstance(p, kind):
+            raise TypeError(f"parents[{k}] is a {type(p).__name__}, expected a {names}")
+    return out
+
 
 class _Pipeline:
-    """What ``MapDataset`` and ``IterDataset`` share: ``pipe`` and the text rendering."""
+    """What ``MapDataset`` and ``IterDataset`` share: ``pipe``, ``apply`` and the text rendering."""
 
     _parents: tuple  # the input stages; subclasses set them
 
@@ -56,6 +71,14 @@ class _Pipeline:
     def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(self, *args, **kwargs)``: lets custom steps chain fluently."""
         return fn(self, *args, **kwargs)
+
+    def apply(self, transformations: Any) -> Any:
+        """Apply Grain transform objects (one or a sequence) as the matching steps; see
+        ``cairn.data.experimental.apply_transformations``."""
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.apply import apply_transformations
+
+        return apply_transformations(self, transformations)  # type: ignore[arg-type]
 
     def _graph_head(self) -> str:
         return self._stage_name()
@@ -75,24 +98,58 @@ class _Pipeline:
         return "\n".join(self._graph_lines(""))
 
 
-class MapDataset(_Pipeline):
+class MapDataset(_Pipeline, Generic[T]):
     """A lazy dataset with random access: ``len(ds)``, ``ds[i]``, ``ds[a:b]``.
 
     Build one with :meth:`source` or :meth:`range` and chain transformations; nothing is
     read until an element is asked for. Filtered-out elements read as ``None``;
-    iteration (:meth:`to_iter_dataset`) skips them.
+    iteration (:meth:`to_iter_dataset`) skips them. ``MapDataset[int]`` annotates the
+    element type, as in Grain.
+
+    A custom step subclasses it as in Grain: call ``super().__init__(parents)`` and
+    define ``__len__`` and ``__getitem__`` (an index past ``len`` reads the next epoch);
+    the batched reads then call that ``__getitem__`` once per index.
 
     >>> ds = MapDataset.range(10).shuffle(seed=1).map(lambda x: x * 10).batch(4)
     >>> len(ds), sorted(np.concatenate(list(ds)).tolist()) == list(range(0, 100, 10))
     (3, True)
+    >>> import cairn.data as grain
+    >>> class Twice(grain.MapDataset[int]):
+    ...     def __init__(self, parent):
+    ...         super().__init__(parent)
+    ...     def __len__(self):
+    ...         return len(self._parent)
+    ...     def __getitem__(self, index):
+    ...         return 2 * self._parent[index]
+    >>> ds = Twice(grain.MapDataset.range(3))
+    >>> list(ds), ds[4], ds.batch(2)[1].tolist()
+    ([0, 2, 4], 2, [4])
     """
 
     _parents: tuple[MapDataset, ...] = ()
     _may_filter = False
 
+    def __init__(self, parents: MapDataset | Sequence[MapDataset] = ()) -> None:
+        """A step over ``parents`` (one dataset or a sequence; none for a source).
+
+        Raises:
+          TypeError: if a parent is not a ``MapDataset``.
+        """
+        self._parents = _as_parents(parents, MapDataset)
+        if len(self._parents) == 1:
+            self._parent = self._parents[0]
+        self._may_filter = any(p._may_filter for p in self._parents)
+
+    @property
+    def parents(self) -> Sequence[MapDataset]:
+        """The input datasets of this step (empty for a source)."""
+        return self._parents
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         f = cls.__dict__.get("_getitems")
+        if f is None and "__getitem__" in cls.__dict__:
+            f = _items_via_getitem  # a Grain-style step: __getitem__ is its batched read too
         if f is not None and not getattr(f, "_profiled", False):
             cls._getitems = profiled(f)  # type: ignore[method-assign]
 
@@ -148,6 +205,26 @@ class MapDataset(_Pipeline):
         from cairn.data._transforms.mix import MixMapDataset
 
         return MixMapDataset(list(datasets), weights)
+
+    @staticmethod
+    def select_from_datasets(datasets: Sequence[MapDataset], selection_map: Any) -> MapDataset:
+        """Element ``i`` is element ``j`` of ``datasets[k]``, where ``(k, j) = selection_map[i]``.
+
+        A more general mixture than :meth:`mix`; the length is ``len(selection_map)``.
+
+        Args:
+          datasets: the inputs.
+          selection_map: a ``DatasetSelectionMap`` (``__len__`` and ``__getitem__``
+            returning ``(dataset_index, index_in_dataset)``).
+
+        Raises:
+          TypeError: for a selection map without ``__len__`` / ``__getitem__`` or an input
+            that is not a ``MapDataset``.
+        """
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.select import SelectMapDataset
+
+        return SelectMapDataset(datasets, selection_map)
 
     @staticmethod
     def concatenate(datasets: Sequence[MapDataset]) -> MapDataset:
@@ -441,13 +518,15 @@ class MapDataset(_Pipeline):
         return RepeatMapDataset(self, num_epochs, reseed_each_epoch)
 
     def to_iter_dataset(
-        self, read_options: ReadOptions | None = None, *, debug: bool = False
+        self, read_options: ReadOptions | None = None, *, allow_nones: bool = False, debug: bool = False
     ) -> IterDataset:
         """An iterable, checkpointable view of this dataset (``None`` elements skipped).
 
         Args:
           read_options: how the elements are read (threads, chunk size); default
             ``ReadOptions()``.
+          allow_nones: also yield the ``None`` elements (filtered out ones) instead of
+            skipping them.
           debug: check every element's structure against the first one and name the
             first mismatch (``StructureMismatchError``).
 
@@ -461,11 +540,25 @@ class MapDataset(_Pipeline):
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.to_iter import MapRootIterDataset
 
-        return MapRootIterDataset(self, read_options or ReadOptions(), debug=debug)
+        return MapRootIterDataset(self, read_options or ReadOptions(), debug=debug, allow_nones=allow_nones)
 
     # --- rendering ---
     def _graph_head(self) -> str:
         return f"{self._stage_name()}  [len={_fmt_len(self)}]"
+
+
+def _items_via_getitem(self: MapDataset, indices: np.ndarray, epoch: int) -> list:
+    """The batched read of a subclass that defines only ``__getitem__`` (Grain's protocol:
+    index ``epoch * len + i`` is element ``i`` of that epoch)."""
+    if indices.size == 0:
+        return []
+    offset = epoch * len(self)
+    return [self[i + offset] for i in indices.tolist()]
+
+
+def _iter_via_dunder(self: IterDataset, root_factory: Callable | None) -> DatasetIterator:
+    """The iterator of a Grain-style ``IterDataset`` subclass that defines ``__iter__``."""
+    return self.__iter__()
 
 
 def _fmt_len(ds: MapDataset) -> str:
@@ -500,13 +593,27 @@ class ReadOptions:
 # --- iterators ---
 
 
-class DatasetIterator:
-    """Base of every iterator: ``next``, ``get_state``/``set_state``, ``summary``, ``close``."""
+class DatasetIterator(Generic[T]):
+    """Base of every iterator: ``next``, ``get_state``/``set_state``, ``summary``, ``close``.
+
+    A custom iterator subclasses it as in Grain: ``super().__init__(parent)`` and define
+    ``__next__``, ``get_state`` and ``set_state``.
+    """
 
     _checker: StructureChecker | None = None
 
-    def __init__(self, parents: Sequence[DatasetIterator], name: str, debug: bool = False) -> None:
-        self._parents = tuple(parents)
+    def __init__(
+        self,
+        parents: DatasetIterator | Sequence[DatasetIterator] = (),
+        name: str | None = None,
+        debug: bool = False,
+    ) -> None:
+        """An iterator over ``parents`` (one iterator or a sequence); ``name`` labels it
+        in ``summary()`` (default: the class name)."""
+        self._parents = (parents,) if isinstance(parents, DatasetIterator) else tuple(parents)
+        if len(self._parents) == 1:
+            self._parent = self._parents[0]
+        name = type(self).__name__ if name is None else name
         self._stats = IteratorStats(name)
         if debug:
             self._checker = StructureChecker(name)
@@ -592,10 +699,35 @@ class DatasetIterator:
         return out
 
 
-class IterDataset(_Pipeline):
-    """A sequential dataset; ``iter(ds)`` gives a checkpointable :class:`DatasetIterator`."""
+class IterDataset(_Pipeline, Generic[T]):
+    """A sequential dataset; ``iter(ds)`` gives a checkpointable :class:`DatasetIterator`.
+
+    ``IterDataset[int]`` annotates the element type. A custom step subclasses it as in
+    Grain: ``super().__init__(parents)`` and define ``__iter__`` returning a
+    ``DatasetIterator``.
+    """
 
     _parents: tuple[IterDataset, ...] = ()
+
+    def __init__(self, parents: Any = ()) -> None:
+        """A step over ``parents``: one ``IterDataset`` or ``MapDataset``, or a sequence.
+
+        Raises:
+          TypeError: if a parent is neither.
+        """
+        self._parents = _as_parents(parents, (IterDataset, MapDataset))
+        if len(self._parents) == 1:
+            self._parent = self._parents[0]
+
+    @property
+    def parents(self) -> Sequence[Any]:
+        """The input datasets of this step (empty for a source)."""
+        return self._parents
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__iter__" in cls.__dict__ and "_make_iter" not in cls.__dict__:
+            cls._make_iter = _iter_via_dunder  # type: ignore[method-assign]
 
     def __iter__(self) -> DatasetIterator:
         return self._make_iter(None)
@@ -605,7 +737,49 @@ class IterDataset(_Pipeline):
 
     @property
     def _debug(self) -> bool:
-        return any(p._debug for p in self._parents)
+        return any(getattr(p, "_debug", False) for p in self._parents)
+
+    def _default_seed(self) -> int | None:
+        for p in self._parents:
+            s = p._default_seed()
+            if s is not None:
+                return s
+        return None
+
+    def seed(self, seed: int) -> IterDataset:
+        """Set the default seed of the ``random_map`` steps that follow (as ``MapDataset.seed``).
+
+        Raises:
+          TypeError: for a bool or a non-integer seed.
+
+        >>> from cairn.data import MapDataset
+        >>> ds = MapDataset.range(4).to_iter_dataset().seed(5)
+        >>> noisy = lambda x, rng: int(rng.integers(1000))
+        >>> list(ds.random_map(noisy)) == list(ds.random_map(noisy, seed=5))
+        True
+        """
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.seed import SeedIterDataset
+
+        return SeedIterDataset(self, check_seed(seed, "seed()"))
+
+    def map_with_index(self, fn: Callable[[int, Any], Any]) -> IterDataset:
+        """Element number ``k`` (counted from 0 in output order) becomes ``fn(k, element)``.
+
+        The count is part of the iterator state, so a restored iterator goes on counting.
+
+        Raises:
+          TypeError: if ``fn`` is neither callable nor has a ``.map_with_index`` method.
+
+        >>> from cairn.data import MapDataset
+        >>> ds = MapDataset.range(10).to_iter_dataset().filter(lambda x: x % 3 == 0)
+        >>> list(ds.map_with_index(lambda k, x: (k, x)))
+        [(0, 0), (1, 3), (2, 6), (3, 9)]
+        """
+        # import cycle (labelled): base classes <-> transformations, by design
+        from cairn.data._transforms.map import MapWithIndexIterDataset
+
+        return MapWithIndexIterDataset(self, as_callable(fn, "map_with_index", "map_with_index"))
 
     # --- steps ---
     def map(self, fn: MapFn) -> IterDataset:
@@ -622,9 +796,10 @@ class IterDataset(_Pipeline):
 
         return MapIterDataset(self, as_callable(fn, "map"))
 
-    def random_map(self, fn: RandomMapFn, seed: int = 0) -> IterDataset:
+    def random_map(self, fn: RandomMapFn, seed: int | None = None) -> IterDataset:
         """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by
         ``(seed, element number)``, so a restored iterator draws the same numbers.
+        Without ``seed``, the one set by ``.seed(...)`` upstream is used, else 0.
 
         Raises:
           TypeError: for a non-callable ``fn`` or a non-integer ``seed``.
@@ -637,6 +812,8 @@ class IterDataset(_Pipeline):
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.map import RandomMapIterDataset
 
+        if seed is None:
+            seed = self._default_seed() or 0
         return RandomMapIterDataset(
             self, as_callable(fn, "random_map", "random_map"), check_seed(seed, "random_map()")
         )

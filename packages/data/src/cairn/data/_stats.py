@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 
 class Stage(Protocol):
     """What the statistics need of a ``MapDataset`` stage: its input stages. (A protocol,
@@ -114,12 +116,30 @@ class profiling:  # noqa: N801 (a context manager used like a function)
         _TLS.profile = self.prev
 
 
+def _global_getitems(read: Callable, ds: Any, indices: Any, epoch: int) -> list:
+    """``read`` (a stage's batched read) at Grain-style indices: any sequence, where an index
+    past the length reads the next epoch (``len + i`` is element ``i`` of epoch 1)."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    n = len(ds)
+    if idx.size == 0 or n == 0 or (idx.min() >= 0 and idx.max() < n):
+        return read(ds, idx, epoch)
+    epochs, local = np.divmod(idx, n)
+    out: list = [None] * idx.size
+    for e in np.unique(epochs).tolist():
+        pos = np.flatnonzero(epochs == e)
+        for p, v in zip(pos.tolist(), read(ds, local[pos], epoch + e)):
+            out[p] = v
+    return out
+
+
 def profiled(f: Callable) -> Callable:
     """Wrap a stage's ``_getitems`` to add its time and output count to the active
     profile (one thread-local read per call, i.e. per chunk, when none is active)."""
 
     @functools.wraps(f)
-    def _getitems(self, indices, epoch):
+    def _getitems(self, indices, epoch=0):
+        if not isinstance(indices, np.ndarray):  # Grain's callers: any sequence, global indices
+            return _global_getitems(_getitems, self, indices, epoch)
         prof = getattr(_TLS, "profile", None)
         if prof is None:
             return f(self, indices, epoch)

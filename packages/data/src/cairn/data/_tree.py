@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["stack_records", "structure_of", "first_mismatch"]
+__all__ = ["batch_and_pad", "stack_records", "structure_of", "first_mismatch"]
 
 # A position in a record: the keys from the root (dict keys, sequence indices, fields).
 _Keys = tuple[Any, ...]
@@ -121,6 +121,49 @@ def stack_records(records: Sequence[Any], path: str = "") -> Any:
     if not records:
         raise ValueError("cannot batch an empty list of records")
     return _stack(records, path, ())
+
+
+def batch_and_pad(values: Sequence[Any], *, batch_size: int, pad_value: Any = 0) -> Any:
+    """Stack ``values`` like :func:`stack_records` and pad every leaf to ``batch_size`` rows.
+
+    Pass it as ``batch_fn`` (with ``functools.partial``) to keep a last, short batch at
+    full size instead of dropping it. Padding rows are ``pad_value`` in each leaf's dtype.
+
+    Args:
+      values: between 1 and ``batch_size`` records of one structure.
+      batch_size: the number of rows of every leaf of the result.
+      pad_value: the value of the padding rows.
+
+    Raises:
+      ValueError: for no values, more than ``batch_size`` values, or values of
+        different structures (named as by ``stack_records``).
+
+    >>> import functools
+    >>> pad = functools.partial(batch_and_pad, batch_size=3, pad_value=-1)
+    >>> pad([{"x": np.ones(2)}, {"x": np.ones(2)}])["x"].tolist()
+    [[1.0, 1.0], [1.0, 1.0], [-1.0, -1.0]]
+    """
+    values = list(values)
+    if not values:
+        raise ValueError("batch_and_pad: Cannot batch 0 values.")
+    if len(values) > batch_size:
+        raise ValueError(f"batch_and_pad: Cannot batch {len(values)} values to {batch_size}.")
+    batch = _stack(values, "", ())
+    missing = batch_size - len(values)
+    return batch if missing == 0 else _pad(batch, missing, pad_value)
+
+
+def _pad(x: Any, missing: int, pad_value: Any) -> Any:
+    """Every array leaf of a stacked batch with ``missing`` rows of ``pad_value`` appended."""
+    if isinstance(x, dict):
+        return type(x)((k, _pad(v, missing, pad_value)) for k, v in x.items())
+    if _is_namedtuple(x):
+        return type(x)(*(_pad(v, missing, pad_value) for v in x))
+    if isinstance(x, list | tuple):
+        return type(x)(_pad(v, missing, pad_value) for v in x)
+    x = np.asarray(x)
+    fill = np.full((missing, *x.shape[1:]), pad_value, dtype=x.dtype)
+    return np.concatenate([x, fill], axis=0)
 
 
 def _stack(records: list[Any], parent: str, keys: _Keys) -> Any:

@@ -9,6 +9,6 @@ A sampler is a sequence of ``RecordMetadata``: step ``i`` reads record ``record_
 
 from __future__ import annotations
 
-from cairn.data._data_loader import IndexSampler, RecordMetadata, SequentialSampler
+from cairn.data._data_loader import IndexSampler, RecordMetadata, Sampler, SequentialSampler
 
-__all__ = ["IndexSampler", "RecordMetadata", "SequentialSampler"]
+__all__ = ["IndexSampler", "RecordMetadata", "Sampler", "SequentialSampler"]

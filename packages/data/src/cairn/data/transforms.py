@@ -17,14 +17,17 @@ import abc
 from typing import Any
 
 from cairn.data._data_loader import Batch, FilterTransform, MapTransform, RandomMapTransform
+from cairn.data._transforms.select import DatasetSelectionMap
 
 __all__ = [
     "Batch",
+    "DatasetSelectionMap",
     "Filter",
     "FlatMap",
     "Map",
     "MapWithIndex",
     "RandomMap",
+    "TfRandomMap",
 ]
 
 Map = MapTransform
@@ -48,3 +51,15 @@ class FlatMap(abc.ABC):
 
     @abc.abstractmethod
     def flat_map(self, element: Any) -> Any: ...
+
+
+class TfRandomMap(abc.ABC):
+    """Grain's base class for random maps run by TensorFlow pipelines (``np_random_map``).
+
+    It exists so that code defining such transforms imports; like Grain's own Python
+    datasets, cairn.data's steps refuse these objects (``TypeError``): subclass
+    :class:`RandomMap` for a random map in a pipeline.
+    """
+
+    @abc.abstractmethod
+    def np_random_map(self, element: Any, rng: Any) -> Any: ...

@@ -11,6 +11,7 @@ from cairn.data._arguments import fn_name
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, MapDataset
+from cairn.data._options import FilterRatioCheck, current_options
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
@@ -41,12 +42,19 @@ class FilterIterator(SameStateIterator):
     ) -> None:
         super().__init__(parent, name, debug)
         self._pred = pred
+        check = FilterRatioCheck(name, current_options())
+        self._check = check if check.active else None
 
     def _next(self):
+        check = self._check
         while True:
             x = next(self._p)
             if self._pred(x):
+                if check is not None:
+                    check.add(1, 0)
                 return x
+            if check is not None:
+                check.add(0, 1)
 
 
 class FilterIterDataset(UnaryIterDataset):

@@ -1,4 +1,5 @@
-"""``FlatMapMapDataset``: each element split into up to ``max_fan_out`` elements."""
+"""``FlatMapMapDataset``: each element split into up to ``max_fan_out`` elements;
+``FlatMapIterDataset``: into any number of elements, on an iterator."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ from typing import Any
 import numpy as np
 
 from cairn.data._arguments import fn_name
-from cairn.data._dataset import MapDataset
-from cairn.data._transforms.common import UnaryMapDataset
 
-__all__ = ["FlatMapMapDataset"]
+# import cycle (labelled): base classes <-> transformations, by design
+from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset
+from cairn.data._state_validation import any_field, check_state, int_field, nested, with_version
+
+# import cycle (labelled): base classes <-> transformations, by design
+from cairn.data._transforms.common import UnaryIterDataset, UnaryMapDataset
+
+__all__ = ["FlatMapIterDataset", "FlatMapIterator", "FlatMapMapDataset"]
 
 
 class FlatMapMapDataset(UnaryMapDataset):
@@ -65,3 +71,72 @@ class FlatMapMapDataset(UnaryMapDataset):
 
     def _stage_name(self) -> str:
         return f"flat_map({fn_name(self._transform.flat_map)}, max_fan_out={self._fan_out})"
+
+
+class FlatMapIterator(DatasetIterator):
+    """Hands out ``transform.flat_map(x)`` element by element for each input ``x``.
+
+    State: ``{"parent": the input's state before the current element, "emitted": outputs
+    of that element already handed out}``; a restore reads that element again and skips
+    ``emitted`` outputs, so the element's outputs are recomputed, never stored."""
+
+    def __init__(self, parent: DatasetIterator, transform: Any, name: str, debug: bool) -> None:
+        super().__init__((parent,), name, debug)
+        self._p, self._fn = parent, transform.flat_map
+        self._before = parent.get_state()
+        self._outs: list = []
+        self._emitted = 0
+
+    def _next(self) -> Any:
+        while self._emitted >= len(self._outs):
+            before = self._p.get_state()
+            x = next(self._p)
+            self._before, self._outs, self._emitted = before, list(self._fn(x)), 0
+        out = self._outs[self._emitted]
+        self._emitted += 1
+        return out
+
+    def get_state(self) -> dict:
+        if self._emitted >= len(self._outs):  # between elements: the input's current state
+            return with_version({"parent": self._p.get_state(), "emitted": 0})
+        return with_version({"parent": self._before, "emitted": self._emitted})
+
+    def set_state(self, state: dict) -> None:
+        check_state(state, "FlatMapIterDataset iterator", {"parent": any_field, "emitted": int_field(0)})
+        with nested("parent"):
+            self._p.set_state(state["parent"])
+        self._before, self._outs, self._emitted = state["parent"], [], 0
+        k = state["emitted"]
+        if k:
+            self._outs = list(self._fn(next(self._p)))
+            if k > len(self._outs):
+                raise ValueError(
+                    f"invalid FlatMapIterDataset iterator state at 'emitted': the element has "
+                    f"{len(self._outs)} outputs, got {k}"
+                )
+            self._emitted = k
+
+
+class FlatMapIterDataset(UnaryIterDataset):
+    """Each input element becomes the elements of ``transform.flat_map(element)`` (any
+    number, no ``max_fan_out`` needed), in order.
+
+    Raises:
+      TypeError: if ``transform`` has no ``flat_map`` method.
+
+    >>> class Split:
+    ...     def flat_map(self, s):
+    ...         return s.split()
+    >>> list(FlatMapIterDataset(MapDataset.source(["a b", "", "c"]).to_iter_dataset(), Split()))
+    ['a', 'b', 'c']
+    """
+
+    _iterator = FlatMapIterator
+
+    def __init__(self, parent: IterDataset, transform: Any) -> None:
+        if not callable(getattr(transform, "flat_map", None)):
+            raise TypeError(f"FlatMapIterDataset: transform must have a flat_map method, got {type(transform).__name__}")
+        super().__init__(parent, transform)
+
+    def _stage_name(self) -> str:
+        return f"flat_map({fn_name(self._args[0].flat_map)})"

@@ -18,6 +18,8 @@ from cairn.data._state_validation import any_field, check_state, int_field, nest
 from cairn.data._transforms.common import FnMapDataset, SameStateIterator, UnaryIterDataset
 
 __all__ = [
+    "MapWithIndexIterDataset",
+    "MapWithIndexIterator",
     "MapIterDataset",
     "MapIterator",
     "MapMapDataset",
@@ -127,6 +129,44 @@ class RandomMapIterator(DatasetIterator):
         with nested("parent"):
             self._p.set_state(state["parent"])
         self._count = state["count"]
+
+
+class MapWithIndexIterator(DatasetIterator):
+    """Calls ``fn(k, x)`` with ``k`` the number of elements before ``x``.
+
+    State: ``{"parent": input state, "count": elements seen}``."""
+
+    def __init__(
+        self, parent: DatasetIterator, fn: Callable[[int, Any], Any], name: str, debug: bool
+    ) -> None:
+        super().__init__((parent,), name, debug)
+        self._p, self._fn = parent, fn
+        self._count = 0
+
+    def _next(self):
+        x = next(self._p)
+        k = self._count
+        self._count += 1
+        return self._fn(k, x)
+
+    def get_state(self) -> dict:
+        return with_version({"parent": self._p.get_state(), "count": self._count})
+
+    def set_state(self, state: dict) -> None:
+        check_state(state, "map_with_index iterator", {"parent": any_field, "count": int_field(0)})
+        with nested("parent"):
+            self._p.set_state(state["parent"])
+        self._count = state["count"]
+
+
+class MapWithIndexIterDataset(UnaryIterDataset):
+    """``IterDataset.map_with_index``: args ``(fn,)``."""
+
+    _iterator = MapWithIndexIterator
+
+    def _stage_name(self):
+        (fn,) = self._args
+        return f"map_with_index({fn_name(fn)})"
 
 
 class MapIterDataset(UnaryIterDataset):

@@ -23,6 +23,7 @@ from cairn.data._arguments import FilterFn, MapFn, RandomMapFn
 
 # import cycle (labelled): base classes <-> transformations, by design
 from cairn.data._dataset import DatasetIterator, IterDataset, MapDataset, ReadOptions
+from cairn.data._options import FilterRatioCheck, current_options
 from cairn.data._state_validation import STATE_VERSION, check_state, int_field
 from cairn.data._stats import StageProfile, profiling
 
@@ -81,7 +82,9 @@ def chunk_plan(start: int, length: int, cap: int) -> Iterator[tuple[int, int]]:
 class MapRootIterDataset(IterDataset):
     """``MapDataset.to_iter_dataset()``: iterates the elements in index order, skipping ``None``."""
 
-    def __init__(self, ds: MapDataset, read_options: ReadOptions, debug: bool = False) -> None:
+    def __init__(
+        self, ds: MapDataset, read_options: ReadOptions, debug: bool = False, allow_nones: bool = False
+    ) -> None:
         if not isinstance(read_options, ReadOptions):
             raise TypeError(
                 f"read_options must be a ReadOptions, got {type(read_options).__name__}"
@@ -89,6 +92,12 @@ class MapRootIterDataset(IterDataset):
         self._ds = ds
         self._read_options = read_options
         self._debug_flag = debug
+        self._allow_nones = bool(allow_nones)
+
+    @property
+    def parents(self) -> tuple:
+        """The ``MapDataset`` this iterates (as Grain reports it)."""
+        return (self._ds,)
 
     @property
     def _debug(self) -> bool:
@@ -96,23 +105,46 @@ class MapRootIterDataset(IterDataset):
 
     def _make_iter(self, root_factory: Callable | None) -> DatasetIterator:
         if root_factory is not None:
-            return root_factory(self)
-        return MapRootIterator(self._ds, self._read_options, self._debug_flag)
+            it = root_factory(self)
+        else:
+            it = MapRootIterator(self._ds, self._read_options, self._debug_flag)
+        it._allow_nones = self._allow_nones
+        return it
+
+    def _again(self, ds: MapDataset) -> MapRootIterDataset:
+        return MapRootIterDataset(ds, self._read_options, self._debug_flag, self._allow_nones)
 
     # Per-element steps fold into the MapDataset: they stay functions of the index.
     def map(self, fn: MapFn) -> IterDataset:
-        return MapRootIterDataset(self._ds.map(fn), self._read_options, self._debug_flag)
+        return self._again(self._ds.map(fn))
 
-    def random_map(self, fn: RandomMapFn, seed: int = 0) -> IterDataset:
-        return MapRootIterDataset(
-            self._ds.random_map(fn, seed=seed), self._read_options, self._debug_flag
-        )
+    def random_map(self, fn: RandomMapFn, seed: int | None = None) -> IterDataset:
+        if seed is None:
+            seed = self._ds._default_seed() or 0
+        return self._again(self._ds.random_map(fn, seed=seed))
+
+    def _default_seed(self) -> int | None:
+        return self._ds._default_seed()
 
     def filter(self, predicate: FilterFn) -> IterDataset:
-        return MapRootIterDataset(self._ds.filter(predicate), self._read_options, self._debug_flag)
+        return self._again(self._ds.filter(predicate))
 
     def _graph_lines(self, indent: str) -> list[str]:
         return [f"{indent}to_iter_dataset({self._read_options})"] + self._ds._graph_lines(indent)
+
+
+def _filter_check(ds: MapDataset) -> FilterRatioCheck | None:
+    """The dropped-share check of a ``MapDataset`` that filters (``DatasetOptions``), or None."""
+    if not ds._may_filter:
+        return None
+    names, todo = [], [ds]
+    while todo:
+        d = todo.pop()
+        if getattr(d, "_verb", None) == "filter":
+            names.append(d._stage_name())
+        todo.extend(d._parents)
+    check = FilterRatioCheck(" / ".join(names) or ds._stage_name(), current_options())
+    return check if check.active else None
 
 
 class ChunkedRootIterator(DatasetIterator):
@@ -125,6 +157,7 @@ class ChunkedRootIterator(DatasetIterator):
     """
 
     _who = ""  # names the iterator in set_state errors
+    _allow_nones = False  # True: hand out the None (filtered) elements too
     _reads_in_next = True  # False when reads run elsewhere (threads, worker processes)
 
     def __init__(self, ds: MapDataset, read_options: ReadOptions, name: str, debug: bool) -> None:
@@ -133,6 +166,7 @@ class ChunkedRootIterator(DatasetIterator):
         self._len = len(ds)
         self._cap = chunk_elements(ds, read_options)
         self._profile = StageProfile(ds)
+        self._filter_check = _filter_check(ds)
 
     def _summary_rows(self, depth: int, rows: list) -> float:
         """This stage's row, then one row per MapDataset stage below it: elements out,
@@ -188,7 +222,7 @@ class ChunkedRootIterator(DatasetIterator):
             while self._buf_pos < len(buf):
                 v = buf[self._buf_pos]
                 self._buf_pos += 1
-                if v is not None:
+                if v is not None or self._allow_nones:
                     self._next_index = self._buf_start + self._buf_pos
                     return v
             if self._error is not None:
@@ -197,6 +231,9 @@ class ChunkedRootIterator(DatasetIterator):
                 raise self._chunk_failed(err)
             if not self._fetch():
                 raise StopIteration
+            if self._filter_check is not None:  # once per chunk, only below a filter
+                dropped = sum(1 for v in self._buf if v is None)
+                self._filter_check.add(len(self._buf) - dropped, dropped)
 
     def get_state(self) -> dict:
         # the literal is with_version(...) inlined: every pipeline's get_state ends here

@@ -1,0 +1,669 @@
+"""Run a peer library's own test files against Cairn, with the peer's imports pointed at Cairn.
+
+    python tools/compat_suites.py grain                     # Grain's default files, from its wheel
+    python tools/compat_suites.py optax --files alias_test.py
+    python tools/compat_suites.py flax --peer-tests /tmp/flax/tests/nnx --files '*_test.py'
+
+Each peer's test files run twice with pytest, in the same interpreter and session, from a
+temporary copy outside the repository (nothing of the peer is committed here):
+
+1. on the peer itself, to learn which tests pass there, while recording which test touches
+   a name of the peer's private modules that has no public counterpart;
+2. with every ``<peer>`` module replaced in ``sys.modules`` before the tests import it: a
+   public module (``grain``, ``grain.experimental``, ``optax.losses``...) becomes the Cairn
+   module of the same role, and a private one (``grain._src.python.dataset.dataset``) becomes
+   a stand-in whose names resolve through the peer's public API: a private name that is the
+   same object as a public one (``dataset.MapDataset`` is ``grain.MapDataset``) gives Cairn's
+   public name; a private name with no public counterpart gives a placeholder that raises
+   ``CompatPrivateAccess`` when used.
+
+The rate is Cairn's passes among the tests that pass on the peer and use only public API.
+Tests that use the peer's private internals are counted apart and listed (``--out``), never
+silently dropped. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import faulthandler
+import fnmatch
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import types
+from typing import Any
+
+# --- peers ---
+
+# files whose tests exercise Grain's public dataset and loader API (the ones a user ports);
+# infrastructure-only files (ipc queues, monitoring, profiler, logging) are left to --files
+GRAIN_FILES = (
+    "_src/python/dataset/dataset_test.py",
+    "_src/python/dataset/transformations/slice_test.py",
+    "_src/python/dataset/transformations/repeat_test.py",
+    "_src/python/dataset/transformations/batch_test.py",
+    "_src/python/dataset/transformations/filter_test.py",
+    "_src/python/dataset/transformations/map_test.py",
+    "_src/python/dataset/transformations/mix_test.py",
+    "_src/python/dataset/transformations/shuffle_test.py",
+    "_src/python/dataset/transformations/source_test.py",
+    "_src/python/dataset/transformations/flatmap_test.py",
+    "_src/python/dataset/transformations/interleave_test.py",
+    "_src/python/dataset/transformations/limit_test.py",
+    "_src/python/dataset/transformations/zip_test.py",
+    "_src/python/dataset/transformations/rebatch_test.py",
+    "_src/python/dataset/transformations/prefetch_test.py",
+    "_src/python/dataset/transformations/packing_test.py",
+    "_src/python/data_loader_test.py",
+    "_src/python/samplers_test.py",
+    "_src/python/data_sources_test.py",
+    "_src/python/options_test.py",
+    "_src/python/record_test.py",
+    "_src/core/sharding_test.py",
+    "_src/core/transforms_test.py",
+)
+
+PEERS: dict[str, dict[str, Any]] = {
+    "grain": {
+        "package": "grain",
+        "cairn": "cairn.data",
+        # public peer modules whose Cairn module is not "<cairn>.<same tail>"
+        "modules": {"grain.python": "cairn.data", "grain.python.experimental": "cairn.data.experimental"},
+        # the peer's test helpers (test code, not API), loaded from the peer's own files with
+        # their peer imports aliased like the tests': a pytest flag, the packing test base
+        "support": ("grain._src.core.pytest", "grain._src.python.dataset.transformations.testing_util"),
+        "files": GRAIN_FILES,
+    },
+    "optax": {
+        "package": "optax",
+        "cairn": "cairn.optim",
+        "modules": {},
+        "support": (),
+        "files": ("_src/alias_test.py", "_src/transform_test.py", "losses/_classification_test.py"),
+    },
+    "flax": {  # tests are not in the wheel: --peer-tests <clone>/tests/nnx
+        "package": "flax",
+        "cairn": None,  # `flax` itself has no counterpart; flax.nnx is cairn.nn
+        "modules": {"flax.nnx": "cairn.nn"},
+        # Flax's internal modules have no underscore (flax.nnx.graph, .rnglib, ...): the
+        # public API is what `flax` and `flax.nnx` export; every other module is private
+        "public": ["flax", "flax.nnx"],
+        "support": (),
+        "files": (),
+    },
+    "orbax": {  # tests are not in the wheel: --peer-tests <clone>/checkpoint/orbax/checkpoint
+        "package": "orbax",
+        "cairn": None,
+        "modules": {"orbax.checkpoint": "cairn.checkpoint"},
+        "support": (),
+        "files": (),
+    },
+}
+
+PRIVATE_MARK = "CompatPrivateAccess"
+_PRIMITIVES = (int, float, str, bytes, bool, type(None), tuple, frozenset)
+
+
+def _is_public_module(name: str) -> bool:
+    return not any(part.startswith("_") for part in name.split("."))
+
+
+def _is_test_module(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return last.endswith("_test") or last == "conftest"  # test_utils-style helpers stay: their names count as private
+
+
+# --- step 0: the peer's public names, computed with the peer installed ---
+
+
+def _walk(package: str) -> list[types.ModuleType]:
+    """Every importable non-test module of ``package``, namespace folders included (import
+    errors, e.g. optional backends of the peer, are skipped)."""
+    root = importlib.import_module(package)
+    names = []
+    for base in root.__path__:
+        for path in sorted(pathlib.Path(base).rglob("*")):
+            rel = path.relative_to(base)
+            if "__pycache__" in rel.parts or any(p.startswith(".") for p in rel.parts):
+                continue
+            if path.is_dir():
+                names.append(".".join((package, *rel.parts)))
+            elif path.suffix == ".py" and path.stem != "__init__":
+                names.append(".".join((package, *rel.with_suffix("").parts)))
+    mods = [root]
+    for name in names:
+        if _is_test_module(name):
+            continue
+        try:
+            mods.append(importlib.import_module(name))
+        except Exception:  # noqa: BLE001 - optional backends (TF, ...) of the peer
+            continue
+    return mods
+
+
+def public_map(package: str, public_modules: list[str] | None = None) -> dict[str, Any]:
+    """{"public": [module names], "private": {module: {name: ["module:<m>"] | [public paths]}}}.
+
+    A private module's name maps to the public paths under which the peer exposes the same
+    object (an empty list: private only). Primitive values match by name and value.
+    """
+    mods = _walk(package)
+
+    def is_public(name: str) -> bool:
+        return name in public_modules if public_modules is not None else _is_public_module(name)
+
+    public = [m for m in mods if is_public(m.__name__)]
+    index: dict[int, list[str]] = {}
+    for mod in public:
+        for name, obj in list(vars(mod).items()):
+            if not name.startswith("_") and not isinstance(obj, types.ModuleType):
+                index.setdefault(id(obj), []).append(f"{mod.__name__}.{name}")
+    private: dict[str, dict[str, list[str]]] = {}
+    for mod in mods:
+        if is_public(mod.__name__):
+            continue
+        table = private[mod.__name__] = {}
+        for name, obj in list(vars(mod).items()):
+            if name.startswith("__"):
+                continue
+            if isinstance(obj, types.ModuleType):
+                table[name] = [f"module:{obj.__name__}"]
+                continue
+            paths = index.get(id(obj), [])
+            home = getattr(obj, "__module__", None)
+            if not paths and isinstance(home, str) and home.split(".")[0] != package.split(".")[0] \
+                    and getattr(sys.modules.get(home), getattr(obj, "__qualname__", "?"), None) is obj:
+                paths = [f"external:{home}:{obj.__qualname__}"]  # the standard library's, numpy's...
+            if isinstance(obj, _PRIMITIVES):
+                paths = [p for p in paths if p.rsplit(".", 1)[-1] == name]
+            table[name] = sorted(paths, key=lambda p: (p.count("."), p))
+    return {"public": sorted(m.__name__ for m in public), "private": private}
+
+
+# --- the pytest plugin, in both runs ---
+
+
+class CompatPrivateAccess(AttributeError):
+    """A test used a name of the peer's private modules that has no public counterpart."""
+
+
+class _PrivateMeta(type):
+    """Placeholders for private names: any use raises ``CompatPrivateAccess``."""
+
+    def _refuse(cls, *_: Any, **__: Any) -> Any:
+        raise CompatPrivateAccess(f"{PRIVATE_MARK}: {cls.__qualname__} is private to the peer (no public counterpart)")
+
+    __call__ = _refuse
+    __iter__ = _refuse
+    __bool__ = _refuse
+    __len__ = _refuse
+    __getitem__ = _refuse
+    __instancecheck__ = _refuse
+    __subclasscheck__ = _refuse
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls._refuse()
+
+
+def _placeholder(qualname: str) -> type:
+    return _PrivateMeta(qualname.rsplit(".", 1)[-1], (), {"__qualname__": qualname, "__module__": "compat"})
+
+
+class _MissingMeta(_PrivateMeta):
+    """Placeholders for public peer names Cairn lacks: any use raises ``AttributeError``
+    (a failure of Cairn), so a module that only mentions the name still imports."""
+
+    def _refuse(cls, *_: Any, **__: Any) -> Any:
+        raise AttributeError(cls.__doc__)
+
+    __call__ = _refuse
+    __iter__ = _refuse
+    __bool__ = _refuse
+    __len__ = _refuse
+    __getitem__ = _refuse
+    __instancecheck__ = _refuse
+    __subclasscheck__ = _refuse
+
+
+def _missing(qualname: str, message: str) -> type:
+    return _MissingMeta(qualname.rsplit(".", 1)[-1], (), {"__qualname__": qualname, "__doc__": message,
+                                                           "__module__": "compat"})
+
+
+class _Missing(types.ModuleType):
+    """A public peer module Cairn has no counterpart for: every name is missing."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"Cairn has no counterpart of the public module {self.__name__} (asked for {name!r})")
+
+
+class _Alias(types.ModuleType):
+    """A public peer module: its names are the Cairn module's (submodules are set on it)."""
+
+    _target: types.ModuleType
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+
+class _PrivateShim(types.ModuleType):
+    """A private peer module: names resolve through the peer's public API into Cairn."""
+
+    _table: dict[str, list[str]]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        table = object.__getattribute__(self, "_table")
+        if name not in table:
+            raise AttributeError(f"the peer's {self.__name__} has no name {name!r} either")
+        paths = table[name]
+        if paths and paths[0].startswith("module:"):
+            return importlib.import_module(paths[0][len("module:"):])
+        if paths and paths[0].startswith("external:"):
+            home, qualname = paths[0][len("external:"):].split(":")
+            return getattr(importlib.import_module(home), qualname)
+        if not paths:
+            value: Any = _placeholder(f"{self.__name__}.{name}")
+            setattr(self, name, value)
+            return value
+        for path in paths:
+            mod_name, attr = path.rsplit(".", 1)
+            mod = sys.modules.get(mod_name)
+            if mod is not None and not isinstance(mod, _Missing) and hasattr(mod, attr):
+                return getattr(mod, attr)
+        return _missing(f"{self.__name__}.{name}", f"Cairn has no counterpart of the peer's public {' / '.join(paths)}")
+
+
+class _Refuse:
+    """Meta path finder: a peer module not registered by ``install_aliases`` is not found."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname == self.package or fullname.startswith(self.package + "."):
+            raise ModuleNotFoundError(f"{fullname}: not a module of the peer (no alias)", name=fullname)
+        return None
+
+
+def _cairn_module(peer: dict[str, Any], name: str) -> types.ModuleType:
+    """The Cairn module standing for the public peer module ``name`` (or a ``_Missing``)."""
+    target = peer["modules"].get(name)
+    if target is None:
+        for prefix, cairn in sorted(peer["modules"].items(), key=lambda kv: -len(kv[0])):
+            if name.startswith(prefix + "."):
+                target = cairn + name[len(prefix):]
+                break
+    if target is None and peer["cairn"]:
+        target = peer["cairn"] + name[len(peer["package"]):]
+    if target is not None:
+        try:
+            return importlib.import_module(target)
+        except ImportError:
+            pass
+    return _Missing(name)
+
+
+def install_aliases(config: dict[str, Any]) -> None:
+    """Point every module of the peer at Cairn in ``sys.modules`` (see the module docstring)."""
+    if _INSTALLED:
+        return
+    _INSTALLED.append(True)
+    peer, table = PEERS[config["peer"]], config["map"]
+    peer = {**peer, "modules": {**peer["modules"], **config.get("extra_modules", {})}}
+    for name in table["public"]:
+        target = _cairn_module(peer, name)
+        if not isinstance(target, _Missing):
+            alias = _Alias(name, target.__doc__)
+            alias._target, alias.__path__ = target, []
+            target = alias
+        sys.modules[name] = target
+    for name, names in table["private"].items():
+        mod = _PrivateShim(name)
+        mod._table = names
+        mod.__path__ = []  # a package, so that submodule imports reach sys.modules
+        sys.modules[name] = mod
+    for name in [*table["public"], *table["private"]]:
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules and child not in vars(sys.modules[parent]):
+            setattr(sys.modules[parent], child, sys.modules[name])
+    sys.meta_path.insert(0, _Refuse(peer["package"]))
+    for name in config["support_files"]:  # last: their own peer imports resolve through the aliases
+        spec = importlib.util.spec_from_file_location(name, config["support_files"][name])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, mod)
+
+
+_INSTALLED: list[bool] = []
+
+
+class _Tracer(types.ModuleType):
+    """On the peer run: records which test touches a private-only name of a private module."""
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if not name.startswith("__") and _TRACE["test"] is not None:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.endswith("_test.py") and _TRACE["private"].get(self.__name__, {}).get(name) == []:
+                _TRACE["touched"].setdefault(_TRACE["test"], set()).add(f"{self.__name__}.{name}")
+        return value
+
+
+_TRACE: dict[str, Any] = {"test": None, "private": {}, "touched": {}}
+
+
+def _error_line(text: str) -> str:
+    """The exception line of a pytest failure report (its last ``E   `` line)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("E  ")] or text.strip().splitlines() or [""]
+    return lines[-1][:300]
+
+
+class Recorder:
+    """The pytest plugin: one JSON line per test (and per collection error) appended to the
+    events file as it happens, a per-test time limit, and tracing (peer run)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.events = open(config["events"], "a", encoding="utf-8")
+        self.current: dict[str, Any] = {}
+        _TRACE["private"] = config["map"]["private"]
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        self.events.write(json.dumps(event) + "\n")
+        self.events.flush()
+
+    def pytest_collection_modifyitems(self, items: list[Any]) -> None:
+        skip = set(self.config.get("skip", ()))
+        items[:] = [it for it in items if it.nodeid not in skip]
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        if self.config["mode"] != "peer":
+            return
+        for name in self.config["map"]["private"]:
+            mod = sys.modules.get(name)
+            if isinstance(mod, types.ModuleType) and type(mod) is types.ModuleType:
+                mod.__class__ = _Tracer
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self._emit({"collect_error": str(report.nodeid).split("::")[0], "text": str(report.longrepr)[-3000:]})
+
+    def _alarm(self, *_: Any) -> None:
+        raise TimeoutError(f"compat_suites: test ran past {self.config['timeout']} s")
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        _TRACE["test"] = nodeid
+        self.current = {"test": nodeid, "outcome": "passed", "private": False}
+        self._emit({"start": nodeid})
+        if hasattr(signal, "SIGALRM"):
+            signal.signal(signal.SIGALRM, self._alarm)
+            signal.alarm(int(self.config["timeout"]))
+        # a test stuck where the alarm cannot reach it (a C call, a lock in a thread) ends
+        # the process; the driver records it as hung and runs the file on without it
+        faulthandler.dump_traceback_later(int(self.config["timeout"]) + 30, exit=True)
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        entry = self.current
+        if report.skipped and entry["outcome"] == "passed":
+            entry["outcome"] = "skipped"
+        elif report.failed:
+            entry["outcome"] = "failed"
+            text = str(report.longrepr)
+            entry["private"] = entry["private"] or PRIVATE_MARK in text
+            entry["error"] = _error_line(text)
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        touched = _TRACE["touched"].pop(nodeid, None)
+        if touched:
+            self.current["touched"] = sorted(touched)
+        self._emit(self.current)
+        _TRACE["test"] = None
+
+
+def pytest_configure(config: Any) -> None:
+    """Entry point when this file is loaded as a pytest plugin (``-p compat_suites``)."""
+    settings = json.loads(pathlib.Path(os.environ["CAIRN_COMPAT_CONFIG"]).read_text())
+    if settings["mode"] == "cairn":
+        install_aliases(settings)
+    config.pluginmanager.register(Recorder(settings), "compat_recorder")
+
+
+# --- the driver ---
+
+
+def _peer_dir(package: str, python: str) -> pathlib.Path:
+    code = f"import {package}; print(list({package}.__path__)[0])"  # namespace packages too (orbax)
+    return pathlib.Path(subprocess.check_output([python, "-c", code], text=True).strip())
+
+
+def _choose_files(root: pathlib.Path, patterns: list[str]) -> list[pathlib.Path]:
+    files = sorted(p for p in root.rglob("*_test.py"))
+    chosen = [p for p in files if any(fnmatch.fnmatch(str(p.relative_to(root)), pat)
+                                      or fnmatch.fnmatch(p.name, pat) for pat in patterns)]
+    if not chosen:
+        raise SystemExit(f"compat_suites: no test file under {root} matches {patterns}")
+    return chosen
+
+
+def _run_file(args: argparse.Namespace, work: pathlib.Path, mode: str, name: str,
+              settings: dict[str, Any]) -> dict[str, Any]:
+    """Run one copied test file in ``mode`` ("peer" or "cairn"); a test that hangs is recorded
+    as failed and the file is run again without it (and without the tests already done)."""
+    stem = f"{mode}_{pathlib.Path(name).stem}"
+    events = work / f"events_{stem}.jsonl"
+    results: dict[str, dict[str, Any]] = {}
+    collect_errors: dict[str, str] = {}
+    log = []
+    for _attempt in range(args.max_hangs + 1):
+        config = {**settings, "mode": mode, "events": str(events), "skip": sorted(results)}
+        (work / f"config_{stem}.json").write_text(json.dumps(config))
+        # sitecustomize re-installs the aliases in spawned / forkserver worker processes
+        env = {**os.environ, "CAIRN_COMPAT_CONFIG": str(work / f"config_{stem}.json"),
+               "PYTHONPATH": os.pathsep.join([str(work / "plugin"), os.environ.get("PYTHONPATH", "")])}
+        cmd = [args.python, "-m", "pytest", "-p", "compat_suites", "-p", "no:cacheprovider", "-q",
+               "--no-header", "-rN", "-o", "addopts=", "--rootdir", str(work / "tests"), name]
+        events.unlink(missing_ok=True)
+        try:
+            proc = subprocess.run(cmd, cwd=work / "tests", env=env, capture_output=True, text=True,
+                                  timeout=args.file_timeout)
+            log.append(proc.stdout + proc.stderr)
+        except subprocess.TimeoutExpired:
+            log.append(f"file timed out after {args.file_timeout} s")
+        started = None
+        for line in events.read_text().splitlines() if events.exists() else []:
+            event = json.loads(line)
+            if "collect_error" in event:
+                collect_errors[event["collect_error"]] = event["text"]
+            elif "start" in event:
+                started = event["start"]
+            else:
+                results[event["test"]] = event
+                started = None
+        if started is None:
+            break
+        results[started] = {"test": started, "outcome": "failed", "private": False,
+                            "error": f"hung: killed after {args.test_timeout} s"}
+    (work / f"pytest_{stem}.log").write_text("\n".join(log))
+    return {"results": results, "collect_errors": collect_errors}
+
+
+def _run_pytest(args: argparse.Namespace, work: pathlib.Path, mode: str, files: list[str],
+                settings: dict[str, Any]) -> dict[str, Any]:
+    """Every file in ``mode``, ``--jobs`` at a time; the merged results."""
+    print(f"[{args.peer}] {mode} run: {len(files)} files", file=sys.stderr, flush=True)
+    merged: dict[str, Any] = {"results": {}, "collect_errors": {}}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for part in pool.map(lambda n: _run_file(args, work, mode, n, settings), files):
+            merged["results"].update(part["results"])
+            merged["collect_errors"].update(part["collect_errors"])
+    return merged
+
+
+def _prepare(args: argparse.Namespace, work: pathlib.Path) -> tuple[list[str], dict[str, Any]]:
+    """Copy the chosen test files under ``work`` and write the plugin; the pytest arguments."""
+    peer = PEERS[args.peer]
+    root = pathlib.Path(args.peer_tests) if args.peer_tests else _peer_dir(peer["package"], args.python)
+    files = _choose_files(root, args.files or list(peer["files"]))
+    (work / "tests").mkdir(parents=True)
+    (work / "plugin").mkdir()
+    shutil.copy(__file__, work / "plugin" / "compat_suites.py")
+    (work / "plugin" / "sitecustomize.py").write_text(
+        "import json, os, pathlib, sys\n"
+        "_c = os.environ.get('CAIRN_COMPAT_CONFIG')\n"
+        "if _c:\n"
+        "    _s = json.loads(pathlib.Path(_c).read_text())\n"
+        "    if _s['mode'] == 'cairn':\n"
+        "        import compat_suites\n"
+        "        compat_suites.install_aliases(_s)\n"
+    )
+    names = []
+    for path in files:
+        flat = "__".join(path.relative_to(root).with_suffix("").parts) + ".py"
+        shutil.copy(path, work / "tests" / flat)
+        names.append(flat)
+    out = work / "map.json"
+    code = (f"import json, sys; sys.path.insert(0, {str(work / 'plugin')!r}); import compat_suites; "
+            f"open({str(out)!r}, 'w').write(json.dumps(compat_suites.public_map({peer['package']!r}, "
+            f"{peer.get('public')!r})))")
+    subprocess.run([args.python, "-c", code], check=True, cwd=work, capture_output=True)
+    pkg_dir = _peer_dir(peer["package"], args.python)
+    modules = [*peer["support"], *args.support]
+    support = {m: str(pkg_dir.joinpath(*m.split(".")[1:]).with_suffix(".py")) for m in modules}
+    extra = dict(kv.split("=", 1) for kv in args.map)
+    settings = {"peer": args.peer, "map": json.loads(out.read_text()), "support_files": support,
+                "extra_modules": extra, "timeout": args.test_timeout}
+    return names, settings
+
+
+def _tally(names: list[str], peer: dict[str, Any], cairn: dict[str, Any]) -> dict[str, Any]:
+    """Per-file and total counts: passed on the peer, private, public, passed on Cairn."""
+    files: dict[str, dict[str, int]] = {n: {"peer_passed": 0, "private": 0, "public": 0, "cairn_passed": 0}
+                                        for n in names}
+    private_tests, failures = [], []
+    for test, res in sorted(peer["results"].items()):
+        if res["outcome"] != "passed" or test.split("::")[0] not in files:
+            continue
+        f = files[test.split("::")[0]]
+        f["peer_passed"] += 1
+        ours = cairn["results"].get(test)
+        collect_error = cairn["collect_errors"].get(test.split("::")[0], "")
+        touched = res.get("touched") or []
+        if touched or (ours and ours["private"]) or PRIVATE_MARK in collect_error:
+            f["private"] += 1
+            private_tests.append({"test": test, "names": touched or [(ours or {}).get("error", "import")]})
+            continue
+        f["public"] += 1
+        if ours and ours["outcome"] == "passed":
+            f["cairn_passed"] += 1
+        else:
+            why = (ours or {}).get("error") or (_error_line(collect_error) if collect_error else "not run")
+            failures.append({"test": test, "error": why})
+    return {"files": files, "private_tests": private_tests, "failures": failures}
+
+
+def _rate(passed: int, public: int) -> float:
+    return round(passed / public, 4) if public else 0.0
+
+
+def _print(args: argparse.Namespace, tally: dict[str, Any]) -> dict[str, Any]:
+    width = max(len(n) for n in tally["files"])
+    print(f"{'file':<{width}}  peer_pass  private  public  cairn_pass  rate")
+    total = {"peer_passed": 0, "private": 0, "public": 0, "cairn_passed": 0}
+    for name, f in tally["files"].items():
+        print(f"{name:<{width}}  {f['peer_passed']:9d}  {f['private']:7d}  {f['public']:6d}  "
+              f"{f['cairn_passed']:10d}  {_rate(f['cairn_passed'], f['public']):.1%}")
+        for k in total:
+            total[k] += f[k]
+    print(f"{'total':<{width}}  {total['peer_passed']:9d}  {total['private']:7d}  {total['public']:6d}  "
+          f"{total['cairn_passed']:10d}  {_rate(total['cairn_passed'], total['public']):.1%}")
+    counts: dict[str, int] = {}
+    for t in tally["private_tests"]:
+        for n in t["names"]:
+            counts[n] = counts.get(n, 0) + 1
+    print(f"\nprivate-internals tests: {total['private']} (by the private name they use; full list with --out)")
+    for name, n in sorted(counts.items(), key=lambda kv: -kv[1])[: args.show]:
+        print(f"  {n:6d}  {name}")
+    causes: dict[str, int] = {}
+    for fail in tally["failures"]:
+        causes[fail["error"]] = causes.get(fail["error"], 0) + 1
+    print(f"\npublic tests failing on Cairn: {len(tally['failures'])}, by error:")
+    for err, n in sorted(causes.items(), key=lambda kv: -kv[1])[: args.show]:
+        print(f"  {n:6d}  {err}")
+    return {**total, "rate": _rate(total["cairn_passed"], total["public"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen peer's test files on the peer and on Cairn; print the rates and a JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("peer", choices=sorted(PEERS))
+    parser.add_argument("--files", nargs="*", default=None,
+                        help="test files (glob patterns on the path under the tests root or the file name)")
+    parser.add_argument("--peer-tests", default=None, help="tests root of a local clone (flax tests/nnx, orbax)")
+    parser.add_argument("--map", action="append", default=[], metavar="PEER_MODULE=CAIRN_MODULE",
+                        help="extra public-module aliases, e.g. flax.nnx.nn=cairn.nn")
+    parser.add_argument("--support", action="append", default=[], metavar="PEER_MODULE",
+                        help="a test helper of the peer (e.g. optax._src.test_utils) to load from the peer's "
+                             "file with its imports aliased, instead of counting its names as private")
+    parser.add_argument("--python", default=sys.executable, help="interpreter with pytest, the peer and Cairn")
+    parser.add_argument("--test-timeout", type=int, default=120, help="seconds per test before it fails")
+    parser.add_argument("--file-timeout", type=int, default=1800, help="seconds per test file")
+    parser.add_argument("--max-hangs", type=int, default=5, help="hung tests per file before giving up on it")
+    parser.add_argument("--jobs", type=int, default=1, help="test files run at once")
+    parser.add_argument("--out", default=None, help="write the per-test details (private tests, failures) here")
+    parser.add_argument("--workdir", default=None,
+                        help="keep the copies, configs and pytest logs here (outside the repository) instead of a temp dir")
+    parser.add_argument("--reuse-peer", default=None, metavar="WORKDIR",
+                        help="take the peer's results from an earlier --workdir of the same files instead of rerunning it")
+    parser.add_argument("--show", type=int, default=15, help="rows in the private-name and failure summaries")
+    args = parser.parse_args(argv)
+    if args.peer in ("flax", "orbax") and not args.peer_tests:
+        parser.error(f"{args.peer} ships no tests in its wheel: pass --peer-tests <clone's tests folder>")
+    with tempfile.TemporaryDirectory(prefix=f"compat_{args.peer}_") as tmp:
+        work = pathlib.Path(args.workdir or tmp)
+        if args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+        names, settings = _prepare(args, work)
+        if args.reuse_peer:  # the peer's results of an earlier run of the same files
+            peer = json.loads((pathlib.Path(args.reuse_peer) / "peer_results.json").read_text())
+        else:
+            peer = _run_pytest(args, work, "peer", names, settings)
+        (work / "peer_results.json").write_text(json.dumps(peer))
+        cairn = _run_pytest(args, work, "cairn", names, settings)
+    tally = _tally(names, peer, cairn)
+    summary = _print(args, tally)
+    dist = {"orbax": "orbax-checkpoint"}.get(args.peer, args.peer)
+    version = subprocess.run([args.python, "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                             capture_output=True, text=True).stdout.strip()
+    line = {"peer": args.peer, "peer_version": version, "files": len(names), **summary}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({**line, **tally}, indent=1))
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["CompatPrivateAccess", "install_aliases", "main", "public_map", "pytest_configure"]
