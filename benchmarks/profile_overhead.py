@@ -42,7 +42,7 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * width, width, rngs=rngs)
         self.norm = nn.LayerNorm(width, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
 
 
@@ -51,20 +51,21 @@ class Model(nn.Module):
         self.blocks = nn.List([Block(width, rngs) for _ in range(layers)])
         self.head = nn.Linear(width, 1, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         for b in self.blocks:
             x = b(x)
         return self.head(x)
 
 
 @nn.jit
-def train_step(model, opt, x, y):
+def train_step(model: Model, opt: nn.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
     loss, grads = nn.value_and_grad(lambda m: jnp.mean((m(x)[:, 0] - y) ** 2))(model)
     opt.update(model, grads)
     return loss
 
 
-def run_window(kind: str, model, opt, x, y, steps: int, log_dir: str) -> float:
+def run_window(kind: str, model: Model, opt: nn.Optimizer, x: jax.Array, y: jax.Array, steps: int,
+               log_dir: str) -> float:
     """Seconds per step of ``steps`` steps run the ``kind`` way. Starting and stopping a
     trace (once per window, writing the files) is outside the timed steps for both tracers:
     step 0 starts it untimed, the profiler's window extends past the timed steps."""
