@@ -23,6 +23,7 @@ import numpy as np
 
 import cairn.kernels as ck
 from cairn import nn
+from cairn.core_array import QArray
 from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._cache import KVCache, write
 from cairn.llm._config import LlmConfig
@@ -120,6 +121,8 @@ class Attention(nn.Module):
         transposed layout on every call (a full copy of the weight per decode step on CPU).
         """
         w = self.o.kernel[...]
+        if isinstance(w, QArray):  # a quantized weight (cairn.quant): float numerics, like cairn.nn's layers
+            w = w.dequantize()
         flat = out.reshape(*out.shape[:2], -1)
         y = jnp.einsum("btf,fd->btd", flat.astype(self.o.dtype), w.reshape(-1, w.shape[-1]).astype(self.o.dtype))
         return y if self.o.bias is None else y + self.o.bias[...].astype(y.dtype)
