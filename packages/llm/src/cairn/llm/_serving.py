@@ -52,6 +52,8 @@ class ServingFunctions:
 
     Attributes:
       prefill, decode, score: the pure functions (module docstring), jit- and export-ready.
+      forward: ``forward(params, tokens (b, t)) -> logits (b, t, vocab)``, the model's full
+        causal pass over ``params`` (for calibrating ``cairn.quant`` on the same weights).
       params: the model's weights, nested plain dicts keyed by the model's path parts.
       cache_specs: per-row ``{"k0": ArraySpec((max_length, kv_heads, head_dim), dtype), ...}``.
       vocab_size, max_length: the logits' width and the cache's positions per row.
@@ -60,6 +62,7 @@ class ServingFunctions:
     prefill: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     decode: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     score: Callable[..., jax.Array]
+    forward: Callable[..., jax.Array]
     params: Any
     cache_specs: dict[str, ArraySpec]
     vocab_size: int
@@ -183,7 +186,12 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
         out = jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
         return jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], out, 0.0).astype(jnp.float32)
 
-    return ServingFunctions(prefill, decode, score, params, specs, int(cfg.vocab_size), max_length)
+    def forward(params: Any, tokens: jax.Array) -> jax.Array:
+        tokens = jnp.asarray(tokens, jnp.int32)
+        with _kernels_for(tokens):
+            return rebuild(params)(tokens)
+
+    return ServingFunctions(prefill, decode, score, forward, params, specs, int(cfg.vocab_size), max_length)
 
 
 def _eos_ids(model: CausalLM, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[int, ...]:
