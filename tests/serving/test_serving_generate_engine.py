@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving_testlib import hermetic_prelude
 
-from cairn.core_array import ArraySpec, QuantLayout, quantize
+from cairn.core_array import ArraySpec
 from cairn.serving import (
     GenerationConfig,
     GenerationEngine,
@@ -441,12 +441,7 @@ def test_bad_generator_settings_are_named():
 
 def _quantized(kind):
     params = g.init_params(SEED, SCALE)
-    if kind != "float":
-        for layer in params["layers"]:
-            for k in ("wq", "wk", "wv", "wo", "w1", "w2"):
-                q = quantize(layer[k], kind, QuantLayout.per_channel(1))
-                layer[k] = q.pack() if kind == "int4" else q
-    return params
+    return params if kind == "float" else g.quantized_params(params, kind)
 
 
 @pytest.mark.parametrize("kind", ["float", "int8", "int4"])
@@ -461,7 +456,7 @@ def test_export_load_round_trip(tmp_path, kind):
     assert loaded.vocabulary == tuple(g.VOCAB) and loaded.bos_token_id == g.BOS_ID
     assert set(loaded.signatures) == {"prefill", "decode"} and loaded.manifest["generation"]["cache"].keys() == {"k0", "v0", "k1", "v1"}
     if kind == "int4":  # packed: two values a byte on disk and on the device
-        assert loaded.weights["layers/0/w1/qvalue"].nbytes == g.D_MODEL * g.D_FF // 2
+        assert loaded.weights["layers/0/mlp/gate/kernel/qvalue"].nbytes == g.D_MODEL * g.D_FF // 2
     # prompts of one bucket (5..8 tokens), so the lazily compiled engines compile few shapes
     work = [(p[:8] + [3] * (5 - len(p[:8])), s) for p, s in _workload(8, seed=5)]
     python = _generator(params, eos_token_ids=(g.EOS_ID,))
