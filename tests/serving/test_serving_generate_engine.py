@@ -1,5 +1,5 @@
-"""The generation engine on the tiny test LM (gen_testlib): greedy tokens against a float64
-NumPy greedy loop, continuous batching equal to one-at-a-time generation under concurrent
+"""The generation engine on the tiny test LM (gen_testlib, a cairn.llm CausalLM): greedy tokens
+against a greedy loop over the model's full (uncached) forward pass, continuous batching equal to one-at-a-time generation under concurrent
 load with cancellations, the static scheduler, bad input, backpressure, stop/EOS, model
 errors, and export_generator -> load round trips (float, int8 and packed int4 weights)."""
 
@@ -83,8 +83,8 @@ def _workload(n, seed=0):
 
 
 def _check_greedy(params, prompt, tokens):
-    """``tokens`` is the float64 reference's greedy continuation, except that the float32
-    model may pick the runner-up where the reference's top two are within 1e-3."""
+    """``tokens`` is the full-forward reference's greedy continuation, except that the cached
+    path may pick the runner-up where the reference's top two are within 1e-3."""
     seq = list(prompt)
     for t in tokens:
         logits = g.reference_logits(params, seq)[-1]
@@ -95,7 +95,7 @@ def _check_greedy(params, prompt, tokens):
         seq.append(t)
 
 
-def test_greedy_equals_numpy_reference(engine, model):
+def test_greedy_equals_the_full_forward_reference(engine, model):
     params = g.init_params(SEED, SCALE)
     assert isinstance(model, GenerativeModel)
     for prompt in ([5], [3, 4, 5, 6, 7], list(range(3, 30)), [39] * 40):
