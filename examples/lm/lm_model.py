@@ -96,7 +96,8 @@ def reinitialize(model: llm.CausalLM, seed: int) -> None:
     truncated-normal with variance ``1 / fan_in``, divided by ``2 * num_layers`` for the
     projections that write into the residual stream (``attn/o``, ``mlp/down``); the embedding
     ``N(0, 1 / hidden)``; norm scales 1 (the scheme of the recipe's earlier hand-written model).
-    With cairn.llm's default the default config reached 78.2% held-out exact match at 800 steps."""
+    The default config at 800 steps reached 99.6% held-out exact match with it, 78.2% with
+    cairn.llm's default."""
     params = nn.state(model, nn.Param)
     flat = flatten_with_paths(params.to_pure_dict())
     keys = dict(zip(flat, jax.random.split(jax.random.key(seed), len(flat))))
