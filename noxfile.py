@@ -118,10 +118,20 @@ def tests_package(session: nox.Session, package: str) -> None:
         session.install("-e", "packages/core_array[test]")
     session.install("pytest", "pytest-xdist", "hypothesis")
     session.run("python", "tools/check_installed.py", package)
+    if package in TESTS_USE_LLM:
+        # the tests' model is a cairn.llm CausalLM; installed only after check_installed has
+        # proved the library imports and runs without it
+        deps = [f"packages/{p}" for p in _cairn_dependencies("llm") if p not in ("core_array", package)]
+        session.install(*[a for s in [*deps, "packages/llm"] for a in ("-e", s)])
     session.run(
         "python", "-m", "pytest", "-n", _xdist_workers(), "-m", "not slow", "-p", "no:cacheprovider",
         f"tests/{package}", *session.posargs,
     )
+
+
+# packages whose tests (not the library) build their test models with cairn.llm
+# (tests/serving/gen_testlib.py: the generation tests' tiny model is a CausalLM)
+TESTS_USE_LLM = ("serving",)
 
 
 # what the lint steps read besides packages/: the code around the packages

@@ -1,17 +1,16 @@
 """A small decoder-only LM with a KV cache, for the generation benchmark (benchmarks/serving.py).
 
-Pure JAX, random weights (the benchmark controls output lengths with ``ignore_eos``, so
-what the model says does not matter, only what it costs). Pre-norm transformer: learned
-token and position embeddings, ``layers`` blocks of grouped-query causal self-attention
-(``heads`` query heads sharing ``kv_heads`` K/V heads, as Llama does) and a GELU MLP,
-RMSNorm, tied output embedding; float32.
-
-The two functions follow the generation contract (cairn.serving ``export_generator``):
+A Llama-shaped ``cairn.llm.CausalLM`` with random weights (the benchmark controls output
+lengths with ``ignore_eos``, so what the model says does not matter, only what it costs):
+``layers`` blocks of grouped-query causal self-attention (``heads`` query heads sharing
+``kv_heads`` K/V heads), rotary positions, a SwiGLU MLP, RMSNorm, tied output embedding;
+float32. Its prefill and decode are ``cairn.llm.serving_functions``: the model's own
+modules over a flat cache, the generation contract of cairn.serving's
+``export_generator``:
 
 * ``prefill(params, tokens (b, p) int32, lengths (b,) int32) -> (logits (b, vocab), cache)``:
   logits at position ``lengths - 1``; the cache holds every layer's K and V
-  (``k{i}``/``v{i}``, each ``(b, max_length, kv_heads, head_dim)``), rows at positions
-  ``>= p`` zero;
+  (``k{i}``/``v{i}``, each ``(b, max_length, kv_heads, head_dim)``);
 * ``decode(params, tokens (b,), positions (b,), cache) -> (logits (b, vocab), cache)``:
   writes the token's K/V at ``positions`` and attends to cache positions ``<= positions``.
   Rows are independent.
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,30 +45,14 @@ class LMConfig:
         return self.d_model // self.heads
 
 
-def init_params(cfg: LMConfig, seed: int = 0) -> dict[str, Any]:
-    """Random float32 weights (scaled so activations and logits stay O(1))."""
-    rng = np.random.default_rng(seed)
-    d, hd = cfg.d_model, cfg.head_dim
+def model(cfg: LMConfig, seed: int = 0) -> Any:
+    """The ``cairn.llm.CausalLM`` of ``cfg``, randomly initialised."""
+    from cairn import llm, nn
 
-    def w(*shape: int) -> np.ndarray:
-        return (rng.normal(size=shape) / math.sqrt(shape[0])).astype(np.float32)
-
-    params: dict[str, Any] = {
-        "embed": (rng.normal(size=(cfg.vocab_size, d)) * 0.5).astype(np.float32),
-        "pos": (rng.normal(size=(cfg.max_length, d)) * 0.1).astype(np.float32),
-        "norm": np.ones(d, np.float32),
-    }
-    for i in range(cfg.layers):
-        params[f"block{i}"] = {
-            "norm1": np.ones(d, np.float32),
-            "wq": w(d, cfg.heads * hd),
-            "wkv": w(d, 2 * cfg.kv_heads * hd),
-            "wo": w(cfg.heads * hd, d),
-            "norm2": np.ones(d, np.float32),
-            "w1": w(d, cfg.mlp),
-            "w2": w(cfg.mlp, d),
-        }
-    return params
+    c = llm.LlmConfig("llama", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp,
+                      num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_length, tie_word_embeddings=True)
+    return llm.CausalLM(c, rngs=nn.Rngs(seed))
 
 
 def cache_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
@@ -79,90 +61,12 @@ def cache_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
     return {f"{kv}{i}": row for i in range(cfg.layers) for kv in ("k", "v")}
 
 
-def _rms(x: Any, g: Any) -> Any:
-    import jax.numpy as jnp
-
-    return x * jnp.reciprocal(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)) * g
-
-
-def _qkv(cfg: LMConfig, p: dict, x: Any) -> tuple[Any, Any, Any]:
-    """x (..., d) -> q (..., heads, hd), k and v (..., kv_heads, hd)."""
-    h = _rms(x, p["norm1"])
-    q = (h @ p["wq"]).reshape(*x.shape[:-1], cfg.heads, cfg.head_dim)
-    kv = (h @ p["wkv"]).reshape(*x.shape[:-1], 2, cfg.kv_heads, cfg.head_dim)
-    return q, kv[..., 0, :, :], kv[..., 1, :, :]
-
-
-def _mlp(p: dict, x: Any) -> Any:
-    import jax
-
-    return x + jax.nn.gelu(_rms(x, p["norm2"]) @ p["w1"]) @ p["w2"]
-
-
-def _logits(params: dict, x: Any) -> Any:
-    return _rms(x, params["norm"]) @ params["embed"].T
-
-
-def prefill_fn(cfg: LMConfig) -> Callable[..., tuple[Any, dict[str, Any]]]:
-    """``prefill(params, tokens, lengths) -> (logits, cache)`` for ``cfg``."""
-    import jax
-    import jax.numpy as jnp
-
-    group = cfg.heads // cfg.kv_heads
-
-    def prefill(params: dict, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
-        b, p = tokens.shape
-        x = params["embed"][tokens] + params["pos"][:p]
-        causal = jnp.tril(jnp.ones((p, p), bool))
-        cache = {}
-        for i in range(cfg.layers):
-            blk = params[f"block{i}"]
-            q, k, v = _qkv(cfg, blk, x)  # (b, p, h, hd), (b, p, kvh, hd)
-            q = q.reshape(b, p, cfg.kv_heads, group, cfg.head_dim)
-            s = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / math.sqrt(cfg.head_dim)
-            s = jnp.where(causal, s, -1e30)
-            o = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, axis=-1), v).reshape(b, p, cfg.d_model)
-            x = _mlp(blk, x + o @ blk["wo"])
-            pad = ((0, 0), (0, cfg.max_length - p), (0, 0), (0, 0))
-            cache[f"k{i}"], cache[f"v{i}"] = jnp.pad(k, pad), jnp.pad(v, pad)
-        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return _logits(params, last), cache
-
-    return prefill
-
-
-def decode_fn(cfg: LMConfig) -> Callable[..., tuple[Any, dict[str, Any]]]:
-    """``decode(params, tokens, positions, cache) -> (logits, cache)`` for ``cfg``."""
-    import jax
-    import jax.numpy as jnp
-
-    group = cfg.heads // cfg.kv_heads
-
-    def decode(params: dict, tokens: Any, positions: Any, cache: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        b = tokens.shape[0]
-        x = params["embed"][tokens] + params["pos"][positions]
-        rows = jnp.arange(b)
-        seen = jnp.arange(cfg.max_length)[None, :] <= positions[:, None]  # (b, L)
-        new = {}
-        for i in range(cfg.layers):
-            blk = params[f"block{i}"]
-            q, k, v = _qkv(cfg, blk, x)  # (b, h, hd), (b, kvh, hd)
-            kc = cache[f"k{i}"].at[rows, positions].set(k)
-            vc = cache[f"v{i}"].at[rows, positions].set(v)
-            q = q.reshape(b, cfg.kv_heads, group, cfg.head_dim)
-            s = jnp.einsum("bkgd,bskd->bkgs", q, kc) / math.sqrt(cfg.head_dim)
-            s = jnp.where(seen[:, None, None, :], s, -1e30)
-            o = jnp.einsum("bkgs,bskd->bkgd", jax.nn.softmax(s, axis=-1), vc).reshape(b, cfg.d_model)
-            x = _mlp(blk, x + o @ blk["wo"])
-            new[f"k{i}"], new[f"v{i}"] = kc, vc
-        return _logits(params, x), new
-
-    return decode
-
-
 def build(cfg: LMConfig = LMConfig(), seed: int = 0) -> tuple[Callable, Callable, dict[str, Any]]:
     """``(prefill, decode, params)`` for ``cfg``."""
-    return prefill_fn(cfg), decode_fn(cfg), init_params(cfg, seed)
+    from cairn import llm
+
+    fns = llm.serving_functions(model(cfg, seed), cfg.max_length)
+    return fns.prefill, fns.decode, fns.params
 
 
 def step_times(cfg: LMConfig, batches: tuple[int, ...] = (1, 16, 64), repeat: int = 20) -> dict[int, float]:

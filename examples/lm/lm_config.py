@@ -305,6 +305,9 @@ def validate_static(cfg: Config) -> None:
     for dtype_key in ("dtype", "param_dtype"):
         if getattr(m, dtype_key) not in ("float32", "bfloat16"):
             raise ConfigError(f"config key 'model.{dtype_key}': expected 'float32' or 'bfloat16'")
+    if m.param_dtype != m.dtype:  # a cairn.llm CausalLM has one dtype for its weights and its computation
+        raise ConfigError(f"config key 'model.param_dtype': {m.param_dtype!r} differs from model.dtype = {m.dtype!r}; "
+                          "the model (a cairn.llm CausalLM) keeps its parameters in its computation dtype")
     _validate_after_training(cfg)
     for i, rule in enumerate(cfg.mesh.rules):
         if len(rule) != 2 or not isinstance(rule[0], str) or not (rule[1] is None or rule[1] in ("data", "model")):

@@ -28,9 +28,8 @@ import jax
 import lm_generate
 import lm_quant
 import lm_serve
-import lm_task
 
-from cairn import nn
+from cairn import llm
 
 
 def skip_reason(cfg: Any) -> str | None:
@@ -49,53 +48,52 @@ def _log(quiet: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def quantize_and_score(cfg: Any, model: nn.Module, eval_texts: list[str], quiet: bool) -> tuple[dict, lm_generate.Dims, dict]:
-    """Build every variant and score it by greedy generation; (variants, dims, report entries)."""
-    dims = lm_generate.Dims.from_config(cfg)
+def quantize_and_score(cfg: Any, model: llm.CausalLM, eval_texts: list[str], quiet: bool) -> tuple[dict, int, dict]:
+    """Build every variant and score it by greedy generation; (variants, max_length, report entries)."""
+    length = lm_generate.max_length(cfg)
     t0 = time.perf_counter()
-    variants = lm_quant.build_variants(cfg, lm_generate.params_of(model), dims)
+    variants = lm_quant.build_variants(cfg, model)
     quant_s = time.perf_counter() - t0
     scores: dict[str, Any] = {}
     for name, v in variants.items():
         t1 = time.perf_counter()
-        lm_quant.score(v, dims, eval_texts, cfg.serve.max_new_tokens, cfg.serve.num_slots)
+        lm_quant.score(v, eval_texts, cfg.serve.max_new_tokens, length, cfg.serve.num_slots)
         scores[name] = {"exact_match": v.exact_match, "param_bytes": v.param_bytes,
                         "quantize_s": v.quantize_s, "generate_s": time.perf_counter() - t1}
         _log(quiet, f"generation: {name:8s} held-out exact match {v.exact_match:.2%} "
                     f"({v.param_bytes / 2**10:,.0f} KiB of parameters)")
     entries = {"generation": {"examples": len(eval_texts), "max_new_tokens": cfg.serve.max_new_tokens,
-                              "max_length": dims.max_length, "variants": scores},
+                              "max_length": length, "variants": scores},
                "quant": {"methods": list(cfg.quant.methods) if cfg.quant.enabled else [], "seconds": quant_s,
                          "tile_size": cfg.quant.tile_size, "calibration_batches": cfg.quant.calibration_batches}}
-    return variants, dims, entries
+    return variants, length, entries
 
 
-def serve_and_measure(cfg: Any, run_dir: Any, variants: dict, dims: lm_generate.Dims, eval_texts: list[str],
+def serve_and_measure(cfg: Any, run_dir: Any, variants: dict, length: int, eval_texts: list[str],
                       quiet: bool) -> dict[str, Any]:
     """Export ``serve.models``, start cairn-serve, query it at each concurrency; the serving report."""
     s = cfg.serve
     repo = run_dir / "serving"
-    out = lm_serve.export_repository(variants, s.models, dims, repo, num_slots=s.num_slots, prefill_batch=s.prefill_batch)
+    out = lm_serve.export_repository(variants, s.models, length, repo, num_slots=s.num_slots, prefill_batch=s.prefill_batch)
     _log(quiet, f"serving: exported {', '.join(s.models)} to {repo} in {out['export_s']:.1f} s; starting cairn-serve")
     prompts, expected = zip(*(lm_generate.problem_prompt(t) for t in eval_texts))
     with lm_serve.ServerProcess(repo, timeout=s.startup_timeout) as server:
         out["startup_s"] = server.startup_s
         assert server.port is not None
         for name in s.models:
-            out["models"][name].update(_measure_model(server.port, name, variants[name], dims, list(prompts),
+            out["models"][name].update(_measure_model(server.port, name, variants[name], length, list(prompts),
                                                       list(expected), cfg, quiet))
         out["exit_code"] = server.stop()
     return out
 
 
-def _measure_model(port: int, name: str, variant: lm_quant.Variant, dims: lm_generate.Dims, prompts: list,
+def _measure_model(port: int, name: str, variant: lm_quant.Variant, length: int, prompts: list,
                    expected: list[str], cfg: Any, quiet: bool) -> dict[str, Any]:
     s = cfg.serve
     gen_model = lm_serve.model_name(name)
-    nxt, client = lm_serve.infer_next_token(port, f"{gen_model}_next_token", prompts[:8], dims.max_length)
-    first = [v[:1] for v in lm_generate.Generator(variant.prefill, variant.decode, variant.params, dims,
-                                                  batch=8).generate(prompts[:8], 1)]
-    infer_ok = [int(t) for t in nxt] == [f[0] if f else lm_task.EOS for f in first]
+    nxt, client = lm_serve.infer_next_token(port, f"{gen_model}_next_token", prompts[:8], length)
+    first = [t[0] for t in lm_generate.greedy(variant.model, prompts[:8], 1, length, 8)]
+    infer_ok = [int(t) for t in nxt] == first
     levels = []
     for c in s.concurrency:
         lv = lm_serve.load_test(port, gen_model, prompts, s.max_new_tokens, c)
@@ -114,7 +112,7 @@ def _measure_model(port: int, name: str, variant: lm_quant.Variant, dims: lm_gen
             "differing_answers": sum(a != b for a, b in zip(answers, variant.answers))}
 
 
-def after_training(setup: Any, model: nn.Module, eval_texts: list[str], report: dict, *, quiet: bool = False) -> None:
+def after_training(setup: Any, model: llm.CausalLM, eval_texts: list[str], report: dict, *, quiet: bool = False) -> None:
     """lm_train.train()'s hook: the production steps, their results written into ``report``."""
     cfg = setup.cfg
     reason = skip_reason(cfg)
@@ -123,10 +121,10 @@ def after_training(setup: Any, model: nn.Module, eval_texts: list[str], report: 
         return
     t0 = time.perf_counter()
     try:
-        variants, dims, entries = quantize_and_score(cfg, model, eval_texts, quiet)
+        variants, length, entries = quantize_and_score(cfg, model, eval_texts, quiet)
         report.update(entries)
         if cfg.serve.enabled:
-            report["serving"] = serve_and_measure(cfg, setup.run_dir, variants, dims, eval_texts, quiet)
+            report["serving"] = serve_and_measure(cfg, setup.run_dir, variants, length, eval_texts, quiet)
     except Exception as e:  # the training report is still written; train.py exits 1
         traceback.print_exc(file=sys.stderr)
         report["production_error"] = f"{type(e).__name__}: {e}"

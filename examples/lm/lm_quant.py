@@ -1,16 +1,18 @@
 """Post-training quantization of the trained model with cairn.quant, scored by greedy generation.
 
 Variants (``quant.methods``), all weight-only on the attention and MLP matrices of every
-block (the embedding, shared with the output head, and the norms stay float32):
+layer (the embedding, shared with the output head, and the norms stay float32):
 
 - ``w8``: int8, one scale per output channel (``quantize_params``);
 - ``w4_gptq``: int4 in tiles of ``quant.tile_size`` inputs, GPTQ over calibration batches;
 - ``w4_awq``: int4 in tiles, AWQ's activation-aware scaling over the same batches.
 
-The int4 values are packed two to a byte. Prefill and decode of a variant are
-``quant.quantize(fn, provider)`` of the float functions, so the quantized weights are
-``QArray`` leaves of ``params`` and the dots run on them (the same functions are exported
-for serving, lm_serve).
+The int4 values are packed two to a byte. A variant is the same ``cairn.llm.CausalLM`` with
+its selected weights replaced by ``QArray`` leaves: it generates with ``cairn.llm.generate``
+(the layers dequantize them) and is exported with them quantized (lm_serve). The output
+projection of the attention reaches its dot through a reshape (heads and head_dim as one
+axis), so ``quantize_params`` keeps it float; the other six matrices of every layer are
+quantized.
 """
 
 from __future__ import annotations
@@ -24,21 +26,19 @@ import lm_generate
 import lm_task
 import numpy as np
 
-from cairn import quant
+from cairn import llm, nn, quant
 from cairn.core_array import QArray
 
-# module paths of the quantized matrices: blocks/<i>/attn/{q,k,v,o} and blocks/<i>/mlp/{gate,up,down}
-MATRICES = r"blocks/\d+/(attn|mlp)/\w+"
+# module paths of the quantized matrices: layers/<i>/attn/{q,k,v,o} and layers/<i>/mlp/{gate,up,down}
+MATRICES = r"layers/\d+/(attn|mlp)/\w+"
 
 
 @dataclasses.dataclass
 class Variant:
-    """One model variant: its functions, parameters, size and score."""
+    """One model variant: the model (``QArray`` weights for a quantized one), its size and score."""
 
     name: str
-    prefill: lm_generate.PrefillFn
-    decode: lm_generate.DecodeFn
-    params: Any
+    model: llm.CausalLM
     param_bytes: int
     quantize_s: float = 0.0
     exact_match: float = float("nan")
@@ -73,44 +73,44 @@ def _rule(method: str, tile: int) -> quant.QuantizationRule:
     raise ValueError(f"unknown quantization method {method!r}; expected w8, w4_gptq or w4_awq")
 
 
-def quantize_variant(method: str, params: Any, dims: lm_generate.Dims, batches: list[tuple[np.ndarray]],
-                     tile: int) -> Variant:
-    """The quantized prefill/decode of ``method`` and its ``QArray`` params (int4 packed)."""
+def _with_params(model: llm.CausalLM, params: Any) -> llm.CausalLM:
+    """A copy of ``model`` holding ``params`` (nested dicts as ``serving_functions`` gives them)."""
+    graphdef, state = nn.split(model)
+    copy = nn.merge(graphdef, state, copy=True)
+    nn.split(copy)[1].replace_by_pure_dict(params)
+    return copy
+
+
+def quantize_variant(method: str, model: llm.CausalLM, batches: list[tuple[np.ndarray]], tile: int) -> Variant:
+    """The model of ``method`` with ``QArray`` weights (int4 packed); ``model`` is unchanged."""
     t0 = time.perf_counter()
     provider = quant.PtqProvider([_rule(method, tile)])
-
-    def forward(p: Any, tokens: Any) -> Any:
-        return lm_generate.forward_logits(p, tokens, dims)
-
+    fns = llm.serving_functions(model, model.config.max_position_embeddings)
     if method == "w8":
-        qparams = quant.quantize_params(params, provider, forward, batches[0][0])
+        qparams = quant.quantize_params(fns.params, provider, fns.forward, batches[0][0])
     elif method == "w4_gptq":
-        qparams = quant.gptq_quantize_params(params, provider, forward, batches)
+        qparams = quant.gptq_quantize_params(fns.params, provider, fns.forward, batches)
     else:
-        qparams = quant.awq_quantize_params(params, provider, forward, batches)
+        qparams = quant.awq_quantize_params(fns.params, provider, fns.forward, batches)
     qparams = _pack(qparams)
-    # one provider per function: each traces its own program against the same rule
-    prefill = quant.quantize(lm_generate.make_prefill(dims), quant.PtqProvider([_rule(method, tile)]))
-    decode = quant.quantize(lm_generate.make_decode(dims), quant.PtqProvider([_rule(method, tile)]))
-    return Variant(method, prefill, decode, qparams, param_bytes(qparams), time.perf_counter() - t0)
+    return Variant(method, _with_params(model, qparams), param_bytes(qparams), time.perf_counter() - t0)
 
 
-def float_variant(params: Any, dims: lm_generate.Dims) -> Variant:
-    return Variant("float", lm_generate.make_prefill(dims), lm_generate.make_decode(dims), params, param_bytes(params))
+def float_variant(model: llm.CausalLM) -> Variant:
+    return Variant("float", model, param_bytes(nn.state(model, nn.Param)))
 
 
-def build_variants(cfg: Any, params: Any, dims: lm_generate.Dims) -> dict[str, Variant]:
+def build_variants(cfg: Any, model: llm.CausalLM) -> dict[str, Variant]:
     """``{"float": ..., method: ...}`` for every configured method (calibrated on training problems)."""
-    out = {"float": float_variant(params, dims)}
+    out = {"float": float_variant(model)}
     if cfg.quant.enabled and cfg.quant.methods:
         batches = calibration_batches(cfg, cfg.quant.calibration_batches)
         for method in cfg.quant.methods:
-            out[method] = quantize_variant(method, params, dims, batches, cfg.quant.tile_size)
+            out[method] = quantize_variant(method, model, batches, cfg.quant.tile_size)
     return out
 
 
-def score(variant: Variant, dims: lm_generate.Dims, texts: list[str], max_new_tokens: int, batch: int) -> Variant:
-    """Fill in ``exact_match`` and ``answers`` by greedy generation through the KV cache."""
-    gen = lm_generate.Generator(variant.prefill, variant.decode, variant.params, dims, batch=batch)
-    variant.exact_match, variant.answers = lm_generate.exact_match(gen, texts, max_new_tokens)
+def score(variant: Variant, texts: list[str], max_new_tokens: int, length: int, batch: int) -> Variant:
+    """Fill in ``exact_match`` and ``answers`` by greedy generation (``cairn.llm.generate``)."""
+    variant.exact_match, variant.answers = lm_generate.exact_match(variant.model, texts, max_new_tokens, length, batch)
     return variant

@@ -2,9 +2,10 @@
 
 ``export_repository`` writes a model repository under ``<run.dir>/serving``:
 
-- ``lm_<variant>/1``: a generator (``serving.export_generator``): the prefill and decode
-  functions of lm_generate (quantized by lm_quant for ``w8`` / ``w4_*``), weights as
-  arguments (int4 packed), symbolic batch, the byte vocabulary so the server answers text;
+- ``lm_<variant>/1``: a generator written by ``cairn.llm.export_for_serving``: the prefill and
+  decode of the trained ``CausalLM`` itself (``QArray`` weights of lm_quant's ``w8`` /
+  ``w4_*`` kept quantized, int4 packed), weights as arguments, symbolic batch, and the task's
+  tokenizer inside the model directory so the server answers text;
   ``lm_<variant>/config.json`` sets the continuous batcher's slots;
 - ``lm_<variant>_next_token/1``: a plain batchable model (next-token logits and argmax of
   right-padded rows) for the Open Inference Protocol's ``/infer`` (tritonclient).
@@ -36,7 +37,7 @@ import lm_quant
 import lm_task
 import numpy as np
 
-from cairn import serving
+from cairn import llm, serving
 from cairn.core_array import ArraySpec
 
 
@@ -44,34 +45,32 @@ def model_name(variant: str) -> str:
     return f"lm_{variant}"
 
 
-def export_generator(variant: lm_quant.Variant, dims: lm_generate.Dims, repo: pathlib.Path, *, num_slots: int,
+def export_generator(variant: lm_quant.Variant, max_length: int, repo: pathlib.Path, *, num_slots: int,
                      prefill_batch: int) -> str:
-    """Export ``variant`` as a generator into ``repo/lm_<name>/1`` (with its config.json)."""
-    root = repo / model_name(variant.name)
-    path = serving.export_generator(
-        variant.prefill, variant.decode, variant.params, root / "1", cache_specs=dims.cache_specs(),
-        vocab_size=dims.vocab_size, max_length=dims.max_length, eos_token_ids=(lm_task.EOS,),
-        vocabulary=lm_generate.vocabulary(), bos_token_id=lm_task.BOS, overwrite=True,
-    )
+    """Export ``variant`` with ``cairn.llm.export_for_serving`` into ``repo/lm_<name>/1`` (the task's
+    tokenizer inside it), and write ``repo/lm_<name>/config.json`` with the engine's slots."""
+    name = model_name(variant.name)
+    path = llm.export_for_serving(variant.model, lm_generate.tokenizer(), repo, name, max_length=max_length,
+                                  eos_token_ids=(lm_task.EOS,), overwrite=True)
     config = {"generation": {"num_slots": num_slots, "prefill_batch": prefill_batch}}
-    (root / "config.json").write_text(json.dumps(config, indent=2))
+    (repo / name / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
-def export_next_token(variant: lm_quant.Variant, dims: lm_generate.Dims, repo: pathlib.Path) -> str:
+def export_next_token(variant: lm_quant.Variant, max_length: int, repo: pathlib.Path) -> str:
     """Export the plain ``/infer`` model: ``tokens (b, max_length)``, ``lengths (b,)`` -> ``logits``, ``next_token``."""
-    prefill = variant.prefill
+    fns = llm.serving_functions(variant.model, max_length)
 
     def next_token(params: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-        logits, _ = prefill(params, inputs["tokens"], inputs["lengths"])
+        logits, _ = fns.prefill(params, inputs["tokens"], inputs["lengths"])
         return {"logits": logits, "next_token": jnp.argmax(logits, axis=-1).astype(jnp.int32)}
 
-    specs = {"tokens": ArraySpec(("b", dims.max_length), "int32"), "lengths": ArraySpec(("b",), "int32")}
-    return serving.export(next_token, variant.params, specs, repo / f"{model_name(variant.name)}_next_token" / "1",
+    specs = {"tokens": ArraySpec(("b", max_length), "int32"), "lengths": ArraySpec(("b",), "int32")}
+    return serving.export(next_token, fns.params, specs, repo / f"{model_name(variant.name)}_next_token" / "1",
                           max_batch_size=8, batch_buckets=(8,), overwrite=True)  # one shape: quick to start
 
 
-def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str], dims: lm_generate.Dims,
+def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str], max_length: int,
                       repo: pathlib.Path, *, num_slots: int, prefill_batch: int) -> dict[str, Any]:
     """Export every variant in ``names`` (generator + next-token model) into a fresh ``repo``; sizes and timing."""
     t0 = time.perf_counter()
@@ -80,8 +79,8 @@ def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str
     repo.mkdir(parents=True)
     out: dict[str, Any] = {"repository": str(repo), "models": {}}
     for name in names:
-        gen_path = export_generator(variants[name], dims, repo, num_slots=num_slots, prefill_batch=prefill_batch)
-        infer_path = export_next_token(variants[name], dims, repo)
+        gen_path = export_generator(variants[name], max_length, repo, num_slots=num_slots, prefill_batch=prefill_batch)
+        infer_path = export_next_token(variants[name], max_length, repo)
         out["models"][name] = {"generator": model_name(name), "next_token": f"{model_name(name)}_next_token",
                                "bytes": _dir_bytes(gen_path), "path": gen_path, "next_token_path": infer_path}
     out["export_s"] = time.perf_counter() - t0

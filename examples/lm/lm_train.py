@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -27,7 +28,7 @@ import numpy as np
 
 import cairn.kernels as ck
 from cairn import checkpoint as ckpt
-from cairn import nn, optim
+from cairn import llm, nn, optim
 from cairn.core_array import LogicalAxisRules, flatten_with_paths
 
 BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
@@ -40,6 +41,7 @@ class Setup:
     rules: LogicalAxisRules
     batch_sharding: jax.sharding.NamedSharding
     run_dir: pathlib.Path
+    impl: lm_model.Impl = lm_model.Impl()  # set from choose_kernels before training
 
 
 def make_setup(cfg: lm_config.Config) -> Setup:
@@ -57,16 +59,10 @@ def make_setup(cfg: lm_config.Config) -> Setup:
     return Setup(cfg, mesh, rules, batch_sharding, pathlib.Path(cfg.run.dir))
 
 
-def create_model(setup: Setup, *, attention: str = "xla", loss: str = "xla") -> lm_model.TransformerLM:
-    """Build the model with every parameter created directly in its NamedSharding;
-    ``attention`` / ``loss``: ``"xla"`` or ``"kernels"`` (see `choose_kernels`)."""
+def create_model(setup: Setup) -> llm.CausalLM:
+    """Build the model (a cairn.llm ``CausalLM``) with every parameter created directly in its NamedSharding."""
     cfg = setup.cfg
-    return nn.sharded_init(
-        lambda: lm_model.TransformerLM(cfg, lm_task.VOCAB_SIZE, rngs=nn.Rngs(params=cfg.run.seed),
-                                       attention=attention, loss=loss),
-        mesh=setup.mesh,
-        rules=setup.rules,
-    )
+    return nn.sharded_init(lambda: lm_model.build(cfg, cfg.run.seed), mesh=setup.mesh, rules=setup.rules)
 
 
 def make_optimizer(cfg: lm_config.Config) -> tuple[optim.GradientTransformation, Callable[[int], Any]]:
@@ -126,7 +122,7 @@ def _candidate(op: str, impl: str) -> tuple[Callable[..., Any], tuple[str, ...]]
     """The op of one training step under ``impl`` as a scalar function, and its argument names."""
     if op == "attention":
         def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-            out = lm_model.attend(q, k, v, lm_model.attention_mask(segment_ids, impl))
+            out = lm_model.attend(q, k, v, segment_ids, impl)
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         return attention, ("q", "k", "v", "segment_ids")
@@ -298,20 +294,20 @@ def describe_kernels(choice: dict) -> str:
     return "kernels: " + "; ".join(parts)
 
 
-def _train_step(model: lm_model.TransformerLM, optimizer: nn.Optimizer, batch: dict) -> dict:
-    (_, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
+def _train_step(model: llm.CausalLM, optimizer: nn.Optimizer, batch: dict, impl: lm_model.Impl) -> dict:
+    (_, aux), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch, impl)
     optimizer.update(model, grads)
     # the fused loss never forms the logits: no token accuracy then (evaluation has it)
     return {k: aux[k] for k in ("loss", "token_accuracy") if k in aux}
 
 
-train_step = nn.jit(_train_step, donate_argnums=(0, 1))
+train_step = nn.jit(_train_step, donate_argnums=(0, 1), static_argnums=3)
 
 
-@nn.jit
-def eval_step(model: lm_model.TransformerLM, batch: dict, valid: jax.Array) -> jax.Array:
+@functools.partial(nn.jit, static_argnums=3)
+def eval_step(model: llm.CausalLM, batch: dict, valid: jax.Array, impl: lm_model.Impl) -> jax.Array:
     """How many valid rows are exactly right (a replicated scalar every process can read)."""
-    _, aux = lm_model.logit_metrics(model, batch)
+    _, aux = lm_model.logit_metrics(model, batch, impl)
     return jnp.sum(aux["row_exact"] & valid)
 
 
@@ -329,7 +325,7 @@ def _local_rows(x: np.ndarray) -> np.ndarray:
     return x[jax.process_index() * n : (jax.process_index() + 1) * n]
 
 
-def evaluate(setup: Setup, model: lm_model.TransformerLM, texts: list[str]) -> float:
+def evaluate(setup: Setup, model: llm.CausalLM, texts: list[str]) -> float:
     """Exact match on held-out problems: every answer token right under teacher forcing,
     which is the same as greedy decoding producing the whole answer."""
     if not texts:
@@ -342,7 +338,7 @@ def evaluate(setup: Setup, model: lm_model.TransformerLM, texts: list[str]) -> f
         batch = lm_task.eval_batch(chunk + [chunk[-1]] * (bs - len(chunk)), setup.cfg.data.seq_len)
         valid = jax.make_array_from_process_local_data(valid_sharding, _local_rows(np.arange(bs) < len(chunk)))
         local = {k: _local_rows(v) for k, v in batch.items()}
-        correct += int(eval_step(model, to_global(setup, local), valid))
+        correct += int(eval_step(model, to_global(setup, local), valid, setup.impl))
     return correct / len(texts)
 
 
@@ -532,7 +528,7 @@ def _run_loop(
         s.digests[s.step + 1] = _digest(local)
         batch = to_global(setup, local)
         t1 = time.perf_counter()
-        metrics = train_step(model, optimizer, batch)
+        metrics = train_step(model, optimizer, batch, setup.impl)
         s.step += 1
         if pending is not None:
             # read the previous step's loss now: the device ran ahead while we fetched data
@@ -652,7 +648,8 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
     data_iter = iter(pipeline)
 
-    model = create_model(setup, attention=choice["attention"]["implementation"], loss=choice["loss"]["implementation"])
+    setup.impl = lm_model.Impl(choice["attention"]["implementation"], choice["loss"]["implementation"])
+    model = create_model(setup)
     tx, schedule = make_optimizer(cfg)
     optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
 

@@ -147,17 +147,17 @@ def test_eight_device_run_matches_one_device_and_is_sharded(tmp_path):
     rules = LogicalAxisRules([tuple(r) for r in cfg.mesh.rules])
     expected_axes = {
         "embed/embedding": ("vocab", "embed"),
-        "blocks/0/attn/q/kernel": ("embed", "heads"),
-        "blocks/0/attn/k/kernel": ("embed", "kv_heads"),
-        "blocks/0/attn/o/kernel": ("heads", "embed"),
-        "blocks/0/mlp/gate/kernel": ("embed", "mlp"),
-        "blocks/0/mlp/down/kernel": ("mlp", "embed"),
+        "layers/0/attn/q/kernel": ("embed", "heads", "head_dim"),
+        "layers/0/attn/k/kernel": ("embed", "kv_heads", "head_dim"),
+        "layers/0/attn/o/kernel": ("heads", "head_dim", "embed"),
+        "layers/0/mlp/gate/kernel": ("embed", "mlp"),
+        "layers/0/mlp/down/kernel": ("mlp", "embed"),
+        "norm/scale": ("embed",),
     }
     for path, axes in expected_axes.items():
         want = str(rules.mesh_axes(axes, ("data", "model")))
         assert eight["specs"][path] == want, (path, eight["specs"][path], want)
-    assert eight["specs"]["blocks/0/mlp/gate/kernel"] == "('data', 'model')"
-    assert eight["specs"]["final_norm/scale"] == "()" or "None" in eight["specs"]["final_norm/scale"]
+    assert eight["specs"]["layers/0/mlp/gate/kernel"] == "('data', 'model')"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ XLA's, "auto" picks one by measurement and says so in the report, forced kernels
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -63,23 +64,24 @@ def _packed_batch(b: int = 4, s: int = 32, seed: int = 0) -> dict:
     }
 
 
-def _model(cfg, attention: str, loss: str) -> lm_model.TransformerLM:
-    return lm_model.TransformerLM(cfg, lm_task.VOCAB_SIZE, rngs=nn.Rngs(params=0), attention=attention, loss=loss)
+def _model(cfg, attention: str, loss: str):
+    """The recipe's model (a cairn.llm CausalLM) and the implementations it runs under."""
+    return lm_model.build(cfg, 0), lm_model.Impl(attention, loss)
 
 
-@nn.jit
-def _jit_loss_and_grads(model, batch):
-    (loss, _), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch)
+@functools.partial(nn.jit, static_argnums=2)
+def _jit_loss_and_grads(model, batch, impl):
+    (loss, _), grads = nn.value_and_grad(lm_model.loss_and_metrics, has_aux=True)(model, batch, impl)
     return loss, grads
 
 
-@nn.jit
-def _logits(model, batch):
-    return model(batch["inputs"], batch["segment_ids"], batch["positions"])
+@functools.partial(nn.jit, static_argnums=2)
+def _logits(model, batch, impl):
+    return lm_model.logits(model, batch, impl)
 
 
-def _loss_and_grads(model, batch):
-    loss, grads = _jit_loss_and_grads(model, batch)
+def _loss_and_grads(model_impl, batch):
+    loss, grads = _jit_loss_and_grads(model_impl[0], batch, model_impl[1])
     return loss, flatten_with_paths(grads)
 
 
@@ -105,24 +107,31 @@ def test_kernels_attention_equals_xla_attention_values_and_grads(tmp_path):
     cfg = _cfg(tmp_path)
     batch = _packed_batch()
     ref, ker = _model(cfg, "xla", "xla"), _model(cfg, "kernels", "xla")
-    np.testing.assert_allclose(np.asarray(_logits(ker, batch)), np.asarray(_logits(ref, batch)), rtol=1e-5, atol=2e-5)
-    # padding queries see nothing under both masks: their attention output is 0, not a mean
-    mask = lm_model.attention_mask(batch["segment_ids"], "kernels")
-    assert int((mask[0] == -1).sum()) == int((batch["segment_ids"] == 0).sum())
+    np.testing.assert_allclose(np.asarray(_logits(ker[0], batch, ker[1])), np.asarray(_logits(ref[0], batch, ref[1])),
+                               rtol=1e-5, atol=2e-5)
     (la, ga), (lb, gb) = _loss_and_grads(ref, batch), _loss_and_grads(ker, batch)
     np.testing.assert_allclose(float(lb), float(la), rtol=1e-6)
     _assert_grads_close(ga, gb, rtol=1e-4, atol=1e-6)
 
 
-def test_kernels_attention_matches_the_explicit_mask_on_raw_inputs():
+@pytest.mark.parametrize("impl", lm_model.IMPLEMENTATIONS)
+def test_packed_attention_matches_the_explicit_mask_on_raw_inputs(impl):
     rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.standard_normal((3, 16, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((3, 16, 2, 8)), jnp.float32) for _ in range(2))
-    seg = jnp.asarray(np.repeat([[1] * 5 + [2] * 7 + [0] * 4], 3, axis=0), jnp.int32)
-    a = lm_model.attend(q, k, v, lm_model.attention_mask(seg, "xla"))
-    b = lm_model.attend(q, k, v, lm_model.attention_mask(seg, "kernels"))
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    assert not np.asarray(b[:, 12:]).any(), "padding rows must be 0"
+    q = rng.standard_normal((3, 16, 4, 8))
+    k, v = (rng.standard_normal((3, 16, 2, 8)) for _ in range(2))
+    seg = np.repeat([[1] * 5 + [2] * 7 + [0] * 4], 3, axis=0).astype(np.int32)
+    got = np.asarray(lm_model.attend(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(seg), impl))
+    # float64 reference: softmax over the explicit mask, query head h on key/value head h // 2
+    mask = np.asarray(lm_model.attention_mask(jnp.asarray(seg)))[:, 0]
+    kr, vr = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) / np.sqrt(8)
+    s = np.where(mask[:, None], s, -np.inf)
+    p = np.exp(s - np.max(s, -1, keepdims=True, initial=-1e300, where=mask[:, None]))
+    p = np.where(mask[:, None], p, 0.0)
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    want = np.einsum("bhqk,bkhd->bqhd", p, vr)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[:, 12:].any(), "padding rows must be 0"
 
 
 @pytest.mark.slow  # over ~5 s on a 2-core machine: tests_slow runs it, keeping `nox -s tests` under 10 minutes
@@ -131,14 +140,14 @@ def test_fused_loss_equals_the_logits_loss_and_a_float64_reference(tmp_path):
     batch = _packed_batch(seed=3)
     ref, ker = _model(cfg, "xla", "xla"), _model(cfg, "xla", "kernels")
     (la, ga), (lb, gb) = _loss_and_grads(ref, batch), _loss_and_grads(ker, batch)
-    logits = np.asarray(_logits(ref, batch))
+    logits = np.asarray(_logits(ref[0], batch, ref[1]))
     want = _nll_f64(logits, np.asarray(batch["targets"]), np.asarray(batch["weights"]))
     np.testing.assert_allclose(float(lb), want, rtol=2e-5)
     np.testing.assert_allclose(float(la), want, rtol=2e-5)
     _assert_grads_close(ga, gb, rtol=1e-4, atol=1e-6)
-    _, aux = lm_model.loss_and_metrics(ker, batch)
+    _, aux = lm_model.loss_and_metrics(ker[0], batch, ker[1])
     assert set(aux) == {"loss"}, "the fused loss forms no logits, so no logit metrics in training"
-    _, full = lm_model.logit_metrics(ker, batch)
+    _, full = lm_model.logit_metrics(ker[0], batch, ker[1])
     assert {"loss", "token_accuracy", "row_exact"} <= set(full)
 
 

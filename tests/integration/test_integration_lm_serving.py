@@ -36,90 +36,69 @@ def _cfg(*extra):
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A randomly initialised tiny model, its params dict and sizes."""
-    import lm_generate
+    """A randomly initialised tiny model (a cairn.llm CausalLM) and its config."""
     import lm_model
-    import lm_task
-
-    from cairn import nn
 
     cfg = _cfg()
-    model = lm_model.TransformerLM(cfg, lm_task.VOCAB_SIZE, rngs=nn.Rngs(params=3))
-    return cfg, model, lm_generate.params_of(model), lm_generate.Dims.from_config(cfg, max_length=24)
+    return cfg, lm_model.build(cfg, 3)
 
 
 def _model_logits(model, tokens):
-    b, s = tokens.shape
-    seg = np.ones((b, s), np.int32)
-    pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-    return np.asarray(model(jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)), np.float64)
+    return np.asarray(model(jnp.asarray(tokens)), np.float64)
 
 
-def test_decode_through_the_cache_equals_the_full_forward(tiny):
-    import lm_generate
+def test_the_served_functions_are_the_trained_model(tiny):
+    """The recipe trains, generates and serves one object: the prefill/decode the export
+    writes give the training forward pass's logits, each row at its own position."""
+    from cairn import llm
 
-    _, model, params, dims = tiny
+    _, model = tiny
+    fns = llm.serving_functions(model, 24)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 130, (3, 20)).astype(np.int32)
-    ref = _model_logits(model, tokens)  # lm_model.TransformerLM's own forward pass
+    ref = _model_logits(model, tokens)
     lengths = np.array([4, 7, 1], np.int32)
     prompts = np.where(np.arange(8)[None] < lengths[:, None], tokens[:, :8], 0).astype(np.int32)  # padding is ignored
-    logits, cache = lm_generate.make_prefill(dims)(params, jnp.asarray(prompts), jnp.asarray(lengths))
-    assert set(cache) == set(dims.cache_specs()) and cache["k0"].shape == (3, 24, 2, 8)
+    logits, cache = jax.jit(fns.prefill)(fns.params, jnp.asarray(prompts), jnp.asarray(lengths))
+    assert cache["k0"].shape == (3, 24, 2, 8)
     tol = 1e-5 * np.abs(ref).max()
     np.testing.assert_allclose(logits, ref[np.arange(3), lengths - 1], atol=tol)
-    decode = jax.jit(lm_generate.make_decode(dims))
+    decode = jax.jit(fns.decode)
     pos = lengths.copy()
-    for _ in range(12):  # each row at its own position
-        logits, cache = decode(params, jnp.asarray(tokens[np.arange(3), pos]), jnp.asarray(pos), cache)
+    for _ in range(12):
+        logits, cache = decode(fns.params, jnp.asarray(tokens[np.arange(3), pos]), jnp.asarray(pos), cache)
         np.testing.assert_allclose(logits, ref[np.arange(3), pos], atol=tol)
         pos += 1
 
 
-def test_a_row_does_not_depend_on_the_other_rows(tiny):
+def test_greedy_generation_equals_argmax_of_the_full_forward_and_ignores_other_rows(tiny):
     import lm_generate
 
-    _, _, params, dims = tiny
-    gen = lm_generate.Generator(lm_generate.make_prefill(dims), lm_generate.make_decode(dims), params, dims, batch=4)
+    _, model = tiny
     prompts = [[1, 20, 21, 22], [1, 40], [1, 50, 51, 52, 53, 54, 55], [1, 60, 61]]
-    together = gen.generate(prompts, 8, eos=())
-    alone = [gen.generate([p], 8, eos=())[0] for p in prompts]
-    assert together == alone and all(len(t) == 8 for t in together)
+    together = lm_generate.greedy(model, prompts, 6, 24, batch=4)
+    alone = [lm_generate.greedy(model, [p], 6, 24, batch=1)[0] for p in prompts]
+    assert together == alone
+    for prompt, got in zip(prompts, together):
+        seq, want = list(prompt), []
+        while len(want) < 6 and 2 not in want:  # no cache: the whole sequence again each step, until the end token
+            want.append(int(np.argmax(_model_logits(model, np.asarray([seq + want], np.int32))[0, -1])))
+        assert got == want
 
 
-def test_greedy_generation_equals_argmax_of_the_full_forward(tiny):
-    import lm_generate
-
-    _, model, params, dims = tiny
-    gen = lm_generate.Generator(lm_generate.make_prefill(dims), lm_generate.make_decode(dims), params, dims, batch=2)
-    prompt = [1, 30, 31, 32]
-    got = gen.generate([prompt], 6, eos=())[0]
-    seq = list(prompt)
-    for _ in range(6):  # no cache: the whole (right-padded, causal) sequence again each step
-        row = np.zeros((1, 12), np.int32)
-        row[0, : len(seq)] = seq
-        seq.append(int(np.argmax(_model_logits(model, row)[0, len(seq) - 1])))
-    assert got == seq[len(prompt):]
-
-
-def test_generation_rejects_a_prompt_longer_than_the_cache(tiny):
-    import lm_generate
-
-    _, _, params, dims = tiny
-    gen = lm_generate.Generator(lm_generate.make_prefill(dims), lm_generate.make_decode(dims), params, dims, batch=2)
-    with pytest.raises(ValueError, match="max_length 24"):
-        gen.generate([[1] * 20], 8)
-
-
-def test_problem_prompt_and_vocabulary():
+def test_problem_prompt_and_the_tokenizer():
     import lm_generate
     import lm_task
 
     prompt, answer = lm_generate.problem_prompt("372+59=134")
     assert prompt[0] == lm_task.BOS and lm_task.decode(np.array(prompt)) == "372+59=" and answer == "134"
-    vocab = lm_generate.vocabulary()
-    assert len(vocab) == lm_task.VOCAB_SIZE and vocab[lm_task.EOS] is None
-    assert "".join(vocab[t] for t in lm_task.encode("12+3=")) == "12+3="
+    tok = lm_generate.tokenizer()
+    # the task's byte tokenizer, as a Hugging Face tokenizer: the same ids, any text
+    for text in ("12+3=", "héllo ✓", " a  b"):
+        assert tok.encode(text) == [lm_task.BOS, *lm_task.encode(text).tolist()]
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    assert len(tok) <= lm_task.VOCAB_SIZE and tok.eos_token_ids == (lm_task.EOS,)
+    assert lm_generate.answers_text([[lm_task.encode("43")[0], lm_task.encode("43")[1], lm_task.EOS]]) == ["43"]
 
 
 @pytest.mark.parametrize("method", ["w8", "w4_gptq", pytest.param("w4_awq", marks=pytest.mark.slow)])
@@ -127,34 +106,30 @@ def test_quantized_variants_hold_packed_qarrays_and_stay_close(tiny, method):
     import lm_generate
     import lm_quant
 
+    from cairn import nn
     from cairn.core_array import QArray
 
-    cfg, model, params, dims = tiny
+    cfg, model = tiny
     batches = lm_quant.calibration_batches(cfg, 2)
-    v = lm_quant.quantize_variant(method, params, dims, batches, tile=16)
-    leaves = jax.tree.leaves(v.params, is_leaf=lambda x: isinstance(x, QArray))
-    qs = [x for x in leaves if isinstance(x, QArray)]
-    assert len(qs) == 7 * dims.num_layers  # q k v o gate up down of every block
-    assert not isinstance(v.params["embed"]["embedding"], QArray)  # tied with the head: stays float
-    q = v.params["blocks"]["0"]["mlp"]["up"]["kernel"]
+    v = lm_quant.quantize_variant(method, model, batches, tile=16)
+    params = nn.state(v.model, nn.Param).to_pure_dict()
+    qs = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(x, QArray)]
+    assert len(qs) == 6 * cfg.model.num_layers  # q k v gate up down of every layer (o reaches its dot reshaped)
+    assert not isinstance(params["embed"]["embedding"], QArray)  # tied with the head: stays float
+    q = params["layers"][0]["mlp"]["up"]["kernel"]
     if method == "w8":
         assert q.qtype == "int8" and q.packed_length is None
     else:
         assert q.qtype == "int4" and q.qvalue.dtype == np.uint8 and q.qvalue.shape == (32, 32) and q.packed_length == 64
     float_bytes = sum(int(np.prod(x.shape)) * 4 for x in qs)
     assert lm_quant.param_bytes(qs) < float_bytes * (0.3 if method == "w8" else 0.22)  # int8 / packed int4 + scales
-    assert v.param_bytes < lm_quant.param_bytes(params)
-    assert isinstance(params["blocks"]["0"]["mlp"]["up"]["kernel"], jax.Array), "the float params are unchanged"
-    # the quantized decode through the cache agrees with the quantized prefill of the longer prompt
-    tokens = np.array([[1, 20, 21, 22, 23, 24]], np.int32)
-    _, cache = jax.jit(v.prefill)(v.params, jnp.asarray(tokens[:, :4]), jnp.array([4], np.int32))
-    step, _ = jax.jit(v.decode)(v.params, jnp.asarray(tokens[:, 4]), jnp.array([4], np.int32), cache)
-    full, _ = jax.jit(v.prefill)(v.params, jnp.asarray(tokens[:, :5]), jnp.array([5], np.int32))
-    np.testing.assert_allclose(step, full, atol=1e-4 * float(np.abs(full).max()))
-    ref = _model_logits(model, tokens[:, :5])[0, -1]
-    rel = np.linalg.norm(np.asarray(full[0]) - ref) / np.linalg.norm(ref)
-    assert rel < (0.05 if method == "w8" else 0.5), rel
-    assert lm_generate.Dims.from_config(cfg).max_length == 16  # BOS 2+2 digits = 5 new tokens, next power of two
+    assert v.param_bytes < lm_quant.float_variant(model).param_bytes
+    assert isinstance(model.layers[0].mlp.up.kernel[...], jax.Array), "the float model is unchanged"
+    tokens = np.array([[1, 20, 21, 22, 23]], np.int32)
+    got, ref = _model_logits(v.model, tokens)[0, -1], _model_logits(model, tokens)[0, -1]
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert 0 < rel < (0.05 if method == "w8" else 0.5), rel
+    assert lm_generate.max_length(cfg) == 16  # BOS 2+2 digits = 5 new tokens, next power of two
 
 
 def test_skip_reasons_and_the_report_of_a_stopped_run():
@@ -225,6 +200,7 @@ def _check_served_repository(run_dir, metrics, _stdout):
     from cairn import serving
 
     repo = run_dir / "serving"
+    assert (repo / "lm_w4_gptq" / "1" / "tokenizer" / "tokenizer.json").is_file()  # the tokenizer travels
     # the exported generator, loaded in-process, is the reference for the served tokens
     loaded = serving.load(str(repo / "lm_w4_gptq" / "1"))
     assert loaded.max_length == metrics["generation"]["max_length"] and loaded.eos_token_ids == (2,)

@@ -1,5 +1,5 @@
-"""The generation test model itself: cached prefill + decode equal the float64 NumPy full
-forward (float32 tolerance 2e-4 on logits of magnitude ~10), with QArray weights too."""
+"""The generation test model itself (a cairn.llm CausalLM): cached prefill + decode equal its
+full forward pass (float32 tolerance 2e-4 on logits of magnitude ~10), with QArray weights too."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from gen_testlib import (
     decode,
     init_params,
     prefill,
+    quantized_params,
     reference_logits,
 )
 
-from cairn.core_array import QuantLayout, quantize
-
-TOL = 2e-4  # float32 logits vs float64, relative to the logits' scale
+TOL = 2e-4  # cached vs full float32 passes, relative to the logits' scale
 
 
 def _check(got, want):
@@ -31,10 +30,7 @@ def _check(got, want):
 def test_prefill_then_decode_equal_full_forward(quant):
     params = init_params(3)
     if quant:
-        for layer in params["layers"]:
-            for k in ("wq", "wk", "wv", "wo", "w1", "w2"):
-                q = quantize(layer[k], quant, QuantLayout.per_channel(1))
-                layer[k] = q.pack() if quant == "int4" else q
+        params = quantized_params(params, quant)
     rng = np.random.default_rng(0)
     lengths = np.array([5, 1, 9], np.int32)
     p = 12

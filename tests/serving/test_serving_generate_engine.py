@@ -1,5 +1,5 @@
-"""The generation engine on the tiny test LM (gen_testlib): greedy tokens against a float64
-NumPy greedy loop, continuous batching equal to one-at-a-time generation under concurrent
+"""The generation engine on the tiny test LM (gen_testlib, a cairn.llm CausalLM): greedy tokens
+against a greedy loop over the model's full (uncached) forward pass, continuous batching equal to one-at-a-time generation under concurrent
 load with cancellations, the static scheduler, bad input, backpressure, stop/EOS, model
 errors, and export_generator -> load round trips (float, int8 and packed int4 weights)."""
 
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving_testlib import hermetic_prelude
 
-from cairn.core_array import ArraySpec, QuantLayout, quantize
+from cairn.core_array import ArraySpec
 from cairn.serving import (
     GenerationConfig,
     GenerationEngine,
@@ -83,8 +83,8 @@ def _workload(n, seed=0):
 
 
 def _check_greedy(params, prompt, tokens):
-    """``tokens`` is the float64 reference's greedy continuation, except that the float32
-    model may pick the runner-up where the reference's top two are within 1e-3."""
+    """``tokens`` is the full-forward reference's greedy continuation, except that the cached
+    path may pick the runner-up where the reference's top two are within 1e-3."""
     seq = list(prompt)
     for t in tokens:
         logits = g.reference_logits(params, seq)[-1]
@@ -95,7 +95,7 @@ def _check_greedy(params, prompt, tokens):
         seq.append(t)
 
 
-def test_greedy_equals_numpy_reference(engine, model):
+def test_greedy_equals_the_full_forward_reference(engine, model):
     params = g.init_params(SEED, SCALE)
     assert isinstance(model, GenerativeModel)
     for prompt in ([5], [3, 4, 5, 6, 7], list(range(3, 30)), [39] * 40):
@@ -441,12 +441,7 @@ def test_bad_generator_settings_are_named():
 
 def _quantized(kind):
     params = g.init_params(SEED, SCALE)
-    if kind != "float":
-        for layer in params["layers"]:
-            for k in ("wq", "wk", "wv", "wo", "w1", "w2"):
-                q = quantize(layer[k], kind, QuantLayout.per_channel(1))
-                layer[k] = q.pack() if kind == "int4" else q
-    return params
+    return params if kind == "float" else g.quantized_params(params, kind)
 
 
 @pytest.mark.parametrize("kind", ["float", "int8", "int4"])
@@ -461,7 +456,7 @@ def test_export_load_round_trip(tmp_path, kind):
     assert loaded.vocabulary == tuple(g.VOCAB) and loaded.bos_token_id == g.BOS_ID
     assert set(loaded.signatures) == {"prefill", "decode"} and loaded.manifest["generation"]["cache"].keys() == {"k0", "v0", "k1", "v1"}
     if kind == "int4":  # packed: two values a byte on disk and on the device
-        assert loaded.weights["layers/0/w1/qvalue"].nbytes == g.D_MODEL * g.D_FF // 2
+        assert loaded.weights["layers/0/mlp/gate/kernel/qvalue"].nbytes == g.D_MODEL * g.D_FF // 2
     # prompts of one bucket (5..8 tokens), so the lazily compiled engines compile few shapes
     work = [(p[:8] + [3] * (5 - len(p[:8])), s) for p, s in _workload(8, seed=5)]
     python = _generator(params, eos_token_ids=(g.EOS_ID,))

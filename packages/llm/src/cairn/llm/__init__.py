@@ -24,6 +24,7 @@ from cairn.llm._lora import (
 )
 from cairn.llm._model import CausalLM
 from cairn.llm._moe import load_balancing_loss
+from cairn.llm._serving import ServingFunctions, as_generator, export_for_serving, serving_functions
 
 # the tokenizer lives in cairn.serving (the server needs it and may not import cairn.llm); the same class
 from cairn.serving import ChatTemplateError, IncrementalDecoder, Tokenizer
@@ -42,9 +43,12 @@ __all__ = [
     "LoraAdapters",
     "Tokenizer",
     "UnsupportedModelError",
+    "ServingFunctions",
     "apply_lora",
+    "as_generator",
     "config_from_hf",
     "config_to_hf",
+    "export_for_serving",
     "from_pretrained",
     "generate",
     "load_balancing_loss",
@@ -54,5 +58,6 @@ __all__ = [
     "merge_lora",
     "save_lora",
     "save_pretrained",
+    "serving_functions",
     "supported_model_types",
 ]

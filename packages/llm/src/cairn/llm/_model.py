@@ -23,6 +23,7 @@ import numpy as np
 
 import cairn.kernels as ck
 from cairn import nn
+from cairn.core_array import QArray
 from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._cache import KVCache, write
 from cairn.llm._config import LlmConfig
@@ -91,9 +92,11 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 cache: tuple[jax.Array, jax.Array] | None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """``x [B, T, hidden]`` at positions ``q_pos [B, T]``; ``cache``: this layer's
-        ``(keys, values) [B, S, kv_heads, head_dim]`` (slot = position) or None.
+        ``(keys, values) [B, S, kv_heads, head_dim]`` (slot = position) or None;
+        ``segment_ids [B, T]``: packed rows without a cache (0: padding).
 
         Returns the output ``[B, T, hidden]`` and the keys and values attended to (the
         updated cache, or this call's own).
@@ -107,9 +110,19 @@ class Attention(nn.Module):
         else:
             k, v = write(cache[0], k, q_pos), write(cache[1], v, q_pos)
             kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
+        k_in, v_in = k.astype(q.dtype), v.astype(q.dtype)
+        if segment_ids is not None and self.window is None:
+            # packed rows: causal within each segment; padding (0) becomes -1 in the queries and
+            # -2 in the keys, so it matches nothing
+            pad = segment_ids > 0
+            seg = (jnp.where(pad, segment_ids, -1), jnp.where(pad, segment_ids, -2))
+            out = ck.dot_product_attention(q, k_in, v_in, is_causal=True, segment_ids=seg, scale=self.scale,
+                                           logits_soft_cap=self.soft_cap)
+            return self._out(out), (k, v)
         mask = attention_mask(q_pos, kv_pos, self.window)
-        out = ck.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=self.scale,
-                                       logits_soft_cap=self.soft_cap)
+        if segment_ids is not None:
+            mask = mask & ((segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0))[:, None]
+        out = ck.dot_product_attention(q, k_in, v_in, mask=mask, scale=self.scale, logits_soft_cap=self.soft_cap)
         return self._out(out), (k, v)
 
     def _out(self, out: jax.Array) -> jax.Array:
@@ -120,6 +133,8 @@ class Attention(nn.Module):
         transposed layout on every call (a full copy of the weight per decode step on CPU).
         """
         w = self.o.kernel[...]
+        if isinstance(w, QArray):  # a quantized weight (cairn.quant): float numerics, like cairn.nn's layers
+            w = w.dequantize()
         flat = out.reshape(*out.shape[:2], -1)
         y = jnp.einsum("btf,fd->btd", flat.astype(self.o.dtype), w.reshape(-1, w.shape[-1]).astype(self.o.dtype))
         return y if self.o.bias is None else y + self.o.bias[...].astype(y.dtype)
@@ -157,10 +172,11 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(d, **norm, rngs=rngs) if cfg.sandwich_norms else None
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
+                 cache: tuple[jax.Array, jax.Array] | None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
         """The layer's output, the keys and values attended to, and the router logits
         ``[B*T, num_experts]`` of a MoE layer (None for a dense one)."""
-        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache)
+        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache, segment_ids)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -196,6 +212,12 @@ class CausalLM(nn.Module):
     says how many of the ``T`` tokens of each row are real (right padding; default all),
     and the returned cache holds ``cache.lengths + lengths`` tokens per row (at most
     ``max_length``: an eager call beyond it raises; under ``jit`` the overflow is dropped).
+
+    Packed rows (training): ``segment_ids [B, T]`` int, with ``positions`` restarting per
+    segment, keeps attention inside each segment (a token sees the earlier tokens of its own
+    segment only); segment 0 is padding and sees nothing (its output is never a mean of
+    other tokens). Without a sliding window this runs ``cairn.kernels``' causal attention
+    with segment ids, which never forms the mask.
 
     ``return_aux_loss=True`` (mixture-of-experts configs) appends the router
     load-balancing loss (:func:`cairn.llm.load_balancing_loss` over every MoE layer, padding
@@ -247,29 +269,57 @@ class CausalLM(nn.Module):
             out.append(tables[key])
         return out
 
-    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 cache: KVCache | None = None, lengths: jax.Array | None = None, return_aux_loss: bool = False) -> Any:
-        b, t = input_ids.shape
+    def _positions(self, b: int, t: int, positions: Any, cache: KVCache | None, lengths: Any,
+                   segment_ids: Any) -> jax.Array:
+        """The query positions ``[B, T]`` of a call, after checking the arguments go together."""
         if cache is None:
             if lengths is not None:
                 raise ValueError("CausalLM: lengths is only meaningful with a cache (right padding needs no mask without one)")
-            q_pos = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else jnp.asarray(positions)
-        else:
-            if positions is not None:
-                raise ValueError("CausalLM: with a cache, positions are the cache's lengths; do not pass positions")
-            q_pos = cache.lengths[:, None] + jnp.arange(t)[None, :]
-            _check_room(cache, t if lengths is None else lengths)
+            return jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else jnp.asarray(positions)
+        if positions is not None:
+            raise ValueError("CausalLM: with a cache, positions are the cache's lengths; do not pass positions")
+        if segment_ids is not None:
+            raise ValueError("CausalLM: segment_ids (packed rows) are for a full pass; a cache holds one sequence per row")
+        _check_room(cache, t if lengths is None else lengths)
+        return cache.lengths[:, None] + jnp.arange(t)[None, :]
+
+    def _trunk(self, input_ids: jax.Array, positions: Any, cache: KVCache | None, lengths: Any,
+               segment_ids: Any) -> tuple[jax.Array, list, list, list]:
+        """The final-normed hidden states and every layer's keys, values and router logits."""
+        b, t = input_ids.shape
+        q_pos = self._positions(b, t, positions, cache, lengths, segment_ids)
         x = self.embed(input_ids)
         if self.config.embed_scale:
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
         ropes = self._rope(q_pos)
+        seg = None if segment_ids is None else jnp.asarray(segment_ids)
         keys, values, routers = [], [], []
         for i, layer in enumerate(self.layers):
-            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]))
+            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]), seg)
             keys.append(k)
             values.append(v)
             routers += [] if router is None else [router]
-        x = self.norm(x)
+        return self.norm(x), keys, values, routers
+
+    def output_projection(self) -> jax.Array:
+        """The ``[hidden, vocab]`` matrix the final hidden states are multiplied by: the tied
+        embedding transposed, or ``lm_head``'s kernel (for fused linear + loss kernels)."""
+        w = self.embed.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
+        w = w.dequantize() if isinstance(w, QArray) else w
+        return w.T if self.lm_head is None else w
+
+    def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+        """The final-normed hidden states ``[B, T, hidden]`` of a full pass (no cache): what
+        :meth:`output_projection` turns into the logits (before ``final_logit_softcapping``).
+        ``positions`` and ``segment_ids`` as in ``__call__``."""
+        return self._trunk(input_ids, positions, None, None, segment_ids)[0]
+
+    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                 cache: KVCache | None = None, lengths: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, return_aux_loss: bool = False) -> Any:
+        b, t = input_ids.shape
+        x, keys, values, routers = self._trunk(input_ids, positions, cache, lengths, segment_ids)
         logits = (self.embed.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap:
@@ -280,5 +330,7 @@ class CausalLM(nn.Module):
             out.append(KVCache(tuple(keys), tuple(values), cache.lengths + added))
         if return_aux_loss:
             real = (jnp.arange(t)[None, :] < added[:, None]).reshape(-1)
+            if segment_ids is not None:
+                real = real & (jnp.asarray(segment_ids).reshape(-1) > 0)
             out.append(load_balancing_loss(routers, self.config.num_experts_per_tok, real))
         return out[0] if len(out) == 1 else tuple(out)

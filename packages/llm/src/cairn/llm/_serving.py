@@ -1,0 +1,289 @@
+"""A :class:`~cairn.llm.CausalLM` as a cairn.serving generative model: pure functions, export.
+
+cairn.serving runs a generative model as two pure functions over its weights and a flat
+KV cache batched along axis 0 (``docs/serving.md``, Generation). :func:`serving_functions`
+builds them from the model itself, not from a second copy of the decoder:
+
+- ``prefill(params, tokens (b, p), lengths (b,))`` runs ``model(tokens,
+  cache=model.init_cache(b, max_length), lengths=lengths)`` and returns the logits at
+  ``lengths - 1`` and the cache as ``{"k0": keys of layer 0, "v0": ..., ...}``, each
+  ``(b, max_length, num_key_value_heads, head_dim)``;
+- ``decode(params, tokens (b,), positions (b,), cache)`` rebuilds the
+  :class:`~cairn.llm.KVCache` with ``lengths = positions`` (row ``b`` holds ``positions[b]``
+  tokens) and runs ``model(tokens[:, None], cache=...)``: the token is written at its row's
+  own position and attends to the slots before it, exactly the per-row decode of
+  :func:`cairn.llm.generate`;
+- ``score(params, tokens (b, p), lengths (b,))`` is the full forward pass's
+  ``log_softmax`` at each prompt token given the ones before it (0 at position 0 and past
+  ``lengths``), for prompt log-probabilities.
+
+``params`` are the model's variables as nested plain dicts (``layers/0/attn/q/kernel``); a
+weight replaced by a :class:`~cairn.core_array.QArray` (``cairn.quant.quantize_params``)
+stays one, so :func:`export_for_serving` writes it quantized and the exported program
+dequantizes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import cairn.kernels as ck
+from cairn import nn, serving
+from cairn.core_array import ArraySpec
+from cairn.llm._cache import KVCache
+from cairn.llm._model import CausalLM
+
+__all__ = ["ServingFunctions", "as_generator", "export_for_serving", "serving_functions"]
+
+MAX_BATCH_SIZE = 256  # cairn.serving.export_generator's default
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingFunctions:
+    """What :func:`serving_functions` returns.
+
+    Attributes:
+      prefill, decode, score: the pure functions (module docstring), jit- and export-ready.
+      forward: ``forward(params, tokens (b, t)) -> logits (b, t, vocab)``, the model's full
+        causal pass over ``params`` (for calibrating ``cairn.quant`` on the same weights).
+      params: the model's weights, nested plain dicts keyed by the model's path parts.
+      cache_specs: per-row ``{"k0": ArraySpec((max_length, kv_heads, head_dim), dtype), ...}``.
+      vocab_size, max_length: the logits' width and the cache's positions per row.
+    """
+
+    prefill: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    decode: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    score: Callable[..., jax.Array]
+    forward: Callable[..., jax.Array]
+    params: Any
+    cache_specs: dict[str, ArraySpec]
+    vocab_size: int
+    max_length: int
+
+
+def _check_model(model: Any, what: str) -> CausalLM:
+    if isinstance(model, CausalLM):
+        return model
+    inner = getattr(model, "model", None)
+    if isinstance(inner, CausalLM):  # a cairn.quant QuantizedModel (apply_lora returns one)
+        raise TypeError(
+            f"{what}: got a {type(model).__name__} wrapping a CausalLM; export the CausalLM itself: fold LoRA "
+            "adapters in with cairn.llm.merge_lora, and quantize weights into it with "
+            "nn.update(model, nn.state(quant.quantize_params(model, provider, fn, *args))) (QArray weights stay quantized)"
+        )
+    raise TypeError(f"{what}: model must be a cairn.llm.CausalLM, got {type(model).__name__}")
+
+
+def _check_max_length(model: CausalLM, max_length: Any, what: str) -> int:
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"{what}: max_length (cache positions per row: prompt plus generated tokens) must be an "
+                         f"int >= 2, got {max_length!r}")
+    limit = model.config.max_position_embeddings
+    if max_length > limit:
+        raise ValueError(f"{what}: max_length={max_length} exceeds the model's max_position_embeddings={limit} "
+                         "(LlmConfig); the model was not built for positions past it")
+    return int(max_length)
+
+
+def _rebuilder(model: CausalLM) -> tuple[Callable[[Any], CausalLM], Any]:
+    """``(rebuild(params) -> CausalLM, params)``: params as nested plain dicts, rebuilt into a
+    model of the same structure inside a trace (fresh variables: nothing outside is changed)."""
+    graphdef, state = nn.split(model)
+    paths, kinds = list(state._flat), [type(v) for v in state._flat.values()]
+
+    def rebuild(params: Any) -> CausalLM:
+        tree: dict = {}
+        for path, kind in zip(paths, kinds):
+            node, into = params, tree
+            for key in path:
+                node = node[key] if key in node else node[str(key)]
+            for key in path[:-1]:
+                into = into.setdefault(key, {})
+            into[path[-1]] = kind(node)
+        return nn.merge(graphdef, nn.State(tree))
+
+    return rebuild, state.to_pure_dict()
+
+
+def _kernels_for(tokens: jax.Array) -> contextlib.AbstractContextManager:
+    """cairn.kernels' XLA implementations while shapes are symbolic (a ``jax.export`` with a
+    symbolic batch): its autotuned choice is keyed by concrete shapes, which an exported
+    program, run at any batch, does not have. Concrete shapes (``jit``, in process) keep
+    the usual choice."""
+    if all(isinstance(d, int) for d in tokens.shape):
+        return contextlib.nullcontext()
+    return ck.override("xla")
+
+
+def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
+    """cairn.serving's ``prefill`` / ``decode`` (and ``score``) over ``model``'s own modules.
+
+    Args:
+      model: a :class:`~cairn.llm.CausalLM` (its weights may be ``QArray`` leaves).
+      max_length: cache positions per row (prompt plus generated tokens), at most the
+        config's ``max_position_embeddings``.
+
+    Returns:
+      A :class:`ServingFunctions`; ``prefill(params, tokens, lengths)`` etc. with its ``params``.
+
+    Raises:
+      TypeError: ``model`` is not a ``CausalLM``. ValueError: ``max_length`` out of range.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> from cairn.llm import CausalLM, LlmConfig, serving_functions
+    >>> cfg = LlmConfig("llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4)
+    >>> fns = serving_functions(CausalLM(cfg, rngs=nn.Rngs(0)), max_length=16)
+    >>> logits, cache = fns.prefill(fns.params, jnp.ones((2, 3), jnp.int32), jnp.array([3, 1]))
+    >>> logits.shape, sorted(cache), cache["k0"].shape
+    ((2, 32), ['k0', 'k1', 'v0', 'v1'], (2, 16, 2, 4))
+    """
+    model = _check_model(model, "serving_functions")
+    max_length = _check_max_length(model, max_length, "serving_functions")
+    rebuild, params = _rebuilder(model)
+    cfg, n = model.config, model.config.num_hidden_layers
+    dtype = jnp.dtype(model.dtype)
+    specs = {f"{kv}{i}": ArraySpec((max_length, cfg.num_key_value_heads, cfg.head_dim), dtype.name)
+             for i in range(n) for kv in "kv"}
+
+    def flat(cache: KVCache) -> dict[str, jax.Array]:
+        out = {}
+        for i in range(n):
+            out[f"k{i}"], out[f"v{i}"] = cache.keys[i], cache.values[i]
+        return out
+
+    def prefill(params: Any, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        m = rebuild(params)
+        tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+        b = tokens.shape[0]
+        with _kernels_for(tokens):
+            logits, cache = m(tokens, cache=m.init_cache(b, max_length), lengths=lengths)
+        return logits[jnp.arange(b), jnp.maximum(lengths, 1) - 1], flat(cache)
+
+    def decode(params: Any, tokens: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        m = rebuild(params)
+        kv = KVCache(tuple(cache[f"k{i}"] for i in range(n)), tuple(cache[f"v{i}"] for i in range(n)),
+                     jnp.asarray(positions, jnp.int32))
+        with _kernels_for(tokens):
+            logits, kv = m(jnp.asarray(tokens, jnp.int32)[:, None], cache=kv)
+        return logits[:, 0], flat(kv)
+
+    def score(params: Any, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+        tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+        with _kernels_for(tokens):
+            logp = jax.nn.log_softmax(rebuild(params)(tokens), axis=-1)
+        picked = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+        out = jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
+        return jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], out, 0.0).astype(jnp.float32)
+
+    def forward(params: Any, tokens: jax.Array) -> jax.Array:
+        tokens = jnp.asarray(tokens, jnp.int32)
+        with _kernels_for(tokens):
+            return rebuild(params)(tokens)
+
+    return ServingFunctions(prefill, decode, score, forward, params, specs, int(cfg.vocab_size), max_length)
+
+
+def _eos_ids(model: CausalLM, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[int, ...]:
+    """The ids given; else the tokenizer's; else ``eos_token_id`` of the config.json the model came from."""
+    if eos_token_ids is not None:
+        return tuple(int(t) for t in eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_ids:
+        return tuple(tokenizer.eos_token_ids)
+    hf = json.loads(model.config.hf) if model.config.hf else {}
+    eos = hf.get("eos_token_id")
+    return () if eos is None else tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+
+
+def _tokenizer(tokenizer: Any, model: CausalLM, what: str) -> serving.Tokenizer | None:
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str | os.PathLike):
+        tokenizer = serving.Tokenizer.from_pretrained(tokenizer)
+    if not isinstance(tokenizer, serving.Tokenizer):
+        raise TypeError(f"{what}: tokenizer must be a cairn.llm.Tokenizer, a tokenizer folder or None, "
+                        f"got {type(tokenizer).__name__}")
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"{what}: the tokenizer has {len(tokenizer)} ids but the model's vocab_size is "
+                         f"{model.config.vocab_size}: it is not this model's tokenizer")
+    return tokenizer
+
+
+def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.PathLike, name: str, *,
+                       max_length: int, version: int = 1, max_batch_size: int = MAX_BATCH_SIZE,
+                       eos_token_ids: Sequence[int] | None = None, platforms: Sequence[str] | None = None,
+                       overwrite: bool = False) -> str:
+    """Export ``model`` as a cairn.serving generator into ``<repository>/<name>/<version>``.
+
+    The prefill and decode of :func:`serving_functions` become StableHLO programs with the
+    weights as arguments (``QArray`` weights written quantized, int4 as packed or not as
+    they are), the tokenizer's files (chat template included) go into the model directory's
+    ``tokenizer/`` folder under the manifest's hashes, and ``cairn-serve
+    --model-repository <repository>`` serves it over both protocols without importing
+    cairn.llm or any model code. An engine slot holds ``max_length`` positions.
+
+    Args:
+      model: a :class:`~cairn.llm.CausalLM`.
+      tokenizer: its :class:`~cairn.llm.Tokenizer` (or a tokenizer folder), or None (the
+        server then takes and returns token ids only).
+      repository: the model repository's folder. name: the model's name in it.
+      max_length: cache positions per row, at most ``max_position_embeddings``.
+      version: the version folder (an int >= 1).
+      max_batch_size: the most rows (engine slots) either program takes.
+      eos_token_ids: default the tokenizer's, else the ``eos_token_id`` of the model's
+        ``config.json``.
+      platforms: as :func:`cairn.serving.export` (default the current backend).
+      overwrite: replace an existing version folder.
+
+    Returns:
+      The absolute path of the model directory.
+
+    Raises:
+      TypeError: not a ``CausalLM`` (a LoRA-wrapped model: merge it first) or a bad tokenizer.
+      ValueError: ``max_length`` beyond the model's positions, a tokenizer with more ids than
+        the vocabulary, a bad ``name`` or ``version``. FileExistsError: the version exists.
+    """
+    what = "export_for_serving"
+    model = _check_model(model, what)
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{what}: name must be a model name (a folder name without '/'), got {name!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"{what}: version must be an int >= 1, got {version!r}")
+    tok = _tokenizer(tokenizer, model, what)
+    fns = serving_functions(model, max_length)
+    path = os.path.join(os.fspath(repository), name, str(version))
+    return serving.export_generator(
+        fns.prefill, fns.decode, fns.params, path, cache_specs=fns.cache_specs, vocab_size=fns.vocab_size,
+        max_length=fns.max_length, eos_token_ids=_eos_ids(model, tok, eos_token_ids), platforms=platforms,
+        max_batch_size=max_batch_size, tokenizer=tok, overwrite=overwrite)
+
+
+def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, name: str = "generator",
+                 eos_token_ids: Sequence[int] | None = None) -> serving.PythonGenerator:
+    """``model`` as an in-process :class:`cairn.serving.PythonGenerator` (what
+    :func:`export_for_serving` writes, without the export): run it with
+    ``cairn.serving.GenerationEngine``.
+
+    Args:
+      model, tokenizer, max_length, eos_token_ids: as :func:`export_for_serving`.
+      name: the generator's name.
+
+    Raises:
+      As :func:`export_for_serving`.
+    """
+    model = _check_model(model, "as_generator")
+    tok = _tokenizer(tokenizer, model, "as_generator")
+    fns = serving_functions(model, max_length)
+    return serving.PythonGenerator(fns.prefill, fns.decode, fns.params, cache_specs=fns.cache_specs,
+                                   vocab_size=fns.vocab_size, max_length=fns.max_length,
+                                   eos_token_ids=_eos_ids(model, tok, eos_token_ids), tokenizer=tok, name=name)
