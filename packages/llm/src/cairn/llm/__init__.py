@@ -24,6 +24,9 @@ from cairn.llm._lora import (
 )
 from cairn.llm._model import CausalLM
 from cairn.llm._moe import load_balancing_loss
+from cairn.llm._sft import SFTConfig, SFTTrainer
+from cairn.llm._sft_data import sft_dataset, sft_example
+from cairn.llm._trainer import LoraSettings, plot_metrics, read_metrics
 
 # the tokenizer lives in cairn.serving (the server needs it and may not import cairn.llm); the same class
 from cairn.serving import ChatTemplateError, IncrementalDecoder, Tokenizer
@@ -39,6 +42,9 @@ __all__ = [
     "KVCache",
     "IncrementalDecoder",
     "LlmConfig",
+    "LoraSettings",
+    "SFTConfig",
+    "SFTTrainer",
     "LoraAdapters",
     "Tokenizer",
     "UnsupportedModelError",
@@ -54,5 +60,9 @@ __all__ = [
     "merge_lora",
     "save_lora",
     "save_pretrained",
+    "sft_dataset",
+    "sft_example",
+    "plot_metrics",
+    "read_metrics",
     "supported_model_types",
 ]

@@ -58,13 +58,17 @@ class RMSNorm(nn.Module):
         return w * h.astype(x.dtype)
 
 
-def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None) -> jax.Array:
+def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
     """Boolean ``[B, 1, T, S]``: query at ``q_pos [B, T]`` sees key at ``kv_pos [B, S]`` when
-    ``q - window < kv <= q`` (no lower bound without a window)."""
+    ``q - window < kv <= q`` (no lower bound without a window) and, with ``segment_ids [B, T]``
+    (packed rows; queries and keys are the same tokens), both are in the same segment."""
     q, kv = q_pos[:, :, None], kv_pos[:, None, :]
     mask = kv <= q
     if window is not None:
         mask = mask & (kv > q - window)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return mask[:, None]
 
 
@@ -91,9 +95,11 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 cache: tuple[jax.Array, jax.Array] | None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """``x [B, T, hidden]`` at positions ``q_pos [B, T]``; ``cache``: this layer's
-        ``(keys, values) [B, S, kv_heads, head_dim]`` (slot = position) or None.
+        ``(keys, values) [B, S, kv_heads, head_dim]`` (slot = position) or None;
+        ``segment_ids [B, T]`` (no cache): packed examples attend within their own.
 
         Returns the output ``[B, T, hidden]`` and the keys and values attended to (the
         updated cache, or this call's own).
@@ -107,7 +113,7 @@ class Attention(nn.Module):
         else:
             k, v = write(cache[0], k, q_pos), write(cache[1], v, q_pos)
             kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
-        mask = attention_mask(q_pos, kv_pos, self.window)
+        mask = attention_mask(q_pos, kv_pos, self.window, segment_ids)
         out = ck.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=self.scale,
                                        logits_soft_cap=self.soft_cap)
         return self._out(out), (k, v)
@@ -157,10 +163,11 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(d, **norm, rngs=rngs) if cfg.sandwich_norms else None
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
+                 cache: tuple[jax.Array, jax.Array] | None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
         """The layer's output, the keys and values attended to, and the router logits
         ``[B*T, num_experts]`` of a MoE layer (None for a dense one)."""
-        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache)
+        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache, segment_ids)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -190,7 +197,9 @@ class CausalLM(nn.Module):
     """A decoder-only language model of any supported family.
 
     ``model(input_ids [B, T] int) -> logits [B, T, vocab] float32`` attends causally over
-    the row (positions ``0 .. T-1``, or ``positions [B, T]``). With a :class:`KVCache`
+    the row (positions ``0 .. T-1``, or ``positions [B, T]``); with ``segment_ids [B, T]``
+    (packed rows, positions restarting per example) a token attends only within its own
+    segment, so each packed example gives the logits it would give alone. With a :class:`KVCache`
     (:meth:`init_cache`), ``model(input_ids, cache=cache, lengths=None)`` returns
     ``(logits, cache)``: the tokens go at each row's own next positions, ``lengths [B]``
     says how many of the ``T`` tokens of each row are real (right padding; default all),
@@ -248,8 +257,12 @@ class CausalLM(nn.Module):
         return out
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 cache: KVCache | None = None, lengths: jax.Array | None = None, return_aux_loss: bool = False) -> Any:
+                 cache: KVCache | None = None, lengths: jax.Array | None = None, return_aux_loss: bool = False,
+                 segment_ids: jax.Array | None = None) -> Any:
         b, t = input_ids.shape
+        if segment_ids is not None and (cache is not None or tuple(jnp.shape(segment_ids)) != (b, t)):
+            raise ValueError(f"CausalLM: segment_ids must be [batch, length] = {(b, t)} and are for calls without a "
+                             f"cache, got shape {tuple(jnp.shape(segment_ids))}" + (" with a cache" if cache is not None else ""))
         if cache is None:
             if lengths is not None:
                 raise ValueError("CausalLM: lengths is only meaningful with a cache (right padding needs no mask without one)")
@@ -265,7 +278,8 @@ class CausalLM(nn.Module):
         ropes = self._rope(q_pos)
         keys, values, routers = [], [], []
         for i, layer in enumerate(self.layers):
-            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]))
+            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]),
+                                      segment_ids)
             keys.append(k)
             values.append(v)
             routers += [] if router is None else [router]
