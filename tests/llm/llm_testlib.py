@@ -69,3 +69,16 @@ def tiny_chat_model(seed: int = 0, hidden: int = 64, layers: int = 1) -> llm.Cau
     cfg = llm.LlmConfig("llama", vocab_size=len(CHAT_PIECES), hidden_size=hidden, intermediate_size=2 * hidden,
                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
     return llm.CausalLM(cfg, rngs=nn.Rngs(seed))
+
+
+def predecessor(word: str) -> str:
+    """Each letter shifted back by one: the rejected answer of the preference pairs."""
+    return "".join(LETTERS[(LETTERS.index(c) - 1) % 26] for c in word)
+
+
+def successor_preferences(n: int, seed: int = 0, length: int = 3) -> list[dict]:
+    """``n`` chat preference pairs: the successor word chosen over the predecessor word."""
+    return [{"prompt": ex["messages"][:1],
+             "chosen": ex["messages"][1:],
+             "rejected": [{"role": "assistant", "content": predecessor(ex["messages"][0]["content"])}]}
+            for ex in successor_chats(n, seed, length)]

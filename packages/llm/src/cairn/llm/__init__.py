@@ -8,6 +8,7 @@ imports it.
 
 from cairn.llm._cache import KVCache
 from cairn.llm._config import LlmConfig
+from cairn.llm._dpo import DPOConfig, DPOTrainer, preference_dataset
 from cairn.llm._errors import CheckpointError, UnsupportedModelError
 from cairn.llm._families import supported_model_types
 from cairn.llm._generate import GenerationResult, generate
@@ -43,6 +44,8 @@ __all__ = [
     "IncrementalDecoder",
     "LlmConfig",
     "LoraSettings",
+    "DPOConfig",
+    "DPOTrainer",
     "SFTConfig",
     "SFTTrainer",
     "LoraAdapters",
@@ -61,6 +64,7 @@ __all__ = [
     "save_lora",
     "save_pretrained",
     "sft_dataset",
+    "preference_dataset",
     "sft_example",
     "plot_metrics",
     "read_metrics",

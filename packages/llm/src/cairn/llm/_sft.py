@@ -13,14 +13,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cairn import nn
 from cairn.llm._generate import generate
 from cairn.llm._model import CausalLM
 from cairn.llm._sft_data import sft_dataset
-from cairn.llm._trainer import LoraSettings, Trainable, TrainerRun, default_optimizer, token_nll_sum
+from cairn.llm._trainer import (
+    LoraSettings,
+    Trainable,
+    TrainerRun,
+    accumulating_step,
+    default_optimizer,
+    token_nll_sum,
+)
 from cairn.serving import Tokenizer
 
 __all__ = ["SFTConfig", "SFTTrainer"]
@@ -115,7 +121,7 @@ class SFTTrainer:
         self.run = TrainerRun(run_dir, self.trainable, self.optimizer, self.data_iter, config.to_json(),
                               save_every=config.save_every, max_to_keep=config.max_to_keep)
         self.step = self.run.resume()
-        self._train_step = _make_step(self.trainable)
+        self._train_step = accumulating_step(self.trainable, _sft_loss)
 
     def runner(self) -> Any:
         """The trained model to call or ``generate`` with (through the adapters with LoRA);
@@ -136,9 +142,9 @@ class SFTTrainer:
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 out = jax.device_get(out)
                 window_s += time.perf_counter() - t0
-                window_tokens += float(out["tokens"])
+                window_tokens += float(out["count"])
                 last = {"step": self.step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-                        "completion_tokens": float(out["tokens"]), "tokens_per_s": window_tokens / max(window_s, 1e-9),
+                        "completion_tokens": float(out["count"]), "tokens_per_s": window_tokens / max(window_s, 1e-9),
                         "checkpoint_blocked_s": blocked}
                 self.run.log(last)
                 window_tokens, window_s = 0.0, 0.0
@@ -168,28 +174,7 @@ class SFTTrainer:
         self.run.close()
 
 
-def _make_step(trainable: Trainable) -> Any:
-    """The jitted optimizer step over ``[accum, batch, seq]`` micro-batches: per-token loss
-    sums and gradients accumulated over a scan, divided by the step's completion tokens."""
-    wrt, runner = trainable.wrt, trainable.runner
-
-    def step(model: CausalLM, optimizer: nn.Optimizer, batch: dict) -> dict:
-        graphdef, params, rest = nn.split(model, wrt, ...)
-
-        def micro(acc: tuple, mb: dict) -> tuple:
-            def loss(p: Any) -> tuple:
-                m = nn.merge(graphdef, p, rest)
-                logits = runner(m)(mb["inputs"], positions=mb["positions"], segment_ids=mb["segment_ids"])
-                return token_nll_sum(logits, mb["targets"], mb["weights"])
-
-            (s, n), g = jax.value_and_grad(loss, has_aux=True)(params)
-            return jax.tree.map(jnp.add, acc, (g, s, n)), None
-
-        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0))
-        (grads, total, count), _ = jax.lax.scan(micro, zeros, batch)
-        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
-        optimizer.update(model, grads)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        return {"loss": total / jnp.maximum(count, 1.0), "tokens": count, "grad_norm": norm}
-
-    return nn.jit(step, donate_argnums=(0, 1))
+def _sft_loss(policy: Any, base: Any, mb: dict) -> tuple:
+    logits = policy(mb["inputs"], positions=mb["positions"], segment_ids=mb["segment_ids"])
+    total, count = token_nll_sum(logits, mb["targets"], mb["weights"])
+    return total, count, {}

@@ -25,7 +25,7 @@ from cairn import nn, optim, quant
 from cairn.llm._lora import apply_lora
 from cairn.llm._model import CausalLM
 
-__all__ = ["LoraSettings", "TrainerRun", "Trainable", "plot_metrics", "read_metrics"]
+__all__ = ["LoraSettings", "TrainerRun", "Trainable", "accumulating_step", "plot_metrics", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 STATE_ITEM = "trainer"
@@ -225,3 +225,44 @@ def token_nll_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> 
     nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     w = weights.astype(jnp.float32)
     return jnp.sum(nll * w), jnp.sum(w)
+
+
+def accumulating_step(trainable: Trainable, micro_loss: Any) -> Any:
+    """The jitted optimizer step ``step(model, optimizer, batch) -> metrics`` over a batch of
+    ``[accum, ...]`` micro-batches.
+
+    ``micro_loss(policy, base, micro_batch) -> (loss_sum, count, {name: sum})`` scores one
+    micro-batch: ``policy`` is what to call like the model (through the adapters with LoRA),
+    ``base`` the module itself (without the adapters: the reference policy with LoRA). The
+    step sums the losses, counts, metric sums and gradients over a ``lax.scan`` (one
+    micro-batch of activations alive at a time) and divides by the total count, so the update
+    equals that of one batch ``accum`` times larger. Returns ``loss``, ``count``,
+    ``grad_norm`` and each metric averaged the same way.
+    """
+    wrt, runner = trainable.wrt, trainable.runner
+
+    def step(model: Any, optimizer: nn.Optimizer, batch: Any) -> dict:
+        graphdef, params, rest = nn.split(model, wrt, ...)
+
+        def loss(p: Any, mb: Any) -> tuple:
+            m = nn.merge(graphdef, p, rest)
+            total, count, metrics = micro_loss(runner(m), m, mb)
+            return total, (count, metrics)
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        _, (_, shapes) = jax.eval_shape(loss, params, first)
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
+                 jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shapes))
+
+        def micro(acc: tuple, mb: Any) -> tuple:
+            (total, (count, metrics)), g = jax.value_and_grad(loss, has_aux=True)(params, mb)
+            return jax.tree.map(jnp.add, acc, (g, total, count, metrics)), None
+
+        (grads, total, count, metrics), _ = jax.lax.scan(micro, zeros, batch)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        optimizer.update(model, grads)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        return {"loss": total / denom, "count": count, "grad_norm": norm, **{k: v / denom for k, v in metrics.items()}}
+
+    return nn.jit(step, donate_argnums=(0, 1))
