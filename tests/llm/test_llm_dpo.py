@@ -64,6 +64,7 @@ def test_simpo_first_step_matches_float64_numpy(tmp_path):
     np.testing.assert_allclose(out["loss"], want_all[order].mean(), rtol=1e-4)
 
 
+@pytest.mark.slow  # several trainers compiled: kept out of the 10-minute default suite
 def test_lora_reference_is_the_base_without_adapters(tmp_path):
     data = successor_preferences(24)
     model = tiny_chat_model()
@@ -93,6 +94,7 @@ def test_full_fine_tuning_precomputes_the_reference(tmp_path):
     t.close()
 
 
+@pytest.mark.slow  # several trainers compiled: kept out of the 10-minute default suite
 def test_resume_is_bit_identical(tmp_path):
     data = successor_preferences(32)
     a = llm.DPOTrainer(tiny_chat_model(), TOK, data, _config(steps=3), tmp_path / "a")

@@ -12,6 +12,7 @@ from cairn.llm._dpo import DPOConfig, DPOTrainer, preference_dataset
 from cairn.llm._errors import CheckpointError, UnsupportedModelError
 from cairn.llm._families import supported_model_types
 from cairn.llm._generate import GenerationResult, generate
+from cairn.llm._grpo import GRPOConfig, GRPOTrainer
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_io import from_pretrained, save_pretrained
 from cairn.llm._lora import (
@@ -46,6 +47,8 @@ __all__ = [
     "LoraSettings",
     "DPOConfig",
     "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
     "SFTConfig",
     "SFTTrainer",
     "LoraAdapters",
