@@ -119,6 +119,14 @@ def test_bad_input_is_named():
         llm.DPOConfig(steps=1, loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match="example 3: expected a dict with 'prompt', 'chosen' and 'rejected'"):
         llm._dpo._pair(TOK, {"prompt": "ab", "chosen": "bc"}, 16, "example 3")
+    with pytest.raises(ValueError, match="example 4: the rejected completion is empty"):
+        llm._dpo._pair(TOK, {"prompt": "ab", "chosen": "bc", "rejected": " "}, 16, "example 4")
+    with pytest.raises(ValueError, match="example 5: the chosen completion is empty"):
+        llm._dpo._pair(TOK, {"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": ""}],
+                             "rejected": [{"role": "assistant", "content": "b"}]}, 16, "example 5")
+    # a prompt that fills the context leaves no completion token: named, not trained on silently
+    with pytest.raises(ValueError, match=r"example 6 \(chosen\): no completion token"):
+        llm._dpo._pair(TOK, {"prompt": "abcdefghijklmnopqrstuvwxyz", "chosen": "b", "rejected": "c"}, 16, "example 6")
 
 
 @pytest.mark.slow  # ~40 s: 60 steps and two scorings

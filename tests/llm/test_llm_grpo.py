@@ -97,6 +97,26 @@ def test_bad_reward_functions_are_named(tmp_path):
         llm.GRPOConfig(steps=1, num_generations=1)
     with pytest.raises(ValueError, match="prompt 0: expected"):
         llm.GRPOTrainer(tiny_chat_model(), TOK, [{"question": "x"}], exact, _config(), tmp_path / "c")
+    long = [{"prompt": "ab", "answer": "bc"}, {"prompt": "a" * 2046, "answer": "b"}]
+    with pytest.raises(ValueError, match="prompt 1: 2046 tokens plus max_new_tokens=4 exceed the model's context of 2048"):
+        llm.GRPOTrainer(tiny_chat_model(), TOK, long, exact, _config(), tmp_path / "d")
+
+
+def test_a_reward_function_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path):
+    calls = []
+
+    def flaky(prompts, completions, examples):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("answer")
+        return [0.0] * len(completions)
+
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), flaky, _config(steps=4), tmp_path)
+    with pytest.raises(RuntimeError, match=r"reward function flaky raised at step 3 \(KeyError: 'answer'\); the last "
+                                           r"checkpoint is step 2"):
+        t.train()
+    t.close()
+    assert llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), flaky, _config(steps=4), tmp_path).step == 2
 
 
 @pytest.mark.slow  # ~60 s: SFT to a partial policy, then 50 batches of rollouts

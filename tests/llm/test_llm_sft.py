@@ -135,8 +135,14 @@ def test_the_step_loss_is_the_mean_nll_of_completion_tokens_float64(tmp_path):
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     want = (nll * batch["weights"]).sum() / batch["weights"].sum()
+    frozen = {str(k): np.asarray(v[...]) for k, v in nn.state(trainer.trainable.model, nn.Param).flat_state().items()
+              if "lora" not in str(k)}
     out = trainer.train()
     np.testing.assert_allclose(out["loss"], want, rtol=1e-5)
+    # LoRA: the base stays bit for bit
+    for k, v in nn.state(trainer.trainable.model, nn.Param).flat_state().items():
+        if "lora" not in str(k):
+            np.testing.assert_array_equal(np.asarray(v[...]), frozen[str(k)])
     assert out["completion_tokens"] == batch["weights"].sum()
     trainer.close()
 

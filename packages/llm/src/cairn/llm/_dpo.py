@@ -100,6 +100,14 @@ class DPOConfig:
         return d
 
 
+def _empty(completion: Any) -> bool:
+    if isinstance(completion, str):
+        return not completion.strip()
+    if isinstance(completion, list):
+        return not any(isinstance(m, Mapping) and str(m.get("content") or "").strip() for m in completion)
+    return False
+
+
 def _pair(tokenizer: Tokenizer, example: Mapping[str, Any], seq_len: int, where: str) -> dict[str, np.ndarray]:
     """One pair as right-padded ``chosen_*`` and ``rejected_*`` rows."""
     if not isinstance(example, Mapping) or not all(k in example for k in ("prompt", *SIDES)):
@@ -107,6 +115,8 @@ def _pair(tokenizer: Tokenizer, example: Mapping[str, Any], seq_len: int, where:
         raise ValueError(f"{where}: expected a dict with 'prompt', 'chosen' and 'rejected', got {got}")
     out = {}
     for side in SIDES:
+        if _empty(example[side]):
+            raise ValueError(f"{where}: the {side} completion is empty; a preference needs two real answers")
         row = sft_example(tokenizer, {"prompt": example["prompt"], "completion": example[side]}, seq_len,
                           where=f"{where} ({side})")
         n = len(row["inputs"])

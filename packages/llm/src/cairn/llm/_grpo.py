@@ -189,6 +189,12 @@ class GRPOTrainer:
         self._prompt_ids = [self._encode(i, ex) for i, ex in enumerate(self.prompts)]
         # one compiled update shape: the longest prompt plus a full completion
         self._width = max(len(p) for p in self._prompt_ids) + config.max_new_tokens
+        limit = model.config.max_position_embeddings
+        too_long = [i for i, p in enumerate(self._prompt_ids) if len(p) + config.max_new_tokens > limit]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"prompt {i}: {len(self._prompt_ids[i])} tokens plus max_new_tokens={config.max_new_tokens} "
+                             f"exceed the model's context of {limit} positions ({len(too_long)} prompts do)")
         self.trainable = Trainable(model, config.lora)
         self._reference = self._make_reference(model)
         tx = optimizer if optimizer is not None else default_optimizer(
@@ -229,11 +235,19 @@ class GRPOTrainer:
         Raises:
           ValueError: a reward function returned the wrong number of rewards or a
             non-finite one (naming the function and the completion).
+          RuntimeError: a reward function raised (naming it and the step; the checkpoints
+            already written are untouched).
         """
         cols = []
         for fn in self.reward_fns:
-            r = np.asarray(fn(prompts, completions, examples), np.float64)
             name = getattr(fn, "__name__", repr(fn))
+            try:
+                r = np.asarray(fn(prompts, completions, examples), np.float64)
+            except Exception as e:
+                self.run.manager.wait_until_finished()  # what was saved is committed before we stop
+                raise RuntimeError(f"reward function {name} raised at step {self.step + 1} "
+                                   f"({type(e).__name__}: {e}); the last checkpoint is step "
+                                   f"{self.run.manager.latest_step()}") from e
             if r.shape != (len(completions),):
                 raise ValueError(f"reward function {name} returned shape {r.shape} for {len(completions)} completions")
             bad = np.flatnonzero(~np.isfinite(r))
