@@ -1,5 +1,6 @@
-"""Post-training recipe on generated data: SFT with LoRA, then DPO, then GRPO, each scored by
-real generation on held-out prompts, with metrics and plots in the run directory.
+"""Post-training recipe on generated data: SFT, then GRPO from the SFT checkpoint, and DPO with
+LoRA from the same checkpoint, each scored on held-out prompts, with metrics and plots in the
+run directory.
 
 The task: the user sends a word, the assistant answers with each letter shifted by one
 ("abc" -> "bcd"). The tokenizer has one token per letter and a chat template; the model is a
@@ -84,11 +85,13 @@ def main() -> None:
     summary["dpo_preference_accuracy"] = dpo.preference_accuracy(held_pairs)
     llm.plot_metrics(run / "dpo", ("loss", "reward_accuracy"))
     dpo.close()
-    model = llm.merge_lora(dpo.runner())
     print(f"DPO  held-out preference accuracy {summary['dpo_preference_accuracy_before']:.2f} -> "
           f"{summary['dpo_preference_accuracy']:.2f}")
 
-    # 3. GRPO, reward "exact answer", on the merged model
+    # 3. GRPO, reward "exact answer", from the SFT checkpoint (a fresh model restored from it)
+    model = llm.CausalLM(cfg, rngs=nn.Rngs(0))
+    llm.SFTTrainer(model, tok, chats, llm.SFTConfig(steps=int(40 * scale) or 1, batch_size=16, seq_len=64,
+                                                    learning_rate=3e-3, lora=None), run / "sft").close()
     prompts = [{"prompt": c["messages"][:1], "answer": c["messages"][1]["content"]} for c in chats]
     held = [{"prompt": c["messages"][:1], "answer": c["messages"][1]["content"]} for c in held_chats]
 
@@ -96,8 +99,8 @@ def main() -> None:
         return [float(c.strip() == ex["answer"]) for c, ex in zip(completions, examples)]
 
     grpo = llm.GRPOTrainer(model, tok, prompts, exact, llm.GRPOConfig(
-        steps=int(80 * scale) or 1, prompts_per_batch=16, num_generations=4, max_new_tokens=5, temperature=0.8,
-        learning_rate=5e-4, beta=0.0, lora=None, num_iterations=2), run / "grpo")
+        steps=int(100 * scale) or 1, prompts_per_batch=16, num_generations=4, max_new_tokens=5, temperature=0.8,
+        learning_rate=2e-4, beta=0.04, lora=None, num_iterations=2), run / "grpo")
     summary["grpo_exact_match_before"] = grpo.evaluate(held)
     grpo.train()
     summary["grpo_exact_match"] = grpo.evaluate(held)
