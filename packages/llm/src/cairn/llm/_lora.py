@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from cairn import nn, quant
+from cairn.core_array import QArray
 from cairn.llm._config import LlmConfig
 from cairn.llm._errors import CheckpointError
 from cairn.llm._families import family_of
@@ -123,7 +124,7 @@ def _owner(model: CausalLM, weight_path: str) -> Any:
 
 def apply_lora(model: CausalLM, rank: int = 8, alpha: float = 16.0,
                target_modules: str | Sequence[str] = ("q_proj", "v_proj"), *, adapters: LoraAdapters | None = None,
-               rng: Any = None, dropout: float = 0.0) -> quant.QuantizedModel:
+               rng: Any = None, dropout: float = 0.0, weight_qtype: str | None = None) -> quant.QuantizedModel:
     """Add LoRA adapters to ``model`` (in place) and return it wrapped to run with them.
 
     Args:
@@ -136,6 +137,9 @@ def apply_lora(model: CausalLM, rank: int = 8, alpha: float = 16.0,
       rng: PRNG key of the fresh adapters (``A`` He-uniform, ``B`` zero: the output starts
         unchanged); default ``jax.random.key(0)``.
       dropout: adapter-input dropout rate, applied when the provider gets a ``dropout_rng``.
+      weight_qtype: QLoRA: store the adapted weights quantized (``"nf4"``, ``"int8"``,
+        ``"int4"``...; 4-bit ones packed two to a byte) and train the adapters over them.
+        The base weights are replaced in ``model``; ``merge_lora`` dequantizes them.
 
     Returns:
       ``cairn.quant.quantize_model(model, provider)``: call it like the model (with a
@@ -155,10 +159,12 @@ def apply_lora(model: CausalLM, rank: int = 8, alpha: float = 16.0,
                          "start from a model without adapters")
     modules = sorted({p.rpartition("/")[0] for p in paths})
     rule = quant.LoraRule(module_path="|".join(re.escape(m) for m in modules), rank=rank, alpha=float(alpha),
-                          dropout=dropout)
+                          dropout=dropout, weight_qtype=weight_qtype)
     provider = quant.LoraProvider([rule])
-    quant.apply_lora_to_model(base, provider, jnp.zeros((1, 1), jnp.int32),
-                              rng=jax.random.key(0) if rng is None else rng)
+    example = jnp.zeros((1, 1), jnp.int32)
+    quant.apply_lora_to_model(base, provider, example, rng=jax.random.key(0) if rng is None else rng)
+    if weight_qtype is not None:
+        nn.update(base, nn.state(quant.quantize_params(base, provider, lambda m, x: m(x), example, pack=True)))
     if adapters is not None:
         for path, (a, b) in adapters.weights.items():
             slot = _owner(base, path).lora
@@ -197,7 +203,8 @@ def _merged(w: jax.Array, a: Any, b: Any, scale: float, path: str) -> jax.Array:
 
 def merge_lora(model: Any, adapters: LoraAdapters | None = None) -> CausalLM:
     """A new :class:`CausalLM` whose weights are ``W + alpha / rank * A @ B`` (float32
-    arithmetic, stored in the weight's dtype), without adapters.
+    arithmetic, stored in the weight's dtype; a QLoRA base's quantized weights are
+    dequantized to the model's dtype first), without adapters.
 
     ``model`` is the base model or what :func:`apply_lora` returned; ``adapters`` default to
     the latter's. The model passed in is not changed.
@@ -231,6 +238,8 @@ def merge_lora(model: Any, adapters: LoraAdapters | None = None) -> CausalLM:
             continue
         path = "/".join(map(str, p))
         w = var[...]
+        if isinstance(w, QArray):  # a QLoRA base: merged in float, the model's dtype
+            w = jnp.asarray(w.dequantize(), base.dtype)
         if path in adapters.weights:
             w = _merged(w, *adapters.weights[path], adapters.scale, path)
         values[p] = w

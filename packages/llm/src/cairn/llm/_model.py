@@ -272,6 +272,8 @@ class CausalLM(nn.Module):
     def _positions(self, b: int, t: int, positions: Any, cache: KVCache | None, lengths: Any,
                    segment_ids: Any) -> jax.Array:
         """The query positions ``[B, T]`` of a call, after checking the arguments go together."""
+        if segment_ids is not None and tuple(jnp.shape(segment_ids)) != (b, t):
+            raise ValueError(f"CausalLM: segment_ids must be [batch, length] = {(b, t)}, got shape {tuple(jnp.shape(segment_ids))}")
         if cache is None:
             if lengths is not None:
                 raise ValueError("CausalLM: lengths is only meaningful with a cache (right padding needs no mask without one)")

@@ -4,8 +4,14 @@
 >>> from cairn.optim import losses
 >>> float(losses.l2_loss(jnp.array(2.0), jnp.array(0.0)))
 2.0
+
+Besides Optax's, the post-training losses: ``token_logprobs``, ``sequence_logprobs``,
+``dpo_loss``, ``ipo_loss``, ``orpo_loss``, ``simpo_loss`` (returning a
+``PreferenceLossOutput``), ``clipped_policy_loss`` (a ``PolicyLossOutput``),
+``kl_penalty`` and ``group_relative_advantages``.
 """
 
+from cairn.optim._logprobs import sequence_logprobs, token_logprobs
 from cairn.optim._losses import (
     convex_kl_divergence,
     cosine_distance,
@@ -33,6 +39,19 @@ from cairn.optim._losses import (
     squared_error,
     triplet_margin_loss,
 )
+from cairn.optim._policy_losses import (
+    PolicyLossOutput,
+    clipped_policy_loss,
+    group_relative_advantages,
+    kl_penalty,
+)
+from cairn.optim._preference_losses import (
+    PreferenceLossOutput,
+    dpo_loss,
+    ipo_loss,
+    orpo_loss,
+    simpo_loss,
+)
 
 __all__ = [
     "convex_kl_divergence", "cosine_distance", "cosine_similarity", "ctc_loss",
@@ -42,4 +61,8 @@ __all__ = [
     "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels", "squared_error",
     "triplet_margin_loss", "kl_divergence_with_log_targets", "generalized_kl_divergence",
     "perceptron_loss", "multiclass_perceptron_loss", "multiclass_hinge_loss",
+    # post-training (not in Optax)
+    "token_logprobs", "sequence_logprobs", "PreferenceLossOutput", "dpo_loss", "ipo_loss",
+    "orpo_loss", "simpo_loss", "PolicyLossOutput", "clipped_policy_loss", "kl_penalty",
+    "group_relative_advantages",
 ]

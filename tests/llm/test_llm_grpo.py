@@ -1,0 +1,141 @@
+"""GRPOTrainer: rollouts scored and turned into group-relative advantages (checked against
+NumPy), the first update at ratio 1 (loss = -mean advantage = 0, KL 0 with fresh adapters),
+the reference as the base without adapters, resume, bad reward functions, and GRPO raising
+the reward of an SFT-started policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from llm_testlib import chat_tokenizer, successor_chats, tiny_chat_model
+
+from cairn import llm
+
+TOK = chat_tokenizer()
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    return [{"prompt": ex["messages"][:1], "answer": ex["messages"][1]["content"]} for ex in successor_chats(n, seed)]
+
+
+def exact(prompts, completions, examples):
+    return [float(c.strip() == ex["answer"]) for c, ex in zip(completions, examples)]
+
+
+def first_letter(prompts, completions, examples):
+    """A dense reward: 1 when the first letter is right (so random groups differ)."""
+    return [float(c[:1] == ex["answer"][:1]) for c, ex in zip(completions, examples)]
+
+
+def _config(**kw) -> llm.GRPOConfig:
+    base = dict(steps=2, prompts_per_batch=4, num_generations=4, max_new_tokens=4, temperature=1.0,
+                learning_rate=1e-3, beta=0.1, lora=llm.LoraSettings(rank=4, alpha=8.0), save_every=1)
+    return llm.GRPOConfig(**{**base, **kw})
+
+
+def test_rollouts_rewards_and_advantages(tmp_path):
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), [exact, first_letter], _config(), tmp_path,
+                        reward_weights=[2.0, 1.0])
+    rows, stats = t._rollouts(np.arange(4))
+    texts = [TOK.decode([int(x) for x in row[m > 0]], skip_special_tokens=True)
+             for row, m in zip(rows["targets"], rows["mask"])]
+    examples = [ex for ex in t.prompts[:4] for _ in range(4)]
+    reward = np.array([2.0 * (s.strip() == ex["answer"]) + (s[:1] == ex["answer"][:1]) for s, ex in zip(texts, examples)])
+    groups = reward.reshape(4, 4)
+    want = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(rows["advantages"], want.reshape(-1), rtol=1e-5, atol=1e-6)
+    assert stats["reward"] == pytest.approx(reward.mean())
+    # the mask covers each completion: prompt tokens and padding are not learned
+    assert all(int(m.sum()) >= 1 for m in rows["mask"])
+    t.close()
+
+
+def test_first_update_is_at_ratio_one_with_zero_kl(tmp_path):
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), first_letter, _config(steps=1), tmp_path)
+    out = t.train()
+    t.close()
+    # seq-mean-token-mean with every ratio 1: -mean_i(A_i), and advantages sum to 0 per group
+    assert out["loss"] == pytest.approx(0.0, abs=1e-6)
+    assert out["kl"] == pytest.approx(0.0, abs=1e-7) and out["clip_fraction"] == 0.0
+
+
+@pytest.mark.slow  # several trainers compiled: kept out of the 10-minute default suite
+def test_resume_is_bit_identical(tmp_path):
+    prompts = _prompts(24)
+    a = llm.GRPOTrainer(tiny_chat_model(), TOK, prompts, first_letter, _config(steps=3), tmp_path / "a")
+    a.train()
+    a.close()
+    b = llm.GRPOTrainer(tiny_chat_model(), TOK, prompts, first_letter, _config(steps=3), tmp_path / "b")
+    b.train(stop_after=2)
+    b.close()
+    b = llm.GRPOTrainer(tiny_chat_model(), TOK, prompts, first_letter, _config(steps=3), tmp_path / "b")
+    assert b.step == 2
+    b.train()
+    b.close()
+    ra, rb = llm.read_metrics(tmp_path / "a"), llm.read_metrics(tmp_path / "b")
+    assert [r["reward"] for r in ra] == [r["reward"] for r in rb]
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+
+
+def test_bad_reward_functions_are_named(tmp_path):
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(8), exact, _config(steps=1), tmp_path)
+
+    def short(prompts, completions, examples):
+        return [1.0]
+
+    def nan(prompts, completions, examples):
+        return [float("nan")] * len(completions)
+
+    t.reward_fns, t.reward_weights = [short], [1.0]
+    with pytest.raises(ValueError, match=r"reward function short returned shape \(1,\) for 2 completions"):
+        t.rewards(["a", "b"], ["x", "y"], [{}, {}])
+    t.reward_fns = [nan]
+    with pytest.raises(ValueError, match="reward function nan returned nan for completion 0"):
+        t.rewards(["a", "b"], ["x", "y"], [{}, {}])
+    t.close()
+    with pytest.raises(ValueError, match="num_generations must be an integer >= 2"):
+        llm.GRPOConfig(steps=1, num_generations=1)
+    with pytest.raises(ValueError, match="prompt 0: expected"):
+        llm.GRPOTrainer(tiny_chat_model(), TOK, [{"question": "x"}], exact, _config(), tmp_path / "c")
+    long = [{"prompt": "ab", "answer": "bc"}, {"prompt": "a" * 2046, "answer": "b"}]
+    with pytest.raises(ValueError, match="prompt 1: 2046 tokens plus max_new_tokens=4 exceed the model's context of 2048"):
+        llm.GRPOTrainer(tiny_chat_model(), TOK, long, exact, _config(), tmp_path / "d")
+
+
+def test_a_reward_function_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path):
+    calls = []
+
+    def flaky(prompts, completions, examples):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("answer")
+        return [0.0] * len(completions)
+
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), flaky, _config(steps=4), tmp_path)
+    with pytest.raises(RuntimeError, match=r"reward function flaky raised at step 3 \(KeyError: 'answer'\); the last "
+                                           r"checkpoint is step 2"):
+        t.train()
+    t.close()
+    assert llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), flaky, _config(steps=4), tmp_path).step == 2
+
+
+@pytest.mark.slow  # ~60 s: SFT to a partial policy, then 50 batches of rollouts
+def test_grpo_raises_the_reward_of_an_sft_policy(tmp_path):
+    chats = successor_chats(400)
+    model = tiny_chat_model(layers=2)
+    sft = llm.SFTTrainer(model, TOK, chats[:300], llm.SFTConfig(steps=45, batch_size=16, seq_len=64, learning_rate=3e-3,
+                                                                 lora=None, save_every=1000), tmp_path / "sft")
+    sft.train()
+    sft.close()
+    prompts = _prompts(400)
+    train, held = prompts[:300], prompts[300:364]
+    g = llm.GRPOTrainer(model, TOK, train, exact, llm.GRPOConfig(
+        steps=50, prompts_per_batch=16, num_generations=4, max_new_tokens=5, temperature=0.8, learning_rate=5e-4,
+        beta=0.0, lora=None, num_iterations=2, save_every=1000), tmp_path / "grpo")
+    before = g.evaluate(held, temperature=0.8, num_samples=4)
+    g.train()
+    after = g.evaluate(held, temperature=0.8, num_samples=4)
+    g.close()
+    rewards = [r["reward"] for r in llm.read_metrics(tmp_path / "grpo")]
+    assert after >= before + 0.04, (before, after)
+    assert np.mean(rewards[-10:]) > np.mean(rewards[:10]), rewards
