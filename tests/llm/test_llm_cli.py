@@ -92,3 +92,16 @@ def test_serve_exports_once_and_speaks_openai(tmp_path, monkeypatch):
         out = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "a b"}], max_tokens=4,
                                              temperature=0)
         assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_quantize_int8_exports_int8_matrices_and_a_prompt_scorer(tmp_path):
+    from cairn import serving
+
+    path = _checkpoint(tmp_path)
+    _cli._export(_args(path, tmp_path, quantize="int8"), "m", tmp_path / "repo")
+    model = serving.load_generator(tmp_path / "repo" / "m" / "1")
+    # the loaded weights are flat: a QArray appears as <path>/qvalue and <path>/scale
+    qvalues = {p: x for p, x in model.weights.items() if p.endswith("/qvalue")}
+    assert qvalues and all("/mlp/" in p or "/attn/" in p for p in qvalues)
+    assert {str(x.dtype) for x in qvalues.values()} == {"int8"}
+    assert model.has_score  # echo + logprobs on the OpenAI route

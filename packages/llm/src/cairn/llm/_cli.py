@@ -117,10 +117,15 @@ def _export(args: argparse.Namespace, name: str, repo: pathlib.Path) -> None:
     model = llm.from_pretrained(args.path, dtype=args.dtype)
     tokenizer = llm.Tokenizer.from_pretrained(args.path)
     if args.quantize is not None:
-        from cairn import quant
+        import jax.numpy as jnp
 
-        rules = [quant.QuantizationRule(module_path=".*", weight_qtype=args.quantize)]
-        model = quant.quantize_model(model, quant.PtqProvider(rules))
+        from cairn import nn, quant
+
+        # the attention and MLP matrices of every layer, stored as QArrays (export keeps them quantized)
+        rules = [quant.QuantizationRule(module_path=r"layers/\d+/(attn|mlp)/\w+", weight_qtype=args.quantize)]
+        stored = quant.quantize_params(model, quant.PtqProvider(rules), lambda m, x: m(x), jnp.zeros((1, 8), jnp.int32),
+                                       pack=True)
+        nn.update(model, nn.state(stored))
     export(model, tokenizer, str(repo), name, version=1, max_length=args.max_length, max_batch_size=args.max_batch_size)
 
 

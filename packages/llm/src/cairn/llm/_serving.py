@@ -182,9 +182,12 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
         tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
         with _kernels_for(tokens):
             logp = jax.nn.log_softmax(rebuild(params)(tokens), axis=-1)
-        picked = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
-        out = jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
-        return jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None], out, 0.0).astype(jnp.float32)
+        # no slicing by a symbolic length (the exported batch and prompt sizes are symbolic):
+        # position t scores the token after it, then the scores move one step right
+        ahead = jnp.take_along_axis(logp, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1)[..., 0]
+        t = jnp.arange(tokens.shape[1])[None, :]
+        out = jnp.where(t == 0, 0.0, jnp.roll(ahead, 1, axis=1))
+        return jnp.where(t < lengths[:, None], out, 0.0).astype(jnp.float32)
 
     def forward(params: Any, tokens: jax.Array) -> jax.Array:
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -225,7 +228,8 @@ def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.Pat
                        overwrite: bool = False) -> str:
     """Export ``model`` as a cairn.serving generator into ``<repository>/<name>/<version>``.
 
-    The prefill and decode of :func:`serving_functions` become StableHLO programs with the
+    The prefill, decode and score (prompt log-probabilities, for ``echo`` with ``logprobs``)
+    of :func:`serving_functions` become StableHLO programs with the
     weights as arguments (``QArray`` weights written quantized, int4 as packed or not as
     they are), the tokenizer's files (chat template included) go into the model directory's
     ``tokenizer/`` folder under the manifest's hashes, and ``cairn-serve
@@ -265,7 +269,7 @@ def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.Pat
     return serving.export_generator(
         fns.prefill, fns.decode, fns.params, path, cache_specs=fns.cache_specs, vocab_size=fns.vocab_size,
         max_length=fns.max_length, eos_token_ids=_eos_ids(model, tok, eos_token_ids), platforms=platforms,
-        max_batch_size=max_batch_size, tokenizer=tok, overwrite=overwrite)
+        max_batch_size=max_batch_size, tokenizer=tok, score=fns.score, overwrite=overwrite)
 
 
 def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, name: str = "generator",
@@ -286,4 +290,5 @@ def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, nam
     fns = serving_functions(model, max_length)
     return serving.PythonGenerator(fns.prefill, fns.decode, fns.params, cache_specs=fns.cache_specs,
                                    vocab_size=fns.vocab_size, max_length=fns.max_length,
-                                   eos_token_ids=_eos_ids(model, tok, eos_token_ids), tokenizer=tok, name=name)
+                                   eos_token_ids=_eos_ids(model, tok, eos_token_ids), tokenizer=tok, name=name,
+                                   score=fns.score)
