@@ -265,7 +265,7 @@ class GRPOTrainer:
         seeds = [int(s) for s in np.random.SeedSequence([cfg.seed, self.step]).generate_state(len(ids))]
         out = generate(self.runner(), ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                        top_p=cfg.top_p, seed=seeds, tokenizer=self.tokenizer, return_logprobs=False)
-        raw = self.rewards([ex["prompt"] for ex in examples], list(out.text), examples)
+        raw = self.rewards([ex["prompt"] for ex in examples], list(out.text or []), examples)
         reward = raw @ np.asarray(self.reward_weights)
         adv = np.asarray(losses.group_relative_advantages(jnp.asarray(reward, jnp.float32), g,
                                                           normalize_std=cfg.normalize_std))
@@ -314,7 +314,7 @@ class GRPOTrainer:
         rows = [ex for ex in examples for _ in range(num_samples)]
         out = generate(self.runner(), ids, max_new_tokens or self.config.max_new_tokens, temperature=temperature,
                        seed=list(range(seed, seed + len(ids))), tokenizer=self.tokenizer, return_logprobs=False)
-        raw = self.rewards([ex["prompt"] for ex in rows], list(out.text), rows)
+        raw = self.rewards([ex["prompt"] for ex in rows], list(out.text or []), rows)
         return float((raw @ np.asarray(self.reward_weights)).mean())
 
     def close(self) -> None:

@@ -108,7 +108,8 @@ def _rebuilder(model: CausalLM) -> tuple[Callable[[Any], CausalLM], Any]:
             for key in path[:-1]:
                 into = into.setdefault(key, {})
             into[path[-1]] = kind(node)
-        return nn.merge(graphdef, nn.State(tree))
+        rebuilt: CausalLM = nn.merge(graphdef, nn.State(tree))  # type: ignore[assignment]
+        return rebuilt
 
     return rebuild, state.to_pure_dict()
 

@@ -81,7 +81,9 @@ class Trainable:
         if self.provider is None:
             return ""
         h = hashlib.sha256()
-        flat = nn.state(self.model).flat_state()
+        state = nn.state(self.model)
+        assert isinstance(state, nn.State)
+        flat = state.flat_state()
         for path in sorted(flat, key=str):
             if isinstance(flat[path], nn.LoRAParam):
                 continue
@@ -98,7 +100,7 @@ class Trainable:
 def default_optimizer(learning_rate: float, steps: int, warmup_steps: int, weight_decay: float,
                       max_grad_norm: float | None) -> Any:
     """AdamW with linear warmup then cosine decay to 10%, after global-norm clipping."""
-    schedule = optim.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
+    schedule: Any = optim.warmup_cosine_decay_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
                                                   max(warmup_steps, 0), max(steps, warmup_steps + 1),
                                                   end_value=learning_rate * 0.1)
     parts = [] if max_grad_norm is None else [optim.clip_by_global_norm(max_grad_norm)]
@@ -245,7 +247,7 @@ def accumulating_step(trainable: Trainable, micro_loss: Any) -> Any:
         graphdef, params, rest = nn.split(model, wrt, ...)
 
         def loss(p: Any, mb: Any) -> tuple:
-            m = nn.merge(graphdef, p, rest)
+            m: Any = nn.merge(graphdef, p, rest)
             total, count, metrics = micro_loss(runner(m), m, mb)
             return total, (count, metrics)
 

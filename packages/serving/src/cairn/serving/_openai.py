@@ -163,7 +163,7 @@ def _number(obj: dict, key: str, lo: float, hi: float, default: float) -> float:
     v = obj.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= float(v) <= hi:
         raise OpenAIError(400, f"{key} must be a number in [{lo}, {hi}], got {v!r}", key, "invalid_value")
     return float(v)
 
