@@ -398,3 +398,38 @@ def test_dataclass_metadata_clone_and_children():
     np.testing.assert_array_equal(c.a.value, p.a.value)
     assert nn.clone(p, variables=False).a is p.a
     assert nn.GraphDef[Pair].__origin__ is nn.GraphDef
+
+
+def test_tree_mode_grad_returns_a_module_shaped_gradient():
+    m = nn.BatchNorm(2, rngs=nn.Rngs(0))
+
+    def loss(m):
+        return (m.scale.value * jnp.array([1.0, 3.0])).sum() + m.bias.value.sum()
+
+    as_state = nn.grad(loss)(m)
+    assert isinstance(as_state, nn.State) and sorted(as_state.flat_paths()) == ["bias", "scale"]
+    for kw in ({"graph": False}, {"graph": True, "graph_updates": False}):
+        g = nn.grad(loss, **kw)(m)
+        assert isinstance(g, nn.BatchNorm) and g.scale is not m.scale
+        np.testing.assert_array_equal(g.scale.value, [1.0, 3.0])
+        np.testing.assert_array_equal(g.mean.value, [0.0, 0.0])  # not differentiated
+    with nn.set_graph_updates(False):
+        assert isinstance(nn.grad(loss)(m), nn.BatchNorm)
+
+
+def test_lowered_and_compiled_take_modules_and_write_back():
+    class Counter(nn.Module):
+        def __init__(self):
+            self.count = nn.Variable(jnp.array(0))
+
+        def __call__(self, x):
+            self.count.value += 1
+            return x * 2
+
+    m = Counter()
+    f = nn.jit(lambda m, x: m(x))
+    compiled = f.lower(m, jnp.array(3.0)).compile()
+    assert "HloModule" in compiled.as_text() or compiled.as_text()
+    assert float(compiled(m, jnp.array(3.0))) == 6.0
+    compiled(m, jnp.array(1.0))
+    assert int(m.count.value) == 2

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from cairn.nn._filters import to_predicate
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, is_node
 from cairn.nn._state import State
@@ -59,11 +60,11 @@ def grad(
     if f is None:
         return functools.partial(
             grad, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
-            allow_int=allow_int,
+            allow_int=allow_int, graph=graph, graph_updates=graph_updates,
         )
     vg = value_and_grad(
         f, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
-        allow_int=allow_int,
+        allow_int=allow_int, graph=graph, graph_updates=graph_updates,
     )
 
     @functools.wraps(f)
@@ -95,10 +96,12 @@ def value_and_grad(
     if f is None:
         return functools.partial(
             value_and_grad, argnums=argnums, has_aux=has_aux, wrt=wrt,
-            holomorphic=holomorphic, allow_int=allow_int,
+            holomorphic=holomorphic, allow_int=allow_int, graph=graph,
+            graph_updates=graph_updates,
         )
     specs = _argnum_specs(argnums, wrt)
     nums = [n for n, _ in specs]
+    as_module = not resolve_modes(graph, graph_updates)[2]
     single = isinstance(argnums, int | DiffState)
 
     @functools.wraps(f)
@@ -126,7 +129,7 @@ def value_and_grad(
             lo, hi = ranges[n]
             items, gs = diff_sel[k : k + hi - lo], g[k : k + hi - lo]
             k += hi - lo
-            grads.append(_package_grads(args[n], plan, items, gs))
+            grads.append(_package_grads(args[n], plan, items, gs, as_module))
         gout = grads[0] if single else tuple(grads)
         return ((loss, aux) if has_aux else loss), gout
 
@@ -225,14 +228,22 @@ def _diff_pure(f: Callable, plan: Plan, diff_sel, box: Box, has_aux: bool) -> Ca
     return pure
 
 
-def _package_grads(arg, plan: Plan, items, gs):
-    """Gradients of one argument, shaped like the argument (modules -> State)."""
+def _package_grads(arg, plan: Plan, items, gs, as_module: bool = False):
+    """Gradients of one argument, shaped like the argument: a module's are a State of
+    the differentiated variables, or (``as_module``, Flax's tree mode) a module of the
+    same structure whose other variables hold zeros."""
     leaves = []
     for (li, sel), gv in zip(items, gs):
         kind = plan.kinds[li]
         if kind == MOD:
             gd = plan.descs[li]
             vs = plan.varlists[li]
+            if as_module:
+                vals = [jnp.zeros_like(v.raw_value) for v in vs]
+                for j, x in zip(sel, gv):
+                    vals[j] = x
+                leaves.append(gd.build_from_values(vals))
+                continue
             leaves.append(
                 State.from_flat({gd.paths[j]: vs[j].replace(value=x) for j, x in zip(sel, gv)})
             )

@@ -7,11 +7,13 @@ and ``graph=False`` treats them as pytrees (a shared reference is an error);
 (a new attribute, a swapped submodule) back to the caller's objects.
 
 A Cairn module is always a pytree with no shared references, and every transform
-writes both value and structural changes back. So the two modes cannot differ here:
-the switches are recorded (``current_value()`` reports them, as Flax's does) and the
-keywords are checked and accepted, and Cairn's one behaviour is the same in both.
-Code written for either mode runs unchanged, except code that relies on one Variable
-shared by two modules, which Cairn refuses with ``SharedReferenceError`` in any mode.
+writes both value and structural changes back. So the modes cannot differ in that:
+the switches are recorded (``current_value()`` reports them, as Flax's does), the
+keywords are checked and accepted, and the one place where Flax's result differs is
+honoured: ``nn.grad`` / ``nn.value_and_grad`` return a module argument's gradient as a
+State in full graph mode (``graph and graph_updates``, the default) and as a module of
+the same structure otherwise (Flax's tree mode). Code relying on one Variable shared
+by two modules is refused with ``SharedReferenceError`` in any mode.
 """
 
 from __future__ import annotations
@@ -122,6 +124,14 @@ class set_graph_updates(_ModeSwitch):  # noqa: N801  (Flax's name)
     """
 
     _name = "graph_updates"
+
+
+def resolve_modes(graph: bool | None, graph_updates: bool | None) -> tuple[bool, bool, bool]:
+    """``(graph, graph_updates, both)`` with None replaced by the switches' values;
+    ``both`` is Flax's full graph mode (``graph and graph_updates``)."""
+    g = set_graph_mode.current_value() if graph is None else graph
+    u = set_graph_updates.current_value() if graph_updates is None else graph_updates
+    return g, u, g and u
 
 
 def check_mode(fn: str, graph: Any = None, graph_updates: Any = None) -> None:

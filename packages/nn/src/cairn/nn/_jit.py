@@ -257,9 +257,11 @@ class JitWrapped:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(args, kwargs, False)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """Lower for the given arguments (``.compile()`` on the result compiles)."""
-        return self._run(args, kwargs, True)
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lower for the given arguments: ``.compile()`` on the result compiles, and the
+        compiled object is called with the same kind of arguments (modules included;
+        their changes are written back, as by this function)."""
+        return Lowered(self._run(args, kwargs, True), self)
 
     def _run(self, args: tuple, kwargs: dict, lowering: bool) -> Any:
         """The one argument preparation of a call and of ``lower``: bind keywords,
@@ -383,6 +385,43 @@ class JitWrapped:
 
         donate = (0,) if self._donate else ()
         return _JitEntry(jax.jit(pure, donate_argnums=donate, **self._jit_kwargs))
+
+
+class Lowered:
+    """``nn.jit(f).lower(...)``: jax's ``Lowered`` (``as_text``, ``cost_analysis``, ...
+    are its), whose ``compile()`` gives a :class:`Compiled`."""
+
+    def __init__(self, lowered: Any, wrapped: JitWrapped) -> None:
+        self._lowered = lowered
+        self._wrapped = wrapped
+
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        return Compiled(self._lowered.compile(*args, **kwargs), self._wrapped)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
+class Compiled:
+    """The compiled function of a :class:`Lowered`: jax's ``Compiled`` for inspection
+    (``as_text``, ``cost_analysis``), and callable with the original kind of arguments,
+    modules included: the call goes through the jitted function (the same program),
+    so module changes are written back. Call the jax object (``.compiled``) with the
+    flat value lists if you need that very executable."""
+
+    def __init__(self, compiled: Any, wrapped: JitWrapped) -> None:
+        self._compiled = compiled
+        self._wrapped = wrapped
+
+    @property
+    def compiled(self) -> Any:
+        return self._compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
 
 
 def jit(
