@@ -139,7 +139,7 @@ def _grads_for(grads: State, params_state: State, wrt: Any) -> dict:
         missing = [path_text(p) for p in want if p not in grads._flat]
         raise ValueError(
             f"Optimizer.update: the gradients do not match the parameters selected by "
-            f"wrt={wrt!r}: no gradient for {missing}"
+            f"wrt={wrt!r}: missing {missing} (no gradient for these parameters)"
         )
     return to_pure_dict(grads)
 
@@ -305,9 +305,18 @@ def _wrap(opt_state: Any, placed: list) -> Any:
             for x, sh in zip(leaves, placed)
         ]
     )
-    if type(wrapped) is dict:
-        return {k: _attr_dicts(v) for k, v in wrapped.items()}
-    return _attr_dicts(wrapped)
+    return _tuple_dicts(wrapped)
+
+
+def _tuple_dicts(tree: Any) -> Any:
+    """The dicts inside tuples (Optax's named-tuple states) as :class:`_OptDict`; a dict
+    outside any tuple stays a dict (a module turns it into an ``nn.Dict``, which reads
+    by attribute already and is walked as module state, as an ``_OptDict`` would not)."""
+    if type(tree) is dict:
+        return {k: _tuple_dicts(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return _attr_dicts(tree)
+    return tree
 
 
 def _plain(tree):
