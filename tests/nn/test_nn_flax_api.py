@@ -433,3 +433,14 @@ def test_lowered_and_compiled_take_modules_and_write_back():
     assert float(compiled(m, jnp.array(3.0))) == 6.0
     compiled(m, jnp.array(1.0))
     assert int(m.count.value) == 2
+
+
+def test_missing_view_attributes_raise_value_errors_worded_as_flax():
+    b = nn.Sequential(nn.Dropout(0.5, rngs=nn.Rngs(0)))
+    with pytest.raises(ValueError, match=r"Unused keys found in nnx.view: \['unknown'\]"):
+        nn.view(b, deterministic=True, unknown=1)
+    with pytest.raises(ValueError, match=r"following attributes: \['unknown'\]"):
+        nn.with_attributes(b, unknown=1)
+    with pytest.raises(AttributeError, match=r"following attributes: \['unknown'\]"):
+        b.set_attributes(unknown=2)
+    assert nn.view(b, deterministic=True, unknown=1, raise_if_not_found=False).layers[0].deterministic

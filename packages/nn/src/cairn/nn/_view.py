@@ -13,6 +13,7 @@ from typing import Any
 
 from cairn.nn._graph import flat, iter_modules
 from cairn.nn._graph_mode import check_mode
+from cairn.nn._module import AttributesNotFoundError
 from cairn.nn._nodes import Node
 
 _POS_OR_KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -75,6 +76,14 @@ def with_attributes(
       TypeError: ``node`` is not a module.
     """
     check_mode("with_attributes", graph)
+    return _with_attributes(node, only, raise_if_not_found, attributes, "with_attributes")
+
+
+def _with_attributes(
+    node: Node, only: Any, raise_if_not_found: bool, attributes: dict, caller: str
+) -> Node:
+    """The body of :func:`with_attributes` and :func:`view` (``caller`` words the
+    error as Flax does for each)."""
     if not isinstance(node, Node):
         raise TypeError(f"view: expected a module, got {type(node).__name__}")
     c = flat(node)
@@ -94,9 +103,14 @@ def with_attributes(
                 found.add(name)
     missing = sorted(set(attributes) - found)
     if raise_if_not_found and missing:
-        raise ValueError(
-            f"view: no selected module of {type(node).__name__} has the attribute(s) "
-            f"{missing}; pass raise_if_not_found=False to ignore them"
+        head = (
+            f"Unused keys found in nnx.view: {missing}"
+            if caller == "view"
+            else f"Could not find at least one instance of the following attributes: {missing}"
+        )
+        raise AttributesNotFoundError(
+            f"{head} (no selected module of {type(node).__name__} has them); pass "
+            f"raise_if_not_found=False to ignore them"
         )
     return out
 
@@ -128,7 +142,7 @@ def view(
     True
     """
     check_mode("view", graph)
-    return with_attributes(node, only=only, raise_if_not_found=raise_if_not_found, **kwargs)
+    return _with_attributes(node, only, raise_if_not_found, kwargs, "view")
 
 
 def view_info(node: Node, /, *, only: Any = ..., graph: bool | None = None) -> str:
