@@ -444,3 +444,13 @@ def test_missing_view_attributes_raise_value_errors_worded_as_flax():
     with pytest.raises(AttributeError, match=r"following attributes: \['unknown'\]"):
         b.set_attributes(unknown=2)
     assert nn.view(b, deterministic=True, unknown=1, raise_if_not_found=False).layers[0].deterministic
+
+
+def test_state_of_a_state_filters_it():
+    bn = nn.BatchNorm(2, rngs=nn.Rngs(0))
+    s = nn.state(bn)
+    assert nn.state(s, nn.BatchStat).flat_paths() == ["mean", "var"]
+    assert sorted(nn.state(s).flat_paths()) == sorted(s.flat_paths())
+    assert nn.state(s)["scale"] is bn.scale
+    with pytest.raises(TypeError, match="expected a cairn.nn Module, got tuple"):
+        nn.state((bn,))

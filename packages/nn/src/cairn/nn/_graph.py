@@ -306,8 +306,16 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
 def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple[State, ...]:
     """The variables of ``node`` as a :class:`State` (one per filter: a tuple when more
     than one filter is given). Unlike :func:`split`, variables matching no filter are
-    left out."""
+    left out. ``node`` may also be a State (its variables, filtered the same way).
+
+    Raises:
+      TypeError: ``node`` is neither a module nor a State.
+    """
     check_mode("state", graph)
+    if isinstance(node, State):
+        if not filters:
+            return State.from_flat(node._flat)
+        return node.filter(*filters)
     _check_module(node, "state")
     c = flat(node)
     if not filters:
