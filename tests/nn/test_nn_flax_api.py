@@ -456,3 +456,14 @@ def test_state_of_a_state_filters_it():
     assert nn.state(s)["scale"] is bn.scale
     with pytest.raises(TypeError, match="expected a cairn.nn Module, got tuple"):
         nn.state((bn,))
+
+
+def test_optimized_lstm_cell_is_the_fused_lstm_cell():
+    a = nn.OptimizedLSTMCell(3, 4, rngs=nn.Rngs(0))
+    b = nn.LSTMCell(3, 4, rngs=nn.Rngs(0))
+    x = jnp.ones((2, 3))
+    carry = a.initialize_carry((2, 3))
+    (ca, ha), ya = a(carry, x)
+    (cb, hb), yb = b(carry, x)
+    np.testing.assert_array_equal(ya, yb)
+    assert isinstance(a, nn.LSTMCell) and a.kernel.shape == (3, 16)

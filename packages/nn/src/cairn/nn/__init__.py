@@ -106,7 +106,14 @@ from cairn.nn._normalization import (
 from cairn.nn._optimizer import ModelAndOptimizer, Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._pytree import Pytree, data, dataclass, static
-from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
+from cairn.nn._recurrent import (
+    RNN,
+    GRUCell,
+    LSTMCell,
+    OptimizedLSTMCell,
+    RNNCellBase,
+    SimpleCell,
+)
 from cairn.nn._remat import checkpoint, remat
 from cairn.nn._rng_utils import SplitBackups, fork_rngs, reseed, restore_rngs, split_rngs
 from cairn.nn._rngs import Rngs, RngStream
@@ -225,7 +232,7 @@ __all__ = [
     "capture", "compat", "DiffState", "filterlib", "flatten", "from_flat_state", "GraphState",
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
-    "dataclass", "iter_children", "set_metadata", "TrainState",
+    "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     # layers and their functions
     "initializers",
     # activations
