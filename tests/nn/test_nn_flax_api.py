@@ -142,6 +142,11 @@ def test_prefix_gives_per_variable_axes_to_vmap_and_jax_vmap():
     np.testing.assert_allclose(jax.vmap(lambda m, x: x @ m.w, in_axes=(axes, None))(m, x), want)
     with pytest.raises(ValueError, match="No filter matched the variable at 'w'"):
         nn.prefix(m, {nn.BatchStat: 0})
+    bcast = nn.prefix(m, {nn.Param: None})  # None (broadcast) is a value, not "keep"
+    assert bcast.w.value is None
+    xs = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    got = nn.vmap(lambda m, x: x @ m.w[0], in_axes=(bcast, 0))(m, xs)
+    np.testing.assert_allclose(got, np.asarray(xs) @ w[0])
 
 
 def test_unpack_merge_roundtrip_and_errors():

@@ -51,7 +51,7 @@ def map(  # noqa: A001  (Flax's name)
         if isinstance(out, Variable):
             new[path] = out
         elif recreate_variables:
-            new[path] = var.replace(out)
+            new[path] = _holding(var, out)
         else:
             new[path] = var.replace(var.raw_value)
             plain[path] = out
@@ -59,6 +59,14 @@ def map(  # noqa: A001  (Flax's name)
     for path, value in plain.items():
         _set_at(root, path, value)
     return root
+
+
+def _holding(var: Variable, value: Any) -> Variable:
+    """A Variable like ``var`` holding ``value`` (None included, which ``replace``
+    would read as "keep the value")."""
+    new = var.replace()
+    new.set_raw_value(value)
+    return new
 
 
 def _set_at(root: Any, path: tuple, value: Any) -> None:
@@ -163,7 +171,7 @@ def prefix(
     check_mode("prefix", graph)
     fn = _prefix_fn(filter_map)
     if isinstance(node, Variable):
-        return node.replace(fn((), node))
+        return _holding(node, fn((), node))
     if isinstance(node, Module):
         return map(fn, node)
     if isinstance(node, list | tuple):
