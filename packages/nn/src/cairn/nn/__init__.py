@@ -6,6 +6,8 @@ JAX pytrees (variables are leaves, configuration is static), and the lifted tran
 them back to your objects.
 """
 
+from cairn.nn import compat as compat
+from cairn.nn import filterlib as filterlib
 from cairn.nn import initializers as initializers
 from cairn.nn import metrics as metrics
 from cairn.nn._activations import (
@@ -45,7 +47,8 @@ from cairn.nn._attention import (
     make_attention_mask,
     make_causal_mask,
 )
-from cairn.nn._autodiff import grad, value_and_grad
+from cairn.nn._autodiff import DiffState, grad, value_and_grad
+from cairn.nn._capture import capture
 from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
 from cairn.nn._conv import Conv, ConvTranspose
 from cairn.nn._display import display
@@ -76,8 +79,19 @@ from cairn.nn._graph import (
     update,
     variables,
 )
-from cairn.nn._jit import JitWrapped, eval_shape, jit
-from cairn.nn._linear import Einsum, Linear, LinearGeneral
+from cairn.nn._graph_mode import set_graph_mode, set_graph_updates, var_defaults
+from cairn.nn._graph_utils import (
+    flatten,
+    from_flat_state,
+    iter_children,
+    map,
+    prefix,
+    set_metadata,
+    to_flat_state,
+    unpack,
+)
+from cairn.nn._jit import JitWrapped, eval_shape, jit, jit_partial
+from cairn.nn._linear import Einsum, Initializer, Linear, LinearGeneral
 from cairn.nn._lora import LoRA, LoRALinear, LoRAParam
 from cairn.nn._metrics import MultiMetric
 from cairn.nn._module import Dict, List, Module, Sequential
@@ -89,11 +103,18 @@ from cairn.nn._normalization import (
     LayerNorm,
     RMSNorm,
 )
-from cairn.nn._optimizer import Optimizer
+from cairn.nn._optimizer import ModelAndOptimizer, Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._profile import SUMMARY_FILE, Profiler, measure_peak, roofline, scope_of
-from cairn.nn._pytree import Pytree, data, static
-from cairn.nn._recurrent import RNN, GRUCell, LSTMCell, RNNCellBase, SimpleCell
+from cairn.nn._pytree import Pytree, data, dataclass, static
+from cairn.nn._recurrent import (
+    RNN,
+    GRUCell,
+    LSTMCell,
+    OptimizedLSTMCell,
+    RNNCellBase,
+    SimpleCell,
+)
 from cairn.nn._remat import checkpoint, remat
 from cairn.nn._rng_utils import SplitBackups, fork_rngs, reseed, restore_rngs, split_rngs
 from cairn.nn._rngs import Rngs, RngStream
@@ -110,9 +131,10 @@ from cairn.nn._sharding import (
     with_partitioning,
 )
 from cairn.nn._sharding_rules import current_rules, sharding_rules
-from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
+from cairn.nn._state import GraphState, State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
+from cairn.nn._train_state import TrainState
 from cairn.nn._traversal import iter_graph, recursive_map
 from cairn.nn._variables import (
     BatchStat,
@@ -128,8 +150,9 @@ from cairn.nn._variables import (
     VariableMetadata,
     with_metadata,
 )
-from cairn.nn._view import view, with_attributes
+from cairn.nn._view import view, view_info, with_attributes
 from cairn.nn._vmap_scan import Carry, StateAxes, scan, shard_map, vmap
+from cairn.nn._with_rngs import with_rngs
 
 __version__ = "0.1.0"
 
@@ -206,6 +229,11 @@ __all__ = [
     "Carry", "data", "display", "filter_state", "fork_rngs", "iter_graph", "map_state", "merge_state",
     "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
     "SplitBackups", "static", "view", "with_attributes", "WithTag",
+    # Flax NNX surface (issue 30)
+    "capture", "compat", "DiffState", "filterlib", "flatten", "from_flat_state", "GraphState",
+    "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",
+    "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
+    "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     # layers and their functions
     "initializers",
     # activations

@@ -571,6 +571,19 @@ class MultiHeadAttention(Module):
         self.cache_index = Cache(jnp.array(0, dtype=jnp.int32))
 
     # --- call ---
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None) -> None:
+        """The ``nn.view`` hook.
+
+        Args:
+          deterministic: if True, disables attention dropout.
+          decode: if True, the module runs in autoregressive decode mode (its cache is
+            made by ``init_cache``).
+        """
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is not None:
+            self.decode = decode
+
     def __call__(
         self,
         inputs_q: jax.Array,

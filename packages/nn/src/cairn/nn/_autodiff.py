@@ -8,17 +8,20 @@ function makes (batch statistics, RNG counters) are written back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from cairn.nn._filters import to_predicate
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Box, Plan, argnums_tuple, call_annotated
+from cairn.nn._transform_plan import Box, Plan, call_annotated
 from cairn.nn._variables import Param, Variable
 
 
@@ -31,6 +34,8 @@ def grad(
     holomorphic: bool = False,
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable:
     """Gradient of ``f`` (a scalar function) with respect to argument(s) ``argnums``.
 
@@ -38,8 +43,8 @@ def grad(
     ``wrt`` (default: :class:`Param`) and returned as a :class:`State` of the same
     variable types holding the gradients (paths as in ``nn.state(module, wrt)``); other
     state changes made by ``f`` (batch statistics, RNG counters) are written back. Array
-    arguments get array gradients, as with ``jax.grad``. ``reduce_axes`` is accepted for
-    Flax NNX compatibility and has no effect.
+    arguments get array gradients, as with ``jax.grad``. ``reduce_axes`` and the mode keywords
+    ``graph`` / ``graph_updates`` are accepted for Flax NNX compatibility and change nothing.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -51,14 +56,15 @@ def grad(
     [2.0, 4.0]
     """
     del reduce_axes  # NNX's keyword; nothing to reduce here
+    check_mode("grad", graph, graph_updates)
     if f is None:
         return functools.partial(
             grad, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
-            allow_int=allow_int,
+            allow_int=allow_int, graph=graph, graph_updates=graph_updates,
         )
     vg = value_and_grad(
         f, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
-        allow_int=allow_int,
+        allow_int=allow_int, graph=graph, graph_updates=graph_updates,
     )
 
     @functools.wraps(f)
@@ -80,17 +86,23 @@ def value_and_grad(
     holomorphic: bool = False,
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable:
     """Like :func:`grad` but returns ``(value, grads)`` (``((value, aux), grads)`` with
     ``has_aux``)."""
     del reduce_axes  # NNX's keyword; nothing to reduce here
+    check_mode("value_and_grad", graph, graph_updates)
     if f is None:
         return functools.partial(
             value_and_grad, argnums=argnums, has_aux=has_aux, wrt=wrt,
-            holomorphic=holomorphic, allow_int=allow_int,
+            holomorphic=holomorphic, allow_int=allow_int, graph=graph,
+            graph_updates=graph_updates,
         )
-    pred = to_predicate(wrt)
-    nums = argnums_tuple(argnums)
+    specs = _argnum_specs(argnums, wrt)
+    nums = [n for n, _ in specs]
+    as_module = not resolve_modes(graph, graph_updates)[2]
+    single = isinstance(argnums, int | DiffState)
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
@@ -101,7 +113,7 @@ def value_and_grad(
                 )
         plan = Plan((args, kwargs))
         ranges = _arg_leaf_ranges(args)
-        diff_sel = _diff_selection(plan, [ranges[n] for n in nums], pred)
+        diff_sel = [x for n, pred in specs for x in _diff_selection(plan, [ranges[n]], pred)]
         box = Box()
         pure = _diff_pure(f, plan, diff_sel, box, has_aux)
         diff_vals = [
@@ -117,11 +129,50 @@ def value_and_grad(
             lo, hi = ranges[n]
             items, gs = diff_sel[k : k + hi - lo], g[k : k + hi - lo]
             k += hi - lo
-            grads.append(_package_grads(args[n], plan, items, gs))
-        gout = grads[0] if isinstance(argnums, int) else tuple(grads)
+            grads.append(_package_grads(args[n], plan, items, gs, as_module))
+        gout = grads[0] if single else tuple(grads)
         return ((loss, aux) if has_aux else loss), gout
 
     return wrapper
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffState:
+    """An ``argnums`` entry of :func:`grad` / :func:`value_and_grad` that differentiates
+    positional argument ``argnum`` with respect to the variables matching ``filter``
+    (instead of the transform's ``wrt``), as Flax NNX's ``DiffState``.
+
+    Args:
+      argnum: the positional argument.
+      filter: a filter (``nn.Param``, ``nn.LoRAParam``, ``...``, a path regex, ...).
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> m = nn.Linear(2, 1, rngs=nn.Rngs(0))
+    >>> g = nn.grad(lambda m: m(jnp.ones((1, 2))).sum(), argnums=nn.DiffState(0, "bias"))(m)
+    >>> g.flat_paths()
+    ['bias']
+    """
+
+    argnum: int
+    filter: Any
+
+
+def _argnum_specs(argnums: Any, wrt: Any) -> list[tuple[int, Any]]:
+    """``(argnum, predicate)`` per differentiated argument; a :class:`DiffState` brings
+    its own filter, a plain int uses ``wrt``."""
+    items = [argnums] if isinstance(argnums, int | DiffState) else list(argnums)
+    specs = []
+    for a in items:
+        if isinstance(a, DiffState):
+            specs.append((a.argnum, to_predicate(a.filter)))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            specs.append((a, to_predicate(wrt)))
+        else:
+            raise TypeError(
+                f"nn.grad: argnums entries must be ints or nn.DiffState, got {a!r}"
+            )
+    return specs
 
 
 def _arg_leaf_ranges(args) -> list[tuple[int, int]]:
@@ -177,14 +228,22 @@ def _diff_pure(f: Callable, plan: Plan, diff_sel, box: Box, has_aux: bool) -> Ca
     return pure
 
 
-def _package_grads(arg, plan: Plan, items, gs):
-    """Gradients of one argument, shaped like the argument (modules -> State)."""
+def _package_grads(arg, plan: Plan, items, gs, as_module: bool = False):
+    """Gradients of one argument, shaped like the argument: a module's are a State of
+    the differentiated variables, or (``as_module``, Flax's tree mode) a module of the
+    same structure whose other variables hold zeros."""
     leaves = []
     for (li, sel), gv in zip(items, gs):
         kind = plan.kinds[li]
         if kind == MOD:
             gd = plan.descs[li]
             vs = plan.varlists[li]
+            if as_module:
+                vals = [jnp.zeros_like(v.raw_value) for v in vs]
+                for j, x in zip(sel, gv):
+                    vals[j] = x
+                leaves.append(gd.build_from_values(vals))
+                continue
             leaves.append(
                 State.from_flat({gd.paths[j]: vs[j].replace(value=x) for j, x in zip(sel, gv)})
             )

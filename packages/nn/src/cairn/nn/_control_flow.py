@@ -9,11 +9,19 @@ from typing import Any
 
 import jax
 
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._transform_plan import Box, Carry, Plan, run_pure
 
 
 def fori_loop(
-    lower: Any, upper: Any, body_fun: Callable, init_val: Any, *, unroll: Any = None
+    lower: Any,
+    upper: Any,
+    body_fun: Callable,
+    init_val: Any,
+    *,
+    unroll: Any = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Any:
     """``jax.lax.fori_loop`` where ``init_val`` may contain modules (updated in place at
     the end and returned).
@@ -30,6 +38,7 @@ def fori_loop(
     >>> float(c.n.value)
     6.0
     """
+    check_mode("fori_loop", graph, graph_updates)
     carry = Carry(init_val)
 
     def body(i, dyn):
@@ -41,9 +50,17 @@ def fori_loop(
     return carry.finish(out)
 
 
-def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
+def while_loop(
+    cond_fun: Callable,
+    body_fun: Callable,
+    init_val: Any,
+    *,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
     """``jax.lax.while_loop`` where ``init_val`` may contain modules. ``cond_fun`` must
     not change state."""
+    check_mode("while_loop", graph, graph_updates)
     carry = Carry(init_val)
 
     def cond(dyn):
@@ -91,12 +108,27 @@ def _branches_call(branches, index_or_pred, operands, use_switch: bool):
     return out
 
 
-def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
+def cond(
+    pred: Any,
+    true_fun: Callable,
+    false_fun: Callable,
+    *operands: Any,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
     """``jax.lax.cond`` where operands may contain modules; both branches must leave
     them with the same structure; their changes are written back."""
+    check_mode("cond", graph, graph_updates)
     return _branches_call([true_fun, false_fun], pred, operands, False)
 
 
-def switch(index: Any, branches: Sequence[Callable], *operands: Any) -> Any:
+def switch(
+    index: Any,
+    branches: Sequence[Callable],
+    *operands: Any,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
     """``jax.lax.switch`` where operands may contain modules (see :func:`cond`)."""
+    check_mode("switch", graph, graph_updates)
     return _branches_call(list(branches), index, operands, True)

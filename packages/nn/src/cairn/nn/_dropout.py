@@ -47,6 +47,15 @@ class Dropout(Module):
         self.rng_collection = rng_collection
         self.rngs = _own_stream(rngs, rng_collection, "Dropout")
 
+    def set_view(self, deterministic: bool | None = None) -> None:
+        """The ``nn.view`` hook.
+
+        Args:
+          deterministic: if True, disables dropout masking.
+        """
+        if deterministic is not None:
+            self.deterministic = deterministic
+
     def __call__(
         self,
         inputs: jax.Array,

@@ -85,22 +85,30 @@ class OfType(Filter):
 
 
 class PathContains(Filter):
-    """Variables whose path contains ``key`` as one of its components."""
+    """Variables whose path contains ``key`` as one of its components (``exact=False``:
+    whose path has a component containing ``str(key)`` as a substring)."""
 
-    def __init__(self, key: _AnyT) -> None:
+    def __init__(self, key: _AnyT, exact: bool = True) -> None:
         self.key = key
+        self.exact = bool(exact)
 
     def __call__(self, path: tuple, variable: Variable) -> bool:
+        if not self.exact:
+            return any(str(self.key) in str(k) for k in path)
         return self.key in path or str(self.key) in (str(k) for k in path)
 
     def __repr__(self):
-        return f"PathContains({self.key!r})"
+        return f"PathContains({self.key!r}, exact={self.exact})"
 
     def __eq__(self, other):
-        return isinstance(other, PathContains) and other.key == self.key
+        return (
+            isinstance(other, PathContains)
+            and other.key == self.key
+            and other.exact == self.exact
+        )
 
     def __hash__(self):
-        return hash(("PathContains", self.key))
+        return hash(("PathContains", self.key, self.exact))
 
 
 class PathRegex(Filter):

@@ -14,13 +14,16 @@ This module works on the node protocol of ``cairn.nn._nodes`` and sits below
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cairn.nn._filters import path_str, path_text, to_predicate
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import (
     MOD,
     STATIC,
@@ -33,7 +36,7 @@ from cairn.nn._nodes import (
     key_of,
     tuple_has_nodes,
 )
-from cairn.nn._state import State
+from cairn.nn._state import GraphState, State
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable
 
 
@@ -44,6 +47,9 @@ class GraphDef:
     tuple of each variable, in the order of the flat variable list."""
 
     __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
+
+    # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]``
+    __class_getitem__ = classmethod(types.GenericAlias)
 
     def __init__(self, node: tuple, paths: tuple) -> None:
         self.node = node
@@ -109,9 +115,7 @@ class GraphDef:
                 root = build(variables)
             else:
                 root = build_node(self.node, iter(variables))
-        object.__setattr__(
-            root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables))
-        )
+        object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
         return root
 
     def build_from_values(self, values: Any) -> Node:
@@ -128,6 +132,12 @@ class GraphDef:
         return root
 
 
+# A GraphDef is a pytree with no leaves (all of it is static aux data), as Flax NNX's
+# is: it passes through ``jax.jit`` (in and out) as an ordinary argument, and
+# ``jax.tree.map`` over ``(graphdef, state)`` sees only the state's arrays.
+jax.tree_util.register_pytree_node(GraphDef, lambda g: ((), g), lambda g, _: g)
+
+
 class _Flat:
     __slots__ = ("epoch", "graphdef", "variables")
 
@@ -141,15 +151,18 @@ class _Flat:
 _STORE_LINES = {
     "attrs": lambda name, c, parts: (
         f"    {name} = new({c}); {name}.__dict__.update({{"
-        + ", ".join(f"{k!r}: {e}" for k, e in parts) + "})"
+        + ", ".join(f"{k!r}: {e}" for k, e in parts)
+        + "})"
     ),
     "list": lambda name, c, parts: (
         f"    {name} = new({c}); setattr_({name}, '_cairn_items', ["
-        + ", ".join(e for _, e in parts) + "])"
+        + ", ".join(e for _, e in parts)
+        + "])"
     ),
     "dict": lambda name, c, parts: (
         f"    {name} = new({c}); setattr_({name}, '_cairn_items', {{"
-        + ", ".join(f"{k!r}: {e}" for k, e in parts) + "})"
+        + ", ".join(f"{k!r}: {e}" for k, e in parts)
+        + "})"
     ),
 }
 
@@ -236,8 +249,9 @@ def _check_module(node, fn):
         raise TypeError(f"nn.{fn}: expected a cairn.nn Module, got {type(node).__name__}")
 
 
-def graphdef(node: Node) -> GraphDef:
+def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
     """The :class:`GraphDef` (static structure) of ``node``."""
+    check_mode("graphdef", graph)
     _check_module(node, "graphdef")
     c = flat(node)
     if c.graphdef._specs is None:
@@ -262,7 +276,7 @@ def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
     return [State.from_flat(o) for o in outs]
 
 
-def split(node: Node, *filters: Any) -> tuple:
+def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     """Split ``node`` into its :class:`GraphDef` and one :class:`State` per filter
     (one State with everything when no filter is given). The States hold the module's
     own Variable objects (not copies). Every variable must match a filter; the first
@@ -279,6 +293,7 @@ def split(node: Node, *filters: Any) -> tuple:
     (['w'], ['s'])
     >>> m2 = nn.merge(gd, params, rest)
     """
+    check_mode("split", graph)
     _check_module(node, "split")
     c = flat(node)
     if c.graphdef._specs is None:
@@ -288,10 +303,19 @@ def split(node: Node, *filters: Any) -> tuple:
     return (c.graphdef, *_partition(c, filters, "split", True))
 
 
-def state(node: Node, *filters: Any) -> State | tuple[State, ...]:
+def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple[State, ...]:
     """The variables of ``node`` as a :class:`State` (one per filter: a tuple when more
     than one filter is given). Unlike :func:`split`, variables matching no filter are
-    left out."""
+    left out. ``node`` may also be a State (its variables, filtered the same way).
+
+    Raises:
+      TypeError: ``node`` is neither a module nor a State.
+    """
+    check_mode("state", graph)
+    if isinstance(node, State):
+        if not filters:
+            return State.from_flat(node._flat)
+        return node.filter(*filters)
     _check_module(node, "state")
     c = flat(node)
     if not filters:
@@ -300,8 +324,9 @@ def state(node: Node, *filters: Any) -> State | tuple[State, ...]:
     return states[0] if len(states) == 1 else tuple(states)
 
 
-def variables(node: Node, *filters: Any) -> State | tuple[State, ...]:
+def variables(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple[State, ...]:
     """Alias of :func:`state` (NNX name)."""
+    check_mode("variables", graph)
     return state(node, *filters)
 
 
@@ -309,6 +334,8 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
     """Rebuild a module tree from its :class:`GraphDef` and States. The States' Variable
     objects are used as they are (``copy=True`` copies them). Raises ``ValueError``
     naming any path the states lack or have in excess."""
+    if isinstance(graphdef, GraphState):
+        graphdef, states = _graph_states(graphdef, states)
     if not isinstance(graphdef, GraphDef):
         raise TypeError(f"nn.merge: expected a GraphDef first, got {type(graphdef).__name__}")
     vs = None
@@ -336,6 +363,22 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
     if copy:
         vs = [v.copy() for v in vs]
     return graphdef.build_from_variables(vs)
+
+
+def _graph_states(first: GraphState, rest: tuple) -> tuple[GraphDef, tuple]:
+    """``merge(*graph_states)`` (from ``nn.unpack``): the shared GraphDef and the states."""
+    for s in rest:
+        if not isinstance(s, GraphState):
+            raise ValueError(
+                f"nn.merge: Expected GraphState object after a GraphState, got "
+                f"{type(s).__name__}; pass every state from nn.unpack or use nn.split"
+            )
+        if s.graphdef != first.graphdef:
+            raise ValueError(
+                "nn.merge: the GraphDef must be the same for every GraphState; these came "
+                "from different modules"
+            )
+    return first.graphdef, (first, *rest)
 
 
 def update(node: Node, *states: Any) -> None:
@@ -404,7 +447,11 @@ def _check_update_value(node, path, target: Variable, new) -> None:
 
 
 _KINDS = (
-    jax.dtypes.extended, np.floating, np.complexfloating, np.signedinteger, np.unsignedinteger,
+    jax.dtypes.extended,
+    np.floating,
+    np.complexfloating,
+    np.signedinteger,
+    np.unsignedinteger,
     np.bool_,
 )
 
@@ -451,12 +498,30 @@ def _check_merge_values(graphdef: GraphDef, variables: list) -> None:
             raise _spec_error("merge", "", graphdef.paths[i], "dtype", old.dtype, new.dtype)
 
 
-def clone(node: Node) -> Node:
-    """An independent copy of ``node`` (new module and Variable objects; array values
-    are immutable and shared)."""
+def clone(
+    node: Node, variables: bool = True, *, arrays: bool = False, graph: bool | None = None
+) -> Node:
+    """An independent copy of ``node``: new module and Variable objects; the arrays are
+    immutable and shared unless ``arrays=True`` copies their buffers too (a clone that
+    ``jit(donate_argnums=...)`` can donate next to the original).
+
+    Args:
+      node: a module.
+      variables: new Variable objects (default); False shares the Variables.
+      arrays: also copy the array buffers.
+      graph: Flax NNX's mode keyword (one behaviour here).
+    """
+    check_mode("clone", graph)
     _check_module(node, "clone")
     c = flat(node)
-    return c.graphdef.build_from_values([v.raw_value for v in c.variables])
+    if not variables:
+        if arrays:
+            raise ValueError("nn.clone: arrays=True needs variables=True")
+        return c.graphdef.build_from_variables(list(c.variables))
+    vals = [v.raw_value for v in c.variables]
+    if arrays:
+        vals = [jnp.array(x, copy=True) if isinstance(x, jax.Array) else x for x in vals]
+    return c.graphdef.build_from_values(vals)
 
 
 def _get_child(node, key):
@@ -494,8 +559,9 @@ def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
     return states[0] if len(states) == 1 else tuple(states)
 
 
-def iter_modules(node: Node) -> Iterator[tuple[str, Node]]:
+def iter_modules(node: Node, *, graph: bool | None = None) -> Iterator[tuple[str, Node]]:
     """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first."""
+    check_mode("iter_modules", graph)
 
     def rec(m, path):
         yield path_str(path), m
@@ -569,4 +635,3 @@ def _same_static(a, b) -> bool:
 
 
 _MISSING = object()
-

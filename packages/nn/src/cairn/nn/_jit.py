@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, SharedReferenceError
 from cairn.nn._transform_plan import (
@@ -256,9 +257,11 @@ class JitWrapped:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(args, kwargs, False)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        """Lower for the given arguments (``.compile()`` on the result compiles)."""
-        return self._run(args, kwargs, True)
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lower for the given arguments: ``.compile()`` on the result compiles, and the
+        compiled object is called with the same kind of arguments (modules included;
+        their changes are written back, as by this function)."""
+        return Lowered(self._run(args, kwargs, True), self)
 
     def _run(self, args: tuple, kwargs: dict, lowering: bool) -> Any:
         """The one argument preparation of a call and of ``lower``: bind keywords,
@@ -384,6 +387,43 @@ class JitWrapped:
         return _JitEntry(jax.jit(pure, donate_argnums=donate, **self._jit_kwargs))
 
 
+class Lowered:
+    """``nn.jit(f).lower(...)``: jax's ``Lowered`` (``as_text``, ``cost_analysis``, ...
+    are its), whose ``compile()`` gives a :class:`Compiled`."""
+
+    def __init__(self, lowered: Any, wrapped: JitWrapped) -> None:
+        self._lowered = lowered
+        self._wrapped = wrapped
+
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        return Compiled(self._lowered.compile(*args, **kwargs), self._wrapped)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
+class Compiled:
+    """The compiled function of a :class:`Lowered`: jax's ``Compiled`` for inspection
+    (``as_text``, ``cost_analysis``), and callable with the original kind of arguments,
+    modules included: the call goes through the jitted function (the same program),
+    so module changes are written back. Call the jax object (``.compiled``) with the
+    flat value lists if you need that very executable."""
+
+    def __init__(self, compiled: Any, wrapped: JitWrapped) -> None:
+        self._compiled = compiled
+        self._wrapped = wrapped
+
+    @property
+    def compiled(self) -> Any:
+        return self._compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
+
+
 def jit(
     fun: Callable | None = None,
     *,
@@ -391,6 +431,8 @@ def jit(
     static_argnames: str | Sequence[str] | None = None,
     donate_argnums: int | Sequence[int] | None = None,
     donate_argnames: str | Sequence[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
     **jit_kwargs: Any,
 ) -> Any:
     """Compile ``fun`` with ``jax.jit``; modules anywhere in its arguments are allowed
@@ -402,7 +444,8 @@ def jit(
     be hashable. Other keyword arguments go to ``jax.jit``.
 
     Use it as ``nn.jit(f)`` or as a decorator (``@nn.jit`` or
-    ``@nn.jit(donate_argnums=0)``).
+    ``@nn.jit(donate_argnums=0)``). ``graph`` / ``graph_updates`` are Flax NNX's mode
+    keywords, accepted with one behaviour (see :class:`set_graph_mode`).
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -416,6 +459,7 @@ def jit(
     >>> int(c.n.value)
     2
     """
+    check_mode("jit", graph, graph_updates)
     kw = dict(
         static_argnums=static_argnums,
         static_argnames=static_argnames,
@@ -428,10 +472,55 @@ def jit(
     return JitWrapped(fun, **kw)
 
 
-def eval_shape(f: Callable, *args: Any, **kwargs: Any) -> Any:
+def eval_shape(
+    f: Callable,
+    *args: Any,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+    **kwargs: Any,
+) -> Any:
     """``jax.eval_shape`` of ``f(*args, **kwargs)``: nothing is computed; the output
-    (modules included) holds ``jax.ShapeDtypeStruct`` values. Inputs are not changed."""
+    (modules included) holds ``jax.ShapeDtypeStruct`` values. Inputs are not changed.
+    ``graph`` / ``graph_updates``: Flax NNX's mode keywords (one behaviour here)."""
+    check_mode("eval_shape", graph, graph_updates)
     plan = Plan((args, kwargs))
     pure = run_pure(f, plan, Box())
     out, _ = jax.eval_shape(pure, plan.dyn)
     return out
+
+
+def jit_partial(
+    fun: Callable,
+    *partial_args: Any,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+    **jit_kwargs: Any,
+) -> Callable:
+    """:func:`jit` of ``fun`` with its first positional arguments bound to
+    ``partial_args`` (a model, an optimizer): ``jit_partial(train_step, model, opt)(x,
+    y)`` runs ``train_step(model, opt, x, y)`` compiled, and the changes it makes to
+    ``model`` and ``opt`` are written back after each call, as with :func:`jit`.
+
+    Args:
+      fun: the function to compile.
+      *partial_args: the leading positional arguments to bind.
+      graph: Flax NNX's mode keyword (one behaviour here).
+      graph_updates: Flax NNX's mode keyword (one behaviour here).
+      **jit_kwargs: the keywords of :func:`jit` (``static_argnums`` count the bound
+        arguments too).
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> m = nn.Linear(2, 1, rngs=nn.Rngs(0))
+    >>> f = nn.jit_partial(lambda m, x: m(x), m)
+    >>> f(jnp.ones((3, 2))).shape
+    (3, 1)
+    """
+    check_mode("jit_partial", graph, graph_updates)
+    jitted = jit(fun, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return jitted(*partial_args, *args, **kwargs)
+
+    return wrapper

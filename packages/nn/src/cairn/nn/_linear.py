@@ -372,7 +372,7 @@ class LinearGeneral(Module):
 
 # --- Einsum ---
 
-_EINSUM_RE = re.compile(r"^\s*([a-zA-Z.]*)\s*,\s*([a-zA-Z]*)\s*->\s*([a-zA-Z.]*)\s*$")
+_EINSUM_RE = re.compile(r"^\s*([a-zA-Z.]*)\s*,\s*([a-zA-Z.]*)\s*->\s*([a-zA-Z.]*)\s*$")
 
 
 class Einsum(Module):
@@ -425,10 +425,15 @@ class Einsum(Module):
                 f"got {einsum_str!r}"
             )
         self.kernel_shape = _checks.positive_ints("Einsum", "kernel_shape", kernel_shape)
-        if len(m.group(2)) != len(self.kernel_shape):
+        ksub = m.group(2)
+        named = len(ksub.replace("...", ""))
+        ellipsis = "..." in ksub
+        if ksub.count(".") not in (0, 3) or (
+            named > len(self.kernel_shape) if ellipsis else named != len(self.kernel_shape)
+        ):
             raise ValueError(
-                f"Einsum: kernel subscripts {m.group(2)!r} have {len(m.group(2))} axes but "
-                f"kernel_shape is {self.kernel_shape}"
+                f"Einsum: kernel subscripts {ksub!r} name {named} axes"
+                f"{' plus ...' if ellipsis else ''} but kernel_shape is {self.kernel_shape}"
             )
         self.einsum_str = einsum_str.replace(" ", "")
         self._in_spec = m.group(1)

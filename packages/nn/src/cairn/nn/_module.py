@@ -49,6 +49,12 @@ def _contains_arrays(value) -> bool:
     return any(isinstance(leaf, _ARRAY_TYPES) for leaf in leaves)
 
 
+class AttributesNotFoundError(AttributeError, ValueError):
+    """``set_attributes`` / ``with_attributes`` / ``view`` found no selected module with
+    some of the attributes given (a ``ValueError``, as Flax NNX raises, and an
+    ``AttributeError``)."""
+
+
 class Module(Node):
     """Base class of all modules (NNX-style: build eagerly, call eagerly, transform).
 
@@ -106,8 +112,9 @@ class Module(Node):
     ) -> None:
         """Set ``attributes`` on every module in the tree (this one included) that
         already has them (and matches one of ``filters``, module types or predicates
-        ``(path, module) -> bool``, if given). Raises ``AttributeError`` naming the
-        missing attributes if ``raise_if_not_found`` and no module had one of them."""
+        ``(path, module) -> bool``, if given). Raises :class:`AttributesNotFoundError`
+        (an ``AttributeError`` and a ``ValueError``, Flax's type) naming the missing
+        attributes if ``raise_if_not_found`` and no module had one of them."""
         found = set()
         for path, mod in self.iter_modules():
             if filters and not any(
@@ -122,9 +129,10 @@ class Module(Node):
                     found.add(name)
         missing = set(attributes) - found
         if raise_if_not_found and missing:
-            raise AttributeError(
-                f"set_attributes: no module in {type(self).__name__} has attribute(s) "
-                f"{sorted(missing)}"
+            raise AttributesNotFoundError(
+                f"set_attributes: Could not find at least one instance of the following "
+                f"attributes: {sorted(missing)} (no module in {type(self).__name__} has "
+                f"them); pass raise_if_not_found=False to ignore them"
             )
 
     def train(self, **attributes: Any) -> Module:

@@ -477,6 +477,16 @@ class BatchNorm(_Norm):
         self.var = BatchStat(jnp.ones((self.num_features,), param_dtype))
         self._params(rngs, scale_init, bias_init, scale_metadata, bias_metadata)
 
+    def set_view(self, use_running_average: bool | None = None) -> None:
+        """The ``nn.view`` hook.
+
+        Args:
+          use_running_average: if True, the stored batch statistics are used instead of
+            the statistics of the input.
+        """
+        if use_running_average is not None:
+            self.use_running_average = use_running_average
+
     def __call__(
         self,
         x: jax.Array,

@@ -68,23 +68,27 @@ class Optimizer(Module):
         mesh = _common_mesh(params)
         self.step = OptState(_onto(jnp.zeros((), jnp.uint32), mesh))
         opt_state = jax.tree_util.tree_map(lambda x: _onto(x, mesh), tx.init(params))
-        opt_state = _place_optimizer_sharding(opt_state, _params_state(model, wrt), mesh)
-        self.opt_state = _wrap(opt_state)
+        opt_state, placed = _place_optimizer_sharding(
+            opt_state, _params_state(model, wrt), mesh
+        )
+        self.opt_state = _wrap(opt_state, placed)
 
-    def update(self, model: Module, grads: Any, /, **kwargs: Any) -> None:
+    def update(self, model: Module, grads: Any, /, **kwargs: Any) -> Any:
         """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
-        ``params += updates`` (cast back to each parameter's dtype), in place."""
+        ``params += updates`` (cast back to each parameter's dtype), in place. Returns
+        ``updates``.
+
+        ``grads`` is the State ``nn.grad`` returns (or a pure dict of the parameters'
+        structure); gradients of variables ``wrt`` does not select (``nn.grad``'s
+        default ``nn.Param`` also takes ``LoRAParam``s) are left out, as Flax NNX does.
+
+        Raises:
+          ValueError: naming the parameters selected by ``wrt`` that have no gradient.
+        """
         params_state = _params_state(model, self.wrt)
         params = to_pure_dict(params_state)
         if isinstance(grads, State):
-            if grads._flat.keys() != params_state._flat.keys():
-                missing = [path_text(p) for p in params_state._flat if p not in grads._flat]
-                extra = [path_text(p) for p in grads._flat if p not in params_state._flat]
-                raise ValueError(
-                    f"Optimizer.update: the gradients do not match the parameters selected "
-                    f"by wrt={self.wrt!r}: missing {missing}, unexpected {extra}"
-                )
-            grads = to_pure_dict(grads)
+            grads = _grads_for(grads, params_state, self.wrt)
         # the transformation's own structure: a dict / list in its state became an
         # nn.Dict / nn.List on assignment; give it back as dict / list
         opt_tree = _plain(self.opt_state)
@@ -101,8 +105,64 @@ class Optimizer(Module):
                 "Optimizer.update: tx.update returned a state with a different structure"
             )
         for v, x in zip(opt_vars, new_leaves):
-            v.raw_value = x
+            spec = v._meta.get("optimizer_sharding")
+            v.raw_value = x if spec is None else _keep_sharding(x, spec)
         self.step.raw_value = self.step.raw_value + jnp.uint32(1)
+        return updates
+
+
+class ModelAndOptimizer(Optimizer):
+    """An :class:`Optimizer` that keeps its model: ``update(grads)`` needs no model
+    argument (Flax NNX's deprecated convenience class; prefer :class:`Optimizer`).
+
+    Args:
+      model: the module to optimize (kept as ``self.model``).
+      tx: an Optax-style gradient transformation.
+      wrt: the filter of the variables to optimize.
+    """
+
+    def __init__(self, model: Module, tx: Any, *, wrt: Any = Param) -> None:
+        super().__init__(model, tx, wrt=wrt)
+        self.model = model
+
+    def update(self, grads: Any, /, **kwargs: Any) -> Any:  # type: ignore[override]
+        """One step on ``self.model`` (see :meth:`Optimizer.update`)."""
+        return super().update(self.model, grads, **kwargs)
+
+
+def _grads_for(grads: State, params_state: State, wrt: Any) -> dict:
+    """The pure dict of the gradients of the parameters ``wrt`` selects."""
+    want = params_state._flat.keys()
+    if grads._flat.keys() != want:
+        grads = State.from_flat({p: g for p, g in grads._flat.items() if p in want})
+    if grads._flat.keys() != want:
+        missing = [path_text(p) for p in want if p not in grads._flat]
+        raise ValueError(
+            f"Optimizer.update: the gradients do not match the parameters selected by "
+            f"wrt={wrt!r}: missing {missing} (no gradient for these parameters)"
+        )
+    return to_pure_dict(grads)
+
+
+def _keep_sharding(x: Any, spec: Any) -> Any:
+    """``x`` kept in the ``optimizer_sharding`` it was placed in at init (inside jit the
+    update would otherwise follow the gradients' sharding)."""
+    sh = spec if isinstance(spec, jax.sharding.Sharding) else None
+    if sh is None:
+        return x
+    if isinstance(x, jax.core.Tracer):
+        if _explicit(sh):
+            return jax.sharding.reshard(x, sh)
+        return jax.lax.with_sharding_constraint(x, sh)
+    if isinstance(x, jax.Array) and x.sharding != sh:
+        return jax.device_put(x, sh)
+    return x
+
+
+def _explicit(sh: Any) -> bool:
+    mesh = getattr(sh, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def _leaf_key(entry: Any) -> Any:
@@ -128,32 +188,42 @@ def _placed(x: Any, spec: Any, mesh: Any) -> Any:
         return jax.device_put(x, spec)
     if isinstance(spec, jax.sharding.PartitionSpec):
         if mesh is None:
+            mesh = _context_mesh()
+        if mesh is None:
             return x
         return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
     return shard_on_create(x, {"sharding_names": tuple(spec), "mesh": mesh})
 
 
+def _context_mesh() -> Any:
+    """The mesh of ``jax.set_mesh`` / ``with jax.set_mesh(...)``, or None."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
 def _place_optimizer_sharding(opt_state: Any, params_state: State, mesh: Any) -> Any:
     """Put the state leaves of each parameter carrying ``optimizer_sharding`` metadata
     (leaves whose path ends with the parameter's path and whose shape is its shape) in
-    that sharding."""
+    that sharding. A PartitionSpec is over the parameters' mesh, else over the mesh of
+    ``jax.set_mesh``."""
     wanted = {
         path: (var.raw_value, var._meta["optimizer_sharding"])
         for path, var in params_state._flat.items()
         if var._meta.get("optimizer_sharding") is not None
     }
-    if not wanted:
-        return opt_state
     leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-    out = []
+    out, placed = [], []
     for kp, x in leaves:
         keys = tuple(_leaf_key(e) for e in kp)
+        sh = None
         for path, (param, spec) in wanted.items():
-            if keys[-len(path):] == path and jnp.shape(x) == jnp.shape(param):
+            if keys[-len(path) :] == path and jnp.shape(x) == jnp.shape(param):
                 x = _placed(x, spec, _mesh_of(param, mesh))
+                sh = getattr(x, "sharding", None)
                 break
         out.append(x)
-    return jax.tree_util.tree_unflatten(treedef, out)
+        placed.append(sh if isinstance(sh, jax.sharding.NamedSharding) else None)
+    return jax.tree_util.tree_unflatten(treedef, out), placed
 
 
 def _common_mesh(params):
@@ -181,19 +251,83 @@ def _onto(x, mesh):
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-def _wrap(opt_state):
-    return jax.tree_util.tree_map(lambda x: OptState(jnp.asarray(x)), opt_state)
+class _OptDict(dict):
+    """A dict inside the optimizer state, readable by attribute as well
+    (``opt.opt_state[0].mu.layers[0]["kernel"]``, as Flax NNX's State-valued optimizer
+    state is). A pytree flattened like a dict (sorted keys)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(
+                f"the optimizer state has no key {name!r} here (keys: {list(self)})"
+            ) from None
+
+
+def _optdict_flatten_with_keys(d: _OptDict):
+    keys = sorted(d)
+    return [(jax.tree_util.DictKey(k), d[k]) for k in keys], tuple(keys)
+
+
+jax.tree_util.register_pytree_with_keys(
+    _OptDict,
+    _optdict_flatten_with_keys,
+    lambda keys, children: _OptDict(zip(keys, children)),
+    flatten_func=lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))),
+)
+
+
+def _attr_dicts(tree: Any) -> Any:
+    """Every dict in ``tree`` (at any depth, inside tuples and named tuples too) as an
+    :class:`_OptDict`."""
+
+    def conv(x: Any) -> Any:
+        if type(x) is dict:
+            return _OptDict({k: _attr_dicts(v) for k, v in x.items()})
+        return x
+
+    return jax.tree_util.tree_map(
+        conv, tree, is_leaf=lambda x: type(x) is dict or isinstance(x, Variable)
+    )
+
+
+def _wrap(opt_state: Any, placed: list) -> Any:
+    """Each state leaf in an :class:`OptState`; one that ``optimizer_sharding`` placed
+    records its sharding (``update`` keeps the leaf there). Nested dicts read by
+    attribute too; a top-level dict becomes an ``nn.Dict`` on assignment."""
+    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+    wrapped = treedef.unflatten(
+        [
+            OptState(jnp.asarray(x)) if sh is None else OptState(x, optimizer_sharding=sh)
+            for x, sh in zip(leaves, placed)
+        ]
+    )
+    return _tuple_dicts(wrapped)
+
+
+def _tuple_dicts(tree: Any) -> Any:
+    """The dicts inside tuples (Optax's named-tuple states) as :class:`_OptDict`; a dict
+    outside any tuple stays a dict (a module turns it into an ``nn.Dict``, which reads
+    by attribute already and is walked as module state, as an ``_OptDict`` would not)."""
+    if type(tree) is dict:
+        return {k: _tuple_dicts(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return _attr_dicts(tree)
+    return tree
 
 
 def _plain(tree):
     """``tree`` with every nn.Dict / nn.List turned back into a dict / list (the
     Variables kept as leaves), so that it has the structure ``tx.init`` returned."""
-    if isinstance(tree, Dict):
+    if isinstance(tree, Dict | _OptDict):
         return {k: _plain(tree[k]) for k in tree}
     if isinstance(tree, List):
         return [_plain(v) for v in tree]
     if isinstance(tree, Variable | Module):
         return tree
     return jax.tree_util.tree_map(
-        _plain, tree, is_leaf=lambda x: isinstance(x, Variable | Module)
+        _plain, tree, is_leaf=lambda x: isinstance(x, Variable | Module | _OptDict)
     )

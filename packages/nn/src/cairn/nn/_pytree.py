@@ -9,7 +9,9 @@ already data. ``nn.static(x)`` is ``x``: non-array values are static already.
 
 from __future__ import annotations
 
-from typing import TypeVar
+import dataclasses
+import functools
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -57,3 +59,28 @@ def static(value: A, /) -> A:
             f"keep arrays in Variables, or make the value a Python scalar or tuple"
         )
     return value
+
+
+def dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:
+    """``dataclasses.dataclass`` for a Module class (Flax NNX's ``nnx.dataclass``): the
+    fields become constructor arguments and are assigned as attributes (Variables and
+    modules are state, other values static). Equality and hashing stay by identity and
+    the module's own ``repr`` is kept unless asked for.
+
+    Args:
+      cls: the class (or none: returns a decorator taking it).
+      **kwargs: ``dataclasses.dataclass`` options.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> @nn.dataclass
+    ... class Affine(nn.Module):
+    ...     w: nn.Param
+    ...     scale: float = 1.0
+    >>> Affine(nn.Param(jnp.ones(2))).scale
+    1.0
+    """
+    kwargs = {"eq": False, "repr": False, **kwargs}
+    if cls is None:
+        return functools.partial(dataclass, **kwargs)
+    return dataclasses.dataclass(cls, **kwargs)

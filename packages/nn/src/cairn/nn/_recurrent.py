@@ -437,3 +437,10 @@ class RNN(Module):
         if time_major:
             ys = jnp.moveaxis(ys, -2, 0)
         return (carry, ys) if return_carry else ys
+
+
+class OptimizedLSTMCell(LSTMCell):
+    """Flax NNX's name for the LSTM cell whose four gates are computed with fused
+    matmuls. :class:`LSTMCell` here already is that cell (its parameters are the fused
+    ``kernel (in, 4H)``, ``recurrent_kernel (H, 4H)``, ``bias (4H)``), so this is the
+    same cell under Flax's second name; same arguments, same numbers."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._transform_plan import Box, Plan, argnums_tuple, run_pure
 
 
@@ -17,9 +18,12 @@ def remat(
     prevent_cse: bool = True,
     static_argnums: int | tuple[int, ...] = (),
     policy: Callable | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable:
     """``jax.checkpoint`` (rematerialization): values and gradients are unchanged, the
     backward pass recomputes ``f``'s intermediates instead of storing them."""
+    check_mode("remat", graph, graph_updates)
     if f is None:
         return functools.partial(
             remat, prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from cairn.nn._filters import Any as AnyOf
 from cairn.nn._filters import WithTag, to_predicate
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import Node, is_node, key_of
 from cairn.nn._rngs import Rngs, RngStream
 
@@ -62,7 +63,8 @@ def iter_streams(node: Any) -> Iterator[tuple[tuple, RngStream]]:
 def _selected(only: Any, node: Any) -> list[RngStream]:
     pred = _only_predicate(only)
     return [
-        s for path, s in iter_streams(node)
+        s
+        for path, s in iter_streams(node)
         if pred((*path, "key"), s.key) and pred((*path, "count"), s.count)
     ]
 
@@ -111,6 +113,8 @@ def split_rngs(
     splits: int | tuple[int, ...],
     only: Any = ...,
     squeeze: bool = False,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Any:
     """Split, in place, the streams under ``node`` selected by ``only`` (a filter, or
     a stream name) into ``splits`` keys each: the new key is
@@ -129,6 +133,7 @@ def split_rngs(
     Raises:
       ValueError: ``squeeze=True`` with ``splits`` other than 1.
     """
+    check_mode("split_rngs", graph, graph_updates)
     if node is _MISSING:
         return _decorator(split_rngs, splits=splits, only=only, squeeze=squeeze)
     if squeeze and splits != 1:
@@ -146,7 +151,14 @@ def split_rngs(
     return backups
 
 
-def fork_rngs(node: Any = _MISSING, /, *, split: Any = None) -> Any:
+def fork_rngs(
+    node: Any = _MISSING,
+    /,
+    *,
+    split: Any = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
     """Fork, in place, every stream under ``node``: each gets a fresh key
     ``stream()`` (or ``split`` of them) and a zero counter, so that the callee draws
     numbers independent of the caller's. ``split`` is ``None``, a number / shape for every
@@ -159,6 +171,7 @@ def fork_rngs(node: Any = _MISSING, /, *, split: Any = None) -> Any:
     ...     rngs.params.key.shape, rngs.dropout.key.shape
     ((3,), ())
     """
+    check_mode("fork_rngs", graph, graph_updates)
     if node is _MISSING:
         return _decorator(fork_rngs, split=split)
     if split is None:
@@ -192,7 +205,14 @@ def _match_shape(path: tuple, key: jax.Array, shape: tuple) -> jax.Array:
     return key if shape == () else jax.random.split(key, shape)
 
 
-def reseed(node: Any, /, *, policy: str | Callable = "scalars_only", **stream_keys: Any) -> None:
+def reseed(
+    node: Any,
+    /,
+    *,
+    policy: str | Callable = "scalars_only",
+    graph: bool | None = None,
+    **stream_keys: Any,
+) -> None:
     """Give the named streams under ``node`` new seeds, in place (``reseed(model,
     dropout=42)``). The new key of a stream named ``s`` is the first key a fresh
     ``Rngs(s=seed)`` would give; ``policy`` says what to do for a stream holding
@@ -208,6 +228,7 @@ def reseed(node: Any, /, *, policy: str | Callable = "scalars_only", **stream_ke
     Raises:
       ValueError: an unknown ``policy``; a split stream under ``"scalars_only"``.
     """
+    check_mode("reseed", graph)
     if policy == "scalars_only":
         policy = _scalars_only
     elif policy == "match_shape":

@@ -152,6 +152,16 @@ class Rngs(Module):
         batched (``in_axes=0``) argument of ``nn.vmap``."""
         return self.fork(split=n)
 
+    def broadcast(self, k: Any) -> Rngs:
+        """New Rngs whose streams hold their next key repeated to shape ``k`` (an int, a
+        shape, or ``{stream name: shape or None}``; None or a missing name: forked
+        unbroadcast), see :meth:`RngStream.broadcast`."""
+        out = Rngs()
+        for name, stream in self.streams().items():
+            shape = k.get(name) if isinstance(k, dict) else k
+            setattr(out, name, stream.fork() if shape is None else stream.broadcast(shape))
+        return out
+
 
 # --- jax.random-style samplers: ``rngs.normal((2, 3))`` draws a key, then samples ---
 _SAMPLERS = (

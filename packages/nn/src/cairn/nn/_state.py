@@ -306,3 +306,48 @@ def _state_unflatten(aux, children):
 jax.tree_util.register_pytree_with_keys(
     State, _state_flatten_with_keys, _state_unflatten, flatten_func=_state_flatten
 )
+
+
+class GraphState(State):
+    """A :class:`State` that carries the :class:`~cairn.nn.GraphDef` of the module it
+    came from (``nn.unpack``), so ``nn.merge(*graph_states)`` needs no GraphDef. It is a
+    pytree (the GraphDef is static), so it goes through ``nn.grad`` / ``jax.jit``."""
+
+    __slots__ = ("_graphdef",)
+
+    @classmethod
+    def wrap(cls, graphdef: Any, state: State) -> GraphState:
+        """``state``'s variables with ``graphdef`` attached."""
+        g = cls.from_flat(state._flat)
+        g._graphdef = graphdef
+        return g
+
+    @property
+    def graphdef(self) -> Any:
+        return self._graphdef
+
+    @property
+    def _state(self) -> State:
+        return State.from_flat(self._flat)
+
+    def __repr__(self) -> str:
+        return "Graph" + super().__repr__()
+
+
+def _gstate_flatten_with_keys(s: GraphState):
+    kids, aux = _state_flatten_with_keys(s)
+    return kids, (s._graphdef, aux)
+
+
+def _gstate_flatten(s: GraphState):
+    kids, aux = _state_flatten(s)
+    return kids, (s._graphdef, aux)
+
+
+def _gstate_unflatten(aux, children):
+    return GraphState.wrap(aux[0], _state_unflatten(aux[1], children))
+
+
+jax.tree_util.register_pytree_with_keys(
+    GraphState, _gstate_flatten_with_keys, _gstate_unflatten, flatten_func=_gstate_flatten
+)

@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from cairn.nn._graph import flat
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import Node
 from cairn.nn._variables import Variable
 
 
-def iter_graph(node: Any, /) -> Iterator[tuple[tuple, Any]]:
+def iter_graph(node: Any, /, *, graph: bool | None = None) -> Iterator[tuple[tuple, Any]]:
     """``(path, value)`` for every module, Variable, container and static value under
     ``node`` (a module or a list / tuple / dict of them), children before their parent,
     attributes in definition order; the root comes last with path ``()``.
@@ -23,6 +24,7 @@ def iter_graph(node: Any, /) -> Iterator[tuple[tuple, Any]]:
     ('kernel',) Param
     () Linear
     """
+    check_mode("iter_graph", graph)
 
     def rec(x: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
         if isinstance(x, Node):
@@ -39,7 +41,7 @@ def iter_graph(node: Any, /) -> Iterator[tuple[tuple, Any]]:
     yield from rec(node, ())
 
 
-def recursive_map(f: Any, node: Node, /) -> Any:
+def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
     """Apply ``f(path, x)`` to every module and Variable of ``node``, children before
     parents, on a new tree sharing ``node``'s Variables: what ``f`` returns replaces
     ``x`` (return ``x`` to keep it). Returns ``f((), new_root)``.
@@ -54,6 +56,7 @@ def recursive_map(f: Any, node: Node, /) -> Any:
     Raises:
       TypeError: ``node`` is not a module.
     """
+    check_mode("recursive_map", graph)
     if not isinstance(node, Node):
         raise TypeError(f"recursive_map: expected a module, got {type(node).__name__}")
     c = flat(node)

@@ -14,6 +14,7 @@ A variable on its own, outside any module or state, is a pytree with one leaf at
 from __future__ import annotations
 
 import operator
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,9 @@ def _unwrap(x):
     return x.raw_value if isinstance(x, Variable) else x
 
 
+_NO_DEFAULT: Any = object()
+
+
 class Variable:
     """A mutable box around one array plus metadata.
 
@@ -107,6 +111,9 @@ class Variable:
     """
 
     __slots__ = ("raw_value", "_meta")
+
+    # ``nn.Param[jax.Array]`` in annotations, as Flax's generic ``Variable[A]`` allows
+    __class_getitem__ = classmethod(types.GenericAlias)
 
     def __init__(self, value: Any, **metadata: Any) -> None:
         if isinstance(value, Variable):
@@ -156,6 +163,52 @@ class Variable:
     @property
     def metadata(self) -> dict[str, Any]:
         return dict(self._meta)
+
+    def get_metadata(self, name: str | None = None, default: Any = _NO_DEFAULT) -> Any:
+        """The metadata dict (a copy), or the entry ``name`` (``default`` when it is
+        missing, else ``KeyError`` naming the keys there are).
+
+        Args:
+          name: the metadata key, or None for all of it.
+          default: returned for a missing ``name``.
+        """
+        if name is None:
+            if default is not _NO_DEFAULT:
+                raise TypeError("get_metadata: a default needs a name")
+            return dict(self._meta)
+        if name in self._meta:
+            return self._meta[name]
+        if default is not _NO_DEFAULT:
+            return default
+        raise KeyError(f"{type(self).__name__} has no metadata {name!r} (has {list(self._meta)})")
+
+    def set_metadata(self, *args: Any, **kwargs: Any) -> None:
+        """Set metadata: ``set_metadata({...})`` replaces all of it,
+        ``set_metadata(name, value)`` sets one entry, ``set_metadata(k=v, ...)`` updates.
+
+        Args:
+          *args: a dict, or a name and a value.
+          **kwargs: entries to update.
+        """
+        if args and kwargs:
+            raise TypeError("set_metadata: pass a dict, a name and a value, or keywords")
+        if len(args) == 1:
+            object.__setattr__(self, "_meta", dict(args[0]))
+        elif len(args) == 2:
+            self._meta[args[0]] = args[1]
+        elif args:
+            raise TypeError(f"set_metadata: expected 1 or 2 positional arguments, got {len(args)}")
+        else:
+            self._meta.update(kwargs)
+        bump_epoch()
+
+    def get_raw_value(self) -> Any:
+        """The stored value (``raw_value``)."""
+        return self.raw_value
+
+    def set_raw_value(self, value: Any) -> None:
+        """Store ``value`` as it is (``raw_value``)."""
+        object.__setattr__(self, "raw_value", value)
 
     def __getattr__(self, name: str):
         # only called when normal lookup fails: metadata, then array attributes
@@ -303,8 +356,10 @@ class Variable:
         self.value = self.raw_value / _unwrap(other)
         return self
 
-    # identity semantics for equality and hashing (a Variable is an object, not a value)
-    __eq__ = object.__eq__
+    # ``==`` / ``!=`` compare the values, as Flax NNX's do (an array for array values);
+    # hashing stays by identity, so a Variable can still key a dict or sit in a set
+    __eq__ = _binop(operator.eq)  # type: ignore[assignment]
+    __ne__ = _binop(operator.ne)  # type: ignore[assignment]
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:

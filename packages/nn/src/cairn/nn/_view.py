@@ -12,6 +12,8 @@ import inspect
 from typing import Any
 
 from cairn.nn._graph import flat, iter_modules
+from cairn.nn._graph_mode import check_mode
+from cairn.nn._module import AttributesNotFoundError
 from cairn.nn._nodes import Node
 
 _POS_OR_KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -50,7 +52,13 @@ def _call_set_view(mod: Node, attributes: dict) -> set[str]:
 
 
 def with_attributes(
-    node: Node, /, *, only: Any = ..., raise_if_not_found: bool = True, **attributes: Any
+    node: Node,
+    /,
+    *,
+    only: Any = ...,
+    raise_if_not_found: bool = True,
+    graph: bool | None = None,
+    **attributes: Any,
 ) -> Node:
     """A new tree sharing ``node``'s Variables in which every module selected by
     ``only`` (a Module type, a tuple of them, or ``(path, module) -> bool``) that has
@@ -67,6 +75,15 @@ def with_attributes(
         attributes (the message lists them).
       TypeError: ``node`` is not a module.
     """
+    check_mode("with_attributes", graph)
+    return _with_attributes(node, only, raise_if_not_found, attributes, "with_attributes")
+
+
+def _with_attributes(
+    node: Node, only: Any, raise_if_not_found: bool, attributes: dict, caller: str
+) -> Node:
+    """The body of :func:`with_attributes` and :func:`view` (``caller`` words the
+    error as Flax does for each)."""
     if not isinstance(node, Node):
         raise TypeError(f"view: expected a module, got {type(node).__name__}")
     c = flat(node)
@@ -86,15 +103,26 @@ def with_attributes(
                 found.add(name)
     missing = sorted(set(attributes) - found)
     if raise_if_not_found and missing:
-        raise ValueError(
-            f"view: no selected module of {type(node).__name__} has the attribute(s) "
-            f"{missing}; pass raise_if_not_found=False to ignore them"
+        head = (
+            f"Unused keys found in nnx.view: {missing}"
+            if caller == "view"
+            else f"Could not find at least one instance of the following attributes: {missing}"
+        )
+        raise AttributesNotFoundError(
+            f"{head} (no selected module of {type(node).__name__} has them); pass "
+            f"raise_if_not_found=False to ignore them"
         )
     return out
 
 
 def view(
-    node: Node, /, *, only: Any = ..., raise_if_not_found: bool = True, **kwargs: Any
+    node: Node,
+    /,
+    *,
+    only: Any = ...,
+    raise_if_not_found: bool = True,
+    graph: bool | None = None,
+    **kwargs: Any,
 ) -> Node:
     """A view of ``node`` with static settings changed, sharing its Variables:
     ``nn.view(model, deterministic=True, use_running_average=True)`` is an evaluation
@@ -113,5 +141,77 @@ def view(
     >>> ev.linear.kernel is block.linear.kernel
     True
     """
-    return with_attributes(node, only=only, raise_if_not_found=raise_if_not_found, **kwargs)
+    check_mode("view", graph)
+    return _with_attributes(node, only, raise_if_not_found, kwargs, "view")
 
+
+def view_info(node: Node, /, *, only: Any = ..., graph: bool | None = None) -> str:
+    """What ``nn.view`` can set on ``node``: for each module type under it (selected by
+    ``only``) that has a ``set_view`` hook, the hook's keywords with their types,
+    defaults and the docstring lines that describe them, one block per type sorted by
+    name. Modules without a hook take any of their existing attributes.
+
+    Args:
+      node: a module.
+      only: a Module type, a tuple of them or ``(path, module) -> bool``.
+      graph: Flax NNX's mode keyword (one behaviour here).
+
+    >>> from cairn import nn
+    >>> print(nn.view_info(nn.Dropout(0.5, rngs=nn.Rngs(0))))
+    Dropout:
+      deterministic: bool | None = None
+        if True, disables dropout masking.
+    """
+    check_mode("view_info", graph)
+    if not isinstance(node, Node):
+        raise TypeError(f"view_info: expected a module, got {type(node).__name__}")
+    pred = _module_predicate(only)
+    blocks: dict[str, str] = {}
+    for path, mod in iter_modules(node):
+        name = type(mod).__name__
+        hook = getattr(mod, "set_view", None)
+        if name in blocks or not callable(hook) or not pred(path, mod):
+            continue
+        blocks[name] = _hook_block(name, hook)
+    return "\n".join(blocks[k] for k in sorted(blocks))
+
+
+def _hook_block(name: str, hook: Any) -> str:
+    docs = _arg_docs(inspect.getdoc(hook) or "")
+    lines = [f"{name}:"]
+    for p in inspect.signature(hook).parameters.values():
+        if p.kind not in (_POS_OR_KW, inspect.Parameter.KEYWORD_ONLY):
+            continue
+        ann = p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(
+            p.annotation
+        )
+        head = f"  {p.name}"
+        if p.annotation is not inspect.Parameter.empty:
+            head += f": {ann}"
+        if p.default is not inspect.Parameter.empty:
+            head += f" = {p.default!r}"
+        lines.append(head)
+        lines.extend(f"    {d}" for d in docs.get(p.name, []))
+    return "\n".join(lines)
+
+
+def _arg_docs(doc: str) -> dict[str, list[str]]:
+    """``{arg: description lines}`` from the ``Args:`` section of a docstring."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    in_args = False
+    for line in doc.splitlines():
+        if line.strip() == "Args:":
+            in_args = True
+            continue
+        if not in_args:
+            continue
+        if line and not line.startswith(" "):
+            break
+        stripped = line.strip()
+        if line.startswith("  ") and not line.startswith("    ") and ":" in stripped:
+            cur, _, rest = stripped.partition(":")
+            out[cur] = [rest.strip()] if rest.strip() else []
+        elif cur is not None and stripped:
+            out[cur].append(stripped)
+    return out

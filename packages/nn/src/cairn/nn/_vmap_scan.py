@@ -11,7 +11,8 @@ import jax
 from jax.sharding import PartitionSpec
 
 from cairn.nn._filters import path_text, to_predicate
-from cairn.nn._graph import GraphDef
+from cairn.nn._graph import GraphDef, flat
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
 from cairn.nn._transform_plan import Box, Plan, call_annotated, run_pure
@@ -92,14 +93,28 @@ def _broadcast_prefix(prefix, tree):
 
 
 def _module_axes(ax, desc: GraphDef, varlist, dyn) -> list:
-    """One axis per variable of a module leaf."""
-    return ax.axes_for(desc, varlist) if isinstance(ax, StateAxes) else [ax] * len(dyn)
+    """One axis per variable of a module leaf: from a :class:`StateAxes`, from a module
+    made by :func:`~cairn.nn.prefix` (its Variables hold the axes), or one for all."""
+    if isinstance(ax, StateAxes):
+        return ax.axes_for(desc, varlist)
+    if isinstance(ax, Module):
+        c = flat(ax)
+        if c.graphdef.paths != desc.paths:
+            raise ValueError(
+                f"in_axes: the prefix module ({type(ax).__name__}) does not have the "
+                f"structure of the argument ({desc.type.__name__}): paths "
+                f"{list(c.graphdef.path_strings)} vs {list(desc.path_strings)}"
+            )
+        return [v.raw_value for v in c.variables]
+    return [ax] * len(dyn)
 
 
 def _leaf_axes_tree(plan: Plan, axes) -> list:
     """Axes for the plan's dyn list (a module leaf gets its axis for every value)."""
     return [
-        _module_axes(ax, desc, vl, d) if k == MOD else ax
+        _module_axes(ax, desc, vl, d)
+        if k == MOD
+        else (ax.raw_value if isinstance(ax, Variable) else ax)
         for k, d, ax, desc, vl in zip(plan.kinds, plan.dyn, axes, plan.descs, plan.varlists)
     ]
 
@@ -133,6 +148,8 @@ def vmap(
     axis_name: Any = None,
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable:
     """Vectorize ``f`` over axes of its arguments. ``in_axes`` is ``jax.vmap``'s per-
     argument prefix; for a module argument it is one int (every variable is mapped
@@ -150,6 +167,7 @@ def vmap(
     >>> stacked.w.shape
     (4, 3)
     """
+    check_mode("vmap", graph, graph_updates)
     if f is None:
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
@@ -248,6 +266,8 @@ def scan(
     unroll: int | bool = 1,
     in_axes: Any = (Carry, 0),
     out_axes: Any = (Carry, 0),
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable:
     """``jax.lax.scan`` over ``f(carry, x) -> (carry, y)`` where modules may appear in
     the carry (threaded through, updated at the end) and in ``xs`` (sliced along the
@@ -269,6 +289,7 @@ def scan(
       ValueError: an axis other than ``nn.Carry``, 0 or None; ``nn.Carry`` in only one
         of ``in_axes`` and ``out_axes``; a step returning the wrong structure.
     """
+    check_mode("scan", graph, graph_updates)
     if f is None:
         return functools.partial(
             scan, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
@@ -318,10 +339,13 @@ def shard_map(
     out_specs: Any,
     check_vma: bool = True,
     axis_names: Any = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable:
     """``jax.shard_map`` where arguments may be modules: a module's entry in
     ``in_specs`` is one ``PartitionSpec`` applied to every variable; the module's changed
     state comes back with the same spec."""
+    check_mode("shard_map", graph, graph_updates)
 
     @functools.wraps(f)
     def wrapper(*args):
