@@ -79,13 +79,22 @@ def sum(tree: Any) -> jax.Array:  # noqa: A001
 
 
 def max(tree: Any) -> jax.Array:  # noqa: A001
-    """Largest element."""
-    return functools.reduce(jnp.maximum, [jnp.max(x) for x in jax.tree.leaves(tree)])
+    """Largest element; empty leaves are skipped, and a tree with no element gives
+    ``-inf`` (as Optax)."""
+    return _extremum(tree, jnp.max, jnp.maximum, -jnp.inf)
 
 
 def min(tree: Any) -> jax.Array:  # noqa: A001
-    """Smallest element."""
-    return functools.reduce(jnp.minimum, [jnp.min(x) for x in jax.tree.leaves(tree)])
+    """Smallest element; empty leaves are skipped, and a tree with no element gives
+    ``inf`` (as Optax)."""
+    return _extremum(tree, jnp.min, jnp.minimum, jnp.inf)
+
+
+def _extremum(tree: Any, reduce_leaf, combine, empty: float) -> jax.Array:
+    values = [reduce_leaf(x) for x in jax.tree.leaves(tree) if jnp.size(x) > 0]
+    if not values:
+        return jnp.asarray(empty)
+    return functools.reduce(combine, values)
 
 
 def norm(tree: Any, ord: int | str | None = 2, squared: bool = False) -> jax.Array:  # noqa: A002
