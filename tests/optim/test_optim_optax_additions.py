@@ -334,3 +334,25 @@ def test_learning_rate_annotations_are_optax_types():
         assert o_is or not t_is, (name, t_lr.annotation, o_lr.annotation)
         checked += 1
     assert checked >= 25
+
+
+@pytest.mark.parametrize("op", [
+    lambda t, m: t.add_scale(None, 1.0, m), lambda t, m: t.update_moment(None, m, 0.9, 1),
+    lambda t, m: t.update_moment_per_elem_norm(None, m, 0.9, 2),
+    lambda t, m: t.update_infinity_moment(None, m, 0.9, 1e-8),
+])
+def test_moment_helpers_keep_none_like_optax(op):
+    m = {"a": jnp.array([1.0, 2.0]), "b": None}
+    g = {"a": jnp.array([0.5, -1.0]), "b": None}
+    assert op(optim.tree, jnp.ones(3)) is None and op(optax.tree, jnp.ones(3)) is None
+    got = optim.tree.add_scale(g, 2.0, m)
+    assert got["b"] is None
+    np.testing.assert_allclose(got["a"], [2.5, 3.0])
+
+
+def test_bias_correction_with_a_python_count_in_bfloat16():
+    m = jnp.logspace(-10, 10, num=21, dtype=jnp.bfloat16)
+    for decay in (0.9, 0.9995):
+        out = optim.tree.bias_correction(m, decay, 1)
+        assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out)))
+        np.testing.assert_allclose(np.float64(out), np.float64(m) / (1 - decay), rtol=1e-2)

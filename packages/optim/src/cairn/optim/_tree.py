@@ -60,9 +60,17 @@ def scale(s: jax.typing.ArrayLike, tree: Any) -> Any:
 
 
 def add_scale(a: Any, s: jax.typing.ArrayLike, b: Any) -> Any:
-    """``a + s * b``."""
-    _check((a, b), "add_scale")
-    return jax.tree.map(lambda x, y: x + s * y, a, b)
+    """``a + s * b``; a None in ``a`` stays None (as Optax)."""
+    return _map_skipping_none("add_scale", lambda x, y: x + s * y, a, b)
+
+
+def _map_skipping_none(name: str, fn: Any, first: Any, second: Any) -> Any:
+    """``fn`` over the leaves of two trees, None where ``first`` has None (Optax's rule for
+    the moment helpers); other structure differences raise naming the paths."""
+    if not any(x is None for x in jax.tree.leaves(first, is_leaf=lambda x: x is None)):
+        _check((first, second), name)
+    return jax.tree.map(lambda x, y: None if x is None else fn(x, y), first, second,
+                        is_leaf=lambda x: x is None)
 
 
 def vdot(a: Any, b: Any) -> jax.Array:
@@ -166,24 +174,27 @@ def size(tree: Any) -> int:
 
 def update_moment(updates: Any, moments: Any, decay: float, order: int) -> Any:
     """:math:`(1-\\delta) g^k + \\delta m`."""
-    return jax.tree.map(lambda g, t: (1 - decay) * (g ** order) + decay * t, updates, moments)
+    return _map_skipping_none("update_moment",
+                              lambda g, t: (1 - decay) * (g ** order) + decay * t, updates, moments)
 
 
 def update_moment_per_elem_norm(updates: Any, moments: Any, decay: float, order: int) -> Any:
     """:math:`(1-\\delta) |g|^k + \\delta m`."""
-    return jax.tree.map(lambda g, t: (1 - decay) * (jnp.abs(g) ** order) + decay * t,
-                        updates, moments)
+    return _map_skipping_none("update_moment_per_elem_norm",
+                              lambda g, t: (1 - decay) * (jnp.abs(g) ** order) + decay * t,
+                              updates, moments)
 
 
 def bias_correction(moment: Any, decay: float, count: jax.Array) -> Any:
     """:math:`m / (1-\\delta^t)`."""
-    bc = 1 - decay ** count
+    bc = jnp.asarray(1 - decay ** count)   # in >= float32: decay**t rounds to 1 in bfloat16
     return jax.tree.map(lambda t: t / bc.astype(t.dtype), moment)
 
 
 def update_infinity_moment(updates: Any, moments: Any, decay: float, eps: float) -> Any:
     """:math:`\\max(\\delta m, |g| + \\epsilon)` (Adamax's infinity norm)."""
-    return jax.tree.map(lambda g, t: jnp.maximum(jnp.abs(g) + eps, decay * t), updates, moments)
+    return _map_skipping_none("update_infinity_moment",
+                              lambda g, t: jnp.maximum(jnp.abs(g) + eps, decay * t), updates, moments)
 
 
 def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
