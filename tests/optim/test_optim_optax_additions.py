@@ -356,3 +356,22 @@ def test_bias_correction_with_a_python_count_in_bfloat16():
         out = optim.tree.bias_correction(m, decay, 1)
         assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out)))
         np.testing.assert_allclose(np.float64(out), np.float64(m) / (1 - decay), rtol=1e-2)
+
+
+def test_masked_reads_a_callable_pytree_mask_as_a_tree():
+    """An Equinox-style module is callable and a pytree: as a mask it is a tree of bools."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Module:
+        w: object
+
+        def __call__(self, x):
+            return self.w.dot(x)
+
+    jax.tree_util.register_pytree_node(Module, lambda m: ((m.w,), None), lambda _, c: Module(*c))
+    params = Module(jnp.array([1.0, 2.0, 3.0]))
+    for mask, scale in ((Module(False), 1.0), (Module(True), -0.1)):
+        tx = optim.masked(optim.sgd(0.1), mask)
+        out, _ = tx.update(params, tx.init(params))
+        np.testing.assert_allclose(out.w, scale * params.w)
