@@ -266,6 +266,12 @@ def test_multiclass_sparsemax_loss_value_and_gradient():
         grad = jax.grad(lambda a: optim.losses.multiclass_sparsemax_loss(a, y).sum())(s)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(grad, p - np.eye(5)[y], rtol=1e-9, atol=1e-12)
+    # the Hessian is sparsemax's Jacobian: diag(1_S) - 1_S 1_S^T / |S| on the support S
+    with jax.enable_x64(True):
+        hess = jax.hessian(lambda a: optim.losses.multiclass_sparsemax_loss(a, y[0, 0]))(s[0, 0])
+    support = (p[0, 0] > 0).astype(float)
+    np.testing.assert_allclose(hess, np.diag(support) - np.outer(support, support) / support.sum(),
+                               atol=1e-12)
     flat32 = jnp.float32(s.reshape(-1, 5))
     np.testing.assert_allclose(optim.losses.multiclass_sparsemax_loss(flat32, y.reshape(-1)),
                                optax.losses.multiclass_sparsemax_loss(flat32, y.reshape(-1)),

@@ -1178,8 +1178,8 @@ def multiclass_sparsemax_loss(scores: jax.typing.ArrayLike,
 
     .. math:: \ell = \langle p, s\rangle - s_y + \tfrac12\bigl(1 - \lVert p\rVert^2\bigr)
 
-    and gradient :math:`p - e_y` (exactly: :math:`p` is held constant, which the envelope
-    theorem allows). Zero exactly when sparsemax puts all mass on :math:`y`.
+    with gradient :math:`p - e_y` and Hessian the Jacobian of sparsemax (both by autodiff
+    through the sort). Zero exactly when sparsemax puts all mass on :math:`y`.
 
     Args:
       scores: floating ``[..., K]``.
@@ -1202,7 +1202,7 @@ def multiclass_sparsemax_loss(scores: jax.typing.ArrayLike,
     if not isinstance(labels, jax.core.Tracer) and y.size:
         _check_label_range(fn, labels, s.shape[-1])
     sw = _wide(s)
-    p = jax.lax.stop_gradient(_sparsemax(sw))
+    p = _sparsemax(sw)
     true = jnp.take_along_axis(sw, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
     out = jnp.sum(p * sw, axis=-1) - true + 0.5 * (1.0 - jnp.sum(p * p, axis=-1))
     return out.astype(s.dtype)
