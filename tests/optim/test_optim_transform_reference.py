@@ -61,9 +61,10 @@ def _clip_block_rms(c):
 
 def _unit_norm(x):
     # Brock et al. 2021 unit-wise norm with Optax's axis convention: the whole array for
-    # scalars and vectors, axis 0 for IO and multi-head (rank 3) kernels, all but the last
-    # axis for 2-D / 3-D conv kernels (HWIO, DHWIO)
-    if x.ndim <= 1:
+    # scalars and vectors (also after dropping size-1 axes: (1, n) is a vector), axis 0 for
+    # IO and multi-head (rank 3) kernels, all but the last axis for 2-D / 3-D conv kernels
+    # (HWIO, DHWIO)
+    if np.squeeze(x).ndim <= 1:
         return np.sqrt(np.sum(x * x)) * np.ones_like(x)
     axes = (0,) if x.ndim in (2, 3) else tuple(range(x.ndim - 1))
     return np.broadcast_to(np.sqrt(np.sum(x * x, axis=axes, keepdims=True)), x.shape)

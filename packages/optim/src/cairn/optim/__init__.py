@@ -35,6 +35,7 @@ from cairn.optim._adam import (
     scale_by_yogi,
     yogi,
 )
+from cairn.optim._adan import ScaleByAdanState, adan, scale_by_adan
 from cairn.optim._adding import AddDecayedWeightsState, add_decayed_weights, add_noise
 from cairn.optim._base import (
     EmptyState,
@@ -60,6 +61,8 @@ from cairn.optim._clipping import (
     clip,
     clip_by_block_rms,
     clip_by_global_norm,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
     zero_nans,
 )
 from cairn.optim._combine import (
@@ -110,9 +113,16 @@ from cairn.optim._losses import (
     squared_error,
     triplet_margin_loss,
 )
-from cairn.optim._masking import MaskedState, freeze, masked
+from cairn.optim._masking import MaskedNode, MaskedState, freeze, masked
 from cairn.optim._momentum import ema, lars, noisy_sgd, sgd, signum, trace
 from cairn.optim._muon import muon, orthogonalize_via_newton_schulz, scale_by_muon
+from cairn.optim._optimistic import (
+    ScaleByOptimisticGradientState,
+    optimistic_adam,
+    optimistic_adam_v2,
+    optimistic_gradient_descent,
+    scale_by_optimistic_gradient,
+)
 from cairn.optim._packed_state import pack, safe_increment
 from cairn.optim._packing import Packed, layout_of, unpack
 from cairn.optim._polyak import polyak_sgd, scale_by_polyak
@@ -206,7 +216,7 @@ __all__ = [
     "set_to_zero", "stateless", "stateless_with_tree_map", "apply_updates",
     "incremental_update", "periodic_update", "global_norm", "tree", "flatten",
     "inject_hyperparams", "get_hyperparams", "set_hyperparams", "InjectHyperparamsState",
-    "PartitionState", "MaskedState", "Packed", "pack", "unpack", "layout_of",
+    "PartitionState", "MaskedState", "MaskedNode", "Packed", "pack", "unpack", "layout_of",
     "StateMismatchError", "ScalarOrSchedule", "selective_transform", "with_extra_args_support",
     "init_empty_state", "safe_increment", "safe_int32_increment", "tree_map_params",
     "bias_correction", "update_moment", "update_moment_per_elem_norm", "update_infinity_moment",
@@ -226,7 +236,9 @@ __all__ = [
     "zero_nans", "apply_if_finite", "skip_not_finite", "apply_every", "MultiSteps",
     "MultiStepsState", "lookahead", "LookaheadParams", "LookaheadState", "ApplyIfFiniteState",
     "ScaleByAdamState", "ScaleByLearningRateState", "AddDecayedWeightsState",
-    "orthogonalize_via_newton_schulz", "matrix_inverse_root",
+    "orthogonalize_via_newton_schulz", "matrix_inverse_root", "scale_by_adan",
+    "ScaleByAdanState", "scale_by_optimistic_gradient", "ScaleByOptimisticGradientState",
+    "per_example_global_norm_clip", "per_example_layer_norm_clip",
     # optimizers
     "sgd", "adam", "adamw", "nadam", "nadamw", "adamax", "adamaxw", "amsgrad", "adagrad",
     "adadelta", "adafactor", "adabelief", "lamb", "lars", "lion", "novograd", "radam",
@@ -235,7 +247,8 @@ __all__ = [
     "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "value_and_grad_from_state",
     "BacktrackingLinesearchInfo", "ScaleByBacktrackingLinesearchState",
     "ScaleByZoomLinesearchState", "ZoomLinesearchInfo", "schedule_free", "schedule_free_adamw", "schedule_free_sgd",
-    "schedule_free_eval_params",
+    "schedule_free_eval_params", "adan", "optimistic_gradient_descent", "optimistic_adam",
+    "optimistic_adam_v2",
     # schedules
     "constant_schedule",
     "linear_schedule",

@@ -39,6 +39,7 @@ from cairn.optim._packed_state import (
 from cairn.optim._packing import Packed
 from cairn.optim._placement import full_like_param, replicated_like
 from cairn.optim._scaling import learning_rate_step, scale_by_trust_ratio
+from cairn.optim._types import resolve_annotations
 
 __all__ = [
     "scale_by_adam", "scale_by_amsgrad", "scale_by_adamax", "scale_by_belief", "scale_by_radam",
@@ -487,3 +488,6 @@ def novograd(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.25,
     )
     return chain(scale_by_novograd(b1, b2, eps, eps_root, weight_decay, mu_dtype),
                  learning_rate_step(learning_rate))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -19,7 +19,11 @@ from cairn.optim._base import (
 )
 from cairn.optim._packed_state import abs_sq
 
-__all__ = ["clip", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "zero_nans"]
+__all__ = [
+    "adaptive_grad_clip", "clip", "clip_by_block_rms", "clip_by_global_norm",
+    "per_example_global_norm_clip", "per_example_layer_norm_clip", "unitwise_clip",
+    "unitwise_norm", "zero_nans",
+]
 
 
 def clip(max_delta: float) -> GradientTransformation:
@@ -68,21 +72,56 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
     return per_leaf("clip_by_block_rms", f, needs_params=False)
 
 
-def _unitwise_norm(x, axis=None):
+def unitwise_norm(x: jax.typing.ArrayLike,
+                  axis: int | tuple[int, ...] | None = None) -> jax.Array:
+    r"""The L2 norm of each unit of ``x``, broadcast back to ``x``'s shape (as Optax).
+
+    A unit is the slice summed over ``axis``; without ``axis`` the axes follow the rank of
+    ``x``: the whole array when ``x`` squeezed has rank <= 1 (vectors, scalars, ``(1, n)``),
+    axis 0 for rank 2 and 3 (a linear ``[in, out]`` or multi-head kernel: one norm per output
+    unit), axes ``(0, 1, 2)`` for rank 4 (conv ``HWIO``), ``(0, 1, 2, 3)`` for rank 5.
+
+    Args:
+      x: an array (complex: :math:`|x|^2` is summed).
+      axis: the axes to reduce, or None for the rank rule.
+
+    Raises:
+      ValueError: rank above 5 without ``axis``.
+
+    >>> from cairn import optim
+    >>> print(optim.transforms.unitwise_norm(jnp.array([[3.0, 0.0], [4.0, 1.0]])))
+    [[5. 1.]
+     [5. 1.]]
+    """
+    x = jnp.asarray(x)
     if axis is not None:
-        return jnp.sqrt(jnp.sum(x * x, axis=axis, keepdims=True))
-    if x.ndim <= 1:
-        return jnp.sqrt(jnp.sum(x * x))
-    if x.ndim in (2, 3):
-        ax: int | tuple[int, ...] = 0
-    elif x.ndim == 4:  # conv kernels HWIO
-        ax = (0, 1, 2)
-    elif x.ndim == 5:  # 3-D conv kernels DHWIO
-        ax = (0, 1, 2, 3)
+        sq = jnp.sum(abs_sq(x), axis=axis, keepdims=True)
+    elif jnp.squeeze(x).ndim <= 1:
+        sq = jnp.sum(abs_sq(x), keepdims=True)
+    elif x.ndim in (2, 3):
+        sq = jnp.sum(abs_sq(x), axis=0, keepdims=True)
+    elif x.ndim in (4, 5):
+        sq = jnp.sum(abs_sq(x), axis=tuple(range(x.ndim - 1)), keepdims=True)
     else:
-        raise ValueError(f"adaptive_grad_clip: unsupported parameter rank {x.ndim} "
-                         f"(shape {x.shape}); pass `axis`")
-    return jnp.sqrt(jnp.sum(x * x, axis=ax, keepdims=True))
+        raise ValueError(f"unitwise_norm: no default units for rank {x.ndim} (shape "
+                         f"{x.shape}); pass `axis`")
+    return jnp.broadcast_to(jnp.sqrt(sq), x.shape)
+
+
+def unitwise_clip(g_norm: jax.typing.ArrayLike, max_norm: jax.typing.ArrayLike,
+                  grad: jax.typing.ArrayLike, div_eps: float = 1e-6) -> jax.Array:
+    r"""``grad`` where ``g_norm < max_norm``, else ``grad * max_norm / max(g_norm, div_eps)``
+    (the three arrays of one shape, e.g. from :func:`unitwise_norm`).
+
+    Raises:
+      ValueError: the shapes differ.
+    """
+    g_norm, max_norm, grad = jnp.asarray(g_norm), jnp.asarray(max_norm), jnp.asarray(grad)
+    if not g_norm.shape == max_norm.shape == grad.shape:
+        raise ValueError(f"unitwise_clip: g_norm, max_norm and grad must have one shape, got "
+                         f"{g_norm.shape}, {max_norm.shape} and {grad.shape}")
+    clipped = grad * (max_norm / jnp.maximum(g_norm, div_eps))
+    return jnp.where(g_norm < max_norm, grad, clipped)
 
 
 def adaptive_grad_clip(clipping: float, eps: float = 1e-3,
@@ -92,12 +131,9 @@ def adaptive_grad_clip(clipping: float, eps: float = 1e-3,
     _validate.check("adaptive_grad_clip", {"clipping": _validate.NONNEG}, clipping=clipping, eps=eps)
 
     def f(g, p):
-        g_norm = _unitwise_norm(g, axis)
-        p_norm = _unitwise_norm(p, axis)
-        max_norm = jnp.maximum(p_norm, eps) * clipping
-        trigger = g_norm < max_norm
-        clipped = g * (max_norm / jnp.maximum(g_norm, 1e-6))
-        return jnp.where(trigger, g, clipped).astype(g.dtype)
+        g_norm = unitwise_norm(g, axis)
+        max_norm = jnp.maximum(unitwise_norm(p, axis), eps) * clipping
+        return unitwise_clip(g_norm, max_norm, g).astype(g.dtype)
 
     return per_leaf("adaptive_grad_clip", f, needs_params=True)
 
@@ -126,3 +162,75 @@ def zero_nans() -> GradientTransformation:
         return u.map(lambda g: jnp.where(jnp.isnan(g), jnp.zeros_like(g), g)), ZeroNansState(found)
 
     return packed_transformation(init, update, name="zero_nans")
+
+
+def _batched_leaves(fn: str, grads: Any) -> list[jax.Array]:
+    leaves = [jnp.asarray(g) for g in jax.tree.leaves(grads)]
+    if not leaves or any(g.ndim < 1 or g.shape[0] != leaves[0].shape[0] for g in leaves):
+        shapes = jax.tree.map(jnp.shape, grads)
+        raise ValueError(f"{fn}: every gradient needs the same batch (example) axis 0; "
+                         f"got shapes {shapes}")
+    return leaves
+
+
+def _clip_examples(grads: Any, clip_norm: Any) -> tuple[Any, jax.Array]:
+    """Sum over axis 0 of the per-example gradients, each scaled to norm <= ``clip_norm``."""
+    sq = sum(jnp.sum(abs_sq(g).reshape(g.shape[0], -1), axis=1) for g in jax.tree.leaves(grads))
+    norms = jnp.sqrt(sq)
+    scale = jnp.nan_to_num(jnp.minimum(clip_norm / norms, 1.0), nan=1.0)
+    total = jax.tree.map(lambda g: jnp.tensordot(scale, g, axes=1), grads)
+    return total, jnp.sum(scale < 1.0)
+
+
+def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, jax.Array]:
+    r"""DP-SGD's clipping (Abadi et al., 2016): each example's gradient (axis 0 of every
+    leaf) scaled to global norm at most :math:`C`, then summed over examples:
+    :math:`\sum_i g_i \min(1, C/\lVert g_iVert)` (a zero gradient is kept as is).
+
+    Args:
+      grads: a pytree whose leaves share a leading example axis.
+      l2_norm_clip: :math:`C \ge 0` (``inf`` clips nothing).
+
+    Returns:
+      ``(sum of the clipped gradients, number of examples that were clipped)``.
+
+    Raises:
+      ValueError: leaves without a common axis 0.
+
+    >>> from cairn import optim
+    >>> grads = [jnp.array([[0, 0, 0], [0, 3, 4], [4, 0, 3], [3, 4, 0]])]
+    >>> total, clipped = optim.per_example_global_norm_clip(grads, 1.25)
+    >>> print(total[0], int(clipped))
+    [1.75 1.75 1.75] 3
+    """
+    _batched_leaves("per_example_global_norm_clip", grads)
+    return _clip_examples(grads, l2_norm_clip)
+
+
+def per_example_layer_norm_clip(grads: Any, global_l2_norm_clip: float,
+                                uniform: bool = True) -> tuple[Any, Any]:
+    r"""Per-layer DP clipping (McMahan et al., 2017): each leaf ("layer") :math:`k` of each
+    example is clipped on its own to :math:`C_k`, then summed over examples, with
+    :math:`C_k = C/\sqrt{K}` (``uniform``, :math:`K` leaves) or
+    :math:`C\sqrt{D_k/D}` (:math:`D_k` the leaf's size per example, :math:`D` the total).
+
+    Args:
+      grads: a pytree whose leaves share a leading example axis.
+      global_l2_norm_clip: :math:`C \ge 0`.
+      uniform: the clip norm rule above.
+
+    Returns:
+      ``(tree of clipped sums, tree of clipped-example counts)``, both with ``grads``'
+      structure.
+
+    Raises:
+      ValueError: leaves without a common axis 0.
+    """
+    leaves = _batched_leaves("per_example_layer_norm_clip", grads)
+    total = sum(g[0].size for g in leaves)
+    results = []
+    for g in leaves:
+        share = 1.0 / len(leaves) if uniform else g[0].size / total
+        results.append(_clip_examples(g, global_l2_norm_clip * share**0.5))
+    td = jax.tree.structure(grads)
+    return td.unflatten([r[0] for r in results]), td.unflatten([r[1] for r in results])

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain
 from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["COCOBState", "scale_by_cocob", "cocob"]
 
@@ -76,3 +77,6 @@ def cocob(learning_rate: ScalarOrSchedule = 1.0, alpha: float = 100.0, eps: floa
     return chain(add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate, flip_sign=False),
                  scale_by_cocob(alpha, eps))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

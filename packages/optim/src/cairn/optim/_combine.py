@@ -53,8 +53,9 @@ def partition(transforms: Mapping[Any, GradientTransformation], param_labels: An
     :func:`freeze`) costs no compute and no state: its updates are zeros.
 
     Errors name the path: a parameter matched by no rule, a rule that matches no
-    parameter (or only parameters claimed by earlier rules), a label missing from
-    ``transforms``, or a transform label used by no parameter.
+    parameter (or only parameters claimed by earlier rules), or a label missing from
+    ``transforms``. A transform whose label no parameter uses is kept with an empty state
+    (as Optax: one ``transforms`` dict may serve models without some of the groups).
     """
     transforms = dict(transforms)
     del mask_compatible_extra_args
@@ -72,9 +73,6 @@ def partition(transforms: Mapping[Any, GradientTransformation], param_labels: An
                 if lab not in transforms:
                     raise ValueError(f"partition: parameter at path {p!r} has label {lab!r} "
                                      f"which is not a key of transforms {sorted(map(str, transforms))}")
-            unused = [k for k in transforms if k not in set(labs)]
-            if unused:
-                raise ValueError(f"partition: transform labels {unused} are used by no parameter")
             cache[key] = labs
         return cache[key]
 

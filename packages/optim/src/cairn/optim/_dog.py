@@ -11,6 +11,7 @@ from cairn.optim import _tree
 from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain, identity
 from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["DoGState", "DoWGState", "scale_by_dog", "dog", "scale_by_dowg", "dowg"]
 
@@ -118,3 +119,6 @@ def dowg(learning_rate: ScalarOrSchedule = 1.0, init_estim_sq_dist: float | None
     decay = add_decayed_weights(weight_decay, mask) if weight_decay is not None else identity()
     return chain(decay, scale_by_dowg(init_estim_sq_dist, eps),
                  scale_by_learning_rate(learning_rate))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

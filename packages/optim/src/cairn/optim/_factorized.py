@@ -24,6 +24,7 @@ from cairn.optim._momentum import ema
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param, replicated_like, zeros_for_axes
 from cairn.optim._scaling import scale, scale_by_learning_rate, scale_by_param_block_rms
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["scale_by_factored_rms", "adafactor"]
 
@@ -153,3 +154,6 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
         txs.append(add_decayed_weights(weight_decay_rate, weight_decay_mask))
     txs.append(scale(-1))
     return chain(*txs)
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -12,6 +12,7 @@ from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain
 from cairn.optim._linesearch import scale_by_zoom_linesearch
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._scaling import scale, scale_by_learning_rate
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["ScaleByLBFGSState", "scale_by_lbfgs", "lbfgs"]
 
@@ -133,3 +134,6 @@ def lbfgs(learning_rate: ScalarOrSchedule | None = None, memory_size: int = 10,
     step = scale(-1.0) if learning_rate is None else scale_by_learning_rate(learning_rate)
     parts = [scale_by_lbfgs(memory_size, scale_init_precond), step]
     return chain(*parts, *([] if linesearch is None else [linesearch]))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

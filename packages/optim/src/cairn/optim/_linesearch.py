@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from cairn.optim import _tree
 from cairn.optim._base import GradientTransformation, mark_extra
 from cairn.optim._tree_state import get as tree_get
+from cairn.optim._types import resolve_annotations
 
 __all__ = [
     "BacktrackingLinesearchInfo", "ScaleByBacktrackingLinesearchState",
@@ -323,3 +324,6 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
                             params, args, kwargs)
 
     return value_and_grad
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

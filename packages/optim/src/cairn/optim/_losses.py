@@ -49,6 +49,8 @@ __all__ = [
     "softmax_cross_entropy_with_integer_labels",
     "squared_error",
     "triplet_margin_loss",
+    "sparsemax_loss",
+    "multiclass_sparsemax_loss",
 ]
 
 Axis = int | tuple[int, ...] | None
@@ -1125,3 +1127,82 @@ def multiclass_hinge_loss(scores: jax.typing.ArrayLike,
     Array([2.], dtype=float32)
     """
     return _margin("multiclass_hinge_loss", scores, labels, 1.0)
+
+
+def sparsemax_loss(logits: jax.typing.ArrayLike, labels: jax.typing.ArrayLike) -> jax.Array:
+    r"""Binary sparsemax loss (Blondel, Martins and Niculae, "Learning with Fenchel-Young
+    losses", 2020, sec. 4.4): with :math:`z = -x` for label 1 and :math:`z = x` for label 0,
+
+    .. math::
+
+        \ell = \begin{cases} 0 & z \le -1 \\ (z+1)^2/4 & -1 < z < 1 \\ z & z \ge 1\end{cases}
+
+    zero exactly when the sparse sigmoid of ``logits`` equals ``labels``.
+
+    Args:
+      logits: floating scores, any shape.
+      labels: 0/1 (or bool) of a shape that broadcasts with ``logits``.
+
+    >>> from cairn import optim
+    >>> print(optim.losses.sparsemax_loss(jnp.array([2.0, 0.0, -0.5]), jnp.array([1, 1, 0])))
+    [0.     0.25   0.0625]
+    """
+    fn = "sparsemax_loss"
+    x = _float(fn, "logits", logits)
+    y = jnp.asarray(labels)
+    _broadcast(fn, ("logits", x), ("labels", y))
+    xw = _wide(x)
+    z = jnp.where(y != 0, -xw, xw)
+    quad = jnp.square(jnp.clip(z, -1.0, 1.0) + 1.0) / 4.0
+    return jnp.where(z >= 1.0, z, quad).astype(x.dtype)
+
+
+def _sparsemax(s: jax.Array) -> jax.Array:
+    r"""Euclidean projection of each row (last axis) onto the probability simplex (Martins
+    and Astudillo, 2016): :math:`p = \max(s - \tau, 0)`, :math:`\tau` from the sorted
+    scores."""
+    k = s.shape[-1]
+    desc = -jnp.sort(-s, axis=-1)
+    cumsum = jnp.cumsum(desc, axis=-1)
+    ranks = jnp.arange(1, k + 1, dtype=s.dtype)
+    support = (1.0 + ranks * desc) > cumsum
+    size = jnp.sum(support, axis=-1, keepdims=True)
+    tau = (jnp.take_along_axis(cumsum, size - 1, axis=-1) - 1.0) / size.astype(s.dtype)
+    return jnp.maximum(s - tau, 0.0)
+
+
+def multiclass_sparsemax_loss(scores: jax.typing.ArrayLike,
+                              labels: jax.typing.ArrayLike) -> jax.Array:
+    r"""Multiclass sparsemax loss (Martins and Astudillo, 2016), the Fenchel-Young loss of
+    the Gini entropy: with :math:`p = \operatorname{sparsemax}(s)`,
+
+    .. math:: \ell = \langle p, s\rangle - s_y + \tfrac12\bigl(1 - \lVert p\rVert^2\bigr)
+
+    with gradient :math:`p - e_y` and Hessian the Jacobian of sparsemax (both by autodiff
+    through the sort). Zero exactly when sparsemax puts all mass on :math:`y`.
+
+    Args:
+      scores: floating ``[..., K]``.
+      labels: integer ``[...]`` in ``[0, K)``.
+
+    Raises:
+      ValueError: ``labels`` not integers of shape ``scores.shape[:-1]``, or (when concrete)
+        outside ``[0, K)``.
+
+    >>> from cairn import optim
+    >>> print(optim.losses.multiclass_sparsemax_loss(jnp.array([[1.0, 0.5, -2.0]]), jnp.array([1])))
+    [0.5625]
+    """
+    fn = "multiclass_sparsemax_loss"
+    s = _float(fn, "scores", scores)
+    y = jnp.asarray(labels)
+    if s.ndim < 1 or s.shape[:-1] != y.shape or not jnp.issubdtype(y.dtype, jnp.integer):
+        raise ValueError(f"{fn}: `labels` must be integers of shape scores.shape[:-1]="
+                         f"{s.shape[:-1]}, got {y.dtype} of shape {y.shape}")
+    if not isinstance(labels, jax.core.Tracer) and y.size:
+        _check_label_range(fn, labels, s.shape[-1])
+    sw = _wide(s)
+    p = _sparsemax(sw)
+    true = jnp.take_along_axis(sw, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    out = jnp.sum(p * sw, axis=-1) - true + 0.5 * (1.0 - jnp.sum(p * p, axis=-1))
+    return out.astype(s.dtype)

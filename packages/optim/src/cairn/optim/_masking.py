@@ -10,17 +10,24 @@ import jax.numpy as jnp
 from cairn.optim._base import EmptyState, GradientTransformation, call_update, mark_extra
 from cairn.optim._rules import resolve_per_leaf
 
-__all__ = ["masked", "freeze", "MaskedState"]
+__all__ = ["masked", "freeze", "MaskedState", "MaskedNode"]
 
 
-def select_leaves(tree: Any, keep: list[bool]) -> Any:
-    """``tree`` with the leaves where ``keep`` is False replaced by None (empty subtrees)."""
+class MaskedNode(NamedTuple):
+    """What :func:`masked` puts in place of a leaf its inner transformation does not see (in
+    the inner updates, params and state), as Optax: a node with no children, so
+    ``jax.tree.map`` skips it (``is_leaf=lambda x: isinstance(x, MaskedNode)`` finds it)."""
+
+
+def select_leaves(tree: Any, keep: list[bool], fill: Any = None) -> Any:
+    """``tree`` with the leaves where ``keep`` is False replaced by ``fill`` (None or a
+    ``MaskedNode()``: empty subtrees either way)."""
     if tree is None:
         return None
     leaves, td = jax.tree_util.tree_flatten(tree)
     if len(leaves) != len(keep):
         raise ValueError(f"tree has {len(leaves)} leaves, expected {len(keep)}")
-    return jax.tree_util.tree_unflatten(td, [x if k else None for x, k in zip(leaves, keep)])
+    return jax.tree_util.tree_unflatten(td, [x if k else fill for x, k in zip(leaves, keep)])
 
 
 def leaves_like(td: Any, tree: Any) -> list:
@@ -52,14 +59,14 @@ def masked(inner: GradientTransformation, mask: Any, *,
         return resolve_per_leaf(mask, tree, what="mask", mask_mode=True)
 
     def init(params):
-        return MaskedState(inner.init(select_leaves(params, keep_for(params))))
+        return MaskedState(inner.init(select_leaves(params, keep_for(params), MaskedNode())))
 
     @mark_extra
     def update(updates, state, params=None, **extra):
         keep = keep_for(updates)
         leaves, td = jax.tree_util.tree_flatten(updates)
-        sub_u = select_leaves(updates, keep)
-        sub_p = select_leaves(params, keep) if params is not None else None
+        sub_u = select_leaves(updates, keep, MaskedNode())
+        sub_p = select_leaves(params, keep, MaskedNode()) if params is not None else None
         u_m, s = call_update(inner, sub_u, state.inner_state, sub_p, extra)
         out = [v if k else x for x, v, k in zip(leaves, leaves_like(td, u_m), keep)]
         return jax.tree_util.tree_unflatten(td, out), MaskedState(s)

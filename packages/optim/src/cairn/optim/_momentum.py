@@ -27,6 +27,7 @@ from cairn.optim._packed_state import (
 )
 from cairn.optim._packing import Packed
 from cairn.optim._scaling import learning_rate_step, scale_by_sign, scale_by_trust_ratio
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["trace", "ema", "sgd", "signum", "noisy_sgd", "lars"]
 
@@ -137,3 +138,6 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
                  masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
                         trust_ratio_mask),
                  learning_rate_step(learning_rate), trace(momentum, nesterov))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

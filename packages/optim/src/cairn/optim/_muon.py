@@ -21,6 +21,7 @@ from cairn.optim._combine import partition
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param
 from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["muon", "scale_by_muon", "orthogonalize_via_newton_schulz", "MuonState"]
 
@@ -141,3 +142,6 @@ def muon(learning_rate: ScalarOrSchedule,
 
     del inner
     return GradientTransformation(init, update)
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -16,6 +16,7 @@ from cairn.optim._base import (
     chain,
 )
 from cairn.optim._momentum import sgd
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["scale_by_polyak", "polyak_sgd"]
 
@@ -74,3 +75,6 @@ def polyak_sgd(max_learning_rate: float = 1.0, scaling: ScalarOrSchedule = 1.0,
     return chain(sgd(learning_rate=scaling),
                  scale_by_polyak(f_min=f_min, max_learning_rate=max_learning_rate, eps=eps,
                                  variant=variant))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from cairn.optim import _tree
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, mark_extra
 from cairn.optim._packed_state import safe_increment
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["ProdigyState", "prodigy"]
 
@@ -95,3 +96,6 @@ def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = 
         return out, ProdigyState(m, v, s, state.params0, d_new, r, t)
 
     return GradientTransformation(init, update)
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

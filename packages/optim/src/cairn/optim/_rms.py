@@ -31,6 +31,7 @@ from cairn.optim._packed_state import (
 from cairn.optim._packing import Packed
 from cairn.optim._placement import full_like_param, zeros_for_axes
 from cairn.optim._scaling import learning_rate_step
+from cairn.optim._types import resolve_annotations
 
 __all__ = [
     "scale_by_rms", "scale_by_stddev", "scale_by_rss", "scale_by_adadelta", "scale_by_sm3",
@@ -288,3 +289,6 @@ def sm3(learning_rate: ScalarOrSchedule, momentum: float = 0.9) -> GradientTrans
     """SM3 with momentum, times :math:`-\\eta`."""
     _validate.check("sm3", learning_rate=learning_rate, momentum=momentum)
     return chain(scale_by_sm3(momentum), learning_rate_step(learning_rate))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -101,11 +101,15 @@ class _Rep:
         self.items = items
 
 
+def _is_pytree_leaf(x: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
 def resolve_per_leaf(spec: Any, params: Any, *, what: str, mask_mode: bool) -> list[Any]:
     """One label (or bool when ``mask_mode``) per leaf of ``params`` in flatten order."""
     paths = list(tree_paths(params))
-    if callable(spec) and not isinstance(spec, Mapping):
-        spec = spec(params)
+    if callable(spec) and not isinstance(spec, Mapping) and _is_pytree_leaf(spec):
+        spec = spec(params)   # a callable pytree node with leaves (an Equinox module) is a tree
     if isinstance(spec, bool):
         return [spec] * len(paths)
     if is_rules(spec, params):

@@ -33,6 +33,7 @@ from cairn.optim._packed_state import (
     step_buffers,
 )
 from cairn.optim._packing import Packed
+from cairn.optim._types import resolve_annotations
 
 __all__ = [
     "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_sign", "scale_by_rprop",
@@ -281,3 +282,6 @@ def fromage(learning_rate: ScalarOrSchedule, min_norm: float = 1e-6) -> Gradient
     m = 1 / (1 + learning_rate ** 2) ** 0.5
     return chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(learning_rate * m),
                  add_decayed_weights(m - 1))
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -21,6 +21,7 @@ from cairn.optim._momentum import sgd
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._rms import scale_by_rms
 from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["schedule_free", "schedule_free_adamw", "schedule_free_sgd",
            "schedule_free_eval_params", "ScheduleFreeState"]
@@ -138,3 +139,6 @@ def schedule_free_adamw(learning_rate: ScalarOrSchedule = 0.0025, warmup_steps: 
     base = chain(scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
                  add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
     return schedule_free(base, lr, b1, weight_lr_power, state_dtype)
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

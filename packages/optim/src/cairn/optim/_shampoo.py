@@ -21,6 +21,7 @@ from cairn.optim._momentum import ema
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param, replicated_like, stacked_blocks_like
 from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._types import resolve_annotations
 
 __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
 
@@ -167,3 +168,6 @@ def shampoo(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
     return chain(*txs)
+
+
+resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -60,9 +60,17 @@ def scale(s: jax.typing.ArrayLike, tree: Any) -> Any:
 
 
 def add_scale(a: Any, s: jax.typing.ArrayLike, b: Any) -> Any:
-    """``a + s * b``."""
-    _check((a, b), "add_scale")
-    return jax.tree.map(lambda x, y: x + s * y, a, b)
+    """``a + s * b``; a None in ``a`` stays None (as Optax)."""
+    return _map_skipping_none("add_scale", lambda x, y: x + s * y, a, b)
+
+
+def _map_skipping_none(name: str, fn: Any, first: Any, second: Any) -> Any:
+    """``fn`` over the leaves of two trees, None where ``first`` has None (Optax's rule for
+    the moment helpers); other structure differences raise naming the paths."""
+    if not any(x is None for x in jax.tree.leaves(first, is_leaf=lambda x: x is None)):
+        _check((first, second), name)
+    return jax.tree.map(lambda x, y: None if x is None else fn(x, y), first, second,
+                        is_leaf=lambda x: x is None)
 
 
 def vdot(a: Any, b: Any) -> jax.Array:
@@ -79,13 +87,22 @@ def sum(tree: Any) -> jax.Array:  # noqa: A001
 
 
 def max(tree: Any) -> jax.Array:  # noqa: A001
-    """Largest element."""
-    return functools.reduce(jnp.maximum, [jnp.max(x) for x in jax.tree.leaves(tree)])
+    """Largest element; empty leaves are skipped, and a tree with no element gives
+    ``-inf`` (as Optax)."""
+    return _extremum(tree, jnp.max, jnp.maximum, -jnp.inf)
 
 
 def min(tree: Any) -> jax.Array:  # noqa: A001
-    """Smallest element."""
-    return functools.reduce(jnp.minimum, [jnp.min(x) for x in jax.tree.leaves(tree)])
+    """Smallest element; empty leaves are skipped, and a tree with no element gives
+    ``inf`` (as Optax)."""
+    return _extremum(tree, jnp.min, jnp.minimum, jnp.inf)
+
+
+def _extremum(tree: Any, reduce_leaf, combine, empty: float) -> jax.Array:
+    values = [reduce_leaf(x) for x in jax.tree.leaves(tree) if jnp.size(x) > 0]
+    if not values:
+        return jnp.asarray(empty)
+    return functools.reduce(combine, values)
 
 
 def norm(tree: Any, ord: int | str | None = 2, squared: bool = False) -> jax.Array:  # noqa: A002
@@ -157,24 +174,27 @@ def size(tree: Any) -> int:
 
 def update_moment(updates: Any, moments: Any, decay: float, order: int) -> Any:
     """:math:`(1-\\delta) g^k + \\delta m`."""
-    return jax.tree.map(lambda g, t: (1 - decay) * (g ** order) + decay * t, updates, moments)
+    return _map_skipping_none("update_moment",
+                              lambda g, t: (1 - decay) * (g ** order) + decay * t, updates, moments)
 
 
 def update_moment_per_elem_norm(updates: Any, moments: Any, decay: float, order: int) -> Any:
     """:math:`(1-\\delta) |g|^k + \\delta m`."""
-    return jax.tree.map(lambda g, t: (1 - decay) * (jnp.abs(g) ** order) + decay * t,
-                        updates, moments)
+    return _map_skipping_none("update_moment_per_elem_norm",
+                              lambda g, t: (1 - decay) * (jnp.abs(g) ** order) + decay * t,
+                              updates, moments)
 
 
 def bias_correction(moment: Any, decay: float, count: jax.Array) -> Any:
     """:math:`m / (1-\\delta^t)`."""
-    bc = 1 - decay ** count
+    bc = jnp.asarray(1 - decay ** count)   # in >= float32: decay**t rounds to 1 in bfloat16
     return jax.tree.map(lambda t: t / bc.astype(t.dtype), moment)
 
 
 def update_infinity_moment(updates: Any, moments: Any, decay: float, eps: float) -> Any:
     """:math:`\\max(\\delta m, |g| + \\epsilon)` (Adamax's infinity norm)."""
-    return jax.tree.map(lambda g, t: jnp.maximum(jnp.abs(g) + eps, decay * t), updates, moments)
+    return _map_skipping_none("update_infinity_moment",
+                              lambda g, t: jnp.maximum(jnp.abs(g) + eps, decay * t), updates, moments)
 
 
 def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,

@@ -12,6 +12,7 @@ after ``import cairn.optim as optax``; they describe, they do not check.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, Union
 
@@ -21,6 +22,7 @@ import numpy as np
 __all__ = [
     "ArrayTree", "Params", "Updates", "OptState", "Schedule", "ScalarOrSchedule",
     "TransformInitFn", "TransformUpdateFn", "TransformUpdateExtraArgsFn", "Numeric",
+    "resolve_annotations",
 ]
 
 Numeric = Union[jax.Array, np.ndarray, np.number, bool, int, float, complex]  # noqa: UP007
@@ -51,3 +53,29 @@ class TransformUpdateExtraArgsFn(Protocol):
 
     def __call__(self, updates: Updates, state: OptState, params: Params | None = None,
                  **extra_args: Any) -> tuple[Updates, OptState]: ...
+
+
+def resolve_annotations(namespace: dict[str, Any]) -> None:
+    """Evaluate the string annotations of the functions a module defines, in place.
+
+    Our modules use ``from __future__ import annotations``, so ``inspect.signature`` would
+    show ``learning_rate: 'ScalarOrSchedule'`` (a string). Code written for Optax inspects
+    signatures and compares with the objects (Optax's own tests run a schedule through every
+    optimizer whose ``learning_rate`` is annotated ``ScalarOrSchedule`` or ``Schedule``), so
+    each factory module calls this at its end with ``globals()``. An annotation that does
+    not evaluate stays a string.
+
+    Args:
+      namespace: the module's ``globals()``.
+    """
+    module = namespace["__name__"]
+    for obj in list(namespace.values()):
+        if not (inspect.isfunction(obj) and obj.__module__ == module):
+            continue
+        annotations = obj.__annotations__
+        for key, value in list(annotations.items()):
+            if isinstance(value, str):
+                try:
+                    annotations[key] = eval(value, namespace)
+                except Exception:  # a name only known to type checkers
+                    pass

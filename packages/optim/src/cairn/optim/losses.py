@@ -27,6 +27,7 @@ from cairn.optim._losses import (
     log_cosh,
     multiclass_hinge_loss,
     multiclass_perceptron_loss,
+    multiclass_sparsemax_loss,
     perceptron_loss,
     poly_loss_cross_entropy,
     ranking_softmax_loss,
@@ -36,6 +37,7 @@ from cairn.optim._losses import (
     smooth_labels,
     softmax_cross_entropy,
     softmax_cross_entropy_with_integer_labels,
+    sparsemax_loss,
     squared_error,
     triplet_margin_loss,
 )
@@ -61,6 +63,7 @@ __all__ = [
     "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels", "squared_error",
     "triplet_margin_loss", "kl_divergence_with_log_targets", "generalized_kl_divergence",
     "perceptron_loss", "multiclass_perceptron_loss", "multiclass_hinge_loss",
+    "sparsemax_loss", "multiclass_sparsemax_loss",
     # post-training (not in Optax)
     "token_logprobs", "sequence_logprobs", "PreferenceLossOutput", "dpo_loss", "ipo_loss",
     "orpo_loss", "simpo_loss", "PolicyLossOutput", "clipped_policy_loss", "kl_penalty",

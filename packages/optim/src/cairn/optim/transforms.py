@@ -18,10 +18,14 @@ from cairn.optim._clipping import (
     clip,
     clip_by_block_rms,
     clip_by_global_norm,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+    unitwise_clip,
+    unitwise_norm,
     zero_nans,
 )
 from cairn.optim._combine import PartitionState, flatten, partition
-from cairn.optim._masking import MaskedState, freeze, masked
+from cairn.optim._masking import MaskedNode, MaskedState, freeze, masked
 from cairn.optim._momentum import ema, trace
 from cairn.optim._selective import selective_transform
 from cairn.optim._wrappers import (
@@ -37,4 +41,6 @@ __all__ = [
     "clip_by_block_rms", "clip_by_global_norm", "zero_nans", "PartitionState", "flatten",
     "partition", "MaskedState", "freeze", "masked", "ema", "trace", "selective_transform",
     "ApplyIfFiniteState", "MultiSteps", "MultiStepsState", "apply_if_finite", "skip_not_finite",
+    "MaskedNode", "per_example_global_norm_clip", "per_example_layer_norm_clip",
+    "unitwise_clip", "unitwise_norm",
 ]
