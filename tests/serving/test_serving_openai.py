@@ -444,6 +444,10 @@ def test_generate_routes_use_the_tokenizer_and_metrics_count_openai(server, toke
     want = engine.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert status == 200 and out["output_ids"] == want.token_ids
     assert out["text_output"] == tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    # this test's own OpenAI requests (the module's other tests may run in another xdist worker)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}
+    assert _raw(server, "POST", "/v1/chat/completions", chat)[0] == 200
+    assert _raw(server, "POST", "/v1/chat/completions", {**chat, "max_tokens": -1})[0] == 400
     _, _, metrics = _raw(server, "GET", "/metrics")
     line = next(x for x in metrics.decode().splitlines()
                 if x.startswith('cairn_openai_requests_total{route="/v1/chat/completions",code="200"}'))

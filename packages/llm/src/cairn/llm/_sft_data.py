@@ -104,9 +104,10 @@ def sft_example(tokenizer: Tokenizer, example: Mapping[str, Any], seq_len: int, 
             ids, mask = _text_ids(tokenizer, prompt, completion, where)
     else:
         raise ValueError(f"{where}: expected the key 'messages', or 'prompt' and 'completion'; got {sorted(example)}")
-    if len(ids) < 2 or not any(mask[1:]):
-        raise ValueError(f"{where}: no completion token to train on ({len(ids)} tokens)")
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+    if len(ids) < 2 or not any(mask[1:]):
+        raise ValueError(f"{where}: no completion token to train on within seq_len={seq_len} "
+                         f"({len(ids)} tokens kept; a prompt that fills the row leaves none)")
     return {"inputs": np.asarray(ids[:-1], np.int32), "targets": np.asarray(ids[1:], np.int32),
             "weights": np.asarray(mask[1:], np.float32)}
 
