@@ -53,3 +53,5 @@ _.blocks_are_accounted_for  # tests/serving PagedCacheMachine: a hypothesis @inv
 _.shared_blocks_are_full_and_equal  # tests/serving PagedCacheMachine: a hypothesis @invariant, run by the state machine
 _.teardown  # tests/serving PagedCacheMachine: hypothesis calls RuleBasedStateMachine.teardown after each run
 TestPagedCacheStateMachine  # tests/serving: the state machine's unittest TestCase, collected by pytest
+_.graph_mode  # cairn.nn: the graph-mode stack (Flax NNX's set_graph_mode), read through getattr
+_.get_raw_value  # cairn.nn: Variable.get_raw_value, Flax NNX's public API (tests/nn/test_nn_flax_api.py)

@@ -49,7 +49,7 @@ class GraphDef:
     __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
 
     # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]``
-    __class_getitem__ = classmethod(types.GenericAlias)
+    __class_getitem__: Any = classmethod(types.GenericAlias)
 
     def __init__(self, node: tuple, paths: tuple) -> None:
         self.node = node

@@ -298,7 +298,8 @@ def _wrap(opt_state: Any, placed: list) -> Any:
     """Each state leaf in an :class:`OptState`; one that ``optimizer_sharding`` placed
     records its sharding (``update`` keeps the leaf there). Nested dicts read by
     attribute too; a top-level dict becomes an ``nn.Dict`` on assignment."""
-    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+    leaves, treedef_ = jax.tree_util.tree_flatten(opt_state)
+    treedef: Any = treedef_
     wrapped = treedef.unflatten(
         [
             OptState(jnp.asarray(x)) if sh is None else OptState(x, optimizer_sharding=sh)

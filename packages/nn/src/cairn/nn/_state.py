@@ -318,7 +318,7 @@ class GraphState(State):
     @classmethod
     def wrap(cls, graphdef: Any, state: State) -> GraphState:
         """``state``'s variables with ``graphdef`` attached."""
-        g = cls.from_flat(state._flat)
+        g: Any = cls.from_flat(state._flat)
         g._graphdef = graphdef
         return g
 

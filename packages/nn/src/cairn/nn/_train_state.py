@@ -90,7 +90,8 @@ class TrainState:
           step: the starting step.
           **kwargs: the subclass's extra fields.
         """
-        return cls(graphdef=graphdef, params=params, opt_state=tx.init(params),
+        # a dataclass made at class creation (_make_pytree_dataclass), which mypy cannot see
+        return cls(graphdef=graphdef, params=params, opt_state=tx.init(params),  # type: ignore[call-arg]
                    step=jax.numpy.asarray(step), tx=tx, **kwargs)
 
     def apply(self, state: State | str, *states: State | str) -> ApplyCaller:
@@ -111,13 +112,13 @@ class TrainState:
         updates``, ``step + 1`` (a new TrainState; ``kwargs`` replace other fields)."""
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = jax.tree_util.tree_map(lambda p, u: p + u, self.params, updates)
-        return dataclasses.replace(
+        return dataclasses.replace(  # type: ignore[type-var]
             self, params=params, opt_state=opt_state, step=self.step + 1, **kwargs
         )
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 def _make_pytree_dataclass(cls: type) -> None:

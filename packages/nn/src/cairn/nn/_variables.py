@@ -113,7 +113,7 @@ class Variable:
     __slots__ = ("raw_value", "_meta")
 
     # ``nn.Param[jax.Array]`` in annotations, as Flax's generic ``Variable[A]`` allows
-    __class_getitem__ = classmethod(types.GenericAlias)
+    __class_getitem__: Any = classmethod(types.GenericAlias)
 
     def __init__(self, value: Any, **metadata: Any) -> None:
         if isinstance(value, Variable):
@@ -358,8 +358,8 @@ class Variable:
 
     # ``==`` / ``!=`` compare the values, as Flax NNX's do (an array for array values);
     # hashing stays by identity, so a Variable can still key a dict or sit in a set
-    __eq__ = _binop(operator.eq)  # type: ignore[assignment]
-    __ne__ = _binop(operator.ne)  # type: ignore[assignment]
+    __eq__ = _binop(operator.eq)
+    __ne__ = _binop(operator.ne)
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:

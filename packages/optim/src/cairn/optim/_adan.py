@@ -86,7 +86,7 @@ def scale_by_adan(b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: flo
             return u.astype(g.dtype), m, v, n
 
         out = jax.tree.map(leaf, updates, state.m, state.v, state.n, state.g)
-        td = jax.tree.structure(updates)
+        td: Any = jax.tree.structure(updates)
         u, m, v, n = (td.unflatten(x) for x in zip(*td.flatten_up_to(out), strict=True)) \
             if td.num_leaves else (updates,) * 4
         return u, ScaleByAdanState(m, v, n, updates, t)

@@ -185,7 +185,8 @@ def _clip_examples(grads: Any, clip_norm: Any) -> tuple[Any, jax.Array]:
 def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, jax.Array]:
     r"""DP-SGD's clipping (Abadi et al., 2016): each example's gradient (axis 0 of every
     leaf) scaled to global norm at most :math:`C`, then summed over examples:
-    :math:`\sum_i g_i \min(1, C/\lVert g_iVert)` (a zero gradient is kept as is).
+    :math:`\sum_i g_i \min(1, C/\lVert g_i
+Vert)` (a zero gradient is kept as is).
 
     Args:
       grads: a pytree whose leaves share a leading example axis.
@@ -232,5 +233,5 @@ def per_example_layer_norm_clip(grads: Any, global_l2_norm_clip: float,
     for g in leaves:
         share = 1.0 / len(leaves) if uniform else g[0].size / total
         results.append(_clip_examples(g, global_l2_norm_clip * share**0.5))
-    td = jax.tree.structure(grads)
+    td: Any = jax.tree.structure(grads)
     return td.unflatten([r[0] for r in results]), td.unflatten([r[1] for r in results])

@@ -79,7 +79,7 @@ def optimistic_gradient_descent(learning_rate: ScalarOrSchedule, alpha: ScalarOr
     """
     _validate.check("optimistic_gradient_descent", _COEF, learning_rate=learning_rate,
                     alpha=alpha, beta=beta)
-    return chain(scale_by_optimistic_gradient(alpha, beta), learning_rate_step(learning_rate))
+    return chain(scale_by_optimistic_gradient(alpha, beta), learning_rate_step(learning_rate))  # type: ignore[arg-type]
 
 
 def optimistic_adam_v2(learning_rate: ScalarOrSchedule, *, alpha: float = 1.0, beta: float = 1.0,
