@@ -26,6 +26,7 @@ from cairn.llm._sft_data import sft_example
 from cairn.llm._trainer import (
     LoraSettings,
     Trainable,
+    TrainerConfig,
     TrainerRun,
     accumulating_step,
     default_optimizer,
@@ -41,7 +42,7 @@ FIELDS = ("inputs", "targets", "weights")
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig:
+class DPOConfig(TrainerConfig):
     """How :class:`DPOTrainer` trains.
 
     Attributes:
@@ -78,10 +79,7 @@ class DPOConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum_steps", "seq_len", "save_every", "max_to_keep", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"DPOConfig.{name} must be a positive integer, got {v!r}")
+        self._check_positive("steps", "batch_size", "grad_accum_steps", "seq_len", "save_every", "max_to_keep", "log_every")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"DPOConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.label_smoothing and self.loss_type != "sigmoid":
@@ -91,13 +89,6 @@ class DPOConfig:
     def needs_reference(self) -> bool:
         """Whether the loss compares with a reference policy (DPO, IPO; not SimPO, ORPO)."""
         return self.loss_type in ("sigmoid", "ipo")
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings, as JSON (a resumed run must have the same)."""
-        d = dataclasses.asdict(self)
-        if d["lora"] is not None and isinstance(d["lora"]["target_modules"], tuple):
-            d["lora"]["target_modules"] = list(d["lora"]["target_modules"])
-        return d
 
 
 def _empty(completion: Any) -> bool:

@@ -28,6 +28,7 @@ from cairn.llm._model import CausalLM
 from cairn.llm._trainer import (
     LoraSettings,
     Trainable,
+    TrainerConfig,
     TrainerRun,
     accumulating_step,
     default_optimizer,
@@ -42,7 +43,7 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(TrainerConfig):
     """How :class:`GRPOTrainer` trains.
 
     Attributes:
@@ -90,11 +91,8 @@ class GRPOConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_batch", "max_new_tokens", "num_iterations", "grad_accum_steps",
-                     "save_every", "max_to_keep", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GRPOConfig.{name} must be a positive integer, got {v!r}")
+        self._check_positive("steps", "prompts_per_batch", "max_new_tokens", "num_iterations", "grad_accum_steps",
+                             "save_every", "max_to_keep", "log_every")
         if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) or self.num_generations < 2:
             raise ValueError(f"GRPOConfig.num_generations must be an integer >= 2 (a group), got {self.num_generations!r}")
         if (self.prompts_per_batch * self.num_generations) % self.grad_accum_steps:
@@ -105,13 +103,6 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if not self.temperature > 0:
             raise ValueError(f"GRPOConfig.temperature must be > 0 (the group needs different samples), got {self.temperature!r}")
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings, as JSON (a resumed run must have the same)."""
-        d = dataclasses.asdict(self)
-        if d["lora"] is not None and isinstance(d["lora"]["target_modules"], tuple):
-            d["lora"]["target_modules"] = list(d["lora"]["target_modules"])
-        return d
 
 
 def token_logprobs(model: Any, inputs: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:

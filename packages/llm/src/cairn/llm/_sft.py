@@ -22,6 +22,7 @@ from cairn.llm._sft_data import sft_dataset
 from cairn.llm._trainer import (
     LoraSettings,
     Trainable,
+    TrainerConfig,
     TrainerRun,
     accumulating_step,
     default_optimizer,
@@ -35,7 +36,7 @@ BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(TrainerConfig):
     """How :class:`SFTTrainer` trains.
 
     Attributes:
@@ -70,19 +71,9 @@ class SFTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum_steps", "seq_len", "save_every", "max_to_keep", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"SFTConfig.{name} must be a positive integer, got {v!r}")
+        self._check_positive("steps", "batch_size", "grad_accum_steps", "seq_len", "save_every", "max_to_keep", "log_every")
         if not (self.learning_rate > 0 and np.isfinite(self.learning_rate)):
             raise ValueError(f"SFTConfig.learning_rate must be a positive number, got {self.learning_rate!r}")
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings, as JSON (a resumed run must have the same)."""
-        d = dataclasses.asdict(self)
-        if d["lora"] is not None and isinstance(d["lora"]["target_modules"], tuple):
-            d["lora"]["target_modules"] = list(d["lora"]["target_modules"])
-        return d
 
 
 def _stack(batches: list[dict]) -> dict[str, np.ndarray]:

@@ -49,6 +49,23 @@ class LoraSettings:
     seed: int = 0
 
 
+class TrainerConfig:
+    """What the trainers' configs share: positive-integer checks and their JSON form."""
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive integer, got {v!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings, as JSON (a resumed run must have the same)."""
+        d = dataclasses.asdict(self)  # type: ignore[call-overload]
+        if d.get("lora") is not None and isinstance(d["lora"]["target_modules"], tuple):
+            d["lora"]["target_modules"] = list(d["lora"]["target_modules"])
+        return d
+
+
 class Trainable:
     """A :class:`CausalLM` prepared for training: ``forward(model, ids, ...)`` and the filter
     ``wrt`` of the variables that train (``nn.LoRAParam`` with LoRA, ``nn.Param`` without).
