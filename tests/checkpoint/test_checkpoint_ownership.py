@@ -58,6 +58,7 @@ def _race(tmp_path, steps: int, readers: int) -> dict:
     return {"steps": len(committed), "readers": readers, "reads": sum(reads), "lost": len(lost)}
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_polling_readers_never_destroy_a_live_save(tmp_path):
     out = _race(tmp_path, steps=30, readers=3)

@@ -63,6 +63,7 @@ def _expected_w(total: int) -> np.ndarray:
     return w
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_sigterm_to_one_process_both_save_the_same_step_and_resume(tmp_path):
     d = str(tmp_path / "ckpt")
@@ -95,6 +96,7 @@ def test_sigterm_to_one_process_both_save_the_same_step_and_resume(tmp_path):
         np.testing.assert_array_equal(np.array(final[2:], float), _expected_w(40))
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_a_process_that_never_reaches_the_sync_point_is_named(tmp_path):
     outs = _two_processes(str(tmp_path / "ckpt"), "stall", 0)

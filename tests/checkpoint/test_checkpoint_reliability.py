@@ -57,6 +57,7 @@ def _kill_trials(tmp_path, trials: int, seed: int):
     return outcomes
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_sigkill_during_async_save_quick(tmp_path):
     out = _kill_trials(tmp_path, trials=3, seed=0)

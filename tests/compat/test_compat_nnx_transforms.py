@@ -76,6 +76,7 @@ print(y.shape)  # shape: (5, 4)
 '''
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_scan_over_layers_matches_flax(capsys):
     ref, ours = run_both(SCAN_OVER_LAYERS)
     capsys.readouterr()

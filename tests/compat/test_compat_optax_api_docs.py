@@ -105,6 +105,7 @@ def test_optax_api_doc_example(name):
     assert failed == 0, report
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("name", sorted(HEAVY))
 def test_optax_api_doc_example_solvers(name):
     failed, attempted, report = _run(name, ours)

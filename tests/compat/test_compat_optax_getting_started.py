@@ -260,6 +260,7 @@ def test_inject_hyperparams_decaying_max_norm():
         float(ref["opt_state"].hyperparams["max_norm"]) == 0.0
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_mlp_fit_with_adam_and_optax_params_annotations():
     ours, out = run(MLP, real=False)
     ref, ref_out = run(MLP, real=True)

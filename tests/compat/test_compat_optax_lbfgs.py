@@ -103,6 +103,7 @@ def run(real: bool) -> tuple[dict, str]:
     return ns, out.getvalue()
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_lbfgs_example_runs_and_reaches_the_same_minimiser():
     ours, out = run(real=False)
     ref, ref_out = run(real=True)

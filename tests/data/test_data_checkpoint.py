@@ -114,6 +114,7 @@ def test_iter_datasets_0_workers(name):
     assert_equal_output_after_checkpoint(_iter_pipelines()[name])
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_workers_and_worker_count_changes():
     """2 workers, and states saved with 2 workers restored with 0 and 3 (and back)."""
@@ -171,6 +172,7 @@ def _every_pipeline(workers):
     return cases
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.multiprocess)])
 def test_every_iterator_is_checkpointable_with_a_small_json_state(workers):
     """Every iterator type, fresh, mid-stream and at the end: a Checkpointable whose state
@@ -205,6 +207,7 @@ def test_set_state_errors():
         it.set_state({"next_index": 11})
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", MAP_CASES)
 def test_map_datasets_2_workers(name):

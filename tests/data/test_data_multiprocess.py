@@ -210,6 +210,7 @@ def _as_array(x):
     return np.full(64, x, np.float32)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_dev_shm_listing_unchanged_after_every_way_an_iterator_ends(method):

@@ -119,6 +119,7 @@ def _check_and_resume(tmp_path, moments: list[tuple]) -> None:
         assert 0.0 < rep["goodput"] < 1.0 and rep["productive_s"] > 0
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_sigterm_at_five_moments_resumes_bit_identical(tmp_path):
     _check_and_resume(tmp_path, MOMENTS)
 

@@ -95,6 +95,7 @@ def test_interrupt_and_resume_is_bit_identical(tmp_path, workers):
     assert (cut_dir / "loss_curve.png").read_bytes() == (full_dir / "loss_curve.png").read_bytes()
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_report_files_and_learning(tmp_path):
     import lm_train
 
@@ -322,6 +323,7 @@ def _snapshot(ckpt_dir):
     return {p.relative_to(ckpt_dir): p.stat().st_mtime_ns for p in ckpt_dir.rglob("*")}
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_second_run_without_a_choice_stops_before_any_work_naming_the_directory(tmp_path):
     import lm_train
 
@@ -382,6 +384,7 @@ def _files(run_dir):
             for p in sorted(run_dir.rglob("*"))}
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_resume_of_a_finished_run_changes_nothing_and_says_so(tmp_path, capsys, monkeypatch):
     import lm_train
     import train

@@ -171,6 +171,7 @@ def test_fused_loss_property_against_float64(b, s, d, vocab, seed, dtype):
     np.testing.assert_allclose(float(got), want, rtol=tol, atol=tol * 10)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_unknown_implementation_is_rejected_naming_it(tmp_path):
     with pytest.raises(ValueError, match="attention implementation .*'triton'"):
         _model(_cfg(tmp_path), "triton", "xla")

@@ -71,6 +71,7 @@ def test_the_served_functions_are_the_trained_model(tiny):
         pos += 1
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_greedy_generation_equals_argmax_of_the_full_forward_and_ignores_other_rows(tiny):
     import lm_generate
 

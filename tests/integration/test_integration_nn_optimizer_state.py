@@ -114,6 +114,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_optimizer_state_sharded_like_params_through_nn_jit_steps(run_on_cpu_devices):
     r = run_on_cpu_devices(SCRIPT)

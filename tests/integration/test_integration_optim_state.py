@@ -179,6 +179,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_sharded_state_restores_onto_same_and_other_meshes(tmp_path, run_on_cpu_devices):
     r = run_on_cpu_devices(SCRIPT, str(tmp_path / "ckpt"))
@@ -287,6 +288,7 @@ _NN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_nn_optimizer_state_restores_sharded_onto_same_and_fsdp_mesh(tmp_path, run_on_cpu_devices):
     r = run_on_cpu_devices(_NN_SCRIPT, str(tmp_path / "ckpt"))

@@ -36,6 +36,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("chunk_size", [None, 8])
 def test_values_and_grads_match_nn_default(chunk_size):
     ours, theirs = _pair()
@@ -62,6 +63,7 @@ def test_padding_mask_and_jit():
     np.testing.assert_allclose(got, theirs(x, mask), atol=1e-5)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_pallas_triton_in_the_model_via_override():
     ours, theirs = _pair()
     x = jax.random.normal(jax.random.key(3), (1, 20, 32))
@@ -72,6 +74,7 @@ def test_pallas_triton_in_the_model_via_override():
     np.testing.assert_allclose(got, theirs(x), atol=2e-5)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_decode_with_kv_cache_matches_full_forward():
     ours, _ = _pair()
     x = jax.random.normal(jax.random.key(4), (1, 6, 32))

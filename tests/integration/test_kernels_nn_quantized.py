@@ -43,6 +43,7 @@ def test_linear_with_quantized_dot_general_matches_dequantized(qtype):
     assert "i8[32,64]" in jaxpr or "i4[32,64]" in jaxpr
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_linear_quantized_under_jit_and_grad_of_input():
     x = jax.random.normal(jax.random.key(2), (3, 32))
     model = Mlp(nn.Rngs(0), kernels.quantized_dot_general)

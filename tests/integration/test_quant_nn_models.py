@@ -129,6 +129,7 @@ def test_scan_and_remat_over_stacked_layers():
     assert 0 < float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 0.02
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_lora_on_an_nn_model_trains_only_the_adapters_and_loads_into_lora_linear():
     class Two(nn.Module):
         def __init__(self, rngs):
@@ -166,6 +167,7 @@ def test_lora_on_an_nn_model_trains_only_the_adapters_and_loads_into_lora_linear
     np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(via_rules), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_quantized_params_round_trip_through_cairn_checkpoint(tmp_path):
     from cairn import checkpoint
     from cairn.core_array import QArray
@@ -192,6 +194,7 @@ def test_quantized_params_round_trip_through_cairn_checkpoint(tmp_path):
     np.testing.assert_array_equal(np.asarray(f(back, x)), np.asarray(f(qp, x)))
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_kv_cache_decode_through_quantize_model_equals_the_quantized_full_pass():
     # the cache the decode calls write must persist between calls of the quantized model
     mha = nn.MultiHeadAttention(4, 16, num_kv_heads=2, rngs=nn.Rngs(0))

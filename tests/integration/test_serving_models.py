@@ -75,6 +75,7 @@ def _plain_params():
     return {"l1": {"kernel": jax.random.normal(k[0], (64, 128)) / 8}, "l2": {"kernel": jax.random.normal(k[1], (128, 16)) / 11}}
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.xdist_group("serving_subprocess")
 def test_nn_and_quant_models_load_hermetically(tmp_path):
     x32 = np.asarray(jax.random.normal(jax.random.key(5), (3, 32)), np.float32)

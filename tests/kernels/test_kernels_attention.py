@@ -95,6 +95,7 @@ class AttentionTestBase:
 
     # --- values and gradients ---
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_values_and_grads_per_dtype(self):
         for dtype in self.dtypes:
             self.check(dtype)
@@ -121,6 +122,7 @@ class AttentionTestBase:
     def test_multi_query(self):
         self.check(self.combo_dtype, shape=(1, 19, 19, 4, 1))
 
+    @pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
     def test_lengths_and_fully_masked_rows(self):
         if not self.takes_segments:
             pytest.skip(f"{self.implementation} takes no lengths (its supports() says why; tested below)")
@@ -138,6 +140,7 @@ class AttentionTestBase:
         self.check(self.combo_dtype, shape=(2, 21, 21, 2, 2), segment_ids=seg,
                    ref_kw={"q_seg": seg, "kv_seg": seg})
 
+    @pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
     def test_bitwise_deterministic(self):
         q, k, v, do = fresh_inputs(1, 21, 27, 2, 1, self.head_dim, self.combo_dtype)
         fn = self.jitted(is_causal=True)
@@ -172,6 +175,7 @@ class TestXlaPlain(AttentionTestBase):
     config = {"chunk_size": None}
     takes_bias_mask = True
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_bias_and_dense_mask(self):
         b, t, s, n, kh = 2, 13, 17, 4, 2
         q, k, v, do = fresh_inputs(b, t, s, n, kh, 16, "float32")
@@ -206,6 +210,7 @@ class TestXlaPlain(AttentionTestBase):
         t=st.integers(1, 24), s=st.integers(1, 24), kh=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]),
         causal=st.booleans(), window=st.none() | st.tuples(st.integers(0, 6), st.integers(0, 6)),
     )
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_property_random_shapes(self, t, s, kh, g, causal, window):
         self.check("float32", shape=(1, t, s, kh * g, kh), is_causal=causal, local_window_size=window,
                    ref_kw={"is_causal": causal, "window": window})
@@ -278,6 +283,7 @@ class TestPallasMosaicGpu(AttentionTestBase):
     def test_causal_window_softcap_gqa(self):
         super().test_causal_window_softcap_gqa()
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_causal_softcap(self):
         self.check("bfloat16", shape=(1, 70, 75, 2, 1), is_causal=True, logits_soft_cap=2.0,
                    ref_kw={"is_causal": True, "soft_cap": 2.0})

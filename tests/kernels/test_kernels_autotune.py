@@ -146,6 +146,7 @@ def _cli_module(tmp_path, monkeypatch):
 SPECS = ["f32[1,32,4,16]", "f32[1,32,2,16]", "f32[1,32,2,16]"]
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_cli_lists_and_writes(tmp_path, monkeypatch, capsys):
     mod = _cli_module(tmp_path, monkeypatch)
     assert _cli.main(["tune", f"{mod}:step", "--list", "--args-spec", *SPECS]) == 0
@@ -205,6 +206,7 @@ def test_parse_spec():
         _cli.parse_spec("floaty[2]")
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_fwd_bwd_autotuning_differentiates_only_float_arguments():
     # ragged_dot's group sizes are int32: the backward timing must not differentiate them
     lhs = jnp.ones((16, 8), jnp.float32)

@@ -100,26 +100,32 @@ class PagedTestBase:
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{self.implementation} {dtype}")
         return got, args
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     def test_decode_matches_reference(self, dtype):
         self.check(dtype)
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_chunked_prefill_after_cached_prefix(self):
         self.check("float32", b=2, t=5, n=4, kh=1, lengths=[3 * self.block_size + 2, 7])
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_softcap_window_gqa(self):
         self.check("float32", t=3, n=6, kh=2, logits_soft_cap=2.0, local_window_size=5,
                    ref_kw={"soft_cap": 2.0, "window": 5})
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_scale_and_window_pair(self):
         self.check("float32", t=2, scale=0.3, local_window_size=(2 * self.block_size, 0),
                    ref_kw={"scale": 0.3, "window": 2 * self.block_size})
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_padding_rows_and_short_rows_are_zero(self):
         got, _ = self.check("float32", b=3, t=3, lengths=[0, 2, 9])
         assert np.all(got[0] == 0.0)
         assert np.all(got[1, 0] == 0.0)  # the query at position -1 sees nothing
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_stale_and_nan_slots_never_leak(self):
         q, kp, vp, tables, lengths = workload(2, 2, 4, 2, self.head_dim, self.block_size, "float32",
                                               lengths=[self.block_size + 1, 2 * self.block_size - 1])
@@ -133,6 +139,7 @@ class PagedTestBase:
         got = np.asarray(self.run(q, kp, vp, tables, lengths))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
+    @pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
     def test_jitted_with_traced_tables(self):
         q, kp, vp, tables, lengths = workload(2, 1, 4, 2, self.head_dim, self.block_size, "float32")
         fn = jax.jit(lambda *a: self.run(*a))
@@ -144,6 +151,7 @@ class PagedTestBase:
 class TestXlaPlain(PagedTestBase):
     config = {"pages_per_chunk": None}
 
+    @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
     def test_differentiable_in_query_and_pages(self):
         q, kp, vp, tables, lengths = workload(2, 2, 2, 1, 8, 4, "float32")
         grads = jax.jit(jax.grad(lambda q, k, v: self.run(q, k, v, tables, lengths).sum(), (0, 1, 2)))(q, kp, vp)
@@ -179,6 +187,7 @@ class TestPallasTriton(PagedTestBase):
                 q, pages, pages, tables, lengths)
         assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
+    @pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
     def test_refuses_sizes_triton_cannot_take(self):
         q, kp, vp, tables, lengths = workload(1, 1, 2, 1, 8, 4, "float32")
         with pytest.raises(ValueError, match="pallas_triton: block_size must be a power of two >= 16"):
@@ -192,6 +201,7 @@ def _jit(fn, **static):
 # --- the contiguous layout: paged_attention == dot_product_attention ---
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("config", [{"pages_per_chunk": None}, {"pages_per_chunk": 2}])
 def test_contiguous_pages_equal_dot_product_attention(config):
     b, s, n, kh, h, bs = 3, 24, 4, 2, 8, 4
@@ -219,6 +229,7 @@ def test_contiguous_pages_equal_dot_product_attention(config):
     bs=st.sampled_from([1, 2, 4, 8]), chunk=st.sampled_from([None, 1, 2]), window=st.sampled_from([None, 0, 3]),
     data=st.data(),
 )
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_property_matches_reference_over_shapes(b, t, kh, g, bs, chunk, window, data):
     lengths = data.draw(st.lists(st.integers(0, 20), min_size=b, max_size=b))
     args = workload(b, t, kh * g, kh, 4, bs, "float32", lengths=lengths)
@@ -230,6 +241,7 @@ def test_property_matches_reference_over_shapes(b, t, kh, g, bs, chunk, window, 
 # --- dispatch, autotune ---
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_default_dispatch_on_cpu_is_xla_and_autotune_caches_a_winner():
     narrow = workload(2, 1, 4, 2, 8, 4, "float32", lengths=[30, 61], max_blocks=16)  # 64 keys wide
     wide = workload(2, 1, 4, 2, 8, 4, "float32", lengths=[30, 61], max_blocks=128)  # 512 keys wide
@@ -314,6 +326,7 @@ def _write_reference(kp, vp, nk, nv, tables, positions):
     return kp, vp
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_paged_kv_write_matches_reference_and_skips_negative_positions():
     _, kp, vp, tables, _ = workload(3, 1, 4, 2, 8, 4, "float32", lengths=[6, 11, 3], shared=False)
     nk = jax.random.normal(jax.random.key(5), (3, 3, 2, 8))
@@ -325,6 +338,7 @@ def test_paged_kv_write_matches_reference_and_skips_negative_positions():
         np.testing.assert_array_equal(np.asarray(g), w)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_paged_kv_write_then_attention_equals_contiguous_decode():
     """Tokens written one decode step at a time into scattered pages read back as the contiguous cache."""
     s, kh, h, bs = 11, 2, 8, 4

@@ -160,6 +160,7 @@ def test_ml_dtypes_int4_round_trip_assumption():
     assert np.array_equal(v.astype(ml_dtypes.int4).astype(np.int8), v)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_autotune_and_recording_cover_the_k2_ops():
     """One traced step calling ragged_dot, rms_norm, gated_linear_unit, the cross-entropy
     and quantized_dot_general: the offline autotuner measures each (xla on the CPU) and the

@@ -149,6 +149,7 @@ class TestRaggedDotXla(RaggedDotBase):
         block_m=st.sampled_from([8, 16, 32]),
         dtype=st.sampled_from(["float32", "bfloat16"]),
     )
+    @pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
     def test_property_any_grouping(self, sizes, extra, k, n, block_m, dtype):
         m = max(1, sum(sizes) + extra)
         rng = np.random.default_rng(sum(sizes) * 31 + k * 7 + n)

@@ -26,6 +26,7 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("variant", CACHED)
 def test_ragged_prefill_then_per_row_decode_equals_full_forward(variant):
     model = load(variant)
@@ -60,6 +61,7 @@ _MODELS = {w: _small(w) for w in (2, 6)}
 @settings(max_examples=12, deadline=None)
 @given(window=st.sampled_from([2, 6]), lengths=st.lists(st.integers(1, 8), min_size=3, max_size=3),
        advance=st.lists(st.integers(0, 1), min_size=3, max_size=3), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_cached_decode_matches_full_forward_for_any_ragged_batch(window, lengths, advance, seed):
     """Prefill rows of any lengths (junk after each), one decode step where some rows do
     not advance (their token is junk), one where all do: every real position's logits
@@ -101,6 +103,7 @@ def test_positions_and_lengths_are_refused_where_they_mean_nothing():
         model(ids, positions=jnp.arange(3)[None], cache=model.init_cache(1, 4))
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_a_full_cache_is_refused_eagerly():
     model = _MODELS[2]
     cache = model.init_cache(2, 4)

@@ -94,6 +94,7 @@ def test_serve_exports_once_and_speaks_openai(tmp_path, monkeypatch):
         assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_quantize_int8_exports_int8_matrices_and_a_prompt_scorer(tmp_path):
     from cairn import serving
 

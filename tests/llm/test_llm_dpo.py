@@ -48,6 +48,7 @@ def test_first_step_with_fresh_adapters_matches_the_equation(tmp_path, loss_type
     assert out["reward_margin"] == pytest.approx(0.0, abs=1e-6) and out["reward_accuracy"] == 0.0
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_simpo_first_step_matches_float64_numpy(tmp_path):
     data = successor_preferences(16)
     model = tiny_chat_model()
@@ -81,6 +82,7 @@ def test_lora_reference_is_the_base_without_adapters(tmp_path):
     assert not np.allclose(t.sequence_logps(data[:8]), base_logps)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_full_fine_tuning_precomputes_the_reference(tmp_path):
     data = successor_preferences(8)
     model = tiny_chat_model()

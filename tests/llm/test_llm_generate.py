@@ -49,6 +49,7 @@ def _filter64(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
 
 # --- batching ---
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("variant", FAMILY_PARAMS)
 def test_greedy_batch_with_ragged_prompts_equals_one_prompt_at_a_time(variant):
     model = load(variant)
@@ -66,6 +67,7 @@ def test_greedy_batch_with_ragged_prompts_equals_one_prompt_at_a_time(variant):
     pytest.param("llama", "python", marks=pytest.mark.slow),
     pytest.param("gemma2", "python", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_sampled_batch_equals_one_prompt_at_a_time_with_the_same_seed(variant, loop):
     model = load(variant)
     seeds = [11, 12, 13]
@@ -81,6 +83,7 @@ def test_sampled_batch_equals_one_prompt_at_a_time_with_the_same_seed(variant, l
     assert other.tokens != batch.tokens
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_an_int_seed_is_reproducible_and_gives_each_row_its_own_key():
     model = load("llama")
     same = [[5, 6, 7]] * 3
@@ -101,6 +104,7 @@ def test_python_loop_equals_while_loop():
 
 # --- log-probabilities ---
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("variant", FAMILY_PARAMS)
 def test_logprobs_equal_log_softmax_of_the_full_forward_pass(variant):
     model = load(variant)
@@ -119,6 +123,7 @@ def test_logprobs_equal_log_softmax_of_the_full_forward_pass(variant):
         np.testing.assert_allclose(out.processed_logprobs[b], want_proc, rtol=0, atol=3e-5)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_greedy_picks_the_argmax_and_its_processed_logprob_is_zero():
     model = load("qwen3")
     out = llm.generate(model, PROMPTS[:1], 6, return_processed_logprobs=True)
@@ -171,6 +176,7 @@ def test_sampled_frequencies_match_the_filtered_distribution():
 
 # --- stopping ---
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_rows_stop_on_their_own_stop_ids_and_the_others_go_on():
     model = load("llama")
     kw = dict(temperature=1.0, seed=[1, 2, 3])
@@ -187,6 +193,7 @@ def test_rows_stop_on_their_own_stop_ids_and_the_others_go_on():
     assert out.finish_reason[0] == "stop"
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_max_length_caps_prompt_plus_generation_per_row():
     model = load("llama")
     out = llm.generate(model, PROMPTS, 10, max_length=9)  # prompts of 7, 1 and 4 tokens
@@ -217,6 +224,7 @@ def _expected_stop(pieces: list[str], stop: str) -> tuple[int, str] | None:
     return int(np.searchsorted(ends, at + len(stop))) + 1, text[:at]
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_stop_strings_match_across_token_boundaries():
     model, tok = load("gemma2"), _char_tokenizer()
     kw = dict(temperature=1.0, seed=[7, 8, 9], tokenizer=tok, stop_token_ids=[])
@@ -237,6 +245,7 @@ def test_stop_strings_match_across_token_boundaries():
     assert out.finish_reason[1] == "stop"
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_eos_from_the_tokenizer_stops_and_leaves_the_text():
     model, tok = load("llama"), _char_tokenizer()
     free = llm.generate(model, PROMPTS, 20, temperature=1.0, seed=[1, 2, 3], tokenizer=tok, stop_token_ids=[])
@@ -250,6 +259,7 @@ def test_eos_from_the_tokenizer_stops_and_leaves_the_text():
     assert out.text[2] == tok.decode(free.tokens[2][:first])  # the stop id adds no text
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_string_prompts_are_encoded_with_the_tokenizer():
     model, tok = load("llama"), _char_tokenizer()
     out = llm.generate(model, ["hello there", "a"], 4, tokenizer=tok)

@@ -50,6 +50,7 @@ def test_rollouts_rewards_and_advantages(tmp_path):
     t.close()
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_first_update_is_at_ratio_one_with_zero_kl(tmp_path):
     t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), first_letter, _config(steps=1), tmp_path)
     out = t.train()
@@ -102,6 +103,7 @@ def test_bad_reward_functions_are_named(tmp_path):
         llm.GRPOTrainer(tiny_chat_model(), TOK, long, exact, _config(), tmp_path / "d")
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_a_reward_function_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path):
     calls = []
 

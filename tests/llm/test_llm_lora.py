@@ -50,6 +50,7 @@ def _randomize_b(model, seed=0):
         owner.lora["lora_b"].value = jax.random.normal(jax.random.key(seed + i), b.shape) * 0.3
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("variant", PEFT_VARIANTS)
 def test_a_peft_adapter_gives_peft_logits_adapted_and_merged(variant):
     ids, want, want_merged = _peft_reference(variant)

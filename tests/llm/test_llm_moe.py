@@ -52,6 +52,7 @@ def _weights(moe):
                                                 moe.experts.up[...], moe.experts.down[...])]
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize(("norm", "k", "skew"), [(True, 3, 0.0), (False, 2, 0.0), (True, 2, 8.0)])
 def test_moe_block_equals_a_float64_reference(norm, k, skew):
     """Random tokens through one sparse block; ``skew`` pulls most tokens to expert 5, so

@@ -47,6 +47,7 @@ def _engine_tokens(model, prompts, new):
         return [r.result(120).token_ids for r in reqs]
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_exported_greedy_generation_equals_generate(family, tmp_path):
     model = load(family)
@@ -63,6 +64,7 @@ def test_exported_greedy_generation_equals_generate(family, tmp_path):
     assert _engine_tokens(inproc, PROMPTS, NEW) == want
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_prefill_and_decode_logits_equal_the_full_forward(family):
     model = load(family)
@@ -112,6 +114,7 @@ def _int8(model):
     return model
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_an_int8_model_exports_int8_weights_and_serves_its_own_logits(tmp_path):
     model = _int8(llm.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures", "llama")))
     assert isinstance(model.layers[0].attn.q.kernel[...], QArray)

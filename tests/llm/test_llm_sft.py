@@ -147,6 +147,7 @@ def test_the_step_loss_is_the_mean_nll_of_completion_tokens_float64(tmp_path):
     trainer.close()
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # plain SGD: the update is the gradient itself (Adam would amplify float noise in tiny gradients)
     data, sgd = successor_chats(64), optim.sgd(1.0)
@@ -165,6 +166,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 
 @pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow), llm.LoraSettings(rank=4, alpha=8.0)],
                          ids=["full", "lora"])
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_resume_is_bit_identical(tmp_path, lora):
     data = successor_chats(48)
     straight = llm.SFTTrainer(tiny_chat_model(), TOK, data, _config(steps=4, lora=lora), tmp_path / "straight")
@@ -186,6 +188,7 @@ def test_resume_is_bit_identical(tmp_path, lora):
     assert [r["step"] for r in lines("resumed")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_resume_refuses_another_config_or_base(tmp_path):
     data = successor_chats(16)
     t = llm.SFTTrainer(tiny_chat_model(), TOK, data, _config(steps=2), tmp_path)
@@ -197,6 +200,7 @@ def test_resume_refuses_another_config_or_base(tmp_path):
         llm.SFTTrainer(tiny_chat_model(seed=1), TOK, data, _config(steps=2), tmp_path)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_qlora_keeps_the_base_quantized_and_trains_the_adapters(tmp_path):
     model = tiny_chat_model()
     t = llm.SFTTrainer(model, TOK, successor_chats(16), _config(steps=2, lora=llm.LoraSettings(rank=4, alpha=8.0,

@@ -44,6 +44,7 @@ CODE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", ["qwen2", "gemma3_text", "qwen3_moe"])
 def test_load_onto_an_fsdp_tp_mesh(run_on_cpu_devices, variant):

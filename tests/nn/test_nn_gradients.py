@@ -240,6 +240,7 @@ def _check_grad(case: Case):
         return grads
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("name", sorted(LAYER_CASES))
 def test_layer_gradient_under_jit_matches_finite_differences(name):
     grads = _check_grad(LAYER_CASES[name])

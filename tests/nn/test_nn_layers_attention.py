@@ -245,6 +245,7 @@ def test_rope_in_mha_matches_numpy():
     np.testing.assert_allclose(f64(jit_call(mha, x, is_causal=True)), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_attention_fn_plugs_in_with_only_the_keywords_it_declares():
     calls = []
 
@@ -268,6 +269,7 @@ def test_attention_fn_plugs_in_with_only_the_keywords_it_declares():
         plain(x, mask=jnp.ones((1, 1, 3, 3)))
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_attention_dropout_and_normalize_qk_and_sow():
     mha = nn.MultiHeadAttention(2, 8, dropout_rate=0.5, deterministic=False, normalize_qk=True,
                                 rngs=nn.Rngs(params=0, dropout=1))

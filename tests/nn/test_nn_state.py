@@ -192,6 +192,7 @@ def test_property_split_merge_and_pure_dict_roundtrip(widths, seed):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @settings(max_examples=10, deadline=None)
 @given(widths=st.lists(st.integers(1, 5), min_size=2, max_size=4))
 def test_property_eval_shape_shapes(widths):

@@ -95,6 +95,7 @@ def test_pytree_step_state_has_few_runtime_offset_scalars():
         np.testing.assert_allclose(np.asarray(v), -1e-3, rtol=1e-4)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_pytree_step_compiles_one_kernel_body_per_leaf_shape():
     # 300 same-shape leaves: the per-leaf unpack kernels must be identical fused
     # computations (XLA then compiles the body once), i.e. the distinct bodies do not

@@ -65,6 +65,7 @@ def test_lbfgs_without_linesearch_matches_optax_step_for_step(kw):
         _same(a, b)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("store_grad", [False, True])
 def test_lbfgs_with_backtracking_matches_optax(store_grad):
     def make(m):
@@ -117,6 +118,7 @@ def test_backtracking_with_sgd_direction_matches_optax_and_raises_on_unknown_kwa
 
 @pytest.mark.parametrize("x0", [np.asarray([-1.2, 1.0, 0.5, -0.3]),
                                 pytest.param(np.zeros(6), marks=pytest.mark.slow)])
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_lbfgs_zoom_reaches_scipys_minimiser_with_wolfe_steps(x0):
     ref = scipy.optimize.minimize(_rosen_np, x0, jac=_rosen_grad_np, method="BFGS",
                                   options={"gtol": 1e-10}).x

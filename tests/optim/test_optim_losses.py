@@ -833,6 +833,7 @@ def test_ctc_errors(change, match):
 # --- same numbers as Optax (the one-line switch) ---
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.filterwarnings("ignore:The function convex_kl_divergence is deprecated")
 def test_matches_optax_on_common_calls():
     optax = pytest.importorskip("optax")

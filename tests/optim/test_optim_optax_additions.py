@@ -254,6 +254,7 @@ def np_sparsemax(s):
     return np.maximum(s - (lo + hi) / 2, 0)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_multiclass_sparsemax_loss_value_and_gradient():
     g = rng(10)
     s = g.normal(size=(4, 3, 5)) * 2

@@ -52,6 +52,7 @@ def _has_packed_buffers(state) -> bool:
     return any(isinstance(x, optim.Packed) for x in leaves)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize(("ours", "ref", "tol"), list(_cases()))
 def test_packed_path_matches_tree_map_reference(request, ours, ref, tol):
     name = request.node.callspec.id

@@ -577,6 +577,7 @@ def test_clipped_policy_loss_float32_bfloat16_and_per_token_advantages():
 @given(batch=st.sampled_from([(1,), (3,), (2, 2)]), T=st.sampled_from([1, 5]),
        seed=st.integers(0, 2**16), aggregation=st.sampled_from(AGGREGATIONS),
        eps=st.sampled_from([0.0, 0.2]), eps_high=st.sampled_from([None, 0.28]))
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_clipped_policy_loss_any_shape_mask_and_epsilon(batch, T, seed, aggregation, eps, eps_high):
     lp, old, adv, _, m = _rollouts(seed, batch, T)
     m = m & (rng(seed + 1).random(m.shape) < 0.8)

@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.multiprocess
 def test_layout_groups_by_sharding_and_step_matches_unsharded(run_on_cpu_devices):
     r = run_on_cpu_devices(SCRIPT, devices=4, timeout=300)

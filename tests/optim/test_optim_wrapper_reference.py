@@ -169,6 +169,7 @@ def test_noise_in_packed_chain_with_mixed_dtypes_matches_reference():
     assert errs.max() <= 2e-2, f"max relative error {errs.max():.2e}"
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_add_noise_empirical_std_follows_schedule(dtype):
     eta, gamma, n_leaves, size = 0.7, 0.55, 64, 512

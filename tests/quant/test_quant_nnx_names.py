@@ -64,6 +64,7 @@ def _lora_reference(a, b, scale):
 # --- LoRA ---
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("kind", ["flax.nnx", "cairn.nn"])
 def test_lora_adapters_land_in_the_module_as_lora_params_and_train(kind):
     model = _model(kind)

@@ -138,6 +138,7 @@ def test_nf4_picks_the_nearest_normal_float_level():
     np.testing.assert_allclose(np.asarray(q.dequantize()), levels[got] * absmax, rtol=1e-6)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("qtype,block", [("mxfp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
 def test_block_formats(qtype, block):
     x = np.random.default_rng(4).normal(size=(4, 64)).astype(np.float32) * 10

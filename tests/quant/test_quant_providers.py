@@ -123,6 +123,7 @@ def test_static_activation_scale_from_calibrate():
     np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("qtype", ["nf4", "mxfp4", "nvfp4", "mxfp8"])
 def test_lookup_and_block_qtypes_through_the_program(qtype):
     p = _params()
@@ -148,6 +149,7 @@ def _grads(rule, **provider_kwargs):
     return jax.grad(lambda p: (f(p, X) ** 2).sum())(p)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_quantized_backward_per_tensor_matches_the_reference():
     rule = quant.QtRule(weight_qtype="int8", bwd_qtype="int8")
     g = _grads(rule)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from cairn import quant
 from cairn.quant import _replay as replay
@@ -52,6 +53,7 @@ def _counting(provider: quant.QuantizationProvider) -> list:
     return seen
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_eager_calls_rewrite_once_per_signature():
     traced: list = []
 
@@ -76,6 +78,7 @@ def test_eager_calls_rewrite_once_per_signature():
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(uncached), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_new_weights_and_new_scales_are_never_stale():
     q_provider = quant.PtqProvider([RULE])
     q = quant.quantize(_mlp, q_provider)
@@ -99,6 +102,7 @@ def test_new_weights_and_new_scales_are_never_stale():
     assert not np.allclose(outs[0], outs[1])
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_the_cache_is_bounded_and_traced_calls_are_unaffected(monkeypatch):
     monkeypatch.setattr(replay, "MAX_ENTRIES", 4)
     q = quant.quantize(_mlp, quant.PtqProvider([RULE]))
@@ -113,6 +117,7 @@ def test_the_cache_is_bounded_and_traced_calls_are_unaffected(monkeypatch):
     assert grad.shape == x.shape
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_outputs_that_are_inputs_are_not_copied():
     def fn(p, x):  # returns its weights, as a model call returns the model, and a constant
         return _mlp(p, x), p, 3

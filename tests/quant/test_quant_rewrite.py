@@ -78,6 +78,7 @@ def test_scan_over_stacked_weights_and_tied_use():
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_custom_vjp_and_ragged_and_conv():
     @jax.custom_vjp
     def mm(a, w):

@@ -11,6 +11,7 @@ against it. Weights may be ``QArray`` leaves (dequantized inside).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import numpy as np
@@ -97,8 +98,19 @@ def decode(params, tokens, positions, cache):
 
 def reference_logits(params, tokens) -> np.ndarray:
     """The model's full causal forward pass (no cache): tokens (n,) -> logits (n, V) float64."""
-    tokens = np.asarray(tokens, np.int32)[None]
-    return np.asarray(_FNS.forward(params, tokens), np.float64)[0]
+    tokens = np.asarray(tokens, np.int32)
+    n = len(tokens)
+    # padded to one length and jitted once: a causal model's logits at i see tokens <= i only
+    padded = np.zeros((1, MAX_LENGTH), np.int32)
+    padded[0, :n] = tokens
+    return np.asarray(_jit_forward()(params, padded), np.float64)[0, :n]
+
+
+@functools.cache
+def _jit_forward():
+    import jax
+
+    return jax.jit(_FNS.forward)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"

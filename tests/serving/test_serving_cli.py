@@ -90,6 +90,7 @@ def test_cli_serves_exported_models_with_a_token(repo):
     assert any(r.get("status") == 200 and r.get("request_id") for r in records)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_sigterm_drains_in_flight_requests(repo):
     root, _ = repo
     proc, addr, _ = _start(root, "--workers", "1")

@@ -316,6 +316,7 @@ DTYPES = ["float32", "float16", "bfloat16", "int8", "int32", "uint8", "bool"]
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dtype=st.sampled_from(DTYPES), tail=st.lists(st.integers(1, 3), max_size=2), n=st.integers(1, 5),
        batched=st.booleans())
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_hypothesis_round_trip_identity_plus_weight(tmp_path, dtype, tail, n, batched):
     """fn(p, x) = x + w (or x ^ w for bool) for any shape/dtype: the round trip is exact."""
     import jax.numpy as jnp

@@ -312,6 +312,7 @@ def _with_eos(model, eos):
     return other
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_eos_and_stop_tokens(model):
     model = _with_eos(model, (g.EOS_ID,))
     params = g.init_params(SEED, SCALE)
@@ -444,6 +445,7 @@ def _quantized(kind):
     return params if kind == "float" else g.quantized_params(params, kind)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.parametrize("kind", ["float", "int8", "int4"])
 def test_export_load_round_trip(tmp_path, kind):
     params = _quantized(kind)
@@ -502,6 +504,7 @@ HERMETIC = hermetic_prelude(("cairn.nn", "cairn.quant", "cairn.kernels", "gen_te
 """)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_hermetic_process_generates_the_same_tokens(model, engine, tmp_path):
     """A fresh process that cannot import the model's code loads the exported generator and
     produces, with its own engine, the tokens the in-process model produces."""

@@ -262,6 +262,7 @@ def _cache_entries(cache):
     return sorted(f for _, _, fs in os.walk(cache) for f in fs)
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 @pytest.mark.xdist_group("serving_subprocess")
 def test_hermetic_subprocess_load_and_compilation_cache(model, tmp_path):
     """A fresh process where the model's code, cairn.nn and cairn.quant cannot be imported

@@ -232,6 +232,7 @@ def test_stop_strings_match_across_token_boundaries(client, engine, tokenizer):
         assert cut_chat.choices[0].message.content == full[: full.find(full[2:4])]
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_chat_logprobs_equal_a_float64_log_softmax(client, tokenizer):
     out = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=8, temperature=0, logprobs=True,
                                          top_logprobs=3, extra_body={"ignore_eos": True})
@@ -277,6 +278,7 @@ def test_completion_logprobs_and_echo_score_the_prompt(client, tokenizer):
     np.testing.assert_allclose(only.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:n], atol=1e-6)
 
 
+@pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_penalties_follow_openai_formula(client, tokenizer):
     presence, frequency = 1.5, 0.75
     out = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=14, temperature=0,

@@ -196,6 +196,7 @@ def test_sample_rows_exact_and_independent_of_the_other_rows(data, vocab, n):
     assert part.tolist() == got[sub].tolist()
 
 
+@pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_sample_rows_every_path_matches_the_reference(monkeypatch):
     """A large vocabulary so candidates are a real subset: top-p inside the top 32, top-k
     above 32 (k + 1 candidates) and above 256, a flat row whose nucleus is larger than
