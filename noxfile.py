@@ -326,7 +326,7 @@ def demo(session: nox.Session) -> None:
 
 DEMO_COMMAND = "nox -s demo --"
 # what examples/lm imports (tests/tooling/test_tooling_contract.py checks it against the
-# recipe's imports): the libraries, not cairn.llm, and no peer library (flax, grain, orbax)
+# recipe's imports): the libraries and cairn.llm (its model), and no peer library (flax, grain, orbax)
 DEMO_PACKAGES = ("core_array", "data", "nn", "optim", "kernels", "checkpoint", "quant", "serving", "llm")
 # matplotlib: the report's plots; tritonclient: the main job checks the served /infer model
 # with Triton's own client
