@@ -18,12 +18,25 @@ for float64 logits): a log-probability rounded to bfloat16 is off by about
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["sequence_logprobs", "token_logprobs"]
 
+
+
+def bool_mask(fn: str, mask: Any, shape: tuple, like: str) -> jax.Array:
+    """``mask`` (bool or 0/1, or None for all) as a bool array of ``shape``, the shape of the
+    argument named ``like``; a ValueError naming ``fn`` otherwise."""
+    if mask is None:
+        return jnp.ones(shape, bool)
+    m = jnp.asarray(mask)
+    if m.shape != shape:
+        raise ValueError(f"{fn}: `mask` must have the shape of `{like}` {shape}, got {m.shape}")
+    return m != 0
 
 def _checked(fn: str, logits, tokens, mask) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(logits in >= 32 bits, tokens, boolean mask)`` after the shape and dtype checks."""
@@ -42,15 +55,7 @@ def _checked(fn: str, logits, tokens, mask) -> tuple[jax.Array, jax.Array, jax.A
             f"{fn}: `tokens` must have logits' shape without the vocabulary axis, i.e. "
             f"{x.shape[:-1]}, got {tok.shape} (logits.shape={x.shape})"
         )
-    if mask is None:
-        m = jnp.ones(tok.shape, bool)
-    else:
-        m = jnp.asarray(mask)
-        if m.shape != tok.shape:
-            raise ValueError(
-                f"{fn}: `mask` must have the shape of `tokens` {tok.shape}, got {m.shape}"
-            )
-        m = m != 0
+    m = bool_mask(fn, mask, tok.shape, "tokens")
     if not isinstance(tokens, jax.core.Tracer) and not isinstance(mask, jax.core.Tracer):
         _check_token_range(fn, tokens, mask, x.shape[-1])
     if x.dtype.itemsize < 4:

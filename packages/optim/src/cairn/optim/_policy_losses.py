@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.optim._logprobs import bool_mask
 from cairn.optim._preference_losses import _check_scalar
 
 __all__ = [
@@ -195,14 +196,7 @@ def _policy_inputs(fn, logprobs, old_logprobs, advantages, mask, ref_logprobs):
             f"{fn}: `advantages` must have shape {lp.shape[:-1]} (one per sequence) or "
             f"{lp.shape} (one per token), got {adv.shape}"
         )
-    if mask is None:
-        m = jnp.ones(lp.shape, bool)
-    else:
-        m = jnp.asarray(mask)
-        if m.shape != lp.shape:
-            raise ValueError(f"{fn}: `mask` must have the shape of `logprobs` {lp.shape}, "
-                             f"got {m.shape}")
-        m = m != 0
+    m = bool_mask(fn, mask, lp.shape, "logprobs")
     dtype = jnp.result_type(*named.values(), adv)
     wide = jnp.promote_types(dtype, jnp.float32)
     ref = named.get("ref_logprobs")
