@@ -27,6 +27,8 @@ _CACHE_VARIABLES = {
     "XDG_CACHE_HOME": "xdg-cache",  # anything else that follows the XDG convention
     "MPLCONFIGDIR": "matplotlib",  # matplotlib's font cache (the main job's plots)
     "HF_HOME": "huggingface",  # tokenizers / hub caches, should anything ask for one
+    "CUDA_CACHE_PATH": "cuda-compute-cache",  # the CUDA driver's JIT cache (~/.nv) on a GPU host
+    "TRITON_CACHE_DIR": "triton",  # Triton's kernel cache (~/.triton) on a GPU host
 }
 
 

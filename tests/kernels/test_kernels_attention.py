@@ -297,7 +297,7 @@ class TestPallasMosaicGpu(AttentionTestBase):
             self.run(qb, kb, vb, key_value_seq_lengths=jnp.array([4]))
         # a sequence falls back to the first implementation that takes the arguments
         out = ck.dot_product_attention(q, k, v, implementation=("pallas_mosaic_gpu", "xla"))
-        np.testing.assert_allclose(out, ck.dot_product_attention(q, k, v), atol=1e-6)
+        np.testing.assert_allclose(out, ck.dot_product_attention(q, k, v, implementation="xla"), atol=1e-6)
 
 
 # --- lowering for CUDA without a GPU ---
@@ -361,3 +361,52 @@ def test_untuned_xla_default_off_cpu_keeps_the_fused_plain_path_up_to_the_limit(
     kw = {"implementation": "xla"}
     assert dict(_untuned((1, 1024, 8, 64), 1024, platform="gpu", **kw).config) == {"chunk_size": None}
     assert dict(_untuned((1, 2048, 8, 64), 2048, platform="gpu", **kw).config) == {"chunk_size": 512}
+
+
+# --- cuDNN's fused attention (GPU only) ---
+
+
+def test_cudnn_refuses_off_an_nvidia_gpu_and_what_it_does_not_take():
+    """``supports`` names each feature cuDNN's fused attention does not take, and off an
+    NVIDIA GPU (a CPU, or cross-compiling for a GPU) the device; dispatch then moves on."""
+    from cairn.kernels._attention_common import AttentionSpec
+
+    q, k, v, _ = fresh_inputs(1, 8, 8, 4, 2, 64, "bfloat16")
+    impl = ck.implementations("dot_product_attention")["cudnn"]
+    plain = AttentionSpec(scale=0.125)
+    assert "soft-capping" in impl.supports(q, k, v, spec=AttentionSpec(scale=0.125, soft_cap=5.0))
+    assert "local windows" in impl.supports(q, k, v, spec=AttentionSpec(scale=0.125, window=(4, 0)))
+    assert "segment ids" in impl.supports(q, k, v, spec=AttentionSpec(scale=0.125, use_segments=True))
+    assert "float16/bfloat16" in impl.supports(q.astype(jnp.float32), k, v, spec=plain)
+    assert "bias" in impl.supports(q, k, v, spec=plain, bias=jnp.zeros((1, 4, 8, 8)))
+    assert "head dims" in impl.supports(q, k, v[..., :32], spec=plain)
+    if jax.default_backend() == "gpu":
+        assert impl.supports(q, k, v, spec=plain) is None
+        return
+    assert "NVIDIA GPU" in impl.supports(q, k, v, spec=plain)
+    with pytest.raises(ValueError, match="cudnn: cuDNN runs on an NVIDIA GPU"):
+        ck.dot_product_attention(q, k, v, implementation="cudnn")
+    (call,) = ck.ops_in(lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    assert call.implementation == "xla"
+    with ck.cross_compile("gpu"):  # lowering for CUDA from this host: cuDNN cannot be asked its version
+        (call,) = ck.ops_in(lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    assert call.implementation == "pallas_mosaic_gpu"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cudnn_matches_float64_reference_with_grouped_heads(is_causal):
+    """On a GPU, the cuDNN implementation (the default there for plain bf16 attention) against
+    float64 NumPy, forward and gradients, at bf16 tolerances."""
+    q, k, v, do = fresh_inputs(2, 128, 128, 8, 2, 64, "bfloat16")
+
+    def fn(q, k, v):
+        return ck.dot_product_attention(q, k, v, is_causal=is_causal, implementation="cudnn")
+
+    out, vjp = jax.vjp(fn, q, k, v)
+    want = ref.attention(q, k, v, do, is_causal=is_causal)
+    ftol, gtol = TOLERANCES["bfloat16"]
+    for got, w, tol in zip((out, *vjp(do)), want, (ftol, gtol, gtol, gtol), strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), w, atol=tol, rtol=tol)
+    (call,) = ck.ops_in(lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=is_causal), q, k, v)
+    assert call.implementation == "cudnn"

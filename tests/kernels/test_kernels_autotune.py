@@ -50,6 +50,7 @@ def test_measures_across_implementations_and_buckets_hit():
     assert _registry.resolve(op, jnp.ones((300, 64)))[0].name == "pallas_triton"  # another bucket
 
 
+@pytest.mark.cpu_dispatch
 def test_save_load_round_trip_atomic_and_valid(isolated_kernel_cache):
     op = two_speed_op()
     ck.autotune_op(op, jax.ShapeDtypeStruct((8, 16), jnp.float32), iterations=1)
@@ -116,6 +117,7 @@ def test_device_kind_file_stem():
     assert _cache.file_stem("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
 
 
+@pytest.mark.cpu_dispatch
 def test_autotune_a_function_with_attention():
     def model(q):
         return ck.dot_product_attention(q, q, q, is_causal=True)
@@ -146,6 +148,7 @@ def _cli_module(tmp_path, monkeypatch):
 SPECS = ["f32[1,32,4,16]", "f32[1,32,2,16]", "f32[1,32,2,16]"]
 
 
+@pytest.mark.cpu_dispatch
 @pytest.mark.slow  # over 2 s in the default run: keeping nox -s tests under 10 minutes
 def test_cli_lists_and_writes(tmp_path, monkeypatch, capsys):
     mod = _cli_module(tmp_path, monkeypatch)

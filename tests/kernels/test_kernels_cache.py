@@ -78,6 +78,7 @@ def test_a_saved_entry_records_machine_versions_and_load(monkeypatch):
     _cache.validate(doc)
 
 
+@pytest.mark.cpu_dispatch
 def test_each_choice_says_where_it_came_from(monkeypatch):
     q = _q(40)
     assert _choice(q).source == "default"

@@ -241,6 +241,7 @@ def test_property_matches_reference_over_shapes(b, t, kh, g, bs, chunk, window, 
 # --- dispatch, autotune ---
 
 
+@pytest.mark.cpu_dispatch
 @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_default_dispatch_on_cpu_is_xla_and_autotune_caches_a_winner():
     narrow = workload(2, 1, 4, 2, 8, 4, "float32", lengths=[30, 61], max_blocks=16)  # 64 keys wide
@@ -406,7 +407,7 @@ def test_bfloat16_write_and_read_never_convert_the_whole_pool():
     write = jax.jit(ck.paged_kv_write, donate_argnums=(0, 1)).lower(pages, pages, new, new, tables, ints)
     q, lengths = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)
     texts = [write.compile().as_text()] + [
-        _jit(ck.paged_attention, config={"pages_per_chunk": c}).lower(q, pages, pages, tables, lengths).compile().as_text()
+        _jit(ck.paged_attention, implementation="xla", config={"pages_per_chunk": c}).lower(q, pages, pages, tables, lengths).compile().as_text()
         for c in (None, 4)]
     for text in texts:
         assert "f32[512,16,2,64]" not in text and "f32[8192," not in text

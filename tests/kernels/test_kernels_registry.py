@@ -31,6 +31,7 @@ def toy_op(*, triton_supports=None):
 X = jnp.ones(2)
 
 
+@pytest.mark.cpu_dispatch
 def test_default_on_cpu_is_xla_and_pallas_only_when_asked():
     op = toy_op()
     assert float(ck.call(op, X)[0]) == 2.0
@@ -52,6 +53,7 @@ def test_register_before_register_op():
     assert float(ck.call(op, X)[0]) == 2.0
 
 
+@pytest.mark.cpu_dispatch
 def test_unknown_names_raise_naming_op_and_valid_names():
     op = toy_op()
     with pytest.raises(ValueError, match=rf"unknown implementation 'cudnn' for op '{op}'.*\['pallas_triton', 'xla'\]"):
@@ -70,6 +72,7 @@ def test_supports_reason_raises_when_explicit_and_skips_otherwise():
         assert _registry.resolve(op, X)[0].name == "xla"
 
 
+@pytest.mark.cpu_dispatch
 def test_sequence_prefers_a_compiled_implementation():
     op = toy_op()
     assert float(ck.call(op, X, implementation=("pallas_triton", "xla"))[0]) == 2.0
@@ -79,6 +82,7 @@ def test_sequence_prefers_a_compiled_implementation():
         ck.call(op, X, implementation=())
 
 
+@pytest.mark.cpu_dispatch
 def test_precedence_explicit_override_cache_preference():
     op = toy_op()
     key = _registry.bucket_key(op, X)
@@ -135,6 +139,7 @@ def test_cross_compile_rejects_unknown_platform():
             pass
 
 
+@pytest.mark.cpu_dispatch
 def test_named_scope_and_recording_through_transforms():
     op = toy_op()
 
@@ -153,6 +158,6 @@ def test_named_scope_and_recording_through_transforms():
     assert scopes_in(step, np.ones((3, 2), np.float32)) == [(op, "xla"), (op, "pallas_triton")]
 
 
-def test_attention_is_registered_with_three_implementations():
-    assert set(ck.implementations("dot_product_attention")) == {"xla", "pallas_triton", "pallas_mosaic_gpu"}
+def test_attention_is_registered_with_four_implementations():
+    assert set(ck.implementations("dot_product_attention")) == {"xla", "pallas_triton", "pallas_mosaic_gpu", "cudnn"}
     assert "dot_product_attention" in _registry.ops()

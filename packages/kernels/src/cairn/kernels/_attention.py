@@ -45,7 +45,8 @@ def _bucket(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> tuple[Any, .
     )
 
 
-register_op(OP, bucket=_bucket)
+# on a GPU cuDNN first: it takes the plain cases and is the fastest there (benchmarks/kernels_gpu.py)
+register_op(OP, bucket=_bucket, preference=("cudnn", "pallas_mosaic_gpu", "pallas_triton", "xla"))
 register(
     Implementation(
         op=OP,
@@ -59,6 +60,7 @@ register(
 # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
 register(deferred(OP, "pallas_triton", "cairn.kernels._attention_triton", {"gpu"}))
 register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._attention_mosaic", {"gpu"}))
+register(deferred(OP, "cudnn", "cairn.kernels._attention_cudnn", {"gpu"}))
 
 
 def _window(local_window_size: int | tuple[int, int] | None) -> tuple[int, int] | None:

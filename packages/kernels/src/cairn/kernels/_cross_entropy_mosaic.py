@@ -53,8 +53,14 @@ def _body(x_gmem, w_gmem, lse_gmem, *, bb, bv, bh, nv, nh, steps):
 
     def block_logits(j):
         def acc_scope(acc_ref):
+            def step(_, xs, ws):
+                plgpu.wgmma(acc_ref, xs, ws)
+                # wgmma is asynchronous: the pipeline refills this step's shared-memory
+                # buffers as soon as the body returns, so wait for the products that read them
+                plgpu.wgmma_wait(0)
+
             plgpu.emit_pipeline(
-                lambda _, xs, ws: plgpu.wgmma(acc_ref, xs, ws),
+                step,
                 grid=(nh,),
                 in_specs=[
                     plgpu.BlockSpec((bb, bh), lambda h: (i, h)),

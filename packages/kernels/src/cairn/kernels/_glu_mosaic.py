@@ -50,6 +50,9 @@ def _body(x_gmem, w_gmem, o_gmem, *, bm, bn, bk, nk, gate_block, activation, ste
         def step(_, xs, wa, wb):
             plgpu.wgmma(acc_a, xs, wa)
             plgpu.wgmma(acc_b, xs, wb)
+            # wgmma is asynchronous: the pipeline refills this step's shared-memory buffers
+            # as soon as the body returns, so wait for the products that read them
+            plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(
             step,

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._glu_xla import apply
+from cairn.kernels._glu_xla import apply, glu_input_grads
 from cairn.kernels._ragged_dot_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
@@ -116,9 +116,7 @@ def glu_vjp(forward: Callable[..., Any], activation: Any, precision: Any) -> Cal
         h = jnp.dot(x, wf, precision=precision, preferred_element_type=jnp.float32)
         _, vjp = jax.vjp(epilogue, h)
         (dh,) = vjp(g.astype(jnp.float32))
-        dx = jnp.dot(dh, wf.T.astype(jnp.float32), precision=precision, preferred_element_type=jnp.float32)
-        dw = jnp.dot(x.T.astype(jnp.float32), dh, precision=precision, preferred_element_type=jnp.float32)
-        return dx.astype(x.dtype), dw.reshape(k, 2, n).astype(w.dtype)
+        return glu_input_grads(x, w, dh, precision)
 
     glu.defvjp(fwd, bwd)
     return glu

@@ -68,8 +68,14 @@ def _body(tile_ref, x_gmem, w_gmem, grp_ref, o_gmem, *, bm, bk, bn, nk, steps):
     g = grp_ref[i]
 
     def acc_scope(acc_ref):
+        def step(_, xs, ws):
+            plgpu.wgmma(acc_ref, xs, ws)
+            # wgmma is asynchronous: the pipeline refills this step's shared-memory buffers
+            # as soon as the body returns, so wait for the products that read them
+            plgpu.wgmma_wait(0)
+
         plgpu.emit_pipeline(
-            lambda _, xs, ws: plgpu.wgmma(acc_ref, xs, ws),
+            step,
             grid=(nk,),
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kb: (t, kb)),
