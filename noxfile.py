@@ -144,7 +144,9 @@ def lint(session: nox.Session) -> None:
 
     ruff (config in pyproject: absolute imports only, unused code), the dependency
     direction and no import cycle inside a package (tools/depcheck.py), no function over
-    80 lines (tools/funclen.py), type hints on public signatures (tools/typehints.py), one
+    80 lines (tools/funclen.py), type hints on public signatures (tools/typehints.py), an
+    ``Args:`` section naming every parameter of each callable in a package's ``__all__``
+    (tools/docargs.py, with tools/docargs_todo.txt the shrinking list of those not yet done), one
     banner style (tools/banners.py), dead code (vulture, [tool.vulture], whitelist
     tools/vulture_whitelist.py) and mypy ([tool.mypy]) over packages/*/src, with the
     packages installed so jax/numpy types resolve.
@@ -157,6 +159,7 @@ def lint(session: nox.Session) -> None:
         ("python", "tools/depcheck.py", "packages"),
         ("python", "tools/funclen.py", "packages", "examples", "tools", "benchmarks"),
         ("python", "tools/typehints.py", "packages", "examples", "tools", "benchmarks"),
+        ("python", "tools/docargs.py"),  # imports the packages: their __all__ is what users see
         ("python", "tools/banners.py", *LINT_PATHS),
         ("vulture",),  # paths, confidence and ignored names: [tool.vulture] in pyproject.toml
         ("mypy", *srcs),

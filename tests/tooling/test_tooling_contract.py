@@ -66,7 +66,7 @@ def test_tests_session_uses_xdist_and_leaves_slow_cases_to_tests_slow():
 
 def test_lint_session_runs_every_house_rule():
     lint = ast.unparse(_sessions()["lint"])
-    for step in ("'ruff', 'check'", "tools/depcheck.py", "tools/funclen.py", "tools/typehints.py",
+    for step in ("'ruff', 'check'", "tools/depcheck.py", "tools/funclen.py", "tools/typehints.py", "tools/docargs.py",
                  "tools/banners.py", "('vulture',)", "'mypy'"):
         assert step in lint, f"nox -s lint no longer runs {step}"
     # a failing step must fail the session (after the others ran), never be swallowed

@@ -53,8 +53,15 @@ class Checkpointer(_BackgroundSaver):
     def __init__(
         self, handler: CheckpointHandler | None = None, *, compression: str | None = None, **options: Any
     ) -> None:
-        """``options`` takes Orbax's checkpointer options (``multiprocessing_options``,
-        ``file_options``...), accepted and ignored."""
+        """Build a checkpointer.
+
+        Args:
+          handler: the item's handler (``ocp.StandardCheckpointHandler()``...), or ``None``
+            (a pytree, or the handler the save/restore arguments imply).
+          compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+          **options: Orbax's checkpointer options (``multiprocessing_options``,
+            ``file_options``...), accepted and ignored.
+        """
         if handler is not None and not isinstance(handler, CheckpointHandler):
             raise TypeError(
                 f"handler must be an ocp.*CheckpointHandler() instance, got {type(handler).__name__}"
@@ -178,7 +185,12 @@ class AsyncCheckpointer(Checkpointer):
 
 class StandardCheckpointer(AsyncCheckpointer):
     """``AsyncCheckpointer(StandardCheckpointHandler())``: ``save(dir, tree)``,
-    ``restore(dir, abstract_tree=None, strict=True)``."""
+    ``restore(dir, abstract_tree=None, strict=True)``.
+
+    Args:
+      compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+      **options: Orbax's checkpointer options, accepted and ignored.
+    """
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(StandardCheckpointHandler(), compression=compression, **options)
@@ -186,7 +198,13 @@ class StandardCheckpointer(AsyncCheckpointer):
 
 class PyTreeCheckpointer(Checkpointer):
     """``Checkpointer(PyTreeCheckpointHandler())``: synchronous pytree saves with optional
-    per-leaf ``save_args`` / ``restore_args``."""
+    per-leaf ``save_args`` / ``restore_args``.
+
+    Args:
+      compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+      **options: Orbax's checkpointer options, accepted and ignored.
+    """
+
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)

@@ -40,17 +40,20 @@ _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 class CheckpointManagerOptions:
     """How often to save and what to keep (names follow Orbax's ``CheckpointManagerOptions``).
 
-    Attributes:
+    Args:
       save_interval_steps: ``should_save(step)`` is true when ``step`` is a multiple of it.
       max_to_keep: keep at most this many steps (``None``: keep all). With ``best_fn`` the
         best steps by metric are kept, otherwise the newest. The newest step is always kept.
       keep_period: additionally keep every step that is a multiple of this.
-      best_fn: maps a step's ``metrics`` dict to a number; ``best_mode`` is ``"max"`` or
-        ``"min"``. Steps saved without metrics are kept if ``keep_checkpoints_without_metrics``.
+      best_fn: maps a step's ``metrics`` dict to a number (the step's score for ``max_to_keep``).
+      best_mode: ``"max"`` (a higher ``best_fn`` is better) or ``"min"``.
+      keep_checkpoints_without_metrics: keep steps saved without metrics when ``best_fn``
+        chooses what to keep.
       step_prefix: step directories are named ``<prefix>_<step>`` (or ``<step>`` if ``None``).
       enable_async: ``save`` returns once device data is on the host; the rest runs in the
-        background. enable_async_checkpointing: Orbax's name for it; when given it wins.
-      create: create ``directory`` if missing. cleanup_tmp_directories: remove leftovers of
+        background.
+      create: create ``directory`` if missing.
+      cleanup_tmp_directories: remove leftovers of
         interrupted saves when the manager starts, but only those whose writer is provably
         gone: a process of this host that has exited, or (other hosts, unknown owners) a
         temporary directory whose lease was not renewed for ``tmp_lease_timeout_secs``
@@ -62,9 +65,13 @@ class CheckpointManagerOptions:
         the newest complete step from either tier.
         A local save that fails (a full RAM disk, an I/O error) is logged as a warning
         naming the step and the tier, never raised: the persistent tier still saves.
+      local_save_interval_steps: how often the local tier saves (required with
+        ``local_directory``, >= 1).
+      local_max_to_keep: how many steps the local tier holds (>= 1).
       timeout_secs: how long a process waits at a multi-process barrier (and at a
         preemption sync point).
       tmp_lease_timeout_secs: see ``cleanup_tmp_directories``.
+      enable_async_checkpointing: Orbax's name for ``enable_async``; when given it wins.
       preemption_signals: signals that announce a preemption (default ``SIGTERM``; ``()``
         watches none), watched from the first call of ``resume``, ``reached_preemption``,
         ``should_save`` or ``save`` (a manager that only reads leaves signals alone). The
@@ -184,9 +191,17 @@ class CheckpointManager(_BackgroundSaver):
         item_handlers: Any = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        """``item_names`` and ``item_handlers`` (Orbax's) are accepted: items are named by
-        each ``save``'s ``args``, and their kinds are stored with every step. ``metadata``
-        is not supported."""
+        """Open (and create, per ``options.create``) the manager's directory.
+
+        Args:
+          directory: the persistent directory holding the step directories.
+          options: a :class:`CheckpointManagerOptions` (default: its defaults).
+          item_names: Orbax's item names, accepted: items are named by each ``save``'s
+            ``args``, and their kinds are stored with every step.
+          item_handlers: Orbax's handler or dict of handlers per item, accepted likewise.
+          metadata: not supported (save it as an item); given, it raises ``NotImplementedError``.
+        """
+
         if options is not None and not isinstance(options, CheckpointManagerOptions):
             raise TypeError(
                 "options must be a CheckpointManagerOptions (Orbax's positional checkpointers "

@@ -35,6 +35,9 @@ def is_checkpointable(x: Any) -> bool:
     Unlike ``isinstance(x, Checkpointable)``, a non-callable attribute of either name
     does not count. Every package decides "save its state, not its leaves" by this.
 
+    Args:
+      x: any object.
+
     >>> class Counter:
     ...     def get_state(self): return {"n": 0}
     ...     def set_state(self, state): pass

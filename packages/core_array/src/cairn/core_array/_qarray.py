@@ -40,6 +40,9 @@ def storage_dtype(qtype: str) -> str:
     """The dtype a qtype's values are stored in: ``uint4`` for ``nf4``, the element type
     for the block formats, the qtype itself otherwise.
 
+    Args:
+      qtype: a quantized type name (``"int8"``, ``"nf4"``, ``"mxfp4"``...).
+
     >>> storage_dtype("nf4"), storage_dtype("mxfp4"), storage_dtype("int8")
     ('uint4', 'float4_e2m1fn', 'int8')
     """
@@ -60,6 +63,11 @@ class QuantLayout:
       cover 2-d blocks (e.g. 128x128 weight blocks); along a tiled axis ``scale`` has
       ``shape[axis] // tile`` entries, on other axes 1 or the full size. One tiled axis
       keeps ``tile_size`` an ``int``.
+
+    Args:
+      kind: ``"per_tensor"``, ``"per_channel"`` or ``"per_tile"``.
+      axes: the axes the scales vary along (per channel) or that are tiled (per tile).
+      tile_size: per tile, one tile length for every tiled axis or one per axis; else ``None``.
 
     >>> QuantLayout.per_tile((0, 1), (2, 4)).expected_scale_shape((4, 8, 3))
     (2, 2, 3)
@@ -229,6 +237,15 @@ class QArray:
     ``packed_length`` the logical length of that axis (half the memory for 4-bit types;
     :meth:`dequantize` unpacks). A JAX pytree (children: qvalue, scale, zero_point) once
     JAX is imported.
+
+    Args:
+      qvalue: the quantized values (``qtype``, or packed ``uint8`` after :meth:`pack`).
+      scale: the scales, shaped as ``layout`` says (broadcastable against ``qvalue``).
+      zero_point: optional zero points, shaped like ``scale`` (``None``: symmetric).
+      qtype: the quantized type's name (``"int8"``, ``"int4"``, ``"nf4"``...).
+      layout: how ``scale`` covers the values (a :class:`QuantLayout`).
+      dtype: the original dtype that :meth:`dequantize` returns.
+      packed_length: the logical last-axis length of packed sub-byte values, else ``None``.
 
     >>> q = QArray(np.array([[2, -4]], np.int8), np.array([[0.5, 0.25]], np.float32),
     ...            qtype="int8", layout=QuantLayout.per_channel(1))
@@ -471,6 +488,10 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
 
     A JAX array is packed with JAX operations (under ``jit`` too) and stays a JAX array.
 
+    Args:
+      x: a sub-byte ml_dtypes array, or an integer array whose values fit in ``bits`` bits (NumPy or JAX).
+      bits: the width per value; ``None`` reads it from ``x``'s dtype.
+
     >>> import ml_dtypes
     >>> pack_bits(np.array([1, -1, 7], ml_dtypes.int4))
     array([241,   7], dtype=uint8)
@@ -500,6 +521,11 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
 
 def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
     """Inverse of :func:`pack_bits`: ``length`` values of ``dtype`` along the last axis.
+
+    Args:
+      packed: the ``uint8`` array :func:`pack_bits` gave.
+      dtype: the dtype of the values (``"int4"``...).
+      length: the logical length of the last axis before packing.
 
     >>> import ml_dtypes
     >>> unpack_bits(np.array([241, 7], np.uint8), "int4", 3)

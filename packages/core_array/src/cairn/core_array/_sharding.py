@@ -34,6 +34,9 @@ class LogicalAxisRules:
     (replicate), one mesh axis name, or a tuple of them (the dim is split over their
     product).
 
+    Args:
+      rules: ``(logical_axis, mesh_axes)`` pairs in priority order, or a mapping of them.
+
     >>> rules = LogicalAxisRules([("batch", "data"), ("embed", "model"), ("mlp", "model")])
     >>> rules.mesh_axes(("batch", "embed", "mlp"))
     ('data', 'model', None)
@@ -111,6 +114,11 @@ def logical_to_partition_spec(
     """The ``jax.sharding.PartitionSpec`` for an array with the given logical axes.
 
     With ``mesh``, rules whose mesh axes the mesh lacks are skipped.
+
+    Args:
+      logical_axes: one logical axis name (or ``None``) per array dim.
+      rules: a :class:`LogicalAxisRules` or anything its constructor accepts.
+      mesh: an optional ``jax.sharding.Mesh``; rules naming axes it lacks are skipped.
     """
     jax = require_jax("logical_to_partition_spec")
     names = None if mesh is None else tuple(mesh.axis_names)
@@ -118,6 +126,12 @@ def logical_to_partition_spec(
 
 
 def named_sharding(mesh: Any, logical_axes: Sequence[str | None], rules: Any) -> jax.sharding.NamedSharding:
-    """``NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))``."""
+    """``NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))``.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh``.
+      logical_axes: one logical axis name (or ``None``) per array dim.
+      rules: a :class:`LogicalAxisRules` or anything its constructor accepts.
+    """
     jax = require_jax("named_sharding")
     return jax.sharding.NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))

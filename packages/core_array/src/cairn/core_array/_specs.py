@@ -115,7 +115,7 @@ def _norm_axis_entry(entry: Any, where: str) -> Any:
 class ArraySpec:
     """What an array is, without its data.
 
-    Attributes:
+    Args:
       shape: tuple with one entry per dim: a non-negative int, or a symbolic dimension
         name (``"b"``) whose size is bound when an array is checked against the spec.
       dtype: canonical dtype name (anything :func:`canonical_dtype` accepts is converted).
@@ -389,7 +389,11 @@ _register_leaf_type(ArraySpec)
 
 
 def spec_of(tree: Any) -> Any:
-    """The tree of :class:`ArraySpec` for a tree of arrays (same structure)."""
+    """The tree of :class:`ArraySpec` for a tree of arrays (same structure).
+
+    Args:
+      tree: a pytree of arrays (NumPy, JAX, ``QArray``) or ``jax.ShapeDtypeStruct`` s.
+    """
     return map_with_path(lambda _p, x: ArraySpec.from_array(x), tree)
 
 
@@ -461,6 +465,9 @@ def specs_to_json(tree: Any) -> str:
     its qtype, dtype and layout. A tree with a symbolic spec is written as format
     ``cairn.specs/2``; any other as ``cairn.specs/1`` (what older readers expect).
 
+    Args:
+      tree: a pytree of :class:`ArraySpec` (and ``QArray`` s of specs).
+
     >>> t = {"w": ArraySpec((2,), "float32"), "s": [ArraySpec((), "int4")]}
     >>> specs_from_json(specs_to_json(t)) == t
     True
@@ -475,6 +482,9 @@ def specs_to_json(tree: Any) -> str:
 
 def specs_from_json(text: str) -> Any:
     """Inverse of :func:`specs_to_json` (reads formats ``cairn.specs/1`` and ``/2``).
+
+    Args:
+      text: a JSON document written by :func:`specs_to_json`.
 
     Raises:
       ValueError: not JSON, an unknown format, a malformed node, or a symbolic dim in a
@@ -499,6 +509,10 @@ def shape_dtype_structs(tree: Any, mesh: Any = None) -> Any:
     All symbolic dims share one ``jax.export.SymbolicScope`` holding every spec's
     constraints, so ``"b"`` in two inputs is the same dimension (JAX refuses dims from
     different scopes in one export).
+
+    Args:
+      tree: a pytree of :class:`ArraySpec`.
+      mesh: a ``jax.sharding.Mesh``; specs with a ``sharding`` then get a ``NamedSharding`` on it.
 
     >>> import jax
     >>> t = shape_dtype_structs({"x": ArraySpec(("b", 3), "float32", constraints=("b <= 8",)),
