@@ -300,13 +300,29 @@ def compat_suites(session: nox.Session) -> None:
         session.run("python", "tools/compat_suites.py", *args)
 
 
+# what the docs site needs, in the docs session only (never a library dependency): mkdocstrings'
+# Python handler reads the docstrings (Google style) for the API reference pages, pymdown's
+# highlight colours code with pygments at build time (no highlight.js from a CDN)
+DOCS_DEPS = ("mkdocs>=1.6", "mkdocstrings[python]>=0.26", "pymdown-extensions>=10", "pygments>=2.17")
+
+
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Builds the docs site into build/docs and runs every ```python example in docs/."""
+    """Runs every ```python example in docs/ and the package READMEs, then builds the site into build/docs.
+
+    `mkdocs build --strict`: a warning fails the build (a broken link, a page missing from
+    the navigation, a docstring `Args:` entry mkdocstrings cannot match to a parameter).
+    tools/md_docstrings.py (a Markdown extension, found on PYTHONPATH=tools) renders the
+    docstrings' doctests as code; tools/check_site_offline.py then checks that no page loads
+    anything from the network and that the code is highlighted.
+    """
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
-    session.install("mkdocs>=1.6")
+    session.install(*DOCS_DEPS)
     session.run("python", "tools/run_doc_examples.py", "docs", *[f"packages/{p}/README.md" for p in PACKAGES])
-    session.run("mkdocs", "build", "--quiet", "--site-dir", "build/docs")
+    session.run("python", "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", "build/docs",
+                env={"PYTHONPATH": str(ROOT / "tools")})
+    session.run("python", "tools/check_site_offline.py", "build/docs")
+
 
 
 @nox.session(python=PYTHON)
