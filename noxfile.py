@@ -208,7 +208,6 @@ def build(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 @nox.parametrize("package", PACKAGES)
 def readme_examples(session: nox.Session, package: str) -> None:
-
     """A package's README examples, run in a fresh venv holding only its wheel (with the Cairn
     wheels it depends on, built from this tree) and what the README's install line names.
 
@@ -332,7 +331,6 @@ def docs(session: nox.Session) -> None:
     session.run("python", "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", "build/docs",
                 env={"PYTHONPATH": str(ROOT / "tools")})
     session.run("python", "tools/check_site_offline.py", "build/docs")
-
 
 
 @nox.session(python=PYTHON)

@@ -47,7 +47,6 @@ makeExtension  # tools/md_docstrings.py: Python-Markdown imports the extension m
 _.extendMarkdown  # tools/md_docstrings.py: Python-Markdown calls it on each extension
 
 # --- names that document a value ---
-
 PAD  # examples/lm/lm_task.py: names token id 0, the padding that eval_batch's zero-filled arrays hold
 
 # --- tests ---

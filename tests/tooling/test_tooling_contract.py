@@ -38,7 +38,6 @@ def test_ci_runs_exactly_the_readme_install_line_and_test_command():
     assert commands == [install, tests]
 
 
-
 def _sessions() -> dict[str, ast.FunctionDef]:
     tree = ast.parse((ROOT / "noxfile.py").read_text())
     out = {}

@@ -178,7 +178,6 @@ class Composite(CheckpointArgs, Mapping):
       *args: mappings of item name to arguments, merged in order.
       **items: more items by name (they win over ``args``); every name is a non-empty string.
 
-
     >>> c = Composite(state=StandardSave({"w": 1}), meta=JsonSave({"lang": "en"}))
     >>> sorted(c), c.meta.item
     (['meta', 'state'], {'lang': 'en'})

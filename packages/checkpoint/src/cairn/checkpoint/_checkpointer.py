@@ -195,7 +195,6 @@ def metadata(directory: str | os.PathLike) -> dict[str, LeafMetadata]:
     Args:
       directory: a committed checkpoint.
 
-
     >>> import tempfile, numpy as np
     >>> d = tempfile.mkdtemp() + "/ckpt"
     >>> save(d, {"w": np.zeros((2, 3), np.float32)})

@@ -205,6 +205,5 @@ class PyTreeCheckpointer(Checkpointer):
       **options: Orbax's checkpointer options, accepted and ignored.
     """
 
-
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)

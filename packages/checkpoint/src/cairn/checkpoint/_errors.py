@@ -50,7 +50,6 @@ class SyncTimeoutError(CheckpointError, TimeoutError):
       missing: the process indices that did not arrive.
     """
 
-
     def __init__(self, message: str, missing: list[int]) -> None:
         super().__init__(message)
         self.missing = missing

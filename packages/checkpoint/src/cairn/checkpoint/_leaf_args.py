@@ -101,7 +101,6 @@ class ArrayRestoreArgs(RestoreArgs):
       strict: ``False`` allows ``global_shape``/``shape`` to differ from the saved shape.
     """
 
-
     restore_type: Any = jax.Array
     mesh: Any = None
     mesh_axes: Any = None
@@ -132,7 +131,6 @@ class Transform:
       use_fallback: a path the checkpoint lacks keeps the target ``item``'s value.
       value_fn: applied to the value read, or ``None``.
     """
-
 
     original_key: str | None = None
     multi_value_fn: Callable[..., Any] | None = None

@@ -201,7 +201,6 @@ class CheckpointManager(_BackgroundSaver):
           item_handlers: Orbax's handler or dict of handlers per item, accepted likewise.
           metadata: not supported (save it as an item); given, it raises ``NotImplementedError``.
         """
-
         if options is not None and not isinstance(options, CheckpointManagerOptions):
             raise TypeError(
                 "options must be a CheckpointManagerOptions (Orbax's positional checkpointers "

@@ -48,7 +48,6 @@ class LeafMetadata:
       value: a Python scalar's value (stored inline), else ``None``.
     """
 
-
     path: str
     kind: str
     shape: tuple[int, ...]

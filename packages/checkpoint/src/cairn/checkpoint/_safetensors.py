@@ -113,7 +113,6 @@ def load_safetensors(path: str | os.PathLike, target: Any = None) -> Any:
       target: an optional pytree whose structure, shapes and shardings the result takes.
     """
     path = os.fspath(path)
-
     header, offset = _read_header(path)
     header.pop("__metadata__", None)
     arrays: dict[str, np.ndarray] = {}

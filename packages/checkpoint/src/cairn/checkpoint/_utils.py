@@ -43,7 +43,6 @@ def erase_and_create_empty(directory: str | os.PathLike) -> pathlib.Path:
     Args:
       directory: the directory to (re)create, with its parents.
 
-
     >>> import tempfile
     >>> p = erase_and_create_empty(tempfile.mkdtemp() + "/ckpts")
     >>> list(p.iterdir())

@@ -470,7 +470,6 @@ class ParquetWriter(_ShardedFileWriter):
       prefix: as in :class:`ArrayRecordWriter`.
       overwrite: as in :class:`ArrayRecordWriter`.
 
-
     Value -> column type: ``int``/``float``/``bool``/``str``/``bytes`` and NumPy scalars
     -> Arrow scalar types (NumPy dtypes kept); 1-D ``ndarray`` -> ``list<dtype>``
     (lengths may vary); ``ndarray`` with 2+ dims -> the ``fixed_shape_tensor``

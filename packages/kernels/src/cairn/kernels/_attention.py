@@ -161,7 +161,6 @@ def dot_product_attention(
       precision: matmul precision.
       module: Flax's hook; must be ``None``.
 
-
     Returns:
       ``[..., T, N, H_v]`` in the query's dtype; a row that sees no key is 0.
 

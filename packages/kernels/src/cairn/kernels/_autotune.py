@@ -307,7 +307,6 @@ def autotune(
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
       iterations: as :func:`autotune_op`.
       mode: as :func:`autotune_op`.
-
       save: also write the user cache file.
       force: measure every bucket (the default); ``False`` reuses an entry already read
         from a cache file and measured in the same ``mode`` (``cairn-kernels tune`` without

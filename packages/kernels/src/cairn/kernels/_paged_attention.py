@@ -273,7 +273,6 @@ def paged_kv_write(
       value_pages: like ``key_pages`` (its last size may differ).
       new_keys: ``[B, T, K, H]`` in the key pages' dtype.
       new_values: ``[B, T, K, H_v]`` in the value pages' dtype.
-
       block_tables: int ``[B, max_blocks_per_seq]``.
       positions: int ``[B, T]`` absolute positions of the new tokens (``-1``: skip).
 

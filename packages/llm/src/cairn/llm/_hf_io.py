@@ -140,7 +140,6 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
       rules: the logical-axis rules (``cairn.core_array.LogicalAxisRules`` or pairs; axis
         names ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``expert``).
 
-
     Raises:
       UnsupportedModelError: the ``model_type`` (or its rope type) is not supported; the
         message lists the supported ones.

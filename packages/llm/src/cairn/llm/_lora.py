@@ -131,7 +131,6 @@ def apply_lora(model: CausalLM, rank: int = 8, alpha: float = 16.0,
       model: a :class:`CausalLM` without adapters.
       rank: the adapters' rank ``r``.
       alpha: the scale numerator (the update is ``alpha / r * A @ B``).
-
       target_modules: Hugging Face module names (``"q_proj"``, ``"o_proj"``, ``"down_proj"``...;
         ``lora_target_modules(config)`` lists them) or ``"all-linear"``.
       adapters: existing adapters (``load_lora``, ``lora_adapters``) instead of fresh ones;

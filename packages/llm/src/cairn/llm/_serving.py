@@ -286,7 +286,6 @@ def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, nam
       eos_token_ids: as :func:`export_for_serving`.
       name: the generator's name.
 
-
     Raises:
       As :func:`export_for_serving`.
     """

@@ -146,8 +146,7 @@ def dot_product_attention_weights(
 
     Args:
       query: ``(*batch, q_len, num_heads, head_dim)``.
-      key: ``(*batch, kv_len, num_kv_heads, head_dim)``, ``num_kv_heads`` dividing
-        ``num_heads``.
+      key: ``(*batch, kv_len, num_kv_heads, head_dim)``; ``num_kv_heads`` divides ``num_heads``.
       bias: broadcastable to ``(*batch, num_heads, q_len, kv_len)``, added to the logits.
       mask: boolean, broadcastable like ``bias``; True = attend.
       broadcast_dropout: one dropout mask shared over the batch axes.
@@ -157,16 +156,14 @@ def dot_product_attention_weights(
       dtype: computation dtype (``None``: promote ``query`` and ``key``).
       precision: einsum precision.
       promote_dtype: the promotion function.
-      module: when given, the weights are recorded with ``module.sow(Intermediate,
-        'attention_weights', w)``.
+      module: if given, the weights are sown: ``module.sow(Intermediate, 'attention_weights', w)``.
       is_causal: add the causal mask.
 
     Returns:
       The weights, ``(*batch, num_heads, q_len, kv_len)``, in the computation dtype.
 
     Raises:
-      ValueError: ranks, batch axes or head_dim that differ, ``num_heads`` not a
-        multiple of ``num_kv_heads``, or dropout without ``dropout_rng``.
+      ValueError: shapes that do not fit (rank, batch, head_dim, heads); dropout without a key.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((1, 2, 1, 4)); k = jnp.ones((1, 3, 1, 4))
@@ -253,7 +250,6 @@ def dot_product_attention(
       module: as for :func:`dot_product_attention_weights`.
       promote_dtype: as for :func:`dot_product_attention_weights`.
       is_causal: as for :func:`dot_product_attention_weights`.
-
 
     Returns:
       ``(*batch, q_len, num_heads, head_dim_v)`` in the computation dtype.
@@ -416,7 +412,6 @@ class MultiHeadAttention(Module):
       deterministic: no dropout.
       rngs: the parameter (and dropout) key streams.
       keep_rngs: keep a fork of ``rngs`` for dropout at call time.
-
 
     Raises:
       TypeError: a size that is not an int.

@@ -175,7 +175,6 @@ class Linear(Module):
       precision: ``jax.lax.Precision`` for the matmul.
       kernel_init: the kernel's initializer; the kernel has shape ``(in, out)``.
       bias_init: the bias's initializer.
-
       preferred_element_type: accumulation dtype passed to ``lax.dot_general``.
       rngs: ``Rngs`` with a ``params`` stream.
 

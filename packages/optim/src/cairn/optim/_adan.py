@@ -108,7 +108,6 @@ def adan(learning_rate: ScalarOrSchedule, b1: float = 0.98, b2: float = 0.92, b3
       b3: see :func:`scale_by_adan`.
       eps: see :func:`scale_by_adan`.
       eps_root: see :func:`scale_by_adan`.
-
       weight_decay: :math:`\lambda` (decoupled), a float or a schedule.
       mask: where the weight decay applies (pytree, callable or path rules).
 

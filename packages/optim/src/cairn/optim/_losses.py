@@ -950,7 +950,6 @@ def triplet_margin_loss(
       anchors: floating ``[..., dim]``.
       positives: floating ``[..., dim]``, broadcastable with ``anchors``.
       negatives: floating ``[..., dim]``, broadcastable with ``anchors``.
-
       axis: the feature axis.
       norm_degree: :math:`q`.
       margin: :math:`m`.

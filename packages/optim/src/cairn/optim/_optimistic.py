@@ -93,7 +93,6 @@ def optimistic_adam_v2(learning_rate: ScalarOrSchedule, *, alpha: float = 1.0, b
       learning_rate: :math:`\eta`, a float or a schedule.
       alpha: the coefficient of the current gradient (:func:`scale_by_optimistic_gradient`).
       beta: the negative-momentum coefficient (:func:`scale_by_optimistic_gradient`).
-
       b1: Adam's, see :func:`scale_by_adam`.
       b2: Adam's, see :func:`scale_by_adam`.
       eps: Adam's, see :func:`scale_by_adam`.
@@ -124,7 +123,6 @@ def optimistic_adam(learning_rate: float, optimism: float | None = None, b1: flo
       eps_root: Adam's, see :func:`scale_by_adam`.
       mu_dtype: Adam's, see :func:`scale_by_adam`.
       nesterov: Adam's, see :func:`scale_by_adam`.
-
     """
     warnings.warn("`optimistic_adam` is deprecated, use `optimistic_adam_v2` instead",
                   DeprecationWarning, stacklevel=2)

@@ -467,7 +467,6 @@ class GenerationEngine:
           on_event: called from the engine thread for every token and once at the end
             (:class:`GenerationEvent`); it must not block.
 
-
         Raises:
           ValueError: an empty prompt, a token id out of range, a prompt that with
             ``max_new_tokens`` does not fit ``max_length``, or ``max_new_tokens`` above

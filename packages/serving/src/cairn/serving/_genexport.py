@@ -521,7 +521,6 @@ def export_generator(
       vocab_size: logits per position.
       max_length: cache positions.
       eos_token_ids: tokens that end a sequence; default the tokenizer's
-
         (:attr:`Tokenizer.eos_token_ids`) when one is given.
       vocabulary: token id -> text (``None`` for ids without text), for ``text_input``.
       bos_token_id: prepended to tokenized text.
