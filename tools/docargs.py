@@ -5,13 +5,14 @@ the ``__all__`` of a submodule that ``__all__`` lists (``cairn.checkpoint.args``
 ``cairn.optim.losses``...). A function is checked when its signature has parameters; a class
 when its constructor has (``self`` left out), and only where the class itself, or a Cairn class
 it derives from, defines ``__init__``/``__new__`` (a dataclass or NamedTuple counts; an
-exception that keeps ``Exception``'s constructor does not, nor does a ``typing.Protocol``). Parameters whose name starts with an
-underscore (not for callers) and ``self``/``cls`` are left out. Methods are not checked here.
+exception that keeps ``Exception``'s constructor does not, nor does a ``typing.Protocol``). The
+public methods of an exported class that a Cairn class defines (the class itself or a base;
+static and class methods too, properties not) are checked as functions. Parameters whose name starts with an
+underscore (not for callers) and ``self``/``cls`` are left out.
 
 A parameter counts as documented when an entry of the ``Args:`` section (in the function's
 docstring; for a class, in the class's, or in the docstring of the class defining its constructor
 or of that ``__init__``) names it:
-
 ``name: text`` or ``name (type): text``; ``*args`` and ``**kwargs`` may be written with or
 without their stars. The check imports the packages (``__all__`` is what users see), so run it
 where they are installed, as ``nox -s lint`` does.
@@ -103,19 +104,44 @@ def missing_args(obj: object) -> list[str] | None:
     return [p for p in params if p not in got]
 
 
+def public_methods(cls: type) -> Iterator[tuple[str, object]]:
+    """``(name, function)`` for each public method ``cls`` has from a Cairn class (itself or a base).
+
+    Methods, static and class methods count; properties and methods inherited from non-Cairn
+    classes (``object``, ``Exception``, ``typing.Protocol``...) do not.
+
+    Args:
+      cls: an exported class.
+    """
+    found: dict[str, object] = {}
+    for c in cls.__mro__:
+        if not c.__module__.startswith("cairn."):
+            continue
+        for name, member in vars(c).items():
+            fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+            if not name.startswith("_") and inspect.isfunction(fn) and name not in found:
+                found[name] = fn
+    yield from found.items()
+
+
 def public_callables(package: str) -> Iterator[tuple[str, object]]:
-    """``(qualified name, object)`` for each name in ``cairn.<package>``'s ``__all__`` and in its listed submodules'.
+    """``(qualified name, object)`` for each name in ``cairn.<package>``'s ``__all__`` and in its
+    listed submodules', and for each public method of the classes among them.
+
+    A function reached twice (re-exported, or a method two exported classes share) is given
+    once, under the first name it is reached by.
 
     Args:
       package: the folder name under packages/ (``core_array``, ``nn``...).
     """
-    seen: set[str] = set()
+    seen_modules: set[str] = set()
+    seen_objects: set[int] = set()
     todo = [f"cairn.{package}"]
     while todo:
         modname = todo.pop(0)
-        if modname in seen:
+        if modname in seen_modules:
             continue
-        seen.add(modname)
+        seen_modules.add(modname)
         mod = importlib.import_module(modname)
         for name in getattr(mod, "__all__", []):
             obj = getattr(mod, name)
@@ -123,7 +149,15 @@ def public_callables(package: str) -> Iterator[tuple[str, object]]:
                 if obj.__name__.startswith(f"cairn.{package}."):
                     todo.append(obj.__name__)
                 continue
+            if id(obj) in seen_objects:
+                continue
+            seen_objects.add(id(obj))
             yield f"{modname}.{name}", obj
+            if inspect.isclass(obj):
+                for method_name, fn in public_methods(obj):
+                    if id(fn) not in seen_objects:
+                        seen_objects.add(id(fn))
+                        yield f"{modname}.{name}.{method_name}", fn
 
 
 def problems(packages: list[str], todo: set[str]) -> tuple[list[str], set[str]]:

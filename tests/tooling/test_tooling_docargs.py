@@ -148,6 +148,57 @@ def test_todo_list_must_shrink_exactly(monkeypatch, tmp_path):
     assert docargs.read_todo(todo) == {"cairn.a.b"}
 
 
+class Base:
+    """A Cairn base class (its module is set below)."""
+
+    def __init__(self) -> None:
+        """Nothing to document."""
+
+    def run(self, steps: int) -> None:
+        """Run.
+
+        Args:
+          steps: how many.
+        """
+
+    def _helper(self, x: int) -> None:
+        """Private: not checked."""
+
+
+class Child(Base):
+    """A Cairn class deriving from Base."""
+
+    def extra(self, y: int) -> None:
+        """No Args section."""
+
+    @staticmethod
+    def make(z: int) -> None:
+        """No Args section either."""
+
+    @property
+    def size(self) -> int:
+        """A property: not checked."""
+        return 1
+
+
+Base.__module__ = Child.__module__ = "cairn.fakepkg._topic"
+
+
+def test_public_methods_of_exported_classes_are_checked_once(monkeypatch):
+    assert [name for name, _ in docargs.public_methods(Child)] == ["extra", "make", "run"]
+    mod = types.ModuleType("cairn.fakepkg")
+    mod.__all__ = ["Base", "Child"]
+    mod.Base, mod.Child = Base, Child
+    monkeypatch.setitem(sys.modules, "cairn.fakepkg", mod)
+    names = [q for q, _ in docargs.public_callables("fakepkg")]
+    # Base.run is reached again through Child: reported once, under the first name
+    assert names == ["cairn.fakepkg.Base", "cairn.fakepkg.Base.run", "cairn.fakepkg.Child",
+                     "cairn.fakepkg.Child.extra", "cairn.fakepkg.Child.make"]
+    found, _ = docargs.problems(["fakepkg"], set())
+    assert found == ["cairn.fakepkg.Child.extra: its docstring's Args: section does not name y",
+                     "cairn.fakepkg.Child.make: its docstring's Args: section does not name z"]
+
+
 def test_every_package_passes_with_the_todo_list():
     found, stale = docargs.problems(docargs.all_packages(), docargs.read_todo())
     assert found == [] and stale == set(), "\n".join(found + sorted(stale))

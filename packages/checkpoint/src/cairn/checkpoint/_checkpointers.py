@@ -93,6 +93,14 @@ class Checkpointer(_BackgroundSaver):
     ) -> None:
         """Save ``item`` (or what ``args`` describe) to ``directory``.
 
+        Args:
+          directory: the checkpoint directory to create.
+          item: the tree to save (wrapped in the handler's save arguments), or save arguments.
+          args: Orbax's save arguments (``ocp.args.StandardSave(tree)``, ``Composite(...)``).
+          force: replace an existing ``directory``.
+          save_args: a tree of per-leaf :class:`SaveArgs` for ``item``.
+          custom_metadata: a JSON-able value stored with the item.
+
         Raises:
           FileExistsError: ``directory`` exists and ``force`` is false.
           TypeError: a leaf cannot be saved (naming its path), or ``args`` are not save args.
@@ -131,6 +139,13 @@ class Checkpointer(_BackgroundSaver):
 
         Without a handler (cairn's own convention) ``item`` is a :func:`restore` target and
         ``kwargs`` are :func:`restore`'s (``paths``, ``partial``, ``cast``, ``mesh``).
+
+        Args:
+          directory: the checkpoint to read.
+          item: the restore target, or ``None`` (as saved).
+          args: Orbax's restore arguments (``ocp.args.StandardRestore(abstract)``, ``Composite(...)``).
+          strict: ``False`` truncates or zero-pads arrays whose target shape differs (as in Orbax).
+          **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its restore arguments.
         """
         self._bg.wait()
         directory = os.fspath(directory)
@@ -150,7 +165,11 @@ class Checkpointer(_BackgroundSaver):
 
     def metadata(self, directory: str | os.PathLike) -> Any:
         """Every saved path's :class:`LeafMetadata` (per item for a ``Composite``; ``"json"``
-        for JSON items), without reading array data."""
+        for JSON items), without reading array data.
+
+        Args:
+          directory: the checkpoint to describe.
+        """
         self._bg.wait()
         directory = os.fspath(directory)
         _require_committed(directory)

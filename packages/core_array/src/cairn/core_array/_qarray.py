@@ -115,17 +115,31 @@ class QuantLayout:
 
     @classmethod
     def per_channel(cls, *axes: int) -> QuantLayout:
+        """One scale per index of ``axes`` (the other axes reduced).
+
+        Args:
+          *axes: the axes the scales vary along (an output-channel axis, usually).
+        """
         return cls("per_channel", tuple(axes))
 
     @classmethod
     def per_tile(cls, axis: int | Sequence[int], tile_size: int | Sequence[int]) -> QuantLayout:
         """Tiles along ``axis`` (one int) or along each of several axes (``tile_size``: one
-        length for all, or one per axis)."""
+        length for all, or one per axis).
+
+        Args:
+          axis: the tiled axis, or several.
+          tile_size: the tile length (for every tiled axis), or one per axis.
+        """
         axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
         return cls("per_tile", axes, tile_size if isinstance(tile_size, int | np.integer) else tuple(tile_size))
 
     def expected_scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The full (non-broadcast) scale shape for values of ``shape``."""
+        """The full (non-broadcast) scale shape for values of ``shape``.
+
+        Args:
+          shape: the values' shape.
+        """
         nd = len(shape)
         bad = [a for a in self.axes if not -nd <= a < nd]
         if bad:
@@ -148,6 +162,10 @@ class QuantLayout:
         repeated over its tile, so it broadcasts against values of ``shape`` (NumPy or JAX;
         unchanged unless ``per_tile``).
 
+        Args:
+          a: the per-group array (NumPy or JAX).
+          shape: the values' shape.
+
         >>> QuantLayout.per_tile(1, 2).repeat_tiles(np.array([[1.0, 2.0]]), (1, 4))
         array([[1., 1., 2., 2.]])
         """
@@ -162,6 +180,11 @@ class QuantLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> QuantLayout:
+        """Inverse of :meth:`to_json`.
+
+        Args:
+          d: a dict with ``kind`` (and ``axes``, ``tile_size``).
+        """
         if not isinstance(d, dict) or "kind" not in d:
             raise ValueError(f"QuantLayout.from_json expects a dict with 'kind', got {d!r}")
         axes = d.get("axes", ())
@@ -411,7 +434,11 @@ class QArray:
 
     @classmethod
     def from_json(cls, d: dict) -> QArray:
-        """Inverse of :meth:`to_json` (NumPy arrays, bit for bit)."""
+        """Inverse of :meth:`to_json` (NumPy arrays, bit for bit).
+
+        Args:
+          d: a dict as :meth:`to_json` writes it.
+        """
         if not isinstance(d, dict):
             raise ValueError(f"QArray.from_json expects a dict, got {type(d).__name__}")
         missing = [k for k in ("qtype", "dtype", "layout", "qvalue", "scale") if k not in d]

@@ -71,12 +71,22 @@ class LogicalAxisRules:
 
     @classmethod
     def from_json(cls, data: Sequence) -> LogicalAxisRules:
+        """Inverse of :meth:`to_json`.
+
+        Args:
+          data: ``[[logical_axis, mesh_axes], ...]`` as :meth:`to_json` writes it.
+        """
         return cls([(k, v) for k, v in data])
 
     def mesh_axes(
         self, logical_axes: Sequence[str | None], mesh_axis_names: Iterable[str] | None = None
     ) -> tuple[MeshAxes, ...]:
-        """The mesh axes for each logical axis (``None`` = replicated)."""
+        """The mesh axes for each logical axis (``None`` = replicated).
+
+        Args:
+          logical_axes: one logical axis name (or ``None``) per array dim.
+          mesh_axis_names: the mesh's axis names; rules naming others are skipped (``None``: none skipped).
+        """
         available = None if mesh_axis_names is None else set(mesh_axis_names)
         used: set[str] = set()
         out: list[MeshAxes] = []

@@ -273,7 +273,11 @@ class ArraySpec:
         return env
 
     def matches(self, shape: Any) -> bool:
-        """Whether a concrete ``shape`` fits (sizes, shared names, constraints)."""
+        """Whether a concrete ``shape`` fits (sizes, shared names, constraints).
+
+        Args:
+          shape: a concrete shape (a tuple of ints).
+        """
         try:
             self.check_shape(shape)
         except (ValueError, TypeError):
@@ -283,6 +287,10 @@ class ArraySpec:
     def bind(self, bindings: Mapping[str, int] | None = None, /, **sizes: int) -> ArraySpec:
         """This spec with symbolic dims replaced by sizes: a constraint whose names are
         all bound is checked and dropped, one partly bound gets the sizes substituted.
+
+        Args:
+          bindings: ``{name: size}`` for symbolic dims.
+          **sizes: more sizes by name.
 
         Raises:
           ValueError: a size breaks a constraint.
@@ -319,6 +327,9 @@ class ArraySpec:
     def from_json(cls, d: dict) -> ArraySpec:
         """Inverse of :meth:`to_json` (a dict without ``"constraints"`` loads too).
 
+        Args:
+          d: a dict as :meth:`to_json` writes it.
+
         Raises:
           ValueError: not an object with ``shape`` and ``dtype``, or unknown keys.
         """
@@ -339,6 +350,10 @@ class ArraySpec:
         """The spec of an array-like (NumPy, JAX, ``jax.ShapeDtypeStruct``, scalar).
 
         A JAX array or struct with a ``NamedSharding`` contributes its partition spec.
+
+        Args:
+          x: the array-like.
+          logical_axes: optional logical axis names, one per dim.
         """
         sharding = None
         sh = getattr(x, "sharding", None)
@@ -362,6 +377,10 @@ class ArraySpec:
         must share a scope: pass ``scope`` (a ``jax.export.SymbolicScope``, e.g. from
         :func:`shape_dtype_structs`, which does this for a whole tree); without it this
         spec's own constraints make a fresh scope.
+
+        Args:
+          mesh: a ``jax.sharding.Mesh`` for the spec's ``sharding``, or ``None``.
+          scope: a ``jax.export.SymbolicScope`` shared with other specs, or ``None``.
         """
         jax = require_jax("ArraySpec.to_shape_dtype_struct")
         sharding = None
