@@ -1,7 +1,7 @@
 """The one entry point: tests, lint, docs, build, bench, demo.
 
 Every session installs what it needs, so a fresh machine with Python 3.11 and pip needs
-only `python3 -m pip install nox` first.
+only `python3 -m pip install nox uv` first (uv is optional: without it nox uses virtualenv).
 """
 
 from __future__ import annotations
@@ -144,7 +144,9 @@ def lint(session: nox.Session) -> None:
 
     ruff (config in pyproject: absolute imports only, unused code), the dependency
     direction and no import cycle inside a package (tools/depcheck.py), no function over
-    80 lines (tools/funclen.py), type hints on public signatures (tools/typehints.py), one
+    80 lines (tools/funclen.py), type hints on public signatures (tools/typehints.py), an
+    ``Args:`` section naming every parameter of each callable in a package's ``__all__``
+    (tools/docargs.py, with tools/docargs_todo.txt the shrinking list of those not yet done), one
     banner style (tools/banners.py), dead code (vulture, [tool.vulture], whitelist
     tools/vulture_whitelist.py) and mypy ([tool.mypy]) over packages/*/src, with the
     packages installed so jax/numpy types resolve.
@@ -157,6 +159,7 @@ def lint(session: nox.Session) -> None:
         ("python", "tools/depcheck.py", "packages"),
         ("python", "tools/funclen.py", "packages", "examples", "tools", "benchmarks"),
         ("python", "tools/typehints.py", "packages", "examples", "tools", "benchmarks"),
+        ("python", "tools/docargs.py"),  # imports the packages: their __all__ is what users see
         ("python", "tools/banners.py", *LINT_PATHS),
         ("vulture",),  # paths, confidence and ignored names: [tool.vulture] in pyproject.toml
         ("mypy", *srcs),
@@ -193,6 +196,15 @@ def build(session: nox.Session) -> None:
         session.run(py, str(ROOT / "tools" / "check_installed.py"), pkg, "--wheel", external=True)
 
 
+# Where the README contract runs (issue 31: "CI runs it, or tests_package does it"): CI runs
+# `nox -s tests` only, and that suite already holds the contract's fast static half,
+# tests/tooling/test_tooling_readme_examples.py: every module each README example imports
+# must come from the package, a Cairn package it depends on, a declared dependency or the
+# README's install line (seconds, no network). This session, the dynamic half (a wheel per
+# package, a fresh venv each, a network install and the examples run: minutes per package),
+# would add far more than CI's 10-minute budget leaves, so it is not in CI and not folded into
+# tests_package (whose editable installs would not prove what a wheel lacks): run it before a
+# release and whenever a README's install line or its examples change.
 @nox.session(python=PYTHON)
 @nox.parametrize("package", PACKAGES)
 def readme_examples(session: nox.Session, package: str) -> None:
@@ -297,13 +309,28 @@ def compat_suites(session: nox.Session) -> None:
         session.run("python", "tools/compat_suites.py", *args)
 
 
+# what the docs site needs, in the docs session only (never a library dependency): mkdocstrings'
+# Python handler reads the docstrings (Google style) for the API reference pages, pymdown's
+# highlight colours code with pygments at build time (no highlight.js from a CDN)
+DOCS_DEPS = ("mkdocs>=1.6", "mkdocstrings[python]>=0.26", "pymdown-extensions>=10", "pygments>=2.17")
+
+
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Builds the docs site into build/docs and runs every ```python example in docs/."""
+    """Runs every ```python example in docs/ and the package READMEs, then builds the site into build/docs.
+
+    `mkdocs build --strict`: a warning fails the build (a broken link, a page missing from
+    the navigation, a docstring `Args:` entry mkdocstrings cannot match to a parameter).
+    tools/md_docstrings.py (a Markdown extension, found on PYTHONPATH=tools) renders the
+    docstrings' doctests as code; tools/check_site_offline.py then checks that no page loads
+    anything from the network and that the code is highlighted.
+    """
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
-    session.install("mkdocs>=1.6")
+    session.install(*DOCS_DEPS)
     session.run("python", "tools/run_doc_examples.py", "docs", *[f"packages/{p}/README.md" for p in PACKAGES])
-    session.run("mkdocs", "build", "--quiet", "--site-dir", "build/docs")
+    session.run("python", "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", "build/docs",
+                env={"PYTHONPATH": str(ROOT / "tools")})
+    session.run("python", "tools/check_site_offline.py", "build/docs")
 
 
 @nox.session(python=PYTHON)

@@ -43,6 +43,8 @@ _.python_tracer_level  # nn.Profiler: a jax.profiler.ProfileOptions field, read 
 IMPLEMENTATION  # cairn.kernels GPU kernel modules: kernels.deferred reads module.IMPLEMENTATION on first use
 _.handle_starttag  # tests of _repr_html_: html.parser.HTMLParser calls it
 _.handle_endtag  # tests of _repr_html_: html.parser.HTMLParser calls it
+makeExtension  # tools/md_docstrings.py: Python-Markdown imports the extension module and calls it
+_.extendMarkdown  # tools/md_docstrings.py: Python-Markdown calls it on each extension
 
 # --- names that document a value ---
 PAD  # examples/lm/lm_task.py: names token id 0, the padding that eval_batch's zero-filled arrays hold

@@ -21,19 +21,21 @@ def _quick_start_commands() -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
 
 
-def test_readme_quick_start_is_exactly_two_commands():
-    main_job, tests = _quick_start_commands()
-    assert main_job == "python3 -m pip install nox && nox -s demo"
-    assert tests == "python3 -m pip install nox && nox -s tests"
+def test_readme_quick_start_is_the_install_line_then_two_commands():
+    install, main_job, tests = _quick_start_commands()
+    assert install == "python3 -m pip install nox uv"
+    assert main_job == "nox -s demo"
+    assert tests == "nox -s tests"
 
 
-def test_ci_runs_exactly_the_readme_test_command():
+def test_ci_runs_exactly_the_readme_install_line_and_test_command():
     run = ROOT / ".ci" / "run"
     assert run.stat().st_mode & 0o111, ".ci/run must be executable"
     lines = [ln.strip() for ln in run.read_text().splitlines() if ln.strip() and not ln.strip().startswith("#")]
     assert lines[0] == "set -euo pipefail"
     commands = [ln for ln in lines if not ln.startswith(("set ", 'cd "$(dirname'))]
-    assert commands == [_quick_start_commands()[1]]
+    install, _, tests = _quick_start_commands()
+    assert commands == [install, tests]
 
 
 def _sessions() -> dict[str, ast.FunctionDef]:
@@ -66,7 +68,7 @@ def test_tests_session_uses_xdist_and_leaves_slow_cases_to_tests_slow():
 
 def test_lint_session_runs_every_house_rule():
     lint = ast.unparse(_sessions()["lint"])
-    for step in ("'ruff', 'check'", "tools/depcheck.py", "tools/funclen.py", "tools/typehints.py",
+    for step in ("'ruff', 'check'", "tools/depcheck.py", "tools/funclen.py", "tools/typehints.py", "tools/docargs.py",
                  "tools/banners.py", "('vulture',)", "'mypy'"):
         assert step in lint, f"nox -s lint no longer runs {step}"
     # a failing step must fail the session (after the others ran), never be swallowed

@@ -27,7 +27,14 @@ class CheckpointArgs:
 
 @dataclass(frozen=True)
 class StandardSave(CheckpointArgs):
-    """Save a pytree of arrays and scalars (Orbax's ``args.StandardSave``)."""
+    """Save a pytree of arrays and scalars (Orbax's ``args.StandardSave``).
+
+    Args:
+      item: the pytree to save (``jax.Array``, NumPy and Python scalar leaves).
+      save_args: optional tree of :class:`~cairn.checkpoint.SaveArgs` matching ``item``
+        (per-leaf dtype casts).
+      custom_metadata: a JSON-able value stored beside the tree (Orbax's name).
+    """
 
     item: Any
     save_args: Any = None
@@ -41,7 +48,16 @@ class StandardRestore(CheckpointArgs):
     scalars) if given. ``strict=False`` truncates, or pads with zeros, arrays whose target
     shape differs from the saved one (same rank), as in Orbax; a partial restore needs
     ``PyTreeRestore(partial_restore=True)``. ``fallback_sharding`` places device arrays
-    whose saved sharding does not fit the devices and whose target has none."""
+    whose saved sharding does not fit the devices and whose target has none.
+
+    Args:
+      item: the restore target (its structure, shapes, dtypes and shardings), or ``None``
+        for the tree as saved.
+      strict: ``False`` truncates or zero-pads arrays whose target shape differs.
+      support_layout: not supported; ``True`` raises ``NotImplementedError``.
+      fallback_sharding: a ``jax.sharding.Sharding`` for device arrays whose saved
+        sharding does not fit this run's devices.
+    """
 
     item: Any = None
     strict: bool = True
@@ -55,7 +71,15 @@ class StandardRestore(CheckpointArgs):
 
 @dataclass(frozen=True)
 class PyTreeSave(CheckpointArgs):
-    """Save a pytree with optional per-leaf :class:`SaveArgs` (Orbax's ``args.PyTreeSave``)."""
+    """Save a pytree with optional per-leaf :class:`SaveArgs` (Orbax's ``args.PyTreeSave``).
+
+    Args:
+      item: the pytree to save.
+      save_args: optional tree of :class:`~cairn.checkpoint.SaveArgs` matching ``item``.
+      ocdbt_target_data_file_size: accepted for Orbax compatibility (a positive int, bytes);
+        our chunking is automatic.
+      custom_metadata: a JSON-able value stored beside the tree.
+    """
 
     item: Any
     save_args: Any = None
@@ -73,7 +97,18 @@ class PyTreeSave(CheckpointArgs):
 class PyTreeRestore(CheckpointArgs):
     """Restore a pytree onto ``item`` and/or per-leaf ``restore_args`` (a tree of
     ``RestoreArgs``); ``partial_restore=True`` skips checkpoint paths the target lacks;
-    ``transforms`` (a tree of ``Transform``) read leaves from other checkpoint paths."""
+    ``transforms`` (a tree of ``Transform``) read leaves from other checkpoint paths.
+
+    Args:
+      item: the restore target's structure and leaves, or ``None``.
+      restore_args: a tree of :class:`~cairn.checkpoint.RestoreArgs` (per leaf: NumPy or
+        device array, dtype, sharding), matched with ``item`` by path.
+      transforms: a tree of :class:`~cairn.checkpoint.Transform` saying which checkpoint
+        path each leaf is read from.
+      transforms_default_to_original: leaves without a transform read their own path.
+      legacy_transform_fn: not supported (use ``transforms``); set, it raises at restore.
+      partial_restore: skip checkpoint paths the target lacks.
+    """
 
     item: Any = None
     restore_args: Any = None
@@ -85,7 +120,12 @@ class PyTreeRestore(CheckpointArgs):
 
 @dataclass(frozen=True)
 class ArraySave(CheckpointArgs):
-    """Save one array (Orbax's ``args.ArraySave``)."""
+    """Save one array (Orbax's ``args.ArraySave``).
+
+    Args:
+      item: the array.
+      save_args: an optional :class:`~cairn.checkpoint.SaveArgs` for it.
+    """
 
     item: Any
     save_args: Any = None
@@ -94,7 +134,12 @@ class ArraySave(CheckpointArgs):
 
 @dataclass(frozen=True)
 class ArrayRestore(CheckpointArgs):
-    """Restore one array, onto ``item`` if given, per ``restore_args`` if given."""
+    """Restore one array, onto ``item`` if given, per ``restore_args`` if given.
+
+    Args:
+      item: the target array, ``jax.ShapeDtypeStruct`` or ``None`` (as saved).
+      restore_args: an optional :class:`~cairn.checkpoint.RestoreArgs` for it.
+    """
 
     item: Any = None
     restore_args: Any = None
@@ -102,7 +147,11 @@ class ArrayRestore(CheckpointArgs):
 
 @dataclass(frozen=True)
 class JsonSave(CheckpointArgs):
-    """Save a JSON-able value as JSON (Orbax's ``args.JsonSave``)."""
+    """Save a JSON-able value as JSON (Orbax's ``args.JsonSave``).
+
+    Args:
+      item: the value (dicts, lists, strings, numbers, booleans, ``None``).
+    """
 
     item: Any
     kind: ClassVar[str] = "json"
@@ -111,7 +160,11 @@ class JsonSave(CheckpointArgs):
 
 @dataclass(frozen=True)
 class JsonRestore(CheckpointArgs):
-    """Restore a value saved with :class:`JsonSave` (``item`` is ignored, as in Orbax)."""
+    """Restore a value saved with :class:`JsonSave` (``item`` is ignored, as in Orbax).
+
+    Args:
+      item: ignored.
+    """
 
     item: Any = None
     kind: ClassVar[str] = "json"
@@ -120,6 +173,10 @@ class JsonRestore(CheckpointArgs):
 class Composite(CheckpointArgs, Mapping):
     """Several named items, each with its own arguments; also what a multi-item restore
     returns. Items are read by key (``c["state"]``) or attribute (``c.state``).
+
+    Args:
+      *args: mappings of item name to arguments, merged in order.
+      **items: more items by name (they win over ``args``); every name is a non-empty string.
 
     >>> c = Composite(state=StandardSave({"w": 1}), meta=JsonSave({"lang": "en"}))
     >>> sorted(c), c.meta.item

@@ -123,6 +123,12 @@ def save(
     (an ``OSError`` with the original ``errno``) naming the file. ``compression`` is ``None`` (default) or
     ``"zstd"`` / ``"zstd:<level>"``.
 
+    Args:
+      directory: the checkpoint directory to create (its parent must exist or be creatable).
+      tree: the pytree to save.
+      force: replace an existing ``directory`` instead of raising.
+      compression: ``None``, ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+
     >>> import tempfile, numpy as np
     >>> d = tempfile.mkdtemp() + "/ckpt"
     >>> save(d, {"w": np.arange(3.0), "step": 7, "name": "run-1", "ids": [4, (5, None)]})
@@ -168,6 +174,14 @@ def restore(
 
     ``paths`` (a regex or list of regexes, full match on the path string) restores only the
     matching paths; with a target, non-matching target leaves are returned unchanged.
+
+    Args:
+      directory: a committed checkpoint (or a manager step's item directory).
+      target: an optional pytree giving the result's structure, shapes, dtypes and shardings.
+      paths: a regex or list of regexes (full match); only matching paths are read.
+      partial: skip checkpoint paths the target lacks instead of raising.
+      cast: allow a target dtype other than the saved one.
+      mesh: the ``jax.sharding.Mesh`` for ``ArraySpec`` target leaves that carry a sharding.
     """
     _require_committed(os.fspath(directory))
     return _restore.restore_dir(
@@ -177,6 +191,9 @@ def restore(
 
 def metadata(directory: str | os.PathLike) -> dict[str, LeafMetadata]:
     """Every saved path with its kind, shape, dtype and sharding, without reading array data.
+
+    Args:
+      directory: a committed checkpoint.
 
     >>> import tempfile, numpy as np
     >>> d = tempfile.mkdtemp() + "/ckpt"

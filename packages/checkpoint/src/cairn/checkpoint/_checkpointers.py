@@ -53,8 +53,15 @@ class Checkpointer(_BackgroundSaver):
     def __init__(
         self, handler: CheckpointHandler | None = None, *, compression: str | None = None, **options: Any
     ) -> None:
-        """``options`` takes Orbax's checkpointer options (``multiprocessing_options``,
-        ``file_options``...), accepted and ignored."""
+        """Build a checkpointer.
+
+        Args:
+          handler: the item's handler (``ocp.StandardCheckpointHandler()``...), or ``None``
+            (a pytree, or the handler the save/restore arguments imply).
+          compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+          **options: Orbax's checkpointer options (``multiprocessing_options``,
+            ``file_options``...), accepted and ignored.
+        """
         if handler is not None and not isinstance(handler, CheckpointHandler):
             raise TypeError(
                 f"handler must be an ocp.*CheckpointHandler() instance, got {type(handler).__name__}"
@@ -85,6 +92,14 @@ class Checkpointer(_BackgroundSaver):
         custom_metadata: Any = None,
     ) -> None:
         """Save ``item`` (or what ``args`` describe) to ``directory``.
+
+        Args:
+          directory: the checkpoint directory to create.
+          item: the tree to save (wrapped in the handler's save arguments), or save arguments.
+          args: Orbax's save arguments (``ocp.args.StandardSave(tree)``, ``Composite(...)``).
+          force: replace an existing ``directory``.
+          save_args: a tree of per-leaf :class:`SaveArgs` for ``item``.
+          custom_metadata: a JSON-able value stored with the item.
 
         Raises:
           FileExistsError: ``directory`` exists and ``force`` is false.
@@ -124,6 +139,13 @@ class Checkpointer(_BackgroundSaver):
 
         Without a handler (cairn's own convention) ``item`` is a :func:`restore` target and
         ``kwargs`` are :func:`restore`'s (``paths``, ``partial``, ``cast``, ``mesh``).
+
+        Args:
+          directory: the checkpoint to read.
+          item: the restore target, or ``None`` (as saved).
+          args: Orbax's restore arguments (``ocp.args.StandardRestore(abstract)``, ``Composite(...)``).
+          strict: ``False`` truncates or zero-pads arrays whose target shape differs (as in Orbax).
+          **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its restore arguments.
         """
         self._bg.wait()
         directory = os.fspath(directory)
@@ -143,7 +165,11 @@ class Checkpointer(_BackgroundSaver):
 
     def metadata(self, directory: str | os.PathLike) -> Any:
         """Every saved path's :class:`LeafMetadata` (per item for a ``Composite``; ``"json"``
-        for JSON items), without reading array data."""
+        for JSON items), without reading array data.
+
+        Args:
+          directory: the checkpoint to describe.
+        """
         self._bg.wait()
         directory = os.fspath(directory)
         _require_committed(directory)
@@ -178,7 +204,12 @@ class AsyncCheckpointer(Checkpointer):
 
 class StandardCheckpointer(AsyncCheckpointer):
     """``AsyncCheckpointer(StandardCheckpointHandler())``: ``save(dir, tree)``,
-    ``restore(dir, abstract_tree=None, strict=True)``."""
+    ``restore(dir, abstract_tree=None, strict=True)``.
+
+    Args:
+      compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+      **options: Orbax's checkpointer options, accepted and ignored.
+    """
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(StandardCheckpointHandler(), compression=compression, **options)
@@ -186,7 +217,12 @@ class StandardCheckpointer(AsyncCheckpointer):
 
 class PyTreeCheckpointer(Checkpointer):
     """``Checkpointer(PyTreeCheckpointHandler())``: synchronous pytree saves with optional
-    per-leaf ``save_args`` / ``restore_args``."""
+    per-leaf ``save_args`` / ``restore_args``.
+
+    Args:
+      compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+      **options: Orbax's checkpointer options, accepted and ignored.
+    """
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)

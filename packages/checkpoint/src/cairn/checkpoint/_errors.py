@@ -12,6 +12,10 @@ class CheckpointCorruptError(CheckpointError, ValueError):
 
     The message names the file and says which checkpoint (or manager step) is corrupt;
     ``path`` is that file.
+
+    Args:
+      message: what is wrong, naming the file and the checkpoint.
+      path: the damaged file, if known.
     """
 
     def __init__(self, message: str, path: str | None = None) -> None:
@@ -40,6 +44,10 @@ class SyncTimeoutError(CheckpointError, TimeoutError):
 
     The message names the sync point and the process indices that did not arrive;
     ``missing`` is that list.
+
+    Args:
+      message: the sync point and who did not arrive.
+      missing: the process indices that did not arrive.
     """
 
     def __init__(self, message: str, missing: list[int]) -> None:

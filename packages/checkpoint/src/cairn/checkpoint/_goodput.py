@@ -114,7 +114,11 @@ class GoodputRecorder:
     # --- restarts ---
     def resumed(self, step: int | None) -> None:
         """Call once, after restoring ``step`` (``None``: a fresh start); charges the work the
-        previous run did after ``step`` as ``restart_lost`` and the gap as ``downtime``."""
+        previous run did after ``step`` as ``restart_lost`` and the gap as ``downtime``.
+
+        Args:
+          step: the step restored, or ``None`` for a fresh start.
+        """
         if self._resumed:
             raise RuntimeError("GoodputRecorder.resumed() was already called for this run")
         self._resumed = True
@@ -148,7 +152,11 @@ class GoodputRecorder:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Count the time inside the ``with`` block as ``name`` (``"compile"``, ``"data"``,
-        ``"checkpoint"``, ``"eval"``...). Phases do not nest."""
+        ``"checkpoint"``, ``"eval"``...). Phases do not nest.
+
+        Args:
+          name: the phase's name (not ``"step"`` nor a derived category).
+        """
         if not isinstance(name, str) or not name or name in (_STEP, *_DERIVED):
             raise ValueError(
                 f"phase name must be a non-empty string other than {[_STEP, *_DERIVED]} "
@@ -175,7 +183,11 @@ class GoodputRecorder:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Count the time inside the block as productive work that reaches ``step`` (the
-        first step of a run counts as ``compile`` with ``compile_first_step``)."""
+        first step of a run counts as ``compile`` with ``compile_first_step``).
+
+        Args:
+          step: the step this block's work reaches.
+        """
         first = self._steps_seen == 0 and self._compile_first
         self._steps_seen += 1
         t0 = self._clock()
@@ -191,7 +203,12 @@ class GoodputRecorder:
         self._maybe_flush()
 
     def record(self, name: str, seconds: float) -> None:
-        """Add ``seconds`` measured elsewhere to ``name`` (then flush if it is time)."""
+        """Add ``seconds`` measured elsewhere to ``name`` (then flush if it is time).
+
+        Args:
+          name: the phase's name.
+          seconds: the time to add.
+        """
         self._add(name, seconds)
         self._maybe_flush()
 

@@ -21,9 +21,21 @@ class CheckpointHandler:
         ignored: the format is fixed (zarr3 + OCDBT)."""
 
     def save_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs:
+        """``item`` wrapped in this handler's save arguments (``StandardSave(item)``...).
+
+        Args:
+          item: what to save.
+          **kwargs: more fields of the save arguments (``save_args=``...).
+        """
         return self.save_type(item, **kwargs)
 
     def restore_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs:
+        """``item`` wrapped in this handler's restore arguments (``StandardRestore(item)``...).
+
+        Args:
+          item: the restore target, or ``None``.
+          **kwargs: more fields of the restore arguments (``strict=``...).
+        """
         return self.restore_type(item, **kwargs)
 
     def __repr__(self) -> str:
@@ -59,6 +71,12 @@ class CompositeCheckpointHandler(CheckpointHandler):
     """Several named items (``args.Composite``); a bare item is refused."""
 
     def save_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs:
+        """``item`` itself, which must be an ``args.Composite``.
+
+        Args:
+          item: the ``args.Composite`` to save.
+          **kwargs: ignored.
+        """
         if isinstance(item, _args.Composite):
             return item
         raise TypeError(
@@ -67,6 +85,12 @@ class CompositeCheckpointHandler(CheckpointHandler):
         )
 
     def restore_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs | None:  # type: ignore[override]
+        """``item`` itself: an ``args.Composite``, or ``None`` (every item as saved).
+
+        Args:
+          item: the ``args.Composite`` to restore with, or ``None``.
+          **kwargs: ignored.
+        """
         if item is None or isinstance(item, _args.Composite):
             return item
         raise TypeError(

@@ -40,6 +40,12 @@ class SaveArgs:
     ``chunk_byte_size`` and ``shard_axes`` are accepted for compatibility; our chunking is
     automatic (at most 64 MiB per chunk, one chunk per shard or smaller).
 
+    Args:
+      aggregate: must be ``False`` (Orbax deprecated it).
+      dtype: the dtype the leaf is cast to before writing, or ``None`` (as is).
+      chunk_byte_size: accepted for compatibility: a positive int or ``None``.
+      shard_axes: accepted for compatibility: a tuple of axis indices.
+
     Raises:
       NotImplementedError: ``aggregate=True`` (deprecated in Orbax).
       ValueError: a malformed ``chunk_byte_size`` or ``shard_axes``.
@@ -67,6 +73,10 @@ class RestoreArgs:
 
     ``restore_type``: ``np.ndarray`` for a NumPy array, ``jax.Array`` (or ``None``: as
     saved) for a device array; ``dtype`` casts the value.
+
+    Args:
+      restore_type: ``np.ndarray``, ``jax.Array`` or ``None`` (as saved).
+      dtype: the dtype to cast to, or ``None`` (as saved).
     """
 
     restore_type: Any = None
@@ -78,7 +88,18 @@ class ArrayRestoreArgs(RestoreArgs):
     """Restore one leaf as a ``jax.Array`` with ``sharding`` (or ``NamedSharding(mesh,
     mesh_axes)``), optionally cast to ``dtype`` (Orbax's ``ArrayRestoreArgs``).
     ``global_shape`` (or ``shape``) other than the saved shape needs ``strict=False``: the
-    array is then truncated, or padded with zeros, to it."""
+    array is then truncated, or padded with zeros, to it.
+
+    Args:
+      restore_type: ``jax.Array`` (the default).
+      dtype: the dtype to cast to, or ``None`` (as saved).
+      mesh: a ``jax.sharding.Mesh``, used with ``mesh_axes`` when ``sharding`` is not given.
+      mesh_axes: a ``PartitionSpec`` over ``mesh``.
+      sharding: the ``jax.sharding.Sharding`` of the restored array.
+      global_shape: the shape to restore to (truncate or zero-pad; needs ``strict=False``).
+      shape: the same as ``global_shape`` (Orbax accepts both).
+      strict: ``False`` allows ``global_shape``/``shape`` to differ from the saved shape.
+    """
 
     restore_type: Any = jax.Array
     mesh: Any = None
@@ -101,7 +122,15 @@ class Transform:
     """Where one leaf of the result comes from (Orbax's ``Transform``): the checkpoint path
     ``original_key`` (default: the leaf's own path), then ``value_fn(value)`` if given. With
     ``use_fallback`` a path the checkpoint lacks keeps the ``item``'s value.
-    ``multi_value_fn`` is not supported."""
+    ``multi_value_fn`` is not supported.
+
+    Args:
+      original_key: the checkpoint path (a ``/``-joined path string) to read, or ``None``
+        for the leaf's own path.
+      multi_value_fn: not supported; set, it raises ``NotImplementedError``.
+      use_fallback: a path the checkpoint lacks keeps the target ``item``'s value.
+      value_fn: applied to the value read, or ``None``.
+    """
 
     original_key: str | None = None
     multi_value_fn: Callable[..., Any] | None = None

@@ -40,17 +40,20 @@ _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 class CheckpointManagerOptions:
     """How often to save and what to keep (names follow Orbax's ``CheckpointManagerOptions``).
 
-    Attributes:
+    Args:
       save_interval_steps: ``should_save(step)`` is true when ``step`` is a multiple of it.
       max_to_keep: keep at most this many steps (``None``: keep all). With ``best_fn`` the
         best steps by metric are kept, otherwise the newest. The newest step is always kept.
       keep_period: additionally keep every step that is a multiple of this.
-      best_fn: maps a step's ``metrics`` dict to a number; ``best_mode`` is ``"max"`` or
-        ``"min"``. Steps saved without metrics are kept if ``keep_checkpoints_without_metrics``.
+      best_fn: maps a step's ``metrics`` dict to a number (the step's score for ``max_to_keep``).
+      best_mode: ``"max"`` (a higher ``best_fn`` is better) or ``"min"``.
+      keep_checkpoints_without_metrics: keep steps saved without metrics when ``best_fn``
+        chooses what to keep.
       step_prefix: step directories are named ``<prefix>_<step>`` (or ``<step>`` if ``None``).
       enable_async: ``save`` returns once device data is on the host; the rest runs in the
-        background. enable_async_checkpointing: Orbax's name for it; when given it wins.
-      create: create ``directory`` if missing. cleanup_tmp_directories: remove leftovers of
+        background.
+      create: create ``directory`` if missing.
+      cleanup_tmp_directories: remove leftovers of
         interrupted saves when the manager starts, but only those whose writer is provably
         gone: a process of this host that has exited, or (other hosts, unknown owners) a
         temporary directory whose lease was not renewed for ``tmp_lease_timeout_secs``
@@ -62,9 +65,13 @@ class CheckpointManagerOptions:
         the newest complete step from either tier.
         A local save that fails (a full RAM disk, an I/O error) is logged as a warning
         naming the step and the tier, never raised: the persistent tier still saves.
+      local_save_interval_steps: how often the local tier saves (required with
+        ``local_directory``, >= 1).
+      local_max_to_keep: how many steps the local tier holds (>= 1).
       timeout_secs: how long a process waits at a multi-process barrier (and at a
         preemption sync point).
       tmp_lease_timeout_secs: see ``cleanup_tmp_directories``.
+      enable_async_checkpointing: Orbax's name for ``enable_async``; when given it wins.
       preemption_signals: signals that announce a preemption (default ``SIGTERM``; ``()``
         watches none), watched from the first call of ``resume``, ``reached_preemption``,
         ``should_save`` or ``save`` (a manager that only reads leaves signals alone). The
@@ -163,6 +170,14 @@ class CheckpointManager(_BackgroundSaver):
     Every metadata file is checksummed; a damaged step is skipped by :meth:`latest_step`
     and :meth:`all_steps` and reported by :meth:`corrupt_steps`.
 
+    :meth:`save` writes a step to the persistent tier when the step is a multiple of
+    ``save_interval_steps`` (or ``force``, or once :meth:`reached_preemption`), otherwise to
+    the local tier (whose failures are logged, not raised). With ``enable_async`` it returns
+    once device data is on the host; a previous save is waited for first and its error, if
+    any, is raised there. As in Orbax, ``save(step, args=ocp.args.Composite(name=...))``
+    names each item with how to store it, and ``args=ocp.args.StandardSave(tree)`` saves one
+    item (named ``"default"``; :meth:`restore` then returns it alone).
+
     >>> import tempfile, numpy as np
     >>> mngr = CheckpointManager(tempfile.mkdtemp(), CheckpointManagerOptions(max_to_keep=2))
     >>> for step in range(4):
@@ -184,9 +199,16 @@ class CheckpointManager(_BackgroundSaver):
         item_handlers: Any = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        """``item_names`` and ``item_handlers`` (Orbax's) are accepted: items are named by
-        each ``save``'s ``args``, and their kinds are stored with every step. ``metadata``
-        is not supported."""
+        """Open (and create, per ``options.create``) the manager's directory.
+
+        Args:
+          directory: the persistent directory holding the step directories.
+          options: a :class:`CheckpointManagerOptions` (default: its defaults).
+          item_names: Orbax's item names, accepted: items are named by each ``save``'s
+            ``args``, and their kinds are stored with every step.
+          item_handlers: Orbax's handler or dict of handlers per item, accepted likewise.
+          metadata: not supported (save it as an item); given, it raises ``NotImplementedError``.
+        """
         if options is not None and not isinstance(options, CheckpointManagerOptions):
             raise TypeError(
                 "options must be a CheckpointManagerOptions (Orbax's positional checkpointers "
@@ -397,12 +419,20 @@ class CheckpointManager(_BackgroundSaver):
         return meta
 
     def metrics(self, step: int) -> dict | None:
-        """The metrics saved with ``step`` (``None`` if none were given)."""
+        """The metrics saved with ``step`` (``None`` if none were given).
+
+        Args:
+          step: a committed step.
+        """
         return self._step_meta(step).get("metrics")
 
     def item_metadata(self, step: int | None = None) -> dict[str, dict[str, LeafMetadata] | str]:
         """Per item: its leaves' metadata (pytree items), ``"state"`` (Checkpointables) or
-        ``"json"`` (``JsonSave`` items)."""
+        ``"json"`` (``JsonSave`` items).
+
+        Args:
+          step: a committed step (default: :meth:`latest_step`).
+        """
         step = self._resolve_step(step)
         d = self._step_dir(step)
         out: dict[str, Any] = {}
@@ -427,7 +457,11 @@ class CheckpointManager(_BackgroundSaver):
 
     def should_save(self, step: int) -> bool:
         """True if ``step`` is newer than every committed step and due in some tier, or
-        :meth:`reached_preemption` (asked first, so every process takes part in its sync)."""
+        :meth:`reached_preemption` (asked first, so every process takes part in its sync).
+
+        Args:
+          step: the step the save would be numbered.
+        """
         preempted = self.reached_preemption(step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -448,6 +482,9 @@ class CheckpointManager(_BackgroundSaver):
         even if only one was signalled; a process that does not arrive within
         ``timeout_secs`` makes the others raise :class:`SyncTimeoutError` naming it. Once
         true, it stays true for later steps.
+
+        Args:
+          step: the training step; every process passes the same steps.
 
         >>> import os, signal, tempfile
         >>> mngr = CheckpointManager(tempfile.mkdtemp())
@@ -478,6 +515,11 @@ class CheckpointManager(_BackgroundSaver):
         :meth:`resume`). ``SystemExit`` unwinds the caller's ``finally`` blocks and context
         managers; a supervisor restarts the command on exit status
         :data:`PREEMPTION_EXIT_CODE`.
+
+        Args:
+          step: the step just finished.
+          items: what to save (as :meth:`save` takes it).
+          metrics: the step's metrics, as :meth:`save` takes them.
         """
         if not self.reached_preemption(step):
             return
@@ -506,6 +548,10 @@ class CheckpointManager(_BackgroundSaver):
         data iterator, whose ``set_state`` is called); ``restore_kwargs`` go to
         :meth:`restore`. A checkpoint that exists but does not match ``items`` raises, as
         :meth:`restore` does; it is never silently ignored.
+
+        Args:
+          items: the restore targets (pytrees and Checkpointables), returned as they are when there is no checkpoint.
+          **restore_kwargs: :meth:`restore`'s keywords (``partial``, ``cast``, ``mesh``).
 
         >>> import tempfile, numpy as np
         >>> d = tempfile.mkdtemp()
@@ -545,15 +591,14 @@ class CheckpointManager(_BackgroundSaver):
     ) -> bool:
         """Save ``items`` as ``step`` if :meth:`should_save` (or ``force``); returns whether it did.
 
-        ``items`` is a dict of named pytrees and Checkpointables; or, as in Orbax,
-        ``args=ocp.args.Composite(name=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(d))``
-        names each item with how to store it, and ``args=ocp.args.StandardSave(tree)`` saves
-        one item (named ``"default"``; :meth:`restore` then returns it alone).
-        The step goes to the persistent tier when ``step`` is a multiple of
-        ``save_interval_steps`` (or ``force``, or once :meth:`reached_preemption`), otherwise
-        to the local tier (whose failures are logged, not raised). With
-        ``enable_async`` this returns once device data is on the host; a previous save is
-        waited for first and its error, if any, is raised here.
+        Args:
+          step: the step number (>= 0); which tier it goes to: see the class docstring.
+          items: a dict of named pytrees and Checkpointables.
+          metrics: a JSON-able dict for ``best_fn`` (and :meth:`metrics`).
+          force: save even if :meth:`should_save` is false.
+          args: as in Orbax, instead of ``items``: an ``ocp.args.Composite`` naming each
+            item with its save arguments, or one item's (``ocp.args.StandardSave(tree)``).
+          custom_metadata: not supported (pass ``metrics=`` or a ``JsonSave`` item).
         """
         self._bg.wait()
         step = int(step)
@@ -752,7 +797,11 @@ class CheckpointManager(_BackgroundSaver):
                 _fs.remove_tree(steps[s][0])
 
     def delete(self, step: int) -> None:
-        """Remove ``step`` from every tier (a corrupt step too)."""
+        """Remove ``step`` from every tier (a corrupt step too).
+
+        Args:
+          step: the step to remove.
+        """
         self._bg.wait()
         if _multihost.is_primary():
             for tier in self._tiers:
@@ -796,6 +845,14 @@ class CheckpointManager(_BackgroundSaver):
         saying that the step is corrupt and naming the file or leaf; the step is then
         skipped by later calls of :meth:`latest_step` (so ``restore()`` again takes the
         newest intact step), and never silently replaced by another step in this call.
+
+        Args:
+          step: the step (default: the newest intact one).
+          items: item names to targets, a list of names, or ``None`` (every item as saved).
+          args: Orbax's restore arguments instead of ``items``.
+          partial: skip checkpoint paths the targets lack.
+          cast: allow target dtypes other than the saved ones.
+          mesh: the ``jax.sharding.Mesh`` for ``ArraySpec`` targets with a sharding.
         """
         self._bg.wait()
         start = time.monotonic()  # verified again unless latest_step()/_step_dir just did

@@ -36,6 +36,16 @@ class LeafMetadata:
     ``kind`` is ``"jax"``, ``"numpy"``, ``"numpy_scalar"`` or ``"scalar"`` (Python
     bool/int/float/complex/str, whose ``value`` is stored inline). ``sharding`` is the
     partition spec at save time and ``mesh`` its mesh axis sizes (``None`` if unsharded).
+
+    Args:
+      path: the leaf's path string (``"layers/0/w"``).
+      kind: ``"jax"``, ``"numpy"``, ``"numpy_scalar"`` or ``"scalar"``.
+      shape: the saved shape.
+      dtype: the saved dtype's canonical name (``"float32"``, ``"bfloat16"``...).
+      sharding: the partition spec at save time, or ``None``.
+      mesh: the mesh axis sizes at save time (``{"data": 2}``), or ``None``.
+      chunk_shape: the on-disk chunk shape of an array, or ``None``.
+      value: a Python scalar's value (stored inline), else ``None``.
     """
 
     path: str

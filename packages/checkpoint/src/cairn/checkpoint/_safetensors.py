@@ -32,6 +32,11 @@ def save_safetensors(path: str | os.PathLike, tree: Any, metadata: dict[str, str
     ``F8_E4M3``...); ``metadata`` is an optional str->str dict stored in the header.
     The file is written to a temporary name, fsync'd and renamed.
 
+    Args:
+      path: the ``.safetensors`` file to write (replaced if it exists).
+      tree: a pytree of NumPy arrays or fully addressable ``jax.Array`` s.
+      metadata: an optional str->str dict for the file's header.
+
     >>> import tempfile, numpy as np
     >>> f = tempfile.mkdtemp() + "/w.safetensors"
     >>> save_safetensors(f, {"layers": [{"w": np.eye(2, dtype=np.float32)}]})
@@ -102,6 +107,10 @@ def load_safetensors(path: str | os.PathLike, target: Any = None) -> Any:
     are ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding get that sharding, and
     every missing, extra or differently shaped tensor is listed in one
     :class:`TargetMismatchError`.
+
+    Args:
+      path: the ``.safetensors`` file to read.
+      target: an optional pytree whose structure, shapes and shardings the result takes.
     """
     path = os.fspath(path)
     header, offset = _read_header(path)

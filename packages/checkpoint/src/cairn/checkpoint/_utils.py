@@ -16,6 +16,11 @@ def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -
     ``jax.ShapeDtypeStruct`` with its sharding, a NumPy array one without, a Python scalar
     stays itself (or becomes a 0-d struct of ``scalar_dtype``); ``dtype`` replaces the dtype.
 
+    Args:
+      x: a leaf: ``jax.Array``, ``jax.ShapeDtypeStruct``, NumPy array or scalar, or anything else (returned as is).
+      dtype: the dtype of the result instead of ``x``'s, or ``None``.
+      scalar_dtype: the dtype a Python scalar becomes a 0-d struct of, or ``None`` (kept as is).
+
     >>> to_shape_dtype_struct(np.zeros((2, 3), np.float32))
     ShapeDtypeStruct(shape=(2, 3), dtype=float32)
     >>> to_shape_dtype_struct(42)
@@ -34,6 +39,9 @@ def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -
 
 def erase_and_create_empty(directory: str | os.PathLike) -> pathlib.Path:
     """Remove ``directory`` if it exists, create it empty, return it as a ``pathlib.Path``.
+
+    Args:
+      directory: the directory to (re)create, with its parents.
 
     >>> import tempfile
     >>> p = erase_and_create_empty(tempfile.mkdtemp() + "/ckpts")

@@ -19,6 +19,12 @@ class DTypeInfo:
 
     ``bits`` is the logical width (4 for ``int4``), not NumPy's itemsize (one byte).
     ``kind`` is one of ``'float'``, ``'int'``, ``'uint'``, ``'bool'``, ``'complex'``.
+
+    Args:
+      name: the canonical name (``"bfloat16"``).
+      dtype: the NumPy or ml_dtypes dtype.
+      bits: the logical width in bits.
+      kind: ``'float'``, ``'int'``, ``'uint'``, ``'bool'`` or ``'complex'``.
     """
 
     name: str
@@ -113,6 +119,9 @@ _ALIASES = {
 def dtype_info(x: Any) -> DTypeInfo:
     """Look up a dtype by canonical name, alias, NumPy dtype, scalar type or JAX dtype.
 
+    Args:
+      x: a canonical name or alias (``"bf16"``), a NumPy or ml_dtypes dtype, a scalar type or a JAX dtype.
+
     >>> dtype_info("bf16").name, dtype_info("int4").bits
     ('bfloat16', 4)
 
@@ -149,15 +158,27 @@ def dtype_info(x: Any) -> DTypeInfo:
 
 
 def canonical_dtype(x: Any) -> str:
-    """The canonical name of a dtype: ``canonical_dtype(np.float32) == 'float32'``."""
+    """The canonical name of a dtype: ``canonical_dtype(np.float32) == 'float32'``.
+
+    Args:
+      x: anything :func:`dtype_info` accepts.
+    """
     return dtype_info(x).name
 
 
 def as_numpy_dtype(x: Any) -> np.dtype:
-    """The NumPy (or ml_dtypes) dtype for a name or dtype-like."""
+    """The NumPy (or ml_dtypes) dtype for a name or dtype-like.
+
+    Args:
+      x: anything :func:`dtype_info` accepts.
+    """
     return dtype_info(x).dtype
 
 
 def bit_width(x: Any) -> int:
-    """Logical bits per element: 16 for bfloat16, 4 for int4 and float4_e2m1fn."""
+    """Logical bits per element: 16 for bfloat16, 4 for int4 and float4_e2m1fn.
+
+    Args:
+      x: anything :func:`dtype_info` accepts.
+    """
     return dtype_info(x).bits

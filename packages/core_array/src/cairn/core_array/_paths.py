@@ -54,6 +54,10 @@ def key_name(key: Any, parent: str = "") -> str:
     ``FlattenedIndexKey``) is named by what it holds. ``parent`` is the path above the
     key, used only to say where a bad key sits.
 
+    Args:
+      key: a ``str``, ``int`` or ``jax.tree_util`` key entry.
+      parent: the path above the key, named in the error for a bad key.
+
     >>> key_name("kernel"), key_name(3)
     ('kernel', '3')
     >>> key_name("a/b", parent="layers")  # doctest: +IGNORE_EXCEPTION_DETAIL
@@ -74,6 +78,10 @@ def key_name(key: Any, parent: str = "") -> str:
 def join_path(parent: str, key: Any) -> str:
     """``parent`` extended by one key (named by :func:`key_name`); ``""`` is the root.
 
+    Args:
+      parent: the path so far (``""`` for the root).
+      key: the key to append (anything :func:`key_name` accepts).
+
     >>> join_path("", "layers"), join_path("layers", 0), join_path("layers/0", "kernel")
     ('layers', 'layers/0', 'layers/0/kernel')
     """
@@ -82,6 +90,9 @@ def join_path(parent: str, key: Any) -> str:
 
 def path_of(keys: Iterable[Any]) -> str:
     """The path string of a sequence of keys (a key tuple, or a ``jax.tree_util`` key path).
+
+    Args:
+      keys: the keys from the root down (each one :func:`key_name` accepts).
 
     >>> path_of(("layers", 0, "kernel"))
     'layers/0/kernel'
@@ -252,6 +263,10 @@ def _add(out: dict, path: str, leaf: Any) -> None:
 def flatten_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> dict[str, Any]:
     """Flatten ``tree`` into an ordered ``{path: leaf}`` dict.
 
+    Args:
+      tree: any pytree (dict, list, tuple, namedtuple, dataclass, registered JAX pytree).
+      is_leaf: optional predicate; a node it returns ``True`` for is kept as one leaf.
+
     >>> flatten_with_paths({"layers": [{"w": 1, "b": 2}], "head": (3, None)})
     {'head/0': 3, 'layers/0/b': 2, 'layers/0/w': 1}
 
@@ -263,7 +278,12 @@ def flatten_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) 
 
 
 def tree_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
-    """The paths of ``tree``'s leaves, in flatten order."""
+    """The paths of ``tree``'s leaves, in flatten order.
+
+    Args:
+      tree: any pytree.
+      is_leaf: optional predicate; a node it returns ``True`` for is kept as one leaf.
+    """
     return list(flatten_with_paths(tree, is_leaf=is_leaf))
 
 
@@ -300,6 +320,11 @@ def unflatten(flat: Mapping[str, Any], like: Any = _NO_LIKE, is_leaf: Callable[[
     ``like=None`` is the empty tree (``None`` has no leaves), so ``flat`` must be empty.
     Without ``like``, the result is nested dicts keyed by the path components; every
     path must then be a string of non-empty components.
+
+    Args:
+      flat: ``{path: leaf}``, as :func:`flatten_with_paths` gives.
+      like: an optional tree whose structure the result takes.
+      is_leaf: the same predicate that flattened ``like`` (its leaves' boundaries).
 
     >>> unflatten({"a/0": 1, "a/1": 2}, like={"a": [0, 0]})
     {'a': [1, 2]}
@@ -342,6 +367,12 @@ def map_with_path(
 ) -> Any:
     """Apply ``fn(path, leaf, *other_leaves)`` to every leaf; same structure out.
 
+    Args:
+      fn: called as ``fn(path, leaf, *other_leaves)`` for each leaf.
+      tree: the tree whose structure the result takes.
+      *rest: more trees with the same paths; their leaves are passed after ``tree``'s.
+      is_leaf: optional predicate; a node it returns ``True`` for is kept as one leaf.
+
     >>> map_with_path(lambda p, x: f"{p}={x}", {"a": 1, "b": [2]})
     {'a': 'a=1', 'b': ['b/0=2']}
     """
@@ -363,6 +394,9 @@ def compile_pattern(pattern: str | re.Pattern) -> re.Pattern:
 
     Every package matches paths through this one function, so a rule, filter or
     selector pattern means the same thing everywhere.
+
+    Args:
+      pattern: a regular expression (text or compiled), matched against whole paths.
 
     >>> compile_pattern(r"layers/\\d+/kernel").fullmatch("layers/3/kernel") is not None
     True
@@ -387,6 +421,10 @@ def compile_pattern(pattern: str | re.Pattern) -> re.Pattern:
 def path_matches(pattern: str | re.Pattern, path: str) -> bool:
     """Whether ``pattern`` (a regular expression) matches the *whole* ``path``.
 
+    Args:
+      pattern: a regular expression (text or compiled).
+      path: the path string to test.
+
     >>> path_matches(r"layers/\\d+/kernel", "layers/3/kernel")
     True
     >>> path_matches("kernel", "layers/3/kernel")
@@ -398,6 +436,10 @@ def path_matches(pattern: str | re.Pattern, path: str) -> bool:
 
 def match_paths(tree_or_paths: Any, pattern: str | re.Pattern) -> list[str]:
     """The paths (of a tree's leaves, or of an iterable of path strings) that ``pattern`` fully matches.
+
+    Args:
+      tree_or_paths: a pytree (its leaves' paths are tested) or an iterable of path strings.
+      pattern: a regular expression, matched against whole paths.
 
     >>> match_paths({"embed": 1, "layers": [2, 3]}, r"layers/.*")
     ['layers/0', 'layers/1']

@@ -17,16 +17,34 @@ class Checkpointable(Protocol):
 
     def get_state(self) -> dict[str, Any]: ...
 
-    def set_state(self, state: dict[str, Any]) -> None: ...
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``.
+
+        Args:
+          state: what ``get_state()`` returned (on this object or an equal one).
+        """
 
 
 @runtime_checkable
 class GradientTransformationLike(Protocol):
     """Optax-style ``init`` / ``update`` pair (cairn.optim, Optax itself, ...)."""
 
-    def init(self, params: Any) -> Any: ...
+    def init(self, params: Any) -> Any:
+        """The initial optimizer state.
 
-    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]: ...
+        Args:
+          params: the parameters (a pytree).
+        """
+
+    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        """``(new_updates, new_state)``.
+
+        Args:
+          updates: the gradients (a pytree like ``params``).
+          state: the state from ``init`` or the previous ``update``.
+          params: the current parameters, for transformations that need them.
+          **extra_args: extra arguments some transformations take (a loss value...).
+        """
 
 
 def is_checkpointable(x: Any) -> bool:
@@ -34,6 +52,9 @@ def is_checkpointable(x: Any) -> bool:
 
     Unlike ``isinstance(x, Checkpointable)``, a non-callable attribute of either name
     does not count. Every package decides "save its state, not its leaves" by this.
+
+    Args:
+      x: any object.
 
     >>> class Counter:
     ...     def get_state(self): return {"n": 0}

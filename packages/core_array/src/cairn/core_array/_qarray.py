@@ -40,6 +40,9 @@ def storage_dtype(qtype: str) -> str:
     """The dtype a qtype's values are stored in: ``uint4`` for ``nf4``, the element type
     for the block formats, the qtype itself otherwise.
 
+    Args:
+      qtype: a quantized type name (``"int8"``, ``"nf4"``, ``"mxfp4"``...).
+
     >>> storage_dtype("nf4"), storage_dtype("mxfp4"), storage_dtype("int8")
     ('uint4', 'float4_e2m1fn', 'int8')
     """
@@ -60,6 +63,11 @@ class QuantLayout:
       cover 2-d blocks (e.g. 128x128 weight blocks); along a tiled axis ``scale`` has
       ``shape[axis] // tile`` entries, on other axes 1 or the full size. One tiled axis
       keeps ``tile_size`` an ``int``.
+
+    Args:
+      kind: ``"per_tensor"``, ``"per_channel"`` or ``"per_tile"``.
+      axes: the axes the scales vary along (per channel) or that are tiled (per tile).
+      tile_size: per tile, one tile length for every tiled axis or one per axis; else ``None``.
 
     >>> QuantLayout.per_tile((0, 1), (2, 4)).expected_scale_shape((4, 8, 3))
     (2, 2, 3)
@@ -107,17 +115,31 @@ class QuantLayout:
 
     @classmethod
     def per_channel(cls, *axes: int) -> QuantLayout:
+        """One scale per index of ``axes`` (the other axes reduced).
+
+        Args:
+          *axes: the axes the scales vary along (an output-channel axis, usually).
+        """
         return cls("per_channel", tuple(axes))
 
     @classmethod
     def per_tile(cls, axis: int | Sequence[int], tile_size: int | Sequence[int]) -> QuantLayout:
         """Tiles along ``axis`` (one int) or along each of several axes (``tile_size``: one
-        length for all, or one per axis)."""
+        length for all, or one per axis).
+
+        Args:
+          axis: the tiled axis, or several.
+          tile_size: the tile length (for every tiled axis), or one per axis.
+        """
         axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
         return cls("per_tile", axes, tile_size if isinstance(tile_size, int | np.integer) else tuple(tile_size))
 
     def expected_scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The full (non-broadcast) scale shape for values of ``shape``."""
+        """The full (non-broadcast) scale shape for values of ``shape``.
+
+        Args:
+          shape: the values' shape.
+        """
         nd = len(shape)
         bad = [a for a in self.axes if not -nd <= a < nd]
         if bad:
@@ -140,6 +162,10 @@ class QuantLayout:
         repeated over its tile, so it broadcasts against values of ``shape`` (NumPy or JAX;
         unchanged unless ``per_tile``).
 
+        Args:
+          a: the per-group array (NumPy or JAX).
+          shape: the values' shape.
+
         >>> QuantLayout.per_tile(1, 2).repeat_tiles(np.array([[1.0, 2.0]]), (1, 4))
         array([[1., 1., 2., 2.]])
         """
@@ -154,6 +180,11 @@ class QuantLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> QuantLayout:
+        """Inverse of :meth:`to_json`.
+
+        Args:
+          d: a dict with ``kind`` (and ``axes``, ``tile_size``).
+        """
         if not isinstance(d, dict) or "kind" not in d:
             raise ValueError(f"QuantLayout.from_json expects a dict with 'kind', got {d!r}")
         axes = d.get("axes", ())
@@ -229,6 +260,15 @@ class QArray:
     ``packed_length`` the logical length of that axis (half the memory for 4-bit types;
     :meth:`dequantize` unpacks). A JAX pytree (children: qvalue, scale, zero_point) once
     JAX is imported.
+
+    Args:
+      qvalue: the quantized values (``qtype``, or packed ``uint8`` after :meth:`pack`).
+      scale: the scales, shaped as ``layout`` says (broadcastable against ``qvalue``).
+      zero_point: optional zero points, shaped like ``scale`` (``None``: symmetric).
+      qtype: the quantized type's name (``"int8"``, ``"int4"``, ``"nf4"``...).
+      layout: how ``scale`` covers the values (a :class:`QuantLayout`).
+      dtype: the original dtype that :meth:`dequantize` returns.
+      packed_length: the logical last-axis length of packed sub-byte values, else ``None``.
 
     >>> q = QArray(np.array([[2, -4]], np.int8), np.array([[0.5, 0.25]], np.float32),
     ...            qtype="int8", layout=QuantLayout.per_channel(1))
@@ -394,7 +434,11 @@ class QArray:
 
     @classmethod
     def from_json(cls, d: dict) -> QArray:
-        """Inverse of :meth:`to_json` (NumPy arrays, bit for bit)."""
+        """Inverse of :meth:`to_json` (NumPy arrays, bit for bit).
+
+        Args:
+          d: a dict as :meth:`to_json` writes it.
+        """
         if not isinstance(d, dict):
             raise ValueError(f"QArray.from_json expects a dict, got {type(d).__name__}")
         missing = [k for k in ("qtype", "dtype", "layout", "qvalue", "scale") if k not in d]
@@ -471,6 +515,10 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
 
     A JAX array is packed with JAX operations (under ``jit`` too) and stays a JAX array.
 
+    Args:
+      x: a sub-byte ml_dtypes array, or an integer array whose values fit in ``bits`` bits (NumPy or JAX).
+      bits: the width per value; ``None`` reads it from ``x``'s dtype.
+
     >>> import ml_dtypes
     >>> pack_bits(np.array([1, -1, 7], ml_dtypes.int4))
     array([241,   7], dtype=uint8)
@@ -500,6 +548,11 @@ def pack_bits(x: Any, bits: int | None = None) -> np.ndarray:
 
 def unpack_bits(packed: Any, dtype: Any, length: int) -> np.ndarray:
     """Inverse of :func:`pack_bits`: ``length`` values of ``dtype`` along the last axis.
+
+    Args:
+      packed: the ``uint8`` array :func:`pack_bits` gave.
+      dtype: the dtype of the values (``"int4"``...).
+      length: the logical length of the last axis before packing.
 
     >>> import ml_dtypes
     >>> unpack_bits(np.array([241, 7], np.uint8), "int4", 3)

@@ -159,5 +159,9 @@ def quantize(
 
 def dequantize(q: QArray) -> Any:
     """``q``'s values in its original dtype: ``(qvalue - zero_point) * scale`` (see
-    :meth:`QArray.dequantize`); plain arrays pass through unchanged."""
+    :meth:`QArray.dequantize`); plain arrays pass through unchanged.
+
+    Args:
+      q: a :class:`QArray` (or a plain array, returned as is).
+    """
     return q.dequantize() if isinstance(q, QArray) else q

@@ -34,6 +34,9 @@ class LogicalAxisRules:
     (replicate), one mesh axis name, or a tuple of them (the dim is split over their
     product).
 
+    Args:
+      rules: ``(logical_axis, mesh_axes)`` pairs in priority order, or a mapping of them.
+
     >>> rules = LogicalAxisRules([("batch", "data"), ("embed", "model"), ("mlp", "model")])
     >>> rules.mesh_axes(("batch", "embed", "mlp"))
     ('data', 'model', None)
@@ -68,12 +71,22 @@ class LogicalAxisRules:
 
     @classmethod
     def from_json(cls, data: Sequence) -> LogicalAxisRules:
+        """Inverse of :meth:`to_json`.
+
+        Args:
+          data: ``[[logical_axis, mesh_axes], ...]`` as :meth:`to_json` writes it.
+        """
         return cls([(k, v) for k, v in data])
 
     def mesh_axes(
         self, logical_axes: Sequence[str | None], mesh_axis_names: Iterable[str] | None = None
     ) -> tuple[MeshAxes, ...]:
-        """The mesh axes for each logical axis (``None`` = replicated)."""
+        """The mesh axes for each logical axis (``None`` = replicated).
+
+        Args:
+          logical_axes: one logical axis name (or ``None``) per array dim.
+          mesh_axis_names: the mesh's axis names; rules naming others are skipped (``None``: none skipped).
+        """
         available = None if mesh_axis_names is None else set(mesh_axis_names)
         used: set[str] = set()
         out: list[MeshAxes] = []
@@ -111,6 +124,11 @@ def logical_to_partition_spec(
     """The ``jax.sharding.PartitionSpec`` for an array with the given logical axes.
 
     With ``mesh``, rules whose mesh axes the mesh lacks are skipped.
+
+    Args:
+      logical_axes: one logical axis name (or ``None``) per array dim.
+      rules: a :class:`LogicalAxisRules` or anything its constructor accepts.
+      mesh: an optional ``jax.sharding.Mesh``; rules naming axes it lacks are skipped.
     """
     jax = require_jax("logical_to_partition_spec")
     names = None if mesh is None else tuple(mesh.axis_names)
@@ -118,6 +136,12 @@ def logical_to_partition_spec(
 
 
 def named_sharding(mesh: Any, logical_axes: Sequence[str | None], rules: Any) -> jax.sharding.NamedSharding:
-    """``NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))``."""
+    """``NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))``.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh``.
+      logical_axes: one logical axis name (or ``None``) per array dim.
+      rules: a :class:`LogicalAxisRules` or anything its constructor accepts.
+    """
     jax = require_jax("named_sharding")
     return jax.sharding.NamedSharding(mesh, logical_to_partition_spec(logical_axes, rules, mesh))

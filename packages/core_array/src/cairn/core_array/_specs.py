@@ -115,7 +115,7 @@ def _norm_axis_entry(entry: Any, where: str) -> Any:
 class ArraySpec:
     """What an array is, without its data.
 
-    Attributes:
+    Args:
       shape: tuple with one entry per dim: a non-negative int, or a symbolic dimension
         name (``"b"``) whose size is bound when an array is checked against the spec.
       dtype: canonical dtype name (anything :func:`canonical_dtype` accepts is converted).
@@ -273,7 +273,11 @@ class ArraySpec:
         return env
 
     def matches(self, shape: Any) -> bool:
-        """Whether a concrete ``shape`` fits (sizes, shared names, constraints)."""
+        """Whether a concrete ``shape`` fits (sizes, shared names, constraints).
+
+        Args:
+          shape: a concrete shape (a tuple of ints).
+        """
         try:
             self.check_shape(shape)
         except (ValueError, TypeError):
@@ -283,6 +287,10 @@ class ArraySpec:
     def bind(self, bindings: Mapping[str, int] | None = None, /, **sizes: int) -> ArraySpec:
         """This spec with symbolic dims replaced by sizes: a constraint whose names are
         all bound is checked and dropped, one partly bound gets the sizes substituted.
+
+        Args:
+          bindings: ``{name: size}`` for symbolic dims.
+          **sizes: more sizes by name.
 
         Raises:
           ValueError: a size breaks a constraint.
@@ -319,6 +327,9 @@ class ArraySpec:
     def from_json(cls, d: dict) -> ArraySpec:
         """Inverse of :meth:`to_json` (a dict without ``"constraints"`` loads too).
 
+        Args:
+          d: a dict as :meth:`to_json` writes it.
+
         Raises:
           ValueError: not an object with ``shape`` and ``dtype``, or unknown keys.
         """
@@ -339,6 +350,10 @@ class ArraySpec:
         """The spec of an array-like (NumPy, JAX, ``jax.ShapeDtypeStruct``, scalar).
 
         A JAX array or struct with a ``NamedSharding`` contributes its partition spec.
+
+        Args:
+          x: the array-like.
+          logical_axes: optional logical axis names, one per dim.
         """
         sharding = None
         sh = getattr(x, "sharding", None)
@@ -362,6 +377,10 @@ class ArraySpec:
         must share a scope: pass ``scope`` (a ``jax.export.SymbolicScope``, e.g. from
         :func:`shape_dtype_structs`, which does this for a whole tree); without it this
         spec's own constraints make a fresh scope.
+
+        Args:
+          mesh: a ``jax.sharding.Mesh`` for the spec's ``sharding``, or ``None``.
+          scope: a ``jax.export.SymbolicScope`` shared with other specs, or ``None``.
         """
         jax = require_jax("ArraySpec.to_shape_dtype_struct")
         sharding = None
@@ -389,7 +408,11 @@ _register_leaf_type(ArraySpec)
 
 
 def spec_of(tree: Any) -> Any:
-    """The tree of :class:`ArraySpec` for a tree of arrays (same structure)."""
+    """The tree of :class:`ArraySpec` for a tree of arrays (same structure).
+
+    Args:
+      tree: a pytree of arrays (NumPy, JAX, ``QArray``) or ``jax.ShapeDtypeStruct`` s.
+    """
     return map_with_path(lambda _p, x: ArraySpec.from_array(x), tree)
 
 
@@ -461,6 +484,9 @@ def specs_to_json(tree: Any) -> str:
     its qtype, dtype and layout. A tree with a symbolic spec is written as format
     ``cairn.specs/2``; any other as ``cairn.specs/1`` (what older readers expect).
 
+    Args:
+      tree: a pytree of :class:`ArraySpec` (and ``QArray`` s of specs).
+
     >>> t = {"w": ArraySpec((2,), "float32"), "s": [ArraySpec((), "int4")]}
     >>> specs_from_json(specs_to_json(t)) == t
     True
@@ -475,6 +501,9 @@ def specs_to_json(tree: Any) -> str:
 
 def specs_from_json(text: str) -> Any:
     """Inverse of :func:`specs_to_json` (reads formats ``cairn.specs/1`` and ``/2``).
+
+    Args:
+      text: a JSON document written by :func:`specs_to_json`.
 
     Raises:
       ValueError: not JSON, an unknown format, a malformed node, or a symbolic dim in a
@@ -499,6 +528,10 @@ def shape_dtype_structs(tree: Any, mesh: Any = None) -> Any:
     All symbolic dims share one ``jax.export.SymbolicScope`` holding every spec's
     constraints, so ``"b"`` in two inputs is the same dimension (JAX refuses dims from
     different scopes in one export).
+
+    Args:
+      tree: a pytree of :class:`ArraySpec`.
+      mesh: a ``jax.sharding.Mesh``; specs with a ``sharding`` then get a ``NamedSharding`` on it.
 
     >>> import jax
     >>> t = shape_dtype_structs({"x": ArraySpec(("b", 3), "float32", constraints=("b <= 8",)),

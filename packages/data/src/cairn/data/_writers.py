@@ -467,7 +467,8 @@ class ParquetWriter(_ShardedFileWriter):
         then enforced (a later row that does not fit raises ``ValueError`` naming the
         column and records).
       compression: Parquet codec (default ``"snappy"``, fast to decode).
-      prefix, overwrite: as in :class:`ArrayRecordWriter`.
+      prefix: as in :class:`ArrayRecordWriter`.
+      overwrite: as in :class:`ArrayRecordWriter`.
 
     Value -> column type: ``int``/``float``/``bool``/``str``/``bytes`` and NumPy scalars
     -> Arrow scalar types (NumPy dtypes kept); 1-D ``ndarray`` -> ``list<dtype>``

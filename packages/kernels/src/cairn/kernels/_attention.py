@@ -140,17 +140,28 @@ def dot_product_attention(
     names (docs/kernels.md); a drop-in ``attention_fn`` for ``cairn.nn.MultiHeadAttention``.
 
     Args:
-      query: ``[..., T, N, H]``; key, value: ``[..., S, K, H]`` with ``K`` dividing ``N``.
-      bias, mask: broadcastable to ``[..., N, T, S]``; mask ``True`` = attend (``xla`` only).
-      scale: logits scale (default ``1 / sqrt(H)``); is_causal: keys ``j <= i`` only.
-      query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths.
+      query: ``[..., T, N, H]``.
+      key: ``[..., S, K, H]`` with ``K`` dividing ``N``.
+      value: ``[..., S, K, H_v]``, like ``key``.
+      bias: broadcastable to ``[..., N, T, S]``, added to the logits (``xla`` only).
+      mask: broadcastable to ``[..., N, T, S]``; ``True`` = attend (``xla`` only).
+      scale: logits scale (default ``1 / sqrt(H)``).
+      is_causal: keys ``j <= i`` only.
+      query_seq_lengths: ``[B]`` valid query lengths.
+      key_value_seq_lengths: ``[B]`` valid key/value lengths.
       segment_ids: ``[B, T]`` or a ``(query, key_value)`` pair; same segment only.
       local_window_size: ``w`` or ``(left, right)``: keys ``i - left <= j <= i + right``.
       logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)``.
-      implementation, config: a name (``"xla"``, ``"pallas_triton"``,
-        ``"pallas_mosaic_gpu"``) or a sequence; the implementation's config.
-      dropout_rng, dropout_rate, broadcast_dropout, deterministic: weight dropout (``xla``).
-      dtype, precision: computation dtype and matmul precision; module: must be ``None``.
+      implementation: a name (``"xla"``, ``"pallas_triton"``, ``"pallas_mosaic_gpu"``) or
+        a sequence tried in order; default: dispatch decides.
+      config: the implementation's config (merged over its default).
+      dropout_rng: PRNG key of the attention-weight dropout (``xla`` only).
+      dropout_rate: the dropout rate.
+      broadcast_dropout: one dropout mask for every batch row and head.
+      deterministic: no dropout.
+      dtype: computation dtype.
+      precision: matmul precision.
+      module: Flax's hook; must be ``None``.
 
     Returns:
       ``[..., T, N, H_v]`` in the query's dtype; a row that sees no key is 0.

@@ -305,7 +305,8 @@ def autotune(
     Args:
       fn: a JAX function calling kernel ops.
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
-      iterations, mode: as :func:`autotune_op`.
+      iterations: as :func:`autotune_op`.
+      mode: as :func:`autotune_op`.
       save: also write the user cache file.
       force: measure every bucket (the default); ``False`` reuses an entry already read
         from a cache file and measured in the same ``mode`` (``cairn-kernels tune`` without

@@ -183,17 +183,17 @@ def paged_attention(
 
     Args:
       query: ``[B, T, N, H]``.
-      key_pages, value_pages: ``[num_blocks, block_size, K, H]`` (values may have their own
-        last size); ``K`` divides ``N`` (query head ``n`` reads kv head ``n // (N // K)``).
-        Same dtype as ``query``.
+      key_pages: ``[num_blocks, block_size, K, H]``; ``K`` divides ``N`` (query head ``n``
+        reads kv head ``n // (N // K)``). Same dtype as ``query``.
+      value_pages: like ``key_pages`` (its last size may differ).
       block_tables: int ``[B, max_blocks_per_seq]`` page ids per row.
       lengths: int ``[B]`` valid tokens per row, the new ones included.
       scale: logits scale (default ``1 / sqrt(H)``).
       logits_soft_cap: ``cap``: logits become ``cap * tanh(logits / cap)``.
       local_window_size: ``w`` (or ``(w, 0)``, as ``dot_product_attention`` spells it):
         query ``p`` sees keys ``p - w .. p`` (a sliding window).
-      implementation, config: ``"xla"`` or ``"pallas_triton"`` (or a sequence); the
-        implementation's config (``{"pages_per_chunk": None | c}`` for ``xla``).
+      implementation: ``"xla"`` or ``"pallas_triton"`` (or a sequence).
+      config: the implementation's config (``{"pages_per_chunk": None | c}`` for ``xla``).
 
     Returns:
       ``[B, T, N, H_v]`` in the query's dtype.
@@ -269,9 +269,10 @@ def paged_kv_write(
     another sequence (``cairn.serving.PagedCache`` shares only full, read-only blocks).
 
     Args:
-      key_pages, value_pages: ``[num_blocks, block_size, K, H]`` (values may have their own
-        last size).
-      new_keys, new_values: ``[B, T, K, H]`` in the pages' dtypes.
+      key_pages: ``[num_blocks, block_size, K, H]``.
+      value_pages: like ``key_pages`` (its last size may differ).
+      new_keys: ``[B, T, K, H]`` in the key pages' dtype.
+      new_values: ``[B, T, K, H_v]`` in the value pages' dtype.
       block_tables: int ``[B, max_blocks_per_seq]``.
       positions: int ``[B, T]`` absolute positions of the new tokens (``-1``: skip).
 

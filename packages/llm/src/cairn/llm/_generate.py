@@ -383,8 +383,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
         ``tokenizer`` is given (encoded with its special tokens, e.g. BOS).
       max_new_tokens: the most tokens generated per row (>= 1).
       temperature: 0 for greedy decoding, else the softmax temperature.
-      top_k, top_p: keep the ``top_k`` most likely tokens / the smallest set of most
-        likely tokens of probability ``>= top_p`` (in ``(0, 1]``); sampling only.
+      top_k: keep the ``top_k`` most likely tokens; sampling only.
+      top_p: then keep the smallest set of most likely tokens of probability ``>= top_p``.
       seed: an int (row ``b`` uses ``fold_in(key(seed), b)``) or one int per prompt
         (row ``b`` uses ``key(seed[b])``: the same request gives the same tokens in any batch).
       stop_token_ids: ids that end a row; default the tokenizer's ``eos_token_ids`` (none

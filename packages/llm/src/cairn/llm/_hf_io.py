@@ -134,11 +134,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = None, mesh: Any = None
         ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.
       dtype: parameter and computation dtype (default: the config's ``dtype`` /
         ``torch_dtype``, else float32). Tensors are cast one at a time.
-      mesh, rules: place each parameter in its ``NamedSharding`` on ``mesh`` through the
-        logical-axis ``rules`` (``cairn.core_array.LogicalAxisRules`` or pairs; axis names
-        ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``expert``).
+      mesh: place each parameter in its ``NamedSharding`` on this mesh, through ``rules``.
         A stacked expert parameter is assembled on the host from its experts' tensors
         and then placed whole (not box by box).
+      rules: the logical-axis rules (``cairn.core_array.LogicalAxisRules`` or pairs; axis
+        names ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``expert``).
 
     Raises:
       UnsupportedModelError: the ``model_type`` (or its rope type) is not supported; the

@@ -129,7 +129,8 @@ def apply_lora(model: CausalLM, rank: int = 8, alpha: float = 16.0,
 
     Args:
       model: a :class:`CausalLM` without adapters.
-      rank, alpha: the adapters' rank ``r`` and scale numerator (update ``alpha / r * A @ B``).
+      rank: the adapters' rank ``r``.
+      alpha: the scale numerator (the update is ``alpha / r * A @ B``).
       target_modules: Hugging Face module names (``"q_proj"``, ``"o_proj"``, ``"down_proj"``...;
         ``lora_target_modules(config)`` lists them) or ``"all-linear"``.
       adapters: existing adapters (``load_lora``, ``lora_adapters``) instead of fresh ones;

@@ -280,7 +280,10 @@ def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, nam
     ``cairn.serving.GenerationEngine``.
 
     Args:
-      model, tokenizer, max_length, eos_token_ids: as :func:`export_for_serving`.
+      model: as :func:`export_for_serving`.
+      tokenizer: as :func:`export_for_serving`.
+      max_length: as :func:`export_for_serving`.
+      eos_token_ids: as :func:`export_for_serving`.
       name: the generator's name.
 
     Raises:

@@ -146,24 +146,24 @@ def dot_product_attention_weights(
 
     Args:
       query: ``(*batch, q_len, num_heads, head_dim)``.
-      key: ``(*batch, kv_len, num_kv_heads, head_dim)``, ``num_kv_heads`` dividing
-        ``num_heads``.
-      bias, mask: broadcastable to ``(*batch, num_heads, q_len, kv_len)``; the mask is
-        boolean, True = attend.
-      broadcast_dropout, dropout_rng, dropout_rate, deterministic: weight dropout; one
-        mask shared over the batch axes when ``broadcast_dropout``.
-      dtype, precision, promote_dtype: computation dtype (``None``: promote ``query`` and
-        ``key``), einsum precision and the promotion function.
-      module: when given, the weights are recorded with ``module.sow(Intermediate,
-        'attention_weights', w)``.
+      key: ``(*batch, kv_len, num_kv_heads, head_dim)``; ``num_kv_heads`` divides ``num_heads``.
+      bias: broadcastable to ``(*batch, num_heads, q_len, kv_len)``, added to the logits.
+      mask: boolean, broadcastable like ``bias``; True = attend.
+      broadcast_dropout: one dropout mask shared over the batch axes.
+      dropout_rng: PRNG key of the attention-weight dropout.
+      dropout_rate: the dropout rate.
+      deterministic: no dropout.
+      dtype: computation dtype (``None``: promote ``query`` and ``key``).
+      precision: einsum precision.
+      promote_dtype: the promotion function.
+      module: if given, the weights are sown: ``module.sow(Intermediate, 'attention_weights', w)``.
       is_causal: add the causal mask.
 
     Returns:
       The weights, ``(*batch, num_heads, q_len, kv_len)``, in the computation dtype.
 
     Raises:
-      ValueError: ranks, batch axes or head_dim that differ, ``num_heads`` not a
-        multiple of ``num_kv_heads``, or dropout without ``dropout_rng``.
+      ValueError: shapes that do not fit (rank, batch, head_dim, heads); dropout without a key.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((1, 2, 1, 4)); k = jnp.ones((1, 3, 1, 4))
@@ -239,9 +239,17 @@ def dot_product_attention(
       query: ``(*batch, q_len, num_heads, head_dim)``.
       key: ``(*batch, kv_len, num_kv_heads, head_dim)``.
       value: ``(*batch, kv_len, num_kv_heads, head_dim_v)``.
-      bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
-        precision, module, promote_dtype, is_causal: as for
-        :func:`dot_product_attention_weights`.
+      bias: as for :func:`dot_product_attention_weights`.
+      mask: as for :func:`dot_product_attention_weights`.
+      broadcast_dropout: as for :func:`dot_product_attention_weights`.
+      dropout_rng: as for :func:`dot_product_attention_weights`.
+      dropout_rate: as for :func:`dot_product_attention_weights`.
+      deterministic: as for :func:`dot_product_attention_weights`.
+      dtype: as for :func:`dot_product_attention_weights`.
+      precision: as for :func:`dot_product_attention_weights`.
+      module: as for :func:`dot_product_attention_weights`.
+      promote_dtype: as for :func:`dot_product_attention_weights`.
+      is_causal: as for :func:`dot_product_attention_weights`.
 
     Returns:
       ``(*batch, q_len, num_heads, head_dim_v)`` in the computation dtype.
@@ -369,17 +377,26 @@ class MultiHeadAttention(Module):
     ``normalize_qk``, ``query_ln/scale`` and ``key_ln/scale``.
 
     Args:
-      num_heads: query heads. ``num_kv_heads`` (alias ``num_key_value_heads``) must divide
-        it; default ``num_heads`` (plain multi-head attention); 1 is multi-query.
-      in_features: size of the query input's last axis; ``in_kv_features`` for keys and
-        values (default ``in_features``).
-      qkv_features: total projected size, ``num_heads * head_dim`` (default
-        ``in_features``); out_features: output size (default ``in_features``).
-      dtype, param_dtype, precision: computation dtype (``None``: promote the inputs),
-        parameter dtype and matmul precision of every projection and of the attention.
-      kernel_init, bias_init, out_kernel_init, out_bias_init, use_bias, *_metadata: the
-        projections' initialisers and metadata (``out_*`` for the output projection,
-        defaulting to the input ones).
+      num_heads: query heads.
+      in_features: size of the query input's last axis.
+      qkv_features: total projected size, ``num_heads * head_dim`` (default ``in_features``).
+      out_features: output size (default ``in_features``).
+      num_kv_heads: key/value heads; must divide ``num_heads``; default ``num_heads``
+        (plain multi-head attention); 1 is multi-query.
+      in_kv_features: size of the key and value inputs' last axis (default ``in_features``).
+      num_key_value_heads: an alias of ``num_kv_heads`` (Hugging Face's name).
+      dtype: computation dtype (``None``: promote the inputs).
+      param_dtype: parameter dtype.
+      precision: matmul precision of every projection and of the attention.
+      kernel_init: initialiser of the query, key and value kernels.
+      bias_init: initialiser of their biases.
+      out_kernel_init: initialiser of the output kernel (default ``kernel_init``).
+      out_bias_init: initialiser of the output bias (default ``bias_init``).
+      use_bias: add biases to the projections.
+      kernel_metadata: metadata of the query, key and value kernels.
+      bias_metadata: metadata of their biases.
+      out_kernel_metadata: metadata of the output kernel.
+      out_bias_metadata: metadata of the output bias.
       attention_fn: ``fn(query, key, value, *, mask, is_causal, dropout_rng, dropout_rate,
         broadcast_dropout, deterministic, dtype, precision, module)`` returning
         ``(*batch, q_len, num_heads, head_dim)``. Keyword arguments the function does not
@@ -389,9 +406,12 @@ class MultiHeadAttention(Module):
       use_rope: rotate queries and keys with RoPE (``rope_base``) at their positions;
         during decode the positions continue from the cache index.
       normalize_qk: LayerNorm (no bias) on each query and key head (ViT-22B).
-      dropout_rate, broadcast_dropout, deterministic: attention-weight dropout; keys come
-        from the ``dropout`` stream (kept from ``rngs`` when ``keep_rngs``).
+      rope_base: RoPE's base frequency (``> 0``).
+      dropout_rate: attention-weight dropout rate; keys come from the ``dropout`` stream.
+      broadcast_dropout: one dropout mask shared over the batch axes.
+      deterministic: no dropout.
       rngs: the parameter (and dropout) key streams.
+      keep_rngs: keep a fork of ``rngs`` for dropout at call time.
 
     Raises:
       TypeError: a size that is not an int.

@@ -173,7 +173,8 @@ class Linear(Module):
       dtype: computation dtype (default: promotion of input and parameters).
       param_dtype: dtype the parameters are stored in (float32).
       precision: ``jax.lax.Precision`` for the matmul.
-      kernel_init, bias_init: initializers; the kernel has shape ``(in, out)``.
+      kernel_init: the kernel's initializer; the kernel has shape ``(in, out)``.
+      bias_init: the bias's initializer.
       preferred_element_type: accumulation dtype passed to ``lax.dot_general``.
       rngs: ``Rngs`` with a ``params`` stream.
 

@@ -103,7 +103,11 @@ def adan(learning_rate: ScalarOrSchedule, b1: float = 0.98, b2: float = 0.92, b3
 
     Args:
       learning_rate: :math:`\eta`, a float or a schedule.
-      b1, b2, b3, eps, eps_root: see :func:`scale_by_adan`.
+      b1: see :func:`scale_by_adan`.
+      b2: see :func:`scale_by_adan`.
+      b3: see :func:`scale_by_adan`.
+      eps: see :func:`scale_by_adan`.
+      eps_root: see :func:`scale_by_adan`.
       weight_decay: :math:`\lambda` (decoupled), a float or a schedule.
       mask: where the weight decay applies (pytree, callable or path rules).
 

@@ -947,7 +947,9 @@ def triplet_margin_loss(
     :math:`q \ge 1`.)
 
     Args:
-      anchors, positives, negatives: floating ``[..., dim]``, broadcastable.
+      anchors: floating ``[..., dim]``.
+      positives: floating ``[..., dim]``, broadcastable with ``anchors``.
+      negatives: floating ``[..., dim]``, broadcastable with ``anchors``.
       axis: the feature axis.
       norm_degree: :math:`q`.
       margin: :math:`m`.

@@ -91,8 +91,14 @@ def optimistic_adam_v2(learning_rate: ScalarOrSchedule, *, alpha: float = 1.0, b
 
     Args:
       learning_rate: :math:`\eta`, a float or a schedule.
-      alpha, beta: the optimistic coefficients of :func:`scale_by_optimistic_gradient`.
-      b1, b2, eps, eps_root, mu_dtype, nesterov: Adam's, see :func:`scale_by_adam`.
+      alpha: the coefficient of the current gradient (:func:`scale_by_optimistic_gradient`).
+      beta: the negative-momentum coefficient (:func:`scale_by_optimistic_gradient`).
+      b1: Adam's, see :func:`scale_by_adam`.
+      b2: Adam's, see :func:`scale_by_adam`.
+      eps: Adam's, see :func:`scale_by_adam`.
+      eps_root: Adam's, see :func:`scale_by_adam`.
+      mu_dtype: Adam's, see :func:`scale_by_adam`.
+      nesterov: Adam's, see :func:`scale_by_adam`.
     """
     _validate.check("optimistic_adam_v2", _COEF, learning_rate=learning_rate, alpha=alpha,
                     beta=beta, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
@@ -111,7 +117,12 @@ def optimistic_adam(learning_rate: float, optimism: float | None = None, b1: flo
     Args:
       learning_rate: :math:`\eta`, a float.
       optimism: :math:`o`; None means ``learning_rate``.
-      b1, b2, eps, eps_root, mu_dtype, nesterov: Adam's, see :func:`scale_by_adam`.
+      b1: Adam's, see :func:`scale_by_adam`.
+      b2: Adam's, see :func:`scale_by_adam`.
+      eps: Adam's, see :func:`scale_by_adam`.
+      eps_root: Adam's, see :func:`scale_by_adam`.
+      mu_dtype: Adam's, see :func:`scale_by_adam`.
+      nesterov: Adam's, see :func:`scale_by_adam`.
     """
     warnings.warn("`optimistic_adam` is deprecated, use `optimistic_adam_v2` instead",
                   DeprecationWarning, stacklevel=2)

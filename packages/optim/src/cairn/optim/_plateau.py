@@ -49,7 +49,8 @@ def reduce_on_plateau(factor: float = 0.1, patience: int = 10, rtol: float = 1e-
     Args:
       factor: in (0, 1), the shrink factor.
       patience: windows without improvement before shrinking.
-      rtol, atol: relative / absolute improvement thresholds (>= 0, not both 0; rtol <= 1).
+      rtol: relative improvement threshold (>= 0, <= 1; not 0 together with ``atol``).
+      atol: absolute improvement threshold (>= 0).
       cooldown: windows to wait after a shrink.
       accumulation_size: values averaged per window.
       min_scale: lower bound of ``scale``.

@@ -182,8 +182,10 @@ def ipo_loss(
     so ``margins`` is :math:`\tau h`.
 
     Args:
-      chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps: as in
-        :func:`dpo_loss`, floating, one shape ``[...]``.
+      chosen_logps: as in :func:`dpo_loss`, floating ``[...]``.
+      rejected_logps: as in :func:`dpo_loss`, the same shape.
+      ref_chosen_logps: as in :func:`dpo_loss`, the same shape.
+      ref_rejected_logps: as in :func:`dpo_loss`, the same shape.
       beta: :math:`\tau > 0`, the regularisation strength.
 
     Returns:

@@ -134,16 +134,18 @@ def prompt_bucket(n: int, max_length: int) -> int:
 class GenerationEvent:
     """One streamed event: a token (``finished`` false) or the end (``token_id`` None).
 
-    Attributes:
-      token_id: the new token, or ``None`` on the final event. index: its position in
-      the output (the final event's is the number of tokens). finished: whether this is
-      the final event. finish_reason: on the final event. text: the text that became final
-      with this event when the model has a tokenizer or a vocabulary (through the
-      tokenizer's incremental decoder: often ``""``, never a split character; text that
-      may begin a ``stop`` string is held back; the final event carries what is left).
-      error: on a final event with ``finish_reason "error"``, the message. logprob,
-      top_logprobs: the token's log-probability and ``[(id, logprob), ...]`` of the most
-      likely tokens, when the request asked for ``logprobs``.
+    Args:
+      token_id: the new token, or ``None`` on the final event.
+      index: its position in the output (the final event's is the number of tokens).
+      finished: whether this is the final event.
+      finish_reason: on the final event.
+      text: the text that became final with this event when the model has a tokenizer or
+        a vocabulary (through the tokenizer's incremental decoder: often ``""``, never a
+        split character; text that may begin a ``stop`` string is held back; the final
+        event carries what is left).
+      error: on a final event with ``finish_reason "error"``, the message.
+      logprob: the token's log-probability, when the request asked for ``logprobs``.
+      top_logprobs: ``[(id, logprob), ...]`` of the most likely tokens, likewise.
     """
 
     token_id: int | None
@@ -460,9 +462,10 @@ class GenerationEngine:
         """Queue a request.
 
         Args:
-          prompt: token ids (at least one). params: :class:`SamplingParams` (default
-          greedy, 16 tokens). on_event: called from the engine thread for every token
-          and once at the end (:class:`GenerationEvent`); it must not block.
+          prompt: token ids (at least one).
+          params: :class:`SamplingParams` (default greedy, 16 tokens).
+          on_event: called from the engine thread for every token and once at the end
+            (:class:`GenerationEvent`); it must not block.
 
         Raises:
           ValueError: an empty prompt, a token id out of range, a prompt that with

@@ -56,11 +56,14 @@ class GenerativeModel(Protocol):
     """What the :class:`~cairn.serving.GenerationEngine` runs.
 
     Attributes:
-      name: the model name. vocab_size: logits per position. max_length: cache positions
-      (prompt plus generated tokens). eos_token_ids: tokens that end a sequence.
+      name: the model name.
+      vocab_size: logits per position.
+      max_length: cache positions (prompt plus generated tokens).
+      eos_token_ids: tokens that end a sequence.
       vocabulary: token id -> text (``None`` entries: no text), or ``None``.
-      cache_specs: per-row spec of every cache entry. (Optional, read with ``getattr``:
-      ``bos_token_id``, prepended to tokenized text; ``max_batch_size``, the most slots.)
+      cache_specs: per-row spec of every cache entry.
+      bos_token_id: optional, read with ``getattr``: prepended to tokenized text.
+      max_batch_size: optional, read with ``getattr``: the most slots.
 
     The methods take and return ``jax.Array``: ``init_cache(n)`` zeros for ``n`` rows;
     ``prefill(tokens, lengths)`` and ``decode(tokens, positions, cache)`` as the module
@@ -386,9 +389,17 @@ class PythonGenerator(GeneratorBase):
     with ``params`` held on the device (the cache donated to every decode step).
 
     Args:
-      prefill, decode: the model functions (module docstring). params: their weights.
-      cache_specs: per-row ``{name: ArraySpec}`` of the cache. vocab_size, max_length,
-      eos_token_ids, vocabulary, bos_token_id, tokenizer, score: as :func:`export_generator`.
+      prefill: the prefill function (module docstring).
+      decode: the decode function (module docstring).
+      params: their weights.
+      cache_specs: per-row ``{name: ArraySpec}`` of the cache.
+      vocab_size: as :func:`export_generator`.
+      max_length: as :func:`export_generator`.
+      eos_token_ids: as :func:`export_generator`.
+      vocabulary: as :func:`export_generator`.
+      bos_token_id: as :func:`export_generator`.
+      tokenizer: as :func:`export_generator`.
+      score: as :func:`export_generator`.
       name: the model name.
 
     Raises:
@@ -501,12 +512,14 @@ def export_generator(
     :func:`cairn.serving.load` returns a :class:`~cairn.serving.LoadedGenerator` for it.
 
     Args:
-      prefill, decode: the model functions (module docstring).
+      prefill: the prefill function (module docstring).
+      decode: the decode function (module docstring).
       params: their weights (any core_array tree).
       path: the model directory to create.
       cache_specs: per-row spec of each cache entry, ``{"k0": ArraySpec((max_length,
         heads, head_dim), "float32"), ...}``.
-      vocab_size: logits per position. max_length: cache positions.
+      vocab_size: logits per position.
+      max_length: cache positions.
       eos_token_ids: tokens that end a sequence; default the tokenizer's
         (:attr:`Tokenizer.eos_token_ids`) when one is given.
       vocabulary: token id -> text (``None`` for ids without text), for ``text_input``.
