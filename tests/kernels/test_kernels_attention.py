@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cairn.kernels as ck
-from cairn.kernels import _attention_triton
+from cairn.kernels._attention import pallas_triton as _attention_triton
 
 # (forward atol/rtol, gradient atol/rtol) per dtype; the same table is in docs/kernels.md
 TOLERANCES = {

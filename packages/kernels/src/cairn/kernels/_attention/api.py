@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.kernels import _attention_xla
-from cairn.kernels._attention_common import AttentionSpec, folded_segments
+from cairn.kernels._attention import xla as _attention_xla
+from cairn.kernels._attention.common import AttentionSpec, folded_segments
 from cairn.kernels._registry import Implementation, call, deferred, register, register_op
 
 OP = "dot_product_attention"
@@ -57,8 +57,8 @@ register(
     )
 )
 # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-register(deferred(OP, "pallas_triton", "cairn.kernels._attention_triton", {"gpu"}))
-register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._attention_mosaic", {"gpu"}))
+register(deferred(OP, "pallas_triton", "cairn.kernels._attention.pallas_triton", {"gpu"}))
+register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._attention.pallas_mosaic", {"gpu"}))
 
 
 def _window(local_window_size: int | tuple[int, int] | None) -> tuple[int, int] | None:

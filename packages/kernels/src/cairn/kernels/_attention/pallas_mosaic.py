@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels import _attention_triton
-from cairn.kernels._attention_common import AttentionSpec, transform_logits
+from cairn.kernels._attention import pallas_triton as _attention_triton
+from cairn.kernels._attention.common import AttentionSpec, transform_logits
 from cairn.kernels._registry import Implementation
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from cairn.kernels._attention_common import (
+from cairn.kernels._attention.common import (
     AttentionSpec,
     pad_axis,
     position_mask,

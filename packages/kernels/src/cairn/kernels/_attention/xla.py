@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.kernels import _registry
-from cairn.kernels._attention_common import (
+from cairn.kernels._attention.common import (
     AttentionSpec,
     pad_axis,
     position_mask,

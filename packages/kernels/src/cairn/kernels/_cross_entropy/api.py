@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._cross_entropy_xla import cross_entropy_xla
-from cairn.kernels._quantized_common import split_scale
+from cairn.kernels._cross_entropy.xla import cross_entropy_xla
+from cairn.kernels._quantized.common import split_scale
 from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["linear_softmax_cross_entropy_loss"]
@@ -55,8 +55,8 @@ if OP not in ops():
         )
     )
     # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._cross_entropy_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._cross_entropy_mosaic", {"gpu"}))
+    register(deferred(OP, "pallas_triton", "cairn.kernels._cross_entropy.pallas_triton", {"gpu"}))
+    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._cross_entropy.pallas_mosaic", {"gpu"}))
 
 
 def _check(x: Any, labels: Any, weights: Any, reduction: str, precision: Any) -> None:

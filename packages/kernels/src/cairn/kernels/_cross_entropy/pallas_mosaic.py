@@ -24,10 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels._cross_entropy_triton import supports as triton_supports
-from cairn.kernels._cross_entropy_xla import make_loss
-from cairn.kernels._ragged_dot_mosaic import interpret_params
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._cross_entropy.pallas_triton import supports as triton_supports
+from cairn.kernels._cross_entropy.xla import make_loss
+from cairn.kernels._ragged_dot.pallas_mosaic import interpret_params
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_b": 64, "block_v": 128, "block_h": 64, "max_concurrent_steps": 2, "block_v_bwd": 2048}

@@ -21,8 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._cross_entropy_xla import make_loss
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._cross_entropy.xla import make_loss
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_b": 32, "block_v": 128, "block_h": 64, "block_v_bwd": 2048, "num_warps": 4, "num_stages": 2}

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._glu_xla import apply, glu_xla
-from cairn.kernels._quantized_common import split_scale
+from cairn.kernels._glu.xla import apply, glu_xla
+from cairn.kernels._quantized.common import split_scale
 from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["gated_linear_unit"]
@@ -36,8 +36,8 @@ if OP not in ops():
     register_op(OP, bucket=_bucket)
     register(Implementation(OP, "xla", glu_xla, frozenset({"cpu", "gpu", "tpu"})))
     # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._glu_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._glu_mosaic", {"gpu"}))
+    register(deferred(OP, "pallas_triton", "cairn.kernels._glu.pallas_triton", {"gpu"}))
+    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._glu.pallas_mosaic", {"gpu"}))
 
 
 def _quantized(x2, weights: QArray, activation, precision, dtype):

@@ -20,9 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels._glu_triton import glu_vjp
-from cairn.kernels._ragged_dot_mosaic import interpret_params
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._glu.pallas_triton import glu_vjp
+from cairn.kernels._ragged_dot.pallas_mosaic import interpret_params
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 64, "max_concurrent_steps": 2}

@@ -18,8 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._glu_xla import apply
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._glu.xla import apply
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}

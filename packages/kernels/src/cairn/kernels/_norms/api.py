@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels._norms_xla import norm_xla
+from cairn.kernels._norms.xla import norm_xla
 from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["layer_norm", "rms_norm"]
@@ -32,7 +32,7 @@ def _bucket(x: Any, *_: Any, subtract_mean: bool = True, **__: Any) -> tuple[Any
 if OP not in ops():
     register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
     register(Implementation(OP, "xla", norm_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(deferred(OP, "pallas_triton", "cairn.kernels._norms_triton", {"gpu"}))  # imported on first use
+    register(deferred(OP, "pallas_triton", "cairn.kernels._norms.pallas_triton", {"gpu"}))  # imported on first use
 
 
 def _check_param(name: str, p: Any, d: int, axis: int) -> None:

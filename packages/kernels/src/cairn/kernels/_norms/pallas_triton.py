@@ -18,8 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._norms_xla import make_norm
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._norms.xla import make_norm
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_rows": 16, "num_warps": 4}

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels import _paged_attention_xla
-from cairn.kernels._paged_attention_common import PagedSpec
+from cairn.kernels._paged_attention import xla as _paged_attention_xla
+from cairn.kernels._paged_attention.common import PagedSpec
 from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 OP = "paged_attention"
@@ -74,7 +74,7 @@ if OP not in ops():
         )
     )
     # the Triton kernel loads on first use (issue 31: importing cairn.kernels loads no GPU code)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._paged_attention_triton", {"gpu"}))
+    register(deferred(OP, "pallas_triton", "cairn.kernels._paged_attention.pallas_triton", {"gpu"}))
 
 
 def _is_concrete(x: Any) -> bool:

@@ -5,7 +5,7 @@ A drop-in ``dot_general`` for ``cairn.nn.Linear`` / ``LinearGeneral``
 layer hands the quantized values to this function as they are, and the integer values
 enter the dot (int32 accumulation when both operands are integer QArrays), scales
 applied after it. Implementations under op ``"quantized_dot_general"``: ``xla`` (any
-dimension numbers, see :mod:`cairn.kernels._quantized_xla`) and ``pallas_triton`` (the
+dimension numbers, see :mod:`cairn.kernels._quantized.xla`) and ``pallas_triton`` (the
 2-d ``Linear`` case with per-channel or per-tensor scales; weights stay int8 in memory).
 No Mosaic GPU kernel yet (it would convert int8 blocks to 16 bits between the TMA copy
 and ``wgmma``).
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_xla import quantized_dot_general_xla
+from cairn.kernels._quantized.xla import quantized_dot_general_xla
 from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["quantized_dot_general"]
@@ -41,7 +41,7 @@ def _bucket(lhs: Any, rhs: Any, dimension_numbers: Any, **_: Any) -> tuple[Any, 
 if OP not in ops():
     register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
     register(Implementation(OP, "xla", quantized_dot_general_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(deferred(OP, "pallas_triton", "cairn.kernels._quantized_triton", {"gpu"}))  # imported on first use
+    register(deferred(OP, "pallas_triton", "cairn.kernels._quantized.pallas_triton", {"gpu"}))  # imported on first use
 
 
 def _normalize(dimension_numbers: Any, lnd: int, rnd: int) -> tuple[Any, ...]:

@@ -21,9 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_common import values_of
-from cairn.kernels._quantized_xla import INT_QTYPES, result_dtype
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._quantized.common import values_of
+from cairn.kernels._quantized.xla import INT_QTYPES, result_dtype
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}

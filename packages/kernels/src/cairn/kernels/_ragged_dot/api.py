@@ -18,8 +18,8 @@ import numpy as np
 from jax import lax
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._ragged_dot_xla import ragged_dot_xla, row_groups
+from cairn.kernels._quantized.common import split_scale
+from cairn.kernels._ragged_dot.xla import ragged_dot_xla, row_groups
 from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
 
 __all__ = ["ragged_dot", "ragged_dot_general"]
@@ -57,8 +57,8 @@ if OP not in ops():
         )
     )
     # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._ragged_dot_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._ragged_dot_mosaic", {"gpu"}))
+    register(deferred(OP, "pallas_triton", "cairn.kernels._ragged_dot.pallas_triton", {"gpu"}))
+    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._ragged_dot.pallas_mosaic", {"gpu"}))
 
 
 def _check(lhs: Any, rhs: Any, group_sizes: Any, mode: str) -> None:

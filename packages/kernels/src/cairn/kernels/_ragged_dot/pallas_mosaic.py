@@ -23,9 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels._ragged_dot_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._ragged_dot_triton import _pad_to, forward_k
-from cairn.kernels._ragged_dot_xla import make_ragged, out_dtype, schedule
+from cairn.kernels._ragged_dot.pallas_triton import DEFAULT_CONFIG as TRITON_DEFAULT
+from cairn.kernels._ragged_dot.pallas_triton import _pad_to, forward_k
+from cairn.kernels._ragged_dot.xla import make_ragged, out_dtype, schedule
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 64, "max_concurrent_steps": 2}

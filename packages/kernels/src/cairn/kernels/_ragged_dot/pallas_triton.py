@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._ragged_dot_xla import _acc_dtype, make_ragged, out_dtype, schedule
+from cairn.kernels._ragged_dot.xla import _acc_dtype, make_ragged, out_dtype, schedule
 from cairn.kernels._registry import Implementation
 
 DEFAULT_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
