@@ -20,7 +20,10 @@ import numpy as np
 from cairn.core_array import QArray
 from cairn.kernels._glu.xla import apply, glu_xla
 from cairn.kernels._quantized.common import split_scale
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["gated_linear_unit"]
 
@@ -31,13 +34,10 @@ def _bucket(x: Any, weights: Any, **_: Any) -> tuple[Any, ...]:
     return (1 << max(x.shape[0] - 1, 0).bit_length(), weights.shape[0], weights.shape[2], jnp.dtype(x.dtype).name)
 
 
-# registered once: a doctest run imports this module a second time under another name
-if OP not in ops():
-    register_op(OP, bucket=_bucket)
-    register(Implementation(OP, "xla", glu_xla, frozenset({"cpu", "gpu", "tpu"})))
-    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._glu.pallas_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._glu.pallas_mosaic", {"gpu"}))
+register_builtin(
+    OP, bucket=_bucket, xla=glu_xla,
+    gpu={"pallas_triton": "cairn.kernels._glu.pallas_triton", "pallas_mosaic_gpu": "cairn.kernels._glu.pallas_mosaic"},
+)
 
 
 def _quantized(x2, weights: QArray, activation, precision, dtype):

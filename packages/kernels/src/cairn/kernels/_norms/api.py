@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.kernels._norms.xla import norm_xla
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -28,11 +31,10 @@ def _bucket(x: Any, *_: Any, subtract_mean: bool = True, **__: Any) -> tuple[Any
     return (1 << max(x.shape[0] - 1, 0).bit_length(), x.shape[1], jnp.dtype(x.dtype).name, bool(subtract_mean))
 
 
-# registered once: a doctest run imports this module a second time under another name
-if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
-    register(Implementation(OP, "xla", norm_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(deferred(OP, "pallas_triton", "cairn.kernels._norms.pallas_triton", {"gpu"}))  # imported on first use
+register_builtin(
+    OP, bucket=_bucket, preference=("pallas_triton", "xla"), xla=norm_xla,
+    gpu={"pallas_triton": "cairn.kernels._norms.pallas_triton"},
+)
 
 
 def _check_param(name: str, p: Any, d: int, axis: int) -> None:

@@ -21,7 +21,10 @@ import numpy as np
 
 from cairn.core_array import QArray
 from cairn.kernels._quantized.xla import quantized_dot_general_xla
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["quantized_dot_general"]
 
@@ -37,11 +40,10 @@ def _bucket(lhs: Any, rhs: Any, dimension_numbers: Any, **_: Any) -> tuple[Any, 
     return (1 << max(lead - 1, 0).bit_length(), tuple(rhs.shape), _qtype(lhs), _qtype(rhs), str(dimension_numbers))
 
 
-# registered once: a doctest run imports this module a second time under another name
-if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"))
-    register(Implementation(OP, "xla", quantized_dot_general_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(deferred(OP, "pallas_triton", "cairn.kernels._quantized.pallas_triton", {"gpu"}))  # imported on first use
+register_builtin(
+    OP, bucket=_bucket, preference=("pallas_triton", "xla"), xla=quantized_dot_general_xla,
+    gpu={"pallas_triton": "cairn.kernels._quantized.pallas_triton"},
+)
 
 
 def _normalize(dimension_numbers: Any, lnd: int, rnd: int) -> tuple[Any, ...]:
