@@ -3,6 +3,7 @@ new file, never part of one), concurrent writers, and the checksummed-JSON forma
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -130,15 +131,12 @@ def test_concurrent_writers_and_readers_see_only_whole_files(tmp_path):
         for _ in range(25):
             ca.atomic_write_text(target, payloads[w])
 
-    r = threading.Thread(target=reader)
-    r.start()
-    ws = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
-    for t in ws:
-        t.start()
-    for t in ws:
-        t.join()
-    stop.set()
-    r.join()
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        read = pool.submit(reader)
+        for done in [pool.submit(writer, w) for w in range(4)]:
+            done.result()
+        stop.set()
+        read.result()
     assert bad == []
     assert target.read_text() in payloads
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.json"]
