@@ -126,7 +126,7 @@ def fsync_tree(root: str | os.PathLike) -> None:
     Args:
       root: the directory.
     """
-    for d, _dirs, files in os.walk(root, topdown=False):
+    for d, _dirs, files in os.walk(os.fspath(root), topdown=False):
         for f in files:
             fsync_file(os.path.join(d, f))
         fsync_dir(d)

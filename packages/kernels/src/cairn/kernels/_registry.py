@@ -208,8 +208,8 @@ def register_builtin(
     bucket: Callable[..., tuple[Any, ...]],
     xla: Callable[..., Any],
     gpu: Mapping[str, str],
-    xla_configs: Callable[..., list[dict[str, Any]]] | None = None,
-    xla_default_config: Callable[..., dict[str, Any]] | None = None,
+    xla_configs: Callable[..., Sequence[Mapping[str, Any]]] | None = None,
+    xla_default_config: Callable[..., Mapping[str, Any]] | None = None,
     **op_options: Any,
 ) -> None:
     """Declare one of cairn.kernels' own ops: the op, its XLA implementation (CPU, GPU, TPU)
@@ -230,7 +230,11 @@ def register_builtin(
     if op in _OPS:
         return
     register_op(op, bucket=bucket, **op_options)
-    tuning = {k: v for k, v in (("configs", xla_configs), ("default_config", xla_default_config)) if v is not None}
+    tuning: dict[str, Any] = {}
+    if xla_configs is not None:
+        tuning["configs"] = xla_configs
+    if xla_default_config is not None:
+        tuning["default_config"] = xla_default_config
     register(Implementation(op, "xla", xla, frozenset({"cpu", "gpu", "tpu"}), **tuning))
     for name, module in gpu.items():
         register(deferred(op, name, module, {"gpu"}))

@@ -192,7 +192,11 @@ def write_shards(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     names = [SINGLE] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     for file, members in zip(names, plan):
         shard = {n: np.ascontiguousarray(tensors[n]) for n in members}
-        atomic_write(d / file, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
+
+        def write(tmp: str, shard: dict[str, np.ndarray] = shard) -> None:
+            save_file(shard, tmp, metadata={"format": "pt"})
+
+        atomic_write(d / file, write)
     with contextlib.suppress(FileNotFoundError):
         (d / INDEX).unlink()
     if len(plan) > 1:
