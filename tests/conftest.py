@@ -13,6 +13,9 @@ import tempfile
 import pytest
 from hypothesis import settings
 
+# tests/_cairn_testlib.py: helpers the tests of several packages share
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")

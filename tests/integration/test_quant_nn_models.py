@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cairn_testlib import record_quant_sites
 
 from cairn import nn, optim, quant
 
@@ -41,25 +42,13 @@ class _Model(nn.Module):
         return self.embed.attend(x)  # tied output projection: the embedding used as a weight
 
 
-def _seen(provider):
-    sites = []
-    inner = provider._handle
-
-    def handle(site, invals):
-        sites.append((site.kind, site.module_path, site.index))
-        return inner(site, invals)
-
-    provider._handle = handle
-    return sites
-
-
 TOKENS = jnp.array([1, 4, 7, 2, 9, 3], jnp.int32)
 
 
 @pytest.mark.parametrize("style", ["matmul", "jnp_matmul", "einsum"])
 def test_same_weights_found_whatever_the_spelling(style):
     provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")])
-    sites = _seen(provider)
+    sites = record_quant_sites(provider)
     model = _Model(nn.Rngs(0), style)
     quant.quantize_model(model, provider)(TOKENS)
     modules = sorted({s[1] for s in sites})
@@ -122,7 +111,7 @@ def test_scan_and_remat_over_stacked_layers():
         return nn.scan(lambda h, layer: (nn.remat(lambda lyr, h: lyr(h))(layer, h), None))(x, layers)[0]
 
     provider = quant.PtqProvider([quant.QuantizationRule(weight_qtype="int8")])
-    sites = _seen(provider)
+    sites = record_quant_sites(provider)
     y = quant.quantize(run, provider)(stacked, x)
     assert sites and all(s[1] == "" for s in sites)  # the stacked leaf 'kernel' itself
     want = run(stacked, x)
@@ -230,7 +219,7 @@ def test_rules_on_dots_between_activations_name_the_module_by_scope():
     model = Net(nn.Rngs(0))
     x = jax.random.normal(jax.random.key(3), (5, 8))
     provider = quant.PtqProvider([quant.QuantizationRule(module_path="layers/1", op_names=("einsum",), act_qtype="int8")])
-    sites = _seen(provider)
+    sites = record_quant_sites(provider)
     out = quant.quantize_model(model, provider)(x)
     ref = model(x)
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))  # layers/0 untouched

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cairn import nn, quant, serving
-from cairn.core_array import ArraySpec, QArray
+from cairn.core_array import ArraySpec, QArray, read_checksummed_json
 
 HERMETIC = textwrap.dedent('''
     import importlib.abc, json, sys
@@ -101,7 +101,7 @@ def test_nn_and_quant_models_load_hermetically(tmp_path):
         f = quant.quantize(_mlp_fn, provider)
         p = serving.export(lambda prm, inp, f=f: f(prm, inp["x"]), qp, {"x": ArraySpec(("b", 64), "float32")},
                            tmp_path / f"q_{qtype}", max_batch_size=8)
-        man = json.load(open(os.path.join(p, "manifest.json")))
+        man = read_checksummed_json(os.path.join(p, "manifest.json"))
         assert man["weights"]["qarrays"]["l1/kernel"]["qtype"] == qtype
         sizes = {e["path"]: np.prod(e["shape"]) * (1 if e["dtype"] in ("int8", "uint8") else 4)
                  for e in man["weights"]["arrays"]}
@@ -130,6 +130,6 @@ def test_nn_model_holding_qarrays_exports(tmp_path):
     graphdef, state = nn.split(model)
     p = serving.export(lambda prm, inp: nn.merge(graphdef, prm)(inp["x"]), state,
                        {"x": ArraySpec(("b", 32), "float32")}, tmp_path / "m", max_batch_size=4)
-    man = json.load(open(os.path.join(p, "manifest.json")))
+    man = read_checksummed_json(os.path.join(p, "manifest.json"))
     assert any(k.startswith("l1/") for k in man["weights"]["qarrays"])
     np.testing.assert_allclose(serving.load(p)({"x": np.asarray(x)})["output_0"], np.asarray(model(x)), rtol=1e-5, atol=1e-5)

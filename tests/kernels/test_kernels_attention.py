@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cairn.kernels as ck
-from cairn.kernels import _attention_triton
+from cairn.kernels._attention import pallas_triton as _attention_triton
 
 # (forward atol/rtol, gradient atol/rtol) per dtype; the same table is in docs/kernels.md
 TOLERANCES = {
@@ -369,7 +369,7 @@ def test_untuned_xla_default_off_cpu_keeps_the_fused_plain_path_up_to_the_limit(
 def test_cudnn_refuses_off_an_nvidia_gpu_and_what_it_does_not_take():
     """``supports`` names each feature cuDNN's fused attention does not take, and off an
     NVIDIA GPU (a CPU, or cross-compiling for a GPU) the device; dispatch then moves on."""
-    from cairn.kernels._attention_common import AttentionSpec
+    from cairn.kernels._attention.common import AttentionSpec
 
     q, k, v, _ = fresh_inputs(1, 8, 8, 4, 2, 64, "bfloat16")
     impl = ck.implementations("dot_product_attention")["cudnn"]

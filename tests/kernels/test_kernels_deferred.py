@@ -33,7 +33,7 @@ import numpy as np
 GPU = {gpu!r}
 def loaded():
     return sorted(m for m in sys.modules
-                  if m.startswith(GPU) or (m.startswith("cairn.kernels._") and m.endswith(("_triton", "_mosaic"))))
+                  if m.startswith(GPU) or (m.startswith("cairn.kernels._") and m.endswith((".pallas_triton", ".pallas_mosaic"))))
 import cairn.kernels as ck
 import jax.numpy as jnp
 out = {{"after_import": loaded()}}
@@ -77,13 +77,13 @@ def test_import_and_default_dispatch_load_no_gpu_backend(probe):
 
 def test_asking_for_a_gpu_implementation_loads_and_runs_it(probe):
     assert probe["triton_ok"]
-    assert "cairn.kernels._norms_triton" in probe["after_triton"]
+    assert "cairn.kernels._norms.pallas_triton" in probe["after_triton"]
     assert "jax.experimental.pallas.triton" in probe["after_triton"]
     # only what was asked for (JAX's own interpret-mode lowering of any pallas_call imports
     # its Mosaic interpreters, so only our Mosaic GPU kernel modules are checked)
-    assert not any(m.startswith("cairn.kernels.") and m.endswith("_mosaic") for m in probe["after_triton"])
+    assert not any(m.startswith("cairn.kernels.") and m.endswith(".pallas_mosaic") for m in probe["after_triton"])
     assert probe["mosaic_ok"]
-    assert "cairn.kernels._glu_mosaic" in probe["after_mosaic"]
+    assert "cairn.kernels._glu.pallas_mosaic" in probe["after_mosaic"]
     assert "jax.experimental.pallas.mosaic_gpu" in probe["after_mosaic"]
 
 
@@ -106,15 +106,15 @@ def test_deferred_that_names_the_wrong_thing_raises_on_first_use():
     op = f"lazy_{uuid.uuid4().hex[:8]}"
     ck.register_op(op, bucket=lambda x: ())
     # the module exists, but its IMPLEMENTATION is another op's
-    ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._norms_triton", {"gpu"}))
-    with pytest.raises(TypeError, match=rf"cairn.kernels._norms_triton.IMPLEMENTATION must be .*'{op}'"):
+    ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._norms.pallas_triton", {"gpu"}))
+    with pytest.raises(TypeError, match=rf"cairn.kernels._norms.pallas_triton.IMPLEMENTATION must be .*'{op}'"):
         ck.call(op, jnp.ones(2), implementation="pallas_triton")
 
 
 def test_deferred_registers_idempotently_but_not_over_another_module():
     op = f"lazy_{uuid.uuid4().hex[:8]}"
     ck.register_op(op, bucket=lambda x: ())
-    ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._norms_triton", {"gpu"}))
-    ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._norms_triton", {"gpu"}))  # a re-import: fine
+    ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._norms.pallas_triton", {"gpu"}))
+    ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._norms.pallas_triton", {"gpu"}))  # a re-import: fine
     with pytest.raises(ValueError, match="already registered"):
-        ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._glu_triton", {"gpu"}))
+        ck.register(ck.deferred(op, "pallas_triton", "cairn.kernels._glu.pallas_triton", {"gpu"}))

@@ -16,7 +16,7 @@ from cairn import kernels
 from cairn.core_array import QArray, QuantLayout
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import _kernels_k2_testbase as tb
+import _kernels_testbase as tb
 
 pytest_generate_tests = tb.generate_cases  # noqa: V107 (pytest calls it)
 

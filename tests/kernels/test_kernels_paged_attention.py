@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cairn.kernels as ck
-from cairn.kernels import _attention_triton
+from cairn.kernels._attention import pallas_triton as _attention_triton
 
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2}
 _SEEDS = itertools.count(1)

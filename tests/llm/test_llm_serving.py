@@ -8,7 +8,6 @@ absolute on logits of magnitude ~1 (the cached and full passes sum in different 
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -19,7 +18,7 @@ import tokenizers
 from llm_testlib import forward, load
 
 from cairn import llm, nn, quant, serving
-from cairn.core_array import QArray
+from cairn.core_array import QArray, read_checksummed_json
 
 # llama (full attention), qwen2 (qkv biases, tied embeddings), gemma2 (soft-capping, sliding window 4)
 # llama in the default suite; the others (compiles of ~20-30 s each on a loaded 2-core CPU) in tests_slow
@@ -119,7 +118,7 @@ def test_an_int8_model_exports_int8_weights_and_serves_its_own_logits(tmp_path):
     model = _int8(llm.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures", "llama")))
     assert isinstance(model.layers[0].attn.q.kernel[...], QArray)
     path = llm.export_for_serving(model, _tokenizer(40), tmp_path, "q8", max_length=32, max_batch_size=4)
-    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    manifest = read_checksummed_json(os.path.join(path, "manifest.json"))
     qarrays = manifest["weights"]["qarrays"]
     # attn/o reaches its dot through a reshape (heads*head_dim as one axis), so quantize_params keeps it float
     assert {f"layers/{i}/{m}/kernel" for i in range(3) for m in ("attn/q", "attn/k", "attn/v", "mlp/gate", "mlp/up",

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cairn_testlib import central_diff
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,15 +159,8 @@ def test_rnn_grad_matches_finite_differences():
         return jnp.sum(m(x) ** 2)
 
     g = jax.jit(jax.grad(loss, argnums=1))(rnn, x)
-    eps = 1e-3
-    xn = np.asarray(x, np.float64)
-    fd = np.zeros_like(xn)
-    for idx in np.ndindex(xn.shape):
-        xp, xm = xn.copy(), xn.copy()
-        xp[idx] += eps
-        xm[idx] -= eps
-        fd[idx] = (np_run(cell, xp, lstm=False)[0] ** 2).sum() - (np_run(cell, xm, lstm=False)[0] ** 2).sum()
-    np.testing.assert_allclose(f64(g), fd / (2 * eps), rtol=1e-3, atol=1e-4)
+    fd = central_diff(lambda z: (np_run(cell, z, lstm=False)[0] ** 2).sum(), np.asarray(x, np.float64), h=1e-3)
+    np.testing.assert_allclose(f64(g), fd, rtol=1e-3, atol=1e-4)
 
 
 @settings(max_examples=6, deadline=None)

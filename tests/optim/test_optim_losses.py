@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import scipy.special as sp
+from _cairn_testlib import central_diff
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,18 +137,6 @@ def np_ctc(logits, lpad, labels, ypad, blank=0):
         labs = labels[b][ypad[b] == 0]
         out.append(np_ctc_one(frames, labs, blank)[0])
     return np.array(out)
-
-
-def central_diff(f, x, h=1e-6):
-    """Central finite differences of a scalar float64 NumPy function."""
-    x = np.array(x, np.float64)
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[i] += h
-        xm[i] -= h
-        g[i] = (f(xp) - f(xm)) / (2 * h)
-    return g
 
 
 def bf16_round(x):

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import scipy.special as sp
+from _cairn_testlib import central_diff
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,18 +44,6 @@ BF16 = dict(rtol=1e-2, atol=1e-2)
 
 def rng(seed=0):
     return np.random.default_rng(seed)
-
-
-def central_diff(f, x, h=1e-6):
-    """Central finite differences of a scalar float64 NumPy function of one array."""
-    x = np.array(x, np.float64)
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[i] += h
-        xm[i] -= h
-        g[i] = (f(xp) - f(xm)) / (2 * h)
-    return g
 
 
 def bf16_round(x):

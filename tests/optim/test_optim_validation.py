@@ -288,3 +288,63 @@ def test_inject_hyperparams_still_works():
     # a bad concrete value given to inject_hyperparams is refused at the factory too
     with pytest.raises(ValueError, match="b1"):
         optim.inject_hyperparams(optim.adam)(learning_rate=1e-2, b1=1.5).init(PARAMS)
+
+
+# --- a learning rate is validated once, in one place (issue 31) ---
+
+
+def _factories_taking_a_learning_rate():
+    import inspect
+
+    from cairn.optim import contrib
+
+    seen = {}
+    for mod in (optim, contrib):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            if name.startswith("_") or not inspect.isfunction(fn) or name in seen:
+                continue
+            params = inspect.signature(fn).parameters
+            if "learning_rate" in params:
+                seen[name] = (fn, params["learning_rate"].default)
+    return seen
+
+
+LR_FACTORIES = _factories_taking_a_learning_rate()
+# where ``learning_rate=None`` has a meaning (no step, a step of 1)
+LR_OPTIONAL = {"scale_by_learning_rate", "adafactor", "adadelta", "lbfgs"}
+# the arguments a factory needs besides the learning rate
+LR_NEEDS = {"schedule_free": lambda: {"base_optimizer": optim.sgd(0.1)}}
+
+
+@pytest.mark.parametrize("name", sorted(LR_FACTORIES))
+def test_every_learning_rate_is_checked_once_by_the_one_rule(name, monkeypatch):
+    from cairn.optim import _validate
+
+    fn, _default = LR_FACTORIES[name]
+    needed = LR_NEEDS.get(name, dict)()
+    real = _validate.check
+    seen = []
+
+    def counting(factory, rules=None, **values):
+        if "learning_rate" in values:
+            seen.append(factory)
+        return real(factory, rules, **values)
+
+    monkeypatch.setattr(_validate, "check", counting)
+    fn(learning_rate=0.1, **needed)
+    assert seen == [name], f"{name}: learning_rate checked by {seen}"
+    with pytest.raises(ValueError, match=rf"^{name}: learning_rate must be finite, got inf"):
+        fn(learning_rate=INF, **needed)
+    with pytest.raises(ValueError, match=rf"^{name}: learning_rate must be >= 0, got -0.1"):
+        fn(learning_rate=-0.1, **needed)
+    if name in LR_OPTIONAL:
+        fn(learning_rate=None, **needed)
+    else:
+        with pytest.raises(TypeError, match=rf"^{name}: learning_rate must be a number or a schedule .* got None"):
+            fn(learning_rate=None, **needed)
+
+
+def test_the_learning_rate_factories_were_found():
+    assert {"adam", "sgd", "muon", "adafactor", "dog", "cocob", "prodigy", "lbfgs",
+            "scale_by_learning_rate"} <= set(LR_FACTORIES)

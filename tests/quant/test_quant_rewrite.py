@@ -6,22 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cairn_testlib import record_quant_sites
 
 from cairn import quant
 
 RULE = quant.QuantizationRule(weight_qtype="int8")
-
-
-def _spy(provider: quant.QuantizationProvider) -> list:
-    seen: list = []
-    inner = provider._handle
-
-    def handle(site, invals):
-        seen.append((site.kind, site.module_path, site.index))
-        return inner(site, invals)
-
-    provider._handle = handle
-    return seen
 
 
 def _params(seed: int = 0) -> dict:
@@ -55,7 +44,7 @@ FORMS = {
 def test_every_form_of_matmul_is_intercepted(form):
     fn = FORMS[form]
     provider = quant.PtqProvider([quant.QuantizationRule(module_path="enc", weight_qtype="int8")])
-    seen = _spy(provider)
+    seen = record_quant_sites(provider)
     p = _params()
     y = quant.quantize(fn, provider)(p, X)
     assert seen and all(s[1] == "enc" for s in seen), seen
@@ -70,7 +59,7 @@ def test_scan_over_stacked_weights_and_tied_use():
         return h @ p["enc"]["kernel"] + h @ p["enc"]["kernel"].T  # the same weight twice
 
     provider = quant.PtqProvider([RULE], strict=False)
-    seen = _spy(provider)
+    seen = record_quant_sites(provider)
     y = quant.quantize(fn, provider)(_params(), X)
     assert [s[0] for s in seen] == ["dot_general"] * 3
     assert seen[1][1:] == ("enc", 0) and seen[2][1:] == ("enc", 1)
@@ -96,7 +85,7 @@ def test_custom_vjp_and_ragged_and_conv():
     p = {**_params(), "conv": jax.random.normal(jax.random.key(3), (4, 3, 3, 3))}
     img = jax.random.normal(jax.random.key(4), (1, 3, 6, 6))
     provider = quant.PtqProvider([RULE])
-    seen = _spy(provider)
+    seen = record_quant_sites(provider)
     out = quant.quantize(fn, provider)(p, X, img)
     assert sorted(s[0] for s in seen) == ["conv_general_dilated", "dot_general", "ragged_dot"]
     for got, want in zip(out, fn(p, X, img)):
@@ -108,7 +97,7 @@ def test_module_path_and_op_names_select():
         return (x @ p["enc"]["kernel"]) @ p["dec"]["kernel"] + x @ p["dec"]["kernel"]
 
     provider = quant.PtqProvider([quant.QuantizationRule(module_path="dec", op_names=("dot_general1",), weight_qtype="int8")])
-    seen = _spy(provider)
+    seen = record_quant_sites(provider)
     y = quant.quantize(fn, provider)(_params(), X)
     assert [s[1:] for s in seen] == [("enc", 0), ("dec", 0), ("dec", 1)]
     p = _params()

@@ -2,7 +2,6 @@
 output naming, signatures, atomic writes, and the artifact-size promise (weights are
 arguments, never constants). References are float64 NumPy."""
 
-import json
 import os
 import tempfile
 
@@ -12,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cairn.core_array import ArraySpec, QArray, QuantLayout
+from cairn.core_array import ArraySpec, QArray, QuantLayout, read_checksummed_json
 from cairn.serving import (
     LoadedModel,
     PythonModel,
@@ -173,7 +172,7 @@ def test_qarray_leaves(tmp_path, kind):
 
     path = export(fn, {"layer": {"w": w}}, {"x": ArraySpec(("b", rows), "float32")}, tmp_path / "m")
     assert seen["packed"] == (kind == "int4_packed")  # the model sees the QArray as it was given
-    man = json.load(open(os.path.join(path, "manifest.json")))
+    man = read_checksummed_json(os.path.join(path, "manifest.json"))
     meta = man["weights"]["qarrays"]["layer/w"]
     assert meta["qtype"] == w.qtype and meta["layout"] == w.layout.to_json()
     arrays = {e["path"]: e for e in man["weights"]["arrays"]}
@@ -283,8 +282,8 @@ def test_atomic_write_and_overwrite(tmp_path):
 def test_manifest_contents(mlp_dir):
     import jax
 
-    man = json.load(open(os.path.join(mlp_dir[0], "manifest.json")))
-    assert man["format"] == "cairn.serving.model/1"
+    man = read_checksummed_json(os.path.join(mlp_dir[0], "manifest.json"))
+    assert man["format"] == "cairn.serving.model/2"
     assert man["created_by"]["jax"] == jax.__version__ and "jaxlib" in man["created_by"]
     sig = man["signatures"]["serving_default"]
     assert sig["inputs"]["x"] == {"shape": ["b", 8], "dtype": "float32", "logical_axes": None, "sharding": None,
@@ -344,7 +343,7 @@ def test_big_weights_are_chunked_by_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(weights_mod, "_CHUNK_BYTES", 1024)  # 4 rows of 64 float32 a chunk
     w = RNG.normal(size=(64, 64)).astype(np.float32)
     path = export(lambda p, i: i["x"] @ p["w"], {"w": w}, {"x": ArraySpec(("b", 64), "float32")}, tmp_path / "m")
-    man = json.load(open(os.path.join(path, "manifest.json")))
+    man = read_checksummed_json(os.path.join(path, "manifest.json"))
     chunks = [f for f in man["files"] if f.startswith("weights/0/c/")]
     assert len(chunks) == 16
     np.testing.assert_array_equal(load(path).weights["w"], w)
@@ -356,7 +355,7 @@ def test_output_dim_expressions_get_names(tmp_path):
     m = load(export(lambda p, i: jnp.concatenate([i["x"], i["x"]]), {}, {"x": ArraySpec(("n", 2), "float32")},
                     tmp_path / "m", max_batch_size=0))
     assert m.outputs["output_0"].shape == ("d0", 2)
-    man = json.load(open(os.path.join(m.path, "manifest.json")))
+    man = read_checksummed_json(os.path.join(m.path, "manifest.json"))
     assert man["signatures"]["serving_default"]["output_shape_exprs"]["output_0"][0].replace(" ", "") == "2*n"
     assert m({"x": np.ones((3, 2), np.float32)})["output_0"].shape == (6, 2)
 
@@ -375,7 +374,7 @@ def test_every_weight_dtype_round_trips_bit_for_bit(tmp_path):
         params[n] = (np.arange(12).reshape(3, 4) % 3).astype(dt)
     path = export(lambda p, i: {k: v.astype(jnp.float32) + i["x"] for k, v in p.items()}, params,
                   {"x": ArraySpec((), "float32")}, tmp_path / "m")
-    man = json.load(open(os.path.join(path, "manifest.json")))
+    man = read_checksummed_json(os.path.join(path, "manifest.json"))
     stored = {e["path"]: e["stored_dtype"] for e in man["weights"]["arrays"]}
     assert stored["uint4"] == "uint8" and stored["int4"] == "int4"  # zarr3 has no uint4
     casts = man["weights"]["casts"]  # jax.export has no int2, uint2: they cross as int8, uint8

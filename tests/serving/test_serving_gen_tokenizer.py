@@ -4,13 +4,13 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import gen_testlib as g
 import pytest
 
 from cairn import serving
+from cairn.core_array import read_checksummed_json
 from cairn.serving import ModelFormatError, ModelIntegrityError, Tokenizer
 
 TOKENIZERS = pathlib.Path(__file__).parent / "fixtures" / "tokenizers"
@@ -32,7 +32,7 @@ def test_tokenizer_round_trips_through_the_model_directory(exported):
     path, tok = exported
     files = sorted(p.name for p in (pathlib.Path(path) / "tokenizer").iterdir())
     assert "tokenizer.json" in files
-    manifest = json.loads((pathlib.Path(path) / "manifest.json").read_text())
+    manifest = read_checksummed_json(pathlib.Path(path) / "manifest.json")
     assert manifest["generation"]["tokenizer"] == "tokenizer"
     assert "tokenizer/tokenizer.json" in manifest["files"]
     model = serving.load_generator(path)

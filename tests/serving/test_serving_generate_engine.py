@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving_testlib import hermetic_prelude
 
-from cairn.core_array import ArraySpec
+from cairn.core_array import ArraySpec, dumps_checksummed_json, read_checksummed_json
 from cairn.serving import (
     GenerationConfig,
     GenerationEngine,
@@ -40,7 +40,7 @@ from cairn.serving import (
     load_generator,
     tokenize,
 )
-from cairn.serving._hashing import MANIFEST, seal_manifest
+from cairn.serving._hashing import MANIFEST
 
 # one worker compiles the engine's shapes once for the whole module (the fixtures are module-scoped)
 pytestmark = pytest.mark.xdist_group("serving_generate")
@@ -560,11 +560,9 @@ def test_a_busy_engine_holds_a_lone_request_to_fill_a_prefill_group(model, delay
 def test_a_malformed_generation_manifest_is_named(tmp_path, edit, match):
     path = export_generator(g.prefill, g.decode, g.init_params(0), tmp_path / "lm", cache_specs=g.cache_specs(),
                             vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH, max_batch_size=8)
-    with open(os.path.join(path, MANIFEST)) as f:
-        doc = json.load(f)
-    doc.pop("manifest_sha256", None)
+    doc = read_checksummed_json(os.path.join(path, MANIFEST))
     edit(doc)
     with open(os.path.join(path, MANIFEST), "wb") as f:
-        f.write(seal_manifest(doc))
+        f.write(dumps_checksummed_json(doc))
     with pytest.raises(ModelFormatError, match=match):
         load(path)

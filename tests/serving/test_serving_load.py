@@ -15,9 +15,15 @@ import numpy as np
 import pytest
 from serving_testlib import hermetic_prelude
 
-from cairn.core_array import ArraySpec, QArray, QuantLayout
+from cairn.core_array import (
+    ArraySpec,
+    QArray,
+    QuantLayout,
+    dumps_checksummed_json,
+    read_checksummed_json,
+)
 from cairn.serving import ModelFormatError, ModelIntegrityError, export, load
-from cairn.serving._hashing import MANIFEST, seal_manifest
+from cairn.serving._hashing import MANIFEST
 
 RNG = np.random.default_rng(1)
 
@@ -75,11 +81,10 @@ def _copy(src, tmp_path, name="m"):
 
 
 def _rewrite_manifest(path, edit):
-    with open(os.path.join(path, MANIFEST)) as f:
-        doc = json.load(f)
+    doc = read_checksummed_json(os.path.join(path, MANIFEST))
     edit(doc)
     with open(os.path.join(path, MANIFEST), "wb") as f:
-        f.write(seal_manifest(doc))
+        f.write(dumps_checksummed_json(doc))
 
 
 def test_flipped_bytes_in_every_file_are_caught_and_named(model, tmp_path):
@@ -129,12 +134,8 @@ def test_truncated_and_missing_files_are_named(model, tmp_path):
 
 
 def _seal_raw(body: bytes) -> bytes:
-    """Bytes with a correct self-digest: the test of what comes after the digest check."""
-    zeros = b'\n "manifest_sha256": "' + b"0" * 64 + b'"'
-    raw = zeros[1:] + b"\n" + body if zeros not in body else body
-    raw = b"\n" + raw if not raw.startswith(b"\n") else raw
-    digest = hashlib.sha256(raw).hexdigest().encode()
-    return raw.replace(zeros, zeros.replace(b"0" * 64, digest), 1)
+    """Bytes with a correct checksum around ``body``: the test of what comes after the check."""
+    return b'{"checksum": "sha256:' + hashlib.sha256(body).hexdigest().encode() + b'", "body": ' + body + b"}\n"
 
 
 def test_bad_manifests(model, tmp_path):
@@ -149,17 +150,23 @@ def test_bad_manifests(model, tmp_path):
     with pytest.raises(ModelFormatError, match="manifest.json: not valid JSON"):
         load(path)
     write(b"[1, 2]")
-    with pytest.raises(ModelIntegrityError, match="its own SHA-256 .* missing"):
+    with pytest.raises(ModelIntegrityError, match="manifest.json: it lacks the sha256 checksum"):
         load(path)
-    doc = json.loads(raw)
-    doc.pop("manifest_sha256")
-    write(seal_manifest({**doc, "format": "cairn.serving.model/7"}))
+    write(raw[:-40] + bytes([raw[-40] ^ 1]) + raw[-39:])
+    with pytest.raises(ModelIntegrityError, match="manifest.json: checksum mismatch"):
+        load(path)
+    doc = json.loads(raw)["body"]
+    legacy = {**doc, "format": "cairn.serving.model/1", "manifest_sha256": "0" * 64}
+    write(json.dumps(legacy, indent=1, sort_keys=True).encode())
+    with pytest.raises(ModelFormatError, match="'cairn.serving.model/1'.*export the model again"):
+        load(path)
+    write(dumps_checksummed_json({**doc, "format": "cairn.serving.model/7"}))
     with pytest.raises(ModelFormatError, match="format 'cairn.serving.model/7' is not supported"):
         load(path)
-    write(seal_manifest({k: v for k, v in doc.items() if k != "files"}))
+    write(dumps_checksummed_json({k: v for k, v in doc.items() if k != "files"}))
     with pytest.raises(ModelFormatError, match=r"missing fields \['files'\]"):
         load(path)
-    write(seal_manifest({**doc, "files": {**doc["files"], "../../etc/passwd": {"sha256": "0", "size": 1}}}))
+    write(dumps_checksummed_json({**doc, "files": {**doc["files"], "../../etc/passwd": {"sha256": "0", "size": 1}}}))
     with pytest.raises(ModelFormatError, match="unsafe file path"):
         load(path)
     write(raw)
@@ -209,7 +216,7 @@ def test_crc32c_catches_a_chunk_changed_behind_the_manifest(model, tmp_path):
     from cairn.serving._hashing import sha256_file
 
     path = _copy(model[0], tmp_path)
-    doc = json.load(open(os.path.join(path, MANIFEST)))
+    doc = read_checksummed_json(os.path.join(path, MANIFEST))
     key = next(e["key"] for e in doc["weights"]["arrays"] if e["path"] == "l1/w")
     chunk = f"{key}/c/0/0"
     data = bytearray(open(os.path.join(path, chunk), "rb").read())

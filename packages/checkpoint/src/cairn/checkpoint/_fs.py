@@ -2,45 +2,31 @@
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import os
 import shutil
 from typing import Any
 
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointWriteError
+from cairn.core_array import (
+    CorruptFileError,
+    dumps_checksummed_json,
+    loads_checksummed_json,
+    write_checksummed_json,
+    write_synced,
+)
+from cairn.core_array import fsync_dir as _fsync_dir
 
 COMMIT_MARKER = "COMMIT"
 TMP_SUFFIX = ".cairn-tmp"
 DELETE_SUFFIX = ".cairn-del"
 
-# A checksummed JSON file is exactly HEAD + 64 hex digits + MID + body + TAIL, where body is
-# the JSON text of the content and the digits are the SHA-256 of the body's bytes. The file
-# is still plain JSON ({"checksum": ..., "body": ...}); every byte is covered: the body by
-# the hash, the rest by an exact comparison.
-_HEAD = b'{"checksum": "sha256:'
-_MID = b'", "body": '
-_TAIL = b"}\n"
-_HEAD_LEN = len(_HEAD) + 64 + len(_MID)
-_HEX = frozenset(b"0123456789abcdef")
-
-
-def _write_error(err: OSError, what: str) -> CheckpointWriteError:
-    code = err.errno if err.errno is not None else errno.EIO
-    return CheckpointWriteError(code, f"cannot {what}: {err.strerror or err}")
-
 
 def fsync_dir(path: str) -> None:
     """Flush a directory entry table to disk (needed after creating or renaming entries)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(path)
     except OSError as err:
-        raise _write_error(err, f"sync directory {path}") from err
+        raise CheckpointWriteError(err.errno, err.strerror) from err
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -50,37 +36,22 @@ def write_durable(path: str, data: bytes) -> None:
     :class:`CheckpointWriteError` with the same ``errno`` naming ``path``.
     """
     try:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(path, data)
     except OSError as err:
-        raise _write_error(err, f"write {path}") from err
-
-
-def dumps_checked(obj: Any) -> bytes:
-    """``obj`` as checksummed JSON bytes (see ``_HEAD``)."""
-    body = json.dumps(obj, indent=1, sort_keys=False).encode()
-    return _HEAD + hashlib.sha256(body).hexdigest().encode() + _MID + body + _TAIL
+        raise CheckpointWriteError(err.errno, err.strerror) from err
 
 
 def write_json_durable(path: str, obj: Any) -> None:
-    write_durable(path, dumps_checked(obj))
+    """``obj`` as checksummed JSON (:func:`cairn.core_array.dumps_checksummed_json`), fsync'd."""
+    write_durable(path, dumps_checksummed_json(obj))
 
 
-def _looks_checked(data: bytes) -> bool:
-    """Whether ``data`` is (a damaged) checksummed file: its fixed header bytes mostly agree.
-
-    Old, unchecksummed files start with ``{`` and a newline or a key, and disagree with the
-    header almost everywhere; a checksummed file with a few damaged header bytes still
-    agrees in most places, so it is reported as corrupt rather than read as an old file.
-    """
-    fixed = list(enumerate(_HEAD)) + [(len(_HEAD) + 64 + i, c) for i, c in enumerate(_MID)]
-    fixed = [(i, c) for i, c in fixed if i < len(data)]
-    if len(fixed) < 8:
-        return False
-    bad = sum(data[i] != c for i, c in fixed)
-    return bad * 4 <= len(fixed)
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Replace ``path`` atomically with ``obj`` as checksummed JSON (a file outside a step directory)."""
+    try:
+        write_checksummed_json(path, obj)
+    except OSError as err:
+        raise CheckpointWriteError(err.errno, err.strerror) from err
 
 
 def corrupt(path: str, why: str) -> CheckpointCorruptError:
@@ -94,31 +65,13 @@ def loads_checked(data: bytes, path: str, *, require_checksum: bool = False) -> 
     A file without a checksum (written by format version 1) is parsed as plain JSON unless
     ``require_checksum``. Any damage raises :class:`CheckpointCorruptError` naming ``path``.
     """
-    checked = _looks_checked(data)
-    if checked:
-        digest = data[len(_HEAD) : len(_HEAD) + 64]
-        if (
-            len(data) < _HEAD_LEN + len(_TAIL)
-            or not data.startswith(_HEAD)
-            or data[len(_HEAD) + 64 : _HEAD_LEN] != _MID
-            or not set(digest) <= _HEX
-            or not data.endswith(_TAIL)
-        ):
-            raise corrupt(path, "its checksum header or end is damaged or the file is truncated")
-        body = data[_HEAD_LEN : -len(_TAIL)]
-        got = hashlib.sha256(body).hexdigest()
-        if got != digest.decode():
-            raise corrupt(
-                path, f"checksum mismatch (stored sha256 {digest.decode()[:16]}..., content {got[:16]}...)"
-            )
-    elif require_checksum:
-        raise corrupt(path, "it lacks the checksum that this checkpoint's format version writes")
-    else:
-        body = data
     try:
-        return json.loads(body), checked
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
-        raise corrupt(path, f"not valid JSON ({err})") from None
+        content, checked = loads_checksummed_json(data, path, require_checksum=False)
+    except CorruptFileError as err:
+        raise corrupt(path, err.reason) from None
+    if require_checksum and not checked:
+        raise corrupt(path, "it lacks the checksum that this checkpoint's format version writes")
+    return content, checked
 
 
 def read_json(path: str, *, require_checksum: bool = False) -> Any:
@@ -141,7 +94,7 @@ def commit(tmp_dir: str, final_dir: str, info: dict) -> None:
     """Make ``tmp_dir`` visible as ``final_dir``: marker + fsyncs, then rename + parent fsync."""
     write_json_durable(os.path.join(tmp_dir, COMMIT_MARKER), info)
     fsync_dir(tmp_dir)
-    os.rename(tmp_dir, final_dir)
+    os.rename(tmp_dir, final_dir)  # as cairn.core_array.atomic_rename, but errors stay CheckpointWriteError
     fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
 
 

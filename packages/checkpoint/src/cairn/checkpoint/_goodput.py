@@ -253,10 +253,7 @@ class GoodputRecorder:
                         "first_step": self._first_step, "reached_step": self._reached,
                         "step_seconds": [[s, v] for s, v in sorted(self._step_s.items())]},
         }
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        _fs.write_json_durable(tmp, body)
-        os.replace(tmp, self.path)
-        _fs.fsync_dir(os.path.dirname(self.path))
+        _fs.write_json_atomic(self.path, body)
 
     def close(self) -> None:
         """Write the record one last time."""

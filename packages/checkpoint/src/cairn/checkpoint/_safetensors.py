@@ -11,7 +11,13 @@ import jax
 import numpy as np
 
 from cairn.checkpoint._errors import CheckpointError, TargetMismatchError
-from cairn.core_array import as_numpy_dtype, canonical_dtype, flatten_with_paths, unflatten
+from cairn.core_array import (
+    as_numpy_dtype,
+    atomic_write,
+    canonical_dtype,
+    flatten_with_paths,
+    unflatten,
+)
 
 # canonical dtype name <-> safetensors dtype tag
 _TO_ST = {
@@ -30,7 +36,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, metadata: dict[str, str
     ``jax.Array`` leaves are gathered to the host (the whole array must be addressable).
     Every leaf must be an array of a dtype safetensors knows (``F32``, ``BF16``,
     ``F8_E4M3``...); ``metadata`` is an optional str->str dict stored in the header.
-    The file is written to a temporary name, fsync'd and renamed.
+    The file is written atomically (:func:`cairn.core_array.atomic_write`: a temporary
+    sibling, fsync'd, renamed, the directory fsync'd), so ``path`` is never half written.
 
     Args:
       path: the ``.safetensors`` file to write (replaced if it exists).
@@ -75,15 +82,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, metadata: dict[str, str
         bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise TypeError(f"safetensors metadata must map str to str; bad keys: {bad}")
-    path = os.fspath(path)
-    tmp = path + ".cairn-tmp"
-    safetensors.serialize_file(tensors, tmp, metadata)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: safetensors.serialize_file(tensors, tmp, metadata))
     del keep_alive
 
 

@@ -13,6 +13,22 @@ from cairn.core_array._dtypes import (
     canonical_dtype,
     dtype_info,
 )
+from cairn.core_array._files import (
+    CorruptFileError,
+    atomic_rename,
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    dumps_checksummed_json,
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    loads_checksummed_json,
+    read_checksummed_json,
+    write_checksummed_json,
+    write_synced,
+)
 from cairn.core_array._paths import (
     SEPARATOR,
     PathError,
@@ -51,9 +67,23 @@ from cairn.core_array._specs import (
     specs_to_json,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
+    "CorruptFileError",
+    "atomic_rename",
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "dumps_checksummed_json",
+    "fsync_dir",
+    "fsync_file",
+    "fsync_tree",
+    "loads_checksummed_json",
+    "read_checksummed_json",
+    "write_checksummed_json",
+    "write_synced",
     "SEPARATOR",
     "PathError",
     "key_name",

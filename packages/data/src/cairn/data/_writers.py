@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from cairn.core_array import fsync_dir, fsync_file
 from cairn.data._codec import decode_example, encode_example
 
 __all__ = [
@@ -179,7 +180,7 @@ class _ShardedFileWriter:
                         "replace it"
                     )
             for tmp in self._tmp_paths:
-                _fsync_file(tmp)
+                fsync_file(tmp)
             for tmp, final in zip(self._tmp_paths, finals):
                 os.replace(tmp, final)
             if self._mode == "dir" and self._overwrite:
@@ -188,7 +189,7 @@ class _ShardedFileWriter:
                 for f in os.listdir(self._dir):
                     if pat.match(f) and f not in keep:
                         os.remove(os.path.join(self._dir, f))
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         except BaseException:
             self.abort()
             raise
@@ -225,27 +226,6 @@ class _ShardedFileWriter:
             self.abort()
         elif not self._closed:
             self.close()
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def _split_sizes(n: int, num_shards: int) -> list[int]:

@@ -6,7 +6,7 @@ available on the device and caches the winner per (device kind, op, shape bucket
 :func:`override` picks implementation and config for a block of code.
 """
 
-from cairn.kernels._attention import dot_product_attention
+from cairn.kernels._attention.api import dot_product_attention
 from cairn.kernels._autotune import (
     AutotuneEntry,
     AutotuneResult,
@@ -15,13 +15,13 @@ from cairn.kernels._autotune import (
     autotune_op,
 )
 from cairn.kernels._cache import measurement_context
-from cairn.kernels._cross_entropy import linear_softmax_cross_entropy_loss
-from cairn.kernels._glu import gated_linear_unit
-from cairn.kernels._norms import layer_norm, rms_norm
+from cairn.kernels._cross_entropy.api import linear_softmax_cross_entropy_loss
+from cairn.kernels._glu.api import gated_linear_unit
+from cairn.kernels._norms.api import layer_norm, rms_norm
 from cairn.kernels._override import active_override, override
-from cairn.kernels._paged_attention import paged_attention, paged_kv_write
-from cairn.kernels._quantized import quantized_dot_general
-from cairn.kernels._ragged_dot import ragged_dot, ragged_dot_general
+from cairn.kernels._paged_attention.api import paged_attention, paged_kv_write
+from cairn.kernels._quantized.api import quantized_dot_general
+from cairn.kernels._ragged_dot.api import ragged_dot, ragged_dot_general
 from cairn.kernels._registry import (
     Implementation,
     call,

@@ -36,12 +36,13 @@ import pathlib
 import platform
 import re
 import socket
-import tempfile
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+
+from cairn.core_array import atomic_write_json
 
 SCHEMA_VERSION = 2
 SCHEMA_PATH = pathlib.Path(__file__).with_name("cache_schema.json")
@@ -317,14 +318,5 @@ def save(kind: str | None = None, path: str | os.PathLike[str] | None = None) ->
     }
     validate(doc, source=str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(target, doc, indent=1, sort_keys=True)
     return target

@@ -202,6 +202,44 @@ def register(impl: Implementation) -> None:
     impls[impl.name] = impl
 
 
+def register_builtin(
+    op: str,
+    *,
+    bucket: Callable[..., tuple[Any, ...]],
+    xla: Callable[..., Any],
+    gpu: Mapping[str, str],
+    xla_configs: Callable[..., Sequence[Mapping[str, Any]]] | None = None,
+    xla_default_config: Callable[..., Mapping[str, Any]] | None = None,
+    **op_options: Any,
+) -> None:
+    """Declare one of cairn.kernels' own ops: the op, its XLA implementation (CPU, GPU, TPU)
+    and its GPU implementations, each loaded on first use (:func:`deferred`), so importing
+    cairn.kernels on a CPU loads no Triton or Mosaic GPU code.
+
+    Registered once: a module imported a second time under another name (a doctest run)
+    registers nothing again.
+
+    Args:
+      op: the op's name.
+      bucket, op_options: as for :func:`register_op` (``preference``, ``example``).
+      xla: the XLA implementation's function.
+      gpu: ``{implementation name: module}`` of the GPU implementations
+        (``{"pallas_triton": "cairn.kernels._glu.pallas_triton"}``).
+      xla_configs, xla_default_config: the XLA implementation's configs, if it has any.
+    """
+    if op in _OPS:
+        return
+    register_op(op, bucket=bucket, **op_options)
+    tuning: dict[str, Any] = {}
+    if xla_configs is not None:
+        tuning["configs"] = xla_configs
+    if xla_default_config is not None:
+        tuning["default_config"] = xla_default_config
+    register(Implementation(op, "xla", xla, frozenset({"cpu", "gpu", "tpu"}), **tuning))
+    for name, module in gpu.items():
+        register(deferred(op, name, module, {"gpu"}))
+
+
 def _same_source(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     """Whether two functions come from the same line of the same file.
 

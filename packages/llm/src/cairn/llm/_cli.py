@@ -26,8 +26,10 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from cairn.core_array import atomic_rename
+
 _QUANTIZE = ("int8",)
-_EXPORT_FORMAT = 1  # bump when what an export holds changes: old cache entries are not reused
+_EXPORT_FORMAT = 2  # 2: cairn.serving.model/2 manifests. Bump when what an export holds changes: old cache entries are not reused
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,7 +102,7 @@ def prepare(args: argparse.Namespace) -> pathlib.Path:
         if repo.exists():  # another start exported the same key meanwhile: keep theirs
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, repo)
+            atomic_rename(tmp, repo)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -30,6 +30,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from cairn.core_array import atomic_write, atomic_write_text
 from cairn.llm._errors import CheckpointError
 
 __all__ = ["ShardedReader", "parse_size", "write_shards"]
@@ -190,23 +191,22 @@ def write_shards(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     plan = _plan(tensors, parse_size(max_shard_size))
     names = [SINGLE] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     for file, members in zip(names, plan):
-        tmp = d / f".{file}.tmp"
-        save_file({n: np.ascontiguousarray(tensors[n]) for n in members}, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, d / file)
+        shard = {n: np.ascontiguousarray(tensors[n]) for n in members}
+
+        def write(tmp: str, shard: dict[str, np.ndarray] = shard) -> None:
+            save_file(shard, tmp, metadata={"format": "pt"})
+
+        atomic_write(d / file, write)
     with contextlib.suppress(FileNotFoundError):
         (d / INDEX).unlink()
     if len(plan) > 1:
         index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
                  "weight_map": {n: f for f, members in zip(names, plan) for n in members}}
-        _write_text(d / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(d / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
     for old in d.iterdir():
         if (old.name == SINGLE or _SHARD.fullmatch(old.name)) and old.name not in names:
             old.unlink()
-    _write_text(d / "config.json", json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    atomic_write_text(d / "config.json", json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
     return names
 
 
-def _write_text(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

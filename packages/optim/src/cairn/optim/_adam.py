@@ -363,8 +363,8 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
           nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """NAdam: Adam with the Nesterov first moment (``nesterov=True``)."""
     _validate.check("nadam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
-    return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                nu_dtype=nu_dtype)
+    return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                                  nu_dtype=nu_dtype), learning_rate_step(learning_rate))
 
 
 def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -377,8 +377,9 @@ def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, 
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
         weight_decay=weight_decay,
     )
-    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-                 nesterov=nesterov, nu_dtype=nu_dtype)
+    return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
+                                  nu_dtype=nu_dtype),
+                 add_decayed_weights(weight_decay, mask), learning_rate_step(learning_rate))
 
 
 def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,

@@ -7,9 +7,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cairn.optim import _validate
 from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain
-from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["COCOBState", "scale_by_cocob", "cocob"]
@@ -74,8 +75,9 @@ def cocob(learning_rate: ScalarOrSchedule = 1.0, alpha: float = 100.0, eps: floa
       >>> [round(x, 6) for x in u.tolist()]
       [-0.01]
     """
+    _validate.check("cocob", learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     return chain(add_decayed_weights(weight_decay, mask),
-                 scale_by_learning_rate(learning_rate, flip_sign=False),
+                 learning_rate_step(learning_rate, flip_sign=False),
                  scale_by_cocob(alpha, eps))
 
 

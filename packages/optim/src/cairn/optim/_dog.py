@@ -7,10 +7,10 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cairn.optim import _tree
+from cairn.optim import _tree, _validate
 from cairn.optim._adding import add_decayed_weights
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain, identity
-from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["DoGState", "DoWGState", "scale_by_dog", "dog", "scale_by_dowg", "dowg"]
@@ -80,8 +80,9 @@ def dog(learning_rate: ScalarOrSchedule = 1.0, init_step: InitStep = ("heuristic
       >>> u.tolist()
       [-0.10000000149011612, -0.10000000149011612]
     """
+    _validate.check("dog", learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     decay = add_decayed_weights(weight_decay, mask) if weight_decay is not None else identity()
-    return chain(decay, scale_by_dog(init_step, eps), scale_by_learning_rate(learning_rate))
+    return chain(decay, scale_by_dog(init_step, eps), learning_rate_step(learning_rate))
 
 
 class DoWGState(NamedTuple):
@@ -116,9 +117,10 @@ def dowg(learning_rate: ScalarOrSchedule = 1.0, init_estim_sq_dist: float | None
          eps: float = 1e-4, weight_decay: float | None = None,
          mask: Any = None) -> GradientTransformation:
     """DoWG, chained like :func:`dog`."""
+    _validate.check("dowg", learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     decay = add_decayed_weights(weight_decay, mask) if weight_decay is not None else identity()
     return chain(decay, scale_by_dowg(init_estim_sq_dist, eps),
-                 scale_by_learning_rate(learning_rate))
+                 learning_rate_step(learning_rate))
 
 
 resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -15,7 +15,6 @@ from cairn.optim._base import (
     GradientTransformation,
     ScalarOrSchedule,
     chain,
-    check_scalar,
     mark_extra,
     need_params,
 )
@@ -23,7 +22,7 @@ from cairn.optim._clipping import clip_by_block_rms
 from cairn.optim._momentum import ema
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param, replicated_like, zeros_for_axes
-from cairn.optim._scaling import scale, scale_by_learning_rate, scale_by_param_block_rms
+from cairn.optim._scaling import learning_rate_step, scale, scale_by_param_block_rms
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["scale_by_factored_rms", "adafactor"]
@@ -134,7 +133,7 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
     learning rate, scaling by the parameter RMS, optional momentum and weight decay, then
     :math:`u \\leftarrow -u`."""
     _validate.check(
-        "adafactor",
+        "adafactor", {"learning_rate": _validate.LR},  # None: no learning-rate step
         learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
         decay_rate=decay_rate, decay_offset=decay_offset, clipping_threshold=clipping_threshold,
         momentum=momentum, weight_decay_rate=weight_decay_rate, eps=eps,
@@ -144,8 +143,7 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
     if clipping_threshold is not None:
         txs.append(clip_by_block_rms(clipping_threshold))
     if learning_rate is not None:
-        check_scalar("learning_rate", learning_rate)
-        txs.append(scale_by_learning_rate(learning_rate, flip_sign=False))
+        txs.append(learning_rate_step(learning_rate, flip_sign=False))
     if multiply_by_parameter_scale:
         txs.append(scale_by_param_block_rms())
     if momentum is not None:

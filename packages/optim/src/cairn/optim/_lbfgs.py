@@ -7,11 +7,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cairn.optim import _tree
+from cairn.optim import _tree, _validate
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain
 from cairn.optim._linesearch import scale_by_zoom_linesearch
 from cairn.optim._packed_state import safe_increment
-from cairn.optim._scaling import scale, scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step, scale
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["ScaleByLBFGSState", "scale_by_lbfgs", "lbfgs"]
@@ -131,7 +131,8 @@ def lbfgs(learning_rate: ScalarOrSchedule | None = None, memory_size: int = 10,
       >>> [round(float(t), 4) for t in x]
       [3.0, 3.0]
     """
-    step = scale(-1.0) if learning_rate is None else scale_by_learning_rate(learning_rate)
+    _validate.check("lbfgs", {"learning_rate": _validate.LR}, learning_rate=learning_rate)  # None: a step of 1
+    step = scale(-1.0) if learning_rate is None else learning_rate_step(learning_rate)
     parts = [scale_by_lbfgs(memory_size, scale_init_precond), step]
     return chain(*parts, *([] if linesearch is None else [linesearch]))
 

@@ -14,13 +14,12 @@ from cairn.optim._base import (
     GradientTransformation,
     ScalarOrSchedule,
     chain,
-    check_scalar,
     mark_extra,
 )
 from cairn.optim._combine import partition
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param
-from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["muon", "scale_by_muon", "orthogonalize_via_newton_schulz", "MuonState"]
@@ -114,7 +113,6 @@ def muon(learning_rate: ScalarOrSchedule,
         weight_decay=weight_decay, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps_root=adam_eps_root,
         adam_weight_decay=adam_weight_decay, adam_learning_rate=adam_learning_rate,
     )
-    check_scalar("learning_rate", learning_rate)
     adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
 
     def labels(params):
@@ -122,11 +120,11 @@ def muon(learning_rate: ScalarOrSchedule,
 
     muon_tx = chain(scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov),
                     add_decayed_weights(weight_decay, weight_decay_mask),
-                    scale_by_learning_rate(learning_rate))
+                    learning_rate_step(learning_rate))
     adam_tx = chain(scale_by_adam(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype,
                                      nesterov=nesterov, nu_dtype=nu_dtype),
                     add_decayed_weights(adam_weight_decay),
-                    scale_by_learning_rate(adam_lr))
+                    learning_rate_step(adam_lr))
     inner = partition({"muon": muon_tx, "adam": adam_tx}, labels)
 
     def init(params):

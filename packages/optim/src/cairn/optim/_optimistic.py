@@ -22,7 +22,7 @@ from cairn.optim import _validate
 from cairn.optim._adam import scale_by_adam
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, chain, mark_extra
 from cairn.optim._placement import full_like_param
-from cairn.optim._scaling import learning_rate_step, scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step
 from cairn.optim._types import resolve_annotations
 
 __all__ = [
@@ -133,7 +133,7 @@ def optimistic_adam(learning_rate: float, optimism: float | None = None, b1: flo
     _validate.check("optimistic_adam", _COEF, learning_rate=learning_rate, optimism=optimism,
                     b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
-                 scale_by_optimistic_gradient(learning_rate, optimism), scale_by_learning_rate(1.0))
+                 scale_by_optimistic_gradient(learning_rate, optimism), learning_rate_step(1.0))
 
 
 resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

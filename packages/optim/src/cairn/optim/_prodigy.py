@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cairn.optim import _tree
+from cairn.optim import _tree, _validate
 from cairn.optim._base import GradientTransformation, ScalarOrSchedule, mark_extra
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._types import resolve_annotations
@@ -63,6 +63,7 @@ def prodigy(learning_rate: ScalarOrSchedule = 1.0, betas: tuple[float, float] = 
       >>> bool(s.estim_lr > 10 * 1e-6)   # d grows geometrically from d0 = 1e-6
       True
     """
+    _validate.check("prodigy", learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     beta1, beta2 = betas
     b3 = beta2 ** 0.5 if beta3 is None else beta3
 

@@ -37,7 +37,10 @@ def _factory_name(fn: Any) -> str:
     if hasattr(fn, "fn") and isinstance(getattr(fn, "__name__", None), str):  # PackedUpdate
         return fn.__name__
     qual = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return qual.split(".<locals>")[0].split(".")[0]
+    name = qual.split(".<locals>")[0].split(".")[0]
+    # ``_schedule_free`` builds the closures of ``schedule_free`` once its arguments are checked
+    public = name.lstrip("_")
+    return public if public != name and _factory(public) is not None else name
 
 
 def _factory(name: str) -> Callable[..., Any] | None:

@@ -277,7 +277,7 @@ def adadelta(learning_rate: ScalarOrSchedule | None = None, rho: float = 0.9, ep
     """AdaDelta (Zeiler 2012), with optional weight decay added to the gradient first;
     ``learning_rate=None`` means 1."""
     _validate.check(
-        "adadelta",
+        "adadelta", {"learning_rate": _validate.LR},  # None means 1
         learning_rate=learning_rate, rho=rho, eps=eps, weight_decay=weight_decay,
     )
     return chain(add_decayed_weights(weight_decay, weight_decay_mask),

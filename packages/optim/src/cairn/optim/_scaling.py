@@ -19,7 +19,6 @@ from cairn.optim._base import (
     GradientTransformation,
     ScalarOrSchedule,
     chain,
-    check_scalar,
     eval_schedule,
     identity,
     packed_transformation,
@@ -101,10 +100,16 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *,
     the state (``state.learning_rate``), so it is a traced value: changing it with
     :func:`set_hyperparams` does not recompile, and :func:`get_hyperparams` reads it.
     """
-    _validate.check("scale_by_learning_rate", learning_rate=learning_rate)
+    _validate.check("scale_by_learning_rate", {"learning_rate": _validate.LR}, learning_rate=learning_rate)
+    return learning_rate_step(learning_rate, flip_sign=flip_sign)
+
+
+def learning_rate_step(learning_rate: ScalarOrSchedule | None, *, flip_sign: bool = True) -> GradientTransformation:
+    """:func:`scale_by_learning_rate` without its check: the step an optimizer factory chains
+    after it has checked ``learning_rate`` under its own name (``_validate.check``), so a
+    learning rate is validated once, at the call the user made."""
     if learning_rate is None:
         return identity()
-    check_scalar("learning_rate", learning_rate)
     sign = -1.0 if flip_sign else 1.0
 
     def init(layout, params):
@@ -118,11 +123,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *,
         return out, ScaleByLearningRateState(count, lr)
 
     return packed_transformation(init, update, name="scale_by_learning_rate")
-
-
-def learning_rate_step(learning_rate: ScalarOrSchedule) -> GradientTransformation:
-    check_scalar("learning_rate", learning_rate)
-    return scale_by_learning_rate(learning_rate)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -172,7 +172,12 @@ def scale_by_rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float
         learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
         min_step_size=min_step_size, max_step_size=max_step_size,
     )
-    check_scalar("learning_rate", learning_rate)
+    return _rprop_steps(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size)
+
+
+def _rprop_steps(learning_rate: float, eta_minus: float, eta_plus: float, min_step_size: float,
+                 max_step_size: float) -> GradientTransformation:
+    """:func:`scale_by_rprop` once its arguments are checked (by it or by :func:`rprop`)."""
 
     def init(layout, params):
         return ScaleByRpropState(state_zeros(params, layout, None, learning_rate, offsets=True),
@@ -263,24 +268,23 @@ def rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2,
         learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
         min_step_size=min_step_size, max_step_size=max_step_size,
     )
-    return chain(scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size,
-                                   max_step_size), scale(-1.0))
+    return chain(_rprop_steps(learning_rate, eta_minus, eta_plus, min_step_size,
+                              max_step_size), scale(-1.0))
 
 
 def fromage(learning_rate: ScalarOrSchedule, min_norm: float = 1e-6) -> GradientTransformation:
     """Fromage: trust-ratio step :math:`-\\eta/\\sqrt{1+\\eta^2}`, weights shrunk by
     :math:`1/\\sqrt{1+\\eta^2}`."""
     _validate.check("fromage", learning_rate=learning_rate, min_norm=min_norm)
-    check_scalar("learning_rate", learning_rate)
     if callable(learning_rate):
         def mult(c):
             return 1 / (1 + learning_rate(c) ** 2) ** 0.5
 
         return chain(scale_by_trust_ratio(min_norm),
-                     scale_by_learning_rate(lambda c: mult(c) * learning_rate(c)),
+                     learning_rate_step(lambda c: mult(c) * learning_rate(c)),
                      add_decayed_weights(lambda c: mult(c) - 1))
     m = 1 / (1 + learning_rate ** 2) ** 0.5
-    return chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(learning_rate * m),
+    return chain(scale_by_trust_ratio(min_norm), learning_rate_step(learning_rate * m),
                  add_decayed_weights(m - 1))
 
 

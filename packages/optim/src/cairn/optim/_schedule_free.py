@@ -14,13 +14,12 @@ from cairn.optim._base import (
     ScalarOrSchedule,
     call_update,
     chain,
-    check_scalar,
+    identity,
     mark_extra,
 )
-from cairn.optim._momentum import sgd
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._rms import scale_by_rms
-from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["schedule_free", "schedule_free_adamw", "schedule_free_sgd",
@@ -57,11 +56,17 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate: ScalarO
     \\gamma_{max,i}^p`, :math:`x_{t+1} = (1-c_{t+1})x_t + c_{t+1}z_{t+1}` and the returned params
     are :math:`y_{t+1} = \\beta_1 x_{t+1} + (1-\\beta_1) z_{t+1}` (as an update ``y_{t+1}-y_t``).
     """
-
     _validate.check(
         "schedule_free",
         learning_rate=learning_rate, b1=b1, weight_lr_power=weight_lr_power,
     )
+    return _schedule_free(base_optimizer, learning_rate, b1, weight_lr_power, state_dtype)
+
+
+def _schedule_free(base_optimizer: GradientTransformation, learning_rate: ScalarOrSchedule, b1: float,
+                   weight_lr_power: float, state_dtype: jax.typing.DTypeLike | None) -> GradientTransformation:
+    """:func:`schedule_free` once its arguments are checked (by it or by the factories below)."""
+
     def init(params):
         # The averaging scalars stay float32 even for bf16 params: c_t multiplies O(1)
         # iterates, so bf16 rounding of the weight sum would swamp the O(lr) update.
@@ -116,12 +121,11 @@ def schedule_free_sgd(learning_rate: ScalarOrSchedule = 1.0, warmup_steps: int |
         learning_rate=learning_rate, warmup_steps=warmup_steps, b1=b1, weight_decay=weight_decay,
         weight_lr_power=weight_lr_power,
     )
-    check_scalar("learning_rate", learning_rate)
     lr = _warmup(learning_rate, warmup_steps)
-    base = sgd(lr)
+    base = chain(identity(), learning_rate_step(lr))  # sgd(lr), its learning rate checked above
     if weight_decay is not None:
         base = chain(add_decayed_weights(weight_decay), base)
-    return schedule_free(base, lr, b1, weight_lr_power, state_dtype)
+    return _schedule_free(base, lr, b1, weight_lr_power, state_dtype)
 
 
 def schedule_free_adamw(learning_rate: ScalarOrSchedule = 0.0025, warmup_steps: int | None = None,
@@ -134,11 +138,10 @@ def schedule_free_adamw(learning_rate: ScalarOrSchedule = 0.0025, warmup_steps: 
         learning_rate=learning_rate, warmup_steps=warmup_steps, b1=b1, b2=b2, eps=eps,
         weight_decay=weight_decay, weight_lr_power=weight_lr_power,
     )
-    check_scalar("learning_rate", learning_rate)
     lr = _warmup(learning_rate, warmup_steps)
     base = chain(scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
-                 add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
-    return schedule_free(base, lr, b1, weight_lr_power, state_dtype)
+                 add_decayed_weights(weight_decay), learning_rate_step(lr))
+    return _schedule_free(base, lr, b1, weight_lr_power, state_dtype)
 
 
 resolve_annotations(globals())  # learning_rate: ScalarOrSchedule as an object, as Optax

@@ -14,13 +14,12 @@ from cairn.optim._base import (
     GradientTransformation,
     ScalarOrSchedule,
     chain,
-    check_scalar,
     mark_extra,
 )
 from cairn.optim._momentum import ema
 from cairn.optim._packed_state import safe_increment
 from cairn.optim._placement import full_like_param, replicated_like, stacked_blocks_like
-from cairn.optim._scaling import scale_by_learning_rate
+from cairn.optim._scaling import learning_rate_step
 from cairn.optim._types import resolve_annotations
 
 __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
@@ -161,12 +160,11 @@ def shampoo(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, block_size=block_size,
         precondition_every=precondition_every, weight_decay=weight_decay, graft_eps=graft_eps,
     )
-    check_scalar("learning_rate", learning_rate)
     txs = [scale_by_shampoo(b2, eps, block_size, precondition_every, graft_eps)]
     if b1:
         txs.append(ema(b1, debias=False))
     txs.append(add_decayed_weights(weight_decay))
-    txs.append(scale_by_learning_rate(learning_rate))
+    txs.append(learning_rate_step(learning_rate))
     return chain(*txs)
 
 

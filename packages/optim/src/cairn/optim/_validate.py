@@ -38,7 +38,8 @@ class Rule(NamedTuple):
     """A real number in the interval ``lo .. hi`` (``None``: unbounded; ``lo_open`` /
     ``hi_open``: the end itself excluded); ``schedule``: a callable is accepted too;
     ``integer``: the value must be a whole number (``1e4`` is fine, ``2.5`` is not);
-    ``inf_ok``: ``+inf`` is accepted (a clipping threshold of ``inf`` clips nothing)."""
+    ``inf_ok``: ``+inf`` is accepted (a clipping threshold of ``inf`` clips nothing);
+    ``required``: ``None`` is refused (elsewhere ``None`` means "not given")."""
 
     lo: float | None = None
     hi: float | None = None
@@ -47,6 +48,7 @@ class Rule(NamedTuple):
     schedule: bool = False
     integer: bool = False
     inf_ok: bool = False
+    required: bool = False
 
     def describe(self) -> str:
         if self.lo is not None and self.hi is not None:
@@ -67,7 +69,10 @@ NONNEG = Rule(lo=0.0)
 POSITIVE = Rule(lo=0.0, lo_open=True)
 BETA = Rule(lo=0.0, hi=1.0, hi_open=True)  # a moment's decay: 1 would divide by 0 in debiasing
 UNIT = Rule(lo=0.0, hi=1.0)  # a fraction or a decay that may be 1 (no debiasing)
-LR = Rule(lo=0.0, schedule=True)
+LR = Rule(lo=0.0, schedule=True)  # an optional learning rate (None: no scaling, or a default)
+#: A learning rate: the one rule every optimizer factory checks its ``learning_rate`` with
+#: (through :func:`check`, once, at the factory; the chained step does not check again).
+REQUIRED_LR = Rule(lo=0.0, schedule=True, required=True)
 COUNT = Rule(lo=0.0, integer=True)
 POSITIVE_COUNT = Rule(lo=1.0, integer=True)
 
@@ -75,7 +80,7 @@ POSITIVE_COUNT = Rule(lo=1.0, integer=True)
 #: something else passes ``rules={name: Rule(...)}`` to :func:`check`.
 RULES: dict[str, Rule] = {
     # step sizes
-    "learning_rate": LR, "adam_learning_rate": LR, "step_size": FINITE,
+    "learning_rate": REQUIRED_LR, "adam_learning_rate": LR, "step_size": FINITE,
     "slow_step_size": UNIT, "min_step_size": NONNEG, "max_step_size": POSITIVE,
     # moment decays
     "b1": BETA, "b2": BETA, "beta": BETA, "adam_b1": BETA, "adam_b2": BETA, "decay": UNIT,
@@ -105,13 +110,17 @@ def check(factory: str, rules: dict[str, Rule] | None = None, **values: Any) -> 
     """Raise if a concrete hyperparameter in ``values`` breaks its rule.
 
     ``TypeError`` for something that is not a real number (a str, a bool, a list, a
-    callable where no schedule is allowed), ``ValueError`` for NaN, an infinity or a
+    callable where no schedule is allowed, ``None`` where the rule requires a value), ``ValueError`` for NaN, an infinity or a
     number outside the rule's range; the message names ``factory`` and the argument.
     """
     for name, value in values.items():
-        if value is None or isinstance(value, jax.core.Tracer):
-            continue
         rule = (rules or {}).get(name) or RULES[name]
+        if value is None:
+            if rule.required:
+                raise TypeError(f"{factory}: {name} must be a number or a schedule (step -> value), got None")
+            continue
+        if isinstance(value, jax.core.Tracer):
+            continue
         if callable(value) and not isinstance(value, np.ndarray | jax.Array):
             if rule.schedule:
                 continue

@@ -19,8 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from cairn.core_array import ArraySpec, flatten_with_paths, shape_dtype_structs
-from cairn.serving._hashing import MANIFEST, digest_files, seal_manifest
+from cairn.core_array import (
+    ArraySpec,
+    atomic_rename,
+    dumps_checksummed_json,
+    flatten_with_paths,
+    fsync_tree,
+    shape_dtype_structs,
+)
+from cairn.serving._hashing import MANIFEST, digest_files
 from cairn.serving._manifest import FORMAT, SIGNATURE_NAME
 from cairn.serving._model import batch_dim, normalize_buckets
 from cairn.serving._weights import BOUNDARY_DTYPES, rebuild_params, split_params, write_weights
@@ -194,13 +201,6 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def _fsync_tree(root: str) -> None:
-    for d, _dirs, files in os.walk(root):
-        for f in files:
-            with open(os.path.join(d, f), "rb+") as fh:
-                os.fsync(fh.fileno())
-
-
 def _place(tmp: str, final: str, overwrite: bool) -> None:
     """Rename ``tmp`` to ``final``; an existing ``final`` is replaced only with
     ``overwrite`` (moved aside first, removed after)."""
@@ -208,12 +208,12 @@ def _place(tmp: str, final: str, overwrite: bool) -> None:
         if not overwrite:
             raise FileExistsError(f"export: {final} exists; pass overwrite=True to replace it")
         old = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-        os.rename(tmp, final)
+        atomic_rename(final, old)
+        atomic_rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         return
     try:
-        os.rename(tmp, final)
+        atomic_rename(tmp, final)
     except OSError:
         raise FileExistsError(f"export: {final} appeared while exporting; pass overwrite=True to replace it") from None
 
@@ -249,8 +249,8 @@ def _write_dir(final: str, blobs: dict, entries: dict, split: tuple, overwrite: 
             **(extra or {}),
         }
         with open(os.path.join(tmp, MANIFEST), "wb") as f:
-            f.write(seal_manifest(manifest))
-        _fsync_tree(tmp)
+            f.write(dumps_checksummed_json(manifest))
+        fsync_tree(tmp)
         _place(tmp, final, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -9,18 +9,12 @@ a mismatch names the file.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 from collections.abc import Mapping
 
-__all__ = ["ModelFormatError", "ModelIntegrityError", "sha256_file", "digest_files", "verify_files",
-           "MANIFEST", "SEAL_KEY", "seal_manifest", "check_manifest_seal"]
+__all__ = ["ModelFormatError", "ModelIntegrityError", "sha256_file", "digest_files", "verify_files", "MANIFEST"]
 
 MANIFEST = "manifest.json"
-SEAL_KEY = "manifest_sha256"
-_ZEROS = "0" * 64
-_SEAL = re.compile(rb'\n "manifest_sha256": "([0-9a-f]{64})"')
 _BLOCK = 1 << 20
 
 
@@ -89,38 +83,3 @@ def verify_files(root: str, files: Mapping[str, Mapping]) -> None:
                 f"{rel}: SHA-256 {digest[:16]}... differs from the manifest's {str(entry.get('sha256'))[:16]}... "
                 "(the file is corrupted or was modified after export)", rel
             )
-
-
-def seal_manifest(doc: dict) -> bytes:
-    """``doc`` as the bytes of ``manifest.json``, holding its own SHA-256 under
-    ``"manifest_sha256"``: the digest of the file with that value written as 64 zeros.
-
-    The manifest thus checks itself with no second file, so a changed byte is always
-    blamed on the one file it is in.
-    """
-    body = {**doc, SEAL_KEY: _ZEROS}
-    raw = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
-    digest = hashlib.sha256(raw).hexdigest().encode()
-    return raw.replace(_seal(_ZEROS.encode()), _seal(digest), 1)
-
-
-def _seal(value: bytes) -> bytes:
-    # indent=1: the top-level key is the only one with exactly one leading space
-    return b'\n "' + SEAL_KEY.encode() + b'": "' + value + b'"'
-
-
-def check_manifest_seal(raw: bytes) -> None:
-    """Check the raw bytes of ``manifest.json`` against the digest they hold.
-
-    Raises:
-      ModelIntegrityError: no seal, or the digest differs (the file was altered).
-    """
-    found = _SEAL.findall(raw)
-    if len(found) != 1:
-        raise ModelIntegrityError(
-            f"{MANIFEST}: its own SHA-256 ('{SEAL_KEY}') is missing or unreadable (corrupted or not written by "
-            "cairn.serving.export)", MANIFEST
-        )
-    zeroed = raw.replace(_seal(found[0]), _seal(_ZEROS.encode()), 1)
-    if hashlib.sha256(zeroed).hexdigest().encode() != found[0]:
-        raise ModelIntegrityError(f"{MANIFEST}: SHA-256 differs from the one it records (the file is corrupted)", MANIFEST)

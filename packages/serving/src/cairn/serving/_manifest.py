@@ -3,29 +3,23 @@
 The manifest records the format version, who wrote it (cairn-serving, JAX and jaxlib
 versions), the StableHLO calling convention and platforms, every signature (input and
 output specs with symbolic dims, batch buckets), the weight arrays and ``QArray``
-layouts, the size and SHA-256 of every other file, and its own SHA-256
-(``"manifest_sha256"``, computed with that value zeroed).
+layouts and the size and SHA-256 of every other file. The file is checksummed JSON
+(:func:`cairn.core_array.dumps_checksummed_json`: ``{"checksum": "sha256:...", "body": {...}}``),
+so it checks itself with no second file and a changed byte is blamed on the one file it is in.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
 
-from cairn.core_array import ArraySpec
-from cairn.serving._hashing import (
-    MANIFEST,
-    SEAL_KEY,
-    ModelFormatError,
-    ModelIntegrityError,
-    check_manifest_seal,
-)
+from cairn.core_array import ArraySpec, CorruptFileError, loads_checksummed_json
+from cairn.serving._hashing import MANIFEST, ModelFormatError, ModelIntegrityError
 
 __all__ = ["FORMAT", "read_manifest", "check_compatible", "parse_specs", "SIGNATURE_NAME", "newer_exporter"]
 
-FORMAT = "cairn.serving.model/1"
+FORMAT = "cairn.serving.model/2"  # /1 sealed itself with a "manifest_sha256" key
 SIGNATURE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 _REQUIRED = ("format", "created_by", "platforms", "signatures", "weights", "files")
 
@@ -44,14 +38,9 @@ def read_manifest(root: str) -> dict:
         raise ModelIntegrityError(f"{MANIFEST}: missing from the model directory {root}", MANIFEST)
     with open(path, "rb") as f:
         raw = f.read()
-    check_manifest_seal(raw)
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{MANIFEST}: not valid JSON ({e})", MANIFEST) from None
+    doc = _verified(raw)
     if not isinstance(doc, dict):
         raise ModelFormatError(f"{MANIFEST}: expected a JSON object, got {type(doc).__name__}", MANIFEST)
-    doc.pop(SEAL_KEY, None)
     if doc.get("format") != FORMAT:
         raise ModelFormatError(
             f"{MANIFEST}: format {doc.get('format')!r} is not supported; this cairn-serving reads {FORMAT!r}"
@@ -65,6 +54,23 @@ def read_manifest(root: str) -> dict:
     if not isinstance(doc["files"], dict):
         raise ModelFormatError(f"{MANIFEST}: 'files' must be an object", MANIFEST)
     return doc
+
+
+def _verified(raw: bytes) -> Any:
+    """The manifest's content, its checksum verified."""
+    try:
+        return loads_checksummed_json(raw, MANIFEST)[0]
+    except CorruptFileError as e:
+        if e.reason.startswith("not valid JSON"):
+            raise ModelFormatError(f"{MANIFEST}: {e.reason}", MANIFEST) from None
+        if b'"manifest_sha256"' in raw:
+            raise ModelFormatError(
+                f"{MANIFEST}: format 'cairn.serving.model/1' (sealed by 'manifest_sha256') is not supported; this "
+                f"cairn-serving reads {FORMAT!r} (export the model again with this version)", MANIFEST
+            ) from None
+        raise ModelIntegrityError(
+            f"{MANIFEST}: {e.reason} (the file is corrupted or was not written by cairn.serving.export)", MANIFEST
+        ) from None
 
 
 def parse_specs(d: Any, where: str) -> dict[str, ArraySpec]:

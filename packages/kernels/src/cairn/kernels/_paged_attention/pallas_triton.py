@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from cairn.kernels._attention_common import pad_axis
-from cairn.kernels._attention_triton import _pallas
-from cairn.kernels._paged_attention_common import PagedSpec, first_visible_page, logits, visible
+from cairn.kernels._attention.pallas_triton import _pallas
+from cairn.kernels._paged_attention.common import PagedSpec, first_visible_page, logits, visible
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import pad_axis
 
 
 def _pow2(n: int, least: int = 1) -> int:

@@ -20,25 +20,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels._glu_triton import glu_vjp
-from cairn.kernels._ragged_dot_mosaic import interpret_params
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._glu.pallas_triton import glu_vjp
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, mosaic_interpret_params, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 64, "max_concurrent_steps": 2}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
+    cfg = checked_config(config, DEFAULT_CONFIG, blocks=("block_k", "block_n"), lo=32, hi=256, counts=("max_concurrent_steps",))
     if cfg["block_m"] not in (64, 128):
         raise ValueError(f"config block_m={cfg['block_m']!r} does not fit: wgmma needs 64 or 128")
-    for key in ("block_k", "block_n"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 32 or v > 256 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: a power of two in [32, 256]")
-    if not isinstance(cfg["max_concurrent_steps"], int) or cfg["max_concurrent_steps"] < 1:
-        raise ValueError(f"config max_concurrent_steps={cfg['max_concurrent_steps']!r} must be a positive int")
     return cfg
 
 
@@ -85,8 +78,8 @@ def forward_mosaic(
     m = x.shape[0]
     n = weights.shape[2]
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    xp = _pad_to(_pad_to(x, 0, bm), 1, bk)
-    wp = _pad_to(_pad_to(weights, 0, bk), 2, bn)
+    xp = pad_to_multiple(pad_to_multiple(x, 0, bm), 1, bk)
+    wp = pad_to_multiple(pad_to_multiple(weights, 0, bk), 2, bn)
     kp, np_ = wp.shape[0], wp.shape[2]
     body = functools.partial(
         _body, bm=bm, bn=bn, bk=bk, nk=kp // bk, gate_block=np_ // bn, activation=activation,
@@ -98,7 +91,7 @@ def forward_mosaic(
         grid=(xp.shape[0] // bm, np_ // bn),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret_params(interpret),
+        interpret=mosaic_interpret_params(interpret),
     )(xp, wp.reshape(kp, 2 * np_))
     return out[:m, :n]
 

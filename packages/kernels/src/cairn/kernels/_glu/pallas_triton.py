@@ -18,21 +18,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._glu_xla import apply, glu_input_grads
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._glu.xla import apply, glu_input_grads
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
-    for key in ("block_m", "block_n", "block_k"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: Triton blocks are powers of two >= 16")
-    return cfg
+    return checked_config(config, DEFAULT_CONFIG, blocks=("block_m", "block_n", "block_k"))
 
 
 def _kernel(x_ref, w_ref, o_ref, *, bk, nk, activation, precision):
@@ -58,8 +53,8 @@ def forward_triton(x: Any, weights: Any, activation: Any, *, cfg: Any, interpret
     m = x.shape[0]
     n = weights.shape[2]
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    xp = _pad_to(_pad_to(x, 0, bm), 1, bk)
-    wp = _pad_to(_pad_to(weights, 0, bk), 2, bn)
+    xp = pad_to_multiple(pad_to_multiple(x, 0, bm), 1, bk)
+    wp = pad_to_multiple(pad_to_multiple(weights, 0, bk), 2, bn)
     mp, kp = xp.shape
     np_ = wp.shape[2]
     dtype = jnp.result_type(x, weights)

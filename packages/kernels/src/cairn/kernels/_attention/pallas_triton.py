@@ -26,15 +26,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from cairn.kernels._attention_common import (
+from cairn.kernels._attention.common import (
     AttentionSpec,
-    pad_axis,
     position_mask,
-    round_up,
     soft_cap_grad,
     transform_logits,
 )
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import pad_axis, round_up
 
 _POISON: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cairn_kernels_poison", default=False

@@ -9,9 +9,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.kernels import _attention_xla
-from cairn.kernels._attention_common import AttentionSpec, folded_segments
-from cairn.kernels._registry import Implementation, call, deferred, register, register_op
+from cairn.kernels._attention import xla as _attention_xla
+from cairn.kernels._attention.common import AttentionSpec, folded_segments
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 OP = "dot_product_attention"
 _NO_SOW = (
@@ -45,22 +48,16 @@ def _bucket(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> tuple[Any, .
     )
 
 
-# on a GPU cuDNN first: it takes the plain cases and is the fastest there (benchmarks/kernels_gpu.py)
-register_op(OP, bucket=_bucket, preference=("cudnn", "pallas_mosaic_gpu", "pallas_triton", "xla"))
-register(
-    Implementation(
-        op=OP,
-        name="xla",
-        fn=_attention_xla.run,
-        platforms=frozenset({"cpu", "gpu", "tpu"}),
-        configs=_attention_xla.configs,
-        default_config=_attention_xla.default_config,
-    )
+# GPU kernels load on first use (import cairn.kernels on a CPU loads no Triton or Mosaic GPU
+# code); on a GPU cuDNN first: it takes the plain cases and is the fastest there
+# (benchmarks/kernels_gpu.py)
+register_builtin(
+    OP, bucket=_bucket, preference=("cudnn", "pallas_mosaic_gpu", "pallas_triton", "xla"), xla=_attention_xla.run,
+    xla_configs=_attention_xla.configs, xla_default_config=_attention_xla.default_config,
+    gpu={"pallas_triton": "cairn.kernels._attention.pallas_triton",
+         "pallas_mosaic_gpu": "cairn.kernels._attention.pallas_mosaic",
+         "cudnn": "cairn.kernels._attention.cudnn"},
 )
-# GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-register(deferred(OP, "pallas_triton", "cairn.kernels._attention_triton", {"gpu"}))
-register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._attention_mosaic", {"gpu"}))
-register(deferred(OP, "cudnn", "cairn.kernels._attention_cudnn", {"gpu"}))
 
 
 def _window(local_window_size: int | tuple[int, int] | None) -> tuple[int, int] | None:

@@ -18,20 +18,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._norms_xla import make_norm
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._norms.xla import make_norm
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_rows": 16, "num_warps": 4}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
-    v = cfg["block_rows"]
-    if not isinstance(v, int) or v < 1 or v & (v - 1):
-        raise ValueError(f"config block_rows={v!r} does not fit: a power of two")
-    return cfg
+    return checked_config(config, DEFAULT_CONFIG, blocks=("block_rows",), lo=1)
 
 
 def _fwd_kernel(x_ref, s_ref, o_ref, y_ref, mean_ref, rstd_ref, *, d, eps, subtract_mean):
@@ -68,12 +64,12 @@ def _layout(x, cfg):
     rows, d = x.shape
     br = cfg["block_rows"]
     dp = pl.next_power_of_2(d)
-    return rows, d, br, dp, _pad_to(_pad_to(x, 0, br), 1, dp)
+    return rows, d, br, dp, pad_to_multiple(pad_to_multiple(x, 0, br), 1, dp)
 
 
 def _vec(v, d, dp, fill):
     v = jnp.full((d,), fill, jnp.float32) if v is None else v.astype(jnp.float32)
-    return _pad_to(v, 0, dp)
+    return pad_to_multiple(v, 0, dp)
 
 
 def forward_triton(x: Any, scale: Any, offset: Any, epsilon: Any, subtract_mean: Any, *, cfg: Any, interpret: Any) -> Any:
@@ -120,7 +116,7 @@ def backward_triton(x: Any, scale: Any, mean: Any, rstd: Any, dy: Any, subtract_
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=1),
         name="cairn_norm_bwd",
-    )(xp, _vec(scale, d, dp, 1.0), _pad_to(mean, 0, br), _pad_to(rstd, 0, br), _pad_to(_pad_to(dy, 0, br), 1, dp))
+    )(xp, _vec(scale, d, dp, 1.0), pad_to_multiple(mean, 0, br), pad_to_multiple(rstd, 0, br), pad_to_multiple(pad_to_multiple(dy, 0, br), 1, dp))
     return dx[:rows, :d], ds.sum(axis=0)[:d], do.sum(axis=0)[:d]
 
 

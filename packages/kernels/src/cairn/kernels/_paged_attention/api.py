@@ -15,9 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels import _paged_attention_xla
-from cairn.kernels._paged_attention_common import PagedSpec
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._paged_attention import xla as _paged_attention_xla
+from cairn.kernels._paged_attention.common import PagedSpec
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 OP = "paged_attention"
 
@@ -61,20 +64,11 @@ def _example(q, key_pages, value_pages, block_tables, lengths, **kw: Any) -> tup
 # registered once: a doctest run imports this module a second time under another name.
 # Triton first on a GPU: one decode step at batch 64, 4096 tokens, bf16 on an H200 took
 # 0.57 ms against the xla path's 1.48 ms (benchmarks/kernels_gpu.py); the CPU runs xla.
-if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("pallas_triton", "xla"), example=_example)
-    register(
-        Implementation(
-            op=OP,
-            name="xla",
-            fn=_paged_attention_xla.run,
-            platforms=frozenset({"cpu", "gpu", "tpu"}),
-            configs=_paged_attention_xla.configs,
-            default_config=_paged_attention_xla.default_config,
-        )
-    )
-    # the Triton kernel loads on first use (issue 31: importing cairn.kernels loads no GPU code)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._paged_attention_triton", {"gpu"}))
+register_builtin(
+    OP, bucket=_bucket, preference=("pallas_triton", "xla"), example=_example, xla=_paged_attention_xla.run,
+    xla_configs=_paged_attention_xla.configs, xla_default_config=_paged_attention_xla.default_config,
+    gpu={"pallas_triton": "cairn.kernels._paged_attention.pallas_triton"},
+)
 
 
 def _is_concrete(x: Any) -> bool:

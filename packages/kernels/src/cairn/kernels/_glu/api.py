@@ -18,9 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._glu_xla import apply, glu_xla
-from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._glu.xla import apply, glu_xla
+from cairn.kernels._quantized.common import split_scale
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["gated_linear_unit"]
 
@@ -31,16 +34,13 @@ def _bucket(x: Any, weights: Any, **_: Any) -> tuple[Any, ...]:
     return (1 << max(x.shape[0] - 1, 0).bit_length(), weights.shape[0], weights.shape[2], jnp.dtype(x.dtype).name)
 
 
-# registered once: a doctest run imports this module a second time under another name
-if OP not in ops():
-    # xla first on a GPU too: its one [k, 2n] dot runs at the plain composition's speed
-    # (0.93x forward, 0.97x with the backward on an H200 at bf16 x[8192,4096] w[4096,2,14336]),
-    # where the Triton and Mosaic forwards measured 0.58x and 0.45x (benchmarks/kernels_gpu.py)
-    register_op(OP, bucket=_bucket, preference=("xla", "pallas_mosaic_gpu", "pallas_triton"))
-    register(Implementation(OP, "xla", glu_xla, frozenset({"cpu", "gpu", "tpu"})))
-    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._glu_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._glu_mosaic", {"gpu"}))
+# xla first on a GPU too: its one [k, 2n] dot runs at the plain composition's speed
+# (0.93x forward, 0.97x with the backward on an H200 at bf16 x[8192,4096] w[4096,2,14336]),
+# where the Triton and Mosaic forwards measured 0.58x and 0.45x (benchmarks/kernels_gpu.py)
+register_builtin(
+    OP, bucket=_bucket, preference=("xla", "pallas_mosaic_gpu", "pallas_triton"), xla=glu_xla,
+    gpu={"pallas_triton": "cairn.kernels._glu.pallas_triton", "pallas_mosaic_gpu": "cairn.kernels._glu.pallas_mosaic"},
+)
 
 
 def _quantized(x2, weights: QArray, activation, precision, dtype):

@@ -18,9 +18,12 @@ import numpy as np
 from jax import lax
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._ragged_dot_xla import ragged_dot_xla, row_groups
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._quantized.common import split_scale
+from cairn.kernels._ragged_dot.xla import ragged_dot_xla, row_groups
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["ragged_dot", "ragged_dot_general"]
 
@@ -47,18 +50,11 @@ def _xla_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
     return [{"method": "tiled", "block_m": b} for b in (64, 128, 256)] + [{"method": "dense", "block_m": 128}]
 
 
-# registered once: a doctest run imports this module a second time under another name
-if OP not in ops():
-    register_op(OP, bucket=_bucket)
-    register(
-        Implementation(
-            OP, "xla", ragged_dot_xla, frozenset({"cpu", "gpu", "tpu"}), configs=_xla_configs,
-            default_config=_xla_default,
-        )
-    )
-    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._ragged_dot_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._ragged_dot_mosaic", {"gpu"}))
+register_builtin(
+    OP, bucket=_bucket, xla=ragged_dot_xla, xla_configs=_xla_configs, xla_default_config=_xla_default,
+    gpu={"pallas_triton": "cairn.kernels._ragged_dot.pallas_triton",
+         "pallas_mosaic_gpu": "cairn.kernels._ragged_dot.pallas_mosaic"},
+)
 
 
 def _check(lhs: Any, rhs: Any, group_sizes: Any, mode: str) -> None:

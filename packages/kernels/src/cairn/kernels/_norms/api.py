@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.kernels._norms_xla import norm_xla
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._norms.xla import norm_xla
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -28,13 +31,12 @@ def _bucket(x: Any, *_: Any, subtract_mean: bool = True, **__: Any) -> tuple[Any
     return (1 << max(x.shape[0] - 1, 0).bit_length(), x.shape[1], jnp.dtype(x.dtype).name, bool(subtract_mean))
 
 
-# registered once: a doctest run imports this module a second time under another name
 # xla first on a GPU too: XLA fuses a norm into one pass; the Triton kernel measured 4-7x
 # slower at bf16 [16384, 4096] on an H200 (benchmarks/kernels_gpu.py)
-if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("xla", "pallas_triton"))
-    register(Implementation(OP, "xla", norm_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(deferred(OP, "pallas_triton", "cairn.kernels._norms_triton", {"gpu"}))  # imported on first use
+register_builtin(
+    OP, bucket=_bucket, preference=("xla", "pallas_triton"), xla=norm_xla,
+    gpu={"pallas_triton": "cairn.kernels._norms.pallas_triton"},
+)
 
 
 def _check_param(name: str, p: Any, d: int, axis: int) -> None:

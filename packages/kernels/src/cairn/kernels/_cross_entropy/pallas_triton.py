@@ -21,23 +21,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._cross_entropy_xla import make_loss
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._cross_entropy.xla import make_loss
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_b": 32, "block_v": 128, "block_h": 64, "block_v_bwd": 2048, "num_warps": 4, "num_stages": 2}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
-    for key in ("block_b", "block_v", "block_h"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: Triton blocks are powers of two >= 16")
-    if not isinstance(cfg["block_v_bwd"], int) or cfg["block_v_bwd"] < 1:
-        raise ValueError(f"config block_v_bwd={cfg['block_v_bwd']!r} must be a positive int")
-    return cfg
+    return checked_config(config, DEFAULT_CONFIG, blocks=("block_b", "block_v", "block_h"), counts=("block_v_bwd",))
 
 
 def _kernel(x_ref, w_ref, lab_ref, lse_ref, ll_ref, *, bb, bv, bh, nv, nh, v, precision):
@@ -70,9 +63,9 @@ def stats_triton(x: Any, labels: Any, w: Any, *, cfg: Any, interpret: Any, preci
     b = x.shape[0]
     v = w.shape[1]
     bb, bv, bh = cfg["block_b"], cfg["block_v"], cfg["block_h"]
-    xp = _pad_to(_pad_to(x, 0, bb), 1, bh)
-    wp = _pad_to(_pad_to(w, 0, bh), 1, bv)
-    lab = _pad_to(labels.astype(jnp.int32), 0, bb)
+    xp = pad_to_multiple(pad_to_multiple(x, 0, bb), 1, bh)
+    wp = pad_to_multiple(pad_to_multiple(w, 0, bh), 1, bv)
+    lab = pad_to_multiple(labels.astype(jnp.int32), 0, bb)
     bp, hp = xp.shape
     kernel = functools.partial(
         _kernel, bb=bb, bv=bv, bh=bh, nv=wp.shape[1] // bv, nh=hp // bh, v=v, precision=precision

@@ -23,32 +23,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from cairn.kernels._ragged_dot_xla import _acc_dtype, make_ragged, out_dtype, schedule
+from cairn.kernels._ragged_dot.xla import _acc_dtype, make_ragged, out_dtype, schedule
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
-    for key in ("block_m", "block_k", "block_n"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: Triton blocks are powers of two >= 16")
-    unknown = set(cfg) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"config keys {sorted(unknown)} unknown; expected {sorted(DEFAULT_CONFIG)}")
-    return cfg
-
-
-def _pad_to(x: jax.Array, axis: int, block: int) -> jax.Array:
-    pad = -x.shape[axis] % block
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+    return checked_config(config, DEFAULT_CONFIG, blocks=("block_m", "block_k", "block_n"), strict=True)
 
 
 def _params(cfg):
@@ -79,8 +63,8 @@ def forward_m(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: A
     m = lhs.shape[0]
     n = rhs.shape[2]
     bm, bk, bn = cfg["block_m"], cfg["block_k"], cfg["block_n"]
-    x = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-    w = _pad_to(_pad_to(rhs, 1, bk), 2, bn)
+    x = pad_to_multiple(pad_to_multiple(lhs, 0, bm), 1, bk)
+    w = pad_to_multiple(pad_to_multiple(rhs, 1, bk), 2, bn)
     mp, kp = x.shape
     np_ = w.shape[2]
     sch = schedule(gs, m, bm)
@@ -125,8 +109,8 @@ def forward_k(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: A
     n = rhs.shape[1]
     groups = gs.shape[0]
     bm, bk, bn = cfg["block_m"], cfg["block_k"], cfg["block_n"]
-    x = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-    y = _pad_to(_pad_to(rhs, 0, bm), 1, bn)
+    x = pad_to_multiple(pad_to_multiple(lhs, 0, bm), 1, bk)
+    y = pad_to_multiple(pad_to_multiple(rhs, 0, bm), 1, bn)
     ends = jnp.minimum(jnp.cumsum(gs.astype(jnp.int32)), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     kp, np_ = x.shape[1], y.shape[1]

@@ -24,27 +24,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels._cross_entropy_triton import supports as triton_supports
-from cairn.kernels._cross_entropy_xla import make_loss
-from cairn.kernels._ragged_dot_mosaic import interpret_params
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._cross_entropy.pallas_triton import supports as triton_supports
+from cairn.kernels._cross_entropy.xla import make_loss
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, mosaic_interpret_params, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_b": 64, "block_v": 128, "block_h": 64, "max_concurrent_steps": 2, "block_v_bwd": 2048}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
+    cfg = checked_config(config, DEFAULT_CONFIG, blocks=("block_v", "block_h"), lo=32, hi=256, counts=("max_concurrent_steps", "block_v_bwd"))
     if cfg["block_b"] != 64:
         raise ValueError(f"config block_b={cfg['block_b']!r} does not fit: one warpgroup's wgmma takes 64 rows")
-    for key in ("block_v", "block_h"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 32 or v > 256 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: a power of two in [32, 256]")
-    for key in ("max_concurrent_steps", "block_v_bwd"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ValueError(f"config {key}={cfg[key]!r} must be a positive int")
     return cfg
 
 
@@ -101,8 +93,8 @@ def stats_mosaic(x: Any, labels: Any, w: Any, *, cfg: Mapping[str, int], interpr
     bb, bv, bh = cfg["block_b"], cfg["block_v"], cfg["block_h"]
     if w.shape[1] % bv:
         raise ValueError(f"config block_v={bv} does not fit: it must divide the vocabulary size {w.shape[1]}")
-    xp = _pad_to(_pad_to(x, 0, bb), 1, bh)  # zero hidden columns add nothing to the logits
-    wp = _pad_to(w, 0, bh)
+    xp = pad_to_multiple(pad_to_multiple(x, 0, bb), 1, bh)  # zero hidden columns add nothing to the logits
+    wp = pad_to_multiple(w, 0, bh)
     body = functools.partial(
         _body, bb=bb, bv=bv, bh=bh, nv=wp.shape[1] // bv, nh=xp.shape[1] // bh,
         steps=cfg["max_concurrent_steps"],
@@ -113,7 +105,7 @@ def stats_mosaic(x: Any, labels: Any, w: Any, *, cfg: Mapping[str, int], interpr
         grid=(xp.shape[0] // bb,),
         grid_names=("b",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret_params(interpret),
+        interpret=mosaic_interpret_params(interpret),
     )(xp, wp)
     cols = jnp.take(w, labels.astype(jnp.int32), axis=1).T  # [b, hidden]
     ll = jnp.sum(x.astype(jnp.float32) * cols.astype(jnp.float32), axis=1)

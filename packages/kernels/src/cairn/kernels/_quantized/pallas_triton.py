@@ -21,22 +21,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_common import values_of
-from cairn.kernels._quantized_xla import INT_QTYPES, result_dtype
-from cairn.kernels._ragged_dot_triton import _pad_to
+from cairn.kernels._quantized.common import values_of
+from cairn.kernels._quantized.xla import INT_QTYPES, result_dtype
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
-    for key in ("block_m", "block_n", "block_k"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: Triton blocks are powers of two >= 16")
-    return cfg
+    return checked_config(config, DEFAULT_CONFIG, blocks=("block_m", "block_n", "block_k"))
 
 
 def _scale_vector(q: QArray, axis: int, size: int) -> jax.Array | None:
@@ -90,8 +85,8 @@ def matmul_triton(x2: Any, ls: Any, w: Any, rs: Any, out_dtype: Any, *, cfg: Any
     m = x2.shape[0]
     n = w.shape[1]
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    xp = _pad_to(_pad_to(x2, 0, bm), 1, bk)
-    wp = _pad_to(_pad_to(w, 0, bk), 1, bn)
+    xp = pad_to_multiple(pad_to_multiple(x2, 0, bm), 1, bk)
+    wp = pad_to_multiple(pad_to_multiple(w, 0, bk), 1, bn)
     mp, kp = xp.shape
     np_ = wp.shape[1]
     int_dot = jnp.issubdtype(x2.dtype, jnp.integer)
@@ -109,7 +104,7 @@ def matmul_triton(x2: Any, ls: Any, w: Any, rs: Any, out_dtype: Any, *, cfg: Any
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         name="cairn_quantized_matmul",
-    )(xp, wp, _pad_to(ls, 0, bm), _pad_to(rs, 0, bn))
+    )(xp, wp, pad_to_multiple(ls, 0, bm), pad_to_multiple(rs, 0, bn))
     return out[:m, :n]
 
 

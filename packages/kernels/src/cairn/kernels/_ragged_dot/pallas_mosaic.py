@@ -23,41 +23,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels._ragged_dot_triton import DEFAULT_CONFIG as TRITON_DEFAULT
-from cairn.kernels._ragged_dot_triton import _pad_to, forward_k
-from cairn.kernels._ragged_dot_xla import make_ragged, out_dtype, schedule
+from cairn.kernels._ragged_dot.pallas_triton import DEFAULT_CONFIG as TRITON_DEFAULT
+from cairn.kernels._ragged_dot.pallas_triton import forward_k
+from cairn.kernels._ragged_dot.xla import make_ragged, out_dtype, schedule
 from cairn.kernels._registry import Implementation
+from cairn.kernels._tiling import checked_config, mosaic_interpret_params, pad_to_multiple
 
 DEFAULT_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 64, "max_concurrent_steps": 2}
 
 
-def interpret_params(interpret: bool) -> Any:
-    """``plgpu.kernel``'s ``interpret`` argument: Mosaic GPU's interpret mode on the CPU
-    (``InterpretGPUParams``, only under ``jax._src`` in jax 0.10), with every buffer the
-    kernel allocates or writes poisoned with NaN first."""
-    if not interpret:
-        return None
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:  # pragma: no cover - a JAX without the GPU interpreter
-        raise NotImplementedError(
-            "this JAX has no Mosaic GPU interpret mode (InterpretGPUParams); run the pallas_mosaic_gpu "
-            "implementation on a GPU or pick another implementation"
-        ) from e
-    return InterpretGPUParams(uninitialized_memory="nan")
-
-
 def check_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The config with defaults filled in; raises ``ValueError`` naming a bad key."""
-    cfg = {**DEFAULT_CONFIG, **dict(config)}
+    cfg = checked_config(config, DEFAULT_CONFIG, blocks=("block_k", "block_n"), lo=32, hi=256, counts=("max_concurrent_steps",))
     if cfg["block_m"] not in (64, 128):
         raise ValueError(f"config block_m={cfg['block_m']!r} does not fit: wgmma needs 64 or 128")
-    for key in ("block_k", "block_n"):
-        v = cfg[key]
-        if not isinstance(v, int) or v < 32 or v > 256 or v & (v - 1):
-            raise ValueError(f"config {key}={v!r} does not fit: a power of two in [32, 256]")
-    if not isinstance(cfg["max_concurrent_steps"], int) or cfg["max_concurrent_steps"] < 1:
-        raise ValueError(f"config max_concurrent_steps={cfg['max_concurrent_steps']!r} must be a positive int")
     return cfg
 
 
@@ -113,8 +92,8 @@ def forward_m(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: A
     m = lhs.shape[0]
     n = rhs.shape[2]
     bm, bk, bn = cfg["block_m"], cfg["block_k"], cfg["block_n"]
-    x = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-    w = _pad_to(_pad_to(rhs.astype(lhs.dtype), 1, bk), 2, bn)
+    x = pad_to_multiple(pad_to_multiple(lhs, 0, bm), 1, bk)
+    w = pad_to_multiple(pad_to_multiple(rhs.astype(lhs.dtype), 1, bk), 2, bn)
     np_ = w.shape[2]
     sch = schedule(gs, m, bm)
     items = sch.tile.shape[0]
@@ -125,7 +104,7 @@ def forward_m(lhs: Any, rhs: Any, gs: Any, dtype: Any, *, cfg: Any, interpret: A
         grid=(items, np_ // bn),
         grid_names=("i", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret_params(interpret),
+        interpret=mosaic_interpret_params(interpret),
     )(sch.tile, x, w, sch.group)
     slot, valid = _row_slots(gs, m, bm)
     rows = jnp.take(buf[:, :n], slot, axis=0)

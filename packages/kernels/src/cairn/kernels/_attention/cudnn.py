@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cairn.kernels._attention_common import AttentionSpec
+from cairn.kernels._attention.common import AttentionSpec
 from cairn.kernels._registry import Implementation, backend
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))

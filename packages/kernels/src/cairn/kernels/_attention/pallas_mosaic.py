@@ -30,21 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cairn.kernels import _attention_triton
-from cairn.kernels._attention_common import AttentionSpec, transform_logits
+from cairn.kernels._attention import pallas_triton as _attention_triton
+from cairn.kernels._attention.common import AttentionSpec, transform_logits
 from cairn.kernels._registry import Implementation
-
-
-def interpret_params(*, uninitialized_nan: bool = False) -> Any:
-    """Mosaic GPU's CPU interpreter parameters (``jax._src`` in jax 0.10; no public alias yet).
-
-    Args:
-      uninitialized_nan: fill uninitialised memory (outputs included) with NaN, so a
-        test sees any element a kernel never writes.
-    """
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams(uninitialized_memory="nan" if uninitialized_nan else "zero")
+from cairn.kernels._tiling import mosaic_interpret_params
 
 
 def _registers(interpreted: bool, bq: int, bk: int, dv: int) -> tuple[Any, Any]:
@@ -195,9 +184,7 @@ def _forward(
 
 
 def _interpret_arg(interpret: bool) -> Any:
-    if not interpret:
-        return None
-    return interpret_params(uninitialized_nan=_attention_triton._POISON.get())
+    return mosaic_interpret_params(interpret, poison=_attention_triton._POISON.get())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))

@@ -108,18 +108,3 @@ def soft_cap_grad(spec: AttentionSpec, raw: Any, ds: Any) -> Any:
         t = jnp.tanh(raw * spec.scale / spec.soft_cap)
         ds = ds * (1.0 - t * t)
     return ds * spec.scale
-
-
-def round_up(n: int, m: int) -> int:
-    """``n`` rounded up to a multiple of ``m``."""
-    return -(-n // m) * m
-
-
-def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
-    """``x`` padded with ``value`` at the end of ``axis`` to ``size``."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)

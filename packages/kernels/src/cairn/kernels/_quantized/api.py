@@ -5,7 +5,7 @@ A drop-in ``dot_general`` for ``cairn.nn.Linear`` / ``LinearGeneral``
 layer hands the quantized values to this function as they are, and the integer values
 enter the dot (int32 accumulation when both operands are integer QArrays), scales
 applied after it. Implementations under op ``"quantized_dot_general"``: ``xla`` (any
-dimension numbers, see :mod:`cairn.kernels._quantized_xla`) and ``pallas_triton`` (the
+dimension numbers, see :mod:`cairn.kernels._quantized.xla`) and ``pallas_triton`` (the
 2-d ``Linear`` case with per-channel or per-tensor scales; weights stay int8 in memory).
 No Mosaic GPU kernel yet (it would convert int8 blocks to 16 bits between the TMA copy
 and ``wgmma``).
@@ -20,8 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._quantized_xla import quantized_dot_general_xla
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._quantized.xla import quantized_dot_general_xla
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["quantized_dot_general"]
 
@@ -37,13 +40,12 @@ def _bucket(lhs: Any, rhs: Any, dimension_numbers: Any, **_: Any) -> tuple[Any, 
     return (1 << max(lead - 1, 0).bit_length(), tuple(rhs.shape), _qtype(lhs), _qtype(rhs), str(dimension_numbers))
 
 
-# registered once: a doctest run imports this module a second time under another name
 # xla first on a GPU too: the int8 -> bf16 convert fuses into the dot; the Triton kernel
 # measured 2.3x slower at w8 [4096, 4096] on an H200 (benchmarks/kernels_gpu.py)
-if OP not in ops():
-    register_op(OP, bucket=_bucket, preference=("xla", "pallas_triton"))
-    register(Implementation(OP, "xla", quantized_dot_general_xla, frozenset({"cpu", "gpu", "tpu"})))
-    register(deferred(OP, "pallas_triton", "cairn.kernels._quantized_triton", {"gpu"}))  # imported on first use
+register_builtin(
+    OP, bucket=_bucket, preference=("xla", "pallas_triton"), xla=quantized_dot_general_xla,
+    gpu={"pallas_triton": "cairn.kernels._quantized.pallas_triton"},
+)
 
 
 def _normalize(dimension_numbers: Any, lnd: int, rnd: int) -> tuple[Any, ...]:

@@ -15,9 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.core_array import QArray
-from cairn.kernels._cross_entropy_xla import cross_entropy_xla
-from cairn.kernels._quantized_common import split_scale
-from cairn.kernels._registry import Implementation, call, deferred, ops, register, register_op
+from cairn.kernels._cross_entropy.xla import cross_entropy_xla
+from cairn.kernels._quantized.common import split_scale
+from cairn.kernels._registry import (
+    call,
+    register_builtin,
+)
 
 __all__ = ["linear_softmax_cross_entropy_loss"]
 
@@ -45,18 +48,11 @@ def _xla_configs(*_: Any, **__: Any) -> list[dict[str, Any]]:
     return [{"block_v": v, "block_b": b} for v in (1024, 4096) for b in (32, 128, 512)]
 
 
-# registered once: a doctest run imports this module a second time under another name
-if OP not in ops():
-    register_op(OP, bucket=_bucket)
-    register(
-        Implementation(
-            OP, "xla", cross_entropy_xla, frozenset({"cpu", "gpu", "tpu"}), configs=_xla_configs,
-            default_config=_xla_default,
-        )
-    )
-    # GPU kernels: imported on first use (cairn.kernels._registry.deferred)
-    register(deferred(OP, "pallas_triton", "cairn.kernels._cross_entropy_triton", {"gpu"}))
-    register(deferred(OP, "pallas_mosaic_gpu", "cairn.kernels._cross_entropy_mosaic", {"gpu"}))
+register_builtin(
+    OP, bucket=_bucket, xla=cross_entropy_xla, xla_configs=_xla_configs, xla_default_config=_xla_default,
+    gpu={"pallas_triton": "cairn.kernels._cross_entropy.pallas_triton",
+         "pallas_mosaic_gpu": "cairn.kernels._cross_entropy.pallas_mosaic"},
+)
 
 
 def _check(x: Any, labels: Any, weights: Any, reduction: str, precision: Any) -> None:

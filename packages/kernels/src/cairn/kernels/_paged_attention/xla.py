@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from cairn.kernels import _registry
-from cairn.kernels._attention_common import pad_axis, round_up
-from cairn.kernels._paged_attention_common import PagedSpec, first_visible_page, logits, visible
+from cairn.kernels._paged_attention.common import PagedSpec, first_visible_page, logits, visible
+from cairn.kernels._tiling import pad_axis, round_up
 
 # CPU default: chunks of about this many keys once the table is wider than one chunk
 CPU_CHUNK_KEYS = 256

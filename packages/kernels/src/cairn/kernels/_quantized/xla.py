@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cairn.core_array import QArray, dtype_info
-from cairn.kernels._quantized_common import full_scale, values_of
+from cairn.kernels._quantized.common import full_scale, values_of
 
 INT_QTYPES = ("int8", "int4", "int2", "uint8", "uint4")
 

@@ -21,14 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.kernels import _registry
-from cairn.kernels._attention_common import (
+from cairn.kernels._attention.common import (
     AttentionSpec,
-    pad_axis,
     position_mask,
-    round_up,
     soft_cap_grad,
     transform_logits,
 )
+from cairn.kernels._tiling import pad_axis, round_up
 
 CHUNK_SIZES = (128, 256, 512, 1024)
 # GPU/TPU: above this many logits per (batch * head) the default is the chunked path

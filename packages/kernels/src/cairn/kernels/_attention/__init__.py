@@ -1,0 +1,1 @@
+"""attention: api (the public function and its registration), xla, and the Pallas implementations."""

@@ -1,0 +1,1 @@
+"""cross_entropy: api (the public function and its registration), xla, and the Pallas implementations."""

@@ -1,0 +1,1 @@
+"""paged_attention: api (the public function and its registration), xla, and the Pallas implementations."""

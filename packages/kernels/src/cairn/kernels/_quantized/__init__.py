@@ -1,0 +1,1 @@
+"""quantized: api (the public function and its registration), xla, and the Pallas implementations."""

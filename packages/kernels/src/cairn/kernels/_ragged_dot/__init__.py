@@ -1,0 +1,1 @@
+"""ragged_dot: api (the public function and its registration), xla, and the Pallas implementations."""
