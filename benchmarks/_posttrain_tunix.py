@@ -118,8 +118,9 @@ def grpo_iteration_seconds(model: llm.CausalLM, tok: llm.Tokenizer, prompts: lis
                            reward) -> tuple[float, float]:
     """Tunix's ``GRPOLearner`` (vanilla rollout engine: its own sampler with a KV cache) on
     ``model``'s weights, full fine-tuning with a frozen reference copy and ``beta = 0.04``:
-    seconds per iteration (rollout + reference/old log-probs + update) over ``iterations``
-    iterations after two that compile (the second one still traces), and the mean completion length."""
+    the median seconds per iteration (rollout + reference/old log-probs + update) of
+    ``iterations`` iterations after two that compile (the second one still traces), and the
+    mean completion length."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     cluster_config = rl_cluster_lib.ClusterConfig(
         role_to_mesh={r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
@@ -156,5 +157,6 @@ def grpo_iteration_seconds(model: llm.CausalLM, tok: llm.Tokenizer, prompts: lis
 
         learner.train(batches())
         end = time.perf_counter()
-    # batches 1 and 2 (pulled at pulls[0], pulls[1]) compile; the rest are timed from the pull of batch 3
-    return (end - pulls[2]) / iterations, float(np.mean(lengths[2 * prompts_per_batch * num_generations:]))
+    # the learner pulls batch k + 1 when iteration k is done; batches 1 and 2 compile, the rest are timed
+    per_iteration = np.diff([*pulls[2: 2 + iterations], end])
+    return float(np.median(per_iteration)), float(np.mean(lengths[2 * prompts_per_batch * num_generations:]))
