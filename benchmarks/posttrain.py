@@ -224,7 +224,8 @@ def main() -> None:
     r = {**dpo_steps(args), **rollouts(args), **grpo_iteration(args), **lora_memory(args)}
     print(f"model: llama-shaped, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers; batch {args.batch}, "
           f"prompt {args.prompt}, completion {args.completion}; {jax.devices()[0].platform}, load {_load()}")
-    print(f"google-tunix {_tunix_version()}: its Llama3 with our weights, max |logit diff| {args.tunix_logit_diff:.2e}")
+    if args.tunix_logit_diff == args.tunix_logit_diff:  # it ran
+        print(f"google-tunix {_tunix_version()}: its Llama3 with our weights, max |logit diff| {args.tunix_logit_diff:.2e}")
     for what, why in args.tunix_errors.items():
         print(f"google-tunix did not run ({what}): {why}")
     tunix = lambda key: f"{r[key] * 1e3:.1f} ms" if key in r and r[key] == r[key] else "not run"  # noqa: E731
