@@ -387,3 +387,20 @@ def bench(session: nox.Session) -> None:
         if script.name.startswith("_"):
             continue
         session.run("python", str(script), *([] if full else ["--quick"]))
+
+
+# the peer of benchmarks/posttrain.py, at the versions it was measured with (google-tunix 0.1.7
+# runs on jax 0.10.2); installed in this session only, never a dependency of a Cairn package
+TUNIX_DEPS = ("google-tunix==0.1.7", "jax==0.10.2", "jaxlib==0.10.2")
+
+
+@nox.session(default=False, python=PYTHON)
+def bench_posttrain(session: nox.Session) -> None:
+    """benchmarks/posttrain.py against google-tunix's DPO trainer and GRPO learner (`-- --full` for full sizes).
+
+    `nox -s bench` runs the same script without Tunix installed: it then prints why Tunix did
+    not run and compares with the plain JAX loop only.
+    """
+    _editable_all(session, "test,bench,safetensors")
+    session.install(*TUNIX_DEPS)
+    session.run("python", "benchmarks/posttrain.py", *([] if "--full" in session.posargs else ["--quick"]))

@@ -1,17 +1,22 @@
 """Post-training speed and memory: cairn.llm's DPO step, GRPO iteration and rollouts against
-the loops a user would write by hand, on the same model, batch and sequence lengths.
+google-tunix and the loops a user would write by hand, on the same model, batch and sequence
+lengths.
 
-- DPO step (full fine-tuning, reference log-probabilities precomputed): ``DPOTrainer``'s step
-  against a plain ``jax.jit(jax.value_and_grad(...))`` loop over the same ``CausalLM`` with
-  the same loss (``cairn.optim.losses.dpo_loss``) and AdamW.
+- DPO step (full fine-tuning, AdamW, reference log-probabilities precomputed): ``DPOTrainer``'s
+  step against Tunix's ``DPOTrainer`` step and a plain ``jax.jit(jax.value_and_grad(...))``
+  loop over the same ``CausalLM`` with the same loss (``cairn.optim.losses.dpo_loss``).
+- GRPO iteration (rollout of ``num_generations`` samples per prompt, old and reference
+  log-probabilities, one clipped update; full fine-tuning, beta 0.04): ``GRPOTrainer`` against
+  Tunix's ``GRPOLearner`` with its vanilla rollout engine.
 - Rollouts: ``generate`` (KV cache, ``lax.while_loop``) against a per-token Python loop that
   runs the jitted full forward over a fixed-size buffer for every new token.
-- GRPO iteration (rollout + update), ours only.
 - Memory: the bytes of base weights a LoRA DPO trainer holds, against the model's own.
 
-google-tunix is the peer the issue names; it is not run here (its trainers take its own model
-classes, and building the same model there is out of this script's scope), so the table says
-"not measured" for it.
+Tunix runs on its own Llama3 model class (flax nnx): benchmarks/_posttrain_tunix.py builds it
+with the Cairn model's config and copies the Cairn model's random weights in (their logits
+agree to float32 rounding, printed). google-tunix is installed only by ``nox -s
+bench_posttrain``; where it is missing or fails, the table prints the exception instead of its
+numbers, and the plain JAX loop stays the comparison.
 
 Run: ``python benchmarks/posttrain.py [--quick]``. Prints a table and one JSON line.
 """
@@ -23,6 +28,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +39,10 @@ from cairn.optim import losses
 
 
 def _model(vocab: int, hidden: int, layers: int) -> llm.CausalLM:
+    # rope_theta 1e6: the rotary base Tunix's Llama3 always uses (see _posttrain_tunix.py)
     cfg = llm.LlmConfig("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                         num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64),
-                        head_dim=32)
+                        head_dim=32, rope=(("rope_theta", 1_000_000.0), ("rope_type", "default")))
     return llm.CausalLM(cfg, rngs=nn.Rngs(0))
 
 
@@ -56,11 +63,14 @@ def _pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> l
 
 
 def _timed(fn, repeats: int) -> float:
-    fn()  # compile
-    t = time.perf_counter()
+    """The median seconds of ``repeats`` calls after one that compiles (the median: 2 cores shared)."""
+    fn()
+    times = []
     for _ in range(repeats):
+        t = time.perf_counter()
         fn()
-    return (time.perf_counter() - t) / repeats
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
 
 
 def dpo_steps(args: argparse.Namespace) -> dict[str, float]:
@@ -101,7 +111,34 @@ def dpo_steps(args: argparse.Namespace) -> dict[str, float]:
         state["p"], state["s"], loss = step(state["p"], state["s"], mb)
         jax.block_until_ready(loss)
 
-    return {"dpo_step_s": ours, "dpo_step_plain_jax_s": _timed(plain, args.repeats)}
+    out = {"dpo_step_s": ours, "dpo_step_plain_jax_s": _timed(plain, args.repeats)}
+    tx = _tunix(args, "dpo")
+    if tx is not None:
+        model = _model(args.vocab, args.hidden, args.layers)
+        args.tunix_logit_diff = tx.check_logits(model, tx.tunix_model(model), args.vocab)
+        # the same token count per row as ours (inputs are seq - 1 wide): BOS + prompt, then the completion
+        out["dpo_step_tunix_s"] = _try_tunix(args, "dpo", lambda: tx.dpo_step_seconds(
+            model, args.batch, args.prompt + 1, seq - 2 - args.prompt, args.repeats, _timed))
+    return out
+
+
+def _tunix(args: argparse.Namespace, what: str):
+    """The Tunix side (benchmarks/_posttrain_tunix.py), or None with the reason kept in ``args.tunix_errors``."""
+    try:
+        import _posttrain_tunix
+    except Exception as e:  # noqa: BLE001 - any import failure is reported, then the plain loop stands
+        args.tunix_errors[what] = f"cannot import google-tunix: {type(e).__name__}: {e}"
+        return None
+    return _posttrain_tunix
+
+
+def _try_tunix(args: argparse.Namespace, what: str, fn) -> float:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the exception is the row's answer
+        traceback.print_exc()
+        args.tunix_errors[what] = f"{type(e).__name__}: {e}"
+        return float("nan")
 
 
 def rollouts(args: argparse.Namespace) -> dict[str, float]:
@@ -129,18 +166,36 @@ def rollouts(args: argparse.Namespace) -> dict[str, float]:
 def grpo_iteration(args: argparse.Namespace) -> dict[str, float]:
     tok = _tokenizer(args.vocab)
     rng = np.random.default_rng(2)
-    prompts = [{"prompt": "".join(chr(0x100 + int(i)) for i in rng.integers(0, args.vocab - 3, args.prompt))} for _ in range(64)]
-    cfg = llm.GRPOConfig(steps=3, prompts_per_batch=max(1, args.batch // 4), num_generations=4,
-                         max_new_tokens=args.new_tokens, beta=0.04, save_every=10_000)
+    texts = ["".join(chr(0x100 + int(i)) for i in rng.integers(0, args.vocab - 3, args.prompt)) for _ in range(64)]
+    per_batch, g = max(1, args.batch // 4), 4
+    reward = lambda p, c, e: [float(len(x)) for x in c]  # noqa: E731 - any reward: the iteration's cost is the same
+    # full fine-tuning with a frozen reference copy (beta 0.04), as Tunix's learner below
+    cfg = llm.GRPOConfig(steps=2 + args.repeats, prompts_per_batch=per_batch, num_generations=g,
+                         max_new_tokens=args.new_tokens, beta=0.04, lora=None, temperature=1.0, save_every=10_000,
+                         log_every=1)
     with tempfile.TemporaryDirectory() as d:
-        trainer = llm.GRPOTrainer(_model(args.vocab, args.hidden, args.layers), tok, prompts,
-                                  lambda p, c, e: [float(len(x)) for x in c], cfg, d)
-        trainer.train(stop_after=1)  # compile
-        t = time.perf_counter()
+        trainer = llm.GRPOTrainer(_model(args.vocab, args.hidden, args.layers), tok, [{"prompt": t} for t in texts],
+                                  reward, cfg, d)
         trainer.train()
-        dt = (time.perf_counter() - t) / 2
         trainer.close()
-    return {"grpo_iteration_s": dt}
+        # each line's step_time_s: rollout to the update's metrics on the host (the final
+        # checkpoint, which Tunix's learner without a checkpoint directory skips, is not in it);
+        # the first two iterations compile, as Tunix's below
+        lines = [json.loads(line) for line in open(f"{d}/metrics.jsonl")][2:]
+    out = {"grpo_iteration_s": float(np.median([x["step_time_s"] for x in lines])),
+           "grpo_completion_length": float(np.mean([x["completion_length"] for x in lines]))}
+    tx = _tunix(args, "grpo")
+    if tx is not None:
+        def run():
+            s, length = tx.grpo_iteration_seconds(
+                _model(args.vocab, args.hidden, args.layers), tok, texts, prompts_per_batch=per_batch,
+                num_generations=g, max_new_tokens=args.new_tokens, prompt_len=args.prompt, iterations=args.repeats,
+                reward=reward)
+            out["grpo_completion_length_tunix"] = length
+            return s
+
+        out["grpo_iteration_tunix_s"] = _try_tunix(args, "grpo", run)
+    return out
 
 
 def lora_memory(args: argparse.Namespace) -> dict[str, float]:
@@ -165,19 +220,40 @@ def main() -> None:
     args.vocab, args.hidden, args.layers = (2048, 512, 4) if big else (256, 64, 2)
     args.batch, args.prompt, args.completion, args.new_tokens = (8, 64, 64, 64) if big else (4, 16, 16, 16)
     args.repeats = 5 if big else 2
+    args.tunix_errors, args.tunix_logit_diff = {}, float("nan")
     r = {**dpo_steps(args), **rollouts(args), **grpo_iteration(args), **lora_memory(args)}
     print(f"model: llama-shaped, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers; batch {args.batch}, "
           f"prompt {args.prompt}, completion {args.completion}; {jax.devices()[0].platform}, load {_load()}")
-    rows = [("DPO step (full FT)", f"{r['dpo_step_s'] * 1e3:.1f} ms", f"plain JAX loop {r['dpo_step_plain_jax_s'] * 1e3:.1f} ms"),
+    if args.tunix_logit_diff == args.tunix_logit_diff:  # it ran
+        print(f"google-tunix {_tunix_version()}: its Llama3 with our weights, max |logit diff| {args.tunix_logit_diff:.2e}")
+    for what, why in args.tunix_errors.items():
+        print(f"google-tunix did not run ({what}): {why}")
+    tunix = lambda key: f"{r[key] * 1e3:.1f} ms" if key in r and r[key] == r[key] else "not run"  # noqa: E731
+    rows = [("DPO step (full FT)", f"{r['dpo_step_s'] * 1e3:.1f} ms",
+             f"google-tunix {tunix('dpo_step_tunix_s')}; plain JAX loop {r['dpo_step_plain_jax_s'] * 1e3:.1f} ms"),
+            ("GRPO iteration", f"{r['grpo_iteration_s'] * 1e3:.1f} ms",
+             f"google-tunix {tunix('grpo_iteration_tunix_s')} (mean completion {r['grpo_completion_length']:.1f} "
+             f"tokens ours, {r.get('grpo_completion_length_tunix', float('nan')):.1f} theirs)"),
             ("rollout tokens/s", f"{r['rollout_tokens_per_s']:.0f}", f"per-token loop {r['rollout_loop_tokens_per_s']:.0f}"),
-            ("GRPO iteration", f"{r['grpo_iteration_s']:.2f} s", "google-tunix: not measured"),
             ("DPO+LoRA base bytes", f"{r['dpo_lora_base_bytes_held'] / 2**20:.1f} MiB", f"model {r['base_bytes'] / 2**20:.1f} MiB")]
     for row in rows:
         print(f"{row[0]:<22} {row[1]:>12}   {row[2]}")
     ratios = {"dpo_step_vs_plain_jax": r["dpo_step_plain_jax_s"] / r["dpo_step_s"],
+              "dpo_step_vs_tunix": r.get("dpo_step_tunix_s", float("nan")) / r["dpo_step_s"],
+              "grpo_iteration_vs_tunix": r.get("grpo_iteration_tunix_s", float("nan")) / r["grpo_iteration_s"],
               "rollout_vs_token_loop": r["rollout_tokens_per_s"] / r["rollout_loop_tokens_per_s"],
               "lora_base_copies": r["dpo_lora_base_bytes_held"] / r["base_bytes"]}
-    print(json.dumps({"benchmark": "posttrain", **{k: round(v, 4) for k, v in {**r, **ratios}.items()}}))
+    print(json.dumps({"benchmark": "posttrain", **{k: round(v, 4) if v == v else None for k, v in {**r, **ratios}.items()},
+                      "tunix_errors": args.tunix_errors}))
+
+
+def _tunix_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("google-tunix")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _load() -> str:

@@ -50,6 +50,29 @@ def test_rollouts_rewards_and_advantages(tmp_path):
     t.close()
 
 
+@pytest.mark.slow  # two un-jitted gradients and a rollout: over 3 s
+def test_one_update_per_rollout_needs_no_separate_sampling_logprobs(tmp_path):
+    """With num_iterations == 1 the sampling log-probs are the loss's own (stop-gradient):
+    the gradient equals the one taken against log-probs of a separate forward pass."""
+    import jax
+
+    from cairn import nn
+    from cairn.llm._grpo import _policy_loss
+
+    one, two = _config(steps=1, lora=None), _config(steps=1, lora=None, num_iterations=2)
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(8), first_letter, one, tmp_path)
+    rows, _ = t._rollouts(np.arange(4))
+    assert "old_logprobs" not in rows  # no forward pass spent on them
+    model = t.trainable.model
+    with_old = {**rows, "old_logprobs": np.asarray(t._logprobs(model, rows["inputs"], rows["targets"], 1.0))}
+    g1 = nn.grad(lambda m: _policy_loss(one)(m, m, rows)[0])(model)
+    g2 = nn.grad(lambda m: _policy_loss(two)(m, m, with_old)[0])(model)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(g1))
+    t.close()
+
+
 @pytest.mark.slow  # over 3 s in the default run: keeping nox -s tests under 10 minutes
 def test_first_update_is_at_ratio_one_with_zero_kl(tmp_path):
     t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(16), first_letter, _config(steps=1), tmp_path)

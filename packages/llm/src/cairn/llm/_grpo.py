@@ -129,8 +129,11 @@ def _aggregate_sums(per_token: jax.Array, mask: jax.Array, how: str, max_new: in
 def _policy_loss(cfg: GRPOConfig) -> Callable:
     def micro_loss(policy: Any, base: Any, mb: dict) -> tuple:
         lp = token_logprobs(policy, mb["inputs"], mb["targets"], cfg.temperature)
+        # one update per batch of rollouts: the weights are still those that sampled, so the
+        # sampling log-probabilities are lp itself (ratio 1, no separate forward pass for them)
+        old = jax.lax.stop_gradient(lp) if cfg.num_iterations == 1 else mb["old_logprobs"]
         out = losses.clipped_policy_loss(
-            lp, mb["old_logprobs"], mb["advantages"], mb["mask"], clip_epsilon=cfg.clip_epsilon,
+            lp, old, mb["advantages"], mb["mask"], clip_epsilon=cfg.clip_epsilon,
             clip_epsilon_high=cfg.clip_epsilon_high, ref_logprobs=mb["ref_logprobs"] if cfg.beta else None,
             beta=cfg.beta, kl_estimator=cfg.kl_estimator, aggregation=cfg.aggregation)
         total, count = _aggregate_sums(out.per_token_loss, mb["mask"], cfg.aggregation, cfg.max_new_tokens)
@@ -266,8 +269,10 @@ class GRPOTrainer:
             seq[r, : len(p) + len(c)] = p + list(c)
             mask[r, len(p) - 1: len(p) - 1 + len(c)] = 1.0
         rows = {"inputs": seq[:, :-1], "targets": seq[:, 1:], "mask": mask, "advantages": adv.astype(np.float32)}
-        rows["old_logprobs"] = np.asarray(self._logprobs(self.runner(), rows["inputs"], rows["targets"], cfg.temperature))
-        rows["ref_logprobs"] = (np.zeros_like(rows["old_logprobs"]) if self._reference is None
+        if cfg.num_iterations > 1:  # later updates need the sampling policy's log-probs (one is at ratio 1)
+            rows["old_logprobs"] = np.asarray(self._logprobs(self.runner(), rows["inputs"], rows["targets"],
+                                                             cfg.temperature))
+        rows["ref_logprobs"] = (np.zeros(mask.shape, np.float32) if self._reference is None
                                 else np.asarray(self._logprobs(self._reference, rows["inputs"], rows["targets"], cfg.temperature)))
         stats = {"reward": float(reward.mean()), "reward_std": float(reward.std()),
                  "completion_length": float(np.mean([len(c) for c in out.tokens]))}

@@ -332,7 +332,9 @@ def load_lora(path: str | os.PathLike, model: Any) -> LoraAdapters:
       FileNotFoundError: no config or weights file (``adapter_model.bin`` is not read).
       CheckpointError: an option that changes the computation (DoRA, rsLoRA, rank or alpha
         patterns, biases, modules_to_save, ...), tensors that are no projection of the model
-        or lack their A/B partner (listed by name), or shapes that do not fit (tensor, both shapes).
+        or lack their A/B partner (listed by name), ``target_modules`` naming a module the
+        model lacks or one with no tensor in the file, or shapes that do not fit (tensor,
+        both shapes).
     """
     folder = pathlib.Path(path)
     config = _read_peft_config(folder)
@@ -360,6 +362,7 @@ def load_lora(path: str | os.PathLike, model: Any) -> LoraAdapters:
             found.setdefault(by_hf[m.group(1)], {})[m.group(2)] = value
     problems = [f"{len(unexpected)} tensor(s) that are no LoRA A/B of a projection of this {cfg.model_type!r} "
                 f"model: {sorted(unexpected)}"] if unexpected else []
+    problems += _check_targets(config.get("target_modules"), cfg, {hf_of[p].split(".")[-1] for p in found})
     weights = {}
     for p, pair in sorted(found.items()):
         problems += _check_pair(f"{_PREFIX}{hf_of[p]} ({p})", pair, rank, sizes[p])
@@ -369,6 +372,21 @@ def load_lora(path: str | os.PathLike, model: Any) -> LoraAdapters:
         raise CheckpointError(f"{folder}: the adapters (r={rank}) do not fit the {cfg.model_type!r} model:\n  "
                               + "\n  ".join(problems or ["no adapters"]))
     return LoraAdapters(rank, float(config["lora_alpha"]), weights, config.get("base_model_name_or_path"))
+
+
+def _check_targets(targets: Any, cfg: LlmConfig, present: set[str]) -> list[str]:
+    """What is wrong with ``target_modules`` (a list of module names; a regex string or
+    ``"all-linear"`` is peft's to expand and is not checked): names that are no projection
+    of the model, and names with no tensor in the file."""
+    if not isinstance(targets, (list, tuple)):
+        return []
+    table = _projections(cfg)
+    unknown = [t for t in targets if t not in table]
+    absent = [t for t in targets if t in table and t not in present]
+    out = [f"target module {t!r} is not a module of this {cfg.model_type!r} model (its LoRA targets: {sorted(table)})"
+           for t in unknown]
+    return out + [f"target module {t!r} is in target_modules but the file has no lora_A/lora_B tensor for it"
+                  for t in absent]
 
 
 def _check_pair(name: str, pair: dict[str, np.ndarray], rank: int, out_in: tuple[int, int]) -> list[str]:
