@@ -58,3 +58,6 @@ TestPagedCacheStateMachine  # tests/serving: the state machine's unittest TestCa
 _.graph_mode  # cairn.nn: the graph-mode stack (Flax NNX's set_graph_mode), read through getattr
 _.get_raw_value  # cairn.nn: Variable.get_raw_value, Flax NNX's public API (tests/nn/test_nn_flax_api.py)
 _._helper  # tests/tooling/test_tooling_docargs.py: a private method in the fixture module docargs must skip, read by inspect
+_.pad_id  # benchmarks/_posttrain_tunix.py: Tunix's tokenizer protocol, called by Tunix's sampler
+_.bos_id  # benchmarks/_posttrain_tunix.py: Tunix's tokenizer protocol, called by Tunix's sampler
+_.eos_id  # benchmarks/_posttrain_tunix.py: Tunix's tokenizer protocol, called by Tunix's sampler
