@@ -40,26 +40,48 @@ class MapTransform(abc.ABC):
     """Subclass and define ``map(self, element)``."""
 
     @abc.abstractmethod
-    def map(self, element: Any) -> Any: ...
+    def map(self, element: Any) -> Any:
+        """The transformed element.
+
+        Args:
+          element: one element of the pipeline.
+        """
 
 
 class RandomMapTransform(abc.ABC):
     """Subclass and define ``random_map(self, element, rng: np.random.Generator)``."""
 
     @abc.abstractmethod
-    def random_map(self, element: Any, rng: np.random.Generator) -> Any: ...
+    def random_map(self, element: Any, rng: np.random.Generator) -> Any:
+        """The transformed element, drawing any randomness from ``rng``.
+
+        Args:
+          element: one element of the pipeline.
+          rng: a ``numpy.random.Generator`` keyed by the seed and the element's position.
+        """
 
 
 class FilterTransform(abc.ABC):
     """Subclass and define ``filter(self, element) -> bool``."""
 
     @abc.abstractmethod
-    def filter(self, element: Any) -> bool: ...
+    def filter(self, element: Any) -> bool:
+        """Whether to keep ``element``.
+
+        Args:
+          element: one element of the pipeline.
+        """
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """Stack ``batch_size`` consecutive elements (leaf by leaf, or with ``batch_fn``)."""
+    """Stack ``batch_size`` consecutive elements (leaf by leaf, or with ``batch_fn``).
+
+    Args:
+      batch_size: elements per batch, >= 1.
+      drop_remainder: drop a last batch smaller than ``batch_size``.
+      batch_fn: ``fn(list of elements) -> batch``; None stacks leaf by leaf with NumPy.
+    """
 
     batch_size: int
     drop_remainder: bool = False
@@ -69,7 +91,13 @@ class Batch:
 @dataclasses.dataclass(frozen=True)
 class RecordMetadata:
     """One step of a sampler: position ``index`` reads record ``record_key``; ``rng`` is a
-    generator keyed by ``seed + index`` when the sampler has a seed (else ``None``)."""
+    generator keyed by ``seed + index`` when the sampler has a seed (else ``None``).
+
+    Args:
+      index: the position in the sampler's order (0, 1, 2...).
+      record_key: the index of the record read at that position.
+      rng: a ``numpy.random.Generator`` keyed by ``seed + index``, or None without a seed.
+    """
 
     index: int
     record_key: int | None = None
@@ -95,6 +123,13 @@ class IndexSampler:
 
     The records of this process's shard (``shard_options``) are read ``num_epochs`` times
     (forever if ``None``), shuffled with a new permutation every epoch when ``shuffle``.
+
+    Args:
+      num_records: how many records the source has (the first ``num_records`` are read), >= 0.
+      shard_options: which shard this process reads (default: no sharding).
+      shuffle: shuffle with a new permutation every epoch.
+      num_epochs: how many times to read the records; None reads forever.
+      seed: the shuffle seed (and the base seed of random operations); None means 0.
     """
 
     num_records: int
@@ -155,7 +190,13 @@ class IndexSampler:
 
 @dataclasses.dataclass(frozen=True)
 class SequentialSampler:
-    """Records ``0 .. num_records-1`` of this shard, once, in order (Grain's name)."""
+    """Records ``0 .. num_records-1`` of this shard, once, in order (Grain's name).
+
+    Args:
+      num_records: how many records the source has.
+      shard_options: which shard this process reads (default: no sharding).
+      seed: the seed of the ``rng`` in each :class:`RecordMetadata`; None gives no ``rng``.
+    """
 
     num_records: int
     shard_options: ShardOptions = dataclasses.field(default_factory=NoSharding)
@@ -205,11 +246,28 @@ class DataLoader:
     worker processes when ``worker_count > 0``), so the output and the iterator state are
     the same for every ``worker_count``.
 
+    Args:
+      data_source: a random-access source (``__len__`` and ``__getitem__``: a list, an
+        :class:`InMemoryDataSource`, ``ArrayRecordDataSource``...).
+      sampler: an :class:`IndexSampler`: how many records, the shard, shuffling, epochs and seed.
+      operations: applied in order: :class:`MapTransform`, :class:`RandomMapTransform` (seeded from
+        ``sampler.seed`` plus its position), :class:`FilterTransform`, :class:`Batch`, or plain
+        callables (mapped).
+      worker_count: worker processes computing the per-record operations (0: in this process).
+      shard_options: overrides ``sampler.shard_options``; None keeps the sampler's.
+      read_options: how the source is read (threads, prefetch); None for the defaults.
+      worker_buffer_size: chunks each worker may compute ahead.
+      debug: check that every element has the structure of the first (slower; errors name the
+        stage).
+
     >>> from cairn.data import DataLoader, IndexSampler, Batch
     >>> loader = DataLoader(data_source=list(range(10)), sampler=IndexSampler(10, shuffle=True, seed=1),
     ...                     operations=[Batch(4, drop_remainder=True)])
     >>> [b.shape for b in loader]
     [(4,), (4,)]
+
+    Raises:
+      TypeError: ``data_source`` or ``sampler`` missing, or an operation of an unknown kind.
     """
 
     def __init__(

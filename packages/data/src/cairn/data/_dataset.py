@@ -69,12 +69,26 @@ class _Pipeline:
         return type(self).__name__
 
     def pipe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(self, *args, **kwargs)``: lets custom steps chain fluently."""
+        """``fn(self, *args, **kwargs)``: lets custom steps chain fluently.
+
+        Args:
+          fn: called as ``fn(self, *args, **kwargs)``.
+          args: more positional arguments for ``fn``.
+          kwargs: keyword arguments for ``fn``.
+        """
         return fn(self, *args, **kwargs)
 
     def apply(self, transformations: Any) -> Any:
         """Apply Grain transform objects (one or a sequence) as the matching steps; see
-        ``cairn.data.experimental.apply_transformations``."""
+        ``cairn.data.experimental.apply_transformations``.
+
+        Args:
+          transformations: one Grain-style transform object (``MapTransform``, ``Batch``...) or a
+            sequence of them.
+
+        Returns:
+          the dataset with the matching steps appended.
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.apply import apply_transformations
 
@@ -132,6 +146,9 @@ class MapDataset(_Pipeline, Generic[T]):
     def __init__(self, parents: MapDataset | Sequence[MapDataset] = ()) -> None:
         """A step over ``parents`` (one dataset or a sequence; none for a source).
 
+        Args:
+          parents: one ``MapDataset`` or a sequence of them (none for a source).
+
         Raises:
           TypeError: if a parent is not a ``MapDataset``.
         """
@@ -161,8 +178,15 @@ class MapDataset(_Pipeline, Generic[T]):
         Sources with ``__getitems__(indices)`` are read one call per batch of indices;
         lists, tuples and NumPy arrays work directly.
 
+        Args:
+          source: a random-access source (``__len__`` and ``__getitem__``, optionally
+            ``__getitems__``); a ``MapDataset`` is returned as is.
+
         >>> MapDataset.source(["a", "b", "c"])[1]
         'b'
+
+        Raises:
+          TypeError: ``source`` has no ``__len__``/``__getitem__``.
         """
         if isinstance(source, MapDataset):
             return source
@@ -180,6 +204,11 @@ class MapDataset(_Pipeline, Generic[T]):
     def range(start: int, stop: int | None = None, step: int = 1) -> MapDataset:
         """The integers of ``range(start, stop, step)`` as a dataset.
 
+        Args:
+          start: the first integer (or the stop when ``stop`` is None, as for ``range``).
+          stop: the end (exclusive); None makes ``start`` the end and 0 the start.
+          step: the increment (nonzero).
+
         >>> list(MapDataset.range(2, 8, 3))
         [2, 5]
         """
@@ -196,6 +225,10 @@ class MapDataset(_Pipeline, Generic[T]):
         ``round(weights[k] / sum(weights) * 1000)`` of them, spread evenly. The mixture
         ends just before the first dataset would run out (repeat the inputs first for an
         endless mixture).
+
+        Args:
+          datasets: the ``MapDataset`` s to mix.
+          weights: relative weights, one per dataset; None weighs them equally.
 
         >>> ds = MapDataset.mix([MapDataset.range(0, 100), MapDataset.range(100, 200)], [3, 1])
         >>> [x for x in ds][:8]
@@ -229,6 +262,9 @@ class MapDataset(_Pipeline, Generic[T]):
     @staticmethod
     def concatenate(datasets: Sequence[MapDataset]) -> MapDataset:
         """The datasets one after another.
+
+        Args:
+          datasets: the ``MapDataset`` s to join, in order.
 
         >>> list(MapDataset.concatenate([MapDataset.range(2), MapDataset.range(5, 7)]))
         [0, 1, 5, 6]
@@ -322,6 +358,9 @@ class MapDataset(_Pipeline, Generic[T]):
         gets a new permutation. Any int is a valid seed; negative seeds are taken
         modulo ``2**64``.
 
+        Args:
+          seed: any int; None uses the one set by :meth:`seed` upstream.
+
         >>> sorted(MapDataset.range(5).shuffle(seed=7)) == [0, 1, 2, 3, 4]
         True
         """
@@ -332,6 +371,9 @@ class MapDataset(_Pipeline, Generic[T]):
 
     def slice(self, sl: slice) -> MapDataset:
         """The elements ``ds[sl]``, with Python's slice semantics (negative bounds and steps).
+
+        Args:
+          sl: a ``slice`` (start, stop and step may be negative or None).
 
         Raises:
           TypeError: if ``sl`` is not a ``slice``.
@@ -352,8 +394,16 @@ class MapDataset(_Pipeline, Generic[T]):
         The first ``len % count`` shards get one extra element unless
         ``drop_remainder``; with more shards than elements some shards are empty.
 
+        Args:
+          index: this shard's index, in ``[0, count)``.
+          count: the number of shards, >= 1.
+          drop_remainder: give every shard ``len // count`` elements (the rest is dropped).
+
         >>> [list(MapDataset.range(5).shard(i, 2)) for i in range(2)]
         [[0, 1, 2], [3, 4]]
+
+        Raises:
+          ValueError: ``count < 1`` or ``index`` out of range.
         """
         count = operator.index(count)
         index = operator.index(index)
@@ -391,6 +441,11 @@ class MapDataset(_Pipeline, Generic[T]):
     def random_map(self, fn: RandomMapFn, seed: int | None = None) -> MapDataset:
         """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by (seed, epoch, index).
 
+        Args:
+          fn: ``fn(element, rng) -> element`` with ``rng`` a ``numpy.random.Generator``, or an
+            object with a ``.random_map`` method.
+          seed: the int seed; None uses the one set by :meth:`seed` upstream, else 0.
+
         >>> ds = MapDataset.range(3).random_map(lambda x, rng: x + rng.integers(100), seed=0)
         >>> list(ds) == list(ds)
         True
@@ -406,6 +461,9 @@ class MapDataset(_Pipeline, Generic[T]):
 
     def map_with_index(self, fn: Callable[[int, Any], Any]) -> MapDataset:
         """Element ``i`` becomes ``fn(i, self[i])``.
+
+        Args:
+          fn: ``fn(index, element) -> element``, or an object with a ``.map_with_index`` method.
 
         Raises:
           TypeError: if ``fn`` is not callable.
@@ -451,6 +509,11 @@ class MapDataset(_Pipeline, Generic[T]):
         Filtered (``None``) elements are left out of their batch, so batches after a
         ``filter`` can be smaller; filter on an ``IterDataset`` for full batches.
 
+        Args:
+          batch_size: elements per batch, >= 1.
+          drop_remainder: drop a last batch smaller than ``batch_size``.
+          batch_fn: ``fn(list of elements) -> batch``; None stacks leaf by leaf with NumPy.
+
         >>> MapDataset.range(5).batch(2)[2].tolist()
         [4]
         """
@@ -480,9 +543,18 @@ class MapDataset(_Pipeline, Generic[T]):
         divides ``G``) and train on the same global batches. A last partial global batch
         is dropped.
 
+        Args:
+          global_batch_size: :math:`G`, the rows of one global batch (all processes together).
+          shard_index: this process's index, in ``[0, shard_count)``.
+          shard_count: the number of processes; must divide ``global_batch_size``.
+          batch_fn: ``fn(list of elements) -> batch``; None stacks leaf by leaf.
+
         >>> ds = MapDataset.range(8)
         >>> [b.tolist() for b in ds.shard_global_batches(4, 1, 2)]
         [[2, 3], [6, 7]]
+
+        Raises:
+          ValueError: sizes out of range, or ``global_batch_size`` not divisible by ``shard_count``.
         """
         g, i, c = (operator.index(v) for v in (global_batch_size, shard_index, shard_count))
         if g < 1 or c < 1 or not 0 <= i < c:
@@ -505,8 +577,16 @@ class MapDataset(_Pipeline, Generic[T]):
     def repeat(self, num_epochs: int | None = None, reseed_each_epoch: bool = True) -> MapDataset:
         """Repeat ``num_epochs`` times (forever if ``None``), reshuffling every epoch.
 
+        Args:
+          num_epochs: how many repetitions, >= 0; None repeats forever.
+          reseed_each_epoch: give each repetition its own epoch number, so ``shuffle`` and
+            ``random_map`` differ per epoch; False repeats the same order.
+
         >>> list(MapDataset.range(3).repeat(2))
         [0, 1, 2, 0, 1, 2]
+
+        Raises:
+          ValueError: a negative ``num_epochs``.
         """
         if num_epochs is not None:
             num_epochs = operator.index(num_epochs)
@@ -570,7 +650,7 @@ def _fmt_len(ds: MapDataset) -> str:
 class ReadOptions:
     """How a ``MapDataset`` is read when iterated.
 
-    Attributes:
+    Args:
       num_threads: background threads reading chunks ahead (0 = read in the calling
         thread). Chunks are whole batches of records, so one or two threads are enough to
         overlap file I/O with the consumer.
@@ -609,7 +689,13 @@ class DatasetIterator(Generic[T]):
         debug: bool = False,
     ) -> None:
         """An iterator over ``parents`` (one iterator or a sequence); ``name`` labels it
-        in ``summary()`` (default: the class name)."""
+        in ``summary()`` (default: the class name).
+
+        Args:
+          parents: the input iterator, or a sequence of them (none for a source iterator).
+          name: the label in ``summary()``; None uses the class name.
+          debug: check that every element has the structure of the first one seen.
+        """
         self._parents = (parents,) if isinstance(parents, DatasetIterator) else tuple(parents)
         if len(self._parents) == 1:
             self._parent = self._parents[0]
@@ -646,6 +732,9 @@ class DatasetIterator(Generic[T]):
     def set_state(self, state: dict) -> None:
         """Resume at ``state`` (from ``get_state``, possibly of another iterator of the
         same pipeline, with any number of workers).
+
+        Args:
+          state: a dict from ``get_state()``.
 
         Raises:
           ValueError: (``StateError``) for a state this iterator cannot take, naming the
@@ -712,6 +801,9 @@ class IterDataset(_Pipeline, Generic[T]):
     def __init__(self, parents: Any = ()) -> None:
         """A step over ``parents``: one ``IterDataset`` or ``MapDataset``, or a sequence.
 
+        Args:
+          parents: one ``IterDataset`` or ``MapDataset``, or a sequence of them (none for a source).
+
         Raises:
           TypeError: if a parent is neither.
         """
@@ -749,6 +841,9 @@ class IterDataset(_Pipeline, Generic[T]):
     def seed(self, seed: int) -> IterDataset:
         """Set the default seed of the ``random_map`` steps that follow (as ``MapDataset.seed``).
 
+        Args:
+          seed: an int (not a bool); any int is valid.
+
         Raises:
           TypeError: for a bool or a non-integer seed.
 
@@ -767,6 +862,9 @@ class IterDataset(_Pipeline, Generic[T]):
         """Element number ``k`` (counted from 0 in output order) becomes ``fn(k, element)``.
 
         The count is part of the iterator state, so a restored iterator goes on counting.
+
+        Args:
+          fn: ``fn(k, element) -> element``, or an object with a ``.map_with_index`` method.
 
         Raises:
           TypeError: if ``fn`` is neither callable nor has a ``.map_with_index`` method.
@@ -788,6 +886,9 @@ class IterDataset(_Pipeline, Generic[T]):
         Directly on ``to_iter_dataset()`` it folds into the ``MapDataset`` (and runs in
         worker processes).
 
+        Args:
+          fn: ``fn(element) -> element``, or an object with a ``.map`` method.
+
         >>> list(MapDataset.range(3).to_iter_dataset().batch(2).map(lambda b: b.tolist()))
         [[0, 1], [2]]
         """
@@ -800,6 +901,11 @@ class IterDataset(_Pipeline, Generic[T]):
         """Apply ``fn(element, rng)``; ``rng`` is a Philox generator keyed by
         ``(seed, element number)``, so a restored iterator draws the same numbers.
         Without ``seed``, the one set by ``.seed(...)`` upstream is used, else 0.
+
+        Args:
+          fn: ``fn(element, rng) -> element`` with ``rng`` a ``numpy.random.Generator``, or an
+            object with a ``.random_map`` method.
+          seed: the int seed; None uses the one set by ``.seed(...)`` upstream, else 0.
 
         Raises:
           TypeError: for a non-callable ``fn`` or a non-integer ``seed``.
@@ -821,6 +927,9 @@ class IterDataset(_Pipeline, Generic[T]):
     def filter(self, predicate: FilterFn) -> IterDataset:
         """Keep the elements where ``predicate`` is true (a function, or an object with
         ``.filter``); unlike ``MapDataset.filter``, a ``batch`` after it gets full batches.
+
+        Args:
+          predicate: ``predicate(element) -> bool``, or an object with a ``.filter`` method.
 
         >>> ds = MapDataset.range(10).to_iter_dataset().batch(3).filter(lambda b: b[0] % 2)
         >>> [b.tolist() for b in ds]
@@ -866,6 +975,9 @@ class IterDataset(_Pipeline, Generic[T]):
 
         Errors reach the consumer at the element that raised; the state is that of the
         last element handed out.
+
+        Args:
+          buffer_size: how many elements may be computed ahead, >= 1.
 
         Raises:
           ValueError: for a ``buffer_size`` that is not a positive int.
@@ -921,7 +1033,12 @@ class IterDataset(_Pipeline, Generic[T]):
 
     @staticmethod
     def interleave(datasets: Sequence[IterDataset], cycle_length: int | None = None) -> IterDataset:
-        """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset)."""
+        """Round-robin over ``cycle_length`` datasets at a time (see InterleaveIterDataset).
+
+        Args:
+          datasets: the input datasets (``IterDataset`` or ``MapDataset``), opened in order.
+          cycle_length: how many are open at a time; None opens all of them.
+        """
         # import cycle (labelled): base classes <-> transformations, by design
         from cairn.data._transforms.interleave import InterleaveIterDataset
 
@@ -936,6 +1053,11 @@ class IterDataset(_Pipeline, Generic[T]):
         evenly), drawn from iterators, so inputs may filter, batch or pack. The mixture
         ends when the input whose turn it is runs out. The state is the position in the
         pattern plus every input's state.
+
+        Args:
+          datasets: the input datasets.
+          weights: relative weights, one per dataset (non-negative, not all 0); None weighs them
+            equally.
 
         >>> from cairn.data import IterDataset, MapDataset
         >>> a = MapDataset.range(0, 100).to_iter_dataset()

@@ -33,6 +33,14 @@ def device_put(ds: IterDataset, device: Any = None, *, buffer_size: int = 2) -> 
     to device copy overlaps the training step. JAX is imported only when elements flow,
     and this step always runs in the main process (after ``mp_prefetch``). The iterator
     state is the input's state.
+
+    Args:
+      ds: the input ``IterDataset``.
+      device: a ``jax.Device`` or ``jax.sharding.Sharding``; None uses the default device.
+      buffer_size: elements transferred ahead.
+
+    Raises:
+      TypeError: ``ds`` is not an ``IterDataset``.
     """
     if not isinstance(ds, IterDataset):
         raise TypeError(f"device_put() expects an IterDataset, got {type(ds).__name__}")

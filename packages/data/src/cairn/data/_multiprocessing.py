@@ -91,7 +91,7 @@ _HEADER = 64  # heartbeat at the start of each worker's shared-memory block
 class MultiprocessingOptions:
     """Worker processes for ``mp_prefetch``.
 
-    Attributes:
+    Args:
       num_workers: worker processes (0 = no workers; ``mp_prefetch`` is then a no-op).
       per_worker_buffer_size: chunks each worker may compute ahead of the consumer.
       start_method: ``None`` (default) picks ``"fork"`` where available (starts in
@@ -146,6 +146,13 @@ class WorkerTimeoutError(WorkerDiedError):
 
     Attributes: ``worker_index``, ``pid``, ``elements`` (``range`` of the element
     positions, in the ``MapDataset``, that the worker was computing), ``elapsed_s``.
+
+    Args:
+      msg: the error text.
+      worker_index: the stuck worker's index.
+      pid: its process id.
+      elements: the ``range`` of element positions (in the ``MapDataset``) it was computing.
+      elapsed_s: how long it had been computing them, in seconds.
     """
 
     def __init__(
@@ -164,7 +171,11 @@ class WorkerTimeoutError(WorkerDiedError):
 
 
 class RemoteTraceback(Exception):
-    """Carries a worker's formatted traceback; set as ``__cause__`` of re-raised errors."""
+    """Carries a worker's formatted traceback; set as ``__cause__`` of re-raised errors.
+
+    Args:
+      tb: the worker's formatted traceback text.
+    """
 
     def __init__(self, tb: str) -> None:
         super().__init__(tb)

@@ -59,6 +59,10 @@ class DatasetOptions:
     def __init__(self, **fields: Any) -> None:
         """Set the named fields; the others keep their defaults.
 
+        Args:
+          fields: ``filter_warn_threshold_ratio`` and/or ``filter_raise_threshold_ratio`` (see
+            above).
+
         Raises:
           TypeError: for an unknown field name.
           ValueError: for a ratio that is not None or in [0, 1].
@@ -72,7 +76,11 @@ class DatasetOptions:
 
     def merge(self, other: DatasetOptions | None) -> DatasetOptions:
         """These options over ``other``: a field set here wins, then one set in ``other``,
-        then the default."""
+        then the default.
+
+        Args:
+          other: options to fall back on; None returns ``self``.
+        """
         if other is None:
             return self
         chosen = {n: getattr(other, n) for n in other._user_set}

@@ -77,24 +77,7 @@ class FirstFitPackIterDataset(IterDataset):
     (0, 1, ... inside each sequence) as int32. A bare array gives the tuple
     ``(tokens, segment_ids, positions)``.
 
-    The keyword options have Grain's names, defaults and meaning:
-
-    * ``shuffle_bins`` (default True): the rows of each window come out in a shuffled
-      order, a pure function of ``(seed, window number)``; the order differs from
-      Grain's, the set of rows is the same.
-    * ``shuffle_bins_group_by_feature``: with ``shuffle_bins``, a window's rows come out
-      sorted by the mean of this feature's nonzero values in the row (0 when there are
-      none; padding is not counted), shuffled among equal keys. It must be a packed key or
-      a meta feature. Ignored without ``shuffle_bins`` (as in Grain).
-    * ``meta_features``: features with no segment ids or positions. One in
-      ``length_struct`` is packed and padded like the others; one not in it is returned
-      as the list of the row's sequences' values (in the row's order).
-    * ``pack_alignment_struct`` (an int, or a dict with a subset of the packed keys):
-      every sequence after the first in a row starts at a multiple of the feature's
-      alignment (the gap is padding). Each alignment must divide the row length.
-    * ``padding_struct`` (a scalar, or a dict with a subset of the packed keys): the
-      value padding tokens get (default 0); segment ids and positions pad with 0.
-    * ``max_sequences_per_bin``: at most this many sequences in one row.
+    The keyword options have Grain's names, defaults and meaning.
 
     Elements must have exactly the packed keys plus the meta features not in
     ``length_struct``.
@@ -102,6 +85,28 @@ class FirstFitPackIterDataset(IterDataset):
     The state is the input's state where the current window began, the window number and
     the number of its rows already emitted, so a restore re-packs (and re-shuffles) the
     same rows.
+
+    Args:
+      parent: the input ``IterDataset`` of sequences.
+      length_struct: each packed feature's row length: a dict with the packed keys, or an
+        int for bare arrays.
+      num_packing_bins: how many rows are open at a time (>= 1).
+      seed: the seed of the row shuffle.
+      shuffle_bins: emit the rows of each window in a shuffled order, a pure function of
+        ``(seed, window number)`` (the order differs from Grain's, the set of rows is the same).
+      shuffle_bins_group_by_feature: with ``shuffle_bins``, a window's rows come out sorted
+        by the mean of this feature's nonzero values in the row (0 when there are none;
+        padding is not counted), shuffled among equal keys. It must be a packed key or a
+        meta feature. Ignored without ``shuffle_bins`` (as in Grain).
+      meta_features: features with no segment ids or positions. One in ``length_struct`` is
+        packed and padded like the others; one not in it is returned as the list of the
+        row's sequences' values (in the row's order).
+      pack_alignment_struct: an int, or a dict with a subset of the packed keys: every
+        sequence after the first in a row starts at a multiple of the feature's alignment
+        (the gap is padding). Each alignment must divide the row length. None: no alignment.
+      padding_struct: a scalar, or a dict with a subset of the packed keys: the value padding
+        tokens get (None: 0); segment ids and positions pad with 0.
+      max_sequences_per_bin: at most this many sequences in one row; None: no limit.
 
     >>> import numpy as np
     >>> from cairn.data import MapDataset

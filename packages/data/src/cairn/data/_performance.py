@@ -21,7 +21,12 @@ _MAX_CHUNK_RECORDS = 1024
 @dataclasses.dataclass
 class PerformanceConfig:
     """What :func:`pick_performance_config` chose: pass ``read_options`` to
-    ``to_iter_dataset`` and ``multiprocessing_options`` to ``mp_prefetch``."""
+    ``to_iter_dataset`` and ``multiprocessing_options`` to ``mp_prefetch``.
+
+    Args:
+      multiprocessing_options: the worker settings for ``mp_prefetch`` (None: no workers).
+      read_options: the read settings for ``to_iter_dataset`` (None: the defaults).
+    """
 
     multiprocessing_options: MultiprocessingOptions | None = None
     read_options: ReadOptions | None = None

@@ -14,6 +14,11 @@ class ShardOptions:
     With ``drop_remainder`` every shard has ``len // shard_count`` records (the rest is
     dropped) so all hosts see the same number of batches.
 
+    Args:
+      shard_index: this shard's index, in ``[0, shard_count)``.
+      shard_count: the number of shards, >= 1.
+      drop_remainder: give every shard ``len // shard_count`` records.
+
     >>> ShardOptions(shard_index=1, shard_count=4).shard_index
     1
     """
@@ -41,7 +46,14 @@ def NoSharding() -> ShardOptions:  # noqa: N802 (Grain's name)
 
 
 def ShardByJaxProcess(drop_remainder: bool = False) -> ShardOptions:  # noqa: N802 (Grain's name)
-    """Shard ``jax.process_index()`` of ``jax.process_count()`` (imports JAX when called)."""
+    """Shard ``jax.process_index()`` of ``jax.process_count()`` (imports JAX when called).
+
+    Args:
+      drop_remainder: give every process ``len // process_count`` records (the rest is dropped).
+
+    Raises:
+      ImportError: JAX is not installed.
+    """
     try:
         import jax
     except ImportError as e:  # pragma: no cover - exercised only without JAX

@@ -28,6 +28,11 @@ class CorruptRecordError(RuntimeError):
 
     ``path`` is the file and ``index`` the record's index inside that file (``None`` when
     the whole file is unreadable); the message names both.
+
+    Args:
+      message: the error text (it names the file and the record).
+      path: the file that could not be decoded, or None.
+      index: the record's index inside ``path``; None when the whole file is unreadable.
     """
 
     def __init__(self, message: str, path: str | None = None, index: int | None = None) -> None:
@@ -169,9 +174,16 @@ class InMemoryDataSource:
     one call; when the sequence is a NumPy array it uses fancy indexing and returns a
     list of rows.
 
+    Args:
+      elements: any sequence with ``__len__`` and ``__getitem__`` (list, tuple, NumPy array...);
+        kept by reference.
+
     >>> src = InMemoryDataSource(["a", "b", "c"])
     >>> len(src), src[0], src[-1], src.__getitems__([2, 0])
     (3, 'a', 'c', ['c', 'a'])
+
+    Raises:
+      TypeError: ``elements`` is not such a sequence.
     """
 
     def __init__(self, elements: Sequence[Any]) -> None:
@@ -205,9 +217,18 @@ class RangeDataSource:
 
     Records are Python ``int``.
 
+    Args:
+      start: the first integer.
+      stop: the end (exclusive).
+      step: the increment (nonzero, may be negative).
+
     >>> src = RangeDataSource(10, 0, -3)
     >>> len(src), src[0], src[-1], src.__getitems__([1, 2])
     (4, 10, 1, [7, 4])
+
+    Raises:
+      TypeError: a bound that is not an int.
+      ValueError: ``step`` is 0.
     """
 
     def __init__(self, start: int, stop: int, step: int = 1) -> None:

@@ -485,6 +485,9 @@ class ParquetDataSource:
         array of 1-D arrays; strings, bytes, nested values and columns with a null in
         the batch give object arrays (``None`` for null). With ``skip_bad_records``,
         rows of corrupt row groups are left out (the batch is shorter).
+
+        Args:
+          indices: the row indices to read (negative ones count from the end).
         """
         idx = _normalize_indices(indices, self._len, "ParquetDataSource")
         names = list(self._columns or [])

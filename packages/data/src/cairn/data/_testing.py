@@ -40,6 +40,14 @@ def assert_equal_output_after_checkpoint(
     must return the restored state (a checkpoint taken right after resuming must
     neither skip nor repeat data). Raises ``AssertionError`` naming the first step and
     element that differ.
+
+    Args:
+      ds: the dataset (``MapDataset`` or ``IterDataset``) to check.
+      restore_ds: the dataset restored from the states; None uses ``ds``.
+      max_steps: check only the first this many steps; None checks the whole stream.
+
+    Raises:
+      AssertionError: a restored iterator yields a different element or state.
     """
     restore_ds = ds if restore_ds is None else restore_ds
     it = iter(ds)

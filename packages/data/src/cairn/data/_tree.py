@@ -356,6 +356,10 @@ class StructureMismatchError(ValueError):
 
     ``path`` is the path of the differing position (for a key that cannot be a path
     component, the path of the container holding it).
+
+    Args:
+      message: the error text.
+      path: the path of the differing position (``""`` for the root).
     """
 
     def __init__(self, message: str, path: str = "") -> None:

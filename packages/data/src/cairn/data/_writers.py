@@ -117,7 +117,15 @@ class _ShardedFileWriter:
         self._open = True
 
     def write(self, record: Any) -> None:
-        """Append one record (to the current shard, starting a new one when it is full)."""
+        """Append one record (to the current shard, starting a new one when it is full).
+
+        Args:
+          record: the record to append, of the kind this writer stores (``bytes`` for
+            :class:`ArrayRecordWriter`, a row dict for :class:`ParquetWriter`).
+
+        Raises:
+          ValueError: the writer is closed, or the record does not fit the shard sizes given.
+        """
         if self._closed:
             raise ValueError(f"{self._kind} is closed")
         try:
@@ -361,10 +369,23 @@ def write_array_record(
     records in input order. See :class:`ArrayRecordWriter` for ``path``, ``options``,
     ``prefix`` and ``overwrite``.
 
+    Args:
+      records: the ``bytes`` records, any iterable (sized for ``num_shards``).
+      path: a directory, a ``.array_record`` file name or a ``{shard}`` template (see
+        :class:`ArrayRecordWriter`).
+      num_shards: split ``records`` into this many contiguous shards.
+      records_per_shard: start a new shard after this many records.
+      options: array_record writer options (``group_size:1`` keeps random access).
+      prefix: file-name prefix in directory mode.
+      overwrite: replace existing shards.
+
     >>> import tempfile
     >>> paths = write_array_record([b"x"] * 5, tempfile.mkdtemp(), records_per_shard=2)
     >>> [p.rsplit("/", 1)[1] for p in paths]
     ['data-00000-of-00003.array_record', 'data-00001-of-00003.array_record', 'data-00002-of-00003.array_record']
+
+    Returns:
+      the shard paths, in order.
     """
     return _write_all(
         ArrayRecordWriter,
@@ -575,10 +596,25 @@ def write_parquet(
     Sharding as in :func:`write_array_record`; columns and types as in
     :class:`ParquetWriter`.
 
+    Args:
+      records: the row dicts, any iterable (sized for ``num_shards``).
+      path: a directory, a ``.parquet`` file name or a ``{shard}`` template (see
+        :class:`ParquetWriter`).
+      num_shards: split ``records`` into this many contiguous shards.
+      records_per_shard: start a new shard after this many rows.
+      row_group_size: rows per row group (smaller groups: cheaper random reads, larger files).
+      schema: a ``pyarrow.Schema``; None infers it from the first row group.
+      compression: the Parquet codec (None for none).
+      prefix: file-name prefix in directory mode.
+      overwrite: replace existing shards.
+
     >>> import tempfile, numpy as np
     >>> rows = [{"id": i, "x": np.full(2, i, np.float32)} for i in range(3)]
     >>> [p.rsplit("/", 1)[1] for p in write_parquet(rows, tempfile.mkdtemp())]
     ['data-00000-of-00001.parquet']
+
+    Returns:
+      the shard paths, in order.
     """
     return _write_all(
         ParquetWriter,

@@ -37,14 +37,22 @@ CheckpointRestore: Any
 
 @dataclasses.dataclass
 class _Save:
-    """Save ``item``'s state (an iterator with ``get_state``)."""
+    """Save ``item``'s state (an iterator with ``get_state``).
+
+    Args:
+      item: the iterator whose state is saved.
+    """
 
     item: Any
 
 
 @dataclasses.dataclass
 class _Restore:
-    """Restore into ``item`` (an iterator with ``set_state``); the restore gives ``item``."""
+    """Restore into ``item`` (an iterator with ``set_state``); the restore gives ``item``.
+
+    Args:
+      item: the iterator to restore into.
+    """
 
     item: Any
 
@@ -101,6 +109,12 @@ class CheckpointHandler:
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         """Write ``item.get_state()`` (or ``args.item``'s) to ``directory``.
 
+        Args:
+          directory: the checkpoint directory (created if missing); each process writes its own
+            file.
+          item: the iterator to save (with ``get_state``); None takes ``args.item``.
+          args: a :class:`PyGrainCheckpointSave` (Orbax style), used when ``item`` is None.
+
         Raises:
           TypeError: if there is no iterator with ``get_state`` or its state is not JSON-able.
         """
@@ -112,6 +126,11 @@ class CheckpointHandler:
 
     def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
         """Read this process's state from ``directory`` into ``item`` and return ``item``.
+
+        Args:
+          directory: the checkpoint directory this process's state file is read from.
+          item: the iterator to restore (with ``set_state``); None takes ``args.item``.
+          args: a :class:`PyGrainCheckpointRestore` (Orbax style), used when ``item`` is None.
 
         Raises:
           TypeError: if there is no iterator with ``set_state``.
@@ -126,13 +145,25 @@ class CheckpointHandler:
         return it
 
     def structure(self, directory: Any) -> None:
-        """No tree structure (Orbax handler interface)."""
+        """No tree structure (Orbax handler interface).
+
+        Args:
+          directory: the checkpoint directory (unused).
+        """
 
     def metadata(self, directory: Any) -> None:
-        """No metadata (Orbax handler interface)."""
+        """No metadata (Orbax handler interface).
+
+        Args:
+          directory: the checkpoint directory (unused).
+        """
 
     def finalize(self, directory: Any) -> None:
-        """Nothing to finalize: ``save`` writes the file completely (Orbax handler interface)."""
+        """Nothing to finalize: ``save`` writes the file completely (Orbax handler interface).
+
+        Args:
+          directory: the checkpoint directory (unused).
+        """
 
     def close(self) -> None:
         """Nothing to release (Orbax handler interface)."""

@@ -67,6 +67,10 @@ class ThreadPrefetchIterDataset(PrefetchIterDataset):
     """``parent`` computed up to ``prefetch_buffer_size`` elements ahead in a background
     thread (the class behind ``IterDataset.prefetch``; ``0`` passes ``parent`` through).
 
+    Args:
+      parent: the input ``IterDataset``.
+      prefetch_buffer_size: elements computed ahead, >= 0 (0 returns ``parent``).
+
     Raises:
       ValueError: for a negative or non-int ``prefetch_buffer_size``.
     """

@@ -40,7 +40,13 @@ class MapWithIndex(abc.ABC):
     element's position in the dataset (for ``MapDataset.map_with_index``)."""
 
     @abc.abstractmethod
-    def map_with_index(self, index: int, element: Any) -> Any: ...
+    def map_with_index(self, index: int, element: Any) -> Any:
+        """The transformed element.
+
+        Args:
+          index: the element's position in the dataset.
+          element: one element of the pipeline.
+        """
 
 
 class FlatMap(abc.ABC):
@@ -50,7 +56,12 @@ class FlatMap(abc.ABC):
     max_fan_out: int
 
     @abc.abstractmethod
-    def flat_map(self, element: Any) -> Any: ...
+    def flat_map(self, element: Any) -> Any:
+        """The elements ``element`` becomes (at most ``max_fan_out`` of them).
+
+        Args:
+          element: one element of the pipeline.
+        """
 
 
 class TfRandomMap(abc.ABC):
@@ -62,4 +73,10 @@ class TfRandomMap(abc.ABC):
     """
 
     @abc.abstractmethod
-    def np_random_map(self, element: Any, rng: Any) -> Any: ...
+    def np_random_map(self, element: Any, rng: Any) -> Any:
+        """The transformed element (TensorFlow pipelines only; cairn.data refuses these objects).
+
+        Args:
+          element: one element.
+          rng: a NumPy random generator.
+        """

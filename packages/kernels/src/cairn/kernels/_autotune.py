@@ -28,7 +28,14 @@ _LOG = logging.getLogger("cairn.kernels")
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One timed candidate: ``time_ms`` (best of the runs) or the ``error`` that ruled it out."""
+    """One timed candidate: ``time_ms`` (best of the runs) or the ``error`` that ruled it out.
+
+    Args:
+      implementation: the candidate implementation's name.
+      config: the candidate config.
+      time_ms: its time in milliseconds (best of the runs), or None when it failed.
+      error: why the candidate was ruled out, or None.
+    """
 
     implementation: str
     config: Mapping[str, Any]
@@ -44,6 +51,17 @@ class AutotuneEntry:
     (:func:`cairn.kernels.measurement_context`; empty for a schema-1 cache entry);
     ``origin`` is the cache file it was taken from when :func:`autotune` reused a cached
     entry (``force=False``), ``None`` when it was measured now.
+
+    Args:
+      op: the op name (``"dot_product_attention"``...).
+      bucket: the shape bucket the entry is for (a string key built from the arguments' shapes and
+        dtypes).
+      implementation: the winning implementation's name.
+      config: the winning config.
+      time_ms: the winner's time in milliseconds (best of the runs).
+      candidates: every candidate measured, winners and losers, as :class:`Measurement` s.
+      measured: the measurement record (:func:`measurement_context`); empty for a schema-1 entry.
+      origin: the cache file the entry was read from; None when measured in this process.
     """
 
     op: str
@@ -57,7 +75,14 @@ class AutotuneEntry:
 
     @classmethod
     def from_json(cls, op: str, bucket: str, doc: Mapping[str, Any], origin: str | None = None) -> AutotuneEntry:
-        """An entry from its cache-file form (see ``cache_schema.json``)."""
+        """An entry from its cache-file form (see ``cache_schema.json``).
+
+        Args:
+          op: the op name.
+          bucket: the shape bucket.
+          doc: the entry's JSON object from the cache file.
+          origin: the path of the file it came from, or None.
+        """
         cands = tuple(
             Measurement(c["implementation"], dict(c["config"]), c.get("time_ms"), c.get("error"))
             for c in doc.get("candidates", ())
@@ -90,13 +115,25 @@ class AutotuneEntry:
 
 @dataclasses.dataclass(frozen=True)
 class AutotuneResult:
-    """What :func:`autotune` measured: one :class:`AutotuneEntry` per (op, bucket)."""
+    """What :func:`autotune` measured: one :class:`AutotuneEntry` per (op, bucket).
+
+    Args:
+      device_kind: the device kind measured on (``jax.devices()[0].device_kind``).
+      entries: one :class:`AutotuneEntry` per (op, bucket).
+    """
 
     device_kind: str
     entries: tuple[AutotuneEntry, ...]
 
     def save(self, path: str | pathlib.Path | None = None) -> pathlib.Path:
-        """Write the device kind's cache file (default: the user cache directory), atomically."""
+        """Write the device kind's cache file (default: the user cache directory), atomically.
+
+        Args:
+          path: the cache file to write; None uses ``cache_dir() / "<device kind>.json"``.
+
+        Returns:
+          the path written.
+        """
         return _cache.save(self.device_kind, path)
 
     def table(self) -> str:

@@ -89,6 +89,9 @@ def measurement_context(**extra: Any) -> dict[str, Any]:
     ``os.cpu_count()``: a load near or above the CPU count means the timings competed with
     other work. ``extra`` (e.g. ``mode``, ``iterations``) is added as given.
 
+    Args:
+      extra: more fields to record (e.g. ``mode="fwd"``, ``iterations=5``).
+
     Example:
       >>> ctx = measurement_context(mode="fwd")
       >>> sorted(ctx)[:4], ctx["mode"]

@@ -72,7 +72,11 @@ def override(
 
 
 def active_override(op: str) -> tuple[str | tuple[str, ...] | None, Mapping[str, Any] | None]:
-    """The ``(implementation, config)`` the active override blocks give ``op`` (``None`` if unset)."""
+    """The ``(implementation, config)`` the active override blocks give ``op`` (``None`` if unset).
+
+    Args:
+      op: the op name.
+    """
     impl: str | tuple[str, ...] | None = None
     config: Mapping[str, Any] | None = None
     for frame in reversed(_STACK.get()):

@@ -41,7 +41,7 @@ from cairn.kernels import _cache, _override, _trace
 class Implementation:
     """One implementation of one op.
 
-    Attributes:
+    Args:
       op: the op it implements (``"dot_product_attention"``, ``"ragged_dot"``, ...).
       name: ``"xla"``, ``"pallas_triton"`` or ``"pallas_mosaic_gpu"``.
       fn: ``fn(*args, config: Mapping[str, Any], interpret: bool, **kwargs) -> result``.
@@ -185,6 +185,9 @@ def register_op(
 def register(impl: Implementation) -> None:
     """Add ``impl`` to its op (the op may be declared before or after).
 
+    Args:
+      impl: the :class:`Implementation` to add.
+
     Raises:
       ValueError: if ``(impl.op, impl.name)`` is already registered.
     """
@@ -263,6 +266,9 @@ def ops() -> list[str]:
 def implementations(op: str) -> dict[str, Implementation]:
     """The implementations of ``op`` by name.
 
+    Args:
+      op: the op name.
+
     Raises:
       ValueError: if ``op`` is not registered.
     """
@@ -295,6 +301,9 @@ def cross_compile(platform: str) -> Iterator[None]:
     For lowering on a machine without that device, e.g. ``jax.export(...,
     platforms=["cuda"])`` on a CPU host: inside the block Pallas GPU kernels are used
     compiled (``interpret=False``) and chosen by the usual rules for ``platform``.
+
+    Args:
+      platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``.
 
     Raises:
       ValueError: an unknown platform.
@@ -468,6 +477,14 @@ def call(
     The call runs inside ``jax.named_scope(f"cairn_kernels.{op}.{implementation}")`` and is
     reported to :func:`cairn.kernels.recording` blocks (op, argument shapes and dtypes,
     implementation, config, and where the choice came from: ``KernelCall.source``).
+
+    Args:
+      op: the op name (``"dot_product_attention"``, ``"ragged_dot"``...).
+      args: the op's positional arguments.
+      implementation: an implementation name, or names to choose from in order; None lets
+        :func:`resolve` pick.
+      config: the config to run with; None uses the override, the cache or the default.
+      kwargs: the op's keyword arguments.
 
     Raises:
       ValueError: as :func:`resolve`.

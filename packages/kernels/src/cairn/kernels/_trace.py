@@ -28,7 +28,7 @@ _SCOPE_RE = re.compile(r"cairn_kernels\.(\w+)\.(\w+)")
 class KernelCall:
     """One kernel call as traced.
 
-    Attributes:
+    Args:
       op: the op name (``"dot_product_attention"``).
       implementation: the implementation chosen (``"xla"``, ``"pallas_triton"``, ...).
       config: the config it ran with.
@@ -82,6 +82,12 @@ def describe_source(source: str, measured: Mapping[str, Any] | None = None) -> s
     on what and under what load it was measured.
 
     ``source`` and ``measured`` are :class:`KernelCall`'s fields (plain JSON works too).
+
+    Args:
+      source: the dispatch rule: ``"argument"``, ``"override"``, ``"cache"``, ``"autotune"`` or
+        ``"default"``.
+      measured: the measurement record (with ``file`` for a cache entry); None or empty when nothing
+        was measured.
 
     Example:
       >>> describe_source("cache", {"file": "/c/cpu.json", "date": "2026-11-27T21:03:00Z",

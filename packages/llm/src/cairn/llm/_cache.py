@@ -25,6 +25,11 @@ class KVCache:
     """Per-layer ``keys``/``values`` ``[batch, max_length, num_key_value_heads, head_dim]``
     and ``lengths [batch]`` int32 (tokens held per row). A pytree: pass it through ``jit``.
 
+    Args:
+      keys: per layer, ``[batch, max_length, num_key_value_heads, head_dim]``.
+      values: per layer, the same shape as ``keys``.
+      lengths: ``[batch]`` int32, the tokens each row holds.
+
     >>> import jax.numpy as jnp
     >>> cache = KVCache.zeros(2, 2, 8, 1, 4, jnp.float32)
     >>> cache.keys[0].shape, cache.lengths.tolist(), cache.max_length
@@ -38,7 +43,16 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_length: int, num_kv_heads: int,
               head_dim: int, dtype: Any) -> KVCache:
-        """An empty cache (every row of length 0)."""
+        """An empty cache (every row of length 0).
+
+        Args:
+          num_layers: decoder layers.
+          batch: rows.
+          max_length: positions per row.
+          num_kv_heads: key/value heads.
+          head_dim: the width of one head.
+          dtype: the keys' and values' dtype.
+        """
         shape = (batch, max_length, num_kv_heads, head_dim)
         return cls(
             keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),

@@ -30,35 +30,60 @@ def freeze(value: Any) -> Any:
 class LlmConfig:
     """The shape and numerics of a decoder-only transformer (hashable: a model's static field).
 
-    Names follow Hugging Face's ``config.json`` where one exists. Family switches:
+    Names follow Hugging Face's ``config.json`` where one exists.
 
-    - ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: biases on the q, k, v projections, on the
-      output projection, on the MLP (Qwen2 has qkv biases, Llama ``attention_bias`` both).
-    - ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys before the rotation (Qwen3,
-      Gemma 3).
-    - ``norm_offset``: every RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1).
-    - ``sandwich_norms``: extra norms on the attention and MLP outputs before the residual
-      add (Gemma 2 and 3).
-    - ``embed_scale``: embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma).
-    - ``query_pre_attn_scalar``: attention scale ``query_pre_attn_scalar ** -0.5`` instead of
-      ``head_dim ** -0.5`` (Gemma).
-    - ``attn_logit_softcapping`` / ``final_logit_softcapping``: ``cap * tanh(x / cap)`` on the
-      attention logits / the output logits (Gemma 2).
-    - ``layer_types``: ``"full_attention"`` or ``"sliding_attention"`` per layer; a sliding
-      layer attends to the last ``sliding_window`` positions, itself included (Mistral,
-      Gemma 2 and 3).
-    - ``rope`` / ``local_rope``: the rotary parameters (``rope_type``, ``rope_theta`` and the
-      scaling parameters of that type) of full and of sliding layers, as frozen
-      ``(key, value)`` tuples; ``local_rope=None`` means the same as ``rope``.
-    - ``num_experts`` > 0: mixture-of-experts MLPs (Qwen3-MoE). Each token's router
-      softmax over ``num_experts`` picks its top ``num_experts_per_tok`` experts (SwiGLU
-      MLPs of width ``moe_intermediate_size``), weighted by their probabilities,
-      renormalized to sum to 1 when ``norm_topk_prob``. Layer ``i`` is a MoE layer when
-      ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``; the
-      others keep a dense MLP of width ``intermediate_size`` (:meth:`is_moe_layer`).
+    Args:
+      model_type: the Hugging Face family (``"llama"``, ``"qwen2"``, ``"gemma2"``...).
+      vocab_size: tokens in the vocabulary (rows of the embedding).
+      hidden_size: the residual stream's width.
+      intermediate_size: the width of the dense (SwiGLU/GeGLU) MLPs.
+      num_hidden_layers: decoder layers.
+      num_attention_heads: query heads.
+      num_key_value_heads: key/value heads (a divisor of ``num_attention_heads``: GQA).
+      head_dim: the width of one head.
+      rms_norm_eps: the epsilon of every RMSNorm.
+      hidden_act: the MLP's gate activation (``"silu"``, ``"gelu_pytorch_tanh"``...).
+      max_position_embeddings: the longest sequence the model was trained for.
+      tie_word_embeddings: the output projection reuses the embedding (no ``lm_head``).
+      rope: the rotary parameters of full-attention layers (``rope_type``, ``rope_theta`` and
+        the scaling parameters of that type), frozen ``(key, value)`` tuples.
+      local_rope: the same for sliding layers; None means the same as ``rope``.
+      qkv_bias: biases on the q, k, v projections (Qwen2; Llama's ``attention_bias``).
+      o_bias: a bias on the attention output projection (Llama's ``attention_bias``).
+      mlp_bias: biases on the MLP projections.
+      qk_norm: RMSNorm over ``head_dim`` on queries and keys before the rotation (Qwen3,
+        Gemma 3).
+      norm_offset: every RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1).
+      sandwich_norms: extra norms on the attention and MLP outputs before the residual add
+        (Gemma 2 and 3).
+      embed_scale: multiply embeddings by ``sqrt(hidden_size)`` (Gemma).
+      query_pre_attn_scalar: attention scale ``query_pre_attn_scalar ** -0.5`` instead of
+        ``head_dim ** -0.5`` (Gemma); None for the latter.
+      attn_logit_softcapping: ``cap * tanh(x / cap)`` on the attention logits (Gemma 2);
+        None for none.
+      final_logit_softcapping: the same on the output logits; None for none.
+      sliding_window: a sliding layer attends to the last this many positions, itself
+        included (Mistral, Gemma 2 and 3); None without sliding layers.
+      layer_types: ``"full_attention"`` or ``"sliding_attention"`` per layer; empty means all
+        full.
+      num_experts: > 0 makes mixture-of-experts MLPs (Qwen3-MoE): each token's router
+        softmax over ``num_experts`` picks its top ``num_experts_per_tok`` experts, weighted
+        by their probabilities; 0 for dense MLPs only.
+      num_experts_per_tok: experts per token, in ``1..num_experts``.
+      moe_intermediate_size: the width of each expert's SwiGLU MLP.
+      norm_topk_prob: renormalize the chosen experts' weights to sum to 1.
+      decoder_sparse_step: layer ``i`` is a MoE layer when ``(i + 1) % decoder_sparse_step ==
+        0`` and ``i`` is not in ``mlp_only_layers`` (:meth:`is_moe_layer`); the others keep a
+        dense MLP of width ``intermediate_size``.
+      mlp_only_layers: layers that keep a dense MLP.
+      dtype: the parameters' dtype name (``"bfloat16"``...).
+      hf: the ``config.json`` it came from (JSON text), so saving writes back every key this
+        class does not model (token ids, ``architectures``, ...); ``""`` for a hand-built
+        config.
 
-    ``hf`` keeps the ``config.json`` it came from (JSON text), so saving writes back every key
-    this class does not model (token ids, ``architectures``, ...).
+    Raises:
+      ValueError: a size that is not a positive int, heads that do not divide, layer types
+        of the wrong count or kind, sliding layers without a window, or inconsistent experts.
     """
 
     model_type: str
@@ -144,7 +169,11 @@ class LlmConfig:
             raise ValueError(f"LlmConfig.decoder_sparse_step must be a positive int, got {self.decoder_sparse_step!r}")
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether ``layer``'s MLP is a mixture of experts (else a dense MLP)."""
+        """Whether ``layer``'s MLP is a mixture of experts (else a dense MLP).
+
+        Args:
+          layer: a layer index.
+        """
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
@@ -155,11 +184,19 @@ class LlmConfig:
         return 1.0 / math.sqrt(d)
 
     def window(self, layer: int) -> int | None:
-        """The sliding window of ``layer`` (None: it attends to every earlier position)."""
+        """The sliding window of ``layer`` (None: it attends to every earlier position).
+
+        Args:
+          layer: a layer index.
+        """
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     def rope_parameters(self, layer: int) -> dict[str, Any]:
-        """The rotary parameters of ``layer`` as a dict (``rope_type``, ``rope_theta``, ...)."""
+        """The rotary parameters of ``layer`` as a dict (``rope_type``, ``rope_theta``, ...).
+
+        Args:
+          layer: a layer index.
+        """
         if self.layer_types[layer] == SLIDING and self.local_rope is not None:
             return dict(self.local_rope)
         return dict(self.rope)

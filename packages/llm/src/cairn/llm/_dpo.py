@@ -45,19 +45,26 @@ FIELDS = ("inputs", "targets", "weights")
 class DPOConfig(TrainerConfig):
     """How :class:`DPOTrainer` trains.
 
-    Attributes:
+    Args:
       steps: optimizer steps of the run.
-      batch_size: preference pairs per micro-batch. grad_accum_steps: micro-batches per step.
+      batch_size: preference pairs per micro-batch.
+      grad_accum_steps: micro-batches per step.
       seq_len: tokens per prompt + completion (longer ones are cut at the end).
       loss_type: ``"sigmoid"`` (DPO; ``label_smoothing`` > 0 is cDPO), ``"ipo"``,
         ``"simpo"`` or ``"orpo"`` (the last two use no reference).
       beta: the loss's beta (DPO's KL strength; IPO's tau; SimPO's reward scale; ORPO's lambda).
       label_smoothing: cDPO's label-flip probability (sigmoid loss only).
       simpo_gamma: SimPO's target reward margin.
-      learning_rate, warmup_steps, weight_decay, max_grad_norm: the default optimizer.
+      learning_rate: the default optimizer's peak learning rate (AdamW).
+      warmup_steps: its linear warmup steps.
+      weight_decay: its decoupled weight decay.
+      max_grad_norm: its global-norm gradient clipping; None for none.
       lora: train LoRA adapters (the reference is then the base without them); ``None``
         trains every weight (reference log-probabilities precomputed).
-      save_every, max_to_keep, log_every, seed: as :class:`~cairn.llm.SFTConfig`.
+      save_every: checkpoint interval in steps.
+      max_to_keep: how many checkpoints to keep.
+      log_every: steps between metrics lines.
+      seed: the data shuffle seed.
     """
 
     steps: int
@@ -136,8 +143,11 @@ def preference_dataset(examples: Sequence[Mapping[str, Any]] | Any, tokenizer: T
       examples: ``{"prompt", "chosen", "rejected"}`` dicts, each text (the prompt with the
         tokenizer's special tokens, each completion then EOS) or message lists (the chat
         template; the loss on the completion's assistant messages).
-      tokenizer: the model's tokenizer. seq_len, batch_size, seed, num_epochs: as
-        :func:`cairn.llm.sft_dataset`.
+      tokenizer: the model's tokenizer.
+      seq_len: tokens per row (prompt + completion; longer pairs are cut at the end).
+      batch_size: pairs per batch.
+      seed: the shuffle seed.
+      num_epochs: passes over the data (``None``: endless).
       reference: ``[len(examples), 2]`` reference log-probabilities (chosen, rejected) to
         carry along, by example.
 
@@ -230,7 +240,13 @@ class DPOTrainer:
     def sequence_logps(self, examples: Sequence[Mapping[str, Any]], *, model: Any = None,
                        average: bool = False) -> np.ndarray:
         """``[n, 2]`` log-probabilities (chosen, rejected) of each pair's completions under
-        ``model`` (default the trained one), summed or length-averaged over their tokens."""
+        ``model`` (default the trained one), summed or length-averaged over their tokens.
+
+        Args:
+          examples: ``{"prompt", "chosen", "rejected"}`` dicts.
+          model: the model to score with; None uses the trained one.
+          average: average over each completion's tokens instead of summing.
+        """
         model = self.runner() if model is None else model
         fn = nn.jit(lambda m, mb: _logps(m, mb, average))
         b, out = self.config.batch_size, []
@@ -245,12 +261,21 @@ class DPOTrainer:
 
     def preference_accuracy(self, examples: Sequence[Mapping[str, Any]]) -> float:
         """The share of pairs whose chosen completion the trained model finds more likely than
-        the rejected one (summed log-probabilities)."""
+        the rejected one (summed log-probabilities).
+
+        Args:
+          examples: ``{"prompt", "chosen", "rejected"}`` dicts, as for training.
+        """
         lp = self.sequence_logps(examples)
         return float(np.mean(lp[:, 0] > lp[:, 1]))
 
     def train(self, stop_after: int | None = None) -> dict[str, Any]:
-        """Train until ``config.steps`` (or ``stop_after``); returns the last metrics line."""
+        """Train until ``config.steps`` (or ``stop_after``); returns the last metrics line.
+
+        Args:
+          stop_after: stop at this step (before ``config.steps``), saving a checkpoint there; None
+            runs to the end.
+        """
         cfg, last, blocked = self.config, {}, 0.0
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         t0, since = time.perf_counter(), self.step

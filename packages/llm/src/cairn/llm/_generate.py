@@ -46,7 +46,7 @@ DECODE_LOOPS = ("while_loop", "python")
 class GenerationResult:
     """What :func:`generate` returns, one entry per prompt, in the prompts' order.
 
-    Attributes:
+    Args:
       tokens: the generated token ids of each row (not the prompt). A row stopped by a stop
         id ends with that id; a row stopped by a stop string ends with the token that
         completed it.

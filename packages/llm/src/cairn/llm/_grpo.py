@@ -46,23 +46,36 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-
 class GRPOConfig(TrainerConfig):
     """How :class:`GRPOTrainer` trains.
 
-    Attributes:
+    Args:
       steps: batches of rollouts (each gives ``num_iterations`` optimizer steps).
-      prompts_per_batch: prompts per batch; num_generations: completions per prompt (the group).
-      max_new_tokens, temperature, top_k, top_p: how completions are sampled.
+      prompts_per_batch: prompts per batch.
+      num_generations: completions per prompt (the group), >= 2.
+      max_new_tokens: the most tokens sampled per completion.
+      temperature: the sampling temperature (> 0).
+      top_k: sample among the ``k`` most likely tokens (0: off).
+      top_p: nucleus sampling threshold (1: off).
       num_iterations: optimizer steps per batch of rollouts (GRPO's mu); the clipped ratio
         keeps the later ones close to the sampling policy.
       grad_accum_steps: micro-batches each optimizer step's rollouts are split into.
-      clip_epsilon, clip_epsilon_high: the ratio's clip range (``clip_epsilon_high`` above
-        ``clip_epsilon`` is DAPO's clip-higher).
-      beta, kl_estimator: the KL penalty to the reference (0: none) and its estimator.
+      clip_epsilon: the ratio's clip range below 1 (and above, unless ``clip_epsilon_high``).
+      clip_epsilon_high: the clip range above 1; above ``clip_epsilon`` is DAPO's
+        clip-higher. None uses ``clip_epsilon``.
+      beta: the weight of the KL penalty to the reference (0: none).
+      kl_estimator: Schulman's KL estimator ``"k1"``, ``"k2"`` or ``"k3"`` (unbiased and
+        non-negative).
       aggregation: how per-token losses become the batch loss (``"seq-mean-token-mean"``:
         the GRPO paper; ``"token-mean"``: DAPO; ``"seq-mean-token-sum-norm"``: Dr. GRPO).
       normalize_std: divide advantages by the group's reward std (off: Dr. GRPO).
-      learning_rate, warmup_steps, weight_decay, max_grad_norm: the default optimizer
-        (its schedule spans ``steps * num_iterations`` optimizer steps).
+      learning_rate: the default optimizer's peak learning rate (its schedule spans
+        ``steps * num_iterations`` optimizer steps).
+      warmup_steps: its linear warmup steps.
+      weight_decay: its decoupled weight decay.
+      max_grad_norm: its global-norm gradient clipping; None for none.
       lora: train LoRA adapters (the reference is the base without them); ``None``: every weight.
-      save_every, max_to_keep, log_every: in batches of rollouts. seed: prompt order and sampling.
+      save_every: checkpoint interval, in batches of rollouts.
+      max_to_keep: how many checkpoints to keep.
+      log_every: batches of rollouts between metrics lines.
+      seed: the prompt order and sampling seed.
     """
 
     steps: int
@@ -226,6 +239,11 @@ class GRPOTrainer:
     def rewards(self, prompts: list[Any], completions: list[str], examples: list[Mapping[str, Any]]) -> np.ndarray:
         """``[len(completions), len(reward_fns)]`` rewards, checked.
 
+        Args:
+          prompts: the prompt of each completion.
+          completions: the completions' texts.
+          examples: the example each completion came from.
+
         Raises:
           ValueError: a reward function returned the wrong number of rewards or a
             non-finite one (naming the function and the completion).
@@ -281,7 +299,12 @@ class GRPOTrainer:
 
     def train(self, stop_after: int | None = None) -> dict[str, Any]:
         """Run until ``config.steps`` batches of rollouts (or ``stop_after``); returns the last
-        metrics line (also in ``metrics.jsonl``)."""
+        metrics line (also in ``metrics.jsonl``).
+
+        Args:
+          stop_after: stop after this many batches of rollouts (saving a checkpoint there); None
+            runs to ``config.steps``.
+        """
         cfg, last, blocked = self.config, {}, 0.0
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         while self.step < end:
@@ -305,7 +328,15 @@ class GRPOTrainer:
     def evaluate(self, examples: Sequence[Mapping[str, Any]], *, temperature: float = 0.0, num_samples: int = 1,
                  seed: int = 0, max_new_tokens: int | None = None) -> float:
         """The mean reward of completions of ``examples``' prompts: greedy, or ``num_samples``
-        each at ``temperature`` (seeded, so two evaluations of the same weights agree)."""
+        each at ``temperature`` (seeded, so two evaluations of the same weights agree).
+
+        Args:
+          examples: dicts with a ``"prompt"`` (and whatever the reward functions read).
+          temperature: 0 decodes greedily; > 0 samples.
+          num_samples: completions per prompt.
+          seed: the first sampling seed (completion ``i`` uses ``seed + i``).
+          max_new_tokens: the most tokens per completion; None uses ``config.max_new_tokens``.
+        """
         ids = [self._encode(i, ex) for i, ex in enumerate(examples) for _ in range(num_samples)]
         rows = [ex for ex in examples for _ in range(num_samples)]
         out = generate(self.runner(), ids, max_new_tokens or self.config.max_new_tokens, temperature=temperature,

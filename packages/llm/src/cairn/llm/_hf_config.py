@@ -72,6 +72,9 @@ def _key(d: Mapping[str, Any], key: str) -> str:
 def config_from_hf(d: Mapping[str, Any]) -> LlmConfig:
     """The ``LlmConfig`` of a Hugging Face ``config.json`` (already parsed to a dict).
 
+    Args:
+      d: the parsed ``config.json``.
+
     Raises:
       UnsupportedModelError: an unknown ``model_type`` (the message lists the supported
         ones) or an unsupported rope type.
@@ -115,6 +118,9 @@ def _write_rope(out: dict[str, Any], cfg: LlmConfig) -> None:
 def config_to_hf(cfg: LlmConfig) -> dict[str, Any]:
     """The ``config.json`` dict of ``cfg``: the file it was read from with every modelled
     key written from ``cfg``; a config built by hand gets the family's architecture name.
+
+    Args:
+      cfg: the config to write.
 
     Raises:
       ValueError: ``cfg`` has a combination its family cannot express (the fields named).

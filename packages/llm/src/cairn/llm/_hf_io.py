@@ -274,8 +274,16 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: in
     ``[out, in]`` shapes, in the model's dtype, in shards of at most ``max_shard_size``
     bytes (an int or ``"5GB"``-style; one ``model.safetensors`` when everything fits).
 
+    Args:
+      model: the :class:`CausalLM` to save.
+      path: the directory to write (created if missing).
+      max_shard_size: the most bytes per weight file: an int or ``"5GB"``-style text.
+
     Returns:
       The weight file names written.
+
+    Raises:
+      TypeError: ``model`` is not a :class:`CausalLM`.
     """
     cfg = model.config
     if not isinstance(cfg, LlmConfig):

@@ -52,7 +52,15 @@ _PREFIX = "base_model.model."
 class LoraAdapters:
     """LoRA adapters of a model: ``weights`` maps each adapted weight's path
     (``layers/0/attn/q/kernel``) to ``(A [in, rank], B [rank, out])``; the update of that
-    weight is ``alpha / rank * A @ B`` reshaped to the weight's shape."""
+    weight is ``alpha / rank * A @ B`` reshaped to the weight's shape.
+
+    Args:
+      rank: the adapters' rank.
+      alpha: the scale numerator (the update is ``alpha / rank * A @ B``).
+      weights: ``{weight path: (A [in, rank], B [rank, out])}``.
+      base_model_name_or_path: the base model's name, written to PEFT's ``adapter_config.json``;
+        None for none.
+    """
 
     rank: int
     alpha: float
@@ -93,7 +101,11 @@ def _out_in(cfg: LlmConfig) -> dict[str, tuple[int, int]]:
 
 
 def lora_target_modules(config: LlmConfig) -> list[str]:
-    """The Hugging Face module names LoRA can target on this family (``"all-linear"``: all)."""
+    """The Hugging Face module names LoRA can target on this family (``"all-linear"``: all).
+
+    Args:
+      config: the model's config.
+    """
     return sorted(_projections(config))
 
 
@@ -179,7 +191,14 @@ def apply_lora(model: CausalLM, rank: int = 8, alpha: float = 16.0,
 
 
 def lora_adapters(model: quant.QuantizedModel) -> LoraAdapters:
-    """The adapters of a model returned by :func:`apply_lora` (their current, trained values)."""
+    """The adapters of a model returned by :func:`apply_lora` (their current, trained values).
+
+    Args:
+      model: what :func:`apply_lora` returned.
+
+    Raises:
+      TypeError: ``model`` is not such a model.
+    """
     if not isinstance(model, quant.QuantizedModel) or not isinstance(model.provider, quant.LoraProvider):
         raise TypeError(f"lora_adapters expects the model apply_lora returns, got {type(model).__name__}")
     base = _base(model)
@@ -209,6 +228,11 @@ def merge_lora(model: Any, adapters: LoraAdapters | None = None) -> CausalLM:
 
     ``model`` is the base model or what :func:`apply_lora` returned; ``adapters`` default to
     the latter's. The model passed in is not changed.
+
+    Args:
+      model: the base model, or what :func:`apply_lora` returned.
+      adapters: the adapters to merge; None takes those of ``model`` (which must then come from
+        :func:`apply_lora`).
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from cairn import nn
@@ -275,6 +299,15 @@ def save_lora(model: Any, path: str | os.PathLike, adapters: LoraAdapters | None
     ``model``: what :func:`apply_lora` returned (its adapters are saved) or the base model
     with ``adapters``. Adapters that cover only some layers write ``layers_to_transform``.
     Returns the file names written.
+
+    Args:
+      model: what :func:`apply_lora` returned, or the base model (then pass ``adapters``).
+      path: the folder to write (created if missing).
+      adapters: the adapters to save; None takes those of ``model``.
+      base_model_name_or_path: written to ``adapter_config.json``; None keeps the adapters' own.
+
+    Raises:
+      ValueError: adapters on weights that are not projections of the model.
     """
     base = _base(model)
     if adapters is None:
@@ -327,6 +360,10 @@ def load_lora(path: str | os.PathLike, model: Any) -> LoraAdapters:
     """Read a PEFT LoRA adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
     for ``model`` (a :class:`CausalLM` or ``model.config``'s owner); pass the result to
     :func:`apply_lora` or :func:`merge_lora`.
+
+    Args:
+      path: the PEFT adapter folder.
+      model: the model the adapters are for (its ``config`` gives the shapes).
 
     Raises:
       FileNotFoundError: no config or weights file (``adapter_model.bin`` is not read).

@@ -253,7 +253,13 @@ class CausalLM(nn.Module):
             kernel_init=_init(("embed", "vocab")), rngs=rngs)
 
     def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
-        """An empty :class:`KVCache` for ``batch`` rows of up to ``max_length`` tokens."""
+        """An empty :class:`KVCache` for ``batch`` rows of up to ``max_length`` tokens.
+
+        Args:
+          batch: rows.
+          max_length: positions per row.
+          dtype: the cache's dtype; None uses the model's.
+        """
         c = self.config
         return KVCache.zeros(c.num_hidden_layers, batch, max_length, c.num_key_value_heads, c.head_dim,
                              self.dtype if dtype is None else dtype)
@@ -314,7 +320,14 @@ class CausalLM(nn.Module):
                       segment_ids: jax.Array | None = None) -> jax.Array:
         """The final-normed hidden states ``[B, T, hidden]`` of a full pass (no cache): what
         :meth:`output_projection` turns into the logits (before ``final_logit_softcapping``).
-        ``positions`` and ``segment_ids`` as in ``__call__``."""
+        ``positions`` and ``segment_ids`` as in ``__call__``.
+
+        Args:
+          input_ids: ``[B, T]`` int token ids.
+          positions: ``[B, T]`` int positions; None uses ``0 .. T-1`` on every row.
+          segment_ids: ``[B, T]`` int ids of packed sequences (0: padding), which do not attend to
+            each other; None for one sequence per row.
+        """
         return self._trunk(input_ids, positions, None, None, segment_ids)[0]
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,

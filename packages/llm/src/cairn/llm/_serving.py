@@ -50,13 +50,17 @@ MAX_BATCH_SIZE = 256  # cairn.serving.export_generator's default
 class ServingFunctions:
     """What :func:`serving_functions` returns.
 
-    Attributes:
-      prefill, decode, score: the pure functions (module docstring), jit- and export-ready.
+    Args:
+      prefill: ``prefill(params, tokens (b, p), lengths (b,)) -> (logits, cache)`` (module
+        docstring), jit- and export-ready.
+      decode: ``decode(params, tokens (b,), positions (b,), cache) -> (logits, cache)``.
+      score: ``score(params, tokens (b, p), lengths (b,)) -> logprobs (b, p)``.
       forward: ``forward(params, tokens (b, t)) -> logits (b, t, vocab)``, the model's full
         causal pass over ``params`` (for calibrating ``cairn.quant`` on the same weights).
       params: the model's weights, nested plain dicts keyed by the model's path parts.
       cache_specs: per-row ``{"k0": ArraySpec((max_length, kv_heads, head_dim), dtype), ...}``.
-      vocab_size, max_length: the logits' width and the cache's positions per row.
+      vocab_size: the logits' width.
+      max_length: the cache's positions per row.
     """
 
     prefill: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
@@ -241,7 +245,8 @@ def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.Pat
       model: a :class:`~cairn.llm.CausalLM`.
       tokenizer: its :class:`~cairn.llm.Tokenizer` (or a tokenizer folder), or None (the
         server then takes and returns token ids only).
-      repository: the model repository's folder. name: the model's name in it.
+      repository: the model repository's folder.
+      name: the model's name in it (its folder under ``repository``).
       max_length: cache positions per row, at most ``max_position_embeddings``.
       version: the version folder (an int >= 1).
       max_batch_size: the most rows (engine slots) either program takes.

@@ -39,18 +39,22 @@ BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
 class SFTConfig(TrainerConfig):
     """How :class:`SFTTrainer` trains.
 
-    Attributes:
+    Args:
       steps: optimizer steps of the run (the learning-rate schedule spans them; a resumed
         run continues to the same number).
-      batch_size: rows per micro-batch. grad_accum_steps: micro-batches per optimizer step
-        (the loss is the mean over every completion token of all of them, exactly as one
+      batch_size: rows per micro-batch.
+      grad_accum_steps: micro-batches per optimizer step (the loss is the mean over every completion token of all of them, exactly as one
         batch ``grad_accum_steps`` times larger).
       seq_len: tokens per row (longer examples are cut at the end).
       packing: first-fit pack several examples per row (they do not attend to each other).
-      learning_rate, warmup_steps, weight_decay, max_grad_norm: the default optimizer
-        (AdamW, linear warmup, cosine decay to 10%, global-norm clipping).
+      learning_rate: the default optimizer's peak learning rate (AdamW, linear warmup,
+        cosine decay to 10%).
+      warmup_steps: its linear warmup steps.
+      weight_decay: its decoupled weight decay.
+      max_grad_norm: its global-norm gradient clipping; None for none.
       lora: train LoRA adapters (:class:`LoraSettings`); ``None`` trains every weight.
-      save_every, max_to_keep: checkpoint interval (steps) and how many to keep.
+      save_every: checkpoint interval in steps.
+      max_to_keep: how many checkpoints to keep.
       log_every: steps between metrics lines.
       seed: the data shuffle seed.
     """
@@ -121,7 +125,12 @@ class SFTTrainer:
 
     def train(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train until ``config.steps`` (or step ``stop_after``, saving a checkpoint there, as
-        a preempted run would); returns the last metrics line (also in ``metrics.jsonl``)."""
+        a preempted run would); returns the last metrics line (also in ``metrics.jsonl``).
+
+        Args:
+          stop_after: stop at this step, saving a checkpoint there (as a preempted run would); None
+            runs to ``config.steps``.
+        """
         cfg, last = self.config, {}
         window_tokens, window_s, blocked = 0.0, 0.0, 0.0
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -148,7 +157,16 @@ class SFTTrainer:
     def exact_match(self, examples: Sequence[Mapping[str, Any]], max_new_tokens: int = 32) -> float:
         """The share of conversational examples whose last assistant message the model
         reproduces exactly (greedy generation after the chat template of the turns before it,
-        compared with surrounding whitespace stripped)."""
+        compared with surrounding whitespace stripped).
+
+        Args:
+          examples: conversational examples (``{"messages": [...]}`` ending with an assistant
+            message).
+          max_new_tokens: the most tokens generated per example.
+
+        Raises:
+          ValueError: an example without messages ending in an assistant message.
+        """
         prompts, answers = [], []
         for i, ex in enumerate(examples):
             msgs = ex.get("messages") if isinstance(ex, Mapping) else None

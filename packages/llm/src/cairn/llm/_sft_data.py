@@ -148,11 +148,13 @@ def sft_dataset(examples: Sequence[Mapping[str, Any]] | Any, tokenizer: Tokenize
     Args:
       examples: a sequence of examples (or any cairn.data source of them).
       tokenizer: the model's tokenizer.
-      seq_len: tokens per row. batch_size: rows per batch.
+      seq_len: tokens per row.
+      batch_size: rows per batch.
       packing: first-fit pack several examples per row (``segment_ids`` and per-example
         ``positions`` keep them from attending to each other); else one example per row,
         right-padded.
-      seed: the shuffle seed. num_epochs: passes over the data (``None``: endless).
+      seed: the shuffle seed.
+      num_epochs: passes over the data (``None``: endless).
 
     Returns:
       A cairn.data ``IterDataset`` of ``{"inputs", "targets", "weights", "segment_ids",

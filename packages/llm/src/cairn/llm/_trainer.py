@@ -35,8 +35,9 @@ STATE_ITEM = "trainer"
 class LoraSettings:
     """Train LoRA adapters instead of every weight (QLoRA with ``weight_qtype``).
 
-    Attributes:
-      rank, alpha: the adapters' rank and scale numerator (update ``alpha / rank * A @ B``).
+    Args:
+      rank: the adapters' rank.
+      alpha: the scale numerator: the update is ``alpha / rank * A @ B``.
       target_modules: Hugging Face module names or ``"all-linear"``.
       weight_qtype: store the adapted base weights quantized (``"nf4"``, ``"int8"``...): QLoRA.
       seed: the adapters' initialization seed.
@@ -201,7 +202,14 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The metrics lines of a trainer's run directory, oldest first."""
+    """The metrics lines of a trainer's run directory, oldest first.
+
+    Args:
+      run_dir: the trainer's run directory.
+
+    Raises:
+      FileNotFoundError: no ``metrics.jsonl`` there.
+    """
     path = pathlib.Path(run_dir) / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics (has the trainer run here?)")
@@ -213,8 +221,16 @@ def plot_metrics(run_dir: str | os.PathLike, keys: tuple[str, ...] = ("loss",), 
 
     Needs matplotlib (not a dependency of cairn-llm: ``pip install matplotlib``).
 
+    Args:
+      run_dir: the trainer's run directory (with ``metrics.jsonl``).
+      keys: the metrics to plot, one panel each.
+      out: the image path; None writes ``run_dir/loss.png``.
+
     Returns:
       The image's path.
+
+    Raises:
+      ImportError: matplotlib is not installed.
     """
     try:
         import matplotlib

@@ -75,6 +75,10 @@ __all__ = [
 class PReLU(Module):
     """``y = x`` where ``x >= 0`` else ``negative_slope * x``, with a learned scalar slope.
 
+    Args:
+      negative_slope_init: the slope's initial value.
+      param_dtype: the dtype the slope is stored in.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> nn.PReLU()(jnp.array([-2.0, 3.0])).tolist()

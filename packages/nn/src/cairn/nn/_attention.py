@@ -58,6 +58,16 @@ def make_attention_mask(
     """``mask[..., 1, q, k] = pairwise_fn(query_input[..., q], key_input[..., k])``.
 
     The usual padding mask is ``make_attention_mask(q_ids > 0, k_ids > 0)``.
+
+    Args:
+      query_input: ``(..., q)`` query-side values (e.g. ``q_ids > 0``).
+      key_input: ``(..., k)`` key-side values.
+      pairwise_fn: combines a query and a key value (default: multiply, an AND for booleans).
+      extra_batch_dims: leading axes to add to the result.
+      dtype: the mask's dtype.
+
+    Returns:
+      ``(..., 1, q, k)``.
     """
     m = pairwise_fn(
         jnp.expand_dims(query_input, axis=-1), jnp.expand_dims(key_input, axis=-2)
@@ -68,13 +78,24 @@ def make_attention_mask(
 
 
 def make_causal_mask(x: jax.Array, extra_batch_dims: int = 0, dtype: DType = jnp.float32) -> jax.Array:
-    """Causal mask ``(*batch, 1, len, len)`` for ``x`` of shape ``(*batch, len)``."""
+    """Causal mask ``(*batch, 1, len, len)`` for ``x`` of shape ``(*batch, len)``.
+
+    Args:
+      x: ``(*batch, len)`` (only the shape is read).
+      extra_batch_dims: leading axes to add.
+      dtype: the mask's dtype.
+    """
     idx = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
     return make_attention_mask(idx, idx, jnp.greater_equal, extra_batch_dims, dtype)
 
 
 def combine_masks(*masks: jax.Array | None, dtype: DType = jnp.float32) -> jax.Array | None:
-    """Logical AND of the non-``None`` masks (all of equal rank), or ``None``."""
+    """Logical AND of the non-``None`` masks (all of equal rank), or ``None``.
+
+    Args:
+      masks: attention masks of equal rank, or None (skipped).
+      dtype: the result's dtype.
+    """
     ms = [m for m in masks if m is not None]
     if not ms:
         return None
@@ -575,6 +596,10 @@ class MultiHeadAttention(Module):
         ``cached_key`` and ``cached_value`` get shape ``(*batch, max_length, num_kv_heads,
         head_dim)`` and ``dtype``, ``cache_index`` (int32) starts at 0; calling it again
         empties the cache.
+
+        Args:
+          input_shape: ``(*batch, max_length, features)``, the shape of the inputs decoded.
+          dtype: the cache's dtype.
 
         Raises:
           ValueError: ``input_shape`` has fewer than two axes.

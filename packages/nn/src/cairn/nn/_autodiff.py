@@ -46,6 +46,17 @@ def grad(
     arguments get array gradients, as with ``jax.grad``. ``reduce_axes`` and the mode keywords
     ``graph`` / ``graph_updates`` are accepted for Flax NNX compatibility and change nothing.
 
+    Args:
+      f: the scalar function; None returns a decorator.
+      argnums: the argument(s) to differentiate.
+      has_aux: ``f`` returns ``(value, aux)``; the gradient function then returns ``(grads, aux)``.
+      wrt: the filter of a module argument's variables to differentiate.
+      holomorphic: as in ``jax.grad``.
+      allow_int: as in ``jax.grad``.
+      reduce_axes: accepted for Flax NNX compatibility; changes nothing.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> class W(nn.Module):
@@ -90,7 +101,19 @@ def value_and_grad(
     graph_updates: bool | None = None,
 ) -> Callable:
     """Like :func:`grad` but returns ``(value, grads)`` (``((value, aux), grads)`` with
-    ``has_aux``)."""
+    ``has_aux``).
+
+    Args:
+      f: the scalar function; None returns a decorator.
+      argnums: the argument(s) to differentiate.
+      has_aux: ``f`` returns ``(value, aux)``.
+      wrt: the filter of a module argument's variables to differentiate.
+      holomorphic: as in ``jax.grad``.
+      allow_int: as in ``jax.grad``.
+      reduce_axes: accepted for Flax NNX compatibility; changes nothing.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+    """
     del reduce_axes  # NNX's keyword; nothing to reduce here
     check_mode("value_and_grad", graph, graph_updates)
     if f is None:

@@ -26,6 +26,15 @@ def fori_loop(
     """``jax.lax.fori_loop`` where ``init_val`` may contain modules (updated in place at
     the end and returned).
 
+    Args:
+      lower: the first index.
+      upper: the end index (exclusive).
+      body_fun: ``body_fun(i, val) -> val``.
+      init_val: the initial loop value (modules allowed).
+      unroll: ``jax.lax.fori_loop``'s unroll factor; None for none.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> class C(nn.Module):
@@ -59,7 +68,15 @@ def while_loop(
     graph_updates: bool | None = None,
 ) -> Any:
     """``jax.lax.while_loop`` where ``init_val`` may contain modules. ``cond_fun`` must
-    not change state."""
+    not change state.
+
+    Args:
+      cond_fun: ``cond_fun(val) -> bool scalar``; must not change state.
+      body_fun: ``body_fun(val) -> val``.
+      init_val: the initial value (modules allowed).
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("while_loop", graph, graph_updates)
     carry = Carry(init_val)
 
@@ -117,7 +134,16 @@ def cond(
     graph_updates: bool | None = None,
 ) -> Any:
     """``jax.lax.cond`` where operands may contain modules; both branches must leave
-    them with the same structure; their changes are written back."""
+    them with the same structure; their changes are written back.
+
+    Args:
+      pred: the boolean scalar.
+      true_fun: called with ``operands`` when ``pred`` is true.
+      false_fun: called with ``operands`` otherwise.
+      operands: the arguments (modules allowed).
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("cond", graph, graph_updates)
     return _branches_call([true_fun, false_fun], pred, operands, False)
 
@@ -129,6 +155,14 @@ def switch(
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Any:
-    """``jax.lax.switch`` where operands may contain modules (see :func:`cond`)."""
+    """``jax.lax.switch`` where operands may contain modules (see :func:`cond`).
+
+    Args:
+      index: the int branch index (clamped).
+      branches: the functions, each called with ``operands``.
+      operands: the arguments (modules allowed).
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("switch", graph, graph_updates)
     return _branches_call(list(branches), index, operands, True)

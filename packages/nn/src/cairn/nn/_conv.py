@@ -145,6 +145,33 @@ class Conv(_ConvBase):
     s)``), ``'VALID'``, ``'CIRCULAR'`` (periodic wrap), ``'REFLECT'``, ``'CAUSAL'`` (1-D:
     left pad ``(k - 1) * kd``), an int, or per-axis ints/pairs.
 
+    Args:
+      in_features: the input's feature size.
+      out_features: the output's feature size.
+      kernel_size: the window size per spatial axis (an int for all).
+      strides: the stride per spatial axis (an int for all).
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'``, an int, or
+        per-axis ints / ``(low, high)`` pairs.
+      input_dilation: the input's dilation per spatial axis (``lhs_dilation``).
+      kernel_dilation: the kernel's dilation per spatial axis (atrous convolution).
+      feature_group_count: split the features into this many groups (``in_features`` for depthwise).
+      use_bias: add a learned bias.
+      mask: a 0/1 array of the kernel's shape multiplied into the kernel (e.g. for masked
+        convolutions); None for none.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      precision: ``jax.lax.Precision`` of the matmul/convolution; None for the default.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      bias_init: the bias's initializer.
+      conv_general_dilated: the convolution, ``lax.conv_general_dilated``-compatible.
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      preferred_element_type: the accumulation dtype passed to ``lax.dot_general`` / the
+        convolution; None for the default.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      bias_metadata: metadata for the bias :class:`Param`.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> conv = nn.Conv(3, 8, kernel_size=(3, 3), rngs=nn.Rngs(0))
@@ -262,6 +289,30 @@ class ConvTranspose(_ConvBase):
     flipped spatially and its feature axes swapped: the exact gradient of ``Conv``).
     ``'SAME'`` gives output size ``n * s``; ``'VALID'`` gives ``n * s + max(kd - s, 0)``;
     ``'CIRCULAR'`` computes ``'VALID'`` and wraps it periodically to ``n * s``.
+
+    Args:
+      in_features: the input's feature size.
+      out_features: the output's feature size.
+      kernel_size: the window size per spatial axis (an int for all).
+      strides: the input dilation per spatial axis (the upsampling factor); None means 1.
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, or per-axis ``(low, high)`` pairs.
+      kernel_dilation: the kernel's dilation per spatial axis; None means 1.
+      use_bias: add a learned bias.
+      mask: a 0/1 array of the kernel's shape multiplied into the kernel; None for none.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      precision: ``jax.lax.Precision`` of the matmul/convolution; None for the default.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      bias_init: the bias's initializer.
+      transpose_kernel: use the kernel ``(*kernel_size, out_features, in_features)`` flipped and
+        transposed: the exact gradient of :class:`Conv`.
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      preferred_element_type: the accumulation dtype passed to ``lax.dot_general`` / the
+        convolution; None for the default.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      bias_metadata: metadata for the bias :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn

@@ -16,6 +16,9 @@ def display(*args: Any) -> None:
     Variables with shape and dtype, and static settings). In IPython with ``treescope``
     installed, it renders an interactive tree instead.
 
+    Args:
+      args: the objects to show.
+
     >>> from cairn import nn
     >>> nn.display(nn.Param(1.0))
     Param(1.0)

@@ -24,6 +24,13 @@ class Dropout(Module):
     The key comes from ``rngs`` passed to the call, else from the stream given to the
     constructor.
 
+    Args:
+      rate: the probability of dropping an element, in ``[0, 1]``.
+      broadcast_dims: axes along which one mask is shared.
+      deterministic: True returns the input unchanged; None must then be given at call time.
+      rng_collection: the name of the stream the masks' keys come from.
+      rngs: the :class:`Rngs` (or stream) the keys come from when the call gets none; None for none.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> drop = nn.Dropout(0.5, rngs=nn.Rngs(dropout=0))

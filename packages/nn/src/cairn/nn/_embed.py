@@ -29,6 +29,17 @@ class Embed(Module):
     ``IndexError`` when the ids are concrete (eager call); under ``jit`` they yield NaN
     rows (``jnp.take(..., mode='fill')``).
 
+    Args:
+      num_embeddings: the number of rows (the vocabulary size).
+      features: the width of each row.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      embedding_init: the table's initializer.
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      embedding_metadata: metadata for the table :class:`Param`.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> emb = nn.Embed(10, 4, rngs=nn.Rngs(0))
@@ -80,7 +91,11 @@ class Embed(Module):
         return jnp.take(embedding, inputs, axis=0, mode="fill", fill_value=jnp.nan)
 
     def attend(self, query: jax.Array) -> jax.Array:
-        """Logits ``query @ embedding.T`` of shape ``query.shape[:-1] + (num_embeddings,)``."""
+        """Logits ``query @ embedding.T`` of shape ``query.shape[:-1] + (num_embeddings,)``.
+
+        Args:
+          query: ``(..., features)`` hidden states.
+        """
         q = check_input(type(self).__name__ + ".attend", query)
         check_axis(type(self).__name__ + ".attend", q, -1, self.features)
         q, embedding = self.promote_dtype((q, self.embedding[...]), dtype=self.dtype)

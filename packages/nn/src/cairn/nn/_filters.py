@@ -64,7 +64,11 @@ class Filter:
 
 
 class OfType(Filter):
-    """Variables that are instances of ``type``."""
+    """Variables that are instances of ``type``.
+
+    Args:
+      type: a :class:`Variable` subclass.
+    """
 
     def __init__(self, type: type) -> None:  # noqa: A002 - NNX's argument name
         if not (isinstance(type, builtins.type) and issubclass(type, Variable)):
@@ -86,7 +90,12 @@ class OfType(Filter):
 
 class PathContains(Filter):
     """Variables whose path contains ``key`` as one of its components (``exact=False``:
-    whose path has a component containing ``str(key)`` as a substring)."""
+    whose path has a component containing ``str(key)`` as a substring).
+
+    Args:
+      key: a path component (a string or an int index).
+      exact: match whole components; False matches a component containing ``str(key)``.
+    """
 
     def __init__(self, key: _AnyT, exact: bool = True) -> None:
         self.key = key
@@ -112,7 +121,12 @@ class PathContains(Filter):
 
 
 class PathRegex(Filter):
-    """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``)."""
+    """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``).
+
+    Args:
+      pattern: a regular expression (string or compiled) matched in full against the ``/``-joined
+        path.
+    """
 
     def __init__(self, pattern: str | re.Pattern) -> None:
         if not isinstance(pattern, str | re.Pattern):
@@ -141,7 +155,11 @@ class PathRegex(Filter):
 
 class WithTag(Filter):
     """Variables whose ``tag`` metadata is ``tag`` (the RNG variables of a stream
-    carry its name: ``WithTag("dropout")``)."""
+    carry its name: ``WithTag("dropout")``).
+
+    Args:
+      tag: the tag to match (an RNG stream's name).
+    """
 
     def __init__(self, tag: str) -> None:
         self.tag = tag
@@ -160,7 +178,12 @@ class WithTag(Filter):
 
 
 class Any(Filter):
-    """Variables matched by at least one of ``filters``."""
+    """Variables matched by at least one of ``filters``.
+
+    Args:
+      filters: the filters (Variable types, path regex strings, ``...``, lists, filter objects or
+        predicates ``(path, variable) -> bool``) of which a variable must match one.
+    """
 
     def __init__(self, *filters: _AnyT) -> None:
         self.filters = filters
@@ -180,7 +203,12 @@ class Any(Filter):
 
 
 class All(Filter):
-    """Variables matched by every one of ``filters``."""
+    """Variables matched by every one of ``filters``.
+
+    Args:
+      filters: the filters (Variable types, path regex strings, ``...``, lists, filter objects or
+        predicates ``(path, variable) -> bool``) a variable must all match.
+    """
 
     def __init__(self, *filters: _AnyT) -> None:
         self.filters = filters
@@ -200,7 +228,11 @@ class All(Filter):
 
 
 class Not(Filter):
-    """Variables not matched by ``filter``."""
+    """Variables not matched by ``filter``.
+
+    Args:
+      filter: the filter to negate.
+    """
 
     def __init__(self, filter: _AnyT) -> None:  # noqa: A002
         self.filter = filter
@@ -260,7 +292,12 @@ _NOTHING = Nothing()
 def to_predicate(f: _AnyT) -> Predicate:
     """Turn any accepted filter into a predicate ``(path_tuple, variable) -> bool``.
 
-    Raises ``TypeError`` naming the filter when it is not one of the accepted forms."""
+    Raises ``TypeError`` naming the filter when it is not one of the accepted forms.
+
+    Args:
+      f: a Variable type, a path regex string, ``...``/True/False/None, a list of filters, a filter
+        object or a callable.
+    """
     if isinstance(f, Filter):
         return f
     if f is Ellipsis or f is True:

@@ -44,7 +44,12 @@ class GraphDef:
     """The static structure of a module tree: everything except the variables' values.
 
     Hashable and comparable, so it can key compilation caches. ``paths`` lists the path
-    tuple of each variable, in the order of the flat variable list."""
+    tuple of each variable, in the order of the flat variable list.
+
+    Args:
+      node: the nested node description (types, static attributes, variable slots).
+      paths: the path tuple of each variable, in flat order.
+    """
 
     __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
 
@@ -104,7 +109,11 @@ class GraphDef:
 
     # --- rebuilding ---
     def build_from_variables(self, variables: list[Variable]) -> Node:
-        """A new module tree of this structure holding ``variables`` (reused, not copied)."""
+        """A new module tree of this structure holding ``variables`` (reused, not copied).
+
+        Args:
+          variables: the variables, in the order of ``paths``.
+        """
         build = self._codegen
         if build is not None:
             root = build(variables)
@@ -119,7 +128,11 @@ class GraphDef:
         return root
 
     def build_from_values(self, values: Any) -> Node:
-        """A new module tree of this structure with new variables holding ``values``."""
+        """A new module tree of this structure with new variables holding ``values``.
+
+        Args:
+          values: the variables' values, in the order of ``paths``.
+        """
         out: list = []
 
         def new_var(template, value):
@@ -250,7 +263,12 @@ def _check_module(node, fn):
 
 
 def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
-    """The :class:`GraphDef` (static structure) of ``node``."""
+    """The :class:`GraphDef` (static structure) of ``node``.
+
+    Args:
+      node: a module tree.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("graphdef", graph)
     _check_module(node, "graphdef")
     c = flat(node)
@@ -282,6 +300,11 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     own Variable objects (not copies). Every variable must match a filter; the first
     match wins; use ``...`` last to collect the rest.
 
+    Args:
+      node: the module tree.
+      filters: the filters, in order; none puts everything in one State.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> class M(nn.Module):
@@ -308,6 +331,11 @@ def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple
     than one filter is given). Unlike :func:`split`, variables matching no filter are
     left out. ``node`` may also be a State (its variables, filtered the same way).
 
+    Args:
+      node: a module tree (or a State).
+      filters: the filters; none gives every variable.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+
     Raises:
       TypeError: ``node`` is neither a module nor a State.
     """
@@ -325,7 +353,13 @@ def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple
 
 
 def variables(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple[State, ...]:
-    """Alias of :func:`state` (NNX name)."""
+    """Alias of :func:`state` (NNX name).
+
+    Args:
+      node: a module tree (or a State).
+      filters: the filters; none gives every variable.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("variables", graph)
     return state(node, *filters)
 
@@ -333,7 +367,13 @@ def variables(node: Node, *filters: Any, graph: bool | None = None) -> State | t
 def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
     """Rebuild a module tree from its :class:`GraphDef` and States. The States' Variable
     objects are used as they are (``copy=True`` copies them). Raises ``ValueError``
-    naming any path the states lack or have in excess."""
+    naming any path the states lack or have in excess.
+
+    Args:
+      graphdef: the structure, from :func:`split`.
+      states: the States holding every variable of ``graphdef``.
+      copy: copy the Variable objects instead of reusing them.
+    """
     if isinstance(graphdef, GraphState):
         graphdef, states = _graph_states(graphdef, states)
     if not isinstance(graphdef, GraphDef):
@@ -384,7 +424,12 @@ def _graph_states(first: GraphState, rest: tuple) -> tuple[GraphDef, tuple]:
 def update(node: Node, *states: Any) -> None:
     """Set the values (and metadata) of ``node``'s variables from ``states`` (States or
     nested mappings of Variables), matching by path. Raises ``ValueError`` naming a path
-    that ``node`` does not have."""
+    that ``node`` does not have.
+
+    Args:
+      node: the module tree to update in place.
+      states: States or nested mappings of Variables.
+    """
     _check_module(node, "update")
     c = flat(node)
     idx = c.graphdef.path_index
@@ -539,7 +584,12 @@ def _get_child(node, key):
 def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
     """Remove the variables matching ``filters`` from ``node`` and return them as a
     :class:`State` (one per filter; a tuple for several). Variables inside tuples
-    cannot be popped (tuples are immutable)."""
+    cannot be popped (tuples are immutable).
+
+    Args:
+      node: the module to remove variables from.
+      filters: the filters of the variables to remove.
+    """
     _check_module(node, "pop")
     if not filters:
         raise TypeError("nn.pop needs at least one filter")
@@ -560,7 +610,12 @@ def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
 
 
 def iter_modules(node: Node, *, graph: bool | None = None) -> Iterator[tuple[str, Node]]:
-    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first."""
+    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first.
+
+    Args:
+      node: a module.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("iter_modules", graph)
 
     def rec(m, path):

@@ -200,7 +200,17 @@ def _check_disjoint(tdon, tkeep) -> None:
 
 
 class JitWrapped:
-    """The callable returned by :func:`jit`."""
+    """The callable returned by :func:`jit`.
+
+    Args:
+      fun: the function to compile (modules allowed anywhere in its arguments).
+      static_argnums: positions of the static (hashable) arguments.
+      static_argnames: names of the static arguments.
+      donate_argnums: positions of the donated arguments (their buffers, and donated modules'
+        variables, are reused).
+      donate_argnames: names of the donated arguments.
+      jit_kwargs: more keyword arguments for ``jax.jit``.
+    """
 
     def __init__(
         self,
@@ -260,7 +270,12 @@ class JitWrapped:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for the given arguments: ``.compile()`` on the result compiles, and the
         compiled object is called with the same kind of arguments (modules included;
-        their changes are written back, as by this function)."""
+        their changes are written back, as by this function).
+
+        Args:
+          args: the positional arguments, as for a call.
+          kwargs: the keyword arguments, as for a call.
+        """
         return Lowered(self._run(args, kwargs, True), self)
 
     def _run(self, args: tuple, kwargs: dict, lowering: bool) -> Any:
@@ -447,6 +462,16 @@ def jit(
     ``@nn.jit(donate_argnums=0)``). ``graph`` / ``graph_updates`` are Flax NNX's mode
     keywords, accepted with one behaviour (see :class:`set_graph_mode`).
 
+    Args:
+      fun: the function to compile; None returns a decorator.
+      static_argnums: positions of the static (hashable) arguments.
+      static_argnames: names of the static arguments.
+      donate_argnums: positions of donated arguments.
+      donate_argnames: names of donated arguments.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      jit_kwargs: more keyword arguments for ``jax.jit``.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> class Counter(nn.Module):
@@ -481,7 +506,15 @@ def eval_shape(
 ) -> Any:
     """``jax.eval_shape`` of ``f(*args, **kwargs)``: nothing is computed; the output
     (modules included) holds ``jax.ShapeDtypeStruct`` values. Inputs are not changed.
-    ``graph`` / ``graph_updates``: Flax NNX's mode keywords (one behaviour here)."""
+    ``graph`` / ``graph_updates``: Flax NNX's mode keywords (one behaviour here).
+
+    Args:
+      f: the function.
+      args: its positional arguments (modules allowed).
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      kwargs: its keyword arguments.
+    """
     check_mode("eval_shape", graph, graph_updates)
     plan = Plan((args, kwargs))
     pure = run_pure(f, plan, Box())

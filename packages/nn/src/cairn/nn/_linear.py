@@ -177,6 +177,11 @@ class Linear(Module):
       bias_init: the bias's initializer.
       preferred_element_type: accumulation dtype passed to ``lax.dot_general``.
       rngs: ``Rngs`` with a ``params`` stream.
+      dot_general: the contraction, ``lax.dot_general``-compatible (e.g. a quantized one).
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      bias_metadata: metadata for the bias :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -253,6 +258,26 @@ class LinearGeneral(Module):
     ``axis`` (whose sizes must equal ``in_features``) are contracted, the leading
     ``batch_axis`` axes are batch dims shared with the kernel, and the output is
     ``(*batch, *free input axes, *out_features)``.
+
+    Args:
+      in_features: the sizes of the contracted input axes (an int for one).
+      out_features: the output's trailing shape (an int for one axis).
+      axis: the input axes contracted (an int for one).
+      batch_axis: ``{input axis: size}`` of the leading axes shared with the kernel (batch dims).
+      use_bias: add a learned bias.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      bias_init: the bias's initializer.
+      precision: ``jax.lax.Precision`` of the matmul/convolution; None for the default.
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      dot_general: the contraction, ``lax.dot_general``-compatible; None for ``lax.dot_general``.
+      preferred_element_type: the accumulation dtype passed to ``lax.dot_general`` / the
+        convolution; None for the default.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      bias_metadata: metadata for the bias :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -381,6 +406,24 @@ class Einsum(Module):
 
     ``einsum_str`` names the input first and the kernel second, e.g. ``'btd,dnh->btnh'``.
     ``bias_shape`` (optional) must broadcast against the trailing output axes.
+
+    Args:
+      einsum_str: the equation, input first and kernel second (``'btd,dnh->btnh'``).
+      kernel_shape: the kernel's shape.
+      bias_shape: the bias's shape (broadcast against the output's trailing axes); None for no bias.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      precision: ``jax.lax.Precision`` of the matmul/convolution; None for the default.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      bias_init: the bias's initializer.
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      einsum_op: the einsum, ``jnp.einsum``-compatible.
+      preferred_element_type: the accumulation dtype passed to ``lax.dot_general`` / the
+        convolution; None for the default.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      bias_metadata: metadata for the bias :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn

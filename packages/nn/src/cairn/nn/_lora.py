@@ -33,6 +33,23 @@ class LoRA(Module):
     ``B`` starts at zero, so a fresh adapter leaves ``base_module`` unchanged. ``scale`` is
     ``alpha / rank`` when ``alpha`` is given and 1 otherwise (Flax NNX has no alpha).
 
+    Args:
+      in_features: the input's feature size.
+      lora_rank: the adapter's rank.
+      out_features: the output's feature size.
+      base_module: a module whose output is added (the adapted layer); None for the adapter alone.
+      alpha: the output is scaled by ``alpha / lora_rank``; None scales by 1.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      a_initializer: the initializer of ``A`` ``(in, rank)``.
+      b_initializer: the initializer of ``B`` ``(rank, out)`` (zeros).
+      lora_param_type: the variable type of ``A`` and ``B`` (:class:`LoRAParam`).
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      a_metadata: metadata for ``A``.
+      b_metadata: metadata for ``B``.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> lora = nn.LoRA(3, 2, 4, rngs=nn.Rngs(0))
@@ -98,6 +115,22 @@ class LoRALinear(Linear):
 
     Takes every ``Linear`` argument plus ``lora_rank`` (and optional ``alpha``); the
     adapter is the submodule ``lora`` (paths ``lora/lora_a``, ``lora/lora_b``).
+
+    Args:
+      in_features: the input's feature size.
+      out_features: the output's feature size.
+      lora_rank: the adapter's rank.
+      alpha: the adapter's output is scaled by ``alpha / lora_rank``; None scales by 1.
+      lora_dtype: the adapter's computation dtype; None promotes.
+      lora_param_dtype: the dtype ``A`` and ``B`` are stored in.
+      a_initializer: the initializer of ``A``.
+      b_initializer: the initializer of ``B`` (zeros).
+      lora_param_type: the variable type of ``A`` and ``B``.
+      lora_promote_dtype: the adapter's ``promote_dtype``.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      a_metadata: metadata for ``A``.
+      b_metadata: metadata for ``B``.
+      kwargs: every other :class:`Linear` argument (``use_bias``, ``kernel_init``...).
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn

@@ -27,6 +27,11 @@ class Metric(Module):
         raise NotImplementedError
 
     def update(self, **kwargs: Any) -> None:  # pragma: no cover - abstract
+        """Add a batch to the accumulated state.
+
+        Args:
+          kwargs: the named values the metric reads (each metric takes what it needs).
+        """
         raise NotImplementedError
 
     def compute(self) -> Any:  # pragma: no cover - abstract
@@ -44,6 +49,9 @@ def _get(kwargs: dict, name: str, metric: str):
 class Average(Metric):
     """Mean of every value passed as ``update(values=...)`` (arrays are averaged over
     all their elements; ``argname`` renames the keyword).
+
+    Args:
+      argname: the keyword ``update`` reads the values from.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -63,6 +71,11 @@ class Average(Metric):
         self.count.value = jnp.zeros((), jnp.int32)
 
     def update(self, **kwargs: Any) -> None:
+        """Add the values given under ``argname``.
+
+        Args:
+          kwargs: the values under ``argname`` (an array or scalar); other keywords are ignored.
+        """
         values = _get(kwargs, self.argname, type(self).__name__)
         self.total.value = self.total.value + values.astype(jnp.float32).sum()
         self.count.value = self.count.value + values.size
@@ -74,13 +87,26 @@ class Average(Metric):
 class Accuracy(Average):
     """Fraction of correct predictions: ``update(logits=..., labels=...)`` with
     ``logits`` of shape ``labels.shape + (classes,)`` (argmax), or of the same shape as
-    integer ``labels`` when ``threshold`` is given (binary: ``logits > threshold``)."""
+    integer ``labels`` when ``threshold`` is given (binary: ``logits > threshold``).
+
+    Args:
+      threshold: None for argmax over the last axis of ``logits``; a float for binary predictions
+        ``logits > threshold``.
+    """
 
     def __init__(self, threshold: float | None = None) -> None:
         super().__init__("values")
         self.threshold = threshold
 
     def update(self, **kwargs: Any) -> None:
+        """Add a batch of predictions.
+
+        Args:
+          kwargs: ``logits`` and integer ``labels`` (other keywords are ignored).
+
+        Raises:
+          TypeError: labels that are not integers.
+        """
         logits = _get(kwargs, "logits", "Accuracy")
         labels = _get(kwargs, "labels", "Accuracy")
         if not jnp.issubdtype(labels.dtype, jnp.integer) and labels.dtype != jnp.bool_:
@@ -104,6 +130,13 @@ class Accuracy(Average):
 
 @dataclasses.dataclass(frozen=True)
 class Statistics:
+    """What :class:`Welford` computes.
+
+    Args:
+      mean: the mean of every value seen.
+      standard_error_of_mean: the standard deviation divided by the square root of the count.
+      standard_deviation: the population standard deviation.
+    """
     mean: jax.Array
     standard_error_of_mean: jax.Array
     standard_deviation: jax.Array
@@ -119,7 +152,11 @@ jax.tree_util.register_dataclass(
 class Welford(Metric):
     """Running mean and (population) standard deviation of all values passed as
     ``update(values=...)``, merged batch by batch with Chan et al.'s parallel update
-    (numerically stable). ``compute()`` returns :class:`Statistics`."""
+    (numerically stable). ``compute()`` returns :class:`Statistics`.
+
+    Args:
+      argname: the keyword ``update`` reads the values from.
+    """
 
     def __init__(self, argname: str = "values") -> None:
         self.argname = argname
@@ -132,6 +169,11 @@ class Welford(Metric):
             v.value = jnp.zeros((), jnp.float32)
 
     def update(self, **kwargs: Any) -> None:
+        """Merge the values given under ``argname`` into the running statistics.
+
+        Args:
+          kwargs: the values under ``argname`` (flattened); other keywords are ignored.
+        """
         x = _get(kwargs, self.argname, "Welford").astype(jnp.float32).reshape(-1)
         nb = jnp.float32(x.size)
         if x.size == 0:
@@ -153,7 +195,14 @@ class Welford(Metric):
 
 class MultiMetric(Metric):
     """Several named metrics updated together: ``update(**kwargs)`` passes every keyword
-    to each metric (each takes what it needs); ``compute()`` returns a dict."""
+    to each metric (each takes what it needs); ``compute()`` returns a dict.
+
+    Args:
+      metrics: the named :class:`Metric` s.
+
+    Raises:
+      TypeError: a value is not a :class:`Metric`.
+    """
 
     def __init__(self, **metrics: Metric) -> None:
         for name, m in metrics.items():
@@ -167,6 +216,11 @@ class MultiMetric(Metric):
             getattr(self, n).reset()
 
     def update(self, **kwargs: Any) -> None:
+        """Update every metric with the same keyword arguments.
+
+        Args:
+          kwargs: passed to every metric's ``update`` (each takes what it needs).
+        """
         for n in self._metric_names:
             getattr(self, n).update(**kwargs)
 

@@ -114,7 +114,14 @@ class Module(Node):
         already has them (and matches one of ``filters``, module types or predicates
         ``(path, module) -> bool``, if given). Raises :class:`AttributesNotFoundError`
         (an ``AttributeError`` and a ``ValueError``, Flax's type) naming the missing
-        attributes if ``raise_if_not_found`` and no module had one of them."""
+        attributes if ``raise_if_not_found`` and no module had one of them.
+
+        Args:
+          filters: module types or predicates ``(path, module) -> bool``; a module must match one
+            (none: every module).
+          raise_if_not_found: raise when no module had one of the attributes.
+          attributes: the attributes and their new values.
+        """
         found = set()
         for path, mod in self.iter_modules():
             if filters and not any(
@@ -137,12 +144,20 @@ class Module(Node):
 
     def train(self, **attributes: Any) -> Module:
         """Training mode: ``deterministic=False`` and ``use_running_average=False`` on
-        every submodule that has them (plus any extra ``attributes``). Returns self."""
+        every submodule that has them (plus any extra ``attributes``). Returns self.
+
+        Args:
+          attributes: more attributes to set on every submodule that has them.
+        """
         return self._set_mode(False, attributes)
 
     def eval(self, **attributes: Any) -> Module:
         """Evaluation mode: ``deterministic=True`` and ``use_running_average=True`` on
-        every submodule that has them (plus any extra ``attributes``). Returns self."""
+        every submodule that has them (plus any extra ``attributes``). Returns self.
+
+        Args:
+          attributes: more attributes to set on every submodule that has them.
+        """
         return self._set_mode(True, attributes)
 
     def _set_mode(self, evaluating: bool, attributes: dict[str, Any]) -> Module:
@@ -164,7 +179,19 @@ class Module(Node):
         init_fn: Callable[[], Any] = tuple,
     ) -> None:
         """Record ``value`` in the variable ``name`` of type ``variable_type`` (default
-        :class:`Intermediate` when given a string), appending to a tuple by default."""
+        :class:`Intermediate` when given a string), appending to a tuple by default.
+
+        Args:
+          variable_type: the variable type to record in (a string means :class:`Intermediate`).
+          name: the attribute name of the variable.
+          value: the value to record.
+          reduce_fn: ``reduce_fn(accumulated, value) -> accumulated``; the default appends to a
+            tuple.
+          init_fn: ``init_fn() -> accumulated`` for the first record; the default gives ``()``.
+
+        Raises:
+          TypeError: ``name`` already holds a variable of another type.
+        """
         if isinstance(variable_type, str):
             variable_type = Intermediate
         existing = self.__dict__.get(name)
@@ -183,7 +210,16 @@ class Module(Node):
     ) -> Any:
         """Add a zero :class:`Perturbation` named ``name`` to ``value`` (created on the
         first call), so that the gradient with respect to it is the gradient with respect
-        to this intermediate value."""
+        to this intermediate value.
+
+        Args:
+          name: the attribute name of the :class:`Perturbation` variable.
+          value: the intermediate value to perturb.
+          variable_type: the variable type created (a :class:`Perturbation` subclass).
+
+        Returns:
+          ``value`` plus the (zero) perturbation.
+        """
         existing = self.__dict__.get(name)
         if existing is None:
             setattr(self, name, variable_type(jnp.zeros_like(value)))
@@ -358,7 +394,11 @@ class _Container(Module):
 
 class List(_Container):
     """A list of modules / variables / static values that is a module (paths
-    ``name/0/...``). Supports the usual list operations."""
+    ``name/0/...``). Supports the usual list operations.
+
+    Args:
+      items: the initial elements (modules, variables or static values).
+    """
 
     _graph_key = SequenceKey
     _graph_store = "list"
@@ -381,18 +421,39 @@ class List(_Container):
         return _check_attribute(self, str(key), value)
 
     def append(self, value: Any) -> None:
+        """Add ``value`` at the end.
+
+        Args:
+          value: a module, variable or static value.
+        """
         self._cairn_items.append(self._check(value, len(self._cairn_items)))
         EPOCH[0] += 1
 
     def extend(self, values: Iterable[Any]) -> None:
+        """Append each of ``values``.
+
+        Args:
+          values: modules, variables or static values.
+        """
         for v in values:
             self.append(v)
 
     def insert(self, index: int, value: Any) -> None:
+        """Insert ``value`` before position ``index``.
+
+        Args:
+          index: the position (as for ``list.insert``).
+          value: a module, variable or static value.
+        """
         self._cairn_items.insert(index, self._check(value, index))
         EPOCH[0] += 1
 
     def pop(self, index: int = -1) -> Any:
+        """Remove and return the element at ``index``.
+
+        Args:
+          index: the position (default the last).
+        """
         v = self._cairn_items.pop(index)
         EPOCH[0] += 1
         return v
@@ -425,7 +486,12 @@ class List(_Container):
 
 class Dict(_Container, Mapping):
     """A string-keyed mapping of modules / variables / static values that is a module
-    (paths ``name/key/...``)."""
+    (paths ``name/key/...``).
+
+    Args:
+      items: a mapping or ``(key, value)`` pairs with string keys.
+      kwargs: more ``key=value`` entries.
+    """
 
     _graph_key = DictKey
     _graph_store = "dict"
@@ -476,7 +542,11 @@ class Dict(_Container, Mapping):
 
 class Sequential(Module):
     """Chain of callables: the first gets all call arguments, each next one gets the
-    previous output. Layers are stored in ``self.layers`` (paths ``layers/0/...``)."""
+    previous output. Layers are stored in ``self.layers`` (paths ``layers/0/...``).
+
+    Args:
+      layers: the callables, in order (modules or plain functions).
+    """
 
     def __init__(self, *layers: Callable) -> None:
         self.layers = List(layers)

@@ -176,6 +176,28 @@ class LayerNorm(_Norm):
     ``scale`` and ``bias`` have the shape of the ``feature_axes`` (default: last axis,
     ``num_features``). Defaults as in Flax NNX: ``epsilon=1e-6``.
 
+    Args:
+      num_features: the size of the feature axis (the parameters' shape).
+      epsilon: added to the variance before the square root.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      use_bias: add a learned bias.
+      use_scale: multiply by a learned scale.
+      bias_init: the bias's initializer.
+      scale_init: the scale's initializer.
+      reduction_axes: the axes the statistics are taken over.
+      feature_axes: the axes the scale and bias span.
+      axis_name: a mapped axis name (``vmap``/``shard_map``) the statistics are averaged over; None
+        for local statistics.
+      axis_index_groups: groups of axis indices to average within (``lax.pmean``'s option); None for
+        all.
+      use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass) instead of ``E[(x -
+        E[x])^2]``.
+      promote_dtype: accepted for Flax NNX compatibility; ignored.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      bias_metadata: metadata for the bias :class:`Param`.
+      scale_metadata: metadata for the scale :class:`Param`.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> ln = nn.LayerNorm(4, rngs=nn.Rngs(0))
@@ -230,6 +252,24 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     """``y = x / sqrt(mean(x**2) + epsilon) * scale`` (Zhang & Sennrich 2019).
 
+    Args:
+      num_features: the size of the feature axis (the parameters' shape).
+      epsilon: added to the mean square before the square root.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      use_scale: multiply by a learned scale.
+      scale_init: the scale's initializer.
+      reduction_axes: the axes the statistics are taken over.
+      feature_axes: the axes the scale and bias span.
+      axis_name: a mapped axis name (``vmap``/``shard_map``) the statistics are averaged over; None
+        for local statistics.
+      axis_index_groups: groups of axis indices to average within (``lax.pmean``'s option); None for
+        all.
+      use_fast_variance: accepted for Flax NNX compatibility; ignored (RMSNorm takes no mean).
+      promote_dtype: accepted for Flax NNX compatibility; ignored.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      scale_metadata: metadata for the scale :class:`Param`.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> norm = nn.RMSNorm(3, rngs=nn.Rngs(0))
@@ -283,6 +323,30 @@ class GroupNorm(_Norm):
     Input ``(batch, *spatial, num_features)``; stats per example and group over the
     spatial axes and the group's channels (``reduction_axes``, default all but axis 0).
     Give ``num_groups`` or ``group_size`` (not both).
+
+    Args:
+      num_features: the size of the feature axis (the parameters' shape).
+      num_groups: the number of channel groups (dividing ``num_features``); give it or
+        ``group_size``.
+      group_size: channels per group, instead of ``num_groups``.
+      epsilon: added to the variance before the square root.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      use_bias: add a learned bias.
+      use_scale: multiply by a learned scale.
+      bias_init: the bias's initializer.
+      scale_init: the scale's initializer.
+      reduction_axes: the axes the statistics are taken over; None: all but axis 0.
+      axis_name: a mapped axis name (``vmap``/``shard_map``) the statistics are averaged over; None
+        for local statistics.
+      axis_index_groups: groups of axis indices to average within (``lax.pmean``'s option); None for
+        all.
+      use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass) instead of ``E[(x -
+        E[x])^2]``.
+      promote_dtype: accepted for Flax NNX compatibility; ignored.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      bias_metadata: metadata for the bias :class:`Param`.
+      scale_metadata: metadata for the scale :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -380,6 +444,27 @@ class InstanceNorm(_Norm):
 
     Stats of ``(batch, *spatial, features)`` are taken over the spatial axes (all axes but
     the leading batch axis and ``feature_axes``).
+
+    Args:
+      num_features: the size of the feature axis (the parameters' shape).
+      epsilon: added to the variance before the square root.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      use_bias: add a learned bias.
+      use_scale: multiply by a learned scale.
+      bias_init: the bias's initializer.
+      scale_init: the scale's initializer.
+      feature_axes: the feature axes (kept, with the batch axis, out of the statistics).
+      axis_name: a mapped axis name (``vmap``/``shard_map``) the statistics are averaged over; None
+        for local statistics.
+      axis_index_groups: groups of axis indices to average within (``lax.pmean``'s option); None for
+        all.
+      use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass) instead of ``E[(x -
+        E[x])^2]``.
+      promote_dtype: accepted for Flax NNX compatibility; ignored.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      bias_metadata: metadata for the bias :class:`Param`.
+      scale_metadata: metadata for the scale :class:`Param`.
     """
 
     # stored by _store_options
@@ -433,6 +518,31 @@ class BatchNorm(_Norm):
     (``use_running_average=True``, set by ``model.eval()``): normalizes with the running
     averages. The update is an in-place write to ``mean``/``var`` and flows back through
     ``nn.jit`` / ``nn.grad`` like any state change.
+
+    Args:
+      num_features: the size of the feature axis (the parameters' shape).
+      use_running_average: normalize with the running averages (evaluation); False uses and updates
+        the batch statistics.
+      axis: the feature axis (or axes); statistics are taken over all others.
+      momentum: the running averages' decay.
+      epsilon: added to the variance before the square root.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      use_bias: add a learned bias.
+      use_scale: multiply by a learned scale.
+      bias_init: the bias's initializer.
+      scale_init: the scale's initializer.
+      axis_name: a mapped axis name (``vmap``/``shard_map``) the statistics are averaged over; None
+        for local statistics.
+      axis_index_groups: groups of axis indices to average within (``lax.pmean``'s option); None for
+        all.
+      use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass) instead of ``E[(x -
+        E[x])^2]``.
+      promote_dtype: accepted for Flax NNX compatibility; ignored (statistics are computed in at
+        least float32).
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      bias_metadata: metadata for the bias :class:`Param`.
+      scale_metadata: metadata for the scale :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn

@@ -52,6 +52,11 @@ class Optimizer(Module):
     names, a ``PartitionSpec`` or a ``jax.sharding.Sharding``) gets its state arrays
     (each state leaf at the parameter's path with the parameter's shape, such as Adam's
     ``mu`` and ``nu``) placed in that sharding at init, instead of the parameter's.
+
+    Args:
+      model: the module whose variables are trained.
+      tx: the gradient transformation (Optax-style ``init``/``update``).
+      wrt: the filter of the variables trained (default :class:`Param`).
     """
 
     def __init__(self, model: Module, tx: Any, *, wrt: Any = Param) -> None:
@@ -81,6 +86,11 @@ class Optimizer(Module):
         ``grads`` is the State ``nn.grad`` returns (or a pure dict of the parameters'
         structure); gradients of variables ``wrt`` does not select (``nn.grad``'s
         default ``nn.Param`` also takes ``LoRAParam``s) are left out, as Flax NNX does.
+
+        Args:
+          model: the module being trained (updated in place).
+          grads: the gradient State from ``nn.grad`` (or a pure dict of the parameters' structure).
+          kwargs: extra arguments for ``tx.update`` (``value``, ``grad``...).
 
         Raises:
           ValueError: naming the parameters selected by ``wrt`` that have no gradient.
@@ -126,7 +136,13 @@ class ModelAndOptimizer(Optimizer):
         self.model = model
 
     def update(self, grads: Any, /, **kwargs: Any) -> Any:  # type: ignore[override]
-        """One step on ``self.model`` (see :meth:`Optimizer.update`)."""
+        """One step on ``self.model`` (see :meth:`Optimizer.update`).
+
+        Args:
+          grads: gradients with the structure of the model's trained variables (as ``nn.grad``
+            returns them).
+          kwargs: extra arguments for the optimizer's ``update`` (``value``, ``grad``...).
+        """
         return super().update(self.model, grads, **kwargs)
 
 

@@ -65,6 +65,14 @@ def pool(
     ``lax.max`` / ``lax.min`` and their identity (0, -inf, +inf) the result is then
     differentiable under ``jax.jit`` too; a ``jnp`` array is a tracer under ``jit`` and
     takes the generic reduction, which has no reverse-mode derivative.
+
+    Args:
+      inputs: ``(*batch, *spatial, features)``.
+      init: the reduction's initial value (a Python or NumPy scalar).
+      reduce_fn: the binary reduction (``lax.add``, ``lax.max``...).
+      window_shape: the window size per spatial axis.
+      strides: the stride per spatial axis; None means 1.
+      padding: ``"SAME"``, ``"VALID"`` or per-axis ``(low, high)`` pairs.
     """
     return _pool("pool", inputs, init, reduce_fn, window_shape, strides, padding)
 
@@ -138,6 +146,12 @@ def min_pool(
     """Minimum over each window; padded positions count as ``+inf``.
 
     Arguments, result and errors as for :func:`max_pool`.
+
+    Args:
+      inputs: ``(*batch, *spatial, features)``.
+      window_shape: the window size per spatial axis.
+      strides: the stride per spatial axis; None means 1.
+      padding: ``"SAME"``, ``"VALID"`` or per-axis ``(low, high)`` pairs.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)

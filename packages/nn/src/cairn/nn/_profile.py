@@ -37,6 +37,9 @@ def scope_of(op_name: str) -> tuple[str, bool]:
     to the scopes they hold, and the last component (the primitive) is dropped. An op
     outside every module has the path ``""``.
 
+    Args:
+      op_name: an XLA op's ``op_name`` metadata.
+
     >>> scope_of("jit(pure)/transpose(jvp(blocks/0))/l1/dot_general")
     ('blocks/0/l1', True)
     >>> scope_of("jit(pure)/jvp(norm)/rsqrt"), scope_of("jit(pure)/mul")
@@ -118,7 +121,12 @@ def measure_peak(device: Any = None, *, repeats: int = 3) -> dict[str, Any]:
     """Measured peak of ``device`` (default: the first device): matmul FLOP/s (float32
     1024x1024 on CPU, bfloat16 8192x8192 on accelerators) and memory bandwidth (``x + 1``
     over 64 MiB on CPU, 512 MiB elsewhere: well past the caches; read plus write), the best
-    of ``repeats``."""
+    of ``repeats``.
+
+    Args:
+      device: the device to measure; None uses the first.
+      repeats: runs per measurement; the best is kept.
+    """
     device = device or jax.devices()[0]
     cpu = device.platform == "cpu"
     n, dtype = (1024, jnp.float32) if cpu else (8192, jnp.bfloat16)
@@ -172,6 +180,11 @@ def roofline(cost: dict[str, float], seconds: float, peak: dict[str, Any]) -> di
     """One roofline line: achieved FLOP/s and bytes/s of a step that took ``seconds``, its
     arithmetic intensity against the machine's ridge point, and the time the roofline
     allows (``max(flops / peak FLOP/s, bytes / peak bytes/s)``) as a fraction of ``seconds``.
+
+    Args:
+      cost: ``{"flops": ..., "bytes_accessed": ...}`` of one step (XLA's cost analysis).
+      seconds: the step's measured time.
+      peak: ``{"flops_per_s": ..., "bytes_per_s": ...}``, e.g. from :func:`measure_peak`.
 
     >>> r = roofline({"flops": 4e9, "bytes_accessed": 1e9}, 0.5, {"flops_per_s": 1e10, "bytes_per_s": 1e10})
     >>> r["intensity"], r["ridge"], r["bound"], r["roofline_s"], r["efficiency"]
@@ -283,7 +296,12 @@ class Profiler:
         return self._done
 
     def add_compiled(self, name: str, compiled: Any) -> None:
-        """Register a compiled function (``jax.stages.Compiled``) under ``name``."""
+        """Register a compiled function (``jax.stages.Compiled``) under ``name``.
+
+        Args:
+          name: the name the summary uses.
+          compiled: a ``jax.stages.Compiled``.
+        """
         if not hasattr(compiled, "as_text") or not hasattr(compiled, "cost_analysis"):
             raise TypeError(f"add_compiled({name!r}, ...) needs a jax.stages.Compiled "
                             f"(fn.lower(*args).compile()), got {type(compiled).__name__}")
@@ -292,7 +310,11 @@ class Profiler:
             self._fns[name] = _Fn(compiled, module, ops)
 
     def step(self, step: int) -> contextlib.AbstractContextManager:
-        """The context for one training step (a no-op outside the window or when off)."""
+        """The context for one training step (a no-op outside the window or when off).
+
+        Args:
+          step: the training step number.
+        """
         if not self.enabled or self._done or not self.start_step <= step < self.start_step + self.num_steps:
             if self._active and step >= self.start_step + self.num_steps:
                 self._stop()
@@ -337,6 +359,9 @@ class Profiler:
         ``forward_ms``, ``backward_ms`` (the ops charged to exactly that module, per step),
         ``total_ms`` (that module and everything below it, per step), ``percent`` (of the
         function's op time) and ``ops`` (op events per step).
+
+        Args:
+          print_fn: prints the tables; None is silent.
         """
         if not self.enabled:
             raise RuntimeError("this Profiler is disabled (enabled=False): there is nothing to summarize")

@@ -33,6 +33,9 @@ def data(value: A, /) -> A:
     each array in it becomes a :class:`Variable`; modules, Variables and containers of
     them are returned as they are.
 
+    Args:
+      value: an array, a pytree of arrays, a module or a Variable.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> class Counter(nn.Pytree):
@@ -49,6 +52,9 @@ def data(value: A, /) -> A:
 def static(value: A, /) -> A:
     """Mark ``value`` as static configuration: returns it (values that are not arrays,
     Variables or modules are static in cairn.nn already).
+
+    Args:
+      value: a static value (not an array, Variable or module).
 
     Raises:
       TypeError: ``value`` is an array, a Variable or a module (state cannot be static).

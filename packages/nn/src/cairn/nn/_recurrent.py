@@ -142,6 +142,24 @@ class LSTMCell(_GatedCell):
     ``h' = o * activation_fn(c')``. The carry is ``(c, h)``, the output ``h'``.
     Parameters are fused: ``kernel (in, 4H)``, ``recurrent_kernel (H, 4H)``, ``bias (4H)``.
 
+    Args:
+      in_features: the input's feature size.
+      hidden_features: the size of the hidden state.
+      gate_fn: the gates' activation.
+      activation_fn: the candidate/output activation.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      recurrent_kernel_init: the recurrent kernel's initializer.
+      bias_init: the bias's initializer.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      carry_init: the initial carry's initializer (None: zeros).
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      recurrent_kernel_metadata: metadata for the recurrent kernel :class:`Param`.
+      bias_metadata: metadata for the bias :class:`Param`.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> cell = nn.LSTMCell(3, 5, rngs=nn.Rngs(0))
@@ -199,7 +217,13 @@ class LSTMCell(_GatedCell):
         rngs: Rngs | RngStream | None = None,
         carry_init: Initializer | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """Zeros (or ``carry_init``) ``(c, h)``, each ``(*batch, hidden_features)``."""
+        """Zeros (or ``carry_init``) ``(c, h)``, each ``(*batch, hidden_features)``.
+
+        Args:
+          input_shape: the input's shape ``(*batch, in_features)``.
+          rngs: random streams for a random ``carry_init``; None for none.
+          carry_init: the carry's initializer; None gives zeros.
+        """
         return self._zero_carry(input_shape, 2, rngs, carry_init)
 
 
@@ -211,6 +235,24 @@ class GRUCell(_GatedCell):
     The carry and the output are ``h'``. Fused parameters: ``kernel (in, 3H)``,
     ``recurrent_kernel (H, 3H)``, ``bias (3H)`` for the input side, ``recurrent_bias (H)``
     for the candidate's recurrent term.
+
+    Args:
+      in_features: the input's feature size.
+      hidden_features: the size of the hidden state.
+      gate_fn: the gates' activation.
+      activation_fn: the candidate/output activation.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      recurrent_kernel_init: the recurrent kernel's initializer.
+      bias_init: the bias's initializer.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      carry_init: the initial carry's initializer (None: zeros).
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      recurrent_kernel_metadata: metadata for the recurrent kernel :class:`Param`.
+      bias_metadata: metadata for the bias :class:`Param`.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -272,12 +314,33 @@ class GRUCell(_GatedCell):
         rngs: Rngs | RngStream | None = None,
         carry_init: Initializer | None = None,
     ) -> jax.Array:
-        """Zeros (or ``carry_init``) ``h`` of shape ``(*batch, hidden_features)``."""
+        """Zeros (or ``carry_init``) ``h`` of shape ``(*batch, hidden_features)``.
+
+        Args:
+          input_shape: the input's shape ``(*batch, in_features)``.
+          rngs: random streams for a random ``carry_init``; None for none.
+          carry_init: the carry's initializer; None gives zeros.
+        """
         return self._zero_carry(input_shape, 1, rngs, carry_init)[0]
 
 
 class SimpleCell(RNNCellBase):
-    """Elman cell: ``h' = activation_fn(x W + h U + b)``; carry and output are ``h'``."""
+    """Elman cell: ``h' = activation_fn(x W + h U + b)``; carry and output are ``h'``.
+
+    Args:
+      in_features: the input's feature size.
+      hidden_features: the size of the hidden state.
+      activation_fn: the candidate/output activation.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      recurrent_kernel_init: the recurrent kernel's initializer.
+      bias_init: the bias's initializer.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      carry_init: the initial carry's initializer (None: zeros).
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+    """
 
     def __init__(
         self,
@@ -318,6 +381,13 @@ class SimpleCell(RNNCellBase):
         rngs: Rngs | RngStream | None = None,
         carry_init: Initializer | None = None,
     ) -> jax.Array:
+        """The initial carry for inputs of ``input_shape``.
+
+        Args:
+          input_shape: the input's shape ``(*batch, in_features)``.
+          rngs: random streams for a random ``carry_init``; None for none.
+          carry_init: the carry's initializer; None gives zeros.
+        """
         return self._zero_carry(input_shape, 1, rngs, carry_init)[0]
 
 
@@ -343,6 +413,15 @@ class RNN(Module):
     example after its length: the carry is frozen and later outputs are zero.
     ``reverse=True`` processes each sequence backwards (within its length); outputs come
     back in processing order unless ``keep_order=True``.
+
+    Args:
+      cell: the recurrent cell (``LSTMCell``, ``GRUCell``...).
+      time_major: the input is ``(time, *batch, features)``.
+      return_carry: return ``(carry, outputs)`` instead of the outputs.
+      reverse: process each sequence backwards (within its length).
+      keep_order: with ``reverse``, return the outputs in input order.
+      unroll: ``jax.lax.scan``'s unroll.
+      rngs: accepted for Flax NNX compatibility; unused.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -443,4 +522,23 @@ class OptimizedLSTMCell(LSTMCell):
     """Flax NNX's name for the LSTM cell whose four gates are computed with fused
     matmuls. :class:`LSTMCell` here already is that cell (its parameters are the fused
     ``kernel (in, 4H)``, ``recurrent_kernel (H, 4H)``, ``bias (4H)``), so this is the
-    same cell under Flax's second name; same arguments, same numbers."""
+    same cell under Flax's second name; same arguments, same numbers.
+
+    Args:
+      in_features: the input's feature size.
+      hidden_features: the size of the hidden state.
+      gate_fn: the gates' activation.
+      activation_fn: the candidate/output activation.
+      kernel_init: the kernel's initializer ``init(key, shape, dtype)``.
+      recurrent_kernel_init: the recurrent kernel's initializer.
+      bias_init: the bias's initializer.
+      dtype: the computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: the dtype the parameters are stored in.
+      carry_init: the initial carry's initializer (None: zeros).
+      promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
+        one dtype.
+      rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      kernel_metadata: metadata for the kernel :class:`Param` (``sharding_names``...).
+      recurrent_kernel_metadata: metadata for the recurrent kernel :class:`Param`.
+      bias_metadata: metadata for the bias :class:`Param`.
+    """

@@ -22,7 +22,18 @@ def remat(
     graph_updates: bool | None = None,
 ) -> Callable:
     """``jax.checkpoint`` (rematerialization): values and gradients are unchanged, the
-    backward pass recomputes ``f``'s intermediates instead of storing them."""
+    backward pass recomputes ``f``'s intermediates instead of storing them.
+
+    Args:
+      f: the function to rematerialize; None returns a decorator.
+      prevent_cse: stop XLA from merging the recomputation with the forward pass
+        (``jax.checkpoint``'s option).
+      static_argnums: positions of static arguments.
+      policy: a ``jax.checkpoint_policies`` policy saying which intermediates to save; None saves
+        none.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("remat", graph, graph_updates)
     if f is None:
         return functools.partial(

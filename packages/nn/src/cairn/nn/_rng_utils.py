@@ -81,7 +81,11 @@ class SplitBackups(list):
 
 
 def restore_rngs(backups: Any, /) -> None:
-    """Put back the keys (and counters) saved in ``backups``."""
+    """Put back the keys (and counters) saved in ``backups``.
+
+    Args:
+      backups: what :func:`fork_rngs` or :func:`split_rngs` returned.
+    """
     for stream, key, *count in backups:
         stream.key.value = key
         if count:
@@ -121,6 +125,14 @@ def split_rngs(
     ``jax.random.split(stream(), splits)`` and the counter restarts at zero (shape
     ``splits``). Returns the :class:`SplitBackups` that restores them; without ``node``,
     a decorator that splits the decorated function's arguments during each call.
+
+    Args:
+      node: the module or Rngs whose streams are split; left out, a decorator is returned.
+      splits: the number (or shape) of keys per stream.
+      only: the streams to split (a filter or a stream name; ``...``: all).
+      squeeze: with ``splits=1``, keep the key's shape (no new axis).
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
     >>> from cairn import nn
     >>> rngs = nn.Rngs(params=0, dropout=1)
@@ -164,6 +176,12 @@ def fork_rngs(
     numbers independent of the caller's. ``split`` is ``None``, a number / shape for every
     stream, or a mapping ``{filter: splits}``. Returns the :class:`SplitBackups`;
     without ``node``, a decorator.
+
+    Args:
+      node: the module or Rngs whose streams are forked; left out, a decorator is returned.
+      split: None, a number / shape of keys for every stream, or ``{filter: splits}``.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
     >>> from cairn import nn
     >>> rngs = nn.Rngs(params=0, dropout=1)
@@ -218,6 +236,12 @@ def reseed(
     ``Rngs(s=seed)`` would give; ``policy`` says what to do for a stream holding
     several keys: ``"scalars_only"`` (raise), ``"match_shape"`` (split the new key to
     that shape) or a callable ``(path, key, shape) -> key``.
+
+    Args:
+      node: the module or Rngs holding the streams.
+      policy: ``"scalars_only"``, ``"match_shape"`` or a callable ``(path, key, shape) -> key``.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      stream_keys: ``stream_name=seed`` for each stream to reseed.
 
     >>> from cairn import nn
     >>> rngs = nn.Rngs(dropout=1)

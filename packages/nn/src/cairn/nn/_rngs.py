@@ -50,7 +50,12 @@ def _fold_in(key, count):
 
 
 class RngStream(Module):
-    """One named stream: ``stream()`` returns a fresh key and advances the counter."""
+    """One named stream: ``stream()`` returns a fresh key and advances the counter.
+
+    Args:
+      key: an int seed or a ``jax.random`` key (typed or raw).
+      tag: the stream's name, kept as the ``tag`` of its variables.
+    """
 
     def __init__(self, key: Any, *, tag: str) -> None:
         key = _as_key(key)
@@ -67,7 +72,11 @@ class RngStream(Module):
     def fork(self, *, split: int | tuple[int, ...] | None = None) -> RngStream:
         """An independent stream derived from this one (advances this one's counter).
         With ``split=n`` the new stream holds ``n`` keys (shape ``(n,)``), for use as a
-        batched argument of ``nn.vmap`` / ``nn.scan``."""
+        batched argument of ``nn.vmap`` / ``nn.scan``.
+
+        Args:
+          split: None for one key; an int or shape for that many keys.
+        """
         key = self()
         if split is not None:
             if key.ndim != 0:
@@ -77,11 +86,19 @@ class RngStream(Module):
 
 
     def split(self, k: int | tuple[int, ...]) -> RngStream:
-        """A new stream holding ``k`` keys split from this stream's next key."""
+        """A new stream holding ``k`` keys split from this stream's next key.
+
+        Args:
+          k: the number (or shape) of keys.
+        """
         return RngStream(jax.random.split(self(), k), tag=self.tag)
 
     def broadcast(self, k: int | tuple[int, ...]) -> RngStream:
-        """A new stream holding this stream's next key repeated to shape ``k``."""
+        """A new stream holding this stream's next key repeated to shape ``k``.
+
+        Args:
+          k: the shape (or int) the key is repeated to.
+        """
         key = self()
         shape = (k,) if isinstance(k, int) else tuple(k)
         return RngStream(jnp.broadcast_to(key, shape + key.shape), tag=self.tag)
@@ -95,6 +112,10 @@ class Rngs(Module):
     draw a key from a stream; a stream that does not exist falls back to ``default``
     when there is one, and otherwise raises ``AttributeError`` naming the stream.
 
+    Args:
+      default: the seed (int) or key of the ``default`` stream; None for no default stream.
+      streams: more streams, ``name=seed`` (or an :class:`RngStream`).
+
     >>> import jax
     >>> from cairn import nn
     >>> rngs = nn.Rngs(0, dropout=1)
@@ -103,6 +124,9 @@ class Rngs(Module):
     True
     >>> int(rngs.default.count.value)
     2
+
+    Raises:
+      ValueError: a stream name that is not an identifier.
     """
 
     def __init__(self, default: Any = None, /, **streams: Any) -> None:
@@ -141,7 +165,11 @@ class Rngs(Module):
         return self.default()
 
     def fork(self, *, split: int | tuple[int, ...] | None = None) -> Rngs:
-        """New independent Rngs with the same stream names (see :meth:`RngStream.fork`)."""
+        """New independent Rngs with the same stream names (see :meth:`RngStream.fork`).
+
+        Args:
+          split: None for one key per stream; an int or shape for that many keys per stream.
+        """
         out = Rngs()
         for name, stream in self.streams().items():
             setattr(out, name, stream.fork(split=split))
@@ -149,13 +177,21 @@ class Rngs(Module):
 
     def split(self, n: int | tuple[int, ...]) -> Rngs:
         """``fork(split=n)``: Rngs whose streams hold ``n`` keys each, to pass as a
-        batched (``in_axes=0``) argument of ``nn.vmap``."""
+        batched (``in_axes=0``) argument of ``nn.vmap``.
+
+        Args:
+          n: the number (or shape) of keys per stream.
+        """
         return self.fork(split=n)
 
     def broadcast(self, k: Any) -> Rngs:
         """New Rngs whose streams hold their next key repeated to shape ``k`` (an int, a
         shape, or ``{stream name: shape or None}``; None or a missing name: forked
-        unbroadcast), see :meth:`RngStream.broadcast`."""
+        unbroadcast), see :meth:`RngStream.broadcast`.
+
+        Args:
+          k: an int, a shape, or ``{stream name: shape or None}``.
+        """
         out = Rngs()
         for name, stream in self.streams().items():
             shape = k.get(name) if isinstance(k, dict) else k
@@ -184,7 +220,12 @@ def _sampler(name: str):
     method.__name__ = method.__qualname__ = name
     method.__doc__ = (
         f"``jax.random.{name}(key, *args, **kwargs)`` with a fresh key from this stream "
-        f"(on :class:`Rngs`: the ``default`` stream, or ``stream=`` by name)."
+        f"(on :class:`Rngs`: the ``default`` stream, or ``stream=`` by name).\n\n"
+        f"Args:\n"
+        f"  args: ``jax.random.{name}``'s positional arguments after the key (shape, bounds...).\n"
+        f"  stream: on :class:`Rngs`, the name of the stream that gives the key; None uses\n"
+        f"    ``default``.\n"
+        f"  kwargs: ``jax.random.{name}``'s keyword arguments (``shape``, ``dtype``...).\n"
     )
     return method
 

@@ -26,7 +26,16 @@ __all__ = ["RotaryEmbedding", "apply_rotary_embedding", "rotary_frequencies"]
 
 
 def rotary_frequencies(dim: int, base: float = 10000.0, dtype: Any = jnp.float32) -> jax.Array:
-    """``theta_i = base ** (-2 i / dim)`` for ``i < dim // 2``."""
+    """``theta_i = base ** (-2 i / dim)`` for ``i < dim // 2``.
+
+    Args:
+      dim: the rotated width (even).
+      base: the frequency base.
+      dtype: the result's dtype.
+
+    Returns:
+      ``(dim // 2,)``.
+    """
     if dim < 2 or dim % 2:
         raise ValueError(f"rotary dim must be a positive even number, got {dim}")
     return (base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)).astype(dtype)
@@ -47,6 +56,17 @@ def apply_rotary_embedding(
     ``arange(length)``. ``scale_factor > 1`` divides positions (linear position
     interpolation). The angles are computed in float32, the rotation in at least float32
     (float64 stays float64); the result has ``x``'s dtype.
+
+    Args:
+      x: ``(*batch, length, heads, head_dim)``.
+      positions: ``(*batch, length)`` or ``(length,)`` int or float positions; None uses
+        ``arange(length)``.
+      base: the frequency base :math:`\\theta` (``base ** (-2i / rotary_dim)``).
+      rotary_dim: rotate only the first ``rotary_dim`` features (even); None rotates all of
+        ``head_dim``.
+      interleaved: pair features ``(2i, 2i+1)`` (RoFormer layout) instead of ``(i, i + d/2)``
+        (GPT-NeoX/Llama style).
+      scale_factor: divides the positions (linear position interpolation); 1 for none.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((1, 4, 2, 8))
@@ -94,6 +114,13 @@ def apply_rotary_embedding(
 
 class RotaryEmbedding(Module):
     """Module form of :func:`apply_rotary_embedding` (no parameters, configuration only).
+
+    Args:
+      head_dim: the width of one head.
+      base: the frequency base.
+      rotary_dim: rotate only the first this many features; None for all.
+      interleaved: pair features ``(2i, 2i+1)`` instead of ``(i, i + d/2)``.
+      scale_factor: divides the positions (linear position interpolation).
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn

@@ -46,6 +46,12 @@ def with_partitioning(
     array never exists on one device. Inside a trace (``nn.jit``, ``sharded_init``)
     it runs as is and the Variable gets a sharding constraint.
 
+    Args:
+      initializer: ``init(key, shape, dtype) -> array``.
+      sharding_names: one logical axis name (or None) per array dim.
+      mesh: the device mesh; None uses the one of :func:`sharding_rules`.
+      metadata: more metadata for the Variable.
+
     >>> import jax, jax.numpy as jnp
     >>> from cairn import nn
     >>> init = nn.with_partitioning(lambda key, shape: jnp.zeros(shape), ("embed", "mlp"))
@@ -124,7 +130,13 @@ def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, ar
 def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None) -> Any:
     """The same tree (a Module's :func:`~cairn.nn.state`, a State, or a Variable) with
     each variable's value replaced by its ``PartitionSpec`` (``PartitionSpec()`` when it
-    has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`."""
+    has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`.
+
+    Args:
+      tree: a State, a module's state or a Variable.
+      rules: logical-axis rules; None uses the active :func:`sharding_rules`.
+      mesh: the mesh the rules refer to; None uses the active one.
+    """
     from cairn.core_array import logical_to_partition_spec
 
     if isinstance(tree, Module):
@@ -159,7 +171,13 @@ def _map_variables(fn, tree):
 
 
 def get_named_sharding(tree: Any, mesh: Any, rules: Any = None) -> Any:
-    """Like :func:`get_partition_spec` but with ``NamedSharding(mesh, spec)`` values."""
+    """Like :func:`get_partition_spec` but with ``NamedSharding(mesh, spec)`` values.
+
+    Args:
+      tree: a State, a module's state or a Variable.
+      mesh: the device mesh.
+      rules: logical-axis rules; None uses the active :func:`sharding_rules`.
+    """
     specs = get_partition_spec(tree, rules, mesh)
     return _map_variables(lambda v: v.replace(NamedSharding(mesh, v.raw_value)), specs)
 
@@ -171,7 +189,16 @@ def abstract_model(
     compute). Every variable's value is a ``jax.ShapeDtypeStruct``; with a mesh (given
     or from :func:`sharding_rules`) it carries the variable's ``NamedSharding`` (logical
     names through ``rules``; replicated without names). The standard target for
-    restoring a checkpoint."""
+    restoring a checkpoint.
+
+    Args:
+      fn: the constructor (or any function building modules).
+      args: its positional arguments.
+      mesh: the device mesh for the shardings; None uses the one of :func:`sharding_rules`.
+      rules: logical-axis rules (a ``LogicalAxisRules`` or ``(name, mesh_axes)`` pairs); None uses
+        the active ones.
+      kwargs: its keyword arguments.
+    """
     ctx = current_rules()
     if mesh is None and ctx is not None:
         mesh = ctx[0]
@@ -208,7 +235,15 @@ def sharded_init(
     """Create ``fn(*args, **kwargs)`` (typically a model constructor) inside one
     compiled function whose outputs are each variable's ``NamedSharding``: every
     parameter is written shard by shard, never as a full copy on one device. Variables
-    without ``sharding_names`` are replicated."""
+    without ``sharding_names`` are replicated.
+
+    Args:
+      fn: the constructor (or any function building modules).
+      args: its positional arguments.
+      mesh: the device mesh; None uses the one of :func:`sharding_rules`.
+      rules: logical-axis rules; None uses the active ones.
+      kwargs: its keyword arguments.
+    """
     ctx = current_rules()
     if mesh is None and ctx is not None:
         mesh = ctx[0]

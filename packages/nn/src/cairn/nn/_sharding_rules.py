@@ -22,7 +22,13 @@ _CTX: list[tuple[Any, Any]] = []  # stack of (mesh, rules)
 def sharding_rules(rules: Any, mesh: Any = None) -> Iterator[None]:
     """Context in which variables with ``sharding_names`` metadata are created in
     their ``NamedSharding`` on ``mesh`` (rules: a ``LogicalAxisRules`` or a sequence of
-    ``(logical_name, mesh_axes)`` pairs)."""
+    ``(logical_name, mesh_axes)`` pairs).
+
+    Args:
+      rules: a ``LogicalAxisRules`` or a sequence of ``(logical_name, mesh_axes)`` pairs.
+      mesh: the device mesh variables are placed on; None sets only the rules (a mesh is then
+        given where shardings are made, e.g. to :func:`sharded_init`).
+    """
     from cairn.core_array import LogicalAxisRules
 
     if not isinstance(rules, LogicalAxisRules):

@@ -29,6 +29,9 @@ class State(MutableMapping):
 
     Build one from a nested mapping of Variables (``State({"w": nn.Param(x)})``) or get
     it from :func:`~cairn.nn.state` / :func:`~cairn.nn.split`.
+
+    Args:
+      mapping: a nested mapping of variables (keys are path components); None for an empty State.
     """
 
     __slots__ = ("_flat_d", "_hint")
@@ -44,7 +47,11 @@ class State(MutableMapping):
 
     @classmethod
     def from_flat(cls, flat: Mapping[tuple, Variable] | Any) -> State:
-        """A State from ``{path_tuple: Variable}`` (or an iterable of pairs)."""
+        """A State from ``{path_tuple: Variable}`` (or an iterable of pairs).
+
+        Args:
+          flat: ``{path tuple: Variable}``, or an iterable of such pairs.
+        """
         s = object.__new__(cls)
         s._flat_d = dict(flat)
         s._hint = None
@@ -149,12 +156,20 @@ class State(MutableMapping):
 
     # --- functional helpers ---
     def filter(self, *filters: Any) -> State | tuple[State, ...]:
-        """The variables matching each filter (a State, or a tuple for several)."""
+        """The variables matching each filter (a State, or a tuple for several).
+
+        Args:
+          filters: one or more filters (Variable types, path regexes, ``...``, predicates...).
+        """
         return self._partition(filters, strict=False)
 
     def split(self, *filters: Any) -> State | tuple[State, ...]:
         """Partition by ``filters`` (each variable goes to the first that matches; every
-        variable must match one, so end with ``...`` to collect the rest)."""
+        variable must match one, so end with ``...`` to collect the rest).
+
+        Args:
+          filters: the filters, in order; the last is often ``...``.
+        """
         return self._partition(filters, strict=True)
 
     def _partition(self, filters, strict: bool) -> State | tuple[State, ...]:
@@ -179,7 +194,11 @@ class State(MutableMapping):
 
     @staticmethod
     def merge(*states: State) -> State:
-        """One State holding the variables of all ``states`` (later ones win)."""
+        """One State holding the variables of all ``states`` (later ones win).
+
+        Args:
+          states: the States to combine.
+        """
         flat = {}
         for s in states:
             flat.update(s._flat)
@@ -189,6 +208,12 @@ class State(MutableMapping):
         return to_pure_dict(self)
 
     def replace_by_pure_dict(self, pure: Mapping) -> None:
+        """Set every variable to the value at its path in ``pure`` (see
+        :func:`replace_by_pure_dict`).
+
+        Args:
+          pure: nested plain dicts of values, as :func:`to_pure_dict` makes.
+        """
         replace_by_pure_dict(self, pure)
 
     def __repr__(self) -> str:
@@ -216,7 +241,11 @@ def _flatten_mapping(mapping: Mapping, prefix: tuple, out: dict) -> dict:
 
 
 def to_pure_dict(state: State | Mapping) -> dict:
-    """Nested plain dicts of the variables' values (list indices stay ints)."""
+    """Nested plain dicts of the variables' values (list indices stay ints).
+
+    Args:
+      state: a State (or a nested mapping of variables).
+    """
     flat = state._flat if isinstance(state, State) else _flatten_mapping(state, (), {})
     out: dict = {}
     for p, v in flat.items():
@@ -230,7 +259,12 @@ def to_pure_dict(state: State | Mapping) -> dict:
 def replace_by_pure_dict(state: State, pure: Mapping) -> None:
     """Set every variable of ``state`` (in place) to the value at its path in the nested
     mapping ``pure`` (as made by :func:`to_pure_dict`; string forms of integer keys are
-    accepted). Raises ``KeyError`` naming a path that ``pure`` lacks."""
+    accepted). Raises ``KeyError`` naming a path that ``pure`` lacks.
+
+    Args:
+      state: the State to update in place.
+      pure: nested plain dicts of values at the State's paths.
+    """
     for p, v in state._flat.items():
         d = pure
         for i, k in enumerate(p):
@@ -311,13 +345,22 @@ jax.tree_util.register_pytree_with_keys(
 class GraphState(State):
     """A :class:`State` that carries the :class:`~cairn.nn.GraphDef` of the module it
     came from (``nn.unpack``), so ``nn.merge(*graph_states)`` needs no GraphDef. It is a
-    pytree (the GraphDef is static), so it goes through ``nn.grad`` / ``jax.jit``."""
+    pytree (the GraphDef is static), so it goes through ``nn.grad`` / ``jax.jit``.
+
+    Args:
+      mapping: a nested mapping of variables; None for an empty state.
+    """
 
     __slots__ = ("_graphdef",)
 
     @classmethod
     def wrap(cls, graphdef: Any, state: State) -> GraphState:
-        """``state``'s variables with ``graphdef`` attached."""
+        """``state``'s variables with ``graphdef`` attached.
+
+        Args:
+          graphdef: the :class:`GraphDef` to attach.
+          state: the :class:`State` whose variables it holds.
+        """
         g: Any = cls.from_flat(state._flat)
         g._graphdef = graphdef
         return g

@@ -50,6 +50,12 @@ def tabulate(model: Module, *inputs: Any, method: str = "__call__", **kwargs: An
     ``inputs`` may be arrays or ``jax.ShapeDtypeStruct``. Modules that are not called
     show an empty output column.
 
+    Args:
+      model: the module.
+      inputs: the call's positional inputs (arrays or ``jax.ShapeDtypeStruct``).
+      method: the method to call.
+      kwargs: the call's keyword arguments.
+
     Raises:
       TypeError: ``model`` is not a Module.
     """

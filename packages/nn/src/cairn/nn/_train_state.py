@@ -59,6 +59,13 @@ class TrainState:
     transformation ``tx`` (static). Subclasses add fields by annotation
     (``batch_stats: nn.State``); every subclass is a frozen dataclass and a pytree too.
 
+    Args:
+      graphdef: the model's :class:`GraphDef`.
+      params: the trained variables, a :class:`State`.
+      opt_state: the transformation's state.
+      step: the number of updates taken.
+      tx: the Optax-style transformation (static).
+
     >>> import optax, jax.numpy as jnp
     >>> from cairn import nn
     >>> gd, params = nn.split(nn.Linear(2, 1, rngs=nn.Rngs(0)))
@@ -95,7 +102,12 @@ class TrainState:
                    step=jax.numpy.asarray(step), tx=tx, **kwargs)
 
     def apply(self, state: State | str, *states: State | str) -> ApplyCaller:
-        """``graphdef.apply`` with States given directly or by field name."""
+        """``graphdef.apply`` with States given directly or by field name.
+
+        Args:
+          state: a State, or the name of a field holding one (``"params"``).
+          states: more States or field names (``"batch_stats"``...).
+        """
         out = []
         for s in (state, *states):
             if isinstance(s, str):
@@ -109,7 +121,12 @@ class TrainState:
 
     def apply_gradients(self, grads: State, **kwargs: Any) -> TrainState:
         """One step: ``updates = tx.update(grads, opt_state, params)``, ``params +=
-        updates``, ``step + 1`` (a new TrainState; ``kwargs`` replace other fields)."""
+        updates``, ``step + 1`` (a new TrainState; ``kwargs`` replace other fields).
+
+        Args:
+          grads: gradients with the structure of ``params``.
+          kwargs: other fields to replace in the new TrainState.
+        """
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = jax.tree_util.tree_map(lambda p, u: p + u, self.params, updates)
         return dataclasses.replace(  # type: ignore[type-var]
@@ -117,7 +134,11 @@ class TrainState:
         )
 
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with ``changes`` applied."""
+        """A copy with ``changes`` applied.
+
+        Args:
+          changes: field names and their new values.
+        """
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 

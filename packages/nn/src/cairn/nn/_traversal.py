@@ -17,6 +17,10 @@ def iter_graph(node: Any, /, *, graph: bool | None = None) -> Iterator[tuple[tup
     ``node`` (a module or a list / tuple / dict of them), children before their parent,
     attributes in definition order; the root comes last with path ``()``.
 
+    Args:
+      node: a module, or a list / tuple / dict of them.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+
     >>> from cairn import nn
     >>> for path, v in nn.iter_graph(nn.Linear(2, 3, use_bias=False, rngs=nn.Rngs(0))):
     ...     if isinstance(v, nn.Variable | nn.Module):
@@ -45,6 +49,11 @@ def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
     """Apply ``f(path, x)`` to every module and Variable of ``node``, children before
     parents, on a new tree sharing ``node``'s Variables: what ``f`` returns replaces
     ``x`` (return ``x`` to keep it). Returns ``f((), new_root)``.
+
+    Args:
+      f: ``f(path, x) -> replacement`` for every module and Variable.
+      node: the module tree.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
 
     >>> from cairn import nn
     >>> m = nn.Sequential(nn.Linear(2, 2, rngs=nn.Rngs(0)), nn.Linear(2, 2, rngs=nn.Rngs(1)))

@@ -37,7 +37,12 @@ def bump_epoch() -> None:
 class VariableMetadata:
     """A value boxed with metadata, returned by initializers wrapped with
     :func:`with_metadata` / :func:`with_partitioning`. Creating a :class:`Variable`
-    from it unboxes the value and applies the metadata."""
+    from it unboxes the value and applies the metadata.
+
+    Args:
+      value: the value the initializer made.
+      metadata: the metadata the variable built from it gets.
+    """
 
     __slots__ = ("value", "metadata")
 
@@ -51,7 +56,12 @@ class VariableMetadata:
 
 def with_metadata(initializer: Callable, **metadata: Any) -> Callable:
     """Wrap ``initializer`` so that its result carries ``metadata`` into the Variable
-    built from it (``nn.Param(init(key, shape))``)."""
+    built from it (``nn.Param(init(key, shape))``).
+
+    Args:
+      initializer: ``init(key, shape, dtype) -> array``.
+      metadata: the metadata the Variable gets.
+    """
 
     def wrapped(*args, **kwargs):
         out = initializer(*args, **kwargs)
@@ -101,6 +111,12 @@ class Variable:
     Any other keyword given to the constructor is metadata, read back as an attribute
     (``v.sharding_names``) and kept in ``v.metadata``.
 
+    Args:
+      value: the initial value (an array; a :class:`VariableMetadata` or another variable
+        contributes its metadata too).
+      metadata: any other keyword is metadata (``sharding_names``, ``tag``...), read back as an
+        attribute and kept in ``v.metadata``.
+
     >>> import jax.numpy as jnp
     >>> from cairn import nn
     >>> w = nn.Param(jnp.ones((2, 3)), sharding_names=("embed", "mlp"))
@@ -145,6 +161,11 @@ class Variable:
         return self.raw_value
 
     def set_value(self, new: Any) -> None:
+        """Set ``value`` (the same as ``v.value = new``).
+
+        Args:
+          new: the new value (an array, not a variable).
+        """
         self.value = new
 
     def __getitem__(self, idx):
@@ -207,7 +228,11 @@ class Variable:
         return self.raw_value
 
     def set_raw_value(self, value: Any) -> None:
-        """Store ``value`` as it is (``raw_value``)."""
+        """Store ``value`` as it is (``raw_value``).
+
+        Args:
+          value: the new raw value (stored without any conversion).
+        """
         object.__setattr__(self, "raw_value", value)
 
     def __getattr__(self, name: str):
@@ -246,6 +271,10 @@ class Variable:
         """A ``cls`` holding ``value`` with the metadata dict ``metadata`` (the inverse
         of ``v.value, v.metadata``).
 
+        Args:
+          value: the value to hold.
+          metadata: the metadata dict.
+
         >>> from cairn import nn
         >>> nn.Param.from_metadata(1.0, {"sharding_names": None}).metadata
         {'sharding_names': None}
@@ -254,7 +283,12 @@ class Variable:
 
     def replace(self, value: Any = None, **metadata: Any) -> Variable:
         """A new variable of the same type, with ``value`` (default: the same value)
-        and the metadata updated by ``metadata``."""
+        and the metadata updated by ``metadata``.
+
+        Args:
+          value: the new value; None keeps the current one.
+          metadata: metadata entries to add or replace.
+        """
         new = object.__new__(type(self))
         object.__setattr__(new, "_meta", {**self._meta, **metadata})
         object.__setattr__(new, "raw_value", self.raw_value if value is None else value)
@@ -412,7 +446,14 @@ class Param(Variable):
 
 
 class BatchStat(Variable):
-    """Running statistics (e.g. BatchNorm's mean and variance); not trained."""
+    """Running statistics (e.g. BatchNorm's mean and variance); not trained.
+
+    Args:
+      value: the initial value (an array, or a :class:`VariableMetadata` / another variable whose
+        metadata is merged in).
+      metadata: any other keyword is metadata (``sharding_names``...), read back as an attribute and
+        kept in ``v.metadata``.
+    """
 
     __slots__ = ()
 

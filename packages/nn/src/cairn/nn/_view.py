@@ -65,6 +65,13 @@ def with_attributes(
     one of ``attributes`` gets the new value (a module with Flax's ``set_view(**modes)``
     hook gets the keywords it names through it). ``node`` itself is unchanged.
 
+    Args:
+      node: the module tree.
+      only: the modules to change: a Module type, a tuple of them or ``(path, module) -> bool``.
+      raise_if_not_found: raise when no selected module has one of the attributes.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      attributes: the attributes and their new values.
+
     >>> from cairn import nn
     >>> drop = nn.Dropout(0.5, rngs=nn.Rngs(0))
     >>> nn.with_attributes(drop, deterministic=True).deterministic, drop.deterministic
@@ -127,6 +134,13 @@ def view(
     """A view of ``node`` with static settings changed, sharing its Variables:
     ``nn.view(model, deterministic=True, use_running_average=True)`` is an evaluation
     copy of a training model (see :func:`with_attributes` for ``only`` and the errors).
+
+    Args:
+      node: the module tree.
+      only: the modules to change: a Module type, a tuple of them or ``(path, module) -> bool``.
+      raise_if_not_found: raise when no selected module has one of the settings.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      kwargs: the settings and their new values.
 
     >>> from cairn import nn
     >>> class Block(nn.Module):

@@ -23,7 +23,11 @@ from cairn.nn._variables import Variable
 class StateAxes:
     """Per-variable axes for one module argument of :func:`vmap` / :func:`shard_map`:
     a mapping ``{filter: axis}`` (first matching filter wins; every variable must match
-    one), e.g. ``nn.StateAxes({nn.Param: 0, ...: None})``."""
+    one), e.g. ``nn.StateAxes({nn.Param: 0, ...: None})``.
+
+    Args:
+      mapping: ``{filter: axis}``, ``axis`` an int or None (not mapped).
+    """
 
     def __init__(self, mapping: Mapping[Any, Any]) -> None:
         self.items = tuple(mapping.items())
@@ -31,6 +35,10 @@ class StateAxes:
 
     def axes_for(self, graphdef: GraphDef, variables: list[Variable]) -> list:
         """The axis of each variable of a module (``graphdef`` and its variables).
+
+        Args:
+          graphdef: the module's :class:`GraphDef`.
+          variables: its variables, in the order of ``graphdef.paths``.
 
         Raises:
           ValueError: naming a variable that matches none of the filters.
@@ -158,6 +166,16 @@ def vmap(
     values. Modules created inside ``f`` come out stacked (``out_axes``): this is how
     stacked layers for :func:`scan` are made.
 
+    Args:
+      f: the function to vectorize; None returns a decorator.
+      in_axes: ``jax.vmap``'s per-argument prefix (for a module: one int or None).
+      out_axes: the output axes (created modules come out stacked along them).
+      axis_name: a name for the mapped axis (for collectives).
+      axis_size: the mapped size when no input is mapped.
+      spmd_axis_name: mesh axis names the mapped axis is sharded over.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+
     >>> import jax, jax.numpy as jnp
     >>> from cairn import nn
     >>> class W(nn.Module):
@@ -274,10 +292,18 @@ def scan(
     leading axis of every variable; per-step changes come back stacked). Scan over
     stacked layers: ``nn.scan(lambda h, layer: (layer(h), None))(x, stacked_layers)``.
 
-    ``in_axes`` / ``out_axes`` (NNX's form) say which argument and output is the carry
-    (:class:`Carry`), which are scanned over their leading axis (``0``) and which
-    arguments are passed whole to every step (``None``; not modules). The default
-    ``(nn.Carry, 0)`` is the ``f(carry, x) -> (carry, y)`` form.
+    Args:
+      f: ``f(carry, x) -> (carry, y)`` (or the form ``in_axes``/``out_axes`` give); None returns a
+        decorator.
+      length: the number of steps when nothing is scanned over; None reads it from the inputs.
+      reverse: scan from the end.
+      unroll: ``jax.lax.scan``'s unroll.
+      in_axes: NNX's form: per argument, :class:`Carry`, ``0`` (scanned over its leading
+        axis) or ``None`` (passed whole to every step; not modules); the default
+        ``(nn.Carry, 0)`` is the ``f(carry, x) -> (carry, y)`` form.
+      out_axes: per output, :class:`Carry` or ``0`` (stacked).
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -344,7 +370,18 @@ def shard_map(
 ) -> Callable:
     """``jax.shard_map`` where arguments may be modules: a module's entry in
     ``in_specs`` is one ``PartitionSpec`` applied to every variable; the module's changed
-    state comes back with the same spec."""
+    state comes back with the same spec.
+
+    Args:
+      f: the per-shard function.
+      mesh: the device mesh.
+      in_specs: per argument a ``PartitionSpec`` (one for all of a module's variables).
+      out_specs: per output a ``PartitionSpec``.
+      check_vma: ``jax.shard_map``'s replication check.
+      axis_names: the mesh axes ``f`` is manual over; None for all.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+    """
     check_mode("shard_map", graph, graph_updates)
 
     @functools.wraps(f)

@@ -124,13 +124,25 @@ def _fill(shape, value, dtype) -> jax.Array:
 
 
 def zeros(key: jax.Array, shape: Sequence[int], dtype: DType = jnp.float32) -> jax.Array:
-    """All zeros (``key`` is ignored)."""
+    """All zeros (``key`` is ignored).
+
+    Args:
+      key: a ``jax.random`` key (ignored).
+      shape: the array's shape.
+      dtype: the array's dtype.
+    """
     del key
     return _fill(shape, 0, dtype)
 
 
 def ones(key: jax.Array, shape: Sequence[int], dtype: DType = jnp.float32) -> jax.Array:
-    """All ones (``key`` is ignored)."""
+    """All ones (``key`` is ignored).
+
+    Args:
+      key: a ``jax.random`` key (ignored).
+      shape: the array's shape.
+      dtype: the array's dtype.
+    """
     del key
     return _fill(shape, 1, dtype)
 
@@ -146,7 +158,12 @@ def ones_init() -> Initializer:
 
 
 def constant(value: Any, dtype: DType = jnp.float32) -> Initializer:
-    """Every entry equals ``value``."""
+    """Every entry equals ``value``.
+
+    Args:
+      value: the value of every entry.
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
 
     def init(key, shape, dtype=dtype):
         del key
@@ -156,7 +173,12 @@ def constant(value: Any, dtype: DType = jnp.float32) -> Initializer:
 
 
 def normal(stddev: float = 1e-2, dtype: DType = jnp.float32) -> Initializer:
-    """Samples ``N(0, stddev**2)``."""
+    """Samples ``N(0, stddev**2)``.
+
+    Args:
+      stddev: the standard deviation.
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
 
     def init(key, shape, dtype=dtype):
         return _sample(key, shape, dtype, "normal", stddev)
@@ -170,6 +192,12 @@ def truncated_normal(
     """Samples ``stddev * z`` with ``z`` a standard normal truncated to ``[lower, upper]``.
 
     ``stddev`` is the scale of the underlying normal, not the std of the result (as in JAX).
+
+    Args:
+      stddev: the scale of the underlying normal.
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+      lower: the lower truncation bound, in units of ``stddev``.
+      upper: the upper truncation bound, in units of ``stddev``.
     """
 
     def init(key, shape, dtype=dtype):
@@ -179,7 +207,12 @@ def truncated_normal(
 
 
 def uniform(scale: float = 1e-2, dtype: DType = jnp.float32) -> Initializer:
-    """Samples ``U[0, scale)``."""
+    """Samples ``U[0, scale)``.
+
+    Args:
+      scale: the upper bound (exclusive).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
 
     def init(key, shape, dtype=dtype):
         return _sample(key, shape, dtype, "uniform", scale, lower=0.0, upper=1.0)
@@ -231,6 +264,15 @@ def variance_scaling(
 
     ``distribution`` is ``'truncated_normal'`` (normal truncated at two stds, rescaled so
     the variance is exact), ``'normal'`` or ``'uniform'`` (``U[-sqrt(3v), sqrt(3v)]``).
+
+    Args:
+      scale: the variance numerator.
+      mode: ``'fan_in'``, ``'fan_out'`` or ``'fan_avg'`` (the denominator ``n``).
+      distribution: ``'truncated_normal'``, ``'normal'`` or ``'uniform'``.
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
     """
     if mode not in ("fan_in", "fan_out", "fan_avg"):
         raise ValueError(f"variance_scaling mode must be fan_in/fan_out/fan_avg, got {mode!r}")
@@ -261,7 +303,14 @@ def lecun_normal(
     batch_axis: Sequence[int] = (),
     dtype: DType = jnp.float32,
 ) -> Initializer:
-    """Truncated normal with variance ``1 / fan_in`` (LeCun 1998)."""
+    """Truncated normal with variance ``1 / fan_in`` (LeCun 1998).
+
+    Args:
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
     return variance_scaling(1.0, "fan_in", "truncated_normal", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -271,7 +320,14 @@ def lecun_uniform(
     batch_axis: Sequence[int] = (),
     dtype: DType = jnp.float32,
 ) -> Initializer:
-    """Uniform with variance ``1 / fan_in``."""
+    """Uniform with variance ``1 / fan_in``.
+
+    Args:
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
     return variance_scaling(1.0, "fan_in", "uniform", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -281,7 +337,14 @@ def glorot_normal(
     batch_axis: Sequence[int] = (),
     dtype: DType = jnp.float32,
 ) -> Initializer:
-    """Truncated normal with variance ``2 / (fan_in + fan_out)`` (Glorot & Bengio 2010)."""
+    """Truncated normal with variance ``2 / (fan_in + fan_out)`` (Glorot & Bengio 2010).
+
+    Args:
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
     return variance_scaling(1.0, "fan_avg", "truncated_normal", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -291,7 +354,14 @@ def glorot_uniform(
     batch_axis: Sequence[int] = (),
     dtype: DType = jnp.float32,
 ) -> Initializer:
-    """Uniform with variance ``2 / (fan_in + fan_out)``."""
+    """Uniform with variance ``2 / (fan_in + fan_out)``.
+
+    Args:
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
     return variance_scaling(1.0, "fan_avg", "uniform", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -301,7 +371,14 @@ def he_normal(
     batch_axis: Sequence[int] = (),
     dtype: DType = jnp.float32,
 ) -> Initializer:
-    """Truncated normal with variance ``2 / fan_in`` (He et al. 2015)."""
+    """Truncated normal with variance ``2 / fan_in`` (He et al. 2015).
+
+    Args:
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
     return variance_scaling(2.0, "fan_in", "truncated_normal", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -311,7 +388,14 @@ def he_uniform(
     batch_axis: Sequence[int] = (),
     dtype: DType = jnp.float32,
 ) -> Initializer:
-    """Uniform with variance ``2 / fan_in``."""
+    """Uniform with variance ``2 / fan_in``.
+
+    Args:
+      in_axis: the axis (or axes) counted in ``fan_in``.
+      out_axis: the axis (or axes) counted in ``fan_out``.
+      batch_axis: axes left out of both fans (stacked, independent kernels).
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
+    """
     return variance_scaling(2.0, "fan_in", "uniform", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -327,6 +411,11 @@ def orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: DType = jnp.flo
     The shape is viewed as a matrix ``(prod(other axes), shape[column_axis])``; its columns
     (or rows, whichever are fewer) are orthonormal. Built from the QR decomposition of a
     Gaussian matrix with the sign of ``diag(R)`` folded in, so the result is Haar-uniform.
+
+    Args:
+      scale: multiplies the orthogonal matrix.
+      column_axis: the axis whose size is the matrix's column count.
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
     """
 
     def init(key, shape, dtype=dtype):
@@ -356,6 +445,11 @@ def delta_orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: DType = j
 
     All spatial taps are zero except the centre one, which is an orthogonal
     ``(in, out)`` matrix; requires ``in <= out`` and square spatial dims.
+
+    Args:
+      scale: multiplies the orthogonal centre tap.
+      column_axis: the axis of the output features.
+      dtype: the default dtype of the arrays made (``init(key, shape, dtype)`` may override it).
     """
 
     def init(key, shape, dtype=dtype):

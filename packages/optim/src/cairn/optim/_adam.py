@@ -50,6 +50,13 @@ __all__ = [
 
 
 class ScaleByAdamState(NamedTuple):
+    """The state of :func:`scale_by_adam`.
+
+    Args:
+      count: int32 scalar, steps taken (for the bias correction).
+      mu: first moment :math:`m` (packed, one buffer per dtype group).
+      nu: second moment :math:`v` (packed).
+    """
     count: jax.Array  # type: ignore[assignment]
     mu: Packed
     nu: Packed
@@ -87,6 +94,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
 
     with :math:`\\hat m_t = m_t/(1-\\beta_1^t)`, :math:`\\hat v_t = v_t/(1-\\beta_2^t)`;
     with ``nesterov`` :math:`\\hat m_t = \\beta_1 m_t/(1-\\beta_1^{t+1}) + (1-\\beta_1) g_t/(1-\\beta_1^t)`.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the first moment, in ``[0, 1)``.
+      b2: :math:`\\beta_2`, decay of the second moment, in ``[0, 1)``.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nesterov: use the Nesterov form of :math:`\\hat m_t` above.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
     """
 
     _validate.check("scale_by_adam", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
@@ -115,7 +131,19 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
                      mu_dtype: jax.typing.DTypeLike | None = None,
                      bias_correction_mu: bool = True, bias_correction_nu: bool = True, *,
                      nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """AMSGrad: Adam with :math:`\\hat v_t = \\max(\\hat v_{t-1}^{max}, \\hat v_t)` in the denominator."""
+    """AMSGrad: Adam with :math:`\\hat v_t = \\max(\\hat v_{t-1}^{max}, \\hat v_t)` in the denominator.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      bias_correction_mu: divide the first moment by :math:`1-\\beta_1^t`.
+      bias_correction_nu: divide the second moment by :math:`1-\\beta_2^t` before the running
+        maximum.
+      nu_dtype: dtype of the second moment and its maximum; None keeps the parameters' dtype.
+    """
 
     _validate.check("scale_by_amsgrad", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def init(layout, params):
@@ -147,7 +175,15 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                     mu_dtype: jax.typing.DTypeLike | None = None,
                     nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaMax: :math:`m_t` as Adam, :math:`v_t = \\max(|g_t| + \\epsilon, \\beta_2 v_{t-1})`,
-    :math:`u_t = \\hat m_t / v_t`."""
+    :math:`u_t = \\hat m_t / v_t`.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the infinity norm :math:`v`.
+      eps: :math:`\\epsilon`, added to :math:`|g_t|`.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of :math:`v`; None keeps the parameters' dtype.
+    """
 
     _validate.check("scale_by_adamax", b1=b1, b2=b2, eps=eps)
     def make_step(count):
@@ -167,7 +203,17 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16,
                     mu_dtype: jax.typing.DTypeLike | None = None,
                     nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdaBelief: :math:`s_t = \\beta_2 s_{t-1} + (1-\\beta_2)(g_t - m_t)^2 + \\epsilon_{root}`,
-    :math:`u_t = \\hat m_t / (\\sqrt{\\hat s_t} + \\epsilon)`."""
+    :math:`u_t = \\hat m_t / (\\sqrt{\\hat s_t} + \\epsilon)`.
+
+    Args:
+      b1: decay of the gradient EMA :math:`m`, in ``[0, 1)``.
+      b2: decay of the EMA of :math:`(g_t - m_t)^2`, in ``[0, 1)``.
+      eps: added outside the square root.
+      eps_root: added inside the square root (and to the belief term).
+      nesterov: use the Nesterov form of the first moment.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
 
     _validate.check("scale_by_belief", b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     def make_step(count):
@@ -192,7 +238,18 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
     :math:`\\rho_t = \\rho_\\infty - 2t\\beta_2^t/(1-\\beta_2^t)`, the update is
     :math:`r_t \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)` when
     :math:`\\rho_t \\ge` ``threshold`` else :math:`\\hat m_t`, where
-    :math:`r_t = \\sqrt{(\\rho_t-4)(\\rho_t-2)\\rho_\\infty/((\\rho_\\infty-4)(\\rho_\\infty-2)\\rho_t)}`."""
+    :math:`r_t = \\sqrt{(\\rho_t-4)(\\rho_t-2)\\rho_\\infty/((\\rho_\\infty-4)(\\rho_\\infty-2)\\rho_t)}`.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      threshold: the smallest :math:`\\rho_t` at which the rectified adaptive step is used.
+      nesterov: use the Nesterov form of :math:`\\hat m_t`.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check("scale_by_radam", b1=b1, b2=b2, eps=eps, eps_root=eps_root, threshold=threshold)
     ro_inf = 2.0 / (1.0 - b2) - 1.0
 
@@ -221,7 +278,17 @@ def scale_by_yogi(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, eps_roo
                   nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Yogi: :math:`v_t = v_{t-1} - (1-\\beta_2)\\,\\mathrm{sign}(v_{t-1} - g_t^2)\\,g_t^2`,
     :math:`u_t = \\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon)`; both moments start at
-    ``initial_accumulator_value``."""
+    ``initial_accumulator_value``.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, the rate of the additive second-moment update.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      initial_accumulator_value: the starting value of both moments.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
 
     _validate.check(
         "scale_by_yogi",
@@ -259,6 +326,16 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: jax.typing.DTypeL
     m_{t-1}` (as Optax): ``"hard"`` :math:`\\mathrm{sign}(x)`, ``"smooth"``
     :math:`\\tanh(\\beta_s x)` with ``smooth_beta`` :math:`\\beta_s`, ``"refined"``
     :math:`x` where :math:`|x| < 1`, else :math:`\\mathrm{sign}(x)`.
+
+    Args:
+      b1: :math:`\\beta_1`, the momentum's weight inside the sign.
+      b2: :math:`\\beta_2`, decay of the momentum :math:`m` that is kept.
+      mu_dtype: dtype of the momentum; None keeps the parameters' dtype.
+      mode: the sign variant: ``"hard"``, ``"smooth"`` or ``"refined"`` (above).
+      smooth_beta: :math:`\\beta_s` of the ``"smooth"`` mode.
+
+    Raises:
+      ValueError: an unknown ``mode``.
     """
     _validate.check("scale_by_lion", b1=b1, b2=b2, smooth_beta=smooth_beta)
     if mode not in ("hard", "smooth", "refined"):
@@ -299,7 +376,16 @@ def scale_by_novograd(b1: float = 0.9, b2: float = 0.25, eps: float = 1e-8, eps_
                       mu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """NovoGrad: per-leaf :math:`n_t = \\beta_2 n_{t-1} + (1-\\beta_2)\\|g_t\\|^2` (:math:`n_1 =
     \\|g_1\\|^2`), :math:`m_t = \\beta_1 m_{t-1} + g_t/(\\sqrt{n_t+\\epsilon_{root}}+\\epsilon) +
-    \\lambda\\theta` (:math:`m_1` without the :math:`\\beta_1` term), :math:`u_t = m_t`."""
+    \\lambda\\theta` (:math:`m_1` without the :math:`\\beta_1` term), :math:`u_t = m_t`.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the per-leaf squared-norm EMA :math:`n`.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      weight_decay: :math:`\\lambda`, the weight-decay term added to the normalised gradient.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+    """
     _validate.check("scale_by_novograd", b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
 
     def init(params):
@@ -335,7 +421,19 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
          nesterov: bool = False,
          nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Adam: :math:`u = -\\eta\\,\\hat m_t/(\\sqrt{\\hat v_t + \\epsilon_{root}} + \\epsilon)`
-    (see :func:`scale_by_adam`)."""
+    (see :func:`scale_by_adam`).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule ``step -> float``.
+      b1: :math:`\\beta_1`, decay of the first moment, in ``[0, 1)``.
+      b2: :math:`\\beta_2`, decay of the second moment, in ``[0, 1)``.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root (e.g. to keep gradients
+        through the optimizer finite).
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nesterov: use the Nesterov form of :math:`\\hat m_t` (NAdam).
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check("adam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                                   nu_dtype=nu_dtype), learning_rate_step(learning_rate))
@@ -346,7 +444,22 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
           weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = False,
           nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """AdamW: :math:`u = -\\eta\\,(\\hat m_t/(\\sqrt{\\hat v_t+\\epsilon_{root}}+\\epsilon) + \\lambda\\theta)`,
-    decay applied where ``mask`` is true (pytree, callable or path rules)."""
+    decay applied where ``mask`` is true (pytree, callable or path rules).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule ``step -> float``.
+      b1: :math:`\\beta_1`, decay of the first moment, in ``[0, 1)``.
+      b2: :math:`\\beta_2`, decay of the second moment, in ``[0, 1)``.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      weight_decay: :math:`\\lambda`, decoupled weight decay (multiplied by the learning rate); a
+        float or a schedule.
+      mask: which leaves get weight decay: a pytree of bools (or a prefix), a callable ``params ->
+        mask`` or path-regex rules (see :func:`add_decayed_weights`); None means all.
+      nesterov: use the Nesterov form of :math:`\\hat m_t`.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check(
         "adamw",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -361,7 +474,18 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
           eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None, *,
           nesterov: bool = True,
           nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """NAdam: Adam with the Nesterov first moment (``nesterov=True``)."""
+    """NAdam: Adam with the Nesterov first moment (``nesterov=True``).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nesterov: the Nesterov first moment (False gives plain Adam).
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check("nadam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                                   nu_dtype=nu_dtype), learning_rate_step(learning_rate))
@@ -371,7 +495,20 @@ def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, 
            eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None,
            weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = True,
            nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """NAdamW: AdamW with the Nesterov first moment."""
+    """NAdamW: AdamW with the Nesterov first moment.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      weight_decay: :math:`\\lambda`, decoupled weight decay; a float or a schedule.
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
+      nesterov: the Nesterov first moment (False gives plain AdamW).
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check(
         "nadamw",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -385,7 +522,16 @@ def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, 
 def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
            *, mu_dtype: jax.typing.DTypeLike | None = None,
            nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """AdaMax: :math:`u = -\\eta\\,\\hat m_t / v_t`, :math:`v_t = \\max(|g_t|+\\epsilon, \\beta_2 v_{t-1})`."""
+    """AdaMax: :math:`u = -\\eta\\,\\hat m_t / v_t`, :math:`v_t = \\max(|g_t|+\\epsilon, \\beta_2 v_{t-1})`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the infinity norm :math:`v`.
+      eps: :math:`\\epsilon`, added to :math:`|g_t|`.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of :math:`v`; None keeps the parameters' dtype.
+    """
     _validate.check("adamax", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(scale_by_adamax(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
                  learning_rate_step(learning_rate))
@@ -395,7 +541,19 @@ def adamaxw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
             weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
             mu_dtype: jax.typing.DTypeLike | None = None,
             nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """AdaMax with decoupled weight decay."""
+    """AdaMax with decoupled weight decay.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the infinity norm.
+      eps: :math:`\\epsilon`, added to :math:`|g_t|`.
+      weight_decay: :math:`\\lambda`, decoupled weight decay (scaled by the learning rate); a float
+        or a schedule.
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the infinity norm; None keeps the parameters' dtype.
+    """
     _validate.check(
         "adamaxw",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
@@ -408,7 +566,20 @@ def amsgrad(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
             eps_root: float = 0.0, mu_dtype: jax.typing.DTypeLike | None = None,
             bias_correction_mu: bool = True, bias_correction_nu: bool = True, *,
             nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """AMSGrad: Adam with the running maximum of :math:`\\hat v_t` (see :func:`scale_by_amsgrad`)."""
+    """AMSGrad: Adam with the running maximum of :math:`\\hat v_t` (see :func:`scale_by_amsgrad`).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      bias_correction_mu: divide the first moment by :math:`1-\\beta_1^t`.
+      bias_correction_nu: divide the second moment by :math:`1-\\beta_2^t` (before the running
+        maximum).
+      nu_dtype: dtype of the second moment and its maximum; None keeps the parameters' dtype.
+    """
     _validate.check(
         "amsgrad",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -421,7 +592,18 @@ def adabelief(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99
               eps: float = 1e-16, eps_root: float = 1e-16, *,
               nesterov: bool = False, mu_dtype: jax.typing.DTypeLike | None = None,
               nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """AdaBelief: Adam with the variance of the prediction error :math:`g_t - m_t`."""
+    """AdaBelief: Adam with the variance of the prediction error :math:`g_t - m_t`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule ``step -> float``.
+      b1: decay of the gradient EMA, in ``[0, 1)``.
+      b2: decay of the EMA of :math:`(g_t - m_t)^2`, in ``[0, 1)``.
+      eps: added to the denominator outside the square root.
+      eps_root: added inside the square root.
+      nesterov: use the Nesterov form of the first moment.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check(
         "adabelief",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -434,7 +616,20 @@ def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
           eps_root: float = 0.0, threshold: float = 5.0, *,
           nesterov: bool = False, mu_dtype: jax.typing.DTypeLike | None = None,
           nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """RAdam: rectified Adam (see :func:`scale_by_radam`)."""
+    """RAdam: rectified Adam (see :func:`scale_by_radam`).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      threshold: the smallest SMA length :math:`\\rho_t` at which the rectified adaptive step is
+        used (below it the step is momentum SGD).
+      nesterov: use the Nesterov first moment.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check(
         "radam",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -447,7 +642,16 @@ def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
 def yogi(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, *,
          mu_dtype: jax.typing.DTypeLike | None = None,
          nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """Yogi: additive second-moment update (see :func:`scale_by_yogi`)."""
+    """Yogi: additive second-moment update (see :func:`scale_by_yogi`).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, the rate of the additive second-moment update.
+      eps: :math:`\\epsilon`, added outside the square root.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check("yogi", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(scale_by_yogi(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
                  learning_rate_step(learning_rate))
@@ -456,7 +660,16 @@ def yogi(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: jax.typing.DTypeLike | None = None, weight_decay: ScalarOrSchedule = 1e-3,
          mask: Any = None) -> GradientTransformation:
-    """Lion: :math:`u = -\\eta(\\mathrm{sign}((1-\\beta_1)g_t + \\beta_1 m_{t-1}) + \\lambda\\theta)`."""
+    """Lion: :math:`u = -\\eta(\\mathrm{sign}((1-\\beta_1)g_t + \\beta_1 m_{t-1}) + \\lambda\\theta)`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, the interpolation weight of the momentum in the sign.
+      b2: :math:`\\beta_2`, decay of the momentum :math:`m` that is kept.
+      mu_dtype: dtype of the momentum; None keeps the parameters' dtype.
+      weight_decay: :math:`\\lambda`, decoupled weight decay; a float or a schedule.
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
+    """
     _validate.check("lion", learning_rate=learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
     return chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
                  learning_rate_step(learning_rate))
@@ -467,7 +680,20 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
          *, mu_dtype: jax.typing.DTypeLike | None = None,
          nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """LAMB: Adam direction plus decay, rescaled per leaf by the trust ratio
-    :math:`\\|\\theta\\|/\\|u\\|`, times :math:`-\\eta`."""
+    :math:`\\|\\theta\\|/\\|u\\|`, times :math:`-\\eta`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      weight_decay: :math:`\\lambda`, added to the Adam direction as :math:`\\lambda\\theta` before
+        the trust ratio; a float or a schedule.
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+      nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    """
     _validate.check(
         "lamb",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -481,7 +707,17 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
 def novograd(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.25, eps: float = 1e-6,
              eps_root: float = 0.0, weight_decay: float = 0.0, *,
              mu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """NovoGrad: layer-wise second moments (see :func:`scale_by_novograd`)."""
+    """NovoGrad: layer-wise second moments (see :func:`scale_by_novograd`).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, decay of the first moment.
+      b2: :math:`\\beta_2`, decay of the per-leaf second moment.
+      eps: :math:`\\epsilon`, added outside the square root.
+      eps_root: :math:`\\epsilon_{root}`, added inside the square root.
+      weight_decay: :math:`\\lambda`, added to the normalised gradient as :math:`\\lambda\\theta`.
+      mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+    """
     _validate.check(
         "novograd",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,

@@ -40,7 +40,15 @@ __all__ = ["ScaleByAdanState", "adan", "scale_by_adan"]
 
 class ScaleByAdanState(NamedTuple):
     """Optax's fields: the moments ``m``, ``v``, ``n``, the previous gradient ``g`` and the
-    step count ``t`` (each moment a tree with the params' structure)."""
+    step count ``t`` (each moment a tree with the params' structure).
+
+    Args:
+      m: the gradient EMA.
+      v: the EMA of gradient differences :math:`g_t - g_{t-1}`.
+      n: the EMA of the squared term.
+      g: the previous gradient.
+      t: int32 scalar, steps taken.
+    """
 
     m: Any
     v: Any

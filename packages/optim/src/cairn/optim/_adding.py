@@ -29,7 +29,12 @@ __all__ = ["add_decayed_weights", "add_noise", "AddDecayedWeightsState"]
 
 class AddDecayedWeightsState(NamedTuple):
     """``count`` of steps (advanced only when ``weight_decay`` is a schedule) and the
-    ``weight_decay`` used at the last step (traced)."""
+    ``weight_decay`` used at the last step (traced).
+
+    Args:
+      count: int32 scalar, steps taken (advanced only when ``weight_decay`` is a schedule).
+      weight_decay: float scalar, the decay rate :math:`\\lambda_t` used at the last step.
+    """
 
     count: jax.Array  # type: ignore[assignment]
     weight_decay: jax.Array
@@ -97,6 +102,11 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0,
     ``mask`` is a pytree of bools (or a prefix), a callable ``params -> mask``, or
     path-regex rules (a regex string, or ``{pattern: bool}``; first match wins).
     The decay lives in the state (``state.weight_decay``): changing it does not recompile.
+
+    Args:
+      weight_decay: :math:`\\lambda_t`, a float or a schedule ``step -> float`` (0 adds nothing).
+      mask: which leaves are decayed: a pytree of bools (or a prefix), a callable ``params ->
+        mask``, a regex string or ``{pattern: bool}`` rules on leaf paths; None decays every leaf.
     """
     _validate.check("add_decayed_weights", weight_decay=weight_decay)
     check_scalar("weight_decay", weight_decay, minimum=None)
@@ -153,6 +163,15 @@ def add_noise(eta: float, gamma: float, key: jax.Array | int | None = None, *,
     leaves raveled and concatenated in that order. So the
     random numbers differ from Optax's (one split per step, then one key per leaf); the
     distribution is the same.
+
+    Args:
+      eta: :math:`\\eta > 0`, the noise variance at the first step.
+      gamma: :math:`\\gamma`, the decay exponent of the variance.
+      key: the initial PRNG key (a ``jax.random`` key, or an int seed for ``PRNGKey``).
+      seed: an int seed, accepted when ``key`` is not given (Optax's spelling).
+
+    Raises:
+      ValueError: neither ``key`` nor ``seed`` is given.
     """
     _validate.check("add_noise", eta=eta, gamma=gamma)
     if key is None and seed is None:

@@ -52,7 +52,13 @@ __all__ = [
 
 
 class GradientTransformation(NamedTuple):
-    """A pair of pure functions ``(init, update)`` (same shape as Optax's)."""
+    """A pair of pure functions ``(init, update)`` (same shape as Optax's).
+
+    Args:
+      init: ``init(params) -> state``, builds the optimizer state for a parameter pytree.
+      update: ``update(updates, state, params=None) -> (updates, state)``, turns gradients into
+        updates and the next state.
+    """
 
     init: Callable
     update: Callable
@@ -71,7 +77,13 @@ class GradientTransformation(NamedTuple):
 
 class GradientTransformationExtraArgs(GradientTransformation):
     """A :class:`GradientTransformation` whose ``update`` takes extra keyword arguments
-    (``update(updates, state, params=None, **extra_args)``): :func:`chain` passes them on."""
+    (``update(updates, state, params=None, **extra_args)``): :func:`chain` passes them on.
+
+    Args:
+      init: ``init(params) -> state``, as for :class:`GradientTransformation`.
+      update: ``update(updates, state, params=None, **extra_args) -> (updates, state)``; extra
+        keyword arguments (``value``, ``grad``, ``value_fn``...) are passed on by :func:`chain`.
+    """
 
     __slots__ = ()
 
@@ -81,6 +93,12 @@ class EmptyState(NamedTuple):
 
 
 def init_empty_state(params: Any) -> EmptyState:
+    """An ``init`` for stateless transformations: ignores ``params`` and returns
+    :class:`EmptyState`.
+
+    Args:
+      params: the parameter pytree (unused).
+    """
     del params
     return EmptyState()
 
@@ -182,6 +200,9 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
     """``tx`` whose ``update`` accepts (and ignores) extra keyword arguments, as a
     :class:`GradientTransformationExtraArgs`; ``tx`` itself when it already accepts them.
 
+    Args:
+      tx: a :class:`GradientTransformation`.
+
     >>> import jax.numpy as jnp
     >>> tx = with_extra_args_support(stateless(lambda u, p: u))
     >>> float(tx.update(jnp.ones(()), tx.init(None), value=3.0)[0])
@@ -276,7 +297,11 @@ def set_to_zero() -> GradientTransformation:
 
 
 def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:
-    """Wrap ``f(updates, params) -> updates`` as a stateless transformation."""
+    """Wrap ``f(updates, params) -> updates`` as a stateless transformation.
+
+    Args:
+      f: ``f(updates, params) -> updates`` on whole pytrees (``params`` may be None).
+    """
 
     @mark_extra
     def update(updates, state, params=None, **extra):
@@ -286,7 +311,11 @@ def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:
 
 
 def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformation:
-    """Wrap a per-leaf ``f(update, param) -> update`` as a stateless transformation."""
+    """Wrap a per-leaf ``f(update, param) -> update`` as a stateless transformation.
+
+    Args:
+      f: ``f(update, param) -> update`` on one leaf (``param`` is None when no params are passed).
+    """
 
     @mark_extra
     def update(updates, state, params=None, **extra):
@@ -333,9 +362,17 @@ def apply_updates(params: Any, updates: Any) -> Any:
     :math:`\\theta \\leftarrow \\theta + u`. Works on pytrees and on
     :class:`Packed` buffers (one add per buffer).
 
+    Args:
+      params: the parameter pytree (or a :class:`Packed` one).
+      updates: a pytree with the structure of ``params`` (``None`` leaves where ``params`` has
+        them), or :class:`Packed`.
+
     >>> import jax.numpy as jnp
     >>> apply_updates({"w": jnp.ones(2)}, {"w": jnp.full(2, -0.5)})["w"].tolist()
     [0.5, 0.5]
+
+    Returns:
+      the updated parameters, each leaf in its original dtype.
     """
     if isinstance(params, Packed) or isinstance(updates, Packed):
         if not isinstance(params, Packed):
@@ -358,7 +395,16 @@ def _add_leaf(p, u):
 
 
 def incremental_update(new_tensors: Any, old_tensors: Any, step_size: jax.typing.ArrayLike) -> Any:
-    """Polyak averaging: :math:`\\text{old} \\leftarrow s\\,\\text{new} + (1-s)\\,\\text{old}`."""
+    """Polyak averaging: :math:`\\text{old} \\leftarrow s\\,\\text{new} + (1-s)\\,\\text{old}`.
+
+    Args:
+      new_tensors: the new values (e.g. the online network's params).
+      old_tensors: the running average, same structure as ``new_tensors``.
+      step_size: :math:`s \\in [0, 1]`, the weight of the new values.
+
+    Returns:
+      the updated average, structured as ``old_tensors``.
+    """
     _check_same_structure(old_tensors, new_tensors, "old_tensors", "new_tensors")
     return jax.tree.map(lambda n, o: step_size * n + (1.0 - step_size) * o,
                         new_tensors, old_tensors)
@@ -366,14 +412,28 @@ def incremental_update(new_tensors: Any, old_tensors: Any, step_size: jax.typing
 
 def periodic_update(new_tensors: Any, old_tensors: Any, steps: jax.typing.ArrayLike,
                     update_period: int) -> Any:
-    """Return ``new_tensors`` when ``steps % update_period == 0`` else ``old_tensors``."""
+    """Return ``new_tensors`` when ``steps % update_period == 0`` else ``old_tensors``.
+
+    Args:
+      new_tensors: the values to take on an update step.
+      old_tensors: the current values, same structure as ``new_tensors``.
+      steps: the current int step.
+      update_period: update when ``steps`` is a multiple of this.
+    """
     _check_same_structure(old_tensors, new_tensors, "old_tensors", "new_tensors")
     return jax.lax.cond(jnp.mod(steps, update_period) == 0,
                         lambda _: new_tensors, lambda _: old_tensors, None)
 
 
 def global_norm(updates: Any) -> jax.Array:
-    """:math:`\\sqrt{\\sum_i \\|u_i\\|_2^2}` over all leaves (one reduction per packed buffer)."""
+    """:math:`\\sqrt{\\sum_i \\|u_i\\|_2^2}` over all leaves (one reduction per packed buffer).
+
+    Args:
+      updates: a pytree of arrays (or :class:`Packed`); complex leaves count :math:`|u|^2`.
+
+    Returns:
+      a float32 scalar (0 for an empty tree).
+    """
     bufs: Sequence[jax.Array]
     if isinstance(updates, Packed):
         bufs = updates.buffers
@@ -393,6 +453,14 @@ class StateMismatchError(TypeError, ValueError):
 
     The message names the chain position (``0/1``: member 1 of the chain that is member 0
     of the outer chain), the state type that position expects and the one it was given.
+
+    Args:
+      path: the chain position as ``"0/1"`` (member 1 of the chain at member 0), or ``""`` at the
+        top.
+      name: the transformation that got the wrong state.
+      expected: the state type that position expects.
+      given: the state type it was given.
+      detail: optional text appended to the message.
     """
 
     def __init__(self, path: str, name: str, expected: str, given: str, detail: str = "") -> None:
@@ -405,6 +473,11 @@ class StateMismatchError(TypeError, ValueError):
             f"does not fit){': ' + detail if detail else ''}")
 
     def at(self, position: int) -> StateMismatchError:
+        """The same error one chain level up: ``position`` prefixed to ``path``.
+
+        Args:
+          position: the index of the failing member in the enclosing chain.
+        """
         path = f"{position}/{self.path}" if self.path else str(position)
         return StateMismatchError(path, self.name, self.expected, self.given, self.detail)
 
@@ -562,12 +635,18 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     Consecutive packed-aware members share one pack and one unpack.
 
+    Args:
+      transforms: the transformations to apply, first to last.
+
     >>> import jax.numpy as jnp
     >>> from cairn.optim import scale
     >>> tx = chain(scale(2.0), scale(-0.5))
     >>> u, _ = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
     >>> u["w"].tolist()
     [-1.0, -1.0]
+
+    Raises:
+      TypeError: a member has no ``init``/``update``.
     """
     txs = tuple(transforms)
     for i, t in enumerate(txs):
@@ -583,7 +662,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
-    """Like :func:`chain` but the state is a dict keyed by the given names."""
+    """Like :func:`chain` but the state is a dict keyed by the given names.
+
+    Args:
+      transforms: ``(name, transformation)`` pairs, applied in order; names must be unique.
+
+    Raises:
+      ValueError: two transforms share a name.
+    """
     names = [n for n, _ in transforms]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain names must be unique, got {names}")

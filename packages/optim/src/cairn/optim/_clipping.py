@@ -27,7 +27,11 @@ __all__ = [
 
 
 def clip(max_delta: float) -> GradientTransformation:
-    """:math:`u \\leftarrow \\mathrm{clip}(u, -\\delta, \\delta)`."""
+    """:math:`u \\leftarrow \\mathrm{clip}(u, -\\delta, \\delta)`.
+
+    Args:
+      max_delta: :math:`\\delta \\ge 0`, the largest allowed absolute value of each update element.
+    """
     _validate.check("clip", max_delta=max_delta)
     check_scalar("max_delta", max_delta)
 
@@ -39,7 +43,11 @@ def clip(max_delta: float) -> GradientTransformation:
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """:math:`u \\leftarrow u \\cdot \\min(1, c/\\|u\\|_2)` with :math:`\\|u\\|_2` the norm over
-    all leaves (one reduction per packed buffer, or per dtype on one device)."""
+    all leaves (one reduction per packed buffer, or per dtype on one device).
+
+    Args:
+      max_norm: :math:`c`, the largest allowed global L2 norm of the updates.
+    """
     _validate.check("clip_by_global_norm", max_norm=max_norm)
     check_scalar("max_norm", max_norm)
 
@@ -60,7 +68,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
-    """Per leaf: :math:`u \\leftarrow u / \\max(1, \\mathrm{rms}(u)/c)`."""
+    """Per leaf: :math:`u \\leftarrow u / \\max(1, \\mathrm{rms}(u)/c)`.
+
+    Args:
+      threshold: :math:`c > 0`, the largest allowed RMS of each leaf (``inf`` clips nothing).
+    """
     _validate.check("clip_by_block_rms", {"threshold": _validate.Rule(lo=0.0, lo_open=True, inf_ok=True)},
                     threshold=threshold)
 
@@ -113,6 +125,12 @@ def unitwise_clip(g_norm: jax.typing.ArrayLike, max_norm: jax.typing.ArrayLike,
     r"""``grad`` where ``g_norm < max_norm``, else ``grad * max_norm / max(g_norm, div_eps)``
     (the three arrays of one shape, e.g. from :func:`unitwise_norm`).
 
+    Args:
+      g_norm: the unit-wise gradient norms (shape of ``grad``).
+      max_norm: the unit-wise largest allowed norms (shape of ``grad``).
+      grad: the gradient to clip.
+      div_eps: the smallest divisor (guards against 0/0).
+
     Raises:
       ValueError: the shapes differ.
     """
@@ -127,7 +145,15 @@ def unitwise_clip(g_norm: jax.typing.ArrayLike, max_norm: jax.typing.ArrayLike,
 def adaptive_grad_clip(clipping: float, eps: float = 1e-3,
                        axis: int | tuple[int, ...] | None = None) -> GradientTransformation:
     """AGC (Brock et al. 2021): :math:`u \\leftarrow u\\cdot\\min(1, \\lambda\\max(\\|\\theta\\|,
-    \\epsilon)/\\|u\\|)` with unit-wise norms."""
+    \\epsilon)/\\|u\\|)` with unit-wise norms.
+
+    Args:
+      clipping: :math:`\\lambda \\ge 0`, the largest allowed ratio of update norm to parameter norm.
+      eps: :math:`\\epsilon`, the smallest parameter norm used (so zero-initialised weights can
+        move).
+      axis: the axes each unit-wise norm reduces over; None uses the rank rule of
+        :func:`unitwise_norm` (all but the last axis for rank >= 2).
+    """
     _validate.check("adaptive_grad_clip", {"clipping": _validate.NONNEG}, clipping=clipping, eps=eps)
 
     def f(g, p):

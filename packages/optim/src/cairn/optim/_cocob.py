@@ -17,6 +17,15 @@ __all__ = ["COCOBState", "scale_by_cocob", "cocob"]
 
 
 class COCOBState(NamedTuple):
+    """The state of :func:`scale_by_cocob`.
+
+    Args:
+      init_particles: the params at init, :math:`w_1`.
+      cumulative_gradients: :math:`\\theta = -\\sum g`, per leaf.
+      scale: :math:`L`, the largest :math:`|g|` seen (at least ``eps``), per element.
+      subgradients: :math:`G = \\sum |g|`, per element.
+      reward: :math:`R`, the wealth won so far, per element.
+    """
     init_particles: Any  # the params at init, :math:`w_1`
     cumulative_gradients: Any  # :math:`\theta = -\sum g`
     scale: Any  # :math:`L`, the largest |g| seen (at least eps)
@@ -65,6 +74,15 @@ def cocob(learning_rate: ScalarOrSchedule = 1.0, alpha: float = 100.0, eps: floa
     ``chain(add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate,
     flip_sign=False), scale_by_cocob(alpha, eps))``: ``learning_rate`` multiplies the
     gradient COCOB sees (1 is the method's own setting).
+
+    Args:
+      learning_rate: multiplies the gradient COCOB sees (1, the default, is the method itself); a
+        float or a schedule.
+      alpha: bounds the bet early on (the paper's :math:`\\alpha`).
+      eps: the initial :math:`L` (avoids 0/0 before the first gradient).
+      weight_decay: :math:`\\lambda`, added to the gradient as :math:`\\lambda\\theta` first (0 for
+        none).
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
 
     Example:
       >>> import jax.numpy as jnp

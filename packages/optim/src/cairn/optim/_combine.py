@@ -32,7 +32,11 @@ __all__ = [
 
 
 class PartitionState(NamedTuple):
-    """One inner state per label (frozen labels hold an EmptyState)."""
+    """One inner state per label (frozen labels hold an EmptyState).
+
+    Args:
+      inner_states: dict from label to that label's inner state.
+    """
 
     inner_states: dict
 
@@ -56,6 +60,12 @@ def partition(transforms: Mapping[Any, GradientTransformation], param_labels: An
     parameter (or only parameters claimed by earlier rules), or a label missing from
     ``transforms``. A transform whose label no parameter uses is kept with an empty state
     (as Optax: one ``transforms`` dict may serve models without some of the groups).
+
+    Args:
+      transforms: mapping from label to the transformation for that group.
+      param_labels: the label of each parameter: a pytree of labels (or a prefix), a callable
+        ``params -> labels``, or path-regex rules ``{pattern: label}`` / ``[(pattern, label)]``.
+      mask_compatible_extra_args: accepted for Optax compatibility and ignored.
     """
     transforms = dict(transforms)
     del mask_compatible_extra_args
@@ -119,7 +129,12 @@ class FlattenState(NamedTuple):
 
 
 def flatten(inner: GradientTransformation) -> GradientTransformation:
-    """Run ``inner`` on all leaves raveled into one vector (``jax.flatten_util.ravel_pytree``)."""
+    """Run ``inner`` on all leaves raveled into one vector (``jax.flatten_util.ravel_pytree``).
+
+    Args:
+      inner: the transformation run on the single raveled vector (its state is built for that
+        vector).
+    """
 
     def init(params):
         flat, _ = ravel_pytree(params)
@@ -139,7 +154,13 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
 
 
 class InjectHyperparamsState(NamedTuple):
-    """``count``, the ``hyperparams`` used at the last step (traced scalars), the inner state."""
+    """``count``, the ``hyperparams`` used at the last step (traced scalars), the inner state.
+
+    Args:
+      count: int32 scalar, steps taken (the argument of scheduled hyperparameters).
+      hyperparams: dict from hyperparameter name to the traced scalar used at the last step.
+      inner_state: the state of the transformation built with those hyperparameters.
+    """
 
     count: jax.Array  # type: ignore[assignment]
     hyperparams: dict
@@ -156,6 +177,17 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     hyperparameters stored in ``state.hyperparams``; callables are schedules evaluated
     at the step count. Changing a value in the state (:func:`set_hyperparams`) does not
     recompile.
+
+    Args:
+      inner_factory: an optimizer factory (``adam``, ``sgd``...) whose arguments become
+        hyperparameters.
+      static_args: names of numeric arguments to keep static (baked into the transformation, not
+        stored in the state).
+      hyperparam_dtype: dtype of the stored hyperparameters; None uses float32 for floats and the
+        value's own dtype otherwise.
+
+    Returns:
+      a factory with ``inner_factory``'s signature that builds the wrapped transformation.
     """
     if isinstance(static_args, str):
         static_args = (static_args,)
@@ -250,6 +282,10 @@ def get_hyperparams(state: Any) -> dict[str, jax.Array]:
     Returns ``{"learning_rate": ..., "weight_decay": ...}``; a name that occurs more
     than once (e.g. two partition groups) is reported as ``"<state path>/<name>"``.
 
+    Args:
+      state: an optimizer state (or any pytree of states) built with :func:`inject_hyperparams`
+        somewhere inside.
+
     >>> import jax.numpy as jnp
     >>> from cairn import optim
     >>> tx = optim.adamw(1e-3)
@@ -272,6 +308,15 @@ def set_hyperparams(state: Any, values: Mapping[str, Any] | None = None, **kwarg
     Keys are names (``learning_rate``: every occurrence) or the path-qualified keys of
     :func:`get_hyperparams`. Unknown keys raise ``KeyError`` listing the known ones.
     A hyperparameter given as a schedule is recomputed from the schedule at the next step.
+
+    Args:
+      state: an optimizer state holding injected hyperparameters.
+      values: mapping from name (or path-qualified key) to the new value.
+      kwargs: more name-value pairs, merged over ``values``.
+
+    Raises:
+      KeyError: an unknown name.
+      ValueError: a value is NaN.
     """
     values = dict(values or {})
     values.update(kwargs)

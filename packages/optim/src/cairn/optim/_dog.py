@@ -19,6 +19,14 @@ InitStep = tuple[Literal["distance", "learning_rate", "heuristic"], float]
 
 
 class DoGState(NamedTuple):
+    """The state of :func:`scale_by_dog`.
+
+    Args:
+      is_init_step: bool scalar, True before the first update.
+      init_params: the params at init, :math:`x_0`.
+      max_dist: :math:`\\bar r_t = \\max_{i\\le t} \\|x_i - x_0\\|` (at least the initial distance).
+      sum_sq_norm_grads: :math:`\\sum_i \\|g_i\\|^2`.
+    """
     is_init_step: jax.Array
     init_params: Any
     max_dist: jax.Array  # :math:`\bar r_t = \max_{i\le t} \|x_i - x_0\|` (at least r_eps)
@@ -71,6 +79,16 @@ def dog(learning_rate: ScalarOrSchedule = 1.0, init_step: InitStep = ("heuristic
     scale_by_dog(init_step, eps), scale_by_learning_rate(learning_rate))`` (a learning rate
     of 1 is the method; other values scale its step).
 
+    Args:
+      learning_rate: scales DoG's step (1, the default, is the method itself); a float or a
+        schedule.
+      init_step: how the first step is set, as for :func:`scale_by_dog`: ``("distance", r)``,
+        ``("heuristic", c)`` or ``("learning_rate", lr)``.
+      eps: added to the denominator.
+      weight_decay: :math:`\\lambda`, added to the gradient as :math:`\\lambda\\theta` first; None
+        for none.
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
+
     Example:
       >>> import jax.numpy as jnp
       >>> from cairn.optim import contrib
@@ -86,6 +104,13 @@ def dog(learning_rate: ScalarOrSchedule = 1.0, init_step: InitStep = ("heuristic
 
 
 class DoWGState(NamedTuple):
+    """The state of :func:`scale_by_dowg`.
+
+    Args:
+      init_params: the params at init, :math:`x_0`.
+      weighted_sq_norm_grads: :math:`\\sum_i \\bar r_i^2 \\|g_i\\|^2`.
+      estim_sq_dist: :math:`\\bar r_t^2`, the squared distance estimate.
+    """
     init_params: Any
     weighted_sq_norm_grads: jax.Array  # :math:`\sum_i \bar r_i^2 \|g_i\|^2`
     estim_sq_dist: jax.Array  # :math:`\bar r_t^2`
@@ -95,7 +120,12 @@ def scale_by_dowg(init_estim_sq_dist: float | None = None,
                   eps: float = 1e-4) -> GradientTransformation:
     """Distance over Weighted Gradients: :math:`\\eta_t = \\bar r_t^2 /
     (\\sqrt{\\sum_i \\bar r_i^2\\|g_i\\|^2} + \\epsilon)` with :math:`\\bar r_t^2 =
-    \\max(\\bar r_{t-1}^2, \\|x_t - x_0\\|^2)`, starting at ``init_estim_sq_dist`` (``eps``)."""
+    \\max(\\bar r_{t-1}^2, \\|x_t - x_0\\|^2)`, starting at ``init_estim_sq_dist`` (``eps``).
+
+    Args:
+      init_estim_sq_dist: the initial :math:`\\bar r_0^2`; None starts at ``eps``.
+      eps: :math:`\\epsilon`, added to the denominator.
+    """
     def init(params: Any) -> DoWGState:
         dt = _tree.dtype(params, "lowest")
         r0 = eps if init_estim_sq_dist is None else init_estim_sq_dist
@@ -116,7 +146,17 @@ def scale_by_dowg(init_estim_sq_dist: float | None = None,
 def dowg(learning_rate: ScalarOrSchedule = 1.0, init_estim_sq_dist: float | None = None,
          eps: float = 1e-4, weight_decay: float | None = None,
          mask: Any = None) -> GradientTransformation:
-    """DoWG, chained like :func:`dog`."""
+    """DoWG, chained like :func:`dog`.
+
+    Args:
+      learning_rate: scales DoWG's step (1, the default, is the method itself); a float or a
+        schedule.
+      init_estim_sq_dist: the initial :math:`\\bar r_0^2`; None starts at ``eps``.
+      eps: added to the denominator (and the default initial squared distance).
+      weight_decay: :math:`\\lambda`, added to the gradient as :math:`\\lambda\\theta` first; None
+        for none.
+      mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means all.
+    """
     _validate.check("dowg", learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     decay = add_decayed_weights(weight_decay, mask) if weight_decay is not None else identity()
     return chain(decay, scale_by_dowg(init_estim_sq_dist, eps),

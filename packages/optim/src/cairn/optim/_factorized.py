@@ -60,6 +60,15 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
     \\mathrm{mean}_{cols}(G)`, :math:`C_t` likewise over rows, and
     :math:`u = g / \\sqrt{R_t C_t / \\mathrm{mean}(R_t)}`; otherwise
     :math:`v_t = \\beta_t v_{t-1} + (1-\\beta_t) G`, :math:`u = g/\\sqrt{v_t}`.
+
+    Args:
+      factored: factor the second moment of large enough matrices (False keeps a full one per leaf).
+      decay_rate: the exponent of :math:`\\beta_t = 1-(t+1)^{-c}` (0.8 above).
+      step_offset: subtracted from the step count before the decay is computed.
+      min_dim_size_to_factor: a leaf is factored only when its two largest dims are at least this.
+      epsilon: :math:`\\epsilon`, added to :math:`g^2`.
+      decay_rate_fn: ``fn(step, decay_rate) -> beta_t``, the decay schedule (the default is the
+        formula above).
     """
     _validate.check("scale_by_factored_rms", {"step_offset": _validate.COUNT, "epsilon": _validate.NONNEG},
                     decay_rate=decay_rate, step_offset=step_offset,
@@ -131,7 +140,25 @@ def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_fac
               factored: bool = True, weight_decay_mask: Any = None) -> GradientTransformation:
     """Adafactor: factored RMS scaling (:func:`scale_by_factored_rms`), block-RMS clipping,
     learning rate, scaling by the parameter RMS, optional momentum and weight decay, then
-    :math:`u \\leftarrow -u`."""
+    :math:`u \\leftarrow -u`.
+
+    Args:
+      learning_rate: a float or a schedule; None leaves the update unscaled by a learning rate.
+      min_dim_size_to_factor: a leaf is factored only when both of its two largest dims are at least
+        this.
+      decay_rate: exponent of the second-moment decay :math:`1 - t^{-c}`.
+      decay_offset: subtracted from the step count in the decay (for fine-tuning a pretrained
+        state).
+      multiply_by_parameter_scale: scale updates by the parameter's block RMS.
+      clipping_threshold: clip each update's block RMS to this; None turns clipping off.
+      momentum: EMA decay of the updates; None for no momentum.
+      dtype_momentum: dtype of the momentum accumulator.
+      weight_decay_rate: weight decay added after the learning rate; None for none.
+      eps: regularises the squared gradient.
+      factored: use the factored second moment (False keeps a full one per leaf).
+      weight_decay_mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means
+        all.
+    """
     _validate.check(
         "adafactor", {"learning_rate": _validate.LR},  # None: no learning-rate step
         learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,

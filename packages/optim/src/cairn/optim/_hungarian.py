@@ -67,6 +67,9 @@ def hungarian_algorithm(cost_matrix: Any) -> tuple[jax.Array, jax.Array]:
     minimal. Pairs are sorted by row when ``n <= m`` and by column otherwise. Works under
     ``jit`` and ``vmap``; costs may be any real dtype (ints are computed in float32).
 
+    Args:
+      cost_matrix: an ``(n, m)`` array of real costs (ints are computed in float32).
+
     Raises:
       ValueError: ``cost_matrix`` is not 2-D.
 
@@ -97,8 +100,14 @@ def base_hungarian_algorithm(cost_matrix: Any) -> tuple[jax.Array, jax.Array]:
     """:func:`hungarian_algorithm` with the pairs always sorted by row (as Optax's
     ``base_hungarian_algorithm`` returns them).
 
+    Args:
+      cost_matrix: an ``(n, m)`` array of real costs.
+
     Raises:
       ValueError: ``cost_matrix`` is not 2-D.
+
+    Returns:
+      ``(i, j)``, int32 arrays of length ``min(n, m)``, sorted by row ``i``.
     """
     i, j = hungarian_algorithm(cost_matrix)
     order = jnp.argsort(i)

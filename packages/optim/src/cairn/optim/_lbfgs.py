@@ -18,6 +18,19 @@ __all__ = ["ScaleByLBFGSState", "scale_by_lbfgs", "lbfgs"]
 
 
 class ScaleByLBFGSState(NamedTuple):
+    """The state of :func:`scale_by_lbfgs`.
+
+    Args:
+      count: int32 scalar, steps taken.
+      params: the parameters of the previous call.
+      updates: the gradient of the previous call.
+      diff_params_memory: per leaf, shape ``(memory_size, *leaf.shape)``: the steps :math:`s_i =
+        x_{i+1} - x_i`.
+      diff_updates_memory: per leaf, shape ``(memory_size, *leaf.shape)``: the gradient differences
+        :math:`y_i = g_{i+1} - g_i`.
+      weights_memory: shape ``(memory_size,)``: :math:`\\rho_i = 1/\\langle y_i, s_i\\rangle` (0 for
+        an empty slot).
+    """
     count: jax.Array  # type: ignore[assignment]
     params: Any  # the params of the previous call
     updates: Any  # the gradient of the previous call
@@ -61,6 +74,11 @@ def scale_by_lbfgs(memory_size: int = 10,
     Hessian estimate with :math:`H_0 = \\gamma I`: :math:`\\gamma = \\langle s,y\\rangle /
     \\|y\\|^2` when ``scale_init_precond`` (and :math:`\\min(1, 1/\\|g_0\\|)` at the first step),
     else 1. Pairs with :math:`\\langle s, y\\rangle = 0` are ignored.
+
+    Args:
+      memory_size: how many :math:`(s, y)` pairs to keep.
+      scale_init_precond: use :math:`\\gamma = \\langle s,y\\rangle/\\|y\\|^2` for :math:`H_0` (else
+        1).
 
     Raises:
       ValueError: ``memory_size < 1``; ``update`` without ``params``.
@@ -115,6 +133,13 @@ def lbfgs(learning_rate: ScalarOrSchedule | None = None, memory_size: int = 10,
     initial_guess_strategy="one")`` (strong Wolfe conditions), as in Optax; ``None`` means no
     line search (then the step is ``learning_rate``, or 1). With a line search, ``update`` needs ``value=``, ``grad=`` and ``value_fn=``;
     use :func:`value_and_grad_from_state` to reuse the value and gradient it stores.
+
+    Args:
+      learning_rate: the step size without a line search (None means 1); a float or a schedule.
+      memory_size: how many :math:`(s, y)` pairs to keep.
+      scale_init_precond: start the two-loop recursion from :math:`H_0 = \\gamma I` with
+        :math:`\\gamma = \\langle s,y\\rangle/\\|y\\|^2` (else :math:`H_0 = I`).
+      linesearch: the line search to chain last; None for none.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -50,11 +50,25 @@ def _real_dtype(params: Any) -> Any:
 
 
 class BacktrackingLinesearchInfo(NamedTuple):
+    """Diagnostics of the last :func:`scale_by_backtracking_linesearch` step.
+
+    Args:
+      num_linesearch_steps: int32 scalar, how many step sizes were tried.
+      decrease_error: float scalar; above 0 when no tried step gave sufficient (Armijo) decrease.
+    """
     num_linesearch_steps: jax.Array
     decrease_error: jax.Array  # > 0: no step gave sufficient decrease
 
 
 class ScaleByBacktrackingLinesearchState(NamedTuple):
+    """The state of :func:`scale_by_backtracking_linesearch`.
+
+    Args:
+      learning_rate: float scalar, the step size accepted at the last step.
+      value: float scalar, the objective value at the current parameters.
+      grad: the gradient at the current parameters (None unless ``store_grad``).
+      info: a :class:`BacktrackingLinesearchInfo` about the last search.
+    """
     learning_rate: jax.Array
     value: jax.Array
     grad: Any  # None unless store_grad
@@ -73,6 +87,18 @@ def scale_by_backtracking_linesearch(
     :math:`\\min(\\text{increase\\_factor}\\cdot\\eta_{prev}, \\text{max\\_learning\\_rate})`.
     A search that only met non-finite values returns a step of 0. ``store_grad`` also stores
     the gradient at the new point (for :func:`value_and_grad_from_state`).
+
+    Args:
+      max_backtracking_steps: the most step-size reductions per update.
+      slope_rtol: :math:`c`, the fraction of the linear decrease the step must achieve.
+      decrease_factor: multiplies the step size after each failed trial, in ``(0, 1)``.
+      increase_factor: multiplies the previous step size to get the first trial.
+      max_learning_rate: the largest first trial.
+      atol: absolute slack in the decrease condition.
+      rtol: relative slack (times :math:`f(x)`) in the decrease condition.
+      store_grad: also store the gradient at the accepted point (``jax.grad`` of ``value_fn``; read
+        by :func:`value_and_grad_from_state`).
+      verbose: accepted for Optax compatibility and ignored.
 
     Example:
       >>> import jax.numpy as jnp
@@ -132,12 +158,28 @@ def scale_by_backtracking_linesearch(
 
 
 class ZoomLinesearchInfo(NamedTuple):
+    """Diagnostics of the last :func:`scale_by_zoom_linesearch` step.
+
+    Args:
+      num_linesearch_steps: int32 scalar, how many step sizes were tried.
+      decrease_error: float scalar; above 0 when sufficient decrease was not met at the returned
+        step.
+      curvature_error: float scalar; above 0 when the curvature condition was not met.
+    """
     num_linesearch_steps: jax.Array
     decrease_error: jax.Array  # > 0: sufficient decrease not met at the returned step
     curvature_error: jax.Array  # > 0: the curvature condition not met
 
 
 class ScaleByZoomLinesearchState(NamedTuple):
+    """The state of :func:`scale_by_zoom_linesearch`.
+
+    Args:
+      learning_rate: float scalar, the step size accepted at the last step.
+      value: float scalar, the objective value at the current parameters.
+      grad: the gradient at the current parameters.
+      info: a :class:`ZoomLinesearchInfo` about the last search.
+    """
     learning_rate: jax.Array
     value: jax.Array
     grad: Any
@@ -250,6 +292,17 @@ def scale_by_zoom_linesearch(
     previous step (``"keep"``). After ``max_linesearch_steps`` evaluations without success,
     the step with the lowest value that satisfied sufficient decrease is returned (0 if none).
 
+    Args:
+      max_linesearch_steps: the most function evaluations per update.
+      max_learning_rate: cap on the step during bracketing; None for no cap.
+      tol: slack allowed in both conditions.
+      increase_factor: multiplies the step at each bracketing trial.
+      slope_rtol: :math:`c_1` of the sufficient-decrease condition.
+      curv_rtol: :math:`c_2` of the curvature condition.
+      approx_dec_rtol: :math:`\\epsilon` of the approximate condition; None: exact one only.
+      stepsize_precision: stop zooming once the bracket is narrower than this times max(1, lo).
+      initial_guess_strategy: ``"one"`` (first trial 1) or ``"keep"`` (the previous step).
+      verbose: accepted for Optax compatibility and ignored.
     Raises:
       ValueError: an unknown ``initial_guess_strategy``.
     """
@@ -309,6 +362,9 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
     The returned ``f(params, *args, state=opt_state, **kwargs)`` reads ``value`` and ``grad``
     from the state (via :func:`cairn.optim.tree.get`); when the stored value is finite they are
     returned as they are, otherwise (first iteration) they are computed.
+
+    Args:
+      value_fn: the objective ``value_fn(params, *args, **kwargs) -> scalar``.
 
     Raises:
       ValueError: the state holds no ``value`` / ``grad`` (no line search that stores them).

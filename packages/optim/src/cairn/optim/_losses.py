@@ -248,9 +248,17 @@ def l2_loss(
 ) -> jax.Array:
     r"""Element-wise half squared error :math:`\tfrac12 (p - t)^2`.
 
+    Args:
+      predictions: the predictions :math:`p`, a float array.
+      targets: the targets :math:`t`, same shape as ``predictions``; None means zeros (the loss of
+        ``predictions`` as residuals).
+
     >>> from cairn import optim
     >>> optim.l2_loss(jnp.array([1.0, 2.0]), jnp.array([0.0, 4.0]))
     Array([0.5, 2. ], dtype=float32)
+
+    Returns:
+      the element-wise loss, shaped and typed like ``predictions``.
     """
     fn = "l2_loss"
     p = _float(fn, "predictions", predictions)
@@ -305,9 +313,16 @@ def log_cosh(
     (no cancellation for tiny errors) and
     :math:`|e| + \operatorname{log1p}(e^{-2|e|}) - \log 2` otherwise (no overflow).
 
+    Args:
+      predictions: the predictions :math:`p`, a float array.
+      targets: the targets :math:`t`, broadcastable to ``predictions``; None means zeros.
+
     >>> from cairn import optim
     >>> print(f"{float(optim.log_cosh(jnp.array(1.0))):.6f}")
     0.433781
+
+    Returns:
+      the element-wise loss, in the dtype of ``predictions``.
     """
     fn = "log_cosh"
     p = _float(fn, "predictions", predictions)
@@ -376,9 +391,19 @@ def cosine_distance(
 ) -> jax.Array:
     r"""Cosine distance :math:`1 - \cos(p, t)`; see :func:`cosine_similarity`.
 
+    Args:
+      predictions: the predicted vectors along ``axis``.
+      targets: the target vectors, broadcastable to ``predictions``.
+      epsilon: lower bound on each squared norm before the square root (guards against 0/0).
+      axis: the axis (or axes) holding the vector coordinates.
+      where: optional bool mask, broadcastable to the inputs; False coordinates are left out.
+
     >>> from cairn import optim
     >>> optim.cosine_distance(jnp.array([1.0, 0.0]), jnp.array([-1.0, 0.0]))
     Array(2., dtype=float32)
+
+    Returns:
+      :math:`1 - \cos(p, t)`, the inputs' shape without ``axis``.
     """
     fn = "cosine_distance"
     sim = _cosine(fn, predictions, targets, epsilon, axis, where)
@@ -435,6 +460,13 @@ def sigmoid_focal_loss(
     :math:`\log(1 - p_t) = \operatorname{logaddexp}(\log(1-y) + \log p,\ \log y + \log(1-p))`,
     which is exact for soft labels and stable for large logits.
 
+    Args:
+      logits: the logits :math:`x`, any shape.
+      labels: the targets :math:`y \in [0, 1]` (hard or soft), broadcastable to ``logits``.
+      alpha: :math:`\alpha \in [0, 1]`, the weight of the positive class; None weighs both classes
+        1.
+      gamma: :math:`\gamma \ge 0`, the focusing exponent (0 gives plain BCE).
+
     >>> from cairn import optim
     >>> print(f"{float(optim.sigmoid_focal_loss(jnp.array(0.0), jnp.array(1.0))):.6f}")
     0.173287
@@ -457,9 +489,16 @@ def hinge_loss(
 ) -> jax.Array:
     r"""Binary hinge loss :math:`\max(0, 1 - s\,y)` for targets :math:`y \in \{-1, 1\}`.
 
+    Args:
+      predictor_outputs: the scores :math:`s`, any shape.
+      targets: :math:`y \in \{-1, 1\}`, broadcastable to ``predictor_outputs``.
+
     >>> from cairn import optim
     >>> optim.hinge_loss(jnp.array([2.0, 0.5, -1.0]), jnp.array([1.0, 1.0, 1.0]))
     Array([0. , 0.5, 2. ], dtype=float32)
+
+    Returns:
+      the elementwise loss, the broadcast shape.
     """
     fn = "hinge_loss"
     s = jnp.asarray(predictor_outputs)
@@ -610,10 +649,18 @@ def safe_softmax_cross_entropy(
 
     .. math:: \ell = -\sum_{j:\,y_j \ne 0} y_j \log\operatorname{softmax}(x)_j
 
+    Args:
+      logits: ``[..., K]`` unnormalised log-probabilities (:math:`-\infty` allowed where the label
+        is 0).
+      labels: ``[..., K]`` target probabilities.
+
     >>> from cairn import optim
     >>> logits = jnp.array([0.0, -jnp.inf, 0.0])
     >>> print(optim.safe_softmax_cross_entropy(logits, jnp.array([0.5, 0.0, 0.5])).round(4))
     0.6931
+
+    Returns:
+      the loss, shape ``logits.shape[:-1]``.
     """
     fn = "safe_softmax_cross_entropy"
     x, xw, y = _logits_and_labels(fn, logits, labels)
@@ -707,10 +754,20 @@ def convex_kl_divergence(
 
     .. math:: \sum_j t_j(\log t_j - \log p_j) + p_j - t_j
 
+    Args:
+      log_predictions: :math:`\log p`, log of the (possibly unnormalised) predicted measure.
+      targets: :math:`t \ge 0`, same shape as ``log_predictions`` (or broadcastable).
+      axis: the axis (or axes) summed over; the others are kept.
+      where: optional bool mask, broadcastable to the inputs; False elements are left out of the
+        sum.
+
     >>> from cairn import optim
     >>> p = jnp.log(jnp.array([1.0, 1.0]))
     >>> print(optim.convex_kl_divergence(p, jnp.array([1.0, 0.0])).round(4))
     1.0
+
+    Returns:
+      the divergence, the inputs' shape without ``axis``.
     """
     return _kl("convex_kl_divergence", log_predictions, targets, axis, where, convex=True)
 
@@ -726,6 +783,12 @@ def smooth_labels(
 
     :math:`K` is the size of ``axis`` (the product of sizes for a tuple), or,
     with ``where``, the number of marked entries along it.
+
+    Args:
+      labels: the one-hot (or soft) labels :math:`y`, floating.
+      alpha: :math:`\alpha \in [0, 1]`, the mass moved to the uniform distribution.
+      axis: the class axis (or axes).
+      where: optional bool mask; :math:`K` counts the marked entries along ``axis``.
 
     >>> from cairn import optim
     >>> optim.smooth_labels(jnp.array([0.0, 1.0, 0.0, 0.0]), 0.2)
@@ -911,6 +974,15 @@ def ctc_loss(
 ) -> jax.Array:
     r"""CTC loss per sequence, ``[B]``; see :func:`ctc_loss_with_forward_probs`.
 
+    Args:
+      logits: ``[B, T, K]`` unnormalised log-probabilities over ``K`` classes (the blank included)
+        per frame.
+      logit_paddings: ``[B, T]``, 1.0 on padded frames and 0.0 on real ones.
+      labels: ``[B, N]`` int label ids (no blanks).
+      label_paddings: ``[B, N]``, 1.0 on padded labels and 0.0 on real ones.
+      blank_id: the class id of the blank.
+      log_epsilon: the log-probability used for impossible transitions (instead of :math:`-\infty`).
+
     >>> from cairn import optim
     >>> logits = jnp.zeros((1, 3, 2))          # uniform over {blank, 1}
     >>> loss = optim.ctc_loss(logits, jnp.zeros((1, 3)), jnp.array([[1]]), jnp.zeros((1, 1)))
@@ -1047,6 +1119,12 @@ def generalized_kl_divergence(
     r"""Optax's name for :func:`convex_kl_divergence`:
     :math:`\sum_j t_j(\log t_j - \log p_j) + p_j - t_j`.
 
+    Args:
+      log_predictions: :math:`\log p`, log of the (possibly unnormalised) predicted measure.
+      targets: :math:`t \ge 0`, same shape as ``log_predictions`` (or broadcastable).
+      axis: the axis (or axes) summed over.
+      where: optional bool mask, broadcastable to the inputs; False elements are left out.
+
     >>> from cairn import optim
     >>> p = jnp.log(jnp.array([1.0, 1.0]))
     >>> print(optim.generalized_kl_divergence(p, jnp.array([1.0, 0.0])).round(4))
@@ -1063,6 +1141,13 @@ def kl_divergence_with_log_targets(
 ) -> jax.Array:
     r"""KL divergence with the targets in log space: :math:`\sum_j e^{\ell_j}(\ell_j -
     \log p_j)` for :math:`\ell = \log t`.
+
+    Args:
+      log_predictions: :math:`\log p`, the predicted log-probabilities.
+      log_targets: :math:`\ell = \log t`, the target log-probabilities, broadcastable to
+        ``log_predictions``.
+      axis: the axis (or axes) summed over.
+      where: optional bool mask, broadcastable to the inputs; False elements are left out.
 
     >>> from cairn import optim
     >>> lp = jnp.log(jnp.array([0.5, 0.5]))
@@ -1082,9 +1167,16 @@ def perceptron_loss(
 ) -> jax.Array:
     r"""Binary perceptron loss :math:`\max(0, -s\,y)` for targets :math:`y \in \{-1, 1\}`.
 
+    Args:
+      predictor_outputs: the scores :math:`s`.
+      targets: :math:`y \in \{-1, 1\}`, same shape as ``predictor_outputs``.
+
     >>> from cairn import optim
     >>> optim.perceptron_loss(jnp.array([2.0, -0.5]), jnp.array([1.0, 1.0]))
     Array([0. , 0.5], dtype=float32)
+
+    Returns:
+      the element-wise loss.
     """
     s = jnp.asarray(predictor_outputs)
     y = jnp.asarray(targets)
@@ -1107,12 +1199,19 @@ def multiclass_perceptron_loss(scores: jax.typing.ArrayLike,
                                labels: jax.typing.ArrayLike) -> jax.Array:
     r"""Multiclass perceptron loss :math:`\max_j s_j - s_y`.
 
+    Args:
+      scores: ``[..., K]`` class scores.
+      labels: int class ids of shape ``scores.shape[:-1]``.
+
     Raises:
       ValueError: ``labels`` not integers of shape ``scores.shape[:-1]``.
 
     >>> from cairn import optim
     >>> optim.multiclass_perceptron_loss(jnp.array([[1.0, 3.0, 2.0]]), jnp.array([2]))
     Array([1.], dtype=float32)
+
+    Returns:
+      the loss, shape ``scores.shape[:-1]``.
     """
     return _margin("multiclass_perceptron_loss", scores, labels, 0.0)
 
@@ -1121,12 +1220,19 @@ def multiclass_hinge_loss(scores: jax.typing.ArrayLike,
                           labels: jax.typing.ArrayLike) -> jax.Array:
     r"""Multiclass hinge loss :math:`\max_j (s_j + [j \ne y]) - s_y`.
 
+    Args:
+      scores: ``[..., K]`` class scores.
+      labels: int class ids of shape ``scores.shape[:-1]``.
+
     Raises:
       ValueError: ``labels`` not integers of shape ``scores.shape[:-1]``.
 
     >>> from cairn import optim
     >>> optim.multiclass_hinge_loss(jnp.array([[1.0, 3.0, 2.0]]), jnp.array([2]))
     Array([2.], dtype=float32)
+
+    Returns:
+      the loss, shape ``scores.shape[:-1]``.
     """
     return _margin("multiclass_hinge_loss", scores, labels, 1.0)
 

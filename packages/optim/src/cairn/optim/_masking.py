@@ -42,6 +42,11 @@ def is_zero_tx(tx: Any) -> bool:
 
 
 class MaskedState(NamedTuple):
+    """The state of :func:`masked`.
+
+    Args:
+      inner_state: the wrapped transformation's state, built for the selected leaves only.
+    """
     inner_state: Any
 
 
@@ -52,6 +57,13 @@ def masked(inner: GradientTransformation, mask: Any, *,
     ``mask``: a pytree of bools (or prefix), a callable ``params -> mask``, or path-regex
     rules (a regex string, or ``{pattern: bool}`` / ``[(pattern, bool)]``, first match
     wins). The inner state holds only the selected leaves.
+
+    Args:
+      inner: the transformation applied to the selected leaves.
+      mask: True selects: a pytree of bools (or prefix), a callable ``params -> mask``, or
+        path-regex rules.
+      mask_compatible_extra_args: accepted for Optax compatibility and ignored (extra arguments are
+        passed on whole).
     """
     del mask_compatible_extra_args
 
@@ -79,6 +91,10 @@ def freeze(mask: Any) -> GradientTransformation:
 
     ``mask``: True freezes; a bool (or 0-d bool array), a tree of bools (or prefix), a
     callable ``params -> mask``, or path-regex rules, as for :func:`masked`.
+
+    Args:
+      mask: True freezes: a bool (or 0-d bool array), a pytree of bools (or a prefix), a callable
+        ``params -> mask``, or path-regex rules as for :func:`masked`.
     """
     if hasattr(mask, "ndim") and getattr(mask, "ndim", 1) == 0 and not callable(mask):
         mask = bool(mask)

@@ -15,6 +15,17 @@ __all__ = ["MechanicState", "mechanize"]
 
 
 class MechanicState(NamedTuple):
+    """The state of :func:`mechanize`.
+
+    Args:
+      base_optimizer_state: the base optimizer's state.
+      count: int32 scalar, steps taken.
+      r: per :math:`\\beta_j`, the discounted reward.
+      m: per :math:`\\beta_j`, the discounted maximum of :math:`|h|`.
+      v: per :math:`\\beta_j`, the discounted sum of :math:`h^2`.
+      s: per :math:`\\beta_j`, the scale bets (their sum scales the base updates).
+      x0: the reference point (the params at the first update).
+    """
     base_optimizer_state: Any
     count: jax.Array  # type: ignore[assignment]
     r: jax.Array  # per beta: discounted reward

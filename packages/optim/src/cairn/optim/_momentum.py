@@ -39,7 +39,13 @@ class TraceState(NamedTuple):
 def trace(decay: float, nesterov: bool = False,
           accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Momentum: :math:`f_t = g_t + \\mu f_{t-1}`, :math:`u_t = f_t`
-    (Nesterov: :math:`u_t = g_t + \\mu f_t`)."""
+    (Nesterov: :math:`u_t = g_t + \\mu f_t`).
+
+    Args:
+      decay: :math:`\\mu`, the momentum.
+      nesterov: return :math:`g_t + \\mu f_t` instead of :math:`f_t`.
+      accumulator_dtype: dtype of :math:`f`; None keeps the parameters' dtype.
+    """
 
     _validate.check("trace", decay=decay)
     def init(layout, params):
@@ -66,7 +72,13 @@ class EmaState(NamedTuple):
 def ema(decay: float, debias: bool = True,
         accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """:math:`e_t = \\delta e_{t-1} + (1-\\delta) g_t`, :math:`u_t = e_t/(1-\\delta^t)` when
-    ``debias`` else :math:`e_t`."""
+    ``debias`` else :math:`e_t`.
+
+    Args:
+      decay: :math:`\\delta`, in ``[0, 1)`` with ``debias`` (``[0, 1]`` without).
+      debias: divide by :math:`1-\\delta^t` so early averages are not biased towards 0.
+      accumulator_dtype: dtype of :math:`e`; None keeps the parameters' dtype.
+    """
 
     _validate.check("ema", {"decay": _validate.BETA if debias else _validate.UNIT}, decay=decay)
     def init(layout, params):
@@ -93,6 +105,12 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov
     """SGD: :math:`u = -\\eta g`; with momentum :math:`f_t = g_t + \\mu f_{t-1}`, :math:`u = -\\eta f_t`
     (Nesterov: :math:`u = -\\eta (g_t + \\mu f_t)`).
 
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      momentum: :math:`\\mu`; None for plain SGD.
+      nesterov: use Nesterov momentum.
+      accumulator_dtype: dtype of the momentum buffer; None keeps the parameters' dtype.
+
     >>> import jax.numpy as jnp
     >>> tx = sgd(0.1)
     >>> u, _ = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
@@ -107,7 +125,13 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov
 
 def signum(learning_rate: ScalarOrSchedule, beta: float = 0.9,
            accumulator_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """Signum: :math:`u = -\\eta\\,\\mathrm{sign}(m_t)` with :math:`m_t` an EMA of gradients."""
+    """Signum: :math:`u = -\\eta\\,\\mathrm{sign}(m_t)` with :math:`m_t` an EMA of gradients.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      beta: decay of the gradient EMA :math:`m_t` (not debiased).
+      accumulator_dtype: dtype of :math:`m_t`; None keeps the parameters' dtype.
+    """
     _validate.check("signum", learning_rate=learning_rate, beta=beta)
     return chain(ema(beta, debias=False, accumulator_dtype=accumulator_dtype),
                  scale_by_sign(), learning_rate_step(learning_rate))
@@ -116,7 +140,15 @@ def signum(learning_rate: ScalarOrSchedule, beta: float = 0.9,
 def noisy_sgd(learning_rate: ScalarOrSchedule, eta: float = 0.01, gamma: float = 0.55,
               key: jax.Array | int | None = None, *,
               seed: int | None = None) -> GradientTransformation:
-    """Noisy SGD: :math:`u = -\\eta(g + \\mathcal N(0, \\eta_n/(1+t)^\\gamma))`."""
+    """Noisy SGD: :math:`u = -\\eta(g + \\mathcal N(0, \\eta_n/(1+t)^\\gamma))`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      eta: :math:`\\eta_n`, the noise variance at the first step.
+      gamma: :math:`\\gamma`, the decay exponent of the noise variance.
+      key: the PRNG key of the noise (a ``jax.random`` key or an int seed).
+      seed: an int seed used when ``key`` is None (0 when both are None).
+    """
     _validate.check("noisy_sgd", learning_rate=learning_rate, eta=eta, gamma=gamma)
     if key is None and seed is None:
         seed = 0
@@ -128,7 +160,21 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
          eps: float = 0.0, trust_ratio_mask: bool = True, momentum: float = 0.9,
          nesterov: bool = False) -> GradientTransformation:
     """LARS: decay, per-leaf trust ratio :math:`c\\|\\theta\\|/(\\|u\\|+\\epsilon)`, :math:`-\\eta`,
-    then momentum."""
+    then momentum.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      weight_decay: :math:`\\lambda`, added to the gradient as :math:`\\lambda\\theta` first; a
+        float or a schedule.
+      weight_decay_mask: which leaves get weight decay (see :func:`add_decayed_weights`); True means
+        all.
+      trust_coefficient: :math:`c`, multiplies the trust ratio.
+      eps: :math:`\\epsilon`, added to the update norm in the trust ratio.
+      trust_ratio_mask: which leaves are rescaled by the trust ratio (a mask as for :func:`masked`);
+        True means all.
+      momentum: decay of the momentum applied last (see :func:`trace`).
+      nesterov: use Nesterov momentum.
+    """
     _validate.check(
         "lars",
         learning_rate=learning_rate, weight_decay=weight_decay,

@@ -35,6 +35,18 @@ def orthogonalize_via_newton_schulz(x: Any,
 
     :math:`X_0 = G/(\\|G\\|_F+\\epsilon)`, then ``ns_steps`` times
     :math:`X \\leftarrow aX + (bA + cA^2)X` with :math:`A = XX^T` (on the wide orientation).
+
+    Args:
+      x: the matrix :math:`G`, 2-D.
+      ns_coeffs: the coefficients :math:`(a, b, c)` of each iteration.
+      ns_steps: the number of iterations.
+      eps: :math:`\\epsilon`, added to the Frobenius norm.
+
+    Returns:
+      an array of ``x``'s shape.
+
+    Raises:
+      ValueError: ``x`` is not 2-D.
     """
     if x.ndim != 2:
         raise ValueError(f"Newton-Schulz orthogonalisation needs a matrix, got shape {x.shape}")
@@ -51,6 +63,12 @@ def orthogonalize_via_newton_schulz(x: Any,
 
 
 class MuonState(NamedTuple):
+    """The state of :func:`scale_by_muon`.
+
+    Args:
+      count: int32 scalar, steps taken.
+      mu: the momentum buffer, one per parameter.
+    """
     count: jax.Array  # type: ignore[assignment]
     mu: object
 
@@ -62,7 +80,17 @@ def scale_by_muon(ns_coeffs: tuple[float, float, float] = _DEFAULT_NS_COEFFS, ns
                   nesterov: bool = True) -> GradientTransformation:
     """Muon direction for matrices: :math:`m_t = \\beta m_{t-1} + (1-\\beta)g_t`, (Nesterov)
     bias-corrected :math:`\\hat m_t`, :math:`u = \\mathrm{NS}(\\hat m_t)\\sqrt{\\max(1, n_{out}/n_{in})}`
-    for a ``(n_in, n_out)`` matrix."""
+    for a ``(n_in, n_out)`` matrix.
+
+    Args:
+      ns_coeffs: the Newton-Schulz coefficients :math:`(a, b, c)` (see
+        :func:`orthogonalize_via_newton_schulz`).
+      ns_steps: Newton-Schulz iterations.
+      beta: :math:`\\beta`, the momentum decay.
+      eps: added to the Frobenius norm before Newton-Schulz.
+      mu_dtype: dtype of the momentum; None keeps the parameters' dtype.
+      nesterov: use the Nesterov form of :math:`\\hat m_t`.
+    """
 
     _validate.check("scale_by_muon", ns_steps=ns_steps, beta=beta, eps=eps)
     def init(params):
@@ -106,6 +134,24 @@ def muon(learning_rate: ScalarOrSchedule,
 
     Matrices: :math:`u = -\\eta(\\mathrm{muon}(g) + \\lambda\\theta)`; others:
     :math:`u = -\\eta_{adam}(\\mathrm{adam}(g) + \\lambda_{adam}\\theta)`.
+
+    Args:
+      learning_rate: :math:`\\eta`, the matrices' learning rate; a float or a schedule.
+      ns_coeffs: the Newton-Schulz coefficients :math:`(a, b, c)`.
+      ns_steps: Newton-Schulz iterations.
+      beta: momentum decay of the Muon part.
+      eps: added to the Frobenius norm before Newton-Schulz, and Adam's :math:`\\epsilon`.
+      weight_decay: :math:`\\lambda`, the matrices' decoupled weight decay; a float or a schedule.
+      weight_decay_mask: which matrices get weight decay (see :func:`add_decayed_weights`); None
+        means all.
+      mu_dtype: dtype of both parts' momentum; None keeps the parameters' dtype.
+      nesterov: use Nesterov momentum (both parts).
+      adam_b1: the AdamW part's :math:`\\beta_1`.
+      adam_b2: the AdamW part's :math:`\\beta_2`.
+      adam_eps_root: the AdamW part's :math:`\\epsilon_{root}`.
+      adam_weight_decay: :math:`\\lambda_{adam}`, the AdamW part's weight decay.
+      adam_learning_rate: :math:`\\eta_{adam}`; None uses ``learning_rate``.
+      nu_dtype: dtype of the AdamW part's second moment; None keeps the parameters' dtype.
     """
     _validate.check(
         "muon",

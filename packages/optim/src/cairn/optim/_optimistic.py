@@ -34,7 +34,12 @@ _COEF = {"alpha": _validate.FINITE, "beta": _validate.FINITE, "optimism": _valid
 
 
 class ScaleByOptimisticGradientState(NamedTuple):
-    """Optax's fields: whether no step was taken yet, and the previous incoming update."""
+    """Optax's fields: whether no step was taken yet, and the previous incoming update.
+
+    Args:
+      is_initial_step: bool scalar, True until the first step.
+      previous_gradient: the previous incoming update pytree.
+    """
 
     is_initial_step: jax.Array
     previous_gradient: Any

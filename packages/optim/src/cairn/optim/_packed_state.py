@@ -56,6 +56,12 @@ def pack(tx_or_tree: Any, layout: pk.Layout | None = None, *, what: str = "updat
     ``pack(tree, layout)`` packs ``tree`` into the buffers of ``layout`` (one concatenate
     per group); errors name the path of a leaf of the wrong shape or dtype.
 
+    Args:
+      tx_or_tree: a transformation (to opt it in to packed state) or a pytree of arrays (to pack).
+      layout: the :class:`Layout` to pack a pytree into; None when packing a transformation.
+      what: the name used for the tree in error messages.
+      cast: cast leaves whose dtype differs from the layout's instead of raising TypeError.
+
     >>> import jax.numpy as jnp
     >>> from cairn import optim
     >>> params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
@@ -86,6 +92,11 @@ _I32_MAX = np.iinfo(np.int32).max
 
 
 def safe_increment(count: jax.Array) -> jax.Array:
+    """``count + 1`` as int32, saturating at the int32 maximum instead of wrapping.
+
+    Args:
+      count: an int32 step counter.
+    """
     return jnp.where(count < _I32_MAX, count + 1, _I32_MAX).astype(jnp.int32)
 
 

@@ -114,6 +114,12 @@ def layout_of(tree: Any, *, use_sharding: bool = True, per_leaf: bool = False) -
     then no work and a sharded leaf keeps its sharding). This is the layout of the default,
     per-parameter optimizer state; the grouped layout (one flat buffer per dtype) is the
     opt-in of :func:`cairn.optim.pack`.
+
+    Args:
+      tree: a pytree of arrays (or a :class:`Packed`, whose layout is returned).
+      use_sharding: put leaves with different shardings in different groups.
+      per_leaf: give every leaf its own buffer in its own shape (the default per-parameter state
+        layout) instead of one flat buffer per dtype.
     """
     if isinstance(tree, Packed):
         return tree.layout
@@ -153,6 +159,12 @@ class Packed:
 
     ``offsets`` is an optional tuple of int32 scalars from which each leaf's start in
     its buffer is computed at run time; see the module docstring.
+
+    Args:
+      layout: the :class:`Layout` saying which leaf sits where in which buffer.
+      buffers: one flat array per group of ``layout`` (stored as a tuple).
+      offsets: optional int32 scalars from which each leaf's start in its buffer is computed at run
+        time; None uses the layout's static offsets.
     """
 
     __slots__ = ("layout", "buffers", "offsets")
@@ -163,19 +175,40 @@ class Packed:
         self.offsets = None if offsets is None else tuple(offsets)
 
     def unpack(self, offsets: Any = None) -> Any:
-        """The ordinary pytree view of these buffers."""
+        """The ordinary pytree view of these buffers.
+
+        Args:
+          offsets: per-leaf offsets to read at (as from :func:`~cairn.optim.layout_of`); None uses
+            the static layout.
+        """
         return unpack(self, offsets)
 
     def map(self, fn: Callable, *others: Packed) -> Packed:
-        """Apply ``fn`` buffer-wise (``fn(buf, *other_bufs)``)."""
+        """Apply ``fn`` buffer-wise (``fn(buf, *other_bufs)``).
+
+        Args:
+          fn: called as ``fn(buf, *other_bufs)`` on each group's buffer; returns the new buffer.
+          others: more :class:`Packed` values with the same layout, whose buffers are passed
+            alongside.
+        """
         return Packed(self.layout, [fn(*bs) for bs in zip(self.buffers, *(o.buffers for o in others))])
 
     def astype(self, dtype: jax.typing.DTypeLike | None) -> Packed:
+        """These buffers cast to ``dtype`` (same layout and offsets).
+
+        Args:
+          dtype: the target dtype; None returns ``self`` unchanged.
+        """
         if dtype is None:
             return self
         return Packed(self.layout, [b.astype(dtype) for b in self.buffers], self.offsets)
 
     def with_offsets(self, offsets: Any) -> Packed:
+        """The same buffers with other run-time ``offsets``.
+
+        Args:
+          offsets: a tuple of int32 scalars (one per leaf start), or None to drop them.
+        """
         return Packed(self.layout, self.buffers, offsets)
 
     def drop_offsets(self) -> Packed:
@@ -386,7 +419,15 @@ def treedef_str(layout: Layout) -> str:
 
 
 def unpack(p: Packed, offsets: Any = None) -> Any:
-    """Rebuild the pytree from packed buffers (one slice + reshape per leaf)."""
+    """Rebuild the pytree from packed buffers (one slice + reshape per leaf).
+
+    Args:
+      p: the :class:`Packed` buffers.
+      offsets: run-time leaf offsets to read at; None uses ``p.offsets`` (or the static layout).
+
+    Raises:
+      ValueError: ``offsets`` does not fit the layout.
+    """
     layout = p.layout
     if offsets is None:
         offsets = p.offsets

@@ -15,6 +15,16 @@ __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]
 
 
 class ReduceLROnPlateauState(NamedTuple):
+    """The state of :func:`reduce_on_plateau`.
+
+    Args:
+      scale: float scalar, the factor applied to the updates.
+      best_value: float scalar, the best window-averaged value seen so far.
+      plateau_count: int32 scalar, accumulation windows without improvement.
+      cooldown_count: int32 scalar, windows left before plateaus count again.
+      count: int32 scalar, values accumulated in the current window.
+      avg_value: float scalar, the running mean of the current window.
+    """
     scale: jax.Array  # the factor applied to the updates
     best_value: jax.Array  # best accumulated value seen so far
     plateau_count: jax.Array  # accumulation windows without improvement

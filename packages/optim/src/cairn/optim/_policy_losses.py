@@ -64,6 +64,14 @@ class PolicyLossOutput(NamedTuple):
 
     ``loss`` and ``per_token_loss`` carry the gradient; the other fields are
     metrics under ``stop_gradient``.
+
+    Args:
+      loss: the scalar objective, ``policy_loss + beta * kl``.
+      per_token_loss: :math:`\ell_{i,t}`, ``[..., T]``, 0 where masked.
+      policy_loss: the clipped term alone, aggregated like ``loss``.
+      kl: the KL estimate, aggregated the same way (0 without a reference).
+      clip_fraction_low: fraction of masked tokens whose lower clip is active.
+      clip_fraction_high: fraction of masked tokens whose upper clip is active.
     """
 
     loss: jax.Array

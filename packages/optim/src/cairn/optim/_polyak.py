@@ -29,6 +29,12 @@ def scale_by_polyak(f_min: float = 0.0, max_learning_rate: float = 1.0, eps: flo
     \\gamma_{max}\\right) u` with ``value=f(x)`` passed to ``update``; ``variant="sps+"``
     uses :math:`(f(x)-f^\\star)_+`. A zero denominator gives a step of 0.
 
+    Args:
+      f_min: :math:`f^\\star`, a lower bound on the objective.
+      max_learning_rate: :math:`\\gamma_{max}`, the largest step.
+      eps: :math:`\\epsilon`, added to the denominator.
+      variant: ``"sps"`` or ``"sps+"``.
+
     Raises:
       ValueError: an unknown ``variant``; ``update`` without ``value``.
     """
@@ -60,6 +66,14 @@ def polyak_sgd(max_learning_rate: float = 1.0, scaling: ScalarOrSchedule = 1.0,
     """SGD with the Polyak step: ``chain(sgd(scaling), scale_by_polyak(...))``, i.e.
     :math:`x \\leftarrow x - s\\min\\left(\\frac{f(x)-f^\\star}{\\|s g\\|^2+\\epsilon},
     \\gamma_{max}\\right) g`; ``update`` needs ``value=f(x)``.
+
+    Args:
+      max_learning_rate: :math:`\\gamma_{max}`, the largest Polyak step.
+      scaling: :math:`s`, a float or a schedule multiplying the step.
+      f_min: :math:`f^\\star`, a lower bound on the objective (0 for non-negative losses).
+      eps: :math:`\\epsilon`, added to the denominator.
+      variant: ``"sps"`` or ``"sps+"`` (the step clipped at 0 from below), see
+        :func:`scale_by_polyak`.
 
     Example:
       >>> import jax, jax.numpy as jnp

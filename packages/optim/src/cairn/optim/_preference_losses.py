@@ -35,7 +35,16 @@ __all__ = ["PreferenceLossOutput", "dpo_loss", "ipo_loss", "orpo_loss", "simpo_l
 
 
 class PreferenceLossOutput(NamedTuple):
-    """What a preference loss returns (all per example, shaped like its inputs)."""
+    """What a preference loss returns (all per example, shaped like its inputs).
+
+    Args:
+      loss: the per-example loss (the only field that carries a gradient).
+      chosen_rewards: :math:`r_w`, the implicit reward of the chosen completion as each method
+        defines it (under ``stop_gradient``).
+      rejected_rewards: :math:`r_l`, the same for the rejected completion.
+      margins: ``chosen_rewards - rejected_rewards``.
+      accuracies: 1.0 where the chosen reward is above the rejected one, else 0.0.
+    """
 
     loss: jax.Array
     chosen_rewards: jax.Array

@@ -16,6 +16,17 @@ __all__ = ["ProdigyState", "prodigy"]
 
 
 class ProdigyState(NamedTuple):
+    """The state of :func:`prodigy`.
+
+    Args:
+      exp_avg: :math:`m`, the EMA of :math:`d\\,g`.
+      exp_avg_sq: :math:`v`, the EMA of :math:`(d\\,g)^2`.
+      grad_sum: :math:`s`, the weighted sum of :math:`d^2 g` terms.
+      params0: :math:`x_0`, the params at init.
+      estim_lr: :math:`d`, the distance estimate.
+      numerator_weighted: :math:`r`, the weighted :math:`\\langle g, x_0 - x\\rangle`.
+      count: int32 scalar, steps taken.
+    """
     exp_avg: Any  # :math:`m`, EMA of :math:`d g`
     exp_avg_sq: Any  # :math:`v`, EMA of :math:`(d g)^2`
     grad_sum: Any  # :math:`s`, the weighted sum of :math:`d^2 g`-like terms

@@ -29,7 +29,11 @@ __all__ = [
 
 
 def projection_non_negative(tree: Any) -> Any:
-    """Onto :math:`y \\ge 0`: ``max(x, 0)`` leaf-wise."""
+    """Onto :math:`y \\ge 0`: ``max(x, 0)`` leaf-wise.
+
+    Args:
+      tree: the pytree to project.
+    """
     return jax.tree.map(jax.nn.relu, tree)
 
 
@@ -40,29 +44,55 @@ def _bound(b: Any, tree: Any) -> Any:
 
 
 def projection_box(tree: Any, lower: Any, upper: Any) -> Any:
-    """Onto :math:`\\text{lower} \\le y \\le \\text{upper}` (scalars or trees like ``tree``)."""
+    """Onto :math:`\\text{lower} \\le y \\le \\text{upper}` (scalars or trees like ``tree``).
+
+    Args:
+      tree: the pytree to project.
+      lower: the lower bound, a scalar or a pytree like ``tree``.
+      upper: the upper bound, a scalar or a pytree like ``tree``.
+    """
     return jax.tree.map(jnp.clip, tree, _bound(lower, tree), _bound(upper, tree))
 
 
 def projection_hypercube(tree: Any, scale: Any = 1) -> Any:
-    """Onto :math:`0 \\le y \\le \\text{scale}`."""
+    """Onto :math:`0 \\le y \\le \\text{scale}`.
+
+    Args:
+      tree: the pytree to project.
+      scale: the upper bound, a scalar or a pytree like ``tree``.
+    """
     return projection_box(tree, 0, scale)
 
 
 def projection_linf_ball(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
-    """Onto :math:`\\|y\\|_\\infty \\le \\text{scale}`."""
+    """Onto :math:`\\|y\\|_\\infty \\le \\text{scale}`.
+
+    Args:
+      tree: the pytree to project.
+      scale: the radius, a scalar or a pytree like ``tree``.
+    """
     return projection_box(tree, jnp.negative(scale), scale)
 
 
 def projection_l2_ball(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
-    """Onto :math:`\\|y\\|_2 \\le \\text{scale}`: :math:`x\\min(1, s/\\|x\\|_2)`."""
+    """Onto :math:`\\|y\\|_2 \\le \\text{scale}`: :math:`x\\min(1, s/\\|x\\|_2)`.
+
+    Args:
+      tree: the pytree to project (all leaves form one vector).
+      scale: the radius :math:`s > 0`.
+    """
     n = _tree.norm(tree)
     factor = jnp.where(n > scale, scale / jnp.where(n > 0, n, 1.0), 1.0)
     return jax.tree.map(lambda x: (x * factor).astype(jnp.result_type(x)), tree)
 
 
 def projection_l2_sphere(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
-    """Onto :math:`\\|y\\|_2 = \\text{scale}`: :math:`s\\,x/\\|x\\|_2` (undefined at 0)."""
+    """Onto :math:`\\|y\\|_2 = \\text{scale}`: :math:`s\\,x/\\|x\\|_2` (undefined at 0).
+
+    Args:
+      tree: the pytree to project (all leaves form one vector, nonzero).
+      scale: the radius :math:`s > 0`.
+    """
     factor = scale / _tree.norm(tree)
     return jax.tree.map(lambda x: (x * factor).astype(jnp.result_type(x)), tree)
 
@@ -79,21 +109,36 @@ def _simplex_vector(v: jax.Array, scale: jax.typing.ArrayLike) -> jax.Array:
 
 def projection_simplex(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
     """Onto :math:`\\{y \\ge 0, \\sum y = \\text{scale}\\}` over all leaves together:
-    :math:`y = \\max(x - \\theta, 0)` with the threshold :math:`\\theta` found by sorting."""
+    :math:`y = \\max(x - \\theta, 0)` with the threshold :math:`\\theta` found by sorting.
+
+    Args:
+      tree: the pytree to project (all leaves form one vector).
+      scale: the sum :math:`s > 0` of the projected vector.
+    """
     flat, unravel = ravel_pytree(tree)
     return unravel(_simplex_vector(flat, scale))
 
 
 def projection_l1_sphere(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
     """Onto :math:`\\|y\\|_1 = \\text{scale}`: :math:`\\mathrm{sign}(x)\\,
-    \\Pi_{\\Delta_s}(|x|)`."""
+    \\Pi_{\\Delta_s}(|x|)`.
+
+    Args:
+      tree: the pytree to project (all leaves form one vector).
+      scale: the radius :math:`s > 0`.
+    """
     flat, unravel = ravel_pytree(tree)
     return unravel(jnp.sign(flat) * _simplex_vector(jnp.abs(flat), scale))
 
 
 def projection_l1_ball(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
     """Onto :math:`\\|y\\|_1 \\le \\text{scale}`: ``tree`` itself when inside, else the l1
-    sphere's projection."""
+    sphere's projection.
+
+    Args:
+      tree: the pytree to project (all leaves form one vector).
+      scale: the radius :math:`s > 0`.
+    """
     flat, unravel = ravel_pytree(tree)
     inside = jnp.sum(jnp.abs(flat)) <= scale
     return unravel(jnp.where(inside, flat,
@@ -102,19 +147,36 @@ def projection_l1_ball(tree: Any, scale: jax.typing.ArrayLike = 1) -> Any:
 
 def projection_hyperplane(x: Any, a: Any, b: jax.typing.ArrayLike) -> Any:
     """Onto :math:`\\langle a, y\\rangle = b`: :math:`x - \\frac{\\langle a,x\\rangle - b}
-    {\\|a\\|^2} a`."""
+    {\\|a\\|^2} a`.
+
+    Args:
+      x: the pytree to project.
+      a: the normal vector, a pytree like ``x`` (nonzero).
+      b: the scalar offset.
+    """
     c = (_tree.vdot(a, x) - b) / _tree.vdot(a, a)
     return jax.tree.map(lambda xi, ai: xi - c * ai, x, a)
 
 
 def projection_halfspace(x: Any, a: Any, b: jax.typing.ArrayLike) -> Any:
     """Onto :math:`\\langle a, y\\rangle \\le b`: :math:`x - \\frac{\\max(\\langle a,x\\rangle
-    - b, 0)}{\\|a\\|^2} a`."""
+    - b, 0)}{\\|a\\|^2} a`.
+
+    Args:
+      x: the pytree to project.
+      a: the normal vector, a pytree like ``x``.
+      b: the scalar offset.
+    """
     c = jax.nn.relu(_tree.vdot(a, x) - b) / _tree.vdot(a, a)
     return jax.tree.map(lambda xi, ai: xi - c * ai, x, a)
 
 
 def projection_vector(x: Any, a: Any) -> Any:
-    """Onto the line spanned by ``a``: :math:`\\frac{\\langle a,x\\rangle}{\\|a\\|^2} a`."""
+    """Onto the line spanned by ``a``: :math:`\\frac{\\langle a,x\\rangle}{\\|a\\|^2} a`.
+
+    Args:
+      x: the pytree to project.
+      a: the direction, a pytree like ``x`` (nonzero).
+    """
     c = _tree.vdot(a, x) / _tree.vdot(a, a)
     return jax.tree.map(lambda ai: c * ai, a)

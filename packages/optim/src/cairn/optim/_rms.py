@@ -54,7 +54,16 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
                  nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """RMSProp scaling: :math:`v_t = \\rho v_{t-1} + (1-\\rho) g_t^2`,
     :math:`u_t = g_t/\\sqrt{v_t+\\epsilon}` (or :math:`g_t/(\\sqrt{v_t}+\\epsilon)` when
-    ``eps_in_sqrt=False``), :math:`v_t` bias-corrected when ``bias_correction``."""
+    ``eps_in_sqrt=False``), :math:`v_t` bias-corrected when ``bias_correction``.
+
+    Args:
+      decay: :math:`\\rho`, decay of the squared-gradient EMA.
+      eps: :math:`\\epsilon`, inside the square root (outside with ``eps_in_sqrt=False``).
+      initial_scale: the starting value of :math:`v`.
+      eps_in_sqrt: put ``eps`` inside the square root.
+      bias_correction: divide :math:`v_t` by :math:`1-\\rho^t` (the state then keeps a step count).
+      nu_dtype: dtype of :math:`v`; None keeps the parameters' dtype.
+    """
 
     _validate.check("scale_by_rms", decay=decay, eps=eps, initial_scale=initial_scale)
     def init(layout, params):
@@ -97,7 +106,17 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
                     bias_correction: bool = False, *, mu_dtype: jax.typing.DTypeLike | None = None,
                     nu_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
     """Centred RMSProp: :math:`u_t = g_t/\\sqrt{v_t - m_t^2 + \\epsilon}` with EMAs
-    :math:`m_t` of :math:`g` and :math:`v_t` of :math:`g^2` (decay :math:`\\rho`)."""
+    :math:`m_t` of :math:`g` and :math:`v_t` of :math:`g^2` (decay :math:`\\rho`).
+
+    Args:
+      decay: :math:`\\rho`, decay of both EMAs.
+      eps: :math:`\\epsilon`, inside the square root (outside with ``eps_in_sqrt=False``).
+      initial_scale: the starting value of :math:`v`.
+      eps_in_sqrt: put ``eps`` inside the square root.
+      bias_correction: divide the EMAs by :math:`1-\\rho^t` (the state then keeps a step count).
+      mu_dtype: dtype of :math:`m`; None keeps the parameters' dtype.
+      nu_dtype: dtype of :math:`v`; None keeps the parameters' dtype.
+    """
 
     _validate.check("scale_by_stddev", decay=decay, eps=eps, initial_scale=initial_scale)
     def init(layout, params):
@@ -140,7 +159,12 @@ class ScaleByRssState(NamedTuple):
 def scale_by_rss(initial_accumulator_value: float = 0.1,
                  eps: float = 1e-7) -> GradientTransformation:
     """Adagrad scaling: :math:`s_t = s_{t-1} + g_t^2`, :math:`u_t = g_t/\\sqrt{s_t+\\epsilon}`
-    (0 where :math:`s_t = 0`)."""
+    (0 where :math:`s_t = 0`).
+
+    Args:
+      initial_accumulator_value: the starting value of :math:`s`.
+      eps: :math:`\\epsilon`, added inside the square root.
+    """
 
     _validate.check("scale_by_rss", initial_accumulator_value=initial_accumulator_value, eps=eps)
     def init(layout, params):
@@ -168,7 +192,12 @@ class ScaleByAdaDeltaState(NamedTuple):
 def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
     """AdaDelta: :math:`E[g^2]_t = \\rho E[g^2]_{t-1} + (1-\\rho) g_t^2`,
     :math:`u_t = \\sqrt{E[x^2]_{t-1}+\\epsilon}/\\sqrt{E[g^2]_t+\\epsilon}\\,g_t`,
-    :math:`E[x^2]_t = \\rho E[x^2]_{t-1} + (1-\\rho) u_t^2`."""
+    :math:`E[x^2]_t = \\rho E[x^2]_{t-1} + (1-\\rho) u_t^2`.
+
+    Args:
+      rho: :math:`\\rho`, decay of both EMAs, in ``[0, 1)``.
+      eps: :math:`\\epsilon`, added inside both square roots.
+    """
 
     _validate.check("scale_by_adadelta", rho=rho, eps=eps)
     def init(layout, params):
@@ -198,7 +227,13 @@ class ScaleBySM3State(NamedTuple):
 def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> GradientTransformation:
     """SM3 (Anil et al. 2019): one accumulator per axis; the per-element accumulator is
     :math:`a = g^2 + \\min_i \\mu_i` (broadcast), :math:`\\mu_i \\leftarrow \\max` of :math:`a`
-    over the other axes, update :math:`\\nu_t = \\beta_1 \\nu_{t-1} + (1-\\beta_1) g/\\sqrt{a+\\epsilon}`."""
+    over the other axes, update :math:`\\nu_t = \\beta_1 \\nu_{t-1} + (1-\\beta_1) g/\\sqrt{a+\\epsilon}`.
+
+    Args:
+      b1: :math:`\\beta_1`, decay of the update EMA :math:`\\nu`.
+      b2: decay of the per-axis accumulators, in ``[0, 1]`` (1 sums as in the paper).
+      eps: :math:`\\epsilon`, added inside the square root.
+    """
     _validate.check("scale_by_sm3", {"b2": _validate.UNIT}, b1=b1, b2=b2, eps=eps)
 
     def init(params):
@@ -247,7 +282,19 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
             initial_scale: float = 0.0, eps_in_sqrt: bool = True,
             centered: bool = False, momentum: float | None = None, nesterov: bool = False,
             bias_correction: bool = False) -> GradientTransformation:
-    """RMSProp (optionally centred, with momentum)."""
+    """RMSProp (optionally centred, with momentum).
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      decay: :math:`\\rho`, decay of the squared-gradient EMA.
+      eps: :math:`\\epsilon`, inside the square root (or outside with ``eps_in_sqrt=False``).
+      initial_scale: the starting value of the squared-gradient EMA.
+      eps_in_sqrt: put ``eps`` inside the square root.
+      centered: subtract the squared mean gradient (centred RMSProp, :func:`scale_by_stddev`).
+      momentum: decay of momentum applied after the learning rate; None for none.
+      nesterov: use Nesterov momentum.
+      bias_correction: divide the EMAs by :math:`1-\\rho^t`.
+    """
     _validate.check(
         "rmsprop",
         learning_rate=learning_rate, decay=decay, eps=eps, initial_scale=initial_scale,
@@ -263,7 +310,13 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
 
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
             eps: float = 1e-7) -> GradientTransformation:
-    """Adagrad: :math:`s_t = s_{t-1} + g_t^2`, :math:`u = -\\eta g_t/\\sqrt{s_t+\\epsilon}`."""
+    """Adagrad: :math:`s_t = s_{t-1} + g_t^2`, :math:`u = -\\eta g_t/\\sqrt{s_t+\\epsilon}`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      initial_accumulator_value: the starting value of :math:`s`.
+      eps: :math:`\\epsilon` inside the square root.
+    """
     _validate.check(
         "adagrad",
         learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps,
@@ -275,7 +328,17 @@ def adadelta(learning_rate: ScalarOrSchedule | None = None, rho: float = 0.9, ep
              weight_decay: ScalarOrSchedule = 0.0,
              weight_decay_mask: Any = None) -> GradientTransformation:
     """AdaDelta (Zeiler 2012), with optional weight decay added to the gradient first;
-    ``learning_rate=None`` means 1."""
+    ``learning_rate=None`` means 1.
+
+    Args:
+      learning_rate: a float or a schedule; None means 1.
+      rho: decay of the squared-gradient and squared-update EMAs, in ``[0, 1)``.
+      eps: added inside both square roots.
+      weight_decay: :math:`\\lambda`, added to the gradient as :math:`\\lambda\\theta` first (0
+        turns it off); a float or a schedule.
+      weight_decay_mask: which leaves get weight decay (see :func:`add_decayed_weights`); None means
+        all.
+    """
     _validate.check(
         "adadelta", {"learning_rate": _validate.LR},  # None means 1
         learning_rate=learning_rate, rho=rho, eps=eps, weight_decay=weight_decay,
@@ -286,7 +349,12 @@ def adadelta(learning_rate: ScalarOrSchedule | None = None, rho: float = 0.9, ep
 
 
 def sm3(learning_rate: ScalarOrSchedule, momentum: float = 0.9) -> GradientTransformation:
-    """SM3 with momentum, times :math:`-\\eta`."""
+    """SM3 with momentum, times :math:`-\\eta`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      momentum: :math:`\\beta_1` of :func:`scale_by_sm3`.
+    """
     _validate.check("sm3", learning_rate=learning_rate, momentum=momentum)
     return chain(scale_by_sm3(momentum), learning_rate_step(learning_rate))
 

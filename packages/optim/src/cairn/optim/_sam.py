@@ -31,6 +31,14 @@ def normalize() -> GradientTransformation:
 
 
 class SAMState(NamedTuple):
+    """The state of :func:`sam`.
+
+    Args:
+      steps_since_sync: int32 scalar, steps since the last outer step.
+      opt_state: the outer optimizer's state.
+      adv_state: the adversarial optimizer's state.
+      cache: the outer params while adversarial steps run (None in opaque mode).
+    """
     steps_since_sync: jax.Array
     opt_state: Any
     adv_state: Any
@@ -50,14 +58,19 @@ def sam(optimizer: GradientTransformation, adv_optimizer: GradientTransformation
     ``sync_period - 1`` calls return *ascent* updates :math:`-\\mathrm{adv}(g)` (so
     ``apply_updates`` moves the params to the adversarial point); the last returns the
     update that takes the params back to the cached outer point :math:`x` and applies
-    ``optimizer`` to the gradient at the adversarial point. ``reset_state`` re-initialises
-    the adversarial optimizer after each outer step.
+    ``optimizer`` to the gradient at the adversarial point. Opaque mode: one call does the
+    whole loop; ``update(..., grad_fn=f)`` with ``f(params, i) -> grads`` evaluates the
+    adversarial gradients.
 
-    Opaque mode: one call does the whole loop; ``update(..., grad_fn=f)`` with
-    ``f(params, i) -> grads`` evaluates the adversarial gradients (averaged over
-    ``batch_axis_name`` with ``pmean`` when given).
-
-    Typical adversary: ``chain(contrib.normalize(), sgd(rho))`` (SAM with radius rho).
+    Args:
+      optimizer: the outer optimizer, applied to the gradient at the adversarial point.
+      adv_optimizer: the adversary, whose updates are negated into ascent steps; typically
+        ``chain(contrib.normalize(), sgd(rho))`` (SAM with radius rho).
+      sync_period: calls per outer step: ``sync_period - 1`` ascent steps then one outer step.
+      reset_state: re-initialise the adversary's state after each outer step.
+      opaque_mode: run the whole loop in one call (needs ``update(..., grad_fn=f)``).
+      batch_axis_name: in opaque mode, the mapped axis the adversarial gradients are averaged
+        over with ``pmean``; None for none.
 
     Raises:
       ValueError: ``sync_period < 1``; opaque mode without ``grad_fn``.

@@ -68,6 +68,9 @@ def _times_step_size(g, step_size):
 def scale(step_size: float | jax.Array) -> GradientTransformation:
     """:math:`u \\leftarrow \\alpha\\,u`.
 
+    Args:
+      step_size: :math:`\\alpha`, a float or a scalar array multiplying every update.
+
     >>> import jax.numpy as jnp
     >>> tx = scale(-0.1)
     >>> tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))[0]["w"].tolist()
@@ -84,7 +87,12 @@ def scale(step_size: float | jax.Array) -> GradientTransformation:
 class ScaleByLearningRateState(NamedTuple):
     """``count`` of steps (the schedule's argument: advanced only when ``learning_rate`` is a
     schedule, so a constant costs no work per step) and the ``learning_rate`` used at the
-    last step (traced)."""
+    last step (traced).
+
+    Args:
+      count: int32 scalar, steps taken (advanced only when ``learning_rate`` is a schedule).
+      learning_rate: float scalar, the learning rate used at the last step.
+    """
 
     count: jax.Array  # type: ignore[assignment]
     learning_rate: jax.Array
@@ -99,6 +107,11 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *,
     ``learning_rate`` is a float or a schedule ``step -> value``. The value lives in
     the state (``state.learning_rate``), so it is a traced value: changing it with
     :func:`set_hyperparams` does not recompile, and :func:`get_hyperparams` reads it.
+
+    Args:
+      learning_rate: :math:`\\eta_t`, a float or a schedule ``step -> value``; None returns
+        :func:`identity`.
+      flip_sign: multiply by :math:`-\\eta_t` (descent) if True, by :math:`+\\eta_t` if False.
     """
     _validate.check("scale_by_learning_rate", {"learning_rate": _validate.LR}, learning_rate=learning_rate)
     return learning_rate_step(learning_rate, flip_sign=flip_sign)
@@ -130,7 +143,14 @@ class ScaleByScheduleState(NamedTuple):
 
 
 def scale_by_schedule(step_size_fn: Callable[[jax.Array], jax.Array]) -> GradientTransformation:
-    """:math:`u \\leftarrow s(t)\\,u` with ``s`` a schedule evaluated at the step count."""
+    """:math:`u \\leftarrow s(t)\\,u` with ``s`` a schedule evaluated at the step count.
+
+    Args:
+      step_size_fn: the schedule ``s``, ``step -> value`` (the step an int32 scalar).
+
+    Raises:
+      TypeError: ``step_size_fn`` is not callable.
+    """
     if not callable(step_size_fn):
         raise TypeError(f"step_size_fn must be callable (step -> value), got "
                         f"{type(step_size_fn).__name__}")
@@ -166,7 +186,15 @@ def scale_by_rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float
                    max_step_size: float = 50.0) -> GradientTransformation:
     """Rprop: per-element step sizes grow by ``eta_plus`` when the gradient keeps its sign,
     shrink by ``eta_minus`` when it flips (clipped to [min, max]); the update is
-    :math:`\\mathrm{step}\\cdot\\mathrm{sign}(g)`, and 0 right after a sign flip."""
+    :math:`\\mathrm{step}\\cdot\\mathrm{sign}(g)`, and 0 right after a sign flip.
+
+    Args:
+      learning_rate: the initial per-element step size.
+      eta_minus: factor (< 1) applied to the step when the gradient flips sign.
+      eta_plus: factor (> 1) applied to the step when the gradient keeps its sign.
+      min_step_size: the smallest step size.
+      max_step_size: the largest step size.
+    """
     _validate.check(
         "scale_by_rprop",
         learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
@@ -209,7 +237,13 @@ def _safe_norm(x, min_norm, axis=None, keepdims=False):
 def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
                          eps: float = 0.0) -> GradientTransformation:
     """LARS/LAMB trust ratio per leaf: :math:`u \\leftarrow u\\cdot c\\,\\|\\theta\\|/(\\|u\\|+\\epsilon)`
-    (1 where either norm is 0)."""
+    (1 where either norm is 0).
+
+    Args:
+      min_norm: the smallest parameter norm used.
+      trust_coefficient: :math:`c`, multiplies the ratio.
+      eps: :math:`\\epsilon`, added to the update norm.
+    """
     _validate.check("scale_by_trust_ratio", min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps)
 
     def f(u, p):
@@ -223,7 +257,11 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
-    """:math:`u \\leftarrow u\\cdot\\max(\\mathrm{rms}(\\theta), s_{min})` per leaf."""
+    """:math:`u \\leftarrow u\\cdot\\max(\\mathrm{rms}(\\theta), s_{min})` per leaf.
+
+    Args:
+      min_scale: :math:`s_{min} \\ge 0`, the smallest factor (for zero or tiny parameters).
+    """
     _validate.check("scale_by_param_block_rms", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
 
     def f(u, p):
@@ -234,7 +272,11 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
 
 
 def scale_by_param_block_norm(min_scale: float = 1e-3) -> GradientTransformation:
-    """:math:`u \\leftarrow u\\cdot\\max(\\|\\theta\\|_2, s_{min})` per leaf."""
+    """:math:`u \\leftarrow u\\cdot\\max(\\|\\theta\\|_2, s_{min})` per leaf.
+
+    Args:
+      min_scale: :math:`s_{min} \\ge 0`, the smallest factor (for zero or tiny parameters).
+    """
     _validate.check("scale_by_param_block_norm", {"min_scale": _validate.NONNEG}, min_scale=min_scale)
 
     def f(u, p):
@@ -255,14 +297,26 @@ def centralize() -> GradientTransformation:
 
 
 def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
-    """signSGD: :math:`u = -\\eta\\,\\mathrm{sign}(g)`."""
+    """signSGD: :math:`u = -\\eta\\,\\mathrm{sign}(g)`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+    """
     _validate.check("sign_sgd", learning_rate=learning_rate)
     return chain(scale_by_sign(), learning_rate_step(learning_rate))
 
 
 def rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2,
           min_step_size: float = 1e-6, max_step_size: float = 50.0) -> GradientTransformation:
-    """Rprop (sign-based adaptive step sizes), :math:`u = -\\mathrm{step}\\cdot\\mathrm{sign}(g)`."""
+    """Rprop (sign-based adaptive step sizes), :math:`u = -\\mathrm{step}\\cdot\\mathrm{sign}(g)`.
+
+    Args:
+      learning_rate: the initial per-element step size.
+      eta_minus: factor (< 1) applied to the step when the gradient changes sign.
+      eta_plus: factor (> 1) applied to the step when the gradient keeps its sign.
+      min_step_size: the smallest step size.
+      max_step_size: the largest step size.
+    """
     _validate.check(
         "rprop",
         learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
@@ -274,7 +328,12 @@ def rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2,
 
 def fromage(learning_rate: ScalarOrSchedule, min_norm: float = 1e-6) -> GradientTransformation:
     """Fromage: trust-ratio step :math:`-\\eta/\\sqrt{1+\\eta^2}`, weights shrunk by
-    :math:`1/\\sqrt{1+\\eta^2}`."""
+    :math:`1/\\sqrt{1+\\eta^2}`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      min_norm: the smallest norm used in the trust ratio (for zero parameters or updates).
+    """
     _validate.check("fromage", learning_rate=learning_rate, min_norm=min_norm)
     if callable(learning_rate):
         def mult(c):

@@ -27,6 +27,17 @@ __all__ = ["schedule_free", "schedule_free_adamw", "schedule_free_sgd",
 
 
 class ScheduleFreeState(NamedTuple):
+    """The state of :func:`schedule_free`.
+
+    Args:
+      b1: float32 scalar, :math:`\\beta_1`, the interpolation weight between :math:`x` and
+        :math:`z`.
+      weight_sum: :math:`\\sum_i \\gamma_{max,i}^p`, the sum of the averaging weights so far.
+      step_count: int32 scalar, steps taken (the schedule's argument).
+      max_lr: :math:`\\gamma_{max}`, the largest learning rate seen so far.
+      base_optimizer_state: the base optimizer's state.
+      z: the base iterate :math:`z_t`, a pytree like the params.
+    """
     b1: jax.Array
     weight_sum: jax.Array
     step_count: jax.Array
@@ -55,6 +66,16 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate: ScalarO
     :math:`z_{t+1} = z_t + \\mathrm{base}(g_t)`, :math:`c_{t+1} = \\gamma_{max}^p/\\sum_{i\\le t+1}
     \\gamma_{max,i}^p`, :math:`x_{t+1} = (1-c_{t+1})x_t + c_{t+1}z_{t+1}` and the returned params
     are :math:`y_{t+1} = \\beta_1 x_{t+1} + (1-\\beta_1) z_{t+1}` (as an update ``y_{t+1}-y_t``).
+
+    Args:
+      base_optimizer: the optimizer that moves :math:`z` (its learning rate included).
+      learning_rate: :math:`\\gamma`, the same learning rate the base uses, a float or a schedule
+        (it sets the averaging weights).
+      b1: :math:`\\beta_1`, the interpolation between :math:`x` and :math:`z` in the returned
+        params.
+      weight_lr_power: :math:`p`, the power of the largest learning rate so far in the averaging
+        weight.
+      state_dtype: dtype of :math:`z`; None keeps the parameters' dtype.
     """
     _validate.check(
         "schedule_free",
@@ -103,7 +124,15 @@ def _schedule_free(base_optimizer: GradientTransformation, learning_rate: Scalar
 
 def schedule_free_eval_params(state: ScheduleFreeState, params: Any) -> Any:
     """The averaged iterate :math:`x = (y - (1-\\beta_1) z)/\\beta_1` to evaluate with,
-    in the dtype of ``params`` (computed in float32 at least, since ``b1`` is kept in float32)."""
+    in the dtype of ``params`` (computed in float32 at least, since ``b1`` is kept in float32).
+
+    Args:
+      state: the :class:`~cairn.optim.contrib.ScheduleFreeState` (found in the optimizer state).
+      params: the current (training) params :math:`y`.
+
+    Returns:
+      a pytree like ``params``.
+    """
     def x(yi, zi):
         return ((yi - (1.0 - state.b1) * zi) / state.b1).astype(jnp.asarray(yi).dtype)
 
@@ -115,7 +144,16 @@ def schedule_free_sgd(learning_rate: ScalarOrSchedule = 1.0, warmup_steps: int |
                       weight_decay: ScalarOrSchedule | None = None,
                       weight_lr_power: float = 2.0,
                       state_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """Schedule-free SGD (base: SGD with optional decay), optional linear warmup."""
+    """Schedule-free SGD (base: SGD with optional decay), optional linear warmup.
+
+    Args:
+      learning_rate: :math:`\\gamma`, a float or a schedule.
+      warmup_steps: steps of linear warmup from 0 to ``learning_rate``; None for none.
+      b1: :math:`\\beta_1` of the schedule-free interpolation.
+      weight_decay: :math:`\\lambda`, added to the gradient first; None for none.
+      weight_lr_power: :math:`p` of :func:`schedule_free`.
+      state_dtype: dtype of :math:`z`; None keeps the parameters' dtype.
+    """
     _validate.check(
         "schedule_free_sgd",
         learning_rate=learning_rate, warmup_steps=warmup_steps, b1=b1, weight_decay=weight_decay,
@@ -132,7 +170,18 @@ def schedule_free_adamw(learning_rate: ScalarOrSchedule = 0.0025, warmup_steps: 
                         b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                         weight_decay: ScalarOrSchedule = 0.0, weight_lr_power: float = 2.0,
                         state_dtype: jax.typing.DTypeLike | None = None) -> GradientTransformation:
-    """Schedule-free AdamW (base: bias-corrected RMS scaling, decay, learning rate)."""
+    """Schedule-free AdamW (base: bias-corrected RMS scaling, decay, learning rate).
+
+    Args:
+      learning_rate: :math:`\\gamma`, a float or a schedule.
+      warmup_steps: steps of linear warmup from 0 to ``learning_rate``; None for none.
+      b1: :math:`\\beta_1` of the schedule-free interpolation.
+      b2: decay of the squared-gradient EMA (bias corrected).
+      eps: added outside the square root.
+      weight_decay: :math:`\\lambda`, decoupled weight decay; a float or a schedule.
+      weight_lr_power: :math:`p` of :func:`schedule_free`.
+      state_dtype: dtype of :math:`z`; None keeps the parameters' dtype.
+    """
     _validate.check(
         "schedule_free_adamw",
         learning_rate=learning_rate, warmup_steps=warmup_steps, b1=b1, b2=b2, eps=eps,

@@ -250,6 +250,12 @@ def linear_schedule(
     This is :func:`polynomial_schedule` with ``power=1``; see it for the
     arguments (``transition_steps=0`` holds ``init_value``).
 
+    Args:
+      init_value: :math:`I`, the value up to step ``transition_begin``.
+      end_value: :math:`E`, the value from step ``transition_begin + transition_steps`` on.
+      transition_steps: :math:`T`, the steps the transition takes (0 holds ``init_value``).
+      transition_begin: :math:`B`, the step at which the transition starts.
+
     >>> from cairn import optim
     >>> sched = optim.linear_schedule(1.0, 0.0, transition_steps=10, transition_begin=5)
     >>> [round(float(sched(t)), 2) for t in (0, 5, 10, 15, 20)]
@@ -517,6 +523,14 @@ def linear_onecycle_schedule(
     by :math:`N`, held afterwards. (It is :func:`piecewise_interpolate_schedule`
     ``('linear', v0, {⌊p_s N⌋: div, ⌊p_f N⌋: 1/div, N: 1/final_div})``.)
 
+    Args:
+      transition_steps: :math:`N > 0`, the length of the cycle in steps.
+      peak_value: :math:`P`, the value at the top of the cycle.
+      pct_start: :math:`p_s`, the fraction of the cycle spent rising.
+      pct_final: :math:`p_f \ge p_s`, the fraction at which the value is back at :math:`v_0`.
+      div_factor: the start value is :math:`v_0 = P/\text{div\_factor}`.
+      final_div_factor: the final value is :math:`v_0/\text{final\_div\_factor}`.
+
     Raises:
       ValueError: if ``transition_steps <= 0``, the percentages are not
         ``0 <= pct_start <= pct_final <= 1`` or a factor is not positive.
@@ -572,6 +586,14 @@ def cosine_onecycle_schedule(
     :math:`P/(\text{div\_factor}\cdot\text{final\_div\_factor})` by :math:`N`.
     (It is :func:`piecewise_interpolate_schedule`
     ``('cosine', P/div, {⌊p_s N⌋: div, N: 1/(div·final_div)})``.)
+
+    Args:
+      transition_steps: :math:`N > 0`, the length of the whole cycle in steps.
+      peak_value: :math:`P`, the value at the top of the cycle.
+      pct_start: :math:`p_s \in [0, 1]`, the fraction of the cycle spent rising.
+      div_factor: the start value is :math:`P/\text{div\_factor}`.
+      final_div_factor: the final value is
+        :math:`P/(\text{div\_factor}\cdot\text{final\_div\_factor})`.
 
     Raises:
       ValueError: if ``transition_steps <= 0``, ``pct_start`` is outside
@@ -657,6 +679,11 @@ def warmup_constant_schedule(
     r"""Linear warm-up from ``init_value`` to ``peak_value``, then constant.
 
     .. math:: v(t) = I + (P - I)\,\min(t, W)/W
+
+    Args:
+      init_value: :math:`I`, the value at step 0.
+      peak_value: :math:`P`, the value from step ``warmup_steps`` on.
+      warmup_steps: :math:`W \ge 0`, the length of the warm-up.
 
     Raises:
       ValueError: if ``warmup_steps`` is negative (``0`` holds ``init_value``, as
@@ -755,6 +782,16 @@ def warmup_exponential_decay_schedule(
     For :math:`t < W`: :math:`v(t) = I + (P - I)t/W`; afterwards
     :math:`v(t) = \text{exponential\_decay}(P, T, r, B, \text{staircase},
     E)(t - W)`.
+
+    Args:
+      init_value: :math:`I`, the value at step 0.
+      peak_value: :math:`P`, the value at the end of the warm-up (the decay's start).
+      warmup_steps: :math:`W`, the length of the warm-up.
+      transition_steps: :math:`T`, the decay's time scale (see :func:`exponential_decay`).
+      decay_rate: :math:`r`, the factor per ``transition_steps``.
+      transition_begin: :math:`B`, steps after the warm-up before the decay starts.
+      staircase: decay in jumps every ``transition_steps`` steps.
+      end_value: :math:`E`, a bound at which the decay stops; None for none.
 
     Raises:
       ValueError: if ``warmup_steps``, ``transition_steps``,

@@ -27,7 +27,16 @@ __all__ = ["shampoo", "scale_by_shampoo", "matrix_inverse_root", "ShampooState"]
 
 def matrix_inverse_root(a: Any, p: int = 4, eps: float = 1e-6) -> jax.Array:
     """:math:`(A + \\epsilon\\,\\lambda_{max} I)^{-1/p}` of a symmetric PSD matrix (batched),
-    computed in float32 by an eigendecomposition; eigenvalues are floored at the ridge."""
+    computed in float32 by an eigendecomposition; eigenvalues are floored at the ridge.
+
+    Args:
+      a: a symmetric positive semi-definite matrix ``[..., n, n]`` (any leading batch dims).
+      p: the root :math:`p` (4 gives :math:`A^{-1/4}`).
+      eps: :math:`\\epsilon`, the ridge relative to the largest eigenvalue.
+
+    Returns:
+      float32 ``[..., n, n]``.
+    """
     _validate.check("matrix_inverse_root", eps=eps)
     a = a.astype(jnp.float32)
     a = 0.5 * (a + jnp.swapaxes(a, -1, -2))
@@ -119,6 +128,13 @@ def scale_by_shampoo(b2: float = 0.999, eps: float = 1e-6, block_size: int = 128
     :math:`D = P_L G P_R`. Grafting: :math:`v_t = \\beta_2 v_{t-1} + (1-\\beta_2)g^2`,
     :math:`r = g/(\\sqrt{v_t}+\\epsilon_g)` and the update is :math:`D\\,\\|r\\|_F/\\|D\\|_F`
     (vectors and scalars use :math:`r` directly).
+
+    Args:
+      b2: :math:`\\beta_2`, decay of the preconditioner statistics and of the grafting RMS.
+      eps: :math:`\\epsilon`, the ridge relative to the largest eigenvalue.
+      block_size: the largest block side a matrix is cut into.
+      precondition_every: recompute the inverse roots every this many steps.
+      graft_eps: :math:`\\epsilon_g` of the RMSProp grafting.
     """
     _validate.check(
         "scale_by_shampoo",
@@ -154,7 +170,18 @@ def shampoo(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
             precondition_every: int = 10, weight_decay: ScalarOrSchedule = 0.0,
             graft_eps: float = 1e-8) -> GradientTransformation:
     """Shampoo: :func:`scale_by_shampoo`, then momentum :math:`m_t = \\beta_1 m_{t-1} + (1-\\beta_1)
-    u_t` (if ``b1 > 0``), decoupled decay :math:`+\\lambda\\theta`, times :math:`-\\eta`."""
+    u_t` (if ``b1 > 0``), decoupled decay :math:`+\\lambda\\theta`, times :math:`-\\eta`.
+
+    Args:
+      learning_rate: :math:`\\eta`, a float or a schedule.
+      b1: :math:`\\beta_1`, the momentum decay (0 for none).
+      b2: :math:`\\beta_2`, decay of the preconditioner statistics and of the grafting RMS.
+      eps: :math:`\\epsilon`, the ridge relative to the largest eigenvalue.
+      block_size: the largest block side a matrix is cut into.
+      precondition_every: recompute the inverse roots every this many steps.
+      weight_decay: :math:`\\lambda`, decoupled weight decay; a float or a schedule.
+      graft_eps: :math:`\\epsilon_g` of the RMSProp grafting.
+    """
     _validate.check(
         "shampoo",
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, block_size=block_size,

@@ -31,36 +31,67 @@ def _check(trees, name):
 
 
 def add(tree: Any, *others: Any) -> Any:
-    """Leaf-wise sum of trees."""
+    """Leaf-wise sum of trees.
+
+    Args:
+      tree: a pytree of arrays.
+      others: more pytrees with the structure of ``tree``.
+    """
     _check((tree, *others), "add")
     return jax.tree.map(lambda *xs: functools.reduce(operator.add, xs), tree, *others)
 
 
 def sub(a: Any, b: Any) -> Any:
-    """Leaf-wise ``a - b``."""
+    """Leaf-wise ``a - b``.
+
+    Args:
+      a: a pytree of arrays.
+      b: a pytree with the structure of ``a``.
+    """
     _check((a, b), "sub")
     return jax.tree.map(operator.sub, a, b)
 
 
 def mul(a: Any, b: Any) -> Any:
-    """Leaf-wise ``a * b``."""
+    """Leaf-wise ``a * b``.
+
+    Args:
+      a: a pytree of arrays.
+      b: a pytree with the structure of ``a``.
+    """
     _check((a, b), "mul")
     return jax.tree.map(operator.mul, a, b)
 
 
 def div(a: Any, b: Any) -> Any:
-    """Leaf-wise ``a / b``."""
+    """Leaf-wise ``a / b``.
+
+    Args:
+      a: the dividend pytree.
+      b: the divisor pytree, same structure as ``a``.
+    """
     _check((a, b), "div")
     return jax.tree.map(operator.truediv, a, b)
 
 
 def scale(s: jax.typing.ArrayLike, tree: Any) -> Any:
-    """``s * tree``."""
+    """``s * tree``.
+
+    Args:
+      s: the scalar factor.
+      tree: a pytree of arrays.
+    """
     return jax.tree.map(lambda x: s * x, tree)
 
 
 def add_scale(a: Any, s: jax.typing.ArrayLike, b: Any) -> Any:
-    """``a + s * b``; a None in ``a`` stays None (as Optax)."""
+    """``a + s * b``; a None in ``a`` stays None (as Optax).
+
+    Args:
+      a: a pytree (None leaves kept).
+      s: the scalar multiplying ``b``.
+      b: a pytree with the structure of ``a``.
+    """
     return _map_skipping_none("add_scale", lambda x, y: x + s * y, a, b)
 
 
@@ -74,27 +105,44 @@ def _map_skipping_none(name: str, fn: Any, first: Any, second: Any) -> Any:
 
 
 def vdot(a: Any, b: Any) -> jax.Array:
-    """:math:`\\sum_i \\langle a_i, b_i\\rangle` (conjugating ``a``)."""
+    """:math:`\\sum_i \\langle a_i, b_i\\rangle` (conjugating ``a``).
+
+    Args:
+      a: a pytree of arrays (conjugated).
+      b: a pytree with the structure of ``a``.
+    """
     _check((a, b), "vdot")
     parts = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
     return functools.reduce(operator.add, parts) if parts else jnp.zeros([])  # keeps int dtypes
 
 
 def sum(tree: Any) -> jax.Array:  # noqa: A001
-    """Sum of all elements."""
+    """Sum of all elements.
+
+    Args:
+      tree: a pytree of arrays (an empty tree gives 0.0).
+    """
     parts = [jnp.sum(x) for x in jax.tree.leaves(tree)]
     return functools.reduce(operator.add, parts) if parts else jnp.zeros([])
 
 
 def max(tree: Any) -> jax.Array:  # noqa: A001
     """Largest element; empty leaves are skipped, and a tree with no element gives
-    ``-inf`` (as Optax)."""
+    ``-inf`` (as Optax).
+
+    Args:
+      tree: a pytree of real arrays.
+    """
     return _extremum(tree, jnp.max, jnp.maximum, -jnp.inf)
 
 
 def min(tree: Any) -> jax.Array:  # noqa: A001
     """Smallest element; empty leaves are skipped, and a tree with no element gives
-    ``inf`` (as Optax)."""
+    ``inf`` (as Optax).
+
+    Args:
+      tree: a pytree of real arrays.
+    """
     return _extremum(tree, jnp.min, jnp.minimum, jnp.inf)
 
 
@@ -106,7 +154,16 @@ def _extremum(tree: Any, reduce_leaf, combine, empty: float) -> jax.Array:
 
 
 def norm(tree: Any, ord: int | str | None = 2, squared: bool = False) -> jax.Array:  # noqa: A002
-    """Norm of all elements as one vector (``ord`` 1, 2 or ``inf``)."""
+    """Norm of all elements as one vector (``ord`` 1, 2 or ``inf``).
+
+    Args:
+      tree: a pytree of arrays (complex leaves count :math:`|x|`).
+      ord: 1, 2, or ``"inf"`` / ``jnp.inf``.
+      squared: return the norm squared.
+
+    Raises:
+      ValueError: another ``ord``.
+    """
     leaves = jax.tree.leaves(tree)
     if ord == 2:
         sq = functools.reduce(operator.add,
@@ -122,33 +179,68 @@ def norm(tree: Any, ord: int | str | None = 2, squared: bool = False) -> jax.Arr
 
 
 def zeros_like(tree: Any, dtype: jax.typing.DTypeLike | None = None) -> Any:
+    """A pytree like ``tree`` with every element 0.
+
+    Args:
+      tree: a pytree of arrays.
+      dtype: the leaves' dtype; None keeps each leaf's own.
+    """
     return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=dtype), tree)
 
 
 def ones_like(tree: Any, dtype: jax.typing.DTypeLike | None = None) -> Any:
+    """A pytree like ``tree`` with every element 1.
+
+    Args:
+      tree: a pytree of arrays.
+      dtype: the leaves' dtype; None keeps each leaf's own.
+    """
     return jax.tree.map(lambda x: jnp.ones_like(x, dtype=dtype), tree)
 
 
 def full_like(tree: Any, fill_value: jax.typing.ArrayLike,
               dtype: jax.typing.DTypeLike | None = None) -> Any:
+    """A pytree like ``tree`` with every element ``fill_value``.
+
+    Args:
+      tree: a pytree of arrays.
+      fill_value: the value of every element.
+      dtype: the leaves' dtype; None keeps each leaf's own.
+    """
     return jax.tree.map(lambda x: jnp.full_like(x, fill_value, dtype=dtype), tree)
 
 
 def cast(tree: Any, dtype: jax.typing.DTypeLike | None) -> Any:
-    """Cast every leaf to ``dtype`` (``None`` leaves the tree unchanged)."""
+    """Cast every leaf to ``dtype`` (``None`` leaves the tree unchanged).
+
+    Args:
+      tree: a pytree of arrays.
+      dtype: the target dtype, or None.
+    """
     if dtype is None:
         return tree
     return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), tree)
 
 
 def cast_like(tree: Any, other: Any) -> Any:
-    """Cast each leaf to the dtype of the matching leaf of ``other``."""
+    """Cast each leaf to the dtype of the matching leaf of ``other``.
+
+    Args:
+      tree: a pytree of arrays.
+      other: a pytree with the structure of ``tree`` whose leaves give the dtypes.
+    """
     _check((tree, other), "cast_like")
     return jax.tree.map(lambda x, y: jnp.asarray(x).astype(jnp.asarray(y).dtype), tree, other)
 
 
 def where(condition: Any, a: Any, b: Any) -> Any:
-    """Leaf-wise ``jnp.where``; ``condition`` is a scalar or a tree."""
+    """Leaf-wise ``jnp.where``; ``condition`` is a scalar or a tree.
+
+    Args:
+      condition: a bool scalar, or a pytree of bool arrays like ``a``.
+      a: the pytree taken where ``condition`` is True.
+      b: the pytree taken elsewhere, same structure as ``a``.
+    """
     if isinstance(condition, (bool, jax.Array)) and jnp.ndim(condition) == 0:
         return jax.tree.map(lambda x, y: jnp.where(condition, x, y), a, b)
     return jax.tree.map(jnp.where, condition, a, b)
@@ -156,50 +248,109 @@ def where(condition: Any, a: Any, b: Any) -> Any:
 
 def clip(tree: Any, min_value: jax.typing.ArrayLike | None = None,
          max_value: jax.typing.ArrayLike | None = None) -> Any:
+    """Each leaf clipped to ``[min_value, max_value]`` (``jnp.clip``).
+
+    Args:
+      tree: a pytree of arrays.
+      min_value: the lower bound; None for none.
+      max_value: the upper bound; None for none.
+    """
     return jax.tree.map(lambda x: jnp.clip(x, min_value, max_value), tree)
 
 
 def conj(tree: Any) -> Any:
+    """The complex conjugate of each leaf (real leaves unchanged).
+
+    Args:
+      tree: a pytree of arrays.
+    """
     return jax.tree.map(jnp.conj, tree)
 
 
 def real(tree: Any) -> Any:
+    """The real part of each leaf.
+
+    Args:
+      tree: a pytree of arrays.
+    """
     return jax.tree.map(jnp.real, tree)
 
 
 def size(tree: Any) -> int:
-    """Total number of elements."""
+    """Total number of elements.
+
+    Args:
+      tree: a pytree of arrays.
+    """
     return int(functools.reduce(operator.add, [jnp.size(x) for x in jax.tree.leaves(tree)], 0))
 
 
 def update_moment(updates: Any, moments: Any, decay: float, order: int) -> Any:
-    """:math:`(1-\\delta) g^k + \\delta m`."""
+    """:math:`(1-\\delta) g^k + \\delta m`.
+
+    Args:
+      updates: the gradients :math:`g` (pytree).
+      moments: the previous :math:`m`, same structure (None leaves kept).
+      decay: :math:`\\delta`.
+      order: :math:`k` (1 for the mean, 2 for the uncentred variance).
+    """
     return _map_skipping_none("update_moment",
                               lambda g, t: (1 - decay) * (g ** order) + decay * t, updates, moments)
 
 
 def update_moment_per_elem_norm(updates: Any, moments: Any, decay: float, order: int) -> Any:
-    """:math:`(1-\\delta) |g|^k + \\delta m`."""
+    """:math:`(1-\\delta) |g|^k + \\delta m`.
+
+    Args:
+      updates: the gradients :math:`g` (pytree).
+      moments: the previous :math:`m`, same structure (None leaves kept).
+      decay: :math:`\\delta`.
+      order: :math:`k`.
+    """
     return _map_skipping_none("update_moment_per_elem_norm",
                               lambda g, t: (1 - decay) * (jnp.abs(g) ** order) + decay * t,
                               updates, moments)
 
 
 def bias_correction(moment: Any, decay: float, count: jax.Array) -> Any:
-    """:math:`m / (1-\\delta^t)`."""
+    """:math:`m / (1-\\delta^t)`.
+
+    Args:
+      moment: a pytree of moment estimates :math:`m`.
+      decay: :math:`\\delta`, the moment's EMA decay.
+      count: :math:`t`, the int step count (>= 1).
+
+    Returns:
+      the pytree :math:`m / (1-\\delta^t)`, leaves in their own dtypes.
+    """
     bc = jnp.asarray(1 - decay ** count)   # in >= float32: decay**t rounds to 1 in bfloat16
     return jax.tree.map(lambda t: t / bc.astype(t.dtype), moment)
 
 
 def update_infinity_moment(updates: Any, moments: Any, decay: float, eps: float) -> Any:
-    """:math:`\\max(\\delta m, |g| + \\epsilon)` (Adamax's infinity norm)."""
+    """:math:`\\max(\\delta m, |g| + \\epsilon)` (Adamax's infinity norm).
+
+    Args:
+      updates: the gradients :math:`g` (pytree).
+      moments: the previous :math:`m`, same structure (None leaves kept).
+      decay: :math:`\\delta`.
+      eps: :math:`\\epsilon`.
+    """
     return _map_skipping_none("update_infinity_moment",
                               lambda g, t: jnp.maximum(jnp.abs(g) + eps, decay * t), updates, moments)
 
 
 def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
              equal_nan: bool = False) -> bool:
-    """Same structure and every pair of leaves :func:`jnp.allclose`."""
+    """Same structure and every pair of leaves :func:`jnp.allclose`.
+
+    Args:
+      a: a pytree of arrays.
+      b: another pytree (a different structure gives False).
+      rtol: relative tolerance of :func:`jnp.allclose`.
+      atol: absolute tolerance of :func:`jnp.allclose`.
+      equal_nan: count NaNs in the same place as equal.
+    """
     if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):  # type: ignore[operator]
         return False
     return all(bool(jnp.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan))
@@ -207,7 +358,12 @@ def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
 
 
 def batch_shape(tree: Any, shape: tuple[int, ...] = ()) -> Any:
-    """Each leaf broadcast to ``(*shape, *leaf.shape)`` (leading batch dimensions added)."""
+    """Each leaf broadcast to ``(*shape, *leaf.shape)`` (leading batch dimensions added).
+
+    Args:
+      tree: a pytree of arrays.
+      shape: the leading dims to add.
+    """
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (*shape, *jnp.shape(x))), tree)
 
 
@@ -216,6 +372,10 @@ def dtype(tree: Any, mixed_dtype_handler: str | None = None) -> Any:
 
     ``mixed_dtype_handler``: None (all leaves must agree), ``"promote"`` (JAX promotion),
     ``"highest"`` / ``"lowest"`` (the dtype every other one promotes to / from).
+
+    Args:
+      tree: a pytree of arrays (an empty tree gives the default float dtype).
+      mixed_dtype_handler: how to combine different leaf dtypes (see above).
 
     Raises:
       ValueError: leaves disagree with ``None``, or have no highest/lowest, or an unknown handler.
@@ -245,7 +405,12 @@ def dtype(tree: Any, mixed_dtype_handler: str | None = None) -> Any:
 
 
 def split_key_like(rng_key: jax.Array, target_tree: Any) -> Any:
-    """One independent key per leaf of ``target_tree`` (same structure)."""
+    """One independent key per leaf of ``target_tree`` (same structure).
+
+    Args:
+      rng_key: the PRNG key to split.
+      target_tree: the pytree whose structure the keys take.
+    """
     leaves, td = jax.tree_util.tree_flatten(target_tree)
     keys = jax.random.split(rng_key, len(leaves))
     return jax.tree_util.tree_unflatten(td, list(keys))
@@ -253,14 +418,25 @@ def split_key_like(rng_key: jax.Array, target_tree: Any) -> Any:
 
 def random_like(rng_key: jax.Array, target_tree: Any, sampler: Any = jax.random.normal,
                 dtype: jax.typing.DTypeLike | None = None) -> Any:
-    """Random leaves shaped like ``target_tree``: ``sampler(key, shape, dtype)`` per leaf."""
+    """Random leaves shaped like ``target_tree``: ``sampler(key, shape, dtype)`` per leaf.
+
+    Args:
+      rng_key: the PRNG key, split into one key per leaf.
+      target_tree: the pytree whose leaves give the shapes (and default dtypes).
+      sampler: ``sampler(key, shape, dtype) -> array`` (``jax.random.normal`` by default).
+      dtype: the leaves' dtype; None uses each target leaf's own.
+    """
     keys = split_key_like(rng_key, target_tree)
     return jax.tree.map(lambda k, x: sampler(k, jnp.shape(x), dtype or jnp.result_type(x)),
                         keys, target_tree)
 
 
 def unwrap_random_key_data(tree: Any) -> Any:
-    """Typed PRNG key leaves replaced by their raw ``uint32`` data; other leaves unchanged."""
+    """Typed PRNG key leaves replaced by their raw ``uint32`` data; other leaves unchanged.
+
+    Args:
+      tree: any pytree.
+    """
     def one(x: Any) -> Any:
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             return jax.random.key_data(x)

@@ -35,7 +35,12 @@ Filter = Callable[[KeyPath, Any], bool]
 
 @dataclasses.dataclass(frozen=True)
 class NamedTupleKey:
-    """Path entry of a NamedTuple field: the tuple's class name and the field name."""
+    """Path entry of a NamedTuple field: the tuple's class name and the field name.
+
+    Args:
+      tuple_name: the NamedTuple's class name.
+      name: the field name.
+    """
 
     tuple_name: str
     name: str

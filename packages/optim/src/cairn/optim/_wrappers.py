@@ -35,6 +35,15 @@ def _all_finite(tree) -> jax.Array:
 
 
 class ApplyIfFiniteState(NamedTuple):
+    """The state of :func:`apply_if_finite`: counters of non-finite steps and the inner state.
+
+    Args:
+      notfinite_count: int32 scalar, consecutive steps with a non-finite update (reset to 0 by a
+        finite one).
+      last_finite: bool scalar, whether the last update was finite (and so applied).
+      total_notfinite: int32 scalar, all non-finite steps seen so far.
+      inner_state: the wrapped transformation's state (left unchanged on a skipped step).
+    """
     notfinite_count: jax.Array
     last_finite: jax.Array
     total_notfinite: jax.Array
@@ -44,7 +53,13 @@ class ApplyIfFiniteState(NamedTuple):
 def apply_if_finite(inner: GradientTransformation,
                     max_consecutive_errors: int) -> GradientTransformation:
     """Skip steps whose updates contain NaN/Inf (zero updates, inner state kept) unless more
-    than ``max_consecutive_errors`` happened in a row."""
+    than ``max_consecutive_errors`` happened in a row.
+
+    Args:
+      inner: the transformation to guard.
+      max_consecutive_errors: after more than this many non-finite steps in a row, the update is
+        applied anyway (so NaNs surface instead of stalling silently).
+    """
 
     _validate.check("apply_if_finite", max_consecutive_errors=max_consecutive_errors)
     def init(params):
@@ -72,7 +87,17 @@ def apply_if_finite(inner: GradientTransformation,
 
 def skip_not_finite(updates: Any, gradient_step: jax.Array, params: Any) -> tuple[jax.Array,
                     dict[str, jax.Array]]:
-    """``should_skip_update_fn`` for :class:`MultiSteps`: skip when updates are not finite."""
+    """``should_skip_update_fn`` for :class:`MultiSteps`: skip when updates are not finite.
+
+    Args:
+      updates: the mini-step's gradients.
+      gradient_step: the inner step count (unused).
+      params: the current params (unused).
+
+    Returns:
+      ``(skip, info)``: ``skip`` a bool scalar, ``info`` a dict with ``should_skip`` and
+        ``num_not_finite``.
+    """
     del gradient_step, params
     finite = _all_finite(updates)
     num_not_finite = sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(updates))
@@ -85,7 +110,11 @@ class ApplyEvery(NamedTuple):
 
 
 def apply_every(k: int = 1) -> GradientTransformation:
-    """Accumulate updates and emit their sum every ``k`` steps (zeros in between)."""
+    """Accumulate updates and emit their sum every ``k`` steps (zeros in between).
+
+    Args:
+      k: emit the accumulated sum every ``k`` steps (``k >= 1``; 1 passes updates through).
+    """
 
     _validate.check("apply_every", k=k)
     def init(layout, params):
@@ -108,7 +137,16 @@ def apply_every(k: int = 1) -> GradientTransformation:
 class MultiStepsState(NamedTuple):
     """``mini_step`` within the current accumulation, ``gradient_step`` (inner steps taken),
     the inner state, the accumulator ``acc_grads`` (per parameter, or packed under
-    :func:`~cairn.optim.pack`) and the skip state."""
+    :func:`~cairn.optim.pack`) and the skip state.
+
+    Args:
+      mini_step: int32 scalar, mini-steps accumulated since the last inner update.
+      gradient_step: int32 scalar, inner updates taken.
+      inner_opt_state: the inner optimizer's state.
+      acc_grads: the gradient accumulator, one buffer per parameter (packed under
+        :func:`~cairn.optim.pack`).
+      skip_state: the state returned by ``should_skip_update_fn`` (``()`` without one).
+    """
 
     mini_step: jax.Array
     gradient_step: jax.Array
@@ -127,6 +165,16 @@ class MultiSteps:
     defaults to float32, as in Optax (``None`` keeps each group's own dtype, e.g. a bf16
     accumulator for bf16 params); the accumulated mean is cast back to the gradients'
     dtype before the inner update.
+
+    Args:
+      opt: the inner transformation run on the accumulated gradient every ``k`` mini-steps.
+      every_k_schedule: ``k`` as an int >= 1, or a callable from the inner step count (int32 scalar)
+        to ``k``.
+      use_grad_mean: average the ``k`` gradients if True (default), sum them if False.
+      should_skip_update_fn: optional ``fn(updates, gradient_step, params) -> (skip, skip_state)``;
+        a mini-step with ``skip`` True is not accumulated (e.g. :func:`skip_not_finite`).
+      accumulator_dtype: dtype of the accumulator (default float32); None keeps each gradient
+        group's own dtype.
     """
 
     def __init__(self, opt: GradientTransformation, every_k_schedule: int | Callable,
@@ -158,6 +206,15 @@ class MultiSteps:
         return _repr.html_repr(self)
 
     def init(self, params: Any) -> MultiStepsState:
+        """The initial state: zero counters, the inner optimizer's state and a zero accumulator per
+        parameter.
+
+        Args:
+          params: the parameter pytree (or a :class:`Packed` one).
+
+        Returns:
+          a :class:`MultiStepsState`.
+        """
         packed = isinstance(params, Packed) or pk.packing_state()
         layout = pk.layout_of(params, per_leaf=not packed)
         acc = state_zeros(params, layout, self._acc_dtype, offsets=not isinstance(params, Packed))
@@ -172,6 +229,20 @@ class MultiSteps:
 
     def update(self, updates: Any, state: MultiStepsState, params: Any = None,
                **extra: Any) -> tuple[Any, MultiStepsState]:
+        """Accumulate one mini-step's gradients; on the ``k``-th run the inner optimizer on their
+        mean (or sum).
+
+        Args:
+          updates: the gradient pytree of this mini-step (or a :class:`Packed` one).
+          state: the :class:`MultiStepsState` from :meth:`init` or the previous call.
+          params: the current parameters, passed to the inner optimizer and to
+            ``should_skip_update_fn``.
+          extra: extra keyword arguments passed on to the inner ``update``.
+
+        Returns:
+          ``(updates, state)``: the inner optimizer's updates on the ``k``-th mini-step, zeros (same
+            structure) otherwise.
+        """
         was_packed = isinstance(updates, Packed)
         layout = (state.acc_grads.layout if isinstance(state.acc_grads, Packed) else
                   pk.layout_of(updates, use_sharding=False, per_leaf=True))
@@ -220,7 +291,14 @@ class MultiSteps:
         return pk.unpack(out, pk.find_offsets(state.acc_grads, layout)), new_state
 
     def has_updated(self, state: MultiStepsState) -> jax.Array:
-        """Whether the last call emitted a real update."""
+        """Whether the last call emitted a real update.
+
+        Args:
+          state: a :class:`MultiStepsState` returned by :meth:`update`.
+
+        Returns:
+          bool scalar, True when the last call ran the inner optimizer (not a zero update).
+        """
         return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
     def gradient_transformation(self) -> GradientTransformation:
@@ -235,15 +313,38 @@ def _maybe_pack(params, layout):
 
 
 class LookaheadParams(NamedTuple):
+    """The parameters :func:`lookahead` works on: the fast weights trained every step and the slow
+    weights synced every ``sync_period`` steps.
+
+    Args:
+      fast: the fast parameter pytree (what the inner optimizer updates and the loss is evaluated
+        at).
+      slow: the slow parameter pytree, same structure as ``fast`` (the weights to evaluate or
+        export).
+    """
     fast: Any
     slow: Any
 
     @classmethod
     def init_synced(cls, params: Any) -> LookaheadParams:
+        """Start lookahead with the fast and the slow weights equal.
+
+        Args:
+          params: the initial parameter pytree, used for both ``fast`` and ``slow``.
+
+        Returns:
+          ``LookaheadParams(fast=params, slow=params)``.
+        """
         return cls(fast=params, slow=params)
 
 
 class LookaheadState(NamedTuple):
+    """The state of :func:`lookahead`.
+
+    Args:
+      fast_state: the inner (fast) optimizer's state.
+      steps_since_sync: int32 scalar, fast steps since the slow weights were last synced.
+    """
     fast_state: Any
     steps_since_sync: jax.Array
 
@@ -252,7 +353,18 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_ste
               reset_state: bool = False) -> GradientTransformation:
     """Lookahead (Zhang et al. 2019) on :class:`LookaheadParams`: every ``sync_period`` steps
     the slow weights move :math:`\\phi \\leftarrow \\phi + \\alpha(\\theta - \\phi)` and the
-    fast weights are reset to them."""
+    fast weights are reset to them.
+
+    Args:
+      fast_optimizer: the inner optimizer, run on the fast weights every step.
+      sync_period: :math:`k \\ge 1`, fast steps between syncs of the slow weights.
+      slow_step_size: :math:`\\alpha`, how far the slow weights move towards the fast ones at a
+        sync.
+      reset_state: re-initialise the fast optimizer's state at each sync.
+
+    Raises:
+      ValueError: ``sync_period < 1``.
+    """
     _validate.check("lookahead", sync_period=sync_period, slow_step_size=slow_step_size)
     if sync_period < 1:
         raise ValueError(f"sync_period must be >= 1, got {sync_period}")

@@ -52,17 +52,30 @@ tree_zeros_like = _t.zeros_like
 
 
 def tree_l2_norm(tree: Any, squared: bool = False) -> jax.Array:
-    """Euclidean norm of all elements (``tree.norm(tree, 2, squared)``)."""
+    """Euclidean norm of all elements (``tree.norm(tree, 2, squared)``).
+
+    Args:
+      tree: a pytree of arrays.
+      squared: return the squared norm.
+    """
     return _t.norm(tree, 2, squared)
 
 
 def tree_l1_norm(tree: Any) -> jax.Array:
-    """Sum of absolute values of all elements."""
+    """Sum of absolute values of all elements.
+
+    Args:
+      tree: a pytree of arrays.
+    """
     return _t.norm(tree, 1)
 
 
 def tree_linf_norm(tree: Any) -> jax.Array:
-    """Largest absolute value of all elements."""
+    """Largest absolute value of all elements.
+
+    Args:
+      tree: a pytree of arrays.
+    """
     return _t.norm(tree, "inf")
 
 

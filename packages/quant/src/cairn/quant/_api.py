@@ -158,6 +158,11 @@ def quantize(fn: Callable, provider: QuantizationProvider, *, weight_argnums: in
     signature (the last 32 signatures are kept; weights are its arguments, never its
     constants). A weight may also be a ``QArray`` (see :func:`quantize_params`).
 
+    Args:
+      fn: the function to quantize (its weights among its arguments).
+      provider: the provider whose rules select and quantize the dots.
+      weight_argnums: the index (or indices) of the arguments holding the weights.
+
     Raises:
       ValueError: (with ``strict=True``, the default) a rule selected no op.
     """
@@ -205,9 +210,21 @@ def quantize_params(
     With ``pack=True`` sub-byte values (int4, nf4, fp4, int2) are stored two or four to a
     byte (``QArray.pack``): half the memory for 4-bit weights; the dots unpack them.
 
+    Args:
+      params: the parameter pytree; not changed.
+      provider: the provider whose rules select the weights (its weight plan comes from a trace).
+      fn: ``fn(params, *args, **kwargs)`` to trace for the plan; None uses the plan of an earlier
+        call.
+      args: example positional arguments of ``fn`` after ``params``.
+      pack: store sub-byte values two or four to a byte.
+      kwargs: example keyword arguments of ``fn``.
+
     Returns:
       A tree of ``params``' structure; selected leaves are ``QArray``s whose
       ``dequantize()`` has the leaf's dtype.
+
+    Raises:
+      ValueError: no ``fn`` and no earlier call, so no weight plan.
     """
     import jax
 
@@ -243,8 +260,17 @@ def calibrate(fn: Callable, provider: QuantizationProvider, batches: Iterable[Se
     per-tensor range of each selected dot's activation operand by the rule's
     ``act_calibration_method``, and stores the mean over batches in ``provider``.
 
+    Args:
+      fn: the model function, called as ``fn(*batch)``.
+      provider: the provider whose rules (with ``act_static_scale=True``) are calibrated; the ranges
+        are stored in it.
+      batches: calibration batches, each a sequence of ``fn``'s arguments.
+
     Returns:
       ``{(module_path, op_kind, op_index, operand): (lo, hi)}``.
+
+    Raises:
+      ValueError: no batch was given, or no rule selected a dot with an activation operand.
     """
     import jax.numpy as jnp
 

@@ -37,6 +37,21 @@ class AwqRule(QuantizationRule):
 
     Args:
       n_grid: number of ``alpha`` values tried in ``[0, 1)``.
+      module_path: regular expression matched in full against the op's module path (the module
+        holding the weight: ``"layers/0/mlp"``, not ``"layers/0/mlp/kernel"``).
+      op_names: op kinds or per-module op names (``"dot_general0"``); empty means all.
+      weight_qtype: qtype of the weight operand (``"int8"``, ``"int4"``, ``"nf4"``, ...) or ``None``
+        to leave weights in float.
+      act_qtype: qtype of the activation operand(s), or ``None`` (weight-only).
+      tile_size: tile length along the weight's last contracting axis (an ``int``), or a ``float``
+        ``1/tile_count``; ``None`` for per-channel scales; a pair ``(contracting, output)`` tiles
+        the last output axis too.
+      weight_calibration_method: ``"absmax"``, ``"absmax,s"``, ``"minmax[,s]"``, ``"rms,k"``,
+        ``"percentile,p"`` or ``"fixed,min,max"``.
+      act_calibration_method: the same grammar for activations (``None``: ``"absmax"``).
+      act_static_scale: use a calibrated static activation scale (see :func:`calibrate`) instead of
+        computing it from every batch.
+      act_batch_axes: activation axes averaged over when calibrating a static scale.
     """
 
     n_grid: int = 20
@@ -96,6 +111,12 @@ def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batche
     (``name``: the weight's variable path; in nested dicts a new key; in a cairn.nn or Flax
     NNX module an attribute of the weight's module, of the weight's variable type); ``quantize(fn, provider)`` on the result divides the
     weight's inputs by ``s``. The input tree is not changed.
+
+    Args:
+      params: the parameter tree (nested dicts or a module); not changed.
+      provider: a :class:`PtqProvider` whose :class:`AwqRule` s select the weights.
+      fn: ``fn(params, *batch)``, the model function, run in float to record activations.
+      batches: calibration batches, each a sequence of ``fn``'s arguments after ``params``.
 
     Raises:
       ValueError: no batch, no ``AwqRule`` selected a weight, or a selected weight that is

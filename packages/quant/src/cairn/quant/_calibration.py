@@ -39,6 +39,10 @@ class Method:
 def parse_method(method: str) -> Method:
     """Parse ``"name[,arg...]"``.
 
+    Args:
+      method: ``"name[,arg...]"``: ``absmax[,s]``, ``minmax[,s]``, ``rms,k``, ``percentile,p`` or
+        ``fixed,min,max``.
+
     >>> parse_method("absmax"), parse_method("rms,7")
     (Method(name='absmax', args=()), Method(name='rms', args=(7.0,)))
 
@@ -72,10 +76,19 @@ def bounds(x: Any, method: str | Method, reduce_axes: Sequence[int]) -> tuple[An
 
     Computed in float32 (float64 inputs stay float64).
 
+    Args:
+      x: the values to calibrate (any shape).
+      method: a calibration method, as a string (``"absmax"``, ``"rms,7"``...) or a parsed
+        ``Method``.
+      reduce_axes: the axes each group spans (reduced, kept with size 1).
+
     >>> import numpy as np
     >>> lo, hi = bounds(np.array([[1.0, -3.0], [2.0, 0.5]]), "absmax", (1,))
     >>> hi.tolist(), lo.tolist()
     ([[3.0], [2.0]], [[-3.0], [-2.0]])
+
+    Returns:
+      ``(lo, hi)``, each ``x``'s shape with ``reduce_axes`` of size 1.
     """
     import jax.numpy as jnp
 

@@ -30,7 +30,25 @@ __all__ = ["GptqRule", "gptq_quantize_params", "gptq_matrix"]
 
 @dataclasses.dataclass(frozen=True)
 class GptqRule(QuantizationRule):
-    """A rule whose weights :func:`gptq_quantize_params` quantizes with GPTQ (weight-only)."""
+    """A rule whose weights :func:`gptq_quantize_params` quantizes with GPTQ (weight-only).
+
+    Args:
+      module_path: regular expression matched in full against the op's module path (the module
+        holding the weight: ``"layers/0/mlp"``, not ``"layers/0/mlp/kernel"``).
+      op_names: op kinds or per-module op names (``"dot_general0"``); empty means all.
+      weight_qtype: qtype of the weight operand (``"int8"``, ``"int4"``, ``"nf4"``, ...) or ``None``
+        to leave weights in float.
+      act_qtype: qtype of the activation operand(s), or ``None`` (weight-only).
+      tile_size: tile length along the weight's last contracting axis (an ``int``), or a ``float``
+        ``1/tile_count``; ``None`` for per-channel scales; a pair ``(contracting, output)`` tiles
+        the last output axis too.
+      weight_calibration_method: ``"absmax"``, ``"absmax,s"``, ``"minmax[,s]"``, ``"rms,k"``,
+        ``"percentile,p"`` or ``"fixed,min,max"``.
+      act_calibration_method: the same grammar for activations (``None``: ``"absmax"``).
+      act_static_scale: use a calibrated static activation scale (see :func:`calibrate`) instead of
+        computing it from every batch.
+      act_batch_axes: activation axes averaged over when calibrating a static scale.
+    """
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +66,15 @@ def gptq_matrix(
     ``[-qmax - 1, qmax]``, because the error feedback can push a corrected row past the
     tile's absmax and the extra negative level then saves a clip (as Qwix's GPTQ does);
     values inside the symmetric grid stay in ``[-qmax, qmax]``.
+
+    Args:
+      w: the weight ``[K, N]`` (contracted over ``K``).
+      hessian: ``[K, K]``, the layer's input Hessian (proportional to :math:`X^T X` over the
+        calibration inputs).
+      qtype: a signed integer qtype (``"int8"``, ``"int4"``...).
+      tile: rows per scale (must divide ``K``); None for one scale per column.
+      block_size: rows of ``w`` per lazy-update block (a speed knob; the result is the same).
+      damping: added to the diagonal as ``damping * mean(diag(hessian))``.
 
     Raises:
       ValueError: shapes that do not match, or a tile that does not divide K.

@@ -31,6 +31,13 @@ __all__ = ["LoraRule", "LoraProvider", "apply_lora_to_model", "apply_lora_to_par
 
 
 def _he_uniform(key: Any, shape: Sequence[int], dtype: Any) -> Any:
+    """He-uniform init of ``A``: uniform in ``[-l, l]`` with ``l = sqrt(6 / shape[0])``.
+
+    Args:
+      key: a ``jax.random`` key.
+      shape: ``(in_features, rank)``.
+      dtype: the adapter's dtype.
+    """
     import jax
 
     limit = (6.0 / max(shape[0], 1)) ** 0.5
@@ -38,6 +45,13 @@ def _he_uniform(key: Any, shape: Sequence[int], dtype: Any) -> Any:
 
 
 def _zeros(key: Any, shape: Sequence[int], dtype: Any) -> Any:
+    """Zeros init of ``B`` (a fresh adapter adds nothing).
+
+    Args:
+      key: a ``jax.random`` key (unused).
+      shape: ``(rank, out_features)``.
+      dtype: the adapter's dtype.
+    """
     import jax.numpy as jnp
 
     del key
@@ -56,6 +70,21 @@ class LoraRule(QuantizationRule):
       lora_a_initializer: ``init(key, shape, dtype)`` of ``A`` (He uniform, as cairn.nn).
       lora_b_initializer: ``init(key, shape, dtype)`` of ``B`` (zeros: a fresh adapter
         leaves the model's output unchanged).
+      module_path: regular expression matched in full against the op's module path (the module
+        holding the weight: ``"layers/0/mlp"``, not ``"layers/0/mlp/kernel"``).
+      op_names: op kinds or per-module op names (``"dot_general0"``); empty means all.
+      weight_qtype: qtype of the weight operand (``"int8"``, ``"int4"``, ``"nf4"``, ...) or ``None``
+        to leave weights in float.
+      act_qtype: qtype of the activation operand(s), or ``None`` (weight-only).
+      tile_size: tile length along the weight's last contracting axis (an ``int``), or a ``float``
+        ``1/tile_count``; ``None`` for per-channel scales; a pair ``(contracting, output)`` tiles
+        the last output axis too.
+      weight_calibration_method: ``"absmax"``, ``"absmax,s"``, ``"minmax[,s]"``, ``"rms,k"``,
+        ``"percentile,p"`` or ``"fixed,min,max"``.
+      act_calibration_method: the same grammar for activations (``None``: ``"absmax"``).
+      act_static_scale: use a calibrated static activation scale (see :func:`calibrate`) instead of
+        computing it from every batch.
+      act_batch_axes: activation axes averaged over when calibrating a static scale.
 
     Raises:
       ValueError: a rank that is not a positive int, or a dropout outside ``[0, 1)``.
@@ -77,6 +106,9 @@ class LoraRule(QuantizationRule):
 
 def lora_paths(weight_path: str) -> tuple[str, str]:
     """The paths of ``A`` and ``B`` for the weight at ``weight_path``.
+
+    Args:
+      weight_path: the weight's variable path.
 
     >>> lora_paths("layers/0/mlp/kernel")
     ('layers/0/mlp/lora/lora_a', 'layers/0/mlp/lora/lora_b')
@@ -252,6 +284,16 @@ def apply_lora_to_params(params: Any, provider: LoraProvider, fn: Callable, *arg
     ``fn(params, *args)`` is traced (shapes only) to find the weights; each adapter pair
     goes under :func:`lora_paths` of its weight, so the result is what a ``nn.LoRALinear``
     would hold. Adapters already present are kept.
+
+    Args:
+      params: the parameter tree (nested dicts); not changed.
+      provider: the :class:`LoraProvider` whose :class:`LoraRule` s select the weights.
+      fn: ``fn(params, *args)``, the function that uses the weights.
+      args: example arguments of ``fn`` after ``params`` (only shapes are traced).
+      rng: a ``jax.random`` key; adapter ``i`` (in sorted path order) uses ``fold_in(rng, i)``.
+
+    Returns:
+      a copy of ``params`` with the adapters added.
     """
     _collect(provider, fn, params, *args)
     import copy
@@ -299,6 +341,13 @@ def apply_lora_to_model(model: Any, provider: LoraProvider, *model_inputs: Any, 
     ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` trains only the adapters, at the paths
     of the library's ``LoRALinear``. Returns ``model``; call it through
     ``quantize_model(model, provider)``.
+
+    Args:
+      model: the module to add adapters to (changed in place).
+      provider: the :class:`LoraProvider` whose :class:`LoraRule` s select the weights.
+      model_inputs: example inputs of ``model.<method>`` (only shapes are traced).
+      rng: a ``jax.random`` key; adapter ``i`` (in sorted path order) uses ``fold_in(rng, i)``.
+      method: the name of the model's method to trace.
 
     Raises:
       TypeError: a selected weight that no module holds by attribute (a plain array in a

@@ -100,6 +100,11 @@ class QuantizedModel:
 
     A JAX pytree whose one child is the model, so it passes through ``jax.jit``,
     ``nn.jit``, ``nn.grad`` and checkpointing like the model itself.
+
+    Args:
+      model: the wrapped callable pytree (a cairn.nn or Flax NNX module...).
+      provider: the provider whose rules quantize its dots.
+      method: the name of the model's method that calling the wrapper runs.
     """
 
     def __init__(self, model: Any, provider: QuantizationProvider, method: str = "__call__") -> None:

@@ -212,5 +212,16 @@ def fake_quant(
     where: str = "array",
     noise: Any = None,
 ) -> Any:
-    """``x`` quantized and dequantized again, in ``x``'s dtype (same arguments as :func:`quantize_array`)."""
+    """``x`` quantized and dequantized again, in ``x``'s dtype (same arguments as :func:`quantize_array`).
+
+    Args:
+      x: float array of any shape.
+      qtype: a name from :data:`~cairn.quant.QTYPES`.
+      reduce_axes: axes that share a scale; None is one per-tensor scale, ``()`` one per element.
+      tile: ``(axis, size)``: one scale per ``size`` elements along ``axis`` (or two such pairs).
+      method: the calibration method.
+      where: names ``x`` in error messages.
+      noise: for stochastic rounding, an array of ``x``'s shape with values in ``[-0.5, 0.5)``; None
+        rounds to nearest.
+    """
     return quantize_array(x, qtype, reduce_axes=reduce_axes, tile=tile, method=method, where=where, noise=noise).dequantize()

@@ -363,7 +363,11 @@ def _quantized_backward(site: DotSite, rule: QtRule, ops: list, rest: list, weig
 
 def input_scale_path(weight_path: str) -> str:
     """Where a weight's per-input-channel scale (AWQ, SmoothQuant) is kept: ``<name>_awq_scale``
-    (``name``: the weight's variable path, :attr:`WeightRef.name`)."""
+    (``name``: the weight's variable path, :attr:`WeightRef.name`).
+
+    Args:
+      weight_path: the weight's variable path (``"layers/0/mlp/kernel"``).
+    """
     return f"{weight_path}_awq_scale"
 
 

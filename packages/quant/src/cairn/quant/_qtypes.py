@@ -24,6 +24,16 @@ class QTypeInfo:
     (NVFP4: fp8 block scales). ``qmin``/``qmax`` bound the values before storage (for
     floats, ``-fmax``/``fmax``); ``bits`` is the logical width; ``block`` the block length
     of the block formats, whose scales are stored as ``scale_dtype``.
+
+    Args:
+      name: the qtype's name (``"int8"``, ``"nf4"``, ``"mxfp8_e4m3"``...).
+      storage: the NumPy/ml_dtypes dtype name its values are stored as.
+      kind: ``"int"``, ``"uint"``, ``"float"``, ``"nf4"``, ``"mx"`` or ``"nv"`` (see above).
+      bits: the logical width in bits.
+      qmin: the smallest value before storage.
+      qmax: the largest value before storage.
+      block: the block length of the block formats; None for the others.
+      scale_dtype: the dtype the block scales are stored as.
     """
 
     name: str
@@ -86,6 +96,9 @@ def required(qtype: str | None, what: str) -> str:
 
 def qtype_info(qtype: object) -> QTypeInfo:
     """The :class:`QTypeInfo` of ``qtype`` (a name, a NumPy/ml_dtypes dtype or a JAX dtype).
+
+    Args:
+      qtype: a qtype name, or a NumPy/ml_dtypes/JAX dtype.
 
     >>> qtype_info("int8").qmax, qtype_info("float8_e4m3fn").qmax
     (127, 448.0)

@@ -115,7 +115,13 @@ class QuantizationRule:
         return f"{type(self).__name__}(module_path={self.module_path!r})"
 
     def applies_to(self, module_path: str, op_kind: str, op_index: int) -> bool:
-        """Whether this rule selects op number ``op_index`` of kind ``op_kind`` under ``module_path``."""
+        """Whether this rule selects op number ``op_index`` of kind ``op_kind`` under ``module_path``.
+
+        Args:
+          module_path: the module path of the op (``"layers/0/mlp"``).
+          op_kind: the op's kind (``"dot_general"``, ``"einsum"``, ``"conv_general_dilated"``...).
+          op_index: the op's number among the ops of that kind in the module (0, 1...).
+        """
         if compile_pattern(self.module_path).fullmatch(module_path) is None:
             return False
         if not self.op_names:
@@ -142,6 +148,21 @@ class QtRule(QuantizationRule):
         random bits); needs ``QtProvider(..., bwd_rng=key)``.
       disable_channelwise_axes: use one scale for the whole tensor instead of one per
         channel (per-tensor scales).
+      module_path: regular expression matched in full against the op's module path (the module
+        holding the weight: ``"layers/0/mlp"``, not ``"layers/0/mlp/kernel"``).
+      op_names: op kinds or per-module op names (``"dot_general0"``); empty means all.
+      weight_qtype: qtype of the weight operand (``"int8"``, ``"int4"``, ``"nf4"``, ...) or ``None``
+        to leave weights in float.
+      act_qtype: qtype of the activation operand(s), or ``None`` (weight-only).
+      tile_size: tile length along the weight's last contracting axis (an ``int``), or a ``float``
+        ``1/tile_count``; ``None`` for per-channel scales; a pair ``(contracting, output)`` tiles
+        the last output axis too.
+      weight_calibration_method: ``"absmax"``, ``"absmax,s"``, ``"minmax[,s]"``, ``"rms,k"``,
+        ``"percentile,p"`` or ``"fixed,min,max"``.
+      act_calibration_method: the same grammar for activations (``None``: ``"absmax"``).
+      act_static_scale: use a calibrated static activation scale (see :func:`calibrate`) instead of
+        computing it from every batch.
+      act_batch_axes: activation axes averaged over when calibrating a static scale.
     """
 
     bwd_qtype: str | None = None

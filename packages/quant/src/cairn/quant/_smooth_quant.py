@@ -26,7 +26,27 @@ __all__ = ["SmoothQuantRule", "smooth_quant_params"]
 
 @dataclasses.dataclass(frozen=True)
 class SmoothQuantRule(QuantizationRule):
-    """A rule whose weights :func:`smooth_quant_params` smooths (``alpha``: migration strength)."""
+    """A rule whose weights :func:`smooth_quant_params` smooths (``alpha``: migration strength).
+
+    Args:
+      module_path: regular expression matched in full against the op's module path (the module
+        holding the weight: ``"layers/0/mlp"``, not ``"layers/0/mlp/kernel"``).
+      op_names: op kinds or per-module op names (``"dot_general0"``); empty means all.
+      weight_qtype: qtype of the weight operand (``"int8"``, ``"int4"``, ``"nf4"``, ...) or ``None``
+        to leave weights in float.
+      act_qtype: qtype of the activation operand(s), or ``None`` (weight-only).
+      tile_size: tile length along the weight's last contracting axis (an ``int``), or a ``float``
+        ``1/tile_count``; ``None`` for per-channel scales; a pair ``(contracting, output)`` tiles
+        the last output axis too.
+      weight_calibration_method: ``"absmax"``, ``"absmax,s"``, ``"minmax[,s]"``, ``"rms,k"``,
+        ``"percentile,p"`` or ``"fixed,min,max"``.
+      act_calibration_method: the same grammar for activations (``None``: ``"absmax"``).
+      act_static_scale: use a calibrated static activation scale (see :func:`calibrate`) instead of
+        computing it from every batch.
+      act_batch_axes: activation axes averaged over when calibrating a static scale.
+      alpha: the migration strength in ``[0, 1]``: the smoothing scale is ``max|X_j|^alpha /
+        max|W_j|^(1 - alpha)`` per input channel ``j``.
+    """
 
     alpha: float = 0.5
 
@@ -55,6 +75,12 @@ def smooth_quant_params(params: Any, provider: PtqProvider, fn: Callable, batche
     """``params`` with every weight a :class:`SmoothQuantRule` selects smoothed and quantized,
     and its smoothing scale stored beside it (as AWQ stores its scale: a dict key, or an
     attribute of the weight's owner in a module). The input tree is not changed.
+
+    Args:
+      params: the parameter tree (nested dicts or a module); not changed.
+      provider: a :class:`PtqProvider` whose :class:`SmoothQuantRule` s select the weights.
+      fn: ``fn(params, *batch)``, the model function, run in float to record activation maxima.
+      batches: calibration batches, each a sequence of ``fn``'s arguments after ``params``.
 
     Raises:
       ValueError: no batch, no rule selected a weight, or a weight that is not [in, out]

@@ -32,7 +32,7 @@ import numpy as np
 class BatchingConfig:
     """Dynamic batching options for a model (names after Triton's ``dynamic_batching``).
 
-    Attributes:
+    Args:
       enabled: False runs every request alone (still queued, bounded and pooled).
       max_batch_size: rows per execution; None = the model's own ``max_batch_size``
         (a larger value is capped at the model's).
@@ -81,7 +81,12 @@ class BatchingConfig:
 
 
 class QueueFull(Exception):
-    """The model's queue is full; retry after ``retry_after`` seconds."""
+    """The model's queue is full; retry after ``retry_after`` seconds.
+
+    Args:
+      message: the error text.
+      retry_after: the seconds a client should wait before retrying (sent as ``Retry-After``).
+    """
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)

@@ -43,7 +43,7 @@ SIGNATURES_DIR = "signatures"
 class Signature:
     """One more entry point of an exported model, sharing its weights.
 
-    Attributes:
+    Args:
       fn: ``fn(params, inputs) -> outputs``, pure, like :func:`export`'s.
       input_specs: ``{name: ArraySpec}``; axis 0 may be a symbolic batch dim.
       max_batch_size: as in :func:`export` (``None``: the constraint's bound, else 64).

@@ -64,7 +64,7 @@ def _positive(name: str, v: Any) -> int:
 class GenerationConfig:
     """Engine settings (a repository model's ``config.json`` key ``"generation"``).
 
-    Attributes:
+    Args:
       num_slots: KV-cache slots, the sequences decoded together (the decode batch is
         always ``num_slots``).
       prefill_batch: prompts prefilled per engine step (a fixed, padded batch).
@@ -106,7 +106,14 @@ class GenerationConfig:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> GenerationConfig:
-        """From a JSON object; an unknown key raises ``ValueError`` naming it."""
+        """From a JSON object; an unknown key raises ``ValueError`` naming it.
+
+        Args:
+          obj: a JSON object whose keys are this class's field names.
+
+        Raises:
+          ValueError: ``obj`` is not a mapping, or has an unknown key.
+        """
         if not isinstance(obj, Mapping):
             raise ValueError(f"generation config must be a JSON object, got {type(obj).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]
@@ -162,13 +169,16 @@ class GenerationEvent:
 class GenerationResult:
     """A finished request.
 
-    Attributes:
-      prompt_len: prompt tokens. token_ids: generated tokens (a stop or EOS token is the
-      last). finish_reason: ``"length"``, ``"stop"``, ``"cancelled"`` or ``"error"``.
-      time_to_first_token, latency: seconds from submission (``nan`` when no token).
+    Args:
+      prompt_len: the number of prompt tokens.
+      token_ids: the generated tokens (a stop or EOS token is the last).
+      finish_reason: ``"length"``, ``"stop"``, ``"cancelled"`` or ``"error"``.
+      time_to_first_token: seconds from submission to the first token (``nan`` when none).
+      latency: seconds from submission to the end (``nan`` when no token).
       text: the generated text when the model has a tokenizer or a vocabulary (ending
-      before a matched ``stop`` string). error: the message when ``finish_reason`` is
-      ``"error"``. logprobs: per token ``(logprob, [(id, logprob), ...])`` when asked for.
+        before a matched ``stop`` string), else None.
+      error: the message when ``finish_reason`` is ``"error"``, else None.
+      logprobs: per token ``(logprob, [(id, logprob), ...])`` when asked for, else None.
     """
 
     prompt_len: int
@@ -241,7 +251,18 @@ class TextState:
 
 
 class GenerationRequest:
-    """A submitted request: :meth:`result` waits for it, :meth:`cancel` ends it early."""
+    """A submitted request: :meth:`result` waits for it, :meth:`cancel` ends it early.
+
+    Args:
+      prompt: the prompt's token ids.
+      params: the request's :class:`SamplingParams`.
+      seed: the seed of its sampling.
+      stops: token ids that end it (EOS and ``stop_token_ids``).
+      on_event: called from the engine thread for every token and once at the end, or None.
+      engine: the :class:`GenerationEngine` running it.
+      text: the streamed-text state when the model has a tokenizer (or stop strings are set), else
+        None.
+    """
 
     _ids = itertools.count(1)
 
@@ -280,6 +301,9 @@ class GenerationRequest:
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Wait for the request to finish: once it returns, ``on_event`` has had every
         event, the final one included.
+
+        Args:
+          timeout: the most seconds to wait; None waits as long as it takes.
 
         Raises:
           TimeoutError: not finished within ``timeout`` seconds.
@@ -427,7 +451,12 @@ class GenerationEngine:
 
     def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Refuse new requests; with ``drain``, let queued and running ones finish (up to
-        ``timeout`` seconds); cancel whatever is left and stop the thread."""
+        ``timeout`` seconds); cancel whatever is left and stop the thread.
+
+        Args:
+          drain: let queued and running requests finish first; False cancels them at once.
+          timeout: the most seconds to wait for the drain.
+        """
         with self._cond:
             if self._state in ("new", "starting", "stopped"):
                 self._state = "stopped"
@@ -502,7 +531,15 @@ class GenerationEngine:
         return None
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
-        """Submit and wait: the blocking convenience."""
+        """Submit and wait: the blocking convenience.
+
+        Args:
+          prompt: token ids (at least one).
+          params: :class:`SamplingParams` (None: greedy, 16 tokens).
+
+        Returns:
+          the finished :class:`GenerationResult`.
+        """
         return self.submit(prompt, params).result()
 
     def _waiting(self) -> int:

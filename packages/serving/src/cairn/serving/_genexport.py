@@ -77,11 +77,38 @@ class GenerativeModel(Protocol):
     vocabulary: tuple[str | None, ...] | None
     cache_specs: Mapping[str, ArraySpec]
 
-    def init_cache(self, num_slots: int) -> dict[str, Any]: ...
+    def init_cache(self, num_slots: int) -> dict[str, Any]:
+        """A zero cache for ``num_slots`` rows.
 
-    def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]: ...
+        Args:
+          num_slots: the number of rows.
 
-    def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]: ...
+        Returns:
+          ``{name: array (num_slots, *spec.shape)}``, one entry per ``cache_specs`` item.
+        """
+
+    def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
+        """Run the prompts: the logits at the last prompt position and the filled cache.
+
+        Args:
+          tokens: ``(b, p)`` int32 prompt tokens, padded past each row's length.
+          lengths: ``(b,)`` int32 prompt lengths.
+
+        Returns:
+          ``(logits (b, vocab_size), cache)``, every cache entry ``(b, max_length, ...)``.
+        """
+
+    def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """One decode step: write each row's token at its position and return the next-token logits.
+
+        Args:
+          tokens: ``(b,)`` int32, the last token of each row.
+          positions: ``(b,)`` int32, the position each token is written at.
+          cache: the cache dict, every entry ``(b, max_length, ...)`` (may be donated).
+
+        Returns:
+          ``(logits (b, vocab_size), cache)``.
+        """
 
 
 # --- tokenizing ---
@@ -100,6 +127,11 @@ def _index(vocabulary: tuple[str | None, ...]) -> tuple[dict[str, int], int]:
 def tokenize(text: str, vocabulary: Sequence[str | None], bos_token_id: int | None = None) -> list[int]:
     """Token ids of ``text`` by greedy longest match over the vocabulary's strings
     (``bos_token_id`` first when given).
+
+    Args:
+      text: the text to tokenize.
+      vocabulary: token id to text (None: no text); longest matches win.
+      bos_token_id: prepended when given.
 
     Raises:
       ValueError: a character no vocabulary string starts with at that point, naming it
@@ -131,6 +163,10 @@ def tokenize(text: str, vocabulary: Sequence[str | None], bos_token_id: int | No
 
 def detokenize(token_ids: Sequence[int], vocabulary: Sequence[str | None]) -> str:
     """The concatenated text of ``token_ids`` (tokens without text add nothing).
+
+    Args:
+      token_ids: the ids to join.
+      vocabulary: token id to text (None: no text).
 
     Raises:
       ValueError: a token id outside the vocabulary.
@@ -245,7 +281,11 @@ class GeneratorBase:
         self.cache_specs = dict(info.cache_specs)
 
     def init_cache(self, num_slots: int) -> dict[str, Any]:
-        """A zero cache of ``num_slots`` rows on the device."""
+        """A zero cache of ``num_slots`` rows on the device.
+
+        Args:
+          num_slots: the number of rows.
+        """
         import jax.numpy as jnp
 
         return {n: jnp.zeros((num_slots, *s.shape), s.numpy_dtype) for n, s in self.cache_specs.items()}
@@ -258,6 +298,9 @@ class GeneratorBase:
     def tokenize(self, text: str) -> list[int]:
         """``text`` to token ids: through the model's tokenizer (its post-processor adds the
         special tokens), else over its vocabulary (BOS first when the model has one).
+
+        Args:
+          text: the text to tokenize.
 
         Raises:
           ValueError: the model has neither, or a character its vocabulary cannot tokenize.
@@ -278,6 +321,10 @@ class GeneratorBase:
         float32 ``(b, p)`` on the host (0 at position 0; rows are right-padded to
         ``lengths``).
 
+        Args:
+          tokens: ``(b, p)`` int32 token ids, right-padded.
+          lengths: ``(b,)`` int32 row lengths (positions at or past them are ignored).
+
         Raises:
           ValueError: the model was exported without a ``score`` function.
         """
@@ -289,7 +336,11 @@ class GeneratorBase:
 
     def detokenize(self, token_ids: Sequence[int]) -> str | None:
         """The text of ``token_ids`` (special tokens left out when a tokenizer decodes), or
-        ``None`` when the model has neither a tokenizer nor a vocabulary."""
+        ``None`` when the model has neither a tokenizer nor a vocabulary.
+
+        Args:
+          token_ids: the ids to turn into text.
+        """
         if self.tokenizer is not None:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         return None if self.vocabulary is None else detokenize(token_ids, self.vocabulary)
@@ -429,11 +480,28 @@ class PythonGenerator(GeneratorBase):
             self._score = lambda tokens, lengths: jitted(self.params, tokens, lengths)
 
     def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
-        """Device-level prefill (see :class:`GenerativeModel`)."""
+        """Device-level prefill (see :class:`GenerativeModel`).
+
+        Args:
+          tokens: ``(b, p)`` int32 prompt tokens.
+          lengths: ``(b,)`` int32 prompt lengths.
+
+        Returns:
+          ``(logits (b, vocab_size), cache)``.
+        """
         return self._prefill(self.params, tokens, lengths)
 
     def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """Device-level decode step; ``cache`` is donated."""
+        """Device-level decode step; ``cache`` is donated.
+
+        Args:
+          tokens: ``(b,)`` int32, the last token of each row.
+          positions: ``(b,)`` int32, where each token is written.
+          cache: the device cache (donated).
+
+        Returns:
+          ``(logits (b, vocab_size), cache)``.
+        """
         return self._decode(self.params, tokens, positions, dict(cache))
 
     def __repr__(self) -> str:

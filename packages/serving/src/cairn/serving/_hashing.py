@@ -20,7 +20,12 @@ _BLOCK = 1 << 20
 
 class ModelFormatError(ValueError):
     """A model directory that cannot be used: malformed, of an unknown format version, or
-    made by an incompatible JAX. ``file`` is the file at fault (relative path) or ``None``."""
+    made by an incompatible JAX. ``file`` is the file at fault (relative path) or ``None``.
+
+    Args:
+      message: the error text.
+      file: the file at fault (relative to the model directory), or None.
+    """
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -29,7 +34,12 @@ class ModelFormatError(ValueError):
 
 class ModelIntegrityError(ModelFormatError):
     """A file of a model directory is missing, truncated or altered (its size or SHA-256
-    differs from the manifest's)."""
+    differs from the manifest's).
+
+    Args:
+      message: the error text.
+      file: the file at fault (relative to the model directory), or None.
+    """
 
 
 def sha256_file(path: str) -> str:

@@ -135,7 +135,7 @@ class StreamResponse:
 class HttpLimits:
     """Connection limits.
 
-    Attributes:
+    Args:
       max_body_bytes: larger Content-Length answers 413 before the body is read.
       max_header_bytes: a request head (line + headers) larger than this answers 431.
       header_timeout: seconds from a request's first byte to the end of its headers (408).

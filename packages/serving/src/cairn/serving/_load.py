@@ -35,7 +35,11 @@ __all__ = ["load", "load_generator", "LoadedModel", "LoadedGenerator", "LoadedSi
 
 def enable_compilation_cache(cache_dir: str | os.PathLike) -> None:
     """Point JAX's persistent compilation cache at ``cache_dir`` (process-wide) and cache
-    every executable, however quick to compile, so a restarted server skips XLA."""
+    every executable, however quick to compile, so a restarted server skips XLA.
+
+    Args:
+      cache_dir: the cache directory (created if missing).
+    """
     import jax
 
     path = os.path.abspath(os.fspath(cache_dir))
@@ -56,10 +60,20 @@ def enable_compilation_cache(cache_dir: str | os.PathLike) -> None:
 class LoadedSignature:
     """One signature of a loaded model; a :class:`~cairn.serving.ServableModel`.
 
+    Args:
+      model_name: the model's name.
+      signature_name: this signature's name.
+      exported: the deserialized ``jax.export.Exported``.
+      entry: the signature's manifest entry (inputs, outputs, batch dim and buckets).
+      weights: ``{path: jax.Array}`` on the device, passed to every call.
+
     Attributes:
       name: the model's name. signature_name: this signature's. inputs / outputs:
       ``{name: ArraySpec}`` with the symbolic batch dim at axis 0 when batchable.
       max_batch_size, batch_buckets: as exported. batch_dim: the symbolic name or ``None``.
+
+    Raises:
+      ModelFormatError: ``batch_buckets`` does not end at ``max_batch_size``.
     """
 
     def __init__(self, model_name: str, signature_name: str, exported: Any, entry: dict, weights: dict) -> None:
@@ -131,9 +145,12 @@ class LoadedModel:
     """An exported model, loaded: a :class:`~cairn.serving.ServableModel` running its
     ``"serving_default"`` signature, with every signature in :attr:`signatures`.
 
-    Attributes:
-      name: the model name. path: the model directory. manifest: the parsed manifest.
-      signatures: ``{name: LoadedSignature}``. weights: ``{path: jax.Array}`` on device.
+    Args:
+      name: the model name.
+      path: the model directory.
+      manifest: the parsed manifest.
+      signatures: ``{name: LoadedSignature}``.
+      weights: ``{path: jax.Array}`` on the device.
     """
 
     def __init__(self, name: str, path: str, manifest: dict, signatures: dict[str, LoadedSignature], weights: dict) -> None:
@@ -170,6 +187,16 @@ class LoadedGenerator(LoadedModel, GeneratorBase):
     Attributes: those of :class:`LoadedModel`, plus ``vocab_size``, ``max_length``,
     ``eos_token_ids``, ``bos_token_id``, ``vocabulary``, ``cache_specs`` and ``tokenizer``
     (the :class:`~cairn.serving.Tokenizer` exported with the model, or ``None``).
+
+    Args:
+      name: the model name.
+      path: the model directory.
+      manifest: the parsed manifest (with its ``generation`` section).
+      signatures: ``{name: LoadedSignature}``; must include prefill and decode.
+      weights: ``{path: jax.Array}`` on the device.
+
+    Raises:
+      ModelFormatError: the prefill or decode signature is missing.
     """
 
     def __init__(self, name: str, path: str, manifest: dict, signatures: dict[str, LoadedSignature], weights: dict) -> None:
@@ -191,11 +218,28 @@ class LoadedGenerator(LoadedModel, GeneratorBase):
             self._score = lambda tokens, lengths: call(w, tokens, lengths)
 
     def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
-        """Device-level prefill (see :class:`~cairn.serving.GenerativeModel`)."""
+        """Device-level prefill (see :class:`~cairn.serving.GenerativeModel`).
+
+        Args:
+          tokens: ``(b, p)`` int32 prompt tokens.
+          lengths: ``(b,)`` int32 prompt lengths.
+
+        Returns:
+          ``(logits (b, vocab_size), cache)``.
+        """
         return self._prefill(self.weights, tokens, lengths)
 
     def decode(self, tokens: Any, positions: Any, cache: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """Device-level decode step; ``cache`` is donated."""
+        """Device-level decode step; ``cache`` is donated.
+
+        Args:
+          tokens: ``(b,)`` int32, the last token of each row.
+          positions: ``(b,)`` int32, where each token is written.
+          cache: the device cache (donated).
+
+        Returns:
+          ``(logits (b, vocab_size), cache)``.
+        """
         return self._decode(self.weights, tokens, positions, dict(cache))
 
     def __repr__(self) -> str:
@@ -285,6 +329,13 @@ def load(
 def load_generator(path: str | os.PathLike, *, name: str | None = None,
                    compilation_cache_dir: str | os.PathLike | None = None) -> LoadedGenerator:
     """:func:`load` a directory written by :func:`cairn.serving.export_generator`.
+
+    Args:
+      path: the model directory.
+      name: the model name; None uses the directory name (its parent's for a numeric version
+        directory).
+      compilation_cache_dir: enable JAX's persistent compilation cache there (see
+        :func:`enable_compilation_cache`); None leaves it as it is.
 
     Raises:
       ModelFormatError: the directory holds no generator (no ``"generation"`` section),

@@ -47,7 +47,7 @@ class OutOfBlocks(RuntimeError):
 class PrefixCacheStats:
     """Prefix-cache lookups since construction (or :meth:`PagedCache.reset_stats`).
 
-    Attributes:
+    Args:
       queries: full prompt blocks looked up (those before the prompt's last token).
       hits: of those, found in the cache and reused.
       hit_tokens: tokens whose keys and values were reused (``hits * block_size``).
@@ -82,10 +82,17 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     ``parent`` is ``None`` for a sequence's first block. Equal names mean equal prefixes
     (up to a 2**-128 collision chance), so a name identifies the block's whole prefix.
 
+    Args:
+      parent: the previous block's name, or None for a sequence's first block.
+      token_ids: the block's token ids.
+
     >>> a = block_hash(None, [1, 2]); block_hash(a, [3, 4]) == block_hash(block_hash(None, [1, 2]), [3, 4])
     True
     >>> block_hash(None, [3, 4]) == block_hash(a, [3, 4])
     False
+
+    Returns:
+      16 bytes.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(_ROOT if parent is None else parent)
@@ -184,7 +191,11 @@ class PagedCache:
         return len(self._seqs)
 
     def refcount(self, block: int) -> int:
-        """How many live sequences reference ``block``."""
+        """How many live sequences reference ``block``.
+
+        Args:
+          block: a block id.
+        """
         return self._ref[block]
 
     def eviction_order(self) -> list[int]:
@@ -192,11 +203,22 @@ class PagedCache:
         return list(self._evictable)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The block ids of ``seq_id``, in position order (token ``j`` is in entry ``j // block_size``)."""
+        """The block ids of ``seq_id``, in position order (token ``j`` is in entry ``j // block_size``).
+
+        Args:
+          seq_id: a live sequence's key.
+
+        Raises:
+          KeyError: ``seq_id`` is not live.
+        """
         return list(self._seq(seq_id).blocks)
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens of ``seq_id`` (prompt and appended)."""
+        """Tokens of ``seq_id`` (prompt and appended).
+
+        Args:
+          seq_id: a live sequence's key.
+        """
         return self._seq(seq_id).num_tokens
 
     def num_cached_tokens(self, seq_id: Hashable) -> int:
@@ -204,6 +226,9 @@ class PagedCache:
 
         The engine prefills only the tokens after these (a multiple of ``block_size``,
         always less than the prompt's length).
+
+        Args:
+          seq_id: a live sequence's key.
         """
         return self._seq(seq_id).cached_tokens
 
@@ -212,6 +237,15 @@ class PagedCache:
 
         ``width`` defaults to ``max_blocks_per_seq``; ``paged_attention`` never reads the
         padding, so any valid id (the default 0) keeps jitted gathers in range.
+
+        Args:
+          seq_ids: the live sequences, one row each.
+          width: the columns; None uses ``max_blocks_per_seq``.
+          pad: the block id written past each sequence's blocks.
+
+        Raises:
+          KeyError: a sequence is not live.
+          ValueError: a sequence has more than ``width`` blocks.
         """
         width = self.max_blocks_per_seq if width is None else int(width)
         out = np.full((len(seq_ids), width), pad, np.int32)
@@ -254,6 +288,10 @@ class PagedCache:
 
         ``prompt`` is the token ids, or just their count (no prefix lookup). A hit on an
         evictable cached block takes that block out of the free pool too, so it counts.
+
+        Args:
+          prompt: the prompt's token ids, or just their count (then no prefix lookup).
+          reserve_tokens: tokens to be appended later, counted too.
         """
         n = prompt if isinstance(prompt, (int, np.integer)) else len(prompt)
         total = self._blocks_for(int(n) + int(reserve_tokens))
@@ -267,6 +305,10 @@ class PagedCache:
         """Whether :meth:`add_sequence` of ``prompt`` (then ``reserve_tokens`` appends) fits now.
 
         The engine queues a request while this is ``False`` instead of failing it.
+
+        Args:
+          prompt: the prompt's token ids, or just their count.
+          reserve_tokens: tokens to be appended later, counted too.
         """
         n = prompt if isinstance(prompt, (int, np.integer)) else len(prompt)
         if self._blocks_for(int(n) + int(reserve_tokens)) > self.max_blocks_per_seq:
@@ -282,6 +324,10 @@ class PagedCache:
         rest are claimed from the free pool (evicting LRU cached blocks if needed). The
         engine computes keys and values for tokens ``num_cached_tokens ..`` and writes them
         into :meth:`block_table`'s blocks.
+
+        Args:
+          seq_id: a key for the new sequence (any hashable).
+          token_ids: the prompt's token ids (at least one).
 
         Raises:
           ValueError: ``seq_id`` already live, an empty prompt, or one longer than
@@ -322,6 +368,10 @@ class PagedCache:
         A block that fills up is named and enters the prefix cache (a later prompt that
         repeats this sequence's text, e.g. the next chat turn, reuses it).
 
+        Args:
+          seq_id: a live sequence's key.
+          token_ids: the generated token ids to add.
+
         Raises:
           KeyError: ``seq_id`` is not live (never added, or freed).
           ValueError: the sequence would outgrow ``max_blocks_per_seq``.
@@ -346,6 +396,9 @@ class PagedCache:
         Named blocks stay cached (evictable); the sequence's blocks are released tail
         first, so a prefix's head is evicted last. Unnamed (partial) blocks return to the
         free pool.
+
+        Args:
+          seq_id: a live sequence's key.
 
         Raises:
           KeyError: ``seq_id`` is not live (naming a double free).

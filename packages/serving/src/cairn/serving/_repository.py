@@ -36,7 +36,7 @@ from cairn.serving._generate import GenerationConfig
 class VersionPolicy:
     """Which of a model's versions to serve (Triton's ``version_policy``).
 
-    Attributes:
+    Args:
       kind: ``"latest"``, ``"all"`` or ``"specific"``.
       num_versions: how many of the newest versions ``"latest"`` serves.
       versions: the versions ``"specific"`` serves.
@@ -59,7 +59,11 @@ class VersionPolicy:
 
     @classmethod
     def latest(cls, num_versions: int = 1) -> VersionPolicy:
-        """Serve the ``num_versions`` newest versions."""
+        """Serve the ``num_versions`` newest versions.
+
+        Args:
+          num_versions: how many of the newest versions to serve.
+        """
         return cls("latest", num_versions=num_versions)
 
     @classmethod
@@ -69,11 +73,19 @@ class VersionPolicy:
 
     @classmethod
     def specific(cls, *versions: int) -> VersionPolicy:
-        """Serve exactly these versions (those present)."""
+        """Serve exactly these versions (those present).
+
+        Args:
+          versions: the version numbers to serve.
+        """
         return cls("specific", versions=tuple(sorted(int(v) for v in versions)))
 
     def select(self, available: Sequence[int]) -> list[int]:
-        """The versions to serve out of ``available``, ascending."""
+        """The versions to serve out of ``available``, ascending.
+
+        Args:
+          available: the version numbers present.
+        """
         ordered = sorted(available)
         if self.kind == "all":
             return ordered
@@ -92,6 +104,10 @@ class VersionPolicy:
     @classmethod
     def from_json(cls, obj: Any) -> VersionPolicy:
         """Parse :meth:`to_json`'s form.
+
+        Args:
+          obj: ``{"latest": {"num_versions": n}}``, ``{"all": {}}`` or ``{"specific": {"versions":
+            [...]}}``.
 
         Raises:
           ValueError: not exactly one of latest/all/specific, or a malformed body.
@@ -216,6 +232,9 @@ class ModelRepository:
     def versions(self, name: str) -> list[int]:
         """The version directories of ``name`` (numeric, no leading zero), ascending.
 
+        Args:
+          name: the model's directory name.
+
         Raises:
           KeyError: no such model directory.
         """
@@ -225,7 +244,14 @@ class ModelRepository:
         return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit() and not p.name.startswith("0"))
 
     def config(self, name: str) -> ModelConfig:
-        """``name``'s config.json, or the defaults when there is none."""
+        """``name``'s config.json, or the defaults when there is none.
+
+        Args:
+          name: the model's directory name.
+
+        Raises:
+          ValueError: config.json is not valid JSON or not a valid config.
+        """
         path = self.root / name / "config.json"
         if not path.exists():
             return ModelConfig(batching=self.batching, generation=self.generation)
@@ -236,13 +262,25 @@ class ModelRepository:
         return parse_config(obj, str(path), self.batching, self.generation)
 
     def load(self, name: str, version: int) -> Any:
-        """Load one version (in a worker thread: loading compiles)."""
+        """Load one version (in a worker thread: loading compiles).
+
+        Args:
+          name: the model's directory name.
+          version: the version directory number.
+
+        Returns:
+          what the repository's loader returns for that directory.
+        """
         return self.loader(self.root / name / str(version))
 
     def fingerprint(self, name: str) -> tuple:
         """What changes when ``name``'s directory does: its versions and the modification
         times of each version directory and of config.json (a version still being copied
-        in changes it, so a failed load is retried once the copy completes)."""
+        in changes it, so a failed load is retried once the copy completes).
+
+        Args:
+          name: the model's directory name.
+        """
         d = self.root / name
         entries = [d / str(v) for v in self.versions(name)] + [d / "config.json"]
         return tuple((p.name, p.stat().st_mtime_ns) for p in entries if p.exists())

@@ -45,7 +45,7 @@ def _float_field(name: str, v: Any) -> float:
 class SamplingParams:
     """How one request is decoded.
 
-    Attributes:
+    Args:
       max_new_tokens: tokens to generate at most (>= 1).
       temperature: 0 decodes greedily (argmax); > 0 samples from ``softmax(logits / t)``.
       top_k: keep the ``k`` most likely tokens (0: off).
@@ -56,10 +56,11 @@ class SamplingParams:
       stop_token_ids: tokens that end the request (in addition to the model's EOS ids);
         the stop token is part of the output.
       ignore_eos: keep generating past the model's EOS tokens.
-      presence_penalty, frequency_penalty: in ``[-2, 2]``; OpenAI's penalties, subtracted
-        from the logits before sampling: ``logit[j] - frequency_penalty * count[j] -
-        presence_penalty * (count[j] > 0)``, ``count[j]`` the times token ``j`` was
-        generated so far (the prompt does not count).
+      presence_penalty: in ``[-2, 2]``; OpenAI's presence penalty, subtracted from the
+        logit of every token generated so far: ``logit[j] - presence_penalty * (count[j] >
+        0)``, ``count[j]`` the times token ``j`` was generated (the prompt does not count).
+      frequency_penalty: in ``[-2, 2]``; OpenAI's frequency penalty, subtracted from the
+        logits before sampling as ``logit[j] - frequency_penalty * count[j]``.
       logprobs: ``None`` for none; ``k`` >= 0 (at most 20) records each generated
         token's log-probability and the ``k`` most likely alternatives', from the
         model's own distribution (``log_softmax`` of the logits, before temperature,
@@ -142,7 +143,8 @@ class SamplingParams:
         text of one token of ``vocabulary`` and becomes a stop token id.
 
         Args:
-          obj: the JSON object. vocabulary: the model's token texts, for ``stop`` ids.
+          obj: the JSON object.
+          vocabulary: the model's token texts, for ``stop`` ids.
           text_stops: read ``stop`` as text stop strings.
 
         Raises:

@@ -956,6 +956,20 @@ def _as_source(
 class Server:
     """An inference server (see :func:`serve`); a context manager that stops on exit.
 
+    Args:
+      models: what to serve: a repository directory, a :class:`ModelRepository`, a model, or a dict
+        or list of models (see :func:`serve`).
+      host: the address to bind.
+      port: the port; 0 picks a free one.
+      token: when given, every route but ``/v2/health/*`` needs ``Authorization: Bearer <token>``.
+      batching: :class:`BatchingConfig` for every model, or ``{name: BatchingConfig}``.
+      limits: :class:`HttpLimits`; None uses the defaults.
+      workers: threads in the pool the models share; None: the CPU count, at least 2.
+      drain_timeout: seconds :meth:`stop` waits for in-flight requests.
+      poll_interval: re-scan the repository every this many seconds; None never re-scans.
+      generation: :class:`GenerationConfig` for every generative model, or ``{name:
+        GenerationConfig}``.
+
     Attributes:
       host, port: where it listens (port is the bound one after start).
       url: ``http://host:port``.
@@ -1069,17 +1083,29 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def load_model(self, name: str) -> None:
-        """Load or reload ``name`` (thread-safe; see ``POST /v2/repository/models/{m}/load``)."""
+        """Load or reload ``name`` (thread-safe; see ``POST /v2/repository/models/{m}/load``).
+
+        Args:
+          name: the model's name in the repository.
+        """
         assert self.app is not None
         self._call(self.app.load_model(name))
 
     def unload_model(self, name: str) -> None:
-        """Unload ``name`` after its queued requests are answered (thread-safe)."""
+        """Unload ``name`` after its queued requests are answered (thread-safe).
+
+        Args:
+          name: the model's name.
+        """
         assert self.app is not None
         self._call(self.app.unload_model(name))
 
     def stop(self, drain: bool = True) -> None:
-        """Stop; with ``drain`` answer in-flight requests first. Idempotent."""
+        """Stop; with ``drain`` answer in-flight requests first. Idempotent.
+
+        Args:
+          drain: answer in-flight requests before stopping (up to ``drain_timeout`` seconds).
+        """
         if self._loop is None or self._thread is None:
             return
         if self._thread.is_alive():

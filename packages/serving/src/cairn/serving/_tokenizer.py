@@ -117,6 +117,17 @@ class Tokenizer:
 
     Usually loaded with `from_pretrained`; built here from a tiny in-memory model:
 
+    Args:
+      backend: the ``tokenizers.Tokenizer`` (what ``tokenizer.json`` holds).
+      config: the contents of ``tokenizer_config.json`` (special tokens, padding and truncation
+        side, clean-up...); None for none.
+      chat_template: the jinja2 chat template, or ``{name: template}`` when there are several; None
+        for none.
+      chat_template_origin: where the template came from, named in error messages.
+      generation_config: the contents of ``generation_config.json`` (extra EOS ids...); None for
+        none.
+      name_or_path: the folder it was loaded from, named in messages.
+
     >>> from tokenizers import decoders, models, pre_tokenizers
     >>> backend = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hello": 2, "world": 3},
     ...                                                 unk_token="<unk>"))
@@ -164,6 +175,9 @@ class Tokenizer:
 
         Raises FileNotFoundError naming the path when the folder or its ``tokenizer.json`` is
         missing, ValueError naming the file when one is not valid JSON.
+
+        Args:
+          path: the tokenizer folder (with ``tokenizer.json``).
         """
         folder = pathlib.Path(path)
         if not folder.is_dir():
@@ -194,6 +208,9 @@ class Tokenizer:
         and ``generation_config.json`` when one was read and ``path`` has none (a model's own
         save writes that file). Returns the files written. ``from_pretrained`` of the folder
         encodes, decodes and renders exactly as this tokenizer does.
+
+        Args:
+          path: the folder to write (created if missing).
         """
         folder = pathlib.Path(path)
         folder.mkdir(parents=True, exist_ok=True)
@@ -304,7 +321,12 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int],
                               skip_special_tokens: bool = False) -> str | None | list[str | None]:
-        """Ids to token strings (None for an id outside the vocabulary)."""
+        """Ids to token strings (None for an id outside the vocabulary).
+
+        Args:
+          ids: one id or a sequence of ids.
+          skip_special_tokens: leave the special tokens out (for a sequence).
+        """
         if isinstance(ids, (int, np.integer)):
             return self._backend.id_to_token(int(ids))
         special = set(self.all_special_ids) if skip_special_tokens else set()
@@ -312,7 +334,11 @@ class Tokenizer:
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
         """Token strings to ids; a token not in the vocabulary gives ``unk_token_id`` (None
-        when there is no unknown token)."""
+        when there is no unknown token).
+
+        Args:
+          tokens: one token string or a sequence of them.
+        """
         if isinstance(tokens, str):
             found = self._backend.token_to_id(tokens)
             return self.unk_token_id if found is None else found
@@ -344,7 +370,15 @@ class Tokenizer:
                max_length: int | None = None) -> list[int]:
         """Token ids of ``text``, with the special tokens the post-processor adds (a BOS for
         Llama-style tokenizers) unless ``add_special_tokens=False``. With ``truncation``, at
-        most ``max_length`` ids (special tokens included), cut on ``truncation_side``."""
+        most ``max_length`` ids (special tokens included), cut on ``truncation_side``.
+
+        Args:
+          text: the text to encode.
+          add_special_tokens: let the post-processor add its special tokens (a BOS...).
+          truncation: cut to ``max_length`` ids on ``truncation_side``.
+          max_length: the most ids with ``truncation`` (special tokens included); None uses
+            ``model_max_length``.
+        """
         return self._encode_one(text, add_special_tokens, self._truncation_length(truncation, max_length))
 
     def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True,
@@ -391,7 +425,15 @@ class Tokenizer:
         return {"input_ids": ids, "attention_mask": mask}
 
     def batch_encode(self, texts: Sequence[str], **kwargs: Any) -> dict[str, np.ndarray]:
-        """``self(texts, **kwargs)``: a padded batch with its attention mask."""
+        """``self(texts, **kwargs)``: a padded batch with its attention mask.
+
+        Args:
+          texts: the strings to encode (a list, not one string).
+          kwargs: passed to ``__call__`` (``padding``, ``truncation``, ``max_length``...).
+
+        Raises:
+          TypeError: ``texts`` is a single string.
+        """
         if isinstance(texts, str):
             raise TypeError("batch_encode takes a list of strings; use encode() for one string")
         return self(texts, **kwargs)
@@ -405,7 +447,16 @@ class Tokenizer:
     def decode(self, ids: int | Sequence[int] | np.ndarray, skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool | None = None) -> str:
         """The text of ``ids`` (the tokenizers library's decoder, then the config's
-        clean-up). ``skip_special_tokens`` drops the tokens the tokenizer marks special."""
+        clean-up). ``skip_special_tokens`` drops the tokens the tokenizer marks special.
+
+        Args:
+          ids: one id, a sequence of ids or an array (flattened).
+          skip_special_tokens: drop the tokens marked special.
+          clean_up_tokenization_spaces: apply the clean-up (None: the config's setting).
+
+        Raises:
+          ValueError: an id outside the vocabulary.
+        """
         ids = [int(ids)] if isinstance(ids, (int, np.integer)) else [int(i) for i in np.asarray(ids).reshape(-1)]
         self._check_ids(ids)
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -420,17 +471,35 @@ class Tokenizer:
 
     def batch_decode(self, sequences: Iterable[Sequence[int]] | np.ndarray, skip_special_tokens: bool = False,
                      clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+        """:meth:`decode` of each sequence.
+
+        Args:
+          sequences: the id sequences (or a 2-D array, one row each).
+          skip_special_tokens: drop the tokens marked special.
+          clean_up_tokenization_spaces: apply the clean-up (None: the config's setting).
+        """
         return [self.decode(s, skip_special_tokens, clean_up_tokenization_spaces) for s in sequences]
 
     def incremental_decoder(self, skip_special_tokens: bool = False, prompt_ids: Sequence[int] = ()) -> IncrementalDecoder:
-        """A decoder for ids that arrive one at a time (see `IncrementalDecoder`)."""
+        """A decoder for ids that arrive one at a time (see `IncrementalDecoder`).
+
+        Args:
+          skip_special_tokens: drop the tokens marked special.
+          prompt_ids: the prompt's ids, when decoding continues a prompt.
+        """
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
 
     def decode_stream(self, ids: Iterable[int], skip_special_tokens: bool = False,
                       prompt_ids: Sequence[int] = ()) -> Iterator[str]:
         """Yield the text of ``ids`` as they arrive, in non-empty pieces that never split a
         character; the pieces join to ``decode(ids)`` (or, after ``prompt_ids``, to the text
-        the ids add to the prompt's)."""
+        the ids add to the prompt's).
+
+        Args:
+          ids: the token ids, as they arrive.
+          skip_special_tokens: drop the tokens marked special.
+          prompt_ids: the prompt's ids, when the stream continues a prompt.
+        """
         decoder = self.incremental_decoder(skip_special_tokens, prompt_ids)
         for token_id in ids:
             piece = decoder.step(token_id)
@@ -449,7 +518,15 @@ class Tokenizer:
     # --- chat ---
     def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
         """The template text to render: ``chat_template`` by name (when the folder has several)
-        or as text, else ``tool_use`` when tools are given and there is one, else the default."""
+        or as text, else ``tool_use`` when tools are given and there is one, else the default.
+
+        Args:
+          chat_template: a template name (of several) or template text; None picks the default.
+          tools: the tools of the request; with them, a ``tool_use`` template is preferred.
+
+        Raises:
+          ChatTemplateError: no template, or several and none chosen.
+        """
         own = self.chat_template
         if isinstance(own, dict):
             if chat_template is not None:
@@ -488,6 +565,25 @@ class Tokenizer:
 
         Raises ChatTemplateError when there is no template (naming the places looked in),
         when it does not render, or when it calls ``raise_exception`` (with its message).
+
+        Args:
+          messages: a conversation (a list of ``{"role", "content"}`` dicts), or a list of
+            conversations.
+          add_generation_prompt: append the opening of an assistant turn.
+          tokenize: return token ids instead of text.
+          tools: tool definitions (JSON-schema dicts) passed to the template; None for none.
+          documents: retrieval documents passed to the template; None for none.
+          chat_template: a template name (of this tokenizer's several) or template text; None uses
+            the default.
+          continue_final_message: leave the final message open so the model continues it: True
+            continues its ``content``, a string names the field to continue
+            (``"reasoning_content"``...).
+          return_assistant_tokens_mask: also return the mask of assistant tokens (needs
+            ``tokenize=True``).
+          kwargs: more template variables.
+
+        Raises:
+          ValueError: an empty conversation, or a mask asked for without ``tokenize``.
         """
         if not messages:
             raise ValueError("apply_chat_template got an empty conversation; give at least one message")
@@ -534,6 +630,12 @@ class IncrementalDecoder:
     With ``prompt_ids``, the decoder starts after a prompt: the first piece keeps the space a
     SentencePiece token carries after it.
 
+    Args:
+      tokenizer: the :class:`Tokenizer` whose ``decode`` the pieces add up to.
+      skip_special_tokens: leave special (added) tokens out of the text.
+      prompt_ids: the prompt's ids, when decoding starts after a prompt: they give the first
+        piece its context; their own text is not emitted.
+
     >>> from tokenizers import decoders, models
     >>> bytes_model = tokenizers.Tokenizer(models.BPE({"<0xF0>": 0, "<0x9F>": 1, "<0xA4>": 2, "<0x96>": 3,
     ...                                                "a": 4}, [], byte_fallback=True))
@@ -561,7 +663,14 @@ class IncrementalDecoder:
         return self._tok.backend_tokenizer.decode(self._ids[self._prefix:stop], skip_special_tokens=False)
 
     def step(self, token_id: int) -> str:
-        """Add one id; return the text that is now final (often ``""``)."""
+        """Add one id; return the text that is now final (often ``""``).
+
+        Args:
+          token_id: the next token id.
+
+        Raises:
+          ValueError: an id outside the vocabulary.
+        """
         token_id = int(token_id)
         self._tok._check_ids([token_id])
         if token_id in self._skip:
@@ -576,6 +685,11 @@ class IncrementalDecoder:
         return self._emit(after[len(before):], final=False)
 
     def extend(self, ids: Iterable[int]) -> str:
+        """:meth:`step` over ``ids``; the text that became final, joined.
+
+        Args:
+          ids: token ids, in order.
+        """
         return "".join(self.step(i) for i in ids)
 
     def flush(self) -> str:

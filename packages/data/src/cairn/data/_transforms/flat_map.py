@@ -24,6 +24,10 @@ class FlatMapMapDataset(UnaryMapDataset):
     ``k = transform.max_fan_out``; positions past an element's outputs read as ``None``
     (iteration skips them, as for ``filter``). Length ``len(parent) * k``.
 
+    Args:
+      parent: the input ``MapDataset``.
+      transform: an object with ``flat_map(element) -> sequence`` and an int ``max_fan_out``.
+
     Raises:
       TypeError: if ``transform`` has no ``flat_map`` method.
       ValueError: if ``max_fan_out`` is not a positive int, or (when read) an element
@@ -120,6 +124,10 @@ class FlatMapIterator(DatasetIterator):
 class FlatMapIterDataset(UnaryIterDataset):
     """Each input element becomes the elements of ``transform.flat_map(element)`` (any
     number, no ``max_fan_out`` needed), in order.
+
+    Args:
+      parent: the input ``IterDataset``.
+      transform: an object with ``flat_map(element) -> iterable``.
 
     Raises:
       TypeError: if ``transform`` has no ``flat_map`` method.

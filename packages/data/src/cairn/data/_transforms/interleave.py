@@ -23,6 +23,10 @@ class InterleaveIterDataset(IterDataset):
     next unopened dataset takes the slot. The order is deterministic, and the state is
     the index of the next dataset to open plus the open datasets' states.
 
+    Args:
+      datasets: the input datasets (``IterDataset`` or ``MapDataset``), opened in order.
+      cycle_length: how many are open at a time; None opens all of them.
+
     >>> from cairn.data import InterleaveIterDataset, MapDataset
     >>> a = MapDataset.range(0, 3).to_iter_dataset()
     >>> b = MapDataset.range(10, 12).to_iter_dataset()

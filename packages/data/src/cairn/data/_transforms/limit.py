@@ -38,6 +38,10 @@ class LimitIterator(DatasetIterator):
 class LimitIterDataset(UnaryIterDataset):
     """At most the first ``count`` elements of ``parent`` (an ``IterDataset``).
 
+    Args:
+      parent: the input ``IterDataset``.
+      count: the most elements to yield, >= 1.
+
     Raises:
       ValueError: for ``count`` that is not an int >= 1.
 

@@ -100,7 +100,12 @@ def _largest_remainder(w: np.ndarray, total: int) -> np.ndarray:
 
 
 class MixIterDataset(IterDataset):
-    """``IterDataset.mix``: inputs drawn in a fixed, evenly spread weighted pattern."""
+    """``IterDataset.mix``: inputs drawn in a fixed, evenly spread weighted pattern.
+
+    Args:
+      datasets: the input datasets (at least one).
+      weights: relative weights, one per dataset; None weighs them equally.
+    """
 
     PERIOD = 1000
 

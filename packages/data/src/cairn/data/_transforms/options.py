@@ -16,6 +16,10 @@ class WithOptionsIterDataset(IterDataset):
     The elements and the iterator state are the parent's. Options set in an outer
     ``WithOptionsIterDataset`` win over those set here.
 
+    Args:
+      parent: the input dataset (``IterDataset`` or ``MapDataset``).
+      options: the :class:`DatasetOptions` in effect below this step.
+
     Raises:
       TypeError: if ``options`` is not a ``DatasetOptions`` or ``parent`` not a dataset.
 

@@ -102,6 +102,10 @@ class RepeatIterDataset(UnaryIterDataset):
     """``parent`` iterated ``num_epochs`` times (``None``: forever), each time from the start:
     the same elements every epoch (no reshuffle; repeat the ``MapDataset`` for that).
 
+    Args:
+      parent: the input ``IterDataset``.
+      num_epochs: how many passes, >= 1; None repeats forever.
+
     Raises:
       ValueError: for ``num_epochs`` that is not None or an int >= 1.
 

@@ -27,6 +27,11 @@ class WindowShuffleMapDataset(UnaryMapDataset):
     window, through a permutation keyed by ``(seed, w, epoch)``: every window holds the
     same elements in another order, and every epoch another order.
 
+    Args:
+      parent: the input ``MapDataset``.
+      window_size: elements per window, >= 1.
+      seed: the int seed of the permutations.
+
     Raises:
       ValueError: for ``window_size`` that is not an int >= 1.
       TypeError: for a non-integer ``seed``.
@@ -110,6 +115,11 @@ class WindowShuffleIterator(DatasetIterator):
 class WindowShuffleIterDataset(UnaryIterDataset):
     """``parent``'s elements shuffled within consecutive windows of ``window_size`` (the
     last may be shorter), in an order keyed by ``(seed, window number)``.
+
+    Args:
+      parent: the input ``IterDataset``.
+      window_size: elements per window, >= 1.
+      seed: the int seed of the permutations.
 
     Raises:
       ValueError: for ``window_size`` that is not an int >= 1.

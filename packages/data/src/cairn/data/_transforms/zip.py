@@ -18,6 +18,9 @@ class ZipMapDataset(ManyParentsMapDataset):
     """Element ``i`` is ``(parents[0][i], parents[1][i], ...)``; an element that any input
     filtered out reads as ``None``.
 
+    Args:
+      parents: the ``MapDataset`` s to zip, all of one length.
+
     Raises:
       ValueError: for no inputs, or inputs of different lengths (all are named).
 
