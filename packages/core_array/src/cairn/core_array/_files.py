@@ -61,7 +61,11 @@ _HEX = frozenset(b"0123456789abcdef")
 class CorruptFileError(ValueError):
     """A file is damaged: bad JSON, a checksum mismatch, a truncated or altered header.
 
-    ``path`` is the file, ``reason`` what is wrong with it; the message holds both.
+    The message holds both arguments, which stay readable as attributes.
+
+    Args:
+      path: the damaged file.
+      reason: what is wrong with it (``"checksum mismatch: ..."``, ``"not JSON: ..."``).
     """
 
     def __init__(self, path: str, reason: str) -> None:
@@ -228,7 +232,8 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None =
     Args:
       path: the target; its directory must exist.
       obj: a JSON-able value.
-      indent, sort_keys: as for :func:`json.dumps`.
+      indent: spaces per nesting level (None: one line), as for :func:`json.dumps`.
+      sort_keys: write object keys sorted, as for :func:`json.dumps`.
 
     Raises:
       TypeError: ``obj`` is not JSON-able (``path`` untouched).
