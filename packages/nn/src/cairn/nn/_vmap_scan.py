@@ -15,7 +15,7 @@ from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
-from cairn.nn._transform_plan import Box, Plan, call_annotated, run_pure
+from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method, run_pure
 from cairn.nn._transform_plan import Carry as LoopCarry
 from cairn.nn._variables import Variable
 
@@ -74,7 +74,7 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
             )
         # expand a prefix tree over the argument's leaves (modules/variables are leaves)
         sub: Any = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
-        if ax is None or isinstance(ax, int):
+        if ax is None or isinstance(ax, int | PartitionSpec):
             axes.extend([ax] * sub.num_leaves)
         else:
             axes.extend(sub.flatten_up_to(_broadcast_prefix(ax, a)))
@@ -168,6 +168,7 @@ def vmap(
     (4, 3)
     """
     check_mode("vmap", graph, graph_updates)
+    reject_bound_method(f, "vmap")
     if f is None:
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
@@ -176,23 +177,136 @@ def vmap(
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        plan = Plan((args, kwargs))
-        axes = _prefix_axes(args, kwargs, in_axes)
-        leaf_axes = _leaf_axes_tree(plan, axes)
-        _check_mapped_ranks(plan, axes)
-        box = Box()
-        out, new_dyn = jax.vmap(
-            run_pure(f, plan, box),
-            in_axes=(leaf_axes,),
-            out_axes=(out_axes, leaf_axes),
-            axis_name=axis_name,
-            axis_size=axis_size,
-            spmd_axis_name=spmd_axis_name,
-        )(plan.dyn)
-        plan.write_back(plan.fill(new_dyn), box.value)
-        return out
+        return _mapped_call(
+            jax.vmap, f, args, kwargs, in_axes, out_axes,
+            {"axis_name": axis_name, "axis_size": axis_size, "spmd_axis_name": spmd_axis_name},
+        )
 
     return wrapper
+
+
+def pmap(
+    f: Callable | None = None,
+    axis_name: Any = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    static_broadcasted_argnums: int | tuple[int, ...] = (),
+    devices: Any = None,
+    backend: str | None = None,
+    axis_size: int | None = None,
+    donate_argnums: int | tuple[int, ...] = (),
+    global_arg_shapes: Any = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Callable:
+    """``jax.pmap`` where arguments may be modules: like :func:`vmap`, but the mapped
+    axis is spread over devices (its size must not exceed the device count). A
+    module's entry in ``in_axes`` / ``out_axes`` is an int, None, a :class:`StateAxes`
+    or a module made by :func:`~cairn.nn.prefix`; changes to a mapped module come back
+    stacked along its axis. Modules created inside ``f`` come out per ``out_axes``.
+
+    Args:
+      f: the function; None returns a decorator.
+      axis_name: the name of the mapped axis, for collectives inside ``f``.
+      in_axes: per positional argument, as in :func:`vmap`.
+      out_axes: per output, as in :func:`vmap`.
+      static_broadcasted_argnums: not supported with modules (must be empty).
+      devices: the devices to map over (``jax.pmap``'s).
+      backend: ``jax.pmap``'s backend.
+      axis_size: the size of the mapped axis when no argument is mapped.
+      donate_argnums: not supported (must be empty): the caller's modules keep their
+        buffers.
+      global_arg_shapes: must be None (removed from JAX).
+      graph: Flax NNX's graph-mode keyword (checked; see the README table).
+      graph_updates: Flax NNX's graph-updates keyword (checked).
+
+    Raises:
+      NotImplementedError: for ``static_broadcasted_argnums``, ``donate_argnums`` or
+        ``global_arg_shapes``.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> m = nn.Linear(2, 3, rngs=nn.Rngs(0))
+    >>> nn.pmap(lambda m, x: m(x), in_axes=(None, 0))(m, jnp.ones((1, 4, 2))).shape
+    (1, 4, 3)
+    """
+    check_mode("pmap", graph, graph_updates)
+    reject_bound_method(f, "pmap")
+    for name, v in (("static_broadcasted_argnums", static_broadcasted_argnums),
+                    ("donate_argnums", donate_argnums)):
+        if v not in ((), None):
+            raise NotImplementedError(
+                f"nn.pmap: {name}={v!r} is not supported; close over static values instead"
+            )
+    if global_arg_shapes is not None:
+        raise NotImplementedError("nn.pmap: global_arg_shapes is not supported by JAX any more")
+    if f is None:
+        return functools.partial(
+            pmap, axis_name=axis_name, in_axes=in_axes, out_axes=out_axes, devices=devices,
+            backend=backend, axis_size=axis_size, graph=graph, graph_updates=graph_updates,
+        )
+    opts = {"axis_name": axis_name, "devices": devices, "backend": backend, "axis_size": axis_size}
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return _mapped_call(jax.pmap, f, args, kwargs, in_axes, out_axes, opts)
+
+    return wrapper
+
+
+def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
+    """``mapper`` (``jax.vmap`` / ``jax.pmap``) of ``f(*args, **kwargs)`` with module
+    arguments: their values go in along their axes and the new values come back along
+    the same axes; module-aware ``out_axes`` are expanded for the traced output."""
+    plan = Plan((args, kwargs))
+    axes = _prefix_axes(args, kwargs, in_axes)
+    leaf_axes = _leaf_axes_tree(plan, axes)
+    _check_mapped_ranks(plan, axes)
+    box = Box()
+    if _has_module_axes(out_axes):
+        probe = jax.vmap(
+            run_pure(f, plan, Box()), in_axes=(leaf_axes,), out_axes=0,
+            axis_name=opts.get("axis_name"), axis_size=opts.get("axis_size"),
+        )
+        out_shape, _ = jax.eval_shape(probe, plan.dyn)
+        out_axes = _expand_out_axes(out_axes, out_shape)
+    out, new_dyn = mapper(
+        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, leaf_axes), **opts
+    )(plan.dyn)
+    plan.write_back(plan.fill(new_dyn), box.value)
+    return out
+
+
+def _is_axes_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, int | PartitionSpec | StateAxes | Module | Variable)
+
+
+def _has_module_axes(out_axes: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(out_axes, is_leaf=_is_axes_leaf)
+    return any(isinstance(x, StateAxes | Module | Variable) for x in leaves)
+
+
+def _expand_out_axes(out_axes: Any, out: Any) -> Any:
+    """``out_axes`` with each :class:`StateAxes` / prefix module replaced by a module of
+    the output's structure whose variables hold their axes (a prefix JAX accepts)."""
+
+    def one(ax, sub):
+        if isinstance(ax, StateAxes | Module):
+            if not isinstance(sub, Module):
+                raise ValueError(
+                    f"out_axes: {ax!r} is given for an output that is not a module "
+                    f"({type(sub).__name__})"
+                )
+            c = flat(sub)
+            return c.graphdef.build_from_values(_module_axes(ax, c.graphdef, c.variables, c.variables))
+        if isinstance(ax, Variable):
+            return ax.raw_value
+        return ax
+
+    if _is_axes_leaf(out_axes):
+        return one(out_axes, out)
+    return jax.tree_util.tree_map(one, out_axes, out, is_leaf=_is_axes_leaf)
 
 
 class Carry:
@@ -290,6 +404,7 @@ def scan(
         of ``in_axes`` and ``out_axes``; a step returning the wrong structure.
     """
     check_mode("scan", graph, graph_updates)
+    reject_bound_method(f, "scan")
     if f is None:
         return functools.partial(
             scan, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
@@ -331,8 +446,31 @@ def scan(
     return axes_wrapper
 
 
+class StateSharding(StateAxes):
+    """Per-variable partition specs for one module argument of :func:`shard_map` (and
+    of :func:`~cairn.nn.jit`'s ``in_shardings`` / ``out_shardings``): a mapping
+    ``{filter: spec}``, first matching filter wins, as :class:`StateAxes`.
+
+    Args:
+      mapping: ``{filter: PartitionSpec or Sharding}``; every variable must match one
+        filter (end with ``...`` for a default).
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from cairn import nn
+    >>> nn.StateSharding({nn.PathContains("kernel"): P(None, "model"), ...: P()})
+    StateSharding({PathContains('kernel'): PartitionSpec(None, 'model'), Ellipsis: PartitionSpec()})
+    """
+
+    def __repr__(self) -> str:
+        return f"StateSharding({dict(self.items)!r})"
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec | StateAxes | Module | Variable)
+
+
 def shard_map(
-    f: Callable,
+    f: Callable | None = None,
     *,
     mesh: Any,
     in_specs: Any,
@@ -343,28 +481,56 @@ def shard_map(
     graph_updates: bool | None = None,
 ) -> Callable:
     """``jax.shard_map`` where arguments may be modules: a module's entry in
-    ``in_specs`` is one ``PartitionSpec`` applied to every variable; the module's changed
-    state comes back with the same spec."""
+    ``in_specs`` is one ``PartitionSpec`` for every variable, a :class:`StateSharding`
+    or a module made by :func:`~cairn.nn.prefix` holding specs; the module's changed
+    state comes back with the same specs. A module output's entry in ``out_specs`` may
+    be a :class:`StateSharding` or a prefix module too.
+
+    Args:
+      f: the function; None returns a decorator.
+      mesh: the device mesh.
+      in_specs: per positional argument, a spec (prefix) as above.
+      out_specs: per output, a spec (prefix) as above.
+      check_vma: ``jax.shard_map``'s replication check.
+      axis_names: ``jax.shard_map``'s manual axes (default: all of ``mesh``).
+      graph: Flax NNX's graph-mode keyword (checked; see the README table).
+      graph_updates: Flax NNX's graph-updates keyword (checked).
+    """
     check_mode("shard_map", graph, graph_updates)
+    if f is None:
+        return functools.partial(
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+            axis_names=axis_names, graph=graph, graph_updates=graph_updates,
+        )
+    reject_bound_method(f, "shard_map")
 
     @functools.wraps(f)
     def wrapper(*args):
         plan = Plan((args, {}))
         specs = in_specs
-        if isinstance(specs, PartitionSpec) or specs is None:
+        if _is_spec_leaf(specs):
             specs = (specs,) * len(args)
         leaf_specs = _leaf_axes_tree(plan, _prefix_axes(args, {}, tuple(specs)))
         box = Box()
-        pure = run_pure(f, plan, box)
-        kw = {"mesh": mesh, "in_specs": (leaf_specs,), "out_specs": (out_specs, leaf_specs)}
+        kw: dict[str, Any] = {"mesh": mesh, "in_specs": (leaf_specs,)}
         if axis_names is not None:
             kw["axis_names"] = axis_names
-        try:
-            sm = jax.shard_map(pure, check_vma=check_vma, **kw)
-        except TypeError:  # older jax spelling
-            sm = jax.shard_map(pure, check_rep=check_vma, **kw)  # type: ignore[call-overload]
+        outs = out_specs
+        if any(isinstance(x, StateAxes | Module | Variable)
+               for x in jax.tree_util.tree_leaves(outs, is_leaf=_is_spec_leaf)):
+            probe = _shard_map(run_pure(f, plan, Box()), False, out_specs=PartitionSpec(), **kw)
+            out_shape, _ = jax.eval_shape(probe, plan.dyn)
+            outs = _expand_out_axes(outs, out_shape)
+        sm = _shard_map(run_pure(f, plan, box), check_vma, out_specs=(outs, leaf_specs), **kw)
         out, new_dyn = sm(plan.dyn)
         plan.write_back(plan.fill(new_dyn), box.value)
         return out
 
     return wrapper
+
+
+def _shard_map(fun: Callable, check_vma: bool, **kw: Any) -> Callable:
+    try:
+        return jax.shard_map(fun, check_vma=check_vma, **kw)
+    except TypeError:  # older jax spelling
+        return jax.shard_map(fun, check_rep=check_vma, **kw)  # type: ignore[call-overload]
