@@ -4,10 +4,12 @@ per-variable axes (:class:`StateAxes`) they accept for a module argument."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cairn.nn._filters import path_text, to_predicate
@@ -259,6 +261,8 @@ def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
     """``mapper`` (``jax.vmap`` / ``jax.pmap``) of ``f(*args, **kwargs)`` with module
     arguments: their values go in along their axes and the new values come back along
     the same axes; module-aware ``out_axes`` are expanded for the traced output."""
+    if kwargs and isinstance(in_axes, tuple | list) and len(in_axes) > len(args):
+        args, kwargs = _bind_positional(f, args, kwargs)
     plan = Plan((args, kwargs))
     axes = _prefix_axes(args, kwargs, in_axes)
     leaf_axes = _leaf_axes_tree(plan, axes)
@@ -276,6 +280,16 @@ def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
     )(plan.dyn)
     plan.write_back(plan.fill(new_dyn), box.value)
     return out
+
+
+def _bind_positional(f: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Keyword arguments that name positional parameters of ``f`` moved to their
+    positions (so a per-position ``in_axes`` covers ``MLP(key=k)``)."""
+    try:
+        ba = inspect.signature(f).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    return tuple(ba.args), dict(ba.kwargs)
 
 
 def _is_axes_leaf(x: Any) -> bool:
@@ -325,11 +339,8 @@ def _axes_tuple(axes: Any, n: int, what: str) -> tuple:
 def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     for ax in (*in_axes, *outs):
-        if not (ax is Carry or ax is None or ax == 0):
-            raise ValueError(
-                f"nn.scan: axes must be nn.Carry, 0 or None (move other axes to the front "
-                f"first), got {ax!r}"
-            )
+        if not (ax is Carry or ax is None or (isinstance(ax, int) and not isinstance(ax, bool))):
+            raise ValueError(f"nn.scan: axes must be nn.Carry, an int or None, got {ax!r}")
     if sum(a is Carry for a in in_axes) > 1 or sum(a is Carry for a in outs) > 1:
         raise ValueError("nn.scan: at most one nn.Carry in in_axes and in out_axes")
     if (Carry in in_axes) != (Carry in outs):
@@ -346,7 +357,9 @@ def _scan_axes(f, args, in_axes, out_axes, run):
     _check_scan_axes(in_ax, out_axes)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     ci = in_ax.index(Carry) if Carry in in_ax else None
-    xi = [i for i, a in enumerate(in_ax) if a == 0 and a is not Carry]
+    xi = [i for i, a in enumerate(in_ax) if isinstance(a, int)]
+    # a scanned axis other than 0 is moved to the front (and a module's state moved back)
+    xs_in = tuple(_move_axis(args[i], in_ax[i], 0) for i in xi)
 
     def body(c, xs):
         full = list(args)
@@ -365,11 +378,33 @@ def _scan_axes(f, args, in_axes, out_axes, run):
         new_c = out[outs.index(Carry)] if Carry in outs else None
         return new_c, tuple(o for o, a in zip(out, outs) if a is not Carry)
 
-    c_final, ys = run(body, args[ci] if ci is not None else None, tuple(args[i] for i in xi))
+    c_final, ys = run(body, args[ci] if ci is not None else None, xs_in)
+    for i, moved in zip(xi, xs_in):
+        if moved is not args[i]:
+            _copy_state_back(args[i], moved, in_ax[i])
     if not isinstance(out_axes, tuple):
-        return c_final if out_axes is Carry else ys
+        return c_final if out_axes is Carry else _move_axis(ys, out_axes, 0, back=True)
     it = iter(ys)
-    return tuple(c_final if a is Carry else next(it) for a in outs)
+    return tuple(c_final if a is Carry else _move_axis(next(it), a, 0, back=True) for a in outs)
+
+
+def _move_axis(tree: Any, axis: Any, front: int, back: bool = False) -> Any:
+    """``tree`` with its arrays' ``axis`` moved to ``front`` (``back``: from ``front``
+    to ``axis``); the same object for axis 0 or None."""
+    if axis is None or axis == 0 or tree is None:
+        return tree
+    src, dst = (front, axis) if back else (axis, front)
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, src, dst), tree)
+
+
+def _copy_state_back(orig: Any, moved: Any, axis: int) -> None:
+    """Give the variables of ``orig`` the values of ``moved``'s (its copy with ``axis``
+    moved to the front, after the scan changed them), with the axis moved back."""
+    is_var = lambda x: isinstance(x, Variable)  # noqa: E731
+    ov = [v for v in jax.tree_util.tree_leaves(orig, is_leaf=is_var) if is_var(v)]
+    mv = [v for v in jax.tree_util.tree_leaves(moved, is_leaf=is_var) if is_var(v)]
+    for o, m in zip(ov, mv):
+        o.value = jnp.moveaxis(m.value, 0, axis)
 
 
 def scan(
