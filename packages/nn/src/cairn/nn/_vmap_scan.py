@@ -337,16 +337,31 @@ def _axes_tuple(axes: Any, n: int, what: str) -> tuple:
 
 
 def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
+    """Validate ``nn.scan``'s axes (when the scan is made, as Flax NNX does).
+
+    Raises:
+      ValueError: an axis that is not Carry, an int or None; None in ``out_axes``
+        (a scan output is stacked, never broadcast); several Carry entries; Carry in
+        only one of ``in_axes`` and ``out_axes``.
+    """
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     for ax in (*in_axes, *outs):
         if not (ax is Carry or ax is None or (isinstance(ax, int) and not isinstance(ax, bool))):
             raise ValueError(f"nn.scan: axes must be nn.Carry, an int or None, got {ax!r}")
+    if any(ax is None for ax in outs):
+        raise ValueError(
+            f"nn.scan: Cannot broadcast output state: every out_axes entry is stacked over the "
+            f"scan (an int) or the carry, got out_axes={out_axes!r}"
+        )
     if sum(a is Carry for a in in_axes) > 1 or sum(a is Carry for a in outs) > 1:
-        raise ValueError("nn.scan: at most one nn.Carry in in_axes and in out_axes")
+        raise ValueError(
+            f"nn.scan: Found multiple Carry definitions (in_axes={in_axes!r}, "
+            f"out_axes={out_axes!r}); one argument and one output at most are the carry"
+        )
     if (Carry in in_axes) != (Carry in outs):
         raise ValueError(
-            f"nn.scan: in_axes and out_axes must both hold nn.Carry or neither "
-            f"(in_axes={in_axes!r}, out_axes={out_axes!r})"
+            f"nn.scan: If one of in_axes or out_axes has Carry, the other must also have "
+            f"Carry (in_axes={in_axes!r}, out_axes={out_axes!r})"
         )
 
 
@@ -466,6 +481,7 @@ def scan(
         xplan.write_back(xplan.fill(x_states), box.value)
         return out_carry, ys
 
+    _check_scan_axes(in_axes if isinstance(in_axes, tuple) else (in_axes,), out_axes)
     if in_axes == (Carry, 0) and out_axes == (Carry, 0):
 
         @functools.wraps(f)
