@@ -49,6 +49,7 @@ from cairn.nn._attention import (
 )
 from cairn.nn._autodiff import DiffState, grad, value_and_grad
 from cairn.nn._capture import capture
+from cairn.nn._checkify import checkify, make_jaxpr
 from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
 from cairn.nn._conv import Conv, ConvTranspose
 from cairn.nn._custom_vjp import CustomVjp, custom_vjp
@@ -236,7 +237,7 @@ __all__ = [
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
-    "CustomVjp", "custom_vjp", "jvp", "pmap", "StateSharding", "vjp",
+    "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
     # layers and their functions
     "initializers",
     # activations
