@@ -221,10 +221,14 @@ def test_scan_in_axes_out_axes_forms():
     np.testing.assert_array_equal(np.asarray(ys), np.asarray(xs * 2))
     ys = nn.scan(lambda x: x + 1, in_axes=(0,), out_axes=0)(xs)
     np.testing.assert_array_equal(np.asarray(ys), np.asarray(xs + 1))
-    with pytest.raises(ValueError, match="Carry, 0 or None"):
-        nn.scan(lambda c, x: (c, x), in_axes=(nn.Carry, 1))(0.0, xs)
-    with pytest.raises(ValueError, match="both hold nn.Carry"):
-        nn.scan(lambda c, x: c, in_axes=(nn.Carry, 0), out_axes=0)(0.0, xs)
+    with pytest.raises(ValueError, match="nn.Carry, an int or None"):
+        nn.scan(lambda c, x: (c, x), in_axes=(nn.Carry, "1"))
+    with pytest.raises(ValueError, match="the other must also have Carry"):
+        nn.scan(lambda c, x: c, in_axes=(nn.Carry, 0), out_axes=0)
+    with pytest.raises(ValueError, match="multiple Carry"):
+        nn.scan(lambda c, x: c, in_axes=(nn.Carry, nn.Carry), out_axes=nn.Carry)
+    with pytest.raises(ValueError, match="Cannot broadcast output state"):
+        nn.scan(lambda c, x: (c, x), in_axes=(nn.Carry, 0), out_axes=(nn.Carry, None))
     with pytest.raises(ValueError, match="entries for 2 arguments"):
         nn.scan(lambda c, x: c, in_axes=(nn.Carry, 0, 0), out_axes=nn.Carry)(0.0, xs)
 

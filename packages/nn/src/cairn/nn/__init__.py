@@ -49,8 +49,10 @@ from cairn.nn._attention import (
 )
 from cairn.nn._autodiff import DiffState, grad, value_and_grad
 from cairn.nn._capture import capture
+from cairn.nn._checkify import checkify, make_jaxpr
 from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
 from cairn.nn._conv import Conv, ConvTranspose
+from cairn.nn._custom_vjp import CustomVjp, custom_vjp
 from cairn.nn._display import display
 from cairn.nn._dropout import Dropout
 from cairn.nn._embed import Embed
@@ -151,7 +153,8 @@ from cairn.nn._variables import (
     with_metadata,
 )
 from cairn.nn._view import view, view_info, with_attributes
-from cairn.nn._vmap_scan import Carry, StateAxes, scan, shard_map, vmap
+from cairn.nn._vjp_jvp import jvp, vjp
+from cairn.nn._vmap_scan import Carry, StateAxes, StateSharding, pmap, scan, shard_map, vmap
 from cairn.nn._with_rngs import with_rngs
 
 __version__ = "0.1.0"
@@ -234,6 +237,7 @@ __all__ = [
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
+    "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
     # layers and their functions
     "initializers",
     # activations

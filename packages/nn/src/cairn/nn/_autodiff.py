@@ -21,7 +21,7 @@ from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Box, Plan, call_annotated
+from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method
 from cairn.nn._variables import Param, Variable
 
 
@@ -68,6 +68,7 @@ def grad(
     """
     del reduce_axes  # NNX's keyword; nothing to reduce here
     check_mode("grad", graph, graph_updates)
+    reject_bound_method(f, "grad")
     if f is None:
         return functools.partial(
             grad, argnums=argnums, has_aux=has_aux, wrt=wrt, holomorphic=holomorphic,
@@ -116,6 +117,7 @@ def value_and_grad(
     """
     del reduce_axes  # NNX's keyword; nothing to reduce here
     check_mode("value_and_grad", graph, graph_updates)
+    reject_bound_method(f, "value_and_grad")
     if f is None:
         return functools.partial(
             value_and_grad, argnums=argnums, has_aux=has_aux, wrt=wrt,

@@ -29,6 +29,7 @@ from cairn.nn._nodes import (
     STATIC,
     VAR,
     Node,
+    SharedReferenceError,
     build_node,
     encode_tree,
     graph_store,
@@ -551,13 +552,19 @@ def clone(
     ``jit(donate_argnums=...)`` can donate next to the original).
 
     Args:
-      node: a module.
+      node: a module, a Variable, a State, or a pytree (tuple, list, dict) holding
+        modules and Variables (each is cloned; they must not share Variables).
       variables: new Variable objects (default); False shares the Variables.
       arrays: also copy the array buffers.
       graph: Flax NNX's mode keyword (one behaviour here).
+
+    Raises:
+      TypeError: ``node`` holds no module, Variable or State.
+      SharedReferenceError: a pytree whose modules share a Variable.
     """
     check_mode("clone", graph)
-    _check_module(node, "clone")
+    if not isinstance(node, Node):
+        return _clone_other(node, variables, arrays)
     c = flat(node)
     if not variables:
         if arrays:
@@ -567,6 +574,48 @@ def clone(
     if arrays:
         vals = [jnp.array(x, copy=True) if isinstance(x, jax.Array) else x for x in vals]
     return c.graphdef.build_from_values(vals)
+
+
+def _clone_variable(v: Variable, variables: bool, arrays: bool) -> Variable:
+    if not variables:
+        return v
+    x = v.raw_value
+    if arrays and isinstance(x, jax.Array):
+        x = jnp.array(x, copy=True)
+    return v.replace(value=x)
+
+
+def _clone_other(node: Any, variables: bool, arrays: bool) -> Any:
+    """:func:`clone` of a Variable, a State or a pytree of modules / Variables."""
+    if arrays and not variables:
+        raise ValueError("nn.clone: arrays=True needs variables=True")
+    if isinstance(node, Variable):
+        return _clone_variable(node, variables, arrays)
+    if isinstance(node, State):
+        return State.from_flat(
+            {p: _clone_variable(v, variables, arrays) for p, v in node.flat_state().items()}
+        )
+    is_leaf = lambda x: isinstance(x, Node | Variable | State)  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=is_leaf)
+    if not any(is_leaf(x) for x in leaves):
+        raise TypeError(
+            f"nn.clone: expected a cairn.nn Module, Variable, State or a pytree holding them, "
+            f"got {type(node).__name__}"
+        )
+    seen: set[int] = set()
+    for x in leaves:
+        vs = flat(x).variables if isinstance(x, Node) else [x] if isinstance(x, Variable) else []
+        for v in vs:
+            if id(v) in seen:
+                raise SharedReferenceError(
+                    f"nn.clone: the same {type(v).__name__} object is reachable from two "
+                    f"entries of the {type(node).__name__}; a cairn.nn tree has no shared "
+                    f"references"
+                )
+            seen.add(id(v))
+    return treedef.unflatten(
+        [clone(x, variables, arrays=arrays) if is_leaf(x) else x for x in leaves]
+    )
 
 
 def _get_child(node, key):

@@ -17,12 +17,14 @@ import jax
 
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._graph_mode import check_mode
+from cairn.nn._jit_shardings import arg_shardings, constrain_arg, constrain_out
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, SharedReferenceError
 from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    reject_bound_method,
     run_pure,
     set_raw,
     write_module,
@@ -233,13 +235,9 @@ class JitWrapped:
             donate |= self._argnames_positions(dn, "donate_argnames")
         if static & donate:
             raise ValueError(f"arguments {sorted(static & donate)} are both static and donated")
-        for k in ("in_shardings", "out_shardings"):
-            if jit_kwargs.get(k) is not None:
-                raise NotImplementedError(
-                    f"nn.jit: {k} is not supported; shard state with nn.with_partitioning "
-                    f"(and a mesh context) or use jax.jit on nn.split state"
-                )
-            jit_kwargs.pop(k, None)
+        # applied as constraints inside the compiled function (module-aware)
+        self._in_shardings = jit_kwargs.pop("in_shardings", None)
+        self._out_shardings = jit_kwargs.pop("out_shardings", None)
         self._static = frozenset(static)
         self._donate = frozenset(donate)
         self._jit_kwargs = jit_kwargs
@@ -392,9 +390,18 @@ class JitWrapped:
         kwplan = plans.get("kw") if kwargs else None
         descs = _arg_descs(args, self._static, self._donate, plans)
 
+        in_specs = arg_shardings(self._in_shardings, len(args), self._static)
+        out_specs = self._out_shardings
+
         def pure(don, keep):
             call_args, kw, records = _rebuild_call(descs, kwplan, don, keep)
+            for i, s in in_specs.items():
+                call_args[i] = constrain_arg(call_args[i], s)
             out = call_annotated(fun, call_args, kw)
+            for i, s in in_specs.items():
+                constrain_arg(call_args[i], s)  # the state leaves with its sharding
+            if out_specs is not None:
+                out = constrain_out(out, out_specs)
             ud, uk, struct = _collect_changes(records)
             return out, ud, uk, struct
 
@@ -406,7 +413,7 @@ class Lowered:
     """``nn.jit(f).lower(...)``: jax's ``Lowered`` (``as_text``, ``cost_analysis``, ...
     are its), whose ``compile()`` gives a :class:`Compiled`."""
 
-    def __init__(self, lowered: Any, wrapped: JitWrapped) -> None:
+    def __init__(self, lowered: Any, wrapped: Callable) -> None:
         self._lowered = lowered
         self._wrapped = wrapped
 
@@ -424,7 +431,7 @@ class Compiled:
     so module changes are written back. Call the jax object (``.compiled``) with the
     flat value lists if you need that very executable."""
 
-    def __init__(self, compiled: Any, wrapped: JitWrapped) -> None:
+    def __init__(self, compiled: Any, wrapped: Callable) -> None:
         self._compiled = compiled
         self._wrapped = wrapped
 
@@ -456,7 +463,11 @@ def jit(
     Donated module arguments (``donate_argnums``) give their variables' buffers to the
     computation: every variable of a donated module is rewritten with the new buffers.
     Non-donated arguments get back only the variables that changed. Static arguments must
-    be hashable. Other keyword arguments go to ``jax.jit``.
+    be hashable. ``in_shardings`` (one entry per non-static positional argument) and
+    ``out_shardings`` may hold, for a module, one sharding for all its variables, an
+    :class:`StateSharding` or a :func:`prefix` module of shardings; they are applied as
+    sharding constraints, and an argument's state comes back with its ``in_shardings``.
+    Other keyword arguments go to ``jax.jit``.
 
     Use it as ``nn.jit(f)`` or as a decorator (``@nn.jit`` or
     ``@nn.jit(donate_argnums=0)``). ``graph`` / ``graph_updates`` are Flax NNX's mode
@@ -485,6 +496,7 @@ def jit(
     2
     """
     check_mode("jit", graph, graph_updates)
+    reject_bound_method(fun, "jit")
     kw = dict(
         static_argnums=static_argnums,
         static_argnames=static_argnames,
@@ -516,6 +528,7 @@ def eval_shape(
       kwargs: its keyword arguments.
     """
     check_mode("eval_shape", graph, graph_updates)
+    reject_bound_method(f, "eval_shape")
     plan = Plan((args, kwargs))
     pure = run_pure(f, plan, Box())
     out, _ = jax.eval_shape(pure, plan.dyn)
@@ -550,10 +563,22 @@ def jit_partial(
     (3, 1)
     """
     check_mode("jit_partial", graph, graph_updates)
-    jitted = jit(fun, **jit_kwargs)
+    return _PartialJit(jit(fun, **jit_kwargs), partial_args)
 
-    @functools.wraps(fun)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return jitted(*partial_args, *args, **kwargs)
 
-    return wrapper
+class _PartialJit:
+    """What :func:`jit_partial` returns: the jitted function with its leading arguments
+    bound; ``lower(*rest)`` lowers it, and the compiled result is called with the rest."""
+
+    def __init__(self, jitted: JitWrapped, partial_args: tuple) -> None:
+        functools.update_wrapper(self, jitted.fun)
+        self._jitted = jitted
+        self._partial = partial_args
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted(*self._partial, *args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lower for the given (unbound) arguments; ``.compile()`` compiles."""
+        lowered = self._jitted._run((*self._partial, *args), kwargs, True)
+        return Lowered(lowered, self)  # type: ignore[arg-type]

@@ -235,8 +235,9 @@ class Linear(Module):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         x = check_input(self, inputs)
-        check_axis(self, x, -1, self.in_features)
         kernel = self.kernel[...]
+        # the kernel's own input size: in_features, or a shard of it inside shard_map
+        check_axis(self, x, -1, kernel.shape[0])
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = promote_for_dot(self, x, kernel, bias)
         y = self.dot_general(

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from cairn.nn._graph_mode import check_mode
-from cairn.nn._transform_plan import Box, Plan, argnums_tuple, run_pure
+from cairn.nn._transform_plan import Box, Plan, argnums_tuple, reject_bound_method, run_pure
 
 
 def remat(
@@ -35,6 +35,7 @@ def remat(
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("remat", graph, graph_updates)
+    reject_bound_method(f, "remat")
     if f is None:
         return functools.partial(
             remat, prevent_cse=prevent_cse, static_argnums=static_argnums, policy=policy

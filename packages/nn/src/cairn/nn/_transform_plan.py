@@ -15,6 +15,7 @@ None) and its dynamic value (the module's value list, the variable's value, the 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -287,3 +288,23 @@ class Carry:
             [d if k != LEAF else None for k, d in zip(plan.kinds, dyn)], plan.static_descs()
         )
         return plan.originals(dyn)
+
+
+def reject_bound_method(f: Any, what: str) -> None:
+    """Raise ``ValueError`` when ``f`` is a bound method of a module: the module would
+    be closed over (its values baked in as constants, its changes lost or leaked as
+    tracers) instead of passed through the transform.
+
+    Args:
+      f: the function given to the transform.
+      what: the transform's name, for the message.
+    """
+    owner = getattr(f, "__self__", None)
+    if inspect.ismethod(f) and isinstance(owner, Module):
+        name = getattr(f, "__name__", "method")
+        raise ValueError(
+            f"nn.{what} does not take bound methods of a module ({type(owner).__name__}."
+            f"{name}): the module would be closed over instead of passed through the "
+            f"transform; pass it as an argument, e.g. nn.{what}({type(owner).__name__}."
+            f"{name})(module, ...)"
+        )

@@ -4,10 +4,12 @@ per-variable axes (:class:`StateAxes`) they accept for a module argument."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cairn.nn._filters import path_text, to_predicate
@@ -15,7 +17,7 @@ from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
-from cairn.nn._transform_plan import Box, Plan, call_annotated, run_pure
+from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method, run_pure
 from cairn.nn._transform_plan import Carry as LoopCarry
 from cairn.nn._variables import Variable
 
@@ -82,7 +84,7 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
             )
         # expand a prefix tree over the argument's leaves (modules/variables are leaves)
         sub: Any = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
-        if ax is None or isinstance(ax, int):
+        if ax is None or isinstance(ax, int | PartitionSpec):
             axes.extend([ax] * sub.num_leaves)
         else:
             axes.extend(sub.flatten_up_to(_broadcast_prefix(ax, a)))
@@ -186,6 +188,7 @@ def vmap(
     (4, 3)
     """
     check_mode("vmap", graph, graph_updates)
+    reject_bound_method(f, "vmap")
     if f is None:
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
@@ -194,23 +197,148 @@ def vmap(
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        plan = Plan((args, kwargs))
-        axes = _prefix_axes(args, kwargs, in_axes)
-        leaf_axes = _leaf_axes_tree(plan, axes)
-        _check_mapped_ranks(plan, axes)
-        box = Box()
-        out, new_dyn = jax.vmap(
-            run_pure(f, plan, box),
-            in_axes=(leaf_axes,),
-            out_axes=(out_axes, leaf_axes),
-            axis_name=axis_name,
-            axis_size=axis_size,
-            spmd_axis_name=spmd_axis_name,
-        )(plan.dyn)
-        plan.write_back(plan.fill(new_dyn), box.value)
-        return out
+        return _mapped_call(
+            jax.vmap, f, args, kwargs, in_axes, out_axes,
+            {"axis_name": axis_name, "axis_size": axis_size, "spmd_axis_name": spmd_axis_name},
+        )
 
     return wrapper
+
+
+def pmap(
+    f: Callable | None = None,
+    axis_name: Any = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    static_broadcasted_argnums: int | tuple[int, ...] = (),
+    devices: Any = None,
+    backend: str | None = None,
+    axis_size: int | None = None,
+    donate_argnums: int | tuple[int, ...] = (),
+    global_arg_shapes: Any = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Callable:
+    """``jax.pmap`` where arguments may be modules: like :func:`vmap`, but the mapped
+    axis is spread over devices (its size must not exceed the device count). A
+    module's entry in ``in_axes`` / ``out_axes`` is an int, None, a :class:`StateAxes`
+    or a module made by :func:`~cairn.nn.prefix`; changes to a mapped module come back
+    stacked along its axis. Modules created inside ``f`` come out per ``out_axes``.
+
+    Args:
+      f: the function; None returns a decorator.
+      axis_name: the name of the mapped axis, for collectives inside ``f``.
+      in_axes: per positional argument, as in :func:`vmap`.
+      out_axes: per output, as in :func:`vmap`.
+      static_broadcasted_argnums: not supported with modules (must be empty).
+      devices: the devices to map over (``jax.pmap``'s).
+      backend: ``jax.pmap``'s backend.
+      axis_size: the size of the mapped axis when no argument is mapped.
+      donate_argnums: not supported (must be empty): the caller's modules keep their
+        buffers.
+      global_arg_shapes: must be None (removed from JAX).
+      graph: Flax NNX's graph-mode keyword (checked; see the README table).
+      graph_updates: Flax NNX's graph-updates keyword (checked).
+
+    Raises:
+      NotImplementedError: for ``static_broadcasted_argnums``, ``donate_argnums`` or
+        ``global_arg_shapes``.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> m = nn.Linear(2, 3, rngs=nn.Rngs(0))
+    >>> nn.pmap(lambda m, x: m(x), in_axes=(None, 0))(m, jnp.ones((1, 4, 2))).shape
+    (1, 4, 3)
+    """
+    check_mode("pmap", graph, graph_updates)
+    reject_bound_method(f, "pmap")
+    for name, v in (("static_broadcasted_argnums", static_broadcasted_argnums),
+                    ("donate_argnums", donate_argnums)):
+        if v not in ((), None):
+            raise NotImplementedError(
+                f"nn.pmap: {name}={v!r} is not supported; close over static values instead"
+            )
+    if global_arg_shapes is not None:
+        raise NotImplementedError("nn.pmap: global_arg_shapes is not supported by JAX any more")
+    if f is None:
+        return functools.partial(
+            pmap, axis_name=axis_name, in_axes=in_axes, out_axes=out_axes, devices=devices,
+            backend=backend, axis_size=axis_size, graph=graph, graph_updates=graph_updates,
+        )
+    opts = {"axis_name": axis_name, "devices": devices, "backend": backend, "axis_size": axis_size}
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return _mapped_call(jax.pmap, f, args, kwargs, in_axes, out_axes, opts)
+
+    return wrapper
+
+
+def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
+    """``mapper`` (``jax.vmap`` / ``jax.pmap``) of ``f(*args, **kwargs)`` with module
+    arguments: their values go in along their axes and the new values come back along
+    the same axes; module-aware ``out_axes`` are expanded for the traced output."""
+    if kwargs and isinstance(in_axes, tuple | list) and len(in_axes) > len(args):
+        args, kwargs = _bind_positional(f, args, kwargs)
+    plan = Plan((args, kwargs))
+    axes = _prefix_axes(args, kwargs, in_axes)
+    leaf_axes = _leaf_axes_tree(plan, axes)
+    _check_mapped_ranks(plan, axes)
+    box = Box()
+    if _has_module_axes(out_axes):
+        probe = jax.vmap(
+            run_pure(f, plan, Box()), in_axes=(leaf_axes,), out_axes=0,
+            axis_name=opts.get("axis_name"), axis_size=opts.get("axis_size"),
+        )
+        out_shape, _ = jax.eval_shape(probe, plan.dyn)
+        out_axes = _expand_out_axes(out_axes, out_shape)
+    out, new_dyn = mapper(
+        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, leaf_axes), **opts
+    )(plan.dyn)
+    plan.write_back(plan.fill(new_dyn), box.value)
+    return out
+
+
+def _bind_positional(f: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Keyword arguments that name positional parameters of ``f`` moved to their
+    positions (so a per-position ``in_axes`` covers ``MLP(key=k)``)."""
+    try:
+        ba = inspect.signature(f).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    return tuple(ba.args), dict(ba.kwargs)
+
+
+def _is_axes_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, int | PartitionSpec | StateAxes | Module | Variable)
+
+
+def _has_module_axes(out_axes: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(out_axes, is_leaf=_is_axes_leaf)
+    return any(isinstance(x, StateAxes | Module | Variable) for x in leaves)
+
+
+def _expand_out_axes(out_axes: Any, out: Any) -> Any:
+    """``out_axes`` with each :class:`StateAxes` / prefix module replaced by a module of
+    the output's structure whose variables hold their axes (a prefix JAX accepts)."""
+
+    def one(ax, sub):
+        if isinstance(ax, StateAxes | Module):
+            if not isinstance(sub, Module):
+                raise ValueError(
+                    f"out_axes: {ax!r} is given for an output that is not a module "
+                    f"({type(sub).__name__})"
+                )
+            c = flat(sub)
+            return c.graphdef.build_from_values(_module_axes(ax, c.graphdef, c.variables, c.variables))
+        if isinstance(ax, Variable):
+            return ax.raw_value
+        return ax
+
+    if _is_axes_leaf(out_axes):
+        return one(out_axes, out)
+    return jax.tree_util.tree_map(one, out_axes, out, is_leaf=_is_axes_leaf)
 
 
 class Carry:
@@ -227,19 +355,31 @@ def _axes_tuple(axes: Any, n: int, what: str) -> tuple:
 
 
 def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
+    """Validate ``nn.scan``'s axes (when the scan is made, as Flax NNX does).
+
+    Raises:
+      ValueError: an axis that is not Carry, an int or None; None in ``out_axes``
+        (a scan output is stacked, never broadcast); several Carry entries; Carry in
+        only one of ``in_axes`` and ``out_axes``.
+    """
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     for ax in (*in_axes, *outs):
-        if not (ax is Carry or ax is None or ax == 0):
-            raise ValueError(
-                f"nn.scan: axes must be nn.Carry, 0 or None (move other axes to the front "
-                f"first), got {ax!r}"
-            )
+        if not (ax is Carry or ax is None or (isinstance(ax, int) and not isinstance(ax, bool))):
+            raise ValueError(f"nn.scan: axes must be nn.Carry, an int or None, got {ax!r}")
+    if any(ax is None for ax in outs):
+        raise ValueError(
+            f"nn.scan: Cannot broadcast output state: every out_axes entry is stacked over the "
+            f"scan (an int) or the carry, got out_axes={out_axes!r}"
+        )
     if sum(a is Carry for a in in_axes) > 1 or sum(a is Carry for a in outs) > 1:
-        raise ValueError("nn.scan: at most one nn.Carry in in_axes and in out_axes")
+        raise ValueError(
+            f"nn.scan: Found multiple Carry definitions (in_axes={in_axes!r}, "
+            f"out_axes={out_axes!r}); one argument and one output at most are the carry"
+        )
     if (Carry in in_axes) != (Carry in outs):
         raise ValueError(
-            f"nn.scan: in_axes and out_axes must both hold nn.Carry or neither "
-            f"(in_axes={in_axes!r}, out_axes={out_axes!r})"
+            f"nn.scan: If one of in_axes or out_axes has Carry, the other must also have "
+            f"Carry (in_axes={in_axes!r}, out_axes={out_axes!r})"
         )
 
 
@@ -250,7 +390,9 @@ def _scan_axes(f, args, in_axes, out_axes, run):
     _check_scan_axes(in_ax, out_axes)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     ci = in_ax.index(Carry) if Carry in in_ax else None
-    xi = [i for i, a in enumerate(in_ax) if a == 0 and a is not Carry]
+    xi = [i for i, a in enumerate(in_ax) if isinstance(a, int)]
+    # a scanned axis other than 0 is moved to the front (and a module's state moved back)
+    xs_in = tuple(_move_axis(args[i], in_ax[i], 0) for i in xi)
 
     def body(c, xs):
         full = list(args)
@@ -269,11 +411,33 @@ def _scan_axes(f, args, in_axes, out_axes, run):
         new_c = out[outs.index(Carry)] if Carry in outs else None
         return new_c, tuple(o for o, a in zip(out, outs) if a is not Carry)
 
-    c_final, ys = run(body, args[ci] if ci is not None else None, tuple(args[i] for i in xi))
+    c_final, ys = run(body, args[ci] if ci is not None else None, xs_in)
+    for i, moved in zip(xi, xs_in):
+        if moved is not args[i]:
+            _copy_state_back(args[i], moved, in_ax[i])
     if not isinstance(out_axes, tuple):
-        return c_final if out_axes is Carry else ys
+        return c_final if out_axes is Carry else _move_axis(ys, out_axes, 0, back=True)
     it = iter(ys)
-    return tuple(c_final if a is Carry else next(it) for a in outs)
+    return tuple(c_final if a is Carry else _move_axis(next(it), a, 0, back=True) for a in outs)
+
+
+def _move_axis(tree: Any, axis: Any, front: int, back: bool = False) -> Any:
+    """``tree`` with its arrays' ``axis`` moved to ``front`` (``back``: from ``front``
+    to ``axis``); the same object for axis 0 or None."""
+    if axis is None or axis == 0 or tree is None:
+        return tree
+    src, dst = (front, axis) if back else (axis, front)
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, src, dst), tree)
+
+
+def _copy_state_back(orig: Any, moved: Any, axis: int) -> None:
+    """Give the variables of ``orig`` the values of ``moved``'s (its copy with ``axis``
+    moved to the front, after the scan changed them), with the axis moved back."""
+    is_var = lambda x: isinstance(x, Variable)  # noqa: E731
+    ov = [v for v in jax.tree_util.tree_leaves(orig, is_leaf=is_var) if is_var(v)]
+    mv = [v for v in jax.tree_util.tree_leaves(moved, is_leaf=is_var) if is_var(v)]
+    for o, m in zip(ov, mv):
+        o.value = jnp.moveaxis(m.value, 0, axis)
 
 
 def scan(
@@ -316,6 +480,7 @@ def scan(
         of ``in_axes`` and ``out_axes``; a step returning the wrong structure.
     """
     check_mode("scan", graph, graph_updates)
+    reject_bound_method(f, "scan")
     if f is None:
         return functools.partial(
             scan, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
@@ -342,6 +507,7 @@ def scan(
         xplan.write_back(xplan.fill(x_states), box.value)
         return out_carry, ys
 
+    _check_scan_axes(in_axes if isinstance(in_axes, tuple) else (in_axes,), out_axes)
     if in_axes == (Carry, 0) and out_axes == (Carry, 0):
 
         @functools.wraps(f)
@@ -357,8 +523,32 @@ def scan(
     return axes_wrapper
 
 
+class StateSharding(StateAxes):
+    """Per-variable partition specs for one module argument of :func:`shard_map` (and
+    of :func:`~cairn.nn.jit`'s ``in_shardings`` / ``out_shardings``): a mapping
+    ``{filter: spec}``, first matching filter wins, as :class:`StateAxes`.
+
+    Args:
+      mapping: ``{filter: PartitionSpec or Sharding}``; every variable must match one
+        filter (end with ``...`` for a default).
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from cairn import nn
+    >>> s = nn.StateSharding({nn.PathContains("kernel"): P(None, "model"), ...: P()})
+    >>> s.items[0][1] == P(None, "model")
+    True
+    """
+
+    def __repr__(self) -> str:
+        return f"StateSharding({dict(self.items)!r})"
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec | StateAxes | Module | Variable)
+
+
 def shard_map(
-    f: Callable,
+    f: Callable | None = None,
     *,
     mesh: Any,
     in_specs: Any,
@@ -369,39 +559,56 @@ def shard_map(
     graph_updates: bool | None = None,
 ) -> Callable:
     """``jax.shard_map`` where arguments may be modules: a module's entry in
-    ``in_specs`` is one ``PartitionSpec`` applied to every variable; the module's changed
-    state comes back with the same spec.
+    ``in_specs`` is one ``PartitionSpec`` for every variable, a :class:`StateSharding`
+    or a module made by :func:`~cairn.nn.prefix` holding specs; the module's changed
+    state comes back with the same specs. A module output's entry in ``out_specs`` may
+    be a :class:`StateSharding` or a prefix module too.
 
     Args:
-      f: the per-shard function.
+      f: the function; None returns a decorator.
       mesh: the device mesh.
-      in_specs: per argument a ``PartitionSpec`` (one for all of a module's variables).
-      out_specs: per output a ``PartitionSpec``.
+      in_specs: per positional argument, a spec (prefix) as above.
+      out_specs: per output, a spec (prefix) as above.
       check_vma: ``jax.shard_map``'s replication check.
-      axis_names: the mesh axes ``f`` is manual over; None for all.
-      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
-      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      axis_names: ``jax.shard_map``'s manual axes (default: all of ``mesh``).
+      graph: Flax NNX's graph-mode keyword (checked; see the README table).
+      graph_updates: Flax NNX's graph-updates keyword (checked).
     """
     check_mode("shard_map", graph, graph_updates)
+    if f is None:
+        return functools.partial(
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+            axis_names=axis_names, graph=graph, graph_updates=graph_updates,
+        )
+    reject_bound_method(f, "shard_map")
 
     @functools.wraps(f)
     def wrapper(*args):
         plan = Plan((args, {}))
         specs = in_specs
-        if isinstance(specs, PartitionSpec) or specs is None:
+        if _is_spec_leaf(specs):
             specs = (specs,) * len(args)
         leaf_specs = _leaf_axes_tree(plan, _prefix_axes(args, {}, tuple(specs)))
         box = Box()
-        pure = run_pure(f, plan, box)
-        kw = {"mesh": mesh, "in_specs": (leaf_specs,), "out_specs": (out_specs, leaf_specs)}
+        kw: dict[str, Any] = {"mesh": mesh, "in_specs": (leaf_specs,)}
         if axis_names is not None:
             kw["axis_names"] = axis_names
-        try:
-            sm = jax.shard_map(pure, check_vma=check_vma, **kw)
-        except TypeError:  # older jax spelling
-            sm = jax.shard_map(pure, check_rep=check_vma, **kw)  # type: ignore[call-overload]
+        outs = out_specs
+        if any(isinstance(x, StateAxes | Module | Variable)
+               for x in jax.tree_util.tree_leaves(outs, is_leaf=_is_spec_leaf)):
+            probe = _shard_map(run_pure(f, plan, Box()), False, out_specs=PartitionSpec(), **kw)
+            out_shape, _ = jax.eval_shape(probe, plan.dyn)
+            outs = _expand_out_axes(outs, out_shape)
+        sm = _shard_map(run_pure(f, plan, box), check_vma, out_specs=(outs, leaf_specs), **kw)
         out, new_dyn = sm(plan.dyn)
         plan.write_back(plan.fill(new_dyn), box.value)
         return out
 
     return wrapper
+
+
+def _shard_map(fun: Callable, check_vma: bool, **kw: Any) -> Callable:
+    try:
+        return jax.shard_map(fun, check_vma=check_vma, **kw)
+    except TypeError:  # older jax spelling
+        return jax.shard_map(fun, check_rep=check_vma, **kw)  # type: ignore[call-overload]
