@@ -95,7 +95,7 @@ def make_jaxpr(
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         plan = Plan((args, kwargs))
         pure = run_pure(f, plan, Box())
-        res = jax.make_jaxpr(lambda dyn: pure(dyn)[0], return_shape=return_shape)(plan.dyn)
+        res = jax.make_jaxpr(lambda dyn: pure(dyn)[0], return_shape=return_shape)(plan.dyn)  # type: ignore[call-overload]
         return res
 
     return wrapper

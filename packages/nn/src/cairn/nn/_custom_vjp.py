@@ -70,7 +70,15 @@ def _positional_count(fn: Callable) -> int | None:
 
 class CustomVjp:
     """A function with a custom backward rule, made by :func:`custom_vjp`; call
-    :meth:`defvjp` once before calling it."""
+    :meth:`defvjp` once before calling it.
+
+    Args:
+      fun: the function whose derivative the rules define.
+      nondiff_argnums: positions of arguments that get no cotangent (passed to the backward
+        rule first); ``DiffState`` entries are accepted and ignored.
+      graph: Flax NNX's graph-mode keyword (resolved with ``graph_updates``).
+      graph_updates: whether module state changes made inside come back to the caller.
+    """
 
     def __init__(
         self, fun: Callable, nondiff_argnums: Sequence[int | DiffState], graph: bool | None,
@@ -157,7 +165,7 @@ class _Call:
         # values the call did not change stay the caller's own (not the rule's outputs)
         new = [
             jax.tree_util.tree_map(lambda n, v, ch: n if ch else v, n, v, ch)
-            for n, v, ch in zip(new, vals, self.changed)
+            for n, v, ch in zip(new, vals, self.changed or [])
         ]
         return out, new
 
@@ -201,7 +209,7 @@ class _Call:
         """Argument ``i`` rebuilt with the plan-shaped ``vals`` (a module's None values
         give None attributes, a variable's None gives None)."""
         plan = self.plan
-        leaves = []
+        leaves: list[Any] = []
         for li, (k, desc) in enumerate(zip(plan.kinds, plan.descs)):
             if self.arg_of[li] != i:
                 continue
@@ -212,7 +220,7 @@ class _Call:
                 leaves.append(None if v is None else rebuild_variable(desc, v))
             else:
                 leaves.append(v)
-        return self.arg_treedefs[i].unflatten(leaves)
+        return self.arg_treedefs[i].unflatten(leaves)  # type: ignore[attr-defined]
 
     def _to_cts(self, user: Any, args: tuple, vals: Sequence) -> list:
         """The user's cotangents (one per differentiated argument) as cotangents of the

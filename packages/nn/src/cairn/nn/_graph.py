@@ -613,7 +613,7 @@ def _clone_other(node: Any, variables: bool, arrays: bool) -> Any:
                     f"references"
                 )
             seen.add(id(v))
-    return treedef.unflatten(
+    return treedef.unflatten(  # type: ignore[attr-defined]
         [clone(x, variables, arrays=arrays) if is_leaf(x) else x for x in leaves]
     )
 

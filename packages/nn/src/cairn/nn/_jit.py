@@ -581,4 +581,4 @@ class _PartialJit:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for the given (unbound) arguments; ``.compile()`` compiles."""
         lowered = self._jitted._run((*self._partial, *args), kwargs, True)
-        return Lowered(lowered, self)  # type: ignore[arg-type]
+        return Lowered(lowered, self)
