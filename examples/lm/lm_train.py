@@ -581,19 +581,7 @@ def _run_loop(
                 tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
                 progress.update(s.step, s.last_loss, tps, float(schedule(s.step)))
             with gp.phase("checkpoint"):
-                # asked every step (the processes of a multi-process run agree on a notice here)
-                if manager.should_save(s.step) or s.step == cfg.train.steps:
-                    s.curve.append((s.step, float(metrics["loss"])))  # the step's loss goes into its checkpoint
-                    pending = None
-                    s.saved += 1
-                    t2 = time.perf_counter()
-                    history = ckpt.args.JsonSave(s.history())
-                    manager.save(s.step, _items(model, optimizer, data_iter, history), force=s.step == cfg.train.steps)
-                    s.ckpt_blocked += time.perf_counter() - t2
-                if pending is not None and manager.reached_preemption(s.step):
-                    s.curve.append((s.step, float(pending["loss"])))
-                    pending = None
-                _exit_if_preempted(manager, s, model, optimizer, data_iter)
+                pending = _checkpoint(manager, s, model, optimizer, data_iter, pending, last=s.step == cfg.train.steps)
             if stop_after is not None and s.step >= stop_after:
                 break
         if pending is not None:
@@ -611,6 +599,28 @@ def _run_loop(
         if hasattr(data_iter, "close"):
             data_iter.close()
     return s
+
+
+def _checkpoint(manager: ckpt.CheckpointManager, s: _LoopStats, model: nn.Module, optimizer: nn.Optimizer,
+                data_iter: Iterator, pending: dict | None, *, last: bool) -> dict | None:
+    """After step ``s.step`` (its metrics ``pending``, not yet in the curve): save it when due,
+    the last or preempted (``should_save`` asks the manager about a notice every step; the
+    processes of a multi-process run agree on it there), and leave on a preemption. Returns
+    the metrics still to be read into the curve (None once they are)."""
+    if manager.should_save(s.step) or last:
+        assert pending is not None
+        s.curve.append((s.step, float(pending["loss"])))  # the step's loss goes into its checkpoint
+        pending = None
+        s.saved += 1
+        t2 = time.perf_counter()
+        history = ckpt.args.JsonSave(s.history())
+        manager.save(s.step, _items(model, optimizer, data_iter, history), force=last)
+        s.ckpt_blocked += time.perf_counter() - t2
+    if pending is not None and manager.reached_preemption(s.step):
+        s.curve.append((s.step, float(pending["loss"])))
+        pending = None
+    _exit_if_preempted(manager, s, model, optimizer, data_iter)
+    return pending
 
 
 def _exit_if_preempted(manager: ckpt.CheckpointManager, s: _LoopStats, model: nn.Module, optimizer: nn.Optimizer,

@@ -297,3 +297,58 @@ def test_cli_sigterm_at_each_kind_of_moment_exits_75_and_the_same_command_resume
 @pytest.mark.slow
 def test_cli_sigterm_at_twenty_random_moments(tmp_path):
     _check_cli_moments(tmp_path, _random_moments(random.Random(29), 20))
+
+
+# --- the report's new parts (issue 31): ETA, machine load, goodput line, latency plot, try it ---
+
+
+def test_progress_line_shows_an_eta_from_the_pace_after_the_first_update():
+    import io
+
+    import lm_report
+
+    assert [lm_report.format_eta(s) for s in (0, 42.4, 187, 3725, float("nan"))] == ["0s", "42s", "3m07s", "1h02m", "?"]
+    out = io.StringIO()
+    p = lm_report.Progress(100, 0, 10, stream=out)
+    p.t0 -= 30.0  # the first 10 steps took 30 s (compilation)
+    assert p.eta_s(10, p.t0 + 30.0) == pytest.approx(270.0)  # before any update: the pace since the start
+    p.update(10, 1.0, 100.0, 1e-3)
+    now = p._mark[0]
+    assert p.eta_s(20, now + 5.0) == pytest.approx(40.0)  # 10 steps in 5 s after the first update, 80 left
+    assert "ETA " in out.getvalue() and out.getvalue().startswith("step 10/100")
+
+
+def test_report_lines_give_load_goodput_and_preemptions():
+    import lm_report
+
+    g = {"goodput": 0.5, "productive_s": 5.0, "compile_s": 1.0, "data_s": 0.0, "checkpoint_s": 1.5,
+         "restart_lost_s": 0.0, "startup_s": 2.0, "downtime_s": 0.5, "other_s": 0.0, "total_s": 10.0,
+         "steps_redone": 0, "runs": 2}
+    line = lm_report.format_goodput(g)
+    assert line.startswith("50.0% (productive 5.0 s of 10.0 s; ") and "checkpoint 1.5" in line and "data" not in line
+    assert line.endswith("2 run(s), 0 step(s) redone)")
+    r = {"loadavg": [3.25, 2.0, 1.5], "cpu_count": 2}
+    assert lm_report.format_load(r) == "load 3.2 / 2.0 / 1.5 (1, 5, 15 min) on 2 CPUs"
+    assert lm_report.format_load({}) == ""
+
+
+def test_latency_plot_and_the_try_it_text(tmp_path):
+    import shlex
+
+    import lm_report
+
+    lv = {"concurrency": 1, "tokens_per_s": 100.0, "latencies_ms": [1.0, 2.0, 3.0], "ttfts_ms": [0.5, 0.6, 0.7],
+          "loadavg": [1.0, 1.0, 1.0]}
+    serving = {"repository": str(tmp_path / "my runs" / "serving"), "models": {"w8": {"levels": [lv, {**lv, "concurrency": 4}]}},
+               "try": {"model": "lm_w8", "prompt": "12+34=", "expected": "46", "answer": "46", "max_tokens": 5}}
+    assert lm_report.write_latency_plot(tmp_path / "lat.png", serving) and (tmp_path / "lat.png").stat().st_size > 1000
+    assert not lm_report.write_latency_plot(tmp_path / "none.png", {"models": {}}) and not (tmp_path / "none.png").exists()
+    text = lm_report.format_try_it(serving)
+    lines = [shlex.split(x) for x in text.splitlines() if x.startswith("  ")]
+    assert lines[0] == ["cairn-serve", "--model-repository", serving["repository"], "--port", "8000"]
+    curl = lines[1]
+    body = json.loads(curl[curl.index("-d") + 1])
+    assert curl[2] == "http://127.0.0.1:8000/v1/completions"
+    assert body == {"model": "lm_w8", "prompt": "12+34=", "max_tokens": 5, "temperature": 0}
+    assert lines[2][:2] == ["python", "-c"] and "completions.create(model='lm_w8', prompt='12+34='" in lines[2][2]
+    compile(lines[2][2], "<printed>", "exec")  # the printed snippet is valid Python
