@@ -742,15 +742,8 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     choice = choose_kernels(cfg, run_dir, resume=resume)
     if not quiet and jax.process_index() == 0:
         print(describe_kernels(choice), flush=True)
-    shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
-    src, fmt, eval_texts = lm_data.open_source(cfg, shards)
-    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
-    data_iter = iter(pipeline)
-
     setup.impl = lm_model.Impl(choice["attention"]["implementation"], choice["loss"]["implementation"])
-    model = create_model(setup)
-    tx, schedule = make_optimizer(cfg)
-    optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
+    data_iter, eval_texts, model, optimizer, schedule = _build(setup)
     stats: _LoopStats | None = None
     try:
         with ckpt.GoodputRecorder(manager.directory, start_time=start_time) as gp:  # written on exit 75 too
@@ -763,6 +756,9 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
         if e.code == ckpt.PREEMPTION_EXIT_CODE and stats is not None:
             _mark_preempted(run_dir, stats.step, quiet)
         raise
+    except Exception:
+        manager.close()  # the previous SIGTERM handler back, a pending save finished
+        raise
     assert stats is not None
     report["kernels"] = choice
     manager.close()
@@ -773,6 +769,18 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
         if not report["stopped_early"]:  # the run is complete: a later start must choose again
             (run_dir / lm_cli.PREEMPTED_FILE).unlink(missing_ok=True)
     return report
+
+
+def _build(setup: Setup) -> tuple[Iterator, list[str], llm.CausalLM, nn.Optimizer, Callable[[int], Any]]:
+    """The data iterator (this process's shard), the held-out texts, the model, its optimizer
+    and the learning-rate schedule."""
+    cfg = setup.cfg
+    shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
+    src, fmt, eval_texts = lm_data.open_source(cfg, shards)
+    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
+    model = create_model(setup)
+    tx, schedule = make_optimizer(cfg)
+    return iter(pipeline), eval_texts, model, nn.Optimizer(model, tx, wrt=nn.Param), schedule
 
 
 def _start_stats(manager: ckpt.CheckpointManager, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator,
