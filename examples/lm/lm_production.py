@@ -9,7 +9,10 @@
 - ``serving``: the exported repository, the server's start-up time, a tritonclient
   ``/infer`` check, and per ``serve.concurrency`` level the served exact match, tokens/s,
   time to first token and p50/p99 latency; the served answers are compared one by one with
-  the in-process answers of the same variant (``differing_answers`` must be 0).
+  the in-process answers of the same variant (``differing_answers`` must be 0); every
+  request's latency and time to first token and the machine's load per level (the latency
+  plot ``serving_latency.png``); ``try``: a request to try on the served model
+  (``lm_report.format_try_it`` prints how).
 
 The steps are skipped, with the reason in ``report["production_skipped"]``, in multi-process
 runs, for data sources other than the synthetic addition task (whose answers can be checked),
@@ -84,6 +87,11 @@ def serve_and_measure(cfg: Any, run_dir: Any, variants: dict, length: int, eval_
             out["models"][name].update(_measure_model(server.port, name, variants[name], length, list(prompts),
                                                       list(expected), cfg, quiet))
         out["exit_code"] = server.stop()
+    out["latency_plot"] = str(run_dir / "serving_latency.png")  # lm_report.write_report draws it
+    first = s.models[0]
+    out["try"] = {"model": lm_serve.model_name(first), "prompt": eval_texts[0].split("=", 1)[0] + "=",
+                  "expected": eval_texts[0].split("=", 1)[1], "answer": variants[first].answers[0],
+                  "max_tokens": s.max_new_tokens}
     return out
 
 

@@ -1,9 +1,11 @@
-"""Progress bar, peak-FLOP/s probe and the end-of-run report (JSON + loss-curve PNG)."""
+"""Progress bar, peak-FLOP/s probe and the end-of-run report (JSON, loss-curve and
+serving-latency PNGs, and how to try the served model)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shlex
 import sys
 import time
 from typing import TextIO
@@ -29,31 +31,54 @@ def measure_peak_flops(seconds: float = 1.0, n: int = 1024) -> float:
     return 2.0 * n**3 * reps / el
 
 
+def format_eta(seconds: float) -> str:
+    """``"1h02m"``, ``"3m07s"``, ``"42s"``; ``"?"`` when unknown."""
+    if not seconds >= 0 or seconds == float("inf"):
+        return "?"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class Progress:
-    """A one-line progress bar on a terminal, periodic plain lines otherwise."""
+    """A one-line progress bar on a terminal, periodic plain lines otherwise; both end with
+    the estimated time left (ETA), from the pace since the first update (the first steps
+    compile, so they are left out once there is a later pace to go by)."""
 
     def __init__(self, total: int, start: int, every: int, enabled: bool = True, stream: TextIO = sys.stderr) -> None:
         self.total, self.step, self.every, self.stream = total, start, every, stream
         self.enabled = enabled
         self.tty = enabled and stream.isatty()
         self.t0 = time.perf_counter()
+        self._start = start
+        self._mark: tuple[float, int] | None = None  # (time, step) of the first update
+
+    def eta_s(self, step: int, now: float) -> float:
+        """Seconds left to ``total`` at the pace since the first update (before it: since the start)."""
+        t, s = self._mark if self._mark is not None and step > self._mark[1] else (self.t0, self._start)
+        return (now - t) / (step - s) * (self.total - step) if step > s else float("nan")
 
     def update(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
         self.step = step
         if not self.enabled:
             return
+        now = time.perf_counter()
+        eta = format_eta(self.eta_s(step, now))
+        if self._mark is None:
+            self._mark = (now, step)
         if self.tty:
             width = 28
             done = int(width * step / self.total)
             bar = "#" * done + "." * (width - done)
             self.stream.write(
-                f"\r[{bar}] {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s lr {lr:.2e}"
+                f"\r[{bar}] {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s lr {lr:.2e} ETA {eta}  "
             )
             self.stream.flush()
         elif step % self.every == 0 or step == self.total:
             el = time.perf_counter() - self.t0
             self.stream.write(
-                f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s lr {lr:.2e} ({el:.0f}s)\n"
+                f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s lr {lr:.2e} ({el:.0f}s, ETA {eta})\n"
             )
             self.stream.flush()
 
@@ -88,6 +113,83 @@ def write_report(run_dir: pathlib.Path, report: dict, curve: list[tuple[int, flo
     fig.tight_layout()
     fig.savefig(run_dir / "loss_curve.png")
     plt.close(fig)
+    if report.get("serving"):
+        write_latency_plot(run_dir / "serving_latency.png", report["serving"])
+
+
+def write_latency_plot(path: pathlib.Path, serving: dict) -> bool:
+    """The served models' request latency per concurrency level (the load test's): one
+    cumulative distribution per level (p50 and p99 marked), beside it the time to first
+    token. Returns False (nothing written) when there was no load test."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(name, lv) for name, m in serving.get("models", {}).items() for lv in m.get("levels", [])
+              if lv.get("latencies_ms")]
+    if not series:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    for name, lv in series:
+        for ax, key in zip(axes, ("latencies_ms", "ttfts_ms"), strict=True):
+            xs = np.sort(np.asarray(lv.get(key) or [np.nan], float))
+            label = f"{name} c={lv['concurrency']}" + (f" ({lv['tokens_per_s']:,.0f} tok/s)" if key == "latencies_ms" else "")
+            line, = ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), lw=1.5, label=label)
+            if key == "latencies_ms":
+                for q, mark in ((50, "o"), (99, "^")):
+                    ax.plot(np.percentile(xs, q), q / 100, mark, color=line.get_color())
+    axes[0].set_title("request latency (o p50, ^ p99)")
+    axes[1].set_title("time to first token")
+    for ax in axes:
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    load = series[0][1].get("loadavg")
+    fig.suptitle("served by cairn-serve, per concurrency level" + (f" (load {load[0]:.1f})" if load else ""))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def format_load(r: dict) -> str:
+    """``load 3.2 / 2.9 / 2.5 (1, 5, 15 min) on 2 CPUs`` from a report's ``loadavg``, or ``""``."""
+    la = r.get("loadavg")
+    if not la:
+        return ""
+    return f"load {la[0]:.1f} / {la[1]:.1f} / {la[2]:.1f} (1, 5, 15 min) on {r.get('cpu_count', '?')} CPUs"
+
+
+def format_goodput(g: dict) -> str:
+    """The report's goodput line: the fraction, then where the rest of the time went."""
+    parts = [f"{k[:-2].replace('_', ' ')} {v:.1f}" for k, v in g.items()
+             if k.endswith("_s") and k not in ("productive_s", "total_s") and v >= 0.05]
+    return (f"{g['goodput']:.1%} (productive {g['productive_s']:.1f} s of {g['total_s']:.1f} s; "
+            + ", ".join(parts) + f" s; {g['runs']} run(s), {g['steps_redone']} step(s) redone)")
+
+
+def format_try_it(serving: dict, port: int = 8000) -> str:
+    """How to serve what the run exported and a request to try, with curl and with the
+    official ``openai`` client (cairn-serve's OpenAI-compatible ``/v1/completions``)."""
+    t = serving["try"]
+    body = json.dumps({"model": t["model"], "prompt": t["prompt"], "max_tokens": t["max_tokens"], "temperature": 0})
+    url = f"http://127.0.0.1:{port}/v1"
+    py = (f"from openai import OpenAI; c = OpenAI(base_url={url!r}, api_key='none'); "
+          f"print(c.completions.create(model={t['model']!r}, prompt={t['prompt']!r}, max_tokens={t['max_tokens']}, "
+          f"temperature=0).choices[0].text)")
+    return "\n".join([
+        "",
+        "=== try it ===",
+        "serve what this run exported (Ctrl-C stops it):",
+        f"  cairn-serve --model-repository {shlex.quote(serving['repository'])} --port {port}",
+        f"then ask it {t['prompt']!r} (right: {t['expected']!r}; this run's {t['model']} answered "
+        f"{t['answer']!r} in process), with curl:",
+        f"  curl -s {url}/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        "or with the openai client (pip install openai):",
+        f"  python -c {shlex.quote(py)}",
+    ])
 
 
 def format_report(r: dict) -> str:
@@ -99,12 +201,25 @@ def format_report(r: dict) -> str:
         f"held-out exact match   {r['heldout_exact_match']:.2%} of {r['heldout_examples']} problems (chance ~{r['chance_exact_match']:.0e})",
         f"tokens/s               {r['tokens_per_s']:,.0f}",
         f"model FLOPs util.      {r['mfu']:.1%} of a measured {r['peak_flops'] / 1e9:,.1f} GFLOP/s",
+        f"machine load           {format_load(r)}" if r.get("loadavg") else "",  # next to MFU and tokens/s
         f"blocked on checkpoints {r['checkpoint_blocked_s']:.2f} s ({r['checkpoints_saved']} saved)",
         f"blocked on data        {r['data_blocked_s']:.2f} s",
         f"wall time              {r['wall_s']:.1f} s (compile {r['compile_s']:.1f} s)",
         f"mesh                   {r['mesh']}  devices {r['devices']}  processes {r['processes']}",
         f"run directory          {r['run_dir']}",
     ]
+    if not r.get("loadavg"):
+        lines.remove("")  # the machine-load line
+    if r.get("goodput"):
+        lines.insert(-1, f"goodput                {format_goodput(r['goodput'])}")
+    if r.get("preemptions"):
+        lines.insert(-1, "preempted              " + ", ".join(
+            f"at step {p['step']} (resumed from {p['resumed_from']})" for p in r["preemptions"]))
+    if r.get("profile"):
+        p = r["profile"]
+        lines.insert(-1, "profile                " + (f"skipped: {p['skipped']}" if "skipped" in p else
+                         f"steps {p['steps'][0]}..{p['steps'][-1]}, {p['step_time_ms']:.2f} ms/step traced; "
+                         f"{p['summary']}, trace {p['trace_dir']}"))
     if "per_device_param_bytes" in r:
         lines.insert(-1, f"per-device memory      params {r['per_device_param_bytes'] / 2**20:,.2f} "
                          f"MiB, optimizer {r['per_device_optimizer_bytes'] / 2**20:,.2f} MiB")
@@ -142,6 +257,8 @@ def format_production(r: dict) -> list[str]:
     if srv:
         lines += ["", f"=== served by cairn-serve from {srv['repository']} (start-up {srv.get('startup_s', float('nan')):.1f} s, "
                       f"export {srv['export_s']:.1f} s) ==="]
+        if srv.get("latency_plot"):
+            lines.append(f"latency per concurrency level: {srv['latency_plot']}")
         for m in srv["models"].values():
             if "levels" not in m:
                 continue
@@ -151,7 +268,8 @@ def format_production(r: dict) -> list[str]:
             for lv in m["levels"]:
                 lines.append(f"  concurrency {lv['concurrency']:<3d}      {lv['tokens_per_s']:8,.0f} tok/s   "
                              f"TTFT p50 {lv['ttft_p50_ms']:6.1f} ms   latency p50 {lv['latency_p50_ms']:6.1f} / "
-                             f"p99 {lv['latency_p99_ms']:6.1f} ms   exact match {lv['exact_match']:.2%}")
+                             f"p99 {lv['latency_p99_ms']:6.1f} ms   exact match {lv['exact_match']:.2%}"
+                             + (f"   load {lv['loadavg'][0]:.1f}" if lv.get("loadavg") else ""))
     if "end_to_end_s" in r:
         lines.append(f"end to end             {r['end_to_end_s']:.1f} s (training {r['wall_s']:.1f} s, "
                      f"after training {r['production_s']:.1f} s)")

@@ -269,6 +269,9 @@ def load_test(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_t
         "tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall,
         "ttft_p50_ms": float(np.nanpercentile(ttft, 50)), "ttft_p99_ms": float(np.nanpercentile(ttft, 99)),
         "latency_p50_ms": float(np.percentile(lat, 50)), "latency_p99_ms": float(np.percentile(lat, 99)),
+        # every request's, for the latency plot; and the machine's load while they ran
+        "latencies_ms": [round(float(x), 3) for x in lat], "ttfts_ms": [round(float(x), 3) for x in ttft],
+        "loadavg": list(os.getloadavg()),
         "answers": _answers([r["ids"] for r in results]),
     }
 

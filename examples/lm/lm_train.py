@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -11,6 +12,7 @@ import os
 import pathlib
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -392,7 +394,12 @@ def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> No
     refusal = lm_cli.run_dir_refusal(run_dir, resume=resume, overwrite=overwrite)
     if refusal is not None:
         raise RunDirError(refusal)
-    if not overwrite or not existing_checkpoints(run_dir):
+    if not overwrite:
+        return
+    marker = pathlib.Path(run_dir) / lm_cli.PREEMPTED_FILE
+    if jax.process_index() == 0 and marker.exists():
+        marker.unlink()
+    if not existing_checkpoints(run_dir):
         return
     if jax.process_index() == 0:
         shutil.rmtree(pathlib.Path(run_dir) / "checkpoints")
@@ -430,7 +437,9 @@ class _LoopStats:
     digests: dict[int, str] = dataclasses.field(default_factory=dict)
     wall_before: float = 0.0  # wall seconds of the earlier sessions, up to the checkpoint resumed from
     history_missing: int = 0  # steps 1..this are not in the curve (resumed from a checkpoint without history)
+    preemptions: list[dict] = dataclasses.field(default_factory=list)  # {"step", "resumed_from"} of each one
     t_start: float = dataclasses.field(default_factory=time.perf_counter)  # this session's start
+    resumed_from: int | None = None  # the step this session restored (not saved: each session's own)
 
     def wall_s(self) -> float:
         return self.wall_before + time.perf_counter() - self.t_start
@@ -442,7 +451,7 @@ class _LoopStats:
                 "checkpoint_blocked_s": self.ckpt_blocked, "compile_s": self.compile_s,
                 "checkpoints_saved": self.saved, "timed_tokens": self.timed_tokens, "timed_s": self.timed_s,
                 "wall_s": self.wall_s(), "data_digests": {str(k): v for k, v in self.digests.items()},
-                "history_missing": self.history_missing}
+                "history_missing": self.history_missing, "preemptions": self.preemptions}
 
     @classmethod
     def from_history(cls, h: dict, t_start: float) -> _LoopStats:
@@ -452,7 +461,8 @@ class _LoopStats:
                    timed_tokens=h["timed_tokens"], timed_s=h["timed_s"],
                    last_loss=curve[-1][1] if curve else float("nan"),
                    digests={int(k): v for k, v in h["data_digests"].items()}, wall_before=h["wall_s"],
-                   history_missing=h["history_missing"], t_start=t_start)
+                   history_missing=h["history_missing"], preemptions=list(h.get("preemptions", [])),
+                   t_start=t_start)
 
 
 def _resume(manager: ckpt.CheckpointManager, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator,
@@ -503,6 +513,13 @@ def finished_report(cfg: lm_config.Config, run_dir: pathlib.Path) -> dict | None
     return {**report, "already_finished": {"step": step, "train_steps": cfg.train.steps}} if same else None
 
 
+_NULL = contextlib.nullcontext()
+
+
+def _in_window(prof: nn.Profiler | None, step: int) -> bool:
+    return prof is not None and prof.start_step <= step < prof.start_step + prof.num_steps
+
+
 def _run_loop(
     setup: Setup,
     model: nn.Module,
@@ -513,58 +530,108 @@ def _run_loop(
     progress: lm_report.Progress,
     s: _LoopStats,
     stop_after: int | None,
+    gp: ckpt.GoodputRecorder,
+    prof: nn.Profiler | None = None,
 ) -> _LoopStats:
     """Train from step ``s.step`` to ``cfg.train.steps`` (or ``stop_after``), adding to ``s``
     and saving checkpoints (each with ``s.history()``); waits for the last save and closes the
-    progress bar and the data iterator."""
+    progress bar and the data iterator (also when it leaves on a preemption).
+
+    After each step the manager is asked whether a preemption notice arrived (`SIGTERM`,
+    seen whenever it came: during a step, the compilation, a data wait or an async save);
+    then the step is saved (model, optimizer, data position, history), committed, and
+    ``SystemExit(PREEMPTION_EXIT_CODE)`` is raised. Time goes to ``gp`` (data, step,
+    checkpoint); steps inside ``prof``'s window are traced and waited for.
+    """
     cfg = setup.cfg
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     start_step = s.step
     pending = None
-    while s.step < cfg.train.steps:
-        t0 = time.perf_counter()
-        local = next(data_iter)
-        s.data_blocked += time.perf_counter() - t0
-        s.digests[s.step + 1] = _digest(local)
-        batch = to_global(setup, local)
-        t1 = time.perf_counter()
-        metrics = train_step(model, optimizer, batch, setup.impl)
-        s.step += 1
+    try:
+        with gp.phase("checkpoint"):  # a notice during start-up: nothing more to save, stop now
+            _exit_if_preempted(manager, s, model, optimizer, data_iter)
+        while s.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            with gp.phase("data"):
+                local = next(data_iter)
+            s.data_blocked += time.perf_counter() - t0
+            s.digests[s.step + 1] = _digest(local)
+            batch = to_global(setup, local)
+            first = s.step == start_step
+            if first and prof is not None:  # compiled again for the profile's cost and memory analysis
+                with gp.phase("compile"):
+                    prof.add_compiled("train_step", train_step.lower(model, optimizer, batch, setup.impl).compile())
+            t1 = time.perf_counter()
+            with gp.step(s.step + 1), (prof.step(s.step + 1) if prof is not None else _NULL):
+                metrics = train_step(model, optimizer, batch, setup.impl)
+                if pending is not None:
+                    # read the previous step's loss now: the device ran ahead while we fetched data
+                    s.curve.append((s.step, float(pending["loss"])))
+                if first or _in_window(prof, s.step + 1):
+                    jax.block_until_ready(metrics)
+            s.step += 1
+            pending = metrics
+            if first:
+                s.compile_s += time.perf_counter() - t1
+            else:
+                s.timed_tokens += tokens_per_step
+                s.timed_s += time.perf_counter() - t0
+            if s.step % cfg.train.log_every == 0 or s.step == cfg.train.steps:
+                s.last_loss = float(metrics["loss"])
+                tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
+                progress.update(s.step, s.last_loss, tps, float(schedule(s.step)))
+            with gp.phase("checkpoint"):
+                pending = _checkpoint(manager, s, model, optimizer, data_iter, pending, last=s.step == cfg.train.steps)
+            if stop_after is not None and s.step >= stop_after:
+                break
         if pending is not None:
-            # read the previous step's loss now: the device ran ahead while we fetched data
-            s.curve.append((s.step - 1, float(pending["loss"])))
-        pending = metrics
-        if s.step == start_step + 1:
-            jax.block_until_ready(metrics)
-            s.compile_s += time.perf_counter() - t1
-        else:
-            s.timed_tokens += tokens_per_step
-            s.timed_s += time.perf_counter() - t0
-        if s.step % cfg.train.log_every == 0 or s.step == cfg.train.steps:
-            s.last_loss = float(metrics["loss"])
-            tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
-            progress.update(s.step, s.last_loss, tps, float(schedule(s.step)))
-        if manager.should_save(s.step) or s.step == cfg.train.steps:
-            s.curve.append((s.step, float(metrics["loss"])))  # the step's loss goes into its checkpoint
-            pending = None
-            s.saved += 1
-            t2 = time.perf_counter()
-            history = ckpt.args.JsonSave(s.history())
-            manager.save(s.step, _items(model, optimizer, data_iter, history), force=s.step == cfg.train.steps)
-            s.ckpt_blocked += time.perf_counter() - t2
-        if stop_after is not None and s.step >= stop_after:
-            break
-    if pending is not None:
-        s.curve.append((s.step, float(pending["loss"])))
-    if s.curve:
-        s.last_loss = s.curve[-1][1]
-    t3 = time.perf_counter()
-    manager.wait_until_finished()
-    s.ckpt_blocked += time.perf_counter() - t3
-    progress.close()
-    if hasattr(data_iter, "close"):
-        data_iter.close()
+            s.curve.append((s.step, float(pending["loss"])))
+        if s.curve:
+            s.last_loss = s.curve[-1][1]
+        t3 = time.perf_counter()
+        with gp.phase("checkpoint"):
+            manager.wait_until_finished()
+        s.ckpt_blocked += time.perf_counter() - t3
+    finally:
+        progress.close()
+        if prof is not None:
+            prof.close()
+        if hasattr(data_iter, "close"):
+            data_iter.close()
     return s
+
+
+def _checkpoint(manager: ckpt.CheckpointManager, s: _LoopStats, model: nn.Module, optimizer: nn.Optimizer,
+                data_iter: Iterator, pending: dict | None, *, last: bool) -> dict | None:
+    """After step ``s.step`` (its metrics ``pending``, not yet in the curve): save it when due,
+    the last or preempted (``should_save`` asks the manager about a notice every step; the
+    processes of a multi-process run agree on it there), and leave on a preemption. Returns
+    the metrics still to be read into the curve (None once they are)."""
+    if manager.should_save(s.step) or last:
+        assert pending is not None
+        s.curve.append((s.step, float(pending["loss"])))  # the step's loss goes into its checkpoint
+        pending = None
+        s.saved += 1
+        t2 = time.perf_counter()
+        history = ckpt.args.JsonSave(s.history())
+        manager.save(s.step, _items(model, optimizer, data_iter, history), force=last)
+        s.ckpt_blocked += time.perf_counter() - t2
+    if pending is not None and manager.reached_preemption(s.step):
+        s.curve.append((s.step, float(pending["loss"])))
+        pending = None
+    _exit_if_preempted(manager, s, model, optimizer, data_iter)
+    return pending
+
+
+def _exit_if_preempted(manager: ckpt.CheckpointManager, s: _LoopStats, model: nn.Module, optimizer: nn.Optimizer,
+                       data_iter: Iterator) -> None:
+    """`CheckpointManager.exit_if_preempted` at step ``s.step``: when a notice was reached,
+    save the step (unless committed already) with its history, wait, raise ``SystemExit(75)``.
+    The loss of ``s.step`` must be in ``s.curve`` by then."""
+    if manager.reached_preemption(s.step):
+        manager.wait_until_finished()
+        s.saved += manager.latest_step() != s.step  # saved now, so the history counts it
+        manager.exit_if_preempted(s.step, _items(model, optimizer, data_iter, ckpt.args.JsonSave(s.history())))
 
 
 def _report(
@@ -576,6 +643,8 @@ def _report(
     resumed_from: int | None,
     eval_texts: list[str],
     peak: float,
+    gp: ckpt.GoodputRecorder | None = None,
+    progress_output: bool = False,
 ) -> dict:
     """The run's report: held-out exact match (when the run finished), throughput, memory;
     the curve, times and counters cover the whole run, resumed or not (``s``'s history)."""
@@ -583,7 +652,10 @@ def _report(
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = lm_config.flops_per_token(cfg, lm_task.VOCAB_SIZE) * tokens_per_step
     stopped_early = s.step < cfg.train.steps
-    acc = float("nan") if stopped_early else evaluate(setup, model, eval_texts)
+    if not stopped_early and cfg.train.progress and progress_output and jax.process_index() == 0:
+        print(f"evaluating: exact match on {len(eval_texts)} held-out problems", file=sys.stderr, flush=True)
+    with gp.phase("eval") if gp is not None else _NULL:
+        acc = float("nan") if stopped_early else evaluate(setup, model, eval_texts)
     tps = s.timed_tokens / s.timed_s if s.timed_s else 0.0
     answer_digits = cfg.data.max_digits + 1
     return {
@@ -596,6 +668,9 @@ def _report(
         "tokens_per_s": tps,
         "peak_flops": peak,
         "mfu": (tps * flops_per_step / tokens_per_step) / peak if peak else 0.0,
+        # the machine's load when the speeds were measured: on a shared machine it explains them
+        "loadavg": list(os.getloadavg()),
+        "cpu_count": os.cpu_count(),
         "checkpoint_blocked_s": s.ckpt_blocked,
         "checkpoints_saved": s.saved,
         "data_blocked_s": s.data_blocked,
@@ -615,11 +690,13 @@ def _report(
         "curve_missing_steps": s.history_missing,
         "data_digests": s.digests,
         "stopped_early": stopped_early,
+        "preemptions": s.preemptions,
     }
 
 
 def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
-          overwrite: bool = False, after_training: Callable[[Setup, nn.Module, list[str], dict], None] | None = None) -> dict:
+          overwrite: bool = False, after_training: Callable[[Setup, nn.Module, list[str], dict], None] | None = None,
+          profile: tuple[int, int] | None = None, start_time: float | None = None) -> dict:
     """Run the recipe; returns the report dict (also written to the run directory).
 
     ``after_training(setup, model, eval_texts, report)``, when given, runs once the last
@@ -631,46 +708,141 @@ def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None
     a run that already reached ``train.steps`` and has its report changes nothing: the
     report read back from ``metrics.json`` is returned, its ``"already_finished"`` naming the
     checkpoint's step and ``train.steps`` (see `finished_report`).
+
+    Preemption: a ``SIGTERM`` (or another notice the checkpoint manager watches) makes the
+    run save the step it reached (model, optimizer, data position, history), wait for the
+    commit, write ``run.dir/PREEMPTED.json`` and raise ``SystemExit(PREEMPTION_EXIT_CODE)``
+    (75); the next start into ``run.dir`` resumes from it without `resume=True`. The report
+    covers every run (curve, counters, ``preemptions``) and ``goodput`` (a
+    ``GoodputRecorder`` over all runs, in ``run.dir/checkpoints/_GOODPUT.json``).
+
+    ``profile=(start, num)``: trace steps ``start .. start + num - 1`` (process 0) with
+    ``nn.Profiler`` into ``run.dir/profile`` (trace and ``profile_summary.json``).
+    ``start_time``: when the process started (``time.time()``; default: now), for goodput.
     """
+    start_time = time.time() if start_time is None else start_time
     t_start = time.perf_counter()
     setup = make_setup(cfg)
     run_dir = setup.run_dir
-    check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    preempted_at = None if overwrite else lm_cli.preempted_step(run_dir)
+    auto_resume = preempted_at is not None and not resume
+    check_run_dir(run_dir, resume=resume or auto_resume, overwrite=overwrite)
+    resume = resume or auto_resume
     done = finished_report(cfg, run_dir) if resume else None
     if done is not None:
         return done
+    manager = _open_manager(cfg, run_dir)
+    # the first question installs the manager's SIGTERM handler: from here on a notice (during
+    # the kernel timing, data preparation, compilation...) is kept until the loop asks
+    manager.reached_preemption(0)
+    if auto_resume and not quiet and jax.process_index() == 0:
+        print(f"resuming: {run_dir} holds the checkpoint of step {preempted_at}, saved when the run was preempted",
+              flush=True)
     # measured before the data workers start, so they do not disturb the timings
     choice = choose_kernels(cfg, run_dir, resume=resume)
     if not quiet and jax.process_index() == 0:
         print(describe_kernels(choice), flush=True)
-    shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
-    src, fmt, eval_texts = lm_data.open_source(cfg, shards)
-    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
-    data_iter = iter(pipeline)
-
     setup.impl = lm_model.Impl(choice["attention"]["implementation"], choice["loss"]["implementation"])
-    model = create_model(setup)
-    tx, schedule = make_optimizer(cfg)
-    optimizer = nn.Optimizer(model, tx, wrt=nn.Param)
-
-    manager = _open_manager(cfg, run_dir)
-    stats = _resume(manager, model, optimizer, data_iter, t_start) if resume else None
-    resumed_from = stats.step if stats is not None else None
-    if stats is None:
-        stats = _LoopStats(step=0, t_start=t_start)
-    elif stats.history_missing and not quiet and jax.process_index() == 0:
-        print(f"note: the checkpoint of step {stats.step} holds no loss history (written by an older "
-              f"version): the report covers steps {stats.step + 1} to {cfg.train.steps} only", flush=True)
-
-    peak = lm_report.measure_peak_flops()
-    progress = lm_report.Progress(cfg.train.steps, stats.step, cfg.train.log_every,
-                                  enabled=cfg.train.progress and not quiet and jax.process_index() == 0)
-    stats = _run_loop(setup, model, optimizer, data_iter, manager, schedule, progress, stats, stop_after)
-    report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts, peak=peak)
+    data_iter, eval_texts, model, optimizer, schedule = _build(setup)
+    stats: _LoopStats | None = None
+    try:
+        with ckpt.GoodputRecorder(manager.directory, start_time=start_time) as gp:  # written on exit 75 too
+            stats = _start_stats(manager, model, optimizer, data_iter, t_start, resume, preempted_at, quiet)
+            gp.resumed(stats.resumed_from)
+            report = _train_and_report(setup, model, optimizer, data_iter, manager, schedule, stats, gp,
+                                       stop_after=stop_after, quiet=quiet, eval_texts=eval_texts, profile=profile)
+            report["goodput"] = gp.report()
+    except SystemExit as e:
+        if e.code == ckpt.PREEMPTION_EXIT_CODE and stats is not None:
+            _mark_preempted(run_dir, stats.step, quiet)
+        raise
+    except Exception:
+        manager.close()  # the previous SIGTERM handler back, a pending save finished
+        raise
+    assert stats is not None
     report["kernels"] = choice
     manager.close()
     if after_training is not None and not report["stopped_early"]:
         after_training(setup, model, eval_texts, report)
     if jax.process_index() == 0:
         lm_report.write_report(run_dir, report, stats.curve)
+        if not report["stopped_early"]:  # the run is complete: a later start must choose again
+            (run_dir / lm_cli.PREEMPTED_FILE).unlink(missing_ok=True)
     return report
+
+
+def _build(setup: Setup) -> tuple[Iterator, list[str], llm.CausalLM, nn.Optimizer, Callable[[int], Any]]:
+    """The data iterator (this process's shard), the held-out texts, the model, its optimizer
+    and the learning-rate schedule."""
+    cfg = setup.cfg
+    shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
+    src, fmt, eval_texts = lm_data.open_source(cfg, shards)
+    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
+    model = create_model(setup)
+    tx, schedule = make_optimizer(cfg)
+    return iter(pipeline), eval_texts, model, nn.Optimizer(model, tx, wrt=nn.Param), schedule
+
+
+def _start_stats(manager: ckpt.CheckpointManager, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator,
+                 t_start: float, resume: bool, preempted_at: int | None, quiet: bool) -> _LoopStats:
+    """The loop's stats: restored with the latest checkpoint when resuming (the preemption
+    it follows recorded once), else fresh."""
+    stats = _resume(manager, model, optimizer, data_iter, t_start) if resume else None
+    if stats is None:
+        return _LoopStats(step=0, t_start=t_start)
+    if stats.history_missing and not quiet and jax.process_index() == 0:
+        print(f"note: the checkpoint of step {stats.step} holds no loss history (written by an older "
+              f"version): the report covers steps {stats.step + 1} after it only", flush=True)
+    if preempted_at is not None and all(p.get("step") != preempted_at for p in stats.preemptions):
+        stats.preemptions.append({"step": preempted_at, "resumed_from": stats.step})
+    stats.resumed_from = stats.step
+    return stats
+
+
+def _train_and_report(setup: Setup, model: nn.Module, optimizer: nn.Optimizer, data_iter: Iterator,
+                      manager: ckpt.CheckpointManager, schedule: Callable[[int], Any], stats: _LoopStats,
+                      gp: ckpt.GoodputRecorder, *, stop_after: int | None, quiet: bool, eval_texts: list[str],
+                      profile: tuple[int, int] | None) -> dict:
+    """The loop, the held-out score and the report (a notice during the evaluation: exit 75)."""
+    cfg = setup.cfg
+    peak = lm_report.measure_peak_flops()
+    progress = lm_report.Progress(cfg.train.steps, stats.step, cfg.train.log_every,
+                                  enabled=cfg.train.progress and not quiet and jax.process_index() == 0)
+    prof = None
+    if profile is not None and jax.process_index() == 0:
+        prof = nn.Profiler(setup.run_dir / "profile", start_step=profile[0], num_steps=profile[1])
+    resumed_from = stats.resumed_from
+    stats = _run_loop(setup, model, optimizer, data_iter, manager, schedule, progress, stats, stop_after, gp, prof)
+    report = _report(setup, model, optimizer, stats, resumed_from=resumed_from, eval_texts=eval_texts, peak=peak, gp=gp,
+                     progress_output=not quiet)
+    with gp.phase("checkpoint"):
+        _exit_if_preempted(manager, stats, model, optimizer, data_iter)
+    if prof is not None:
+        with gp.phase("profile"):
+            report["profile"] = _profile_report(prof, stats, quiet)
+    return report
+
+
+def _profile_report(prof: nn.Profiler, s: _LoopStats, quiet: bool) -> dict:
+    """The profile's summary (printed unless ``quiet``; written to ``profile_summary.json``),
+    in short for the report; or why there is none (the window was not reached)."""
+    if not prof.done:
+        return {"skipped": f"steps {prof.start_step}..{prof.start_step + prof.num_steps - 1} were not run "
+                           f"(this run trained steps {s.resumed_from or 0}+1..{s.step})"}
+    summary = prof.summary(print_fn=None if quiet else print)
+    fn = summary["functions"].get("train_step", {})
+    return {"summary": str(pathlib.Path(prof.log_dir) / nn.SUMMARY_FILE), "trace_dir": summary["trace_dir"],
+            "steps": summary["steps"], "step_time_ms": 1e3 * summary["step_time_s"]["mean"],
+            "roofline": fn.get("roofline"), "memory_total_bytes": (fn.get("memory") or {}).get("total_bytes")}
+
+
+def _mark_preempted(run_dir: pathlib.Path, step: int, quiet: bool) -> None:
+    """After the preemption save is committed: ``run.dir/PREEMPTED.json`` (the next start
+    resumes from it by itself) and a line saying so."""
+    if jax.process_index() != 0:
+        return
+    marker = run_dir / lm_cli.PREEMPTED_FILE
+    _write_json(marker, {"step": step, "time": time.time(), "exit_code": ckpt.PREEMPTION_EXIT_CODE})
+    print(f"preempted: step {step} is committed in {run_dir / 'checkpoints'}; exiting with status "
+          f"{ckpt.PREEMPTION_EXIT_CODE}. Start `{lm_cli.command()}` with the same settings again to resume "
+          f"from it (no --resume needed).", file=sys.stderr, flush=True)

@@ -4,12 +4,22 @@
     python examples/lm/train.py --set train.steps=200   # override any key
     python examples/lm/train.py --resume                # continue from the latest checkpoint
     python examples/lm/train.py --overwrite             # delete run.dir's checkpoints, start afresh
+    python examples/lm/train.py --profile               # also trace steps 10..14: run.dir/profile/
 
 A run directory that already holds checkpoints is never trained into silently: without
 --resume or --overwrite the script stops at once (exit code 2) naming the directory.
 --resume on a run that already reached train.steps changes nothing and says so; a resumed
 run's report and loss curve cover every step since the start (the loss history is saved
 with each checkpoint).
+
+Preemption: on SIGTERM the run saves the step it is at (model, optimizer, data position)
+at the next step boundary, waits for the commit and exits with status 75
+(cairn.checkpoint.PREEMPTION_EXIT_CODE); started again with the same settings, it resumes
+from that step by itself (no --resume needed), e.g. under a supervisor:
+
+    until python examples/lm/train.py; [ $? -ne 75 ] && break; done
+
+The report covers every run and gives the goodput fraction over all of them.
 
 Multi-host: start one process per host with --coordinator HOST:PORT --num-processes N
 --process-id I (JAX's own distributed runtime); the same config then shards data and
@@ -28,7 +38,10 @@ import argparse
 import functools
 import pathlib
 import sys
+import time
 import warnings
+
+START_TIME = time.time()  # the process's start, for the goodput record (imports count as start-up)
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -67,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {refusal}", file=sys.stderr)
     if refusal is not None:
         return 2
+    try:
+        profile = lm_cli.profile_window(args, cfg.train.steps)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import jax
 
     if args.coordinator:
@@ -78,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     hook = functools.partial(lm_production.after_training, quiet=args.quiet)
     try:
         report = lm_train.train(cfg, resume=args.resume, stop_after=args.stop_after, quiet=args.quiet,
-                                overwrite=args.overwrite, after_training=hook)
+                                overwrite=args.overwrite, after_training=hook, profile=profile,
+                                start_time=START_TIME)
     except lm_config.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -89,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if report.get("already_finished"):
             print(lm_cli.finished_message(report))
         print(lm_report.format_report(report))
+        if report.get("serving", {}).get("try"):
+            print(lm_report.format_try_it(report["serving"]))
     if "production_error" in report:
         print(f"error after training: {report['production_error']}", file=sys.stderr)
         return 1

@@ -8,6 +8,11 @@ the uninterrupted reference, in one more process). It prints one event per line 
 phase (``EVENT compile``, ``EVENT data <step>``, ``EVENT step <step>``, ``EVENT eval <step>``,
 ``EVENT save <step>``), ``RESUMED <step>`` when it restored one, ``PREEMPTED`` when it
 leaves with ``PREEMPTION_EXIT_CODE``, and ``DONE`` after writing every final array to OUT.
+
+With ``CAIRN_TEST_COORDINATOR=host:port`` and ``CAIRN_TEST_PROCESS_ID=0|1`` in the
+environment it is one of two ``jax.distributed`` processes (one CPU device each): the model
+is replicated over both devices, each process feeds its half of every batch's rows, the two
+save each step together, and each writes ``OUT.<process id>.npz``.
 """
 
 import json
@@ -20,6 +25,9 @@ os.environ.pop("XLA_FLAGS", None)
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if os.environ.get("CAIRN_TEST_COORDINATOR"):
+    jax.distributed.initialize(os.environ["CAIRN_TEST_COORDINATOR"], 2, int(os.environ["CAIRN_TEST_PROCESS_ID"]))
 
 from cairn import checkpoint as cc
 from cairn import data, nn, optim
@@ -43,6 +51,29 @@ def example(i):
 
 def pipeline():
     return iter(data.MapDataset.range(4096).shuffle(seed=3).map(example).batch(8).to_iter_dataset())
+
+
+def make_model():
+    if jax.process_count() == 1:
+        return MLP(nn.Rngs(0))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+    return nn.sharded_init(lambda: MLP(nn.Rngs(0)), mesh=mesh)  # replicated on both processes' devices
+
+
+def to_global(batch):
+    """This process's half of the batch's rows, as one global array over both processes."""
+    if jax.process_count() == 1:
+        return batch
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    n, i = len(batch["y"]) // 2, jax.process_index()
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)[i * n:(i + 1) * n])
+            for k, v in batch.items()}
+
+
+def local_value(x):
+    """The whole value of a replicated array (its first addressable copy)."""
+    return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def event(*what):
@@ -70,7 +101,7 @@ def main(directory: str, total: int, out: str) -> None:
         local_directory=os.path.join(directory, "local"), local_save_interval_steps=2, local_max_to_keep=2,
     )
     mngr = cc.CheckpointManager(os.path.join(directory, "persistent"), opts)
-    model = MLP(nn.Rngs(0))
+    model = make_model()
     opt = nn.Optimizer(model, optim.adamw(3e-2), wrt=nn.Param)
     it = pipeline()
 
@@ -87,11 +118,12 @@ def main(directory: str, total: int, out: str) -> None:
         step = step or 0
         event("compile")
         with gp.phase("compile"):
-            train_step.lower(model, opt, {"x": jnp.zeros((8, 6)), "y": jnp.zeros(8)}).compile()
+            train_step.lower(model, opt, to_global({"x": np.zeros((8, 6), np.float32),
+                                                    "y": np.zeros(8, np.float32)})).compile()
         while step < total:
             event("data", step)
             with gp.phase("data"):
-                batch = next(it)
+                batch = to_global(next(it))
             event("step", step)
             with gp.step(step + 1):
                 jax.block_until_ready(train_step(model, opt, batch))
@@ -109,9 +141,9 @@ def main(directory: str, total: int, out: str) -> None:
         mngr.close()
     print("GOODPUT", json.dumps(gp.report()), flush=True)
     flat = flatten_with_paths({"model": nn.state(model), "opt": nn.state(opt, nn.OptState)})
-    arrays = {k.replace("/", "."): np.asarray(v) for k, v in flat.items()}
+    arrays = {k.replace("/", "."): local_value(v) for k, v in flat.items()}
     arrays["data_state"] = np.frombuffer(repr(sorted(it.get_state().items())).encode(), np.uint8)
-    np.savez(out, **arrays)
+    np.savez(out if jax.process_count() == 1 else f"{out}.{jax.process_index()}.npz", **arrays)
     print("DONE", flush=True)
 
 

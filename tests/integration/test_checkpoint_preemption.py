@@ -137,3 +137,124 @@ def test_sigterm_at_twenty_random_moments_resumes_bit_identical(tmp_path):
         moments.append((kind, str(rng.choice(valid)), rng.uniform(0, 0.05)))
     for i in range(0, 20, 5):
         _check_and_resume(tmp_path / f"batch{i}", moments[i:i + 5])
+
+
+# --- the same loop as two jax.distributed processes: SIGTERM to one of them ---
+
+
+def _two_process_run(directories: list[str], on_line=None, timeout: float = 600) -> list[dict]:
+    """Both processes of the worker (its directories in turn); ``on_line(i, line, procs)``
+    sees every stdout line of process ``i``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, WORKER, str(TOTAL)]
+    for d in directories:
+        args += [d, d + ".npz"]
+    procs, outs = [], []
+    for i in range(2):
+        env = dict(_env(), CAIRN_TEST_COORDINATOR=f"127.0.0.1:{port}", CAIRN_TEST_PROCESS_ID=str(i))
+        err = tempfile.TemporaryFile("w+")
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
+        outs.append({"lines": [], "errfile": err})
+
+    def read(i: int) -> None:
+        for line in procs[i].stdout:
+            outs[i]["lines"].append(line.strip())
+            if on_line is not None:
+                on_line(i, line.strip(), procs)
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in readers:
+        t.start()
+    for i, p in enumerate(procs):
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        readers[i].join()
+        outs[i]["errfile"].seek(0)
+        outs[i].update(rc=p.returncode, err=outs[i]["errfile"].read())
+    return outs
+
+
+def _signal_one(moment: tuple, target: int):
+    """An ``on_line`` that sends SIGTERM to process ``target`` once it prints the moment's event."""
+    kind, arg, delay = moment
+    sent = []
+
+    def on_line(i, line, procs):
+        parts = line.split()
+        if not sent and i == target and parts[:2] == ["EVENT", kind] and (arg is None or parts[2:] == [arg]):
+            sent.append(1)
+            time.sleep(delay)
+            try:
+                procs[i].send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    return on_line
+
+
+def _check_two_processes(tmp_path, moments: list[tuple], seed: int) -> None:
+    rng = random.Random(seed)
+    runs = []
+    for i, moment in enumerate(moments):  # one pair at a time: two processes per run already
+        d = str(tmp_path / f"run{i}")
+        target = rng.randrange(2)
+        outs = _two_process_run([d], _signal_one(moment, target))
+        runs.append({"dir": d, "moment": moment, "target": target, "outs": outs})
+    for run in runs:
+        rcs = [o["rc"] for o in run["outs"]]
+        what = f"moment {run['moment']} to process {run['target']}: rc {rcs}, " + " | ".join(
+            f"{o['lines'][-3:]} {o['err'][-1500:]}" for o in run["outs"])
+        assert rcs == [cc.PREEMPTION_EXIT_CODE] * 2, what  # both stop, though only one was signalled
+        steps = [sum(1 for x in o["lines"] if x.startswith("EVENT step")) for o in run["outs"]]
+        assert steps[0] == steps[1], what  # they agreed on the step
+        mngr = cc.CheckpointManager(os.path.join(run["dir"], "persistent"))
+        assert mngr.latest_step() == steps[0], what  # and saved it: no step lost
+        mngr.close()
+    ref = str(tmp_path / "reference")
+    outs = _two_process_run([r["dir"] for r in runs] + [ref], timeout=1200)
+    assert [o["rc"] for o in outs] == [0, 0], [o["err"][-3000:] for o in outs]
+    for pid in range(2):
+        assert sum(1 for x in outs[pid]["lines"] if x.startswith("RESUMED")) == len(runs)
+        want = np.load(f"{ref}.npz.{pid}.npz")
+        for run in runs:
+            got = np.load(f"{run['dir']}.npz.{pid}.npz")
+            assert set(got) == set(want)
+            for k in want:
+                assert got[k].tobytes() == want[k].tobytes(), (run["moment"], pid, k)
+    want0, want1 = np.load(f"{ref}.npz.0.npz"), np.load(f"{ref}.npz.1.npz")
+    assert all(want0[k].tobytes() == want1[k].tobytes() for k in want0 if k != "data_state")
+
+
+def _random_moments(rng: random.Random, n: int) -> list[tuple]:
+    kinds = ["step", "data", "save", "eval"]
+    moments = [("compile", None, rng.uniform(0, 0.3))]
+    while len(moments) < n:
+        kind = rng.choice(kinds)
+        last = {"step": TOTAL - 1, "data": TOTAL - 1, "save": TOTAL, "eval": TOTAL}[kind]
+        valid = [s for s in range(last + 1) if kind not in ("save", "eval") or (
+            s > 0 and (s % 3 == 0 if kind == "eval" else s % 2 == 0 or s % 5 == 0))]
+        moments.append((kind, str(rng.choice(valid)), rng.uniform(0, 0.05)))
+    return moments
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_sigterm_to_one_at_twenty_random_moments(tmp_path):
+    """The loop as two jax.distributed processes, SIGTERM to one of them at 20 random moments:
+    both save the same step and exit 75, and both finish bit-identical to an uninterrupted
+    two-process run."""
+    _check_two_processes(tmp_path, _random_moments(random.Random(2029), 20), seed=7)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_sigterm_to_one_inside_a_step(tmp_path):
+    _check_two_processes(tmp_path, [("step", "5", 0.0)], seed=1)

@@ -175,6 +175,7 @@ def test_cli_run_serves_what_it_generates_in_process(tmp_path):
     served = _served_run(tmp_path)
     _check_report(*served)
     _check_served_repository(*served)
+    _check_the_printed_requests_succeed(*served)
 
 
 def _check_report(run_dir, metrics, stdout):
@@ -191,6 +192,13 @@ def _check_report(run_dir, metrics, stdout):
     assert metrics["serving"]["exit_code"] == 0, "cairn-serve must exit cleanly on SIGTERM"
     assert "served exact match" in stdout and "end to end" in stdout
     assert (run_dir / "serving" / "lm_w4_gptq" / "1").is_dir() and (run_dir / "serving" / "lm_w4_gptq_next_token" / "1").is_dir()
+    # issue 31: the machine's load next to the speeds, a latency plot per concurrency level
+    assert "machine load" in stdout and len(metrics["loadavg"]) == 3
+    for lv in m["levels"]:
+        assert len(lv["latencies_ms"]) == len(lv["ttfts_ms"]) == 24 and len(lv["loadavg"]) == 3
+        assert np.percentile(lv["latencies_ms"], 50) == pytest.approx(lv["latency_p50_ms"], abs=1e-2)
+    assert metrics["serving"]["latency_plot"] == str(run_dir / "serving_latency.png")
+    assert (run_dir / "serving_latency.png").stat().st_size > 1000 and (run_dir / "loss_curve.png").is_file()
 
 
 def _check_served_repository(run_dir, metrics, _stdout):
@@ -221,3 +229,32 @@ def _check_served_repository(run_dir, metrics, _stdout):
         finally:
             engine.stop()
         assert server.stop() == 0
+
+
+def _check_the_printed_requests_succeed(run_dir, metrics, stdout):
+    """What the job prints at the end (issue 31): the cairn-serve command on its repository, a
+    curl request and an openai-client request; run as printed (the port swapped for a free
+    one) against the served model, both answer what the model answered in process."""
+    import shlex
+
+    import lm_serve
+
+    block = stdout.split("=== try it ===", 1)[1].splitlines()
+    serve = next(shlex.split(x) for x in block if x.strip().startswith("cairn-serve "))
+    curl = next(shlex.split(x) for x in block if x.strip().startswith("curl "))
+    client = next(shlex.split(x) for x in block if x.strip().startswith("python -c "))
+    assert serve[serve.index("--model-repository") + 1] == str(run_dir / "serving") and "--port" in serve
+    t = metrics["serving"]["try"]
+    assert t["model"] == "lm_w4_gptq" and t["answer"] == t["answer"].strip()
+    with lm_serve.ServerProcess(run_dir / "serving", timeout=300) as server:
+        here = f"127.0.0.1:{server.port}"
+        res = subprocess.run([a.replace("127.0.0.1:8000", here) for a in curl], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        body = json.loads(res.stdout)
+        assert body["object"] == "text_completion" and body["choices"][0]["text"] == t["answer"], body
+        pytest.importorskip("openai")
+        res = subprocess.run([sys.executable, *[a.replace("127.0.0.1:8000", here) for a in client[1:]]],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.strip() == t["answer"]

@@ -6,6 +6,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cairn.nn._filters import path_text
 from cairn.nn._graph import state as _state
@@ -264,7 +265,14 @@ def _onto(x, mesh):
     sh = x.sharding
     if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == mesh:
         return x
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if target.is_fully_addressable:
+        return jax.device_put(x, target)
+    # a mesh over several processes (jax.distributed): device_put of this process's copy
+    # gave an array whose shards could not be listed (a checkpoint's snapshot failed on
+    # it); build it from each process's local copy, the same value everywhere
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
 
 class _OptDict(dict):

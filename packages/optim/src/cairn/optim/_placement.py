@@ -137,7 +137,14 @@ def place_scalars(state: Any, params: Any) -> Any:
         sh = x.sharding
         if isinstance(sh, NamedSharding) and sh.mesh == mesh:
             return x
-        return jax.device_put(x, replicated)
+        if replicated.is_fully_addressable:
+            return jax.device_put(x, replicated)
+        # a mesh over several jax.distributed processes: device_put of this process's copy
+        # gave an array whose shards could not be listed (a checkpoint's snapshot failed,
+        # and jit forwards such an unchanged input to its output); build it from each
+        # process's own copy, the same value everywhere
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
 
     return jax.tree_util.tree_map(place, state)
 
