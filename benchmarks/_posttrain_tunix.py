@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -94,7 +95,7 @@ class TokenizerShim:
         return self.tok.pad_token_id
 
 
-def dpo_step_seconds(model: llm.CausalLM, batch: int, prompt: int, completion: int, repeats: int, timed) -> float:
+def dpo_step_seconds(model: llm.CausalLM, batch: int, prompt: int, completion: int, repeats: int, timed: Callable[..., Any]) -> float:
     """Tunix's ``DPOTrainer`` train step (its ``nnx.jit``-ed step, AdamW, the reference
     log-probabilities computed once beforehand as Cairn's are) on ``batch`` pairs of a
     ``prompt``-token prompt and ``completion``-token completions."""
@@ -115,7 +116,7 @@ def dpo_step_seconds(model: llm.CausalLM, batch: int, prompt: int, completion: i
 
 def grpo_iteration_seconds(model: llm.CausalLM, tok: llm.Tokenizer, prompts: list[str], *, prompts_per_batch: int,
                            num_generations: int, max_new_tokens: int, prompt_len: int, iterations: int,
-                           reward) -> tuple[float, float]:
+                           reward: Callable[..., Any]) -> tuple[float, float]:
     """Tunix's ``GRPOLearner`` (vanilla rollout engine: its own sampler with a KV cache) on
     ``model``'s weights, full fine-tuning with a frozen reference copy and ``beta = 0.04``:
     the median seconds per iteration (rollout + reference/old log-probs + update) of
