@@ -457,8 +457,7 @@ def scan(
     stacked layers: ``nn.scan(lambda h, layer: (layer(h), None))(x, stacked_layers)``.
 
     Args:
-      f: ``f(carry, x) -> (carry, y)`` (or the form ``in_axes``/``out_axes`` give); None returns a
-        decorator.
+      f: ``f(carry, x) -> (carry, y)`` (or as ``in_axes``/``out_axes`` say); None: a decorator.
       length: the number of steps when nothing is scanned over; None reads it from the inputs.
       reverse: scan from the end.
       unroll: ``jax.lax.scan``'s unroll.
