@@ -267,11 +267,44 @@ def test_manager_json_item_damage_is_reported_as_corruption(tmp_path):
 
 def test_manager_constructor_errors(tmp_path):
     with pytest.raises(TypeError, match="options must be a CheckpointManagerOptions"):
-        ocp.CheckpointManager(tmp_path, ocp.PyTreeCheckpointer())
-    with pytest.raises(NotImplementedError, match="metadata"):
-        ocp.CheckpointManager(tmp_path, metadata={"a": 1})
+        ocp.CheckpointManager(tmp_path, None, 3)
+    with pytest.raises(TypeError, match="checkpointers must be a Checkpointer"):
+        ocp.CheckpointManager(tmp_path, "pytree")
+    with pytest.raises(TypeError, match=r"checkpointers \['b'\] are not Checkpointers"):
+        ocp.CheckpointManager(tmp_path, {"a": ocp.PyTreeCheckpointer(), "b": 1})
     with pytest.raises(TypeError, match="item_handlers"):
         ocp.CheckpointManager(tmp_path, item_handlers="json")
+
+
+def test_manager_legacy_dict_of_checkpointers(tmp_path):
+    # Orbax's older form: a dict of checkpointers, items by name, per-item restore targets
+    tree = {"w": np.arange(4, dtype=np.float32)}
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(tmp_path, {"state": ocp.PyTreeCheckpointer()}, options) as mngr:
+        for step in range(3):
+            assert mngr.save(step, {"state": {"w": tree["w"] + step}})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2]
+        got = mngr.restore(2)
+        np.testing.assert_array_equal(got["state"]["w"], tree["w"] + 2)
+        target = {"w": np.zeros(4, np.float64)}
+        got = mngr.restore(2, {"state": target})
+        assert got["state"]["w"].dtype == np.float64
+        with pytest.raises(KeyError, match="no checkpointer for item"):
+            mngr.save(3, {"other": tree})
+    with ocp.CheckpointManager(tmp_path / "one", ocp.PyTreeCheckpointer()) as mngr:
+        mngr.save(0, tree)
+        mngr.wait_until_finished()
+        np.testing.assert_array_equal(mngr.restore(0)["w"], tree["w"])
+
+
+def test_manager_metadata_is_kept(tmp_path):
+    with ocp.CheckpointManager(tmp_path, metadata={"model": "mlp", "width": 8}) as mngr:
+        assert mngr.metadata() == {"model": "mlp", "width": 8}
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        assert mngr.metadata() == {"model": "mlp", "width": 8}
+    with pytest.raises(TypeError, match="JSON-able"):
+        ocp.CheckpointManager(tmp_path / "b", metadata={"f": object()})
 
 
 # --- utils ---

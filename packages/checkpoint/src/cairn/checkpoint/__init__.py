@@ -38,7 +38,8 @@ from cairn.checkpoint._leaf_args import (
     SaveArgs,
     Transform,
 )
-from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
+from cairn.checkpoint._manager import CheckpointManagerOptions
+from cairn.checkpoint._orbax_manager import CheckpointManager
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors

@@ -74,6 +74,21 @@ class Checkpointer(_BackgroundSaver):
             return None if save_args is None else _args.PyTreeSave(item, save_args=save_args)
         return self._handler.save_args(item, **({"save_args": save_args} if save_args is not None else {}))
 
+    def _item_save_args(self, item: Any, save_args: Any) -> _args.CheckpointArgs:
+        """The save args of ``item`` as this checkpointer's handler gives them (a
+        CheckpointManager with Orbax's dict of checkpointers uses it)."""
+        return self._save_args(item, None, save_args) or _args.StandardSave(item)
+
+    def _item_restore_args(self, item: Any, restore_args: Any) -> _args.CheckpointArgs | None:
+        """The restore args of target ``item`` (``None``: restore as saved)."""
+        if isinstance(item, _args.CheckpointArgs):
+            return item
+        if restore_args is not None:
+            return _args.PyTreeRestore(item, restore_args=restore_args)
+        if item is None:
+            return None
+        return (self._handler or StandardCheckpointHandler()).restore_args(item)
+
     def save(
         self,
         directory: str | os.PathLike,
