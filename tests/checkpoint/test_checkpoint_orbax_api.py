@@ -359,3 +359,46 @@ def test_composite_item_names_must_be_plain_file_names(tmp_path, name):
     with pytest.raises(ValueError, match="item name .* must be a plain file-name part"):
         ck.save(tmp_path / "c", args=ocp.args.Composite({name: ocp.args.JsonSave(1)}))
     assert not (tmp_path / "c").exists()
+
+
+def test_handlers_save_restore_and_metadata_without_a_checkpointer(tmp_path):
+    tree = {"a": np.arange(3), "b": {"c": np.ones((2, 2), np.float32)}}
+    h = ocp.StandardCheckpointHandler()
+    h.save(tmp_path / "s", args=ocp.args.StandardSave(tree))
+    got = h.restore(tmp_path / "s", args=ocp.args.StandardRestore({"a": np.zeros(3, np.float32), "b": {"c": np.zeros((2, 2), np.float32)}}))
+    assert got["a"].dtype == np.float32 and got["a"].tolist() == [0, 1, 2]
+    assert h.metadata(tmp_path / "s")["b/c"].shape == (2, 2)
+    j = ocp.JsonCheckpointHandler()
+    j.save(tmp_path / "j", {"lr": 0.5})
+    assert j.restore(tmp_path / "j") == {"lr": 0.5}
+    c = ocp.CompositeCheckpointHandler()
+    c.save(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.StandardSave(tree), cfg=ocp.args.JsonSave([1])))
+    back = c.restore(tmp_path / "c")
+    assert back.cfg == [1] and back.state["b"]["c"].sum() == 4
+    with pytest.raises(TypeError, match="either the item or args"):
+        h.save(tmp_path / "t", tree, args=ocp.args.StandardSave(tree))
+
+
+def test_args_subclass_and_register_with_handler(tmp_path):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class MySave(ocp.args.StandardSave):  # Orbax's args are plain dataclasses: subclassable
+        note: str = ""
+
+    @ocp.args.register_with_handler(ocp.JsonCheckpointHandler, for_save=True)
+    @dataclasses.dataclass
+    class ConfigSave(ocp.args.CheckpointArgs):
+        item: dict
+
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=ocp.args.Composite(state=MySave({"w": np.arange(2)}, note="x"), cfg=ConfigSave({"k": 1})))
+        mngr.wait_until_finished()
+        got = mngr.restore(0)
+    assert got.cfg == {"k": 1} and got.state["w"].tolist() == [0, 1]
+    assert ocp.args.get_registered_handler_cls(ConfigSave) is ocp.JsonCheckpointHandler
+    with pytest.raises(ValueError, match="exactly one"):
+        ocp.args.register_with_handler(ocp.JsonCheckpointHandler)
+    with pytest.raises(ocp.StepAlreadyExistsError):
+        with ocp.CheckpointManager(tmp_path) as mngr:
+            mngr.save(0, args=ocp.args.StandardSave({"w": np.arange(2)}), force=True)

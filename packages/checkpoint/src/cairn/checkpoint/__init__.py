@@ -19,6 +19,7 @@ from cairn.checkpoint._errors import (
     CheckpointError,
     CheckpointWriteError,
     ChecksumError,
+    StepAlreadyExistsError,
     SyncTimeoutError,
     TargetMismatchError,
 )
@@ -39,7 +40,7 @@ from cairn.checkpoint._leaf_args import (
     Transform,
 )
 from cairn.checkpoint._manager import CheckpointManagerOptions
-from cairn.checkpoint._orbax_manager import CheckpointManager
+from cairn.checkpoint._orbax_manager import DEFAULT_ITEM_NAME, METADATA_ITEM_NAME, CheckpointManager
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
@@ -47,6 +48,8 @@ from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_ITEM_NAME",
+    "METADATA_ITEM_NAME",
     "PLACEHOLDER",
     "PREEMPTION_EXIT_CODE",
     "ArrayCheckpointHandler",
@@ -71,6 +74,7 @@ __all__ = [
     "SaveArgs",
     "StandardCheckpointHandler",
     "StandardCheckpointer",
+    "StepAlreadyExistsError",
     "SyncTimeoutError",
     "TargetMismatchError",
     "Transform",

@@ -23,7 +23,7 @@ from cairn.checkpoint import (
     _tree,
 )
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
-from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
+from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError, StepAlreadyExistsError
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.core_array import is_checkpointable
 
@@ -653,7 +653,7 @@ class CheckpointManager(_BackgroundSaver):
             tier = self._tiers[1]
         copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == tier.directory]
         if self._intact_dir(step, copies) is not None:
-            raise FileExistsError(f"step {step} already exists in {tier.directory}")
+            raise StepAlreadyExistsError(f"step {step} already exists in {tier.directory}")
         return tier, copies
 
     def _capture(

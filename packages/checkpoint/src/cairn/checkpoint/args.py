@@ -11,6 +11,8 @@ from cairn.checkpoint._args import (
     PyTreeSave,
     StandardRestore,
     StandardSave,
+    get_registered_handler_cls,
+    register_with_handler,
 )
 
 __all__ = [
@@ -24,4 +26,6 @@ __all__ = [
     "PyTreeSave",
     "StandardRestore",
     "StandardSave",
+    "get_registered_handler_cls",
+    "register_with_handler",
 ]
