@@ -39,7 +39,12 @@ from cairn.checkpoint._leaf_args import (
     SaveArgs,
     Transform,
 )
-from cairn.checkpoint._manager import CheckpointManagerOptions
+from cairn.checkpoint._manager import (
+    AsyncOptions,
+    CheckpointManagerOptions,
+    FileOptions,
+    MultiprocessingOptions,
+)
 from cairn.checkpoint._orbax_manager import DEFAULT_ITEM_NAME, METADATA_ITEM_NAME, CheckpointManager
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
@@ -50,10 +55,12 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_ITEM_NAME",
     "METADATA_ITEM_NAME",
+    "MultiprocessingOptions",
     "PLACEHOLDER",
     "PREEMPTION_EXIT_CODE",
     "ArrayCheckpointHandler",
     "ArrayRestoreArgs",
+    "AsyncOptions",
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -64,6 +71,7 @@ __all__ = [
     "Checkpointer",
     "ChecksumError",
     "CompositeCheckpointHandler",
+    "FileOptions",
     "GOODPUT_FILE",
     "GoodputRecorder",
     "JsonCheckpointHandler",

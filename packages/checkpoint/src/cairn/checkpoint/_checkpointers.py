@@ -10,6 +10,7 @@ device data is on the host and commits in the background. ``StandardCheckpointer
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, ClassVar
 
@@ -148,11 +149,14 @@ class Checkpointer(_BackgroundSaver):
             os.path.join(directory, _items.ITEMS_FILE)
         ):
             return restore(directory, item, **kwargs)
+        handler = self._handler or StandardCheckpointHandler()
+        # Orbax's older keyword form: the handler's restore-args fields (restore_args=, transforms=...)
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _restore_fields(handler)}
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)} (pass args=ocp.args...)")
-        if args is None and item is not None:
+        if args is None and (item is not None or fields):
             extra = {"strict": strict} if isinstance(self._handler, StandardCheckpointHandler) else {}
-            args = (self._handler or StandardCheckpointHandler()).restore_args(item, **extra)
+            args = handler.restore_args(item, **extra, **fields)
         _require_committed(directory)
         return _items.restore(directory, args)
 
@@ -205,3 +209,9 @@ class PyTreeCheckpointer(Checkpointer):
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)
+
+
+def _restore_fields(handler: CheckpointHandler) -> set[str]:
+    """The field names of ``handler``'s restore args other than ``item``."""
+    t = handler.restore_type
+    return {f.name for f in dataclasses.fields(t)} - {"item"} if dataclasses.is_dataclass(t) else set()

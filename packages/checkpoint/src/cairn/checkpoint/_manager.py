@@ -34,6 +34,67 @@ _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
 @dataclass(frozen=True)
+class AsyncOptions:
+    """Options of the background part of a save (Orbax's ``AsyncOptions``).
+
+    Attributes:
+      timeout_secs: how long a process waits at a barrier of an async save; when given it
+        sets ``CheckpointManagerOptions.timeout_secs``.
+      post_finalization_callback: called (no arguments) after each save is committed, in
+        the thread that committed it.
+      create_directories_asynchronously: accepted; the step's temporary directory is
+        always made before ``save`` returns (so a crash leaves it for the cleanup).
+    """
+
+    timeout_secs: float | None = None
+    post_finalization_callback: Callable[[], None] | None = None
+    create_directories_asynchronously: bool = True
+
+    def __post_init__(self) -> None:
+        if self.post_finalization_callback is not None and not callable(self.post_finalization_callback):
+            raise TypeError("post_finalization_callback must be callable")
+
+
+@dataclass(frozen=True)
+class MultiprocessingOptions:
+    """Which processes take part (Orbax's ``MultiprocessingOptions``).
+
+    Attributes:
+      primary_host: the process that writes shared metadata; only ``0`` (every
+        ``jax.distributed`` process saves, process 0 commits).
+      active_processes: only ``None`` (all processes).
+      barrier_sync_key_prefix: accepted; barrier names already include the directory.
+    """
+
+    primary_host: int | None = 0
+    active_processes: frozenset[int] | None = None
+    barrier_sync_key_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.primary_host != 0:
+            raise NotImplementedError(f"MultiprocessingOptions(primary_host={self.primary_host!r}): only 0 is supported")
+        if self.active_processes is not None:
+            raise NotImplementedError("MultiprocessingOptions(active_processes=...) is not supported: all processes save")
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """File-system options (Orbax's ``FileOptions``).
+
+    Attributes:
+      path_permission_mode: only ``None`` (directories get the process's umask).
+      skip_sync_file_validations: accepted; every metadata file is always checksummed.
+    """
+
+    path_permission_mode: int | None = None
+    skip_sync_file_validations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.path_permission_mode is not None:
+            raise NotImplementedError("FileOptions(path_permission_mode=...) is not supported")
+
+
+@dataclass(frozen=True)
 class CheckpointManagerOptions:
     """How often to save and what to keep (names follow Orbax's ``CheckpointManagerOptions``).
 
@@ -86,6 +147,9 @@ class CheckpointManagerOptions:
       todelete_subdir: retention and :meth:`CheckpointManager.delete` move steps into
         this subdirectory of ``directory`` instead of deleting them (for a storage
         system's own expiry, e.g. a TTL'd folder).
+      async_options: an :class:`AsyncOptions` (its ``timeout_secs`` sets ``timeout_secs``).
+      multiprocessing_options: a :class:`MultiprocessingOptions`.
+      file_options: a :class:`FileOptions`.
       read_only: the manager never writes (``save`` answers ``False`` with a warning),
         creates or cleans nothing: ``save_interval_steps=0``, no retention, ``create`` and
         ``cleanup_tmp_directories`` false, as in Orbax.
@@ -117,6 +181,9 @@ class CheckpointManagerOptions:
     keep_time_interval: datetime.timedelta | None = None
     todelete_subdir: str | None = None
     read_only: bool = False
+    async_options: AsyncOptions | None = None
+    multiprocessing_options: MultiprocessingOptions | None = None
+    file_options: FileOptions | None = None
 
     def __post_init__(self) -> None:
         if self.read_only:  # what a read-only manager may not do, switched off (as in Orbax)
@@ -125,6 +192,13 @@ class CheckpointManagerOptions:
                                 ("save_on_steps", None), ("todelete_subdir", None), ("should_save_fn", None)):
                 object.__setattr__(self, name, value)
         object.__setattr__(self, "save_on_steps", frozenset(int(s) for s in self.save_on_steps or ()))
+        for name, cls in (("async_options", AsyncOptions), ("multiprocessing_options", MultiprocessingOptions),
+                          ("file_options", FileOptions)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        if self.async_options is not None and self.async_options.timeout_secs is not None:
+            object.__setattr__(self, "timeout_secs", float(self.async_options.timeout_secs))
         if self.should_save_fn is not None and not callable(self.should_save_fn):
             raise TypeError(f"should_save_fn must be callable, got {type(self.should_save_fn).__name__}")
         if self.keep_time_interval is not None and not isinstance(self.keep_time_interval, datetime.timedelta):
@@ -630,6 +704,8 @@ class CheckpointManager(_BackgroundSaver):
                 write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
                 if _multihost.is_primary():
                     self._apply_retention(tier)
+                if o.async_options is not None and o.async_options.post_finalization_callback is not None:
+                    o.async_options.post_finalization_callback()
             except Exception as err:
                 if tier.name != "local":
                     raise
