@@ -122,6 +122,7 @@ PEERS: dict[str, dict[str, Any]] = {
         # Orbax's public modules that split its top-level names by topic; Cairn keeps them in
         # one namespace (the args in cairn.checkpoint.args)
         "modules": {"orbax.checkpoint": "cairn.checkpoint", "orbax.checkpoint.checkpoint_args": "cairn.checkpoint.args",
+                    "orbax.checkpoint.tree": "cairn.checkpoint.utils",
                     **{f"orbax.checkpoint.{m}": "cairn.checkpoint" for m in (
                         "checkpoint_manager", "checkpointers", "handlers", "transform_utils", "options")}},
         # the tests' helper modules (sharded test trees, tree asserts, the test bases that

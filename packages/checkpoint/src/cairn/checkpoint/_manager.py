@@ -147,6 +147,10 @@ class CheckpointManagerOptions:
       todelete_subdir: retention and :meth:`CheckpointManager.delete` move steps into
         this subdirectory of ``directory`` instead of deleting them (for a storage
         system's own expiry, e.g. a TTL'd folder).
+      step_format_fixed_length: step directories are named with the step zero-padded to
+        this many digits (``00000010``); steps are listed whatever their padding.
+      enable_background_delete: accepted; with ``enable_async`` retention already deletes
+        in the background thread that commits the save.
       async_options: an :class:`AsyncOptions` (its ``timeout_secs`` sets ``timeout_secs``).
       multiprocessing_options: a :class:`MultiprocessingOptions`.
       file_options: a :class:`FileOptions`.
@@ -181,6 +185,8 @@ class CheckpointManagerOptions:
     keep_time_interval: datetime.timedelta | None = None
     todelete_subdir: str | None = None
     read_only: bool = False
+    step_format_fixed_length: int | None = None
+    enable_background_delete: bool = False
     async_options: AsyncOptions | None = None
     multiprocessing_options: MultiprocessingOptions | None = None
     file_options: FileOptions | None = None
@@ -203,8 +209,11 @@ class CheckpointManagerOptions:
             raise TypeError(f"should_save_fn must be callable, got {type(self.should_save_fn).__name__}")
         if self.keep_time_interval is not None and not isinstance(self.keep_time_interval, datetime.timedelta):
             raise TypeError(f"keep_time_interval must be a datetime.timedelta, got {self.keep_time_interval!r}")
-        if self.todelete_subdir is not None and not _ITEM_NAME.fullmatch(self.todelete_subdir):
-            raise ValueError(f"todelete_subdir {self.todelete_subdir!r} must be a plain file-name part")
+        sub = self.todelete_subdir
+        if sub is not None and (not sub or os.path.isabs(sub) or ".." in sub.replace("\\", "/").split("/")):
+            raise ValueError(f"todelete_subdir {sub!r} must be a relative path inside the directory (no '..')")
+        if self.step_format_fixed_length is not None and self.step_format_fixed_length < 1:
+            raise ValueError(f"step_format_fixed_length must be >= 1 or None, got {self.step_format_fixed_length}")
         object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
         if self.preemption_sync_interval_steps < 1:
             raise ValueError(
@@ -327,8 +336,9 @@ class CheckpointManager(_BackgroundSaver):
 
     # --- listing ---
     def _step_name(self, step: int) -> str:
-        p = self._options.step_prefix
-        return f"{p}_{step}" if p else str(step)
+        p, width = self._options.step_prefix, self._options.step_format_fixed_length
+        digits = str(step).zfill(width) if width else str(step)
+        return f"{p}_{digits}" if p else digits
 
     def _committed(self, tier: _Tier) -> dict[int, str]:
         """Step directories with a ``COMMIT`` marker (intact or not)."""

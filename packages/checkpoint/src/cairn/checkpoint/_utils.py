@@ -45,3 +45,65 @@ def erase_and_create_empty(directory: str | os.PathLike) -> pathlib.Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
+
+
+def _key_name(key: Any) -> str:
+    """One JAX key-path entry as text: a dict key, a sequence index, an attribute name."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    raise ValueError(f"unsupported pytree key entry {key!r}")
+
+
+def _is_empty_or_leaf(x: Any) -> bool:
+    return x is None or (isinstance(x, (dict, list, tuple)) and len(x) == 0)
+
+
+def to_flat_dict(tree: Any, sep: str | None = None, keep_empty_nodes: bool = False,
+                 is_leaf: Any = None) -> dict[Any, Any]:
+    """``tree`` as a flat dict keyed by the tuple of each leaf's keys (as text), or by the
+    keys joined with ``sep`` (Orbax's ``tree.to_flat_dict``).
+
+    Args:
+      tree: any pytree (dicts, lists, tuples, registered nodes).
+      sep: join each key tuple with this string; ``None`` keeps tuples.
+      keep_empty_nodes: keep ``None`` and empty containers as leaves (dropped otherwise).
+      is_leaf: a predicate that stops the walk (overrides ``keep_empty_nodes``).
+
+    >>> to_flat_dict({"a": 1, "b": {"c": [2, 3], "d": {}}})
+    {('a',): 1, ('b', 'c', '0'): 2, ('b', 'c', '1'): 3}
+    >>> to_flat_dict({"b": {"c": 2, "d": {}}}, sep="/", keep_empty_nodes=True)
+    {'b/c': 2, 'b/d': {}}
+    """
+    if is_leaf is None and keep_empty_nodes:
+        is_leaf = _is_empty_or_leaf
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    out = {tuple(_key_name(k) for k in path): v for path, v in flat}
+    return out if sep is None else {sep.join(k): v for k, v in out.items()}
+
+
+def from_flat_dict(flat_dict: dict[Any, Any], target: Any = None, sep: str | None = None) -> Any:
+    """Inverse of :func:`to_flat_dict`: nested dicts, or ``target``'s structure filled by path.
+
+    Args:
+      flat_dict: keys are tuples of key names (or ``sep``-joined strings).
+      target: a pytree whose structure and key paths to fill; ``None`` builds nested dicts.
+      sep: the separator the keys were joined with.
+
+    >>> from_flat_dict({("a",): 1, ("b", "c"): 2})
+    {'a': 1, 'b': {'c': 2}}
+    """
+    items = {tuple(k.split(sep)) if sep is not None else tuple(k): v for k, v in flat_dict.items()}
+    if target is None:
+        out: dict[str, Any] = {}
+        for path, v in items.items():
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = v
+        return out
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    missing = [p for p, _ in flat if tuple(_key_name(k) for k in p) not in items]
+    if missing:
+        raise KeyError(f"from_flat_dict: the target's paths {missing[:5]} are not in the flat dict")
+    return jax.tree_util.tree_unflatten(treedef, [items[tuple(_key_name(k) for k in p)] for p, _ in flat])
