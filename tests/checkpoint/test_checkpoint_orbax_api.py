@@ -401,4 +401,52 @@ def test_args_subclass_and_register_with_handler(tmp_path):
         ocp.args.register_with_handler(ocp.JsonCheckpointHandler)
     with pytest.raises(ocp.StepAlreadyExistsError):
         with ocp.CheckpointManager(tmp_path) as mngr:
-            mngr.save(0, args=ocp.args.StandardSave({"w": np.arange(2)}), force=True)
+            mngr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.arange(2)})), force=True)
+
+
+def test_manager_refuses_mixing_one_item_and_named_items(tmp_path):
+    tree = {"w": np.arange(2)}
+    with ocp.CheckpointManager(tmp_path / "a") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(tree))
+        with pytest.raises(ValueError, match="holds one unnamed item"):
+            mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+    with ocp.CheckpointManager(tmp_path / "a") as mngr:  # the newest step says which
+        with pytest.raises(ValueError, match="holds one unnamed item"):
+            mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+        with pytest.raises(ValueError, match="args="):
+            mngr.save(1, ocp.args.StandardSave(tree))
+    with ocp.CheckpointManager(tmp_path / "b", item_names=("state",)) as mngr:
+        with pytest.raises(ValueError, match="not among item_names"):
+            mngr.save(0, args=ocp.args.Composite(other=ocp.args.StandardSave(tree)))
+        with pytest.raises(ValueError, match="holds named items"):
+            mngr.save(0, args=ocp.args.StandardSave(tree))
+
+
+def test_utils_flat_dicts_and_gcs_paths():
+    tree = {"a": 1, "b": {"c": [2, 3], "d": {}}}
+    flat = ocp.utils.to_flat_dict(tree)
+    assert flat == {("a",): 1, ("b", "c", "0"): 2, ("b", "c", "1"): 3}
+    assert ocp.utils.to_flat_dict(tree, sep="/", keep_empty_nodes=True)["b/d"] == {}
+    assert ocp.utils.from_flat_dict({("a",): 1, ("b", "c"): 2}) == {"a": 1, "b": {"c": 2}}
+    assert ocp.utils.from_flat_dict({"x/0": 5, "x/1": 6}, target={"x": [0, 0]}, sep="/") == {"x": [5, 6]}
+    with pytest.raises(KeyError, match="not in the flat dict"):
+        ocp.utils.from_flat_dict({}, target={"x": 1})
+    assert ocp.utils.is_gcs_path("gs://b/c") and not ocp.utils.is_gcs_path("/tmp/c")
+
+
+def test_options_async_multiprocessing_file_and_step_format(tmp_path):
+    done = []
+    options = ocp.CheckpointManagerOptions(
+        step_format_fixed_length=4, async_options=ocp.AsyncOptions(timeout_secs=30, post_finalization_callback=lambda: done.append(1)))
+    assert options.timeout_secs == 30
+    with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+        mngr.save(7, args=ocp.args.StandardSave({"w": np.arange(2)}))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [7] and done == [1]
+    assert (tmp_path / "0007").is_dir()
+    with pytest.raises(NotImplementedError, match="primary_host"):
+        ocp.MultiprocessingOptions(primary_host=1)
+    with pytest.raises(NotImplementedError, match="path_permission_mode"):
+        ocp.FileOptions(path_permission_mode=0o750)
+    with pytest.raises(TypeError, match="async_options must be a AsyncOptions"):
+        ocp.CheckpointManagerOptions(async_options=30)

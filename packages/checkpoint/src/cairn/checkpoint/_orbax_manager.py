@@ -83,6 +83,13 @@ class CheckpointManager(_manager.CheckpointManager):
         self._checkpointers = checkpointers
         self._item_handlers = item_handlers
         self._metadata = None if metadata is None else _json_metadata(self.directory, metadata, self._options)
+        # Orbax's rule: a manager holds either one unnamed item or named items, never both
+        # (None: not known until the first save, or the newest step, says which)
+        self._single: bool | None = None
+        if item_names is not None or isinstance(item_handlers, Mapping):
+            self._single = False
+        elif isinstance(item_handlers, CheckpointHandler):
+            self._single = True
 
     def metadata(self) -> Mapping[str, Any]:
         """The ``metadata`` given when the directory's first manager was made (``{}`` if none)."""
@@ -117,8 +124,30 @@ class CheckpointManager(_manager.CheckpointManager):
         if args is None and items is not None and self._checkpointers is not None:
             args = self._legacy_args(items, save_kwargs)
             items = None
+        elif isinstance(items, _args.CheckpointArgs):
+            raise ValueError(f"ocp.args go in save(step, args=...), not as items (got {type(items).__name__})")
         named, single = _named_items(items, args)
+        self._check_layout(single, named if args is not None else {})
         return self._save(step, lambda: _core_items(named), metrics, force=force, single=single)
+
+    def _check_layout(self, single: bool, named: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError``) a save whose layout (one unnamed item, or named items)
+        differs from this manager's, or whose item names are not among ``item_names``."""
+        if self._single is None and self._checkpointers is None:
+            latest = self.latest_step()
+            if latest is not None:
+                meta = self._step_meta(latest)
+                self._single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM_NAME}
+        if self._single is not None and self._single != single:
+            held = "one unnamed item (args=StandardSave(...) and the like)" if self._single else "named items"
+            raise ValueError(f"this manager holds {held}; save it the same way (as Orbax requires)")
+        self._single = single
+        if not single and self.item_names is not None:
+            unknown = sorted(set(named) - set(self.item_names))
+            if unknown:
+                raise ValueError(
+                    f"items {unknown} do not match with any registered handler: not among item_names {list(self.item_names)}"
+                )
 
     def _legacy_args(self, items: Any, save_kwargs: Mapping[str, Any] | None) -> _args.CheckpointArgs:
         """Orbax's older ``save(step, items)``: each item wrapped in its checkpointer's args."""

@@ -107,3 +107,16 @@ def from_flat_dict(flat_dict: dict[Any, Any], target: Any = None, sep: str | Non
     if missing:
         raise KeyError(f"from_flat_dict: the target's paths {missing[:5]} are not in the flat dict")
     return jax.tree_util.tree_unflatten(treedef, [items[tuple(_key_name(k) for k in p)] for p, _ in flat])
+
+
+def is_gcs_path(path: Any) -> bool:
+    """Whether ``path`` names Google Cloud Storage (``gs://...``); cairn.checkpoint writes
+    only local or mounted file systems.
+
+    Args:
+      path: a path or a string.
+
+    >>> is_gcs_path("gs://bucket/ckpt"), is_gcs_path("/tmp/ckpt")
+    (True, False)
+    """
+    return os.fspath(path).startswith("gs://") if isinstance(path, (str, os.PathLike)) else False
