@@ -3,6 +3,7 @@ raising errors that name the path or argument. The tutorials themselves, run aga
 Orbax, are in tests/compat/test_compat_orbax_tutorials.py."""
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -450,3 +451,35 @@ def test_options_async_multiprocessing_file_and_step_format(tmp_path):
         ocp.FileOptions(path_permission_mode=0o750)
     with pytest.raises(TypeError, match="async_options must be a AsyncOptions"):
         ocp.CheckpointManagerOptions(async_options=30)
+
+
+def test_a_users_own_handler_is_written_and_committed_by_checkpointers(tmp_path):
+    import concurrent.futures
+    import json as _json
+
+    class TextHandler(ocp.AsyncCheckpointHandler):  # stores its item as one text file
+        def __init__(self, pool):
+            self.pool, self.finalized = pool, []
+
+        def save(self, directory, args):
+            (pathlib.Path(directory) / "v.txt").write_text(_json.dumps(args.item))
+
+        async def async_save(self, directory, args):
+            return [self.pool.submit(self.save, directory, args)]
+
+        def restore(self, directory, args=None):
+            return _json.loads((pathlib.Path(directory) / "v.txt").read_text())
+
+        def finalize(self, directory):
+            self.finalized.append(os.path.basename(directory))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for cls in (ocp.Checkpointer, ocp.AsyncCheckpointer):
+            h = TextHandler(pool)
+            with cls(h) as ckptr:
+                ckptr.save(tmp_path / cls.__name__, args=ocp.args.JsonSave({"a": [1, 2]}))
+                ckptr.wait_until_finished()
+                assert ckptr.restore(tmp_path / cls.__name__) == {"a": [1, 2]}
+            assert len(h.finalized) == 1 and (tmp_path / cls.__name__ / "COMMIT").exists()
+            with pytest.raises(FileExistsError), cls(h) as ckptr:
+                ckptr.save(tmp_path / cls.__name__, args=ocp.args.JsonSave({}))

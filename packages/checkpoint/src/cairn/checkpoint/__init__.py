@@ -26,6 +26,7 @@ from cairn.checkpoint._errors import (
 from cairn.checkpoint._goodput import GOODPUT_FILE, GoodputRecorder
 from cairn.checkpoint._handlers import (
     ArrayCheckpointHandler,
+    AsyncCheckpointHandler,
     CheckpointHandler,
     CompositeCheckpointHandler,
     JsonCheckpointHandler,
@@ -61,6 +62,7 @@ __all__ = [
     "ArrayCheckpointHandler",
     "ArrayRestoreArgs",
     "AsyncOptions",
+    "AsyncCheckpointHandler",
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",

@@ -10,6 +10,7 @@ device data is on the host and commits in the background. ``StandardCheckpointer
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from cairn.checkpoint._handlers import (
     CheckpointHandler,
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
+    is_custom,
 )
 
 
@@ -75,6 +77,11 @@ class Checkpointer(_BackgroundSaver):
             return None if save_args is None else _args.PyTreeSave(item, save_args=save_args)
         return self._handler.save_args(item, **({"save_args": save_args} if save_args is not None else {}))
 
+    @property
+    def handler(self) -> CheckpointHandler | None:
+        """The handler given at construction (``None``: cairn's own calling convention)."""
+        return self._handler
+
     def _item_save_args(self, item: Any, save_args: Any) -> _args.CheckpointArgs:
         """The save args of ``item`` as this checkpointer's handler gives them (a
         CheckpointManager with Orbax's dict of checkpointers uses it)."""
@@ -108,6 +115,9 @@ class Checkpointer(_BackgroundSaver):
         """
         self._bg.wait()
         final = os.path.abspath(os.fspath(directory))
+        if is_custom(self._handler):
+            self._save_custom(final, item if args is None else args, force)
+            return
         a = self._save_args(item, args, save_args)
         copy = self.asynchronous
         if a is None:
@@ -121,6 +131,31 @@ class Checkpointer(_BackgroundSaver):
                 lambda: _items.write(tmp, captured, compression=compression, composite=composite),
                 tmp, final, force, _items.verify,
             )
+
+        if self.asynchronous:
+            self._bg.start(tail, final)
+        else:
+            tail()
+
+    def _save_custom(self, final: str, args: Any, force: bool) -> None:
+        """A user's handler writes a temporary directory (``async_save`` in the caller's
+        thread when asynchronous, then its futures are awaited in the background), is
+        finalized, and the directory is committed atomically."""
+        handler = self._handler
+        tmp = _prepare_tmp(final, force)
+        pending: list[Any] = []
+        if self.asynchronous:
+            pending = list(asyncio.run(handler.async_save(tmp, args=args)) or [])  # type: ignore[union-attr]
+
+        def write() -> None:
+            if not self.asynchronous:
+                handler.save(tmp, args=args)  # type: ignore[union-attr]
+            for f in pending:
+                f.result()
+            handler.finalize(tmp)  # type: ignore[union-attr]
+
+        def tail() -> None:
+            write_and_commit(write, tmp, final, force, lambda _d: None)
 
         if self.asynchronous:
             self._bg.start(tail, final)
@@ -145,6 +180,9 @@ class Checkpointer(_BackgroundSaver):
         directory = os.fspath(directory)
         if isinstance(item, _args.CheckpointArgs) and args is None:
             item, args = None, item
+        if is_custom(self._handler):
+            _require_committed(directory)
+            return self._handler.restore(directory, args=args if args is not None else item)  # type: ignore[union-attr]
         if args is None and self._handler is None and not os.path.isfile(
             os.path.join(directory, _items.ITEMS_FILE)
         ):

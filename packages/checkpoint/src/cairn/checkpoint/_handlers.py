@@ -65,6 +65,17 @@ class CheckpointHandler:
             args = self.restore_args(item, **kwargs)
         return _items.restore(os.fspath(directory), args)
 
+    async def async_save(self, directory: Any, args: _args.CheckpointArgs | None = None) -> list[Any]:
+        """Orbax's asynchronous form of :meth:`save`: writes, then returns the futures of
+        work still running (none: the write is done when the coroutine returns).
+
+        Args:
+          directory: the folder to write into.
+          args: the save args.
+        """
+        self.save(directory, args=args)
+        return []
+
     def metadata(self, directory: Any) -> Any:
         """Every saved path's :class:`~cairn.checkpoint.LeafMetadata` (per item for a
         composite; ``"json"`` for JSON items), without reading array data.
@@ -135,3 +146,24 @@ class CompositeCheckpointHandler(CheckpointHandler):
             "a Checkpointer(CompositeCheckpointHandler()) restores with args=ocp.args.Composite(...) "
             f"or no args, got {type(item).__name__}"
         )
+
+
+class AsyncCheckpointHandler(CheckpointHandler):
+    """Base of a user's own handler (Orbax's ``AsyncCheckpointHandler``): subclass it and
+    define ``save(directory, args)`` (or ``async def async_save`` returning futures),
+    ``restore(directory, args)`` and optionally ``finalize(directory)``. A
+    :class:`~cairn.checkpoint.Checkpointer` around it calls them on a temporary directory
+    and commits it atomically, as for its own formats."""
+
+
+BUILTIN_HANDLERS = (StandardCheckpointHandler, PyTreeCheckpointHandler, ArrayCheckpointHandler,
+                    JsonCheckpointHandler, CompositeCheckpointHandler)
+
+
+def is_custom(handler: Any) -> bool:
+    """Whether ``handler`` stores data itself (a user's subclass that overrides ``save``,
+    ``async_save`` or ``restore``) rather than through cairn's formats."""
+    if handler is None or type(handler) in BUILTIN_HANDLERS:
+        return False
+    cls = type(handler)
+    return any(getattr(cls, m) is not getattr(CheckpointHandler, m) for m in ("save", "async_save", "restore"))

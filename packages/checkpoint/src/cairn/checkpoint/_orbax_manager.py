@@ -91,6 +91,10 @@ class CheckpointManager(_manager.CheckpointManager):
         elif isinstance(item_handlers, CheckpointHandler):
             self._single = True
 
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save's background part (write, commit, retention) is still running."""
+        return self._bg.busy()
+
     def metadata(self) -> Mapping[str, Any]:
         """The ``metadata`` given when the directory's first manager was made (``{}`` if none)."""
         return dict(self._metadata or _read_metadata(self.directory) or {})
