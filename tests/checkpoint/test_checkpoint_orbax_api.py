@@ -301,9 +301,17 @@ def test_manager_legacy_dict_of_checkpointers(tmp_path):
 
 def test_manager_metadata_is_kept(tmp_path):
     with ocp.CheckpointManager(tmp_path, metadata={"model": "mlp", "width": 8}) as mngr:
-        assert mngr.metadata() == {"model": "mlp", "width": 8}
+        assert mngr.metadata().custom_metadata == {"model": "mlp", "width": 8}
+        mngr.save(3, args=ocp.args.StandardSave({"w": np.arange(2)}), metrics={"loss": 0.5},
+                  custom_metadata={"note": "warm"})
+        mngr.wait_until_finished()
+        step = mngr.metadata(3)
+        assert step.metrics == {"loss": 0.5} and step.custom_metadata == {"note": "warm"}
+        assert step.item_metadata["w"].shape == (2,) and step.init_timestamp_nsecs > 0
     with ocp.CheckpointManager(tmp_path) as mngr:
-        assert mngr.metadata() == {"model": "mlp", "width": 8}
+        assert mngr.metadata() == ocp.RootMetadata({"model": "mlp", "width": 8})
+    with ocp.CheckpointManager(tmp_path / "none") as mngr:
+        assert mngr.metadata().custom_metadata == {}
     with pytest.raises(TypeError, match="JSON-able"):
         ocp.CheckpointManager(tmp_path / "b", metadata={"f": object()})
 

@@ -46,7 +46,13 @@ from cairn.checkpoint._manager import (
     FileOptions,
     MultiprocessingOptions,
 )
-from cairn.checkpoint._orbax_manager import DEFAULT_ITEM_NAME, METADATA_ITEM_NAME, CheckpointManager
+from cairn.checkpoint._orbax_manager import (
+    DEFAULT_ITEM_NAME,
+    METADATA_ITEM_NAME,
+    CheckpointManager,
+    RootMetadata,
+    StepMetadata,
+)
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
@@ -81,10 +87,12 @@ __all__ = [
     "PyTreeCheckpointHandler",
     "PyTreeCheckpointer",
     "RestoreArgs",
+    "RootMetadata",
     "SaveArgs",
     "StandardCheckpointHandler",
     "StandardCheckpointer",
     "StepAlreadyExistsError",
+    "StepMetadata",
     "SyncTimeoutError",
     "TargetMismatchError",
     "Transform",

@@ -663,9 +663,11 @@ class CheckpointManager(_BackgroundSaver):
         *,
         force: bool,
         single: bool,
+        custom_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
         """:meth:`save`, with the items asked for only once the step is due; ``single``:
-        one unnamed item (restored alone)."""
+        one unnamed item (restored alone); ``custom_metadata``: a JSON-able dict kept in
+        the step's metadata."""
         self._bg.wait()
         step = int(step)
         if step < 0:
@@ -689,12 +691,15 @@ class CheckpointManager(_BackgroundSaver):
             return False
         kinds = {n: "pytree" if n in snaps else "json" if n in jsons else "state" for n in items}
         step_meta = {
+            "time": _now(),  # when save was called (keep_time_interval counts from it)
             "step": step,
             "version": _tree.FORMAT_VERSION,
             "tier": tier.name,
             "items": kinds,
             "metrics": metrics,
             "single": single,
+            "custom_metadata": None if custom_metadata is None else _json_item.jsonable(
+                dict(custom_metadata), f"custom_metadata of step {step}"),
         }
 
         def verify(d: str) -> None:  # remembered, so retention and listing need not re-read it
@@ -824,12 +829,14 @@ class CheckpointManager(_BackgroundSaver):
             meta = {
                 "step": step_meta["step"],
                 "version": step_meta["version"],
-                "time": time.time(),
+                "time": step_meta["time"],
                 "tier": step_meta["tier"],
                 "items": step_meta["items"],
                 "metrics": step_meta["metrics"],
                 "process_count": _multihost.process_count(),
             }
+            if step_meta["custom_metadata"] is not None:
+                meta["custom_metadata"] = step_meta["custom_metadata"]
             if step_meta["single"]:
                 meta["single"] = True
             _fs.write_json_durable(os.path.join(tmp, STEP_METADATA), meta)
@@ -994,6 +1001,11 @@ class CheckpointManager(_BackgroundSaver):
             )
         target.set_state(state)
         return target
+
+
+def _now() -> float:
+    """Seconds since the epoch, through ``datetime`` (the clock Orbax's tests set)."""
+    return datetime.datetime.now(datetime.UTC).timestamp()
 
 
 def _due(tier: _Tier, step: int) -> bool:

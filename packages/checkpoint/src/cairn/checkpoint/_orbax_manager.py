@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost
@@ -23,6 +24,34 @@ from cairn.core_array import is_checkpointable
 DEFAULT_ITEM_NAME = "default"
 #: The item name Orbax reserves for a manager's metadata (refused as an item name, as there).
 METADATA_ITEM_NAME = "metadata"
+
+
+@dataclass(frozen=True)
+class RootMetadata:
+    """What ``CheckpointManager.metadata()`` returns (Orbax's ``RootMetadata``).
+
+    Attributes:
+      custom_metadata: the ``metadata`` dict given to the directory's first manager.
+    """
+
+    custom_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What ``CheckpointManager.metadata(step)`` returns (Orbax's ``StepMetadata``).
+
+    Attributes:
+      item_metadata: the leaves' metadata of a one-item step, or a ``Composite`` of them by item.
+      metrics: the metrics saved with the step (``{}`` if none).
+      custom_metadata: the ``custom_metadata`` saved with the step (``{}`` if none).
+      init_timestamp_nsecs: when the save was called, in ns since the epoch.
+    """
+
+    item_metadata: Any = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    custom_metadata: dict[str, Any] = field(default_factory=dict)
+    init_timestamp_nsecs: int | None = None
 
 
 class CheckpointManager(_manager.CheckpointManager):
@@ -95,9 +124,24 @@ class CheckpointManager(_manager.CheckpointManager):
         """Whether a save's background part (write, commit, retention) is still running."""
         return self._bg.busy()
 
-    def metadata(self) -> Mapping[str, Any]:
-        """The ``metadata`` given when the directory's first manager was made (``{}`` if none)."""
-        return dict(self._metadata or _read_metadata(self.directory) or {})
+    def metadata(self, step: int | None = None) -> RootMetadata | StepMetadata:
+        """The manager's metadata, or one step's (Orbax's ``metadata(step=None)``).
+
+        Args:
+          step: ``None`` for the manager's :class:`RootMetadata` (the ``metadata`` given when
+            the directory's first manager was made, ``{}`` if none); a step number for its
+            :class:`StepMetadata`.
+        """
+        if step is None:
+            return RootMetadata(dict(self._metadata or _read_metadata(self.directory) or {}))
+        meta = self._step_meta(int(step))
+        items = self.item_metadata(int(step))
+        single = bool(meta.get("single")) and set(items) == {DEFAULT_ITEM_NAME}
+        return StepMetadata(
+            item_metadata=items[DEFAULT_ITEM_NAME] if single else _args.Composite(items),
+            metrics=meta.get("metrics") or {}, custom_metadata=meta.get("custom_metadata") or {},
+            init_timestamp_nsecs=int(meta["time"] * 1e9) if isinstance(meta.get("time"), (int, float)) else None,
+        )
 
     # --- saving ---
     def save(
@@ -120,11 +164,9 @@ class CheckpointManager(_manager.CheckpointManager):
           metrics: JSON-able numbers for ``best_fn``.
           force: save even if the step is not due.
           args: Orbax's ``ocp.args``: one item's (stored as ``"default"``) or a ``Composite``.
-          custom_metadata: not supported (a ``JsonSave`` item holds such data).
+          custom_metadata: a JSON-able dict kept with the step (``metadata(step).custom_metadata``).
           save_kwargs: Orbax's older per-item ``{"save_args": ...}``, by item name.
         """
-        if custom_metadata is not None:
-            raise NotImplementedError("save(custom_metadata=...) is not supported; pass metrics= or a JsonSave item")
         if args is None and items is not None and self._checkpointers is not None:
             args = self._legacy_args(items, save_kwargs)
             items = None
@@ -132,7 +174,8 @@ class CheckpointManager(_manager.CheckpointManager):
             raise ValueError(f"ocp.args go in save(step, args=...), not as items (got {type(items).__name__})")
         named, single = _named_items(items, args)
         self._check_layout(single, named if args is not None else {})
-        return self._save(step, lambda: _core_items(named), metrics, force=force, single=single)
+        return self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
+                          custom_metadata=custom_metadata)
 
     def _check_layout(self, single: bool, named: Mapping[str, Any]) -> None:
         """Refuse (``ValueError``) a save whose layout (one unnamed item, or named items)
