@@ -463,7 +463,9 @@ def test_options_async_multiprocessing_file_and_step_format(tmp_path):
 
 def test_a_users_own_handler_is_written_and_committed_by_checkpointers(tmp_path):
     import concurrent.futures
+    import dataclasses
     import json as _json
+    from typing import Any
 
     class TextHandler(ocp.AsyncCheckpointHandler):  # stores its item as one text file
         def __init__(self, pool):
@@ -491,3 +493,12 @@ def test_a_users_own_handler_is_written_and_committed_by_checkpointers(tmp_path)
             assert len(h.finalized) == 1 and (tmp_path / cls.__name__ / "COMMIT").exists()
             with pytest.raises(FileExistsError), cls(h) as ckptr:
                 ckptr.save(tmp_path / cls.__name__, args=ocp.args.JsonSave({}))
+
+    @ocp.args.register_with_handler(TextHandler, for_save=True)
+    @dataclasses.dataclass
+    class TextSave(ocp.args.CheckpointArgs):
+        item: Any
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, ocp.Checkpointer(TextHandler(pool)) as ckptr:
+        ckptr.save(tmp_path / "bare", [3, 4])  # a bare item is wrapped in the args registered with the handler
+        assert ckptr.restore(tmp_path / "bare") == [3, 4]

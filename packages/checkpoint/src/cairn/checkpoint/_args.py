@@ -221,6 +221,18 @@ def get_registered_handler_cls(args: Any) -> type | None:
     return None
 
 
+def wrap_for_handler(handler: Any, item: Any, for_save: bool) -> Any:
+    """``item`` wrapped in the args class registered with ``handler``'s class (or a base)
+    for a save (or a restore); ``item`` itself if it already is args or none is registered."""
+    if isinstance(item, CheckpointArgs):
+        return item
+    for base in type(handler).__mro__:
+        for cls, (h, save, restore) in _REGISTRY.items():
+            if h is base and (save if for_save else restore):
+                return cls(item)
+    return item
+
+
 # --- applying the arguments ---
 def to_saved_tree(args: CheckpointArgs, where: str) -> Any:
     """The tree (or JSON value) that save ``args`` save, with their ``SaveArgs`` applied."""

@@ -142,6 +142,7 @@ class Checkpointer(_BackgroundSaver):
         thread when asynchronous, then its futures are awaited in the background), is
         finalized, and the directory is committed atomically."""
         handler = self._handler
+        args = _args.wrap_for_handler(handler, args, for_save=True)
         tmp = _prepare_tmp(final, force)
         pending: list[Any] = []
         if self.asynchronous:
@@ -182,7 +183,8 @@ class Checkpointer(_BackgroundSaver):
             item, args = None, item
         if is_custom(self._handler):
             _require_committed(directory)
-            return self._handler.restore(directory, args=args if args is not None else item)  # type: ignore[union-attr]
+            wanted = args if args is not None else _args.wrap_for_handler(self._handler, item, for_save=False)
+            return self._handler.restore(directory, args=wanted)  # type: ignore[union-attr]
         if args is None and self._handler is None and not os.path.isfile(
             os.path.join(directory, _items.ITEMS_FILE)
         ):
