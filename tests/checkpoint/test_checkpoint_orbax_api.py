@@ -63,8 +63,27 @@ def test_save_args_validation():
         ocp.args.PyTreeSave({}, ocdbt_target_data_file_size=-1)
     with pytest.raises(NotImplementedError, match="support_layout"):
         ocp.args.StandardRestore(support_layout=True)
+
+
+def test_apply_transformations_in_memory_and_multi_value_fn_refused_by_restore(tmp_path):
+    original = {"a": 0, "b": 1, "c": {"a": 2, "e": 3}}
+    transforms = {
+        "a1": ocp.Transform(original_key="a"),
+        "e1": ocp.Transform(original_key="c/e", value_fn=lambda v: v * 10),
+        "f": ocp.Transform(use_fallback=True),
+        r"(.*)x(\d)": ocp.Transform(original_key=r"c/\1a"),
+        "s": ocp.Transform(multi_value_fn=lambda path, tree: tree["a"] + tree["c"]["e"]),
+    }
+    new = {"a1": None, "e1": None, "f": "fallback", "x1": None, "s": None, "c": {"a": None}, "g": 5}
+    got = ocp.apply_transformations(original, transforms, new)
+    assert got == {"a1": 0, "e1": 30, "f": "fallback", "x1": 2, "s": 3, "c": {"a": 2}, "g": 5}
+    assert ocp.apply_transformations(original, {}, {"c": {"a": 9}}, default_to_original=False) == {"c": {"a": 9}}
+    with pytest.raises(ValueError, match="reads 'zz'"):
+        ocp.apply_transformations(original, {"b": ocp.Transform(original_key="zz")}, {"b": None})
+    ocp.save(tmp_path / "c", {"a": np.arange(2)})
     with pytest.raises(NotImplementedError, match="multi_value_fn"):
-        ocp.Transform(multi_value_fn=lambda *a: a)
+        ocp.PyTreeCheckpointer().restore(tmp_path / "c", args=ocp.args.PyTreeRestore(
+            {"a": np.zeros(2)}, transforms={"a": ocp.Transform(multi_value_fn=lambda p, t: t)}))
 
 
 def test_restore_args_given_to_save_are_refused(tmp_path):
@@ -453,6 +472,9 @@ def test_options_async_multiprocessing_file_and_step_format(tmp_path):
         mngr.wait_until_finished()
         assert mngr.all_steps() == [7] and done == [1]
     assert (tmp_path / "0007").is_dir()
+    assert ocp.utils.get_save_directory(7, tmp_path, "default", step_format_fixed_length=4) == tmp_path / "0007" / "default"
+    assert (ocp.utils.get_save_directory(7, tmp_path, "default", step_format_fixed_length=4)).is_dir()
+    assert ocp.utils.get_save_directory(3, tmp_path, step_prefix="ckpt") == tmp_path / "ckpt_3"
     with pytest.raises(NotImplementedError, match="primary_host"):
         ocp.MultiprocessingOptions(primary_host=1)
     with pytest.raises(NotImplementedError, match="path_permission_mode"):

@@ -39,6 +39,7 @@ from cairn.checkpoint._leaf_args import (
     RestoreArgs,
     SaveArgs,
     Transform,
+    apply_transformations,
 )
 from cairn.checkpoint._manager import (
     AsyncOptions,
@@ -96,6 +97,7 @@ __all__ = [
     "SyncTimeoutError",
     "TargetMismatchError",
     "Transform",
+    "apply_transformations",
     "args",
     "load_safetensors",
     "metadata",

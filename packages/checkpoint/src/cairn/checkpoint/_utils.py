@@ -120,3 +120,29 @@ def is_gcs_path(path: Any) -> bool:
     (True, False)
     """
     return os.fspath(path).startswith("gs://") if isinstance(path, (str, os.PathLike)) else False
+
+
+def get_save_directory(step: int, directory: str | os.PathLike, name: str | None = None,
+                       step_prefix: str | None = None, override_directory: str | os.PathLike | None = None,
+                       step_format_fixed_length: int | None = None) -> pathlib.Path:
+    """Where a manager puts ``step`` (and its item ``name``) under ``directory``: the step
+    directory is ``<step_prefix>_<step>`` or ``<step>``, zero-padded to
+    ``step_format_fixed_length`` digits (the manager's own naming).
+
+    Args:
+      step: the step number.
+      directory: the manager's directory.
+      name: an item name (its subdirectory), or ``None`` for the step directory.
+      step_prefix: the manager's ``step_prefix``.
+      override_directory: a step directory to use instead of computing one.
+      step_format_fixed_length: the manager's ``step_format_fixed_length``.
+
+    >>> get_save_directory(7, "/ckpt", "params", step_format_fixed_length=3).as_posix()
+    '/ckpt/007/params'
+    """
+    if override_directory is not None:
+        base = pathlib.Path(os.fspath(override_directory))
+    else:
+        digits = str(int(step)).zfill(step_format_fixed_length) if step_format_fixed_length else str(int(step))
+        base = pathlib.Path(os.fspath(directory)) / (f"{step_prefix}_{digits}" if step_prefix else digits)
+    return base / name if name else base
