@@ -216,3 +216,27 @@ def test_keep_time_interval_keeps_one_step_per_interval(tmp_path, monkeypatch):
             mngr.save(s, {"x": np.zeros(1)})
         # steps 0 (t=0) and 3 (t=200) start an interval; 5 is the newest
         assert mngr.all_steps() == [0, 3, 5]
+
+
+def test_step_name_format_names_the_step_directories(tmp_path):
+    fmt = cc.step.standard_name_format(step_prefix="ckpt", step_format_fixed_length=3)
+    options = cc.CheckpointManagerOptions(step_name_format=fmt, enable_async=False)
+    assert options.step_prefix == "ckpt" and options.step_format_fixed_length == 3
+    with cc.CheckpointManager(tmp_path, options) as mngr:
+        mngr.save(5, {"x": np.zeros(1)})
+        assert mngr.all_steps() == [5]
+    assert (tmp_path / "ckpt_005").is_dir() and fmt.build_name(12) == "ckpt_012"
+    on = cc.step.standard_name_format(single_host_load_and_broadcast=True)
+    assert cc.CheckpointManagerOptions(single_host_load_and_broadcast=True, step_name_format=on).step_name_format == on
+    with pytest.raises(ValueError, match="disagrees"):
+        cc.CheckpointManagerOptions(single_host_load_and_broadcast=False, step_name_format=on)
+
+    class Custom:
+        def build_name(self, step):
+            return f"s{step}"
+
+    assert isinstance(Custom(), cc.step.NameFormat)
+    with pytest.raises(ValueError, match="needs a standard_name_format"):
+        cc.CheckpointManagerOptions(single_host_load_and_broadcast=True, step_name_format=Custom())
+    with pytest.raises(NotImplementedError, match="only step.standard_name_format"):
+        cc.CheckpointManager(tmp_path / "c", cc.CheckpointManagerOptions(step_name_format=Custom()))

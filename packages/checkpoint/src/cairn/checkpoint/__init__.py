@@ -6,7 +6,7 @@ item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOL
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
-from cairn.checkpoint import args, test_utils, utils
+from cairn.checkpoint import args, step, test_utils, utils
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -104,6 +104,7 @@ __all__ = [
     "restore",
     "save",
     "save_safetensors",
+    "step",
     "test_utils",
     "utils",
 ]

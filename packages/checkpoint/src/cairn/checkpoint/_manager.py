@@ -25,6 +25,7 @@ from cairn.checkpoint import (
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
 from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError, StepAlreadyExistsError
 from cairn.checkpoint._restore import LeafMetadata
+from cairn.checkpoint._step_names import StandardNameFormat
 from cairn.core_array import is_checkpointable
 
 STEP_METADATA = "_STEP.json"
@@ -149,6 +150,11 @@ class CheckpointManagerOptions:
         system's own expiry, e.g. a TTL'd folder).
       step_format_fixed_length: step directories are named with the step zero-padded to
         this many digits (``00000010``); steps are listed whatever their padding.
+      step_name_format: a :func:`cairn.checkpoint.step.standard_name_format` (it sets
+        ``step_prefix`` and ``step_format_fixed_length``); another ``NameFormat`` is kept
+        here but refused by the manager.
+      single_host_load_and_broadcast: must agree with ``step_name_format``'s (``ValueError``
+        otherwise, as in Orbax); every process lists the shared directory itself.
       enable_background_delete: accepted; with ``enable_async`` retention already deletes
         in the background thread that commits the save.
       async_options: an :class:`AsyncOptions` (its ``timeout_secs`` sets ``timeout_secs``).
@@ -187,6 +193,8 @@ class CheckpointManagerOptions:
     read_only: bool = False
     step_format_fixed_length: int | None = None
     enable_background_delete: bool = False
+    step_name_format: Any = None
+    single_host_load_and_broadcast: bool = False
     async_options: AsyncOptions | None = None
     multiprocessing_options: MultiprocessingOptions | None = None
     file_options: FileOptions | None = None
@@ -212,6 +220,18 @@ class CheckpointManagerOptions:
         sub = self.todelete_subdir
         if sub is not None and (not sub or os.path.isabs(sub) or ".." in sub.replace("\\", "/").split("/")):
             raise ValueError(f"todelete_subdir {sub!r} must be a relative path inside the directory (no '..')")
+        fmt = self.step_name_format
+        if fmt is not None:
+            flag = getattr(fmt, "single_host_load_and_broadcast", None) if isinstance(fmt, StandardNameFormat) else None
+            if self.single_host_load_and_broadcast and flag is None:
+                raise ValueError("single_host_load_and_broadcast needs a standard_name_format step_name_format")
+            if flag is not None and flag != self.single_host_load_and_broadcast:
+                raise ValueError(
+                    f"single_host_load_and_broadcast={self.single_host_load_and_broadcast} disagrees with the "
+                    f"step_name_format's ({flag})")
+            if isinstance(fmt, StandardNameFormat):
+                object.__setattr__(self, "step_prefix", fmt.step_prefix)
+                object.__setattr__(self, "step_format_fixed_length", fmt.step_format_fixed_length)
         if self.step_format_fixed_length is not None and self.step_format_fixed_length < 1:
             raise ValueError(f"step_format_fixed_length must be >= 1 or None, got {self.step_format_fixed_length}")
         object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
@@ -310,8 +330,11 @@ class CheckpointManager(_BackgroundSaver):
                     False,
                 )
             )
-        prefix = re.escape(o.step_prefix + "_") if o.step_prefix else ""
-        self._step_re = re.compile(prefix + r"(\d+)")
+        if o.step_name_format is not None and not isinstance(o.step_name_format, StandardNameFormat):
+            raise NotImplementedError(
+                f"step_name_format {o.step_name_format!r}: only step.standard_name_format(...) is supported")
+        self._names = StandardNameFormat(o.step_prefix, o.step_format_fixed_length)
+        self._step_re = self._names.pattern()
         if _multihost.is_primary():
             for tier in self._tiers:
                 if not os.path.isdir(tier.directory):
@@ -336,9 +359,7 @@ class CheckpointManager(_BackgroundSaver):
 
     # --- listing ---
     def _step_name(self, step: int) -> str:
-        p, width = self._options.step_prefix, self._options.step_format_fixed_length
-        digits = str(step).zfill(width) if width else str(step)
-        return f"{p}_{digits}" if p else digits
+        return self._names.build_name(step)
 
     def _committed(self, tier: _Tier) -> dict[int, str]:
         """Step directories with a ``COMMIT`` marker (intact or not)."""
