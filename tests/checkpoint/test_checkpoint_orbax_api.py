@@ -409,6 +409,7 @@ def test_handlers_save_restore_and_metadata_without_a_checkpointer(tmp_path):
 
 def test_args_subclass_and_register_with_handler(tmp_path):
     import dataclasses
+    from typing import Any
 
     @dataclasses.dataclass
     class MySave(ocp.args.StandardSave):  # Orbax's args are plain dataclasses: subclassable
@@ -425,7 +426,18 @@ def test_args_subclass_and_register_with_handler(tmp_path):
         got = mngr.restore(0)
     assert got.cfg == {"k": 1} and got.state["w"].tolist() == [0, 1]
     assert ocp.args.get_registered_handler_cls(ConfigSave) is ocp.JsonCheckpointHandler
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="restoring"):
+        ocp.args.get_registered_args_cls(ocp.JsonCheckpointHandler)
+
+    @ocp.args.register_with_handler(ocp.JsonCheckpointHandler, for_save=True, for_restore=True)
+    @dataclasses.dataclass
+    class ConfigBoth(ocp.args.CheckpointArgs):
+        item: Any = None
+
+    assert ocp.args.get_registered_args_cls(ocp.JsonCheckpointHandler()) == (ConfigSave, ConfigBoth)
+    with pytest.raises(TypeError, match="must subclass CheckpointArgs"):
+        ocp.args.register_with_handler(ocp.JsonCheckpointHandler, for_save=True)(dict)
+    with pytest.raises(ValueError, match="for_save=True and/or"):
         ocp.args.register_with_handler(ocp.JsonCheckpointHandler)
     with pytest.raises(ocp.StepAlreadyExistsError):
         with ocp.CheckpointManager(tmp_path) as mngr:

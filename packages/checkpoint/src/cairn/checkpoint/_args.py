@@ -177,7 +177,7 @@ def register_with_handler(handler_cls: type, for_save: bool = False, for_restore
     Args:
       handler_cls: the ``*CheckpointHandler`` class the args belong to.
       for_save: the class describes a save.
-      for_restore: the class describes a restore.
+      for_restore: the class describes a restore (both may be true).
 
     Returns:
       The decorator, which returns the class itself.
@@ -191,17 +191,17 @@ def register_with_handler(handler_cls: type, for_save: bool = False, for_restore
     >>> ConfigSave.kind, ConfigSave.saving, get_registered_handler_cls(ConfigSave) is JsonCheckpointHandler
     ('json', True, True)
     """
-    if for_save == for_restore:
-        raise ValueError("register_with_handler needs exactly one of for_save=True or for_restore=True")
+    if not (for_save or for_restore):
+        raise ValueError("register_with_handler needs for_save=True and/or for_restore=True")
 
     def register(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, CheckpointArgs)):
-            raise TypeError(f"register_with_handler decorates CheckpointArgs subclasses, got {cls!r}")
+            raise TypeError(f"register_with_handler: the class must subclass CheckpointArgs, got {cls!r}")
         save_type = getattr(handler_cls, "save_type", None)
         if save_type is not None and "kind" not in vars(cls):
             cls.kind = save_type.kind  # type: ignore[attr-defined]
-        if "saving" not in vars(cls):
-            cls.saving = for_save  # type: ignore[attr-defined]
+        if "saving" not in vars(cls):  # save-only args are refused by a restore
+            cls.saving = for_save and not for_restore  # type: ignore[attr-defined]
         _REGISTRY[cls] = (handler_cls, for_save, for_restore)
         return cls
 
@@ -230,13 +230,47 @@ def wrap_for_handler(handler: Any, item: Any, for_save: bool) -> Any:
         for cls, (h, save, restore) in _REGISTRY.items():
             if h is base and (save if for_save else restore):
                 return cls(item)
+    wrap = getattr(handler, "save_args" if for_save else "restore_args", None)
+    if callable(wrap) and (for_save or item is not None):  # cairn's handlers (and subclasses)
+        return wrap(item)
     return item
+
+
+def get_registered_args_cls(handler: Any) -> tuple[type, type]:
+    """(save args class, restore args class) registered with a handler class or instance.
+
+    Args:
+      handler: a handler class or instance.
+
+    Raises:
+      ValueError: no class is registered for the save or for the restore.
+    """
+    handler_cls = handler if isinstance(handler, type) else type(handler)
+    found: dict[bool, type] = {}
+    for cls, (h, save, restore) in _REGISTRY.items():
+        if h is handler_cls:
+            if save:
+                found.setdefault(True, cls)
+            if restore:
+                found.setdefault(False, cls)
+    if True not in found or False not in found:
+        raise ValueError(f"{handler_cls.__name__} has no args class registered for "
+                         f"{'saving' if True not in found else 'restoring'}")
+    return found[True], found[False]
+
+
+def _registered_for_save(args: Any) -> bool:
+    for c in type(args).__mro__:
+        if c in _REGISTRY:
+            return _REGISTRY[c][1]
+    return False
 
 
 # --- applying the arguments ---
 def to_saved_tree(args: CheckpointArgs, where: str) -> Any:
     """The tree (or JSON value) that save ``args`` save, with their ``SaveArgs`` applied."""
-    if not isinstance(args, CheckpointArgs) or not args.saving or isinstance(args, Composite):
+    saving = isinstance(args, CheckpointArgs) and (args.saving or _registered_for_save(args))
+    if not saving or isinstance(args, Composite):
         raise TypeError(
             f"{where}: expected save arguments (ocp.args.StandardSave, PyTreeSave, ArraySave or "
             f"JsonSave), got {type(args).__name__}"

@@ -11,6 +11,7 @@ from cairn.checkpoint._args import (
     PyTreeSave,
     StandardRestore,
     StandardSave,
+    get_registered_args_cls,
     get_registered_handler_cls,
     register_with_handler,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "PyTreeSave",
     "StandardRestore",
     "StandardSave",
+    "get_registered_args_cls",
     "get_registered_handler_cls",
     "register_with_handler",
 ]
