@@ -193,7 +193,8 @@ class CheckpointManager(_manager.CheckpointManager):
             unknown = sorted(set(named) - set(self.item_names))
             if unknown:
                 raise ValueError(
-                    f"items {unknown} do not match with any registered handler: not among item_names {list(self.item_names)}"
+                    f"item name(s) {unknown}: each does not match with any registered handler (item_names "
+                    f"{list(self.item_names)})"
                 )
 
     def _legacy_args(self, items: Any, save_kwargs: Mapping[str, Any] | None) -> _args.CheckpointArgs:
