@@ -3,6 +3,7 @@
     python tools/compat_suites.py grain                     # Grain's default files, from its wheel
     python tools/compat_suites.py optax --files alias_test.py
     python tools/compat_suites.py flax --peer-tests /tmp/flax/tests/nnx --files '*_test.py'
+    python tools/compat_suites.py orbax --peer-tests /tmp/orbax/checkpoint/orbax/checkpoint
 
 Each peer's test files run twice with pytest, in the same interpreter and session, from a
 temporary copy outside the repository (nothing of the peer is committed here):
@@ -16,6 +17,14 @@ temporary copy outside the repository (nothing of the peer is committed here):
    same object as a public one (``dataset.MapDataset`` is ``grain.MapDataset``) gives Cairn's
    public name; a private name with no public counterpart gives a placeholder that raises
    ``CompatPrivateAccess`` when used.
+
+Orbax (``--peer-tests <clone>/checkpoint/orbax/checkpoint``) needs more of its test set-up
+in both runs: the clone's ``conftest.py`` (absl flags), its ``multiprocess_test`` helpers
+(left out of the wheel), one ``jax.distributed`` process over 8 CPU devices, and a few
+private names its tests only use to ask about that environment (``is_pathways_backend``,
+``process_index``...), which answer as Orbax does there and are not counted as private use.
+Its ``test_utils`` and test bases run as Orbax's own code with aliased imports. A private
+name touched while a test module is collected fails only the tests that use its value.
 
 The rate is Cairn's passes among the tests that pass on the peer and use only public API.
 Tests that use the peer's private internals are counted apart and listed (``--out``), never
