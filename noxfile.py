@@ -298,12 +298,16 @@ def compat_suites(session: nox.Session) -> None:
     and prints per-file and total pass rates among the tests that pass on the peer and use
     only its public API (private-internals tests counted apart). Arguments after `--` go to
     the script, one peer per run, e.g. `nox -s compat_suites -- grain --files slice_test.py`
-    or, for Flax NNX / Orbax (no tests in their wheels), `-- flax --peer-tests <clone>/tests/nnx`.
+    or, for Flax NNX / Orbax (no tests in their wheels), `-- flax --peer-tests <clone>/tests/nnx`
+    or `-- orbax --peer-tests <clone>/checkpoint/orbax/checkpoint` (Orbax's default files are
+    listed in the script; docs/checkpoint.md has the rates).
     With no arguments: Grain, then Optax, with their default files.
     """
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
-    # the versions the rates in docs/data.md were measured against
-    session.install("pytest", "absl-py", "cloudpickle", *INTEGRATION_DEPS, "grain==0.2.18", "optax==0.2.8")
+    # the versions the rates in docs/data.md and docs/checkpoint.md were measured against;
+    # chex and portpicker: imported by Orbax's test files and their multiprocess helper
+    session.install("pytest", "absl-py", "cloudpickle", *INTEGRATION_DEPS, "grain==0.2.18", "optax==0.2.8",
+                    "orbax-checkpoint==0.12.8", "chex", "portpicker")
     runs = [session.posargs] if session.posargs else [["grain"], ["optax"]]
     for args in runs:
         session.run("python", "tools/compat_suites.py", *args)

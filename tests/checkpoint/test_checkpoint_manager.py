@@ -136,7 +136,13 @@ def test_option_and_item_validation(tmp_path):
     with pytest.raises(ValueError, match="best_mode"):
         cc.CheckpointManagerOptions(best_mode="up")
     with pytest.raises(ValueError, match="save_interval_steps"):
-        cc.CheckpointManagerOptions(save_interval_steps=0)
+        cc.CheckpointManagerOptions(save_interval_steps=-1)
+    with pytest.raises(TypeError, match="should_save_fn"):
+        cc.CheckpointManagerOptions(should_save_fn=3)
+    with pytest.raises(TypeError, match="keep_time_interval"):
+        cc.CheckpointManagerOptions(keep_time_interval=5)
+    with pytest.raises(ValueError, match="todelete_subdir"):
+        cc.CheckpointManagerOptions(todelete_subdir="../x")
     with pytest.raises(ValueError, match="local_save_interval_steps"):
         cc.CheckpointManagerOptions(local_directory=str(tmp_path))
     mngr = cc.CheckpointManager(tmp_path, cc.CheckpointManagerOptions(enable_async=False))
@@ -154,3 +160,83 @@ def test_option_and_item_validation(tmp_path):
         mngr.save(0, {"it": Bad()})
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         mngr.restore()
+
+
+def test_read_only_options_switch_off_writes(tmp_path):
+    options = cc.CheckpointManagerOptions(read_only=True, max_to_keep=3, save_on_steps=[1], keep_period=2,
+                                          todelete_subdir="trash", should_save_fn=lambda s, last: True)
+    assert options.save_interval_steps == 0 and options.max_to_keep is None and options.keep_period is None
+    assert not options.create and not options.cleanup_tmp_directories and options.save_on_steps == frozenset()
+    assert options.todelete_subdir is None and options.should_save_fn is None
+    with cc.CheckpointManager(tmp_path) as writer:
+        writer.save(0, {"a": np.arange(3)})
+    with cc.CheckpointManager(tmp_path, options) as reader:
+        assert not reader.save(1, {"a": np.arange(3)}, force=True)
+        assert reader.all_steps() == [0]
+        np.testing.assert_array_equal(reader.restore(0)["a"], np.arange(3))
+
+
+def test_save_on_steps_should_save_fn_and_zero_interval(tmp_path):
+    options = cc.CheckpointManagerOptions(save_interval_steps=0, save_on_steps=[3, 7], enable_async=False)
+    with cc.CheckpointManager(tmp_path / "a", options) as mngr:
+        saved = [s for s in range(10) if mngr.save(s, {"x": np.zeros(1)})]
+    assert saved == [3, 7]
+    fn_calls = []
+
+    def every_third(step, last):
+        fn_calls.append((step, last))
+        return step % 3 == 0
+
+    options = cc.CheckpointManagerOptions(should_save_fn=every_third, enable_async=False)
+    with cc.CheckpointManager(tmp_path / "b", options) as mngr:
+        saved = [s for s in range(7) if mngr.save(s, {"x": np.zeros(1)})]
+    assert saved == [0, 3, 6] and fn_calls[:2] == [(0, None), (1, 0)]
+
+
+def test_todelete_subdir_moves_removed_steps(tmp_path):
+    options = cc.CheckpointManagerOptions(max_to_keep=1, todelete_subdir="trash", enable_async=False)
+    with cc.CheckpointManager(tmp_path, options) as mngr:
+        for s in range(3):
+            mngr.save(s, {"x": np.full(2, s)})
+        assert mngr.all_steps() == [2]
+        mngr.delete(2)
+        assert mngr.all_steps() == []
+    assert sorted(os.listdir(tmp_path / "trash")) == ["0", "1", "2"]
+
+
+def test_keep_time_interval_keeps_one_step_per_interval(tmp_path, monkeypatch):
+    import datetime
+
+    stamps = iter([0.0, 10.0, 20.0, 200.0, 210.0, 220.0])
+    monkeypatch.setattr(cc._manager, "_now", lambda: next(stamps))  # each save's time, once per save
+    options = cc.CheckpointManagerOptions(max_to_keep=1, keep_time_interval=datetime.timedelta(seconds=100),
+                                          enable_async=False)
+    with cc.CheckpointManager(tmp_path, options) as mngr:
+        for s in range(6):
+            mngr.save(s, {"x": np.zeros(1)})
+        # steps 0 (t=0) and 3 (t=200) start an interval; 5 is the newest
+        assert mngr.all_steps() == [0, 3, 5]
+
+
+def test_step_name_format_names_the_step_directories(tmp_path):
+    fmt = cc.step.standard_name_format(step_prefix="ckpt", step_format_fixed_length=3)
+    options = cc.CheckpointManagerOptions(step_name_format=fmt, enable_async=False)
+    assert options.step_prefix == "ckpt" and options.step_format_fixed_length == 3
+    with cc.CheckpointManager(tmp_path, options) as mngr:
+        mngr.save(5, {"x": np.zeros(1)})
+        assert mngr.all_steps() == [5]
+    assert (tmp_path / "ckpt_005").is_dir() and fmt.build_name(12) == "ckpt_012"
+    on = cc.step.standard_name_format(single_host_load_and_broadcast=True)
+    assert cc.CheckpointManagerOptions(single_host_load_and_broadcast=True, step_name_format=on).step_name_format == on
+    with pytest.raises(ValueError, match="disagrees"):
+        cc.CheckpointManagerOptions(single_host_load_and_broadcast=False, step_name_format=on)
+
+    class Custom:
+        def build_name(self, step):
+            return f"s{step}"
+
+    assert isinstance(Custom(), cc.step.NameFormat)
+    with pytest.raises(ValueError, match="needs a standard_name_format"):
+        cc.CheckpointManagerOptions(single_host_load_and_broadcast=True, step_name_format=Custom())
+    with pytest.raises(NotImplementedError, match="only step.standard_name_format"):
+        cc.CheckpointManager(tmp_path / "c", cc.CheckpointManagerOptions(step_name_format=Custom()))

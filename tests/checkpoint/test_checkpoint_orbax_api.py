@@ -3,6 +3,7 @@ raising errors that name the path or argument. The tutorials themselves, run aga
 Orbax, are in tests/compat/test_compat_orbax_tutorials.py."""
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +63,27 @@ def test_save_args_validation():
         ocp.args.PyTreeSave({}, ocdbt_target_data_file_size=-1)
     with pytest.raises(NotImplementedError, match="support_layout"):
         ocp.args.StandardRestore(support_layout=True)
+
+
+def test_apply_transformations_in_memory_and_multi_value_fn_refused_by_restore(tmp_path):
+    original = {"a": 0, "b": 1, "c": {"a": 2, "e": 3}}
+    transforms = {
+        "a1": ocp.Transform(original_key="a"),
+        "e1": ocp.Transform(original_key="c/e", value_fn=lambda v: v * 10),
+        "f": ocp.Transform(use_fallback=True),
+        r"(.*)x(\d)": ocp.Transform(original_key=r"c/\1a"),
+        "s": ocp.Transform(multi_value_fn=lambda path, tree: tree["a"] + tree["c"]["e"]),
+    }
+    new = {"a1": None, "e1": None, "f": "fallback", "x1": None, "s": None, "c": {"a": None}, "g": 5}
+    got = ocp.apply_transformations(original, transforms, new)
+    assert got == {"a1": 0, "e1": 30, "f": "fallback", "x1": 2, "s": 3, "c": {"a": 2}, "g": 5}
+    assert ocp.apply_transformations(original, {}, {"c": {"a": 9}}, default_to_original=False) == {"c": {"a": 9}}
+    with pytest.raises(ValueError, match="reads 'zz'"):
+        ocp.apply_transformations(original, {"b": ocp.Transform(original_key="zz")}, {"b": None})
+    ocp.save(tmp_path / "c", {"a": np.arange(2)})
     with pytest.raises(NotImplementedError, match="multi_value_fn"):
-        ocp.Transform(multi_value_fn=lambda *a: a)
+        ocp.PyTreeCheckpointer().restore(tmp_path / "c", args=ocp.args.PyTreeRestore(
+            {"a": np.zeros(2)}, transforms={"a": ocp.Transform(multi_value_fn=lambda p, t: t)}))
 
 
 def test_restore_args_given_to_save_are_refused(tmp_path):
@@ -267,11 +287,52 @@ def test_manager_json_item_damage_is_reported_as_corruption(tmp_path):
 
 def test_manager_constructor_errors(tmp_path):
     with pytest.raises(TypeError, match="options must be a CheckpointManagerOptions"):
-        ocp.CheckpointManager(tmp_path, ocp.PyTreeCheckpointer())
-    with pytest.raises(NotImplementedError, match="metadata"):
-        ocp.CheckpointManager(tmp_path, metadata={"a": 1})
+        ocp.CheckpointManager(tmp_path, None, 3)
+    with pytest.raises(TypeError, match="checkpointers must be a Checkpointer"):
+        ocp.CheckpointManager(tmp_path, "pytree")
+    with pytest.raises(TypeError, match=r"checkpointers \['b'\] are not Checkpointers"):
+        ocp.CheckpointManager(tmp_path, {"a": ocp.PyTreeCheckpointer(), "b": 1})
     with pytest.raises(TypeError, match="item_handlers"):
         ocp.CheckpointManager(tmp_path, item_handlers="json")
+
+
+def test_manager_legacy_dict_of_checkpointers(tmp_path):
+    # Orbax's older form: a dict of checkpointers, items by name, per-item restore targets
+    tree = {"w": np.arange(4, dtype=np.float32)}
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(tmp_path, {"state": ocp.PyTreeCheckpointer()}, options) as mngr:
+        for step in range(3):
+            assert mngr.save(step, {"state": {"w": tree["w"] + step}})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2]
+        got = mngr.restore(2)
+        np.testing.assert_array_equal(got["state"]["w"], tree["w"] + 2)
+        target = {"w": np.zeros(4, np.float64)}
+        got = mngr.restore(2, {"state": target})
+        assert got["state"]["w"].dtype == np.float64
+        with pytest.raises(KeyError, match="no checkpointer for item"):
+            mngr.save(3, {"other": tree})
+    with ocp.CheckpointManager(tmp_path / "one", ocp.PyTreeCheckpointer()) as mngr:
+        mngr.save(0, tree)
+        mngr.wait_until_finished()
+        np.testing.assert_array_equal(mngr.restore(0)["w"], tree["w"])
+
+
+def test_manager_metadata_is_kept(tmp_path):
+    with ocp.CheckpointManager(tmp_path, metadata={"model": "mlp", "width": 8}) as mngr:
+        assert mngr.metadata().custom_metadata == {"model": "mlp", "width": 8}
+        mngr.save(3, args=ocp.args.StandardSave({"w": np.arange(2)}), metrics={"loss": 0.5},
+                  custom_metadata={"note": "warm"})
+        mngr.wait_until_finished()
+        step = mngr.metadata(3)
+        assert step.metrics == {"loss": 0.5} and step.custom_metadata == {"note": "warm"}
+        assert step.item_metadata["w"].shape == (2,) and step.init_timestamp_nsecs > 0
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        assert mngr.metadata() == ocp.RootMetadata({"model": "mlp", "width": 8})
+    with ocp.CheckpointManager(tmp_path / "none") as mngr:
+        assert mngr.metadata().custom_metadata == {}
+    with pytest.raises(TypeError, match="JSON-able"):
+        ocp.CheckpointManager(tmp_path / "b", metadata={"f": object()})
 
 
 # --- utils ---
@@ -326,3 +387,152 @@ def test_composite_item_names_must_be_plain_file_names(tmp_path, name):
     with pytest.raises(ValueError, match="item name .* must be a plain file-name part"):
         ck.save(tmp_path / "c", args=ocp.args.Composite({name: ocp.args.JsonSave(1)}))
     assert not (tmp_path / "c").exists()
+
+
+def test_handlers_save_restore_and_metadata_without_a_checkpointer(tmp_path):
+    tree = {"a": np.arange(3), "b": {"c": np.ones((2, 2), np.float32)}}
+    h = ocp.StandardCheckpointHandler()
+    h.save(tmp_path / "s", args=ocp.args.StandardSave(tree))
+    got = h.restore(tmp_path / "s", args=ocp.args.StandardRestore({"a": np.zeros(3, np.float32), "b": {"c": np.zeros((2, 2), np.float32)}}))
+    assert got["a"].dtype == np.float32 and got["a"].tolist() == [0, 1, 2]
+    assert h.metadata(tmp_path / "s")["b/c"].shape == (2, 2)
+    j = ocp.JsonCheckpointHandler()
+    j.save(tmp_path / "j", {"lr": 0.5})
+    assert j.restore(tmp_path / "j") == {"lr": 0.5}
+    c = ocp.CompositeCheckpointHandler()
+    c.save(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.StandardSave(tree), cfg=ocp.args.JsonSave([1])))
+    back = c.restore(tmp_path / "c")
+    assert back.cfg == [1] and back.state["b"]["c"].sum() == 4
+    with pytest.raises(TypeError, match="either the item or args"):
+        h.save(tmp_path / "t", tree, args=ocp.args.StandardSave(tree))
+
+
+def test_args_subclass_and_register_with_handler(tmp_path):
+    import dataclasses
+    from typing import Any
+
+    @dataclasses.dataclass
+    class MySave(ocp.args.StandardSave):  # Orbax's args are plain dataclasses: subclassable
+        note: str = ""
+
+    @ocp.args.register_with_handler(ocp.JsonCheckpointHandler, for_save=True)
+    @dataclasses.dataclass
+    class ConfigSave(ocp.args.CheckpointArgs):
+        item: dict
+
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=ocp.args.Composite(state=MySave({"w": np.arange(2)}, note="x"), cfg=ConfigSave({"k": 1})))
+        mngr.wait_until_finished()
+        got = mngr.restore(0)
+    assert got.cfg == {"k": 1} and got.state["w"].tolist() == [0, 1]
+    assert ocp.args.get_registered_handler_cls(ConfigSave) is ocp.JsonCheckpointHandler
+    with pytest.raises(ValueError, match="restoring"):
+        ocp.args.get_registered_args_cls(ocp.JsonCheckpointHandler)
+
+    @ocp.args.register_with_handler(ocp.JsonCheckpointHandler, for_save=True, for_restore=True)
+    @dataclasses.dataclass
+    class ConfigBoth(ocp.args.CheckpointArgs):
+        item: Any = None
+
+    assert ocp.args.get_registered_args_cls(ocp.JsonCheckpointHandler()) == (ConfigSave, ConfigBoth)
+    with pytest.raises(TypeError, match="must subclass CheckpointArgs"):
+        ocp.args.register_with_handler(ocp.JsonCheckpointHandler, for_save=True)(dict)
+    with pytest.raises(ValueError, match="for_save=True and/or"):
+        ocp.args.register_with_handler(ocp.JsonCheckpointHandler)
+    with pytest.raises(ocp.StepAlreadyExistsError):
+        with ocp.CheckpointManager(tmp_path) as mngr:
+            mngr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.arange(2)})), force=True)
+
+
+def test_manager_refuses_mixing_one_item_and_named_items(tmp_path):
+    tree = {"w": np.arange(2)}
+    with ocp.CheckpointManager(tmp_path / "a") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(tree))
+        with pytest.raises(ValueError, match="holds one unnamed item"):
+            mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+    with ocp.CheckpointManager(tmp_path / "a") as mngr:  # the newest step says which
+        with pytest.raises(ValueError, match="holds one unnamed item"):
+            mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+        with pytest.raises(ValueError, match="args="):
+            mngr.save(1, ocp.args.StandardSave(tree))
+    with ocp.CheckpointManager(tmp_path / "b", item_names=("state",)) as mngr:
+        with pytest.raises(ValueError, match="does not match with any registered handler"):
+            mngr.save(0, args=ocp.args.Composite(other=ocp.args.StandardSave(tree)))
+        with pytest.raises(ValueError, match="holds named items"):
+            mngr.save(0, args=ocp.args.StandardSave(tree))
+
+
+def test_utils_flat_dicts_and_gcs_paths():
+    tree = {"a": 1, "b": {"c": [2, 3], "d": {}}}
+    flat = ocp.utils.to_flat_dict(tree)
+    assert flat == {("a",): 1, ("b", "c", "0"): 2, ("b", "c", "1"): 3}
+    assert ocp.utils.to_flat_dict(tree, sep="/", keep_empty_nodes=True)["b/d"] == {}
+    assert ocp.utils.from_flat_dict({("a",): 1, ("b", "c"): 2}) == {"a": 1, "b": {"c": 2}}
+    assert ocp.utils.from_flat_dict({"x/0": 5, "x/1": 6}, target={"x": [0, 0]}, sep="/") == {"x": [5, 6]}
+    with pytest.raises(KeyError, match="not in the flat dict"):
+        ocp.utils.from_flat_dict({}, target={"x": 1})
+    assert ocp.utils.is_gcs_path("gs://b/c") and not ocp.utils.is_gcs_path("/tmp/c")
+
+
+def test_options_async_multiprocessing_file_and_step_format(tmp_path):
+    done = []
+    options = ocp.CheckpointManagerOptions(
+        step_format_fixed_length=4, async_options=ocp.AsyncOptions(timeout_secs=30, post_finalization_callback=lambda: done.append(1)))
+    assert options.timeout_secs == 30
+    with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+        mngr.save(7, args=ocp.args.StandardSave({"w": np.arange(2)}))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [7] and done == [1]
+    assert (tmp_path / "0007").is_dir()
+    assert ocp.utils.get_save_directory(7, tmp_path, "default", step_format_fixed_length=4) == tmp_path / "0007" / "default"
+    assert (ocp.utils.get_save_directory(7, tmp_path, "default", step_format_fixed_length=4)).is_dir()
+    assert ocp.utils.get_save_directory(3, tmp_path, step_prefix="ckpt") == tmp_path / "ckpt_3"
+    with pytest.raises(NotImplementedError, match="primary_host"):
+        ocp.MultiprocessingOptions(primary_host=1)
+    with pytest.raises(NotImplementedError, match="path_permission_mode"):
+        ocp.FileOptions(path_permission_mode=0o750)
+    with pytest.raises(TypeError, match="async_options must be a AsyncOptions"):
+        ocp.CheckpointManagerOptions(async_options=30)
+
+
+def test_a_users_own_handler_is_written_and_committed_by_checkpointers(tmp_path):
+    import concurrent.futures
+    import dataclasses
+    import json as _json
+    from typing import Any
+
+    class TextHandler(ocp.AsyncCheckpointHandler):  # stores its item as one text file
+        def __init__(self, pool):
+            self.pool, self.finalized = pool, []
+
+        def save(self, directory, args):
+            (pathlib.Path(directory) / "v.txt").write_text(_json.dumps(args.item))
+
+        async def async_save(self, directory, args):
+            return [self.pool.submit(self.save, directory, args)]
+
+        def restore(self, directory, args=None):
+            return _json.loads((pathlib.Path(directory) / "v.txt").read_text())
+
+        def finalize(self, directory):
+            self.finalized.append(os.path.basename(directory))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for cls in (ocp.Checkpointer, ocp.AsyncCheckpointer):
+            h = TextHandler(pool)
+            with cls(h) as ckptr:
+                ckptr.save(tmp_path / cls.__name__, args=ocp.args.JsonSave({"a": [1, 2]}))
+                ckptr.wait_until_finished()
+                assert ckptr.restore(tmp_path / cls.__name__) == {"a": [1, 2]}
+            assert len(h.finalized) == 1 and (tmp_path / cls.__name__ / "COMMIT").exists()
+            with pytest.raises(FileExistsError), cls(h) as ckptr:
+                ckptr.save(tmp_path / cls.__name__, args=ocp.args.JsonSave({}))
+
+    @ocp.args.register_with_handler(TextHandler, for_save=True)
+    @dataclasses.dataclass
+    class TextSave(ocp.args.CheckpointArgs):
+        item: Any
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, ocp.Checkpointer(TextHandler(pool)) as ckptr:
+        ckptr.save(tmp_path / "bare", [3, 4])  # a bare item is wrapped in the args registered with the handler
+        assert ckptr.restore(tmp_path / "bare") == [3, 4]

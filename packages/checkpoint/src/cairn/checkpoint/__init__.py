@@ -6,7 +6,7 @@ item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOL
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
-from cairn.checkpoint import args, test_utils, utils
+from cairn.checkpoint import args, step, test_utils, utils
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -19,12 +19,14 @@ from cairn.checkpoint._errors import (
     CheckpointError,
     CheckpointWriteError,
     ChecksumError,
+    StepAlreadyExistsError,
     SyncTimeoutError,
     TargetMismatchError,
 )
 from cairn.checkpoint._goodput import GOODPUT_FILE, GoodputRecorder
 from cairn.checkpoint._handlers import (
     ArrayCheckpointHandler,
+    AsyncCheckpointHandler,
     CheckpointHandler,
     CompositeCheckpointHandler,
     JsonCheckpointHandler,
@@ -37,8 +39,21 @@ from cairn.checkpoint._leaf_args import (
     RestoreArgs,
     SaveArgs,
     Transform,
+    apply_transformations,
 )
-from cairn.checkpoint._manager import CheckpointManager, CheckpointManagerOptions
+from cairn.checkpoint._manager import (
+    AsyncOptions,
+    CheckpointManagerOptions,
+    FileOptions,
+    MultiprocessingOptions,
+)
+from cairn.checkpoint._orbax_manager import (
+    DEFAULT_ITEM_NAME,
+    METADATA_ITEM_NAME,
+    CheckpointManager,
+    RootMetadata,
+    StepMetadata,
+)
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
@@ -46,10 +61,15 @@ from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_ITEM_NAME",
+    "METADATA_ITEM_NAME",
+    "MultiprocessingOptions",
     "PLACEHOLDER",
     "PREEMPTION_EXIT_CODE",
     "ArrayCheckpointHandler",
     "ArrayRestoreArgs",
+    "AsyncOptions",
+    "AsyncCheckpointHandler",
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -60,6 +80,7 @@ __all__ = [
     "Checkpointer",
     "ChecksumError",
     "CompositeCheckpointHandler",
+    "FileOptions",
     "GOODPUT_FILE",
     "GoodputRecorder",
     "JsonCheckpointHandler",
@@ -67,18 +88,23 @@ __all__ = [
     "PyTreeCheckpointHandler",
     "PyTreeCheckpointer",
     "RestoreArgs",
+    "RootMetadata",
     "SaveArgs",
     "StandardCheckpointHandler",
     "StandardCheckpointer",
+    "StepAlreadyExistsError",
+    "StepMetadata",
     "SyncTimeoutError",
     "TargetMismatchError",
     "Transform",
+    "apply_transformations",
     "args",
     "load_safetensors",
     "metadata",
     "restore",
     "save",
     "save_safetensors",
+    "step",
     "test_utils",
     "utils",
 ]

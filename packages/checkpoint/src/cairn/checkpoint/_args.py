@@ -9,7 +9,7 @@ or :class:`~cairn.checkpoint.CheckpointManager` turns them into calls of :func:`
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,7 +25,7 @@ class CheckpointArgs:
     saving: ClassVar[bool] = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class StandardSave(CheckpointArgs):
     """Save a pytree of arrays and scalars (Orbax's ``args.StandardSave``).
 
@@ -42,7 +42,7 @@ class StandardSave(CheckpointArgs):
     saving: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class StandardRestore(CheckpointArgs):
     """Restore a pytree, onto ``item`` (a tree of arrays, ``jax.ShapeDtypeStruct`` s or
     scalars) if given. ``strict=False`` truncates, or pads with zeros, arrays whose target
@@ -69,7 +69,7 @@ class StandardRestore(CheckpointArgs):
             raise NotImplementedError("StandardRestore(support_layout=True) is not supported")
 
 
-@dataclass(frozen=True)
+@dataclass
 class PyTreeSave(CheckpointArgs):
     """Save a pytree with optional per-leaf :class:`SaveArgs` (Orbax's ``args.PyTreeSave``).
 
@@ -93,7 +93,7 @@ class PyTreeSave(CheckpointArgs):
             raise ValueError(f"ocdbt_target_data_file_size must be a positive int, got {size!r}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class PyTreeRestore(CheckpointArgs):
     """Restore a pytree onto ``item`` and/or per-leaf ``restore_args`` (a tree of
     ``RestoreArgs``); ``partial_restore=True`` skips checkpoint paths the target lacks;
@@ -118,7 +118,7 @@ class PyTreeRestore(CheckpointArgs):
     partial_restore: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class ArraySave(CheckpointArgs):
     """Save one array (Orbax's ``args.ArraySave``).
 
@@ -132,7 +132,7 @@ class ArraySave(CheckpointArgs):
     saving: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class ArrayRestore(CheckpointArgs):
     """Restore one array, onto ``item`` if given, per ``restore_args`` if given.
 
@@ -145,7 +145,7 @@ class ArrayRestore(CheckpointArgs):
     restore_args: Any = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class JsonSave(CheckpointArgs):
     """Save a JSON-able value as JSON (Orbax's ``args.JsonSave``).
 
@@ -158,7 +158,7 @@ class JsonSave(CheckpointArgs):
     saving: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class JsonRestore(CheckpointArgs):
     """Restore a value saved with :class:`JsonSave` (``item`` is ignored, as in Orbax).
 
@@ -220,10 +220,114 @@ class Composite(CheckpointArgs, Mapping):
         return f"Composite({self._items!r})"
 
 
+# --- registration with a handler ---
+_REGISTRY: dict[type, tuple[type, bool, bool]] = {}
+
+
+def register_with_handler(handler_cls: type, for_save: bool = False, for_restore: bool = False) -> Callable[[type], type]:
+    """Class decorator: the decorated ``CheckpointArgs`` subclass belongs to ``handler_cls``.
+
+    A class registered with one of cairn's handlers saves or restores as that handler's
+    own args do (``JsonCheckpointHandler``: as JSON; the others: as a pytree), reading the
+    value from the instance's ``item`` (and ``save_args`` / ``restore_args`` if present).
+
+    Args:
+      handler_cls: the ``*CheckpointHandler`` class the args belong to.
+      for_save: the class describes a save.
+      for_restore: the class describes a restore (both may be true).
+
+    Returns:
+      The decorator, which returns the class itself.
+
+    >>> from dataclasses import dataclass
+    >>> from cairn.checkpoint import JsonCheckpointHandler
+    >>> @register_with_handler(JsonCheckpointHandler, for_save=True)
+    ... @dataclass
+    ... class ConfigSave(CheckpointArgs):
+    ...     item: dict
+    >>> ConfigSave.kind, ConfigSave.saving, get_registered_handler_cls(ConfigSave) is JsonCheckpointHandler
+    ('json', True, True)
+    """
+    if not (for_save or for_restore):
+        raise ValueError("register_with_handler needs for_save=True and/or for_restore=True")
+
+    def register(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointArgs)):
+            raise TypeError(f"register_with_handler: the class must subclass CheckpointArgs, got {cls!r}")
+        save_type = getattr(handler_cls, "save_type", None)
+        if save_type is not None and "kind" not in vars(cls):
+            cls.kind = save_type.kind  # type: ignore[attr-defined]
+        if "saving" not in vars(cls):  # save-only args are refused by a restore
+            cls.saving = for_save and not for_restore  # type: ignore[attr-defined]
+        _REGISTRY[cls] = (handler_cls, for_save, for_restore)
+        return cls
+
+    return register
+
+
+def get_registered_handler_cls(args: Any) -> type | None:
+    """The handler class an args class (or instance) was registered with, else ``None``.
+
+    Args:
+      args: a ``CheckpointArgs`` subclass or instance.
+    """
+    cls = args if isinstance(args, type) else type(args)
+    for c in cls.__mro__:
+        if c in _REGISTRY:
+            return _REGISTRY[c][0]
+    return None
+
+
+def wrap_for_handler(handler: Any, item: Any, for_save: bool) -> Any:
+    """``item`` wrapped in the args class registered with ``handler``'s class (or a base)
+    for a save (or a restore); ``item`` itself if it already is args or none is registered."""
+    if isinstance(item, CheckpointArgs):
+        return item
+    for base in type(handler).__mro__:
+        for cls, (h, save, restore) in _REGISTRY.items():
+            if h is base and (save if for_save else restore):
+                return cls(item)
+    wrap = getattr(handler, "save_args" if for_save else "restore_args", None)
+    if callable(wrap) and (for_save or item is not None):  # cairn's handlers (and subclasses)
+        return wrap(item)
+    return item
+
+
+def get_registered_args_cls(handler: Any) -> tuple[type, type]:
+    """(save args class, restore args class) registered with a handler class or instance.
+
+    Args:
+      handler: a handler class or instance.
+
+    Raises:
+      ValueError: no class is registered for the save or for the restore.
+    """
+    handler_cls = handler if isinstance(handler, type) else type(handler)
+    found: dict[bool, type] = {}
+    for cls, (h, save, restore) in _REGISTRY.items():
+        if h is handler_cls:
+            if save:
+                found.setdefault(True, cls)
+            if restore:
+                found.setdefault(False, cls)
+    if True not in found or False not in found:
+        raise ValueError(f"{handler_cls.__name__} has no args class registered for "
+                         f"{'saving' if True not in found else 'restoring'}")
+    return found[True], found[False]
+
+
+def _registered_for_save(args: Any) -> bool:
+    for c in type(args).__mro__:
+        if c in _REGISTRY:
+            return _REGISTRY[c][1]
+    return False
+
+
 # --- applying the arguments ---
 def to_saved_tree(args: CheckpointArgs, where: str) -> Any:
     """The tree (or JSON value) that save ``args`` save, with their ``SaveArgs`` applied."""
-    if not isinstance(args, CheckpointArgs) or not args.saving or isinstance(args, Composite):
+    saving = isinstance(args, CheckpointArgs) and (args.saving or _registered_for_save(args))
+    if not saving or isinstance(args, Composite):
         raise TypeError(
             f"{where}: expected save arguments (ocp.args.StandardSave, PyTreeSave, ArraySave or "
             f"JsonSave), got {type(args).__name__}"
@@ -244,6 +348,8 @@ def restore_request(args: CheckpointArgs) -> RestoreRequest:
         return RestoreRequest(args.item, strict=args.strict, fallback_sharding=args.fallback_sharding)
     if isinstance(args, ArrayRestore):
         return RestoreRequest(args.item, args.restore_args)
+    if get_registered_handler_cls(args) is not None:  # a user's args class, registered
+        return RestoreRequest(getattr(args, "item", None), getattr(args, "restore_args", None))
     raise TypeError(f"expected pytree restore arguments, got {type(args).__name__}")
 
 

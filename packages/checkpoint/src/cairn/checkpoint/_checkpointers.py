@@ -10,6 +10,8 @@ device data is on the host and commits in the background. ``StandardCheckpointer
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 from typing import Any, ClassVar
 
@@ -26,6 +28,7 @@ from cairn.checkpoint._handlers import (
     CheckpointHandler,
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
+    is_custom,
 )
 
 
@@ -81,6 +84,26 @@ class Checkpointer(_BackgroundSaver):
             return None if save_args is None else _args.PyTreeSave(item, save_args=save_args)
         return self._handler.save_args(item, **({"save_args": save_args} if save_args is not None else {}))
 
+    @property
+    def handler(self) -> CheckpointHandler | None:
+        """The handler given at construction (``None``: cairn's own calling convention)."""
+        return self._handler
+
+    def _item_save_args(self, item: Any, save_args: Any) -> _args.CheckpointArgs:
+        """The save args of ``item`` as this checkpointer's handler gives them (a
+        CheckpointManager with Orbax's dict of checkpointers uses it)."""
+        return self._save_args(item, None, save_args) or _args.StandardSave(item)
+
+    def _item_restore_args(self, item: Any, restore_args: Any) -> _args.CheckpointArgs | None:
+        """The restore args of target ``item`` (``None``: restore as saved)."""
+        if isinstance(item, _args.CheckpointArgs):
+            return item
+        if restore_args is not None:
+            return _args.PyTreeRestore(item, restore_args=restore_args)
+        if item is None:
+            return None
+        return (self._handler or StandardCheckpointHandler()).restore_args(item)
+
     def save(
         self,
         directory: str | os.PathLike,
@@ -107,6 +130,9 @@ class Checkpointer(_BackgroundSaver):
         """
         self._bg.wait()
         final = os.path.abspath(os.fspath(directory))
+        if is_custom(self._handler):
+            self._save_custom(final, item if args is None else args, force)
+            return
         a = self._save_args(item, args, save_args)
         copy = self.asynchronous
         if a is None:
@@ -120,6 +146,32 @@ class Checkpointer(_BackgroundSaver):
                 lambda: _items.write(tmp, captured, compression=compression, composite=composite),
                 tmp, final, force, _items.verify,
             )
+
+        if self.asynchronous:
+            self._bg.start(tail, final)
+        else:
+            tail()
+
+    def _save_custom(self, final: str, args: Any, force: bool) -> None:
+        """A user's handler writes a temporary directory (``async_save`` in the caller's
+        thread when asynchronous, then its futures are awaited in the background), is
+        finalized, and the directory is committed atomically."""
+        handler = self._handler
+        args = _args.wrap_for_handler(handler, args, for_save=True)
+        tmp = _prepare_tmp(final, force)
+        pending: list[Any] = []
+        if self.asynchronous:
+            pending = list(asyncio.run(handler.async_save(tmp, args=args)) or [])  # type: ignore[union-attr]
+
+        def write() -> None:
+            if not self.asynchronous:
+                handler.save(tmp, args=args)  # type: ignore[union-attr]
+            for f in pending:
+                f.result()
+            handler.finalize(tmp)  # type: ignore[union-attr]
+
+        def tail() -> None:
+            write_and_commit(write, tmp, final, force, lambda _d: None)
 
         if self.asynchronous:
             self._bg.start(tail, final)
@@ -151,15 +203,22 @@ class Checkpointer(_BackgroundSaver):
         directory = os.fspath(directory)
         if isinstance(item, _args.CheckpointArgs) and args is None:
             item, args = None, item
+        if is_custom(self._handler):
+            _require_committed(directory)
+            wanted = args if args is not None else _args.wrap_for_handler(self._handler, item, for_save=False)
+            return self._handler.restore(directory, args=wanted)  # type: ignore[union-attr]
         if args is None and self._handler is None and not os.path.isfile(
             os.path.join(directory, _items.ITEMS_FILE)
         ):
             return restore(directory, item, **kwargs)
+        handler = self._handler or StandardCheckpointHandler()
+        # Orbax's older keyword form: the handler's restore-args fields (restore_args=, transforms=...)
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _restore_fields(handler)}
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)} (pass args=ocp.args...)")
-        if args is None and item is not None:
+        if args is None and (item is not None or fields):
             extra = {"strict": strict} if isinstance(self._handler, StandardCheckpointHandler) else {}
-            args = (self._handler or StandardCheckpointHandler()).restore_args(item, **extra)
+            args = handler.restore_args(item, **extra, **fields)
         _require_committed(directory)
         return _items.restore(directory, args)
 
@@ -226,3 +285,9 @@ class PyTreeCheckpointer(Checkpointer):
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)
+
+
+def _restore_fields(handler: CheckpointHandler) -> set[str]:
+    """The field names of ``handler``'s restore args other than ``item``."""
+    t = handler.restore_type
+    return {f.name for f in dataclasses.fields(t)} - {"item"} if dataclasses.is_dataclass(t) else set()

@@ -53,3 +53,7 @@ class SyncTimeoutError(CheckpointError, TimeoutError):
     def __init__(self, message: str, missing: list[int]) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+class StepAlreadyExistsError(FileExistsError):
+    """A save of a step that is already committed (intact) in the tier it would go to."""

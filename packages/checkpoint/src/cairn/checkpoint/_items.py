@@ -9,40 +9,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
 
 from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
 from cairn.checkpoint._errors import CheckpointError
+from cairn.checkpoint._json_item import JSON_ITEM_FILE, jsonable, read_json_item, write_json_item
 
 ITEMS_FILE = "_ITEMS.json"
-JSON_ITEM_FILE = "item.json"
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
-
-
-def jsonable(value: Any, where: str) -> Any:
-    """``value`` as it will read back from JSON; raises ``TypeError`` naming ``where``."""
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{where}: JsonSave needs a JSON-able value: {err}") from None
-
-
-def write_json_item(sub: str, value: Any) -> None:
-    """Write a JSON item into directory ``sub`` (primary process only) and sync it."""
-    if _multihost.is_primary():
-        os.makedirs(sub, exist_ok=True)
-        _fs.write_json_durable(os.path.join(sub, JSON_ITEM_FILE), value)
-        _fs.fsync_dir(sub)
-
-
-def read_json_item(sub: str) -> Any:
-    f = os.path.join(sub, JSON_ITEM_FILE)
-    if not os.path.isfile(f):
-        raise _fs.corrupt(f, "the JSON item's file is missing")
-    return _fs.read_json(f, require_checksum=True)
 
 
 def capture(args: _args.CheckpointArgs, *, copy_host: bool, compression: str | None) -> dict[str, Any]:

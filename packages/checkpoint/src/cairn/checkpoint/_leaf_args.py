@@ -122,12 +122,14 @@ class Transform:
     """Where one leaf of the result comes from (Orbax's ``Transform``): the checkpoint path
     ``original_key`` (default: the leaf's own path), then ``value_fn(value)`` if given. With
     ``use_fallback`` a path the checkpoint lacks keeps the ``item``'s value.
-    ``multi_value_fn`` is not supported.
+    ``multi_value_fn(path, original_tree)`` computes the leaf from the whole original tree
+    (:func:`apply_transformations` only; a restore refuses it).
 
     Args:
       original_key: the checkpoint path (a ``/``-joined path string) to read, or ``None``
         for the leaf's own path.
-      multi_value_fn: not supported; set, it raises ``NotImplementedError``.
+      multi_value_fn: ``fn(path, original_tree)`` computing the leaf from the whole tree
+        (:func:`apply_transformations` only), or ``None``.
       use_fallback: a path the checkpoint lacks keeps the target ``item``'s value.
       value_fn: applied to the value read, or ``None``.
     """
@@ -137,9 +139,73 @@ class Transform:
     use_fallback: bool = False
     value_fn: Callable[[Any], Any] | None = None
 
-    def __post_init__(self) -> None:
-        if self.multi_value_fn is not None:
-            raise NotImplementedError("Transform(multi_value_fn=...) is not supported; use value_fn")
+
+
+def _leaf_or_empty(x: Any) -> bool:
+    return x is None or x is Ellipsis or _is_leaf(x)
+
+
+def _find_transform(flat_tf: Mapping[str, Transform], p: str) -> tuple[Transform | None, str | None]:
+    """The transform of new-tree path ``p`` (an exact key, else the first key that matches
+    as a regular expression) and the original path it reads (backreferences expanded)."""
+    tf = flat_tf.get(p)
+    if tf is not None:
+        return tf, tf.original_key or p
+    for pattern, tf in flat_tf.items():
+        m = re.fullmatch(pattern, p)
+        if m is not None:
+            return tf, m.expand(tf.original_key) if tf.original_key else p
+    return None, None
+
+
+def apply_transformations(original_tree: Any, transformations: Any, new_tree: Any,
+                          default_to_original: bool = True) -> Any:
+    """``new_tree`` with each leaf taken from ``original_tree`` as ``transformations`` say
+    (Orbax's ``apply_transformations``, in memory).
+
+    A leaf of ``new_tree`` with a :class:`Transform` (keys are paths, or regular
+    expressions matched against paths, whose groups ``original_key`` may use as ``\\1``)
+    reads the original leaf at ``original_key`` (default: its own path), then
+    ``value_fn``; ``multi_value_fn(path, original_tree)`` computes it instead. A leaf with
+    no transform reads its own path of the original when ``default_to_original``, else
+    keeps its value. A source the original lacks keeps ``new_tree``'s value with
+    ``use_fallback`` (or no transform) and raises ``ValueError`` otherwise.
+
+    Args:
+      original_tree: the tree to read from (e.g. what a checkpoint held).
+      transformations: a tree (or flat dict by path) of :class:`Transform`.
+      new_tree: the result's structure; its values are the fallbacks.
+      default_to_original: see above.
+
+    >>> apply_transformations({"a": 1, "c": {"e": 3}},
+    ...                       {"x": Transform(original_key="c/e", value_fn=lambda v: v * 2)},
+    ...                       {"a": None, "new": 7, "x": None})
+    {'a': 1, 'new': 7, 'x': 6}
+    """
+    flat_orig = flatten_with_paths(original_tree, is_leaf=_is_leaf)
+    flat_new = flatten_with_paths(new_tree, is_leaf=_leaf_or_empty)
+    flat_tf = flatten_with_paths(transformations, is_leaf=lambda x: isinstance(x, Transform))
+    for k, tf in flat_tf.items():
+        if not isinstance(tf, Transform):
+            raise TypeError(f"transformations leaves must be Transform, got {type(tf).__name__} at {k!r}")
+    out: dict[str, Any] = {}
+    for p, fallback in flat_new.items():
+        tf, src = _find_transform(flat_tf, p)
+        if tf is not None and tf.multi_value_fn is not None:
+            out[p] = tf.multi_value_fn(p, original_tree)
+            continue
+        if tf is None and not default_to_original:
+            out[p] = fallback
+            continue
+        src = src or p
+        if src in flat_orig:
+            v = flat_orig[src]
+            out[p] = tf.value_fn(v) if tf is not None and tf.value_fn is not None else v
+        elif tf is None or tf.use_fallback:
+            out[p] = fallback
+        else:
+            raise ValueError(f"transformation of {p!r} reads {src!r}, which the original tree lacks")
+    return map_with_path(lambda p, x: out.get(p, x), new_tree, is_leaf=_leaf_or_empty)
 
 
 # --- saving ---
@@ -330,6 +396,8 @@ def _restore_transformed(directory: str, req: RestoreRequest, saved: Mapping[str
         raise ValueError(f"{where}: transforms need an item (the result's structure)")
     flat_item = flatten_with_paths(req.item, is_leaf=_is_leaf)
     flat_tf = flatten_with_paths(req.transforms, is_leaf=lambda x: isinstance(x, Transform))
+    if any(isinstance(tf, Transform) and tf.multi_value_fn is not None for tf in flat_tf.values()):
+        raise NotImplementedError(f"{where}: Transform(multi_value_fn=...) is not supported in a restore; use value_fn")
     unknown = sorted(set(flat_tf) - set(flat_item))
     if unknown:
         raise ValueError(f"{where}: transforms name paths {unknown} that the item lacks")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -13,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.checkpoint import (
-    _args,
     _fs,
-    _items,
+    _json_item,
     _multihost,
     _ownership,
     _preemption,
@@ -23,17 +23,76 @@ from cairn.checkpoint import (
     _tree,
 )
 from cairn.checkpoint._checkpointer import _Background, _BackgroundSaver, write_and_commit
-from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError
-from cairn.checkpoint._handlers import CheckpointHandler
+from cairn.checkpoint._errors import CheckpointCorruptError, CheckpointError, StepAlreadyExistsError
 from cairn.checkpoint._restore import LeafMetadata
+from cairn.checkpoint._step_names import StandardNameFormat
 from cairn.core_array import is_checkpointable
 
 STEP_METADATA = "_STEP.json"
-#: The item name of a step saved with non-Composite ``args`` (as in Orbax).
-DEFAULT_ITEM = "default"
 _KINDS = ("pytree", "state", "json")
 _log = logging.getLogger("cairn.checkpoint")
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """Options of the background part of a save (Orbax's ``AsyncOptions``).
+
+    Attributes:
+      timeout_secs: how long a process waits at a barrier of an async save; when given it
+        sets ``CheckpointManagerOptions.timeout_secs``.
+      post_finalization_callback: called (no arguments) after each save is committed, in
+        the thread that committed it.
+      create_directories_asynchronously: accepted; the step's temporary directory is
+        always made before ``save`` returns (so a crash leaves it for the cleanup).
+    """
+
+    timeout_secs: float | None = None
+    post_finalization_callback: Callable[[], None] | None = None
+    create_directories_asynchronously: bool = True
+
+    def __post_init__(self) -> None:
+        if self.post_finalization_callback is not None and not callable(self.post_finalization_callback):
+            raise TypeError("post_finalization_callback must be callable")
+
+
+@dataclass(frozen=True)
+class MultiprocessingOptions:
+    """Which processes take part (Orbax's ``MultiprocessingOptions``).
+
+    Attributes:
+      primary_host: the process that writes shared metadata; only ``0`` (every
+        ``jax.distributed`` process saves, process 0 commits).
+      active_processes: only ``None`` (all processes).
+      barrier_sync_key_prefix: accepted; barrier names already include the directory.
+    """
+
+    primary_host: int | None = 0
+    active_processes: frozenset[int] | None = None
+    barrier_sync_key_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.primary_host != 0:
+            raise NotImplementedError(f"MultiprocessingOptions(primary_host={self.primary_host!r}): only 0 is supported")
+        if self.active_processes is not None:
+            raise NotImplementedError("MultiprocessingOptions(active_processes=...) is not supported: all processes save")
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """File-system options (Orbax's ``FileOptions``).
+
+    Attributes:
+      path_permission_mode: only ``None`` (directories get the process's umask).
+      skip_sync_file_validations: accepted; every metadata file is always checksummed.
+    """
+
+    path_permission_mode: int | None = None
+    skip_sync_file_validations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.path_permission_mode is not None:
+            raise NotImplementedError("FileOptions(path_permission_mode=...) is not supported")
 
 
 @dataclass(frozen=True)
@@ -87,6 +146,30 @@ class CheckpointManagerOptions:
       preemption_sync_interval_steps: with several processes, the notice is exchanged
         (one key-value-store round trip per process) at steps that are multiples of this;
         in between ``reached_preemption`` answers ``False``.
+      save_on_steps: steps saved whatever ``save_interval_steps`` says (a frozenset).
+        ``save_interval_steps=0`` saves no step by interval.
+      should_save_fn: ``fn(step, latest_step) -> bool`` decides alone which steps are
+        saved (a preemption is still saved).
+      keep_time_interval: a ``datetime.timedelta``; retention also keeps the first step
+        saved in each such interval (time from each step's metadata).
+      todelete_subdir: retention and :meth:`CheckpointManager.delete` move steps into
+        this subdirectory of ``directory`` instead of deleting them (for a storage
+        system's own expiry, e.g. a TTL'd folder).
+      step_format_fixed_length: step directories are named with the step zero-padded to
+        this many digits (``00000010``); steps are listed whatever their padding.
+      step_name_format: a :func:`cairn.checkpoint.step.standard_name_format` (it sets
+        ``step_prefix`` and ``step_format_fixed_length``); another ``NameFormat`` is kept
+        here but refused by the manager.
+      single_host_load_and_broadcast: must agree with ``step_name_format``'s (``ValueError``
+        otherwise, as in Orbax); every process lists the shared directory itself.
+      enable_background_delete: accepted; with ``enable_async`` retention already deletes
+        in the background thread that commits the save.
+      async_options: an :class:`AsyncOptions` (its ``timeout_secs`` sets ``timeout_secs``).
+      multiprocessing_options: a :class:`MultiprocessingOptions`.
+      file_options: a :class:`FileOptions`.
+      read_only: the manager never writes (``save`` answers ``False`` with a warning),
+        creates or cleans nothing: ``save_interval_steps=0``, no retention, ``create`` and
+        ``cleanup_tmp_directories`` false, as in Orbax.
     """
 
     save_interval_steps: int = 1
@@ -110,8 +193,54 @@ class CheckpointManagerOptions:
     preemption_notice_file: str | None = None
     preemption_check: Callable[[], bool] | None = None
     preemption_sync_interval_steps: int = 1
+    save_on_steps: frozenset[int] | None = None
+    should_save_fn: Callable[[int, int | None], bool] | None = None
+    keep_time_interval: datetime.timedelta | None = None
+    todelete_subdir: str | None = None
+    read_only: bool = False
+    step_format_fixed_length: int | None = None
+    enable_background_delete: bool = False
+    step_name_format: Any = None
+    single_host_load_and_broadcast: bool = False
+    async_options: AsyncOptions | None = None
+    multiprocessing_options: MultiprocessingOptions | None = None
+    file_options: FileOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.read_only:  # what a read-only manager may not do, switched off (as in Orbax)
+            for name, value in (("save_interval_steps", 0), ("max_to_keep", None), ("keep_period", None),
+                                ("keep_time_interval", None), ("create", False), ("cleanup_tmp_directories", False),
+                                ("save_on_steps", None), ("todelete_subdir", None), ("should_save_fn", None)):
+                object.__setattr__(self, name, value)
+        object.__setattr__(self, "save_on_steps", frozenset(int(s) for s in self.save_on_steps or ()))
+        for name, cls in (("async_options", AsyncOptions), ("multiprocessing_options", MultiprocessingOptions),
+                          ("file_options", FileOptions)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        if self.async_options is not None and self.async_options.timeout_secs is not None:
+            object.__setattr__(self, "timeout_secs", float(self.async_options.timeout_secs))
+        if self.should_save_fn is not None and not callable(self.should_save_fn):
+            raise TypeError(f"should_save_fn must be callable, got {type(self.should_save_fn).__name__}")
+        if self.keep_time_interval is not None and not isinstance(self.keep_time_interval, datetime.timedelta):
+            raise TypeError(f"keep_time_interval must be a datetime.timedelta, got {self.keep_time_interval!r}")
+        sub = self.todelete_subdir
+        if sub is not None and (not sub or os.path.isabs(sub) or ".." in sub.replace("\\", "/").split("/")):
+            raise ValueError(f"todelete_subdir {sub!r} must be a relative path inside the directory (no '..')")
+        fmt = self.step_name_format
+        if fmt is not None:
+            flag = getattr(fmt, "single_host_load_and_broadcast", None) if isinstance(fmt, StandardNameFormat) else None
+            if self.single_host_load_and_broadcast and flag is None:
+                raise ValueError("single_host_load_and_broadcast needs a standard_name_format step_name_format")
+            if flag is not None and flag != self.single_host_load_and_broadcast:
+                raise ValueError(
+                    f"single_host_load_and_broadcast={self.single_host_load_and_broadcast} disagrees with the "
+                    f"step_name_format's ({flag})")
+            if isinstance(fmt, StandardNameFormat):
+                object.__setattr__(self, "step_prefix", fmt.step_prefix)
+                object.__setattr__(self, "step_format_fixed_length", fmt.step_format_fixed_length)
+        if self.step_format_fixed_length is not None and self.step_format_fixed_length < 1:
+            raise ValueError(f"step_format_fixed_length must be >= 1 or None, got {self.step_format_fixed_length}")
         object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
         if self.preemption_sync_interval_steps < 1:
             raise ValueError(
@@ -131,8 +260,8 @@ class CheckpointManagerOptions:
                 f"tmp_lease_timeout_secs must exceed {2 * _ownership.HEARTBEAT_S:g} s (twice the "
                 f"lease renewal interval), got {self.tmp_lease_timeout_secs}"
             )
-        if self.save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
+        if self.save_interval_steps < 0:
+            raise ValueError(f"save_interval_steps must be >= 0 (0: none by interval), got {self.save_interval_steps}")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
@@ -190,35 +319,15 @@ class CheckpointManager(_BackgroundSaver):
     >>> mngr.close()
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        options: CheckpointManagerOptions | None = None,
-        item_names: Sequence[str] | None = None,
-        *,
-        item_handlers: Any = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Open (and create, per ``options.create``) the manager's directory.
+    def __init__(self, directory: str | os.PathLike, options: CheckpointManagerOptions | None = None) -> None:
+        """Open (and with ``options.create``, make) the manager's directory.
 
         Args:
-          directory: the persistent directory holding the step directories.
-          options: a :class:`CheckpointManagerOptions` (default: its defaults).
-          item_names: Orbax's item names, accepted: items are named by each ``save``'s
-            ``args``, and their kinds are stored with every step.
-          item_handlers: Orbax's handler or dict of handlers per item, accepted likewise.
-          metadata: not supported (save it as an item); given, it raises ``NotImplementedError``.
+          directory: where the step directories live.
+          options: how often to save and what to keep (default ``CheckpointManagerOptions()``).
         """
         if options is not None and not isinstance(options, CheckpointManagerOptions):
-            raise TypeError(
-                "options must be a CheckpointManagerOptions (Orbax's positional checkpointers "
-                f"argument is not supported: pass options=...), got {type(options).__name__}"
-            )
-        if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
-            raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
-        if metadata is not None:
-            raise NotImplementedError("CheckpointManager(metadata=...) is not supported; save it as an item")
-        self.item_names = tuple(item_names) if item_names is not None else None
+            raise TypeError(f"options must be a CheckpointManagerOptions, got {type(options).__name__}")
         self._options = options or CheckpointManagerOptions()
         o = self._options
         self.directory = os.path.abspath(os.fspath(directory))
@@ -236,8 +345,11 @@ class CheckpointManager(_BackgroundSaver):
                     False,
                 )
             )
-        prefix = re.escape(o.step_prefix + "_") if o.step_prefix else ""
-        self._step_re = re.compile(prefix + r"(\d+)")
+        if o.step_name_format is not None and not isinstance(o.step_name_format, StandardNameFormat):
+            raise NotImplementedError(
+                f"step_name_format {o.step_name_format!r}: only step.standard_name_format(...) is supported")
+        self._names = StandardNameFormat(o.step_prefix, o.step_format_fixed_length)
+        self._step_re = self._names.pattern()
         if _multihost.is_primary():
             for tier in self._tiers:
                 if not os.path.isdir(tier.directory):
@@ -262,8 +374,7 @@ class CheckpointManager(_BackgroundSaver):
 
     # --- listing ---
     def _step_name(self, step: int) -> str:
-        p = self._options.step_prefix
-        return f"{p}_{step}" if p else str(step)
+        return self._names.build_name(step)
 
     def _committed(self, tier: _Tier) -> dict[int, str]:
         """Step directories with a ``COMMIT`` marker (intact or not)."""
@@ -308,7 +419,7 @@ class CheckpointManager(_BackgroundSaver):
                 _restore.check_dir(sub)
                 continue
             if kind == "json":
-                _items.read_json_item(sub)
+                _json_item.read_json_item(sub)
                 continue
             for i in range(meta.get("process_count", 1)):
                 f = os.path.join(sub, f"state.process_{i}.json")
@@ -466,7 +577,11 @@ class CheckpointManager(_BackgroundSaver):
         latest = self.latest_step()
         if latest is not None and step <= latest:
             return False
-        return preempted or any(step % t.interval == 0 for t in self._tiers)
+        if preempted:
+            return True
+        if self._options.should_save_fn is not None:
+            return bool(self._options.should_save_fn(step, latest))
+        return step in self._options.save_on_steps or any(_due(t, step) for t in self._tiers)
 
     # --- preemption ---
     def reached_preemption(self, step: int) -> bool:
@@ -586,29 +701,49 @@ class CheckpointManager(_BackgroundSaver):
         metrics: Mapping[str, Any] | None = None,
         *,
         force: bool = False,
-        args: _args.CheckpointArgs | None = None,
-        custom_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
         """Save ``items`` as ``step`` if :meth:`should_save` (or ``force``); returns whether it did.
 
+        ``items`` is a dict of named pytrees, Checkpointables and ``JsonItem`` s.
+        The step goes to the persistent tier when ``step`` is a multiple of
+        ``save_interval_steps`` (or ``force``, or once :meth:`reached_preemption`), otherwise
+        to the local tier (whose failures are logged, not raised). With
+        ``enable_async`` this returns once device data is on the host; a previous save is
+        waited for first and its error, if any, is raised here.
+
         Args:
-          step: the step number (>= 0); which tier it goes to: see the class docstring.
-          items: a dict of named pytrees and Checkpointables.
+          step: the step number (>= 0).
+          items: a dict of named pytrees, Checkpointables and ``JsonItem`` s.
           metrics: a JSON-able dict for ``best_fn`` (and :meth:`metrics`).
           force: save even if :meth:`should_save` is false.
-          args: as in Orbax, instead of ``items``: an ``ocp.args.Composite`` naming each
-            item with its save arguments, or one item's (``ocp.args.StandardSave(tree)``).
-          custom_metadata: not supported (pass ``metrics=`` or a ``JsonSave`` item).
         """
+        if not isinstance(items, Mapping) or not items:
+            raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
+        return self._save(step, lambda: items, metrics, force=force, single=False)
+
+    def _save(
+        self,
+        step: int,
+        get_items: Callable[[], Mapping[str, Any]],
+        metrics: Mapping[str, Any] | None,
+        *,
+        force: bool,
+        single: bool,
+        custom_metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """:meth:`save`, with the items asked for only once the step is due; ``single``:
+        one unnamed item (restored alone); ``custom_metadata``: a JSON-able dict kept in
+        the step's metadata."""
         self._bg.wait()
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if custom_metadata is not None:
-            raise NotImplementedError("save(custom_metadata=...) is not supported; pass metrics= or a JsonSave item")
-        items, single = _named_items(items, args)
+        if self._options.read_only:
+            _log.warning("cairn.checkpoint: the manager of %s is read-only; step %d not saved", self.directory, step)
+            return False
         if not force and not self.should_save(step):
             return False
+        items = get_items()
         tier, copies = self._target_tier(step, force)
         o = self._options
         if metrics is not None:
@@ -622,12 +757,15 @@ class CheckpointManager(_BackgroundSaver):
             return False
         kinds = {n: "pytree" if n in snaps else "json" if n in jsons else "state" for n in items}
         step_meta = {
+            "time": _now(),  # when save was called (keep_time_interval counts from it)
             "step": step,
             "version": _tree.FORMAT_VERSION,
             "tier": tier.name,
             "items": kinds,
             "metrics": metrics,
             "single": single,
+            "custom_metadata": None if custom_metadata is None else _json_item.jsonable(
+                dict(custom_metadata), f"custom_metadata of step {step}"),
         }
 
         def verify(d: str) -> None:  # remembered, so retention and listing need not re-read it
@@ -638,7 +776,7 @@ class CheckpointManager(_BackgroundSaver):
         def write() -> None:
             self._write_step(tmp, snaps, states, step_meta)
             for name, value in jsons.items():
-                _items.write_json_item(os.path.join(tmp, name), value)
+                _json_item.write_json_item(os.path.join(tmp, name), value)
 
         done = [True]
 
@@ -647,6 +785,8 @@ class CheckpointManager(_BackgroundSaver):
                 write_and_commit(write, tmp, final, False, verify, o.timeout_secs)
                 if _multihost.is_primary():
                     self._apply_retention(tier)
+                if o.async_options is not None and o.async_options.post_finalization_callback is not None:
+                    o.async_options.post_finalization_callback()
             except Exception as err:
                 if tier.name != "local":
                     raise
@@ -663,18 +803,21 @@ class CheckpointManager(_BackgroundSaver):
         """The tier ``step`` goes to and that tier's committed copies of it (a corrupt one,
         which the save replaces); an intact copy there raises ``FileExistsError``."""
         tier = self._tiers[0]
-        if not force and step % tier.interval != 0 and self.preemption_step is None:
+        o = self._options
+        local_only = (len(self._tiers) > 1 and not _due(tier, step) and _due(self._tiers[1], step)
+                      and step not in o.save_on_steps and o.should_save_fn is None)
+        if not force and local_only and self.preemption_step is None:
             tier = self._tiers[1]
         copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == tier.directory]
         if self._intact_dir(step, copies) is not None:
-            raise FileExistsError(f"step {step} already exists in {tier.directory}")
+            raise StepAlreadyExistsError(f"step {step} already exists in {tier.directory}")
         return tier, copies
 
     def _capture(
         self, items: Mapping[str, Any]
     ) -> tuple[dict[str, _tree.Snapshot], dict[str, Any], dict[str, Any]]:
         """(host snapshots of the pytree items, JSON states of the Checkpointable items,
-        values of the ``JsonSave`` items); an item may be given as ``ocp.args``."""
+        values of the ``JsonItem`` items)."""
         o = self._options
         snaps: dict[str, _tree.Snapshot] = {}
         states: dict[str, Any] = {}
@@ -685,12 +828,9 @@ class CheckpointManager(_BackgroundSaver):
                     f"item name {name!r} must be a plain file-name part (letters, digits, _ . -) "
                     f"other than {_fs.COMMIT_MARKER!r}"
                 )
-            if isinstance(item, _args.CheckpointArgs):
-                tree = _args.to_saved_tree(item, f"item {name!r}")
-                if item.kind == "json":
-                    jsons[name] = _items.jsonable(tree, f"item {name!r}")
-                    continue
-                item = tree
+            if isinstance(item, _json_item.JsonItem):
+                jsons[name] = _json_item.jsonable(item.value, f"item {name!r}")
+                continue
             item = _checkpointable_of(item)
             if is_checkpointable(item):
                 state = item.get_state()
@@ -755,12 +895,14 @@ class CheckpointManager(_BackgroundSaver):
             meta = {
                 "step": step_meta["step"],
                 "version": step_meta["version"],
-                "time": time.time(),
+                "time": step_meta["time"],
                 "tier": step_meta["tier"],
                 "items": step_meta["items"],
                 "metrics": step_meta["metrics"],
                 "process_count": _multihost.process_count(),
             }
+            if step_meta["custom_metadata"] is not None:
+                meta["custom_metadata"] = step_meta["custom_metadata"]
             if step_meta["single"]:
                 meta["single"] = True
             _fs.write_json_durable(os.path.join(tmp, STEP_METADATA), meta)
@@ -792,9 +934,29 @@ class CheckpointManager(_BackgroundSaver):
             keep.update(ordered[-tier.max_to_keep :])
         if tier.use_best and o.keep_period:
             keep.update(s for s in ordered if s % o.keep_period == 0)
+        if tier.use_best and o.keep_time_interval is not None:
+            last = None  # the first step of each interval, by save time
+            for s in ordered:
+                t = steps[s][1].get("time")
+                if isinstance(t, (int, float)) and (last is None or t - last >= o.keep_time_interval.total_seconds()):
+                    keep.add(s)
+                    last = t
         for s in ordered:
             if s not in keep:
-                _fs.remove_tree(steps[s][0])
+                self._remove_step(tier, steps[s][0])
+
+    def _remove_step(self, tier: _Tier, d: str) -> None:
+        """Delete step directory ``d``, or move it into ``todelete_subdir``."""
+        sub = self._options.todelete_subdir
+        if sub is None:
+            _fs.remove_tree(d)
+            return
+        dest = os.path.join(tier.directory, sub)
+        os.makedirs(dest, exist_ok=True)
+        target = os.path.join(dest, os.path.basename(d))
+        if os.path.exists(target):
+            _fs.remove_tree(target)
+        os.replace(d, target)
 
     def delete(self, step: int) -> None:
         """Remove ``step`` from every tier (a corrupt step too).
@@ -807,7 +969,7 @@ class CheckpointManager(_BackgroundSaver):
             for tier in self._tiers:
                 d = self._committed(tier).get(step)
                 if d is not None:
-                    _fs.remove_tree(d)
+                    self._remove_step(tier, d)
                     self._checked.pop(d, None)
         _multihost.barrier(f"delete {step} {self.directory}", self._options.timeout_secs)
 
@@ -824,7 +986,6 @@ class CheckpointManager(_BackgroundSaver):
         step: int | None = None,
         items: Mapping[str, Any] | Sequence[str] | None = None,
         *,
-        args: _args.CheckpointArgs | None = None,
         partial: bool = False,
         cast: bool = False,
         mesh: Any = None,
@@ -833,12 +994,8 @@ class CheckpointManager(_BackgroundSaver):
 
         ``items`` maps item names to targets: a pytree target (see :func:`restore`), ``None``
         (as saved) or a Checkpointable (its ``set_state`` is called and it is returned).
-        A list of names restores those items as saved; ``None`` restores every item.
-        Orbax's ``args=ocp.args.Composite(name=ocp.args.StandardRestore(abstract), ...)``
-        restores the named items per their arguments (dtypes cast to the target's, as in
-        Orbax); ``args=ocp.args.StandardRestore(...)`` restores a step saved with one
-        non-Composite item. The result is a :class:`~cairn.checkpoint.args.Composite` (read
-        by key or attribute), or the item itself for a step saved with one non-Composite item.
+        A list of names restores those items as saved; ``None`` restores every item. The
+        result is a dict by item name.
 
         The step's metadata files are verified again first. A damaged file or array chunk
         raises :class:`CheckpointCorruptError` (:class:`ChecksumError` for array data)
@@ -854,35 +1011,21 @@ class CheckpointManager(_BackgroundSaver):
           cast: allow target dtypes other than the saved ones.
           mesh: the ``jax.sharding.Mesh`` for ``ArraySpec`` targets with a sharding.
         """
+        return self._restore(step, lambda meta: items, partial=partial, cast=cast, mesh=mesh)[0]
+
+    def _restore(
+        self, step: int | None, get_items: Callable[[dict], Any], **kw: Any
+    ) -> tuple[dict[str, Any], dict]:
+        """(items by name, the step's ``_STEP.json``); ``get_items(meta)`` gives the targets."""
         self._bg.wait()
         start = time.monotonic()  # verified again unless latest_step()/_step_dir just did
         step = self._resolve_step(step)
         d = self._step_dir(step)
-        if args is not None and items is not None:
-            raise TypeError("pass either items or args=, not both")
         try:
             meta, why = self._check(d, step, since=start)
             if meta is None:
                 raise CheckpointCorruptError(why or "", None)
-            single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM}
-            # a step saved with one non-Composite args answers that item alone, as in Orbax
-            unwrap = single and (
-                (args is None and items is None) or (args is not None and not isinstance(args, _args.Composite))
-            )
-            if args is not None and not isinstance(args, _args.Composite):
-                if not single:
-                    raise TypeError(
-                        f"step {step} holds the items {sorted(meta['items'])}; restore it with "
-                        "args=ocp.args.Composite(...)"
-                    )
-                items = {DEFAULT_ITEM: args}
-            elif args is not None:
-                items = dict(args)
-            kw = {"partial": partial, "cast": cast, "mesh": mesh}
-            out: Any = self._restore_items(d, step, meta, items, **kw)
-            if args is not None or not isinstance(items, Mapping) or not _legacy(items):
-                out = _args.Composite(out)
-            return out[DEFAULT_ITEM] if unwrap else out
+            return self._restore_items(d, step, meta, get_items(meta), **kw), meta
         except CheckpointCorruptError as err:
             self._mark_corrupt(d, str(err))
             tier = self._tier_of(d)
@@ -904,27 +1047,19 @@ class CheckpointManager(_BackgroundSaver):
             raise KeyError(
                 f"step {step} has no item(s) {unknown}; it holds {sorted(kinds)}"
             )
-        out: dict[str, Any] = {}
-        for name, target in targets.items():
-            sub = os.path.join(d, name)
-            if kinds[name] == "state":
-                out[name] = self._restore_state(sub, name, step, meta, _checkpointable_of(target))
-            elif kinds[name] == "json":
-                if target is not None and getattr(target, "kind", None) != "json":
-                    raise TypeError(f"item {name!r} of step {step} was saved with JsonSave; restore it with JsonRestore")
-                out[name] = _items.read_json_item(sub)
-            elif isinstance(target, _args.CheckpointArgs):
-                if target.saving or target.kind != "pytree":
-                    raise TypeError(
-                        f"item {name!r} of step {step} is a pytree; restore it with StandardRestore, "
-                        f"PyTreeRestore or ArrayRestore, not {type(target).__name__}"
-                    )
-                out[name] = _args.restore_pytree(sub, target, f"item {name!r} of step {step}")
-            else:
-                if is_checkpointable(target):
-                    raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
-                out[name] = _restore.restore_dir(sub, target, **kw)
-        return out
+        return {name: self._restore_item(os.path.join(d, name), name, kinds[name], target, step, meta, kw)
+                for name, target in targets.items()}
+
+    def _restore_item(self, sub: str, name: str, kind: str, target: Any, step: int, meta: dict,
+                      kw: dict[str, Any]) -> Any:
+        """One item of a step, onto ``target`` (``kw``: :func:`restore`'s options)."""
+        if kind == "state":
+            return self._restore_state(sub, name, step, meta, _checkpointable_of(target))
+        if kind == "json":
+            return _json_item.read_json_item(sub)
+        if is_checkpointable(target):
+            raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
+        return _restore.restore_dir(sub, target, **kw)
 
     def _restore_state(self, sub: str, name: str, step: int, meta: dict, target: Any) -> Any:
         """A Checkpointable item: its state, or ``target`` after ``set_state(state)``."""
@@ -946,6 +1081,16 @@ class CheckpointManager(_BackgroundSaver):
         return target
 
 
+def _now() -> float:
+    """Seconds since the epoch, through ``datetime`` (the clock Orbax's tests set)."""
+    return datetime.datetime.now(datetime.UTC).timestamp()
+
+
+def _due(tier: _Tier, step: int) -> bool:
+    """Whether ``step`` is due in ``tier`` by its interval (0: never)."""
+    return tier.interval > 0 and step % tier.interval == 0
+
+
 def _local_failed(step: int, tier: _Tier, err: BaseException) -> None:
     """A failed save of the local tier (a full RAM disk...) is logged, not raised: the run
     goes on and the persistent tier still saves."""
@@ -956,33 +1101,8 @@ def _local_failed(step: int, tier: _Tier, err: BaseException) -> None:
     )
 
 
-def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:
-    """``save``'s items by name (from ``items`` or Orbax's ``args``) and whether they are
-    one non-Composite item (stored as ``"default"``)."""
-    single = args is not None and not isinstance(args, _args.Composite)
-    if args is not None:
-        if items is not None:
-            raise TypeError("pass either items or args=, not both")
-        # Grain's grain.checkpoint.CheckpointSave(iterator) alone: an argument object wrapping
-        # a Checkpointable as .item saves that object's state as the one item
-        if not isinstance(args, _args.CheckpointArgs) and not is_checkpointable(_checkpointable_of(args)):
-            raise TypeError(
-                f"args must be ocp.args (StandardSave, Composite...) or wrap a Checkpointable as .item, "
-                f"got {type(args).__name__}"
-            )
-        items = {DEFAULT_ITEM: args} if single else dict(args)
-    if not isinstance(items, Mapping) or not items:
-        raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
-    return items, single
-
-
 def _checkpointable_of(x: Any) -> Any:
     """``x``, or the Checkpointable an argument object wraps as ``.item`` (as Grain's
     ``grain.checkpoint.CheckpointSave(iterator)`` does), so such items save as states."""
     inner = getattr(x, "item", None)
     return inner if not is_checkpointable(x) and is_checkpointable(inner) else x
-
-
-def _legacy(items: Mapping[str, Any]) -> bool:
-    """Whether ``items`` is cairn's own ``{name: target}`` (answered with a plain dict)."""
-    return not any(isinstance(t, _args.CheckpointArgs) for t in items.values())

@@ -53,3 +53,104 @@ def erase_and_create_empty(directory: str | os.PathLike) -> pathlib.Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
+
+
+def _key_name(key: Any) -> str:
+    """One JAX key-path entry as text: a dict key, a sequence index, an attribute name."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    raise ValueError(f"unsupported pytree key entry {key!r}")
+
+
+def _is_empty_or_leaf(x: Any) -> bool:
+    return x is None or (isinstance(x, (dict, list, tuple)) and len(x) == 0)
+
+
+def to_flat_dict(tree: Any, sep: str | None = None, keep_empty_nodes: bool = False,
+                 is_leaf: Any = None) -> dict[Any, Any]:
+    """``tree`` as a flat dict keyed by the tuple of each leaf's keys (as text), or by the
+    keys joined with ``sep`` (Orbax's ``tree.to_flat_dict``).
+
+    Args:
+      tree: any pytree (dicts, lists, tuples, registered nodes).
+      sep: join each key tuple with this string; ``None`` keeps tuples.
+      keep_empty_nodes: keep ``None`` and empty containers as leaves (dropped otherwise).
+      is_leaf: a predicate that stops the walk (overrides ``keep_empty_nodes``).
+
+    >>> to_flat_dict({"a": 1, "b": {"c": [2, 3], "d": {}}})
+    {('a',): 1, ('b', 'c', '0'): 2, ('b', 'c', '1'): 3}
+    >>> to_flat_dict({"b": {"c": 2, "d": {}}}, sep="/", keep_empty_nodes=True)
+    {'b/c': 2, 'b/d': {}}
+    """
+    if is_leaf is None and keep_empty_nodes:
+        is_leaf = _is_empty_or_leaf
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    out = {tuple(_key_name(k) for k in path): v for path, v in flat}
+    return out if sep is None else {sep.join(k): v for k, v in out.items()}
+
+
+def from_flat_dict(flat_dict: dict[Any, Any], target: Any = None, sep: str | None = None) -> Any:
+    """Inverse of :func:`to_flat_dict`: nested dicts, or ``target``'s structure filled by path.
+
+    Args:
+      flat_dict: keys are tuples of key names (or ``sep``-joined strings).
+      target: a pytree whose structure and key paths to fill; ``None`` builds nested dicts.
+      sep: the separator the keys were joined with.
+
+    >>> from_flat_dict({("a",): 1, ("b", "c"): 2})
+    {'a': 1, 'b': {'c': 2}}
+    """
+    items = {tuple(k.split(sep)) if sep is not None else tuple(k): v for k, v in flat_dict.items()}
+    if target is None:
+        out: dict[str, Any] = {}
+        for path, v in items.items():
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = v
+        return out
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    missing = [p for p, _ in flat if tuple(_key_name(k) for k in p) not in items]
+    if missing:
+        raise KeyError(f"from_flat_dict: the target's paths {missing[:5]} are not in the flat dict")
+    return jax.tree_util.tree_unflatten(treedef, [items[tuple(_key_name(k) for k in p)] for p, _ in flat])
+
+
+def is_gcs_path(path: Any) -> bool:
+    """Whether ``path`` names Google Cloud Storage (``gs://...``); cairn.checkpoint writes
+    only local or mounted file systems.
+
+    Args:
+      path: a path or a string.
+
+    >>> is_gcs_path("gs://bucket/ckpt"), is_gcs_path("/tmp/ckpt")
+    (True, False)
+    """
+    return os.fspath(path).startswith("gs://") if isinstance(path, (str, os.PathLike)) else False
+
+
+def get_save_directory(step: int, directory: str | os.PathLike, name: str | None = None,
+                       step_prefix: str | None = None, override_directory: str | os.PathLike | None = None,
+                       step_format_fixed_length: int | None = None) -> pathlib.Path:
+    """Where a manager puts ``step`` (and its item ``name``) under ``directory``: the step
+    directory is ``<step_prefix>_<step>`` or ``<step>``, zero-padded to
+    ``step_format_fixed_length`` digits (the manager's own naming).
+
+    Args:
+      step: the step number.
+      directory: the manager's directory.
+      name: an item name (its subdirectory), or ``None`` for the step directory.
+      step_prefix: the manager's ``step_prefix``.
+      override_directory: a step directory to use instead of computing one.
+      step_format_fixed_length: the manager's ``step_format_fixed_length``.
+
+    >>> get_save_directory(7, "/ckpt", "params", step_format_fixed_length=3).as_posix()
+    '/ckpt/007/params'
+    """
+    if override_directory is not None:
+        base = pathlib.Path(os.fspath(override_directory))
+    else:
+        digits = str(int(step)).zfill(step_format_fixed_length) if step_format_fixed_length else str(int(step))
+        base = pathlib.Path(os.fspath(directory)) / (f"{step_prefix}_{digits}" if step_prefix else digits)
+    return base / name if name else base

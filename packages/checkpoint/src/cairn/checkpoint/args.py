@@ -11,6 +11,9 @@ from cairn.checkpoint._args import (
     PyTreeSave,
     StandardRestore,
     StandardSave,
+    get_registered_args_cls,
+    get_registered_handler_cls,
+    register_with_handler,
 )
 
 __all__ = [
@@ -24,4 +27,7 @@ __all__ = [
     "PyTreeSave",
     "StandardRestore",
     "StandardSave",
+    "get_registered_args_cls",
+    "get_registered_handler_cls",
+    "register_with_handler",
 ]

@@ -1,0 +1,364 @@
+"""Orbax's ``CheckpointManager`` calling conventions, at the edge of the core manager.
+
+The core (:mod:`cairn.checkpoint._manager`) saves ``{name: pytree | Checkpointable |
+JsonItem}`` and knows nothing of ``ocp.args``; this subclass turns Orbax's ``args=``,
+its positional dict of checkpointers and its legacy ``items=`` calls into core items, and
+restores into ``Composite`` results.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost
+from cairn.checkpoint._checkpointers import Checkpointer
+from cairn.checkpoint._handlers import CheckpointHandler
+from cairn.checkpoint._json_item import JsonItem
+from cairn.checkpoint._manager import CheckpointManagerOptions, _checkpointable_of
+from cairn.core_array import is_checkpointable
+
+#: The item name of a step saved with non-Composite ``args`` (as in Orbax).
+DEFAULT_ITEM_NAME = "default"
+#: The item name Orbax reserves for a manager's metadata (refused as an item name, as there).
+METADATA_ITEM_NAME = "metadata"
+
+
+@dataclass(frozen=True)
+class RootMetadata:
+    """What ``CheckpointManager.metadata()`` returns (Orbax's ``RootMetadata``).
+
+    Attributes:
+      custom_metadata: the ``metadata`` dict given to the directory's first manager.
+    """
+
+    custom_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What ``CheckpointManager.metadata(step)`` returns (Orbax's ``StepMetadata``).
+
+    Attributes:
+      item_metadata: the leaves' metadata of a one-item step, or a ``Composite`` of them by item.
+      metrics: the metrics saved with the step (``{}`` if none).
+      custom_metadata: the ``custom_metadata`` saved with the step (``{}`` if none).
+      init_timestamp_nsecs: when the save was called, in ns since the epoch.
+    """
+
+    item_metadata: Any = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    custom_metadata: dict[str, Any] = field(default_factory=dict)
+    init_timestamp_nsecs: int | None = None
+
+
+class CheckpointManager(_manager.CheckpointManager):
+    """:class:`cairn.checkpoint._manager.CheckpointManager` with Orbax's calling conventions.
+
+    ``save(step, args=ocp.args.Composite(name=ocp.args.StandardSave(tree), ...))`` names
+    each item with how to store it; ``args=ocp.args.StandardSave(tree)`` saves one item
+    (named ``"default"``; :meth:`restore` then returns it alone). Orbax's older form,
+    ``CheckpointManager(directory, {"state": Checkpointer(...)}, options)`` with
+    ``save(step, {"state": tree})``, stores each item with its checkpointer's handler.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        checkpointers: Any = None,
+        options: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        item_names: Sequence[str] | None = None,
+        item_handlers: Any = None,
+        **ignored: Any,
+    ) -> None:
+        """Open the manager of ``directory``.
+
+        Args:
+          directory: where the step directories live.
+          checkpointers: Orbax's older form: one ``Checkpointer`` (steps hold one item) or a
+            dict of them by item name. A ``CheckpointManagerOptions`` here is taken as
+            ``options`` (cairn's ``CheckpointManager(directory, options)``).
+          options: a ``CheckpointManagerOptions``; a sequence of names here is taken as
+            ``item_names`` (cairn's earlier positional order).
+          metadata: a JSON-able dict kept with the manager (``metadata()`` reads it back).
+          item_names: accepted (items are named by each ``save``'s ``args``).
+          item_handlers: a handler, or a dict of handlers by item name: the arguments an
+            item gets when ``restore`` is called without ``args``.
+          **ignored: Orbax's ``logger``, ``handler_registry`` and the like, accepted and ignored.
+        """
+        if isinstance(checkpointers, CheckpointManagerOptions) and options is None:
+            checkpointers, options = None, checkpointers
+        if options is not None and not isinstance(options, CheckpointManagerOptions):
+            if isinstance(options, Sequence) and not isinstance(options, str) and item_names is None:
+                options, item_names = None, options
+            else:
+                raise TypeError(f"options must be a CheckpointManagerOptions, got {type(options).__name__}")
+        if checkpointers is not None and not isinstance(checkpointers, (Checkpointer, Mapping)):
+            raise TypeError(
+                f"checkpointers must be a Checkpointer or a dict of them by item name, got {type(checkpointers).__name__}"
+            )
+        if isinstance(checkpointers, Mapping):
+            bad = [n for n, c in checkpointers.items() if not isinstance(c, Checkpointer)]
+            if bad:
+                raise TypeError(f"checkpointers {bad} are not Checkpointers")
+        if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
+            raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
+        super().__init__(directory, options)
+        self.item_names = tuple(item_names) if item_names is not None else None
+        self._checkpointers = checkpointers
+        self._item_handlers = item_handlers
+        self._metadata = None if metadata is None else _json_metadata(self.directory, metadata, self._options)
+        # Orbax's rule: a manager holds either one unnamed item or named items, never both
+        # (None: not known until the first save, or the newest step, says which)
+        self._single: bool | None = None
+        if item_names is not None or isinstance(item_handlers, Mapping):
+            self._single = False
+        elif isinstance(item_handlers, CheckpointHandler):
+            self._single = True
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save's background part (write, commit, retention) is still running."""
+        return self._bg.busy()
+
+    def metadata(self, step: int | None = None) -> RootMetadata | StepMetadata:
+        """The manager's metadata, or one step's (Orbax's ``metadata(step=None)``).
+
+        Args:
+          step: ``None`` for the manager's :class:`RootMetadata` (the ``metadata`` given when
+            the directory's first manager was made, ``{}`` if none); a step number for its
+            :class:`StepMetadata`.
+        """
+        if step is None:
+            return RootMetadata(dict(self._metadata or _read_metadata(self.directory) or {}))
+        meta = self._step_meta(int(step))
+        items = self.item_metadata(int(step))
+        single = bool(meta.get("single")) and set(items) == {DEFAULT_ITEM_NAME}
+        return StepMetadata(
+            item_metadata=items[DEFAULT_ITEM_NAME] if single else _args.Composite(items),
+            metrics=meta.get("metrics") or {}, custom_metadata=meta.get("custom_metadata") or {},
+            init_timestamp_nsecs=int(meta["time"] * 1e9) if isinstance(meta.get("time"), (int, float)) else None,
+        )
+
+    # --- saving ---
+    def save(
+        self,
+        step: int,
+        items: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        force: bool = False,
+        args: _args.CheckpointArgs | None = None,
+        custom_metadata: Mapping[str, Any] | None = None,
+        save_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Save ``step`` if it is due (or ``force``); returns whether it did.
+
+        Args:
+          step: the step number (>= 0).
+          items: cairn's ``{name: pytree | Checkpointable}``; with ``checkpointers``, the
+            item(s) those checkpointers save (Orbax's older form).
+          metrics: JSON-able numbers for ``best_fn``.
+          force: save even if the step is not due.
+          args: Orbax's ``ocp.args``: one item's (stored as ``"default"``) or a ``Composite``.
+          custom_metadata: a JSON-able dict kept with the step (``metadata(step).custom_metadata``).
+          save_kwargs: Orbax's older per-item ``{"save_args": ...}``, by item name.
+        """
+        if args is None and items is not None and self._checkpointers is not None:
+            args = self._legacy_args(items, save_kwargs)
+            items = None
+        elif isinstance(items, _args.CheckpointArgs):
+            raise ValueError(f"ocp.args go in save(step, args=...), not as items (got {type(items).__name__})")
+        named, single = _named_items(items, args)
+        self._check_layout(single, named if args is not None else {})
+        return self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
+                          custom_metadata=custom_metadata)
+
+    def _check_layout(self, single: bool, named: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError``) a save whose layout (one unnamed item, or named items)
+        differs from this manager's, or whose item names are not among ``item_names``."""
+        if self._single is None and self._checkpointers is None:
+            latest = self.latest_step()
+            if latest is not None:
+                meta = self._step_meta(latest)
+                self._single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM_NAME}
+        if self._single is not None and self._single != single:
+            held = "one unnamed item (args=StandardSave(...) and the like)" if self._single else "named items"
+            raise ValueError(f"this manager holds {held}; save it the same way (as Orbax requires)")
+        self._single = single
+        if not single and self.item_names is not None:
+            unknown = sorted(set(named) - set(self.item_names))
+            if unknown:
+                raise ValueError(
+                    f"item name(s) {unknown}: each does not match with any registered handler (item_names "
+                    f"{list(self.item_names)})"
+                )
+
+    def _legacy_args(self, items: Any, save_kwargs: Mapping[str, Any] | None) -> _args.CheckpointArgs:
+        """Orbax's older ``save(step, items)``: each item wrapped in its checkpointer's args."""
+        ckpt = self._checkpointers
+        if isinstance(ckpt, Checkpointer):
+            return ckpt._item_save_args(items, (save_kwargs or {}).get("save_args"))
+        if not isinstance(items, Mapping):
+            raise TypeError(f"with a dict of checkpointers, items must be a dict by item name, got {type(items).__name__}")
+        unknown = sorted(set(items) - set(ckpt))
+        if unknown:
+            raise KeyError(f"no checkpointer for item(s) {unknown}; the manager has {sorted(ckpt)}")
+        kwargs = save_kwargs or {}
+        return _args.Composite({n: ckpt[n]._item_save_args(v, (kwargs.get(n) or {}).get("save_args"))
+                                for n, v in items.items()})
+
+    # --- restoring ---
+    def restore(
+        self,
+        step: int | None = None,
+        items: Any = None,
+        *,
+        args: _args.CheckpointArgs | None = None,
+        partial: bool = False,
+        cast: bool = False,
+        mesh: Any = None,
+        restore_kwargs: Mapping[str, Any] | None = None,
+        directory: Any = None,
+    ) -> Any:
+        """Restore ``step`` (default: the newest intact step in either tier).
+
+        Args:
+          step: the step, or ``None`` for :meth:`latest_step`.
+          items: cairn's ``{name: target}`` or names (answered with a dict); with
+            ``checkpointers``, Orbax's older targets by item name.
+          args: Orbax's ``ocp.args``: a ``Composite`` of restore args (answered with a
+            ``Composite``) or one item's restore args for a step saved with one item.
+          partial: see :func:`cairn.checkpoint.restore`.
+          cast: see :func:`cairn.checkpoint.restore`.
+          mesh: see :func:`cairn.checkpoint.restore`.
+          restore_kwargs: Orbax's older per-item ``{"restore_args": ...}``, by item name.
+          directory: not supported (open a manager on the other directory).
+        """
+        if directory is not None:
+            raise NotImplementedError("restore(directory=...) is not supported; open a CheckpointManager there")
+        if args is not None and items is not None:
+            raise TypeError("pass either items or args=, not both")
+        legacy = self._checkpointers is not None and args is None
+        plain = args is None and not legacy and isinstance(items, Mapping) and _plain(items)
+        box: dict[str, Any] = {}
+
+        def targets(meta: dict) -> Any:
+            single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM_NAME}
+            box["unwrap"] = single and (args is None and (items is None or legacy) or
+                                        (args is not None and not isinstance(args, _args.Composite)))
+            if legacy:
+                return self._legacy_targets(items, restore_kwargs, meta, single)
+            if args is not None and not isinstance(args, _args.Composite):
+                if not single:
+                    raise TypeError(f"the step holds the items {sorted(meta['items'])}; restore it with "
+                                    "args=ocp.args.Composite(...)")
+                return {DEFAULT_ITEM_NAME: args}
+            if args is not None:
+                return dict(args)
+            if items is None and self._item_handlers is not None:
+                return self._handler_targets(meta)
+            return items
+
+        out, _ = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
+        if box.get("unwrap"):
+            return out[DEFAULT_ITEM_NAME]
+        return out if plain and not legacy else _args.Composite(out) if not legacy else out
+
+    def _legacy_targets(self, items: Any, restore_kwargs: Any, meta: dict, single: bool) -> dict[str, Any]:
+        ckpt = self._checkpointers
+        if isinstance(ckpt, Checkpointer):
+            ra = (restore_kwargs or {}).get("restore_args")
+            return {DEFAULT_ITEM_NAME: ckpt._item_restore_args(items, ra)} if single else {}
+        items = items if isinstance(items, Mapping) else dict.fromkeys(meta["items"])
+        kw = restore_kwargs or {}
+        return {n: ckpt[n]._item_restore_args(t, (kw.get(n) or {}).get("restore_args")) if n in ckpt else t
+                for n, t in items.items()}
+
+    def _handler_targets(self, meta: dict) -> dict[str, Any]:
+        """Restore targets from ``item_handlers`` for a call without ``args``."""
+        h = self._item_handlers
+        out: dict[str, Any] = {}
+        for name, kind in meta["items"].items():
+            handler = h if isinstance(h, CheckpointHandler) else h.get(name)
+            out[name] = handler.restore_args(None) if handler is not None and kind != "state" else None
+        return out
+
+    def _restore_item(self, sub: str, name: str, kind: str, target: Any, step: int, meta: dict,
+                      kw: dict[str, Any]) -> Any:
+        if not isinstance(target, _args.CheckpointArgs):
+            return super()._restore_item(sub, name, kind, target, step, meta, kw)
+        if target.saving:
+            raise TypeError(f"item {name!r} of step {step}: restore needs restore arguments, got {type(target).__name__}")
+        if kind == "json":
+            if target.kind != "json":
+                raise TypeError(f"item {name!r} of step {step} was saved with JsonSave; restore it with JsonRestore")
+            return super()._restore_item(sub, name, kind, None, step, meta, kw)
+        if kind == "state":
+            return super()._restore_item(sub, name, kind, _checkpointable_of(target), step, meta, kw)
+        if target.kind != "pytree":
+            raise TypeError(
+                f"item {name!r} of step {step} is a pytree; restore it with StandardRestore, "
+                f"PyTreeRestore or ArrayRestore, not {type(target).__name__}"
+            )
+        return _args.restore_pytree(sub, target, f"item {name!r} of step {step}")
+
+
+def _plain(items: Any) -> bool:
+    """Whether ``items`` is cairn's own ``{name: target}`` or list of names (answered with a dict)."""
+    values = items.values() if isinstance(items, Mapping) else ()
+    return not any(isinstance(t, _args.CheckpointArgs) for t in values)
+
+
+def _named_items(items: Any, args: Any) -> tuple[Mapping[str, Any], bool]:
+    """``save``'s items by name (from ``items`` or Orbax's ``args``) and whether they are
+    one non-Composite item (stored as ``"default"``)."""
+    single = args is not None and not isinstance(args, _args.Composite)
+    if args is not None:
+        if items is not None:
+            raise TypeError("pass either items or args=, not both")
+        # Grain's grain.checkpoint.CheckpointSave(iterator) alone: an argument object wrapping
+        # a Checkpointable as .item saves that object's state as the one item
+        if not isinstance(args, _args.CheckpointArgs) and not is_checkpointable(_checkpointable_of(args)):
+            raise TypeError(
+                f"args must be ocp.args (StandardSave, Composite...) or wrap a Checkpointable as .item, "
+                f"got {type(args).__name__}"
+            )
+        items = {DEFAULT_ITEM_NAME: args} if single else dict(args)
+    if not isinstance(items, Mapping) or not items:
+        raise TypeError("items must be a non-empty dict of {name: pytree or Checkpointable}")
+    return items, single
+
+
+def _core_items(items: Mapping[str, Any]) -> dict[str, Any]:
+    """Items as the core manager takes them: ``ocp.args`` become pytrees (their
+    ``SaveArgs`` applied) or :class:`JsonItem` s."""
+    out: dict[str, Any] = {}
+    for name, item in items.items():
+        if isinstance(item, _args.CheckpointArgs):
+            tree = _args.to_saved_tree(item, f"item {name!r}")
+            item = JsonItem(tree) if item.kind == "json" else tree
+        out[name] = item
+    return out
+
+
+_METADATA_FILE = "_MANAGER_METADATA.json"
+
+
+def _json_metadata(directory: str, metadata: Mapping[str, Any], options: CheckpointManagerOptions) -> dict:
+    """Store ``metadata`` with the manager's directory (once; a later manager reads it)."""
+    value = _json_item.jsonable(dict(metadata), "CheckpointManager(metadata=...)")
+    existing = _read_metadata(directory)
+    if existing is not None:
+        return existing
+    if _multihost.is_primary() and not options.read_only and os.path.isdir(directory):
+        _fs.write_json_durable(os.path.join(directory, _METADATA_FILE), value)
+    return value
+
+
+def _read_metadata(directory: str) -> dict | None:
+    f = os.path.join(directory, _METADATA_FILE)
+    return _fs.read_json(f) if os.path.isfile(f) else None
