@@ -256,9 +256,9 @@ def register_with_handler(handler_cls: type, for_save: bool = False, for_restore
             raise TypeError(f"register_with_handler: the class must subclass CheckpointArgs, got {cls!r}")
         save_type = getattr(handler_cls, "save_type", None)
         if save_type is not None and "kind" not in vars(cls):
-            cls.kind = save_type.kind  # type: ignore[attr-defined]
+            cls.kind = save_type.kind
         if "saving" not in vars(cls):  # save-only args are refused by a restore
-            cls.saving = for_save and not for_restore  # type: ignore[attr-defined]
+            cls.saving = for_save and not for_restore
         _REGISTRY[cls] = (handler_cls, for_save, for_restore)
         return cls
 

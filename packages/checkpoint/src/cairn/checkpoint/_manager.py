@@ -38,7 +38,7 @@ _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 class AsyncOptions:
     """Options of the background part of a save (Orbax's ``AsyncOptions``).
 
-    Attributes:
+    Args:
       timeout_secs: how long a process waits at a barrier of an async save; when given it
         sets ``CheckpointManagerOptions.timeout_secs``.
       post_finalization_callback: called (no arguments) after each save is committed, in
@@ -60,7 +60,7 @@ class AsyncOptions:
 class MultiprocessingOptions:
     """Which processes take part (Orbax's ``MultiprocessingOptions``).
 
-    Attributes:
+    Args:
       primary_host: the process that writes shared metadata; only ``0`` (every
         ``jax.distributed`` process saves, process 0 commits).
       active_processes: only ``None`` (all processes).
@@ -82,7 +82,7 @@ class MultiprocessingOptions:
 class FileOptions:
     """File-system options (Orbax's ``FileOptions``).
 
-    Attributes:
+    Args:
       path_permission_mode: only ``None`` (directories get the process's umask).
       skip_sync_file_validations: accepted; every metadata file is always checksummed.
     """
@@ -581,7 +581,7 @@ class CheckpointManager(_BackgroundSaver):
             return True
         if self._options.should_save_fn is not None:
             return bool(self._options.should_save_fn(step, latest))
-        return step in self._options.save_on_steps or any(_due(t, step) for t in self._tiers)
+        return step in (self._options.save_on_steps or ()) or any(_due(t, step) for t in self._tiers)
 
     # --- preemption ---
     def reached_preemption(self, step: int) -> bool:
@@ -805,7 +805,7 @@ class CheckpointManager(_BackgroundSaver):
         tier = self._tiers[0]
         o = self._options
         local_only = (len(self._tiers) > 1 and not _due(tier, step) and _due(self._tiers[1], step)
-                      and step not in o.save_on_steps and o.should_save_fn is None)
+                      and step not in (o.save_on_steps or ()) and o.should_save_fn is None)
         if not force and local_only and self.preemption_step is None:
             tier = self._tiers[1]
         copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == tier.directory]

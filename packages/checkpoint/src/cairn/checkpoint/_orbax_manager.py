@@ -30,7 +30,7 @@ METADATA_ITEM_NAME = "metadata"
 class RootMetadata:
     """What ``CheckpointManager.metadata()`` returns (Orbax's ``RootMetadata``).
 
-    Attributes:
+    Args:
       custom_metadata: the ``metadata`` dict given to the directory's first manager.
     """
 
@@ -41,7 +41,7 @@ class RootMetadata:
 class StepMetadata:
     """What ``CheckpointManager.metadata(step)`` returns (Orbax's ``StepMetadata``).
 
-    Attributes:
+    Args:
       item_metadata: the leaves' metadata of a one-item step, or a ``Composite`` of them by item.
       metrics: the metrics saved with the step (``{}`` if none).
       custom_metadata: the ``custom_metadata`` saved with the step (``{}`` if none).
@@ -202,6 +202,7 @@ class CheckpointManager(_manager.CheckpointManager):
         ckpt = self._checkpointers
         if isinstance(ckpt, Checkpointer):
             return ckpt._item_save_args(items, (save_kwargs or {}).get("save_args"))
+        assert ckpt is not None  # a manager made without checkpointers never takes this path
         if not isinstance(items, Mapping):
             raise TypeError(f"with a dict of checkpointers, items must be a dict by item name, got {type(items).__name__}")
         unknown = sorted(set(items) - set(ckpt))
@@ -273,6 +274,7 @@ class CheckpointManager(_manager.CheckpointManager):
         if isinstance(ckpt, Checkpointer):
             ra = (restore_kwargs or {}).get("restore_args")
             return {DEFAULT_ITEM_NAME: ckpt._item_restore_args(items, ra)} if single else {}
+        assert ckpt is not None  # a manager made without checkpointers never takes this path
         items = items if isinstance(items, Mapping) else dict.fromkeys(meta["items"])
         kw = restore_kwargs or {}
         return {n: ckpt[n]._item_restore_args(t, (kw.get(n) or {}).get("restore_args")) if n in ckpt else t
@@ -283,7 +285,7 @@ class CheckpointManager(_manager.CheckpointManager):
         h = self._item_handlers
         out: dict[str, Any] = {}
         for name, kind in meta["items"].items():
-            handler = h if isinstance(h, CheckpointHandler) else h.get(name)
+            handler = h if isinstance(h, CheckpointHandler) else (h or {}).get(name)
             out[name] = handler.restore_args(None) if handler is not None and kind != "state" else None
         return out
 

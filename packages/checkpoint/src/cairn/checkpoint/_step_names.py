@@ -16,7 +16,11 @@ class NameFormat(Protocol):
     """A step-directory naming scheme: ``build_name(step)`` gives the directory name."""
 
     def build_name(self, step: int) -> str:
-        """The directory name of ``step``."""
+        """The directory name of ``step``.
+
+        Args:
+          step: the step number (>= 0).
+        """
         ...
 
 
@@ -24,7 +28,7 @@ class NameFormat(Protocol):
 class StandardNameFormat:
     """``<step_prefix>_<step>`` or ``<step>``, zero-padded to ``step_format_fixed_length``.
 
-    Attributes:
+    Args:
       step_prefix: text before ``_<step>`` (``None``: the bare number).
       step_format_fixed_length: digits to pad the step to (``None``: no padding).
       single_host_load_and_broadcast: Orbax lists steps on one process and broadcasts the
@@ -36,7 +40,11 @@ class StandardNameFormat:
     single_host_load_and_broadcast: bool = False
 
     def build_name(self, step: int) -> str:
-        """The directory name of ``step`` (``ckpt_0007`` for prefix ``ckpt``, length 4)."""
+        """The directory name of ``step`` (``ckpt_0007`` for prefix ``ckpt``, length 4).
+
+        Args:
+          step: the step number (>= 0).
+        """
         digits = str(int(step)).zfill(self.step_format_fixed_length) if self.step_format_fixed_length else str(int(step))
         return f"{self.step_prefix}_{digits}" if self.step_prefix else digits
 
