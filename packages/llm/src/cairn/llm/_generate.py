@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.llm._cache import KVCache
+from cairn.llm._model import CausalLM
 from cairn.llm._sampling import SamplingParams, choose
 
 __all__ = ["GenerationResult", "generate"]
@@ -254,6 +255,31 @@ def _result(carry: _Carry, prompts: list[list[int]], texts: list[_RowText] | Non
                             reasons, out_text if texts is not None else None, prompts)
 
 
+def _on_cpu(model: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(model)
+    return bool(leaves) and all(isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices())
+                                for x in leaves)
+
+
+def _compute_model(model: Any, compute_dtype: Any) -> Any:
+    """The model the prefill and decode steps run: ``model`` itself, or its copy in
+    ``compute_dtype`` (``None``: float32 for a 16-bit float ``CausalLM`` on CPU).
+
+    XLA:CPU has no bfloat16 / float16 matrix product: every jitted call would convert
+    each weight to a float32 temporary (the whole model in float32, allocated and filled
+    on every decode step). Converting once per call does that work once, with the same
+    peak memory.
+    """
+    if compute_dtype is None:
+        auto = (isinstance(model, CausalLM) and jnp.dtype(model.dtype) in (jnp.bfloat16, jnp.float16)
+                and _on_cpu(model) and not model.quantized_paths())
+        return model.astype(jnp.float32) if auto else model
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"generate: compute_dtype needs a cairn.llm.CausalLM, got a {type(model).__name__}; "
+                        "leave compute_dtype=None to run the model as it is")
+    return model if jnp.dtype(compute_dtype) == jnp.dtype(model.dtype) else model.astype(compute_dtype)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -364,7 +390,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
              stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              return_logprobs: bool = True, return_processed_logprobs: bool = False,
              max_length: int | None = None, skip_special_tokens: bool = True,
-             decode_loop: str = "while_loop") -> GenerationResult:
+             decode_loop: str = "while_loop", compute_dtype: Any = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, all rows in one batch.
 
     Each row stops on its own: at a stop id (kept as its last token), at a stop string in
@@ -401,6 +427,13 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
       decode_loop: ``"while_loop"`` (the default: the steps run in a ``lax.while_loop`` on
         the device) or ``"python"`` (a Python loop over the same jitted step, checking on
         the host after each step whether every row is done).
+      compute_dtype: the dtype the prefill and decode steps compute in, with a copy of the
+        weights made for this call (:meth:`CausalLM.astype`). ``None`` (default): the
+        model's own dtype, except a bfloat16 / float16 ``CausalLM`` on CPU, which runs in
+        float32: XLA:CPU has no 16-bit float matrix product and would convert every weight
+        to a float32 temporary on each step (the same memory, paid per token). Pass the
+        model's dtype to keep its numerics, or call ``model.astype(jnp.float32)`` once
+        to skip the conversion on every call.
 
     Returns:
       A :class:`GenerationResult`.
@@ -426,6 +459,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     rows = _prompt_ids(prompts, tokenizer, vocab)
     ids_list, stops = _stop_settings(stop_token_ids, stop_strings, tokenizer, vocab)
     max_length, room = _limits(rows, max_new_tokens, max_length)
+    model = _compute_model(model, compute_dtype)
     b = len(rows)
     ids, lengths = _right_padded(rows)
     leaves, treedef = jax.tree_util.tree_flatten(model)
