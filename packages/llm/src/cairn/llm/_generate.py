@@ -255,6 +255,14 @@ def _result(carry: _Carry, prompts: list[list[int]], texts: list[_RowText] | Non
                             reasons, out_text if texts is not None else None, prompts)
 
 
+def _inputs(b: int, temperature: float, top_k: int | None, top_p: float | None, seed: Any, room: np.ndarray,
+            stop_ids: list[int]) -> _Inputs:
+    """The decode loop's per-row inputs: keys, limits, sampling settings and stop ids."""
+    params = SamplingParams(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k or 0, jnp.int32),
+                            jnp.full((b,), 1.0 if top_p is None else top_p, jnp.float32))
+    return _Inputs(_row_keys(seed, b), jnp.asarray(room), params, jnp.asarray(stop_ids or [-1], jnp.int32))
+
+
 def _on_cpu(model: Any) -> bool:
     leaves = jax.tree_util.tree_leaves(model)
     return bool(leaves) and all(isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices())
@@ -427,13 +435,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
       decode_loop: ``"while_loop"`` (the default: the steps run in a ``lax.while_loop`` on
         the device) or ``"python"`` (a Python loop over the same jitted step, checking on
         the host after each step whether every row is done).
-      compute_dtype: the dtype the prefill and decode steps compute in, with a copy of the
-        weights made for this call (:meth:`CausalLM.astype`). ``None`` (default): the
-        model's own dtype, except a bfloat16 / float16 ``CausalLM`` on CPU, which runs in
-        float32: XLA:CPU has no 16-bit float matrix product and would convert every weight
-        to a float32 temporary on each step (the same memory, paid per token). Pass the
-        model's dtype to keep its numerics, or call ``model.astype(jnp.float32)`` once
-        to skip the conversion on every call.
+      compute_dtype: the steps' dtype, from a copy of the weights made per call (:meth:`CausalLM.astype`); ``None``:
+        the model's, but float32 for a 16-bit ``CausalLM`` on CPU (XLA:CPU has no 16-bit matmul; docs/llm.md).
 
     Returns:
       A :class:`GenerationResult`.
@@ -460,15 +463,12 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     ids_list, stops = _stop_settings(stop_token_ids, stop_strings, tokenizer, vocab)
     max_length, room = _limits(rows, max_new_tokens, max_length)
     model = _compute_model(model, compute_dtype)
-    b = len(rows)
     ids, lengths = _right_padded(rows)
     leaves, treedef = jax.tree_util.tree_flatten(model)
     static = _Static(treedef, temperature > 0, top_k is not None or top_p is not None)
-    params = SamplingParams(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k or 0, jnp.int32),
-                            jnp.full((b,), 1.0 if top_p is None else top_p, jnp.float32))
-    inp = _Inputs(_row_keys(seed, b), jnp.asarray(room), params, jnp.asarray(ids_list or [-1], jnp.int32))
-    slots = _round_up(max_length, CACHE_BUCKET)
-    carry = _prefill_jit(static, slots, _round_up(max_new_tokens, PROMPT_BUCKET), leaves, jnp.asarray(ids), jnp.asarray(lengths))
+    inp = _inputs(len(rows), temperature, top_k, top_p, seed, room, ids_list)
+    carry = _prefill_jit(static, _round_up(max_length, CACHE_BUCKET), _round_up(max_new_tokens, PROMPT_BUCKET),
+                         leaves, jnp.asarray(ids), jnp.asarray(lengths))
     texts = None if tokenizer is None else [_RowText(tokenizer, p, stops, skip_special_tokens) for p in rows]
     carry = _decode(static, leaves, carry, inp, max_new_tokens, decode_loop, texts, set(ids_list))
     return _result(carry, rows, texts, set(ids_list), return_logprobs, return_processed_logprobs)
