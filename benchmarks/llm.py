@@ -19,7 +19,11 @@ Qwen2.5-0.5B at ``--full`` (0.92 GiB, tied embeddings), a 4-layer one of ~55 MiB
    the cache donated; transformers: ``model(ids, past_key_values=..., use_cache=True)`` under
    ``torch.inference_mode``). Prefill is one call on the whole prompt (both sides compute the
    logits of every position, then take the last one's argmax); decode is ``--new`` one-token
-   steps. Batches 1 and 8, float32 and bfloat16. Compile time is ours' first call minus a
+   steps. Batches 1 and 8, float32 and bfloat16. For bfloat16, ours runs as
+   ``cairn.llm.generate`` does on CPU: on a float32 copy of the loaded weights made once
+   (``CausalLM.astype``, timed apart), since XLA:CPU has no bfloat16 matrix product and
+   converts every weight on every call; the step on the bfloat16 weights themselves is
+   measured too ("16-bit step"). Compile time is ours' first call minus a
    timed one, reported apart. Greedy tokens are compared. torch runs with the faster of one
    thread and every core (measured per row): on a loaded machine its OpenMP threads spin at
    barriers and run several times slower than one thread.
@@ -254,14 +258,24 @@ def bench_load(directory: str, size_mib: float, repeats: int, have_torch: bool) 
 
 
 class Ours:
-    """Greedy decoding with a jitted step over the KV cache (donated)."""
+    """Greedy decoding with a jitted step over the KV cache (donated).
 
-    def __init__(self, directory: str, dtype: str) -> None:
+    ``compute``: the dtype the steps run in, from a copy of the loaded weights made once
+    (``CausalLM.astype``; its time is ``copy_s``), as ``cairn.llm.generate`` does on CPU for
+    a 16-bit model; None runs the loaded weights as they are."""
+
+    def __init__(self, directory: str, dtype: str, compute: str | None = None) -> None:
+        import jax
         import jax.numpy as jnp
 
         from cairn import llm, nn
 
-        self.jnp, self.model = jnp, llm.from_pretrained(directory, dtype=dtype)
+        self.jnp, self.model, self.copy_s = jnp, llm.from_pretrained(directory, dtype=dtype), 0.0
+        if compute is not None:
+            t0 = time.perf_counter()
+            self.loaded, self.model = self.model, self.model.astype(compute)
+            jax.block_until_ready(jax.tree_util.tree_leaves(self.model))
+            self.copy_s = time.perf_counter() - t0
 
         def step(m: Any, ids: Any, cache: Any) -> Any:
             logits, cache = m(ids, cache=cache)
@@ -337,7 +351,12 @@ def bench_speed(directory: str, shape: dict, dtype: str, batches: tuple[int, ...
     rng = np.random.default_rng(1)
     ids_all = rng.integers(2, shape["vocab_size"], (max(batches), shape["prompt"]), dtype=np.int32)
     new = shape["new"]
-    sides: dict[str, Any] = {"ours": Ours(directory, dtype)}
+    half = dtype in ("bfloat16", "float16")
+    # ours as generate runs it on CPU (a float32 copy of 16-bit weights), and for 16-bit
+    # weights also the step on the loaded weights themselves (XLA:CPU converts them per call)
+    sides: dict[str, Any] = {"ours": Ours(directory, dtype, "float32" if half else None)}
+    if half:
+        sides["ours_16bit_step"] = Ours(directory, dtype)
     if have_torch:
         sides["transformers"] = Torch(directory, dtype)
     out: dict = {"rows": {}}
@@ -366,7 +385,8 @@ def bench_speed(directory: str, shape: dict, dtype: str, batches: tuple[int, ...
             p, d = statistics.median(times[s]["prefill"]), statistics.median(times[s]["decode"])
             compile_s = first[s] - p - d * 2 / new
             row[s] = {"prefill_tps": b * shape["prompt"] / p, "decode_tps": b * new / d,
-                         "compile_s": compile_s if s == "ours" else 0.0}
+                      "compile_s": compile_s if s.startswith("ours") else 0.0,
+                      "copy_s": getattr(sides[s], "copy_s", 0.0)}
         if have_torch:
             row["tokens_agree"] = float(np.mean(tokens["ours"] == tokens["transformers"]))
     return out
@@ -477,10 +497,14 @@ def print_load(load: dict, size_mib: float) -> None:
 def print_speed(speed: dict, shape: dict) -> None:
     print(f"\n2. CPU tokens/s: prompt {shape['prompt']}, {shape['new']} greedy decode steps, KV cache both sides")
     print(f"{'dtype':9s} {'batch':>5s} {'side':13s} {'prefill t/s':>11s} {'decode t/s':>11s} {'compile s':>9s} {'agree':>6s}")
-    print("  (agree: ours' greedy tokens equal to transformers'; thr: the torch thread count kept, the faster)")
+    print("  (agree: ours' greedy tokens equal to transformers'; thr: the torch thread count kept, the faster;\n"
+          "   16-bit dtypes: ours = the steps on a float32 copy made once (copy s), as cairn.llm.generate runs on\n"
+          "   CPU; ours 16-bit step = the loaded 16-bit weights in the step)")
     for dtype, per_b in speed.items():
         for b, row in per_b["rows"].items():
-            for s in ("ours", "transformers"):
+            for s in ("ours", "ours_16bit_step", "transformers"):
+                if s == "ours_16bit_step" and s not in row:
+                    continue
                 if s not in row:
                     print(f"{dtype:9s} {b:5d} {s:13s} not measured (torch not installed)")
                     continue
@@ -488,8 +512,10 @@ def print_speed(speed: dict, shape: dict) -> None:
                 a = f"{agree:6.2f}" if agree is not None and s == "ours" else ""
                 if s == "transformers":
                     a = f"{per_b['torch_threads'][b]} thr"
-                print(f"{dtype:9s} {b:5d} {s:13s} {r['prefill_tps']:11.1f} {r['decode_tps']:11.1f} "
-                      f"{r['compile_s']:9.2f} {a:>6s}")
+                label = {"ours_16bit_step": "ours 16b step"}.get(s, s)
+                copy = f" copy {r['copy_s']:.2f} s" if r.get("copy_s") else ""
+                print(f"{dtype:9s} {b:5d} {label:13s} {r['prefill_tps']:11.1f} {r['decode_tps']:11.1f} "
+                      f"{r['compile_s']:9.2f} {a:>6s}{copy}")
 
 
 def print_forward(fwd: dict, shape: dict) -> None:
@@ -516,6 +542,10 @@ def summary(size_mib: float, load: dict | None, speed: dict | None, fwd: dict | 
                 for k in ("prefill", "decode"):
                     ratio = row["ours"][f"{k}_tps"] / row["transformers"][f"{k}_tps"]
                     out[f"{k}_vs_transformers_{dtype}_b{b}"] = round(ratio, 3)
+                if "ours_16bit_step" in row:
+                    for k in ("prefill", "decode"):
+                        ratio = row["ours_16bit_step"][f"{k}_tps"] / row["transformers"][f"{k}_tps"]
+                        out[f"{k}_16bit_step_vs_transformers_{dtype}_b{b}"] = round(ratio, 3)
                 out[f"tokens_agree_{dtype}_b{b}"] = row["tokens_agree"]
                 out[f"torch_threads_{dtype}_b{b}"] = per_b["torch_threads"][b]
             out[f"compile_s_{dtype}_b{b}"] = round(row["ours"]["compile_s"], 2)

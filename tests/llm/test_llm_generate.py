@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
-from llm_testlib import forward, load
+from llm_testlib import FIXTURES, forward, load
 
 from cairn import llm
 from cairn.llm import _sampling
@@ -296,3 +296,32 @@ def test_bad_input_is_refused_with_a_clear_error(prompts, kwargs, error, match):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(error, match=match):
         llm.generate(load("llama"), prompts, kwargs.pop("max_new_tokens"), **kwargs)
+
+
+# --- compute dtype: a 16-bit model on CPU decodes with a float32 copy of its weights ---
+
+def test_a_bfloat16_model_on_cpu_generates_with_a_float32_copy_and_is_left_bfloat16():
+    half = llm.from_pretrained(FIXTURES / "llama", dtype=jnp.bfloat16)
+    full = half.astype(jnp.float32)
+    auto = llm.generate(half, PROMPTS, 8, stop_token_ids=[])
+    want = llm.generate(full, PROMPTS, 8, stop_token_ids=[])
+    assert auto.tokens == want.tokens
+    for got, ref in zip(auto.logprobs, want.logprobs, strict=True):
+        np.testing.assert_array_equal(got, ref)  # the same float32 program on the same float32 weights
+    assert {str(x.dtype) for x in jax.tree_util.tree_leaves(half)} == {"bfloat16"}  # the caller's model is untouched
+    kept = llm.generate(half, PROMPTS, 8, stop_token_ids=[], compute_dtype=jnp.bfloat16)
+    for b, prompt in enumerate(PROMPTS):  # bfloat16 numerics: the logprobs of the bfloat16 forward pass
+        full_ids = prompt + kept.tokens[b]
+        logits = np.asarray(forward(half, np.asarray([full_ids], np.int32)))[0]
+        at = np.arange(len(prompt) - 1, len(full_ids) - 1)
+        np.testing.assert_allclose(kept.logprobs[b], _log_softmax64(logits[at])[np.arange(len(at)), kept.tokens[b]],
+                                   rtol=0, atol=2e-2)
+
+
+def test_compute_dtype_needs_a_causal_lm():
+    class Wrapped:  # any pytree model generate accepts, but not a CausalLM
+        def __init__(self, model):
+            self.config, self.model = model.config, model
+
+    with pytest.raises(TypeError, match="compute_dtype needs a cairn.llm.CausalLM"):
+        llm.generate(Wrapped(load("llama")), PROMPTS, 2, compute_dtype=jnp.float32)

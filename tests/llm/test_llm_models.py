@@ -133,3 +133,41 @@ def test_gradients_reach_every_parameter_and_match_finite_differences():
 
     eps = 1e-2
     assert (at(eps) - at(-eps)) / (2 * eps) == pytest.approx(slope, rel=5e-3)
+
+
+def test_astype_casts_every_parameter_and_keeps_the_original():
+    half = llm.from_pretrained(FIXTURES / "llama", dtype=jnp.bfloat16)
+    full = half.astype(jnp.float32)
+    assert full.dtype == jnp.float32 and half.dtype == jnp.bfloat16
+    h, f = nn.state(half).flat_state(), nn.state(full).flat_state()
+    assert h.keys() == f.keys()
+    for p in h:
+        assert f[p][...].dtype == jnp.float32 and h[p][...].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(f[p][...]), np.asarray(h[p][...]).astype(np.float32))
+    ids = np.asarray([[3, 9, 27, 4]], np.int32)
+    np.testing.assert_array_equal(np.asarray(forward(full, ids)),
+                                  np.asarray(forward(half.astype("float32"), ids)))
+    with pytest.raises(ValueError, match="floating dtype"):
+        half.astype(jnp.int32)
+
+
+def test_two_models_of_one_config_have_equal_structures_and_share_compiled_programs():
+    # the layers' initializers and dtypes are static parts of the structure: equal ones
+    # mean nn.jit and generate compile once for every model of a config, not once per object
+    a = llm.from_pretrained(FIXTURES / "llama")
+    b = llm.from_pretrained(FIXTURES / "llama", dtype="float32")
+    c = llm.CausalLM(a.config, dtype=np.float32, rngs=nn.Rngs(3))
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) == jax.tree_util.tree_structure(c)
+    assert jax.tree_util.tree_structure(a.astype(jnp.bfloat16)) == jax.tree_util.tree_structure(
+        llm.CausalLM(a.config, dtype=jnp.bfloat16, rngs=nn.Rngs(0)))
+    traces = []
+
+    @nn.jit
+    def f(model, ids):
+        traces.append(1)
+        return model(ids)
+
+    ids = jnp.zeros((1, 4), jnp.int32)
+    for m in (a, b, c):
+        f(m, ids)
+    assert len(traces) == 1

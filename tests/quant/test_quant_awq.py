@@ -93,3 +93,73 @@ def test_params_with_dicts_inside_lists_and_tuples_are_left_unchanged(method):
             assert set(b["dense"]) == {"kernel"} and b["dense"]["kernel"] is old["kernel"]
         assert type(out["blocks"]) is container
         assert all("kernel_awq_scale" in b["dense"] for b in out["blocks"])
+
+
+# --- einsum kernels (more than two axes) and int-keyed layer dicts ---
+
+def _f_heads(p, x):  # a q projection: [tokens, d] x [d, heads, head_dim]
+    return jnp.einsum("td,dnh->tnh", x, p["layers"][0]["q"]["kernel"])
+
+
+def _f_flat(p, x):  # the same product with the kernel as [d, heads * head_dim]
+    return x @ p["layers"][0]["q"]["kernel"]
+
+
+def _f_out(p, x):  # an output projection: [tokens, heads, head_dim] x [heads, head_dim, d]
+    return jnp.einsum("tnh,nhd->td", x, p["layers"][0]["o"]["kernel"])
+
+
+@pytest.mark.parametrize("tile", [None, 16])
+def test_awq_on_an_einsum_kernel_equals_awq_on_its_flattened_matrix(tile):
+    # a pure dict of a module tree keys its layers by int ({0: ...}, as nn.State.to_pure_dict
+    # gives them) while weight paths spell them "layers/0/q/kernel"
+    x, w = _data(salient=True)
+    w3 = w.reshape(64, 4, 4)
+    provider = quant.PtqProvider([quant.AwqRule(weight_qtype="int4", tile_size=tile, n_grid=10)])
+    q3 = quant.awq_quantize_params({"layers": {0: {"q": {"kernel": w3}}}}, provider, _f_heads, [(x,)])
+    q2 = quant.awq_quantize_params({"layers": {0: {"q": {"kernel": w}}}}, provider, _f_flat, [(x,)])
+    s3, s2 = (np.asarray(q["layers"][0]["q"]["kernel_awq_scale"]) for q in (q3, q2))
+    np.testing.assert_array_equal(s3, s2)
+    assert s3.shape == (64,)
+    k3, k2 = q3["layers"][0]["q"]["kernel"], q2["layers"][0]["q"]["kernel"]
+    assert isinstance(k3, QArray) and k3.shape == (64, 4, 4)
+    np.testing.assert_array_equal(np.asarray(k3.dequantize()).reshape(64, 16), np.asarray(k2.dequantize()))
+    got = np.asarray(quant.quantize(_f_heads, provider)(q3, x), np.float64)
+    expect = np.einsum("td,dnh->tnh", x / s3[None, :].astype(np.float64), np.asarray(k3.dequantize(), np.float64))
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-3)  # the scale divides the inputs at the dot
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    rtn = quant.quantize(_f_heads, quant.PtqProvider([quant.QuantizationRule(weight_qtype="int4", tile_size=tile)]))(
+        {"layers": {0: {"q": {"kernel": w3}}}}, x)
+    err = np.mean((got.reshape(-1, 16) - ref) ** 2)
+    assert err < 0.9 * np.mean((np.asarray(rtn, np.float64).reshape(-1, 16) - ref) ** 2)
+
+
+def test_awq_on_a_kernel_contracted_on_two_axes():
+    x, w = _data(salient=True)  # w [64, 16]: here [heads * head_dim, d] = [(4, 16), 16]
+    x3 = x.reshape(-1, 4, 16)
+    params = {"layers": [{"o": {"kernel": w.reshape(4, 16, 16)}}]}  # list-indexed layers
+    provider = quant.PtqProvider([quant.AwqRule(weight_qtype="int4", n_grid=10)])
+    qp = quant.awq_quantize_params(params, provider, _f_out, [(x3,)])
+    flat = quant.awq_quantize_params({"layers": {0: {"q": {"kernel": w}}}}, provider, _f_flat, [(x,)])
+    s = np.asarray(qp["layers"][0]["o"]["kernel_awq_scale"])
+    np.testing.assert_array_equal(s, np.asarray(flat["layers"][0]["q"]["kernel_awq_scale"]))
+    np.testing.assert_array_equal(np.asarray(qp["layers"][0]["o"]["kernel"].dequantize()).reshape(64, 16),
+                                  np.asarray(flat["layers"][0]["q"]["kernel"].dequantize()))
+    got = np.asarray(quant.quantize(_f_out, provider)(qp, x3), np.float64)
+    np.testing.assert_allclose(got, (x / s[None, :]) @ np.asarray(flat["layers"][0]["q"]["kernel"].dequantize(), np.float64),
+                               rtol=1e-4, atol=1e-3)
+    assert "kernel_awq_scale" not in params["layers"][0]["o"]  # the caller's tree is unchanged
+    tiled = quant.PtqProvider([quant.AwqRule(weight_qtype="int4", tile_size=16)])
+    with pytest.raises(ValueError, match="tiles need exactly one contracted axis"):
+        quant.awq_quantize_params(params, tiled, _f_out, [(x3,)])
+
+
+def test_lookup_path_finds_int_keys_and_list_items_by_decimal_parts():
+    from cairn.quant._recording import lookup_path
+
+    leaf = np.ones(2)
+    assert lookup_path({"layers": {0: {"mlp": {"kernel": leaf}}}}, "layers/0/mlp/kernel".split("/")) is leaf
+    assert lookup_path({"layers": [{"mlp": {"kernel": leaf}}]}, "layers/0/mlp/kernel".split("/")) is leaf
+    assert lookup_path({"layers": {"0": leaf, 0: None}}, ["layers", "0"]) is leaf  # a text key wins
+    with pytest.raises(KeyError):
+        lookup_path({"layers": {1: leaf}}, ["layers", "0"])

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cairn.llm._cache import KVCache
+from cairn.llm._model import CausalLM
 from cairn.llm._sampling import SamplingParams, choose
 
 __all__ = ["GenerationResult", "generate"]
@@ -254,6 +255,39 @@ def _result(carry: _Carry, prompts: list[list[int]], texts: list[_RowText] | Non
                             reasons, out_text if texts is not None else None, prompts)
 
 
+def _inputs(b: int, temperature: float, top_k: int | None, top_p: float | None, seed: Any, room: np.ndarray,
+            stop_ids: list[int]) -> _Inputs:
+    """The decode loop's per-row inputs: keys, limits, sampling settings and stop ids."""
+    params = SamplingParams(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k or 0, jnp.int32),
+                            jnp.full((b,), 1.0 if top_p is None else top_p, jnp.float32))
+    return _Inputs(_row_keys(seed, b), jnp.asarray(room), params, jnp.asarray(stop_ids or [-1], jnp.int32))
+
+
+def _on_cpu(model: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(model)
+    return bool(leaves) and all(isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices())
+                                for x in leaves)
+
+
+def _compute_model(model: Any, compute_dtype: Any) -> Any:
+    """The model the prefill and decode steps run: ``model`` itself, or its copy in
+    ``compute_dtype`` (``None``: float32 for a 16-bit float ``CausalLM`` on CPU).
+
+    XLA:CPU has no bfloat16 / float16 matrix product: every jitted call would convert
+    each weight to a float32 temporary (the whole model in float32, allocated and filled
+    on every decode step). Converting once per call does that work once, with the same
+    peak memory.
+    """
+    if compute_dtype is None:
+        auto = (isinstance(model, CausalLM) and jnp.dtype(model.dtype) in (jnp.bfloat16, jnp.float16)
+                and _on_cpu(model) and not model.quantized_paths())
+        return model.astype(jnp.float32) if auto else model
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"generate: compute_dtype needs a cairn.llm.CausalLM, got a {type(model).__name__}; "
+                        "leave compute_dtype=None to run the model as it is")
+    return model if jnp.dtype(compute_dtype) == jnp.dtype(model.dtype) else model.astype(compute_dtype)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -364,7 +398,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
              stop_strings: str | Sequence[str] | None = None, tokenizer: Any = None,
              return_logprobs: bool = True, return_processed_logprobs: bool = False,
              max_length: int | None = None, skip_special_tokens: bool = True,
-             decode_loop: str = "while_loop") -> GenerationResult:
+             decode_loop: str = "while_loop", compute_dtype: Any = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, all rows in one batch.
 
     Each row stops on its own: at a stop id (kept as its last token), at a stop string in
@@ -401,6 +435,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
       decode_loop: ``"while_loop"`` (the default: the steps run in a ``lax.while_loop`` on
         the device) or ``"python"`` (a Python loop over the same jitted step, checking on
         the host after each step whether every row is done).
+      compute_dtype: the steps' dtype, from a copy of the weights made per call (:meth:`CausalLM.astype`); ``None``:
+        the model's, but float32 for a 16-bit ``CausalLM`` on CPU (XLA:CPU has no 16-bit matmul; docs/llm.md).
 
     Returns:
       A :class:`GenerationResult`.
@@ -426,15 +462,13 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     rows = _prompt_ids(prompts, tokenizer, vocab)
     ids_list, stops = _stop_settings(stop_token_ids, stop_strings, tokenizer, vocab)
     max_length, room = _limits(rows, max_new_tokens, max_length)
-    b = len(rows)
+    model = _compute_model(model, compute_dtype)
     ids, lengths = _right_padded(rows)
     leaves, treedef = jax.tree_util.tree_flatten(model)
     static = _Static(treedef, temperature > 0, top_k is not None or top_p is not None)
-    params = SamplingParams(jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k or 0, jnp.int32),
-                            jnp.full((b,), 1.0 if top_p is None else top_p, jnp.float32))
-    inp = _Inputs(_row_keys(seed, b), jnp.asarray(room), params, jnp.asarray(ids_list or [-1], jnp.int32))
-    slots = _round_up(max_length, CACHE_BUCKET)
-    carry = _prefill_jit(static, slots, _round_up(max_new_tokens, PROMPT_BUCKET), leaves, jnp.asarray(ids), jnp.asarray(lengths))
+    inp = _inputs(len(rows), temperature, top_k, top_p, seed, room, ids_list)
+    carry = _prefill_jit(static, _round_up(max_length, CACHE_BUCKET), _round_up(max_new_tokens, PROMPT_BUCKET),
+                         leaves, jnp.asarray(ids), jnp.asarray(lengths))
     texts = None if tokenizer is None else [_RowText(tokenizer, p, stops, skip_special_tokens) for p in rows]
     carry = _decode(static, leaves, carry, inp, max_new_tokens, decode_loop, texts, set(ids_list))
     return _result(carry, rows, texts, set(ids_list), return_logprobs, return_processed_logprobs)

@@ -13,8 +13,8 @@ Every parameter carries logical axis names for sharding: ``vocab``, ``embed``, `
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ import numpy as np
 import cairn.kernels as ck
 from cairn import nn
 from cairn.core_array import QArray
+from cairn.llm import _initializers as initializers
 from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._cache import KVCache, write
 from cairn.llm._config import LlmConfig
@@ -32,8 +33,7 @@ from cairn.llm._rope import apply_rope, rope_tables
 
 __all__ = ["CausalLM", "attention_mask"]
 
-def _init(names: tuple[str, ...], stddev: float = 0.02) -> Callable[..., Any]:
-    return nn.with_partitioning(nn.initializers.normal(stddev), names)
+_init, _zeros = initializers.normal, initializers.zeros
 
 
 class RMSNorm(nn.Module):
@@ -77,7 +77,7 @@ class Attention(nn.Module):
 
         def proj(spec: str, shape: tuple, bias: tuple | None, names: tuple) -> nn.Einsum:
             return nn.Einsum(spec, shape, bias, dtype=dtype, param_dtype=dtype, kernel_init=_init(names),
-                             bias_init=nn.with_partitioning(nn.initializers.zeros, names[-len(bias):] if bias else ()),
+                             bias_init=_zeros(names[-len(bias):] if bias else ()),
                              rngs=rngs)
 
         self.q = proj("btd,dnh->btnh", (d, n, hd), (n, hd) if cfg.qkv_bias else None, ("embed", "heads", "head_dim"))
@@ -148,7 +148,7 @@ class MLP(nn.Module):
 
         def linear(i: int, o: int, names: tuple) -> nn.Linear:
             return nn.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=dtype,
-                             kernel_init=_init(names), bias_init=nn.with_partitioning(nn.initializers.zeros, names[1:]),
+                             kernel_init=_init(names), bias_init=_zeros(names[1:]),
                              rngs=rngs)
 
         self.gate, self.up, self.down = linear(d, m, ("embed", "mlp")), linear(d, m, ("embed", "mlp")), linear(m, d, ("mlp", "embed"))
@@ -202,6 +202,13 @@ def _check_room(cache: KVCache, added: Any) -> None:
         )
 
 
+@functools.cache
+def _graphdef(config: LlmConfig, dtype: Any) -> Any:
+    """The structure of ``CausalLM(config, dtype=dtype)``, built abstractly once per pair."""
+    graphdef, _ = nn.split(nn.abstract_model(lambda: CausalLM(config, dtype=dtype, rngs=nn.Rngs(0))))
+    return graphdef
+
+
 class CausalLM(nn.Module):
     """A decoder-only language model of any supported family.
 
@@ -241,8 +248,9 @@ class CausalLM(nn.Module):
     """
 
     def __init__(self, config: LlmConfig, *, dtype: Any = jnp.float32, rngs: nn.Rngs) -> None:
+        dtype = jnp.dtype(dtype)  # one static value for jnp.float32, "float32", np.float32: equal structures
         self.config = config
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = dtype
         self.embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                               embedding_init=_init(("vocab", "embed")), rngs=rngs)
         self.layers = nn.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)])
@@ -251,6 +259,43 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
             kernel_init=_init(("embed", "vocab")), rngs=rngs)
+
+    def astype(self, dtype: Any) -> CausalLM:
+        """A copy of this model whose parameters and computation are in ``dtype``.
+
+        Every parameter is cast (each keeps its sharding); ``self`` is unchanged. A model
+        holding quantized (``QArray``) weights is refused. :func:`cairn.llm.generate`
+        uses it on CPU, where XLA has no bfloat16 matrix product (see its ``compute_dtype``).
+
+        Args:
+          dtype: a floating dtype, e.g. ``jnp.float32``.
+
+        >>> import jax.numpy as jnp
+        >>> from cairn import nn
+        >>> from cairn.llm import CausalLM, LlmConfig
+        >>> cfg = LlmConfig("llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=4)
+        >>> half = CausalLM(cfg, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+        >>> full = half.astype(jnp.float32)
+        >>> str(full.dtype), str(full.embed.embedding[...].dtype), str(half.embed.embedding[...].dtype)
+        ('float32', 'float32', 'bfloat16')
+        """
+        target = jnp.dtype(dtype)
+        if not jnp.issubdtype(target, jnp.floating):
+            raise ValueError(f"CausalLM.astype: dtype must be a floating dtype, got {target}")
+        quantized = self.quantized_paths()
+        if quantized:
+            raise ValueError(f"CausalLM.astype: quantized weights cannot be cast, e.g. {quantized[0]!r}; "
+                             "cast the model before quantizing it")
+        state = nn.state(self)
+        assert isinstance(state, nn.State)  # one State: no filters given
+        return nn.merge(_graphdef(self.config, target), jax.tree_util.tree_map(lambda x: x.astype(target), state))
+
+    def quantized_paths(self) -> list[str]:
+        """The paths of the parameters that hold a quantized ``QArray`` (none for a float model)."""
+        state = nn.state(self)
+        assert isinstance(state, nn.State)
+        return ["/".join(map(str, p)) for p, v in state.flat_state().items() if isinstance(v.raw_value, QArray)]
 
     def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
         """An empty :class:`KVCache` for ``batch`` rows of up to ``max_length`` tokens.

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 import cairn.kernels as ck
 from cairn import nn
+from cairn.llm import _initializers as initializers
 from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._config import LlmConfig
 
@@ -87,7 +88,7 @@ class Experts(nn.Module):
         e, d, m = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nn.Param:
-            init = nn.with_partitioning(nn.initializers.normal(0.02), names)
+            init = initializers.normal(names)
             return nn.Param(init(rngs.params(), shape, dtype))
 
         self.gate = param((e, d, m), ("expert", "embed", "mlp"))
@@ -104,7 +105,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: LlmConfig, *, dtype: Any, rngs: nn.Rngs) -> None:
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
-                                kernel_init=nn.with_partitioning(nn.initializers.normal(0.02), ("embed", None)),
+                                kernel_init=initializers.normal(("embed", None)),
                                 rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.top_k = cfg.num_experts_per_tok

@@ -1,7 +1,8 @@
 """AWQ (Lin et al. 2024): activation-aware weight scaling before weight-only quantization.
 
 Input channels that carry large activations matter most. For a weight ``W`` [K, N] and
-its inputs ``X`` [T, K], with ``a = mean_t |X|`` per channel, AWQ tries
+its inputs ``X`` [T, K] (a weight of more axes, an einsum kernel such as ``[d, heads,
+head_dim]``, is read as its contracted axes K against the rest N, in the leaf's order), with ``a = mean_t |X|`` per channel, AWQ tries
 ``s = a ** alpha`` (normalised to ``sqrt(max(s) min(s)) = 1``) for ``alpha`` on a grid in
 ``[0, 1)``, quantizes ``diag(s) W`` and keeps the ``alpha`` whose output
 ``(X / s) Q(diag(s) W)`` is closest to ``X W``. The stored weight is ``Q(diag(s) W)`` and
@@ -83,19 +84,35 @@ class _ActivationRecorder(InputRecorder):
         self.stats[path] = (total + jnp.sum(jnp.abs(x2), axis=0), count + x2.shape[0], sample, leaf_contract)
 
 
-def _search(w: np.ndarray, x: np.ndarray, act: np.ndarray, rule: AwqRule, tile: tuple[int, int] | None) -> tuple[np.ndarray, QArray]:
-    """The best per-channel scale ``s`` [K] and ``Q(diag(s) W)`` for ``w`` [K, N]."""
+def _as_matrix(w: np.ndarray, contract: list[int]) -> np.ndarray:
+    """``w`` (leaf layout) as [K, N]: the contracted leaf axes first (K), then the rest."""
+    free = [a for a in range(w.ndim) if a not in contract]
+    return np.transpose(w, contract + free).reshape(int(np.prod([w.shape[a] for a in contract])), -1)
+
+
+def _as_leaf(m: np.ndarray, shape: tuple[int, ...], contract: list[int]) -> np.ndarray:
+    """The inverse of :func:`_as_matrix`: [K, N] back to the leaf's ``shape``."""
+    order = contract + [a for a in range(len(shape)) if a not in contract]
+    return np.transpose(m.reshape([shape[a] for a in order]), np.argsort(order))
+
+
+def _search(w: np.ndarray, contract: list[int], x: np.ndarray, act: np.ndarray, rule: AwqRule,
+            tile: tuple[int, int] | None) -> tuple[np.ndarray, QArray]:
+    """The best per-input-channel scale ``s`` [K] and ``Q(diag(s) W)`` (in the leaf's layout)
+    for a leaf ``w`` whose ``contract`` axes (K inputs, in leaf order) meet ``x`` [T, K]."""
     import jax.numpy as jnp
 
-    ref = x @ w
+    mat = _as_matrix(w, contract)
+    ref = x @ mat
     best: tuple[float, np.ndarray, QArray] | None = None
     for i in range(rule.n_grid):
         alpha = i / rule.n_grid
         s = np.maximum(act, 1e-8) ** alpha
         s = s / np.sqrt(s.max() * s.min())
-        q = quantize_array(jnp.asarray(w * s[:, None], jnp.float32), required(rule.weight_qtype, "AwqRule.weight_qtype"), reduce_axes=(0,), tile=tile,
-                           method=rule.weight_calibration_method)
-        out = (x / s[None, :]) @ np.asarray(q.dequantize(), np.float64)
+        scaled = _as_leaf(mat * s[:, None], w.shape, contract)
+        q = quantize_array(jnp.asarray(scaled, jnp.float32), required(rule.weight_qtype, "AwqRule.weight_qtype"),
+                           reduce_axes=tuple(contract), tile=tile, method=rule.weight_calibration_method)
+        out = (x / s[None, :]) @ _as_matrix(np.asarray(q.dequantize(), np.float64), contract)
         loss = float(np.mean((out - ref) ** 2))
         if best is None or loss < best[0]:
             best = (loss, s, q)
@@ -106,7 +123,8 @@ def _search(w: np.ndarray, x: np.ndarray, act: np.ndarray, rule: AwqRule, tile: 
 def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batches: Iterable[Sequence[Any]]) -> Any:
     """``params`` with every weight an :class:`AwqRule` selects AWQ-quantized.
 
-    Each selected ``[in, out]`` weight becomes ``Q(diag(s) W)`` (a ``QArray``, per output
+    Each selected weight (``[in, out]``, or an einsum kernel: its contracted axes are the
+    inputs) becomes ``Q(diag(s) W)`` (a ``QArray``, per output
     channel or per tile as the rule says) and ``s`` is added at ``<name>_awq_scale``
     (``name``: the weight's variable path; in nested dicts a new key; in a cairn.nn or Flax
     NNX module an attribute of the weight's module, of the weight's variable type); ``quantize(fn, provider)`` on the result divides the
@@ -119,8 +137,8 @@ def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batche
       batches: calibration batches, each a sequence of ``fn``'s arguments after ``params``.
 
     Raises:
-      ValueError: no batch, no ``AwqRule`` selected a weight, or a selected weight that is
-        not ``[in, out]`` contracted on axis 0.
+      ValueError: no batch, no ``AwqRule`` selected a weight, a selected weight with no
+        output axis, or tiles asked of a weight contracted on more than one axis.
     """
     import jax.numpy as jnp
 
@@ -132,11 +150,19 @@ def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batche
             continue
         total, count, sample, contract = recorder.stats[path]
         assert isinstance(rule, AwqRule)  # the recorder keeps AwqRule matches only
-        if list(contract) != [0] or np.ndim(leaf) != 2:
-            raise ValueError(f"{rule._describe()} on {path!r}: AWQ handles [in, out] weights contracted on axis 0 here")
+        contract = list(contract)
         w = np.asarray(leaf, np.float64)
-        tile = None if rule.tile_size is None else (0, tile_length(rule.tile_size, w.shape[0], f"{rule._describe()} on {path!r}"))
+        if not contract or len(contract) == w.ndim:
+            raise ValueError(f"{rule._describe()} on {path!r}: AWQ needs a weight with contracted (input) and "
+                             f"output axes, got contracted axes {contract} of a {w.ndim}-d weight")
+        tile = None
+        if rule.tile_size is not None:
+            if len(contract) != 1:
+                raise ValueError(f"{rule._describe()} on {path!r}: tiles need exactly one contracted axis, "
+                                 f"got {len(contract)} ({contract})")
+            where = f"{rule._describe()} on {path!r}"
+            tile = (contract[0], tile_length(rule.tile_size, w.shape[contract[0]], where))
         act = np.asarray(total, np.float64) / max(count, 1)
-        s, replaced[path] = _search(w, np.asarray(jnp.concatenate(sample), np.float64), act, rule, tile)
+        s, replaced[path] = _search(w, contract, np.asarray(jnp.concatenate(sample), np.float64), act, rule, tile)
         scales[path] = jnp.asarray(s, jnp.float32)
     return with_input_scales(params, replaced, scales)

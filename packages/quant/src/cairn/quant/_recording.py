@@ -102,12 +102,15 @@ def named_leaves(params: Any) -> list[tuple[str, Any]]:
 
 
 def lookup_path(root: Any, parts: Sequence[str]) -> Any:
-    """The object at ``parts`` below ``root``: dict items by key, sequence items (lists,
-    tuples, ``nn.List``) by index, anything else by attribute (a submodule or variable)."""
+    """The object at ``parts`` below ``root``: dict items by key (a decimal part also finds
+    an int key), sequence items (lists, tuples, ``nn.List``) by index, anything else by
+    attribute (a submodule or variable)."""
     node = root
     for part in parts:
         if isinstance(node, dict):
-            node = node[part]
+            # a pure dict of a module tree keys list items by int (``layers: {0: ...}``),
+            # while the path spells them as decimals (``layers/0``)
+            node = node[int(part)] if part not in node and part.isdigit() and int(part) in node else node[part]
         elif part.isdigit() and hasattr(node, "__getitem__") and not hasattr(node, part):
             node = node[int(part)]  # a list, tuple, or a module library's list container
         else:
