@@ -289,7 +289,9 @@ class CausalLM(nn.Module):
                              "cast the model before quantizing it")
         state = nn.state(self)
         assert isinstance(state, nn.State)  # one State: no filters given
-        return nn.merge(_graphdef(self.config, target), jax.tree_util.tree_map(lambda x: x.astype(target), state))
+        out = nn.merge(_graphdef(self.config, target), jax.tree_util.tree_map(lambda x: x.astype(target), state))
+        assert isinstance(out, CausalLM)
+        return out
 
     def quantized_paths(self) -> list[str]:
         """The paths of the parameters that hold a quantized ``QArray`` (none for a float model)."""

@@ -148,9 +148,9 @@ def awq_quantize_params(params: Any, provider: PtqProvider, fn: Callable, batche
     for path, leaf, rule in recorded_leaves(params, recorder):
         if path not in recorder.stats:
             continue
-        total, count, sample, contract = recorder.stats[path]
+        total, count, sample, contracted = recorder.stats[path]
         assert isinstance(rule, AwqRule)  # the recorder keeps AwqRule matches only
-        contract = list(contract)
+        contract = list(contracted)
         w = np.asarray(leaf, np.float64)
         if not contract or len(contract) == w.ndim:
             raise ValueError(f"{rule._describe()} on {path!r}: AWQ needs a weight with contracted (input) and "
