@@ -187,6 +187,10 @@ class PagedGenerationEngine(GenerationEngine):
         try:
             host = self._step(tokens, positions, lengths, reqs)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
+            if len(group) > 1 and not self._lost():  # one row at a time: only the request at fault fails
+                for slot in group:
+                    self._prefill([slot])
+                return
             log.exception("generation prefill failed")
             self._model_error(e, [r for r in reqs if r is not None])
             return
@@ -205,6 +209,10 @@ class PagedGenerationEngine(GenerationEngine):
         for (_, slot, r), tok, lp in zip(done, toks.tolist(), lps):
             self._positions[slot], self._tokens[slot] = len(r.prompt), tok
             self._advance(slot, r, tok, lp)
+
+    def _lost(self) -> bool:
+        """Whether the pool is gone (donated to a call that failed)."""
+        return not self._cache or any(getattr(x, "is_deleted", lambda: False)() for x in self._cache.values())
 
     def _advance(self, slot: int, r: GenerationRequest, tok: int, lp: Any) -> None:
         """Record ``r``'s new token: retire it, or claim room for the token's keys."""
