@@ -213,3 +213,24 @@ def test_bad_paged_settings_are_named(model):
         _generator(paged=False).init_pool(4)
     assert isinstance(GenerationEngine(model, _paged()), PagedGenerationEngine)
     assert GenerationConfig.from_json(_paged().to_json()) == _paged()
+
+
+def test_the_server_reports_prefix_cache_hits_and_kv_usage_in_metrics(model):
+    import json
+    import re
+
+    from serving_testlib import RawClient
+
+    from cairn.serving._server import Server
+
+    with Server({"tiny": model}, generation=_paged()) as server:
+        client = RawClient(server)
+        for tail in ([5], [6, 7]):
+            body = json.dumps({"input_ids": SYSTEM + tail, "parameters": {"max_tokens": 3}})
+            assert client.request("POST", "/v2/models/tiny/generate", body)[0] == 200
+        text = client.request("GET", "/metrics")[2].decode()
+        client.close()
+    labels = r'\{model="tiny",version="1"\}'
+    assert re.search(rf"cairn_prefix_cache_query_tokens_total{labels} {2 * len(SYSTEM) + 3}\b", text), text
+    assert re.search(rf"cairn_prefix_cache_hit_tokens_total{labels} {5 * BS}\b", text)
+    assert re.search(rf"cairn_kv_cache_usage_ratio{labels} 0\b", text)
