@@ -37,7 +37,7 @@ def _generator(params=None, paged=True):
 
 
 def _paged(**kw):
-    return GenerationConfig(**{"num_slots": 4, "prefill_batch": 2, "kv_layout": "paged", "prefill_chunk": 8, **kw})
+    return GenerationConfig(**{"num_slots": 4, "prefill_batch": 2, "kv_layout": "paged", "prefill_chunk": 32, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +85,9 @@ def test_a_prefix_still_being_prefilled_is_not_shared_until_written(model):
 
 def test_cancel_frees_blocks_and_unwritten_blocks_are_not_cached(model):
     prompt = _prompt(60, 4)  # 8 chunks of 8: cancelled while it is still prefilling
-    with GenerationEngine(model, _paged(enable_prefix_caching=False)) as cold:
+    with GenerationEngine(model, _paged(enable_prefix_caching=False, prefill_chunk=8)) as cold:
         expected = cold.generate(prompt, SamplingParams(3)).token_ids
-    with GenerationEngine(model, _paged(num_slots=2, prefill_batch=1)) as eng:
+    with GenerationEngine(model, _paged(num_slots=2, prefill_batch=1, prefill_chunk=8)) as eng:
         entered, release = threading.Event(), threading.Event()
 
         def hold(ev):  # holds the engine thread after the blocker's first token

@@ -15,9 +15,11 @@ the bookkeeping. Each engine step:
    preemption, no recomputation). A prompt whose cached prefix another request is still
    prefilling waits until those blocks are written;
 3. prefills one chunk of up to ``prefill_chunk`` prompt tokens for up to ``prefill_batch``
-   requests (all prefilling requests while none decodes), at the fixed shape
-   ``(prefill_batch, prefill_chunk)``; a request whose prompt is done samples its first
-   token. A long prompt takes several steps, and the decode steps run between them;
+   requests (all prefilling requests while none decodes) whose next chunks fall in one
+   length bucket (powers of two from 16 up to ``prefill_chunk``: a suffix after a cached
+   prefix costs what its own length costs), at the fixed shape ``(prefill_batch,
+   bucket)``; a request whose prompt is done samples its first token. A long prompt takes
+   several steps, and the decode steps run between them;
 4. runs one decode step over all ``num_slots`` rows (rows not decoding write nothing).
 
 Every compiled shape is fixed and rows never interact (each reads only its own block
@@ -65,6 +67,11 @@ class PagedGenerationEngine(GenerationEngine):
         self.max_blocks = -(-model.max_length // self.block_size)  # the block-table width
         self.num_blocks = config.num_blocks or config.num_slots * self.max_blocks
         self.chunk = min(config.prefill_chunk, model.max_length)
+        sizes, b = [], min(16, self.chunk)
+        while b < self.chunk:
+            sizes.append(b)
+            b *= 2
+        self._buckets = (*sizes, self.chunk)
         n = config.num_slots
         self._prefilled = np.zeros(n, np.int64)  # prompt tokens of each slot's request already in the cache
         self._written = np.zeros(n, np.int64)  # tokens of each slot whose keys and values are written
@@ -99,14 +106,21 @@ class PagedGenerationEngine(GenerationEngine):
         return r is not None and self._prefilled[slot] < len(r.prompt)
 
     def buckets(self) -> tuple[int, ...]:
-        """The prefill chunk length (the one prompt shape compiled)."""
-        return (self.chunk,)
+        """The prefill chunk lengths compiled (a chunk is padded to the first that holds it)."""
+        return self._buckets
+
+    def _bucket(self, slot: int) -> int:
+        """The length the next prefill chunk of ``slot`` is padded to (its own tokens decide)."""
+        r = self._slots[slot]
+        assert r is not None
+        n = min(len(r.prompt) - int(self._prefilled[slot]), self.chunk)
+        return next(b for b in self._buckets if b >= n)
 
     def _warm_up(self) -> None:
         import jax
 
         pb, s = self.config.prefill_batch, self.config.num_slots
-        for b, t in ((pb, self.chunk), (s, 1)):
+        for b, t in [*((pb, c) for c in self._buckets), (s, 1)]:
             logits, self._cache = self.model.paged_step(  # type: ignore[attr-defined]
                 *jax.device_put((np.zeros((b, t), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
                                  np.zeros((b, self.max_blocks), np.int32))), self._cache)
@@ -128,8 +142,12 @@ class PagedGenerationEngine(GenerationEngine):
         if self.config.scheduler != "static" or len(free) == len(self._slots):
             self._admit(free)
         rows = [i for i in sorted(range(len(self._slots)), key=self._age) if self._prefilling(i)]
-        pb = self.config.prefill_batch
-        groups = [rows[i : i + pb] for i in range(0, len(rows), pb)]
+        groups = []
+        while rows:  # the oldest row's bucket first, up to prefill_batch rows of that bucket
+            bucket = self._bucket(rows[0])
+            group = [i for i in rows if self._bucket(i) == bucket][: self.config.prefill_batch]
+            groups.append(group)
+            rows = [i for i in rows if i not in group]
         decoding = any(r is not None and not self._prefilling(i) for i, r in enumerate(self._slots))
         return groups[:1] if decoding else groups
 
@@ -174,7 +192,7 @@ class PagedGenerationEngine(GenerationEngine):
 
     def _prefill(self, group: list[int]) -> None:  # type: ignore[override]
         pb = self.config.prefill_batch
-        tokens = np.zeros((pb, self.chunk), np.int32)
+        tokens = np.zeros((pb, self._bucket(group[0])), np.int32)
         positions, lengths = np.zeros(pb, np.int32), np.zeros(pb, np.int32)
         reqs: list[GenerationRequest | None] = [None] * pb
         for row, slot in enumerate(group):
