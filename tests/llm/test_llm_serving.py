@@ -207,3 +207,15 @@ def test_exported_paged_generation_equals_generate(tmp_path):
         assert [r.result(120).token_ids for r in reqs] == want
     with pytest.raises(ValueError, match="block_size .* must be an int in 1..max_length=16"):
         llm.export_for_serving(model, None, tmp_path, "q", max_length=16, block_size=0)
+
+
+def test_prefill_exports_with_a_symbolic_prompt_longer_than_the_cpu_attention_chunk():
+    # the xla attention's CPU default compared the symbolic query length with 64 once the keys
+    # outnumbered its 128-key chunk: any max_length above 128 failed to export
+    model = load("llama")
+    fns = llm.serving_functions(model, 160)
+    b, p = jax.export.symbolic_shape("b, p", constraints=("p <= 160",))
+    exp = jax.export.export(jax.jit(fns.prefill))(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fns.params),
+        jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    assert exp.out_avals[0].shape[0] == b
