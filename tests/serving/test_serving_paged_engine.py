@@ -234,3 +234,47 @@ def test_the_server_reports_prefix_cache_hits_and_kv_usage_in_metrics(model):
     assert re.search(rf"cairn_prefix_cache_query_tokens_total{labels} {2 * len(SYSTEM) + 3}\b", text), text
     assert re.search(rf"cairn_prefix_cache_hit_tokens_total{labels} {5 * BS}\b", text)
     assert re.search(rf"cairn_kv_cache_usage_ratio{labels} 0\b", text)
+
+
+def test_openai_client_over_the_paged_engine(tmp_path):
+    # n choices share their prompt's blocks and get the tokens they get without prefix
+    # caching; a stream closed early frees its blocks
+    import json
+    import time
+    import urllib.request
+
+    import openai
+
+    from cairn.serving import Tokenizer
+    from cairn.serving._server import Server
+
+    tok = Tokenizer.from_pretrained(g.char_tokenizer(tmp_path))
+    gen = PythonGenerator(g.prefill, g.decode, g.init_params(SEED, SCALE), cache_specs=g.cache_specs(),
+                          vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH, tokenizer=tok, name="tiny",
+                          paged=g.paged, block_size=BS)
+    messages = [{"role": "system", "content": "the abc, the abc."}, {"role": "user", "content": "hi"}]
+    request = {"model": "tiny", "messages": messages, "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 0,
+               "extra_body": {"ignore_eos": True}}
+    answers, engines = [], []
+    for caching in (False, True):
+        with Server({"tiny": gen}, generation=_paged(enable_prefix_caching=caching)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            answers.append([c.message.content for c in client.chat.completions.create(**request).choices])
+            stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, stream=True,
+                                                    extra_body={"ignore_eos": True})
+            next(iter(stream))
+            stream.close()  # the server cancels the request
+            end = time.monotonic() + 30
+            while True:
+                with urllib.request.urlopen(server.url + "/v2/models/tiny/stats") as r:
+                    engine = json.loads(r.read())["model_stats"][0]["generation_stats"]["engine"]
+                if engine["active_slots"] == 0 or time.monotonic() > end:
+                    break
+                time.sleep(0.05)
+            engines.append(engine)
+    assert answers[0] == answers[1] and len(answers[0]) == 3
+    for engine in engines:
+        assert engine["active_slots"] == 0 and engine["free_blocks"] == engine["num_blocks"]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    shared = (len(ids) - 1) // BS * BS
+    assert engines[0]["prefix_cache_hit_tokens"] == 0 and engines[1]["prefix_cache_hit_tokens"] >= 3 * shared
