@@ -211,6 +211,12 @@ def test_bad_paged_settings_are_named(model):
                         max_length=g.MAX_LENGTH, paged=g.paged)
     with pytest.raises(ValueError, match="has no paged KV layout"):
         _generator(paged=False).init_pool(4)
+    from cairn.serving._genexport import GenerationInfo
+
+    info = GenerationInfo(g.VOCAB_SIZE, g.MAX_LENGTH, g.cache_specs(), block_size=BS)
+    assert GenerationInfo.from_json(info.to_json()).block_size == BS and info.to_json()["paged_signature"] == "paged"
+    with pytest.raises(ValueError, match="block_size must be a positive integer or None, got 0"):
+        GenerationInfo(g.VOCAB_SIZE, g.MAX_LENGTH, g.cache_specs(), block_size=0)
     assert isinstance(GenerationEngine(model, _paged()), PagedGenerationEngine)
     assert GenerationConfig.from_json(_paged().to_json()) == _paged()
 
