@@ -27,6 +27,15 @@ streaming clients at concurrency 1, 16 and 64 with mixed prompt and output lengt
 tokens/s, time per output token and time to first token. Goals: continuous at least 3x the
 static batcher's tokens/s at c=64 and 10x one-at-a-time, TTFT at c=16 under 3x its c=1 value.
 
+The OpenAI section (``--section openai``; not part of ``all``, it reruns the generation
+section inside it) gathers issue 27's engine goals in one run, on the same LM:
+``/v1/chat/completions`` tokens/s within 5% of ``/generate_stream`` at c=16
+(``serving_openai.py``); time to first token with a shared 512-token system prompt at least
+5x lower with prefix caching than without, and at least 3x as many concurrent sequences at
+``max_length`` 4096 with mixed lengths in the paged layout as in contiguous rows of the same
+KV memory (``_serving_paged.py``); continuous batching at least 3x static at c=64 (the
+generation section).
+
 Prints the tables, then ONE JSON line (the generation figures under ``"generate"``).
 ``--quick`` runs one round of short points (about a minute per section); the default, three
 interleaved rounds of 4 s (medians) for infer and two longer rounds for generate.
@@ -377,10 +386,38 @@ def generate_section(quick: bool) -> dict:
     return summary
 
 
+def openai_section(quick: bool) -> dict:
+    """Issue 27's engine goals in one run (module docstring): prints a table, returns the figures."""
+    import _serving_paged as paged
+    import serving_openai
+
+    print(f"openai: load average {os.getloadavg()[0]:.2f}", flush=True)
+    out: dict[str, Any] = {"load_average_start": round(os.getloadavg()[0], 2)}
+    out["prefix"] = paged.prefix_ttft(quick)
+    out["capacity"] = paged.capacity(quick)
+    rows = serving_openai.measure(quick)
+    by = {(r["route"], r["c"]): r for r in rows}
+    out["openai_over_generate_tok_s_c16"] = by["openai", 16]["tok_s"] / by["generate", 16]["tok_s"]
+    out["generate"] = generate_section(quick)
+    goals = [
+        ("TTFT, 512-token shared prompt: caching off / on", out["prefix"]["ttft_off_over_on"], 5.0),
+        ("concurrent sequences at 4096: paged / contiguous", out["capacity"]["paged_over_contiguous"], 3.0),
+        ("tok/s at c=16: /v1/chat/completions / /generate_stream", out["openai_over_generate_tok_s_c16"], 0.95),
+        ("tok/s at c=64: continuous / static", out["generate"]["continuous_vs_static_c64"], 3.0),
+    ]
+    print("| goal | measured | target | |\n|---|--:|--:|---|")
+    for name, got, target in goals:
+        print(f"| {name} | {got:.2f} | >= {target:g} | {'met' if got >= target else 'MISSED'} |")
+    out["goals_met"] = {name: got >= target for name, got, target in goals}
+    out["load_average_end"] = round(os.getloadavg()[0], 2)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one round of short points instead of several longer ones")
-    p.add_argument("--section", choices=("all", "infer", "generate"), default="all", help="run only the infer or the generate benchmark")
+    p.add_argument("--section", choices=("all", "infer", "generate", "openai"), default="all",
+                   help="run only the infer or the generate benchmark, or the OpenAI / paged-cache goals")
     p.add_argument("--loadgen", nargs=5, metavar=("PORT", "PAYLOAD", "C", "SECONDS", "RATE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.loadgen:
@@ -395,6 +432,8 @@ def main() -> None:
         summary.update(infer_section(args.quick))
     if args.section in ("all", "generate"):
         summary["generate"] = generate_section(args.quick)
+    if args.section == "openai":
+        summary["openai"] = openai_section(args.quick)
     summary["load_average"] = round(os.getloadavg()[0], 2)
     print(json.dumps(summary))
 

@@ -163,3 +163,58 @@ def test_errors_are_clear(tmp_path):
     llm.export_for_serving(model, None, tmp_path, "m", max_length=16, max_batch_size=2)
     with pytest.raises(FileExistsError):
         llm.export_for_serving(model, None, tmp_path, "m", max_length=16, max_batch_size=2)
+
+
+@pytest.mark.slow  # over 7 s (a compile per family); the tiny llama's paged path runs in tests/serving
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_paged_chunks_and_decode_steps_equal_the_full_forward(family):
+    # the paged program over scattered blocks: a prompt in chunks (the last one padded, a
+    # padding row beside it), then decode steps, against the full forward pass
+    model = load(family)
+    fns = llm.serving_functions(model, 24)
+    bs, nb = 4, 16
+    kv = fns.cache_specs["k0"].shape[1:]
+    pool = {n: jnp.zeros((nb, bs, *kv), fns.cache_specs[n].dtype) for n in fns.cache_specs}
+    seq = [int(t) for t in np.random.default_rng(1).integers(3, 96, 14)]
+    full = np.asarray(forward(model, jnp.asarray([seq], jnp.int32)))[0]
+    tables = np.array([[9, 2, 14, 5, 0, 0], [0] * 6], np.int32)  # 6 blocks of 4 cover max_length 24
+    step = jax.jit(fns.paged)
+    for start, n in ((0, 5), (5, 5), (10, 1)):  # chunks of 5 (the last holds 1 token), then decode
+        tokens = np.zeros((2, 5), np.int32)
+        tokens[0, :n] = seq[start : start + n]
+        logits, pool = step(fns.params, tokens, np.array([start, 0]), np.array([n, 0]), tables, pool)
+        np.testing.assert_allclose(np.asarray(logits[0]), full[start + n - 1], atol=3e-5, rtol=0)
+    for pos in range(11, 14):
+        logits, pool = step(fns.params, np.array([[seq[pos]], [0]]), np.array([pos, 0]), np.array([1, 0]), tables, pool)
+        np.testing.assert_allclose(np.asarray(logits[0]), full[pos], atol=3e-5, rtol=0)
+    # the padding row wrote nothing: blocks outside row 0's table are still zero
+    unused = [b for b in range(nb) if b not in (9, 2, 14, 5)]
+    assert not np.asarray(pool["k0"])[unused].any()
+
+
+@pytest.mark.slow  # an export and two engines' compiles
+def test_exported_paged_generation_equals_generate(tmp_path):
+    model = load("llama")
+    want = llm.generate(model, PROMPTS, NEW, max_length=MAX_LENGTH).tokens
+    path = llm.export_for_serving(model, None, tmp_path, "p", max_length=MAX_LENGTH, max_batch_size=4,
+                                  eos_token_ids=(), block_size=8)
+    loaded = serving.load_generator(path)
+    assert loaded.has_paged and loaded.block_size == 8
+    cfg = serving.GenerationConfig(num_slots=4, prefill_batch=2, kv_layout="paged", prefill_chunk=4)
+    with serving.GenerationEngine(loaded, cfg) as engine:
+        reqs = [engine.submit(p, serving.SamplingParams(max_new_tokens=NEW)) for p in PROMPTS]
+        assert [r.result(120).token_ids for r in reqs] == want
+    with pytest.raises(ValueError, match="block_size .* must be an int in 1..max_length=16"):
+        llm.export_for_serving(model, None, tmp_path, "q", max_length=16, block_size=0)
+
+
+def test_prefill_exports_with_a_symbolic_prompt_longer_than_the_cpu_attention_chunk():
+    # the xla attention's CPU default compared the symbolic query length with 64 once the keys
+    # outnumbered its 128-key chunk: any max_length above 128 failed to export
+    model = load("llama")
+    fns = llm.serving_functions(model, 160)
+    b, p = jax.export.symbolic_shape("b, p", constraints=("p <= 160",))
+    exp = jax.export.export(jax.jit(fns.prefill))(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fns.params),
+        jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    assert exp.out_avals[0].shape[0] == b

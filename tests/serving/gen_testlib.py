@@ -96,6 +96,15 @@ def decode(params, tokens, positions, cache):
     return _FNS.decode(params, tokens, positions, cache)
 
 
+BLOCK_SIZE = 4  # tokens per KV block of the paged layout in the tests
+
+
+def paged(params, tokens, positions, lengths, block_tables, pool):
+    """The paged step (``cairn.llm.serving_functions``' ``paged``): a chunk of ``lengths`` tokens
+    per row at ``positions ..`` over a pool ``{name: (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)}``."""
+    return _FNS.paged(params, tokens, positions, lengths, block_tables, pool)
+
+
 def reference_logits(params, tokens) -> np.ndarray:
     """The model's full causal forward pass (no cache): tokens (n,) -> logits (n, V) float64."""
     tokens = np.asarray(tokens, np.int32)

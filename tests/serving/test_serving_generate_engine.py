@@ -47,13 +47,23 @@ pytestmark = pytest.mark.xdist_group("serving_generate")
 
 SEED, SCALE = 1, 3.0  # weights whose greedy continuations vary
 CONFIG = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=256)
+# the paged layout: blocks of 4 tokens, prompts prefilled 16 tokens per step (a long prompt over several)
+PAGED = {"kv_layout": "paged", "prefill_chunk": 16}
+LAYOUTS = ("contiguous", "paged")
+
+
+def _config(layout="contiguous", **kw):
+    """CONFIG's shapes (or ``kw``'s) in ``layout``."""
+    base = {"num_slots": 6, "prefill_batch": 2, "max_queue": 256, **kw}
+    return GenerationConfig(**base, **(PAGED if layout == "paged" else {}))
 
 
 def _generator(params=None, **kw):
     kw.setdefault("eos_token_ids", ())
     return PythonGenerator(g.prefill, g.decode, g.init_params(SEED, SCALE) if params is None else params,
                            cache_specs=g.cache_specs(), vocab_size=g.VOCAB_SIZE, max_length=g.MAX_LENGTH,
-                           vocabulary=g.VOCAB, bos_token_id=g.BOS_ID, name="tiny", **kw)
+                           vocabulary=g.VOCAB, bos_token_id=g.BOS_ID, name="tiny", paged=g.paged,
+                           block_size=g.BLOCK_SIZE, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +71,14 @@ def model():
     return _generator()
 
 
-@pytest.fixture(scope="module")
-def engine(model):
-    with GenerationEngine(model, CONFIG) as eng:
+@pytest.fixture(scope="module", params=LAYOUTS)
+def engine(model, request):
+    with GenerationEngine(model, _config(request.param)) as eng:
         yield eng
+
+
+def _layout(engine):
+    return engine.config.kv_layout
 
 
 def _workload(n, seed=0):
@@ -171,7 +185,7 @@ def test_continuous_batching_equals_sequential_repeated(engine, round_):
 
 def test_static_scheduler_gives_the_same_tokens(engine, model):
     work = _workload(14, seed=2)
-    with GenerationEngine(model, GenerationConfig(num_slots=6, prefill_batch=2, scheduler="static")) as static:
+    with GenerationEngine(model, _config(_layout(engine), scheduler="static")) as static:
         got = _run_concurrently(static, work, threads=3)
         stats = static.stats()
         assert stats["scheduler"] == "static" and stats["requests"] == stats["finished"] == len(work)
@@ -230,8 +244,9 @@ def test_bad_input_is_refused_and_the_engine_runs_on(engine, prompt, params, mat
     assert engine.generate([3, 4], SamplingParams(2)).finish_reason == "length"
 
 
-def test_limits_queue_full_and_stop(model):
-    cfg = GenerationConfig(num_slots=6, prefill_batch=2, max_queue=2, max_new_tokens_limit=8)  # CONFIG's shapes
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_limits_queue_full_and_stop(model, layout):
+    cfg = _config(layout, max_queue=2, max_new_tokens_limit=8)  # CONFIG's shapes
     engine = GenerationEngine(model, cfg)
     with pytest.raises(Unavailable):
         engine.submit([3], SamplingParams(2))
@@ -283,8 +298,9 @@ def test_the_static_scheduler_counts_every_queued_request_while_a_batch_runs(mod
         assert [r.result(30).finish_reason for r in (first, *queued)] == ["length"] * 3
 
 
-def test_stop_without_drain_cancels_what_is_left(model):
-    engine = GenerationEngine(model, CONFIG).start()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stop_without_drain_cancels_what_is_left(model, layout):
+    engine = GenerationEngine(model, _config(layout)).start()
     entered, release = threading.Event(), threading.Event()
 
     def block(ev):
@@ -338,8 +354,20 @@ class _Flaky:
     def __init__(self, inner):
         self.inner = inner
         self.fail_decode = threading.Event()
-        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "vocabulary", "cache_specs"):  # the protocol's
+        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "vocabulary", "cache_specs",  # the protocol's
+                  "has_paged", "block_size"):
             setattr(self, k, getattr(inner, k))
+
+    def init_pool(self, n):
+        return self.inner.init_pool(n)
+
+    def paged_step(self, tokens, positions, lengths, tables, pool):
+        t = np.asarray(tokens)
+        if t.shape[1] > 1 and (t == 39).any():  # a prefill chunk (a decode step is one token per row)
+            raise RuntimeError("bad token in prefill")
+        if t.shape[1] == 1 and self.fail_decode.is_set():
+            raise RuntimeError("decode broke")
+        return self.inner.paged_step(tokens, positions, lengths, tables, pool)
 
     def init_cache(self, n):
         return self.inner.init_cache(n)
@@ -356,7 +384,7 @@ class _Flaky:
 
 
 def test_model_error_fails_only_its_requests(model, engine):
-    with GenerationEngine(_Flaky(model), CONFIG) as flaky:
+    with GenerationEngine(_Flaky(model), _config(_layout(engine))) as flaky:
         good = flaky.submit([3, 4, 5], SamplingParams(15))
         bad = flaky.submit([39, 4], SamplingParams(5))
         res = bad.result(30)
@@ -368,7 +396,7 @@ def test_model_error_fails_only_its_requests(model, engine):
 
 def test_decode_error_fails_the_running_requests_and_the_engine_recovers(model, engine):
     flaky_model = _Flaky(model)
-    with GenerationEngine(flaky_model, CONFIG) as flaky:
+    with GenerationEngine(flaky_model, _config(_layout(engine))) as flaky:
         entered, release = threading.Event(), threading.Event()
 
         def block(ev):

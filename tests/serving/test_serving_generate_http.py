@@ -584,6 +584,11 @@ def test_cli_generation_flags(tmp_path, capsys):
     assert (args.num_slots, args.prefill_batch, args.max_queue) == (3, 1, 9)
     assert main(["--model-repository", str(tmp_path), "--num-slots", "0"]) == 2
     assert "num_slots" in capsys.readouterr().err
+    args = parser().parse_args(["--model-repository", "x", "--kv-layout", "paged", "--num-blocks", "64", "--prefill-chunk", "32",
+                                "--no-prefix-caching"])
+    assert (args.kv_layout, args.num_blocks, args.prefill_chunk, args.no_prefix_caching) == ("paged", 64, 32, True)
+    assert main(["--model-repository", str(tmp_path), "--kv-layout", "paged", "--prefill-chunk", "0"]) == 2
+    assert "prefill_chunk" in capsys.readouterr().err
 
 
 # --- a repository with an exported generator, served by cairn-serve ---

@@ -299,3 +299,26 @@ def test_errors_name_what_was_wrong():
     for bad in ({"num_blocks": 0, "block_size": 2}, {"num_blocks": 2, "block_size": True}):
         with pytest.raises(ValueError, match="must be an int >= 1"):
             PagedCache(**bad)
+
+
+def test_cached_prefix_looks_up_without_claiming_or_counting():
+    cache = PagedCache(num_blocks=8, block_size=4)
+    cache.add_sequence("a", list(range(10)))
+    before = (cache.stats(), cache.num_free_blocks)
+    assert cache.cached_prefix(list(range(9)) + [99]) == cache.block_table("a")[:2]
+    assert cache.cached_prefix([5, 5, 5, 5, 5]) == []
+    assert (cache.stats(), cache.num_free_blocks) == before
+
+
+def test_free_with_written_forgets_blocks_never_computed():
+    # a sequence cancelled mid-prefill: its first 4 tokens were written, its next full block not
+    cache = PagedCache(num_blocks=8, block_size=4)
+    cache.add_sequence("a", list(range(10)))
+    first, second = cache.block_table("a")[:2]
+    cache.free("a", written=4)
+    assert cache.cached_prefix(list(range(10))) == [first]  # the second block's name is gone
+    assert cache.num_cached_blocks == 1 and cache.num_free_blocks == 8 and second not in cache.eviction_order()
+    # written covers everything: both full blocks stay cached
+    cache.add_sequence("b", list(range(10)))
+    cache.free("b", written=10)
+    assert len(cache.cached_prefix(list(range(10)))) == 2

@@ -13,6 +13,14 @@ builds them from the model itself, not from a second copy of the decoder:
   tokens) and runs ``model(tokens[:, None], cache=...)``: the token is written at its row's
   own position and attends to the slots before it, exactly the per-row decode of
   :func:`cairn.llm.generate`;
+- ``paged(params, tokens (b, t), positions (b,), lengths (b,), block_tables (b, w), pool)``
+  runs a chunk of ``lengths[b]`` tokens per row (right-padded to ``t``) starting at
+  position ``positions[b]`` over a *paged* KV pool ``{"k0": (num_blocks, block_size,
+  kv_heads, head_dim), ...}``: every layer writes the chunk's keys and values into the
+  row's blocks (``cairn.kernels.paged_kv_write``) and attends over its block table
+  (``cairn.kernels.paged_attention``); returns the logits after each row's last token and
+  the pool. ``t = 1`` is a decode step, ``t > 1`` a prefill chunk (after a cached prefix
+  or an earlier chunk); a row with ``lengths = 0`` writes nothing;
 - ``score(params, tokens (b, p), lengths (b,))`` is the full forward pass's
   ``log_softmax`` at each prompt token given the ones before it (0 at position 0 and past
   ``lengths``), for prompt log-probabilities.
@@ -40,6 +48,7 @@ from cairn import nn, serving
 from cairn.core_array import ArraySpec
 from cairn.llm._cache import KVCache
 from cairn.llm._model import CausalLM
+from cairn.llm._rope import apply_rope
 
 __all__ = ["ServingFunctions", "as_generator", "export_for_serving", "serving_functions"]
 
@@ -55,6 +64,8 @@ class ServingFunctions:
         docstring), jit- and export-ready.
       decode: ``decode(params, tokens (b,), positions (b,), cache) -> (logits, cache)``.
       score: ``score(params, tokens (b, p), lengths (b,)) -> logprobs (b, p)``.
+      paged: ``paged(params, tokens (b, t), positions (b,), lengths (b,), block_tables, pool) -> (logits, pool)``
+        (module docstring), or None when not asked for.
       forward: ``forward(params, tokens (b, t)) -> logits (b, t, vocab)``, the model's full
         causal pass over ``params`` (for calibrating ``cairn.quant`` on the same weights).
       params: the model's weights, nested plain dicts keyed by the model's path parts.
@@ -71,6 +82,7 @@ class ServingFunctions:
     cache_specs: dict[str, ArraySpec]
     vocab_size: int
     max_length: int
+    paged: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None
 
 
 def _check_model(model: Any, what: str) -> CausalLM:
@@ -199,7 +211,66 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
         with _kernels_for(tokens):
             return rebuild(params)(tokens)
 
-    return ServingFunctions(prefill, decode, score, forward, params, specs, int(cfg.vocab_size), max_length)
+    return ServingFunctions(prefill, decode, score, forward, params, specs, int(cfg.vocab_size), max_length,
+                            _paged_fn(rebuild, n))
+
+
+def _paged_attention(attn: Any, x: jax.Array, rope: Any, q_pos: jax.Array, pages: tuple[jax.Array, jax.Array],
+                     tables: jax.Array, kv_len: jax.Array, write_pos: jax.Array) -> tuple[jax.Array, tuple]:
+    """``attn`` (a :class:`cairn.llm` attention layer) over a paged cache: the chunk's keys and
+    values go into ``pages`` at ``write_pos`` (-1: padding, skipped), then its queries attend
+    over the row's blocks (query ``j`` of row ``b`` at position ``kv_len[b] - t + j``)."""
+    q, k, v = attn.q(x), attn.k(x), attn.v(x)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    kp, vp = ck.paged_kv_write(pages[0], pages[1], k.astype(pages[0].dtype), v.astype(pages[1].dtype), tables, write_pos)
+    ka, va = (kp, vp) if kp.dtype == q.dtype else (kp.astype(q.dtype), vp.astype(q.dtype))
+    window = None if attn.window is None else attn.window - 1  # the model's window w sees q - w < kv <= q
+    out = ck.paged_attention(q, ka, va, tables, kv_len, scale=attn.scale, logits_soft_cap=attn.soft_cap,
+                             local_window_size=window)
+    return attn._out(out), (kp, vp)
+
+
+def _paged_fn(rebuild: Callable[[Any], CausalLM], n: int) -> Callable:
+    """The ``paged`` serving function (module docstring) of a model of ``n`` layers."""
+
+    def paged(params: Any, tokens: jax.Array, positions: jax.Array, lengths: jax.Array, block_tables: jax.Array,
+              pool: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        m = rebuild(params)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        positions, lengths = jnp.asarray(positions, jnp.int32), jnp.asarray(lengths, jnp.int32)
+        tables = jnp.asarray(block_tables, jnp.int32)
+        b, t = tokens.shape
+        q_pos = positions[:, None] + jnp.arange(t)[None, :]
+        write_pos = jnp.where(jnp.arange(t)[None, :] < lengths[:, None], q_pos, -1)
+        kv_len = positions + t  # the padded chunk's queries are the row's last t positions
+        out = {}
+        with _kernels_for(tokens):
+            x = m.embed(tokens)
+            if m.config.embed_scale:
+                x = x * jnp.asarray(m.config.hidden_size ** 0.5, x.dtype)
+            ropes = m._rope(q_pos)
+            for i, layer in enumerate(m.layers):
+                h, (out[f"k{i}"], out[f"v{i}"]) = _paged_attention(
+                    layer.attn, layer.input_norm(x), ropes[i], q_pos, (pool[f"k{i}"], pool[f"v{i}"]), tables,
+                    kv_len, write_pos)
+                if layer.post_attn_norm is not None:
+                    h = layer.post_attn_norm(h)
+                x = x + h
+                y = layer.mlp(layer.mlp_norm(x))
+                h = y[0] if isinstance(y, tuple) else y
+                if layer.post_mlp_norm is not None:
+                    h = layer.post_mlp_norm(h)
+                x = x + h
+            last = x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]
+            logits = (m.embed.attend(m.norm(last)) if m.lm_head is None else m.lm_head(m.norm(last))).astype(jnp.float32)
+        cap = m.config.final_logit_softcapping
+        if cap:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits[:, 0], {f"{kv}{i}": out[f"{kv}{i}"] for i in range(n) for kv in "kv"}
+
+    return paged
 
 
 def _eos_ids(model: CausalLM, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[int, ...]:
@@ -230,7 +301,7 @@ def _tokenizer(tokenizer: Any, model: CausalLM, what: str) -> serving.Tokenizer 
 def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.PathLike, name: str, *,
                        max_length: int, version: int = 1, max_batch_size: int = MAX_BATCH_SIZE,
                        eos_token_ids: Sequence[int] | None = None, platforms: Sequence[str] | None = None,
-                       overwrite: bool = False) -> str:
+                       block_size: int | None = None, overwrite: bool = False) -> str:
     """Export ``model`` as a cairn.serving generator into ``<repository>/<name>/<version>``.
 
     The prefill, decode and score (prompt log-probabilities, for ``echo`` with ``logprobs``)
@@ -239,7 +310,10 @@ def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.Pat
     they are), the tokenizer's files (chat template included) go into the model directory's
     ``tokenizer/`` folder under the manifest's hashes, and ``cairn-serve
     --model-repository <repository>`` serves it over both protocols without importing
-    cairn.llm or any model code. An engine slot holds ``max_length`` positions.
+    cairn.llm or any model code. An engine slot holds ``max_length`` positions; with
+    ``block_size``, the ``paged`` program is exported too and the engine may run the paged
+    KV layout instead (``GenerationConfig(kv_layout="paged")``: blocks of ``block_size``
+    tokens claimed as tokens arrive, prefix caching, chunked prefill).
 
     Args:
       model: a :class:`~cairn.llm.CausalLM`.
@@ -253,6 +327,8 @@ def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.Pat
       eos_token_ids: default the tokenizer's, else the ``eos_token_id`` of the model's
         ``config.json``.
       platforms: as :func:`cairn.serving.export` (default the current backend).
+      block_size: tokens per KV block of the paged layout; ``None`` exports the contiguous
+        layout only.
       overwrite: replace an existing version folder.
 
     Returns:
@@ -275,11 +351,22 @@ def export_for_serving(model: CausalLM, tokenizer: Any, repository: str | os.Pat
     return serving.export_generator(
         fns.prefill, fns.decode, fns.params, path, cache_specs=fns.cache_specs, vocab_size=fns.vocab_size,
         max_length=fns.max_length, eos_token_ids=_eos_ids(model, tok, eos_token_ids), platforms=platforms,
-        max_batch_size=max_batch_size, tokenizer=tok, score=fns.score, overwrite=overwrite)
+        max_batch_size=max_batch_size, tokenizer=tok, score=fns.score, overwrite=overwrite,
+        **_paged_kw(fns, block_size, what))
+
+
+def _paged_kw(fns: ServingFunctions, block_size: Any, what: str) -> dict[str, Any]:
+    """``paged=`` and ``block_size=`` for cairn.serving (nothing when ``block_size`` is None)."""
+    if block_size is None:
+        return {}
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= fns.max_length:
+        raise ValueError(f"{what}: block_size (tokens per paged KV block) must be an int in 1..max_length="
+                         f"{fns.max_length}, got {block_size!r}")
+    return {"paged": fns.paged, "block_size": block_size}
 
 
 def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, name: str = "generator",
-                 eos_token_ids: Sequence[int] | None = None) -> serving.PythonGenerator:
+                 eos_token_ids: Sequence[int] | None = None, block_size: int | None = None) -> serving.PythonGenerator:
     """``model`` as an in-process :class:`cairn.serving.PythonGenerator` (what
     :func:`export_for_serving` writes, without the export): run it with
     ``cairn.serving.GenerationEngine``.
@@ -289,6 +376,7 @@ def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, nam
       tokenizer: as :func:`export_for_serving`.
       max_length: as :func:`export_for_serving`.
       eos_token_ids: as :func:`export_for_serving`.
+      block_size: as :func:`export_for_serving`.
       name: the generator's name.
 
     Raises:
@@ -300,4 +388,4 @@ def as_generator(model: CausalLM, tokenizer: Any = None, *, max_length: int, nam
     return serving.PythonGenerator(fns.prefill, fns.decode, fns.params, cache_specs=fns.cache_specs,
                                    vocab_size=fns.vocab_size, max_length=fns.max_length,
                                    eos_token_ids=_eos_ids(model, tok, eos_token_ids), tokenizer=tok, name=name,
-                                   score=fns.score)
+                                   score=fns.score, **_paged_kw(fns, block_size, "as_generator"))

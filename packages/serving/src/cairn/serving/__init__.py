@@ -43,6 +43,7 @@ from cairn.serving._load import (
 )
 from cairn.serving._model import PythonModel, ServableModel
 from cairn.serving._paged import OutOfBlocks, PagedCache, PrefixCacheStats, block_hash
+from cairn.serving._paged_engine import PagedGenerationEngine
 from cairn.serving._repository import ModelRepository, VersionPolicy
 from cairn.serving._sampling import SamplingParams
 from cairn.serving._server import Server, serve
@@ -87,6 +88,7 @@ __all__ = [
     "IncrementalDecoder",
     "ChatTemplateError",
     "PagedCache",
+    "PagedGenerationEngine",
     "PrefixCacheStats",
     "OutOfBlocks",
     "block_hash",

@@ -60,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-batch", type=int, default=GenerationConfig.prefill_batch, help="prompts prefilled per engine step (default %(default)s)")
     gen.add_argument("--max-queue", type=int, default=GenerationConfig.max_queue, help="waiting generate requests beyond this answer 503 + Retry-After (default %(default)s)")
     gen.add_argument("--max-new-tokens-limit", type=int, default=None, help="cap on a request's max_tokens (400 above it; default: the model's max_length)")
+    gen.add_argument("--kv-layout", choices=("contiguous", "paged"), default=GenerationConfig.kv_layout,
+                     help="KV cache: a max_length row per slot, or a pool of blocks with prefix caching and chunked prefill "
+                          "(the model needs a paged program) (default %(default)s)")
+    gen.add_argument("--num-blocks", type=int, default=None, help="paged: KV blocks in the pool (default: the memory of --num-slots rows)")
+    gen.add_argument("--prefill-chunk", type=int, default=GenerationConfig.prefill_chunk,
+                     help="paged: prompt tokens per request prefilled per engine step (default %(default)s)")
+    gen.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share the blocks of common prompt prefixes")
     p.add_argument("--repository-poll-secs", type=float, default=None, help="re-scan the repository this often and load new versions")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to answer in-flight requests on SIGTERM")
     p.add_argument("--drain-grace", type=float, default=HttpLimits.drain_grace,
@@ -103,6 +110,10 @@ def _serve(args: argparse.Namespace) -> int:
             prefill_batch=args.prefill_batch,
             max_queue=args.max_queue,
             max_new_tokens_limit=args.max_new_tokens_limit,
+            kv_layout=args.kv_layout,
+            num_blocks=args.num_blocks,
+            prefill_chunk=args.prefill_chunk,
+            enable_prefix_caching=not args.no_prefix_caching,
         )
         repository = ModelRepository(args.model_repository, batching=batching, generation=generation)
     except (FileNotFoundError, ValueError) as e:

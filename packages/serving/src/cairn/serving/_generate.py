@@ -52,6 +52,7 @@ __all__ = [
 
 log = logging.getLogger("cairn.serving")
 _SCHEDULERS = ("continuous", "static")
+_LAYOUTS = ("contiguous", "paged")
 
 
 def _positive(name: str, v: Any) -> int:
@@ -76,6 +77,15 @@ class GenerationConfig:
       admission_delay_steps: while more than half the slots are busy, the continuous
         scheduler holds waiting requests back up to this many steps until they fill a
         prefill group (0: admit at every step).
+      kv_layout: ``"contiguous"`` (one ``max_length`` cache row per slot) or ``"paged"``
+        (a pool of ``num_blocks`` blocks shared by all slots, claimed as tokens arrive,
+        with prefix caching and chunked prefill; the model needs a ``paged`` function,
+        ``cairn.serving.PagedGenerationEngine``).
+      num_blocks: paged: KV blocks in the pool (``None``: as many as ``num_slots``
+        contiguous rows would take, ``num_slots * ceil(max_length / block_size)``).
+      prefill_chunk: paged: prompt tokens per row prefilled per engine step (a long
+        prompt is prefilled over several steps, between decode steps).
+      enable_prefix_caching: paged: reuse the blocks of a common prompt prefix.
 
     Raises:
       ValueError: naming the field.
@@ -90,10 +100,20 @@ class GenerationConfig:
     max_new_tokens_limit: int | None = None
     scheduler: str = "continuous"
     admission_delay_steps: int = 2
+    kv_layout: str = "contiguous"
+    num_blocks: int | None = None
+    prefill_chunk: int = 256
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        for k in ("num_slots", "prefill_batch", "max_queue"):
+        for k in ("num_slots", "prefill_batch", "max_queue", "prefill_chunk"):
             object.__setattr__(self, k, _positive(k, getattr(self, k)))
+        if self.num_blocks is not None:
+            object.__setattr__(self, "num_blocks", _positive("num_blocks", self.num_blocks))
+        if self.kv_layout not in _LAYOUTS:
+            raise ValueError(f"GenerationConfig.kv_layout must be one of {_LAYOUTS}, got {self.kv_layout!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"GenerationConfig.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.max_new_tokens_limit is not None:
             object.__setattr__(self, "max_new_tokens_limit", _positive("max_new_tokens_limit", self.max_new_tokens_limit))
         d = self.admission_delay_steps
@@ -375,8 +395,17 @@ class GenerationEngine:
     Raises:
       ValueError: a model that is not generative, or slots beyond its batch limit.
 
-    Use it as a context manager, or call :meth:`start` and :meth:`stop`.
+    Use it as a context manager, or call :meth:`start` and :meth:`stop`. With
+    ``config.kv_layout == "paged"`` the engine is a
+    :class:`~cairn.serving.PagedGenerationEngine`.
     """
+
+    def __new__(cls, model: GenerativeModel, config: GenerationConfig | None = None) -> GenerationEngine:
+        if cls is GenerationEngine and isinstance(config, GenerationConfig) and config.kv_layout == "paged":
+            from cairn.serving._paged_engine import PagedGenerationEngine
+
+            cls = PagedGenerationEngine
+        return super().__new__(cls)
 
     def __init__(self, model: GenerativeModel, config: GenerationConfig | None = None) -> None:
         config = GenerationConfig() if config is None else config
@@ -418,8 +447,7 @@ class GenerationEngine:
                 raise RuntimeError(f"GenerationEngine.start: the engine is {self._state}")
             self._state = "starting"
         try:
-            self._cache = self.model.init_cache(self.config.num_slots)
-            self._scatter = _make_scatter()
+            self._reset_cache()
             if precompile:
                 self._warm_up()
         except BaseException:
@@ -431,6 +459,11 @@ class GenerationEngine:
             self._state = "running"
         self._thread.start()
         return self
+
+    def _reset_cache(self) -> None:
+        """A fresh (zero) KV cache: one ``max_length`` row per slot."""
+        self._cache = self.model.init_cache(self.config.num_slots)
+        self._scatter = _make_scatter()
 
     def buckets(self) -> tuple[int, ...]:
         """The prompt lengths prefill is compiled for."""
@@ -761,7 +794,7 @@ class GenerationEngine:
                         failed.append(r)
             self._cond.notify_all()
         if lost:
-            self._cache = self.model.init_cache(self.config.num_slots)
+            self._reset_cache()
         for r in failed:
             self._finish(r, "error", f"{type(e).__name__}: {e}")
 

@@ -9,6 +9,13 @@ A generative model is two pure functions over ``params`` and a flat KV cache
   logits at position ``lengths - 1`` and every cache entry ``(b, max_length, ...)``;
 - ``decode(params, tokens (b,), positions (b,), cache) -> (logits (b, vocab), cache)``,
   writing the token's keys/values at ``positions`` and returning the next-token logits;
+- optionally ``paged(params, tokens (b, t), positions (b,), lengths (b,), block_tables (b,
+  w), pool) -> (logits (b, vocab), pool)``: the paged KV layout (``GenerationConfig(
+  kv_layout="paged")``). ``pool`` is ``{name: (num_blocks, block_size, *per-token
+  shape)}``; row ``b`` runs ``lengths[b]`` tokens (right-padded to ``t``) at positions
+  ``positions[b] ..``, writes their keys and values into the blocks its table names and
+  attends over them, and gets the logits after its last token (``t = 1``: a decode step;
+  more: a prefill chunk; ``lengths[b] = 0``: a padding row that writes nothing);
 - optionally ``score(params, tokens (b, p), lengths (b,)) -> float32 (b, p)``: the
   log-probability of each prompt token given those before it (0 at position 0; positions
   at or past ``lengths`` are ignored), for prompt log-probabilities (OpenAI's ``echo``).
@@ -44,9 +51,10 @@ __all__ = [
     "PREFILL",
     "DECODE",
     "SCORE",
+    "PAGED",
 ]
 
-PREFILL, DECODE, SCORE = "prefill", "decode", "score"
+PREFILL, DECODE, SCORE, PAGED = "prefill", "decode", "score", "paged"
 _CACHE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 DEFAULT_MAX_BATCH = 256
 
@@ -210,6 +218,7 @@ class GenerationInfo:
     vocabulary: tuple[str | None, ...] | None = None
     bos_token_id: int | None = None
     tokenizer: str | None = None  # the model directory's tokenizer folder (relative), if it has one
+    block_size: int | None = None  # tokens per KV block of the paged layout, when the model has one
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "max_length"):
@@ -232,6 +241,9 @@ class GenerationInfo:
             if len(vocab) != self.vocab_size or not all(v is None or isinstance(v, str) for v in vocab):
                 raise ValueError(f"vocabulary must hold vocab_size={self.vocab_size} strings or None, got {len(vocab)} entries")
             object.__setattr__(self, "vocabulary", vocab)
+        bs = self.block_size
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int | np.integer) or bs < 1):
+            raise ValueError(f"block_size must be a positive integer or None, got {bs!r}")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not _CACHE_NAME.match(self.tokenizer)):
             raise ValueError(f"tokenizer must name a folder inside the model directory, got {self.tokenizer!r}")
 
@@ -244,6 +256,7 @@ class GenerationInfo:
             "tokenizer": self.tokenizer,
             "cache": {n: s.to_json() for n, s in self.cache_specs.items()},
             "prefill_signature": PREFILL, "decode_signature": DECODE,
+            **({} if self.block_size is None else {"paged_signature": PAGED, "block_size": int(self.block_size)}),
         }
 
     @classmethod
@@ -259,7 +272,8 @@ class GenerationInfo:
             specs = {str(n): ArraySpec.from_json(s) for n, s in d["cache"].items()}
             vocab = d.get("vocabulary")
             return cls(int(d["vocab_size"]), int(d["max_length"]), specs, tuple(d.get("eos_token_ids") or ()),
-                       None if vocab is None else tuple(vocab), d.get("bos_token_id"), d.get("tokenizer"))
+                       None if vocab is None else tuple(vocab), d.get("bos_token_id"), d.get("tokenizer"),
+                       d.get("block_size"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ModelFormatError(f"{MANIFEST}: 'generation' section is malformed ({type(e).__name__}: {e})", MANIFEST) from None
 
@@ -279,6 +293,36 @@ class GeneratorBase:
         self.bos_token_id = info.bos_token_id
         self.vocabulary = info.vocabulary
         self.cache_specs = dict(info.cache_specs)
+        self.block_size = info.block_size
+
+    @property
+    def has_paged(self) -> bool:
+        """Whether the model runs the paged KV layout (it was given a ``paged`` function)."""
+        return getattr(self, "_paged", None) is not None and self.block_size is not None
+
+    def init_pool(self, num_blocks: int) -> dict[str, Any]:
+        """A zero paged KV pool of ``num_blocks`` blocks: ``{name: (num_blocks, block_size, *per-token shape)}``.
+
+        Raises:
+          ValueError: the model has no paged layout.
+        """
+        import jax.numpy as jnp
+
+        if not self.has_paged:
+            raise ValueError(f"model {self.name!r} has no paged KV layout (export it with paged=... and block_size=...)")
+        assert self.block_size is not None
+        return {n: jnp.zeros((num_blocks, self.block_size, *s.shape[1:]), s.numpy_dtype) for n, s in self.cache_specs.items()}
+
+    def paged_step(self, tokens: Any, positions: Any, lengths: Any, block_tables: Any,
+                   pool: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Device-level paged step (module docstring); ``pool`` is donated.
+
+        Raises:
+          ValueError: the model has no paged layout.
+        """
+        if not self.has_paged:
+            raise ValueError(f"model {self.name!r} has no paged KV layout (export it with paged=... and block_size=...)")
+        return self._paged(tokens, positions, lengths, block_tables, dict(pool))
 
     def init_cache(self, num_slots: int) -> dict[str, Any]:
         """A zero cache of ``num_slots`` rows on the device.
@@ -411,8 +455,29 @@ def _check_outputs(what: str, out: Any, b: int, info: GenerationInfo) -> None:
             raise ValueError(f"{what}: cache[{n!r}] is {got[1]} {got[0]}, cache_specs says {s.dtype} {(b, *s.shape)}")
 
 
+def _check_paged(paged: Callable, params: Any, info: GenerationInfo) -> None:
+    """Trace ``paged`` abstractly over a 3-block pool and check its outputs."""
+    import jax
+
+    if info.block_size is None:
+        raise ValueError("a paged function needs block_size (tokens per KV block)")
+    b, t, nb, i32, sds = 2, min(4, info.max_length), 3, np.int32, jax.ShapeDtypeStruct
+    w = -(-info.max_length // info.block_size)
+    pool = {n: sds((nb, info.block_size, *s.shape[1:]), s.numpy_dtype) for n, s in info.cache_specs.items()}
+    out = jax.eval_shape(paged, params, sds((b, t), i32), sds((b,), i32), sds((b,), i32), sds((b, w), i32), pool)
+    if not isinstance(out, tuple | list) or len(out) != 2 or not isinstance(out[1], Mapping):
+        raise ValueError(f"paged must return (logits, pool dict), got {type(out).__name__}")
+    logits, got = out
+    if tuple(logits.shape) != (b, info.vocab_size) or np.dtype(logits.dtype) != np.float32:
+        raise ValueError(f"paged: logits must be float32 {(b, info.vocab_size)}, got {logits.dtype} {tuple(logits.shape)}")
+    for n, x in pool.items():
+        if n not in got or (tuple(got[n].shape), np.dtype(got[n].dtype)) != (x.shape, np.dtype(x.dtype)):
+            have = None if n not in got else f"{got[n].dtype} {tuple(got[n].shape)}"
+            raise ValueError(f"paged: pool[{n!r}] must come back as {x.dtype} {x.shape}, got {have}")
+
+
 def check_functions(prefill: Callable, decode: Callable, params: Any, info: GenerationInfo,
-                    score: Callable | None = None) -> None:
+                    score: Callable | None = None, paged: Callable | None = None) -> None:
     """Trace the functions abstractly (no compute) and check their outputs' shapes.
 
     Raises:
@@ -425,6 +490,8 @@ def check_functions(prefill: Callable, decode: Callable, params: Any, info: Gene
     _check_outputs("prefill", jax.eval_shape(prefill, params, sds((b, p), i32), sds((b,), i32)), b, info)
     cache = {n: sds((b, *s.shape), s.numpy_dtype) for n, s in info.cache_specs.items()}
     _check_outputs("decode", jax.eval_shape(decode, params, sds((b,), i32), sds((b,), i32), cache), b, info)
+    if paged is not None:
+        _check_paged(paged, params, info)
     if score is not None:
         out = jax.eval_shape(score, params, sds((b, p), i32), sds((b,), i32))
         if not hasattr(out, "shape") or tuple(out.shape) != (b, p) or np.dtype(out.dtype) != np.float32:
@@ -451,6 +518,8 @@ class PythonGenerator(GeneratorBase):
       bos_token_id: as :func:`export_generator`.
       tokenizer: as :func:`export_generator`.
       score: as :func:`export_generator`.
+      paged: as :func:`export_generator`.
+      block_size: as :func:`export_generator`.
       name: the model name.
 
     Raises:
@@ -461,14 +530,15 @@ class PythonGenerator(GeneratorBase):
                  vocab_size: int, max_length: int, eos_token_ids: Sequence[int] = (),
                  vocabulary: Sequence[str | None] | None = None, bos_token_id: int | None = None,
                  tokenizer: Tokenizer | str | os.PathLike | None = None, name: str = "generator",
-                 score: Callable | None = None) -> None:
+                 score: Callable | None = None, paged: Callable | None = None,
+                 block_size: int | None = None) -> None:
         import jax
 
         tok = None if tokenizer is None else as_tokenizer(tokenizer)
         info = GenerationInfo(vocab_size, max_length, cache_specs, _eos_ids(eos_token_ids, tok, vocab_size),
                               None if vocabulary is None else tuple(vocabulary), bos_token_id,
-                              None if tok is None else TOKENIZER_DIR)
-        check_functions(prefill, decode, params, info, score)
+                              None if tok is None else TOKENIZER_DIR, _block_size(paged, block_size))
+        check_functions(prefill, decode, params, info, score, paged)
         self.name = name
         self._set_info(info)
         self.tokenizer = tok
@@ -478,6 +548,9 @@ class PythonGenerator(GeneratorBase):
         if score is not None:
             jitted = jax.jit(score)
             self._score = lambda tokens, lengths: jitted(self.params, tokens, lengths)
+        if paged is not None:
+            step = jax.jit(paged, donate_argnums=(5,))
+            self._paged = lambda *args: step(self.params, *args)
 
     def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
         """Device-level prefill (see :class:`GenerativeModel`).
@@ -529,8 +602,30 @@ def exported_device_fns(prefill_exp: Any, decode_exp: Any, names: Sequence[str])
     return jax.jit(prefill), jax.jit(decode, donate_argnums=(3,))
 
 
+def exported_paged_fn(paged_exp: Any, names: Sequence[str]) -> Callable:
+    """Jitted ``paged(weights, tokens, positions, lengths, block_tables, pool)`` calling a
+    deserialized ``paged`` signature, the pool donated."""
+    import jax
+
+    def paged(weights: dict, tokens: Any, positions: Any, lengths: Any, block_tables: Any, pool: dict) -> tuple[Any, dict]:
+        inputs = {"tokens": tokens, "positions": positions, "lengths": lengths, "block_tables": block_tables,
+                  **{f"cache/{n}": pool[n] for n in names}}
+        out = paged_exp.call(weights, inputs)
+        return out["logits"], {n: out[f"cache/{n}"] for n in names}
+
+    return jax.jit(paged, donate_argnums=(5,))
+
+
+def _block_size(paged: Callable | None, block_size: int | None) -> int | None:
+    """``block_size`` checked against ``paged``: both or neither."""
+    if (paged is None) != (block_size is None):
+        raise ValueError("paged and block_size go together: give both (the paged KV layout) or neither, "
+                         f"got paged={'a function' if paged is not None else None} and block_size={block_size!r}")
+    return block_size
+
+
 def _signatures(prefill: Callable, decode: Callable, info: GenerationInfo, max_batch_size: int,
-                score: Callable | None = None) -> dict[str, Signature]:
+                score: Callable | None = None, paged: Callable | None = None) -> dict[str, Signature]:
     names = list(info.cache_specs)
 
     def prefill_sig(params: Any, inputs: dict) -> dict:
@@ -553,7 +648,28 @@ def _signatures(prefill: Callable, decode: Callable, info: GenerationInfo, max_b
             return {"logprobs": score(params, inputs["tokens"], inputs["lengths"])}
 
         out[SCORE] = Signature(score_sig, dict(pre), max_batch_size, [max_batch_size])
+    if paged is not None:
+        out[PAGED] = _paged_signature(paged, info)
     return out
+
+
+def _paged_signature(paged: Callable, info: GenerationInfo) -> Signature:
+    """The ``paged`` signature: batch ``b``, chunk ``t`` and pool size ``num_blocks`` symbolic
+    (no batching by the server: the engine calls it with fixed shapes)."""
+    names, bs = list(info.cache_specs), info.block_size
+    assert bs is not None
+    w = -(-info.max_length // bs)
+
+    def paged_sig(params: Any, inputs: dict) -> dict:
+        pool = {n: inputs[f"cache/{n}"] for n in names}
+        logits, pool = paged(params, inputs["tokens"], inputs["positions"], inputs["lengths"], inputs["block_tables"], pool)
+        return {"logits": logits, "cache": {n: pool[n] for n in names}}
+
+    specs = {"tokens": ArraySpec(("b", "t"), "int32", constraints=(f"t <= {info.max_length}",)),
+             "positions": ArraySpec(("b",), "int32"), "lengths": ArraySpec(("b",), "int32"),
+             "block_tables": ArraySpec(("b", w), "int32")}
+    specs.update({f"cache/{n}": ArraySpec(("num_blocks", bs, *s.shape[1:]), s.dtype) for n, s in info.cache_specs.items()})
+    return Signature(paged_sig, specs, 0)
 
 
 def export_generator(
@@ -572,6 +688,8 @@ def export_generator(
     max_batch_size: int = DEFAULT_MAX_BATCH,
     tokenizer: Tokenizer | str | os.PathLike | None = None,
     score: Callable | None = None,
+    paged: Callable | None = None,
+    block_size: int | None = None,
     overwrite: bool = False,
 ) -> str:
     """Export a generative model: signatures ``prefill`` (inputs ``tokens (b, p)``,
@@ -601,6 +719,10 @@ def export_generator(
         each prompt token's log-probability given those before it (0 at position 0),
         exported as a third signature ``"score"``; the loaded model's :meth:`score` (the
         server's prompt log-probabilities, OpenAI's ``echo`` with ``logprobs``).
+      paged: optional ``paged(params, tokens, positions, lengths, block_tables, pool)``
+        (module docstring), exported as a signature ``"paged"`` with the pool's size
+        symbolic: the engine's paged KV layout (``GenerationConfig(kv_layout="paged")``).
+      block_size: tokens per KV block of ``paged``'s pool (given with ``paged``).
       overwrite: replace an existing ``path``.
 
     Returns:
@@ -614,11 +736,11 @@ def export_generator(
     tok = None if tokenizer is None else as_tokenizer(tokenizer)
     info = GenerationInfo(vocab_size, max_length, cache_specs, _eos_ids(eos_token_ids, tok, vocab_size),
                           None if vocabulary is None else tuple(vocabulary), bos_token_id,
-                          None if tok is None else TOKENIZER_DIR)
+                          None if tok is None else TOKENIZER_DIR, _block_size(paged, block_size))
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
-    check_functions(prefill, decode, params, info, score)
-    return export_signatures(_signatures(prefill, decode, info, max_batch_size, score), params, path,
+    check_functions(prefill, decode, params, info, score, paged)
+    return export_signatures(_signatures(prefill, decode, info, max_batch_size, score, paged), params, path,
                              platforms=platforms, overwrite=overwrite, extra={"generation": info.to_json()},
                              files=None if tok is None else tokenizer_files(tok))
 

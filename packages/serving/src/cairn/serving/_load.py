@@ -18,11 +18,13 @@ from cairn.core_array import ArraySpec
 from cairn.serving._export import DEFAULT_SIGNATURE
 from cairn.serving._genexport import (
     DECODE,
+    PAGED,
     PREFILL,
     SCORE,
     GenerationInfo,
     GeneratorBase,
     exported_device_fns,
+    exported_paged_fn,
     load_tokenizer,
 )
 from cairn.serving._hashing import MANIFEST, ModelFormatError, verify_files
@@ -216,6 +218,10 @@ class LoadedGenerator(LoadedModel, GeneratorBase):
             exp, w = signatures[SCORE].exported, self.weights
             call = jax.jit(lambda weights, tokens, lengths: exp.call(weights, {"tokens": tokens, "lengths": lengths})["logprobs"])
             self._score = lambda tokens, lengths: call(w, tokens, lengths)
+        self._paged = None
+        if PAGED in signatures and self.block_size is not None:  # exported with paged=...: the paged KV layout
+            step, weights = exported_paged_fn(signatures[PAGED].exported, list(self.cache_specs)), self.weights
+            self._paged = lambda *args: step(weights, *args)
 
     def prefill(self, tokens: Any, lengths: Any) -> tuple[Any, dict[str, Any]]:
         """Device-level prefill (see :class:`~cairn.serving.GenerativeModel`).

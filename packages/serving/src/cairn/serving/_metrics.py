@@ -119,6 +119,11 @@ class Metrics:
         self.gen_time = Histogram("cairn_generation_request_duration_seconds", "Generation request time, from parsed to last token.", _TIME_BUCKETS)
         self.gen_queue = Gauge("cairn_generation_queue_size", "Generation requests waiting for a KV-cache slot.")
         self.gen_active = Gauge("cairn_generation_active_slots", "KV-cache slots holding a running sequence.")
+        self.prefix_queries = Counter("cairn_prefix_cache_query_tokens_total",
+                                      "Prompt tokens admitted by a paged generation engine (prefix-cache lookups).")
+        self.prefix_hits = Counter("cairn_prefix_cache_hit_tokens_total",
+                                   "Of those, tokens whose keys and values came from the prefix cache (not prefilled).")
+        self.kv_usage = Gauge("cairn_kv_cache_usage_ratio", "Paged KV-cache blocks held by running sequences / all blocks.")
         self.openai = Counter("cairn_openai_requests_total", "OpenAI API requests (/v1/...) answered, by route and status code.")
         self.all: list[Counter | Histogram] = [
             self.success,
@@ -140,6 +145,9 @@ class Metrics:
             self.gen_time,
             self.gen_queue,
             self.gen_active,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.kv_usage,
             self.openai,
         ]
 

@@ -283,6 +283,11 @@ class PagedCache:
             found.append(block)
         return found
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks :meth:`add_sequence` of ``token_ids`` would reuse (nothing is claimed
+        or counted); the engine holds a prompt back while one of them is still being written."""
+        return self._prefix_hits(_token_list(token_ids))
+
     def blocks_needed(self, prompt: int | Sequence[int], *, reserve_tokens: int = 0) -> int:
         """Free blocks admitting ``prompt`` (+ ``reserve_tokens`` more) would take, prefix hits counted.
 
@@ -390,7 +395,7 @@ class PagedCache:
             )
         self._extend(seq, tokens)
 
-    def free(self, seq_id: Hashable) -> None:
+    def free(self, seq_id: Hashable, *, written: int | None = None) -> None:
         """Release a finished or cancelled sequence's blocks.
 
         Named blocks stay cached (evictable); the sequence's blocks are released tail
@@ -399,11 +404,18 @@ class PagedCache:
 
         Args:
           seq_id: a live sequence's key.
+          written: how many of its leading tokens have their keys and values written (a
+            request cancelled mid-prefill); blocks holding later tokens lose their names, so
+            no later prompt reuses contents that were never computed. ``None``: all of them.
 
         Raises:
           KeyError: ``seq_id`` is not live (naming a double free).
         """
         seq = self._seq(seq_id)
+        if written is not None:
+            for block in seq.blocks[max(0, int(written)) // self.block_size :]:
+                if self._ref[block] == 1 and block in self._hash_of:
+                    self._unname(block)
         del self._seqs[seq_id]
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_MEMORY:

@@ -441,6 +441,8 @@ def default_config(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Mappi
     Bias and dropout run plain whatever the config says (the chunked path takes neither).
     """
     t, s_len = q.shape[1], k.shape[1]
+    if not isinstance(t, int):  # a symbolic query length (jax.export): at most the keys, a prefill
+        t = s_len
     if _registry.backend() == "cpu":
         chunked = s_len > CPU_CHUNK and t >= CPU_MIN_QUERIES
         return {"chunk_size": CPU_CHUNK if chunked else None}
