@@ -402,6 +402,7 @@ class GenerationEngine:
 
     def __new__(cls, model: GenerativeModel, config: GenerationConfig | None = None) -> GenerationEngine:
         if cls is GenerationEngine and isinstance(config, GenerationConfig) and config.kv_layout == "paged":
+            # import cycle (labelled): the paged engine subclasses this one; chosen here by config
             from cairn.serving._paged_engine import PagedGenerationEngine
 
             cls = PagedGenerationEngine

@@ -303,6 +303,9 @@ class GeneratorBase:
     def init_pool(self, num_blocks: int) -> dict[str, Any]:
         """A zero paged KV pool of ``num_blocks`` blocks: ``{name: (num_blocks, block_size, *per-token shape)}``.
 
+        Args:
+          num_blocks: blocks in the pool (each holds ``block_size`` tokens of every cache entry).
+
         Raises:
           ValueError: the model has no paged layout.
         """
@@ -317,12 +320,22 @@ class GeneratorBase:
                    pool: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
         """Device-level paged step (module docstring); ``pool`` is donated.
 
+        Args:
+          tokens: ``(b, t)`` int32 tokens, row ``b``'s first ``lengths[b]`` real (right-padded).
+          positions: ``(b,)`` int32 position of each row's first token.
+          lengths: ``(b,)`` int32 tokens each row runs (0: a padding row that writes nothing).
+          block_tables: ``(b, w)`` int32 pool blocks of each row, in order.
+          pool: the KV pool (:meth:`init_pool`'s layout), donated.
+
+        Returns:
+          ``(logits (b, vocab) after each row's last token, the updated pool)``.
+
         Raises:
           ValueError: the model has no paged layout.
         """
         if not self.has_paged:
             raise ValueError(f"model {self.name!r} has no paged KV layout (export it with paged=... and block_size=...)")
-        return self._paged(tokens, positions, lengths, block_tables, dict(pool))
+        return self._paged(tokens, positions, lengths, block_tables, dict(pool))  # type: ignore[attr-defined]
 
     def init_cache(self, num_slots: int) -> dict[str, Any]:
         """A zero cache of ``num_slots`` rows on the device.

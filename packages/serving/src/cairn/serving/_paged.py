@@ -285,7 +285,11 @@ class PagedCache:
 
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """The cached blocks :meth:`add_sequence` of ``token_ids`` would reuse (nothing is claimed
-        or counted); the engine holds a prompt back while one of them is still being written."""
+        or counted); the engine holds a prompt back while one of them is still being written.
+
+        Args:
+          token_ids: the prompt's token ids.
+        """
         return self._prefix_hits(_token_list(token_ids))
 
     def blocks_needed(self, prompt: int | Sequence[int], *, reserve_tokens: int = 0) -> int:

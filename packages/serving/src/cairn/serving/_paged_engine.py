@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+# import cycle (labelled): GenerationEngine(config=kv_layout="paged") builds this subclass
 from cairn.serving._generate import GenerationConfig, GenerationEngine, GenerationRequest, _sample
 from cairn.serving._genexport import GenerativeModel
 from cairn.serving._paged import OutOfBlocks, PagedCache
@@ -136,7 +137,7 @@ class PagedGenerationEngine(GenerationEngine):
                              f"blocks of {self.block_size} tokens; the pool has {self.num_blocks}")
         return toks, stops
 
-    def _pick(self) -> list[list[int]]:
+    def _pick(self) -> list[list[int]]:  # type: ignore[override]  # slots, not (request, slot) pairs
         """Under the lock: admit what fits, then the slots to prefill a chunk of this step."""
         free = [i for i, r in enumerate(self._slots) if r is None]
         if self.config.scheduler != "static" or len(free) == len(self._slots):
