@@ -88,8 +88,8 @@ def missing_args(obj: object) -> list[str] | None:
             return None
         init = owner.__dict__.get("__init__")
         docs += [owner.__doc__, getattr(init, "__doc__", None)]
-    elif not callable(obj):
-        return None
+    elif not callable(obj) or type(obj).__module__ in ("typing", "types"):
+        return None  # not a function, or a type alias (``Params = Any``, ``A | B``): nothing to call
     try:
         sig = inspect.signature(obj)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -119,7 +119,8 @@ def public_methods(cls: type) -> Iterator[tuple[str, object]]:
             continue
         for name, member in vars(c).items():
             fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
-            if not name.startswith("_") and inspect.isfunction(fn) and name not in found:
+            # a lambda in a class body is a field's default value (a dataclass's), not a method
+            if not name.startswith("_") and inspect.isfunction(fn) and fn.__name__ != "<lambda>" and name not in found:
                 found[name] = fn
     yield from found.items()
 

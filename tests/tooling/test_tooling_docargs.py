@@ -212,3 +212,21 @@ def test_finished_packages_have_no_todo_entries(package):
 def test_cli_rejects_an_unknown_package():
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "docargs.py"), "nosuch"], capture_output=True, text=True)
     assert r.returncode == 2 and "no such package ['nosuch']" in r.stdout
+
+
+def test_type_aliases_and_field_default_lambdas_are_not_callables_to_document():
+    """``Params = Any`` / ``A | B`` aliases carry no docstring, and a lambda in a dataclass body
+    is a field's default value, not a method: neither is checked; a real method still is."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Holder:
+        pick: typing.Callable[..., int] = lambda *a: 0
+
+        def run(self, steps: int) -> None:
+            """Run (no Args section)."""
+
+    Holder.__module__ = "cairn.fake"
+    assert docargs.missing_args(typing.List[int]) is None  # noqa: UP006 - a typing alias on purpose
+    assert docargs.missing_args(int | str) is None
+    assert [name for name, _ in docargs.public_methods(Holder)] == ["run"]
+    assert docargs.missing_args(Holder.run) == ["steps"]
