@@ -93,6 +93,30 @@ def test_sigkilled_worker_raises_instead_of_hanging():
     it.close()
 
 
+def test_sigterm_to_the_process_group_leaves_the_workers_to_the_main_process():
+    """Preemption signals the whole process group: the workers ignore SIGTERM (the main
+    process's handler decides), so the pipeline keeps producing the same elements."""
+    it = iter(MapDataset.range(400).to_iter_dataset(ReadOptions(chunk_records=8)).mp_prefetch(2))
+    first = [int(next(it)) for _ in range(10)]
+    for pid in it.worker_pids:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.3)
+    assert all(_alive(pid) for pid in it.worker_pids)
+    rest = [int(x) for x in it]
+    assert first + rest == list(range(400))
+    pids = it.worker_pids
+    it.close()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return waited == 0
+
+
 def test_no_leaked_shared_memory_and_clean_shutdown():
     ds = (
         MapDataset.range(500)

@@ -352,3 +352,28 @@ def test_latency_plot_and_the_try_it_text(tmp_path):
     assert body == {"model": "lm_w8", "prompt": "12+34=", "max_tokens": 5, "temperature": 0}
     assert lines[2][:2] == ["python", "-c"] and "completions.create(model='lm_w8', prompt='12+34='" in lines[2][2]
     compile(lines[2][2], "<printed>", "exec")  # the printed snippet is valid Python
+
+
+@pytest.mark.slow  # two fresh interpreters with data workers
+def test_sigterm_to_the_whole_process_group_with_data_workers_exits_75_and_resumes(tmp_path):
+    """A scheduler (Slurm, a container runtime) signals every process of the job, data workers
+    included: the main process's handler saves and exits 75, and the same command resumes and
+    finishes (that the workers themselves ignore SIGTERM is tested in tests/data)."""
+    argv = [sys.executable, str(LM / "train.py"), "--set", *_CLI, "data.num_workers=2", f'run.dir="{tmp_path}"']
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if line.startswith("step 5/"):
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    lines += proc.stdout.read().splitlines()
+    assert proc.wait(timeout=600) == ckpt.PREEMPTION_EXIT_CODE, lines[-10:]
+    assert any(x.startswith("preempted: step") for x in lines), lines[-10:]
+    step = json.loads((tmp_path / lm_cli.PREEMPTED_FILE).read_text())["step"]
+    assert step >= 5
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert not (tmp_path / lm_cli.PREEMPTED_FILE).exists()
+    history = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(history["preemptions"]) == 1 and history["goodput"]["runs"] == 2

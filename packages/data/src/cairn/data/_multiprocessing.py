@@ -517,7 +517,11 @@ def _worker_main(
     main_pid,
     pdeathsig,
 ):
+    # Ctrl-C and SIGTERM are the main process's to handle: a scheduler that signals the whole
+    # process group (preemption) must reach the training loop's handler, which saves and
+    # exits, not end the workers under it (they exit when the main process does)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _close_quietly(close_conns)
     parent_pid = os.getppid()
     _exit_with_parent(main_pid, conn, pdeathsig)
@@ -594,10 +598,7 @@ class _Workers:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
+            if p.is_alive():  # a worker ignores SIGTERM (see _worker_main): stop it with SIGKILL
                 p.kill()
                 p.join(1.0)
         _close_quietly(self.conns)
