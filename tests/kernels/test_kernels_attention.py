@@ -349,6 +349,8 @@ def test_untuned_cpu_default_is_the_chunked_path_the_autotuner_picks(q_shape, is
 
 @pytest.mark.parametrize("q_shape, kv_len", [
     ((1, 64, 8, 64), 128),    # one chunk of keys: nothing to chunk
+    ((16, 129, 8, 64), 129),  # a chunk and one key: plain measured 2.4x faster (a DPO batch of 129-token rows)
+    ((16, 320, 8, 64), 320),  # two chunks and a partial one: plain measured 1.4x faster
     ((4, 1, 8, 64), 2048),    # decoding: one query row per step
     ((4, 16, 8, 64), 2048),   # too few queries for a chunk's matmul to pay for the scan
 ])
