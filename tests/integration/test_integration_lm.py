@@ -56,7 +56,10 @@ def _assert_trees_equal(a, b, what):
         assert np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8)), f"{what}: {k} differs"
 
 
-@pytest.mark.parametrize("workers", [2, pytest.param(0, marks=pytest.mark.slow)])
+# slow (30 s): the default suite's main-job resume check is the SIGTERM one in
+# test_integration_lm_preemption.py, and resume with data workers is tested in tests/data
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 0])
 def test_interrupt_and_resume_is_bit_identical(tmp_path, workers):
     import lm_train
 
