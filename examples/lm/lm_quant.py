@@ -77,18 +77,19 @@ def _with_params(model: llm.CausalLM, params: Any) -> llm.CausalLM:
     """A copy of ``model`` holding ``params`` (nested dicts as ``serving_functions`` gives them)."""
     graphdef, state = nn.split(model)
     copy = nn.merge(graphdef, state, copy=True)
-    held = {tuple(map(str, p)) for p in nn.split(copy)[1].flat_state()}
-    extra = sorted(set(_flat_keys(params)) - held)
+    copy_state = nn.split(copy)[1]
+    held = {tuple(map(str, p)) for p in copy_state.flat_state()}
+    extra = sorted(set(_dict_paths(params)) - held)
     if extra:  # replace_by_pure_dict would drop them silently (AWQ's *_awq_scale entries, say)
         raise ValueError(f"quantized parameters the model cannot hold: {extra[:3]} ({len(extra)} in all)")
-    nn.split(copy)[1].replace_by_pure_dict(params)
+    copy_state.replace_by_pure_dict(params)
     return copy
 
 
-def _flat_keys(tree: Any, prefix: tuple = ()) -> list[tuple]:
-    """The paths of a nested dict's leaves, as tuples of keys."""
+def _dict_paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
+    """The paths of a nested dict's values (a QArray is one value), as tuples of str keys."""
     if isinstance(tree, dict):
-        return [k for name, sub in tree.items() for k in _flat_keys(sub, (*prefix, str(name)))]
+        return [k for name, sub in tree.items() for k in _dict_paths(sub, (*prefix, str(name)))]
     return [prefix]
 
 

@@ -10,6 +10,7 @@ lengths and segment ids, a bias or a dense mask, dropout, float32) is refused by
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mapping[str, Any], 
     return jax.nn.dot_product_attention(q, k, v, scale=spec.scale, is_causal=spec.is_causal, implementation="cudnn")
 
 
+@functools.cache
 def _nvidia_here() -> bool:
     """A CUDA GPU is this process's default device (cuDNN is asked for its version at
     lowering, so cross-compiling for a GPU from a CPU host cannot use it)."""
