@@ -87,6 +87,7 @@ def _attention_case() -> dict[str, Any]:
         "op": "dot_product_attention", "shape": f"bf16[{b},{t},{n}/{kh},{h}] causal GQA", "args": (q, k, v),
         "ours": lambda impl: lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=True, implementation=impl),
         "ref": ref, "ref_name": ref_name, "grad": (0, 1, 2),
+        "op_args": (q, k, v), "op_fn": lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=True),
     }
 
 
@@ -158,6 +159,7 @@ def _ce_case() -> dict[str, Any]:
         "op": "linear_softmax_cross_entropy_loss", "shape": f"bf16 tokens={b} hidden={h} vocab={v}", "args": (x, w),
         "ours": lambda impl: lambda x, w: ck.linear_softmax_cross_entropy_loss(x, labels, w, implementation=impl),
         "ref": naive, "ref_name": "naive logits composition", "grad": (0, 1), "scale_error": b,
+        "op_args": (x, labels, w), "op_fn": ck.linear_softmax_cross_entropy_loss,
     }
 
 
@@ -238,6 +240,22 @@ CASES: list[Callable[[], Any]] = [_attention_case, _ragged_case, _glu_case, _nor
                                   _paged_case]
 
 
+def _sweep(case: dict[str, Any], impl: str, mode: str, reps: int) -> list[dict[str, Any]]:
+    """Every config of one implementation, timed by ``ck.autotune_op`` (best of ``reps``) on
+    the op call ``op_fn`` makes (``ck.ops_in``), fastest first; a config that fails to
+    compile is a row with its error."""
+    try:
+        call = ck.ops_in(case["op_fn"], *case["op_args"])[0]
+        entry = ck.autotune_op(call.op, *call.args, implementations=[impl], iterations=reps,
+                               mode="fwd" if mode == "fwd" else "fwd_bwd", store=False, **call.kwargs)
+    except Exception as exc:  # noqa: BLE001 - an implementation that takes none of these is a row
+        return [{"op": case["op"], "impl": impl, "mode": mode, "config": {}, "ms": None, "error": str(exc)[:300]}]
+    rows = [{"op": case["op"], "impl": impl, "mode": mode, "config": dict(m.config),
+             "ms": None if m.time_ms is None else round(m.time_ms, 3), "error": (m.error or "")[:200]}
+            for m in entry.candidates]
+    return sorted(rows, key=lambda r: float("inf") if r["ms"] is None else r["ms"])
+
+
 def _not_measured() -> list[dict[str, Any]]:
     names = {"dot_product_attention": "bf16[4,4096,32/8,128] causal GQA", "ragged_dot": "bf16 MoE",
              "gated_linear_unit": "bf16 x[8192,4096] w[4096,2,14336]", "layer_norm": "bf16 [16384,4096]",
@@ -252,13 +270,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--ops", default="", help="comma-separated op names to run (default: all)")
+    parser.add_argument("--sweep", default="", help="comma-separated implementations whose every config is "
+                        "timed (ck.autotune_op) instead of the table, for the ops whose case has an op_fn")
+    parser.add_argument("--sweep-modes", default="fwd", help="comma-separated: fwd, fwd+bwd")
     args = parser.parse_args()
     reps = 10 if args.quick else 30
     wanted = {o for o in args.ops.split(",") if o}
     rows: list[dict[str, Any]] = []
     if jax.default_backend() != "gpu":
         rows = _not_measured()
-    else:
+    elif not args.sweep:
         for make in CASES:
             made = make()
             for case in made if isinstance(made, list) else [made]:
@@ -270,6 +291,18 @@ def main() -> None:
                         r = rows[-1]
                         print(f"# {r['op']} {r['impl']} {r['shape']}: {r['ours_ms']} vs {r['ref_ms']} {r['note']}",
                               flush=True)
+    sweep: list[dict[str, Any]] = []
+    if args.sweep and jax.default_backend() == "gpu":
+        for make in CASES:
+            made = make()
+            for case in made if isinstance(made, list) else [made]:
+                if (wanted and case["op"] not in wanted) or "op_fn" not in case:
+                    continue
+                for impl in (i for i in args.sweep.split(",") if i in ck.implementations(case["op"])):
+                    for mode in args.sweep_modes.split(","):
+                        sweep += _sweep(case, impl, mode, reps)
+        for r in sweep:
+            print(f"# sweep {r['op']} {r['impl']} {r['mode']} {r['config']}: {r['ms']} {r['error']}", flush=True)
     print(f"{'op':34} {'impl':18} {'shape':58} {'ours ms':>9} {'ref ms':>9} {'ratio':>6}  reference / note")
     for r in rows:
         ours = "" if r["ours_ms"] is None else f"{r['ours_ms']:.3f}"
@@ -283,7 +316,8 @@ def main() -> None:
                       "failed": [f"{r['op']}/{r['impl']}/{r['shape']}" for r in rows
                                  if r["note"].startswith(("FAILED", "MISMATCH"))],
                       "rows": [{k: r[k] for k in ("op", "impl", "shape", "ours_ms", "ref_ms", "ratio")}
-                               for r in rows]}))
+                               for r in rows],
+                      "sweep": sweep}))
 
 
 if __name__ == "__main__":

@@ -288,6 +288,16 @@ class TestPallasMosaicGpu(AttentionTestBase):
         self.check("bfloat16", shape=(1, 70, 75, 2, 1), is_causal=True, logits_soft_cap=2.0,
                    ref_kw={"is_causal": True, "soft_cap": 2.0})
 
+    @pytest.mark.slow  # 5 s interpreted; the default (2 buffers) runs in every test above
+    def test_one_or_two_kv_buffers_give_the_same_bits(self):
+        """Double-buffered key/value copies (the default) change the schedule, not the result."""
+        q, k, v, _ = fresh_inputs(1, 64, 170, 1, 1, 64, "bfloat16")  # 3 key blocks, the last part padding
+        outs = [ck.dot_product_attention(q, k, v, implementation=self.implementation,
+                                         config={"block_q": 64, "block_k": 64, "kv_buffers": n}) for n in (1, 2)]
+        np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+        with pytest.raises(ValueError, match="kv_buffers"):
+            ck.dot_product_attention(q, k, v, implementation=self.implementation, config={"kv_buffers": 3})
+
     def test_rejects_what_it_cannot_take(self):
         q, k, v, _ = fresh_inputs(1, 8, 8, 2, 2, 64, "float32")
         with pytest.raises(ValueError, match="pallas_mosaic_gpu: dtype float32"):

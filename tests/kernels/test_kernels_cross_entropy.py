@@ -168,6 +168,18 @@ class TestCrossEntropyMosaic(CrossEntropyBase):
             )
 
 
+class TestCrossEntropyMosaic128(TestCrossEntropyMosaic):
+    """128 token rows per program (a [128, block_v] accumulator): two programs, the second padded."""
+
+    CONFIG = {"block_b": 128, "block_v": 64, "block_h": 64, "block_v_bwd": 128}
+    SIZES = (150, 40, 192)
+
+    def test_block_rows_outside_a_warpgroup_raise(self):
+        with pytest.raises(ValueError, match="block_b=96"):
+            kernels.call(OP, jnp.ones((4, 8), jnp.bfloat16), jnp.zeros((4,), jnp.int32), jnp.ones((8, 64), jnp.bfloat16),
+                         implementation=self.IMPL, config={"block_b": 96})
+
+
 @pytest.mark.parametrize("impl", tb.PALLAS)
 def test_gpu_forward_lowers_for_cuda(impl):
     """The GPU kernels lower for CUDA without a GPU (realistic sizes, vocab 32000)."""

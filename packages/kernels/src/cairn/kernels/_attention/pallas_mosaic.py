@@ -3,7 +3,8 @@
 The forward is a Mosaic GPU kernel written with ``plgpu.kernel`` (``pallas_call`` for
 Mosaic GPU is deprecated): one program per (head, query block, batch) copies its query
 block to shared memory with TMA, walks the visible key blocks (TMA copies of K and V),
-computes ``Q K^T`` (K is handed over as ``[B, K, H, S]``, so both ``wgmma`` operands
+computes ``Q K^T`` (key and value blocks double-buffered: the next block's copies run
+while this one computes; K is handed over as ``[B, K, H, S]``, so both ``wgmma`` operands
 are plain row-major tiles) and ``P V`` with ``wgmma`` into float32 accumulators and keeps an online
 softmax in registers; it writes the output and the log-sum-exp. The backward reuses the
 ``pallas_triton`` dq and dk/dv kernels on the saved log-sum-exp (Triton runs on the same
@@ -76,10 +77,35 @@ def _online_softmax(s: Any, m: Any, l_sum: Any, acc: Any) -> tuple[Any, Any, Any
     return m_new, l_sum, acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]), p
 
 
+def _block_logits(q_smem: Any, kt_smem: Any, spec: AttentionSpec, rows: Any, cols: Any, s_len: int | None) -> Any:
+    """``Q K^T`` of one key block (``wgmma`` into a float32 accumulator), transformed and masked."""
+    bq, bk = q_smem.shape[0], kt_smem.shape[-1]
+
+    def qk(acc_ref: Any) -> Any:
+        plgpu.wgmma(acc_ref, q_smem, kt_smem)
+        return acc_ref[...]
+
+    s = transform_logits(spec, pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)))
+    vis = _attention_triton.position_mask(spec, rows, cols, kv_len=s_len)
+    return s if vis is None else jnp.where(vis, s, -jnp.inf)
+
+
+def _store(m: Any, l_sum: Any, acc: Any, o_smem: Any, lse_smem: Any, o_gmem: Any, lse_gmem: Any) -> None:
+    """Normalise the accumulator, stage output and log-sum-exp in shared memory, copy them out."""
+    empty = l_sum == 0.0
+    safe_l = jnp.where(empty, 1.0, l_sum)
+    o_smem[...] = (acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(o_smem.dtype)
+    lse_smem[...] = jnp.where(empty, 0.0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
 # fmt: off
 def _fwd_body(
     q_ref: Any, kt_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any, *, spec: AttentionSpec,
-    bq: int, bk: int, groups: int, s_len: int | None, nk: int, interpreted: bool,
+    bq: int, bk: int, groups: int, s_len: int | None, nk: int, interpreted: bool, buffers: int,
 ) -> None:  # fmt: on
     h = jax.lax.axis_index("heads")
     qi = jax.lax.axis_index("q_seq")
@@ -92,39 +118,49 @@ def _fwd_body(
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def scoped(
-        q_smem: Any, kt_smem: Any, v_smem: Any, p_smem: Any, o_smem: Any, lse_smem: Any, bars: Any
+        q_smem: Any, kt_smem: Any, v_smem: Any, p_smem: Any, o_smem: Any, lse_smem: Any,
+        q_bar: Any, k_bars: Any, v_bars: Any,
     ) -> None:
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, bars.at[0])
-        plgpu.barrier_wait(bars.at[0])
+        # 2 buffers: step j reads slot j % 2 while block j + 1 is copied into the other (each
+        # step reads its accumulators, i.e. waits for its wgmmas); 1: copy, wait, compute
+        def fetch(j: Any, slot: Any) -> None:
+            start = j * bk
+            plgpu.copy_gmem_to_smem(kt_ref.at[b, kv_h, :, pl.ds(start, bk)], kt_smem.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(start, bk), kv_h], v_smem.at[slot], v_bars.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_bar.at[0])
+
+        if buffers == 2:
+            @pl.when(lo < hi)
+            def _first() -> None:
+                fetch(lo, 0)
+
+        plgpu.barrier_wait(q_bar.at[0])
         init, iota = _registers(interpreted, bq, bk, dv)
 
         def step(j: Any, carry: Any) -> Any:
             m, l_sum, acc = carry
             start = j * bk
-            plgpu.copy_gmem_to_smem(kt_ref.at[b, kv_h, :, pl.ds(start, bk)], kt_smem, bars.at[1])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(start, bk), kv_h], v_smem, bars.at[2])
-            plgpu.barrier_wait(bars.at[1])
+            slot = jax.lax.rem(j - lo, buffers)
+            if buffers == 2:
+                @pl.when(j + 1 < hi)
+                def _prefetch() -> None:
+                    fetch(j + 1, 1 - slot)
+            else:
+                fetch(j, slot)
 
-            def qk(acc_ref: Any) -> Any:
-                plgpu.wgmma(acc_ref, q_smem, kt_smem)
-                return acc_ref[...]
+            plgpu.barrier_wait(k_bars.at[slot])
 
-            s = transform_logits(spec, pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)))
-            rows = iota(0) + q0
-            cols = iota(1) + start
-            vis = _attention_triton.position_mask(spec, rows, cols, kv_len=s_len)
-            if vis is not None:
-                s = jnp.where(vis, s, -jnp.inf)
+            s = _block_logits(q_smem, kt_smem.at[slot], spec, iota(0) + q0, iota(1) + start, s_len)
             m_new, l_sum, acc, p = _online_softmax(s, m, l_sum, acc)
-            plgpu.barrier_wait(bars.at[2])
+            plgpu.barrier_wait(v_bars.at[slot])
 
-            # P goes through shared memory: Mosaic's CPU interpreter takes wgmma operands
-            # only from there, and one code path is what CI checks and the GPU runs
+            # P goes through shared memory: the CPU interpreter takes wgmma operands only there
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
 
             def pv(acc_ref: Any) -> Any:
-                plgpu.wgmma(acc_ref, p_smem, v_smem)
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
                 return acc_ref[...]
 
             # a fresh accumulator per step (the CPU interpreter has no run_state); one add more
@@ -132,25 +168,20 @@ def _fwd_body(
             return m_new, l_sum, acc
 
         m, l_sum, acc = jax.lax.fori_loop(lo, hi, step, init)
-        empty = l_sum == 0.0
-        safe_l = jnp.where(empty, 1.0, l_sum)
-        o_smem[...] = (acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(o_smem.dtype)
-        lse_smem[...] = jnp.where(empty, 0.0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q0, bq), h])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        _store(m, l_sum, acc, o_smem, lse_smem, o_ref.at[b, pl.ds(q0, bq), h], lse_ref.at[b, h, pl.ds(q0, bq)])
 
     dtype = q_ref.dtype
     pl.run_scoped(
         scoped,
         plgpu.SMEM((bq, d), dtype, transforms=tiles),
-        plgpu.SMEM((d, bk), dtype, transforms=tiles),
-        plgpu.SMEM((bk, dv), dtype, transforms=tiles),
+        plgpu.SMEM((buffers, d, bk), dtype, transforms=tiles),
+        plgpu.SMEM((buffers, bk, dv), dtype, transforms=tiles),
         plgpu.SMEM((bq, bk), dtype, transforms=tiles),
         plgpu.SMEM((bq, dv), dtype, transforms=tiles),
         plgpu.SMEM((bq,), jnp.float32),
-        plgpu.Barrier(num_barriers=3),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=buffers),
+        plgpu.Barrier(num_barriers=buffers),
     )
 
 
@@ -169,6 +200,7 @@ def _forward(
         s_len=s_len if s_len < sp else None,
         nk=sp // bk,
         interpreted=interpret is not None,
+        buffers=cfg.get("kv_buffers", 2),
     )
     out, lse = plgpu.kernel(
         body,
@@ -249,6 +281,11 @@ def run(
                 f"pallas_mosaic_gpu config {key} must be 64 or 128 (one warpgroup's wgmma rows), "
                 f"got {config.get(key)!r}"
             )
+    if config.get("kv_buffers", 2) not in (1, 2):
+        raise ValueError(
+            f"pallas_mosaic_gpu config kv_buffers must be 1 (copy each key block when it is needed) "
+            f"or 2 (copy the next while this one computes), got {config.get('kv_buffers')!r}"
+        )
     return _attention_triton.padded_call(_flash, q, k, v, kw, config, interpret, head_multiple=64)
 
 
@@ -267,13 +304,13 @@ def supports(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> str | None:
 
 
 def default_config(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Mapping[str, Any]:
-    """Query and key blocks of 64."""
-    return {"block_q": 64, "block_k": 64}
+    """Query and key blocks of 64, key and value blocks double-buffered."""
+    return {"block_q": 64, "block_k": 64, "kv_buffers": 2}
 
 
 def configs(q: jax.Array, k: jax.Array, v: jax.Array, **kw: Any) -> Sequence[Mapping[str, Any]]:
-    """Blocks of 64 or 128 for queries and keys."""
-    return [{"block_q": bq, "block_k": bk} for bq in (64, 128) for bk in (64, 128)]
+    """Blocks of 64 or 128 for queries and keys, 1 or 2 key/value buffers."""
+    return [{"block_q": bq, "block_k": bk, "kv_buffers": nb} for bq in (64, 128) for bk in (64, 128) for nb in (1, 2)]
 
 
 IMPLEMENTATION = Implementation(
