@@ -73,6 +73,19 @@ def _xdist_workers() -> str:
     return os.environ.get("CAIRN_TEST_WORKERS", "auto")
 
 
+def _test_env() -> dict[str, str]:
+    """The test sessions' environment: XLA at backend optimization level 0.
+
+    The tests' arrays are tiny, so XLA compiling each function costs far more than running
+    it: skipping LLVM's optimization passes made tests/optim 25% faster on 2 CPU cores
+    (125 -> 94 s) with every result unchanged in kind (the same operations, less
+    optimised machine code). Benchmarks and the demo keep XLA's defaults. Appends to a
+    caller's ``XLA_FLAGS``.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": f"{flags} --xla_backend_optimization_level=0".strip()}
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The default suite: every package and tests/integration, one venv, pytest-xdist.
@@ -85,11 +98,11 @@ def tests(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup",
         "-m", "not slow", "-p", "no:cacheprovider", "--durations=15",
-        *(session.posargs or ["tests"]),
+        *(session.posargs or ["tests"]), env=_test_env(),
     )
     session.run(
-        "python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "--doctest-modules",
-        *sorted(glob.glob("packages/*/src/cairn")),
+        "python", "-m", "pytest", "-n", _xdist_workers(), "-p", "no:cacheprovider", "-q", "--doctest-modules",
+        *sorted(glob.glob("packages/*/src/cairn")), env=_test_env(),
     )
 
 
@@ -99,7 +112,7 @@ def tests_slow(session: nox.Session) -> None:
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
     session.install("pytest", "pytest-xdist", "hypothesis", *INTEGRATION_DEPS)
     session.run("python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup", "-m", "slow",
-                *(session.posargs or ["tests"]))
+                *(session.posargs or ["tests"]), env=_test_env())
 
 
 @nox.session(python=PYTHON)
@@ -125,7 +138,7 @@ def tests_package(session: nox.Session, package: str) -> None:
         session.install(*[a for s in [*deps, "packages/llm"] for a in ("-e", s)])
     session.run(
         "python", "-m", "pytest", "-n", _xdist_workers(), "-m", "not slow", "-p", "no:cacheprovider",
-        f"tests/{package}", *session.posargs,
+        f"tests/{package}", *session.posargs, env=_test_env(),
     )
 
 

@@ -64,8 +64,8 @@ def run_on_cpu_devices():
     ``devices`` virtual CPU devices (the XLA flag must be set before jax is imported)."""
 
     def run(code: str, *args: str, devices: int = 8, timeout: float = 600) -> subprocess.CompletedProcess:
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                   JAX_PLATFORMS="cpu")
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
         return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                               env=env, timeout=timeout)
 

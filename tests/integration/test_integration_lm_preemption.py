@@ -152,6 +152,7 @@ def _preempt_and_resume(tmp_path, monkeypatch, moment, at):
     return run_dir, reached
 
 
+@pytest.mark.slow  # 29 s with its fixture: CI's 10-minute budget (tests_slow runs it and the 20 random moments)
 def test_sigterm_mid_step_saves_exits_75_and_the_next_start_resumes_bit_identical(tmp_path, monkeypatch, reference):
     run_dir, _ = _preempt_and_resume(tmp_path, monkeypatch, "step", 5)
     got = _assert_same_run(run_dir, reference)

@@ -300,6 +300,7 @@ def test_bad_input_is_refused_with_a_clear_error(prompts, kwargs, error, match):
 
 # --- compute dtype: a 16-bit model on CPU decodes with a float32 copy of its weights ---
 
+@pytest.mark.slow  # 10 s: CI's 10-minute budget; tests/llm/test_llm_models covers CausalLM.astype
 def test_a_bfloat16_model_on_cpu_generates_with_a_float32_copy_and_is_left_bfloat16():
     half = llm.from_pretrained(FIXTURES / "llama", dtype=jnp.bfloat16)
     full = half.astype(jnp.float32)
