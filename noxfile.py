@@ -156,7 +156,8 @@ def lint(session: nox.Session) -> None:
     """Every house rule; each step runs even when an earlier one fails, the session fails at the end.
 
     ruff (config in pyproject: absolute imports only, unused code), the dependency
-    direction and no import cycle inside a package (tools/depcheck.py), no function over
+    direction, no import cycle inside a package and every third-party import declared in the
+    package's pyproject (tools/depcheck.py), no function over
     80 lines (tools/funclen.py), type hints on public signatures (tools/typehints.py), an
     ``Args:`` section naming every parameter of each callable in a package's ``__all__``
     (tools/docargs.py, with tools/docargs_todo.txt the shrinking list of those not yet done), one
@@ -213,7 +214,9 @@ def build(session: nox.Session) -> None:
 # `nox -s tests` only, and that suite already holds the contract's fast static half,
 # tests/tooling/test_tooling_readme_examples.py: every module each README example imports
 # must come from the package, a Cairn package it depends on, a declared dependency or the
-# README's install line (seconds, no network). This session, the dynamic half (a wheel per
+# README's install line (seconds, no network), and tools/depcheck.py's declared-dependency
+# contract (lint and tests/tooling) fails a package whose own code imports anything its
+# pyproject does not declare (an extra's only inside the function that needs it). This session, the dynamic half (a wheel per
 # package, a fresh venv each, a network install and the examples run: minutes per package),
 # would add far more than CI's 10-minute budget leaves, so it is not in CI and not folded into
 # tests_package (whose editable installs would not prove what a wheel lacks): run it before a

@@ -18,6 +18,17 @@ violation, naming file and line. Imports are found at any depth (inside function
 A name built at run time cannot be seen here; ``nox -s tests_package`` covers that case
 by running each package's tests with no sibling installed.
 
+The third contract: every third-party module a package's source imports is declared in its
+pyproject. An import that runs when the module is imported (module level, outside a ``try``
+that catches ``ImportError``) must name a required dependency; one inside a function or such
+a ``try`` (a lazy or optional import) may also name a dependency of one of the package's
+extras other than ``test`` and ``bench`` (those are for the tests and benchmarks, never the
+library). The standard library and ``cairn.*`` are exempt; an import name maps to its
+distribution through the installed packages' metadata (``yaml`` -> ``PyYAML``), else it is
+taken as the distribution's name. So ``cairn-nn`` importing ``optax`` without declaring it
+fails here, in seconds, where a fresh venv per wheel (``nox -s readme_examples``) takes
+minutes.
+
 The second contract: no import cycle INSIDE a package. Every module of
 ``cairn.<name>`` (each ``.py`` file, an ``__init__.py`` standing for its package) is a
 node; every import of another module of the same package is an edge, wherever it sits
@@ -180,6 +191,92 @@ def check(packages_dir: str | pathlib.Path) -> list[str]:
                     violations.append(
                         f"{pkg_dir / 'pyproject.toml'}: cairn-{pkg.replace('_', '-')} depends on {what} {dep!r}"
                     )
+    return violations
+
+
+# --- third-party imports are declared ---
+
+# import names a distribution provides beside its own (jax's C++ half ships as jaxlib)
+PROVIDED_BY = {"jaxlib": "jax"}
+# extras that serve the tests and the benchmarks, never the library's own code
+NON_LIBRARY_EXTRAS = ("test", "bench", "fixtures")
+
+
+def _norm(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _requirement_name(req: str) -> str:
+    return _norm(re.split(r"[\s\[<>=!~;(]", req.strip(), maxsplit=1)[0])
+
+
+def _third_party_imports(tree: ast.AST) -> list[tuple[int, str, bool]]:
+    """``(line, top-level name, eager)`` of each absolute import; ``eager`` when it runs at
+    module import (not inside a function, not in a ``try`` that catches ImportError)."""
+    found: list[tuple[int, str, bool]] = []
+
+    def catches_import_error(node: ast.Try) -> bool:
+        names = []
+        for h in node.handlers:
+            t = h.type
+            names += [e for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if e is not None]
+        return not node.handlers or any(
+            isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError", "Exception") for n in names
+        ) or any(h.type is None for h in node.handlers)
+
+    def visit(node: ast.AST, eager: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name.split(".")[0], eager) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and not child.level and child.module:
+                found.append((child.lineno, child.module.split(".")[0], eager))
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                visit(child, False)
+            elif isinstance(child, ast.Try):
+                guarded = catches_import_error(child)
+                for stmt in child.body:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), eager and not guarded)
+                for rest in (*child.handlers, *child.orelse, *child.finalbody):
+                    visit(rest if isinstance(rest, ast.ExceptHandler) else ast.Module(body=[rest], type_ignores=[]), eager)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                continue  # never runs
+            else:
+                visit(child, eager)
+
+    visit(tree, True)
+    return [f for f in found if f[1] not in sys.stdlib_module_names and f[1] not in ("cairn", "__future__")]
+
+
+def _is_type_checking(test: ast.AST) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def check_third_party(packages_dir: str | pathlib.Path) -> list[str]:
+    """One line per third-party import a package's source makes without declaring it."""
+    import importlib.metadata
+
+    dists_of = importlib.metadata.packages_distributions()
+    violations = []
+    for pkg_dir in sorted(pathlib.Path(packages_dir).iterdir()):
+        if not (pkg_dir / "pyproject.toml").exists():
+            continue
+        meta = tomllib.loads((pkg_dir / "pyproject.toml").read_text()).get("project", {})
+        required = {_requirement_name(d) for d in meta.get("dependencies", [])}
+        optional = {_requirement_name(d) for extra, deps in meta.get("optional-dependencies", {}).items()
+                    if extra not in NON_LIBRARY_EXTRAS for d in deps}
+        dist_name = f"cairn-{pkg_dir.name.replace('_', '-')}"
+        for py in sorted((pkg_dir / "src").rglob("*.py")):
+            for line, top, eager in _third_party_imports(ast.parse(py.read_text(), filename=str(py))):
+                dists = {_norm(d) for d in dists_of.get(top, [top])} | {_norm(PROVIDED_BY.get(top, top))}
+                allowed = required if eager else required | optional
+                if dists & allowed:
+                    continue
+                where = "a required dependency" if eager else "a dependency or a library extra"
+                hint = " (it is only in an extra: import it inside the function that needs it)" if dists & optional else ""
+                violations.append(f"{py}:{line}: imports {top!r}, which is not {where} of {dist_name} "
+                                  f"(pyproject.toml){hint}")
     return violations
 
 
@@ -426,6 +523,15 @@ def main(argv: list[str]) -> int:
             failed = True
         else:
             print("dependency-direction contract: ok")
+    if not cycles_only:
+        undeclared = check_third_party(root)
+        for v in undeclared:
+            print(v)
+        if undeclared:
+            print(f"declared-dependency contract: {len(undeclared)} undeclared import(s)")
+            failed = True
+        else:
+            print("declared-dependency contract: ok")
     cycles = check_all_cycles(root)
     for c in cycles:
         print(c)

@@ -178,3 +178,45 @@ def test_core_array_and_data_import_without_jax():
     code = "import sys, cairn.core_array as c; c.flatten_with_paths({'a': [1]}); assert 'jax' not in sys.modules, 'jax imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --- the declared-dependency contract: third-party imports are in the pyproject ---
+
+
+def _with_extras(root: pathlib.Path, name: str, code: str, deps: tuple[str, ...], extras: dict[str, list[str]]) -> None:
+    _package(root, name, code, deps=deps)
+    lines = "".join(f"{k} = [{', '.join(repr(d).replace(chr(39), chr(34)) for d in v)}]\n" for k, v in extras.items())
+    with open(root / name / "pyproject.toml", "a") as f:
+        f.write(f"[project.optional-dependencies]\n{lines}")
+
+
+DECLARED_CASES = [
+    # (code, required deps, extras, expected: None = passes, else a fragment of the message)
+    ("import numpy as np\nimport json, os.path\n", ("numpy",), {}, None),  # stdlib is exempt
+    ("import optax\n", ("numpy",), {}, "imports 'optax', which is not a required dependency of cairn-alpha"),
+    ("from optax import adam\n", ("numpy",), {}, "imports 'optax'"),
+    # lazy (in a function) or optional (try/except ImportError): an extra's dependency is enough
+    ("def f():\n    import pyarrow\n    return pyarrow\n", ("numpy",), {"parquet": ["pyarrow>=14"]}, None),
+    ("try:\n    import pyarrow\nexcept ImportError:\n    pyarrow = None\n", ("numpy",), {"parquet": ["pyarrow>=14"]}, None),
+    # an extra's dependency imported when the module is imported breaks a plain install
+    ("import pyarrow\n", ("numpy",), {"parquet": ["pyarrow>=14"]}, "it is only in an extra"),
+    # the test and bench extras serve the tests, never the library
+    ("def f():\n    import optax\n", ("numpy",), {"test": ["optax>=0.2"]}, "not a dependency or a library extra"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import optax\n", ("numpy",), {}, None),
+    ("import jaxlib\n", ("jax>=0.4",), {}, None),  # jax's C++ half
+    ("import ml_dtypes\n", ("ml-dtypes>=0.4",), {}, None),  # - and _ are one name
+]
+
+
+@pytest.mark.parametrize("code, deps, extras, expected", DECLARED_CASES)
+def test_undeclared_third_party_imports_are_named(tmp_path, code, deps, extras, expected):
+    _with_extras(tmp_path, "alpha", code, deps, extras)
+    found = depcheck.check_third_party(tmp_path)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0] and "__init__.py:" in found[0], found
+
+
+def test_the_real_packages_declare_what_they_import():
+    assert depcheck.check_third_party(ROOT / "packages") == []

@@ -58,7 +58,7 @@ def ShardByJaxProcess(drop_remainder: bool = False) -> ShardOptions:  # noqa: N8
         import jax
     except ImportError as e:  # pragma: no cover - exercised only without JAX
         raise ImportError(
-            "ShardByJaxProcess needs JAX; install jax or use ShardOptions(...)"
+            "ShardByJaxProcess needs JAX: pip install 'cairn-data[jax]', or use ShardOptions(...)"
         ) from e
     return ShardOptions(
         shard_index=jax.process_index(),

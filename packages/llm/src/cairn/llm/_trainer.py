@@ -238,7 +238,7 @@ def plot_metrics(run_dir: str | os.PathLike, keys: tuple[str, ...] = ("loss",), 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plot_metrics needs matplotlib: pip install matplotlib") from e
+        raise ImportError("plot_metrics needs matplotlib: pip install 'cairn-llm[plot]'") from e
     rows = read_metrics(run_dir)
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
     for ax, key in zip(axes[0], keys):
