@@ -321,12 +321,6 @@ def _validate_after_training(cfg: Config) -> None:
             raise ConfigError(f"config key 'kernels.{key}': expected 'auto', 'kernels' or 'xla', got {getattr(cfg.kernels, key)!r}")
     known = ("w8", "w4_gptq", "w4_awq")
     for method in cfg.quant.methods:
-        if method == "w4_awq":
-            raise ConfigError(
-                "config key 'quant.methods': 'w4_awq' is not available for the cairn.llm model: AWQ's "
-                "per-input-channel scales must divide each layer's input, and CausalLM's forward (generation, "
-                "export) does not apply them yet, so the variant would compute with unscaled inputs; use 'w8' or "
-                "'w4_gptq' (cairn.quant.awq_quantize_params itself works under cairn.quant.quantize)")
         if method not in known:
             raise ConfigError(f"config key 'quant.methods': unknown method {method!r}; expected some of {', '.join(known)}")
     if len(set(cfg.quant.methods)) != len(cfg.quant.methods):

@@ -5,7 +5,8 @@ layer (the embedding, shared with the output head, and the norms stay float32):
 
 - ``w8``: int8, one scale per output channel (``quantize_params``);
 - ``w4_gptq``: int4 in tiles of ``quant.tile_size`` inputs, GPTQ over calibration batches;
-- ``w4_awq``: int4 in tiles, AWQ's activation-aware scaling over the same batches.
+- ``w4_awq``: int4 in tiles, AWQ's activation-aware scaling over the same batches (each
+  matrix's per-input-channel scale is held beside it; the model's forward divides it out).
 
 The int4 values are packed two to a byte. A variant is the same ``cairn.llm.CausalLM`` with
 its selected weights replaced by ``QArray`` leaves: it generates with ``cairn.llm.generate``
@@ -74,23 +75,10 @@ def _rule(method: str, tile: int) -> quant.QuantizationRule:
 
 
 def _with_params(model: llm.CausalLM, params: Any) -> llm.CausalLM:
-    """A copy of ``model`` holding ``params`` (nested dicts as ``serving_functions`` gives them)."""
-    graphdef, state = nn.split(model)
-    copy = nn.merge(graphdef, state, copy=True)
-    copy_state = nn.split(copy)[1]
-    held = {tuple(map(str, p)) for p in copy_state.flat_state()}
-    extra = sorted(set(_dict_paths(params)) - held)
-    if extra:  # replace_by_pure_dict would drop them silently (AWQ's *_awq_scale entries, say)
-        raise ValueError(f"quantized parameters the model cannot hold: {extra[:3]} ({len(extra)} in all)")
-    copy_state.replace_by_pure_dict(params)
-    return copy
-
-
-def _dict_paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
-    """The paths of a nested dict's values (a QArray is one value), as tuples of str keys."""
-    if isinstance(tree, dict):
-        return [k for name, sub in tree.items() for k in _dict_paths(sub, (*prefix, str(name)))]
-    return [prefix]
+    """A copy of ``model`` holding ``params`` (nested dicts as ``serving_functions`` gives them,
+    with AWQ's ``kernel_awq_scale`` entries, which the copy's forward applies); anything else
+    the model cannot hold raises ``ValueError`` (never dropped)."""
+    return llm.with_params(model, params)
 
 
 def quantize_variant(method: str, model: llm.CausalLM, batches: list[tuple[np.ndarray]], tile: int) -> Variant:

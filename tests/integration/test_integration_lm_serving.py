@@ -102,22 +102,27 @@ def test_problem_prompt_and_the_tokenizer():
     assert lm_generate.answers_text([[lm_task.encode("43")[0], lm_task.encode("43")[1], lm_task.EOS]]) == ["43"]
 
 
-def test_awq_scales_the_model_cannot_hold_are_refused_not_dropped(tiny):
-    """AWQ adds ``<name>_awq_scale`` beside each weight; CausalLM's forward does not divide its
-    inputs by them, so building a variant from such parameters must fail, never drop them."""
+def test_awq_scales_are_held_and_what_the_model_cannot_hold_is_refused_not_dropped(tiny):
+    """AWQ adds ``<name>_awq_scale`` beside each weight: the variant holds it (its forward
+    divides it out); a parameter the model has no place for must fail, never be dropped."""
     import lm_quant
 
     from cairn import llm
 
     _, model = tiny
     params = llm.serving_functions(model, model.config.max_position_embeddings).params
-    params["layers"][0]["mlp"]["up"]["kernel_awq_scale"] = np.ones(4, np.float32)
-    with pytest.raises(ValueError, match="kernel_awq_scale"):
+    hidden = model.config.hidden_size
+    params["layers"][0]["mlp"]["up"]["kernel_awq_scale"] = np.full(hidden, 2.0, np.float32)
+    held = lm_quant._with_params(model, params)
+    assert float(held.layers[0].mlp.up.kernel_awq_scale[...][0]) == 2.0
+    params["embed"]["embedding_awq_scale"] = np.ones(hidden, np.float32)  # the lookup and tied head apply no scale
+    with pytest.raises(ValueError, match="embedding_awq_scale"):
         lm_quant._with_params(model, params)
 
 
 # w4_gptq (15 s) runs in tests_slow: CI's 10-minute budget; the packed int4 path is also in tests/serving
-@pytest.mark.parametrize("method", ["w8", pytest.param("w4_gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["w8", pytest.param("w4_gptq", marks=pytest.mark.slow),
+                                    pytest.param("w4_awq", marks=pytest.mark.slow)])
 def test_quantized_variants_hold_packed_qarrays_and_stay_close(tiny, method):
     import lm_generate
     import lm_quant
@@ -163,7 +168,6 @@ def test_skip_reasons_and_the_report_of_a_stopped_run():
     (["quant.methods=['w3']"], "quant.methods"),
     (["quant.methods=['w8', 'w8']"], "quant.methods"),
     (["serve.models=['w4_awq']"], "serve.models"),
-    (["quant.methods=['w4_awq']"], "w4_awq' is not available"),
     (["quant.enabled=false"], "serve.models"),  # w8 is served but no longer built
     (["serve.concurrency=[0]"], "serve.concurrency"),
     (["serve.num_slots=0"], "serve.num_slots"),

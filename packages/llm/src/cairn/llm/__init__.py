@@ -26,6 +26,7 @@ from cairn.llm._lora import (
 )
 from cairn.llm._model import CausalLM
 from cairn.llm._moe import load_balancing_loss
+from cairn.llm._projection import with_params
 from cairn.llm._serving import ServingFunctions, as_generator, export_for_serving, serving_functions
 from cairn.llm._sft import SFTConfig, SFTTrainer
 from cairn.llm._sft_data import sft_dataset, sft_example
@@ -74,6 +75,7 @@ __all__ = [
     "sft_dataset",
     "preference_dataset",
     "sft_example",
+    "with_params",
     "plot_metrics",
     "read_metrics",
     "supported_model_types",

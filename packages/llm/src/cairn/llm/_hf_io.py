@@ -28,6 +28,7 @@ from cairn.llm._families import WeightRule, family_of
 from cairn.llm._hf_config import config_from_hf, config_to_hf
 from cairn.llm._hf_files import ShardedReader, write_shards
 from cairn.llm._model import CausalLM
+from cairn.llm._projection import float_value
 
 __all__ = ["expected_tensors", "from_pretrained", "save_pretrained"]
 
@@ -271,7 +272,9 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: in
 
     ``config.json`` (the config the model was loaded with, every modelled key written from
     ``model.config``, ``dtype`` the model's) and the weights under Hugging Face names and
-    ``[out, in]`` shapes, in the model's dtype, in shards of at most ``max_shard_size``
+    ``[out, in]`` shapes, in the model's dtype (a quantized model's ``QArray`` weights as the
+    floats its forward computes with, AWQ input scales divided out: the Hugging Face layout
+    has no quantized form; ``export_for_serving`` keeps them quantized), in shards of at most ``max_shard_size``
     bytes (an int or ``"5GB"``-style; one ``model.safetensors`` when everything fits).
 
     Args:
@@ -291,10 +294,10 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, max_shard_size: in
     dtype_name = jnp.dtype(model.dtype).name
     hf = config_to_hf(cfg)
     hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = dtype_name
-    state = {"/".join(map(str, p)): v for p, v in _flat_state(model).items()}
     out = {}
     for t in expected_tensors(cfg):
-        arr = np.asarray(jax.device_get(state[t.path][...] if t.expert is None else state[t.path][t.expert]))
+        value = float_value(model, t.path)  # QArray weights dequantized, AWQ input scales divided out
+        arr = np.asarray(jax.device_get(value if t.expert is None else value[t.expert]))
         if t.transpose:
             arr = arr.reshape(t.hf_shape[1], t.hf_shape[0]).T
         out[t.name] = np.ascontiguousarray(arr.reshape(t.hf_shape))

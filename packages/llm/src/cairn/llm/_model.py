@@ -9,6 +9,16 @@ The MLP of a mixture-of-experts layer is :class:`cairn.llm._moe.MoE` (``ragged_d
 
 Every parameter carries logical axis names for sharding: ``vocab``, ``embed``, ``heads``,
 ``kv_heads``, ``head_dim``, ``mlp``, ``expert`` (stacked expert kernels).
+
+AWQ (``cairn.quant.awq_quantize_params``) stores a weight as ``Q(diag(s) W)`` and its
+per-input-channel scale ``s`` beside it as ``kernel_awq_scale`` on the projection's module.
+The forward applies it: the projection computes ``x (Q(diag(s) W) / s)``, the scale divided
+out of the dequantized kernel's input rows, which equals ``(x / s) Q(diag(s) W)``. It is not
+folded into the preceding RMSNorm: AWQ searches one scale per weight, so ``q``, ``k``, ``v``
+(and ``gate``, ``up``) read one norm's output with three (two) different scales, and no fold
+is exact. Dividing the kernel rather than the input keeps the dot's weight operand a computed
+array, so a ``cairn.quant`` provider wrapping the model (``quantize_model``) does not divide
+the input a second time.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._cache import KVCache, write
 from cairn.llm._config import LlmConfig
 from cairn.llm._moe import MoE, load_balancing_loss
+from cairn.llm._projection import project, scaled_kernel
 from cairn.llm._rope import apply_rope, rope_tables
 
 __all__ = ["CausalLM", "attention_mask"]
@@ -101,7 +112,7 @@ class Attention(nn.Module):
         Returns the output ``[B, T, hidden]`` and the keys and values attended to (the
         updated cache, or this call's own).
         """
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = project(self.q, x), project(self.k, x), project(self.v, x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -132,7 +143,8 @@ class Attention(nn.Module):
         small activation rather than copy the ``[heads, head_dim, hidden]`` kernel into a
         transposed layout on every call (a full copy of the weight per decode step on CPU).
         """
-        w = self.o.kernel[...]
+        w = scaled_kernel(self.o, 2)  # an AWQ scale divided out of its [heads, head_dim] inputs
+        w = self.o.kernel[...] if w is None else w
         if isinstance(w, QArray):  # a quantized weight (cairn.quant): float numerics, like cairn.nn's layers
             w = w.dequantize()
         flat = out.reshape(*out.shape[:2], -1)
@@ -155,7 +167,7 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(ACTIVATIONS[self.act](self.gate(x)) * self.up(x))
+        return project(self.down, ACTIVATIONS[self.act](project(self.gate, x)) * project(self.up, x))
 
 
 class DecoderLayer(nn.Module):
@@ -343,6 +355,9 @@ class CausalLM(nn.Module):
         """The final-normed hidden states and every layer's keys, values and router logits."""
         b, t = input_ids.shape
         q_pos = self._positions(b, t, positions, cache, lengths, segment_ids)
+        if hasattr(self.embed, "embedding_awq_scale"):
+            raise ValueError("CausalLM: the embedding holds an AWQ input scale (embedding_awq_scale), which its "
+                             "lookup and tied output product do not apply; leave the embedding out of the AwqRule")
         x = self.embed(input_ids)
         if self.config.embed_scale:
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
@@ -359,6 +374,10 @@ class CausalLM(nn.Module):
     def output_projection(self) -> jax.Array:
         """The ``[hidden, vocab]`` matrix the final hidden states are multiplied by: the tied
         embedding transposed, or ``lm_head``'s kernel (for fused linear + loss kernels)."""
+        if self.lm_head is not None:
+            scaled = scaled_kernel(self.lm_head, 1)
+            if scaled is not None:
+                return scaled
         w = self.embed.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
         w = w.dequantize() if isinstance(w, QArray) else w
         return w.T if self.lm_head is None else w
@@ -382,7 +401,7 @@ class CausalLM(nn.Module):
                  segment_ids: jax.Array | None = None, return_aux_loss: bool = False) -> Any:
         b, t = input_ids.shape
         x, keys, values, routers = self._trunk(input_ids, positions, cache, lengths, segment_ids)
-        logits = (self.embed.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
+        logits = (self.embed.attend(x) if self.lm_head is None else project(self.lm_head, x)).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = cap * jnp.tanh(logits / cap)

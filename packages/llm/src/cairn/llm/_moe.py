@@ -30,6 +30,7 @@ from cairn import nn
 from cairn.llm import _initializers as initializers
 from cairn.llm._activations import ACTIVATIONS
 from cairn.llm._config import LlmConfig
+from cairn.llm._projection import project
 
 __all__ = ["MoE", "load_balancing_loss", "route"]
 
@@ -114,7 +115,11 @@ class MoE(nn.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         tokens = x.reshape(-1, x.shape[-1])
-        logits = self.router(tokens)
+        held = sorted(k for k in vars(self.experts) if k.endswith("_awq_scale"))
+        if held:
+            raise ValueError(f"MoE experts hold AWQ input scales {held}: the experts' ragged_dot does not apply "
+                             "them; select dense projections only (attn and dense mlp kernels, lm_head)")
+        logits = project(self.router, tokens)
         weights, chosen = route(logits, self.top_k, self.norm_topk_prob)
         gate, up, down = self.experts.gate[...], self.experts.up[...], self.experts.down[...]
         flat = chosen.reshape(-1)

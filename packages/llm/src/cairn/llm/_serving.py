@@ -48,6 +48,7 @@ from cairn import nn, serving
 from cairn.core_array import ArraySpec
 from cairn.llm._cache import KVCache
 from cairn.llm._model import CausalLM
+from cairn.llm._projection import project
 from cairn.llm._rope import apply_rope
 
 __all__ = ["ServingFunctions", "as_generator", "export_for_serving", "serving_functions"]
@@ -220,7 +221,7 @@ def _paged_attention(attn: Any, x: jax.Array, rope: Any, q_pos: jax.Array, pages
     """``attn`` (a :class:`cairn.llm` attention layer) over a paged cache: the chunk's keys and
     values go into ``pages`` at ``write_pos`` (-1: padding, skipped), then its queries attend
     over the row's blocks (query ``j`` of row ``b`` at position ``kv_len[b] - t + j``)."""
-    q, k, v = attn.q(x), attn.k(x), attn.v(x)
+    q, k, v = project(attn.q, x), project(attn.k, x), project(attn.v, x)
     if attn.q_norm is not None and attn.k_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -264,7 +265,7 @@ def _paged_fn(rebuild: Callable[[Any], CausalLM], n: int) -> Callable:
                     h = layer.post_mlp_norm(h)
                 x = x + h
             last = x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]
-            logits = (m.embed.attend(m.norm(last)) if m.lm_head is None else m.lm_head(m.norm(last))).astype(jnp.float32)
+            logits = (m.embed.attend(m.norm(last)) if m.lm_head is None else project(m.lm_head, m.norm(last))).astype(jnp.float32)
         cap = m.config.final_logit_softcapping
         if cap:
             logits = cap * jnp.tanh(logits / cap)
