@@ -6,7 +6,7 @@ item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOL
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
-from cairn.checkpoint import args, step, test_utils, utils
+from cairn.checkpoint import args, checkpoint_utils, step, test_utils, utils
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -55,8 +55,10 @@ from cairn.checkpoint._orbax_manager import (
     StepMetadata,
 )
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
+from cairn.checkpoint._registry import CheckpointHandlerRegistry, DefaultCheckpointHandlerRegistry
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
+from cairn.checkpoint._utils import intersect_trees, merge_trees
 
 __version__ = "0.1.0"
 
@@ -75,11 +77,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointHandler",
     "CheckpointManager",
+    "CheckpointHandlerRegistry",
     "CheckpointManagerOptions",
     "CheckpointWriteError",
     "Checkpointer",
     "ChecksumError",
     "CompositeCheckpointHandler",
+    "DefaultCheckpointHandlerRegistry",
     "FileOptions",
     "GOODPUT_FILE",
     "GoodputRecorder",
@@ -99,6 +103,9 @@ __all__ = [
     "Transform",
     "apply_transformations",
     "args",
+    "intersect_trees",
+    "merge_trees",
+    "checkpoint_utils",
     "load_safetensors",
     "metadata",
     "restore",

@@ -265,6 +265,11 @@ def register_with_handler(handler_cls: type, for_save: bool = False, for_restore
     return register
 
 
+def has_registered_args(handler_cls: type) -> bool:
+    """Whether any args class is registered with exactly ``handler_cls``."""
+    return any(h is handler_cls for h, _, _ in _REGISTRY.values())
+
+
 def get_registered_handler_cls(args: Any) -> type | None:
     """The handler class an args class (or instance) was registered with, else ``None``.
 

@@ -94,7 +94,7 @@ def restore(directory: str, args: _args.CheckpointArgs | None) -> Any:
         raise TypeError(
             f"{directory} holds the items {sorted(kinds)}; restore it with args=ocp.args.Composite(...)"
         )
-    wanted = dict(args) if args is not None else dict.fromkeys(kinds)
+    wanted = dict(args) if args else dict.fromkeys(kinds)  # an empty Composite: every item, as in Orbax
     unknown = sorted(set(wanted) - set(kinds))
     if unknown:
         raise KeyError(f"{directory} has no item(s) {unknown}; it holds {sorted(kinds)}")
