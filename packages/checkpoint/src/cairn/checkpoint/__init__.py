@@ -6,7 +6,7 @@ item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOL
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
-from cairn.checkpoint import args, checkpoint_utils, step, test_utils, utils
+from cairn.checkpoint import args, checkpoint_managers, checkpoint_utils, step, test_utils, utils
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -105,6 +105,7 @@ __all__ = [
     "args",
     "intersect_trees",
     "merge_trees",
+    "checkpoint_managers",
     "checkpoint_utils",
     "load_safetensors",
     "metadata",

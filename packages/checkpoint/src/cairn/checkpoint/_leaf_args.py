@@ -324,9 +324,18 @@ def build_target(req: RestoreRequest, saved: Mapping[str, LeafMetadata], where: 
         raise TargetMismatchError(
             f"{where}: restore_args name paths the checkpoint lacks: {missing} (it holds {sorted(saved)})"
         )
-    skipped = len(wanted) < len(flatten_with_paths(base, is_leaf=_is_leaf))
-    if not skipped:
+    covered = flatten_with_paths(base, is_leaf=_is_leaf)
+    if len(wanted) == len(covered):
         return target, None
+    # PLACEHOLDER leaves make the read partial: a saved leaf must still be named (as a
+    # value or a PLACEHOLDER of that leaf) unless the restore is partial
+    extra = [] if req.partial else sorted(p for p in saved if p not in covered)
+    if extra:
+        raise TargetMismatchError(
+            f"{where}: User-provided restore item and on-disk value differ: the checkpoint's paths {extra[:8]} are "
+            "neither in the item nor a PLACEHOLDER leaf (a PLACEHOLDER stands for one leaf; pass "
+            "partial_restore=True to skip saved paths)"
+        )
     # one alternation, not one pattern per leaf: each saved path is matched once
     return target, (["(?:" + "|".join(wanted) + ")"] if wanted else [])
 

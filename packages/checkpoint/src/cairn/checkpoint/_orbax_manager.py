@@ -208,8 +208,11 @@ class CheckpointManager(_manager.CheckpointManager):
                 meta = self._step_meta(latest)
                 self._single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM_NAME}
         if self._single is not None and self._single != single:
-            held = "one unnamed item (args=StandardSave(...) and the like)" if self._single else "named items"
-            raise ValueError(f"this manager holds {held}; save it the same way (as Orbax requires)")
+            if self._single:
+                raise ValueError("this manager holds one unnamed item (args=StandardSave(...) and the like); "
+                                 "save it the same way, not as a Composite")
+            raise ValueError("this manager holds named items: must provide `args` of type `Composite` when "
+                             "dealing with multiple checkpointable objects")
         self._single = single
         if not single and self.item_names is not None:
             unknown = sorted(set(named) - set(self.item_names))
@@ -310,7 +313,7 @@ class CheckpointManager(_manager.CheckpointManager):
         out, _ = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
         if box.get("unwrap"):
             return out[DEFAULT_ITEM_NAME]
-        return out if plain and not legacy else _args.Composite(out) if not legacy else out
+        return out if plain and not legacy else _args.Composite(out)
 
     def _legacy_targets(self, items: Any, restore_kwargs: Any, meta: dict, single: bool) -> dict[str, Any]:
         ckpt = self._checkpointers
