@@ -289,3 +289,51 @@ def test_legacy_dict_restore_and_layout_messages(tmp_path):
         named.save(0, args=ocp.args.Composite(p=ocp.args.StandardSave({"a": 1})))
         with pytest.raises(ValueError, match="must provide `args` of type `Composite`"):
             named.save(1, args=ocp.args.StandardSave({"a": 1}))
+
+
+def test_existing_checkpoint_error_is_also_a_value_error(tmp_path):
+    ck = ocp.PyTreeCheckpointer()
+    ck.save(tmp_path / "c", {"a": 1})
+    with pytest.raises(ocp.CheckpointExistsError, match="already exists") as info:
+        ck.save(tmp_path / "c", {"a": 2})
+    assert isinstance(info.value, FileExistsError) and isinstance(info.value, ValueError)
+    with _manager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave({"a": 1}))
+        with pytest.raises(ValueError, match="step 0 already exists"):  # force does not replace a step
+            mngr.save(0, args=ocp.args.StandardSave({"a": 2}), force=True)
+        assert mngr.restore(0) == {"a": 1}
+
+
+def test_user_handler_with_orbax_older_positional_arguments(tmp_path):
+    class Legacy(ocp.AsyncCheckpointHandler):
+        async def async_save(self, directory, item, extra_args):
+            self.save(directory, item, extra_args)
+            return []
+
+        def save(self, directory, item, extra_args):
+            with open(os.path.join(directory, "x.txt"), "w") as f:
+                f.write(f"{item['a']} {extra_args['k']}")
+
+        def restore(self, directory, item=None, extra_args=None):
+            with open(os.path.join(directory, "x.txt")) as f:
+                return f.read(), item, extra_args
+
+    for cls in (ocp.Checkpointer, ocp.AsyncCheckpointer):
+        with cls(Legacy()) as ck:
+            ck.save(tmp_path / cls.__name__, {"a": 1}, {"k": 2})
+            ck.wait_until_finished()
+            assert ck.restore(tmp_path / cls.__name__, item="it", extra_args="e") == ("1 2", "it", "e")
+    with pytest.raises(TypeError, match="extra positional arguments only with a user's own handler"):
+        ocp.PyTreeCheckpointer().save(tmp_path / "p", {"a": 1}, {"k": 2})
+
+
+def test_array_handler_checks_and_scalar_as_ndarray(tmp_path):
+    with pytest.raises(TypeError, match="ArraySave saves one array or number, got str"):
+        ocp.args.ArraySave("hi")
+    h = ocp.ArrayCheckpointHandler()
+    h.save(tmp_path / "c", args=ocp.args.ArraySave(5))
+    got = h.restore(tmp_path / "c", args=ocp.args.ArrayRestore(restore_args=ocp.RestoreArgs(restore_type=np.ndarray)))
+    assert isinstance(got, np.ndarray) and got.shape == () and got == 5
+    assert h.restore(tmp_path / "c") == 5 and type(h.restore(tmp_path / "c")) is int
+    assert ocp.type_handlers.is_ocdbt_checkpoint(tmp_path / "c")
+    assert not ocp.type_handlers.is_ocdbt_checkpoint(tmp_path)

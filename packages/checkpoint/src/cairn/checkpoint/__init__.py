@@ -6,7 +6,15 @@ item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOL
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
-from cairn.checkpoint import args, checkpoint_managers, checkpoint_utils, step, test_utils, utils
+from cairn.checkpoint import (
+    args,
+    checkpoint_managers,
+    checkpoint_utils,
+    step,
+    test_utils,
+    type_handlers,
+    utils,
+)
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -17,6 +25,7 @@ from cairn.checkpoint._checkpointers import (
 from cairn.checkpoint._errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointWriteError,
     ChecksumError,
     StepAlreadyExistsError,
@@ -75,6 +84,7 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointHandler",
     "CheckpointManager",
     "CheckpointHandlerRegistry",
@@ -114,5 +124,6 @@ __all__ = [
     "save_safetensors",
     "step",
     "test_utils",
+    "type_handlers",
     "utils",
 ]

@@ -131,6 +131,12 @@ class ArraySave(CheckpointArgs):
     save_args: Any = None
     saving: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.item, (str, bytes)) or not (
+            hasattr(self.item, "shape") and hasattr(self.item, "dtype") or isinstance(self.item, (bool, int, float, complex))
+        ):
+            raise TypeError(f"ArraySave saves one array or number, got {type(self.item).__name__}")
+
 
 @dataclass
 class ArrayRestore(CheckpointArgs):

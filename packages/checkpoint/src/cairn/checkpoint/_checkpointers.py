@@ -108,7 +108,7 @@ class Checkpointer(_BackgroundSaver):
         self,
         directory: str | os.PathLike,
         item: Any = None,
-        *,
+        *extra_args: Any,
         args: _args.CheckpointArgs | None = None,
         force: bool = False,
         save_args: Any = None,
@@ -119,20 +119,24 @@ class Checkpointer(_BackgroundSaver):
         Args:
           directory: the checkpoint directory to create.
           item: the tree to save (wrapped in the handler's save arguments), or save arguments.
+          *extra_args: Orbax's older form for a user's own handler: passed on positionally,
+            as ``handler.save(directory, item, *extra_args)`` (and ``async_save``).
           args: Orbax's save arguments (``ocp.args.StandardSave(tree)``, ``Composite(...)``).
           force: replace an existing ``directory``.
           save_args: a tree of per-leaf :class:`SaveArgs` for ``item``.
           custom_metadata: a JSON-able value stored with the item.
 
         Raises:
-          FileExistsError: ``directory`` exists and ``force`` is false.
+          CheckpointExistsError: ``directory`` exists and ``force`` is false (a ``FileExistsError`` and a ``ValueError``).
           TypeError: a leaf cannot be saved (naming its path), or ``args`` are not save args.
         """
         self._bg.wait()
         final = os.path.abspath(os.fspath(directory))
         if is_custom(self._handler):
-            self._save_custom(final, item if args is None else args, force)
+            self._save_custom(final, item if args is None else args, force, extra_args)
             return
+        if extra_args:
+            raise TypeError(f"save() takes extra positional arguments only with a user's own handler, got {len(extra_args)}")
         a = self._save_args(item, args, save_args)
         copy = self.asynchronous
         if a is None:
@@ -152,20 +156,24 @@ class Checkpointer(_BackgroundSaver):
         else:
             tail()
 
-    def _save_custom(self, final: str, args: Any, force: bool) -> None:
+    def _save_custom(self, final: str, args: Any, force: bool, legacy: tuple[Any, ...] = ()) -> None:
         """A user's handler writes a temporary directory (``async_save`` in the caller's
         thread when asynchronous, then its futures are awaited in the background), is
-        finalized, and the directory is committed atomically."""
+        finalized, and the directory is committed atomically. With ``legacy`` positional
+        arguments (Orbax's older form) the handler gets ``(directory, item, *legacy)``."""
         handler = self._handler
-        args = _args.wrap_for_handler(handler, args, for_save=True)
+        if legacy:
+            call_args, call_kw = (args, *legacy), {}
+        else:
+            call_args, call_kw = (), {"args": _args.wrap_for_handler(handler, args, for_save=True)}
         tmp = _prepare_tmp(final, force)
         pending: list[Any] = []
         if self.asynchronous:
-            pending = list(asyncio.run(handler.async_save(tmp, args=args)) or [])  # type: ignore[union-attr]
+            pending = list(asyncio.run(handler.async_save(tmp, *call_args, **call_kw)) or [])  # type: ignore[union-attr]
 
         def write() -> None:
             if not self.asynchronous:
-                handler.save(tmp, args=args)  # type: ignore[union-attr]
+                handler.save(tmp, *call_args, **call_kw)  # type: ignore[union-attr]
             for f in pending:
                 f.result()
             handler.finalize(tmp)  # type: ignore[union-attr]
@@ -197,7 +205,9 @@ class Checkpointer(_BackgroundSaver):
           item: the restore target, or ``None`` (as saved).
           args: Orbax's restore arguments (``ocp.args.StandardRestore(abstract)``, ``Composite(...)``).
           strict: ``False`` truncates or zero-pads arrays whose target shape differs (as in Orbax).
-          **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its restore arguments.
+          **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its
+            restore arguments; with a user's own handler, passed on to its ``restore`` with
+            ``item`` (Orbax's older form).
         """
         self._bg.wait()
         directory = os.fspath(directory)
@@ -205,6 +215,8 @@ class Checkpointer(_BackgroundSaver):
             item, args = None, item
         if is_custom(self._handler):
             _require_committed(directory)
+            if kwargs and args is None:  # Orbax's older form: the handler's own keywords
+                return self._handler.restore(directory, item=item, **kwargs)  # type: ignore[union-attr]
             wanted = args if args is not None else _args.wrap_for_handler(self._handler, item, for_save=False)
             return self._handler.restore(directory, args=wanted)  # type: ignore[union-attr]
         if args is None and self._handler is None and not os.path.isfile(

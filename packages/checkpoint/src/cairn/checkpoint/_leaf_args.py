@@ -348,6 +348,9 @@ def _target_leaf(
     A shape other than saved, if allowed (``strict=False``), is read as saved and recorded
     in ``req.fixes`` to be truncated or padded afterwards."""
     if meta.kind == "scalar":
+        if ra is not None and ra.restore_type is np.ndarray and not isinstance(meta.value, str):
+            req.fixes[path] = ((), None)  # a saved Python number asked for as a NumPy array: 0-d after the read
+            return meta.value
         return t if t is not None and not _is_array_like(t) else meta.value
     saved_shape = tuple(meta.shape)
     shape = tuple(t.shape) if hasattr(t, "shape") else saved_shape

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from cairn.checkpoint import _fs
+from cairn.checkpoint import _fs, _tree
 
 
 def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -> Any:
@@ -217,3 +217,18 @@ def intersect_trees(*trees: Any, target: Any = None) -> Any:
     {'b': {'c': 4}}
     """
     return _combine(trees, target, lambda flats: [p for p in flats[0] if all(p in f for f in flats[1:])] if flats else [])
+
+
+def is_ocdbt_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a pytree checkpoint in cairn's format, whose arrays always
+    live in OCDBT databases (Orbax's ``type_handlers.is_ocdbt_checkpoint``; a checkpoint
+    holding no array at all has no database but is still of that format).
+
+    Args:
+      path: a checkpoint directory (one item's).
+
+    >>> import tempfile
+    >>> is_ocdbt_checkpoint(tempfile.mkdtemp())
+    False
+    """
+    return os.path.isfile(os.path.join(os.fspath(path), _tree.METADATA_FILE))
