@@ -337,3 +337,20 @@ def test_array_handler_checks_and_scalar_as_ndarray(tmp_path):
     assert h.restore(tmp_path / "c") == 5 and type(h.restore(tmp_path / "c")) is int
     assert ocp.type_handlers.is_ocdbt_checkpoint(tmp_path / "c")
     assert not ocp.type_handlers.is_ocdbt_checkpoint(tmp_path)
+
+
+def test_restore_from_another_directory_and_legacy_metadata_folder(tmp_path):
+    with ocp.CheckpointManager(tmp_path / "pretrained", item_names=("params",)) as other:
+        other.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.arange(3)})))
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("params",)) as mngr:
+        with pytest.raises(FileNotFoundError, match="step 0 is not a committed checkpoint"):
+            mngr.restore(0)
+        got = mngr.restore(0, args=ocp.args.Composite(params=ocp.args.StandardRestore()),
+                           directory=tmp_path / "pretrained")
+        assert got.params["w"].tolist() == [0, 1, 2] and mngr.all_steps() == []
+        assert ocp.utils.is_tmp_checkpoint(tmp_path / "pretrained" / "0") is False
+    os.makedirs(tmp_path / "run" / "9.x.cairn-tmp")
+    assert ocp.utils.is_tmp_checkpoint(tmp_path / "run" / "9.x.cairn-tmp")
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(tmp_path / "run" / "metadata", args=ocp.args.JsonSave({"v": 1}))
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        assert mngr.metadata().custom_metadata == {"v": 1}

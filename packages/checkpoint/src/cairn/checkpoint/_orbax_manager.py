@@ -16,7 +16,12 @@ from typing import Any
 
 from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost
 from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer
-from cairn.checkpoint._handlers import CheckpointHandler, registry_from, takes
+from cairn.checkpoint._handlers import (
+    CheckpointHandler,
+    JsonCheckpointHandler,
+    registry_from,
+    takes,
+)
 from cairn.checkpoint._json_item import JsonItem
 from cairn.checkpoint._manager import CheckpointManagerOptions, _checkpointable_of
 from cairn.checkpoint._registry import mismatch
@@ -276,10 +281,16 @@ class CheckpointManager(_manager.CheckpointManager):
           cast: see :func:`cairn.checkpoint.restore`.
           mesh: see :func:`cairn.checkpoint.restore`.
           restore_kwargs: Orbax's older per-item ``{"restore_args": ...}``, by item name.
-          directory: not supported (open a manager on the other directory).
+          directory: restore from this other manager directory instead (read-only, with
+            this manager's step naming, handlers and checkpointers).
         """
-        if directory is not None:
-            raise NotImplementedError("restore(directory=...) is not supported; open a CheckpointManager there")
+        if directory is not None:  # another run's checkpoints (a pretrained model): read-only, same naming
+            options = dataclasses.replace(self._options, read_only=True)
+            registry = None if isinstance(self._item_handlers, Mapping) else self._handler_registry
+            with CheckpointManager(directory, self._checkpointers, options, item_handlers=self._item_handlers,
+                                   handler_registry=registry) as other:
+                return other.restore(step, items, args=args, partial=partial, cast=cast, mesh=mesh,
+                                     restore_kwargs=restore_kwargs)
         if args is not None and items is not None:
             raise TypeError("pass either items or args=, not both")
         if isinstance(items, _args.CheckpointArgs):
@@ -409,5 +420,13 @@ def _json_metadata(directory: str, metadata: Mapping[str, Any], options: Checkpo
 
 
 def _read_metadata(directory: str) -> dict | None:
+    """The manager's metadata: ``_MANAGER_METADATA.json``, else a JSON checkpoint in the
+    ``metadata`` folder (where Orbax's older managers kept it), else ``None``."""
     f = os.path.join(directory, _METADATA_FILE)
-    return _fs.read_json(f) if os.path.isfile(f) else None
+    if os.path.isfile(f):
+        return _fs.read_json(f)
+    legacy = os.path.join(directory, METADATA_ITEM_NAME)
+    if _fs.is_committed(legacy):
+        value = Checkpointer(JsonCheckpointHandler()).restore(legacy)
+        return value if isinstance(value, dict) else None
+    return None

@@ -232,3 +232,14 @@ def is_ocdbt_checkpoint(path: str | os.PathLike) -> bool:
     False
     """
     return os.path.isfile(os.path.join(os.fspath(path), _tree.METADATA_FILE))
+
+
+def is_tmp_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a save still being written (or abandoned): a temporary
+    ``*.cairn-tmp`` folder, or a folder without its ``COMMIT`` marker.
+
+    Args:
+      path: a step folder.
+    """
+    path = os.fspath(path)
+    return os.path.isdir(path) and (path.rstrip("/").endswith(_fs.TMP_SUFFIX) or not _fs.is_committed(path))
