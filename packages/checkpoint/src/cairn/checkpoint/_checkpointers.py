@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 from typing import Any, ClassVar
 
@@ -206,8 +207,8 @@ class Checkpointer(_BackgroundSaver):
           args: Orbax's restore arguments (``ocp.args.StandardRestore(abstract)``, ``Composite(...)``).
           strict: ``False`` truncates or zero-pads arrays whose target shape differs (as in Orbax).
           **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its
-            restore arguments; with a user's own handler, passed on to its ``restore`` with
-            ``item`` (Orbax's older form).
+            restore arguments; with a user's own handler whose ``restore`` takes no
+            ``args``, passed on to it with ``item`` (Orbax's older form).
         """
         self._bg.wait()
         directory = os.fspath(directory)
@@ -215,7 +216,8 @@ class Checkpointer(_BackgroundSaver):
             item, args = None, item
         if is_custom(self._handler):
             _require_committed(directory)
-            if kwargs and args is None:  # Orbax's older form: the handler's own keywords
+            takes_args = "args" in inspect.signature(self._handler.restore).parameters  # type: ignore[union-attr]
+            if kwargs and args is None and not takes_args:  # Orbax's older form: the handler's own keywords
                 return self._handler.restore(directory, item=item, **kwargs)  # type: ignore[union-attr]
             wanted = args if args is not None else _args.wrap_for_handler(self._handler, item, for_save=False)
             return self._handler.restore(directory, args=wanted)  # type: ignore[union-attr]
