@@ -354,3 +354,21 @@ def test_restore_from_another_directory_and_legacy_metadata_folder(tmp_path):
     ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(tmp_path / "run" / "metadata", args=ocp.args.JsonSave({"v": 1}))
     with ocp.CheckpointManager(tmp_path / "run") as mngr:
         assert mngr.metadata().custom_metadata == {"v": 1}
+
+
+def test_custom_metadata_is_stored_and_read_back(tmp_path):
+    tree = {"a": np.arange(3), "n": 1}
+    for cls in (ocp.Checkpointer, ocp.AsyncCheckpointer):
+        with cls(ocp.PyTreeCheckpointHandler()) as ck:
+            ck.save(tmp_path / cls.__name__, args=ocp.args.PyTreeSave(tree), custom_metadata={"run": "x", "v": 2})
+            ck.wait_until_finished()
+            meta = ck.metadata(tmp_path / cls.__name__)
+            assert meta.custom_metadata == {"run": "x", "v": 2}
+            assert meta["a"].shape == (3,) and meta.item_metadata == dict(meta)
+    h = ocp.StandardCheckpointHandler()
+    h.save(tmp_path / "h", args=ocp.args.StandardSave(tree, custom_metadata={"foo": 1}))
+    assert h.metadata(tmp_path / "h").custom_metadata == {"foo": 1}
+    h.save(tmp_path / "none", args=ocp.args.StandardSave(tree))
+    assert h.metadata(tmp_path / "none").custom_metadata == {}
+    with pytest.raises(TypeError, match="custom_metadata"):
+        ocp.PyTreeCheckpointer().save(tmp_path / "bad", tree, custom_metadata={"f": object()})

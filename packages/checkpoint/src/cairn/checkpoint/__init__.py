@@ -42,6 +42,7 @@ from cairn.checkpoint._handlers import (
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
 )
+from cairn.checkpoint._items import CheckpointMetadata
 from cairn.checkpoint._leaf_args import (
     PLACEHOLDER,
     ArrayRestoreArgs,
@@ -89,6 +90,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointHandlerRegistry",
     "CheckpointManagerOptions",
+    "CheckpointMetadata",
     "CheckpointWriteError",
     "Checkpointer",
     "ChecksumError",

@@ -16,7 +16,7 @@ import inspect
 import os
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items, _restore
+from cairn.checkpoint import _args, _items
 from cairn.checkpoint._checkpointer import (
     _Background,
     _BackgroundSaver,
@@ -142,13 +142,15 @@ class Checkpointer(_BackgroundSaver):
         copy = self.asynchronous
         if a is None:
             a = _args.StandardSave(item)
+        custom = _items.custom_metadata_of(a, custom_metadata, f"save to {final}")
         captured = _items.capture(a, copy_host=copy, compression=self._compression)
         tmp = _prepare_tmp(final, force)
         compression, composite = self._compression, isinstance(a, _args.Composite)
 
         def tail() -> None:
             write_and_commit(
-                lambda: _items.write(tmp, captured, compression=compression, composite=composite),
+                lambda: _items.write(tmp, captured, compression=compression, composite=composite,
+                                     custom_metadata=custom),
                 tmp, final, force, _items.verify,
             )
 
@@ -238,7 +240,8 @@ class Checkpointer(_BackgroundSaver):
 
     def metadata(self, directory: str | os.PathLike) -> Any:
         """Every saved path's :class:`LeafMetadata` (per item for a ``Composite``; ``"json"``
-        for JSON items), without reading array data.
+        for JSON items), without reading array data: a dict with Orbax's
+        ``custom_metadata`` and ``item_metadata`` as attributes (``CheckpointMetadata``).
 
         Args:
           directory: the checkpoint to describe.
@@ -246,12 +249,7 @@ class Checkpointer(_BackgroundSaver):
         self._bg.wait()
         directory = os.fspath(directory)
         _require_committed(directory)
-        kinds = _items.item_kinds(directory)
-        out = {
-            n: (_restore.metadata_of(os.path.join(directory, n)) if k == "pytree" else "json")
-            for n, k in kinds.items()
-        }
-        return out[""] if "" in out else out
+        return _items.describe(directory)
 
 
 class AsyncCheckpointer(Checkpointer):

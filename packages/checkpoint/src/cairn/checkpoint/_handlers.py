@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items, _registry, _restore
+from cairn.checkpoint import _args, _items, _registry
 
 
 class CheckpointHandler:
@@ -60,9 +60,11 @@ class CheckpointHandler:
         elif item is not None:
             raise TypeError("pass either the item or args=, not both")
         directory = os.fspath(directory)
+        custom = _items.custom_metadata_of(args, None, f"save to {directory}")
         captured = _items.capture(args, copy_host=False, compression=None)
         os.makedirs(directory, exist_ok=True)
-        _items.write(directory, captured, compression=None, composite=isinstance(args, _args.Composite))
+        _items.write(directory, captured, compression=None, composite=isinstance(args, _args.Composite),
+                     custom_metadata=custom)
 
     def restore(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
                 **kwargs: Any) -> Any:
@@ -91,16 +93,13 @@ class CheckpointHandler:
 
     def metadata(self, directory: Any) -> Any:
         """Every saved path's :class:`~cairn.checkpoint.LeafMetadata` (per item for a
-        composite; ``"json"`` for JSON items), without reading array data.
+        composite; ``"json"`` for JSON items), without reading array data, with the saved
+        ``custom_metadata`` as an attribute (``CheckpointMetadata``).
 
         Args:
           directory: the folder :meth:`save` wrote.
         """
-        directory = os.fspath(directory)
-        kinds = _items.item_kinds(directory)
-        out = {n: (_restore.metadata_of(os.path.join(directory, n) if n else directory) if k == "pytree" else "json")
-               for n, k in kinds.items()}
-        return out[""] if "" in out else out
+        return _items.describe(os.fspath(directory))
 
     def finalize(self, directory: Any) -> None:
         """Nothing to do after a save (Orbax's hook; the write is complete when ``save`` returns).
