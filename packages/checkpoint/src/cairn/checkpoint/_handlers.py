@@ -157,6 +157,7 @@ class CompositeCheckpointHandler(CheckpointHandler):
 
     def __init__(self, *item_names: str, composite_options: Any = None, handler_registry: Any = None,
                  **items_and_handlers: Any) -> None:
+        del composite_options  # Orbax's options: accepted, the format is fixed
         if handler_registry is not None and items_and_handlers:
             raise ValueError("pass either handler_registry or handlers by item name (items_and_handlers), not both")
         if handler_registry is not None and item_names:
@@ -166,7 +167,6 @@ class CompositeCheckpointHandler(CheckpointHandler):
             raise TypeError(f"CompositeCheckpointHandler item names must be strings, got {bad!r}")
         self._handler_registry = (handler_registry if handler_registry is not None
                                   else registry_from(items_and_handlers))
-        self._item_names_without_registered_handlers = [n for n in item_names if n not in items_and_handlers]
         self._learnt: dict[str, Any] = {}
         self._own_handlers = list(items_and_handlers.values())
 

@@ -74,8 +74,10 @@ def custom_metadata_of(args: Any, explicit: Any, where: str) -> Any:
 def describe(directory: str) -> CheckpointMetadata:
     """:class:`CheckpointMetadata` of a directory written by :func:`write` (no array data)."""
     kinds = item_kinds(directory)
-    out = {n: (_restore.metadata_of(os.path.join(directory, n) if n else directory) if k == "pytree" else "json")
-           for n, k in kinds.items()}
+    out: dict[str, Any] = {
+        n: (_restore.metadata_of(os.path.join(directory, n) if n else directory) if k == "pytree" else "json")
+        for n, k in kinds.items()
+    }
     f = os.path.join(directory, CUSTOM_METADATA_FILE)
     custom = _fs.read_json(f, require_checksum=True) if os.path.isfile(f) else None
     return CheckpointMetadata(out[""] if "" in out else out, custom)

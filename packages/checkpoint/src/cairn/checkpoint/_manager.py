@@ -231,11 +231,11 @@ class CheckpointManagerOptions:
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         if self.async_options is not None and self.async_options.timeout_secs is not None:
             object.__setattr__(self, "timeout_secs", float(self.async_options.timeout_secs))
-        for name, cls in (("save_decision_policy", _policies.SaveDecisionPolicy),
-                          ("preservation_policy", _policies.PreservationPolicy)):
+        for name, base in (("save_decision_policy", _policies.SaveDecisionPolicy),
+                           ("preservation_policy", _policies.PreservationPolicy)):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, cls):
-                raise TypeError(f"{name} must be a checkpoint_managers.{cls.__name__}, got {type(value).__name__}")
+            if value is not None and not isinstance(value, base):
+                raise TypeError(f"{name} must be a checkpoint_managers.{base.__name__}, got {type(value).__name__}")
         if self.should_save_fn is not None and not callable(self.should_save_fn):
             raise TypeError(f"should_save_fn must be callable, got {type(self.should_save_fn).__name__}")
         if self.keep_time_interval is not None and not isinstance(self.keep_time_interval, datetime.timedelta):
@@ -974,7 +974,9 @@ class CheckpointManager(_BackgroundSaver):
         """Retention by ``preservation_policy``: keep what it preserves and the newest step."""
         ordered = sorted(steps)
         infos = [_policies.CheckpointInfo(s, steps[s][1].get("time"), steps[s][1].get("metrics")) for s in ordered]
-        keep = self._options.preservation_policy.should_preserve(infos)
+        policy = self._options.preservation_policy
+        assert policy is not None  # called only when one is set
+        keep = policy.should_preserve(infos)
         if len(keep) != len(ordered):
             raise ValueError(f"preservation_policy answered {len(keep)} values for {len(ordered)} steps")
         for s, k in zip(ordered[:-1], keep[:-1], strict=True):

@@ -76,7 +76,13 @@ class FixedIntervalPolicy(SaveDecisionPolicy):
             raise ValueError(f"FixedIntervalPolicy interval must be an int >= 1, got {self.interval!r}")
 
     def should_save(self, step: int, previous_steps: Sequence[int], context: DecisionContext) -> bool:
-        """True at multiples of ``interval`` (see :class:`SaveDecisionPolicy`)."""
+        """True at multiples of ``interval`` (see :class:`SaveDecisionPolicy`).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the committed steps, ascending.
+          context: see :class:`DecisionContext`.
+        """
         return step % self.interval == 0
 
 
@@ -91,7 +97,13 @@ class SpecificStepsPolicy(SaveDecisionPolicy):
     steps: Sequence[int] = ()
 
     def should_save(self, step: int, previous_steps: Sequence[int], context: DecisionContext) -> bool:
-        """True for the listed steps (see :class:`SaveDecisionPolicy`)."""
+        """True for the listed steps (see :class:`SaveDecisionPolicy`).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the committed steps, ascending.
+          context: see :class:`DecisionContext`.
+        """
         return step in set(self.steps)
 
 
@@ -100,7 +112,13 @@ class InitialSavePolicy(SaveDecisionPolicy):
     """Save the first step of a directory with no committed step."""
 
     def should_save(self, step: int, previous_steps: Sequence[int], context: DecisionContext) -> bool:
-        """True when nothing is committed yet (see :class:`SaveDecisionPolicy`)."""
+        """True when nothing is committed yet (see :class:`SaveDecisionPolicy`).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the committed steps, ascending.
+          context: see :class:`DecisionContext`.
+        """
         return not previous_steps
 
 
@@ -116,7 +134,13 @@ class ContinuousCheckpointingPolicy(SaveDecisionPolicy):
     minimum_interval_secs: float | None = None
 
     def should_save(self, step: int, previous_steps: Sequence[int], context: DecisionContext) -> bool:
-        """True when no save runs and the interval has passed (see :class:`SaveDecisionPolicy`)."""
+        """True when no save runs and the interval has passed (see :class:`SaveDecisionPolicy`).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the committed steps, ascending.
+          context: see :class:`DecisionContext`.
+        """
         if context.is_saving_in_progress:
             return False
         if self.minimum_interval_secs is None or context.last_save_time is None:
@@ -135,7 +159,13 @@ class AnySavePolicy(SaveDecisionPolicy):
     policies: Sequence[SaveDecisionPolicy] = field(default_factory=tuple)
 
     def should_save(self, step: int, previous_steps: Sequence[int], context: DecisionContext) -> bool:
-        """True if any policy says so (see :class:`SaveDecisionPolicy`)."""
+        """True if any policy says so (see :class:`SaveDecisionPolicy`).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the committed steps, ascending.
+          context: see :class:`DecisionContext`.
+        """
         return any(p.should_save(step, previous_steps, context) for p in self.policies)
 
 
@@ -163,7 +193,11 @@ class LatestN(PreservationPolicy):
     n: int | None = None
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
-        """See :class:`PreservationPolicy`."""
+        """One bool per checkpoint (see :class:`PreservationPolicy`).
+
+        Args:
+          checkpoints: the committed steps, ascending.
+        """
         if self.n is None:
             return [True] * len(checkpoints)
         return [i >= len(checkpoints) - self.n for i in range(len(checkpoints))]
@@ -184,7 +218,11 @@ class EveryNSteps(PreservationPolicy):
             raise ValueError(f"EveryNSteps interval_steps must be an int >= 1, got {self.interval_steps!r}")
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
-        """See :class:`PreservationPolicy`."""
+        """One bool per checkpoint (see :class:`PreservationPolicy`).
+
+        Args:
+          checkpoints: the committed steps, ascending.
+        """
         return [c.step % self.interval_steps == 0 for c in checkpoints]
 
 
@@ -199,7 +237,11 @@ class EveryNSeconds(PreservationPolicy):
     interval_secs: float
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
-        """See :class:`PreservationPolicy`."""
+        """One bool per checkpoint (see :class:`PreservationPolicy`).
+
+        Args:
+          checkpoints: the committed steps, ascending.
+        """
         out, last = [], None
         for c in checkpoints:
             keep = c.time is not None and (last is None or c.time - last >= self.interval_secs)
@@ -220,7 +262,11 @@ class CustomSteps(PreservationPolicy):
     steps: Sequence[int] = ()
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
-        """See :class:`PreservationPolicy`."""
+        """One bool per checkpoint (see :class:`PreservationPolicy`).
+
+        Args:
+          checkpoints: the committed steps, ascending.
+        """
         wanted = set(self.steps)
         return [c.step in wanted for c in checkpoints]
 
@@ -244,7 +290,11 @@ class BestN(PreservationPolicy):
     keep_checkpoints_without_metrics: bool = True
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
-        """See :class:`PreservationPolicy`."""
+        """One bool per checkpoint (see :class:`PreservationPolicy`).
+
+        Args:
+          checkpoints: the committed steps, ascending.
+        """
         scored = [(float(self.get_metric_fn(c.metrics)), c.step) for c in checkpoints if c.metrics is not None]
         # best first; among equal values the newer step first
         scored.sort(key=lambda vs: (vs[0] if self.reverse else -vs[0], -vs[1]))
@@ -263,7 +313,11 @@ class AnyPreservationPolicy(PreservationPolicy):
     policies: Sequence[PreservationPolicy] = field(default_factory=tuple)
 
     def should_preserve(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
-        """See :class:`PreservationPolicy`."""
+        """One bool per checkpoint (see :class:`PreservationPolicy`).
+
+        Args:
+          checkpoints: the committed steps, ascending.
+        """
         out = [False] * len(checkpoints)
         for p in self.policies:
             out = [a or b for a, b in zip(out, p.should_preserve(checkpoints), strict=True)]

@@ -18,15 +18,32 @@ class CheckpointHandlerRegistry:
     ``(item name or None, args class)`` to a handler instance."""
 
     def add(self, item: str | None, args: type, handler: Any = None, **kwargs: Any) -> None:
-        """Register ``handler`` for ``item`` saved or restored with ``args``."""
+        """Register ``handler`` for ``item`` saved or restored with ``args``.
+
+        Args:
+          item: the item name, or ``None`` for every item.
+          args: the args class.
+          handler: the handler (or ``None``: the one registered with ``args``).
+          **kwargs: options of the registry.
+        """
         raise NotImplementedError
 
     def get(self, item: str | None, args: type) -> Any:
-        """The handler registered for ``item`` and ``args`` (or a base class of them)."""
+        """The handler registered for ``item`` and ``args`` (or a base class of them).
+
+        Args:
+          item: the item name.
+          args: the args class.
+        """
         raise NotImplementedError
 
     def has(self, item: str | None, args: type) -> bool:
-        """Whether :meth:`get` finds a handler."""
+        """Whether :meth:`get` finds a handler.
+
+        Args:
+          item: the item name.
+          args: the args class.
+        """
         raise NotImplementedError
 
     def get_all_entries(self) -> dict[tuple[str | None, type], Any]:
@@ -121,7 +138,11 @@ class DefaultCheckpointHandlerRegistry(CheckpointHandlerRegistry):
         return dict(self._entries)
 
     def handlers_of(self, item: str) -> list[Any]:
-        """The handlers registered for ``item`` itself (not the catch-all ones)."""
+        """The handlers registered for ``item`` itself (not the catch-all ones).
+
+        Args:
+          item: the item name.
+        """
         return list(dict.fromkeys(h for (i, _), h in self._entries.items() if i == item))
 
 
