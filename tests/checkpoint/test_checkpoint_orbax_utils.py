@@ -372,3 +372,11 @@ def test_custom_metadata_is_stored_and_read_back(tmp_path):
     assert h.metadata(tmp_path / "none").custom_metadata == {}
     with pytest.raises(TypeError, match="custom_metadata"):
         ocp.PyTreeCheckpointer().save(tmp_path / "bad", tree, custom_metadata={"f": object()})
+
+
+def test_checkpoint_metadata_is_a_pytree_like_its_dict(tmp_path):
+    h = ocp.StandardCheckpointHandler()
+    h.save(tmp_path / "c", args=ocp.args.StandardSave({"a": np.arange(3), "b": {"c": np.ones(2)}}, custom_metadata={"x": 1}))
+    meta = h.metadata(tmp_path / "c")
+    dtypes = jax.tree.map(lambda m: m.dtype, meta)  # reaches each LeafMetadata, keeps the attributes
+    assert dict(dtypes) == {"a": "int64", "b/c": "float64"} and dtypes.custom_metadata == {"x": 1}

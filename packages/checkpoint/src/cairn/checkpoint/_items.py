@@ -13,6 +13,8 @@ import os
 import re
 from typing import Any
 
+import jax
+
 from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
 from cairn.checkpoint._errors import CheckpointError
 from cairn.checkpoint._json_item import JSON_ITEM_FILE, jsonable, read_json_item, write_json_item
@@ -62,6 +64,20 @@ class CheckpointMetadata(dict):
     def item_metadata(self) -> dict[str, Any]:
         """The leaves' metadata (this dict itself, as a plain dict)."""
         return dict(self)
+
+
+def _flatten_metadata(m: CheckpointMetadata) -> tuple[list[Any], tuple[tuple[str, ...], Any]]:
+    keys = tuple(sorted(m))
+    return [m[k] for k in keys], (keys, m.custom_metadata)
+
+
+def _unflatten_metadata(aux: tuple[tuple[str, ...], Any], children: list[Any]) -> CheckpointMetadata:
+    keys, custom = aux
+    return CheckpointMetadata(dict(zip(keys, children, strict=True)), custom)
+
+
+# a pytree node like the dict it is, so jax.tree.map(f, metadata) reaches each LeafMetadata
+jax.tree_util.register_pytree_node(CheckpointMetadata, _flatten_metadata, _unflatten_metadata)
 
 
 def custom_metadata_of(args: Any, explicit: Any, where: str) -> Any:

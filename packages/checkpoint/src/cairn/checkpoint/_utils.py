@@ -243,3 +243,4 @@ def is_tmp_checkpoint(path: str | os.PathLike) -> bool:
     """
     path = os.fspath(path)
     return os.path.isdir(path) and (path.rstrip("/").endswith(_fs.TMP_SUFFIX) or not _fs.is_committed(path))
+
