@@ -9,9 +9,9 @@ import cairn.checkpoint as cc
 
 SRC = pathlib.Path(cc.__file__).parent
 # Orbax's calling conventions (ocp.args, handlers, checkpointers, per-leaf args, the manager's
-# args= / checkpointers forms) and the public modules that only re-export them
-COMPAT = {"_args", "_handlers", "_checkpointers", "_items", "_leaf_args", "_orbax_manager", "args"}
-EDGE = COMPAT | {"__init__", "utils", "test_utils"}
+# args= / checkpointers forms, handler registries) and the public modules that only re-export them
+COMPAT = {"_args", "_handlers", "_checkpointers", "_items", "_leaf_args", "_orbax_manager", "_registry", "args"}
+EDGE = COMPAT | {"__init__", "utils", "test_utils", "checkpoint_utils", "type_handlers"}
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:

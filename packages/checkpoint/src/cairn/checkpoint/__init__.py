@@ -6,7 +6,15 @@ item_names=...)``, ``SaveArgs``/``RestoreArgs``/``ArrayRestoreArgs``, ``PLACEHOL
 ``ocp.utils.to_shape_dtype_struct`` and ``ocp.test_utils.erase_and_create_empty``.
 """
 
-from cairn.checkpoint import args, step, test_utils, utils
+from cairn.checkpoint import (
+    args,
+    checkpoint_managers,
+    checkpoint_utils,
+    step,
+    test_utils,
+    type_handlers,
+    utils,
+)
 from cairn.checkpoint._checkpointer import metadata, restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
@@ -17,6 +25,7 @@ from cairn.checkpoint._checkpointers import (
 from cairn.checkpoint._errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointWriteError,
     ChecksumError,
     StepAlreadyExistsError,
@@ -33,6 +42,7 @@ from cairn.checkpoint._handlers import (
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
 )
+from cairn.checkpoint._items import CheckpointMetadata
 from cairn.checkpoint._leaf_args import (
     PLACEHOLDER,
     ArrayRestoreArgs,
@@ -55,8 +65,10 @@ from cairn.checkpoint._orbax_manager import (
     StepMetadata,
 )
 from cairn.checkpoint._preemption import PREEMPTION_EXIT_CODE
+from cairn.checkpoint._registry import CheckpointHandlerRegistry, DefaultCheckpointHandlerRegistry
 from cairn.checkpoint._restore import LeafMetadata
 from cairn.checkpoint._safetensors import load_safetensors, save_safetensors
+from cairn.checkpoint._utils import intersect_trees, merge_trees
 
 __version__ = "0.1.0"
 
@@ -73,13 +85,17 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointHandler",
     "CheckpointManager",
+    "CheckpointHandlerRegistry",
     "CheckpointManagerOptions",
+    "CheckpointMetadata",
     "CheckpointWriteError",
     "Checkpointer",
     "ChecksumError",
     "CompositeCheckpointHandler",
+    "DefaultCheckpointHandlerRegistry",
     "FileOptions",
     "GOODPUT_FILE",
     "GoodputRecorder",
@@ -99,6 +115,10 @@ __all__ = [
     "Transform",
     "apply_transformations",
     "args",
+    "intersect_trees",
+    "merge_trees",
+    "checkpoint_managers",
+    "checkpoint_utils",
     "load_safetensors",
     "metadata",
     "restore",
@@ -106,5 +126,6 @@ __all__ = [
     "save_safetensors",
     "step",
     "test_utils",
+    "type_handlers",
     "utils",
 ]

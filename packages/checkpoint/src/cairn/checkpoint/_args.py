@@ -131,6 +131,12 @@ class ArraySave(CheckpointArgs):
     save_args: Any = None
     saving: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.item, (str, bytes)) or not (
+            hasattr(self.item, "shape") and hasattr(self.item, "dtype") or isinstance(self.item, (bool, int, float, complex))
+        ):
+            raise TypeError(f"ArraySave saves one array or number, got {type(self.item).__name__}")
+
 
 @dataclass
 class ArrayRestore(CheckpointArgs):
@@ -263,6 +269,11 @@ def register_with_handler(handler_cls: type, for_save: bool = False, for_restore
         return cls
 
     return register
+
+
+def has_registered_args(handler_cls: type) -> bool:
+    """Whether any args class is registered with exactly ``handler_cls``."""
+    return any(h is handler_cls for h, _, _ in _REGISTRY.values())
 
 
 def get_registered_handler_cls(args: Any) -> type | None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 from cairn.checkpoint import _fs, _multihost, _ownership, _restore, _tree
-from cairn.checkpoint._errors import CheckpointError, CheckpointWriteError
+from cairn.checkpoint._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from cairn.checkpoint._restore import LeafMetadata
 
 
@@ -54,7 +54,7 @@ def _prepare_tmp(final: str, force: bool, timeout_s: float = 600.0) -> str:
     """Create this save's owner-named temporary directory next to ``final`` (primary), after
     removing leftovers of dead writers of ``final``; every process learns its name."""
     if os.path.exists(final) and not force:
-        raise FileExistsError(f"checkpoint {final} already exists (pass force=True to replace it)")
+        raise CheckpointExistsError(f"checkpoint {final} already exists (pass force=True to replace it)")
     tmp = ""
     if _multihost.is_primary():
         parent, base = os.path.split(final)

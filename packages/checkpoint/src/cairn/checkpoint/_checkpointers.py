@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items, _restore
+from cairn.checkpoint import _args, _items
 from cairn.checkpoint._checkpointer import (
     _Background,
     _BackgroundSaver,
@@ -108,7 +109,7 @@ class Checkpointer(_BackgroundSaver):
         self,
         directory: str | os.PathLike,
         item: Any = None,
-        *,
+        *extra_args: Any,
         args: _args.CheckpointArgs | None = None,
         force: bool = False,
         save_args: Any = None,
@@ -119,31 +120,37 @@ class Checkpointer(_BackgroundSaver):
         Args:
           directory: the checkpoint directory to create.
           item: the tree to save (wrapped in the handler's save arguments), or save arguments.
+          *extra_args: Orbax's older form for a user's own handler: passed on positionally,
+            as ``handler.save(directory, item, *extra_args)`` (and ``async_save``).
           args: Orbax's save arguments (``ocp.args.StandardSave(tree)``, ``Composite(...)``).
           force: replace an existing ``directory``.
           save_args: a tree of per-leaf :class:`SaveArgs` for ``item``.
           custom_metadata: a JSON-able value stored with the item.
 
         Raises:
-          FileExistsError: ``directory`` exists and ``force`` is false.
+          CheckpointExistsError: ``directory`` exists and ``force`` is false (a ``FileExistsError`` and a ``ValueError``).
           TypeError: a leaf cannot be saved (naming its path), or ``args`` are not save args.
         """
         self._bg.wait()
         final = os.path.abspath(os.fspath(directory))
         if is_custom(self._handler):
-            self._save_custom(final, item if args is None else args, force)
+            self._save_custom(final, item if args is None else args, force, extra_args)
             return
+        if extra_args:
+            raise TypeError(f"save() takes extra positional arguments only with a user's own handler, got {len(extra_args)}")
         a = self._save_args(item, args, save_args)
         copy = self.asynchronous
         if a is None:
             a = _args.StandardSave(item)
+        custom = _items.custom_metadata_of(a, custom_metadata, f"save to {final}")
         captured = _items.capture(a, copy_host=copy, compression=self._compression)
         tmp = _prepare_tmp(final, force)
         compression, composite = self._compression, isinstance(a, _args.Composite)
 
         def tail() -> None:
             write_and_commit(
-                lambda: _items.write(tmp, captured, compression=compression, composite=composite),
+                lambda: _items.write(tmp, captured, compression=compression, composite=composite,
+                                     custom_metadata=custom),
                 tmp, final, force, _items.verify,
             )
 
@@ -152,20 +159,24 @@ class Checkpointer(_BackgroundSaver):
         else:
             tail()
 
-    def _save_custom(self, final: str, args: Any, force: bool) -> None:
+    def _save_custom(self, final: str, args: Any, force: bool, legacy: tuple[Any, ...] = ()) -> None:
         """A user's handler writes a temporary directory (``async_save`` in the caller's
         thread when asynchronous, then its futures are awaited in the background), is
-        finalized, and the directory is committed atomically."""
+        finalized, and the directory is committed atomically. With ``legacy`` positional
+        arguments (Orbax's older form) the handler gets ``(directory, item, *legacy)``."""
         handler = self._handler
-        args = _args.wrap_for_handler(handler, args, for_save=True)
+        if legacy:
+            call_args, call_kw = (args, *legacy), {}
+        else:
+            call_args, call_kw = (), {"args": _args.wrap_for_handler(handler, args, for_save=True)}
         tmp = _prepare_tmp(final, force)
         pending: list[Any] = []
         if self.asynchronous:
-            pending = list(asyncio.run(handler.async_save(tmp, args=args)) or [])  # type: ignore[union-attr]
+            pending = list(asyncio.run(handler.async_save(tmp, *call_args, **call_kw)) or [])  # type: ignore[union-attr]
 
         def write() -> None:
             if not self.asynchronous:
-                handler.save(tmp, args=args)  # type: ignore[union-attr]
+                handler.save(tmp, *call_args, **call_kw)  # type: ignore[union-attr]
             for f in pending:
                 f.result()
             handler.finalize(tmp)  # type: ignore[union-attr]
@@ -197,7 +208,9 @@ class Checkpointer(_BackgroundSaver):
           item: the restore target, or ``None`` (as saved).
           args: Orbax's restore arguments (``ocp.args.StandardRestore(abstract)``, ``Composite(...)``).
           strict: ``False`` truncates or zero-pads arrays whose target shape differs (as in Orbax).
-          **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its restore arguments.
+          **kwargs: :func:`restore`'s keywords without a handler; with one, more fields of its
+            restore arguments; with a user's own handler whose ``restore`` takes no
+            ``args``, passed on to it with ``item`` (Orbax's older form).
         """
         self._bg.wait()
         directory = os.fspath(directory)
@@ -205,6 +218,9 @@ class Checkpointer(_BackgroundSaver):
             item, args = None, item
         if is_custom(self._handler):
             _require_committed(directory)
+            takes_args = "args" in inspect.signature(self._handler.restore).parameters  # type: ignore[union-attr]
+            if kwargs and args is None and not takes_args:  # Orbax's older form: the handler's own keywords
+                return self._handler.restore(directory, item=item, **kwargs)  # type: ignore[union-attr]
             wanted = args if args is not None else _args.wrap_for_handler(self._handler, item, for_save=False)
             return self._handler.restore(directory, args=wanted)  # type: ignore[union-attr]
         if args is None and self._handler is None and not os.path.isfile(
@@ -224,7 +240,8 @@ class Checkpointer(_BackgroundSaver):
 
     def metadata(self, directory: str | os.PathLike) -> Any:
         """Every saved path's :class:`LeafMetadata` (per item for a ``Composite``; ``"json"``
-        for JSON items), without reading array data.
+        for JSON items), without reading array data: a dict with Orbax's
+        ``custom_metadata`` and ``item_metadata`` as attributes (``CheckpointMetadata``).
 
         Args:
           directory: the checkpoint to describe.
@@ -232,12 +249,7 @@ class Checkpointer(_BackgroundSaver):
         self._bg.wait()
         directory = os.fspath(directory)
         _require_committed(directory)
-        kinds = _items.item_kinds(directory)
-        out = {
-            n: (_restore.metadata_of(os.path.join(directory, n)) if k == "pytree" else "json")
-            for n, k in kinds.items()
-        }
-        return out[""] if "" in out else out
+        return _items.describe(directory)
 
 
 class AsyncCheckpointer(Checkpointer):

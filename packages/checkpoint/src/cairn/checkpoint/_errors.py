@@ -55,5 +55,10 @@ class SyncTimeoutError(CheckpointError, TimeoutError):
         self.missing = missing
 
 
-class StepAlreadyExistsError(FileExistsError):
+class CheckpointExistsError(FileExistsError, ValueError):
+    """A save (without ``force``) into a checkpoint that already exists; also a
+    ``ValueError``, the class Orbax raises for it."""
+
+
+class StepAlreadyExistsError(CheckpointExistsError):
     """A save of a step that is already committed (intact) in the tier it would go to."""

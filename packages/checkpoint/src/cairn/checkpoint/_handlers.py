@@ -6,9 +6,10 @@ always cairn.checkpoint's own)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items, _restore
+from cairn.checkpoint import _args, _items, _registry
 
 
 class CheckpointHandler:
@@ -59,9 +60,11 @@ class CheckpointHandler:
         elif item is not None:
             raise TypeError("pass either the item or args=, not both")
         directory = os.fspath(directory)
+        custom = _items.custom_metadata_of(args, None, f"save to {directory}")
         captured = _items.capture(args, copy_host=False, compression=None)
         os.makedirs(directory, exist_ok=True)
-        _items.write(directory, captured, compression=None, composite=isinstance(args, _args.Composite))
+        _items.write(directory, captured, compression=None, composite=isinstance(args, _args.Composite),
+                     custom_metadata=custom)
 
     def restore(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
                 **kwargs: Any) -> Any:
@@ -90,16 +93,13 @@ class CheckpointHandler:
 
     def metadata(self, directory: Any) -> Any:
         """Every saved path's :class:`~cairn.checkpoint.LeafMetadata` (per item for a
-        composite; ``"json"`` for JSON items), without reading array data.
+        composite; ``"json"`` for JSON items), without reading array data, with the saved
+        ``custom_metadata`` as an attribute (``CheckpointMetadata``).
 
         Args:
           directory: the folder :meth:`save` wrote.
         """
-        directory = os.fspath(directory)
-        kinds = _items.item_kinds(directory)
-        out = {n: (_restore.metadata_of(os.path.join(directory, n) if n else directory) if k == "pytree" else "json")
-               for n, k in kinds.items()}
-        return out[""] if "" in out else out
+        return _items.describe(os.fspath(directory))
 
     def finalize(self, directory: Any) -> None:
         """Nothing to do after a save (Orbax's hook; the write is complete when ``save`` returns).
@@ -141,7 +141,90 @@ class JsonCheckpointHandler(CheckpointHandler):
 
 
 class CompositeCheckpointHandler(CheckpointHandler):
-    """Several named items (``args.Composite``); a bare item is refused."""
+    """Several named items (``args.Composite``); a bare item is refused.
+
+    Each item's handler is known from ``items_and_handlers``, from ``handler_registry``, or
+    from the args the item is first saved or restored with; args another handler takes
+    are then refused for that item (``ValueError``, as in Orbax). Restoring without args
+    (or with an empty ``Composite``) reads every saved item as saved.
+
+    Args:
+      *item_names: names of items whose handler is learnt from their first args.
+      composite_options: Orbax's options, accepted and ignored.
+      handler_registry: a ``DefaultCheckpointHandlerRegistry`` of handlers by item and args.
+      **items_and_handlers: a handler per item name.
+    """
+
+    def __init__(self, *item_names: str, composite_options: Any = None, handler_registry: Any = None,
+                 **items_and_handlers: Any) -> None:
+        del composite_options  # Orbax's options: accepted, the format is fixed
+        if handler_registry is not None and items_and_handlers:
+            raise ValueError("pass either handler_registry or handlers by item name (items_and_handlers), not both")
+        if handler_registry is not None and item_names:
+            raise ValueError("pass either handler_registry or item_names, not both (register the items instead)")
+        bad = [n for n in item_names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"CompositeCheckpointHandler item names must be strings, got {bad!r}")
+        self._handler_registry = (handler_registry if handler_registry is not None
+                                  else registry_from(items_and_handlers))
+        self._learnt: dict[str, Any] = {}
+        self._own_handlers = list(items_and_handlers.values())
+
+    def close(self) -> None:
+        """Close every item's handler (those given, registered or learnt), each once."""
+        reg = self._handler_registry
+        entries = list(reg.get_all_entries().values()) if hasattr(reg, "get_all_entries") else []
+        seen: set[int] = set()
+        for handler in [*self._own_handlers, *entries, *self._learnt.values()]:
+            if id(handler) not in seen:
+                seen.add(id(handler))
+                handler.close()
+
+    def _check_items(self, args: Any) -> None:
+        """Refuse an item's args that its known handler does not take; learn the handler of
+        an item seen for the first time."""
+        if not isinstance(args, _args.Composite):
+            return
+        for name, item_args in args.items():
+            if item_args is None:
+                continue
+            handlers = self._handler_registry.handlers_of(name) if hasattr(self._handler_registry, "handlers_of") else []
+            known = handlers or ([self._learnt[name]] if name in self._learnt else [])
+            if known:
+                if not any(takes(h, item_args) for h in known):
+                    raise _registry.mismatch(name, item_args, known[0])
+                continue
+            cls = handler_class_of(item_args)
+            if cls is not None:
+                self._learnt[name] = cls()
+
+    def save(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
+             **kwargs: Any) -> None:
+        """Write the items of an ``args.Composite`` into ``directory`` (one folder each).
+
+        Args:
+          directory: the folder to write into.
+          item: the ``args.Composite`` (or pass it as ``args``).
+          args: the ``args.Composite``.
+          **kwargs: ignored.
+        """
+        self._check_items(args if args is not None else item)
+        super().save(directory, item, args=args)
+
+    def restore(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
+                **kwargs: Any) -> Any:
+        """Read the items of ``directory`` back as a ``Composite``: those ``args`` name
+        (per their args; ``None`` values as saved), or every item.
+
+        Args:
+          directory: the folder :meth:`save` wrote.
+          item: the ``args.Composite`` (or pass it as ``args``), or ``None``.
+          args: the ``args.Composite``, or ``None``.
+          **kwargs: ignored.
+        """
+        args = args if args is not None else item
+        self._check_items(args)
+        return super().restore(directory, args=args)
 
     def save_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs:
         """``item`` itself, which must be an ``args.Composite``.
@@ -183,6 +266,12 @@ class AsyncCheckpointHandler(CheckpointHandler):
 BUILTIN_HANDLERS = (StandardCheckpointHandler, PyTreeCheckpointHandler, ArrayCheckpointHandler,
                     JsonCheckpointHandler, CompositeCheckpointHandler)
 
+# cairn's own args belong to their handlers, as Orbax registers its own
+for _handler in BUILTIN_HANDLERS[:-1]:
+    _args.register_with_handler(_handler, for_save=True)(_handler.save_type)
+    _args.register_with_handler(_handler, for_restore=True)(_handler.restore_type)
+_args.register_with_handler(CompositeCheckpointHandler, for_save=True, for_restore=True)(_args.Composite)
+
 
 def is_custom(handler: Any) -> bool:
     """Whether ``handler`` stores data itself (a user's subclass that overrides ``save``,
@@ -191,3 +280,47 @@ def is_custom(handler: Any) -> bool:
         return False
     cls = type(handler)
     return any(getattr(cls, m) is not getattr(CheckpointHandler, m) for m in ("save", "async_save", "restore"))
+
+
+def handler_class_of(args: Any) -> type | None:
+    """The handler class whose args ``args`` (a class or an instance) are: a class
+    registered with ``register_with_handler``, or a subclass of a built-in handler's
+    save or restore args."""
+    cls = args if isinstance(args, type) else type(args)
+    registered = _args.get_registered_handler_cls(cls)
+    if registered is not None:
+        return registered
+    for handler in BUILTIN_HANDLERS:
+        for base in (handler.save_type, handler.restore_type):
+            if base is not None and issubclass(cls, base):
+                return handler
+    return None
+
+
+def registry_from(handlers: Mapping[str, Any]) -> _registry.DefaultCheckpointHandlerRegistry:
+    """A registry with each ``{item: handler}`` registered for its save and restore args."""
+    reg = _registry.DefaultCheckpointHandlerRegistry()
+    for name, handler in handlers.items():
+        if not isinstance(handler, CheckpointHandler):
+            raise TypeError(f"the handler of item {name!r} must be a checkpoint handler, got {type(handler).__name__}")
+        if isinstance(handler, type):
+            handler = handler()
+        for t in (handler.save_type, handler.restore_type):
+            if isinstance(t, type) and issubclass(t, _args.CheckpointArgs) and not reg.has(name, t):
+                reg.add(name, t, handler)
+    return reg
+
+
+def takes(handler: Any, args: Any) -> bool:
+    """Whether ``handler`` takes ``args`` (a class or instance): for cairn's handlers (and
+    subclasses), their own save / restore args or subclasses of them, or a class registered
+    with the handler's class; a user's own handler takes what is registered with it, or
+    anything if nothing is (it cannot be told)."""
+    cls = args if isinstance(args, type) else type(args)
+    registered = _args.get_registered_handler_cls(cls)
+    if registered is not None and isinstance(handler, registered):
+        return True
+    if isinstance(handler, BUILTIN_HANDLERS):
+        own = (type(handler).save_type, type(handler).restore_type)
+        return any(isinstance(t, type) and issubclass(cls, t) for t in own)
+    return not _args.has_registered_args(type(handler))

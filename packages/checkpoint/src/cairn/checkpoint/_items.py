@@ -13,11 +13,14 @@ import os
 import re
 from typing import Any
 
+import jax
+
 from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
 from cairn.checkpoint._errors import CheckpointError
 from cairn.checkpoint._json_item import JSON_ITEM_FILE, jsonable, read_json_item, write_json_item
 
 ITEMS_FILE = "_ITEMS.json"
+CUSTOM_METADATA_FILE = "_CUSTOM_METADATA.json"
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
@@ -43,8 +46,65 @@ def capture(args: _args.CheckpointArgs, *, copy_host: bool, compression: str | N
     return out
 
 
-def write(tmp: str, captured: dict[str, Any], *, compression: str | None, composite: bool) -> None:
-    """Write captured items into the temporary directory ``tmp`` (the caller commits)."""
+class CheckpointMetadata(dict):
+    """What a checkpointer's or handler's ``metadata(directory)`` returns: the dict of every
+    saved path's :class:`~cairn.checkpoint.LeafMetadata` (per item for a composite, ``"json"``
+    for JSON items), with Orbax's step-metadata fields as attributes.
+
+    Args:
+      leaves: the ``{path: LeafMetadata}`` (or ``{item: ...}``) dict.
+      custom_metadata: the ``custom_metadata`` saved with the checkpoint (``{}`` if none).
+    """
+
+    def __init__(self, leaves: dict[str, Any], custom_metadata: Any = None) -> None:
+        super().__init__(leaves)
+        self.custom_metadata = {} if custom_metadata is None else custom_metadata
+
+    @property
+    def item_metadata(self) -> dict[str, Any]:
+        """The leaves' metadata (this dict itself, as a plain dict)."""
+        return dict(self)
+
+
+def _flatten_metadata(m: CheckpointMetadata) -> tuple[list[Any], tuple[tuple[str, ...], Any]]:
+    keys = tuple(sorted(m))
+    return [m[k] for k in keys], (keys, m.custom_metadata)
+
+
+def _unflatten_metadata(aux: tuple[tuple[str, ...], Any], children: list[Any]) -> CheckpointMetadata:
+    keys, custom = aux
+    return CheckpointMetadata(dict(zip(keys, children, strict=True)), custom)
+
+
+# a pytree node like the dict it is, so jax.tree.map(f, metadata) reaches each LeafMetadata
+jax.tree_util.register_pytree_node(CheckpointMetadata, _flatten_metadata, _unflatten_metadata)
+
+
+def custom_metadata_of(args: Any, explicit: Any, where: str) -> Any:
+    """The JSON-able ``custom_metadata`` a save stores: ``explicit`` if given, else the
+    args' own field (``StandardSave(tree, custom_metadata=...)``)."""
+    value = explicit if explicit is not None else getattr(args, "custom_metadata", None)
+    return None if value is None else jsonable(value, f"{where}: custom_metadata")
+
+
+def describe(directory: str) -> CheckpointMetadata:
+    """:class:`CheckpointMetadata` of a directory written by :func:`write` (no array data)."""
+    kinds = item_kinds(directory)
+    out: dict[str, Any] = {
+        n: (_restore.metadata_of(os.path.join(directory, n) if n else directory) if k == "pytree" else "json")
+        for n, k in kinds.items()
+    }
+    f = os.path.join(directory, CUSTOM_METADATA_FILE)
+    custom = _fs.read_json(f, require_checksum=True) if os.path.isfile(f) else None
+    return CheckpointMetadata(out[""] if "" in out else out, custom)
+
+
+def write(tmp: str, captured: dict[str, Any], *, compression: str | None, composite: bool,
+          custom_metadata: Any = None) -> None:
+    """Write captured items (and a JSON-able ``custom_metadata``) into the temporary
+    directory ``tmp`` (the caller commits)."""
+    if custom_metadata is not None and _multihost.is_primary():
+        _fs.write_json_durable(os.path.join(tmp, CUSTOM_METADATA_FILE), custom_metadata)
     for name, (kind, value) in captured.items():
         sub = os.path.join(tmp, name) if name else tmp
         if kind == "json":
@@ -94,7 +154,7 @@ def restore(directory: str, args: _args.CheckpointArgs | None) -> Any:
         raise TypeError(
             f"{directory} holds the items {sorted(kinds)}; restore it with args=ocp.args.Composite(...)"
         )
-    wanted = dict(args) if args is not None else dict.fromkeys(kinds)
+    wanted = dict(args) if args else dict.fromkeys(kinds)  # an empty Composite: every item, as in Orbax
     unknown = sorted(set(wanted) - set(kinds))
     if unknown:
         raise KeyError(f"{directory} has no item(s) {unknown}; it holds {sorted(kinds)}")

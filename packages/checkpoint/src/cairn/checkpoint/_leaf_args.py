@@ -168,8 +168,11 @@ def apply_transformations(original_tree: Any, transformations: Any, new_tree: An
     reads the original leaf at ``original_key`` (default: its own path), then
     ``value_fn``; ``multi_value_fn(path, original_tree)`` computes it instead. A leaf with
     no transform reads its own path of the original when ``default_to_original``, else
-    keeps its value. A source the original lacks keeps ``new_tree``'s value with
-    ``use_fallback`` (or no transform) and raises ``ValueError`` otherwise.
+    keeps its value. A leaf whose transform has ``use_fallback`` reads the *other* tree
+    than the default: ``new_tree``'s value when ``default_to_original``, else the
+    original's (``ValueError`` if the original lacks it), as in Orbax. A source the
+    original lacks keeps ``new_tree``'s value when the leaf has no transform and raises
+    ``ValueError`` otherwise.
 
     Args:
       original_tree: the tree to read from (e.g. what a checkpoint held).
@@ -197,11 +200,20 @@ def apply_transformations(original_tree: Any, transformations: Any, new_tree: An
         if tf is None and not default_to_original:
             out[p] = fallback
             continue
+        if tf is not None and tf.use_fallback:
+            # the "fallback tree" is the one the default does not read (Orbax's rule)
+            if default_to_original:
+                out[p] = fallback
+            elif (src or p) in flat_orig:
+                out[p] = flat_orig[src or p]
+            else:
+                raise ValueError(f"transformation of {p!r} falls back to the original tree, which lacks {src or p!r}")
+            continue
         src = src or p
         if src in flat_orig:
             v = flat_orig[src]
             out[p] = tf.value_fn(v) if tf is not None and tf.value_fn is not None else v
-        elif tf is None or tf.use_fallback:
+        elif tf is None:
             out[p] = fallback
         else:
             raise ValueError(f"transformation of {p!r} reads {src!r}, which the original tree lacks")
@@ -312,9 +324,18 @@ def build_target(req: RestoreRequest, saved: Mapping[str, LeafMetadata], where: 
         raise TargetMismatchError(
             f"{where}: restore_args name paths the checkpoint lacks: {missing} (it holds {sorted(saved)})"
         )
-    skipped = len(wanted) < len(flatten_with_paths(base, is_leaf=_is_leaf))
-    if not skipped:
+    covered = flatten_with_paths(base, is_leaf=_is_leaf)
+    if len(wanted) == len(covered):
         return target, None
+    # PLACEHOLDER leaves make the read partial: a saved leaf must still be named (as a
+    # value or a PLACEHOLDER of that leaf) unless the restore is partial
+    extra = [] if req.partial else sorted(p for p in saved if p not in covered)
+    if extra:
+        raise TargetMismatchError(
+            f"{where}: User-provided restore item and on-disk value differ: the checkpoint's paths {extra[:8]} are "
+            "neither in the item nor a PLACEHOLDER leaf (a PLACEHOLDER stands for one leaf; pass "
+            "partial_restore=True to skip saved paths)"
+        )
     # one alternation, not one pattern per leaf: each saved path is matched once
     return target, (["(?:" + "|".join(wanted) + ")"] if wanted else [])
 
@@ -327,6 +348,9 @@ def _target_leaf(
     A shape other than saved, if allowed (``strict=False``), is read as saved and recorded
     in ``req.fixes`` to be truncated or padded afterwards."""
     if meta.kind == "scalar":
+        if ra is not None and ra.restore_type is np.ndarray and not isinstance(meta.value, str):
+            req.fixes[path] = ((), None)  # a saved Python number asked for as a NumPy array: 0-d after the read
+            return meta.value
         return t if t is not None and not _is_array_like(t) else meta.value
     saved_shape = tuple(meta.shape)
     shape = tuple(t.shape) if hasattr(t, "shape") else saved_shape
@@ -427,3 +451,62 @@ def _restore_transformed(directory: str, req: RestoreRequest, saved: Mapping[str
         return tf.value_fn(v) if tf is not None and tf.value_fn is not None else v
 
     return map_with_path(value, req.item, is_leaf=_is_leaf)
+
+
+def _leaf_restore_args(leaf: Any, sharding: Any, set_global_shape: bool, strict: bool) -> Any:
+    """The ``RestoreArgs`` that restore ``leaf``'s kind of value (see :func:`construct_restore_args`)."""
+    if isinstance(leaf, LeafMetadata):
+        if leaf.kind == "scalar":
+            return RestoreArgs(restore_type=type(leaf.value))
+        if leaf.kind == "jax" and sharding is not None:
+            return ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding, dtype=as_numpy_dtype(leaf.dtype),
+                                    global_shape=tuple(leaf.shape) if set_global_shape else None, strict=strict)
+        return RestoreArgs(restore_type=np.ndarray, dtype=as_numpy_dtype(leaf.dtype))
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding, dtype=leaf.dtype,
+                                    global_shape=tuple(leaf.shape) if set_global_shape else None, strict=strict)
+        return RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+    if isinstance(leaf, (bool, int, float, complex, str)):
+        return RestoreArgs(restore_type=type(leaf))
+    raise TypeError(
+        f"construct_restore_args: cannot restore a leaf of type {type(leaf).__name__} (expected a jax.Array, "
+        "jax.ShapeDtypeStruct, NumPy array or scalar, Python scalar, str or LeafMetadata)"
+    )
+
+
+def construct_restore_args(target: Any, sharding_tree: Any = None, set_global_shape: bool = True,
+                           support_layout: bool = False, strict: bool = True) -> Any:
+    """A tree of per-leaf restore arguments shaped like ``target`` (Orbax's
+    ``checkpoint_utils.construct_restore_args``): a device array (or one whose
+    ``sharding_tree`` entry is a sharding) gets ``ArrayRestoreArgs(sharding, global_shape,
+    dtype)``, a NumPy array ``RestoreArgs(np.ndarray, dtype)``, a Python scalar or string
+    ``RestoreArgs(its type)``. ``target`` may also be :func:`metadata` 's ``LeafMetadata``
+    tree.
+
+    Args:
+      target: the tree to restore onto (arrays, ``jax.ShapeDtypeStruct`` s, scalars,
+        ``LeafMetadata``).
+      sharding_tree: a tree like ``target`` of ``jax.sharding.Sharding`` (or ``None`` per
+        leaf: the leaf's own sharding, if any); ``None`` for all.
+      set_global_shape: put each array's shape in its ``ArrayRestoreArgs``.
+      support_layout: not supported (``True`` raises ``NotImplementedError``).
+      strict: the ``ArrayRestoreArgs.strict`` of every array.
+
+    >>> construct_restore_args({"w": np.zeros(3, np.float32), "n": 2})["n"]
+    RestoreArgs(restore_type=<class 'int'>, dtype=None)
+    """
+    if support_layout:
+        raise NotImplementedError("construct_restore_args(support_layout=True) is not supported")
+    flat = flatten_with_paths(target, is_leaf=lambda x: isinstance(x, LeafMetadata))
+    shardings: dict[str, Any] = {}
+    if sharding_tree is not None:
+        shardings = flatten_with_paths(sharding_tree, is_leaf=lambda x: x is None)
+        unknown = sorted(set(shardings) - set(flat))
+        if unknown:
+            raise ValueError(f"construct_restore_args: sharding_tree paths {unknown[:5]} are not in the target")
+    out = {p: _leaf_restore_args(v, shardings.get(p), set_global_shape, strict) for p, v in flat.items()}
+    return map_with_path(lambda p, _: out[p], target, is_leaf=lambda x: isinstance(x, LeafMetadata))

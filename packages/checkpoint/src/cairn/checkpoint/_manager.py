@@ -18,6 +18,7 @@ from cairn.checkpoint import (
     _json_item,
     _multihost,
     _ownership,
+    _policies,
     _preemption,
     _restore,
     _tree,
@@ -167,6 +168,14 @@ class CheckpointManagerOptions:
       async_options: an :class:`AsyncOptions` (its ``timeout_secs`` sets ``timeout_secs``).
       multiprocessing_options: a :class:`MultiprocessingOptions`.
       file_options: a :class:`FileOptions`.
+      save_decision_policy: a ``checkpoint_managers`` save decision policy
+        (``FixedIntervalPolicy``, ``ContinuousCheckpointingPolicy``...): it alone decides
+        which steps are saved, in place of ``save_interval_steps``, ``save_on_steps`` and
+        ``should_save_fn`` (a preemption is still saved; the local tier keeps its interval).
+      preservation_policy: a ``checkpoint_managers`` preservation policy (``LatestN``,
+        ``BestN``, ``EveryNSteps``...): it alone decides which persistent steps retention
+        keeps, in place of ``max_to_keep``, ``best_fn``, ``keep_period`` and
+        ``keep_time_interval``; the newest step is always kept.
       read_only: the manager never writes (``save`` answers ``False`` with a warning),
         creates or cleans nothing: ``save_interval_steps=0``, no retention, ``create`` and
         ``cleanup_tmp_directories`` false, as in Orbax.
@@ -205,6 +214,8 @@ class CheckpointManagerOptions:
     async_options: AsyncOptions | None = None
     multiprocessing_options: MultiprocessingOptions | None = None
     file_options: FileOptions | None = None
+    save_decision_policy: _policies.SaveDecisionPolicy | None = None
+    preservation_policy: _policies.PreservationPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.read_only:  # what a read-only manager may not do, switched off (as in Orbax)
@@ -220,6 +231,11 @@ class CheckpointManagerOptions:
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         if self.async_options is not None and self.async_options.timeout_secs is not None:
             object.__setattr__(self, "timeout_secs", float(self.async_options.timeout_secs))
+        for name, base in (("save_decision_policy", _policies.SaveDecisionPolicy),
+                           ("preservation_policy", _policies.PreservationPolicy)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, base):
+                raise TypeError(f"{name} must be a checkpoint_managers.{base.__name__}, got {type(value).__name__}")
         if self.should_save_fn is not None and not callable(self.should_save_fn):
             raise TypeError(f"should_save_fn must be callable, got {type(self.should_save_fn).__name__}")
         if self.keep_time_interval is not None and not isinstance(self.keep_time_interval, datetime.timedelta):
@@ -360,6 +376,7 @@ class CheckpointManager(_BackgroundSaver):
                     _ownership.cleanup_incomplete(tier.directory, lease_timeout_s=o.tmp_lease_timeout_secs)
         _multihost.barrier(f"manager init {self.directory}", o.timeout_secs)
         self._bg = _Background()
+        self._last_save_time: float | None = None  # time.monotonic() when the last save began
         self._preemption = _preemption.PreemptionWatcher(
             self.directory,
             o.preemption_signals,
@@ -579,6 +596,10 @@ class CheckpointManager(_BackgroundSaver):
             return False
         if preempted:
             return True
+        policy = self._options.save_decision_policy
+        if policy is not None:
+            context = _policies.DecisionContext(self._bg.busy(), self._last_save_time)
+            return bool(policy.should_save(step, self.all_steps(), context)) or any(_due(t, step) for t in self._tiers[1:])
         if self._options.should_save_fn is not None:
             return bool(self._options.should_save_fn(step, latest))
         return step in (self._options.save_on_steps or ()) or any(_due(t, step) for t in self._tiers)
@@ -744,6 +765,7 @@ class CheckpointManager(_BackgroundSaver):
         if not force and not self.should_save(step):
             return False
         items = get_items()
+        self._last_save_time = time.monotonic()
         tier, copies = self._target_tier(step, force)
         o = self._options
         if metrics is not None:
@@ -914,6 +936,9 @@ class CheckpointManager(_BackgroundSaver):
             meta = self._check(d, s)[0]
             if meta is not None:
                 steps[s] = (d, meta)
+        if tier.use_best and o.preservation_policy is not None:
+            self._apply_preservation(tier, steps)
+            return
         if tier.max_to_keep is None or len(steps) <= tier.max_to_keep:
             return
         ordered = sorted(steps)
@@ -945,6 +970,19 @@ class CheckpointManager(_BackgroundSaver):
             if s not in keep:
                 self._remove_step(tier, steps[s][0])
 
+    def _apply_preservation(self, tier: _Tier, steps: dict[int, tuple[str, dict]]) -> None:
+        """Retention by ``preservation_policy``: keep what it preserves and the newest step."""
+        ordered = sorted(steps)
+        infos = [_policies.CheckpointInfo(s, steps[s][1].get("time"), steps[s][1].get("metrics")) for s in ordered]
+        policy = self._options.preservation_policy
+        assert policy is not None  # called only when one is set
+        keep = policy.should_preserve(infos)
+        if len(keep) != len(ordered):
+            raise ValueError(f"preservation_policy answered {len(keep)} values for {len(ordered)} steps")
+        for s, k in zip(ordered[:-1], keep[:-1], strict=True):
+            if not k:
+                self._remove_step(tier, steps[s][0])
+
     def _remove_step(self, tier: _Tier, d: str) -> None:
         """Delete step directory ``d``, or move it into ``todelete_subdir``."""
         sub = self._options.todelete_subdir
@@ -959,12 +997,16 @@ class CheckpointManager(_BackgroundSaver):
         os.replace(d, target)
 
     def delete(self, step: int) -> None:
-        """Remove ``step`` from every tier (a corrupt step too).
+        """Remove ``step`` from every tier (a corrupt step too); a ``read_only`` manager
+        only logs a warning.
 
         Args:
           step: the step to remove.
         """
         self._bg.wait()
+        if self._options.read_only:
+            _log.warning("cairn.checkpoint: the manager of %s is read-only; step %d not deleted", self.directory, step)
+            return
         if _multihost.is_primary():
             for tier in self._tiers:
                 d = self._committed(tier).get(step)
@@ -972,6 +1014,14 @@ class CheckpointManager(_BackgroundSaver):
                     self._remove_step(tier, d)
                     self._checked.pop(d, None)
         _multihost.barrier(f"delete {step} {self.directory}", self._options.timeout_secs)
+
+    def reload(self) -> None:
+        """Forget what this manager verified, so every step is checked again from disk.
+
+        The step listing is read from the directory on every call (a step another process
+        committed shows at once); this also re-verifies steps whose files changed in place.
+        """
+        self._checked.clear()
 
     # --- restoring ---
     def _resolve_step(self, step: int | None) -> int:

@@ -8,16 +8,23 @@ restores into ``Composite`` results.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost
-from cairn.checkpoint._checkpointers import Checkpointer
-from cairn.checkpoint._handlers import CheckpointHandler
+from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer
+from cairn.checkpoint._handlers import (
+    CheckpointHandler,
+    JsonCheckpointHandler,
+    registry_from,
+    takes,
+)
 from cairn.checkpoint._json_item import JsonItem
 from cairn.checkpoint._manager import CheckpointManagerOptions, _checkpointable_of
+from cairn.checkpoint._registry import mismatch
 from cairn.core_array import is_checkpointable
 
 #: The item name of a step saved with non-Composite ``args`` (as in Orbax).
@@ -73,6 +80,7 @@ class CheckpointManager(_manager.CheckpointManager):
         *,
         item_names: Sequence[str] | None = None,
         item_handlers: Any = None,
+        handler_registry: Any = None,
         **ignored: Any,
     ) -> None:
         """Open the manager of ``directory``.
@@ -81,14 +89,18 @@ class CheckpointManager(_manager.CheckpointManager):
           directory: where the step directories live.
           checkpointers: Orbax's older form: one ``Checkpointer`` (steps hold one item) or a
             dict of them by item name. A ``CheckpointManagerOptions`` here is taken as
-            ``options`` (cairn's ``CheckpointManager(directory, options)``).
+            ``options`` (cairn's ``CheckpointManager(directory, options)``). Saves then
+            run in the background only if one of them is an ``AsyncCheckpointer``.
           options: a ``CheckpointManagerOptions``; a sequence of names here is taken as
             ``item_names`` (cairn's earlier positional order).
           metadata: a JSON-able dict kept with the manager (``metadata()`` reads it back).
           item_names: accepted (items are named by each ``save``'s ``args``).
           item_handlers: a handler, or a dict of handlers by item name: the arguments an
-            item gets when ``restore`` is called without ``args``.
-          **ignored: Orbax's ``logger``, ``handler_registry`` and the like, accepted and ignored.
+            item gets when ``restore`` is called without ``args``; args a handler does not
+            take are refused for its item (``ValueError``, as in Orbax).
+          handler_registry: a ``DefaultCheckpointHandlerRegistry`` instead of a dict of
+            ``item_handlers`` (not both).
+          **ignored: Orbax's ``logger`` and the like, accepted and ignored.
         """
         if isinstance(checkpointers, CheckpointManagerOptions) and options is None:
             checkpointers, options = None, checkpointers
@@ -107,15 +119,28 @@ class CheckpointManager(_manager.CheckpointManager):
                 raise TypeError(f"checkpointers {bad} are not Checkpointers")
         if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
             raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
+        if item_names is not None and isinstance(item_handlers, CheckpointHandler):
+            raise ValueError("item_names name several items, but item_handlers is one handler (for one unnamed "
+                             "item); pass a dict of handlers by item name")
+        if handler_registry is not None and item_handlers is not None:
+            raise ValueError("pass either handler_registry or item_handlers, not both")
+        if isinstance(item_handlers, Mapping):
+            handler_registry = registry_from(item_handlers)
+        if checkpointers is not None:
+            # Orbax's older form: the checkpointers say whether saves run in the background
+            ckpts = checkpointers.values() if isinstance(checkpointers, Mapping) else [checkpointers]
+            background = any(isinstance(c, AsyncCheckpointer) for c in ckpts)
+            options = dataclasses.replace(options or CheckpointManagerOptions(), enable_async_checkpointing=background)
         super().__init__(directory, options)
         self.item_names = tuple(item_names) if item_names is not None else None
         self._checkpointers = checkpointers
         self._item_handlers = item_handlers
+        self._handler_registry = handler_registry
         self._metadata = None if metadata is None else _json_metadata(self.directory, metadata, self._options)
         # Orbax's rule: a manager holds either one unnamed item or named items, never both
         # (None: not known until the first save, or the newest step, says which)
         self._single: bool | None = None
-        if item_names is not None or isinstance(item_handlers, Mapping):
+        if item_names is not None or isinstance(item_handlers, Mapping) or handler_registry is not None:
             self._single = False
         elif isinstance(item_handlers, CheckpointHandler):
             self._single = True
@@ -174,6 +199,8 @@ class CheckpointManager(_manager.CheckpointManager):
             raise ValueError(f"ocp.args go in save(step, args=...), not as items (got {type(items).__name__})")
         named, single = _named_items(items, args)
         self._check_layout(single, named if args is not None else {})
+        if args is not None:
+            self._check_handlers(named, single)
         return self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
                           custom_metadata=custom_metadata)
 
@@ -186,8 +213,11 @@ class CheckpointManager(_manager.CheckpointManager):
                 meta = self._step_meta(latest)
                 self._single = bool(meta.get("single")) and set(meta["items"]) == {DEFAULT_ITEM_NAME}
         if self._single is not None and self._single != single:
-            held = "one unnamed item (args=StandardSave(...) and the like)" if self._single else "named items"
-            raise ValueError(f"this manager holds {held}; save it the same way (as Orbax requires)")
+            if self._single:
+                raise ValueError("this manager holds one unnamed item (args=StandardSave(...) and the like); "
+                                 "save it the same way, not as a Composite")
+            raise ValueError("this manager holds named items: must provide `args` of type `Composite` when "
+                             "dealing with multiple checkpointable objects")
         self._single = single
         if not single and self.item_names is not None:
             unknown = sorted(set(named) - set(self.item_names))
@@ -196,6 +226,20 @@ class CheckpointManager(_manager.CheckpointManager):
                     f"item name(s) {unknown}: each does not match with any registered handler (item_names "
                     f"{list(self.item_names)})"
                 )
+
+    def _handlers_of(self, name: str, single: bool) -> list[Any]:
+        """The handlers ``item_handlers`` / ``handler_registry`` give item ``name``."""
+        if single:
+            return [self._item_handlers] if isinstance(self._item_handlers, CheckpointHandler) else []
+        reg = self._handler_registry
+        return reg.handlers_of(name) if hasattr(reg, "handlers_of") else []
+
+    def _check_handlers(self, named: Mapping[str, Any], single: bool) -> None:
+        """Refuse (``ValueError``) args that the item's registered handler does not take."""
+        for name, item_args in named.items():
+            known = self._handlers_of(name, single)
+            if known and isinstance(item_args, _args.CheckpointArgs) and not any(takes(h, item_args) for h in known):
+                raise mismatch(name, item_args, known[0])
 
     def _legacy_args(self, items: Any, save_kwargs: Mapping[str, Any] | None) -> _args.CheckpointArgs:
         """Orbax's older ``save(step, items)``: each item wrapped in its checkpointer's args."""
@@ -237,12 +281,20 @@ class CheckpointManager(_manager.CheckpointManager):
           cast: see :func:`cairn.checkpoint.restore`.
           mesh: see :func:`cairn.checkpoint.restore`.
           restore_kwargs: Orbax's older per-item ``{"restore_args": ...}``, by item name.
-          directory: not supported (open a manager on the other directory).
+          directory: restore from this other manager directory instead (read-only, with
+            this manager's step naming, handlers and checkpointers).
         """
-        if directory is not None:
-            raise NotImplementedError("restore(directory=...) is not supported; open a CheckpointManager there")
+        if directory is not None:  # another run's checkpoints (a pretrained model): read-only, same naming
+            options = dataclasses.replace(self._options, read_only=True)
+            registry = None if isinstance(self._item_handlers, Mapping) else self._handler_registry
+            with CheckpointManager(directory, self._checkpointers, options, item_handlers=self._item_handlers,
+                                   handler_registry=registry) as other:
+                return other.restore(step, items, args=args, partial=partial, cast=cast, mesh=mesh,
+                                     restore_kwargs=restore_kwargs)
         if args is not None and items is not None:
             raise TypeError("pass either items or args=, not both")
+        if isinstance(items, _args.CheckpointArgs):
+            raise ValueError(f"ocp.args go in restore(step, args=...), not as items (got {type(items).__name__})")
         legacy = self._checkpointers is not None and args is None
         plain = args is None and not legacy and isinstance(items, Mapping) and _plain(items)
         box: dict[str, Any] = {}
@@ -255,19 +307,24 @@ class CheckpointManager(_manager.CheckpointManager):
                 return self._legacy_targets(items, restore_kwargs, meta, single)
             if args is not None and not isinstance(args, _args.Composite):
                 if not single:
-                    raise TypeError(f"the step holds the items {sorted(meta['items'])}; restore it with "
-                                    "args=ocp.args.Composite(...)")
+                    raise ValueError(f"the step holds the items {sorted(meta['items'])}; restore it with "
+                                     "args=ocp.args.Composite(...)")
+                self._check_handlers({DEFAULT_ITEM_NAME: args}, True)
                 return {DEFAULT_ITEM_NAME: args}
             if args is not None:
-                return dict(args)
-            if items is None and self._item_handlers is not None:
+                if single and set(args) - {DEFAULT_ITEM_NAME}:
+                    raise ValueError(f"the step holds one unnamed item, not {sorted(args)}; restore it with that "
+                                     "item's args (args=ocp.args.StandardRestore(...) and the like)")
+                self._check_handlers(dict(args), False)
+                return dict(args) if len(args) else self._handler_targets(meta)
+            if items is None and (self._item_handlers is not None or self._handler_registry is not None):
                 return self._handler_targets(meta)
             return items
 
         out, _ = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
         if box.get("unwrap"):
             return out[DEFAULT_ITEM_NAME]
-        return out if plain and not legacy else _args.Composite(out) if not legacy else out
+        return out if plain and not legacy else _args.Composite(out)
 
     def _legacy_targets(self, items: Any, restore_kwargs: Any, meta: dict, single: bool) -> dict[str, Any]:
         ckpt = self._checkpointers
@@ -285,7 +342,8 @@ class CheckpointManager(_manager.CheckpointManager):
         h = self._item_handlers
         out: dict[str, Any] = {}
         for name, kind in meta["items"].items():
-            handler = h if isinstance(h, CheckpointHandler) else (h or {}).get(name)
+            handlers = [h] if isinstance(h, CheckpointHandler) else self._handlers_of(name, False)
+            handler = handlers[0] if handlers and isinstance(handlers[0], CheckpointHandler) else None
             out[name] = handler.restore_args(None) if handler is not None and kind != "state" else None
         return out
 
@@ -362,5 +420,13 @@ def _json_metadata(directory: str, metadata: Mapping[str, Any], options: Checkpo
 
 
 def _read_metadata(directory: str) -> dict | None:
+    """The manager's metadata: ``_MANAGER_METADATA.json``, else a JSON checkpoint in the
+    ``metadata`` folder (where Orbax's older managers kept it), else ``None``."""
     f = os.path.join(directory, _METADATA_FILE)
-    return _fs.read_json(f) if os.path.isfile(f) else None
+    if os.path.isfile(f):
+        return _fs.read_json(f)
+    legacy = os.path.join(directory, METADATA_ITEM_NAME)
+    if _fs.is_committed(legacy):
+        value = Checkpointer(JsonCheckpointHandler()).restore(legacy)
+        return value if isinstance(value, dict) else None
+    return None

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from cairn.checkpoint import _fs, _tree
+
 
 def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -> Any:
     """The abstract version of a leaf, to restore onto: a ``jax.Array`` becomes a
@@ -154,3 +156,91 @@ def get_save_directory(step: int, directory: str | os.PathLike, name: str | None
         digits = str(int(step)).zfill(step_format_fixed_length) if step_format_fixed_length else str(int(step))
         base = pathlib.Path(os.fspath(directory)) / (f"{step_prefix}_{digits}" if step_prefix else digits)
     return base / name if name else base
+
+
+def is_primary_host(primary_host: int | None = 0) -> bool:
+    """Whether this process is ``primary_host`` (process 0 by default); ``None`` means every
+    process is primary (Orbax's convention).
+
+    Args:
+      primary_host: the ``jax.process_index()`` of the primary process, or ``None``.
+
+    >>> is_primary_host()  # one process
+    True
+    """
+    return primary_host is None or jax.process_index() == primary_host
+
+
+def is_checkpoint_finalized(path: str | os.PathLike) -> bool:
+    """Whether the step folder ``path`` is committed (its ``COMMIT`` marker is written).
+
+    Args:
+      path: a step folder, e.g. ``utils.get_save_directory(step, directory)``.
+    """
+    return _fs.is_committed(os.fspath(path))
+
+
+def _combine(trees: tuple[Any, ...], target: Any, keep: Any) -> Any:
+    """Flatten ``trees`` by key path, keep the paths ``keep(flats)`` says (the last tree's
+    value wins), and rebuild nested dicts or ``target``'s structure."""
+    flats = [to_flat_dict(t) for t in trees]
+    paths = keep(flats)
+    merged = {p: next(f[p] for f in reversed(flats) if p in f) for p in paths}
+    if () in merged:  # a bare leaf (the whole tree is one leaf)
+        return merged[()]
+    return from_flat_dict(merged, target=target)
+
+
+def merge_trees(*trees: Any, target: Any = None) -> Any:
+    """One tree holding every path of ``trees``; where several hold a path, the last wins
+    (Orbax's ``transform_utils.merge_trees``).
+
+    Args:
+      *trees: pytrees (dicts, lists, registered nodes, or a bare leaf).
+      target: a pytree whose structure the result takes (``None``: nested dicts).
+
+    >>> merge_trees({"a": 1, "b": {"c": 2}}, {"b": {"c": 4, "e": 6}})
+    {'a': 1, 'b': {'c': 4, 'e': 6}}
+    """
+    return _combine(trees, target, lambda flats: list(dict.fromkeys(p for f in flats for p in f)))
+
+
+def intersect_trees(*trees: Any, target: Any = None) -> Any:
+    """One tree holding only the paths every one of ``trees`` holds, with the last tree's
+    values (Orbax's ``transform_utils.intersect_trees``).
+
+    Args:
+      *trees: pytrees (dicts, lists, registered nodes, or a bare leaf).
+      target: a pytree whose structure the result takes (``None``: nested dicts).
+
+    >>> intersect_trees({"a": 1, "b": {"c": 2}}, {"b": {"c": 4, "e": 6}})
+    {'b': {'c': 4}}
+    """
+    return _combine(trees, target, lambda flats: [p for p in flats[0] if all(p in f for f in flats[1:])] if flats else [])
+
+
+def is_ocdbt_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a pytree checkpoint in cairn's format, whose arrays always
+    live in OCDBT databases (Orbax's ``type_handlers.is_ocdbt_checkpoint``; a checkpoint
+    holding no array at all has no database but is still of that format).
+
+    Args:
+      path: a checkpoint directory (one item's).
+
+    >>> import tempfile
+    >>> is_ocdbt_checkpoint(tempfile.mkdtemp())
+    False
+    """
+    return os.path.isfile(os.path.join(os.fspath(path), _tree.METADATA_FILE))
+
+
+def is_tmp_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a save still being written (or abandoned): a temporary
+    ``*.cairn-tmp`` folder, or a folder without its ``COMMIT`` marker.
+
+    Args:
+      path: a step folder.
+    """
+    path = os.fspath(path)
+    return os.path.isdir(path) and (path.rstrip("/").endswith(_fs.TMP_SUFFIX) or not _fs.is_committed(path))
+
