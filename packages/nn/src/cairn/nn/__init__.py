@@ -108,7 +108,7 @@ from cairn.nn._normalization import (
 from cairn.nn._optimizer import ModelAndOptimizer, Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._profile import SUMMARY_FILE, Profiler, measure_peak, roofline, scope_of
-from cairn.nn._pytree import Pytree, data, dataclass, static
+from cairn.nn._pytree import A, Pytree, data, dataclass, static
 from cairn.nn._recurrent import (
     RNN,
     GRUCell,
@@ -238,6 +238,7 @@ __all__ = [
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
+    "A",
     # layers and their functions
     "initializers",
     # activations

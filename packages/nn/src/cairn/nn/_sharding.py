@@ -35,7 +35,12 @@ from cairn.nn._variables import Variable, with_metadata
 
 
 def with_partitioning(
-    initializer: Callable, sharding_names: Sequence[str | None], mesh: Any = None, **metadata: Any
+    initializer: Callable,
+    sharding_names: Sequence[str | None] | None = None,
+    mesh: Any = None,
+    *,
+    sharding: Sequence[str | None] | None = None,
+    **metadata: Any,
 ) -> Callable:
     """Wrap ``initializer`` so the Variable built from its result carries
     ``sharding_names`` (one logical axis name, or None, per array dim).
@@ -50,7 +55,11 @@ def with_partitioning(
       initializer: ``init(key, shape, dtype) -> array``.
       sharding_names: one logical axis name (or None) per array dim.
       mesh: the device mesh; None uses the one of :func:`sharding_rules`.
+      sharding: Flax NNX's name of ``sharding_names`` (give one of the two).
       metadata: more metadata for the Variable.
+
+    Raises:
+      TypeError: neither or both of ``sharding_names`` and ``sharding`` given.
 
     >>> import jax, jax.numpy as jnp
     >>> from cairn import nn
@@ -58,7 +67,12 @@ def with_partitioning(
     >>> nn.Param(init(jax.random.key(0), (2, 3))).sharding_names
     ('embed', 'mlp')
     """
-    names = tuple(sharding_names)
+    if (sharding_names is None) == (sharding is None):
+        raise TypeError(
+            "with_partitioning: give the axis names once, as sharding_names (or Flax's "
+            f"sharding=), got sharding_names={sharding_names!r}, sharding={sharding!r}"
+        )
+    names = tuple(sharding_names if sharding is None else sharding)
     md = {"sharding_names": names, **metadata}
     if mesh is not None:
         md["mesh"] = mesh

@@ -148,6 +148,12 @@ class State(MutableMapping):
         return any(p[0] == key for p in self._flat)
 
     def __eq__(self, other):
+        if isinstance(other, Mapping) and not isinstance(other, State):
+            # a nested dict of Variables compares as the State it makes (``state == {}``)
+            try:
+                other = State(other)
+            except (TypeError, ValueError):
+                return False
         if not isinstance(other, State):
             return NotImplemented
         return self._flat == other._flat
