@@ -38,6 +38,7 @@ from cairn.nn._nodes import (
     tuple_has_nodes,
 )
 from cairn.nn._state import GraphState, State
+from cairn.nn._tree_root import LeafDef, PytreeNode, VariableDef, is_pytree_root, unwrap, wrap
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable
 
 
@@ -106,7 +107,8 @@ class GraphDef:
         return hash(self) == hash(other) and self.node == other.node
 
     def __repr__(self) -> str:
-        return f"GraphDef({self.node[0].__name__}, num_variables={len(self.paths)})"
+        name = "pytree" if self.node[0] is PytreeNode else self.node[0].__name__
+        return f"GraphDef({name}, num_variables={len(self.paths)})"
 
     # --- rebuilding ---
     def build_from_variables(self, variables: list[Variable]) -> Node:
@@ -263,6 +265,42 @@ def _check_module(node, fn):
         raise TypeError(f"nn.{fn}: expected a cairn.nn Module, got {type(node).__name__}")
 
 
+def _as_root(node: Any, fn: str) -> Any:
+    """``node`` as a module tree (a pytree root wrapped, see ``cairn.nn._tree_root``),
+    or the :class:`VariableDef` / :class:`LeafDef` of a lone Variable / plain leaf."""
+    if isinstance(node, Node):
+        return node
+    if isinstance(node, Variable):
+        return VariableDef.of(node)
+    if is_pytree_root(node):
+        return wrap(node)
+    return LeafDef()
+
+
+def _leaf_matches(f: Any, x: Any) -> bool:
+    if isinstance(x, Variable):
+        return bool(to_predicate(f)((), x))
+    if f is ... or f is True:
+        return True
+    return isinstance(f, type) and isinstance(x, f)
+
+
+def _split_single(gd: Any, x: Any, filters: tuple, fn: str, exhaustive: bool) -> list:
+    """A lone Variable's or leaf's "states": ``x`` itself at the first filter it
+    matches, empty States elsewhere (Flax NNX's convention)."""
+    outs: list = [State() for _ in filters]
+    for i, f in enumerate(filters):
+        if _leaf_matches(f, x):
+            outs[i] = x
+            return outs
+    if exhaustive:
+        raise ValueError(
+            f"nn.{fn}: the {type(x).__name__} matched none of the filters {filters!r}; add "
+            f"`...` as the last filter"
+        )
+    return outs
+
+
 def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
     """The :class:`GraphDef` (static structure) of ``node``.
 
@@ -271,7 +309,9 @@ def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("graphdef", graph)
-    _check_module(node, "graphdef")
+    node = _as_root(node, "graphdef")
+    if isinstance(node, VariableDef | LeafDef):
+        return node  # type: ignore[return-value]
     c = flat(node)
     if c.graphdef._specs is None:
         _record_specs(c)
@@ -318,7 +358,10 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     >>> m2 = nn.merge(gd, params, rest)
     """
     check_mode("split", graph)
-    _check_module(node, "split")
+    root = _as_root(node, "split")
+    if isinstance(root, VariableDef | LeafDef):
+        return (root, *_split_single(root, node, filters or (...,), "split", True))
+    node = root
     c = flat(node)
     if c.graphdef._specs is None:
         _record_specs(c)
@@ -345,7 +388,11 @@ def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple
         if not filters:
             return State.from_flat(node._flat)
         return node.filter(*filters)
-    _check_module(node, "state")
+    root = _as_root(node, "state")
+    if isinstance(root, VariableDef | LeafDef):
+        outs = _split_single(root, node, filters or (...,), "state", False)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    node = root
     c = flat(node)
     if not filters:
         return State._from_cache(c.graphdef, c.variables)
@@ -377,6 +424,8 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
     """
     if isinstance(graphdef, GraphState):
         graphdef, states = _graph_states(graphdef, states)
+    if isinstance(graphdef, VariableDef | LeafDef):
+        return _merge_single(graphdef, states, copy)
     if not isinstance(graphdef, GraphDef):
         raise TypeError(f"nn.merge: expected a GraphDef first, got {type(graphdef).__name__}")
     vs = None
@@ -403,7 +452,24 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
             _check_merge_values(graphdef, vs)
     if copy:
         vs = [v.copy() for v in vs]
-    return graphdef.build_from_variables(vs)
+    root = graphdef.build_from_variables(vs)
+    return unwrap(root) if isinstance(root, PytreeNode) else root
+
+
+def _merge_single(graphdef: VariableDef | LeafDef, states: tuple, copy: bool) -> Any:
+    """``merge`` of a lone Variable's or leaf's definition: the one non-empty state."""
+    found = [s for s in states if not (isinstance(s, State) and not s._flat)]
+    if len(found) != 1:
+        raise ValueError(
+            f"nn.merge: {graphdef!r} needs exactly one value among the states (the others "
+            f"empty States), got {len(found)}"
+        )
+    x = found[0]
+    if isinstance(graphdef, VariableDef):
+        if not isinstance(x, Variable):
+            raise TypeError(f"nn.merge: {graphdef!r} needs a Variable, got {type(x).__name__}")
+        return x.copy() if copy else x
+    return x
 
 
 def _graph_states(first: GraphState, rest: tuple) -> tuple[GraphDef, tuple]:
@@ -431,6 +497,19 @@ def update(node: Node, *states: Any) -> None:
       node: the module tree to update in place.
       states: States or nested mappings of Variables.
     """
+    if isinstance(node, Variable):
+        for s in states:
+            if isinstance(s, Variable):
+                _copy_variable(node, s)
+            elif not (isinstance(s, State | Mapping) and not s):
+                raise TypeError(
+                    f"nn.update: a Variable is updated from a Variable (or empty States), "
+                    f"got {type(s).__name__}"
+                )
+        return
+    shown = type(node).__name__
+    if not isinstance(node, Node) and is_pytree_root(node):
+        node = wrap(node)
     _check_module(node, "update")
     c = flat(node)
     idx = c.graphdef.path_index
@@ -440,7 +519,7 @@ def update(node: Node, *states: Any) -> None:
             i = idx.get(p)
             if i is None:
                 raise ValueError(
-                    f"nn.update: {type(node).__name__} has no variable at {path_text(p)!r}"
+                    f"nn.update: {shown} has no variable at {path_text(p)!r}"
                 )
             target = c.variables[i]
             if target is v:
