@@ -55,6 +55,7 @@ from cairn.nn._conv import Conv, ConvTranspose
 from cairn.nn._custom_vjp import CustomVjp, custom_vjp
 from cairn.nn._display import display
 from cairn.nn._dropout import Dropout
+from cairn.nn._ema import EMA
 from cairn.nn._embed import Embed
 from cairn.nn._filters import (
     All,
@@ -238,7 +239,7 @@ __all__ = [
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
-    "A",
+    "A", "EMA",
     # layers and their functions
     "initializers",
     # activations
