@@ -319,6 +319,13 @@ def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
 
 
 def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
+    for f in filters[:-1]:
+        if f is ... or f is True:
+            raise ValueError(
+                f"nn.{fn}: `...` or `True` can only be used as the last filters (the first "
+                f"matching filter wins, so the filters after it would get nothing), got "
+                f"{filters!r}"
+            )
     preds = [to_predicate(f) for f in filters]
     outs: list[dict] = [{} for _ in preds]
     for p, v in zip(c.graphdef.paths, c.variables):
@@ -329,8 +336,9 @@ def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
         else:
             if exhaustive:
                 raise ValueError(
-                    f"nn.{fn}: variable at {path_text(p)!r} ({type(v).__name__}) matched none "
-                    f"of the filters {filters!r}; add `...` as the last filter"
+                    f"nn.{fn}: Non-exhaustive filters, got a non-empty remainder: the variable "
+                    f"at {path_text(p)!r} ({type(v).__name__}) matched none of the filters "
+                    f"{filters!r}; add `...` as the last filter"
                 )
     return [State.from_flat(o) for o in outs]
 

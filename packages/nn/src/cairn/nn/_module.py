@@ -535,6 +535,17 @@ class Dict(_Container, Mapping):
     def __len__(self):
         return len(self._cairn_items)
 
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        """``self[key]``, first setting it to ``default`` when missing (``dict.setdefault``).
+
+        Args:
+          key: the key.
+          default: the value stored when ``key`` is missing.
+        """
+        if key not in self._cairn_items:
+            self[key] = default
+        return self._cairn_items[key]
+
     # Mapping defines __eq__; keep identity semantics for modules
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -552,8 +563,15 @@ class Sequential(Module):
         self.layers = List(layers)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not len(self.layers):
-            raise ValueError("Sequential with no layers called")
+        if not len(self.layers):  # the identity, as Flax NNX's empty Sequential
+            if args and kwargs:
+                raise TypeError(
+                    "an empty Sequential returns its input: give positional or keyword "
+                    "arguments, not both"
+                )
+            if kwargs:
+                return kwargs
+            return None if not args else args[0] if len(args) == 1 else args
         out = self.layers[0](*args, **kwargs)
         for layer in self.layers._cairn_items[1:]:
             out = layer(out)

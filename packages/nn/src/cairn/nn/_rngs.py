@@ -150,7 +150,7 @@ class Rngs(Module):
             return d["default"]
         names = [k for k, v in d.items() if isinstance(v, RngStream)]
         raise AttributeError(
-            f"Rngs has no stream {name!r} and no 'default' stream (streams: {names}); "
+            f"No RngStream named {name!r} and no 'default' stream in this Rngs (streams: {names}); "
             f"create it with nn.Rngs(..., {name}=seed)"
         )
 
