@@ -87,3 +87,35 @@ def test_messages_flax_tests_match():
         nn.dot_product_attention(q, jnp.ones((1, 4, 2, 7)), jnp.ones((1, 4, 2, 7)))
     with pytest.raises(ValueError, match="lengths must match"):
         nn.dot_product_attention(q, q, jnp.ones((1, 3, 2, 8)))
+
+
+def test_string_filter_also_selects_a_streams_state_by_tag():
+    rngs = nn.Rngs(params=0, dropout=1)
+    drop, rest = nn.state(rngs, "dropout", ...)
+    assert sorted(drop.flat_paths()) == ["dropout/count", "dropout/key"]
+    assert sorted(rest.flat_paths()) == ["params/count", "params/key"]
+    m = nn.Dict(dropout=nn.Param(jnp.ones(2)), other=nn.Param(jnp.ones(2)))
+    assert nn.state(m, "dropout").flat_paths() == ["dropout"]  # the path, as before
+    assert nn.state(m, "drop").flat_paths() == []  # a full match, not a prefix
+
+
+def test_vmap_state_axes_by_stream_name():
+    class Block(nn.Module):
+        def __init__(self, rngs: nn.Rngs):
+            self.linear = nn.Linear(2, 3, rngs=rngs)
+            self.bn = nn.BatchNorm(3, use_running_average=False, rngs=rngs)
+            self.dropout = nn.Dropout(0.1, deterministic=False, rngs=rngs)
+
+    axes = nn.StateAxes({(nn.BatchStat, "dropout"): 0, ...: None})
+    make = nn.split_rngs(splits=5, only="dropout")(nn.vmap(in_axes=(axes,), out_axes=axes)(Block))
+    b = make(nn.Rngs(params=0, dropout=1))
+    assert b.linear.kernel.shape == (2, 3) and b.bn.mean.shape == (5, 3)
+    assert b.dropout.rngs.key.shape == (5,)
+
+
+def test_shared_transform_arguments_report_inconsistent_aliasing():
+    lin = nn.Linear(2, 2, rngs=nn.Rngs(0))
+    with pytest.raises(nn.SharedReferenceError, match="Inconsistent aliasing detected: the same Linear"):
+        nn.vmap(lambda a, b: None, in_axes=(0, 0))(lin, lin)
+    with pytest.raises(ValueError, match="Inconsistent aliasing detected: the same Param object is reachable"):
+        nn.jit(lambda a, b: None)(lin, lin.kernel)
