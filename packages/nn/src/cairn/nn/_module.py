@@ -18,6 +18,7 @@ paths is an error (tie weights explicitly instead).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import inspect
@@ -87,6 +88,9 @@ class Module(Node):
         if name.startswith(_INTERNAL):
             object.__setattr__(self, name, value)
             return
+        kind = _field_kind(type(self), name)
+        if kind is not None:
+            value = as_data(value) if kind == "data" else check_static(value, name)
         value = _check_attribute(self, name, value)
         object.__setattr__(self, name, value)
         EPOCH[0] += 1
@@ -340,6 +344,57 @@ def annotate_exception(exc: BaseException, roots: Iterable[tuple[Any, Any]]) -> 
         exc.add_note(f"(raised in {cls} at {where} of {of})")
     except Exception:  # noqa: BLE001 - never mask the original error
         pass
+
+
+# ``nn.data()`` / ``nn.static()`` with no value are dataclass field markers; the kind is
+# kept in the field's metadata under this key
+FIELD_KIND = "cairn_nn_field"
+_NUMBERS = (bool, int, float, complex)
+
+
+class StaticDataError(TypeError, ValueError):
+    """State (an array, a Variable or a module) given as static configuration (a
+    ``TypeError``, and Flax NNX's ``ValueError``)."""
+
+
+def _field_kind(cls: type, name: str) -> str | None:
+    """``"data"`` / ``"static"`` when ``cls`` declares ``name`` with ``nn.data()`` /
+    ``nn.static()`` (a dataclass field, or a plain class attribute), else None."""
+    fields = cls.__dict__.get("__dataclass_fields__") or getattr(cls, "__dataclass_fields__", None)
+    f = fields.get(name) if fields else None
+    if f is None:
+        f = getattr(cls, name, None)
+    if isinstance(f, dataclasses.Field):
+        return f.metadata.get(FIELD_KIND)
+    return None
+
+
+def as_data(value: Any) -> Any:
+    """``value`` as state: each array or Python number in it becomes a Variable
+    (modules, Variables and containers of them are returned as they are)."""
+    def one(x):
+        if isinstance(x, _ARRAY_TYPES) or (isinstance(x, _NUMBERS) and not isinstance(x, Variable)):
+            return Variable(x)
+        return x
+
+    return jax.tree_util.tree_map(one, value, is_leaf=is_node)
+
+
+def check_static(value: Any, name: str = "") -> Any:
+    """``value``, checked to hold no state (arrays, Variables, modules).
+
+    Raises:
+      StaticDataError: it does.
+    """
+    if isinstance(value, _ARRAY_TYPES) or is_node(value):
+        found = (f"Found unexpected data on value of type {type(value).__name__} for the "
+                 f"static attribute {name!r}" if name else
+                 f"Found data in value of type {type(value).__name__}")
+        raise StaticDataError(
+            f"{found}: it is state, not static configuration; keep arrays in Variables, or "
+            f"make the value a Python scalar or tuple"
+        )
+    return value
 
 
 def _check_attribute(module: Module, name: str, value: Any) -> Any:
