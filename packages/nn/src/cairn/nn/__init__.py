@@ -128,12 +128,13 @@ from cairn.nn._rope import (
 )
 from cairn.nn._sharding import (
     abstract_model,
+    as_abstract,
     get_named_sharding,
     get_partition_spec,
     sharded_init,
     with_partitioning,
 )
-from cairn.nn._sharding_rules import current_rules, sharding_rules
+from cairn.nn._sharding_rules import current_rules, sharding_rules, use_eager_sharding
 from cairn.nn._state import GraphState, State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
@@ -239,7 +240,7 @@ __all__ = [
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
-    "A", "EMA",
+    "A", "EMA", "as_abstract", "use_eager_sharding",
     # layers and their functions
     "initializers",
     # activations
