@@ -22,6 +22,15 @@ SCRIPT = textwrap.dedent(
         assert v.sharding.shard_shape((4, 4)) == (2, 2)
         w = nn.Param(jnp.ones((4, 8)), out_sharding=(None, "model"))
         assert w.sharding.shard_shape((4, 8)) == (4, 4)
+        # a PartitionSpec shorter than the rank: the missing trailing axes are replicated
+        s = nn.Param(jnp.ones((4, 8, 2)), out_sharding=P("data"))
+        assert s.sharding.shard_shape((4, 8, 2)) == (2, 8, 2)
+        try:
+            nn.Param(jnp.ones((4, 8)), sharding_names=("data",))
+        except ValueError as e:
+            assert "has 1 entries for an array of rank 2" in str(e)
+        else:
+            raise AssertionError("sharding_names shorter than the rank must raise")
         with nn.use_eager_sharding(False):
             u = nn.Param(jnp.ones((4, 8)), out_sharding=(None, "model"))
         assert u.sharding.shard_shape((4, 8)) == (4, 8)

@@ -28,6 +28,7 @@ from cairn.nn._sharding_rules import (
     context_mesh,
     current_rules,
     mesh_and_rules,
+    names_for,
     names_of,
     sharding_for,
     sharding_rules,
@@ -264,7 +265,7 @@ def as_abstract(tree: Any, *, graph: bool | None = None) -> Any:
         val = v.raw_value
         if not isinstance(val, jax.ShapeDtypeStruct) and hasattr(val, "shape") and hasattr(val, "dtype"):
             val = jax.ShapeDtypeStruct(val.shape, val.dtype)
-        names = names_of(v._meta)
+        names = names_for(v._meta, len(getattr(val, "shape", ())))
         if names is not None and isinstance(val, jax.ShapeDtypeStruct):
             found = mesh_and_rules(v._meta.get("mesh"), names)
             if found is not None:

@@ -107,6 +107,16 @@ def names_of(metadata: dict) -> tuple | None:
     return tuple(names)
 
 
+def names_for(metadata: dict, ndim: int) -> tuple | None:
+    """:func:`names_of` for an array of rank ``ndim``: Flax NNX's ``out_sharding`` may
+    be shorter than the rank (a ``PartitionSpec``'s missing trailing axes are
+    replicated), so it is padded with None; ``sharding_names`` must match exactly."""
+    names = names_of(metadata)
+    if names is None or "sharding_names" in metadata or "sharding" in metadata:
+        return names
+    return names + (None,) * max(0, ndim - len(names))
+
+
 def sharding_for(names: tuple, ndim: int, mesh: Any, rules: Any) -> NamedSharding:
     """The ``NamedSharding`` of an array of rank ``ndim`` with logical axis ``names``.
 
@@ -131,14 +141,14 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     mesh = metadata.get("mesh")
     if mesh is None and current_rules() is None and context_mesh() is None:
         return value
-    names = names_of(metadata)
+    ndim = len(getattr(value, "shape", ()))
+    names = names_for(metadata, ndim)
     if names is None:
         return value
     found = mesh_and_rules(mesh, names)
     if found is None:
         return value
     mesh, rules = found
-    ndim = len(getattr(value, "shape", ()))
     sharding = sharding_for(names, ndim, mesh, rules)
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)

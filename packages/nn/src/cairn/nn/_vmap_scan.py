@@ -608,9 +608,12 @@ def scan(
       length: the number of steps when nothing is scanned over; None reads it from the inputs.
       reverse: scan from the end.
       unroll: ``jax.lax.scan``'s unroll.
-      in_axes: NNX's form: per argument, :class:`Carry`, ``0`` (scanned over its leading
-        axis) or ``None`` (passed whole to every step; not modules); the default
-        ``(nn.Carry, 0)`` is the ``f(carry, x) -> (carry, y)`` form.
+      in_axes: NNX's form: per argument, :class:`Carry`, an int (scanned over that
+        axis), ``None`` (passed whole to every step; Variables in it are threaded through
+        the steps), or for a module a :class:`StateAxes` / ``prefix`` module (per
+        variable: an int is scanned, ``nn.Carry`` threaded, None broadcast, a change to it
+        in a step not kept); the default ``(nn.Carry, 0)`` is the
+        ``f(carry, x) -> (carry, y)`` form.
       out_axes: per output, :class:`Carry` or ``0`` (stacked).
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
