@@ -608,12 +608,9 @@ def scan(
       length: the number of steps when nothing is scanned over; None reads it from the inputs.
       reverse: scan from the end.
       unroll: ``jax.lax.scan``'s unroll.
-      in_axes: NNX's form: per argument, :class:`Carry`, an int (scanned over that
-        axis), ``None`` (passed whole to every step; Variables in it are threaded through
-        the steps), or for a module a :class:`StateAxes` / ``prefix`` module (per
-        variable: an int is scanned, ``nn.Carry`` threaded, None broadcast, a change to it
-        in a step not kept); the default ``(nn.Carry, 0)`` is the
-        ``f(carry, x) -> (carry, y)`` form.
+      in_axes: per argument :class:`Carry`, an int (scanned axis), ``None`` (whole to each
+        step, its Variables threaded) or, for a module, a :class:`StateAxes` / ``prefix``
+        (per variable; None: broadcast, changes not kept); default ``f(carry, x)``.
       out_axes: per output, :class:`Carry` or ``0`` (stacked).
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
