@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax.numpy as jnp
 
@@ -72,7 +72,7 @@ class EMA(Module):
         self.params = _nest({p: v.copy() for p, v in tracked._flat.items()})
 
     def _mine(self) -> dict[str, Variable]:
-        return {path_str(p): v for p, v in state(self.params)._flat.items()}
+        return {path_str(p): v for p, v in cast(State, state(self.params))._flat.items()}
 
     def update(self, updates: Any) -> None:
         """Move each average towards the matching variable of ``updates``.
@@ -83,7 +83,7 @@ class EMA(Module):
         Raises:
           ValueError: ``updates`` lacks a tracked variable.
         """
-        new = state(updates, self.only)
+        new = cast(State, state(updates, self.only))
         new_flat = {path_str(p): v for p, v in new._flat.items()}
         for key, avg in self._mine().items():
             if key not in new_flat:
@@ -101,11 +101,11 @@ class EMA(Module):
         Raises:
           ValueError: ``model`` lacks a tracked variable.
         """
-        gd, st = split(model)
+        gd, st = split(cast(Any, model))
         flat = dict(st._flat)
         by_key = {path_str(p): p for p in flat}
         for key, avg in self._mine().items():
             if key not in by_key:
                 raise ValueError(f"EMA.apply_to: the model has no variable at {key!r}")
             flat[by_key[key]] = avg
-        return merge(gd, State.from_flat(flat))
+        return cast(M, merge(gd, State.from_flat(flat)))

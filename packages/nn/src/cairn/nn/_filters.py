@@ -146,7 +146,9 @@ class PathRegex(Filter):
         if self.regex.fullmatch(path_str(path)) is not None:
             return True
         meta = getattr(variable, "_meta", None)
-        return bool(meta) and meta.get("tag") == self.pattern
+        if not meta:
+            return False
+        return meta.get("tag") == self.pattern
 
     def __repr__(self):
         return f"PathRegex({self.pattern!r})"

@@ -350,7 +350,8 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     match wins; use ``...`` last to collect the rest.
 
     Args:
-      node: the module tree.
+      node: the module tree (or a pytree of modules and Variables; a lone Variable or a
+        plain leaf is its own state).
       filters: the filters, in order; none puts everything in one State.
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
 
@@ -420,10 +421,13 @@ def variables(node: Node, *filters: Any, graph: bool | None = None) -> State | t
     return state(node, *filters)
 
 
-def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
+def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
     """Rebuild a module tree from its :class:`GraphDef` and States. The States' Variable
     objects are used as they are (``copy=True`` copies them). Raises ``ValueError``
     naming any path the states lack or have in excess.
+
+    A pytree root comes back as the pytree (list, dict...); a lone Variable's or a
+    leaf's definition gives back the one state that is not an empty State.
 
     Args:
       graphdef: the structure, from :func:`split`.

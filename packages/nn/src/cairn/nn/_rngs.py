@@ -205,7 +205,8 @@ class Rngs(Module):
         rules = [(to_predicate(f), shape) for f, shape in k.items()]
         out = Rngs()
         for name, stream in self.streams().items():
-            shape = next((sh for pred, sh in rules if pred((name,), stream)), None)
+            # a stream is matched as its state is: by name (its path) or tag
+            shape = next((sh for pred, sh in rules if pred((name,), stream)), None)  # type: ignore[arg-type]
             if shape is not None and not isinstance(shape, int | tuple):
                 raise TypeError(
                     f"Rngs.{fn}: the shape for stream {name!r} must be an int, a tuple or "

@@ -75,7 +75,9 @@ def with_partitioning(
             "with_partitioning: give the axis names once, as sharding_names (or Flax's "
             f"sharding=), got sharding_names={sharding_names!r}, sharding={sharding!r}"
         )
-    names = tuple(sharding_names if sharding is None else sharding)
+    chosen = sharding if sharding is not None else sharding_names
+    assert chosen is not None  # checked above
+    names = tuple(chosen)
     md = {"sharding_names": names, **metadata}
     if mesh is not None:
         md["mesh"] = mesh

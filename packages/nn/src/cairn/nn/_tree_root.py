@@ -42,7 +42,8 @@ class PytreeNode(Node):
     def _graph_set(self, key: Any, value: Any) -> None:
         raise TypeError("a pytree root is rebuilt by nn.merge, not changed in place")
 
-    _graph_del = _graph_set
+    def _graph_del(self, key: Any) -> None:
+        raise TypeError("a pytree root is rebuilt by nn.merge, not changed in place")
 
 
 def is_pytree_root(x: Any) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -478,7 +478,7 @@ class _ScanSplit:
         for i, x in zip(self.scanned, xs):
             values[i] = x
         it = iter(values)
-        self.built = []
+        self.built: list[Any] = []
         for n, d in zip(self.nodes, self.defs):
             if isinstance(d, GraphDef):
                 self.built.append(d.build_from_values([next(it) for _ in d.paths]))
@@ -486,7 +486,7 @@ class _ScanSplit:
                 self.built.append(rebuild_variable(template_of(n), next(it)))
             else:
                 self.built.append(n)
-        return self.outer.unflatten(self.built)
+        return cast(Any, self.outer).unflatten(self.built)
 
     def parts(self) -> tuple[list, list]:
         """The carried and scanned values after a step (the step's own objects)."""
@@ -502,7 +502,7 @@ class _ScanSplit:
                     )
                 values.extend(v.raw_value for v in c.variables)
             elif d is None:
-                values.append(n.raw_value)
+                values.append(cast(Variable, n).raw_value)
         return [values[i] for i in self.carried], [values[i] for i in self.scanned]
 
     def write_back(self, carry: list, ys: list) -> None:
