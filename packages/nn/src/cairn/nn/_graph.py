@@ -265,7 +265,7 @@ def _check_module(node, fn):
         raise TypeError(f"nn.{fn}: expected a cairn.nn Module, got {type(node).__name__}")
 
 
-def _as_root(node: Any, fn: str) -> Any:
+def _as_root(node: Any) -> Any:
     """``node`` as a module tree (a pytree root wrapped, see ``cairn.nn._tree_root``),
     or the :class:`VariableDef` / :class:`LeafDef` of a lone Variable / plain leaf."""
     if isinstance(node, Node):
@@ -309,7 +309,7 @@ def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("graphdef", graph)
-    node = _as_root(node, "graphdef")
+    node = _as_root(node)
     if isinstance(node, VariableDef | LeafDef):
         return node  # type: ignore[return-value]
     c = flat(node)
@@ -367,7 +367,7 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     >>> m2 = nn.merge(gd, params, rest)
     """
     check_mode("split", graph)
-    root = _as_root(node, "split")
+    root = _as_root(node)
     if isinstance(root, VariableDef | LeafDef):
         return (root, *_split_single(root, node, filters or (...,), "split", True))
     node = root
@@ -397,7 +397,7 @@ def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple
         if not filters:
             return State.from_flat(node._flat)
         return node.filter(*filters)
-    root = _as_root(node, "state")
+    root = _as_root(node)
     if isinstance(root, VariableDef | LeafDef):
         outs = _split_single(root, node, filters or (...,), "state", False)
         return outs[0] if len(outs) == 1 else tuple(outs)
