@@ -109,6 +109,7 @@ def test_core_modules_are_layered():
         "cairn.nn._filters",
         "cairn.nn._state",
         "cairn.nn._nodes",
+        "cairn.nn._tree_root",
         "cairn.nn._graph",
         "cairn.nn._module",
         "cairn.nn._transform_plan",

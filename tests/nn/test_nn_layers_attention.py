@@ -310,7 +310,7 @@ def test_attention_errors():
         mha(jnp.ones((1, 3, 6)))
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         nn.dot_product_attention(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)))
-    with pytest.raises(ValueError, match="head_dim differs"):
+    with pytest.raises(ValueError, match="depths must match"):
         nn.dot_product_attention(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 3)), jnp.ones((1, 2, 2, 3)))
     drop = nn.MultiHeadAttention(2, 8, dropout_rate=0.1, rngs=nn.Rngs(0))
     with pytest.raises(ValueError, match="deterministic is None"):

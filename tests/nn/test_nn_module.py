@@ -215,9 +215,9 @@ def test_rngs_streams_and_errors():
         jax.random.key_data(a), jax.random.key_data(jax.random.fold_in(jax.random.key(0), 0))
     )
     assert rngs["dropout"] is rngs.dropout
-    with pytest.raises(AttributeError, match=r"no stream 'noise'.*streams: \['params', 'dropout'\]"):
+    with pytest.raises(AttributeError, match=r"No RngStream named 'noise'.*streams: \['params', 'dropout'\]"):
         rngs.noise()
-    with pytest.raises(AttributeError, match="no stream 'noise'"):
+    with pytest.raises(AttributeError, match="No RngStream named 'noise'"):
         rngs["noise"]
     d = nn.Rngs(5)
     assert d.anything is d.default

@@ -221,7 +221,7 @@ def test_scan_in_axes_out_axes_forms():
     np.testing.assert_array_equal(np.asarray(ys), np.asarray(xs * 2))
     ys = nn.scan(lambda x: x + 1, in_axes=(0,), out_axes=0)(xs)
     np.testing.assert_array_equal(np.asarray(ys), np.asarray(xs + 1))
-    with pytest.raises(ValueError, match="nn.Carry, an int or None"):
+    with pytest.raises(ValueError, match="nn.Carry, an int, None"):
         nn.scan(lambda c, x: (c, x), in_axes=(nn.Carry, "1"))
     with pytest.raises(ValueError, match="the other must also have Carry"):
         nn.scan(lambda c, x: c, in_axes=(nn.Carry, 0), out_axes=0)

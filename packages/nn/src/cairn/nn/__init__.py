@@ -55,6 +55,7 @@ from cairn.nn._conv import Conv, ConvTranspose
 from cairn.nn._custom_vjp import CustomVjp, custom_vjp
 from cairn.nn._display import display
 from cairn.nn._dropout import Dropout
+from cairn.nn._ema import EMA
 from cairn.nn._embed import Embed
 from cairn.nn._filters import (
     All,
@@ -108,7 +109,7 @@ from cairn.nn._normalization import (
 from cairn.nn._optimizer import ModelAndOptimizer, Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._profile import SUMMARY_FILE, Profiler, measure_peak, roofline, scope_of
-from cairn.nn._pytree import Pytree, data, dataclass, static
+from cairn.nn._pytree import A, Pytree, data, dataclass, static
 from cairn.nn._recurrent import (
     RNN,
     GRUCell,
@@ -127,12 +128,13 @@ from cairn.nn._rope import (
 )
 from cairn.nn._sharding import (
     abstract_model,
+    as_abstract,
     get_named_sharding,
     get_partition_spec,
     sharded_init,
     with_partitioning,
 )
-from cairn.nn._sharding_rules import current_rules, sharding_rules
+from cairn.nn._sharding_rules import current_rules, sharding_rules, use_eager_sharding
 from cairn.nn._state import GraphState, State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
@@ -238,6 +240,7 @@ __all__ = [
     "set_graph_updates", "to_flat_state", "unpack", "var_defaults", "view_info", "with_rngs",
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
+    "A", "EMA", "as_abstract", "use_eager_sharding",
     # layers and their functions
     "initializers",
     # activations

@@ -122,7 +122,8 @@ def _check_qkv(query, key, value=None):
         )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
-            f"attention: head_dim differs, query {tuple(query.shape)} vs key {tuple(key.shape)}"
+            f"attention: query and key depths must match (head_dim), got query "
+            f"{tuple(query.shape)} vs key {tuple(key.shape)}"
         )
     h, hk = query.shape[-2], key.shape[-2]
     if h % hk:
@@ -134,8 +135,8 @@ def _check_qkv(query, key, value=None):
         value.shape[:-1] != key.shape[:-1]
     ):
         raise ValueError(
-            f"attention: key {tuple(key.shape)} and value {tuple(value.shape)} must agree "
-            "except in the last axis"
+            f"attention: key and value lengths must match (their shapes agree except in the "
+            f"last axis), got key {tuple(key.shape)} and value {tuple(value.shape)}"
         )
 
 

@@ -228,7 +228,7 @@ class Conv(_ConvBase):
         kshape = ks + (in_features // feature_group_count, out_features)
         self._store_mask(mask, kshape)
         store_layer_options(
-            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            self, dtype, param_dtype, precision,
             {"conv_general_dilated": conv_general_dilated, "promote_dtype": promote_dtype},
             preferred_element_type,
         )
@@ -366,7 +366,7 @@ class ConvTranspose(_ConvBase):
         kshape = ks + ((out_features, in_features) if transpose_kernel else (in_features, out_features))
         self._store_mask(mask, kshape)
         store_layer_options(
-            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            self, dtype, param_dtype, precision,
             {"promote_dtype": promote_dtype}, preferred_element_type,
         )
         make_kernel_and_bias(

@@ -118,7 +118,7 @@ def draw_key(
         return rngs  # a raw key
     if own is None:
         raise ValueError(
-            f"{layer} needs a random key: pass rngs=nn.Rngs({name}=...) to the constructor or "
-            f"rngs=... to the call"
+            f"`deterministic` is False, but no `rngs` argument was provided to {layer}: it needs "
+            f"a random key; pass rngs=nn.Rngs({name}=...) to the constructor or rngs=... to the call"
         )
     return own()

@@ -64,7 +64,6 @@ class Embed(Module):
         self.features = _checks.positive_int("Embed", "features", features)
         self.dtype = dtype
         self.param_dtype = param_dtype
-        self.embedding_init = embedding_init
         self.promote_dtype = promote_dtype
         self.embedding = make_param(
             embedding_init, rngs.params(), (self.num_embeddings, self.features), param_dtype,

@@ -121,7 +121,9 @@ class PathContains(Filter):
 
 
 class PathRegex(Filter):
-    """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``).
+    """Variables whose ``/``-joined path matches ``pattern`` (``re.fullmatch``), or whose
+    ``tag`` (a random stream's name, on ``RngKey`` / ``RngCount``) is ``pattern`` itself,
+    so ``"dropout"`` also selects the dropout stream's state, as Flax NNX's string filters.
 
     Args:
       pattern: a regular expression (string or compiled) matched in full against the ``/``-joined
@@ -141,7 +143,12 @@ class PathRegex(Filter):
         self.pattern = pattern
 
     def __call__(self, path: tuple, variable: Variable) -> bool:
-        return self.regex.fullmatch(path_str(path)) is not None
+        if self.regex.fullmatch(path_str(path)) is not None:
+            return True
+        meta = getattr(variable, "_meta", None)
+        if not meta:
+            return False
+        return meta.get("tag") == self.pattern
 
     def __repr__(self):
         return f"PathRegex({self.pattern!r})"

@@ -38,6 +38,7 @@ from cairn.nn._nodes import (
     tuple_has_nodes,
 )
 from cairn.nn._state import GraphState, State
+from cairn.nn._tree_root import LeafDef, PytreeNode, VariableDef, is_pytree_root, unwrap, wrap
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable
 
 
@@ -106,7 +107,8 @@ class GraphDef:
         return hash(self) == hash(other) and self.node == other.node
 
     def __repr__(self) -> str:
-        return f"GraphDef({self.node[0].__name__}, num_variables={len(self.paths)})"
+        name = "pytree" if self.node[0] is PytreeNode else self.node[0].__name__
+        return f"GraphDef({name}, num_variables={len(self.paths)})"
 
     # --- rebuilding ---
     def build_from_variables(self, variables: list[Variable]) -> Node:
@@ -263,6 +265,42 @@ def _check_module(node, fn):
         raise TypeError(f"nn.{fn}: expected a cairn.nn Module, got {type(node).__name__}")
 
 
+def _as_root(node: Any) -> Any:
+    """``node`` as a module tree (a pytree root wrapped, see ``cairn.nn._tree_root``),
+    or the :class:`VariableDef` / :class:`LeafDef` of a lone Variable / plain leaf."""
+    if isinstance(node, Node):
+        return node
+    if isinstance(node, Variable):
+        return VariableDef.of(node)
+    if is_pytree_root(node):
+        return wrap(node)
+    return LeafDef()
+
+
+def _leaf_matches(f: Any, x: Any) -> bool:
+    if isinstance(x, Variable):
+        return bool(to_predicate(f)((), x))
+    if f is ... or f is True:
+        return True
+    return isinstance(f, type) and isinstance(x, f)
+
+
+def _split_single(gd: Any, x: Any, filters: tuple, fn: str, exhaustive: bool) -> list:
+    """A lone Variable's or leaf's "states": ``x`` itself at the first filter it
+    matches, empty States elsewhere (Flax NNX's convention)."""
+    outs: list = [State() for _ in filters]
+    for i, f in enumerate(filters):
+        if _leaf_matches(f, x):
+            outs[i] = x
+            return outs
+    if exhaustive:
+        raise ValueError(
+            f"nn.{fn}: the {type(x).__name__} matched none of the filters {filters!r}; add "
+            f"`...` as the last filter"
+        )
+    return outs
+
+
 def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
     """The :class:`GraphDef` (static structure) of ``node``.
 
@@ -271,7 +309,9 @@ def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("graphdef", graph)
-    _check_module(node, "graphdef")
+    node = _as_root(node)
+    if isinstance(node, VariableDef | LeafDef):
+        return node  # type: ignore[return-value]
     c = flat(node)
     if c.graphdef._specs is None:
         _record_specs(c)
@@ -279,6 +319,13 @@ def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
 
 
 def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
+    for f in filters[:-1]:
+        if f is ... or f is True:
+            raise ValueError(
+                f"nn.{fn}: `...` or `True` can only be used as the last filters (the first "
+                f"matching filter wins, so the filters after it would get nothing), got "
+                f"{filters!r}"
+            )
     preds = [to_predicate(f) for f in filters]
     outs: list[dict] = [{} for _ in preds]
     for p, v in zip(c.graphdef.paths, c.variables):
@@ -289,8 +336,9 @@ def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
         else:
             if exhaustive:
                 raise ValueError(
-                    f"nn.{fn}: variable at {path_text(p)!r} ({type(v).__name__}) matched none "
-                    f"of the filters {filters!r}; add `...` as the last filter"
+                    f"nn.{fn}: Non-exhaustive filters, got a non-empty remainder: the variable "
+                    f"at {path_text(p)!r} ({type(v).__name__}) matched none of the filters "
+                    f"{filters!r}; add `...` as the last filter"
                 )
     return [State.from_flat(o) for o in outs]
 
@@ -302,7 +350,8 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     match wins; use ``...`` last to collect the rest.
 
     Args:
-      node: the module tree.
+      node: the module tree (or a pytree of modules and Variables; a lone Variable or a
+        plain leaf is its own state).
       filters: the filters, in order; none puts everything in one State.
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
 
@@ -318,7 +367,10 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     >>> m2 = nn.merge(gd, params, rest)
     """
     check_mode("split", graph)
-    _check_module(node, "split")
+    root = _as_root(node)
+    if isinstance(root, VariableDef | LeafDef):
+        return (root, *_split_single(root, node, filters or (...,), "split", True))
+    node = root
     c = flat(node)
     if c.graphdef._specs is None:
         _record_specs(c)
@@ -345,7 +397,11 @@ def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple
         if not filters:
             return State.from_flat(node._flat)
         return node.filter(*filters)
-    _check_module(node, "state")
+    root = _as_root(node)
+    if isinstance(root, VariableDef | LeafDef):
+        outs = _split_single(root, node, filters or (...,), "state", False)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    node = root
     c = flat(node)
     if not filters:
         return State._from_cache(c.graphdef, c.variables)
@@ -365,10 +421,13 @@ def variables(node: Node, *filters: Any, graph: bool | None = None) -> State | t
     return state(node, *filters)
 
 
-def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
+def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
     """Rebuild a module tree from its :class:`GraphDef` and States. The States' Variable
     objects are used as they are (``copy=True`` copies them). Raises ``ValueError``
     naming any path the states lack or have in excess.
+
+    A pytree root comes back as the pytree (list, dict...); a lone Variable's or a
+    leaf's definition gives back the one state that is not an empty State.
 
     Args:
       graphdef: the structure, from :func:`split`.
@@ -377,6 +436,8 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
     """
     if isinstance(graphdef, GraphState):
         graphdef, states = _graph_states(graphdef, states)
+    if isinstance(graphdef, VariableDef | LeafDef):
+        return _merge_single(graphdef, states, copy)
     if not isinstance(graphdef, GraphDef):
         raise TypeError(f"nn.merge: expected a GraphDef first, got {type(graphdef).__name__}")
     vs = None
@@ -403,7 +464,24 @@ def merge(graphdef: GraphDef, *states: State, copy: bool = False) -> Node:
             _check_merge_values(graphdef, vs)
     if copy:
         vs = [v.copy() for v in vs]
-    return graphdef.build_from_variables(vs)
+    root = graphdef.build_from_variables(vs)
+    return unwrap(root) if isinstance(root, PytreeNode) else root
+
+
+def _merge_single(graphdef: VariableDef | LeafDef, states: tuple, copy: bool) -> Any:
+    """``merge`` of a lone Variable's or leaf's definition: the one non-empty state."""
+    found = [s for s in states if not (isinstance(s, State) and not s._flat)]
+    if len(found) != 1:
+        raise ValueError(
+            f"nn.merge: {graphdef!r} needs exactly one value among the states (the others "
+            f"empty States), got {len(found)}"
+        )
+    x = found[0]
+    if isinstance(graphdef, VariableDef):
+        if not isinstance(x, Variable):
+            raise TypeError(f"nn.merge: {graphdef!r} needs a Variable, got {type(x).__name__}")
+        return x.copy() if copy else x
+    return x
 
 
 def _graph_states(first: GraphState, rest: tuple) -> tuple[GraphDef, tuple]:
@@ -431,6 +509,19 @@ def update(node: Node, *states: Any) -> None:
       node: the module tree to update in place.
       states: States or nested mappings of Variables.
     """
+    if isinstance(node, Variable):
+        for s in states:
+            if isinstance(s, Variable):
+                _copy_variable(node, s)
+            elif not (isinstance(s, State | Mapping) and not s):
+                raise TypeError(
+                    f"nn.update: a Variable is updated from a Variable (or empty States), "
+                    f"got {type(s).__name__}"
+                )
+        return
+    shown = type(node).__name__
+    if not isinstance(node, Node) and is_pytree_root(node):
+        node = wrap(node)
     _check_module(node, "update")
     c = flat(node)
     idx = c.graphdef.path_index
@@ -440,7 +531,7 @@ def update(node: Node, *states: Any) -> None:
             i = idx.get(p)
             if i is None:
                 raise ValueError(
-                    f"nn.update: {type(node).__name__} has no variable at {path_text(p)!r}"
+                    f"nn.update: {shown} has no variable at {path_text(p)!r}"
                 )
             target = c.variables[i]
             if target is v:

@@ -195,8 +195,9 @@ def _check_disjoint(tdon, tkeep) -> None:
             continue
         if id(v) in seen:
             raise SharedReferenceError(
-                f"the same {type(v).__name__} object is reachable from two arguments of "
-                f"an nn.jit function; arguments must not share modules or variables"
+                f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
+                f"reachable from two arguments of an nn.jit function; arguments must not "
+                f"share modules or variables"
             )
         seen.add(id(v))
 

@@ -130,17 +130,16 @@ def make_param(
 
 def store_layer_options(
     module: Module, dtype: DType | None, param_dtype: DType, precision: Any,
-    kernel_init: Initializer, bias_init: Initializer, ops: Mapping[str, Any],
-    preferred_element_type: DType | None,
+    ops: Mapping[str, Any], preferred_element_type: DType | None,
 ) -> None:
     """Store the options the kernel layers share, in the attribute order they all use;
     ``ops`` are the layer's own callables (its contraction op and ``promote_dtype``, in
-    the layer's order), stored between ``bias_init`` and ``preferred_element_type``."""
+    the layer's order), stored between ``precision`` and ``preferred_element_type``.
+    The initializers are not kept: they only build the parameters, and two layers
+    that differ only in them have the same structure (GraphDef), as in Flax NNX."""
     module.dtype = dtype
     module.param_dtype = param_dtype
     module.precision = precision
-    module.kernel_init = kernel_init
-    module.bias_init = bias_init
     for name, op in ops.items():
         setattr(module, name, op)
     module.preferred_element_type = preferred_element_type
@@ -196,8 +195,6 @@ class Linear(Module):
     dtype: DType | None
     param_dtype: DType
     precision: Any
-    kernel_init: Initializer
-    bias_init: Initializer
     promote_dtype: Callable[..., Any]
     preferred_element_type: DType | None
     dot_general: Callable[..., jax.Array]
@@ -224,7 +221,7 @@ class Linear(Module):
         self.out_features = _checks.positive_int("Linear", "out_features", out_features)
         self.use_bias = bool(use_bias)
         store_layer_options(
-            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            self, dtype, param_dtype, precision,
             {"dot_general": dot_general, "promote_dtype": promote_dtype}, preferred_element_type,
         )
         make_kernel_and_bias(
@@ -293,8 +290,6 @@ class LinearGeneral(Module):
     dtype: DType | None
     param_dtype: DType
     precision: Any
-    kernel_init: Initializer
-    bias_init: Initializer
     promote_dtype: Callable[..., Any]
     preferred_element_type: DType | None
     dot_general: Callable[..., jax.Array]
@@ -339,7 +334,7 @@ class LinearGeneral(Module):
             )
         self.use_bias = bool(use_bias)
         store_layer_options(
-            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            self, dtype, param_dtype, precision,
             {
                 "promote_dtype": promote_dtype,
                 "dot_general": dot_general if dot_general is not None else lax.dot_general,
@@ -439,8 +434,6 @@ class Einsum(Module):
     dtype: DType | None
     param_dtype: DType
     precision: Any
-    kernel_init: Initializer
-    bias_init: Initializer
     promote_dtype: Callable[..., Any]
     preferred_element_type: DType | None
     einsum_op: Callable[..., jax.Array]
@@ -488,7 +481,7 @@ class Einsum(Module):
             )
         )
         store_layer_options(
-            self, dtype, param_dtype, precision, kernel_init, bias_init,
+            self, dtype, param_dtype, precision,
             {"promote_dtype": promote_dtype, "einsum_op": einsum_op}, preferred_element_type,
         )
         make_kernel_and_bias(

@@ -96,7 +96,21 @@ class LoRA(Module):
     def scale(self) -> float:
         return 1.0 if self.alpha is None else self.alpha / self.lora_rank
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        """``x A B`` (scaled), plus ``base_module(x, *args, **kwargs)`` when there is one.
+
+        Args:
+          x: the input, ``in_features`` last.
+          args: more positional arguments for ``base_module``.
+          kwargs: more keyword arguments for ``base_module``.
+
+        Raises:
+          TypeError: extra arguments that are not None with no ``base_module`` to take them.
+        """
+        if self.base_module is None and any(a is not None for a in (*args, *kwargs.values())):
+            raise TypeError(
+                "LoRA: extra call arguments are passed to base_module, but this LoRA has none"
+            )
         x = check_input(self, x)
         check_axis(self, x, -1, self.in_features)
         xp, a, b = self.promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
@@ -106,7 +120,7 @@ class LoRA(Module):
         if self.base_module is not None:
             if not callable(self.base_module):
                 raise TypeError("LoRA: base_module must be callable")
-            out = self.base_module(x) + out
+            out = self.base_module(x, *args, **kwargs) + out
         return out
 
 

@@ -18,6 +18,7 @@ paths is an error (tie weights explicitly instead).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import inspect
@@ -87,6 +88,9 @@ class Module(Node):
         if name.startswith(_INTERNAL):
             object.__setattr__(self, name, value)
             return
+        kind = _field_kind(type(self), name)
+        if kind is not None:
+            value = as_data(value) if kind == "data" else check_static(value, name)
         value = _check_attribute(self, name, value)
         object.__setattr__(self, name, value)
         EPOCH[0] += 1
@@ -342,6 +346,57 @@ def annotate_exception(exc: BaseException, roots: Iterable[tuple[Any, Any]]) -> 
         pass
 
 
+# ``nn.data()`` / ``nn.static()`` with no value are dataclass field markers; the kind is
+# kept in the field's metadata under this key
+FIELD_KIND = "cairn_nn_field"
+_NUMBERS = (bool, int, float, complex)
+
+
+class StaticDataError(TypeError, ValueError):
+    """State (an array, a Variable or a module) given as static configuration (a
+    ``TypeError``, and Flax NNX's ``ValueError``)."""
+
+
+def _field_kind(cls: type, name: str) -> str | None:
+    """``"data"`` / ``"static"`` when ``cls`` declares ``name`` with ``nn.data()`` /
+    ``nn.static()`` (a dataclass field, or a plain class attribute), else None."""
+    fields = cls.__dict__.get("__dataclass_fields__") or getattr(cls, "__dataclass_fields__", None)
+    f = fields.get(name) if fields else None
+    if f is None:
+        f = getattr(cls, name, None)
+    if isinstance(f, dataclasses.Field):
+        return f.metadata.get(FIELD_KIND)
+    return None
+
+
+def as_data(value: Any) -> Any:
+    """``value`` as state: each array or Python number in it becomes a Variable
+    (modules, Variables and containers of them are returned as they are)."""
+    def one(x):
+        if isinstance(x, _ARRAY_TYPES) or (isinstance(x, _NUMBERS) and not isinstance(x, Variable)):
+            return Variable(x)
+        return x
+
+    return jax.tree_util.tree_map(one, value, is_leaf=is_node)
+
+
+def check_static(value: Any, name: str = "") -> Any:
+    """``value``, checked to hold no state (arrays, Variables, modules).
+
+    Raises:
+      StaticDataError: it does.
+    """
+    if isinstance(value, _ARRAY_TYPES) or is_node(value):
+        found = (f"Found unexpected data on value of type {type(value).__name__} for the "
+                 f"static attribute {name!r}" if name else
+                 f"Found data in value of type {type(value).__name__}")
+        raise StaticDataError(
+            f"{found}: it is state, not static configuration; keep arrays in Variables, or "
+            f"make the value a Python scalar or tuple"
+        )
+    return value
+
+
 def _check_attribute(module: Module, name: str, value: Any) -> Any:
     """Validate / convert a value assigned to a module attribute."""
     if isinstance(value, _ARRAY_TYPES):
@@ -535,6 +590,17 @@ class Dict(_Container, Mapping):
     def __len__(self):
         return len(self._cairn_items)
 
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        """``self[key]``, first setting it to ``default`` when missing (``dict.setdefault``).
+
+        Args:
+          key: the key.
+          default: the value stored when ``key`` is missing.
+        """
+        if key not in self._cairn_items:
+            self[key] = default
+        return self._cairn_items[key]
+
     # Mapping defines __eq__; keep identity semantics for modules
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -552,8 +618,15 @@ class Sequential(Module):
         self.layers = List(layers)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not len(self.layers):
-            raise ValueError("Sequential with no layers called")
+        if not len(self.layers):  # the identity, as Flax NNX's empty Sequential
+            if args and kwargs:
+                raise TypeError(
+                    "an empty Sequential returns its input: give positional or keyword "
+                    "arguments, not both"
+                )
+            if kwargs:
+                return kwargs
+            return None if not args else args[0] if len(args) == 1 else args
         out = self.layers[0](*args, **kwargs)
         for layer in self.layers._cairn_items[1:]:
             out = layer(out)

@@ -2,7 +2,7 @@
 
 In cairn.nn every :class:`Module` is the NNX ``Pytree``: Variables and child modules
 are the pytree's children, everything else is static configuration. ``nn.data(x)``
-makes ``x`` state: arrays in it become :class:`Variable` s (cairn.nn keeps no plain
+makes ``x`` state: arrays and numbers in it become :class:`Variable` s (cairn.nn keeps no plain
 arrays as attributes, so that all state is a Variable); modules and Variables are
 already data. ``nn.static(x)`` is ``x``: non-array values are static already.
 """
@@ -13,28 +13,33 @@ import dataclasses
 import functools
 from typing import Any, TypeVar
 
-import jax
-import numpy as np
-
-from cairn.nn._module import Module
-from cairn.nn._nodes import is_node
-from cairn.nn._variables import Variable
+from cairn.nn._module import FIELD_KIND, Module, as_data, check_static
 
 A = TypeVar("A")
-_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 #: NNX's base class of graph objects; a cairn.nn Module is one (``train``, ``eval``,
 #: ``sow`` included).
 Pytree = Module
 
 
-def data(value: A, /) -> A:
+_MISSING: Any = object()
+
+
+def _marker(kind: str, field_kwargs: dict) -> Any:
+    metadata = {**field_kwargs.pop("metadata", {}), FIELD_KIND: kind}
+    return dataclasses.field(metadata=metadata, **field_kwargs)
+
+
+def data(value: Any = _MISSING, /, **field_kwargs: Any) -> Any:
     """Mark ``value`` as state (a pytree child) when assigned to a module attribute:
-    each array in it becomes a :class:`Variable`; modules, Variables and containers of
-    them are returned as they are.
+    each array or Python number in it becomes a :class:`Variable`; modules, Variables
+    and containers of them are returned as they are. With no value it is a field
+    marker (``x: jax.Array = nn.data()``, in a class body or an ``nn.dataclass``):
+    what is assigned to that attribute is made state the same way.
 
     Args:
-      value: an array, a pytree of arrays, a module or a Variable.
+      value: an array, a number, a pytree of them, a module or a Variable; none: a marker.
+      field_kwargs: ``dataclasses.field`` options of the marker (``default=``...).
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -44,27 +49,31 @@ def data(value: A, /) -> A:
     >>> c = Counter(); type(c.count).__name__, int(c.count + 1)
     ('Variable', 1)
     """
-    return jax.tree_util.tree_map(
-        lambda x: Variable(x) if isinstance(x, _ARRAYS) else x, value, is_leaf=is_node
-    )
+    if value is _MISSING:
+        return _marker("data", field_kwargs)
+    if field_kwargs:
+        raise TypeError(f"nn.data: field options {sorted(field_kwargs)} are for the marker form nn.data()")
+    return as_data(value)
 
 
-def static(value: A, /) -> A:
+def static(value: Any = _MISSING, /, **field_kwargs: Any) -> Any:
     """Mark ``value`` as static configuration: returns it (values that are not arrays,
-    Variables or modules are static in cairn.nn already).
+    Variables or modules are static in cairn.nn already). With no value it is a field
+    marker (``n: int = nn.static()``): assigning state to that attribute raises.
 
     Args:
-      value: a static value (not an array, Variable or module).
+      value: a static value (not an array, Variable or module); none: a marker.
+      field_kwargs: ``dataclasses.field`` options of the marker (``default=``...).
 
     Raises:
-      TypeError: ``value`` is an array, a Variable or a module (state cannot be static).
+      TypeError: ``value`` is an array, a Variable or a module (state cannot be static);
+        the error is also a ``ValueError``, Flax NNX's type.
     """
-    if isinstance(value, _ARRAYS) or is_node(value):
-        raise TypeError(
-            f"nn.static: a {type(value).__name__} is state, not static configuration; "
-            f"keep arrays in Variables, or make the value a Python scalar or tuple"
-        )
-    return value
+    if value is _MISSING:
+        return _marker("static", field_kwargs)
+    if field_kwargs:
+        raise TypeError(f"nn.static: field options {sorted(field_kwargs)} are for the marker form nn.static()")
+    return check_static(value)
 
 
 def dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:

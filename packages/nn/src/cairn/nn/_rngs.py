@@ -9,12 +9,14 @@ the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.nn._filters import to_predicate
 from cairn.nn._module import Module
 from cairn.nn._variables import RngCount, RngKey
 
@@ -148,7 +150,7 @@ class Rngs(Module):
             return d["default"]
         names = [k for k, v in d.items() if isinstance(v, RngStream)]
         raise AttributeError(
-            f"Rngs has no stream {name!r} and no 'default' stream (streams: {names}); "
+            f"No RngStream named {name!r} and no 'default' stream in this Rngs (streams: {names}); "
             f"create it with nn.Rngs(..., {name}=seed)"
         )
 
@@ -175,27 +177,42 @@ class Rngs(Module):
             setattr(out, name, stream.fork(split=split))
         return out
 
-    def split(self, n: int | tuple[int, ...]) -> Rngs:
-        """``fork(split=n)``: Rngs whose streams hold ``n`` keys each, to pass as a
-        batched (``in_axes=0``) argument of ``nn.vmap``.
+    def split(self, n: Any) -> Rngs:
+        """New Rngs whose streams hold ``n`` keys each (an int or a shape), to pass as a
+        batched (``in_axes=0``) argument of ``nn.vmap`` / ``nn.scan``. ``n`` may also be
+        ``{filter: shape or None}`` (a stream name, ``...``, a Variable type...; first
+        match wins): a stream it matches with None, or matches not at all, is forked
+        with one key.
 
         Args:
-          n: the number (or shape) of keys per stream.
+          n: an int, a shape, or ``{filter: shape or None}``.
         """
-        return self.fork(split=n)
+        return self._per_stream(n, RngStream.split, "split")
 
     def broadcast(self, k: Any) -> Rngs:
         """New Rngs whose streams hold their next key repeated to shape ``k`` (an int, a
-        shape, or ``{stream name: shape or None}``; None or a missing name: forked
-        unbroadcast), see :meth:`RngStream.broadcast`.
+        shape, or ``{filter: shape or None}`` as in :meth:`split`; None, or a stream no
+        filter matches: forked unbroadcast), see :meth:`RngStream.broadcast`.
 
         Args:
-          k: an int, a shape, or ``{stream name: shape or None}``.
+          k: an int, a shape, or ``{filter: shape or None}``.
         """
+        return self._per_stream(k, RngStream.broadcast, "broadcast")
+
+    def _per_stream(self, k: Any, op: Callable[[RngStream, Any], RngStream], fn: str) -> Rngs:
+        if not isinstance(k, Mapping):
+            k = {...: k}
+        rules = [(to_predicate(f), shape) for f, shape in k.items()]
         out = Rngs()
         for name, stream in self.streams().items():
-            shape = k.get(name) if isinstance(k, dict) else k
-            setattr(out, name, stream.fork() if shape is None else stream.broadcast(shape))
+            # a stream is matched as its state is: by name (its path) or tag
+            shape = next((sh for pred, sh in rules if pred((name,), stream)), None)  # type: ignore[arg-type]
+            if shape is not None and not isinstance(shape, int | tuple):
+                raise TypeError(
+                    f"Rngs.{fn}: the shape for stream {name!r} must be an int, a tuple or "
+                    f"None, got {type(shape).__name__}"
+                )
+            setattr(out, name, stream.fork() if shape is None else op(stream, shape))
         return out
 
 

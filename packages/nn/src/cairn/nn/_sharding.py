@@ -19,23 +19,31 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cairn.nn._graph import flat
+from cairn.nn._graph import flat, merge, split
 from cairn.nn._graph import state as _state
+from cairn.nn._graph_mode import check_mode
 from cairn.nn._jit import eval_shape, jit
 from cairn.nn._module import Module
 from cairn.nn._sharding_rules import (
+    context_mesh,
     current_rules,
     mesh_and_rules,
+    names_for,
     names_of,
     sharding_for,
     sharding_rules,
 )
 from cairn.nn._state import State
-from cairn.nn._variables import Variable, with_metadata
+from cairn.nn._variables import Variable, rebuild_variable, template_of, with_metadata
 
 
 def with_partitioning(
-    initializer: Callable, sharding_names: Sequence[str | None], mesh: Any = None, **metadata: Any
+    initializer: Callable,
+    sharding_names: Sequence[str | None] | None = None,
+    mesh: Any = None,
+    *,
+    sharding: Sequence[str | None] | None = None,
+    **metadata: Any,
 ) -> Callable:
     """Wrap ``initializer`` so the Variable built from its result carries
     ``sharding_names`` (one logical axis name, or None, per array dim).
@@ -50,7 +58,11 @@ def with_partitioning(
       initializer: ``init(key, shape, dtype) -> array``.
       sharding_names: one logical axis name (or None) per array dim.
       mesh: the device mesh; None uses the one of :func:`sharding_rules`.
+      sharding: Flax NNX's name of ``sharding_names`` (give one of the two).
       metadata: more metadata for the Variable.
+
+    Raises:
+      TypeError: neither or both of ``sharding_names`` and ``sharding`` given.
 
     >>> import jax, jax.numpy as jnp
     >>> from cairn import nn
@@ -58,7 +70,14 @@ def with_partitioning(
     >>> nn.Param(init(jax.random.key(0), (2, 3))).sharding_names
     ('embed', 'mlp')
     """
-    names = tuple(sharding_names)
+    if (sharding_names is None) == (sharding is None):
+        raise TypeError(
+            "with_partitioning: give the axis names once, as sharding_names (or Flax's "
+            f"sharding=), got sharding_names={sharding_names!r}, sharding={sharding!r}"
+        )
+    chosen = sharding if sharding is not None else sharding_names
+    assert chosen is not None  # checked above
+    names = tuple(chosen)
     md = {"sharding_names": names, **metadata}
     if mesh is not None:
         md["mesh"] = mesh
@@ -80,7 +99,7 @@ _BORN_SHARDED: dict[Any, Callable] = {}
 def _eager_target(names: tuple, mesh: Any, args, kwargs) -> NamedSharding | None:
     """The sharding an eager initializer call should produce directly, or None (no
     mesh in scope, or traced arguments: a trace places values by constraint)."""
-    if mesh is None and current_rules() is None:
+    if mesh is None and current_rules() is None and context_mesh() is None:
         return None
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -227,6 +246,37 @@ def abstract_model(
                 sh = sharding_for(names, len(val.shape), mesh, rules)
             v.raw_value = jax.ShapeDtypeStruct(val.shape, val.dtype, sharding=sh)
     return out
+
+
+def as_abstract(tree: Any, *, graph: bool | None = None) -> Any:
+    """A copy of ``tree`` (a module, a pytree of modules, usually from
+    :func:`~cairn.nn.eval_shape`) whose variables hold ``jax.ShapeDtypeStruct`` values;
+    a variable with axis names (``sharding_names``, or Flax NNX's ``out_sharding``)
+    carries their ``NamedSharding`` on its own ``mesh`` metadata, else the mesh of
+    :func:`sharding_rules` or of ``jax.set_mesh`` (Flax NNX's ``nnx.as_abstract``).
+
+    Args:
+      tree: the module(s); arrays and ShapeDtypeStructs are both accepted as values.
+      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+    """
+    check_mode("as_abstract", graph)
+    gd, st = split(tree)
+    flat_st = {(): st} if isinstance(st, Variable) else st._flat
+    out = {}
+    for p, v in flat_st.items():
+        val = v.raw_value
+        if not isinstance(val, jax.ShapeDtypeStruct) and hasattr(val, "shape") and hasattr(val, "dtype"):
+            val = jax.ShapeDtypeStruct(val.shape, val.dtype)
+        names = names_for(v._meta, len(getattr(val, "shape", ())))
+        if names is not None and isinstance(val, jax.ShapeDtypeStruct):
+            found = mesh_and_rules(v._meta.get("mesh"), names)
+            if found is not None:
+                sh = sharding_for(names, len(val.shape), *found)
+                val = jax.ShapeDtypeStruct(val.shape, val.dtype, sharding=sh)
+        out[p] = rebuild_variable(template_of(v), val)
+    if isinstance(st, Variable):
+        return merge(gd, out[()])
+    return merge(gd, State.from_flat(out))
 
 
 def sharded_init(

@@ -40,6 +40,37 @@ def sharding_rules(rules: Any, mesh: Any = None) -> Iterator[None]:
         _CTX.pop()
 
 
+_EAGER = [True]  # use_eager_sharding's stack top: place variables when created
+
+
+@contextlib.contextmanager
+def use_eager_sharding(value: bool = True) -> Iterator[None]:
+    """Context in which variables with axis names are (True, the default) or are not
+    (False) placed in their sharding when created (Flax NNX's ``use_eager_sharding``).
+
+    Args:
+      value: whether to place variables when they are created.
+    """
+    _EAGER.append(bool(value))
+    try:
+        yield
+    finally:
+        _EAGER.pop()
+
+
+def context_mesh() -> Any:
+    """The mesh of an enclosing ``jax.set_mesh`` / ``jax.sharding.use_mesh``, or None
+    (inside ``jax.jit`` its abstract mesh, which sharding constraints accept)."""
+    get = getattr(jax.sharding, "get_mesh", None)
+    if get is None:
+        return None
+    try:
+        mesh = get()
+    except ValueError:  # inside jax.jit: only the abstract mesh is known
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if getattr(mesh, "empty", True) else mesh
+
+
 def current_rules() -> tuple[Any, Any] | None:
     """The innermost ``(mesh, rules)`` of :func:`sharding_rules`, or None."""
     return _CTX[-1] if _CTX else None
@@ -53,6 +84,8 @@ def mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
     ctx_mesh, rules = ctx if ctx is not None else (None, None)
     mesh = mesh if mesh is not None else ctx_mesh
     if mesh is None:
+        mesh = context_mesh()
+    if mesh is None:
         return None
     if rules is None:
         from cairn.core_array import LogicalAxisRules
@@ -62,14 +95,26 @@ def mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
 
 
 def names_of(metadata: dict) -> tuple | None:
-    """The logical axis names in a variable's metadata (``sharding_names``, or the
-    older ``sharding``), or None (no names, or a ready ``PartitionSpec``)."""
+    """The logical axis names in a variable's metadata (``sharding_names``, the older
+    ``sharding``, or Flax NNX's ``out_sharding``, which may be a ``PartitionSpec`` of
+    mesh axis names), or None (no names, or a ready ``PartitionSpec`` as ``sharding``)."""
     names = metadata.get("sharding_names", metadata.get("sharding"))
     if names is None:
-        return None
+        out = metadata.get("out_sharding")
+        return None if out is None else tuple(out)
     if isinstance(names, PartitionSpec):
         return None
     return tuple(names)
+
+
+def names_for(metadata: dict, ndim: int) -> tuple | None:
+    """:func:`names_of` for an array of rank ``ndim``: Flax NNX's ``out_sharding`` may
+    be shorter than the rank (a ``PartitionSpec``'s missing trailing axes are
+    replicated), so it is padded with None; ``sharding_names`` must match exactly."""
+    names = names_of(metadata)
+    if names is None or "sharding_names" in metadata or "sharding" in metadata:
+        return names
+    return names + (None,) * max(0, ndim - len(names))
 
 
 def sharding_for(names: tuple, ndim: int, mesh: Any, rules: Any) -> NamedSharding:
@@ -91,17 +136,19 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     """``value`` placed in the sharding its ``metadata``'s axis names give under the
     active rules (a constraint for a tracer, ``device_put`` for an array, a sharded
     ``ShapeDtypeStruct`` for an abstract value); unchanged when no mesh is in scope."""
-    mesh = metadata.get("mesh")
-    if mesh is None and current_rules() is None:
+    if not _EAGER[-1]:
         return value
-    names = names_of(metadata)
+    mesh = metadata.get("mesh")
+    if mesh is None and current_rules() is None and context_mesh() is None:
+        return value
+    ndim = len(getattr(value, "shape", ()))
+    names = names_for(metadata, ndim)
     if names is None:
         return value
     found = mesh_and_rules(mesh, names)
     if found is None:
         return value
     mesh, rules = found
-    ndim = len(getattr(value, "shape", ()))
     sharding = sharding_for(names, ndim, mesh, rules)
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)

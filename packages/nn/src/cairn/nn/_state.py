@@ -34,11 +34,14 @@ class State(MutableMapping):
       mapping: a nested mapping of variables (keys are path components); None for an empty State.
     """
 
-    __slots__ = ("_flat_d", "_hint")
+    # _parent: (State, key) for a nested view (``state["b"]``, ``state.b``): changes
+    # made through the view are written to the State it came from
+    __slots__ = ("_flat_d", "_hint", "_parent")
 
     def __init__(self, mapping: Mapping | None = None) -> None:
         self._flat_d: dict[tuple, Variable] | None = {}
         self._hint: tuple[Any, list[Variable]] | None = None
+        self._parent: tuple[State, Any] | None = None
         if mapping is not None:
             if isinstance(mapping, State):
                 self._flat_d = dict(mapping._flat)
@@ -55,6 +58,7 @@ class State(MutableMapping):
         s = object.__new__(cls)
         s._flat_d = dict(flat)
         s._hint = None
+        s._parent = None
         return s
 
     @classmethod
@@ -63,6 +67,7 @@ class State(MutableMapping):
         s = object.__new__(cls)
         s._flat_d = None  # built on first use
         s._hint = (graphdef, variables)
+        s._parent = None
         return s
 
     @property
@@ -94,7 +99,16 @@ class State(MutableMapping):
         sub = {p[1:]: v for p, v in self._flat.items() if p[0] == key and len(p) > 1}
         if not sub:
             raise KeyError(key)
-        return State.from_flat(sub)
+        view = State.from_flat(sub)
+        view._parent = (self, key)
+        return view
+
+    def _changed(self) -> None:
+        """After a change through a nested view: write the view back to its parent."""
+        parent = getattr(self, "_parent", None)
+        if parent is not None:
+            owner, key = parent
+            owner[key] = self
 
     def __getitem__(self, key):
         return self._sub(key)
@@ -108,6 +122,18 @@ class State(MutableMapping):
             raise AttributeError(
                 f"State has no key {name!r} (top-level keys: {list(self)})"
             ) from None
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            self[name] = value
+
+    def __delattr__(self, name):
+        if name.startswith("_"):
+            object.__delattr__(self, name)
+        else:
+            del self[name]
 
     def __setitem__(self, key, value):
         _ = self._flat
@@ -125,6 +151,7 @@ class State(MutableMapping):
                 f"State values must be Variables or mappings of Variables; got "
                 f"{type(value).__name__} for key {key!r}"
             )
+        self._changed()
 
     def __delitem__(self, key):
         ps = [p for p in self._flat if p[0] == key]
@@ -134,6 +161,7 @@ class State(MutableMapping):
         self._hint = None
         for p in ps:
             del self._flat[p]
+        self._changed()
 
     def __iter__(self) -> Iterator:
         seen: dict[Any, None] = {}
@@ -148,6 +176,12 @@ class State(MutableMapping):
         return any(p[0] == key for p in self._flat)
 
     def __eq__(self, other):
+        if isinstance(other, Mapping) and not isinstance(other, State):
+            # a nested dict of Variables compares as the State it makes (``state == {}``)
+            try:
+                other = State(other)
+            except (TypeError, ValueError):
+                return False
         if not isinstance(other, State):
             return NotImplemented
         return self._flat == other._flat

@@ -167,13 +167,14 @@ def _check_once(seen: dict, v: Variable, owner: Any) -> None:
     prev = seen.get(id(v))
     if prev is not None and prev != id(owner):
         raise SharedReferenceError(
-            f"the same {type(v).__name__} object is reachable from two arguments "
-            f"({type(owner).__name__} and another); transform arguments must not share "
-            f"variables"
+            f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
+            f"reachable from two arguments ({type(owner).__name__} and another); transform "
+            f"arguments must not share variables"
         )
     if prev is not None:
         raise SharedReferenceError(
-            f"the same {type(owner).__name__} object is passed twice to a transform"
+            f"Inconsistent aliasing detected: the same {type(owner).__name__} object is "
+            f"passed twice to a transform; pass it once"
         )
     seen[id(v)] = id(owner)
 

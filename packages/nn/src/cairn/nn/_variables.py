@@ -139,7 +139,7 @@ class Variable:
             metadata = {**value.metadata, **metadata}
             value = value.value
         object.__setattr__(self, "_meta", metadata)
-        if "sharding_names" in metadata or "sharding" in metadata:
+        if "sharding_names" in metadata or "sharding" in metadata or "out_sharding" in metadata:
             value = shard_on_create(value, metadata)
         object.__setattr__(self, "raw_value", value)
 

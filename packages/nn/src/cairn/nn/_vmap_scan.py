@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
 from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method, run_pure
 from cairn.nn._transform_plan import Carry as LoopCarry
-from cairn.nn._variables import Variable
+from cairn.nn._variables import Variable, rebuild_variable, template_of
 
 
 class StateAxes:
@@ -286,17 +286,38 @@ def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
     leaf_axes = _leaf_axes_tree(plan, axes)
     _check_mapped_ranks(plan, axes)
     box = Box()
-    if _has_module_axes(out_axes):
+    # a module argument's changes come back along its axes: one int / None covers any
+    # number of variables (also ones f creates, as in a vmapped __init__)
+    back_axes = [ax if k == MOD and (ax is None or isinstance(ax, int)) else la
+                 for k, ax, la in zip(plan.kinds, axes, leaf_axes)]
+    per_var = any(k == MOD and isinstance(ax, StateAxes | Module) for k, ax in zip(plan.kinds, axes))
+    if _has_module_axes(out_axes) or per_var:
+        probe_box = Box()
         probe = jax.vmap(
-            run_pure(f, plan, Box()), in_axes=(leaf_axes,), out_axes=0,
+            run_pure(f, plan, probe_box), in_axes=(leaf_axes,), out_axes=0,
             axis_name=opts.get("axis_name"), axis_size=opts.get("axis_size"),
         )
-        out_shape, _ = jax.eval_shape(probe, plan.dyn)
-        out_axes = _expand_out_axes(out_axes, out_shape)
+        out_shape, dyn_shape = jax.eval_shape(probe, plan.dyn)
+        if _has_module_axes(out_axes):
+            out_axes = _expand_out_axes(out_axes, out_shape)
+        if per_var:  # per-variable axes of the structure f leaves behind
+            back_axes = _new_leaf_axes(plan, axes, back_axes, probe_box.value, dyn_shape)
     out, new_dyn = mapper(
-        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, leaf_axes), **opts
+        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
     )(plan.dyn)
     plan.write_back(plan.fill(new_dyn), box.value)
+    return out
+
+
+def _new_leaf_axes(plan: Plan, axes: list, back_axes: list, descs: list, dyn: list) -> list:
+    """``back_axes`` with the axes of each module argument given a :class:`StateAxes`
+    or prefix module recomputed for its structure after the call (``descs``, and
+    ``dyn``: the shapes of its new values)."""
+    out = list(back_axes)
+    for i, (k, ax) in enumerate(zip(plan.kinds, axes)):
+        if k == MOD and isinstance(ax, StateAxes | Module) and descs[i] != plan.descs[i]:
+            shell = descs[i].build_from_values(dyn[i])
+            out[i] = _module_axes(ax, descs[i], flat(shell).variables, dyn[i])
     return out
 
 
@@ -363,9 +384,21 @@ def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
         only one of ``in_axes`` and ``out_axes``.
     """
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
+    for ax in outs:
+        if isinstance(ax, StateAxes | Module):
+            raise ValueError(
+                f"nn.scan: Cannot broadcast output state. Got {type(ax).__name__} in "
+                f"out_axes={out_axes!r}: an output is stacked (an int) or the carry; give "
+                f"per-variable axes in in_axes"
+            )
     for ax in (*in_axes, *outs):
+        if isinstance(ax, StateAxes | Module):  # in in_axes: outs were checked above
+            continue
         if not (ax is Carry or ax is None or (isinstance(ax, int) and not isinstance(ax, bool))):
-            raise ValueError(f"nn.scan: axes must be nn.Carry, an int or None, got {ax!r}")
+            raise ValueError(
+                f"nn.scan: axes must be nn.Carry, an int, None, or (in in_axes, for a module) "
+                f"a StateAxes or prefix module, got {ax!r}"
+            )
     if any(ax is None for ax in outs):
         raise ValueError(
             f"nn.scan: Cannot broadcast output state: every out_axes entry is stacked over the "
@@ -383,6 +416,111 @@ def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
         )
 
 
+class _ScanSplit:
+    """The variables of one ``nn.scan`` argument whose axes are given per variable (a
+    :class:`StateAxes` or a prefix module for a module), or of an argument given None
+    that holds modules or Variables. Each variable is, by its axis:
+
+    * scanned (an int): sliced along that axis, its per-step values stacked back;
+    * carried (``nn.Carry``, or None for a whole argument): threaded through the steps,
+      its last value kept, as Flax NNX does for a broadcast argument it mutates;
+    * broadcast (None in a StateAxes or prefix): every step sees its value from before
+      the scan; a change made in a step is not kept (Flax NNX's broadcast state).
+
+    Args:
+      arg: the argument.
+      ax: its ``in_axes`` entry.
+    """
+
+    def __init__(self, arg: Any, ax: Any) -> None:
+        self.nodes, self.outer = jax.tree_util.tree_flatten(arg, is_leaf=is_node)
+        self.defs: list = []  # per node: its GraphDef (a module), None (a Variable) or leaf
+        variables: list[Variable] = []
+        for n in self.nodes:
+            if isinstance(n, Module):
+                c = flat(n)
+                self.defs.append(c.graphdef)
+                variables.extend(c.variables)
+            elif isinstance(n, Variable):
+                self.defs.append(None)
+                variables.append(n)
+            else:
+                self.defs.append(False)
+        self.variables = variables
+        if isinstance(ax, StateAxes | Module):
+            if len(self.nodes) != 1 or not isinstance(arg, Module):
+                raise TypeError(
+                    f"nn.scan: a {type(ax).__name__} in in_axes is for a module argument, "
+                    f"got {type(arg).__name__}"
+                )
+            c = flat(arg)
+            axes = _module_axes(ax, c.graphdef, c.variables, c.variables)
+        else:
+            axes = [Carry] * len(variables)
+        for a in axes:
+            if not (a is Carry or a is None or (isinstance(a, int) and not isinstance(a, bool))):
+                raise ValueError(f"nn.scan: a variable's axis must be nn.Carry, an int or None, got {a!r}")
+        self.axes = axes
+        self.scanned = [i for i, a in enumerate(axes) if a is not Carry and a is not None]
+        self.carried = [i for i, a in enumerate(axes) if a is Carry]
+
+    def init(self) -> tuple[list, list]:
+        """The carried values and the scanned values (their axis moved to the front)."""
+        vs = self.variables
+        xs = [_move_axis(vs[i].raw_value, self.axes[i], 0) for i in self.scanned]
+        return [vs[i].raw_value for i in self.carried], xs
+
+    def build(self, carry: list, xs: list) -> Any:
+        """The argument for one step: new modules / Variables holding the step's values."""
+        values = [v.raw_value for v in self.variables]
+        for i, x in zip(self.carried, carry):
+            values[i] = x
+        for i, x in zip(self.scanned, xs):
+            values[i] = x
+        it = iter(values)
+        self.built: list[Any] = []
+        for n, d in zip(self.nodes, self.defs):
+            if isinstance(d, GraphDef):
+                self.built.append(d.build_from_values([next(it) for _ in d.paths]))
+            elif d is None:
+                self.built.append(rebuild_variable(template_of(n), next(it)))
+            else:
+                self.built.append(n)
+        return cast(Any, self.outer).unflatten(self.built)
+
+    def parts(self) -> tuple[list, list]:
+        """The carried and scanned values after a step (the step's own objects)."""
+        values: list = []
+        for n, d in zip(self.built, self.defs):
+            if isinstance(d, GraphDef):
+                c = flat(n)
+                if c.graphdef != d:
+                    raise ValueError(
+                        f"nn.scan: the structure of {type(n).__name__} changed in a step "
+                        f"(variables or attributes added or removed); a scanned module "
+                        f"with per-variable axes keeps its structure in the loop"
+                    )
+                values.extend(v.raw_value for v in c.variables)
+            elif d is None:
+                values.append(cast(Variable, n).raw_value)
+        return [values[i] for i in self.carried], [values[i] for i in self.scanned]
+
+    def write_back(self, carry: list, ys: list) -> None:
+        """Give the argument's variables their values after the scan."""
+        for i, x in zip(self.carried, carry):
+            self.variables[i].value = x
+        for i, y in zip(self.scanned, ys):
+            self.variables[i].value = _move_axis(y, self.axes[i], 0, back=True)
+
+
+def _needs_split(arg: Any, ax: Any) -> bool:
+    if isinstance(ax, StateAxes | Module):
+        return True
+    if ax is not None:
+        return False
+    return any(is_node(x) for x in jax.tree_util.tree_leaves(arg, is_leaf=is_node))
+
+
 def _scan_axes(f, args, in_axes, out_axes, run):
     """``nn.scan`` with NNX-style ``in_axes`` / ``out_axes`` over ``f(*args)``, using the
     plain carry-and-xs scan ``run(body, init, xs)``."""
@@ -390,31 +528,40 @@ def _scan_axes(f, args, in_axes, out_axes, run):
     _check_scan_axes(in_ax, out_axes)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     ci = in_ax.index(Carry) if Carry in in_ax else None
-    xi = [i for i, a in enumerate(in_ax) if isinstance(a, int)]
+    splits = {i: _ScanSplit(a, ax) for i, (a, ax) in enumerate(zip(args, in_ax)) if _needs_split(a, ax)}
+    xi = [i for i, a in enumerate(in_ax) if isinstance(a, int) and i not in splits]
     # a scanned axis other than 0 is moved to the front (and a module's state moved back)
     xs_in = tuple(_move_axis(args[i], in_ax[i], 0) for i in xi)
+    s_init = [s.init() for s in splits.values()]
 
     def body(c, xs):
         full = list(args)
         if ci is not None:
-            full[ci] = c
-        for i, x in zip(xi, xs):
+            full[ci] = c[0]
+        for i, x in zip(xi, xs[0]):
             full[i] = x
+        for (i, sp), sc, sx in zip(splits.items(), c[1], xs[1]):
+            full[i] = sp.build(sc, sx)
         out = f(*full)
+        parts = [sp.parts() for sp in splits.values()]
+        s_c, s_y = [p[0] for p in parts], [p[1] for p in parts]
         if not isinstance(out_axes, tuple):
-            return (out, None) if out_axes is Carry else (None, out)
+            return ((out, s_c), (None, s_y)) if out_axes is Carry else ((None, s_c), (out, s_y))
         if not isinstance(out, tuple) or len(out) != len(outs):
             raise ValueError(
                 f"nn.scan: out_axes={out_axes!r} needs f to return a tuple of "
                 f"{len(outs)}, got {type(out).__name__}"
             )
         new_c = out[outs.index(Carry)] if Carry in outs else None
-        return new_c, tuple(o for o, a in zip(out, outs) if a is not Carry)
+        return (new_c, s_c), (tuple(o for o, a in zip(out, outs) if a is not Carry), s_y)
 
-    c_final, ys = run(body, args[ci] if ci is not None else None, xs_in)
+    init = (args[ci] if ci is not None else None, [p[0] for p in s_init])
+    (c_final, s_c), (ys, s_y) = run(body, init, (xs_in, [p[1] for p in s_init]))
     for i, moved in zip(xi, xs_in):
         if moved is not args[i]:
             _copy_state_back(args[i], moved, in_ax[i])
+    for sp, sc, sy in zip(splits.values(), s_c, s_y):
+        sp.write_back(sc, sy)
     if not isinstance(out_axes, tuple):
         return c_final if out_axes is Carry else _move_axis(ys, out_axes, 0, back=True)
     it = iter(ys)
@@ -461,9 +608,9 @@ def scan(
       length: the number of steps when nothing is scanned over; None reads it from the inputs.
       reverse: scan from the end.
       unroll: ``jax.lax.scan``'s unroll.
-      in_axes: NNX's form: per argument, :class:`Carry`, ``0`` (scanned over its leading
-        axis) or ``None`` (passed whole to every step; not modules); the default
-        ``(nn.Carry, 0)`` is the ``f(carry, x) -> (carry, y)`` form.
+      in_axes: per argument :class:`Carry`, an int (scanned axis), ``None`` (whole to each
+        step, its Variables threaded) or, for a module, a :class:`StateAxes` / ``prefix``
+        (per variable; None: broadcast, changes not kept); default ``f(carry, x)``.
       out_axes: per output, :class:`Carry` or ``0`` (stacked).
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
