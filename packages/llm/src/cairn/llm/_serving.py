@@ -125,7 +125,7 @@ def _rebuilder(model: CausalLM) -> tuple[Callable[[Any], CausalLM], Any]:
             for key in path[:-1]:
                 into = into.setdefault(key, {})
             into[path[-1]] = kind(node)
-        rebuilt: CausalLM = nn.merge(graphdef, nn.State(tree))  # type: ignore[assignment]
+        rebuilt: CausalLM = nn.merge(graphdef, nn.State(tree))
         return rebuilt
 
     return rebuild, state.to_pure_dict()
