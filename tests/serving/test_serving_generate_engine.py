@@ -575,6 +575,34 @@ def test_a_busy_engine_holds_a_lone_request_to_fill_a_prefill_group(model, delay
             r.cancel()
 
 
+def test_a_full_prefill_group_is_not_held_behind_an_older_partial_one(model):
+    """A busy engine holds a lone request of one prompt bucket (its group is partial) for
+    ``admission_delay_steps``, but prefills a full group of another bucket that came after it
+    at once; every request still gets its tokens alone."""
+    cfg = GenerationConfig(num_slots=6, prefill_batch=2, admission_delay_steps=12)  # CONFIG's shapes
+    with GenerationEngine(model, cfg) as engine:
+        started = threading.Event()
+        busy = [engine.submit([3 + i], SamplingParams(60), on_event=lambda ev: started.set()) for i in range(4)]
+        assert started.wait(30)  # 4 of 6 slots busy: more than half
+        first: dict[str, int] = {}
+
+        def mark(name):
+            return lambda ev: first.setdefault(name, engine.stats()["steps"])
+
+        with engine._cond:  # queued together, before the engine's next pick
+            before = engine.stats()["steps"]
+            lone = engine.submit([5, 6], SamplingParams(3), on_event=mark("lone"))  # bucket 2, alone
+            pair = [engine.submit([7, 8, 9, 10, 11], SamplingParams(3), on_event=mark(f"pair{i}")) for i in range(2)]  # bucket 8
+        results = [r.result(60) for r in (lone, *pair)]
+        assert first["pair0"] - before <= 2 and first["pair1"] - before <= 2  # the full group went first
+        assert first["lone"] - before >= 12  # held its delay (its partial group)
+        for r in busy:
+            r.cancel()
+    with GenerationEngine(model, CONFIG) as alone:
+        for r, prompt in zip(results, ([5, 6], [7, 8, 9, 10, 11], [7, 8, 9, 10, 11])):
+            assert r.token_ids == alone.generate(prompt, SamplingParams(3)).token_ids
+
+
 @pytest.mark.parametrize(
     ("edit", "match"),
     [

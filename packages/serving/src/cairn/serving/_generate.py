@@ -5,8 +5,9 @@ waiting requests in groups of up to ``prefill_batch`` of one prompt bucket (the 
 power of two, capped at ``max_length``; the oldest request's bucket first) at the fixed
 shape ``(prefill_batch, bucket)``, until the free slots are full, scatter their cache
 rows into the slots and sample their first token (while more than half the slots are
-busy, waiting requests may be held back up to ``admission_delay_steps`` steps to fill a
-group, so a busy engine does not prefill mostly padding every step); (3) run one
+busy, a group that is not full waits until its oldest request has waited
+``admission_delay_steps`` steps, so a busy engine does not prefill mostly padding every
+step; a full group of another bucket goes ahead of it); (3) run one
 decode step over all ``num_slots`` slots (idle slots decode a dummy row) and sample a
 token for every active one, retiring finished requests at once. Every compiled shape is
 fixed and rows never interact, and sampling uses a generator derived from ``(seed,
@@ -75,8 +76,9 @@ class GenerationConfig:
       max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
       scheduler: ``"continuous"`` or ``"static"`` (admit only when all slots are free).
       admission_delay_steps: while more than half the slots are busy, the continuous
-        scheduler holds waiting requests back up to this many steps until they fill a
-        prefill group (0: admit at every step).
+        scheduler prefills a group of one prompt bucket that is not full (fewer than
+        ``prefill_batch`` prompts or free slots) only once its oldest request has waited
+        this many decode steps; full groups go at once (0: admit at every step).
       kv_layout: ``"contiguous"`` (one ``max_length`` cache row per slot) or ``"paged"``
         (a pool of ``num_blocks`` blocks shared by all slots, claimed as tokens arrive,
         with prefix caching and chunked prefill; the model needs a ``paged`` function,
@@ -306,6 +308,7 @@ class GenerationRequest:
         self._result: GenerationResult | None = None
         self.submitted = time.perf_counter()
         self._first: float | None = None
+        self.queued_step = 0  # the engine's decode step count when it was queued
 
     @property
     def done(self) -> bool:
@@ -428,7 +431,6 @@ class GenerationEngine:
         self._scatter: Callable | None = None
         self._thread: threading.Thread | None = None
         self._state = "new"
-        self._held = 0  # steps the waiting requests have been held back (continuous scheduler)
         self._seeds = np.random.default_rng()
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
@@ -548,6 +550,7 @@ class GenerationEngine:
                                 f"(max_queue {self.config.max_queue})", retry_after=self._retry_after())
             seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63))
             req = GenerationRequest(toks, params, seed, stops, on_event, self, self._text_state(toks, params, on_event))
+            req.queued_step = self._counts["steps"]  # its age in decode steps, for the admission delay
             self._queue.append(req)
             self._counts["requests"] += 1
             self._counts["prompt_tokens"] += len(toks)
@@ -676,38 +679,39 @@ class GenerationEngine:
         self._tokens[slot] = 0
         self._positions[slot] = 0
 
-    def _admit_now(self, free: list[int]) -> bool:
-        """Under the lock: whether the continuous scheduler admits this step. While more than
-        half the slots are busy it holds waiting requests back (at most
-        ``admission_delay_steps`` steps) until they fill a prefill group, so a busy engine
-        does not run a mostly padded prefill at every step."""
-        if (len(self._slots) - len(free)) * 2 <= len(self._slots) or self._held >= self.config.admission_delay_steps:
-            return True
-        bucket = self._queue[0].bucket
-        same = sum(r.bucket == bucket for r in self._queue)
-        return min(same, len(free)) >= self.config.prefill_batch
-
     def _pick(self) -> list[list[tuple[GenerationRequest, int]]]:
-        """Under the lock: the prefill groups to run this step (filling the free slots),
-        each put in free slots."""
+        """Under the lock: the prefill groups to run this step, each put in free slots.
+
+        Groups are of one prompt bucket, the bucket of the oldest waiting request first.
+        While more than half the slots are busy, the continuous scheduler runs a group
+        only when it is full (``prefill_batch`` prompts, with as many free slots) or when
+        its oldest request has waited ``admission_delay_steps`` decode steps; a partial
+        group of one bucket waits without holding back a full group of another. A prefill
+        row costs a few decode steps of an idle slot, so a busy engine fills its groups.
+        """
         free = [i for i, r in enumerate(self._slots) if r is None]
         if not self._queue or not free:
             return []
         if self.config.scheduler == "static" and len(free) < len(self._slots):
             return []
-        if self.config.scheduler == "continuous" and not self._admit_now(free):
-            self._held += 1
-            return []
-        self._held = 0
+        pb, delay, step = self.config.prefill_batch, self.config.admission_delay_steps, self._counts["steps"]
+        hold = self.config.scheduler == "continuous" and (len(self._slots) - len(free)) * 2 > len(self._slots)
+        by_bucket: dict[int, list[GenerationRequest]] = {}
+        for r in self._queue:  # oldest first, so each list and the buckets' order are by age
+            by_bucket.setdefault(r.bucket, []).append(r)
         groups = []
-        while self._queue and free:
-            bucket = self._queue[0].bucket
-            room = min(self.config.prefill_batch, len(free))
-            group = [r for r in self._queue if r.bucket == bucket][:room]
-            taken = {id(r) for r in group}
+        for members in by_bucket.values():
+            while members and free:
+                group = members[: min(pb, len(free))]
+                if hold and len(group) < pb and step - group[0].queued_step < delay:
+                    break  # a partial group: wait for more prompts of this bucket (or more free slots)
+                del members[: len(group)]
+                groups.append([(r, free.pop(0)) for r in group])
+        taken = {id(r) for group in groups for r, _ in group}
+        if taken:
             self._queue = collections.deque(r for r in self._queue if id(r) not in taken)
-            groups.append([(r, free.pop(0)) for r in group])
-            for r, slot in groups[-1]:
+        for group in groups:
+            for r, slot in group:
                 self._slots[slot] = r
         return groups
 
