@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import gen_testlib as g
 import numpy as np
@@ -413,6 +414,48 @@ def test_decode_error_fails_the_running_requests_and_the_engine_recovers(model, 
         flaky_model.fail_decode.clear()
         assert flaky.generate([3, 4, 5], SamplingParams(15)).token_ids == engine.generate([3, 4, 5], SamplingParams(15)).token_ids
         assert flaky.stats()["errors"] == 1
+
+
+class _Recording(_Flaky):
+    """Records the order of device calls (``decode`` when dispatched) in ``log``."""
+
+    def __init__(self, inner, log):
+        super().__init__(inner)
+        self.log = log
+
+    def decode(self, tokens, positions, cache):
+        self.log.append("decode")
+        return super().decode(tokens, positions, cache)
+
+
+def test_a_steps_events_are_streamed_while_the_next_step_runs(model, engine):
+    """Token i's event (i >= 1) is delivered after step i + 1 is dispatched (its host work
+    overlaps the device); a request ending by its length leaves at sampling, so no
+    step runs after its last token; the tokens are those of the plain engine."""
+    order: list = []
+    with GenerationEngine(_Recording(model, order), CONFIG) as eng:
+        order.clear()  # the warm-up's compile
+        res = eng.submit([3, 4, 5], SamplingParams(5), on_event=lambda ev: order.append(ev.index)).result(30)
+        time.sleep(0.2)  # the engine idles: no step follows the last token
+    assert res.token_ids == engine.generate([3, 4, 5], SamplingParams(5)).token_ids
+    assert order == [0, "decode", "decode", 1, "decode", 2, "decode", 3, 4, 5]  # 5: the final event
+
+
+def test_a_stop_string_found_at_the_next_step_keeps_the_tokens(model):
+    """A stop string is seen while recording a step (after the next was dispatched): that
+    extra step's row is dropped, the result ends at the stop as in the plain engine."""
+    gen = _generator()
+    prompt = [3, 4, 5]
+    full = GenerationEngine(gen, CONFIG).start(precompile=False)
+    try:
+        text = full.generate(prompt, SamplingParams(12)).text
+    finally:
+        full.stop()
+    stop = text[3:5]
+    with GenerationEngine(gen, CONFIG) as eng:
+        res = eng.generate(prompt, SamplingParams(12, stop=(stop,)))
+    assert res.finish_reason == "stop" and res.text == text[: text.index(stop)]
+    assert eng.stats()["active_slots"] == 0
 
 
 def test_stop_from_the_event_callback(model):

@@ -432,6 +432,8 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._state = "new"
         self._seeds = np.random.default_rng()
+        # a decode step's sampled rows whose events run while the device computes the next step
+        self._pending: list[tuple[int, GenerationRequest, int, Any]] = []
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
 
@@ -661,6 +663,9 @@ class GenerationEngine:
             except Exception as e:  # noqa: BLE001 - the engine outlives a bad step
                 log.exception("generation engine step failed")
                 self._model_error(e, [r for r in self._slots if r is not None])
+            if not any(self._slots):
+                self._flush()  # no step follows to hide the events behind: deliver them now
+        self._flush(ended_only=True)  # the ended requests finish; the running ones are cancelled as they stand
         self._shutdown()
 
     def _drop_cancelled(self) -> list[tuple[GenerationRequest, str]]:
@@ -730,6 +735,7 @@ class GenerationEngine:
             logits, new = self.model.prefill(*jax.device_put((tokens, lengths)))  # a transfer, no eager op
             assert self._scatter is not None
             self._cache = self._scatter(self._cache, new, jax.device_put(dst))
+            self._flush()  # the last decode step's events, while the device prefills
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation prefill failed")
@@ -746,11 +752,16 @@ class GenerationEngine:
                 self._retire(slot)
 
     def _decode(self) -> None:
+        """One decode step over every slot. The device runs it while the previous step's
+        rows are recorded and streamed (:meth:`_flush`); this step's tokens are sampled
+        at once (the next step needs them) and a row that ends by a stop token or its
+        ``max_new_tokens`` leaves its slot now, its events following at the next flush."""
         import jax
 
         try:
             tokens, positions = jax.device_put((self._tokens, self._positions))
             logits, self._cache = self.model.decode(tokens, positions, self._cache)
+            self._flush()  # host work of the last step, overlapped with this one
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation decode step failed")
@@ -762,13 +773,44 @@ class GenerationEngine:
         reqs = [r for _, r in active]
         # one batched call for every row (a row's token depends on its own logits, seed and index only)
         toks, lps = _sample(host[[slot for slot, _ in active]], reqs)
-        vocab = self.model.vocabulary
+        ended = []
         for (slot, r), tok, lp in zip(active, toks.tolist(), lps):
-            if r._add(tok, vocab, lp):
-                self._retire(slot)
+            self._pending.append((slot, r, tok, lp))
+            if tok in r.stops or len(r.token_ids) + 1 >= r.params.max_new_tokens:
+                ended.append(slot)  # _add will say finished: the slot is free for the next admission
             else:
                 self._positions[slot] += 1
                 self._tokens[slot] = tok
+        if ended:
+            with self._cond:
+                for slot in ended:
+                    self._free(slot)
+                self._cond.notify_all()
+
+    def _flush(self, ended_only: bool = False) -> None:
+        """Record and stream the pending rows of the last decode step (their text, stop
+        strings and events); retire those that finished. A request cancelled or failed
+        in between drops its pending token; with ``ended_only`` (the engine stopping), so
+        does every request still in its slot."""
+        pending, self._pending = self._pending, []
+        vocab = self.model.vocabulary
+        for slot, r, tok, lp in pending:
+            if r.done or (ended_only and self._slots[slot] is r):
+                continue
+            try:
+                finished = r._add(tok, vocab, lp)
+            except Exception as e:  # noqa: BLE001 - fails this request only, the rest are still delivered
+                log.exception("generation request %d: recording a token failed", r.id)
+                finished, error = True, f"{type(e).__name__}: {e}"
+            else:
+                error = None
+            if finished:
+                with self._cond:
+                    if self._slots[slot] is r:  # a stop string: it decoded one more (discarded) row
+                        self._free(slot)
+                        self._cond.notify_all()
+                stopped = tok in r.stops or (r.text is not None and r.text.stopped)
+                self._finish(r, "error" if error else "stop" if stopped else "length", error)
 
     def _retire(self, slot: int) -> None:
         r = self._slots[slot]
