@@ -123,6 +123,15 @@ def test_from_json_names():
         SamplingParams.from_json([1])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40)), min_size=1, max_size=40))
+def test_uniforms_are_the_scalar_draws(pairs):
+    """The array form (wrapping uint64 arithmetic) equals the Python-integer SplitMix64."""
+    seeds, indices = zip(*pairs)
+    got = _sampling.uniforms(np.array(seeds, np.uint64), np.array(indices, np.uint64))
+    assert got.tolist() == [uniform(s, i) for s, i in pairs]
+
+
 def test_uniform_is_uniform_and_uncorrelated():
     u = np.array([[uniform(seed, i) for i in range(100)] for seed in range(200)])
     assert ((u >= 0) & (u < 1)).all() and len(np.unique(u)) == u.size

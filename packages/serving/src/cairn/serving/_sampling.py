@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["SamplingParams", "apply_penalties", "filtered_probs", "log_softmax", "sample_rows", "sample_token",
-           "top_logprobs", "uniform"]
+           "top_logprobs", "uniform", "uniforms"]
 
 _MAX_SEED = 2**64
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)
@@ -319,6 +319,29 @@ def uniform(seed: int, index: int) -> float:
     return (_mix64((state + (index + 1) * _GOLDEN) & _M64) >> 11) * 2.0**-53
 
 
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    """:func:`_mix64` on a uint64 array (its products wrap modulo 2**64, as ``& _M64`` does)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """:func:`uniform` of each ``(seeds[i], indices[i])`` at once: the same values, in
+    NumPy's wrapping uint64 arithmetic.
+
+    Args:
+      seeds: uint64 seeds. indices: uint64 token indices, as many.
+
+    >>> float(uniforms(np.array([7], np.uint64), np.array([3], np.uint64))[0]) == uniform(7, 3)
+    True
+    """
+    with np.errstate(over="ignore"):
+        state = _mix64_array(np.asarray(seeds, np.uint64))
+        z = _mix64_array(state + (np.asarray(indices, np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> int:
     """Token ``index`` of a request: argmax when greedy, else one draw from
     :func:`filtered_probs` with :func:`uniform` ``(seed, index)``. A one-row
@@ -380,7 +403,7 @@ def sample_rows(
     step = max(1, _CHUNK // max(1, logits.shape[1]))  # rows per call: big vocabularies go in cache-sized chunks
     for lo in range(0, len(rows), step):
         chunk = rows[lo : lo + step]
-        u = np.array([uniform(seeds[i], indices[i]) for i in chunk])
+        u = uniforms(np.array([seeds[i] for i in chunk], np.uint64), np.array([indices[i] for i in chunk], np.uint64))
         out[chunk] = _sample(logits[chunk], [params[i] for i in chunk], u)
     return out
 
