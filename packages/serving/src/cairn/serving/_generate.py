@@ -754,8 +754,8 @@ class GenerationEngine:
     def _decode(self) -> None:
         """One decode step over every slot. The device runs it while the previous step's
         rows are recorded and streamed (:meth:`_flush`); this step's tokens are sampled
-        at once (the next step needs them) and a row that ends by a stop token or its
-        ``max_new_tokens`` leaves its slot now, its events following at the next flush."""
+        at once (the next step needs them), and a row that ends by a stop token or its
+        ``max_new_tokens`` leaves its slot and gets its last events now."""
         import jax
 
         try:
@@ -775,17 +775,20 @@ class GenerationEngine:
         toks, lps = _sample(host[[slot for slot, _ in active]], reqs)
         ended = []
         for (slot, r), tok, lp in zip(active, toks.tolist(), lps):
-            self._pending.append((slot, r, tok, lp))
             if tok in r.stops or len(r.token_ids) + 1 >= r.params.max_new_tokens:
-                ended.append(slot)  # _add will say finished: the slot is free for the next admission
+                ended.append((slot, r, tok, lp))  # _add will say finished
             else:
+                self._pending.append((slot, r, tok, lp))
                 self._positions[slot] += 1
                 self._tokens[slot] = tok
-        if ended:
+        if ended:  # now, not after the next step: a closed-loop client sends its next request sooner
             with self._cond:
-                for slot in ended:
+                for slot, *_ in ended:
                     self._free(slot)
                 self._cond.notify_all()
+            pending, self._pending = self._pending, ended
+            self._flush()
+            self._pending = pending
 
     def _flush(self, ended_only: bool = False) -> None:
         """Record and stream the pending rows of the last decode step (their text, stop
