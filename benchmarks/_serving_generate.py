@@ -230,13 +230,21 @@ def static_loss(batch: int = NUM_SLOTS, trials: int = 2000) -> float:
 # --- the section ---
 
 
-def _window(config: str, c: int, quick: bool) -> float:
+def longest_expected(batch: int = NUM_SLOTS, trials: int = 2000) -> float:
+    """E[longest max_tokens of a batch]: the decode steps of one static cycle."""
+    rng = np.random.default_rng(0)
+    return float(np.array([[draw(rng, 2)[1] for _ in range(batch)] for _ in range(trials // batch + 40)]).max(axis=1).mean())
+
+
+def _window(config: str, c: int, quick: bool, step_s: float = 0.0) -> float:
     """Seconds measured per point: the static batcher under load cycles once per longest
-    request of a batch (seconds), so it needs a longer window to average over whole cycles;
-    at c=1 a 64-slot engine finishes a request every few seconds, so TTFT needs a longer one."""
+    request of a batch, so its window covers at least two cycles at the decode step time
+    ``step_s`` measured at the start (on a loaded machine a 9 s window saw a fraction of
+    one cycle: 3 busy slots instead of 16, and a ratio of 8-18x); at c=1 a 64-slot engine
+    finishes a request every few seconds, so TTFT needs a longer one."""
     base = 3.0 if quick else 8.0
     if config == "static" and c > 1:
-        return 3 * base
+        return max(3 * base, 2 * longest_expected() * step_s)
     return 2 * base if c == 1 and config != "one-at-a-time" else base
 
 
@@ -261,7 +269,7 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
             for _ in range(rounds):
                 for name, c in samples:
                     before = engine_counters(server.port, name)
-                    r = run_load(server.port, name, c, _window(name, c, quick), model.vocab_size)
+                    r = run_load(server.port, name, c, _window(name, c, quick, steps[NUM_SLOTS]), model.vocab_size)
                     d = {k: v - before[k] for k, v in engine_counters(server.port, name).items()}
                     r["slots_busy"] = d["tokens"] / max(d["steps"], 1)  # tokens per decode step (of finished requests)
                     r["rows_per_prefill"] = d["requests"] / max(d["prefills"], 1)

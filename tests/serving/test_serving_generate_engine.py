@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import gen_testlib as g
 import numpy as np
@@ -415,6 +416,48 @@ def test_decode_error_fails_the_running_requests_and_the_engine_recovers(model, 
         assert flaky.stats()["errors"] == 1
 
 
+class _Recording(_Flaky):
+    """Records the order of device calls (``decode`` when dispatched) in ``log``."""
+
+    def __init__(self, inner, log):
+        super().__init__(inner)
+        self.log = log
+
+    def decode(self, tokens, positions, cache):
+        self.log.append("decode")
+        return super().decode(tokens, positions, cache)
+
+
+def test_a_steps_events_are_streamed_while_the_next_step_runs(model, engine):
+    """Token i's event (i >= 1) is delivered after step i + 1 is dispatched (its host work
+    overlaps the device); a request ending by its length leaves at sampling, so no
+    step runs after its last token; the tokens are those of the plain engine."""
+    order: list = []
+    with GenerationEngine(_Recording(model, order), CONFIG) as eng:
+        order.clear()  # the warm-up's compile
+        res = eng.submit([3, 4, 5], SamplingParams(5), on_event=lambda ev: order.append(ev.index)).result(30)
+        time.sleep(0.2)  # the engine idles: no step follows the last token
+    assert res.token_ids == engine.generate([3, 4, 5], SamplingParams(5)).token_ids
+    assert order == [0, "decode", "decode", 1, "decode", 2, "decode", 3, 4, 5]  # 5: the final event
+
+
+def test_a_stop_string_found_at_the_next_step_keeps_the_tokens(model):
+    """A stop string is seen while recording a step (after the next was dispatched): that
+    extra step's row is dropped, the result ends at the stop as in the plain engine."""
+    gen = _generator()
+    prompt = [3, 4, 5]
+    full = GenerationEngine(gen, CONFIG).start(precompile=False)
+    try:
+        text = full.generate(prompt, SamplingParams(12)).text
+    finally:
+        full.stop()
+    stop = text[3:5]
+    with GenerationEngine(gen, CONFIG) as eng:
+        res = eng.generate(prompt, SamplingParams(12, stop=(stop,)))
+    assert res.finish_reason == "stop" and res.text == text[: text.index(stop)]
+    assert eng.stats()["active_slots"] == 0
+
+
 def test_stop_from_the_event_callback(model):
     engine = GenerationEngine(model, CONFIG).start()
     stopped = threading.Event()
@@ -573,6 +616,34 @@ def test_a_busy_engine_holds_a_lone_request_to_fill_a_prefill_group(model, delay
         assert lo <= seen["steps"] - before <= hi + 1
         for r in busy:
             r.cancel()
+
+
+def test_a_full_prefill_group_is_not_held_behind_an_older_partial_one(model):
+    """A busy engine holds a lone request of one prompt bucket (its group is partial) for
+    ``admission_delay_steps``, but prefills a full group of another bucket that came after it
+    at once; every request still gets its tokens alone."""
+    cfg = GenerationConfig(num_slots=6, prefill_batch=2, admission_delay_steps=12)  # CONFIG's shapes
+    with GenerationEngine(model, cfg) as engine:
+        started = threading.Event()
+        busy = [engine.submit([3 + i], SamplingParams(60), on_event=lambda ev: started.set()) for i in range(4)]
+        assert started.wait(30)  # 4 of 6 slots busy: more than half
+        first: dict[str, int] = {}
+
+        def mark(name):
+            return lambda ev: first.setdefault(name, engine.stats()["steps"])
+
+        with engine._cond:  # queued together, before the engine's next pick
+            before = engine.stats()["steps"]
+            lone = engine.submit([5, 6], SamplingParams(3), on_event=mark("lone"))  # bucket 2, alone
+            pair = [engine.submit([7, 8, 9, 10, 11], SamplingParams(3), on_event=mark(f"pair{i}")) for i in range(2)]  # bucket 8
+        results = [r.result(60) for r in (lone, *pair)]
+        assert first["pair0"] - before <= 2 and first["pair1"] - before <= 2  # the full group went first
+        assert first["lone"] - before >= 12  # held its delay (its partial group)
+        for r in busy:
+            r.cancel()
+    with GenerationEngine(model, CONFIG) as alone:
+        for r, prompt in zip(results, ([5, 6], [7, 8, 9, 10, 11], [7, 8, 9, 10, 11])):
+            assert r.token_ids == alone.generate(prompt, SamplingParams(3)).token_ids
 
 
 @pytest.mark.parametrize(

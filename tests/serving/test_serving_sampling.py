@@ -123,6 +123,15 @@ def test_from_json_names():
         SamplingParams.from_json([1])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40)), min_size=1, max_size=40))
+def test_uniforms_are_the_scalar_draws(pairs):
+    """The array form (wrapping uint64 arithmetic) equals the Python-integer SplitMix64."""
+    seeds, indices = zip(*pairs)
+    got = _sampling.uniforms(np.array(seeds, np.uint64), np.array(indices, np.uint64))
+    assert got.tolist() == [uniform(s, i) for s, i in pairs]
+
+
 def test_uniform_is_uniform_and_uncorrelated():
     u = np.array([[uniform(seed, i) for i in range(100)] for seed in range(200)])
     assert ((u >= 0) & (u < 1)).all() and len(np.unique(u)) == u.size
@@ -229,9 +238,42 @@ def test_sample_rows_every_path_matches_the_reference(monkeypatch):
     seeds = [int(s) for s in rng.integers(0, 2**63, len(params))]
     got, skipped = _check_rows(logits, params, seeds, list(range(len(params))))
     assert skipped <= 2
-    # 41 candidates for top-k 40; top-k 300, the flat nucleus and both tied rows needed the whole row
-    assert widths[0] == (6 * draws, 41) and widths[1] == (4 * draws, vocab)
+    # 41 candidates for top-k 40; top-k 300, the flat nucleus and both tied rows needed the whole row;
+    # the flat nucleus (its 41 most likely tokens hold less than top_p) skipped the candidates
+    assert widths[0] == (5 * draws, 41) and widths[1] == (4 * draws, vocab)
     assert len(set(got[4::8].tolist())) > 20  # the tied row really draws from its 59-token nucleus
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(2, 70), st.integers(1, 6))
+def test_the_cut_from_sorted_values_is_the_stable_rankings(data, vocab, n):
+    """The top-k / top-p kept set found from sorted values alone (the fast path) equals the
+    one from a stable ranking of each row (ties at the cut: lower ids), or is declined."""
+    value = st.sampled_from([-3.0, -1.0, 0.0, 0.5, 2.5]) | st.floats(-12, 12, width=32)  # ties are common
+    z = np.array(data.draw(st.lists(st.lists(value, min_size=vocab, max_size=vocab), min_size=n, max_size=n)), np.float64)
+    z /= data.draw(st.floats(0.05, 4.0))
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    total = e.sum(axis=1)
+    pc = e / total[:, None]
+    top_k = np.array(data.draw(st.lists(st.integers(0, vocab), min_size=n, max_size=n)), np.int64)
+    top_p = np.array(data.draw(st.lists(st.sampled_from([1.0, 0.5, 0.95]) | st.floats(0.01, 1.0), min_size=n, max_size=n)))
+    m = data.draw(st.integers(1, vocab))
+    cand = np.sort(np.argpartition(z, vocab - m, axis=1)[:, vocab - m :], axis=1)
+    zc, pm = np.take_along_axis(z, cand, 1), np.take_along_axis(e, cand, 1) / total[:, None]
+    for args in ((z, pc, total, top_k, top_p, vocab, vocab), (zc, pm, total, top_k, top_p, m, vocab)):
+        fast, ok_fast = _sampling._kept_sorted(*args)
+        slow, ok_slow = _sampling._kept_ranked(*args[:2], *args[3:])
+        if fast is not None:
+            assert fast.tolist() == slow.tolist() and ok_fast.tolist() == ok_slow.tolist()
+
+
+def test_the_fast_cut_takes_ordinary_rows():
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(8, 512)) / 0.8
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    total = e.sum(axis=1)
+    keep, _ = _sampling._kept_sorted(z, e / total[:, None], total, np.zeros(8, np.int64), np.full(8, 0.95), 512, 512)
+    assert keep is not None and 0.5 * 512 < keep.sum(axis=1).min() < 512
 
 
 def test_sample_rows_bad_input_is_named():

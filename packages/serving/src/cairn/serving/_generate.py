@@ -5,8 +5,9 @@ waiting requests in groups of up to ``prefill_batch`` of one prompt bucket (the 
 power of two, capped at ``max_length``; the oldest request's bucket first) at the fixed
 shape ``(prefill_batch, bucket)``, until the free slots are full, scatter their cache
 rows into the slots and sample their first token (while more than half the slots are
-busy, waiting requests may be held back up to ``admission_delay_steps`` steps to fill a
-group, so a busy engine does not prefill mostly padding every step); (3) run one
+busy, a group that is not full waits until its oldest request has waited
+``admission_delay_steps`` steps, so a busy engine does not prefill mostly padding every
+step; a full group of another bucket goes ahead of it); (3) run one
 decode step over all ``num_slots`` slots (idle slots decode a dummy row) and sample a
 token for every active one, retiring finished requests at once. Every compiled shape is
 fixed and rows never interact, and sampling uses a generator derived from ``(seed,
@@ -75,8 +76,9 @@ class GenerationConfig:
       max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
       scheduler: ``"continuous"`` or ``"static"`` (admit only when all slots are free).
       admission_delay_steps: while more than half the slots are busy, the continuous
-        scheduler holds waiting requests back up to this many steps until they fill a
-        prefill group (0: admit at every step).
+        scheduler prefills a group of one prompt bucket that is not full (fewer than
+        ``prefill_batch`` prompts or free slots) only once its oldest request has waited
+        this many decode steps; full groups go at once (0: admit at every step).
       kv_layout: ``"contiguous"`` (one ``max_length`` cache row per slot) or ``"paged"``
         (a pool of ``num_blocks`` blocks shared by all slots, claimed as tokens arrive,
         with prefix caching and chunked prefill; the model needs a ``paged`` function,
@@ -306,6 +308,7 @@ class GenerationRequest:
         self._result: GenerationResult | None = None
         self.submitted = time.perf_counter()
         self._first: float | None = None
+        self.queued_step = 0  # the engine's decode step count when it was queued
 
     @property
     def done(self) -> bool:
@@ -428,8 +431,9 @@ class GenerationEngine:
         self._scatter: Callable | None = None
         self._thread: threading.Thread | None = None
         self._state = "new"
-        self._held = 0  # steps the waiting requests have been held back (continuous scheduler)
         self._seeds = np.random.default_rng()
+        # a decode step's sampled rows whose events run while the device computes the next step
+        self._pending: list[tuple[int, GenerationRequest, int, Any]] = []
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
 
@@ -548,6 +552,7 @@ class GenerationEngine:
                                 f"(max_queue {self.config.max_queue})", retry_after=self._retry_after())
             seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63))
             req = GenerationRequest(toks, params, seed, stops, on_event, self, self._text_state(toks, params, on_event))
+            req.queued_step = self._counts["steps"]  # its age in decode steps, for the admission delay
             self._queue.append(req)
             self._counts["requests"] += 1
             self._counts["prompt_tokens"] += len(toks)
@@ -658,6 +663,9 @@ class GenerationEngine:
             except Exception as e:  # noqa: BLE001 - the engine outlives a bad step
                 log.exception("generation engine step failed")
                 self._model_error(e, [r for r in self._slots if r is not None])
+            if not any(self._slots):
+                self._flush()  # no step follows to hide the events behind: deliver them now
+        self._flush(ended_only=True)  # the ended requests finish; the running ones are cancelled as they stand
         self._shutdown()
 
     def _drop_cancelled(self) -> list[tuple[GenerationRequest, str]]:
@@ -676,38 +684,39 @@ class GenerationEngine:
         self._tokens[slot] = 0
         self._positions[slot] = 0
 
-    def _admit_now(self, free: list[int]) -> bool:
-        """Under the lock: whether the continuous scheduler admits this step. While more than
-        half the slots are busy it holds waiting requests back (at most
-        ``admission_delay_steps`` steps) until they fill a prefill group, so a busy engine
-        does not run a mostly padded prefill at every step."""
-        if (len(self._slots) - len(free)) * 2 <= len(self._slots) or self._held >= self.config.admission_delay_steps:
-            return True
-        bucket = self._queue[0].bucket
-        same = sum(r.bucket == bucket for r in self._queue)
-        return min(same, len(free)) >= self.config.prefill_batch
-
     def _pick(self) -> list[list[tuple[GenerationRequest, int]]]:
-        """Under the lock: the prefill groups to run this step (filling the free slots),
-        each put in free slots."""
+        """Under the lock: the prefill groups to run this step, each put in free slots.
+
+        Groups are of one prompt bucket, the bucket of the oldest waiting request first.
+        While more than half the slots are busy, the continuous scheduler runs a group
+        only when it is full (``prefill_batch`` prompts, with as many free slots) or when
+        its oldest request has waited ``admission_delay_steps`` decode steps; a partial
+        group of one bucket waits without holding back a full group of another. A prefill
+        row costs a few decode steps of an idle slot, so a busy engine fills its groups.
+        """
         free = [i for i, r in enumerate(self._slots) if r is None]
         if not self._queue or not free:
             return []
         if self.config.scheduler == "static" and len(free) < len(self._slots):
             return []
-        if self.config.scheduler == "continuous" and not self._admit_now(free):
-            self._held += 1
-            return []
-        self._held = 0
+        pb, delay, step = self.config.prefill_batch, self.config.admission_delay_steps, self._counts["steps"]
+        hold = self.config.scheduler == "continuous" and (len(self._slots) - len(free)) * 2 > len(self._slots)
+        by_bucket: dict[int, list[GenerationRequest]] = {}
+        for r in self._queue:  # oldest first, so each list and the buckets' order are by age
+            by_bucket.setdefault(r.bucket, []).append(r)
         groups = []
-        while self._queue and free:
-            bucket = self._queue[0].bucket
-            room = min(self.config.prefill_batch, len(free))
-            group = [r for r in self._queue if r.bucket == bucket][:room]
-            taken = {id(r) for r in group}
+        for members in by_bucket.values():
+            while members and free:
+                group = members[: min(pb, len(free))]
+                if hold and len(group) < pb and step - group[0].queued_step < delay:
+                    break  # a partial group: wait for more prompts of this bucket (or more free slots)
+                del members[: len(group)]
+                groups.append([(r, free.pop(0)) for r in group])
+        taken = {id(r) for group in groups for r, _ in group}
+        if taken:
             self._queue = collections.deque(r for r in self._queue if id(r) not in taken)
-            groups.append([(r, free.pop(0)) for r in group])
-            for r, slot in groups[-1]:
+        for group in groups:
+            for r, slot in group:
                 self._slots[slot] = r
         return groups
 
@@ -726,6 +735,7 @@ class GenerationEngine:
             logits, new = self.model.prefill(*jax.device_put((tokens, lengths)))  # a transfer, no eager op
             assert self._scatter is not None
             self._cache = self._scatter(self._cache, new, jax.device_put(dst))
+            self._flush()  # the last decode step's events, while the device prefills
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation prefill failed")
@@ -742,11 +752,16 @@ class GenerationEngine:
                 self._retire(slot)
 
     def _decode(self) -> None:
+        """One decode step over every slot. The device runs it while the previous step's
+        rows are recorded and streamed (:meth:`_flush`); this step's tokens are sampled
+        at once (the next step needs them), and a row that ends by a stop token or its
+        ``max_new_tokens`` leaves its slot and gets its last events now."""
         import jax
 
         try:
             tokens, positions = jax.device_put((self._tokens, self._positions))
             logits, self._cache = self.model.decode(tokens, positions, self._cache)
+            self._flush()  # host work of the last step, overlapped with this one
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation decode step failed")
@@ -758,13 +773,47 @@ class GenerationEngine:
         reqs = [r for _, r in active]
         # one batched call for every row (a row's token depends on its own logits, seed and index only)
         toks, lps = _sample(host[[slot for slot, _ in active]], reqs)
-        vocab = self.model.vocabulary
+        ended = []
         for (slot, r), tok, lp in zip(active, toks.tolist(), lps):
-            if r._add(tok, vocab, lp):
-                self._retire(slot)
+            if tok in r.stops or len(r.token_ids) + 1 >= r.params.max_new_tokens:
+                ended.append((slot, r, tok, lp))  # _add will say finished
             else:
+                self._pending.append((slot, r, tok, lp))
                 self._positions[slot] += 1
                 self._tokens[slot] = tok
+        if ended:  # now, not after the next step: a closed-loop client sends its next request sooner
+            with self._cond:
+                for slot, *_ in ended:
+                    self._free(slot)
+                self._cond.notify_all()
+            pending, self._pending = self._pending, ended
+            self._flush()
+            self._pending = pending
+
+    def _flush(self, ended_only: bool = False) -> None:
+        """Record and stream the pending rows of the last decode step (their text, stop
+        strings and events); retire those that finished. A request cancelled or failed
+        in between drops its pending token; with ``ended_only`` (the engine stopping), so
+        does every request still in its slot."""
+        pending, self._pending = self._pending, []
+        vocab = self.model.vocabulary
+        for slot, r, tok, lp in pending:
+            if r.done or (ended_only and self._slots[slot] is r):
+                continue
+            try:
+                finished = r._add(tok, vocab, lp)
+            except Exception as e:  # noqa: BLE001 - fails this request only, the rest are still delivered
+                log.exception("generation request %d: recording a token failed", r.id)
+                finished, error = True, f"{type(e).__name__}: {e}"
+            else:
+                error = None
+            if finished:
+                with self._cond:
+                    if self._slots[slot] is r:  # a stop string: it decoded one more (discarded) row
+                        self._free(slot)
+                        self._cond.notify_all()
+                stopped = tok in r.stops or (r.text is not None and r.text.stopped)
+                self._finish(r, "error" if error else "stop" if stopped else "length", error)
 
     def _retire(self, slot: int) -> None:
         r = self._slots[slot]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["SamplingParams", "apply_penalties", "filtered_probs", "log_softmax", "sample_rows", "sample_token",
-           "top_logprobs", "uniform"]
+           "top_logprobs", "uniform", "uniforms"]
 
 _MAX_SEED = 2**64
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)
@@ -319,6 +319,29 @@ def uniform(seed: int, index: int) -> float:
     return (_mix64((state + (index + 1) * _GOLDEN) & _M64) >> 11) * 2.0**-53
 
 
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    """:func:`_mix64` on a uint64 array (its products wrap modulo 2**64, as ``& _M64`` does)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """:func:`uniform` of each ``(seeds[i], indices[i])`` at once: the same values, in
+    NumPy's wrapping uint64 arithmetic.
+
+    Args:
+      seeds: uint64 seeds. indices: uint64 token indices, as many.
+
+    >>> float(uniforms(np.array([7], np.uint64), np.array([3], np.uint64))[0]) == uniform(7, 3)
+    True
+    """
+    with np.errstate(over="ignore"):
+        state = _mix64_array(np.asarray(seeds, np.uint64))
+        z = _mix64_array(state + (np.asarray(indices, np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> int:
     """Token ``index`` of a request: argmax when greedy, else one draw from
     :func:`filtered_probs` with :func:`uniform` ``(seed, index)``. A one-row
@@ -380,7 +403,7 @@ def sample_rows(
     step = max(1, _CHUNK // max(1, logits.shape[1]))  # rows per call: big vocabularies go in cache-sized chunks
     for lo in range(0, len(rows), step):
         chunk = rows[lo : lo + step]
-        u = np.array([uniform(seeds[i], indices[i]) for i in chunk])
+        u = uniforms(np.array([seeds[i] for i in chunk], np.uint64), np.array([indices[i] for i in chunk], np.uint64))
         out[chunk] = _sample(logits[chunk], [params[i] for i in chunk], u)
     return out
 
@@ -407,8 +430,16 @@ def _sample(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> 
         # k + 1 candidates for the top-k rows (rank k must be cut); larger k ranks the whole row
         ks = top_k[top_k < _MAX_CANDIDATES]
         m = min(vocab, max(_CANDIDATES, int(ks.max()) + 1 if len(ks) else 0))
-        tok, ok = _filtered_draw(z, e, total, top_k, top_p, u, m)
-        out[rest] = tok
+        ok = np.zeros(len(rest), bool)
+        if m < vocab:
+            # rows whose m most likely tokens hold less than top_p of the mass (a flat
+            # distribution) cannot be drawn exactly from them: straight to the whole row
+            kth = np.partition(z, vocab - m, axis=1)[:, vocab - m : vocab - m + 1]
+            head = np.where(z >= kth, e, 0.0).sum(axis=1) / total  # at least the candidates' mass
+            try_m = (top_k > 0) | (head >= top_p - 1e-9)
+            if try_m.any():
+                idx = np.flatnonzero(try_m)
+                out[rest[idx]], ok[idx] = _filtered_draw(z[idx], e[idx], total[idx], top_k[idx], top_p[idx], u[idx], m)
         if not ok.all():
             redo = ~ok
             out[rest[redo]], _ = _filtered_draw(z[redo], e[redo], total[redo], top_k[redo], top_p[redo], u[redo], vocab)
@@ -434,20 +465,68 @@ def _filtered_draw(
         pc = np.take_along_axis(e, cand, 1) / total[:, None]
     else:
         cand, zc, pc = np.broadcast_to(np.arange(vocab), (n, vocab)), z, e / total[:, None]
-    order = np.argsort(-zc, axis=1, kind="stable")  # most likely first, lower id first among ties
-    p_rank = np.take_along_axis(pc, order, 1)
+    keep, ok = _kept_sorted(zc, pc, total, top_k, top_p, m, vocab)
+    if keep is None:
+        keep, ok = _kept_ranked(zc, pc, top_k, top_p, m, vocab)
+    return _draw(np.where(keep, pc, 0.0), cand, u), ok
+
+
+def _kept_rank(p_rank: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, m: int) -> np.ndarray:
+    """Which ranks (most likely first) the top-k / top-p cut keeps, from the
+    probabilities in rank order."""
+    n = len(p_rank)
     cum = np.cumsum(p_rank, axis=1)
     has_k = top_k > 0
     mass = np.where(has_k & (top_k <= m), cum[np.arange(n), np.clip(top_k, 1, m) - 1], 1.0)  # top-k mass
     keep_rank = np.where(has_k[:, None], np.arange(m)[None, :] < top_k[:, None], True)
     keep_rank &= ((cum - p_rank) < (top_p * mass)[:, None]) | (top_p >= 1.0)[:, None]
+    return keep_rank
+
+
+def _kept_ranked(zc: np.ndarray, pc: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, m: int,
+                 vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kept tokens (in ``zc``'s order) and exactness, by a stable ranking of the row."""
+    n = len(zc)
+    order = np.argsort(-zc, axis=1, kind="stable")  # most likely first, lower id first among ties
+    keep_rank = _kept_rank(np.take_along_axis(pc, order, 1), top_k, top_p, m)
     ok = np.ones(n, bool)
     if m < vocab:
         z_rank = np.take_along_axis(zc, order, 1)
         ok = ~(keep_rank & (z_rank == z_rank[:, -1:])).any(axis=1) & (top_k <= m)
     keep = np.empty_like(keep_rank)
     np.put_along_axis(keep, order, keep_rank, 1)
-    return _draw(np.where(keep, pc, 0.0), cand, u), ok
+    return keep, ok
+
+
+def _kept_sorted(zc: np.ndarray, pc: np.ndarray, total: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                 m: int, vocab: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """:func:`_kept_ranked`'s answer from sorted values alone (a stable argsort of the
+    row costs several times a sort), or ``(None, ...)`` where that cannot be shown equal.
+
+    The probabilities (``exp(z - max) / total``, ``total`` the row's) are a nondecreasing
+    function of the scaled logits ``z`` (checked: the sorted logits map to the sorted
+    probabilities), so sorting each alone
+    gives the probabilities in rank order, hence the same cumulative sums and cut. When
+    the kept ranks are the first ``R`` (the cut is monotone up to rounding; checked), the
+    kept tokens are those above the ``R``-th largest logit plus, among the tokens equal
+    to it, the lower ids: exactly the ranks a stable ranking would keep.
+    """
+    n = len(zc)
+    z_rank = -np.sort(-zc, axis=1)
+    p_rank = -np.sort(-pc, axis=1)
+    if not np.array_equal(p_rank, np.exp(z_rank - z_rank[:, :1]) / total[:, None]):
+        return None, np.ones(n, bool)  # not provably the probabilities in rank order
+    keep_rank = _kept_rank(p_rank, top_k, top_p, m)
+    count = keep_rank.sum(axis=1)
+    if not (keep_rank == (np.arange(m)[None, :] < count[:, None])).all():
+        return None, np.ones(n, bool)
+    v = z_rank[np.arange(n), count - 1][:, None]  # the smallest kept logit
+    above, tie = zc > v, zc == v
+    keep = above | (tie & (np.cumsum(tie, axis=1) <= (count - above.sum(axis=1))[:, None]))
+    ok = np.ones(n, bool)
+    if m < vocab:
+        ok = ~(keep_rank & (z_rank == z_rank[:, -1:])).any(axis=1) & (top_k <= m)
+    return keep, ok
 
 
 def _draw(p: np.ndarray, ids: np.ndarray, u: np.ndarray) -> np.ndarray:
