@@ -704,7 +704,7 @@ class GenerationEngine:
         by_bucket: dict[int, list[GenerationRequest]] = {}
         for r in self._queue:  # oldest first, so each list and the buckets' order are by age
             by_bucket.setdefault(r.bucket, []).append(r)
-        groups = []
+        groups: list[list[tuple[GenerationRequest, int]]] = []
         for members in by_bucket.values():
             while members and free:
                 group = members[: min(pb, len(free))]
@@ -715,8 +715,8 @@ class GenerationEngine:
         taken = {id(r) for group in groups for r, _ in group}
         if taken:
             self._queue = collections.deque(r for r in self._queue if id(r) not in taken)
-        for group in groups:
-            for r, slot in group:
+        for picked in groups:
+            for r, slot in picked:
                 self._slots[slot] = r
         return groups
 
@@ -800,13 +800,12 @@ class GenerationEngine:
         for slot, r, tok, lp in pending:
             if r.done or (ended_only and self._slots[slot] is r):
                 continue
+            error: str | None = None
             try:
                 finished = r._add(tok, vocab, lp)
             except Exception as e:  # noqa: BLE001 - fails this request only, the rest are still delivered
                 log.exception("generation request %d: recording a token failed", r.id)
                 finished, error = True, f"{type(e).__name__}: {e}"
-            else:
-                error = None
             if finished:
                 with self._cond:
                     if self._slots[slot] is r:  # a stop string: it decoded one more (discarded) row
