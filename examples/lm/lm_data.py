@@ -7,15 +7,13 @@ import glob
 import hashlib
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import lm_config
 import lm_task
 import numpy as np
 
 from cairn import data as cdata
-
-if TYPE_CHECKING:
-    import lm_config
 
 
 def _synthetic_dir(cfg: lm_config.Config) -> pathlib.Path:
@@ -89,19 +87,61 @@ def open_source(cfg: lm_config.Config, shards: dict | None) -> tuple[Any, str, l
     return src, d.source, eval_texts
 
 
-class ToExample:
-    """Record (bytes or a Parquet row dict) -> tokens, targets and loss weights."""
+TOKENIZER_CORPUS = 20_000  # records of a user's data the BPE learns from (the synthetic task: all of them)
+CHAT_CORPUS = 2_000  # chat-formatted problems added to the synthetic corpus (the chat markers and prompt words)
 
-    def __init__(self, fmt: str, text_column: str, seq_len: int, answer_only: bool) -> None:
+
+def tokenizer_corpus(cfg: lm_config.Config, src: Any, fmt: str) -> list[str]:
+    """The texts the BPE learns from: the synthetic training problems and some of them
+    chat-formatted as post-training sees them, or the first records of a user's data."""
+    d = cfg.data
+    if d.source == "synthetic":
+        import jinja2
+        import lm_tokenizer
+
+        train = lm_task.make_problems(d.num_train, d.max_digits, cfg.run.seed, held_out=False)
+        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(lm_tokenizer.CHAT_TEMPLATE)
+        chats = [template.render(messages=lm_task.chat_messages(t), bos_token="", eos_token="<eos>",
+                                 add_generation_prompt=False) for t in train[:CHAT_CORPUS]]
+        return train + chats
+    rows = src.__getitems__(list(range(min(len(src), TOKENIZER_CORPUS))))
+    col = d.text_column if fmt == "parquet" else None
+    return [r[col] if col else bytes(r).decode("utf-8", "replace") for r in rows]
+
+
+def run_tokenizer(cfg: lm_config.Config, src: Any, fmt: str, *, save: bool = True) -> tuple[Any, Any]:
+    """The run's tokenizer and its codec: ``tokenizer.kind = "bpe"``: the one in
+    ``run.dir/tokenizer`` (a resumed run's), else trained on `tokenizer_corpus` and saved
+    there (``save``); ``"byte"``: the byte tokenizer."""
+    import lm_generate
+    import lm_tokenizer
+
+    if cfg.tokenizer.kind == "byte":
+        return lm_generate.tokenizer(), lm_task.BYTES
+    path = pathlib.Path(cfg.run.dir) / "tokenizer"
+    corpus = tokenizer_corpus(cfg, src, fmt)
+    if save:
+        tok, _ = lm_tokenizer.load_or_train(path, corpus, cfg.tokenizer.vocab_size, lm_config.vocab_size(cfg))
+    else:
+        tok = lm_tokenizer.train_bpe(corpus, cfg.tokenizer.vocab_size, lm_config.vocab_size(cfg))
+    return tok, lm_tokenizer.Codec.of(tok)
+
+
+class ToExample:
+    """Record (bytes or a Parquet row dict) -> tokens, targets and loss weights (``codec``:
+    the tokenizer; default bytes)."""
+
+    def __init__(self, fmt: str, text_column: str, seq_len: int, answer_only: bool, codec: Any = None) -> None:
         self.fmt, self.text_column, self.seq_len, self.answer_only = fmt, text_column, seq_len, answer_only
+        self.codec = codec
 
     def __call__(self, record: bytes | dict) -> dict:
         text = record[self.text_column] if isinstance(record, dict) else record
-        return lm_task.example_from_text(text, self.seq_len, self.answer_only)
+        return lm_task.example_from_text(text, self.seq_len, self.answer_only, self.codec)
 
 
 def build_pipeline(
-    cfg: lm_config.Config, src: Any, fmt: str, process_index: int = 0, process_count: int = 1
+    cfg: lm_config.Config, src: Any, fmt: str, process_index: int = 0, process_count: int = 1, codec: Any = None
 ) -> cdata.IterDataset:
     """source -> shard by process -> shuffle (reshuffled each epoch) -> tokenize (in worker
     processes) -> pack -> batch (in a prefetch thread)."""
@@ -113,7 +153,7 @@ def build_pipeline(
         ds = ds.shard(process_index, process_count, drop_remainder=True)
     ds = ds.shuffle(seed=d.shuffle_seed).repeat(None)
     text_column = d.text_column if d.source != "synthetic" else "text"
-    ds = ds.map(ToExample(fmt, text_column, d.seq_len, answer_only=(d.source == "synthetic")))
+    ds = ds.map(ToExample(fmt, text_column, d.seq_len, answer_only=(d.source == "synthetic"), codec=codec))
     it = ds.to_iter_dataset()
     it = cdata.FirstFitPackIterDataset(
         it,
