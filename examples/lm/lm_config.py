@@ -39,6 +39,9 @@ class DataConfig:
     train_format: str = "arrayrecord"  # which of the synthetic shards to train from
     num_train: int = 50_000
     num_eval: int = 500
+    # of the synthetic training problems, the share written as worksheets (the instruction,
+    # "What is a+b?", the answer on its own line: lm_task.worksheet) rather than "a+b=answer"
+    worksheet_share: float = 0.0
     max_digits: int = 3
     num_shards: int = 4
     seq_len: int = 64
@@ -73,7 +76,7 @@ class PosttrainConfig:
     grpo_prompts: int = 8  # prompts per batch of rollouts
     grpo_generations: int = 4  # completions per prompt (the group)
     grpo_temperature: float = 1.0
-    grpo_learning_rate: float = 1e-3
+    grpo_learning_rate: float = 5e-4
     grpo_beta: float = 0.04
     save_every: int = 10  # post-training checkpoint interval (a SIGTERM waits at most this many steps)
 
@@ -320,6 +323,8 @@ def validate_static(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key {key!r}: must be positive, got {value}")
+    if not 0.0 <= d.worksheet_share <= 1.0:
+        raise ConfigError(f"config key 'data.worksheet_share': must be within [0, 1], got {d.worksheet_share}")
     if d.num_workers < 0:
         raise ConfigError(f"config key 'data.num_workers': must be >= 0, got {d.num_workers}")
     if m.d_model % m.num_heads:

@@ -18,8 +18,19 @@ from cairn import data as cdata
 
 def _synthetic_dir(cfg: lm_config.Config) -> pathlib.Path:
     d = cfg.data
-    key = json.dumps([d.num_train, d.num_eval, d.max_digits, d.num_shards, cfg.run.seed])
+    key = [d.num_train, d.num_eval, d.max_digits, d.num_shards, cfg.run.seed]
+    if d.worksheet_share:  # the earlier runs' directories keep their names
+        key.append(d.worksheet_share)
+    key = json.dumps(key)
     return pathlib.Path(cfg.run.dir) / "data" / hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def train_texts(cfg: lm_config.Config) -> list[str]:
+    """The synthetic training documents: addition problems, ``data.worksheet_share`` of them
+    written as worksheets (``lm_task.worksheet``)."""
+    d = cfg.data
+    texts = lm_task.make_problems(d.num_train, d.max_digits, cfg.run.seed, held_out=False)
+    return lm_task.mix_forms(texts, d.worksheet_share, cfg.run.seed) if d.worksheet_share else texts
 
 
 def prepare_synthetic(cfg: lm_config.Config) -> dict:
@@ -35,7 +46,7 @@ def prepare_synthetic(cfg: lm_config.Config) -> dict:
     if marker.exists():
         return json.loads(marker.read_text())
     root.mkdir(parents=True, exist_ok=True)
-    train = lm_task.make_problems(d.num_train, d.max_digits, cfg.run.seed, held_out=False)
+    train = train_texts(cfg)
     held = lm_task.make_problems(d.num_eval, d.max_digits, cfg.run.seed, held_out=True)
     out = {
         "arrayrecord": cdata.write_array_record(
@@ -88,22 +99,14 @@ def open_source(cfg: lm_config.Config, shards: dict | None) -> tuple[Any, str, l
 
 
 TOKENIZER_CORPUS = 20_000  # records of a user's data the BPE learns from (the synthetic task: all of them)
-CHAT_CORPUS = 2_000  # chat-formatted problems added to the synthetic corpus (the chat markers and prompt words)
 
 
 def tokenizer_corpus(cfg: lm_config.Config, src: Any, fmt: str) -> list[str]:
-    """The texts the BPE learns from: the synthetic training problems and some of them
-    chat-formatted as post-training sees them, or the first records of a user's data."""
+    """The texts the BPE learns from: the synthetic training documents (`train_texts`), or
+    the first records of a user's data."""
     d = cfg.data
     if d.source == "synthetic":
-        import jinja2
-        import lm_tokenizer
-
-        train = lm_task.make_problems(d.num_train, d.max_digits, cfg.run.seed, held_out=False)
-        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(lm_tokenizer.CHAT_TEMPLATE)
-        chats = [template.render(messages=lm_task.chat_messages(t), bos_token="", eos_token="<eos>",
-                                 add_generation_prompt=False) for t in train[:CHAT_CORPUS]]
-        return train + chats
+        return train_texts(cfg)
     rows = src.__getitems__(list(range(min(len(src), TOKENIZER_CORPUS))))
     col = d.text_column if fmt == "parquet" else None
     return [r[col] if col else bytes(r).decode("utf-8", "replace") for r in rows]

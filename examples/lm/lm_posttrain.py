@@ -166,6 +166,7 @@ def _finish(cfg: Any, run_dir: pathlib.Path, stage: str, trainer: Any, tok: llm.
     report = {"heldout_exact_match": acc, "steps": trainer.step, "hf_dir": str(hf_dir(run_dir, stage)),
               "hf_files": files, "loss_plot": plot, "seconds": time.perf_counter() - t0,
               "curve": [[m["step"], m.get("loss")] for m in metrics],
+              "rewards": [[m["step"], m["reward"]] for m in metrics if m.get("reward") is not None],
               "last": metrics[-1] if metrics else {}}
     (run_dir / stage / "stage.json").write_text(json.dumps(report, indent=1))
     return report
@@ -227,12 +228,25 @@ def grpo(cfg: Any, run_dir: pathlib.Path, eval_texts: list[str], notice: Preempt
     return report
 
 
+def check_context(cfg: Any, tok: llm.Tokenizer) -> None:
+    """Raise ValueError naming ``data.seq_len`` when the longest chat prompt of the task plus
+    ``serve.max_new_tokens`` does not fit the trained context (SFT would cut the answers off)."""
+    digits = cfg.data.max_digits
+    widest = f"{'9' * digits}+{'9' * digits}={'8' + '9' * (digits - 1) + '1'}"
+    need = len(tok.apply_chat_template(lm_task.chat_messages(widest, False), tokenize=True)) + cfg.serve.max_new_tokens
+    if need > cfg.data.seq_len:
+        raise ValueError(f"config key 'data.seq_len': {cfg.data.seq_len} positions cannot hold a chat prompt of "
+                         f"{need - cfg.serve.max_new_tokens} tokens plus serve.max_new_tokens = {cfg.serve.max_new_tokens}; "
+                         f"use data.seq_len >= {need} or posttrain.enabled = false")
+
+
 def run(cfg: Any, run_dir: pathlib.Path, model: llm.CausalLM, tok: llm.Tokenizer, eval_texts: list[str],
         quiet: bool) -> tuple[llm.CausalLM, llm.Tokenizer, dict]:
     """Hand over, SFT, GRPO (module docstring): the final model and tokenizer, loaded with
     ``from_pretrained`` from the last stage's directory, and the report entries."""
     run_dir = pathlib.Path(run_dir)
     evals = eval_texts[: cfg.posttrain.num_eval]
+    check_context(cfg, tok)
     with Preemption() as notice:
         out: dict[str, Any] = {"handover": handover(model, tok, run_dir, cfg.posttrain.hf_shard_size)}
         _log(quiet, f"handover: save_pretrained -> {out['handover']['path']} ({out['handover']['shards']} shards); "

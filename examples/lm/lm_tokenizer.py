@@ -118,6 +118,14 @@ class Codec:
             raise ValueError("the tokenizer does not give '=' a token of its own")
         return int(ids[0])
 
+    @functools.cached_property
+    def newline_id(self) -> int:
+        """The id of a line break (a worksheet's answer follows its last one)."""
+        ids = self.encode("\n")
+        if ids.size != 1:
+            raise ValueError("the tokenizer does not give a line break a token of its own")
+        return int(ids[0])
+
     def encode(self, text: str | bytes) -> np.ndarray:
         """Ids of ``text`` (bytes are UTF-8 text), no special tokens."""
         if isinstance(text, (bytes, bytearray, memoryview)):

@@ -697,7 +697,19 @@ def _report(
         "data_digests": s.digests,
         "stopped_early": stopped_early,
         "preemptions": s.preemptions,
+        "tokenizer": _describe_tokenizer(setup),
     }
+
+
+def _describe_tokenizer(setup: Setup) -> dict:
+    """The report's entry on the run's tokenizer: its kind, size and how it splits a question."""
+    cfg = setup.cfg
+    if setup.tokenizer is None or cfg.tokenizer.kind == "byte":
+        return {"kind": cfg.tokenizer.kind}
+    import lm_tokenizer
+
+    return {"kind": "bpe", "path": str(setup.run_dir / "tokenizer"),
+            **lm_tokenizer.describe(setup.tokenizer, lm_task.question("372+59=134"))}
 
 
 def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False,

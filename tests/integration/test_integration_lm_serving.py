@@ -27,6 +27,8 @@ TINY = [
     "train.steps=12", "train.log_every=4", "checkpoint.every=12", "train.progress=false",
     "data.num_workers=0", "quant.tile_size=16", "quant.calibration_batches=2",
     "serve.max_new_tokens=5", "serve.num_slots=4", "serve.prefill_batch=2", "serve.concurrency=[1, 3]",
+    # plain prompts here (test_integration_lm_stages.py runs the post-training stages and chat prompts)
+    "posttrain.enabled=false",
 ]
 
 
