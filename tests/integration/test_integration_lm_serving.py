@@ -155,7 +155,9 @@ def test_skip_reasons_and_the_report_of_a_stopped_run():
     import lm_report
 
     assert lm_production.skip_reason(_cfg()) is None
-    assert "both false" in lm_production.skip_reason(_cfg("quant.enabled=false", "serve.enabled=false"))
+    assert "all false" in lm_production.skip_reason(_cfg("quant.enabled=false", "serve.enabled=false"))
+    # post-training alone still runs after pretraining
+    assert lm_production.skip_reason(_cfg("quant.enabled=false", "serve.enabled=false", "posttrain.enabled=true")) is None
     assert "synthetic" in lm_production.skip_reason(_cfg("data.source=parquet", f'data.paths=["{__file__}"]'))
     assert lm_report.format_production({"stopped_early": True}) == [
         "production steps       skipped: the run stopped before train.steps"]
