@@ -18,8 +18,10 @@ tokenizer (``lm_generate.tokenizer``) with the same interface.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import pathlib
+import shutil
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -37,6 +39,7 @@ CHAT_TEMPLATE = (
     "{% else %}<|assistant|>{{ m['content'] }}{{ eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+CORPUS_FILE = "corpus.sha256"  # beside the saved tokenizer: what it was trained on
 SPECIAL_MAP = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"}
 
 
@@ -79,12 +82,21 @@ def load_or_train(path: pathlib.Path, texts: Iterable[str], vocab_size: int,
                   pad_to: int | None = None) -> tuple[llm.Tokenizer, bool]:
     """The tokenizer saved in ``path`` (a resumed run's), else one trained on ``texts`` and
     saved there (``save_pretrained``: ``tokenizer.json``, ``tokenizer_config.json`` with the
-    chat template). Returns ``(tokenizer, trained now)``."""
-    if (path / "tokenizer.json").is_file():
+    chat template) with a digest of the corpus and sizes (``corpus.sha256``): a tokenizer
+    of another corpus is trained again. Returns ``(tokenizer, trained now)``."""
+    texts = list(texts)
+    digest = hashlib.sha256(json.dumps([vocab_size, pad_to, texts]).encode()).hexdigest()
+    stamp = path / CORPUS_FILE
+    if (path / "tokenizer.json").is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
         return llm.Tokenizer.from_pretrained(path), False
     tok = train_bpe(texts, vocab_size, pad_to)
     tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
     tok.save_pretrained(tmp)
+    (tmp / CORPUS_FILE).write_text(digest + "\n")
+    if path.exists():  # another corpus' (the data settings changed): replaced
+        shutil.rmtree(path)
     tmp.replace(path)  # whole or absent: a run stopped mid-save trains it again
     return tok, True
 

@@ -76,8 +76,11 @@ def test_the_bpe_splits_digits_keeps_the_task_ids_and_round_trips(tmp_path):
     # saved with the run and read back by a resumed one: the same tokenizer, not trained again
     path = tmp_path / "tokenizer"
     first, trained = lm_tokenizer.load_or_train(path, corpus, 320, 384)
-    again, trained_again = lm_tokenizer.load_or_train(path, ["other text entirely"], 320, 384)
+    again, trained_again = lm_tokenizer.load_or_train(path, corpus, 320, 384)
     assert trained and not trained_again and again.encode(question) == first.encode(question)
+    # another corpus (the data settings changed) is not served the old tokenizer
+    _, retrained = lm_tokenizer.load_or_train(path, corpus[:50], 320, 384)
+    assert retrained
     assert (path / "chat_template.jinja").read_text() == lm_tokenizer.CHAT_TEMPLATE
 
 
