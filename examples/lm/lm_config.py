@@ -69,9 +69,9 @@ class PosttrainConfig:
     hf_shard_size: str = "512KB"  # save_pretrained's max_shard_size: the hand-over is sharded
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    sft_steps: int = 60
+    sft_steps: int = 120
     sft_batch_size: int = 32
-    sft_learning_rate: float = 3e-3
+    sft_learning_rate: float = 6e-3
     grpo_steps: int = 20
     grpo_prompts: int = 8  # prompts per batch of rollouts
     grpo_generations: int = 4  # completions per prompt (the group)
