@@ -376,8 +376,9 @@ DEMO_COMMAND = "nox -s demo --"
 # recipe's imports): the libraries and cairn.llm (its model), and no peer library (flax, grain, orbax)
 DEMO_PACKAGES = ("core_array", "data", "nn", "optim", "kernels", "checkpoint", "quant", "serving", "llm")
 # matplotlib: the report's plots; tritonclient: the main job checks the served /infer model
-# with Triton's own client
-DEMO_DEPS = ("matplotlib", "tritonclient[http]>=2.40")
+# with Triton's own client; openai: it asks the served model through OpenAI's own client
+# (chat completions, streamed and not). The demo's dependencies, never the libraries'.
+DEMO_DEPS = ("matplotlib", "tritonclient[http]>=2.40", "openai>=1.50")
 
 
 def demo_preflight(posargs: list[str]) -> str | None:

@@ -24,6 +24,9 @@ DIRECT_COMMAND = "python examples/lm/train.py"
 # written into run.dir by a run that stopped on a preemption notice (exit status 75) after its
 # checkpoint was committed: the next start into run.dir resumes without --resume
 PREEMPTED_FILE = "PREEMPTED.json"
+# what the stages write into run.dir besides checkpoints/ (--overwrite deletes them too): the
+# tokenizer, the Hugging Face hand-overs, the post-training runs
+STAGE_DIRS = ("tokenizer", "hf", "sft", "grpo")
 
 
 def make_parser(description: str | None = None, *, strict: bool = True) -> argparse.ArgumentParser:

@@ -39,12 +39,46 @@ class DataConfig:
     train_format: str = "arrayrecord"  # which of the synthetic shards to train from
     num_train: int = 50_000
     num_eval: int = 500
+    # of the synthetic training problems, the share written as worksheets (the instruction,
+    # "What is a+b?", the answer on its own line: lm_task.worksheet) rather than "a+b=answer"
+    worksheet_share: float = 0.0
     max_digits: int = 3
     num_shards: int = 4
     seq_len: int = 64
     batch_size: int = 32
     num_workers: int = 2
     shuffle_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    # "bpe": a byte-level BPE the job trains on its corpus with the `tokenizers` library
+    # (lm_tokenizer); "byte": the earlier byte tokenizer (no chat markers: no post-training)
+    kind: str = "bpe"
+    vocab_size: int = 384  # the BPE's most tokens; the model's embedding has this many rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PosttrainConfig:
+    """SFT with LoRA on chat-formatted problems, then GRPO with the exact-answer reward
+    (lm_posttrain), each starting from the Hugging Face checkpoint the stage before saved."""
+
+    enabled: bool = True
+    num_train: int = 4000  # chat examples (training split) for SFT and GRPO's prompts
+    num_eval: int = 500  # held-out problems scored by generation after each stage
+    hf_shard_size: str = "512KB"  # save_pretrained's max_shard_size: the hand-over is sharded
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    sft_steps: int = 120
+    sft_batch_size: int = 32
+    sft_learning_rate: float = 6e-3
+    grpo_steps: int = 20
+    grpo_prompts: int = 8  # prompts per batch of rollouts
+    grpo_generations: int = 4  # completions per prompt (the group)
+    grpo_temperature: float = 1.0
+    grpo_learning_rate: float = 5e-4
+    grpo_beta: float = 0.04
+    save_every: int = 10  # post-training checkpoint interval (a SIGTERM waits at most this many steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,18 +160,23 @@ class ServeConfig:
     concurrency: tuple[int, ...] = (1, 16)
     max_new_tokens: int = 6
     startup_timeout: float = 180.0
+    kv_layout: str = "paged"  # "paged": a pool of KV blocks with prefix caching (the system prompt is shared); "contiguous"
+    block_size: int = 8  # tokens per KV block (paged)
+    openai_streamed: int = 100  # of the held-out problems asked through the openai client, how many also streamed
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     kernels: KernelsConfig = KernelsConfig()
+    posttrain: PosttrainConfig = PosttrainConfig()
     quant: QuantConfig = QuantConfig()
     serve: ServeConfig = ServeConfig()
 
@@ -284,6 +323,8 @@ def validate_static(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key {key!r}: must be positive, got {value}")
+    if not 0.0 <= d.worksheet_share <= 1.0:
+        raise ConfigError(f"config key 'data.worksheet_share': must be within [0, 1], got {d.worksheet_share}")
     if d.num_workers < 0:
         raise ConfigError(f"config key 'data.num_workers': must be >= 0, got {d.num_workers}")
     if m.d_model % m.num_heads:
@@ -314,8 +355,43 @@ def validate_static(cfg: Config) -> None:
             raise ConfigError(f"config key 'mesh.rules' entry {i}: {list(rule)!r} must be [logical_axis, 'data' | 'model' | null]")
 
 
+BYTE_VOCAB_SIZE = 320  # lm_task.VOCAB_SIZE: 256 bytes + 3 special tokens, padded
+
+
+def vocab_size(cfg: Config) -> int:
+    """The model's vocabulary: the BPE's ``tokenizer.vocab_size`` rounded up to a multiple of
+    64, or the byte tokenizer's 320."""
+    if cfg.tokenizer.kind == "byte":
+        return BYTE_VOCAB_SIZE
+    return -(-cfg.tokenizer.vocab_size // 64) * 64
+
+
+def _validate_posttrain(cfg: Config) -> None:
+    t, p = cfg.tokenizer, cfg.posttrain
+    if t.kind not in ("bpe", "byte"):
+        raise ConfigError(f"config key 'tokenizer.kind': expected 'bpe' or 'byte', got {t.kind!r}")
+    if t.kind == "bpe" and t.vocab_size < 264:
+        raise ConfigError(f"config key 'tokenizer.vocab_size': {t.vocab_size} cannot hold the 256 bytes and the "
+                          "8 special tokens of the byte-level BPE: use at least 264")
+    if p.enabled and t.kind != "bpe":
+        raise ConfigError("config key 'posttrain.enabled': post-training formats chats with the BPE tokenizer's "
+                          "chat markers; set tokenizer.kind = \"bpe\" or posttrain.enabled = false")
+    for key in ("num_train", "num_eval", "lora_rank", "sft_steps", "sft_batch_size", "grpo_steps", "grpo_prompts",
+                "save_every"):
+        if getattr(p, key) <= 0:
+            raise ConfigError(f"config key 'posttrain.{key}': must be positive, got {getattr(p, key)}")
+    if p.grpo_generations < 2:
+        raise ConfigError(f"config key 'posttrain.grpo_generations': a group needs at least 2, got {p.grpo_generations}")
+    for key in ("lora_alpha", "sft_learning_rate", "grpo_learning_rate", "grpo_temperature"):
+        if not getattr(p, key) > 0:
+            raise ConfigError(f"config key 'posttrain.{key}': must be positive, got {getattr(p, key)}")
+    if p.grpo_beta < 0:
+        raise ConfigError(f"config key 'posttrain.grpo_beta': must be >= 0, got {p.grpo_beta}")
+
+
 def _validate_after_training(cfg: Config) -> None:
-    """The kernels, quant and serve sections."""
+    """The tokenizer, kernels, posttrain, quant and serve sections."""
+    _validate_posttrain(cfg)
     for key in ("attention", "loss"):
         if getattr(cfg.kernels, key) not in ("auto", "kernels", "xla"):
             raise ConfigError(f"config key 'kernels.{key}': expected 'auto', 'kernels' or 'xla', got {getattr(cfg.kernels, key)!r}")
@@ -338,6 +414,13 @@ def _validate_after_training(cfg: Config) -> None:
                                   f"{', '.join(variants)} (quant.enabled = {str(cfg.quant.enabled).lower()})")
         if not cfg.serve.models:
             raise ConfigError("config key 'serve.models': serve.enabled needs at least one variant to serve")
+    if cfg.serve.kv_layout not in ("paged", "contiguous"):
+        raise ConfigError(f"config key 'serve.kv_layout': expected 'paged' or 'contiguous', got {cfg.serve.kv_layout!r}")
+    if cfg.serve.block_size <= 0 or cfg.data.seq_len % cfg.serve.block_size:
+        raise ConfigError(f"config key 'serve.block_size': must be positive and divide data.seq_len = "
+                          f"{cfg.data.seq_len}, got {cfg.serve.block_size}")
+    if cfg.serve.openai_streamed < 0:
+        raise ConfigError(f"config key 'serve.openai_streamed': must be >= 0, got {cfg.serve.openai_streamed}")
     if not cfg.serve.concurrency or any(c <= 0 for c in cfg.serve.concurrency):
         raise ConfigError(f"config key 'serve.concurrency': needs positive levels, got {list(cfg.serve.concurrency)}")
     if cfg.serve.startup_timeout <= 0:

@@ -7,21 +7,30 @@ import glob
 import hashlib
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import lm_config
 import lm_task
 import numpy as np
 
 from cairn import data as cdata
 
-if TYPE_CHECKING:
-    import lm_config
-
 
 def _synthetic_dir(cfg: lm_config.Config) -> pathlib.Path:
     d = cfg.data
-    key = json.dumps([d.num_train, d.num_eval, d.max_digits, d.num_shards, cfg.run.seed])
+    key = [d.num_train, d.num_eval, d.max_digits, d.num_shards, cfg.run.seed]
+    if d.worksheet_share:  # the earlier runs' directories keep their names
+        key.append(d.worksheet_share)
+    key = json.dumps(key)
     return pathlib.Path(cfg.run.dir) / "data" / hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def train_texts(cfg: lm_config.Config) -> list[str]:
+    """The synthetic training documents: addition problems, ``data.worksheet_share`` of them
+    written as worksheets (``lm_task.worksheet``)."""
+    d = cfg.data
+    texts = lm_task.make_problems(d.num_train, d.max_digits, cfg.run.seed, held_out=False)
+    return lm_task.mix_forms(texts, d.worksheet_share, cfg.run.seed) if d.worksheet_share else texts
 
 
 def prepare_synthetic(cfg: lm_config.Config) -> dict:
@@ -37,7 +46,7 @@ def prepare_synthetic(cfg: lm_config.Config) -> dict:
     if marker.exists():
         return json.loads(marker.read_text())
     root.mkdir(parents=True, exist_ok=True)
-    train = lm_task.make_problems(d.num_train, d.max_digits, cfg.run.seed, held_out=False)
+    train = train_texts(cfg)
     held = lm_task.make_problems(d.num_eval, d.max_digits, cfg.run.seed, held_out=True)
     out = {
         "arrayrecord": cdata.write_array_record(
@@ -89,19 +98,53 @@ def open_source(cfg: lm_config.Config, shards: dict | None) -> tuple[Any, str, l
     return src, d.source, eval_texts
 
 
-class ToExample:
-    """Record (bytes or a Parquet row dict) -> tokens, targets and loss weights."""
+TOKENIZER_CORPUS = 20_000  # records of a user's data the BPE learns from (the synthetic task: all of them)
 
-    def __init__(self, fmt: str, text_column: str, seq_len: int, answer_only: bool) -> None:
+
+def tokenizer_corpus(cfg: lm_config.Config, src: Any, fmt: str) -> list[str]:
+    """The texts the BPE learns from: the synthetic training documents (`train_texts`), or
+    the first records of a user's data."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return train_texts(cfg)
+    rows = src.__getitems__(list(range(min(len(src), TOKENIZER_CORPUS))))
+    col = d.text_column if fmt == "parquet" else None
+    return [r[col] if col else bytes(r).decode("utf-8", "replace") for r in rows]
+
+
+def run_tokenizer(cfg: lm_config.Config, src: Any, fmt: str, *, save: bool = True) -> tuple[Any, Any]:
+    """The run's tokenizer and its codec: ``tokenizer.kind = "bpe"``: the one in
+    ``run.dir/tokenizer`` (a resumed run's), else trained on `tokenizer_corpus` and saved
+    there (``save``); ``"byte"``: the byte tokenizer."""
+    import lm_generate
+    import lm_tokenizer
+
+    if cfg.tokenizer.kind == "byte":
+        return lm_generate.tokenizer(), lm_task.BYTES
+    path = pathlib.Path(cfg.run.dir) / "tokenizer"
+    corpus = tokenizer_corpus(cfg, src, fmt)
+    if save:
+        tok, _ = lm_tokenizer.load_or_train(path, corpus, cfg.tokenizer.vocab_size, lm_config.vocab_size(cfg))
+    else:
+        tok = lm_tokenizer.train_bpe(corpus, cfg.tokenizer.vocab_size, lm_config.vocab_size(cfg))
+    return tok, lm_tokenizer.Codec.of(tok)
+
+
+class ToExample:
+    """Record (bytes or a Parquet row dict) -> tokens, targets and loss weights (``codec``:
+    the tokenizer; default bytes)."""
+
+    def __init__(self, fmt: str, text_column: str, seq_len: int, answer_only: bool, codec: Any = None) -> None:
         self.fmt, self.text_column, self.seq_len, self.answer_only = fmt, text_column, seq_len, answer_only
+        self.codec = codec
 
     def __call__(self, record: bytes | dict) -> dict:
         text = record[self.text_column] if isinstance(record, dict) else record
-        return lm_task.example_from_text(text, self.seq_len, self.answer_only)
+        return lm_task.example_from_text(text, self.seq_len, self.answer_only, self.codec)
 
 
 def build_pipeline(
-    cfg: lm_config.Config, src: Any, fmt: str, process_index: int = 0, process_count: int = 1
+    cfg: lm_config.Config, src: Any, fmt: str, process_index: int = 0, process_count: int = 1, codec: Any = None
 ) -> cdata.IterDataset:
     """source -> shard by process -> shuffle (reshuffled each epoch) -> tokenize (in worker
     processes) -> pack -> batch (in a prefetch thread)."""
@@ -113,7 +156,7 @@ def build_pipeline(
         ds = ds.shard(process_index, process_count, drop_remainder=True)
     ds = ds.shuffle(seed=d.shuffle_seed).repeat(None)
     text_column = d.text_column if d.source != "synthetic" else "text"
-    ds = ds.map(ToExample(fmt, text_column, d.seq_len, answer_only=(d.source == "synthetic")))
+    ds = ds.map(ToExample(fmt, text_column, d.seq_len, answer_only=(d.source == "synthetic"), codec=codec))
     it = ds.to_iter_dataset()
     it = cdata.FirstFitPackIterDataset(
         it,

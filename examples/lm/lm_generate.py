@@ -30,7 +30,10 @@ SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids lm_task.PAD, BOS, EOS
 def max_length(cfg: Any) -> int:
     """The KV cache's positions per row: the longest addition prompt plus
     ``serve.max_new_tokens``, rounded up to a power of two, at most ``data.seq_len`` (the
-    trained context)."""
+    trained context); with post-training (chat prompts: a system prompt and the question)
+    the whole trained context."""
+    if cfg.posttrain.enabled:
+        return cfg.data.seq_len
     longest = 1 + 2 * cfg.data.max_digits + 2 + cfg.serve.max_new_tokens  # BOS a + b = answer
     return min(cfg.data.seq_len, bucket(longest, 1 << 30))
 
@@ -63,15 +66,25 @@ def tokenizer() -> llm.Tokenizer:
     return llm.Tokenizer(backend, {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"})
 
 
-def problem_prompt(text: str) -> tuple[list[int], str]:
-    """``"372+59=134"`` -> (BOS + tokens of ``"372+59="``, ``"134"``)."""
+def problem_prompt(text: str, codec: Any = None) -> tuple[list[int], str]:
+    """``"372+59=134"`` -> (BOS + tokens of ``"372+59="``, ``"134"``); ``codec``: the
+    tokenizer (default: bytes)."""
+    codec = lm_task.BYTES if codec is None else codec
     head, answer = text.split("=", 1)
-    return [lm_task.BOS, *lm_task.encode(head + "=").tolist()], answer
+    return [lm_task.BOS, *codec.encode(head + "=").tolist()], answer
 
 
-def answers_text(token_lists: Sequence[Sequence[int]]) -> list[str]:
+def chat_prompt(tok: llm.Tokenizer, text: str) -> tuple[list[int], str]:
+    """The chat form of a problem (``lm_task.chat_messages``) through ``tok``'s chat template,
+    ready for the answer: (ids, the expected answer)."""
+    return tok.apply_chat_template(lm_task.chat_messages(text, False), add_generation_prompt=True,
+                                   tokenize=True), text.split("=", 1)[1]
+
+
+def answers_text(token_lists: Sequence[Sequence[int]], codec: Any = None) -> list[str]:
     """The text of each answer (an end token, if any, dropped)."""
-    return [lm_task.decode(np.asarray([t for t in ids if t != lm_task.EOS], np.int32)) for ids in token_lists]
+    codec = lm_task.BYTES if codec is None else codec
+    return [codec.decode(np.asarray([t for t in ids if t != lm_task.EOS], np.int32)) for ids in token_lists]
 
 
 def greedy(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, length: int, batch: int) -> list[list[int]]:
@@ -86,10 +99,14 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, le
 
 
 def exact_match(model: Any, texts: Sequence[str], max_new_tokens: int, length: int,
-                batch: int = 16) -> tuple[float, list[str]]:
-    """Held-out exact match by greedy generation: (fraction right, the generated answers)."""
+                batch: int = 16, codec: Any = None, chat: llm.Tokenizer | None = None) -> tuple[float, list[str]]:
+    """Held-out exact match by greedy generation: (fraction right, the generated answers).
+
+    The prompt is the problem up to ``=`` (``codec``: its tokenizer, default bytes), or with
+    ``chat`` (a tokenizer with the chat template) the problem's chat form (`chat_prompt`).
+    """
     if not texts:
         return float("nan"), []
-    prompts, expected = zip(*(problem_prompt(t) for t in texts))
-    got = answers_text(greedy(model, list(prompts), max_new_tokens, length, batch))
+    prompts, expected = zip(*(chat_prompt(chat, t) if chat is not None else problem_prompt(t, codec) for t in texts))
+    got = answers_text(greedy(model, list(prompts), max_new_tokens, length, batch), codec)
     return sum(g == e for g, e in zip(got, expected)) / len(texts), got

@@ -23,18 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import lm_task
+import lm_config
 
 import cairn.kernels as ck
 from cairn import llm, nn
 from cairn.core_array import flatten_with_paths, unflatten
-
-if TYPE_CHECKING:
-    import lm_config
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 IMPLEMENTATIONS = ("xla", "kernels")  # cairn.kernels' XLA implementation, or the registry's choice
@@ -69,7 +65,7 @@ def llm_config(cfg: lm_config.Config) -> llm.LlmConfig:
     (``max_position_embeddings``) is the trained row length ``data.seq_len``."""
     m = cfg.model
     return llm.LlmConfig(
-        "llama", vocab_size=lm_task.VOCAB_SIZE, hidden_size=m.d_model, intermediate_size=m.mlp_dim,
+        "llama", vocab_size=lm_config.vocab_size(cfg), hidden_size=m.d_model, intermediate_size=m.mlp_dim,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
         head_dim=m.d_model // m.num_heads, rms_norm_eps=1e-6, max_position_embeddings=cfg.data.seq_len,
         tie_word_embeddings=m.tie_embeddings, rope=(("rope_theta", float(m.rope_base)), ("rope_type", "default")),

@@ -51,11 +51,18 @@ def param_bytes(params: Any) -> int:
     return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes for x in jax.tree.leaves(params)))
 
 
-def calibration_batches(cfg: Any, num_batches: int) -> list[tuple[np.ndarray]]:
-    """Rows of packed training-split problems (BOS text EOS ...), ``(batch_size, seq_len)`` each."""
+def calibration_batches(cfg: Any, num_batches: int, tok: Any = None) -> list[tuple[np.ndarray]]:
+    """Rows of packed training-split problems, ``(batch_size, seq_len)`` each: BOS text EOS ...
+    (bytes), or with ``tok`` (the run's tokenizer, with post-training) their chat form."""
     d = cfg.data
     texts = lm_task.make_problems(num_batches * d.batch_size * (d.seq_len // 8), d.max_digits, cfg.run.seed, held_out=False)
-    stream = np.concatenate([np.concatenate([[lm_task.BOS], lm_task.encode(t), [lm_task.EOS]]) for t in texts])
+    if tok is not None and cfg.posttrain.enabled:
+        rows = [tok.apply_chat_template(lm_task.chat_messages(t), add_generation_prompt=False, tokenize=True) for t in texts]
+    elif tok is not None:
+        rows = [tok.encode(t) + [lm_task.EOS] for t in texts]
+    else:
+        rows = [np.concatenate([[lm_task.BOS], lm_task.encode(t), [lm_task.EOS]]) for t in texts]
+    stream = np.concatenate([np.asarray(r, np.int64) for r in rows])
     per = d.batch_size * d.seq_len
     return [(stream[i * per : (i + 1) * per].reshape(d.batch_size, d.seq_len).astype(np.int32),) for i in range(num_batches)]
 
@@ -100,17 +107,21 @@ def float_variant(model: llm.CausalLM) -> Variant:
     return Variant("float", model, param_bytes(nn.state(model, nn.Param)))
 
 
-def build_variants(cfg: Any, model: llm.CausalLM) -> dict[str, Variant]:
-    """``{"float": ..., method: ...}`` for every configured method (calibrated on training problems)."""
+def build_variants(cfg: Any, model: llm.CausalLM, tok: Any = None) -> dict[str, Variant]:
+    """``{"float": ..., method: ...}`` for every configured method (calibrated on training
+    problems, tokenized by ``tok``: the run's tokenizer; default bytes)."""
     out = {"float": float_variant(model)}
     if cfg.quant.enabled and cfg.quant.methods:
-        batches = calibration_batches(cfg, cfg.quant.calibration_batches)
+        batches = calibration_batches(cfg, cfg.quant.calibration_batches, tok)
         for method in cfg.quant.methods:
             out[method] = quantize_variant(method, model, batches, cfg.quant.tile_size)
     return out
 
 
-def score(variant: Variant, texts: list[str], max_new_tokens: int, length: int, batch: int) -> Variant:
-    """Fill in ``exact_match`` and ``answers`` by greedy generation (``cairn.llm.generate``)."""
-    variant.exact_match, variant.answers = lm_generate.exact_match(variant.model, texts, max_new_tokens, length, batch)
+def score(variant: Variant, texts: list[str], max_new_tokens: int, length: int, batch: int, codec: Any = None,
+          chat: Any = None) -> Variant:
+    """Fill in ``exact_match`` and ``answers`` by greedy generation (``cairn.llm.generate``;
+    ``codec`` / ``chat`` as `lm_generate.exact_match` takes them)."""
+    variant.exact_match, variant.answers = lm_generate.exact_match(variant.model, texts, max_new_tokens, length, batch,
+                                                                   codec=codec, chat=chat)
     return variant

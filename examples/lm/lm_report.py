@@ -115,6 +115,41 @@ def write_report(run_dir: pathlib.Path, report: dict, curve: list[tuple[int, flo
     plt.close(fig)
     if report.get("serving"):
         write_latency_plot(run_dir / "serving_latency.png", report["serving"])
+    if report.get("posttrain"):
+        report["loss_curves"] = str(run_dir / "loss_curves.png")
+        write_stage_curves(run_dir / "loss_curves.png", curve, report["posttrain"])
+        (run_dir / "metrics.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+
+
+def write_stage_curves(path: pathlib.Path, curve: list[tuple[int, float]], posttrain: dict) -> None:
+    """The loss of every stage side by side: pretraining, SFT, GRPO (with its mean reward)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), dpi=110)
+    panels = [("pretraining", curve, "cross-entropy on answer tokens")]
+    for stage, label in (("sft", "SFT with LoRA (chat)"), ("grpo", "GRPO with LoRA")):
+        panels.append((label, [(s, v) for s, v in posttrain.get(stage, {}).get("curve", []) if v is not None],
+                       "loss"))
+    for ax, (title, pts, ylabel) in zip(axes, panels, strict=True):
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.5)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    rewards = posttrain.get("grpo", {}).get("rewards", [])
+    if rewards:
+        twin = axes[2].twinx()
+        twin.plot([r[0] for r in rewards], [r[1] for r in rewards], color="tab:green", lw=1, label="mean reward")
+        twin.set_ylabel("mean reward (exact answer)")
+        twin.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def write_latency_plot(path: pathlib.Path, serving: dict) -> bool:
@@ -172,21 +207,29 @@ def format_goodput(g: dict) -> str:
 
 def format_try_it(serving: dict, port: int = 8000) -> str:
     """How to serve what the run exported and a request to try, with curl and with the
-    official ``openai`` client (cairn-serve's OpenAI-compatible ``/v1/completions``)."""
+    official ``openai`` client: the OpenAI chat route (``/v1/chat/completions``) for a
+    post-trained model (``try`` has ``messages``), else ``/v1/completions``."""
     t = serving["try"]
-    body = json.dumps({"model": t["model"], "prompt": t["prompt"], "max_tokens": t["max_tokens"], "temperature": 0})
     url = f"http://127.0.0.1:{port}/v1"
-    py = (f"from openai import OpenAI; c = OpenAI(base_url={url!r}, api_key='none'); "
-          f"print(c.completions.create(model={t['model']!r}, prompt={t['prompt']!r}, max_tokens={t['max_tokens']}, "
-          f"temperature=0).choices[0].text)")
+    client = f"from openai import OpenAI; c = OpenAI(base_url={url!r}, api_key='none'); "
+    if t.get("messages"):
+        route, asked = "chat/completions", t["messages"][-1]["content"]
+        body = json.dumps({"model": t["model"], "messages": t["messages"], "max_tokens": t["max_tokens"], "temperature": 0})
+        py = client + (f"print(c.chat.completions.create(model={t['model']!r}, messages={t['messages']!r}, "
+                       f"max_tokens={t['max_tokens']}, temperature=0).choices[0].message.content)")
+    else:
+        route, asked = "completions", t["prompt"]
+        body = json.dumps({"model": t["model"], "prompt": t["prompt"], "max_tokens": t["max_tokens"], "temperature": 0})
+        py = client + (f"print(c.completions.create(model={t['model']!r}, prompt={t['prompt']!r}, "
+                       f"max_tokens={t['max_tokens']}, temperature=0).choices[0].text)")
     return "\n".join([
         "",
         "=== try it ===",
-        "serve what this run exported (Ctrl-C stops it):",
+        "the server is stopped; start it again on what this run exported (Ctrl-C stops it):",
         f"  cairn-serve --model-repository {shlex.quote(serving['repository'])} --port {port}",
-        f"then ask it {t['prompt']!r} (right: {t['expected']!r}; this run's {t['model']} answered "
+        f"then ask it {asked!r} (right: {t['expected']!r}; this run's {t['model']} answered "
         f"{t['answer']!r} in process), with curl:",
-        f"  curl -s {url}/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        f"  curl -s {url}/{route} -H 'Content-Type: application/json' -d {shlex.quote(body)}",
         "or with the openai client (pip install openai):",
         f"  python -c {shlex.quote(py)}",
     ])
@@ -238,6 +281,30 @@ def _short(v: object) -> str:
     return what + (f" ({why})" if why else "")
 
 
+def format_posttrain(r: dict) -> list[str]:
+    """The report lines of the tokenizer and the post-training stages."""
+    p, t = r.get("posttrain"), r.get("tokenizer") or {}
+    if not p:
+        return []
+    lines = ["", "=== post-training: each stage starts from from_pretrained of the one before ==="]
+    if t.get("kind") == "bpe":
+        lines.append(f"tokenizer              byte-level BPE trained on the corpus: {t['vocab_size']} ids, {t['merges']} merges; "
+                     f"{t['sample']!r} -> {' '.join(t['sample_tokens'])}")
+    h = p["handover"]
+    lines.append(f"hand-over              save_pretrained -> {h['path']} ({h['shards']} safetensors shards + tokenizer)")
+    for stage, name in (("sft", "SFT (LoRA, chat)"), ("grpo", "GRPO (LoRA, exact answer)")):
+        st = p.get(stage)
+        if not st:
+            continue
+        before = f"{st['heldout_exact_match_before']:.2%} -> " if "heldout_exact_match_before" in st else ""
+        last = st.get("last") or {}
+        extra = f", last mean reward {last['reward']:.2f}" if "reward" in last else ""
+        lines.append(f"{name:22s} held-out exact match {before}{st['heldout_exact_match']:.2%} on {p['examples']} chat "
+                     f"prompts after {st['steps']} steps ({st['seconds']:.1f} s{extra}); -> {st['hf_dir']}"
+                     + (f" [{st['skipped']}]" if st.get("skipped") else ""))
+    return lines
+
+
 def format_production(r: dict) -> list[str]:
     """The report lines of the steps after training (quantize, generate, export, serve)."""
     if r.get("stopped_early"):
@@ -245,10 +312,11 @@ def format_production(r: dict) -> list[str]:
     if "production_skipped" in r:
         return [f"production steps       skipped: {r['production_skipped']}"]
     failed = [f"production steps       FAILED: {r['production_error']}"] if "production_error" in r else []
+    pre = format_posttrain(r)
     if "generation" not in r:
-        return failed
+        return pre + failed
     g = r["generation"]
-    lines = ["", f"=== after training: greedy generation on {g['examples']} held-out problems (KV cache, "
+    lines = pre + ["", f"=== after training: greedy generation on {g['examples']} held-out problems (KV cache, "
                  f"up to {g['max_new_tokens']} new tokens) ==="]
     for name, v in g["variants"].items():
         lines.append(f"{name:22s} exact match {v['exact_match']:.2%}   params {v['param_bytes'] / 2**10:,.0f} KiB"

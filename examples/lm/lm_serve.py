@@ -46,13 +46,19 @@ def model_name(variant: str) -> str:
 
 
 def export_generator(variant: lm_quant.Variant, max_length: int, repo: pathlib.Path, *, num_slots: int,
-                     prefill_batch: int) -> str:
-    """Export ``variant`` with ``cairn.llm.export_for_serving`` into ``repo/lm_<name>/1`` (the task's
-    tokenizer inside it), and write ``repo/lm_<name>/config.json`` with the engine's slots."""
+                     prefill_batch: int, tokenizer: llm.Tokenizer | None = None, block_size: int | None = None) -> str:
+    """Export ``variant`` with ``cairn.llm.export_for_serving`` into ``repo/lm_<name>/1`` (the
+    run's ``tokenizer`` with its chat template inside it; default the byte tokenizer), and
+    write ``repo/lm_<name>/config.json`` with the engine's slots; ``block_size``: the paged
+    KV layout (a pool of blocks, prefix caching) with blocks of that many tokens."""
     name = model_name(variant.name)
-    path = llm.export_for_serving(variant.model, lm_generate.tokenizer(), repo, name, max_length=max_length,
-                                  eos_token_ids=(lm_task.EOS,), overwrite=True)
-    config = {"generation": {"num_slots": num_slots, "prefill_batch": prefill_batch}}
+    path = llm.export_for_serving(variant.model, tokenizer or lm_generate.tokenizer(), repo, name,
+                                  max_length=max_length, eos_token_ids=(lm_task.EOS,), overwrite=True,
+                                  block_size=block_size)
+    gen: dict[str, Any] = {"num_slots": num_slots, "prefill_batch": prefill_batch}
+    if block_size:
+        gen.update(kv_layout="paged", prefill_chunk=max_length)
+    config = {"generation": gen}
     (repo / name / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -71,7 +77,8 @@ def export_next_token(variant: lm_quant.Variant, max_length: int, repo: pathlib.
 
 
 def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str], max_length: int,
-                      repo: pathlib.Path, *, num_slots: int, prefill_batch: int) -> dict[str, Any]:
+                      repo: pathlib.Path, *, num_slots: int, prefill_batch: int, tokenizer: llm.Tokenizer | None = None,
+                      block_size: int | None = None) -> dict[str, Any]:
     """Export every variant in ``names`` (generator + next-token model) into a fresh ``repo``; sizes and timing."""
     t0 = time.perf_counter()
     if repo.exists():  # this run's models only: an earlier run's would be served (and loaded) too
@@ -79,7 +86,8 @@ def export_repository(variants: dict[str, lm_quant.Variant], names: Sequence[str
     repo.mkdir(parents=True)
     out: dict[str, Any] = {"repository": str(repo), "models": {}}
     for name in names:
-        gen_path = export_generator(variants[name], max_length, repo, num_slots=num_slots, prefill_batch=prefill_batch)
+        gen_path = export_generator(variants[name], max_length, repo, num_slots=num_slots, prefill_batch=prefill_batch,
+                                    tokenizer=tokenizer, block_size=block_size)
         infer_path = export_next_token(variants[name], max_length, repo)
         out["models"][name] = {"generator": model_name(name), "next_token": f"{model_name(name)}_next_token",
                                "bytes": _dir_bytes(gen_path), "path": gen_path, "next_token_path": infer_path}
@@ -253,11 +261,12 @@ def _run_clients(port: int, concurrency: int, n: int, work: Any) -> tuple[list[A
     return results, time.perf_counter() - t0
 
 
-def _answers(ids_list: Sequence[Sequence[int]]) -> list[str]:
-    return lm_generate.answers_text([[t for t in ids if t != lm_task.EOS] for ids in ids_list])
+def _answers(ids_list: Sequence[Sequence[int]], codec: Any = None) -> list[str]:
+    return lm_generate.answers_text([[t for t in ids if t != lm_task.EOS] for ids in ids_list], codec)
 
 
-def load_test(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int) -> dict[str, Any]:
+def load_test(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int,
+              codec: Any = None) -> dict[str, Any]:
     """Every prompt through ``/generate_stream`` from ``concurrency`` clients: throughput, TTFT, latency, answers."""
     results, wall = _run_clients(port, concurrency, len(prompts),
                                  lambda conn, i: stream_one(conn, model, prompts[i], max_new_tokens))
@@ -272,15 +281,57 @@ def load_test(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_t
         # every request's, for the latency plot; and the machine's load while they ran
         "latencies_ms": [round(float(x), 3) for x in lat], "ttfts_ms": [round(float(x), 3) for x in ttft],
         "loadavg": list(os.getloadavg()),
-        "answers": _answers([r["ids"] for r in results]),
+        "answers": _answers([r["ids"] for r in results], codec),
     }
 
 
-def generate_all(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int) -> list[str]:
+def generate_all(port: int, model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int,
+                 codec: Any = None) -> list[str]:
     """Answers of plain ``/generate`` calls for every prompt."""
     results, _ = _run_clients(port, concurrency, len(prompts),
                               lambda conn, i: generate_one(conn, model, prompts[i], max_new_tokens))
-    return _answers(results)
+    return _answers(results, codec)
+
+
+def openai_chat(port: int, model: str, conversations: Sequence[list[dict]], max_tokens: int, concurrency: int, *,
+                stream: bool) -> list[str]:
+    """Greedy answers of OpenAI chat completions through the official ``openai`` client
+    (``stream``: server-sent chunks, joined), ``concurrency`` requests at a time."""
+    import concurrent.futures
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def one(messages: list[dict]) -> str:
+        if not stream:
+            out = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+            return out.choices[0].message.content or ""
+        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(one, conversations))
+    finally:
+        client.close()
+
+
+def prefix_cache_stats(server: ServerProcess, model: str) -> dict[str, Any]:
+    """The engine's prefix-cache counters from ``/v2/models/{model}/stats`` (paged layout; empty otherwise)."""
+    _, body = server.request("GET", f"/v2/models/{model}/stats")
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "prefix_cache_hit_rate" in node:
+                return {k: node[k] for k in ("prefix_cache_hit_rate", "prefix_cache_hit_tokens",
+                                             "prefix_cache_query_tokens", "kv_layout", "block_size") if k in node}
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return {}
 
 
 def infer_next_token(port: int, model: str, prompts: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, str]:

@@ -6,8 +6,10 @@ can produce each digit with the carry it just computed; this is the usual way sm
 transformers are taught addition. Every problem has one exact answer, so held-out
 exact-match accuracy is a real score. Chance is 10^-(digits of the answer).
 
-Tokens are bytes shifted by 3 (0 = padding, 1 = beginning, 2 = end of text), so user
-text in any language tokenizes the same way; the vocabulary is padded to 320 entries.
+The job tokenizes with a BPE it trains on this corpus (lm_tokenizer); ``tokenizer.kind =
+"byte"`` keeps the earlier byte tokenizer defined here: bytes shifted by 3 (0 = padding,
+1 = beginning, 2 = end of text), the vocabulary padded to 320 entries. Both keep ids 0, 1, 2
+for padding, beginning and end.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 PAD, BOS, EOS = 0, 1, 2
 VOCAB_SIZE = 320  # 256 byte values + 3 special tokens, padded to a multiple of 64
 EQUALS = ord("=") + 3
+NEWLINE = ord("\n") + 3
 
 
 def _operands(rng: np.random.Generator, n: int, max_digits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,18 +64,72 @@ def decode(tokens: np.ndarray) -> str:
     return bytes(t.astype(np.uint8)).decode("utf-8", errors="replace")
 
 
-def example_from_text(text: str | bytes, seq_len: int, answer_only: bool) -> dict[str, np.ndarray]:
+class ByteCodec:
+    """The byte tokenizer's task-facing form (`encode`, `decode`, `equals_id`), the interface
+    of ``lm_tokenizer.Codec`` (the job's BPE)."""
+
+    equals_id = EQUALS
+    newline_id = NEWLINE
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        return encode(text)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return decode(ids)
+
+
+BYTES = ByteCodec()
+
+# the chat form of a problem (post-training and serving): a system prompt shared by every
+# request (the server's prefix cache holds it once), the question, the answer as pretrained
+SYSTEM_PROMPT = "Add the two numbers and write the sum with its digits reversed."
+
+
+def question(text: str) -> str:
+    """``"372+59=134"`` -> ``"What is 372+59?"``."""
+    return f"What is {text.split('=', 1)[0]}?"
+
+
+def worksheet(text: str) -> str:
+    """A problem as a worked question under the system prompt's instruction, the pretraining
+    corpus' second form (the chat form adds only the role markers to it)::
+
+        Add the two numbers and write the sum with its digits reversed.
+        What is 372+59?
+        134
+    """
+    return f"{SYSTEM_PROMPT}\n{question(text)}\n{text.split('=', 1)[1]}"
+
+
+def mix_forms(texts: list[str], share: float, seed: int) -> list[str]:
+    """``texts`` with a ``share`` of them, chosen by ``seed``, written as `worksheet` s."""
+    pick = np.random.default_rng([seed, 7]).random(len(texts)) < share
+    return [worksheet(t) if p else t for t, p in zip(texts, pick)]
+
+
+def chat_messages(text: str, with_answer: bool = True) -> list[dict[str, str]]:
+    """The conversation of one problem: system prompt, question and (``with_answer``) the answer."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question(text)}]
+    return msgs + ([{"role": "assistant", "content": text.split("=", 1)[1]}] if with_answer else [])
+
+
+def example_from_text(text: str | bytes, seq_len: int, answer_only: bool,
+                      codec: ByteCodec | None = None) -> dict[str, np.ndarray]:
     """One training example: ``inputs`` = BOS + text, ``targets`` = text + EOS, ``weights``.
 
-    With ``answer_only`` (the addition task) only the tokens after ``=`` and the end token
-    carry loss: the operands are random, so predicting them teaches nothing. Text longer
-    than ``seq_len`` is cut.
+    With ``answer_only`` (the addition task) only the tokens after ``=`` (a `worksheet`:
+    after its last line break) and the end token carry loss: the operands are random, so
+    predicting them teaches nothing. Text longer
+    than ``seq_len`` is cut. ``codec``: the tokenizer (default bytes; ``lm_tokenizer.Codec``).
     """
-    toks = encode(text)[: seq_len - 1]
+    codec = BYTES if codec is None else codec
+    toks = codec.encode(text)[: seq_len - 1]
     inputs = np.concatenate([[BOS], toks]).astype(np.int32)
     targets = np.concatenate([toks, [EOS]]).astype(np.int32)
     if answer_only:
-        eq = np.flatnonzero(toks == EQUALS)
+        eq = np.flatnonzero(toks == codec.equals_id)
+        if not eq.size:
+            eq = np.flatnonzero(toks == codec.newline_id)[-1:]
         start = int(eq[0]) + 1 if eq.size else 0
         weights = (np.arange(targets.size) >= start).astype(np.float32)
     else:
@@ -80,7 +137,7 @@ def example_from_text(text: str | bytes, seq_len: int, answer_only: bool) -> dic
     return {"inputs": inputs, "targets": targets, "weights": weights}
 
 
-def eval_batch(texts: list[str], seq_len: int) -> dict[str, np.ndarray]:
+def eval_batch(texts: list[str], seq_len: int, codec: ByteCodec | None = None) -> dict[str, np.ndarray]:
     """Unpacked, right-padded evaluation rows with answer-only weights."""
     n = len(texts)
     out = {
@@ -91,7 +148,7 @@ def eval_batch(texts: list[str], seq_len: int) -> dict[str, np.ndarray]:
         "positions": np.zeros((n, seq_len), np.int32),
     }
     for i, t in enumerate(texts):
-        ex = example_from_text(t, seq_len, answer_only=True)
+        ex = example_from_text(t, seq_len, answer_only=True, codec=codec)
         L = ex["inputs"].size
         for k in ("inputs", "targets", "weights"):
             out[k][i, :L] = ex[k]

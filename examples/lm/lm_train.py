@@ -44,6 +44,8 @@ class Setup:
     batch_sharding: jax.sharding.NamedSharding
     run_dir: pathlib.Path
     impl: lm_model.Impl = lm_model.Impl()  # set from choose_kernels before training
+    codec: Any = lm_task.BYTES  # the tokenizer's task-facing form (lm_tokenizer.Codec for the BPE); set by _build
+    tokenizer: llm.Tokenizer | None = None  # the run's tokenizer (BPE or bytes); set by _build
 
 
 def make_setup(cfg: lm_config.Config) -> Setup:
@@ -111,11 +113,11 @@ def _timing_inputs(cfg: lm_config.Config) -> dict[str, jax.Array]:
         "k": rng.standard_normal((b, s, m.num_kv_heads, hd), np.float32),
         "v": rng.standard_normal((b, s, m.num_kv_heads, hd), np.float32),
         "x": rng.standard_normal((b, s, m.d_model), np.float32),
-        "projection": rng.standard_normal((m.d_model, lm_task.VOCAB_SIZE), np.float32) * m.d_model**-0.5,
+        "projection": rng.standard_normal((m.d_model, lm_config.vocab_size(cfg)), np.float32) * m.d_model**-0.5,
     }
     arrays = {k: jnp.asarray(v, dt) for k, v in arrays.items()}
     arrays["segment_ids"] = seg.astype(np.int32)
-    arrays["targets"] = rng.integers(0, lm_task.VOCAB_SIZE, (b, s), dtype=np.int32)
+    arrays["targets"] = rng.integers(0, lm_config.vocab_size(cfg), (b, s), dtype=np.int32)
     arrays["weights"] = np.broadcast_to(pos >= s // 2, (b, s)).astype(np.float32)
     return {k: jax.device_put(v, sharding) for k, v in arrays.items()}
 
@@ -171,7 +173,7 @@ def _choice_key(cfg: lm_config.Config, op: str) -> str:
     m, d = cfg.model, cfg.data
     dev = jax.local_devices()[0]
     return json.dumps([op, d.batch_size // jax.process_count(), d.seq_len, m.d_model, m.num_heads,
-                       m.num_kv_heads, m.dtype, lm_task.VOCAB_SIZE, dev.platform, dev.device_kind,
+                       m.num_kv_heads, m.dtype, lm_config.vocab_size(cfg), dev.platform, dev.device_kind,
                        jax.local_device_count(), jax.__version__, ck.__version__])
 
 
@@ -337,7 +339,7 @@ def evaluate(setup: Setup, model: llm.CausalLM, texts: list[str]) -> float:
     correct = 0
     for start in range(0, len(texts), bs):
         chunk = texts[start : start + bs]
-        batch = lm_task.eval_batch(chunk + [chunk[-1]] * (bs - len(chunk)), setup.cfg.data.seq_len)
+        batch = lm_task.eval_batch(chunk + [chunk[-1]] * (bs - len(chunk)), setup.cfg.data.seq_len, setup.codec)
         valid = jax.make_array_from_process_local_data(valid_sharding, _local_rows(np.arange(bs) < len(chunk)))
         local = {k: _local_rows(v) for k, v in batch.items()}
         correct += int(eval_step(model, to_global(setup, local), valid, setup.impl))
@@ -399,6 +401,10 @@ def check_run_dir(run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> No
     marker = pathlib.Path(run_dir) / lm_cli.PREEMPTED_FILE
     if jax.process_index() == 0 and marker.exists():
         marker.unlink()
+    if jax.process_index() == 0:  # what the earlier run's later stages left: trained again from scratch
+        for name in lm_cli.STAGE_DIRS:
+            if (pathlib.Path(run_dir) / name).exists():
+                shutil.rmtree(pathlib.Path(run_dir) / name)
     if not existing_checkpoints(run_dir):
         return
     if jax.process_index() == 0:
@@ -650,7 +656,7 @@ def _report(
     the curve, times and counters cover the whole run, resumed or not (``s``'s history)."""
     cfg, run_dir = setup.cfg, setup.run_dir
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_step = lm_config.flops_per_token(cfg, lm_task.VOCAB_SIZE) * tokens_per_step
+    flops_per_step = lm_config.flops_per_token(cfg, lm_config.vocab_size(cfg)) * tokens_per_step
     stopped_early = s.step < cfg.train.steps
     if not stopped_early and cfg.train.progress and progress_output and jax.process_index() == 0:
         print(f"evaluating: exact match on {len(eval_texts)} held-out problems", file=sys.stderr, flush=True)
@@ -691,7 +697,19 @@ def _report(
         "data_digests": s.digests,
         "stopped_early": stopped_early,
         "preemptions": s.preemptions,
+        "tokenizer": _describe_tokenizer(setup),
     }
+
+
+def _describe_tokenizer(setup: Setup) -> dict:
+    """The report's entry on the run's tokenizer: its kind, size and how it splits a question."""
+    cfg = setup.cfg
+    if setup.tokenizer is None or cfg.tokenizer.kind == "byte":
+        return {"kind": cfg.tokenizer.kind}
+    import lm_tokenizer
+
+    return {"kind": "bpe", "path": str(setup.run_dir / "tokenizer"),
+            **lm_tokenizer.describe(setup.tokenizer, lm_task.question("372+59=134"))}
 
 
 def train(cfg: lm_config.Config, *, resume: bool = False, stop_after: int | None = None, quiet: bool = False,
@@ -777,7 +795,8 @@ def _build(setup: Setup) -> tuple[Iterator, list[str], llm.CausalLM, nn.Optimize
     cfg = setup.cfg
     shards = lm_data.prepare_synthetic(cfg) if cfg.data.source == "synthetic" else None
     src, fmt, eval_texts = lm_data.open_source(cfg, shards)
-    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count())
+    setup.tokenizer, setup.codec = lm_data.run_tokenizer(cfg, src, fmt, save=jax.process_index() == 0)
+    pipeline = lm_data.build_pipeline(cfg, src, fmt, jax.process_index(), jax.process_count(), codec=setup.codec)
     model = create_model(setup)
     tx, schedule = make_optimizer(cfg)
     return iter(pipeline), eval_texts, model, nn.Optimizer(model, tx, wrt=nn.Param), schedule

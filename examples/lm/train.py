@@ -25,11 +25,18 @@ Multi-host: start one process per host with --coordinator HOST:PORT --num-proces
 --process-id I (JAX's own distributed runtime); the same config then shards data and
 model over every device of every process.
 
-After training (a run that reached train.steps), the production steps run in the same
-process (lm_production): the model is quantized (w8, w4 GPTQ/AWQ), scored by greedy
-generation, exported through cairn.serving into run.dir/serving and served by cairn-serve
-in a subprocess, which is load-tested and stopped; `--set quant.enabled=false
-serve.enabled=false` skips them.
+The tokenizer is a byte-level BPE the job trains on its own corpus (lm_tokenizer), saved in
+run.dir/tokenizer. After pretraining (a run that reached train.steps) the later stages run
+in the same process, each handing over to the next through a Hugging Face checkpoint
+(lm_posttrain): save_pretrained into run.dir/hf/pretrained, SFT with LoRA on chat-formatted
+problems from from_pretrained of it (run.dir/hf/sft), GRPO with the exact-answer reward from
+that (run.dir/hf/grpo); then the production steps (lm_production): the last stage's model is
+quantized (w8, w4 GPTQ), scored by greedy generation, exported with its tokenizer and chat
+template into run.dir/serving and served by cairn-serve in a subprocess, asked through
+/generate_stream, tritonclient's /infer and the openai client's chat completions, load-tested
+and stopped. `--set posttrain.enabled=false quant.enabled=false serve.enabled=false` stops
+after pretraining. A SIGTERM during SFT or GRPO exits 75 at the stage's next checkpoint, and
+the same command resumes the stage from it.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ TINY = [
     "train.progress=false",
     # the production steps after training (quantize, export, serve) have their own tests in
     # test_integration_lm_serving.py; here they would only cost time
-    "quant.enabled=false", "serve.enabled=false",
+    "quant.enabled=false", "serve.enabled=false", "posttrain.enabled=false",
 ]
 
 

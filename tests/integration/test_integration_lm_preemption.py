@@ -36,7 +36,7 @@ TINY = [
     "model.mlp_dim=64", "data.seq_len=32", "data.batch_size=8", "data.num_train=600",
     "data.num_eval=16", "data.max_digits=2", "data.num_shards=2", "optim.warmup_steps=2",
     "train.steps=8", "train.log_every=1", "checkpoint.every=3", "checkpoint.max_to_keep=20",
-    "train.progress=false", "quant.enabled=false", "serve.enabled=false", "data.num_workers=0",
+    "train.progress=false", "quant.enabled=false", "serve.enabled=false", "posttrain.enabled=false", "data.num_workers=0",
     # no kernel timing at start-up: the same implementation in every run, and quicker
     "kernels.attention=xla", "kernels.loss=xla",
 ]

@@ -27,6 +27,8 @@ TINY = [
     "train.steps=12", "train.log_every=4", "checkpoint.every=12", "train.progress=false",
     "data.num_workers=0", "quant.tile_size=16", "quant.calibration_batches=2",
     "serve.max_new_tokens=5", "serve.num_slots=4", "serve.prefill_batch=2", "serve.concurrency=[1, 3]",
+    # plain prompts here (test_integration_lm_stages.py runs the post-training stages and chat prompts)
+    "posttrain.enabled=false",
 ]
 
 
@@ -158,7 +160,9 @@ def test_skip_reasons_and_the_report_of_a_stopped_run():
     import lm_report
 
     assert lm_production.skip_reason(_cfg()) is None
-    assert "both false" in lm_production.skip_reason(_cfg("quant.enabled=false", "serve.enabled=false"))
+    assert "all false" in lm_production.skip_reason(_cfg("quant.enabled=false", "serve.enabled=false"))
+    # post-training alone still runs after pretraining
+    assert lm_production.skip_reason(_cfg("quant.enabled=false", "serve.enabled=false", "posttrain.enabled=true")) is None
     assert "synthetic" in lm_production.skip_reason(_cfg("data.source=parquet", f'data.paths=["{__file__}"]'))
     assert lm_report.format_production({"stopped_early": True}) == [
         "production steps       skipped: the run stopped before train.steps"]
