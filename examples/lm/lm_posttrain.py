@@ -39,8 +39,6 @@ import lm_task
 from cairn import checkpoint as ckpt
 from cairn import llm
 
-STAGES = ("sft", "grpo")
-
 
 class Preemption:
     """Records a ``SIGTERM`` from the end of pretraining to the end of post-training (the
