@@ -6,7 +6,8 @@ lengths.
   step against Tunix's ``DPOTrainer`` step and a plain ``jax.jit(jax.value_and_grad(...))``
   loop over the same ``CausalLM`` with the same loss (``cairn.optim.losses.dpo_loss``).
 - GRPO iteration (rollout of ``num_generations`` samples per prompt, old and reference
-  log-probabilities, one clipped update; full fine-tuning, beta 0.04): ``GRPOTrainer`` against
+  log-probabilities, one clipped update; full fine-tuning, beta 0.04, AdamW without gradient
+  clipping): ``GRPOTrainer`` against
   Tunix's ``GRPOLearner`` with its vanilla rollout engine.
 - Rollouts: ``generate`` (KV cache, ``lax.while_loop``) against a per-token Python loop that
   runs the jitted full forward over a fixed-size buffer for every new token.
@@ -169,10 +170,11 @@ def grpo_iteration(args: argparse.Namespace) -> dict[str, float]:
     texts = ["".join(chr(0x100 + int(i)) for i in rng.integers(0, args.vocab - 3, args.prompt)) for _ in range(64)]
     per_batch, g = max(1, args.batch // 4), 4
     reward = lambda p, c, e: [float(len(x)) for x in c]  # noqa: E731 - any reward: the iteration's cost is the same
-    # full fine-tuning with a frozen reference copy (beta 0.04), as Tunix's learner below
+    # full fine-tuning with a frozen reference copy (beta 0.04) and AdamW without gradient
+    # clipping, as Tunix's learner below
     cfg = llm.GRPOConfig(steps=2 + args.repeats, prompts_per_batch=per_batch, num_generations=g,
                          max_new_tokens=args.new_tokens, beta=0.04, lora=None, temperature=1.0, save_every=10_000,
-                         log_every=1)
+                         log_every=1, max_grad_norm=None)
     with tempfile.TemporaryDirectory() as d:
         trainer = llm.GRPOTrainer(_model(args.vocab, args.hidden, args.layers), tok, [{"prompt": t} for t in texts],
                                   reward, cfg, d)

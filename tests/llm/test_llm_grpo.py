@@ -64,12 +64,75 @@ def test_one_update_per_rollout_needs_no_separate_sampling_logprobs(tmp_path):
     rows, _ = t._rollouts(np.arange(4))
     assert "old_logprobs" not in rows  # no forward pass spent on them
     model = t.trainable.model
-    with_old = {**rows, "old_logprobs": np.asarray(t._logprobs(model, rows["inputs"], rows["targets"], 1.0))}
-    g1 = nn.grad(lambda m: _policy_loss(one)(m, m, rows)[0])(model)
-    g2 = nn.grad(lambda m: _policy_loss(two)(m, m, with_old)[0])(model)
+    with_old = {**rows, "old_logprobs": np.asarray(t._logprobs(model, rows["inputs"], rows["targets"], 1.0, t._start))}
+    g1 = nn.grad(lambda m: _policy_loss(one, t._start)(m, m, rows)[0])(model)
+    g2 = nn.grad(lambda m: _policy_loss(two, t._start)(m, m, with_old)[0])(model)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
     assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(g1))
+    t.close()
+
+
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_window_logits_equal_the_full_logits_sliced(tied):
+    """The vocabulary projection from ``start`` on gives the full model's logits there (tied
+    embeddings and a final soft cap included)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from cairn import nn
+    from cairn.llm._grpo import window_logits
+
+    cfg = dataclasses.replace(tiny_chat_model().config, tie_word_embeddings=tied, final_logit_softcapping=5.0 if tied else None)
+    model = llm.CausalLM(cfg, rngs=nn.Rngs(3))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 11)), jnp.int32)
+    full = np.asarray(model(ids))
+    for start in (0, 1, 7):
+        np.testing.assert_allclose(np.asarray(window_logits(model, ids, start)), full[:, start:], rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_update_is_the_grpo_objective_of_the_full_rows(tmp_path):
+    """The update scores log-probs from the shortest prompt's end on; its loss and gradient
+    equal those of the full rows (start 0), and the loss equals the GRPO objective
+    (seq-mean-token-mean of -A * ratio + beta * k3) evaluated in float64 NumPy."""
+    import jax
+
+    from cairn import nn
+    from cairn.llm._grpo import _policy_loss
+
+    cfg = _config(steps=1, lora=None, beta=0.1)
+    t = llm.GRPOTrainer(tiny_chat_model(), TOK, _prompts(8), first_letter, cfg, tmp_path)
+    rows, _ = t._rollouts(np.arange(4))
+    s, model = t._start, t.trainable.model
+    assert s > 0 and rows["targets"].shape[1] == rows["inputs"].shape[1] - s
+    noise = np.random.default_rng(1).normal(0.0, 0.3, rows["mask"].shape).astype(np.float32)
+    rows["ref_logprobs"] = rows["ref_logprobs"] + noise  # a reference away from the policy: KL > 0
+    pad = lambda x, fill: np.concatenate([np.full((x.shape[0], s), fill, x.dtype), x], 1)  # noqa: E731
+    full = {**rows, "targets": np.concatenate([rows["inputs"][:, 1:s + 1], rows["targets"]], 1),
+            "mask": pad(rows["mask"], 0.0), "ref_logprobs": pad(rows["ref_logprobs"], 0.0)}
+    lw, cw, _ = _policy_loss(cfg, s)(model, model, rows)
+    lf, cf, _ = _policy_loss(cfg)(model, model, full)
+    gw = nn.grad(lambda m: _policy_loss(cfg, s)(m, m, rows)[0])(model)
+    gf = nn.grad(lambda m: _policy_loss(cfg)(m, m, full)[0])(model)
+    assert float(cw) == float(cf)
+    np.testing.assert_allclose(float(lw), float(lf), rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gf)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # float64 NumPy: ratio 1 at the first update, k3 = exp(ref - lp) - (ref - lp) - 1
+    logp = _log_softmax64(np.asarray(model(rows["inputs"]))[:, s:] / cfg.temperature)
+    lp = np.take_along_axis(logp, rows["targets"][..., None].astype(np.int64), -1)[..., 0]
+    d = rows["ref_logprobs"].astype(np.float64) - lp
+    per_token = -rows["advantages"].astype(np.float64)[:, None] + cfg.beta * (np.exp(d) - d - 1.0)
+    m = rows["mask"].astype(np.float64)
+    want = np.sum((per_token * m).sum(1) / np.maximum(m.sum(1), 1.0))
+    np.testing.assert_allclose(float(lw), want, rtol=1e-4, atol=1e-5)
     t.close()
 
 

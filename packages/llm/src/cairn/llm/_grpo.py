@@ -118,11 +118,29 @@ class GRPOConfig(TrainerConfig):
             raise ValueError(f"GRPOConfig.temperature must be > 0 (the group needs different samples), got {self.temperature!r}")
 
 
-def token_logprobs(model: Any, inputs: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """``log p(targets[t] | inputs[:t+1])`` per position under ``softmax(logits / temperature)``
-    (the distribution the completions were sampled from), float32 ``[B, T]``."""
-    logp = jax.nn.log_softmax(model(inputs).astype(jnp.float32) / temperature, axis=-1)
+def token_logprobs(model: Any, inputs: jax.Array, targets: jax.Array, temperature: float = 1.0,
+                   start: int = 0) -> jax.Array:
+    """``log p(targets[t] | inputs[:start+t+1])`` per position from ``start`` under
+    ``softmax(logits / temperature)`` (the distribution the completions were sampled from),
+    float32 ``[B, T - start]`` for ``inputs [B, T]`` and ``targets [B, T - start]``.
+
+    The whole row is attended to, but the vocabulary projection and softmax run only from
+    ``start`` (no completion begins before it: the prompt positions carry no loss).
+    """
+    logp = jax.nn.log_softmax(window_logits(model, inputs, start) / temperature, axis=-1)
     return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def window_logits(model: Any, inputs: jax.Array, start: int) -> jax.Array:
+    """``model(inputs)[:, start:]`` in float32, projecting only those positions onto the
+    vocabulary when ``model`` is a :class:`CausalLM` (any other callable runs in full, then is
+    sliced): XLA does not move a slice of the logits before the ``lm_head`` product."""
+    if start == 0 or not isinstance(model, CausalLM):
+        return model(inputs)[:, start:].astype(jnp.float32)
+    h = model.hidden_states(inputs)[:, start:]
+    logits = (model.embed.attend(h) if model.lm_head is None else model.lm_head(h)).astype(jnp.float32)
+    cap = model.config.final_logit_softcapping
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def _aggregate_sums(per_token: jax.Array, mask: jax.Array, how: str, max_new: int) -> tuple[jax.Array, jax.Array]:
@@ -139,9 +157,12 @@ def _aggregate_sums(per_token: jax.Array, mask: jax.Array, how: str, max_new: in
     return jnp.sum(per_seq), jnp.float32(per_token.shape[0])
 
 
-def _policy_loss(cfg: GRPOConfig) -> Callable:
+def _policy_loss(cfg: GRPOConfig, start: int = 0) -> Callable:
+    """The micro-batch loss of the update: rows' ``targets``, ``mask`` and log-probs hold the
+    positions from ``start`` on (their ``inputs`` the whole row)."""
+
     def micro_loss(policy: Any, base: Any, mb: dict) -> tuple:
-        lp = token_logprobs(policy, mb["inputs"], mb["targets"], cfg.temperature)
+        lp = token_logprobs(policy, mb["inputs"], mb["targets"], cfg.temperature, start)
         # one update per batch of rollouts: the weights are still those that sampled, so the
         # sampling log-probabilities are lp itself (ratio 1, no separate forward pass for them)
         old = jax.lax.stop_gradient(lp) if cfg.num_iterations == 1 else mb["old_logprobs"]
@@ -196,6 +217,9 @@ class GRPOTrainer:
         self._prompt_ids = [self._encode(i, ex) for i, ex in enumerate(self.prompts)]
         # one compiled update shape: the longest prompt plus a full completion
         self._width = max(len(p) for p in self._prompt_ids) + config.max_new_tokens
+        # no completion starts before the shortest prompt's end: the update's log-probs (and the
+        # vocabulary projection under them) begin there
+        self._start = min(len(p) for p in self._prompt_ids) - 1
         limit = model.config.max_position_embeddings
         too_long = [i for i, p in enumerate(self._prompt_ids) if len(p) + config.max_new_tokens > limit]
         if too_long:
@@ -213,8 +237,8 @@ class GRPOTrainer:
         self.run = TrainerRun(run_dir, self.trainable, self.optimizer, self.data_iter, config.to_json(),
                               save_every=config.save_every, max_to_keep=config.max_to_keep)
         self.step = self.run.resume()
-        self._update = accumulating_step(self.trainable, _policy_loss(config))
-        self._logprobs = nn.jit(token_logprobs, static_argnums=3)
+        self._update = accumulating_step(self.trainable, _policy_loss(config, self._start))
+        self._logprobs = nn.jit(token_logprobs, static_argnums=(3, 4))
 
     def _encode(self, index: int, example: Mapping[str, Any]) -> list[int]:
         p = example.get("prompt") if isinstance(example, Mapping) else None
@@ -286,12 +310,13 @@ class GRPOTrainer:
         for r, (p, c) in enumerate(zip(ids, out.tokens)):
             seq[r, : len(p) + len(c)] = p + list(c)
             mask[r, len(p) - 1: len(p) - 1 + len(c)] = 1.0
-        rows = {"inputs": seq[:, :-1], "targets": seq[:, 1:], "mask": mask, "advantages": adv.astype(np.float32)}
+        s = self._start
+        rows = {"inputs": seq[:, :-1], "targets": seq[:, 1 + s:], "mask": mask[:, s:], "advantages": adv.astype(np.float32)}
         if cfg.num_iterations > 1:  # later updates need the sampling policy's log-probs (one is at ratio 1)
             rows["old_logprobs"] = np.asarray(self._logprobs(self.runner(), rows["inputs"], rows["targets"],
-                                                             cfg.temperature))
-        rows["ref_logprobs"] = (np.zeros(mask.shape, np.float32) if self._reference is None
-                                else np.asarray(self._logprobs(self._reference, rows["inputs"], rows["targets"], cfg.temperature)))
+                                                             cfg.temperature, s))
+        rows["ref_logprobs"] = (np.zeros(rows["mask"].shape, np.float32) if self._reference is None
+                                else np.asarray(self._logprobs(self._reference, rows["inputs"], rows["targets"], cfg.temperature, s)))
         stats = {"reward": float(reward.mean()), "reward_std": float(reward.std()),
                  "completion_length": float(np.mean([len(c) for c in out.tokens]))}
         stats.update({f"reward_{getattr(f, '__name__', i)}": float(raw[:, i].mean()) for i, f in enumerate(self.reward_fns)})

@@ -285,15 +285,23 @@ def accumulating_step(trainable: Trainable, micro_loss: Any) -> Any:
             return total, (count, metrics)
 
         first = jax.tree.map(lambda x: x[0], batch)
-        _, (_, shapes) = jax.eval_shape(loss, params, first)
-        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
-                 jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shapes))
 
-        def micro(acc: tuple, mb: Any) -> tuple:
+        def micro_grads(mb: Any) -> tuple:
             (total, (count, metrics)), g = jax.value_and_grad(loss, has_aux=True)(params, mb)
-            return jax.tree.map(jnp.add, acc, (g, total, count, metrics)), None
+            return g, total, count, metrics
 
-        (grads, total, count, metrics), _ = jax.lax.scan(micro, zeros, batch)
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            # one micro-batch: its sums are the batch's (no zeroed accumulators, no loop)
+            grads, total, count, metrics = micro_grads(first)
+        else:
+            _, (_, shapes) = jax.eval_shape(loss, params, first)
+            zeros = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
+                     jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shapes))
+
+            def micro(acc: tuple, mb: Any) -> tuple:
+                return jax.tree.map(jnp.add, acc, micro_grads(mb)), None
+
+            (grads, total, count, metrics), _ = jax.lax.scan(micro, zeros, batch)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         optimizer.update(model, grads)
