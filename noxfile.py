@@ -88,21 +88,20 @@ def _test_env() -> dict[str, str]:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The default suite: every package and tests/integration, one venv, pytest-xdist.
+    """The default suite: every package, tests/integration and the packages' doctests, one
+    venv, one pytest-xdist run.
 
     Slow cases (`@pytest.mark.slow`) run in `tests_slow`. pytest's exit code 5 (no tests
     collected) fails the session like any other failure.
     """
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
     session.install("pytest", "pytest-xdist", "hypothesis", *INTEGRATION_DEPS)
+    # one run for the tests and the packages' doctests (one start-up and collection, one
+    # xdist pool); tests/conftest.py keeps helper modules under tests/ out of the doctests
+    targets = session.posargs or ["--doctest-modules", "tests", *sorted(glob.glob("packages/*/src/cairn"))]
     session.run(
         "python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup",
-        "-m", "not slow", "-p", "no:cacheprovider", "--durations=15",
-        *(session.posargs or ["tests"]), env=_test_env(),
-    )
-    session.run(
-        "python", "-m", "pytest", "-n", _xdist_workers(), "-p", "no:cacheprovider", "-q", "--doctest-modules",
-        *sorted(glob.glob("packages/*/src/cairn")), env=_test_env(),
+        "-m", "not slow", "-p", "no:cacheprovider", "--durations=15", *targets, env=_test_env(),
     )
 
 

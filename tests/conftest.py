@@ -5,6 +5,7 @@ devices in a fresh interpreter. The whole session (xdist workers and the subproc
 tests start included) uses a temporary cairn.kernels cache, never the user's."""
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,16 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, folder in _CACHE_VARIABLES.items():
         os.environ[name] = os.path.join(root, folder)
         os.makedirs(os.environ[name], exist_ok=True)
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """`nox -s tests` collects the packages' doctests in the same run (``--doctest-modules``):
+    under tests/, only test modules and conftests are collected then, never a helper
+    (fixture writers, worker scripts that act when imported) as a doctest module."""
+    if (config.getoption("doctestmodules", False) and collection_path.suffix == ".py"
+            and not collection_path.name.startswith("test_") and collection_path.name != "conftest.py"):
+        return True
+    return None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

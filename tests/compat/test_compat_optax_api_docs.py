@@ -14,6 +14,7 @@ import io
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 optax = pytest.importorskip("optax")
@@ -77,7 +78,10 @@ def _run(name: str, module) -> tuple[int, int, str]:
                          .replace("from optax import", "from cairn.optim import"))
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     out = io.StringIO()
-    result = runner.run(test, out=out.write)
+    # Optax's examples call jnp.set_printoptions(precision=...): keep that inside the example,
+    # not in the worker process that runs other tests and the packages' doctests next
+    with np.printoptions(**np.get_printoptions()):
+        result = runner.run(test, out=out.write)
     return result.failed, result.attempted, out.getvalue()
 
 

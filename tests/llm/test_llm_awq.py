@@ -120,6 +120,7 @@ def test_awq_model_logits_equal_the_scaled_float64_reference_and_stay_close_to_f
     assert _rel(unscaled(ids), want) > 100 * _rel(got, want)
 
 
+@pytest.mark.slow  # CI budget; the float64 reference test above covers the scaled forward by default
 def test_an_exactly_rescaled_float_model_equals_the_float_model_at_every_projection():
     """``diag(s) W`` held with ``s`` on all eight projections (o through its heads-flattened
     product, lm_head included) computes ``x W``: the float model's logits, cache path too."""

@@ -79,7 +79,7 @@ def _log_softmax64(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True])  # CI budget: one in the default run
 def test_window_logits_equal_the_full_logits_sliced(tied):
     """The vocabulary projection from ``start`` on gives the full model's logits there (tied
     embeddings and a final soft cap included)."""
@@ -98,6 +98,7 @@ def test_window_logits_equal_the_full_logits_sliced(tied):
         np.testing.assert_allclose(np.asarray(window_logits(model, ids, start)), full[:, start:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 23 s: CI's 10-minute budget (the window itself is checked above in the default run)
 def test_windowed_update_is_the_grpo_objective_of_the_full_rows(tmp_path):
     """The update scores log-probs from the shortest prompt's end on; its loss and gradient
     equal those of the full rows (start 0), and the loss equals the GRPO objective

@@ -164,6 +164,7 @@ def test_namespace_init_is_forbidden(tmp_path):
     assert "PEP 420" in found
 
 
+@pytest.mark.slow  # subprocesses, 4 s; the contracts are tested in process above and run in `nox -s lint`
 def test_cli_exit_codes(tmp_path):
     _package(tmp_path, "beta", "x = 1\n")
     _package(tmp_path, "alpha", "import cairn.beta\n")

@@ -47,6 +47,7 @@ def test_every_entry_says_why():
         assert len(why) >= 15, f"vulture_whitelist.py:{line}: {name} needs a comment saying who uses it"
 
 
+@pytest.mark.slow  # 5 s; `nox -s lint` runs vulture with the whitelist on every change
 def test_every_entry_still_names_something():
     sources = [
         p.read_text()
