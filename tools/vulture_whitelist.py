@@ -17,6 +17,7 @@ names something in the code.
 # --- protocols and signatures fixed by someone else ---
 pytest_configure  # tests/conftest.py: a pytest hook, called by pytest by name
 pytest_unconfigure  # tests/conftest.py: a pytest hook, called by pytest by name
+pytest_ignore_collect  # tests/conftest.py: a pytest hook, called by pytest by name
 extra_args  # core_array GradientTransformationLike.update(**extra_args): Optax's update signature
 element  # data MapTransform/FilterTransform/...(element): the abstract method's documented parameter
 _.connection_made  # serving _http / benchmarks/serving: asyncio.Protocol callbacks the event loop calls
