@@ -395,10 +395,9 @@ def bench_speed(directory: str, shape: dict, dtype: str, batches: tuple[int, ...
 # --- 3. the jitted forward against the same math as one raw JAX function ---
 
 
-def raw_forward(p: dict, ids: Any, cfg: Any) -> Any:
-    """Qwen2's forward over ``p`` (our parameter arrays by path): embed, per layer RMSNorm ->
-    q/k/v einsums with biases -> rotary -> causal grouped-query attention -> output einsum ->
-    residual -> RMSNorm -> SwiGLU -> residual; final RMSNorm, logits against the embeddings."""
+def raw_parts(cfg: Any, t: int) -> tuple[Callable[[Any, Any], Any], Callable[[Any], Any], Any]:
+    """The raw forwards' shared pieces for ``t`` positions: RMSNorm (statistics in float32),
+    rotary embedding (half-split, ``rope_theta``) and the causal mask."""
     import jax
     import jax.numpy as jnp
 
@@ -406,8 +405,7 @@ def raw_forward(p: dict, ids: Any, cfg: Any) -> Any:
         h = x.astype(jnp.float32)
         return w * (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
 
-    b, t = ids.shape
-    hd, kv, groups = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    hd = cfg.head_dim
     inv = 1.0 / (dict(cfg.rope)["rope_theta"] ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
     ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv
     ang = jnp.concatenate([ang, ang], -1)
@@ -417,7 +415,19 @@ def raw_forward(p: dict, ids: Any, cfg: Any) -> Any:
         rot = jnp.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
         return x * cos.astype(x.dtype) + rot * sin.astype(x.dtype)
 
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    return norm, rope, jnp.tril(jnp.ones((t, t), bool))
+
+
+def raw_forward(p: dict, ids: Any, cfg: Any) -> Any:
+    """Qwen2's forward over ``p`` (our parameter arrays by path): embed, per layer RMSNorm ->
+    q/k/v einsums with biases -> rotary -> causal grouped-query attention -> output einsum ->
+    residual -> RMSNorm -> SwiGLU -> residual; final RMSNorm, logits against the embeddings."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t = ids.shape
+    hd, kv, groups = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    norm, rope, causal = raw_parts(cfg, t)
     x = p["embed/embedding"][ids]
     for i in range(cfg.num_hidden_layers):
         a = f"layers/{i}/attn/"

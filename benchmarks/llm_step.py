@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from llm import raw_parts  # benchmarks/llm.py: the raw forwards' shared pieces
 
 from cairn import llm, nn, optim
 
@@ -60,22 +61,9 @@ def raw_forward(params: dict, ids: Any, cfg: Any) -> Any:
 
     p = _by_path(params)
 
-    def norm(x: Any, w: Any) -> Any:
-        h = x.astype(jnp.float32)
-        return w * (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
-
     b, t = ids.shape
     hd, kv, n = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
-    inv = 1.0 / (dict(cfg.rope)["rope_theta"] ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv
-    ang = jnp.concatenate([ang, ang], -1)
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
-
-    def rope(x: Any) -> Any:
-        rot = jnp.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
-        return x * cos.astype(x.dtype) + rot * sin.astype(x.dtype)
-
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    norm, rope, causal = raw_parts(cfg, t)
     x = p["embed/embedding"][ids]
     for i in range(cfg.num_hidden_layers):
         a = f"layers/{i}/attn/"
