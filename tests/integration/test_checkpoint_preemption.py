@@ -212,12 +212,17 @@ def _check_two_processes(tmp_path, moments: list[tuple], seed: int) -> None:
         rcs = [o["rc"] for o in run["outs"]]
         what = f"moment {run['moment']} to process {run['target']}: rc {rcs}, " + " | ".join(
             f"{o['lines'][-3:]} {o['err'][-1500:]}" for o in run["outs"])
-        assert rcs == [cc.PREEMPTION_EXIT_CODE] * 2, what  # both stop, though only one was signalled
         steps = [sum(1 for x in o["lines"] if x.startswith("EVENT step")) for o in run["outs"]]
+        if rcs == [0, 0]:  # the signal came after the last step (the final evaluation): nothing to redo
+            assert all("DONE" in o["lines"] for o in run["outs"]) and steps == [TOTAL, TOTAL], what
+        else:
+            assert rcs == [cc.PREEMPTION_EXIT_CODE] * 2, what  # both stop, though only one was signalled
         assert steps[0] == steps[1], what  # they agreed on the step
         mngr = cc.CheckpointManager(os.path.join(run["dir"], "persistent"))
         assert mngr.latest_step() == steps[0], what  # and saved it: no step lost
         mngr.close()
+    preempted = [r["moment"] for r in runs if [o["rc"] for o in r["outs"]] == [cc.PREEMPTION_EXIT_CODE] * 2]
+    assert len(preempted) >= len(runs) // 2, [(r["moment"], [o["rc"] for o in r["outs"]]) for r in runs]
     ref = str(tmp_path / "reference")
     outs = _two_process_run([r["dir"] for r in runs] + [ref], timeout=1200)
     assert [o["rc"] for o in outs] == [0, 0], [o["err"][-3000:] for o in outs]
