@@ -513,33 +513,17 @@ def main(argv: list[str]) -> int:
     if not pathlib.Path(root).is_dir():
         print(f"dependency-direction contract: {root!r} is not a directory")
         return 2
+    results = [] if cycles_only else [
+        ("dependency-direction contract", check(root), "violation(s)"),
+        ("declared-dependency contract", check_third_party(root), "undeclared import(s)"),
+    ]
+    results.append(("import-cycle contract", check_all_cycles(root), "problem(s)"))
     failed = False
-    if not cycles_only:
-        violations = check(root)
-        for v in violations:
-            print(v)
-        if violations:
-            print(f"dependency-direction contract: {len(violations)} violation(s)")
-            failed = True
-        else:
-            print("dependency-direction contract: ok")
-    if not cycles_only:
-        undeclared = check_third_party(root)
-        for v in undeclared:
-            print(v)
-        if undeclared:
-            print(f"declared-dependency contract: {len(undeclared)} undeclared import(s)")
-            failed = True
-        else:
-            print("declared-dependency contract: ok")
-    cycles = check_all_cycles(root)
-    for c in cycles:
-        print(c)
-    if cycles:
-        print(f"import-cycle contract: {len(cycles)} problem(s)")
-        failed = True
-    else:
-        print("import-cycle contract: ok")
+    for name, problems, what in results:
+        for line in problems:
+            print(line)
+        print(f"{name}: {len(problems)} {what}" if problems else f"{name}: ok")
+        failed = failed or bool(problems)
     return 1 if failed else 0
 
 
