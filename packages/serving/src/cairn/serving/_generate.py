@@ -403,12 +403,19 @@ class GenerationEngine:
     :class:`~cairn.serving.PagedGenerationEngine`.
     """
 
-    def __new__(cls, model: GenerativeModel, config: GenerationConfig | None = None) -> GenerationEngine:
-        if cls is GenerationEngine and isinstance(config, GenerationConfig) and config.kv_layout == "paged":
-            # import cycle (labelled): the paged engine subclasses this one; chosen here by config
-            from cairn.serving._paged_engine import PagedGenerationEngine
+    # the engine class of each ``kv_layout`` other than this one's: a subclass names its
+    # layout (``class PagedGenerationEngine(GenerationEngine, kv_layout="paged")``), so this
+    # module never imports the subclasses
+    _by_layout: dict[str, type[GenerationEngine]] = {}
 
-            cls = PagedGenerationEngine
+    def __init_subclass__(cls, kv_layout: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if kv_layout is not None:
+            GenerationEngine._by_layout[kv_layout] = cls
+
+    def __new__(cls, model: GenerativeModel, config: GenerationConfig | None = None) -> GenerationEngine:
+        if cls is GenerationEngine and isinstance(config, GenerationConfig):
+            cls = GenerationEngine._by_layout.get(config.kv_layout, cls)
         return super().__new__(cls)
 
     def __init__(self, model: GenerativeModel, config: GenerationConfig | None = None) -> None:

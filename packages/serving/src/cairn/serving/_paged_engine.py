@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-# import cycle (labelled): GenerationEngine(config=kv_layout="paged") builds this subclass
 from cairn.serving._generate import GenerationConfig, GenerationEngine, GenerationRequest, _sample
 from cairn.serving._genexport import GenerativeModel
 from cairn.serving._paged import OutOfBlocks, PagedCache
@@ -45,7 +44,7 @@ __all__ = ["PagedGenerationEngine"]
 log = logging.getLogger("cairn.serving")
 
 
-class PagedGenerationEngine(GenerationEngine):
+class PagedGenerationEngine(GenerationEngine, kv_layout="paged"):
     """:class:`~cairn.serving.GenerationEngine` over a paged KV cache (module docstring).
 
     Args:
