@@ -197,6 +197,50 @@ def test_exit_copies_a_local_only_step_to_the_persistent_tier(tmp_path):
     np.testing.assert_array_equal(cc.CheckpointManager(tmp_path / "persistent").restore(3)["w"], np.arange(1e6))
 
 
+def test_a_notice_after_the_last_check_copies_the_newest_local_step_at_close(tmp_path):
+    """A notice that came after the loop's last exit_if_preempted (the final evaluation, say)
+    is not dropped: close() copies the newest step, held only by the local tier, to the
+    persistent tier, intact and restorable (its metadata names the tier)."""
+    notice = tmp_path / "preempted"
+    opts = cc.CheckpointManagerOptions(
+        save_interval_steps=5, max_to_keep=2, local_directory=str(tmp_path / "local"), local_save_interval_steps=2,
+        preemption_signals=(), preemption_notice_file=str(notice))
+    mngr = cc.CheckpointManager(tmp_path / "persistent", opts)
+    it = Position()
+    for step in range(1, 13):
+        it.pos = step
+        mngr.save(step, {"w": np.full(3, step, np.float64), "data": it})
+        mngr.exit_if_preempted(step, {"w": np.full(3, step, np.float64), "data": it})
+    assert sorted(os.listdir(tmp_path / "persistent")) == ["10", "5"]
+    notice.touch()  # after the last check: the loop is over
+    mngr.close()
+    mngr.close()  # a second close exchanges nothing and copies nothing
+    assert sorted(os.listdir(tmp_path / "persistent")) == ["10", "12"]  # retention applied
+    fresh = cc.CheckpointManager(tmp_path / "persistent")  # the local tier is gone with the machine
+    it2 = Position()
+    step, got = fresh.resume({"w": np.zeros(3), "data": it2})
+    assert step == 12 and got["w"].tolist() == [12, 12, 12] and it2.pos == 12
+    assert fresh.item_metadata(12) is not None and fresh.metrics(12) is None
+    text = (tmp_path / "persistent" / "12" / "_STEP.json").read_text()
+    assert '"persistent"' in text and '"local"' not in text  # the copy's metadata names its tier
+    fresh.close()
+
+
+def test_close_without_a_notice_or_after_an_error_copies_nothing(tmp_path):
+    notice = tmp_path / "preempted"
+    opts = cc.CheckpointManagerOptions(
+        save_interval_steps=5, local_directory=str(tmp_path / "local"), local_save_interval_steps=2,
+        preemption_signals=(), preemption_notice_file=str(notice), enable_async=False)
+    with cc.CheckpointManager(tmp_path / "persistent", opts) as mngr:
+        mngr.save(2, {"w": np.ones(2)})
+    assert os.listdir(tmp_path / "persistent") == []  # no notice: the local step stays local
+    with pytest.raises(RuntimeError, match="boom"), cc.CheckpointManager(tmp_path / "persistent", opts) as mngr:
+        mngr.save(4, {"w": np.ones(2)})
+        notice.touch()
+        raise RuntimeError("boom")
+    assert os.listdir(tmp_path / "persistent") == []  # left by an error: no end-of-run exchange
+
+
 def test_resume_without_a_checkpoint_returns_the_targets(tmp_path):
     it = Position(7)
     items = {"w": np.zeros(3), "data": it}

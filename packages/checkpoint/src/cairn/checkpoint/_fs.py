@@ -41,6 +41,22 @@ def write_durable(path: str, data: bytes) -> None:
         raise CheckpointWriteError(err.errno, err.strerror) from err
 
 
+def copy_tree_durable(src: str, dst: str, skip: tuple[str, ...] = ()) -> None:
+    """Copy the files under ``src`` into the existing directory ``dst``, each file and
+    directory fsync'd; top-level entries named in ``skip`` are left out."""
+    for root, dirs, files in os.walk(src):
+        rel = os.path.relpath(root, src)
+        out = dst if rel == "." else os.path.join(dst, rel)
+        os.makedirs(out, exist_ok=True)
+        for name in files:
+            if rel == "." and name in skip:
+                continue
+            with open(os.path.join(root, name), "rb") as f:
+                write_durable(os.path.join(out, name), f.read())
+        fsync_dir(out)
+        dirs.sort()
+
+
 def write_json_durable(path: str, obj: Any) -> None:
     """``obj`` as checksummed JSON (:func:`cairn.core_array.dumps_checksummed_json`), fsync'd."""
     write_durable(path, dumps_checksummed_json(obj))

@@ -708,11 +708,65 @@ class CheckpointManager(_BackgroundSaver):
         return step, self.restore(step, items, **restore_kwargs)
 
     def close(self) -> None:
-        """Wait for the pending save and put back the signal handlers the manager replaced."""
+        """Wait for the pending save and put back the signal handlers the manager replaced.
+
+        A preemption notice that came after the run's last :meth:`reached_preemption` check
+        (a ``SIGTERM`` during the final evaluation, say) is not dropped: when only the local
+        tier holds the newest step, ``close`` copies it to the persistent tier, which outlives
+        the machine. With several processes and a local tier, every process calls ``close``
+        (it exchanges the notices once); leaving a ``with`` block by an exception skips that.
+        """
         try:
             super().close()
+            if len(self._tiers) > 1 and self._preemption.late_notice():
+                self._persist_newest_local_step()
         finally:
             self._preemption.close()
+
+    def __exit__(self, *exc: object) -> None:
+        if exc and exc[0] is not None:  # the other processes may not reach close: no end-of-run exchange
+            self._preemption.skip_late_notice()
+        self.close()
+
+    def _persist_newest_local_step(self) -> None:
+        """Copy the newest step to the persistent tier if only the local tier holds it intact
+        (every process takes part: the commit has barriers)."""
+        persistent, local = self._tiers
+        step = -1
+        if _multihost.is_primary():
+            newest = self.latest_step()
+            if newest is not None and self._intact_in(persistent, newest) is None:
+                step = newest if self._intact_in(local, newest) is not None else -1
+        step = int(_multihost.broadcast(f"persist newest {self.directory}", str(step), self._options.timeout_secs))
+        if step < 0:
+            return
+        _log.warning("cairn.checkpoint: a preemption notice came after the last step's check; copying "
+                     "step %d from the local tier to %s", step, persistent.directory)
+        final = os.path.join(persistent.directory, self._step_name(step))
+        copies = [d for d in self._copies(step).get(step, []) if os.path.dirname(d) == persistent.directory]
+        tmp = self._claim_step(step, persistent, final, copies, {})
+
+        def write() -> None:
+            if _multihost.is_primary():
+                src = self._intact_in(local, step)
+                assert src is not None  # checked above; the run is over, nothing else writes it
+                _fs.copy_tree_durable(src, tmp, skip=(_fs.COMMIT_MARKER, STEP_METADATA))
+                meta = _fs.read_json(os.path.join(src, STEP_METADATA), require_checksum=True)
+                _fs.write_json_durable(os.path.join(tmp, STEP_METADATA), {**meta, "tier": persistent.name})
+                _fs.fsync_dir(tmp)
+
+        def verify(d: str) -> None:
+            if self._check(d, step, since=time.monotonic())[0] is None:
+                raise CheckpointCorruptError(f"step {step} copied to {d} does not verify", None)
+
+        write_and_commit(write, tmp, final, False, verify, self._options.timeout_secs)
+        if _multihost.is_primary():
+            self._apply_retention(persistent)
+
+    def _intact_in(self, tier: _Tier, step: int) -> str | None:
+        """The intact committed copy of ``step`` in ``tier`` (else ``None``)."""
+        return self._intact_dir(step, [d for d in self._copies(step).get(step, [])
+                                       if os.path.dirname(d) == tier.directory])
 
     # --- saving ---
     def save(

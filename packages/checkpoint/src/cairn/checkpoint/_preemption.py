@@ -62,6 +62,7 @@ class PreemptionWatcher:
         self._active = False
         self._signals = [int(s) for s in signals]
         self._watching = False
+        self._finished = False
 
     def watch(self) -> None:
         """Install the signal handlers (once; later calls do nothing)."""
@@ -154,6 +155,30 @@ class PreemptionWatcher:
                 "cairn.checkpoint: preemption reached at step %d (%s)", step, self._reason or "another process"
             )
         return agreed
+
+    def skip_late_notice(self) -> None:
+        """Make :meth:`late_notice` answer ``False`` without a sync (an error ends the run)."""
+        self._finished = True
+
+    def late_notice(self) -> bool:
+        """At the end of a run: whether some process has a notice that no :meth:`reached`
+        agreed on (it came after the last step's check). With several processes every process
+        must call this (the manager's ``close`` does); it exchanges the notices once, and only
+        for a watcher that watched and agreed on nothing (then the processes are in step), so
+        a later call, or a call after an agreed preemption, answers ``False`` without a sync.
+        """
+        if self._finished or not self._watching or self._agreed is not None:
+            self._finished = True
+            return False
+        self._finished = True
+        local = self.noticed()
+        if _multihost.process_count() == 1:
+            return local
+        values = _multihost.all_gather(f"{self._key}/end", "1" if local else "0", self._timeout_s,
+                                       "the end-of-run preemption check (CheckpointManager.close)")
+        if not local and "1" in values:
+            self._reason = f"process {values.index('1')} had a notice"
+        return "1" in values
 
     def _sync(self, step: int, local: bool) -> bool:
         values = _multihost.all_gather(
