@@ -182,8 +182,14 @@ def _quantized_case() -> dict[str, Any]:
             "ours": ours, "ref": ref, "ref_name": "x @ dequantize(q)", "grad": None}
 
 
-def _paged_case() -> dict[str, Any]:
-    batch, max_length, heads, kv_heads, dim, block = 64, 4096, 32, 8, 128, 16
+def _paged_cases() -> list[dict[str, Any]]:
+    """A full decode batch (64 rows), and 4 rows of long context, where few programs would
+    walk many pages each (the case split pages are for)."""
+    return [_paged_case(64, 4096), _paged_case(4, 32768)]
+
+
+def _paged_case(batch: int, max_length: int) -> dict[str, Any]:
+    heads, kv_heads, dim, block = 32, 8, 128, 16
     rng = np.random.default_rng(5)
     lengths = jnp.asarray(rng.integers(max_length // 8, max_length, size=batch), jnp.int32)
     keys = jax.random.split(jax.random.key(5), 3)
@@ -207,6 +213,7 @@ def _paged_case() -> dict[str, Any]:
         "args": (q, kp, vp),
         "ours": lambda impl: lambda q, kp, vp: ck.paged_attention(q, kp, vp, tables, lengths, implementation=impl),
         "ref": ref, "ref_name": "jax.nn over a contiguous cache", "grad": None,
+        "op_args": (q, kp, vp), "op_fn": lambda q, kp, vp: ck.paged_attention(q, kp, vp, tables, lengths),
     }
 
 
@@ -237,7 +244,7 @@ def _measure(case: dict[str, Any], impl: str, mode: str, reps: int) -> dict[str,
 
 
 CASES: list[Callable[[], Any]] = [_attention_case, _ragged_case, _glu_case, _norm_cases, _ce_case, _quantized_case,
-                                  _paged_case]
+                                  _paged_cases]
 
 
 def _sweep(case: dict[str, Any], impl: str, mode: str, reps: int) -> list[dict[str, Any]]:

@@ -194,6 +194,37 @@ class TestPallasTriton(PagedTestBase):
             self.run(q, kp, vp, tables, lengths)
 
 
+class TestPallasTritonSplitPages(PagedTestBase):
+    """Flash decoding: each row's pages in three runs (some empty for short rows), merged."""
+
+    implementation = "pallas_triton"
+    config = {"block_rows": 16, "partitions": 3}
+    block_size = 16
+    head_dim = 16
+
+    def test_refuses_zero_partitions(self):
+        q, kp, vp, tables, lengths = workload(1, 1, 2, 1, 16, 16, "float32")
+        with pytest.raises(ValueError, match="partitions must be >= 1, got 0"):
+            ck.paged_attention(q, kp, vp, tables, lengths, implementation="pallas_triton",
+                               config={"block_rows": 16, "partitions": 0})
+
+
+def test_pallas_triton_splits_the_pages_only_when_few_programs_would_run():
+    from cairn.kernels._paged_attention import pallas_triton as pt
+
+    def parts(b, width, t=1, n=32, kh=8):
+        q = jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((b * width, 16, kh, 128), jnp.bfloat16)
+        return pt.default_config(q, pages, pages, jax.ShapeDtypeStruct((b, width), jnp.int32))["partitions"]
+
+    assert parts(64, 256) == 1  # 512 programs already: one run of pages each
+    assert parts(4, 2048) == 16  # 32 programs over 2048 pages: split 16 ways
+    assert parts(1, 2048) == 32  # at most 32 runs
+    assert parts(16, 256) == 4
+    assert parts(4, 40) == 2  # runs of at least 16 pages
+    assert parts(4, 8) == 1
+
+
 def _jit(fn, **static):
     return jax.jit(functools.partial(fn, **static))
 

@@ -10,6 +10,13 @@ a window) to the page of its last query's position (causal), so a decode step re
 the pages in use and a prefill chunk's early rows skip the later pages. Slots past the
 row's length are masked and their values zeroed (a stale or NaN tail never leaks).
 
+With ``partitions`` P > 1 (flash decoding) each row's pages are split into P contiguous
+runs, one program each (grid ``(B, K, row blocks * P)``): a decode step of few rows and kv
+heads then keeps more of the GPU busy and each program walks a P-th of the pages. Every
+program writes its unnormalised sum, running maximum and softmax denominator in float32,
+and a small XLA step merges the P parts (rescaled to the common maximum); an empty part
+(maximum ``-inf``) adds nothing.
+
 Triton's ``dot`` needs power-of-two sizes of at least 16, so the head dim and the block
 size must be such (padding the pages would copy the whole cache every call); the query
 tile is padded to a power of two. On a backend without a GPU it runs with
@@ -37,17 +44,22 @@ def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(0, (int(n) - 1).bit_length()))
 
 
-def _kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, spec: PagedSpec, t: int, g: int) -> None:
+def _kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, *out_refs: Any, spec: PagedSpec, t: int, g: int,
+            partitions: int) -> None:
     length = len_ref[0]
     bs = k_ref.shape[1]
     q = q_ref[...]
     rows = q.shape[0]
-    first_row = pl.program_id(2) * rows
+    first_row = pl.program_id(2) // partitions * rows
     q_pos = (length - t + (first_row + jnp.arange(rows)) // g)[:, None]
     # this row block's queries sit at positions length - t + first_row // g .. + (rows - 1) // g
     lo = first_visible_page(spec, length, t - first_row // g, bs)
     hi = jnp.clip(length - t + (first_row + rows - 1) // g + 1, 0, length)
     hi = (hi + bs - 1) // bs
+    if partitions > 1:  # this program's run of the pages: the part-th of P near-equal runs
+        part = pl.program_id(2) % partitions
+        per = (hi - lo + partitions - 1) // partitions
+        lo, hi = lo + part * per, jnp.minimum(lo + (part + 1) * per, hi)
 
     def body(j: Any, carry: Any) -> Any:
         m, total, acc = carry
@@ -71,8 +83,23 @@ def _kernel(bt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, spec: PagedSpec, t: 
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, v_ref.shape[-1]), jnp.float32),
     )
-    _, total, acc = jax.lax.fori_loop(lo, hi, body, init)
-    o_ref[...] = (acc / jnp.where(total == 0.0, 1.0, total)[:, None]).astype(o_ref.dtype)
+    m, total, acc = jax.lax.fori_loop(lo, hi, body, init)
+    if partitions == 1:
+        out_refs[0][...] = (acc / jnp.where(total == 0.0, 1.0, total)[:, None]).astype(out_refs[0].dtype)
+    else:
+        acc_ref, m_ref, total_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        total_ref[...] = total
+
+
+def _merge(acc: jax.Array, m: jax.Array, total: jax.Array, dtype: Any) -> jax.Array:
+    """Merge the parts ``[..., P, rows(, hv)]`` of a split softmax into ``[..., rows, hv]``."""
+    top = jnp.max(m, axis=-2, keepdims=True)
+    w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))  # an empty part (m = -inf) weighs 0
+    num = jnp.sum(acc * w[..., None], axis=-3)
+    den = jnp.sum(total * w, axis=-2)
+    return (num / jnp.where(den == 0.0, 1.0, den)[..., None]).astype(dtype)
 
 
 def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables: jax.Array, lengths: jax.Array, *, config: Mapping[str, Any],
@@ -87,24 +114,41 @@ def run(q: jax.Array, key_pages: jax.Array, value_pages: jax.Array, block_tables
     # [B, T, K, G, H] -> [B, K, T * G, H]: row r of a kv head is token r // G, query head r % G
     qk = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
     qk = pad_axis(qk, 2, rows)
+    parts = int(config.get("partitions", 1))
+    if parts < 1:
+        raise ValueError(f"pallas_triton: config partitions must be >= 1, got {parts}")
     params = pl_triton.CompilerParams(num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
-    out = _pallas(
-        functools.partial(_kernel, spec=spec, t=t, g=g),
+    blocks = rows // block_rows
+    if parts == 1:
+        out_shape = [jax.ShapeDtypeStruct((b, kh, rows, hv), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, block_rows, hv), lambda i, j, r: (i, j, r, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((b, kh, parts, rows, hv), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kh, parts, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kh, parts, rows), jnp.float32)]
+        out_specs = [
+            pl.BlockSpec((None, None, None, block_rows, hv), lambda i, j, r: (i, j, r % parts, r // parts, 0)),
+            pl.BlockSpec((None, None, None, block_rows), lambda i, j, r: (i, j, r % parts, r // parts)),
+            pl.BlockSpec((None, None, None, block_rows), lambda i, j, r: (i, j, r % parts, r // parts)),
+        ]
+    outs = _pallas(
+        functools.partial(_kernel, spec=spec, t=t, g=g, partitions=parts),
         5,
-        [jax.ShapeDtypeStruct((b, kh, rows, hv), q.dtype)],
-        grid=(b, kh, rows // block_rows),
+        out_shape,
+        grid=(b, kh, blocks * parts),
         in_specs=[
             pl.BlockSpec((None, table.shape[1]), lambda i, j, r: (i, 0)),
             pl.BlockSpec((None, 1), lambda i, j, r: (i, 0)),
-            pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r, 0)),
+            pl.BlockSpec((None, None, block_rows, h), lambda i, j, r: (i, j, r // parts, 0)),
             pl.BlockSpec((pages, bs, None, h), lambda i, j, r: (0, 0, j, 0)),
             pl.BlockSpec((pages, bs, None, hv), lambda i, j, r: (0, 0, j, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, None, block_rows, hv), lambda i, j, r: (i, j, r, 0))],
+        out_specs=out_specs,
         compiler_params=params,
         interpret=interpret,
         name="cairn_paged_attention",
-    )(table, lengths.astype(jnp.int32).reshape(b, 1), qk, key_pages, value_pages)[0]
+    )(table, lengths.astype(jnp.int32).reshape(b, 1), qk, key_pages, value_pages)
+    out = outs[0] if parts == 1 else _merge(outs[0], outs[1], outs[2], q.dtype)
     out = out[:, :, : t * g].reshape(b, kh, t, g, hv).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, n, hv)
 
@@ -120,14 +164,35 @@ def supports(q: Any, key_pages: Any, value_pages: Any, block_tables: Any, length
     return None
 
 
-def default_config(*args: Any, **kw: Any) -> Mapping[str, Any]:
-    """Query row blocks of 64 (fewer when there are fewer rows), 4 warps, 2 stages."""
-    return {"block_rows": 64, "num_warps": 4, "num_stages": 2}
+#: about as many programs as keep a large GPU busy (an H200 has 132 SMs)
+_TARGET_PROGRAMS = 512
+
+
+def default_config(q: Any, key_pages: Any, value_pages: Any, block_tables: Any, *args: Any, **kw: Any
+                   ) -> Mapping[str, Any]:
+    """Query row blocks of 64 (fewer when there are fewer rows), 4 warps, 2 stages; the pages
+    split into up to 32 runs when fewer than about 512 programs would run otherwise (a few
+    long rows), each run at least 16 pages.
+
+    Args:
+      q: the queries ``[B, T, N, H]``.
+      key_pages: the key pages ``[P, bs, K, H]``.
+      value_pages: the value pages (unused).
+      block_tables: the block tables ``[B, max_blocks]``.
+      *args: the op's other arguments (unused).
+      **kw: the op's keywords (unused).
+    """
+    b, t, n, _ = q.shape
+    kh = key_pages.shape[2]
+    programs = b * kh * max(1, _pow2(t * (n // kh), 16) // 64)
+    parts = max(1, min(32, _TARGET_PROGRAMS // programs, block_tables.shape[1] // 16))
+    return {"block_rows": 64, "num_warps": 4, "num_stages": 2, "partitions": parts}
 
 
 def configs(*args: Any, **kw: Any) -> Sequence[Mapping[str, Any]]:
-    """Row blocks of 16..128, 4 or 8 warps, 2 stages."""
-    return [{"block_rows": r, "num_warps": w, "num_stages": 2} for r in (16, 32, 64, 128) for w in (4, 8)]
+    """Row blocks of 16..128, 4 or 8 warps, 2 stages, and the pages split 1, 8 or 16 ways."""
+    return [{"block_rows": r, "num_warps": w, "num_stages": 2, "partitions": p}
+            for p in (1, 8, 16) for r in (16, 32, 64, 128) for w in (4, 8)]
 
 
 IMPLEMENTATION = Implementation(
