@@ -92,7 +92,9 @@ def tests(session: nox.Session) -> None:
     venv, one pytest-xdist run.
 
     Slow cases (`@pytest.mark.slow`) run in `tests_slow`. pytest's exit code 5 (no tests
-    collected) fails the session like any other failure.
+    collected) fails the session like any other failure. Without arguments it then runs every
+    package's README examples in a fresh venv holding only that package's wheel and what its
+    install line names (two packages at a time), as `readme_examples` does.
     """
     _editable_all(session, "test,parquet,arrayrecord,safetensors")
     session.install("pytest", "pytest-xdist", "hypothesis", *INTEGRATION_DEPS)
@@ -103,6 +105,8 @@ def tests(session: nox.Session) -> None:
         "python", "-m", "pytest", "-n", _xdist_workers(), "--dist", "loadgroup",
         "-m", "not slow", "-p", "no:cacheprovider", "--durations=15", *targets, env=_test_env(),
     )
+    if not session.posargs:  # the whole suite: every README's examples, each package in a fresh venv
+        _run_readme_examples(session, PACKAGES, workers=2)
 
 
 @nox.session(python=PYTHON)
@@ -197,7 +201,7 @@ def build(session: nox.Session) -> None:
         old.unlink()
     for pkg in PACKAGES:
         session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), f"packages/{pkg}")
-    tmp = pathlib.Path(session.create_tmp())
+    tmp = pathlib.Path(session.create_tmp()).resolve()
     core_wheel = next(dist.glob("cairn_core_array-*.whl"))
     for pkg in PACKAGES:
         wheel = next(dist.glob(f"cairn_{pkg}-*.whl"))
@@ -209,17 +213,12 @@ def build(session: nox.Session) -> None:
         session.run(py, str(ROOT / "tools" / "check_installed.py"), pkg, "--wheel", external=True)
 
 
-# Where the README contract runs (issue 31: "CI runs it, or tests_package does it"): CI runs
-# `nox -s tests` only, and that suite already holds the contract's fast static half,
-# tests/tooling/test_tooling_readme_examples.py: every module each README example imports
-# must come from the package, a Cairn package it depends on, a declared dependency or the
-# README's install line (seconds, no network), and tools/depcheck.py's declared-dependency
-# contract (lint and tests/tooling) fails a package whose own code imports anything its
-# pyproject does not declare (an extra's only inside the function that needs it). This session, the dynamic half (a wheel per
-# package, a fresh venv each, a network install and the examples run: minutes per package),
-# would add far more than CI's 10-minute budget leaves, so it is not in CI and not folded into
-# tests_package (whose editable installs would not prove what a wheel lacks): run it before a
-# release and whenever a README's install line or its examples change.
+# Where the README contract runs (issue 31: "CI runs it, or tests_package does it"): at the
+# end of `nox -s tests` (CI's command), all packages two at a time, after the pytest run;
+# `nox -s readme_examples` runs one package (or all) alone. The suite also holds the fast
+# static half, tests/tooling/test_tooling_readme_examples.py (every module a README example
+# imports comes from the package, a dependency or the install line), and tools/depcheck.py's
+# declared-dependency contract.
 @nox.session(python=PYTHON)
 @nox.parametrize("package", PACKAGES)
 def readme_examples(session: nox.Session, package: str) -> None:
@@ -231,23 +230,69 @@ def readme_examples(session: nox.Session, package: str) -> None:
     cairn-data wheel with its parquet extra; `pip install cairn-nn optax` adds Optax from
     the index. So a README example that needs something its install line does not say fails.
     """
+    _run_readme_examples(session, [package], workers=1)
+
+
+def _run_readme_examples(session: nox.Session, packages: list[str], workers: int) -> None:
+    """Build every Cairn wheel once, then per package a fresh venv and its README's examples,
+    ``workers`` packages at a time; the session fails naming each package that failed."""
+    import concurrent.futures
+    import subprocess
+    import time
+
     sys.path.insert(0, str(ROOT / "tools"))
     import run_doc_examples
 
-    readme = ROOT / "packages" / package / "README.md"
-    wanted = run_doc_examples.install_line(readme)
-    named = [m.group(1)[len("cairn-"):].replace("-", "_") for w in wanted
-             if (m := re.match(r"(cairn-[a-z0-9-]+)", w.lower()))]
-    needed = _cairn_closure([package, *named])
-    session.install("pip")  # wheels come from `pip wheel --no-deps`
-    tmp = pathlib.Path(session.create_tmp()) / f"readme-{package}"
+    tmp = pathlib.Path(session.create_tmp()).resolve() / "readme"
     shutil.rmtree(tmp, ignore_errors=True)
     dist = tmp / "dist"
-    for pkg in needed:
-        session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), f"packages/{pkg}")
+    session.install("pip")  # wheels come from `pip wheel --no-deps`
+    named = [_cairn_named(run_doc_examples.install_line(ROOT / "packages" / p / "README.md")) for p in packages]
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist),
+                *[f"packages/{p}" for p in _cairn_closure([*packages, *sum(named, [])])])
+    base = str(pathlib.Path(session.bin) / "python")
+
+    def one(package: str) -> tuple[str, int, str, float]:
+        t0 = time.perf_counter()
+        readme = ROOT / "packages" / package / "README.md"
+        venv = tmp / f"venv-{package}"
+        py = str(venv / "bin" / "python")
+        reqs = _readme_requirements(run_doc_examples.install_line(readme), package, dist)
+        if shutil.which("uv"):  # hard links from uv's cache: seconds
+            steps = [["uv", "venv", "-q", "--python", base, str(venv)], ["uv", "pip", "install", "-q", "--python", py, *reqs]]
+        else:
+            steps = [[base, "-m", "venv", "--clear", str(venv)], [py, "-m", "pip", "install", "-q", *reqs]]
+        out = ""
+        for cmd in [*steps, [py, str(ROOT / "tools" / "run_doc_examples.py"), "--python", py, str(readme)]]:
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            out += r.stdout + r.stderr
+            if r.returncode:
+                return package, r.returncode, out, time.perf_counter() - t0
+        return package, 0, out, time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(one, packages))
+    for package, rc, out, took in results:
+        session.log(f"README examples of {package}: {'ok' if rc == 0 else 'FAILED'} ({took:.0f} s)")
+        if rc:
+            print(out[-6000:])
+    failed = [p for p, rc, _, _ in results if rc]
+    if failed:
+        session.error(f"README examples failed in a fresh venv for: {', '.join(failed)}")
+
+
+def _cairn_named(wanted: list[str]) -> list[str]:
+    """The Cairn packages (folder names) an install line's requirements name."""
+    return [m.group(1)[len("cairn-"):].replace("-", "_") for w in wanted
+            if (m := re.match(r"(cairn-[a-z0-9-]+)", w.lower()))]
+
+
+def _readme_requirements(wanted: list[str], package: str, dist: pathlib.Path) -> list[str]:
+    """What a fresh venv installs for ``package``'s README: its install line, with every Cairn
+    distribution (named there or needed by one) by direct reference to this tree's wheel in
+    ``dist`` (never an index's), the extras the line asks for kept."""
+    needed = _cairn_closure([package, *_cairn_named(wanted)])
     wheels = {pkg: next(dist.glob(f"cairn_{pkg}-*.whl")) for pkg in needed}
-    # Cairn distributions by direct reference to this tree's wheels (never an index's), the
-    # extras the install line asks for kept; everything else as the line says
     reqs, given = [], set()
     for w in wanted:
         m = re.match(r"(cairn-[a-z0-9-]+)(\[[^\]]*\])?", w.lower())
@@ -257,25 +302,7 @@ def readme_examples(session: nox.Session, package: str) -> None:
         pkg = m.group(1)[len("cairn-"):].replace("-", "_")
         given.add(pkg)
         reqs.append(f"{m.group(1)}{m.group(2) or ''} @ {wheels[pkg].as_uri()}")
-    reqs += [f"cairn-{p.replace('_', '-')} @ {wheels[p].as_uri()}" for p in needed if p not in given]
-    py = _fresh_venv(session, tmp / "venv", reqs)
-    session.run("python", "tools/run_doc_examples.py", "--python", py, str(readme))
-
-
-def _fresh_venv(session: nox.Session, venv: pathlib.Path, reqs: list[str]) -> str:
-    """A new venv at ``venv`` (from this session's Python) holding ``reqs``; its interpreter.
-
-    With uv on PATH, uv makes it and installs (hard links from uv's cache); else venv + pip.
-    """
-    base = str(pathlib.Path(session.bin) / "python")
-    py = str(venv / "bin" / "python")
-    if shutil.which("uv"):
-        session.run("uv", "venv", "-q", "--python", base, str(venv), external=True)
-        session.run("uv", "pip", "install", "-q", "--python", py, *reqs, external=True)
-    else:
-        session.run(base, "-m", "venv", "--clear", str(venv), external=True)
-        session.run(py, "-m", "pip", "install", "-q", *reqs, external=True)
-    return py
+    return reqs + [f"cairn-{p.replace('_', '-')} @ {wheels[p].as_uri()}" for p in needed if p not in given]
 
 
 @nox.session(default=False, python=PYTHON)
