@@ -154,11 +154,17 @@ def test_notice_file_and_callable(tmp_path):
     mngr.close()
 
 
-def test_should_save_and_exit_save_to_the_persistent_tier(tmp_path):
+def _notice_file_tiers(tmp_path, every: int, local_every: int, **kw) -> tuple:
+    """(the notice file, options of a persistent tier every ``every`` steps and a local one
+    every ``local_every``, preempted by that file only)."""
     notice = tmp_path / "preempted"
-    opts = cc.CheckpointManagerOptions(
-        save_interval_steps=100, local_directory=str(tmp_path / "local"), local_save_interval_steps=2,
-        preemption_signals=(), preemption_notice_file=str(notice), enable_async=False)
+    return notice, cc.CheckpointManagerOptions(
+        save_interval_steps=every, local_directory=str(tmp_path / "local"), local_save_interval_steps=local_every,
+        preemption_signals=(), preemption_notice_file=str(notice), **kw)
+
+
+def test_should_save_and_exit_save_to_the_persistent_tier(tmp_path):
+    notice, opts = _notice_file_tiers(tmp_path, 100, 2, enable_async=False)
     mngr = cc.CheckpointManager(tmp_path / "persistent", opts)
     it = Position()
     for step in range(1, 5):
@@ -201,10 +207,7 @@ def test_a_notice_after_the_last_check_copies_the_newest_local_step_at_close(tmp
     """A notice that came after the loop's last exit_if_preempted (the final evaluation, say)
     is not dropped: close() copies the newest step, held only by the local tier, to the
     persistent tier, intact and restorable (its metadata names the tier)."""
-    notice = tmp_path / "preempted"
-    opts = cc.CheckpointManagerOptions(
-        save_interval_steps=5, max_to_keep=2, local_directory=str(tmp_path / "local"), local_save_interval_steps=2,
-        preemption_signals=(), preemption_notice_file=str(notice))
+    notice, opts = _notice_file_tiers(tmp_path, 5, 2, max_to_keep=2)
     mngr = cc.CheckpointManager(tmp_path / "persistent", opts)
     it = Position()
     for step in range(1, 13):
@@ -227,10 +230,7 @@ def test_a_notice_after_the_last_check_copies_the_newest_local_step_at_close(tmp
 
 
 def test_close_without_a_notice_or_after_an_error_copies_nothing(tmp_path):
-    notice = tmp_path / "preempted"
-    opts = cc.CheckpointManagerOptions(
-        save_interval_steps=5, local_directory=str(tmp_path / "local"), local_save_interval_steps=2,
-        preemption_signals=(), preemption_notice_file=str(notice), enable_async=False)
+    notice, opts = _notice_file_tiers(tmp_path, 5, 2, enable_async=False)
     with cc.CheckpointManager(tmp_path / "persistent", opts) as mngr:
         mngr.save(2, {"w": np.ones(2)})
     assert os.listdir(tmp_path / "persistent") == []  # no notice: the local step stays local
