@@ -263,8 +263,9 @@ def _run_readme_examples(session: nox.Session, packages: list[str], workers: int
         else:
             steps = [[base, "-m", "venv", "--clear", str(venv)], [py, "-m", "pip", "install", "-q", *reqs]]
         out = ""
+        env = {**os.environ, **_test_env()}  # tiny examples: compiling dominates, as in the tests
         for cmd in [*steps, [py, str(ROOT / "tools" / "run_doc_examples.py"), "--python", py, str(readme)]]:
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
             out += r.stdout + r.stderr
             if r.returncode:
                 return package, r.returncode, out, time.perf_counter() - t0
@@ -274,6 +275,9 @@ def _run_readme_examples(session: nox.Session, packages: list[str], workers: int
         results = list(pool.map(one, packages))
     for package, rc, out, took in results:
         session.log(f"README examples of {package}: {'ok' if rc == 0 else 'FAILED'} ({took:.0f} s)")
+        for line in out.splitlines():
+            if line.startswith(str(ROOT)):  # one line per example: where, status, seconds
+                session.log(f"  {os.path.relpath(line, ROOT)}")
         if rc:
             print(out[-6000:])
     failed = [p for p, rc, _, _ in results if rc]
