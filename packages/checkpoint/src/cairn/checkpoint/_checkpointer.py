@@ -10,7 +10,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 from cairn.checkpoint import _fs, _multihost, _ownership, _restore, _tree
-from cairn.checkpoint._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from cairn.checkpoint._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    background_error,
+)
 from cairn.checkpoint._restore import LeafMetadata
 
 
@@ -44,10 +48,7 @@ class _Background:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            msg = f"background save of {self._what} failed: {err}"
-            if isinstance(err, OSError) and err.errno is not None:
-                raise CheckpointWriteError(err.errno, msg) from err  # keeps errno (ENOSPC...)
-            raise CheckpointError(msg) from err
+            raise background_error(err, f"background save of {self._what} failed: {err}") from err
 
 
 def _prepare_tmp(final: str, force: bool, timeout_s: float = 600.0) -> str:

@@ -11,9 +11,11 @@ device data is on the host and commits in the background. ``StandardCheckpointer
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import inspect
 import os
+import time
 from typing import Any, ClassVar
 
 from cairn.checkpoint import _args, _items
@@ -55,7 +57,12 @@ class Checkpointer(_BackgroundSaver):
     asynchronous: ClassVar[bool] = False
 
     def __init__(
-        self, handler: CheckpointHandler | None = None, *, compression: str | None = None, **options: Any
+        self,
+        handler: CheckpointHandler | None = None,
+        *,
+        compression: str | None = None,
+        timeout_secs: float | None = None,
+        **options: Any,
     ) -> None:
         """Build a checkpointer.
 
@@ -63,9 +70,16 @@ class Checkpointer(_BackgroundSaver):
           handler: the item's handler (``ocp.StandardCheckpointHandler()``...), or ``None``
             (a pytree, or the handler the save/restore arguments imply).
           compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+          timeout_secs: for a user's own handler saved in the background, the seconds from
+            ``save`` within which the futures its ``async_save`` returned must finish; past
+            it the save fails with a ``TimeoutError`` (re-raised by the next call, as every
+            background error). ``None``: no limit.
           **options: Orbax's checkpointer options (``multiprocessing_options``,
             ``file_options``...), accepted and ignored.
         """
+        if timeout_secs is not None and not (isinstance(timeout_secs, (int, float)) and timeout_secs > 0):
+            raise ValueError(f"timeout_secs must be a positive number of seconds or None, got {timeout_secs!r}")
+        self._timeout_secs = timeout_secs
         if handler is not None and not isinstance(handler, CheckpointHandler):
             raise TypeError(
                 f"handler must be an ocp.*CheckpointHandler() instance, got {type(handler).__name__}"
@@ -169,6 +183,7 @@ class Checkpointer(_BackgroundSaver):
             call_args, call_kw = (args, *legacy), {}
         else:
             call_args, call_kw = (), {"args": _args.wrap_for_handler(handler, args, for_save=True)}
+        deadline = None if self._timeout_secs is None else time.monotonic() + self._timeout_secs
         tmp = _prepare_tmp(final, force)
         pending: list[Any] = []
         if self.asynchronous:
@@ -177,8 +192,7 @@ class Checkpointer(_BackgroundSaver):
         def write() -> None:
             if not self.asynchronous:
                 handler.save(tmp, *call_args, **call_kw)  # type: ignore[union-attr]
-            for f in pending:
-                f.result()
+            _await_futures(pending, deadline, self._timeout_secs)
             handler.finalize(tmp)  # type: ignore[union-attr]
 
         def tail() -> None:
@@ -297,6 +311,24 @@ class PyTreeCheckpointer(Checkpointer):
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)
+
+
+def _await_futures(pending: list[Any], deadline: float | None, timeout_secs: float | None) -> None:
+    """Wait for a user's handler's futures, until ``deadline`` (``time.monotonic``) if set.
+
+    Raises:
+      TimeoutError: some are not done by the deadline (saying how many were).
+    """
+    for i, f in enumerate(pending):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            f.result(timeout=left)
+        except concurrent.futures.TimeoutError:
+            done = i + sum(1 for g in pending[i + 1:] if g.done())
+            raise TimeoutError(
+                f"the handler's commit futures: ChainedFuture completed {done}/{len(pending)} futures but timed "
+                f"out after {timeout_secs} seconds (the checkpointer's timeout_secs)"
+            ) from None
 
 
 def _restore_fields(handler: CheckpointHandler) -> set[str]:
