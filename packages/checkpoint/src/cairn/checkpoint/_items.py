@@ -24,6 +24,12 @@ CUSTOM_METADATA_FILE = "_CUSTOM_METADATA.json"
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
+def plain_name(name: str) -> bool:
+    """Whether ``name`` is a plain file-name part (letters, digits, ``_ . -``) other than
+    the commit marker."""
+    return bool(_ITEM_NAME.fullmatch(name)) and name != _fs.COMMIT_MARKER
+
+
 def capture(args: _args.CheckpointArgs, *, copy_host: bool, compression: str | None) -> dict[str, Any]:
     """``{name: ("pytree", Snapshot) | ("json", value)}`` (name ``""`` for a single item):
     the blocking part of a save, done in the caller's thread."""

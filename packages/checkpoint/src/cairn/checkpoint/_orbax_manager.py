@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost
+import jax
+
+from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost, _policies
 from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer
 from cairn.checkpoint._handlers import (
     CheckpointHandler,
@@ -25,6 +28,8 @@ from cairn.checkpoint._handlers import (
 from cairn.checkpoint._json_item import JsonItem
 from cairn.checkpoint._manager import CheckpointManagerOptions, _checkpointable_of
 from cairn.checkpoint._registry import mismatch
+from cairn.checkpoint.logging import AbstractLogger, StandardLogger
+from cairn.checkpoint.logging.step_statistics import RestoreStepStatistics, SaveStepStatistics
 from cairn.core_array import is_checkpointable
 
 #: The item name of a step saved with non-Composite ``args`` (as in Orbax).
@@ -81,6 +86,7 @@ class CheckpointManager(_manager.CheckpointManager):
         item_names: Sequence[str] | None = None,
         item_handlers: Any = None,
         handler_registry: Any = None,
+        logger: AbstractLogger | None = None,
         **ignored: Any,
     ) -> None:
         """Open the manager of ``directory``.
@@ -100,7 +106,9 @@ class CheckpointManager(_manager.CheckpointManager):
             take are refused for its item (``ValueError``, as in Orbax).
           handler_registry: a ``DefaultCheckpointHandlerRegistry`` instead of a dict of
             ``item_handlers`` (not both).
-          **ignored: Orbax's ``logger`` and the like, accepted and ignored.
+          logger: gets each save's and restore's statistics
+            (:mod:`cairn.checkpoint.logging`); default: a ``StandardLogger`` (INFO logs).
+          **ignored: Orbax's other keywords (``prevent_write_metadata``...), accepted and ignored.
         """
         if isinstance(checkpointers, CheckpointManagerOptions) and options is None:
             checkpointers, options = None, checkpointers
@@ -124,6 +132,9 @@ class CheckpointManager(_manager.CheckpointManager):
                              "item); pass a dict of handlers by item name")
         if handler_registry is not None and item_handlers is not None:
             raise ValueError("pass either handler_registry or item_handlers, not both")
+        if logger is not None and not callable(getattr(logger, "log_entry", None)):
+            raise TypeError(f"logger must have log_entry(entry) (a cairn.checkpoint.logging logger), "
+                            f"got {type(logger).__name__}")
         if isinstance(item_handlers, Mapping):
             handler_registry = registry_from(item_handlers)
         if checkpointers is not None:
@@ -144,6 +155,13 @@ class CheckpointManager(_manager.CheckpointManager):
             self._single = False
         elif isinstance(item_handlers, CheckpointHandler):
             self._single = True
+        self._logger = logger if logger is not None else StandardLogger()
+        self._previous_save: float | None = None
+        # Orbax's jax.monitoring events, under Orbax's names (listeners keep working)
+        jax.monitoring.record_event("/jax/orbax/checkpoint_manager/init")
+        policy = self._options.save_decision_policy
+        jax.monitoring.record_scalar("/jax/orbax/checkpoint_manager/continuous_checkpointing_enabled",
+                                     int(isinstance(policy, _policies.ContinuousCheckpointingPolicy)))
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save's background part (write, commit, retention) is still running."""
@@ -201,8 +219,29 @@ class CheckpointManager(_manager.CheckpointManager):
         self._check_layout(single, named if args is not None else {})
         if args is not None:
             self._check_handlers(named, single)
-        return self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
-                          custom_metadata=custom_metadata)
+        stats = SaveStepStatistics(step=int(step), directory=str(self.directory),
+                                   synchronous=not self._options.enable_async,
+                                   checkpoint_manager_blocking_start_time=time.time())
+        stats.wait_for_prev_start_time = time.time()
+        self._bg.wait()
+        stats.wait_for_prev_duration_secs = time.time() - stats.wait_for_prev_start_time
+        stats.get_old_steps_start_time = time.time()
+        self.all_steps()
+        stats.get_old_steps_duration_secs = time.time() - stats.get_old_steps_start_time
+        stats.checkpointer_blocking_start_time = time.time()
+        saved = self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
+                           custom_metadata=custom_metadata)
+        if saved:
+            end = time.time()
+            stats.checkpointer_blocking_duration_secs = end - stats.checkpointer_blocking_start_time
+            stats.checkpoint_manager_blocking_duration_secs = end - stats.checkpoint_manager_blocking_start_time
+            stats.reached_preemption = self.preemption_step is not None and int(step) >= self.preemption_step
+            if self._previous_save is not None:
+                stats.time_between_consecutive_saves_sec = stats.checkpoint_manager_blocking_start_time - \
+                    self._previous_save
+            self._previous_save = stats.checkpoint_manager_blocking_start_time
+            self._logger.log_entry(dataclasses.asdict(stats))
+        return saved
 
     def _check_layout(self, single: bool, named: Mapping[str, Any]) -> None:
         """Refuse (``ValueError``) a save whose layout (one unnamed item, or named items)
@@ -216,8 +255,8 @@ class CheckpointManager(_manager.CheckpointManager):
             if self._single:
                 raise ValueError("this manager holds one unnamed item (args=StandardSave(...) and the like); "
                                  "save it the same way, not as a Composite")
-            raise ValueError("this manager holds named items: must provide `args` of type `Composite` when "
-                             "dealing with multiple checkpointable objects")
+            raise ValueError("Must provide `args` of type `Composite` when dealing with multiple checkpointable "
+                             "objects. (This manager holds named items.)")
         self._single = single
         if not single and self.item_names is not None:
             unknown = sorted(set(named) - set(self.item_names))
@@ -321,7 +360,14 @@ class CheckpointManager(_manager.CheckpointManager):
                 return self._handler_targets(meta)
             return items
 
-        out, _ = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
+        stats = RestoreStepStatistics(directory=str(self.directory), checkpoint_manager_start_time=time.time())
+        stats.checkpointer_start_time = time.time()
+        out, meta = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
+        end = time.time()
+        stats.step = meta.get("step")
+        stats.checkpointer_duration_secs = end - stats.checkpointer_start_time
+        stats.checkpoint_manager_duration_secs = end - stats.checkpoint_manager_start_time
+        self._logger.log_entry(dataclasses.asdict(stats))
         if box.get("unwrap"):
             return out[DEFAULT_ITEM_NAME]
         return out if plain and not legacy else _args.Composite(out)
