@@ -180,3 +180,41 @@ def test_json_handler_filename_names_the_file(tmp_path):
     for bad in ("a/b", "", "COMMIT", 3):
         with pytest.raises(ValueError, match="plain file name"):
             ocp.JsonCheckpointHandler(filename=bad)
+
+
+# --- a user's handler in a Checkpointer: custom_metadata and metadata() ---
+class _Wrapping(ocp.AsyncCheckpointHandler):
+    """Delegates to a PyTreeCheckpointHandler (so the directory is cairn's pytree format)."""
+
+    def __init__(self):
+        self.inner = ocp.PyTreeCheckpointHandler()
+
+    def save(self, directory, args):
+        self.inner.save(directory, args=ocp.args.PyTreeSave(args.item))
+
+    def restore(self, directory, args=None):
+        return self.inner.restore(directory)
+
+
+class _OwnMetadata(_Wrapping):
+    def metadata(self, directory):
+        return {"mine": str(directory)}
+
+
+@ocp.args.register_with_handler(_Wrapping, for_save=True)
+@dataclasses.dataclass
+class _WrappingSave(ocp.args.CheckpointArgs):
+    item: object = None
+
+
+@pytest.mark.parametrize("cls", [ocp.Checkpointer, ocp.AsyncCheckpointer])
+def test_user_handler_save_keeps_custom_metadata(tmp_path, cls):
+    with cls(_Wrapping()) as ck:
+        ck.save(tmp_path / "x", args=_WrappingSave({"w": np.arange(3)}), custom_metadata={"run": "a", "n": 2})
+        ck.wait_until_finished()
+        meta = ck.metadata(tmp_path / "x")
+        assert meta.custom_metadata == {"run": "a", "n": 2} and meta["w"].shape == (3,)
+        np.testing.assert_array_equal(ck.restore(tmp_path / "x")["w"], np.arange(3))
+    with pytest.raises(TypeError, match="custom_metadata"):
+        cls(_Wrapping()).save(tmp_path / "y", args=_WrappingSave({"w": 1}), custom_metadata={"bad": object()})
+    assert ocp.Checkpointer(_OwnMetadata()).metadata(tmp_path / "x") == {"mine": str(tmp_path / "x")}

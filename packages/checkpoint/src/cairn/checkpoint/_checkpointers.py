@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items
+from cairn.checkpoint import _args, _fs, _items, _multihost
 from cairn.checkpoint._checkpointer import (
     _Background,
     _BackgroundSaver,
@@ -148,7 +148,8 @@ class Checkpointer(_BackgroundSaver):
         self._bg.wait()
         final = os.path.abspath(os.fspath(directory))
         if is_custom(self._handler):
-            self._save_custom(final, item if args is None else args, force, extra_args)
+            custom = _items.custom_metadata_of(args if args is not None else item, custom_metadata, f"save to {final}")
+            self._save_custom(final, item if args is None else args, force, extra_args, custom)
             return
         if extra_args:
             raise TypeError(f"save() takes extra positional arguments only with a user's own handler, got {len(extra_args)}")
@@ -173,11 +174,13 @@ class Checkpointer(_BackgroundSaver):
         else:
             tail()
 
-    def _save_custom(self, final: str, args: Any, force: bool, legacy: tuple[Any, ...] = ()) -> None:
+    def _save_custom(self, final: str, args: Any, force: bool, legacy: tuple[Any, ...] = (),
+                     custom: Any = None) -> None:
         """A user's handler writes a temporary directory (``async_save`` in the caller's
         thread when asynchronous, then its futures are awaited in the background), is
-        finalized, and the directory is committed atomically. With ``legacy`` positional
-        arguments (Orbax's older form) the handler gets ``(directory, item, *legacy)``."""
+        finalized, and the directory is committed atomically with the JSON-able ``custom``
+        metadata beside it. With ``legacy`` positional arguments (Orbax's older form) the
+        handler gets ``(directory, item, *legacy)``."""
         handler = self._handler
         if legacy:
             call_args, call_kw = (args, *legacy), {}
@@ -194,6 +197,8 @@ class Checkpointer(_BackgroundSaver):
                 handler.save(tmp, *call_args, **call_kw)  # type: ignore[union-attr]
             _await_futures(pending, deadline, self._timeout_secs)
             handler.finalize(tmp)  # type: ignore[union-attr]
+            if custom is not None and _multihost.is_primary():
+                _fs.write_json_durable(os.path.join(tmp, _items.CUSTOM_METADATA_FILE), custom)
 
         def tail() -> None:
             write_and_commit(write, tmp, final, force, lambda _d: None)
@@ -263,6 +268,9 @@ class Checkpointer(_BackgroundSaver):
         self._bg.wait()
         directory = os.fspath(directory)
         _require_committed(directory)
+        own = getattr(type(self._handler), "metadata", None)
+        if is_custom(self._handler) and own is not CheckpointHandler.metadata:
+            return self._handler.metadata(directory)  # type: ignore[union-attr]  # a user's handler's own
         return _items.describe(directory)
 
 
