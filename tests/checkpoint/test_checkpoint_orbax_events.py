@@ -218,3 +218,38 @@ def test_user_handler_save_keeps_custom_metadata(tmp_path, cls):
     with pytest.raises(TypeError, match="custom_metadata"):
         cls(_Wrapping()).save(tmp_path / "y", args=_WrappingSave({"w": 1}), custom_metadata={"bad": object()})
     assert ocp.Checkpointer(_OwnMetadata()).metadata(tmp_path / "x") == {"mine": str(tmp_path / "x")}
+
+
+# --- typed PRNG keys ---
+def _keys(seed):
+    return {"k": jax.random.key(seed), "r": jax.random.key(seed, impl="rbg"),
+            "ks": jax.random.split(jax.random.key(seed + 7), 4), "w": np.arange(3.0)}
+
+
+def _same_keys(a, b):
+    assert jax.random.key_impl(a) == jax.random.key_impl(b) and a.shape == b.shape
+    np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
+
+
+def test_typed_prng_keys_round_trip_with_and_without_target(tmp_path):
+    saved = _keys(1)
+    ocp.save(tmp_path / "a", saved)
+    got = ocp.restore(tmp_path / "a")
+    for k in ("k", "r", "ks"):
+        _same_keys(got[k], saved[k])
+    # the restored key draws the same numbers as the saved one
+    np.testing.assert_array_equal(jax.random.normal(got["k"], (3,)), jax.random.normal(saved["k"], (3,)))
+    ck = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    ck.save(tmp_path / "b", saved)
+    for target in (_keys(0), jax.tree.map(ocp.utils.to_shape_dtype_struct, _keys(0)), jax.eval_shape(lambda: _keys(0))):
+        got = ck.restore(tmp_path / "b", args=ocp.args.StandardRestore(target))
+        for k in ("k", "r", "ks"):
+            _same_keys(got[k], saved[k])
+    assert ocp.metadata(tmp_path / "a")["r"].shape == (4,)  # the stored key data (rbg: 4 words)
+
+
+def test_typed_prng_key_target_on_a_plain_array_is_refused(tmp_path):
+    ocp.save(tmp_path / "a", {"k": jax.numpy.zeros(2, jax.numpy.uint32)})
+    with pytest.raises(ocp.TargetMismatchError, match="target is a PRNG key array"):
+        ocp.restore(tmp_path / "a", {"k": jax.random.key(0)})
+    assert ocp.utils.is_pathways_backend() is False

@@ -19,6 +19,7 @@ import numpy as np
 
 from cairn.checkpoint._errors import TargetMismatchError
 from cairn.checkpoint._restore import LeafMetadata, metadata_of, restore_dir, saved_sharding
+from cairn.checkpoint._tree import is_prng_key
 from cairn.core_array import (
     ArraySpec,
     as_numpy_dtype,
@@ -359,6 +360,8 @@ def _target_leaf(
     without sharding, or no target, follows the saved kind (NumPy stays NumPy, as in Orbax).
     A shape other than saved, if allowed (``strict=False``), is read as saved and recorded
     in ``req.fixes`` to be truncated or padded afterwards."""
+    if t is not None and getattr(t, "dtype", None) is not None and is_prng_key(t):
+        return t  # a typed PRNG key target: the core reads its key data and wraps it
     if meta.kind == "scalar":
         if ra is not None and ra.restore_type is np.ndarray and not isinstance(meta.value, str):
             req.fixes[path] = ((), None)  # a saved Python number asked for as a NumPy array: 0-d after the read
