@@ -253,3 +253,92 @@ def test_typed_prng_key_target_on_a_plain_array_is_refused(tmp_path):
     with pytest.raises(ocp.TargetMismatchError, match="target is a PRNG key array"):
         ocp.restore(tmp_path / "a", {"k": jax.random.key(0)})
     assert ocp.utils.is_pathways_backend() is False
+
+
+# --- a user's handler inside a CheckpointManager ---
+class _Delegating(ocp.AsyncCheckpointHandler):
+    """A user's handler writing through a PyTreeCheckpointHandler; ``fail`` makes its commit
+    future raise ``SystemError``; ``finalized`` records the folders it finalized."""
+
+    def __init__(self, fail=False):
+        self.inner, self.fail, self.finalized = ocp.PyTreeCheckpointHandler(), fail, []
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def save(self, directory, args):
+        self.inner.save(directory, args=ocp.args.PyTreeSave(args.item))
+
+    async def async_save(self, directory, args):
+        self.save(directory, args)
+
+        def commit():
+            if self.fail:
+                raise SystemError("commit failed")
+        return [self.pool.submit(commit)]
+
+    def restore(self, directory, args=None):
+        return {"restored_by": "handler", **self.inner.restore(directory)}
+
+    def finalize(self, directory):
+        self.finalized.append(directory)
+
+
+@ocp.args.register_with_handler(_Delegating, for_save=True)
+@dataclasses.dataclass
+class _DelegatingSave(ocp.args.CheckpointArgs):
+    item: object = None
+
+
+@ocp.args.register_with_handler(_Delegating, for_restore=True)
+@dataclasses.dataclass
+class _DelegatingRestore(ocp.args.CheckpointArgs):
+    item: object = None
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_user_handler_in_manager_writes_and_reads_its_item(tmp_path, background):
+    handler = _Delegating()
+    ckptr = (ocp.AsyncCheckpointer if background else ocp.Checkpointer)(handler)
+    with ocp.CheckpointManager(tmp_path / "a", ckptr) as mngr:  # Orbax's older positional form
+        assert mngr.save(1, {"w": np.arange(3)})
+        mngr.wait_until_finished()
+        got = mngr.restore(1)
+        assert got["restored_by"] == "handler"
+        np.testing.assert_array_equal(got["w"], np.arange(3))
+        assert mngr.item_metadata(1) == {"default": "opaque"} and len(handler.finalized) == 1
+    with ocp.CheckpointManager(tmp_path / "b", item_handlers={"x": _Delegating(), "y": ocp.JsonCheckpointHandler()}) as mngr:
+        mngr.save(2, args=ocp.args.Composite(x=_DelegatingSave({"v": 5}), y=ocp.args.JsonSave([1])))
+        mngr.wait_until_finished()
+        got = mngr.restore(2, args=ocp.args.Composite(x=_DelegatingRestore(), y=ocp.args.JsonRestore()))
+        assert got.x == {"restored_by": "handler", "v": 5} and got.y == [1]
+    with ocp.CheckpointManager(tmp_path / "b") as plain:  # without the handler the item cannot be read
+        with pytest.raises(TypeError, match="written by a user's handler"):
+            plain.restore(2)
+
+
+def test_user_handler_error_in_manager_reaches_every_waiter_and_is_cleared_by_the_saver(tmp_path):
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    with ocp.CheckpointManager(tmp_path, ocp.AsyncCheckpointer(_Delegating(fail=True))) as mngr:
+        assert mngr.save(3, {"a": 1})
+        waiters = [pool.submit(mngr.wait_until_finished) for _ in range(2)]
+        for w in waiters:  # other threads see the error, but do not consume it
+            with pytest.raises(SystemError):
+                w.result(timeout=30)
+        with pytest.raises(SystemError, match="commit failed") as info:
+            mngr.wait_until_finished()
+        assert isinstance(info.value, ocp.CheckpointError) and "step 3" in str(info.value)
+        mngr.wait_until_finished()  # the saving thread was handed it: cleared
+        assert mngr.all_steps() == []
+    pool.shutdown()
+
+
+def test_user_handler_futures_in_manager_past_async_timeout(tmp_path):
+    block = threading.Event()
+    opts = ocp.CheckpointManagerOptions(async_options=ocp.AsyncOptions(timeout_secs=0.2))
+    try:
+        with ocp.CheckpointManager(tmp_path, ocp.AsyncCheckpointer(_Failing(block=block)), options=opts) as mngr:
+            mngr.save(0, args=_FailingSave())
+            with pytest.raises(TimeoutError, match="timed out after 0.2 seconds"):
+                mngr.wait_until_finished()
+            assert mngr.all_steps() == []
+    finally:
+        block.set()

@@ -19,11 +19,14 @@ from cairn.checkpoint._restore import LeafMetadata
 
 
 class _Background:
-    """Runs one save tail at a time; its error is re-raised by the next ``wait``."""
+    """Runs one save tail at a time; its error is re-raised by every ``wait`` until the
+    thread that started the save (the owner) has been handed it: waiters in other threads
+    see it too, but only the owner's ``wait`` clears it."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._owner: int | None = None
         self._what = ""
 
     def start(self, fn: Callable[[], None], what: str) -> None:
@@ -36,6 +39,7 @@ class _Background:
                 self._error = err
 
         self._what = what
+        self._owner = threading.get_ident()
         self._thread = threading.Thread(target=run, name=f"cairn-checkpoint {what}", daemon=False)
         self._thread.start()
 
@@ -43,11 +47,15 @@ class _Background:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            if self._thread is thread:
+                self._thread = None
+        err = self._error
+        if err is not None:
+            if self._owner is None or threading.get_ident() == self._owner:
+                self._error = None
             raise background_error(err, f"background save of {self._what} failed: {err}") from err
 
 

@@ -106,13 +106,18 @@ class Checkpointer(_BackgroundSaver):
 
     def _item_save_args(self, item: Any, save_args: Any) -> _args.CheckpointArgs:
         """The save args of ``item`` as this checkpointer's handler gives them (a
-        CheckpointManager with Orbax's dict of checkpointers uses it)."""
+        CheckpointManager with Orbax's dict of checkpointers uses it); for a user's own
+        handler, the args class registered with it (or ``item`` itself)."""
+        if is_custom(self._handler) and save_args is None:
+            return _args.wrap_for_handler(self._handler, item, for_save=True)
         return self._save_args(item, None, save_args) or _args.StandardSave(item)
 
     def _item_restore_args(self, item: Any, restore_args: Any) -> _args.CheckpointArgs | None:
         """The restore args of target ``item`` (``None``: restore as saved)."""
         if isinstance(item, _args.CheckpointArgs):
             return item
+        if is_custom(self._handler) and restore_args is None:
+            return _args.wrap_for_handler(self._handler, item, for_save=False)
         if restore_args is not None:
             return _args.PyTreeRestore(item, restore_args=restore_args)
         if item is None:
@@ -195,7 +200,7 @@ class Checkpointer(_BackgroundSaver):
         def write() -> None:
             if not self.asynchronous:
                 handler.save(tmp, *call_args, **call_kw)  # type: ignore[union-attr]
-            _await_futures(pending, deadline, self._timeout_secs)
+            await_futures(pending, deadline, self._timeout_secs)
             handler.finalize(tmp)  # type: ignore[union-attr]
             if custom is not None and _multihost.is_primary():
                 _fs.write_json_durable(os.path.join(tmp, _items.CUSTOM_METADATA_FILE), custom)
@@ -321,7 +326,7 @@ class PyTreeCheckpointer(Checkpointer):
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)
 
 
-def _await_futures(pending: list[Any], deadline: float | None, timeout_secs: float | None) -> None:
+def await_futures(pending: list[Any], deadline: float | None, timeout_secs: float | None) -> None:
     """Wait for a user's handler's futures, until ``deadline`` (``time.monotonic``) if set.
 
     Raises:

@@ -8,6 +8,7 @@ restores into ``Composite`` results.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -18,10 +19,11 @@ from typing import Any
 import jax
 
 from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost, _policies
-from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer
+from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer, await_futures
 from cairn.checkpoint._handlers import (
     CheckpointHandler,
     JsonCheckpointHandler,
+    is_custom,
     registry_from,
     takes,
 )
@@ -64,6 +66,16 @@ class StepMetadata:
     metrics: dict[str, Any] = field(default_factory=dict)
     custom_metadata: dict[str, Any] = field(default_factory=dict)
     init_timestamp_nsecs: int | None = None
+
+
+@dataclass
+class _HandlerItem:
+    """An item a user's own handler writes into its folder of the step (stored as an
+    ``"opaque"`` item: the core commits the folder without reading it)."""
+
+    handler: Any
+    args: Any
+    futures: list[Any] = field(default_factory=list)
 
 
 class CheckpointManager(_manager.CheckpointManager):
@@ -151,6 +163,8 @@ class CheckpointManager(_manager.CheckpointManager):
         # Orbax's rule: a manager holds either one unnamed item or named items, never both
         # (None: not known until the first save, or the newest step, says which)
         self._single: bool | None = None
+        self._opaque: dict[str, _HandlerItem] = {}  # the save in progress's items of a user's handler
+        self._opaque_deadline: float | None = None
         if item_names is not None or isinstance(item_handlers, Mapping) or handler_registry is not None:
             self._single = False
         elif isinstance(item_handlers, CheckpointHandler):
@@ -219,6 +233,8 @@ class CheckpointManager(_manager.CheckpointManager):
         self._check_layout(single, named if args is not None else {})
         if args is not None:
             self._check_handlers(named, single)
+        named = {n: _HandlerItem(h, v) if (h := self._custom_handler(n, single)) is not None else v
+                 for n, v in named.items()}
         stats = SaveStepStatistics(step=int(step), directory=str(self.directory),
                                    synchronous=not self._options.enable_async,
                                    checkpoint_manager_blocking_start_time=time.time())
@@ -242,6 +258,55 @@ class CheckpointManager(_manager.CheckpointManager):
             self._previous_save = stats.checkpoint_manager_blocking_start_time
             self._logger.log_entry(dataclasses.asdict(stats))
         return saved
+
+    # --- items a user's own handler writes ---
+    def _custom_handler(self, name: str, single: bool) -> Any:
+        """The user's own handler (``is_custom``) that stores item ``name``, else ``None``:
+        from Orbax's positional checkpointer(s), or ``item_handlers`` / ``handler_registry``."""
+        ck = self._checkpointers
+        if isinstance(ck, Checkpointer):
+            handler = ck.handler
+        elif isinstance(ck, Mapping):
+            handler = ck[name].handler if name in ck else None
+        else:
+            found = self._handlers_of(name, single)
+            handler = found[0] if found else None
+        return handler if is_custom(handler) else None
+
+    def _capture(self, items: Mapping[str, Any]) -> Any:
+        """The core's capture of every item but those of a user's handler (kept for
+        :meth:`_prepare_step` and :meth:`_write_step`)."""
+        self._opaque = {n: v for n, v in items.items() if isinstance(v, _HandlerItem)}
+        return super()._capture({n: v for n, v in items.items() if n not in self._opaque})
+
+    def _prepare_step(self, step: int, tier: Any, final: str, copies: list[str], items: Mapping[str, Any]) -> Any:
+        """The core's temporary step folder; then, for a background save, each user's
+        handler's ``async_save`` into its item's folder, in the caller's thread (the
+        blocking part: device data reaches the host), keeping the futures it returns."""
+        tmp = super()._prepare_step(step, tier, final, copies, items)
+        self._opaque_deadline = None
+        timeout = self._options.async_options.timeout_secs if self._options.async_options else None
+        if timeout is not None:
+            self._opaque_deadline = time.monotonic() + timeout
+        if tmp is not None and self._options.enable_async:
+            for name, item in self._opaque.items():
+                sub = os.path.join(tmp, name)
+                item.futures = list(asyncio.run(item.handler.async_save(sub, args=item.args)) or [])
+        return tmp
+
+    def _write_step(self, tmp: str, snaps: Any, states: Any, step_meta: dict) -> None:
+        """Each user's handler finishes its item (``save`` when synchronous, else its
+        futures within ``async_options.timeout_secs``, then ``finalize``); then the core's
+        write, with those items recorded as ``"opaque"``."""
+        timeout = self._options.async_options.timeout_secs if self._options.async_options else None
+        for name, item in self._opaque.items():
+            sub = os.path.join(tmp, name)
+            if not self._options.enable_async:
+                item.handler.save(sub, args=item.args)
+            await_futures(item.futures, self._opaque_deadline, timeout)
+            item.handler.finalize(sub)
+            step_meta["items"][name] = "opaque"
+        super()._write_step(tmp, snaps, states, step_meta)
 
     def _check_layout(self, single: bool, named: Mapping[str, Any]) -> None:
         """Refuse (``ValueError``) a save whose layout (one unnamed item, or named items)
@@ -395,6 +460,13 @@ class CheckpointManager(_manager.CheckpointManager):
 
     def _restore_item(self, sub: str, name: str, kind: str, target: Any, step: int, meta: dict,
                       kw: dict[str, Any]) -> Any:
+        if kind == "opaque":  # written by a user's handler: read back by the same handler
+            handler = self._custom_handler(name, bool(meta.get("single")))
+            if handler is not None:
+                wanted = target if isinstance(target, _args.CheckpointArgs) else _args.wrap_for_handler(
+                    handler, target, for_save=False)
+                return handler.restore(sub, args=wanted)
+            return super()._restore_item(sub, name, kind, target, step, meta, kw)
         if not isinstance(target, _args.CheckpointArgs):
             return super()._restore_item(sub, name, kind, target, step, meta, kw)
         if target.saving:
