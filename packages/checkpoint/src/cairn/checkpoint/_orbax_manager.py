@@ -129,24 +129,7 @@ class CheckpointManager(_manager.CheckpointManager):
                 options, item_names = None, options
             else:
                 raise TypeError(f"options must be a CheckpointManagerOptions, got {type(options).__name__}")
-        if checkpointers is not None and not isinstance(checkpointers, (Checkpointer, Mapping)):
-            raise TypeError(
-                f"checkpointers must be a Checkpointer or a dict of them by item name, got {type(checkpointers).__name__}"
-            )
-        if isinstance(checkpointers, Mapping):
-            bad = [n for n, c in checkpointers.items() if not isinstance(c, Checkpointer)]
-            if bad:
-                raise TypeError(f"checkpointers {bad} are not Checkpointers")
-        if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
-            raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
-        if item_names is not None and isinstance(item_handlers, CheckpointHandler):
-            raise ValueError("item_names name several items, but item_handlers is one handler (for one unnamed "
-                             "item); pass a dict of handlers by item name")
-        if handler_registry is not None and item_handlers is not None:
-            raise ValueError("pass either handler_registry or item_handlers, not both")
-        if logger is not None and not callable(getattr(logger, "log_entry", None)):
-            raise TypeError(f"logger must have log_entry(entry) (a cairn.checkpoint.logging logger), "
-                            f"got {type(logger).__name__}")
+        _check_init_args(checkpointers, item_names, item_handlers, handler_registry, logger)
         if isinstance(item_handlers, Mapping):
             handler_registry = registry_from(item_handlers)
         if checkpointers is not None:
@@ -483,6 +466,29 @@ class CheckpointManager(_manager.CheckpointManager):
                 f"PyTreeRestore or ArrayRestore, not {type(target).__name__}"
             )
         return _args.restore_pytree(sub, target, f"item {name!r} of step {step}")
+
+
+def _check_init_args(checkpointers: Any, item_names: Any, item_handlers: Any, handler_registry: Any,
+                     logger: Any) -> None:
+    """Refuse ``CheckpointManager`` arguments of the wrong type or that contradict each other."""
+    if checkpointers is not None and not isinstance(checkpointers, (Checkpointer, Mapping)):
+        raise TypeError(
+            f"checkpointers must be a Checkpointer or a dict of them by item name, got {type(checkpointers).__name__}"
+        )
+    if isinstance(checkpointers, Mapping):
+        bad = [n for n, c in checkpointers.items() if not isinstance(c, Checkpointer)]
+        if bad:
+            raise TypeError(f"checkpointers {bad} are not Checkpointers")
+    if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
+        raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
+    if item_names is not None and isinstance(item_handlers, CheckpointHandler):
+        raise ValueError("item_names name several items, but item_handlers is one handler (for one unnamed "
+                         "item); pass a dict of handlers by item name")
+    if handler_registry is not None and item_handlers is not None:
+        raise ValueError("pass either handler_registry or item_handlers, not both")
+    if logger is not None and not callable(getattr(logger, "log_entry", None)):
+        raise TypeError(f"logger must have log_entry(entry) (a cairn.checkpoint.logging logger), "
+                        f"got {type(logger).__name__}")
 
 
 def _plain(items: Any) -> bool:
