@@ -342,3 +342,34 @@ def test_user_handler_futures_in_manager_past_async_timeout(tmp_path):
             assert mngr.all_steps() == []
     finally:
         block.set()
+
+
+# --- composite metadata: item handlers, commit time, an empty folder ---
+def test_composite_metadata_records_each_items_handler(tmp_path):
+    ck = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    ck.save(tmp_path / "y", args=ocp.args.Composite(state=ocp.args.PyTreeSave({"a": 1}), other=ocp.args.JsonSave(1)))
+    meta = ck.metadata(tmp_path / "y")
+    assert meta.item_handlers == {"state": ocp.PyTreeCheckpointHandler().typestr(),
+                                  "other": ocp.JsonCheckpointHandler().typestr()}
+    assert ocp.PyTreeCheckpointHandler().typestr() == "cairn.checkpoint._handlers.PyTreeCheckpointHandler"
+    assert meta.commit_timestamp_nsecs > 1.7e18 and meta.metrics == {} and meta.init_timestamp_nsecs is None
+    # a handler given for the item wins over the args' class; a bare handler save has no commit time
+    h = ocp.CompositeCheckpointHandler(state=ocp.StandardCheckpointHandler())
+    h.save(tmp_path / "z", args=ocp.args.Composite(state=ocp.args.StandardSave({"a": 1})))
+    meta = h.metadata(tmp_path / "z")
+    assert meta.item_handlers == {"state": ocp.StandardCheckpointHandler().typestr()}
+    assert meta.commit_timestamp_nsecs is None
+    assert ocp.Checkpointer(ocp.StandardCheckpointHandler()).metadata(tmp_path / "y").item_handlers is not None
+    ocp.save(tmp_path / "single", {"a": 1})
+    assert ocp.PyTreeCheckpointHandler().metadata(tmp_path / "single").item_handlers is None
+
+
+def test_composite_metadata_of_an_empty_folder_is_empty(tmp_path):
+    h = ocp.CompositeCheckpointHandler("extra", state=ocp.StandardCheckpointHandler())
+    for where in (tmp_path, tmp_path / "missing"):
+        meta = h.metadata(where)
+        assert dict(meta) == {} and meta.item_handlers == {} and meta.custom_metadata == {}
+        assert meta.performance_metrics == step_statistics.SaveStepStatistics()
+        assert meta.commit_timestamp_nsecs is None
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        ocp.StandardCheckpointHandler().metadata(tmp_path)  # a single-item handler still needs a checkpoint

@@ -29,9 +29,11 @@ from cairn.checkpoint._checkpointer import (
 )
 from cairn.checkpoint._handlers import (
     CheckpointHandler,
+    CompositeCheckpointHandler,
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
     is_custom,
+    item_typestrs,
 )
 
 
@@ -166,11 +168,14 @@ class Checkpointer(_BackgroundSaver):
         captured = _items.capture(a, copy_host=copy, compression=self._compression)
         tmp = _prepare_tmp(final, force)
         compression, composite = self._compression, isinstance(a, _args.Composite)
+        if composite and isinstance(self._handler, CompositeCheckpointHandler):
+            self._handler._check_items(a)  # learn (or check) each item's handler, as the handler's own save does
+        handlers = item_typestrs(a, self._handler)
 
         def tail() -> None:
             write_and_commit(
                 lambda: _items.write(tmp, captured, compression=compression, composite=composite,
-                                     custom_metadata=custom),
+                                     custom_metadata=custom, handlers=handlers),
                 tmp, final, force, _items.verify,
             )
 

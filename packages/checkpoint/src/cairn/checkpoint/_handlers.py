@@ -68,7 +68,7 @@ class CheckpointHandler:
         captured = _items.capture(args, copy_host=False, compression=None)
         os.makedirs(directory, exist_ok=True)
         _items.write(directory, captured, compression=None, composite=isinstance(args, _args.Composite),
-                     custom_metadata=custom)
+                     custom_metadata=custom, handlers=item_typestrs(args, self))
 
     def restore(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
                 **kwargs: Any) -> Any:
@@ -98,12 +98,21 @@ class CheckpointHandler:
     def metadata(self, directory: Any) -> Any:
         """Every saved path's :class:`~cairn.checkpoint.LeafMetadata` (per item for a
         composite; ``"json"`` for JSON items), without reading array data, with the saved
-        ``custom_metadata`` as an attribute (``CheckpointMetadata``).
+        ``custom_metadata`` as an attribute (``CheckpointMetadata``). A composite handler
+        answers an empty ``CheckpointMetadata`` for a folder where nothing was saved yet.
 
         Args:
           directory: the folder :meth:`save` wrote.
         """
-        return _items.describe(os.fspath(directory))
+        directory = os.fspath(directory)
+        if isinstance(self, CompositeCheckpointHandler) and (not os.path.isdir(directory) or not os.listdir(directory)):
+            return _items.CheckpointMetadata({}, item_handlers={})
+        return _items.describe(directory)
+
+    def typestr(self) -> str:
+        """The handler's class as ``"<module>.<class>"`` (what a composite's metadata
+        records as each item's handler in ``item_handlers``)."""
+        return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def finalize(self, directory: Any) -> None:
         """Nothing to do after a save (Orbax's hook; the write is complete when ``save`` returns).
@@ -243,6 +252,17 @@ class CompositeCheckpointHandler(CheckpointHandler):
                 seen.add(id(handler))
                 handler.close()
 
+    def item_handler(self, name: str) -> Any:
+        """The handler this composite knows for item ``name`` (given, registered or learnt
+        from its first args), else ``None``.
+
+        Args:
+          name: the item name.
+        """
+        reg = self._handler_registry
+        handlers = reg.handlers_of(name) if hasattr(reg, "handlers_of") else []
+        return handlers[0] if handlers else self._learnt.get(name)
+
     def _check_items(self, args: Any) -> None:
         """Refuse an item's args that its known handler does not take; learn the handler of
         an item seen for the first time."""
@@ -363,6 +383,20 @@ def is_custom(handler: Any) -> bool:
         return False
     cls = type(handler)
     return any(getattr(cls, m) is not getattr(CheckpointHandler, m) for m in ("save", "async_save", "restore"))
+
+
+def item_typestrs(args: Any, handler: Any = None) -> dict[str, str | None] | None:
+    """For a ``Composite``, each item's handler ``typestr()``: the one ``handler`` (a
+    ``CompositeCheckpointHandler``) knows for the item, else the handler class its args
+    belong to; ``None`` for other args."""
+    if not isinstance(args, _args.Composite):
+        return None
+    out: dict[str, str | None] = {}
+    for name, item_args in args.items():
+        known = handler.item_handler(name) if isinstance(handler, CompositeCheckpointHandler) else None
+        cls = type(known) if known is not None else handler_class_of(item_args)
+        out[name] = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    return out
 
 
 def handler_class_of(args: Any) -> type | None:
