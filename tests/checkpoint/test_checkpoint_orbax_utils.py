@@ -287,7 +287,7 @@ def test_legacy_dict_restore_and_layout_messages(tmp_path):
     assert got.meta == {"lang": "en"} and got["state"]["w"].tolist() == [0, 1]
     with _manager(tmp_path / "named", max_to_keep=2) as named:
         named.save(0, args=ocp.args.Composite(p=ocp.args.StandardSave({"a": 1})))
-        with pytest.raises(ValueError, match="must provide `args` of type `Composite`"):
+        with pytest.raises(ValueError, match="Must provide `args` of type `Composite`"):
             named.save(1, args=ocp.args.StandardSave({"a": 1}))
 
 

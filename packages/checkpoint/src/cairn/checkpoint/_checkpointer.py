@@ -10,16 +10,23 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 from cairn.checkpoint import _fs, _multihost, _ownership, _restore, _tree
-from cairn.checkpoint._errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from cairn.checkpoint._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    background_error,
+)
 from cairn.checkpoint._restore import LeafMetadata
 
 
 class _Background:
-    """Runs one save tail at a time; its error is re-raised by the next ``wait``."""
+    """Runs one save tail at a time; its error is re-raised by every ``wait`` until the
+    thread that started the save (the owner) has been handed it: waiters in other threads
+    see it too, but only the owner's ``wait`` clears it."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._owner: int | None = None
         self._what = ""
 
     def start(self, fn: Callable[[], None], what: str) -> None:
@@ -32,6 +39,7 @@ class _Background:
                 self._error = err
 
         self._what = what
+        self._owner = threading.get_ident()
         self._thread = threading.Thread(target=run, name=f"cairn-checkpoint {what}", daemon=False)
         self._thread.start()
 
@@ -39,15 +47,16 @@ class _Background:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            msg = f"background save of {self._what} failed: {err}"
-            if isinstance(err, OSError) and err.errno is not None:
-                raise CheckpointWriteError(err.errno, msg) from err  # keeps errno (ENOSPC...)
-            raise CheckpointError(msg) from err
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            if self._thread is thread:
+                self._thread = None
+        err = self._error
+        if err is not None:
+            if self._owner is None or threading.get_ident() == self._owner:
+                self._error = None
+            raise background_error(err, f"background save of {self._what} failed: {err}") from err
 
 
 def _prepare_tmp(final: str, force: bool, timeout_s: float = 600.0) -> str:

@@ -11,12 +11,14 @@ device data is on the host and commits in the background. ``StandardCheckpointer
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import inspect
 import os
+import time
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items
+from cairn.checkpoint import _args, _fs, _items, _multihost
 from cairn.checkpoint._checkpointer import (
     _Background,
     _BackgroundSaver,
@@ -27,9 +29,11 @@ from cairn.checkpoint._checkpointer import (
 )
 from cairn.checkpoint._handlers import (
     CheckpointHandler,
+    CompositeCheckpointHandler,
     PyTreeCheckpointHandler,
     StandardCheckpointHandler,
     is_custom,
+    item_typestrs,
 )
 
 
@@ -55,7 +59,12 @@ class Checkpointer(_BackgroundSaver):
     asynchronous: ClassVar[bool] = False
 
     def __init__(
-        self, handler: CheckpointHandler | None = None, *, compression: str | None = None, **options: Any
+        self,
+        handler: CheckpointHandler | None = None,
+        *,
+        compression: str | None = None,
+        timeout_secs: float | None = None,
+        **options: Any,
     ) -> None:
         """Build a checkpointer.
 
@@ -63,9 +72,16 @@ class Checkpointer(_BackgroundSaver):
           handler: the item's handler (``ocp.StandardCheckpointHandler()``...), or ``None``
             (a pytree, or the handler the save/restore arguments imply).
           compression: ``None`` (default), ``"zstd"`` or ``"zstd:<level>"`` for array chunks.
+          timeout_secs: for a user's own handler saved in the background, the seconds from
+            ``save`` within which the futures its ``async_save`` returned must finish; past
+            it the save fails with a ``TimeoutError`` (re-raised by the next call, as every
+            background error). ``None``: no limit.
           **options: Orbax's checkpointer options (``multiprocessing_options``,
             ``file_options``...), accepted and ignored.
         """
+        if timeout_secs is not None and not (isinstance(timeout_secs, (int, float)) and timeout_secs > 0):
+            raise ValueError(f"timeout_secs must be a positive number of seconds or None, got {timeout_secs!r}")
+        self._timeout_secs = timeout_secs
         if handler is not None and not isinstance(handler, CheckpointHandler):
             raise TypeError(
                 f"handler must be an ocp.*CheckpointHandler() instance, got {type(handler).__name__}"
@@ -92,13 +108,18 @@ class Checkpointer(_BackgroundSaver):
 
     def _item_save_args(self, item: Any, save_args: Any) -> _args.CheckpointArgs:
         """The save args of ``item`` as this checkpointer's handler gives them (a
-        CheckpointManager with Orbax's dict of checkpointers uses it)."""
+        CheckpointManager with Orbax's dict of checkpointers uses it); for a user's own
+        handler, the args class registered with it (or ``item`` itself)."""
+        if is_custom(self._handler) and save_args is None:
+            return _args.wrap_for_handler(self._handler, item, for_save=True)
         return self._save_args(item, None, save_args) or _args.StandardSave(item)
 
     def _item_restore_args(self, item: Any, restore_args: Any) -> _args.CheckpointArgs | None:
         """The restore args of target ``item`` (``None``: restore as saved)."""
         if isinstance(item, _args.CheckpointArgs):
             return item
+        if is_custom(self._handler) and restore_args is None:
+            return _args.wrap_for_handler(self._handler, item, for_save=False)
         if restore_args is not None:
             return _args.PyTreeRestore(item, restore_args=restore_args)
         if item is None:
@@ -134,7 +155,8 @@ class Checkpointer(_BackgroundSaver):
         self._bg.wait()
         final = os.path.abspath(os.fspath(directory))
         if is_custom(self._handler):
-            self._save_custom(final, item if args is None else args, force, extra_args)
+            custom = _items.custom_metadata_of(args if args is not None else item, custom_metadata, f"save to {final}")
+            self._save_custom(final, item if args is None else args, force, extra_args, custom)
             return
         if extra_args:
             raise TypeError(f"save() takes extra positional arguments only with a user's own handler, got {len(extra_args)}")
@@ -146,11 +168,14 @@ class Checkpointer(_BackgroundSaver):
         captured = _items.capture(a, copy_host=copy, compression=self._compression)
         tmp = _prepare_tmp(final, force)
         compression, composite = self._compression, isinstance(a, _args.Composite)
+        if composite and isinstance(self._handler, CompositeCheckpointHandler):
+            self._handler._check_items(a)  # learn (or check) each item's handler, as the handler's own save does
+        handlers = item_typestrs(a, self._handler)
 
         def tail() -> None:
             write_and_commit(
                 lambda: _items.write(tmp, captured, compression=compression, composite=composite,
-                                     custom_metadata=custom),
+                                     custom_metadata=custom, handlers=handlers),
                 tmp, final, force, _items.verify,
             )
 
@@ -159,16 +184,19 @@ class Checkpointer(_BackgroundSaver):
         else:
             tail()
 
-    def _save_custom(self, final: str, args: Any, force: bool, legacy: tuple[Any, ...] = ()) -> None:
+    def _save_custom(self, final: str, args: Any, force: bool, legacy: tuple[Any, ...] = (),
+                     custom: Any = None) -> None:
         """A user's handler writes a temporary directory (``async_save`` in the caller's
         thread when asynchronous, then its futures are awaited in the background), is
-        finalized, and the directory is committed atomically. With ``legacy`` positional
-        arguments (Orbax's older form) the handler gets ``(directory, item, *legacy)``."""
+        finalized, and the directory is committed atomically with the JSON-able ``custom``
+        metadata beside it. With ``legacy`` positional arguments (Orbax's older form) the
+        handler gets ``(directory, item, *legacy)``."""
         handler = self._handler
         if legacy:
             call_args, call_kw = (args, *legacy), {}
         else:
             call_args, call_kw = (), {"args": _args.wrap_for_handler(handler, args, for_save=True)}
+        deadline = None if self._timeout_secs is None else time.monotonic() + self._timeout_secs
         tmp = _prepare_tmp(final, force)
         pending: list[Any] = []
         if self.asynchronous:
@@ -177,9 +205,10 @@ class Checkpointer(_BackgroundSaver):
         def write() -> None:
             if not self.asynchronous:
                 handler.save(tmp, *call_args, **call_kw)  # type: ignore[union-attr]
-            for f in pending:
-                f.result()
+            await_futures(pending, deadline, self._timeout_secs)
             handler.finalize(tmp)  # type: ignore[union-attr]
+            if custom is not None and _multihost.is_primary():
+                _fs.write_json_durable(os.path.join(tmp, _items.CUSTOM_METADATA_FILE), custom)
 
         def tail() -> None:
             write_and_commit(write, tmp, final, force, lambda _d: None)
@@ -249,6 +278,9 @@ class Checkpointer(_BackgroundSaver):
         self._bg.wait()
         directory = os.fspath(directory)
         _require_committed(directory)
+        own = getattr(type(self._handler), "metadata", None)
+        if is_custom(self._handler) and own is not CheckpointHandler.metadata:
+            return self._handler.metadata(directory)  # type: ignore[union-attr]  # a user's handler's own
         return _items.describe(directory)
 
 
@@ -297,6 +329,24 @@ class PyTreeCheckpointer(Checkpointer):
 
     def __init__(self, *, compression: str | None = None, **options: Any) -> None:
         super().__init__(PyTreeCheckpointHandler(), compression=compression, **options)
+
+
+def await_futures(pending: list[Any], deadline: float | None, timeout_secs: float | None) -> None:
+    """Wait for a user's handler's futures, until ``deadline`` (``time.monotonic``) if set.
+
+    Raises:
+      TimeoutError: some are not done by the deadline (saying how many were).
+    """
+    for i, f in enumerate(pending):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            f.result(timeout=left)
+        except concurrent.futures.TimeoutError:
+            done = i + sum(1 for g in pending[i + 1:] if g.done())
+            raise TimeoutError(
+                f"the handler's commit futures: ChainedFuture completed {done}/{len(pending)} futures but timed "
+                f"out after {timeout_secs} seconds (the checkpointer's timeout_secs)"
+            ) from None
 
 
 def _restore_fields(handler: CheckpointHandler) -> set[str]:

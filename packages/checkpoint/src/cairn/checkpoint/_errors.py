@@ -62,3 +62,28 @@ class CheckpointExistsError(FileExistsError, ValueError):
 
 class StepAlreadyExistsError(CheckpointExistsError):
     """A save of a step that is already committed (intact) in the tier it would go to."""
+
+
+_TYPED: dict[type, type] = {}
+
+
+def background_error(err: BaseException, message: str) -> CheckpointError:
+    """The error a background save's failure ``err`` is re-raised as: a
+    :class:`CheckpointError` carrying ``message`` that is also of ``err``'s own type (so
+    ``except SystemError`` and ``except CheckpointError`` both catch it); a plain
+    ``CheckpointError`` when ``err`` is not an ``Exception`` or its type cannot be combined
+    (a layout conflict, a constructor that takes other arguments)."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return CheckpointWriteError(err.errno, message)  # keeps errno (ENOSPC...)
+    cls = type(err)
+    if isinstance(err, CheckpointError) or not isinstance(err, Exception):
+        return CheckpointError(message)
+    try:
+        typed = _TYPED.get(cls)
+        if typed is None:
+            typed = type(cls.__name__, (CheckpointError, cls), {"__module__": CheckpointError.__module__,
+                                                                 "__doc__": f"A CheckpointError that is a {cls.__name__}."})
+            _TYPED[cls] = typed
+        return typed(message)
+    except Exception:  # noqa: BLE001 - an exception type that cannot be combined: the plain error
+        return CheckpointError(message)

@@ -6,10 +6,14 @@ always cairn.checkpoint's own)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from cairn.checkpoint import _args, _items, _registry
+import jax
+
+from cairn.checkpoint import _args, _fs, _items, _multihost, _registry
+from cairn.checkpoint._json_item import jsonable
 
 
 class CheckpointHandler:
@@ -64,7 +68,7 @@ class CheckpointHandler:
         captured = _items.capture(args, copy_host=False, compression=None)
         os.makedirs(directory, exist_ok=True)
         _items.write(directory, captured, compression=None, composite=isinstance(args, _args.Composite),
-                     custom_metadata=custom)
+                     custom_metadata=custom, handlers=item_typestrs(args, self))
 
     def restore(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
                 **kwargs: Any) -> Any:
@@ -94,12 +98,21 @@ class CheckpointHandler:
     def metadata(self, directory: Any) -> Any:
         """Every saved path's :class:`~cairn.checkpoint.LeafMetadata` (per item for a
         composite; ``"json"`` for JSON items), without reading array data, with the saved
-        ``custom_metadata`` as an attribute (``CheckpointMetadata``).
+        ``custom_metadata`` as an attribute (``CheckpointMetadata``). A composite handler
+        answers an empty ``CheckpointMetadata`` for a folder where nothing was saved yet.
 
         Args:
           directory: the folder :meth:`save` wrote.
         """
-        return _items.describe(os.fspath(directory))
+        directory = os.fspath(directory)
+        if isinstance(self, CompositeCheckpointHandler) and (not os.path.isdir(directory) or not os.listdir(directory)):
+            return _items.CheckpointMetadata({}, item_handlers={})
+        return _items.describe(directory)
+
+    def typestr(self) -> str:
+        """The handler's class as ``"<module>.<class>"`` (what a composite's metadata
+        records as each item's handler in ``item_handlers``)."""
+        return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def finalize(self, directory: Any) -> None:
         """Nothing to do after a save (Orbax's hook; the write is complete when ``save`` returns).
@@ -134,10 +147,69 @@ class ArrayCheckpointHandler(CheckpointHandler):
 
 
 class JsonCheckpointHandler(CheckpointHandler):
-    """A JSON-able value (``args.JsonSave`` / ``JsonRestore``)."""
+    """A JSON-able value (``args.JsonSave`` / ``JsonRestore``).
+
+    Args:
+      filename: the file the value is stored in, inside the checkpoint directory
+        (checksummed JSON, as every cairn JSON file); ``None``: cairn's own item file.
+      **options: Orbax's other handler options, accepted and ignored.
+    """
 
     save_type = _args.JsonSave
     restore_type = _args.JsonRestore
+
+    def __init__(self, filename: str | None = None, **options: Any) -> None:
+        if filename is not None and (not isinstance(filename, str) or not _items.plain_name(filename)):
+            raise ValueError(f"filename must be a plain file name (letters, digits, _ . -), got {filename!r}")
+        self._filename = filename
+
+    @property
+    def filename(self) -> str | None:
+        """The file name given at construction (``None``: cairn's own item file)."""
+        return self._filename
+
+    def save(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
+             **kwargs: Any) -> None:
+        """Write the value into ``directory`` (into ``filename`` if given).
+
+        Args:
+          directory: the folder to write into (created if missing).
+          item: the JSON-able value (or pass ``args``).
+          args: a ``JsonSave`` instead of ``item``.
+          **kwargs: ignored.
+        """
+        if self._filename is None:
+            super().save(directory, item, args=args, **kwargs)
+            return
+        if args is not None and item is not None:
+            raise TypeError("pass either the item or args=, not both")
+        value = _args.to_saved_tree(args if args is not None else self.save_args(item), "JsonCheckpointHandler.save")
+        value = jsonable(value, "JsonCheckpointHandler.save")
+        directory = os.fspath(directory)
+        if _multihost.is_primary():
+            os.makedirs(directory, exist_ok=True)
+            _fs.write_json_durable(os.path.join(directory, self._filename), value)
+            _fs.fsync_dir(directory)
+
+    def restore(self, directory: Any, item: Any = None, *, args: _args.CheckpointArgs | None = None,
+                **kwargs: Any) -> Any:
+        """Read the value back (from ``filename`` if given; its checksum verified).
+
+        Args:
+          directory: the folder :meth:`save` wrote.
+          item: ignored (as in Orbax).
+          args: a ``JsonRestore`` or ``None``.
+          **kwargs: ignored.
+        """
+        if self._filename is None:
+            return super().restore(directory, item, args=args, **kwargs)
+        f = os.path.join(os.fspath(directory), self._filename)
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"no JSON file {self._filename!r} in {os.fspath(directory)}")
+        return _fs.read_json(f, require_checksum=True)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(filename={self._filename!r})" if self._filename else super().__repr__()
 
 
 class CompositeCheckpointHandler(CheckpointHandler):
@@ -179,6 +251,17 @@ class CompositeCheckpointHandler(CheckpointHandler):
             if id(handler) not in seen:
                 seen.add(id(handler))
                 handler.close()
+
+    def item_handler(self, name: str) -> Any:
+        """The handler this composite knows for item ``name`` (given, registered or learnt
+        from its first args), else ``None``.
+
+        Args:
+          name: the item name.
+        """
+        reg = self._handler_registry
+        handlers = reg.handlers_of(name) if hasattr(reg, "handlers_of") else []
+        return handlers[0] if handlers else self._learnt.get(name)
 
     def _check_items(self, args: Any) -> None:
         """Refuse an item's args that its known handler does not take; learn the handler of
@@ -240,6 +323,24 @@ class CompositeCheckpointHandler(CheckpointHandler):
             f"got {type(item).__name__}"
         )
 
+    def finalize(self, directory: Any) -> None:
+        """Finalize each saved item with its handler (a user's handler may have work left),
+        reporting each item's time as Orbax's ``/jax/orbax/write/background_item_finalize_secs``
+        ``jax.monitoring`` duration.
+
+        Args:
+          directory: the folder :meth:`save` wrote.
+        """
+        directory = os.fspath(directory)
+        for name in _items.item_kinds(directory):
+            handlers = self._handler_registry.handlers_of(name) if hasattr(self._handler_registry, "handlers_of") else []
+            handler = handlers[0] if handlers else self._learnt.get(name)
+            start = time.time()
+            if handler is not None:
+                handler.finalize(os.path.join(directory, name) if name else directory)
+            jax.monitoring.record_event_duration_secs("/jax/orbax/write/background_item_finalize_secs",
+                                                      time.time() - start)
+
     def restore_args(self, item: Any, **kwargs: Any) -> _args.CheckpointArgs | None:  # type: ignore[override]
         """``item`` itself: an ``args.Composite``, or ``None`` (every item as saved).
 
@@ -276,10 +377,26 @@ _args.register_with_handler(CompositeCheckpointHandler, for_save=True, for_resto
 def is_custom(handler: Any) -> bool:
     """Whether ``handler`` stores data itself (a user's subclass that overrides ``save``,
     ``async_save`` or ``restore``) rather than through cairn's formats."""
+    if isinstance(handler, JsonCheckpointHandler) and handler.filename is not None:
+        return True  # its own file name: the handler writes and reads it
     if handler is None or type(handler) in BUILTIN_HANDLERS:
         return False
     cls = type(handler)
     return any(getattr(cls, m) is not getattr(CheckpointHandler, m) for m in ("save", "async_save", "restore"))
+
+
+def item_typestrs(args: Any, handler: Any = None) -> dict[str, str | None] | None:
+    """For a ``Composite``, each item's handler ``typestr()``: the one ``handler`` (a
+    ``CompositeCheckpointHandler``) knows for the item, else the handler class its args
+    belong to; ``None`` for other args."""
+    if not isinstance(args, _args.Composite):
+        return None
+    out: dict[str, str | None] = {}
+    for name, item_args in args.items():
+        known = handler.item_handler(name) if isinstance(handler, CompositeCheckpointHandler) else None
+        cls = type(known) if known is not None else handler_class_of(item_args)
+        out[name] = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    return out
 
 
 def handler_class_of(args: Any) -> type | None:

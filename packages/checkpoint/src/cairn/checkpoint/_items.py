@@ -18,10 +18,17 @@ import jax
 from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
 from cairn.checkpoint._errors import CheckpointError
 from cairn.checkpoint._json_item import JSON_ITEM_FILE, jsonable, read_json_item, write_json_item
+from cairn.checkpoint.logging.step_statistics import SaveStepStatistics
 
 ITEMS_FILE = "_ITEMS.json"
 CUSTOM_METADATA_FILE = "_CUSTOM_METADATA.json"
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def plain_name(name: str) -> bool:
+    """Whether ``name`` is a plain file-name part (letters, digits, ``_ . -``) other than
+    the commit marker."""
+    return bool(_ITEM_NAME.fullmatch(name)) and name != _fs.COMMIT_MARKER
 
 
 def capture(args: _args.CheckpointArgs, *, copy_host: bool, compression: str | None) -> dict[str, Any]:
@@ -54,11 +61,21 @@ class CheckpointMetadata(dict):
     Args:
       leaves: the ``{path: LeafMetadata}`` (or ``{item: ...}``) dict.
       custom_metadata: the ``custom_metadata`` saved with the checkpoint (``{}`` if none).
+      item_handlers: for a composite, each item's handler as ``typestr()`` (``None`` where
+        not recorded); ``None`` for a single item.
+      commit_timestamp_nsecs: when the checkpoint was committed (ns since the epoch), if known.
     """
 
-    def __init__(self, leaves: dict[str, Any], custom_metadata: Any = None) -> None:
+    def __init__(self, leaves: dict[str, Any], custom_metadata: Any = None, *,
+                 item_handlers: dict[str, str | None] | None = None,
+                 commit_timestamp_nsecs: int | None = None) -> None:
         super().__init__(leaves)
         self.custom_metadata = {} if custom_metadata is None else custom_metadata
+        self.item_handlers = item_handlers
+        self.commit_timestamp_nsecs = commit_timestamp_nsecs
+        self.init_timestamp_nsecs: int | None = None  # a Checkpointer does not record it
+        self.metrics: dict[str, Any] = {}  # a Checkpointer saves no metrics (a manager's steps do)
+        self.performance_metrics = SaveStepStatistics()  # not recorded for a Checkpointer's save
 
     @property
     def item_metadata(self) -> dict[str, Any]:
@@ -96,13 +113,22 @@ def describe(directory: str) -> CheckpointMetadata:
     }
     f = os.path.join(directory, CUSTOM_METADATA_FILE)
     custom = _fs.read_json(f, require_checksum=True) if os.path.isfile(f) else None
-    return CheckpointMetadata(out[""] if "" in out else out, custom)
+    handlers = None
+    if "" not in out:
+        recorded = _fs.read_json(os.path.join(directory, ITEMS_FILE), require_checksum=True).get("handlers")
+        handlers = {n: recorded.get(n) if isinstance(recorded, dict) else None for n in out}
+    marker = os.path.join(directory, _fs.COMMIT_MARKER)
+    info = _fs.read_json(marker, require_checksum=True) if os.path.isfile(marker) else None
+    when = info.get("time") if isinstance(info, dict) else None
+    return CheckpointMetadata(out[""] if "" in out else out, custom, item_handlers=handlers,
+                              commit_timestamp_nsecs=int(when * 1e9) if isinstance(when, (int, float)) else None)
 
 
 def write(tmp: str, captured: dict[str, Any], *, compression: str | None, composite: bool,
-          custom_metadata: Any = None) -> None:
+          custom_metadata: Any = None, handlers: dict[str, str | None] | None = None) -> None:
     """Write captured items (and a JSON-able ``custom_metadata``) into the temporary
-    directory ``tmp`` (the caller commits)."""
+    directory ``tmp`` (the caller commits); a composite records ``handlers`` (each item's
+    handler ``typestr()``)."""
     if custom_metadata is not None and _multihost.is_primary():
         _fs.write_json_durable(os.path.join(tmp, CUSTOM_METADATA_FILE), custom_metadata)
     for name, (kind, value) in captured.items():
@@ -115,7 +141,10 @@ def write(tmp: str, captured: dict[str, Any], *, compression: str | None, compos
             _tree.write(value, sub, compression=compression)
     if composite and _multihost.is_primary():
         kinds = {name: kind for name, (kind, _) in captured.items()}
-        _fs.write_json_durable(os.path.join(tmp, ITEMS_FILE), {"items": kinds})
+        record: dict[str, Any] = {"items": kinds}
+        if handlers:
+            record["handlers"] = {n: h for n, h in handlers.items() if n in kinds}
+        _fs.write_json_durable(os.path.join(tmp, ITEMS_FILE), record)
         _fs.fsync_dir(tmp)
 
 

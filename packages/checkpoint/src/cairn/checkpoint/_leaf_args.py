@@ -19,6 +19,7 @@ import numpy as np
 
 from cairn.checkpoint._errors import TargetMismatchError
 from cairn.checkpoint._restore import LeafMetadata, metadata_of, restore_dir, saved_sharding
+from cairn.checkpoint._tree import is_prng_key
 from cairn.core_array import (
     ArraySpec,
     as_numpy_dtype,
@@ -320,16 +321,17 @@ def build_target(req: RestoreRequest, saved: Mapping[str, LeafMetadata], where: 
         return _target_leaf(path, user, ra, meta, req, f"{where} at {path!r}")
 
     target = map_with_path(leaf, base, is_leaf=_is_leaf)
+    skipped = _skipped_paths(base, saved)
     if missing:
         raise TargetMismatchError(
             f"{where}: restore_args name paths the checkpoint lacks: {missing} (it holds {sorted(saved)})"
         )
     covered = flatten_with_paths(base, is_leaf=_is_leaf)
-    if len(wanted) == len(covered):
+    if len(wanted) == len(covered) and not skipped:
         return target, None
     # PLACEHOLDER leaves make the read partial: a saved leaf must still be named (as a
     # value or a PLACEHOLDER of that leaf) unless the restore is partial
-    extra = [] if req.partial else sorted(p for p in saved if p not in covered)
+    extra = [] if req.partial else sorted(p for p in saved if p not in covered and not _under(p, skipped))
     if extra:
         raise TargetMismatchError(
             f"{where}: User-provided restore item and on-disk value differ: the checkpoint's paths {extra[:8]} are "
@@ -340,6 +342,17 @@ def build_target(req: RestoreRequest, saved: Mapping[str, LeafMetadata], where: 
     return target, (["(?:" + "|".join(wanted) + ")"] if wanted else [])
 
 
+def _skipped_paths(base: Any, saved: Mapping[str, LeafMetadata]) -> list[str]:
+    """The paths where the target holds ``None`` and the checkpoint holds data: as in
+    Orbax, that part is not read and comes back as ``None``."""
+    flat = flatten_with_paths(base, is_leaf=lambda x: x is None or _is_leaf(x))
+    return [p for p, v in flat.items() if v is None and any(q == p or q.startswith(p + "/") for q in saved)]
+
+
+def _under(path: str, prefixes: list[str]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
 def _target_leaf(
     path: str, t: Any, ra: RestoreArgs | None, meta: LeafMetadata, req: RestoreRequest, where: str
 ) -> Any:
@@ -347,6 +360,8 @@ def _target_leaf(
     without sharding, or no target, follows the saved kind (NumPy stays NumPy, as in Orbax).
     A shape other than saved, if allowed (``strict=False``), is read as saved and recorded
     in ``req.fixes`` to be truncated or padded afterwards."""
+    if t is not None and getattr(t, "dtype", None) is not None and is_prng_key(t):
+        return t  # a typed PRNG key target: the core reads its key data and wraps it
     if meta.kind == "scalar":
         if ra is not None and ra.restore_type is np.ndarray and not isinstance(meta.value, str):
             req.fixes[path] = ((), None)  # a saved Python number asked for as a NumPy array: 0-d after the read

@@ -30,7 +30,9 @@ from cairn.checkpoint._step_names import StandardNameFormat
 from cairn.core_array import is_checkpointable
 
 STEP_METADATA = "_STEP.json"
-_KINDS = ("pytree", "state", "json")
+# "opaque": a folder written by someone else (a user's Orbax handler): the core keeps it in
+# the step and commits it, but neither reads nor verifies what is inside
+_KINDS = ("pytree", "state", "json", "opaque")
 _log = logging.getLogger("cairn.checkpoint")
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
@@ -437,6 +439,10 @@ class CheckpointManager(_BackgroundSaver):
                 continue
             if kind == "json":
                 _json_item.read_json_item(sub)
+                continue
+            if kind == "opaque":
+                if not os.path.isdir(sub):
+                    raise _fs.corrupt(sub, f"item {name!r}'s folder is missing from a committed step")
                 continue
             for i in range(meta.get("process_count", 1)):
                 f = os.path.join(sub, f"state.process_{i}.json")
@@ -1161,6 +1167,9 @@ class CheckpointManager(_BackgroundSaver):
             return self._restore_state(sub, name, step, meta, _checkpointable_of(target))
         if kind == "json":
             return _json_item.read_json_item(sub)
+        if kind == "opaque":
+            raise TypeError(f"item {name!r} of step {step} was written by a user's handler; restore it through "
+                            "a manager that has that handler (Orbax's item_handlers or checkpointers)")
         if is_checkpointable(target):
             raise TypeError(f"item {name!r} is a pytree in step {step}, not a Checkpointable's state")
         return _restore.restore_dir(sub, target, **kw)

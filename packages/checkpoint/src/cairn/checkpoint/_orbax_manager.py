@@ -8,23 +8,30 @@ restores into ``Composite`` results.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost
-from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer
+import jax
+
+from cairn.checkpoint import _args, _fs, _json_item, _manager, _multihost, _policies
+from cairn.checkpoint._checkpointers import AsyncCheckpointer, Checkpointer, await_futures
 from cairn.checkpoint._handlers import (
     CheckpointHandler,
     JsonCheckpointHandler,
+    is_custom,
     registry_from,
     takes,
 )
 from cairn.checkpoint._json_item import JsonItem
 from cairn.checkpoint._manager import CheckpointManagerOptions, _checkpointable_of
 from cairn.checkpoint._registry import mismatch
+from cairn.checkpoint.logging import AbstractLogger, StandardLogger
+from cairn.checkpoint.logging.step_statistics import RestoreStepStatistics, SaveStepStatistics
 from cairn.core_array import is_checkpointable
 
 #: The item name of a step saved with non-Composite ``args`` (as in Orbax).
@@ -61,6 +68,16 @@ class StepMetadata:
     init_timestamp_nsecs: int | None = None
 
 
+@dataclass
+class _HandlerItem:
+    """An item a user's own handler writes into its folder of the step (stored as an
+    ``"opaque"`` item: the core commits the folder without reading it)."""
+
+    handler: Any
+    args: Any
+    futures: list[Any] = field(default_factory=list)
+
+
 class CheckpointManager(_manager.CheckpointManager):
     """:class:`cairn.checkpoint._manager.CheckpointManager` with Orbax's calling conventions.
 
@@ -81,6 +98,7 @@ class CheckpointManager(_manager.CheckpointManager):
         item_names: Sequence[str] | None = None,
         item_handlers: Any = None,
         handler_registry: Any = None,
+        logger: AbstractLogger | None = None,
         **ignored: Any,
     ) -> None:
         """Open the manager of ``directory``.
@@ -100,7 +118,9 @@ class CheckpointManager(_manager.CheckpointManager):
             take are refused for its item (``ValueError``, as in Orbax).
           handler_registry: a ``DefaultCheckpointHandlerRegistry`` instead of a dict of
             ``item_handlers`` (not both).
-          **ignored: Orbax's ``logger`` and the like, accepted and ignored.
+          logger: gets each save's and restore's statistics
+            (:mod:`cairn.checkpoint.logging`); default: a ``StandardLogger`` (INFO logs).
+          **ignored: Orbax's other keywords (``prevent_write_metadata``...), accepted and ignored.
         """
         if isinstance(checkpointers, CheckpointManagerOptions) and options is None:
             checkpointers, options = None, checkpointers
@@ -109,21 +129,7 @@ class CheckpointManager(_manager.CheckpointManager):
                 options, item_names = None, options
             else:
                 raise TypeError(f"options must be a CheckpointManagerOptions, got {type(options).__name__}")
-        if checkpointers is not None and not isinstance(checkpointers, (Checkpointer, Mapping)):
-            raise TypeError(
-                f"checkpointers must be a Checkpointer or a dict of them by item name, got {type(checkpointers).__name__}"
-            )
-        if isinstance(checkpointers, Mapping):
-            bad = [n for n, c in checkpointers.items() if not isinstance(c, Checkpointer)]
-            if bad:
-                raise TypeError(f"checkpointers {bad} are not Checkpointers")
-        if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
-            raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
-        if item_names is not None and isinstance(item_handlers, CheckpointHandler):
-            raise ValueError("item_names name several items, but item_handlers is one handler (for one unnamed "
-                             "item); pass a dict of handlers by item name")
-        if handler_registry is not None and item_handlers is not None:
-            raise ValueError("pass either handler_registry or item_handlers, not both")
+        _check_init_args(checkpointers, item_names, item_handlers, handler_registry, logger)
         if isinstance(item_handlers, Mapping):
             handler_registry = registry_from(item_handlers)
         if checkpointers is not None:
@@ -140,10 +146,19 @@ class CheckpointManager(_manager.CheckpointManager):
         # Orbax's rule: a manager holds either one unnamed item or named items, never both
         # (None: not known until the first save, or the newest step, says which)
         self._single: bool | None = None
+        self._opaque: dict[str, _HandlerItem] = {}  # the save in progress's items of a user's handler
+        self._opaque_deadline: float | None = None
         if item_names is not None or isinstance(item_handlers, Mapping) or handler_registry is not None:
             self._single = False
         elif isinstance(item_handlers, CheckpointHandler):
             self._single = True
+        self._logger = logger if logger is not None else StandardLogger()
+        self._previous_save: float | None = None
+        # Orbax's jax.monitoring events, under Orbax's names (listeners keep working)
+        jax.monitoring.record_event("/jax/orbax/checkpoint_manager/init")
+        policy = self._options.save_decision_policy
+        jax.monitoring.record_scalar("/jax/orbax/checkpoint_manager/continuous_checkpointing_enabled",
+                                     int(isinstance(policy, _policies.ContinuousCheckpointingPolicy)))
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save's background part (write, commit, retention) is still running."""
@@ -201,8 +216,80 @@ class CheckpointManager(_manager.CheckpointManager):
         self._check_layout(single, named if args is not None else {})
         if args is not None:
             self._check_handlers(named, single)
-        return self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
-                          custom_metadata=custom_metadata)
+        named = {n: _HandlerItem(h, v) if (h := self._custom_handler(n, single)) is not None else v
+                 for n, v in named.items()}
+        stats = SaveStepStatistics(step=int(step), directory=str(self.directory),
+                                   synchronous=not self._options.enable_async,
+                                   checkpoint_manager_blocking_start_time=time.time())
+        stats.wait_for_prev_start_time = time.time()
+        self._bg.wait()
+        stats.wait_for_prev_duration_secs = time.time() - stats.wait_for_prev_start_time
+        stats.get_old_steps_start_time = time.time()
+        self.all_steps()
+        stats.get_old_steps_duration_secs = time.time() - stats.get_old_steps_start_time
+        stats.checkpointer_blocking_start_time = time.time()
+        saved = self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
+                           custom_metadata=custom_metadata)
+        if saved:
+            end = time.time()
+            stats.checkpointer_blocking_duration_secs = end - stats.checkpointer_blocking_start_time
+            stats.checkpoint_manager_blocking_duration_secs = end - stats.checkpoint_manager_blocking_start_time
+            stats.reached_preemption = self.preemption_step is not None and int(step) >= self.preemption_step
+            if self._previous_save is not None:
+                stats.time_between_consecutive_saves_sec = stats.checkpoint_manager_blocking_start_time - \
+                    self._previous_save
+            self._previous_save = stats.checkpoint_manager_blocking_start_time
+            self._logger.log_entry(dataclasses.asdict(stats))
+        return saved
+
+    # --- items a user's own handler writes ---
+    def _custom_handler(self, name: str, single: bool) -> Any:
+        """The user's own handler (``is_custom``) that stores item ``name``, else ``None``:
+        from Orbax's positional checkpointer(s), or ``item_handlers`` / ``handler_registry``."""
+        ck = self._checkpointers
+        if isinstance(ck, Checkpointer):
+            handler = ck.handler
+        elif isinstance(ck, Mapping):
+            handler = ck[name].handler if name in ck else None
+        else:
+            found = self._handlers_of(name, single)
+            handler = found[0] if found else None
+        return handler if is_custom(handler) else None
+
+    def _capture(self, items: Mapping[str, Any]) -> Any:
+        """The core's capture of every item but those of a user's handler (kept for
+        :meth:`_prepare_step` and :meth:`_write_step`)."""
+        self._opaque = {n: v for n, v in items.items() if isinstance(v, _HandlerItem)}
+        return super()._capture({n: v for n, v in items.items() if n not in self._opaque})
+
+    def _prepare_step(self, step: int, tier: Any, final: str, copies: list[str], items: Mapping[str, Any]) -> Any:
+        """The core's temporary step folder; then, for a background save, each user's
+        handler's ``async_save`` into its item's folder, in the caller's thread (the
+        blocking part: device data reaches the host), keeping the futures it returns."""
+        tmp = super()._prepare_step(step, tier, final, copies, items)
+        self._opaque_deadline = None
+        timeout = self._options.async_options.timeout_secs if self._options.async_options else None
+        if timeout is not None:
+            self._opaque_deadline = time.monotonic() + timeout
+        if tmp is not None and self._options.enable_async:
+            for name, item in self._opaque.items():
+                sub = os.path.join(tmp, name)
+                item.futures = list(asyncio.run(item.handler.async_save(sub, args=item.args)) or [])
+        return tmp
+
+    def _write_step(self, tmp: str, snaps: Any, states: Any, step_meta: dict) -> None:
+        """Each user's handler finishes its item (``save`` when synchronous, else its
+        futures within ``async_options.timeout_secs``, then ``finalize``); then the core's
+        write, with those items recorded as ``"opaque"``."""
+        timeout = self._options.async_options.timeout_secs if self._options.async_options else None
+        for name, item in self._opaque.items():
+            sub = os.path.join(tmp, name)
+            if not self._options.enable_async:
+                item.handler.save(sub, args=item.args)
+            await_futures(item.futures, self._opaque_deadline, timeout)
+            item.handler.finalize(sub)
+            step_meta["items"][name] = "opaque"
+        super()._write_step(tmp, snaps, states, step_meta)
 
     def _check_layout(self, single: bool, named: Mapping[str, Any]) -> None:
         """Refuse (``ValueError``) a save whose layout (one unnamed item, or named items)
@@ -216,8 +303,8 @@ class CheckpointManager(_manager.CheckpointManager):
             if self._single:
                 raise ValueError("this manager holds one unnamed item (args=StandardSave(...) and the like); "
                                  "save it the same way, not as a Composite")
-            raise ValueError("this manager holds named items: must provide `args` of type `Composite` when "
-                             "dealing with multiple checkpointable objects")
+            raise ValueError("Must provide `args` of type `Composite` when dealing with multiple checkpointable "
+                             "objects. (This manager holds named items.)")
         self._single = single
         if not single and self.item_names is not None:
             unknown = sorted(set(named) - set(self.item_names))
@@ -321,7 +408,14 @@ class CheckpointManager(_manager.CheckpointManager):
                 return self._handler_targets(meta)
             return items
 
-        out, _ = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
+        stats = RestoreStepStatistics(directory=str(self.directory), checkpoint_manager_start_time=time.time())
+        stats.checkpointer_start_time = time.time()
+        out, meta = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
+        end = time.time()
+        stats.step = meta.get("step")
+        stats.checkpointer_duration_secs = end - stats.checkpointer_start_time
+        stats.checkpoint_manager_duration_secs = end - stats.checkpoint_manager_start_time
+        self._logger.log_entry(dataclasses.asdict(stats))
         if box.get("unwrap"):
             return out[DEFAULT_ITEM_NAME]
         return out if plain and not legacy else _args.Composite(out)
@@ -349,6 +443,13 @@ class CheckpointManager(_manager.CheckpointManager):
 
     def _restore_item(self, sub: str, name: str, kind: str, target: Any, step: int, meta: dict,
                       kw: dict[str, Any]) -> Any:
+        if kind == "opaque":  # written by a user's handler: read back by the same handler
+            handler = self._custom_handler(name, bool(meta.get("single")))
+            if handler is not None:
+                wanted = target if isinstance(target, _args.CheckpointArgs) else _args.wrap_for_handler(
+                    handler, target, for_save=False)
+                return handler.restore(sub, args=wanted)
+            return super()._restore_item(sub, name, kind, target, step, meta, kw)
         if not isinstance(target, _args.CheckpointArgs):
             return super()._restore_item(sub, name, kind, target, step, meta, kw)
         if target.saving:
@@ -365,6 +466,29 @@ class CheckpointManager(_manager.CheckpointManager):
                 f"PyTreeRestore or ArrayRestore, not {type(target).__name__}"
             )
         return _args.restore_pytree(sub, target, f"item {name!r} of step {step}")
+
+
+def _check_init_args(checkpointers: Any, item_names: Any, item_handlers: Any, handler_registry: Any,
+                     logger: Any) -> None:
+    """Refuse ``CheckpointManager`` arguments of the wrong type or that contradict each other."""
+    if checkpointers is not None and not isinstance(checkpointers, (Checkpointer, Mapping)):
+        raise TypeError(
+            f"checkpointers must be a Checkpointer or a dict of them by item name, got {type(checkpointers).__name__}"
+        )
+    if isinstance(checkpointers, Mapping):
+        bad = [n for n, c in checkpointers.items() if not isinstance(c, Checkpointer)]
+        if bad:
+            raise TypeError(f"checkpointers {bad} are not Checkpointers")
+    if item_handlers is not None and not isinstance(item_handlers, (CheckpointHandler, Mapping)):
+        raise TypeError(f"item_handlers must be a handler or a dict of them, got {type(item_handlers).__name__}")
+    if item_names is not None and isinstance(item_handlers, CheckpointHandler):
+        raise ValueError("item_names name several items, but item_handlers is one handler (for one unnamed "
+                         "item); pass a dict of handlers by item name")
+    if handler_registry is not None and item_handlers is not None:
+        raise ValueError("pass either handler_registry or item_handlers, not both")
+    if logger is not None and not callable(getattr(logger, "log_entry", None)):
+        raise TypeError(f"logger must have log_entry(entry) (a cairn.checkpoint.logging logger), "
+                        f"got {type(logger).__name__}")
 
 
 def _plain(items: Any) -> bool:

@@ -185,8 +185,28 @@ class _Want:
     keep: Any = None
 
 
+def _key_data_target(t: Any, entry: dict) -> jax.ShapeDtypeStruct:
+    """The key data a typed PRNG key target ``t`` is read as: its shape plus the saved
+    trailing key dimensions, ``uint32``, its sharding with those dimensions unsharded."""
+    if not entry.get("prng_impl"):
+        raise TypeError(f"the target is a PRNG key array, the checkpoint {_describe(entry)} (not a key)")
+    saved = tuple(entry["spec"]["shape"])
+    shape = tuple(t.shape) + saved[len(t.shape):]
+    sharding = getattr(t, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    elif sharding is not None and not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        sharding = None  # another kind of sharding cannot be widened: placed as saved
+    return jax.ShapeDtypeStruct(shape, np.dtype(np.uint32), sharding=sharding)
+
+
 def _want_from_target(t: Any, entry: dict, mesh: Any) -> tuple[_Want, tuple | None, Any]:
     """(what to build, expected shape or None, expected dtype or None) for a target leaf."""
+    if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) and _tree.is_prng_key(t):
+        t = _key_data_target(t, entry)
+        if t.sharding is None:
+            return _Want("jax", t.dtype, saved_sharding(entry)), tuple(t.shape), t.dtype
     if isinstance(t, jax.Array):
         return _Want("jax", np.dtype(t.dtype), t.sharding), tuple(t.shape), np.dtype(t.dtype)
     if isinstance(t, jax.ShapeDtypeStruct):
@@ -593,6 +613,10 @@ def restore_dir(
     meta = load_metadata(directory)
     todo, tgt = plan(meta, target, paths=paths, partial=partial, cast=cast, mesh=mesh, where=directory)
     results = read(directory, meta, todo)
+    for p, value in results.items():  # typed PRNG keys were stored as their key data
+        impl = meta["leaves"].get(p, {}).get("prng_impl")
+        if impl and isinstance(value, jax.Array):
+            results[p] = jax.random.wrap_key_data(value, impl=impl)
     if target is None and paths is None and meta.get("structure") is not None:
         try:
             return _structure.rebuild(meta["structure"], results)

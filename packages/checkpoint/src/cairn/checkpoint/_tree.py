@@ -21,6 +21,16 @@ FORMAT_VERSION = 2
 METADATA_FILE = "_METADATA.json"
 
 
+def is_prng_key(x: Any) -> bool:
+    """Whether ``x`` (an array, ``jax.ShapeDtypeStruct`` or dtype) is a typed PRNG key
+    (``jax.random.key(...)``), stored as its key data."""
+    dtype = getattr(x, "dtype", x)
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
 def regions_file(process: int) -> str:
     return f"_REGIONS.process_{process}.json"
 
@@ -101,6 +111,12 @@ def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot
     snap = Snapshot(leaves={}, structure=_structure.describe(tree, flat))
     on_device: list[tuple[str, list[list[int]], Any]] = []
     for path, leaf in flat.items():
+        impl = None
+        if isinstance(leaf, jax.Array) and is_prng_key(leaf):
+            if leaf.is_deleted():
+                raise CheckpointError(f"cannot checkpoint leaf {path!r}: the jax.Array was deleted (donated?)")
+            # a typed PRNG key array: its uint32 key data is stored, with the implementation's name
+            impl, leaf = str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
         if isinstance(leaf, jax.Array):
             if leaf.is_deleted():
                 raise CheckpointError(f"cannot checkpoint leaf {path!r}: the jax.Array was deleted (donated?)")
@@ -115,6 +131,8 @@ def snapshot(tree: Any, *, copy_host: bool, compression: str | None) -> Snapshot
                 "chunk_shape": chunk,
                 "sharding": _sharding_json(leaf.sharding),
             }
+            if impl is not None:
+                snap.leaves[path]["prng_impl"] = impl
             for shard in leaf.addressable_shards:
                 if shard.replica_id != 0:
                     continue

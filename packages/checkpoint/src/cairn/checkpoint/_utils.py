@@ -158,6 +158,20 @@ def get_save_directory(step: int, directory: str | os.PathLike, name: str | None
     return base / name if name else base
 
 
+def is_pathways_backend() -> bool:
+    """Whether JAX runs on Pathways (the devices' client says so, or the ``proxy`` platform
+    is in use); cairn.checkpoint runs the same either way, Orbax's tests ask.
+
+    >>> is_pathways_backend()  # CPU
+    False
+    """
+    devices = jax.local_devices()
+    if not devices:
+        return False
+    runtime = getattr(getattr(devices[0], "client", None), "runtime_type", "")
+    return "pathways" in str(runtime) or devices[0].platform == "proxy"
+
+
 def is_primary_host(primary_host: int | None = 0) -> bool:
     """Whether this process is ``primary_host`` (process 0 by default); ``None`` means every
     process is primary (Orbax's convention).
