@@ -27,6 +27,21 @@ objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor p
 _.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
 
 # --- read by reflection ---
+preemption_received_at  # checkpoint logging step_statistics: Orbax's statistics schema, emitted through asdict
+synchronous  # checkpoint logging step_statistics: Orbax's statistics schema, emitted through asdict
+checkpoint_manager_start_time  # checkpoint logging step_statistics: a field, read through dataclasses.asdict
+event_type  # checkpoint logging step_statistics: a dataclass field, read through dataclasses.asdict by the loggers
+checkpointer_duration_secs  # checkpoint logging step_statistics: a field, read through dataclasses.asdict by the loggers
+checkpoint_manager_duration_secs  # checkpoint logging step_statistics: a field, read through dataclasses.asdict
+_.wait_for_prev_duration_secs  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.get_old_steps_duration_secs  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.checkpointer_blocking_start_time  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.checkpointer_blocking_duration_secs  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.checkpoint_manager_blocking_duration_secs  # checkpoint _orbax_manager: a statistics field read through asdict
+_.time_between_consecutive_saves_sec  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.checkpointer_start_time  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.checkpointer_duration_secs  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
+_.checkpoint_manager_duration_secs  # checkpoint _orbax_manager: a statistics field the loggers read through asdict
 _.np_random_map  # data transforms.TfRandomMap: Grain's abstract method, defined by users' subclasses
 _.pytest_collection_modifyitems  # tools/compat_suites.py Recorder: a pytest hook, called by pytest
 _.pytest_collection_finish  # tools/compat_suites.py Recorder: a pytest hook, called by pytest

@@ -227,17 +227,17 @@ class CheckpointManager(_manager.CheckpointManager):
         stats.get_old_steps_start_time = time.time()
         self.all_steps()
         stats.get_old_steps_duration_secs = time.time() - stats.get_old_steps_start_time
-        stats.checkpointer_blocking_start_time = time.time()
+        t_block = stats.checkpointer_blocking_start_time = time.time()
+        t_manager = stats.checkpoint_manager_blocking_start_time
         saved = self._save(step, lambda: _core_items(named), metrics, force=force, single=single,
                            custom_metadata=custom_metadata)
         if saved:
             end = time.time()
-            stats.checkpointer_blocking_duration_secs = end - stats.checkpointer_blocking_start_time
-            stats.checkpoint_manager_blocking_duration_secs = end - stats.checkpoint_manager_blocking_start_time
+            stats.checkpointer_blocking_duration_secs = end - t_block
+            stats.checkpoint_manager_blocking_duration_secs = None if t_manager is None else end - t_manager
             stats.reached_preemption = self.preemption_step is not None and int(step) >= self.preemption_step
-            if self._previous_save is not None:
-                stats.time_between_consecutive_saves_sec = stats.checkpoint_manager_blocking_start_time - \
-                    self._previous_save
+            if self._previous_save is not None and t_manager is not None:
+                stats.time_between_consecutive_saves_sec = t_manager - self._previous_save
             self._previous_save = stats.checkpoint_manager_blocking_start_time
             self._logger.log_entry(dataclasses.asdict(stats))
         return saved
@@ -408,13 +408,14 @@ class CheckpointManager(_manager.CheckpointManager):
                 return self._handler_targets(meta)
             return items
 
-        stats = RestoreStepStatistics(directory=str(self.directory), checkpoint_manager_start_time=time.time())
-        stats.checkpointer_start_time = time.time()
+        t_manager = time.time()
+        stats = RestoreStepStatistics(directory=str(self.directory), checkpoint_manager_start_time=t_manager)
+        t_read = stats.checkpointer_start_time = time.time()
         out, meta = self._restore(step, targets, partial=partial, cast=cast, mesh=mesh)
         end = time.time()
         stats.step = meta.get("step")
-        stats.checkpointer_duration_secs = end - stats.checkpointer_start_time
-        stats.checkpoint_manager_duration_secs = end - stats.checkpoint_manager_start_time
+        stats.checkpointer_duration_secs = end - t_read
+        stats.checkpoint_manager_duration_secs = end - t_manager
         self._logger.log_entry(dataclasses.asdict(stats))
         if box.get("unwrap"):
             return out[DEFAULT_ITEM_NAME]
