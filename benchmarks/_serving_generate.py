@@ -13,7 +13,6 @@ serves all three:
 * ``static``: the same slots with ``scheduler="static"`` and ``prefill_batch=4`` (a batch is
   admitted only when every slot is free, so it runs until its longest request finishes:
   padded batches of 64, prefilled 4 prompts of one length bucket at a time).
-
 * ``one-at-a-time``: ``num_slots=1, prefill_batch=1``.
 
 Each batcher runs at the prefill batch that serves it best on this CPU (server CPU per
