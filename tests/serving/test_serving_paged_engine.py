@@ -298,6 +298,7 @@ def test_the_server_reports_prefix_cache_hits_and_kv_usage_in_metrics(model):
     assert re.search(rf"cairn_prefix_cache_query_tokens_total{labels} {2 * len(SYSTEM) + 3}\b", text), text
     assert re.search(rf"cairn_prefix_cache_hit_tokens_total{labels} {5 * BS}\b", text)
     assert re.search(rf"cairn_kv_cache_usage_ratio{labels} 0\b", text)
+    assert re.search(rf"cairn_generation_preemptions_total{labels} 0\b", text)
 
 
 def test_openai_client_over_the_paged_engine(tmp_path):
