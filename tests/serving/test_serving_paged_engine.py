@@ -1,6 +1,8 @@
 """The paged generation engine (GenerationConfig(kv_layout="paged")) on the tiny test LM:
 prefix caching (hits counted, tokens unchanged, blocks being written never shared),
 cancel frees blocks, many short requests in the memory where contiguous rows refuse,
+preemption and resumption in a pool too small for all requests (tokens as alone), no
+reservation of max_tokens, copy-on-write of a shared partial block for n samples,
 chunked prefill between decode steps, per-token logprobs against a float64 log_softmax of
 the full forward pass, export -> load of the paged program, and bad settings.
 (The contiguous engine's tests run over both layouts in test_serving_generate_engine.py.)"""
