@@ -427,13 +427,18 @@ class _Recording(_Flaky):
         self.log.append("decode")
         return super().decode(tokens, positions, cache)
 
+    def paged_step(self, tokens, positions, lengths, tables, pool):
+        if np.asarray(tokens).shape[1] == 1:  # a decode step
+            self.log.append("decode")
+        return super().paged_step(tokens, positions, lengths, tables, pool)
+
 
 def test_a_steps_events_are_streamed_while_the_next_step_runs(model, engine):
     """Token i's event (i >= 1) is delivered after step i + 1 is dispatched (its host work
-    overlaps the device); a request ending by its length leaves at sampling, so no
-    step runs after its last token; the tokens are those of the plain engine."""
+    overlaps the device), in either KV layout; a request ending by its length leaves at
+    sampling, so no step runs after its last token; the tokens are those of the plain engine."""
     order: list = []
-    with GenerationEngine(_Recording(model, order), CONFIG) as eng:
+    with GenerationEngine(_Recording(model, order), _config(_layout(engine))) as eng:
         order.clear()  # the warm-up's compile
         res = eng.submit([3, 4, 5], SamplingParams(5), on_event=lambda ev: order.append(ev.index)).result(30)
         time.sleep(0.2)  # the engine idles: no step follows the last token
@@ -441,18 +446,19 @@ def test_a_steps_events_are_streamed_while_the_next_step_runs(model, engine):
     assert order == [0, "decode", "decode", 1, "decode", 2, "decode", 3, 4, 5]  # 5: the final event
 
 
-def test_a_stop_string_found_at_the_next_step_keeps_the_tokens(model):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stop_string_found_at_the_next_step_keeps_the_tokens(model, layout):
     """A stop string is seen while recording a step (after the next was dispatched): that
     extra step's row is dropped, the result ends at the stop as in the plain engine."""
     gen = _generator()
     prompt = [3, 4, 5]
-    full = GenerationEngine(gen, CONFIG).start(precompile=False)
+    full = GenerationEngine(gen, _config(layout)).start(precompile=False)
     try:
         text = full.generate(prompt, SamplingParams(12)).text
     finally:
         full.stop()
     stop = text[3:5]
-    with GenerationEngine(gen, CONFIG) as eng:
+    with GenerationEngine(gen, _config(layout)) as eng:
         res = eng.generate(prompt, SamplingParams(12, stop=(stop,)))
     assert res.finish_reason == "stop" and res.text == text[: text.index(stop)]
     assert eng.stats()["active_slots"] == 0

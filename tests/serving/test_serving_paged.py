@@ -2,10 +2,12 @@
 
 A hypothesis state machine drives random add / append / free / reset sequences (prompts
 drawn from a few shared prefixes so blocks are shared) against a model that writes each
-token into the slot the cache gave it, and checks after every step: a block in two live
-sequences is full, read-only and holds the same tokens for both (so no copy-on-write is
-needed), every cache hit holds exactly the prompt's tokens, refcounts equal the live
-tables' references, free + used == total, and nothing leaks once every sequence is freed.
+token into the slot the cache gave it (after the block copies the cache asks for), and
+checks after every step: no write lands in a block two live sequences hold (a shared
+partial block is copied on write), a shared block holds the same tokens for every sharer
+up to where each sees it, every cache hit holds exactly the prompt's tokens, refcounts
+equal the live tables' references, free + used == total, and nothing leaks once every
+sequence is freed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ class PagedCacheMachine(RuleBasedStateMachine):
         self.ids = itertools.count()
 
     def _write(self, seq, start):
-        """Write tokens ``start..`` of ``seq`` into their slots; shared blocks must never be written."""
+        """Copy the blocks the cache asks for, then write tokens ``start..`` of ``seq`` into
+        their slots; shared blocks must never be written."""
+        for src, dst in self.cache.take_copies():
+            self.content[dst] = list(self.content[src])
         table = self.cache.block_table(seq)
         for j in range(start, len(self.tokens[seq])):
             block = table[j // BS]
@@ -60,12 +65,12 @@ class PagedCacheMachine(RuleBasedStateMachine):
             assert len(prompt) > 6 * BS and not fits
             return
         assert fits
-        assert cached % BS == 0 and cached < len(prompt)
+        assert cached < len(prompt) and (cached % BS == 0 or cached == len(prompt) - 1)
         self.tokens[seq] = list(prompt)
+        self._write(seq, cached)
         table = self.cache.block_table(seq)
         for j in range(cached):  # every reused slot holds exactly this prompt's prefix up to there
             assert self.content[table[j // BS]][j % BS] == tuple(prompt[: j + 1])
-        self._write(seq, cached)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
@@ -110,7 +115,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         assert all(refs[b] == 0 for b in cache.eviction_order())
 
     @invariant()
-    def shared_blocks_are_full_and_equal(self):
+    def shared_blocks_hold_the_same_prefix(self):
         owners: dict[int, list[tuple[int, int]]] = {}
         for seq in self.tokens:
             for i, block in enumerate(self.cache.block_table(seq)):
@@ -118,10 +123,12 @@ class PagedCacheMachine(RuleBasedStateMachine):
         for block, users in owners.items():
             if len(users) < 2:
                 continue
-            for seq, i in users:
-                assert len(self.tokens[seq]) >= (i + 1) * BS, f"shared block {block} is not full"
-            prefixes = {tuple(self.tokens[s][: (i + 1) * BS]) for s, i in users}
+            seen = min(min(len(self.tokens[s]), (i + 1) * BS) - i * BS for s, i in users)
+            prefixes = {tuple(self.tokens[s][: i * BS + seen]) for s, i in users}
             assert len(prefixes) == 1, f"block {block} shared by different prefixes {prefixes}"
+            # what every sharer reads of it is what was written there
+            assert all(self.content[block][k] == tuple(self.tokens[users[0][0]][: users[0][1] * BS + k + 1])
+                       for k in range(seen)), block
 
     def teardown(self):
         for seq in list(self.tokens):
@@ -155,25 +162,36 @@ def test_shared_system_prompt_hit_rate():
     assert cache.usage == pytest.approx((32 + 8 * 7) / 400)
 
 
-def test_n_samples_of_one_prompt_share_all_but_the_tail_block():
+def test_n_samples_share_the_partial_block_and_copy_it_on_first_write():
     prompt = list(range(50))  # 3 full blocks of 16 + 2 tokens
     cache = PagedCache(num_blocks=64, block_size=16)
-    cached = [cache.add_sequence(("req", i), prompt) for i in range(4)]
-    assert cached == [0, 48, 48, 48]
+    first = cache.add_sequence(("req", 0), prompt)
+    tail = cache.block_table(("req", 0))[3]
+    assert first == 0 and cache.take_copies() == []
+    # each later sample reuses all but the last token: 3 full blocks and the first token of the
+    # partial one, whose slot 1 it then writes: into a copy of the shared block
+    cached = [cache.add_sequence(("req", i), prompt) for i in range(1, 4)]
+    assert cached == [49, 49, 49]
     tables = [cache.block_table(("req", i)) for i in range(4)]
     assert all(t[:3] == tables[0][:3] for t in tables) and len({t[3] for t in tables}) == 4
-    assert cache.refcount(tables[0][0]) == 4
+    assert tables[0][3] == tail and cache.take_copies() == [(tail, t[3]) for t in tables[1:]]
+    assert cache.refcount(tables[0][0]) == 4 and cache.refcount(tail) == 1
+    stats = cache.stats()
+    assert stats.copies == 3 and stats.hit_tokens == 3 * 49 and stats.hits == 3 * 3
+    assert cache.blocks_needed(prompt) == 4 - 3  # the shared partial block is copied: it saves no block
     for i in range(4):  # each sample decodes into its own tail
         cache.append_tokens(("req", i), [1000 + i] * 20)
     assert cache.num_used_blocks == 3 + 4 * 2
 
 
-def test_prompt_of_whole_blocks_recomputes_its_last_block():
+def test_prompt_of_whole_blocks_recomputes_only_its_last_token():
     cache = PagedCache(num_blocks=8, block_size=4)
     cache.add_sequence("a", list(range(8)))
-    assert cache.add_sequence("b", list(range(8))) == 4  # the block of the last token is computed anew
+    # the block of the last token: its first 3 tokens are shared, then copied for the last one
+    assert cache.add_sequence("b", list(range(8))) == 7
+    assert cache.take_copies() == [(cache.block_table("a")[1], cache.block_table("b")[1])]
     assert cache.add_sequence("c", list(range(9))) == 8
-    assert cache.stats().hits == 1 + 2
+    assert cache.stats().hits == 1 + 2 and cache.stats().hit_tokens == 7 + 8
 
 
 def test_generated_tokens_enter_the_prefix_cache():
@@ -305,7 +323,9 @@ def test_cached_prefix_looks_up_without_claiming_or_counting():
     cache = PagedCache(num_blocks=8, block_size=4)
     cache.add_sequence("a", list(range(10)))
     before = (cache.stats(), cache.num_free_blocks)
-    assert cache.cached_prefix(list(range(9)) + [99]) == cache.block_table("a")[:2]
+    # both full blocks and the partial block of its tokens before the last one
+    assert cache.cached_prefix(list(range(9)) + [99]) == cache.block_table("a")
+    assert cache.cached_prefix(list(range(8)) + [77, 99]) == cache.block_table("a")[:2]  # the partial differs
     assert cache.cached_prefix([5, 5, 5, 5, 5]) == []
     assert (cache.stats(), cache.num_free_blocks) == before
 
@@ -318,7 +338,7 @@ def test_free_with_written_forgets_blocks_never_computed():
     cache.free("a", written=4)
     assert cache.cached_prefix(list(range(10))) == [first]  # the second block's name is gone
     assert cache.num_cached_blocks == 1 and cache.num_free_blocks == 8 and second not in cache.eviction_order()
-    # written covers everything: both full blocks stay cached
+    # written covers everything: both full blocks and the partial one stay cached
     cache.add_sequence("b", list(range(10)))
     cache.free("b", written=10)
-    assert len(cache.cached_prefix(list(range(10)))) == 2
+    assert len(cache.cached_prefix(list(range(10)))) == 3

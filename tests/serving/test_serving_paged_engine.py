@@ -1,6 +1,8 @@
 """The paged generation engine (GenerationConfig(kv_layout="paged")) on the tiny test LM:
 prefix caching (hits counted, tokens unchanged, blocks being written never shared),
 cancel frees blocks, many short requests in the memory where contiguous rows refuse,
+preemption and resumption in a pool too small for all requests (tokens as alone), no
+reservation of max_tokens, copy-on-write of a shared partial block for n samples,
 chunked prefill between decode steps, per-token logprobs against a float64 log_softmax of
 the full forward pass, export -> load of the paged program, and bad settings.
 (The contiguous engine's tests run over both layouts in test_serving_generate_engine.py.)"""
@@ -128,20 +130,85 @@ def test_many_short_requests_fit_where_contiguous_rows_refuse():
     assert peak["contiguous"] == 2 and peak["paged"] == 8
 
 
-@pytest.mark.slow  # its own pool shape to compile
-def test_admission_waits_for_blocks_and_reserves_the_requests_tokens(model):
-    # a pool of 8 blocks: a request of 1 + 20 tokens reserves 5 of them, so a second one waits
-    with GenerationEngine(model, _paged(num_slots=4, num_blocks=8)) as eng:
-        peak = [0]
+def _small_pool(model, **kw):
+    """An engine on a pool of 8 blocks of 4 tokens (32 tokens for 4 slots), compiled as it goes."""
+    return GenerationEngine(model, _paged(num_slots=4, num_blocks=8, prefill_chunk=16, **kw)).start(precompile=False)
+
+
+def _events(store):
+    def on_event(ev):
+        store.append(ev.index)
+    return on_event
+
+
+def test_a_pool_too_small_for_all_requests_preempts_and_resumes_them_with_their_tokens(model):
+    # 4 requests of 3-6 prompt tokens + 20 new tokens: 6 blocks each at the end, 24 for all
+    # four at once, in a pool of 8 (and two more ending at a stop string). They are admitted on what they hold now, grow block by
+    # block, and the youngest running request is preempted when a block is missing; each
+    # resumes (recomputing its keys and values) with the tokens it gets alone.
+    work = [(_prompt(3 + i, 40 + i), SamplingParams(20, temperature=0.9 if i % 2 else 0.0, top_k=8, seed=i))
+            for i in range(4)]
+    with GenerationEngine(model, _paged()) as roomy:
+        texts = [roomy.generate(*w).text for w in work]
+        # two more end at a stop string late in their text (seen one step after sampling, maybe
+        # while preempted)
+        work += [(p, SamplingParams(20, temperature=0.9, top_k=8, seed=i, stop=(texts[i][-4:-2],)))
+                 for i, (p, _) in enumerate(work[2:], start=2)]
+        alone = [roomy.generate(*w) for w in work]
+    with _small_pool(model) as eng:
+        events = [[] for _ in work]
+        reqs = [eng.submit(*w, on_event=_events(ev)) for w, ev in zip(work, events, strict=True)]
+        got = [r.result(60) for r in reqs]
+        stats = eng.stats()
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert [(r.text, r.finish_reason) for r in got] == [(r.text, r.finish_reason) for r in alone]
+    assert [r.finish_reason for r in got[4:]] == ["stop", "stop"]
+    assert stats["preemptions"] >= 1 and stats["free_blocks"] == 8 and stats["active_slots"] == 0
+    # replayed tokens are not generated again (a stop string seen a step late samples one discarded row)
+    assert 0 <= stats["tokens"] - sum(len(r.token_ids) for r in got) <= 2
+    for ev, r in zip(events, got, strict=True):  # every token streamed once, in order, across the preemption
+        assert ev == list(range(len(r.token_ids) + 1))
+
+
+def test_requests_far_below_their_max_tokens_run_together_without_reserving_it(model):
+    # each asks for up to 27 new tokens (7 blocks of the pool's 8, the old reservation: one at a
+    # time) but ends after a few at its stop token: all four run at once
+    probe = [(_prompt(1, 50 + i), SamplingParams(27, temperature=1.0, seed=i)) for i in range(12)]
+    with GenerationEngine(model, _paged()) as roomy:
+        free = [roomy.generate(*w).token_ids for w in probe]
+    # four requests, each stopping at a token k >= 2 that it has not generated before
+    ends = {i: next((k for k in range(2, 12) if t[k] not in t[:k]), None) for i, t in enumerate(free)}
+    picked = [i for i, k in ends.items() if k is not None][:4]
+    work = [(probe[i][0], SamplingParams(27, temperature=1.0, seed=i, stop_token_ids=(free[i][ends[i]],))) for i in picked]
+    with _small_pool(model) as eng:
+        peak, submitted = [0], threading.Event()
 
         def watch(ev):
+            submitted.wait(30)  # the first request's first token holds the engine until all are queued
             peak[0] = max(peak[0], eng.stats()["active_slots"])
 
-        reqs = [eng.submit([3 + i], SamplingParams(21), on_event=watch) for i in range(3)]
-        assert all(len(r.result(60).token_ids) == 21 for r in reqs)
-        assert peak[0] == 1 and eng.stats()["free_blocks"] == 8
-        with pytest.raises(ValueError, match=r"needs 9 KV blocks of 4 tokens; the pool has 8"):
-            eng.submit([3] * 10, SamplingParams(26))
+        reqs = [eng.submit(*w, on_event=watch) for w in work]
+        submitted.set()
+        got = [r.result(60) for r in reqs]
+    assert [r.token_ids for r in got] == [free[i][: ends[i] + 1] for i in picked]
+    assert peak[0] == 4 and all(r.finish_reason == "stop" for r in got)
+
+
+def test_n_samples_copy_the_shared_partial_block_on_their_first_write(model):
+    # a prompt of 5 full blocks and 2 tokens: the later samples share its 5 blocks and the
+    # first token of the partial one, each copies that block before writing its last token,
+    # and every sample gets the tokens it gets without prefix caching
+    prompt = SYSTEM + [7]  # 22 tokens
+    work = [(prompt, SamplingParams(10, temperature=1.0, seed=i)) for i in range(4)]
+    with GenerationEngine(model, _paged(enable_prefix_caching=False)) as cold:
+        alone = [cold.generate(*w).token_ids for w in work]
+    with GenerationEngine(model, _paged()) as eng:
+        reqs = [eng.submit(*w) for w in work]
+        got = [r.result(60).token_ids for r in reqs]
+        stats = eng.stats()
+    assert got == alone and len({tuple(t) for t in got}) > 1
+    assert stats["prefix_cache_copies"] == 3 and stats["prefix_cache_hit_tokens"] == 3 * (len(prompt) - 1)
+    assert stats["free_blocks"] == stats["num_blocks"]
 
 
 def test_chunked_prefill_runs_between_decode_steps(model):
@@ -240,6 +307,7 @@ def test_the_server_reports_prefix_cache_hits_and_kv_usage_in_metrics(model):
     assert re.search(rf"cairn_prefix_cache_query_tokens_total{labels} {2 * len(SYSTEM) + 3}\b", text), text
     assert re.search(rf"cairn_prefix_cache_hit_tokens_total{labels} {5 * BS}\b", text)
     assert re.search(rf"cairn_kv_cache_usage_ratio{labels} 0\b", text)
+    assert re.search(rf"cairn_generation_preemptions_total{labels} 0\b", text)
 
 
 def test_openai_client_over_the_paged_engine(tmp_path):

@@ -750,61 +750,90 @@ class GenerationEngine:
             return
         self._counts["prefills"] += 1
         self._counts["tokens"] += len(group)  # counted as generated, so stats() shows a live rate
-        reqs = [r for r, _ in group]
-        toks, lps = _sample(host[: len(group)], reqs)
-        vocab = self.model.vocabulary
-        for (r, slot), tok, lp in zip(group, toks.tolist(), lps):
-            self._positions[slot], self._tokens[slot] = len(r.prompt), tok
-            if r._add(tok, vocab, lp):
-                self._retire(slot)
+        for r, slot in group:
+            self._positions[slot] = len(r.prompt)
+        self._take(host, [(i, slot, r) for i, (r, slot) in enumerate(group)], defer=False)
 
-    def _decode(self) -> None:
-        """One decode step over every slot. The device runs it while the previous step's
-        rows are recorded and streamed (:meth:`_flush`); this step's tokens are sampled
-        at once (the next step needs them), and a row that ends by a stop token or its
-        ``max_new_tokens`` leaves its slot and gets its last events now."""
+    # --- the step's host work, shared by every KV layout ---
+
+    def _decode_rows(self) -> list[tuple[int, GenerationRequest]]:
+        """The ``(slot, request)`` rows that decode this step: every busy slot."""
+        return [(slot, r) for slot, r in enumerate(self._slots) if r is not None]
+
+    def _dispatch_decode(self, rows: list[tuple[int, GenerationRequest]]) -> Any:
+        """Start one decode step over every slot on the device; its logits ``(num_slots, vocab)``, not waited for."""
         import jax
 
+        tokens, positions = jax.device_put((self._tokens, self._positions))
+        logits, self._cache = self.model.decode(tokens, positions, self._cache)
+        return logits
+
+    def _decoded(self, rows: list[tuple[int, GenerationRequest]]) -> list[tuple[int, GenerationRequest]]:
+        """After a decode step (positions advanced): the rows whose next token is sampled."""
+        return rows
+
+    def _grow(self, rows: list[tuple[int, GenerationRequest, int, Any]]) -> None:
+        """Room for the new tokens of the rows that go on (a contiguous row has it)."""
+
+    def _decode(self) -> None:
+        """One decode step. The device runs it while the previous step's rows are recorded
+        and streamed (:meth:`_flush`); this step's tokens are sampled at once (the next step
+        needs them), and a row that ends by a stop token or its ``max_new_tokens`` leaves
+        its slot and gets its last events now (:meth:`_take`)."""
+        active = self._decode_rows()
+        if not active:
+            return
         try:
-            tokens, positions = jax.device_put((self._tokens, self._positions))
-            logits, self._cache = self.model.decode(tokens, positions, self._cache)
+            logits = self._dispatch_decode(active)
             self._flush()  # host work of the last step, overlapped with this one
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
             log.exception("generation decode step failed")
-            self._model_error(e, [r for r in self._slots if r is not None])  # every active request was in it
+            self._model_error(e, [r for _, r in active])  # every active request was in it
             return
-        active = [(slot, r) for slot, r in enumerate(self._slots) if r is not None]
         self._counts["steps"] += 1
-        self._counts["tokens"] += len(active)
-        reqs = [r for _, r in active]
-        # one batched call for every row (a row's token depends on its own logits, seed and index only)
-        toks, lps = _sample(host[[slot for slot, _ in active]], reqs)
-        ended = []
-        for (slot, r), tok, lp in zip(active, toks.tolist(), lps):
+        for slot, _ in active:
+            self._positions[slot] += 1
+        rows = self._decoded(active)
+        self._counts["tokens"] += len(rows)
+        self._take(host, [(slot, slot, r) for slot, r in rows], defer=True)
+
+    def _take(self, host: np.ndarray, rows: list[tuple[int, int, GenerationRequest]], defer: bool) -> None:
+        """Sample the next token of ``rows`` (``(row of host, slot, request)``; one batched
+        call: a row's token depends on its own logits, seed and index only). A row that ends
+        by a stop token or its length leaves its slot and is recorded now; the others feed
+        the next step and are recorded now, or with ``defer`` while the next step runs."""
+        if not rows:
+            return
+        toks, lps = _sample(host[[row for row, _, _ in rows]], [r for _, _, r in rows])
+        ended, going = [], []
+        for (_, slot, r), tok, lp in zip(rows, toks.tolist(), lps):
             if tok in r.stops or len(r.token_ids) + 1 >= r.params.max_new_tokens:
                 ended.append((slot, r, tok, lp))  # _add will say finished
             else:
-                self._pending.append((slot, r, tok, lp))
-                self._positions[slot] += 1
+                going.append((slot, r, tok, lp))
                 self._tokens[slot] = tok
         if ended:  # now, not after the next step: a closed-loop client sends its next request sooner
             with self._cond:
                 for slot, *_ in ended:
                     self._free(slot)
                 self._cond.notify_all()
-            pending, self._pending = self._pending, ended
-            self._flush()
-            self._pending = pending
+        if defer:
+            self._pending.extend(going)
+        self._grow(going)
+        self._flush_rows(ended if defer else ended + going)
 
     def _flush(self, ended_only: bool = False) -> None:
-        """Record and stream the pending rows of the last decode step (their text, stop
-        strings and events); retire those that finished. A request cancelled or failed
-        in between drops its pending token; with ``ended_only`` (the engine stopping), so
-        does every request still in its slot."""
+        """Record and stream the pending rows of the last decode step (:meth:`_flush_rows`)."""
         pending, self._pending = self._pending, []
+        self._flush_rows(pending, ended_only)
+
+    def _flush_rows(self, rows: list[tuple[int, GenerationRequest, int, Any]], ended_only: bool = False) -> None:
+        """Record and stream sampled rows (their text, stop strings and events); retire
+        those that finished. A request cancelled or failed in between drops its token;
+        with ``ended_only`` (the engine stopping), so does every request still in its slot."""
         vocab = self.model.vocabulary
-        for slot, r, tok, lp in pending:
+        for slot, r, tok, lp in rows:
             if r.done or (ended_only and self._slots[slot] is r):
                 continue
             error: str | None = None
@@ -815,20 +844,13 @@ class GenerationEngine:
                 finished, error = True, f"{type(e).__name__}: {e}"
             if finished:
                 with self._cond:
-                    if self._slots[slot] is r:  # a stop string: it decoded one more (discarded) row
+                    if self._slots[slot] is r:  # a stop string seen late: it decoded one more (discarded) row
                         self._free(slot)
-                        self._cond.notify_all()
+                    elif r in self._queue:  # preempted (paged), waiting to resume
+                        self._queue.remove(r)
+                    self._cond.notify_all()
                 stopped = tok in r.stops or (r.text is not None and r.text.stopped)
                 self._finish(r, "error" if error else "stop" if stopped else "length", error)
-
-    def _retire(self, slot: int) -> None:
-        r = self._slots[slot]
-        assert r is not None
-        with self._cond:
-            self._free(slot)
-            self._cond.notify_all()
-        stopped = r.token_ids[-1] in r.stops or (r.text is not None and r.text.stopped)
-        self._finish(r, "stop" if stopped else "length")
 
     def _finish(self, r: GenerationRequest, reason: str, error: str | None = None) -> None:
         with self._cond:

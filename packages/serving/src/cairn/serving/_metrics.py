@@ -124,6 +124,8 @@ class Metrics:
         self.prefix_hits = Counter("cairn_prefix_cache_hit_tokens_total",
                                    "Of those, tokens whose keys and values came from the prefix cache (not prefilled).")
         self.kv_usage = Gauge("cairn_kv_cache_usage_ratio", "Paged KV-cache blocks held by running sequences / all blocks.")
+        self.preemptions = Counter("cairn_generation_preemptions_total",
+                                   "Running requests a paged generation engine preempted for want of KV blocks (recomputed later).")
         self.openai = Counter("cairn_openai_requests_total", "OpenAI API requests (/v1/...) answered, by route and status code.")
         self.all: list[Counter | Histogram] = [
             self.success,
@@ -148,6 +150,7 @@ class Metrics:
             self.prefix_queries,
             self.prefix_hits,
             self.kv_usage,
+            self.preemptions,
             self.openai,
         ]
 

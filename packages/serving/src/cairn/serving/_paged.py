@@ -18,12 +18,13 @@ values with ``cairn.kernels.paged_kv_write`` and reads them with
   it is reused as is by a later hit, or evicted, least recently used first, only when a
   new block is needed and no never-named block is free.
 
-Only full blocks are shared, and a full block is never written again (a sequence's
-writes go to positions past its last full block, i.e. into its own partial tail block),
-so shared blocks are read-only and no copy-on-write is needed. The price: a prompt's
-last partial block, and the block holding its last token, are always computed anew (the
-engine needs that token's logits anyway), and ``n`` samples of one prompt each keep their
-own tail block.
+* Copy-on-write of a partial block: a prompt also names the partial block holding its
+  tokens before the last one (the ``n`` samples of one prompt, or a prompt repeated, share
+  it whole: only the last token, whose logits the engine needs, is computed anew). A
+  sequence never writes into a block another sequence holds: its first write into a shared
+  block claims a new one, and the engine copies the shared block's contents into it
+  (:meth:`~PagedCache.take_copies`) before its next step. A full block is never written
+  again (a sequence writes only past its last full block).
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ class PrefixCacheStats:
     Args:
       queries: full prompt blocks looked up (those before the prompt's last token).
       hits: of those, found in the cache and reused.
-      hit_tokens: tokens whose keys and values were reused (``hits * block_size``).
+      hit_tokens: tokens whose keys and values were reused (full blocks, and the tokens of
+        partial blocks shared).
       query_tokens: tokens of all prompts added.
       evictions: cached blocks evicted to make room.
+      copies: shared partial blocks copied on a sequence's first write into them.
     """
 
     queries: int
@@ -60,6 +63,7 @@ class PrefixCacheStats:
     hit_tokens: int
     query_tokens: int
     evictions: int
+    copies: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -153,6 +157,10 @@ class PagedCache:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
+        # partial blocks named by their leading tokens: block -> (name, how many tokens it names)
+        self._partial_of: dict[int, tuple[bytes, int]] = {}
+        self._by_partial: dict[bytes, int] = {}
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks the engine has yet to copy
         self._seqs: dict[Hashable, _Seq] = {}
         self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self.reset_stats()
@@ -224,8 +232,8 @@ class PagedCache:
     def num_cached_tokens(self, seq_id: Hashable) -> int:
         """Leading prompt tokens of ``seq_id`` whose keys and values came from the prefix cache.
 
-        The engine prefills only the tokens after these (a multiple of ``block_size``,
-        always less than the prompt's length).
+        The engine prefills only the tokens after these (always fewer than the prompt's
+        length; a multiple of ``block_size`` unless a partial block was shared).
 
         Args:
           seq_id: a live sequence's key.
@@ -258,12 +266,19 @@ class PagedCache:
 
     def stats(self) -> PrefixCacheStats:
         """Prefix-cache counters (hit rate for metrics)."""
-        return PrefixCacheStats(self._queries, self._hits, self._hits * self.block_size,
-                                self._query_tokens, self._evictions)
+        return PrefixCacheStats(self._queries, self._hits, self._hit_tokens, self._query_tokens, self._evictions,
+                                self._copy_count)
 
     def reset_stats(self) -> None:
         """Zero the prefix-cache counters."""
-        self._queries = self._hits = self._query_tokens = self._evictions = 0
+        self._queries = self._hits = self._hit_tokens = self._query_tokens = self._evictions = self._copy_count = 0
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The ``(source, destination)`` block copies owed since the last call (copy-on-write
+        of shared partial blocks), oldest first; the engine copies each block's keys and
+        values before its next step writes. The list is handed over once."""
+        out, self._copies = self._copies, []
+        return out
 
     # --- admission ---
 
@@ -271,17 +286,25 @@ class PagedCache:
         return -(-num_tokens // self.block_size)
 
     def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks matching the prompt's leading full blocks (before its last token)."""
+        """Cached blocks holding the prompt's tokens before its last one: its leading full
+        blocks, then (when all of those hit) the partial block of the rest, if named."""
         if not self.enable_prefix_caching:
             return []
-        found, parent = [], None
-        for i in range((len(token_ids) - 1) // self.block_size):
-            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+        found, parent, n, bs = [], None, len(token_ids) - 1, self.block_size
+        for i in range(n // bs):
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._by_hash.get(parent)
             if block is None:
-                break
+                return found
             found.append(block)
+        if n % bs:
+            block = self._by_partial.get(block_hash(parent, token_ids[n - n % bs : n]))
+            if block is not None:
+                found.append(block)
         return found
+
+    def _cached_tokens(self, hits: list[int], num_tokens: int) -> int:
+        return min(len(hits) * self.block_size, num_tokens - 1)
 
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """The cached blocks :meth:`add_sequence` of ``token_ids`` would reuse (nothing is claimed
@@ -306,9 +329,11 @@ class PagedCache:
         total = self._blocks_for(int(n) + int(reserve_tokens))
         if isinstance(prompt, (int, np.integer)):
             return total
-        hits = self._prefix_hits(_token_list(prompt))
-        live_hits = sum(1 for b in hits if self._ref[b] > 0)
-        return total - live_hits
+        tokens = _token_list(prompt)
+        hits = self._prefix_hits(tokens)
+        if self._cached_tokens(hits, len(tokens)) % self.block_size:
+            hits = hits[:-1]  # a shared partial block is copied on write: it saves no block
+        return total - sum(1 for b in hits if self._ref[b] > 0)
 
     def can_admit(self, prompt: int | Sequence[int], *, reserve_tokens: int = 0) -> bool:
         """Whether :meth:`add_sequence` of ``prompt`` (then ``reserve_tokens`` appends) fits now.
@@ -351,7 +376,9 @@ class PagedCache:
             raise ValueError(f"sequence {seq_id!r}: the prompt is empty (at least one token is needed)")
         self._check_width(seq_id, len(tokens))
         hits = self._prefix_hits(tokens)
-        need = self._blocks_for(len(tokens)) - len(hits)
+        cached = self._cached_tokens(hits, len(tokens))
+        partial = cached % self.block_size != 0
+        need = self._blocks_for(len(tokens)) - len(hits) + (1 if partial and self._ref[hits[-1]] > 0 else 0)
         available = self.num_free_blocks - sum(1 for b in hits if self._ref[b] == 0)
         if need > available:
             raise OutOfBlocks(
@@ -361,14 +388,16 @@ class PagedCache:
         for block in hits:
             self._ref_up(block)
         queried = (len(tokens) - 1) // self.block_size if self.enable_prefix_caching else 0
+        full = hits[:-1] if partial else hits
         self._queries += queried
-        self._hits += len(hits)
+        self._hits += len(full)
+        self._hit_tokens += cached
         self._query_tokens += len(tokens)
-        parent = self._hash_of[hits[-1]] if hits else _ROOT
-        seq = _Seq(list(hits), len(hits) * self.block_size, len(hits) * self.block_size, parent, [])
+        parent = self._hash_of[full[-1]] if full else _ROOT
+        seq = _Seq(list(hits), cached, cached, parent, tokens[len(full) * self.block_size : cached])
         self._seqs[seq_id] = seq
         self._freed.pop(seq_id, None)
-        self._extend(seq, tokens[len(hits) * self.block_size :])
+        self._extend(seq, tokens[cached:], mark=len(tokens) - 1)
         return seq.cached_tokens
 
     def append_tokens(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
@@ -391,7 +420,7 @@ class PagedCache:
         tokens = _token_list(token_ids)
         total = seq.num_tokens + len(tokens)
         self._check_width(seq_id, total)
-        need = self._blocks_for(total) - len(seq.blocks)
+        need = self._blocks_for(total) - len(seq.blocks) + self._copy_needed(seq, len(tokens))
         if need > self.num_free_blocks:
             raise OutOfBlocks(
                 f"sequence {seq_id!r} needs {need} more KV blocks to grow to {total} tokens, "
@@ -417,8 +446,13 @@ class PagedCache:
         """
         seq = self._seq(seq_id)
         if written is not None:
-            for block in seq.blocks[max(0, int(written)) // self.block_size :]:
-                if self._ref[block] == 1 and block in self._hash_of:
+            w, bs = max(0, int(written)), self.block_size
+            for j, block in enumerate(seq.blocks[w // bs :], start=w // bs):
+                if self._ref[block] != 1:
+                    continue
+                if block in self._hash_of and (j + 1) * bs > w:
+                    self._unname(block)
+                elif block in self._partial_of and j * bs + self._partial_of[block][1] > w:
                     self._unname(block)
         del self._seqs[seq_id]
         self._freed[seq_id] = None
@@ -428,7 +462,7 @@ class PagedCache:
             self._ref[block] -= 1
             if self._ref[block] > 0:
                 continue
-            if block in self._hash_of:
+            if block in self._hash_of or block in self._partial_of:
                 self._evictable[block] = None  # most recently used: evicted last
             else:
                 self._free.append(block)
@@ -480,24 +514,60 @@ class PagedCache:
         return block
 
     def _unname(self, block: int) -> None:
-        name = self._hash_of.pop(block)
-        if self._by_hash.get(name) == block:
+        """Forget ``block``'s names (full and partial)."""
+        name = self._hash_of.pop(block, None)
+        if name is not None and self._by_hash.get(name) == block:
             del self._by_hash[name]
+        named = self._partial_of.pop(block, None)
+        if named is not None and self._by_partial.get(named[0]) == block:
+            del self._by_partial[named[0]]
 
-    def _extend(self, seq: _Seq, tokens: list[int]) -> None:
-        """Append ``tokens`` (room already checked), claiming blocks and naming the ones that fill."""
+    def _copy_needed(self, seq: _Seq, num_new: int) -> int:
+        """1 when appending ``num_new`` tokens starts by writing into a partial block another
+        sequence holds (copied on write), else 0."""
+        return int(num_new > 0 and seq.num_tokens % self.block_size != 0 and self._ref[seq.blocks[-1]] > 1)
+
+    def _before_write(self, seq: _Seq) -> None:
+        """The sequence is about to write into its partial last block: copy it if shared;
+        else drop the names its new contents would contradict."""
+        block, offset = seq.blocks[-1], seq.num_tokens % self.block_size
+        if self._ref[block] > 1:
+            new = self._claim()
+            self._ref[block] -= 1
+            seq.blocks[-1] = new
+            self._copies.append((block, new))
+            self._copy_count += 1
+            return
+        if block in self._hash_of or (block in self._partial_of and self._partial_of[block][1] > offset):
+            self._unname(block)  # another sequence filled it (a partial hit): its full name no longer holds
+
+    def _extend(self, seq: _Seq, tokens: list[int], mark: int = -1) -> None:
+        """Append ``tokens`` (room already checked), claiming blocks (copying a shared partial
+        one) and naming the ones that fill; after ``mark`` tokens, name the partial block."""
         bs = self.block_size
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if seq.num_tokens % bs == 0:
                 seq.blocks.append(self._claim())
+            elif i == 0:
+                self._before_write(seq)
             seq.tail.append(token)
             seq.num_tokens += 1
+            if seq.num_tokens == mark and mark % bs and self.enable_prefix_caching:
+                self._name_partial(seq)
             if len(seq.tail) == bs:
                 name = block_hash(None if seq.parent_hash == _ROOT else seq.parent_hash, seq.tail)
                 seq.parent_hash, seq.tail = name, []
                 if self.enable_prefix_caching and name not in self._by_hash:
                     self._by_hash[name] = seq.blocks[-1]
                     self._hash_of[seq.blocks[-1]] = name
+
+    def _name_partial(self, seq: _Seq) -> None:
+        """Name the partial last block by its tokens so far (a prompt's tokens before its last)."""
+        name = block_hash(None if seq.parent_hash == _ROOT else seq.parent_hash, seq.tail)
+        block = seq.blocks[-1]
+        if name not in self._by_partial and block not in self._partial_of:
+            self._by_partial[name] = block
+            self._partial_of[block] = (name, len(seq.tail))
 
 
 def _token_list(token_ids: Iterable[int]) -> list[int]:

@@ -593,8 +593,9 @@ class App:
     def render_metrics(self) -> bytes:
         """The /metrics body (queue sizes sampled now)."""
         m = self.metrics
-        for gauge in (m.queue_size, m.gen_queue, m.gen_active, m.prefix_queries, m.prefix_hits, m.kv_usage):
-            gauge.values.clear()  # (the prefix-cache counters are the engines' own running totals)
+        for gauge in (m.queue_size, m.gen_queue, m.gen_active, m.prefix_queries, m.prefix_hits, m.kv_usage,
+                      m.preemptions):
+            gauge.values.clear()  # (the prefix-cache and preemption counters are the engines' own running totals)
         for versions in self.live.values():
             for v in versions.values():
                 if v.batcher is not None:
@@ -607,6 +608,7 @@ class App:
                         m.prefix_queries.values[v.labels] = stats["prefix_cache_query_tokens"]
                         m.prefix_hits.values[v.labels] = stats["prefix_cache_hit_tokens"]
                         m.kv_usage.set(v.labels, stats["kv_cache_usage"])
+                        m.preemptions.values[v.labels] = stats["preemptions"]
         return m.render()
 
     def infer(self, req: Request, name: str, version: str | None, headers: list[tuple[str, str]]) -> asyncio.Future[Response]:
