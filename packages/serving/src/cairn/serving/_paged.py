@@ -290,7 +290,8 @@ class PagedCache:
         blocks, then (when all of those hit) the partial block of the rest, if named."""
         if not self.enable_prefix_caching:
             return []
-        found, parent, n, bs = [], None, len(token_ids) - 1, self.block_size
+        found: list[int] = []
+        parent, n, bs = None, len(token_ids) - 1, self.block_size
         for i in range(n // bs):
             parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._by_hash.get(parent)

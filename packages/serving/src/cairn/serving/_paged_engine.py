@@ -166,7 +166,7 @@ class PagedGenerationEngine(GenerationEngine, kv_layout="paged"):
     def _unwritten(self) -> dict[int, int]:
         """Blocks of live sequences not yet fully written -> how many of their leading
         tokens are (the least over the sequences holding them)."""
-        bs, out = self.block_size, {}
+        bs, out = self.block_size, dict[int, int]()
         for i, r in enumerate(self._slots):
             if r is None:
                 continue
