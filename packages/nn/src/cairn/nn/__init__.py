@@ -48,6 +48,7 @@ from cairn.nn._attention import (
     make_causal_mask,
 )
 from cairn.nn._autodiff import DiffState, grad, value_and_grad
+from cairn.nn._axis_metadata import PARTITION_NAME, transform_metadata
 from cairn.nn._capture import capture
 from cairn.nn._checkify import checkify, make_jaxpr
 from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
@@ -241,6 +242,7 @@ __all__ = [
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
     "A", "EMA", "as_abstract", "use_eager_sharding",
+    "PARTITION_NAME", "transform_metadata",
     # layers and their functions
     "initializers",
     # activations

@@ -136,7 +136,8 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     """``value`` placed in the sharding its ``metadata``'s axis names give under the
     active rules (a constraint for a tracer, ``device_put`` for an array, a sharded
     ``ShapeDtypeStruct`` for an abstract value); unchanged when no mesh is in scope."""
-    if not _EAGER[-1]:
+    eager = metadata.get("eager_sharding")
+    if not (_EAGER[-1] if eager is None else eager):  # a variable's own choice wins
         return value
     mesh = metadata.get("mesh")
     if mesh is None and current_rules() is None and context_mesh() is None:

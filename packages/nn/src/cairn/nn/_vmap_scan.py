@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from cairn.nn._axis_metadata import with_axis_metadata
 from cairn.nn._filters import path_text, to_predicate
 from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
@@ -158,6 +160,7 @@ def vmap(
     axis_name: Any = None,
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
+    transform_metadata: Mapping[str, Any] = MappingProxyType({}),
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Callable:
@@ -175,6 +178,10 @@ def vmap(
       axis_name: a name for the mapped axis (for collectives).
       axis_size: the mapped size when no input is mapped.
       spmd_axis_name: mesh axis names the mapped axis is sharded over.
+      transform_metadata: ``{nn.PARTITION_NAME: mesh_axis, ...}``: inside ``f`` the mapped
+        axis is removed from the sharding names of the mapped variables, and inserted
+        into those of the variables ``f`` creates or returns (see
+        :func:`~cairn.nn.transform_metadata`).
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
@@ -193,7 +200,10 @@ def vmap(
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
             axis_size=axis_size, spmd_axis_name=spmd_axis_name,
+            transform_metadata=transform_metadata,
         )
+    if transform_metadata:
+        f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "vmap")
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
@@ -595,6 +605,7 @@ def scan(
     unroll: int | bool = 1,
     in_axes: Any = (Carry, 0),
     out_axes: Any = (Carry, 0),
+    transform_metadata: Mapping[str, Any] = MappingProxyType({}),
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Callable:
@@ -612,6 +623,9 @@ def scan(
         step, its Variables threaded) or, for a module, a :class:`StateAxes` / ``prefix``
         (per variable; None: broadcast, changes not kept); default ``f(carry, x)``.
       out_axes: per output, :class:`Carry` or ``0`` (stacked).
+      transform_metadata: ``{nn.PARTITION_NAME: mesh_axis, ...}``: inside a step the
+        scanned axis is removed from the scanned variables' sharding names (put back
+        after), and inserted into those of stacked output variables.
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
@@ -630,8 +644,10 @@ def scan(
     if f is None:
         return functools.partial(
             scan, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
-            out_axes=out_axes,
+            out_axes=out_axes, transform_metadata=transform_metadata,
         )
+    if transform_metadata:
+        f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "scan")
 
     def run(step, init, xs=None):
         carry = LoopCarry(init)
