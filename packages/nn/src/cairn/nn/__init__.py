@@ -135,7 +135,12 @@ from cairn.nn._sharding import (
     sharded_init,
     with_partitioning,
 )
-from cairn.nn._sharding_rules import current_rules, sharding_rules, use_eager_sharding
+from cairn.nn._sharding_rules import (
+    current_rules,
+    logical_axis_rules,
+    sharding_rules,
+    use_eager_sharding,
+)
 from cairn.nn._state import GraphState, State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
@@ -242,7 +247,7 @@ __all__ = [
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
     "A", "EMA", "as_abstract", "use_eager_sharding",
-    "PARTITION_NAME", "transform_metadata",
+    "PARTITION_NAME", "transform_metadata", "logical_axis_rules",
     # layers and their functions
     "initializers",
     # activations

@@ -24,6 +24,7 @@ from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    check_prefix,
     reject_bound_method,
     run_pure,
     set_raw,
@@ -497,6 +498,8 @@ def jit(
     2
     """
     check_mode("jit", graph, graph_updates)
+    check_prefix(jit_kwargs.get("in_shardings"), "in_shardings", "jit", graph, graph_updates)
+    check_prefix(jit_kwargs.get("out_shardings"), "out_shardings", "jit", graph, graph_updates)
     reject_bound_method(fun, "jit")
     kw = dict(
         static_argnums=static_argnums,

@@ -309,3 +309,52 @@ def reject_bound_method(f: Any, what: str) -> None:
             f"transform; pass it as an argument, e.g. nn.{what}({type(owner).__name__}."
             f"{name})(module, ...)"
         )
+
+
+def check_prefix(prefix: Any, name: str, fn: str, graph: Any, graph_updates: Any) -> None:
+    """Flax NNX's checks of a transform's prefix argument (``in_axes``, ``in_shardings``,
+    ``argnums``...) where the caller asked for a mode by keyword: a lone Variable is
+    never a prefix (give the axis of the whole Variable); a ``StateAxes`` /
+    ``StateSharding`` / ``DiffState`` needs ``graph=True`` and ``graph_updates=True``
+    (tree mode takes ``nn.prefix`` trees instead); a module is no prefix under
+    ``graph=True`` (graph mode takes ``StateAxes``).
+
+    Raises:
+      ValueError: naming the offending entry and what to pass instead.
+    """
+
+    def walk(x: Any, where: str) -> None:
+        if isinstance(x, Variable):
+            if graph is False:
+                raise ValueError(
+                    f"Found Variable of type {type(x).__name__} at {where} in `{name}` for "
+                    f"nn.{fn}. Variables prefixes are not supported: pass a prefix for the "
+                    "entire Variable instead of a Variable holding a prefix for its value."
+                )
+            return
+        if getattr(type(x), "_cairn_prefix_mapping", False):
+            if graph is False or graph_updates is False:
+                kind = type(x).__name__
+                raise ValueError(
+                    f"`{name}` cannot contain `{kind}` objects when `graph=False` or "
+                    f"`graph_updates=False` (found at {where} for nn.{fn}); give a tree from "
+                    f"nn.prefix(...) instead, or leave graph / graph_updates at their defaults"
+                )
+            return
+        if is_node(x):
+            if graph is True:
+                raise ValueError(
+                    f"Found graph node of type {type(x).__name__} at {where} in `{name}` for "
+                    f"nn.{fn}. Graph nodes are not allowed as prefixes when graph=True: use "
+                    f"a StateAxes / StateSharding, or pass graph=False with an nn.prefix tree"
+                )
+            return
+        if isinstance(x, (tuple, list)):
+            for i, y in enumerate(x):
+                walk(y, f"{where}[{i}]")
+        elif isinstance(x, dict):
+            for k, y in x.items():
+                walk(y, f"{where}[{k!r}]")
+
+    if graph is not None or graph_updates is not None:
+        walk(prefix, name)

@@ -19,7 +19,14 @@ from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
-from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method, run_pure
+from cairn.nn._transform_plan import (
+    Box,
+    Plan,
+    call_annotated,
+    check_prefix,
+    reject_bound_method,
+    run_pure,
+)
 from cairn.nn._transform_plan import Carry as LoopCarry
 from cairn.nn._variables import Variable, rebuild_variable, template_of
 
@@ -32,6 +39,8 @@ class StateAxes:
     Args:
       mapping: ``{filter: axis}``, ``axis`` an int or None (not mapped).
     """
+
+    _cairn_prefix_mapping = True  # a per-variable prefix (graph mode only, in Flax NNX)
 
     def __init__(self, mapping: Mapping[Any, Any]) -> None:
         self.items = tuple(mapping.items())
@@ -195,6 +204,8 @@ def vmap(
     (4, 3)
     """
     check_mode("vmap", graph, graph_updates)
+    check_prefix(in_axes, "in_axes", "vmap", graph, graph_updates)
+    check_prefix(out_axes, "out_axes", "vmap", graph, graph_updates)
     reject_bound_method(f, "vmap")
     if f is None:
         return functools.partial(
@@ -262,6 +273,8 @@ def pmap(
     (1, 4, 3)
     """
     check_mode("pmap", graph, graph_updates)
+    check_prefix(in_axes, "in_axes", "pmap", graph, graph_updates)
+    check_prefix(out_axes, "out_axes", "pmap", graph, graph_updates)
     reject_bound_method(f, "pmap")
     for name, v in (("static_broadcasted_argnums", static_broadcasted_argnums),
                     ("donate_argnums", donate_argnums)):
@@ -640,6 +653,8 @@ def scan(
         of ``in_axes`` and ``out_axes``; a step returning the wrong structure.
     """
     check_mode("scan", graph, graph_updates)
+    check_prefix(in_axes, "in_axes", "scan", graph, graph_updates)
+    check_prefix(out_axes, "out_axes", "scan", graph, graph_updates)
     reject_bound_method(f, "scan")
     if f is None:
         return functools.partial(
@@ -737,6 +752,8 @@ def shard_map(
       graph_updates: Flax NNX's graph-updates keyword (checked).
     """
     check_mode("shard_map", graph, graph_updates)
+    check_prefix(in_specs, "in_specs", "shard_map", graph, graph_updates)
+    check_prefix(out_specs, "out_specs", "shard_map", graph, graph_updates)
     if f is None:
         return functools.partial(
             shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,

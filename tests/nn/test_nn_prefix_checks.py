@@ -1,0 +1,58 @@
+"""Flax NNX's prefix checks where a mode is asked for by keyword (issue 30): a module is
+no prefix in graph mode, a StateAxes / StateSharding / DiffState none in tree mode, a
+lone Variable never one in tree mode; the defaults accept them all."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cairn import nn
+
+
+def _module():
+    return nn.Dict(a=nn.Param(1))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: nn.jit(lambda x: x, in_shardings=m, graph=True, graph_updates=True),
+        lambda m: nn.grad(lambda x: x, argnums=m, graph=True, graph_updates=True),
+        lambda m: nn.vmap(lambda x: x, in_axes=(m,), graph=True),
+        lambda m: nn.scan(lambda c, x: (c, x), in_axes=(nn.Carry, m), graph=True),
+    ],
+)
+def test_a_module_is_no_prefix_in_graph_mode(make):
+    with pytest.raises(ValueError, match="Graph nodes are not allowed as prefixes"):
+        make(_module())
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (lambda: nn.jit(lambda x: x, in_shardings=nn.StateSharding({...: None}), graph=False),
+         "StateSharding"),
+        (lambda: nn.grad(lambda x: x, argnums=nn.DiffState(0, ...), graph_updates=False),
+         "DiffState"),
+        (lambda: nn.vmap(lambda x: x, in_axes=nn.StateAxes({...: 0}), graph=False), "StateAxes"),
+    ],
+)
+def test_mapping_prefixes_need_graph_mode(make, kind):
+    with pytest.raises(ValueError, match=f"cannot contain `{kind}` objects"):
+        make()
+
+
+def test_variable_prefix_in_tree_mode():
+    with pytest.raises(ValueError, match="Variables prefixes are not supported"):
+        nn.vmap(lambda v: v, in_axes=(nn.Variable(0),), graph=False)
+
+
+def test_defaults_accept_state_axes_and_prefix_modules():
+    lin = nn.Linear(2, 3, rngs=nn.Rngs(0))
+    x = jnp.ones((4, 2))
+    want = np.asarray(x) @ np.asarray(lin.kernel[...]) + np.asarray(lin.bias[...])
+    out = nn.vmap(lambda m, x: m(x), in_axes=(nn.StateAxes({...: None}), 0))(lin, x)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+    axes = nn.prefix(lin, {...: None})
+    out = nn.vmap(lambda m, x: m(x), in_axes=(axes, 0), graph=False)(lin, x)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
