@@ -56,3 +56,21 @@ def test_defaults_accept_state_axes_and_prefix_modules():
     axes = nn.prefix(lin, {...: None})
     out = nn.vmap(lambda m, x: m(x), in_axes=(axes, 0), graph=False)(lin, x)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+
+
+def test_flax_words_in_aliasing_and_carry_messages():
+    v = nn.Param(jnp.array(1.0))
+    with pytest.raises(ValueError, match="found at paths .*Duplicate Param"):
+        nn.jit(lambda a, b: None)(v, v)
+    foo = nn.Dict(a=nn.Param(jnp.zeros((2, 2))))
+    with pytest.raises(ValueError, match="Inconsistent aliasing detected.*Duplicate Param"):
+        nn.vmap(lambda a, b: None, in_axes=(0, 1))(foo, foo)
+    with pytest.raises(ValueError, match="found at paths 'a' and 'b'"):
+        nn.split(nn.Dict(a=v, b=v))
+
+    @nn.scan(in_axes=nn.Carry, out_axes=nn.Carry, length=3)
+    def loop(c, x):
+        return c
+
+    with pytest.raises(ValueError, match="When in_axes=Carry, the function must take exactly one"):
+        loop(nn.Dict(n=nn.BatchStat(0)), 0)

@@ -197,8 +197,8 @@ def _check_disjoint(tdon, tkeep) -> None:
         if id(v) in seen:
             raise SharedReferenceError(
                 f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
-                f"reachable from two arguments of an nn.jit function; arguments must not "
-                f"share modules or variables"
+                f"found at paths in two arguments of an nn.jit function (Duplicate "
+                f"{type(v).__name__}); arguments must not share modules or variables"
             )
         seen.add(id(v))
 

@@ -262,7 +262,7 @@ def build_node(
 
 def _shared(obj: Any, first: tuple, second: tuple) -> SharedReferenceError:
     return SharedReferenceError(
-        f"shared reference: the same {type(obj).__name__} object is reachable at "
+        f"shared reference: the same {type(obj).__name__} object is found at paths "
         f"{path_text(first) or '<root>'!r} and {path_text(second) or '<root>'!r}; a "
         f"cairn.nn module tree has no shared references (tie weights explicitly, "
         f"e.g. Embed.attend, or use nn.clone to make an independent copy)"

@@ -168,13 +168,13 @@ def _check_once(seen: dict, v: Variable, owner: Any) -> None:
     if prev is not None and prev != id(owner):
         raise SharedReferenceError(
             f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
-            f"reachable from two arguments ({type(owner).__name__} and another); transform "
-            f"arguments must not share variables"
+            f"reachable from two arguments ({type(owner).__name__} and another; Duplicate "
+            f"{type(v).__name__}); transform arguments must not share variables"
         )
     if prev is not None:
         raise SharedReferenceError(
             f"Inconsistent aliasing detected: the same {type(owner).__name__} object is "
-            f"passed twice to a transform; pass it once"
+            f"passed twice to a transform (Duplicate {type(v).__name__}); pass it once"
         )
     seen[id(v)] = id(owner)
 

@@ -547,6 +547,11 @@ def _needs_split(arg: Any, ax: Any) -> bool:
 def _scan_axes(f, args, in_axes, out_axes, run):
     """``nn.scan`` with NNX-style ``in_axes`` / ``out_axes`` over ``f(*args)``, using the
     plain carry-and-xs scan ``run(body, init, xs)``."""
+    if in_axes is Carry and len(args) != 1:
+        raise ValueError(
+            f"nn.scan: When in_axes=Carry, the function must take exactly one argument (the "
+            f"carry), got {len(args)} arguments"
+        )
     in_ax = _axes_tuple(in_axes, len(args), "in_axes")
     _check_scan_axes(in_ax, out_axes)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
