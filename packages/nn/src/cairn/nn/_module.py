@@ -252,6 +252,22 @@ _TRACE_CTX = _jax_core.trace_ctx
 _EVAL_TRACE = _jax_core.EvalTrace
 
 
+def public_methods(cls: type) -> dict[str, Callable]:
+    """The public methods of module class ``cls`` (and ``__call__``) that a layer or a
+    user's module defines: plain functions, not static or class methods, and not the
+    generic ``Module`` API (``sow``, ``train``, ...)."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("_") and name != "__call__":
+            continue
+        owner = next((k for k in cls.__mro__ if name in k.__dict__), None)
+        if owner is None or owner in (Module, Node, object):
+            continue
+        if inspect.isfunction(owner.__dict__[name]):
+            out[name] = owner.__dict__[name]
+    return out
+
+
 def _child_key(parent: Any, child: Any) -> str | None:
     """The path of ``child`` below ``parent``: an attribute, or an item of a container
     attribute (``layers/0``); ``None`` when ``child`` is not held by ``parent``."""

@@ -15,7 +15,6 @@ title, header, one block per call, a ``Total`` footer and a ``Total Parameters``
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -25,7 +24,7 @@ import jax
 import numpy as np
 
 from cairn.nn._graph import clone, flat, iter_modules
-from cairn.nn._module import Module
+from cairn.nn._module import Module, public_methods
 from cairn.nn._nodes import Node
 from cairn.nn._rngs import Rngs, RngStream
 from cairn.nn._variables import RngState, Variable
@@ -272,23 +271,7 @@ def _vjp_flops(body: Callable, dyn: list) -> int:
     return _flops(jax.jit(run).trace(*[dyn[i] for i in diff_at]).lower())
 
 
-_BASES = (Module, Node)
 _NOT_WRAPPED = (Rngs, RngStream)
-
-
-def _methods(cls: type) -> dict[str, Callable]:
-    """The public methods of ``cls`` (and ``__call__``) that a layer defines: plain
-    functions, not static or class methods, and not the generic ``Module`` API."""
-    out = {}
-    for name in dir(cls):
-        if name.startswith("_") and name != "__call__":
-            continue
-        owner = next((k for k in cls.__mro__ if name in k.__dict__), None)
-        if owner is None or owner in _BASES or owner is object:
-            continue
-        if inspect.isfunction(owner.__dict__[name]):
-            out[name] = owner.__dict__[name]
-    return out
 
 
 def _record(model: Module, method: str, args: tuple, kwargs: dict, rec: _Recorder) -> None:
@@ -300,13 +283,13 @@ def _record(model: Module, method: str, args: tuple, kwargs: dict, rec: _Recorde
     top = None
     try:
         for cls in classes:
-            for name, fn in _methods(cls).items():
+            for name, fn in public_methods(cls).items():
                 saved.append((cls, name, cls.__dict__.get(name, _MISSING)))
                 setattr(cls, name, rec.wrap(name, fn))
         top = getattr(type(model), method, None)
         if top is None or not callable(top):
             raise AttributeError(f"tabulate: {type(model).__name__} has no method {method!r}")
-        if type(model) in classes and method not in _methods(type(model)):
+        if type(model) in classes and method not in public_methods(type(model)):
             top = rec.wrap(method, top)
         rec.register(model, "")
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))

@@ -260,6 +260,23 @@ class Variable:
         """
         object.__setattr__(self, "raw_value", value)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the value (a Variable holding a callable proxies the call, as Flax NNX's).
+
+        Args:
+          args: the call's positional arguments.
+          kwargs: the call's keyword arguments.
+
+        Raises:
+          TypeError: the value is not callable.
+        """
+        value = self.raw_value
+        if not callable(value):
+            raise TypeError(
+                f"{type(self).__name__} is not callable: its value is a {type(value).__name__}"
+            )
+        return value(*args, **kwargs)
+
     def __getattr__(self, name: str):
         # only called when normal lookup fails: metadata, then array attributes
         if name.startswith("__"):
