@@ -67,3 +67,29 @@ def test_variable_proxies_a_call():
     assert nn.Param(Scale(2))(3) == 6
     with pytest.raises(TypeError, match="Param is not callable: its value is a"):
         nn.Param(jnp.ones(2))(1)
+
+
+def test_recursive_map_over_a_list_of_modules():
+    class Foo(nn.Pytree):
+        def __init__(self, d):
+            self.d = d
+            self.w = nn.Param(jnp.full((2,), float(d)))
+
+    bar = [Foo(10), {"b": Foo(20)}]
+    seen = []
+
+    def visit(path, node):
+        seen.append((path, type(node).__name__))
+        if isinstance(node, Foo):
+            node.d += 1
+        return node
+
+    out = nn.recursive_map(visit, bar, graph=False)
+    assert out[0].d == 11 and out[1]["b"].d == 21 and bar[0].d == 10  # a new tree
+    assert out[0].w is bar[0].w  # sharing the Variables
+    assert ((0, "w"), "Param") in seen and ((1,), "dict") in seen and ((), "list") in seen
+    swapped = nn.recursive_map(lambda p, x: Foo(-x.d) if isinstance(x, Foo) else x, bar)
+    assert swapped[0].d == -10 and swapped[1]["b"].d == -20
+    v = nn.Param(jnp.array(1))
+    with pytest.raises(ValueError, match="found at paths '0' and '1'"):
+        nn.recursive_map(lambda p, x: x, [v, v])
