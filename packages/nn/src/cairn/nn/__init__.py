@@ -146,6 +146,12 @@ from cairn.nn._state_ops import filter_state, map_state, merge_state, split_stat
 from cairn.nn._summary import tabulate
 from cairn.nn._train_state import TrainState
 from cairn.nn._traversal import iter_graph, recursive_map
+from cairn.nn._update_context import (
+    current_update_context,
+    merge_context,
+    split_context,
+    update_context,
+)
 from cairn.nn._variables import (
     BatchStat,
     Cache,
@@ -248,6 +254,7 @@ __all__ = [
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
     "A", "EMA", "as_abstract", "use_eager_sharding",
     "PARTITION_NAME", "transform_metadata", "logical_axis_rules",
+    "current_update_context", "merge_context", "split_context", "update_context",
     # layers and their functions
     "initializers",
     # activations
