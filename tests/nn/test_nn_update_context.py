@@ -66,3 +66,38 @@ def test_without_a_tag_and_errors():
         return nn.current_update_context("deco").tag
 
     assert inside() == "deco"
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        self.count = nn.BatchStat(jnp.zeros((), jnp.int32))
+        self.w = nn.Param(jnp.arange(3.0))
+
+    def __call__(self, x):
+        self.count.value += 1
+        return x * self.w[...]
+
+    def bump(self, k):
+        self.count.value += k
+        return k
+
+
+def test_call_on_a_pure_pair_inside_jit():
+    m = Counting()
+    pure: nn.PureState[Counting] = nn.split(m)
+
+    @jax.jit
+    def step(pure, x):
+        return nn.call(pure)(x)
+
+    y, pure = step(pure, jnp.ones(3))
+    y, pure = step(pure, jnp.ones(3))
+    np.testing.assert_allclose(np.asarray(y), [0.0, 1.0, 2.0])
+    assert int(m.count.value) == 0  # the call ran on a copy
+    assert int(nn.merge(*pure).count.value) == 2
+    both = nn.split({"a": Counting(), "b": Counting()})
+    k, both = nn.call(both)["b"].bump(5)
+    merged = nn.merge(*both)
+    assert k == 5 and int(merged["b"].count.value) == 5 and int(merged["a"].count.value) == 0
+    with pytest.raises(TypeError, match="expected the \\(graphdef, state\\) tuple"):
+        nn.call(m)

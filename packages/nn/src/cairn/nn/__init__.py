@@ -147,6 +147,9 @@ from cairn.nn._summary import tabulate
 from cairn.nn._train_state import TrainState
 from cairn.nn._traversal import iter_graph, recursive_map
 from cairn.nn._update_context import (
+    CallableProxy,
+    PureState,
+    call,
     current_update_context,
     merge_context,
     split_context,
@@ -255,6 +258,7 @@ __all__ = [
     "A", "EMA", "as_abstract", "use_eager_sharding",
     "PARTITION_NAME", "transform_metadata", "logical_axis_rules",
     "current_update_context", "merge_context", "split_context", "update_context",
+    "call", "CallableProxy", "PureState",
     # layers and their functions
     "initializers",
     # activations

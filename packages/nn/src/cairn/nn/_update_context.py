@@ -8,6 +8,9 @@ inner=True)`` merges new objects; (3) an inner ``split_context(tag)`` splits the
 after the changes; (4) the outer ``merge_context(tag, inner=False)`` merges the result
 into the nodes remembered in (1), in place (new attributes and submodules included), and
 returns them, so ``m3 is m1``. Without a tag the contexts split and merge plainly.
+
+Also here: ``nn.call``, a method call on a ``(graphdef, state)`` pair that returns the
+output and the pair after the call (``PureState`` is that pair's type).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-from cairn.nn._graph import merge, split, sync
+from cairn.nn._graph import GraphDef, merge, split, sync
 from cairn.nn._nodes import Node
+from cairn.nn._state import State
 
 _STACKS: dict[Hashable, list[UpdateContext]] = {}
 
@@ -183,3 +187,60 @@ def merge_context(tag: Hashable | None = None, inner: bool | None = None) -> Ite
     if tag is not None:
         current_update_context(tag)
     yield MergeContext(tag, inner)
+
+
+# --- nn.call: a method call on a (graphdef, state) pair, the pure way ---
+
+A = TypeVar("A")
+PureState = tuple[GraphDef[A], State]  # what ``nn.split(node)`` returns, as a type
+
+
+class CallableProxy:
+    """What :func:`call` returns: attribute and item access select a method (or a
+    submodule's), calling it runs it on a merged copy and returns ``(output, (graphdef,
+    state))`` of the copy after the call."""
+
+    def __init__(self, pure: tuple, path: tuple = ()) -> None:
+        self._pure = pure
+        self._path = path
+
+    def __getattr__(self, name: str) -> CallableProxy:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return CallableProxy(self._pure, (*self._path, ("attr", name)))
+
+    def __getitem__(self, key: Any) -> CallableProxy:
+        return CallableProxy(self._pure, (*self._path, ("item", key)))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple]:
+        node = merge(*self._pure, copy=True)
+        target = node
+        for kind, key in self._path:
+            target = getattr(target, key) if kind == "attr" else target[key]
+        out = target(*args, **kwargs)
+        return out, split(node)
+
+
+def call(pure: tuple, /) -> CallableProxy:
+    """Call a method of the node a ``(graphdef, state)`` pair describes, without an
+    object: ``out, pure = nn.call(pure).method(x)`` (``nn.call(pure)(x)`` calls the node
+    itself, ``nn.call(pure)["key"].method()`` a part of it). The call runs on a copy;
+    the new pair holds its state after the call (a counter it increments, a new
+    attribute), so this works inside ``jax.jit`` on plain pytrees.
+
+    >>> import jax.numpy as jnp
+    >>> from cairn import nn
+    >>> pure = nn.split(nn.Linear(2, 3, rngs=nn.Rngs(0)))
+    >>> y, pure = nn.call(pure)(jnp.ones((1, 2)))
+    >>> y.shape
+    (1, 3)
+
+    Args:
+      pure: a ``(graphdef, state, ...)`` tuple as :func:`~cairn.nn.split` returns.
+    """
+    if not isinstance(pure, tuple) or not pure or not isinstance(pure[0], GraphDef):
+        raise TypeError(
+            f"nn.call: expected the (graphdef, state) tuple nn.split returns, got "
+            f"{type(pure).__name__}"
+        )
+    return CallableProxy(pure)
