@@ -93,3 +93,19 @@ def test_recursive_map_over_a_list_of_modules():
     v = nn.Param(jnp.array(1))
     with pytest.raises(ValueError, match="found at paths '0' and '1'"):
         nn.recursive_map(lambda p, x: x, [v, v])
+
+
+def test_sow_refuses_a_field_of_another_kind():
+    class Foo(nn.Module):
+        def __init__(self):
+            self.y = 10
+            self.p = nn.Param(jnp.ones(()))
+
+    m = Foo()
+    with pytest.raises(ValueError, match="'y' of Foo to be a Variable, got int"):
+        m.sow(nn.Intermediate, "y", 1.0)
+    with pytest.raises(TypeError, match="'p' of Foo to be of type Intermediate, got Param"):
+        m.sow(nn.Intermediate, "p", 1.0)
+    m.sow(nn.Intermediate, "z", 1.0)
+    m.sow(nn.Intermediate, "z", 2.0)
+    assert m.z.value == (1.0, 2.0)

@@ -50,6 +50,11 @@ def _contains_arrays(value) -> bool:
     return any(isinstance(leaf, _ARRAY_TYPES) for leaf in leaves)
 
 
+class SowError(TypeError, ValueError):
+    """``Module.sow`` found an attribute of that name that is not a Variable of the
+    sown type (a ``TypeError``, and a ``ValueError`` as Flax NNX raises)."""
+
+
 class AttributesNotFoundError(AttributeError, ValueError):
     """``set_attributes`` / ``with_attributes`` / ``view`` found no selected module with
     some of the attributes given (a ``ValueError``, as Flax NNX raises, and an
@@ -194,7 +199,8 @@ class Module(Node):
           init_fn: ``init_fn() -> accumulated`` for the first record; the default gives ``()``.
 
         Raises:
-          TypeError: ``name`` already holds a variable of another type.
+          SowError: (a ``TypeError`` and a ``ValueError``) ``name`` already holds
+            something that is not a Variable, or a Variable of another type.
         """
         if isinstance(variable_type, str):
             variable_type = Intermediate
@@ -203,10 +209,15 @@ class Module(Node):
             setattr(self, name, variable_type(reduce_fn(init_fn(), value)))
         elif isinstance(existing, variable_type):
             existing.value = reduce_fn(existing.value, value)
+        elif not isinstance(existing, Variable):
+            raise SowError(
+                f"sow: expected attribute {name!r} of {type(self).__name__} to be a Variable, "
+                f"got {type(existing).__name__}"
+            )
         else:
-            raise TypeError(
-                f"sow: attribute {name!r} of {type(self).__name__} is a "
-                f"{type(existing).__name__}, expected a {variable_type.__name__}"
+            raise SowError(
+                f"sow: expected attribute {name!r} of {type(self).__name__} to be of type "
+                f"{variable_type.__name__}, got {type(existing).__name__}"
             )
 
     def perturb(
