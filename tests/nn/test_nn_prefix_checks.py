@@ -2,6 +2,7 @@
 no prefix in graph mode, a StateAxes / StateSharding / DiffState none in tree mode, a
 lone Variable never one in tree mode; the defaults accept them all."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,3 +75,17 @@ def test_flax_words_in_aliasing_and_carry_messages():
 
     with pytest.raises(ValueError, match="When in_axes=Carry, the function must take exactly one"):
         loop(nn.Dict(n=nn.BatchStat(0)), 0)
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_prefix_trees_pass_the_checks_in_both_modes(graph):
+    w = jax.random.normal(jax.random.key(0), (4, 2, 3))
+    m = nn.Dict(w=nn.Param(w))
+    x = jnp.ones((2,))
+    axes = nn.prefix(m, {nn.Param: 0}, graph=graph)
+    y = nn.vmap(lambda m, x: x @ m["w"][...], in_axes=(axes, None), graph=graph, graph_updates=False)(m, x)
+    np.testing.assert_allclose(np.asarray(y), np.einsum("j,ijk->ik", np.ones(2), np.asarray(w)), rtol=1e-5)
+    v = nn.Param(w)
+    assert nn.prefix(v, {nn.Param: 0}) == 0  # a lone Variable's prefix is the value itself
+    y = nn.vmap(lambda v, x: x @ v[...], in_axes=(nn.prefix(v, {...: 0}), None), graph=graph)(v, x)
+    assert y.shape == (4, 3)

@@ -26,6 +26,7 @@ ints); their strings follow ``cairn.core_array``'s convention.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +80,10 @@ class Static:
 
 
 # --- the node protocol ---
+
+
+# modules made by ``nn.prefix``: prefix trees, not graph nodes, for the transforms' checks
+PREFIX_TREES: weakref.WeakSet = weakref.WeakSet()
 
 
 class Node:

@@ -23,7 +23,7 @@ import jax
 
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._module import Module, annotate_exception
-from cairn.nn._nodes import LEAF, MOD, VAR, SharedReferenceError, is_node
+from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
 
 set_raw = Variable.__dict__["raw_value"].__set__
@@ -342,7 +342,7 @@ def check_prefix(prefix: Any, name: str, fn: str, graph: Any, graph_updates: Any
                 )
             return
         if is_node(x):
-            if graph is True:
+            if graph is True and x not in PREFIX_TREES:
                 raise ValueError(
                     f"Found graph node of type {type(x).__name__} at {where} in `{name}` for "
                     f"nn.{fn}. Graph nodes are not allowed as prefixes when graph=True: use "
