@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.nn import initializers as _init
 from cairn.nn._filters import to_predicate
 from cairn.nn._module import Module
 from cairn.nn._variables import RngCount, RngKey
@@ -265,7 +264,8 @@ _INITIALIZERS = (
 
 
 def _initializer(name: str):
-    make = getattr(_init, name)
+    # jax.nn.initializers' own (Flax NNX binds these, so draws match Flax's bit for bit)
+    make = getattr(jax.nn.initializers, name)
 
     def method(self, *args, **kwargs):
         init = make(*args, **kwargs)
@@ -278,7 +278,7 @@ def _initializer(name: str):
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = (
-        f"``initializers.{name}(*args, **kwargs)`` bound to this stream: the result takes\n"
+        f"``jax.nn.initializers.{name}(*args, **kwargs)`` bound to this stream: the result takes\n"
         f"``(shape, dtype=...)`` and draws a fresh key each call (on :class:`Rngs`, from the\n"
         f"``default`` stream).\n\n"
         f"Args:\n"
