@@ -89,3 +89,12 @@ def test_prefix_trees_pass_the_checks_in_both_modes(graph):
     assert nn.prefix(v, {nn.Param: 0}) == 0  # a lone Variable's prefix is the value itself
     y = nn.vmap(lambda v, x: x @ v[...], in_axes=(nn.prefix(v, {...: 0}), None), graph=graph)(v, x)
     assert y.shape == (4, 3)
+
+
+def test_merge_needs_a_state():
+    gd, st = nn.split(nn.Linear(2, 3, rngs=nn.Rngs(0)))
+    with pytest.raises(TypeError, match=r"merge\(\) missing 1 required positional argument: 'state'"):
+        nn.merge(gd)
+    empty_gd, empty = nn.split(nn.Dict())
+    assert isinstance(nn.merge(empty_gd, empty), nn.Dict)
+    assert nn.merge(gd, st).kernel is st["kernel"]
