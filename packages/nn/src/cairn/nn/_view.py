@@ -163,8 +163,8 @@ def view_info(node: Node, /, *, only: Any = ..., graph: bool | None = None) -> s
     """What ``nn.view`` can set on ``node``: for each module type under it (selected by
     ``only``) that has a ``set_view`` hook, the hook's keywords with their types,
     defaults and the docstring lines that describe them, one block per type (headed by
-    its qualified name) sorted by
-    name. Modules without a hook take any of their existing attributes.
+    its qualified name) sorted by name. Modules without a hook take any of their
+    existing attributes.
 
     Args:
       node: a module.
