@@ -198,7 +198,13 @@ PureState = tuple[GraphDef[A], State]  # what ``nn.split(node)`` returns, as a t
 class CallableProxy:
     """What :func:`call` returns: attribute and item access select a method (or a
     submodule's), calling it runs it on a merged copy and returns ``(output, (graphdef,
-    state))`` of the copy after the call."""
+    state))`` of the copy after the call.
+
+    Args:
+      pure: the ``(graphdef, state, ...)`` tuple.
+      path: the attribute / item steps chosen so far (``("attr", name)`` or
+        ``("item", key)``).
+    """
 
     def __init__(self, pure: tuple, path: tuple = ()) -> None:
         self._pure = pure
