@@ -47,8 +47,7 @@ def capture(
     module is left as it was.
 
     ``fn`` is a module (its ``__call__``), a bound method of a module, or a function
-    whose first argument is the module; ``nn.capture(nn.Intermediate)`` returns a
-    decorator.
+    whose first argument is the module; ``nn.capture(nn.Intermediate)`` is a decorator.
 
     Args:
       fn: what to run.

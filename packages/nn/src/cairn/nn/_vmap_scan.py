@@ -615,6 +615,30 @@ def _copy_state_back(orig: Any, moved: Any, axis: int) -> None:
         o.value = jnp.moveaxis(m.value, 0, axis)
 
 
+def _scan_run(step, init, xs=None, *, length, reverse, unroll):
+    """The plain carry-and-xs scan behind :func:`scan`: ``step(carry, x) -> (carry, y)``
+    with modules in the carry threaded and modules in ``xs`` sliced (their per-step
+    changes written back stacked)."""
+    carry = LoopCarry(init)
+    xplan = Plan(xs)
+    box = Box()
+
+    def body(c_dyn, x_dyn):
+        c = carry.rebuild(c_dyn)
+        x, x_rebuilt = xplan.rebuild(x_dyn)
+        new_c, y = call_annotated(step, (c, x), {})
+        new_c_dyn = carry.extract(new_c, "nn.scan")
+        x_new_dyn, box.value = xplan.collect(x_rebuilt)
+        return new_c_dyn, (y, x_new_dyn)
+
+    c_final, (ys, x_states) = jax.lax.scan(
+        body, carry.dyn, xplan.dyn, length=length, reverse=reverse, unroll=unroll
+    )
+    out_carry = carry.finish(c_final)
+    xplan.write_back(xplan.fill(x_states), box.value)
+    return out_carry, ys
+
+
 def scan(
     f: Callable | None = None,
     *,
@@ -669,26 +693,7 @@ def scan(
     if transform_metadata:
         f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "scan")
 
-    def run(step, init, xs=None):
-        carry = LoopCarry(init)
-        xplan = Plan(xs)
-        box = Box()
-
-        def body(c_dyn, x_dyn):
-            c = carry.rebuild(c_dyn)
-            x, x_rebuilt = xplan.rebuild(x_dyn)
-            new_c, y = call_annotated(step, (c, x), {})
-            new_c_dyn = carry.extract(new_c, "nn.scan")
-            x_new_dyn, box.value = xplan.collect(x_rebuilt)
-            return new_c_dyn, (y, x_new_dyn)
-
-        c_final, (ys, x_states) = jax.lax.scan(
-            body, carry.dyn, xplan.dyn, length=length, reverse=reverse, unroll=unroll
-        )
-        out_carry = carry.finish(c_final)
-        xplan.write_back(xplan.fill(x_states), box.value)
-        return out_carry, ys
-
+    run = functools.partial(_scan_run, length=length, reverse=reverse, unroll=unroll)
     _check_scan_axes(in_axes if isinstance(in_axes, tuple) else (in_axes,), out_axes)
     if in_axes == (Carry, 0) and out_axes == (Carry, 0):
 
