@@ -471,3 +471,20 @@ def test_optimized_lstm_cell_is_the_fused_lstm_cell():
     _, yb = b(carry, x)
     np.testing.assert_array_equal(ya, yb)
     assert isinstance(a, nn.LSTMCell) and a.kernel.shape == (3, 16)
+
+
+def test_view_info_heads_a_block_with_the_qualified_name():
+    class Block(nn.Module):
+        def set_view(self, arg1: bool | None = None, **kwargs) -> dict:
+            """Hook.
+
+            Args:
+              arg1: The first argument.
+                Second line.
+            """
+            return kwargs
+
+    info = nn.view_info(Block())
+    assert info == (
+        f"{Block.__qualname__}:\n  arg1: bool | None = None\n    The first argument.\n    Second line."
+    )

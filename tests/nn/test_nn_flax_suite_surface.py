@@ -117,5 +117,5 @@ def test_shared_transform_arguments_report_inconsistent_aliasing():
     lin = nn.Linear(2, 2, rngs=nn.Rngs(0))
     with pytest.raises(nn.SharedReferenceError, match="Inconsistent aliasing detected: the same Linear"):
         nn.vmap(lambda a, b: None, in_axes=(0, 0))(lin, lin)
-    with pytest.raises(ValueError, match="Inconsistent aliasing detected: the same Param object is reachable"):
+    with pytest.raises(ValueError, match="Inconsistent aliasing detected: the same Param object is found at paths"):
         nn.jit(lambda a, b: None)(lin, lin.kernel)

@@ -95,19 +95,93 @@ class MLP(nn.Module):
         return self.l2(jax.nn.relu(self.l1(x)))
 
 
-def test_tabulate():
+def _row(lines, first_cell):
+    """The index of the first table line whose first cell is ``first_cell``."""
+    return next(i for i, ln in enumerate(lines) if ln.startswith("│") and ln.split("│")[1].strip() == first_cell)
+
+
+def test_tabulate_rows_per_call_with_counts_and_totals():
     m = MLP(nn.Rngs(0))
-    table = nn.tabulate(m, jnp.ones((3, 4)))
-    lines = table.splitlines()
-    assert lines[0].split("|")[0].strip() == "path"
-    row = next(line for line in lines if line.startswith(" l1 "))
-    assert "Lin" in row and "float32[3, 8]" in row and "40" in row  # 4*8+8 params
-    total = next(line for line in lines if line.startswith(" total"))
-    assert "58" in total  # 40 + 18 params
-    assert "2" in total  # two int32 counters
-    root = next(line for line in lines if line.startswith(" <root>"))
-    assert "float32[3, 2]" in root
+    lines = nn.tabulate(m, jnp.ones((3, 4))).splitlines()
+    assert lines[0].strip() == "MLP Summary"
+    assert lines[1].startswith("┏") and lines[3].startswith("┡") and lines[-3].startswith("└")
+    header = [c.strip() for c in lines[2].split("┃")[1:-1]]
+    assert header == ["path", "type", "inputs", "outputs", "BatchStat", "Param"]
+    root = lines[_row(lines, "")]
+    assert "MLP" in root and "float32[3,4]" in root and "float32[3,2]" in root
+    # root: 4*8+8 + 8*2+2 = 58 params (232 B), two int32 counters (8 B)
+    assert "58 (232 B)" in root and "2 (8 B)" in root
+    i = _row(lines, "l1")
+    block = lines[i:i + 4]
+    assert "Lin" in block[0] and "float32[3,8]" in block[0]
+    assert "kernel: float32[4,8]" in block[0] and "bias: float32[8]" in block[1]
+    assert "count: int32[]" in block[0] and "40 (160 B)" in block[3]
+    total = next(ln for ln in lines if "Total" in ln and ln.startswith("│"))
+    assert "58 (232 B)" in total and "2 (8 B)" in total
+    assert lines[-1].strip() == "Total Parameters: 60 (240 B)" and lines[-2] == ""
+    # rows are the calls, in call order, separated by rules
+    assert sum(ln.startswith("├─") for ln in lines) == 3  # three rows + the footer
     # the model itself was not run or changed
     assert int(m.l1.count.value) == 0
     with pytest.raises(TypeError, match="expected a Module"):
         nn.tabulate(3)
+
+
+def test_tabulate_flops_against_the_matmul_count():
+    lin = nn.Linear(5, 7, rngs=nn.Rngs(0))
+    lines = nn.tabulate(lin, jnp.ones((3, 5)), compute_flops=True, compute_vjp_flops=True).splitlines()
+    header = [c.strip() for c in lines[2].split("┃")[1:-1]]
+    assert header[4:6] == ["flops", "vjp_flops"]
+    cells = [c.strip() for c in lines[4].split("│")[1:-1]]
+    # y = x @ W + b: 2*m*k*n multiply-adds plus m*n bias adds
+    assert int(cells[4]) == 2 * 3 * 5 * 7 + 3 * 7
+    assert int(cells[5]) > int(cells[4])  # the VJP holds the forward and two more matmuls
+    assert "Total" in [c.strip() for c in lines[-4].split("│")[1:-1]][5]
+
+
+def test_tabulate_methods_depth_inputs_and_one_trace_per_call():
+    traced = []
+
+    class Inner(nn.Module):
+        def __init__(self, rngs):
+            self.lin = nn.Linear(2, 2, rngs=rngs)
+
+        def __call__(self, x, *, opts=None):
+            traced.append(1)
+            return self.lin(x)
+
+    class Outer(nn.Module):
+        def __init__(self, rngs):
+            self.a = Inner(rngs)
+            self.b = Inner(rngs)
+            self.w = nn.Param(jnp.ones((2,)), description="scale", owner=Custom())
+
+        def helper(self, cfg, x):
+            return self.b(x, opts=None) * self.w[...]
+
+        def __call__(self, x):
+            return x, self.helper({}, self.a(x, opts={}))
+
+    class Custom:
+        def __repr__(self):
+            return "<custom>"
+
+    m = Outer(nn.Rngs(0))
+    out = nn.tabulate(m, jnp.zeros((1, 2)), console_kwargs={"width": 80, "no_color": True})
+    lines = out.splitlines()
+    assert len(traced) == 2  # each call's body traced once
+    paths = [ln.split("│")[1].strip() for ln in lines if ln.startswith("│")]
+    firsts = [p for p in paths if p]
+    assert firsts == ["a", "a/lin", "helper", "b", "b/lin"]
+    assert "opts: {}" in out and "opts: None" in out and "- {}" in out
+    assert "- float32[1,2]" in lines[_row(lines, "")]  # a tuple output is a list
+    # a variable with metadata shows its value and the metadata (reprs)
+    assert "description: scale" in out and "owner: <custom>" in out and "value: float32[2]" in out
+    shallow = nn.tabulate(m, jnp.zeros((1, 2)), depth=1)
+    assert "a/lin" not in shallow and "helper" in shallow
+    named = nn.tabulate(m.a, jnp.zeros((1, 2)), row_filter=lambda r: r.type is not nn.Linear)
+    assert "lin" not in [ln.split("│")[1].strip() for ln in named.splitlines() if ln.startswith("│")]
+    with pytest.raises(ValueError, match="table_kwargs"):
+        nn.tabulate(m, jnp.zeros((1, 2)), table_kwargs={"box": None})
+    with pytest.raises(AttributeError, match="no method 'nope'"):
+        nn.tabulate(m, jnp.zeros((1, 2)), method="nope")

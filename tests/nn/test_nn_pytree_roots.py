@@ -53,7 +53,7 @@ def test_update_of_a_pytree_root_writes_into_its_variables():
 def test_shared_variables_in_a_pytree_root_are_refused():
     v = nn.Param(jnp.array(1.0))
     for fn in (nn.split, nn.state, nn.graphdef):
-        with pytest.raises(ValueError, match="same Param object is reachable at '0' and '1'"):
+        with pytest.raises(ValueError, match="same Param object is found at paths '0' and '1'"):
             fn([v, v])
 
 

@@ -55,6 +55,19 @@ SCRIPT = textwrap.dedent(
         4, 8, rngs=nn.Rngs(0), kernel_metadata={"out_sharding": ("c", "d"), "mesh": other})))
     assert b.kernel.sharding.mesh == other and b.kernel.sharding.spec == P("c", "d")
     assert nn.as_abstract(nn.Linear(2, 3, rngs=nn.Rngs(0))).kernel.value.shape == (2, 3)
+    # logical_axis_rules (Flax's name) composed with a variable's own sharding_rules
+    m3 = jax.make_mesh((2, 2), ("row", "col"), axis_types=auto)
+    with jax.set_mesh(m3), nn.logical_axis_rules((("col-alias", "col"),)):
+        w = nn.Param(nn.with_partitioning(lambda: jnp.ones((8, 2)), sharding=("row-alias", "col-alias"),
+                                          sharding_rules=(("row-alias", "row"),))())
+        b = nn.Param(nn.with_partitioning(lambda: jnp.zeros((2,)), sharding=("col-alias",))())
+        try:
+            nn.Param(jnp.ones((2,)), sharding=("col-alias",), sharding_rules=(("col-alias", "row"),))
+        except ValueError as e:
+            assert "inconsistent logical axis rules for 'col-alias'" in str(e), e
+        else:
+            raise AssertionError("conflicting rules must raise")
+    assert w.sharding.spec == P("row", "col") and b.sharding.spec == P("col"), (w.sharding, b.sharding)
     print("OK")
     """
 )

@@ -48,6 +48,7 @@ from cairn.nn._attention import (
     make_causal_mask,
 )
 from cairn.nn._autodiff import DiffState, grad, value_and_grad
+from cairn.nn._axis_metadata import PARTITION_NAME, transform_metadata
 from cairn.nn._capture import capture
 from cairn.nn._checkify import checkify, make_jaxpr
 from cairn.nn._control_flow import cond, fori_loop, switch, while_loop
@@ -134,12 +135,26 @@ from cairn.nn._sharding import (
     sharded_init,
     with_partitioning,
 )
-from cairn.nn._sharding_rules import current_rules, sharding_rules, use_eager_sharding
+from cairn.nn._sharding_rules import (
+    current_rules,
+    logical_axis_rules,
+    sharding_rules,
+    use_eager_sharding,
+)
 from cairn.nn._state import GraphState, State, replace_by_pure_dict, to_pure_dict
 from cairn.nn._state_ops import filter_state, map_state, merge_state, split_state
 from cairn.nn._summary import tabulate
 from cairn.nn._train_state import TrainState
 from cairn.nn._traversal import iter_graph, recursive_map
+from cairn.nn._update_context import (
+    CallableProxy,
+    PureState,
+    call,
+    current_update_context,
+    merge_context,
+    split_context,
+    update_context,
+)
 from cairn.nn._variables import (
     BatchStat,
     Cache,
@@ -241,6 +256,9 @@ __all__ = [
     "dataclass", "iter_children", "set_metadata", "TrainState", "OptimizedLSTMCell",
     "checkify", "CustomVjp", "custom_vjp", "jvp", "make_jaxpr", "pmap", "StateSharding", "vjp",
     "A", "EMA", "as_abstract", "use_eager_sharding",
+    "PARTITION_NAME", "transform_metadata", "logical_axis_rules",
+    "current_update_context", "merge_context", "split_context", "update_context",
+    "call", "CallableProxy", "PureState",
     # layers and their functions
     "initializers",
     # activations

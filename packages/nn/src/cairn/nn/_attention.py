@@ -28,6 +28,7 @@ from cairn.nn._linear import (
     default_bias_init,
     default_kernel_init,
     promote_dtype,
+    sharding_kw,
 )
 from cairn.nn._module import Module
 from cairn.nn._normalization import LayerNorm
@@ -643,6 +644,8 @@ class MultiHeadAttention(Module):
         decode: bool | None = None,
         is_causal: bool = False,
         positions: jax.Array | None = None,
+        out_sharding: Any = None,
+        qkv_sharding: Any = None,
     ) -> jax.Array:
         """Attends from ``inputs_q`` to ``inputs_k``/``inputs_v``; returns ``(*batch, q_len, out_features)``.
 
@@ -661,6 +664,10 @@ class MultiHeadAttention(Module):
           is_causal: query ``i`` attends to keys ``<= i`` (implied while decoding).
           positions: RoPE positions ``(q_len,)`` (default ``arange(q_len)``, or the cache
             positions while decoding).
+          out_sharding: the output's sharding (explicit mesh axes), passed to the output
+            projection; None to let JAX infer it.
+          qkv_sharding: the sharding of the projected queries, keys and values
+            ``(*batch, len, heads, head_dim)``, passed to their projections.
 
         Raises:
           ValueError: inputs of fewer than two axes or the wrong feature size,
@@ -670,9 +677,9 @@ class MultiHeadAttention(Module):
           TypeError: ``attention_fn`` does not accept an argument this call needs.
         """
         xq, xk, xv = self._check_inputs(inputs_q, inputs_k, inputs_v)
-        q = self.query(xq)
-        k = self.key(xk)
-        v = self.value(xv)
+        q = self.query(xq, **sharding_kw(qkv_sharding))
+        k = self.key(xk, **sharding_kw(qkv_sharding))
+        v = self.value(xv, **sharding_kw(qkv_sharding))
         if self.normalize_qk:
             q = cast(LayerNorm, self.query_ln)(q)
             k = cast(LayerNorm, self.key_ln)(k)
@@ -701,7 +708,7 @@ class MultiHeadAttention(Module):
             module=self if sow_weights else None,
         )
         x = self.attention_fn(q, k, v, **_fit_kwargs(self.attention_fn, kwargs))
-        return self.out(x)
+        return self.out(x, **sharding_kw(out_sharding))
 
     def _check_inputs(
         self, inputs_q: jax.Array, inputs_k: jax.Array | None, inputs_v: jax.Array | None

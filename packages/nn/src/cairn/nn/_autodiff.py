@@ -21,7 +21,7 @@ from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method
+from cairn.nn._transform_plan import Box, Plan, call_annotated, check_prefix, reject_bound_method
 from cairn.nn._variables import Param, Variable
 
 
@@ -68,6 +68,7 @@ def grad(
     """
     del reduce_axes  # NNX's keyword; nothing to reduce here
     check_mode("grad", graph, graph_updates)
+    check_prefix(argnums, "argnums", "grad", graph, graph_updates)
     reject_bound_method(f, "grad")
     if f is None:
         return functools.partial(
@@ -117,6 +118,7 @@ def value_and_grad(
     """
     del reduce_axes  # NNX's keyword; nothing to reduce here
     check_mode("value_and_grad", graph, graph_updates)
+    check_prefix(argnums, "argnums", "value_and_grad", graph, graph_updates)
     reject_bound_method(f, "value_and_grad")
     if f is None:
         return functools.partial(
@@ -181,6 +183,8 @@ class DiffState:
 
     argnum: int
     filter: Any
+
+    _cairn_prefix_mapping = True  # a per-variable prefix (graph mode only, in Flax NNX)
 
 
 def _argnum_specs(argnums: Any, wrt: Any) -> list[tuple[int, Any]]:

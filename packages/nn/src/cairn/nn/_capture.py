@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from cairn.nn._graph import pop
-from cairn.nn._module import Module
+from cairn.nn._graph import iter_modules, pop
+from cairn.nn._module import Module, public_methods
 from cairn.nn._state import State
 from cairn.nn._variables import Variable
 
@@ -46,17 +47,20 @@ def capture(
     module is left as it was.
 
     ``fn`` is a module (its ``__call__``), a bound method of a module, or a function
-    whose first argument is the module; ``nn.capture(nn.Intermediate)`` returns a
-    decorator.
+    whose first argument is the module; ``nn.capture(nn.Intermediate)`` is a decorator.
 
     Args:
       fn: what to run.
       *var_types: the variable types to capture.
       init: a State of starting values (paths relative to the module).
-      method_outputs: Flax's option to sow every method's output; not supported.
+      method_outputs: a Variable type: every call of a public method (or ``__call__``)
+        of a module under the root also sows its output in that type, named by the
+        method (``captured["__call__"]``, ``captured["block"]["helper"]``); list the type
+        in ``var_types`` to get it back.
 
     Raises:
-      NotImplementedError: ``method_outputs`` is given.
+      TypeError: ``method_outputs`` is not a Variable type, or the first argument is no
+        module.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -73,10 +77,12 @@ def capture(
             _capture_deferred, var_types=(fn, *var_types), init=init,
             method_outputs=method_outputs,
         )
-    if method_outputs is not None:
-        raise NotImplementedError(
-            "nn.capture(method_outputs=...) is not supported: call self.sow(...) on the "
-            "outputs you want inside the methods"
+    if method_outputs is not None and not (
+        isinstance(method_outputs, type) and issubclass(method_outputs, Variable)
+    ):
+        raise TypeError(
+            f"nn.capture: method_outputs must be a Variable type (e.g. nn.Intermediate), "
+            f"got {method_outputs!r}"
         )
     bound = fn.__self__ if inspect.ismethod(fn) and isinstance(fn.__self__, Module) else None
     if isinstance(fn, Module):
@@ -94,7 +100,11 @@ def capture(
         if init is not None:
             _put_back(module, init)
         try:
-            result = fn(*args, **kwargs)
+            if method_outputs is None:
+                result = fn(*args, **kwargs)
+            else:
+                with _sowing_methods(module, method_outputs):
+                    result = fn(*args, **kwargs)
         finally:
             captured = _pop_all(module, types)
             _put_back(module, *before)
@@ -114,3 +124,36 @@ def _pop_all(module: Module, types: tuple) -> tuple[State, ...]:
 
 def _capture_deferred(fn: Any, *, var_types: tuple, init: Any, method_outputs: Any) -> Any:
     return capture(fn, *var_types, init=init, method_outputs=method_outputs)
+
+
+@contextlib.contextmanager
+def _sowing_methods(root: Module, var_type: type[Variable]) -> Iterator[None]:
+    """Within the context, each public method of the module classes under ``root``
+    sows its output as ``var_type`` named by the method; the classes are restored."""
+    classes = {type(m) for _, m in iter_modules(root)}
+    saved: list[tuple[type, str, Any]] = []
+
+    def sowing(name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            self.sow(var_type, name, out)
+            return out
+
+        return method
+
+    try:
+        for cls in classes:
+            for name, fn in public_methods(cls).items():
+                saved.append((cls, name, cls.__dict__.get(name, _MISSING)))
+                setattr(cls, name, sowing(name, fn))
+        yield
+    finally:
+        for cls, name, orig in reversed(saved):
+            if orig is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, orig)
+
+
+_MISSING = object()

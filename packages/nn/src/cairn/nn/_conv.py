@@ -21,6 +21,8 @@ from cairn.nn._linear import (
     dense_value,
     make_kernel_and_bias,
     promote_dtype,
+    reshard_to,
+    sharding_kw,
     store_layer_options,
 )
 from cairn.nn._module import Module
@@ -237,11 +239,21 @@ class Conv(_ConvBase):
             param_dtype, kernel_metadata, bias_metadata,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """Convolve ``inputs`` with the kernel, add the bias.
+
+        Args:
+          inputs: ``(*batch, *spatial, in_features)``.
+          out_sharding: the output's sharding (explicit mesh axes), passed to
+            ``conv_general_dilated`` (with one batch axis) or applied to the result;
+            None to let JAX infer it.
+        """
         x = check_input(self, inputs, min_ndim=len(self.kernel_size) + 1)
         check_axis(self, x, -1, self.in_features, what="last axis (features)")
         rank = len(self.kernel_size)
         x, batch = self._flatten_batch(x, rank)
+        # one batch axis: the conv itself places its output; otherwise the result is resharded
+        direct = len(batch) == 1
         padding = self.padding
         if padding in ("CIRCULAR", "REFLECT"):
             kd = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.kernel_dilation)]
@@ -274,10 +286,12 @@ class Conv(_ConvBase):
             feature_group_count=self.feature_group_count,
             precision=self.precision,
             preferred_element_type=self.preferred_element_type,
+            **sharding_kw(out_sharding if direct else None),
         )
         if bias is not None:
             y = y + bias.astype(y.dtype)
-        return self._unflatten_batch(y, batch)
+        y = self._unflatten_batch(y, batch)
+        return y if direct else reshard_to(y, out_sharding)
 
 
 class ConvTranspose(_ConvBase):
@@ -374,7 +388,14 @@ class ConvTranspose(_ConvBase):
             param_dtype, kernel_metadata, bias_metadata,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """The transposed convolution of ``inputs``, plus the bias.
+
+        Args:
+          inputs: ``(*batch, *spatial, in_features)``.
+          out_sharding: the output's sharding (explicit mesh axes), applied to the result;
+            None to let JAX infer it.
+        """
         x = check_input(self, inputs, min_ndim=len(self.kernel_size) + 1)
         check_axis(self, x, -1, self.in_features, what="last axis (features)")
         rank = len(self.kernel_size)
@@ -409,7 +430,7 @@ class ConvTranspose(_ConvBase):
                 y = y.reshape(y.shape[:i] + (-1, period) + y.shape[i + 1 :]).sum(axis=i)
         if bias is not None:
             y = y + bias.astype(y.dtype)
-        return self._unflatten_batch(y, batch)
+        return reshard_to(self._unflatten_batch(y, batch), out_sharding)
 
 
 class _Frozen:

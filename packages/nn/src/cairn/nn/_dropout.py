@@ -90,9 +90,22 @@ class Dropout(Module):
                     f"{tuple(inputs.shape)}"
                 )
             shape[d] = 1
-        mask = jax.random.bernoulli(key, keep, tuple(shape))
-        mask = jnp.broadcast_to(mask, inputs.shape)
+        mask = jax.random.bernoulli(
+            key, keep, tuple(shape), out_sharding=_mask_sharding(inputs, self.broadcast_dims)
+        )
+        mask = jnp.broadcast_to(mask, inputs.shape, out_sharding=jax.typeof(inputs).sharding)
         return lax.select(mask, inputs / jnp.asarray(keep, inputs.dtype), jnp.zeros_like(inputs))
+
+
+def _mask_sharding(inputs: jax.Array, broadcast_dims: Sequence[int]):
+    """The input's sharding with the broadcast axes (size 1 in the mask) unsharded, so the
+    mask is laid out as the input (an explicit mesh refuses a select of mixed shardings)."""
+    sharding = jax.typeof(inputs).sharding
+    spec = tuple(sharding.spec) + (None,) * (inputs.ndim - len(sharding.spec))
+    if not broadcast_dims or all(spec[d] is None for d in broadcast_dims):
+        return sharding
+    spec = tuple(None if i in {d % inputs.ndim for d in broadcast_dims} else a for i, a in enumerate(spec))
+    return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
 def _own_stream(rngs, name: str, layer: str):

@@ -11,7 +11,15 @@ import numpy as np
 
 from cairn.nn import _checks
 from cairn.nn import initializers as _init
-from cairn.nn._linear import DType, Initializer, check_axis, check_input, make_param, promote_dtype
+from cairn.nn._linear import (
+    DType,
+    Initializer,
+    check_axis,
+    check_input,
+    make_param,
+    promote_dtype,
+    sharding_kw,
+)
 from cairn.nn._module import Module
 from cairn.nn._rngs import Rngs
 
@@ -70,7 +78,15 @@ class Embed(Module):
             embedding_metadata,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """The embedding rows of ``inputs``: shape ``inputs.shape + (features,)``.
+
+        Args:
+          inputs: integer ids in ``[0, num_embeddings)``.
+          out_sharding: the output's sharding (explicit mesh axes): the lookup runs with
+            the mesh axes automatic and its result is placed so; None to let JAX infer it
+            (an ambiguous lookup then raises, as ``jnp.take`` does).
+        """
         if not hasattr(inputs, "dtype"):
             inputs = jnp.asarray(inputs)
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -87,15 +103,22 @@ class Embed(Module):
                     f"in input of shape {tuple(inputs.shape)}"
                 )
         (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
-        return jnp.take(embedding, inputs, axis=0, mode="fill", fill_value=jnp.nan)
 
-    def attend(self, query: jax.Array) -> jax.Array:
+        def take(table, ids):
+            return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
+
+        if out_sharding is not None:
+            take = jax.sharding.auto_axes(take, out_sharding=out_sharding)
+        return take(embedding, inputs)
+
+    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Logits ``query @ embedding.T`` of shape ``query.shape[:-1] + (num_embeddings,)``.
 
         Args:
           query: ``(..., features)`` hidden states.
+          out_sharding: the logits' sharding (explicit mesh axes); None to let JAX infer it.
         """
         q = check_input(type(self).__name__ + ".attend", query)
         check_axis(type(self).__name__ + ".attend", q, -1, self.features)
         q, embedding = self.promote_dtype((q, self.embedding[...]), dtype=self.dtype)
-        return jnp.einsum("...f,vf->...v", q, embedding)
+        return jnp.einsum("...f,vf->...v", q, embedding, **sharding_kw(out_sharding))

@@ -431,8 +431,11 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
 
     Args:
       graphdef: the structure, from :func:`split`.
-      states: the States holding every variable of ``graphdef``.
+      states: the States holding every variable of ``graphdef`` (at least one).
       copy: copy the Variable objects instead of reusing them.
+
+    Raises:
+      TypeError: no State is given.
     """
     if isinstance(graphdef, GraphState):
         graphdef, states = _graph_states(graphdef, states)
@@ -440,6 +443,11 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
         return _merge_single(graphdef, states, copy)
     if not isinstance(graphdef, GraphDef):
         raise TypeError(f"nn.merge: expected a GraphDef first, got {type(graphdef).__name__}")
+    if not states:  # Python's own words for the missing argument, as Flax NNX's signature
+        raise TypeError(
+            "merge() missing 1 required positional argument: 'state' (the State from "
+            "nn.split; an empty State for a module without variables)"
+        )
     vs = None
     if len(states) == 1 and isinstance(states[0], State):
         h = states[0]._hint

@@ -188,3 +188,22 @@ class var_defaults:  # noqa: N801  (Flax's name)
 
     def __repr__(self) -> str:
         return f"var_defaults(hijax={self.hijax}, ref={self.ref})"
+
+    # a read-only mapping of the defaults, as Flax NNX's: dict(nn.var_defaults())
+    def __getitem__(self, key: str) -> bool:
+        if key not in ("hijax", "ref"):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Any:
+        return iter(("hijax", "ref"))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __contains__(self, key: object) -> bool:
+        return key in ("hijax", "ref")
+
+    def keys(self) -> tuple[str, str]:
+        """The names of the defaults: ``("hijax", "ref")``."""
+        return ("hijax", "ref")

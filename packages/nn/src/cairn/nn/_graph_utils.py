@@ -10,6 +10,7 @@ from cairn.nn._filters import path_text, to_predicate
 from cairn.nn._graph import GraphDef, flat, split
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
+from cairn.nn._nodes import PREFIX_TREES
 from cairn.nn._state import GraphState, State
 from cairn.nn._variables import Variable
 
@@ -153,7 +154,7 @@ def prefix(
     of ``jax.vmap``) it gives each variable its own axis.
 
     Args:
-      node: a module, a Variable or a pytree of them.
+      node: a module, a Variable (its prefix is the value itself) or a pytree of them.
       filter_map: a callable ``(path, variable) -> value`` or a ``{filter: value}``
         mapping (checked in order; ``...`` matches everything).
       graph: Flax NNX's mode keyword (one behaviour here).
@@ -170,10 +171,12 @@ def prefix(
     """
     check_mode("prefix", graph)
     fn = _prefix_fn(filter_map)
-    if isinstance(node, Variable):
-        return _holding(node, fn((), node))
+    if isinstance(node, Variable):  # the prefix of the whole Variable
+        return fn((), node)
     if isinstance(node, Module):
-        return map(fn, node)
+        tree = map(fn, node)
+        PREFIX_TREES.add(tree)
+        return tree
     if isinstance(node, list | tuple):
         return type(node)(prefix(x, filter_map) for x in node)
     if isinstance(node, dict):

@@ -24,6 +24,7 @@ from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    check_prefix,
     reject_bound_method,
     run_pure,
     set_raw,
@@ -196,8 +197,8 @@ def _check_disjoint(tdon, tkeep) -> None:
         if id(v) in seen:
             raise SharedReferenceError(
                 f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
-                f"reachable from two arguments of an nn.jit function; arguments must not "
-                f"share modules or variables"
+                f"found at paths in two arguments of an nn.jit function (Duplicate "
+                f"{type(v).__name__}); arguments must not share modules or variables"
             )
         seen.add(id(v))
 
@@ -497,6 +498,8 @@ def jit(
     2
     """
     check_mode("jit", graph, graph_updates)
+    check_prefix(jit_kwargs.get("in_shardings"), "in_shardings", "jit", graph, graph_updates)
+    check_prefix(jit_kwargs.get("out_shardings"), "out_shardings", "jit", graph, graph_updates)
     reject_bound_method(fun, "jit")
     kw = dict(
         static_argnums=static_argnums,

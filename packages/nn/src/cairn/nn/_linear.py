@@ -63,6 +63,18 @@ def promote_dtype(
     return container(None if a is None else jnp.asarray(a, dt) for a in args)
 
 
+def sharding_kw(out_sharding: Any) -> dict[str, Any]:
+    """``{"out_sharding": out_sharding}`` for an op that takes it, or ``{}`` when it is None
+    (so a user's own ``dot_general`` / ``einsum_op`` without the keyword keeps working)."""
+    return {} if out_sharding is None else {"out_sharding": out_sharding}
+
+
+def reshard_to(y: jax.Array, out_sharding: Any) -> jax.Array:
+    """``y`` resharded to ``out_sharding`` (a ``PartitionSpec`` under ``jax.set_mesh``, or a
+    ``NamedSharding``); ``y`` itself when it is None."""
+    return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+
+
 def promote_for_dot(layer: Any, x: Any, kernel: Any, bias: Any) -> tuple[Any, Any, Any]:
     """``layer.promote_dtype`` on ``(x, kernel, bias)``, except that a ``QArray`` kernel
     stays quantized when the layer's ``dot_general`` is not ``lax.dot_general`` (a kernel
@@ -230,7 +242,14 @@ class Linear(Module):
             bias_metadata,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """``inputs @ kernel + bias``.
+
+        Args:
+          inputs: ``(..., in_features)``.
+          out_sharding: the output's sharding (a ``PartitionSpec`` or ``NamedSharding``,
+            for a mesh with explicit axes), passed to ``dot_general``; None to let JAX infer it.
+        """
         x = check_input(self, inputs)
         kernel = self.kernel[...]
         # the kernel's own input size: in_features, or a shard of it inside shard_map
@@ -239,7 +258,7 @@ class Linear(Module):
         x, kernel, bias = promote_for_dot(self, x, kernel, bias)
         y = self.dot_general(
             x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
+            preferred_element_type=self.preferred_element_type, **sharding_kw(out_sharding),
         )
         if bias is not None:
             y = y + bias.astype(y.dtype)
@@ -362,7 +381,14 @@ class LinearGeneral(Module):
             kernel_metadata, bias_metadata,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """Contract ``inputs``' ``axis`` against the kernel, add the bias.
+
+        Args:
+          inputs: an array whose ``axis`` sizes are ``in_features``.
+          out_sharding: the output's sharding (explicit mesh axes), passed to
+            ``dot_general``; None to let JAX infer it.
+        """
         x = check_input(self, inputs)
         nd = x.ndim
         axes = tuple(a % nd if -nd <= a < nd else None for a in self.axis)
@@ -382,7 +408,7 @@ class LinearGeneral(Module):
         k_b = tuple(range(nb))
         y = self.dot_general(
             x, kernel, ((axes, k_in), (tuple(range(nb)), k_b)), precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
+            preferred_element_type=self.preferred_element_type, **sharding_kw(out_sharding),
         )
         if bias is not None:
             # bias (*batch, *out) broadcasts over the free input axes in the middle
@@ -489,7 +515,17 @@ class Einsum(Module):
             kernel_metadata, bias_metadata,
         )
 
-    def __call__(self, inputs: jax.Array, einsum_str: str | None = None) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, einsum_str: str | None = None, out_sharding: Any = None
+    ) -> jax.Array:
+        """``einsum(einsum_str, inputs, kernel) + bias``.
+
+        Args:
+          inputs: the input, with the axes the equation's first operand names.
+          einsum_str: an equation for this call instead of the layer's.
+          out_sharding: the output's sharding (explicit mesh axes), passed to the
+            ``einsum_op``; None to let JAX infer it.
+        """
         x = check_input(self, inputs)
         spec = self._in_spec if einsum_str is None else einsum_str.split(",")[0].strip()
         if "..." not in spec and x.ndim != len(spec):
@@ -500,7 +536,7 @@ class Einsum(Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        kw = {}
+        kw = sharding_kw(out_sharding)
         if self.preferred_element_type is not None:
             kw["preferred_element_type"] = self.preferred_element_type
         y = self.einsum_op(

@@ -50,6 +50,11 @@ def _contains_arrays(value) -> bool:
     return any(isinstance(leaf, _ARRAY_TYPES) for leaf in leaves)
 
 
+class SowError(TypeError, ValueError):
+    """``Module.sow`` found an attribute of that name that is not a Variable of the
+    sown type (a ``TypeError``, and a ``ValueError`` as Flax NNX raises)."""
+
+
 class AttributesNotFoundError(AttributeError, ValueError):
     """``set_attributes`` / ``with_attributes`` / ``view`` found no selected module with
     some of the attributes given (a ``ValueError``, as Flax NNX raises, and an
@@ -194,7 +199,8 @@ class Module(Node):
           init_fn: ``init_fn() -> accumulated`` for the first record; the default gives ``()``.
 
         Raises:
-          TypeError: ``name`` already holds a variable of another type.
+          SowError: (a ``TypeError`` and a ``ValueError``) ``name`` already holds
+            something that is not a Variable, or a Variable of another type.
         """
         if isinstance(variable_type, str):
             variable_type = Intermediate
@@ -203,10 +209,15 @@ class Module(Node):
             setattr(self, name, variable_type(reduce_fn(init_fn(), value)))
         elif isinstance(existing, variable_type):
             existing.value = reduce_fn(existing.value, value)
+        elif not isinstance(existing, Variable):
+            raise SowError(
+                f"sow: expected attribute {name!r} of {type(self).__name__} to be a Variable, "
+                f"got {type(existing).__name__}"
+            )
         else:
-            raise TypeError(
-                f"sow: attribute {name!r} of {type(self).__name__} is a "
-                f"{type(existing).__name__}, expected a {variable_type.__name__}"
+            raise SowError(
+                f"sow: expected attribute {name!r} of {type(self).__name__} to be of type "
+                f"{variable_type.__name__}, got {type(existing).__name__}"
             )
 
     def perturb(
@@ -250,6 +261,22 @@ _CALL_DEPTH = [0]
 _SCOPES: list[tuple[Any, str]] = []
 _TRACE_CTX = _jax_core.trace_ctx
 _EVAL_TRACE = _jax_core.EvalTrace
+
+
+def public_methods(cls: type) -> dict[str, Callable]:
+    """The public methods of module class ``cls`` (and ``__call__``) that a layer or a
+    user's module defines: plain functions, not static or class methods, and not the
+    generic ``Module`` API (``sow``, ``train``, ...)."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("_") and name != "__call__":
+            continue
+        owner = next((k for k in cls.__mro__ if name in k.__dict__), None)
+        if owner is None or owner in (Module, Node, object):
+            continue
+        if inspect.isfunction(owner.__dict__[name]):
+            out[name] = owner.__dict__[name]
+    return out
 
 
 def _child_key(parent: Any, child: Any) -> str | None:

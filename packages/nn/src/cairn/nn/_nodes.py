@@ -26,6 +26,7 @@ ints); their strings follow ``cairn.core_array``'s convention.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +80,10 @@ class Static:
 
 
 # --- the node protocol ---
+
+
+# modules made by ``nn.prefix``: prefix trees, not graph nodes, for the transforms' checks
+PREFIX_TREES: weakref.WeakSet = weakref.WeakSet()
 
 
 class Node:
@@ -260,9 +265,9 @@ def build_node(
 # --- a whole tree: the encoding behind GraphDef ---
 
 
-def _shared(obj: Any, first: tuple, second: tuple) -> SharedReferenceError:
+def shared_error(obj: Any, first: tuple, second: tuple) -> SharedReferenceError:
     return SharedReferenceError(
-        f"shared reference: the same {type(obj).__name__} object is reachable at "
+        f"shared reference: the same {type(obj).__name__} object is found at paths "
         f"{path_text(first) or '<root>'!r} and {path_text(second) or '<root>'!r}; a "
         f"cairn.nn module tree has no shared references (tie weights explicitly, "
         f"e.g. Embed.attend, or use nn.clone to make an independent copy)"
@@ -282,7 +287,7 @@ class _TreeEncoder:
     def add_var(self, v: Variable, p: tuple) -> tuple:
         i = id(v)
         if i in self.seen:
-            raise _shared(v, self.seen[i], p)
+            raise shared_error(v, self.seen[i], p)
         self.seen[i] = p
         self.variables.append(v)
         self.paths.append(p)
@@ -309,7 +314,7 @@ class _TreeEncoder:
         seen = self.seen
         i = id(node)
         if i in seen:
-            raise _shared(node, seen[i], path)
+            raise shared_error(node, seen[i], path)
         seen[i] = path
         entries: list[tuple] = []
         if type(node)._graph_items is _PLAIN_ITEMS:  # skip the list copy of __dict__
@@ -325,7 +330,7 @@ class _TreeEncoder:
             if isinstance(v, Variable):  # add_var inlined: the hot case
                 i = id(v)
                 if i in seen:
-                    raise _shared(v, seen[i], p)
+                    raise shared_error(v, seen[i], p)
                 seen[i] = p
                 variables.append(v)
                 paths.append(p)

@@ -251,3 +251,43 @@ for _name in _SAMPLERS:
     if hasattr(jax.random, _name):
         setattr(Rngs, _name, _sampler(_name))
         setattr(RngStream, _name, _sampler(_name))
+
+
+# --- initializers: ``rngs.lecun_normal()((2, 3))`` builds the initializer, then draws a key ---
+# (not ``normal`` / ``uniform`` / ``orthogonal`` / ``truncated_normal``, which are the
+# jax.random samplers above, nor the key-free ``zeros`` / ``ones`` / ``constant``)
+_INITIALIZERS = (
+    "delta_orthogonal", "glorot_normal", "glorot_uniform", "he_normal", "he_uniform",
+    "kaiming_normal", "kaiming_uniform", "lecun_normal", "lecun_uniform", "variance_scaling",
+    "xavier_normal", "xavier_uniform",
+)
+
+
+def _initializer(name: str):
+    # jax.nn.initializers' own (Flax NNX binds these, so draws match Flax's bit for bit)
+    make = getattr(jax.nn.initializers, name)
+
+    def method(self, *args, **kwargs):
+        init = make(*args, **kwargs)
+
+        def keyless(*init_args, **init_kwargs):
+            return init(self(), *init_args, **init_kwargs)
+
+        keyless.__name__ = f"{name}_keyless"
+        return keyless
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = (
+        f"``jax.nn.initializers.{name}(*args, **kwargs)`` bound to this stream: the result takes\n"
+        f"``(shape, dtype=...)`` and draws a fresh key each call (on :class:`Rngs`, from the\n"
+        f"``default`` stream).\n\n"
+        f"Args:\n"
+        f"  args: ``initializers.{name}``'s positional arguments (scale, mode...).\n"
+        f"  kwargs: ``initializers.{name}``'s keyword arguments.\n"
+    )
+    return method
+
+
+for _name in _INITIALIZERS:
+    setattr(Rngs, _name, _initializer(_name))
+    setattr(RngStream, _name, _initializer(_name))

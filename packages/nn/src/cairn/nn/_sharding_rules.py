@@ -40,6 +40,21 @@ def sharding_rules(rules: Any, mesh: Any = None) -> Iterator[None]:
         _CTX.pop()
 
 
+@contextlib.contextmanager
+def logical_axis_rules(rules: Any) -> Iterator[None]:
+    """Flax's spelling of :func:`sharding_rules` without a mesh: logical axis names map
+    to mesh axes by ``rules`` inside the context, on the mesh of an enclosing
+    :func:`sharding_rules` or ``jax.set_mesh``. A variable's own ``sharding_rules``
+    metadata is tried before these.
+
+    Args:
+      rules: a ``LogicalAxisRules`` or a sequence of ``(logical_name, mesh_axes)`` pairs.
+    """
+    ctx = current_rules()
+    with sharding_rules(rules, ctx[0] if ctx is not None else None):
+        yield
+
+
 _EAGER = [True]  # use_eager_sharding's stack top: place variables when created
 
 
@@ -76,10 +91,14 @@ def current_rules() -> tuple[Any, Any] | None:
     return _CTX[-1] if _CTX else None
 
 
-def mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
+def mesh_and_rules(mesh: Any, names: tuple, own_rules: Any = None) -> tuple[Any, Any] | None:
     """The mesh (the given one, else the ``sharding_rules`` context's) and the rules
-    (the context's, else each name mapped to the mesh axis of the same name); None
-    when no mesh is in scope."""
+    (the context's, else each name mapped to the mesh axis of the same name; a
+    variable's ``own_rules`` come first); None when no mesh is in scope.
+
+    Raises:
+      ValueError: ``own_rules`` maps a name the context maps differently.
+    """
     ctx = current_rules()
     ctx_mesh, rules = ctx if ctx is not None else (None, None)
     mesh = mesh if mesh is not None else ctx_mesh
@@ -87,10 +106,20 @@ def mesh_and_rules(mesh: Any, names: tuple) -> tuple[Any, Any] | None:
         mesh = context_mesh()
     if mesh is None:
         return None
-    if rules is None:
-        from cairn.core_array import LogicalAxisRules
+    from cairn.core_array import LogicalAxisRules
 
+    if rules is None:
         rules = LogicalAxisRules([(n, n) for n in names if n is not None])
+    if own_rules:
+        own = list(LogicalAxisRules(own_rules))
+        mine = dict(own)
+        for name, axes in rules:
+            if name in mine and mine[name] != axes:
+                raise ValueError(
+                    f"inconsistent logical axis rules for {name!r}: the variable's "
+                    f"sharding_rules map it to {mine[name]!r}, the context to {axes!r}"
+                )
+        rules = LogicalAxisRules(own + [(n, a) for n, a in rules if n not in mine])
     return mesh, rules
 
 
@@ -136,7 +165,8 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     """``value`` placed in the sharding its ``metadata``'s axis names give under the
     active rules (a constraint for a tracer, ``device_put`` for an array, a sharded
     ``ShapeDtypeStruct`` for an abstract value); unchanged when no mesh is in scope."""
-    if not _EAGER[-1]:
+    eager = metadata.get("eager_sharding")
+    if not (_EAGER[-1] if eager is None else eager):  # a variable's own choice wins
         return value
     mesh = metadata.get("mesh")
     if mesh is None and current_rules() is None and context_mesh() is None:
@@ -145,7 +175,7 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     names = names_for(metadata, ndim)
     if names is None:
         return value
-    found = mesh_and_rules(mesh, names)
+    found = mesh_and_rules(mesh, names, metadata.get("sharding_rules"))
     if found is None:
         return value
     mesh, rules = found

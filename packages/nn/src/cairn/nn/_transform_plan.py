@@ -23,7 +23,7 @@ import jax
 
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._module import Module, annotate_exception
-from cairn.nn._nodes import LEAF, MOD, VAR, SharedReferenceError, is_node
+from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
 
 set_raw = Variable.__dict__["raw_value"].__set__
@@ -168,13 +168,13 @@ def _check_once(seen: dict, v: Variable, owner: Any) -> None:
     if prev is not None and prev != id(owner):
         raise SharedReferenceError(
             f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
-            f"reachable from two arguments ({type(owner).__name__} and another); transform "
-            f"arguments must not share variables"
+            f"reachable from two arguments ({type(owner).__name__} and another; Duplicate "
+            f"{type(v).__name__}); transform arguments must not share variables"
         )
     if prev is not None:
         raise SharedReferenceError(
             f"Inconsistent aliasing detected: the same {type(owner).__name__} object is "
-            f"passed twice to a transform; pass it once"
+            f"passed twice to a transform (Duplicate {type(v).__name__}); pass it once"
         )
     seen[id(v)] = id(owner)
 
@@ -309,3 +309,52 @@ def reject_bound_method(f: Any, what: str) -> None:
             f"transform; pass it as an argument, e.g. nn.{what}({type(owner).__name__}."
             f"{name})(module, ...)"
         )
+
+
+def check_prefix(prefix: Any, name: str, fn: str, graph: Any, graph_updates: Any) -> None:
+    """Flax NNX's checks of a transform's prefix argument (``in_axes``, ``in_shardings``,
+    ``argnums``...) where the caller asked for a mode by keyword: a lone Variable is
+    never a prefix (give the axis of the whole Variable); a ``StateAxes`` /
+    ``StateSharding`` / ``DiffState`` needs ``graph=True`` and ``graph_updates=True``
+    (tree mode takes ``nn.prefix`` trees instead); a module is no prefix under
+    ``graph=True`` (graph mode takes ``StateAxes``).
+
+    Raises:
+      ValueError: naming the offending entry and what to pass instead.
+    """
+
+    def walk(x: Any, where: str) -> None:
+        if isinstance(x, Variable):
+            if graph is False:
+                raise ValueError(
+                    f"Found Variable of type {type(x).__name__} at {where} in `{name}` for "
+                    f"nn.{fn}. Variables prefixes are not supported: pass a prefix for the "
+                    "entire Variable instead of a Variable holding a prefix for its value."
+                )
+            return
+        if getattr(type(x), "_cairn_prefix_mapping", False):
+            if graph is False or graph_updates is False:
+                kind = type(x).__name__
+                raise ValueError(
+                    f"`{name}` cannot contain `{kind}` objects when `graph=False` or "
+                    f"`graph_updates=False` (found at {where} for nn.{fn}); give a tree from "
+                    f"nn.prefix(...) instead, or leave graph / graph_updates at their defaults"
+                )
+            return
+        if is_node(x):
+            if graph is True and x not in PREFIX_TREES:
+                raise ValueError(
+                    f"Found graph node of type {type(x).__name__} at {where} in `{name}` for "
+                    f"nn.{fn}. Graph nodes are not allowed as prefixes when graph=True: use "
+                    f"a StateAxes / StateSharding, or pass graph=False with an nn.prefix tree"
+                )
+            return
+        if isinstance(x, (tuple, list)):
+            for i, y in enumerate(x):
+                walk(y, f"{where}[{i}]")
+        elif isinstance(x, dict):
+            for k, y in x.items():
+                walk(y, f"{where}[{k!r}]")
+
+    if graph is not None or graph_updates is not None:
+        walk(prefix, name)

@@ -8,7 +8,7 @@ from typing import Any
 
 from cairn.nn._graph import flat
 from cairn.nn._graph_mode import check_mode
-from cairn.nn._nodes import Node
+from cairn.nn._nodes import Node, shared_error
 from cairn.nn._variables import Variable
 
 
@@ -52,7 +52,8 @@ def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
 
     Args:
       f: ``f(path, x) -> replacement`` for every module and Variable.
-      node: the module tree.
+      node: the module tree, or a list / tuple / dict (nested) of modules and Variables
+        (each container is rebuilt and also given to ``f``).
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
 
     >>> from cairn import nn
@@ -63,11 +64,11 @@ def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
     ['layers/0/kernel', 'layers/0/bias', 'layers/0']
 
     Raises:
-      TypeError: ``node`` is not a module.
+      SharedReferenceError: a module or Variable is found at two paths.
     """
     check_mode("recursive_map", graph)
     if not isinstance(node, Node):
-        raise TypeError(f"recursive_map: expected a module, got {type(node).__name__}")
+        return _map_pytree(f, node)
     c = flat(node)
     root = c.graphdef.build_from_variables(c.variables)
 
@@ -81,3 +82,27 @@ def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
         return f(path, x)
 
     return rec(root, ())
+
+
+def _map_pytree(f: Any, tree: Any) -> Any:
+    """:func:`recursive_map` over a list / tuple / dict of modules and Variables: each
+    module is mapped on its own new tree; containers are rebuilt, then given to ``f``."""
+    seen: dict[int, tuple] = {}
+
+    def rec(x: Any, path: tuple) -> Any:
+        if isinstance(x, Node | Variable):
+            if id(x) in seen:
+                raise shared_error(x, seen[id(x)], path)
+            seen[id(x)] = path
+            if isinstance(x, Variable):
+                return f(path, x)
+            return recursive_map(lambda p, y: f((*path, *p), y), x)
+        if isinstance(x, list | tuple):
+            items = [rec(v, (*path, i)) for i, v in enumerate(x)]
+            new = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            return f(path, new)
+        if isinstance(x, dict):
+            return f(path, type(x)((k, rec(v, (*path, k))) for k, v in x.items()))
+        return x
+
+    return rec(tree, ())

@@ -223,6 +223,31 @@ class Variable:
             self._meta.update(kwargs)
         bump_epoch()
 
+    def add_axis(self, axis_index: int, axis_name: Any) -> None:
+        """Called after a transform inserted a mapped axis into this variable's axis
+        metadata (``nn.vmap`` / ``nn.scan`` with ``transform_metadata``,
+        ``nn.transform_metadata``); runs the ``on_add_axis`` hooks of its metadata,
+        ``hook(variable, axis_index, axis_name)``. Subclasses may override it.
+
+        Args:
+          axis_index: the position of the new axis.
+          axis_name: the mapped axis's partition name (a mesh axis name or None).
+        """
+        for hook in self._meta.get("on_add_axis", ()):
+            hook(self, axis_index, axis_name)
+
+    def remove_axis(self, axis_index: int, axis_name: Any) -> None:
+        """Called after a transform removed its mapped axis from this variable's axis
+        metadata; runs the ``on_remove_axis`` hooks of its metadata. Subclasses may
+        override it.
+
+        Args:
+          axis_index: the position of the removed axis.
+          axis_name: the mapped axis's partition name (a mesh axis name or None).
+        """
+        for hook in self._meta.get("on_remove_axis", ()):
+            hook(self, axis_index, axis_name)
+
     def get_raw_value(self) -> Any:
         """The stored value (``raw_value``)."""
         return self.raw_value
@@ -234,6 +259,23 @@ class Variable:
           value: the new raw value (stored without any conversion).
         """
         object.__setattr__(self, "raw_value", value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the value (a Variable holding a callable proxies the call, as Flax NNX's).
+
+        Args:
+          args: the call's positional arguments.
+          kwargs: the call's keyword arguments.
+
+        Raises:
+          TypeError: the value is not callable.
+        """
+        value = self.raw_value
+        if not callable(value):
+            raise TypeError(
+                f"{type(self).__name__} is not callable: its value is a {type(value).__name__}"
+            )
+        return value(*args, **kwargs)
 
     def __getattr__(self, name: str):
         # only called when normal lookup fails: metadata, then array attributes

@@ -162,8 +162,9 @@ def view(
 def view_info(node: Node, /, *, only: Any = ..., graph: bool | None = None) -> str:
     """What ``nn.view`` can set on ``node``: for each module type under it (selected by
     ``only``) that has a ``set_view`` hook, the hook's keywords with their types,
-    defaults and the docstring lines that describe them, one block per type sorted by
-    name. Modules without a hook take any of their existing attributes.
+    defaults and the docstring lines that describe them, one block per type (headed by
+    its qualified name) sorted by name. Modules without a hook take any of their
+    existing attributes.
 
     Args:
       node: a module.
@@ -182,7 +183,7 @@ def view_info(node: Node, /, *, only: Any = ..., graph: bool | None = None) -> s
     pred = _module_predicate(only)
     blocks: dict[str, str] = {}
     for path, mod in iter_modules(node):
-        name = type(mod).__name__
+        name = type(mod).__qualname__  # as Flax NNX: a class defined in a function says where
         hook = getattr(mod, "set_view", None)
         if name in blocks or not callable(hook) or not pred(path, mod):
             continue

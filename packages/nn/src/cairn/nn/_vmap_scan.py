@@ -6,18 +6,27 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from cairn.nn._axis_metadata import with_axis_metadata
 from cairn.nn._filters import path_text, to_predicate
 from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
-from cairn.nn._transform_plan import Box, Plan, call_annotated, reject_bound_method, run_pure
+from cairn.nn._transform_plan import (
+    Box,
+    Plan,
+    call_annotated,
+    check_prefix,
+    reject_bound_method,
+    run_pure,
+)
 from cairn.nn._transform_plan import Carry as LoopCarry
 from cairn.nn._variables import Variable, rebuild_variable, template_of
 
@@ -30,6 +39,8 @@ class StateAxes:
     Args:
       mapping: ``{filter: axis}``, ``axis`` an int or None (not mapped).
     """
+
+    _cairn_prefix_mapping = True  # a per-variable prefix (graph mode only, in Flax NNX)
 
     def __init__(self, mapping: Mapping[Any, Any]) -> None:
         self.items = tuple(mapping.items())
@@ -158,6 +169,7 @@ def vmap(
     axis_name: Any = None,
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
+    transform_metadata: Mapping[str, Any] = MappingProxyType({}),
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Callable:
@@ -175,6 +187,10 @@ def vmap(
       axis_name: a name for the mapped axis (for collectives).
       axis_size: the mapped size when no input is mapped.
       spmd_axis_name: mesh axis names the mapped axis is sharded over.
+      transform_metadata: ``{nn.PARTITION_NAME: mesh_axis, ...}``: inside ``f`` the mapped
+        axis is removed from the sharding names of the mapped variables, and inserted
+        into those of the variables ``f`` creates or returns (see
+        :func:`~cairn.nn.transform_metadata`).
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
@@ -188,12 +204,17 @@ def vmap(
     (4, 3)
     """
     check_mode("vmap", graph, graph_updates)
+    check_prefix(in_axes, "in_axes", "vmap", graph, graph_updates)
+    check_prefix(out_axes, "out_axes", "vmap", graph, graph_updates)
     reject_bound_method(f, "vmap")
     if f is None:
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
             axis_size=axis_size, spmd_axis_name=spmd_axis_name,
+            transform_metadata=transform_metadata,
         )
+    if transform_metadata:
+        f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "vmap")
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
@@ -252,6 +273,8 @@ def pmap(
     (1, 4, 3)
     """
     check_mode("pmap", graph, graph_updates)
+    check_prefix(in_axes, "in_axes", "pmap", graph, graph_updates)
+    check_prefix(out_axes, "out_axes", "pmap", graph, graph_updates)
     reject_bound_method(f, "pmap")
     for name, v in (("static_broadcasted_argnums", static_broadcasted_argnums),
                     ("donate_argnums", donate_argnums)):
@@ -524,6 +547,11 @@ def _needs_split(arg: Any, ax: Any) -> bool:
 def _scan_axes(f, args, in_axes, out_axes, run):
     """``nn.scan`` with NNX-style ``in_axes`` / ``out_axes`` over ``f(*args)``, using the
     plain carry-and-xs scan ``run(body, init, xs)``."""
+    if in_axes is Carry and len(args) != 1:
+        raise ValueError(
+            f"nn.scan: When in_axes=Carry, the function must take exactly one argument (the "
+            f"carry), got {len(args)} arguments"
+        )
     in_ax = _axes_tuple(in_axes, len(args), "in_axes")
     _check_scan_axes(in_ax, out_axes)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
@@ -587,6 +615,30 @@ def _copy_state_back(orig: Any, moved: Any, axis: int) -> None:
         o.value = jnp.moveaxis(m.value, 0, axis)
 
 
+def _scan_run(step, init, xs=None, *, length, reverse, unroll):
+    """The plain carry-and-xs scan behind :func:`scan`: ``step(carry, x) -> (carry, y)``
+    with modules in the carry threaded and modules in ``xs`` sliced (their per-step
+    changes written back stacked)."""
+    carry = LoopCarry(init)
+    xplan = Plan(xs)
+    box = Box()
+
+    def body(c_dyn, x_dyn):
+        c = carry.rebuild(c_dyn)
+        x, x_rebuilt = xplan.rebuild(x_dyn)
+        new_c, y = call_annotated(step, (c, x), {})
+        new_c_dyn = carry.extract(new_c, "nn.scan")
+        x_new_dyn, box.value = xplan.collect(x_rebuilt)
+        return new_c_dyn, (y, x_new_dyn)
+
+    c_final, (ys, x_states) = jax.lax.scan(
+        body, carry.dyn, xplan.dyn, length=length, reverse=reverse, unroll=unroll
+    )
+    out_carry = carry.finish(c_final)
+    xplan.write_back(xplan.fill(x_states), box.value)
+    return out_carry, ys
+
+
 def scan(
     f: Callable | None = None,
     *,
@@ -595,6 +647,7 @@ def scan(
     unroll: int | bool = 1,
     in_axes: Any = (Carry, 0),
     out_axes: Any = (Carry, 0),
+    transform_metadata: Mapping[str, Any] = MappingProxyType({}),
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Callable:
@@ -612,6 +665,9 @@ def scan(
         step, its Variables threaded) or, for a module, a :class:`StateAxes` / ``prefix``
         (per variable; None: broadcast, changes not kept); default ``f(carry, x)``.
       out_axes: per output, :class:`Carry` or ``0`` (stacked).
+      transform_metadata: ``{nn.PARTITION_NAME: mesh_axis, ...}``: inside a step the
+        scanned axis is removed from the scanned variables' sharding names (put back
+        after), and inserted into those of stacked output variables.
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
 
@@ -626,33 +682,18 @@ def scan(
         of ``in_axes`` and ``out_axes``; a step returning the wrong structure.
     """
     check_mode("scan", graph, graph_updates)
+    check_prefix(in_axes, "in_axes", "scan", graph, graph_updates)
+    check_prefix(out_axes, "out_axes", "scan", graph, graph_updates)
     reject_bound_method(f, "scan")
     if f is None:
         return functools.partial(
             scan, length=length, reverse=reverse, unroll=unroll, in_axes=in_axes,
-            out_axes=out_axes,
+            out_axes=out_axes, transform_metadata=transform_metadata,
         )
+    if transform_metadata:
+        f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "scan")
 
-    def run(step, init, xs=None):
-        carry = LoopCarry(init)
-        xplan = Plan(xs)
-        box = Box()
-
-        def body(c_dyn, x_dyn):
-            c = carry.rebuild(c_dyn)
-            x, x_rebuilt = xplan.rebuild(x_dyn)
-            new_c, y = call_annotated(step, (c, x), {})
-            new_c_dyn = carry.extract(new_c, "nn.scan")
-            x_new_dyn, box.value = xplan.collect(x_rebuilt)
-            return new_c_dyn, (y, x_new_dyn)
-
-        c_final, (ys, x_states) = jax.lax.scan(
-            body, carry.dyn, xplan.dyn, length=length, reverse=reverse, unroll=unroll
-        )
-        out_carry = carry.finish(c_final)
-        xplan.write_back(xplan.fill(x_states), box.value)
-        return out_carry, ys
-
+    run = functools.partial(_scan_run, length=length, reverse=reverse, unroll=unroll)
     _check_scan_axes(in_axes if isinstance(in_axes, tuple) else (in_axes,), out_axes)
     if in_axes == (Carry, 0) and out_axes == (Carry, 0):
 
@@ -721,6 +762,8 @@ def shard_map(
       graph_updates: Flax NNX's graph-updates keyword (checked).
     """
     check_mode("shard_map", graph, graph_updates)
+    check_prefix(in_specs, "in_specs", "shard_map", graph, graph_updates)
+    check_prefix(out_specs, "out_specs", "shard_map", graph, graph_updates)
     if f is None:
         return functools.partial(
             shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
