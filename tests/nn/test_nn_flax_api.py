@@ -482,7 +482,7 @@ def test_view_info_heads_a_block_with_the_qualified_name():
               arg1: The first argument.
                 Second line.
             """
-            return kwargs
+            return {"arg1": arg1, **kwargs}
 
     info = nn.view_info(Block())
     assert info == (

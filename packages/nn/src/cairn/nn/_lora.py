@@ -180,6 +180,6 @@ class LoRALinear(Linear):
             b_metadata=b_metadata,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        y = super().__call__(inputs)
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        y = super().__call__(inputs, out_sharding=out_sharding)
         return y + self.lora(inputs).astype(y.dtype)

@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -494,7 +494,7 @@ def tabulate(
     _check_keys("table_kwargs", table_kwargs, _TABLE_KEYS)
     _check_keys("column_kwargs", column_kwargs, _COLUMN_KEYS)
     _check_keys("console_kwargs", console_kwargs, _CONSOLE_KEYS)
-    model = clone(obj)
+    model = cast(Module, clone(obj))
     rec = _Recorder(compute_flops, compute_vjp_flops)
     _record(model, method, input_args, input_kwargs, rec)
     rows = sorted(rec.rows, key=lambda r: r.call_order)
@@ -512,7 +512,7 @@ def _table(model: Module, rows: list[CallInfo], flops: bool, vjp_flops: bool,
     headers += [t.__name__ for t in var_types]
     body = []
     for r in rows:
-        m = modules[r.module_path]
+        m = cast(Module, modules[r.module_path])
         stats = _stats(m)
         cells = ["/".join(r.path), r.type.__name__, r.inputs_repr, _cell(r.outputs)]
         cells += [str(r.flops)] * flops + [str(r.vjp_flops)] * vjp_flops
@@ -520,7 +520,8 @@ def _table(model: Module, rows: list[CallInfo], flops: bool, vjp_flops: bool,
         body.append(cells)
     n_info = 4 + flops + vjp_flops
     footer = [""] * (n_info - 1) + ["Total"] + [_size_repr(totals[t]) for t in var_types]
-    grand = tuple(map(sum, zip((0, 0), *totals.values())))
+    count, size = map(sum, zip((0, 0), *totals.values()))
+    grand = (count, size)
     justify = [column_kwargs.get("justify", "left")] * len(headers)
     return _draw(
         headers, body, footer if table_kwargs.get("show_footer", True) else None,
