@@ -229,7 +229,10 @@ def _check_room(cache: KVCache, added: Any) -> None:
 
 
 def _check_start(start: Any, t: int, cache: KVCache | None) -> int:
-    """``logits_start`` checked: an int in ``[0, T)``, and only for a full pass (no cache)."""
+    """``logits_start`` checked: an int in ``[0, T)``, and only for a full pass (no cache). 0 is
+    not compared with ``T``, which may be symbolic (a ``jax.export`` with a symbolic length)."""
+    if not isinstance(start, bool) and isinstance(start, (int, np.integer)) and start == 0:
+        return 0
     if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start < t:
         raise ValueError(f"CausalLM: logits_start must be an int in [0, {t}) (the row has {t} tokens), got {start!r}")
     if start and cache is not None:
