@@ -95,10 +95,11 @@ class TokenizerShim:
         return self.tok.pad_token_id
 
 
-def dpo_step_seconds(model: llm.CausalLM, batch: int, prompt: int, completion: int, repeats: int, timed: Callable[..., Any]) -> float:
-    """Tunix's ``DPOTrainer`` train step (its ``nnx.jit``-ed step, AdamW, the reference
+def dpo_step_fn(model: llm.CausalLM, batch: int, prompt: int, completion: int) -> Callable[[], Any]:
+    """One step of Tunix's ``DPOTrainer`` (its ``nnx.jit``-ed step, AdamW, the reference
     log-probabilities computed once beforehand as Cairn's are) on ``batch`` pairs of a
-    ``prompt``-token prompt and ``completion``-token completions."""
+    ``prompt``-token prompt and ``completion``-token completions, as a function that runs one
+    step and waits for it (the caller times it, interleaved with Cairn's)."""
     vocab = model.config.vocab_size
     policy, reference = tunix_model(model), tunix_model(model)
     cfg = dpo_trainer.DPOTrainingConfig(eval_every_n_steps=10**6, max_steps=10**6, beta=0.1,
@@ -111,17 +112,18 @@ def dpo_step_seconds(model: llm.CausalLM, batch: int, prompt: int, completion: i
         prompt_ids=ids(prompt), prompt_mask=ones(prompt), chosen_ids=ids(completion), chosen_mask=ones(completion),
         rejected_ids=ids(completion), rejected_mask=ones(completion)))
     step, _ = trainer.jit_train_and_eval_step()
-    return timed(lambda: jax.block_until_ready(step(example)[0]), repeats)
+    return lambda: jax.block_until_ready(step(example)[0])
 
 
-def grpo_iteration_seconds(model: llm.CausalLM, tok: llm.Tokenizer, prompts: list[str], *, prompts_per_batch: int,
-                           num_generations: int, max_new_tokens: int, prompt_len: int, iterations: int,
-                           reward: Callable[..., Any]) -> tuple[float, float]:
+def grpo_iterations(model: llm.CausalLM, tok: llm.Tokenizer, prompts: list[str], *, prompts_per_batch: int,
+                    num_generations: int, max_new_tokens: int, prompt_len: int, iterations: int,
+                    reward: Callable[..., Any], between: Callable[[], None]) -> tuple[list[float], float]:
     """Tunix's ``GRPOLearner`` (vanilla rollout engine: its own sampler with a KV cache) on
     ``model``'s weights, full fine-tuning with a frozen reference copy and ``beta = 0.04``:
-    the median seconds per iteration (rollout + reference/old log-probs + update) of
-    ``iterations`` iterations after two that compile (the second one still traces), and the
-    mean completion length."""
+    the seconds of each of ``iterations`` iterations (rollout + reference/old log-probs +
+    update) after two that compile (the second one still traces), and the mean completion
+    length. ``between()`` runs after every iteration, while the learner waits for its next
+    batch (Cairn's iteration goes there: the two alternate, so both see the same load)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     cluster_config = rl_cluster_lib.ClusterConfig(
         role_to_mesh={r: mesh for r in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
@@ -147,17 +149,22 @@ def grpo_iteration_seconds(model: llm.CausalLM, tok: llm.Tokenizer, prompts: lis
             rl_cluster=cluster, reward_fns=reward_fn,
             algo_config=grpo_learner.GRPOConfig(num_generations=num_generations, num_iterations=1, beta=0.04,
                                                 epsilon=0.2))
-        pulls: list[float] = []
+        times: list[float] = []
+        resumed = [0.0]
 
         def batches():
+            # the learner pulls batch k + 1 (in its data thread, its trainer waiting) when
+            # iteration k is done; the first pull comes before iteration 0
             for i in itertools.count():
-                pulls.append(time.perf_counter())
+                if i:
+                    times.append(time.perf_counter() - resumed[0])
+                    between()
                 j = (i * prompts_per_batch) % len(prompts)
+                resumed[0] = time.perf_counter()
                 # an array, as a grain batch is (a list's strings would each be repeated num_generations times)
                 yield {"prompts": np.asarray((prompts * 2)[j: j + prompts_per_batch])}
 
         learner.train(batches())
-        end = time.perf_counter()
-    # the learner pulls batch k + 1 when iteration k is done; batches 1 and 2 compile, the rest are timed
-    per_iteration = np.diff([*pulls[2: 2 + iterations], end])
-    return float(np.median(per_iteration)), float(np.mean(lengths[2 * prompts_per_batch * num_generations:]))
+        times.append(time.perf_counter() - resumed[0])
+    # iterations 0 and 1 compile
+    return times[2: 2 + iterations], float(np.mean(lengths[2 * prompts_per_batch * num_generations:]))

@@ -19,7 +19,12 @@ agree to float32 rounding, printed). google-tunix is installed only by ``nox -s
 bench_posttrain``; where it is missing or fails, the table prints the exception instead of its
 numbers, and the plain JAX loop stays the comparison.
 
-Run: ``python benchmarks/posttrain.py [--quick]``. Prints a table and one JSON line.
+Timing: every contender's repeats are interleaved in this one process (ours, theirs, ours...)
+and the fastest of each kept, since on a shared machine noise only adds time; the load averages
+before and after are printed with the figures.
+
+Run: ``python benchmarks/posttrain.py [--quick] [--repeats N] [--only dpo|grpo]``. Prints a table
+and one JSON line.
 """
 
 from __future__ import annotations
@@ -64,14 +69,23 @@ def _pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> l
 
 
 def _timed(fn, repeats: int) -> float:
-    """The median seconds of ``repeats`` calls after one that compiles (the median: 2 cores shared)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    """The fastest of ``repeats`` calls after one that compiles."""
+    return _interleaved({"x": fn}, repeats)["x"]
+
+
+def _interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """The fastest of ``repeats`` calls of each of ``fns`` after one that compiles, the calls
+    taken in turn (ours, theirs, ours...) so that every contender sees the same load; the
+    minimum, since on a shared machine noise only ever adds time."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: min(v) for k, v in times.items()}
 
 
 def dpo_steps(args: argparse.Namespace) -> dict[str, float]:
@@ -82,10 +96,24 @@ def dpo_steps(args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         trainer = llm.DPOTrainer(_model(args.vocab, args.hidden, args.layers), tok, pairs, cfg, d)
         batch = {k: v[None] for k, v in next(trainer.data_iter).items()}
-        ours = _timed(lambda: jax.block_until_ready(trainer._train_step(trainer.trainable.model, trainer.optimizer, batch)),
-                      args.repeats)
+        fns = {"dpo_step_s": lambda: jax.block_until_ready(
+            trainer._train_step(trainer.trainable.model, trainer.optimizer, batch))}
+        fns["dpo_step_plain_jax_s"] = _plain_dpo_step(args, batch)
+        tx = _tunix(args, "dpo")
+        if tx is not None:
+            model = _model(args.vocab, args.hidden, args.layers)
+            args.tunix_logit_diff = tx.check_logits(model, tx.tunix_model(model), args.vocab)
+            # the same token count per row as ours (inputs are seq - 1 wide): BOS + prompt, then the completion
+            step = _try_tunix(args, "dpo", lambda: tx.dpo_step_fn(model, args.batch, args.prompt + 1, seq - 2 - args.prompt))
+            if step is not None:
+                fns["dpo_step_tunix_s"] = step
+        out = _interleaved(fns, args.repeats)
         trainer.close()
-    # the obvious loop: pure params, jit(value_and_grad), AdamW by tree_map
+    return out
+
+
+def _plain_dpo_step(args: argparse.Namespace, batch: dict):
+    """The obvious loop: pure params, ``jit(value_and_grad)``, AdamW by tree_map, the full logits."""
     model = _model(args.vocab, args.hidden, args.layers)
     graphdef, params = nn.split(model)
     tx = optim.adamw(1e-5)
@@ -112,15 +140,7 @@ def dpo_steps(args: argparse.Namespace) -> dict[str, float]:
         state["p"], state["s"], loss = step(state["p"], state["s"], mb)
         jax.block_until_ready(loss)
 
-    out = {"dpo_step_s": ours, "dpo_step_plain_jax_s": _timed(plain, args.repeats)}
-    tx = _tunix(args, "dpo")
-    if tx is not None:
-        model = _model(args.vocab, args.hidden, args.layers)
-        args.tunix_logit_diff = tx.check_logits(model, tx.tunix_model(model), args.vocab)
-        # the same token count per row as ours (inputs are seq - 1 wide): BOS + prompt, then the completion
-        out["dpo_step_tunix_s"] = _try_tunix(args, "dpo", lambda: tx.dpo_step_seconds(
-            model, args.batch, args.prompt + 1, seq - 2 - args.prompt, args.repeats, _timed))
-    return out
+    return plain
 
 
 def _tunix(args: argparse.Namespace, what: str):
@@ -133,13 +153,14 @@ def _tunix(args: argparse.Namespace, what: str):
     return _posttrain_tunix
 
 
-def _try_tunix(args: argparse.Namespace, what: str, fn) -> float:
+def _try_tunix(args: argparse.Namespace, what: str, fn):
+    """``fn()``, or None (the exception printed and kept as the row's answer)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - the exception is the row's answer
         traceback.print_exc()
         args.tunix_errors[what] = f"{type(e).__name__}: {e}"
-        return float("nan")
+        return None
 
 
 def rollouts(args: argparse.Namespace) -> dict[str, float]:
@@ -172,31 +193,37 @@ def grpo_iteration(args: argparse.Namespace) -> dict[str, float]:
     reward = lambda p, c, e: [float(len(x)) for x in c]  # noqa: E731 - any reward: the iteration's cost is the same
     # full fine-tuning with a frozen reference copy (beta 0.04) and AdamW without gradient
     # clipping, as Tunix's learner below
-    cfg = llm.GRPOConfig(steps=2 + args.repeats, prompts_per_batch=per_batch, num_generations=g,
+    out: dict[str, float] = {}
+    cfg = llm.GRPOConfig(steps=10**6, prompts_per_batch=per_batch, num_generations=g,
                          max_new_tokens=args.new_tokens, beta=0.04, lora=None, temperature=1.0, save_every=10_000,
                          log_every=1, max_grad_norm=None)
     with tempfile.TemporaryDirectory() as d:
         trainer = llm.GRPOTrainer(_model(args.vocab, args.hidden, args.layers), tok, [{"prompt": t} for t in texts],
                                   reward, cfg, d)
-        trainer.train()
-        trainer.close()
-        # each line's step_time_s: rollout to the update's metrics on the host (the final
-        # checkpoint, which Tunix's learner without a checkpoint directory skips, is not in it);
-        # the first two iterations compile, as Tunix's below
-        lines = [json.loads(line) for line in open(f"{d}/metrics.jsonl")][2:]
-    out = {"grpo_iteration_s": float(np.median([x["step_time_s"] for x in lines])),
-           "grpo_completion_length": float(np.mean([x["completion_length"] for x in lines]))}
-    tx = _tunix(args, "grpo")
-    if tx is not None:
-        def run():
-            s, length = tx.grpo_iteration_seconds(
-                _model(args.vocab, args.hidden, args.layers), tok, texts, prompts_per_batch=per_batch,
-                num_generations=g, max_new_tokens=args.new_tokens, prompt_len=args.prompt, iterations=args.repeats,
-                reward=reward)
-            out["grpo_completion_length_tunix"] = length
-            return s
+        ours: list[dict] = []
+        # each iteration: rollout to the update's metrics on the host, as train() logs it; the
+        # first two compile
+        for _ in range(2):
+            trainer._iterate(log=True)
+        tx = _tunix(args, "grpo")
+        if tx is not None:
+            def run():
+                # Tunix's iterations and ours alternate: one of ours while its learner waits for a batch
+                times, length = tx.grpo_iterations(
+                    _model(args.vocab, args.hidden, args.layers), tok, texts, prompts_per_batch=per_batch,
+                    num_generations=g, max_new_tokens=args.new_tokens, prompt_len=args.prompt, iterations=args.repeats,
+                    reward=reward, between=lambda: ours.append(trainer._iterate(log=True)))
+                return min(times), length
 
-        out["grpo_iteration_tunix_s"] = _try_tunix(args, "grpo", run)
+            theirs = _try_tunix(args, "grpo", run)
+            if theirs is not None:
+                out["grpo_iteration_tunix_s"], out["grpo_completion_length_tunix"] = theirs
+        while len(ours) < args.repeats:  # Tunix did not run (or stopped early): ours alone
+            ours.append(trainer._iterate(log=True))
+        trainer.close()
+    out.update({"grpo_iteration_s": min(x["step_time_s"] for x in ours),
+                "grpo_rollout_s": min(x["rollout_s"] for x in ours),
+                "grpo_completion_length": float(np.mean([x["completion_length"] for x in ours]))})
     return out
 
 
@@ -217,36 +244,47 @@ def lora_memory(args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed repeats of each contender, interleaved, the fastest kept (default 7; 2 with --quick)")
+    ap.add_argument("--only", choices=("dpo", "grpo"), default=None, help="run one comparison (and the memory row)")
     args = ap.parse_args()
     big = not args.quick
     args.vocab, args.hidden, args.layers = (2048, 512, 4) if big else (256, 64, 2)
     args.batch, args.prompt, args.completion, args.new_tokens = (8, 64, 64, 64) if big else (4, 16, 16, 16)
-    args.repeats = 5 if big else 2
+    args.repeats = args.repeats or (7 if big else 2)
     args.tunix_errors, args.tunix_logit_diff = {}, float("nan")
-    r = {**dpo_steps(args), **rollouts(args), **grpo_iteration(args), **lora_memory(args)}
+    load_before = _load()
+    r = {**(dpo_steps(args) if args.only != "grpo" else {}), **(rollouts(args) if args.only is None else {}),
+         **(grpo_iteration(args) if args.only != "dpo" else {}), **lora_memory(args)}
     print(f"model: llama-shaped, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers; batch {args.batch}, "
-          f"prompt {args.prompt}, completion {args.completion}; {jax.devices()[0].platform}, load {_load()}")
+          f"prompt {args.prompt}, completion {args.completion}; {jax.devices()[0].platform}; fastest of {args.repeats} "
+          f"interleaved repeats; load (1/5/15 min) {load_before} before, {_load()} after")
     if args.tunix_logit_diff == args.tunix_logit_diff:  # it ran
         print(f"google-tunix {_tunix_version()}: its Llama3 with our weights, max |logit diff| {args.tunix_logit_diff:.2e}")
     for what, why in args.tunix_errors.items():
         print(f"google-tunix did not run ({what}): {why}")
     tunix = lambda key: f"{r[key] * 1e3:.1f} ms" if key in r and r[key] == r[key] else "not run"  # noqa: E731
-    rows = [("DPO step (full FT)", f"{r['dpo_step_s'] * 1e3:.1f} ms",
-             f"google-tunix {tunix('dpo_step_tunix_s')}; plain JAX loop {r['dpo_step_plain_jax_s'] * 1e3:.1f} ms"),
-            ("GRPO iteration", f"{r['grpo_iteration_s'] * 1e3:.1f} ms",
-             f"google-tunix {tunix('grpo_iteration_tunix_s')} (mean completion {r['grpo_completion_length']:.1f} "
-             f"tokens ours, {r.get('grpo_completion_length_tunix', float('nan')):.1f} theirs)"),
-            ("rollout tokens/s", f"{r['rollout_tokens_per_s']:.0f}", f"per-token loop {r['rollout_loop_tokens_per_s']:.0f}"),
-            ("DPO+LoRA base bytes", f"{r['dpo_lora_base_bytes_held'] / 2**20:.1f} MiB", f"model {r['base_bytes'] / 2**20:.1f} MiB")]
+    rows = [("DPO+LoRA base bytes", f"{r['dpo_lora_base_bytes_held'] / 2**20:.1f} MiB", f"model {r['base_bytes'] / 2**20:.1f} MiB")]
+    if "dpo_step_s" in r:
+        rows.insert(0, ("DPO step (full FT)", f"{r['dpo_step_s'] * 1e3:.1f} ms",
+                        f"google-tunix {tunix('dpo_step_tunix_s')}; plain JAX loop {r['dpo_step_plain_jax_s'] * 1e3:.1f} ms"))
+    if "grpo_iteration_s" in r:
+        rows.insert(-1, ("GRPO iteration", f"{r['grpo_iteration_s'] * 1e3:.1f} ms",
+                         f"google-tunix {tunix('grpo_iteration_tunix_s')} (ours: rollout {r['grpo_rollout_s'] * 1e3:.0f} ms; "
+                         f"mean completion {r['grpo_completion_length']:.1f} tokens ours, "
+                         f"{r.get('grpo_completion_length_tunix', float('nan')):.1f} theirs)"))
+    if "rollout_tokens_per_s" in r:
+        rows.insert(-1, ("rollout tokens/s", f"{r['rollout_tokens_per_s']:.0f}", f"per-token loop {r['rollout_loop_tokens_per_s']:.0f}"))
     for row in rows:
         print(f"{row[0]:<22} {row[1]:>12}   {row[2]}")
-    ratios = {"dpo_step_vs_plain_jax": r["dpo_step_plain_jax_s"] / r["dpo_step_s"],
-              "dpo_step_vs_tunix": r.get("dpo_step_tunix_s", float("nan")) / r["dpo_step_s"],
-              "grpo_iteration_vs_tunix": r.get("grpo_iteration_tunix_s", float("nan")) / r["grpo_iteration_s"],
-              "rollout_vs_token_loop": r["rollout_tokens_per_s"] / r["rollout_loop_tokens_per_s"],
+    ratio = lambda a, b: r[a] / r[b] if a in r and b in r else float("nan")  # noqa: E731
+    ratios = {"dpo_step_vs_plain_jax": ratio("dpo_step_plain_jax_s", "dpo_step_s"),
+              "dpo_step_vs_tunix": ratio("dpo_step_tunix_s", "dpo_step_s"),
+              "grpo_iteration_vs_tunix": ratio("grpo_iteration_tunix_s", "grpo_iteration_s"),
+              "rollout_vs_token_loop": ratio("rollout_tokens_per_s", "rollout_loop_tokens_per_s"),
               "lora_base_copies": r["dpo_lora_base_bytes_held"] / r["base_bytes"]}
     print(json.dumps({"benchmark": "posttrain", **{k: round(v, 4) if v == v else None for k, v in {**r, **ratios}.items()},
-                      "tunix_errors": args.tunix_errors}))
+                      "load": _load(), "tunix_errors": args.tunix_errors}))
 
 
 def _tunix_version() -> str:
@@ -259,10 +297,11 @@ def _tunix_version() -> str:
 
 
 def _load() -> str:
+    """The 1, 5 and 15 minute load averages (what ``uptime`` prints)."""
     try:
         import os
 
-        return f"{os.getloadavg()[0]:.1f}"
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
 

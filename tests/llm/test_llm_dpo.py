@@ -143,3 +143,71 @@ def test_dpo_raises_heldout_preference_accuracy(tmp_path):
     after = t.preference_accuracy(held)
     t.close()
     assert 0.2 <= before <= 0.8 and after >= 0.9, (before, after)
+
+
+def _perturbed_lora_trainer(tmp_path, data, **kw):
+    """A trainer whose adapters are away from zero, so the policy differs from its base."""
+    import jax
+
+    t = llm.DPOTrainer(tiny_chat_model(layers=2), TOK, data, _config(steps=1, **kw), tmp_path)
+    lora = nn.state(t.trainable.model, nn.LoRAParam)
+    nn.update(t.trainable.model, jax.tree.map(lambda x: x + 0.05, lora))
+    return t
+
+
+def test_window_start_is_the_shortest_prompts_end():
+    data = successor_preferences(12)
+    data[3] = {**data[3], "prompt": [{"role": "user", "content": "a much longer question here"}]}
+    rows = [llm._dpo._pair(TOK, ex, 32, "x") for ex in data]
+    want = min(int(np.flatnonzero(r[f"{side}_weights"])[0]) for r in rows for side in ("chosen", "rejected"))
+    assert llm._dpo.window_start(TOK, data, 32) == want > 0
+    assert llm._dpo.window_start(TOK, data[3:4], 32) > want  # the long prompt alone starts later
+
+
+@pytest.mark.slow  # eager LoRA forwards: over 7 s on 2 cores (the window's logits run by default in test_llm_grpo.py)
+def test_windowed_logps_of_a_lora_policy_equal_float64_numpy():
+    """The log-probabilities from the shortest prompt's end (a LoRA policy: the model through
+    its adapters) equal float64 NumPy on the full rows, summed and averaged."""
+    import jax
+
+    from cairn.llm._trainer import Trainable
+
+    data = successor_preferences(4)
+    model = tiny_chat_model(layers=2)
+    policy = Trainable(model, llm.LoraSettings(rank=4, alpha=8.0))
+    nn.update(model, jax.tree.map(lambda x: x + 0.05, nn.state(model, nn.LoRAParam)))
+    rows = [llm._dpo._pair(TOK, ex, 16, "x") for ex in data]
+    mb = {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+    s = llm._dpo.window_start(TOK, data, 16)
+    assert s > 0
+    for average in (False, True):
+        got = np.stack(llm._dpo._logps(policy.runner(), mb, average, s), 1)
+        want = np.stack([_np_logps(policy.runner(), rows, side, average) for side in ("chosen", "rejected")], 1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, np.stack(llm._dpo._logps(model, mb, True, s), 1), atol=1e-3)  # the adapters count
+
+
+@pytest.mark.slow  # a trainer and two un-jitted gradients: over 7 s
+def test_windowed_step_equals_the_full_rows(tmp_path):
+    """With LoRA (policy through the adapters, reference the base): the trainer's step scores
+    from the shortest prompt's end, and its loss and adapter gradient equal those of the full
+    rows (start 0)."""
+    import jax
+
+    data = successor_preferences(8)
+    t = _perturbed_lora_trainer(tmp_path, data)
+    assert t._start == llm._dpo.window_start(TOK, data, 16) > 0
+    rows = [llm._dpo._pair(TOK, ex, 16, "x") for ex in data[:4]]
+    mb = {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+    windowed, full = llm._dpo._preference_loss(t.config, t._start), llm._dpo._preference_loss(t.config)
+
+    def loss(fn):
+        return lambda m: fn(t.trainable.runner(m), m, mb)[0]
+
+    np.testing.assert_allclose(float(loss(windowed)(t.trainable.model)), float(loss(full)(t.trainable.model)), rtol=1e-5)
+    gw = nn.grad(loss(windowed), wrt=nn.LoRAParam)(t.trainable.model)
+    gf = nn.grad(loss(full), wrt=nn.LoRAParam)(t.trainable.model)
+    for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gf)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(gw))
+    t.close()

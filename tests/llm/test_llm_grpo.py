@@ -126,6 +126,7 @@ def test_windowed_update_is_the_grpo_objective_of_the_full_rows(tmp_path):
     np.testing.assert_allclose(float(lw), float(lf), rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gf)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(gw))
     # float64 NumPy: ratio 1 at the first update, k3 = exp(ref - lp) - (ref - lp) - 1
     logp = _log_softmax64(np.asarray(model(rows["inputs"]))[:, s:] / cfg.temperature)
     lp = np.take_along_axis(logp, rows["targets"][..., None].astype(np.int64), -1)[..., 0]
@@ -228,3 +229,45 @@ def test_grpo_raises_the_reward_of_an_sft_policy(tmp_path):
     rewards = [r["reward"] for r in llm.read_metrics(tmp_path / "grpo")]
     assert after >= before + 0.04, (before, after)
     assert np.mean(rewards[-10:]) > np.mean(rewards[:10]), rewards
+
+
+def test_window_logits_of_a_lora_policy_equal_the_full_logits_sliced():
+    """A LoRA policy (the model through its adapters' provider) also projects only from
+    ``start``: its logits equal the full pass's (the gradient: the slow test below)."""
+    import jax
+    import jax.numpy as jnp
+
+    from cairn import nn
+    from cairn.llm._trainer import Trainable, window_logits
+
+    model = tiny_chat_model(layers=2)
+    t = Trainable(model, llm.LoraSettings(rank=4, alpha=8.0))
+    nn.update(model, jax.tree.map(lambda x: x + 0.05, nn.state(model, nn.LoRAParam)))  # adapters away from zero
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (3, 11)), jnp.int32)
+    full = np.asarray(t.runner()(ids))
+    assert not np.allclose(full, np.asarray(model(ids)), atol=1e-3)  # the adapters count
+    np.testing.assert_allclose(np.asarray(window_logits(t.runner(), ids, 6)), full[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two un-jitted gradients through the LoRA provider: over 7 s
+def test_window_gradient_of_a_lora_policy_equals_the_full_pass():
+    """The adapters' gradient through the windowed logits equals the full pass's."""
+    import jax
+    import jax.numpy as jnp
+
+    from cairn import nn
+    from cairn.llm._trainer import Trainable, window_logits
+
+    model = tiny_chat_model(layers=2)
+    t = Trainable(model, llm.LoraSettings(rank=4, alpha=8.0))
+    nn.update(model, jax.tree.map(lambda x: x + 0.05, nn.state(model, nn.LoRAParam)))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (3, 11)), jnp.int32)
+
+    def loss(windowed):
+        return lambda m: jnp.sum(jax.nn.log_softmax(window_logits(t.runner(m), ids, 6) if windowed
+                                                    else t.runner(m)(ids)[:, 6:])[..., 2])
+
+    gw, gf = nn.grad(loss(True), wrt=nn.LoRAParam)(model), nn.grad(loss(False), wrt=nn.LoRAParam)(model)
+    for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gf)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(gw))

@@ -7,6 +7,7 @@ these tests need no torch.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -171,3 +172,52 @@ def test_two_models_of_one_config_have_equal_structures_and_share_compiled_progr
     for m in (a, b, c):
         f(m, ids)
     assert len(traces) == 1
+
+
+@functools.partial(nn.jit, static_argnums=2)
+def _window(model, ids, start):
+    return model(ids, logits_start=start)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_start_gives_transformers_logits_from_there(variant):
+    """``logits_start=s``: the last layer queries and projects only from ``s`` (sliding windows,
+    soft caps, sandwich and q/k norms, MoE and tied heads included); the logits there are
+    transformers' and equal the full pass's."""
+    ids, expected = reference(variant)
+    model = load(variant)
+    full = np.asarray(forward(model, ids))
+    s = 1 + 4 * VARIANTS.index(variant) % 11  # one compiled start per variant, 1 to 11 over them
+    got = np.asarray(_window(model, ids, s))
+    assert got.shape == (2, 12 - s, model.config.vocab_size)
+    np.testing.assert_allclose(got, expected[:, s:], rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(got, full[:, s:], rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+@pytest.mark.slow  # two un-jitted gradients of a fixture model
+def test_logits_start_on_packed_rows_and_its_gradient():
+    """Packed segments (segment_ids, restarted positions) keep their own attention in the
+    window; the gradient of a loss on the window equals the full pass's."""
+    model = load("llama")
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, model.config.vocab_size, (2, 12)), jnp.int32)
+    seg = jnp.asarray([[1] * 5 + [2] * 5 + [0] * 2, [1] * 12], jnp.int32)
+    pos = jnp.asarray([list(range(5)) * 2 + [0, 0], list(range(12))], jnp.int32)
+    full = model(ids, positions=pos, segment_ids=seg)
+    got = model(ids, positions=pos, segment_ids=seg, logits_start=4)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, 4:]), rtol=1e-5, atol=1e-5)
+    g_win = nn.grad(lambda m: jnp.sum(jax.nn.log_softmax(m(ids, logits_start=6))[..., 3]))(model)
+    g_full = nn.grad(lambda m: jnp.sum(jax.nn.log_softmax(m(ids)[:, 6:])[..., 3]))(model)
+    for a, b in zip(jax.tree.leaves(g_win), jax.tree.leaves(g_full)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_bad_logits_start_is_refused():
+    model = load("llama")
+    ids = jnp.zeros((1, 4), jnp.int32)
+    for bad in (-1, 4, 2.0, True):
+        with pytest.raises(ValueError, match=r"logits_start must be an int in \[0, 4\)"):
+            model(ids, logits_start=bad)
+    with pytest.raises(ValueError, match="logits_start is for a full pass"):
+        model(ids, cache=model.init_cache(1, 8), logits_start=1)
+    with pytest.raises(ValueError, match="return_aux_loss .* cannot be combined with logits_start"):
+        load("qwen3_moe")(ids, logits_start=1, return_aux_loss=True)

@@ -30,6 +30,7 @@ from cairn.llm._trainer import (
     TrainerRun,
     accumulating_step,
     default_optimizer,
+    window_logits,
 )
 from cairn.optim import losses
 from cairn.serving import Tokenizer
@@ -160,27 +161,40 @@ def preference_dataset(examples: Sequence[Mapping[str, Any]] | Any, tokenizer: T
     return ds.shuffle(seed=seed).repeat(num_epochs).to_iter_dataset().batch(batch_size, drop_remainder=True)
 
 
-def _logps(model: Any, mb: dict, average: bool) -> tuple[jax.Array, jax.Array]:
-    """Sequence log-probabilities of the chosen and rejected completions (one forward pass)."""
+def _logps(model: Any, mb: dict, average: bool, start: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Sequence log-probabilities of the chosen and rejected completions (one forward pass);
+    the logits from ``start`` on only (no completion target comes before it)."""
     ids = jnp.concatenate([mb["chosen_inputs"], mb["rejected_inputs"]])
-    targets = jnp.concatenate([mb["chosen_targets"], mb["rejected_targets"]])
-    weights = jnp.concatenate([mb["chosen_weights"], mb["rejected_weights"]])
-    lp = losses.sequence_logprobs(model(ids), targets, weights, average=average)
+    targets = jnp.concatenate([mb["chosen_targets"], mb["rejected_targets"]])[:, start:]
+    weights = jnp.concatenate([mb["chosen_weights"], mb["rejected_weights"]])[:, start:]
+    lp = losses.sequence_logprobs(window_logits(model, ids, start), targets, weights, average=average)
     b = mb["chosen_inputs"].shape[0]
     return lp[:b], lp[b:]
 
 
-def _preference_loss(cfg: DPOConfig) -> Any:
-    """``micro_loss(policy, base, mb)`` of the configured loss (see ``accumulating_step``)."""
+def window_start(tokenizer: Tokenizer, examples: Sequence[Mapping[str, Any]], seq_len: int) -> int:
+    """The first row position whose target is a completion token in any of ``examples``' pairs
+    (the shortest prompt's end): the logits before it carry no loss."""
+    start = seq_len
+    for i, ex in enumerate(examples):
+        row = _pair(tokenizer, ex, seq_len, f"example {i}")
+        for side in SIDES:
+            start = min(start, int(np.argmax(row[f"{side}_weights"] > 0)))
+    return start
+
+
+def _preference_loss(cfg: DPOConfig, start: int = 0) -> Any:
+    """``micro_loss(policy, base, mb)`` of the configured loss (see ``accumulating_step``),
+    scoring the logits from ``start`` on (see :func:`window_start`)."""
 
     def micro_loss(policy: Any, base: Any, mb: dict) -> tuple:
         average = cfg.loss_type in ("simpo", "orpo")
-        chosen, rejected = _logps(policy, mb, average)
+        chosen, rejected = _logps(policy, mb, average, start)
         if cfg.loss_type == "sigmoid" or cfg.loss_type == "ipo":
             if "ref_chosen" in mb:
                 ref_c, ref_r = mb["ref_chosen"], mb["ref_rejected"]
             else:
-                ref_c, ref_r = jax.lax.stop_gradient(_logps(base, mb, False))
+                ref_c, ref_r = jax.lax.stop_gradient(_logps(base, mb, False, start))
             out = (losses.dpo_loss(chosen, rejected, ref_c, ref_r, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
                    if cfg.loss_type == "sigmoid" else losses.ipo_loss(chosen, rejected, ref_c, ref_r, beta=cfg.beta))
         elif cfg.loss_type == "simpo":
@@ -216,6 +230,8 @@ class DPOTrainer:
             raise TypeError(f"config must be a DPOConfig, got {type(config).__name__}")
         self.config, self.tokenizer = config, tokenizer
         self.trainable = Trainable(model, config.lora)
+        # no completion target comes before the shortest prompt's end: the step's logits start there
+        self._start = window_start(tokenizer, train_data, config.seq_len)
         reference = None
         if config.needs_reference and config.lora is None:
             reference = self._reference_logps(train_data)  # before any update: the initial weights
@@ -227,7 +243,7 @@ class DPOTrainer:
         self.run = TrainerRun(run_dir, self.trainable, self.optimizer, self.data_iter, config.to_json(),
                               save_every=config.save_every, max_to_keep=config.max_to_keep)
         self.step = self.run.resume()
-        self._train_step = accumulating_step(self.trainable, _preference_loss(config))
+        self._train_step = accumulating_step(self.trainable, _preference_loss(config, self._start))
 
     def runner(self) -> Any:
         """The trained model to call or ``generate`` with (through the adapters with LoRA)."""
@@ -248,7 +264,8 @@ class DPOTrainer:
           average: average over each completion's tokens instead of summing.
         """
         model = self.runner() if model is None else model
-        fn = nn.jit(lambda m, mb: _logps(m, mb, average))
+        start = window_start(self.tokenizer, examples, self.config.seq_len)
+        fn = nn.jit(lambda m, mb: _logps(m, mb, average, start))
         b, out = self.config.batch_size, []
         for start in range(0, len(examples), b):
             rows = [_pair(self.tokenizer, ex, self.config.seq_len, f"example {start + i}")

@@ -35,8 +35,9 @@ __all__ = ["GenerationResult", "generate"]
 # with stop strings, the device loop returns to the host after this many steps to detokenize
 STOP_CHECK_STEPS = 8
 # compiled shapes are rounded up (prompt length and output buffer to PROMPT_BUCKET, cache
-# slots to CACHE_BUCKET), so calls with nearby lengths share one program; the rows' limits
-# still come from the exact max_length
+# slots to CACHE_BUCKET or the padded prompt plus output buffer, whichever is less: see
+# _cache_slots), so calls with nearby lengths share one program; the rows' limits still come
+# from the exact max_length
 PROMPT_BUCKET = 16
 CACHE_BUCKET = 64
 _FINISH = {1: "stop", 2: "length"}
@@ -378,6 +379,17 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def _cache_slots(max_length: int, width: int, n_out: int) -> int:
+    """The cache's slots per row: ``max_length`` rounded up to ``CACHE_BUCKET``, but no more than
+    the padded prompt width plus the output buffer (every row's prompt and tokens fit there).
+
+    Each decode step attends to every slot, so slots past the longest row are bytes read for
+    nothing (a prompt of 65 and 64 new tokens: 144 slots instead of 192); both bounds depend
+    only on what already keys the compiled programs (prompt bucket, output buffer, max_length).
+    """
+    return min(_round_up(max_length, CACHE_BUCKET), width + n_out)
+
+
 def _limits(prompts: list[list[int]], max_new_tokens: int, max_length: Any) -> tuple[int, np.ndarray]:
     longest = max(len(p) for p in prompts)
     if max_length is None:
@@ -463,12 +475,12 @@ def generate(model: Any, prompts: Sequence[Sequence[int]] | Sequence[str], max_n
     ids_list, stops = _stop_settings(stop_token_ids, stop_strings, tokenizer, vocab)
     max_length, room = _limits(rows, max_new_tokens, max_length)
     model = _compute_model(model, compute_dtype)
-    ids, lengths = _right_padded(rows)
+    (ids, lengths), n_out = _right_padded(rows), _round_up(max_new_tokens, PROMPT_BUCKET)
     leaves, treedef = jax.tree_util.tree_flatten(model)
     static = _Static(treedef, temperature > 0, top_k is not None or top_p is not None)
     inp = _inputs(len(rows), temperature, top_k, top_p, seed, room, ids_list)
-    carry = _prefill_jit(static, _round_up(max_length, CACHE_BUCKET), _round_up(max_new_tokens, PROMPT_BUCKET),
-                         leaves, jnp.asarray(ids), jnp.asarray(lengths))
+    carry = _prefill_jit(static, _cache_slots(max_length, ids.shape[1], n_out), n_out, leaves, jnp.asarray(ids),
+                         jnp.asarray(lengths))
     texts = None if tokenizer is None else [_RowText(tokenizer, p, stops, skip_special_tokens) for p in rows]
     carry = _decode(static, leaves, carry, inp, max_new_tokens, decode_loop, texts, set(ids_list))
     return _result(carry, rows, texts, set(ids_list), return_logprobs, return_processed_logprobs)

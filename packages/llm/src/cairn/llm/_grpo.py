@@ -32,6 +32,7 @@ from cairn.llm._trainer import (
     TrainerRun,
     accumulating_step,
     default_optimizer,
+    window_logits,
 )
 from cairn.optim import losses
 from cairn.serving import Tokenizer
@@ -129,18 +130,6 @@ def token_logprobs(model: Any, inputs: jax.Array, targets: jax.Array, temperatur
     """
     logp = jax.nn.log_softmax(window_logits(model, inputs, start) / temperature, axis=-1)
     return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-
-
-def window_logits(model: Any, inputs: jax.Array, start: int) -> jax.Array:
-    """``model(inputs)[:, start:]`` in float32, projecting only those positions onto the
-    vocabulary when ``model`` is a :class:`CausalLM` (any other callable runs in full, then is
-    sliced): XLA does not move a slice of the logits before the ``lm_head`` product."""
-    if start == 0 or not isinstance(model, CausalLM):
-        return model(inputs)[:, start:].astype(jnp.float32)
-    h = model.hidden_states(inputs)[:, start:]
-    logits = (model.embed.attend(h) if model.lm_head is None else model.lm_head(h)).astype(jnp.float32)
-    cap = model.config.final_logit_softcapping
-    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def _aggregate_sums(per_token: jax.Array, mask: jax.Array, how: str, max_new: int) -> tuple[jax.Array, jax.Array]:
@@ -333,22 +322,29 @@ class GRPOTrainer:
         cfg, last, blocked = self.config, {}, 0.0
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         while self.step < end:
-            t0 = time.perf_counter()
-            rows, stats = self._rollouts(next(self.data_iter))
-            t_roll = time.perf_counter() - t0
-            split = {k: v.reshape(cfg.grad_accum_steps, -1, *v.shape[1:]) for k, v in rows.items()}
-            for _ in range(cfg.num_iterations):
-                out = self._update(self.trainable.model, self.optimizer, split)
-            self.step += 1
-            if self.step % cfg.log_every == 0 or self.step == end:
-                out = {k: float(v) for k, v in jax.device_get(out).items()}
-                last = {"step": self.step, **stats, "loss": out["loss"], "kl": out["kl"],
-                        "clip_fraction": out["clip_fraction"], "grad_norm": out["grad_norm"], "rollout_s": t_roll,
-                        "step_time_s": time.perf_counter() - t0, "checkpoint_blocked_s": blocked}
+            line = self._iterate(log=(self.step + 1) % cfg.log_every == 0 or self.step + 1 == end)
+            if line is not None:
+                last = {**line, "checkpoint_blocked_s": blocked}
                 self.run.log(last)
             blocked += self.run.maybe_save(self.step, force=self.step == end)
         self.run.manager.wait_until_finished()
         return last
+
+    def _iterate(self, log: bool) -> dict[str, Any] | None:
+        """One batch of rollouts and its ``num_iterations`` updates; with ``log``, its metrics
+        line (``step_time_s``: from the rollout to the update's metrics on the host)."""
+        cfg, t0 = self.config, time.perf_counter()
+        rows, stats = self._rollouts(next(self.data_iter))
+        t_roll = time.perf_counter() - t0
+        split = {k: v.reshape(cfg.grad_accum_steps, -1, *v.shape[1:]) for k, v in rows.items()}
+        for _ in range(cfg.num_iterations):
+            out = self._update(self.trainable.model, self.optimizer, split)
+        self.step += 1
+        if not log:
+            return None
+        out = {k: float(v) for k, v in jax.device_get(out).items()}
+        return {"step": self.step, **stats, "loss": out["loss"], "kl": out["kl"], "clip_fraction": out["clip_fraction"],
+                "grad_norm": out["grad_norm"], "rollout_s": t_roll, "step_time_s": time.perf_counter() - t0}
 
     def evaluate(self, examples: Sequence[Mapping[str, Any]], *, temperature: float = 0.0, num_samples: int = 1,
                  seed: int = 0, max_new_tokens: int | None = None) -> float:

@@ -104,24 +104,36 @@ class Attention(nn.Module):
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
                  cache: tuple[jax.Array, jax.Array] | None,
-                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 segment_ids: jax.Array | None = None,
+                 query_start: int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """``x [B, T, hidden]`` at positions ``q_pos [B, T]``; ``cache``: this layer's
         ``(keys, values) [B, S, kv_heads, head_dim]`` (slot = position) or None;
-        ``segment_ids [B, T]``: packed rows without a cache (0: padding).
+        ``segment_ids [B, T]``: packed rows without a cache (0: padding); ``query_start``
+        (no cache): only the tokens from there on query (every token is a key and value).
 
-        Returns the output ``[B, T, hidden]`` and the keys and values attended to (the
-        updated cache, or this call's own).
+        Returns the output ``[B, T - query_start, hidden]`` and the keys and values attended
+        to (the updated cache, or this call's own).
         """
-        q, k, v = project(self.q, x), project(self.k, x), project(self.v, x)
+        xq = x[:, query_start:] if query_start else x
+        q, k, v = project(self.q, xq), project(self.k, x), project(self.v, x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q_rope = (rope[0][:, query_start:], rope[1][:, query_start:]) if query_start else rope
+        q, k = apply_rope(q, *q_rope), apply_rope(k, *rope)
         if cache is None:
             kv_pos = q_pos
         else:
             k, v = write(cache[0], k, q_pos), write(cache[1], v, q_pos)
             kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
         k_in, v_in = k.astype(q.dtype), v.astype(q.dtype)
+        if query_start:
+            # a window of queries over every key: the causal mask comes from the positions
+            mask = attention_mask(q_pos[:, query_start:], kv_pos, self.window)
+            if segment_ids is not None:
+                same = segment_ids[:, query_start:, None] == segment_ids[:, None, :]
+                mask = mask & (same & (segment_ids[:, query_start:, None] > 0))[:, None]
+            out = ck.dot_product_attention(q, k_in, v_in, mask=mask, scale=self.scale, logits_soft_cap=self.soft_cap)
+            return self._out(out), (k, v)
         if segment_ids is not None and self.window is None:
             # packed rows: causal within each segment; padding (0) becomes -1 in the queries and
             # -2 in the keys, so it matches nothing
@@ -185,13 +197,15 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], q_pos: jax.Array,
                  cache: tuple[jax.Array, jax.Array] | None,
-                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
-        """The layer's output, the keys and values attended to, and the router logits
+                 segment_ids: jax.Array | None = None,
+                 query_start: int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array], Any]:
+        """The layer's output (of the tokens from ``query_start``: the others are only keys
+        and values), the keys and values attended to, and the router logits
         ``[B*T, num_experts]`` of a MoE layer (None for a dense one)."""
-        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache, segment_ids)
+        h, kv = self.attn(self.input_norm(x), rope, q_pos, cache, segment_ids, query_start)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
-        x = x + h
+        x = (x[:, query_start:] if query_start else x) + h
         y = self.mlp(self.mlp_norm(x))
         h, router_logits = y if isinstance(y, tuple) else (y, None)  # a MoE block also gives its router logits
         if self.post_mlp_norm is not None:
@@ -212,6 +226,18 @@ def _check_room(cache: KVCache, added: Any) -> None:
             f"KVCache of max_length {cache.max_length} has no room: rows {rows} would hold "
             f"{need[rows].tolist()} tokens; make the cache longer (model.init_cache(batch, max_length))"
         )
+
+
+def _check_start(start: Any, t: int, cache: KVCache | None) -> int:
+    """``logits_start`` checked: an int in ``[0, T)``, and only for a full pass (no cache). 0 is
+    not compared with ``T``, which may be symbolic (a ``jax.export`` with a symbolic length)."""
+    if not isinstance(start, bool) and isinstance(start, (int, np.integer)) and start == 0:
+        return 0
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start < t:
+        raise ValueError(f"CausalLM: logits_start must be an int in [0, {t}) (the row has {t} tokens), got {start!r}")
+    if start and cache is not None:
+        raise ValueError("CausalLM: logits_start is for a full pass; with a cache every new token's logits are returned")
+    return int(start)
 
 
 @functools.cache
@@ -237,6 +263,13 @@ class CausalLM(nn.Module):
     segment only); segment 0 is padding and sees nothing (its output is never a mean of
     other tokens). Without a sliding window this runs ``cairn.kernels``' causal attention
     with segment ids, which never forms the mask.
+
+    ``logits_start=s`` (a full pass, no cache) returns the logits of positions ``s .. T-1``
+    only, ``[B, T - s, vocab]``, equal to ``model(input_ids)[:, s:]``: every token is still
+    attended to, but the last layer computes queries, MLP and the final norm only from ``s``
+    and the vocabulary projection covers those positions alone (post-training scores
+    completions, never the prompt: ``s`` is the shortest prompt's end). XLA does not move
+    such a slice before the products itself.
 
     ``return_aux_loss=True`` (mixture-of-experts configs) appends the router
     load-balancing loss (:func:`cairn.llm.load_balancing_loss` over every MoE layer, padding
@@ -351,9 +384,11 @@ class CausalLM(nn.Module):
         return cache.lengths[:, None] + jnp.arange(t)[None, :]
 
     def _trunk(self, input_ids: jax.Array, positions: Any, cache: KVCache | None, lengths: Any,
-               segment_ids: Any) -> tuple[jax.Array, list, list, list]:
-        """The final-normed hidden states and every layer's keys, values and router logits."""
+               segment_ids: Any, start: int = 0) -> tuple[jax.Array, list, list, list]:
+        """The final-normed hidden states (of the tokens from ``start``: the last layer
+        computes only their queries and MLP) and every layer's keys, values and router logits."""
         b, t = input_ids.shape
+        start = _check_start(start, t, cache)
         q_pos = self._positions(b, t, positions, cache, lengths, segment_ids)
         if hasattr(self.embed, "embedding_awq_scale"):
             raise ValueError("CausalLM: the embedding holds an AWQ input scale (embedding_awq_scale), which its "
@@ -364,8 +399,10 @@ class CausalLM(nn.Module):
         ropes = self._rope(q_pos)
         seg = None if segment_ids is None else jnp.asarray(segment_ids)
         keys, values, routers = [], [], []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]), seg)
+            x, (k, v), router = layer(x, ropes[i], q_pos, None if cache is None else (cache.keys[i], cache.values[i]), seg,
+                                      start if i == last else 0)
             keys.append(k)
             values.append(v)
             routers += [] if router is None else [router]
@@ -383,24 +420,31 @@ class CausalLM(nn.Module):
         return w.T if self.lm_head is None else w
 
     def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
-        """The final-normed hidden states ``[B, T, hidden]`` of a full pass (no cache): what
-        :meth:`output_projection` turns into the logits (before ``final_logit_softcapping``).
-        ``positions`` and ``segment_ids`` as in ``__call__``.
+                      segment_ids: jax.Array | None = None, logits_start: int = 0) -> jax.Array:
+        """The final-normed hidden states ``[B, T - logits_start, hidden]`` of a full pass (no
+        cache): what :meth:`output_projection` turns into the logits (before
+        ``final_logit_softcapping``). ``positions``, ``segment_ids`` and ``logits_start`` as in
+        ``__call__``.
 
         Args:
           input_ids: ``[B, T]`` int token ids.
           positions: ``[B, T]`` int positions; None uses ``0 .. T-1`` on every row.
           segment_ids: ``[B, T]`` int ids of packed sequences (0: padding), which do not attend to
             each other; None for one sequence per row.
+          logits_start: the first position whose hidden state is returned (the earlier ones
+            are attended to, but the last layer computes no query or MLP for them).
         """
-        return self._trunk(input_ids, positions, None, None, segment_ids)[0]
+        return self._trunk(input_ids, positions, None, None, segment_ids, logits_start)[0]
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  cache: KVCache | None = None, lengths: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, return_aux_loss: bool = False) -> Any:
+                 segment_ids: jax.Array | None = None, return_aux_loss: bool = False,
+                 logits_start: int = 0) -> Any:
         b, t = input_ids.shape
-        x, keys, values, routers = self._trunk(input_ids, positions, cache, lengths, segment_ids)
+        if logits_start and return_aux_loss:
+            raise ValueError("CausalLM: return_aux_loss needs every position's router logits; "
+                             "it cannot be combined with logits_start > 0")
+        x, keys, values, routers = self._trunk(input_ids, positions, cache, lengths, segment_ids, logits_start)
         logits = (self.embed.attend(x) if self.lm_head is None else project(self.lm_head, x)).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap:

@@ -25,7 +25,8 @@ from cairn import nn, optim, quant
 from cairn.llm._lora import apply_lora
 from cairn.llm._model import CausalLM
 
-__all__ = ["LoraSettings", "TrainerRun", "Trainable", "accumulating_step", "plot_metrics", "read_metrics"]
+__all__ = ["LoraSettings", "TrainerRun", "Trainable", "accumulating_step", "plot_metrics", "read_metrics",
+           "window_logits"]
 
 METRICS_FILE = "metrics.jsonl"
 STATE_ITEM = "trainer"
@@ -260,6 +261,27 @@ def token_nll_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> 
     nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     w = weights.astype(jnp.float32)
     return jnp.sum(nll * w), jnp.sum(w)
+
+
+def window_logits(model: Any, inputs: jax.Array, start: int) -> jax.Array:
+    """``model(inputs)[:, start:]`` in float32.
+
+    A :class:`CausalLM`, or one running through a ``cairn.quant`` provider (a LoRA policy:
+    ``quant.quantize_model``), computes only those positions' logits (``logits_start``: the
+    last layer's queries and MLP and the vocabulary projection from ``start`` on); any other
+    callable runs in full, then is sliced. XLA does not move such a slice before the products.
+    """
+    if start and _takes_logits_start(model):
+        return model(inputs, logits_start=start).astype(jnp.float32)
+    return model(inputs)[:, start:].astype(jnp.float32)
+
+
+def _takes_logits_start(model: Any) -> bool:
+    """Whether calling ``model`` is calling a :class:`CausalLM` (itself, or through a provider)."""
+    if isinstance(model, CausalLM):
+        return True
+    return (isinstance(model, quant.QuantizedModel) and model.method == "__call__"
+            and isinstance(model.model, CausalLM))
 
 
 def accumulating_step(trainable: Trainable, micro_loss: Any) -> Any:
