@@ -182,6 +182,9 @@ def _finish(cfg: Any, run_dir: pathlib.Path, stage: str, trainer: Any, tok: llm.
               "hf_files": files, "loss_plot": plot, "seconds": time.perf_counter() - t0,
               "curve": [[m["step"], m.get("loss")] for m in metrics],
               "rewards": [[m["step"], m["reward"]] for m in metrics if m.get("reward") is not None],
+              # GRPO: the share of groups whose samples' rewards differ (the others give no advantage)
+              "groups_nonzero_std": [[m["step"], m["groups_nonzero_std"]] for m in metrics
+                                     if m.get("groups_nonzero_std") is not None],
               "last": metrics[-1] if metrics else {}}
     (run_dir / stage / "stage.json").write_text(json.dumps(report, indent=1))
     return report
@@ -229,7 +232,8 @@ def grpo(cfg: Any, run_dir: pathlib.Path, eval_texts: list[str], notice: Preempt
     prompts = [{"prompt": lm_task.chat_messages(t, False), "answer": t.split("=", 1)[1]} for t in train_texts(cfg)]
     config = llm.GRPOConfig(steps=p.grpo_steps, prompts_per_batch=p.grpo_prompts, num_generations=p.grpo_generations,
                             max_new_tokens=cfg.serve.max_new_tokens, temperature=p.grpo_temperature,
-                            learning_rate=p.grpo_learning_rate, beta=p.grpo_beta, lora=_lora(cfg),
+                            learning_rate=p.grpo_learning_rate, warmup_steps=max(1, p.grpo_steps // 10),
+                            beta=p.grpo_beta, lora=_lora(cfg),
                             save_every=p.save_every, seed=cfg.run.seed)
     trainer = llm.GRPOTrainer(model, tok, prompts, exact_answer, config, run_dir / "grpo")
     resumed = trainer.step

@@ -165,6 +165,9 @@ def test_the_job_end_to_end_and_a_real_openai_call(tmp_path):
     for stage in ("sft", "grpo"):
         assert 0.0 <= p[stage]["heldout_exact_match"] <= 1.0 and (tmp_path / stage / "loss.png").is_file()
         assert p[stage]["steps"] == {"sft": 6, "grpo": 4}[stage]
+    # GRPO logs the share of groups whose rewards differ (only those carry an advantage)
+    spread = [v for _, v in p["grpo"]["groups_nonzero_std"]]
+    assert len(spread) == 4 and all(0.0 <= v <= 1.0 for v in spread), spread
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and (tmp_path / "serving_latency.png").is_file()
     gen = m["generation"]
     assert gen["prompts"] == "chat" and set(gen["variants"]) == {"float", "w8", "w4_gptq"}
