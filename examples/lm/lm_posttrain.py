@@ -19,7 +19,9 @@ finished stage leaves ``stage.json`` (its report) there, so a second start skips
 Preemption: a ``SIGTERM`` during a stage lets the trainer run to its next checkpoint (at
 most ``posttrain.save_every`` steps), waits for the commit, writes ``run.dir/PREEMPTED.json``
 and exits with status 75; the same command again resumes the stage from that checkpoint
-(the trainers restore the adapters, optimizer and data position: bit-identical).
+(the trainers restore the adapters, optimizer and data position: bit-identical). The
+`Preemption` notice also covers the production steps after these stages (lm_production),
+which stop at their boundaries and are done again on the next start.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from cairn import llm
 
 
 class Preemption:
-    """Records a ``SIGTERM`` from the end of pretraining to the end of post-training (the
-    trainers' checkpoint managers chain their own handlers to this one); a context manager
-    that puts the earlier handler back."""
+    """Records a ``SIGTERM`` from the end of pretraining to the end of the production steps
+    (the trainers' checkpoint managers chain their own handlers to this one); a context
+    manager that puts the earlier handler back. The stages ask `stop_here` at their
+    boundaries."""
 
     def __init__(self) -> None:
         self.noticed = False
@@ -62,6 +65,12 @@ class Preemption:
     def __exit__(self, *_: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+    def stop_here(self, run_dir: pathlib.Path, stage: str, train_steps: int) -> None:
+        """After a notice: ``PREEMPTED.json`` naming ``stage`` (a step without a checkpoint of
+        its own: quantize, export, serve; the next start redoes it) and exit 75."""
+        if self.noticed:
+            _mark_preempted(run_dir, stage, None, train_steps)
 
 
 def _log(quiet: bool, msg: str) -> None:
@@ -121,16 +130,24 @@ def _train(trainer: Any, steps: int, every: int, stage: str, run_dir: pathlib.Pa
             _mark_preempted(run_dir, stage, trainer.step, train_steps)
 
 
-def _mark_preempted(run_dir: pathlib.Path, stage: str, step: int, train_steps: int) -> None:
-    """``PREEMPTED.json`` (step ``train_steps``: pretraining's last, committed) and exit 75."""
+def _mark_preempted(run_dir: pathlib.Path, stage: str, step: int | None, train_steps: int) -> None:
+    """``PREEMPTED.json`` (step ``train_steps``: pretraining's last, committed) and exit 75.
+    ``step``: the stage's committed checkpoint; None for a stage without checkpoints, which
+    the next start does again."""
     import lm_cli
 
     marker = pathlib.Path(run_dir) / lm_cli.PREEMPTED_FILE
     marker.write_text(json.dumps({"step": train_steps, "stage": stage, "stage_step": step, "time": time.time(),
                                   "exit_code": ckpt.PREEMPTION_EXIT_CODE}))
-    print(f"preempted: {stage} step {step} is committed in {pathlib.Path(run_dir) / stage / 'checkpoints'}; "
-          f"exiting with status {ckpt.PREEMPTION_EXIT_CODE}. Start `{lm_cli.command()}` with the same settings "
-          "again to resume from it (no --resume needed).", file=sys.stderr, flush=True)
+    if step is None:
+        where = (f"preempted during {stage}: the stages before it are saved in {pathlib.Path(run_dir)} and "
+                 f"{stage} is done again on the next start")
+        how = "to do it again"
+    else:
+        where = f"preempted: {stage} step {step} is committed in {pathlib.Path(run_dir) / stage / 'checkpoints'}"
+        how = "to resume from it"
+    print(f"{where}; exiting with status {ckpt.PREEMPTION_EXIT_CODE}. Start `{lm_cli.command()}` with the same "
+          f"settings again {how} (no --resume needed).", file=sys.stderr, flush=True)
     raise SystemExit(ckpt.PREEMPTION_EXIT_CODE)
 
 
@@ -165,6 +182,9 @@ def _finish(cfg: Any, run_dir: pathlib.Path, stage: str, trainer: Any, tok: llm.
               "hf_files": files, "loss_plot": plot, "seconds": time.perf_counter() - t0,
               "curve": [[m["step"], m.get("loss")] for m in metrics],
               "rewards": [[m["step"], m["reward"]] for m in metrics if m.get("reward") is not None],
+              # GRPO: the share of groups whose samples' rewards differ (the others give no advantage)
+              "groups_nonzero_std": [[m["step"], m["groups_nonzero_std"]] for m in metrics
+                                     if m.get("groups_nonzero_std") is not None],
               "last": metrics[-1] if metrics else {}}
     (run_dir / stage / "stage.json").write_text(json.dumps(report, indent=1))
     return report
@@ -212,7 +232,8 @@ def grpo(cfg: Any, run_dir: pathlib.Path, eval_texts: list[str], notice: Preempt
     prompts = [{"prompt": lm_task.chat_messages(t, False), "answer": t.split("=", 1)[1]} for t in train_texts(cfg)]
     config = llm.GRPOConfig(steps=p.grpo_steps, prompts_per_batch=p.grpo_prompts, num_generations=p.grpo_generations,
                             max_new_tokens=cfg.serve.max_new_tokens, temperature=p.grpo_temperature,
-                            learning_rate=p.grpo_learning_rate, beta=p.grpo_beta, lora=_lora(cfg),
+                            learning_rate=p.grpo_learning_rate, warmup_steps=max(1, p.grpo_steps // 10),
+                            beta=p.grpo_beta, lora=_lora(cfg),
                             save_every=p.save_every, seed=cfg.run.seed)
     trainer = llm.GRPOTrainer(model, tok, prompts, exact_answer, config, run_dir / "grpo")
     resumed = trainer.step
@@ -239,20 +260,19 @@ def check_context(cfg: Any, tok: llm.Tokenizer) -> None:
 
 
 def run(cfg: Any, run_dir: pathlib.Path, model: llm.CausalLM, tok: llm.Tokenizer, eval_texts: list[str],
-        quiet: bool) -> tuple[llm.CausalLM, llm.Tokenizer, dict]:
+        quiet: bool, notice: Preemption) -> tuple[llm.CausalLM, llm.Tokenizer, dict]:
     """Hand over, SFT, GRPO (module docstring): the final model and tokenizer, loaded with
-    ``from_pretrained`` from the last stage's directory, and the report entries."""
+    ``from_pretrained`` from the last stage's directory, and the report entries. ``notice``:
+    the `Preemption` (entered) the stages stop on."""
     run_dir = pathlib.Path(run_dir)
     evals = eval_texts[: cfg.posttrain.num_eval]
     check_context(cfg, tok)
-    with Preemption() as notice:
-        out: dict[str, Any] = {"handover": handover(model, tok, run_dir, cfg.posttrain.hf_shard_size)}
-        _log(quiet, f"handover: save_pretrained -> {out['handover']['path']} ({out['handover']['shards']} shards); "
-                    "the next stage starts from from_pretrained of it")
-        if notice.noticed:
-            _mark_preempted(run_dir, "handover", 0, cfg.train.steps)
-        out["sft"] = sft(cfg, run_dir, evals, notice, quiet)
-        out["grpo"] = grpo(cfg, run_dir, evals, notice, quiet)
-        out["examples"] = len(evals)
-        final, final_tok = load_hf(hf_dir(run_dir, "grpo"))
+    out: dict[str, Any] = {"handover": handover(model, tok, run_dir, cfg.posttrain.hf_shard_size)}
+    _log(quiet, f"handover: save_pretrained -> {out['handover']['path']} ({out['handover']['shards']} shards); "
+                "the next stage starts from from_pretrained of it")
+    notice.stop_here(run_dir, "handover", cfg.train.steps)
+    out["sft"] = sft(cfg, run_dir, evals, notice, quiet)
+    out["grpo"] = grpo(cfg, run_dir, evals, notice, quiet)
+    out["examples"] = len(evals)
+    final, final_tok = load_hf(hf_dir(run_dir, "grpo"))
     return final, final_tok, out

@@ -299,6 +299,9 @@ def format_posttrain(r: dict) -> list[str]:
         before = f"{st['heldout_exact_match_before']:.2%} -> " if "heldout_exact_match_before" in st else ""
         last = st.get("last") or {}
         extra = f", last mean reward {last['reward']:.2f}" if "reward" in last else ""
+        spread = [v for _, v in st.get("groups_nonzero_std") or []]
+        if spread:
+            extra += f", groups with a reward spread {sum(spread) / len(spread):.0%}"
         lines.append(f"{name:22s} held-out exact match {before}{st['heldout_exact_match']:.2%} on {p['examples']} chat "
                      f"prompts after {st['steps']} steps ({st['seconds']:.1f} s{extra}); -> {st['hf_dir']}"
                      + (f" [{st['skipped']}]" if st.get("skipped") else ""))

@@ -36,7 +36,8 @@ template into run.dir/serving and served by cairn-serve in a subprocess, asked t
 /generate_stream, tritonclient's /infer and the openai client's chat completions, load-tested
 and stopped. `--set posttrain.enabled=false quant.enabled=false serve.enabled=false` stops
 after pretraining. A SIGTERM during SFT or GRPO exits 75 at the stage's next checkpoint, and
-the same command resumes the stage from it.
+the same command resumes the stage from it; during quantize, export or serve it exits 75 at
+the step's next boundary (the server stopped first), and the same command does the step again.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The main job's stages (examples/lm, issue 32): the BPE tokenizer it trains, the hand-over
 through Hugging Face checkpoints, SFT and GRPO with LoRA, serving over OpenAI's API; a second
-run into the same directory and SIGTERM inside a post-training stage."""
+run into the same directory and SIGTERM inside every stage after pretraining (SFT, GRPO,
+quantize, export, serve)."""
 
 from __future__ import annotations
 
@@ -164,6 +165,9 @@ def test_the_job_end_to_end_and_a_real_openai_call(tmp_path):
     for stage in ("sft", "grpo"):
         assert 0.0 <= p[stage]["heldout_exact_match"] <= 1.0 and (tmp_path / stage / "loss.png").is_file()
         assert p[stage]["steps"] == {"sft": 6, "grpo": 4}[stage]
+    # GRPO logs the share of groups whose rewards differ (only those carry an advantage)
+    spread = [v for _, v in p["grpo"]["groups_nonzero_std"]]
+    assert len(spread) == 4 and all(0.0 <= v <= 1.0 for v in spread), spread
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and (tmp_path / "serving_latency.png").is_file()
     gen = m["generation"]
     assert gen["prompts"] == "chat" and set(gen["variants"]) == {"float", "w8", "w4_gptq"}
@@ -203,9 +207,9 @@ def _openai_call_against_the_export(run_dir: pathlib.Path, metrics: dict) -> Non
         assert server.stop() == 0
 
 
-def _signalled(run_dir: pathlib.Path, anchor: str) -> tuple[int, list[str]]:
-    """The CLI without production steps, SIGTERM sent when a line starts with ``anchor``."""
-    argv = [sys.executable, str(LM / "train.py"), "--set", *TINY, *NO_PRODUCTION, f'run.dir="{run_dir}"']
+def _signalled(run_dir: pathlib.Path, anchor: str, argv: list[str] | None = None) -> tuple[int, list[str]]:
+    """The CLI (default: without production steps), SIGTERM sent when a line starts with ``anchor``."""
+    argv = argv or [sys.executable, str(LM / "train.py"), "--set", *TINY, *NO_PRODUCTION, f'run.dir="{run_dir}"']
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
 
@@ -251,3 +255,58 @@ def test_sigterm_in_a_post_training_stage_exits_75_and_the_same_command_resumes_
     assert ref.returncode == 0, ref.stderr[-3000:]
     for s in ("sft", "grpo"):
         assert _safetensors(tmp_path / "run" / "hf" / s) == _safetensors(tmp_path / "ref" / "hf" / s), s
+
+
+def _serving_processes(repo: pathlib.Path) -> list[int]:
+    """The pids of processes whose command line names ``repo`` (a cairn-serve left running)."""
+    pids = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(repo) in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+# the line after which each production step is under way (the signal lands inside it)
+PRODUCTION_ANCHORS = (("quantize", "grpo: held-out exact match"), ("export", "serving: exporting"),
+                      ("serve", "serving: exported"))
+
+
+@pytest.mark.slow
+def test_sigterm_in_quantize_export_and_serve_exits_75_and_the_same_command_does_the_step_again(tmp_path):
+    import lm_cli
+
+    run = tmp_path / "run"
+    for stage, anchor in PRODUCTION_ANCHORS:  # one preemption in each step, each start resuming the last
+        argv = [sys.executable, str(LM / "train.py"), "--set", *TINY, f'run.dir="{run}"']
+        rc, lines = _signalled(run, anchor, argv)
+        assert rc == 75, (stage, lines[-10:])
+        marker = json.loads((run / lm_cli.PREEMPTED_FILE).read_text())
+        assert marker["stage"] == stage and marker["stage_step"] is None and marker["step"] == 12, marker
+        assert any(x.startswith(f"preempted during {stage}") for x in lines), lines[-5:]
+        assert not (run / "metrics.json").exists()  # the report is written by the run that finishes
+        assert not _serving_processes(run / "serving")  # the server was stopped on the way out
+        # what is committed stays: the post-training stages are not trained again
+        assert (run / "grpo" / "stage.json").is_file() and (run / "hf" / "grpo" / "config.json").is_file()
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming:" in out.stdout and not (run / lm_cli.PREEMPTED_FILE).exists()
+    got = json.loads((run / "metrics.json").read_text())
+    assert got["posttrain"]["sft"]["skipped"] and got["posttrain"]["grpo"]["skipped"]
+    # the same outputs as a run never interrupted
+    ref_dir = tmp_path / "ref"
+    ref = _cli(ref_dir)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = json.loads((ref_dir / "metrics.json").read_text())
+    assert _safetensors(run / "hf" / "grpo") == _safetensors(ref_dir / "hf" / "grpo")
+    for name in ("float", "w8", "w4_gptq"):
+        g, w = got["generation"]["variants"][name], want["generation"]["variants"][name]
+        assert (g["exact_match"], g["param_bytes"]) == (w["exact_match"], w["param_bytes"]), name
+    srv, ref_srv = got["serving"]["models"]["w4_gptq"], want["serving"]["models"]["w4_gptq"]
+    assert srv["differing_answers"] == 0 and srv["served_exact_match"] == ref_srv["served_exact_match"]
+    assert srv["openai"]["chat"]["differing_answers"] == 0 and got["serving"]["exit_code"] == 0
+    assert got["serving"]["try"]["answer"] == want["serving"]["try"]["answer"]
+    assert sorted(p.relative_to(run) for p in (run / "serving").rglob("*")) == sorted(
+        p.relative_to(ref_dir) for p in (ref_dir / "serving").rglob("*"))

@@ -306,7 +306,9 @@ class GRPOTrainer:
                                                              cfg.temperature, s))
         rows["ref_logprobs"] = (np.zeros(rows["mask"].shape, np.float32) if self._reference is None
                                 else np.asarray(self._logprobs(self._reference, rows["inputs"], rows["targets"], cfg.temperature, s)))
+        # the share of groups whose rewards differ: only those give a non-zero advantage (a learning signal)
         stats = {"reward": float(reward.mean()), "reward_std": float(reward.std()),
+                 "groups_nonzero_std": float(np.mean(reward.reshape(-1, g).std(axis=1) > 0)),
                  "completion_length": float(np.mean([len(c) for c in out.tokens]))}
         stats.update({f"reward_{getattr(f, '__name__', i)}": float(raw[:, i].mean()) for i, f in enumerate(self.reward_fns)})
         return rows, stats
