@@ -131,7 +131,6 @@ def _sowing_methods(root: Module, var_type: type[Variable]) -> Iterator[None]:
     """Within the context, each public method of the module classes under ``root``
     sows its output as ``var_type`` named by the method; the classes are restored."""
     classes = {type(m) for _, m in iter_modules(root)}
-    saved: list[tuple[type, str, Any]] = []
 
     def sowing(name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -142,11 +141,20 @@ def _sowing_methods(root: Module, var_type: type[Variable]) -> Iterator[None]:
 
         return method
 
+    with wrapped_methods(classes, sowing):
+        yield
+
+
+@contextlib.contextmanager
+def wrapped_methods(classes: set[type], wrap: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """Within the context, each public method ``name`` of each class in ``classes`` is
+    ``wrap(name, method)``; afterwards every class has its own methods back."""
+    saved: list[tuple[type, str, Any]] = []
     try:
         for cls in classes:
             for name, fn in public_methods(cls).items():
                 saved.append((cls, name, cls.__dict__.get(name, _MISSING)))
-                setattr(cls, name, sowing(name, fn))
+                setattr(cls, name, wrap(name, fn))
         yield
     finally:
         for cls, name, orig in reversed(saved):

@@ -23,6 +23,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from cairn.nn._capture import wrapped_methods
 from cairn.nn._graph import clone, flat, iter_modules
 from cairn.nn._module import Module, public_methods
 from cairn.nn._nodes import Node
@@ -279,13 +280,7 @@ def _record(model: Module, method: str, args: tuple, kwargs: dict, rec: _Recorde
     methods wrapped by ``rec``; the classes are restored afterwards."""
     classes = {type(m) for _, m in iter_modules(model)}
     classes = {c for c in classes if not issubclass(c, _NOT_WRAPPED)}
-    saved: list[tuple[type, str, Any]] = []
-    top = None
-    try:
-        for cls in classes:
-            for name, fn in public_methods(cls).items():
-                saved.append((cls, name, cls.__dict__.get(name, _MISSING)))
-                setattr(cls, name, rec.wrap(name, fn))
+    with wrapped_methods(classes, rec.wrap):
         top = getattr(type(model), method, None)
         if top is None or not callable(top):
             raise AttributeError(f"tabulate: {type(model).__name__} has no method {method!r}")
@@ -303,15 +298,6 @@ def _record(model: Module, method: str, args: tuple, kwargs: dict, rec: _Recorde
             return top(model, *a, **kw)
 
         jax.eval_shape(run, *[leaves[i] for i in dyn_at])
-    finally:
-        for cls, name, orig in reversed(saved):
-            if orig is _MISSING:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, orig)
-
-
-_MISSING = object()
 
 
 # --- the table ---
