@@ -71,11 +71,13 @@ def main() -> None:
     sft.close()
     print(f"SFT  exact match {summary['sft_exact_match']:.2f}")
 
-    # 2. DPO with LoRA: the right answer preferred over a near miss (its last letter shifted twice)
+    # 2. DPO with LoRA: a preference the SFT policy knows nothing of, so it starts near a coin
+    #    flip: the word shifted by three letters preferred over the word shifted by five (SFT
+    #    taught a shift by one, so both answers are equally foreign to it)
     def pair(c: dict) -> dict:
         word = c["messages"][0]["content"]
-        return {"prompt": c["messages"][:1], "chosen": c["messages"][1:],
-                "rejected": [{"role": "assistant", "content": shift(word, 1)[:-1] + shift(word[-1], 2)}]}
+        return {"prompt": c["messages"][:1], "chosen": [{"role": "assistant", "content": shift(word, 3)}],
+                "rejected": [{"role": "assistant", "content": shift(word, 5)}]}
 
     pairs, held_pairs = [pair(c) for c in chats], [pair(c) for c in held_chats]
     dpo = llm.DPOTrainer(model, tok, pairs, llm.DPOConfig(steps=int(30 * scale) or 1, batch_size=16, seq_len=16,
