@@ -724,7 +724,7 @@ class CheckpointManager(_BackgroundSaver):
         """
         try:
             super().close()
-            if len(self._tiers) > 1 and self._preemption.late_notice():
+            if len(self._tiers) > 1 and not self._options.read_only and self._preemption.late_notice():
                 self._persist_newest_local_step()
         finally:
             self._preemption.close()
