@@ -263,9 +263,16 @@ def _run_readme_examples(session: nox.Session, packages: list[str], workers: int
         else:
             steps = [[base, "-m", "venv", "--clear", str(venv)], [py, "-m", "pip", "install", "-q", *reqs]]
         out = ""
-        env = {**os.environ, **_test_env()}  # tiny examples: compiling dominates, as in the tests
-        for cmd in [*steps, [py, str(ROOT / "tools" / "run_doc_examples.py"), "--python", py, str(readme)]]:
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        # the examples: compiled at XLA's level 0 as in the tests (compiling dominates), and every
+        # cache they could write under the user's home pointed into this run's folder (as
+        # tests/conftest.py does); the installs keep uv's own cache
+        cache = tmp / f"cache-{package}"
+        run_env = {**os.environ, **_test_env(), **{v: str(cache / v.lower()) for v in (
+            "CAIRN_KERNELS_CACHE_DIR", "CAIRN_CACHE_DIR", "XDG_CACHE_HOME", "MPLCONFIGDIR", "HF_HOME")}}
+        examples = [py, str(ROOT / "tools" / "run_doc_examples.py"), "--python", py, str(readme)]
+        for cmd in [*steps, examples]:
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                               env=run_env if cmd is examples else None)
             out += r.stdout + r.stderr
             if r.returncode:
                 return package, r.returncode, out, time.perf_counter() - t0
