@@ -111,12 +111,15 @@ def handover(model: llm.CausalLM, tok: llm.Tokenizer, run_dir: pathlib.Path, sha
 
 
 def _stage_done(run_dir: pathlib.Path, stage: str) -> dict | None:
-    """A finished stage's report (its ``stage.json`` and its Hugging Face directory), else None."""
+    """A finished stage's report (its ``stage.json`` and its Hugging Face directory), marked
+    as skipped, else None."""
     try:
         report = json.loads((pathlib.Path(run_dir) / stage / "stage.json").read_text())
     except (OSError, ValueError):
         return None
-    return report if (hf_dir(run_dir, stage) / "config.json").is_file() else None
+    if not (hf_dir(run_dir, stage) / "config.json").is_file():
+        return None
+    return {**report, "skipped": "finished by an earlier run"}
 
 
 def _train(trainer: Any, steps: int, every: int, stage: str, run_dir: pathlib.Path, notice: Preemption,
@@ -192,9 +195,8 @@ def _finish(cfg: Any, run_dir: pathlib.Path, stage: str, trainer: Any, tok: llm.
 
 def sft(cfg: Any, run_dir: pathlib.Path, eval_texts: list[str], notice: Preemption, quiet: bool) -> dict:
     """SFT with LoRA from ``hf/pretrained`` to ``hf/sft`` (module docstring); its report."""
-    done = _stage_done(run_dir, "sft")
-    if done is not None:
-        return {**done, "skipped": "finished by an earlier run"}
+    if (done := _stage_done(run_dir, "sft")) is not None:
+        return done
     t0 = time.perf_counter()
     p = cfg.posttrain
     model, tok = load_hf(hf_dir(run_dir, "pretrained"))
@@ -223,9 +225,8 @@ def exact_answer(prompts: list[Any], completions: list[str], examples: list[dict
 
 def grpo(cfg: Any, run_dir: pathlib.Path, eval_texts: list[str], notice: Preemption, quiet: bool) -> dict:
     """GRPO with LoRA and `exact_answer` from ``hf/sft`` to ``hf/grpo``; its report."""
-    done = _stage_done(run_dir, "grpo")
-    if done is not None:
-        return {**done, "skipped": "finished by an earlier run"}
+    if (done := _stage_done(run_dir, "grpo")) is not None:
+        return done
     t0 = time.perf_counter()
     p = cfg.posttrain
     model, tok = load_hf(hf_dir(run_dir, "sft"))
