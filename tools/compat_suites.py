@@ -27,7 +27,17 @@ Its ``test_utils`` and test bases run as Orbax's own code with aliased imports. 
 name touched while a test module is collected fails only the tests that use its value.
 
 The rate is Cairn's passes among the tests that pass on the peer and use only public API.
-Tests that use the peer's private internals are counted apart and listed (``--out``), never
+A test uses the peer's private internals, and is counted apart, when
+
+- on the peer run it touches a name of a private peer module that is the same object as
+  no public name (traced at run time, "how": "module name" in ``--out``), or fails on
+  Cairn with ``CompatPrivateAccess``;
+- its source, or that of a helper it calls (its class's methods and bases, ``setUp``,
+  module-level functions, in the test file and the peer's test helpers), reads or sets a
+  private attribute of a peer object or mocks the peer's private code
+  (``tools/compat_private.py`` says exactly what counts; "how": "attribute or mock").
+
+Private tests are listed with the names they use (``--out``: ``private_tests``), never
 silently dropped. The last line printed is one JSON object.
 """
 
@@ -745,8 +755,10 @@ def _prepare(args: argparse.Namespace, work: pathlib.Path) -> tuple[list[str], d
     return names, settings
 
 
-def _tally(names: list[str], peer: dict[str, Any], cairn: dict[str, Any]) -> dict[str, Any]:
-    """Per-file and total counts: passed on the peer, private, public, passed on Cairn."""
+def _tally(names: list[str], peer: dict[str, Any], cairn: dict[str, Any],
+           static: dict[str, list[str]]) -> dict[str, Any]:
+    """Per-file and total counts: passed on the peer, private, public, passed on Cairn
+    (``static``: the tests ``compat_private`` finds reaching into the peer's internals)."""
     files: dict[str, dict[str, int]] = {n: {"peer_passed": 0, "private": 0, "public": 0, "cairn_passed": 0}
                                         for n in names}
     private_tests, failures = [], []
@@ -760,7 +772,13 @@ def _tally(names: list[str], peer: dict[str, Any], cairn: dict[str, Any]) -> dic
         touched = res.get("touched") or []
         if touched or (ours and ours["private"]) or PRIVATE_MARK in collect_error:
             f["private"] += 1
-            private_tests.append({"test": test, "names": touched or [(ours or {}).get("error", "import")]})
+            private_tests.append({"test": test, "how": "module name",
+                                  "names": touched or [(ours or {}).get("error", "import")]})
+            continue
+        if static.get(test):  # a private attribute or a mock of private code (compat_private)
+            f["private"] += 1
+            private_tests.append({"test": test, "how": "attribute or mock", "names": static[test],
+                                  "cairn": (ours or {}).get("outcome", "not run")})
             continue
         f["public"] += 1
         if ours and ours["outcome"] == "passed":
@@ -769,6 +787,20 @@ def _tally(names: list[str], peer: dict[str, Any], cairn: dict[str, Any]) -> dic
             why = (ours or {}).get("error") or (_error_line(collect_error) if collect_error else "not run")
             failures.append({"test": test, "error": why})
     return {"files": files, "private_tests": private_tests, "failures": failures}
+
+
+def _static_private(args: argparse.Namespace, work: pathlib.Path, names: list[str],
+                    settings: dict[str, Any], peer: dict[str, Any]) -> dict[str, list[str]]:
+    """The tests passing on the peer that read or set the peer's private attributes or mock its
+    private code, found in their source (see ``tools/compat_private.py``)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import compat_private
+
+    package = PEERS[args.peer]["package"]
+    helpers = {m: pathlib.Path(p) for m, p in {**settings["support_files"], **settings["clone_files"]}.items()}
+    passed = [t for t, r in peer["results"].items() if r["outcome"] == "passed"]
+    return compat_private.analyze(package, settings["map"]["private"], _peer_dir(package, args.python),
+                                  {n: work / "tests" / n for n in names}, helpers, passed)
 
 
 def _rate(passed: int, public: int) -> float:
@@ -788,9 +820,11 @@ def _print(args: argparse.Namespace, tally: dict[str, Any]) -> dict[str, Any]:
           f"{total['cairn_passed']:10d}  {_rate(total['cairn_passed'], total['public']):.1%}")
     counts: dict[str, int] = {}
     for t in tally["private_tests"]:
-        for n in t["names"]:
+        for n in {n.split(" in ")[0] for n in t["names"]}:
             counts[n] = counts.get(n, 0) + 1
-    print(f"\nprivate-internals tests: {total['private']} (by the private name they use; full list with --out)")
+    static = sum(t["how"] == "attribute or mock" for t in tally["private_tests"])
+    print(f"\nprivate-internals tests: {total['private']}, {static} of them by a private attribute or a mock "
+          "of private code (by the private name they use; full list with --out)")
     for name, n in sorted(counts.items(), key=lambda kv: -kv[1])[: args.show]:
         print(f"  {n:6d}  {name}")
     causes: dict[str, int] = {}
@@ -839,7 +873,8 @@ def main(argv: list[str] | None = None) -> int:
             peer = _run_pytest(args, work, "peer", names, settings)
         (work / "peer_results.json").write_text(json.dumps(peer))
         cairn = _run_pytest(args, work, "cairn", names, settings)
-    tally = _tally(names, peer, cairn)
+        static = _static_private(args, work, names, settings, peer)
+    tally = _tally(names, peer, cairn, static)
     summary = _print(args, tally)
     dist = {"orbax": "orbax-checkpoint"}.get(args.peer, args.peer)
     version = subprocess.run([args.python, "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
