@@ -20,6 +20,12 @@ module-level functions of those files):
   the test's file and helpers define no ``_name`` of their own (a test class's ``self._x``
   is never counted), ``<expr>`` is not bare ``self`` / ``cls``, and ``<expr>`` is not rooted
   in a name imported from outside the peer (``jax._src``, ``np._NoValue``);
+- in the test's own code (the test file, and the methods of its test classes wherever
+  they are defined, e.g. a test base in ``*_test_utils.py``; not the module-level
+  functions of the peer's test utilities, which set up the environment), a name of a
+  private peer module that is the same object as no public name (``atomicity.
+  COMMIT_SUCCESS_FILE``), as the run-time trace counts it in the test file; names of the
+  peer's ``environment`` table (``compat_suites.PEERS``) do not count;
 - ``mock.patch("<peer>.<path>")`` / ``mock.patch.object(<target>, "<attr>")`` (any callable
   named ``patch``, ``patch.object`` or ``patch.multiple``) that replaces a name of a
   private peer module (that module's binding, which only the peer's own code reads, even
@@ -126,8 +132,10 @@ class Analyzer:
     """Finds, per test, the private uses listed in the module docstring."""
 
     def __init__(self, package: str, private_map: dict[str, dict[str, list[str]]],
-                 peer_names: set[str], files: list[FileIndex]) -> None:
+                 peer_names: set[str], files: list[FileIndex],
+                 environment: dict[str, dict[str, str]] | None = None) -> None:
         self.package = package
+        self.environment = environment or {}
         self.private_map = private_map
         self.files = files
         owned = defined_private_names([f.path for f in files], own=True)
@@ -184,11 +192,22 @@ class Analyzer:
             return f"mock.patch.object({target}, {name!r})"
         return None
 
-    def direct(self, func: ast.AST, index: FileIndex) -> set[str]:
-        """The private uses written in ``func`` itself (decorators included)."""
+    def _module_name(self, node: ast.Attribute, index: FileIndex) -> str | None:
+        """``node`` names a private-only object of a private peer module (``atomicity.X``)."""
+        module = self._resolve(node.value, index)
+        table = self.private_map.get(module) if module else None
+        if table is None or table.get(node.attr) != [] or node.attr in self.environment.get(module, {}):
+            return None
+        return f"{module}.{node.attr}"
+
+    def direct(self, func: ast.AST, index: FileIndex, own: bool = True) -> set[str]:
+        """The private uses written in ``func`` itself (decorators included); private module
+        names only where ``own`` (the test's own code, not a test-utility function)."""
         found = set()
         for node in ast.walk(func):
-            if isinstance(node, ast.Attribute) and node.attr in self.peer_names:
+            if own and isinstance(node, ast.Attribute) and (name := self._module_name(node, index)):
+                found.add(name)
+            elif isinstance(node, ast.Attribute) and node.attr in self.peer_names:
                 base = node.value
                 if isinstance(base, ast.Name) and base.id in ("self", "cls"):
                     continue
@@ -297,14 +316,17 @@ class Analyzer:
             if id(func) in seen:
                 continue
             seen.add(id(func))
-            found |= {f"{use} in {func.name}" for use in self.direct(func, f)}
+            # the test's own code: the test file and the test classes' methods (a test base
+            # in a helper file holds tests too), not the module-level test utilities
+            own = f is index or func not in f.functions.values()
+            found |= {f"{use} in {func.name}" for use in self.direct(func, f, own)}
             stack.extend(self._callees(func, f, mro))
         return sorted(found)
 
 
 def analyze(package: str, private_map: dict[str, dict[str, list[str]]], pkg_dir: pathlib.Path,
             test_files: dict[str, pathlib.Path], helper_files: dict[str, pathlib.Path],
-            nodeids: list[str]) -> dict[str, list[str]]:
+            nodeids: list[str], environment: dict[str, dict[str, str]] | None = None) -> dict[str, list[str]]:
     """{nodeid: private uses} for the tests among ``nodeids`` that have any.
 
     Args:
@@ -314,13 +336,15 @@ def analyze(package: str, private_map: dict[str, dict[str, list[str]]], pkg_dir:
         test_files: the test file names as in the nodeids -> their paths.
         helper_files: the peer's test helpers loaded as test code, module name -> path.
         nodeids: the tests to analyse.
+        environment: private names that only ask about the test environment (not counted),
+            module -> name -> stand-in, as in ``compat_suites.PEERS``.
     """
     peer_names = defined_private_names(peer_source_files(pkg_dir, set(helper_files.values())))
     helpers = [FileIndex(p, m) for m, p in helper_files.items() if p.exists()]
     out: dict[str, list[str]] = {}
     for name, path in test_files.items():
         index = FileIndex(path)
-        analyzer = Analyzer(package, private_map, peer_names, [index, *helpers])
+        analyzer = Analyzer(package, private_map, peer_names, [index, *helpers], environment)
         for nodeid in nodeids:
             if nodeid.split("::")[0] == name:
                 uses = analyzer.test(index, nodeid)

@@ -34,8 +34,9 @@ A test uses the peer's private internals, and is counted apart, when
   Cairn with ``CompatPrivateAccess``;
 - its source, or that of a helper it calls (its class's methods and bases, ``setUp``,
   module-level functions, in the test file and the peer's test helpers), reads or sets a
-  private attribute of a peer object or mocks the peer's private code
-  (``tools/compat_private.py`` says exactly what counts; "how": "attribute or mock").
+  private attribute of a peer object or mocks the peer's private code, or its own code
+  (a test base's methods in a helper file too) uses a private-only name of a private
+  module (``tools/compat_private.py`` says exactly what counts; "how": "attribute or mock").
 
 Private tests are listed with the names they use (``--out``: ``private_tests``), never
 silently dropped. The last line printed is one JSON object.
@@ -800,7 +801,8 @@ def _static_private(args: argparse.Namespace, work: pathlib.Path, names: list[st
     helpers = {m: pathlib.Path(p) for m, p in {**settings["support_files"], **settings["clone_files"]}.items()}
     passed = [t for t, r in peer["results"].items() if r["outcome"] == "passed"]
     return compat_private.analyze(package, settings["map"]["private"], _peer_dir(package, args.python),
-                                  {n: work / "tests" / n for n in names}, helpers, passed)
+                                  {n: work / "tests" / n for n in names}, helpers, passed,
+                                  PEERS[args.peer].get("environment", {}))
 
 
 def _rate(passed: int, public: int) -> float:

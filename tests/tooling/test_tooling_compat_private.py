@@ -115,7 +115,8 @@ def test_mocks_of_private_code_count_in_decorators_and_strings(tmp_path):
                                         "test_private_module_binding", "test_public_mocks")]
     found = _analyze(tmp_path, src, nodeids=ids)
     assert sorted(found) == sorted(ids[:4]), found
-    assert found[ids[0]] == ["mock.patch.object(peer._src.core.Hidden, 'finalize') in test_decorated"]
+    assert found[ids[0]] == ["mock.patch.object(peer._src.core.Hidden, 'finalize') in test_decorated",
+                             "peer._src.core.Hidden in test_decorated"]
 
 
 def test_helpers_parameterized_names_and_base_classes_in_helper_files(tmp_path):
@@ -159,3 +160,35 @@ def test_set_up_reaching_in_makes_every_test_of_the_class_private(tmp_path):
     '''
     found = _analyze(tmp_path, src, nodeids=["t_test.py::T::test_a"])
     assert found == {"t_test.py::T::test_a": ["attribute ._helper_state in setUp"]}
+
+
+def test_private_module_names_count_in_the_tests_own_code_not_in_test_utilities(tmp_path):
+    helper = '''
+    from peer._src import core
+
+    def environment():
+        return core.Hidden                  # a test utility's set-up: not counted
+
+    class Base:
+        def test_in_base(self):
+            return core.Hidden              # a test written in a helper file: counted
+    '''
+    src = '''
+    from peer._src import core
+    from peer import test_helpers
+
+    class T(test_helpers.Base):
+        def test_own(self):
+            core.Hidden
+
+        def test_utility(self):
+            test_helpers.environment()
+
+        def test_public_through_private(self):
+            core.Manager
+    '''
+    ids = ["t_test.py::T::test_own", "t_test.py::T::test_utility", "t_test.py::T::test_in_base",
+           "t_test.py::T::test_public_through_private"]
+    found = _analyze(tmp_path, src, helper, nodeids=ids)
+    assert found == {"t_test.py::T::test_own": ["peer._src.core.Hidden in test_own"],
+                     "t_test.py::T::test_in_base": ["peer._src.core.Hidden in test_in_base"]}
