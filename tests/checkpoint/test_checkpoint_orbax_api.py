@@ -547,3 +547,15 @@ def test_a_users_own_handler_is_written_and_committed_by_checkpointers(tmp_path)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, ocp.Checkpointer(TextHandler(pool)) as ckptr:
         ckptr.save(tmp_path / "bare", [3, 4])  # a bare item is wrapped in the args registered with the handler
         assert ckptr.restore(tmp_path / "bare") == [3, 4]
+
+
+def test_manager_directory_is_a_path_object_for_str_and_path_input(tmp_path):
+    for given in (str(tmp_path / "s"), tmp_path / "p"):
+        with ocp.CheckpointManager(given) as mngr:
+            assert isinstance(mngr.directory, pathlib.Path)
+            assert mngr.directory == pathlib.Path(given).absolute()
+            mngr.save(0, args=ocp.args.JsonSave({"a": 1}))
+            mngr.wait_until_finished()
+            assert [p.name for p in mngr.directory.iterdir()] == ["0"]
+            mngr.delete(0)
+            assert list(mngr.directory.iterdir()) == []

@@ -6,6 +6,7 @@ import datetime
 import json
 import logging
 import os
+import pathlib
 import re
 import signal
 import time
@@ -348,9 +349,10 @@ class CheckpointManager(_BackgroundSaver):
             raise TypeError(f"options must be a CheckpointManagerOptions, got {type(options).__name__}")
         self._options = options or CheckpointManagerOptions()
         o = self._options
-        self.directory = os.path.abspath(os.fspath(directory))
+        # a path object, as Orbax's (``manager.directory / "0"``, ``.iterdir()``)
+        self.directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
         self._tiers = [
-            _Tier("persistent", self.directory, o.save_interval_steps, o.max_to_keep, True)
+            _Tier("persistent", str(self.directory), o.save_interval_steps, o.max_to_keep, True)
         ]
         if o.local_directory is not None:
             assert o.local_save_interval_steps is not None  # checked by the options
@@ -380,7 +382,7 @@ class CheckpointManager(_BackgroundSaver):
         self._bg = _Background()
         self._last_save_time: float | None = None  # time.monotonic() when the last save began
         self._preemption = _preemption.PreemptionWatcher(
-            self.directory,
+            str(self.directory),
             o.preemption_signals,
             o.preemption_notice_file,
             o.preemption_check,
