@@ -559,3 +559,22 @@ def test_manager_directory_is_a_path_object_for_str_and_path_input(tmp_path):
             assert [p.name for p in mngr.directory.iterdir()] == ["0"]
             mngr.delete(0)
             assert list(mngr.directory.iterdir()) == []
+
+
+def test_leaf_metadata_dtype_is_its_name_and_equals_the_dtype_objects(tmp_path):
+    ck = ocp.StandardCheckpointer()
+    tree = {"w": jnp.ones(3, jnp.bfloat16), "x": np.zeros(2, np.float32), "n": 3, "s": "hi"}
+    ck.save(tmp_path / "c", tree)
+    md = ck.metadata(tmp_path / "c")
+    w, x = md["w"].dtype, md["x"].dtype
+    assert w == "bfloat16" and w == jnp.bfloat16 and w == np.dtype(jnp.bfloat16) and w != jnp.float32
+    assert x == np.float32 and x == "float32" and x != "float64" and x != np.int32
+    assert md["n"].dtype == np.int64 and md["s"].dtype == "str" and md["s"].dtype != np.float32
+    assert isinstance(w, str) and {x: 1}["float32"] == 1  # still a str: hashes and prints as the name
+
+
+def test_utils_is_scalar_as_orbax():
+    assert ocp.utils.is_scalar(1) and ocp.utils.is_scalar(2.5) and ocp.utils.is_scalar(np.float32(1))
+    assert ocp.utils.is_scalar(True)  # a bool is an int
+    assert not ocp.utils.is_scalar(np.zeros(())) and not ocp.utils.is_scalar(jnp.ones(2))
+    assert not ocp.utils.is_scalar("1") and not ocp.utils.is_scalar(None)

@@ -29,6 +29,28 @@ from cairn.core_array import (
 READ_WINDOW_BYTES = 48 * 1024 * 1024
 
 
+class DTypeName(str):
+    """A saved dtype's canonical name (``"float32"``, ``"bfloat16"``) that also compares equal
+    to the dtype objects it names (``np.float32``, ``jnp.bfloat16``, ``np.dtype("float32")``),
+    as Orbax's metadata dtypes do; it stays a ``str`` (JSON, ``==`` with names)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) or other is None:
+            return str.__eq__(self, other)
+        try:
+            return as_numpy_dtype(str(self)) == as_numpy_dtype(other)
+        except (TypeError, ValueError):
+            return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = str.__hash__
+
+
 @dataclass(frozen=True)
 class LeafMetadata:
     """What a checkpoint holds at one path, read from its JSON metadata (no array data).
@@ -41,7 +63,8 @@ class LeafMetadata:
       path: the leaf's path string (``"layers/0/w"``).
       kind: ``"jax"``, ``"numpy"``, ``"numpy_scalar"`` or ``"scalar"``.
       shape: the saved shape.
-      dtype: the saved dtype's canonical name (``"float32"``, ``"bfloat16"``...).
+      dtype: the saved dtype's canonical name (``"float32"``, ``"bfloat16"``...), a
+        :class:`DTypeName`: it also compares equal to ``np.float32``, ``jnp.bfloat16``...
       sharding: the partition spec at save time, or ``None``.
       mesh: the mesh axis sizes at save time (``{"data": 2}``), or ``None``.
       chunk_shape: the on-disk chunk shape of an array, or ``None``.
@@ -56,6 +79,10 @@ class LeafMetadata:
     mesh: dict | None = None
     chunk_shape: tuple[int, ...] | None = None
     value: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DTypeName):  # equal to the dtype objects it names too
+            object.__setattr__(self, "dtype", DTypeName(self.dtype))
 
     @property
     def spec(self) -> ArraySpec:

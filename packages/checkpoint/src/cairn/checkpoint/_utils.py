@@ -248,6 +248,17 @@ def is_ocdbt_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), _tree.METADATA_FILE))
 
 
+def is_scalar(x: Any) -> bool:
+    """Whether ``x`` is a scalar leaf as Orbax's ``utils.is_scalar`` answers: a Python ``int``
+    or ``float`` (``bool`` included, as a subclass of ``int``) or a NumPy number
+    (``np.float32(1.0)``); arrays, 0-d arrays included, are not.
+
+    Args:
+      x: any value.
+    """
+    return isinstance(x, (int, float, np.number))
+
+
 def is_tmp_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a save still being written (or abandoned): a temporary
     ``*.cairn-tmp`` folder, or a folder without its ``COMMIT`` marker.
