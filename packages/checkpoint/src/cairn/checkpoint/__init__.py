@@ -11,12 +11,13 @@ from cairn.checkpoint import (
     checkpoint_managers,
     checkpoint_utils,
     logging,
+    metadata,
     step,
     test_utils,
     type_handlers,
     utils,
 )
-from cairn.checkpoint._checkpointer import metadata, restore, save
+from cairn.checkpoint._checkpointer import restore, save
 from cairn.checkpoint._checkpointers import (
     AsyncCheckpointer,
     Checkpointer,

@@ -19,6 +19,7 @@ from cairn.checkpoint import _args, _fs, _multihost, _restore, _tree
 from cairn.checkpoint._errors import CheckpointError
 from cairn.checkpoint._json_item import JSON_ITEM_FILE, jsonable, read_json_item, write_json_item
 from cairn.checkpoint.logging.step_statistics import SaveStepStatistics
+from cairn.checkpoint.metadata import item_metadata_of
 
 ITEMS_FILE = "_ITEMS.json"
 CUSTOM_METADATA_FILE = "_CUSTOM_METADATA.json"
@@ -78,9 +79,12 @@ class CheckpointMetadata(dict):
         self.performance_metrics = SaveStepStatistics()  # not recorded for a Checkpointer's save
 
     @property
-    def item_metadata(self) -> dict[str, Any]:
-        """The leaves' metadata (this dict itself, as a plain dict)."""
-        return dict(self)
+    def item_metadata(self) -> Any:
+        """The leaves' metadata: for one item this dict itself, as a plain dict; for a
+        composite an ``args.Composite`` of the items (``.state``, ``["state"]``), each pytree
+        item an :class:`~cairn.checkpoint.metadata.ItemMetadata` (its ``.tree`` holds Orbax's
+        value-metadata objects)."""
+        return dict(self) if self.item_handlers is None else _args.Composite(dict(self))
 
 
 def _flatten_metadata(m: CheckpointMetadata) -> tuple[list[Any], tuple[tuple[str, ...], Any]]:
@@ -108,7 +112,8 @@ def describe(directory: str) -> CheckpointMetadata:
     """:class:`CheckpointMetadata` of a directory written by :func:`write` (no array data)."""
     kinds = item_kinds(directory)
     out: dict[str, Any] = {
-        n: (_restore.metadata_of(os.path.join(directory, n) if n else directory) if k == "pytree" else "json")
+        n: (_restore.metadata_of(directory) if k == "pytree" else "json") if not n else
+        (item_metadata_of(os.path.join(directory, n)) if k == "pytree" else "json")
         for n, k in kinds.items()
     }
     f = os.path.join(directory, CUSTOM_METADATA_FILE)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from cairn.checkpoint import metadata as value_metadata
 from cairn.checkpoint._errors import TargetMismatchError
 from cairn.checkpoint._restore import LeafMetadata, metadata_of, restore_dir, saved_sharding
 from cairn.checkpoint._tree import is_prng_key
@@ -477,6 +478,14 @@ def _leaf_restore_args(leaf: Any, sharding: Any, set_global_shape: bool, strict:
             return ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding, dtype=as_numpy_dtype(leaf.dtype),
                                     global_shape=tuple(leaf.shape) if set_global_shape else None, strict=strict)
         return RestoreArgs(restore_type=np.ndarray, dtype=as_numpy_dtype(leaf.dtype))
+    if isinstance(leaf, value_metadata.StringMetadata):
+        return RestoreArgs(restore_type=str)
+    if isinstance(leaf, value_metadata.ScalarMetadata):  # Orbax's: a Python scalar of that dtype
+        kind = np.dtype(leaf.dtype).kind if leaf.dtype is not None else "i"
+        return RestoreArgs(restore_type={"b": bool, "f": float, "c": complex}.get(kind, int), dtype=leaf.dtype)
+    if isinstance(leaf, value_metadata.ArrayMetadata):
+        leaf = jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype,
+                                    sharding=leaf.sharding if isinstance(leaf.sharding, jax.sharding.Sharding) else None)
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is not None:
@@ -516,7 +525,7 @@ def construct_restore_args(target: Any, sharding_tree: Any = None, set_global_sh
     """
     if support_layout:
         raise NotImplementedError("construct_restore_args(support_layout=True) is not supported")
-    flat = flatten_with_paths(target, is_leaf=lambda x: isinstance(x, LeafMetadata))
+    flat = flatten_with_paths(target, is_leaf=lambda x: isinstance(x, (LeafMetadata, value_metadata.Metadata)))
     shardings: dict[str, Any] = {}
     if sharding_tree is not None:
         shardings = flatten_with_paths(sharding_tree, is_leaf=lambda x: x is None)
@@ -524,4 +533,4 @@ def construct_restore_args(target: Any, sharding_tree: Any = None, set_global_sh
         if unknown:
             raise ValueError(f"construct_restore_args: sharding_tree paths {unknown[:5]} are not in the target")
     out = {p: _leaf_restore_args(v, shardings.get(p), set_global_shape, strict) for p, v in flat.items()}
-    return map_with_path(lambda p, _: out[p], target, is_leaf=lambda x: isinstance(x, LeafMetadata))
+    return map_with_path(lambda p, _: out[p], target, is_leaf=lambda x: isinstance(x, (LeafMetadata, value_metadata.Metadata)))
