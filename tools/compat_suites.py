@@ -703,6 +703,30 @@ def _run_file(args: argparse.Namespace, work: pathlib.Path, mode: str, name: str
     return {"results": results, "collect_errors": collect_errors}
 
 
+def _read_results(work: pathlib.Path, mode: str) -> dict[str, Any]:
+    """The results of an earlier run in ``work`` (its events files), as ``_run_pytest`` returns."""
+    merged: dict[str, Any] = {"results": {}, "collect_errors": {}}
+    for events in sorted(work.glob(f"events_{mode}_*.jsonl")):
+        for line in events.read_text().splitlines():
+            event = json.loads(line)
+            if "collect_error" in event:
+                merged["collect_errors"][event["collect_error"]] = event["text"]
+            elif "test" in event:
+                merged["results"][event["test"]] = event
+    return merged
+
+
+def _retally(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The files, settings and both runs' results of a finished ``--workdir`` (nothing runs)."""
+    work = pathlib.Path(args.retally)
+    names = sorted(p.name for p in (work / "tests").glob("*.py") if p.name != "conftest.py")
+    config = json.loads(next(work.glob("config_*.json")).read_text())
+    if config["peer"] != args.peer:
+        raise SystemExit(f"compat_suites: {work} holds a run of {config['peer']}, not {args.peer}")
+    peer = json.loads((work / "peer_results.json").read_text())
+    return names, config, peer, _read_results(work, "cairn")
+
+
 def _run_pytest(args: argparse.Namespace, work: pathlib.Path, mode: str, files: list[str],
                 settings: dict[str, Any]) -> dict[str, Any]:
     """Every file in ``mode``, ``--jobs`` at a time; the merged results."""
@@ -798,7 +822,9 @@ def _static_private(args: argparse.Namespace, work: pathlib.Path, names: list[st
     import compat_private
 
     package = PEERS[args.peer]["package"]
-    helpers = {m: pathlib.Path(p) for m, p in {**settings["support_files"], **settings["clone_files"]}.items()}
+    if args.no_static:
+        return {}
+    helpers = {m: pathlib.Path(p) for m, p in {**settings["support_files"], **settings.get("clone_files", {})}.items()}
     passed = [t for t, r in peer["results"].items() if r["outcome"] == "passed"]
     return compat_private.analyze(package, settings["map"]["private"], _peer_dir(package, args.python),
                                   {n: work / "tests" / n for n in names}, helpers, passed,
@@ -860,10 +886,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the copies, configs and pytest logs here (outside the repository) instead of a temp dir")
     parser.add_argument("--reuse-peer", default=None, metavar="WORKDIR",
                         help="take the peer's results from an earlier --workdir of the same files instead of rerunning it")
+    parser.add_argument("--retally", default=None, metavar="WORKDIR",
+                        help="run nothing: count the peer and Cairn results of an earlier --workdir again")
+    parser.add_argument("--no-static", action="store_true",
+                        help="count as private only what the run-time trace finds (to see what the static "
+                             "analysis of tools/compat_private.py adds)")
     parser.add_argument("--show", type=int, default=15, help="rows in the private-name and failure summaries")
     args = parser.parse_args(argv)
     if args.peer in ("flax", "orbax") and not args.peer_tests:
         parser.error(f"{args.peer} ships no tests in its wheel: pass --peer-tests <clone's tests folder>")
+    if args.retally:  # count an earlier run again (e.g. after a change of what counts as private)
+        names, settings, peer, cairn = _retally(args)
+        static = _static_private(args, pathlib.Path(args.retally), names, settings, peer)
+        return _report(args, names, peer, cairn, static)
     with tempfile.TemporaryDirectory(prefix=f"compat_{args.peer}_") as tmp:
         work = pathlib.Path(args.workdir or tmp)
         if args.workdir:
@@ -876,6 +911,12 @@ def main(argv: list[str] | None = None) -> int:
         (work / "peer_results.json").write_text(json.dumps(peer))
         cairn = _run_pytest(args, work, "cairn", names, settings)
         static = _static_private(args, work, names, settings, peer)
+    return _report(args, names, peer, cairn, static)
+
+
+def _report(args: argparse.Namespace, names: list[str], peer: dict[str, Any], cairn: dict[str, Any],
+            static: dict[str, list[str]]) -> int:
+    """Print the tally and its JSON line (and write ``--out``)."""
     tally = _tally(names, peer, cairn, static)
     summary = _print(args, tally)
     dist = {"orbax": "orbax-checkpoint"}.get(args.peer, args.peer)
