@@ -380,3 +380,18 @@ def test_checkpoint_metadata_is_a_pytree_like_its_dict(tmp_path):
     meta = h.metadata(tmp_path / "c")
     dtypes = jax.tree.map(lambda m: m.dtype, meta)  # reaches each LeafMetadata, keeps the attributes
     assert dict(dtypes) == {"a": "int64", "b/c": "float64"} and dtypes.custom_metadata == {"x": 1}
+
+
+def test_tmp_checkpoints_lists_unfinished_saves_only(tmp_path):
+    assert ocp.utils.tmp_checkpoints(tmp_path / "missing") == []
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(0, args=ocp.args.JsonSave({"a": 1}))
+        mngr.wait_until_finished()
+        os.makedirs(tmp_path / "run" / "3.x.cairn-tmp")  # a save being written (or abandoned)
+        (tmp_path / "run" / "7.cairn-tmp").write_text("")  # a file, not a save
+        assert ocp.utils.tmp_checkpoints(mngr.directory) == ["3.x.cairn-tmp"]
+        assert ocp.utils.tmp_checkpoints(str(tmp_path / "run")) == ["3.x.cairn-tmp"]
+        with pytest.raises(TypeError):  # a save that fails is removed at once: nothing left to list
+            mngr.save(1, args=ocp.args.StandardSave({"x": object()}))
+            mngr.wait_until_finished()
+        assert ocp.utils.tmp_checkpoints(mngr.directory) == ["3.x.cairn-tmp"] and mngr.all_steps() == [0]

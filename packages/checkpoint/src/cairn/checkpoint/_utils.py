@@ -259,6 +259,22 @@ def is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float, np.number))
 
 
+def tmp_checkpoints(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """The names of the saves in ``checkpoint_dir`` still being written or left by a writer
+    that died (the ``*.cairn-tmp`` folders), sorted. A save that fails with an error is
+    removed at once, so it is not listed; a manager removes leftovers whose writer is gone
+    when it starts (``cleanup_tmp_directories``).
+
+    Args:
+      checkpoint_dir: a manager's directory (or any folder of checkpoints).
+    """
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(n for n in os.listdir(checkpoint_dir)
+                  if n.endswith(_fs.TMP_SUFFIX) and os.path.isdir(os.path.join(checkpoint_dir, n)))
+
+
 def is_tmp_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a save still being written (or abandoned): a temporary
     ``*.cairn-tmp`` folder, or a folder without its ``COMMIT`` marker.

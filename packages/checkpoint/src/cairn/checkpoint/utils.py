@@ -12,6 +12,7 @@ from cairn.checkpoint._utils import (
     is_scalar,
     is_tmp_checkpoint,
     merge_trees,
+    tmp_checkpoints,
     to_flat_dict,
     to_shape_dtype_struct,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "is_scalar",
     "is_tmp_checkpoint",
     "merge_trees",
+    "tmp_checkpoints",
     "to_flat_dict",
     "to_shape_dtype_struct",
 ]
