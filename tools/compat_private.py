@@ -15,7 +15,8 @@ by name in the test file or a helper file, plus the class's ``setUp`` / ``setUpC
 module-level functions of those files):
 
 - ``<expr>._name`` (read, write or delete) or ``getattr / setattr / hasattr / delattr(<expr>,
-  "_name")``, where ``_name`` has one leading underscore, the peer's own (non-test) source
+  "_name")``, where ``_name`` has one leading underscore (a namedtuple's ``_replace``,
+  ``_asdict``, ``_fields``, ``_make``, ``_field_defaults`` are public), the peer's own (non-test) source
   defines ``_name`` (an attribute set on ``self``, a method, a class or module attribute),
   the test's file and helpers define no ``_name`` of their own (a test class's ``self._x``
   is never counted), ``<expr>`` is not bare ``self`` / ``cls``, and ``<expr>`` is not rooted
@@ -50,8 +51,12 @@ _PATCHES = ("patch", "patch.object", "patch.multiple")
 _ATTR_CALLS = ("getattr", "setattr", "hasattr", "delattr")
 
 
+# underscore names that are public API by Python's own convention (a namedtuple's methods)
+_PUBLIC_UNDERSCORE = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+
+
 def _is_private_name(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__")
+    return name.startswith("_") and not name.startswith("__") and name not in _PUBLIC_UNDERSCORE
 
 
 def defined_private_names(files: list[pathlib.Path], own: bool = False) -> set[str]:

@@ -29,7 +29,7 @@ PRIVATE_MAP = {"peer._src.core": {"Hidden": [], "Manager": ["peer.Manager"]}}
 
 def _analyze(tmp_path, test_src, helper_src=None, nodeids=()):
     pkg = tmp_path / "peer"
-    (pkg / "_src").mkdir(parents=True)
+    (pkg / "_src").mkdir(parents=True, exist_ok=True)
     (pkg / "_src" / "core.py").write_text(PEER_SRC)
     test = tmp_path / "t_test.py"
     test.write_text(textwrap.dedent(test_src))
@@ -192,3 +192,17 @@ def test_private_module_names_count_in_the_tests_own_code_not_in_test_utilities(
     found = _analyze(tmp_path, src, helper, nodeids=ids)
     assert found == {"t_test.py::T::test_own": ["peer._src.core.Hidden in test_own"],
                      "t_test.py::T::test_in_base": ["peer._src.core.Hidden in test_in_base"]}
+
+
+def test_a_namedtuples_underscore_methods_are_public(tmp_path):
+    src = '''
+    class T:
+        def test_nt(self):
+            m = make()
+            m._replace(a=1)._asdict()       # the peer defines a _replace too: still public
+            m._checkpointer
+    '''
+    (tmp_path / "peer" / "_src").mkdir(parents=True)
+    (tmp_path / "peer" / "_src" / "nt.py").write_text("class S:\\n    def _replace(self):\\n        pass\\n")
+    found = _analyze(tmp_path, src, nodeids=["t_test.py::T::test_nt"])
+    assert found == {"t_test.py::T::test_nt": ["attribute ._checkpointer in test_nt"]}
