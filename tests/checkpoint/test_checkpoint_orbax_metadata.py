@@ -77,3 +77,17 @@ def test_construct_restore_args_on_value_metadata():
 def test_construct_restore_args_still_names_an_unknown_leaf(bad):
     with pytest.raises(TypeError, match="cannot restore a leaf of type"):
         ocp.checkpoint_utils.construct_restore_args({"x": bad})
+
+
+def test_composite_metadata_lists_a_known_items_folder_without_a_saved_item_as_none(tmp_path):
+    handler = ocp.CompositeCheckpointHandler(state=ocp.StandardCheckpointHandler(),
+                                             datasets=ocp.StandardCheckpointHandler())
+    ocp.Checkpointer(handler).save(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.StandardSave({"a": 1})))
+    assert set(handler.metadata(tmp_path / "c")) == {"state"}  # no folder: not listed
+    (tmp_path / "c" / "datasets").mkdir()
+    (tmp_path / "c" / "datasets" / "data.txt").write_text("not a checkpoint")
+    (tmp_path / "c" / "other").mkdir()  # no handler for it: not listed
+    md = handler.metadata(tmp_path / "c")
+    assert md["datasets"] is None and md.item_metadata["datasets"] is None and "other" not in md
+    assert md.item_metadata.state.tree == {"a": ScalarMetadata(name="a", directory=None, dtype=np.int64)}
+    assert md.item_handlers["datasets"] is None

@@ -252,6 +252,25 @@ class CompositeCheckpointHandler(CheckpointHandler):
                 seen.add(id(handler))
                 handler.close()
 
+    def metadata(self, directory: Any) -> Any:
+        """The base class's metadata (each saved item's, by name); a folder of the checkpoint
+        named after an item this handler has a handler for, but holding no saved item, is
+        listed as ``None`` (as Orbax lists an item whose metadata cannot be read).
+
+        Args:
+          directory: the folder :meth:`save` wrote.
+        """
+        md = super().metadata(directory)
+        reg = self._handler_registry
+        entries = reg.get_all_entries() if hasattr(reg, "get_all_entries") else {}
+        known = {item for item, _ in entries if item is not None} | set(self._learnt)
+        for name in sorted(known - set(md)):
+            if os.path.isdir(os.path.join(os.fspath(directory), name)):
+                md[name] = None
+                if md.item_handlers is not None:
+                    md.item_handlers[name] = None
+        return md
+
     def item_handler(self, name: str) -> Any:
         """The handler this composite knows for item ``name`` (given, registered or learnt
         from its first args), else ``None``.
