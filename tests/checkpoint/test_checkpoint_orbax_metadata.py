@@ -91,3 +91,23 @@ def test_composite_metadata_lists_a_known_items_folder_without_a_saved_item_as_n
     assert md["datasets"] is None and md.item_metadata["datasets"] is None and "other" not in md
     assert md.item_metadata.state.tree == {"a": ScalarMetadata(name="a", directory=None, dtype=np.int64)}
     assert md.item_handlers["datasets"] is None
+
+
+def test_metadata_tree_to_abstract_target_and_restore(tmp_path):
+    ck = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "x": np.ones(3, np.int32), "n": 3}
+    ck.save(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+    tree = ck.metadata(tmp_path / "c").item_metadata.state.tree
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    assert abstract["w"] == jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    assert abstract["x"] == jax.ShapeDtypeStruct((3,), np.int32) and abstract["n"].shape == ()
+    assert ocp.utils.to_shape_dtype_struct(tree["n"], scalar_dtype=np.int32).dtype == np.int32
+    assert ocp.utils.to_shape_dtype_struct(tree["w"], dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    got = ck.restore(tmp_path / "c", args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
+    np.testing.assert_array_equal(got["w"], state["w"])
+    np.testing.assert_array_equal(got["x"], state["x"])
+    assert got["n"] == 3
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("d",))
+    sharded = ArrayMetadata(name="w", directory=None, shape=(2, 3), dtype=np.float32,
+                            sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    assert ocp.utils.to_shape_dtype_struct(sharded).sharding == sharded.sharding

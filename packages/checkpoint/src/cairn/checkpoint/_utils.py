@@ -11,6 +11,8 @@ import jax
 import numpy as np
 
 from cairn.checkpoint import _fs, _tree
+from cairn.checkpoint import metadata as value_metadata
+from cairn.core_array import as_numpy_dtype
 
 
 def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -> Any:
@@ -19,7 +21,9 @@ def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -
     stays itself (or becomes a 0-d struct of ``scalar_dtype``); ``dtype`` replaces the dtype.
 
     Args:
-      x: a leaf: ``jax.Array``, ``jax.ShapeDtypeStruct``, NumPy array or scalar, or anything else (returned as is).
+      x: a leaf: ``jax.Array``, ``jax.ShapeDtypeStruct``, NumPy array or scalar, Orbax's
+        ``metadata.ArrayMetadata`` / ``ScalarMetadata`` (its shape, dtype and a
+        ``jax.sharding.Sharding``, if it holds one), or anything else (returned as is).
       dtype: the dtype of the result instead of ``x``'s, or ``None``.
       scalar_dtype: the dtype a Python scalar becomes a 0-d struct of, or ``None`` (kept as is).
 
@@ -36,6 +40,11 @@ def to_shape_dtype_struct(x: Any, dtype: Any = None, scalar_dtype: Any = None) -
         return jax.ShapeDtypeStruct(np.shape(x), dtype or x.dtype)
     if isinstance(x, (int, float, complex)) and scalar_dtype is not None:
         return jax.ShapeDtypeStruct((), scalar_dtype)
+    if isinstance(x, value_metadata.ArrayMetadata):  # Orbax's metadata of a saved leaf (a scalar's too)
+        sharding = x.sharding if isinstance(x.sharding, jax.sharding.Sharding) else None
+        scalar = isinstance(x, value_metadata.ScalarMetadata) and scalar_dtype is not None
+        want = dtype or (scalar_dtype if scalar else x.dtype)
+        return jax.ShapeDtypeStruct(tuple(x.shape), as_numpy_dtype(want), sharding=sharding)
     return x
 
 
