@@ -64,7 +64,7 @@ def test_should_save_interval_and_max_to_keep_keep_period(tmp_path):
         mngr.restore(4)
 
 
-@pytest.mark.parametrize("mode,expected_best,kept", [("min", 3, [2, 3, 5]), ("max", 0, [0, 1, 5])])
+@pytest.mark.parametrize("mode,expected_best,kept", [("min", 3, [2, 3]), ("max", 0, [0, 1])])
 def test_best_fn_retention(tmp_path, mode, expected_best, kept):
     losses = {0: 0.9, 1: 0.8, 2: 0.3, 3: 0.1, 4: 0.5, 5: 0.6}
     opts = cc.CheckpointManagerOptions(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode=mode)
@@ -73,7 +73,40 @@ def test_best_fn_retention(tmp_path, mode, expected_best, kept):
         mngr.save(s, {"x": {"v": np.full(1, s)}}, metrics={"loss": loss})
     mngr.wait_until_finished()
     assert mngr.best_step() == expected_best
-    assert mngr.all_steps() == kept  # the two best plus the newest
+    assert mngr.all_steps() == kept  # the two best only, as Orbax keeps them
+
+
+def test_best_fn_keeps_the_newest_step_saved_after_a_preemption_notice(tmp_path):
+    notice = tmp_path / "notice"
+    opts = cc.CheckpointManagerOptions(
+        max_to_keep=1, best_fn=lambda m: m["loss"], best_mode="min", enable_async=False,
+        preemption_notice_file=str(notice), preemption_signals=(),
+    )
+    mngr = cc.CheckpointManager(tmp_path / "ckpt", opts)
+    for s, loss in enumerate([0.5, 0.1, 0.7]):
+        mngr.save(s, {"x": {"v": np.full(1, s)}}, metrics={"loss": loss})
+    assert mngr.all_steps() == [1]  # the worse newest step (2) goes
+    notice.touch()
+    assert mngr.reached_preemption(3)
+    mngr.save(3, {"x": {"v": np.full(1, 3)}}, metrics={"loss": 0.9})
+    assert mngr.all_steps() == [1, 3]  # the preemption save stays: the run resumes from it
+    mngr.close()
+
+
+def test_max_to_keep_zero_keeps_only_the_periodic_steps(tmp_path):
+    opts = cc.CheckpointManagerOptions(max_to_keep=0, keep_period=3, enable_async=False)
+    mngr = cc.CheckpointManager(tmp_path, opts)
+    for s in range(8):
+        assert mngr.save(s, {"x": {"v": np.full(1, s)}})
+    assert mngr.all_steps() == [0, 3, 6]
+    assert mngr.restore(6)["x"]["v"].tolist() == [6]
+    with pytest.warns(UserWarning, match=r"max_to_keep=0\) without keep_period"):
+        alone = cc.CheckpointManagerOptions(max_to_keep=0, enable_async=False)
+    empty = cc.CheckpointManager(tmp_path / "none", alone)
+    assert empty.save(0, {"x": {"v": np.zeros(1)}})
+    assert empty.all_steps() == [] and empty.latest_step() is None
+    with pytest.raises(ValueError, match="max_to_keep must be >= 0 or None, got -1"):
+        cc.CheckpointManagerOptions(max_to_keep=-1)
 
 
 def test_two_tiers_restore_newest_complete(tmp_path):

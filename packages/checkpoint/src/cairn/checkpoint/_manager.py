@@ -10,6 +10,7 @@ import pathlib
 import re
 import signal
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,8 +106,10 @@ class CheckpointManagerOptions:
 
     Args:
       save_interval_steps: ``should_save(step)`` is true when ``step`` is a multiple of it.
-      max_to_keep: keep at most this many steps (``None``: keep all). With ``best_fn`` the
-        best steps by metric are kept, otherwise the newest. The newest step is always kept.
+      max_to_keep: keep at most this many steps (``None``: keep all; ``0``: none but those
+        ``keep_period`` / ``keep_time_interval`` keep, as in Orbax). Without ``best_fn`` the
+        newest are kept; with it, the best by metric (the newest step too only when it was
+        saved at or after a preemption notice, so a preempted run resumes where it stopped).
       keep_period: additionally keep every step that is a multiple of this.
       best_fn: maps a step's ``metrics`` dict to a number (the step's score for ``max_to_keep``).
       best_mode: ``"max"`` (a higher ``best_fn`` is better) or ``"min"``.
@@ -281,8 +284,15 @@ class CheckpointManagerOptions:
             )
         if self.save_interval_steps < 0:
             raise ValueError(f"save_interval_steps must be >= 0 (0: none by interval), got {self.save_interval_steps}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.max_to_keep is not None and self.max_to_keep < 0:
+            raise ValueError(f"max_to_keep must be >= 0 or None, got {self.max_to_keep}")
+        if self.max_to_keep == 0 and self.keep_period is None and self.keep_time_interval is None:
+            warnings.warn(
+                "CheckpointManagerOptions(max_to_keep=0) without keep_period or keep_time_interval "
+                "deletes every step once it is committed: nothing is left to restore or resume from",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.keep_period is not None and self.keep_period < 1:
             raise ValueError(f"keep_period must be >= 1 or None, got {self.keep_period}")
         if self.best_mode not in ("max", "min"):
@@ -1004,9 +1014,15 @@ class CheckpointManager(_BackgroundSaver):
         if tier.max_to_keep is None or len(steps) <= tier.max_to_keep:
             return
         ordered = sorted(steps)
-        keep = {ordered[-1]}
         best_fn = o.best_fn
-        if tier.use_best and best_fn is not None:
+        by_metric = tier.use_best and best_fn is not None
+        keep: set[int] = set()
+        if tier.max_to_keep > 0 and not by_metric:
+            keep.update(ordered[-tier.max_to_keep :])
+        elif self.preemption_step is not None and ordered[-1] >= self.preemption_step:
+            keep.add(ordered[-1])  # a preempted run resumes from its newest save
+        if by_metric:
+            assert best_fn is not None
             scored: list[tuple[int, Any]] = []
             unscored: list[tuple[int, Any]] = []
             for s in ordered:
@@ -1017,8 +1033,6 @@ class CheckpointManager(_BackgroundSaver):
             keep.update(s for s, _ in scored[: tier.max_to_keep])
             if o.keep_checkpoints_without_metrics:
                 keep.update(s for s, _ in unscored)
-        else:
-            keep.update(ordered[-tier.max_to_keep :])
         if tier.use_best and o.keep_period:
             keep.update(s for s in ordered if s % o.keep_period == 0)
         if tier.use_best and o.keep_time_interval is not None:
