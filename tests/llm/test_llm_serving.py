@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
-from llm_testlib import forward, load
+from llm_testlib import extend, forward, load
 
 from cairn import llm, nn, quant, serving
 from cairn.core_array import QArray, read_checksummed_json
@@ -87,6 +87,30 @@ def test_prefill_and_decode_logits_equal_the_full_forward(family):
             if pos[i] < len(seqs[i]):
                 np.testing.assert_allclose(np.asarray(logits[i]), full[i][pos[i]], atol=2e-5, rtol=0)
         pos = pos + 1
+
+
+def test_prefill_attends_over_the_prompt_only_and_equals_the_full_forward():
+    # prefill runs the full causal pass over the p prompt positions (not a cached pass over
+    # max_length slots): its logits are the full forward's at lengths - 1, its cache holds what
+    # the model's own cached prefill of each prompt alone writes at slots < length, and zeros
+    # from slot p on; the padding after a prompt (random ids here) changes nothing
+    model = load("llama")
+    fns = llm.serving_functions(model, 24)
+    rng = np.random.default_rng(3)
+    lengths = np.array([8, 2, 5], np.int32)
+    tokens = rng.integers(3, 96, (3, 8)).astype(np.int32)  # past each length: padding, not zeros
+    logits, cache = jax.jit(fns.prefill)(fns.params, jnp.asarray(tokens), jnp.asarray(lengths))
+    assert logits.shape == (3, model.config.vocab_size) and logits.dtype == jnp.float32
+    for b, n in enumerate(lengths):
+        seq = jnp.asarray(tokens[b : b + 1, :n])
+        full = np.asarray(forward(model, seq))[0, n - 1]
+        np.testing.assert_allclose(np.asarray(logits[b]), full, atol=2e-5, rtol=0)
+        _, alone = extend(model, seq, model.init_cache(1, 24), None)
+        for i in range(model.config.num_hidden_layers):
+            for name, want in ((f"k{i}", alone.keys[i]), (f"v{i}", alone.values[i])):
+                got = np.asarray(cache[name][b])
+                np.testing.assert_allclose(got[:n], np.asarray(want[0, :n]), atol=2e-5, rtol=0)
+                assert not got[tokens.shape[1]:].any(), name  # nothing written past the prompt's p slots
 
 
 def test_score_is_the_log_probability_of_each_prompt_token():

@@ -4,10 +4,12 @@ cairn.serving runs a generative model as two pure functions over its weights and
 KV cache batched along axis 0 (``docs/serving.md``, Generation). :func:`serving_functions`
 builds them from the model itself, not from a second copy of the decoder:
 
-- ``prefill(params, tokens (b, p), lengths (b,))`` runs ``model(tokens,
-  cache=model.init_cache(b, max_length), lengths=lengths)`` and returns the logits at
-  ``lengths - 1`` and the cache as ``{"k0": keys of layer 0, "v0": ..., ...}``, each
-  ``(b, max_length, num_key_value_heads, head_dim)``;
+- ``prefill(params, tokens (b, p), lengths (b,))`` runs the model's full causal pass over
+  the ``p`` prompt positions (a fresh prompt attends over its own keys only, not over
+  ``max_length`` cache slots; right padding follows the real tokens, so it changes none of
+  them) and returns the logits at ``lengths - 1`` (the head runs on those tokens only) and
+  the cache as ``{"k0": keys of layer 0, "v0": ..., ...}``, each ``(b, max_length,
+  num_key_value_heads, head_dim)`` (the prompt's at slots ``0 .. p - 1``, zeros after);
 - ``decode(params, tokens (b,), positions (b,), cache)`` rebuilds the
   :class:`~cairn.llm.KVCache` with ``lengths = positions`` (row ``b`` holds ``positions[b]``
   tokens) and runs ``model(tokens[:, None], cache=...)``: the token is written at its row's
@@ -180,12 +182,19 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
         return out
 
     def prefill(params: Any, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        # a fresh prompt: the full causal pass over its own p positions (right padding only
+        # follows the real tokens, so it changes none of them), not a cached pass whose
+        # queries attend over all max_length slots; the head runs on each row's last token
         m = rebuild(params)
         tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
         b = tokens.shape[0]
         with _kernels_for(tokens):
-            logits, cache = m(tokens, cache=m.init_cache(b, max_length), lengths=lengths)
-        return logits[jnp.arange(b), jnp.maximum(lengths, 1) - 1], flat(cache)
+            x, keys, values, _ = m._trunk(tokens, None, None, None, None)
+            logits = _head(m, x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None])[:, 0]
+        empty = m.init_cache(b, max_length)  # the prompt's keys and values go at slots 0 .. p - 1
+        cache = KVCache(tuple(_at_start(c, k) for c, k in zip(empty.keys, keys)),
+                        tuple(_at_start(c, v) for c, v in zip(empty.values, values)), lengths)
+        return logits, flat(cache)
 
     def decode(params: Any, tokens: jax.Array, positions: jax.Array,
                cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -214,6 +223,19 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
 
     return ServingFunctions(prefill, decode, score, forward, params, specs, int(cfg.vocab_size), max_length,
                             _paged_fn(rebuild, n))
+
+
+def _at_start(cache_kv: jax.Array, new: jax.Array) -> jax.Array:
+    """``new [B, p, ...]`` written at slots ``0 .. p - 1`` of ``cache_kv [B, max_length, ...]``."""
+    return jax.lax.dynamic_update_slice(cache_kv, new.astype(cache_kv.dtype), (0,) * cache_kv.ndim)
+
+
+def _head(m: CausalLM, x: jax.Array) -> jax.Array:
+    """The float32 logits of final-normed hidden states ``x [B, T, hidden]``, as ``CausalLM.__call__``
+    computes them (tied embedding or ``lm_head``, then ``final_logit_softcapping``)."""
+    logits = (m.embed.attend(x) if m.lm_head is None else project(m.lm_head, x)).astype(jnp.float32)
+    cap = m.config.final_logit_softcapping
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def _paged_attention(attn: Any, x: jax.Array, rope: Any, q_pos: jax.Array, pages: tuple[jax.Array, jax.Array],
@@ -264,11 +286,7 @@ def _paged_fn(rebuild: Callable[[Any], CausalLM], n: int) -> Callable:
                 if layer.post_mlp_norm is not None:
                     h = layer.post_mlp_norm(h)
                 x = x + h
-            last = x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]
-            logits = (m.embed.attend(m.norm(last)) if m.lm_head is None else project(m.lm_head, m.norm(last))).astype(jnp.float32)
-        cap = m.config.final_logit_softcapping
-        if cap:
-            logits = cap * jnp.tanh(logits / cap)
+            logits = _head(m, m.norm(x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]))
         return logits[:, 0], {f"{kv}{i}": out[f"{kv}{i}"] for i in range(n) for kv in "kv"}
 
     return paged
