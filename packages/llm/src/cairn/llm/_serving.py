@@ -49,7 +49,7 @@ import cairn.kernels as ck
 from cairn import nn, serving
 from cairn.core_array import ArraySpec
 from cairn.llm._cache import KVCache
-from cairn.llm._model import CausalLM
+from cairn.llm._model import CausalLM, attention_mask
 from cairn.llm._projection import project
 from cairn.llm._rope import apply_rope
 
@@ -189,8 +189,8 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
         tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
         b = tokens.shape[0]
         with _kernels_for(tokens):
-            x, keys, values, _ = m._trunk(tokens, None, None, None, None)
-            logits = _head(m, x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None])[:, 0]
+            x, keys, values = _prefill_trunk(m, tokens, jnp.maximum(lengths, 1) - 1)
+            logits = _head(m, m.norm(x))[:, 0]
         empty = m.init_cache(b, max_length)  # the prompt's keys and values go at slots 0 .. p - 1
         cache = KVCache(tuple(_at_start(c, k) for c, k in zip(empty.keys, keys)),
                         tuple(_at_start(c, v) for c, v in zip(empty.values, values)), lengths)
@@ -228,6 +228,63 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
 def _at_start(cache_kv: jax.Array, new: jax.Array) -> jax.Array:
     """``new [B, p, ...]`` written at slots ``0 .. p - 1`` of ``cache_kv [B, max_length, ...]``."""
     return jax.lax.dynamic_update_slice(cache_kv, new.astype(cache_kv.dtype), (0,) * cache_kv.ndim)
+
+
+def _embed(m: CausalLM, tokens: jax.Array) -> jax.Array:
+    """The model's scaled input embedding of ``tokens``, as ``CausalLM.__call__`` computes it."""
+    if hasattr(m.embed, "embedding_awq_scale"):
+        raise ValueError("CausalLM: the embedding holds an AWQ input scale (embedding_awq_scale), which its "
+                         "lookup and tied output product do not apply; leave the embedding out of the AwqRule")
+    x = m.embed(tokens)
+    return x * jnp.asarray(m.config.hidden_size ** 0.5, x.dtype) if m.config.embed_scale else x
+
+
+def _layer_tail(layer: Any, x: jax.Array, h: jax.Array) -> jax.Array:
+    """A decoder layer's output from its input ``x`` and its attention output ``h``: the
+    residual, the MLP (or MoE) block and the sandwich norms, as ``DecoderLayer.__call__``."""
+    if layer.post_attn_norm is not None:
+        h = layer.post_attn_norm(h)
+    x = x + h
+    y = layer.mlp(layer.mlp_norm(x))
+    h = y[0] if isinstance(y, tuple) else y
+    if layer.post_mlp_norm is not None:
+        h = layer.post_mlp_norm(h)
+    return x + h
+
+
+def _prefill_trunk(m: CausalLM, tokens: jax.Array, last: jax.Array) -> tuple[jax.Array, list, list]:
+    """The full causal pass of prompts ``tokens [B, T]`` (positions ``0 .. T-1``) for a
+    prefill: every layer's keys and values at all ``T`` positions, and the last layer's
+    output (not yet final-normed) at row ``b``'s token ``last[b]`` only, ``[B, 1, hidden]``.
+
+    The layers below the last run as in a full pass. The last one projects keys and values
+    for every position but its query, attention output and MLP for the one token whose
+    logits are wanted: the other positions' outputs feed nothing (a prompt's logits are
+    taken at its last token; rows never mix, a MoE block routes each token alone).
+    """
+    b, t = tokens.shape
+    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    x = _embed(m, tokens)
+    ropes = m._rope(q_pos)
+    keys, values = [], []
+    *below, top = list(m.layers)
+    for i, layer in enumerate(below):
+        x, (k, v), _ = layer(x, ropes[i], q_pos, None)
+        keys.append(k)
+        values.append(v)
+    attn, rows = top.attn, jnp.arange(b)
+    h = top.input_norm(x)
+    q, k, v = project(attn.q, h[rows, last][:, None]), project(attn.k, h), project(attn.v, h)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = ropes[-1]
+    q, k = apply_rope(q, cos[rows, last][:, None], sin[rows, last][:, None]), apply_rope(k, cos, sin)
+    mask = attention_mask(last[:, None], q_pos, attn.window)
+    out = ck.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=attn.scale,
+                                   logits_soft_cap=attn.soft_cap)
+    keys.append(k)
+    values.append(v)
+    return _layer_tail(top, x[rows, last][:, None], attn._out(out)), keys, values
 
 
 def _head(m: CausalLM, x: jax.Array) -> jax.Array:
@@ -270,22 +327,13 @@ def _paged_fn(rebuild: Callable[[Any], CausalLM], n: int) -> Callable:
         kv_len = positions + t  # the padded chunk's queries are the row's last t positions
         out = {}
         with _kernels_for(tokens):
-            x = m.embed(tokens)
-            if m.config.embed_scale:
-                x = x * jnp.asarray(m.config.hidden_size ** 0.5, x.dtype)
+            x = _embed(m, tokens)
             ropes = m._rope(q_pos)
             for i, layer in enumerate(m.layers):
                 h, (out[f"k{i}"], out[f"v{i}"]) = _paged_attention(
                     layer.attn, layer.input_norm(x), ropes[i], q_pos, (pool[f"k{i}"], pool[f"v{i}"]), tables,
                     kv_len, write_pos)
-                if layer.post_attn_norm is not None:
-                    h = layer.post_attn_norm(h)
-                x = x + h
-                y = layer.mlp(layer.mlp_norm(x))
-                h = y[0] if isinstance(y, tuple) else y
-                if layer.post_mlp_norm is not None:
-                    h = layer.post_mlp_norm(h)
-                x = x + h
+                x = _layer_tail(layer, x, h)
             logits = _head(m, m.norm(x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]))
         return logits[:, 0], {f"{kv}{i}": out[f"{kv}{i}"] for i in range(n) for kv in "kv"}
 
