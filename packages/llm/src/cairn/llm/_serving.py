@@ -20,7 +20,8 @@ builds them from the model itself, not from a second copy of the decoder:
   position ``positions[b]`` over a *paged* KV pool ``{"k0": (num_blocks, block_size,
   kv_heads, head_dim), ...}``: every layer writes the chunk's keys and values into the
   row's blocks (``cairn.kernels.paged_kv_write``) and attends over its block table
-  (``cairn.kernels.paged_attention``); returns the logits after each row's last token and
+  (``cairn.kernels.paged_attention``; the last layer queries, and runs its MLP, at each
+  row's last chunk token only); returns the logits after each row's last token and
   the pool. ``t = 1`` is a decode step, ``t > 1`` a prefill chunk (after a cached prefix
   or an earlier chunk); a row with ``lengths = 0`` writes nothing;
 - ``score(params, tokens (b, p), lengths (b,))`` is the full forward pass's
@@ -295,19 +296,26 @@ def _head(m: CausalLM, x: jax.Array) -> jax.Array:
     return cap * jnp.tanh(logits / cap) if cap else logits
 
 
-def _paged_attention(attn: Any, x: jax.Array, rope: Any, q_pos: jax.Array, pages: tuple[jax.Array, jax.Array],
-                     tables: jax.Array, kv_len: jax.Array, write_pos: jax.Array) -> tuple[jax.Array, tuple]:
+def _paged_attention(attn: Any, x: jax.Array, rope: Any, pages: tuple[jax.Array, jax.Array], tables: jax.Array,
+                     kv_len: jax.Array, write_pos: jax.Array, last: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """``attn`` (a :class:`cairn.llm` attention layer) over a paged cache: the chunk's keys and
     values go into ``pages`` at ``write_pos`` (-1: padding, skipped), then its queries attend
-    over the row's blocks (query ``j`` of row ``b`` at position ``kv_len[b] - t + j``)."""
-    q, k, v = project(attn.q, x), project(attn.k, x), project(attn.v, x)
+    over the row's blocks (query ``j`` of row ``b`` at position ``kv_len[b] - t + j``). With
+    ``last [B]``, only chunk token ``last[b]`` of each row queries (output ``[B, 1, hidden]``;
+    every token is still a key and value)."""
+    xq, q_rope, q_len = x, rope, kv_len
+    if last is not None:
+        rows, t = jnp.arange(x.shape[0]), x.shape[1]
+        xq, q_rope = x[rows, last][:, None], (rope[0][rows, last][:, None], rope[1][rows, last][:, None])
+        q_len = kv_len - t + last + 1  # its position plus one
+    q, k, v = project(attn.q, xq), project(attn.k, x), project(attn.v, x)
     if attn.q_norm is not None and attn.k_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    q, k = apply_rope(q, *q_rope), apply_rope(k, *rope)
     kp, vp = ck.paged_kv_write(pages[0], pages[1], k.astype(pages[0].dtype), v.astype(pages[1].dtype), tables, write_pos)
     ka, va = (kp, vp) if kp.dtype == q.dtype else (kp.astype(q.dtype), vp.astype(q.dtype))
     window = None if attn.window is None else attn.window - 1  # the model's window w sees q - w < kv <= q
-    out = ck.paged_attention(q, ka, va, tables, kv_len, scale=attn.scale, logits_soft_cap=attn.soft_cap,
+    out = ck.paged_attention(q, ka, va, tables, q_len, scale=attn.scale, logits_soft_cap=attn.soft_cap,
                              local_window_size=window)
     return attn._out(out), (kp, vp)
 
@@ -325,16 +333,19 @@ def _paged_fn(rebuild: Callable[[Any], CausalLM], n: int) -> Callable:
         q_pos = positions[:, None] + jnp.arange(t)[None, :]
         write_pos = jnp.where(jnp.arange(t)[None, :] < lengths[:, None], q_pos, -1)
         kv_len = positions + t  # the padded chunk's queries are the row's last t positions
+        last = jnp.maximum(lengths, 1) - 1  # the token whose logits are returned
         out = {}
         with _kernels_for(tokens):
             x = _embed(m, tokens)
             ropes = m._rope(q_pos)
             for i, layer in enumerate(m.layers):
+                # the last layer queries (and runs its MLP) at each row's last token only
+                top = last if i == n - 1 else None
                 h, (out[f"k{i}"], out[f"v{i}"]) = _paged_attention(
-                    layer.attn, layer.input_norm(x), ropes[i], q_pos, (pool[f"k{i}"], pool[f"v{i}"]), tables,
-                    kv_len, write_pos)
-                x = _layer_tail(layer, x, h)
-            logits = _head(m, m.norm(x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]))
+                    layer.attn, layer.input_norm(x), ropes[i], (pool[f"k{i}"], pool[f"v{i}"]), tables, kv_len,
+                    write_pos, top)
+                x = _layer_tail(layer, x if top is None else x[jnp.arange(b), top][:, None], h)
+            logits = _head(m, m.norm(x))  # [b, 1, hidden]: each row's last token
         return logits[:, 0], {f"{kv}{i}": out[f"{kv}{i}"] for i in range(n) for kv in "kv"}
 
     return paged
