@@ -252,6 +252,52 @@ def decode_step_times(model: Any, batches: tuple[int, ...] = (1, NUM_SLOTS), rep
     return out
 
 
+def components(model: Any, repeat: int = 15) -> dict[str, float]:
+    """The costs of a continuous step's parts, in ms, each the minimum of ``repeat`` runs in
+    this process, interleaved (a shared host's load moves medians by several times): a
+    prefill of 4 and of 2 prompts of 46-64 tokens (bucket 64, the logits fetched), the
+    decode step at ``NUM_SLOTS`` rows (logits fetched) and host sampling of ``NUM_SLOTS``
+    rows of its logits (the workload's temperature and top_p), and the ratios prefill /
+    decode step that bound continuous over static (docs/serving.md)."""
+    import jax
+    import jax.numpy as jnp
+
+    from cairn.serving import SamplingParams
+    from cairn.serving._sampling import sample_rows  # the engine's sampler
+
+    rng = np.random.default_rng(7)
+    groups = {rows: (rng.integers(1, model.vocab_size, (rows, 64)).astype(np.int32),
+                     rng.integers(46, 65, rows).astype(np.int32)) for rows in (4, 2)}
+    cache = model.init_cache(NUM_SLOTS)
+    tok, pos = jnp.ones(NUM_SLOTS, jnp.int32), jnp.full(NUM_SLOTS, model.max_length // 2, jnp.int32)
+    params = [SamplingParams(max_new_tokens=256, temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"])] * NUM_SLOTS
+    seeds, index = list(range(NUM_SLOTS)), [3] * NUM_SLOTS
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, t: float) -> None:
+        times.setdefault(name, []).append(time.perf_counter() - t)
+
+    for _ in range(repeat + 1):  # the first round compiles
+        for rows, (tokens, lengths) in groups.items():
+            t = time.perf_counter()
+            logits, new = model.prefill(*jax.device_put((tokens, lengths)))
+            np.asarray(logits)
+            jax.block_until_ready(new)
+            timed(f"prefill_{rows}x64_ms", t)
+        t = time.perf_counter()
+        logits, cache = model.decode(tok, pos, cache)
+        host = np.asarray(logits)
+        timed("decode_ms", t)
+        t = time.perf_counter()
+        sample_rows(host, params, seeds, index)
+        timed("sample_ms", t)
+    out = {k: 1e3 * min(v[1:]) for k, v in times.items()}
+    for rows in groups:
+        out[f"prefill_{rows}x64_over_decode"] = out[f"prefill_{rows}x64_ms"] / out["decode_ms"]
+    out["load_average"] = os.getloadavg()[0]
+    return out
+
+
 def static_loss(batch: int = NUM_SLOTS, trials: int = 2000) -> float:
     """E[longest max_tokens of a batch] / E[max_tokens]: the decode steps a static batcher
     spends per token over a continuous one's, for this workload."""
@@ -300,6 +346,8 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
         serving.enable_compilation_cache(os.path.join(root, "xla-cache"))
         repo, model, info = build_repo(root)
         steps = decode_step_times(model)
+        parts = components(model)
+        print("generate: components (ms, min of 15) " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
         t = time.perf_counter()
         server = serving.serve(repo, workers=2)
         info["server_start_s"] = time.perf_counter() - t
@@ -343,6 +391,7 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
         "ceiling_continuous_vs_one": NUM_SLOTS * steps[1] / steps[NUM_SLOTS],
         "ceiling_continuous_vs_static": static_loss(),
         "decode_step_ms": {str(b): s * 1e3 for b, s in steps.items()},
+        "components": {k: round(v, 3) for k, v in parts.items()},
         # one-at-a-time's time per token beyond its decode step: sampling, events, the engine loop
         "one_host_ms_per_token": get["one-at-a-time", 1]["tpot_p50_ms"] - steps[1] * 1e3,
         "errors": sum(r["errors"] for r in rows),
@@ -385,7 +434,13 @@ def goals_text(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--loadgen":
+    if "--components" in sys.argv:  # the step's parts only (no server): python _serving_generate.py --components
+        _root = tempfile.mkdtemp(prefix="cairn-serving-gen-")
+        try:
+            print(json.dumps(components(build_repo(_root)[1], repeat=40)))
+        finally:
+            shutil.rmtree(_root, ignore_errors=True)
+    elif len(sys.argv) == 3 and sys.argv[1] == "--loadgen":
         port, model, c, window, vocab, warmup = json.loads(sys.argv[2])
         print(json.dumps(asyncio.run(_loadgen(port, model, c, window, vocab, warmup))))
     else:

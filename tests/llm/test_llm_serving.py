@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
-from llm_testlib import forward, load
+from llm_testlib import extend, forward, load
 
 from cairn import llm, nn, quant, serving
 from cairn.core_array import QArray, read_checksummed_json
@@ -87,6 +87,30 @@ def test_prefill_and_decode_logits_equal_the_full_forward(family):
             if pos[i] < len(seqs[i]):
                 np.testing.assert_allclose(np.asarray(logits[i]), full[i][pos[i]], atol=2e-5, rtol=0)
         pos = pos + 1
+
+
+def test_prefill_attends_over_the_prompt_only_and_equals_the_full_forward():
+    # prefill runs the full causal pass over the p prompt positions (not a cached pass over
+    # max_length slots): its logits are the full forward's at lengths - 1, its cache holds what
+    # the model's own cached prefill (queries over every max_length slot) writes at slots <
+    # length, and zeros from slot p on; the padding after a prompt (random ids here) changes
+    # nothing before it
+    model = load("llama")
+    fns = llm.serving_functions(model, 24)
+    rng = np.random.default_rng(3)
+    lengths = np.array([8, 2, 5], np.int32)
+    tokens = rng.integers(3, 96, (3, 8)).astype(np.int32)  # past each length: padding, not zeros
+    logits, cache = jax.jit(fns.prefill)(fns.params, jnp.asarray(tokens), jnp.asarray(lengths))
+    assert logits.shape == (3, model.config.vocab_size) and logits.dtype == jnp.float32
+    full = np.asarray(forward(model, jnp.asarray(tokens)))  # causal: position n - 1 sees tokens < n only
+    np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), lengths - 1], atol=2e-5, rtol=0)
+    _, cached = extend(model, jnp.asarray(tokens), model.init_cache(3, 24), jnp.asarray(lengths))
+    for i in range(model.config.num_hidden_layers):
+        for name, want in ((f"k{i}", cached.keys[i]), (f"v{i}", cached.values[i])):
+            got, want = np.asarray(cache[name]), np.asarray(want)
+            for b, n in enumerate(lengths):
+                np.testing.assert_allclose(got[b, :n], want[b, :n], atol=2e-5, rtol=0)
+            assert not got[:, tokens.shape[1]:].any(), name  # nothing written past the prompt's p slots
 
 
 def test_score_is_the_log_probability_of_each_prompt_token():

@@ -4,10 +4,12 @@ cairn.serving runs a generative model as two pure functions over its weights and
 KV cache batched along axis 0 (``docs/serving.md``, Generation). :func:`serving_functions`
 builds them from the model itself, not from a second copy of the decoder:
 
-- ``prefill(params, tokens (b, p), lengths (b,))`` runs ``model(tokens,
-  cache=model.init_cache(b, max_length), lengths=lengths)`` and returns the logits at
-  ``lengths - 1`` and the cache as ``{"k0": keys of layer 0, "v0": ..., ...}``, each
-  ``(b, max_length, num_key_value_heads, head_dim)``;
+- ``prefill(params, tokens (b, p), lengths (b,))`` runs the model's full causal pass over
+  the ``p`` prompt positions (a fresh prompt attends over its own keys only, not over
+  ``max_length`` cache slots; right padding follows the real tokens, so it changes none of
+  them) and returns the logits at ``lengths - 1`` (the head runs on those tokens only) and
+  the cache as ``{"k0": keys of layer 0, "v0": ..., ...}``, each ``(b, max_length,
+  num_key_value_heads, head_dim)`` (the prompt's at slots ``0 .. p - 1``, zeros after);
 - ``decode(params, tokens (b,), positions (b,), cache)`` rebuilds the
   :class:`~cairn.llm.KVCache` with ``lengths = positions`` (row ``b`` holds ``positions[b]``
   tokens) and runs ``model(tokens[:, None], cache=...)``: the token is written at its row's
@@ -18,7 +20,8 @@ builds them from the model itself, not from a second copy of the decoder:
   position ``positions[b]`` over a *paged* KV pool ``{"k0": (num_blocks, block_size,
   kv_heads, head_dim), ...}``: every layer writes the chunk's keys and values into the
   row's blocks (``cairn.kernels.paged_kv_write``) and attends over its block table
-  (``cairn.kernels.paged_attention``); returns the logits after each row's last token and
+  (``cairn.kernels.paged_attention``; the last layer queries, and runs its MLP, at each
+  row's last chunk token only); returns the logits after each row's last token and
   the pool. ``t = 1`` is a decode step, ``t > 1`` a prefill chunk (after a cached prefix
   or an earlier chunk); a row with ``lengths = 0`` writes nothing;
 - ``score(params, tokens (b, p), lengths (b,))`` is the full forward pass's
@@ -47,7 +50,7 @@ import cairn.kernels as ck
 from cairn import nn, serving
 from cairn.core_array import ArraySpec
 from cairn.llm._cache import KVCache
-from cairn.llm._model import CausalLM
+from cairn.llm._model import CausalLM, attention_mask
 from cairn.llm._projection import project
 from cairn.llm._rope import apply_rope
 
@@ -180,12 +183,19 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
         return out
 
     def prefill(params: Any, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        # a fresh prompt: the full causal pass over its own p positions (right padding only
+        # follows the real tokens, so it changes none of them), not a cached pass whose
+        # queries attend over all max_length slots; the head runs on each row's last token
         m = rebuild(params)
         tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
         b = tokens.shape[0]
         with _kernels_for(tokens):
-            logits, cache = m(tokens, cache=m.init_cache(b, max_length), lengths=lengths)
-        return logits[jnp.arange(b), jnp.maximum(lengths, 1) - 1], flat(cache)
+            x, keys, values = _prefill_trunk(m, tokens, jnp.maximum(lengths, 1) - 1)
+            logits = _head(m, m.norm(x))[:, 0]
+        empty = m.init_cache(b, max_length)  # the prompt's keys and values go at slots 0 .. p - 1
+        cache = KVCache(tuple(_at_start(c, k) for c, k in zip(empty.keys, keys)),
+                        tuple(_at_start(c, v) for c, v in zip(empty.values, values)), lengths)
+        return logits, flat(cache)
 
     def decode(params: Any, tokens: jax.Array, positions: jax.Array,
                cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -216,19 +226,96 @@ def serving_functions(model: CausalLM, max_length: int) -> ServingFunctions:
                             _paged_fn(rebuild, n))
 
 
-def _paged_attention(attn: Any, x: jax.Array, rope: Any, q_pos: jax.Array, pages: tuple[jax.Array, jax.Array],
-                     tables: jax.Array, kv_len: jax.Array, write_pos: jax.Array) -> tuple[jax.Array, tuple]:
-    """``attn`` (a :class:`cairn.llm` attention layer) over a paged cache: the chunk's keys and
-    values go into ``pages`` at ``write_pos`` (-1: padding, skipped), then its queries attend
-    over the row's blocks (query ``j`` of row ``b`` at position ``kv_len[b] - t + j``)."""
-    q, k, v = project(attn.q, x), project(attn.k, x), project(attn.v, x)
+def _at_start(cache_kv: jax.Array, new: jax.Array) -> jax.Array:
+    """``new [B, p, ...]`` written at slots ``0 .. p - 1`` of ``cache_kv [B, max_length, ...]``."""
+    return jax.lax.dynamic_update_slice(cache_kv, new.astype(cache_kv.dtype), (0,) * cache_kv.ndim)
+
+
+def _embed(m: CausalLM, tokens: jax.Array) -> jax.Array:
+    """The model's scaled input embedding of ``tokens``, as ``CausalLM.__call__`` computes it."""
+    if hasattr(m.embed, "embedding_awq_scale"):
+        raise ValueError("CausalLM: the embedding holds an AWQ input scale (embedding_awq_scale), which its "
+                         "lookup and tied output product do not apply; leave the embedding out of the AwqRule")
+    x = m.embed(tokens)
+    return x * jnp.asarray(m.config.hidden_size ** 0.5, x.dtype) if m.config.embed_scale else x
+
+
+def _layer_tail(layer: Any, x: jax.Array, h: jax.Array) -> jax.Array:
+    """A decoder layer's output from its input ``x`` and its attention output ``h``: the
+    residual, the MLP (or MoE) block and the sandwich norms, as ``DecoderLayer.__call__``."""
+    if layer.post_attn_norm is not None:
+        h = layer.post_attn_norm(h)
+    x = x + h
+    y = layer.mlp(layer.mlp_norm(x))
+    h = y[0] if isinstance(y, tuple) else y
+    if layer.post_mlp_norm is not None:
+        h = layer.post_mlp_norm(h)
+    return x + h
+
+
+def _prefill_trunk(m: CausalLM, tokens: jax.Array, last: jax.Array) -> tuple[jax.Array, list, list]:
+    """The full causal pass of prompts ``tokens [B, T]`` (positions ``0 .. T-1``) for a
+    prefill: every layer's keys and values at all ``T`` positions, and the last layer's
+    output (not yet final-normed) at row ``b``'s token ``last[b]`` only, ``[B, 1, hidden]``.
+
+    The layers below the last run as in a full pass. The last one projects keys and values
+    for every position but its query, attention output and MLP for the one token whose
+    logits are wanted: the other positions' outputs feed nothing (a prompt's logits are
+    taken at its last token; rows never mix, a MoE block routes each token alone).
+    """
+    b, t = tokens.shape
+    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    x = _embed(m, tokens)
+    ropes = m._rope(q_pos)
+    keys, values = [], []
+    *below, top = list(m.layers)
+    for i, layer in enumerate(below):
+        x, (k, v), _ = layer(x, ropes[i], q_pos, None)
+        keys.append(k)
+        values.append(v)
+    attn, rows = top.attn, jnp.arange(b)
+    h = top.input_norm(x)
+    q, k, v = project(attn.q, h[rows, last][:, None]), project(attn.k, h), project(attn.v, h)
     if attn.q_norm is not None and attn.k_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    cos, sin = ropes[-1]
+    q, k = apply_rope(q, cos[rows, last][:, None], sin[rows, last][:, None]), apply_rope(k, cos, sin)
+    mask = attention_mask(last[:, None], q_pos, attn.window)
+    out = ck.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, scale=attn.scale,
+                                   logits_soft_cap=attn.soft_cap)
+    keys.append(k)
+    values.append(v)
+    return _layer_tail(top, x[rows, last][:, None], attn._out(out)), keys, values
+
+
+def _head(m: CausalLM, x: jax.Array) -> jax.Array:
+    """The float32 logits of final-normed hidden states ``x [B, T, hidden]``, as ``CausalLM.__call__``
+    computes them (tied embedding or ``lm_head``, then ``final_logit_softcapping``)."""
+    logits = (m.embed.attend(x) if m.lm_head is None else project(m.lm_head, x)).astype(jnp.float32)
+    cap = m.config.final_logit_softcapping
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def _paged_attention(attn: Any, x: jax.Array, rope: Any, pages: tuple[jax.Array, jax.Array], tables: jax.Array,
+                     kv_len: jax.Array, write_pos: jax.Array, last: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+    """``attn`` (a :class:`cairn.llm` attention layer) over a paged cache: the chunk's keys and
+    values go into ``pages`` at ``write_pos`` (-1: padding, skipped), then its queries attend
+    over the row's blocks (query ``j`` of row ``b`` at position ``kv_len[b] - t + j``). With
+    ``last [B]``, only chunk token ``last[b]`` of each row queries (output ``[B, 1, hidden]``;
+    every token is still a key and value)."""
+    xq, q_rope, q_len = x, rope, kv_len
+    if last is not None:
+        rows, t = jnp.arange(x.shape[0]), x.shape[1]
+        xq, q_rope = x[rows, last][:, None], (rope[0][rows, last][:, None], rope[1][rows, last][:, None])
+        q_len = kv_len - t + last + 1  # its position plus one
+    q, k, v = project(attn.q, xq), project(attn.k, x), project(attn.v, x)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, *q_rope), apply_rope(k, *rope)
     kp, vp = ck.paged_kv_write(pages[0], pages[1], k.astype(pages[0].dtype), v.astype(pages[1].dtype), tables, write_pos)
     ka, va = (kp, vp) if kp.dtype == q.dtype else (kp.astype(q.dtype), vp.astype(q.dtype))
     window = None if attn.window is None else attn.window - 1  # the model's window w sees q - w < kv <= q
-    out = ck.paged_attention(q, ka, va, tables, kv_len, scale=attn.scale, logits_soft_cap=attn.soft_cap,
+    out = ck.paged_attention(q, ka, va, tables, q_len, scale=attn.scale, logits_soft_cap=attn.soft_cap,
                              local_window_size=window)
     return attn._out(out), (kp, vp)
 
@@ -246,29 +333,19 @@ def _paged_fn(rebuild: Callable[[Any], CausalLM], n: int) -> Callable:
         q_pos = positions[:, None] + jnp.arange(t)[None, :]
         write_pos = jnp.where(jnp.arange(t)[None, :] < lengths[:, None], q_pos, -1)
         kv_len = positions + t  # the padded chunk's queries are the row's last t positions
+        last = jnp.maximum(lengths, 1) - 1  # the token whose logits are returned
         out = {}
         with _kernels_for(tokens):
-            x = m.embed(tokens)
-            if m.config.embed_scale:
-                x = x * jnp.asarray(m.config.hidden_size ** 0.5, x.dtype)
+            x = _embed(m, tokens)
             ropes = m._rope(q_pos)
             for i, layer in enumerate(m.layers):
+                # the last layer queries (and runs its MLP) at each row's last token only
+                top = last if i == n - 1 else None
                 h, (out[f"k{i}"], out[f"v{i}"]) = _paged_attention(
-                    layer.attn, layer.input_norm(x), ropes[i], q_pos, (pool[f"k{i}"], pool[f"v{i}"]), tables,
-                    kv_len, write_pos)
-                if layer.post_attn_norm is not None:
-                    h = layer.post_attn_norm(h)
-                x = x + h
-                y = layer.mlp(layer.mlp_norm(x))
-                h = y[0] if isinstance(y, tuple) else y
-                if layer.post_mlp_norm is not None:
-                    h = layer.post_mlp_norm(h)
-                x = x + h
-            last = x[jnp.arange(b), jnp.maximum(lengths, 1) - 1][:, None]
-            logits = (m.embed.attend(m.norm(last)) if m.lm_head is None else project(m.lm_head, m.norm(last))).astype(jnp.float32)
-        cap = m.config.final_logit_softcapping
-        if cap:
-            logits = cap * jnp.tanh(logits / cap)
+                    layer.attn, layer.input_norm(x), ropes[i], (pool[f"k{i}"], pool[f"v{i}"]), tables, kv_len,
+                    write_pos, top)
+                x = _layer_tail(layer, x if top is None else x[jnp.arange(b), top][:, None], h)
+            logits = _head(m, m.norm(x))  # [b, 1, hidden]: each row's last token
         return logits[:, 0], {f"{kv}{i}": out[f"{kv}{i}"] for i in range(n) for kv in "kv"}
 
     return paged
