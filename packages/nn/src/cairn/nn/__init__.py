@@ -110,7 +110,18 @@ from cairn.nn._normalization import (
 from cairn.nn._optimizer import ModelAndOptimizer, Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._profile import SUMMARY_FILE, Profiler, measure_peak, roofline, scope_of
-from cairn.nn._pytree import A, Pytree, data, dataclass, static
+from cairn.nn._pytree import (
+    A,
+    Data,
+    Pytree,
+    Static,
+    data,
+    dataclass,
+    has_data,
+    is_data,
+    register_data_type,
+    static,
+)
 from cairn.nn._recurrent import (
     RNN,
     GRUCell,
@@ -248,7 +259,7 @@ __all__ = [
     # Flax NNX surface (issue 18)
     "Carry", "data", "display", "filter_state", "fork_rngs", "iter_graph", "map_state", "merge_state",
     "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
-    "SplitBackups", "static", "view", "with_attributes", "WithTag",
+    "SplitBackups", "static", "Data", "Static", "is_data", "has_data", "register_data_type", "view", "with_attributes", "WithTag",
     # Flax NNX surface (issue 30)
     "capture", "compat", "DiffState", "filterlib", "flatten", "from_flat_state", "GraphState",
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",

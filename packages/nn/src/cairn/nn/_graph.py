@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.nn._data import DataSlot, data_value, plain
 from cairn.nn._filters import path_str, path_text, to_predicate
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import (
@@ -53,14 +54,18 @@ class GraphDef:
       paths: the path tuple of each variable, in flat order.
     """
 
-    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
+    __slots__ = (
+        "node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs", "has_data"
+    )
 
     # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]``
     __class_getitem__: Any = classmethod(types.GenericAlias)
 
-    def __init__(self, node: tuple, paths: tuple) -> None:
+    def __init__(self, node: tuple, paths: tuple, has_data: bool = False) -> None:
         self.node = node
         self.paths = paths
+        # some slots are plain data attributes (see cairn.nn._data), not Variables
+        self.has_data = has_data
         self._hash: int | None = None
         self._index: dict[tuple, int] | None = None
         self._pstrs: tuple[str, ...] | None = None
@@ -127,7 +132,8 @@ class GraphDef:
                 root = build(variables)
             else:
                 root = build_node(self.node, iter(variables))
-        object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
+        if not self.has_data:  # data slots bind to the new nodes: encoded on first use
+            object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
         return root
 
     def build_from_values(self, values: Any) -> Node:
@@ -144,7 +150,8 @@ class GraphDef:
             return v
 
         root = build_node(self.node, iter(values), new_var)
-        object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
+        if not self.has_data:
+            object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
         return root
 
 
@@ -201,7 +208,11 @@ class _Codegen:
         return f"v[{self.nvars - 1}]"
 
     def leaf(self, tag, payload) -> str:
-        return self.var() if tag == VAR else self.emit(payload)
+        if tag != VAR:
+            return self.emit(payload)
+        if payload[0] is DataSlot:  # a data attribute holds the plain value
+            return f"dv({self.var()})"
+        return self.var()
 
     def emit(self, encoding) -> str:
         cls, entries = encoding
@@ -234,7 +245,9 @@ def _codegen_builder(node):
     gen = _Codegen()
     root = gen.emit(node)
     src = "def build(v):\n" + "\n".join(gen.lines) + f"\n    return {root}\n"
-    ns = {"K": gen.consts, "new": object.__new__, "setattr_": object.__setattr__}
+    ns = {
+        "K": gen.consts, "new": object.__new__, "setattr_": object.__setattr__, "dv": data_value
+    }
     exec(compile(src, "<cairn.nn graph builder>", "exec"), ns)
     return ns["build"]
 
@@ -242,7 +255,8 @@ def _codegen_builder(node):
 def fresh_flat(root: Node) -> _Flat:
     """The uncached encoding of ``root``'s tree."""
     encoding, paths, variables = encode_tree(root)
-    return _Flat(EPOCH[0], GraphDef(encoding, paths), variables)
+    has_data = any(type(v) is DataSlot for v in variables)
+    return _Flat(EPOCH[0], GraphDef(encoding, paths, has_data), variables)
 
 
 def flat(node: Node) -> _Flat:
@@ -329,6 +343,7 @@ def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
     preds = [to_predicate(f) for f in filters]
     outs: list[dict] = [{} for _ in preds]
     for p, v in zip(c.graphdef.paths, c.variables):
+        v = plain(v)  # a data attribute is filtered, and handed out, as its value
         for o, pred in zip(outs, preds):
             if pred(p, v):
                 o[p] = v
@@ -471,7 +486,7 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
         if graphdef._specs is not None:
             _check_merge_values(graphdef, vs)
     if copy:
-        vs = [v.copy() for v in vs]
+        vs = [v.copy() if isinstance(v, Variable) else v for v in vs]
     root = graphdef.build_from_variables(vs)
     return unwrap(root) if isinstance(root, PytreeNode) else root
 

@@ -9,9 +9,12 @@ A module's attributes fall in three kinds:
   configuration, kept in the pytree's aux data. Static values should be treated as
   immutable: change them by assigning the attribute again.
 
-Plain arrays are not allowed as attributes: wrap them in a Variable so that they are
-tracked as state (``self.table = nn.Variable(x)``). A plain ``list`` or ``dict`` that
-holds modules or variables is converted to :class:`List` / :class:`Dict` on assignment.
+A plain JAX / NumPy array attribute (``self.count = jnp.array(0)``), a value of a type
+given to ``nn.register_data_type`` and a value assigned as ``nn.data(x)`` are **data**:
+pytree leaves and State entries kept as the plain value (see ``cairn.nn._data``). A
+plain ``list`` or ``dict`` that holds modules or variables is converted to
+:class:`List` / :class:`Dict` on assignment; one that holds arrays is refused unless it
+is marked ``nn.data`` (use ``nn.List`` / ``nn.Dict``).
 A module tree has no shared references: the same module or variable reachable from two
 paths is an error (tie weights explicitly instead).
 """
@@ -31,6 +34,7 @@ import numpy as np
 from jax._src import core as _jax_core
 from jax.tree_util import DictKey, SequenceKey
 
+from cairn.nn._data import MARKS, Marked, is_data_value
 from cairn.nn._graph import clone, iter_modules
 from cairn.nn._nodes import Node, is_node
 from cairn.nn._variables import EPOCH, Intermediate, Perturbation, Variable
@@ -93,10 +97,19 @@ class Module(Node):
         if name.startswith(_INTERNAL):
             object.__setattr__(self, name, value)
             return
-        kind = _field_kind(type(self), name)
-        if kind is not None:
-            value = as_data(value) if kind == "data" else check_static(value, name)
-        value = _check_attribute(self, name, value)
+        if isinstance(value, Marked):  # nn.data(x) / nn.static(x)
+            mark: bool | None = value.data
+            value = value.value
+        else:
+            kind = _field_kind(type(self), name)
+            mark = None if kind is None else kind == "data"
+        if mark is not None:
+            if not mark:
+                value = check_static(value, name)
+            _set_mark(self, name, mark, value)
+        elif name in (self.__dict__.get(MARKS) or ()):
+            mark = self.__dict__[MARKS][name]  # an explicit status stays
+        value = _check_attribute(self, name, value, mark)
         object.__setattr__(self, name, value)
         EPOCH[0] += 1
 
@@ -393,7 +406,53 @@ def _field_kind(cls: type, name: str) -> str | None:
         f = getattr(cls, name, None)
     if isinstance(f, dataclasses.Field):
         return f.metadata.get(FIELD_KIND)
-    return None
+    return _annotated_kinds(cls).get(name)
+
+
+_ANNOTATED: dict[type, dict[str, str]] = {}
+
+
+def _annotated_kinds(cls: type) -> dict[str, str]:
+    """``{name: "data" | "static"}`` for the attributes annotated ``nn.Data[...]`` /
+    ``nn.Static[...]`` in the class bodies of ``cls`` (read once per class)."""
+    kinds = _ANNOTATED.get(cls)
+    if kinds is None:
+        kinds = {}
+        for klass in reversed(cls.__mro__):
+            for name, ann in klass.__dict__.get("__annotations__", {}).items():
+                meta = getattr(ann, "__metadata__", ())
+                text = ann if isinstance(ann, str) else ""
+                if "__data__" in meta or text.split(".")[-1].startswith("Data["):
+                    kinds[name] = "data"
+                elif "__static__" in meta or text.split(".")[-1].startswith("Static["):
+                    kinds[name] = "static"
+        _ANNOTATED[cls] = kinds
+    return kinds
+
+
+def _set_mark(module: Module, name: str, data: bool, value: Any) -> None:
+    """Record the explicit status of attribute ``name`` (kept only where it differs from
+    what the value's type says, copy on write: the marks are a static item)."""
+    marks = module.__dict__.get(MARKS) or {}
+    if data and not is_node(value) and not is_data_value(value):
+        if marks.get(name) is not True:
+            object.__setattr__(module, MARKS, {**marks, name: True})
+    elif name in marks:
+        rest = {k: v for k, v in marks.items() if k != name}
+        if rest:
+            object.__setattr__(module, MARKS, rest)
+        else:
+            object.__delattr__(module, MARKS)
+
+
+def _container_item(container: Module, key: Any, value: Any) -> Any:
+    """An item stored in ``nn.List`` / ``nn.Dict``: ``nn.data(x)`` of a value that is not
+    data by type becomes a Variable (a container keeps no per-item marks)."""
+    if isinstance(value, Marked):
+        if not value.data:
+            return check_static(value.value, str(key))
+        value = value.value if is_data_value(value.value) else as_data(value.value)
+    return _check_attribute(container, str(key), value)
 
 
 def as_data(value: Any) -> Any:
@@ -424,8 +483,11 @@ def check_static(value: Any, name: str = "") -> Any:
     return value
 
 
-def _check_attribute(module: Module, name: str, value: Any) -> Any:
-    """Validate / convert a value assigned to a module attribute."""
+def _check_attribute(module: Module, name: str, value: Any, mark: bool | None = None) -> Any:
+    """Validate / convert a value assigned to a module attribute (``mark``: its explicit
+    status, True for data)."""
+    if mark:
+        return value
     if isinstance(value, _ARRAY_TYPES):
         current = module.__dict__.get(name)
         if isinstance(current, Variable):
@@ -435,20 +497,17 @@ def _check_attribute(module: Module, name: str, value: Any) -> Any:
                 f"`[...] = `), or wrap it in a Variable: got a plain "
                 f"{type(value).__name__} of shape {np.shape(value)}"
             )
-        raise TypeError(
-            f"{type(module).__name__}.{name}: plain arrays are not allowed as module "
-            f"attributes (got {type(value).__name__} of shape {np.shape(value)}); wrap it "
-            f"in a Variable (nn.Param, nn.BatchStat, nn.Cache or nn.Variable) so that it "
-            f"is tracked as state"
-        )
+        return value  # data: a pytree leaf, a State entry
     if type(value) is list and _contains_nodes(value):
         return List(value)
     if type(value) is dict and _contains_nodes(value):
         return Dict(value)
     if isinstance(value, tuple | list | dict) and _contains_arrays(value):
-        raise TypeError(
-            f"{type(module).__name__}.{name}: the {type(value).__name__} assigned "
-            f"contains plain arrays; wrap each in a Variable (nn.Param, nn.Variable, ...)"
+        raise StaticDataError(
+            f"Found data on value of type {type(value).__name__!r} assigned to static "
+            f"attribute {name!r} of {type(module).__name__}: the {type(value).__name__} "
+            f"contains plain arrays. Use nn.List(...) / nn.Dict(...), assign it as "
+            f"nn.data(...) to make the whole value data, or wrap each array in a Variable"
         )
     return value
 
@@ -500,7 +559,7 @@ class List(_Container):
         return obj
 
     def _check(self, value, key):
-        return _check_attribute(self, str(key), value)
+        return _container_item(self, key, value)
 
     def append(self, value: Any) -> None:
         """Add ``value`` at the end.
@@ -598,7 +657,7 @@ class Dict(_Container, Mapping):
     def __setitem__(self, key, value):
         if not isinstance(key, str) or "/" in key:
             raise TypeError(f"nn.Dict keys must be strings without '/', got {key!r}")
-        self._cairn_items[key] = _check_attribute(self, key, value)
+        self._cairn_items[key] = _container_item(self, key, value)
         EPOCH[0] += 1
 
     def __delitem__(self, key):
@@ -692,6 +751,8 @@ def _repr_items(m: Module) -> Iterator[tuple[Any, Any, str]]:
     settings as their short text, those at their ``__init__`` default skipped."""
     defaults = _init_defaults(type(m))
     for k, v in m._graph_items():
+        if k == MARKS:
+            continue
         if isinstance(v, Module):
             yield k, v, "module"
         elif isinstance(v, Variable):
