@@ -157,6 +157,14 @@ from cairn.nn._state_ops import filter_state, map_state, merge_state, split_stat
 from cairn.nn._summary import tabulate
 from cairn.nn._train_state import TrainState
 from cairn.nn._traversal import iter_graph, recursive_map
+from cairn.nn._tree_names import (
+    NodeStates,
+    as_pure,
+    find_duplicates,
+    from_tree,
+    restore_int_paths,
+    to_tree,
+)
 from cairn.nn._update_context import (
     CallableProxy,
     PureState,
@@ -259,7 +267,8 @@ __all__ = [
     # Flax NNX surface (issue 18)
     "Carry", "data", "display", "filter_state", "fork_rngs", "iter_graph", "map_state", "merge_state",
     "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
-    "SplitBackups", "static", "Data", "Static", "is_data", "has_data", "register_data_type", "view", "with_attributes", "WithTag",
+    "SplitBackups", "static", "Data", "Static", "is_data", "has_data", "register_data_type",
+    "as_pure", "restore_int_paths", "find_duplicates", "to_tree", "from_tree", "NodeStates", "view", "with_attributes", "WithTag",
     # Flax NNX surface (issue 30)
     "capture", "compat", "DiffState", "filterlib", "flatten", "from_flat_state", "GraphState",
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",
