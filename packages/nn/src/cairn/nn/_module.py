@@ -91,6 +91,9 @@ class Module(Node):
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_cairn_wrapped", False):
             cls.__call__ = _wrap_call(call)  # type: ignore[method-assign]
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_cairn_wrapped", False):
+            cls.__init__ = _wrap_init(init)  # type: ignore[method-assign]
 
     # --- attribute handling ---
     def __setattr__(self, name: str, value: Any) -> None:
@@ -314,6 +317,35 @@ def _child_key(parent: Any, child: Any) -> str | None:
     return None
 
 
+def _wrap_init(init):
+    """``__init__`` followed, for the outermost one, by :func:`_check_after_init`."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if type(self).__init__ is __init__:
+            _check_after_init(self)
+
+    __init__._cairn_wrapped = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _check_after_init(module: Module) -> None:
+    """A static list / dict / tuple attribute filled with arrays after its assignment
+    (``self.ls = []; self.ls.append(x)``) is refused once ``__init__`` is done, as Flax
+    NNX does: the arrays would be neither static nor state."""
+    marks = module.__dict__.get(MARKS) or {}
+    for k, v in module.__dict__.items():
+        if k.startswith(_INTERNAL) or type(v) not in (list, dict, tuple) or marks.get(k):
+            continue
+        if _contains_arrays(v):
+            raise StaticDataError(
+                f"Found unexpected data on value of type {type(v).__name__!r} in static "
+                f"attribute {k!r} of {type(module).__name__} after __init__: use nn.List / "
+                f"nn.Dict, assign it as nn.data(...), or keep the arrays in Variables"
+            )
+
+
 def _scoped_call(fn: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
     parent, path = _SCOPES[-1]
     key = _child_key(parent, module)
@@ -404,8 +436,8 @@ def _field_kind(cls: type, name: str) -> str | None:
     f = fields.get(name) if fields else None
     if f is None:
         f = getattr(cls, name, None)
-    if isinstance(f, dataclasses.Field):
-        return f.metadata.get(FIELD_KIND)
+    if isinstance(f, dataclasses.Field) and FIELD_KIND in f.metadata:
+        return f.metadata[FIELD_KIND]
     return _annotated_kinds(cls).get(name)
 
 

@@ -1,0 +1,194 @@
+"""Plain data attributes (arrays, ``nn.data`` values) of modules, States with plain
+leaves, and the tree helpers ``as_pure`` / ``restore_int_paths`` / ``find_duplicates``
+/ ``to_tree`` / ``from_tree`` (issue 30)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from cairn import nn
+
+
+class Scaled(nn.Module):
+    """y = (x @ w) * scale + count, with ``scale`` and ``count`` plain arrays."""
+
+    def __init__(self):
+        self.w = nn.Param(jnp.arange(6.0).reshape(2, 3) / 10)
+        self.scale = jnp.array(2.0)
+        self.count = jnp.array(0)
+        self.name = "s"
+
+    def __call__(self, x):
+        self.count = self.count + 1
+        return (x @ self.w[...]) * self.scale
+
+
+def test_array_attribute_is_a_plain_leaf_of_state_and_pytree():
+    m = Scaled()
+    gd, st = nn.split(m)
+    assert sorted(st.flat_paths()) == ["count", "scale", "w"]
+    assert isinstance(st["scale"], jax.Array) and not isinstance(st["scale"], nn.Variable)
+    assert isinstance(st["w"], nn.Param)
+    assert nn.state(m, nn.Param).flat_paths() == ["w"]  # optimizer / checkpoint filters
+    assert sorted(nn.state(m, jax.Array).flat_paths()) == ["count", "scale"]
+    assert len(jax.tree.leaves(m)) == 3
+    m2 = nn.merge(gd, st)
+    assert type(m2.scale) is type(m.scale) and float(m2.scale) == 2.0 and m2.name == "s"
+    assert m2.w is m.w  # merge reuses the State's Variable objects
+
+
+def test_update_writes_plain_values_and_jit_writes_back_a_data_attribute():
+    m = Scaled()
+    nn.update(m, nn.State({"scale": jnp.array(3.0)}))
+    assert float(m.scale) == 3.0
+    x = jnp.ones((4, 2))
+
+    @nn.jit
+    def f(m, x):
+        return m(x)
+
+    y1 = f(m, x)
+    y2 = f(m, x)
+    w = np.arange(6.0).reshape(2, 3) / 10
+    np.testing.assert_allclose(np.asarray(y2), (np.ones((4, 2)) @ w) * 3.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+    assert int(m.count) == 2  # the in-function `self.count + 1` came back twice
+
+
+def test_grad_flows_through_a_data_attribute_like_jax():
+    m = Scaled()
+    x = jnp.ones((1, 2))
+
+    def loss(m):
+        return jnp.sum((x @ m.w[...]) * m.scale)
+
+    g = nn.grad(loss)(m)  # gradient w.r.t. the Params only (Flax's default wrt)
+    ref = jax.grad(lambda w: jnp.sum((x @ w) * 2.0))(m.w[...])
+    np.testing.assert_allclose(np.asarray(g["w"][...]), np.asarray(ref), rtol=1e-6)
+    # a hand-written functional form differentiates the data leaf too
+    gd, params, rest = nn.split(m, nn.Param, ...)
+    gs = jax.grad(lambda r: loss(nn.merge(gd, params, r)), allow_int=True)(rest)
+    np.testing.assert_allclose(float(gs["scale"]), float(jnp.sum(x @ m.w[...])), rtol=1e-6)
+
+
+def test_data_in_list_and_dict_containers_and_scan_carry():
+    ls = nn.List([jnp.array(1), jnp.array(2), 3])
+    assert [int(v) for v in jax.tree.leaves(ls)] == [1, 2]
+    d = nn.Dict(a=jnp.ones(2), b="x")
+    assert nn.state(d).flat_paths() == ["a"]
+
+    class Acc(nn.Module):
+        def __init__(self):
+            self.total = jnp.array(0.0)
+
+    def step(acc, x):
+        acc.total = acc.total + x
+        return acc, acc.total
+
+    acc = Acc()
+    _, ys = nn.scan(step, in_axes=(nn.Carry, 0), out_axes=(nn.Carry, 0))(
+        acc, jnp.arange(4.0)
+    )
+    np.testing.assert_allclose(np.asarray(ys), np.cumsum(np.arange(4.0)))
+    assert float(acc.total) == 6.0
+
+
+def test_data_marks_and_static_validation():
+    class Foo(nn.Pytree):
+        def __init__(self, a, b, c):
+            self.a = nn.data(a)
+            self.b = nn.static(b)
+            self.c = c
+
+    foo = Foo(1, 2, jnp.array(3))
+    assert len(jax.tree.leaves(foo)) == 2
+    foo.a = nn.static(3)
+    assert len(jax.tree.leaves(foo)) == 1
+    foo.b = nn.data(4)
+    assert len(jax.tree.leaves(foo)) == 2
+    with pytest.raises(ValueError, match="Found data on value of type 'list'"):
+        foo.a = ["hi", jnp.array(6)]
+    with pytest.raises(ValueError, match="Found data in value of type"):
+        foo.b = nn.static(jnp.array(4))
+    # marks survive split / merge
+    gd, st = nn.split(foo)
+    assert jax.tree.leaves(nn.merge(gd, st)) == jax.tree.leaves(foo)
+
+    class Late(nn.Module):
+        def __init__(self):
+            self.ls = []
+            self.ls.append(jnp.array(1))
+
+    with pytest.raises(ValueError, match="Found unexpected data on value of type 'list'"):
+        Late()
+
+
+def test_annotations_and_registered_data_types():
+    @dataclasses.dataclass
+    class Foo(nn.Pytree):
+        a: nn.Data[int]
+        b: nn.Static[int]
+        c: jax.Array
+
+    assert len(jax.tree.leaves(Foo(a=1, b=2, c=jnp.array(3)))) == 2
+
+    @nn.register_data_type
+    @dataclasses.dataclass(frozen=True)
+    class Box:
+        v: int
+
+    class Holder(nn.Pytree):
+        def __init__(self):
+            self.x = Box(1)
+
+    h = Holder()
+    assert nn.is_data(h.x) and nn.is_data(jnp.ones(1)) and not nn.is_data(1)
+    assert nn.state(h)["x"] == Box(1)
+    assert nn.has_data([1, jnp.ones(1), "s"])[0].shape == (1,)
+
+
+def test_state_with_plain_leaves():
+    st = nn.State({"kernel": P("a", None), "n": 3, "sub": {"w": nn.Param(jnp.ones(2))}})
+    assert st.kernel == P("a", None) and st["n"] == 3
+    st["n"] = 4
+    assert st.n == 4
+    leaves = jax.tree.leaves(st)
+    assert len(leaves) == 3 and any(x is 4 for x in leaves)  # noqa: F632 - the int itself
+    st2 = jax.tree.map(lambda x: x, st)
+    assert st2["n"] == 4 and isinstance(st2["sub"]["w"], nn.Param)
+    assert nn.to_pure_dict(st)["n"] == 4
+    node = {"a": {"c": nn.Param(jnp.array(2)), "d": 3}}
+    nn.update(node, {"a": {"c": jnp.array(10)}})  # a plain value updates a Variable
+    assert int(node["a"]["c"][...]) == 10 and node["a"]["d"] == 3
+
+
+def test_as_pure_restore_int_paths_find_duplicates_to_from_tree():
+    m = nn.Linear(2, 3, rngs=nn.Rngs(0))
+    pure = nn.as_pure(nn.state(m))
+    assert jax.tree.map(jnp.shape, pure.to_pure_dict()) == {"kernel": (2, 3), "bias": (3,)}
+    assert not any(isinstance(v, nn.Variable) for v in pure.flat_state().values())
+    assert nn.restore_int_paths({"0": {"a": 1}, "x": {"1": 2}}) == {0: {"a": 1}, "x": {1: 2}}
+    with pytest.raises(TypeError, match="expected a mapping"):
+        nn.restore_int_paths([1])
+
+    class Shared(nn.Module):
+        def __init__(self, rngs):
+            self.a = nn.Linear(1, 1, rngs=rngs)
+            self.b = nn.Linear(1, 1, rngs=rngs)
+            self.c = self.a
+
+    assert nn.find_duplicates(Shared(nn.Rngs(0))) == [[("a",), ("c",)]]
+    assert nn.find_duplicates(m) == []
+    tree = nn.to_tree((m, 1, {"b": m}), prefix=(0, None, 0))
+    assert isinstance(tree[0], nn.NodeStates) and tree[0] is tree[2]["b"]
+    back = nn.from_tree(tree)
+    assert back[0] is back[2]["b"] and back[1] == 1
+    np.testing.assert_array_equal(np.asarray(back[0].kernel[...]), np.asarray(m.kernel[...]))
+    with pytest.raises(ValueError, match="Inconsistent aliasing detected"):
+        nn.to_tree((m, 1, {"b": m}), prefix=(0, None, 1))
