@@ -192,3 +192,37 @@ def test_as_pure_restore_int_paths_find_duplicates_to_from_tree():
     np.testing.assert_array_equal(np.asarray(back[0].kernel[...]), np.asarray(m.kernel[...]))
     with pytest.raises(ValueError, match="Inconsistent aliasing detected"):
         nn.to_tree((m, 1, {"b": m}), prefix=(0, None, 1))
+
+
+def test_pytree_root_leaves_are_state_updated_and_popped_in_place():
+    node = {"a": {"b": 1, "c": nn.Param(jnp.array(2)), "d": 3}}
+    nn.update(node, {"a": {"b": 4, "c": jnp.array(10)}})
+    assert node["a"]["b"] == 4 and int(node["a"]["c"][...]) == 10 and node["a"]["d"] == 3
+    node = {"a": {"b": jnp.array(1), "c": nn.Param(jnp.array(2)), "d": jnp.array(3.0)}}
+    popped = nn.pop(node, (nn.Param, lambda _, x: x < 2))
+    assert sorted(popped.flat_paths()) == ["a/b", "a/c"]
+    assert list(node["a"]) == ["d"] and len(jax.tree.leaves(popped)) == 2
+    ls = [jnp.array(0), jnp.array(5), jnp.array(1)]
+    nn.pop(ls, lambda _, x: x < 2)  # two list items: removed last first
+    assert [int(x) for x in ls] == [5]
+
+
+def test_flatten_unflatten_of_pytrees_and_leaves():
+    import collections
+
+    x = jnp.array(1.0)
+    gd, fs = nn.flatten(x)
+    assert fs[0][1] is x and nn.unflatten(gd, fs) is x
+    Point = collections.namedtuple("Point", ["y", "x"])
+    gd, fs = nn.flatten(Point(y=nn.Param(jnp.array(1.0)), x=nn.Param(jnp.array(2.0))))
+    assert [p for p, _ in fs] == [("x",), ("y",)]  # sorted by path
+    g2 = nn.unflatten(gd, fs)
+    assert isinstance(g2, Point) and float(g2.y[...]) == 1.0
+    gd, fs = nn.flatten({"b": [nn.Param(jnp.array(1)), jnp.array(2)], "a": (nn.Param(jnp.array(3)), 4)})
+    assert [p for p, _ in fs] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)] and fs[1][1] == 4
+    back = nn.unflatten(gd, fs)
+    assert back["a"][1] == 4 and int(back["b"][0][...]) == 1
+    m = Scaled()
+    gd, fs = nn.flatten(m)
+    assert {p: type(v) for p, v in fs}[("scale",)] is type(m.scale)  # the plain value
+    assert float(nn.unflatten(gd, fs).scale) == 2.0

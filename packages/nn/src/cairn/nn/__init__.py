@@ -92,6 +92,7 @@ from cairn.nn._graph_utils import (
     prefix,
     set_metadata,
     to_flat_state,
+    unflatten,
     unpack,
 )
 from cairn.nn._jit import JitWrapped, eval_shape, jit, jit_partial
@@ -268,7 +269,7 @@ __all__ = [
     "Carry", "data", "display", "filter_state", "fork_rngs", "iter_graph", "map_state", "merge_state",
     "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
     "SplitBackups", "static", "Data", "Static", "is_data", "has_data", "register_data_type",
-    "as_pure", "restore_int_paths", "find_duplicates", "to_tree", "from_tree", "NodeStates", "view", "with_attributes", "WithTag",
+    "as_pure", "restore_int_paths", "find_duplicates", "to_tree", "from_tree", "NodeStates", "unflatten", "view", "with_attributes", "WithTag",
     # Flax NNX surface (issue 30)
     "capture", "compat", "DiffState", "filterlib", "flatten", "from_flat_state", "GraphState",
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",

@@ -60,14 +60,29 @@ def is_data_value(v: Any) -> bool:
     return isinstance(v, _BASE_TYPES) or (bool(DATA_TYPES) and type(v) in DATA_TYPES)
 
 
-def item_is_data(marks: dict | None, key: Any, v: Any) -> bool:
+def item_is_data(marks: Any, key: Any, v: Any) -> bool:
     """Whether the item ``key`` of a node holding ``v`` (not a Variable, a node or a tuple
-    of them) is data: an explicit mark wins, else the type decides."""
+    of them) is data: an explicit mark wins (``None`` is never data: it is an empty
+    pytree), else the type decides."""
     if marks is not None:
         m = marks.get(key)
         if m is not None:
-            return m
+            return m and v is not None
     return is_data_value(v)
+
+
+class _AllLeaves:
+    """The marks of one level of a pytree root (``cairn.nn._tree_root``): every leaf
+    is data, as Flax NNX takes every leaf of a pytree as state; the level's structure
+    item stays static."""
+
+    __slots__ = ()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return default if key == "_treedef_" else True
+
+
+ALL_LEAVES = _AllLeaves()
 
 
 class Marked:

@@ -454,6 +454,7 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
     """
     if isinstance(graphdef, GraphState):
         graphdef, states = _graph_states(graphdef, states)
+    states = tuple(_pairs_state(s) for s in states)
     if isinstance(graphdef, VariableDef | LeafDef):
         return _merge_single(graphdef, states, copy)
     if not isinstance(graphdef, GraphDef):
@@ -489,6 +490,16 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
         vs = [v.copy() if isinstance(v, Variable) else v for v in vs]
     root = graphdef.build_from_variables(vs)
     return unwrap(root) if isinstance(root, PytreeNode) else root
+
+
+def _pairs_state(s: Any) -> Any:
+    """A flat state given as a list of ``(path tuple, value)`` pairs (``nn.flatten``'s)
+    as a State; anything else as it is."""
+    if type(s) is list and all(type(x) is tuple and len(x) == 2 and type(x[0]) is tuple for x in s):
+        if len(s) == 1 and s[0][0] == ():  # a lone Variable's / leaf's pair
+            return s[0][1]
+        return State.from_flat(s)
+    return s
 
 
 def _merge_single(graphdef: VariableDef | LeafDef, states: tuple, copy: bool) -> Any:
@@ -750,26 +761,37 @@ def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
     cannot be popped (tuples are immutable).
 
     Args:
-      node: the module to remove variables from.
+      node: the module (or a pytree of lists / dicts holding modules, Variables and
+        plain leaves) to remove variables and data from.
       filters: the filters of the variables to remove.
     """
+    if not isinstance(node, Node) and is_pytree_root(node):
+        node = wrap(node)
     _check_module(node, "pop")
     if not filters:
         raise TypeError("nn.pop needs at least one filter")
     c = flat(node)
     states = _partition(c, filters, "pop", False)
-    for s in states:
-        for p in s._flat:
-            owner = node
-            for k in p[:-1]:
-                owner = _get_child(owner, k)
-            if not isinstance(owner, Node):
-                raise TypeError(
-                    f"nn.pop: cannot remove {path_text(p)!r}: its parent is a "
-                    f"{type(owner).__name__}, not a module"
-                )
+    # last paths first: removing a list item must not shift the ones still to remove
+    for p in sorted((p for s in states for p in s._flat), key=_path_order, reverse=True):
+        owner = node
+        for k in p[:-1]:
+            owner = _get_child(owner, k)
+        src = owner.__dict__.get("_cairn_src") if isinstance(owner, PytreeNode) else None
+        if type(src) in (list, dict):
+            del src[p[-1]]
+        elif isinstance(owner, Node) and not isinstance(owner, PytreeNode):
             owner._graph_del(p[-1])
+        else:
+            raise TypeError(
+                f"nn.pop: cannot remove {path_text(p)!r}: its parent is a "
+                f"{type(src if src is not None else owner).__name__}, not a module, list or dict"
+            )
     return states[0] if len(states) == 1 else tuple(states)
+
+
+def _path_order(p: tuple) -> tuple:
+    return tuple((isinstance(k, str), k) for k in p)
 
 
 def iter_modules(node: Node, *, graph: bool | None = None) -> Iterator[tuple[str, Node]]:

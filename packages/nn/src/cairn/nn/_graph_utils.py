@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cairn.nn._data import plain
 from cairn.nn._filters import path_text, to_predicate
-from cairn.nn._graph import GraphDef, flat, split
+from cairn.nn._graph import flat, merge, split
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import PREFIX_TREES
 from cairn.nn._state import GraphState, State
+from cairn.nn._tree_root import LeafDef, VariableDef
 from cairn.nn._variables import Variable
 
 Node = Module
@@ -103,21 +105,43 @@ def unpack(
 
 
 def flatten(
-    node: Node, /, *, with_paths: bool = True, graph: bool | None = None
-) -> tuple[GraphDef, Any]:
-    """``(graphdef, flat)``: ``flat`` is the list of ``(path_tuple, Variable)`` pairs in
-    the GraphDef's order (``with_paths=False``: the list of values).
+    node: Any, /, *, with_paths: bool = True, graph: bool | None = None
+) -> tuple[Any, Any]:
+    """``(graphdef, flat)``: ``flat`` is the list of ``(path_tuple, Variable or plain
+    leaf)`` pairs in the GraphDef's order (``with_paths=False``: the list of values). A
+    pytree root's pairs are sorted by path (Flax NNX's order); a lone Variable or leaf
+    is one pair at the empty path. :func:`unflatten` is the inverse.
 
     Args:
-      node: a module.
+      node: a module, a pytree holding modules / Variables / leaves, a Variable or a leaf.
       with_paths: pair each Variable with its path (default) or give the raw values.
       graph: Flax NNX's mode keyword (one behaviour here).
     """
     check_mode("flatten", graph)
+    if not isinstance(node, Node):
+        gd, st = split(node)
+        pairs = [((), st)] if isinstance(gd, VariableDef | LeafDef) else sorted(
+            st._flat.items(), key=lambda pv: tuple((isinstance(k, str), k) for k in pv[0])
+        )
+        if with_paths:
+            return gd, pairs
+        return gd, [v.raw_value if isinstance(v, Variable) else v for _, v in pairs]
     c = flat(node)
+    vs = [plain(v) for v in c.variables] if c.graphdef.has_data else c.variables
     if with_paths:
-        return c.graphdef, list(zip(c.graphdef.paths, c.variables))
+        return c.graphdef, list(zip(c.graphdef.paths, vs))
     return c.graphdef, [v.raw_value for v in c.variables]
+
+
+def unflatten(graphdef: Any, flat_state: Any, /, **_: Any) -> Any:
+    """The inverse of :func:`flatten`: the module (or pytree, Variable, leaf) of
+    ``graphdef`` holding the values of ``flat_state``.
+
+    Args:
+      graphdef: a GraphDef (or a lone Variable's / leaf's definition) from ``flatten``.
+      flat_state: ``(path, value)`` pairs, a ``{path: value}`` mapping or a State.
+    """
+    return merge(graphdef, flat_state)
 
 
 def to_flat_state(state: State) -> list[tuple[tuple, Variable]]:

@@ -374,6 +374,11 @@ def data_slot(node: Node, key: Any) -> DataSlot:
         return bind_slot(node.__dict__, key)
     if store in ("list", "dict"):
         return bind_slot(node.__dict__["_cairn_items"], key)
+    src = node.__dict__.get("_cairn_src")  # a pytree root level: its list or dict
+    if type(src) in (list, dict):
+        return bind_slot(src, key)
+    if "_cairn_src" in node.__dict__:  # a tuple or another immutable pytree level
+        return bind_slot(node.__dict__["_cairn_items"], key)
     return bind_slot(_ItemsView(node), key)
 
 
