@@ -226,3 +226,38 @@ def test_flatten_unflatten_of_pytrees_and_leaves():
     gd, fs = nn.flatten(m)
     assert {p: type(v) for p, v in fs}[("scale",)] is type(m.scale)  # the plain value
     assert float(nn.unflatten(gd, fs).scale) == 2.0
+
+
+def test_optimizer_trains_plain_array_attributes_and_returns_a_state_of_updates():
+    class Model(nn.Module):
+        def __init__(self):
+            self.w = jnp.full((2,), 1.0)
+            self.count = jnp.array(0)
+
+    m = Model()
+    opt = nn.Optimizer(m, _Sgd(0.5), wrt=lambda path, x: path[-1] == "w")
+    grads = nn.State({"w": jnp.array([1.0, -2.0])})
+    updates = opt.update(m, grads)
+    np.testing.assert_allclose(np.asarray(m.w), [0.5, 2.0])  # w - 0.5 * g, by hand
+    assert isinstance(updates, nn.State) and updates.flat_paths() == ["w"]
+    np.testing.assert_allclose(np.asarray(updates["w"]), [-0.5, 1.0])
+    assert int(m.count) == 0 and int(opt.step[...]) == 1
+
+
+def test_deleting_the_last_entry_of_a_nested_view_keeps_it_empty():
+    st = nn.State({"a": nn.Param(jnp.array(1)), "b": {"c": nn.Param(jnp.array(2))}})
+    del st["b"]["c"]
+    assert "b" in st and "c" not in st["b"] and len(jax.tree.leaves(st)) == 1
+
+
+class _Sgd:
+    """Plain SGD in Optax's init / update protocol (the reference of the test above)."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+    def init(self, params):
+        return ()
+
+    def update(self, grads, state, params=None):
+        return jax.tree.map(lambda g: -self.lr * g, grads), state

@@ -147,6 +147,8 @@ class State(MutableMapping):
             sub = value._flat if isinstance(value, State) else _flatten_mapping(value, (), {})
             for p, v in sub.items():
                 self._flat[(key, *p)] = v
+            if not sub:  # an empty sub-state stays, as a nested dict's empty entry
+                self._flat[(key,)] = State()
         else:  # a Variable, or a plain leaf (an array, a number, a PartitionSpec...)
             self._flat[(key,)] = value
         self._changed()
