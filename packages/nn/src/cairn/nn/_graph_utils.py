@@ -144,6 +144,19 @@ def unflatten(graphdef: Any, flat_state: Any, /, **_: Any) -> Any:
     return merge(graphdef, flat_state)
 
 
+class FlatState(list):
+    """The ``(path_tuple, value)`` pairs of a State (a list), with Flax NNX's
+    ``paths`` and ``leaves`` views."""
+
+    @property
+    def paths(self) -> tuple:
+        return tuple(p for p, _ in self)
+
+    @property
+    def leaves(self) -> list:
+        return [v for _, v in self]
+
+
 def to_flat_state(state: State) -> list[tuple[tuple, Variable]]:
     """The ``(path_tuple, Variable)`` pairs of ``state`` (Flax's ``FlatState``).
 
@@ -152,7 +165,7 @@ def to_flat_state(state: State) -> list[tuple[tuple, Variable]]:
     """
     if not isinstance(state, State):
         raise TypeError(f"nn.to_flat_state: expected a State, got {type(state).__name__}")
-    return list(state._flat.items())
+    return FlatState(state._flat.items())
 
 
 def from_flat_state(flat_state: Any) -> State:

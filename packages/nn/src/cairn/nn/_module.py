@@ -702,6 +702,19 @@ class Dict(_Container, Mapping):
             return items[name]
         raise AttributeError(f"{type(self).__name__} has no attribute or key {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``d.key = value`` is ``d["key"] = value`` (Flax NNX's Dict is attribute-based)."""
+        if name.startswith("_") or name in type(self).__dict__:
+            super().__setattr__(name, value)
+        else:
+            self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__.get("_cairn_items", ()):
+            del self[name]
+        else:
+            super().__delattr__(name)
+
     def __iter__(self):
         return iter(self._cairn_items)
 
