@@ -261,3 +261,22 @@ class _Sgd:
 
     def update(self, grads, state, params=None):
         return jax.tree.map(lambda g: -self.lr * g, grads), state
+
+
+def test_get_value_and_set_value_overrides_route_item_access():
+    class Shifted(nn.Param):
+        def get_value(self, **kwargs):
+            return super().get_value(**kwargs) + 3
+
+    class Boxed(nn.Param):
+        def set_value(self, value, **kwargs):
+            super().set_value(value + 7, **kwargs)
+
+    assert int(Shifted(jnp.array(1))[...]) == 4
+    b = Boxed(jnp.array(1))
+    b[...] = 5
+    assert int(b.get_raw_value()) == 12 and int(b[...]) == 12
+    v = Boxed(jnp.zeros(3))
+    v[1] = 1.0  # an index write goes through set_value too: +7 on every element
+    np.testing.assert_array_equal(np.asarray(v.raw_value), [7.0, 8.0, 7.0])
+    assert int(nn.Param(jnp.array(1))[...]) == 1  # the base class reads directly
