@@ -136,7 +136,15 @@ def test_annotations_and_registered_data_types():
         b: nn.Static[int]
         c: jax.Array
 
-    assert len(jax.tree.leaves(Foo(a=1, b=2, c=jnp.array(3)))) == 2
+    foo = Foo(a=1, b=2, c=jnp.array(3))
+    assert len(jax.tree.leaves(foo)) == 2
+    foo.a = nn.static(3)  # an explicit status overrides the annotation
+    assert len(jax.tree.leaves(foo)) == 1
+    with pytest.raises(ValueError, match="Found data on value of type 'list'"):
+        foo.a = ["hi", jnp.array(6)]
+    foo.c = nn.static(5)
+    with pytest.raises(ValueError, match="Cannot assign data value of type 'ArrayImpl'"):
+        foo.c = jnp.array(1)
 
     @nn.register_data_type
     @dataclasses.dataclass(frozen=True)

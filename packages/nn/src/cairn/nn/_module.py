@@ -100,18 +100,7 @@ class Module(Node):
         if name.startswith(_INTERNAL):
             object.__setattr__(self, name, value)
             return
-        if isinstance(value, Marked):  # nn.data(x) / nn.static(x)
-            mark: bool | None = value.data
-            value = value.value
-        else:
-            kind = _field_kind(type(self), name)
-            mark = None if kind is None else kind == "data"
-        if mark is not None:
-            if not mark:
-                value = check_static(value, name)
-            _set_mark(self, name, mark, value)
-        elif name in (self.__dict__.get(MARKS) or ()):
-            mark = self.__dict__[MARKS][name]  # an explicit status stays
+        value, mark = _attribute_status(self, name, value)
         value = _check_attribute(self, name, value, mark)
         object.__setattr__(self, name, value)
         EPOCH[0] += 1
@@ -462,19 +451,34 @@ def _annotated_kinds(cls: type) -> dict[str, str]:
     return kinds
 
 
-def _set_mark(module: Module, name: str, data: bool, value: Any) -> None:
-    """Record the explicit status of attribute ``name`` (kept only where it differs from
-    what the value's type says, copy on write: the marks are a static item)."""
-    marks = module.__dict__.get(MARKS) or {}
-    if data and not is_node(value) and not is_data_value(value):
-        if marks.get(name) is not True:
-            object.__setattr__(module, MARKS, {**marks, name: True})
-    elif name in marks:
-        rest = {k: v for k, v in marks.items() if k != name}
-        if rest:
-            object.__setattr__(module, MARKS, rest)
-        else:
-            object.__delattr__(module, MARKS)
+def _attribute_status(module: Module, name: str, value: Any) -> tuple[Any, bool | None]:
+    """``(value, mark)`` of an assignment: ``nn.data(x)`` / ``nn.static(x)`` set the
+    attribute's status (recorded on the instance), a recorded status stays for later
+    plain assignments, else a class-level ``nn.data()`` / ``nn.Data[...]`` declaration
+    gives it; None: the value's type decides."""
+    marks = module.__dict__.get(MARKS)
+    if isinstance(value, Marked):  # nn.data(x) / nn.static(x)
+        mark: bool | None = value.data
+        value = value.value
+    elif marks is not None and name in marks:
+        mark = marks[name]  # an explicit status stays
+        if not mark and is_data_value(value):
+            raise StaticDataError(
+                f"Cannot assign data value of type {type(value).__name__!r} to static "
+                f"attribute {name!r} of {type(module).__name__}; to override the status "
+                f"assign it as nn.data(...)"
+            )
+        return value, mark
+    else:
+        kind = _field_kind(type(module), name)
+        if kind is None:
+            return value, None
+        mark = kind == "data"
+    if not mark:
+        value = check_static(value, name)
+    if (marks or {}).get(name) is not mark:  # copy on write: the marks are a static item
+        object.__setattr__(module, MARKS, {**(marks or {}), name: mark})
+    return value, mark
 
 
 def _container_item(container: Module, key: Any, value: Any) -> Any:
