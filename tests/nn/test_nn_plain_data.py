@@ -288,3 +288,19 @@ def test_get_value_and_set_value_overrides_route_item_access():
     v[1] = 1.0  # an index write goes through set_value too: +7 on every element
     np.testing.assert_array_equal(np.asarray(v.raw_value), [7.0, 8.0, 7.0])
     assert int(nn.Param(jnp.array(1))[...]) == 1  # the base class reads directly
+
+
+def test_pytree_false_class_is_a_jax_leaf_and_refused_in_tree_mode():
+    class Opaque(nn.Pytree, pytree=False):
+        def __init__(self):
+            self.x = 1
+            self.w = nn.Param(jnp.ones(2))
+
+    o = Opaque()
+    assert jax.tree.leaves(o) == [o]  # not a JAX pytree
+    assert nn.state(o).flat_paths() == ["w"]  # the graph functions still see its state
+    with pytest.raises(ValueError, match=r"pytree=False.*Found at path \(0,\)"):
+        nn.flatten([o], graph=False)
+    with pytest.raises(ValueError, match="pytree=False"):
+        list(nn.iter_children(o, graph=False))
+    assert [p for p, _ in nn.flatten([o])[1]] == [(0, "w")]  # graph mode walks it

@@ -13,6 +13,7 @@ from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import PREFIX_TREES
 from cairn.nn._state import GraphState, State
+from cairn.nn._tree_names import check_tree_mode
 from cairn.nn._tree_root import LeafDef, VariableDef
 from cairn.nn._variables import Variable
 
@@ -118,6 +119,7 @@ def flatten(
       graph: Flax NNX's mode keyword (one behaviour here).
     """
     check_mode("flatten", graph)
+    check_tree_mode("flatten", node, graph)
     if not isinstance(node, Node):
         gd, st = split(node)
         pairs = [((), st)] if isinstance(gd, VariableDef | LeafDef) else sorted(
@@ -267,6 +269,7 @@ def iter_children(node: Node, /, *, graph: bool | None = None) -> Any:
       graph: Flax NNX's mode keyword (one behaviour here).
     """
     check_mode("iter_children", graph)
+    check_tree_mode("iter_children", node, graph)
     for key, value in node._graph_items():
         if isinstance(value, Module):
             yield key, value

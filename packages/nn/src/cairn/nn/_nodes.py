@@ -101,12 +101,15 @@ class Node:
 
     _graph_key: Callable[[Any], Any] = GetAttrKey
     _graph_store: str | None = "attrs"
+    _cairn_pytree = True  # ``class M(nn.Module, pytree=False)``: not a JAX pytree
 
-    def __init_subclass__(cls, **kwargs: Any):
+    def __init_subclass__(cls, pytree: bool = True, **kwargs: Any):
         super().__init_subclass__(**kwargs)
-        jax.tree_util.register_pytree_with_keys(
-            cls, flatten_node_with_keys, unflatten_node, flatten_func=flatten_node
-        )
+        cls._cairn_pytree = bool(pytree)
+        if pytree:  # else a JAX leaf; the graph functions still see its children
+            jax.tree_util.register_pytree_with_keys(
+                cls, flatten_node_with_keys, unflatten_node, flatten_func=flatten_node
+            )
 
     def _graph_items(self) -> list[tuple[Any, Any]]:
         """(key, value) pairs of this node, in order (internal attributes skipped)."""

@@ -204,3 +204,31 @@ def from_tree(tree: Any, /, **_: Any) -> Any:
         return m
 
     return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, NodeStates))
+
+
+def check_tree_mode(fn: str, node: Any, graph: bool | None) -> None:
+    """With ``graph=False`` (Flax NNX's tree mode), refuse a module of a class defined
+    with ``pytree=False``: it is no JAX pytree, so tree mode cannot walk it.
+
+    Raises:
+      ValueError: naming the class and the path where it is found.
+    """
+    if graph is not False:
+        return
+    seen: set[int] = set()
+
+    def visit(x: Any, path: tuple) -> None:
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, Node) and not type(x)._cairn_pytree:
+            raise ValueError(
+                f"nn.{fn}(graph=False): {type(x).__name__} is defined with pytree=False and "
+                f"is not a pytree; use graph=True. Found at path {path!r}"
+            )
+        if isinstance(x, Variable):
+            return
+        for suffix, child in _children(x):
+            visit(child, (*path, *suffix))
+
+    visit(node, ())
