@@ -304,3 +304,11 @@ def test_pytree_false_class_is_a_jax_leaf_and_refused_in_tree_mode():
     with pytest.raises(ValueError, match="pytree=False"):
         list(nn.iter_children(o, graph=False))
     assert [p for p, _ in nn.flatten([o])[1]] == [(0, "w")]  # graph mode walks it
+
+
+def test_list_slices_are_plain_lists_and_slice_assignment_checks_items():
+    ls = nn.List([1, 2, 3, 4])
+    ls[1:3] = [6, 7]
+    assert ls[1:3] == [6, 7] and type(ls[1:3]) is list and len(ls) == 4
+    with pytest.raises(ValueError, match="Found data on value of type 'tuple'"):
+        ls[0:1] = [(jnp.ones(1), 1)]

@@ -636,12 +636,14 @@ class List(_Container):
         return v
 
     def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return List(self._cairn_items[idx])
+        # a slice is a plain list of the items (Flax NNX's List), not a new module
         return self._cairn_items[idx]
 
     def __setitem__(self, idx, value):
-        self._cairn_items[idx] = self._check(value, idx)
+        if isinstance(idx, slice):
+            self._cairn_items[idx] = [self._check(v, i) for i, v in enumerate(value)]
+        else:
+            self._cairn_items[idx] = self._check(value, idx)
         EPOCH[0] += 1
 
     def __delitem__(self, idx):
