@@ -52,12 +52,22 @@ def register_data_type(type_: type, /) -> type:
     if not isinstance(type_, type):
         raise TypeError(f"nn.register_data_type: expected a class, got {type_!r}")
     DATA_TYPES.add(type_)
+    DATA_BY_TYPE.clear()
     return type_
+
+
+# data-ness by exact type, filled on first sight: the encoder asks once per static
+# attribute, and isinstance against jax.Array (an ABC) costs far more than a dict hit
+DATA_BY_TYPE: dict[type, bool] = {}
 
 
 def is_data_value(v: Any) -> bool:
     """Whether ``v`` is data by its type alone (an array or a registered data type)."""
-    return isinstance(v, _BASE_TYPES) or (bool(DATA_TYPES) and type(v) in DATA_TYPES)
+    t = type(v)
+    r = DATA_BY_TYPE.get(t)
+    if r is None:
+        r = DATA_BY_TYPE[t] = issubclass(t, _BASE_TYPES) or t in DATA_TYPES
+    return r
 
 
 def item_is_data(marks: Any, key: Any, v: Any) -> bool:

@@ -34,7 +34,16 @@ import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from cairn.core_array import key_name
-from cairn.nn._data import DATA_TEMPLATE, MARKS, DataSlot, bind_slot, data_value, item_is_data
+from cairn.nn._data import (
+    DATA_BY_TYPE,
+    DATA_TEMPLATE,
+    MARKS,
+    DataSlot,
+    bind_slot,
+    data_value,
+    is_data_value,
+    item_is_data,
+)
 from cairn.nn._filters import path_text
 from cairn.nn._variables import (
     _EMPTY_TEMPLATES,
@@ -356,7 +365,10 @@ class _TreeEncoder:
                 entries.append((k, MOD, self.visit(v, p)))
             elif isinstance(v, tuple) and tuple_has_nodes(v):
                 entries.append((k, TREE, self.tree_entry(v, p)))
-            elif item_is_data(marks, k, v):
+            elif (
+                item_is_data(marks, k, v) if marks is not None
+                else DATA_BY_TYPE.get(type(v)) or (type(v) not in DATA_BY_TYPE and is_data_value(v))
+            ):  # the by-type cache inlined: this runs once per static attribute
                 variables.append(data_slot(node, k))
                 paths.append(p)
                 entries.append((k, VAR, DATA_TEMPLATE))
