@@ -66,7 +66,8 @@ def is_data_value(v: Any) -> bool:
     t = type(v)
     r = DATA_BY_TYPE.get(t)
     if r is None:
-        r = DATA_BY_TYPE[t] = issubclass(t, _BASE_TYPES) or t in DATA_TYPES
+        # isinstance, not issubclass: a tracer is a jax.Array only to isinstance
+        r = DATA_BY_TYPE[t] = isinstance(v, _BASE_TYPES) or t in DATA_TYPES
     return r
 
 
