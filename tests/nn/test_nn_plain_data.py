@@ -312,3 +312,14 @@ def test_list_slices_are_plain_lists_and_slice_assignment_checks_items():
     assert ls[1:3] == [6, 7] and type(ls[1:3]) is list and len(ls) == 4
     with pytest.raises(ValueError, match="Found data on value of type 'tuple'"):
         ls[0:1] = [(jnp.ones(1), 1)]
+
+
+def test_optimizer_takes_the_module_of_gradients_jax_grad_returns():
+    model = nn.Linear(4, 2, rngs=nn.Rngs(0))
+    opt = nn.Optimizer(model, _Sgd(0.1), wrt=nn.Param)
+    k0 = np.asarray(model.kernel[...])
+    grads = jax.grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones(4))
+    assert isinstance(grads, nn.Linear)
+    opt.update(model, grads)
+    # d/dW sum(x @ W + b) = x[:, None] broadcast: every entry of the kernel's gradient is 1
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), k0 - 0.1, rtol=1e-6)

@@ -99,6 +99,8 @@ class Optimizer(Module):
         """
         params_state = _params_state(model, self.wrt)
         params = to_pure_dict(params_state)
+        if isinstance(grads, Module):  # jax.grad of a module: a module of gradients
+            grads = _params_state(grads, self.wrt)
         if isinstance(grads, State):
             grads = _grads_for(grads, params_state, self.wrt)
         # the transformation's own structure: a dict / list in its state became an
