@@ -323,3 +323,13 @@ def test_optimizer_takes_the_module_of_gradients_jax_grad_returns():
     opt.update(model, grads)
     # d/dW sum(x @ W + b) = x[:, None] broadcast: every entry of the kernel's gradient is 1
     np.testing.assert_allclose(np.asarray(model.kernel[...]), k0 - 0.1, rtol=1e-6)
+
+
+def test_merge_of_plain_values_rebuilds_the_graphs_variables():
+    m = Scaled()
+    gd, st = nn.split(m)
+    pure = nn.to_pure_dict(st)
+    m2 = nn.merge(gd, pure)
+    assert type(m2.w) is nn.Param and m2.w is not m.w  # a new Param of the graph's type
+    np.testing.assert_array_equal(np.asarray(m2.w[...]), np.asarray(m.w[...]))
+    assert isinstance(m2.scale, jax.Array)  # a data slot keeps the plain value

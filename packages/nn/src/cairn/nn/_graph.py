@@ -486,10 +486,23 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
             raise ValueError(f"nn.merge: the states have variables not in the graph: {extra}")
         if graphdef._specs is not None:
             _check_merge_values(graphdef, vs)
+        if not all(isinstance(v, Variable) for v in vs):
+            # plain values (a pure dict, a State of arrays): a Variable slot gets a new
+            # Variable of the graph's type and metadata, a data slot the value itself
+            root = build_node(graphdef.node, iter(vs), _as_variable)
+            return unwrap(root) if isinstance(root, PytreeNode) else root
     if copy:
         vs = [v.copy() if isinstance(v, Variable) else v for v in vs]
     root = graphdef.build_from_variables(vs)
     return unwrap(root) if isinstance(root, PytreeNode) else root
+
+
+def _as_variable(template: tuple, x: Any) -> Any:
+    """``x`` at a Variable slot of ``template`` in :func:`merge`: a Variable as it is,
+    a plain value in a new Variable of the template (a data slot keeps the value)."""
+    if isinstance(x, Variable) or template[0] is DataSlot:
+        return x
+    return rebuild_variable(template, x)
 
 
 def _pairs_state(s: Any) -> Any:

@@ -103,6 +103,11 @@ class Optimizer(Module):
             grads = _params_state(grads, self.wrt)
         if isinstance(grads, State):
             grads = _grads_for(grads, params_state, self.wrt)
+        # extra State arguments (a line search's grad=) in the parameters' structure too
+        kwargs = {
+            k: _grads_for(v, params_state, self.wrt) if isinstance(v, State) else v
+            for k, v in kwargs.items()
+        }
         # the transformation's own structure: a dict / list in its state became an
         # nn.Dict / nn.List on assignment; give it back as dict / list
         opt_tree = _plain(self.opt_state)
