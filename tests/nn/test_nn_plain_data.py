@@ -333,3 +333,29 @@ def test_merge_of_plain_values_rebuilds_the_graphs_variables():
     assert type(m2.w) is nn.Param and m2.w is not m.w  # a new Param of the graph's type
     np.testing.assert_array_equal(np.asarray(m2.w[...]), np.asarray(m.w[...]))
     assert isinstance(m2.scale, jax.Array)  # a data slot keeps the plain value
+
+
+_SHARD_MAP_STATE_SPECS = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from cairn import nn
+assert jax.device_count() == 4, jax.devices()
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("a",))
+m = nn.Linear(16, 32, rngs=nn.Rngs(0))
+graphdef, s = nn.split(m)
+specs = nn.State({"kernel": P(None, "a"), "bias": P()})  # a State of plain specs
+
+@nn.shard_map(mesh=mesh, in_specs=(specs,), out_specs=P(None, "a"))
+def f(s):
+    local = nn.merge(graphdef, s)  # the shard's shape: (16, 8), not the graph's (16, 32)
+    assert local.kernel.shape == (16, 8) and local.bias.shape == (32,)
+    return local.kernel[...]
+
+np.testing.assert_array_equal(np.asarray(f(s)), np.asarray(m.kernel[...]))
+print("ok")
+"""
+
+
+def test_shard_map_in_specs_as_a_state_of_plain_specs(run_on_cpu_devices):
+    r = run_on_cpu_devices(_SHARD_MAP_STATE_SPECS, devices=4)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -675,11 +675,22 @@ def _check_merge_values(graphdef: GraphDef, variables: list) -> None:
         if new.shape == old.shape and new.dtype == old.dtype:
             continue
         if old.shape != new.shape and len(old.shape) == len(new.shape):
+            if _in_shard_map():  # a shard's local shape: checked by shard_map itself
+                continue
             raise _spec_error(
                 "merge", "", graphdef.paths[i], "shape", tuple(old.shape), tuple(new.shape)
             )
         if old.dtype != new.dtype and _dtype_kind(old.dtype) != _dtype_kind(new.dtype):
             raise _spec_error("merge", "", graphdef.paths[i], "dtype", old.dtype, new.dtype)
+
+
+def _in_shard_map() -> bool:
+    """Whether this runs inside ``shard_map`` (mesh axes in manual mode), where a value
+    has its shard's shape, not the global one."""
+    try:
+        return bool(jax.sharding.get_abstract_mesh().manual_axes)
+    except AttributeError:  # an older jax without abstract meshes
+        return False
 
 
 def clone(

@@ -29,6 +29,7 @@ from cairn.nn._transform_plan import (
     run_pure,
 )
 from cairn.nn._transform_plan import Carry as LoopCarry
+from cairn.nn._tree_names import as_pure
 from cairn.nn._variables import Variable, rebuild_variable, template_of
 
 
@@ -142,10 +143,18 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
         if ax is None or isinstance(ax, int | PartitionSpec):
             axes.extend([ax] * sub.num_leaves)
         else:
+            if _holds_state(ax):  # a State of axes / specs (plain leaves) against a State
+                a = as_pure(a)  # of Variables: matched by path, one leaf per Variable
+                sub = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
             axes.extend(sub.flatten_up_to(_broadcast_prefix(ax, a)))
     if kwargs:
         axes.extend([0] * len(jax.tree_util.tree_leaves(kwargs, is_leaf=is_node)))
     return axes
+
+
+def _holds_state(prefix: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: isinstance(x, State))
+    return any(isinstance(x, State) for x in leaves)
 
 
 def _broadcast_prefix(prefix, tree):
