@@ -106,6 +106,7 @@ def test_core_modules_are_layered():
         "cairn.nn._graph_mode",
         "cairn.nn._sharding_rules",
         "cairn.nn._variables",
+        "cairn.nn._data",
         "cairn.nn._filters",
         "cairn.nn._state",
         "cairn.nn._nodes",

@@ -109,14 +109,15 @@ def test_iter_modules_paths():
     assert [k for k, _ in m.iter_children()] == ["layers"]
 
 
-def test_plain_array_attribute_rejected_with_clear_message():
+def test_plain_array_attribute_is_data_and_containers_of_arrays_are_refused():
     m = Lin(2, 2, nn.Rngs(0))
     with pytest.raises(TypeError, match=r"Lin.kernel holds a Param; assign the array to Lin.kernel.value"):
         m.kernel = jnp.zeros((2, 2))
-    with pytest.raises(TypeError, match=r"Lin.extra: plain arrays are not allowed"):
-        m.extra = np.zeros(3)
-    with pytest.raises(TypeError, match="contains plain arrays"):
-        m.extra = (jnp.zeros(3), 1)
+    m.extra = np.zeros(3)  # a plain array: data, a State entry at its path
+    st = nn.state(m)
+    assert isinstance(st["extra"], np.ndarray) and "extra" not in nn.state(m, nn.Param)
+    with pytest.raises(ValueError, match="Found data on value of type 'tuple'.*nn.List"):
+        m.extra2 = (jnp.zeros(3), 1)
 
 
 def test_shared_reference_detected_naming_both_paths():

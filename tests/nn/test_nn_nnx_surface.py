@@ -201,7 +201,7 @@ def test_pytree_data_static():
             self.name = nn.static("c")
 
     c = Counter()
-    assert isinstance(c, nn.Module) and isinstance(c.count, nn.Variable)
+    assert isinstance(c, nn.Module) and isinstance(c.count, jax.Array)
     leaves = jax.tree.leaves(c)
     assert len(leaves) == 3
     assert c.name == "c"

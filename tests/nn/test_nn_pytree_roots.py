@@ -30,7 +30,9 @@ def test_nested_pytree_keeps_its_plain_leaves_and_containers():
     a = {"a": 1, "b": nn.Param(jnp.array(2))}
     g = [a, 3, (nn.Param(jnp.array(4)), jnp.array(5.0), "s")]
     gd, st = nn.split(g)
-    assert sorted(st.flat_paths()) == ["0/b", "2/0"]
+    # every leaf of a pytree root is state (Flax NNX's), kept as the plain leaf
+    assert sorted(st.flat_paths()) == ["0/a", "0/b", "1", "2/0", "2/1", "2/2"]
+    assert st[1] == 3 and st[2][2] == "s" and isinstance(st[0]["b"], nn.Param)
     g2 = nn.merge(gd, st)
     assert type(g2) is list and type(g2[2]) is tuple
     assert g2[0]["a"] == 1 and g2[1] == 3 and g2[2][2] == "s"

@@ -92,6 +92,7 @@ from cairn.nn._graph_utils import (
     prefix,
     set_metadata,
     to_flat_state,
+    unflatten,
     unpack,
 )
 from cairn.nn._jit import JitWrapped, eval_shape, jit, jit_partial
@@ -110,7 +111,18 @@ from cairn.nn._normalization import (
 from cairn.nn._optimizer import ModelAndOptimizer, Optimizer
 from cairn.nn._pooling import avg_pool, max_pool, min_pool, pool
 from cairn.nn._profile import SUMMARY_FILE, Profiler, measure_peak, roofline, scope_of
-from cairn.nn._pytree import A, Pytree, data, dataclass, static
+from cairn.nn._pytree import (
+    A,
+    Data,
+    Pytree,
+    Static,
+    data,
+    dataclass,
+    has_data,
+    is_data,
+    register_data_type,
+    static,
+)
 from cairn.nn._recurrent import (
     RNN,
     GRUCell,
@@ -146,6 +158,14 @@ from cairn.nn._state_ops import filter_state, map_state, merge_state, split_stat
 from cairn.nn._summary import tabulate
 from cairn.nn._train_state import TrainState
 from cairn.nn._traversal import iter_graph, recursive_map
+from cairn.nn._tree_names import (
+    NodeStates,
+    as_pure,
+    find_duplicates,
+    from_tree,
+    restore_int_paths,
+    to_tree,
+)
 from cairn.nn._update_context import (
     CallableProxy,
     PureState,
@@ -248,7 +268,8 @@ __all__ = [
     # Flax NNX surface (issue 18)
     "Carry", "data", "display", "filter_state", "fork_rngs", "iter_graph", "map_state", "merge_state",
     "Pytree", "recursive_map", "reseed", "restore_rngs", "split_rngs", "split_state",
-    "SplitBackups", "static", "view", "with_attributes", "WithTag",
+    "SplitBackups", "static", "Data", "Static", "is_data", "has_data", "register_data_type",
+    "as_pure", "restore_int_paths", "find_duplicates", "to_tree", "from_tree", "NodeStates", "unflatten", "view", "with_attributes", "WithTag",
     # Flax NNX surface (issue 30)
     "capture", "compat", "DiffState", "filterlib", "flatten", "from_flat_state", "GraphState",
     "Initializer", "jit_partial", "map", "ModelAndOptimizer", "prefix", "set_graph_mode",

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any as _AnyT
 
 from cairn.core_array import PathError, compile_pattern, path_of
+from cairn.nn._data import DataSlot
 from cairn.nn._variables import Variable
 
 Predicate = Callable[[tuple, Variable], bool]
@@ -64,18 +65,21 @@ class Filter:
 
 
 class OfType(Filter):
-    """Variables that are instances of ``type``.
+    """Variables (or plain data leaves, such as arrays) that are instances of ``type``.
 
     Args:
-      type: a :class:`Variable` subclass.
+      type: a :class:`Variable` subclass, or another class (``jax.Array``) for plain
+        data leaves.
     """
 
     def __init__(self, type: type) -> None:  # noqa: A002 - NNX's argument name
-        if not (isinstance(type, builtins.type) and issubclass(type, Variable)):
-            raise TypeError(f"OfType expects a Variable subclass, got {type!r}")
+        if not isinstance(type, builtins.type):
+            raise TypeError(f"OfType expects a class (e.g. nn.Param), got {type!r}")
         self.type = type
 
     def __call__(self, path: tuple, variable: Variable) -> bool:
+        if type(variable) is DataSlot:  # a data attribute is matched by its value
+            variable = variable.raw_value
         return isinstance(variable, self.type)
 
     def __repr__(self):
@@ -311,13 +315,8 @@ def to_predicate(f: _AnyT) -> Predicate:
         return _EVERYTHING
     if f is None or f is False:
         return _NOTHING
-    if isinstance(f, type):
-        if issubclass(f, Variable):
-            return OfType(f)
-        raise TypeError(
-            f"unknown filter {f!r}: a type used as a filter must be a Variable subclass "
-            f"(e.g. nn.Param)"
-        )
+    if isinstance(f, type):  # a Variable type, or a type of plain data (jax.Array)
+        return OfType(f)
     if isinstance(f, str):
         return PathRegex(f)
     if isinstance(f, list | tuple):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cairn.nn._data import DataSlot, data_value, plain
 from cairn.nn._filters import path_str, path_text, to_predicate
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import (
@@ -53,14 +54,18 @@ class GraphDef:
       paths: the path tuple of each variable, in flat order.
     """
 
-    __slots__ = ("node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs")
+    __slots__ = (
+        "node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs", "has_data"
+    )
 
     # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]``
     __class_getitem__: Any = classmethod(types.GenericAlias)
 
-    def __init__(self, node: tuple, paths: tuple) -> None:
+    def __init__(self, node: tuple, paths: tuple, has_data: bool = False) -> None:
         self.node = node
         self.paths = paths
+        # some slots are plain data attributes (see cairn.nn._data), not Variables
+        self.has_data = has_data
         self._hash: int | None = None
         self._index: dict[tuple, int] | None = None
         self._pstrs: tuple[str, ...] | None = None
@@ -127,7 +132,8 @@ class GraphDef:
                 root = build(variables)
             else:
                 root = build_node(self.node, iter(variables))
-        object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
+        if not self.has_data:  # data slots bind to the new nodes: encoded on first use
+            object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
         return root
 
     def build_from_values(self, values: Any) -> Node:
@@ -144,7 +150,8 @@ class GraphDef:
             return v
 
         root = build_node(self.node, iter(values), new_var)
-        object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
+        if not self.has_data:
+            object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
         return root
 
 
@@ -201,7 +208,11 @@ class _Codegen:
         return f"v[{self.nvars - 1}]"
 
     def leaf(self, tag, payload) -> str:
-        return self.var() if tag == VAR else self.emit(payload)
+        if tag != VAR:
+            return self.emit(payload)
+        if payload[0] is DataSlot:  # a data attribute holds the plain value
+            return f"dv({self.var()})"
+        return self.var()
 
     def emit(self, encoding) -> str:
         cls, entries = encoding
@@ -234,7 +245,9 @@ def _codegen_builder(node):
     gen = _Codegen()
     root = gen.emit(node)
     src = "def build(v):\n" + "\n".join(gen.lines) + f"\n    return {root}\n"
-    ns = {"K": gen.consts, "new": object.__new__, "setattr_": object.__setattr__}
+    ns = {
+        "K": gen.consts, "new": object.__new__, "setattr_": object.__setattr__, "dv": data_value
+    }
     exec(compile(src, "<cairn.nn graph builder>", "exec"), ns)
     return ns["build"]
 
@@ -242,7 +255,8 @@ def _codegen_builder(node):
 def fresh_flat(root: Node) -> _Flat:
     """The uncached encoding of ``root``'s tree."""
     encoding, paths, variables = encode_tree(root)
-    return _Flat(EPOCH[0], GraphDef(encoding, paths), variables)
+    has_data = any(type(v) is DataSlot for v in variables)
+    return _Flat(EPOCH[0], GraphDef(encoding, paths, has_data), variables)
 
 
 def flat(node: Node) -> _Flat:
@@ -329,6 +343,7 @@ def _partition(c: _Flat, filters, fn: str, exhaustive: bool) -> list[State]:
     preds = [to_predicate(f) for f in filters]
     outs: list[dict] = [{} for _ in preds]
     for p, v in zip(c.graphdef.paths, c.variables):
+        v = plain(v)  # a data attribute is filtered, and handed out, as its value
         for o, pred in zip(outs, preds):
             if pred(p, v):
                 o[p] = v
@@ -439,6 +454,7 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
     """
     if isinstance(graphdef, GraphState):
         graphdef, states = _graph_states(graphdef, states)
+    states = tuple(_pairs_state(s) for s in states)
     if isinstance(graphdef, VariableDef | LeafDef):
         return _merge_single(graphdef, states, copy)
     if not isinstance(graphdef, GraphDef):
@@ -470,10 +486,33 @@ def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
             raise ValueError(f"nn.merge: the states have variables not in the graph: {extra}")
         if graphdef._specs is not None:
             _check_merge_values(graphdef, vs)
+        if not all(isinstance(v, Variable) for v in vs):
+            # plain values (a pure dict, a State of arrays): a Variable slot gets a new
+            # Variable of the graph's type and metadata, a data slot the value itself
+            root = build_node(graphdef.node, iter(vs), _as_variable)
+            return unwrap(root) if isinstance(root, PytreeNode) else root
     if copy:
-        vs = [v.copy() for v in vs]
+        vs = [v.copy() if isinstance(v, Variable) else v for v in vs]
     root = graphdef.build_from_variables(vs)
     return unwrap(root) if isinstance(root, PytreeNode) else root
+
+
+def _as_variable(template: tuple, x: Any) -> Any:
+    """``x`` at a Variable slot of ``template`` in :func:`merge`: a Variable as it is,
+    a plain value in a new Variable of the template (a data slot keeps the value)."""
+    if isinstance(x, Variable) or template[0] is DataSlot:
+        return x
+    return rebuild_variable(template, x)
+
+
+def _pairs_state(s: Any) -> Any:
+    """A flat state given as a list of ``(path tuple, value)`` pairs (``nn.flatten``'s)
+    as a State; anything else as it is."""
+    if type(s) is list and all(type(x) is tuple and len(x) == 2 and type(x[0]) is tuple for x in s):
+        if len(s) == 1 and s[0][0] == ():  # a lone Variable's / leaf's pair
+            return s[0][1]
+        return State.from_flat(s)
+    return s
 
 
 def _merge_single(graphdef: VariableDef | LeafDef, states: tuple, copy: bool) -> Any:
@@ -636,11 +675,22 @@ def _check_merge_values(graphdef: GraphDef, variables: list) -> None:
         if new.shape == old.shape and new.dtype == old.dtype:
             continue
         if old.shape != new.shape and len(old.shape) == len(new.shape):
+            if _in_shard_map():  # a shard's local shape: checked by shard_map itself
+                continue
             raise _spec_error(
                 "merge", "", graphdef.paths[i], "shape", tuple(old.shape), tuple(new.shape)
             )
         if old.dtype != new.dtype and _dtype_kind(old.dtype) != _dtype_kind(new.dtype):
             raise _spec_error("merge", "", graphdef.paths[i], "dtype", old.dtype, new.dtype)
+
+
+def _in_shard_map() -> bool:
+    """Whether this runs inside ``shard_map`` (mesh axes in manual mode), where a value
+    has its shard's shape, not the global one."""
+    try:
+        return bool(jax.sharding.get_abstract_mesh().manual_axes)
+    except AttributeError:  # an older jax without abstract meshes
+        return False
 
 
 def clone(
@@ -735,26 +785,37 @@ def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
     cannot be popped (tuples are immutable).
 
     Args:
-      node: the module to remove variables from.
+      node: the module (or a pytree of lists / dicts holding modules, Variables and
+        plain leaves) to remove variables and data from.
       filters: the filters of the variables to remove.
     """
+    if not isinstance(node, Node) and is_pytree_root(node):
+        node = wrap(node)
     _check_module(node, "pop")
     if not filters:
         raise TypeError("nn.pop needs at least one filter")
     c = flat(node)
     states = _partition(c, filters, "pop", False)
-    for s in states:
-        for p in s._flat:
-            owner = node
-            for k in p[:-1]:
-                owner = _get_child(owner, k)
-            if not isinstance(owner, Node):
-                raise TypeError(
-                    f"nn.pop: cannot remove {path_text(p)!r}: its parent is a "
-                    f"{type(owner).__name__}, not a module"
-                )
+    # last paths first: removing a list item must not shift the ones still to remove
+    for p in sorted((p for s in states for p in s._flat), key=_path_order, reverse=True):
+        owner = node
+        for k in p[:-1]:
+            owner = _get_child(owner, k)
+        src = owner.__dict__.get("_cairn_src") if isinstance(owner, PytreeNode) else None
+        if type(src) in (list, dict):
+            del src[p[-1]]
+        elif isinstance(owner, Node) and not isinstance(owner, PytreeNode):
             owner._graph_del(p[-1])
+        else:
+            raise TypeError(
+                f"nn.pop: cannot remove {path_text(p)!r}: its parent is a "
+                f"{type(src if src is not None else owner).__name__}, not a module, list or dict"
+            )
     return states[0] if len(states) == 1 else tuple(states)
+
+
+def _path_order(p: tuple) -> tuple:
+    return tuple((isinstance(k, str), k) for k in p)
 
 
 def iter_modules(node: Node, *, graph: bool | None = None) -> Iterator[tuple[str, Node]]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cairn.nn._data import plain
 from cairn.nn._filters import path_text, to_predicate
-from cairn.nn._graph import GraphDef, flat, split
+from cairn.nn._graph import flat, merge, split
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import PREFIX_TREES
 from cairn.nn._state import GraphState, State
+from cairn.nn._tree_names import check_tree_mode
+from cairn.nn._tree_root import LeafDef, VariableDef
 from cairn.nn._variables import Variable
 
 Node = Module
@@ -103,21 +106,57 @@ def unpack(
 
 
 def flatten(
-    node: Node, /, *, with_paths: bool = True, graph: bool | None = None
-) -> tuple[GraphDef, Any]:
-    """``(graphdef, flat)``: ``flat`` is the list of ``(path_tuple, Variable)`` pairs in
-    the GraphDef's order (``with_paths=False``: the list of values).
+    node: Any, /, *, with_paths: bool = True, graph: bool | None = None
+) -> tuple[Any, Any]:
+    """``(graphdef, flat)``: ``flat`` is the list of ``(path_tuple, Variable or plain
+    leaf)`` pairs in the GraphDef's order (``with_paths=False``: the list of values). A
+    pytree root's pairs are sorted by path (Flax NNX's order); a lone Variable or leaf
+    is one pair at the empty path. :func:`unflatten` is the inverse.
 
     Args:
-      node: a module.
+      node: a module, a pytree holding modules / Variables / leaves, a Variable or a leaf.
       with_paths: pair each Variable with its path (default) or give the raw values.
       graph: Flax NNX's mode keyword (one behaviour here).
     """
     check_mode("flatten", graph)
+    check_tree_mode("flatten", node, graph)
+    if not isinstance(node, Node):
+        gd, st = split(node)
+        pairs = [((), st)] if isinstance(gd, VariableDef | LeafDef) else sorted(
+            st._flat.items(), key=lambda pv: tuple((isinstance(k, str), k) for k in pv[0])
+        )
+        if with_paths:
+            return gd, pairs
+        return gd, [v.raw_value if isinstance(v, Variable) else v for _, v in pairs]
     c = flat(node)
+    vs = [plain(v) for v in c.variables] if c.graphdef.has_data else c.variables
     if with_paths:
-        return c.graphdef, list(zip(c.graphdef.paths, c.variables))
+        return c.graphdef, list(zip(c.graphdef.paths, vs))
     return c.graphdef, [v.raw_value for v in c.variables]
+
+
+def unflatten(graphdef: Any, flat_state: Any, /, **_: Any) -> Any:
+    """The inverse of :func:`flatten`: the module (or pytree, Variable, leaf) of
+    ``graphdef`` holding the values of ``flat_state``.
+
+    Args:
+      graphdef: a GraphDef (or a lone Variable's / leaf's definition) from ``flatten``.
+      flat_state: ``(path, value)`` pairs, a ``{path: value}`` mapping or a State.
+    """
+    return merge(graphdef, flat_state)
+
+
+class FlatState(list):
+    """The ``(path_tuple, value)`` pairs of a State (a list), with Flax NNX's
+    ``paths`` and ``leaves`` views."""
+
+    @property
+    def paths(self) -> tuple:
+        return tuple(p for p, _ in self)
+
+    @property
+    def leaves(self) -> list:
+        return [v for _, v in self]
 
 
 def to_flat_state(state: State) -> list[tuple[tuple, Variable]]:
@@ -128,7 +167,7 @@ def to_flat_state(state: State) -> list[tuple[tuple, Variable]]:
     """
     if not isinstance(state, State):
         raise TypeError(f"nn.to_flat_state: expected a State, got {type(state).__name__}")
-    return list(state._flat.items())
+    return FlatState(state._flat.items())
 
 
 def from_flat_state(flat_state: Any) -> State:
@@ -230,6 +269,7 @@ def iter_children(node: Node, /, *, graph: bool | None = None) -> Any:
       graph: Flax NNX's mode keyword (one behaviour here).
     """
     check_mode("iter_children", graph)
+    check_tree_mode("iter_children", node, graph)
     for key, value in node._graph_items():
         if isinstance(value, Module):
             yield key, value

@@ -28,6 +28,7 @@ from cairn.nn._transform_plan import (
     reject_bound_method,
     run_pure,
     set_raw,
+    set_raw_data,
     write_module,
 )
 from cairn.nn._variables import EPOCH
@@ -294,6 +295,7 @@ class JitWrapped:
         tdon: list = []
         tkeep: list = []
         ids: list = []
+        data = False  # a module with plain data attributes (see cairn.nn._data)
         plans: dict[Any, Plan] = {}
         for i, a in enumerate(args):
             if i in static:
@@ -308,6 +310,7 @@ class JitWrapped:
                 if c is None or c.epoch != ep:
                     c = flat(a)
                 keyparts.append(c.graphdef)
+                data = data or c.graphdef.has_data
                 vs = c.variables
                 values.extend([v.raw_value for v in vs])
                 targets.extend(vs)
@@ -319,10 +322,12 @@ class JitWrapped:
             else:
                 p = plans[i] = Plan(a)
                 keyparts.append(p.key())
+                data = data or p.has_data
                 p.extend_flat(values, targets, ids)
         if kwargs:
             p = plans["kw"] = Plan(kwargs)
             keyparts.append(("kw", p.key()))
+            data = data or p.has_data
             p.extend_flat(keep, tkeep, ids)
         if len(ids) > 1 and not lowering:
             sig = (ep, tuple(ids))
@@ -337,10 +342,11 @@ class JitWrapped:
         if lowering:
             return entry.jitted.lower(don, keep)
         out, ud, uk, struct = entry.jitted(don, keep)
+        sr = set_raw_data if data else set_raw
         for i, x in ud.items():
-            set_raw(tdon[i], x)
+            sr(tdon[i], x)
         for i, x in uk.items():
-            set_raw(tkeep[i], x)
+            sr(tkeep[i], x)
         if struct is not None:
             self._apply_struct(struct, args, plans)
         return out

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec, Sharding
 
 from cairn.nn._graph import flat
 from cairn.nn._module import Module
-from cairn.nn._transform_plan import set_raw
+from cairn.nn._transform_plan import set_raw, set_raw_data
 from cairn.nn._variables import Variable
 from cairn.nn._vmap_scan import StateAxes, _expand_out_axes, _module_axes
 
@@ -55,7 +55,7 @@ def _constrain_module(m: Module, spec: Any) -> None:
     c = flat(m)
     for v, s in zip(c.variables, _module_axes(spec, c.graphdef, c.variables, c.variables)):
         if s is not None:
-            set_raw(v, _constrain(v.raw_value, s))
+            set_raw_data(v, _constrain(v.raw_value, s))
 
 
 def constrain_arg(a: Any, spec: Any) -> Any:
@@ -85,7 +85,7 @@ def constrain_out(out: Any, out_shardings: Any) -> Any:
         if isinstance(s, Module):
             for vs, vx in zip(flat(s).variables, flat(x).variables):
                 if vs.raw_value is not None:
-                    set_raw(vx, _constrain(vx.raw_value, vs.raw_value))
+                    set_raw_data(vx, _constrain(vx.raw_value, vs.raw_value))
             return x
         if isinstance(s, Variable):
             return _constrain(x, s.raw_value)

@@ -9,9 +9,12 @@ A module's attributes fall in three kinds:
   configuration, kept in the pytree's aux data. Static values should be treated as
   immutable: change them by assigning the attribute again.
 
-Plain arrays are not allowed as attributes: wrap them in a Variable so that they are
-tracked as state (``self.table = nn.Variable(x)``). A plain ``list`` or ``dict`` that
-holds modules or variables is converted to :class:`List` / :class:`Dict` on assignment.
+A plain JAX / NumPy array attribute (``self.count = jnp.array(0)``), a value of a type
+given to ``nn.register_data_type`` and a value assigned as ``nn.data(x)`` are **data**:
+pytree leaves and State entries kept as the plain value (see ``cairn.nn._data``). A
+plain ``list`` or ``dict`` that holds modules or variables is converted to
+:class:`List` / :class:`Dict` on assignment; one that holds arrays is refused unless it
+is marked ``nn.data`` (use ``nn.List`` / ``nn.Dict``).
 A module tree has no shared references: the same module or variable reachable from two
 paths is an error (tie weights explicitly instead).
 """
@@ -31,6 +34,7 @@ import numpy as np
 from jax._src import core as _jax_core
 from jax.tree_util import DictKey, SequenceKey
 
+from cairn.nn._data import MARKS, Marked, is_data_value
 from cairn.nn._graph import clone, iter_modules
 from cairn.nn._nodes import Node, is_node
 from cairn.nn._variables import EPOCH, Intermediate, Perturbation, Variable
@@ -87,16 +91,17 @@ class Module(Node):
         call = cls.__dict__.get("__call__")
         if call is not None and not getattr(call, "_cairn_wrapped", False):
             cls.__call__ = _wrap_call(call)  # type: ignore[method-assign]
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_cairn_wrapped", False):
+            cls.__init__ = _wrap_init(init)  # type: ignore[method-assign]
 
     # --- attribute handling ---
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith(_INTERNAL):
             object.__setattr__(self, name, value)
             return
-        kind = _field_kind(type(self), name)
-        if kind is not None:
-            value = as_data(value) if kind == "data" else check_static(value, name)
-        value = _check_attribute(self, name, value)
+        value, mark = _attribute_status(self, name, value)
+        value = _check_attribute(self, name, value, mark)
         object.__setattr__(self, name, value)
         EPOCH[0] += 1
 
@@ -301,6 +306,35 @@ def _child_key(parent: Any, child: Any) -> str | None:
     return None
 
 
+def _wrap_init(init):
+    """``__init__`` followed, for the outermost one, by :func:`_check_after_init`."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if type(self).__init__ is __init__:
+            _check_after_init(self)
+
+    __init__._cairn_wrapped = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _check_after_init(module: Module) -> None:
+    """A static list / dict / tuple attribute filled with arrays after its assignment
+    (``self.ls = []; self.ls.append(x)``) is refused once ``__init__`` is done, as Flax
+    NNX does: the arrays would be neither static nor state."""
+    marks = module.__dict__.get(MARKS) or {}
+    for k, v in module.__dict__.items():
+        if k.startswith(_INTERNAL) or type(v) not in (list, dict, tuple) or marks.get(k):
+            continue
+        if _contains_arrays(v):
+            raise StaticDataError(
+                f"Found unexpected data on value of type {type(v).__name__!r} in static "
+                f"attribute {k!r} of {type(module).__name__} after __init__: use nn.List / "
+                f"nn.Dict, assign it as nn.data(...), or keep the arrays in Variables"
+            )
+
+
 def _scoped_call(fn: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
     parent, path = _SCOPES[-1]
     key = _child_key(parent, module)
@@ -391,9 +425,70 @@ def _field_kind(cls: type, name: str) -> str | None:
     f = fields.get(name) if fields else None
     if f is None:
         f = getattr(cls, name, None)
-    if isinstance(f, dataclasses.Field):
-        return f.metadata.get(FIELD_KIND)
-    return None
+    if isinstance(f, dataclasses.Field) and FIELD_KIND in f.metadata:
+        return f.metadata[FIELD_KIND]
+    return _annotated_kinds(cls).get(name)
+
+
+_ANNOTATED: dict[type, dict[str, str]] = {}
+
+
+def _annotated_kinds(cls: type) -> dict[str, str]:
+    """``{name: "data" | "static"}`` for the attributes annotated ``nn.Data[...]`` /
+    ``nn.Static[...]`` in the class bodies of ``cls`` (read once per class)."""
+    kinds = _ANNOTATED.get(cls)
+    if kinds is None:
+        kinds = {}
+        for klass in reversed(cls.__mro__):
+            for name, ann in klass.__dict__.get("__annotations__", {}).items():
+                meta = getattr(ann, "__metadata__", ())
+                text = ann if isinstance(ann, str) else ""
+                if "__data__" in meta or text.split(".")[-1].startswith("Data["):
+                    kinds[name] = "data"
+                elif "__static__" in meta or text.split(".")[-1].startswith("Static["):
+                    kinds[name] = "static"
+        _ANNOTATED[cls] = kinds
+    return kinds
+
+
+def _attribute_status(module: Module, name: str, value: Any) -> tuple[Any, bool | None]:
+    """``(value, mark)`` of an assignment: ``nn.data(x)`` / ``nn.static(x)`` set the
+    attribute's status (recorded on the instance), a recorded status stays for later
+    plain assignments, else a class-level ``nn.data()`` / ``nn.Data[...]`` declaration
+    gives it; None: the value's type decides."""
+    marks = module.__dict__.get(MARKS)
+    if isinstance(value, Marked):  # nn.data(x) / nn.static(x)
+        mark: bool | None = value.data
+        value = value.value
+    elif marks is not None and name in marks:
+        mark = marks[name]  # an explicit status stays
+        if not mark and is_data_value(value):
+            raise StaticDataError(
+                f"Cannot assign data value of type {type(value).__name__!r} to static "
+                f"attribute {name!r} of {type(module).__name__}; to override the status "
+                f"assign it as nn.data(...)"
+            )
+        return value, mark
+    else:
+        kind = _field_kind(type(module), name)
+        if kind is None:
+            return value, None
+        mark = kind == "data"
+    if not mark:
+        value = check_static(value, name)
+    if (marks or {}).get(name) is not mark:  # copy on write: the marks are a static item
+        object.__setattr__(module, MARKS, {**(marks or {}), name: mark})
+    return value, mark
+
+
+def _container_item(container: Module, key: Any, value: Any) -> Any:
+    """An item stored in ``nn.List`` / ``nn.Dict``: ``nn.data(x)`` of a value that is not
+    data by type becomes a Variable (a container keeps no per-item marks)."""
+    if isinstance(value, Marked):
+        if not value.data:
+            return check_static(value.value, str(key))
+        value = value.value if is_data_value(value.value) else as_data(value.value)
+    return _check_attribute(container, str(key), value)
 
 
 def as_data(value: Any) -> Any:
@@ -424,8 +519,11 @@ def check_static(value: Any, name: str = "") -> Any:
     return value
 
 
-def _check_attribute(module: Module, name: str, value: Any) -> Any:
-    """Validate / convert a value assigned to a module attribute."""
+def _check_attribute(module: Module, name: str, value: Any, mark: bool | None = None) -> Any:
+    """Validate / convert a value assigned to a module attribute (``mark``: its explicit
+    status, True for data)."""
+    if mark:
+        return value
     if isinstance(value, _ARRAY_TYPES):
         current = module.__dict__.get(name)
         if isinstance(current, Variable):
@@ -435,20 +533,17 @@ def _check_attribute(module: Module, name: str, value: Any) -> Any:
                 f"`[...] = `), or wrap it in a Variable: got a plain "
                 f"{type(value).__name__} of shape {np.shape(value)}"
             )
-        raise TypeError(
-            f"{type(module).__name__}.{name}: plain arrays are not allowed as module "
-            f"attributes (got {type(value).__name__} of shape {np.shape(value)}); wrap it "
-            f"in a Variable (nn.Param, nn.BatchStat, nn.Cache or nn.Variable) so that it "
-            f"is tracked as state"
-        )
+        return value  # data: a pytree leaf, a State entry
     if type(value) is list and _contains_nodes(value):
         return List(value)
     if type(value) is dict and _contains_nodes(value):
         return Dict(value)
     if isinstance(value, tuple | list | dict) and _contains_arrays(value):
-        raise TypeError(
-            f"{type(module).__name__}.{name}: the {type(value).__name__} assigned "
-            f"contains plain arrays; wrap each in a Variable (nn.Param, nn.Variable, ...)"
+        raise StaticDataError(
+            f"Found data on value of type {type(value).__name__!r} assigned to static "
+            f"attribute {name!r} of {type(module).__name__}: the {type(value).__name__} "
+            f"contains plain arrays. Use nn.List(...) / nn.Dict(...), assign it as "
+            f"nn.data(...) to make the whole value data, or wrap each array in a Variable"
         )
     return value
 
@@ -500,7 +595,7 @@ class List(_Container):
         return obj
 
     def _check(self, value, key):
-        return _check_attribute(self, str(key), value)
+        return _container_item(self, key, value)
 
     def append(self, value: Any) -> None:
         """Add ``value`` at the end.
@@ -541,12 +636,14 @@ class List(_Container):
         return v
 
     def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return List(self._cairn_items[idx])
+        # a slice is a plain list of the items (Flax NNX's List), not a new module
         return self._cairn_items[idx]
 
     def __setitem__(self, idx, value):
-        self._cairn_items[idx] = self._check(value, idx)
+        if isinstance(idx, slice):
+            self._cairn_items[idx] = [self._check(v, i) for i, v in enumerate(value)]
+        else:
+            self._cairn_items[idx] = self._check(value, idx)
         EPOCH[0] += 1
 
     def __delitem__(self, idx):
@@ -598,7 +695,7 @@ class Dict(_Container, Mapping):
     def __setitem__(self, key, value):
         if not isinstance(key, str) or "/" in key:
             raise TypeError(f"nn.Dict keys must be strings without '/', got {key!r}")
-        self._cairn_items[key] = _check_attribute(self, key, value)
+        self._cairn_items[key] = _container_item(self, key, value)
         EPOCH[0] += 1
 
     def __delitem__(self, key):
@@ -610,6 +707,19 @@ class Dict(_Container, Mapping):
         if items is not None and name in items:
             return items[name]
         raise AttributeError(f"{type(self).__name__} has no attribute or key {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``d.key = value`` is ``d["key"] = value`` (Flax NNX's Dict is attribute-based)."""
+        if name.startswith("_") or name in type(self).__dict__:
+            super().__setattr__(name, value)
+        else:
+            self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__.get("_cairn_items", ()):
+            del self[name]
+        else:
+            super().__delattr__(name)
 
     def __iter__(self):
         return iter(self._cairn_items)
@@ -692,6 +802,8 @@ def _repr_items(m: Module) -> Iterator[tuple[Any, Any, str]]:
     settings as their short text, those at their ``__init__`` default skipped."""
     defaults = _init_defaults(type(m))
     for k, v in m._graph_items():
+        if k == MARKS:
+            continue
         if isinstance(v, Module):
             yield k, v, "module"
         elif isinstance(v, Variable):

@@ -34,6 +34,16 @@ import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from cairn.core_array import key_name
+from cairn.nn._data import (
+    DATA_BY_TYPE,
+    DATA_TEMPLATE,
+    MARKS,
+    DataSlot,
+    bind_slot,
+    data_value,
+    is_data_value,
+    item_is_data,
+)
 from cairn.nn._filters import path_text
 from cairn.nn._variables import (
     _EMPTY_TEMPLATES,
@@ -100,12 +110,15 @@ class Node:
 
     _graph_key: Callable[[Any], Any] = GetAttrKey
     _graph_store: str | None = "attrs"
+    _cairn_pytree = True  # ``class M(nn.Module, pytree=False)``: not a JAX pytree
 
-    def __init_subclass__(cls, **kwargs: Any):
+    def __init_subclass__(cls, pytree: bool = True, **kwargs: Any):
         super().__init_subclass__(**kwargs)
-        jax.tree_util.register_pytree_with_keys(
-            cls, flatten_node_with_keys, unflatten_node, flatten_func=flatten_node
-        )
+        cls._cairn_pytree = bool(pytree)
+        if pytree:  # else a JAX leaf; the graph functions still see its children
+            jax.tree_util.register_pytree_with_keys(
+                cls, flatten_node_with_keys, unflatten_node, flatten_func=flatten_node
+            )
 
     def _graph_items(self) -> list[tuple[Any, Any]]:
         """(key, value) pairs of this node, in order (internal attributes skipped)."""
@@ -184,6 +197,7 @@ def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
     children: list[tuple[Any, Any]] = []
     entries: list[tuple] = []
     key_cls = node._graph_key
+    marks = node.__dict__.get(MARKS)
     for k, v in node._graph_items():
         if isinstance(v, Variable):
             children.append((key_cls(k), v.raw_value))
@@ -202,6 +216,9 @@ def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
             )
             children.append((key_cls(k), inner))
             entries.append((k, TREE, (treedef, leafdefs)))
+        elif item_is_data(marks, k, v):
+            children.append((key_cls(k), v))
+            entries.append((k, VAR, DATA_TEMPLATE))
         else:
             entries.append((k, STATIC, Static(v)))
     return children, (type(node), tuple(entries))
@@ -240,6 +257,11 @@ def build_node(
     for k, tag, payload in entries:
         if tag == VAR:
             x = next(values)
+            if payload[0] is DataSlot:  # a data attribute: the plain value
+                if new_variable is not None:
+                    new_variable(payload, x)
+                items.append((k, data_value(x)))
+                continue
             items.append((k, x if new_variable is None else new_variable(payload, x)))
         elif tag == MOD:
             if nested:
@@ -277,12 +299,13 @@ def shared_error(obj: Any, first: tuple, second: tuple) -> SharedReferenceError:
 class _TreeEncoder:
     """One walk of a module tree: its encoding, its variables and their paths."""
 
-    __slots__ = ("variables", "paths", "seen")
+    __slots__ = ("variables", "paths", "seen", "has_data")
 
     def __init__(self):
         self.variables: list[Variable] = []
         self.paths: list[tuple] = []
         self.seen: dict[int, tuple] = {}
+        self.has_data = False
 
     def add_var(self, v: Variable, p: tuple) -> tuple:
         i = id(v)
@@ -317,9 +340,11 @@ class _TreeEncoder:
             raise shared_error(node, seen[i], path)
         seen[i] = path
         entries: list[tuple] = []
+        d = node.__dict__
+        marks = d.get(MARKS)
         if type(node)._graph_items is _PLAIN_ITEMS:  # skip the list copy of __dict__
             items = [
-                kv for kv in node.__dict__.items()
+                kv for kv in d.items()
                 if kv[0][0] != "_" or not kv[0].startswith("_cairn_")
             ]
         else:
@@ -340,6 +365,14 @@ class _TreeEncoder:
                 entries.append((k, MOD, self.visit(v, p)))
             elif isinstance(v, tuple) and tuple_has_nodes(v):
                 entries.append((k, TREE, self.tree_entry(v, p)))
+            elif (
+                item_is_data(marks, k, v) if marks is not None
+                else DATA_BY_TYPE.get(type(v)) or (type(v) not in DATA_BY_TYPE and is_data_value(v))
+            ):  # the by-type cache inlined: this runs once per static attribute
+                variables.append(data_slot(node, k))
+                paths.append(p)
+                entries.append((k, VAR, DATA_TEMPLATE))
+                self.has_data = True
             else:
                 entries.append((k, STATIC, Static(v)))
         return (type(node), tuple(entries))
@@ -348,10 +381,47 @@ class _TreeEncoder:
 _PLAIN_ITEMS = Node._graph_items
 
 
+def data_slot(node: Node, key: Any) -> DataSlot:
+    """The slot of ``node``'s data item ``key``: bound to where ``_graph_new`` stores the
+    items (the instance dict, or the container's list / dict)."""
+    store = graph_store(type(node))
+    if store == "attrs":
+        return bind_slot(node.__dict__, key)
+    if store in ("list", "dict"):
+        return bind_slot(node.__dict__["_cairn_items"], key)
+    src = node.__dict__.get("_cairn_src")  # a pytree root level: its list or dict
+    if type(src) in (list, dict):
+        return bind_slot(src, key)
+    if "_cairn_src" in node.__dict__:  # a tuple or another immutable pytree level
+        return bind_slot(node.__dict__["_cairn_items"], key)
+    return bind_slot(_ItemsView(node), key)
+
+
+class _ItemsView:
+    """``store[key]`` over a node with a custom ``_graph_new``: reads its items, writes
+    through ``_graph_set``."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def __getitem__(self, key: Any) -> Any:
+        for k, v in self.node._graph_items():
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.node._graph_set(key, value)
+
+
 def encode_tree(root: Node) -> tuple[tuple, tuple, list]:
     """``(encoding, paths, variables)`` of the tree under ``root``: the nested encoding
     (a MOD payload is the child's encoding), the path tuple of each variable and the
-    variables themselves, in the same order.
+    variables themselves, in the same order. A data attribute (an array, or a value
+    marked ``nn.data``) takes a variable slot: its template is :data:`DATA_TEMPLATE`
+    and its entry in the list a :class:`~cairn.nn._data.DataSlot`.
 
     Raises:
       SharedReferenceError: a node or variable is reachable at two paths.

@@ -10,6 +10,7 @@ import numpy as np
 
 from cairn.nn._filters import path_text
 from cairn.nn._graph import state as _state
+from cairn.nn._graph import update as _update
 from cairn.nn._module import Dict, List, Module
 from cairn.nn._sharding_rules import shard_on_create
 from cairn.nn._state import State, replace_by_pure_dict, to_pure_dict
@@ -82,7 +83,7 @@ class Optimizer(Module):
     def update(self, model: Module, grads: Any, /, **kwargs: Any) -> Any:
         """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
         ``params += updates`` (cast back to each parameter's dtype), in place. Returns
-        ``updates``.
+        ``updates`` (a State of plain arrays at the parameters' paths).
 
         ``grads`` is the State ``nn.grad`` returns (or a pure dict of the parameters'
         structure); gradients of variables ``wrt`` does not select (``nn.grad``'s
@@ -98,8 +99,15 @@ class Optimizer(Module):
         """
         params_state = _params_state(model, self.wrt)
         params = to_pure_dict(params_state)
+        if isinstance(grads, Module):  # jax.grad of a module: a module of gradients
+            grads = _params_state(grads, self.wrt)
         if isinstance(grads, State):
             grads = _grads_for(grads, params_state, self.wrt)
+        # extra State arguments (a line search's grad=) in the parameters' structure too
+        kwargs = {
+            k: _grads_for(v, params_state, self.wrt) if isinstance(v, State) else v
+            for k, v in kwargs.items()
+        }
         # the transformation's own structure: a dict / list in its state became an
         # nn.Dict / nn.List on assignment; give it back as dict / list
         opt_tree = _plain(self.opt_state)
@@ -110,6 +118,9 @@ class Optimizer(Module):
             lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates
         )
         replace_by_pure_dict(params_state, new_params)
+        data = {p: x for p, x in params_state._flat.items() if not isinstance(x, Variable)}
+        if data:  # plain data attributes trained: written into the model by path
+            _update(model, State.from_flat(data))
         new_leaves = jax.tree_util.tree_leaves(new_state)
         if len(new_leaves) != len(opt_vars):
             raise ValueError(
@@ -119,7 +130,11 @@ class Optimizer(Module):
             spec = v._meta.get("optimizer_sharding")
             v.raw_value = x if spec is None else _keep_sharding(x, spec)
         self.step.raw_value = self.step.raw_value + jnp.uint32(1)
-        return updates
+        if not isinstance(updates, dict):
+            return updates
+        # a State of plain arrays at the parameters' paths (in their order), as Flax NNX's
+        by_path = State(updates)._flat
+        return State.from_flat({p: by_path[p] for p in params_state._flat if p in by_path})
 
 
 class ModelAndOptimizer(Optimizer):
@@ -226,7 +241,7 @@ def _place_optimizer_sharding(opt_state: Any, params_state: State, mesh: Any) ->
     wanted = {
         path: (var.raw_value, var._meta["optimizer_sharding"])
         for path, var in params_state._flat.items()
-        if var._meta.get("optimizer_sharding") is not None
+        if isinstance(var, Variable) and var._meta.get("optimizer_sharding") is not None
     }
     leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     out, placed = [], []

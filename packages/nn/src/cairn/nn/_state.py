@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.tree_util import DictKey
 
+from cairn.nn._data import plain
 from cairn.nn._filters import path_str, path_text, to_predicate
 from cairn.nn._variables import Variable, rebuild_variable, template_of
 
@@ -76,6 +77,8 @@ class State(MutableMapping):
         if d is None:
             assert self._hint is not None  # set whenever _flat_d is None
             gd, variables = self._hint
+            if gd.has_data:  # a data attribute's entry is its plain value
+                variables = [plain(v) for v in variables]
             d = self._flat_d = dict(zip(gd.paths, variables))
         return d
 
@@ -140,17 +143,14 @@ class State(MutableMapping):
         self._hint = None
         for p in [p for p in self._flat if p[0] == key]:
             del self._flat[p]
-        if isinstance(value, Variable):
-            self._flat[(key,)] = value
-        elif isinstance(value, Mapping):
+        if isinstance(value, Mapping):
             sub = value._flat if isinstance(value, State) else _flatten_mapping(value, (), {})
             for p, v in sub.items():
                 self._flat[(key, *p)] = v
-        else:
-            raise TypeError(
-                f"State values must be Variables or mappings of Variables; got "
-                f"{type(value).__name__} for key {key!r}"
-            )
+            if not sub:  # an empty sub-state stays, as a nested dict's empty entry
+                self._flat[(key,)] = State()
+        else:  # a Variable, or a plain leaf (an array, a number, a PartitionSpec...)
+            self._flat[(key,)] = value
         self._changed()
 
     def __delitem__(self, key):
@@ -266,11 +266,8 @@ def _flatten_mapping(mapping: Mapping, prefix: tuple, out: dict) -> dict:
                 out[(*prefix, k, *p)] = x
         elif isinstance(v, Mapping):
             _flatten_mapping(v, (*prefix, k), out)
-        else:
-            raise TypeError(
-                f"State leaves must be Variables; got {type(v).__name__} at "
-                f"{path_text((*prefix, k))!r} (use nn.Variable(...) or replace_by_pure_dict)"
-            )
+        else:  # a plain leaf: an array, a number, a PartitionSpec...
+            out[(*prefix, k)] = v
     return out
 
 
@@ -286,7 +283,7 @@ def to_pure_dict(state: State | Mapping) -> dict:
         d = out
         for k in p[:-1]:
             d = d.setdefault(k, {})
-        d[p[-1]] = v.raw_value
+        d[p[-1]] = v.raw_value if isinstance(v, Variable) else v
     return out
 
 
@@ -299,7 +296,7 @@ def replace_by_pure_dict(state: State, pure: Mapping) -> None:
       state: the State to update in place.
       pure: nested plain dicts of values at the State's paths.
     """
-    for p, v in state._flat.items():
+    for p, v in list(state._flat.items()):
         d = pure
         for i, k in enumerate(p):
             if isinstance(d, Mapping) and k in d:
@@ -315,7 +312,10 @@ def replace_by_pure_dict(state: State, pure: Mapping) -> None:
             raise TypeError(
                 f"replace_by_pure_dict: expected an array at {path_text(p)!r}, got a mapping"
             )
-        v.value = d
+        if isinstance(v, Variable):
+            v.value = d
+        else:
+            state._flat[p] = d
 
 
 # --- pytree registration: variables inline ---
@@ -329,7 +329,7 @@ def _state_children(s: State):
             groups[head] = v
         else:
             g = groups.get(head)
-            if g is None or isinstance(g, Variable):
+            if not isinstance(g, dict):
                 g = groups[head] = {}
             g[p[1:]] = v
     keys = []
@@ -340,10 +340,17 @@ def _state_children(s: State):
         if isinstance(g, Variable):
             children.append(g.raw_value)
             tmpl.append(template_of(g))
-        else:
+        elif isinstance(g, dict):
             children.append(State.from_flat(g))
             tmpl.append(None)
+        else:  # a plain leaf, as it is
+            children.append(g)
+            tmpl.append(_PLAIN)
     return keys, children, tuple(tmpl)
+
+
+# the template of a plain (non-Variable) leaf in a State's pytree aux data
+_PLAIN = "plain"
 
 
 def _state_flatten_with_keys(s: State):
@@ -360,7 +367,9 @@ def _state_unflatten(aux, children):
     keys, tmpl = aux
     flat = {}
     for k, t, c in zip(keys, tmpl, children):
-        if t is None:
+        if t is _PLAIN:
+            flat[(k,)] = c
+        elif t is None:
             if isinstance(c, State):
                 for p, v in c._flat.items():
                     flat[(k, *p)] = v

@@ -21,12 +21,22 @@ from typing import Any
 
 import jax
 
+from cairn.nn._data import DataSlot
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._module import Module, annotate_exception
 from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
 
 set_raw = Variable.__dict__["raw_value"].__set__
+
+
+def set_raw_data(v: Variable, x: Any) -> None:
+    """``set_raw`` for a variable list that may hold data slots (a plain data
+    attribute's value lives in its module: ``cairn.nn._data``)."""
+    if type(v) is DataSlot:
+        object.__setattr__(v, "raw_value", x)
+    else:
+        set_raw(v, x)
 
 
 class Plan:
@@ -67,6 +77,11 @@ class Plan:
         self.objs.append(obj)
         self.varlists.append(varlist)
         self.dyn.append(dyn)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether a module of the plan has plain data attributes."""
+        return any(k == MOD and d.has_data for k, d in zip(self.kinds, self.descs))
 
     def key(self) -> tuple:
         """The plan's structure, hashable (a compilation cache key)."""
@@ -185,8 +200,9 @@ def write_module(
     """Give module ``obj`` (encoded as ``old_gd`` with ``old_vars``) the ``values`` of
     structure ``new_gd``: in place value by value when the structure is unchanged."""
     if new_gd is old_gd or new_gd == old_gd:
+        sr = set_raw_data if old_gd.has_data else set_raw
         for v, x in zip(old_vars, values):
-            set_raw(v, x)
+            sr(v, x)
     else:
         sync(obj, new_gd.build_from_values(values))
 

@@ -9,6 +9,7 @@ from typing import Any
 from cairn.nn._graph import flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import Node, shared_error
+from cairn.nn._tree_names import check_tree_mode
 from cairn.nn._variables import Variable
 
 
@@ -29,6 +30,7 @@ def iter_graph(node: Any, /, *, graph: bool | None = None) -> Iterator[tuple[tup
     () Linear
     """
     check_mode("iter_graph", graph)
+    check_tree_mode("iter_graph", node, graph)
 
     def rec(x: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
         if isinstance(x, Node):
@@ -67,6 +69,7 @@ def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
       SharedReferenceError: a module or Variable is found at two paths.
     """
     check_mode("recursive_map", graph)
+    check_tree_mode("recursive_map", node, graph)
     if not isinstance(node, Node):
         return _map_pytree(f, node)
     c = flat(node)

@@ -5,7 +5,7 @@ Variable, or of a plain leaf, as Flax NNX allows.
 A pytree root is wrapped, one :class:`PytreeNode` per pytree level, into a node tree the
 ordinary encoding handles: a level's children are its items (keys: list positions,
 dict keys, attribute names), its ``jax`` tree structure is a static item, and leaves
-that are neither modules nor Variables are static. Variable paths are the pytree's
+that are neither modules nor Variables are data (State entries holding the plain leaf). Variable paths are the pytree's
 (``[linear, bn]`` gives ``0/kernel``, ``1/scale``...). :func:`unwrap` turns the node
 tree back into the pytree after ``merge``.
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from cairn.nn._data import ALL_LEAVES, MARKS
 from cairn.nn._nodes import Node, is_node, key_of
 from cairn.nn._variables import Variable, template_of
 
@@ -63,7 +64,12 @@ def wrap(x: Any) -> Any:
     for kp, child in kids:
         items[key_of(kp[0])] = wrap(child)
     items[_TREEDEF] = treedef
-    return PytreeNode._graph_new(items)
+    node = PytreeNode._graph_new(items)
+    # every leaf is data (Flax NNX's state of a pytree); a plain leaf of a list or dict
+    # is written back into that container (nn.update)
+    object.__setattr__(node, MARKS, ALL_LEAVES)
+    object.__setattr__(node, "_cairn_src", x)
+    return node
 
 
 def unwrap(x: Any) -> Any:

@@ -192,7 +192,8 @@ def merge_context(tag: Hashable | None = None, inner: bool | None = None) -> Ite
 # --- nn.call: a method call on a (graphdef, state) pair, the pure way ---
 
 A = TypeVar("A")
-PureState = tuple[GraphDef, State]  # what ``nn.split(node)`` returns, as a type
+# what ``nn.split(node)`` returns, as a type; ``nn.PureState[Model]`` as Flax NNX's
+PureState = tuple[GraphDef[A], State]
 
 
 class CallableProxy:

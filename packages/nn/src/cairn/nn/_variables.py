@@ -639,12 +639,34 @@ def _register(cls):
 _register(Variable)
 
 
+def _routed_getitem(self, idx):
+    v = self.get_value()
+    return v if idx is Ellipsis else v[idx]
+
+
+def _routed_setitem(self, idx, new):
+    new = _unwrap(new)
+    if idx is not Ellipsis:
+        new = jnp.asarray(self.raw_value).at[idx].set(new)
+    self.set_value(new)
+
+
+def _route_value_hooks(cls: type) -> None:
+    """A subclass overriding ``get_value`` / ``set_value`` (Flax NNX's hooks) has
+    ``v[...]`` read / write through them; the base class keeps its direct access."""
+    if "get_value" in cls.__dict__ and "__getitem__" not in cls.__dict__:
+        cls.__getitem__ = _routed_getitem  # type: ignore[attr-defined]
+    if "set_value" in cls.__dict__ and "__setitem__" not in cls.__dict__:
+        cls.__setitem__ = _routed_setitem  # type: ignore[attr-defined]
+
+
 def _register_subclass_hook():
     orig = Variable.__init_subclass__
 
     def hook(cls, **kw):
         orig(**kw)
         _register(cls)
+        _route_value_hooks(cls)
 
     Variable.__init_subclass__ = classmethod(hook)  # type: ignore[method-assign,assignment]
 

@@ -19,6 +19,7 @@ from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
+from cairn.nn._state import State
 from cairn.nn._transform_plan import (
     Box,
     Plan,
@@ -28,6 +29,7 @@ from cairn.nn._transform_plan import (
     run_pure,
 )
 from cairn.nn._transform_plan import Carry as LoopCarry
+from cairn.nn._tree_names import as_pure
 from cairn.nn._variables import Variable, rebuild_variable, template_of
 
 
@@ -37,14 +39,36 @@ class StateAxes:
     one), e.g. ``nn.StateAxes({nn.Param: 0, ...: None})``.
 
     Args:
-      mapping: ``{filter: axis}``, ``axis`` an int or None (not mapped).
+      mapping: ``{filter: axis}``, ``axis`` an int or None (not mapped); or a
+        :class:`State` holding each variable's axis at its path.
     """
 
     _cairn_prefix_mapping = True  # a per-variable prefix (graph mode only, in Flax NNX)
 
     def __init__(self, mapping: Mapping[Any, Any]) -> None:
-        self.items = tuple(mapping.items())
+        if isinstance(mapping, State):  # an axis per path: one exact-path filter each
+            self.items = tuple((_AtPath(p), ax) for p, ax in mapping._flat.items())
+        else:
+            self.items = tuple(mapping.items())
         self.preds = tuple(to_predicate(f) for f, _ in self.items)
+
+    def map_prefix(self, path: tuple, variable: Any) -> Any:
+        """The axis of the variable ``variable`` at ``path`` (the first filter matching).
+
+        Args:
+          path: the variable's path tuple.
+          variable: the variable (or plain leaf).
+
+        Raises:
+          ValueError: no filter matches.
+        """
+        for pred, (_, ax) in zip(self.preds, self.items):
+            if pred(path, variable):
+                return ax
+        raise ValueError(
+            f"StateAxes: {path_text(path)!r} matches none of the filters "
+            f"{[f for f, _ in self.items]!r}"
+        )
 
     def axes_for(self, graphdef: GraphDef, variables: list[Variable]) -> list:
         """The axis of each variable of a module (``graphdef`` and its variables).
@@ -73,6 +97,27 @@ class StateAxes:
         return f"StateAxes({dict(self.items)!r})"
 
 
+class _AtPath:
+    """The filter of one exact path (a StateAxes made from a State)."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: tuple) -> None:
+        self.path = path
+
+    def __call__(self, path: tuple, variable: Any) -> bool:
+        return path == self.path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _AtPath) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(("_AtPath", self.path))
+
+    def __repr__(self) -> str:
+        return f"AtPath({path_text(self.path)!r})"
+
+
 # --- axes of a plan's leaves ---
 
 
@@ -98,10 +143,18 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
         if ax is None or isinstance(ax, int | PartitionSpec):
             axes.extend([ax] * sub.num_leaves)
         else:
+            if _holds_state(ax):  # a State of axes / specs (plain leaves) against a State
+                a = as_pure(a)  # of Variables: matched by path, one leaf per Variable
+                sub = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
             axes.extend(sub.flatten_up_to(_broadcast_prefix(ax, a)))
     if kwargs:
         axes.extend([0] * len(jax.tree_util.tree_leaves(kwargs, is_leaf=is_node)))
     return axes
+
+
+def _holds_state(prefix: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: isinstance(x, State))
+    return any(isinstance(x, State) for x in leaves)
 
 
 def _broadcast_prefix(prefix, tree):
