@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import html
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
@@ -259,11 +260,19 @@ class Module(Node):
         return cast(Module, clone(self))
 
 
-_CALL_DEPTH = [0]
-# While the outermost module call is traced: (module, its path below that module) per
-# active call, so each submodule call runs inside jax.named_scope(<its path>) and the
-# traced program names the module every op came from (profiles, cairn.quant's rules).
-_SCOPES: list[tuple[Any, str]] = []
+class _CallState(threading.local):
+    """Per thread (two threads may trace or call modules at once, e.g. a serving engine
+    compiling while the main thread exports): ``depth`` is 1 inside the outermost module
+    call; while that call is traced, ``scopes`` holds (module, its path below that module)
+    per active call, so each submodule call runs inside jax.named_scope(<its path>) and the
+    traced program names the module every op came from (profiles, cairn.quant's rules)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.scopes: list[tuple[Any, str]] = []
+
+
+_CALLS = _CallState()
 _TRACE_CTX = _jax_core.trace_ctx
 _EVAL_TRACE = _jax_core.EvalTrace
 
@@ -335,17 +344,17 @@ def _check_after_init(module: Module) -> None:
             )
 
 
-def _scoped_call(fn: Callable, module: Any, args: tuple, kwargs: dict) -> Any:
-    parent, path = _SCOPES[-1]
+def _scoped_call(fn: Callable, module: Any, args: tuple, kwargs: dict, scopes: list) -> Any:
+    parent, path = scopes[-1]
     key = _child_key(parent, module)
-    _SCOPES.append((module, path if key is None else f"{path}/{key}" if path else key))
+    scopes.append((module, path if key is None else f"{path}/{key}" if path else key))
     try:
         if key is None:
             return fn(module, *args, **kwargs)
         with jax.named_scope(key):
             return fn(module, *args, **kwargs)
     finally:
-        _SCOPES.pop()
+        scopes.pop()
 
 
 def _wrap_call(fn):
@@ -356,23 +365,25 @@ def _wrap_call(fn):
 
     @functools.wraps(fn)
     def __call__(self, *args, **kwargs):
-        if _CALL_DEPTH[0]:
-            if not _SCOPES:
+        calls = _CALLS
+        if calls.depth:
+            scopes = calls.scopes
+            if not scopes:
                 return fn(self, *args, **kwargs)
-            return _scoped_call(fn, self, args, kwargs)
-        _CALL_DEPTH[0] = 1
+            return _scoped_call(fn, self, args, kwargs, scopes)
+        calls.depth = 1
         tracing = type(_TRACE_CTX.trace) is not _EVAL_TRACE
         if tracing:
-            _SCOPES.append((self, ""))
+            calls.scopes.append((self, ""))
         try:
             return fn(self, *args, **kwargs)
         except Exception as e:
             annotate_exception(e, [(None, self)])
             raise
         finally:
-            _CALL_DEPTH[0] = 0
+            calls.depth = 0
             if tracing:
-                _SCOPES.clear()
+                calls.scopes.clear()
 
     __call__._cairn_wrapped = True  # type: ignore[attr-defined]
     return __call__
