@@ -812,15 +812,20 @@ def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
 
 
 def iter_modules(node: Node, *, graph: bool | None = None) -> Iterator[tuple[str, Node]]:
-    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first.
+    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first; a
+    module found at several places is given once, at its first path.
 
     Args:
       node: a module.
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("iter_modules", graph)
+    seen: set[int] = set()  # a shared module (or a cycle) is visited once
 
     def rec(m, path):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
         yield path_str(path), m
         for k, v in m._graph_items():
             if isinstance(v, Node):
