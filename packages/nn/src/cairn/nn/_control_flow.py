@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from cairn.nn._graph_mode import check_mode
-from cairn.nn._transform_plan import Box, Carry, Plan, run_pure
+from cairn.nn._transform_plan import Box, Carry, Plan, check_tree_args, run_pure
 
 
 def fori_loop(
@@ -145,6 +145,7 @@ def cond(
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("cond", graph, graph_updates)
+    check_tree_args("cond", operands, graph)
     return _branches_call([true_fun, false_fun], pred, operands, False)
 
 
@@ -165,4 +166,5 @@ def switch(
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("switch", graph, graph_updates)
+    check_tree_args("switch", operands, graph)
     return _branches_call(list(branches), index, operands, True)

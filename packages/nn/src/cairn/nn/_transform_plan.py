@@ -21,7 +21,8 @@ from typing import Any
 
 import jax
 
-from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
+from cairn.nn._filters import path_str
+from cairn.nn._graph import GraphDef, check_tree, flat, fresh_flat, sync, tree_mode
 from cairn.nn._module import Module, annotate_exception
 from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
@@ -177,6 +178,35 @@ def _check_once(seen: dict, v: Variable, owner: Any) -> None:
             f"passed twice to a transform (Duplicate {type(v).__name__}); pass it once"
         )
     seen[id(v)] = id(owner)
+
+
+def check_tree_args(fn: str, tree: Any, graph: bool | None) -> None:
+    """In tree mode (``graph=False``, or ``nn.set_graph_mode(False)``), raise
+    :class:`SharedReferenceError` (a ``ValueError``) naming the paths when the arguments
+    ``tree`` of ``nn.<fn>`` hold a module or Variable at two places (inside one module
+    or across arguments); graph mode allows it. Nothing is walked in graph mode."""
+    if not tree_mode(graph):
+        return
+    seen: dict[int, str] = {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]:
+        if isinstance(x, Module):
+            c = flat(x)
+            check_tree(x, c, False)
+            pairs = [(f"{jax.tree_util.keystr(kp)}/{path_str(p)}", v)
+                     for p, v in zip(c.graphdef.paths, c.variables)]
+        elif isinstance(x, Variable):
+            pairs = [(jax.tree_util.keystr(kp), x)]
+        else:
+            continue
+        for where, v in pairs:
+            if id(v) in seen:
+                raise SharedReferenceError(
+                    f"Duplicate {type(v).__name__}: the same object is found at paths "
+                    f"{seen[id(v)]!r} and {where!r} of the arguments of nn.{fn}; tree mode "
+                    f"(graph=False) does not support shared references (pass graph=True, "
+                    f"or nn.clone one of them)"
+                )
+            seen[id(v)] = where
 
 
 def write_module(
