@@ -67,7 +67,7 @@ def test_flax_words_in_aliasing_and_carry_messages():
     with pytest.raises(ValueError, match="Inconsistent aliasing detected.*Duplicate Param"):
         nn.vmap(lambda a, b: None, in_axes=(0, 1))(foo, foo)
     with pytest.raises(ValueError, match="found at paths 'a' and 'b'"):
-        nn.split(nn.Dict(a=v, b=v))
+        nn.split(nn.Dict(a=v, b=v), graph=False)
 
     @nn.scan(in_axes=nn.Carry, out_axes=nn.Carry, length=3)
     def loop(c, x):
