@@ -64,8 +64,11 @@ def test_flax_words_in_aliasing_and_carry_messages():
     with pytest.raises(ValueError, match="found at paths .*Duplicate Param"):
         nn.jit(lambda a, b: None)(v, v)
     foo = nn.Dict(a=nn.Param(jnp.zeros((2, 2))))
-    with pytest.raises(ValueError, match="Inconsistent aliasing detected.*Duplicate Param"):
+    with pytest.raises(ValueError, match=r"Inconsistent aliasing detected\. The following nodes "
+                       r"have different prefixes:\nNode: Param\n  0/a: 0\n  1/a: 1"):
         nn.vmap(lambda a, b: None, in_axes=(0, 1))(foo, foo)
+    with pytest.raises(ValueError, match="Duplicate Param"):
+        nn.vmap(lambda a, b: None, in_axes=(0, 0), graph=False)(foo, foo)
     with pytest.raises(ValueError, match="found at paths 'a' and 'b'"):
         nn.split(nn.Dict(a=v, b=v), graph=False)
 

@@ -139,16 +139,20 @@ class GraphDef:
         object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
         return root
 
-    def build_from_values(self, values: Any) -> Node:
+    def build_from_values(self, values: Any, reuse: dict[int, Variable] | None = None) -> Node:
         """A new module tree of this structure with new variables holding ``values``.
 
         Args:
           values: the variables' values, in the order of ``paths``.
+          reuse: variable index -> an existing Variable to place there instead of a new
+            one (a Variable shared with another transform argument).
         """
         out: list = []
 
         def new_var(template, value):
-            v = rebuild_variable(template, value)
+            v = rebuild_variable(template, value) if reuse is None else reuse.get(len(out))
+            if v is None:
+                v = rebuild_variable(template, value)
             out.append(v)
             return v
 

@@ -23,7 +23,9 @@ from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    check_consistent_prefixes,
     check_prefix,
+    check_tree_args,
     reject_bound_method,
     run_pure,
 )
@@ -211,16 +213,18 @@ def vmap(
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
             axis_size=axis_size, spmd_axis_name=spmd_axis_name,
-            transform_metadata=transform_metadata,
+            transform_metadata=transform_metadata, graph=graph, graph_updates=graph_updates,
         )
     if transform_metadata:
         f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "vmap")
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
+        check_tree_args("vmap", (args, kwargs), graph)
         return _mapped_call(
             jax.vmap, f, args, kwargs, in_axes, out_axes,
             {"axis_name": axis_name, "axis_size": axis_size, "spmd_axis_name": spmd_axis_name},
+            link=True,
         )
 
     return wrapper
@@ -298,15 +302,18 @@ def pmap(
     return wrapper
 
 
-def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
+def _mapped_call(
+    mapper, f, args, kwargs, in_axes, out_axes, opts: dict, link: bool = False
+) -> Any:
     """``mapper`` (``jax.vmap`` / ``jax.pmap``) of ``f(*args, **kwargs)`` with module
     arguments: their values go in along their axes and the new values come back along
     the same axes; module-aware ``out_axes`` are expanded for the traced output."""
     if kwargs and isinstance(in_axes, tuple | list) and len(in_axes) > len(args):
         args, kwargs = _bind_positional(f, args, kwargs)
-    plan = Plan((args, kwargs))
+    plan = Plan((args, kwargs), link)
     axes = _prefix_axes(args, kwargs, in_axes)
     leaf_axes = _leaf_axes_tree(plan, axes)
+    check_consistent_prefixes(plan, leaf_axes)
     _check_mapped_ranks(plan, axes)
     box = Box()
     # a module argument's changes come back along its axes: one int / None covers any
@@ -773,11 +780,13 @@ def shard_map(
 
     @functools.wraps(f)
     def wrapper(*args):
-        plan = Plan((args, {}))
+        check_tree_args("shard_map", args, graph)
+        plan = Plan((args, {}), link=True)
         specs = in_specs
         if _is_spec_leaf(specs):
             specs = (specs,) * len(args)
         leaf_specs = _leaf_axes_tree(plan, _prefix_axes(args, {}, tuple(specs)))
+        check_consistent_prefixes(plan, leaf_specs)
         box = Box()
         kw: dict[str, Any] = {"mesh": mesh, "in_specs": (leaf_specs,)}
         if axis_names is not None:
