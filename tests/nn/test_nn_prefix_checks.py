@@ -62,7 +62,7 @@ def test_defaults_accept_state_axes_and_prefix_modules():
 def test_flax_words_in_aliasing_and_carry_messages():
     v = nn.Param(jnp.array(1.0))
     with pytest.raises(ValueError, match="found at paths .*Duplicate Param"):
-        nn.jit(lambda a, b: None)(v, v)
+        nn.jit(lambda a, b: None, graph=False)(v, v)
     foo = nn.Dict(a=nn.Param(jnp.zeros((2, 2))))
     with pytest.raises(ValueError, match=r"Inconsistent aliasing detected\. The following nodes "
                        r"have different prefixes:\nNode: Param\n  0/a: 0\n  1/a: 1"):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cairn.nn._nodes as _nodes_module
 from cairn.nn._filters import path_str, path_text, to_predicate
 from cairn.nn._graph_mode import check_mode, set_graph_mode
 from cairn.nn._nodes import (
@@ -306,6 +307,9 @@ def check_tree(root: Node, c: _Flat, graph: bool | None, original: Any = None) -
 
 
 _REF_TYPES = tuple(t for t in (getattr(jax, "Ref", None),) if isinstance(t, type))
+
+
+_nodes_module.FLAT[0] = flat  # the pytree flattening's shared-reference check
 
 
 # --- public functional API ---

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
+from cairn.nn._graph import GraphDef, flat, fresh_flat, sync, tree_mode
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._jit_shardings import arg_shardings, constrain_arg, constrain_out
 from cairn.nn._module import Module
@@ -189,18 +189,51 @@ def _collect_changes(records) -> tuple[dict, dict, _StructOut | None]:
     return ud, uk, (_StructOut(tuple(graphs), values) if graphs else None)
 
 
-def _check_disjoint(tdon, tkeep) -> None:
+def _check_disjoint(tdon, tkeep, allow: bool = False) -> bool:
+    """Whether no variable is found in two arguments. With ``allow`` (graph mode, nothing
+    donated) a shared one gives False; otherwise it raises."""
     seen = set()
     for v in (*tdon, *tkeep):
         if v is None:
             continue
         if id(v) in seen:
+            if allow:
+                return False
             raise SharedReferenceError(
                 f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
                 f"found at paths in two arguments of an nn.jit function (Duplicate "
                 f"{type(v).__name__}); arguments must not share modules or variables"
             )
         seen.add(id(v))
+    return True
+
+
+def _call_packed(packed: tuple, statics: tuple) -> Any:
+    """The function behind :meth:`JitWrapped._shared_call`: ``fun(*args, **kwargs)``
+    from the packed arguments (static ones put back at their positions)."""
+    fun, dyn, kwargs = packed[0].value, list(packed[1]), packed[2]
+    for i, v in statics:
+        dyn[i] = v
+    return fun(*dyn, **kwargs)
+
+
+class _Static:
+    """A hashable box that a pytree flattening treats as a leaf-free node: the user
+    function travels in the packed arguments' structure (static aux data)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and other.value is self.value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
 
 
 class JitWrapped:
@@ -245,6 +278,10 @@ class JitWrapped:
         self._jit_kwargs = jit_kwargs
         self._cache: dict = {}
         self._checked: tuple | None = None
+        self._graph: bool | None = jit_kwargs.pop("graph", None)
+        self._link = bool(jit_kwargs.pop("_link", False))
+        self._packed: JitWrapped | None = None  # compiles calls whose arguments share
+        self._shared_sig: tuple | None = None
 
     def _argnames_positions(self, names: tuple[str, ...], what: str) -> set[int]:
         if self._sig is None:
@@ -317,17 +354,22 @@ class JitWrapped:
                 values.append(a)
                 targets.append(None)
             else:
-                p = plans[i] = Plan(a)
+                p = plans[i] = Plan(a, self._link)
                 keyparts.append(p.key())
                 p.extend_flat(values, targets, ids)
         if kwargs:
             p = plans["kw"] = Plan(kwargs)
             keyparts.append(("kw", p.key()))
             p.extend_flat(keep, tkeep, ids)
-        if len(ids) > 1 and not lowering:
+        if len(ids) > 1 and not lowering and not self._link:
             sig = (ep, tuple(ids))
             if sig != self._checked:
-                _check_disjoint(tdon, tkeep)
+                if sig == self._shared_sig:
+                    return self._shared_call(args, kwargs)
+                allow = not donate and self._in_shardings is None and not tree_mode(self._graph)
+                if not _check_disjoint(tdon, tkeep, allow):
+                    self._shared_sig = sig
+                    return self._shared_call(args, kwargs)
                 self._checked = sig
         key = (len(args), tuple(keyparts))
         try:
@@ -344,6 +386,19 @@ class JitWrapped:
         if struct is not None:
             self._apply_struct(struct, args, plans)
         return out
+
+    def _shared_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call whose arguments share a module or Variable (graph mode): all of them
+        travel as one linked :class:`Plan`, so the shared object is one object inside
+        and its new value is written back once."""
+        if self._packed is None:
+            self._packed = JitWrapped(
+                _call_packed, static_argnums=(1,), out_shardings=self._out_shardings,
+                _link=True, **self._jit_kwargs,
+            )
+        statics = tuple((i, args[i]) for i in sorted(self._static) if i < len(args))
+        dyn = tuple(None if i in self._static else a for i, a in enumerate(args))
+        return self._packed((_Static(self.fun), dyn, kwargs), statics)
 
     def _miss(self, key: tuple, args: tuple, kwargs: dict, plans: dict) -> _JitEntry:
         """The compiled function for ``key``, made on a cache miss."""
@@ -509,8 +564,8 @@ def jit(
         **jit_kwargs,
     )
     if fun is None:
-        return functools.partial(jit, **kw)
-    return JitWrapped(fun, **kw)
+        return functools.partial(jit, graph=graph, graph_updates=graph_updates, **kw)
+    return JitWrapped(fun, graph=graph, **kw)
 
 
 def eval_shape(

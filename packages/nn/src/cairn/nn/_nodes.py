@@ -183,9 +183,20 @@ def key_of(entry: Any) -> Any:
 # --- one node: the pytree registration ---
 
 
+# ``cairn.nn._graph.flat`` (the cached encoding of a tree), set when it is imported
+FLAT: list[Callable[[Any], Any] | None] = [None]
+
+
 def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
     """One level of ``node`` as a pytree: variables' values and child nodes are the
-    children (a variable's value at the variable's own key), the rest is aux data."""
+    children (a variable's value at the variable's own key), the rest is aux data.
+
+    A pytree has no shared references: as Flax NNX's tree mode, a tree holding a
+    module or Variable at two places (or a cycle) raises :class:`SharedReferenceError`
+    naming both paths (one cached lookup per node when nothing is shared)."""
+    flat = FLAT[0]
+    if flat is not None and flat(node).graphdef.refs:
+        encode_tree(node, strict=True)  # raises, naming the two paths
     children: list[tuple[Any, Any]] = []
     entries: list[tuple] = []
     key_cls = node._graph_key

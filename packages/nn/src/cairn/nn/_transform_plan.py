@@ -127,7 +127,8 @@ class Plan:
 
     def key(self) -> tuple:
         """The plan's structure, hashable (a compilation cache key)."""
-        return (self.treedef, tuple(self.kinds), tuple(self.descs))
+        links = None if self.links is None else tuple(sorted(self.links.items()))
+        return (self.treedef, tuple(self.kinds), tuple(self.descs), links)
 
     def extend_flat(self, values: list, targets: list, ids: list) -> None:
         """Append every dynamic value to ``values``, the variable it belongs to (None
