@@ -120,3 +120,15 @@ def test_cond_writes_a_shared_variable_back_once():
     nn.cond(True, inc_a, inc_b, d)
     nn.cond(False, inc_a, inc_b, d)
     assert d["a"] is d["b"] and int(v[...]) == 3
+
+
+def test_without_graph_updates_an_input_variable_is_not_returned():
+    v = nn.Param(jnp.array(1.0))
+    with pytest.raises(ValueError, match="does not support Variable aliasing"):
+        nn.jit(lambda v: v, graph=False)(v)
+    for graph in (True, False):
+        with pytest.raises(ValueError, match="Duplicate Param"):
+            nn.eval_shape(lambda v: v, v, graph=graph, graph_updates=False)
+    assert nn.jit(lambda v: v)(v) is not None  # graph mode with updates: allowed
+    new = nn.jit(lambda v: nn.Param(v[...] + 1), graph=False)(v)  # a new Variable is fine
+    assert float(new[...]) == 2.0 and float(v[...]) == 1.0

@@ -16,17 +16,16 @@ from typing import Any
 import jax
 
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync, tree_mode
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._jit_shardings import arg_shardings, constrain_arg, constrain_out
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, SharedReferenceError
 from cairn.nn._transform_plan import (
-    Box,
     Plan,
     call_annotated,
+    check_output_aliasing,
     check_prefix,
     reject_bound_method,
-    run_pure,
     set_raw,
     write_module,
 )
@@ -279,6 +278,7 @@ class JitWrapped:
         self._cache: dict = {}
         self._checked: tuple | None = None
         self._graph: bool | None = jit_kwargs.pop("graph", None)
+        self._graph_updates: bool | None = jit_kwargs.pop("graph_updates", None)
         self._link = bool(jit_kwargs.pop("_link", False))
         self._packed: JitWrapped | None = None  # compiles calls whose arguments share
         self._shared_sig: tuple | None = None
@@ -449,12 +449,15 @@ class JitWrapped:
 
         in_specs = arg_shardings(self._in_shardings, len(args), self._static)
         out_specs = self._out_shardings
+        no_alias = not resolve_modes(self._graph, self._graph_updates)[2]
 
         def pure(don, keep):
             call_args, kw, records = _rebuild_call(descs, kwplan, don, keep)
             for i, s in in_specs.items():
                 call_args[i] = constrain_arg(call_args[i], s)
             out = call_annotated(fun, call_args, kw)
+            if no_alias:  # Flax's tree mode / graph_updates=False: no input returned
+                check_output_aliasing("jit", [r[1] for r in records], out)
             for i, s in in_specs.items():
                 constrain_arg(call_args[i], s)  # the state leaves with its sharding
             if out_specs is not None:
@@ -565,7 +568,7 @@ def jit(
     )
     if fun is None:
         return functools.partial(jit, graph=graph, graph_updates=graph_updates, **kw)
-    return JitWrapped(fun, graph=graph, **kw)
+    return JitWrapped(fun, graph=graph, graph_updates=graph_updates, **kw)
 
 
 def eval_shape(
@@ -589,9 +592,16 @@ def eval_shape(
     check_mode("eval_shape", graph, graph_updates)
     reject_bound_method(f, "eval_shape")
     plan = Plan((args, kwargs))
-    pure = run_pure(f, plan, Box())
-    out, _ = jax.eval_shape(pure, plan.dyn)
-    return out
+    no_alias = not resolve_modes(graph, graph_updates)[2]
+
+    def pure(dyn):
+        (a, kw), rebuilt = plan.rebuild(dyn)
+        out = call_annotated(f, a, kw)
+        if no_alias:  # Flax's tree mode / graph_updates=False: no input returned
+            check_output_aliasing("eval_shape", rebuilt, out)
+        return out
+
+    return jax.eval_shape(pure, plan.dyn)
 
 
 def jit_partial(

@@ -247,6 +247,45 @@ class Plan:
         return self.treedef.unflatten(leaves)
 
 
+def check_output_aliasing(fn: str, inputs: Any, out: Any) -> None:
+    """Flax NNX's rule for a transform without graph updates (``graph=False`` or
+    ``graph_updates=False``): the output must not hold a Variable of the (rebuilt)
+    inputs, as the caller could not tell the returned object from its own argument.
+
+    Args:
+      fn: the transform's name, for the message.
+      inputs: the rebuilt arguments (a pytree of modules, Variables and values).
+      out: what the function returned.
+
+    Raises:
+      ValueError: naming the Variable and its input and output paths.
+    """
+    seen: dict[int, str] = {}
+    for where, v in _variables_with_paths(inputs):
+        seen.setdefault(id(v), where)
+    for where, v in _variables_with_paths(out):
+        if id(v) in seen:
+            raise ValueError(
+                f"Duplicate {type(v).__name__} found at paths: input {seen[id(v)]!r} and "
+                f"output {where!r}. nn.{fn} with graph_updates=False does not support "
+                f"Variable aliasing (duplicate inputs, duplicate outputs, or input "
+                f"Variables returned as outputs): return the value, a new Variable "
+                f"(nn.clone), or pass graph=True, graph_updates=True"
+            )
+
+
+def _variables_with_paths(tree: Any) -> list[tuple[str, Variable]]:
+    out = []
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]:
+        where = jax.tree_util.keystr(kp)
+        if isinstance(x, Variable):
+            out.append((where, x))
+        elif isinstance(x, Module):
+            c = fresh_flat(x)
+            out.extend((f"{where}/{path_str(p)}", v) for p, v in zip(c.graphdef.paths, c.variables))
+    return out
+
+
 def check_consistent_prefixes(plan: Plan, leaf_prefixes: Sequence) -> None:
     """A module or Variable shared by two arguments of a graph-mode transform must get
     the same prefix (``in_axes``, ``in_specs``...) at each place.
