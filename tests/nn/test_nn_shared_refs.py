@@ -132,3 +132,22 @@ def test_without_graph_updates_an_input_variable_is_not_returned():
     assert nn.jit(lambda v: v)(v) is not None  # graph mode with updates: allowed
     new = nn.jit(lambda v: nn.Param(v[...] + 1), graph=False)(v)  # a new Variable is fine
     assert float(new[...]) == 2.0 and float(v[...]) == 1.0
+
+
+def test_grad_of_a_variable_passed_twice():
+    p1, p2 = nn.Param(jnp.array(3.0)), nn.Param(jnp.array(5.0))
+    m = {"a": [p1, p2], "b": p1}
+
+    def f(m):
+        return m["a"][0][...] * m["a"][1][...] + m["b"][...] ** 2
+
+    want = jax.grad(lambda w, u: w * u + w**2, argnums=(0, 1))(3.0, 5.0)  # (11, 3)
+    g = nn.grad(f)(m)  # graph mode: the shared Variable's gradient at its first place
+    assert float(g["a"][0][...]) == want[0] and float(g["a"][1][...]) == want[1]
+    assert isinstance(g["b"], nn.State) and not g["b"]
+    g = nn.grad(f, graph_updates=False)(m)  # tree-shaped: at each place
+    assert float(g["a"][0][...]) == float(g["b"][...]) == want[0]
+    nn.update(m, nn.state(g))  # the other place's path finds the shared Variable
+    assert m["a"][0] is m["b"] and float(p1[...]) == want[0]
+    with pytest.raises(ValueError, match="Duplicate Param"):
+        nn.grad(f, graph=False)(m)

@@ -590,10 +590,15 @@ def update(node: Node, *states: Any) -> None:
     _check_module(node, "update")
     c = flat(node)
     idx = c.graphdef.path_index
+    aliases = None
     for s in states:
         fl = s._flat if isinstance(s, State) else State(s)._flat
         for p, v in fl.items():
             i = idx.get(p)
+            if i is None and c.graphdef.refs:  # the path of a shared Variable's other place
+                if aliases is None:
+                    aliases = _alias_index(node, c)
+                i = aliases.get(p)
             if i is None:
                 raise ValueError(
                     f"nn.update: {shown} has no variable at {path_text(p)!r}"
@@ -607,6 +612,30 @@ def update(node: Node, *states: Any) -> None:
             else:
                 _check_update_value(node, p, target, v)
                 object.__setattr__(target, "raw_value", v)
+
+
+def _alias_index(root: Node, c: _Flat) -> dict[tuple, int]:
+    """Every path of every variable of ``root``'s tree (a shared one at each of its
+    places, a cycle followed once) -> its index in ``c.variables``."""
+    index = {id(v): i for i, v in enumerate(c.variables)}
+    out: dict[tuple, int] = {}
+
+    def rec(node: Node, path: tuple, stack: set[int]) -> None:
+        stack.add(id(node))
+        for k, v in node._graph_items():
+            leaves = [((), v)]
+            if isinstance(v, tuple) and tuple_has_nodes(v):
+                flat_v = jax.tree_util.tree_flatten_with_path(v, is_leaf=is_node)[0]
+                leaves = [(tuple(key_of(e) for e in kp), x) for kp, x in flat_v]
+            for sub, x in leaves:
+                if isinstance(x, Variable) and id(x) in index:
+                    out.setdefault((*path, k, *sub), index[id(x)])
+                elif isinstance(x, Node) and id(x) not in stack:
+                    rec(x, (*path, k, *sub), stack)
+        stack.discard(id(node))
+
+    rec(root, (), set())
+    return out
 
 
 # --- value checks of merge / update ---
