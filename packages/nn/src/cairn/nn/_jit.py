@@ -25,6 +25,7 @@ from cairn.nn._transform_plan import (
     call_annotated,
     check_output_aliasing,
     check_prefix,
+    check_tree_args,
     reject_bound_method,
     set_raw,
     write_module,
@@ -632,7 +633,9 @@ def jit_partial(
     (3, 1)
     """
     check_mode("jit_partial", graph, graph_updates)
-    return _PartialJit(jit(fun, **jit_kwargs), partial_args)
+    check_tree_args("jit_partial", partial_args, graph)  # tree mode: bound args not shared
+    jitted = jit(fun, graph=graph, graph_updates=graph_updates, **jit_kwargs)
+    return _PartialJit(jitted, partial_args)
 
 
 class _PartialJit:

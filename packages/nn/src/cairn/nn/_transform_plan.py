@@ -286,6 +286,24 @@ def _variables_with_paths(tree: Any) -> list[tuple[str, Variable]]:
     return out
 
 
+def check_carry_disjoint(carry: Plan, xs: Plan) -> None:
+    """``nn.scan``: a Variable both in the carry and in the scanned inputs would get two
+    prefixes (``Carry`` and an axis).
+
+    Raises:
+      SharedReferenceError: Flax's "Inconsistent aliasing detected", naming the type.
+    """
+    ids = {id(v) for vl, o in zip(carry.varlists, carry.objs)
+           for v in (vl if vl is not None else [o]) if v is not None}
+    for vl, o in zip(xs.varlists, xs.objs):
+        for v in vl if vl is not None else [o]:
+            if v is not None and id(v) in ids:
+                raise SharedReferenceError(
+                    f"Inconsistent aliasing detected. The following nodes have different "
+                    f"prefixes:\nNode: {type(v).__name__}\n  carry: Carry\n  xs: 0"
+                )
+
+
 def check_consistent_prefixes(plan: Plan, leaf_prefixes: Sequence) -> None:
     """A module or Variable shared by two arguments of a graph-mode transform must get
     the same prefix (``in_axes``, ``in_specs``...) at each place.

@@ -23,6 +23,7 @@ from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    check_carry_disjoint,
     check_consistent_prefixes,
     check_prefix,
     check_tree_args,
@@ -628,6 +629,7 @@ def _scan_run(step, init, xs=None, *, length, reverse, unroll):
     changes written back stacked)."""
     carry = LoopCarry(init)
     xplan = Plan(xs)
+    check_carry_disjoint(carry.plan, xplan)
     box = Box()
 
     def body(c_dyn, x_dyn):
