@@ -443,13 +443,17 @@ def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
-def run_pure(f: Callable, plan: Plan, box: Box) -> Callable:
+def run_pure(f: Callable, plan: Plan, box: Box, no_alias: str | None = None) -> Callable:
     """A pure function of the plan's dynamic values, ``(out, new_dyn)``; the new
-    structures go to ``box``. The plan's tree must be ``(args, kwargs)``."""
+    structures go to ``box``. The plan's tree must be ``(args, kwargs)``. ``no_alias``
+    (a transform's name) refuses an output holding an input Variable
+    (:func:`check_output_aliasing`)."""
 
     def pure(dyn):
         (a, kw), rebuilt = plan.rebuild(dyn)
         out = call_annotated(f, a, kw)
+        if no_alias is not None:
+            check_output_aliasing(no_alias, rebuilt, out)
         new_dyn, new_descs = plan.collect(rebuilt)
         box.value = new_descs
         return out, new_dyn

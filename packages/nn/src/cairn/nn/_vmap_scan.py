@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 from cairn.nn._axis_metadata import with_axis_metadata
 from cairn.nn._filters import path_text, to_predicate
 from cairn.nn._graph import GraphDef, flat
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
 from cairn.nn._transform_plan import (
@@ -225,7 +225,7 @@ def vmap(
         return _mapped_call(
             jax.vmap, f, args, kwargs, in_axes, out_axes,
             {"axis_name": axis_name, "axis_size": axis_size, "spmd_axis_name": spmd_axis_name},
-            link=True,
+            link=True, no_alias=not resolve_modes(graph, graph_updates)[2],
         )
 
     return wrapper
@@ -304,7 +304,8 @@ def pmap(
 
 
 def _mapped_call(
-    mapper, f, args, kwargs, in_axes, out_axes, opts: dict, link: bool = False
+    mapper, f, args, kwargs, in_axes, out_axes, opts: dict, link: bool = False,
+    no_alias: bool = False,
 ) -> Any:
     """``mapper`` (``jax.vmap`` / ``jax.pmap``) of ``f(*args, **kwargs)`` with module
     arguments: their values go in along their axes and the new values come back along
@@ -333,8 +334,9 @@ def _mapped_call(
             out_axes = _expand_out_axes(out_axes, out_shape)
         if per_var:  # per-variable axes of the structure f leaves behind
             back_axes = _new_leaf_axes(plan, axes, back_axes, probe_box.value, dyn_shape)
+    pure = run_pure(f, plan, box, "vmap" if no_alias else None)
     out, new_dyn = mapper(
-        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
+        pure, in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
     )(plan.dyn)
     plan.write_back(plan.fill(new_dyn), box.value)
     return out
