@@ -151,3 +151,5 @@ def test_grad_of_a_variable_passed_twice():
     assert m["a"][0] is m["b"] and float(p1[...]) == want[0]
     with pytest.raises(ValueError, match="Duplicate Param"):
         nn.grad(f, graph=False)(m)
+    with pytest.raises(ValueError, match=r"Inconsistent aliasing detected[\s\S]*Param"):
+        nn.grad(lambda a, b: a[...] + b[...], argnums=0)(p1, p1)  # differentiated once only

@@ -25,6 +25,7 @@ from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    check_consistent_prefixes,
     check_prefix,
     check_tree_args,
     reject_bound_method,
@@ -149,6 +150,8 @@ def value_and_grad(
         plan = Plan((args, kwargs), link=True)  # a shared object: one gradient, first place
         ranges = _arg_leaf_ranges(args)
         diff_sel = [x for n, pred in specs for x in _diff_selection(plan, [ranges[n]], pred)]
+        if plan.links:  # a shared Variable is differentiated at all its places or none
+            check_consistent_prefixes(plan, _diff_prefixes(plan, diff_sel))
         box = Box()
         pure = _diff_pure(f, plan, diff_sel, box, has_aux)
         diff_vals = [
@@ -265,6 +268,21 @@ def _diff_pure(f: Callable, plan: Plan, diff_sel, box: Box, has_aux: bool) -> Ca
         return out[0], (out[1], new_dyn)
 
     return pure
+
+
+def _diff_prefixes(plan: Plan, diff_sel) -> list:
+    """Per plan leaf whether it is differentiated (a module: per variable), as the
+    "prefix" :func:`check_consistent_prefixes` compares at a shared Variable's places."""
+    out: list[Any] = [
+        [False] * len(plan.varlists[li]) if k == MOD else False for li, k in enumerate(plan.kinds)
+    ]
+    for li, sel in diff_sel:
+        if sel is None:
+            out[li] = True
+        else:
+            for j in sel:
+                out[li][j] = True
+    return out
 
 
 def _spread_grads(plan: Plan, diff_sel, g) -> list:
