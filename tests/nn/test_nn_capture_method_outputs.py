@@ -92,7 +92,10 @@ def test_recursive_map_over_a_list_of_modules():
     assert swapped[0].d == -10 and swapped[1]["b"].d == -20
     v = nn.Param(jnp.array(1))
     with pytest.raises(ValueError, match="found at paths '0' and '1'"):
-        nn.recursive_map(lambda p, x: x, [v, v])
+        nn.recursive_map(lambda p, x: x, [v, v], graph=False)
+    calls = []
+    a, b = nn.recursive_map(lambda p, x: calls.append(p) or x, [v, v])  # graph mode
+    assert a is b is v and calls == [(0,), ()]  # the shared Variable mapped once
 
 
 def test_sow_refuses_a_field_of_another_kind():

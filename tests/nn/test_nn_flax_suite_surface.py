@@ -115,7 +115,10 @@ def test_vmap_state_axes_by_stream_name():
 
 def test_shared_transform_arguments_report_inconsistent_aliasing():
     lin = nn.Linear(2, 2, rngs=nn.Rngs(0))
-    with pytest.raises(nn.SharedReferenceError, match="Inconsistent aliasing detected: the same Linear"):
-        nn.vmap(lambda a, b: None, in_axes=(0, 0))(lin, lin)
+    seen = []
+    nn.vmap(lambda a, b: seen.append(a is b), in_axes=(None, None), axis_size=2)(lin, lin)
+    assert seen == [True]  # graph mode: one object inside the transform
+    with pytest.raises(nn.SharedReferenceError, match="Inconsistent aliasing detected"):
+        nn.vmap(lambda a, b: None, in_axes=(0, None))(lin, lin)
     with pytest.raises(ValueError, match="Inconsistent aliasing detected: the same Param object is found at paths"):
-        nn.jit(lambda a, b: None)(lin, lin.kernel)
+        nn.jit(lambda a, b: None, graph=False)(lin, lin.kernel)

@@ -62,12 +62,15 @@ def test_defaults_accept_state_axes_and_prefix_modules():
 def test_flax_words_in_aliasing_and_carry_messages():
     v = nn.Param(jnp.array(1.0))
     with pytest.raises(ValueError, match="found at paths .*Duplicate Param"):
-        nn.jit(lambda a, b: None)(v, v)
+        nn.jit(lambda a, b: None, graph=False)(v, v)
     foo = nn.Dict(a=nn.Param(jnp.zeros((2, 2))))
-    with pytest.raises(ValueError, match="Inconsistent aliasing detected.*Duplicate Param"):
+    with pytest.raises(ValueError, match=r"Inconsistent aliasing detected\. The following nodes "
+                       r"have different prefixes:\nNode: Param\n  0/a: 0\n  1/a: 1"):
         nn.vmap(lambda a, b: None, in_axes=(0, 1))(foo, foo)
+    with pytest.raises(ValueError, match="Duplicate Param"):
+        nn.vmap(lambda a, b: None, in_axes=(0, 0), graph=False)(foo, foo)
     with pytest.raises(ValueError, match="found at paths 'a' and 'b'"):
-        nn.split(nn.Dict(a=v, b=v))
+        nn.split(nn.Dict(a=v, b=v), graph=False)
 
     @nn.scan(in_axes=nn.Carry, out_axes=nn.Carry, length=3)
     def loop(c, x):

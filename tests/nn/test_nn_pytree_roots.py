@@ -52,11 +52,18 @@ def test_update_of_a_pytree_root_writes_into_its_variables():
         nn.update(d, nn.State({"enc": {"w": nn.Param(jnp.zeros(2))}}))
 
 
-def test_shared_variables_in_a_pytree_root_are_refused():
+def test_shared_variables_in_a_pytree_root_tree_mode_refused_graph_mode_kept():
     v = nn.Param(jnp.array(1.0))
     for fn in (nn.split, nn.state, nn.graphdef):
-        with pytest.raises(ValueError, match="same Param object is found at paths '0' and '1'"):
-            fn([v, v])
+        with pytest.raises(ValueError, match="same object is found at paths '0' and '1'"):
+            fn([v, v], graph=False)
+    gd, st = nn.split([v, v])
+    assert st.flat_paths() == ["0"]
+    a, b = nn.merge(gd, st)
+    assert a is b is v
+    r = jax.new_ref(jnp.array(1.0))
+    with pytest.raises(ValueError, match="tree mode"):
+        nn.split([r, r], graph=False)
 
 
 def test_lone_variable_is_its_own_state():

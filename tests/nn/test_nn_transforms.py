@@ -113,8 +113,15 @@ def test_jit_modules_inside_containers_and_shared_args():
     f = nn.jit(lambda ms, x: ms["a"](x) + ms["b"](x))
     f({"a": m1, "b": m2}, jnp.ones((1, 2)))
     assert int(m1.calls.value) == 1 and int(m2.calls.value) == 1
-    with pytest.raises(nn.SharedReferenceError):
-        nn.jit(lambda a, b: a(jnp.ones((1, 2))))(m1, m1)
+    x = jnp.ones((1, 2))
+    g = nn.jit(lambda a, b: (a is b, a(x) + b(x)))  # graph mode: one object inside
+    for n in (3, 5):  # the second call takes the cached path for shared arguments
+        same, _ = g(m1, m1)
+        assert same and int(m1.calls.value) == n  # both calls counted on one variable
+    with pytest.raises(nn.SharedReferenceError, match="Duplicate"):
+        nn.jit(lambda a, b: a(x), graph=False)(m1, m1)
+    with pytest.raises(nn.SharedReferenceError, match="Duplicate"):
+        nn.jit(lambda a, b: a(x), donate_argnums=0)(m1, m1)  # a donated buffer used twice
 
 
 def test_jit_creates_module_and_advances_rngs():

@@ -295,7 +295,9 @@ def test_clone_of_pytrees_states_and_variables():
     s2 = nn.clone(s)
     assert isinstance(s2, nn.State) and s2["w"] is not s["w"]
     assert nn.clone(a.w) is not a.w
+    c1, c2 = nn.clone((a, a))  # graph mode: the copy keeps the sharing
+    assert c1 is c2 and c1 is not a and c1.w is not a.w
     with pytest.raises(nn.SharedReferenceError, match="two entries"):
-        nn.clone((a, a))
+        nn.clone((a, a), graph=False)
     with pytest.raises(TypeError, match="pytree holding them"):
         nn.clone([1, 2])

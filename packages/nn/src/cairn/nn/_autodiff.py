@@ -21,7 +21,15 @@ from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Box, Plan, call_annotated, check_prefix, reject_bound_method
+from cairn.nn._transform_plan import (
+    Box,
+    Plan,
+    call_annotated,
+    check_consistent_prefixes,
+    check_prefix,
+    check_tree_args,
+    reject_bound_method,
+)
 from cairn.nn._variables import Param, Variable
 
 
@@ -138,9 +146,12 @@ def value_and_grad(
                 raise TypeError(
                     f"nn.grad: argnums {n} is out of range for {len(args)} positional arguments"
                 )
-        plan = Plan((args, kwargs))
+        check_tree_args("grad", (args, kwargs), graph)
+        plan = Plan((args, kwargs), link=True)  # a shared object: one gradient, first place
         ranges = _arg_leaf_ranges(args)
         diff_sel = [x for n, pred in specs for x in _diff_selection(plan, [ranges[n]], pred)]
+        if plan.links:  # a shared Variable is differentiated at all its places or none
+            check_consistent_prefixes(plan, _diff_prefixes(plan, diff_sel))
         box = Box()
         pure = _diff_pure(f, plan, diff_sel, box, has_aux)
         diff_vals = [
@@ -151,6 +162,8 @@ def value_and_grad(
             pure, argnums=0, has_aux=True, holomorphic=holomorphic, allow_int=allow_int
         )(diff_vals, plan.dyn)
         plan.write_back(plan.fill(new_dyn), box.value)
+        if plan.links and as_module:  # each place of a shared Variable gets its gradient
+            g = _spread_grads(plan, diff_sel, g)
         grads, k = [], 0
         for n in nums:
             lo, hi = ranges[n]
@@ -257,16 +270,63 @@ def _diff_pure(f: Callable, plan: Plan, diff_sel, box: Box, has_aux: bool) -> Ca
     return pure
 
 
+def _diff_prefixes(plan: Plan, diff_sel) -> list:
+    """Per plan leaf whether it is differentiated (a module: per variable), as the
+    "prefix" :func:`check_consistent_prefixes` compares at a shared Variable's places."""
+    out: list[Any] = [
+        [False] * len(plan.varlists[li]) if k == MOD else False for li, k in enumerate(plan.kinds)
+    ]
+    for li, sel in diff_sel:
+        if sel is None:
+            out[li] = True
+        else:
+            for j in sel:
+                out[li][j] = True
+    return out
+
+
+def _spread_grads(plan: Plan, diff_sel, g) -> list:
+    """``g`` with the gradient of each shared Variable (found at its first place) also
+    at its other places (Flax's tree-shaped gradients show it at each)."""
+    first: dict[tuple[int, int], Any] = {}
+    for (li, sel), gv in zip(diff_sel, g):
+        if sel is None:
+            first[(li, -1)] = gv
+        else:
+            first.update(((li, j), x) for j, x in zip(sel, gv))
+    links = plan.links or {}
+    out = []
+    for (li, sel), gv in zip(diff_sel, g):
+        if sel is None:
+            src = links.get((li, -1))
+            out.append(first.get(src, gv) if src is not None else gv)
+        else:
+            whole = links.get((li, -1))  # the same module passed again
+            out.append([
+                first.get((whole[0], j), x) if whole is not None
+                else first.get(links[(li, j)], x) if (li, j) in links else x
+                for j, x in zip(sel, gv)
+            ])
+    return out
+
+
 def _package_grads(arg, plan: Plan, items, gs, as_module: bool = False):
     """Gradients of one argument, shaped like the argument: a module's are a State of
     the differentiated variables, or (``as_module``, Flax's tree mode) a module of the
     same structure whose other variables hold zeros."""
     leaves = []
+    links = plan.links or {}
     for (li, sel), gv in zip(items, gs):
         kind = plan.kinds[li]
-        if kind == MOD:
+        if (li, -1) in links and not as_module:  # a repeat: its gradient is at its first place
+            leaves.append(State())
+        elif kind == MOD:
             gd = plan.descs[li]
             vs = plan.varlists[li]
+            if links and not as_module:
+                sel_gv = [(j, x) for j, x in zip(sel, gv) if (li, j) not in links]
+                leaves.append(State.from_flat({gd.paths[j]: vs[j].replace(value=x) for j, x in sel_gv}))
+                continue
             if as_module:
                 vals = [jnp.zeros_like(v.raw_value) for v in vs]
                 for j, x in zip(sel, gv):

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from cairn.nn._graph_mode import check_mode
-from cairn.nn._transform_plan import Box, Carry, Plan, run_pure
+from cairn.nn._transform_plan import Box, Carry, Plan, check_tree_args, run_pure
 
 
 def fori_loop(
@@ -48,7 +48,8 @@ def fori_loop(
     6.0
     """
     check_mode("fori_loop", graph, graph_updates)
-    carry = Carry(init_val)
+    check_tree_args("fori_loop", init_val, graph)
+    carry = Carry(init_val, link=True)  # graph mode: a repeated object is one object
 
     def body(i, dyn):
         v = carry.rebuild(dyn)
@@ -78,7 +79,8 @@ def while_loop(
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("while_loop", graph, graph_updates)
-    carry = Carry(init_val)
+    check_tree_args("while_loop", init_val, graph)
+    carry = Carry(init_val, link=True)  # graph mode: a repeated object is one object
 
     def cond(dyn):
         return cond_fun(carry.rebuild(dyn))
@@ -109,7 +111,7 @@ def _same_branch_structures(boxes: list[Box]) -> list:
 
 
 def _branches_call(branches, index_or_pred, operands, use_switch: bool):
-    plan = Plan((operands, {}))
+    plan = Plan((operands, {}), link=True)  # tree mode was refused by check_tree_args
     boxes = [Box() for _ in branches]
     pures = [run_pure(fn, plan, b) for fn, b in zip(branches, boxes)]
     try:
@@ -145,6 +147,7 @@ def cond(
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("cond", graph, graph_updates)
+    check_tree_args("cond", operands, graph)
     return _branches_call([true_fun, false_fun], pred, operands, False)
 
 
@@ -165,4 +168,5 @@ def switch(
       graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("switch", graph, graph_updates)
+    check_tree_args("switch", operands, graph)
     return _branches_call(list(branches), index, operands, True)

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cairn.nn._nodes as _nodes_module
 from cairn.nn._data import DataSlot, data_value, plain
 from cairn.nn._filters import path_str, path_text, to_predicate
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph_mode import check_mode, set_graph_mode
 from cairn.nn._nodes import (
     MOD,
     STATIC,
@@ -32,6 +33,7 @@ from cairn.nn._nodes import (
     Node,
     SharedReferenceError,
     build_node,
+    build_shared,
     encode_tree,
     graph_store,
     is_node,
@@ -51,19 +53,23 @@ class GraphDef:
 
     Args:
       node: the nested node description (types, static attributes, variable slots).
-      paths: the path tuple of each variable, in flat order.
+      paths: the path tuple of each variable, in flat order (a shared variable once,
+        at its first path).
+      refs: whether ``node`` holds shared references (``REF`` entries: a module or
+        variable found at more than one place, or a cycle).
     """
 
     __slots__ = (
-        "node", "paths", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs", "has_data"
+        "node", "paths", "refs", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs", "has_data"
     )
 
     # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]``
     __class_getitem__: Any = classmethod(types.GenericAlias)
 
-    def __init__(self, node: tuple, paths: tuple, has_data: bool = False) -> None:
+    def __init__(self, node: tuple, paths: tuple, refs: bool = False, has_data: bool = False) -> None:
         self.node = node
         self.paths = paths
+        self.refs = refs
         # some slots are plain data attributes (see cairn.nn._data), not Variables
         self.has_data = has_data
         self._hash: int | None = None
@@ -125,6 +131,8 @@ class GraphDef:
         build = self._codegen
         if build is not None:
             root = build(variables)
+        elif self.refs:
+            root = build_shared(self.node, iter(variables))
         else:
             self._uses += 1
             if self._uses >= 2:  # used again: compile a straight-line builder
@@ -136,20 +144,27 @@ class GraphDef:
             object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, list(variables)))
         return root
 
-    def build_from_values(self, values: Any) -> Node:
+    def build_from_values(self, values: Any, reuse: dict[int, Variable] | None = None) -> Node:
         """A new module tree of this structure with new variables holding ``values``.
 
         Args:
           values: the variables' values, in the order of ``paths``.
+          reuse: variable index -> an existing Variable to place there instead of a new
+            one (a Variable shared with another transform argument).
         """
         out: list = []
 
         def new_var(template, value):
-            v = rebuild_variable(template, value)
+            v = rebuild_variable(template, value) if reuse is None else reuse.get(len(out))
+            if v is None:
+                v = rebuild_variable(template, value)
             out.append(v)
             return v
 
-        root = build_node(self.node, iter(values), new_var)
+        if self.refs:
+            root = build_shared(self.node, iter(values), new_var)
+        else:
+            root = build_node(self.node, iter(values), new_var)
         if not self.has_data:
             object.__setattr__(root, "_cairn_cache", _Flat(EPOCH[0], self, out))
         return root
@@ -254,9 +269,9 @@ def _codegen_builder(node):
 
 def fresh_flat(root: Node) -> _Flat:
     """The uncached encoding of ``root``'s tree."""
-    encoding, paths, variables = encode_tree(root)
+    encoding, paths, variables, refs = encode_tree(root)
     has_data = any(type(v) is DataSlot for v in variables)
-    return _Flat(EPOCH[0], GraphDef(encoding, paths, has_data), variables)
+    return _Flat(EPOCH[0], GraphDef(encoding, paths, refs, has_data), variables)
 
 
 def flat(node: Node) -> _Flat:
@@ -269,6 +284,44 @@ def flat(node: Node) -> _Flat:
     c = fresh_flat(node)
     object.__setattr__(node, "_cairn_cache", c)
     return c
+
+
+# --- tree mode: no shared references ---
+
+
+def tree_mode(graph: bool | None) -> bool:
+    """Whether ``graph`` (the keyword, None for the switch's value) asks for tree mode."""
+    return not (set_graph_mode.current_value() if graph is None else graph)
+
+
+def check_tree(root: Node, c: _Flat, graph: bool | None, original: Any = None) -> None:
+    """In tree mode (``graph=False`` or ``set_graph_mode(False)``), raise
+    :class:`SharedReferenceError` naming both paths when ``root``'s tree (cached as
+    ``c``) holds a module or Variable at two places or a cycle, or when the pytree
+    ``original`` holds one ``jax.Ref`` twice. Costs one attribute read in graph mode
+    and for unshared trees."""
+    if not tree_mode(graph):
+        return
+    if c.graphdef.refs:
+        encode_tree(root, strict=True)  # raises, naming the two paths
+    if original is not None:
+        seen: dict[int, str] = {}
+        for kp, x in jax.tree_util.tree_flatten_with_path(original, is_leaf=is_node)[0]:
+            if isinstance(x, _REF_TYPES):
+                p = jax.tree_util.keystr(kp)
+                if id(x) in seen:
+                    raise SharedReferenceError(
+                        f"Duplicate {type(x).__name__}: the same object is found at paths "
+                        f"{seen[id(x)]!r} and {p!r}; tree mode (graph=False) does not "
+                        f"support shared references"
+                    )
+                seen[id(x)] = p
+
+
+_REF_TYPES = tuple(t for t in (getattr(jax, "Ref", None),) if isinstance(t, type))
+
+
+_nodes_module.FLAT[0] = flat  # the pytree flattening's shared-reference check
 
 
 # --- public functional API ---
@@ -323,10 +376,12 @@ def graphdef(node: Node, *, graph: bool | None = None) -> GraphDef:
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("graphdef", graph)
+    original = node
     node = _as_root(node)
     if isinstance(node, VariableDef | LeafDef):
         return node  # type: ignore[return-value]
     c = flat(node)
+    check_tree(node, c, graph, original)
     if c.graphdef._specs is None:
         _record_specs(c)
     return c.graphdef
@@ -385,8 +440,8 @@ def split(node: Node, *filters: Any, graph: bool | None = None) -> tuple:
     root = _as_root(node)
     if isinstance(root, VariableDef | LeafDef):
         return (root, *_split_single(root, node, filters or (...,), "split", True))
-    node = root
-    c = flat(node)
+    c = flat(root)
+    check_tree(root, c, graph, node)
     if c.graphdef._specs is None:
         _record_specs(c)
     if not filters:
@@ -416,8 +471,8 @@ def state(node: Node, *filters: Any, graph: bool | None = None) -> State | tuple
     if isinstance(root, VariableDef | LeafDef):
         outs = _split_single(root, node, filters or (...,), "state", False)
         return outs[0] if len(outs) == 1 else tuple(outs)
-    node = root
-    c = flat(node)
+    c = flat(root)
+    check_tree(root, c, graph, node)
     if not filters:
         return State._from_cache(c.graphdef, c.variables)
     states = _partition(c, filters, "state", False)
@@ -433,7 +488,7 @@ def variables(node: Node, *filters: Any, graph: bool | None = None) -> State | t
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("variables", graph)
-    return state(node, *filters)
+    return state(node, *filters, graph=graph)
 
 
 def merge(graphdef: Any, *states: Any, copy: bool = False) -> Any:
@@ -572,10 +627,15 @@ def update(node: Node, *states: Any) -> None:
     _check_module(node, "update")
     c = flat(node)
     idx = c.graphdef.path_index
+    aliases = None
     for s in states:
         fl = s._flat if isinstance(s, State) else State(s)._flat
         for p, v in fl.items():
             i = idx.get(p)
+            if i is None and c.graphdef.refs:  # the path of a shared Variable's other place
+                if aliases is None:
+                    aliases = _alias_index(node, c)
+                i = aliases.get(p)
             if i is None:
                 raise ValueError(
                     f"nn.update: {shown} has no variable at {path_text(p)!r}"
@@ -589,6 +649,30 @@ def update(node: Node, *states: Any) -> None:
             else:
                 _check_update_value(node, p, target, v)
                 object.__setattr__(target, "raw_value", v)
+
+
+def _alias_index(root: Node, c: _Flat) -> dict[tuple, int]:
+    """Every path of every variable of ``root``'s tree (a shared one at each of its
+    places, a cycle followed once) -> its index in ``c.variables``."""
+    index = {id(v): i for i, v in enumerate(c.variables)}
+    out: dict[tuple, int] = {}
+
+    def rec(node: Node, path: tuple, stack: set[int]) -> None:
+        stack.add(id(node))
+        for k, v in node._graph_items():
+            leaves = [((), v)]
+            if isinstance(v, tuple) and tuple_has_nodes(v):
+                flat_v = jax.tree_util.tree_flatten_with_path(v, is_leaf=is_node)[0]
+                leaves = [(tuple(key_of(e) for e in kp), x) for kp, x in flat_v]
+            for sub, x in leaves:
+                if isinstance(x, Variable) and id(x) in index:
+                    out.setdefault((*path, k, *sub), index[id(x)])
+                elif isinstance(x, Node) and id(x) not in stack:
+                    rec(x, (*path, k, *sub), stack)
+        stack.discard(id(node))
+
+    rec(root, (), set())
+    return out
 
 
 # --- value checks of merge / update ---
@@ -709,12 +793,14 @@ def clone(
 
     Raises:
       TypeError: ``node`` holds no module, Variable or State.
-      SharedReferenceError: a pytree whose modules share a Variable.
+      SharedReferenceError: tree mode (``graph=False``) and a module or Variable is
+        found at two places.
     """
     check_mode("clone", graph)
     if not isinstance(node, Node):
-        return _clone_other(node, variables, arrays)
+        return _clone_other(node, variables, arrays, graph)
     c = flat(node)
+    check_tree(node, c, graph)
     if not variables:
         if arrays:
             raise ValueError("nn.clone: arrays=True needs variables=True")
@@ -734,7 +820,7 @@ def _clone_variable(v: Variable, variables: bool, arrays: bool) -> Variable:
     return v.replace(value=x)
 
 
-def _clone_other(node: Any, variables: bool, arrays: bool) -> Any:
+def _clone_other(node: Any, variables: bool, arrays: bool, graph: bool | None = None) -> Any:
     """:func:`clone` of a Variable, a State or a pytree of modules / Variables."""
     if arrays and not variables:
         raise ValueError("nn.clone: arrays=True needs variables=True")
@@ -756,11 +842,14 @@ def _clone_other(node: Any, variables: bool, arrays: bool) -> Any:
         vs = flat(x).variables if isinstance(x, Node) else [x] if isinstance(x, Variable) else []
         for v in vs:
             if id(v) in seen:
-                raise SharedReferenceError(
-                    f"nn.clone: the same {type(v).__name__} object is reachable from two "
-                    f"entries of the {type(node).__name__}; a cairn.nn tree has no shared "
-                    f"references"
-                )
+                if tree_mode(graph) or any(isinstance(y, State) for y in leaves):
+                    raise SharedReferenceError(
+                        f"nn.clone: the same {type(v).__name__} object is reachable from two "
+                        f"entries of the {type(node).__name__}; tree mode (graph=False) "
+                        f"does not support shared references"
+                    )
+                # graph mode: clone the pytree as one graph, so the copies share too
+                return unwrap(clone(wrap(node), variables, arrays=arrays))
             seen.add(id(v))
     return treedef.unflatten(  # type: ignore[attr-defined]
         [clone(x, variables, arrays=arrays) if is_leaf(x) else x for x in leaves]
@@ -819,15 +908,20 @@ def _path_order(p: tuple) -> tuple:
 
 
 def iter_modules(node: Node, *, graph: bool | None = None) -> Iterator[tuple[str, Node]]:
-    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first.
+    """``(path, module)`` for ``node`` (path ``""``) and every submodule, depth first; a
+    module found at several places is given once, at its first path.
 
     Args:
       node: a module.
       graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
     """
     check_mode("iter_modules", graph)
+    seen: set[int] = set()  # a shared module (or a cycle) is visited once
 
     def rec(m, path):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
         yield path_str(path), m
         for k, v in m._graph_items():
             if isinstance(v, Node):
@@ -851,37 +945,91 @@ def _copy_variable(target: Variable, source: Variable) -> None:
 
 def sync(target: Node, source: Node) -> None:
     """Make ``target`` equal to ``source`` in place, reusing ``target``'s objects where
-    the types agree (so references held by the caller stay valid)."""
-    if type(target) is not type(source):
-        raise TypeError(
-            f"cannot update a {type(target).__name__} in place from a {type(source).__name__}"
-        )
-    t_items = dict(target._graph_items())
-    s_items = source._graph_items()
-    s_keys = set()
-    for k, sv in s_items:
-        s_keys.add(k)
-        tv = t_items.get(k, _MISSING)
-        if isinstance(sv, Variable) and type(tv) is type(sv):
-            _copy_variable(tv, sv)
-        elif isinstance(sv, Node) and type(tv) is type(sv):
-            sync(tv, sv)
-        elif isinstance(sv, tuple) and isinstance(tv, tuple) and tuple_has_nodes(sv):
-            s_leaves, s_def = _flatten_nodes(sv)
-            t_leaves, t_def = _flatten_nodes(tv)
-            if s_def == t_def and all(type(a) is type(b) for a, b in zip(s_leaves, t_leaves)):
-                for a, b in zip(t_leaves, s_leaves):
-                    if isinstance(a, Variable):
-                        _copy_variable(a, b)
-                    else:
-                        sync(a, b)
-            else:
+    the types agree (so references held by the caller stay valid). A module or Variable
+    that ``source`` holds at several places (or in a cycle) is synced once and found as
+    the same target object at each of them."""
+    s = _Syncer()
+    s.sync(target, source)
+    s.adopt()
+
+
+class _Syncer:
+    """One :func:`sync`: ``memo`` maps the id of each source module / Variable already
+    handled to the object the target holds for it; ``placed`` lists the source modules
+    moved into the target as they are (new attributes), whose children may refer to
+    source objects that have a target counterpart."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, Any] = {}
+        self.placed: list[Node] = []
+
+    def sync(self, target: Node, source: Node) -> None:
+        if type(target) is not type(source):
+            raise TypeError(
+                f"cannot update a {type(target).__name__} in place from a "
+                f"{type(source).__name__}"
+            )
+        memo = self.memo
+        memo[id(source)] = target
+        t_items = dict(target._graph_items())
+        s_keys = set()
+        for k, sv in source._graph_items():
+            s_keys.add(k)
+            tv = t_items.get(k, _MISSING)
+            done = memo.get(id(sv)) if isinstance(sv, Variable | Node) else None
+            if done is not None:
+                if tv is not done:
+                    target._graph_set(k, done)
+            elif isinstance(sv, Variable) and type(tv) is type(sv):
+                memo[id(sv)] = tv
+                _copy_variable(tv, sv)
+            elif isinstance(sv, Node) and type(tv) is type(sv):
+                self.sync(tv, sv)
+            elif isinstance(sv, tuple) and isinstance(tv, tuple) and tuple_has_nodes(sv):
+                self.sync_tuple(target, k, tv, sv)
+            elif tv is _MISSING or not (tv is sv or _same_static(tv, sv)):
+                if isinstance(sv, Variable | Node):
+                    memo[id(sv)] = sv
+                    if isinstance(sv, Node):
+                        self.placed.append(sv)
                 target._graph_set(k, sv)
-        elif tv is _MISSING or not (tv is sv or _same_static(tv, sv)):
+        for k in reversed(list(t_items)):
+            if k not in s_keys:
+                target._graph_del(k)
+
+    def sync_tuple(self, target: Node, k: Any, tv: tuple, sv: tuple) -> None:
+        """The tuple item ``k`` (holding modules or Variables)."""
+        s_leaves, s_def = _flatten_nodes(sv)
+        t_leaves, t_def = _flatten_nodes(tv)
+        if s_def != t_def or not all(type(a) is type(b) for a, b in zip(s_leaves, t_leaves)):
             target._graph_set(k, sv)
-    for k in reversed(list(t_items)):
-        if k not in s_keys:
-            target._graph_del(k)
+            return
+        for a, b in zip(t_leaves, s_leaves):
+            if id(b) in self.memo:
+                continue
+            if isinstance(a, Variable):
+                self.memo[id(b)] = a
+                _copy_variable(a, b)
+            else:
+                self.sync(a, b)
+
+    def adopt(self) -> None:
+        """Point the children of placed modules at the target's counterparts."""
+        seen: set[int] = set()
+        stack = list(self.placed)
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for k, v in node._graph_items():
+                if not isinstance(v, Variable | Node):
+                    continue
+                mapped = self.memo.get(id(v), v)
+                if mapped is not v:
+                    node._graph_set(k, mapped)
+                elif isinstance(v, Node):
+                    stack.append(v)
 
 
 def _flatten_nodes(tree: Any) -> tuple[list, Any]:

@@ -6,14 +6,13 @@ and ``graph=False`` treats them as pytrees (a shared reference is an error);
 ``graph_updates=True`` also propagates structural changes made inside a transform
 (a new attribute, a swapped submodule) back to the caller's objects.
 
-A Cairn module is always a pytree with no shared references, and every transform
-writes both value and structural changes back. So the modes cannot differ in that:
-the switches are recorded (``current_value()`` reports them, as Flax's does), the
-keywords are checked and accepted, and the one place where Flax's result differs is
-honoured: ``nn.grad`` / ``nn.value_and_grad`` return a module argument's gradient as a
-State in full graph mode (``graph and graph_updates``, the default) and as a module of
-the same structure otherwise (Flax's tree mode). Code relying on one Variable shared
-by two modules is refused with ``SharedReferenceError`` in any mode.
+Cairn follows the graph mode's shared references (a module or Variable at two places
+of one model is kept once) and refuses them in tree mode, as Flax does. Every transform
+writes both value and structural changes back in both modes. The keywords are checked
+and recorded (``current_value()`` reports them, as Flax's does), and ``nn.grad`` /
+``nn.value_and_grad`` return a module argument's gradient as a State in full graph mode
+(``graph and graph_updates``, the default) and as a module of the same structure
+otherwise (Flax's tree mode).
 """
 
 from __future__ import annotations

@@ -15,18 +15,18 @@ from typing import Any
 
 import jax
 
-from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph import GraphDef, flat, fresh_flat, sync, tree_mode
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._jit_shardings import arg_shardings, constrain_arg, constrain_out
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, SharedReferenceError
 from cairn.nn._transform_plan import (
-    Box,
     Plan,
     call_annotated,
+    check_output_aliasing,
     check_prefix,
+    check_tree_args,
     reject_bound_method,
-    run_pure,
     set_raw,
     set_raw_data,
     write_module,
@@ -190,18 +190,51 @@ def _collect_changes(records) -> tuple[dict, dict, _StructOut | None]:
     return ud, uk, (_StructOut(tuple(graphs), values) if graphs else None)
 
 
-def _check_disjoint(tdon, tkeep) -> None:
+def _check_disjoint(tdon, tkeep, allow: bool = False) -> bool:
+    """Whether no variable is found in two arguments. With ``allow`` (graph mode, nothing
+    donated) a shared one gives False; otherwise it raises."""
     seen = set()
     for v in (*tdon, *tkeep):
         if v is None:
             continue
         if id(v) in seen:
+            if allow:
+                return False
             raise SharedReferenceError(
                 f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
                 f"found at paths in two arguments of an nn.jit function (Duplicate "
                 f"{type(v).__name__}); arguments must not share modules or variables"
             )
         seen.add(id(v))
+    return True
+
+
+def _call_packed(packed: tuple, statics: tuple) -> Any:
+    """The function behind :meth:`JitWrapped._shared_call`: ``fun(*args, **kwargs)``
+    from the packed arguments (static ones put back at their positions)."""
+    fun, dyn, kwargs = packed[0].value, list(packed[1]), packed[2]
+    for i, v in statics:
+        dyn[i] = v
+    return fun(*dyn, **kwargs)
+
+
+class _Static:
+    """A hashable box that a pytree flattening treats as a leaf-free node: the user
+    function travels in the packed arguments' structure (static aux data)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and other.value is self.value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
 
 
 class JitWrapped:
@@ -246,6 +279,11 @@ class JitWrapped:
         self._jit_kwargs = jit_kwargs
         self._cache: dict = {}
         self._checked: tuple | None = None
+        self._graph: bool | None = jit_kwargs.pop("graph", None)
+        self._graph_updates: bool | None = jit_kwargs.pop("graph_updates", None)
+        self._link = bool(jit_kwargs.pop("_link", False))
+        self._packed: JitWrapped | None = None  # compiles calls whose arguments share
+        self._shared_sig: tuple | None = None
 
     def _argnames_positions(self, names: tuple[str, ...], what: str) -> set[int]:
         if self._sig is None:
@@ -320,7 +358,7 @@ class JitWrapped:
                 values.append(a)
                 targets.append(None)
             else:
-                p = plans[i] = Plan(a)
+                p = plans[i] = Plan(a, self._link)
                 keyparts.append(p.key())
                 data = data or p.has_data
                 p.extend_flat(values, targets, ids)
@@ -329,10 +367,15 @@ class JitWrapped:
             keyparts.append(("kw", p.key()))
             data = data or p.has_data
             p.extend_flat(keep, tkeep, ids)
-        if len(ids) > 1 and not lowering:
+        if len(ids) > 1 and not lowering and not self._link:
             sig = (ep, tuple(ids))
             if sig != self._checked:
-                _check_disjoint(tdon, tkeep)
+                if sig == self._shared_sig:
+                    return self._shared_call(args, kwargs)
+                allow = not donate and self._in_shardings is None and not tree_mode(self._graph)
+                if not _check_disjoint(tdon, tkeep, allow):
+                    self._shared_sig = sig
+                    return self._shared_call(args, kwargs)
                 self._checked = sig
         key = (len(args), tuple(keyparts))
         try:
@@ -350,6 +393,19 @@ class JitWrapped:
         if struct is not None:
             self._apply_struct(struct, args, plans)
         return out
+
+    def _shared_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call whose arguments share a module or Variable (graph mode): all of them
+        travel as one linked :class:`Plan`, so the shared object is one object inside
+        and its new value is written back once."""
+        if self._packed is None:
+            self._packed = JitWrapped(
+                _call_packed, static_argnums=(1,), out_shardings=self._out_shardings,
+                _link=True, **self._jit_kwargs,
+            )
+        statics = tuple((i, args[i]) for i in sorted(self._static) if i < len(args))
+        dyn = tuple(None if i in self._static else a for i, a in enumerate(args))
+        return self._packed((_Static(self.fun), dyn, kwargs), statics)
 
     def _miss(self, key: tuple, args: tuple, kwargs: dict, plans: dict) -> _JitEntry:
         """The compiled function for ``key``, made on a cache miss."""
@@ -400,12 +456,15 @@ class JitWrapped:
 
         in_specs = arg_shardings(self._in_shardings, len(args), self._static)
         out_specs = self._out_shardings
+        no_alias = not resolve_modes(self._graph, self._graph_updates)[2]
 
         def pure(don, keep):
             call_args, kw, records = _rebuild_call(descs, kwplan, don, keep)
             for i, s in in_specs.items():
                 call_args[i] = constrain_arg(call_args[i], s)
             out = call_annotated(fun, call_args, kw)
+            if no_alias:  # Flax's tree mode / graph_updates=False: no input returned
+                check_output_aliasing("jit", [r[1] for r in records], out)
             for i, s in in_specs.items():
                 constrain_arg(call_args[i], s)  # the state leaves with its sharding
             if out_specs is not None:
@@ -515,8 +574,8 @@ def jit(
         **jit_kwargs,
     )
     if fun is None:
-        return functools.partial(jit, **kw)
-    return JitWrapped(fun, **kw)
+        return functools.partial(jit, graph=graph, graph_updates=graph_updates, **kw)
+    return JitWrapped(fun, graph=graph, graph_updates=graph_updates, **kw)
 
 
 def eval_shape(
@@ -540,9 +599,16 @@ def eval_shape(
     check_mode("eval_shape", graph, graph_updates)
     reject_bound_method(f, "eval_shape")
     plan = Plan((args, kwargs))
-    pure = run_pure(f, plan, Box())
-    out, _ = jax.eval_shape(pure, plan.dyn)
-    return out
+    no_alias = not resolve_modes(graph, graph_updates)[2]
+
+    def pure(dyn):
+        (a, kw), rebuilt = plan.rebuild(dyn)
+        out = call_annotated(f, a, kw)
+        if no_alias:  # Flax's tree mode / graph_updates=False: no input returned
+            check_output_aliasing("eval_shape", rebuilt, out)
+        return out
+
+    return jax.eval_shape(pure, plan.dyn)
 
 
 def jit_partial(
@@ -573,7 +639,9 @@ def jit_partial(
     (3, 1)
     """
     check_mode("jit_partial", graph, graph_updates)
-    return _PartialJit(jit(fun, **jit_kwargs), partial_args)
+    check_tree_args("jit_partial", partial_args, graph)  # tree mode: bound args not shared
+    jitted = jit(fun, graph=graph, graph_updates=graph_updates, **jit_kwargs)
+    return _PartialJit(jitted, partial_args)
 
 
 class _PartialJit:

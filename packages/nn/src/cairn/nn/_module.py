@@ -21,6 +21,7 @@ paths is an error (tie weights explicitly instead).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import html
@@ -257,7 +258,15 @@ class Module(Node):
         return cast(Module, clone(self))
 
     def __deepcopy__(self, memo: dict) -> Module:
-        return cast(Module, clone(self))
+        # ``copy.deepcopy`` semantics over the module graph: new modules and Variables
+        # (arrays are immutable and kept), static attributes deep-copied, and a module
+        # or Variable found at two places (or a cycle) copied once, through ``memo``
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != "_cairn_cache":
+                object.__setattr__(new, k, copy.deepcopy(v, memo))
+        return new
 
 
 class _CallState(threading.local):

@@ -11,7 +11,10 @@ container items). Each item is encoded as an entry ``(key, tag, payload)``:
   (:func:`encode_tree`), ``None`` in a one-node pytree encoding (the child is a
   pytree child);
 * ``TREE``: a tuple holding variables or nodes; the payload is ``(treedef, leaves)``
-  with one ``(VAR, template)`` or ``(MOD, payload)`` per leaf.
+  with one ``(VAR, template)``, ``(MOD, payload)`` or ``(REF, index)`` per leaf;
+* ``REF``: (tree encodings only) a module or variable met earlier in the walk (a
+  shared reference, or a cycle back to an ancestor): the payload is its index, ``j >= 0``
+  the ``j``-th variable of the tree, ``j < 0`` the ``~j``-th node in pre-order.
 
 A node's encoding is ``(node class, entries)``. The same tags serve the whole package:
 the JAX pytree registration of every node class (one level: variables' values and child
@@ -57,11 +60,13 @@ from cairn.nn._variables import (
 
 # --- entry tags ---
 
-STATIC, VAR, MOD, TREE, LEAF = 0, 1, 2, 3, 4
+STATIC, VAR, MOD, TREE, LEAF, REF = 0, 1, 2, 3, 4, 5
 
 
 class SharedReferenceError(ValueError):
-    """The same module or variable is reachable from two paths of one tree."""
+    """The same module or variable is reachable from two paths of one tree where that
+    is not allowed: in tree mode (``graph=False``), or passed to a transform in a way
+    that makes its two places disagree."""
 
 
 class Static:
@@ -191,9 +196,20 @@ def key_of(entry: Any) -> Any:
 # --- one node: the pytree registration ---
 
 
+# ``cairn.nn._graph.flat`` (the cached encoding of a tree), set when it is imported
+FLAT: list[Callable[[Any], Any] | None] = [None]
+
+
 def flatten_node_with_keys(node: Node) -> tuple[list, tuple]:
     """One level of ``node`` as a pytree: variables' values and child nodes are the
-    children (a variable's value at the variable's own key), the rest is aux data."""
+    children (a variable's value at the variable's own key), the rest is aux data.
+
+    A pytree has no shared references: as Flax NNX's tree mode, a tree holding a
+    module or Variable at two places (or a cycle) raises :class:`SharedReferenceError`
+    naming both paths (one cached lookup per node when nothing is shared)."""
+    flat = FLAT[0]
+    if flat is not None and flat(node).graphdef.refs:
+        encode_tree(node, strict=True)  # raises, naming the two paths
     children: list[tuple[Any, Any]] = []
     entries: list[tuple] = []
     key_cls = node._graph_key
@@ -288,30 +304,44 @@ def build_node(
 
 
 def shared_error(obj: Any, first: tuple, second: tuple) -> SharedReferenceError:
+    """The error of a shared reference where none is allowed (tree mode)."""
     return SharedReferenceError(
-        f"shared reference: the same {type(obj).__name__} object is found at paths "
-        f"{path_text(first) or '<root>'!r} and {path_text(second) or '<root>'!r}; a "
-        f"cairn.nn module tree has no shared references (tie weights explicitly, "
-        f"e.g. Embed.attend, or use nn.clone to make an independent copy)"
+        f"Duplicate {type(obj).__name__}: the same object is found at paths "
+        f"{path_text(first) or '<root>'!r} and {path_text(second) or '<root>'!r}; tree "
+        f"mode (graph=False) does not support shared references (use graph mode, the "
+        f"default, or nn.clone to make an independent copy)"
     )
 
 
 class _TreeEncoder:
-    """One walk of a module tree: its encoding, its variables and their paths."""
+    """One walk of a module tree: its encoding, its variables and their paths.
 
-    __slots__ = ("variables", "paths", "seen", "has_data")
+    A module or variable met a second time (shared, or a cycle back to an ancestor) is
+    encoded as a ``REF`` to its first place, unless ``strict`` (tree mode), where it
+    raises :class:`SharedReferenceError` naming both paths."""
 
-    def __init__(self):
+    __slots__ = ("variables", "paths", "seen", "node_paths", "refs", "strict", "has_data")
+
+    def __init__(self, strict: bool = False):
         self.variables: list[Variable] = []
         self.paths: list[tuple] = []
-        self.seen: dict[int, tuple] = {}
+        # id -> REF index: j >= 0 the j-th variable, j < 0 the ~j-th node (pre-order)
+        self.seen: dict[int, int] = {}
+        self.node_paths: list[tuple] = []
+        self.refs = False
+        self.strict = strict
         self.has_data = False
 
+    def ref(self, obj: Any, j: int, p: tuple) -> int:
+        """The payload of a REF to ``obj`` (seen before as ``j``) met at ``p``."""
+        if self.strict:
+            first = self.paths[j] if j >= 0 else self.node_paths[~j]
+            raise shared_error(obj, first, p)
+        self.refs = True
+        return j
+
     def add_var(self, v: Variable, p: tuple) -> tuple:
-        i = id(v)
-        if i in self.seen:
-            raise shared_error(v, self.seen[i], p)
-        self.seen[i] = p
+        self.seen[id(v)] = len(self.variables)
         self.variables.append(v)
         self.paths.append(p)
         return template_of(v)
@@ -322,23 +352,25 @@ class _TreeEncoder:
         leafdefs = []
         for kp, x in flat:
             sp = (*p, *(key_of(e) for e in kp))
-            if isinstance(x, Variable):
-                leafdefs.append((VAR, self.add_var(x, sp)))
-            elif isinstance(x, Node):
-                leafdefs.append((MOD, self.visit(x, sp)))
-            else:
+            if not isinstance(x, Variable | Node):
                 raise TypeError(
                     f"{path_text(sp)!r}: a tuple holding modules or variables must "
                     f"hold only those (and None); found {type(x).__name__}"
                 )
+            j = self.seen.get(id(x))
+            if j is not None:
+                leafdefs.append((REF, self.ref(x, j, sp)))
+            elif isinstance(x, Variable):
+                leafdefs.append((VAR, self.add_var(x, sp)))
+            else:
+                leafdefs.append((MOD, self.visit(x, sp)))
         return (treedef, tuple(leafdefs))
 
     def visit(self, node: Node, path: tuple) -> tuple:
+        """The encoding of ``node`` (not seen before) at ``path``."""
         seen = self.seen
-        i = id(node)
-        if i in seen:
-            raise shared_error(node, seen[i], path)
-        seen[i] = path
+        seen[id(node)] = ~len(self.node_paths)
+        self.node_paths.append(path)
         entries: list[tuple] = []
         d = node.__dict__
         marks = d.get(MARKS)
@@ -354,15 +386,21 @@ class _TreeEncoder:
             p = (*path, k)
             if isinstance(v, Variable):  # add_var inlined: the hot case
                 i = id(v)
-                if i in seen:
-                    raise shared_error(v, seen[i], p)
-                seen[i] = p
+                j = seen.get(i)
+                if j is not None:
+                    entries.append((k, REF, self.ref(v, j, p)))
+                    continue
+                seen[i] = len(variables)
                 variables.append(v)
                 paths.append(p)
                 t = None if v._meta else _EMPTY_TEMPLATES.get(type(v))
                 entries.append((k, VAR, t if t is not None else template_of(v)))
             elif isinstance(v, Node):
-                entries.append((k, MOD, self.visit(v, p)))
+                j = seen.get(id(v))
+                if j is not None:
+                    entries.append((k, REF, self.ref(v, j, p)))
+                else:
+                    entries.append((k, MOD, self.visit(v, p)))
             elif isinstance(v, tuple) and tuple_has_nodes(v):
                 entries.append((k, TREE, self.tree_entry(v, p)))
             elif (
@@ -416,17 +454,110 @@ class _ItemsView:
         self.node._graph_set(key, value)
 
 
-def encode_tree(root: Node) -> tuple[tuple, tuple, list]:
-    """``(encoding, paths, variables)`` of the tree under ``root``: the nested encoding
-    (a MOD payload is the child's encoding), the path tuple of each variable and the
-    variables themselves, in the same order. A data attribute (an array, or a value
-    marked ``nn.data``) takes a variable slot: its template is :data:`DATA_TEMPLATE`
-    and its entry in the list a :class:`~cairn.nn._data.DataSlot`.
+def encode_tree(root: Node, strict: bool = False) -> tuple[tuple, tuple, list, bool]:
+    """``(encoding, paths, variables, refs)`` of the tree under ``root``: the nested
+    encoding (a MOD payload is the child's encoding), the path tuple of each variable
+    (its first path when shared) and the variables themselves, once each, in the same
+    order, and whether the encoding holds ``REF`` entries (shared references).
+
+    Args:
+      root: the root node.
+      strict: raise on a shared reference (tree mode) instead of encoding a ``REF``.
+
+    A data attribute (an array, or a value marked ``nn.data``) takes a variable slot:
+    its template is :data:`DATA_TEMPLATE` and its entry in the list a
+    :class:`~cairn.nn._data.DataSlot`.
 
     Raises:
-      SharedReferenceError: a node or variable is reachable at two paths.
+      SharedReferenceError: ``strict`` and a node or variable is reachable at two paths.
       TypeError: a tuple item mixes nodes or variables with other values.
     """
-    enc = _TreeEncoder()
+    enc = _TreeEncoder(strict)
     encoding = enc.visit(root, ())
-    return encoding, tuple(enc.paths), enc.variables
+    return encoding, tuple(enc.paths), enc.variables, enc.refs
+
+
+# --- rebuilding an encoding with shared references ---
+
+_PENDING = object()
+
+
+def _fill(obj: Node, store: str, items: list) -> None:
+    """Give ``obj`` (made by ``object.__new__``) its items as ``_graph_new`` would for
+    ``store`` (see :class:`Node`)."""
+    if store == "attrs":
+        obj.__dict__.update(items)
+    elif store == "list":
+        object.__setattr__(obj, "_cairn_items", [v for _, v in items])
+    else:
+        object.__setattr__(obj, "_cairn_items", dict(items))
+
+
+class _SharedBuilder:
+    """Rebuilds a tree encoding holding ``REF`` entries: every node and variable is
+    made once and each REF reuses it. A node is created before its items (for the
+    stores of :class:`Node`), so a cycle back to an ancestor closes."""
+
+    def __init__(self, values: Iterator[Any], new_variable: Callable[[Any, Any], Any] | None):
+        self.values = values
+        self.new_variable = new_variable
+        self.nodes: list[Any] = []
+        self.variables: list[Any] = []
+
+    def var(self, template: Any) -> Any:
+        x = next(self.values)
+        if template[0] is DataSlot:  # a data attribute: its plain value (never a REF target)
+            if self.new_variable is not None:
+                self.new_variable(template, x)
+            v = data_value(x)
+        else:
+            v = x if self.new_variable is None else self.new_variable(template, x)
+        self.variables.append(v)  # keeps REF indices aligned with the encoder's list
+        return v
+
+    def ref(self, j: int) -> Any:
+        if j >= 0:
+            return self.variables[j]
+        obj = self.nodes[~j]
+        if obj is _PENDING:
+            raise ValueError(
+                "cannot rebuild a cycle through a node whose class builds itself from its "
+                "items (a custom _graph_new)"
+            )
+        return obj
+
+    def leaf(self, tag: int, payload: Any) -> Any:
+        if tag == VAR:
+            return self.var(payload)
+        if tag == MOD:
+            return self.node(payload)
+        return self.ref(payload)
+
+    def node(self, encoding: tuple) -> Node:
+        cls, entries = encoding
+        store = graph_store(cls)
+        idx = len(self.nodes)
+        obj = object.__new__(cls) if store in ("attrs", "list", "dict") else _PENDING
+        self.nodes.append(obj)
+        items = []
+        for k, tag, payload in entries:
+            if tag == STATIC:
+                items.append((k, payload.value))
+            elif tag == TREE:
+                treedef, leafdefs = payload
+                items.append((k, treedef.unflatten([self.leaf(t, p) for t, p in leafdefs])))
+            else:
+                items.append((k, self.leaf(tag, payload)))
+        if obj is _PENDING:
+            obj = self.nodes[idx] = cls._graph_new(items)
+        else:
+            _fill(obj, store, items)  # type: ignore[arg-type]
+        return obj
+
+
+def build_shared(
+    encoding: tuple, values: Iterator[Any], new_variable: Callable[[Any, Any], Any] | None = None
+) -> Node:
+    """:func:`build_node` (nested) of a tree encoding that holds ``REF`` entries: one
+    object per node and variable, found again at every place that refers to it."""
+    return _SharedBuilder(values, new_variable).node(encoding)

@@ -211,6 +211,14 @@ class _Recorder:
                 self.paths[id(m)] = _join(prefix, path)
                 self.keep.append(m)
 
+    def register_copy(self, copy: Module, obj: Module, prefix: str) -> None:
+        """Record the modules of ``copy`` (a rebuild of ``obj``) at the paths already
+        recorded for their counterparts in ``obj`` (a shared module keeps its first
+        path), else under ``prefix``."""
+        for (path, m), (_, o) in zip(iter_modules(copy), iter_modules(obj)):
+            self.paths[id(m)] = self.paths.get(id(o), _join(prefix, path))
+            self.keep.append(m)
+
     def wrap(self, name: str, orig: Callable) -> Callable:
         rec = self
 
@@ -220,15 +228,21 @@ class _Recorder:
                 return orig(obj, *args, **kwargs)
             order = next(rec.counter)
             inputs = _inputs_repr(args, kwargs)
-            leaves, treedef = jax.tree_util.tree_flatten((obj, args, kwargs))
+            # the module travels as its graph (a shared submodule or Variable stays one
+            # object inside the trace), the arguments as a pytree
+            c = flat(obj)
+            gd, nv = c.graphdef, c.graphdef.num_variables
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            leaves = [v.raw_value for v in c.variables] + leaves
             dyn_at = [i for i, x in enumerate(leaves) if _is_array(x)]
 
             def body(*dyn):
                 full = list(leaves)
                 for i, x in zip(dyn_at, dyn):
                     full[i] = x
-                o, a, kw = jax.tree_util.tree_unflatten(treedef, full)
-                rec.register(o, path)
+                o = gd.build_from_values(full[:nv])
+                a, kw = jax.tree_util.tree_unflatten(treedef, full[nv:])
+                rec.register_copy(o, obj, path)
                 return orig(o, *a, **kw)
 
             dyn = [leaves[i] for i in dyn_at]

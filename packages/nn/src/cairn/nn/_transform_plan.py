@@ -22,9 +22,10 @@ from typing import Any
 import jax
 
 from cairn.nn._data import DataSlot
-from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
+from cairn.nn._filters import path_str
+from cairn.nn._graph import GraphDef, check_tree, flat, fresh_flat, sync, tree_mode
 from cairn.nn._module import Module, annotate_exception
-from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node
+from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node, key_of
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
 
 set_raw = Variable.__dict__["raw_value"].__set__
@@ -48,9 +49,9 @@ class Plan:
     module's list of variable values, a variable's value, else the leaf itself).
     """
 
-    __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn")
+    __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn", "links", "_linking")
 
-    def __init__(self, tree: Any) -> None:
+    def __init__(self, tree: Any, link: bool = False) -> None:
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
         self.treedef: Any = treedef
         self.kinds: list[int] = []
@@ -58,18 +59,74 @@ class Plan:
         self.objs: list[Any] = []
         self.varlists: list[Any] = []  # a module's variables, else None
         self.dyn: list[Any] = []
-        seen: dict[int, int] = {}
-        for x in leaves:
+        # ``link`` (graph mode): a module or Variable shared by two leaves is one object
+        # inside the transform; links[(leaf, index)] = (first leaf, index) of each
+        # repeat. Without ``link`` a repeat raises SharedReferenceError.
+        self.links: dict[tuple[int, int], tuple[int, int]] | None = None
+        self._linking = link
+        seen: dict[int, tuple[int, int]] = {}
+        for li, x in enumerate(leaves):
             if isinstance(x, Module):
                 c = flat(x)
                 self._add(MOD, c.graphdef, x, c.variables, [v.raw_value for v in c.variables])
-                for v in c.variables:
-                    _check_once(seen, v, x)
+                first = seen.get(id(x))
+                if first is not None:
+                    self._link((li, -1), first)
+                    continue
+                seen[id(x)] = (li, -1)
+                for j, v in enumerate(c.variables):
+                    first = seen.get(id(v))
+                    if first is not None:
+                        self._link((li, j), first)
+                    else:
+                        seen[id(v)] = (li, j)
             elif isinstance(x, Variable):
                 self._add(VAR, template_of(x), x, None, x.raw_value)
-                _check_once(seen, x, x)
+                first = seen.get(id(x))
+                if first is not None:
+                    self._link((li, -1), first)
+                else:
+                    seen[id(x)] = (li, -1)
             else:
                 self._add(LEAF, None, None, None, x)
+
+    def _link(self, at: tuple[int, int], first: tuple[int, int]) -> None:
+        if not self._linking:
+            fl, fj = first
+            owner = self.objs[at[0]]
+            v = self.objs[fl] if fj < 0 else self.varlists[fl][fj]
+            if isinstance(v, Module):  # a module passed twice: named by its first variable
+                if not self.varlists[fl]:
+                    return  # nothing to alias
+                v = self.varlists[fl][0]
+            if owner is self.objs[fl]:
+                raise SharedReferenceError(
+                    f"Inconsistent aliasing detected: the same {type(owner).__name__} object "
+                    f"is passed twice to a transform (Duplicate {type(v).__name__}); pass "
+                    f"it once"
+                )
+            raise SharedReferenceError(
+                f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
+                f"reachable from two arguments ({type(owner).__name__} and another; "
+                f"Duplicate {type(v).__name__}); transform arguments must not share "
+                f"variables"
+            )
+        if self.links is None:
+            self.links = {}
+        self.links[at] = first
+
+    def shared(self) -> list[tuple[Any, list[tuple[int, int]]]]:
+        """Each module / Variable found at more than one leaf (or inside two leaves):
+        ``(object, [(leaf, index), ...])``, index -1 for the leaf itself, else the
+        variable index in the leaf module's variables."""
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for at, first in (self.links or {}).items():
+            groups.setdefault(first, [first]).append(at)
+        out = []
+        for (li, j), places in groups.items():
+            obj = self.objs[li] if j < 0 else self.varlists[li][j]
+            out.append((obj, places))
+        return out
 
     def _add(self, kind, desc, obj, varlist, dyn) -> None:
         self.kinds.append(kind)
@@ -85,7 +142,8 @@ class Plan:
 
     def key(self) -> tuple:
         """The plan's structure, hashable (a compilation cache key)."""
-        return (self.treedef, tuple(self.kinds), tuple(self.descs))
+        links = None if self.links is None else tuple(sorted(self.links.items()))
+        return (self.treedef, tuple(self.kinds), tuple(self.descs), links)
 
     def extend_flat(self, values: list, targets: list, ids: list) -> None:
         """Append every dynamic value to ``values``, the variable it belongs to (None
@@ -121,10 +179,36 @@ class Plan:
 
     def rebuild(self, dyn: Sequence) -> tuple[Any, list]:
         """Fresh objects from dynamic values: (tree, list of rebuilt leaves)."""
+        if self.links is not None:
+            return self._rebuild_linked(dyn)
         out = []
         for kind, desc, d in zip(self.kinds, self.descs, dyn):
             if kind == MOD:
                 out.append(desc.build_from_values(d))
+            elif kind == VAR:
+                out.append(rebuild_variable(desc, d))
+            else:
+                out.append(d)
+        return self.treedef.unflatten(out), out
+
+    def _rebuild_linked(self, dyn: Sequence) -> tuple[Any, list]:
+        """:meth:`rebuild` when leaves share modules or Variables: each shared one is
+        rebuilt once (from its first place's value) and found at every place."""
+        links = self.links or {}
+        out: list[Any] = []
+        for li, (kind, desc, d) in enumerate(zip(self.kinds, self.descs, dyn)):
+            first = links.get((li, -1))
+            if first is not None:
+                fl, fj = first
+                out.append(out[fl] if fj < 0 else _cache_vars(out[fl])[fj])
+            elif kind == MOD:
+                reuse = {}
+                for j in range(len(d)):
+                    f = links.get((li, j))
+                    if f is not None:
+                        fl, fj = f
+                        reuse[j] = out[fl] if fj < 0 else _cache_vars(out[fl])[fj]
+                out.append(desc.build_from_values(d, reuse or None))
             elif kind == VAR:
                 out.append(rebuild_variable(desc, d))
             else:
@@ -178,20 +262,163 @@ class Plan:
         return self.treedef.unflatten(leaves)
 
 
-def _check_once(seen: dict, v: Variable, owner: Any) -> None:
-    prev = seen.get(id(v))
-    if prev is not None and prev != id(owner):
+def check_output_aliasing(fn: str, inputs: Any, out: Any) -> None:
+    """Flax NNX's rule for a transform without graph updates (``graph=False`` or
+    ``graph_updates=False``): the output must not hold a Variable of the (rebuilt)
+    inputs, as the caller could not tell the returned object from its own argument.
+
+    Args:
+      fn: the transform's name, for the message.
+      inputs: the rebuilt arguments (a pytree of modules, Variables and values).
+      out: what the function returned.
+
+    Raises:
+      ValueError: naming the Variable and its input and output paths.
+    """
+    seen: dict[int, str] = {}
+    for where, v in _variables_with_paths(inputs):
+        seen.setdefault(id(v), where)
+    for where, v in _variables_with_paths(out):
+        if id(v) in seen:
+            raise ValueError(
+                f"Duplicate {type(v).__name__} found at paths: input {seen[id(v)]!r} and "
+                f"output {where!r}. nn.{fn} with graph_updates=False does not support "
+                f"Variable aliasing (duplicate inputs, duplicate outputs, or input "
+                f"Variables returned as outputs): return the value, a new Variable "
+                f"(nn.clone), or pass graph=True, graph_updates=True"
+            )
+
+
+def _variables_with_paths(tree: Any) -> list[tuple[str, Variable]]:
+    out = []
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]:
+        where = jax.tree_util.keystr(kp)
+        if isinstance(x, Variable):
+            out.append((where, x))
+        elif isinstance(x, Module):
+            c = fresh_flat(x)
+            out.extend((f"{where}/{path_str(p)}", v) for p, v in zip(c.graphdef.paths, c.variables))
+    return out
+
+
+def check_carry_disjoint(carry: Plan, xs: Plan) -> None:
+    """``nn.scan``: a Variable both in the carry and in the scanned inputs would get two
+    prefixes (``Carry`` and an axis).
+
+    Raises:
+      SharedReferenceError: Flax's "Inconsistent aliasing detected", naming the type.
+    """
+    ids = {id(v) for vl, o in zip(carry.varlists, carry.objs)
+           for v in (vl if vl is not None else [o]) if v is not None}
+    for vl, o in zip(xs.varlists, xs.objs):
+        for v in vl if vl is not None else [o]:
+            if v is not None and id(v) in ids:
+                raise SharedReferenceError(
+                    f"Inconsistent aliasing detected. The following nodes have different "
+                    f"prefixes:\nNode: {type(v).__name__}\n  carry: Carry\n  xs: 0"
+                )
+
+
+def check_consistent_prefixes(plan: Plan, leaf_prefixes: Sequence) -> None:
+    """A module or Variable shared by two arguments of a graph-mode transform must get
+    the same prefix (``in_axes``, ``in_specs``...) at each place.
+
+    Args:
+      plan: the linked plan of the arguments.
+      leaf_prefixes: per plan leaf, its prefix (for a module: one per variable).
+
+    Raises:
+      ValueError: Flax's "Inconsistent aliasing detected" listing, per node, each place
+        and its prefix.
+    """
+    if plan.links is None:
+        return
+    msgs = []
+    for _obj, places in plan.shared():
+        per_var: dict[int, list[tuple[tuple, Any]]] = {}
+        for li, j in places:
+            pre = leaf_prefixes[li]
+            if j >= 0:
+                per_var.setdefault(0, []).append(((li, j), pre[j]))
+            elif plan.kinds[li] == MOD:
+                for jj, p in enumerate(pre):
+                    per_var.setdefault(jj, []).append(((li, jj), p))
+            else:
+                per_var.setdefault(0, []).append(((li, -1), pre))
+        for entries in per_var.values():
+            if any(not _same_prefix(entries[0][1], p) for _, p in entries[1:]):
+                msgs.append(_aliasing_lines(plan, entries))
+    if msgs:
         raise SharedReferenceError(
-            f"Inconsistent aliasing detected: the same {type(v).__name__} object is "
-            f"reachable from two arguments ({type(owner).__name__} and another; Duplicate "
-            f"{type(v).__name__}); transform arguments must not share variables"
+            "Inconsistent aliasing detected. The following nodes have different prefixes:\n"
+            + "\n".join(msgs)
         )
-    if prev is not None:
-        raise SharedReferenceError(
-            f"Inconsistent aliasing detected: the same {type(owner).__name__} object is "
-            f"passed twice to a transform (Duplicate {type(v).__name__}); pass it once"
-        )
-    seen[id(v)] = id(owner)
+
+
+def _same_prefix(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001  (arrays and other values without a plain ==)
+        return False
+
+
+def _aliasing_lines(plan: Plan, entries: list) -> str:
+    """``Node: <type>`` and one ``  <path>: <prefix>`` line per place."""
+    where = [_arg_path(kp) for kp, _ in
+             jax.tree_util.tree_flatten_with_path(plan.originals(), is_leaf=is_node)[0]]
+    lines = []
+    v = None
+    for (li, j), p in entries:
+        if j >= 0:
+            v = plan.varlists[li][j]
+            path = f"{where[li]}/{path_str(plan.descs[li].paths[j])}"
+        else:
+            v = plan.objs[li]
+            path = where[li]
+        lines.append(f"  {path.lstrip('/') or '<root>'}: {p}")
+    return f"Node: {type(v).__name__}\n" + "\n".join(lines)
+
+
+def _arg_path(kp: tuple) -> str:
+    """The path of a plan leaf in ``(args, kwargs)`` as ``0/1`` (argument, position)."""
+    try:
+        return path_str(tuple(key_of(e) for e in kp[1:]))
+    except Exception:  # noqa: BLE001  (a key with no path name: jax's own spelling)
+        return jax.tree_util.keystr(kp)
+
+
+def _cache_vars(module: Module) -> list:
+    """The variables of a module just rebuilt (from its build cache)."""
+    return module.__dict__["_cairn_cache"].variables
+
+
+def check_tree_args(fn: str, tree: Any, graph: bool | None) -> None:
+    """In tree mode (``graph=False``, or ``nn.set_graph_mode(False)``), raise
+    :class:`SharedReferenceError` (a ``ValueError``) naming the paths when the arguments
+    ``tree`` of ``nn.<fn>`` hold a module or Variable at two places (inside one module
+    or across arguments); graph mode allows it. Nothing is walked in graph mode."""
+    if not tree_mode(graph):
+        return
+    seen: dict[int, str] = {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]:
+        if isinstance(x, Module):
+            c = flat(x)
+            check_tree(x, c, False)
+            pairs = [(f"{jax.tree_util.keystr(kp)}/{path_str(p)}", v)
+                     for p, v in zip(c.graphdef.paths, c.variables)]
+        elif isinstance(x, Variable):
+            pairs = [(jax.tree_util.keystr(kp), x)]
+        else:
+            continue
+        for where, v in pairs:
+            if id(v) in seen:
+                raise SharedReferenceError(
+                    f"Duplicate {type(v).__name__}: the same object is found at paths "
+                    f"{seen[id(v)]!r} and {where!r} of the arguments of nn.{fn}; tree mode "
+                    f"(graph=False) does not support shared references (pass graph=True, "
+                    f"or nn.clone one of them)"
+                )
+            seen[id(v)] = where
 
 
 def write_module(
@@ -232,13 +459,17 @@ def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
-def run_pure(f: Callable, plan: Plan, box: Box) -> Callable:
+def run_pure(f: Callable, plan: Plan, box: Box, no_alias: str | None = None) -> Callable:
     """A pure function of the plan's dynamic values, ``(out, new_dyn)``; the new
-    structures go to ``box``. The plan's tree must be ``(args, kwargs)``."""
+    structures go to ``box``. The plan's tree must be ``(args, kwargs)``. ``no_alias``
+    (a transform's name) refuses an output holding an input Variable
+    (:func:`check_output_aliasing`)."""
 
     def pure(dyn):
         (a, kw), rebuilt = plan.rebuild(dyn)
         out = call_annotated(f, a, kw)
+        if no_alias is not None:
+            check_output_aliasing(no_alias, rebuilt, out)
         new_dyn, new_descs = plan.collect(rebuilt)
         box.value = new_descs
         return out, new_dyn
@@ -261,8 +492,8 @@ class Carry:
     """A loop carry that may contain modules (``scan``, ``fori_loop``, ``while_loop``):
     its values go through the loop, the caller's objects get the final ones."""
 
-    def __init__(self, tree: Any) -> None:
-        self.plan = Plan(tree)
+    def __init__(self, tree: Any, link: bool = False) -> None:
+        self.plan = Plan(tree, link)
 
     @property
     def dyn(self) -> list:

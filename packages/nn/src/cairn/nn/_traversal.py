@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from cairn.nn._graph import flat
+from cairn.nn._graph import check_tree, flat, tree_mode
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._nodes import Node, shared_error
 from cairn.nn._tree_names import check_tree_mode
@@ -16,11 +16,14 @@ from cairn.nn._variables import Variable
 def iter_graph(node: Any, /, *, graph: bool | None = None) -> Iterator[tuple[tuple, Any]]:
     """``(path, value)`` for every module, Variable, container and static value under
     ``node`` (a module or a list / tuple / dict of them), children before their parent,
-    attributes in definition order; the root comes last with path ``()``.
+    attributes in definition order; the root comes last with path ``()``. A module or
+    Variable found at several places (or through a cycle) is visited once, at its first
+    path.
 
     Args:
       node: a module, or a list / tuple / dict of them.
-      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
+      graph: False (tree mode) raises ``SharedReferenceError`` (a ``ValueError``) on a
+        shared reference or a cycle instead; None follows ``nn.set_graph_mode``.
 
     >>> from cairn import nn
     >>> for path, v in nn.iter_graph(nn.Linear(2, 3, use_bias=False, rngs=nn.Rngs(0))):
@@ -31,8 +34,17 @@ def iter_graph(node: Any, /, *, graph: bool | None = None) -> Iterator[tuple[tup
     """
     check_mode("iter_graph", graph)
     check_tree_mode("iter_graph", node, graph)
+    strict = tree_mode(graph)
+    seen: dict[int, tuple] = {}
 
     def rec(x: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+        if isinstance(x, Node | Variable):
+            first = seen.get(id(x))
+            if first is not None:  # shared, or a cycle: visited once, at its first path
+                if strict:
+                    raise shared_error(x, first, path)
+                return
+            seen[id(x)] = path
         if isinstance(x, Node):
             for k, v in x._graph_items():
                 yield from rec(v, (*path, k))
@@ -66,40 +78,55 @@ def recursive_map(f: Any, node: Node, /, *, graph: bool | None = None) -> Any:
     ['layers/0/kernel', 'layers/0/bias', 'layers/0']
 
     Raises:
-      SharedReferenceError: a module or Variable is found at two paths.
+      SharedReferenceError: tree mode (``graph=False``) and a module or Variable is
+        found at two paths (or a cycle). In graph mode each is mapped once.
     """
     check_mode("recursive_map", graph)
     check_tree_mode("recursive_map", node, graph)
     if not isinstance(node, Node):
-        return _map_pytree(f, node)
+        return _map_pytree(f, node, tree_mode(graph))
     c = flat(node)
+    check_tree(node, c, graph)
     root = c.graphdef.build_from_variables(c.variables)
+    done: dict[int, Any] = {}  # a shared module / Variable is mapped once (graph mode)
 
     def rec(x: Any, path: tuple) -> Any:
+        if id(x) in done:
+            return done[id(x)]
+        done[id(x)] = x  # a cycle back to ``x`` keeps it while it is being mapped
         if isinstance(x, Node):
             for k, v in list(x._graph_items()):
                 if isinstance(v, Node | Variable):
                     new = rec(v, (*path, k))
                     if new is not v:
                         x._graph_set(k, new)
-        return f(path, x)
+        new = done[id(x)] = f(path, x)
+        return new
 
     return rec(root, ())
 
 
-def _map_pytree(f: Any, tree: Any) -> Any:
+def _map_pytree(f: Any, tree: Any, strict: bool) -> Any:
     """:func:`recursive_map` over a list / tuple / dict of modules and Variables: each
-    module is mapped on its own new tree; containers are rebuilt, then given to ``f``."""
+    module is mapped on its own new tree; containers are rebuilt, then given to ``f``.
+    A module or Variable found twice is mapped once (``strict``, tree mode: raises)."""
     seen: dict[int, tuple] = {}
+    done: dict[int, Any] = {}
 
     def rec(x: Any, path: tuple) -> Any:
         if isinstance(x, Node | Variable):
             if id(x) in seen:
-                raise shared_error(x, seen[id(x)], path)
+                if strict:
+                    raise shared_error(x, seen[id(x)], path)
+                return done[id(x)]
             seen[id(x)] = path
             if isinstance(x, Variable):
-                return f(path, x)
-            return recursive_map(lambda p, y: f((*path, *p), y), x)
+                new = done[id(x)] = f(path, x)
+                return new
+            new = done[id(x)] = recursive_map(
+                lambda p, y: f((*path, *p), y), x, graph=not strict
+            )
+            return new
         if isinstance(x, list | tuple):
             items = [rec(v, (*path, i)) for i, v in enumerate(x)]
             new = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)

@@ -448,6 +448,7 @@ class Variable:
         import copy
 
         new = object.__new__(type(self))
+        memo[id(self)] = new  # a Variable found twice in the copied tree is copied once
         object.__setattr__(new, "_meta", copy.deepcopy(self._meta, memo))
         object.__setattr__(new, "raw_value", self.raw_value)
         return new

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 from cairn.nn._axis_metadata import with_axis_metadata
 from cairn.nn._filters import path_text, to_predicate
 from cairn.nn._graph import GraphDef, flat
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
 from cairn.nn._state import State
@@ -24,7 +24,10 @@ from cairn.nn._transform_plan import (
     Box,
     Plan,
     call_annotated,
+    check_carry_disjoint,
+    check_consistent_prefixes,
     check_prefix,
+    check_tree_args,
     reject_bound_method,
     run_pure,
 )
@@ -264,16 +267,18 @@ def vmap(
         return functools.partial(
             vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name,
             axis_size=axis_size, spmd_axis_name=spmd_axis_name,
-            transform_metadata=transform_metadata,
+            transform_metadata=transform_metadata, graph=graph, graph_updates=graph_updates,
         )
     if transform_metadata:
         f = with_axis_metadata(f, in_axes, out_axes, transform_metadata, "vmap")
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
+        check_tree_args("vmap", (args, kwargs), graph)
         return _mapped_call(
             jax.vmap, f, args, kwargs, in_axes, out_axes,
             {"axis_name": axis_name, "axis_size": axis_size, "spmd_axis_name": spmd_axis_name},
+            link=True, no_alias=not resolve_modes(graph, graph_updates)[2],
         )
 
     return wrapper
@@ -351,15 +356,19 @@ def pmap(
     return wrapper
 
 
-def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
+def _mapped_call(
+    mapper, f, args, kwargs, in_axes, out_axes, opts: dict, link: bool = False,
+    no_alias: bool = False,
+) -> Any:
     """``mapper`` (``jax.vmap`` / ``jax.pmap``) of ``f(*args, **kwargs)`` with module
     arguments: their values go in along their axes and the new values come back along
     the same axes; module-aware ``out_axes`` are expanded for the traced output."""
     if kwargs and isinstance(in_axes, tuple | list) and len(in_axes) > len(args):
         args, kwargs = _bind_positional(f, args, kwargs)
-    plan = Plan((args, kwargs))
+    plan = Plan((args, kwargs), link)
     axes = _prefix_axes(args, kwargs, in_axes)
     leaf_axes = _leaf_axes_tree(plan, axes)
+    check_consistent_prefixes(plan, leaf_axes)
     _check_mapped_ranks(plan, axes)
     box = Box()
     # a module argument's changes come back along its axes: one int / None covers any
@@ -378,8 +387,9 @@ def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
             out_axes = _expand_out_axes(out_axes, out_shape)
         if per_var:  # per-variable axes of the structure f leaves behind
             back_axes = _new_leaf_axes(plan, axes, back_axes, probe_box.value, dyn_shape)
+    pure = run_pure(f, plan, box, "vmap" if no_alias else None)
     out, new_dyn = mapper(
-        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
+        pure, in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
     )(plan.dyn)
     plan.write_back(plan.fill(new_dyn), box.value)
     return out
@@ -674,6 +684,7 @@ def _scan_run(step, init, xs=None, *, length, reverse, unroll):
     changes written back stacked)."""
     carry = LoopCarry(init)
     xplan = Plan(xs)
+    check_carry_disjoint(carry.plan, xplan)
     box = Box()
 
     def body(c_dyn, x_dyn):
@@ -826,11 +837,13 @@ def shard_map(
 
     @functools.wraps(f)
     def wrapper(*args):
-        plan = Plan((args, {}))
+        check_tree_args("shard_map", args, graph)
+        plan = Plan((args, {}), link=True)
         specs = in_specs
         if _is_spec_leaf(specs):
             specs = (specs,) * len(args)
         leaf_specs = _leaf_axes_tree(plan, _prefix_axes(args, {}, tuple(specs)))
+        check_consistent_prefixes(plan, leaf_specs)
         box = Box()
         kw: dict[str, Any] = {"mesh": mesh, "in_specs": (leaf_specs,)}
         if axis_names is not None:
