@@ -241,6 +241,20 @@ def check_same_structure(old_descs: Sequence, new_descs: Sequence, what: str) ->
         )
 
 
+def _carry_identity_error(what: str, tree: Any, i: int, x: Any, kind: str) -> None:
+    """Raise the loop-carry identity error for leaf ``i`` of the returned carry ``tree``."""
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]]
+    where = paths[i] if i < len(paths) else f"leaf {i}"
+    raise ValueError(
+        f"{what}: the returned carry holds a new {type(x).__name__} ({kind}) at "
+        f"{where or 'the root'} instead of the object the step was given. Carry references "
+        f"must be the same between iterations (scan Variable identity must be preserved "
+        f"across iterations): change the carry's modules / Variables in place and return "
+        f"them; state written to a new object would be lost"
+    )
+
+
 class Carry:
     """A loop carry that may contain modules (``scan``, ``fori_loop``, ``while_loop``):
     its values go through the loop, the caller's objects get the final ones."""
@@ -253,7 +267,12 @@ class Carry:
         return self.plan.dyn
 
     def rebuild(self, dyn: Sequence) -> Any:
-        tree, _ = self.plan.rebuild(dyn)
+        """The carry for one step: fresh objects holding ``dyn`` (remembered, with their
+        variables, for the identity check of :meth:`extract`)."""
+        tree, rebuilt = self.plan.rebuild(dyn)
+        self._given = rebuilt
+        self._given_vars = [fresh_flat(o).variables if k == MOD else None
+                            for k, o in zip(self.plan.kinds, rebuilt)]
         return tree
 
     def extract(self, tree: Any, what: str) -> list:
@@ -268,16 +287,23 @@ class Carry:
                 f"{what}: the returned carry has structure {treedef}, expected "
                 f"{self.plan.treedef}"
             )
+        given = getattr(self, "_given", None)
         dyn = []
-        for kind, desc, x in zip(self.plan.kinds, self.plan.descs, leaves):
+        for i, (kind, desc, x) in enumerate(zip(self.plan.kinds, self.plan.descs, leaves)):
             if kind == MOD:
-                if not isinstance(x, Module):
-                    raise ValueError(f"{what}: expected a module in the returned carry")
+                if given is not None and x is not given[i]:
+                    _carry_identity_error(what, tree, i, x, "module")
                 c = fresh_flat(x)
                 check_same_structure([desc], [c.graphdef], what)
+                if given is not None:
+                    for v, w in zip(c.variables, self._given_vars[i]):
+                        if v is not w:
+                            _carry_identity_error(what, tree, i, v, "variable of the module")
                 dyn.append([v.raw_value for v in c.variables])
             elif kind == VAR:
-                dyn.append(x.raw_value if isinstance(x, Variable) else x)
+                if given is not None and x is not given[i]:
+                    _carry_identity_error(what, tree, i, x, "Variable")
+                dyn.append(x.raw_value)
             else:
                 dyn.append(x)
         return dyn

@@ -19,6 +19,7 @@ from cairn.nn._graph import GraphDef, flat
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
+from cairn.nn._trace_cache import TraceCache
 from cairn.nn._transform_plan import (
     Box,
     Plan,
@@ -696,16 +697,19 @@ def scan(
     run = functools.partial(_scan_run, length=length, reverse=reverse, unroll=unroll)
     _check_scan_axes(in_axes if isinstance(in_axes, tuple) else (in_axes,), out_axes)
     if in_axes == (Carry, 0) and out_axes == (Carry, 0):
+        cached = TraceCache(lambda init, xs=None: run(f, init, xs))
 
         @functools.wraps(f)
         def wrapper(init, xs=None):
-            return run(f, init, xs)
+            return cached(init, xs)
 
         return wrapper
 
+    cached_axes = TraceCache(lambda *args: _scan_axes(f, args, in_axes, out_axes, run))
+
     @functools.wraps(f)
     def axes_wrapper(*args):
-        return _scan_axes(f, args, in_axes, out_axes, run)
+        return cached_axes(*args)
 
     return axes_wrapper
 
