@@ -121,8 +121,25 @@ class CustomVjp:
         plan = Plan((args, {}))
         call = _Call(self, plan, args)
         out, new_dyn = call.run()
-        plan.write_back(plan.fill(call.full(new_dyn)), call.descs)
+        vals, descs = plan.fill(call.full(new_dyn)), call.descs
+        if not self.graph_updates:
+            vals, descs = _values_only(plan, vals, descs)
+        plan.write_back(vals, descs)
         return out
+
+
+def _values_only(plan: Plan, vals: list, descs: list) -> tuple[list, list]:
+    """Flax's ``graph_updates=False``: the new values of the arguments' variables in
+    their structure before the call (a static attribute the function changed, or a
+    variable it added or removed, stays inside the function)."""
+    out = []
+    for k, old_desc, old_dyn, new_desc, v in zip(plan.kinds, plan.descs, plan.dyn, descs, vals):
+        if k == MOD and new_desc != old_desc:
+            by_path = dict(zip(new_desc.paths, v))
+            out.append([by_path.get(p, o) for p, o in zip(old_desc.paths, old_dyn)])
+        else:
+            out.append(v)
+    return out, plan.static_descs()
 
 
 class _Call:
