@@ -193,3 +193,17 @@ def test_a_is_a_type_variable_for_generic_variables():
 
     v = Broadcast(jnp.ones(2))
     assert isinstance(v, nn.Variable) and v.shape == (2,)
+
+
+def test_scan_in_axes_pytree_prefix_for_a_plain_argument():
+    def step(carry, x):
+        carry = carry + x["a"] * x["b"]
+        return carry, carry
+
+    xs = {"a": jnp.arange(4.0), "b": jnp.array(2.0)}  # "a" scanned, "b" broadcast
+    total, partial = nn.scan(step, in_axes=(nn.Carry, {"a": 0, "b": None}),
+                             out_axes=(nn.Carry, 0))(jnp.array(1.0), xs)
+    np.testing.assert_allclose(partial, 1.0 + 2.0 * np.cumsum(np.arange(4.0)))
+    assert float(total) == 1.0 + 2.0 * 6.0
+    with pytest.raises(ValueError, match="nn.Carry is a whole argument"):
+        nn.scan(step, in_axes=(nn.Carry, {"a": nn.Carry}), out_axes=(nn.Carry, 0))

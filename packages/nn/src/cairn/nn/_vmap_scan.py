@@ -418,6 +418,9 @@ def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
     for ax in (*in_axes, *outs):
         if isinstance(ax, StateAxes | Module):  # in in_axes: outs were checked above
             continue
+        if ax is not Carry and _is_prefix_tree(ax) and any(a is ax for a in in_axes):
+            _check_prefix_tree(ax)
+            continue
         if not (ax is Carry or ax is None or (isinstance(ax, int) and not isinstance(ax, bool))):
             raise ValueError(
                 f"nn.scan: axes must be nn.Carry, an int, None, or (in in_axes, for a module) "
@@ -438,6 +441,50 @@ def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
             f"nn.scan: If one of in_axes or out_axes has Carry, the other must also have "
             f"Carry (in_axes={in_axes!r}, out_axes={out_axes!r})"
         )
+
+
+def _is_prefix_tree(ax: Any) -> bool:
+    return isinstance(ax, dict | list | tuple)
+
+
+def _check_prefix_tree(ax: Any) -> None:
+    """An ``in_axes`` entry that is a pytree prefix (``{'a': 0, 'b': None}``) for a plain
+    argument: its leaves are ints or None (the carry is one whole argument)."""
+    for leaf in jax.tree_util.tree_leaves(ax, is_leaf=lambda x: x is None or x is Carry):
+        if not (leaf is None or (isinstance(leaf, int) and not isinstance(leaf, bool))):
+            raise ValueError(
+                f"nn.scan: a pytree prefix in in_axes holds ints or None, got {leaf!r} in "
+                f"{ax!r} (nn.Carry is a whole argument, not a part of one)"
+            )
+
+
+def _expand_prefix_args(f: Callable, args: tuple, in_ax: tuple) -> tuple[Callable, tuple, tuple]:
+    """``f``, ``args`` and ``in_ax`` with every argument whose axis is a pytree prefix
+    split into one argument per leaf (with its own axis); the returned function puts
+    each argument back together before calling ``f``."""
+    if not any(_is_prefix_tree(ax) for ax in in_ax):
+        return f, args, in_ax
+    new_args: list = []
+    new_ax: list = []
+    rebuild: list = []  # per original argument: (treedef, count) or None
+    for a, ax in zip(args, in_ax):
+        if not _is_prefix_tree(ax):
+            new_args.append(a)
+            new_ax.append(ax)
+            rebuild.append(None)
+            continue
+        leaves, treedef = jax.tree_util.tree_flatten(a, is_leaf=is_node)
+        new_args.extend(leaves)
+        new_ax.extend(treedef.flatten_up_to(_broadcast_prefix(ax, a)))
+        rebuild.append((treedef, len(leaves)))
+
+    def joined(*flat_args):
+        it = iter(flat_args)
+        call = [next(it) if r is None else r[0].unflatten([next(it) for _ in range(r[1])])
+                for r in rebuild]
+        return f(*call)
+
+    return joined, tuple(new_args), tuple(new_ax)
 
 
 class _ScanSplit:
@@ -555,6 +602,7 @@ def _scan_axes(f, args, in_axes, out_axes, run):
         )
     in_ax = _axes_tuple(in_axes, len(args), "in_axes")
     _check_scan_axes(in_ax, out_axes)
+    f, args, in_ax = _expand_prefix_args(f, args, in_ax)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     ci = in_ax.index(Carry) if Carry in in_ax else None
     splits = {i: _ScanSplit(a, ax) for i, (a, ax) in enumerate(zip(args, in_ax)) if _needs_split(a, ax)}
