@@ -82,3 +82,23 @@ def test_variable_mesh_with_mixed_axis_types_is_refused():
         nn.Variable(jnp.ones((4, 4)), out_sharding=("a", "b"), mesh=mixed)
     v = nn.Variable(jnp.ones((4, 4)), out_sharding=("a", "b"), mesh=_mesh())
     assert v.value.sharding.spec == P("a", "b")
+
+
+def test_out_sharding_and_sharding_names_read_each_other():
+    a = nn.Param(jnp.ones((2, 3)), sharding_names=("a", None))
+    b = nn.Param(jnp.ones((2, 3)), out_sharding=("a", None))
+    assert a.out_sharding == ("a", None) and b.sharding_names == ("a", None)
+
+
+def test_partitioned_init_inside_vmap_with_a_broadcast_key_under_set_mesh():
+    # the key is broadcast (in_axes=None), so the initializer's value is concrete inside
+    # the vmap trace, where the context mesh is abstract: it is constrained, not placed
+    @nn.vmap(in_axes=(None,), out_axes=0, axis_size=3)
+    def make(rngs):
+        return nn.Linear(2, 4, rngs=rngs, kernel_init=nn.with_partitioning(
+            nn.initializers.lecun_normal(), ("a", "b")))
+
+    with jax.set_mesh(_mesh()):
+        m = make(nn.Rngs(0))
+    assert m.kernel.shape == (3, 2, 4)
+    np.testing.assert_array_equal(m.kernel.value[0], m.kernel.value[1])  # same key each

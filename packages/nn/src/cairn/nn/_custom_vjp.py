@@ -314,7 +314,7 @@ def _leaf_cts(g: Any, items: list, plan: Plan, arg: Any) -> list:
     if len(items) == 1 and items[0][1] == MOD:
         li = items[0][0]
         return [_module_ct(g, plan.descs[li], plan.varlists[li])]
-    if len(items) == 1 and items[0][1] == VAR:
+    if len(items) == 1 and items[0][1] == VAR and isinstance(arg, Variable):
         return [g.raw_value if isinstance(g, Variable) else g]
     leaves = jax.tree_util.tree_leaves(g, is_leaf=lambda x: isinstance(x, Module | Variable) or x is None)
     if len(leaves) != len(items):

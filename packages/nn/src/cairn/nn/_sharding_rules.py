@@ -199,6 +199,10 @@ def _place(value: Any, sharding: Any) -> Any:
     if isinstance(value, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(value, sharding)
     if isinstance(value, jax.Array):
+        if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+            # a concrete value made inside a trace (a broadcast key under vmap): the
+            # context mesh there is abstract, so constrain instead of placing
+            return jax.lax.with_sharding_constraint(value, sharding)
         return jax.device_put(value, sharding)
     return value
 

@@ -24,6 +24,7 @@ import jax
 from cairn.nn._graph import GraphDef, flat, fresh_flat, sync
 from cairn.nn._module import Module, annotate_exception
 from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node
+from cairn.nn._state import GraphState, State
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
 
 set_raw = Variable.__dict__["raw_value"].__set__
@@ -41,7 +42,7 @@ class Plan:
     __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn")
 
     def __init__(self, tree: Any) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+        leaves, treedef = jax.tree_util.tree_flatten(_expose_states(tree), is_leaf=is_node)
         self.treedef: Any = treedef
         self.kinds: list[int] = []
         self.descs: list[Any] = []
@@ -161,6 +162,65 @@ class Plan:
         dyn = self.dyn if dyn is None else dyn
         leaves = [o if k != LEAF else d for k, o, d in zip(self.kinds, self.objs, dyn)]
         return self.treedef.unflatten(leaves)
+
+
+class _StateVars:
+    """A :class:`State` as a transform sees it: its Variables are the children (so they
+    are plan leaves, and the changes a function makes to them are written back, as Flax
+    NNX's transforms do for a State argument), in the order of the State's own pytree
+    leaves; it unflattens to a State (or GraphState) again."""
+
+    __slots__ = ("aux", "variables")
+
+    def __init__(self, state: State) -> None:
+        flat_state = state._flat
+        paths = _grouped_paths(list(flat_state))
+        gd = state._graphdef if isinstance(state, GraphState) else None
+        self.aux = (type(state) is GraphState, gd, tuple(paths))
+        self.variables = [flat_state[p] for p in paths]
+
+
+def _grouped_paths(paths: list) -> list:
+    """``paths`` in the order a State flattens them: grouped by first key (in order of
+    first appearance), recursively."""
+    groups: dict = {}
+    for p in paths:
+        groups.setdefault(p[0], []).append(p)
+    out: list = []
+    for head, ps in groups.items():
+        leaf = [p for p in ps if len(p) == 1]
+        rest = [p[1:] for p in ps if len(p) > 1]
+        if leaf and not rest:
+            out.extend(leaf)
+        else:
+            out.extend(leaf + [(head, *q) for q in _grouped_paths(rest)])
+    return out
+
+
+def _state_vars_unflatten(aux: tuple, children: Any) -> Any:
+    is_graph, gd, paths = aux
+    st = State.from_flat(dict(zip(paths, children)))
+    return GraphState.wrap(gd, st) if is_graph else st
+
+
+jax.tree_util.register_pytree_node(
+    _StateVars, lambda sv: (sv.variables, sv.aux), _state_vars_unflatten
+)
+
+
+def _is_state_or_node(x: Any) -> bool:
+    return isinstance(x, State) or is_node(x)
+
+
+def _expose_states(tree: Any) -> Any:
+    """``tree`` with each :class:`State` in it as :class:`_StateVars` (its Variables
+    become plan leaves); the tree itself when it holds no State."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_state_or_node)
+    if not any(isinstance(x, State) for x in leaves):
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: _StateVars(x) if isinstance(x, State) else x, tree, is_leaf=_is_state_or_node
+    )
 
 
 def _check_once(seen: dict, v: Variable, owner: Any) -> None:
