@@ -491,3 +491,25 @@ def test_state_arguments_get_their_variables_changes_back():
         jax.grad(lambda b: jnp.tanh(x @ model.lin.kernel.value + b).sum())(model.lin.bias.value),
         rtol=1e-6,
     )
+
+
+def test_vmap_names_the_broadcast_variable_given_a_batched_value():
+    class Env(nn.Module):
+        def __init__(self):
+            self.shared = nn.BatchStat(jnp.array(1))
+            self.index = nn.Param(jnp.arange(4))
+
+    @nn.vmap(in_axes=(nn.StateAxes({nn.BatchStat: None, nn.Param: 0}),))
+    def bad(env):
+        env.shared.value = env.shared.value + env.index.value  # batched into a broadcast
+
+    with pytest.raises(ValueError, match=r"at vmap out_axes.*'shared'.*got axis spec None"):
+        bad(Env())
+
+    @nn.vmap(in_axes=(nn.StateAxes({nn.BatchStat: None, nn.Param: 0}),))
+    def good(env):
+        env.index.value = env.index.value * 2
+
+    env = Env()
+    good(env)
+    np.testing.assert_array_equal(env.index.value, 2 * np.arange(4))

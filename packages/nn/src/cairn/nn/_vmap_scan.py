@@ -326,11 +326,54 @@ def _mapped_call(mapper, f, args, kwargs, in_axes, out_axes, opts: dict) -> Any:
             out_axes = _expand_out_axes(out_axes, out_shape)
         if per_var:  # per-variable axes of the structure f leaves behind
             back_axes = _new_leaf_axes(plan, axes, back_axes, probe_box.value, dyn_shape)
-    out, new_dyn = mapper(
-        run_pure(f, plan, box), in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
-    )(plan.dyn)
+    pure = run_pure(f, plan, box)
+    names: dict[int, tuple] = {}
+    if per_var:  # by variable path, so that JAX's axis errors name the variable
+        names = {i: probe_box.value[i].path_strings for i, (k, ax) in
+                 enumerate(zip(plan.kinds, axes)) if k == MOD and isinstance(ax, StateAxes | Module)}
+        back_axes = [dict(zip(names[i], a)) if i in names else a for i, a in enumerate(back_axes)]
+        pure = _by_path(pure, names)
+    try:
+        out, new_dyn = mapper(pure, in_axes=(leaf_axes,), out_axes=(out_axes, back_axes),
+                              **opts)(plan.dyn)
+    except ValueError as e:
+        if names:
+            _name_spec_error(e, out_shape, dyn_shape, names)
+        raise
+    new_dyn = [[d[n] for n in names[i]] if i in names else d for i, d in enumerate(new_dyn)]
     plan.write_back(plan.fill(new_dyn), box.value)
     return out
+
+
+def _name_spec_error(e: ValueError, out_shape: Any, dyn_shape: list, names: dict) -> None:
+    """Re-raise JAX's ``vmap`` out-axes mismatch naming the output it is about (JAX's own
+    path is off by the ``None`` outputs it skips): for a module's variable, its path,
+    e.g. ``[1][0]['broadcast']`` for a broadcast variable a batched value was written to."""
+    ctx = e.__context__
+    idx = getattr(ctx, "leaf_idx", None)
+    if idx is None:
+        return
+    named = [dict(zip(names[i], d)) if i in names else d for i, d in enumerate(dyn_shape)]
+    pairs = jax.tree_util.tree_flatten_with_path((out_shape, named))[0]
+    if idx >= len(pairs):
+        return
+    where = jax.tree_util.keystr(pairs[idx][0])
+    raise ValueError(
+        f"at vmap out_axes{where}, got axis spec {getattr(ctx, 'dst', None)} but output was "
+        f"batched on axis {getattr(ctx, 'src', None)}: a variable with axis None (broadcast) "
+        f"was given a batched value; map it (an int axis) or keep batched values out of it"
+    ) from None
+
+
+def _by_path(pure: Callable, names: dict) -> Callable:
+    """``pure`` whose new values of the plan leaves in ``names`` are dicts keyed by the
+    variables' path strings instead of lists."""
+
+    def named(dyn):
+        out, new_dyn = pure(dyn)
+        return out, [dict(zip(names[i], d)) if i in names else d for i, d in enumerate(new_dyn)]
+
+    return named
 
 
 def _new_leaf_axes(plan: Plan, axes: list, back_axes: list, descs: list, dyn: list) -> list:
