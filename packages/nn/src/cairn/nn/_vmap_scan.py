@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 
 from cairn.nn._axis_metadata import with_axis_metadata
 from cairn.nn._filters import path_text, to_predicate
-from cairn.nn._graph import GraphDef, flat
+from cairn.nn._graph import GraphDef, flat, sync
 from cairn.nn._graph_mode import check_mode
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
@@ -571,6 +571,8 @@ class _ScanSplit:
             axes = _module_axes(ax, c.graphdef, c.variables, c.variables)
         else:
             axes = [Carry] * len(variables)
+        self.state_axes = ax if isinstance(ax, StateAxes) else None
+        self.grown: tuple | None = None  # (new GraphDef, new paths, their axes) if a step adds variables
         for a in axes:
             if not (a is Carry or a is None or (isinstance(a, int) and not isinstance(a, bool))):
                 raise ValueError(f"nn.scan: a variable's axis must be nn.Carry, an int or None, got {a!r}")
@@ -605,26 +607,63 @@ class _ScanSplit:
     def parts(self) -> tuple[list, list]:
         """The carried and scanned values after a step (the step's own objects)."""
         values: list = []
+        extra: list = []
         for n, d in zip(self.built, self.defs):
             if isinstance(d, GraphDef):
                 c = flat(n)
                 if c.graphdef != d:
-                    raise ValueError(
-                        f"nn.scan: the structure of {type(n).__name__} changed in a step "
-                        f"(variables or attributes added or removed); a scanned module "
-                        f"with per-variable axes keeps its structure in the loop"
-                    )
+                    kept, extra = self._grow(n, d, c)
+                    values.extend(kept)
+                    continue
                 values.extend(v.raw_value for v in c.variables)
             elif d is None:
                 values.append(cast(Variable, n).raw_value)
-        return [values[i] for i in self.carried], [values[i] for i in self.scanned]
+        return [values[i] for i in self.carried], [values[i] for i in self.scanned] + extra
+
+    def _grow(self, n: Any, d: GraphDef, c: Any) -> tuple[list, list]:
+        """A step that added variables to a module with a :class:`StateAxes` (``sow``
+        of an ``Intermediate``, as Flax NNX allows): the values of the variables it had,
+        and those of the new ones, which must map to an int axis (stacked over the
+        steps, like a scanned output).
+
+        Raises:
+          ValueError: variables removed, or a new variable with a carried / broadcast axis.
+        """
+        by_path = dict(zip(c.graphdef.paths, c.variables))
+        new_paths = [p for p in c.graphdef.paths if p not in set(d.paths)]
+        if self.state_axes is None or any(p not in by_path for p in d.paths) or not new_paths:
+            raise ValueError(
+                f"nn.scan: the structure of {type(n).__name__} changed in a step "
+                f"(variables or attributes removed or replaced); a scanned module with "
+                f"per-variable axes keeps its structure in the loop"
+            )
+        new_axes = self.state_axes.axes_for(c.graphdef, c.variables)
+        axis_of = dict(zip(c.graphdef.paths, new_axes))
+        for p in new_paths:
+            if not isinstance(axis_of[p], int) or isinstance(axis_of[p], bool):
+                raise ValueError(
+                    f"nn.scan: a step added the variable {path_text(p)!r} to "
+                    f"{type(n).__name__} with axis {axis_of[p]!r}; a variable made in a "
+                    f"step is stacked over the steps, so its StateAxes entry must be an int"
+                )
+        self.grown = (c.graphdef, new_paths, [axis_of[p] for p in new_paths])
+        kept = [by_path[p].raw_value for p in d.paths]
+        return kept, [by_path[p].raw_value for p in new_paths]
 
     def write_back(self, carry: list, ys: list) -> None:
-        """Give the argument's variables their values after the scan."""
+        """Give the argument's variables their values after the scan (and the module
+        the variables its steps added, stacked)."""
         for i, x in zip(self.carried, carry):
             self.variables[i].value = x
         for i, y in zip(self.scanned, ys):
             self.variables[i].value = _move_axis(y, self.axes[i], 0, back=True)
+        if self.grown is not None:
+            gd, new_paths, new_axes = self.grown
+            old = dict(zip(cast(GraphDef, self.defs[0]).paths, (v.raw_value for v in self.variables)))
+            added = ys[len(self.scanned):]
+            for p, y, a in zip(new_paths, added, new_axes):
+                old[p] = _move_axis(y, a, 0, back=True)
+            sync(self.nodes[0], gd.build_from_values([old[p] for p in gd.paths]))
 
 
 def _needs_split(arg: Any, ax: Any) -> bool:
