@@ -107,11 +107,20 @@ def test_scan_state_axes_errors():
 
     @nn.scan(in_axes=(AXES, nn.Carry), out_axes=(nn.Carry, 0))
     def grows(mod, h):
-        mod.extra = nn.Param(h)
+        mod.extra = nn.Variable(h)  # `...` is carried: a new carried variable cannot be
+        return h, h  # stacked over the steps
+
+    with pytest.raises(ValueError, match="added the variable 'extra' to Stack with axis"):
+        grows(m, jnp.float32(0.0))
+
+    @nn.scan(in_axes=(AXES, nn.Carry), out_axes=(nn.Carry, 0))
+    def removes(mod, h):
+        del mod.extra_param
         return h, h
 
+    m.extra_param = nn.Param(jnp.zeros(2))
     with pytest.raises(ValueError, match="structure of Stack changed in a step"):
-        grows(m, jnp.float32(0.0))
+        removes(m, jnp.float32(0.0))
 
 
 def test_vmap_init_with_state_axes_stacks_only_the_mapped_variables():
