@@ -484,8 +484,12 @@ def test_state_arguments_get_their_variables_changes_back():
         transform(run)(params, rest, x if transform is nn.jit else x[None])
         assert int(model.calls.value) == before + 1
         assert rest["calls"] is model.calls
-    g = nn.grad(lambda p, r: run(p, r, x).sum(), graph=False)(params, rest)
-    assert isinstance(g, nn.State) and set(g.flat_paths()) == set(params.flat_paths())
+    for mode in (True, False):
+        g = nn.grad(lambda p, r: run(p, r, x).sum(), graph=mode, graph_updates=mode)(params, rest)
+        assert isinstance(g, nn.State) and set(g.flat_paths()) == set(params.flat_paths())
+        # a State of the parameters' Variable types holding plain arrays
+        assert type(g["lin"]["bias"]) is nn.Param
+        assert isinstance(g["lin"]["bias"].value, jax.Array)
     np.testing.assert_allclose(
         g["lin"]["bias"].value,
         jax.grad(lambda b: jnp.tanh(x @ model.lin.kernel.value + b).sum())(model.lin.bias.value),

@@ -21,7 +21,14 @@ from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Box, Plan, call_annotated, check_prefix, reject_bound_method
+from cairn.nn._transform_plan import (
+    Box,
+    Plan,
+    call_annotated,
+    check_prefix,
+    expose_states,
+    reject_bound_method,
+)
 from cairn.nn._variables import Param, Variable
 
 
@@ -227,7 +234,7 @@ def _arg_leaf_ranges(args) -> list[tuple[int, int]]:
     ranges = []
     lo = 0
     for a in args:
-        n = len(jax.tree_util.tree_leaves(a, is_leaf=is_node))
+        n = len(jax.tree_util.tree_leaves(expose_states(a), is_leaf=is_node))
         ranges.append((lo, lo + n))
         lo += n
     return ranges
@@ -300,5 +307,6 @@ def _package_grads(arg, plan: Plan, items, gs, as_module: bool = False):
             leaves.append(gv)
     if isinstance(arg, Module | Variable):
         return leaves[0]
-    treedef: Any = jax.tree_util.tree_structure(arg, is_leaf=is_node)
+    # a State's Variables are plan leaves (see _transform_plan): unflatten them as such
+    treedef: Any = jax.tree_util.tree_structure(expose_states(arg), is_leaf=is_node)
     return treedef.unflatten(leaves)

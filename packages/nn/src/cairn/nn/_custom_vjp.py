@@ -34,7 +34,7 @@ from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import LEAF, MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Plan, call_annotated, reject_bound_method
+from cairn.nn._transform_plan import Plan, call_annotated, expose_states, reject_bound_method
 from cairn.nn._variables import Variable, rebuild_variable
 
 
@@ -150,7 +150,9 @@ class _Call:
         self.cv, self.plan = cv, plan
         nargs = len(args)
         nondiff = {n % nargs for n in cv.nondiff}
-        self.arg_treedefs = [jax.tree_util.tree_structure(a, is_leaf=is_node) for a in args]
+        self.arg_treedefs = [
+            jax.tree_util.tree_structure(expose_states(a), is_leaf=is_node) for a in args
+        ]
         self.arg_of: list[int] = []
         for i, (lo, hi) in enumerate(_arg_leaf_ranges(args)):
             self.arg_of.extend([i] * (hi - lo))

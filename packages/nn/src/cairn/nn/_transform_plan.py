@@ -42,7 +42,7 @@ class Plan:
     __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn")
 
     def __init__(self, tree: Any) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(_expose_states(tree), is_leaf=is_node)
+        leaves, treedef = jax.tree_util.tree_flatten(expose_states(tree), is_leaf=is_node)
         self.treedef: Any = treedef
         self.kinds: list[int] = []
         self.descs: list[Any] = []
@@ -212,7 +212,7 @@ def _is_state_or_node(x: Any) -> bool:
     return isinstance(x, State) or is_node(x)
 
 
-def _expose_states(tree: Any) -> Any:
+def expose_states(tree: Any) -> Any:
     """``tree`` with each :class:`State` in it as :class:`_StateVars` (its Variables
     become plan leaves); the tree itself when it holds no State."""
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_state_or_node)

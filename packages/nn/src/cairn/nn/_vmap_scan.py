@@ -25,6 +25,7 @@ from cairn.nn._transform_plan import (
     Plan,
     call_annotated,
     check_prefix,
+    expose_states,
     reject_bound_method,
     run_pure,
 )
@@ -95,7 +96,7 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
                 f"StateAxes can only be given for a module argument, not {type(a).__name__}"
             )
         # expand a prefix tree over the argument's leaves (modules/variables are leaves)
-        sub: Any = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
+        sub: Any = jax.tree_util.tree_flatten(expose_states(a), is_leaf=is_node)[1]
         if ax is None or isinstance(ax, int | PartitionSpec):
             axes.extend([ax] * sub.num_leaves)
         else:
@@ -516,7 +517,7 @@ def _expand_prefix_args(f: Callable, args: tuple, in_ax: tuple) -> tuple[Callabl
             new_ax.append(ax)
             rebuild.append(None)
             continue
-        leaves, treedef = jax.tree_util.tree_flatten(a, is_leaf=is_node)
+        leaves, treedef = jax.tree_util.tree_flatten(expose_states(a), is_leaf=is_node)
         new_args.extend(leaves)
         new_ax.extend(treedef.flatten_up_to(_broadcast_prefix(ax, a)))
         rebuild.append((treedef, len(leaves)))
