@@ -462,7 +462,7 @@ def test_state_of_a_state_filters_it():
     assert nn.state((bn,))[0]["scale"] is bn.scale  # a pytree of modules: its paths
 
 
-def test_optimized_lstm_cell_is_the_fused_lstm_cell():
+def test_optimized_lstm_cell_computes_the_lstm_cell():
     a = nn.OptimizedLSTMCell(3, 4, rngs=nn.Rngs(0))
     b = nn.LSTMCell(3, 4, rngs=nn.Rngs(0))
     x = jnp.ones((2, 3))
@@ -470,7 +470,9 @@ def test_optimized_lstm_cell_is_the_fused_lstm_cell():
     _, ya = a(carry, x)
     _, yb = b(carry, x)
     np.testing.assert_array_equal(ya, yb)
-    assert isinstance(a, nn.LSTMCell) and a.kernel.shape == (3, 16)
+    assert isinstance(a, nn.LSTMCell) and a.dense_i.kernel.shape == (3, 16)
+    assert a.dense_h.kernel.shape == (4, 16) and a.dense_h.bias.shape == (16,)
+    assert b.ii.kernel.shape == (3, 4) and b.ii.bias is None and b.hi.bias.shape == (4,)
 
 
 def test_view_info_heads_a_block_with_the_qualified_name():

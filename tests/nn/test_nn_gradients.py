@@ -274,3 +274,23 @@ def test_pooling_keeps_integer_inputs():
     assert nn.min_pool(x, (2, 2), (2, 2)).dtype == jnp.int8
     padded = nn.max_pool(x - 100, (2, 2), padding="SAME")
     assert int(padded.min()) == -95  # padding is the int8 minimum, never picked
+
+
+@pytest.mark.parametrize("graph,graph_updates", [(True, False), (False, False)])
+def test_tree_mode_grad_differentiates_every_floating_variable(graph, graph_updates):
+    class M(nn.Module):
+        def __init__(self):
+            self.w = nn.Param(jnp.array(3.0))
+            self.s = nn.BatchStat(jnp.array(2.0))
+            self.n = nn.BatchStat(jnp.array(4, jnp.int32))  # integers are not differentiated
+
+    m = M()
+    f = lambda m: m.w.value * m.s.value + m.n.value  # noqa: E731
+    g = nn.grad(f, graph=graph, graph_updates=graph_updates)(m)
+    assert isinstance(g, M)  # tree mode: a module-shaped gradient
+    assert float(g.w.value) == 2.0 and float(g.s.value) == 3.0 and int(g.n.value) == 0
+    # full graph mode keeps Param as the default filter, and an explicit wrt wins everywhere
+    gs = nn.grad(f, graph=True, graph_updates=True)(m)
+    assert gs.flat_paths() == ["w"]
+    g2 = nn.grad(f, wrt=nn.Param, graph=graph, graph_updates=graph_updates)(m)
+    assert float(g2.w.value) == 2.0 and float(g2.s.value) == 0.0

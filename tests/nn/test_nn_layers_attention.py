@@ -315,3 +315,14 @@ def test_attention_errors():
     drop = nn.MultiHeadAttention(2, 8, dropout_rate=0.1, rngs=nn.Rngs(0))
     with pytest.raises(ValueError, match="deterministic is None"):
         drop(jnp.ones((1, 2, 8)))
+
+
+def test_mha_qk_norm_scale_metadata_reaches_the_layer_norms():
+    mha = nn.MultiHeadAttention(
+        2, 8, normalize_qk=True, rngs=nn.Rngs(0),
+        query_ln_scale_metadata={"sharding_names": ("q",)},
+        key_ln_scale_metadata={"sharding_names": ("k",)},
+    )
+    assert mha.query_ln.scale.sharding_names == ("q",)
+    assert mha.key_ln.scale.sharding_names == ("k",)
+    np.testing.assert_array_equal(mha.query_ln.scale.value, np.ones(4))  # still ones

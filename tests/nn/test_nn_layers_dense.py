@@ -277,7 +277,8 @@ def test_with_partitioning_metadata_reaches_every_layer_kernel():
     assert lin.kernel.sharding_names == ("a", "b")
     cell = nn.LSTMCell(3, 2, recurrent_kernel_init=nn.with_partitioning(nn.initializers.orthogonal(), (None, "h")),
                        rngs=nn.Rngs(0))
-    assert cell.recurrent_kernel.sharding_names == (None, "h") and cell.recurrent_kernel.shape == (2, 8)
+    for m in (cell.hi, cell.hf, cell.hg, cell.ho):  # one (H, H) recurrent kernel per gate
+        assert m.kernel.sharding_names == (None, "h") and m.kernel.shape == (2, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -25,8 +25,22 @@ def sig(x):
     return 1 / (1 + np.exp(-x))
 
 
+def lstm_params(cell):
+    """The fused ``(in, 4H)`` kernel, ``(H, 4H)`` recurrent kernel and ``(4H,)`` bias of an
+    LSTMCell (per-gate ``Linear``s ``ii..io`` / ``hi..ho``) or OptimizedLSTMCell
+    (``dense_i`` / ``dense_h``), gates in the order i, f, g, o."""
+    if isinstance(cell, nn.OptimizedLSTMCell):
+        return (f64(cell.dense_i.kernel[...]), f64(cell.dense_h.kernel[...]),
+                f64(cell.dense_h.bias[...]))
+    ins = [cell.ii, cell.if_, cell.ig, cell.io]
+    hid = [cell.hi, cell.hf, cell.hg, cell.ho]
+    return (np.concatenate([f64(m.kernel[...]) for m in ins], axis=1),
+            np.concatenate([f64(m.kernel[...]) for m in hid], axis=1),
+            np.concatenate([f64(m.bias[...]) for m in hid]))
+
+
 def np_lstm_step(cell, c, h, x):
-    w, u, b = f64(cell.kernel[...]), f64(cell.recurrent_kernel[...]), f64(cell.bias[...])
+    w, u, b = lstm_params(cell)
     H = cell.hidden_features
     z = x @ w + h @ u + b
     i, f, g, o = (z[..., k * H : (k + 1) * H] for k in range(4))
@@ -35,7 +49,7 @@ def np_lstm_step(cell, c, h, x):
 
 
 def np_gru_step(cell, h, x):
-    w, u, b = f64(cell.kernel[...]), f64(cell.recurrent_kernel[...]), f64(cell.bias[...])
+    w, u, b = f64(cell.dense_i.kernel[...]), f64(cell.dense_h.kernel[...]), f64(cell.dense_i.bias[...])
     bh = f64(cell.recurrent_bias[...])
     H = cell.hidden_features
     W = [w[:, k * H : (k + 1) * H] for k in range(3)]
@@ -48,10 +62,10 @@ def np_gru_step(cell, h, x):
 
 
 def _randomize(cell, dtype):
-    for i, name in enumerate(("bias", "recurrent_bias")):
-        if hasattr(cell, name):
-            v = getattr(cell, name)
-            v[...] = randn(v.shape, dtype, 10 + i) * 0.5
+    biases = [v for p, v in nn.iter_graph(cell) if isinstance(v, nn.Param) and "bias" in str(p)]
+    assert biases
+    for i, v in enumerate(biases):
+        v[...] = randn(v.shape, dtype, 10 + i) * 0.5
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
@@ -81,13 +95,14 @@ def test_simple_cell_and_carry_init():
     cell = nn.SimpleCell(3, 2, rngs=nn.Rngs(0))
     h, x = randn((5, 2)), randn((5, 3), seed=1)
     h2, _ = cell(h, x)
-    ref = np.tanh(f64(x) @ f64(cell.kernel[...]) + f64(h) @ f64(cell.recurrent_kernel[...]) + f64(cell.bias[...]))
+    ref = np.tanh(f64(x) @ f64(cell.dense_i.kernel[...]) + f64(h) @ f64(cell.dense_h.kernel[...])
+                  + f64(cell.dense_i.bias[...]))
     np.testing.assert_allclose(f64(h2), ref, rtol=1e-5, atol=1e-5)
     lstm = nn.LSTMCell(3, 2, rngs=nn.Rngs(0))
     c0, h0 = lstm.initialize_carry((5, 3))
     assert c0.shape == h0.shape == (5, 2) and not np.any(f64(c0))
     # recurrent kernel: each (H, H) gate block is orthogonal
-    u = f64(lstm.recurrent_kernel[...])
+    u = lstm_params(lstm)[1]
     for k in range(4):
         blk = u[:, 2 * k : 2 * k + 2]
         np.testing.assert_allclose(blk.T @ blk, np.eye(2), atol=1e-5)
@@ -193,8 +208,74 @@ def test_simple_cell_matches_numpy_at_both_dtypes(dtype):
     h2, y = cell(h, x)
     assert h2.dtype == dtype and y.shape == (5, 4)
     ref = np.tanh(
-        f64(x) @ f64(cell.kernel[...]) + f64(h) @ f64(cell.recurrent_kernel[...])
-        + f64(cell.bias[...])
+        f64(x) @ f64(cell.dense_i.kernel[...]) + f64(h) @ f64(cell.dense_h.kernel[...])
+        + f64(cell.dense_i.bias[...])
     )
     np.testing.assert_allclose(f64(h2), ref, **TOL[dtype])
     np.testing.assert_allclose(f64(y), f64(h2))
+
+
+@pytest.mark.parametrize(
+    "cls,paths",
+    [
+        (nn.LSTMCell, {f"{g}/kernel" for g in ("ii", "if_", "ig", "io", "hi", "hf", "hg", "ho")}
+         | {f"{g}/bias" for g in ("hi", "hf", "hg", "ho")}),
+        (nn.OptimizedLSTMCell, {"dense_i/kernel", "dense_h/kernel", "dense_h/bias"}),
+        (nn.GRUCell, {"dense_i/kernel", "dense_i/bias", "dense_h/kernel", "recurrent_bias"}),
+        (nn.SimpleCell, {"dense_i/kernel", "dense_i/bias", "dense_h/kernel"}),
+    ],
+)
+def test_cells_keep_flax_parameter_layout_and_metadata(cls, paths):
+    meta = {"kernel_metadata": {"sharding_names": ("din", "dout")},
+            "recurrent_kernel_metadata": {"sharding_names": ("h", "dout")},
+            "bias_metadata": {"sharding_names": ("dout",)}}
+    cell = cls(3, 4, rngs=nn.Rngs(0), **meta)
+    params = {"/".join(map(str, p)): v for p, v in nn.iter_graph(cell) if isinstance(v, nn.Param)}
+    assert set(params) == paths
+    for p, v in params.items():
+        want = ("dout",) if "bias" in p else ("din", "dout") if p.startswith(("dense_i", "i")) \
+            else ("h", "dout")
+        assert v.sharding_names == want, p
+    # the layout is Flax's; the values are those of the fused draws (same seed, same numbers)
+    lstm, opt = nn.LSTMCell(3, 4, rngs=nn.Rngs(5)), nn.OptimizedLSTMCell(3, 4, rngs=nn.Rngs(5))
+    for a, b in zip(lstm_params(lstm), lstm_params(opt)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_simple_cell_residual_matches_numpy():
+    cell = nn.SimpleCell(3, 3, residual=True, bias_init=nn.initializers.normal(0.5), rngs=nn.Rngs(1))
+    h, x = randn((2, 3), seed=3), randn((2, 3), seed=4)
+    h2, _ = cell(h, x)
+    ref = np.tanh(f64(x) @ f64(cell.dense_i.kernel[...]) + f64(h) @ f64(cell.dense_h.kernel[...])
+                  + f64(cell.dense_i.bias[...]) + f64(h))
+    np.testing.assert_allclose(f64(h2), ref, rtol=1e-5, atol=1e-5)
+
+
+class _DropoutCell(nn.Module):
+    """A cell whose step drops its carry with a mask from its own stream."""
+
+    def __init__(self, rngs):
+        self.drop = nn.Dropout(0.5, deterministic=False, rng_collection="recurrent", rngs=rngs)
+
+    def __call__(self, carry, x):
+        return carry, self.drop(jnp.ones_like(x))
+
+    def initialize_carry(self, input_shape, rngs=None):
+        return jnp.zeros(input_shape[:-1] + (1,))
+
+
+def test_rnn_broadcast_rngs_share_one_mask_over_time_and_advance_once_per_call():
+    cell = _DropoutCell(nn.Rngs(recurrent=1))
+    x = jnp.ones((2, 6, 16))
+    shared = nn.RNN(cell, broadcast_rngs="recurrent")
+    masks = shared(x)  # (batch, time, features)
+    assert int(cell.drop.rngs.count.value) == 1  # the stream advanced once for the call
+    for t in range(1, 6):
+        np.testing.assert_array_equal(masks[:, t], masks[:, 0])
+    assert not np.array_equal(shared(x)[:, 0], masks[:, 0])  # a fresh mask per call
+    assert int(cell.drop.rngs.count.value) == 2
+    # without broadcast_rngs the stream is threaded through the steps: a new mask per step
+    per_step = nn.RNN(_DropoutCell(nn.Rngs(recurrent=1)))(x)
+    assert not np.array_equal(per_step[:, 1], per_step[:, 0])
+    # the expected Dropout scaling: kept entries are 1 / (1 - rate)
+    assert set(np.unique(np.asarray(masks)).tolist()) <= {0.0, 2.0}

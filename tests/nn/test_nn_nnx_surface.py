@@ -121,6 +121,33 @@ def test_fork_rngs_and_restore():
     assert float(a) != float(b)
 
 
+@pytest.mark.parametrize("graph,graph_updates", [(True, False), (False, True), (False, False)])
+def test_split_and_fork_rngs_outside_full_graph_mode_return_copies(graph, graph_updates):
+    rngs = nn.Rngs(params=0, dropout=1)
+    key0 = np.asarray(jax.random.key_data(rngs.params.key.value))
+    split = nn.split_rngs(rngs, splits=5, only="params", graph=graph, graph_updates=graph_updates)
+    assert isinstance(split, nn.Rngs) and split is not rngs
+    assert split.params.key.shape == (5,) and split.dropout.key.shape == ()
+    # the copy's keys are jax.random.split of the stream's next key (fold_in of count 0)
+    want = jax.random.split(jax.random.fold_in(jax.random.key(0), 0), 5)
+    np.testing.assert_array_equal(jax.random.key_data(split.params.key.value), jax.random.key_data(want))
+    # the caller's Rngs is untouched: key, shape and counter
+    assert rngs.params.key.shape == () and int(rngs.params.count.value) == 0
+    np.testing.assert_array_equal(jax.random.key_data(rngs.params.key.value), key0)
+    forked = nn.fork_rngs(rngs, graph=graph, graph_updates=graph_updates)
+    assert forked is not rngs and forked.params.key.shape == ()
+    assert not np.array_equal(np.asarray(jax.random.key_data(forked.params.key.value)), key0)
+    np.testing.assert_array_equal(jax.random.key_data(rngs.params.key.value), key0)
+
+    # the decorator hands the function split copies and leaves the caller's Rngs alone
+    @nn.split_rngs(splits=3, graph=graph, graph_updates=graph_updates)
+    def shapes(r):
+        return r.params.key.shape, r.dropout.key.shape
+
+    assert shapes(rngs) == ((3,), (3,))
+    assert rngs.params.key.shape == () and int(rngs.params.count.value) == 0
+
+
 def test_reseed_repeats_dropout_and_policies():
     model = Block(nn.Rngs(params=0, dropout=1))
     x = jnp.ones((1, 3))

@@ -107,11 +107,20 @@ def test_scan_state_axes_errors():
 
     @nn.scan(in_axes=(AXES, nn.Carry), out_axes=(nn.Carry, 0))
     def grows(mod, h):
-        mod.extra = nn.Param(h)
+        mod.extra = nn.Variable(h)  # `...` is carried: a new carried variable cannot be
+        return h, h  # stacked over the steps
+
+    with pytest.raises(ValueError, match="added the variable 'extra' to Stack with axis"):
+        grows(m, jnp.float32(0.0))
+
+    @nn.scan(in_axes=(AXES, nn.Carry), out_axes=(nn.Carry, 0))
+    def removes(mod, h):
+        del mod.extra_param
         return h, h
 
+    m.extra_param = nn.Param(jnp.zeros(2))
     with pytest.raises(ValueError, match="structure of Stack changed in a step"):
-        grows(m, jnp.float32(0.0))
+        removes(m, jnp.float32(0.0))
 
 
 def test_vmap_init_with_state_axes_stacks_only_the_mapped_variables():
@@ -193,3 +202,48 @@ def test_a_is_a_type_variable_for_generic_variables():
 
     v = Broadcast(jnp.ones(2))
     assert isinstance(v, nn.Variable) and v.shape == (2,)
+
+
+def test_scan_in_axes_pytree_prefix_for_a_plain_argument():
+    def step(carry, x):
+        carry = carry + x["a"] * x["b"]
+        return carry, carry
+
+    xs = {"a": jnp.arange(4.0), "b": jnp.array(2.0)}  # "a" scanned, "b" broadcast
+    total, partial = nn.scan(step, in_axes=(nn.Carry, {"a": 0, "b": None}),
+                             out_axes=(nn.Carry, 0))(jnp.array(1.0), xs)
+    np.testing.assert_allclose(partial, 1.0 + 2.0 * np.cumsum(np.arange(4.0)))
+    assert float(total) == 1.0 + 2.0 * 6.0
+    with pytest.raises(ValueError, match="nn.Carry is a whole argument"):
+        nn.scan(step, in_axes=(nn.Carry, {"a": nn.Carry}), out_axes=(nn.Carry, 0))
+
+
+def test_scan_step_may_sow_into_a_module_with_state_axes():
+    class Acc(nn.Module):
+        def __init__(self):
+            self.w = nn.Param(jnp.arange(3.0) + 1.0)
+
+    axes = nn.StateAxes({(nn.Param, nn.Intermediate): 0, ...: None})
+
+    def step(m, c, x):
+        c = c + x * m.w.value
+        m.sow(nn.Intermediate, "trace", c)
+        return c, None
+
+    m = Acc()
+    xs = np.arange(6.0, dtype=np.float32).reshape(3, 2)  # 3 steps of 2 features each
+    m.w.value = jnp.arange(6.0).reshape(3, 2)  # one weight row per step
+    c, _ = nn.scan(step, in_axes=(axes, nn.Carry, 0), out_axes=(nn.Carry, 0))(m, jnp.zeros(2), xs)
+    partial = np.cumsum(xs * np.arange(6.0).reshape(3, 2), axis=0)
+    np.testing.assert_allclose(c, partial[-1])
+    # the sown value of each step, stacked along the scanned axis (a tuple per sow)
+    np.testing.assert_allclose(m.trace.value[0], partial)
+    # a variable added with a carried axis cannot be stacked: a clear error
+    bad = nn.StateAxes({nn.Param: 0, ...: nn.Carry})
+    with pytest.raises(ValueError, match="added the variable"):
+        nn.scan(step, in_axes=(bad, nn.Carry, 0), out_axes=(nn.Carry, 0))(Acc2(), jnp.zeros(2), xs)
+
+
+class Acc2(nn.Module):
+    def __init__(self):
+        self.w = nn.Param(jnp.ones((3, 2)))

@@ -473,3 +473,54 @@ def test_rngs_inside_scan_equal_the_unrolled_loop_and_give_independent_masks():
     np.testing.assert_array_equal(np.asarray(ys2), ref)
     np.testing.assert_array_equal(np.asarray(r_split.dropout.count.value), np.ones(6))
     assert len({tuple(row != 0) for row in np.asarray(ys2)}) == 6
+
+
+def test_state_arguments_get_their_variables_changes_back():
+    # a State's Variables are the caller's (nn.split shares them); a function that
+    # merges the State and changes a variable inside a transform changes them, as in Flax
+    model = Counted(3, nn.Rngs(0))
+    graphdef, params, rest = nn.split(model, nn.Param, ...)
+
+    def run(params, rest, x):
+        m = nn.merge(graphdef, params, rest)
+        return m(x)
+
+    x = jnp.ones((2, 3))
+    for transform in (nn.jit, lambda f: nn.vmap(f, in_axes=(None, None, 0))):
+        before = int(model.calls.value)
+        transform(run)(params, rest, x if transform is nn.jit else x[None])
+        assert int(model.calls.value) == before + 1
+        assert rest["calls"] is model.calls
+    for mode in (True, False):
+        g = nn.grad(lambda p, r: run(p, r, x).sum(), graph=mode, graph_updates=mode)(params, rest)
+        assert isinstance(g, nn.State) and set(g.flat_paths()) == set(params.flat_paths())
+        # a State of the parameters' Variable types holding plain arrays
+        assert type(g["lin"]["bias"]) is nn.Param
+        assert isinstance(g["lin"]["bias"].value, jax.Array)
+    np.testing.assert_allclose(
+        g["lin"]["bias"].value,
+        jax.grad(lambda b: jnp.tanh(x @ model.lin.kernel.value + b).sum())(model.lin.bias.value),
+        rtol=1e-6,
+    )
+
+
+def test_vmap_names_the_broadcast_variable_given_a_batched_value():
+    class Env(nn.Module):
+        def __init__(self):
+            self.shared = nn.BatchStat(jnp.array(1))
+            self.index = nn.Param(jnp.arange(4))
+
+    @nn.vmap(in_axes=(nn.StateAxes({nn.BatchStat: None, nn.Param: 0}),))
+    def bad(env):
+        env.shared.value = env.shared.value + env.index.value  # batched into a broadcast
+
+    with pytest.raises(ValueError, match=r"at vmap out_axes.*'shared'.*got axis spec None"):
+        bad(Env())
+
+    @nn.vmap(in_axes=(nn.StateAxes({nn.BatchStat: None, nn.Param: 0}),))
+    def good(env):
+        env.index.value = env.index.value * 2
+
+    env = Env()
+    good(env)
+    np.testing.assert_array_equal(env.index.value, 2 * np.arange(4))

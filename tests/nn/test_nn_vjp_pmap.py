@@ -126,6 +126,39 @@ def test_custom_vjp_rule_is_used_and_state_changes_come_back(graph_updates):
     assert int(m.n.value) == 2
 
 
+@pytest.mark.parametrize("graph_updates", [True, False])
+def test_custom_vjp_static_changes_stay_inside_without_graph_updates(graph_updates):
+    class Foo(nn.Module):
+        def __init__(self):
+            self.x = nn.Param(jnp.array(0.5))
+            self.calls = 0  # a static attribute
+            self.n = nn.BatchStat(jnp.array(0, jnp.int32))
+
+    @nn.custom_vjp(graph=True, graph_updates=graph_updates)
+    def f(m):
+        m.calls += 1
+        m.n.value += 1
+        return jnp.sin(m.x.value) * 3.0
+
+    f.defvjp(lambda m: (f(m), jnp.cos(m.x.value)),
+             lambda cos_x, g, *updates: (nn.State({"x": nn.Param(cos_x * 3.0 * (g[1] if graph_updates else g))})
+                                         if graph_updates else _module_ct(cos_x * 3.0 * g),))
+
+    def _module_ct(gx):
+        ct = jax.tree.map(jnp.zeros_like, Foo())
+        ct.x.value = gx
+        return ct
+
+    m = Foo()
+    y = f(m)
+    np.testing.assert_allclose(y, 3.0 * np.sin(0.5), **F32)
+    assert int(m.n.value) == 1  # a variable's new value comes back in both modes
+    assert m.calls == (1 if graph_updates else 0)  # a static change only with graph_updates
+    g = nn.grad(lambda m: f(m), graph=True, graph_updates=graph_updates)(m)
+    gx = g["x"].value if isinstance(g, nn.State) else g.x.value
+    np.testing.assert_allclose(gx, 3.0 * np.cos(0.5), **F32)
+
+
 def test_custom_vjp_nondiff_python_values_stay_constants():
     seen = []
 

@@ -420,6 +420,8 @@ class MultiHeadAttention(Module):
       bias_metadata: metadata of their biases.
       out_kernel_metadata: metadata of the output kernel.
       out_bias_metadata: metadata of the output bias.
+      query_ln_scale_metadata: metadata of ``query_ln``'s scale (``normalize_qk``).
+      key_ln_scale_metadata: metadata of ``key_ln``'s scale (``normalize_qk``).
       attention_fn: ``fn(query, key, value, *, mask, is_causal, dropout_rng, dropout_rate,
         broadcast_dropout, deterministic, dtype, precision, module)`` returning
         ``(*batch, q_len, num_heads, head_dim)``. Keyword arguments the function does not
@@ -502,6 +504,8 @@ class MultiHeadAttention(Module):
         out_kernel_metadata: Mapping[str, Any] = {},
         bias_metadata: Mapping[str, Any] = {},
         out_bias_metadata: Mapping[str, Any] = {},
+        query_ln_scale_metadata: Mapping[str, Any] = {},
+        key_ln_scale_metadata: Mapping[str, Any] = {},
     ) -> None:
         sizes = _mha_sizes(
             num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
@@ -531,6 +535,7 @@ class MultiHeadAttention(Module):
             rngs, kernel_init, bias_init, out_kernel_init or kernel_init,
             out_bias_init or bias_init, kernel_metadata, bias_metadata,
             out_kernel_metadata, out_bias_metadata,
+            (query_ln_scale_metadata, key_ln_scale_metadata),
         )
         self.rngs = (
             _own_stream(rngs, "dropout", "MultiHeadAttention")
@@ -552,6 +557,7 @@ class MultiHeadAttention(Module):
         bias_metadata: Mapping[str, Any],
         out_kernel_metadata: Mapping[str, Any],
         out_bias_metadata: Mapping[str, Any],
+        ln_scale_metadata: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {}),
     ) -> None:
         """Creates ``query``, ``key``, ``value``, ``query_ln``/``key_ln`` and ``out``.
 
@@ -573,8 +579,8 @@ class MultiHeadAttention(Module):
         self.key = proj(self.in_kv_features, self.num_kv_heads)
         self.value = proj(self.in_kv_features, self.num_kv_heads)
         if self.normalize_qk:
-            self.query_ln = self._head_norm(rngs)
-            self.key_ln = self._head_norm(rngs)
+            self.query_ln = self._head_norm(rngs, ln_scale_metadata[0])
+            self.key_ln = self._head_norm(rngs, ln_scale_metadata[1])
         else:
             self.query_ln = None
             self.key_ln = None
@@ -584,11 +590,11 @@ class MultiHeadAttention(Module):
             kernel_metadata=out_kernel_metadata, bias_metadata=out_bias_metadata, **common,
         )
 
-    def _head_norm(self, rngs: Rngs) -> LayerNorm:
+    def _head_norm(self, rngs: Rngs, scale_metadata: Mapping[str, Any]) -> LayerNorm:
         """LayerNorm without bias over one head's ``head_dim`` (``normalize_qk``)."""
         return LayerNorm(
             self.head_dim, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-            rngs=rngs,
+            rngs=rngs, scale_metadata=scale_metadata,
         )
 
     # --- cache ---

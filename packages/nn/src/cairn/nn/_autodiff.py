@@ -28,6 +28,7 @@ from cairn.nn._transform_plan import (
     check_consistent_prefixes,
     check_prefix,
     check_tree_args,
+    expose_states,
     reject_bound_method,
 )
 from cairn.nn._variables import Param, Variable
@@ -38,7 +39,7 @@ def grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    wrt: Any = Param,
+    wrt: Any = None,
     holomorphic: bool = False,
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
@@ -51,19 +52,25 @@ def grad(
     ``wrt`` (default: :class:`Param`) and returned as a :class:`State` of the same
     variable types holding the gradients (paths as in ``nn.state(module, wrt)``); other
     state changes made by ``f`` (batch statistics, RNG counters) are written back. Array
-    arguments get array gradients, as with ``jax.grad``. ``reduce_axes`` and the mode keywords
-    ``graph`` / ``graph_updates`` are accepted for Flax NNX compatibility and change nothing.
+    arguments get array gradients, as with ``jax.grad``. In Flax's tree mode
+    (``graph=False`` or ``graph_updates=False``) a module's gradient is a module of the
+    same structure and the default ``wrt`` is every floating variable. ``reduce_axes`` is
+    accepted for Flax NNX compatibility and changes nothing.
 
     Args:
       f: the scalar function; None returns a decorator.
       argnums: the argument(s) to differentiate.
       has_aux: ``f`` returns ``(value, aux)``; the gradient function then returns ``(grads, aux)``.
-      wrt: the filter of a module argument's variables to differentiate.
+      wrt: the filter of a module argument's variables to differentiate; None:
+        :class:`Param` in full graph mode (the default), and in Flax's tree mode
+        (``graph=False`` or ``graph_updates=False``) every variable holding floating
+        values, as ``jax.grad`` of the module as a pytree would.
       holomorphic: as in ``jax.grad``.
       allow_int: as in ``jax.grad``.
       reduce_axes: accepted for Flax NNX compatibility; changes nothing.
-      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
-      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      graph: Flax NNX's graph-mode keyword (None: the switch); with ``graph_updates`` it
+        picks the result's form: a State in full graph mode, a module otherwise.
+      graph_updates: Flax NNX's graph-updates keyword (None: the switch).
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -103,7 +110,7 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    wrt: Any = Param,
+    wrt: Any = None,
     holomorphic: bool = False,
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
@@ -117,12 +124,16 @@ def value_and_grad(
       f: the scalar function; None returns a decorator.
       argnums: the argument(s) to differentiate.
       has_aux: ``f`` returns ``(value, aux)``.
-      wrt: the filter of a module argument's variables to differentiate.
+      wrt: the filter of a module argument's variables to differentiate; None:
+        :class:`Param` in full graph mode (the default), and in Flax's tree mode
+        (``graph=False`` or ``graph_updates=False``) every variable holding floating
+        values, as ``jax.grad`` of the module as a pytree would.
       holomorphic: as in ``jax.grad``.
       allow_int: as in ``jax.grad``.
       reduce_axes: accepted for Flax NNX compatibility; changes nothing.
-      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
-      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      graph: Flax NNX's graph-mode keyword (None: the switch); with ``graph_updates`` it
+        picks the result's form: a State in full graph mode, a module otherwise.
+      graph_updates: Flax NNX's graph-updates keyword (None: the switch).
     """
     del reduce_axes  # NNX's keyword; nothing to reduce here
     check_mode("value_and_grad", graph, graph_updates)
@@ -134,9 +145,11 @@ def value_and_grad(
             holomorphic=holomorphic, allow_int=allow_int, graph=graph,
             graph_updates=graph_updates,
         )
+    as_module = not resolve_modes(graph, graph_updates)[2]
+    if wrt is None:
+        wrt = _inexact if as_module else Param
     specs = _argnum_specs(argnums, wrt)
     nums = [n for n, _ in specs]
-    as_module = not resolve_modes(graph, graph_updates)[2]
     single = isinstance(argnums, int | DiffState)
 
     @functools.wraps(f)
@@ -200,6 +213,12 @@ class DiffState:
     _cairn_prefix_mapping = True  # a per-variable prefix (graph mode only, in Flax NNX)
 
 
+def _inexact(path: tuple, v: Any) -> bool:
+    """Flax's tree-mode ``grad`` filter: variables holding floating (or complex) values."""
+    x = v.raw_value if isinstance(v, Variable) else v
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def _argnum_specs(argnums: Any, wrt: Any) -> list[tuple[int, Any]]:
     """``(argnum, predicate)`` per differentiated argument; a :class:`DiffState` brings
     its own filter, a plain int uses ``wrt``."""
@@ -222,7 +241,7 @@ def _arg_leaf_ranges(args) -> list[tuple[int, int]]:
     ranges = []
     lo = 0
     for a in args:
-        n = len(jax.tree_util.tree_leaves(a, is_leaf=is_node))
+        n = len(jax.tree_util.tree_leaves(expose_states(a), is_leaf=is_node))
         ranges.append((lo, lo + n))
         lo += n
     return ranges
@@ -342,5 +361,6 @@ def _package_grads(arg, plan: Plan, items, gs, as_module: bool = False):
             leaves.append(gv)
     if isinstance(arg, Module | Variable):
         return leaves[0]
-    treedef: Any = jax.tree_util.tree_structure(arg, is_leaf=is_node)
+    # a State's Variables are plan leaves (see _transform_plan): unflatten them as such
+    treedef: Any = jax.tree_util.tree_structure(expose_states(arg), is_leaf=is_node)
     return treedef.unflatten(leaves)

@@ -34,7 +34,7 @@ from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import LEAF, MOD, VAR, is_node
 from cairn.nn._state import State
-from cairn.nn._transform_plan import Plan, call_annotated, reject_bound_method
+from cairn.nn._transform_plan import Plan, call_annotated, expose_states, reject_bound_method
 from cairn.nn._variables import Variable, rebuild_variable
 
 
@@ -121,8 +121,25 @@ class CustomVjp:
         plan = Plan((args, {}))
         call = _Call(self, plan, args)
         out, new_dyn = call.run()
-        plan.write_back(plan.fill(call.full(new_dyn)), call.descs)
+        vals, descs = plan.fill(call.full(new_dyn)), call.descs
+        if not self.graph_updates:
+            vals, descs = _values_only(plan, vals, descs)
+        plan.write_back(vals, descs)
         return out
+
+
+def _values_only(plan: Plan, vals: list, descs: list) -> tuple[list, list]:
+    """Flax's ``graph_updates=False``: the new values of the arguments' variables in
+    their structure before the call (a static attribute the function changed, or a
+    variable it added or removed, stays inside the function)."""
+    out = []
+    for k, old_desc, old_dyn, new_desc, v in zip(plan.kinds, plan.descs, plan.dyn, descs, vals):
+        if k == MOD and new_desc != old_desc:
+            by_path = dict(zip(new_desc.paths, v))
+            out.append([by_path.get(p, o) for p, o in zip(old_desc.paths, old_dyn)])
+        else:
+            out.append(v)
+    return out, plan.static_descs()
 
 
 class _Call:
@@ -133,7 +150,9 @@ class _Call:
         self.cv, self.plan = cv, plan
         nargs = len(args)
         nondiff = {n % nargs for n in cv.nondiff}
-        self.arg_treedefs = [jax.tree_util.tree_structure(a, is_leaf=is_node) for a in args]
+        self.arg_treedefs = [
+            jax.tree_util.tree_structure(expose_states(a), is_leaf=is_node) for a in args
+        ]
         self.arg_of: list[int] = []
         for i, (lo, hi) in enumerate(_arg_leaf_ranges(args)):
             self.arg_of.extend([i] * (hi - lo))
@@ -297,7 +316,7 @@ def _leaf_cts(g: Any, items: list, plan: Plan, arg: Any) -> list:
     if len(items) == 1 and items[0][1] == MOD:
         li = items[0][0]
         return [_module_ct(g, plan.descs[li], plan.varlists[li])]
-    if len(items) == 1 and items[0][1] == VAR:
+    if len(items) == 1 and items[0][1] == VAR and isinstance(arg, Variable):
         return [g.raw_value if isinstance(g, Variable) else g]
     leaves = jax.tree_util.tree_leaves(g, is_leaf=lambda x: isinstance(x, Module | Variable) or x is None)
     if len(leaves) != len(items):

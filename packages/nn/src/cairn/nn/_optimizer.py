@@ -78,7 +78,8 @@ class Optimizer(Module):
         opt_state, placed = _place_optimizer_sharding(
             opt_state, _params_state(model, wrt), mesh
         )
-        self.opt_state = _wrap(opt_state, placed)
+        names = _param_sharding_names(opt_state, _params_state(model, wrt))
+        self.opt_state = _wrap(opt_state, placed, names)
 
     def update(self, model: Module, grads: Any, /, **kwargs: Any) -> Any:
         """One step: ``updates, state = tx.update(grads, state, params, **kwargs)`` then
@@ -103,11 +104,7 @@ class Optimizer(Module):
             grads = _params_state(grads, self.wrt)
         if isinstance(grads, State):
             grads = _grads_for(grads, params_state, self.wrt)
-        # extra State arguments (a line search's grad=) in the parameters' structure too
-        kwargs = {
-            k: _grads_for(v, params_state, self.wrt) if isinstance(v, State) else v
-            for k, v in kwargs.items()
-        }
+        kwargs = _tx_kwargs(kwargs, params_state, self.wrt)
         # the transformation's own structure: a dict / list in its state became an
         # nn.Dict / nn.List on assignment; give it back as dict / list
         opt_tree = _plain(self.opt_state)
@@ -160,6 +157,38 @@ class ModelAndOptimizer(Optimizer):
           kwargs: extra arguments for the optimizer's ``update`` (``value``, ``grad``...).
         """
         return super().update(self.model, grads, **kwargs)
+
+
+def _tx_kwargs(kwargs: dict, params_state: State, wrt: Any) -> dict:
+    """The extra arguments of ``tx.update`` in the transformation's structure (pure
+    dicts): a State (``grad=``, as ``nn.grad`` returns it) becomes the pure dict of the
+    trained parameters' entries; ``value_fn`` gets the parameters back as a State of
+    the trained variables (what it was written for, as in Flax NNX)."""
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, State):
+            v = _grads_for(v, params_state, wrt)
+        elif k == "value_fn" and callable(v):
+            v = _state_value_fn(v, params_state)
+        out[k] = v
+    return out
+
+
+def _state_value_fn(value_fn: Any, params_state: State) -> Any:
+    """``value_fn`` called with the pure-dict parameters as a State shaped like
+    ``params_state`` (new Variables holding the values)."""
+    items = list(params_state._flat.items())
+
+    def called(pure: Any, *args: Any, **kwargs: Any) -> Any:
+        flat = {}
+        for path, var in items:
+            x = pure
+            for key in path:
+                x = x[key] if key in x else x[str(key)]
+            flat[path] = var.replace(value=x)
+        return value_fn(State.from_flat(flat), *args, **kwargs)
+
+    return called
 
 
 def _grads_for(grads: State, params_state: State, wrt: Any) -> dict:
@@ -333,17 +362,48 @@ def _attr_dicts(tree: Any) -> Any:
     )
 
 
-def _wrap(opt_state: Any, placed: list) -> Any:
-    """Each state leaf in an :class:`OptState`; one that ``optimizer_sharding`` placed
-    records its sharding (``update`` keeps the leaf there). Nested dicts read by
-    attribute too; a top-level dict becomes an ``nn.Dict`` on assignment."""
+def _param_sharding_names(opt_state: Any, params_state: State) -> list:
+    """Per state leaf, the sharding names (``out_sharding`` / ``sharding_names``) of the
+    parameter it mirrors (a leaf whose path ends with the parameter's path and whose
+    shape is its shape, as Adam's ``mu`` / ``nu``), else None."""
+    named = {}
+    for path, var in params_state._flat.items():
+        if not isinstance(var, Variable):  # a plain data leaf has no sharding metadata
+            continue
+        meta = var._meta
+        names = meta.get("out_sharding", meta.get("sharding_names"))
+        if isinstance(names, tuple):
+            named[path] = (jnp.shape(var.raw_value), names)
+    out = []
+    for kp, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        keys = tuple(_leaf_key(e) for e in kp)
+        found = None
+        for path, (shape, names) in named.items():
+            if keys[-len(path):] == path and jnp.shape(x) == shape:
+                found = names
+                break
+        out.append(found)
+    return out
+
+
+def _opt_leaf(x: Any, sh: Any, names: Any) -> OptState:
+    """One state leaf as an :class:`OptState`: ``optimizer_sharding`` records where it was
+    placed (``update`` keeps it there); ``names`` (the mirrored parameter's sharding
+    names) become its ``out_sharding`` metadata, as Flax NNX's optimizer state has."""
+    v = OptState(jnp.asarray(x)) if sh is None else OptState(x, optimizer_sharding=sh)
+    if names is not None:  # metadata only: the leaf is already where it belongs
+        object.__setattr__(v, "_meta", {**v._meta, "out_sharding": names})
+    return v
+
+
+def _wrap(opt_state: Any, placed: list, names: list | None = None) -> Any:
+    """Each state leaf in an :class:`OptState` (see :func:`_opt_leaf`). Nested dicts read
+    by attribute too; a top-level dict becomes an ``nn.Dict`` on assignment."""
     leaves, treedef_ = jax.tree_util.tree_flatten(opt_state)
     treedef: Any = treedef_
+    names = names if names is not None else [None] * len(leaves)
     wrapped = treedef.unflatten(
-        [
-            OptState(jnp.asarray(x)) if sh is None else OptState(x, optimizer_sharding=sh)
-            for x, sh in zip(leaves, placed)
-        ]
+        [_opt_leaf(x, sh, n) for x, sh, n in zip(leaves, placed, names)]
     )
     return _tuple_dicts(wrapped)
 

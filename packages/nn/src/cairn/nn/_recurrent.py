@@ -12,21 +12,24 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from cairn.nn import _checks
 from cairn.nn import initializers as _init
+from cairn.nn._filters import All
 from cairn.nn._linear import (
     DType,
     Initializer,
+    Linear,
     check_axis,
     check_input,
     map_init_value,
     promote_dtype,
 )
 from cairn.nn._module import Module
+from cairn.nn._rng_utils import split_rngs
 from cairn.nn._rngs import Rngs, RngStream
-from cairn.nn._variables import Param, VariableMetadata
+from cairn.nn._variables import Param, RngState, VariableMetadata
+from cairn.nn._vmap_scan import Carry, StateAxes, scan
 
 __all__ = ["GRUCell", "LSTMCell", "RNN", "RNNCellBase", "SimpleCell"]
 
@@ -46,6 +49,31 @@ def _block_orthogonal(init: Initializer, n_blocks: int) -> Initializer:
         return map_init_value(blocks[0], lambda _: jnp.concatenate(values, axis=1))
 
     return f
+
+
+class _NoDraw:
+    """Stands in for ``rngs`` when a cell builds its ``Linear`` submodules from values it
+    drew itself (the ``Linear`` draws no key then)."""
+
+    def params(self) -> None:
+        return None
+
+
+_NO_DRAW: Any = _NoDraw()
+
+
+def _given(value: Any) -> Initializer:
+    """An initializer returning ``value`` (an array or a ``VariableMetadata`` box)."""
+    return lambda key, shape, dtype: value
+
+
+def _block(value: Any, k: int, size: int) -> Any:
+    """Block ``k`` (of width ``size``) of the last axis of an initializer's result."""
+    return map_init_value(value, lambda v: v[..., k * size:(k + 1) * size])
+
+
+def _cat(arrays: list) -> jax.Array:
+    return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
 
 
 class RNNCellBase(Module):
@@ -98,6 +126,15 @@ class RNNCellBase(Module):
         self.carry_init = carry_init if carry_init is not None else _init.zeros
         self.promote_dtype = promote_dtype_fn
 
+    def _linear(self, n_in, n_out, kernel, bias, kernel_metadata, bias_metadata) -> Linear:
+        """A ``Linear`` holding the given ``kernel`` (and ``bias``; None: no bias)."""
+        return Linear(
+            n_in, n_out, use_bias=bias is not None, dtype=self.dtype,
+            param_dtype=self.param_dtype, kernel_init=_given(kernel),
+            bias_init=_given(bias), promote_dtype=self.promote_dtype, rngs=_NO_DRAW,
+            kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
+        )
+
     def _check_step(self, carry_h: jax.Array, x: jax.Array):
         x = check_input(self, x)
         check_axis(self, x, -1, self.in_features)
@@ -110,28 +147,27 @@ class RNNCellBase(Module):
 
 
 class _GatedCell(RNNCellBase):
-    def _setup(
+    def _draw(
         self, in_features, hidden_features, n_gates, gate_fn, activation_fn, kernel_init,
         recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype_fn,
-        rngs, kernel_metadata, recurrent_kernel_metadata, bias_metadata,
-    ):
+        rngs,
+    ) -> tuple[Any, Any, Any]:
+        """Store the options and draw the fused ``(in, n H)`` kernel, ``(H, n H)``
+        recurrent kernel (each ``(., H)`` gate block initialized on its own) and ``(n H,)``
+        bias, in that order; the cells keep them in Flax NNX's ``Linear`` submodules."""
         self._store_options(
             in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype,
             carry_init, promote_dtype_fn,
         )
         h = self.hidden_features
-        kinit = _block_orthogonal(kernel_init, n_gates)
-        self.kernel = Param(
-            kinit(rngs.params(), (self.in_features, n_gates * h), param_dtype),
-            **dict(kernel_metadata),
+        kernel = _block_orthogonal(kernel_init, n_gates)(
+            rngs.params(), (self.in_features, n_gates * h), param_dtype
         )
-        self.recurrent_kernel = Param(
-            _block_orthogonal(recurrent_kernel_init, n_gates)(
-                rngs.params(), (h, n_gates * h), param_dtype
-            ),
-            **dict(recurrent_kernel_metadata),
+        recurrent = _block_orthogonal(recurrent_kernel_init, n_gates)(
+            rngs.params(), (h, n_gates * h), param_dtype
         )
-        self.bias = Param(bias_init(rngs.params(), (n_gates * h,), param_dtype), **dict(bias_metadata))
+        bias = bias_init(rngs.params(), (n_gates * h,), param_dtype)
+        return kernel, recurrent, bias
 
 
 class LSTMCell(_GatedCell):
@@ -140,7 +176,10 @@ class LSTMCell(_GatedCell):
     With ``z = x W + h U + b`` split into four ``hidden_features`` blocks ``(i, f, g, o)``:
     ``i, f, o = gate_fn(.)``, ``g = activation_fn(.)``, ``c' = f * c + i * g``,
     ``h' = o * activation_fn(c')``. The carry is ``(c, h)``, the output ``h'``.
-    Parameters are fused: ``kernel (in, 4H)``, ``recurrent_kernel (H, 4H)``, ``bias (4H)``.
+    Parameters, as in Flax NNX: one ``Linear`` per gate for the input (``ii``, ``if_``,
+    ``ig``, ``io``: ``(in, H)`` kernels, no bias) and for the hidden state (``hi``, ``hf``,
+    ``hg``, ``ho``: ``(H, H)`` kernels and ``(H,)`` biases); the step runs them as one
+    fused matmul each.
 
     Args:
       in_features: the input's feature size.
@@ -188,10 +227,28 @@ class LSTMCell(_GatedCell):
         recurrent_kernel_metadata: Mapping[str, Any] = {},
         bias_metadata: Mapping[str, Any] = {},
     ) -> None:
-        self._setup(
+        kernel, recurrent, bias = self._draw(
             in_features, hidden_features, 4, gate_fn, activation_fn, kernel_init,
             recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype,
-            rngs, kernel_metadata, recurrent_kernel_metadata, bias_metadata,
+            rngs,
+        )
+        n, h = self.in_features, self.hidden_features
+        for k, name in enumerate(("ii", "if_", "ig", "io")):
+            setattr(self, name, self._linear(n, h, _block(kernel, k, h), None, kernel_metadata, {}))
+        for k, name in enumerate(("hi", "hf", "hg", "ho")):
+            setattr(self, name, self._linear(
+                h, h, _block(recurrent, k, h), _block(bias, k, h), recurrent_kernel_metadata,
+                bias_metadata,
+            ))
+
+    def _fused(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The gates' ``(in, 4H)`` kernel, ``(H, 4H)`` recurrent kernel and ``(4H,)`` bias."""
+        ins = (self.ii, self.if_, self.ig, self.io)
+        hid = (self.hi, self.hf, self.hg, self.ho)
+        return (
+            _cat([m.kernel[...] for m in ins]),
+            _cat([m.kernel[...] for m in hid]),
+            _cat([m.bias[...] for m in hid]),
         )
 
     def __call__(
@@ -199,10 +256,7 @@ class LSTMCell(_GatedCell):
     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         c, h = carry
         x = self._check_step(h, inputs)
-        x, h, c, w, u, b = self.promote_dtype(
-            (x, h, c, self.kernel[...], self.recurrent_kernel[...], self.bias[...]),
-            dtype=self.dtype,
-        )
+        x, h, c, w, u, b = self.promote_dtype((x, h, c, *self._fused()), dtype=self.dtype)
         z = x @ w + h @ u + b
         i, f, g, o = jnp.split(z, 4, axis=-1)
         i, f, o = self.gate_fn(i), self.gate_fn(f), self.gate_fn(o)
@@ -232,9 +286,10 @@ class GRUCell(_GatedCell):
 
     ``r = gate_fn(x W_r + b_r + h U_r)``, ``z = gate_fn(x W_z + b_z + h U_z)``,
     ``n = activation_fn(x W_n + b_n + r * (h U_n + b_hn))``, ``h' = (1 - z) * n + z * h``.
-    The carry and the output are ``h'``. Fused parameters: ``kernel (in, 3H)``,
-    ``recurrent_kernel (H, 3H)``, ``bias (3H)`` for the input side, ``recurrent_bias (H)``
-    for the candidate's recurrent term.
+    The carry and the output are ``h'``. Parameters, as in Flax NNX: ``dense_i`` (a
+    ``Linear``: ``(in, 3H)`` kernel, ``(3H,)`` bias; gates ``r, z, n``) and ``dense_h``
+    (``(H, 3H)`` kernel, no bias); and ``recurrent_bias (H)``, the candidate's recurrent
+    bias ``b_hn`` (Flax's GRU has none; it starts at ``bias_init``, zeros by default).
 
     Args:
       in_features: the input's feature size.
@@ -281,21 +336,23 @@ class GRUCell(_GatedCell):
         recurrent_kernel_metadata: Mapping[str, Any] = {},
         bias_metadata: Mapping[str, Any] = {},
     ) -> None:
-        self._setup(
+        kernel, recurrent, bias = self._draw(
             in_features, hidden_features, 3, gate_fn, activation_fn, kernel_init,
             recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype,
-            rngs, kernel_metadata, recurrent_kernel_metadata, bias_metadata,
+            rngs,
         )
-        self.recurrent_bias = Param(
-            bias_init(rngs.params(), (self.hidden_features,), param_dtype), **dict(bias_metadata)
-        )
+        h = self.hidden_features
+        recurrent_bias = bias_init(rngs.params(), (h,), param_dtype)
+        self.dense_i = self._linear(self.in_features, 3 * h, kernel, bias, kernel_metadata, bias_metadata)
+        self.dense_h = self._linear(h, 3 * h, recurrent, None, recurrent_kernel_metadata, {})
+        self.recurrent_bias = Param(recurrent_bias, **dict(bias_metadata))
 
     def __call__(self, carry: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         h = carry
         x = self._check_step(h, inputs)
         x, h, w, u, b, bh = self.promote_dtype(
-            (x, h, self.kernel[...], self.recurrent_kernel[...], self.bias[...],
-             self.recurrent_bias[...]),
+            (x, h, self.dense_i.kernel[...], self.dense_h.kernel[...],
+             self.dense_i.bias[...], self.recurrent_bias[...]),
             dtype=self.dtype,
         )
         xi = x @ w + b
@@ -340,6 +397,13 @@ class SimpleCell(RNNCellBase):
       promote_dtype: ``promote_dtype(arrays, dtype=...)``, how inputs and parameters are brought to
         one dtype.
       rngs: :class:`Rngs` with a ``params`` stream (used for the initializers).
+      residual: add the carry to the pre-activation (``activation_fn(x W + h U + b + h)``).
+      kernel_metadata: metadata for the input kernel :class:`Param` (``out_sharding``...).
+      recurrent_kernel_metadata: metadata for the recurrent kernel :class:`Param`.
+      bias_metadata: metadata for the bias :class:`Param`.
+
+    Parameters, as in Flax NNX: ``dense_h`` (a ``Linear``: ``(H, H)`` kernel, no bias) and
+    ``dense_i`` (``(in, H)`` kernel, ``(H,)`` bias).
     """
 
     def __init__(
@@ -354,25 +418,35 @@ class SimpleCell(RNNCellBase):
         dtype: DType | None = None,
         param_dtype: DType = jnp.float32,
         carry_init: Initializer | None = None,
+        residual: bool = False,
         promote_dtype: Callable[..., Any] = promote_dtype,
         rngs: Rngs,
+        kernel_metadata: Mapping[str, Any] = {},
+        recurrent_kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
     ) -> None:
         self._store_options(
             in_features, hidden_features, _NO_GATE, activation_fn, dtype, param_dtype,
             carry_init, promote_dtype,
         )
-        h = self.hidden_features
-        self.kernel = Param(kernel_init(rngs.params(), (self.in_features, h), param_dtype))
-        self.recurrent_kernel = Param(recurrent_kernel_init(rngs.params(), (h, h), param_dtype))
-        self.bias = Param(bias_init(rngs.params(), (h,), param_dtype))
+        self.residual = bool(residual)
+        n, h = self.in_features, self.hidden_features
+        kernel = kernel_init(rngs.params(), (n, h), param_dtype)
+        recurrent = recurrent_kernel_init(rngs.params(), (h, h), param_dtype)
+        bias = bias_init(rngs.params(), (h,), param_dtype)
+        self.dense_h = self._linear(h, h, recurrent, None, recurrent_kernel_metadata, {})
+        self.dense_i = self._linear(n, h, kernel, bias, kernel_metadata, bias_metadata)
 
     def __call__(self, carry: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = self._check_step(carry, inputs)
         x, h, w, u, b = self.promote_dtype(
-            (x, carry, self.kernel[...], self.recurrent_kernel[...], self.bias[...]),
+            (x, carry, self.dense_i.kernel[...], self.dense_h.kernel[...], self.dense_i.bias[...]),
             dtype=self.dtype,
         )
-        new_h = self.activation_fn(x @ w + h @ u + b)
+        z = x @ w + h @ u + b
+        if self.residual:
+            z = z + h
+        new_h = self.activation_fn(z)
         return new_h, new_h
 
     def initialize_carry(
@@ -421,7 +495,16 @@ class RNN(Module):
       reverse: process each sequence backwards (within its length).
       keep_order: with ``reverse``, return the outputs in input order.
       unroll: ``jax.lax.scan``'s unroll.
+      state_axes: ``{filter: axis}`` for the cell's variables in the scan (``nn.Carry``:
+        threaded through the steps, None: the same for every step, changes dropped);
+        None: ``{...: nn.Carry}`` (Flax NNX's default).
+      broadcast_rngs: a filter of the cell's random streams to broadcast: every step
+        draws the same numbers (a recurrent dropout mask shared over time), fresh for each
+        call (the stream advances once per call).
       rngs: accepted for Flax NNX compatibility; unused.
+
+    The cell is run with :func:`~cairn.nn.scan`, so state it changes in a step (a random
+    stream's counter, a batch statistic) is threaded through the steps and written back.
 
     >>> import jax.numpy as jnp
     >>> from cairn import nn
@@ -439,6 +522,8 @@ class RNN(Module):
         reverse: bool = False,
         keep_order: bool = False,
         unroll: int = 1,
+        state_axes: Mapping[Any, Any] | None = None,
+        broadcast_rngs: Any = None,
         rngs: Rngs | None = None,
     ) -> None:
         del rngs
@@ -450,6 +535,34 @@ class RNN(Module):
         self.reverse = bool(reverse)
         self.keep_order = bool(keep_order)
         self.unroll = _checks.positive_int("RNN", "unroll", unroll)
+        # items, not a dict: a static attribute must be hashable
+        self.state_axes = tuple((state_axes or {...: Carry}).items())
+        self.broadcast_rngs = broadcast_rngs
+
+    def _scan_fn(self, seq_lengths: jax.Array | None) -> Callable:
+        """The per-step function over ``(cell, carry, (t, x_t))``, scanned by
+        :func:`~cairn.nn.scan` with the cell's variables per ``state_axes``."""
+
+        def step(cell, carry, inp):
+            tt, xt = inp
+            new_carry, y = cell(carry, xt)
+            new_carry = jax.tree.map(lambda n, o: n.astype(o.dtype), new_carry, carry)
+            if seq_lengths is not None:
+                live = tt < seq_lengths  # (*batch,)
+
+                def keep(new, old):
+                    m = live.reshape(live.shape + (1,) * (new.ndim - live.ndim))
+                    return jnp.where(m, new, old.astype(new.dtype))
+
+                new_carry = jax.tree.map(keep, new_carry, carry)
+                y = jnp.where(live.reshape(live.shape + (1,) * (y.ndim - live.ndim)), y, 0)
+            return new_carry, y
+
+        axes = dict(self.state_axes)
+        if self.broadcast_rngs is not None:
+            axes = {All(RngState, self.broadcast_rngs): None, **axes}
+        return scan(step, in_axes=(StateAxes(axes), Carry, 0), out_axes=(Carry, 0),
+                    unroll=self.unroll)
 
     def __call__(
         self,
@@ -489,24 +602,13 @@ class RNN(Module):
             else:
                 x = _reverse_within_lengths(x, seq_lengths, nb)
         xs = jnp.moveaxis(x, nb, 0)  # (T, *batch, F)
-        cell = self.cell
-
-        def step(carry, inp):
-            tt, xt = inp
-            new_carry, y = cell(carry, xt)
-            new_carry = jax.tree.map(lambda n, o: n.astype(o.dtype), new_carry, carry)
-            if seq_lengths is not None:
-                live = tt < seq_lengths  # (*batch,)
-
-                def keep(new, old):
-                    m = live.reshape(live.shape + (1,) * (new.ndim - live.ndim))
-                    return jnp.where(m, new, old.astype(new.dtype))
-
-                new_carry = jax.tree.map(keep, new_carry, carry)
-                y = jnp.where(live.reshape(live.shape + (1,) * (y.ndim - live.ndim)), y, 0)
-            return new_carry, y
-
-        carry, ys = lax.scan(step, initial_carry, (jnp.arange(t), xs), unroll=self.unroll)
+        run = self._scan_fn(seq_lengths)
+        if self.broadcast_rngs is None:
+            carry, ys = run(self.cell, initial_carry, (jnp.arange(t), xs))
+        else:  # one fresh key per call for the broadcast streams
+            with split_rngs(self.cell, splits=1, only=self.broadcast_rngs, squeeze=True,
+                            graph=True, graph_updates=True):
+                carry, ys = run(self.cell, initial_carry, (jnp.arange(t), xs))
         ys = jnp.moveaxis(ys, 0, nb)  # (*batch, T, out)
         if reverse and keep_order:
             if seq_lengths is None:
@@ -519,10 +621,11 @@ class RNN(Module):
 
 
 class OptimizedLSTMCell(LSTMCell):
-    """Flax NNX's name for the LSTM cell whose four gates are computed with fused
-    matmuls. :class:`LSTMCell` here already is that cell (its parameters are the fused
-    ``kernel (in, 4H)``, ``recurrent_kernel (H, 4H)``, ``bias (4H)``), so this is the
-    same cell under Flax's second name; same arguments, same numbers.
+    """The LSTM cell with its gates in two ``Linear`` submodules, as Flax NNX's
+    ``OptimizedLSTMCell``: ``dense_i`` (``(in, 4H)`` kernel, no bias) and ``dense_h``
+    (``(H, 4H)`` kernel, ``(4H,)`` bias), gates ``(i, f, g, o)`` along the last axis. Same
+    arguments, equations and numbers as :class:`LSTMCell` (for the same seed the
+    parameters hold the same values); only the parameter layout differs.
 
     Args:
       in_features: the input's feature size.
@@ -542,3 +645,34 @@ class OptimizedLSTMCell(LSTMCell):
       recurrent_kernel_metadata: metadata for the recurrent kernel :class:`Param`.
       bias_metadata: metadata for the bias :class:`Param`.
     """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        *,
+        gate_fn: Callable[..., Any] = jax.nn.sigmoid,
+        activation_fn: Callable[..., Any] = jnp.tanh,
+        kernel_init: Initializer = _default_kernel_init,
+        recurrent_kernel_init: Initializer = _default_recurrent_init,
+        bias_init: Initializer = _init.zeros,
+        dtype: DType | None = None,
+        param_dtype: DType = jnp.float32,
+        carry_init: Initializer | None = None,
+        promote_dtype: Callable[..., Any] = promote_dtype,
+        rngs: Rngs,
+        kernel_metadata: Mapping[str, Any] = {},
+        recurrent_kernel_metadata: Mapping[str, Any] = {},
+        bias_metadata: Mapping[str, Any] = {},
+    ) -> None:
+        kernel, recurrent, bias = self._draw(
+            in_features, hidden_features, 4, gate_fn, activation_fn, kernel_init,
+            recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init, promote_dtype,
+            rngs,
+        )
+        n, h = self.in_features, self.hidden_features
+        self.dense_i = self._linear(n, 4 * h, kernel, None, kernel_metadata, {})
+        self.dense_h = self._linear(h, 4 * h, recurrent, bias, recurrent_kernel_metadata, bias_metadata)
+
+    def _fused(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.dense_i.kernel[...], self.dense_h.kernel[...], self.dense_h.bias[...]

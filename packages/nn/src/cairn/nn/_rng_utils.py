@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from cairn.nn._filters import Any as AnyOf
 from cairn.nn._filters import WithTag, to_predicate
-from cairn.nn._graph_mode import check_mode
+from cairn.nn._graph import clone
+from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._nodes import Node, is_node, key_of
 from cairn.nn._rngs import Rngs, RngStream
 
@@ -98,16 +99,30 @@ def _counts_shape(splits: int | tuple[int, ...], shape: tuple, squeeze: bool) ->
     return ((splits,) if isinstance(splits, int) else tuple(splits)) + tuple(shape)
 
 
-def _decorator(transform: Callable, **options: Any) -> Callable:
+def _decorator(transform: Callable, in_place: bool, **options: Any) -> Callable:
+    """The decorator form: in full graph mode the arguments' streams are changed for
+    the call and restored after it; otherwise the function gets changed copies."""
+
     def deco(f: Callable) -> Callable:
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
+            if not in_place:
+                args, kwargs = transform((args, kwargs), graph_updates=False, **options)
+                return f(*args, **kwargs)
             with transform((args, kwargs), **options):
                 return f(*args, **kwargs)
 
         return wrapper
 
     return deco
+
+
+def _tree_copy(node: Any) -> Any:
+    """Flax's tree mode: a copy of ``node`` whose modules and Variables are new objects
+    (the caller's are left untouched); a tree without any is returned as it is."""
+    if not any(is_node(x) for x in jax.tree_util.tree_leaves(node, is_leaf=is_node)):
+        return node
+    return clone(node)
 
 
 def split_rngs(
@@ -131,8 +146,10 @@ def split_rngs(
       splits: the number (or shape) of keys per stream.
       only: the streams to split (a filter or a stream name; ``...``: all).
       squeeze: with ``splits=1``, keep the key's shape (no new axis).
-      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
-      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      graph: Flax NNX's graph-mode keyword (None: the :class:`set_graph_mode` switch).
+      graph_updates: Flax NNX's keyword (None: the switch). Unless both are True (full
+        graph mode, the default), ``node`` is left untouched and a copy with split
+        streams is returned (the decorator passes such copies to the function).
 
     >>> from cairn import nn
     >>> rngs = nn.Rngs(params=0, dropout=1)
@@ -146,10 +163,15 @@ def split_rngs(
       ValueError: ``squeeze=True`` with ``splits`` other than 1.
     """
     check_mode("split_rngs", graph, graph_updates)
+    in_place = resolve_modes(graph, graph_updates)[2]
     if node is _MISSING:
-        return _decorator(split_rngs, splits=splits, only=only, squeeze=squeeze)
+        return _decorator(split_rngs, in_place, splits=splits, only=only, squeeze=squeeze)
     if squeeze and splits != 1:
         raise ValueError(f"split_rngs: squeeze=True needs splits=1, got splits={splits!r}")
+    if not in_place:
+        copy = _tree_copy(node)
+        split_rngs(copy, splits=splits, only=only, squeeze=squeeze, graph=True, graph_updates=True)
+        return copy
     backups = SplitBackups()
     for stream in _selected(only, node):
         key = stream()
@@ -180,8 +202,10 @@ def fork_rngs(
     Args:
       node: the module or Rngs whose streams are forked; left out, a decorator is returned.
       split: None, a number / shape of keys for every stream, or ``{filter: splits}``.
-      graph: Flax NNX's graph-mode keyword, accepted for compatibility (one behaviour here).
-      graph_updates: Flax NNX's keyword, accepted for compatibility (one behaviour here).
+      graph: Flax NNX's graph-mode keyword (None: the :class:`set_graph_mode` switch).
+      graph_updates: Flax NNX's keyword (None: the switch). Unless both are True (full
+        graph mode, the default), ``node`` is left untouched and a forked copy is
+        returned (the decorator passes such copies to the function).
 
     >>> from cairn import nn
     >>> rngs = nn.Rngs(params=0, dropout=1)
@@ -190,8 +214,13 @@ def fork_rngs(
     ((3,), ())
     """
     check_mode("fork_rngs", graph, graph_updates)
+    in_place = resolve_modes(graph, graph_updates)[2]
     if node is _MISSING:
-        return _decorator(fork_rngs, split=split)
+        return _decorator(fork_rngs, in_place, split=split)
+    if not in_place:
+        copy = _tree_copy(node)
+        fork_rngs(copy, split=split, graph=True, graph_updates=True)
+        return copy
     if split is None:
         split = {...: None}
     elif isinstance(split, int | tuple):

@@ -149,7 +149,9 @@ def _born_sharded(initializer: Callable, names: tuple, target: NamedSharding, ar
 def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None) -> Any:
     """The same tree (a Module's :func:`~cairn.nn.state`, a State, or a Variable) with
     each variable's value replaced by its ``PartitionSpec`` (``PartitionSpec()`` when it
-    has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`.
+    has no ``sharding_names``). Without ``rules``, the active :func:`sharding_rules`; with
+    none active the names are the mesh axes themselves (``("a", "b")`` gives
+    ``PartitionSpec("a", "b")``, as in Flax NNX).
 
     Args:
       tree: a State, a module's state or a Variable.
@@ -169,8 +171,10 @@ def get_partition_spec(tree: Any, rules: Any = None, mesh: Any = None) -> Any:
         if not isinstance(v, Variable):
             return v
         names = names_of(v._meta)
-        if names is None or rules is None:
+        if names is None:
             return v.replace(PartitionSpec())
+        if rules is None:
+            return v.replace(PartitionSpec(*names))
         return v.replace(logical_to_partition_spec(names, rules, mesh))
 
     return _map_variables(spec, tree)

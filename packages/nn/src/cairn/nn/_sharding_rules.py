@@ -130,6 +130,10 @@ def names_of(metadata: dict) -> tuple | None:
     names = metadata.get("sharding_names", metadata.get("sharding"))
     if names is None:
         out = metadata.get("out_sharding")
+        own = _own_sharding(out)
+        if own is not None:  # a NamedSharding: the mesh axes of its spec
+            spec = getattr(own, "spec", None)
+            return None if spec is None else tuple(spec)
         return None if out is None else tuple(out)
     if isinstance(names, PartitionSpec):
         return None
@@ -161,6 +165,48 @@ def sharding_for(names: tuple, ndim: int, mesh: Any, rules: Any) -> NamedShardin
     return named_sharding(mesh, names, rules)
 
 
+def _own_sharding(out: Any) -> Any:
+    """The ``jax.sharding.Sharding`` an ``out_sharding`` entry names by itself: a
+    ``NamedSharding``, or the sharding of a ``Format`` (layout + sharding); else None
+    (axis names or a PartitionSpec, resolved against a mesh)."""
+    if isinstance(out, jax.sharding.Sharding):
+        return out
+    inner = getattr(out, "sharding", None)
+    if type(out).__name__ == "Format" and isinstance(inner, jax.sharding.Sharding):
+        return inner
+    return None
+
+
+def _check_axis_types(mesh: Any) -> None:
+    """A mesh given to a Variable has all axes Auto or all Explicit (Flax NNX's rule).
+
+    Raises:
+      ValueError: naming the mixed axis types.
+    """
+    types = set(getattr(mesh, "axis_types", ()) or ())
+    if len(types) > 1 and jax.sharding.AxisType.Manual not in types:
+        raise ValueError(
+            f"Variable mesh: all axes must be Explicit or all Auto to place a variable, got "
+            f"mixed axis types {tuple(mesh.axis_types)} for axes {tuple(mesh.axis_names)}"
+        )
+
+
+def _place(value: Any, sharding: Any) -> Any:
+    """``value`` in ``sharding``: a constraint for a tracer, ``device_put`` for an array,
+    a sharded ``ShapeDtypeStruct`` for an abstract value."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    if isinstance(value, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if isinstance(value, jax.Array):
+        if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+            # a concrete value made inside a trace (a broadcast key under vmap): the
+            # context mesh there is abstract, so constrain instead of placing
+            return jax.lax.with_sharding_constraint(value, sharding)
+        return jax.device_put(value, sharding)
+    return value
+
+
 def shard_on_create(value: Any, metadata: dict) -> Any:
     """``value`` placed in the sharding its ``metadata``'s axis names give under the
     active rules (a constraint for a tracer, ``device_put`` for an array, a sharded
@@ -168,7 +214,12 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     eager = metadata.get("eager_sharding")
     if not (_EAGER[-1] if eager is None else eager):  # a variable's own choice wins
         return value
+    own = _own_sharding(metadata.get("out_sharding"))
+    if own is not None:  # a NamedSharding (or a layout Format's) carries its mesh
+        return _place(value, own)
     mesh = metadata.get("mesh")
+    if mesh is not None:
+        _check_axis_types(mesh)
     if mesh is None and current_rules() is None and context_mesh() is None:
         return value
     ndim = len(getattr(value, "shape", ()))
@@ -179,11 +230,4 @@ def shard_on_create(value: Any, metadata: dict) -> Any:
     if found is None:
         return value
     mesh, rules = found
-    sharding = sharding_for(names, ndim, mesh, rules)
-    if isinstance(value, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    if isinstance(value, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(value, sharding)
-    if isinstance(value, jax.Array):
-        return jax.device_put(value, sharding)
-    return value
+    return _place(value, sharding_for(names, ndim, mesh, rules))

@@ -26,6 +26,7 @@ from cairn.nn._filters import path_str
 from cairn.nn._graph import GraphDef, check_tree, flat, fresh_flat, sync, tree_mode
 from cairn.nn._module import Module, annotate_exception
 from cairn.nn._nodes import LEAF, MOD, PREFIX_TREES, VAR, SharedReferenceError, is_node, key_of
+from cairn.nn._state import GraphState, State
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable, template_of
 
 set_raw = Variable.__dict__["raw_value"].__set__
@@ -52,7 +53,7 @@ class Plan:
     __slots__ = ("treedef", "kinds", "descs", "objs", "varlists", "dyn", "links", "_linking")
 
     def __init__(self, tree: Any, link: bool = False) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+        leaves, treedef = jax.tree_util.tree_flatten(expose_states(tree), is_leaf=is_node)
         self.treedef: Any = treedef
         self.kinds: list[int] = []
         self.descs: list[Any] = []
@@ -260,6 +261,65 @@ class Plan:
         dyn = self.dyn if dyn is None else dyn
         leaves = [o if k != LEAF else d for k, o, d in zip(self.kinds, self.objs, dyn)]
         return self.treedef.unflatten(leaves)
+
+
+class _StateVars:
+    """A :class:`State` as a transform sees it: its Variables are the children (so they
+    are plan leaves, and the changes a function makes to them are written back, as Flax
+    NNX's transforms do for a State argument), in the order of the State's own pytree
+    leaves; it unflattens to a State (or GraphState) again."""
+
+    __slots__ = ("aux", "variables")
+
+    def __init__(self, state: State) -> None:
+        flat_state = state._flat
+        paths = _grouped_paths(list(flat_state))
+        gd = state._graphdef if isinstance(state, GraphState) else None
+        self.aux = (type(state) is GraphState, gd, tuple(paths))
+        self.variables = [flat_state[p] for p in paths]
+
+
+def _grouped_paths(paths: list) -> list:
+    """``paths`` in the order a State flattens them: grouped by first key (in order of
+    first appearance), recursively."""
+    groups: dict = {}
+    for p in paths:
+        groups.setdefault(p[0], []).append(p)
+    out: list = []
+    for head, ps in groups.items():
+        leaf = [p for p in ps if len(p) == 1]
+        rest = [p[1:] for p in ps if len(p) > 1]
+        if leaf and not rest:
+            out.extend(leaf)
+        else:
+            out.extend(leaf + [(head, *q) for q in _grouped_paths(rest)])
+    return out
+
+
+def _state_vars_unflatten(aux: tuple, children: Any) -> Any:
+    is_graph, gd, paths = aux
+    st = State.from_flat(dict(zip(paths, children)))
+    return GraphState.wrap(gd, st) if is_graph else st
+
+
+jax.tree_util.register_pytree_node(
+    _StateVars, lambda sv: (sv.variables, sv.aux), _state_vars_unflatten
+)
+
+
+def _is_state_or_node(x: Any) -> bool:
+    return isinstance(x, State) or is_node(x)
+
+
+def expose_states(tree: Any) -> Any:
+    """``tree`` with each :class:`State` in it as :class:`_StateVars` (its Variables
+    become plan leaves); the tree itself when it holds no State."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_state_or_node)
+    if not any(isinstance(x, State) for x in leaves):
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: _StateVars(x) if isinstance(x, State) else x, tree, is_leaf=_is_state_or_node
+    )
 
 
 def check_output_aliasing(fn: str, inputs: Any, out: Any) -> None:
@@ -488,6 +548,20 @@ def check_same_structure(old_descs: Sequence, new_descs: Sequence, what: str) ->
         )
 
 
+def _carry_identity_error(what: str, tree: Any, i: int, x: Any, kind: str) -> None:
+    """Raise the loop-carry identity error for leaf ``i`` of the returned carry ``tree``."""
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]]
+    where = paths[i] if i < len(paths) else f"leaf {i}"
+    raise ValueError(
+        f"{what}: the returned carry holds a new {type(x).__name__} ({kind}) at "
+        f"{where or 'the root'} instead of the object the step was given. Carry references "
+        f"must be the same between iterations (scan Variable identity must be preserved "
+        f"across iterations): change the carry's modules / Variables in place and return "
+        f"them; state written to a new object would be lost"
+    )
+
+
 class Carry:
     """A loop carry that may contain modules (``scan``, ``fori_loop``, ``while_loop``):
     its values go through the loop, the caller's objects get the final ones."""
@@ -500,7 +574,12 @@ class Carry:
         return self.plan.dyn
 
     def rebuild(self, dyn: Sequence) -> Any:
-        tree, _ = self.plan.rebuild(dyn)
+        """The carry for one step: fresh objects holding ``dyn`` (remembered, with their
+        variables, for the identity check of :meth:`extract`)."""
+        tree, rebuilt = self.plan.rebuild(dyn)
+        self._given = rebuilt
+        self._given_vars = [fresh_flat(o).variables if k == MOD else None
+                            for k, o in zip(self.plan.kinds, rebuilt)]
         return tree
 
     def extract(self, tree: Any, what: str) -> list:
@@ -515,16 +594,23 @@ class Carry:
                 f"{what}: the returned carry has structure {treedef}, expected "
                 f"{self.plan.treedef}"
             )
+        given = getattr(self, "_given", None)
         dyn = []
-        for kind, desc, x in zip(self.plan.kinds, self.plan.descs, leaves):
+        for i, (kind, desc, x) in enumerate(zip(self.plan.kinds, self.plan.descs, leaves)):
             if kind == MOD:
-                if not isinstance(x, Module):
-                    raise ValueError(f"{what}: expected a module in the returned carry")
+                if given is not None and x is not given[i]:
+                    _carry_identity_error(what, tree, i, x, "module")
                 c = fresh_flat(x)
                 check_same_structure([desc], [c.graphdef], what)
+                if given is not None:
+                    for v, w in zip(c.variables, self._given_vars[i]):
+                        if v is not w and type(v) is not DataSlot:  # data is a value: no identity
+                            _carry_identity_error(what, tree, i, v, "variable of the module")
                 dyn.append([v.raw_value for v in c.variables])
             elif kind == VAR:
-                dyn.append(x.raw_value if isinstance(x, Variable) else x)
+                if given is not None and x is not given[i]:
+                    _carry_identity_error(what, tree, i, x, "Variable")
+                dyn.append(x.raw_value)
             else:
                 dyn.append(x)
         return dyn

@@ -34,6 +34,8 @@ def bump_epoch() -> None:
     EPOCH[0] += 1
 
 
+_SHARDING_ALIASES = {"out_sharding": "sharding_names", "sharding_names": "out_sharding"}
+
 class VariableMetadata:
     """A value boxed with metadata, returned by initializers wrapped with
     :func:`with_metadata` / :func:`with_partitioning`. Creating a :class:`Variable`
@@ -284,6 +286,9 @@ class Variable:
         meta = object.__getattribute__(self, "_meta")
         if name in meta:
             return meta[name]
+        alias = _SHARDING_ALIASES.get(name)  # Flax NNX's out_sharding = sharding_names
+        if alias is not None and alias in meta:
+            return meta[alias]
         raw = object.__getattribute__(self, "raw_value")
         try:
             return getattr(raw, name)

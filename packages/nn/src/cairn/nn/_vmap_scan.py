@@ -15,11 +15,12 @@ from jax.sharding import PartitionSpec
 
 from cairn.nn._axis_metadata import with_axis_metadata
 from cairn.nn._filters import path_text, to_predicate
-from cairn.nn._graph import GraphDef, flat
+from cairn.nn._graph import GraphDef, flat, sync
 from cairn.nn._graph_mode import check_mode, resolve_modes
 from cairn.nn._module import Module
 from cairn.nn._nodes import MOD, is_node
 from cairn.nn._state import State
+from cairn.nn._trace_cache import TraceCache
 from cairn.nn._transform_plan import (
     Box,
     Plan,
@@ -28,6 +29,7 @@ from cairn.nn._transform_plan import (
     check_consistent_prefixes,
     check_prefix,
     check_tree_args,
+    expose_states,
     reject_bound_method,
     run_pure,
 )
@@ -142,7 +144,7 @@ def _prefix_axes(args, kwargs, in_axes) -> list:
                 f"StateAxes can only be given for a module argument, not {type(a).__name__}"
             )
         # expand a prefix tree over the argument's leaves (modules/variables are leaves)
-        sub: Any = jax.tree_util.tree_flatten(a, is_leaf=is_node)[1]
+        sub: Any = jax.tree_util.tree_flatten(expose_states(a), is_leaf=is_node)[1]
         if ax is None or isinstance(ax, int | PartitionSpec):
             axes.extend([ax] * sub.num_leaves)
         else:
@@ -388,11 +390,53 @@ def _mapped_call(
         if per_var:  # per-variable axes of the structure f leaves behind
             back_axes = _new_leaf_axes(plan, axes, back_axes, probe_box.value, dyn_shape)
     pure = run_pure(f, plan, box, "vmap" if no_alias else None)
-    out, new_dyn = mapper(
-        pure, in_axes=(leaf_axes,), out_axes=(out_axes, back_axes), **opts
-    )(plan.dyn)
+    names: dict[int, tuple] = {}
+    if per_var:  # by variable path, so that JAX's axis errors name the variable
+        names = {i: probe_box.value[i].path_strings for i, (k, ax) in
+                 enumerate(zip(plan.kinds, axes)) if k == MOD and isinstance(ax, StateAxes | Module)}
+        back_axes = [dict(zip(names[i], a)) if i in names else a for i, a in enumerate(back_axes)]
+        pure = _by_path(pure, names)
+    try:
+        out, new_dyn = mapper(pure, in_axes=(leaf_axes,), out_axes=(out_axes, back_axes),
+                              **opts)(plan.dyn)
+    except ValueError as e:
+        if names:
+            _name_spec_error(e, out_shape, dyn_shape, names)
+        raise
+    new_dyn = [[d[n] for n in names[i]] if i in names else d for i, d in enumerate(new_dyn)]
     plan.write_back(plan.fill(new_dyn), box.value)
     return out
+
+
+def _name_spec_error(e: ValueError, out_shape: Any, dyn_shape: list, names: dict) -> None:
+    """Re-raise JAX's ``vmap`` out-axes mismatch naming the output it is about (JAX's own
+    path is off by the ``None`` outputs it skips): for a module's variable, its path,
+    e.g. ``[1][0]['broadcast']`` for a broadcast variable a batched value was written to."""
+    ctx = e.__context__
+    idx = getattr(ctx, "leaf_idx", None)
+    if idx is None:
+        return
+    named = [dict(zip(names[i], d)) if i in names else d for i, d in enumerate(dyn_shape)]
+    pairs = jax.tree_util.tree_flatten_with_path((out_shape, named))[0]
+    if idx >= len(pairs):
+        return
+    where = jax.tree_util.keystr(pairs[idx][0])
+    raise ValueError(
+        f"at vmap out_axes{where}, got axis spec {getattr(ctx, 'dst', None)} but output was "
+        f"batched on axis {getattr(ctx, 'src', None)}: a variable with axis None (broadcast) "
+        f"was given a batched value; map it (an int axis) or keep batched values out of it"
+    ) from None
+
+
+def _by_path(pure: Callable, names: dict) -> Callable:
+    """``pure`` whose new values of the plan leaves in ``names`` are dicts keyed by the
+    variables' path strings instead of lists."""
+
+    def named(dyn):
+        out, new_dyn = pure(dyn)
+        return out, [dict(zip(names[i], d)) if i in names else d for i, d in enumerate(new_dyn)]
+
+    return named
 
 
 def _new_leaf_axes(plan: Plan, axes: list, back_axes: list, descs: list, dyn: list) -> list:
@@ -480,6 +524,9 @@ def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
     for ax in (*in_axes, *outs):
         if isinstance(ax, StateAxes | Module):  # in in_axes: outs were checked above
             continue
+        if ax is not Carry and _is_prefix_tree(ax) and any(a is ax for a in in_axes):
+            _check_prefix_tree(ax)
+            continue
         if not (ax is Carry or ax is None or (isinstance(ax, int) and not isinstance(ax, bool))):
             raise ValueError(
                 f"nn.scan: axes must be nn.Carry, an int, None, or (in in_axes, for a module) "
@@ -500,6 +547,50 @@ def _check_scan_axes(in_axes: tuple, out_axes: Any) -> None:
             f"nn.scan: If one of in_axes or out_axes has Carry, the other must also have "
             f"Carry (in_axes={in_axes!r}, out_axes={out_axes!r})"
         )
+
+
+def _is_prefix_tree(ax: Any) -> bool:
+    return isinstance(ax, dict | list | tuple)
+
+
+def _check_prefix_tree(ax: Any) -> None:
+    """An ``in_axes`` entry that is a pytree prefix (``{'a': 0, 'b': None}``) for a plain
+    argument: its leaves are ints or None (the carry is one whole argument)."""
+    for leaf in jax.tree_util.tree_leaves(ax, is_leaf=lambda x: x is None or x is Carry):
+        if not (leaf is None or (isinstance(leaf, int) and not isinstance(leaf, bool))):
+            raise ValueError(
+                f"nn.scan: a pytree prefix in in_axes holds ints or None, got {leaf!r} in "
+                f"{ax!r} (nn.Carry is a whole argument, not a part of one)"
+            )
+
+
+def _expand_prefix_args(f: Callable, args: tuple, in_ax: tuple) -> tuple[Callable, tuple, tuple]:
+    """``f``, ``args`` and ``in_ax`` with every argument whose axis is a pytree prefix
+    split into one argument per leaf (with its own axis); the returned function puts
+    each argument back together before calling ``f``."""
+    if not any(_is_prefix_tree(ax) for ax in in_ax):
+        return f, args, in_ax
+    new_args: list = []
+    new_ax: list = []
+    rebuild: list = []  # per original argument: (treedef, count) or None
+    for a, ax in zip(args, in_ax):
+        if not _is_prefix_tree(ax):
+            new_args.append(a)
+            new_ax.append(ax)
+            rebuild.append(None)
+            continue
+        leaves, treedef = jax.tree_util.tree_flatten(expose_states(a), is_leaf=is_node)
+        new_args.extend(leaves)
+        new_ax.extend(treedef.flatten_up_to(_broadcast_prefix(ax, a)))
+        rebuild.append((treedef, len(leaves)))
+
+    def joined(*flat_args):
+        it = iter(flat_args)
+        call = [next(it) if r is None else r[0].unflatten([next(it) for _ in range(r[1])])
+                for r in rebuild]
+        return f(*call)
+
+    return joined, tuple(new_args), tuple(new_ax)
 
 
 class _ScanSplit:
@@ -543,6 +634,8 @@ class _ScanSplit:
             axes = _module_axes(ax, c.graphdef, c.variables, c.variables)
         else:
             axes = [Carry] * len(variables)
+        self.state_axes = ax if isinstance(ax, StateAxes) else None
+        self.grown: tuple | None = None  # (new GraphDef, new paths, their axes) if a step adds variables
         for a in axes:
             if not (a is Carry or a is None or (isinstance(a, int) and not isinstance(a, bool))):
                 raise ValueError(f"nn.scan: a variable's axis must be nn.Carry, an int or None, got {a!r}")
@@ -577,26 +670,63 @@ class _ScanSplit:
     def parts(self) -> tuple[list, list]:
         """The carried and scanned values after a step (the step's own objects)."""
         values: list = []
+        extra: list = []
         for n, d in zip(self.built, self.defs):
             if isinstance(d, GraphDef):
                 c = flat(n)
                 if c.graphdef != d:
-                    raise ValueError(
-                        f"nn.scan: the structure of {type(n).__name__} changed in a step "
-                        f"(variables or attributes added or removed); a scanned module "
-                        f"with per-variable axes keeps its structure in the loop"
-                    )
+                    kept, extra = self._grow(n, d, c)
+                    values.extend(kept)
+                    continue
                 values.extend(v.raw_value for v in c.variables)
             elif d is None:
                 values.append(cast(Variable, n).raw_value)
-        return [values[i] for i in self.carried], [values[i] for i in self.scanned]
+        return [values[i] for i in self.carried], [values[i] for i in self.scanned] + extra
+
+    def _grow(self, n: Any, d: GraphDef, c: Any) -> tuple[list, list]:
+        """A step that added variables to a module with a :class:`StateAxes` (``sow``
+        of an ``Intermediate``, as Flax NNX allows): the values of the variables it had,
+        and those of the new ones, which must map to an int axis (stacked over the
+        steps, like a scanned output).
+
+        Raises:
+          ValueError: variables removed, or a new variable with a carried / broadcast axis.
+        """
+        by_path = dict(zip(c.graphdef.paths, c.variables))
+        new_paths = [p for p in c.graphdef.paths if p not in set(d.paths)]
+        if self.state_axes is None or any(p not in by_path for p in d.paths) or not new_paths:
+            raise ValueError(
+                f"nn.scan: the structure of {type(n).__name__} changed in a step "
+                f"(variables or attributes removed or replaced); a scanned module with "
+                f"per-variable axes keeps its structure in the loop"
+            )
+        new_axes = self.state_axes.axes_for(c.graphdef, c.variables)
+        axis_of = dict(zip(c.graphdef.paths, new_axes))
+        for p in new_paths:
+            if not isinstance(axis_of[p], int) or isinstance(axis_of[p], bool):
+                raise ValueError(
+                    f"nn.scan: a step added the variable {path_text(p)!r} to "
+                    f"{type(n).__name__} with axis {axis_of[p]!r}; a variable made in a "
+                    f"step is stacked over the steps, so its StateAxes entry must be an int"
+                )
+        self.grown = (c.graphdef, new_paths, [axis_of[p] for p in new_paths])
+        kept = [by_path[p].raw_value for p in d.paths]
+        return kept, [by_path[p].raw_value for p in new_paths]
 
     def write_back(self, carry: list, ys: list) -> None:
-        """Give the argument's variables their values after the scan."""
+        """Give the argument's variables their values after the scan (and the module
+        the variables its steps added, stacked)."""
         for i, x in zip(self.carried, carry):
             self.variables[i].value = x
         for i, y in zip(self.scanned, ys):
             self.variables[i].value = _move_axis(y, self.axes[i], 0, back=True)
+        if self.grown is not None:
+            gd, new_paths, new_axes = self.grown
+            old = dict(zip(cast(GraphDef, self.defs[0]).paths, (v.raw_value for v in self.variables)))
+            added = ys[len(self.scanned):]
+            for p, y, a in zip(new_paths, added, new_axes):
+                old[p] = _move_axis(y, a, 0, back=True)
+            sync(self.nodes[0], gd.build_from_values([old[p] for p in gd.paths]))
 
 
 def _needs_split(arg: Any, ax: Any) -> bool:
@@ -617,6 +747,7 @@ def _scan_axes(f, args, in_axes, out_axes, run):
         )
     in_ax = _axes_tuple(in_axes, len(args), "in_axes")
     _check_scan_axes(in_ax, out_axes)
+    f, args, in_ax = _expand_prefix_args(f, args, in_ax)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
     ci = in_ax.index(Carry) if Carry in in_ax else None
     splits = {i: _ScanSplit(a, ax) for i, (a, ax) in enumerate(zip(args, in_ax)) if _needs_split(a, ax)}
@@ -760,16 +891,19 @@ def scan(
     run = functools.partial(_scan_run, length=length, reverse=reverse, unroll=unroll)
     _check_scan_axes(in_axes if isinstance(in_axes, tuple) else (in_axes,), out_axes)
     if in_axes == (Carry, 0) and out_axes == (Carry, 0):
+        cached = TraceCache(lambda init, xs=None: run(f, init, xs))
 
         @functools.wraps(f)
         def wrapper(init, xs=None):
-            return run(f, init, xs)
+            return cached(init, xs)
 
         return wrapper
 
+    cached_axes = TraceCache(lambda *args: _scan_axes(f, args, in_axes, out_axes, run))
+
     @functools.wraps(f)
     def axes_wrapper(*args):
-        return _scan_axes(f, args, in_axes, out_axes, run)
+        return cached_axes(*args)
 
     return axes_wrapper
 
