@@ -129,10 +129,11 @@ PEERS: dict[str, dict[str, Any]] = {
     "flax": {  # tests are not in the wheel: --peer-tests <clone>/tests/nnx
         "package": "flax",
         "cairn": None,  # `flax` itself has no counterpart; flax.nnx is cairn.nn
-        "modules": {"flax.nnx": "cairn.nn"},
+        "modules": {"flax.nnx": "cairn.nn", "flax.nnx.compat": "cairn.nn.compat"},
         # Flax's internal modules have no underscore (flax.nnx.graph, .rnglib, ...): the
-        # public API is what `flax` and `flax.nnx` export; every other module is private
-        "public": ["flax", "flax.nnx"],
+        # public API is what `flax` and `flax.nnx` export, and `flax.nnx.compat` (the
+        # graph-mode defaults, documented as public API); every other module is private
+        "public": ["flax", "flax.nnx", "flax.nnx.compat"],
         "support": (),
         "files": (),
     },
