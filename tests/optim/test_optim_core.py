@@ -444,6 +444,30 @@ def test_mismatched_params_tree_names_paths():
         tx.update(_grads(), state, p)
 
 
+class _Box:
+    """A pytree node holding one dict (another container for the same leaf paths)."""
+
+    def __init__(self, d):
+        self.d = d
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Box, lambda b: ([(jax.tree_util.DictKey(k), v) for k, v in b.d.items()], tuple(b.d)),
+    lambda keys, vals: _Box(dict(zip(keys, vals))),
+)
+
+
+def test_a_structure_mismatch_of_containers_alone_names_where_and_which_types():
+    a = {"w": jnp.ones(3), "b": {"c": jnp.ones(2)}}
+    boxed = {"w": jnp.ones(3), "b": _Box({"c": jnp.ones(2)})}
+    with pytest.raises(ValueError, match=r"tree.vdot: .*same leaf paths, but the containers differ "
+                                         r"at \['b'\]: dict in the first, _Box in argument 1"):
+        optim.tree.vdot(a, boxed)
+    with pytest.raises(ValueError, match=r"containers differ at the root: dict in params, _Box in updates"):
+        optim.apply_updates(a, _Box(dict(a)))
+    assert float(optim.tree.vdot(a, a)) == pytest.approx(5.0)
+
+
 def test_apply_updates_mismatch_names_paths():
     u = _grads()
     del u["layers"]

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cairn.core_array import tree_paths
 from cairn.optim import _packing as pk
 from cairn.optim._packing import Packed
 from cairn.optim._placement import constrain_like_params, params_record, place_scalars
+from cairn.optim._tree import structure_difference
 from cairn.optim._types import ScalarOrSchedule
 
 __all__ = [
@@ -351,9 +351,8 @@ def per_leaf(name: str, f: Callable, *, needs_params: bool) -> GradientTransform
 def _check_same_structure(a, b, what_a: str, what_b: str):
     ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
     if ta != tb:  # type: ignore[operator]
-        pa, pb = set(tree_paths(a)), set(tree_paths(b))
-        raise ValueError(f"{what_b} tree does not match {what_a}: paths only in {what_a} "
-                         f"{sorted(pa - pb)[:5]}, paths only in {what_b} {sorted(pb - pa)[:5]}")
+        raise ValueError(f"{what_b} tree does not match {what_a}: "
+                         + structure_difference(a, b, what_a, what_b))
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

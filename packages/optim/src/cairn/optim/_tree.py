@@ -22,12 +22,55 @@ def _check(trees, name):
     td = jax.tree_util.tree_structure(trees[0])
     for i, t in enumerate(trees[1:], 1):
         if jax.tree_util.tree_structure(t) != td:  # type: ignore[operator]
-            from cairn.core_array import tree_paths
+            raise ValueError(f"tree.{name}: argument {i} has a different structure: "
+                             + structure_difference(trees[0], t, "the first", f"argument {i}"))
 
-            a, b = set(tree_paths(trees[0])), set(tree_paths(t))
-            raise ValueError(f"tree.{name}: argument {i} has a different structure: paths only "
-                             f"in the first {sorted(a - b)[:5]}, only in argument {i} "
-                             f"{sorted(b - a)[:5]}")
+
+def _children(x: Any) -> list[tuple[str, Any]]:
+    """``(key, child)`` of one level of pytree node ``x`` (empty for a leaf)."""
+    kids, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if len(kids) == 1 and kids[0][0] == () and kids[0][1] is x:
+        return []
+    return [(jax.tree_util.keystr(kp), y) for kp, y in kids]
+
+
+def _first_container_change(a: Any, b: Any, path: str) -> tuple[str, str, str] | None:
+    """Where two trees with the same leaf paths first differ in a node's type or data."""
+    ka, kb = _children(a), _children(b)
+    if (ka or kb) and (type(a) is not type(b)
+                       or jax.tree_util.tree_structure(a, is_leaf=lambda y: y is not a)
+                       != jax.tree_util.tree_structure(b, is_leaf=lambda y: y is not b)):
+        return path or "the root", type(a).__name__, type(b).__name__
+    for (k, x), (_, y) in zip(ka, kb):
+        found = _first_container_change(x, y, path + k)
+        if found is not None:
+            return found
+    return None
+
+
+def structure_difference(a: Any, b: Any, what_a: str, what_b: str) -> str:
+    """What differs between the structures of pytrees ``a`` and ``b``: the leaf paths
+    found in one only, or, when the paths agree, the first container whose type (or node
+    data) differs, e.g. a ``dict`` against a ``State`` holding the same keys.
+
+    Args:
+      a: a pytree.
+      b: another pytree.
+      what_a: how the message names ``a`` ("the first", "params").
+      what_b: how the message names ``b``.
+    """
+    from cairn.core_array import tree_paths
+
+    pa, pb = set(tree_paths(a)), set(tree_paths(b))
+    if pa != pb:
+        return (f"paths only in {what_a} {sorted(pa - pb)[:5]}, paths only in {what_b} "
+                f"{sorted(pb - pa)[:5]}")
+    found = _first_container_change(a, b, "")
+    if found is None:
+        return "the same leaf paths, held in differently defined pytree nodes"
+    where, ta, tb = found
+    return (f"the same leaf paths, but the containers differ at {where}: {ta} in {what_a}, "
+            f"{tb} in {what_b} (convert one, e.g. a State to a pure dict, so both match)")
 
 
 def add(tree: Any, *others: Any) -> Any:
