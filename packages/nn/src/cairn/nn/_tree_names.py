@@ -170,7 +170,7 @@ def to_tree(tree: Any, /, *, prefix: Any = None, split_fn: Any = None, **_: Any)
         ns = NodeStates(parts[0], tuple(parts[1:]))
         seen[id(x)] = (x, pre, ns)
         out.append(ns)
-    return treedef.unflatten(out)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _broadcast_prefix(prefix: Any, tree: Any) -> list:
