@@ -60,6 +60,8 @@ class GraphDef(Generic[_N]):
         at its first path).
       refs: whether ``node`` holds shared references (``REF`` entries: a module or
         variable found at more than one place, or a cycle).
+      has_data: whether some slots of the flat list are plain data attributes (a
+        module's arrays assigned without a Variable) rather than Variables.
     """
 
     __slots__ = (

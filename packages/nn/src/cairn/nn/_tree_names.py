@@ -106,7 +106,14 @@ def find_duplicates(node: Any, /, *, only: Any = ...) -> list[list[tuple]]:
 
 class NodeStates:
     """A module (or Variable) of a :func:`to_tree` result: its GraphDef and State
-    (a pytree whose leaves are the state's values)."""
+    (a pytree whose leaves are the state's values).
+
+    Args:
+      graphdef: the node's GraphDef (pytree aux data: static).
+      states: the node's State(s), one per filter of the split (the pytree children).
+      metadata: anything to carry with the node as static aux data (Flax NNX's
+        ``NodeStates.metadata``); :func:`to_tree` leaves it None.
+    """
 
     __slots__ = ("graphdef", "states", "metadata")
 
