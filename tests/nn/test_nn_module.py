@@ -118,6 +118,7 @@ def test_plain_array_attribute_is_data_and_containers_of_arrays_are_refused():
     assert isinstance(st["extra"], np.ndarray) and "extra" not in nn.state(m, nn.Param)
     with pytest.raises(ValueError, match="Found data on value of type 'tuple'.*nn.List"):
         m.extra2 = (jnp.zeros(3), 1)
+    assert not hasattr(m, "extra2")  # the refused assignment left nothing behind
 
 
 def test_shared_reference_kept_in_graph_mode_refused_in_tree_mode():

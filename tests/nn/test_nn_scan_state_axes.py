@@ -118,9 +118,10 @@ def test_scan_state_axes_errors():
         del mod.extra_param
         return h, h
 
-    m.extra_param = nn.Param(jnp.zeros(2))
+    m.extra_param = p = nn.Param(jnp.zeros(2))
     with pytest.raises(ValueError, match="structure of Stack changed in a step"):
         removes(m, jnp.float32(0.0))
+    assert m.extra_param is p  # the failed scan left the caller's module as it was
 
 
 def test_vmap_init_with_state_axes_stacks_only_the_mapped_variables():

@@ -249,31 +249,8 @@ class CheckpointManagerOptions:
         sub = self.todelete_subdir
         if sub is not None and (not sub or os.path.isabs(sub) or ".." in sub.replace("\\", "/").split("/")):
             raise ValueError(f"todelete_subdir {sub!r} must be a relative path inside the directory (no '..')")
-        fmt = self.step_name_format
-        if fmt is not None:
-            flag = getattr(fmt, "single_host_load_and_broadcast", None) if isinstance(fmt, StandardNameFormat) else None
-            if self.single_host_load_and_broadcast and flag is None:
-                raise ValueError("single_host_load_and_broadcast needs a standard_name_format step_name_format")
-            if flag is not None and flag != self.single_host_load_and_broadcast:
-                raise ValueError(
-                    f"single_host_load_and_broadcast={self.single_host_load_and_broadcast} disagrees with the "
-                    f"step_name_format's ({flag})")
-            if isinstance(fmt, StandardNameFormat):
-                object.__setattr__(self, "step_prefix", fmt.step_prefix)
-                object.__setattr__(self, "step_format_fixed_length", fmt.step_format_fixed_length)
-        if self.step_format_fixed_length is not None and self.step_format_fixed_length < 1:
-            raise ValueError(f"step_format_fixed_length must be >= 1 or None, got {self.step_format_fixed_length}")
-        object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
-        if self.preemption_sync_interval_steps < 1:
-            raise ValueError(
-                f"preemption_sync_interval_steps must be >= 1, got {self.preemption_sync_interval_steps}"
-            )
-        if self.preemption_check is not None and not callable(self.preemption_check):
-            raise TypeError(f"preemption_check must be callable, got {type(self.preemption_check).__name__}")
-        valid = set(signal.Signals)
-        bad = [s for s in self.preemption_signals if s not in valid]
-        if bad:
-            raise ValueError(f"preemption_signals holds {bad}, which are not signals of this platform")
+        self._check_step_name()
+        self._check_preemption()
         if self.enable_async_checkpointing is not None:
             object.__setattr__(self, "enable_async", bool(self.enable_async_checkpointing))
         object.__setattr__(self, "enable_async_checkpointing", self.enable_async)
@@ -304,6 +281,37 @@ class CheckpointManagerOptions:
                 raise ValueError("local_directory needs local_save_interval_steps >= 1")
             if self.local_max_to_keep < 1:
                 raise ValueError(f"local_max_to_keep must be >= 1, got {self.local_max_to_keep}")
+
+    def _check_step_name(self) -> None:
+        """Check the step-name options; a standard ``step_name_format`` sets the prefix and width."""
+        fmt = self.step_name_format
+        if fmt is not None:
+            flag = getattr(fmt, "single_host_load_and_broadcast", None) if isinstance(fmt, StandardNameFormat) else None
+            if self.single_host_load_and_broadcast and flag is None:
+                raise ValueError("single_host_load_and_broadcast needs a standard_name_format step_name_format")
+            if flag is not None and flag != self.single_host_load_and_broadcast:
+                raise ValueError(
+                    f"single_host_load_and_broadcast={self.single_host_load_and_broadcast} disagrees with the "
+                    f"step_name_format's ({flag})")
+            if isinstance(fmt, StandardNameFormat):
+                object.__setattr__(self, "step_prefix", fmt.step_prefix)
+                object.__setattr__(self, "step_format_fixed_length", fmt.step_format_fixed_length)
+        if self.step_format_fixed_length is not None and self.step_format_fixed_length < 1:
+            raise ValueError(f"step_format_fixed_length must be >= 1 or None, got {self.step_format_fixed_length}")
+
+    def _check_preemption(self) -> None:
+        """Check the preemption options (``preemption_signals`` becomes a tuple)."""
+        object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
+        if self.preemption_sync_interval_steps < 1:
+            raise ValueError(
+                f"preemption_sync_interval_steps must be >= 1, got {self.preemption_sync_interval_steps}"
+            )
+        if self.preemption_check is not None and not callable(self.preemption_check):
+            raise TypeError(f"preemption_check must be callable, got {type(self.preemption_check).__name__}")
+        valid = set(signal.Signals)
+        bad = [s for s in self.preemption_signals if s not in valid]
+        if bad:
+            raise ValueError(f"preemption_signals holds {bad}, which are not signals of this platform")
 
 
 @dataclass(frozen=True)

@@ -533,7 +533,7 @@ def _core_items(items: Mapping[str, Any]) -> dict[str, Any]:
 _METADATA_FILE = "_MANAGER_METADATA.json"
 
 
-def _json_metadata(directory: str, metadata: Mapping[str, Any], options: CheckpointManagerOptions) -> dict:
+def _json_metadata(directory: str | os.PathLike[str], metadata: Mapping[str, Any], options: CheckpointManagerOptions) -> dict:
     """Store ``metadata`` with the manager's directory (once; a later manager reads it)."""
     value = _json_item.jsonable(dict(metadata), "CheckpointManager(metadata=...)")
     existing = _read_metadata(directory)
@@ -544,7 +544,7 @@ def _json_metadata(directory: str, metadata: Mapping[str, Any], options: Checkpo
     return value
 
 
-def _read_metadata(directory: str) -> dict | None:
+def _read_metadata(directory: str | os.PathLike[str]) -> dict | None:
     """The manager's metadata: ``_MANAGER_METADATA.json``, else a JSON checkpoint in the
     ``metadata`` folder (where Orbax's older managers kept it), else ``None``."""
     f = os.path.join(directory, _METADATA_FILE)

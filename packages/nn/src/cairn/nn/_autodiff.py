@@ -177,12 +177,7 @@ def value_and_grad(
         plan.write_back(plan.fill(new_dyn), box.value)
         if plan.links and as_module:  # each place of a shared Variable gets its gradient
             g = _spread_grads(plan, diff_sel, g)
-        grads, k = [], 0
-        for n in nums:
-            lo, hi = ranges[n]
-            items, gs = diff_sel[k : k + hi - lo], g[k : k + hi - lo]
-            k += hi - lo
-            grads.append(_package_grads(args[n], plan, items, gs, as_module))
+        grads = _grads_per_arg(args, nums, ranges, plan, diff_sel, g, as_module)
         gout = grads[0] if single else tuple(grads)
         return ((loss, aux) if has_aux else loss), gout
 
@@ -327,6 +322,19 @@ def _spread_grads(plan: Plan, diff_sel, g) -> list:
                 for j, x in zip(sel, gv)
             ])
     return out
+
+
+def _grads_per_arg(args: tuple, nums: list[int], ranges: list[tuple[int, int]], plan: Plan,
+                   diff_sel: list, g: list, as_module: bool) -> list:
+    """Each differentiated argument's gradient, in ``nums`` order: ``diff_sel`` and ``g``
+    hold the arguments' selections one after another, ``hi - lo`` entries per argument."""
+    grads, k = [], 0
+    for n in nums:
+        lo, hi = ranges[n]
+        items, gs = diff_sel[k : k + hi - lo], g[k : k + hi - lo]
+        k += hi - lo
+        grads.append(_package_grads(args[n], plan, items, gs, as_module))
+    return grads
 
 
 def _package_grads(arg, plan: Plan, items, gs, as_module: bool = False):

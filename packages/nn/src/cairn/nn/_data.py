@@ -135,7 +135,7 @@ class DataSlot(Variable):
             return
         store[_KEY.__get__(self, DataSlot)] = value
 
-    raw_value = property(_get, _set)  # type: ignore[assignment]
+    raw_value = property(_get, _set)
 
 
 _STORE = DataSlot.__dict__["_store"]

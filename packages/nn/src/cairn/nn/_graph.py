@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +44,11 @@ from cairn.nn._state import GraphState, State
 from cairn.nn._tree_root import LeafDef, PytreeNode, VariableDef, is_pytree_root, unwrap, wrap
 from cairn.nn._variables import EPOCH, Variable, rebuild_variable
 
+# the node type a GraphDef describes (``GraphDef[Model]``); for type checkers only
+_N = TypeVar("_N")
 
-class GraphDef:
+
+class GraphDef(Generic[_N]):
     """The static structure of a module tree: everything except the variables' values.
 
     Hashable and comparable, so it can key compilation caches. ``paths`` lists the path
@@ -57,13 +60,16 @@ class GraphDef:
         at its first path).
       refs: whether ``node`` holds shared references (``REF`` entries: a module or
         variable found at more than one place, or a cycle).
+      has_data: whether some slots of the flat list are plain data attributes (a
+        module's arrays assigned without a Variable) rather than Variables.
     """
 
     __slots__ = (
         "node", "paths", "refs", "_hash", "_index", "_pstrs", "_uses", "_codegen", "_specs", "has_data"
     )
 
-    # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]``
+    # ``nn.GraphDef[Model]`` in annotations, as Flax's generic ``GraphDef[A]`` (Generic
+    # tells type checkers; at run time a subscript stays a plain types.GenericAlias)
     __class_getitem__: Any = classmethod(types.GenericAlias)
 
     def __init__(self, node: tuple, paths: tuple, refs: bool = False, has_data: bool = False) -> None:
@@ -891,7 +897,7 @@ def pop(node: Node, *filters: Any) -> State | tuple[State, ...]:
         for k in p[:-1]:
             owner = _get_child(owner, k)
         src = owner.__dict__.get("_cairn_src") if isinstance(owner, PytreeNode) else None
-        if type(src) in (list, dict):
+        if src is not None and type(src) in (list, dict):  # exact types (mypy: not None)
             del src[p[-1]]
         elif isinstance(owner, Node) and not isinstance(owner, PytreeNode):
             owner._graph_del(p[-1])

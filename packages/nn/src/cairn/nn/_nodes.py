@@ -349,7 +349,7 @@ class _TreeEncoder:
     def tree_entry(self, v: tuple, p: tuple) -> tuple:
         """The ``(treedef, leafdefs)`` payload of a tuple item holding nodes."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(v, is_leaf=is_node)
-        leafdefs = []
+        leafdefs: list[tuple[int, Any]] = []  # (REF, index) / (VAR, template) / (MOD, encoding)
         for kp, x in flat:
             sp = (*p, *(key_of(e) for e in kp))
             if not isinstance(x, Variable | Node):
@@ -537,8 +537,10 @@ class _SharedBuilder:
         cls, entries = encoding
         store = graph_store(cls)
         idx = len(self.nodes)
-        obj = object.__new__(cls) if store in ("attrs", "list", "dict") else _PENDING
-        self.nodes.append(obj)
+        # made before its items (a REF among them may point back at it), unless its class
+        # builds it from the items (a custom _graph_new): _PENDING until then
+        made: Node | None = object.__new__(cls) if store in ("attrs", "list", "dict") else None
+        self.nodes.append(_PENDING if made is None else made)
         items = []
         for k, tag, payload in entries:
             if tag == STATIC:
@@ -548,11 +550,13 @@ class _SharedBuilder:
                 items.append((k, treedef.unflatten([self.leaf(t, p) for t, p in leafdefs])))
             else:
                 items.append((k, self.leaf(tag, payload)))
-        if obj is _PENDING:
-            obj = self.nodes[idx] = cls._graph_new(items)
-        else:
-            _fill(obj, store, items)  # type: ignore[arg-type]
-        return obj
+        if made is None:
+            built: Node = cls._graph_new(items)
+            self.nodes[idx] = built
+            return built
+        assert store is not None  # made is set only for a store named above
+        _fill(made, store, items)
+        return made
 
 
 def build_shared(

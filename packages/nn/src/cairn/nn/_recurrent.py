@@ -8,7 +8,7 @@ shape ``(*batch, in_features)``. ``RNN`` scans a cell over the time axis with
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,11 @@ def _block(value: Any, k: int, size: int) -> Any:
 
 def _cat(arrays: list) -> jax.Array:
     return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
+
+
+def _bias(layer: Linear) -> Param:
+    """The bias of a gate ``Linear`` made with one (``Linear.bias`` is typed optional)."""
+    return cast(Param, layer.bias)
 
 
 class RNNCellBase(Module):
@@ -208,6 +213,16 @@ class LSTMCell(_GatedCell):
     (2, 5)
     """
 
+    # the gate layers, set by name in __init__
+    ii: Linear
+    if_: Linear
+    ig: Linear
+    io: Linear
+    hi: Linear
+    hf: Linear
+    hg: Linear
+    ho: Linear
+
     def __init__(
         self,
         in_features: int,
@@ -248,7 +263,7 @@ class LSTMCell(_GatedCell):
         return (
             _cat([m.kernel[...] for m in ins]),
             _cat([m.kernel[...] for m in hid]),
-            _cat([m.bias[...] for m in hid]),
+            _cat([_bias(m)[...] for m in hid]),
         )
 
     def __call__(
@@ -352,7 +367,7 @@ class GRUCell(_GatedCell):
         x = self._check_step(h, inputs)
         x, h, w, u, b, bh = self.promote_dtype(
             (x, h, self.dense_i.kernel[...], self.dense_h.kernel[...],
-             self.dense_i.bias[...], self.recurrent_bias[...]),
+             _bias(self.dense_i)[...], self.recurrent_bias[...]),
             dtype=self.dtype,
         )
         xi = x @ w + b
@@ -440,7 +455,7 @@ class SimpleCell(RNNCellBase):
     def __call__(self, carry: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = self._check_step(carry, inputs)
         x, h, w, u, b = self.promote_dtype(
-            (x, carry, self.dense_i.kernel[...], self.dense_h.kernel[...], self.dense_i.bias[...]),
+            (x, carry, self.dense_i.kernel[...], self.dense_h.kernel[...], _bias(self.dense_i)[...]),
             dtype=self.dtype,
         )
         z = x @ w + h @ u + b
@@ -675,4 +690,4 @@ class OptimizedLSTMCell(LSTMCell):
         self.dense_h = self._linear(h, 4 * h, recurrent, bias, recurrent_kernel_metadata, bias_metadata)
 
     def _fused(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return self.dense_i.kernel[...], self.dense_h.kernel[...], self.dense_h.bias[...]
+        return self.dense_i.kernel[...], self.dense_h.kernel[...], _bias(self.dense_h)[...]

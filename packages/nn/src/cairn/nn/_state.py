@@ -40,7 +40,9 @@ class State(MutableMapping):
     __slots__ = ("_flat_d", "_hint", "_parent")
 
     def __init__(self, mapping: Mapping | None = None) -> None:
-        self._flat_d: dict[tuple, Variable] | None = {}
+        # path -> a Variable, a plain leaf (a data attribute's value, an array, a
+        # PartitionSpec...) or an empty State (a nested dict's empty entry)
+        self._flat_d: dict[tuple, Any] | None = {}
         self._hint: tuple[Any, list[Variable]] | None = None
         self._parent: tuple[State, Any] | None = None
         if mapping is not None:
@@ -72,7 +74,7 @@ class State(MutableMapping):
         return s
 
     @property
-    def _flat(self) -> dict[tuple, Variable]:
+    def _flat(self) -> dict[tuple, Any]:
         d = self._flat_d
         if d is None:
             assert self._hint is not None  # set whenever _flat_d is None
@@ -334,7 +336,7 @@ def _state_children(s: State):
             g[p[1:]] = v
     keys = []
     children = []
-    tmpl: list[tuple | None] = []
+    tmpl: list[tuple | str | None] = []  # a Variable's template, None (a sub-State), _PLAIN
     for k, g in groups.items():
         keys.append(k)
         if isinstance(g, Variable):

@@ -85,6 +85,7 @@ def _make_pure(impl: Callable, sp: Plan, static: tuple) -> Callable:
         new_dyn, new_descs = sp.collect(rebuilt)
         changed: list = []
         mask: list = []
+        flags: tuple[bool, ...] | bool  # per variable for an unchanged module, else one
         for k, desc, nd, od, nds in zip(sp.kinds, sp.descs, new_dyn, full, new_descs):
             if k == MOD and nds == desc:
                 flags = tuple(a is not b for a, b in zip(nd, od))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -603,7 +603,8 @@ class Carry:
                 c = fresh_flat(x)
                 check_same_structure([desc], [c.graphdef], what)
                 if given is not None:
-                    for v, w in zip(c.variables, self._given_vars[i]):
+                    # a module's entry of _given_vars is its variable list, never None
+                    for v, w in zip(c.variables, cast(list, self._given_vars[i])):
                         if v is not w and type(v) is not DataSlot:  # data is a value: no identity
                             _carry_identity_error(what, tree, i, v, "variable of the module")
                 dyn.append([v.raw_value for v in c.variables])

@@ -106,7 +106,14 @@ def find_duplicates(node: Any, /, *, only: Any = ...) -> list[list[tuple]]:
 
 class NodeStates:
     """A module (or Variable) of a :func:`to_tree` result: its GraphDef and State
-    (a pytree whose leaves are the state's values)."""
+    (a pytree whose leaves are the state's values).
+
+    Args:
+      graphdef: the node's GraphDef (pytree aux data: static).
+      states: the node's State(s), one per filter of the split (the pytree children).
+      metadata: anything to carry with the node as static aux data (Flax NNX's
+        ``NodeStates.metadata``); :func:`to_tree` leaves it None.
+    """
 
     __slots__ = ("graphdef", "states", "metadata")
 
@@ -170,7 +177,7 @@ def to_tree(tree: Any, /, *, prefix: Any = None, split_fn: Any = None, **_: Any)
         ns = NodeStates(parts[0], tuple(parts[1:]))
         seen[id(x)] = (x, pre, ns)
         out.append(ns)
-    return treedef.unflatten(out)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _broadcast_prefix(prefix: Any, tree: Any) -> list:

@@ -657,13 +657,14 @@ def _routed_setitem(self, idx, new):
     self.set_value(new)
 
 
-def _route_value_hooks(cls: type) -> None:
+def _route_value_hooks(cls: type[Variable]) -> None:
     """A subclass overriding ``get_value`` / ``set_value`` (Flax NNX's hooks) has
     ``v[...]`` read / write through them; the base class keeps its direct access."""
+    # assigning the methods on the subclass is the point (mypy forbids it by default)
     if "get_value" in cls.__dict__ and "__getitem__" not in cls.__dict__:
-        cls.__getitem__ = _routed_getitem  # type: ignore[attr-defined]
+        cls.__getitem__ = _routed_getitem  # type: ignore[method-assign]
     if "set_value" in cls.__dict__ and "__setitem__" not in cls.__dict__:
-        cls.__setitem__ = _routed_setitem  # type: ignore[attr-defined]
+        cls.__setitem__ = _routed_setitem  # type: ignore[method-assign]
 
 
 def _register_subclass_hook():

@@ -374,9 +374,10 @@ def _mapped_call(
     _check_mapped_ranks(plan, axes)
     box = Box()
     # a module argument's changes come back along its axes: one int / None covers any
-    # number of variables (also ones f creates, as in a vmapped __init__)
-    back_axes = [ax if k == MOD and (ax is None or isinstance(ax, int)) else la
-                 for k, ax, la in zip(plan.kinds, axes, leaf_axes)]
+    # number of variables (also ones f creates, as in a vmapped __init__); otherwise one
+    # axis per value (a module's: a list of them)
+    back_axes: list[Any] = [ax if k == MOD and (ax is None or isinstance(ax, int)) else la
+                            for k, ax, la in zip(plan.kinds, axes, leaf_axes)]
     per_var = any(k == MOD and isinstance(ax, StateAxes | Module) for k, ax in zip(plan.kinds, axes))
     if _has_module_axes(out_axes) or per_var:
         probe_box = Box()
@@ -573,6 +574,7 @@ def _expand_prefix_args(f: Callable, args: tuple, in_ax: tuple) -> tuple[Callabl
     new_args: list = []
     new_ax: list = []
     rebuild: list = []  # per original argument: (treedef, count) or None
+    treedef: Any  # jaxlib's PyTreeDef, which mypy does not resolve
     for a, ax in zip(args, in_ax):
         if not _is_prefix_tree(ax):
             new_args.append(a)
