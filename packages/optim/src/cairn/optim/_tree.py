@@ -37,9 +37,9 @@ def _children(x: Any) -> list[tuple[str, Any]]:
 def _first_container_change(a: Any, b: Any, path: str) -> tuple[str, str, str] | None:
     """Where two trees with the same leaf paths first differ in a node's type or data."""
     ka, kb = _children(a), _children(b)
-    if (ka or kb) and (type(a) is not type(b)
-                       or jax.tree_util.tree_structure(a, is_leaf=lambda y: y is not a)
-                       != jax.tree_util.tree_structure(b, is_leaf=lambda y: y is not b)):
+    level_a: Any = jax.tree_util.tree_structure(a, is_leaf=lambda y: y is not a)
+    level_b: Any = jax.tree_util.tree_structure(b, is_leaf=lambda y: y is not b)
+    if (ka or kb) and (type(a) is not type(b) or level_a != level_b):
         return path or "the root", type(a).__name__, type(b).__name__
     for (k, x), (_, y) in zip(ka, kb):
         found = _first_container_change(x, y, path + k)
