@@ -25,7 +25,6 @@ _.connection_lost  # serving _http / benchmarks/serving: asyncio.Protocol callba
 _.data_received  # serving _http / benchmarks/serving: asyncio.Protocol callback, called by the event loop
 objtype  # nn descriptor __get__(self, obj, objtype=None): Python's descriptor protocol passes it
 _.num_feature_axes  # nn RNN cells: documented cell API (Flax's RNNCellBase.num_feature_axes), read by users' code
-_.map_prefix  # nn.StateAxes.map_prefix(path, variable): Flax NNX's public StateAxes method, called by users' code
 
 # --- read by reflection ---
 preemption_received_at  # checkpoint logging step_statistics: Orbax's statistics schema, emitted through asdict

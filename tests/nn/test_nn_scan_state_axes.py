@@ -248,3 +248,13 @@ def test_scan_step_may_sow_into_a_module_with_state_axes():
 class Acc2(nn.Module):
     def __init__(self):
         self.w = nn.Param(jnp.ones((3, 2)))
+
+
+def test_state_axes_map_prefix_gives_the_first_matching_filters_axis():
+    axes = nn.StateAxes({nn.BatchStat: None, nn.Param: 0, ...: 1})
+    assert axes.map_prefix(("layer", "kernel"), nn.Param(jnp.ones(2))) == 0
+    assert axes.map_prefix(("bn", "mean"), nn.BatchStat(jnp.ones(2))) is None
+    assert axes.map_prefix(("count",), nn.Variable(jnp.ones(()))) == 1  # the catch-all
+    only = nn.StateAxes({nn.Param: 0})
+    with pytest.raises(ValueError, match=r"StateAxes: 'bn/mean' matches none of the filters"):
+        only.map_prefix(("bn", "mean"), nn.BatchStat(jnp.ones(2)))
