@@ -275,8 +275,7 @@ def _codegen_builder(node):
 
 def fresh_flat(root: Node) -> _Flat:
     """The uncached encoding of ``root``'s tree."""
-    encoding, paths, variables, refs = encode_tree(root)
-    has_data = any(type(v) is DataSlot for v in variables)
+    encoding, paths, variables, refs, has_data = encode_tree(root)
     return _Flat(EPOCH[0], GraphDef(encoding, paths, refs, has_data), variables)
 
 

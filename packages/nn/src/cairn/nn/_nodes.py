@@ -454,11 +454,12 @@ class _ItemsView:
         self.node._graph_set(key, value)
 
 
-def encode_tree(root: Node, strict: bool = False) -> tuple[tuple, tuple, list, bool]:
-    """``(encoding, paths, variables, refs)`` of the tree under ``root``: the nested
-    encoding (a MOD payload is the child's encoding), the path tuple of each variable
-    (its first path when shared) and the variables themselves, once each, in the same
-    order, and whether the encoding holds ``REF`` entries (shared references).
+def encode_tree(root: Node, strict: bool = False) -> tuple[tuple, tuple, list, bool, bool]:
+    """``(encoding, paths, variables, refs, has_data)`` of the tree under ``root``: the
+    nested encoding (a MOD payload is the child's encoding), the path tuple of each
+    variable (its first path when shared) and the variables themselves, once each, in
+    the same order, whether the encoding holds ``REF`` entries (shared references) and
+    whether it holds data slots.
 
     Args:
       root: the root node.
@@ -474,7 +475,7 @@ def encode_tree(root: Node, strict: bool = False) -> tuple[tuple, tuple, list, b
     """
     enc = _TreeEncoder(strict)
     encoding = enc.visit(root, ())
-    return encoding, tuple(enc.paths), enc.variables, enc.refs
+    return encoding, tuple(enc.paths), enc.variables, enc.refs, enc.has_data
 
 
 # --- rebuilding an encoding with shared references ---
