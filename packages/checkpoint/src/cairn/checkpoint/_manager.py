@@ -108,8 +108,9 @@ class CheckpointManagerOptions:
       save_interval_steps: ``should_save(step)`` is true when ``step`` is a multiple of it.
       max_to_keep: keep at most this many steps (``None``: keep all; ``0``: none but those
         ``keep_period`` / ``keep_time_interval`` keep, as in Orbax). Without ``best_fn`` the
-        newest are kept; with it, the best by metric (the newest step too only when it was
-        saved at or after a preemption notice, so a preempted run resumes where it stopped).
+        newest are kept; with it, the best by metric. With ``best_fn`` or ``0``, the newest
+        step is kept too when it was saved at or after a preemption notice, so a preempted
+        run resumes where it stopped.
       keep_period: additionally keep every step that is a multiple of this.
       best_fn: maps a step's ``metrics`` dict to a number (the step's score for ``max_to_keep``).
       best_mode: ``"max"`` (a higher ``best_fn`` is better) or ``"min"``.
