@@ -68,6 +68,7 @@ PAD  # examples/lm/lm_task.py: names token id 0, the padding that eval_batch's z
 # --- tests ---
 _.lock  # tests/data Unpicklable: the lock is there to make the exception unpicklable
 _.blocks_are_accounted_for  # tests/serving PagedCacheMachine: a hypothesis @invariant, run by the state machine
+_.lookup  # tests/serving PagedCacheMachine: a hypothesis @rule, run by the state machine
 _.shared_blocks_hold_the_same_prefix  # tests/serving PagedCacheMachine: a hypothesis @invariant, run by the state machine
 _.teardown  # tests/serving PagedCacheMachine: hypothesis calls RuleBasedStateMachine.teardown after each run
 TestPagedCacheStateMachine  # tests/serving: the state machine's unittest TestCase, collected by pytest

@@ -72,6 +72,19 @@ class PagedCacheMachine(RuleBasedStateMachine):
         for j in range(cached):  # every reused slot holds exactly this prompt's prefix up to there
             assert self.content[table[j // BS]][j % BS] == tuple(prompt[: j + 1])
 
+    @rule(prefix=st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 1, 2, 3, 4]]),
+          suffix=st.sampled_from([[], [0], [1, 2], [0, 1, 2, 3, 0]]))  # few, so a prompt is looked up again
+    def lookup(self, prefix, suffix):
+        """A lookup (remembered by the cache until a block name changes) holds exactly the
+        prompt's prefix, whatever was named, evicted or reset since the last one."""
+        prompt = prefix + suffix
+        hits = self.cache.cached_prefix(prompt)
+        assert self.cache.cached_prefix(list(prompt)) == hits
+        cached = set(self.cache.eviction_order())  # a hit is held or cached, never a free block
+        assert all(self.cache.refcount(b) > 0 or b in cached for b in hits), (hits, cached)
+        for j in range(min(len(hits) * BS, len(prompt) - 1)):
+            assert self.content[hits[j // BS]][j % BS] == tuple(prompt[: j + 1]), (prompt, hits, j)
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def append(self, data, new):
@@ -328,6 +341,26 @@ def test_cached_prefix_looks_up_without_claiming_or_counting():
     assert cache.cached_prefix(list(range(8)) + [77, 99]) == cache.block_table("a")[:2]  # the partial differs
     assert cache.cached_prefix([5, 5, 5, 5, 5]) == []
     assert (cache.stats(), cache.num_free_blocks) == before
+
+
+def test_a_repeated_lookup_sees_evictions_resets_and_new_names():
+    """The cache remembers its last lookup; a block named, evicted or reset in between is seen."""
+    cache = PagedCache(num_blocks=4, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    assert cache.cached_prefix(prompt) == []
+    cache.add_sequence("a", prompt)
+    hits = cache.cached_prefix(prompt)
+    assert hits == cache.block_table("a")[:2] and cache.cached_prefix(prompt) == hits  # named since
+    cache.free("a")
+    assert cache.cached_prefix(prompt) == hits
+    cache.add_sequence("b", [7, 7, 7, 7, 7, 7, 7])  # 4 blocks: evicts all of "a"'s
+    assert cache.cached_prefix(prompt) == []
+    cache.free("b")
+    cache.add_sequence("c", prompt)
+    cache.free("c")
+    assert len(cache.cached_prefix(prompt)) == 2
+    cache.reset_prefix_cache()
+    assert cache.cached_prefix(prompt) == [] and cache.blocks_needed(prompt) == 3
 
 
 def test_free_with_written_forgets_blocks_never_computed():

@@ -98,9 +98,14 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     Returns:
       16 bytes.
     """
+    return _chain(parent, np.asarray(token_ids, dtype=np.int64).tobytes())
+
+
+def _chain(parent: bytes | None, raw: bytes) -> bytes:
+    """:func:`block_hash` of token ids already as (native) int64 bytes."""
     h = hashlib.blake2b(digest_size=16)
     h.update(_ROOT if parent is None else parent)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(raw)
     return h.digest()
 
 
@@ -160,6 +165,10 @@ class PagedCache:
         # partial blocks named by their leading tokens: block -> (name, how many tokens it names)
         self._partial_of: dict[int, tuple[bytes, int]] = {}
         self._by_partial: dict[bytes, int] = {}
+        # the last prefix lookup (the engine asks up to three times per admission):
+        # (names version, token ids, hits); valid while no name is added or dropped
+        self._names_version = 0
+        self._last_hits: tuple[int, tuple[int, ...], list[int]] | None = None
         self._copies: list[tuple[int, int]] = []  # (source, destination) blocks the engine has yet to copy
         self._seqs: dict[Hashable, _Seq] = {}
         self._freed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
@@ -290,16 +299,28 @@ class PagedCache:
         blocks, then (when all of those hit) the partial block of the rest, if named."""
         if not self.enable_prefix_caching:
             return []
+        key = tuple(token_ids)
+        last = self._last_hits
+        if last is not None and last[0] == self._names_version and last[1] == key:
+            return list(last[2])
+        found = self._walk_prefix(token_ids)
+        self._last_hits = (self._names_version, key, found)
+        return list(found)
+
+    def _walk_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """:meth:`_prefix_hits` without the memo: the chain of block names, looked up in turn."""
         found: list[int] = []
         parent, n, bs = None, len(token_ids) - 1, self.block_size
+        raw = np.asarray(token_ids[:n], dtype=np.int64).tobytes()  # converted once, hashed block by block
+        width = bs * 8
         for i in range(n // bs):
-            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = _chain(parent, raw[i * width : (i + 1) * width])
             block = self._by_hash.get(parent)
             if block is None:
                 return found
             found.append(block)
         if n % bs:
-            block = self._by_partial.get(block_hash(parent, token_ids[n - n % bs : n]))
+            block = self._by_partial.get(_chain(parent, raw[(n - n % bs) * 8 :]))
             if block is not None:
                 found.append(block)
         return found
@@ -516,6 +537,7 @@ class PagedCache:
 
     def _unname(self, block: int) -> None:
         """Forget ``block``'s names (full and partial)."""
+        self._names_version += 1
         name = self._hash_of.pop(block, None)
         if name is not None and self._by_hash.get(name) == block:
             del self._by_hash[name]
@@ -560,6 +582,7 @@ class PagedCache:
                 seq.parent_hash, seq.tail = name, []
                 if self.enable_prefix_caching and name not in self._by_hash:
                     self._by_hash[name] = seq.blocks[-1]
+                    self._names_version += 1
                     self._hash_of[seq.blocks[-1]] = name
 
     def _name_partial(self, seq: _Seq) -> None:
@@ -568,11 +591,14 @@ class PagedCache:
         block = seq.blocks[-1]
         if name not in self._by_partial and block not in self._partial_of:
             self._by_partial[name] = block
+            self._names_version += 1
             self._partial_of[block] = (name, len(seq.tail))
 
 
 def _token_list(token_ids: Iterable[int]) -> list[int]:
     """Token ids as Python ints; raises ``TypeError`` naming the first that is not an integer."""
+    if isinstance(token_ids, (list, tuple)) and all(type(tok) is int for tok in token_ids):
+        return list(token_ids)  # the common case, checked in one pass (bool is not int here)
     out = []
     for i, tok in enumerate(token_ids):
         if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
