@@ -290,6 +290,20 @@ def test_default_dispatch_on_cpu_is_xla_and_autotune_caches_a_winner():
     assert (calls[0].source, calls[0].config) == ("autotune", dict(entry.config))
 
 
+@pytest.mark.cpu_dispatch
+def test_cpu_default_takes_shorter_key_chunks_for_a_short_query_chunk():
+    """A decode step (one query per row) reads chunks of 256 keys; a prefill chunk of 2..64
+    queries after a cached prefix chunks of 128 (its last chunk's padding is what it pays)."""
+    from cairn.kernels._paged_attention import xla
+
+    def chunk(t):
+        q = jax.ShapeDtypeStruct((1, t, 4, 8), jnp.float32)
+        pages = jax.ShapeDtypeStruct((64, 4, 2, 8), jnp.float32)
+        return xla.default_config(q, pages, pages, jax.ShapeDtypeStruct((1, 128), jnp.int32), None)["pages_per_chunk"]
+
+    assert [chunk(t) for t in (1, 2, 32, 64, 65, 512)] == [64, 32, 32, 32, 64, 64]
+
+
 # --- bad input ---
 
 
