@@ -233,6 +233,29 @@ def test_chunked_prefill_runs_between_decode_steps(model):
         assert during >= 10, during
 
 
+def test_a_suffix_after_a_cached_prefix_is_padded_to_its_own_bucket():
+    """Chunks run at 16, 32, 48, 64 tokens (not powers of two only): after the 20-token
+    prefix is cached, a 34-token suffix runs as one 48-token chunk, with the same tokens."""
+    seen = []
+    model = _generator()
+    step = model.paged_step
+
+    def recording(tokens, *rest):
+        seen.append(np.shape(tokens))
+        return step(tokens, *rest)
+
+    model.paged_step = recording
+    prefix, suffix = _prompt(20, 21), _prompt(34, 22)
+    with GenerationEngine(model, _paged(prefill_batch=1, prefill_chunk=64)) as eng:
+        assert eng.buckets() == (16, 32, 48, 64)
+        eng.generate(prefix + [9], SamplingParams(1))
+        seen.clear()
+        hit = eng.generate(prefix + suffix, SamplingParams(4))
+        assert seen[0] == (1, 48) and eng.stats()["prefix_cache_hit_tokens"] == 20
+    with GenerationEngine(_generator(), _paged(enable_prefix_caching=False)) as cold:
+        assert cold.generate(prefix + suffix, SamplingParams(4)).token_ids == hit.token_ids
+
+
 def test_logprobs_equal_a_float64_log_softmax_of_the_full_forward_pass(model):
     params = g.init_params(SEED, SCALE)
     prompt = SYSTEM + [7, 8]
