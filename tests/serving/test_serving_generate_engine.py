@@ -671,3 +671,97 @@ def test_a_malformed_generation_manifest_is_named(tmp_path, edit, match):
         f.write(dumps_checksummed_json(doc))
     with pytest.raises(ModelFormatError, match=match):
         load(path)
+
+
+# --- events reach an event loop once per step ---
+
+
+def test_an_event_batch_runs_each_deferred_wake_up_once_at_its_end(caplog):
+    from cairn.serving._generate import after_event_batch, event_batch
+
+    calls = []
+    wake_a, wake_b = (lambda: calls.append("a")), (lambda: calls.append("b"))
+    after_event_batch(wake_a)
+    assert calls == ["a"]  # outside a batch: at once
+    with event_batch():
+        for _ in range(3):
+            after_event_batch(wake_a)
+            after_event_batch(wake_b)
+        with event_batch():  # nested: still the outer batch
+            after_event_batch(wake_a)
+        assert calls == ["a"]
+    assert calls == ["a", "a", "b"]
+
+    def broken():
+        raise RuntimeError("listener gone")
+
+    with event_batch():
+        after_event_batch(broken)
+        after_event_batch(wake_b)
+    assert calls[-1] == "b" and "listener gone" in caplog.text  # logged, the rest still run
+
+
+def test_the_pump_delivers_a_batch_of_events_after_the_batch_in_one_wake_up():
+    import asyncio
+
+    from cairn.serving._generate import event_batch
+    from cairn.serving._genhttp import _EventPump
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        pump, wakes, got = _EventPump(loop), [], []
+        original = pump._wake
+        pump._wake = lambda: (wakes.append(1), original())
+        with event_batch():
+            for i in range(5):
+                pump.put(got.append, i)
+                time.sleep(0.02)  # the loop is idle: a wake-up now would deliver at once
+            assert got == [] and wakes == []
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(10)
+        assert got == [0, 1, 2, 3, 4] and wakes == [1]
+        pump.put(got.append, 5)  # outside a batch: woken at once
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(10)
+        assert got[-1] == 5 and len(wakes) == 2
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_a_step_of_streamed_rows_wakes_the_event_loop_once(model):
+    """16 streamed requests decode together: the loop is woken about once per engine batch
+    of events (a prefill's or a decode step's), not once per event; every event arrives in order."""
+    import asyncio
+
+    from cairn.serving._genhttp import _EventPump
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    wakes = []
+    pump = _EventPump(loop)
+    original = pump._wake
+    pump._wake = lambda: (wakes.append(1), original())
+    seen: dict[int, list[int]] = {}
+    try:
+        with GenerationEngine(model, GenerationConfig(num_slots=16, prefill_batch=16)) as eng:
+            reqs = []
+            for i in range(16):
+                box = seen.setdefault(i, [])
+                def on_event(ev, box=box):
+                    pump.put(lambda e: box.append(e.index), ev)
+                    time.sleep(0.001)  # time for the loop to drain, were it woken per event
+
+                reqs.append(eng.submit([3 + i, 4, 5], SamplingParams(12, ignore_eos=True), on_event=on_event))
+            results = [r.result(60) for r in reqs]
+            steps = eng.stats()["steps"] + eng.stats()["prefills"]
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    events = sum(len(r.token_ids) + 1 for r in results)
+    assert all(seen[i] == list(range(12)) + [12] for i in range(16))  # tokens 0..11, then the final event
+    assert len(wakes) <= 3 * steps < events / 2, (len(wakes), steps, events)

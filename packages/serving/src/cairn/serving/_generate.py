@@ -20,6 +20,7 @@ runs until its longest request finishes).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -27,7 +28,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -147,6 +148,40 @@ class GenerationConfig:
     def to_json(self) -> dict:
         """The fields as a JSON object."""
         return dataclasses.asdict(self)
+
+
+_BATCH = threading.local()  # the engine thread's current batch of events: its deferred wake-ups
+
+
+@contextlib.contextmanager
+def event_batch() -> Iterator[None]:
+    """The events emitted inside are one batch (an engine step's rows): ``on_event`` runs
+    for each as it comes, and what :func:`after_event_batch` defers runs once at the end
+    (a listener wakes its event loop once per step, not once per event). Nests."""
+    if getattr(_BATCH, "hooks", None) is not None:
+        yield
+        return
+    hooks: dict[Callable[[], None], None] = {}
+    _BATCH.hooks = hooks
+    try:
+        yield
+    finally:
+        _BATCH.hooks = None
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one listener's failure must not stop the engine
+                log.exception("generation: a deferred event listener raised")
+
+
+def after_event_batch(fn: Callable[[], None]) -> None:
+    """Call ``fn`` at the end of this thread's :func:`event_batch` (once however often it is
+    deferred there), or now outside one."""
+    hooks = getattr(_BATCH, "hooks", None)
+    if hooks is None:
+        fn()
+    else:
+        hooks[fn] = None
 
 
 def prompt_bucket(n: int, max_length: int) -> int:
@@ -728,8 +763,6 @@ class GenerationEngine:
         return groups
 
     def _prefill(self, group: list[tuple[GenerationRequest, int]]) -> None:
-        import jax
-
         pb, s = self.config.prefill_batch, self.config.num_slots
         bucket = group[0][0].bucket  # one bucket per group (_pick)
         tokens = np.zeros((pb, bucket), np.int32)
@@ -739,9 +772,11 @@ class GenerationEngine:
             tokens[i, : len(r.prompt)] = r.prompt
             lengths[i], dst[i] = len(r.prompt), slot
         try:
-            logits, new = self.model.prefill(*jax.device_put((tokens, lengths)))  # a transfer, no eager op
+            # the jitted calls take the fresh host arrays and transfer them themselves (a
+            # jax.device_put first cost ~30 us an array, more while the device computes)
+            logits, new = self.model.prefill(tokens, lengths)
             assert self._scatter is not None
-            self._cache = self._scatter(self._cache, new, jax.device_put(dst))
+            self._cache = self._scatter(self._cache, new, dst)
             self._flush()  # the last decode step's events, while the device prefills
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
@@ -762,10 +797,8 @@ class GenerationEngine:
 
     def _dispatch_decode(self, rows: list[tuple[int, GenerationRequest]]) -> Any:
         """Start one decode step over every slot on the device; its logits ``(num_slots, vocab)``, not waited for."""
-        import jax
-
-        tokens, positions = jax.device_put((self._tokens, self._positions))
-        logits, self._cache = self.model.decode(tokens, positions, self._cache)
+        # copies: a row that finishes while the step runs zeroes its slot in the host arrays
+        logits, self._cache = self.model.decode(self._tokens.copy(), self._positions.copy(), self._cache)
         return logits
 
     def _decoded(self, rows: list[tuple[int, GenerationRequest]]) -> list[tuple[int, GenerationRequest]]:
@@ -832,6 +865,10 @@ class GenerationEngine:
         """Record and stream sampled rows (their text, stop strings and events); retire
         those that finished. A request cancelled or failed in between drops its token;
         with ``ended_only`` (the engine stopping), so does every request still in its slot."""
+        with event_batch():
+            self._record_rows(rows, ended_only)
+
+    def _record_rows(self, rows: list[tuple[int, GenerationRequest, int, Any]], ended_only: bool) -> None:
         vocab = self.model.vocabulary
         for slot, r, tok, lp in rows:
             if r.done or (ended_only and self._slots[slot] is r):

@@ -236,15 +236,13 @@ class PagedGenerationEngine(GenerationEngine, kv_layout="paged"):
     def _dispatch(self, tokens: np.ndarray, positions: np.ndarray, lengths: np.ndarray, seqs: list) -> Any:
         """Start one paged call (after the blocks copied on write); rows of ``seqs`` (a
         request or None) read their block tables. Its logits, not waited for."""
-        import jax
-
         copies = self._paged.take_copies()
         while copies:
             part, copies = copies[: len(self._slots)], copies[len(self._slots) :]
             src = np.full(len(self._slots), self.num_blocks, np.int32)
             dst = src.copy()
             src[: len(part)], dst[: len(part)] = zip(*part)
-            self._cache = self._copy(self._cache, *jax.device_put((src, dst)))
+            self._cache = self._copy(self._cache, src, dst)
         tables = np.zeros((len(seqs), self.max_blocks), np.int32)
         for i, r in enumerate(seqs):
             if r is not None:
