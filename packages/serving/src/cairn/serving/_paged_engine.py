@@ -18,8 +18,8 @@ the bookkeeping. Each engine step:
    length bucket (:func:`chunk_buckets`: 16, 32, 48, 64, 96, 128, ... up to
    ``prefill_chunk``, so a chunk of ``n > 32`` tokens runs at fewer than ``1.5 n``, and a
    suffix after a cached prefix costs what its own length costs), at the fixed shape
-   ``(prefill_batch, bucket)``; a request whose prompt is done samples its first token. A long prompt takes
-   several steps, and the decode steps run between them;
+   ``(prefill_batch, bucket)``; a request whose prompt is done samples its first token. A
+   long prompt takes several steps, and the decode steps run between them;
 4. runs one decode step over all ``num_slots`` rows (rows not decoding write nothing). As
    in the contiguous engine (the shared ``GenerationEngine`` code), the previous step's
    per-row host work (recording tokens, detokenizing, stop strings, events) runs while the
@@ -60,10 +60,9 @@ def chunk_buckets(chunk: int) -> tuple[int, ...]:
 
     16, then each power of two ``b`` from 32 and ``3b/2`` below ``chunk``, then ``chunk``
     itself: a chunk of ``n > 32`` tokens runs at fewer than ``1.5 n`` (powers of two alone:
-    up to ``2 n``). A chunk's
-    cost on the device grows with its padded length (a 33-token user turn after a cached
-    system prompt ran at 64 tokens' cost with powers of two only), and each length is one
-    more program compiled at start-up (ten for a chunk of 512).
+    up to ``2 n``). A chunk's cost on the device grows with its padded length (a 33-token
+    user turn after a cached system prompt ran at 64 tokens' cost with powers of two only),
+    and each length is one more program compiled at start-up (ten for a chunk of 512).
 
     Args:
       chunk: the longest chunk (``prefill_chunk``, at most the model's ``max_length``).
