@@ -267,6 +267,23 @@ def test_the_cut_from_sorted_values_is_the_stable_rankings(data, vocab, n):
             assert fast.tolist() == slow.tolist() and ok_fast.tolist() == ok_slow.tolist()
 
 
+def test_a_batch_of_flat_top_p_rows_skips_the_candidates(monkeypatch):
+    """Serving's usual batch: every row top-p over a flat distribution (a random-weight
+    model's logits). No row can be decided from 32 candidates (their mass is at most
+    32 / total), so the batch goes straight to the whole-row path, in one call without
+    copies, and every row is still the reference's draw and its own alone."""
+    rng = np.random.default_rng(11)
+    logits = (rng.normal(size=(24, 512)) * 0.3).astype(np.float32)
+    logits[5, 7] = logits[5, 9]  # a tie in the nucleus: the lower id first
+    params = [SamplingParams(temperature=0.8, top_p=float(p)) for p in rng.choice([0.5, 0.9, 0.95], 24)]
+    widths = []
+    real = _sampling._filtered_draw
+    monkeypatch.setattr(_sampling, "_filtered_draw", lambda *a: (widths.append((len(a[0]), a[-1])), real(*a))[1])
+    got, skipped = _check_rows(logits, params, list(range(24)), [3] * 24)
+    assert skipped == 0 and widths[0] == (24, 512)
+    assert len(set(got.tolist())) > 12
+
+
 def test_the_fast_cut_takes_ordinary_rows():
     rng = np.random.default_rng(3)
     z = rng.normal(size=(8, 512)) / 0.8

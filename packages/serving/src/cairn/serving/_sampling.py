@@ -434,13 +434,20 @@ def _sample(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> 
         if m < vocab:
             # rows whose m most likely tokens hold less than top_p of the mass (a flat
             # distribution) cannot be drawn exactly from them: straight to the whole row
-            kth = np.partition(z, vocab - m, axis=1)[:, vocab - m : vocab - m + 1]
-            head = np.where(z >= kth, e, 0.0).sum(axis=1) / total  # at least the candidates' mass
-            try_m = (top_k > 0) | (head >= top_p - 1e-9)
-            if try_m.any():
-                idx = np.flatnonzero(try_m)
+            # (the largest e is exp(0) = 1, so without ties the m most likely hold at most
+            # m / total; a row skipped here only takes the whole-row path, which gives
+            # the same token)
+            idx = np.flatnonzero((top_k > 0) | (m / total >= top_p - 1e-9))
+            if len(idx):
+                zi, ei = z[idx], e[idx]
+                kth = np.partition(zi, vocab - m, axis=1)[:, vocab - m : vocab - m + 1]
+                head = np.where(zi >= kth, ei, 0.0).sum(axis=1) / total[idx]  # at least the candidates' mass
+                idx = idx[(top_k[idx] > 0) | (head >= top_p[idx] - 1e-9)]
+            if len(idx):
                 out[rest[idx]], ok[idx] = _filtered_draw(z[idx], e[idx], total[idx], top_k[idx], top_p[idx], u[idx], m)
-        if not ok.all():
+        if not ok.any():  # every row: no copies
+            out[rest], _ = _filtered_draw(z, e, total, top_k, top_p, u, vocab)
+        elif not ok.all():
             redo = ~ok
             out[rest[redo]], _ = _filtered_draw(z[redo], e[redo], total[redo], top_k[redo], top_p[redo], u[redo], vocab)
     return out
@@ -477,6 +484,8 @@ def _kept_rank(p_rank: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, m: int)
     n = len(p_rank)
     cum = np.cumsum(p_rank, axis=1)
     has_k = top_k > 0
+    if not has_k.any():  # top-p alone (the usual request): no top-k mass or rank limit
+        return ((cum - p_rank) < top_p[:, None]) | (top_p >= 1.0)[:, None]
     mass = np.where(has_k & (top_k <= m), cum[np.arange(n), np.clip(top_k, 1, m) - 1], 1.0)  # top-k mass
     keep_rank = np.where(has_k[:, None], np.arange(m)[None, :] < top_k[:, None], True)
     keep_rank &= ((cum - p_rank) < (top_p * mass)[:, None]) | (top_p >= 1.0)[:, None]
@@ -512,8 +521,8 @@ def _kept_sorted(zc: np.ndarray, pc: np.ndarray, total: np.ndarray, top_k: np.nd
     to it, the lower ids: exactly the ranks a stable ranking would keep.
     """
     n = len(zc)
-    z_rank = -np.sort(-zc, axis=1)
-    p_rank = -np.sort(-pc, axis=1)
+    z_rank = np.sort(zc, axis=1)[:, ::-1]  # views of ascending sorts: no negated copies
+    p_rank = np.ascontiguousarray(np.sort(pc, axis=1)[:, ::-1])
     if not np.array_equal(p_rank, np.exp(z_rank - z_rank[:, :1]) / total[:, None]):
         return None, np.ones(n, bool)  # not provably the probabilities in rank order
     keep_rank = _kept_rank(p_rank, top_k, top_p, m)
@@ -521,8 +530,10 @@ def _kept_sorted(zc: np.ndarray, pc: np.ndarray, total: np.ndarray, top_k: np.nd
     if not (keep_rank == (np.arange(m)[None, :] < count[:, None])).all():
         return None, np.ones(n, bool)
     v = z_rank[np.arange(n), count - 1][:, None]  # the smallest kept logit
-    above, tie = zc > v, zc == v
-    keep = above | (tie & (np.cumsum(tie, axis=1) <= (count - above.sum(axis=1))[:, None]))
+    keep = zc >= v
+    if not (keep.sum(axis=1) == count).all():  # ties at the cut that it splits: the lower ids
+        above, tie = zc > v, zc == v
+        keep = above | (tie & (np.cumsum(tie, axis=1) <= (count - above.sum(axis=1))[:, None]))
     ok = np.ones(n, bool)
     if m < vocab:
         ok = ~(keep_rank & (z_rank == z_rank[:, -1:])).any(axis=1) & (top_k <= m)
