@@ -730,6 +730,35 @@ def test_the_pump_delivers_a_batch_of_events_after_the_batch_in_one_wake_up():
         loop.close()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_wake_up_of_a_finished_row_waits_for_the_next_device_call(layout):
+    """A row that ends at a step is recorded (its slot freed, its final event emitted) at
+    once, but its listener's wake-up (a listener's loop, woken, takes the GIL) runs after
+    the next device call is dispatched, while the device computes; the events in order."""
+    from cairn.serving._generate import after_event_batch
+
+    model, log = _generator(), []
+    for name in ("prefill", "decode", "paged_step"):
+        real = getattr(model, name)
+        setattr(model, name, lambda *a, real=real: (log.append(("device",)), real(*a))[1])
+
+    def listener(tag):
+        def on_event(ev):
+            log.append(("emit", tag, ev.finished))
+            after_event_batch(lambda: log.append(("wake", tag, ev.finished)))
+        return on_event
+
+    with GenerationEngine(model, _config(layout)) as eng:
+        short = eng.submit([5, 6, 7], SamplingParams(3, ignore_eos=True), on_event=listener("short"))
+        long = eng.submit([8, 9], SamplingParams(12, ignore_eos=True), on_event=listener("long"))
+        assert len(short.result(60).token_ids) == 3 and len(long.result(60).token_ids) == 12
+    end = log.index(("emit", "short", True))
+    assert ("device",) in log[end : log.index(("wake", "short", True))]  # held past the next step's dispatch
+    for tag, n in (("short", 3), ("long", 12)):
+        assert [e[2] for e in log if e[:2] == ("emit", tag)] == [False] * n + [True]
+        assert [e[2] for e in log if e[:2] == ("wake", tag)] == [False] * n + [True]  # every event's wake-up ran
+
+
 def test_a_step_of_streamed_rows_wakes_the_event_loop_once(model):
     """16 streamed requests decode together: the loop is woken about once per engine batch
     of events (a prefill's or a decode step's), not once per event; every event arrives in order."""

@@ -154,10 +154,14 @@ _BATCH = threading.local()  # the engine thread's current batch of events: its d
 
 
 @contextlib.contextmanager
-def event_batch() -> Iterator[None]:
+def event_batch(hold: list[Callable[[], None]] | None = None) -> Iterator[None]:
     """The events emitted inside are one batch (an engine step's rows): ``on_event`` runs
     for each as it comes, and what :func:`after_event_batch` defers runs once at the end
-    (a listener wakes its event loop once per step, not once per event). Nests."""
+    (a listener wakes its event loop once per step, not once per event). Nests.
+
+    With ``hold`` (a list), the deferred calls are appended to it instead, for the caller
+    to run later (the engine: after its next device call is dispatched, so that waking a
+    listener's thread, which takes the GIL, overlaps the device's work)."""
     if getattr(_BATCH, "hooks", None) is not None:
         yield
         return
@@ -167,6 +171,9 @@ def event_batch() -> Iterator[None]:
         yield
     finally:
         _BATCH.hooks = None
+        if hold is not None:
+            hold.extend(hooks)
+            hooks = {}
         for fn in hooks:
             try:
                 fn()
@@ -476,6 +483,7 @@ class GenerationEngine:
         self._seeds = np.random.default_rng()
         # a decode step's sampled rows whose events run while the device computes the next step
         self._pending: list[tuple[int, GenerationRequest, int, Any]] = []
+        self._held: list[Callable[[], None]] = []  # listeners' wake-ups of rows recorded since the last device call
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
 
@@ -854,18 +862,28 @@ class GenerationEngine:
         if defer:
             self._pending.extend(going)
         self._grow(going)
-        self._flush_rows(ended if defer else ended + going)
+        # recorded now (the slots are free, the results final), but the listeners are woken
+        # by the next _flush, after the next device call is dispatched: a woken event loop
+        # holds the GIL while it delivers, and here the device would wait for it
+        self._flush_rows(ended if defer else ended + going, hold=True)
 
     def _flush(self, ended_only: bool = False) -> None:
-        """Record and stream the pending rows of the last decode step (:meth:`_flush_rows`)."""
+        """Record and stream the pending rows of the last decode step (:meth:`_flush_rows`),
+        and wake the listeners of rows recorded since the last device call."""
         pending, self._pending = self._pending, []
-        self._flush_rows(pending, ended_only)
+        held, self._held = self._held, []
+        with event_batch():
+            for fn in held:
+                after_event_batch(fn)
+            self._record_rows(pending, ended_only)
 
-    def _flush_rows(self, rows: list[tuple[int, GenerationRequest, int, Any]], ended_only: bool = False) -> None:
+    def _flush_rows(self, rows: list[tuple[int, GenerationRequest, int, Any]], ended_only: bool = False,
+                    hold: bool = False) -> None:
         """Record and stream sampled rows (their text, stop strings and events); retire
         those that finished. A request cancelled or failed in between drops its token;
-        with ``ended_only`` (the engine stopping), so does every request still in its slot."""
-        with event_batch():
+        with ``ended_only`` (the engine stopping), so does every request still in its slot.
+        With ``hold``, the listeners' wake-ups wait for the next :meth:`_flush`."""
+        with event_batch(self._held if hold else None):
             self._record_rows(rows, ended_only)
 
     def _record_rows(self, rows: list[tuple[int, GenerationRequest, int, Any]], ended_only: bool) -> None:
