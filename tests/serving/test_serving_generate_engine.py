@@ -759,6 +759,38 @@ def test_the_wake_up_of_a_finished_row_waits_for_the_next_device_call(layout):
         assert [e[2] for e in log if e[:2] == ("wake", tag)] == [False] * n + [True]  # every event's wake-up ran
 
 
+def test_held_wake_ups_run_at_the_end_of_a_step_that_called_no_device():
+    """A step that dispatches nothing (here one decode skipped on purpose) still delivers
+    what it holds: the held wake-ups and pending rows run at its end, not a step later."""
+    from cairn.serving._generate import after_event_batch
+
+    model, log = _generator(), []
+    real_decode = model.decode
+    model.decode = lambda *a: (log.append(("device",)), real_decode(*a))[1]
+    eng = GenerationEngine(model, _config())
+    real_step, state = eng._decode, {"skip": False, "skipped": False}
+
+    def decode_step():
+        if state["skip"] and not state["skipped"]:
+            state["skipped"] = True
+            log.append(("skip",))
+            return
+        real_step()
+        state["skip"] = short.done
+
+    eng._decode = decode_step
+
+    def on_event(ev):
+        after_event_batch(lambda: log.append(("wake", ev.finished)))
+
+    with eng:
+        short = eng.submit([5, 6, 7], SamplingParams(3, ignore_eos=True), on_event=on_event)
+        long = eng.submit([8, 9], SamplingParams(12, ignore_eos=True))
+        short.result(60), long.result(60)
+    skip = log.index(("skip",))
+    assert ("wake", True) in log[skip : log.index(("device",), skip)]
+
+
 def test_a_step_of_streamed_rows_wakes_the_event_loop_once(model):
     """16 streamed requests decode together: the loop is woken about once per engine batch
     of events (a prefill's or a decode step's), not once per event; every event arrives in order."""

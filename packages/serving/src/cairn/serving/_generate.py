@@ -484,6 +484,7 @@ class GenerationEngine:
         # a decode step's sampled rows whose events run while the device computes the next step
         self._pending: list[tuple[int, GenerationRequest, int, Any]] = []
         self._held: list[Callable[[], None]] = []  # listeners' wake-ups of rows recorded since the last device call
+        self._flushes = 0  # _flush calls (one after each device call is dispatched)
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
 
@@ -705,6 +706,7 @@ class GenerationEngine:
                 self._finish(req, reason)
             if idle:
                 continue
+            flushes = self._flushes
             try:
                 for group in groups:
                     self._prefill(group)
@@ -713,8 +715,8 @@ class GenerationEngine:
             except Exception as e:  # noqa: BLE001 - the engine outlives a bad step
                 log.exception("generation engine step failed")
                 self._model_error(e, [r for r in self._slots if r is not None])
-            if not any(self._slots):
-                self._flush()  # no step follows to hide the events behind: deliver them now
+            if not any(self._slots) or flushes == self._flushes:
+                self._flush()  # no step follows (or none ran) to hide the events behind: deliver them now
         self._flush(ended_only=True)  # the ended requests finish; the running ones are cancelled as they stand
         self._shutdown()
 
@@ -870,6 +872,7 @@ class GenerationEngine:
     def _flush(self, ended_only: bool = False) -> None:
         """Record and stream the pending rows of the last decode step (:meth:`_flush_rows`),
         and wake the listeners of rows recorded since the last device call."""
+        self._flushes += 1
         pending, self._pending = self._pending, []
         held, self._held = self._held, []
         with event_batch():
