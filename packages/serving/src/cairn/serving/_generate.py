@@ -875,10 +875,10 @@ class GenerationEngine:
         self._flushes += 1
         pending, self._pending = self._pending, []
         held, self._held = self._held, []
-        with event_batch():
+        with event_batch():  # one batch: the held wake-ups and these rows' run once, at its end
             for fn in held:
                 after_event_batch(fn)
-            self._record_rows(pending, ended_only)
+            self._flush_rows(pending, ended_only)
 
     def _flush_rows(self, rows: list[tuple[int, GenerationRequest, int, Any]], ended_only: bool = False,
                     hold: bool = False) -> None:
