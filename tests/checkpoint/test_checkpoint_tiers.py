@@ -96,6 +96,31 @@ def test_async_local_failure_is_not_raised_by_the_next_call(tmp_path, monkeypatc
     mngr.close()
 
 
+def test_an_async_local_save_that_fails_before_save_returns_still_reports_it_started(
+        tmp_path, monkeypatch, caplog):
+    # The race CI once lost: the background tail failed (and was logged) before save()
+    # read its result. An async save returns whether it started, never the tail's fate.
+    opts = cc.CheckpointManagerOptions(
+        save_interval_steps=4, local_directory=str(tmp_path / "local"), local_save_interval_steps=1,
+        preemption_signals=())
+    mngr = cc.CheckpointManager(tmp_path / "persistent", opts)
+    bg = mngr._bg
+    real_start = bg.start
+
+    def start_and_finish(fn, what):  # the tail's thread wins the race every time
+        real_start(fn, what)
+        bg._thread.join()
+
+    monkeypatch.setattr(bg, "start", start_and_finish)
+    monkeypatch.setattr(_tree, "write", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with caplog.at_level(logging.WARNING, logger="cairn.checkpoint"):
+        assert mngr.save(1, {"w": np.ones(2)}) is True
+        assert any("step 1 was not saved in the local tier" in r.getMessage() for r in caplog.records)
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == []
+    mngr.close()
+
+
 def test_corrupt_array_chunk_in_the_local_tier_names_the_tier_then_falls_back(tmp_path):
     mngr = _manager(tmp_path)
     w = np.random.default_rng(0).standard_normal((256, 256))

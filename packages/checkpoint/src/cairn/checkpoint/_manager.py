@@ -810,8 +810,9 @@ class CheckpointManager(_BackgroundSaver):
         The step goes to the persistent tier when ``step`` is a multiple of
         ``save_interval_steps`` (or ``force``, or once :meth:`reached_preemption`), otherwise
         to the local tier (whose failures are logged, not raised). With
-        ``enable_async`` this returns once device data is on the host; a previous save is
-        waited for first and its error, if any, is raised here.
+        ``enable_async`` this returns once device data is on the host, and ``True`` means
+        the save started (a local-tier write that fails later is logged, not reported
+        here); a previous save is waited for first and its error, if any, is raised here.
 
         Args:
           step: the step number (>= 0).
@@ -897,9 +898,11 @@ class CheckpointManager(_BackgroundSaver):
                 done[0] = False
 
         if o.enable_async:
+            # started: True whatever the tail does later (a failed local write is only
+            # logged); reading ``done`` here would race with the tail's thread
             self._bg.start(tail, f"step {step} in {tier.directory}")
-        else:
-            tail()
+            return True
+        tail()
         return done[0]
 
     def _target_tier(self, step: int, force: bool) -> tuple[_Tier, list[str]]:
