@@ -422,3 +422,64 @@ def test_cudnn_matches_float64_reference_with_grouped_heads(is_causal):
         np.testing.assert_allclose(np.asarray(got, np.float64), w, atol=tol, rtol=tol)
     (call,) = ck.ops_in(lambda q, k, v: ck.dot_product_attention(q, k, v, is_causal=is_causal), q, k, v)
     assert call.implementation == "cudnn"
+
+
+# --- one query row (a decode step): the xla plain path's multiply-reduce products ---
+
+_ONE_QUERY_CASES = {
+    "gqa": ((3, 1, 27, 4, 2), {}, {}),
+    "multi-query": ((2, 1, 19, 4, 1), {}, {}),
+    "groups-of-3+softcap+scale": ((2, 1, 23, 6, 2), {"logits_soft_cap": 1.5, "scale": 0.3},
+                                  {"soft_cap": 1.5, "scale": 0.3}),
+    "causal+window": ((2, 1, 9, 4, 2), {"is_causal": True, "local_window_size": (3, 2)},
+                      {"is_causal": True, "window": (3, 2)}),
+    "lengths, one row sees nothing": ((2, 1, 17, 4, 2),
+                                      {"key_value_seq_lengths": jnp.array([0, 11])}, {"kv_lens": [0, 11]}),
+}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("case", list(_ONE_QUERY_CASES))
+def test_one_query_row_matches_the_float64_reference(case, dtype):
+    shape, kw, ref_kw = _ONE_QUERY_CASES[case]
+    base = AttentionTestBase()
+    base.config = {"chunk_size": None}
+    got = base.check(dtype, shape=shape, ref_kw=ref_kw, **kw)
+    if "key_value_seq_lengths" in kw:
+        assert np.all(np.asarray(got[0])[0] == 0.0)  # the row that sees no key is zeros, not NaN
+
+
+def test_one_query_row_with_bias_mask_and_segments_matches_the_reference():
+    b, s, n, kh = 2, 21, 6, 2
+    q, k, v, do = fresh_inputs(b, 1, s, n, kh, 16, "float32")
+    bias = jax.random.normal(jax.random.key(11), (b, n, 1, s))
+    mask = jax.random.bernoulli(jax.random.key(12), 0.6, (b, 1, 1, s)).at[1].set(False)
+    got = ck.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation="xla", config={"chunk_size": None})
+    want = ref.attention(q, k, v, do, bias=bias, mask=mask)[0]
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(got)[1] == 0.0)  # fully masked
+    qseg, kvseg = jnp.array([[1], [2]]), jnp.array([[1] * 10 + [2] * 11, [2] * 5 + [1] * 16])
+    got = ck.dot_product_attention(q, k, v, segment_ids=(qseg, kvseg), implementation="xla",
+                                   config={"chunk_size": None})
+    want = ref.attention(q, k, v, do, q_seg=qseg, kv_seg=kvseg)[0]
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-5, rtol=1e-5)
+
+
+def test_one_query_row_dropout_is_deterministic_and_off_when_deterministic():
+    q, k, v, _ = fresh_inputs(2, 1, 33, 4, 2, 16, "float32")
+    rng, kw = jax.random.key(5), {"implementation": "xla", "config": {"chunk_size": None}}
+    a = ck.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=rng, **kw)
+    np.testing.assert_array_equal(a, ck.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=rng, **kw))
+    off = ck.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=rng, deterministic=True, **kw)
+    assert not np.allclose(a, off)
+    np.testing.assert_allclose(off, ck.dot_product_attention(q, k, v, **kw), atol=1e-6)
+
+
+def test_one_query_row_reads_the_cache_without_a_transposed_copy():
+    # the decode step's products as dots made XLA's CPU backend copy the whole cache into a
+    # transposed layout each call; the multiply-reduce form must not bring that back
+    q = jnp.ones((8, 1, 4, 16), jnp.float32)
+    k = v = jnp.ones((8, 64, 2, 16), jnp.float32)
+    fn = jax.jit(lambda q, k, v: ck.dot_product_attention(q, k, v, implementation="xla", config={"chunk_size": None}))
+    hlo = fn.lower(q, k, v).compile().as_text()
+    assert not [ln for ln in hlo.splitlines() if "transpose" in ln and "f32[8,2,16,64]" in ln], "a transposed cache copy"

@@ -121,6 +121,9 @@ def plain(
         or (spec.window is not None and t > s_len + spec.window[0])
     )
 
+    if t == 1:
+        return _one_query(q, k, v, extras, _and(pos, seg), empty, spec, dropout_rate)
+
     def core(qh: jax.Array, bias_h: Any, mask_h: Any, keep_h: Any) -> jax.Array:
         logits = jnp.einsum(
             "btkd,bskd->bkts", qh, k, precision=precision, preferred_element_type=jnp.float32
@@ -138,6 +141,45 @@ def plain(
     vmapped = jax.vmap(core, in_axes=(3, *(axis for _, axis in extras)), out_axes=3)
     out = vmapped(q.reshape(b, t, kh, g, d), *(x for x, _ in extras))
     return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+
+
+def _one_query(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    extras: list[tuple[jax.Array | None, int | None]],
+    visible: Any,
+    empty: bool,
+    spec: AttentionSpec,
+    dropout_rate: float,
+) -> jax.Array:
+    """:func:`plain` for one query row (a decode step over a KV cache), same numerics.
+
+    The two products are matrix-vector products per (row, head). As dots, XLA's CPU
+    backend first copies the keys and values ``[B, S, K, D]`` into a transposed layout on
+    every call (at 64 rows of a 256-slot cache: half a decode step's time); as a multiply
+    and a reduction, every query head of a group at once, each reads them once where they
+    lie, accumulating in float32 (the dots' accumulation type).
+    """
+    b, _, n, d = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, 1, kh, g, d).astype(jnp.float32)
+    raw = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [b, s, K, G]
+    logits = jnp.transpose(raw, (0, 2, 3, 1))[:, :, :, None, :] * spec.scale  # [b, K, G, 1, s]
+    bias, mask, keep = ((None if x is None else x if axis is not None else x[:, :, None]) for x, axis in extras)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if spec.soft_cap is not None:
+        logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
+    if visible is not None and jnp.ndim(visible) == 4:  # segments [b, 1, t, s]
+        visible = visible[:, :, None]
+    p = _softmax(logits, _and(visible, None if mask is None else mask.astype(bool)), empty)
+    if keep is not None:
+        p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
+    w = jnp.transpose(p[:, :, :, 0, :].astype(v.dtype).astype(jnp.float32), (0, 3, 1, 2))  # [b, s, K, G]
+    out = jnp.sum(w[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [b, K, G, d]
+    return out.reshape(b, 1, n, v.shape[-1]).astype(q.dtype)
 
 
 def _softmax(
