@@ -469,3 +469,17 @@ def test_paged_kv_write_bfloat16_is_exact():
     for g, w in zip(got, want):
         assert g.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(g, np.float32), w)
+
+
+@pytest.mark.parametrize("pages_per_chunk", [None, 4])
+def test_a_decode_step_reads_the_gathered_pages_without_a_transposed_copy(pages_per_chunk):
+    """One query row: the products are a multiply and a reduction; as dots, XLA:CPU copied the
+    gathered keys and values into a transposed layout on every step (a quarter of a decode step)."""
+    pages = jax.ShapeDtypeStruct((128, 16, 2, 64), jnp.float32)
+    tables, lengths = jax.ShapeDtypeStruct((8, 16), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)
+    q = jax.ShapeDtypeStruct((8, 1, 4, 64), jnp.float32)
+    text = _jit(ck.paged_attention, implementation="xla", config={"pages_per_chunk": pages_per_chunk}).lower(
+        q, pages, pages, tables, lengths).compile().as_text()
+    width = 256 if pages_per_chunk is None else 64
+    transposed = [ln for ln in text.splitlines() if "transpose" in ln and f"f32[8,2,64,{width}]" in ln]
+    assert not transposed, transposed

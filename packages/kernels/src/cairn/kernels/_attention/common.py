@@ -108,3 +108,24 @@ def soft_cap_grad(spec: AttentionSpec, raw: Any, ds: Any) -> Any:
         t = jnp.tanh(raw * spec.scale / spec.soft_cap)
         ds = ds * (1.0 - t * t)
     return ds * spec.scale
+
+
+# One query row (a decode step over a KV cache): both products are matrix-vector products
+# per (row, head). As dots, XLA's CPU backend first copies the keys and values
+# ``[B, S, K, H]`` into a transposed layout on every call (at 64 rows of a 256-slot cache,
+# half of a decode step); as a multiply and a float32 reduction (the dots' accumulation
+# type), every query head of a group at once, each reads them once, where they lie.
+
+
+def one_query_logits(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """``einsum("btkgh,bskh->bkgts")`` for ``t == 1``, float32: ``qg [B, 1, K, G, H]``,
+    ``k [B, S, K, H]`` -> ``[B, K, G, 1, S]``."""
+    raw = jnp.sum(qg[:, 0, None].astype(jnp.float32) * k[:, :, :, None, :].astype(jnp.float32), axis=-1)
+    return jnp.transpose(raw, (0, 2, 3, 1))[:, :, :, None, :]
+
+
+def one_query_values(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``einsum("bkgts,bskh->bkgth")`` for ``t == 1``, accumulated in float32: ``p [B, K,
+    G, 1, S]``, ``v [B, S, K, H]`` -> ``[B, K, G, 1, H]`` float32."""
+    w = jnp.transpose(p[:, :, :, 0, :].astype(jnp.float32), (0, 3, 1, 2))  # [B, S, K, G]
+    return jnp.sum(w[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)[:, :, :, None, :]

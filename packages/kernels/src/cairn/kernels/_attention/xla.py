@@ -23,6 +23,8 @@ import numpy as np
 from cairn.kernels import _registry
 from cairn.kernels._attention.common import (
     AttentionSpec,
+    one_query_logits,
+    one_query_values,
     position_mask,
     soft_cap_grad,
     transform_logits,
@@ -153,20 +155,12 @@ def _one_query(
     spec: AttentionSpec,
     dropout_rate: float,
 ) -> jax.Array:
-    """:func:`plain` for one query row (a decode step over a KV cache), same numerics.
-
-    The two products are matrix-vector products per (row, head). As dots, XLA's CPU
-    backend first copies the keys and values ``[B, S, K, D]`` into a transposed layout on
-    every call (at 64 rows of a 256-slot cache: half a decode step's time); as a multiply
-    and a reduction, every query head of a group at once, each reads them once where they
-    lie, accumulating in float32 (the dots' accumulation type).
-    """
+    """:func:`plain` for one query row (a decode step over a KV cache), the same numerics,
+    with :func:`~cairn.kernels._attention.common.one_query_logits` and ``one_query_values``
+    for the two products (no transposed copy of the cache)."""
     b, _, n, d = q.shape
     kh = k.shape[2]
-    g = n // kh
-    qg = q.reshape(b, 1, kh, g, d).astype(jnp.float32)
-    raw = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [b, s, K, G]
-    logits = jnp.transpose(raw, (0, 2, 3, 1))[:, :, :, None, :] * spec.scale  # [b, K, G, 1, s]
+    logits = one_query_logits(q.reshape(b, 1, kh, n // kh, d), k) * spec.scale  # [b, K, G, 1, s]
     bias, mask, keep = ((None if x is None else x if axis is not None else x[:, :, None]) for x, axis in extras)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
@@ -177,8 +171,7 @@ def _one_query(
     p = _softmax(logits, _and(visible, None if mask is None else mask.astype(bool)), empty)
     if keep is not None:
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-    w = jnp.transpose(p[:, :, :, 0, :].astype(v.dtype).astype(jnp.float32), (0, 3, 1, 2))  # [b, s, K, G]
-    out = jnp.sum(w[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [b, K, G, d]
+    out = one_query_values(p.astype(v.dtype), v)  # [b, K, G, 1, hv]
     return out.reshape(b, 1, n, v.shape[-1]).astype(q.dtype)
 
 

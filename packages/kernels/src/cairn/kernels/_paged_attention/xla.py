@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from cairn.kernels import _registry
+from cairn.kernels._attention.common import one_query_logits, one_query_values
 from cairn.kernels._paged_attention.common import PagedSpec, first_visible_page, logits, visible
 from cairn.kernels._tiling import pad_axis, round_up
 
@@ -50,6 +51,21 @@ def _gather(pages: jax.Array, ids: jax.Array) -> jax.Array:
     return got.reshape(b, c * pages.shape[1], *pages.shape[2:])
 
 
+def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """``[B, K, G, T, S]`` float32 products of ``qg [B, T, K, G, H]`` and ``k [B, S, K, H]``
+    (one query row: a multiply and a reduction, no transposed copy of the keys)."""
+    if qg.shape[1] == 1:
+        return one_query_logits(qg, k)
+    return jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+
+
+def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``[B, K, G, T, Hv]`` float32: probabilities ``p [B, K, G, T, S]`` times ``v [B, S, K, Hv]``."""
+    if p.shape[3] == 1:
+        return one_query_values(p, v)
+    return jnp.einsum("bkgts,bskh->bkgth", p, v, preferred_element_type=jnp.float32)
+
+
 def _positions(lengths: jax.Array, t: int) -> jax.Array:
     """``[B, T]`` query positions: ``lengths - T .. lengths - 1``."""
     return lengths.astype(jnp.int32)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -68,9 +84,7 @@ def plain(
     s_len = k.shape[1]
     k_pos = jnp.arange(s_len, dtype=jnp.int32)
     v = jnp.where((k_pos[None, :] < lengths[:, None])[:, :, None, None], v, 0)
-    raw = jnp.einsum(
-        "btkgh,bskh->bkgts", q.reshape(b, t, kh, g, h), k, preferred_element_type=jnp.float32
-    )
+    raw = _scores(q.reshape(b, t, kh, g, h), k)
     s = logits(spec, raw)
     q_pos = _positions(lengths, t)
     vis = visible(spec, q_pos[:, None, None, :, None], k_pos)
@@ -79,7 +93,7 @@ def plain(
     p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
     total = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(total == 0.0, 1.0, total)
-    out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.transpose(_weighted(p.astype(v.dtype), v), (0, 3, 1, 2, 4))  # [b, t, K, G, hv]
     return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
@@ -112,13 +126,13 @@ def chunked(
             k, v = k.astype(compute_dtype), v.astype(compute_dtype)
         k_pos = i * c * bs + jnp.arange(c * bs, dtype=jnp.int32)
         v = jnp.where((k_pos[None, :] < lengths[:, None])[:, :, None, None], v, 0)
-        raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+        raw = _scores(qg, k)
         s = jnp.where(visible(spec, q_pos, k_pos), logits(spec, raw), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
-        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = _weighted(p.astype(v.dtype), v)
         return m_new, total * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
     init = (
