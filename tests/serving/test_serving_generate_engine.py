@@ -386,11 +386,11 @@ class _Flaky:
 
 def test_model_error_fails_only_its_requests(model, engine):
     with GenerationEngine(_Flaky(model), _config(_layout(engine))) as flaky:
-        good = flaky.submit([3, 4, 5], SamplingParams(15))
+        good = flaky.submit([3, 4, 5] * 6, SamplingParams(15))  # another prompt bucket: its own prefill call
         bad = flaky.submit([39, 4], SamplingParams(5))
         res = bad.result(30)
         assert res.finish_reason == "error" and "bad token in prefill" in res.error
-        assert good.result(30).token_ids == engine.generate([3, 4, 5], SamplingParams(15)).token_ids
+        assert good.result(30).token_ids == engine.generate([3, 4, 5] * 6, SamplingParams(15)).token_ids
         assert flaky.stats()["errors"] == 1
         assert flaky.generate([5, 6], SamplingParams(3)).finish_reason == "length"
 
@@ -640,15 +640,16 @@ def test_a_full_prefill_group_is_not_held_behind_an_older_partial_one(model):
 
         with engine._cond:  # queued together, before the engine's next pick
             before = engine.stats()["steps"]
-            lone = engine.submit([5, 6], SamplingParams(3), on_event=mark("lone"))  # bucket 2, alone
-            pair = [engine.submit([7, 8, 9, 10, 11], SamplingParams(3), on_event=mark(f"pair{i}")) for i in range(2)]  # bucket 8
+            lone = engine.submit([5, 6], SamplingParams(3), on_event=mark("lone"))  # bucket 16, alone
+            pair = [engine.submit([7, 8, 9, 10, 11] * 4, SamplingParams(3), on_event=mark(f"pair{i}"))
+                    for i in range(2)]  # bucket 32
         results = [r.result(60) for r in (lone, *pair)]
         assert first["pair0"] - before <= 2 and first["pair1"] - before <= 2  # the full group went first
         assert first["lone"] - before >= 12  # held its delay (its partial group)
         for r in busy:
             r.cancel()
     with GenerationEngine(model, CONFIG) as alone:
-        for r, prompt in zip(results, ([5, 6], [7, 8, 9, 10, 11], [7, 8, 9, 10, 11])):
+        for r, prompt in zip(results, ([5, 6], [7, 8, 9, 10, 11] * 4, [7, 8, 9, 10, 11] * 4)):
             assert r.token_ids == alone.generate(prompt, SamplingParams(3)).token_ids
 
 
@@ -826,3 +827,36 @@ def test_a_step_of_streamed_rows_wakes_the_event_loop_once(model):
     events = sum(len(r.token_ids) + 1 for r in results)
     assert all(seen[i] == list(range(12)) + [12] for i in range(16))  # tokens 0..11, then the final event
     assert len(wakes) <= 3 * steps < events / 2, (len(wakes), steps, events)
+
+
+class _PrefillShapes:
+    """The model, recording the prompt length of every prefill call."""
+
+    def __init__(self, inner):
+        self.inner, self.lengths = inner, []
+        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "vocabulary", "cache_specs"):
+            setattr(self, k, getattr(inner, k))
+
+    def init_cache(self, n):
+        return self.inner.init_cache(n)
+
+    def prefill(self, tokens, lengths):
+        self.lengths.append(np.asarray(tokens).shape[1])
+        return self.inner.prefill(tokens, lengths)
+
+    def decode(self, tokens, positions, cache):
+        return self.inner.decode(tokens, positions, cache)
+
+
+def test_a_prompt_is_padded_to_at_most_one_and_a_half_times_its_length(model, engine):
+    """Prompt buckets 16, 32, 48, 64 (max_length 64), not powers of two: a 33-token prompt
+    prefills at 48, not 64; the tokens are those of the same prompt alone."""
+    rec = _PrefillShapes(model)
+    with GenerationEngine(rec, _config()) as eng:
+        assert eng.buckets() == (16, 32, 48, 64)
+        rec.lengths.clear()  # the warm-up compiled each bucket once
+        for n, bucket in ((3, 16), (17, 32), (33, 48), (49, 64)):
+            prompt = [3 + (i % 30) for i in range(n)]
+            got = eng.generate(prompt, SamplingParams(4, temperature=0.7, seed=n))
+            assert rec.lengths[-1] == bucket, (n, rec.lengths)
+            assert got.token_ids == engine.generate(prompt, SamplingParams(4, temperature=0.7, seed=n)).token_ids

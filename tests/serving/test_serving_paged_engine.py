@@ -85,24 +85,49 @@ def test_a_prefix_still_being_prefilled_is_not_shared_until_written(model):
         assert eng.stats()["prefix_cache_hit_tokens"] == 40
 
 
+class _GatedChunks:
+    """The model, with the engine thread held inside its ``n``-th prefill chunk (a paged
+    call of more than one token per row) until ``release`` is set."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n, self.calls = inner, n, 0
+        self.entered, self.release = threading.Event(), threading.Event()
+        for k in ("name", "vocab_size", "max_length", "eos_token_ids", "vocabulary", "cache_specs",
+                  "has_paged", "block_size"):
+            setattr(self, k, getattr(inner, k))
+
+    def init_pool(self, n):
+        return self.inner.init_pool(n)
+
+    def init_cache(self, n):
+        return self.inner.init_cache(n)
+
+    def prefill(self, tokens, lengths):
+        return self.inner.prefill(tokens, lengths)
+
+    def decode(self, tokens, positions, cache):
+        return self.inner.decode(tokens, positions, cache)
+
+    def paged_step(self, tokens, positions, lengths, tables, pool):
+        if np.asarray(tokens).shape[1] > 1:
+            self.calls += 1
+            if self.calls == self.n:
+                self.entered.set()
+                assert self.release.wait(30)
+        return self.inner.paged_step(tokens, positions, lengths, tables, pool)
+
+
 def test_cancel_frees_blocks_and_unwritten_blocks_are_not_cached(model):
     prompt = _prompt(60, 4)  # 8 chunks of 8: cancelled while it is still prefilling
     with GenerationEngine(model, _paged(enable_prefix_caching=False, prefill_chunk=8)) as cold:
         expected = cold.generate(prompt, SamplingParams(3)).token_ids
-    with GenerationEngine(model, _paged(num_slots=2, prefill_batch=1, prefill_chunk=8)) as eng:
-        entered, release = threading.Event(), threading.Event()
-
-        def hold(ev):  # holds the engine thread after the blocker's first token
-            entered.set()
-            release.wait(30)
-
-        blocker = eng.submit([3], SamplingParams(40), on_event=hold)
-        assert entered.wait(30)
+    gated = _GatedChunks(model, 1 + 3)  # the blocker's prompt, then the victim's third chunk
+    with GenerationEngine(gated, _paged(num_slots=2, prefill_batch=1, prefill_chunk=8)) as eng:
+        blocker = eng.submit([3, 4], SamplingParams(40))
         victim = eng.submit(prompt, SamplingParams(3))
-        release.set()
-        while eng.stats()["prefills"] < 3:  # the victim is part-way through its prompt
-            threading.Event().wait(0.005)
+        assert gated.entered.wait(30)  # the victim is part-way through its prompt, the engine held
         victim.cancel()
+        gated.release.set()
         assert victim.result(30).finish_reason == "cancelled"
         blocker.cancel()
         assert blocker.result(30).finish_reason == "cancelled"

@@ -1,8 +1,9 @@
 """The generation engine: continuous batching over a fixed number of KV-cache slots.
 
 One engine thread loops: (1) drop cancelled requests; (2) when slots are free, prefill
-waiting requests in groups of up to ``prefill_batch`` of one prompt bucket (the next
-power of two, capped at ``max_length``; the oldest request's bucket first) at the fixed
+waiting requests in groups of up to ``prefill_batch`` of one prompt bucket (16, 32, 48,
+64, 96, ...: :func:`chunk_buckets`, at most 1.5 times the prompt above 32 tokens, capped
+at ``max_length``; the oldest request's bucket first) at the fixed
 shape ``(prefill_batch, bucket)``, until the free slots are full, scatter their cache
 rows into the slots and sample their first token (while more than half the slots are
 busy, a group that is not full waits until its oldest request has waited
@@ -19,9 +20,11 @@ runs until its longest request finishes).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -49,6 +52,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationEvent",
     "GenerationResult",
+    "chunk_buckets",
     "prompt_bucket",
 ]
 
@@ -191,14 +195,48 @@ def after_event_batch(fn: Callable[[], None]) -> None:
         hooks[fn] = None
 
 
-def prompt_bucket(n: int, max_length: int) -> int:
-    """The prefill length a prompt of ``n`` tokens is padded to: the next power of two,
-    capped at ``max_length``.
+def chunk_buckets(chunk: int) -> tuple[int, ...]:
+    """The prompt (or prefill chunk) lengths an engine compiles prefill for, up to ``chunk``
+    (the model's ``max_length``, or a paged engine's ``prefill_chunk``).
 
-    >>> [prompt_bucket(n, 48) for n in (1, 3, 4, 5, 33)]
-    [1, 4, 4, 8, 48]
+    16, then each power of two ``b`` from 32 and ``3b/2`` below ``chunk``, then ``chunk``
+    itself: a prompt of ``n > 32`` tokens runs at fewer than ``1.5 n`` (powers of two alone:
+    up to ``2 n``). Prefill costs what its padded length costs (a 33-token prompt ran at 64
+    tokens' cost with powers of two), and each length is one more program compiled at
+    start-up (sixteen up to 4096, where powers of two from 1 take thirteen; eight up to
+    256, where they take nine).
+
+    Args:
+      chunk: the longest length (at most the model's ``max_length``).
+
+    >>> chunk_buckets(512)
+    (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    >>> chunk_buckets(40), chunk_buckets(8)
+    ((16, 32, 40), (8,))
     """
-    return min(1 << max(0, (n - 1).bit_length()), max_length)
+    sizes, b = [min(16, chunk)], 32
+    while b < chunk:
+        sizes += [b] + ([b * 3 // 2] if b * 3 // 2 < chunk else [])
+        b *= 2
+    return tuple(sorted({*sizes, chunk}))
+
+
+@functools.lru_cache(maxsize=64)
+def _buckets_of(max_length: int) -> tuple[int, ...]:
+    return chunk_buckets(max_length)
+
+
+def prompt_bucket(n: int, max_length: int) -> int:
+    """The prefill length a prompt of ``n`` tokens is padded to: the first of
+    :func:`chunk_buckets` (``max_length``) that holds it.
+
+    >>> [prompt_bucket(n, 256) for n in (1, 16, 17, 33, 49, 65, 200)]
+    [16, 16, 32, 48, 64, 96, 256]
+    >>> [prompt_bucket(n, 12) for n in (1, 12)]
+    [12, 12]
+    """
+    sizes = _buckets_of(int(max_length))
+    return sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
 
 
 @dataclasses.dataclass

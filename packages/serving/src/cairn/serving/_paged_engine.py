@@ -15,7 +15,7 @@ the bookkeeping. Each engine step:
    another request is still writing waits until those tokens are written;
 3. prefills one chunk of up to ``prefill_chunk`` prompt tokens for up to ``prefill_batch``
    requests (all prefilling requests while none decodes) whose next chunks fall in one
-   length bucket (:func:`chunk_buckets`: 16, 32, 48, 64, 96, 128, ... up to
+   length bucket (:func:`~cairn.serving._generate.chunk_buckets`: 16, 32, 48, 64, 96, 128, ... up to
    ``prefill_chunk``, so a chunk of ``n > 32`` tokens runs at fewer than ``1.5 n``, and a
    suffix after a cached prefix costs what its own length costs), at the fixed shape
    ``(prefill_batch, bucket)``; a request whose prompt is done samples its first token. A
@@ -46,37 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from cairn.serving._generate import GenerationConfig, GenerationEngine, GenerationRequest
+from cairn.serving._generate import GenerationConfig, GenerationEngine, GenerationRequest, chunk_buckets
 from cairn.serving._genexport import GenerativeModel
 from cairn.serving._paged import OutOfBlocks, PagedCache
 
 __all__ = ["PagedGenerationEngine"]
 
 log = logging.getLogger("cairn.serving")
-
-
-def chunk_buckets(chunk: int) -> tuple[int, ...]:
-    """The prefill chunk lengths a paged engine compiles for ``prefill_chunk`` = ``chunk``.
-
-    16, then each power of two ``b`` from 32 and ``3b/2`` below ``chunk``, then ``chunk``
-    itself: a chunk of ``n > 32`` tokens runs at fewer than ``1.5 n`` (powers of two alone:
-    up to ``2 n``). A chunk's cost on the device grows with its padded length (a 33-token
-    user turn after a cached system prompt ran at 64 tokens' cost with powers of two only),
-    and each length is one more program compiled at start-up (ten for a chunk of 512).
-
-    Args:
-      chunk: the longest chunk (``prefill_chunk``, at most the model's ``max_length``).
-
-    >>> chunk_buckets(512)
-    (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    >>> chunk_buckets(40), chunk_buckets(8)
-    ((16, 32, 40), (8,))
-    """
-    sizes, b = [min(16, chunk)], 32
-    while b < chunk:
-        sizes += [b] + ([b * 3 // 2] if b * 3 // 2 < chunk else [])
-        b *= 2
-    return tuple(sorted({*sizes, chunk}))
 
 
 class PagedGenerationEngine(GenerationEngine, kv_layout="paged"):
