@@ -46,7 +46,12 @@ from typing import Any
 
 import numpy as np
 
-from cairn.serving._generate import GenerationConfig, GenerationEngine, GenerationRequest, chunk_buckets
+from cairn.serving._generate import (
+    GenerationConfig,
+    GenerationEngine,
+    GenerationRequest,
+    chunk_buckets,
+)
 from cairn.serving._genexport import GenerativeModel
 from cairn.serving._paged import OutOfBlocks, PagedCache
 
