@@ -104,17 +104,159 @@ def draw(rng: np.random.Generator, vocab: int) -> tuple[list[int], int]:
 # --- load generator (runs in a subprocess) ---
 
 
-async def _client(session: Any, url: str, idx: int, vocab: int, clock: dict, out: dict) -> None:
-    rng = np.random.default_rng([1234, idx])  # the same request sequence in every configuration
+class _Stream(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the load generator, read as bytes arrive.
+
+    The load generator shares the server's two cores, and a client library's per-line
+    reading (aiohttp: about 70 us of client CPU per streamed token at c=64) charged the
+    server that streams the most tokens for the client's own work. Here one callback per
+    arriving segment splits HTTP/1.1 chunks and SSE events; an event's arrival time is when
+    its bytes arrived. A token event counts; the final event (``finish_reason``) ends the
+    request; the terminating chunk frees the connection for the next request."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.transport: Any = None
+        self.closed = False
+        self._buf = b""
+        self._sse = b""
+        self._state = "idle"
+        self._need = 0
+        self.done: asyncio.Future | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._end()
+
+    def send(self, raw: bytes) -> asyncio.Future:
+        """Write one request; the future resolves when its response ended (or the connection did)."""
+        self.status, self.retry_after, self.finish, self.arrivals = 0, None, None, []
+        self._buf, self._sse, self._state = b"", b"", "head"
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return self.done
+
+    def _end(self) -> None:
+        self._state = "idle"
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        t = time.perf_counter()
+        buf = self._buf + data
+        while self._state != "idle":
+            if self._state == "head":
+                i = buf.find(b"\r\n\r\n")
+                if i < 0:
+                    break
+                lines = buf[:i].decode("latin-1").split("\r\n")
+                buf = buf[i + 4:]
+                self.status = int(lines[0].split()[1])
+                headers = dict((k.strip().lower(), v.strip()) for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln))
+                self.retry_after = headers.get("retry-after")
+                if headers.get("transfer-encoding", "").lower() == "chunked":
+                    self._state = "size"
+                else:
+                    self._state, self._need = "body", int(headers.get("content-length", "0"))
+            elif self._state == "body":  # a whole (error) answer
+                if len(buf) < self._need:
+                    break
+                buf = buf[self._need:]
+                self._end()
+            elif self._state == "size":
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    break
+                self._need = int(buf[:i].split(b";")[0], 16)
+                buf = buf[i + 2:]
+                self._state = "data" if self._need else "trailer"
+            elif self._state == "data":
+                if len(buf) < self._need + 2:
+                    break
+                self._events(buf[: self._need], t)
+                buf = buf[self._need + 2:]
+                if self._state == "data":
+                    self._state = "size"
+            else:  # trailer: the empty line after the last chunk
+                if len(buf) < 2:
+                    break
+                buf = buf[2:]
+                self._end()
+        self._buf = buf
+
+    def _events(self, payload: bytes, t: float) -> None:
+        self._sse += payload
+        *events, self._sse = self._sse.split(b"\n\n")
+        for ev in events:
+            if not ev.startswith(b"data:"):
+                continue
+            if b'"finish_reason"' in ev:
+                self.finish = json.loads(ev[5:])["finish_reason"]
+                continue
+            self.arrivals.append(t)
+            if t >= self.deadline:  # closing the connection cancels the request on the server
+                self.transport.close()
+                self._state = "closed"
+                self._end()
+                return
+
+
+def _record(out: dict, clock: dict, t0: float, arrivals: list[float], finished: bool, reason: Any) -> None:
+    """Account one request: tokens and completions inside the window, TTFT, TPOT."""
     warm, deadline = clock["warm"], clock["deadline"]
-    n = 0
+    if finished and reason not in ("length", "stop"):
+        out["errors"] += 1
+        out["statuses"].append(reason)
+    if not finished and time.perf_counter() < deadline:
+        out["errors"] += 1  # the stream ended without a final event
+    out["tokens"] += sum(warm <= t < deadline for t in arrivals)
+    out["completed"] += finished and warm <= time.perf_counter() < deadline
+    if warm <= t0 < deadline and arrivals:
+        out["ttft"].append(arrivals[0] - t0)
+    inside = [t for t in arrivals if warm <= t < deadline]
+    if len(inside) > 1:  # every request streaming inside the window, whenever it was sent
+        out["tpot"].append((inside[-1] - inside[0]) / (len(inside) - 1))
+
+
+async def _client(port: int, model: str, idx: int, vocab: int, clock: dict, out: dict) -> None:
+    """One closed-loop client (:class:`_Stream`): each request when the previous one ended."""
+    rng = np.random.default_rng([1234, idx])  # the same request sequence in every configuration
+    loop = asyncio.get_running_loop()
+    deadline, conn, n = clock["deadline"], None, 0
+    head = f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    while time.perf_counter() < deadline:
+        prompt, max_tokens = draw(rng, vocab)
+        body = json.dumps({"input_ids": prompt, "parameters": {"max_tokens": max_tokens, "seed": idx * 100_000 + n,
+                                                               **SAMPLING}}).encode()
+        n += 1
+        if conn is None or conn.closed:
+            _, conn = await loop.create_connection(lambda: _Stream(deadline), "127.0.0.1", port)
+        t0 = time.perf_counter()
+        await conn.send(head.encode() + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        if conn.status != 200:
+            out["errors"] += 1
+            out["statuses"].append(conn.status)
+            await asyncio.sleep(float(conn.retry_after or "0.05"))
+            continue
+        _record(out, clock, t0, conn.arrivals, conn.finish is not None, conn.finish)
+    if conn is not None:
+        conn.transport.close()
+
+
+async def _client_aiohttp(session: Any, port: int, model: str, idx: int, vocab: int, clock: dict, out: dict) -> None:
+    """:func:`_client` through aiohttp (``SERVING_BENCH_CLIENT=aiohttp``: the reading before)."""
+    rng = np.random.default_rng([1234, idx])
+    url, deadline, n = f"http://127.0.0.1:{port}/v2/models/{model}/generate_stream", clock["deadline"], 0
     while time.perf_counter() < deadline:
         prompt, max_tokens = draw(rng, vocab)
         body = {"input_ids": prompt, "parameters": {"max_tokens": max_tokens, "seed": idx * 100_000 + n, **SAMPLING}}
         n += 1
         t0 = time.perf_counter()
-        measured = warm <= t0
         arrivals: list[float] = []
+        reason = None
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 out["errors"] += 1
@@ -122,50 +264,48 @@ async def _client(session: Any, url: str, idx: int, vocab: int, clock: dict, out
                 await resp.read()
                 await asyncio.sleep(float(resp.headers.get("Retry-After", "0.05")))
                 continue
-            finished = False
             async for line in resp.content:
                 if not line.startswith(b"data:"):
                     continue
                 t = time.perf_counter()
                 event = json.loads(line[5:])
                 if "finish_reason" in event:
-                    finished = True
-                    if event["finish_reason"] not in ("length", "stop"):
-                        out["errors"] += 1
-                        out["statuses"].append(event["finish_reason"])
+                    reason = event["finish_reason"]
                     break
                 arrivals.append(t)
                 if t >= deadline:
                     break  # leaving the block closes the connection: the server cancels the request
-            if not finished and time.perf_counter() < deadline:
-                out["errors"] += 1  # the stream ended without a final event
-        out["tokens"] += sum(warm <= t < deadline for t in arrivals)
-        out["completed"] += finished and warm <= time.perf_counter() < deadline
-        if measured and t0 < deadline and arrivals:
-            out["ttft"].append(arrivals[0] - t0)
-        inside = [t for t in arrivals if warm <= t < deadline]
-        if len(inside) > 1:  # every request streaming inside the window, whenever it was sent
-            out["tpot"].append((inside[-1] - inside[0]) / (len(inside) - 1))
+        _record(out, clock, t0, arrivals, reason is not None, reason)
 
 
 async def _loadgen(port: int, model: str, concurrency: int, window: float, vocab: int, warmup: float = WARMUP) -> dict:
-    import aiohttp
-
     out: dict = {"tokens": 0, "completed": 0, "errors": 0, "statuses": [], "ttft": [], "tpot": []}
-    url = f"http://127.0.0.1:{port}/v2/models/{model}/generate_stream"
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        start = time.perf_counter()
-        clock = {"warm": start + warmup, "deadline": start + warmup + window}
-        print(json.dumps({"clock": clock}), flush=True)  # the window, for the server's CPU time and counters
-        await asyncio.gather(*(_client(session, url, i, vocab, clock, out) for i in range(concurrency)))
+    start = time.perf_counter()
+    clock = {"warm": start + warmup, "deadline": start + warmup + window}
+    print(json.dumps({"clock": clock}), flush=True)  # the window, for the server's CPU time and counters
+
+    async def cpu_in_window() -> None:  # this process's CPU inside the window: what the clients cost
+        await asyncio.sleep(max(0.0, clock["warm"] - time.perf_counter()))
+        c0 = time.process_time()
+        await asyncio.sleep(max(0.0, clock["deadline"] - time.perf_counter()))
+        out["client_cpu_s"] = time.process_time() - c0
+
+    if os.environ.get("SERVING_BENCH_CLIENT", "stream") == "aiohttp":
+        import aiohttp
+
+        connector, timeout = aiohttp.TCPConnector(limit=0), aiohttp.ClientTimeout(total=None, sock_read=120)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            await asyncio.gather(cpu_in_window(), *(_client_aiohttp(session, port, model, i, vocab, clock, out)
+                                                    for i in range(concurrency)))
+    else:
+        await asyncio.gather(cpu_in_window(), *(_client(port, model, i, vocab, clock, out) for i in range(concurrency)))
     ttft, tpot = np.asarray(out["ttft"]) * 1e3, np.asarray(out["tpot"]) * 1e3
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
     return {
         "tok_s": out["tokens"] / window, "requests": len(ttft), "completed": out["completed"], "errors": out["errors"],
         "statuses": sorted(set(map(str, out["statuses"]))),
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+        "client_cpu_ms_per_token": 1e3 * out.get("client_cpu_s", float("nan")) / max(out["tokens"], 1),
     }
 
 
@@ -368,13 +508,14 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
                           f"  TTFT p50 {r['ttft_p50_ms']:8.1f} p99 {r['ttft_p99_ms']:8.1f} ms  {r['requests']} req  {r['errors']} err {r['statuses']}"
                           f"  {r['slots_busy']:.1f} slots busy/step  {r['rows_per_prefill']:.1f} prompts/prefill"
                           f"  {r['prefills_per_step']:.2f} prefills/step  {r['cpu_ms_per_token']:.2f} server CPU ms/token"
+                          f"  {r['client_cpu_ms_per_token']:.3f} client CPU ms/token"
                           f"  load {os.getloadavg()[0]:.1f}", flush=True)
         finally:
             server.stop(drain=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     keys = ("tok_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "slots_busy", "rows_per_prefill",
-            "prefills_per_step", "cpu_ms_per_token")
+            "prefills_per_step", "cpu_ms_per_token", "client_cpu_ms_per_token")
     rows = []
     for (name, c), runs in samples.items():
         med = {k: float(np.median([r[k] for r in runs])) for k in keys}
@@ -407,12 +548,12 @@ def measure(quick: bool) -> tuple[list[dict], dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [f"| {'generate':14s} |   c |  tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | TTFT p99 ms | busy slots | prompts/prefill "
-             "| prefills/step | server CPU ms/token | requests | errors |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| prefills/step | server CPU ms/token | client CPU ms/token | requests | errors |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         lines.append(f"| {r['config']:14s} | {r['c']:3d} | {r['tok_s']:6.0f} | {r['tpot_p50_ms']:11.2f} | {r['tpot_p99_ms']:11.2f} | "
                      f"{r['ttft_p50_ms']:11.1f} | {r['ttft_p99_ms']:11.1f} | {r['slots_busy']:10.1f} | {r['rows_per_prefill']:15.1f} | "
-                     f"{r['prefills_per_step']:13.2f} | {r['cpu_ms_per_token']:19.2f} | "
+                     f"{r['prefills_per_step']:13.2f} | {r['cpu_ms_per_token']:19.2f} | {r['client_cpu_ms_per_token']:19.3f} | "
                      f"{r['requests']:8d} | {r['errors']:6d} |")
     return "\n".join(lines)
 

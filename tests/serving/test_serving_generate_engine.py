@@ -769,15 +769,14 @@ def test_held_wake_ups_run_at_the_end_of_a_step_that_called_no_device():
     real_decode = model.decode
     model.decode = lambda *a: (log.append(("device",)), real_decode(*a))[1]
     eng = GenerationEngine(model, _config())
-    real_step, state = eng._decode, {"skip": False, "skipped": False}
+    real_step, state = eng._decode, {"skipped": False}
 
-    def decode_step():
-        if state["skip"] and not state["skipped"]:
+    def decode_step():  # the first decode call after the short request's end was sampled: skipped
+        if short.done and not state["skipped"]:
             state["skipped"] = True
             log.append(("skip",))
             return
         real_step()
-        state["skip"] = short.done
 
     eng._decode = decode_step
 
@@ -860,3 +859,72 @@ def test_a_prompt_is_padded_to_at_most_one_and_a_half_times_its_length(model, en
             got = eng.generate(prompt, SamplingParams(4, temperature=0.7, seed=n))
             assert rec.lengths[-1] == bucket, (n, rec.lengths)
             assert got.token_ids == engine.generate(prompt, SamplingParams(4, temperature=0.7, seed=n)).token_ids
+
+
+def test_a_decode_steps_sampling_runs_while_the_next_prefill_computes(model):
+    """Contiguous layout: with a prompt waiting and a slot free, the engine dispatches the
+    prefill before sampling the last decode step's rows (host work under the device's), and
+    every request still gets its tokens alone."""
+    import cairn.serving._generate as genmod
+
+    log = []
+    inner = _generator()
+    real_prefill, real_decode = inner.prefill, inner.decode
+    inner.prefill = lambda *a: (log.append("prefill"), real_prefill(*a))[1]
+    inner.decode = lambda *a: (log.append("decode"), real_decode(*a))[1]
+    real_sample = genmod.sample_rows
+    with GenerationEngine(inner, _config(admission_delay_steps=0)) as eng:
+        try:
+            genmod.sample_rows = lambda rows, params, seeds, index: (  # each row's token index
+                log.append(f"sample{list(index)}"), real_sample(rows, params, seeds, index))[1]
+            log.clear()  # the warm-up's calls
+            first = eng.submit([3, 4, 5], SamplingParams(30, temperature=0.9, seed=1))
+            while "decode" not in log[-3:]:
+                threading.Event().wait(0.001)
+            second = eng.submit([6, 7], SamplingParams(5, temperature=0.9, seed=2))
+            results = [first.result(60), second.result(60)]
+        finally:
+            genmod.sample_rows = real_sample
+    i = log.index("prefill", log.index("decode"))  # the second request's prefill, after a decode step
+    assert log[i + 1] not in ("sample[0]", "decode"), " ".join(log)  # the first request's decode row, under the prefill
+    assert log[i + 2] == "sample[0]"  # then the second request's first token
+    for r, (prompt, p) in zip(results, (([3, 4, 5], SamplingParams(30, temperature=0.9, seed=1)),
+                                        ([6, 7], SamplingParams(5, temperature=0.9, seed=2)))):
+        assert r.token_ids == model_alone(model, prompt, p)
+
+
+def model_alone(model, prompt, params):
+    with GenerationEngine(model, _config()) as alone:
+        return alone.generate(prompt, params).token_ids
+
+
+def test_a_row_cancelled_before_its_deferred_sampling_leaves_its_slot_to_the_next_request(model):
+    """The decode step's row of a request cancelled before that step's (deferred) sampling is
+    dropped (not recorded, and its end does not free the slot again); the request that takes
+    its slot in the same iteration gets its own tokens."""
+    eng_ref = {}
+    inner = _generator()
+    real_decode, calls = inner.decode, {"n": 0, "b": None}
+
+    def decode(*a):
+        out = real_decode(*a)
+        calls["n"] += 1
+        if calls["n"] == 4:  # while the engine is inside a decode step: cancel A, queue B
+            eng_ref["a"].cancel()
+            calls["b"] = eng_ref["eng"].submit([9, 8, 7], SamplingParams(6, temperature=0.8, seed=5))
+        return out
+
+    inner.decode = decode
+    with GenerationEngine(inner, _config(num_slots=2, prefill_batch=1)) as eng:
+        eng_ref["eng"] = eng
+        # its 4th and last token comes from the 4th decode call (the warm-up's was the 1st): ending
+        # there, its row would free a slot that the next request holds by then
+        eng_ref["a"] = eng.submit([3, 4], SamplingParams(4, temperature=0.8, seed=4))
+        a = eng_ref["a"].result(60)
+        while calls["b"] is None:
+            threading.Event().wait(0.001)
+        b = calls["b"].result(60)
+        assert eng.stats()["active_slots"] == 0
+    assert a.finish_reason == "cancelled" and len(a.token_ids) == 3
+    assert b.finish_reason == "length"
+    assert b.token_ids == model_alone(model, [9, 8, 7], SamplingParams(6, temperature=0.8, seed=5))

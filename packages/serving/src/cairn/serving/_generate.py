@@ -523,6 +523,8 @@ class GenerationEngine:
         self._pending: list[tuple[int, GenerationRequest, int, Any]] = []
         self._held: list[Callable[[], None]] = []  # listeners' wake-ups of rows recorded since the last device call
         self._flushes = 0  # _flush calls (one after each device call is dispatched)
+        # the last decode step's logits on the host, not sampled yet (``_overlap_sampling``)
+        self._unsampled: tuple[np.ndarray, list[tuple[int, GenerationRequest]]] | None = None
         self._counts = collections.Counter({k: 0 for k in (
             "requests", "finished", "cancelled", "errors", "prompt_tokens", "tokens", "steps", "prefills")})
 
@@ -730,10 +732,20 @@ class GenerationEngine:
 
     # --- the engine thread ---
 
+    # A decode step's sampling (host work, ~1.5 ms at 64 rows) may wait for the next step's
+    # prefill to be dispatched, and run while the device prefills; see _sample_decoded.
+    _overlap_sampling = True
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if self._state == "stopping":
+                stopping = self._state == "stopping"
+                # sampled now when nothing can overlap it: no prompt waits, or none has a free slot
+                now = stopping or not self._queue or all(r is not None for r in self._slots)
+            if now and self._sample_decoded() and not any(self._slots):
+                self._flush()  # no step follows: deliver what the sampling recorded
+            with self._cond:
+                if stopping:
                     break
                 finished = self._drop_cancelled()
                 groups = self._pick()
@@ -748,6 +760,7 @@ class GenerationEngine:
             try:
                 for group in groups:
                     self._prefill(group)
+                self._sample_decoded()  # (no-op after a prefill) the rows that go on feed this decode
                 if any(self._slots):
                     self._decode()
             except Exception as e:  # noqa: BLE001 - the engine outlives a bad step
@@ -825,17 +838,25 @@ class GenerationEngine:
             logits, new = self.model.prefill(tokens, lengths)
             assert self._scatter is not None
             self._cache = self._scatter(self._cache, new, dst)
-            self._flush()  # the last decode step's events, while the device prefills
+        except Exception as e:  # noqa: BLE001 - fails this step's requests only
+            self._prefill_failed(e, group)
+            return
+        self._sample_decoded()  # the last decode step's tokens, while the device prefills (its errors are the step's)
+        try:
+            self._flush()  # and its events
             host = np.asarray(logits)
         except Exception as e:  # noqa: BLE001 - fails this step's requests only
-            log.exception("generation prefill failed")
-            self._model_error(e, [r for r, _ in group])
+            self._prefill_failed(e, group)
             return
         self._counts["prefills"] += 1
         self._counts["tokens"] += len(group)  # counted as generated, so stats() shows a live rate
         for r, slot in group:
             self._positions[slot] = len(r.prompt)
         self._take(host, [(i, slot, r) for i, (r, slot) in enumerate(group)], defer=False)
+
+    def _prefill_failed(self, e: Exception, group: list[tuple[GenerationRequest, int]]) -> None:
+        log.exception("generation prefill failed")
+        self._model_error(e, [r for r, _ in group])
 
     # --- the step's host work, shared by every KV layout ---
 
@@ -877,7 +898,28 @@ class GenerationEngine:
             self._positions[slot] += 1
         rows = self._decoded(active)
         self._counts["tokens"] += len(rows)
-        self._take(host, [(slot, slot, r) for slot, r in rows], defer=True)
+        self._unsampled = (host, rows)
+        if not self._overlap_sampling:
+            self._sample_decoded()
+
+    def _sample_decoded(self) -> bool:
+        """Sample the last decode step's rows (:meth:`_take`), if not yet done (returns
+        whether there were any).
+
+        With ``_overlap_sampling`` (the contiguous layout) this waits for the next loop
+        iteration: when a prompt waits for a free slot, the engine picks the prefill groups
+        first and samples right after dispatching the first prefill, while the device
+        computes it (a slot freed by a row ending here is taken one step later, when no
+        free slot was left anyway). A row whose request left its slot meanwhile (cancelled)
+        is dropped; every other row gets exactly the token it would have got at once."""
+        if self._unsampled is None:
+            return False
+        host, rows = self._unsampled
+        self._unsampled = None
+        with self._cond:
+            kept = [(slot, r) for slot, r in rows if self._slots[slot] is r]
+        self._take(host, [(slot, slot, r) for slot, r in kept], defer=True)
+        return True
 
     def _take(self, host: np.ndarray, rows: list[tuple[int, int, GenerationRequest]], defer: bool) -> None:
         """Sample the next token of ``rows`` (``(row of host, slot, request)``; one batched

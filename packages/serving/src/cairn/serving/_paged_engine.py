@@ -73,6 +73,10 @@ class PagedGenerationEngine(GenerationEngine, kv_layout="paged"):
       ValueError: a model without a paged layout, or a pool too small for one sequence.
     """
 
+    # a decode step's rows claim their next blocks as they are sampled; admitting new prompts
+    # first could preempt them: sampled at once, as before
+    _overlap_sampling = False
+
     def __init__(self, model: GenerativeModel, config: GenerationConfig | None = None) -> None:
         config = GenerationConfig(kv_layout="paged") if config is None else config
         super().__init__(model, config)
