@@ -7,26 +7,29 @@ copied into a model repository under three names, each with its own ``config.jso
 ``"generation"`` section; one ``cairn.serving`` server (in this process, 127.0.0.1, port 0)
 serves all three:
 
-* ``continuous``: ``GenerationConfig(scheduler="continuous", num_slots=64, prefill_batch=2,
-  admission_delay_steps=6)`` (with more than half the slots busy, waiting prompts are held
-  up to 6 steps to fill a prefill group; 2 (the default), 6 and 12 measured, 6 best here);
+* ``continuous``: ``GenerationConfig(scheduler="continuous", num_slots=64, prefill_batch=4,
+  admission_delay_steps=12)`` (with more than half the slots busy, waiting prompts are held
+  up to 12 steps to fill a prefill group);
 * ``static``: the same slots with ``scheduler="static"`` and ``prefill_batch=4`` (a batch is
   admitted only when every slot is free, so it runs until its longest request finishes:
   padded batches of 64, prefilled 4 prompts of one length bucket at a time).
 * ``one-at-a-time``: ``num_slots=1, prefill_batch=1``.
 
-Each batcher runs at the prefill batch that serves it best on this CPU (server CPU per
-token at c=64, load 15, two runs each: static 2.12 / 2.49 ms at 4 rows, 2.41 / 2.79 at 2,
-2.56 at 1; continuous 1.04 / 0.87 at 4, 0.77 / 0.92 at 2, 0.84 at 1). A prompt costs
-about as much per token as a decode row here, so a continuous engine that admits about
-1.3 requests per step pays for every padding row of a part-full group; with groups of 2
-it keeps 63 of 64 slots busy (61 with 4) and prefills 1.9 real prompts of 2 (3.3 of 4).
-The static batcher admits 64 prompts at once and fills groups of 4.
+Each batcher runs at the prefill batch that serves it best on this CPU. Static (server CPU
+per token at c=64, load 15, two runs each): 2.12 / 2.49 ms at 4 rows, 2.41 / 2.79 at 2,
+2.56 at 1; it admits 64 prompts at once and fills groups of 4. Continuous, c=64 tok/s on
+the quiet host since the decode step got faster (one-query attention, 12 ms a step): 4
+rows held up to 12 steps 3101 / 3239 / 3186 / 2974, up to 20 steps 3001 / 2933; 2 rows up
+to 6 steps 2800 / 3020, 12 steps 3019 / 3138 / 2890 / 2851, 20 steps 2953 / 2870. A 4-row
+prefill costs 2.7 ms a prompt against 3.6 at 2 rows, and groups of 4 hold 3.7 real prompts
+of 4 and keep 59 of 64 slots busy (62 with 2), at twice the time to first token at c=64
+(75 against 36 ms p50, still far below static's 2 s).
 
 Workload (the same request sequence in every configuration): closed-loop clients (each
 sends its next request when the previous one finished) at concurrency 1, 16 and 64, in a
-separate process (aiohttp), streaming through ``/generate_stream`` (SSE, one event per
-token). Prompt lengths uniform in [16, 64] random token ids; ``max_tokens`` long-tailed:
+separate process, streaming through ``/generate_stream`` (SSE, one event per token) over
+keep-alive HTTP/1.1 connections read by :class:`_Stream` (``SERVING_BENCH_CLIENT=aiohttp``:
+through aiohttp, 2.6x the client CPU per token on the same two cores as the server). Prompt lengths uniform in [16, 64] random token ids; ``max_tokens`` long-tailed:
 60% uniform in [8, 32], 30% in [33, 96], 10% in [97, 192] (mean about 46), with
 ``ignore_eos`` so every request generates exactly that many; sampling temperature 0.8,
 top_p 0.95, a seed per request.
@@ -77,9 +80,9 @@ PROMPT_LEN = (16, 64)
 NEW_TOKENS = ((0.6, 8, 32), (0.3, 33, 96), (0.1, 97, 192))  # (probability, low, high), uniform inside
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "ignore_eos": True}
 CONFIGS = {
-    # admission_delay_steps: a busy engine waits up to 6 steps to fill a prefill group (2, 6 and 12 measured: 6 best here)
+    # admission_delay_steps: a busy engine waits up to 12 steps to fill a prefill group (module docstring)
     # each at its best prefill batch on this CPU (module docstring)
-    "continuous": {"scheduler": "continuous", "num_slots": NUM_SLOTS, "prefill_batch": 2, "admission_delay_steps": 6, "max_queue": 1024},
+    "continuous": {"scheduler": "continuous", "num_slots": NUM_SLOTS, "prefill_batch": 4, "admission_delay_steps": 12, "max_queue": 1024},
     "static": {"scheduler": "static", "num_slots": NUM_SLOTS, "prefill_batch": 4, "max_queue": 1024},
     "one-at-a-time": {"scheduler": "continuous", "num_slots": 1, "prefill_batch": 1, "max_queue": 1024},
 }
