@@ -867,26 +867,33 @@ def test_a_decode_steps_sampling_runs_while_the_next_prefill_computes(model):
     every request still gets its tokens alone."""
     import cairn.serving._generate as genmod
 
-    log = []
+    log, refs = [], {}
     inner = _generator()
     real_prefill, real_decode = inner.prefill, inner.decode
     inner.prefill = lambda *a: (log.append("prefill"), real_prefill(*a))[1]
-    inner.decode = lambda *a: (log.append("decode"), real_decode(*a))[1]
+
+    def decode(*a):
+        log.append("decode")
+        out = real_decode(*a)
+        if log.count("decode") == 3:  # inside a decode step: the second prompt arrives
+            refs["second"] = refs["eng"].submit([6, 7], SamplingParams(5, temperature=0.9, seed=2))
+        return out
+
+    inner.decode = decode
     real_sample = genmod.sample_rows
     with GenerationEngine(inner, _config(admission_delay_steps=0)) as eng:
         try:
             genmod.sample_rows = lambda rows, params, seeds, index: (  # each row's token index
                 log.append(f"sample{list(index)}"), real_sample(rows, params, seeds, index))[1]
             log.clear()  # the warm-up's calls
+            refs["eng"] = eng
             first = eng.submit([3, 4, 5], SamplingParams(30, temperature=0.9, seed=1))
-            while "decode" not in log[-3:]:
-                threading.Event().wait(0.001)
-            second = eng.submit([6, 7], SamplingParams(5, temperature=0.9, seed=2))
-            results = [first.result(60), second.result(60)]
+            results = [first.result(60)]
+            results.append(refs["second"].result(60))
         finally:
             genmod.sample_rows = real_sample
     i = log.index("prefill", log.index("decode"))  # the second request's prefill, after a decode step
-    assert log[i + 1] not in ("sample[0]", "decode"), " ".join(log)  # the first request's decode row, under the prefill
+    assert log[i - 1] == "decode" and log[i + 1] == "sample[3]", " ".join(log)  # the first's row, under the prefill
     assert log[i + 2] == "sample[0]"  # then the second request's first token
     for r, (prompt, p) in zip(results, (([3, 4, 5], SamplingParams(30, temperature=0.9, seed=1)),
                                         ([6, 7], SamplingParams(5, temperature=0.9, seed=2)))):
