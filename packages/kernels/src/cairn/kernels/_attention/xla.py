@@ -123,7 +123,7 @@ def plain(
         or (spec.window is not None and t > s_len + spec.window[0])
     )
 
-    if t == 1:
+    if t == 1 and _registry.backend() == "cpu":
         return _one_query(q, k, v, extras, _and(pos, seg), empty, spec, dropout_rate)
 
     def core(qh: jax.Array, bias_h: Any, mask_h: Any, keep_h: Any) -> jax.Array:
@@ -155,9 +155,10 @@ def _one_query(
     spec: AttentionSpec,
     dropout_rate: float,
 ) -> jax.Array:
-    """:func:`plain` for one query row (a decode step over a KV cache), the same numerics,
-    with :func:`~cairn.kernels._attention.common.one_query_logits` and ``one_query_values``
-    for the two products (no transposed copy of the cache)."""
+    """:func:`plain` for one query row (a decode step over a KV cache) on a CPU, the same
+    numerics, with :func:`~cairn.kernels._attention.common.one_query_logits` and
+    ``one_query_values`` for the two products (no transposed copy of the cache; other
+    backends keep the dots, not measured there)."""
     b, _, n, d = q.shape
     kh = k.shape[2]
     logits = one_query_logits(q.reshape(b, 1, kh, n // kh, d), k) * spec.scale  # [b, K, G, 1, s]

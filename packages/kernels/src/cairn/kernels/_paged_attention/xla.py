@@ -53,15 +53,15 @@ def _gather(pages: jax.Array, ids: jax.Array) -> jax.Array:
 
 def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
     """``[B, K, G, T, S]`` float32 products of ``qg [B, T, K, G, H]`` and ``k [B, S, K, H]``
-    (one query row: a multiply and a reduction, no transposed copy of the keys)."""
-    if qg.shape[1] == 1:
+    (one query row on a CPU: a multiply and a reduction, no transposed copy of the keys)."""
+    if qg.shape[1] == 1 and _registry.backend() == "cpu":
         return one_query_logits(qg, k)
     return jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
 
 
 def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
     """``[B, K, G, T, Hv]`` float32: probabilities ``p [B, K, G, T, S]`` times ``v [B, S, K, Hv]``."""
-    if p.shape[3] == 1:
+    if p.shape[3] == 1 and _registry.backend() == "cpu":
         return one_query_values(p, v)
     return jnp.einsum("bkgts,bskh->bkgth", p, v, preferred_element_type=jnp.float32)
 
