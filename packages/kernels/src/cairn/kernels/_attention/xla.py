@@ -130,14 +130,7 @@ def plain(
         logits = jnp.einsum(
             "btkd,bskd->bkts", qh, k, precision=precision, preferred_element_type=jnp.float32
         )
-        logits = logits * spec.scale
-        if bias_h is not None:
-            logits = logits + bias_h.astype(jnp.float32)
-        if spec.soft_cap is not None:
-            logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
-        p = _softmax(logits, _and(pos, seg, None if mask_h is None else mask_h.astype(bool)), empty)
-        if keep_h is not None:
-            p = jnp.where(keep_h, p / (1.0 - dropout_rate), 0.0)
+        p = _probabilities(logits, bias_h, _and(pos, seg), mask_h, keep_h, empty, spec, dropout_rate)
         return jnp.einsum("bkts,bskd->btkd", p.astype(v.dtype), v, precision=precision)
 
     vmapped = jax.vmap(core, in_axes=(3, *(axis for _, axis in extras)), out_axes=3)
@@ -161,19 +154,30 @@ def _one_query(
     backends keep the dots, not measured there)."""
     b, _, n, d = q.shape
     kh = k.shape[2]
-    logits = one_query_logits(q.reshape(b, 1, kh, n // kh, d), k) * spec.scale  # [b, K, G, 1, s]
+    logits = one_query_logits(q.reshape(b, 1, kh, n // kh, d), k)  # [b, K, G, 1, s]
     bias, mask, keep = ((None if x is None else x if axis is not None else x[:, :, None]) for x, axis in extras)
+    if visible is not None and jnp.ndim(visible) == 4:  # segments [b, 1, t, s]
+        visible = visible[:, :, None]
+    p = _probabilities(logits, bias, visible, mask, keep, empty, spec, dropout_rate)
+    out = one_query_values(p.astype(v.dtype), v)  # [b, K, G, 1, hv]
+    return out.reshape(b, 1, n, v.shape[-1]).astype(q.dtype)
+
+
+def _probabilities(
+    raw: jax.Array, bias: Any, visible: Any, mask: Any, keep: Any, empty: bool, spec: AttentionSpec,
+    dropout_rate: float,
+) -> jax.Array:
+    """The attention weights of raw float32 ``q.k``: scaled, ``bias`` added, soft-capped,
+    softmax over what ``visible`` and ``mask`` allow, dropout's ``keep`` applied."""
+    logits = raw * spec.scale
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if spec.soft_cap is not None:
         logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
-    if visible is not None and jnp.ndim(visible) == 4:  # segments [b, 1, t, s]
-        visible = visible[:, :, None]
     p = _softmax(logits, _and(visible, None if mask is None else mask.astype(bool)), empty)
     if keep is not None:
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-    out = one_query_values(p.astype(v.dtype), v)  # [b, K, G, 1, hv]
-    return out.reshape(b, 1, n, v.shape[-1]).astype(q.dtype)
+    return p
 
 
 def _softmax(
